@@ -1,0 +1,108 @@
+"""V4 attention block on paged caches: SWA window + compressed entries (CSA via the indexer, HCA all).
+
+Per layer and step:
+1. q = rope(unweighted_rms(wq_b(rms(wq_a x)))), kv = rope(rms(wkv x)) at each token's position.
+2. SWA keys: the W positions ending at the query, from this step's kv (chunk) or the SWA ring.
+3. Compressor: the entries whose window closes in this step are pooled from chunk rows and the state
+   ring, normalised, rotated at the window start and written to the entry pages; the chunk tail goes
+   to the state ring so later steps (and a decode worker after a hand-off) can finish open windows.
+4. CSA: the indexer scores every visible index key and keeps the top-k entries; HCA: every visible entry.
+5. Sparse attention with sinks, inverse rope on the output, grouped output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.batch import CompressPlan, StepBatch, _paged_rows
+from engine.cache import CachePool
+from engine.config import ModelConfig
+from kernels.attention import grouped_output_projection, sparse_attention
+from kernels.compressor import overlap_slots, pool_windows
+from kernels.indexer import indexer_scores, topk_visible
+from kernels.norm import rms_norm, unweighted_rms_norm
+from kernels.rope import apply_rope
+
+
+class AttentionBlock:
+    def __init__(self, cfg: ModelConfig, weights: dict, layer: int):
+        self.cfg = cfg
+        self.layer = layer
+        self.ratio = cfg.compress_ratios[layer]
+        self.rope_kind = "compress" if self.ratio > 1 else "main"
+        p = f"layers.{layer}.attn."
+        self.w = {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}
+
+    def forward(self, x: torch.Tensor, batch: StepBatch, pool: CachePool, ropes: dict) -> torch.Tensor:
+        """x: [T, hidden] (normed block input) -> [T, hidden]."""
+        cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
+        t = x.shape[0]
+        cos, sin = ropes[self.rope_kind]
+        q_res = rms_norm(x @ w["wq_a.weight"].t(), w["q_norm.weight"], eps)
+        q = (q_res @ w["wq_b.weight"].t()).view(t, cfg.num_heads, cfg.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)
+        kv = apply_rope(rms_norm(x @ w["wkv.weight"].t(), w["norm.weight"], eps), cos, sin)
+
+        ring = pool.groups["swa"].layer(self.layer)
+        keys, valid = batch.swa.gather(kv, ring), batch.swa.valid
+        batch.swa_write.apply(kv, ring)  # after the gather: the chunk may overwrite slots it just read
+
+        if self.ratio > 1:
+            entries = self._compress(x, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}", "compressor.",
+                                     cfg.head_dim)
+            if self.ratio == 4:
+                picked = self._indexer(x, q_res, batch, pool, ropes)
+                rows = _paged_rows(batch.tables["kv4"], pool.groups["kv4"].spec.page_rows,
+                                   batch.seq_of_token.unsqueeze(1).expand_as(picked), picked)
+                comp, comp_valid = entries[rows], picked >= 0
+            else:
+                vis = batch.visible[f"kv{self.ratio}"]
+                comp, comp_valid = entries[vis.rows], vis.valid
+            keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
+            valid = torch.cat([valid, comp_valid], dim=1)
+
+        o = sparse_attention(q, keys, valid, w["attn_sink"], cfg.head_dim ** -0.5)
+        o = apply_rope(o, cos, sin, inverse=True)
+        return grouped_output_projection(o, w["wo_a.weight"], w["wo_b.weight"], cfg.o_groups)
+
+    def _compress(self, x, batch: StepBatch, pool: CachePool, ropes: dict, entry_group: str, state_group: str,
+                  prefix: str, dim: int) -> torch.Tensor:
+        """Close this step's windows into `entry_group`; returns that group's layer tensor [rows, dim]."""
+        plan: CompressPlan = batch.compress[entry_group]
+        w, eps = self.w, self.cfg.rms_norm_eps
+        entries = pool.groups[entry_group].layer(self.layer)
+        state = pool.groups[state_group].layer(self.layer)
+        ape = w[prefix + "ape"]
+        kv = x @ w[prefix + "wkv.weight"].t()
+        score = (x @ w[prefix + "wgate.weight"].t()).float() + ape[batch.positions % ape.shape[0]].float()
+        rows = torch.cat([kv.float(), score], dim=-1)  # the state ring's fp32 [kv | score] row
+        if plan.num_entries:
+            half = kv.shape[-1]
+            cur = plan.cur.gather(rows, state)
+            cur_kv, cur_score = cur[..., :half], cur[..., half:]
+            if plan.prev is not None:
+                prev = plan.prev.gather(rows, state)
+                prev_valid = plan.prev.valid[:, 0]
+                pkv, pscore = overlap_slots(prev[..., :half], prev[..., half:], cur_kv, cur_score, prev_valid)
+            else:
+                pkv, pscore = cur_kv, cur_score
+            pooled = pool_windows(pkv.to(x.dtype), pscore)
+            pooled = rms_norm(pooled, w[prefix + "norm.weight"], eps)
+            cos, sin = ropes["compress_at"](plan.entry_pos)
+            pooled = apply_rope(pooled, cos, sin)
+            entries.index_copy_(0, plan.entry_row, pooled.to(entries.dtype))
+        plan.state_write.apply(rows, state)
+        return entries
+
+    def _indexer(self, x, q_res, batch: StepBatch, pool: CachePool, ropes: dict) -> torch.Tensor:
+        """Top-k kv4 entry ids per query, -1 padded. -> int64 [T, index_topk]."""
+        cfg, w = self.cfg, self.w
+        keys = self._compress(x, batch, pool, ropes, "index", "index_state", "indexer.compressor.",
+                              cfg.index_head_dim)
+        cos, sin = ropes["compress"]
+        q = (q_res @ w["indexer.wq_b.weight"].t()).view(x.shape[0], cfg.index_n_heads, cfg.index_head_dim)
+        q = apply_rope(q, cos, sin)
+        head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
+        vis = batch.visible["index"]
+        scores = indexer_scores(q, keys[vis.rows], head_weights)
+        return topk_visible(scores, vis.valid, cfg.index_topk)

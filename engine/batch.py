@@ -1,0 +1,203 @@
+"""One engine step as flat tensors: every scheduled request contributes a run of consecutive tokens.
+
+Prefill chunks and decode tokens share one varlen layout (tokens of request b occupy rows
+cu[b]:cu[b+1] and positions starts[b]:ends[b]), so a step that mixes both is one forward. All index
+tensors the layers need (SWA window gathers, compressor window gathers, cache writes, visible-entry
+gathers) are derived here once per step and shared by every layer: the layers only gather and scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache import CachePool
+
+
+def segment_arange(starts: torch.Tensor, counts: torch.Tensor):
+    """Concatenated aranges: for segment b, starts[b] + [0, counts[b]). -> (values [N], segment ids [N])."""
+    seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    offsets = torch.cumsum(counts, 0) - counts
+    local = torch.arange(int(counts.sum()), device=counts.device) - offsets[seg]
+    return starts[seg] + local, seg
+
+
+def _table_tensor(tables: list[list[int]], device) -> torch.Tensor:
+    width = max(1, max((len(t) for t in tables), default=1))
+    out = torch.zeros(len(tables), width, dtype=torch.long)
+    for b, t in enumerate(tables):
+        if t:
+            out[b, :len(t)] = torch.tensor(t, dtype=torch.long)
+    return out.to(device)
+
+
+@dataclass(frozen=True)
+class SourceRows:
+    """Where a token's projected row lives: in this step's chunk, or in a cache ring.
+
+    from_chunk / chunk_row / ring_row / valid all share one shape.
+    """
+
+    from_chunk: torch.Tensor
+    chunk_row: torch.Tensor
+    ring_row: torch.Tensor
+    valid: torch.Tensor
+
+    def gather(self, chunk: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+        """chunk: [T, W]; ring: [R, W] -> [*shape, W] (zeros where invalid)."""
+        a = chunk[self.chunk_row]
+        b = ring[self.ring_row].to(chunk.dtype)
+        out = torch.where(self.from_chunk.unsqueeze(-1), a, b)
+        return out.masked_fill(~self.valid.unsqueeze(-1), 0)
+
+
+@dataclass(frozen=True)
+class RingWrite:
+    """Rows of the chunk to copy into a ring group: ring[ring_row] = chunk[chunk_row]."""
+
+    chunk_row: torch.Tensor
+    ring_row: torch.Tensor
+
+    def apply(self, chunk: torch.Tensor, ring: torch.Tensor) -> None:
+        ring.index_copy_(0, self.ring_row, chunk[self.chunk_row].to(ring.dtype))
+
+
+@dataclass(frozen=True)
+class CompressPlan:
+    """Entries of one compressor (ratio r) that close in this step, and where their slots come from.
+
+    cur: SourceRows [N, r] (window w); prev: SourceRows [N, r] (window w-1, overlap only);
+    entry_row: [N] rows in the entry group; entry_pos: [N] first position of each window (compress RoPE);
+    state_write: the chunk tail kept in the state ring for later steps.
+    """
+
+    num_entries: int
+    cur: SourceRows
+    prev: SourceRows | None
+    entry_row: torch.Tensor
+    entry_pos: torch.Tensor
+    state_write: RingWrite
+
+
+@dataclass(frozen=True)
+class VisibleEntries:
+    """Per-query candidate entries of one paged entry group: rows [T, E] and visibility [T, E]."""
+
+    rows: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    seq_of_token: torch.Tensor  # [T] request row b
+    cu: torch.Tensor  # [B + 1]
+    starts: torch.Tensor  # [B]
+    ends: torch.Tensor  # [B]
+    swa: SourceRows  # [T, window]
+    swa_write: RingWrite
+    compress: dict  # entry group name ("kv4", "kv128", "index") -> CompressPlan
+    visible: dict  # entry group name -> VisibleEntries
+    tables: dict  # group name -> [B, max_pages] page ids
+    logit_rows: torch.Tensor  # [L] rows of T whose logits the step needs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+
+def _sources(pos, seg, starts, cu, ring_page, ring_rows: int) -> SourceRows:
+    s = starts[seg]
+    valid = pos >= 0
+    from_chunk = pos >= s
+    chunk_row = torch.where(from_chunk, cu[seg] + pos - s, torch.zeros_like(pos))
+    ring_row = ring_page[seg] * ring_rows + pos.clamp(min=0) % ring_rows
+    return SourceRows(from_chunk, chunk_row, ring_row, valid)
+
+
+def _ring_write(starts, ends, cu, ring_page, ring_rows: int) -> RingWrite:
+    first = torch.maximum(starts, ends - ring_rows)
+    pos, seg = segment_arange(first, ends - first)
+    return RingWrite(cu[seg] + pos - starts[seg], ring_page[seg] * ring_rows + pos % ring_rows)
+
+
+def _paged_rows(table: torch.Tensor, page_rows: int, seg: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+    page_idx = (entry.clamp(min=0) // page_rows).clamp(max=table.shape[1] - 1)
+    return table[seg, page_idx] * page_rows + entry.clamp(min=0) % page_rows
+
+
+def _compress_plan(ratio: int, overlap: bool, starts, ends, cu, state_page, state_rows: int, entry_table,
+                   entry_page_rows: int) -> CompressPlan:
+    first, last = starts // ratio, ends // ratio
+    w, seg = segment_arange(first, last - first)
+    offs = torch.arange(ratio, device=w.device)
+    cur_pos = (w * ratio).unsqueeze(1) + offs
+    seg2 = seg.unsqueeze(1).expand_as(cur_pos)
+    cur = _sources(cur_pos, seg2, starts, cu, state_page, state_rows)
+    prev = _sources(cur_pos - ratio, seg2, starts, cu, state_page, state_rows) if overlap else None
+    return CompressPlan(
+        num_entries=int(w.numel()),
+        cur=cur,
+        prev=prev,
+        entry_row=_paged_rows(entry_table, entry_page_rows, seg, w),
+        entry_pos=w * ratio,
+        state_write=_ring_write(starts, ends, cu, state_page, state_rows),
+    )
+
+
+def _visible(ratio: int, positions, seg, ends, table, page_rows: int) -> VisibleEntries:
+    max_entries = max(1, int((ends // ratio).max()))
+    w = torch.arange(max_entries, device=positions.device).unsqueeze(0).expand(positions.shape[0], -1)
+    valid = w < ((positions + 1) // ratio).unsqueeze(1)
+    return VisibleEntries(_paged_rows(table, page_rows, seg.unsqueeze(1).expand_as(w), w), valid)
+
+
+def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], tables: list[dict],
+               logit_rows: list[int], device) -> StepBatch:
+    """token_ids[b]: the tokens request b runs this step, at positions starts[b]...; tables[b]: its pages."""
+    cfg = pool.cfg
+    counts = torch.tensor([len(t) for t in token_ids], dtype=torch.long)
+    starts_t = torch.tensor(starts, dtype=torch.long)
+    ends_t = starts_t + counts
+    cu = torch.zeros(len(counts) + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(counts, 0)
+    positions, seg = segment_arange(starts_t, counts)
+    group_tables = {name: _table_tensor([t.get(name, []) for t in tables], "cpu") for name in pool.groups}
+
+    window = cfg.sliding_window
+    swa_page = group_tables["swa"][:, 0]
+    win_pos = positions.unsqueeze(1) - window + 1 + torch.arange(window)
+    swa = _sources(win_pos, seg.unsqueeze(1).expand_as(win_pos), starts_t, cu, swa_page, window)
+    swa_write = _ring_write(starts_t, ends_t, cu, swa_page, window)
+
+    compress, visible = {}, {}
+    entry_groups = [(f"kv{r}", f"state{r}", r, r == 4) for r in cfg.ratios]
+    if cfg.indexer_layers:
+        entry_groups.append(("index", "index_state", 4, True))
+    for entry_name, state_name, ratio, overlap in entry_groups:
+        spec = pool.groups[entry_name].spec
+        state_spec = pool.groups[state_name].spec
+        compress[entry_name] = _compress_plan(ratio, overlap, starts_t, ends_t, cu, group_tables[state_name][:, 0],
+                                              state_spec.page_rows, group_tables[entry_name], spec.page_rows)
+        if entry_name != "kv4":  # CSA picks kv4 entries through the indexer instead of attending to all
+            visible[entry_name] = _visible(ratio, positions, seg, ends_t, group_tables[entry_name], spec.page_rows)
+
+    batch = StepBatch(
+        token_ids=torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long),
+        positions=positions, seq_of_token=seg, cu=cu, starts=starts_t, ends=ends_t,
+        swa=swa, swa_write=swa_write, compress=compress, visible=visible, tables=group_tables,
+        logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+    )
+    return _to_device(batch, device)
+
+
+def _to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if hasattr(obj, "__dataclass_fields__"):
+        return type(obj)(**{k: _to_device(getattr(obj, k), device) for k in obj.__dataclass_fields__})
+    return obj

@@ -1,0 +1,108 @@
+"""DeepSeek V4 forward over a StepBatch: embedding -> layers (mHC + attention + MoE) -> hc_head -> logits."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionBlock
+from engine.batch import StepBatch
+from engine.cache import CachePool
+from engine.config import ModelConfig, RopeSpec
+from kernels.mhc import hc_head, hc_post, hc_pre
+from kernels.moe import expert_mlp, moe_experts, route
+from kernels.norm import rms_norm
+from kernels.rope import rope_cos_sin, rope_inv_freq
+
+
+class Rope:
+    """Cached inverse frequencies of one RopeSpec; cos/sin computed per step from positions."""
+
+    def __init__(self, spec: RopeSpec, device):
+        self.spec = spec
+        self.inv_freq = rope_inv_freq(spec.theta, spec.dim, spec.yarn_factor, spec.original_max_position,
+                                      spec.beta_fast, spec.beta_slow).to(device)
+
+    def __call__(self, positions: torch.Tensor):
+        return rope_cos_sin(positions, self.inv_freq, self.spec.attention_factor)
+
+
+class MoEBlock:
+    def __init__(self, cfg: ModelConfig, weights: dict, layer: int):
+        self.cfg = cfg
+        p = f"layers.{layer}.ffn."
+        self.gate = weights[p + "gate.weight"]
+        self.bias = weights.get(p + "gate.bias")
+        self.tid2eid = weights.get(p + "gate.tid2eid") if cfg.hash_layers[layer] else None
+        experts = range(cfg.n_routed_experts)
+        # Stacked [E, I, H] / [E, H, I] so a grouped kernel can index experts without Python lists.
+        self.w1 = torch.stack([weights.pop(f"{p}experts.{e}.w1.weight") for e in experts])
+        self.w2 = torch.stack([weights.pop(f"{p}experts.{e}.w2.weight") for e in experts])
+        self.w3 = torch.stack([weights.pop(f"{p}experts.{e}.w3.weight") for e in experts])
+        self.shared = tuple(weights[f"{p}shared_experts.{n}.weight"] for n in ("w1", "w2", "w3"))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        weights, ids = route(x, self.gate, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.scoring_func,
+                             bias=None if self.tid2eid is not None else self.bias, tid2eid=self.tid2eid,
+                             token_ids=token_ids, renormalize=cfg.norm_topk_prob)
+        routed = moe_experts(x, weights, ids, self.w1, self.w2, self.w3, cfg.swiglu_limit)
+        return routed + expert_mlp(x, *self.shared, cfg.swiglu_limit)
+
+
+class DeepseekV4Model:
+    """Holds the weights (original DeepSeek names) and runs one step. Stateless apart from the caches."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, device):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        weights = dict(weights)
+        self.embed = weights["embed.weight"]
+        self.head = weights["head.weight"]
+        self.norm = weights["norm.weight"]
+        self.hc_head_params = (weights["hc_head_fn"], weights["hc_head_base"], weights["hc_head_scale"])
+        self.attn = [AttentionBlock(cfg, weights, i) for i in range(cfg.num_layers)]
+        self.moe = [MoEBlock(cfg, weights, i) for i in range(cfg.num_layers)]
+        self.layer_weights = [
+            {k: weights[f"layers.{i}.{k}"] for k in ("attn_norm.weight", "ffn_norm.weight", "hc_attn_fn",
+                                                      "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base",
+                                                      "hc_ffn_scale")}
+            for i in range(cfg.num_layers)
+        ]
+        self.ropes = {"main": Rope(cfg.main_rope, self.device), "compress": Rope(cfg.compress_rope, self.device)}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def _hc(self, lw: dict, kind: str, streams: torch.Tensor):
+        cfg = self.cfg
+        return hc_pre(streams, lw[f"hc_{kind}_fn"], lw[f"hc_{kind}_base"], lw[f"hc_{kind}_scale"],
+                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, pool: CachePool) -> torch.Tensor:
+        """Run every token of the step through the model; -> fp32 logits [len(batch.logit_rows), vocab]."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        ropes = {
+            "main": self.ropes["main"](batch.positions),
+            "compress": self.ropes["compress"](batch.positions),
+            "compress_at": self.ropes["compress"],
+        }
+        h = self.embed[batch.token_ids]
+        streams = h.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, hidden]
+        for i in range(cfg.num_layers):
+            lw = self.layer_weights[i]
+            collapsed, post, comb = self._hc(lw, "attn", streams)
+            out = self.attn[i].forward(rms_norm(collapsed, lw["attn_norm.weight"], eps), batch, pool, ropes)
+            streams = hc_post(out, streams, post, comb)
+            collapsed, post, comb = self._hc(lw, "ffn", streams)
+            out = self.moe[i].forward(rms_norm(collapsed, lw["ffn_norm.weight"], eps), batch.token_ids)
+            streams = hc_post(out, streams, post, comb)
+        return self.logits(streams[batch.logit_rows])
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams: [N, hc, hidden] -> fp32 [N, vocab]."""
+        cfg = self.cfg
+        x = hc_head(streams, *self.hc_head_params, cfg.hc_eps, cfg.rms_norm_eps)
+        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
+        return (x @ self.head.t()).float()
