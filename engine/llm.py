@@ -1,0 +1,64 @@
+"""Offline entry point: load a model directory and generate for a list of prompts as one batch."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache import CacheConfig
+from engine.config import ModelConfig
+from engine.request import GenerationOutput
+from engine.runner import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | torch.dtype = "float32",
+                max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16,
+                page_tokens: int = 256) -> EngineCore:
+    from engine.make_model import default_model_dir
+    from engine.weights import load_weights
+
+    model_dir = model_dir or default_model_dir()
+    cfg = ModelConfig.from_model_dir(model_dir)
+    torch_dtype = resolve_dtype(dtype)
+    weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device)
+    return EngineCore(cfg, weights, device=device, dtype=torch_dtype,
+                      cache_config=CacheConfig(max_requests=max_num_seqs, max_tokens=max_cached_tokens,
+                                               page_tokens=page_tokens),
+                      scheduler_config=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs))
+
+
+class LLM:
+    def __init__(self, model_dir: str | None = None, device: str = "cpu", dtype: str = "float32",
+                 max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16):
+        self.engine = load_engine(model_dir, device, dtype, max_batch_tokens, max_num_seqs, max_cached_tokens)
+        self.config = self.engine.cfg
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """All prompts run as one continuous batch; outputs come back in prompt order."""
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        for prompt, p in zip(prompts, plist):  # validate everything before anything is admitted
+            self.engine.validate(list(prompt), p)
+        ids = [self.engine.add_request(list(prompt), p) for prompt, p in zip(prompts, plist)]
+        try:
+            while self.engine.has_work:
+                self.engine.step()
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return [self.engine.pop_finished(rid).to_output() for rid in ids]

@@ -1,0 +1,78 @@
+"""Request state inside one engine, and the outputs it reports."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step's news about one request (what a streaming API forwards)."""
+
+    request_id: str
+    token_id: int | None  # None when the step only advanced the prefill
+    logprob: float | None
+    finished: bool
+    finish_reason: str | None
+    prompt_logprobs: tuple  # logprobs of prompt tokens covered by this step's chunk (may be empty)
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    prompt_logprobs: list[float | None] | None
+    finish_reason: str
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=lambda: [None])
+    num_computed: int = 0  # tokens whose KV is in the cache
+    pages: dict = field(default_factory=dict)  # cache group -> page ids
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Cache positions the request can ever need (its reservation)."""
+        return len(self.prompt) + self.params.max_new_tokens
+
+    def to_output(self) -> GenerationOutput:
+        p = self.params
+        return GenerationOutput(self.request_id, list(self.prompt), list(self.output),
+                                list(self.logprobs) if p.logprobs else None,
+                                list(self.prompt_logprobs) if p.prompt_logprobs else None,
+                                self.finish_reason or "length")

@@ -1,0 +1,158 @@
+"""EngineCore: one model, one cache pool, one scheduler; `step()` runs one continuous-batching forward.
+
+Used directly by `LLM` (offline), and later by the prefill and decode workers. Everything about a
+request's progress is host state in `Request`; the step turns the scheduled chunks into one StepBatch,
+runs the model, then samples every request whose chunk reached its last known token.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from engine.batch import build_step
+from engine.cache import CacheConfig, CachePool
+from engine.config import ModelConfig
+from engine.model import DeepseekV4Model
+from engine.request import Request, TokenEvent
+from engine.sampling import sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+
+
+class EngineCore:
+    def __init__(self, cfg: ModelConfig, weights: dict, device="cpu", dtype=torch.float32,
+                 cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.cache_config = cache_config or CacheConfig(max_requests=self.scheduler_config.max_num_seqs)
+        self.model = DeepseekV4Model(cfg, weights, self.device)
+        self.pool = CachePool(cfg, self.cache_config, dtype, self.device)
+        self.scheduler = Scheduler(self.pool, self.scheduler_config)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    # ---- request lifecycle ---------------------------------------------------------------
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """ValueError naming the offending value; called before anything is allocated."""
+        if len(prompt) == 0:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.cfg.vocab_size
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is out of vocabulary (vocab_size {vocab})")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.cfg.max_position_embeddings:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} = {total} "
+                             f"exceeds the model's maximum of {self.cfg.max_position_embeddings} positions")
+        if not self._fits_empty_pool(total):
+            raise ValueError(f"request of {total} tokens can never fit the KV cache "
+                             f"({self.cache_config.max_tokens} tokens configured)")
+
+    def _fits_empty_pool(self, total: int) -> bool:
+        return all(g.spec.pages_for_tokens(total) <= g.spec.num_pages for g in self.pool.groups.values())
+
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        prompt = list(prompt)
+        self.validate(prompt, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        req = Request(rid, prompt, params)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            req.finish_reason = req.finish_reason or "abort"
+            self.scheduler.finish(req)
+
+    def pop_finished(self, request_id: str) -> Request:
+        return self.requests.pop(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        batch, sample_rows, prompt_rows = self._build(chunks)
+        logits = self.model.forward(batch, self.pool)
+        events = self._postprocess(chunks, logits, sample_rows, prompt_rows)
+        return events
+
+    def _build(self, chunks: list[ScheduledChunk]):
+        """-> (StepBatch, per chunk: index into logit rows to sample or None, per chunk: prompt-logprob rows)."""
+        logit_rows, sample_rows, prompt_rows = [], [], []
+        offset = 0
+        for c in chunks:
+            req, end = c.request, c.start + c.num_tokens
+            rows = []
+            if req.params.prompt_logprobs and c.start < len(req.prompt) - 1:
+                last = min(end, len(req.prompt) - 1)  # row p scores prompt token p + 1
+                rows = list(range(offset, offset + last - c.start))
+            prompt_rows.append((len(logit_rows), len(rows)))
+            logit_rows.extend(rows)
+            if end == req.num_tokens:  # reached the newest token: sample the next one
+                if rows and rows[-1] == offset + c.num_tokens - 1:
+                    sample_rows.append(len(logit_rows) - 1)
+                else:
+                    sample_rows.append(len(logit_rows))
+                    logit_rows.append(offset + c.num_tokens - 1)
+            else:
+                sample_rows.append(None)
+            offset += c.num_tokens
+        batch = build_step(self.pool, [c.request.all_tokens[c.start:c.start + c.num_tokens] for c in chunks],
+                           [c.start for c in chunks], [c.request.pages for c in chunks], logit_rows, self.device)
+        return batch, sample_rows, prompt_rows
+
+    def _postprocess(self, chunks, logits, sample_rows, prompt_rows) -> list[TokenEvent]:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        todo = [(c, r) for c, r in zip(chunks, sample_rows) if r is not None]
+        tokens, token_lps = [], []
+        if todo:
+            rows = torch.tensor([r for _, r in todo], device=logits.device)
+            params = [c.request.params for c, _ in todo]
+            dev = logits.device
+            tokens_t = sample(logits[rows],
+                              torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
+                              torch.tensor([p.top_k for p in params], device=dev, dtype=torch.long),
+                              torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
+                              [c.request.generator for c, _ in todo])
+            token_lps = logprobs[rows].gather(1, tokens_t.unsqueeze(1)).squeeze(1).tolist()
+            tokens = tokens_t.tolist()
+        sampled = {id(c): (tok, lp) for (c, _), tok, lp in zip(todo, tokens, token_lps)}
+
+        events = []
+        for c, (first, count) in zip(chunks, prompt_rows):
+            req = c.request
+            plps = ()
+            if count:
+                targets = torch.tensor(req.prompt[c.start + 1:c.start + 1 + count], device=logits.device)
+                plps = tuple(logprobs[first:first + count].gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
+                req.prompt_logprobs.extend(plps)
+            req.num_computed = c.start + c.num_tokens
+            tok, lp = sampled.get(id(c), (None, None))
+            if tok is not None:
+                req.output.append(tok)
+                req.logprobs.append(lp)
+                self._check_finished(req, tok)
+            if req.finished:
+                self.scheduler.finish(req)
+            events.append(TokenEvent(req.request_id, tok, lp, req.finished, req.finish_reason, plps))
+        return events
+
+    def _check_finished(self, req: Request, tok: int) -> None:
+        p = req.params
+        if not p.ignore_eos and (tok in self.cfg.eos_token_ids or tok in p.stop_token_ids):
+            req.finish_reason = "stop"
+        elif len(req.output) >= p.max_new_tokens:
+            req.finish_reason = "length"

@@ -1,0 +1,41 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, with one seeded generator per request.
+
+Masks and the draw are tensor ops over the whole batch; the only per-request work is drawing each
+row's uniform noise from its own generator, which is what makes a seeded request reproducible
+regardless of which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits: fp32 [N, V]; top_k: int [N] (0 = off); top_p: fp32 [N] -> logits with dropped entries = -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+    drop |= mass_before >= top_p.unsqueeze(1)  # the best token always survives (mass_before = 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           generators: list[torch.Generator]) -> torch.Tensor:
+    """logits: fp32 [N, V] -> int64 [N]. Rows with temperature 0 are argmax; others use the exponential race
+    argmax(p / E), E ~ Exp(1) drawn from the row's generator (equivalent to sampling from p)."""
+    greedy = temperature == 0
+    tokens = logits.argmax(dim=-1)
+    if bool(greedy.all()):
+        return tokens
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    masked = apply_top_k_top_p(logits / temp.unsqueeze(1), top_k, top_p)
+    probs = masked.softmax(dim=-1)
+    noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=g.device) for g in generators])
+    exp = -torch.log(noise.clamp_min(1e-20)).to(logits.device)
+    sampled = (probs / exp).argmax(dim=-1)
+    return torch.where(greedy, tokens, sampled)
