@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 
@@ -43,11 +41,12 @@ class Request:
     num_computed: int = 0  # tokens whose KV is in the cache
     pages: dict = field(default_factory=dict)  # cache group -> page ids
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    seed: int | None = None  # the params' seed, or a random one; travels with the request on a hand-off
+    prefill_only: bool = False  # stop after the first token and hold the caches for a hand-off
 
     def __post_init__(self):
-        seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.generator = torch.Generator().manual_seed(seed)
+        if self.seed is None:
+            self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
 
     @property
     def all_tokens(self) -> list[int]:

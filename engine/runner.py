@@ -16,7 +16,7 @@ from engine.cache import CacheConfig, CachePool
 from engine.config import ModelConfig
 from engine.model import DeepseekV4Model
 from engine.request import Request, TokenEvent
-from engine.sampling import sample
+from engine.sampling import draw_seed, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 
@@ -33,6 +33,8 @@ class EngineCore:
         self.pool = CachePool(cfg, self.cache_config, dtype, self.device)
         self.scheduler = Scheduler(self.pool, self.scheduler_config)
         self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # prefilled, caches kept until the decode side confirms
+        self.imports: dict[str, Request] = {}  # decode side: pages reserved, caches arriving
         self._ids = itertools.count()
 
     # ---- request lifecycle ---------------------------------------------------------------
@@ -55,22 +57,68 @@ class EngineCore:
     def _fits_empty_pool(self, total: int) -> bool:
         return all(g.spec.pages_for_tokens(total) <= g.spec.num_pages for g in self.pool.groups.values())
 
-    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                    prefill_only: bool = False, seed: int | None = None) -> str:
+        """Queue a request. `prefill_only`: stop after the first token and hold the caches (see `release`)."""
         prompt = list(prompt)
         self.validate(prompt, params)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise ValueError(f"duplicate request id {rid!r}")
-        req = Request(rid, prompt, params)
+        rid = self._new_id(request_id)
+        req = Request(rid, prompt, params, seed=seed, prefill_only=prefill_only)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
 
+    def _new_id(self, request_id: str | None) -> str:
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests or rid in self.held or rid in self.imports:
+            raise ValueError(f"duplicate request id {rid!r}")
+        return rid
+
     def abort(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        if req is not None:
+        """Drop a request wherever it is (queued, running, held or importing) and free its pages."""
+        for table in (self.requests, self.held, self.imports):
+            req = table.pop(request_id, None)
+            if req is None:
+                continue
             req.finish_reason = req.finish_reason or "abort"
-            self.scheduler.finish(req)
+            if table is self.requests:
+                self.scheduler.finish(req)
+            else:
+                self.pool.free(req.pages)
+
+    # ---- disaggregation hooks ------------------------------------------------------------
+    def release(self, request_id: str) -> None:
+        """Prefill side: the decode side confirmed the hand-off; free the held caches."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.pool.free(req.pages)
+
+    def held_request(self, request_id: str) -> Request:
+        return self.held[request_id]
+
+    def can_import(self, total_tokens: int) -> bool:
+        return (len(self.scheduler.running) + len(self.imports) < self.scheduler_config.max_num_seqs
+                and self.pool.can_grow({}, total_tokens))
+
+    def reserve_import(self, prompt: list[int], params: SamplingParams, request_id: str, seed: int,
+                       first_token: int, first_logprob: float, prompt_logprobs: list | None = None) -> dict:
+        """Decode side: reserve pages for a prefilled request; -> its page table (the transfer target)."""
+        prompt = list(prompt)
+        self.validate(prompt, params)
+        rid = self._new_id(request_id)
+        req = Request(rid, prompt, params, output=[first_token], logprobs=[first_logprob], seed=seed,
+                      num_computed=len(prompt))
+        if prompt_logprobs is not None:
+            req.prompt_logprobs = list(prompt_logprobs)
+        self.pool.grow(req.pages, req.max_total_tokens)  # raises OutOfPages, nothing taken
+        self.imports[rid] = req
+        return req.pages
+
+    def commit_import(self, request_id: str) -> None:
+        """Decode side: the caches arrived; the request joins the running batch."""
+        req = self.imports.pop(request_id)
+        self.requests[request_id] = req
+        self.scheduler.admit_with_pages(req)
 
     def pop_finished(self, request_id: str) -> Request:
         return self.requests.pop(request_id)
@@ -126,7 +174,7 @@ class EngineCore:
                               torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
                               torch.tensor([p.top_k for p in params], device=dev, dtype=torch.long),
                               torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
-                              [c.request.generator for c, _ in todo])
+                              [draw_seed(c.request.seed, len(c.request.output)) for c, _ in todo])
             token_lps = logprobs[rows].gather(1, tokens_t.unsqueeze(1)).squeeze(1).tolist()
             tokens = tokens_t.tolist()
         sampled = {id(c): (tok, lp) for (c, _), tok, lp in zip(todo, tokens, token_lps)}
@@ -145,6 +193,9 @@ class EngineCore:
                 req.output.append(tok)
                 req.logprobs.append(lp)
                 self._check_finished(req, tok)
+                if req.prefill_only and not req.finished:
+                    self.scheduler.hold(req)  # caches stay until `release`
+                    self.held[req.request_id] = self.requests.pop(req.request_id)
             if req.finished:
                 self.scheduler.finish(req)
             events.append(TokenEvent(req.request_id, tok, lp, req.finished, req.finish_reason, plps))

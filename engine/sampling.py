@@ -1,8 +1,9 @@
 """Batched sampling: greedy, temperature, top-k, top-p, with one seeded generator per request.
 
 Masks and the draw are tensor ops over the whole batch; the only per-request work is drawing each
-row's uniform noise from its own generator, which is what makes a seeded request reproducible
-regardless of which other requests share its batch.
+row's uniform noise from a generator seeded by (request seed, output index). Counter-based noise makes a
+seeded request reproducible regardless of which other requests share its batch, and lets a decode
+worker continue a request that a prefill worker started with exactly the draws one engine would make.
 """
 
 from __future__ import annotations
@@ -24,10 +25,19 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
+def draw_seed(seed: int, index: int) -> int:
+    """Seed of the noise for output token `index` of a request seeded with `seed` (splitmix64 mix)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           generators: list[torch.Generator]) -> torch.Tensor:
+           draw_seeds: list[int]) -> torch.Tensor:
     """logits: fp32 [N, V] -> int64 [N]. Rows with temperature 0 are argmax; others use the exponential race
-    argmax(p / E), E ~ Exp(1) drawn from the row's generator (equivalent to sampling from p)."""
+    argmax(p / E), E ~ Exp(1) drawn from a generator seeded with the row's draw seed (equivalent to
+    sampling from p)."""
     greedy = temperature == 0
     tokens = logits.argmax(dim=-1)
     if bool(greedy.all()):
@@ -35,7 +45,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     masked = apply_top_k_top_p(logits / temp.unsqueeze(1), top_k, top_p)
     probs = masked.softmax(dim=-1)
-    noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=g.device) for g in generators])
+    noise = torch.stack([torch.rand(logits.shape[-1], generator=torch.Generator().manual_seed(s))
+                         for s in draw_seeds])
     exp = -torch.log(noise.clamp_min(1e-20)).to(logits.device)
     sampled = (probs / exp).argmax(dim=-1)
     return torch.where(greedy, tokens, sampled)

@@ -70,6 +70,16 @@ class Scheduler:
                 budget -= n
         return chunks
 
+    def admit_with_pages(self, request: Request) -> None:
+        """Join a request whose pages are already allocated and filled (a decode-side hand-off)."""
+        if len(self.running) >= self.config.max_num_seqs:
+            raise RuntimeError(f"cannot admit {request.request_id}: {len(self.running)} requests already running")
+        self.running.append(request)
+
+    def hold(self, request: Request) -> None:
+        """Stop scheduling a request but keep its pages (a prefill-side hand-off in flight)."""
+        self.running.remove(request)
+
     def finish(self, request: Request) -> None:
         """Release a finished or aborted request's pages (running or still waiting)."""
         if request in self.running:

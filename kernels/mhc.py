@@ -28,7 +28,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     -> (collapsed [T, D] in streams.dtype, post fp32 [T, hc], comb fp32 [T, hc, hc]).
     """
     t, hc, _ = streams.shape
-    flat = unweighted_rms_norm(streams.reshape(t, -1).float(), norm_eps)
+    flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)
     mixes = flat @ fn.float().t()
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
@@ -52,6 +52,6 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             norm_eps: float) -> torch.Tensor:
     """Collapse the streams before the final norm. streams: [T, hc, D]; fn: [hc, hc*D] -> [T, D]."""
     t = streams.shape[0]
-    flat = unweighted_rms_norm(streams.reshape(t, -1).float(), norm_eps)
+    flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)
     pre = torch.sigmoid((flat @ fn.float().t()) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

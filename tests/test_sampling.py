@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.sampling import apply_top_k_top_p, sample
+from engine.sampling import apply_top_k_top_p, draw_seed, sample
 
 
 def test_top_k_top_p_masks():
@@ -25,19 +25,17 @@ def test_seeded_sampling_is_reproducible_per_row():
     p = torch.tensor([1.0, 1.0])
 
     def draw(seeds):
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
-        return [sample(logits, t, k, p, gens).tolist() for _ in range(20)]
+        return [sample(logits, t, k, p, [draw_seed(s, i) for s in seeds]).tolist() for i in range(20)]
 
     assert draw([1, 2]) == draw([1, 2])
     assert draw([1, 2]) != draw([3, 4])
-    greedy = sample(logits, torch.zeros(2), k, p, [torch.Generator(), torch.Generator()])
+    greedy = sample(logits, torch.zeros(2), k, p, [0, 0])
     assert torch.equal(greedy, logits.argmax(-1))
 
 
 def test_sampling_follows_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
-    gen = torch.Generator().manual_seed(0)
-    draws = [sample(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1), [gen]).item()
-             for _ in range(3000)]
+    draws = [sample(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1), [draw_seed(0, i)]).item()
+             for i in range(3000)]
     freq = torch.bincount(torch.tensor(draws), minlength=3).float() / 3000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)

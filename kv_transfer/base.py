@@ -1,0 +1,291 @@
+"""KV-transfer backend protocol, shared bookkeeping, and the `--transfer` registry.
+
+Flow of one request (decode PULLS, as in vLLM's NIXL connector):
+  prefill worker                                   decode worker
+  backend.metadata() ---- once, through Ray ---->  backend.add_peer(name, metadata)
+  ticket = backend.export(rid, table, n) -- Ray -> table, stats = backend.receive(ticket, timeout_s)
+                                                   (or pull(ticket, dst_pages, timeout_s) into its own pages)
+  backend.poll()  <---- in-band "done"/"fail" ---- (sent by pull itself, after the last byte landed / on error)
+    -> on_release(rid, error) callbacks: the prefill caller frees the request's pages there.
+Pool tensors are registered ONCE, in the constructor; per request only a small ticket and a plan travel.
+
+Page ownership: backends never allocate or free pages. The prefill side keeps an exported request's pages until
+its release callback fires: on decode's confirmation, on decode's failure report, or when the lease
+(`lease_s`, default 120 s) runs out because the decode side vanished. `poll()` runs the callbacks in the CALLER's
+thread, since `engine.allocator` is not thread-safe. On the decode side a failed `pull` raises
+TransferError / TransferTimeout and the caller frees the destination pages (`receive` does it itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import struct
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from engine.cache import CacheGroupSpec, CachePool
+from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint
+
+
+class TransferError(RuntimeError):
+    """A transfer failed: the request must fail (or be recomputed); its pages are freed on both sides."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer did not finish before its deadline."""
+
+
+@dataclass(frozen=True)
+class TransferTicket:
+    """What the decode side needs to pull one request; small and picklable (travels through Ray).
+
+    src_pages: ((group, (page, ...)), ...) exactly the source pages that hold data for num_tokens positions.
+    """
+
+    source: str  # worker (agent) name of the prefill side
+    request_id: str
+    src_pages: tuple[tuple[str, tuple[int, ...]], ...]
+    num_tokens: int
+    fingerprint: str  # layout_fingerprint of the source pool
+
+    def page_table(self) -> dict[str, list[int]]:
+        return {g: list(p) for g, p in self.src_pages}
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    bytes: int
+    descriptors: int
+    seconds: float
+
+
+ReleaseCallback = Callable[[str, "str | None"], None]  # (request_id, error or None on success)
+
+
+def pack_metadata(header: dict, payload: bytes = b"") -> bytes:
+    """A JSON header (never pickle: metadata comes from the network) followed by an opaque payload."""
+    h = json.dumps(header).encode()
+    return struct.pack("<I", len(h)) + h + payload
+
+
+def unpack_metadata(blob: bytes) -> tuple[dict, bytes]:
+    try:
+        (n,) = struct.unpack_from("<I", blob)
+        return json.loads(blob[4:4 + n]), blob[4 + n:]
+    except (struct.error, ValueError) as e:
+        raise TransferError(f"malformed transfer metadata ({len(blob)} bytes): {e}") from e
+
+
+@dataclass
+class _Export:
+    table: dict[str, list[int]]
+    num_tokens: int
+    deadline: float
+
+
+class TransferBackend(ABC):
+    """Common half of every backend: exports, leases, release callbacks, plan building, pull error mapping."""
+
+    name = "?"
+
+    def __init__(self, pool: CachePool, worker_name: str | None = None, lease_s: float = 120.0,
+                 on_release: ReleaseCallback | None = None):
+        self.pool = pool
+        self.worker_name = worker_name or f"kvx-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.specs: list[CacheGroupSpec] = [g.spec for g in pool.groups.values()]
+        self.fingerprint = layout_fingerprint(self.specs)
+        self.lease_s = lease_s
+        self._callbacks: list[ReleaseCallback] = [on_release] if on_release else []
+        self._exports: dict[str, _Export] = {}
+        self._lock = threading.Lock()  # _exports is read by server threads (tcp)
+        self._peer_specs: dict[str, list[CacheGroupSpec]] = {}
+        for g in pool.groups.values():
+            if not g.tensor.is_contiguous():
+                raise ValueError(f"cache group {g.spec.name!r} tensor is not contiguous")
+
+    # ---- handshake -------------------------------------------------------------------------------------
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """Everything a peer needs to pull from this worker (send it once, e.g. as a Ray actor method result)."""
+
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        header, payload = unpack_metadata(metadata)
+        if header.get("backend") != self.name:
+            raise TransferError(f"peer {name!r} speaks transfer backend {header.get('backend')!r}, "
+                                f"this worker {self.name!r}: start both sides with the same --transfer")
+        if header.get("worker") != name:
+            raise TransferError(f"metadata is for worker {header.get('worker')!r}, not {name!r}")
+        if header.get("fingerprint") != self.fingerprint:
+            raise TransferError(f"peer {name!r} cache layout {header.get('fingerprint')} != ours {self.fingerprint}: "
+                                "model config, cache dtype and page sizes must match on both sides")
+        sizes = header["num_pages"]
+        # Same layout (fingerprint) but the peer's pool may hold a different number of pages.
+        self._peer_specs[name] = [_with_pages(s, sizes[s.name]) for s in self.specs]
+        self._add_peer(name, header, payload)
+
+    @abstractmethod
+    def _add_peer(self, name: str, header: dict, payload: bytes) -> None: ...
+
+    def _header(self, **extra) -> dict:
+        return {"backend": self.name, "worker": self.worker_name, "fingerprint": self.fingerprint,
+                "num_pages": {s.name: s.num_pages for s in self.specs}, **extra}
+
+    # ---- prefill side ----------------------------------------------------------------------------------
+    def export(self, request_id: str, pages: Mapping[str, Sequence[int]], num_tokens: int) -> TransferTicket:
+        """Offer a finished prefill's pages for pulling. The caller keeps them until the release callback."""
+        plan = build_plan(self.specs, pages, pages, num_tokens)  # validates the table against the pool
+        src = tuple((g.name, tuple(s for s, _ in g.pages)) for g in plan.groups)
+        with self._lock:
+            if request_id in self._exports:
+                raise ValueError(f"request {request_id!r} is already exported by {self.worker_name}")
+            self._exports[request_id] = _Export({g: list(p) for g, p in src}, num_tokens,
+                                                time.monotonic() + self.lease_s)
+        return TransferTicket(self.worker_name, request_id, src, num_tokens, self.fingerprint)
+
+    def add_release_callback(self, cb: ReleaseCallback) -> None:
+        self._callbacks.append(cb)
+
+    def release(self, request_id: str, error: str | None = None) -> bool:
+        """Mark an export done (error None) or failed; fires the callbacks, which free the pages. Frees nothing."""
+        with self._lock:
+            if self._exports.pop(request_id, None) is None:
+                return False  # already released (duplicate confirmation, lease expiry race)
+        for cb in self._callbacks:
+            cb(request_id, error)
+        return True
+
+    def poll(self) -> list[tuple[str, str | None]]:
+        """Apply the decode side's confirmations and expired leases; returns the released (request_id, error)."""
+        events = list(self._confirmations())
+        now = time.monotonic()
+        with self._lock:
+            expired = [rid for rid, e in self._exports.items() if e.deadline <= now]
+        events += [(rid, f"transfer lease of {self.lease_s:g}s expired without confirmation from the decode side")
+                   for rid in expired]
+        return [(rid, err) for rid, err in events if self.release(rid, err)]
+
+    def exported(self) -> list[str]:
+        with self._lock:
+            return list(self._exports)
+
+    @abstractmethod
+    def _confirmations(self) -> list[tuple[str, str | None]]:
+        """New (request_id, error) reports from decode sides since the last call."""
+
+    # ---- decode side -----------------------------------------------------------------------------------
+    def plan_for(self, ticket: TransferTicket, dst_pages: Mapping[str, Sequence[int]]) -> TransferPlan:
+        if ticket.source not in self._peer_specs:
+            raise TransferError(f"request {ticket.request_id!r}: source worker {ticket.source!r} is unknown to "
+                                f"{self.worker_name} (add_peer was never called, or the peer was removed)")
+        if ticket.fingerprint != self.fingerprint:
+            raise TransferError(f"request {ticket.request_id!r}: source layout {ticket.fingerprint} != destination "
+                                f"layout {self.fingerprint}")
+        try:
+            return build_plan(self._peer_specs[ticket.source], ticket.page_table(), dst_pages, ticket.num_tokens,
+                              dst_specs=self.specs)
+        except ValueError as e:
+            raise TransferError(f"request {ticket.request_id!r}: {e}") from e
+
+    def pull(self, ticket: TransferTicket, dst_pages: Mapping[str, Sequence[int]],
+             timeout_s: float = 30.0) -> TransferStats:
+        """Copy the ticket's pages into `dst_pages` of this pool. Raises TransferError / TransferTimeout
+        (destination pages then hold garbage: free them). Confirms to the source on success and on failure."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        try:
+            plan = self.plan_for(ticket, dst_pages)
+            self._read(ticket, plan, deadline)
+        except TransferError as e:
+            self._notify(ticket, str(e))
+            raise
+        except Exception as e:  # a backend's own exception (dead peer, socket error): one clear type for callers
+            err = TransferError(f"request {ticket.request_id!r} from {ticket.source!r}: {type(e).__name__}: {e}")
+            self._notify(ticket, str(err))
+            raise err from e
+        return TransferStats(plan.total_bytes, plan.num_descriptors, time.monotonic() - t0)
+
+    def receive(self, ticket: TransferTicket, timeout_s: float = 30.0) -> tuple[dict[str, list[int]], TransferStats]:
+        """Allocate destination pages for the ticket, pull into them, free them again if the pull fails."""
+        table: dict[str, list[int]] = {}
+        self.pool.grow(table, ticket.num_tokens)  # raises OutOfPages: nothing was allocated
+        try:
+            return table, self.pull(ticket, table, timeout_s)
+        except BaseException:
+            self.pool.free(table)
+            raise
+
+    @abstractmethod
+    def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> None:
+        """Execute `plan` from ticket.source into this pool before `deadline` (time.monotonic); on success the
+        source must learn the request is done (in-band), on failure raise."""
+
+    @abstractmethod
+    def _notify(self, ticket: TransferTicket, error: str) -> None:
+        """Best effort: tell the source the pull failed, so it frees its pages before the lease runs out."""
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer (e.g. its worker died); later pulls from it fail at once."""
+        self._peer_specs.pop(name, None)
+
+    def close(self) -> None:
+        """Release network resources and forget peers; pool tensors stay valid."""
+        for name in list(self._peer_specs):
+            self.remove_peer(name)
+
+
+def _with_pages(spec: CacheGroupSpec, num_pages: int) -> CacheGroupSpec:
+    return CacheGroupSpec(spec.name, spec.layers, spec.page_rows, spec.width, spec.dtype, spec.tokens_per_row,
+                          int(num_pages))
+
+
+def check_deadline(deadline: float, what: str) -> float:
+    """Seconds left before `deadline`; raises TransferTimeout naming `what` when none are."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferTimeout(f"{what}: timed out")
+    return left
+
+
+# ---- registry --------------------------------------------------------------------------------------------
+# "tcp" is the dependency-free fallback: stdlib sockets work between any two hosts (unlike shared memory) and
+# need nothing beyond Python, which is also why it is the reference the NIXL results are compared against.
+BACKENDS = {"nixl": "kv_transfer.nixl_backend:NixlBackend", "tcp": "kv_transfer.tcp_backend:TcpBackend"}
+
+
+def nixl_available() -> bool:
+    from kv_transfer.nixl_backend import import_nixl
+    try:
+        import_nixl()
+        return True
+    except ImportError:
+        return False
+
+
+def resolve_name(name: str) -> str:
+    """'auto' -> 'nixl' when a nixl package imports, else 'tcp'."""
+    if name == "auto":
+        return "nixl" if nixl_available() else "tcp"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown transfer backend {name!r}; choose one of {sorted(BACKENDS)} or 'auto'")
+    return name
+
+
+def make_backend(name: str, pool: CachePool, **kwargs) -> TransferBackend:
+    """make_backend('nixl' | 'tcp' | 'auto', pool, worker_name=..., lease_s=..., on_release=..., <backend opts>)."""
+    module, cls = BACKENDS[resolve_name(name)].split(":")
+    return getattr(importlib.import_module(module), cls)(pool, **kwargs)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--transfer", choices=["auto", *sorted(BACKENDS)], default="auto",
+                        help="KV-cache transfer backend between prefill and decode workers "
+                             "(auto: nixl when installed, else tcp)")
+    parser.add_argument("--transfer-timeout", type=float, default=30.0,
+                        help="seconds a decode worker waits for one request's KV cache before failing it")

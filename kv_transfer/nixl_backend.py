@@ -1,0 +1,181 @@
+"""NIXL backend: the decode agent READs the prefill agent's registered pool tensors over UCX.
+
+Registration: every group tensor of the pool ([layers, num_pages * page_rows, width], contiguous) is registered
+ONCE, whole, in the constructor; a request then needs no registration, only its plan's (address, length) lists,
+so a request costs one transfer request with `plan.num_descriptors` descriptors (runs of consecutive pages per
+layer; NIXL merges any that still touch).
+Metadata: `metadata()` = JSON header (worker name, layout fingerprint, per-group base address / size / device,
+memory type) + the NIXL agent metadata blob; the caller ships it once through Ray (an actor method result) to
+the decode worker's `add_peer`, which loads it with `add_remote_agent`. Nothing pickled crosses the wire.
+Completion: the READ carries `notif_msg` = {"op": "done", "rid": ...}; NIXL delivers it to the prefill agent when
+the READ has completed, and the prefill side's `poll()` turns it into a release callback (no extra Ray call).
+A failed or timed-out pull sends {"op": "fail"} with `send_notif` (best effort; the lease covers a dead decode).
+Memory: CPU tensors register as DRAM (UCX moves them over shared memory or TCP), CUDA tensors as VRAM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import numpy as np
+
+from engine.cache import CachePool
+from kv_transfer.base import TransferBackend, TransferError, TransferTicket, TransferTimeout, pack_metadata
+from kv_transfer.plan import TransferPlan, group_nbytes
+
+log = logging.getLogger(__name__)
+
+
+def import_nixl():
+    """(nixl_agent, nixl_agent_config, module) from whichever NIXL wheel is installed; ImportError if none."""
+    errors = []
+    for mod in ("nixl_cu12", "nixl_cu13", "nixl._api"):
+        try:
+            m = __import__(mod, fromlist=["nixl_agent"])
+            return m.nixl_agent, m.nixl_agent_config, m
+        except ImportError as e:  # keep looking: `pip install nixl` ships one wheel per CUDA major
+            errors.append(f"{mod}: {e}")
+    raise ImportError("no NIXL python package (pip install nixl-cu12 on CPU / CUDA 12 hosts): " + "; ".join(errors))
+
+
+def _mem(tensor) -> tuple[str, int]:
+    """(NIXL memory type, device id) of a tensor: host memory is DRAM with device id 0."""
+    return ("DRAM", 0) if tensor.device.type == "cpu" else ("VRAM", tensor.device.index or 0)
+
+
+class NixlBackend(TransferBackend):
+    name = "nixl"
+
+    def __init__(self, pool: CachePool, worker_name: str | None = None, lease_s: float = 120.0,
+                 on_release=None, ucx_params: dict[str, str] | None = None):
+        super().__init__(pool, worker_name, lease_s, on_release)
+        nixl_agent, nixl_agent_config, mod = import_nixl()
+        try:  # the caller may poll() and pull() from different threads: let the agent serialise itself
+            conf = nixl_agent_config(backends=[], sync_mode=mod.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        except (TypeError, AttributeError):
+            conf = nixl_agent_config(backends=[])
+        self.agent = nixl_agent(self.worker_name, conf)
+        # "peer" error handling: a dead peer surfaces as an error instead of a hang.
+        self.agent.create_backend("UCX", {"ucx_error_handling_mode": "peer", **(ucx_params or {})})
+        self._regs = []
+        self._local: dict[str, tuple[int, int]] = {}  # group -> (base address, device id)
+        mem_types = set()
+        for name, group in pool.groups.items():
+            self._regs.append(self.agent.register_memory(group.tensor))  # whole group tensor, once
+            mem, dev = _mem(group.tensor)
+            mem_types.add(mem)
+            self._local[name] = (group.tensor.data_ptr(), dev)
+        if len(mem_types) != 1:
+            raise ValueError(f"pool mixes memory types {mem_types}; one transfer request needs one type")
+        self.mem_type = mem_types.pop()
+        self._peers: dict[str, dict] = {}  # worker -> {"mem": str, "groups": {group: (addr, nbytes, dev)}}
+        self._stuck = []  # transfer handles NIXL could not cancel (kept alive: freeing them could crash)
+
+    def metadata(self) -> bytes:
+        groups = {n: [addr, group_nbytes(self.pool.groups[n].spec), dev] for n, (addr, dev) in self._local.items()}
+        return pack_metadata(self._header(mem=self.mem_type, groups=groups), self.agent.get_agent_metadata())
+
+    def _add_peer(self, name: str, header: dict, payload: bytes) -> None:
+        loaded = self.agent.add_remote_agent(payload)
+        loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+        if loaded != name:
+            raise TransferError(f"NIXL metadata names agent {loaded!r}, expected {name!r}")
+        self._peers[name] = {"mem": header["mem"], "groups": {g: tuple(v) for g, v in header["groups"].items()}}
+        try:  # optional: connect now so the first request does not pay for it
+            self.agent.make_connection(name)
+        except Exception as e:
+            log.warning("NIXL make_connection(%s) failed (will retry on first transfer): %s", name, e)
+
+    def _descs(self, ticket: TransferTicket, plan: TransferPlan) -> tuple[np.ndarray, np.ndarray]:
+        """Nx3 (address, length, device) arrays: local (destination) and remote (source), in plan order."""
+        remote_groups = self._peers[ticket.source]["groups"]
+        n = plan.num_descriptors
+        local, remote = np.zeros((n, 3), dtype=np.uint64), np.zeros((n, 3), dtype=np.uint64)
+        i = 0
+        for g in plan.groups:
+            dst_base, dst_dev = self._local[g.name]
+            src_base, src_nbytes, src_dev = remote_groups[g.name]
+            for r in g.ranges:
+                if r.src_offset + r.length > src_nbytes:  # would read outside the peer's registered tensor
+                    raise TransferError(f"group {g.name!r}: range {r} beyond source tensor ({src_nbytes} bytes)")
+                local[i] = (dst_base + r.dst_offset, r.length, dst_dev)
+                remote[i] = (src_base + r.src_offset, r.length, src_dev)
+                i += 1
+        return local, remote
+
+    def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> None:
+        what = f"NIXL READ of request {ticket.request_id!r} from {ticket.source!r}"
+        done = json.dumps({"op": "done", "rid": ticket.request_id}).encode()
+        if plan.num_descriptors == 0:
+            self.agent.send_notif(ticket.source, done)
+            return
+        local, remote = self._descs(ticket, plan)
+        handle = self.agent.initialize_xfer(
+            "READ", self.agent.get_xfer_descs(local, self.mem_type),
+            self.agent.get_xfer_descs(remote, self._peers[ticket.source]["mem"]), ticket.source, done)
+        error: TransferError | None = None
+        try:
+            state, spins = self.agent.transfer(handle), 0
+            while state == "PROC":
+                if time.monotonic() >= deadline:
+                    error = TransferTimeout(f"{what}: timed out ({plan.total_bytes} bytes, "
+                                            f"{plan.num_descriptors} descriptors still in flight)")
+                    break
+                spins += 1
+                if spins > 100:  # spin briefly for small transfers, then stop burning a core
+                    time.sleep(2e-4)
+                state = self.agent.check_xfer_state(handle)
+            if error is None and state != "DONE":
+                error = TransferError(f"{what}: NIXL reported {state}")
+        except TransferError:
+            raise
+        except Exception as e:  # nixlRemoteDisconnectError & co: the source worker is gone
+            error = TransferError(f"{what}: {type(e).__name__}: {e}")
+        try:
+            handle.release()  # cancels the READ if it is still in flight
+        except Exception as e:
+            self._stuck.append(handle)
+            msg = f"{what}: could not cancel the READ ({e}); its destination pages may still be written"
+            error = TransferError(f"{error}; {msg}" if error else msg)
+        if error is not None:
+            raise error
+
+    def _notify(self, ticket: TransferTicket, error: str) -> None:
+        if ticket.source not in self._peers:
+            return
+        try:
+            self.agent.send_notif(ticket.source, json.dumps({"op": "fail", "rid": ticket.request_id,
+                                                             "error": error}).encode())
+        except Exception as e:  # a dead source cannot be told; its pages die with it
+            log.info("could not report failed pull of %s to %s: %s", ticket.request_id, ticket.source, e)
+
+    def _confirmations(self) -> list[tuple[str, str | None]]:
+        out = []
+        for peer, msgs in self.agent.get_new_notifs().items():
+            for m in msgs:
+                try:
+                    d = json.loads(m)
+                    out.append((str(d["rid"]), None if d["op"] == "done" else
+                                f"decode worker {peer!r} failed the transfer: {d.get('error', '?')}"))
+                except (ValueError, KeyError, TypeError):
+                    log.warning("ignoring malformed NIXL notification from %s: %r", peer, m[:100])
+        return out
+
+    def remove_peer(self, name: str) -> None:
+        super().remove_peer(name)
+        if self._peers.pop(name, None) is not None:
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception as e:
+                log.info("NIXL remove_remote_agent(%s): %s", name, e)
+
+    def close(self) -> None:
+        super().close()
+        for reg in self._regs:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception:
+                pass
+        self._regs.clear()

@@ -1,0 +1,38 @@
+"""Router counters: decisions by (stage, reason), requests, retries, worker deaths, errors by code.
+
+Plain in-process counters read by the Stats RPC; a Prometheus exporter can read the same snapshot later.
+Single event loop, so no locking.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from router.policy import Placement
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    decisions: dict[tuple[str, str], int] = field(default_factory=dict)  # (stage, reason) -> count
+    requests_total: int = 0
+    retries_total: int = 0
+    worker_deaths_total: int = 0
+    errors_total: dict[str, int] = field(default_factory=dict)  # error code name -> count
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.decisions: Counter[tuple[str, str]] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.requests = 0
+        self.retries = 0
+        self.worker_deaths = 0
+
+    def record_placement(self, placement: Placement) -> None:
+        for d in (placement.prefill, placement.decode):
+            self.decisions[(d.stage, d.reason)] += 1
+
+    def snapshot(self) -> MetricsSnapshot:
+        return MetricsSnapshot(dict(self.decisions), self.requests, self.retries, self.worker_deaths,
+                               dict(self.errors))

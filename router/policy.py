@@ -1,0 +1,282 @@
+"""Where a request runs: prefix locality and load for prefill, free KV capacity and load for decode.
+
+Pure Python (no gRPC, no engine) so every rule is unit-tested on its own (tests/test_router_policy.py).
+Not thread-safe: the router calls it from one asyncio event loop.
+
+Prefix locality is approximate, as in SGLang's cache-aware router and llm-d's hashed-block scorer: the
+router cannot see a worker's cache, so it remembers which prompt blocks it SENT to which prefill worker
+(`BlockLRU`, bounded, least recently routed first out) and assumes those are still cached there. Blocks
+are fixed-size runs of `block_size` tokens hashed as a chain (block i's hash covers blocks 0..i, like vLLM
+and SGLang prefix caching), so "block i matches" implies the whole prefix up to i matches.
+
+Prefill rule of `cache_aware` (the default), for the healthy prefill candidates:
+1. match = the longest run of leading prompt blocks a worker has seen. If the best match covers less
+   than `cache_threshold` of the prompt's blocks (or the prompt has no full block) -> least loaded,
+   reason "no_match".
+2. best = the worker with the best match (ties: least loaded). Hot-spot guard (SGLang's
+   `balance_abs_threshold` / `balance_rel_threshold`): if load(best) - min_load > abs_threshold AND
+   load(best) > rel_threshold * min_load, a popular prefix would drag all traffic to one worker, so the
+   request goes to the least-loaded worker instead, reason "hotspot_guard" (which also warms a second
+   copy of the prefix there).
+3. else best, reason "prefix_hit".
+`least_loaded` and `round_robin` ignore the prefix (reasons "least_loaded" / "round_robin"); all policies
+still record the blocks so that switching policy, and Stats, see the same state.
+
+Load = max(the worker's reported running + waiting, the requests this router has in flight there):
+reported load lags, and without the in-flight term a burst would all land on the same worker before its
+next report (the "load never updated, everything on worker 0" failure). Ties on load go to the worker
+with fewer remembered blocks (more room for a new prefix), then rotate, so idle workers share traffic.
+
+Decode rule: a `colocated` prefill worker decodes its own request (reason "colocated"). Otherwise among
+healthy `decode` workers: those whose effective free KV (reported free tokens minus the tokens of
+requests in flight there, which the report may not show yet) fits prompt + max_new_tokens; the most free
+capacity first, then the least load (reason "kv_capacity"). If none fits, the same order over all of them
+(reason "no_capacity": the request waits in that worker's queue).
+
+Health: a worker is a candidate only if the dispatcher reports it healthy AND the router has not marked
+it down (`set_health`). Going down forgets its blocks (its cache is gone, and a dead worker must not stay
+in the tree); `set_health(worker, True)` adds it back, with an empty history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from router.dispatch import DECODE_ROLES, PREFILL_ROLES, NoWorkerAvailable, WorkerInfo
+
+POLICIES = ("round_robin", "least_loaded", "cache_aware")
+PREFILL_REASONS = ("prefix_hit", "least_loaded", "round_robin", "hotspot_guard", "no_match")
+DECODE_REASONS = ("colocated", "kv_capacity", "no_capacity")
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int = 16) -> list[int]:
+    """Chained 64-bit hashes of the full `block_size`-token blocks of `token_ids` (a partial tail block is
+    not hashed: it cannot be shared). blake2b, not `hash()`, so every router replica and process agrees."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    hashes, parent = [], b"\0" * 8
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = array("q", token_ids[start:start + block_size]).tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
+        hashes.append(int.from_bytes(parent, "little"))
+    return hashes
+
+
+class BlockLRU:
+    """The block hashes recently routed to one worker, at most `capacity`, least recently routed evicted."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """Number of leading `hashes` present (a read: does not refresh recency)."""
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        # Touch the chain tail-first so block 0 ends most recent: eviction then trims a prefix from its
+        # end, and a surviving block 0..k run still matches (evicting block 0 first would orphan them all).
+        for h in reversed(hashes):
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    name: str = "cache_aware"
+    block_size: int = 16  # tokens per hashed block
+    lru_blocks: int = 1 << 16  # blocks remembered per prefill worker (1M tokens at 16 a block)
+    cache_threshold: float = 0.3  # min fraction of the prompt's blocks matched to follow the prefix
+    balance_abs_threshold: int = 64  # hot-spot guard: load(best) - min_load must exceed this ...
+    balance_rel_threshold: float = 1.5  # ... and load(best) must exceed this x min_load
+
+    def __post_init__(self):
+        if self.name not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.name!r}; choose one of {POLICIES}")
+        if self.block_size < 1 or self.lru_blocks < 1:
+            raise ValueError(f"block_size and lru_blocks must be >= 1, got {self.block_size}, {self.lru_blocks}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1, got "
+                             f"{self.balance_abs_threshold}, {self.balance_rel_threshold}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One routing choice; `reason` feeds the router's decision counters."""
+
+    stage: str  # "prefill" | "decode"
+    worker_id: str
+    reason: str
+    matched_blocks: int = 0  # prefill: leading prompt blocks the chosen worker was sent before
+    prompt_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    prefill: Decision
+    decode: Decision
+
+
+class RoutingPolicy:
+    def __init__(self, config: PolicyConfig | None = None):
+        self.config = config or PolicyConfig()
+        self._lru: dict[str, BlockLRU] = {}
+        self._down: set[str] = set()
+        self._inflight: Counter[str] = Counter()
+        self._reserved: Counter[str] = Counter()  # KV tokens of in-flight requests, per decode worker
+        self._rr = 0  # round-robin cursor
+        self._tie = 0  # rotates among equally good workers
+
+    # ---- state the server feeds in ---------------------------------------------------------
+    def set_health(self, worker_id: str, healthy: bool) -> bool:
+        """Record a health verdict; returns True when it changed the worker's state."""
+        if healthy:
+            if worker_id in self._down:
+                self._down.discard(worker_id)
+                return True
+            return False
+        self.forget(worker_id)
+        if worker_id not in self._down:
+            self._down.add(worker_id)
+            return True
+        return False
+
+    def forget(self, worker_id: str) -> None:
+        """Drop what the router believes is cached on the worker (it died or restarted)."""
+        lru = self._lru.get(worker_id)
+        if lru is not None:
+            lru.clear()
+
+    def is_up(self, worker: WorkerInfo) -> bool:
+        return worker.healthy and worker.worker_id not in self._down
+
+    def acquire(self, worker_id: str, kv_tokens: int = 0) -> None:
+        """A request of this router now occupies the worker (until `release`)."""
+        self._inflight[worker_id] += 1
+        self._reserved[worker_id] += kv_tokens
+
+    def release(self, worker_id: str, kv_tokens: int = 0) -> None:
+        self._inflight[worker_id] -= 1
+        self._reserved[worker_id] -= kv_tokens
+        if self._inflight[worker_id] <= 0:  # keep the counters small and never negative
+            del self._inflight[worker_id]
+            self._reserved.pop(worker_id, None)
+
+    # ---- views -------------------------------------------------------------------------------
+    def load(self, worker: WorkerInfo) -> int:
+        return max(worker.load, self._inflight[worker.worker_id])
+
+    def inflight(self, worker_id: str) -> int:
+        return self._inflight[worker_id]
+
+    def cached_blocks(self, worker_id: str) -> int:
+        lru = self._lru.get(worker_id)
+        return len(lru) if lru is not None else 0
+
+    def effective_free_tokens(self, worker: WorkerInfo) -> int:
+        return max(0, worker.kv_free_tokens - self._reserved[worker.worker_id])
+
+    # ---- decisions ---------------------------------------------------------------------------
+    def place(self, prompt_ids: Sequence[int], max_total_tokens: int, workers: Iterable[WorkerInfo],
+              exclude: Iterable[str] = ()) -> Placement:
+        """Choose the prefill and the decode worker, and remember the prompt's blocks on the prefill one.
+        Raises NoWorkerAvailable when no healthy worker can take a phase."""
+        workers = list(workers)
+        for w in workers:
+            if not w.healthy:
+                self.forget(w.worker_id)
+        excluded = set(exclude)
+        up = [w for w in workers if self.is_up(w) and w.worker_id not in excluded]
+        prefill_cands = [w for w in up if w.role in PREFILL_ROLES]
+        if not prefill_cands:
+            raise NoWorkerAvailable(f"no healthy prefill worker (excluded: {sorted(excluded)}; "
+                                    f"down: {sorted(self._down)})")
+        hashes = hash_blocks(prompt_ids, self.config.block_size)
+        prefill = self.choose_prefill(hashes, prefill_cands)
+        chosen = next(w for w in prefill_cands if w.worker_id == prefill.worker_id)
+        decode = self.choose_decode(max_total_tokens, [w for w in up if w.role in DECODE_ROLES], chosen)
+        self._lru_of(prefill.worker_id).insert(hashes)
+        return Placement(prefill, decode)
+
+    def choose_prefill(self, hashes: Sequence[int], candidates: Sequence[WorkerInfo]) -> Decision:
+        name, total = self.config.name, len(hashes)
+        if name == "round_robin":
+            w = candidates[self._rr % len(candidates)]
+            self._rr += 1
+            return Decision("prefill", w.worker_id, "round_robin", self._match(w, hashes), total)
+        if name == "least_loaded":
+            w = self._least_loaded(candidates)
+            return Decision("prefill", w.worker_id, "least_loaded", self._match(w, hashes), total)
+        matches = {w.worker_id: self._match(w, hashes) for w in candidates}
+        best_len = max(matches.values())
+        if total == 0 or best_len == 0 or best_len < self.config.cache_threshold * total:
+            w = self._least_loaded(candidates)
+            return Decision("prefill", w.worker_id, "no_match", matches[w.worker_id], total)
+        best = self._least_loaded([w for w in candidates if matches[w.worker_id] == best_len])
+        least = self._least_loaded(candidates)
+        if self._hot(self.load(best), self.load(least)):
+            return Decision("prefill", least.worker_id, "hotspot_guard", matches[least.worker_id], total)
+        return Decision("prefill", best.worker_id, "prefix_hit", best_len, total)
+
+    def choose_decode(self, max_total_tokens: int, candidates: Sequence[WorkerInfo],
+                      prefill: WorkerInfo) -> Decision:
+        if prefill.role == "colocated":
+            return Decision("decode", prefill.worker_id, "colocated")
+        # A colocated worker has no KV import path: only dedicated decode workers take hand-offs.
+        cands = [w for w in candidates if w.role == "decode"]
+        if not cands:
+            raise NoWorkerAvailable("no healthy decode worker")
+        fits = [w for w in cands if self.effective_free_tokens(w) >= max_total_tokens]
+        pool, reason = (fits, "kv_capacity") if fits else (cands, "no_capacity")
+        most_free = max(self.effective_free_tokens(w) for w in pool)
+        top = [w for w in pool if self.effective_free_tokens(w) == most_free]
+        return Decision("decode", self._least_loaded(top, by_cache=False).worker_id, reason)
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _hot(self, best_load: int, min_load: int) -> bool:
+        c = self.config
+        return best_load - min_load > c.balance_abs_threshold and best_load > c.balance_rel_threshold * min_load
+
+    def _least_loaded(self, candidates: Sequence[WorkerInfo], by_cache: bool = True) -> WorkerInfo:
+        def key(w):
+            return (self.load(w), self.cached_blocks(w.worker_id) if by_cache else 0)
+
+        best = min(key(w) for w in candidates)
+        tied = [w for w in candidates if key(w) == best]
+        if len(tied) == 1:
+            return tied[0]
+        self._tie += 1
+        return tied[(self._tie - 1) % len(tied)]
+
+    def _match(self, worker: WorkerInfo, hashes: Sequence[int]) -> int:
+        lru = self._lru.get(worker.worker_id)
+        return lru.match(hashes) if lru is not None else 0
+
+    def _lru_of(self, worker_id: str) -> BlockLRU:
+        if worker_id not in self._lru:
+            self._lru[worker_id] = BlockLRU(self.config.lru_blocks)
+        return self._lru[worker_id]

@@ -1,0 +1,271 @@
+"""The router's gRPC service (grpc.aio): Generate (server streaming), Health, Stats.
+
+`RouterServer(dispatcher, policy)` places each request with `router.policy.RoutingPolicy`, runs it
+through a `router.dispatch.Dispatcher` and streams the engine's events back as `GenerateResponse`s.
+
+Failure handling (each case ends the stream with one message carrying `error`, then the gRPC status of
+the same code, so streaming clients get a typed reason and plain gRPC clients a status):
+- a bad request (empty prompt, bad sampling field, or the engine's `ValueError`: token out of
+  vocabulary, too long) -> INVALID_ARGUMENT with the engine's message; nothing was placed or it ran
+  nowhere, and the server keeps serving;
+- more than `max_inflight` requests in the router -> RESOURCE_EXHAUSTED; so is `Overloaded`;
+- `WorkerDied` before anything was streamed -> the worker is marked down (its remembered prefixes are
+  dropped) and the request is placed once more, excluding it; a second death, a death after tokens were
+  streamed (replaying generated tokens elsewhere is not implemented), or no healthy worker -> UNAVAILABLE;
+- anything else -> INTERNAL (logged with its traceback).
+Prompt logprobs of prefill-only steps are held back and sent with the first token, so "nothing streamed
+yet" holds until the first token and a retry never duplicates them.
+
+A background task probes `dispatcher.health_check()` every `health_interval_s` (bounded by
+`health_timeout_s`) and feeds the verdicts to the policy: a dead worker stops receiving requests and a
+restarted one is added back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import uuid
+from typing import AsyncIterator
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from router.dispatch import (Dispatcher, DispatchRequest, NoWorkerAvailable, Overloaded, PREFILL_ROLES,
+                             DECODE_ROLES, WorkerDied)
+from router.metrics import RouterMetrics
+from router.policy import Placement, RoutingPolicy
+from router.protos import pb2, pb2_grpc
+
+log = logging.getLogger(__name__)
+
+Code = pb2.Error.Code
+_STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}  # Error.Code numbers are gRPC status numbers
+
+
+class RouterFailure(Exception):
+    """Ends a Generate stream with `code` (an `Error.Code` value) and `message`."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def request_from_proto(msg, default_id: str) -> DispatchRequest:
+    """GenerateRequest -> DispatchRequest; ValueError names the bad field (the engine checks token ids)."""
+    prompt = tuple(msg.prompt_token_ids)
+    if not prompt:
+        raise ValueError("prompt is empty: at least one token is required")
+    params = SamplingParams(
+        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else SamplingParams.max_new_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else SamplingParams.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs,
+        prompt_logprobs=msg.prompt_logprobs,
+        stop_token_ids=tuple(msg.stop_token_ids),
+    )
+    return DispatchRequest(msg.request_id or default_id, prompt, params)
+
+
+class RouterServer(pb2_grpc.RouterServicer):
+    def __init__(self, dispatcher: Dispatcher, policy: RoutingPolicy | None = None, *,
+                 health_interval_s: float = 5.0, health_timeout_s: float = 5.0, max_inflight: int = 0):
+        if health_interval_s <= 0 or health_timeout_s <= 0 or max_inflight < 0:
+            raise ValueError(f"health_interval_s and health_timeout_s must be > 0 and max_inflight >= 0, got "
+                             f"{health_interval_s}, {health_timeout_s}, {max_inflight}")
+        self.dispatcher = dispatcher
+        self.policy = policy or RoutingPolicy()
+        self.metrics = RouterMetrics()
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.max_inflight = max_inflight  # 0 = unlimited
+        self._active = 0
+        self._server: grpc.aio.Server | None = None
+        self._health_task: asyncio.Task | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind and serve; returns the bound port (port 0 picks a free one)."""
+        if self._server is not None:
+            raise RuntimeError("router server already started")
+        self._server = grpc.aio.server()
+        pb2_grpc.add_RouterServicer_to_server(self, self._server)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot bind router to {host}:{port}")
+        await self._server.start()
+        self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
+        log.info("router listening on %s:%d (policy %s)", host, bound, self.policy.config.name)
+        return bound
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting requests; in-flight streams get `grace` seconds, then are cancelled."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    # ---- health --------------------------------------------------------------------------------
+    async def check_health(self) -> dict[str, bool]:
+        """Probe every worker once and apply the verdicts (also what `Health(probe=true)` runs)."""
+        verdicts = await asyncio.wait_for(self.dispatcher.health_check(), self.health_timeout_s)
+        for worker_id, ok in verdicts.items():
+            if self.policy.set_health(worker_id, ok):
+                log.warning("worker %s is %s", worker_id, "back" if ok else "down")
+                if not ok:
+                    self.metrics.worker_deaths += 1
+        return verdicts
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health()
+            except asyncio.TimeoutError:  # cannot tell which worker hangs: keep the last verdicts
+                log.warning("health check timed out after %.1f s", self.health_timeout_s)
+            except Exception:
+                log.exception("health check failed")
+
+    def _worker_died(self, worker_id: str) -> None:
+        if self.policy.set_health(worker_id, False):
+            self.metrics.worker_deaths += 1
+            log.warning("worker %s is down (died serving a request)", worker_id)
+
+    # ---- Generate ------------------------------------------------------------------------------
+    async def Generate(self, request, context) -> AsyncIterator:
+        self.metrics.requests += 1
+        rid = request.request_id or f"rtr-{uuid.uuid4().hex[:16]}"
+        try:
+            async for resp in self._generate(request, rid):
+                yield resp
+        except RouterFailure as f:
+            self.metrics.errors[Code.Name(f.code)] += 1
+            yield pb2.GenerateResponse(request_id=rid, finished=True, finish_reason="error",
+                                       error=pb2.Error(code=f.code, message=f.message))
+            await context.abort(_STATUS[f.code], f.message)
+
+    async def _generate(self, request, rid: str) -> AsyncIterator:
+        if self.max_inflight and self._active >= self.max_inflight:
+            raise RouterFailure(Code.RESOURCE_EXHAUSTED, f"router has {self._active} requests in flight "
+                                                         f"(max_inflight {self.max_inflight})")
+        try:
+            dreq = request_from_proto(request, rid)
+        except ValueError as e:
+            raise RouterFailure(Code.INVALID_ARGUMENT, str(e)) from None
+        self._active += 1
+        try:
+            excluded: list[str] = []
+            for attempt in range(2):
+                placement = self._place(dreq, excluded)
+                sent = 0
+                try:
+                    async for resp in self._stream(dreq, placement):
+                        sent += 1
+                        yield resp
+                    return
+                except WorkerDied as e:
+                    self._worker_died(e.worker_id)
+                    if sent or attempt == 1:
+                        what = f"after {sent} messages" if sent else "on retry"
+                        raise RouterFailure(Code.UNAVAILABLE, f"request {rid}: {e} {what}") from None
+                    log.warning("request %s: %s before streaming; retrying elsewhere", rid, e)
+                    self.metrics.retries += 1
+                    excluded.append(e.worker_id)
+        finally:
+            self._active -= 1
+
+    def _place(self, dreq: DispatchRequest, excluded: list[str]) -> Placement:
+        try:
+            placement = self.policy.place(dreq.prompt_ids, dreq.max_total_tokens, self.dispatcher.workers(),
+                                          excluded)
+        except NoWorkerAvailable as e:
+            raise RouterFailure(Code.UNAVAILABLE, str(e)) from None
+        self.metrics.record_placement(placement)
+        return placement
+
+    async def _stream(self, dreq: DispatchRequest, placement: Placement) -> AsyncIterator:
+        """Run one placement; yields GenerateResponses; raises WorkerDied or RouterFailure."""
+        p_id, d_id = placement.prefill.worker_id, placement.decode.worker_id
+        kv = dreq.max_total_tokens
+        self.policy.acquire(d_id, kv)
+        prefill_held = p_id != d_id
+        if prefill_held:
+            self.policy.acquire(p_id)
+        params = dreq.params
+        held_plps = [math.nan] if params.prompt_logprobs else []  # the first prompt token has none
+        first = True
+        try:
+            events = self.dispatcher.generate(dreq, p_id, d_id)
+            async with contextlib.aclosing(events):
+                async for ev in events:
+                    held_plps.extend(ev.prompt_logprobs)
+                    if ev.token_id is None and not ev.finished:
+                        continue  # prefill progress only: hold its prompt logprobs for the first token
+                    if prefill_held:  # prefill is over: the worker is free of this request
+                        self.policy.release(p_id)
+                        prefill_held = False
+                    resp = pb2.GenerateResponse(request_id=dreq.request_id, finished=ev.finished,
+                                                finish_reason=ev.finish_reason or "", prompt_logprobs=held_plps)
+                    if ev.token_id is not None:
+                        resp.token_id = ev.token_id
+                        if params.logprobs and ev.logprob is not None:
+                            resp.logprob = ev.logprob
+                    if first:
+                        resp.prefill_worker, resp.decode_worker, first = p_id, d_id, False
+                    held_plps = []
+                    yield resp
+                    if ev.finished:
+                        return
+            raise RouterFailure(Code.INTERNAL, f"request {dreq.request_id}: stream ended without a finish")
+        except ValueError as e:
+            raise RouterFailure(Code.INVALID_ARGUMENT, str(e)) from None
+        except Overloaded as e:
+            raise RouterFailure(Code.RESOURCE_EXHAUSTED, str(e) or f"worker {p_id} is overloaded") from None
+        except (WorkerDied, RouterFailure):
+            raise
+        except Exception as e:
+            log.exception("request %s failed on %s/%s", dreq.request_id, p_id, d_id)
+            raise RouterFailure(Code.INTERNAL, f"{type(e).__name__}: {e}") from None
+        finally:
+            if prefill_held:
+                self.policy.release(p_id)
+            self.policy.release(d_id, kv)
+
+    # ---- Health / Stats ------------------------------------------------------------------------
+    async def Health(self, request, context):
+        if request.probe:
+            try:
+                await self.check_health()
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "health check timed out")
+        workers = self.dispatcher.workers()
+        up = [w for w in workers if self.policy.is_up(w)]
+        serving = any(w.role in PREFILL_ROLES for w in up) and any(w.role in DECODE_ROLES for w in up)
+        return pb2.HealthResponse(serving=serving, workers=[
+            pb2.WorkerHealth(worker_id=w.worker_id, role=w.role, healthy=self.policy.is_up(w)) for w in workers])
+
+    async def Stats(self, request, context):
+        snap = self.metrics.snapshot()
+        workers = [pb2.WorkerStats(worker_id=w.worker_id, role=w.role, healthy=self.policy.is_up(w),
+                                   running=w.running, waiting=w.waiting, kv_usage=w.kv_usage,
+                                   kv_free_tokens=w.kv_free_tokens, inflight=self.policy.inflight(w.worker_id),
+                                   cached_blocks=self.policy.cached_blocks(w.worker_id))
+                   for w in self.dispatcher.workers()]
+        decisions = [pb2.DecisionCount(stage=s, reason=r, count=n) for (s, r), n in sorted(snap.decisions.items())]
+        return pb2.StatsResponse(policy=self.policy.config.name, workers=workers, decisions=decisions,
+                                 requests_total=snap.requests_total, retries_total=snap.retries_total,
+                                 worker_deaths_total=snap.worker_deaths_total, errors_total=snap.errors_total)
