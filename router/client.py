@@ -1,0 +1,225 @@
+"""Client wrappers of the router's gRPC API: `RouterClient` (blocking) and `AsyncRouterClient` (grpc.aio).
+
+Both speak plain Python: requests take the engine's `SamplingParams`, streams yield frozen `StreamEvent`s
+(prompt logprobs with the leading None restored from the wire's NaN), and every failure raises
+`RouterError` with the gRPC status code, whether it arrived as the stream's in-band error message or
+as the call's status.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from router.protos import pb2, pb2_grpc
+
+_STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}
+
+
+class RouterError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    request_id: str
+    token_id: int | None  # None only on a final message without a token (e.g. abort)
+    logprob: float | None  # set when the request asked for logprobs
+    finished: bool
+    finish_reason: str | None
+    prompt_logprobs: tuple  # this message's share; None for the first prompt token
+    prefill_worker: str = ""  # set on the first event only
+    decode_worker: str = ""
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """A whole stream collected; fields mirror `engine.request.GenerationOutput`."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    prompt_logprobs: list[float | None] | None
+    finish_reason: str
+    prefill_worker: str
+    decode_worker: str
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    worker_id: str
+    role: str
+    healthy: bool
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    kv_free_tokens: int = 0
+    inflight: int = 0
+    cached_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    serving: bool
+    workers: tuple[WorkerStatus, ...]
+
+
+@dataclass(frozen=True)
+class StatsReport:
+    policy: str
+    workers: tuple[WorkerStatus, ...]
+    decisions: dict  # (stage, reason) -> count
+    requests_total: int
+    retries_total: int
+    worker_deaths_total: int
+    errors_total: dict  # error code name -> count
+
+
+def build_request(prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                  request_id: str = "") -> pb2.GenerateRequest:
+    p = params or SamplingParams()
+    return pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=list(prompt_ids), max_new_tokens=p.max_new_tokens,
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, stop_token_ids=list(p.stop_token_ids))
+
+
+def to_event(msg) -> StreamEvent:
+    """GenerateResponse -> StreamEvent; raises RouterError for the in-band error message."""
+    if msg.HasField("error") and msg.error.code != pb2.Error.OK:
+        raise RouterError(_STATUS[msg.error.code], msg.error.message)
+    return StreamEvent(msg.request_id, msg.token_id if msg.HasField("token_id") else None,
+                       msg.logprob if msg.HasField("logprob") else None, msg.finished, msg.finish_reason or None,
+                       tuple(None if math.isnan(x) else x for x in msg.prompt_logprobs),
+                       msg.prefill_worker, msg.decode_worker)
+
+
+def collect(events: list[StreamEvent], params: SamplingParams | None) -> GenerateResult:
+    p = params or SamplingParams()
+    tokens = [e.token_id for e in events if e.token_id is not None]
+    lps = [e.logprob for e in events if e.token_id is not None] if p.logprobs else None
+    plps = [x for e in events for x in e.prompt_logprobs] if p.prompt_logprobs else None
+    first = events[0] if events else None
+    return GenerateResult(first.request_id if first else "", tokens, lps, plps,
+                          events[-1].finish_reason or "length" if events else "error",
+                          first.prefill_worker if first else "", first.decode_worker if first else "")
+
+
+def _worker(w) -> WorkerStatus:
+    return WorkerStatus(w.worker_id, w.role, w.healthy, *(getattr(w, f, 0) for f in
+                        ("running", "waiting", "kv_usage", "kv_free_tokens", "inflight", "cached_blocks")))
+
+
+def _health(msg) -> HealthReport:
+    return HealthReport(msg.serving, tuple(WorkerStatus(w.worker_id, w.role, w.healthy) for w in msg.workers))
+
+
+def _stats(msg) -> StatsReport:
+    return StatsReport(msg.policy, tuple(_worker(w) for w in msg.workers),
+                       {(d.stage, d.reason): d.count for d in msg.decisions}, msg.requests_total,
+                       msg.retries_total, msg.worker_deaths_total, dict(msg.errors_total))
+
+
+class RouterClient:
+    """Blocking client: `for ev in RouterClient("host:port").generate(ids, params): ...`."""
+
+    def __init__(self, addr: str, timeout_s: float | None = None):
+        self.addr = addr
+        self.timeout_s = timeout_s  # per call deadline; None = none
+        self._channel = grpc.insecure_channel(addr)
+        self._stub = pb2_grpc.RouterStub(self._channel)
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                 request_id: str = "") -> Iterator[StreamEvent]:
+        call = self._stub.Generate(build_request(prompt_ids, params, request_id), timeout=self.timeout_s)
+        try:
+            for msg in call:
+                ev = to_event(msg)
+                yield ev
+                if ev.finished:
+                    return
+        except grpc.RpcError as e:
+            raise RouterError(e.code(), e.details() or "") from None
+        finally:
+            call.cancel()  # no-op after a clean finish; stops the server's work if we stopped early
+
+    def generate_full(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                      request_id: str = "") -> GenerateResult:
+        return collect(list(self.generate(prompt_ids, params, request_id)), params)
+
+    def health(self, probe: bool = False) -> HealthReport:
+        return _health(self._call(self._stub.Health, pb2.HealthRequest(probe=probe)))
+
+    def stats(self) -> StatsReport:
+        return _stats(self._call(self._stub.Stats, pb2.StatsRequest()))
+
+    def _call(self, method, msg):
+        try:
+            return method(msg, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise RouterError(e.code(), e.details() or "") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncRouterClient:
+    """grpc.aio client; create it inside the event loop that will use it."""
+
+    def __init__(self, addr: str, timeout_s: float | None = None):
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(addr)
+        self._stub = pb2_grpc.RouterStub(self._channel)
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                       request_id: str = "") -> AsyncIterator[StreamEvent]:
+        call = self._stub.Generate(build_request(prompt_ids, params, request_id), timeout=self.timeout_s)
+        try:
+            async for msg in call:
+                ev = to_event(msg)
+                yield ev
+                if ev.finished:
+                    return
+        except grpc.RpcError as e:
+            raise RouterError(e.code(), e.details() or "") from None
+        finally:
+            call.cancel()
+
+    async def generate_full(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                            request_id: str = "") -> GenerateResult:
+        return collect([ev async for ev in self.generate(prompt_ids, params, request_id)], params)
+
+    async def health(self, probe: bool = False) -> HealthReport:
+        return _health(await self._call(self._stub.Health, pb2.HealthRequest(probe=probe)))
+
+    async def stats(self) -> StatsReport:
+        return _stats(await self._call(self._stub.Stats, pb2.StatsRequest()))
+
+    async def _call(self, method, msg):
+        try:
+            return await method(msg, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise RouterError(e.code(), e.details() or "") from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
