@@ -2,7 +2,6 @@
 
 import dataclasses
 import multiprocessing as mp
-import socket
 import time
 
 import pytest
@@ -218,11 +217,10 @@ def test_receive_allocates_and_frees_on_failure(kind):
         table, stats = dst.receive(ticket, timeout_s=10)
         assert stats.bytes > 0 and len(table["kv4"]) == 5
         dst_pool.free(table)
-        forged = dataclasses.replace(ticket, request_id="never-exported")
-        with pytest.raises(TransferError, match="never-exported" if kind == "tcp" else "."):
-            if kind == "nixl":  # NIXL reads registered memory directly; the source cannot refuse, so simulate a dead peer
-                dst.remove_peer(src.worker_name)
-            dst.receive(forged, timeout_s=5)
+        ticket2 = src.export("lost", src_table(src_pool), NUM_TOKENS)
+        dst.remove_peer(src.worker_name)  # e.g. the prefill worker was declared dead
+        with pytest.raises(TransferError, match="unknown to"):
+            dst.receive(ticket2, timeout_s=5)
         assert dst_pool.num_free_pages() == idle  # the failed request's destination pages are back
     finally:
         src.close()
@@ -233,11 +231,9 @@ def test_receive_allocates_and_frees_on_failure(kind):
 def test_stalled_source_times_out_and_source_frees_on_failure_report(kind, monkeypatch):
     src_pool, dst_pool = random_pool(SRC_CACHE, 0), random_pool(DST_CACHE, 1)
     src, dst, released = connect(kind, src_pool, dst_pool)
-    stall = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) but never answers
     try:
-        if kind == "tcp":
-            header, payload = unpack_metadata(src.metadata())
-            dst._peers[src.worker_name] = ("127.0.0.1", stall.getsockname()[1])
+        if kind == "tcp":  # the server takes the request, then hangs before answering
+            monkeypatch.setattr(src, "_check_read", lambda req: time.sleep(1.0) or [])
         else:  # a READ that never completes
             monkeypatch.setattr(dst.agent, "transfer", lambda h, notif_msg=b"": "PROC")
             monkeypatch.setattr(dst.agent, "check_xfer_state", lambda h: "PROC")
@@ -246,14 +242,27 @@ def test_stalled_source_times_out_and_source_frees_on_failure_report(kind, monke
         with pytest.raises(TransferTimeout, match="'slow'.*timed out"):
             dst.pull(ticket, dst_table(dst_pool), timeout_s=0.5)
         assert 0.45 < time.monotonic() - t0 < 2.0
-        if kind == "tcp":
-            dst._peers[src.worker_name] = src.address  # the failure report goes to the real server
-            dst._notify(ticket, "timed out")
         got = wait_poll(src)
         assert [r for r, _ in got] == ["slow"] and "failed the transfer" in got[0][1]
         assert released == got and src.exported() == []
     finally:
-        stall.close()
+        src.close()
+        dst.close()
+
+
+def test_tcp_server_serves_only_exported_pages():
+    src_pool, dst_pool = random_pool(SRC_CACHE, 0), random_pool(DST_CACHE, 1)
+    src, dst, released = connect("tcp", src_pool, dst_pool)
+    try:
+        ticket = src.export("r", src_table(src_pool), NUM_TOKENS)
+        pages = dict(ticket.src_pages)
+        forged = dataclasses.replace(ticket, src_pages=tuple(
+            (g, (0,) + p[1:] if g == "kv4" else p) for g, p in pages.items()))  # page 0 belongs to another request
+        with pytest.raises(TransferError, match=r"pages \[0\] are not exported"):
+            dst.pull(forged, dst_table(dst_pool), timeout_s=5)
+        with pytest.raises(TransferError, match="'other' is not exported"):
+            dst.pull(dataclasses.replace(ticket, request_id="other"), dst_table(dst_pool), timeout_s=5)
+    finally:
         src.close()
         dst.close()
 

@@ -1,0 +1,120 @@
+"""DecodeWorker: admits a request only after its caches arrived, then decodes in continuous batches.
+
+`decode` is an async generator (a Ray streaming method): it reserves pages for the request's whole
+reservation, pulls the prefill side's pages into them with a deadline, yields a `Transferred` marker,
+then joins the running batch and yields every TokenEvent as it is produced. Any failure before the
+request joins frees the reserved pages; closing the stream early aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+
+from engine import metrics
+from engine.allocator import OutOfPages
+from engine.engine_loop import AsyncSink, EngineLoop
+from engine.llm import load_engine
+from engine.sampling_params import SamplingParams
+from kv_transfer.base import TransferError, TransferTimeout, make_backend
+from prefill_worker.worker import PrefillResult, WorkerStats, engine_stats
+
+
+@dataclass(frozen=True)
+class Transferred:
+    request_id: str
+    num_bytes: int
+    seconds: float
+
+
+class DecodeOverloaded(RuntimeError):
+    """No cache capacity or batch slot for the request right now (the router maps it to 429)."""
+
+
+class DecodeWorker:
+    role = "decode"
+
+    def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
+                 transfer: str = "tcp", transfer_timeout_s: float = 30.0):
+        self.worker_id = worker_id
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        self.engine = load_engine(model_dir, **(engine_options or {}))
+        self.transfer = transfer
+        self.transfer_timeout_s = transfer_timeout_s
+        self.backend = make_backend(transfer, self.engine.pool, worker_name=worker_id)
+        self.loop = EngineLoop(self.engine, name=f"decode-{worker_id}",
+                               on_step=lambda e, ev: metrics.observe_engine_load(self.role, self.worker_id, e))
+        self.peers: dict[str, bytes] = {}
+
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        """Learn (or re-learn, after a restart) a prefill worker's transfer metadata."""
+        if self.peers.get(name) == metadata:
+            return
+        if name in self.peers:
+            self.backend.remove_peer(name)
+        self.backend.add_peer(name, metadata)
+        self.peers[name] = metadata
+
+    def stats(self) -> WorkerStats:
+        return engine_stats(self.worker_id, self.role, self.incarnation, self.engine)
+
+    def ping(self) -> str:
+        if not self.loop.alive:
+            raise RuntimeError(f"decode worker {self.worker_id}: engine loop is not running")
+        return self.incarnation
+
+    async def decode(self, result: PrefillResult, prompt: list[int], params: SamplingParams):
+        rid = result.request_id
+        try:
+            pages = await self.loop.acall(lambda e: e.reserve_import(
+                prompt, params, rid, result.seed, result.first_token, result.first_logprob,
+                list(result.prompt_logprobs) if params.prompt_logprobs else None))
+        except OutOfPages as e:
+            raise DecodeOverloaded(f"decode worker {self.worker_id} has no room for {rid}: {e}") from None
+        start = time.monotonic()
+        try:
+            stats = await asyncio.to_thread(self.backend.pull, result.ticket, pages, self.transfer_timeout_s)
+        except TransferError as e:
+            kind = "timeout" if isinstance(e, TransferTimeout) else "error"
+            metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, kind).inc()
+            await self.loop.acall(lambda eng: eng.abort(rid))
+            raise
+        except BaseException:
+            await self.loop.acall(lambda eng: eng.abort(rid))
+            raise
+        seconds = time.monotonic() - start
+        metrics.KV_TRANSFER_TIME.labels(self.worker_id, self.transfer).observe(seconds)
+        metrics.KV_TRANSFER_BYTES.labels(self.worker_id, self.transfer).observe(stats.bytes)
+        yield Transferred(rid, stats.bytes, seconds)
+
+        sink = AsyncSink(asyncio.get_running_loop())
+
+        def join(engine):
+            self.loop.subscribe(rid, sink)
+            engine.commit_import(rid)
+
+        await self.loop.acall(join)
+        finished = False
+        try:
+            while not finished:
+                ev = await sink.queue.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                finished = ev.finished
+                if ev.token_id is not None:
+                    metrics.GENERATION_TOKENS.labels(self.role, self.worker_id).inc()
+                yield ev
+        finally:
+            if finished:
+                await self.loop.acall(lambda e: e.pop_finished(rid))
+            else:
+                await self.loop.acall(lambda e: e.abort(rid))
+
+    async def abort(self, request_id: str) -> None:
+        await self.loop.acall(lambda e: e.abort(request_id))
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.backend.close()

@@ -1,0 +1,121 @@
+"""EngineLoop: one EngineCore owned by one thread, driven through an inbox.
+
+An EngineCore is not thread-safe and a step can take a while, so the worker actors never touch it from
+their event loop. Everything goes through `call(fn)` (run fn(engine) between two steps, get a
+concurrent Future) and per-request event sinks. The thread steps while there is work and blocks on the
+inbox when idle, so an idle worker costs no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from typing import Callable
+
+from engine.request import TokenEvent
+from engine.runner import EngineCore
+
+_STOP = object()
+
+
+class AsyncSink:
+    """Delivers a request's events to an asyncio queue owned by another thread's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # loop closed: nobody listens any more
+            pass
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, name: str = "engine", on_step: Callable[[EngineCore, list], None] = None):
+        self.engine = engine
+        self.on_step = on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, AsyncSink] = {}
+        self._stopped = False
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def call(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between steps."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopped:
+            fut.set_exception(RuntimeError("engine loop is stopped"))
+            return fut
+        self._inbox.put((fn, fut))
+        return fut
+
+    async def acall(self, fn: Callable[[EngineCore], object]):
+        return await asyncio.wrap_future(self.call(fn))
+
+    def subscribe(self, request_id: str, sink: AsyncSink) -> None:
+        """Route request_id's events to sink; call through `call` so it happens before the request steps."""
+        self._sinks[request_id] = sink
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopped = True
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _drain(self, block: bool) -> bool:
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return True
+            block = False
+            if item is _STOP:
+                return False
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+
+    def _run(self) -> None:
+        try:
+            while self._drain(block=not self.engine.has_work):
+                if not self.engine.has_work:
+                    continue
+                try:
+                    events = self.engine.step()
+                except BaseException as e:  # noqa: BLE001 - a failed step fails every subscriber
+                    for sink in self._sinks.values():
+                        sink.put(e)
+                    self._sinks.clear()
+                    raise
+                self.last_step_time = time.monotonic()
+                self._deliver(events)
+                if self.on_step is not None:
+                    self.on_step(self.engine, events)
+                if not events:
+                    time.sleep(0.001)  # nothing admissible (cache full): do not spin
+        finally:
+            self._stopped = True
+            for sink in self._sinks.values():
+                sink.put(RuntimeError("engine loop stopped"))
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            sink = self._sinks.get(ev.request_id)
+            if sink is None:
+                continue
+            sink.put(ev)
+            if ev.finished or ev.request_id in self.engine.held:
+                del self._sinks[ev.request_id]

@@ -1,0 +1,105 @@
+"""Triton lightning-indexer logits over paged key rows, then top-k with -1 padding.
+
+Reference: `kernels.indexer.indexer_scores` + `topk_visible`. For query t and candidate s (row rows[t, s]
+of a flat key store, -1 = not visible):
+    score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . keys[rows[t, s]]) * Di^-0.5,   -inf when invalid.
+One program scores BLOCK_S candidates of one token against all its index heads with a single
+[BLOCK_S, Di] x [Di, Hi] dot, so keys are read once per token straight from the store (no [T, S, Di]
+gather). Decode has few tokens but thousands of candidates, so the grid is (T, S / BLOCK_S).
+
+Selection uses torch.topk on the kernel's scores for now (the score pass is the bandwidth-bound part;
+a fused radix/bitonic top-k is the next step). As in the reference, near-ties may order differently
+from another implementation whose scores differ in the last bits.
+
+Interpreter note: bf16 values are converted to fp32 right after loading (triton 3.x's interpreter does
+bf16 arithmetic on the raw bits); the GPU path feeds bf16 operands to tl.dot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gpu import import_triton, require_triton
+
+triton, tl = import_triton()
+
+
+@triton.jit
+def _indexer_scores_kernel(q_ptr, k_ptr, rows_ptr, w_ptr, out_ptr, HI, DI, S, scale,
+                           stride_qt, stride_qh, stride_kr, stride_rt, stride_wt, stride_ot,
+                           HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_S: tl.constexpr,
+                           BF16_DOT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cand = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    heads = tl.arange(0, HI_P)
+    cols = tl.arange(0, DI_P)
+    hmask = heads < HI
+    cmask = cols < DI
+    r = tl.load(rows_ptr + t * stride_rt + cand, mask=cand < S, other=-1).to(tl.int64)
+    ok = r >= 0
+    r = tl.where(ok, r, 0)
+    keys = tl.load(k_ptr + r[:, None] * stride_kr + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+                mask=hmask[:, None] & cmask[None, :], other=0.0)
+    if BF16_DOT:
+        dots = tl.dot(keys.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))
+    else:
+        dots = tl.dot(keys.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+    # Padded heads load w = 0, so they add nothing.
+    w = tl.load(w_ptr + t * stride_wt + heads, mask=hmask, other=0.0).to(tl.float32)
+    score = tl.sum(tl.maximum(dots, 0.0) * scale * w[None, :], axis=1)
+    score = tl.where(ok, score, float("-inf"))
+    tl.store(out_ptr + t * stride_ot + cand, score, mask=cand < S)
+
+
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                   *, block_s: int = 64) -> torch.Tensor:
+    """Indexer logits of each token's candidates, read from a flat key store.
+
+    q: [T, Hi, Di] fp32/bf16 (last dim contiguous); keys: [R, Di] (row stride free, last dim contiguous);
+    rows: int32/int64 [T, S], -1 = invalid; weights: [T, Hi] (already times Hi^-0.5).
+    -> fp32 [T, S], -inf where rows < 0. Equals
+    `kernels.indexer.indexer_scores(q, keys[rows.clamp(min=0)], weights)` on the valid entries.
+    """
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, Hi, Di] with unit stride on the last dim, got {tuple(q.shape)}")
+    t, hi, di = q.shape
+    if keys.dim() != 2 or keys.shape[1] != di or keys.stride(-1) != 1:
+        raise ValueError(f"keys must be [R, Di={di}] with unit stride on the last dim, got {tuple(keys.shape)}")
+    if rows.dim() != 2 or rows.shape[0] != t or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rows must be int32/int64 [T={t}, S], got {rows.dtype} {tuple(rows.shape)}")
+    if weights.shape != (t, hi):
+        raise ValueError(f"weights must be [T={t}, Hi={hi}], got {tuple(weights.shape)}")
+    if block_s < 16:
+        raise ValueError(f"block_s must be >= 16 (tl.dot), got {block_s}")
+    require_triton(q.device)
+    s = rows.shape[1]
+    out = torch.empty(t, s, dtype=torch.float32, device=q.device)
+    if t == 0 or s == 0:
+        return out
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    bf16_dot = q.is_cuda and q.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16
+    extra = {"num_warps": 4, "num_stages": 2} if q.is_cuda else {}
+    _indexer_scores_kernel[(t, triton.cdiv(s, block_s))](
+        q, keys, rows, weights, out, hi, di, s, di ** -0.5,
+        q.stride(0), q.stride(1), keys.stride(0), rows.stride(0), weights.stride(0), out.stride(0),
+        HI_P=max(16, triton.next_power_of_2(hi)), DI_P=max(16, triton.next_power_of_2(di)),
+        BLOCK_S=block_s, BF16_DOT=bf16_dot, **extra)
+    return out
+
+
+def indexer_topk(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                 k: int) -> torch.Tensor:
+    """Top-k candidates of each token by indexer score. Shapes as `indexer_scores`.
+
+    -> int64 [T, k] candidate positions (columns of `rows`, not row ids), best first, -1 where fewer
+    than k candidates are valid: the contract of `kernels.indexer.topk_visible(scores, rows >= 0, k)`.
+    Selection is torch.topk on the fp32 scores (see the module docstring).
+    """
+    scores = indexer_scores(q, keys, rows, weights)
+    if scores.shape[1] < k:  # pad the candidate axis so topk always returns k columns
+        scores = torch.nn.functional.pad(scores, (0, k - scores.shape[1]), value=float("-inf"))
+    top = scores.topk(k, dim=-1)
+    # Valid scores are finite, so -inf marks exactly the invalid (or padding) picks.
+    return torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))

@@ -1,0 +1,162 @@
+"""Triton mHC (manifold-constrained hyper-connections): fused pre (weights + Sinkhorn + collapse) and post.
+
+Reference: `kernels.mhc.hc_pre` / `hc_post`. Per token with hc streams of width D:
+- pre: the (2+hc)*hc mixing logits are RMSNorm(flat streams) @ fn^T. RMSNorm has no weight, so that is
+  rsqrt(mean(x^2) + eps) * (x @ fn^T): torch does the skinny matmul on the raw streams and the kernel
+  applies the per-token factor, which it gets from the same pass over the streams it needs anyway for
+  the collapse. Then, all in registers: pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax + eps,
+  Sinkhorn (column norm, then iters-1 x (row, column)), and collapsed = sum_i pre_i * stream_i.
+  One program per token: hc*hc is tiny and the streams of a token (hc * D values) stay in L1/L2
+  between the sum-of-squares pass and the collapse pass.
+- post: new_streams[j] = post_j * block_out + sum_i comb[i, j] * streams[i]; grid (T, D / BLOCK_D).
+All mixing math is fp32 (as in the reference); outputs round once to the streams' dtype.
+Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see kernels/triton_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gpu import import_triton, require_triton
+
+triton, tl = import_triton()
+
+
+@triton.jit
+def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr,
+                   HC, D, iters, hc_eps, norm_eps,
+                   stride_st, stride_sh, stride_mt, stride_ct,
+                   HC_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, HC_P)
+    j = tl.arange(0, HC_P)
+    imask = i < HC
+    s_row = streams_ptr + t * stride_st + i[:, None] * stride_sh
+
+    # Pass 1: sum of squares of the flattened streams -> the RMSNorm factor of the mixing logits.
+    sq = tl.zeros([HC_P, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(s_row + cols[None, :], mask=imask[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+        sq += x * x
+    rinv = tl.rsqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / (HC * D) + norm_eps)
+
+    s0 = tl.load(scale_ptr).to(tl.float32)
+    s1 = tl.load(scale_ptr + 1).to(tl.float32)
+    s2 = tl.load(scale_ptr + 2).to(tl.float32)
+    m_row = mixes_ptr + t * stride_mt
+    pre = tl.load(m_row + i, mask=imask, other=0.0) * rinv * s0 + tl.load(base_ptr + i, mask=imask, other=0.0)
+    pre = tl.where(imask, tl.sigmoid(pre) + hc_eps, 0.0)
+    post = tl.load(m_row + HC + i, mask=imask, other=0.0) * rinv * s1 + tl.load(base_ptr + HC + i, mask=imask,
+                                                                                 other=0.0)
+    post = 2.0 * tl.sigmoid(post)
+
+    # comb[i, j] lives at 2*HC + i*HC + j; padded entries stay exactly 0 so they never enter a sum.
+    cmask = imask[:, None] & (j < HC)[None, :]
+    cidx = 2 * HC + i[:, None] * HC + j[None, :]
+    logits = tl.load(m_row + cidx, mask=cmask, other=0.0) * rinv * s2 + tl.load(base_ptr + cidx, mask=cmask,
+                                                                                 other=0.0)
+    logits = tl.where(cmask, logits, float("-inf"))
+    row_max = tl.max(logits, axis=1)
+    row_max = tl.where(imask, row_max, 0.0)  # padded rows are all -inf: keep their exponent finite
+    e = tl.where(cmask, tl.exp(logits - row_max[:, None]), 0.0)
+    row_sum = tl.where(imask, tl.sum(e, axis=1), 1.0)
+    comb = tl.where(cmask, e / row_sum[:, None] + hc_eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    tl.store(post_ptr + t * HC + i, post, mask=imask)
+    tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=cmask)
+
+    # Pass 2: collapse (re-reads the token's streams, which the first pass just brought into cache).
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        dmask = cols < D
+        x = tl.load(s_row + cols[None, :], mask=imask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        y = tl.sum(pre[:, None] * x, axis=0)
+        tl.store(collapsed_ptr + t * stride_ct + cols, y.to(collapsed_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _hc_post_kernel(out_ptr, block_out_ptr, streams_ptr, post_ptr, comb_ptr, HC, D,
+                    stride_st, stride_sh, stride_bt, stride_ot, stride_oh,
+                    HC_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = cols < D
+    i = tl.arange(0, HC_P)
+    imask = i < HC
+    x = tl.load(streams_ptr + t * stride_st + i[:, None] * stride_sh + cols[None, :],
+                mask=imask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [i, d]
+    comb = tl.load(comb_ptr + t * HC * HC + i[:, None] * HC + i[None, :],
+                   mask=imask[:, None] & imask[None, :], other=0.0).to(tl.float32)  # [i, j]
+    post = tl.load(post_ptr + t * HC + i, mask=imask, other=0.0).to(tl.float32)  # [j]
+    bo = tl.load(block_out_ptr + t * stride_bt + cols, mask=dmask, other=0.0).to(tl.float32)
+    mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [j, d] = sum_i comb[i, j] x[i, d]
+    y = post[:, None] * bo[None, :] + mixed
+    tl.store(out_ptr + t * stride_ot + i[:, None] * stride_oh + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=imask[:, None] & dmask[None, :])
+
+
+def _check_streams(streams: torch.Tensor) -> None:
+    if streams.dim() != 3 or streams.stride(-1) != 1:
+        raise ValueError(f"streams must be [T, hc, D] with unit stride on the last dim, got {tuple(streams.shape)}")
+    require_triton(streams.device)
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+           hc_eps: float, norm_eps: float, *, block_d: int = 256):
+    """Fused mHC pre. streams: [T, hc, D]; fn: [(2+hc)*hc, hc*D]; base: [(2+hc)*hc]; scale: [3].
+
+    -> (collapsed [T, D] in streams.dtype, post fp32 [T, hc], comb fp32 [T, hc, hc]), as
+    `kernels.mhc.hc_pre`. The logits matmul runs in torch, fp32, on the un-normalised streams.
+    """
+    _check_streams(streams)
+    t, hc, d = streams.shape
+    n_mix = (2 + hc) * hc
+    if fn.shape != (n_mix, hc * d):
+        raise ValueError(f"fn must be [(2+hc)*hc={n_mix}, hc*D={hc * d}], got {tuple(fn.shape)}")
+    if base.shape != (n_mix,) or scale.shape != (3,):
+        raise ValueError(f"base must be [{n_mix}] and scale [3], got {tuple(base.shape)}, {tuple(scale.shape)}")
+    if iters < 1:
+        raise ValueError(f"sinkhorn iters must be >= 1, got {iters}")
+    collapsed = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
+    post = torch.empty(t, hc, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(t, hc, hc, dtype=torch.float32, device=streams.device)
+    if t == 0:
+        return collapsed, post, comb
+    mixes = streams.reshape(t, hc * d).float() @ fn.float().t()  # [T, n_mix] fp32, contiguous
+    extra = {"num_warps": 4} if streams.is_cuda else {}
+    _hc_pre_kernel[(t,)](streams, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post,
+                         comb, hc, d, iters, hc_eps, norm_eps,
+                         streams.stride(0), streams.stride(1), mixes.stride(0), collapsed.stride(0),
+                         HC_P=triton.next_power_of_2(hc), BLOCK_D=min(block_d, triton.next_power_of_2(d)),
+                         **extra)
+    return collapsed, post, comb
+
+
+def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            *, block_d: int = 512) -> torch.Tensor:
+    """Fused mHC post. block_out: [T, D]; streams: [T, hc, D]; post: [T, hc]; comb: [T, hc, hc].
+
+    -> [T, hc, D] in streams.dtype: post_j * block_out + sum_i comb[i, j] * streams_i, computed in fp32
+    and rounded once (the reference rounds each term to the streams' dtype).
+    """
+    _check_streams(streams)
+    t, hc, d = streams.shape
+    if block_out.shape != (t, d) or block_out.stride(-1) != 1:
+        raise ValueError(f"block_out must be [T={t}, D={d}] with unit last stride, got {tuple(block_out.shape)}")
+    if post.shape != (t, hc) or comb.shape != (t, hc, hc):
+        raise ValueError(f"post must be [{t}, {hc}] and comb [{t}, {hc}, {hc}], got {tuple(post.shape)}, "
+                         f"{tuple(comb.shape)}")
+    out = torch.empty(t, hc, d, dtype=streams.dtype, device=streams.device)
+    if t == 0:
+        return out
+    block_d = min(block_d, triton.next_power_of_2(d))
+    extra = {"num_warps": 4} if streams.is_cuda else {}
+    _hc_post_kernel[(t, triton.cdiv(d, block_d))](
+        out, block_out, streams, post.float().contiguous(), comb.float().contiguous(), hc, d,
+        streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), out.stride(1),
+        HC_P=triton.next_power_of_2(hc), BLOCK_D=block_d, **extra)
+    return out

@@ -1,0 +1,168 @@
+"""PrefillWorker: chunked prefill under a token budget, first token, then a KV hand-off.
+
+One engine per worker, stepped by an EngineLoop thread; many requests share each step (the engine's
+scheduler packs prompt chunks up to `max_batch_tokens`). A request stops after its first token with its
+caches held; `export` registers it with the transfer backend and returns a ticket the decode side pulls
+with. The backend reports the decode side's confirmation (or failure, or lease expiry) through `poll`,
+which runs on the engine thread and frees the pages there: the prefill side frees only after the
+decode side has confirmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+
+from engine import metrics
+from engine.engine_loop import AsyncSink, EngineLoop
+from engine.llm import load_engine
+from engine.sampling_params import SamplingParams
+from kv_transfer.base import TransferTicket, make_backend
+
+POLL_INTERVAL_S = 0.02
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    worker_id: str
+    first_token: int
+    first_logprob: float
+    prompt_logprobs: tuple  # (None, lp1, ...) when asked for, else ()
+    seed: int
+    finished: bool  # the first token already ended the request (EOS, or max_new_tokens == 1)
+    finish_reason: str | None
+    ticket: TransferTicket | None  # None when finished
+    queue_time_s: float
+    prefill_time_s: float
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    role: str
+    incarnation: str  # changes when the actor restarts (new transfer agent, empty cache)
+    running: int
+    waiting: int
+    kv_usage: float
+    kv_free_tokens: int
+
+
+def kv_free_tokens(engine) -> int:
+    """Tokens of new reservation the cache can still take (zero when no per-request page is left)."""
+    free = []
+    for g in engine.pool.groups.values():
+        spec, n = g.spec, g.allocator.num_free
+        if spec.fixed:
+            if n == 0:
+                return 0
+        else:
+            free.append(n * spec.page_rows * spec.tokens_per_row)
+    return min(free) if free else 0
+
+
+def engine_stats(worker_id: str, role: str, incarnation: str, engine) -> WorkerStats:
+    sched = engine.scheduler
+    return WorkerStats(worker_id, role, incarnation, len(sched.running) + len(engine.held) + len(engine.imports),
+                       len(sched.waiting), max(engine.pool.usage().values(), default=0.0), kv_free_tokens(engine))
+
+
+class PrefillWorker:
+    role = "prefill"
+
+    def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
+                 transfer: str = "tcp", lease_s: float = 120.0):
+        self.worker_id = worker_id
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        self.engine = load_engine(model_dir, **(engine_options or {}))
+        self.transfer = transfer
+        self.backend = make_backend(transfer, self.engine.pool, worker_name=worker_id, lease_s=lease_s)
+        self.backend.add_release_callback(self._on_release)
+        self.loop = EngineLoop(self.engine, name=f"prefill-{worker_id}", on_step=self._on_step)
+        self._poller: asyncio.Task | None = None
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _on_release(self, request_id: str, error: str | None) -> None:
+        self.engine.release(request_id)
+        if error:
+            metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, "prefill_side").inc()
+
+    def _on_step(self, engine, events) -> None:
+        self.backend.poll()
+        metrics.observe_engine_load(self.role, self.worker_id, engine)
+
+    # ---- actor API -------------------------------------------------------------------------------
+    def transfer_metadata(self) -> bytes:
+        return self.backend.metadata()
+
+    def stats(self) -> WorkerStats:
+        return engine_stats(self.worker_id, self.role, self.incarnation, self.engine)
+
+    def ping(self) -> str:
+        if not self.loop.alive:
+            raise RuntimeError(f"prefill worker {self.worker_id}: engine loop is not running")
+        return self.incarnation
+
+    async def _poll_forever(self) -> None:
+        # Confirmations arrive while the engine may be idle: poll on the engine thread regularly.
+        while True:
+            await self.loop.acall(lambda e: self.backend.poll())
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      seed: int | None = None) -> PrefillResult:
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+        arrival = time.monotonic()
+        sink = AsyncSink(asyncio.get_running_loop())
+
+        def add(engine):
+            engine.add_request(prompt, params, request_id, prefill_only=True, seed=seed)
+            self.loop.subscribe(request_id, sink)
+
+        await self.loop.acall(add)
+        first_step = None
+        prompt_lps = [None] if params.prompt_logprobs else []
+        try:
+            while True:
+                ev = await sink.queue.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                first_step = first_step or time.monotonic()
+                prompt_lps.extend(ev.prompt_logprobs)
+                if ev.token_id is not None:
+                    break
+        except BaseException:
+            await self.loop.acall(lambda e: e.abort(request_id))
+            raise
+        done = time.monotonic()
+        labels = (self.role, self.worker_id)
+        metrics.REQUEST_QUEUE_TIME.labels(*labels).observe(first_step - arrival)
+        metrics.PREFILL_TIME.labels(*labels).observe(done - first_step)
+        metrics.PROMPT_TOKENS.labels(*labels).inc(len(prompt))
+        metrics.GENERATION_TOKENS.labels(*labels).inc()
+
+        def finish(engine):
+            if ev.finished:
+                req = engine.pop_finished(request_id)
+                return req.seed, None
+            req = engine.held_request(request_id)
+            return req.seed, self.backend.export(request_id, req.pages, req.num_computed)
+
+        seed_used, ticket = await self.loop.acall(finish)
+        return PrefillResult(request_id, self.worker_id, ev.token_id, ev.logprob, tuple(prompt_lps), seed_used,
+                             ev.finished, ev.finish_reason, ticket, first_step - arrival, done - first_step)
+
+    async def abort(self, request_id: str) -> None:
+        """Drop a request (queued, running or held) and withdraw its export; frees its pages."""
+        def drop(engine):
+            self.backend.release(request_id, "aborted")
+            engine.abort(request_id)
+
+        await self.loop.acall(drop)
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.backend.close()
