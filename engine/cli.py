@@ -81,17 +81,28 @@ def _make_model(args) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    from deploy.service import add_serve_args
+
+    add_serve_args(sub.add_parser("serve", help="run the disaggregated service (Ray, gRPC router, OpenAI HTTP)"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek V4 inference service")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_make_model(sub)
+    _add_serve(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
         if args.command == "make-model":
             return _make_model(args)
+        if args.command == "serve":
+            from deploy.service import serve_main
+
+            return serve_main(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"dsv4 {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,99 @@
+"""Triton fused RMSNorm + interleaved partial RoPE (the q and kv prologue of V4 attention).
+
+Reference: `kernels.rope.apply_rope(norm(x), cos, sin)` with norm = `kernels.norm.rms_norm` (kv, weighted)
+or `kernels.norm.unweighted_rms_norm` (q, per head). Rounding follows the references step by step, so
+bf16 results match them to the last bit or one ulp:
+- weighted: y = (w * (x * rsqrt(mean(x^2) + eps))).to(dtype), all fp32 before the cast;
+- unweighted: y = (x * rsqrt(...).to(dtype)).to(dtype) (the reference multiplies in x.dtype);
+- RoPE on the trailing rope_dim channels of y, pairs (2i, 2i+1), in fp32, cast back once.
+One program normalises BLOCK_R rows (a row is one head of one token, or one token's kv). The rope
+channels are re-loaded as separate even / odd vectors (cache hits) rather than de-interleaved in
+registers, which keeps the kernel free of reshape/split layout shuffles.
+Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see kernels/triton_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gpu import import_triton, require_triton
+
+triton, tl = import_triton()
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, H, D, HALF, eps,
+                      stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st,
+                      HAS_WEIGHT: tl.constexpr, D_P: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = n < N
+    tok = (n // H).to(tl.int64)
+    x_row = x_ptr + tok * stride_xt + (n % H) * stride_xh
+    o_row = out_ptr + tok * stride_ot + (n % H) * stride_oh
+    cols = tl.arange(0, D_P)
+    nope = D - 2 * HALF
+    x = tl.load(x_row[:, None] + cols[None, :], mask=rmask[:, None] & (cols < D)[None, :], other=0.0)
+    x = x.to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [BLOCK_R]
+    if not HAS_WEIGHT:
+        r = r.to(out_ptr.dtype.element_ty).to(tl.float32)  # the unweighted reference rounds the factor
+    y = x * r[:, None]
+    if HAS_WEIGHT:
+        y = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :] * y
+    tl.store(o_row[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (cols < nope)[None, :])
+
+    # RoPE channels: even = nope + 2i, odd = nope + 2i + 1, normalised the same way, rounded, rotated.
+    p = tl.arange(0, HALF_P)
+    pm = rmask[:, None] & (p < HALF)[None, :]
+    ev_col = nope + 2 * p
+    ev = tl.load(x_row[:, None] + ev_col[None, :], mask=pm, other=0.0).to(tl.float32) * r[:, None]
+    od = tl.load(x_row[:, None] + ev_col[None, :] + 1, mask=pm, other=0.0).to(tl.float32) * r[:, None]
+    if HAS_WEIGHT:
+        ev = tl.load(w_ptr + ev_col, mask=p < HALF, other=0.0).to(tl.float32)[None, :] * ev
+        od = tl.load(w_ptr + ev_col + 1, mask=p < HALF, other=0.0).to(tl.float32)[None, :] * od
+    ev = ev.to(out_ptr.dtype.element_ty).to(tl.float32)
+    od = od.to(out_ptr.dtype.element_ty).to(tl.float32)
+    c = tl.load(cos_ptr + tok[:, None] * stride_ct + p[None, :], mask=pm, other=1.0)
+    s = tl.load(sin_ptr + tok[:, None] * stride_st + p[None, :], mask=pm, other=0.0)
+    tl.store(o_row[:, None] + ev_col[None, :], (ev * c - od * s).to(out_ptr.dtype.element_ty), mask=pm)
+    tl.store(o_row[:, None] + ev_col[None, :] + 1, (od * c + ev * s).to(out_ptr.dtype.element_ty), mask=pm)
+
+
+def rms_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                  weight: torch.Tensor | None = None, *, block_r: int | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim, then interleaved RoPE on its trailing 2 * cos.shape[-1] channels.
+
+    x: [T, D] (kv, pass `weight` [D]) or [T, H, D] (q, weight None = per-head unweighted norm; a weight
+    is applied to every head if given); last dim contiguous. cos, sin: fp32 [T, rope_dim // 2] at each
+    token's position. -> same shape as x, x.dtype. Equals
+    `apply_rope(rms_norm(x, weight, eps), cos, sin)` or `apply_rope(unweighted_rms_norm(x, eps), cos, sin)`.
+    """
+    if x.dim() not in (2, 3) or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, D] or [T, H, D] with unit stride on the last dim, got {tuple(x.shape)}")
+    t, d = x.shape[0], x.shape[-1]
+    h = x.shape[1] if x.dim() == 3 else 1
+    if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or 2 * cos.shape[1] > d:
+        raise ValueError(f"cos/sin must be [T={t}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    if weight is not None and weight.shape != (d,):
+        raise ValueError(f"weight must be [D={d}], got {tuple(weight.shape)}")
+    require_triton(x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = t * h
+    if n == 0:
+        return out
+    x3, o3 = x.view(t, h, d) if x.dim() == 2 else x, out.view(t, h, d)
+    cos, sin = cos.float(), sin.float()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    half = cos.shape[1]
+    d_p = triton.next_power_of_2(d)
+    block_r = block_r or max(1, min(16, 8192 // d_p))  # ~8K values per program
+    extra = {"num_warps": 4} if x.is_cuda else {}
+    _norm_rope_kernel[(triton.cdiv(n, block_r),)](
+        x3, weight if weight is not None else x3, cos, sin, o3, n, h, d, half, eps,
+        x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), cos.stride(0), sin.stride(0),
+        HAS_WEIGHT=weight is not None, D_P=d_p, HALF_P=max(1, triton.next_power_of_2(half)),
+        BLOCK_R=block_r, **extra)
+    return out
