@@ -19,7 +19,9 @@ power-of-two head + tail for plain rows) because tl.arange needs power-of-two wi
 
 Interpreter note: triton 3.x's CPU interpreter stores bf16 as raw uint16 and does integer arithmetic and
 matmuls on the bits, so kernels here convert every bf16 load to fp32 before arithmetic and only use bf16
-dot operands when compiled for the GPU (`bf16_dot`); the interpreter runs the same dots in fp32.
+dot operands when compiled for the GPU (`bf16_dot`); the interpreter runs the same dots in fp32. Its
+fp32 -> bf16 cast also truncates (the GPU rounds to nearest even), so interpreted bf16 outputs can be
+one ulp lower in magnitude than compiled ones; bf16 tolerances cover both.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ FP8_SCALE_BLOCK = 64  # NoPE values per UE8M0 scale in fp8_ds_mla
 def _dot(a, b, BF16_DOT: tl.constexpr):
     """fp32 [M, K] x [K, N] -> fp32; bf16 tensor-core operands on GPU, exact fp32 in the interpreter."""
     if BF16_DOT:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return tl.dot(a, b, input_precision="ieee")
+        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        c = tl.dot(a, b, input_precision="ieee")
+    return c
 
 
 @triton.jit

@@ -1,15 +1,16 @@
 """Triton fused RMSNorm + interleaved partial RoPE (the q and kv prologue of V4 attention).
 
 Reference: `kernels.rope.apply_rope(norm(x), cos, sin)` with norm = `kernels.norm.rms_norm` (kv, weighted)
-or `kernels.norm.unweighted_rms_norm` (q, per head). Rounding follows the references step by step, so
-bf16 results match them to the last bit or one ulp:
+or `kernels.norm.unweighted_rms_norm` (q, per head). Rounding to x.dtype happens at the same points as
+in the references (so bf16 results differ from them by about one ulp, not by accumulated drift):
 - weighted: y = (w * (x * rsqrt(mean(x^2) + eps))).to(dtype), all fp32 before the cast;
 - unweighted: y = (x * rsqrt(...).to(dtype)).to(dtype) (the reference multiplies in x.dtype);
 - RoPE on the trailing rope_dim channels of y, pairs (2i, 2i+1), in fp32, cast back once.
 One program normalises BLOCK_R rows (a row is one head of one token, or one token's kv). The rope
 channels are re-loaded as separate even / odd vectors (cache hits) rather than de-interleaved in
 registers, which keeps the kernel free of reshape/split layout shuffles.
-Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see kernels/triton_attention.py).
+Interpreter note: bf16 loads are converted to fp32 before any arithmetic, and the interpreter's fp32 -> bf16
+cast truncates where the GPU rounds to nearest even (see kernels/triton_attention.py).
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ def import_nixl():
             return m.nixl_agent, m.nixl_agent_config, m
         except ImportError as e:  # keep looking: `pip install nixl` ships one wheel per CUDA major
             errors.append(f"{mod}: {e}")
-    raise ImportError("no NIXL python package (pip install nixl-cu12 on CPU / CUDA 12 hosts): " + "; ".join(errors))
+    raise ImportError("no NIXL python package (pip install nixl-cu12 on CPU / CUDA 12 hosts, or start the workers "
+                      "with --transfer tcp): " + "; ".join(errors))
 
 
 def _mem(tensor) -> tuple[str, int]:

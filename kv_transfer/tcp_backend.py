@@ -22,7 +22,6 @@ import queue
 import socket
 import struct
 import threading
-import time
 
 import torch
 

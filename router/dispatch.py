@@ -48,6 +48,9 @@ class WorkerInfo:
     waiting: int = 0  # requests queued for admission
     kv_free_tokens: int = 0  # tokens more the cache can reserve right now
     kv_usage: float = 0.0  # fraction of KV pages in use, 0..1
+    # Changes when the worker restarts (new process, empty cache): a restart between two health probes
+    # is never seen as "down", so this is how the router knows to forget what it sent there before.
+    incarnation: str = ""
 
     def __post_init__(self):
         if self.role not in ROLES:

@@ -69,9 +69,11 @@ class LocalWorker:
         self.stall_timeout_s = stall_timeout_s
         self._factory = engine_factory
         self._lock = threading.Lock()  # guards _dead + inbox puts against the thread's final drain
+        self._incarnation = 0
         self._start()
 
     def _start(self) -> None:
+        self._incarnation += 1
         self.engine = self._factory()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._subs: dict[str, _Sub] = {}  # owned by the engine thread
@@ -167,8 +169,8 @@ class LocalWorker:
                 _, req, sub = msg
                 try:
                     self.engine.add_request(list(req.prompt_ids), req.params, req.request_id)
-                except ValueError as e:  # rejected before anything was allocated
-                    sub.put(ValueError(str(e)))
+                except Exception as e:  # this request's problem (ValueError: rejected), not the worker's
+                    sub.put(e)
                     continue
                 self._subs[req.request_id] = sub
             elif msg[0] == "abort":
@@ -204,7 +206,8 @@ class LocalWorker:
         sched, pool = self.engine.scheduler, self.engine.pool
         usage = pool.usage()
         return WorkerInfo(self.worker_id, "colocated", True, len(sched.running), len(sched.waiting),
-                          kv_free_tokens(self.engine), max(usage.values()) if usage else 0.0)
+                          kv_free_tokens(self.engine), max(usage.values()) if usage else 0.0,
+                          f"{self.worker_id}#{self._incarnation}")
 
 
 class LocalDispatcher:

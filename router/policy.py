@@ -35,7 +35,8 @@ capacity first, then the least load (reason "kv_capacity"). If none fits, the sa
 
 Health: a worker is a candidate only if the dispatcher reports it healthy AND the router has not marked
 it down (`set_health`). Going down forgets its blocks (its cache is gone, and a dead worker must not stay
-in the tree); `set_health(worker, True)` adds it back, with an empty history.
+in the tree); `set_health(worker, True)` adds it back, with an empty history. A changed
+`WorkerInfo.incarnation` (restarted between two probes) forgets its blocks too.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class RoutingPolicy:
         self.config = config or PolicyConfig()
         self._lru: dict[str, BlockLRU] = {}
         self._down: set[str] = set()
+        self._incarnation: dict[str, str] = {}
         self._inflight: Counter[str] = Counter()
         self._reserved: Counter[str] = Counter()  # KV tokens of in-flight requests, per decode worker
         self._rr = 0  # round-robin cursor
@@ -207,8 +209,9 @@ class RoutingPolicy:
         Raises NoWorkerAvailable when no healthy worker can take a phase."""
         workers = list(workers)
         for w in workers:
-            if not w.healthy:
+            if not w.healthy or self._incarnation.setdefault(w.worker_id, w.incarnation) != w.incarnation:
                 self.forget(w.worker_id)
+                self._incarnation[w.worker_id] = w.incarnation
         excluded = set(exclude)
         up = [w for w in workers if self.is_up(w) and w.worker_id not in excluded]
         prefill_cands = [w for w in up if w.role in PREFILL_ROLES]

@@ -25,13 +25,13 @@ PARAMS = SamplingParams(max_new_tokens=6, logprobs=True, prompt_logprobs=True)
 class Harness:
     """A RouterServer on its own event-loop thread, so the tests can use the blocking client."""
 
-    def __init__(self, health_interval_s=3600.0, policy=None):
+    def __init__(self, health_interval_s=3600.0, policy=None, max_inflight=0):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.dispatcher = LocalDispatcher(2)
         self.server = RouterServer(self.dispatcher, policy or RoutingPolicy(PolicyConfig(cache_threshold=0.5)),
-                                   health_interval_s=health_interval_s)
+                                   health_interval_s=health_interval_s, max_inflight=max_inflight)
         self.port = self.run(self.server.start("127.0.0.1", 0))
         self.client = RouterClient(f"127.0.0.1:{self.port}", timeout_s=60)
 
@@ -94,7 +94,7 @@ def test_invalid_argument_and_server_keeps_serving(router, reference, prompt, ne
     if needle == "top_p":
         msg.top_p = 0.0  # explicitly set: rejected by SamplingParams, not defaulted
     with pytest.raises(grpc.RpcError) as info:
-        replies = list(stub.Generate(msg, timeout=30))
+        list(stub.Generate(msg, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in info.value.details()
     if needle != "top_p":  # same error through the wrapper (raised from the in-band error message)
         with pytest.raises(RouterError) as info:
@@ -198,5 +198,23 @@ def test_health_loop_notices_a_death_on_its_own():
         assert h.client.stats().retries_total == 0
         assert {h.client.generate_full([i + 2] * 20, SamplingParams(max_new_tokens=1)).prefill_worker
                 for i in range(3)} == {"engine-0"}
+    finally:
+        h.close()
+
+
+def test_router_admission_limit_is_resource_exhausted():
+    h = Harness(max_inflight=1)
+    try:
+        long = h.client.generate(PROMPTS[1], SamplingParams(max_new_tokens=500, ignore_eos=True))
+        next(long)  # holds the only slot
+        with pytest.raises(RouterError) as info:
+            h.client.generate_full(PROMPTS[2], PARAMS)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        long.close()
+        deadline = time.monotonic() + 20
+        while h.server._active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert h.client.generate_full(PROMPTS[2], SamplingParams(max_new_tokens=2)).finish_reason == "length"
+        assert h.client.stats().errors_total == {"RESOURCE_EXHAUSTED": 1}
     finally:
         h.close()

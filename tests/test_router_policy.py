@@ -159,6 +159,16 @@ def test_unhealthy_worker_is_skipped_forgotten_and_readded():
     assert pol.place(prompt(2, 4), 100, ws).prefill.worker_id == home  # and taking new prefixes again
 
 
+def test_restart_between_probes_forgets_the_workers_blocks():
+    pol = RoutingPolicy()
+    ws = [WorkerInfo("a", "colocated", incarnation="1"), WorkerInfo("b", "colocated", incarnation="1")]
+    home = pol.place(prompt(1, 4), 100, ws).prefill.worker_id
+    assert pol.place(prompt(1, 4), 100, ws).prefill.reason == "prefix_hit"
+    restarted = [WorkerInfo(w.worker_id, "colocated", incarnation="2" if w.worker_id == home else "1") for w in ws]
+    d = pol.place(prompt(1, 4), 100, restarted).prefill
+    assert d.reason == "no_match" and pol.cached_blocks(home) == (4 if d.worker_id == home else 0)
+
+
 def test_dispatcher_reported_unhealthy_and_exclusions():
     pol = RoutingPolicy()
     ws = [colocated("a"), colocated("b", healthy=False)]

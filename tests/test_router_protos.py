@@ -31,7 +31,8 @@ def test_fresh_stubs_load_without_grpc_tools(tmp_path):
 def test_changed_proto_regenerates_or_fails_clearly(tmp_path):
     copy = _copy(tmp_path)
     proto = copy / "dsv4_router.proto"
-    proto.write_text(proto.read_text().replace("message StatsRequest {}", "message StatsRequest {\n  bool verbose = 1;\n}"))
+    text = proto.read_text().replace("message StatsRequest {}", "message StatsRequest {\n  bool verbose = 1;\n}")
+    proto.write_text(text)
     out = _python(tmp_path, NO_TOOLS + "import router.protos")
     assert out.returncode != 0 and "pip install grpcio-tools" in out.stderr
     out = _python(tmp_path, "from router.protos import pb2, stubs_fresh; "
