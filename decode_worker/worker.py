@@ -110,10 +110,10 @@ class DecodeWorker:
             if finished:
                 await self.loop.acall(lambda e: e.pop_finished(rid))
             else:
-                await self.loop.acall(lambda e: e.abort(rid))
+                await self.loop.acall(lambda e: (e.abort(rid), self.loop.unsubscribe(rid)))
 
     async def abort(self, request_id: str) -> None:
-        await self.loop.acall(lambda e: e.abort(request_id))
+        await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))
 
     def shutdown(self) -> None:
         self.loop.stop()

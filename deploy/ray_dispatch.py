@@ -50,7 +50,7 @@ class RayDispatcher:
             self._info[wid] = WorkerInfo(wid, self._info[wid].role, healthy=False)
             return False
         self._info[wid] = WorkerInfo(wid, stats.role, True, stats.running, stats.waiting, stats.kv_free_tokens,
-                                     stats.kv_usage)
+                                     stats.kv_usage, incarnation=stats.incarnation)
         if self._incarnation.get(wid) != stats.incarnation:
             self._incarnation[wid] = stats.incarnation
             if wid in self.prefill:  # a new prefill incarnation has a new transfer agent

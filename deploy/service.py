@@ -69,11 +69,9 @@ def _remote_classes(cfg: ServiceConfig):
             ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor))
 
 
-def start_service(cfg: ServiceConfig) -> dict:
-    """Deploy everything on the connected Ray cluster; -> handles and URLs."""
+def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
+    """Deploy everything on the connected Ray cluster; -> handles and URLs. `http=False` skips Ray Serve."""
     import ray
-
-    from deploy.serve_app import deploy_http
 
     prefill_cls, decode_cls, router_cls = _remote_classes(cfg)
     opts = dict(cfg.engine_options)
@@ -86,7 +84,10 @@ def start_service(cfg: ServiceConfig) -> dict:
     router_port = ray.get(router.start.remote("127.0.0.1" if cfg.host in ("127.0.0.1", "localhost") else "0.0.0.0",
                                               cfg.router_port))
     router_addr = f"127.0.0.1:{router_port}"
-    deploy_http(router_addr, cfg.model_dir, cfg.model_name, cfg.host, cfg.port)
+    if http:
+        from deploy.serve_app import deploy_http
+
+        deploy_http(router_addr, cfg.model_dir, cfg.model_name, cfg.host, cfg.port)
     return {"prefill": prefill, "decode": decode, "router": router, "router_addr": router_addr,
             "http": f"http://{cfg.host}:{cfg.port}", "metrics": f"http://{cfg.host}:{cfg.metrics_port}/metrics"}
 

@@ -66,6 +66,10 @@ class EngineLoop:
         """Route request_id's events to sink; call through `call` so it happens before the request steps."""
         self._sinks[request_id] = sink
 
+    def unsubscribe(self, request_id: str) -> None:
+        """Forget a request's sink (aborted requests produce no final event). Engine thread only."""
+        self._sinks.pop(request_id, None)
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stopped = True
         self._inbox.put(_STOP)
@@ -110,6 +114,18 @@ class EngineLoop:
             self._stopped = True
             for sink in self._sinks.values():
                 sink.put(RuntimeError("engine loop stopped"))
+            self._sinks.clear()
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """Calls queued after the stop signal must not wait forever."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(RuntimeError("engine loop is stopped"))
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for ev in events:

@@ -135,7 +135,7 @@ class PrefillWorker:
                 if ev.token_id is not None:
                     break
         except BaseException:
-            await self.loop.acall(lambda e: e.abort(request_id))
+            await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))
             raise
         done = time.monotonic()
         labels = (self.role, self.worker_id)
@@ -160,6 +160,7 @@ class PrefillWorker:
         def drop(engine):
             self.backend.release(request_id, "aborted")
             engine.abort(request_id)
+            self.loop.unsubscribe(request_id)
 
         await self.loop.acall(drop)
 
