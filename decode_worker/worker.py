@@ -47,6 +47,7 @@ class DecodeWorker:
         self.loop = EngineLoop(self.engine, name=f"decode-{worker_id}",
                                on_step=lambda e, ev: metrics.observe_engine_load(self.role, self.worker_id, e))
         self.peers: dict[str, bytes] = {}
+        self.transfer_totals = {"bytes": 0, "seconds": 0.0, "count": 0, "failures": 0}
 
     def add_peer(self, name: str, metadata: bytes) -> None:
         """Learn (or re-learn, after a restart) a prefill worker's transfer metadata."""
@@ -56,6 +57,10 @@ class DecodeWorker:
             self.backend.remove_peer(name)
         self.backend.add_peer(name, metadata)
         self.peers[name] = metadata
+
+    def transfer_summary(self) -> dict:
+        """Bytes, seconds, count and failures of every pull so far (for `dsv4 bench serve`)."""
+        return dict(self.transfer_totals)
 
     def stats(self) -> WorkerStats:
         return engine_stats(self.worker_id, self.role, self.incarnation, self.engine)
@@ -79,6 +84,7 @@ class DecodeWorker:
         except TransferError as e:
             kind = "timeout" if isinstance(e, TransferTimeout) else "error"
             metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, kind).inc()
+            self.transfer_totals["failures"] += 1
             await self.loop.acall(lambda eng: eng.abort(rid))
             raise
         except BaseException:
@@ -87,6 +93,9 @@ class DecodeWorker:
         seconds = time.monotonic() - start
         metrics.KV_TRANSFER_TIME.labels(self.worker_id, self.transfer).observe(seconds)
         metrics.KV_TRANSFER_BYTES.labels(self.worker_id, self.transfer).observe(stats.bytes)
+        totals = self.transfer_totals
+        totals["bytes"], totals["seconds"], totals["count"] = (totals["bytes"] + stats.bytes,
+                                                              totals["seconds"] + seconds, totals["count"] + 1)
         yield Transferred(rid, stats.bytes, seconds)
 
         sink = AsyncSink(asyncio.get_running_loop())

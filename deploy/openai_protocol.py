@@ -21,6 +21,7 @@ what the engine accepts; the server turns its ValueError into a 400.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Literal
 
@@ -154,6 +155,35 @@ class ChatCompletionRequest(_SamplingFields):
         if v:
             raise ValueError("tool calling is not supported")
         return v
+
+
+@functools.lru_cache(maxsize=16)  # templates can come with requests: keep a few compiled ones
+def _compile_template(source: str):
+    from jinja2 import ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: time.strftime(f))
+    return env.from_string(source)
+
+
+def render_chat(req: ChatCompletionRequest, template: str, bos_token: str, eos_token: str) -> str:
+    """The prompt text of a chat request (the contract of transformers' apply_chat_template, in a
+    sandbox); ValueError for non-text content parts, jinja2 errors for a broken template."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" for p in content):
+                raise ValueError(f"messages[{i}]: only text content parts are supported")
+            content = "\n".join(p.text or "" for p in content)  # vLLM joins text parts the same way
+        messages.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
+    return _compile_template(template).render(messages=messages, add_generation_prompt=req.add_generation_prompt,
+                                              bos_token=bos_token, eos_token=eos_token,
+                                              **(req.chat_template_kwargs or {}))
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -299,3 +329,131 @@ class ErrorResponse(BaseModel):
     """OpenAI's error body: `{"error": {...}}` (what the openai client reads the message from)."""
 
     error: ErrorInfo
+
+
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 500: "InternalServerError",
+               503: "ServiceUnavailableError", 504: "TimeoutError"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    info = ErrorInfo(message=message, type=ERROR_TYPES.get(status, "InternalServerError"), param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+# ---- rendering a job ----------------------------------------------------------------------------
+# `job` is a `deploy.openai_app.Job`: prompt_ids / prompt_text / prompt_logprobs, token_ids / logprobs,
+# text.sent (the output text so far), finish_reason, stop_reason, usage(). `token_str(id)` names a token.
+# The engine reports only the sampled token's log-prob, so each `top_logprobs` entry holds that token.
+
+def completion_logprobs(token_str, ids, lps, offset: int = 0) -> CompletionLogProbs:
+    tokens = [token_str(t) for t in ids]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return CompletionLogProbs(text_offset=offsets, token_logprobs=list(lps), tokens=tokens,
+                              top_logprobs=[None if lp is None else {s: lp} for s, lp in zip(tokens, lps)])
+
+
+def chat_logprobs(token_str, ids, lps, top: int | None) -> ChatCompletionLogProbs:
+    content = []
+    for t, lp in zip(ids, lps):
+        s = token_str(t)
+        entry = ChatLogProb(token=s, logprob=lp, bytes=list(s.encode()))
+        content.append(ChatLogProbsContent(**entry.model_dump(), top_logprobs=[entry] if top else []))
+    return ChatCompletionLogProbs(content=content)
+
+
+class CompletionRender:
+    """/v1/completions bodies: the whole response, or stream chunks (echoed prompt first, then one chunk per
+    token that has something to say, the finish reason on the last one, then the usage if asked)."""
+
+    def __init__(self, req: CompletionRequest, model: str, token_str):
+        self.req, self.model, self.token_str, self.offset = req, model, token_str, 0
+
+    def response(self, job) -> CompletionResponse:
+        req = self.req
+        ids, lps, text = job.token_ids, job.logprobs, job.text.sent
+        if req.echo:
+            ids, lps, text = job.prompt_ids + ids, job.prompt_logprobs + lps, job.prompt_text + text
+        choice = CompletionResponseChoice(
+            text=text, finish_reason=job.finish_reason, stop_reason=job.stop_reason,
+            logprobs=completion_logprobs(self.token_str, ids, lps) if req.logprobs is not None else None,
+            token_ids=job.token_ids if req.return_token_ids else None,
+            prompt_token_ids=job.prompt_ids if req.return_token_ids else None)
+        return CompletionResponse(id=job.rid, model=self.model, choices=[choice], usage=job.usage())
+
+    def _chunk(self, job, text: str, **kw) -> CompletionStreamResponse:
+        return CompletionStreamResponse(id=job.rid, model=self.model,
+                                        choices=[CompletionResponseStreamChoice(text=text, **kw)])
+
+    def head(self, job) -> list:
+        req = self.req
+        prompt_ids = job.prompt_ids if req.return_token_ids else None
+        if not req.echo:
+            return [self._chunk(job, "", prompt_token_ids=prompt_ids)] if prompt_ids else []
+        lps = completion_logprobs(self.token_str, job.prompt_ids, job.prompt_logprobs) \
+            if req.logprobs is not None else None
+        self.offset = len(job.prompt_text)
+        return [self._chunk(job, job.prompt_text, logprobs=lps, prompt_token_ids=prompt_ids)]
+
+    def piece(self, job, token_id: int | None, logprob: float | None, delta: str):
+        req, done = self.req, job.finish_reason is not None
+        with_token = token_id is not None and (req.logprobs is not None or req.return_token_ids)
+        if not (delta or with_token or done):
+            return None  # text held back and nothing else to say
+        lps = None
+        if req.logprobs is not None and token_id is not None:
+            lps = completion_logprobs(self.token_str, [token_id], [logprob], self.offset)
+        self.offset += len(delta)
+        return self._chunk(job, delta, logprobs=lps, finish_reason=job.finish_reason, stop_reason=job.stop_reason,
+                           token_ids=[token_id] if req.return_token_ids and token_id is not None else None)
+
+    def tail(self, job) -> list:
+        opts = self.req.stream_options
+        if opts and opts.include_usage:  # OpenAI's shape: no choices, just the usage
+            return [CompletionStreamResponse(id=job.rid, model=self.model, choices=[], usage=job.usage())]
+        return []
+
+
+class ChatRender:
+    """/v1/chat/completions bodies; stream: the assistant role first, then content deltas."""
+
+    def __init__(self, req: ChatCompletionRequest, model: str, token_str):
+        self.req, self.model, self.token_str = req, model, token_str
+
+    def response(self, job) -> ChatCompletionResponse:
+        req = self.req
+        choice = ChatCompletionResponseChoice(
+            message=ChatResponseMessage(content=job.text.sent), finish_reason=job.finish_reason,
+            stop_reason=job.stop_reason, token_ids=job.token_ids if req.return_token_ids else None,
+            logprobs=chat_logprobs(self.token_str, job.token_ids, job.logprobs, req.top_logprobs)
+            if req.logprobs else None)
+        return ChatCompletionResponse(id=job.rid, model=self.model, choices=[choice], usage=job.usage(),
+                                      prompt_token_ids=job.prompt_ids if req.return_token_ids else None)
+
+    def _chunk(self, job, delta: DeltaMessage, **kw) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(id=job.rid, model=self.model,
+                                            choices=[ChatCompletionResponseStreamChoice(delta=delta, **kw)])
+
+    def head(self, job) -> list:
+        c = self._chunk(job, DeltaMessage(role="assistant", content=""))
+        c.prompt_token_ids = job.prompt_ids if self.req.return_token_ids else None
+        return [c]
+
+    def piece(self, job, token_id: int | None, logprob: float | None, delta: str):
+        req, done = self.req, job.finish_reason is not None
+        with_token = token_id is not None and (req.logprobs or req.return_token_ids)
+        if not (delta or with_token or done):
+            return None
+        lps = chat_logprobs(self.token_str, [token_id], [logprob], req.top_logprobs) \
+            if req.logprobs and token_id is not None else None
+        return self._chunk(job, DeltaMessage(content=delta), logprobs=lps, finish_reason=job.finish_reason,
+                           stop_reason=job.stop_reason,
+                           token_ids=[token_id] if req.return_token_ids and token_id is not None else None)
+
+    def tail(self, job) -> list:
+        opts = self.req.stream_options
+        if opts and opts.include_usage:
+            return [ChatCompletionStreamResponse(id=job.rid, model=self.model, choices=[], usage=job.usage())]
+        return []

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from decode_worker.worker import DecodeOverloaded, Transferred
-from engine import metrics
 from engine.request import TokenEvent
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied, WorkerInfo
 
@@ -26,11 +24,10 @@ DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
 class RayDispatcher:
-    def __init__(self, prefill: dict, decode: dict, model_name: str = "dsv4", call_timeout_s: float = 10.0):
+    def __init__(self, prefill: dict, decode: dict, call_timeout_s: float = 10.0):
         """prefill / decode: {worker_id: actor handle}."""
         self.prefill = dict(prefill)
         self.decode = dict(decode)
-        self.model_name = model_name
         self.call_timeout_s = call_timeout_s
         self._info: dict[str, WorkerInfo] = {}
         self._incarnation: dict[str, str] = {}
@@ -69,7 +66,6 @@ class RayDispatcher:
     # ---- one request -----------------------------------------------------------------------------
     async def generate(self, request: DispatchRequest, prefill_id: str, decode_id: str):
         rid, prompt, params = request.request_id, list(request.prompt_ids), request.params
-        arrival = time.monotonic()
         prefill, decode = self.prefill[prefill_id], self.decode[decode_id]
         try:
             result = await prefill.prefill.remote(rid, prompt, params, params.seed)
@@ -78,11 +74,10 @@ class RayDispatcher:
         first = TokenEvent(rid, result.first_token, result.first_logprob, result.finished, result.finish_reason,
                            tuple(result.prompt_logprobs[1:]) if params.prompt_logprobs else ())
         if result.finished:
-            self._observe_end(arrival, arrival, "ok")
             yield first
             return
         stream = decode.decode.options(num_returns="streaming").remote(result, prompt, params)
-        finished, last = False, None
+        finished = False
         try:
             async for ref in stream:
                 try:
@@ -91,32 +86,20 @@ class RayDispatcher:
                     raise WorkerDied(decode_id, str(e)) from None
                 except DecodeOverloaded as e:
                     raise Overloaded(str(e)) from None
-                now = time.monotonic()
                 if isinstance(item, Transferred):
-                    metrics.TTFT.labels(self.model_name).observe(now - arrival)
-                    last = now
-                    yield first
+                    yield first  # released only now: TTFT includes the transfer
                     continue
-                if item.token_id is not None and last is not None:
-                    metrics.ITL.labels(self.model_name).observe(now - last)
-                    last = now
                 finished = item.finished
                 yield item
                 if finished:
-                    self._observe_end(arrival, now, "ok")
                     return
         except DEAD as e:
             raise WorkerDied(decode_id, str(e)) from None
         finally:
             if not finished:
                 # Client went away or something failed: free pages on both sides, never leak.
-                metrics.REQUESTS.labels(self.model_name, "aborted").inc()
                 for handle in (prefill, decode):
                     try:
                         handle.abort.remote(rid)
                     except DEAD:
                         pass
-
-    def _observe_end(self, arrival: float, now: float, status: str) -> None:
-        metrics.E2E.labels(self.model_name).observe(now - arrival)
-        metrics.REQUESTS.labels(self.model_name, status).inc()

@@ -39,12 +39,12 @@ class ServiceConfig:
 class RouterActor:
     """Hosts the gRPC router (grpc.aio) in a Ray actor's event loop."""
 
-    def __init__(self, prefill: dict, decode: dict, policy: str, model_name: str):
+    def __init__(self, prefill: dict, decode: dict, policy: str):
         from deploy.ray_dispatch import RayDispatcher
         from router.policy import PolicyConfig, RoutingPolicy
         from router.server import RouterServer
 
-        self.dispatcher = RayDispatcher(prefill, decode, model_name)
+        self.dispatcher = RayDispatcher(prefill, decode)
         self.server = RouterServer(self.dispatcher, RoutingPolicy(PolicyConfig(name=policy)),
                                    health_interval_s=1.0, health_timeout_s=10.0)
         self.port = None
@@ -80,7 +80,7 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     decode = {f"decode-{i}": decode_cls.options(name=f"dsv4-decode-{i}").remote(
         f"decode-{i}", cfg.model_dir, opts, cfg.transfer) for i in range(cfg.decode_workers)}
     ray.get([h.ping.remote() for h in (*prefill.values(), *decode.values())])
-    router = router_cls.options(name="dsv4-router").remote(prefill, decode, cfg.router_policy, cfg.model_name)
+    router = router_cls.options(name="dsv4-router").remote(prefill, decode, cfg.router_policy)
     router_port = ray.get(router.start.remote("127.0.0.1" if cfg.host in ("127.0.0.1", "localhost") else "0.0.0.0",
                                               cfg.router_port))
     router_addr = f"127.0.0.1:{router_port}"

@@ -87,12 +87,20 @@ def _add_serve(sub) -> None:
     add_serve_args(sub.add_parser("serve", help="run the disaggregated service (Ray, gRPC router, OpenAI HTTP)"))
 
 
+def _add_bench(sub) -> None:
+    from deploy.bench_serve import add_bench_serve_args
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_args(bench.add_parser("serve", help="concurrent clients against 1P1D, 2P2D and colocated"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek V4 inference service")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_make_model(sub)
     _add_serve(sub)
+    _add_bench(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -103,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             from deploy.service import serve_main
 
             return serve_main(args)
+        if args.command == "bench":
+            from deploy.bench_serve import bench_serve_main
+
+            return bench_serve_main(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"dsv4 {args.command}: error: {e}", file=sys.stderr)
         return 2

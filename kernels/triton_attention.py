@@ -50,31 +50,38 @@ def _dot(a, b, BF16_DOT: tl.constexpr):
 
 
 @triton.jit
-def _load_plain(kv_ptr, r, ok, stride_row, cols, col_mask, col0):
-    """Rows r (int64 [BK]) of a [R, D] store, columns col0 + cols -> fp32 [BK, P] (0 where masked)."""
+def _load_plain(kv_ptr, r, ok, stride_row, cols, col_mask, col0, DT: tl.constexpr):
+    """Rows r (int64 [BK]) of a [R, D] store, columns col0 + cols -> DT [BK, P] (0 where masked)."""
     ptrs = kv_ptr + r[:, None] * stride_row + (col0 + cols)[None, :]
-    return tl.load(ptrs, mask=ok[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    return tl.load(ptrs, mask=ok[:, None] & col_mask[None, :], other=0.0).to(DT)
 
 
 @triton.jit
 def _load_fp8(cache_ptr, r, ok, block_size, stride_block, c0, m0, c1, m1,
               NOPE: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
-              SCALE_BLOCK: tl.constexpr):
-    """fp8_ds_mla slots r (int64 [BK]) of a paged byte cache -> (fp32 NoPE [BK, P0], fp32 RoPE [BK, P1])."""
+              SCALE_BLOCK: tl.constexpr, P0: tl.constexpr, DT: tl.constexpr):
+    """fp8_ds_mla slots r (int64 [BK]) of a paged byte cache -> (NoPE [BK, P0], RoPE [BK, P1]) in DT.
+
+    Dequantising in bf16 is exact (e4m3 times a power of two fits bf16) and halves the registers."""
     blk = r // block_size
     pos = r - blk * block_size
     base = blk * stride_block
     vrow = base + pos * TOKEN_STRIDE
     srow = base + block_size * TOKEN_STRIDE + pos * SCALE_STRIDE
-    mask0 = ok[:, None] & m0[None, :]
-    codes = tl.load(cache_ptr + vrow[:, None] + c0[None, :], mask=mask0, other=0)
-    # One scale byte per 64 columns; the repeated byte loads hit L1.
-    sbyte = tl.load(cache_ptr + srow[:, None] + (c0 // SCALE_BLOCK)[None, :], mask=mask0, other=127)
+    codes = tl.load(cache_ptr + vrow[:, None] + c0[None, :], mask=ok[:, None] & m0[None, :], other=0)
+    # One scale byte per 64 columns, loaded once as [BK, P0 / 64] and broadcast over its block (a
+    # per-column gather would need a second [BK, P0] tensor of 64-bit addresses: register spills).
+    NB: tl.constexpr = P0 // SCALE_BLOCK
+    sidx = tl.arange(0, NB)
+    sbyte = tl.load(cache_ptr + srow[:, None] + sidx[None, :], mask=ok[:, None] & (sidx < NOPE // SCALE_BLOCK)[None, :],
+                    other=127)
     # UE8M0 byte b is 2**(b - 127): build the fp32 from its exponent bits (exact, unlike ex2.approx).
     scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    nope = codes.to(tl.float8e4nv, bitcast=True).to(DT)
+    BK: tl.constexpr = codes.shape[0]
+    nope = tl.reshape(tl.reshape(nope, [BK, NB, SCALE_BLOCK]) * scale.to(DT)[:, :, None], [BK, P0])
     rope_ptrs = (cache_ptr + vrow[:, None] + NOPE + 2 * c1[None, :]).to(tl.pointer_type(tl.bfloat16))
-    rope = tl.load(rope_ptrs, mask=ok[:, None] & m1[None, :], other=0.0).to(tl.float32)
+    rope = tl.load(rope_ptrs, mask=ok[:, None] & m1[None, :], other=0.0).to(DT)
     return nope, rope
 
 
@@ -87,6 +94,7 @@ def _sparse_attn_kernel(
     D0: tl.constexpr, D1: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
     FP8: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BF16_DOT: tl.constexpr,
+    KV_DT: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -123,10 +131,10 @@ def _sparse_attn_kernel(
         r = tl.where(ok, r, 0)
         if FP8:
             k0, k1 = _load_fp8(kv_ptr, r, ok, block_size, stride_block, c0, m0, c1, m1,
-                               D0, TOKEN_STRIDE, SCALE_STRIDE, SCALE_BLOCK)
+                               D0, TOKEN_STRIDE, SCALE_STRIDE, SCALE_BLOCK, P0, KV_DT)
         else:
-            k0 = _load_plain(kv_ptr, r, ok, stride_row, c0, m0, 0)
-            k1 = _load_plain(kv_ptr, r, ok, stride_row, c1, m1, D0)
+            k0 = _load_plain(kv_ptr, r, ok, stride_row, c0, m0, 0, KV_DT)
+            k1 = _load_plain(kv_ptr, r, ok, stride_row, c1, m1, D0, KV_DT)
         s = _dot(q0, tl.trans(k0), BF16_DOT) + _dot(q1, tl.trans(k1), BF16_DOT)
         s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -230,8 +238,10 @@ def _launch(q, store, rows, sink, scale, *, fp8, d0, d1, stride_row=0, block_siz
         return out
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     sink = sink.float().contiguous()
-    block_h = block_h or min(32, max(16, triton.next_power_of_2(h)))  # tl.dot needs M >= 16
-    block_k = block_k or 32
+    # Defaults from sm_90 compiles at H=64, D=512 (8 warps): the largest tiles that do not spill
+    # registers (fp8 rows need extra registers for the byte tiles and scales). tl.dot needs M >= 16.
+    block_h = block_h or min(32, max(16, triton.next_power_of_2(h)))
+    block_k = block_k or (16 if fp8 else 32)
     if block_h < 16 or block_k < 16:
         raise ValueError(f"block_h and block_k must be >= 16 (tl.dot), got {block_h}, {block_k}")
     head_blocks = triton.cdiv(h, block_h)
@@ -256,11 +266,13 @@ def _launch(q, store, rows, sink, scale, *, fp8, d0, d1, stride_row=0, block_siz
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), rows.stride(0),
         stride_row, block_size, stride_block, scale * LOG2E,
         D0=d0, D1=d1, P0=p0, P1=p1, FP8=fp8, TOKEN_STRIDE=token_stride, SCALE_STRIDE=scale_stride,
-        SCALE_BLOCK=FP8_SCALE_BLOCK, BLOCK_H=block_h, BLOCK_K=block_k, SPLIT=split, BF16_DOT=bf16_dot, **extra)
+        SCALE_BLOCK=FP8_SCALE_BLOCK, BLOCK_H=block_h, BLOCK_K=block_k, SPLIT=split, BF16_DOT=bf16_dot,
+        KV_DT=tl.bfloat16 if bf16_dot else tl.float32, **extra)
     if split:
-        _merge_kernel[(t, head_blocks)](pacc, pml, sink, out, h, num_splits, out.stride(0), out.stride(1),
-                                        D0=d0, D1=d1, P0=p0, P1=p1, BLOCK_H=block_h,
-                                        **({"num_warps": 4} if q.is_cuda else {}))
+        merge_h = min(8, triton.next_power_of_2(h))  # no dot here: small head blocks keep registers low
+        _merge_kernel[(t, triton.cdiv(h, merge_h))](pacc, pml, sink, out, h, num_splits, out.stride(0),
+                                                    out.stride(1), D0=d0, D1=d1, P0=p0, P1=p1, BLOCK_H=merge_h,
+                                                    **({"num_warps": 4} if q.is_cuda else {}))
     return out
 
 

@@ -1,6 +1,6 @@
 """Router counters: decisions by (stage, reason), requests, retries, worker deaths, errors by code.
 
-Plain in-process counters read by the Stats RPC; a Prometheus exporter can read the same snapshot later.
+Plain in-process counters read by the Stats RPC, mirrored into the Prometheus counters of engine.metrics.
 Single event loop, so no locking.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from engine import metrics as prom
 from router.policy import Placement
 
 
@@ -32,6 +33,10 @@ class RouterMetrics:
     def record_placement(self, placement: Placement) -> None:
         for d in (placement.prefill, placement.decode):
             self.decisions[(d.stage, d.reason)] += 1
+            prom.ROUTER_DECISIONS.labels(d.stage, d.reason).inc()
+        # Prefix-cache hit ratio = hits / queries over prompt blocks the router placed.
+        prom.PREFIX_CACHE_QUERIES.inc(placement.prefill.prompt_blocks)
+        prom.PREFIX_CACHE_HITS.inc(placement.prefill.matched_blocks)
 
     def snapshot(self) -> MetricsSnapshot:
         return MetricsSnapshot(dict(self.decisions), self.requests, self.retries, self.worker_deaths,

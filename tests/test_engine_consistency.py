@@ -99,6 +99,16 @@ def test_outputs_in_prompt_order_with_mixed_lengths(llm, vocab):
         _assert_same(o, llm.generate([p], params[prompts.index(p)])[0], "mixed lengths")
 
 
+def test_more_prompts_than_fit_one_step(vocab):
+    """70 requests (more than the default number of concurrent sequences) through a 16-token budget."""
+    prompts = _prompts([3 + (i % 7) for i in range(70)], vocab, seed=11)
+    outs = LLM(model_dir=None, max_batch_tokens=16).generate(prompts, _greedy(3))
+    assert len(outs) == 70
+    ref = LLM(model_dir=None).generate(prompts[::9], _greedy(3))
+    for k, r in zip(range(0, 70, 9), ref):
+        _assert_same(outs[k], r, f"request {k} of 70")
+
+
 def test_stops_at_eos_unless_ignored(llm, vocab):
     """Find a prompt whose greedy continuation hits EOS; without ignore_eos it must stop there."""
     eos = set(llm.config.eos_token_ids)
@@ -227,3 +237,15 @@ def test_bad_request_rejects_whole_batch_and_engine_recovers(llm, vocab):
     ref = llm.generate([good], _greedy(4))[0]
     _raises(llm, [good, [vocab + 5]], _greedy(4), str(vocab + 5))
     _assert_same(llm.generate([good], _greedy(4))[0], ref, "after a rejected batch")
+
+
+def test_bfloat16_runs_close_to_float32(llm, vocab):
+    """bf16 weights/activations: same contract, finite log-probs, close to fp32 on average."""
+    prompts = _prompts([37, 9], vocab, seed=12)
+    ref = llm.generate(prompts, _greedy(6))
+    outs = LLM(model_dir=None, dtype="bfloat16").generate(prompts, _greedy(6))
+    for a, b in zip(outs, ref):
+        assert len(a.token_ids) == 6 and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        assert all(math.isfinite(x) for x in a.logprobs + a.prompt_logprobs[1:])
+        d = [abs(x - y) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+        assert sum(d) / len(d) < 0.05, max(d)

@@ -45,12 +45,13 @@ CONFIGS = {
         prompt_lens=[1, 9, 23, 38, 53],
         max_batch_tokens=13,
     ),
-    # The real 128 ratio: prompts of 140 tokens (one HCA entry) and 121 (its entry appears during decode);
+    # The real 128 ratio: prompts of 140 tokens (one HCA entry), 128 (the entry closes on the last prompt
+    # token) and 121 (it appears during decode); a 61-token budget cuts the long prompts at 61/122/183...;
     # no hash layers (all biased top-k); index_topk 8 of up to 43 visible entries.
     "real128": dict(
         seed=13,
         overrides=dict(compress_ratios=[4, 128, 0, 128], num_hash_layers=0, index_topk=8),
-        prompt_lens=[140, 121, 9, 37],
+        prompt_lens=[140, 121, 128, 8, 37],
         max_batch_tokens=61,
     ),
     # 8 heads of 16 (rope 4), 5 layers, 16 experts top 4, 32 index heads of 32 with index_topk 2,
@@ -66,6 +67,18 @@ CONFIGS = {
         ),
         prompt_lens=[4, 17, 31, 66, 99, 130],
         max_batch_tokens=7,
+    ),
+    # Two HCA-128 entries (prompt 300) and one closing mid-decode (255 + 40); HCA as the first layer;
+    # window 32; index_topk 1; sigmoid router scores, routed_scaling 2.5, only 3 Sinkhorn iterations
+    # (so the config value matters), rms_norm_eps 1e-5.
+    "long_hca_sigmoid": dict(
+        seed=15,
+        overrides=dict(
+            compress_ratios=[128, 4, 128, 0], num_hash_layers=1, index_topk=1, sliding_window=32,
+            scoring_func="sigmoid", routed_scaling_factor=2.5, hc_sinkhorn_iters=3, rms_norm_eps=1e-5,
+        ),
+        prompt_lens=[300, 255, 33],
+        max_batch_tokens=257,
     ),
 }
 
