@@ -105,6 +105,7 @@ class DecodeWorker:
             engine.commit_import(rid)
 
         await self.loop.acall(join)
+        decode_start = time.monotonic()
         finished = False
         try:
             while not finished:
@@ -117,6 +118,7 @@ class DecodeWorker:
                 yield ev
         finally:
             if finished:
+                metrics.DECODE_TIME.labels(self.role, self.worker_id).observe(time.monotonic() - decode_start)
                 await self.loop.acall(lambda e: e.pop_finished(rid))
             else:
                 await self.loop.acall(lambda e: (e.abort(rid), self.loop.unsubscribe(rid)))

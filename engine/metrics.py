@@ -27,10 +27,13 @@ KV_TRANSFER_TIME = Histogram("dsv4_kv_transfer_time_seconds", "Time to pull one 
 KV_TRANSFER_BYTES = Histogram("dsv4_kv_transfer_bytes", "Bytes moved per request hand-off",
                               ("worker", "backend"), buckets=BYTES_BUCKETS)
 TTFT = Histogram("dsv4_time_to_first_token_seconds", "Arrival to first token, including the KV transfer",
-                 ("model",), buckets=LATENCY_BUCKETS)
-ITL = Histogram("dsv4_inter_token_latency_seconds", "Time between consecutive streamed tokens", ("model",),
+                 ("model_name",), buckets=LATENCY_BUCKETS)
+ITL = Histogram("dsv4_inter_token_latency_seconds", "Time between consecutive streamed tokens", ("model_name",),
                 buckets=LATENCY_BUCKETS)
-E2E = Histogram("dsv4_e2e_request_latency_seconds", "Arrival to last token", ("model",), buckets=LATENCY_BUCKETS)
+E2E = Histogram("dsv4_e2e_request_latency_seconds", "Arrival to last token", ("model_name",),
+                buckets=LATENCY_BUCKETS)
+DECODE_TIME = Histogram("dsv4_decode_time_seconds", "Decode phase: caches arrived to last token", WORKER,
+                        buckets=LATENCY_BUCKETS)
 
 RUNNING = Gauge("dsv4_running_requests", "Requests holding cache pages", WORKER, multiprocess_mode="mostrecent")
 WAITING = Gauge("dsv4_waiting_requests", "Requests waiting for admission", WORKER, multiprocess_mode="mostrecent")
@@ -39,13 +42,15 @@ KV_USAGE = Gauge("dsv4_kv_cache_usage_ratio", "Fraction of the tightest cache gr
 
 PROMPT_TOKENS = Counter("dsv4_prompt_tokens_total", "Prompt tokens prefilled", WORKER)
 GENERATION_TOKENS = Counter("dsv4_generation_tokens_total", "Tokens generated", WORKER)
-REQUESTS = Counter("dsv4_requests_total", "Finished requests by status", ("model", "status"))
+REQUESTS = Counter("dsv4_requests_total", "Finished requests by status", ("model_name", "status"))
 ROUTER_DECISIONS = Counter("dsv4_router_decisions_total", "Placement decisions by stage and reason",
                            ("stage", "reason"))
 KV_TRANSFER_FAILURES = Counter("dsv4_kv_transfer_failures_total", "Failed or timed-out KV transfers",
                                ("worker", "backend", "kind"))
-PREFIX_CACHE_QUERIES = Counter("dsv4_prefix_cache_queries_total", "Prompt blocks looked up by the router", ())
-PREFIX_CACHE_HITS = Counter("dsv4_prefix_cache_hits_total", "Prompt blocks found on the chosen prefill worker", ())
+PREFIX_CACHE_QUERIES = Counter("dsv4_prefix_cache_queries_total",
+                               "Prompt tokens (in whole hashed blocks) the router looked up", ())
+PREFIX_CACHE_HITS = Counter("dsv4_prefix_cache_hits_total",
+                            "Prompt tokens whose blocks the chosen prefill worker served recently", ())
 
 
 def observe_engine_load(role: str, worker: str, engine) -> None:

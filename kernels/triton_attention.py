@@ -50,19 +50,17 @@ def _dot(a, b, BF16_DOT: tl.constexpr):
 
 
 @triton.jit
-def _load_plain(kv_ptr, r, ok, stride_row, cols, col_mask, col0, DT: tl.constexpr):
-    """Rows r (int64 [BK]) of a [R, D] store, columns col0 + cols -> DT [BK, P] (0 where masked)."""
+def _load_plain(kv_ptr, r, ok, stride_row, cols, col_mask, col0):
+    """Rows r (int64 [BK]) of a [R, D] store, columns col0 + cols -> fp32 [BK, P] (0 where masked)."""
     ptrs = kv_ptr + r[:, None] * stride_row + (col0 + cols)[None, :]
-    return tl.load(ptrs, mask=ok[:, None] & col_mask[None, :], other=0.0).to(DT)
+    return tl.load(ptrs, mask=ok[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _load_fp8(cache_ptr, r, ok, block_size, stride_block, c0, m0, c1, m1,
               NOPE: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
-              SCALE_BLOCK: tl.constexpr, P0: tl.constexpr, DT: tl.constexpr):
-    """fp8_ds_mla slots r (int64 [BK]) of a paged byte cache -> (NoPE [BK, P0], RoPE [BK, P1]) in DT.
-
-    Dequantising in bf16 is exact (e4m3 times a power of two fits bf16) and halves the registers."""
+              SCALE_BLOCK: tl.constexpr, P0: tl.constexpr):
+    """fp8_ds_mla slots r (int64 [BK]) of a paged byte cache -> (fp32 NoPE [BK, P0], fp32 RoPE [BK, P1])."""
     blk = r // block_size
     pos = r - blk * block_size
     base = blk * stride_block
@@ -77,11 +75,11 @@ def _load_fp8(cache_ptr, r, ok, block_size, stride_block, c0, m0, c1, m1,
                     other=127)
     # UE8M0 byte b is 2**(b - 127): build the fp32 from its exponent bits (exact, unlike ex2.approx).
     scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    nope = codes.to(tl.float8e4nv, bitcast=True).to(DT)
+    nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     BK: tl.constexpr = codes.shape[0]
-    nope = tl.reshape(tl.reshape(nope, [BK, NB, SCALE_BLOCK]) * scale.to(DT)[:, :, None], [BK, P0])
+    nope = tl.reshape(tl.reshape(nope, [BK, NB, SCALE_BLOCK]) * scale[:, :, None], [BK, P0])
     rope_ptrs = (cache_ptr + vrow[:, None] + NOPE + 2 * c1[None, :]).to(tl.pointer_type(tl.bfloat16))
-    rope = tl.load(rope_ptrs, mask=ok[:, None] & m1[None, :], other=0.0).to(DT)
+    rope = tl.load(rope_ptrs, mask=ok[:, None] & m1[None, :], other=0.0).to(tl.float32)
     return nope, rope
 
 
@@ -94,7 +92,6 @@ def _sparse_attn_kernel(
     D0: tl.constexpr, D1: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
     FP8: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BF16_DOT: tl.constexpr,
-    KV_DT: tl.constexpr,
 ):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -131,10 +128,10 @@ def _sparse_attn_kernel(
         r = tl.where(ok, r, 0)
         if FP8:
             k0, k1 = _load_fp8(kv_ptr, r, ok, block_size, stride_block, c0, m0, c1, m1,
-                               D0, TOKEN_STRIDE, SCALE_STRIDE, SCALE_BLOCK, P0, KV_DT)
+                               D0, TOKEN_STRIDE, SCALE_STRIDE, SCALE_BLOCK, P0)
         else:
-            k0 = _load_plain(kv_ptr, r, ok, stride_row, c0, m0, 0, KV_DT)
-            k1 = _load_plain(kv_ptr, r, ok, stride_row, c1, m1, D0, KV_DT)
+            k0 = _load_plain(kv_ptr, r, ok, stride_row, c0, m0, 0)
+            k1 = _load_plain(kv_ptr, r, ok, stride_row, c1, m1, D0)
         s = _dot(q0, tl.trans(k0), BF16_DOT) + _dot(q1, tl.trans(k1), BF16_DOT)
         s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -266,8 +263,7 @@ def _launch(q, store, rows, sink, scale, *, fp8, d0, d1, stride_row=0, block_siz
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), rows.stride(0),
         stride_row, block_size, stride_block, scale * LOG2E,
         D0=d0, D1=d1, P0=p0, P1=p1, FP8=fp8, TOKEN_STRIDE=token_stride, SCALE_STRIDE=scale_stride,
-        SCALE_BLOCK=FP8_SCALE_BLOCK, BLOCK_H=block_h, BLOCK_K=block_k, SPLIT=split, BF16_DOT=bf16_dot,
-        KV_DT=tl.bfloat16 if bf16_dot else tl.float32, **extra)
+        SCALE_BLOCK=FP8_SCALE_BLOCK, BLOCK_H=block_h, BLOCK_K=block_k, SPLIT=split, BF16_DOT=bf16_dot, **extra)
     if split:
         merge_h = min(8, triton.next_power_of_2(h))  # no dot here: small head blocks keep registers low
         _merge_kernel[(t, triton.cdiv(h, merge_h))](pacc, pml, sink, out, h, num_splits, out.stride(0),
@@ -315,12 +311,14 @@ def sparse_mqa_attention_fp8(q: torch.Tensor, cache: torch.Tensor, rows: torch.T
     if not isinstance(layout, Fp8DsMlaLayout):
         raise TypeError(f"layout must be an Fp8DsMlaLayout, got {type(layout).__name__}")
     if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.stride(-1) != 1:
-        raise ValueError(f"cache must be uint8 [blocks, bytes] with unit stride, got {cache.dtype} {tuple(cache.shape)}")
+        raise ValueError(f"cache must be uint8 [blocks, bytes] with unit last stride, got {cache.dtype} "
+                         f"{tuple(cache.shape)}")
     if cache.shape[1] < layout.block_bytes():
         raise ValueError(f"cache rows of {cache.shape[1]} B cannot hold a {layout.block_size}-row block "
                          f"({layout.block_bytes()} B)")
-    if cache.stride(0) % 2:
-        raise ValueError(f"cache block stride must be even (bf16 RoPE alignment), got {cache.stride(0)}")
+    if cache.stride(0) % 2 or cache.data_ptr() % 2:
+        raise ValueError(f"cache must start on an even byte with an even block stride (the RoPE values are "
+                         f"read as bf16), got stride {cache.stride(0)}")
     _check_common(q, rows, sink, layout.head_dim)
     return _launch(q, cache, rows, sink, scale, fp8=True, d0=layout.nope_dim, d1=layout.rope_dim,
                    block_size=layout.block_size, stride_block=cache.stride(0),

@@ -23,7 +23,8 @@ class MetricsSnapshot:
 
 
 class RouterMetrics:
-    def __init__(self):
+    def __init__(self, block_size: int = 16):
+        self.block_size = block_size  # tokens per hashed prompt block (the policy's)
         self.decisions: Counter[tuple[str, str]] = Counter()
         self.errors: Counter[str] = Counter()
         self.requests = 0
@@ -34,9 +35,9 @@ class RouterMetrics:
         for d in (placement.prefill, placement.decode):
             self.decisions[(d.stage, d.reason)] += 1
             prom.ROUTER_DECISIONS.labels(d.stage, d.reason).inc()
-        # Prefix-cache hit ratio = hits / queries over prompt blocks the router placed.
-        prom.PREFIX_CACHE_QUERIES.inc(placement.prefill.prompt_blocks)
-        prom.PREFIX_CACHE_HITS.inc(placement.prefill.matched_blocks)
+        # Prefix-cache hit ratio = hits / queries, in tokens of whole hashed blocks.
+        prom.PREFIX_CACHE_QUERIES.inc(placement.prefill.prompt_blocks * self.block_size)
+        prom.PREFIX_CACHE_HITS.inc(placement.prefill.matched_blocks * self.block_size)
 
     def snapshot(self) -> MetricsSnapshot:
         return MetricsSnapshot(dict(self.decisions), self.requests, self.retries, self.worker_deaths,

@@ -81,7 +81,7 @@ class RouterServer(pb2_grpc.RouterServicer):
                              f"{health_interval_s}, {health_timeout_s}, {max_inflight}")
         self.dispatcher = dispatcher
         self.policy = policy or RoutingPolicy()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(self.policy.config.block_size)
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.max_inflight = max_inflight  # 0 = unlimited

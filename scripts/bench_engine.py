@@ -4,9 +4,10 @@
 For each preset of `engine.make_model.PRESETS` asked for (default: tiny, small) and each batch size
 (default: 1, 16): `batch` random prompts of `--prompt-len` tokens, greedy, EOS ignored.
 
-- prefill tokens/s: batch * prompt_len / time of a generate call with max_new_tokens=1;
-- decode tokens/s:  batch * new_tokens / (time with max_new_tokens=1+new_tokens - time with 1).
-Each timing is the best of `--repeats` runs after one warm-up. transformers loads the same directory with
+- prefill tokens/s: batch * prompt_len / time until every request has its first generated token;
+- decode tokens/s:  batch * new_tokens / time from there to the last token.
+Both come from one generate call of 1+new_tokens split where every request has its first token; each
+number is the median of `--repeats` runs after a short warm-up. transformers loads the same directory with
 `DeepseekV4ForCausalLM.from_pretrained` (it maps DeepSeek's original tensor names itself) and runs its
 own cached `generate` (fp32, eager attention). Note: transformers' cached decode is not numerically
 trustworthy on CSA layers (see docs/deepseek_v4.md, "Oracle pitfalls"); only its speed is used here, and
@@ -38,30 +39,47 @@ BEGIN = "<!-- bench_engine:begin -->"
 END = "<!-- bench_engine:end -->"
 
 
-def _best(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def _timed_runs(run, repeats: int) -> tuple[float, float, list[int]]:
+    """run() -> (prefill_s, decode_s, first tokens); one short warm-up, then the median of `repeats`."""
+    run(warmup=True)
+    results = [run(warmup=False) for _ in range(repeats)]
+    return _median([r[0] for r in results]), _median([r[1] for r in results]), results[-1][2]
 
 
 def bench_ours(model_dir: str, prompts: list[list[int]], new_tokens: int, repeats: int, max_batch_tokens: int):
+    """Drives the engine's step loop (what LLM.generate does) and splits the wall time at the step where
+    the last request got its first token: before = prefill (incl. that first sample), after = decode."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     llm = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_batch_tokens=max_batch_tokens)
-    first = {}
+    eng = llm.engine
 
-    def run(n):
-        outs = llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
-        first["tokens"] = [o.token_ids[0] for o in outs]
+    def run(warmup: bool):
+        n = 2 if warmup else 1 + new_tokens
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        ids = [eng.add_request(list(p), params) for p in prompts]
+        waiting, t_first, first = set(ids), None, {}
+        while eng.has_work:
+            for ev in eng.step():
+                if ev.token_id is not None and ev.request_id in waiting:
+                    waiting.discard(ev.request_id)
+                    first[ev.request_id] = ev.token_id
+            if t_first is None and not waiting:
+                t_first = time.perf_counter()
+        t_end = time.perf_counter()
+        for rid in ids:
+            eng.pop_finished(rid)
+        return t_first - t0, t_end - t_first, [first[r] for r in ids]
 
-    t_pre = _best(lambda: run(1), repeats)
-    t_all = _best(lambda: run(1 + new_tokens), repeats)
-    return t_pre, t_all, first["tokens"]
+    return _timed_runs(run, repeats)
 
 
 def load_hf(model_dir: str):
@@ -79,19 +97,35 @@ def load_hf(model_dir: str):
 
 
 def bench_hf(model, prompts: list[list[int]], new_tokens: int, repeats: int):
+    """transformers' generate with a streamer that timestamps each step: the first put() is the prompt,
+    the second the first new token (end of prefill), the last one the end of decode."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.stamps = []
+
+        def put(self, value):
+            self.stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
     ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding needed
     mask = torch.ones_like(ids)
-    first = {}
 
     @torch.no_grad()
-    def run(n):
+    def run(warmup: bool):
+        n = 2 if warmup else 1 + new_tokens
+        clock = Clock()
+        t0 = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-        first["tokens"] = out[:, ids.shape[1]].tolist()
+                             do_sample=False, pad_token_id=0, streamer=clock)
+        s = clock.stamps
+        assert len(s) == n + 1, len(s)
+        return s[1] - t0, s[-1] - s[1], out[:, ids.shape[1]].tolist()
 
-    t_pre = _best(lambda: run(1), repeats)
-    t_all = _best(lambda: run(1 + new_tokens), repeats)
-    return t_pre, t_all, first["tokens"]
+    return _timed_runs(run, repeats)
 
 
 def machine() -> str:
@@ -115,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update ('' = none)")
@@ -132,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
 
     rows = []
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-") as tmp:
         for preset in presets:
@@ -141,14 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             for batch in batches:
                 g = torch.Generator().manual_seed(args.seed + batch)
                 prompts = torch.randint(2, vocab, (batch, args.prompt_len), generator=g).tolist()
-                o_pre, o_all, o_first = bench_ours(model_dir, prompts, args.new_tokens, args.repeats,
+                o_pre, o_dec, o_first = bench_ours(model_dir, prompts, args.new_tokens, args.repeats,
                                                    args.max_batch_tokens)
-                h_pre, h_all, h_first = bench_hf(hf, prompts, args.new_tokens, args.repeats)
+                h_pre, h_dec, h_first = bench_hf(hf, prompts, args.new_tokens, args.repeats)
                 n_pre, n_dec = batch * args.prompt_len, batch * args.new_tokens
                 row = dict(
                     preset=preset, batch=batch,
                     ours_prefill=n_pre / o_pre, hf_prefill=n_pre / h_pre,
-                    ours_decode=n_dec / max(o_all - o_pre, 1e-9), hf_decode=n_dec / max(h_all - h_pre, 1e-9),
+                    ours_decode=n_dec / o_dec, hf_decode=n_dec / h_dec,
                     first=f"{sum(a == b for a, b in zip(o_first, h_first))}/{batch}",
                 )
                 rows.append(row)
@@ -165,11 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         f"- machine: {machine()}",
         f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}",
         f"- workload: prompt {args.prompt_len} tokens, {args.new_tokens} decode tokens, greedy, fp32 CPU, "
-        f"engine max_batch_tokens {args.max_batch_tokens}, best of {args.repeats} after a warm-up; "
-        f"total bench time {elapsed:.0f} s",
-        "- prefill tok/s = batch x prompt / time(max_new_tokens=1); decode tok/s = batch x new / "
-        "(time(1+new) - time(1)); ratio = ours / transformers; `first` = requests whose first generated "
-        "token agrees between the two",
+        f"engine max_batch_tokens {args.max_batch_tokens}, median of {args.repeats} runs after a warm-up; "
+        f"total bench time {elapsed:.0f} s; 1-min load average {load_before:.2f} before, "
+        f"{os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan'):.2f} after "
+        "(other processes on the machine skew the numbers)",
+        "- one generate of 1+new tokens per run, split at the moment every request has its first token: "
+        "prefill tok/s = batch x prompt / time to that point; decode tok/s = batch x new / the rest "
+        "(ours: the engine's step loop; transformers: `generate` with a timestamping streamer); "
+        "ratio = ours / transformers; `first` = requests whose first generated token agrees",
     ]
     print()
     print(table)

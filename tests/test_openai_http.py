@@ -135,7 +135,7 @@ def greedy_ref(llm, ids, n, **kw):
 
 
 def requests_total(status: str) -> float:
-    return REGISTRY.get_sample_value("dsv4_requests_total", {"model": MODEL, "status": status}) or 0.0
+    return REGISTRY.get_sample_value("dsv4_requests_total", {"model_name": MODEL, "status": status}) or 0.0
 
 
 def test_models_and_health(srv):

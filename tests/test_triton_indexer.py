@@ -20,6 +20,7 @@ if not has_triton():
 if not triton_enabled(DEVICE):
     pytest.skip(f"triton cannot run on {DEVICE} (TRITON_INTERPRET is off)", allow_module_level=True)
 
+from kernels import geometry as g  # noqa: E402
 from kernels import indexer as ref  # noqa: E402
 from kernels.triton_indexer import indexer_scores, indexer_topk  # noqa: E402
 
@@ -84,6 +85,34 @@ def test_topk_matches_topk_visible(k):
     assert torch.all(rows.gather(1, picked.clamp(min=0))[picked >= 0] >= 0), "only valid candidates are picked"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt,di", [("mxfp4", 64), ("fp8", 128)])
+def test_quantized_paged_cache_matches_unpack_reference(fmt, di, dtype):
+    """Keys written by geometry's packers into a paged cache; reference = unpack + indexer_scores."""
+    layout = g.IndexerKeyLayout(index_head_dim=di, fmt=fmt, block_size=4)
+    gen = torch.Generator().manual_seed(30)
+    slots = 22
+    blocks = -(-slots // layout.block_size)
+    cache = torch.randint(0, 256, (blocks, layout.block_bytes() + 4), generator=gen, dtype=torch.uint8)
+    # Per-row magnitudes over several binades so the scales differ from row to row.
+    values = torch.randn(slots, di, generator=gen) * torch.exp2(torch.randint(-3, 4, (slots, 1), generator=gen).float())
+    g.write_rows(cache, layout, torch.arange(slots), g.pack_rows(layout, values))
+    dequant = g.unpack_rows(layout, g.read_rows(cache, layout, torch.arange(slots))).to(DEVICE)
+    rows = torch.randint(0, slots, (T, S), generator=gen, dtype=torch.int32)
+    rows[torch.rand(T, S, generator=gen) < 0.3] = -1
+    rows[1] = -1
+    rows = rows.to(DEVICE)
+    q = randn(T, HI, di, seed=31, dtype=dtype)
+    weights = randn(T, HI, seed=32) * HI ** -0.5
+    out = indexer_scores(q, cache.to(DEVICE), rows, weights, layout, block_s=32)
+    expected = reference_scores(q, dequant, rows, weights)
+    assert torch.equal(torch.isinf(out), rows < 0)
+    valid = rows >= 0
+    torch.testing.assert_close(out[valid], expected[valid], **TOL[dtype])
+    picked = indexer_topk(q, cache.to(DEVICE), rows, weights, 16, layout)
+    assert torch.equal(picked < 0, ref.topk_visible(expected, valid, 16) < 0)
+
+
 def test_bad_shapes_raise():
     q, keys, rows, weights = inputs(torch.float32)
     with pytest.raises(ValueError, match="keys"):
@@ -92,3 +121,5 @@ def test_bad_shapes_raise():
         indexer_scores(q, keys, rows, weights[:, :4])
     with pytest.raises(ValueError, match="rows"):
         indexer_scores(q, keys, rows.float(), weights)
+    with pytest.raises(ValueError, match="index_head_dim"):
+        indexer_scores(q, keys.to(torch.uint8), rows, weights, g.IndexerKeyLayout(64, "mxfp4"))
