@@ -14,8 +14,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The whole service on the built-in tiny model: 1 prefill + 1 decode worker, OpenAI API on :8000,
+# metrics on :8080. Try: curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
+#   -d '{"model": "dsv4", "prompt": "Hello", "max_tokens": 16}'
 serve: $(STAMP)
-	$(VENV)/bin/dsv4 generate --prompt "The quick brown fox" --max-new-tokens 16
+	$(VENV)/bin/dsv4 serve
 
 test: $(STAMP)
 	$(PY) -m pytest -x -q tests

@@ -30,7 +30,7 @@ class ServiceConfig:
     router_port: int = 50051
     prefill_workers: int = 1
     decode_workers: int = 1
-    transfer: str = "tcp"
+    transfer: str = "auto"
     router_policy: str = "cache_aware"
     engine_options: tuple = ()  # (key, value) pairs for load_engine
     worker_num_cpus: float = 0.5
@@ -166,7 +166,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-port", type=int, default=0, help="gRPC router port (0 = any free port)")
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
-    parser.add_argument("--transfer", default="tcp", choices=["nixl", "tcp"])
+    parser.add_argument("--transfer", default="auto", choices=["auto", "nixl", "tcp"],
+                        help="KV transfer backend (auto = NIXL when importable, else the tcp fallback)")
     parser.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "least_loaded",
                                                                            "round_robin"])
     parser.add_argument("--device", default=None)

@@ -74,10 +74,7 @@ def _load_keys(k_ptr, r, ok, cols, cmask, DI, stride_kr, block_size, VALUE_BYTES
             scale = tl.load(sptr, mask=gmask, other=0.0)
         else:
             scale = _ue8m0(tl.load(k_ptr + srow[:, None] + g[None, :], mask=gmask, other=127))
-        if NG == 1:  # the common fp8 case (Di = 128): a plain broadcast avoids reshape layout shuffles
-            keys = vals * scale
-        else:
-            keys = tl.reshape(tl.reshape(vals, [BLOCK_S, NG, GROUP]) * scale[:, :, None], [BLOCK_S, DI_P])
+        keys = tl.reshape(tl.reshape(vals, [BLOCK_S, NG, GROUP]) * scale[:, :, None], [BLOCK_S, DI_P])
     return keys
 
 
@@ -159,7 +156,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weig
     fmt = _PLAIN if layout is None else (_FP8 if layout.fmt == "fp8" else _MXFP4)
     # Dequantised keys are exact in bf16, so quantized stores take the bf16 dot whenever q is bf16.
     bf16_dot = q.is_cuda and q.dtype == torch.bfloat16 and (layout is not None or keys.dtype == torch.bfloat16)
-    extra = {"num_warps": 4, "num_stages": 2} if q.is_cuda else {}
+    # sm_90 compiles at Hi=64, Di=128, BLOCK_S=64: plain keys fit 4 warps; dequantising needs 8 to not spill.
+    extra = {"num_warps": 4 if layout is None else 8, "num_stages": 2} if q.is_cuda else {}
     _indexer_scores_kernel[(t, triton.cdiv(s, block_s))](
         q, keys, rows, weights, out, hi, di, s, di**-0.5, 1 if layout is None else layout.block_size,
         q.stride(0), q.stride(1), keys.stride(0), rows.stride(0), weights.stride(0), out.stride(0),

@@ -148,7 +148,7 @@ def test_models_and_health(srv):
 
 
 def test_token_prompt_matches_offline_llm(srv, llm, tok):
-    ttft_before = REGISTRY.get_sample_value("dsv4_time_to_first_token_seconds_count", {"model": MODEL}) or 0
+    ttft_before = REGISTRY.get_sample_value("dsv4_time_to_first_token_seconds_count", {"model_name": MODEL}) or 0
     ok_before = requests_total("ok")
     ref = greedy_ref(llm, PROMPT_IDS, 8)
     r = srv.client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, **GREEDY)
@@ -157,7 +157,7 @@ def test_token_prompt_matches_offline_llm(srv, llm, tok):
     assert c.text == tok.decode(ref.token_ids) and c.finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (8, 8, 16)
     assert requests_total("ok") == ok_before + 1
-    assert REGISTRY.get_sample_value("dsv4_time_to_first_token_seconds_count", {"model": MODEL}) == ttft_before + 1
+    assert REGISTRY.get_sample_value("dsv4_time_to_first_token_seconds_count", {"model_name": MODEL}) == ttft_before + 1
 
 
 def test_text_prompt_matches_offline_llm(srv, llm, tok):
