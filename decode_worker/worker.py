@@ -18,7 +18,7 @@ from engine.allocator import OutOfPages
 from engine.engine_loop import AsyncSink, EngineLoop
 from engine.llm import load_engine
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import TransferError, TransferTimeout, make_backend
+from kv_transfer.base import TransferError, TransferTimeout, make_backend, resolve_name
 from prefill_worker.worker import PrefillResult, WorkerStats, engine_stats
 
 
@@ -41,7 +41,7 @@ class DecodeWorker:
         self.worker_id = worker_id
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.engine = load_engine(model_dir, **(engine_options or {}))
-        self.transfer = transfer
+        self.transfer = resolve_name(transfer)  # the concrete backend, for metric labels
         self.transfer_timeout_s = transfer_timeout_s
         self.backend = make_backend(transfer, self.engine.pool, worker_name=worker_id)
         self.loop = EngineLoop(self.engine, name=f"decode-{worker_id}",

@@ -19,7 +19,7 @@ from engine import metrics
 from engine.engine_loop import AsyncSink, EngineLoop
 from engine.llm import load_engine
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import TransferTicket, make_backend
+from kv_transfer.base import TransferTicket, make_backend, resolve_name
 
 POLL_INTERVAL_S = 0.02
 
@@ -77,7 +77,7 @@ class PrefillWorker:
         self.worker_id = worker_id
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.engine = load_engine(model_dir, **(engine_options or {}))
-        self.transfer = transfer
+        self.transfer = resolve_name(transfer)  # the concrete backend, for metric labels
         self.backend = make_backend(transfer, self.engine.pool, worker_name=worker_id, lease_s=lease_s)
         self.backend.add_release_callback(self._on_release)
         self.loop = EngineLoop(self.engine, name=f"prefill-{worker_id}", on_step=self._on_step)

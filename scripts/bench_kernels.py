@@ -126,6 +126,7 @@ def attention_cases(t: int) -> list[Case]:
 
 
 def indexer_cases(t: int) -> list[Case]:
+    from kernels import geometry as g
     from kernels import indexer as ref
     from kernels.triton_indexer import indexer_topk
 
@@ -135,21 +136,32 @@ def indexer_cases(t: int) -> list[Case]:
         keys = rand(t * s, INDEX_DIM, seed=6)
         rows = distinct_rows(t, s, t * s, seed=7)
         w = rand(t, INDEX_HEADS, dtype=torch.float32, seed=8) * INDEX_HEADS**-0.5
+        layout = g.IndexerKeyLayout(INDEX_DIM, "mxfp4")
+        blocks = -(-t * s // layout.block_size)
+        cache = torch.zeros(blocks, layout.block_bytes(), dtype=torch.uint8, device=DEVICE)
+        g.write_rows(cache, layout, torch.arange(t * s, device=DEVICE), g.pack_indexer_mxfp4(keys.float()))
+        flat = rows.reshape(-1)
+        stores = {  # name -> (store, layout, bytes per row, dense keys of rows for the reference)
+            "bf16 rows": (keys, None, INDEX_DIM * 2, lambda keys=keys, rows=rows: keys[rows.long()]),
+            "mxfp4 cache": (cache, layout, layout.row_bytes,
+                            lambda cache=cache, layout=layout, flat=flat, rows=rows: g.unpack_indexer_mxfp4(
+                                g.read_rows(cache, layout, flat)).view(*rows.shape, INDEX_DIM).to(q.dtype)),
+        }
+        for name, (store, lay, row_bytes, dense) in stores.items():
+            def reference(q=q, rows=rows, w=w, dense=dense):
+                return ref.topk_visible(ref.indexer_scores(q, dense(), w), rows >= 0, TOPK)
 
-        def reference(q=q, keys=keys, rows=rows, w=w):
-            return ref.topk_visible(ref.indexer_scores(q, keys[rows.long()], w), rows >= 0, TOPK)
+            def check(picked, expected, q=q, w=w, dense=dense):
+                # Near-ties may swap between implementations: compare the -1 pattern and the picked scores.
+                scores = ref.indexer_scores(q, dense(), w)
+                if not torch.equal(picked < 0, expected < 0):
+                    return "MISMATCH -1 padding"
+                return close(scores.gather(1, picked.clamp(min=0)), scores.gather(1, expected.clamp(min=0)))
 
-        def check(picked, expected, q=q, keys=keys, rows=rows, w=w):
-            # Near-ties may swap between implementations: compare the -1 pattern and the picked scores.
-            scores = ref.indexer_scores(q, keys[rows.long()], w)
-            if not torch.equal(picked < 0, expected < 0):
-                return "MISMATCH -1 padding"
-            return close(scores.gather(1, picked.clamp(min=0)), scores.gather(1, expected.clamp(min=0)))
-
-        out.append(Case("indexer scores + topk", f"T={t} Hi={INDEX_HEADS} Di={INDEX_DIM} S={s} k={TOPK}",
-                        lambda q=q, keys=keys, rows=rows, w=w: indexer_topk(q, keys, rows, w, TOPK), reference,
-                        rows.numel() * INDEX_DIM * 2 + q.numel() * 2 + w.numel() * 4,
-                        2 * t * s * INDEX_HEADS * INDEX_DIM, check))
+            out.append(Case(f"indexer scores + topk, {name}", f"T={t} Hi={INDEX_HEADS} Di={INDEX_DIM} S={s} k={TOPK}",
+                            lambda q=q, store=store, rows=rows, w=w, lay=lay: indexer_topk(q, store, rows, w, TOPK, lay),
+                            reference, rows.numel() * row_bytes + q.numel() * 2 + w.numel() * 4,
+                            2 * t * s * INDEX_HEADS * INDEX_DIM, check))
     return out
 
 
