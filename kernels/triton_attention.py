@@ -104,8 +104,11 @@ def _sparse_attn_kernel(
     m1 = c1 < D1
 
     q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-    q0 = tl.load(q_row + c0[None, :], mask=hmask[:, None] & m0[None, :], other=0.0).to(tl.float32)
-    q1 = tl.load(q_row + D0 + c1[None, :], mask=hmask[:, None] & m1[None, :], other=0.0).to(tl.float32)
+    q0 = tl.load(q_row + c0[None, :], mask=hmask[:, None] & m0[None, :], other=0.0)
+    q1 = tl.load(q_row + D0 + c1[None, :], mask=hmask[:, None] & m1[None, :], other=0.0)
+    # Convert q to the dot operand type once, outside the K loop.
+    q0 = q0.to(tl.bfloat16) if BF16_DOT else q0.to(tl.float32)
+    q1 = q1.to(tl.bfloat16) if BF16_DOT else q1.to(tl.float32)
     sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
 
     # Running state in base 2. m starts at the sink so it is always finite; without a split the sink's

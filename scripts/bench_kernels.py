@@ -158,9 +158,11 @@ def indexer_cases(t: int) -> list[Case]:
                     return "MISMATCH -1 padding"
                 return close(scores.gather(1, picked.clamp(min=0)), scores.gather(1, expected.clamp(min=0)))
 
+            def run(q=q, store=store, rows=rows, w=w, lay=lay):
+                return indexer_topk(q, store, rows, w, TOPK, lay)
+
             out.append(Case(f"indexer scores + topk, {name}", f"T={t} Hi={INDEX_HEADS} Di={INDEX_DIM} S={s} k={TOPK}",
-                            lambda q=q, store=store, rows=rows, w=w, lay=lay: indexer_topk(q, store, rows, w, TOPK, lay),
-                            reference, rows.numel() * row_bytes + q.numel() * 2 + w.numel() * 4,
+                            run, reference, rows.numel() * row_bytes + q.numel() * 2 + w.numel() * 4,
                             2 * t * s * INDEX_HEADS * INDEX_DIM, check))
     return out
 

@@ -124,10 +124,14 @@ def test_generate_text_prompt(model_dir, capsys):
         (["--prompt-ids", "1,x,3"], "1,x,3"),
         (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature"),
         (["--prompt-ids", "1,2", "--top-p", "0"], "top_p"),
-        (["--prompt-ids", "1,2", "--max-new-tokens", "5000"], "4096"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "{max_pos}"], "{max_pos}"),
     ],
 )
 def test_generate_bad_input(model_dir, args, needle, capsys):
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        max_pos = json.load(fh)["max_position_embeddings"]  # prompt of 2 + max_pos new tokens is too long
+    args = [a.format(max_pos=max_pos) for a in args]
+    needle = needle.format(max_pos=max_pos)
     rc, out, err = run_cli(["generate", "--model", model_dir, *args], capsys)
     assert rc != 0
     assert needle in err, err

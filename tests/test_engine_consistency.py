@@ -99,6 +99,16 @@ def test_outputs_in_prompt_order_with_mixed_lengths(llm, vocab):
         _assert_same(o, llm.generate([p], params[prompts.index(p)])[0], "mixed lengths")
 
 
+def test_logprobs_only_when_asked(llm, vocab):
+    prompts = _prompts([6, 20], vocab, seed=13)
+    plain = llm.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    full = llm.generate(prompts, _greedy(4))
+    for a, b in zip(plain, full):
+        assert a.logprobs is None and a.prompt_logprobs is None
+        assert a.token_ids == b.token_ids and a.finish_reason == "length"
+        assert all(x <= 0.0 for x in b.logprobs + b.prompt_logprobs[1:])
+
+
 def test_more_prompts_than_fit_one_step(vocab):
     """70 requests (more than the default number of concurrent sequences) through a 16-token budget."""
     prompts = _prompts([3 + (i % 7) for i in range(70)], vocab, seed=11)
