@@ -36,20 +36,22 @@ def _table_tensor(tables: list[list[int]], device) -> torch.Tensor:
 class SourceRows:
     """Where a token's projected row lives: in this step's chunk, or in a cache ring.
 
-    from_chunk / chunk_row / ring_row / valid all share one shape.
+    All fields share one shape. `row` indexes the concatenation [ring rows | chunk rows] (ring_rows
+    is the ring layer's row count), so a gather is one index_select. Rows at invalid positions
+    (before position 0) point at real, finite rows: every consumer masks them (attention by `valid`,
+    the compressor by giving their slots zero weight), so they are never zeroed here.
     """
 
     from_chunk: torch.Tensor
     chunk_row: torch.Tensor
     ring_row: torch.Tensor
     valid: torch.Tensor
+    row: torch.Tensor
 
     def gather(self, chunk: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
-        """chunk: [T, W]; ring: [R, W] -> [*shape, W] (zeros where invalid)."""
-        a = chunk[self.chunk_row]
-        b = ring[self.ring_row].to(chunk.dtype)
-        out = torch.where(self.from_chunk.unsqueeze(-1), a, b)
-        return out.masked_fill(~self.valid.unsqueeze(-1), 0)
+        """chunk: [T, W]; ring: [R, W] -> [*shape, W] in chunk.dtype."""
+        source = torch.cat([ring.to(chunk.dtype), chunk])
+        return source.index_select(0, self.row.reshape(-1)).view(*self.row.shape, chunk.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -108,13 +110,14 @@ class StepBatch:
         return self.token_ids.shape[0]
 
 
-def _sources(pos, seg, starts, cu, ring_page, ring_rows: int) -> SourceRows:
+def _sources(pos, seg, starts, cu, ring_page, ring_rows: int, ring_total_rows: int) -> SourceRows:
     s = starts[seg]
     valid = pos >= 0
     from_chunk = pos >= s
     chunk_row = torch.where(from_chunk, cu[seg] + pos - s, torch.zeros_like(pos))
     ring_row = ring_page[seg] * ring_rows + pos.clamp(min=0) % ring_rows
-    return SourceRows(from_chunk, chunk_row, ring_row, valid)
+    return SourceRows(from_chunk, chunk_row, ring_row, valid, torch.where(from_chunk, ring_total_rows + chunk_row,
+                                                                          ring_row))
 
 
 def _ring_write(starts, ends, cu, ring_page, ring_rows: int) -> RingWrite:
@@ -128,15 +131,15 @@ def _paged_rows(table: torch.Tensor, page_rows: int, seg: torch.Tensor, entry: t
     return table[seg, page_idx] * page_rows + entry.clamp(min=0) % page_rows
 
 
-def _compress_plan(ratio: int, overlap: bool, starts, ends, cu, state_page, state_rows: int, entry_table,
-                   entry_page_rows: int) -> CompressPlan:
+def _compress_plan(ratio: int, overlap: bool, starts, ends, cu, state_page, state_rows: int, state_total: int,
+                   entry_table, entry_page_rows: int) -> CompressPlan:
     first, last = starts // ratio, ends // ratio
     w, seg = segment_arange(first, last - first)
     offs = torch.arange(ratio, device=w.device)
     cur_pos = (w * ratio).unsqueeze(1) + offs
     seg2 = seg.unsqueeze(1).expand_as(cur_pos)
-    cur = _sources(cur_pos, seg2, starts, cu, state_page, state_rows)
-    prev = _sources(cur_pos - ratio, seg2, starts, cu, state_page, state_rows) if overlap else None
+    cur = _sources(cur_pos, seg2, starts, cu, state_page, state_rows, state_total)
+    prev = _sources(cur_pos - ratio, seg2, starts, cu, state_page, state_rows, state_total) if overlap else None
     return CompressPlan(
         num_entries=int(w.numel()),
         cur=cur,
@@ -169,7 +172,8 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
     window = cfg.sliding_window
     swa_page = group_tables["swa"][:, 0]
     win_pos = positions.unsqueeze(1) - window + 1 + torch.arange(window)
-    swa = _sources(win_pos, seg.unsqueeze(1).expand_as(win_pos), starts_t, cu, swa_page, window)
+    swa_total = pool.groups["swa"].spec.num_pages * window
+    swa = _sources(win_pos, seg.unsqueeze(1).expand_as(win_pos), starts_t, cu, swa_page, window, swa_total)
     swa_write = _ring_write(starts_t, ends_t, cu, swa_page, window)
 
     compress, visible = {}, {}
@@ -180,7 +184,8 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
         spec = pool.groups[entry_name].spec
         state_spec = pool.groups[state_name].spec
         compress[entry_name] = _compress_plan(ratio, overlap, starts_t, ends_t, cu, group_tables[state_name][:, 0],
-                                              state_spec.page_rows, group_tables[entry_name], spec.page_rows)
+                                              state_spec.page_rows, state_spec.num_pages * state_spec.page_rows,
+                                              group_tables[entry_name], spec.page_rows)
         if entry_name != "kv4":  # CSA picks kv4 entries through the indexer instead of attending to all
             visible[entry_name] = _visible(ratio, positions, seg, ends_t, group_tables[entry_name], spec.page_rows)
 

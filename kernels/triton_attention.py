@@ -2,26 +2,35 @@
 
 Reference: `kernels.attention.sparse_attention`. Every query token attends, with all H heads, to K
 candidate rows of one shared latent (K = V) named by row indices into a flat or paged row store, so the
-[T, K, D] gather the reference needs is never materialised. Two stores:
+[T, K, D] gather the reference needs is never materialised. Stores:
 - `sparse_mqa_attention`: rows of D values (bf16 / fp32), kv[row];
+- `sparse_mqa_attention_multi`: the same over up to three row stores of one dtype (e.g. the engine's SWA
+  ring, this step's fresh kv and a compressed-entry group), row ids index their concatenation;
 - `sparse_mqa_attention_fp8`: fp8_ds_mla bytes (kernels/geometry.py), dequantised on the fly: e4m3 NoPE
   values times a UE8M0 scale per 64, then raw bf16 RoPE values. Works directly on the paged cache
   (value rows first, scale rows after all of them); packed [R, row_bytes] rows are the block_size=1 case.
 
-Algorithm: one program per (token, block of heads, split of K). It walks its K range in tiles with an
-fp32 online softmax in base 2. The running max starts at the sink logit, not -inf, which keeps every
-exponent finite (no NaN for all-invalid tiles) and folds the sink into the normaliser for free; an
-all-invalid query ends with acc = 0, i.e. the zero vector, as in the reference. Decode has few tokens, so
-K is split across programs (flash-decoding) and a second kernel merges the partial (max, sum, acc).
+Algorithm (MQA reuse, as FlashMLA's decode kernel): one program per (token, block of up to 64 heads,
+split of K). All heads of a token share the same K = V rows, so a program holds the whole query block
+q [BLOCK_H, D] and walks its K range in row tiles [BLOCK_K, D] that are loaded (and, for fp8,
+dequantised) ONCE and used by all BLOCK_H heads through tensor-core dots:
+    S = q @ tile^T   [BLOCK_H, BLOCK_K],   acc += softmax-part(S) @ tile   [BLOCK_H, D],
+with an fp32 online softmax in base 2. With H <= 64 there is one head block, so the bytes read per token
+are K rows x row bytes (+ q). D is handled as up to four column segments of power-of-two width (at most
+256, e.g. 512 = 256 + 256; fp8_ds_mla 512 = NoPE 256 + 128 + 64, RoPE 64): S sums one dot per segment,
+and the fp32 accumulator is one [BLOCK_H, width] tensor per segment (64 x 512 fp32 = 128 registers a
+thread over 8 warps). The running max starts at the sink logit, not -inf, which keeps every exponent
+finite (no NaN for all-invalid tiles) and folds the sink into the normaliser for free; an all-invalid
+query ends with acc = 0, i.e. the zero vector, as in the reference. Decode has few tokens, so K is split
+across programs when the grid would not fill the GPU (flash-decoding) and a second kernel merges the
+partial (max, sum, acc).
 
-D is processed as two column segments [0, D0) and [D0, D) (NoPE / RoPE for fp8 rows, two halves or a
-power-of-two head + tail for plain rows) because tl.arange needs power-of-two widths.
-
-Interpreter note: triton 3.x's CPU interpreter stores bf16 as raw uint16 and does integer arithmetic and
+Interpreter note: triton's CPU interpreter stores bf16 as raw uint16 and does integer arithmetic and
 matmuls on the bits, so kernels here convert every bf16 load to fp32 before arithmetic and only use bf16
-dot operands when compiled for the GPU (`bf16_dot`); the interpreter runs the same dots in fp32. Its
+dot operands when compiled for the GPU (`BF16_DOT`); the interpreter runs the same dots in fp32. Its
 fp32 -> bf16 cast also truncates (the GPU rounds to nearest even), so interpreted bf16 outputs can be
-one ulp lower in magnitude than compiled ones; bf16 tolerances cover both.
+one ulp lower in magnitude than compiled ones; bf16 tolerances cover both. On the GPU the bf16 rows go
+straight from memory into the dots (no register round trip), so triton can pipeline the tile loads.
 """
 
 from __future__ import annotations
@@ -37,78 +46,110 @@ triton, tl = import_triton()
 
 LOG2E = 1.4426950408889634
 FP8_SCALE_BLOCK = 64  # NoPE values per UE8M0 scale in fp8_ds_mla
+MAX_SEGMENTS = 4
+SEG_MAX = 256  # widest column segment (wgmma's largest N)
+_PLAIN, _FP8_NOPE, _BF16_ROPE = 0, 1, 2  # segment kinds
 
 
 @triton.jit
 def _dot(a, b, BF16_DOT: tl.constexpr):
-    """fp32 [M, K] x [K, N] -> fp32; bf16 tensor-core operands on GPU, exact fp32 in the interpreter."""
+    """[M, K] x [K, N] -> fp32; operands already bf16 on the GPU path, exact fp32 in the interpreter."""
     if BF16_DOT:
-        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        c = tl.dot(a, b)
     else:
         c = tl.dot(a, b, input_precision="ieee")
     return c
 
 
 @triton.jit
-def _load_plain(kv_ptr, r, ok, stride_row, cols, col_mask, col0):
-    """Rows r (int64 [BK]) of a [R, D] store, columns col0 + cols -> fp32 [BK, P] (0 where masked)."""
-    ptrs = kv_ptr + r[:, None] * stride_row + (col0 + cols)[None, :]
-    return tl.load(ptrs, mask=ok[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+def _load_seg(rp, sp, ok, O: tl.constexpr, W: tl.constexpr, P: tl.constexpr, KIND: tl.constexpr,
+              BF16_DOT: tl.constexpr, SCALE_BLOCK: tl.constexpr, BK: tl.constexpr):
+    """Columns [O, O + W) (padded to P) of BK rows -> [BK, P] dot operand (bf16 on GPU, fp32 when interpreted).
+
+    rp: per-row pointers to the row start (elements of the store for KIND 0, the fp8 value row's bytes
+    otherwise); sp: per-row pointers to the fp8 scale row (KIND 1 only). Masked rows / columns read 0.
+    """
+    c = tl.arange(0, P)
+    if W == P:
+        mask = ok[:, None]
+    else:
+        mask = ok[:, None] & (c < W)[None, :]
+    if KIND == 0:
+        x = tl.load(rp[:, None] + (O + c)[None, :], mask=mask, other=0.0)
+        if BF16_DOT:
+            x = x.to(tl.bfloat16)  # a no-op for bf16 stores: the load feeds the dots directly
+        else:
+            x = x.to(tl.float32)
+    elif KIND == 1:
+        # e4m3 codes times one UE8M0 scale byte per SCALE_BLOCK columns; the byte scales are loaded once
+        # as [BK, P / SCALE_BLOCK] and broadcast over their block (W is a multiple of SCALE_BLOCK).
+        codes = tl.load(rp[:, None] + (O + c)[None, :], mask=mask, other=0)
+        NB: tl.constexpr = P // SCALE_BLOCK
+        sidx = tl.arange(0, NB)
+        sbyte = tl.load(sp[:, None] + (O // SCALE_BLOCK + sidx)[None, :],
+                        mask=ok[:, None] & (sidx * SCALE_BLOCK < W)[None, :], other=127)
+        # UE8M0 byte b is 2**(b - 127): build the fp32 from its exponent bits (exact, unlike ex2.approx).
+        scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        x = tl.reshape(tl.reshape(vals, [BK, NB, SCALE_BLOCK]) * scale[:, :, None], [BK, P])
+        if BF16_DOT:
+            x = x.to(tl.bfloat16)  # exact: 3 mantissa bits times a power of two
+    else:
+        # Raw bf16 RoPE values at byte O (= the NoPE width) of the value row.
+        x = tl.load((rp + O).to(tl.pointer_type(tl.bfloat16))[:, None] + c[None, :], mask=mask, other=0.0)
+        if not BF16_DOT:
+            x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
-def _load_fp8(cache_ptr, r, ok, block_size, stride_block, c0, m0, c1, m1,
-              NOPE: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
-              SCALE_BLOCK: tl.constexpr, P0: tl.constexpr):
-    """fp8_ds_mla slots r (int64 [BK]) of a paged byte cache -> (fp32 NoPE [BK, P0], fp32 RoPE [BK, P1])."""
-    blk = r // block_size
-    pos = r - blk * block_size
-    base = blk * stride_block
-    vrow = base + pos * TOKEN_STRIDE
-    srow = base + block_size * TOKEN_STRIDE + pos * SCALE_STRIDE
-    codes = tl.load(cache_ptr + vrow[:, None] + c0[None, :], mask=ok[:, None] & m0[None, :], other=0)
-    # One scale byte per 64 columns, loaded once as [BK, P0 / 64] and broadcast over its block (a
-    # per-column gather would need a second [BK, P0] tensor of 64-bit addresses: register spills).
-    NB: tl.constexpr = P0 // SCALE_BLOCK
-    sidx = tl.arange(0, NB)
-    sbyte = tl.load(cache_ptr + srow[:, None] + sidx[None, :], mask=ok[:, None] & (sidx < NOPE // SCALE_BLOCK)[None, :],
-                    other=127)
-    # UE8M0 byte b is 2**(b - 127): build the fp32 from its exponent bits (exact, unlike ex2.approx).
-    scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    BK: tl.constexpr = codes.shape[0]
-    nope = tl.reshape(tl.reshape(nope, [BK, NB, SCALE_BLOCK]) * scale[:, :, None], [BK, P0])
-    rope_ptrs = (cache_ptr + vrow[:, None] + NOPE + 2 * c1[None, :]).to(tl.pointer_type(tl.bfloat16))
-    rope = tl.load(rope_ptrs, mask=ok[:, None] & m1[None, :], other=0.0).to(tl.float32)
-    return nope, rope
+def _load_q(q_row, hmask, O: tl.constexpr, W: tl.constexpr, P: tl.constexpr, BF16_DOT: tl.constexpr):
+    c = tl.arange(0, P)
+    x = tl.load(q_row[:, None] + (O + c)[None, :], mask=hmask[:, None] & (c < W)[None, :], other=0.0)
+    return x.to(tl.bfloat16) if BF16_DOT else x.to(tl.float32)
+
+
+@triton.jit
+def _store_seg(o_row, hmask, acc, scale, O: tl.constexpr, W: tl.constexpr, P: tl.constexpr):
+    """o_row: [BLOCK_H] pointers to the output (or partial) row; writes acc * scale[:, None] cast to its type."""
+    c = tl.arange(0, P)
+    tl.store(o_row[:, None] + (O + c)[None, :], (acc * scale[:, None]).to(o_row.dtype.element_ty),
+             mask=hmask[:, None] & (c < W)[None, :])
 
 
 @triton.jit
 def _sparse_attn_kernel(
-    q_ptr, kv_ptr, rows_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
+    q_ptr, kv0_ptr, kv1_ptr, kv2_ptr, rows_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
     H, K, tiles_per_split, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_rt,
-    stride_row, block_size, stride_block, scale_log2,
-    D0: tl.constexpr, D1: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
-    FP8: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    R0, R01, s0, s1, s2,
+    block_size, stride_block, scale_log2,
+    D: tl.constexpr, NSRC: tl.constexpr, FP8: tl.constexpr, TOKEN_STRIDE: tl.constexpr,
+    SCALE_STRIDE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    NSEG: tl.constexpr,
+    O0: tl.constexpr, W0: tl.constexpr, P0: tl.constexpr, KD0: tl.constexpr,
+    O1: tl.constexpr, W1: tl.constexpr, P1: tl.constexpr, KD1: tl.constexpr,
+    O2: tl.constexpr, W2: tl.constexpr, P2: tl.constexpr, KD2: tl.constexpr,
+    O3: tl.constexpr, W3: tl.constexpr, P3: tl.constexpr, KD3: tl.constexpr,
+    QO0: tl.constexpr, QO1: tl.constexpr, QO2: tl.constexpr, QO3: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BF16_DOT: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    """Segment i: store columns O_i (bytes for fp8 kinds) of width W_i, q / output columns QO_i."""
+    t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    sp = tl.program_id(2)
+    sp_id = tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    c0 = tl.arange(0, P0)
-    c1 = tl.arange(0, P1)
-    m0 = c0 < D0
-    m1 = c1 < D1
 
-    q_row = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-    q0 = tl.load(q_row + c0[None, :], mask=hmask[:, None] & m0[None, :], other=0.0)
-    q1 = tl.load(q_row + D0 + c1[None, :], mask=hmask[:, None] & m1[None, :], other=0.0)
-    # Convert q to the dot operand type once, outside the K loop.
-    q0 = q0.to(tl.bfloat16) if BF16_DOT else q0.to(tl.float32)
-    q1 = q1.to(tl.bfloat16) if BF16_DOT else q1.to(tl.float32)
+    # The query block, loaded once and converted to the dot operand type outside the K loop.
+    q_row = q_ptr + t * stride_qt + heads.to(tl.int64) * stride_qh
+    q0 = _load_q(q_row, hmask, QO0, W0, P0, BF16_DOT)
+    if NSEG > 1:
+        q1 = _load_q(q_row, hmask, QO1, W1, P1, BF16_DOT)
+    if NSEG > 2:
+        q2 = _load_q(q_row, hmask, QO2, W2, P2, BF16_DOT)
+    if NSEG > 3:
+        q3 = _load_q(q_row, hmask, QO3, W3, P3, BF16_DOT)
     sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
 
     # Running state in base 2. m starts at the sink so it is always finite; without a split the sink's
@@ -119,102 +160,160 @@ def _sparse_attn_kernel(
     else:
         l_i = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_H, P0], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, P1], dtype=tl.float32)
+    if NSEG > 1:
+        acc1 = tl.zeros([BLOCK_H, P1], dtype=tl.float32)
+    if NSEG > 2:
+        acc2 = tl.zeros([BLOCK_H, P2], dtype=tl.float32)
+    if NSEG > 3:
+        acc3 = tl.zeros([BLOCK_H, P3], dtype=tl.float32)
 
     num_tiles = tl.cdiv(K, BLOCK_K)
-    tile_begin = sp * tiles_per_split
+    tile_begin = sp_id * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     for tile in range(tile_begin, tile_end):
         ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        r = tl.load(rows_ptr + t.to(tl.int64) * stride_rt + ks, mask=ks < K, other=-1).to(tl.int64)
+        r = tl.load(rows_ptr + t * stride_rt + ks, mask=ks < K, other=-1).to(tl.int64)
         ok = r >= 0
         r = tl.where(ok, r, 0)
         if FP8:
-            k0, k1 = _load_fp8(kv_ptr, r, ok, block_size, stride_block, c0, m0, c1, m1,
-                               D0, TOKEN_STRIDE, SCALE_STRIDE, SCALE_BLOCK, P0)
+            blk = r // block_size
+            pos = r - blk * block_size
+            base = kv0_ptr + blk * stride_block
+            rp = base + pos * TOKEN_STRIDE
+            sp = base + block_size * TOKEN_STRIDE + pos * SCALE_STRIDE
         else:
-            k0 = _load_plain(kv_ptr, r, ok, stride_row, c0, m0, 0)
-            k1 = _load_plain(kv_ptr, r, ok, stride_row, c1, m1, D0)
-        s = _dot(q0, tl.trans(k0), BF16_DOT) + _dot(q1, tl.trans(k1), BF16_DOT)
+            # Row ids index the concatenation of up to three stores [kv0 | kv1 | kv2].
+            if NSRC == 1:
+                rp = kv0_ptr + r * s0
+            elif NSRC == 2:
+                rp = tl.where(r < R0, kv0_ptr + r * s0, kv1_ptr + (r - R0) * s1)
+            else:
+                rp = tl.where(r < R0, kv0_ptr + r * s0,
+                              tl.where(r < R01, kv1_ptr + (r - R0) * s1, kv2_ptr + (r - R01) * s2))
+            sp = rp
+        k0 = _load_seg(rp, sp, ok, O0, W0, P0, KD0, BF16_DOT, SCALE_BLOCK, BLOCK_K)
+        s = _dot(q0, tl.trans(k0), BF16_DOT)
+        if NSEG > 1:
+            k1 = _load_seg(rp, sp, ok, O1, W1, P1, KD1, BF16_DOT, SCALE_BLOCK, BLOCK_K)
+            s += _dot(q1, tl.trans(k1), BF16_DOT)
+        if NSEG > 2:
+            k2 = _load_seg(rp, sp, ok, O2, W2, P2, KD2, BF16_DOT, SCALE_BLOCK, BLOCK_K)
+            s += _dot(q2, tl.trans(k2), BF16_DOT)
+        if NSEG > 3:
+            k3 = _load_seg(rp, sp, ok, O3, W3, P3, KD3, BF16_DOT, SCALE_BLOCK, BLOCK_K)
+            s += _dot(q3, tl.trans(k3), BF16_DOT)
         s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if BF16_DOT:
+            p = p.to(tl.bfloat16)
         acc0 = acc0 * alpha[:, None] + _dot(p, k0, BF16_DOT)
-        acc1 = acc1 * alpha[:, None] + _dot(p, k1, BF16_DOT)
+        if NSEG > 1:
+            acc1 = acc1 * alpha[:, None] + _dot(p, k1, BF16_DOT)
+        if NSEG > 2:
+            acc2 = acc2 * alpha[:, None] + _dot(p, k2, BF16_DOT)
+        if NSEG > 3:
+            acc3 = acc3 * alpha[:, None] + _dot(p, k3, BF16_DOT)
         m_i = m_new
 
     if SPLIT:
         # Partials: acc [T, H, S, D] fp32 and (m, l) [T, H, S, 2] fp32, merged by _merge_kernel.
-        row = (t.to(tl.int64) * H + heads) * num_splits + sp
-        d = D0 + D1
-        pmask = hmask[:, None]
-        tl.store(pacc_ptr + row[:, None] * d + c0[None, :], acc0, mask=pmask & m0[None, :])
-        tl.store(pacc_ptr + row[:, None] * d + D0 + c1[None, :], acc1, mask=pmask & m1[None, :])
-        tl.store(pml_ptr + row * 2, m_i, mask=hmask)
-        tl.store(pml_ptr + row * 2 + 1, l_i, mask=hmask)
+        prow = (t * H + heads) * num_splits + sp_id
+        o_row = pacc_ptr + prow * D
+        one = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
+        tl.store(pml_ptr + prow * 2, m_i, mask=hmask)
+        tl.store(pml_ptr + prow * 2 + 1, l_i, mask=hmask)
     else:
-        inv = 1.0 / l_i
-        o_row = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-        tl.store(o_row + c0[None, :], (acc0 * inv[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=hmask[:, None] & m0[None, :])
-        tl.store(o_row + D0 + c1[None, :], (acc1 * inv[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=hmask[:, None] & m1[None, :])
+        o_row = out_ptr + t * stride_ot + heads.to(tl.int64) * stride_oh
+        one = 1.0 / l_i
+    _store_seg(o_row, hmask, acc0, one, QO0, W0, P0)
+    if NSEG > 1:
+        _store_seg(o_row, hmask, acc1, one, QO1, W1, P1)
+    if NSEG > 2:
+        _store_seg(o_row, hmask, acc2, one, QO2, W2, P2)
+    if NSEG > 3:
+        _store_seg(o_row, hmask, acc3, one, QO3, W3, P3)
 
 
 @triton.jit
 def _merge_kernel(pacc_ptr, pml_ptr, sink_ptr, out_ptr, H, num_splits, stride_ot, stride_oh,
-                  D0: tl.constexpr, D1: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
+                  D: tl.constexpr, PD: tl.constexpr, BLOCK_H: tl.constexpr):
     """Merge the split partials of one (token, head block); the sink enters once, as the initial state."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    c0 = tl.arange(0, P0)
-    c1 = tl.arange(0, P1)
-    mask0 = hmask[:, None] & (c0 < D0)[None, :]
-    mask1 = hmask[:, None] & (c1 < D1)[None, :]
+    c = tl.arange(0, PD)
+    mask = hmask[:, None] & (c < D)[None, :]
     m = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
     l = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, P0], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, P1], dtype=tl.float32)
-    d = D0 + D1
+    acc = tl.zeros([BLOCK_H, PD], dtype=tl.float32)
     for sp in range(0, num_splits):
-        row = (t.to(tl.int64) * H + heads) * num_splits + sp
+        row = (t * H + heads) * num_splits + sp
         m_s = tl.load(pml_ptr + row * 2, mask=hmask, other=0.0)
         l_s = tl.load(pml_ptr + row * 2 + 1, mask=hmask, other=0.0)
-        a0 = tl.load(pacc_ptr + row[:, None] * d + c0[None, :], mask=mask0, other=0.0)
-        a1 = tl.load(pacc_ptr + row[:, None] * d + D0 + c1[None, :], mask=mask1, other=0.0)
+        a = tl.load(pacc_ptr + row[:, None] * D + c[None, :], mask=mask, other=0.0)
         m_new = tl.maximum(m, m_s)
         alpha = tl.exp2(m - m_new)
         beta = tl.exp2(m_s - m_new)
         l = l * alpha + l_s * beta
-        acc0 = acc0 * alpha[:, None] + a0 * beta[:, None]
-        acc1 = acc1 * alpha[:, None] + a1 * beta[:, None]
+        acc = acc * alpha[:, None] + a * beta[:, None]
         m = m_new
     inv = 1.0 / l
-    o_row = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-    tl.store(o_row + c0[None, :], (acc0 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=mask0)
-    tl.store(o_row + D0 + c1[None, :], (acc1 * inv[:, None]).to(out_ptr.dtype.element_ty), mask=mask1)
+    o_row = out_ptr + t * stride_ot + heads.to(tl.int64) * stride_oh
+    tl.store(o_row[:, None] + c[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- host side ---------------------------------------------------------------------------------------
-def _segments(d: int) -> tuple[int, int]:
-    """Split D plain columns into two non-empty segments whose padded widths waste little."""
-    if d < 2:
-        raise ValueError(f"head dim must be >= 2, got {d}")
-    head = 1 << (d.bit_length() - 1)  # largest power of two <= d
-    return (d // 2, d - d // 2) if head == d else (head, d - head)
+def _pow2_pieces(width: int, cap: int, quantum: int) -> list[int]:
+    """Split `width` (a multiple of quantum) into power-of-two pieces <= cap, largest first."""
+    pieces = []
+    while width > 0:
+        p = min(cap, 1 << (width.bit_length() - 1))
+        if p < quantum:
+            p = width  # the sub-quantum remainder becomes one padded piece
+        pieces.append(p)
+        width -= p
+    return pieces
 
 
-def _pick_splits(device: torch.device, programs: int, num_tiles: int, min_tiles: int) -> int:
-    """Split K until the grid has about one wave of programs, each keeping >= min_tiles tiles."""
+def _segments(pieces: list[tuple[int, int]], limit: int = MAX_SEGMENTS) -> list[tuple[int, int]]:
+    """(offset, width) pieces -> at most `limit`, merging the trailing ones of one kind (padded later)."""
+    pieces = list(pieces)
+    while len(pieces) > limit:
+        (o, w), (_, w2) = pieces[-2], pieces[-1]
+        pieces[-2:] = [(o, w + w2)]
+    return pieces
+
+
+def plain_segments(d: int, seg_max: int = SEG_MAX) -> list[tuple[int, int]]:
+    """Column segments (offset, width) of a D-wide plain row: power-of-two widths <= seg_max, at most 4."""
+    if d < 1:
+        raise ValueError(f"head dim must be >= 1, got {d}")
+    out, o = [], 0
+    for w in _pow2_pieces(d, seg_max, 16):
+        out.append((o, w))
+        o += w
+    return _segments(out)
+
+
+def _seg_args(segs: list[tuple[int, int, int, int]]) -> dict:
+    """[(store offset, width, kind, q offset)] -> the kernel's constexpr segment arguments."""
+    args = {"NSEG": len(segs)}
+    for i in range(MAX_SEGMENTS):
+        o, w, kind, qo = segs[i] if i < len(segs) else (0, 16, 0, 0)
+        args.update({f"O{i}": o, f"W{i}": w, f"P{i}": max(16, triton.next_power_of_2(w)), f"KD{i}": kind,
+                     f"QO{i}": qo})
+    return args
+
+
+def _pick_splits(device: torch.device, programs: int, num_tiles: int) -> int:
+    """Split K so the grid has about one wave of programs (each keeping >= 1 tile)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, math.ceil(sms / max(programs, 1)))
-    return max(1, min(want, num_tiles // min_tiles))
+    return max(1, min(sms // max(programs, 1), num_tiles))
 
 
 def _check_common(q: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor, d: int) -> None:
@@ -229,25 +328,27 @@ def _check_common(q: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor, d: in
     require_triton(q.device)
 
 
-def _launch(q, store, rows, sink, scale, *, fp8, d0, d1, stride_row=0, block_size=1, stride_block=0,
-            token_stride=1, scale_stride=1, bf16_operands=False, num_splits=None, block_h=None, block_k=None):
+def _launch(q, stores, rows, sink, scale, segs, *, fp8, layout=None, bf16_operands=False, num_splits=None,
+            block_h=None, block_k=None, num_warps=None, num_stages=None):
     t, h, d = q.shape
     k = rows.shape[1]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if t == 0 or h == 0:
         return out
+    if k == 0:
+        return out.zero_()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     sink = sink.float().contiguous()
-    # Defaults from sm_90 compiles at H=64, D=512 (8 warps): the largest tiles that do not spill
-    # registers (fp8 rows need extra registers for the byte tiles and scales). tl.dot needs M >= 16.
-    block_h = block_h or min(32, max(16, triton.next_power_of_2(h)))
-    block_k = block_k or (16 if fp8 else 32)
+    # One head block holds all heads up to 64, so each row tile is read once per token (MQA reuse).
+    # Defaults from sm_90 runs at H=64, D=512 (scripts/bench_kernels.py --sweep).
+    block_h = block_h or min(64, max(16, triton.next_power_of_2(h)))
+    block_k = block_k or (32 if fp8 else 64)
     if block_h < 16 or block_k < 16:
         raise ValueError(f"block_h and block_k must be >= 16 (tl.dot), got {block_h}, {block_k}")
     head_blocks = triton.cdiv(h, block_h)
-    num_tiles = max(1, triton.cdiv(k, block_k))
+    num_tiles = triton.cdiv(k, block_k)
     if num_splits is None:
-        num_splits = _pick_splits(q.device, t * head_blocks, num_tiles, min_tiles=2)
+        num_splits = _pick_splits(q.device, t * head_blocks, num_tiles)
     tiles_per_split = triton.cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
     num_splits = triton.cdiv(num_tiles, tiles_per_split)
     split = num_splits > 1
@@ -256,28 +357,48 @@ def _launch(q, store, rows, sink, scale, *, fp8, d0, d1, stride_row=0, block_siz
         pml = torch.empty(t, h, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         pacc = pml = out  # unused
-    # tl.dot needs every dim >= 16; padded columns are masked to zero.
-    p0, p1 = max(16, triton.next_power_of_2(d0)), max(16, triton.next_power_of_2(d1))
     bf16_dot = q.is_cuda and q.dtype == torch.bfloat16 and bf16_operands
-    extra = {"num_warps": 8, "num_stages": 2} if q.is_cuda else {}
+    extra = {}
+    if q.is_cuda:
+        extra = {"num_warps": num_warps or 8, "num_stages": num_stages or 2}
+    kv0 = stores[0]
+    kv1 = stores[1] if len(stores) > 1 else kv0
+    kv2 = stores[2] if len(stores) > 2 else kv0
+    r0 = kv0.shape[0]
+    r01 = r0 + (kv1.shape[0] if len(stores) > 1 else 0)
+    strides = [s.stride(0) for s in stores] + [0] * (3 - len(stores))
+    if fp8:
+        fp8_args = dict(block_size=layout.block_size, stride_block=kv0.stride(0), TOKEN_STRIDE=layout.token_stride,
+                        SCALE_STRIDE=layout.scale_stride)
+    else:
+        fp8_args = dict(block_size=1, stride_block=0, TOKEN_STRIDE=1, SCALE_STRIDE=1)
     _sparse_attn_kernel[(t, head_blocks, num_splits)](
-        q, store, rows, sink, out, pacc, pml,
+        q, kv0, kv1, kv2, rows, sink, out, pacc, pml,
         h, k, tiles_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), rows.stride(0),
-        stride_row, block_size, stride_block, scale * LOG2E,
-        D0=d0, D1=d1, P0=p0, P1=p1, FP8=fp8, TOKEN_STRIDE=token_stride, SCALE_STRIDE=scale_stride,
-        SCALE_BLOCK=FP8_SCALE_BLOCK, BLOCK_H=block_h, BLOCK_K=block_k, SPLIT=split, BF16_DOT=bf16_dot, **extra)
+        r0, r01, strides[0], strides[1], strides[2],
+        fp8_args.pop("block_size"), fp8_args.pop("stride_block"), scale * LOG2E,
+        D=d, NSRC=len(stores), FP8=fp8, SCALE_BLOCK=FP8_SCALE_BLOCK, **fp8_args, **_seg_args(segs),
+        BLOCK_H=block_h, BLOCK_K=block_k, SPLIT=split, BF16_DOT=bf16_dot, **extra)
     if split:
         merge_h = min(8, triton.next_power_of_2(h))  # no dot here: small head blocks keep registers low
         _merge_kernel[(t, triton.cdiv(h, merge_h))](pacc, pml, sink, out, h, num_splits, out.stride(0),
-                                                    out.stride(1), D0=d0, D1=d1, P0=p0, P1=p1, BLOCK_H=merge_h,
-                                                    **({"num_warps": 4} if q.is_cuda else {}))
+                                                    out.stride(1), D=d, PD=triton.next_power_of_2(d),
+                                                    BLOCK_H=merge_h, **({"num_warps": 4} if q.is_cuda else {}))
     return out
+
+
+def _check_store(kv: torch.Tensor, d: int, dtype: torch.dtype | None = None) -> None:
+    if kv.dim() != 2 or kv.shape[1] != d or kv.stride(-1) != 1:
+        raise ValueError(f"kv must be [R, D={d}] with unit stride on the last dim, got {tuple(kv.shape)}")
+    if dtype is not None and kv.dtype != dtype:
+        raise ValueError(f"all kv stores must share one dtype, got {kv.dtype} and {dtype}")
 
 
 def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor, scale: float,
                          *, num_splits: int | None = None, block_h: int | None = None,
-                         block_k: int | None = None) -> torch.Tensor:
+                         block_k: int | None = None, num_warps: int | None = None,
+                         num_stages: int | None = None, seg_max: int = SEG_MAX) -> torch.Tensor:
     """Sparse MQA attention with sinks over rows of a flat KV store.
 
     q: [T, H, D] fp32/bf16/fp16 (last dim contiguous); kv: [R, D] rows, any float dtype, last dim
@@ -288,20 +409,58 @@ def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, 
     Equals `kernels.attention.sparse_attention(q, kv[rows.clamp(min=0)], rows >= 0, sink, scale)`;
     logits, softmax and accumulation run in fp32 (bf16 tensor-core operands on GPU for bf16 inputs).
     Row indices must be < R (not checked: that would need a device sync).
-    num_splits / block_h / block_k override the launch heuristics (tests, tuning).
+    num_splits / block_h / block_k / num_warps / num_stages / seg_max override the launch heuristics.
     """
-    if kv.dim() != 2 or kv.stride(-1) != 1:
-        raise ValueError(f"kv must be [R, D] with unit stride on the last dim, got {tuple(kv.shape)}")
-    _check_common(q, rows, sink, kv.shape[1])
-    d0, d1 = _segments(kv.shape[1])
-    return _launch(q, kv, rows, sink, scale, fp8=False, d0=d0, d1=d1, stride_row=kv.stride(0),
-                   bf16_operands=kv.dtype == torch.bfloat16, num_splits=num_splits, block_h=block_h,
-                   block_k=block_k)
+    return sparse_mqa_attention_multi(q, [kv], rows, sink, scale, num_splits=num_splits, block_h=block_h,
+                                      block_k=block_k, num_warps=num_warps, num_stages=num_stages, seg_max=seg_max)
+
+
+def sparse_mqa_attention_multi(q: torch.Tensor, stores: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                               rows: torch.Tensor, sink: torch.Tensor, scale: float, **launch) -> torch.Tensor:
+    """`sparse_mqa_attention` over the row concatenation of 1-3 stores [R_i, D] of one dtype, not copied.
+
+    Row id r < R_0 is stores[0][r], R_0 <= r < R_0 + R_1 is stores[1][r - R_0], and so on; -1 = invalid.
+    Lets a caller attend to rows living in separate tensors (a ring, this step's fresh rows, an entry
+    pool) in one pass.
+    """
+    stores = list(stores)
+    if not 1 <= len(stores) <= 3:
+        raise ValueError(f"1 to 3 kv stores, got {len(stores)}")
+    if stores[0].dim() != 2:
+        raise ValueError(f"kv must be [R, D] with unit stride on the last dim, got {tuple(stores[0].shape)}")
+    d = stores[0].shape[1]
+    for s in stores:
+        _check_store(s, d, stores[0].dtype)
+    _check_common(q, rows, sink, d)
+    seg_max = launch.pop("seg_max", SEG_MAX)
+    segs = [(o, w, _PLAIN, o) for o, w in plain_segments(d, seg_max)]
+    return _launch(q, stores, rows, sink, scale, segs, fp8=False,
+                   bf16_operands=stores[0].dtype == torch.bfloat16, **launch)
+
+
+def fp8_segments(layout: Fp8DsMlaLayout, seg_max: int = SEG_MAX) -> list[tuple[int, int, int, int]]:
+    """(byte offset in the value row, width, kind, q column) of each segment of an fp8_ds_mla row."""
+    nope = _segments([(o, w) for o, w in _offsets(_pow2_pieces(layout.nope_dim, seg_max, FP8_SCALE_BLOCK))],
+                     MAX_SEGMENTS - (1 if layout.rope_dim else 0))
+    segs = [(o, w, _FP8_NOPE, o) for o, w in nope]
+    if layout.rope_dim:
+        segs.append((layout.nope_dim, layout.rope_dim, _BF16_ROPE, layout.nope_dim))
+    return segs
+
+
+def _offsets(widths: list[int]) -> list[tuple[int, int]]:
+    out, o = [], 0
+    for w in widths:
+        out.append((o, w))
+        o += w
+    return out
 
 
 def sparse_mqa_attention_fp8(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor,
                              scale: float, layout: Fp8DsMlaLayout, *, num_splits: int | None = None,
-                             block_h: int | None = None, block_k: int | None = None) -> torch.Tensor:
+                             block_h: int | None = None, block_k: int | None = None,
+                             num_warps: int | None = None, num_stages: int | None = None,
+                             seg_max: int = SEG_MAX) -> torch.Tensor:
     """Sparse MQA attention with sinks over fp8_ds_mla rows, dequantised in the kernel.
 
     q: [T, H, layout.head_dim]; cache: uint8 [num_blocks, >= layout.block_bytes()] paged cache (value rows
@@ -323,7 +482,6 @@ def sparse_mqa_attention_fp8(q: torch.Tensor, cache: torch.Tensor, rows: torch.T
         raise ValueError(f"cache must start on an even byte with an even block stride (the RoPE values are "
                          f"read as bf16), got stride {cache.stride(0)}")
     _check_common(q, rows, sink, layout.head_dim)
-    return _launch(q, cache, rows, sink, scale, fp8=True, d0=layout.nope_dim, d1=layout.rope_dim,
-                   block_size=layout.block_size, stride_block=cache.stride(0),
-                   token_stride=layout.token_stride, scale_stride=layout.scale_stride, bf16_operands=True,
-                   num_splits=num_splits, block_h=block_h, block_k=block_k)
+    return _launch(q, [cache], rows, sink, scale, fp8_segments(layout, seg_max), fp8=True, layout=layout,
+                   bf16_operands=True, num_splits=num_splits, block_h=block_h, block_k=block_k,
+                   num_warps=num_warps, num_stages=num_stages)

@@ -22,7 +22,8 @@ if not triton_enabled(DEVICE):
 
 from kernels import geometry as g  # noqa: E402
 from kernels.attention import sparse_attention  # noqa: E402
-from kernels.triton_attention import sparse_mqa_attention, sparse_mqa_attention_fp8  # noqa: E402
+from kernels.triton_attention import (  # noqa: E402
+    sparse_mqa_attention, sparse_mqa_attention_fp8, sparse_mqa_attention_multi)
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -140,3 +141,66 @@ def test_bad_shapes_raise():
     layout = g.Fp8DsMlaLayout(head_dim=128, rope_dim=64, block_size=4)
     with pytest.raises(ValueError, match="cache"):
         sparse_mqa_attention_fp8(q, torch.zeros(2, 10, dtype=torch.uint8, device=DEVICE), rows, sink, 1.0, layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_shape_many_tiles_and_d_split(dtype, num_splits):
+    """D = 512 (two 256-wide segments), K over several tiles, > 64 heads (two head blocks, the second partial)."""
+    t, h, d, k, r = 3, 72, 512, 150, 400
+    q = randn(t, h, d, seed=30, dtype=dtype, scale=0.5)
+    kv = randn(r, d, seed=31, dtype=dtype)
+    sink = randn(h, seed=32)
+    rows = random_rows(t, k, r, seed=33)
+    scale = d ** -0.5 * 2.0
+    out = sparse_mqa_attention(q, kv, rows, sink, scale, num_splits=num_splits, block_k=32)
+    ref = reference(q, kv, rows, sink, scale)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    assert torch.all(out[1] == 0)
+
+
+def test_odd_head_dim_three_segments():
+    t, h, d, k, r = 2, 3, 100, 37, 45  # 100 = 64 + 32 + 4 (the last padded to 16)
+    q = randn(t, h, d, seed=34)
+    kv = randn(r, d, seed=35)
+    sink = randn(h, seed=36)
+    rows = random_rows(t, k, r, seed=37)
+    out = sparse_mqa_attention(q, kv, rows, sink, 0.1, block_k=16)
+    torch.testing.assert_close(out, reference(q, kv, rows, sink, 0.1), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("num_stores", [2, 3])
+def test_multi_store_rows_index_the_concatenation(num_stores):
+    t, h, d, k = 4, 8, 64, 45
+    sizes = [30, 7, 19][:num_stores]
+    big = randn(sum(sizes), d + 16, seed=38)
+    stores = []
+    o = 0
+    for i, n in enumerate(sizes):  # separate tensors, one of them with a padded row stride
+        part = big[o:o + n, :d]
+        stores.append(part if i == 0 else part.contiguous())
+        o += n
+    flat = torch.cat([s for s in stores])
+    q = randn(t, h, d, seed=39)
+    sink = randn(h, seed=40)
+    rows = random_rows(t, k, sum(sizes), seed=41)
+    out = sparse_mqa_attention_multi(q, stores, rows, sink, 0.2, num_splits=2, block_k=16)
+    torch.testing.assert_close(out, reference(q, flat, rows, sink, 0.2), **TOL[torch.float32])
+    with pytest.raises(ValueError, match="dtype"):
+        sparse_mqa_attention_multi(q, [stores[0], stores[1].double()], rows, sink, 0.2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_v4_geometry_four_segments(dtype):
+    """The V4 row: NoPE 448 = 256 + 128 + 64 fp8 segments plus the 64 bf16 RoPE values; several tiles."""
+    layout = g.Fp8DsMlaLayout(head_dim=512, rope_dim=64, block_size=8)
+    t, h, k, slots = 3, 16, 70, 60
+    cache, dequant = fp8_cache(layout, slots, seed=42)
+    q = randn(t, h, layout.head_dim, seed=43, dtype=dtype, scale=0.1)
+    sink = randn(h, seed=44)
+    rows = random_rows(t, k, slots, seed=45)
+    scale = layout.head_dim ** -0.5
+    out = sparse_mqa_attention_fp8(q, cache, rows, sink, scale, layout, num_splits=2, block_k=16)
+    ref = reference(q, dequant, rows, sink, scale)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    assert torch.all(out[1] == 0)

@@ -1,0 +1,159 @@
+"""Writes the Grafana dashboards of the service (`python deploy/grafana/generate.py`): the JSON beside
+this file is its output, and a test fails when the two differ.
+
+Conventions: every panel and target reads the `datasource` variable (no datasource uid is written);
+`namespace`, `model`, `role` and `worker` variables filter every query; quantiles are
+`histogram_quantile(q, sum by (le, ...) (rate(X_bucket[$__rate_interval])))`, means are
+rate(_sum)/rate(_count), ratios are ratios of rates; counters that only move on a failure are
+`... or on() vector(0)` so that a healthy service draws 0 instead of "No data".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+RATE = "[$__rate_interval]"
+MODEL = 'namespace=~"$namespace", model_name=~"$model"'
+WORKER = 'namespace=~"$namespace", role=~"$role", worker=~"$worker"'
+TRANSFER = 'namespace=~"$namespace", worker=~"$worker"'
+NS = 'namespace=~"$namespace"'
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+def quantile(q: float, metric: str, sel: str, by: str = "") -> str:
+    keys = ", ".join(k for k in ("le", by) if k)
+    return f"histogram_quantile({q}, sum by ({keys}) (rate({metric}_bucket{{{sel}}}{RATE})))"
+
+
+def mean(metric: str, sel: str, by: str = "") -> str:
+    agg = f"sum by ({by})" if by else "sum"
+    return f"{agg} (rate({metric}_sum{{{sel}}}{RATE})) / {agg} (rate({metric}_count{{{sel}}}{RATE}))"
+
+
+def rate(metric: str, sel: str, by: str = "") -> str:
+    agg = f"sum by ({by})" if by else "sum"
+    return f"{agg} (rate({metric}{{{sel}}}{RATE}))"
+
+
+def zero_if_absent(expr: str) -> str:
+    return f"({expr} or on() vector(0))"
+
+
+def quantile_targets(metric: str, sel: str, by: str = "") -> list[tuple[str, str]]:
+    suffix = f" {{{{{by}}}}}" if by else ""
+    return [(quantile(q, metric, sel, by), f"p{round(q * 100)}{suffix}") for q in QUANTILES]
+
+
+ERRORS = 'namespace=~"$namespace", model_name=~"$model", status="error"'
+FAILURES = "dsv4_kv_transfer_failures_total"
+
+OVERVIEW = ("dsv4-overview", "dsv4 / Overview", [
+    ("Requests per second by status", "reqps", [(rate("dsv4_requests_total", MODEL, "status"), "{{status}}")]),
+    ("Error ratio (5xx)", "percentunit",
+     [(f"{zero_if_absent(rate('dsv4_requests_total', ERRORS))} / {rate('dsv4_requests_total', MODEL)}", "errors")]),
+    ("Time to first token", "s", quantile_targets("dsv4_time_to_first_token_seconds", MODEL)),
+    ("Inter-token latency", "s", quantile_targets("dsv4_inter_token_latency_seconds", MODEL)),
+    ("End-to-end request latency", "s", quantile_targets("dsv4_e2e_request_latency_seconds", MODEL)
+     + [(mean("dsv4_e2e_request_latency_seconds", MODEL), "mean")]),
+    ("Token throughput", "short", [(rate("dsv4_prompt_tokens_total", WORKER), "prompt tokens/s"),
+                                   (rate("dsv4_generation_tokens_total", WORKER), "generated tokens/s")]),
+    ("Prefix-cache hit ratio (tokens)", "percentunit",
+     [(f"{rate('dsv4_prefix_cache_hits_total', NS)} / {rate('dsv4_prefix_cache_queries_total', NS)}", "hit ratio")]),
+    ("Router decisions by stage and reason", "ops",
+     [(rate("dsv4_router_decisions_total", NS, "stage, reason"), "{{stage}} / {{reason}}")]),
+])
+
+STAGES = [("Queue", "dsv4_request_queue_time_seconds", WORKER), ("Prefill", "dsv4_prefill_time_seconds", WORKER),
+          ("KV transfer", "dsv4_kv_transfer_time_seconds", TRANSFER), ("Decode", "dsv4_decode_time_seconds", WORKER)]
+
+STAGE_BREAKDOWN = ("dsv4-stages", "dsv4 / Stage breakdown", [
+    ("Mean time per stage", "s", [(mean(metric, sel), name) for name, metric, sel in STAGES]),
+    *[(f"{name} time", "s", quantile_targets(metric, sel)) for name, metric, sel in STAGES],
+    *[(f"{name} time p99 by worker", "s", [(quantile(0.99, metric, sel, "worker"), "{{worker}}")])
+      for name, metric, sel in STAGES],
+    ("KV transfer throughput (GB/s while transferring)", "decGBs",
+     [(f"{rate('dsv4_kv_transfer_bytes_sum', TRANSFER, 'worker')} / "
+       f"{rate('dsv4_kv_transfer_time_seconds_sum', TRANSFER, 'worker')} / 1e9", "{{worker}}")]),
+    ("KV bytes moved (GB/s)", "decGBs",
+     [(f"{rate('dsv4_kv_transfer_bytes_sum', TRANSFER, 'worker, backend')} / 1e9", "{{worker}} ({{backend}})")]),
+    ("KV bytes per request", "bytes", quantile_targets("dsv4_kv_transfer_bytes", TRANSFER)),
+    ("KV transfer failures per second", "ops",
+     [(zero_if_absent(rate(FAILURES, TRANSFER, "worker, backend, kind")), "{{worker}} {{kind}}")]),
+    ("KV transfer failure ratio", "percentunit",
+     [(f"{zero_if_absent(rate(FAILURES, TRANSFER))} / ({rate('dsv4_kv_transfer_time_seconds_count', TRANSFER)}"
+       f" + {zero_if_absent(rate(FAILURES, TRANSFER))})", "failure ratio")]),
+])
+
+WORKERS = ("dsv4-workers", "dsv4 / Load per role and worker", [
+    ("Running requests", "short", [(f"sum by (role, worker) (dsv4_running_requests{{{WORKER}}})",
+                                    "{{role}} {{worker}}")]),
+    ("Waiting requests", "short", [(f"sum by (role, worker) (dsv4_waiting_requests{{{WORKER}}})",
+                                    "{{role}} {{worker}}")]),
+    ("KV-cache usage", "percentunit", [(f"max by (role, worker) (dsv4_kv_cache_usage_ratio{{{WORKER}}})",
+                                        "{{role}} {{worker}}")]),
+    ("KV-cache usage by role (max)", "percentunit",
+     [(f"max by (role) (dsv4_kv_cache_usage_ratio{{{WORKER}}})", "{{role}}")]),
+    ("Generated tokens per second", "short", [(rate("dsv4_generation_tokens_total", WORKER, "role, worker"),
+                                               "{{role}} {{worker}}")]),
+    ("Prompt tokens per second", "short", [(rate("dsv4_prompt_tokens_total", WORKER, "role, worker"),
+                                            "{{role}} {{worker}}")]),
+])
+
+
+def variable(name: str, label: str, query: str, metric_label: str) -> dict:
+    q = f"label_values({query}, {metric_label})"
+    return {"name": name, "label": label, "type": "query", "datasource": DS, "query": {"query": q, "refId": name},
+            "definition": q, "refresh": 2, "includeAll": True, "allValue": ".*", "multi": True, "sort": 1,
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+
+
+TEMPLATING = [
+    {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus", "refresh": 1,
+     "current": {}},
+    variable("namespace", "Namespace", "dsv4_requests_total", "namespace"),
+    variable("model", "Model", 'dsv4_requests_total{namespace=~"$namespace"}', "model_name"),
+    variable("role", "Role", 'dsv4_running_requests{namespace=~"$namespace"}', "role"),
+    variable("worker", "Worker", 'dsv4_running_requests{namespace=~"$namespace", role=~"$role"}', "worker"),
+]
+
+
+def panel(i: int, title: str, unit: str, targets: list[tuple[str, str]]) -> dict:
+    return {"id": i + 1, "type": "timeseries", "title": title, "datasource": DS,
+            "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                        "tooltip": {"mode": "multi", "sort": "desc"}},
+            "targets": [{"refId": chr(ord("A") + j), "datasource": DS, "expr": expr, "legendFormat": legend,
+                         "range": True} for j, (expr, legend) in enumerate(targets)]}
+
+
+def dashboard(uid: str, title: str, panels: list) -> dict:
+    return {"uid": uid, "title": title, "tags": ["dsv4", "llm-serving"], "timezone": "browser", "editable": True,
+            "schemaVersion": 39, "version": 1, "refresh": "30s", "time": {"from": "now-1h", "to": "now"},
+            "annotations": {"list": []}, "links": [], "templating": {"list": TEMPLATING},
+            "panels": [panel(i, *p) for i, p in enumerate(panels)]}
+
+
+DASHBOARDS = (OVERVIEW, STAGE_BREAKDOWN, WORKERS)
+
+
+def render() -> dict[str, str]:
+    """file name -> JSON text of every dashboard."""
+    return {f"{uid}.json": json.dumps(dashboard(uid, title, panels), indent=2) + "\n"
+            for uid, title, panels in DASHBOARDS}
+
+
+def main() -> int:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name, text in render().items():
+        with open(os.path.join(here, name), "w") as f:
+            f.write(text)
+        print(f"wrote {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+{{/* Names and labels. */}}
+{{- define "dsv4.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "dsv4.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dsv4.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dsv4.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "dsv4.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "dsv4.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: dsv4
+{{- end -}}
+
+{{- define "dsv4.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Where the service reads the checkpoint; empty for the built-in tiny model. */}}
+{{- define "dsv4.modelDir" -}}
+{{- if ne .Values.model.source "builtin" -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.model.path -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dsv4.tokenSecretName" -}}
+{{- if .Values.model.tokenSecret.create -}}
+{{- printf "%s-model-token" (include "dsv4.fullname" .) -}}
+{{- else -}}
+{{- .Values.model.tokenSecret.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when PodMonitor / PrometheusRule can be created. */}}
+{{- define "dsv4.monitoringAPI" -}}
+{{- if or .Values.monitoring.assumeMonitoringAPI (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Total actors of a role: replicas x workersPerPod. Argument: the role's values. */}}
+{{- define "dsv4.roleWorkers" -}}
+{{- mul (int .replicas) (int .workersPerPod) -}}
+{{- end -}}
+
+{{/* rayStartParams `resources`: a JSON object quoted for the shell line KubeRay builds. */}}
+{{- define "dsv4.rayResources" -}}
+{{- printf "\"%s\"" (toJson . | replace "\"" "\\\"") -}}
+{{- end -}}
+
+{{/* rayStartParams of a group. Arguments: root, role ("head", "prefill", "decode"), group values. */}}
+{{- define "dsv4.rayStartParams" -}}
+{{- $root := .root -}}
+{{- $params := dict "metrics-export-port" (toString $root.Values.metrics.rayMetricsPort) -}}
+{{- if eq .role "head" -}}
+{{- $_ := set $params "dashboard-host" "0.0.0.0" -}}
+{{- $_ := set $params "num-gpus" "0" -}}
+{{- if $root.Values.head.extraRayResources -}}
+{{- $_ := set $params "resources" (include "dsv4.rayResources" $root.Values.head.extraRayResources) -}}
+{{- end -}}
+{{- else -}}
+{{- $gpus := mulf (float64 .group.workersPerPod) (float64 $root.Values.serve.gpusPerWorker) -}}
+{{- $_ := set $params "num-gpus" (toString (ceil $gpus | int)) -}}
+{{- $_ := set $params "resources" (include "dsv4.rayResources" (dict (printf "dsv4_%s" .role) (int .group.workersPerPod))) -}}
+{{- end -}}
+{{- range $k, $v := .group.rayStartParams -}}
+{{- $_ := set $params $k (toString $v) -}}
+{{- end -}}
+{{- toYaml $params -}}
+{{- end -}}
+
+{{/* Container resources of a worker group: the values plus GPUs (and RDMA devices) per pod. */}}
+{{- define "dsv4.workerResources" -}}
+{{- $root := .root -}}
+{{- $res := deepCopy (default dict .group.resources) -}}
+{{- $limits := default dict $res.limits -}}
+{{- $requests := default dict $res.requests -}}
+{{- $gpus := ceil (mulf (float64 .group.workersPerPod) (float64 $root.Values.serve.gpusPerWorker)) | int -}}
+{{- if gt $gpus 0 -}}
+{{- $_ := set $limits $root.Values.gpu.resourceKey $gpus -}}
+{{- $_ := set $requests $root.Values.gpu.resourceKey $gpus -}}
+{{- end -}}
+{{- if $root.Values.rdma.enabled -}}
+{{- $_ := set $limits $root.Values.rdma.resourceName (int $root.Values.rdma.count) -}}
+{{- $_ := set $requests $root.Values.rdma.resourceName (int $root.Values.rdma.count) -}}
+{{- end -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- $_ := set $res "requests" $requests -}}
+{{- toYaml $res -}}
+{{- end -}}

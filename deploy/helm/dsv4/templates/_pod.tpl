@@ -1,0 +1,199 @@
+{{/*
+The pod template of a Ray group. Arguments: root (the chart context), role ("head", "prefill" or
+"decode"), group (that role's values). The Ray container comes first (KubeRay builds `ray start` into
+it); the metrics exporter sidecar serves the pod's dsv4 multiprocess directory on port `metrics`,
+declared on the Ray container so that KubeRay adds no port of its own with that name.
+*/}}
+{{- define "dsv4.podTemplate" -}}
+{{- $root := .root -}}
+{{- $v := $root.Values -}}
+{{- $group := .group -}}
+{{- $worker := ne .role "head" -}}
+{{- $rdma := and $worker $v.rdma.enabled -}}
+{{- $annotations := merge (dict) (default dict $group.podAnnotations) (ternary $v.rdma.podAnnotations (dict) $rdma) -}}
+metadata:
+  labels:
+    {{- include "dsv4.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .role }}
+    {{- with $group.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with $annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+  {{- with $v.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if $rdma }}
+  hostNetwork: {{ $v.rdma.hostNetwork }}
+  hostIPC: {{ $v.rdma.hostIPC }}
+  {{- if $v.rdma.hostNetwork }}
+  dnsPolicy: ClusterFirstWithHostNet
+  {{- end }}
+  {{- end }}
+  {{- with $group.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with $group.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  {{- with $group.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $group.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $group.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if eq $v.model.source "download" }}
+  initContainers:
+    - name: model-download
+      image: {{ default (include "dsv4.image" $root) $v.model.download.image }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      {{- if $v.model.download.command }}
+      command:
+        {{- toYaml $v.model.download.command | nindent 8 }}
+      {{- else }}
+      command:
+        - sh
+        - -c
+        - >-
+          if [ -f "$DSV4_MODEL_DIR/config.json" ]; then echo "model already in $DSV4_MODEL_DIR"; exit 0; fi;
+          hf download "$DSV4_MODEL_REPO" --revision "$DSV4_MODEL_REVISION" --local-dir "$DSV4_MODEL_DIR"
+      {{- end }}
+      env:
+        - name: DSV4_MODEL_REPO
+          value: {{ required "model.download.repo is required when model.source is download" $v.model.download.repo | quote }}
+        - name: DSV4_MODEL_REVISION
+          value: {{ $v.model.download.revision | quote }}
+        - name: DSV4_MODEL_DIR
+          value: {{ include "dsv4.modelDir" $root | quote }}
+        {{- with include "dsv4.tokenSecretName" $root }}
+        - name: {{ $v.model.tokenSecret.envName }}
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $v.model.tokenSecret.key }}
+        {{- end }}
+      {{- with $v.model.download.resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumeMounts:
+        - name: model
+          mountPath: {{ $v.model.mountPath }}
+  {{- end }}
+  containers:
+    - name: ray-{{ .role }}
+      image: {{ include "dsv4.image" $root }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      env:
+        - name: DSV4_ROLE
+          value: {{ .role }}
+        {{- if $rdma }}
+        {{- range $name, $value := $v.rdma.ucxEnv }}
+        - name: {{ $name }}
+          value: {{ $value | toString | quote }}
+        {{- end }}
+        {{- end }}
+        {{- with $group.env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      ports:
+        {{- if not $worker }}
+        - name: gcs-server
+          containerPort: 6379
+        - name: dashboard
+          containerPort: 8265
+        - name: client
+          containerPort: 10001
+        {{- end }}
+        - name: serve
+          containerPort: {{ $v.serve.port }}
+        - name: metrics
+          containerPort: {{ $v.metrics.port }}
+        - name: ray-metrics
+          containerPort: {{ $v.metrics.rayMetricsPort }}
+      resources:
+        {{- if $worker }}
+        {{- include "dsv4.workerResources" (dict "root" $root "group" $group) | nindent 8 }}
+        {{- else }}
+        {{- toYaml $group.resources | nindent 8 }}
+        {{- end }}
+      {{- if and $rdma $v.rdma.ipcLock }}
+      securityContext:
+        capabilities:
+          add:
+            - IPC_LOCK
+      {{- end }}
+      {{- if $v.startupProbe.enabled }}
+      startupProbe:
+        httpGet:
+          path: /api/local_raylet_healthz
+          port: 52365
+        periodSeconds: {{ $v.startupProbe.periodSeconds }}
+        timeoutSeconds: {{ $v.startupProbe.timeoutSeconds }}
+        failureThreshold: {{ $v.startupProbe.failureThreshold }}
+      {{- end }}
+      volumeMounts:
+        - name: dsv4-metrics
+          mountPath: {{ $v.metrics.multiprocDir }}
+        {{- if $v.shm.enabled }}
+        - name: dshm
+          mountPath: /dev/shm
+        {{- end }}
+        {{- if ne $v.model.source "builtin" }}
+        - name: model
+          mountPath: {{ $v.model.mountPath }}
+          readOnly: {{ ne $v.model.source "download" }}
+        {{- end }}
+    - name: metrics-exporter
+      image: {{ include "dsv4.image" $root }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      command:
+        - python
+        - -m
+        - deploy.serve_entry
+        - exporter
+        - --port
+        - {{ $v.metrics.port | quote }}
+      env:
+        - name: PROMETHEUS_MULTIPROC_DIR
+          value: {{ $v.metrics.multiprocDir }}
+      resources:
+        {{- toYaml $v.metrics.exporter.resources | nindent 8 }}
+      volumeMounts:
+        - name: dsv4-metrics
+          mountPath: {{ $v.metrics.multiprocDir }}
+  volumes:
+    - name: dsv4-metrics
+      emptyDir: {}
+    {{- if $v.shm.enabled }}
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $v.shm.sizeLimit }}
+    {{- end }}
+    {{- if eq $v.model.source "pvc" }}
+    - name: model
+      persistentVolumeClaim:
+        claimName: {{ required "model.pvc.claimName is required when model.source is pvc" $v.model.pvc.claimName }}
+        readOnly: {{ $v.model.pvc.readOnly }}
+    {{- else if eq $v.model.source "hostPath" }}
+    - name: model
+      hostPath:
+        path: {{ required "model.hostPath.path is required when model.source is hostPath" $v.model.hostPath.path }}
+        type: {{ $v.model.hostPath.type }}
+    {{- else if eq $v.model.source "download" }}
+    - name: model
+      {{- toYaml $v.model.download.volume | nindent 6 }}
+    {{- end }}
+{{- end -}}
