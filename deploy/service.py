@@ -64,7 +64,10 @@ def _remote_classes(cfg: ServiceConfig):
     from decode_worker.worker import DecodeWorker
     from prefill_worker.worker import PrefillWorker
 
-    common = dict(max_restarts=-1, max_task_retries=0, num_cpus=cfg.worker_num_cpus, max_concurrency=1000)
+    # A worker on a GPU engine owns one GPU (Ray sets CUDA_VISIBLE_DEVICES, so "cuda" means that GPU).
+    num_gpus = 1 if str(dict(cfg.engine_options).get("device", "cpu")).startswith("cuda") else 0
+    common = dict(max_restarts=-1, max_task_retries=0, num_cpus=cfg.worker_num_cpus, num_gpus=num_gpus,
+                  max_concurrency=1000)
     return (ray.remote(**common)(PrefillWorker), ray.remote(**common)(DecodeWorker),
             ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor))
 

@@ -119,12 +119,12 @@ def _store_seg(o_row, hmask, acc, scale, O: tl.constexpr, W: tl.constexpr, P: tl
 
 @triton.jit
 def _sparse_attn_kernel(
-    q_ptr, kv0_ptr, kv1_ptr, kv2_ptr, rows_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
+    q_ptr, kv0_ptr, rows_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
     H, K, tiles_per_split, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_rt,
-    R0, R01, s0, s1, s2,
+    R0, R01, s0, s1, s2, b1, b2,
     block_size, stride_block, scale_log2,
-    D: tl.constexpr, NSRC: tl.constexpr, FP8: tl.constexpr, TOKEN_STRIDE: tl.constexpr,
+    D: tl.constexpr, NSRC: tl.constexpr, ALIGN: tl.constexpr, FP8: tl.constexpr, TOKEN_STRIDE: tl.constexpr,
     SCALE_STRIDE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     NSEG: tl.constexpr,
     O0: tl.constexpr, W0: tl.constexpr, P0: tl.constexpr, KD0: tl.constexpr,
@@ -182,14 +182,18 @@ def _sparse_attn_kernel(
             rp = base + pos * TOKEN_STRIDE
             sp = base + block_size * TOKEN_STRIDE + pos * SCALE_STRIDE
         else:
-            # Row ids index the concatenation of up to three stores [kv0 | kv1 | kv2].
+            # Row ids index the concatenation of up to three stores [kv0 | kv1 | kv2]; stores 1 and 2 are
+            # addressed by their element offset from store 0 (b1, b2), so the row pointers stay
+            # `kv0_ptr + offset` and triton can prove the 16-byte alignment its async copies need.
             if NSRC == 1:
-                rp = kv0_ptr + r * s0
+                off = r * s0
             elif NSRC == 2:
-                rp = tl.where(r < R0, kv0_ptr + r * s0, kv1_ptr + (r - R0) * s1)
+                off = tl.where(r < R0, r * s0, b1 + (r - R0) * s1)
             else:
-                rp = tl.where(r < R0, kv0_ptr + r * s0,
-                              tl.where(r < R01, kv1_ptr + (r - R0) * s1, kv2_ptr + (r - R01) * s2))
+                off = tl.where(r < R0, r * s0, tl.where(r < R01, b1 + (r - R0) * s1, b2 + (r - R01) * s2))
+            if ALIGN > 1:
+                off = tl.multiple_of(off, ALIGN)
+            rp = kv0_ptr + off
             sp = rp
         k0 = _load_seg(rp, sp, ok, O0, W0, P0, KD0, BF16_DOT, SCALE_BLOCK, BLOCK_K)
         s = _dot(q0, tl.trans(k0), BF16_DOT)
@@ -362,23 +366,27 @@ def _launch(q, stores, rows, sink, scale, segs, *, fp8, layout=None, bf16_operan
     if q.is_cuda:
         extra = {"num_warps": num_warps or 8, "num_stages": num_stages or 2}
     kv0 = stores[0]
-    kv1 = stores[1] if len(stores) > 1 else kv0
-    kv2 = stores[2] if len(stores) > 2 else kv0
-    r0 = kv0.shape[0]
-    r01 = r0 + (kv1.shape[0] if len(stores) > 1 else 0)
+    sizes = [s.shape[0] for s in stores] + [0] * (3 - len(stores))
     strides = [s.stride(0) for s in stores] + [0] * (3 - len(stores))
+    # Element offsets of stores 1, 2 from store 0 (one dtype, so exact), and the alignment (in elements)
+    # every row start is known to have, which lets the compiler use 16-byte async copies.
+    item = kv0.element_size()
+    offs = [0] + [(s.data_ptr() - kv0.data_ptr()) // item for s in stores[1:]]
+    offs += [0] * (3 - len(offs))
+    align = 16 // item if not fp8 and all(x % (16 // item) == 0 for x in strides + offs) and \
+        kv0.data_ptr() % 16 == 0 else 1
     if fp8:
         fp8_args = dict(block_size=layout.block_size, stride_block=kv0.stride(0), TOKEN_STRIDE=layout.token_stride,
                         SCALE_STRIDE=layout.scale_stride)
     else:
         fp8_args = dict(block_size=1, stride_block=0, TOKEN_STRIDE=1, SCALE_STRIDE=1)
     _sparse_attn_kernel[(t, head_blocks, num_splits)](
-        q, kv0, kv1, kv2, rows, sink, out, pacc, pml,
+        q, kv0, rows, sink, out, pacc, pml,
         h, k, tiles_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), rows.stride(0),
-        r0, r01, strides[0], strides[1], strides[2],
+        sizes[0], sizes[0] + sizes[1], strides[0], strides[1], strides[2], offs[1], offs[2],
         fp8_args.pop("block_size"), fp8_args.pop("stride_block"), scale * LOG2E,
-        D=d, NSRC=len(stores), FP8=fp8, SCALE_BLOCK=FP8_SCALE_BLOCK, **fp8_args, **_seg_args(segs),
+        D=d, NSRC=len(stores), ALIGN=align, FP8=fp8, SCALE_BLOCK=FP8_SCALE_BLOCK, **fp8_args, **_seg_args(segs),
         BLOCK_H=block_h, BLOCK_K=block_k, SPLIT=split, BF16_DOT=bf16_dot, **extra)
     if split:
         merge_h = min(8, triton.next_power_of_2(h))  # no dot here: small head blocks keep registers low

@@ -153,7 +153,7 @@ spec:
         {{- if ne $v.model.source "builtin" }}
         - name: model
           mountPath: {{ $v.model.mountPath }}
-          readOnly: {{ ne $v.model.source "download" }}
+          readOnly: true
         {{- end }}
     - name: metrics-exporter
       image: {{ include "dsv4.image" $root }}

@@ -1,0 +1,59 @@
+{{/*
+SLO alerts (the spec of the PrometheusRule; deploy/prometheus/dsv4-rules.yaml is this, rendered with the
+default values, for a Prometheus without the operator). Ratios are ratios of 5m rates.
+*/}}
+{{- define "dsv4.ruleGroups" -}}
+{{- $r := .Values.monitoring.prometheusRule -}}
+{{- $sev := $r.severityLabel -}}
+groups:
+  - name: dsv4-slo
+    rules:
+      - alert: Dsv4TimeToFirstTokenP99High
+        expr: >-
+          histogram_quantile(0.99, sum by (namespace, model_name, le)
+          (rate(dsv4_time_to_first_token_seconds_bucket[5m]))) > {{ $r.ttftP99Seconds }}
+        for: {{ $r.for }}
+        labels:
+          {{ $sev }}: warning
+        annotations:
+          summary: {{ `p99 time to first token of {{ $labels.model_name }} in {{ $labels.namespace }} is {{ $value | humanizeDuration }}` | quote }}
+          description: >-
+            The 99th percentile of arrival to first token (queue, prefill and KV transfer) is above
+            {{ $r.ttftP99Seconds }}s: add prefill workers or check the transfer dashboards.
+      - alert: Dsv4ErrorRatioHigh
+        expr: >-
+          sum by (namespace, model_name) (rate(dsv4_requests_total{status="error"}[5m]))
+          / sum by (namespace, model_name) (rate(dsv4_requests_total[5m])) > {{ $r.errorRatio }}
+        for: 5m
+        labels:
+          {{ $sev }}: critical
+        annotations:
+          summary: {{ `{{ $value | humanizePercentage }} of {{ $labels.model_name }} requests in {{ $labels.namespace }} fail` | quote }}
+          description: Requests ending with a server error (5xx) are above {{ mulf $r.errorRatio 100 }}% of all.
+      - alert: Dsv4KVCacheUsageHigh
+        expr: >-
+          max by (namespace, role, worker) (dsv4_kv_cache_usage_ratio) > {{ $r.kvCacheUsageRatio }}
+        for: {{ $r.for }}
+        labels:
+          {{ $sev }}: warning
+        annotations:
+          summary: {{ `KV cache of {{ $labels.role }} worker {{ $labels.worker }} in {{ $labels.namespace }} is {{ $value | humanizePercentage }} full` | quote }}
+          description: >-
+            A worker's tightest cache group stays above {{ mulf $r.kvCacheUsageRatio 100 }}% use: requests
+            queue for pages; scale that role or lower max-num-seqs.
+      - alert: Dsv4KVTransferFailures
+        expr: >-
+          sum by (namespace) (rate(dsv4_kv_transfer_failures_total[5m]))
+          / (sum by (namespace) (rate(dsv4_kv_transfer_failures_total[5m]))
+          + (sum by (namespace) (rate(dsv4_kv_transfer_time_seconds_count[5m]))
+          or sum by (namespace) (rate(dsv4_kv_transfer_failures_total[5m])) * 0))
+          > {{ $r.transferFailureRatio }}
+        for: 5m
+        labels:
+          {{ $sev }}: critical
+        annotations:
+          summary: {{ `{{ $value | humanizePercentage }} of KV transfers in {{ $labels.namespace }} fail` | quote }}
+          description: >-
+            More than {{ mulf $r.transferFailureRatio 100 }}% of prefill-to-decode cache transfers fail or
+            time out: check the RDMA/UCX settings and the transfer failures panel by kind.
+{{- end -}}
