@@ -147,8 +147,10 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         start_metrics_server(cfg.metrics_port, cfg.host)
         handles = start_service(cfg)
+        from kv_transfer.base import resolve_name
+
         print(f"dsv4 serving {cfg.model_name} ({cfg.prefill_workers}P{cfg.decode_workers}D, transfer "
-              f"{cfg.transfer}, policy {cfg.router_policy})", flush=True)
+              f"{resolve_name(cfg.transfer)}, policy {cfg.router_policy})", flush=True)
         print(f"  OpenAI API: {handles['http']}/v1", flush=True)
         print(f"  router:     grpc://{handles['router_addr']}", flush=True)
         print(f"  metrics:    {handles['metrics']}", flush=True)

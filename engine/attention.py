@@ -8,6 +8,13 @@ Per layer and step:
    to the state ring so later steps (and a decode worker after a hand-off) can finish open windows.
 4. CSA: the indexer scores every visible index key and keeps the top-k entries; HCA: every visible entry.
 5. Sparse attention with sinks, inverse rope on the output, grouped output projection.
+
+Step 5 has two implementations (engine.fast_paths.use_triton picks): the reference gathers each query's
+keys into [T, K, D] and calls `kernels.attention.sparse_attention`; the fast path (CUDA) builds one row-id
+tensor [T, K] into the concatenation [SWA ring | this step's kv | entry group] and runs the Triton MQA
+kernel (`kernels.triton_attention.sparse_mqa_attention_multi`), which reads the rows in place. On the fast
+path the SWA ring is written after the attention (it reads the ring's older rows and takes this step's
+rows from the chunk), which is exactly what the reference's gather-then-write sees.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 from engine.batch import CompressPlan, StepBatch, _paged_rows
 from engine.cache import CachePool
 from engine.config import ModelConfig
+from engine.fast_paths import use_triton
 from kernels.attention import grouped_output_projection, sparse_attention
 from kernels.compressor import overlap_slots, pool_windows
 from kernels.indexer import indexer_scores, topk_visible
@@ -44,26 +52,49 @@ class AttentionBlock:
         kv = apply_rope(rms_norm(x @ w["wkv.weight"].t(), w["norm.weight"], eps), cos, sin)
 
         ring = pool.groups["swa"].layer(self.layer)
-        keys, valid = batch.swa.gather(kv, ring), batch.swa.valid
-        batch.swa_write.apply(kv, ring)  # after the gather: the chunk may overwrite slots it just read
+        fast = use_triton(x.device) and kv.dtype == ring.dtype
+        if not fast:
+            keys, valid = batch.swa.gather(kv, ring), batch.swa.valid
+            batch.swa_write.apply(kv, ring)  # after the gather: the chunk may overwrite slots it just read
 
+        entries = comp_rows = comp_valid = None
         if self.ratio > 1:
             entries = self._compress(x, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}", "compressor.",
                                      cfg.head_dim)
             if self.ratio == 4:
                 picked = self._indexer(x, q_res, batch, pool, ropes)
-                rows = _paged_rows(batch.tables["kv4"], pool.groups["kv4"].spec.page_rows,
-                                   batch.seq_of_token.unsqueeze(1).expand_as(picked), picked)
-                comp, comp_valid = entries[rows], picked >= 0
+                comp_rows = _paged_rows(batch.tables["kv4"], pool.groups["kv4"].spec.page_rows,
+                                        batch.seq_of_token.unsqueeze(1).expand_as(picked), picked)
+                comp_valid = picked >= 0
             else:
                 vis = batch.visible[f"kv{self.ratio}"]
-                comp, comp_valid = entries[vis.rows], vis.valid
-            keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
-            valid = torch.cat([valid, comp_valid], dim=1)
+                comp_rows, comp_valid = vis.rows, vis.valid
+            if not fast:
+                keys = torch.cat([keys, entries[comp_rows].to(keys.dtype)], dim=1)
+                valid = torch.cat([valid, comp_valid], dim=1)
 
-        o = sparse_attention(q, keys, valid, w["attn_sink"], cfg.head_dim ** -0.5)
+        if fast:
+            o = self._attend_triton(q, kv, ring, entries, comp_rows, comp_valid, batch)
+            batch.swa_write.apply(kv, ring)  # after the kernel, which read the ring's older rows
+        else:
+            o = sparse_attention(q, keys, valid, w["attn_sink"], cfg.head_dim ** -0.5)
         o = apply_rope(o, cos, sin, inverse=True)
         return grouped_output_projection(o, w["wo_a.weight"], w["wo_b.weight"], cfg.o_groups)
+
+    def _attend_triton(self, q, kv, ring, entries, comp_rows, comp_valid, batch: StepBatch) -> torch.Tensor:
+        """Sparse attention over rows read in place: row ids into [ring | kv | entries] (-1 = invalid)."""
+        from kernels.triton_attention import sparse_mqa_attention_multi  # imports triton: only on this path
+
+        kv = kv.contiguous()
+        # batch.swa.row already indexes [ring rows | chunk rows]; the entry group's rows follow them.
+        parts, stores = [torch.where(batch.swa.valid, batch.swa.row, -1)], [ring, kv]
+        if entries is not None:
+            base = ring.shape[0] + kv.shape[0]
+            parts.append(torch.where(comp_valid, comp_rows + base, -1))
+            stores.append(entries.to(kv.dtype) if entries.dtype != kv.dtype else entries)
+        total = sum(s.shape[0] for s in stores)
+        rows = torch.cat(parts, dim=1).to(torch.int32 if total < 2**31 else torch.int64)
+        return sparse_mqa_attention_multi(q, stores, rows, self.w["attn_sink"], self.cfg.head_dim ** -0.5)
 
     def _compress(self, x, batch: StepBatch, pool: CachePool, ropes: dict, entry_group: str, state_group: str,
                   prefix: str, dim: int) -> torch.Tensor:

@@ -35,8 +35,12 @@ HEADS, HEAD_DIM, ROPE_DIM, WINDOW, TOPK = 64, 512, 64, 128, 512
 INDEX_HEADS, INDEX_DIM, HIDDEN, HC = 64, 128, 4096, 4
 INDEX_CANDIDATES = (2048, 8192)  # visible compressed entries: 8K and 32K tokens of context
 EPS = 1e-6
-ATTN_SWEEP = [(16, 32), (32, 16), (32, 32), (16, 64)]  # (block_h, block_k)
-SPLIT_SWEEP = [None, 1, 2, 4, 8]
+# Attention launch configurations tried by --sweep (the defaults are block_h 64, block_k 64 / 32 for fp8,
+# 8 warps, 2 stages); each is timed with the default split heuristic and a few fixed splits.
+ATTN_SWEEP = [dict(block_k=64, num_stages=2), dict(block_k=32, num_stages=2), dict(block_k=32, num_stages=3),
+              dict(block_k=32, num_stages=4), dict(block_k=16, num_stages=4),
+              dict(block_k=64, num_stages=2, block_h=32)]
+SPLIT_SWEEP = [None, 1, 2]
 DEVICE = "cuda"  # a module constant so the case builders can be smoke-tested on CPU under the interpreter
 
 
@@ -267,9 +271,9 @@ def sweep_attention(t: int) -> list[str]:
     lines = []
     for name, fn in variants.items():
         results = []
-        for bh, bk in ATTN_SWEEP:
+        for cfg in ATTN_SWEEP:
             for ns in SPLIT_SWEEP:
-                kw = {"block_h": bh, "block_k": bk, "num_splits": ns}
+                kw = {**cfg, "num_splits": ns}
                 try:
                     results.append((bench(lambda: fn(**kw)), kw))
                 except Exception as e:  # noqa: BLE001 - e.g. triton OutOfResources for a big tile
@@ -278,6 +282,23 @@ def sweep_attention(t: int) -> list[str]:
         default_us = bench(lambda: fn())
         best = ", ".join(f"{us:.1f} us {kw}" for us, kw in results[:3])
         lines.append(f"- attention {name} T={t}: default {default_us:.1f} us; best {best}")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def compiled_attention_kernels() -> list[str]:
+    """Resource use of every compiled attention kernel variant (registers, spills, shared memory)."""
+    from kernels import triton_attention as ta
+
+    lines = []
+    try:
+        for dev_cache in ta._sparse_attn_kernel.device_caches.values():
+            for key, k in dev_cache[0].items():
+                consts = {n: v for n, v in getattr(k.src, "constants", {}).items()} if hasattr(k, "src") else {}
+                lines.append(f"  regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared} warps "
+                             f"{k.metadata.num_warps} stages {k.metadata.num_stages} {str(consts)[:200] or str(key)[:200]}")
+    except Exception as e:  # noqa: BLE001 - introspection of triton internals is best effort
+        lines.append(f"  (kernel introspection failed: {type(e).__name__}: {e})")
     return lines
 
 
@@ -341,6 +362,7 @@ def main() -> int:
     if args.sweep:
         for t in args.batches:
             sweep += sweep_attention(t)
+        print("\n".join(compiled_attention_kernels()), flush=True)
     props = torch.cuda.get_device_properties(0)
     body = (f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, "
             f"{datetime.date.today().isoformat()} (`python scripts/bench_kernels.py`).\n"

@@ -1,0 +1,42 @@
+"""The one switch between the engine's reference torch ops and the Triton fast paths.
+
+`use_triton(device)` decides per call, so a process can run both paths (tests compare them):
+- CUDA tensors: on whenever triton imports (`kernels.gpu.has_triton`);
+- CPU tensors: only when forced with DSV4_TRITON=1 *and* triton's interpreter is on (TRITON_INTERPRET=1,
+  set before any kernels.triton_* import) -- slow, for tests;
+- DSV4_TRITON=0 (or false/off/no) turns the fast paths off everywhere (the reference ops run on CUDA too).
+The reference path is the CPU oracle the tests pin; a fast path must compute the same function.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.gpu import has_triton, triton_enabled
+
+ENV = "DSV4_TRITON"
+_OFF = ("0", "false", "off", "no")
+_ON = ("1", "true", "on", "yes")
+
+
+def triton_setting() -> str | None:
+    """'off', 'on' (forced, also on CPU under the interpreter) or None (automatic) from $DSV4_TRITON."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in _OFF:
+        return "off"
+    if value in _ON:
+        return "on"
+    return None
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """Should ops on `device` take the Triton kernels? See the module docstring."""
+    setting = triton_setting()
+    if setting == "off":
+        return False
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return has_triton() and torch.cuda.is_available()
+    return setting == "on" and triton_enabled(kind)
