@@ -35,7 +35,7 @@ straight from memory into the dots (no register round trip), so triton can pipel
 
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 
@@ -49,6 +49,10 @@ FP8_SCALE_BLOCK = 64  # NoPE values per UE8M0 scale in fp8_ds_mla
 MAX_SEGMENTS = 4
 SEG_MAX = 256  # widest column segment (wgmma's largest N)
 _PLAIN, _FP8_NOPE, _BF16_ROPE = 0, 1, 2  # segment kinds
+# CUDA launch defaults per store kind (block_h None = all heads up to 64 in one block), from graph-timed
+# sm_90 sweeps at H=64, D=512, K=640 (`scripts/bench_kernels.py --tune`, BENCHMARKS.md '## GPU kernels').
+DEFAULTS = {"plain": {"block_h": None, "block_k": 64, "num_warps": 8, "num_stages": 2},
+            "fp8": {"block_h": None, "block_k": 64, "num_warps": 8, "num_stages": 2}}
 
 
 @triton.jit
@@ -312,11 +316,16 @@ def _seg_args(segs: list[tuple[int, int, int, int]]) -> dict:
     return args
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _pick_splits(device: torch.device, programs: int, num_tiles: int) -> int:
     """Split K so the grid has about one wave of programs (each keeping >= 1 tile)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(sms // max(programs, 1), num_tiles))
 
 
@@ -344,9 +353,9 @@ def _launch(q, stores, rows, sink, scale, segs, *, fp8, layout=None, bf16_operan
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     sink = sink.float().contiguous()
     # One head block holds all heads up to 64, so each row tile is read once per token (MQA reuse).
-    # Defaults from sm_90 runs at H=64, D=512 (scripts/bench_kernels.py --sweep).
-    block_h = block_h or min(64, max(16, triton.next_power_of_2(h)))
-    block_k = block_k or (32 if fp8 else 64)
+    cfg = DEFAULTS["fp8" if fp8 else "plain"]
+    block_h = block_h or cfg["block_h"] or min(64, max(16, triton.next_power_of_2(h)))
+    block_k = block_k or cfg["block_k"]
     if block_h < 16 or block_k < 16:
         raise ValueError(f"block_h and block_k must be >= 16 (tl.dot), got {block_h}, {block_k}")
     head_blocks = triton.cdiv(h, block_h)
@@ -364,7 +373,7 @@ def _launch(q, stores, rows, sink, scale, segs, *, fp8, layout=None, bf16_operan
     bf16_dot = q.is_cuda and q.dtype == torch.bfloat16 and bf16_operands
     extra = {}
     if q.is_cuda:
-        extra = {"num_warps": num_warps or 8, "num_stages": num_stages or 2}
+        extra = {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
     kv0 = stores[0]
     sizes = [s.shape[0] for s in stores] + [0] * (3 - len(stores))
     strides = [s.stride(0) for s in stores] + [0] * (3 - len(stores))

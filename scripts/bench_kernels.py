@@ -7,10 +7,14 @@ For each Triton kernel in kernels/triton_*.py and each batch size it reports:
   as a share of a device-to-device copy measured in the same run ((read + write) / time of a 1 GiB copy);
 - TFLOP/s: for the two ops with real matmul work (attention 4*T*H*K*D, indexer 2*T*S*Hi*Di), and the
   share of a large bf16 matmul measured in the same run;
+- graph us / GB/s (attention): the wrapper replayed in a CUDA graph, each call after an L2 flush whose own
+  time is subtracted: the kernels' device time without Python launch overhead (what a graph-captured decode
+  pays; eager wrapper overhead dominates small batches);
 - speed-up over the plain-torch reference on the same inputs (the reference gathers [T, K, D] first),
   and whether the two agree (bf16 tolerance, or exact -1 pattern + close scores for the top-k).
 The markdown table is printed and written to BENCHMARKS.md under '## GPU kernels' (replacing that
-section if present). `--sweep` also tries attention tile / split configurations and lists the best.
+section if present). `--sweep` also tries attention tile / split configurations (ranked by graph time),
+lists the best, and prints the registers / spills / shared memory of every compiled attention variant.
 
 Usage: python scripts/bench_kernels.py [--batches 1 16 64 128] [--sweep] [--no-write]
 """
@@ -35,12 +39,12 @@ HEADS, HEAD_DIM, ROPE_DIM, WINDOW, TOPK = 64, 512, 64, 128, 512
 INDEX_HEADS, INDEX_DIM, HIDDEN, HC = 64, 128, 4096, 4
 INDEX_CANDIDATES = (2048, 8192)  # visible compressed entries: 8K and 32K tokens of context
 EPS = 1e-6
-# Attention launch configurations tried by --sweep (the defaults are block_h 64, block_k 64 / 32 for fp8,
+# Attention launch configurations tried by --sweep (the defaults are block_h 64, block_k 64,
 # 8 warps, 2 stages); each is timed with the default split heuristic and a few fixed splits.
-ATTN_SWEEP = [dict(block_k=64, num_stages=2), dict(block_k=32, num_stages=2), dict(block_k=32, num_stages=3),
-              dict(block_k=32, num_stages=4), dict(block_k=16, num_stages=4),
+ATTN_SWEEP = [dict(block_k=64, num_stages=2), dict(block_k=64, num_stages=3), dict(block_k=32, num_stages=2),
+              dict(block_k=32, num_stages=3), dict(block_k=32, num_stages=4), dict(block_k=16, num_stages=4),
               dict(block_k=64, num_stages=2, block_h=32)]
-SPLIT_SWEEP = [None, 1, 2]
+SPLIT_SWEEP = [None, 1, 2, 4]
 DEVICE = "cuda"  # a module constant so the case builders can be smoke-tested on CPU under the interpreter
 
 
@@ -53,6 +57,7 @@ class Case:
     read_bytes: int
     flops: int = 0
     check: Callable[[object, object], str] | None = None
+    graph: bool = False  # also time it replayed in a CUDA graph (no Python launch overhead)
 
 
 def bench(fn: Callable[[], object]) -> float:
@@ -60,6 +65,48 @@ def bench(fn: Callable[[], object]) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+
+
+def bench_graph(fn: Callable[[], object], reps: int = 10) -> float:
+    """Median microseconds of one fn call replayed in a CUDA graph, each call after an L2 flush.
+
+    Captures `reps` x (flush, fn) and `reps` x flush alone, and reports the difference per call: the
+    kernels' device time with cold L2 and no Python launch overhead (what a graph-captured decode pays).
+    """
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles, allocator) outside the capture
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(g)
+
+    def median_ms(g) -> float:
+        times = []
+        for _ in range(9):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    for g in graphs:
+        median_ms(g)
+    full, base = (median_ms(g) for g in graphs)
+    del graphs, flush
+    return max(0.0, (full - base) / reps * 1e3)
 
 
 def measure_roofs() -> tuple[float, float]:
@@ -112,7 +159,7 @@ def attention_cases(t: int) -> list[Case]:
     kv = rand(t * k, HEAD_DIM, seed=3)
     plain = Case("attention bf16 rows", shape, lambda: sparse_mqa_attention(q, kv, rows, sink, scale),
                  lambda: sparse_attention(q, kv[rows.long()], rows >= 0, sink, scale),
-                 rows.numel() * HEAD_DIM * 2 + q.numel() * 2, flops, close)
+                 rows.numel() * HEAD_DIM * 2 + q.numel() * 2, flops, close, graph=True)
 
     layout = g.Fp8DsMlaLayout(HEAD_DIM, ROPE_DIM)
     blocks = -(-t * k // layout.block_size)
@@ -125,7 +172,7 @@ def attention_cases(t: int) -> list[Case]:
         return sparse_attention(q, dense.view(t, k, HEAD_DIM), rows >= 0, sink, scale)
 
     fp8 = Case("attention fp8_ds_mla", shape, lambda: sparse_mqa_attention_fp8(q, cache, rows, sink, scale, layout),
-               fp8_reference, rows.numel() * layout.row_bytes + q.numel() * 2, flops, close)
+               fp8_reference, rows.numel() * layout.row_bytes + q.numel() * 2, flops, close, graph=True)
     return [plain, fp8]
 
 
@@ -248,13 +295,22 @@ def measure(case: Case, copy_gbs: float, mm_tflops: float) -> dict:
     t_us = bench(case.run)
     ref_us = bench(case.reference)
     gbs = case.read_bytes / t_us / 1e3
-    tflops = case.flops / t_us / 1e6 if case.flops else 0.0
+    graph_us = 0.0
+    if case.graph:
+        try:
+            graph_us = bench_graph(case.run)
+        except Exception as e:  # noqa: BLE001 - report the eager numbers even if capture fails
+            print(f"  graph timing of {case.kernel} {case.shape} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    ggbs = case.read_bytes / graph_us / 1e3 if graph_us else 0.0
+    # TFLOP/s from the kernel-only (graph) time where there is one.
+    tflops = case.flops / (graph_us or t_us) / 1e6 if case.flops else 0.0
     return {"kernel": case.kernel, "shape": case.shape, "us": t_us, "ref_us": ref_us, "gbs": gbs,
-            "copy": gbs / copy_gbs, "tflops": tflops, "mm": tflops / mm_tflops, "check": verdict}
+            "copy": gbs / copy_gbs, "graph_us": graph_us, "ggbs": ggbs, "gcopy": ggbs / copy_gbs,
+            "tflops": tflops, "mm": tflops / mm_tflops, "check": verdict}
 
 
-def sweep_attention(t: int) -> list[str]:
-    """Best (block_h, block_k, num_splits) per attention variant at batch t; failing configs are skipped."""
+def sweep_attention(t: int, configs=None, splits=None) -> dict:
+    """Graph-timed attention configs at batch t: {variant: [(us, kwargs)] sorted}; failing configs skipped."""
     from kernels import geometry as g
     from kernels.triton_attention import sparse_mqa_attention, sparse_mqa_attention_fp8
 
@@ -266,22 +322,54 @@ def sweep_attention(t: int) -> list[str]:
     layout = g.Fp8DsMlaLayout(HEAD_DIM, ROPE_DIM)
     cache = torch.randint(0, 100, (-(-t * k // layout.block_size), layout.block_bytes()), dtype=torch.uint8,
                           device=DEVICE)  # timing only: any bytes that decode to finite values do
-    variants = {"bf16": lambda **kw: sparse_mqa_attention(q, kv, rows, sink, 0.04, **kw),
+    variants = {"plain": lambda **kw: sparse_mqa_attention(q, kv, rows, sink, 0.04, **kw),
                 "fp8": lambda **kw: sparse_mqa_attention_fp8(q, cache, rows, sink, 0.04, layout, **kw)}
-    lines = []
+    out = {}
     for name, fn in variants.items():
         results = []
-        for cfg in ATTN_SWEEP:
-            for ns in SPLIT_SWEEP:
+        for cfg in configs or ATTN_SWEEP:
+            for ns in splits or SPLIT_SWEEP:
                 kw = {**cfg, "num_splits": ns}
                 try:
-                    results.append((bench(lambda: fn(**kw)), kw))
+                    results.append((bench_graph(lambda: fn(**kw)), kw))
                 except Exception as e:  # noqa: BLE001 - e.g. triton OutOfResources for a big tile
                     print(f"  sweep {name} T={t} {kw}: {type(e).__name__}", file=sys.stderr)
-        results.sort(key=lambda r: r[0])
-        default_us = bench(lambda: fn())
+        out[name] = sorted(results, key=lambda r: r[0])
+    return out
+
+
+def sweep_lines(t: int, swept: dict) -> list[str]:
+    lines = []
+    for name, results in swept.items():
         best = ", ".join(f"{us:.1f} us {kw}" for us, kw in results[:3])
-        lines.append(f"- attention {name} T={t}: default {default_us:.1f} us; best {best}")
+        lines.append(f"- attention {name} T={t} (graph us): best {best}")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def tune_attention(batches: list[int]) -> list[str]:
+    """Pick each variant's launch defaults (tile, stages; default split heuristic) by the summed graph time
+    over `batches`, and install them in kernels.triton_attention.DEFAULTS for the rest of this run."""
+    from kernels import triton_attention as ta
+
+    totals: dict = {}
+    lines = []
+    for t in batches:
+        swept = sweep_attention(t, splits=[None])
+        lines += sweep_lines(t, swept)
+        for name, results in swept.items():
+            for us, kw in results:
+                key = tuple(sorted((k, v) for k, v in kw.items() if k != "num_splits"))
+                entry = totals.setdefault(name, {}).setdefault(key, [0.0, 0])
+                entry[0] += us
+                entry[1] += 1
+    for name, by_cfg in totals.items():
+        complete = {k: v[0] for k, v in by_cfg.items() if v[1] == len(batches)}
+        if not complete:
+            continue
+        best = min(complete, key=complete.get)
+        ta.DEFAULTS[name].update({"block_h": None, **dict(best)})
+        lines.append(f"- tuned defaults {name}: {ta.DEFAULTS[name]} (sum over T={batches}: {complete[best]:.1f} us)")
         print(lines[-1], flush=True)
     return lines
 
@@ -294,22 +382,27 @@ def compiled_attention_kernels() -> list[str]:
     try:
         for dev_cache in ta._sparse_attn_kernel.device_caches.values():
             for key, k in dev_cache[0].items():
-                consts = {n: v for n, v in getattr(k.src, "constants", {}).items()} if hasattr(k, "src") else {}
+                consts = dict(getattr(k.src, "constants", {})) if hasattr(k, "src") else {}
+                what = str(consts)[:200] or str(key)[:200]
                 lines.append(f"  regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared} warps "
-                             f"{k.metadata.num_warps} stages {k.metadata.num_stages} {str(consts)[:200] or str(key)[:200]}")
+                             f"{k.metadata.num_warps} stages {k.metadata.num_stages} {what}")
     except Exception as e:  # noqa: BLE001 - introspection of triton internals is best effort
         lines.append(f"  (kernel introspection failed: {type(e).__name__}: {e})")
     return lines
 
 
 def format_table(results: list[dict]) -> str:
-    head = ("| kernel | shape | triton us | torch us | speed-up | read GB/s | % copy BW | TFLOP/s | % bf16 mm "
-            "| check |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    head = ("| kernel | shape | triton us | torch us | speed-up | read GB/s | % copy BW | graph us | graph GB/s "
+            "| graph % copy BW | TFLOP/s | % bf16 mm | check |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     lines = [head]
     for r in results:
         tf = f"{r['tflops']:.1f} | {100 * r['mm']:.1f}%" if r["tflops"] else "- | -"
+        graph = (f"{r['graph_us']:.1f} | {r['ggbs']:.0f} | {100 * r['gcopy']:.0f}%" if r.get("graph_us")
+                 else "- | - | -")
         lines.append(f"| {r['kernel']} | {r['shape']} | {r['us']:.1f} | {r['ref_us']:.1f} | "
-                     f"{r['ref_us'] / r['us']:.1f}x | {r['gbs']:.0f} | {100 * r['copy']:.0f}% | {tf} | {r['check']} |")
+                     f"{r['ref_us'] / r['us']:.1f}x | {r['gbs']:.0f} | {100 * r['copy']:.0f}% | {graph} | {tf} | "
+                     f"{r['check']} |")
     return "\n".join(lines)
 
 
@@ -330,6 +423,9 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     ap.add_argument("--only", default="", help="comma-separated subset: attention,indexer,mhc,norm_rope,compressor")
     ap.add_argument("--sweep", action="store_true", help="also sweep attention tiles and splits")
+    ap.add_argument("--tune", type=int, nargs="*", default=None, metavar="T",
+                    help="first pick the attention launch defaults by graph time at these batches (default 64 128) "
+                         "and use them for the run (copy the printed DEFAULTS into kernels/triton_attention.py)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     args = ap.parse_args()
@@ -349,6 +445,11 @@ def main() -> int:
     torch.manual_seed(0)
     copy_gbs, mm_tflops = measure_roofs()
     print(f"copy {copy_gbs:.0f} GB/s (read + write), bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
+    tuned = []
+    if args.tune is not None:
+        tuned = tune_attention(args.tune or [64, 128])
+    from kernels.triton_attention import DEFAULTS
+
     results = []
     for name in chosen:
         for t in args.batches:
@@ -356,20 +457,26 @@ def main() -> int:
                 results.append(measure(case, copy_gbs, mm_tflops))
                 r = results[-1]
                 print(f"{r['kernel']:38s} {r['shape']:44s} {r['us']:9.1f} us  torch {r['ref_us']:9.1f} us  "
-                      f"{r['gbs']:7.0f} GB/s  {r['check']}", flush=True)
+                      f"{r['gbs']:7.0f} GB/s  graph {r['graph_us']:7.1f} us {r['ggbs']:6.0f} GB/s  {r['check']}",
+                      flush=True)
             torch.cuda.empty_cache()
     sweep = []
     if args.sweep:
         for t in args.batches:
-            sweep += sweep_attention(t)
+            sweep += sweep_lines(t, sweep_attention(t))
         print("\n".join(compiled_attention_kernels()), flush=True)
     props = torch.cuda.get_device_properties(0)
     body = (f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, "
             f"{datetime.date.today().isoformat()} (`python scripts/bench_kernels.py`).\n"
             f"Roofs measured in the same run: device copy {copy_gbs:.0f} GB/s (read + write of 1 GiB), "
             f"bf16 matmul {mm_tflops:.0f} TFLOP/s (8192^3). 'read GB/s' = bytes the op must read / time; "
-            "times are medians with a flushed L2 and include the wrappers' launch overhead. The torch "
-            "reference gathers rows into [T, K, D] before computing.\n\n" + format_table(results))
+            "times are medians with a flushed L2 and include the wrappers' launch overhead (eager use). "
+            "'graph' columns (attention): the same call replayed in a CUDA graph after an L2 flush, flush time "
+            "subtracted, i.e. device time without Python launch overhead; TFLOP/s uses it where present. The "
+            "torch reference gathers rows into [T, K, D] before computing. Attention launch defaults: "
+            f"{DEFAULTS}.\n\n" + format_table(results))
+    if tuned:
+        body += "\n\nAttention launch tuning (graph us, default split heuristic):\n" + "\n".join(tuned)
     if sweep:
         body += "\n\nAttention tile / split sweep (top 3):\n" + "\n".join(sweep)
     print("\n" + body)
