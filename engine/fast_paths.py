@@ -40,3 +40,16 @@ def use_triton(device: torch.device | str) -> bool:
     if kind == "cuda":
         return has_triton() and torch.cuda.is_available()
     return setting == "on" and triton_enabled(kind)
+
+
+def use_grouped_moe(x: torch.Tensor) -> bool:
+    """Routed experts as grouped GEMMs (no host sync) on CUDA; the per-expert loop reference elsewhere.
+
+    DSV4_GROUPED_MOE=1 forces it on the CPU too (tests compare both), =0 turns it off everywhere.
+    """
+    from kernels.moe import has_grouped_mm
+
+    value = os.environ.get("DSV4_GROUPED_MOE", "").strip().lower()
+    if value in _OFF or not has_grouped_mm():
+        return False
+    return value in _ON or x.is_cuda

@@ -9,7 +9,8 @@ from engine.batch import StepBatch
 from engine.cache import CachePool
 from engine.config import ModelConfig, RopeSpec
 from kernels.mhc import hc_head, hc_post, hc_pre
-from kernels.moe import expert_mlp, moe_experts, route
+from engine.fast_paths import use_grouped_moe
+from kernels.moe import expert_mlp, moe_experts, moe_experts_grouped, route
 from kernels.norm import rms_norm
 from kernels.rope import rope_cos_sin, rope_inv_freq
 
@@ -45,7 +46,8 @@ class MoEBlock:
         weights, ids = route(x, self.gate, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.scoring_func,
                              bias=None if self.tid2eid is not None else self.bias, tid2eid=self.tid2eid,
                              token_ids=token_ids, renormalize=cfg.norm_topk_prob)
-        routed = moe_experts(x, weights, ids, self.w1, self.w2, self.w3, cfg.swiglu_limit)
+        experts = moe_experts_grouped if use_grouped_moe(x) else moe_experts
+        routed = experts(x, weights, ids, self.w1, self.w2, self.w3, cfg.swiglu_limit)
         return routed + expert_mlp(x, *self.shared, cfg.swiglu_limit)
 
 
