@@ -692,16 +692,15 @@ def verdicts(ctx: dict) -> list[str]:
         out.append("- speed-up over transformers: not measured (see the peer rows).")
     out.append("")
     out.append("Why the figures fall short where they do (the engine as measured here, not the design limit): the "
-               "GPU path is the torch reference on CUDA, launched eagerly (no CUDA graphs, no fused kernels except "
-               "the Triton sparse-attention kernel), so a step is many small kernels plus host work; the routed "
-               "experts run as a Python loop over the experts the batch touches, after a host sync "
-               "(`bincount().tolist()`), with bf16 weights dequantised at load, so each touched expert reads 50 MB "
-               "instead of 13 MB (MXFP4) and dense projections read 2x their FP8 bytes; the lightning indexer "
-               "gathers every visible key into [T, S, 128] and scores in fp32; mHC runs 20 Sinkhorn iterations "
-               "of small torch ops per site; the step rebuilds its index tensors on the host from Python lists "
-               "(including each request's full token list). transformers' default experts path (`grouped_mm`) runs "
-               "each expert projection of the whole batch as one grouped GEMM, which is why it can beat this "
-               "engine's per-expert loop; its `eager` experts path is a Python loop over experts like ours, and "
+               "GPU path is the torch reference on CUDA, launched eagerly (no CUDA graphs; the only custom kernels "
+               "in the step are the Triton sparse attention and torch's grouped GEMM for the routed experts), so a "
+               "step is many small kernels plus host work; weights are dequantised to bf16 at load, so each "
+               "touched expert reads 50 MB instead of 13 MB (MXFP4) and dense projections read 2x their FP8 "
+               "bytes (the engine-format column is the fair roof for this engine); the lightning indexer gathers "
+               "every visible key into [T, S, 128] and scores in fp32, which is why 32K contexts cost more; mHC "
+               "runs 20 Sinkhorn iterations of small torch ops per site; the step rebuilds its index tensors on "
+               "the host from Python lists. transformers' default experts path (`grouped_mm`) also runs each "
+               "expert projection as one grouped GEMM; its `eager` experts path is a Python loop over experts, and "
                "its attention is eager (dense over the window + all compressed entries) in both.")
     return out
 
