@@ -17,7 +17,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
-ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens")
+ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype")
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,22 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
 
 
 def init_ray(metrics_dir: str) -> None:
-    """Start a local cluster unless RAY_ADDRESS is set; every worker shares the metrics directory."""
+    """Start a fresh local cluster unless RAY_ADDRESS is set; our workers share the metrics directory.
+
+    `address="local"` so a stale /tmp/ray/ray_current_cluster from an earlier run is never joined. The
+    metrics variable reaches our processes through the job's runtime_env only: Ray's own daemons (raylet,
+    dashboard agent), spawned by ray.init, must not inherit it or their metrics would mix into ours.
+    """
     import ray
 
     env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    ray.init(address=os.environ.get("RAY_ADDRESS") or None, runtime_env={"env_vars": env},
-             include_dashboard=False, logging_level="WARNING")
+    saved = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    try:
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env={"env_vars": env},
+                 include_dashboard=False, logging_level="WARNING")
+    finally:
+        if saved is not None:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved
 
 
 def stop_service(handles: dict | None) -> None:
@@ -180,6 +190,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-cached-tokens", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
+                        help="KV cache format of every worker (default auto: exact rows; fp8: production formats)")
 
 
 __all__ = ["ServiceConfig", "serve_main", "start_service", "stop_service", "init_ray", "add_serve_args",
