@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench clean
+.PHONY: serve test bench clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,17 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -x -q tests
+
+# Debian tools the deploy tests run (promtool, prometheus); needs apt-get as root, else those tests skip.
+tools:
+	@if command -v promtool >/dev/null && command -v prometheus >/dev/null; then \
+		echo "tools: $$(promtool --version 2>&1 | head -n 1)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; \
+	else \
+		echo "tools: cannot install Debian's prometheus (needs apt-get as root)" >&2; exit 1; \
+	fi
 
 bench: $(STAMP)
 	$(PY) scripts/bench_engine.py

@@ -7,10 +7,11 @@ the worker groups advertise the custom Ray resources `dsv4_prefill` / `dsv4_deco
 serve on every node (KubeRay's `<name>-serve-svc`).
 
 The actors are detached and named after a fingerprint of what they were built from, so a re-run of the
-builder (a Serve redeploy after `helm upgrade` changed `serveConfigV2`) reuses unchanged workers,
-creates the new ones, and kills those of the old layout: scaling a role or changing engine options is
-applied in place (requests on workers being replaced fail; a new pod spec or image rolls a whole new
-cluster through the RayService `upgradeStrategy` instead).
+builder (a Serve redeploy after `helm upgrade` changed `serveConfigV2`) keeps the workers whose settings
+did not change, replaces the others (killed first: the new ones need their GPUs), adds or removes
+workers for a new count, and starts a new router for the new set. Scaling a role or changing engine
+options is thus applied in place (requests on replaced workers fail); a new pod spec or image rolls a
+whole new cluster through the RayService `upgradeStrategy` instead.
 
 Metrics: every dsv4 process of a pod writes to PROMETHEUS_MULTIPROC_DIR (an emptyDir shared in the pod;
 the chart sets it in the Serve app's runtime_env, and it is passed to the actors here), so Ray's own
@@ -30,7 +31,7 @@ import signal
 import threading
 from dataclasses import dataclass, field
 
-from deploy.service import ENGINE_OPTION_KEYS, RouterActor, ServiceConfig, _remote_classes
+from deploy.service import ENGINE_OPTION_KEYS, RouterActor, ServiceConfig, _remote_classes, add_serve_args
 
 NAMESPACE = "dsv4"
 ROLES = ("prefill", "decode")
@@ -65,28 +66,30 @@ class EntryConfig:
         return self.prefill if role == "prefill" else self.decode
 
 
-def _engine_parser() -> argparse.ArgumentParser:
-    """The engine flags of `dsv4 serve`, accepted per role as `prefill_args` / `decode_args`."""
-    p = argparse.ArgumentParser(prog="dsv4 serve_entry", add_help=False, exit_on_error=False)
-    p.add_argument("--device")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"])
-    for flag in ("--max-batch-tokens", "--max-num-seqs", "--max-cached-tokens"):
-        p.add_argument(flag, type=int)
-    return p
+def _engine_args(extra_args: list) -> dict:
+    """Per-role `dsv4 serve` engine flags (`prefill_args` / `decode_args`) -> load_engine options."""
+    parser = argparse.ArgumentParser(prog="dsv4 serve_entry", add_help=False, exit_on_error=False)
+    add_serve_args(parser)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS  # the namespace holds only the flags that were given
+    try:
+        parsed, rest = parser.parse_known_args([str(a) for a in extra_args])
+    except argparse.ArgumentError as e:
+        raise ValueError(f"bad engine argument: {e}") from None
+    given = vars(parsed)
+    not_engine = sorted(k for k in given if k not in ENGINE_OPTION_KEYS)
+    if rest or not_engine:
+        raise ValueError(f"only engine flags of `dsv4 serve` ({', '.join(ENGINE_OPTION_KEYS)}) go in a role's "
+                         f"args; got {rest + not_engine}")
+    return given
 
 
 def _engine_options(common: dict, extra_args: list) -> tuple:
     unknown = set(common) - set(ENGINE_OPTION_KEYS)
     if unknown:
         raise ValueError(f"unknown engine options {sorted(unknown)}; expected some of {ENGINE_OPTION_KEYS}")
-    try:
-        parsed, rest = _engine_parser().parse_known_args([str(a) for a in extra_args])
-    except argparse.ArgumentError as e:
-        raise ValueError(f"bad engine argument: {e}") from None
-    if rest:
-        raise ValueError(f"unknown engine arguments {rest}")
     opts = {k: v for k, v in common.items() if v is not None}
-    opts.update({k: v for k, v in vars(parsed).items() if v is not None})
+    opts.update({k: v for k, v in _engine_args(extra_args).items() if v is not None})
     return tuple(sorted(opts.items()))
 
 
@@ -146,12 +149,12 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None) -> dict
     return handles
 
 
-def _kill_stale(keep: set) -> None:
-    """Kill this namespace's dsv4 actors of an older layout (after the new ones are up)."""
+def _kill_stale(keep: set, prefix: str) -> None:
+    """Kill this namespace's actors named `prefix...` that are not in `keep` (an older layout's)."""
     import ray
 
     for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["namespace"] == NAMESPACE and actor["name"].startswith("dsv4-") and actor["name"] not in keep:
+        if actor["namespace"] == NAMESPACE and actor["name"].startswith(prefix) and actor["name"] not in keep:
             try:
                 ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
             except ValueError:  # already gone
@@ -159,22 +162,28 @@ def _kill_stale(keep: set) -> None:
 
 
 def start_backend(cfg: EntryConfig) -> str:
-    """Start (or reuse) the workers and the router on the connected cluster; -> the router's host:port."""
+    """Start (or reuse) the workers and the router on the connected cluster; -> the router's host:port.
+
+    Workers of an older layout are killed first (their GPUs and role resources are what the new ones
+    need); the old router goes once the new one serves.
+    """
     import ray
 
     model_dir = cfg.service.model_dir or None  # None: each worker builds the built-in tiny model
+    workers = {f"dsv4-{w}-{_role_fingerprint(cfg, role, model_dir)}" for role in ROLES for w in worker_ids(cfg, role)}
+    for role in ROLES:
+        _kill_stale(workers, f"dsv4-{role}-")
     prefill_cls, decode_cls, _ = _remote_classes(cfg.service)
     prefill = _start_role(cfg, "prefill", prefill_cls, model_dir)
     decode = _start_role(cfg, "decode", decode_cls, model_dir)
     ray.get([h.ping.remote() for h in (*prefill.values(), *decode.values())])
-    router_name = f"dsv4-router-{_fingerprint(cfg.prefill, cfg.decode, model_dir, cfg.service.router_policy)}"
+    router_name = f"dsv4-router-{_fingerprint(sorted(workers), cfg.service.router_policy)}"
     router = ray.remote(num_cpus=0, max_concurrency=1000)(EntryRouter).options(
         name=router_name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         runtime_env={"env_vars": dict(cfg.env)}).remote(prefill, decode, cfg.service.router_policy)
     port = ray.get(router.start.remote("0.0.0.0", cfg.service.router_port))
     addr = f"{ray.get(router.node_ip.remote())}:{port}"
-    _kill_stale({router_name} | {f"dsv4-{w}-{_role_fingerprint(cfg, role, model_dir)}"
-                                 for role in ROLES for w in worker_ids(cfg, role)})
+    _kill_stale({router_name}, "dsv4-router-")
     return addr
 
 
@@ -183,7 +192,9 @@ def worker_ids(cfg: EntryConfig, role: str) -> list[str]:
 
 
 def _role_fingerprint(cfg: EntryConfig, role: str, model_dir: str | None) -> str:
-    return _fingerprint(model_dir, cfg.service.transfer, cfg.plan(role))
+    """What a worker is built from (not how many there are: scaling keeps the existing ones)."""
+    plan = cfg.plan(role)
+    return _fingerprint(model_dir, cfg.service.transfer, plan.engine_options, plan.resources, plan.num_gpus)
 
 
 def build(args: dict):

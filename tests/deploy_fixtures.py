@@ -1,6 +1,6 @@
 """Shared helpers of the deploy tests (tests/test_deploy_*.py): chart rendering through the Helm library,
 dashboard and rule queries, the real tools (promtool, prometheus, kubernetes-validate, yamllint), and one
-live `dsv4 serve` shared by every module that asks for the `dsv4_service` fixture.
+live `dsv4 serve` shared by every module whose `dsv4_service` fixture runs `live_service`.
 
 The service is started once, by the first module that needs it, and stopped (SIGINT, which must end it
 within 30 s) after the last collected test that uses it, so later test files don't run beside an idle
@@ -200,6 +200,7 @@ class LiveService:
                 "--prefill-workers", "1", "--decode-workers", "1", "--transfer", "tcp"]
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PROMETHEUS_MULTIPROC_DIR")}
         env["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(self.tmp, "metrics")
+        env["RAY_ADDRESS"] = "local"  # a new cluster, even where `ray start` left /tmp/ray/ray_current_cluster
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
@@ -268,9 +269,9 @@ def _later_users(request) -> bool:
     return any("dsv4_service" in item.fixturenames for item in items[last + 1:])
 
 
-@pytest.fixture(scope="module")
-def dsv4_service(request):
-    """The shared live service (import this fixture into a test module to use it)."""
+def live_service(request):
+    """Body of each module's `dsv4_service` fixture: yields the shared live service, started on first use
+    and stopped when no later collected test asks for `dsv4_service`."""
     global _SERVICE
     if _SERVICE is None:
         pytest.importorskip("ray", reason="ray is missing")

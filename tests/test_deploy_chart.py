@@ -63,8 +63,16 @@ def test_values_schema_rejects_bad_values():
                {"model": {"source": "nfs"}}, {"upgradeStrategy": {"type": "BlueGreen"}},
                {"serve": {"engine": {"dtype": "fp16"}}}, {"monitoring": {"podMonitor": {"interval": "soon"}}}]
         for values in bad:
-            with pytest.raises(helm_python.HelmError):
+            with pytest.raises(helm_python.HelmValuesError, match="schema"):
                 chart.render(values=values, name="dsv4", namespace="llm")
+
+
+def test_values_schema_engine_options_are_service_options():
+    from deploy.service import ENGINE_OPTION_KEYS
+
+    with open(os.path.join(CHART, "values.schema.json")) as f:
+        engine = json.load(f)["properties"]["serve"]["properties"]["engine"]
+    assert set(engine["properties"]) <= set(ENGINE_OPTION_KEYS)
 
 
 def test_renders_the_service_and_its_monitoring(case):
@@ -198,7 +206,7 @@ def test_rdma_and_scheduling_settings_reach_the_worker_pods():
     head = templates.pop("head")
     assert "nvidia.com/gpu" not in head["spec"]["containers"][0]["resources"]["limits"]
     assert "hostIPC" not in head["spec"] and "annotations" not in head["metadata"]
-    for role, template in templates.items():
+    for template in templates.values():
         spec, ray = template["spec"], template["spec"]["containers"][0]
         assert spec["hostIPC"] is True and spec["runtimeClassName"] == "nvidia"
         assert spec["priorityClassName"] == "llm-serving" and spec["tolerations"]

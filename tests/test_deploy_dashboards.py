@@ -12,12 +12,16 @@ import subprocess
 
 import pytest
 
-from tests.deploy_fixtures import (GRAFANA, dashboards, debian_tool, dsv4_service, event_only_samples,  # noqa: F401
-                                   metric_names, panel_queries, rule_queries, sample_names, substitute,
-                                   variable_queries)
+from tests.deploy_fixtures import (GRAFANA, dashboards, debian_tool, event_only_samples, live_service, metric_names,
+                                   panel_queries, rule_queries, sample_names, substitute, variable_queries)
 
 VARIABLES = {"datasource", "namespace", "model", "role", "worker"}
 COUNTERISH = ("_total", "_sum", "_count", "_bucket")
+
+
+@pytest.fixture(scope="module")
+def dsv4_service(request):
+    yield from live_service(request)
 
 
 def all_queries() -> list[tuple[str, str]]:
@@ -95,7 +99,7 @@ def shape_problems(expr: str) -> list[str]:
 
 def test_every_query_parses_and_is_well_formed():
     pytest.importorskip("promql_parser", reason="promql-parser is missing: pip install -e '.[test]'")
-    for where, expr in all_queries():
+    for _, expr in all_queries():
         metric_names(substitute(expr))  # raises on a syntax error
     for where, expr in [(f"{d}: {t}", e) for d, t, e in panel_queries()]:
         assert shape_problems(expr) == [], where

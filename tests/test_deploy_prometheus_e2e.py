@@ -9,10 +9,15 @@ import time
 
 import pytest
 
-from tests.deploy_fixtures import (RULES_FILE, PrometheusServer, dsv4_service, panel_queries,  # noqa: F401
-                                   substitute, variable_queries)
+from tests.deploy_fixtures import (RULES_FILE, PrometheusServer, live_service, panel_queries, substitute,
+                                   variable_queries)
 
 LABELS = {"namespace": "dsv4-e2e", "pod": "dsv4-head-0", "container": "ray-head"}  # what a PodMonitor adds
+
+
+@pytest.fixture(scope="module")
+def dsv4_service(request):
+    yield from live_service(request)
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,8 @@ def zero_if_absent(expr: str) -> str:
     return f"({expr} or on() vector(0))"
 
 
-def quantile_targets(metric: str, sel: str, by: str = "") -> list[tuple[str, str]]:
-    suffix = f" {{{{{by}}}}}" if by else ""
-    return [(quantile(q, metric, sel, by), f"p{round(q * 100)}{suffix}") for q in QUANTILES]
+def quantile_targets(metric: str, sel: str) -> list[tuple[str, str]]:
+    return [(quantile(q, metric, sel), f"p{round(q * 100)}") for q in QUANTILES]
 
 
 ERRORS = 'namespace=~"$namespace", model_name=~"$model", status="error"'

@@ -13,7 +13,9 @@ declared on the Ray container so that KubeRay adds no port of its own with that 
 {{- $annotations := merge (dict) (default dict $group.podAnnotations) (ternary $v.rdma.podAnnotations (dict) $rdma) -}}
 metadata:
   labels:
-    {{- include "dsv4.labels" $root | nindent 4 }}
+    {{- /* no chart version here: a chart bump alone must not roll a new Ray cluster */}}
+    {{- include "dsv4.selectorLabels" $root | nindent 4 }}
+    app.kubernetes.io/part-of: dsv4
     app.kubernetes.io/component: {{ .role }}
     {{- with $group.podLabels }}
     {{- toYaml . | nindent 4 }}
