@@ -15,6 +15,13 @@ tensor [T, K] into the concatenation [SWA ring | this step's kv | entry group] a
 kernel (`kernels.triton_attention.sparse_mqa_attention_multi`), which reads the rows in place. On the fast
 path the SWA ring is written after the attention (it reads the ring's older rows and takes this step's
 rows from the chunk), which is exactly what the reference's gather-then-write sees.
+
+Quantised caches (`--kv-cache-dtype fp8`, engine.cache): every read and write of swa / kv{r} / index goes
+through the group codec. This step's kv rows enter the SWA keys as the cache stores them (pack + unpack,
+as a production kernel reading the fp8 cache after the write sees them), so a key's value never depends
+on whether it came from the chunk or the ring, and chunked prefill computes what unchunked prefill does.
+fp8 pools always take the reference attention (also on CUDA): the Triton fp8_ds_mla kernel reads ONE
+paged cache, while a step's keys live in three stores (ring, chunk, entry pages) of different block sizes.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import CompressPlan, StepBatch, _paged_rows
-from engine.cache import CachePool
+from engine.cache import CacheLayer, CachePool
 from engine.config import ModelConfig
 from engine.fast_paths import use_triton
 from kernels.attention import grouped_output_projection, sparse_attention
@@ -51,11 +58,18 @@ class AttentionBlock:
         q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)
         kv = apply_rope(rms_norm(x @ w["wkv.weight"].t(), w["norm.weight"], eps), cos, sin)
 
-        ring = pool.groups["swa"].layer(self.layer)
-        fast = use_triton(x.device) and kv.dtype == ring.dtype
+        swa = pool.groups["swa"]
+        ring = swa.bind(self.layer)
+        fast = not swa.quantised and use_triton(x.device) and kv.dtype == ring.tensor.dtype
         if not fast:
-            keys, valid = batch.swa.gather(kv, ring), batch.swa.valid
-            batch.swa_write.apply(kv, ring)  # after the gather: the chunk may overwrite slots it just read
+            valid = batch.swa.valid
+            if swa.quantised:
+                packed = swa.encode(kv)  # this step's rows as the ring stores them; packed once
+                keys = batch.swa.gather(swa.decode(packed).to(kv.dtype), ring)
+                batch.swa_write.apply_packed(packed, ring)  # after the gather, as below
+            else:
+                keys = batch.swa.gather(kv, ring)
+                batch.swa_write.apply(kv, ring)  # after the gather: the chunk may overwrite slots it just read
 
         entries = comp_rows = comp_valid = None
         if self.ratio > 1:
@@ -70,11 +84,12 @@ class AttentionBlock:
                 vis = batch.visible[f"kv{self.ratio}"]
                 comp_rows, comp_valid = vis.rows, vis.valid
             if not fast:
-                keys = torch.cat([keys, entries[comp_rows].to(keys.dtype)], dim=1)
+                keys = torch.cat([keys, entries.read(comp_rows).to(keys.dtype)], dim=1)
                 valid = torch.cat([valid, comp_valid], dim=1)
 
         if fast:
-            o = self._attend_triton(q, kv, ring, entries, comp_rows, comp_valid, batch)
+            o = self._attend_triton(q, kv, ring.tensor, entries.tensor if entries is not None else None, comp_rows,
+                                    comp_valid, batch)
             batch.swa_write.apply(kv, ring)  # after the kernel, which read the ring's older rows
         else:
             o = sparse_attention(q, keys, valid, w["attn_sink"], cfg.head_dim ** -0.5)
@@ -97,11 +112,11 @@ class AttentionBlock:
         return sparse_mqa_attention_multi(q, stores, rows, self.w["attn_sink"], self.cfg.head_dim ** -0.5)
 
     def _compress(self, x, batch: StepBatch, pool: CachePool, ropes: dict, entry_group: str, state_group: str,
-                  prefix: str, dim: int) -> torch.Tensor:
-        """Close this step's windows into `entry_group`; returns that group's layer tensor [rows, dim]."""
+                  prefix: str, dim: int) -> CacheLayer:
+        """Close this step's windows into `entry_group`; returns that group's layer (read it with .read(rows))."""
         plan: CompressPlan = batch.compress[entry_group]
         w, eps = self.w, self.cfg.rms_norm_eps
-        entries = pool.groups[entry_group].layer(self.layer)
+        entries = pool.groups[entry_group].bind(self.layer)
         state = pool.groups[state_group].layer(self.layer)
         ape = w[prefix + "ape"]
         kv = x @ w[prefix + "wkv.weight"].t()
@@ -121,7 +136,7 @@ class AttentionBlock:
             pooled = rms_norm(pooled, w[prefix + "norm.weight"], eps)
             cos, sin = ropes["compress_at"](plan.entry_pos)
             pooled = apply_rope(pooled, cos, sin)
-            entries.index_copy_(0, plan.entry_row, pooled.to(entries.dtype))
+            entries.write(plan.entry_row, pooled)
         plan.state_write.apply(rows, state)
         return entries
 
@@ -135,5 +150,5 @@ class AttentionBlock:
         q = apply_rope(q, cos, sin)
         head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
         vis = batch.visible["index"]
-        scores = indexer_scores(q, keys[vis.rows], head_weights)
+        scores = indexer_scores(q, keys.read(vis.rows), head_weights)
         return topk_visible(scores, vis.valid, cfg.index_topk)

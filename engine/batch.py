@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache import CachePool
+from engine.cache import CacheLayer, CachePool
 
 
 def segment_arange(starts: torch.Tensor, counts: torch.Tensor):
@@ -48,10 +48,27 @@ class SourceRows:
     valid: torch.Tensor
     row: torch.Tensor
 
-    def gather(self, chunk: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
-        """chunk: [T, W]; ring: [R, W] -> [*shape, W] in chunk.dtype."""
+    def gather(self, chunk: torch.Tensor, ring: torch.Tensor | CacheLayer) -> torch.Tensor:
+        """chunk: [T, W]; ring: [R, W] rows, or a cache layer -> [*shape, W] in chunk.dtype.
+
+        A quantised ring is read through its codec: only the distinct ring rows this gather names are
+        decoded (never the whole ring), then placed in front of the chunk as usual.
+        """
+        if isinstance(ring, CacheLayer):
+            if ring.quantised:
+                return self._gather_decoded(chunk, ring)
+            ring = ring.tensor
         source = torch.cat([ring.to(chunk.dtype), chunk])
         return source.index_select(0, self.row.reshape(-1)).view(*self.row.shape, chunk.shape[-1])
+
+    def _gather_decoded(self, chunk: torch.Tensor, ring: CacheLayer) -> torch.Tensor:
+        flat = self.row.reshape(-1)
+        in_ring = flat < ring.num_rows
+        ids, inverse = torch.unique(flat[in_ring], return_inverse=True)
+        index = flat - ring.num_rows + ids.numel()  # chunk rows follow the decoded ring rows
+        index[in_ring] = inverse
+        source = torch.cat([ring.read(ids).to(chunk.dtype), chunk])
+        return source.index_select(0, index).view(*self.row.shape, chunk.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -61,8 +78,16 @@ class RingWrite:
     chunk_row: torch.Tensor
     ring_row: torch.Tensor
 
-    def apply(self, chunk: torch.Tensor, ring: torch.Tensor) -> None:
-        ring.index_copy_(0, self.ring_row, chunk[self.chunk_row].to(ring.dtype))
+    def apply(self, chunk: torch.Tensor, ring: torch.Tensor | CacheLayer) -> None:
+        """ring: a raw row tensor or a cache layer (written through its codec)."""
+        if isinstance(ring, CacheLayer):
+            ring.write(self.ring_row, chunk[self.chunk_row])
+        else:
+            ring.index_copy_(0, self.ring_row, chunk[self.chunk_row].to(ring.dtype))
+
+    def apply_packed(self, packed: torch.Tensor, ring: CacheLayer) -> None:
+        """packed: the chunk's rows already encoded (uint8 [T, row_bytes]) for a quantised ring."""
+        ring.write_packed(self.ring_row, packed[self.chunk_row])
 
 
 @dataclass(frozen=True)
@@ -110,20 +135,22 @@ class StepBatch:
         return self.token_ids.shape[0]
 
 
-def _sources(pos, seg, starts, cu, ring_page, ring_rows: int, ring_total_rows: int) -> SourceRows:
+def _sources(pos, seg, starts, cu, ring_page, ring_rows: int, ring_total_rows: int,
+             page_stride: int | None = None) -> SourceRows:
+    """ring_rows: the ring's length (slot = pos % ring_rows); page_stride: rows a page (default ring_rows)."""
     s = starts[seg]
     valid = pos >= 0
     from_chunk = pos >= s
     chunk_row = torch.where(from_chunk, cu[seg] + pos - s, torch.zeros_like(pos))
-    ring_row = ring_page[seg] * ring_rows + pos.clamp(min=0) % ring_rows
+    ring_row = ring_page[seg] * (page_stride or ring_rows) + pos.clamp(min=0) % ring_rows
     return SourceRows(from_chunk, chunk_row, ring_row, valid, torch.where(from_chunk, ring_total_rows + chunk_row,
                                                                           ring_row))
 
 
-def _ring_write(starts, ends, cu, ring_page, ring_rows: int) -> RingWrite:
+def _ring_write(starts, ends, cu, ring_page, ring_rows: int, page_stride: int | None = None) -> RingWrite:
     first = torch.maximum(starts, ends - ring_rows)
     pos, seg = segment_arange(first, ends - first)
-    return RingWrite(cu[seg] + pos - starts[seg], ring_page[seg] * ring_rows + pos % ring_rows)
+    return RingWrite(cu[seg] + pos - starts[seg], ring_page[seg] * (page_stride or ring_rows) + pos % ring_rows)
 
 
 def _paged_rows(table: torch.Tensor, page_rows: int, seg: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
@@ -170,11 +197,13 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
     group_tables = {name: _table_tensor([t.get(name, []) for t in tables], "cpu") for name in pool.groups}
 
     window = cfg.sliding_window
+    swa_spec = pool.groups["swa"].spec  # a page may hold more rows than the window (fp8: whole 64-row blocks)
     swa_page = group_tables["swa"][:, 0]
     win_pos = positions.unsqueeze(1) - window + 1 + torch.arange(window)
-    swa_total = pool.groups["swa"].spec.num_pages * window
-    swa = _sources(win_pos, seg.unsqueeze(1).expand_as(win_pos), starts_t, cu, swa_page, window, swa_total)
-    swa_write = _ring_write(starts_t, ends_t, cu, swa_page, window)
+    swa_total = swa_spec.num_pages * swa_spec.page_rows
+    swa = _sources(win_pos, seg.unsqueeze(1).expand_as(win_pos), starts_t, cu, swa_page, window, swa_total,
+                   swa_spec.page_rows)
+    swa_write = _ring_write(starts_t, ends_t, cu, swa_page, window, swa_spec.page_rows)
 
     compress, visible = {}, {}
     entry_groups = [(f"kv{r}", f"state{r}", r, r == 4) for r in cfg.ratios]

@@ -10,8 +10,24 @@ Groups (names are stable: the KV-transfer plan and the metrics use them):
 - `index_state`  CSA layers; the indexer compressor's state ring.
 Each group's tensor is [num_layers_in_group, num_pages * page_rows, width]: flat rows, so every read
 and write is one gather / index_copy with row = page * page_rows + offset (CUDA-graph friendly).
-Byte layouts of the production (quantised) formats live in `kernels.geometry`; this pool holds the
-exact-dtype variant the reference engine computes with.
+
+Formats (`CacheConfig.kv_cache_dtype`):
+- "auto": every group holds exact rows in the model dtype (what the reference engine and the oracle pin).
+- "fp8": the production formats of `kernels.geometry`, stored as uint8 (width = a packed row's bytes):
+  `swa` and `kv{r}` hold fp8_ds_mla rows, `index` holds MXFP4 keys (or FP8 ones with
+  `index_cache_dtype="fp8"`); `state{r}` / `index_state` stay fp32 in both modes.
+  Byte placement is geometry's block layout: a block of `block_size` rows stores all its value rows,
+  then all its scale rows (`geometry.write_rows` / `read_rows` produce the same bytes). A block is one
+  engine page for `kv{r}` and `index` (page_rows = 256 // r and 64 at the default page_tokens=256, as
+  geometry's compressed_block_rows), and `geometry.SWA_BLOCK_ROWS` (64) rows for `swa`, whose page (one
+  request's ring) is rounded up to whole blocks, as `geometry.SwaLayout` sizes it (slots >= window unused).
+  So a page moved by kv_transfer is a run of whole geometry blocks, byte for byte.
+  Models whose NoPE width (or index_head_dim) is not a multiple of the format's scale block (the tiny and
+  small test presets) are zero-padded up to one: zeros never change a block's amax, so the stored
+  values equal a quantisation with a block of the model's own width; real V4 dims need no padding
+  (fp8_ds_mla 584 B, MXFP4 68 B, FP8 indexer 132 B a row).
+Every read and write of swa / kv{r} / index goes through `CacheGroup.read` / `write` (or a bound
+`CacheLayer`): plain indexing for exact groups (bit-identical to before), pack / unpack for quantised ones.
 """
 
 from __future__ import annotations
@@ -23,6 +39,71 @@ import torch
 
 from engine.allocator import OutOfPages, PageAllocator
 from engine.config import ModelConfig
+from kernels import geometry
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+INDEX_CACHE_DTYPES = ("mxfp4", "fp8")
+
+
+@dataclass(frozen=True)
+class RowCodec:
+    """Values <-> packed rows of one quantised group, and where the packed rows' bytes live.
+
+    fmt: "fp8_ds_mla" | "mxfp4" | "fp8"; dim: values a row holds in the model (head_dim / index_head_dim);
+    layout: the geometry row layout (block_size = rows per block; dims possibly zero-padded, see the
+    module docstring); nope: the model's NoPE width (fp8_ds_mla only; layout.nope_dim may be larger).
+    """
+
+    fmt: str
+    dim: int
+    layout: geometry.BlockRowLayout
+    nope: int = 0
+
+    @property
+    def row_bytes(self) -> int:
+        return self.layout.row_bytes
+
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "fp8_ds_mla":
+            extra = self.layout.nope_dim - self.nope
+            if extra:
+                zeros = x.new_zeros(x.shape[0], extra)
+                x = torch.cat([x[:, :self.nope], zeros, x[:, self.nope:]], dim=1)
+        else:
+            extra = self.layout.index_head_dim - self.dim
+            if extra:
+                x = torch.cat([x, x.new_zeros(x.shape[0], extra)], dim=1)
+        return x
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., dim] float -> uint8 [N, row_bytes] packed rows (value bytes, then scale bytes)."""
+        x = x.reshape(-1, self.dim).float()
+        return geometry.pack_rows(self.layout, self._pad(x))
+
+    def decode(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """uint8 [N, row_bytes] -> [N, dim] in dtype."""
+        v = geometry.unpack_rows(self.layout, packed)
+        if self.fmt == "fp8_ds_mla":
+            if self.layout.nope_dim != self.nope:
+                v = torch.cat([v[:, :self.nope], v[:, self.layout.nope_dim:]], dim=1)
+        elif v.shape[1] != self.dim:
+            v = v[:, :self.dim]
+        return v.to(dtype)
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def fp8_ds_mla_codec(head_dim: int, rope_dim: int, block_size: int) -> RowCodec:
+    nope = head_dim - rope_dim
+    padded = _round_up(nope, geometry.FP8_DS_MLA_QUANT_BLOCK)
+    return RowCodec("fp8_ds_mla", head_dim, geometry.Fp8DsMlaLayout(padded + rope_dim, rope_dim, block_size), nope)
+
+
+def indexer_codec(dim: int, fmt: str, block_size: int) -> RowCodec:
+    block = geometry.MXFP4_BLOCK if fmt == "mxfp4" else geometry.FP8_INDEXER_BLOCK
+    return RowCodec(fmt, dim, geometry.IndexerKeyLayout(_round_up(dim, block), fmt, block_size))
 
 
 @dataclass(frozen=True)
@@ -34,6 +115,12 @@ class CacheGroupSpec:
     dtype: torch.dtype
     tokens_per_row: int  # 0 for fixed (one page per request) groups, else the compress ratio
     num_pages: int
+    codec: RowCodec | None = None  # None: exact rows of `width` values in `dtype`; else uint8 packed rows
+
+    @property
+    def dim(self) -> int:
+        """Values a row holds in the model (width, unless the rows are packed bytes)."""
+        return self.width if self.codec is None else self.codec.dim
 
     @property
     def fixed(self) -> bool:
@@ -52,7 +139,7 @@ class CacheGroupSpec:
 
     @property
     def bytes_per_page(self) -> int:
-        return len(self.layers) * self.page_rows * self.width * torch.finfo(self.dtype).bits // 8
+        return len(self.layers) * self.page_rows * self.width * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -60,16 +147,37 @@ class CacheConfig:
     max_requests: int = 64  # concurrent requests holding caches (fixed groups are sized by it)
     max_tokens: int = 1 << 16  # total cached tokens across requests (growing groups are sized by it)
     page_tokens: int = 256  # tokens covered by one page of a growing group
+    kv_cache_dtype: str = "auto"  # "auto": exact rows in the model dtype; "fp8": the production formats
+    index_cache_dtype: str = "mxfp4"  # indexer keys when kv_cache_dtype == "fp8": "mxfp4" or "fp8"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
+            raise ValueError(f"index_cache_dtype must be one of {INDEX_CACHE_DTYPES}, got {self.index_cache_dtype!r}")
 
 
 def group_specs(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> list[CacheGroupSpec]:
     all_layers = tuple(range(cfg.num_layers))
-    specs = [CacheGroupSpec("swa", all_layers, cfg.sliding_window, cfg.head_dim, dtype, 0, cache.max_requests)]
+    fp8 = cache.kv_cache_dtype == "fp8"
+
+    def kv_spec(name, layers, rows, ratio, pages, block_size):
+        if not fp8:
+            return CacheGroupSpec(name, layers, rows, cfg.head_dim, dtype, ratio, pages)
+        codec = fp8_ds_mla_codec(cfg.head_dim, cfg.rope_dim, block_size)
+        return CacheGroupSpec(name, layers, rows, codec.row_bytes, torch.uint8, ratio, pages, codec)
+
+    if fp8:  # the ring in whole SWA blocks, as geometry.SwaLayout sizes it
+        swa_block = geometry.SWA_BLOCK_ROWS
+        specs = [kv_spec("swa", all_layers, _round_up(cfg.sliding_window, swa_block), 0, cache.max_requests,
+                         swa_block)]
+    else:
+        specs = [kv_spec("swa", all_layers, cfg.sliding_window, 0, cache.max_requests, 0)]
     for r in cfg.ratios:
         layers = cfg.layers_with_ratio(r)
         rows = max(1, cache.page_tokens // r)
         pages = math.ceil(cache.max_tokens / r / rows) + cache.max_requests  # + one partial page per request
-        specs.append(CacheGroupSpec(f"kv{r}", layers, rows, cfg.head_dim, dtype, r, pages))
+        specs.append(kv_spec(f"kv{r}", layers, rows, r, pages, rows))
         coff = 2 if r == 4 else 1
         specs.append(CacheGroupSpec(f"state{r}", layers, coff * r, 2 * coff * cfg.head_dim, torch.float32, 0,
                                     cache.max_requests))
@@ -77,22 +185,137 @@ def group_specs(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> lis
         layers = cfg.indexer_layers
         rows = max(1, cache.page_tokens // 4)
         pages = math.ceil(cache.max_tokens / 4 / rows) + cache.max_requests
-        specs.append(CacheGroupSpec("index", layers, rows, cfg.index_head_dim, dtype, 4, pages))
+        if fp8:
+            codec = indexer_codec(cfg.index_head_dim, cache.index_cache_dtype, rows)
+            specs.append(CacheGroupSpec("index", layers, rows, codec.row_bytes, torch.uint8, 4, pages, codec))
+        else:
+            specs.append(CacheGroupSpec("index", layers, rows, cfg.index_head_dim, dtype, 4, pages))
         specs.append(CacheGroupSpec("index_state", layers, 8, 4 * cfg.index_head_dim, torch.float32, 0,
                                     cache.max_requests))
     return specs
 
 
 class CacheGroup:
-    def __init__(self, spec: CacheGroupSpec, device: torch.device | str):
+    """One cache kind: the page tensor, its allocator and its row codec.
+
+    `read` / `write` are the only way the model touches swa / kv{r} / index rows: exact groups index the
+    tensor directly; quantised ones (spec.codec) pack on write and unpack on read, in `compute_dtype`.
+    """
+
+    def __init__(self, spec: CacheGroupSpec, device: torch.device | str, compute_dtype: torch.dtype | None = None):
         self.spec = spec
+        self.codec = spec.codec
+        self.compute_dtype = compute_dtype if compute_dtype is not None and spec.codec is not None else spec.dtype
         self.allocator = PageAllocator(spec.num_pages, spec.name)
         self.tensor = torch.zeros(len(spec.layers), spec.num_pages * spec.page_rows, spec.width,
                                   dtype=spec.dtype, device=device)
+        if self.codec is not None and spec.page_rows % self.codec.layout.block_size:
+            raise ValueError(f"group {spec.name!r}: {spec.page_rows} rows a page is not a whole number of "
+                             f"{self.codec.layout.block_size}-row blocks")
+
+    @property
+    def quantised(self) -> bool:
+        return self.codec is not None
+
+    @property
+    def num_rows(self) -> int:
+        return self.tensor.shape[1]
 
     def layer(self, layer: int) -> torch.Tensor:
-        """[num_pages * page_rows, width] view of one model layer."""
+        """[num_pages * page_rows, width] view of one model layer (raw storage: bytes when quantised)."""
         return self.tensor[self.spec.layer_slot(layer)]
+
+    def bind(self, layer: int) -> "CacheLayer":
+        return CacheLayer(self, layer)
+
+    # ---- codec -------------------------------------------------------------------------------------
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        """[..., dim] -> uint8 [N, row_bytes] packed rows (quantised groups only)."""
+        return self.codec.encode(values)
+
+    def decode(self, packed: torch.Tensor) -> torch.Tensor:
+        """uint8 [N, row_bytes] -> [N, dim] in compute_dtype (quantised groups only)."""
+        return self.codec.decode(packed, self.compute_dtype)
+
+    def as_stored(self, values: torch.Tensor) -> torch.Tensor:
+        """values [N, dim] as a read after writing them would return them (identity for exact groups)."""
+        if self.codec is None:
+            return values
+        return self.decode(self.encode(values)).to(values.dtype)
+
+    def _planes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [blocks, block_size, value_bytes] and [blocks, block_size, scale_bytes] of one layer."""
+        lay = self.codec.layout
+        bs = lay.block_size
+        blocks = self.layer(layer).view(-1, bs * lay.row_bytes)
+        values = blocks[:, :bs * lay.value_bytes].unflatten(1, (bs, lay.value_bytes))
+        scales = blocks[:, bs * lay.value_bytes:].unflatten(1, (bs, lay.scale_bytes))
+        return values, scales
+
+    def read_packed(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Packed rows (geometry.read_rows of the layer's blocks) -> uint8 [N, row_bytes]."""
+        rows = rows.reshape(-1)
+        values, scales = self._planes(layer)
+        bs = self.codec.layout.block_size
+        blk, pos = rows // bs, rows % bs
+        return torch.cat([values[blk, pos], scales[blk, pos]], dim=1)
+
+    def write_packed(self, layer: int, rows: torch.Tensor, packed: torch.Tensor) -> None:
+        """geometry.write_rows into the layer's blocks: only each row's value and scale bytes change."""
+        rows = rows.reshape(-1)
+        values, scales = self._planes(layer)
+        lay = self.codec.layout
+        blk, pos = rows // lay.block_size, rows % lay.block_size
+        values[blk, pos] = packed[:, :lay.value_bytes]
+        scales[blk, pos] = packed[:, lay.value_bytes:]
+
+    # ---- what the model calls --------------------------------------------------------------------
+    def read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows: int [...] -> [..., dim] (exact: the stored dtype; quantised: compute_dtype).
+
+        Quantised groups decode each distinct row once (queries of a step share most of their rows).
+        """
+        if self.codec is None:
+            return self.layer(layer)[rows]
+        flat = rows.reshape(-1)
+        ids, inverse = torch.unique(flat, return_inverse=True)
+        return self.decode(self.read_packed(layer, ids))[inverse].view(*rows.shape, self.codec.dim)
+
+    def write(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """layer rows[i] = values[i] (values [N, dim]; rows distinct)."""
+        if self.codec is None:
+            self.layer(layer).index_copy_(0, rows, values.to(self.spec.dtype))
+        else:
+            self.write_packed(layer, rows, self.encode(values))
+
+
+@dataclass(frozen=True)
+class CacheLayer:
+    """One model layer of a cache group: what SourceRows.gather / RingWrite.apply and the attention take."""
+
+    group: CacheGroup
+    layer: int
+
+    @property
+    def quantised(self) -> bool:
+        return self.group.quantised
+
+    @property
+    def num_rows(self) -> int:
+        return self.group.num_rows
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.group.layer(self.layer)
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.group.read(self.layer, rows)
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.group.write(self.layer, rows, values)
+
+    def write_packed(self, rows: torch.Tensor, packed: torch.Tensor) -> None:
+        self.group.write_packed(self.layer, rows, packed)
 
 
 PageTable = dict  # group name -> list[int] page ids, owned by one request
@@ -102,7 +325,7 @@ class CachePool:
     def __init__(self, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device | str):
         self.cfg = cfg
         self.cache_config = cache
-        self.groups = {s.name: CacheGroup(s, device) for s in group_specs(cfg, cache, dtype)}
+        self.groups = {s.name: CacheGroup(s, device, dtype) for s in group_specs(cfg, cache, dtype)}
 
     def extra_pages(self, table: PageTable, num_tokens: int) -> dict[str, int]:
         """Pages each group must add so `table` covers positions [0, num_tokens)."""

@@ -35,6 +35,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV cache format: auto = exact rows in --dtype; fp8 = the production formats "
+                        "(fp8_ds_mla SWA / compressed KV, MXFP4 indexer keys)")
 
 
 def _add_make_model(sub) -> None:
@@ -62,7 +65,8 @@ def _generate(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
                             prompt_logprobs=args.prompt_logprobs)
-    llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens)
+    llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
+              kv_cache_dtype=args.kv_cache_dtype)
     for out in llm.generate(prompts, params):
         if args.json:
             print(json.dumps({"token_ids": out.token_ids, "logprobs": out.logprobs,

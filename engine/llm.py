@@ -24,24 +24,29 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | torch.dtype = "float32",
                 max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16,
-                page_tokens: int = 256) -> EngineCore:
+                page_tokens: int = 256, kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4") -> EngineCore:
+    """kv_cache_dtype: "auto" (exact rows in `dtype`) or "fp8" (production formats: fp8_ds_mla SWA and
+    compressed KV, MXFP4 indexer keys, or FP8 ones with index_cache_dtype="fp8"); see engine.cache."""
     from engine.make_model import default_model_dir
     from engine.weights import load_weights
 
     model_dir = model_dir or default_model_dir()
     cfg = ModelConfig.from_model_dir(model_dir)
+    cache_config = CacheConfig(max_requests=max_num_seqs, max_tokens=max_cached_tokens, page_tokens=page_tokens,
+                               kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
     torch_dtype = resolve_dtype(dtype)
     weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device)
     return EngineCore(cfg, weights, device=device, dtype=torch_dtype,
-                      cache_config=CacheConfig(max_requests=max_num_seqs, max_tokens=max_cached_tokens,
-                                               page_tokens=page_tokens),
+                      cache_config=cache_config,
                       scheduler_config=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs))
 
 
 class LLM:
     def __init__(self, model_dir: str | None = None, device: str = "cpu", dtype: str = "float32",
-                 max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16):
-        self.engine = load_engine(model_dir, device, dtype, max_batch_tokens, max_num_seqs, max_cached_tokens)
+                 max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16,
+                 kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4"):
+        self.engine = load_engine(model_dir, device, dtype, max_batch_tokens, max_num_seqs, max_cached_tokens,
+                                  kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
         self.config = self.engine.cfg
 
     def generate(self, prompts: list[list[int]],
