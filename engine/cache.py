@@ -353,6 +353,19 @@ class CachePool:
             self.groups[name].allocator.free(pages)
         table.clear()
 
+    def free_tokens(self) -> int:
+        """Tokens of new reservation the pool can still take: the tightest growing group, and zero when a
+        per-request group (SWA ring, compressor state) has no page left."""
+        free = []
+        for g in self.groups.values():
+            spec, n = g.spec, g.allocator.num_free
+            if spec.fixed:
+                if n == 0:
+                    return 0
+            else:
+                free.append(n * spec.page_rows * spec.tokens_per_row)
+        return min(free) if free else 0
+
     def usage(self) -> dict[str, float]:
         """Fraction of pages in use per group."""
         return {n: g.allocator.num_used / g.spec.num_pages for n, g in self.groups.items()}

@@ -50,23 +50,10 @@ class WorkerStats:
     kv_free_tokens: int
 
 
-def kv_free_tokens(engine) -> int:
-    """Tokens of new reservation the cache can still take (zero when no per-request page is left)."""
-    free = []
-    for g in engine.pool.groups.values():
-        spec, n = g.spec, g.allocator.num_free
-        if spec.fixed:
-            if n == 0:
-                return 0
-        else:
-            free.append(n * spec.page_rows * spec.tokens_per_row)
-    return min(free) if free else 0
-
-
 def engine_stats(worker_id: str, role: str, incarnation: str, engine) -> WorkerStats:
     sched = engine.scheduler
     return WorkerStats(worker_id, role, incarnation, len(sched.running) + len(engine.held) + len(engine.imports),
-                       len(sched.waiting), max(engine.pool.usage().values(), default=0.0), kv_free_tokens(engine))
+                       len(sched.waiting), max(engine.pool.usage().values(), default=0.0), engine.pool.free_tokens())
 
 
 class PrefillWorker:

@@ -47,20 +47,6 @@ class _Sub:
 _STOP = ("stop",)
 
 
-def kv_free_tokens(engine: EngineCore) -> int:
-    """Tokens of new reservation the engine's cache can still take: the tightest growing group, and zero
-    when a per-request group (sliding window, compressor state) has no page left."""
-    free = []
-    for g in engine.pool.groups.values():
-        spec, n = g.spec, g.allocator.num_free
-        if spec.fixed:
-            if n == 0:
-                return 0
-        else:
-            free.append(n * spec.page_rows * spec.tokens_per_row)
-    return min(free) if free else 0
-
-
 class LocalWorker:
     """One engine and the thread that steps it."""
 
@@ -206,7 +192,7 @@ class LocalWorker:
         sched, pool = self.engine.scheduler, self.engine.pool
         usage = pool.usage()
         return WorkerInfo(self.worker_id, "colocated", True, len(sched.running), len(sched.waiting),
-                          kv_free_tokens(self.engine), max(usage.values()) if usage else 0.0,
+                          self.engine.pool.free_tokens(), max(usage.values()) if usage else 0.0,
                           f"{self.worker_id}#{self._incarnation}")
 
 

@@ -9,16 +9,7 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kernels.gpu import has_triton, triton_enabled  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if not has_triton():
-    pytest.skip("triton is not importable", allow_module_level=True)
-if not triton_enabled(DEVICE):
-    pytest.skip(f"triton cannot run on {DEVICE} (TRITON_INTERPRET is off)", allow_module_level=True)
+from tests.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 from kernels.compressor import overlap_slots, pool_windows  # noqa: E402
 from kernels.norm import rms_norm  # noqa: E402
