@@ -12,7 +12,6 @@ import asyncio
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from decode_worker.worker import DecodeOverloaded, Transferred

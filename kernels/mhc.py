@@ -51,7 +51,6 @@ def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
             norm_eps: float) -> torch.Tensor:
     """Collapse the streams before the final norm. streams: [T, hc, D]; fn: [hc, hc*D] -> [T, D]."""
-    t = streams.shape[0]
     flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)
     pre = torch.sigmoid((flat @ fn.float().t()) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -4,7 +4,6 @@ Runs compiled on a GPU when one is present, else in triton's CPU interpreter (se
 kernels.triton_* import, because triton reads the flag when a kernel is decorated).
 """
 
-import os
 
 import pytest
 import torch
