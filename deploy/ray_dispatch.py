@@ -15,6 +15,7 @@ import logging
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from decode_worker.worker import DecodeOverloaded, Transferred
+from kv_transfer.base import TransferError
 from engine.request import TokenEvent
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied, WorkerInfo
 
@@ -62,6 +63,13 @@ class RayDispatcher:
         alive = await asyncio.gather(*(self._probe(w, h) for w, h in items))
         return {w: a for (w, _), a in zip(items, alive)}
 
+    async def _still_holds(self, handle, incarnation: str) -> bool:
+        """Is the worker that prefilled (this incarnation of it, not a restarted one) still alive?"""
+        try:
+            return await asyncio.wait_for(handle.ping.remote(), self.call_timeout_s) == incarnation
+        except (asyncio.TimeoutError, *DEAD):
+            return False
+
     # ---- one request -----------------------------------------------------------------------------
     async def generate(self, request: DispatchRequest, prefill_id: str, decode_id: str):
         rid, prompt, params = request.request_id, list(request.prompt_ids), request.params
@@ -85,6 +93,12 @@ class RayDispatcher:
                     raise WorkerDied(decode_id, str(e)) from None
                 except DecodeOverloaded as e:
                     raise Overloaded(str(e)) from None
+                except TransferError as e:
+                    # A pull fails when its source dies mid-transfer: report that as the prefill worker's
+                    # death (nothing was streamed yet, so the router retries elsewhere); else fail as is.
+                    if not await self._still_holds(prefill, result.incarnation):
+                        raise WorkerDied(prefill_id, f"KV transfer failed: {e}") from None
+                    raise
                 if isinstance(item, Transferred):
                     yield first  # released only now: TTFT includes the transfer
                     continue

@@ -37,6 +37,7 @@ class PrefillResult:
     ticket: TransferTicket | None  # None when finished
     queue_time_s: float
     prefill_time_s: float
+    incarnation: str = ""  # of the worker that holds the caches (a restarted worker holds none)
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,8 @@ class PrefillWorker:
 
         seed_used, ticket = await self.loop.acall(finish)
         return PrefillResult(request_id, self.worker_id, ev.token_id, ev.logprob, tuple(prompt_lps), seed_used,
-                             ev.finished, ev.finish_reason, ticket, first_step - arrival, done - first_step)
+                             ev.finished, ev.finish_reason, ticket, first_step - arrival, done - first_step,
+                             self.incarnation)
 
     async def abort(self, request_id: str) -> None:
         """Drop a request (queued, running or held) and withdraw its export; frees its pages."""
