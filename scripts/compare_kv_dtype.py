@@ -28,6 +28,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_engine  # noqa: E402  (shares machine())
 
 BEGIN, END = "<!-- compare_kv_dtype:begin -->", "<!-- compare_kv_dtype:end -->"
 TITLE = "## fp8 KV cache vs exact"
@@ -35,18 +38,7 @@ PROMPT_LENS = (9, 16, 37, 64, 100, 130, 170, 260)  # across the window, ratio-4 
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{platform.platform()}; {cpu}; {os.cpu_count()} CPUs ({affinity} usable); "
-            f"torch threads {torch.get_num_threads()}; torch {torch.__version__}, Python {platform.python_version()}")
+    return f"{bench_engine.machine()}; torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def run_engine(engine, prompts, params) -> list:
