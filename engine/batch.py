@@ -58,8 +58,11 @@ class SourceRows:
             if ring.quantised:
                 return self._gather_decoded(chunk, ring)
             ring = ring.tensor
-        source = torch.cat([ring.to(chunk.dtype), chunk])
-        return source.index_select(0, self.row.reshape(-1)).view(*self.row.shape, chunk.shape[-1])
+        # Two gathers and a select, never a copy of the whole ring (it holds every request's rows).
+        shape = (*self.row.shape, chunk.shape[-1])
+        from_ring = ring.index_select(0, self.ring_row.reshape(-1)).view(shape).to(chunk.dtype)
+        from_chunk = chunk.index_select(0, self.chunk_row.reshape(-1)).view(shape)
+        return torch.where(self.from_chunk.unsqueeze(-1), from_chunk, from_ring)
 
     def _gather_decoded(self, chunk: torch.Tensor, ring: CacheLayer) -> torch.Tensor:
         flat = self.row.reshape(-1)

@@ -10,6 +10,9 @@ Groups (names are stable: the KV-transfer plan and the metrics use them):
 - `index_state`  CSA layers; the indexer compressor's state ring.
 Each group's tensor is [num_layers_in_group, num_pages * page_rows, width]: flat rows, so every read
 and write is one gather / index_copy with row = page * page_rows + offset (CUDA-graph friendly).
+Page 0 of every group is the pool's scratch page (`CachePool.scratch_pages`), never given to a request:
+fixed-shape decode steps (engine.decode_batch) point their padding slots and the writes of windows that
+do not close at it, so a captured CUDA graph can write unconditionally. Groups are sized one page larger.
 
 Formats (`CacheConfig.kv_cache_dtype`):
 - "auto": every group holds exact rows in the model dtype (what the reference engine and the oracle pin).
@@ -42,6 +45,7 @@ from engine.config import ModelConfig
 from kernels import geometry
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+SCRATCH_PAGES = 1  # page 0 of every group (see the module docstring)
 INDEX_CACHE_DTYPES = ("mxfp4", "fp8")
 
 
@@ -160,6 +164,7 @@ class CacheConfig:
 def group_specs(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> list[CacheGroupSpec]:
     all_layers = tuple(range(cfg.num_layers))
     fp8 = cache.kv_cache_dtype == "fp8"
+    fixed_pages = cache.max_requests + SCRATCH_PAGES  # one page per request, plus the scratch page
 
     def kv_spec(name, layers, rows, ratio, pages, block_size):
         if not fp8:
@@ -169,29 +174,29 @@ def group_specs(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> lis
 
     if fp8:  # the ring in whole SWA blocks, as geometry.SwaLayout sizes it
         swa_block = geometry.SWA_BLOCK_ROWS
-        specs = [kv_spec("swa", all_layers, _round_up(cfg.sliding_window, swa_block), 0, cache.max_requests,
-                         swa_block)]
+        specs = [kv_spec("swa", all_layers, _round_up(cfg.sliding_window, swa_block), 0, fixed_pages, swa_block)]
     else:
-        specs = [kv_spec("swa", all_layers, cfg.sliding_window, 0, cache.max_requests, 0)]
+        specs = [kv_spec("swa", all_layers, cfg.sliding_window, 0, fixed_pages, 0)]
     for r in cfg.ratios:
         layers = cfg.layers_with_ratio(r)
         rows = max(1, cache.page_tokens // r)
-        pages = math.ceil(cache.max_tokens / r / rows) + cache.max_requests  # + one partial page per request
+        # + one partial page per request, + the scratch page
+        pages = math.ceil(cache.max_tokens / r / rows) + cache.max_requests + SCRATCH_PAGES
         specs.append(kv_spec(f"kv{r}", layers, rows, r, pages, rows))
         coff = 2 if r == 4 else 1
         specs.append(CacheGroupSpec(f"state{r}", layers, coff * r, 2 * coff * cfg.head_dim, torch.float32, 0,
-                                    cache.max_requests))
+                                    fixed_pages))
     if cfg.indexer_layers:
         layers = cfg.indexer_layers
         rows = max(1, cache.page_tokens // 4)
-        pages = math.ceil(cache.max_tokens / 4 / rows) + cache.max_requests
+        pages = math.ceil(cache.max_tokens / 4 / rows) + cache.max_requests + SCRATCH_PAGES
         if fp8:
             codec = indexer_codec(cfg.index_head_dim, cache.index_cache_dtype, rows)
             specs.append(CacheGroupSpec("index", layers, rows, codec.row_bytes, torch.uint8, 4, pages, codec))
         else:
             specs.append(CacheGroupSpec("index", layers, rows, cfg.index_head_dim, dtype, 4, pages))
         specs.append(CacheGroupSpec("index_state", layers, 8, 4 * cfg.index_head_dim, torch.float32, 0,
-                                    cache.max_requests))
+                                    fixed_pages))
     return specs
 
 
@@ -216,6 +221,11 @@ class CacheGroup:
     @property
     def quantised(self) -> bool:
         return self.codec is not None
+
+    @property
+    def usable_pages(self) -> int:
+        """Pages requests can hold (all but the scratch page)."""
+        return self.spec.num_pages - SCRATCH_PAGES
 
     @property
     def num_rows(self) -> int:
@@ -326,6 +336,8 @@ class CachePool:
         self.cfg = cfg
         self.cache_config = cache
         self.groups = {s.name: CacheGroup(s, device, dtype) for s in group_specs(cfg, cache, dtype)}
+        # Allocated first, so it is page 0; held for the pool's lifetime.
+        self.scratch_pages = {n: g.allocator.allocate(SCRATCH_PAGES)[0] for n, g in self.groups.items()}
 
     def extra_pages(self, table: PageTable, num_tokens: int) -> dict[str, int]:
         """Pages each group must add so `table` covers positions [0, num_tokens)."""
@@ -367,8 +379,12 @@ class CachePool:
         return min(free) if free else 0
 
     def usage(self) -> dict[str, float]:
-        """Fraction of pages in use per group."""
-        return {n: g.allocator.num_used / g.spec.num_pages for n, g in self.groups.items()}
+        """Fraction of the requests' pages in use per group (the scratch page is not counted)."""
+        return {n: (g.allocator.num_used - SCRATCH_PAGES) / g.usable_pages for n, g in self.groups.items()}
+
+    def idle_free_pages(self) -> dict[str, int]:
+        """num_free_pages() of a pool that holds no request."""
+        return {n: g.usable_pages for n, g in self.groups.items()}
 
     def num_free_pages(self) -> dict[str, int]:
         return {n: g.allocator.num_free for n, g in self.groups.items()}

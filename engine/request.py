@@ -52,6 +52,13 @@ class Request:
     def all_tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_tokens[start:end] without building the whole list (decode steps read one token)."""
+        n = len(self.prompt)
+        if start >= n:
+            return self.output[start - n:end - n]
+        return self.prompt[start:end] + (self.output[:end - n] if end > n else [])
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)

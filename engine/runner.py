@@ -14,6 +14,8 @@ import torch
 from engine.batch import build_step
 from engine.cache import CacheConfig, CachePool
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeRunner
+from engine.fast_paths import use_triton
 from engine.model import DeepseekV4Model
 from engine.request import Request, TokenEvent
 from engine.sampling import draw_seed, sample
@@ -21,9 +23,17 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 
 
+DECODE_MODES = ("auto", "eager", "bucketed", "graphs")
+
+
 class EngineCore:
     def __init__(self, cfg: ModelConfig, weights: dict, device="cpu", dtype=torch.float32,
-                 cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None):
+                 cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
+                 decode_mode: str = "auto"):
+        """decode_mode: how steps made only of decode tokens run (steps with prefill always run eagerly):
+        "graphs" replays CUDA graphs per (batch, context) bucket (engine.cuda_graphs); "bucketed" runs the
+        same fixed-shape batches without graphs (tests, debugging); "eager" sizes every step to its
+        content; "auto" = "graphs" on CUDA with exact caches and the Triton fast path, else "eager"."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -32,6 +42,12 @@ class EngineCore:
         self.model = DeepseekV4Model(cfg, weights, self.device)
         self.pool = CachePool(cfg, self.cache_config, dtype, self.device)
         self.scheduler = Scheduler(self.pool, self.scheduler_config)
+        self.decode_mode = self._resolve_decode_mode(decode_mode)
+        self.decode_runner = None
+        if self.decode_mode != "eager":
+            self.decode_runner = DecodeRunner(self.model, self.pool, "graphs" if self.decode_mode == "graphs" else
+                                              "eager", self.scheduler_config.max_num_seqs,
+                                              cfg.max_position_embeddings)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefilled, caches kept until the decode side confirms
         self.imports: dict[str, Request] = {}  # decode side: pages reserved, caches arriving
@@ -54,8 +70,19 @@ class EngineCore:
             raise ValueError(f"request of {total} tokens can never fit the KV cache "
                              f"({self.cache_config.max_tokens} tokens configured)")
 
+    def _resolve_decode_mode(self, mode: str) -> str:
+        if mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {mode!r}")
+        if mode == "auto":
+            graphs = (self.device.type == "cuda" and use_triton(self.device)
+                      and not any(g.quantised for g in self.pool.groups.values()))
+            return "graphs" if graphs else "eager"
+        if mode == "graphs" and self.device.type != "cuda":
+            raise ValueError(f"decode_mode 'graphs' needs a CUDA device, got {self.device}")
+        return mode
+
     def _fits_empty_pool(self, total: int) -> bool:
-        return all(g.spec.pages_for_tokens(total) <= g.spec.num_pages for g in self.pool.groups.values())
+        return all(g.spec.pages_for_tokens(total) <= g.usable_pages for g in self.pool.groups.values())
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     prefill_only: bool = False, seed: int | None = None) -> str:
@@ -132,6 +159,12 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        if self.decode_runner is not None and all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens
+                                                  for c in chunks):
+            logits = self.decode_runner.run([c.request.token_slice(c.start, c.start + 1)[0] for c in chunks],
+                                            [c.start for c in chunks], [c.request.pages for c in chunks])
+            if logits is not None:  # every request samples; no prompt-logprob rows in a decode step
+                return self._postprocess(chunks, logits, list(range(len(chunks))), [(0, 0)] * len(chunks))
         batch, sample_rows, prompt_rows = self._build(chunks)
         logits = self.model.forward(batch, self.pool)
         events = self._postprocess(chunks, logits, sample_rows, prompt_rows)
@@ -158,7 +191,7 @@ class EngineCore:
             else:
                 sample_rows.append(None)
             offset += c.num_tokens
-        batch = build_step(self.pool, [c.request.all_tokens[c.start:c.start + c.num_tokens] for c in chunks],
+        batch = build_step(self.pool, [c.request.token_slice(c.start, c.start + c.num_tokens) for c in chunks],
                            [c.start for c in chunks], [c.request.pages for c in chunks], logit_rows, self.device)
         return batch, sample_rows, prompt_rows
 

@@ -58,6 +58,6 @@ def test_disaggregated_equals_colocated(engines, params):
         got = decode.pop_finished(f"d{i}")
         assert got.output == w.output
         assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(w.logprobs), atol=1e-5)
-    idle = {n: g.spec.num_pages for n, g in prefill.pool.groups.items()}
+    idle = prefill.pool.idle_free_pages()
     assert prefill.pool.num_free_pages() == idle
-    assert decode.pool.num_free_pages() == {n: g.spec.num_pages for n, g in decode.pool.groups.items()}
+    assert decode.pool.num_free_pages() == decode.pool.idle_free_pages()
