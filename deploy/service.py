@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
+import sys
 import tempfile
 import threading
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
-ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype")
+ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype",
+                      "decode_mode", "keep_mxfp4_experts")
 
 
 @dataclass(frozen=True)
@@ -27,13 +34,18 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     metrics_port: int = 8080
-    router_port: int = 50051
+    router_port: int = 0  # 0: any free port (a fixed one can collide with another router on the machine)
     prefill_workers: int = 1
     decode_workers: int = 1
     transfer: str = "auto"
     router_policy: str = "cache_aware"
     engine_options: tuple = ()  # (key, value) pairs for load_engine
     worker_num_cpus: float = 0.5
+    ready_timeout_s: float = 300.0  # per startup stage: workers pinged, router bound, HTTP ingress answering
+
+
+class ServiceStartError(RuntimeError):
+    """A part of the service did not come up; the message names which part and what Ray reported."""
 
 
 class RouterActor:
@@ -73,26 +85,119 @@ def _remote_classes(cfg: ServiceConfig):
 
 
 def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
-    """Deploy everything on the connected Ray cluster; -> handles and URLs. `http=False` skips Ray Serve."""
-    import ray
-
+    """Deploy everything on the connected Ray cluster; -> handles and URLs. `http=False` skips Ray Serve.
+    Each stage waits at most cfg.ready_timeout_s, then raises ServiceStartError naming what is not up."""
     prefill_cls, decode_cls, router_cls = _remote_classes(cfg)
     opts = dict(cfg.engine_options)
     prefill = {f"prefill-{i}": prefill_cls.options(name=f"dsv4-prefill-{i}").remote(
         f"prefill-{i}", cfg.model_dir, opts, cfg.transfer) for i in range(cfg.prefill_workers)}
     decode = {f"decode-{i}": decode_cls.options(name=f"dsv4-decode-{i}").remote(
         f"decode-{i}", cfg.model_dir, opts, cfg.transfer) for i in range(cfg.decode_workers)}
-    ray.get([h.ping.remote() for h in (*prefill.values(), *decode.values())])
+    _wait_ready({name: h.ping.remote() for name, h in (*prefill.items(), *decode.items())}, cfg.ready_timeout_s,
+                "worker actors")
     router = router_cls.options(name="dsv4-router").remote(prefill, decode, cfg.router_policy)
-    router_port = ray.get(router.start.remote("127.0.0.1" if cfg.host in ("127.0.0.1", "localhost") else "0.0.0.0",
-                                              cfg.router_port))
+    bind = "127.0.0.1" if cfg.host in ("127.0.0.1", "localhost") else "0.0.0.0"
+    router_port = _wait_ready({"router": router.start.remote(bind, cfg.router_port)}, cfg.ready_timeout_s,
+                              "gRPC router")["router"]
     router_addr = f"127.0.0.1:{router_port}"
     if http:
         from deploy.serve_app import deploy_http
 
         deploy_http(router_addr, cfg.model_dir, cfg.model_name, cfg.host, cfg.port)
+        # serve.run returns when the replica runs; the proxy may not route to it yet: wait until it does
+        probe = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        _wait_http(f"http://{probe}:{cfg.port}/v1/models", cfg.ready_timeout_s)
     return {"prefill": prefill, "decode": decode, "router": router, "router_addr": router_addr,
             "http": f"http://{cfg.host}:{cfg.port}", "metrics": f"http://{cfg.host}:{cfg.metrics_port}/metrics"}
+
+
+def _wait_ready(refs: dict, timeout_s: float, what: str) -> dict:
+    """{name: ObjectRef} -> {name: value}, all within timeout_s; else ServiceStartError naming each failed
+    or unfinished one (an actor whose constructor raised reports that error here)."""
+    import ray
+
+    names = {ref: name for name, ref in refs.items()}
+    done, pending = ray.wait(list(names), num_returns=len(names), timeout=timeout_s)
+    values, problems = {}, []
+    for ref in done:
+        try:
+            values[names[ref]] = ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - reported below with the others
+            problems.append(f"{names[ref]}: {type(e).__name__}: {str(e).strip()[-2000:]}")
+    problems += [f"{names[ref]}: not ready after {timeout_s:.0f} s" for ref in pending]
+    if problems:
+        raise ServiceStartError(f"{what} did not come up:\n  " + "\n  ".join(problems))
+    return values
+
+
+def _wait_http(url: str, timeout_s: float) -> None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via a proxy
+    deadline, last = time.monotonic() + timeout_s, "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with opener.open(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+                last = f"HTTP {r.status}"
+        except urllib.error.HTTPError as e:
+            last = f"HTTP {e.code}"
+        except OSError as e:
+            last = f"{type(e).__name__}: {e}"
+        time.sleep(0.25)
+    raise ServiceStartError(f"HTTP ingress {url} not answering after {timeout_s:.0f} s (last: {last})")
+
+
+def ray_logs_dir() -> Path | None:
+    """The logs directory of this process's Ray session, else of the newest session on the machine."""
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+    except Exception:  # noqa: BLE001 - private API: fall back to the default temp dir
+        node = None
+    if node is not None:
+        return Path(node.get_logs_dir_path())
+    root = Path(os.environ.get("RAY_TMPDIR") or "/tmp") / "ray"
+    sessions = sorted(root.glob("session_2*"), key=lambda p: p.stat().st_mtime)
+    return sessions[-1] / "logs" if sessions else None
+
+
+def ray_logs_tail(max_chars: int = 12000, per_file: int = 1500) -> str:
+    """The ends of the Ray session's log files (raylet, GCS, workers, Serve), those reporting errors first:
+    what a failed start says when the exception alone does not."""
+    logs = ray_logs_dir()
+    if logs is None or not logs.is_dir():
+        return "Ray logs: no session directory found"
+    tails = []
+    for path in logs.rglob("*"):
+        try:
+            if not (path.is_file() and path.suffix in (".err", ".out", ".log")):
+                continue
+            size, mtime = path.stat().st_size, path.stat().st_mtime
+            with open(path, "rb") as f:
+                f.seek(max(0, size - per_file))
+                text = f.read().decode(errors="replace").strip()
+        except OSError:  # a worker's file rotated away meanwhile
+            continue
+        if text:
+            tails.append((not re.search(r"Traceback|Error|FATAL|Exception", text), -mtime, path, text))
+    tails.sort(key=lambda t: t[:2])
+    out, used = [f"Ray logs ({logs}); ends of the files, those reporting errors first:"], 0
+    for *_, path, text in tails:
+        block = f"--- {path.relative_to(logs)} ---\n{text}"
+        if used + len(block) > max_chars:
+            break
+        out.append(block)
+        used += len(block)
+    return "\n".join(out)
+
+
+def add_engine_speed_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by `dsv4 generate` and `dsv4 serve` that pick GPU execution paths (default None = auto)."""
+    parser.add_argument("--decode-mode", default=None, choices=["auto", "eager", "graphs", "bucketed"],
+                        help="decode steps: auto = CUDA graphs on CUDA with exact caches, else eager")
+    parser.add_argument("--keep-mxfp4-experts", action="store_true", default=None,
+                        help="keep MXFP4 routed experts packed in GPU memory (Triton MXFP4 MoE kernel)")
 
 
 def init_ray(metrics_dir: str) -> None:
@@ -155,8 +260,12 @@ def serve_main(args: argparse.Namespace) -> int:
     init_ray(metrics_dir)
     handles = None
     try:
-        start_metrics_server(cfg.metrics_port, cfg.host)
-        handles = start_service(cfg)
+        try:
+            start_metrics_server(cfg.metrics_port, cfg.host)
+            handles = start_service(cfg)
+        except Exception:
+            print(f"dsv4 serve: startup failed\n{ray_logs_tail()}", file=sys.stderr, flush=True)
+            raise
         from kv_transfer.base import resolve_name
 
         print(f"dsv4 serving {cfg.model_name} ({cfg.prefill_workers}P{cfg.decode_workers}D, transfer "
@@ -192,7 +301,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cached-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
                         help="KV cache format of every worker (default auto: exact rows; fp8: production formats)")
+    add_engine_speed_args(parser)
 
 
-__all__ = ["ServiceConfig", "serve_main", "start_service", "stop_service", "init_ray", "add_serve_args",
-           "prepare_metrics_dir", "RouterActor"]
+__all__ = ["ServiceConfig", "ServiceStartError", "serve_main", "start_service", "stop_service", "init_ray",
+           "add_serve_args", "prepare_metrics_dir", "ray_logs_dir", "ray_logs_tail", "RouterActor"]

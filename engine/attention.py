@@ -53,14 +53,15 @@ class AttentionBlock:
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         t = x.shape[0]
         cos, sin = ropes[self.rope_kind]
+        fast_ops = use_triton(x.device)
         q_res = rms_norm(x @ w["wq_a.weight"].t(), w["q_norm.weight"], eps)
         q = (q_res @ w["wq_b.weight"].t()).view(t, cfg.num_heads, cfg.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)
-        kv = apply_rope(rms_norm(x @ w["wkv.weight"].t(), w["norm.weight"], eps), cos, sin)
+        q = _norm_rope(q, cos, sin, eps, None, fast_ops)
+        kv = _norm_rope(x @ w["wkv.weight"].t(), cos, sin, eps, w["norm.weight"], fast_ops)
 
         swa = pool.groups["swa"]
         ring = swa.bind(self.layer)
-        fast = not swa.quantised and use_triton(x.device) and kv.dtype == ring.tensor.dtype
+        fast = not swa.quantised and fast_ops and kv.dtype == ring.tensor.dtype
         if not fast:
             valid = batch.swa.valid
             if swa.quantised:
@@ -132,10 +133,13 @@ class AttentionBlock:
                 pkv, pscore = overlap_slots(prev[..., :half], prev[..., half:], cur_kv, cur_score, prev_valid)
             else:
                 pkv, pscore = cur_kv, cur_score
-            pooled = pool_windows(pkv.to(x.dtype), pscore)
-            pooled = rms_norm(pooled, w[prefix + "norm.weight"], eps)
             cos, sin = ropes["compress_at"](plan.entry_pos)
-            pooled = apply_rope(pooled, cos, sin)
+            if use_triton(x.device):
+                from kernels.triton_compressor import pool_norm_rope  # imports triton: only on this path
+                pooled = pool_norm_rope(pkv.to(x.dtype), pscore, w[prefix + "norm.weight"], eps, cos, sin)
+            else:
+                pooled = pool_windows(pkv.to(x.dtype), pscore)
+                pooled = apply_rope(rms_norm(pooled, w[prefix + "norm.weight"], eps), cos, sin)
             entries.write(plan.entry_row, pooled)
         plan.state_write.apply(rows, state)
         return entries
@@ -150,5 +154,18 @@ class AttentionBlock:
         q = apply_rope(q, cos, sin)
         head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
         vis = batch.visible["index"]
+        if use_triton(x.device) and not keys.quantised:
+            from kernels.triton_indexer import indexer_topk  # imports triton: only on this path
+            rows = torch.where(vis.valid, vis.rows, -1)
+            return indexer_topk(q.contiguous(), keys.tensor, rows, head_weights.contiguous(), cfg.index_topk)
         scores = indexer_scores(q, keys.read(vis.rows), head_weights)
         return topk_visible(scores, vis.valid, cfg.index_topk)
+
+
+def _norm_rope(x: torch.Tensor, cos, sin, eps: float, weight: torch.Tensor | None, fast: bool) -> torch.Tensor:
+    """RMSNorm (weighted, or per head without a weight) then RoPE; the fused Triton kernel when `fast`."""
+    if fast:
+        from kernels.triton_norm_rope import rms_norm_rope  # imports triton: only on this path
+        return rms_norm_rope(x.contiguous(), cos, sin, eps, weight)
+    normed = unweighted_rms_norm(x, eps) if weight is None else rms_norm(x, weight, eps)
+    return apply_rope(normed, cos, sin)

@@ -38,6 +38,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="KV cache format: auto = exact rows in --dtype; fp8 = the production formats "
                         "(fp8_ds_mla SWA / compressed KV, MXFP4 indexer keys)")
+    from deploy.service import add_engine_speed_args
+
+    add_engine_speed_args(p)
 
 
 def _add_make_model(sub) -> None:
@@ -66,7 +69,8 @@ def _generate(args) -> int:
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
                             prompt_logprobs=args.prompt_logprobs)
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, keep_mxfp4_experts=args.keep_mxfp4_experts,
+              decode_mode=args.decode_mode)
     for out in llm.generate(prompts, params):
         if args.json:
             print(json.dumps({"token_ids": out.token_ids, "logprobs": out.logprobs,

@@ -39,10 +39,13 @@ def slot_buckets(max_slots: int) -> list[int]:
 
 
 def context_buckets(max_context: int) -> list[int]:
-    """Powers of two from MIN_CONTEXT_BUCKET, ending at max_context (work grows at most 2x past the need)."""
+    """256, 384, 512, 768, 1024, ... (powers of two and 1.5x them), ending at max_context: a step reads
+    at most 1.5x the entries it needs, with two graphs per doubling of the context."""
     out, n = [], MIN_CONTEXT_BUCKET
     while n < max_context:
         out.append(n)
+        if n * 3 // 2 < max_context:
+            out.append(n * 3 // 2)
         n *= 2
     return out + [max_context]
 

@@ -4,6 +4,11 @@ An EngineCore is not thread-safe and a step can take a while, so the worker acto
 their event loop. Everything goes through `call(fn)` (run fn(engine) between two steps, get a
 concurrent Future) and per-request event sinks. The thread steps while there is work and blocks on the
 inbox when idle, so an idle worker costs no CPU.
+
+Users: the prefill and decode worker actors, and the in-process `router.local_dispatch.LocalWorker`.
+When the loop ends (stop, or an exception from a step or `on_step`), every subscriber and every queued
+or later call gets `LoopStopped`, except that a failed step hands its own exception to the subscribers;
+`error` keeps the exception that ended the loop (None after a plain stop).
 """
 
 from __future__ import annotations
@@ -13,12 +18,16 @@ import concurrent.futures
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from engine.request import TokenEvent
 from engine.runner import EngineCore
 
 _STOP = object()
+
+
+class LoopStopped(RuntimeError):
+    """The engine loop is not running (stopped, or ended by an exception: see `EngineLoop.error`)."""
 
 
 class AsyncSink:
@@ -36,13 +45,17 @@ class AsyncSink:
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, name: str = "engine", on_step: Callable[[EngineCore, list], None] = None):
+    def __init__(self, engine: EngineCore, name: str = "engine",
+                 on_step: Callable[[EngineCore, list], None] | None = None):
         self.engine = engine
         self.on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, AsyncSink] = {}
         self._stopped = False
+        self._lock = threading.Lock()  # orders call()'s check-and-put against the thread's final drain
         self.last_step_time = time.monotonic()
+        self.step_started: float | None = None  # monotonic start of the step in progress (stall checks)
+        self.error: BaseException | None = None  # what ended the loop, if an exception did
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -53,10 +66,11 @@ class EngineLoop:
     def call(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between steps."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self._stopped:
-            fut.set_exception(RuntimeError("engine loop is stopped"))
-            return fut
-        self._inbox.put((fn, fut))
+        with self._lock:
+            if not self._stopped:
+                self._inbox.put((fn, fut))
+                return fut
+        fut.set_exception(LoopStopped("engine loop is stopped"))
         return fut
 
     async def acall(self, fn: Callable[[EngineCore], object]):
@@ -71,6 +85,7 @@ class EngineLoop:
         self._sinks.pop(request_id, None)
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the current step; wait up to `timeout` s for the thread (0: do not wait)."""
         self._stopped = True
         self._inbox.put(_STOP)
         self._thread.join(timeout)
@@ -97,23 +112,30 @@ class EngineLoop:
             while self._drain(block=not self.engine.has_work):
                 if not self.engine.has_work:
                     continue
+                self.step_started = time.monotonic()
                 try:
                     events = self.engine.step()
-                except BaseException as e:  # noqa: BLE001 - a failed step fails every subscriber
+                except BaseException as e:  # a failed step fails every subscriber
                     for sink in self._sinks.values():
                         sink.put(e)
                     self._sinks.clear()
                     raise
+                finally:
+                    self.step_started = None
                 self.last_step_time = time.monotonic()
                 self._deliver(events)
                 if self.on_step is not None:
                     self.on_step(self.engine, events)
                 if not events:
                     time.sleep(0.001)  # nothing admissible (cache full): do not spin
+        except BaseException as e:
+            self.error = e
+            raise
         finally:
-            self._stopped = True
+            with self._lock:
+                self._stopped = True
             for sink in self._sinks.values():
-                sink.put(RuntimeError("engine loop stopped"))
+                sink.put(LoopStopped("engine loop stopped"))
             self._sinks.clear()
             self._fail_pending()
 
@@ -125,7 +147,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if item is not _STOP and item[1].set_running_or_notify_cancel():
-                item[1].set_exception(RuntimeError("engine loop is stopped"))
+                item[1].set_exception(LoopStopped("engine loop is stopped"))
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for ev in events:

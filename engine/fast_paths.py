@@ -6,6 +6,7 @@
   set before any kernels.triton_* import) -- slow, for tests;
 - DSV4_TRITON=0 (or false/off/no) turns the fast paths off everywhere (the reference ops run on CUDA too).
 The reference path is the CPU oracle the tests pin; a fast path must compute the same function.
+MXFP4 experts kept packed have their own switch, `use_mxfp4_moe` ($DSV4_MXFP4_MOE, see there).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import torch
 from kernels.gpu import has_triton, triton_enabled
 
 ENV = "DSV4_TRITON"
+MXFP4_ENV = "DSV4_MXFP4_MOE"
 _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
 
 
-def triton_setting() -> str | None:
-    """'off', 'on' (forced, also on CPU under the interpreter) or None (automatic) from $DSV4_TRITON."""
-    value = os.environ.get(ENV, "").strip().lower()
+def triton_setting(env: str = ENV) -> str | None:
+    """'off', 'on' (forced, also on CPU under the interpreter) or None (automatic) from $env (DSV4_TRITON)."""
+    value = os.environ.get(env, "").strip().lower()
     if value in _OFF:
         return "off"
     if value in _ON:
@@ -52,4 +54,25 @@ def use_grouped_moe(x: torch.Tensor) -> bool:
     value = os.environ.get("DSV4_GROUPED_MOE", "").strip().lower()
     if value in _OFF or not has_grouped_mm():
         return False
-    return value in _ON or x.is_cuda
+    # On CUDA only 16-bit inputs have a native grouped kernel: fp32 falls back to a per-group loop that
+    # reads the offsets on the host (slow, and it breaks CUDA-graph capture).
+    return value in _ON or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def keep_mxfp4_experts() -> bool:
+    """Default of `load_engine(keep_mxfp4_experts=None)`: keep MXFP4 experts packed iff DSV4_MXFP4_MOE=1."""
+    return triton_setting(MXFP4_ENV) == "on"
+
+
+def use_mxfp4_moe(device: torch.device | str) -> bool:
+    """Packed MXFP4 experts on `device`: the Triton kernel (True) or the dequantise-on-the-fly reference.
+
+    DSV4_MXFP4_MOE=0 -> reference everywhere; =1 -> the kernel wherever triton runs (CPU only under the
+    interpreter); unset -> follows `use_triton`. (Only matters when the weights were kept packed.)
+    """
+    setting = triton_setting(MXFP4_ENV)
+    if setting == "off":
+        return False
+    if setting == "on":
+        return triton_enabled(device)
+    return use_triton(device)

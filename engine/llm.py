@@ -24,9 +24,14 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | torch.dtype = "float32",
                 max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16,
-                page_tokens: int = 256, kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4") -> EngineCore:
+                page_tokens: int = 256, kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4",
+                keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None) -> EngineCore:
     """kv_cache_dtype: "auto" (exact rows in `dtype`) or "fp8" (production formats: fp8_ds_mla SWA and
-    compressed KV, MXFP4 indexer keys, or FP8 ones with index_cache_dtype="fp8"); see engine.cache."""
+    compressed KV, MXFP4 indexer keys, or FP8 ones with index_cache_dtype="fp8"); see engine.cache.
+    keep_mxfp4_experts: keep MXFP4 routed experts packed in memory (run by kernels.triton_moe, see
+    engine.moe) instead of dequantising them to `dtype`; None = $DSV4_MXFP4_MOE=1 (default off).
+    decode_mode: see EngineCore (None = "auto": CUDA graphs on CUDA with exact caches)."""
+    from engine.fast_paths import keep_mxfp4_experts as keep_default
     from engine.make_model import default_model_dir
     from engine.weights import load_weights
 
@@ -35,18 +40,22 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     cache_config = CacheConfig(max_requests=max_num_seqs, max_tokens=max_cached_tokens, page_tokens=page_tokens,
                                kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
     torch_dtype = resolve_dtype(dtype)
-    weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device)
+    keep = keep_default() if keep_mxfp4_experts is None else keep_mxfp4_experts
+    weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device, keep_mxfp4_experts=keep)
     return EngineCore(cfg, weights, device=device, dtype=torch_dtype,
                       cache_config=cache_config,
-                      scheduler_config=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs))
+                      scheduler_config=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs),
+                      decode_mode=decode_mode or "auto")
 
 
 class LLM:
     def __init__(self, model_dir: str | None = None, device: str = "cpu", dtype: str = "float32",
                  max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16,
-                 kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4"):
+                 kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4",
+                 keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None):
         self.engine = load_engine(model_dir, device, dtype, max_batch_tokens, max_num_seqs, max_cached_tokens,
-                                  kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
+                                  kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype,
+                                  keep_mxfp4_experts=keep_mxfp4_experts, decode_mode=decode_mode)
         self.config = self.engine.cfg
 
     def generate(self, prompts: list[list[int]],

@@ -8,9 +8,10 @@ from engine.attention import AttentionBlock
 from engine.batch import StepBatch
 from engine.cache import CachePool
 from engine.config import ModelConfig, RopeSpec
-from kernels.mhc import hc_head, hc_post, hc_pre
-from engine.fast_paths import use_grouped_moe
-from kernels.moe import expert_mlp, moe_experts, moe_experts_grouped, route
+from kernels import mhc
+from kernels.mhc import hc_head
+from engine.fast_paths import use_triton
+from engine.moe import MoEBlock
 from kernels.norm import rms_norm
 from kernels.rope import rope_cos_sin, rope_inv_freq
 
@@ -25,30 +26,6 @@ class Rope:
 
     def __call__(self, positions: torch.Tensor):
         return rope_cos_sin(positions, self.inv_freq, self.spec.attention_factor)
-
-
-class MoEBlock:
-    def __init__(self, cfg: ModelConfig, weights: dict, layer: int):
-        self.cfg = cfg
-        p = f"layers.{layer}.ffn."
-        self.gate = weights[p + "gate.weight"]
-        self.bias = weights.get(p + "gate.bias")
-        self.tid2eid = weights.get(p + "gate.tid2eid") if cfg.hash_layers[layer] else None
-        experts = range(cfg.n_routed_experts)
-        # Stacked [E, I, H] / [E, H, I] so a grouped kernel can index experts without Python lists.
-        self.w1 = torch.stack([weights.pop(f"{p}experts.{e}.w1.weight") for e in experts])
-        self.w2 = torch.stack([weights.pop(f"{p}experts.{e}.w2.weight") for e in experts])
-        self.w3 = torch.stack([weights.pop(f"{p}experts.{e}.w3.weight") for e in experts])
-        self.shared = tuple(weights[f"{p}shared_experts.{n}.weight"] for n in ("w1", "w2", "w3"))
-
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        weights, ids = route(x, self.gate, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.scoring_func,
-                             bias=None if self.tid2eid is not None else self.bias, tid2eid=self.tid2eid,
-                             token_ids=token_ids, renormalize=cfg.norm_topk_prob)
-        experts = moe_experts_grouped if use_grouped_moe(x) else moe_experts
-        routed = experts(x, weights, ids, self.w1, self.w2, self.w3, cfg.swiglu_limit)
-        return routed + expert_mlp(x, *self.shared, cfg.swiglu_limit)
 
 
 class DeepseekV4Model:
@@ -76,10 +53,20 @@ class DeepseekV4Model:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    @staticmethod
+    def _mhc(streams: torch.Tensor):
+        """The mHC implementation for these streams: kernels.triton_mhc (fused) or the kernels.mhc reference."""
+        # CUDA only: under the CPU interpreter the fused kernel's Sinkhorn loop is far too slow for whole-model
+        # runs (tests/test_triton_mhc.py checks it against the reference there).
+        if streams.is_cuda and use_triton(streams.device):
+            from kernels import triton_mhc  # imports triton: only on this path
+            return triton_mhc
+        return mhc
+
     def _hc(self, lw: dict, kind: str, streams: torch.Tensor):
         cfg = self.cfg
-        return hc_pre(streams, lw[f"hc_{kind}_fn"], lw[f"hc_{kind}_base"], lw[f"hc_{kind}_scale"],
-                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        return self._mhc(streams).hc_pre(streams, lw[f"hc_{kind}_fn"], lw[f"hc_{kind}_base"],
+                                         lw[f"hc_{kind}_scale"], cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, pool: CachePool) -> torch.Tensor:
@@ -96,10 +83,10 @@ class DeepseekV4Model:
             lw = self.layer_weights[i]
             collapsed, post, comb = self._hc(lw, "attn", streams)
             out = self.attn[i].forward(rms_norm(collapsed, lw["attn_norm.weight"], eps), batch, pool, ropes)
-            streams = hc_post(out, streams, post, comb)
+            streams = self._mhc(streams).hc_post(out, streams, post, comb)
             collapsed, post, comb = self._hc(lw, "ffn", streams)
             out = self.moe[i].forward(rms_norm(collapsed, lw["ffn_norm.weight"], eps), batch.token_ids)
-            streams = hc_post(out, streams, post, comb)
+            streams = self._mhc(streams).hc_post(out, streams, post, comb)
         return self.logits(streams[batch.logit_rows])
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:

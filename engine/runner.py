@@ -33,7 +33,7 @@ class EngineCore:
         """decode_mode: how steps made only of decode tokens run (steps with prefill always run eagerly):
         "graphs" replays CUDA graphs per (batch, context) bucket (engine.cuda_graphs); "bucketed" runs the
         same fixed-shape batches without graphs (tests, debugging); "eager" sizes every step to its
-        content; "auto" = "graphs" on CUDA with exact caches and the Triton fast path, else "eager"."""
+        content; "auto" = "graphs" on CUDA in bf16/fp16 with exact caches and the Triton fast path, else "eager"."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -74,11 +74,14 @@ class EngineCore:
         if mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {mode!r}")
         if mode == "auto":
-            graphs = (self.device.type == "cuda" and use_triton(self.device)
+            graphs = (self.device.type == "cuda" and use_triton(self.device) and self.dtype != torch.float32
                       and not any(g.quantised for g in self.pool.groups.values()))
             return "graphs" if graphs else "eager"
         if mode == "graphs" and self.device.type != "cuda":
             raise ValueError(f"decode_mode 'graphs' needs a CUDA device, got {self.device}")
+        if mode == "graphs" and self.dtype == torch.float32:
+            # fp32 expert GEMMs (grouped_mm's fallback) and quantised cache reads sync with the host.
+            raise ValueError("decode_mode 'graphs' needs dtype bfloat16 or float16, got float32")
         return mode
 
     def _fits_empty_pool(self, total: int) -> bool:

@@ -26,12 +26,13 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from kernels.quant import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4
+from kernels.quant import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4, mxfp4_as_bytes
 
 # Tensors that stay float32 whatever `dtype` is asked for: they are tiny and feed fp32 maths
 # (RMSNorm weights, mHC mixing, attention sinks, compressor position biases, router bias).
 _KEEP_FP32 = re.compile(r"(?:norm\.weight|attn_sink|\.ape|gate\.bias)$|^hc_head_|\.hc_(?:attn|ffn)_")
 _INT_TENSORS = re.compile(r"\.tid2eid$")
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 # transformers' leaf names that differ from DeepSeek's (after the `model.` prefix is stripped).
 _HF_RENAMES = {
     "embed_tokens.weight": "embed.weight",
@@ -188,12 +189,16 @@ def load_weights(
     cfg: ModelConfig,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    keep_mxfp4_experts: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read, check and dequantise a checkpoint -> {original name: tensor on `device`}.
 
     Floating tensors come back in `dtype` except `keeps_fp32` ones (float32); `gate.tid2eid` as int64.
-    Shapes are those of `expected_weight_shapes(cfg)`. Every problem (missing, unexpected or mis-shaped
-    tensors, scales without weights, quantised bytes without scales) is collected first and reported in
+    Shapes are those of `expected_weight_shapes(cfg)`, except with `keep_mxfp4_experts`: MXFP4 routed
+    experts (`layers.N.ffn.experts.E.w{1,2,3}.weight`) then stay packed, uint8 e2m1 bytes [N, K/2] plus
+    a `...w1.scale` uint8 UE8M0 tensor [N, K/32], for kernels that dequantise in registers (a quarter of
+    the bf16 bytes); experts stored in bf16/FP8 are unaffected. Every problem (missing, unexpected or
+    mis-shaped tensors, scales without weights, quantised bytes without scales) is collected first and reported in
     one ValueError, before any tensor data is read.
     """
     expected = expected_weight_shapes(cfg)
@@ -261,6 +266,11 @@ def load_weights(
             if kind is not None:
                 s_entry = scales[name[: -len(".weight")]]
                 s = s_entry.handle.get_tensor(s_entry.raw).to(device)
+                packed = mxfp4_as_bytes(t, s) if kind == "mxfp4" and keep_mxfp4_experts and \
+                    _ROUTED_EXPERT.search(name) else None
+                if packed is not None:
+                    out[name], out[name[: -len(".weight")] + ".scale"] = packed
+                    continue
                 t = dequant_fp8_block(t, s, block) if kind == "fp8" else dequant_mxfp4(t, s)
             if _INT_TENSORS.search(name):
                 t = t.to(torch.int64)

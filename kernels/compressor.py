@@ -8,7 +8,8 @@ over its slots:
   *second half* (Cb) of window w's tokens. Window -1 does not exist: its slots get score -inf (weight 0).
 The pooled vector is RMS-normalised and rotated at the window's first position (compress RoPE) by the
 caller. This module only knows how to turn gathered slot rows into entries, so the same code serves
-prefill (slots from the chunk) and decode (slots from the compressor state).
+prefill (slots from the chunk) and decode (slots from the compressor state); `state_rows` builds the state
+ring rows a step saves for later steps.
 """
 
 import torch
@@ -33,3 +34,12 @@ def pool_windows(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     """Softmax-weighted sum over slots. kv, score: [N, slots, d] -> [N, d] in kv.dtype (softmax in fp32)."""
     weights = score.float().softmax(dim=1).to(kv.dtype)
     return (kv * weights).sum(dim=1)
+
+
+def state_rows(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The compressor state ring's fp32 rows [kv | score], score = gate + ape[position % ratio].
+
+    kv, gate: [T, W] (W = coff * d, model dtype); ape: [ratio, W]; positions: int [T] -> fp32 [T, 2W].
+    """
+    score = gate.float() + ape[positions % ape.shape[0]].float()
+    return torch.cat([kv.float(), score], dim=-1)

@@ -82,7 +82,10 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
     rows = order // k
-    offs = torch.cumsum(torch.bincount(flat, minlength=w1.shape[0]), 0).to(torch.int32)
+    # scatter_add, not bincount: bincount reads its max back to the host on CUDA (breaks graph capture).
+    counts = torch.zeros(w1.shape[0], dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
     xs = x.index_select(0, rows)
     gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)
     up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)

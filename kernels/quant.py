@@ -165,6 +165,21 @@ def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, block: int = MXFP4_
     return (vals.reshape(*lead, k // block, block) * s.unsqueeze(-1)).reshape(*lead, k)
 
 
+def mxfp4_as_bytes(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A stored MXFP4 weight -> (uint8 e2m1 bytes [..., K/2], uint8 UE8M0 bytes [..., K/32]), the form the
+    Triton kernels read; None when the scales are floats that are not all powers of two (not MXFP4)."""
+    if _E8M0 is not None and scale.dtype == _E8M0:
+        scale = scale.view(torch.uint8)
+    elif scale.dtype.is_floating_point:
+        codes = float_to_ue8m0(scale)
+        if not torch.equal(ue8m0_to_float(codes), scale.to(torch.float32)):
+            return None
+        scale = codes
+    elif scale.dtype != torch.uint8:
+        return None
+    return _packed_bytes(packed).contiguous(), scale.contiguous()
+
+
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """float (already scaled, |x| <= 6) -> 4-bit code, round to nearest with ties to even code.
 

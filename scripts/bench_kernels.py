@@ -12,6 +12,8 @@ For each Triton kernel in kernels/triton_*.py and each batch size it reports:
   pays; eager wrapper overhead dominates small batches);
 - speed-up over the plain-torch reference on the same inputs (the reference gathers [T, K, D] first),
   and whether the two agree (bf16 tolerance, or exact -1 pattern + close scores for the top-k).
+The cache-writing kernels (SWA insert, indexer query prologue, compressor state / quantised entries) have
+their cases in scripts/bench_kernels_cache.py; they count read + write bytes (marked "r+w").
 The markdown table is printed and written to BENCHMARKS.md under '## GPU kernels' (replacing that
 section if present). `--sweep` also tries attention tile / split configurations (ranked by graph time),
 lists the best, and prints the registers / spills / shared memory of every compiled attention variant.
@@ -421,7 +423,8 @@ def write_section(path: Path, body: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
-    ap.add_argument("--only", default="", help="comma-separated subset: attention,indexer,mhc,norm_rope,compressor")
+    ap.add_argument("--only", default="", help="comma-separated subset: attention,indexer,mhc,norm_rope,compressor,"
+                                                "swa_insert,indexer_query,compressor_cache")
     ap.add_argument("--sweep", action="store_true", help="also sweep attention tiles and splits")
     ap.add_argument("--tune", type=int, nargs="*", default=None, metavar="T",
                     help="first pick the attention launch defaults by graph time at these batches (default 64 128) "
@@ -439,8 +442,11 @@ def main() -> int:
         return 2
     import triton
 
+    from scripts.bench_kernels_cache import case_groups
+
     groups = {"attention": attention_cases, "indexer": indexer_cases, "mhc": mhc_cases,
-              "norm_rope": norm_rope_cases, "compressor": compressor_cases}
+              "norm_rope": norm_rope_cases, "compressor": compressor_cases,
+              **case_groups(Case, rand, close, DEVICE)}
     chosen = [g for g in args.only.split(",") if g] or list(groups)
     torch.manual_seed(0)
     copy_gbs, mm_tflops = measure_roofs()

@@ -100,7 +100,8 @@ def test_buckets():
     assert slot_buckets(1) == [1]
     assert slot_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert slot_buckets(100)[-2:] == [96, 100]
-    assert context_buckets(4096) == [256, 512, 1024, 2048, 4096]
+    assert context_buckets(4096) == [256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    assert context_buckets(300) == [256, 300]
     assert context_buckets(100) == [100]
 
 

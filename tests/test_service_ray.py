@@ -10,6 +10,7 @@ requests succeed; afterwards every page pool is back to idle.
 
 import concurrent.futures
 import os
+import random
 import socket
 import time
 import urllib.request
@@ -19,7 +20,14 @@ import pytest
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from deploy.service import ServiceConfig, init_ray, prepare_metrics_dir, start_service, stop_service  # noqa: E402
+from deploy.service import (  # noqa: E402
+    ServiceConfig,
+    init_ray,
+    prepare_metrics_dir,
+    ray_logs_tail,
+    start_service,
+    stop_service,
+)
 from engine.llm import LLM  # noqa: E402
 from engine.make_model import default_model_dir  # noqa: E402
 from engine.metrics import start_metrics_server  # noqa: E402
@@ -30,26 +38,57 @@ PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=True, prompt
 
 
 def free_port() -> int:
+    """A free loopback port between Ray's worker ports (10002-19999) and the kernel's ephemeral range
+    (32768+, where the local ends of Ray's many connections come from), so that nothing takes it between
+    this check and the bind by the metrics server or Serve's proxy; a kernel-picked one as a last resort."""
+    rng = random.Random()
+    for _ in range(100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", rng.randrange(20000, 32768)))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def _teardown(started: dict) -> None:
+    if ray.is_initialized():
+        stop_service(started.get("handles"))
+    if "metrics" in started:
+        started["metrics"].shutdown()
+        started["metrics"].server_close()
+
+
 @pytest.fixture(scope="module")
 def service():
+    """2P2D + router + HTTP on a fresh local Ray cluster. A failed start tears down what came up and
+    raises with the stage, the error and the ends of Ray's logs (raylet, GCS, workers, Serve)."""
     metrics_dir = prepare_metrics_dir()
-    init_ray(metrics_dir)
-    cfg = ServiceConfig(model_dir=default_model_dir(), prefill_workers=2, decode_workers=2,
-                        transfer=os.environ.get("DSV4_TEST_TRANSFER", "nixl"), worker_num_cpus=0.1,
-                        port=free_port(), metrics_port=free_port(), engine_options=(("max_batch_tokens", 64),))
-    server, _ = start_metrics_server(cfg.metrics_port, "127.0.0.1")
-    handles = start_service(cfg)
+    started: dict = {}
+    stage = "ray.init"
+    try:
+        init_ray(metrics_dir)
+        cfg = ServiceConfig(model_dir=default_model_dir(), prefill_workers=2, decode_workers=2,
+                            transfer=os.environ.get("DSV4_TEST_TRANSFER", "nixl"), worker_num_cpus=0.1,
+                            port=free_port(), metrics_port=free_port(), router_port=0, ready_timeout_s=240.0,
+                            engine_options=(("max_batch_tokens", 64),))
+        stage = f"metrics server on port {cfg.metrics_port}"
+        started["metrics"], _ = start_metrics_server(cfg.metrics_port, "127.0.0.1")
+        stage = f"workers, router, HTTP ingress on port {cfg.port}"
+        started["handles"] = start_service(cfg)
+    except Exception as e:
+        logs = ray_logs_tail()
+        _teardown(started)
+        raise RuntimeError(f"service setup failed at {stage}: {type(e).__name__}: {e}\n\n{logs}") from e
+    handles = started["handles"]
     client = RouterClient(handles["router_addr"], timeout_s=120)
     http = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key="none", max_retries=0, timeout=120)
     yield handles, client, http, cfg
     client.close()
-    stop_service(handles)
-    server.shutdown()
+    _teardown(started)
 
 
 def prompts(n, seed=0):

@@ -1,0 +1,123 @@
+"""The V4 MoE block: router, routed experts, one shared expert.
+
+Routed experts run one of three ways, chosen per call:
+- MXFP4 experts kept packed (`load_weights(..., keep_mxfp4_experts=True)`) and
+  `engine.fast_paths.use_mxfp4_moe(device)`: `kernels.triton_moe` (fused router + grouped experts that
+  dequantise the e2m1 tiles in registers; no bf16 copy of the experts exists);
+- packed without that: the reference on just the experts this call uses, dequantised on the fly;
+- dequantised (bf16/fp32) stacks: `moe_experts_grouped` (torch._grouped_mm, sync-free) where
+  `use_grouped_moe` says so, else the per-expert reference `moe_experts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+from engine.fast_paths import use_grouped_moe, use_mxfp4_moe
+from kernels.moe import expert_mlp, moe_experts, moe_experts_grouped, route
+from kernels.quant import dequant_mxfp4
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """MXFP4 routed experts of one layer: uint8 e2m1 bytes w [E, N, K/2] and UE8M0 scales s [E, N, K/32].
+
+    w1, w3: [E, I, H/2] (gate, up); w2: [E, H, I/2] (down); low nibble = even element (kernels.quant).
+    """
+
+    w1: torch.Tensor
+    s1: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    w3: torch.Tensor
+    s3: torch.Tensor
+
+    def __post_init__(self):
+        for name in ("w1", "s1", "w2", "s2", "w3", "s3"):
+            t = getattr(self, name)
+            if t.dtype != torch.uint8 or t.dim() != 3:
+                raise ValueError(f"PackedExperts.{name} must be uint8 [E, N, K'], got {t.dtype} {tuple(t.shape)}")
+
+    def dequant(self, experts: torch.Tensor, dtype: torch.dtype):
+        """Dense (w1, w2, w3) of the given expert ids only, [len(experts), ...] in `dtype`."""
+        return tuple(dequant_mxfp4(w[experts], s[experts]).to(dtype)
+                     for w, s in ((self.w1, self.s1), (self.w2, self.s2), (self.w3, self.s3)))
+
+
+def is_packed(weights: dict, name: str) -> bool:
+    """Was expert weight `name` kept as MXFP4 bytes (a uint8 tensor with a `.scale` companion)?"""
+    return weights[name].dtype == torch.uint8 and name[: -len(".weight")] + ".scale" in weights
+
+
+def _pop_stack(weights: dict, names: list[str]) -> torch.Tensor:
+    # Stacked [E, ...] so a grouped kernel indexes experts by id, without Python lists.
+    return torch.stack([weights.pop(n) for n in names])
+
+
+def take_experts(weights: dict, prefix: str, num_experts: int, dtype: torch.dtype):
+    """Pop the routed experts under `prefix` -> PackedExperts, or dense (w1, w2, w3) stacks.
+
+    A layer whose experts are not all packed (a mixed checkpoint) is dequantised to `dtype` here.
+    """
+    names = {w: [f"{prefix}experts.{e}.{w}.weight" for e in range(num_experts)] for w in ("w1", "w2", "w3")}
+    every = [n for ns in names.values() for n in ns]
+    packed = [is_packed(weights, n) for n in every]
+    scales = {w: [n[: -len(".weight")] + ".scale" for n in ns] for w, ns in names.items()}
+    if all(packed):
+        parts = {}
+        for w in ("w1", "w2", "w3"):
+            parts[w] = _pop_stack(weights, names[w])
+            parts["s" + w[1]] = _pop_stack(weights, scales[w])
+        return PackedExperts(**parts)
+    if any(packed):
+        for n in every:
+            if weights[n].dtype == torch.uint8:
+                weights[n] = dequant_mxfp4(weights[n], weights.pop(n[: -len(".weight")] + ".scale")).to(dtype)
+    return tuple(_pop_stack(weights, names[w]) for w in ("w1", "w2", "w3"))
+
+
+class MoEBlock:
+    """One layer's FFN. forward(x [T, H], token_ids [T]) -> [T, H] (routed + shared expert)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, layer: int):
+        self.cfg = cfg
+        p = f"layers.{layer}.ffn."
+        self.gate = weights[p + "gate.weight"]
+        self.bias = weights.get(p + "gate.bias")
+        self.tid2eid = weights.get(p + "gate.tid2eid") if cfg.hash_layers[layer] else None
+        self.shared = tuple(weights[f"{p}shared_experts.{n}.weight"] for n in ("w1", "w2", "w3"))
+        experts = take_experts(weights, p, cfg.n_routed_experts, self.gate.dtype)
+        self.packed = experts if isinstance(experts, PackedExperts) else None
+        self.w1, self.w2, self.w3 = (None, None, None) if self.packed is not None else experts
+        # The fused router reads fp32 router weights; cast once here, not per call as the reference does.
+        self.gate_f32 = self.gate.float() if self.packed is not None else None
+
+    def _route_args(self, token_ids: torch.Tensor) -> dict:
+        cfg = self.cfg
+        return {"top_k": cfg.num_experts_per_tok, "scaling": cfg.routed_scaling_factor,
+                "scoring_func": cfg.scoring_func, "bias": None if self.tid2eid is not None else self.bias,
+                "tid2eid": self.tid2eid, "token_ids": token_ids, "renormalize": cfg.norm_topk_prob}
+
+    def routed(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum, [T, H]."""
+        limit = self.cfg.swiglu_limit
+        if self.packed is not None and use_mxfp4_moe(x.device):
+            from kernels import triton_moe  # imports triton: only on this path
+
+            weights, ids = triton_moe.route(x, self.gate_f32, **self._route_args(token_ids))
+            pk = self.packed
+            return triton_moe.mxfp4_moe(x, weights, ids, pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3, limit)
+        weights, ids = route(x, self.gate, **self._route_args(token_ids))
+        if self.packed is not None:
+            # Reference on packed weights: dequantise only the experts in use (host sync; not a fast path).
+            used = ids.unique()
+            w1, w2, w3 = self.packed.dequant(used, x.dtype)
+            return moe_experts(x, weights, torch.searchsorted(used, ids), w1, w2, w3, limit)
+        experts = moe_experts_grouped if use_grouped_moe(x) else moe_experts
+        return experts(x, weights, ids, self.w1, self.w2, self.w3, limit)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.routed(x, token_ids) + expert_mlp(x, *self.shared, self.cfg.swiglu_limit)

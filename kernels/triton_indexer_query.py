@@ -1,0 +1,207 @@
+"""Triton indexer query prologue: RoPE, Walsh-Hadamard rotation, MXFP4 / FP8 quantisation, fused.
+
+Reference: `kernels.indexer.quantize_query`: q [T, Hi, Di] -> apply_rope on the trailing rope channels
+(interleaved pairs, rounded to q.dtype) -> `kernels.hadamard.hadamard` (x @ H / sqrt(Di), fp32 math rounded
+once to q.dtype; the keys get the same rotation, so q . k is unchanged) -> the indexer-key quantisation of
+kernels/geometry.py (MXFP4: e2m1 nibbles, element 2i in the low nibble, one UE8M0 scale per 32 values; FP8:
+e4m3 with one power-of-two fp32 scale per 128 values). Outputs use the key packing: values [T, Hi, value_bytes]
+and scales [T, Hi, num_scales], whose concatenation is `geometry.pack_rows` of the rotated q.
+
+One program takes BLOCK_R (token, head) rows. The rotation is tensor-core work: the rotated columns are
+Xnope @ H[nope rows, cols] + Xeven @ H[even rope rows, cols] + Xodd @ H[odd rope rows, cols], with the +-1
+blocks of H generated in registers from the row / column ids, so the RoPE pairs never need an in-register
+de-interleave (H's sign structure lets the odd rope rows and the odd output columns reuse the even blocks). For MXFP4 the even and odd output columns come out of separate dots and pair up into bytes
+directly; a 32-value scale group is 16 consecutive even + 16 odd columns, reduced through a [BLOCK_R, groups,
+16] reshape (the pattern kernels/triton_attention.py uses). Without the rotation the same dots run against the
+identity, which is exact.
+Rounding: bf16 roundings are by bits (`_round_bf16`), so interpreter and GPU agree and the bytes equal
+`pack_rows(rotated q the kernel returns)` exactly; against the torch reference the rotated q may differ by one
+ulp (fp32 sums in another order), and so may the codes of values on a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import triton_cache_codecs as tc
+from kernels.geometry import IndexerKeyLayout
+from kernels.gpu import import_triton, require_triton
+from kernels.triton_cache_codecs import (
+    _AMAX_FLOOR,
+    _E2M1_EXP,
+    _E2M1_MANT,
+    _FP8_EXP,
+    _FP8_GROUP,
+    _FP8_INDEXER_FLOOR,
+    _FP8_MANT,
+    _MX_HALF,
+    _e2m1_code,
+    _e4m3_bits,
+    _exp2i,
+    _pow2_exponent,
+    _rotation,
+    _round_to,
+    _ue8m0,
+)
+
+triton, tl = import_triton()
+
+_MXFP4, _FP8 = 1, 2
+
+
+@triton.jit
+def _dot(a, b, BF16_DOT: tl.constexpr):
+    """fp32 [M, K] (model-dtype values) x +-1/0 fp32 [K, N] -> fp32; bf16 operands are exact on the GPU path."""
+    if BF16_DOT:
+        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        c = tl.dot(a, b, input_precision="ieee")
+    return c
+
+
+@triton.jit
+def _rotate(xn, xe, xo, cn, ce, oc, DI, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, BF16_DOT: tl.constexpr):
+    """Columns oc of [nope | rope] @ H (or @ I): the three column groups of the input against H's matching rows.
+
+    With H, row ce + 1 (ce even) is row ce times (-1) ** (oc & 1), so the odd-rope block reuses the even one.
+    """
+    hn = _rotation(cn, oc, DI, HADAMARD, LOG2D)
+    he = _rotation(ce, oc, DI, HADAMARD, LOG2D)
+    y = _dot(xn, hn, BF16_DOT) + _dot(xe, he, BF16_DOT)
+    if HADAMARD:
+        y += _dot(xo, he, BF16_DOT) * (1.0 - 2.0 * (oc & 1).to(tl.float32))[None, :]
+    else:
+        y += _dot(xo, _rotation(ce + 1, oc, DI, HADAMARD, LOG2D), BF16_DOT)
+    return y
+
+
+@triton.jit
+def _rotate_pairs(xn, xe, xo, cn, ce, i, DI, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, BF16_DOT: tl.constexpr):
+    """(columns 2i, columns 2i + 1) of [nope | rope] @ H (or @ I), the MXFP4 nibble pairs.
+
+    With H both come from the blocks at columns 2i: H[j, 2i + 1] = H[j, 2i] * (-1) ** (j & 1), so
+    odd = (xn * (-1) ** cn) @ Hn + xe @ He - xo @ He, and even = xn @ Hn + xe @ He + xo @ He.
+    """
+    if HADAMARD:
+        hn = _rotation(cn, 2 * i, DI, HADAMARD, LOG2D)
+        he = _rotation(ce, 2 * i, DI, HADAMARD, LOG2D)
+        a = _dot(xe, he, BF16_DOT)
+        b = _dot(xo, he, BF16_DOT)
+        ye = _dot(xn, hn, BF16_DOT) + a + b
+        yo = _dot(xn * (1.0 - 2.0 * (cn & 1).to(tl.float32))[None, :], hn, BF16_DOT) + a - b
+    else:
+        ye = _rotate(xn, xe, xo, cn, ce, 2 * i, DI, HADAMARD, LOG2D, BF16_DOT)
+        yo = _rotate(xn, xe, xo, cn, ce, 2 * i + 1, DI, HADAMARD, LOG2D, BF16_DOT)
+    return ye, yo
+
+
+@triton.jit
+def _indexer_q_kernel(q_ptr, cos_ptr, sin_ptr, val_ptr, sc_ptr, rot_ptr, N, H, DI, HALF, hscale,
+                      stride_qt, stride_qh, stride_ct, stride_st,
+                      FMT: tl.constexpr, LD: tl.constexpr, NOPE_P: tl.constexpr, HALF_P: tl.constexpr,
+                      OUT_P: tl.constexpr, VALUE_BYTES: tl.constexpr, NUM_SCALES: tl.constexpr,
+                      HADAMARD: tl.constexpr, LOG2D: tl.constexpr, BF16: tl.constexpr, BF16_DOT: tl.constexpr,
+                      HW_FP8: tl.constexpr, HAS_ROT: tl.constexpr, BLOCK_R: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = n < N
+    n64 = n.to(tl.int64)
+    tok = n64 // H
+    row = q_ptr + tok * stride_qt + (n64 % H) * stride_qh
+    dt = q_ptr.dtype.element_ty
+    nope = DI - 2 * HALF
+    cn = tl.arange(0, NOPE_P)
+    p = tl.arange(0, HALF_P)
+    ce = nope + 2 * p
+    pm = rm[:, None] & (p < HALF)[None, :]
+    xn = tl.load(row[:, None] + cn[None, :], mask=rm[:, None] & (cn < nope)[None, :], other=0.0).to(tl.float32)
+    xe = tl.load(row[:, None] + ce[None, :], mask=pm, other=0.0).to(tl.float32)
+    xo = tl.load(row[:, None] + ce[None, :] + 1, mask=pm, other=0.0).to(tl.float32)
+    cs = tl.load(cos_ptr + tok[:, None] * stride_ct + p[None, :], mask=pm, other=1.0)
+    sn = tl.load(sin_ptr + tok[:, None] * stride_st + p[None, :], mask=pm, other=0.0)
+    xe, xo = _round_to(xe * cs - xo * sn, BF16, dt), _round_to(xo * cs + xe * sn, BF16, dt)
+
+    i = tl.arange(0, OUT_P)
+    if FMT == 1:
+        # MXFP4: even / odd output columns 2i, 2i + 1 -> the low / high nibble of byte i.
+        ye, yo = _rotate_pairs(xn, xe, xo, cn, ce, i, DI, HADAMARD, LOG2D, BF16_DOT)
+        ye, yo = _round_to(ye * hscale, BF16, dt), _round_to(yo * hscale, BF16, dt)
+        G: tl.constexpr = OUT_P // _MX_HALF
+        ye3 = tl.reshape(ye, [BLOCK_R, G, _MX_HALF])
+        yo3 = tl.reshape(yo, [BLOCK_R, G, _MX_HALF])
+        amax = tl.maximum(tl.max(tl.abs(ye3), axis=2), tl.max(tl.abs(yo3), axis=2))
+        e = tl.minimum(tl.maximum(_pow2_exponent(amax, _AMAX_FLOOR, _E2M1_EXP, _E2M1_MANT), -127), 127)
+        inv = _exp2i(-e)[:, :, None]
+        lo = _e2m1_code(tl.reshape(ye3 * inv, [BLOCK_R, OUT_P]))
+        hi = _e2m1_code(tl.reshape(yo3 * inv, [BLOCK_R, OUT_P]))
+        tl.store(val_ptr + n64[:, None] * VALUE_BYTES + i[None, :], (lo | (hi << 4)).to(tl.uint8),
+                 mask=rm[:, None] & (i < LD // 2)[None, :])
+        g = tl.arange(0, G)
+        tl.store(sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], _ue8m0(e), mask=rm[:, None] & (g < NUM_SCALES)[None, :])
+        if HAS_ROT:
+            om = rm[:, None] & (2 * i < DI)[None, :]
+            tl.store(rot_ptr + n64[:, None] * DI + 2 * i[None, :], ye.to(dt), mask=om)
+            tl.store(rot_ptr + n64[:, None] * DI + 2 * i[None, :] + 1, yo.to(dt), mask=om)
+    else:
+        # FP8: all columns in order; one power-of-two fp32 scale per 128.
+        y = _round_to(_rotate(xn, xe, xo, cn, ce, i, DI, HADAMARD, LOG2D, BF16_DOT) * hscale, BF16, dt)
+        G: tl.constexpr = OUT_P // _FP8_GROUP
+        y3 = tl.reshape(y, [BLOCK_R, G, _FP8_GROUP])
+        e = _pow2_exponent(tl.max(tl.abs(y3), axis=2), _FP8_INDEXER_FLOOR, _FP8_EXP, _FP8_MANT)
+        codes = _e4m3_bits(tl.reshape(y3 * _exp2i(-e)[:, :, None], [BLOCK_R, OUT_P]), HW_FP8)
+        tl.store(val_ptr + n64[:, None] * VALUE_BYTES + i[None, :], codes, mask=rm[:, None] & (i < LD)[None, :])
+        g = tl.arange(0, G)
+        tl.store(sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], _exp2i(e),
+                 mask=rm[:, None] & (g < NUM_SCALES)[None, :])
+        if HAS_ROT:
+            tl.store(rot_ptr + n64[:, None] * DI + i[None, :], y.to(dt), mask=rm[:, None] & (i < DI)[None, :])
+
+
+def _check(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: IndexerKeyLayout, hadamard: bool) -> None:
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, Hi, Di] with unit stride on the last dim, got {tuple(q.shape)}")
+    t, _, di = q.shape
+    if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or 2 * cos.shape[1] > di:
+        raise ValueError(f"cos/sin must be [T={t}, rope_dim // 2 <= {di // 2}], got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    if not isinstance(layout, IndexerKeyLayout) or layout.index_head_dim < di:
+        raise ValueError(f"layout must be an IndexerKeyLayout with index_head_dim >= Di={di}, got {layout}")
+    if hadamard and di & (di - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two Di, got {di}")
+
+
+def indexer_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: IndexerKeyLayout, *,
+                  hadamard: bool = True, return_rotated: bool = False, block_r: int = 16):
+    """Quantise the indexer queries in the key format of `layout` (kernels.indexer.quantize_query).
+
+    q: [T, Hi, Di] (bf16 / fp32, last dim contiguous); cos, sin: fp32 [T, rope_dim // 2] (compress RoPE at
+    each token's position); layout: IndexerKeyLayout, fmt "mxfp4" or "fp8", index_head_dim >= Di (extra
+    channels are zero). hadamard: rotate by H / sqrt(Di) after RoPE (Di a power of two); the keys must get
+    the same rotation. -> (values uint8 [T, Hi, layout.value_bytes], scales [T, Hi, layout.num_scales]:
+    UE8M0 uint8 for mxfp4, fp32 for fp8) and, with return_rotated, the rotated q [T, Hi, Di] in q.dtype
+    (the values that were quantised).
+    """
+    _check(q, cos, sin, layout, hadamard)
+    if block_r < 16 or block_r & (block_r - 1):
+        raise ValueError(f"block_r must be a power of two >= 16 (tl.dot), got {block_r}")
+    t, h, di = q.shape
+    mx = layout.fmt == "mxfp4"
+    values = torch.empty(t, h, layout.value_bytes, dtype=torch.uint8, device=q.device)
+    scales = torch.empty(t, h, layout.num_scales, dtype=torch.uint8 if mx else torch.float32, device=q.device)
+    rotated = torch.empty(t, h, di, dtype=q.dtype, device=q.device) if return_rotated else None
+    require_triton(q.device)
+    n = t * h
+    if n:
+        half = cos.shape[1]
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        ld = layout.index_head_dim
+        extra = {"num_warps": 4} if q.is_cuda else {}
+        _indexer_q_kernel[(triton.cdiv(n, block_r),)](
+            q, cos, sin, values, scales, rotated if rotated is not None else values, n, h, di, half,
+            di**-0.5 if hadamard else 1.0, q.stride(0), q.stride(1), cos.stride(0), sin.stride(0),
+            FMT=_MXFP4 if mx else _FP8, LD=ld, NOPE_P=max(16, triton.next_power_of_2(di - 2 * half)),
+            HALF_P=max(16, triton.next_power_of_2(half)),
+            OUT_P=triton.next_power_of_2(ld // 2 if mx else ld), VALUE_BYTES=layout.value_bytes,
+            NUM_SCALES=layout.num_scales, HADAMARD=hadamard, LOG2D=max(1, di.bit_length() - 1),
+            BF16=q.dtype == torch.bfloat16, BF16_DOT=q.is_cuda and q.dtype == torch.bfloat16,
+            HW_FP8=q.is_cuda and tc.USE_HW_FP8_CAST, HAS_ROT=rotated is not None, BLOCK_R=block_r, **extra)
+    return (values, scales, rotated) if return_rotated else (values, scales)

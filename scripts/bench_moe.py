@@ -1,0 +1,220 @@
+"""Routed-expert MoE at V4-Flash shapes: the MXFP4 Triton kernel vs grouped_mm on bf16 vs the reference.
+
+For each token count (default 1/16/64/128; hidden 4096, moe_inter 2048, 256 experts, top-6, bf16) it times
+- `mxfp4`: kernels.triton_moe.mxfp4_moe on packed e2m1 + UE8M0 experts (sort + gate/up + down + sum);
+- `grouped_mm`: kernels.moe.moe_experts_grouped on the same experts dequantised to bf16;
+- `reference`: kernels.moe.moe_experts (one matmul per used expert, host sync) on the bf16 experts;
+- `route`: kernels.triton_moe.route vs kernels.moe.route (router matmul + scoring + top-k).
+`us` is triton.testing.do_bench's median with the L2 flushed before every call (weights come from HBM;
+includes Python launch overhead); `graph us` replays the wrapper in a CUDA graph, each call after an L2
+flush whose own time is subtracted (n/a when the wrapper cannot be captured). Weight bytes are those of
+the distinct experts the routing touches (3 matrices each: 0.5 + 1/32 bytes per MXFP4 element, 2 per
+bf16 one); GB/s = bytes / time (the graph time where there is one), and % is that over a device-to-device
+copy measured in the same run ((read + write) / time). `err` is max |out - grouped_mm| / max |grouped_mm|.
+
+Usage: python scripts/bench_moe.py [--tokens 1 16 64 128] [--sweep]
+`--sweep` also times MXFP4 launch configurations per token count and prints the best ones (several
+minutes: each configuration compiles).
+Smoke test without a GPU: TRITON_INTERPRET=1 python scripts/bench_moe.py --device cpu --hidden 64 --inter 32
+--experts 8 --topk 2 --tokens 1 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels import moe as ref  # noqa: E402
+from kernels.quant import dequant_mxfp4  # noqa: E402
+
+SWEEP_TILES = [{"block_n": n, "block_k": k} for n in (32, 64, 128) for k in (128, 256)]
+SWEEP_LAUNCH = [{"num_warps": w, "num_stages": s} for w, s in ((4, 2), (4, 3), (4, 4), (8, 3))]
+
+
+def bench(fn: Callable[[], object], device: str) -> float:
+    """Median microseconds of fn; on CUDA with a flushed L2 (triton's do_bench)."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def bench_graph(fn: Callable[[], object], reps: int = 10) -> float | None:
+    """Median device microseconds of fn replayed in a CUDA graph after an L2 flush; None if not capturable."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    try:
+        for with_fn in (True, False):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(reps):
+                    flush.zero_()
+                    if with_fn:
+                        fn()
+            graphs.append(g)
+    except RuntimeError as exc:  # e.g. a host sync inside the wrapper
+        print(f"  (graph capture failed: {str(exc).splitlines()[0][:120]})")
+        torch.cuda.synchronize()
+        return None
+
+    def median_ms(g) -> float:
+        times = []
+        for _ in range(7):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    for g in graphs:
+        median_ms(g)
+    full, base = (median_ms(g) for g in graphs)
+    return max(0.0, (full - base) / reps * 1e3)
+
+
+def copy_gbps(device: str) -> float:
+    """Device-to-device copy bandwidth, (read + write) bytes / time."""
+    n = (1 << 30) if device == "cuda" else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = bench(lambda: dst.copy_(src), device)
+    return 2 * n / us / 1e3
+
+
+def make_experts(e: int, h: int, inter: int, device: str, gen: torch.Generator):
+    """Random packed experts (uniform e2m1 codes, scales near 2**-6) and their bf16 dequantisation."""
+    packed, dense = {}, {}
+    for name, (n, k) in (("w1", (inter, h)), ("w3", (inter, h)), ("w2", (h, inter))):
+        w = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+        s = torch.randint(119, 123, (e, n, k // 32), dtype=torch.uint8, device=device, generator=gen)
+        packed[name], packed["s" + name[1]] = w, s
+        d = torch.empty(e, n, k, dtype=torch.bfloat16, device=device)
+        for e0 in range(0, e, 16):  # fp32 intermediate per 16 experts keeps the peak small
+            d[e0:e0 + 16] = dequant_mxfp4(w[e0:e0 + 16], s[e0:e0 + 16]).to(torch.bfloat16)
+        dense[name] = d
+    return packed, dense
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    return float((out.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+
+
+def row(tokens, path, us, graph_us, nbytes, copy, err="") -> str:
+    best = graph_us if graph_us else us
+    gbs = nbytes / best / 1e3
+    g = f"{graph_us:.1f}" if graph_us else "n/a"
+    return (f"| {tokens} | {path} | {us:.1f} | {g} | {nbytes / 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy:.0f}% "
+            f"| {err} |")
+
+
+def run_tokens(t, args, packed, dense, gate, bias, copy, tm) -> list[str]:
+    dev, h, inter, k = args.device, args.hidden, args.inter, args.topk
+    gen = torch.Generator(device=dev).manual_seed(t)
+    x = torch.randn(t, h, device=dev, generator=gen).to(torch.bfloat16)
+    weights, ids = ref.route(x, gate, k, 1.5, bias=bias)
+    used = int(ids.unique().numel())
+    mx_bytes = used * 3 * inter * h * (0.5 + 1 / 32)
+    bf_bytes = used * 3 * inter * h * 2
+    pk, dn = packed, dense
+
+    def mxfp4():
+        return tm.mxfp4_moe(x, weights, ids, pk["w1"], pk["s1"], pk["w2"], pk["s2"], pk["w3"], pk["s3"], 10.0)
+
+    def grouped():
+        return ref.moe_experts_grouped(x, weights, ids, dn["w1"], dn["w2"], dn["w3"], 10.0)
+
+    def reference():
+        return ref.moe_experts(x, weights, ids, dn["w1"], dn["w2"], dn["w3"], 10.0)
+
+    want = grouped()
+    cuda = dev == "cuda"
+    rows = [row(t, "mxfp4", bench(mxfp4, dev), bench_graph(mxfp4) if cuda else None, mx_bytes, copy,
+                f"{rel_err(mxfp4(), want):.1e}"),
+            row(t, "grouped_mm bf16", bench(grouped, dev), None, bf_bytes, copy, "0"),
+            row(t, "reference bf16", bench(reference, dev), None, bf_bytes, copy,
+                f"{rel_err(reference(), want):.1e}")]
+    gate_f32 = gate.float()
+    r_bytes = gate_f32.numel() * 4
+    rows.append(row(t, "route triton", bench(lambda: tm.route(x, gate_f32, k, 1.5, bias=bias), dev),
+                    bench_graph(lambda: tm.route(x, gate_f32, k, 1.5, bias=bias)) if cuda else None, r_bytes, copy))
+    rows.append(row(t, "route torch", bench(lambda: ref.route(x, gate, k, 1.5, bias=bias), dev), None,
+                    gate.numel() * gate.element_size(), copy))
+    if args.sweep:
+        sweep(t, x, weights, ids, pk, mx_bytes, copy, tm, dev)
+    return rows
+
+
+def sweep(t, x, weights, ids, pk, nbytes, copy, tm, dev) -> None:
+    """Time SWEEP_TILES x SWEEP_LAUNCH (and block_m 32/64 where it applies); print the best five."""
+    results = []
+    for tiles, launch in itertools.product(SWEEP_TILES, SWEEP_LAUNCH):
+        for bm in (None, 32, 64) if ids.numel() >= 256 else (None,):
+            opts = {**tiles, **launch, "block_m": bm}
+            try:
+                us = bench(lambda o=opts: tm.mxfp4_moe(x, weights, ids, pk["w1"], pk["s1"], pk["w2"], pk["s2"],
+                                                       pk["w3"], pk["s3"], 10.0, **o), dev)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for a large tile
+                print(f"  tokens {t} {opts}: failed ({type(exc).__name__})")
+                continue
+            results.append((us, opts))
+    results.sort(key=lambda r: r[0])
+    print(f"\nsweep, tokens {t} (defaults {tm.DEFAULTS}, block_m {tm.pick_block_m(ids.numel(), pk['w1'].shape[0])}):")
+    for us, opts in results[:5]:
+        print(f"  {us:8.1f} us  {nbytes / us / 1e3:6.0f} GB/s ({100 * nbytes / us / 1e3 / copy:.0f}%)  {opts}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=6)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    from kernels import triton_moe as tm
+
+    dev = args.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    packed, dense = make_experts(args.experts, args.hidden, args.inter, dev, gen)
+    gate = (torch.randn(args.experts, args.hidden, device=dev, generator=gen) * args.hidden**-0.5).to(torch.bfloat16)
+    bias = torch.randn(args.experts, device=dev, generator=gen) * 0.1
+    copy = copy_gbps(dev)
+    name = torch.cuda.get_device_name() if dev == "cuda" else dev
+    print(f"{name}: copy {copy:.0f} GB/s; hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts "
+          f"top-{args.topk}, bf16 activations\n")
+    print("| tokens | path | us | graph us | weight MB | GB/s | % copy | err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t in args.tokens:
+        for line in run_tokens(t, args, packed, dense, gate, bias, copy, tm):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

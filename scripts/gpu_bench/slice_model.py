@@ -1,0 +1,158 @@
+"""The V4-Flash slice the GPU benchmark runs: its config.json, seeded random weights, the built engine.
+
+Weights are random and seeded: dense projections go through FP8 e4m3 128x128 UE8M0 block quantisation and
+the routed experts through MXFP4 (kernels/quant.py), then are dequantised to bf16, which is what the
+engine's loader does with a real checkpoint (engine/weights.py). No checkpoint file is written: the weights
+dict is built on the device and handed to `EngineCore`, and the caches are filled with random rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.cache import CacheConfig
+from engine.config import ModelConfig
+from engine.make_model import (  # the release's quantisation layout
+    _FP8,
+    _MXFP4,
+    preset_config,
+)
+from engine.runner import EngineCore
+from engine.scheduler import SchedulerConfig
+from engine.weights import expected_weight_shapes, keeps_fp32
+from kernels.quant import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, quant_mxfp4
+
+from .measure import sync
+
+QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128]}
+
+
+def flash_slice_config(layers: int = 4, vocab: int = 129280) -> dict:
+    """V4-Flash's config.json (docs/deepseek_v4.md) cut to `layers` layers: SWA, CSA, HCA, CSA, ..."""
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "vocab_size": vocab, "hidden_size": 4096, "num_hidden_layers": layers,
+        "compress_ratios": ([0, 4, 128, 4] * layers)[:layers], "num_hash_layers": 1, "sliding_window": 128,
+        "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
+        "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
+        "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
+        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "swiglu_limit": 10.0,
+        "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 0, "mscale_all_dim": 0},
+        "max_position_embeddings": 1 << 20, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "quantization_config": dict(QUANT_CONFIG),
+    }
+
+
+def smoke_config() -> dict:
+    raw = preset_config("tiny")
+    raw.update(torch_dtype="bfloat16", quantization_config=dict(QUANT_CONFIG))
+    return raw
+
+
+def _proj_std(fan_in: int) -> float:
+    return min(0.1, max(0.02, 1.0 / math.sqrt(fan_in)))  # as engine.make_model.random_weights
+
+
+def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator) -> dict:
+    """Random weights shaped like a checkpoint, FP8-quantised-then-dequantised where the release is FP8.
+
+    Routed experts get one small zero placeholder per (layer, w1/w2/w3) shared by all 256 names: the
+    engine stacks them into its [E, I, H] tensors and `fill_experts` then writes MXFP4-rounded values
+    into those in place, so the 50 GB of experts exist only once on the device.
+    """
+
+    def randn(shape, std=1.0, mean=0.0):
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std + mean
+
+    out, placeholders = {}, {}
+    for name, shape in expected_weight_shapes(cfg).items():
+        if _MXFP4.search(name):
+            key = (name.split(".experts.")[0], name.rsplit(".", 2)[-2])
+            if key not in placeholders:
+                placeholders[key] = torch.zeros(shape, dtype=dtype, device=device)
+            out[name] = placeholders[key]
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("gate.tid2eid"):
+            v, k = shape
+            ids = torch.rand(v, cfg.n_routed_experts, generator=gen, device=device).argsort(dim=1)[:, :k]
+            out[name] = ids.to(torch.int64)
+            continue
+        if name == "embed.weight":
+            t = randn(shape, 1.0)
+        elif name.endswith("norm.weight"):
+            t = randn(shape, 0.05, 1.0)
+        elif name.endswith("attn_sink"):
+            t = randn(shape, 0.5)
+        elif name.endswith(".ape"):
+            t = randn(shape, 0.2)
+        elif name.endswith("gate.bias"):
+            t = randn(shape, 0.1)
+        elif leaf.endswith("_fn"):
+            t = randn(shape, 0.02)
+        elif leaf.endswith("_base"):
+            t = randn(shape, 0.1)
+        elif leaf.endswith("_scale"):
+            t = randn(shape, 0.1, 1.0).clamp_min(0.5)
+        elif name == "head.weight":
+            t = randn(shape, 0.1)
+        else:
+            t = randn(shape, _proj_std(shape[-1]))
+        if _FP8.search(name):
+            t = dequant_fp8_block(*quant_fp8_block(t, scale_fmt="ue8m0"))
+        out[name] = t.to(torch.float32 if keeps_fp32(name) else dtype)
+    return out
+
+
+def fill_experts(core: EngineCore, gen: torch.Generator, chunk: int) -> None:
+    """Write MXFP4-rounded random values into the engine's stacked expert tensors, `chunk` experts at a time."""
+    for moe in core.model.moe:
+        for w in (moe.w1, moe.w2, moe.w3):
+            std = _proj_std(w.shape[-1])
+            for e0 in range(0, w.shape[0], chunk):
+                part = w[e0:e0 + chunk]
+                t = torch.randn(part.shape, generator=gen, device=w.device, dtype=torch.float32) * std
+                packed, scale = quant_mxfp4(t)
+                part.copy_(dequant_mxfp4(packed, scale).to(w.dtype))
+                del t, packed, scale
+
+
+def fill_caches(core: EngineCore, gen: torch.Generator) -> None:
+    """Random rows in every cache group (SWA rings, compressed KV, indexer keys, compressor states)."""
+    for group in core.pool.groups.values():
+        t = group.tensor
+        for i in range(t.shape[0]):
+            t[i].copy_(torch.randn(t[i].shape, generator=gen, device=t.device, dtype=torch.float32).to(t.dtype))
+
+
+def build_engine(raw: dict, device, dtype, max_requests: int, max_tokens: int, prefill_tokens: int, seed: int,
+                 expert_chunk: int):
+    cfg = ModelConfig.from_dict(raw)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights = build_weights(cfg, device, dtype, gen)
+    core = EngineCore(cfg, weights, device=device, dtype=dtype,
+                      cache_config=CacheConfig(max_requests=max_requests, max_tokens=max_tokens, page_tokens=256),
+                      scheduler_config=SchedulerConfig(max_batch_tokens=max(prefill_tokens, 2048),
+                                                       max_num_seqs=max_requests))
+    del weights
+    fill_experts(core, gen, expert_chunk)
+    fill_caches(core, gen)
+    sync(device)
+    return cfg, core
+
+
+def slice_description(c0: ModelConfig) -> str:
+    """The report's one-line description of the slice."""
+    return (f"{c0.num_layers} layers, compress_ratios {list(c0.compress_ratios)}, hash layers "
+            f"{sum(c0.hash_layers)}, hidden {c0.hidden_size}, {c0.num_heads} heads x {c0.head_dim}, q_lora "
+            f"{c0.q_lora_rank}, {c0.n_routed_experts} experts top-{c0.num_experts_per_tok} x "
+            f"{c0.moe_intermediate_size} + {c0.n_shared_experts} shared, index {c0.index_n_heads} x "
+            f"{c0.index_head_dim} top-{c0.index_topk}, window {c0.sliding_window}, vocab {c0.vocab_size}; "
+            f"random seeded weights, FP8 / MXFP4 rounded, held as bf16")

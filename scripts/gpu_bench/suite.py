@@ -1,0 +1,243 @@
+"""One benchmark run, in order: roofs, engine build, decode rows, profile, prefill, long-context decode,
+then (engine freed) the transformers peer; -> the context `report.render` turns into the section.
+
+Every configuration runs under the run's time budget and is skipped with a printed reason when what is
+left would not cover it (a share is kept back for the peer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+from engine.fast_paths import use_triton
+
+from .engine_bench import ExpertRecorder, bench_decode, bench_prefill, profile_decode
+from .measure import Clock, measure_roofs
+from .peer import bench_transformers, transformers_info
+from .report import environment, verdicts
+from .roofline import check_geometry, decode_figures, prefill_figures
+from .slice_model import (
+    build_engine,
+    flash_slice_config,
+    slice_description,
+    smoke_config,
+)
+
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures, resolved from the flags (--smoke: the tiny config, on CPU by default)."""
+
+    smoke: bool
+    device: str
+    raw: dict
+    batches: list[int]
+    contexts: list[int]
+    prefill_tokens: int
+    steps: int
+    warmup: int
+    hf_batch: int
+    hf_ctx: int
+    hf_chunk: int
+    expert_chunk: int
+    no_peer: bool
+
+    @property
+    def mm_n(self) -> int:  # the matmul size measure_roofs uses
+        return 256 if self.smoke else 8192
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    device = args.device or ("cpu" if args.smoke else "cuda")
+    if args.smoke:
+        return Plan(smoke=True, device=device, raw=smoke_config(), batches=args.batches or [1, 4],
+                    contexts=args.contexts or [64, 300], prefill_tokens=args.prefill_tokens or 256,
+                    steps=args.steps or 3, warmup=min(args.warmup, 1), hf_batch=4, hf_ctx=64, hf_chunk=32,
+                    expert_chunk=4, no_peer=args.no_peer)
+    return Plan(smoke=False, device=device, raw=flash_slice_config(args.layers, args.vocab),
+                batches=args.batches or [1, 16, 64, 128], contexts=args.contexts or [4096, 32768],
+                prefill_tokens=args.prefill_tokens or 8192, steps=args.steps or 8, warmup=args.warmup,
+                hf_batch=16, hf_ctx=4096, hf_chunk=512, expert_chunk=16, no_peer=args.no_peer)
+
+
+def free_device_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+class Suite:
+    def __init__(self, plan: Plan, clock: Clock):
+        self.plan, self.clock = plan, clock
+        self.decode: list[dict] = []
+        self.notes: list[str] = []
+        self.est_step: dict[int, tuple[int, float]] = {}  # context -> last measured (batch, step s)
+
+    def run(self) -> dict:
+        p = self.plan
+        if not p.smoke:
+            check_geometry(ModelConfig.from_dict(p.raw))
+        env = environment(p.device)
+        print(f"# {env['gpu']} driver {env['driver']} torch {env['torch']} triton {env['triton']} "
+              f"transformers {env['transformers']}", flush=True)
+        self.copy_gbs, self.tflops = measure_roofs(p.device, p.smoke)
+        print(f"roofs: copy {self.copy_gbs:.0f} GB/s, bf16 matmul {self.tflops:.3g} TFLOP/s", flush=True)
+        self._build()
+        self.rec = ExpertRecorder()
+        peer_ok = not p.no_peer and transformers_info()[1]
+        self.hf_reserve = (20 if p.smoke else 200) if peer_ok else 5
+        triton_at_start = use_triton(p.device)
+        for c in (c for c in p.contexts if c <= 8192):
+            self.run_decode(c)
+        profile_info = self.profile()  # one profiled decode step
+        prefill = self.prefill()  # one long prompt in one step
+        for c in (c for c in p.contexts if c > 8192):
+            self.run_decode(c)
+        self.core = None  # free the engine before the peer loads its own copy of the slice
+        self.rec.restore()
+        free_device_memory(p.device)
+        hf = self.peer(peer_ok)
+        return self.context(env, triton_at_start, prefill, profile_info, hf)
+
+    def _build(self) -> None:
+        p = self.plan
+        max_b, max_c = max(p.batches), max(p.contexts)
+        steps_total = p.warmup + p.steps + 4
+        max_tokens = max_b * (max_c + steps_total) + p.prefill_tokens + 1024
+        t = time.perf_counter()
+        self.cfg, self.core = build_engine(p.raw, p.device, DTYPE, max_requests=max(max_b, 1), max_tokens=max_tokens,
+                                           prefill_tokens=p.prefill_tokens, seed=0, expert_chunk=p.expert_chunk)
+        self.build_s = time.perf_counter() - t
+        mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if p.cuda else ""
+        print(f"engine built in {self.build_s:.1f} s{mem}", flush=True)
+
+    # ---- decode ----------------------------------------------------------------------------------
+    def run_decode(self, ctx_len: int) -> None:
+        for b in self.plan.batches:
+            self.decode.append(self._decode_row(b, ctx_len))
+
+    def _decode_row(self, b: int, ctx_len: int) -> dict:
+        p, clock = self.plan, self.clock
+        row = {"batch": b, "ctx": ctx_len}
+        prev = self.est_step.get(ctx_len)
+        guess = (prev[1] * max(1.0, b / prev[0]) ** 0.5) if prev else (0.5 if p.smoke else 3.0)
+        need = guess * (p.warmup + 2) + b * ctx_len * 2e-7 + 2
+        if clock.left() - self.hf_reserve < need:
+            row["skip"] = f"time budget ({clock.left():.0f} s left, ~{need:.0f} s needed)"
+            print(f"decode b={b} ctx={ctx_len}: SKIPPED ({row['skip']})", flush=True)
+            return row
+        try:
+            r = self._bench_decode(b, ctx_len)
+        except Exception as e:  # noqa: BLE001  (OOM and friends: report, carry on)
+            row["skip"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            print(f"decode b={b} ctx={ctx_len}: FAILED {row['skip']}", flush=True)
+            free_device_memory(p.device)
+            return row
+        self.est_step[ctx_len] = (b, r["step_s"])
+        row.update(decode_figures(self.cfg, b, ctx_len, r["step_s"], r["touched"], self.copy_gbs), n=r["n"])
+        print(f"decode b={b} ctx={ctx_len}: {row['step_ms']:.1f} ms/step (n={r['n']}, setup {r['setup_s']:.1f} s), "
+              f"experts/layer {row['experts']:.0f}, prod roof {row['prod_roof_ms']:.2f} ms ({row['x_prod']:.1f}x), "
+              f"engine roof {row['eng_roof_ms']:.2f} ms ({row['x_eng']:.1f}x)", flush=True)
+        return row
+
+    def _bench_decode(self, b: int, ctx_len: int) -> dict:
+        """bench_decode; when the Triton attention path fails, say so and measure the reference path."""
+        p = self.plan
+        args = (self.core, self.cfg, self.rec, b, ctx_len, p.warmup, p.steps, self.clock, self.hf_reserve)
+        try:
+            return bench_decode(*args, seed=b * 7 + ctx_len)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:
+            if not use_triton(p.device):
+                raise
+            self.notes.append(f"The Triton attention path failed at batch {b}, context {ctx_len} "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+                              "this and the following rows ran with DSV4_TRITON=0 (reference attention).")
+            print(f"decode b={b} ctx={ctx_len}: Triton path failed ({e!r}); retrying with DSV4_TRITON=0", flush=True)
+            os.environ["DSV4_TRITON"] = "0"
+            return bench_decode(*args, seed=b * 7 + ctx_len)
+
+    # ---- profile, prefill, peer -------------------------------------------------------------------
+    def profile(self) -> dict | None:
+        """Batch 64 at the smallest context (or the largest batch in smoke); None when not run."""
+        p = self.plan
+        pb, pc = (64 if 64 in p.batches else max(p.batches)), min(p.contexts)
+        if not (p.cuda or p.smoke) or self.clock.left() - self.hf_reserve <= (5 if p.smoke else 25):
+            return None
+        try:
+            info = profile_decode(self.core, self.cfg, pb, pc, seed=99)
+            info.update(batch=pb, ctx=pc)
+            print(f"profile b={pb} ctx={pc}: {info['kernels']} kernels, busy {info['busy_ms']:.1f} ms "
+                  f"of {info['wall_ms']:.1f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001
+            info = {"skip": f"{type(e).__name__}: {e}"}
+            print(f"profile: FAILED {info['skip']}", flush=True)
+        return info
+
+    def prefill(self) -> dict:
+        p, clock = self.plan, self.clock
+        if clock.left() - self.hf_reserve < (5 if p.smoke else 30):
+            return {"skip": f"time budget ({clock.left():.0f} s left)"}
+        try:
+            r = bench_prefill(self.core, self.cfg, p.prefill_tokens, 2, clock, self.hf_reserve, seed=5)
+            out = prefill_figures(self.cfg, p.prefill_tokens, r["s"], self.tflops)
+            out.update(n=r["n"], steps=r["steps"])
+            print(f"prefill {p.prefill_tokens}: {r['s']:.2f} s ({out['tok_s']:.0f} tok/s), roof "
+                  f"{out['roof_tok_s']:.0f} tok/s ({100 * out['share']:.1f}%)", flush=True)
+        except Exception as e:  # noqa: BLE001
+            out = {"skip": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            print(f"prefill: FAILED {out['skip']}", flush=True)
+            free_device_memory(p.device)
+        return out
+
+    def peer(self, peer_ok: bool) -> list[dict]:
+        p, clock = self.plan, self.clock
+        if p.no_peer:
+            return [{"skip": "--no-peer"}]
+        if not peer_ok:
+            return [{"skip": f"transformers {transformers_info()[0]}"}]
+        if clock.left() < (10 if p.smoke else 90):
+            return [{"skip": f"time budget ({clock.left():.0f} s left)"}]
+        try:
+            hf = bench_transformers(p.raw, p.device, DTYPE, p.hf_batch, p.hf_ctx, p.hf_chunk, 1, min(p.steps, 5),
+                                    clock, seed=3)
+        except Exception as e:  # noqa: BLE001
+            hf = [{"skip": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}]
+            print(f"transformers: FAILED {hf[0]['skip']}", flush=True)
+        free_device_memory(p.device)
+        return hf
+
+    # ---- report context ---------------------------------------------------------------------------
+    def context(self, env: dict, triton_at_start: bool, prefill: dict, profile_info: dict | None,
+                hf: list[dict]) -> dict:
+        p, clock = self.plan, self.clock
+        command = os.environ.get("DSV4_BENCH_COMMAND") or (
+            "PYTHONPATH=. python3 " + " ".join(shlex.quote(a) for a in sys.argv))
+        ctx = {
+            "env": env, "cfg": self.cfg, "copy_gbs": self.copy_gbs, "tflops": self.tflops, "mm_n": p.mm_n,
+            "command": command, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "budget_s": clock.deadline - clock.t0, "slice_desc": slice_description(self.cfg),
+            "triton_path": triton_at_start, "build_s": self.build_s, "steps": p.steps, "warmup": p.warmup,
+            "decode": self.decode, "prefill": prefill, "prefill_tokens": p.prefill_tokens, "hf": hf,
+            "hf_batch": p.hf_batch, "hf_ctx": p.hf_ctx, "hf_chunk": p.hf_chunk, "profile": profile_info,
+        }
+        ctx["verdicts"] = self.notes + ([""] if self.notes else []) + verdicts(ctx)
+        ctx["total_s"] = clock.elapsed()
+        return ctx
