@@ -3,8 +3,9 @@
 A decode step's Python work (per-layer op dispatch, Triton launch setup) costs far more than its GPU
 time at decode batch sizes, so decode steps replay a captured graph instead. Shapes come from
 `engine.decode_batch` (fixed per bucket, padding rows on the scratch page). Per bucket:
-- the step's index tensors live in two flat device buffers (one int64, one bool); the StepBatch the graph
-  was captured on holds views into them, so refreshing a step's inputs is two host-to-device copies;
+- the graph holds the whole step: deriving the StepBatch's index tensors on the device from its static
+  DecodeInputs ([3, slots] int64: tokens, positions, BlockTables rows) and the forward; refreshing a
+  step's inputs is one host-to-device copy, and page tables live in the persistent BlockTables;
 - capture: two warm-up forwards on a side stream (Triton compiles, allocator settles), then the capture;
   every bucket shares one memory pool (replays never overlap and each output is consumed before the
   next replay);
@@ -18,13 +19,12 @@ to pin that a bucketed step computes what `build_step`'s batch computes.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 
 import torch
 
-from engine.batch import StepBatch
 from engine.cache import CachePool
-from engine.decode_batch import DecodeShape, build_decode_step
+from engine.decode_batch import BlockTables, DecodeInputs, DecodeShape, derive_decode_batch
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -50,60 +50,9 @@ def context_buckets(max_context: int) -> list[int]:
     return out + [max_context]
 
 
-def _map_tensors(obj, fn):
-    """Rebuild a StepBatch tree (dataclasses, dicts) with fn applied to every tensor leaf, in a fixed order."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(obj[k], fn) for k in sorted(obj)}
-    if is_dataclass(obj):
-        return type(obj)(**{f.name: _map_tensors(getattr(obj, f.name), fn) for f in fields(obj)})
-    return obj
-
-
-def _leaves(batch: StepBatch) -> list[torch.Tensor]:
-    out = []
-    _map_tensors(batch, out.append)
-    return out
-
-
-@dataclass
-class _StaticInputs:
-    """Flat device buffers per dtype and the StepBatch of views into them."""
-
-    flat: dict  # dtype -> 1-D device tensor
-    batch: StepBatch
-
-    @staticmethod
-    def allocate(template: StepBatch, device) -> "_StaticInputs":
-        sizes: dict = {}
-        for leaf in _leaves(template):
-            sizes[leaf.dtype] = sizes.get(leaf.dtype, 0) + leaf.numel()
-        flat = {dt: torch.zeros(max(n, 1), dtype=dt, device=device) for dt, n in sizes.items()}
-        offsets = dict.fromkeys(sizes, 0)
-
-        def view(leaf: torch.Tensor) -> torch.Tensor:
-            off = offsets[leaf.dtype]
-            offsets[leaf.dtype] = off + leaf.numel()
-            return flat[leaf.dtype][off:off + leaf.numel()].view(leaf.shape)
-
-        static = _StaticInputs(flat, _map_tensors(template, view))
-        static.load(template)
-        return static
-
-    def load(self, batch: StepBatch) -> None:
-        """Copy a CPU batch of the same shape into the buffers: one host-to-device copy per dtype."""
-        parts: dict = {}
-        for leaf in _leaves(batch):
-            parts.setdefault(leaf.dtype, []).append(leaf.reshape(-1))
-        for dt, chunks in parts.items():
-            host = torch.cat(chunks)
-            self.flat[dt][:host.numel()].copy_(host, non_blocking=host.is_pinned())
-
-
 @dataclass
 class _Graph:
-    inputs: _StaticInputs
+    inputs: DecodeInputs  # static device inputs the graph reads
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # static output [slots, vocab]
 
@@ -120,6 +69,7 @@ class DecodeRunner:
         self.slots = slot_buckets(max_slots)
         self.contexts = context_buckets(max_context)
         self.graphs: dict[DecodeShape, _Graph] = {}
+        self.block_tables = BlockTables(pool, max_slots, max_context, model.device)
         self._mempool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
 
     def shape_for(self, num_requests: int, context: int) -> DecodeShape | None:
@@ -130,32 +80,41 @@ class DecodeRunner:
             return None
         return DecodeShape(self.slots[i], self.contexts[j])
 
-    def run(self, token_ids: list[int], positions: list[int], tables: list[dict]) -> torch.Tensor | None:
-        """One decode step of len(token_ids) requests -> fp32 logits [len(token_ids), vocab], or None when
-        no bucket fits (the caller runs the step eagerly)."""
+    def run(self, request_ids: list[str], token_ids: list[int], positions: list[int],
+            tables: list[dict]) -> torch.Tensor | None:
+        """One decode step: request b runs token_ids[b] at positions[b] with page table tables[b].
+
+        -> fp32 logits [len(token_ids), vocab] (a view of a static buffer under graphs: read it before the
+        next step), or None when no bucket fits (the caller runs the step eagerly).
+        """
         n = len(token_ids)
         shape = self.shape_for(n, max(positions) + 1)
         if shape is None:
             return None
+        rows = self.block_tables.rows_for(request_ids, tables)
+        host = DecodeInputs.make(token_ids, positions, rows, shape, self.block_tables.pad_row)
         if self.mode == "eager":
-            batch = build_decode_step(self.pool, token_ids, positions, tables, shape, self.model.device)
+            inputs = DecodeInputs(host.packed.to(self.model.device))
+            batch = derive_decode_batch(self.pool, self.block_tables, inputs, shape)
             return self.model.forward(batch, self.pool)[:n]
         graph = self.graphs.get(shape) or self._capture(shape)
-        graph.inputs.load(build_decode_step(self.pool, token_ids, positions, tables, shape, "cpu"))
+        graph.inputs.packed.copy_(host.packed)
         graph.graph.replay()
         return graph.logits[:n]
 
     def _capture(self, shape: DecodeShape) -> _Graph:
-        template = build_decode_step(self.pool, [], [], [], shape, "cpu")  # padding only: writes scratch
-        inputs = _StaticInputs.allocate(template, self.model.device)
-        side = torch.cuda.Stream(self.model.device)
-        side.wait_stream(torch.cuda.current_stream(self.model.device))
+        # Padding only (every row on the scratch pages), so warm-up and capture write nothing else.
+        pad = DecodeInputs.make([], [], [], shape, self.block_tables.pad_row)
+        inputs = DecodeInputs(pad.packed.to(self.model.device))
+        device = self.model.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model.forward(inputs.batch, self.pool)
-        torch.cuda.current_stream(self.model.device).wait_stream(side)
+                self.model.forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), self.pool)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            logits = self.model.forward(inputs.batch, self.pool)
+            logits = self.model.forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), self.pool)
         self.graphs[shape] = _Graph(inputs, graph, logits)
         return self.graphs[shape]

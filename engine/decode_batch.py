@@ -2,10 +2,11 @@
 
 A decode step runs one token per request. `engine.batch.build_step` sizes its tensors by the step's
 contents (how many compressor windows close, the longest visible-entry list), so two decode steps rarely
-share shapes. A CUDA graph needs the same shapes and no host decision on device data, so this builder
-pads to a `DecodeShape`:
-- `slots` rows: request rows first, then padding rows (token 0 at position 0) whose every page is the
-  pool's scratch page (engine.cache: page 0 of each group), so their writes touch no request's rows;
+share shapes. A CUDA graph needs the same shapes and no host decision on device data, so this module
+pads to a `DecodeShape` and derives every index tensor *on the device* from three small inputs
+(`DecodeInputs`: token ids, positions, block-table rows) and a persistent `BlockTables`:
+- `slots` rows: request rows first, then padding rows (token 0 at position 0) whose table row is all
+  scratch pages (engine.cache: page 0 of each group), so their writes touch no request's rows;
 - compressor plans have one entry per row, always: the window holding the row's token is pooled, and the
   result goes to the real entry row only where that token closes the window (position + 1 divisible by
   the ratio); other rows write their pooled garbage to the scratch page. A window's slots past the
@@ -13,6 +14,8 @@ pads to a `DecodeShape`:
   is irrelevant, because only closing windows are kept, and those have no slot past the token;
 - visible-entry lists are `context // ratio` wide, and page tables `ceil(context / tokens a page)` wide
   (longer reservations are cut: entries past `context` cannot be visible yet).
+The host's work per step is three [slots] int64 vectors (one copy); `derive_decode_batch` is pure torch
+ops of static shapes, so it is captured into the step's CUDA graph with the forward (engine.cuda_graphs).
 The forward computes exactly what it computes on `build_step`'s batch for the request rows (the tests
 pin logits and cache bytes); the padding costs `slots - requests` extra token rows of work.
 """
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import CompressPlan, RingWrite, StepBatch, VisibleEntries, _paged_rows, _sources, _to_device
+from engine.batch import CompressPlan, RingWrite, StepBatch, VisibleEntries, _paged_rows, _sources
 from engine.cache import CachePool
 
 
@@ -40,32 +43,97 @@ class DecodeShape:
             raise ValueError(f"DecodeShape needs slots >= 1 and context >= 1, got {self.slots}, {self.context}")
 
 
-def _padded_table(pages: list[int], width: int, scratch: int) -> list[int]:
-    return (list(pages) + [scratch] * width)[:width]
+@dataclass(frozen=True)
+class DecodeInputs:
+    """What changes between two decode steps of one shape: int64 [3, slots] rows (token id, position,
+    BlockTables row) -- one tensor, so refreshing a graph's inputs is one host-to-device copy."""
+
+    packed: torch.Tensor
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        return self.packed[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.packed[1]
+
+    @property
+    def table_rows(self) -> torch.Tensor:
+        return self.packed[2]
+
+    @staticmethod
+    def make(token_ids: list[int], positions: list[int], table_rows: list[int], shape: DecodeShape,
+             pad_row: int) -> "DecodeInputs":
+        n = len(token_ids)
+        if not n <= shape.slots or len(positions) != n or len(table_rows) != n:
+            raise ValueError(f"{n} decode requests do not fit {shape} (positions {len(positions)}, "
+                             f"table rows {len(table_rows)})")
+        if positions and max(positions) >= shape.context:
+            raise ValueError(f"position {max(positions)} does not fit {shape}")
+        pad = shape.slots - n
+        return DecodeInputs(torch.tensor([list(token_ids) + [0] * pad, list(positions) + [0] * pad,
+                                          list(table_rows) + [pad_row] * pad], dtype=torch.long))
 
 
-def _tables(pool: CachePool, tables: list[dict], shape: DecodeShape) -> dict[str, torch.Tensor]:
-    """Group name -> [slots, width] page ids; padding rows (and missing pages) are the scratch page."""
-    out = {}
-    for name, group in pool.groups.items():
-        spec, scratch = group.spec, pool.scratch_pages[name]
-        width = 1 if spec.fixed else max(1, math.ceil(shape.context / (spec.tokens_per_row * spec.page_rows)))
-        rows = [_padded_table(t.get(name, []), width, scratch) for t in tables]
-        rows += [[scratch] * width] * (shape.slots - len(tables))
-        out[name] = torch.tensor(rows, dtype=torch.long)
-    return out
+class BlockTables:
+    """Persistent page tables, one row per live request, per cache group, on the device.
+
+    Rows are assigned to request ids on first use and rewritten only when a request's page count
+    changes (reservations are whole-request, so normally once). The last row is the padding row (all
+    scratch pages). When rows run out, rows of requests absent from the current step are reclaimed.
+    """
+
+    def __init__(self, pool: CachePool, max_requests: int, max_context: int, device):
+        self.pool = pool
+        self.pad_row = max_requests
+        self.widths = {name: 1 if g.spec.fixed else
+                       max(1, math.ceil(max_context / (g.spec.tokens_per_row * g.spec.page_rows)))
+                       for name, g in pool.groups.items()}
+        self.tables = {name: torch.full((max_requests + 1, w), pool.scratch_pages[name], dtype=torch.long,
+                                        device=device) for name, w in self.widths.items()}
+        self._rows: dict[str, tuple[int, int]] = {}  # request id -> (row, page count written)
+        self._free = list(range(max_requests - 1, -1, -1))
+
+    def rows_for(self, request_ids: list[str], page_tables: list[dict]) -> list[int]:
+        """Table rows of these requests (writing rows that are new or grew)."""
+        out = []
+        for rid, pages in zip(request_ids, page_tables):
+            count = sum(len(p) for p in pages.values())
+            row, written = self._rows.get(rid, (None, -1))
+            if row is None:
+                row = self._take_row(set(request_ids))
+            if written != count:
+                self._write(row, pages)
+                self._rows[rid] = (row, count)
+            out.append(row)
+        return out
+
+    def _take_row(self, live: set) -> int:
+        if not self._free:
+            for rid in [r for r in self._rows if r not in live]:
+                self._free.append(self._rows.pop(rid)[0])
+        if not self._free:
+            raise RuntimeError("BlockTables: more live requests than rows")
+        return self._free.pop()
+
+    def _write(self, row: int, pages: dict) -> None:
+        for name, table in self.tables.items():
+            ids = list(pages.get(name, ()))[:self.widths[name]]
+            line = torch.full((self.widths[name],), self.pool.scratch_pages[name], dtype=torch.long)
+            if ids:
+                line[:len(ids)] = torch.tensor(ids, dtype=torch.long)
+            table[row].copy_(line)
 
 
 def _decode_plan(pool: CachePool, entry_name: str, state_name: str, ratio: int, overlap: bool,
-                 positions: torch.Tensor, tables: dict) -> CompressPlan:
+                 positions: torch.Tensor, rows: torch.Tensor, tables: dict) -> CompressPlan:
     """One entry per row: the window holding the row's token; written for real only where it closes."""
-    slots = positions.shape[0]
-    rows = torch.arange(slots)
     state_spec, entry_spec = pool.groups[state_name].spec, pool.groups[entry_name].spec
     state_page = tables[state_name][:, 0]
     state_total = state_spec.num_pages * state_spec.page_rows
     window = positions // ratio
-    cur_pos = (window * ratio).unsqueeze(1) + torch.arange(ratio)
+    cur_pos = (window * ratio).unsqueeze(1) + torch.arange(ratio, device=positions.device)
     seg = rows.unsqueeze(1).expand_as(cur_pos)
 
     def sources(pos):
@@ -79,42 +147,37 @@ def _decode_plan(pool: CachePool, entry_name: str, state_name: str, ratio: int, 
     entry_row = torch.where(closes, _paged_rows(tables[entry_name], entry_spec.page_rows, rows, window),
                             torch.full_like(window, scratch_row))
     state_write = RingWrite(rows, state_page * state_spec.page_rows + positions % state_spec.page_rows)
-    return CompressPlan(num_entries=slots, cur=sources(cur_pos), prev=sources(cur_pos - ratio) if overlap else None,
+    return CompressPlan(num_entries=positions.shape[0], cur=sources(cur_pos),
+                        prev=sources(cur_pos - ratio) if overlap else None,
                         entry_row=entry_row, entry_pos=window * ratio, state_write=state_write)
 
 
-def _decode_visible(pool: CachePool, name: str, ratio: int, positions: torch.Tensor, tables: dict,
-                    shape: DecodeShape) -> VisibleEntries:
-    width = max(1, shape.context // ratio)
-    w = torch.arange(width).unsqueeze(0).expand(positions.shape[0], -1)
-    seg = torch.arange(positions.shape[0]).unsqueeze(1).expand_as(w)
+def _decode_visible(pool: CachePool, name: str, ratio: int, positions: torch.Tensor, rows: torch.Tensor,
+                    tables: dict, shape: DecodeShape) -> VisibleEntries:
+    w = torch.arange(max(1, shape.context // ratio), device=positions.device).unsqueeze(0)
+    w = w.expand(positions.shape[0], -1)
     valid = w < ((positions + 1) // ratio).unsqueeze(1)
-    return VisibleEntries(_paged_rows(tables[name], pool.groups[name].spec.page_rows, seg, w), valid)
+    return VisibleEntries(_paged_rows(tables[name], pool.groups[name].spec.page_rows, rows.unsqueeze(1).expand_as(w),
+                                      w), valid)
 
 
-def build_decode_step(pool: CachePool, token_ids: list[int], positions: list[int], tables: list[dict],
-                      shape: DecodeShape, device) -> StepBatch:
-    """Request b runs token_ids[b] at positions[b] with pages tables[b]; -> a StepBatch of `shape`.
+def table_widths(pool: CachePool, shape: DecodeShape) -> dict[str, int]:
+    """Pages of each group a step of this shape can touch."""
+    return {name: 1 if g.spec.fixed else max(1, math.ceil(shape.context / (g.spec.tokens_per_row * g.spec.page_rows)))
+            for name, g in pool.groups.items()}
 
-    No requests at all gives a batch of padding only (what a CUDA graph is captured on).
 
-    Raises ValueError when the requests do not fit the shape (more requests than slots, or a position
-    at or past the context). Logit rows are all `slots` rows; the caller reads the first len(token_ids).
-    """
-    n = len(token_ids)
-    if not n <= shape.slots or len(positions) != n or len(tables) != n:
-        raise ValueError(f"{n} decode requests do not fit {shape} (positions {len(positions)}, tables {len(tables)})")
-    if positions and max(positions) >= shape.context:
-        raise ValueError(f"position {max(positions)} does not fit {shape}")
+def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInputs, shape: DecodeShape) -> StepBatch:
+    """The StepBatch of a decode step from device inputs: static shapes, no host sync (capturable)."""
     cfg = pool.cfg
-    pad = shape.slots - n
-    pos = torch.tensor(list(positions) + [0] * pad, dtype=torch.long)
-    rows = torch.arange(shape.slots)
-    group_tables = _tables(pool, tables, shape)
+    pos, device = inputs.positions, inputs.packed.device
+    rows = torch.arange(shape.slots, device=device)
+    widths = table_widths(pool, shape)
+    group_tables = {name: t.index_select(0, inputs.table_rows)[:, :widths[name]] for name, t in tables.tables.items()}
 
     swa_spec = pool.groups["swa"].spec
     window = cfg.sliding_window
-    win_pos = pos.unsqueeze(1) - window + 1 + torch.arange(window)
+    win_pos = pos.unsqueeze(1) - window + 1 + torch.arange(window, device=device)
     swa_page = group_tables["swa"][:, 0]
     swa = _sources(win_pos, rows.unsqueeze(1).expand_as(win_pos), pos, rows, swa_page, window,
                    swa_spec.num_pages * swa_spec.page_rows, swa_spec.page_rows)
@@ -125,14 +188,23 @@ def build_decode_step(pool: CachePool, token_ids: list[int], positions: list[int
     if cfg.indexer_layers:
         entry_groups.append(("index", "index_state", 4, True))
     for entry_name, state_name, ratio, overlap in entry_groups:
-        compress[entry_name] = _decode_plan(pool, entry_name, state_name, ratio, overlap, pos, group_tables)
+        compress[entry_name] = _decode_plan(pool, entry_name, state_name, ratio, overlap, pos, rows, group_tables)
         if entry_name != "kv4":  # CSA picks kv4 entries through the indexer
-            visible[entry_name] = _decode_visible(pool, entry_name, ratio, pos, group_tables, shape)
+            visible[entry_name] = _decode_visible(pool, entry_name, ratio, pos, rows, group_tables, shape)
 
-    batch = StepBatch(
-        token_ids=torch.tensor(list(token_ids) + [0] * pad, dtype=torch.long),
-        positions=pos, seq_of_token=rows, cu=torch.arange(shape.slots + 1), starts=pos, ends=pos + 1,
-        swa=swa, swa_write=swa_write, compress=compress, visible=visible, tables=group_tables,
-        logit_rows=rows,
-    )
-    return _to_device(batch, device)
+    return StepBatch(token_ids=inputs.token_ids, positions=pos, seq_of_token=rows,
+                     cu=torch.arange(shape.slots + 1, device=device), starts=pos, ends=pos + 1, swa=swa,
+                     swa_write=swa_write, compress=compress, visible=visible, tables=group_tables, logit_rows=rows)
+
+
+def build_decode_step(pool: CachePool, token_ids: list[int], positions: list[int], tables: list[dict],
+                      shape: DecodeShape, device) -> StepBatch:
+    """One-off decode batch (tests, tools): request b runs token_ids[b] at positions[b] with pages tables[b].
+
+    No requests at all gives a batch of padding only. Raises ValueError when the requests do not fit.
+    """
+    block_tables = BlockTables(pool, max(1, len(token_ids)), shape.context, device)
+    ids = [f"r{b}" for b in range(len(token_ids))]
+    inputs = DecodeInputs.make(token_ids, positions, block_tables.rows_for(ids, tables) if ids else [], shape,
+                               block_tables.pad_row)
+    return derive_decode_batch(pool, block_tables, DecodeInputs(inputs.packed.to(device)), shape)

@@ -164,7 +164,8 @@ class EngineCore:
             return []
         if self.decode_runner is not None and all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens
                                                   for c in chunks):
-            logits = self.decode_runner.run([c.request.token_slice(c.start, c.start + 1)[0] for c in chunks],
+            logits = self.decode_runner.run([c.request.request_id for c in chunks],
+                                            [c.request.token_slice(c.start, c.start + 1)[0] for c in chunks],
                                             [c.start for c in chunks], [c.request.pages for c in chunks])
             if logits is not None:  # every request samples; no prompt-logprob rows in a decode step
                 return self._postprocess(chunks, logits, list(range(len(chunks))), [(0, 0)] * len(chunks))

@@ -4,44 +4,61 @@
 The slice has V4-Flash's real widths (hidden 4096, 64 heads x 512, rope 64, q_lora 1024, o_groups 8 x 1024,
 256 routed experts top-6 of width 2048 + 1 shared, 64 index heads x 128, index_topk 512, window 128, hc 4,
 vocab 129280) and 4 layers mixing SWA / CSA / HCA (compress_ratios [0, 4, 128, 4], 1 hash-routed layer).
-Weights are random and seeded: dense projections go through FP8 e4m3 128x128 UE8M0 block quantisation
-and the routed experts through MXFP4 (kernels/quant.py), then are dequantised to bf16, which is what the
-engine's loader does with a real checkpoint (engine/weights.py): the GPU engine holds and reads bf16.
-No checkpoint file is written; the weights dict is built on the GPU and handed to `EngineCore`.
+Weights are random and seeded: dense projections go through FP8 e4m3 128x128 UE8M0 block quantisation and
+are dequantised to bf16, which is what the engine's loader does with a real checkpoint (engine/weights.py).
+The routed experts come in the formats --experts names (default both, in this order), one engine each,
+freed before the next:
+- mxfp4 (the production format): kept packed as `load_weights(..., keep_mxfp4_experts=True)` keeps them
+  (uint8 e2m1 bytes + UE8M0 scale bytes, engine.moe.PackedExperts; random bytes, scale set for the same
+  std as the bf16 experts) and run by the Triton MXFP4 MoE kernel (kernels/triton_moe.py) on CUDA;
+- bf16: MXFP4-rounded then dequantised to bf16, run by torch's grouped GEMM (engine.moe).
+No checkpoint file is written; the weights dict is built on the GPU and handed to `EngineCore`, whose
+decode mode is its default ("auto": CUDA graphs per (batch-slot, context) bucket on a 16-bit CUDA engine,
+captured on a bucket's first step; the report names the mode each engine used).
 
 Measured, in one process (CUDA-synchronised wall time of `EngineCore.step()`, median of the timed steps):
-- decode: B requests in decode at context C (B in 1/16/64/128, C in 4K/32K); the caches are filled
-  synthetically: each request enters through the decode-side hand-off API (`reserve_import` +
+- decode, per experts format: B requests in decode at context C (B in 1/16/64/128, C in 4K/32K); the caches
+  are filled synthetically: each request enters through the decode-side hand-off API (`reserve_import` +
   `commit_import`, pages allocated, num_computed = C) and the cache pool holds random rows, so the step
-  sees a full context C without running a prefill of B x C tokens;
+  sees a full context C without running a prefill of B x C tokens. Warm-up steps cover the graph capture;
+  a timed step that still captured one (the context crossed a bucket edge) is replaced and reported;
 - roofline of a decode step: the bytes the step must read / the device-to-device copy bandwidth measured
   in the same run ((read + write) / time of a 1 GiB copy). Two byte counts:
   * production format: dense FP8 (+ UE8M0 block scales) or bf16 where the release keeps bf16 (compressor,
     router, indexer weights_proj, embed rows, head), fp32 mHC/norm tensors, MXFP4 experts *actually
-    touched by this step's routing* (counted from the engine's own routing), caches as fp8_ds_mla
-    (584 B a row) and MXFP4 indexer keys (68 B a row) per kernels/geometry.py: per request and layer the
-    SWA window (127 rows), on CSA layers all visible indexer keys + the top-512 entries, on HCA all entries;
-  * engine format: the same rows and tensors as the engine stores them (bf16 weights, bf16 cache rows);
-- prefill: one request of 8K prompt tokens in one step; tokens/s against the FLOP roofline (the matmul,
-  attention and indexer FLOPs the prefill must do / a large bf16 matmul measured in the same run);
+    touched by this step's routing* (counted from the engine's own routing, on either experts path and
+    under CUDA graphs), caches as fp8_ds_mla (584 B a row) and MXFP4 indexer keys (68 B a row) per
+    kernels/geometry.py: per request and layer the SWA window (127 rows), on CSA layers all visible
+    indexer keys + the top-512 entries, on HCA all entries;
+  * engine format: the same rows and tensors as that engine stores them (bf16 dense weights, bf16 cache
+    rows, touched experts as MXFP4 when kept packed, else bf16);
+- prefill, per experts format: one request of 8K prompt tokens in one step; tokens/s against the FLOP
+  roofline (the matmul, attention and indexer FLOPs the prefill must do / a large bf16 matmul measured
+  in the same run);
 - peer: transformers' `DeepseekV4ForCausalLM` on the same slice in bf16 (its own random init, hash table
   randomised; eager attention, the only one it supports), batch 16, context 4K, twice: with the experts
   implementation transformers picks by itself (`grouped_mm` on CUDA in 5.2x) and with `eager` experts (its
   Python loop over experts). Each gets its cache from a chunked prefill, then decode steps are timed the
-  same way. Skipped with a printed reason when transformers lacks the model or time is short.
-- one decode step (batch 64, context 4K) under torch.profiler: kernels launched and the GPU-busy share.
+  same way, and is compared with our best format at batch 16, context 4K (mxfp4 when it ran, else bf16).
+  Skipped with a printed reason when transformers lacks the model or time is short.
+- one decode step (batch 64, context 4K, first experts format) under torch.profiler: kernels launched and
+  the GPU-busy share.
 
-Every configuration runs under a time budget (--budget-s, default 540 s for the whole script) and is
-skipped with a printed reason when what is left would not cover it. `--smoke` runs the same code on CPU
-with a tiny config in seconds. The markdown section is printed, written to --out if given, and put into
-BENCHMARKS.md under '## GPU decode and prefill (V4-Flash slice)' with --write (or --merge FILE inserts a
-section written earlier, e.g. on the GPU machine, without running anything).
+Every configuration runs under a time budget (--budget-s, default 540 s for the whole script, all formats
+and the peer together) and is skipped with a printed reason when what is left would not cover it (shares
+are kept back for the formats still to come and the peer). `--smoke` runs the same code on CPU with a tiny
+config in seconds (eager decode, Triton off: packed MXFP4 experts take engine.moe's dequantise-on-the-fly
+reference). The markdown section is printed, written to --out if given, and put into BENCHMARKS.md under
+'## GPU decode and prefill (V4-Flash slice)' with --write (or --merge FILE inserts a section written
+earlier, e.g. on the GPU machine, without running anything).
 
-Code: scripts/gpu_bench/ (slice_model: config + weights + engine; measure: timing + roofs; engine_bench:
-decode / profile / prefill runs; roofline: bytes and FLOPs; peer: transformers; report: the section and
-BENCHMARKS.md; suite: the run in order). This file only parses the flags.
+Code: scripts/gpu_bench/ (slice_model: config + weights per experts format + engine; measure: timing +
+roofs; engine_bench: decode / profile / prefill runs and the expert-id recorder; roofline: bytes and
+FLOPs; peer: transformers; report: the section and BENCHMARKS.md; suite: the run in order). This file
+only parses the flags.
 
-Usage: PYTHONPATH=. python3 scripts/bench_gpu.py [--out FILE] [--write] [--smoke] [--budget-s 540]
+Usage: PYTHONPATH=. python3 scripts/bench_gpu.py [--experts mxfp4 bf16] [--out FILE] [--write] [--smoke]
+       [--budget-s 540]
        (scripts/bench_gpu.sh wraps it and provides transformers' DeepseekV4 when the installed one lacks it)
 """
 
@@ -59,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_bench, also unde
 
 from gpu_bench.measure import Clock
 from gpu_bench.report import render, write_benchmarks
+from gpu_bench.slice_model import EXPERT_FORMATS
 from gpu_bench.suite import Suite, make_plan
 
 
@@ -74,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-tokens", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--experts", nargs="+", choices=EXPERT_FORMATS, default=list(EXPERT_FORMATS),
+                    help="routed-expert formats, one engine each, in this order: mxfp4 (packed, Triton MXFP4 MoE; "
+                         "the production format), bf16 (dequantised, torch grouped_mm); default both")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--out", default=None, help="also write the markdown section to this file")
     ap.add_argument("--write", action="store_true", help="put the section into BENCHMARKS.md")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU decode / prefill benchmark of a V4-Flash-shaped slice vs its rooflines and transformers (one H200,
 # under 10 minutes). Prints the markdown table; pass --write to put it into BENCHMARKS.md, --out FILE to
-# keep a copy, --smoke for the tiny CPU check. See scripts/bench_gpu.py for what is measured.
+# keep a copy, --smoke for the tiny CPU check, --experts mxfp4|bf16 for the routed-expert formats (default
+# both, one engine each). See scripts/bench_gpu.py for what is measured.
 #
 # The peer is transformers' DeepseekV4ForCausalLM. When wheels sit in .cache/whl (git-ignored), they are
 # installed into a private target dir and used (on the GPU machine: carry .cache/whl); otherwise the

@@ -3,39 +3,89 @@
 Decode requests enter through the decode-side hand-off API (`reserve_import` + `commit_import`: pages
 allocated, num_computed = C) over the random cache rows, so a step sees a full context C without running a
 prefill of B x C tokens. Every timing is CUDA-synchronised wall time of `EngineCore.step()`.
+
+Decode steps run as the engine runs them (`core.decode_mode`; "graphs" on a 16-bit CUDA engine): a CUDA
+graph is captured on the first step of each (batch-slot, context) bucket (engine/cuda_graphs.py). A timed
+step that captured one (the context crossed a bucket edge) is dropped and another step is run in its
+place; the count is reported.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 
 import torch
 
-import engine.model as engine_model
 from engine.config import ModelConfig
+from engine.fast_paths import use_mxfp4_moe
 from engine.runner import EngineCore
 from engine.sampling_params import SamplingParams
 
 from .measure import Clock, median, sync
 
 
-class ExpertRecorder:
-    """Wraps `route` where MoEBlock looks it up (engine.model) to keep each call's expert ids while on."""
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
-    def __init__(self):
+
+class ExpertRecorder:
+    """Keeps the routed expert ids of each MoE call while `on`, whichever route the engine takes.
+
+    Wraps `route` where engine.moe looks it up: `engine.moe.route` (dense experts) and the attribute
+    `kernels.triton_moe.route` (packed MXFP4 on the Triton path; engine.moe imports the module inside
+    the call). Under CUDA graphs route runs only at capture: the ids tensors of the capture forward are
+    kept per bucket (so their memory stays theirs) and read after each replay. Padding rows of a
+    fixed-shape step are dropped (real requests come first).
+    """
+
+    def __init__(self, core: EngineCore):
         self.ids: list[torch.Tensor] = []
         self.on = False
-        self._module = sys.modules[engine_model.MoEBlock.__module__]
-        self._orig = self._module.route
+        self._graph_ids: dict = {}  # DecodeShape -> ids tensors of its capture forward, layer order
+        self._run_ids: list[torch.Tensor] | None = None  # route outputs inside DecodeRunner.run
+        self._patched: list[tuple[object, str, object]] = []
+        self._patch(sys.modules[type(core.model.moe[0]).__module__], "route")
+        packed = any(m.packed is not None for m in core.model.moe)
+        if (packed and use_mxfp4_moe(core.device)) or "kernels.triton_moe" in sys.modules:
+            self._patch(importlib.import_module("kernels.triton_moe"), "route")
+        runner = core.decode_runner
+        if runner is not None:
+            orig_run = runner.run
+
+            def run(request_ids, token_ids, positions, tables):
+                shape = runner.shape_for(len(token_ids), max(positions) + 1)
+                self._run_ids, captured = [], shape is not None and shape not in runner.graphs
+                try:
+                    out = orig_run(request_ids, token_ids, positions, tables)
+                finally:
+                    got, self._run_ids = self._run_ids, None
+                n = len(token_ids)
+                if out is not None and runner.mode == "graphs":
+                    if captured:
+                        self._graph_ids[shape] = [ids for ids, cap in got if cap]
+                    got = [(ids, False) for ids in self._graph_ids.get(shape, [])]
+                if out is not None and self.on:
+                    self.ids.extend(ids[:n].clone() for ids, cap in got if not cap)
+                return out
+
+            runner.run = run
+            self._patched.append((runner, "run", None))
+
+    def _patch(self, module, attr: str) -> None:
+        orig = getattr(module, attr)
 
         def route(*args, **kwargs):
-            weights, ids = self._orig(*args, **kwargs)
-            if self.on:
+            weights, ids = orig(*args, **kwargs)
+            if self._run_ids is not None:  # inside DecodeRunner.run: sorted out there
+                self._run_ids.append((ids, _capturing()))
+            elif self.on:
                 self.ids.append(ids)
             return weights, ids
 
-        self._module.route = route
+        setattr(module, attr, route)
+        self._patched.append((module, attr, orig))
 
     def touched_per_layer(self, num_layers: int) -> list[float]:
         """Mean distinct experts per layer over the recorded steps."""
@@ -46,8 +96,19 @@ class ExpertRecorder:
         return [sum(p) / len(p) if p else 0.0 for p in per]
 
     def restore(self) -> None:
-        """Put the original route back (before another model, e.g. the peer, runs in this process)."""
-        self._module.route = self._orig
+        """Undo the patches (before another engine or the peer runs in this process)."""
+        for obj, attr, orig in reversed(self._patched):
+            if orig is None:
+                delattr(obj, attr)  # the instance attribute shadowing DecodeRunner.run
+            else:
+                setattr(obj, attr, orig)
+        self._patched.clear()
+        self._graph_ids.clear()
+
+
+def _graphs(core: EngineCore) -> int:
+    runner = core.decode_runner
+    return len(runner.graphs) if runner is not None and runner.mode == "graphs" else 0
 
 
 def bench_decode(core: EngineCore, cfg: ModelConfig, rec: ExpertRecorder, batch: int, ctx: int, warmup: int,
@@ -55,34 +116,43 @@ def bench_decode(core: EngineCore, cfg: ModelConfig, rec: ExpertRecorder, batch:
     """Median step time of `batch` requests decoding at context `ctx` (caches synthetic, see module doc)."""
     device = core.device
     g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_new_tokens=warmup + steps + 2, ignore_eos=True)
+    extra = 4  # timed steps that captured a graph are dropped and replaced, up to this many
+    params = SamplingParams(max_new_tokens=warmup + steps + extra + 2, ignore_eos=True)
     prompt = torch.randint(2, cfg.vocab_size, (ctx,), generator=g).tolist()
     first = torch.randint(2, cfg.vocab_size, (batch,), generator=g).tolist()
     rids = [f"dec-b{batch}-c{ctx}-{b}" for b in range(batch)]
     t_setup = time.perf_counter()
     times: list[float] = []
+    captured_timed = 0
     try:
         for b, rid in enumerate(rids):
             core.reserve_import(prompt, params, rid, seed=b, first_token=first[b], first_logprob=0.0)
             core.commit_import(rid)
         setup_s = time.perf_counter() - t_setup
-        for s in range(warmup + steps):
-            if s >= warmup + 1 and clock.left() - reserve_s < 2 * median(times):
+        for _ in range(warmup + steps + extra):
+            if len(times) >= warmup + steps:
+                break
+            if len(times) >= warmup + 1 and clock.left() - reserve_s < 2 * median(times):
                 break  # out of time: keep what was measured
-            rec.on = s >= warmup
+            rec.on = len(times) >= warmup
+            graphs = _graphs(core)
             sync(device)
             t = time.perf_counter()
             core.step()
             sync(device)
-            times.append(time.perf_counter() - t)
+            dt = time.perf_counter() - t
             rec.on = False
+            if len(times) >= warmup and _graphs(core) > graphs:
+                captured_timed += 1  # a capture, not a step: time another (its routing is real, kept)
+                continue
+            times.append(dt)
     finally:
         rec.on = False
         for rid in rids:
             core.abort(rid)
     timed = times[warmup:] or times[-1:]
-    return {"step_s": median(timed), "n": len(timed), "setup_s": setup_s,
-            "touched": rec.touched_per_layer(cfg.num_layers)}
+    return {"step_s": median(timed), "n": len(timed), "setup_s": setup_s, "captured_timed": captured_timed,
+            "graphs": _graphs(core), "touched": rec.touched_per_layer(cfg.num_layers)}
 
 
 def profile_decode(core: EngineCore, cfg: ModelConfig, batch: int, ctx: int, seed: int) -> dict:

@@ -1,5 +1,11 @@
 """The benchmark's report: the environment line, the markdown section (tables, profile, verdicts) and its
-place in BENCHMARKS.md between the bench_gpu markers."""
+place in BENCHMARKS.md between the bench_gpu markers.
+
+Every decode / prefill row names its routed-experts path (format and kernel); the header names each
+engine's decode mode (`EngineCore.decode_mode`); the peer is compared with our best format at its batch
+and context (mxfp4 when that row ran, else bf16); the closing paragraph says what the run used and the
+gaps that remain, from the run's own context.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .peer import transformers_info
+from .roofline import expert_bytes, index_row_bytes, kv_row_bytes
 
 SECTION = "## GPU decode and prefill (V4-Flash slice)"
 BEGIN = "<!-- bench_gpu:begin -->"
@@ -49,7 +56,9 @@ def environment(device) -> dict:
     return env
 
 
-def fmt_k(n: int) -> str:
+def fmt_k(n) -> str:
+    if not isinstance(n, int):
+        return "all"
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
@@ -59,6 +68,13 @@ def render(ctx: dict) -> str:
         lines.extend(part(ctx))
     lines.extend(ctx["verdicts"])
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _engine_line(e: dict) -> str:
+    if "skip" in e:
+        return f"experts `{e['experts']}`: not run ({e['skip']})"
+    graphs = f", {e.get('graphs', 0)} CUDA graph(s) captured" if e.get("decode_mode") == "graphs" else ""
+    return f"experts `{e['experts']}`: decode mode `{e['decode_mode']}`{graphs}, weights built in {e['build_s']:.0f} s"
 
 
 def _header_lines(ctx: dict) -> list[str]:
@@ -72,48 +88,54 @@ def _header_lines(ctx: dict) -> list[str]:
                  f"transformers {e['transformers']}, Python {e['python']}")
     lines.append(f"- roofs measured in this run: device copy {bw:.0f} GB/s (read + write), bf16 matmul "
                  f"{tf:.3g} TFLOP/s ({ctx['mm_n']}^3)")
-    lines.append(f"- slice: {ctx['slice_desc']}; engine dtype bf16, attention fast path (Triton) "
-                 f"{'on' if ctx['triton_path'] else 'off'}; weights built in {ctx['build_s']:.0f} s")
+    lines.append(f"- slice: {ctx['slice_desc']}; engine dtype bf16, Triton fast paths "
+                 f"{'on' if ctx['triton_path'] else 'off'}")
+    lines.append("- engines (one per routed-experts format, freed before the next): "
+                 + "; ".join(_engine_line(x) for x in ctx["engines"]))
     lines.append("- decode: B requests at context C enter through the decode-side hand-off API (`reserve_import` + "
                  "`commit_import`) with random cache rows (no B x C prefill is run); step = CUDA-synchronised "
                  f"`EngineCore.step()` (schedule, batch build, forward, sampling), median of {ctx['steps']} steps "
-                 f"after {ctx['warmup']} warm-up; experts = distinct routed experts per layer in those steps (mean)")
+                 f"after {ctx['warmup']} warm-up (a timed step that captured a new CUDA graph is replaced by another); "
+                 "touched = distinct routed experts per layer in those steps (mean, padding rows excluded)")
     lines.append("- roofline = bytes the step must read / copy bandwidth. *prod*: FP8 dense (+ scales), bf16 where the "
                  "release keeps bf16, MXFP4 touched experts, fp8_ds_mla cache rows (584 B) and MXFP4 indexer keys "
-                 "(68 B); "
-                 "*engine*: the same tensors and rows as this engine stores them (bf16 weights dequantised at load, "
-                 "bf16 cache rows). Cache rows read per request: SWA window on every layer, all visible indexer keys "
-                 "+ top-512 entries on CSA layers, all entries on HCA layers; writes and compressor states not counted")
+                 "(68 B); *engine*: the same tensors and rows as that engine stores them (bf16 dense weights "
+                 "dequantised at load, touched experts as MXFP4 when kept packed else bf16, bf16 cache rows). "
+                 "Cache rows read per request: SWA window on every layer, all visible indexer keys + top-512 "
+                 "entries on CSA layers, all entries on HCA layers; writes and compressor states not counted")
     lines.append("")
     return lines
 
 
 def _decode_table(ctx: dict) -> list[str]:
     lines = []
-    lines.append("| batch | context | step ms | tok/s | experts/layer | prod GB | prod roof ms | x prod roof "
+    lines.append("| batch | context | experts | step ms | tok/s | touched/layer | prod GB | prod roof ms | x prod roof "
                  "| engine GB | engine roof ms | x engine roof |")
-    lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in ctx["decode"]:
+        head = f"| {r['batch'] if r['batch'] is not None else 'all'} | {fmt_k(r['ctx'])} | {r['experts']} "
         if "skip" in r:
-            lines.append(f"| {r['batch']} | {fmt_k(r['ctx'])} | skipped: {r['skip']} | | | | | | | | |")
+            lines.append(head + f"| skipped: {r['skip']} | | | | | | | | |")
             continue
-        lines.append(f"| {r['batch']} | {fmt_k(r['ctx'])} | {r['step_ms']:.1f} | {r['tok_s']:.0f} | {r['experts']:.0f} "
-                     f"| {r['prod_gb']:.2f} | {r['prod_roof_ms']:.2f} | {r['x_prod']:.1f} | {r['eng_gb']:.2f} "
-                     f"| {r['eng_roof_ms']:.2f} | {r['x_eng']:.1f} |")
+        lines.append(head + f"| {r['step_ms']:.1f} | {r['tok_s']:.0f} | {r['touched']:.0f} | {r['prod_gb']:.2f} "
+                     f"| {r['prod_roof_ms']:.2f} | {r['x_prod']:.1f} | {r['eng_gb']:.2f} | {r['eng_roof_ms']:.2f} "
+                     f"| {r['x_eng']:.1f} |")
     lines.append("")
     return lines
 
 
 def _prefill_table(ctx: dict) -> list[str]:
     lines = []
-    p = ctx.get("prefill")
-    lines.append("| prefill | time s | tok/s | TFLOP | FLOP roof tok/s | % of roof |")
-    lines.append("|---|---:|---:|---:|---:|---:|")
-    if p and "skip" not in p:
-        lines.append(f"| 1 x {fmt_k(p['tokens'])} tokens, {p['steps']} step(s), median of {p['n']} | {p['s']:.2f} "
-                     f"| {p['tok_s']:.0f} | {p['tflop']:.1f} | {p['roof_tok_s']:.0f} | {100 * p['share']:.1f}% |")
-    else:
-        lines.append(f"| {fmt_k(ctx['prefill_tokens'])} tokens | skipped: {(p or {}).get('skip', 'not run')} | | | | |")
+    lines.append("| prefill | experts | time s | tok/s | TFLOP | FLOP roof tok/s | % of roof |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|")
+    for p in ctx.get("prefill") or [{"experts": "-", "skip": "not run"}]:
+        if "skip" not in p:
+            lines.append(f"| 1 x {fmt_k(p['tokens'])} tokens, {p['steps']} step(s), median of {p['n']} "
+                         f"| {p['experts']} | {p['s']:.2f} | {p['tok_s']:.0f} | {p['tflop']:.1f} "
+                         f"| {p['roof_tok_s']:.0f} | {100 * p['share']:.1f}% |")
+        else:
+            lines.append(f"| {fmt_k(ctx['prefill_tokens'])} tokens | {p['experts']} | skipped: {p['skip']} "
+                         "| | | | |")
     lines.append("")
     return lines
 
@@ -125,7 +147,8 @@ def _peer_table(ctx: dict) -> list[str]:
     lines.append("|---|---:|---:|")
     ours = _ours_at_peer(ctx)
     if ours:
-        lines.append(f"| this engine (bf16) | {ours['step_ms']:.1f} | |")
+        lines.append(f"| this engine (experts {ours['experts']}; the production format when its row ran, else bf16) "
+                     f"| {ours['step_ms']:.1f} | |")
     for h in ctx.get("hf") or [{"skip": "not run"}]:
         what = ("transformers `DeepseekV4ForCausalLM` (bf16, eager attention, experts "
                 f"`{h.get('experts', '?')}`")
@@ -144,17 +167,20 @@ def _profile_lines(ctx: dict) -> list[str]:
     prof = ctx.get("profile")
     if prof and "skip" not in prof and prof["kernels"]:
         top = "; ".join(f"{k} {t / 1e3:.1f} ms ({c}x)" for t, k, c in prof["top"])
-        lines.append(f"Profile of one decode step (batch {prof['batch']}, context {fmt_k(prof['ctx'])}, under "
-                     f"torch.profiler, wall {prof['wall_ms']:.0f} ms): {prof['kernels']} GPU kernels, summed kernel "
-                     f"time {prof['busy_ms']:.1f} ms ({100 * prof['busy_ms'] / prof['wall_ms']:.0f}% of the wall "
-                     f"time). Top ops by device time: {top}.")
+        lines.append(f"Profile of one decode step (experts {prof['experts']}, decode mode `{prof['decode_mode']}`, "
+                     f"batch {prof['batch']}, context {fmt_k(prof['ctx'])}, under torch.profiler, wall "
+                     f"{prof['wall_ms']:.0f} ms): {prof['kernels']} GPU kernels, summed kernel time "
+                     f"{prof['busy_ms']:.1f} ms ({100 * prof['busy_ms'] / prof['wall_ms']:.0f}% of the wall time). "
+                     f"Top ops by device time: {top}.")
         lines.append("")
     return lines
 
 
 def _ours_at_peer(ctx: dict) -> dict | None:
-    return next((r for r in ctx["decode"] if r["batch"] == ctx["hf_batch"] and r["ctx"] == ctx["hf_ctx"]
-                 and "skip" not in r), None)
+    """Our row at the peer's batch and context: the mxfp4 one when it ran, else bf16."""
+    rows = [r for r in ctx["decode"] if r["batch"] == ctx["hf_batch"] and r["ctx"] == ctx["hf_ctx"]
+            and "skip" not in r]
+    return next((r for r in rows if r.get("format") == "mxfp4"), None) or next(iter(rows), None)
 
 
 def verdicts(ctx: dict) -> list[str]:
@@ -162,30 +188,54 @@ def verdicts(ctx: dict) -> list[str]:
     for r in ctx["decode"]:
         if r["batch"] == 64 and "skip" not in r:
             ok = "met" if r["x_prod"] <= 1.5 else "missed"
-            out.append(f"- batch 64, context {fmt_k(r['ctx'])}: {r['x_prod']:.1f}x the production-format roofline "
-                       f"({r['x_eng']:.1f}x the engine-format one): {ok}.")
+            out.append(f"- batch 64, context {fmt_k(r['ctx'])}, experts {r['experts']}: {r['x_prod']:.1f}x the "
+                       f"production-format roofline ({r['x_eng']:.1f}x the engine-format one): {ok}.")
     ours = _ours_at_peer(ctx)
     peers = [h for h in ctx.get("hf") or [] if "skip" not in h]
     if ours and peers:
         for h in peers:
             sp = h["step_ms"] / ours["step_ms"]
-            out.append(f"- batch {ctx['hf_batch']}, context {fmt_k(ctx['hf_ctx'])}: {sp:.2f}x the speed of "
-                       f"transformers with experts `{h['experts']}`: {'met' if sp >= 20 else 'missed'}.")
+            out.append(f"- batch {ctx['hf_batch']}, context {fmt_k(ctx['hf_ctx'])}, experts {ours['experts']}: "
+                       f"{sp:.2f}x the speed of transformers with experts `{h['experts']}`: "
+                       f"{'met' if sp >= 20 else 'missed'}.")
     else:
         out.append("- speed-up over transformers: not measured (see the peer rows).")
+    replaced = [r for r in ctx["decode"] if r.get("captured_timed")]
+    if replaced:
+        out.append("- timed steps that captured a CUDA graph (context crossed a bucket edge) and were replaced: "
+                   + ", ".join(f"batch {r['batch']} context {fmt_k(r['ctx'])} ({r['captured_timed']})"
+                               for r in replaced) + ".")
     out.append("")
-    out.append("Why the figures fall short where they do (the engine as measured here, not the design limit): the "
-               "GPU path is the torch reference on CUDA, launched eagerly (no CUDA graphs; the only custom kernels "
-               "in the step are the Triton sparse attention and torch's grouped GEMM for the routed experts), so a "
-               "step is many small kernels plus host work; weights are dequantised to bf16 at load, so each "
-               "touched expert reads 50 MB instead of 13 MB (MXFP4) and dense projections read 2x their FP8 "
-               "bytes (the engine-format column is the fair roof for this engine); the lightning indexer gathers "
-               "every visible key into [T, S, 128] and scores in fp32, which is why 32K contexts cost more; mHC "
-               "runs 20 Sinkhorn iterations of small torch ops per site; the step rebuilds its index tensors on "
-               "the host from Python lists. transformers' default experts path (`grouped_mm`) also runs each "
-               "expert projection as one grouped GEMM; its `eager` experts path is a Python loop over experts, and "
-               "its attention is eager (dense over the window + all compressed entries) in both.")
+    out.append(_gaps(ctx))
     return out
+
+
+def _gaps(ctx: dict) -> str:
+    """What the run used and where the engine still reads or does more than the production roof."""
+    cfg = ctx["cfg"]
+    ran = [e for e in ctx["engines"] if "skip" not in e]
+    modes = sorted({e["decode_mode"] for e in ran})
+    how = (f"Decode steps ran in mode {', '.join(f'`{m}`' for m in modes) or '-'}"
+           + (" (one CUDA graph replayed per (batch-slot, context) bucket; captured during warm-up)"
+              if "graphs" in modes else " (no CUDA graphs: they need a 16-bit CUDA engine with the Triton path)")
+           + ", with the Triton fast paths " + ("on (norm+RoPE, compressor, indexer, sparse attention, mHC)"
+                                                 if ctx["triton_path"] else "off (torch reference ops)")
+           + "; routed experts: " + "; ".join(f"{e['experts']}" for e in ran) + ".") if ran else "No engine ran."
+    gaps = ["dense projections are bf16 GEMMs on FP8-rounded weights (2x the FP8 bytes; no FP8 GEMM)",
+            (f"the KV cache holds exact bf16 rows ({kv_row_bytes(cfg, 'engine')} B a KV row vs "
+             f"{kv_row_bytes(cfg, 'prod')} B fp8_ds_mla, {index_row_bytes(cfg, 'engine')} B an indexer key vs "
+             f"{index_row_bytes(cfg, 'prod')} B MXFP4) because the fp8 cache path has no CUDA-graph / "
+             "Triton-attention path yet"),
+            "the indexer's top-k is torch.topk",
+            "each step's index tensors are built on the host (then copied into the graph's input buffers)"
+            if "graphs" in modes else "each step's index tensors are built on the host"]
+    if any(e["format"] == "bf16" for e in ran):
+        gaps.append(f"the bf16 experts read {expert_bytes(cfg, 'engine') / 1e6:.3g} MB per touched expert vs "
+                    f"{expert_bytes(cfg, 'prod') / 1e6:.3g} MB packed MXFP4")
+    return (how + " Remaining gaps against the production roof: " + "; ".join(gaps) + " (the engine-format "
+            "columns are the fair roof for these engines). transformers' default experts path (`grouped_mm`) runs "
+            "each expert projection as one grouped GEMM, its `eager` path is a Python loop over experts, and its "
+            "attention is eager (dense over the window + all compressed entries) in both.")
 
 
 def write_benchmarks(path: Path, section: str) -> None:

@@ -1,9 +1,14 @@
 """The V4-Flash slice the GPU benchmark runs: its config.json, seeded random weights, the built engine.
 
-Weights are random and seeded: dense projections go through FP8 e4m3 128x128 UE8M0 block quantisation and
-the routed experts through MXFP4 (kernels/quant.py), then are dequantised to bf16, which is what the
-engine's loader does with a real checkpoint (engine/weights.py). No checkpoint file is written: the weights
-dict is built on the device and handed to `EngineCore`, and the caches are filled with random rows.
+Weights are random and seeded. Dense projections go through FP8 e4m3 128x128 UE8M0 block quantisation and
+are dequantised to bf16, which is what the engine's loader does with a real checkpoint (engine/weights.py).
+Routed experts come in one of two formats (EXPERT_FORMATS), one engine each:
+- "mxfp4": kept packed, as `load_weights(..., keep_mxfp4_experts=True)` hands them over (uint8 e2m1 bytes
+  [N, K/2] + UE8M0 scale bytes [N, K/32] per expert; engine.moe.PackedExperts), filled with random bytes
+  (every byte is a valid e2m1 pair) and one scale per tensor giving the std of the bf16 experts;
+- "bf16": MXFP4-rounded (kernels/quant.py) then dequantised to bf16, as the loader does by default.
+No checkpoint file is written: the weights dict is built on the device and handed to `EngineCore`, and
+the caches are filled with random rows.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 
 from engine.cache import CacheConfig
 from engine.config import ModelConfig
+from engine.fast_paths import use_grouped_moe, use_mxfp4_moe
 from engine.make_model import (  # the release's quantisation layout
     _FP8,
     _MXFP4,
@@ -22,7 +28,14 @@ from engine.make_model import (  # the release's quantisation layout
 from engine.runner import EngineCore
 from engine.scheduler import SchedulerConfig
 from engine.weights import expected_weight_shapes, keeps_fp32
-from kernels.quant import dequant_fp8_block, dequant_mxfp4, quant_fp8_block, quant_mxfp4
+from kernels.quant import (
+    E2M1_VALUES,
+    UE8M0_BIAS,
+    dequant_fp8_block,
+    dequant_mxfp4,
+    quant_fp8_block,
+    quant_mxfp4,
+)
 
 from .measure import sync
 
@@ -60,12 +73,30 @@ def _proj_std(fan_in: int) -> float:
     return min(0.1, max(0.02, 1.0 / math.sqrt(fan_in)))  # as engine.make_model.random_weights
 
 
-def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator) -> dict:
+EXPERT_FORMATS = ("mxfp4", "bf16")
+
+
+def experts_path(fmt: str, device, dtype) -> str:
+    """What runs the routed experts of a `fmt` engine on `device` (engine.moe's choice), for the report."""
+    if fmt == "mxfp4":
+        return "mxfp4, Triton MoE" if use_mxfp4_moe(device) else "mxfp4, dequantise-on-the-fly reference"
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return "bf16, torch grouped_mm" if use_grouped_moe(probe) else "bf16, per-expert reference loop"
+
+
+def mxfp4_scale_byte(std: float) -> int:
+    """UE8M0 byte (127 + exponent) making uniformly random e2m1 bytes have about this std."""
+    rms = math.sqrt(sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES))  # of a uniform random nibble
+    return UE8M0_BIAS + round(math.log2(std / rms))
+
+
+def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator, experts: str = "bf16") -> dict:
     """Random weights shaped like a checkpoint, FP8-quantised-then-dequantised where the release is FP8.
 
-    Routed experts get one small zero placeholder per (layer, w1/w2/w3) shared by all 256 names: the
-    engine stacks them into its [E, I, H] tensors and `fill_experts` then writes MXFP4-rounded values
-    into those in place, so the 50 GB of experts exist only once on the device.
+    Routed experts get one small zero placeholder per (layer, w1/w2/w3) shared by all 256 names (for
+    "mxfp4" a uint8 [N, K/2] weight and a uint8 [N, K/32] `.scale`, as the loader keeps them packed): the
+    engine stacks them into its [E, ...] tensors and `fill_experts` then writes values into those in
+    place, so the experts exist only once on the device.
     """
 
     def randn(shape, std=1.0, mean=0.0):
@@ -76,8 +107,13 @@ def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator) -> dict
         if _MXFP4.search(name):
             key = (name.split(".experts.")[0], name.rsplit(".", 2)[-2])
             if key not in placeholders:
-                placeholders[key] = torch.zeros(shape, dtype=dtype, device=device)
-            out[name] = placeholders[key]
+                n, k = shape
+                placeholders[key] = ((torch.zeros(n, k // 2, dtype=torch.uint8, device=device),
+                                      torch.zeros(n, k // 32, dtype=torch.uint8, device=device))
+                                     if experts == "mxfp4" else (torch.zeros(shape, dtype=dtype, device=device),))
+            out[name] = placeholders[key][0]
+            if experts == "mxfp4":
+                out[name[: -len(".weight")] + ".scale"] = placeholders[key][1]
             continue
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("gate.tid2eid"):
@@ -112,8 +148,15 @@ def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator) -> dict
 
 
 def fill_experts(core: EngineCore, gen: torch.Generator, chunk: int) -> None:
-    """Write MXFP4-rounded random values into the engine's stacked expert tensors, `chunk` experts at a time."""
+    """Random experts in the engine's stacked tensors, in place: packed MXFP4 gets random e2m1 bytes and a
+    scale byte for std `_proj_std(K)`; bf16 gets MXFP4-rounded normals, `chunk` experts at a time."""
     for moe in core.model.moe:
+        pk = moe.packed
+        if pk is not None:
+            for w, s in ((pk.w1, pk.s1), (pk.w2, pk.s2), (pk.w3, pk.s3)):
+                w.random_(0, 256, generator=gen)
+                s.fill_(mxfp4_scale_byte(_proj_std(2 * w.shape[-1])))
+            continue
         for w in (moe.w1, moe.w2, moe.w3):
             std = _proj_std(w.shape[-1])
             for e0 in range(0, w.shape[0], chunk):
@@ -133,10 +176,13 @@ def fill_caches(core: EngineCore, gen: torch.Generator) -> None:
 
 
 def build_engine(raw: dict, device, dtype, max_requests: int, max_tokens: int, prefill_tokens: int, seed: int,
-                 expert_chunk: int):
+                 expert_chunk: int, experts: str = "bf16"):
+    """-> (cfg, EngineCore) with routed experts in format `experts` (EXPERT_FORMATS), decode_mode "auto"."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
     cfg = ModelConfig.from_dict(raw)
     gen = torch.Generator(device=device).manual_seed(seed)
-    weights = build_weights(cfg, device, dtype, gen)
+    weights = build_weights(cfg, device, dtype, gen, experts)
     core = EngineCore(cfg, weights, device=device, dtype=dtype,
                       cache_config=CacheConfig(max_requests=max_requests, max_tokens=max_tokens, page_tokens=256),
                       scheduler_config=SchedulerConfig(max_batch_tokens=max(prefill_tokens, 2048),
@@ -155,4 +201,4 @@ def slice_description(c0: ModelConfig) -> str:
             f"{c0.q_lora_rank}, {c0.n_routed_experts} experts top-{c0.num_experts_per_tok} x "
             f"{c0.moe_intermediate_size} + {c0.n_shared_experts} shared, index {c0.index_n_heads} x "
             f"{c0.index_head_dim} top-{c0.index_topk}, window {c0.sliding_window}, vocab {c0.vocab_size}; "
-            f"random seeded weights, FP8 / MXFP4 rounded, held as bf16")
+            f"random seeded weights: dense FP8-rounded, held as bf16; routed experts as the experts column says")

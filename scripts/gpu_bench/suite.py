@@ -1,13 +1,17 @@
-"""One benchmark run, in order: roofs, engine build, decode rows, profile, prefill, long-context decode,
-then (engine freed) the transformers peer; -> the context `report.render` turns into the section.
+"""One benchmark run, in order: roofs; then per routed-experts format (--experts, mxfp4 first) an engine
+built, its decode rows, one profiled step (first format only), a prefill and the long-context decode rows,
+the engine freed before the next; then the transformers peer; -> the context `report.render` turns into
+the section.
 
 Every configuration runs under the run's time budget and is skipped with a printed reason when what is
-left would not cover it (a share is kept back for the peer).
+left would not cover it. Shares are kept back for the peer and for the formats still to come (each later
+format gets the weight 1, the current one 1.5, of what is left after the peer's share).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import os
@@ -27,7 +31,9 @@ from .peer import bench_transformers, transformers_info
 from .report import environment, verdicts
 from .roofline import check_geometry, decode_figures, prefill_figures
 from .slice_model import (
+    EXPERT_FORMATS,
     build_engine,
+    experts_path,
     flash_slice_config,
     slice_description,
     smoke_config,
@@ -53,6 +59,7 @@ class Plan:
     hf_chunk: int
     expert_chunk: int
     no_peer: bool
+    experts: tuple[str, ...] = EXPERT_FORMATS  # routed-expert formats, one engine each, in this order
 
     @property
     def mm_n(self) -> int:  # the matmul size measure_roofs uses
@@ -65,6 +72,14 @@ class Plan:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     device = args.device or ("cpu" if args.smoke else "cuda")
+    experts = tuple(dict.fromkeys(getattr(args, "experts", None) or EXPERT_FORMATS))
+    bad = [f for f in experts if f not in EXPERT_FORMATS]
+    if bad:
+        raise ValueError(f"--experts takes {EXPERT_FORMATS}, got {bad}")
+    return dataclasses.replace(_plan(args, device), experts=experts)
+
+
+def _plan(args: argparse.Namespace, device: str) -> Plan:
     if args.smoke:
         return Plan(smoke=True, device=device, raw=smoke_config(), batches=args.batches or [1, 4],
                     contexts=args.contexts or [64, 300], prefill_tokens=args.prefill_tokens or 256,
@@ -85,47 +100,87 @@ def free_device_memory(device: str) -> None:
 class Suite:
     def __init__(self, plan: Plan, clock: Clock):
         self.plan, self.clock = plan, clock
+        self.cfg = ModelConfig.from_dict(plan.raw)
+        self.engines: list[dict] = []  # per experts format: path, decode_mode, build_s, graphs (or skip)
         self.decode: list[dict] = []
+        self.prefills: list[dict] = []
+        self.profile_info: dict | None = None
         self.notes: list[str] = []
         self.est_step: dict[int, tuple[int, float]] = {}  # context -> last measured (batch, step s)
+        self.core, self.rec, self.engine = None, None, {}
+        self.reserve = 0.0  # seconds kept back for the formats to come and the peer
 
     def run(self) -> dict:
         p = self.plan
         if not p.smoke:
-            check_geometry(ModelConfig.from_dict(p.raw))
+            check_geometry(self.cfg)
         env = environment(p.device)
         print(f"# {env['gpu']} driver {env['driver']} torch {env['torch']} triton {env['triton']} "
               f"transformers {env['transformers']}", flush=True)
         self.copy_gbs, self.tflops = measure_roofs(p.device, p.smoke)
         print(f"roofs: copy {self.copy_gbs:.0f} GB/s, bf16 matmul {self.tflops:.3g} TFLOP/s", flush=True)
-        self._build()
-        self.rec = ExpertRecorder()
         peer_ok = not p.no_peer and transformers_info()[1]
         self.hf_reserve = (20 if p.smoke else 200) if peer_ok else 5
         triton_at_start = use_triton(p.device)
-        for c in (c for c in p.contexts if c <= 8192):
-            self.run_decode(c)
-        profile_info = self.profile()  # one profiled decode step
-        prefill = self.prefill()  # one long prompt in one step
-        for c in (c for c in p.contexts if c > 8192):
-            self.run_decode(c)
-        self.core = None  # free the engine before the peer loads its own copy of the slice
-        self.rec.restore()
-        free_device_memory(p.device)
+        for i, fmt in enumerate(p.experts):
+            later = len(p.experts) - 1 - i
+            self.reserve = self.hf_reserve + max(0.0, self.clock.left() - self.hf_reserve) * later / (later + 1.5)
+            self.run_format(fmt)
+        self.reserve = self.hf_reserve
         hf = self.peer(peer_ok)
-        return self.context(env, triton_at_start, prefill, profile_info, hf)
+        return self.context(env, triton_at_start, hf)
 
-    def _build(self) -> None:
+    def run_format(self, fmt: str) -> None:
+        """Build the `fmt` engine, run its rows, free it (before the next engine or the peer loads)."""
+        p = self.plan
+        self.engine = {"format": fmt, "experts": experts_path(fmt, p.device, DTYPE)}
+        self.engines.append(self.engine)
+        need = 5 if p.smoke else 60
+        if self.clock.left() - self.reserve < need:
+            self.engine["skip"] = f"time budget ({self.clock.left():.0f} s left, {self.reserve:.0f} s kept back)"
+        else:
+            try:
+                self._build(fmt)
+            except Exception as e:  # noqa: BLE001  (OOM and friends: report, carry on)
+                self.engine["skip"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                self.core = None
+        if "skip" in self.engine:
+            print(f"experts {fmt}: SKIPPED ({self.engine['skip']})", flush=True)
+            self.decode.append({"batch": None, "ctx": None, "experts": self.engine["experts"],
+                                "skip": self.engine["skip"]})
+            free_device_memory(p.device)
+            return
+        try:
+            for c in (c for c in p.contexts if c <= 8192):
+                self.run_decode(c)
+            if self.profile_info is None:
+                self.profile_info = self.profile()  # one profiled decode step, first format only
+            self.prefills.append(self.prefill())  # one long prompt in one step
+            for c in (c for c in p.contexts if c > 8192):
+                self.run_decode(c)
+            runner = self.core.decode_runner
+            self.engine["graphs"] = len(runner.graphs) if runner is not None and runner.mode == "graphs" else 0
+        finally:
+            if self.rec is not None:
+                self.rec.restore()
+            self.core = self.rec = None
+            free_device_memory(p.device)
+
+    def _build(self, fmt: str) -> None:
         p = self.plan
         max_b, max_c = max(p.batches), max(p.contexts)
-        steps_total = p.warmup + p.steps + 4
+        steps_total = p.warmup + p.steps + 8
         max_tokens = max_b * (max_c + steps_total) + p.prefill_tokens + 1024
         t = time.perf_counter()
         self.cfg, self.core = build_engine(p.raw, p.device, DTYPE, max_requests=max(max_b, 1), max_tokens=max_tokens,
-                                           prefill_tokens=p.prefill_tokens, seed=0, expert_chunk=p.expert_chunk)
-        self.build_s = time.perf_counter() - t
+                                           prefill_tokens=p.prefill_tokens, seed=0, expert_chunk=p.expert_chunk,
+                                           experts=fmt)
+        self.rec = ExpertRecorder(self.core)
+        self.engine.update(build_s=time.perf_counter() - t, decode_mode=self.core.decode_mode,
+                           packed=self.core.model.moe[0].packed is not None)
         mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if p.cuda else ""
-        print(f"engine built in {self.build_s:.1f} s{mem}", flush=True)
+        print(f"engine (experts {self.engine['experts']}, decode {self.core.decode_mode}) built in "
+              f"{self.engine['build_s']:.1f} s{mem}", flush=True)
 
     # ---- decode ----------------------------------------------------------------------------------
     def run_decode(self, ctx_len: int) -> None:
@@ -133,33 +188,35 @@ class Suite:
             self.decode.append(self._decode_row(b, ctx_len))
 
     def _decode_row(self, b: int, ctx_len: int) -> dict:
-        p, clock = self.plan, self.clock
-        row = {"batch": b, "ctx": ctx_len}
+        p, clock, label = self.plan, self.clock, self.engine["experts"]
+        row = {"batch": b, "ctx": ctx_len, "experts": label, "format": self.engine["format"]}
         prev = self.est_step.get(ctx_len)
         guess = (prev[1] * max(1.0, b / prev[0]) ** 0.5) if prev else (0.5 if p.smoke else 3.0)
         need = guess * (p.warmup + 2) + b * ctx_len * 2e-7 + 2
-        if clock.left() - self.hf_reserve < need:
+        if clock.left() - self.reserve < need:
             row["skip"] = f"time budget ({clock.left():.0f} s left, ~{need:.0f} s needed)"
-            print(f"decode b={b} ctx={ctx_len}: SKIPPED ({row['skip']})", flush=True)
+            print(f"decode {label} b={b} ctx={ctx_len}: SKIPPED ({row['skip']})", flush=True)
             return row
         try:
             r = self._bench_decode(b, ctx_len)
         except Exception as e:  # noqa: BLE001  (OOM and friends: report, carry on)
-            row["skip"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-            print(f"decode b={b} ctx={ctx_len}: FAILED {row['skip']}", flush=True)
+            row["skip"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            print(f"decode {label} b={b} ctx={ctx_len}: FAILED {row['skip']}", flush=True)
             free_device_memory(p.device)
             return row
         self.est_step[ctx_len] = (b, r["step_s"])
-        row.update(decode_figures(self.cfg, b, ctx_len, r["step_s"], r["touched"], self.copy_gbs), n=r["n"])
-        print(f"decode b={b} ctx={ctx_len}: {row['step_ms']:.1f} ms/step (n={r['n']}, setup {r['setup_s']:.1f} s), "
-              f"experts/layer {row['experts']:.0f}, prod roof {row['prod_roof_ms']:.2f} ms ({row['x_prod']:.1f}x), "
+        row.update(decode_figures(self.cfg, b, ctx_len, r["step_s"], r["touched"], self.copy_gbs,
+                                  self.engine["packed"]), n=r["n"], captured_timed=r["captured_timed"])
+        print(f"decode {label} b={b} ctx={ctx_len}: {row['step_ms']:.1f} ms/step (n={r['n']}, setup "
+              f"{r['setup_s']:.1f} s, graphs {r['graphs']}, timed captures replaced {r['captured_timed']}), "
+              f"experts/layer {row['touched']:.0f}, prod roof {row['prod_roof_ms']:.2f} ms ({row['x_prod']:.1f}x), "
               f"engine roof {row['eng_roof_ms']:.2f} ms ({row['x_eng']:.1f}x)", flush=True)
         return row
 
     def _bench_decode(self, b: int, ctx_len: int) -> dict:
         """bench_decode; when the Triton attention path fails, say so and measure the reference path."""
         p = self.plan
-        args = (self.core, self.cfg, self.rec, b, ctx_len, p.warmup, p.steps, self.clock, self.hf_reserve)
+        args = (self.core, self.cfg, self.rec, b, ctx_len, p.warmup, p.steps, self.clock, self.reserve)
         try:
             return bench_decode(*args, seed=b * 7 + ctx_len)
         except torch.OutOfMemoryError:
@@ -167,9 +224,10 @@ class Suite:
         except Exception as e:
             if not use_triton(p.device):
                 raise
-            self.notes.append(f"The Triton attention path failed at batch {b}, context {ctx_len} "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
-                              "this and the following rows ran with DSV4_TRITON=0 (reference attention).")
+            self.notes.append(f"The Triton path failed at batch {b}, context {ctx_len}, experts "
+                              f"{self.engine['experts']} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else ''}); this and the following rows "
+                              "ran with DSV4_TRITON=0 (reference ops).")
             print(f"decode b={b} ctx={ctx_len}: Triton path failed ({e!r}); retrying with DSV4_TRITON=0", flush=True)
             os.environ["DSV4_TRITON"] = "0"
             return bench_decode(*args, seed=b * 7 + ctx_len)
@@ -179,11 +237,11 @@ class Suite:
         """Batch 64 at the smallest context (or the largest batch in smoke); None when not run."""
         p = self.plan
         pb, pc = (64 if 64 in p.batches else max(p.batches)), min(p.contexts)
-        if not (p.cuda or p.smoke) or self.clock.left() - self.hf_reserve <= (5 if p.smoke else 25):
+        if not (p.cuda or p.smoke) or self.clock.left() - self.reserve <= (5 if p.smoke else 25):
             return None
         try:
             info = profile_decode(self.core, self.cfg, pb, pc, seed=99)
-            info.update(batch=pb, ctx=pc)
+            info.update(batch=pb, ctx=pc, experts=self.engine["experts"], decode_mode=self.core.decode_mode)
             print(f"profile b={pb} ctx={pc}: {info['kernels']} kernels, busy {info['busy_ms']:.1f} ms "
                   f"of {info['wall_ms']:.1f} ms", flush=True)
         except Exception as e:  # noqa: BLE001
@@ -193,16 +251,16 @@ class Suite:
 
     def prefill(self) -> dict:
         p, clock = self.plan, self.clock
-        if clock.left() - self.hf_reserve < (5 if p.smoke else 30):
-            return {"skip": f"time budget ({clock.left():.0f} s left)"}
+        out = {"experts": self.engine["experts"], "tokens": p.prefill_tokens}
+        if clock.left() - self.reserve < (5 if p.smoke else 30):
+            return {**out, "skip": f"time budget ({clock.left():.0f} s left)"}
         try:
-            r = bench_prefill(self.core, self.cfg, p.prefill_tokens, 2, clock, self.hf_reserve, seed=5)
-            out = prefill_figures(self.cfg, p.prefill_tokens, r["s"], self.tflops)
-            out.update(n=r["n"], steps=r["steps"])
-            print(f"prefill {p.prefill_tokens}: {r['s']:.2f} s ({out['tok_s']:.0f} tok/s), roof "
+            r = bench_prefill(self.core, self.cfg, p.prefill_tokens, 2, clock, self.reserve, seed=5)
+            out.update(prefill_figures(self.cfg, p.prefill_tokens, r["s"], self.tflops), n=r["n"], steps=r["steps"])
+            print(f"prefill {out['experts']} {p.prefill_tokens}: {r['s']:.2f} s ({out['tok_s']:.0f} tok/s), roof "
                   f"{out['roof_tok_s']:.0f} tok/s ({100 * out['share']:.1f}%)", flush=True)
         except Exception as e:  # noqa: BLE001
-            out = {"skip": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            out["skip"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             print(f"prefill: FAILED {out['skip']}", flush=True)
             free_device_memory(p.device)
         return out
@@ -225,8 +283,7 @@ class Suite:
         return hf
 
     # ---- report context ---------------------------------------------------------------------------
-    def context(self, env: dict, triton_at_start: bool, prefill: dict, profile_info: dict | None,
-                hf: list[dict]) -> dict:
+    def context(self, env: dict, triton_at_start: bool, hf: list[dict]) -> dict:
         p, clock = self.plan, self.clock
         command = os.environ.get("DSV4_BENCH_COMMAND") or (
             "PYTHONPATH=. python3 " + " ".join(shlex.quote(a) for a in sys.argv))
@@ -234,9 +291,9 @@ class Suite:
             "env": env, "cfg": self.cfg, "copy_gbs": self.copy_gbs, "tflops": self.tflops, "mm_n": p.mm_n,
             "command": command, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "budget_s": clock.deadline - clock.t0, "slice_desc": slice_description(self.cfg),
-            "triton_path": triton_at_start, "build_s": self.build_s, "steps": p.steps, "warmup": p.warmup,
-            "decode": self.decode, "prefill": prefill, "prefill_tokens": p.prefill_tokens, "hf": hf,
-            "hf_batch": p.hf_batch, "hf_ctx": p.hf_ctx, "hf_chunk": p.hf_chunk, "profile": profile_info,
+            "triton_path": triton_at_start, "engines": self.engines, "steps": p.steps, "warmup": p.warmup,
+            "decode": self.decode, "prefill": self.prefills, "prefill_tokens": p.prefill_tokens, "hf": hf,
+            "hf_batch": p.hf_batch, "hf_ctx": p.hf_ctx, "hf_chunk": p.hf_chunk, "profile": self.profile_info,
         }
         ctx["verdicts"] = self.notes + ([""] if self.notes else []) + verdicts(ctx)
         ctx["total_s"] = clock.elapsed()
