@@ -114,7 +114,9 @@ class DecodeRunner:
                 self.model.forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), self.pool)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        # thread_local: workers capture on their engine thread while other threads (KV transfer, HTTP)
+        # may touch CUDA; only this thread's calls must be capture-safe.
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             logits = self.model.forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), self.pool)
         self.graphs[shape] = _Graph(inputs, graph, logits)
         return self.graphs[shape]

@@ -79,8 +79,9 @@ class DecodeInputs:
 class BlockTables:
     """Persistent page tables, one row per live request, per cache group, on the device.
 
-    Rows are assigned to request ids on first use and rewritten only when a request's page count
-    changes (reservations are whole-request, so normally once). The last row is the padding row (all
+    Rows are assigned to request ids on first use and rewritten only when a request's page table changes
+    (another table object under the same id, or more pages; reservations are whole-request, so normally
+    a row is written once). The last row is the padding row (all
     scratch pages). When rows run out, rows of requests absent from the current step are reclaimed.
     """
 
@@ -92,7 +93,9 @@ class BlockTables:
                        for name, g in pool.groups.items()}
         self.tables = {name: torch.full((max_requests + 1, w), pool.scratch_pages[name], dtype=torch.long,
                                         device=device) for name, w in self.widths.items()}
-        self._rows: dict[str, tuple[int, int]] = {}  # request id -> (row, page count written)
+        # request id -> (row, the page-table dict written, its page count then). The dict itself is kept
+        # (identity check): a later request reusing an id brings a new dict, so its row is rewritten.
+        self._rows: dict[str, tuple[int, dict, int]] = {}
         self._free = list(range(max_requests - 1, -1, -1))
 
     def rows_for(self, request_ids: list[str], page_tables: list[dict]) -> list[int]:
@@ -100,12 +103,12 @@ class BlockTables:
         out = []
         for rid, pages in zip(request_ids, page_tables):
             count = sum(len(p) for p in pages.values())
-            row, written = self._rows.get(rid, (None, -1))
+            row, written, written_count = self._rows.get(rid, (None, None, -1))
             if row is None:
                 row = self._take_row(set(request_ids))
-            if written != count:
+            if written is not pages or written_count != count:
                 self._write(row, pages)
-                self._rows[rid] = (row, count)
+                self._rows[rid] = (row, pages, count)
             out.append(row)
         return out
 

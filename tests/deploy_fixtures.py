@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ import urllib.request
 
 import pytest
 import yaml
+
+from tests.ports import free_port  # noqa: F401 - re-exported for the deploy tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHART = os.path.join(REPO, "deploy", "helm", "dsv4")
@@ -154,12 +155,6 @@ def metric_names(expr: str) -> set[str]:
 
 
 # ---- live service ---------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict | str]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})

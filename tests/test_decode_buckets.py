@@ -111,3 +111,21 @@ def test_decode_mode_validation(model_dir):
     with pytest.raises(ValueError, match="CUDA"):
         _engine(model_dir, "graphs")
     assert _engine(model_dir, "auto").decode_mode == "eager"  # CPU
+
+
+def test_block_tables_rewrite_a_reused_request_id(model_dir):
+    """A request id that comes back with other pages (a retry, a new request) must not reuse stale rows."""
+    from engine.decode_batch import BlockTables
+
+    engine = _engine(model_dir, "bucketed")
+    tables = BlockTables(engine.pool, 4, 1024, "cpu")
+    first, second = {}, {}
+    engine.pool.grow(first, 600)
+    engine.pool.grow(second, 600)  # same page counts, other pages
+    (row,) = tables.rows_for(["a"], [first])
+    assert tables.tables["kv4"][row, 0].item() == first["kv4"][0]
+    assert tables.rows_for(["a"], [second]) == [row]
+    assert tables.tables["kv4"][row, 0].item() == second["kv4"][0] != first["kv4"][0]
+    # More live requests than rows: rows of requests absent from the step are reclaimed.
+    rows = tables.rows_for(["b", "c", "d", "e"], [second] * 4)
+    assert sorted(rows) == [0, 1, 2, 3]

@@ -24,29 +24,16 @@ from engine.make_model import default_model_dir  # noqa: E402
 from engine.runner import EngineCore  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.weights import load_weights  # noqa: E402
-from tests.oracle import make_hf_checkpoint, teacher_forced  # noqa: E402
-from tests.test_oracle import CONFIGS, N_GEN, _prompts  # noqa: E402
+from tests.oracle import teacher_forced  # noqa: E402
+from tests.test_oracle import CONFIGS, N_GEN, _prompts, checkpoints  # noqa: E402, F401 (fixture)
 
 # dtype -> (|dlogprob| tolerance, share of positions within it, bound on the mean |dlogprob|)
 ORACLE_TOL = {"float32": (2e-3, 0.99, 1e-3), "bfloat16": (0.1, 0.95, 0.03)}
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    made: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            spec = CONFIGS[name]
-            made[name] = make_hf_checkpoint(tmp_path_factory.mktemp(name), seed=spec["seed"], **spec["overrides"])
-        return made[name]
-
-    return get
-
-
 @pytest.mark.parametrize("dtype", list(ORACLE_TOL))
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_gpu_engine_matches_oracle(name, dtype, checkpoints):
+def test_gpu_engine_matches_oracle(name, dtype, checkpoints):  # noqa: F811 - the imported fixture
     from engine.llm import LLM
 
     spec = CONFIGS[name]

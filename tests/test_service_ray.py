@@ -10,8 +10,6 @@ requests succeed; afterwards every page pool is back to idle.
 
 import concurrent.futures
 import os
-import random
-import socket
 import time
 import urllib.request
 
@@ -33,25 +31,9 @@ from engine.make_model import default_model_dir  # noqa: E402
 from engine.metrics import start_metrics_server  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from router.client import RouterClient, RouterError  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=True, prompt_logprobs=True)
-
-
-def free_port() -> int:
-    """A free loopback port between Ray's worker ports (10002-19999) and the kernel's ephemeral range
-    (32768+, where the local ends of Ray's many connections come from), so that nothing takes it between
-    this check and the bind by the metrics server or Serve's proxy; a kernel-picked one as a last resort."""
-    rng = random.Random()
-    for _ in range(100):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", rng.randrange(20000, 32768)))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _teardown(started: dict) -> None:
