@@ -69,6 +69,7 @@ class DecodeRunner:
         self.slots = slot_buckets(max_slots)
         self.contexts = context_buckets(max_context)
         self.graphs: dict[DecodeShape, _Graph] = {}
+        self.steps = 0  # decode steps this runner ran (graphs replayed or eager bucketed)
         self.block_tables = BlockTables(pool, max_slots, max_context, model.device)
         self._mempool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
 
@@ -92,6 +93,7 @@ class DecodeRunner:
         if shape is None:
             return None
         rows = self.block_tables.rows_for(request_ids, tables)
+        self.steps += 1
         host = DecodeInputs.make(token_ids, positions, rows, shape, self.block_tables.pad_row)
         if self.mode == "eager":
             inputs = DecodeInputs(host.packed.to(self.model.device))

@@ -58,6 +58,7 @@ def test_bucketed_decode_matches_eager(model_dir, kv_cache_dtype):
     prompts = _prompts([125, 131, 127, 9, 3], eager.cfg.vocab_size, seed=3)
     _, want = _run_until(eager, prompts, new_tokens=40, steps=14)
     _, got = _run_until(bucketed, prompts, new_tokens=40, steps=14)
+    assert bucketed.decode_runner.steps >= 10, "the decode steps did not take the fixed-shape path"
     assert [(r, t) for r, t, _ in got] == [(r, t) for r, t, _ in want]
     # fp8: a 1-ulp fp32 difference (other matmul shapes) can move a value across an e4m3 rounding edge.
     tol = TOL if kv_cache_dtype == "auto" else 1e-3
@@ -129,3 +130,21 @@ def test_block_tables_rewrite_a_reused_request_id(model_dir):
     # More live requests than rows: rows of requests absent from the step are reclaimed.
     rows = tables.rows_for(["b", "c", "d", "e"], [second] * 4)
     assert sorted(rows) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["wide_hc4_w16", "heads8_l5"])
+def test_bucketed_decode_on_oracle_configs(name, tmp_path):
+    """Other shapes (hc 4, windows 16, ratios 8 / 32, 5 layers, 3 hash layers, head dim 16 / 48): the
+    padded decode steps still equal content-sized ones."""
+    from tests.oracle import make_hf_checkpoint
+    from tests.test_oracle import CONFIGS, _prompts
+
+    spec = CONFIGS[name]
+    model_dir = make_hf_checkpoint(tmp_path / name, seed=spec["seed"], **spec["overrides"])
+    eager, bucketed = _engine(model_dir, "eager"), _engine(model_dir, "bucketed")
+    prompts = _prompts(spec)[:4]
+    _, want = _run_until(eager, prompts, new_tokens=24, steps=30)
+    _, got = _run_until(bucketed, prompts, new_tokens=24, steps=30)
+    assert bucketed.decode_runner.steps >= 20, "the decode steps did not take the fixed-shape path"
+    assert [(r, t) for r, t, _ in got] == [(r, t) for r, t, _ in want]
+    assert all(abs(a - b) <= TOL for (_, _, a), (_, _, b) in zip(got, want) if a is not None)
