@@ -76,6 +76,12 @@ class DecodeInputs:
                                           list(table_rows) + [pad_row] * pad], dtype=torch.long))
 
 
+def table_widths(pool: CachePool, context: int) -> dict[str, int]:
+    """Pages of each group that positions below `context` can touch."""
+    return {name: 1 if g.spec.fixed else max(1, math.ceil(context / (g.spec.tokens_per_row * g.spec.page_rows)))
+            for name, g in pool.groups.items()}
+
+
 class BlockTables:
     """Persistent page tables, one row per live request, per cache group, on the device.
 
@@ -88,9 +94,7 @@ class BlockTables:
     def __init__(self, pool: CachePool, max_requests: int, max_context: int, device):
         self.pool = pool
         self.pad_row = max_requests
-        self.widths = {name: 1 if g.spec.fixed else
-                       max(1, math.ceil(max_context / (g.spec.tokens_per_row * g.spec.page_rows)))
-                       for name, g in pool.groups.items()}
+        self.widths = table_widths(pool, max_context)
         self.tables = {name: torch.full((max_requests + 1, w), pool.scratch_pages[name], dtype=torch.long,
                                         device=device) for name, w in self.widths.items()}
         # request id -> (row, the page-table dict written, its page count then). The dict itself is kept
@@ -164,18 +168,12 @@ def _decode_visible(pool: CachePool, name: str, ratio: int, positions: torch.Ten
                                       w), valid)
 
 
-def table_widths(pool: CachePool, shape: DecodeShape) -> dict[str, int]:
-    """Pages of each group a step of this shape can touch."""
-    return {name: 1 if g.spec.fixed else max(1, math.ceil(shape.context / (g.spec.tokens_per_row * g.spec.page_rows)))
-            for name, g in pool.groups.items()}
-
-
 def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInputs, shape: DecodeShape) -> StepBatch:
     """The StepBatch of a decode step from device inputs: static shapes, no host sync (capturable)."""
     cfg = pool.cfg
     pos, device = inputs.positions, inputs.packed.device
     rows = torch.arange(shape.slots, device=device)
-    widths = table_widths(pool, shape)
+    widths = table_widths(pool, shape.context)
     group_tables = {name: t.index_select(0, inputs.table_rows)[:, :widths[name]] for name, t in tables.tables.items()}
 
     swa_spec = pool.groups["swa"].spec

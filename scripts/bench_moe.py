@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import moe as ref  # noqa: E402
 from kernels.quant import dequant_mxfp4  # noqa: E402
+from scripts.bench_kernels import bench_graph as bench_kernels_graph  # noqa: E402
 
 SWEEP_TILES = [{"block_n": n, "block_k": k} for n in (32, 64, 128) for k in (128, 256)]
 SWEEP_LAUNCH = [{"num_warps": w, "num_stages": s} for w, s in ((4, 2), (4, 3), (4, 4), (8, 3))]
@@ -56,45 +57,13 @@ def bench(fn: Callable[[], object], device: str) -> float:
 
 
 def bench_graph(fn: Callable[[], object], reps: int = 10) -> float | None:
-    """Median device microseconds of fn replayed in a CUDA graph after an L2 flush; None if not capturable."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graphs = []
+    """bench_kernels.bench_graph (device us in a CUDA graph after an L2 flush); None if not capturable."""
     try:
-        for with_fn in (True, False):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(reps):
-                    flush.zero_()
-                    if with_fn:
-                        fn()
-            graphs.append(g)
+        return bench_kernels_graph(fn, reps)
     except RuntimeError as exc:  # e.g. a host sync inside the wrapper
         print(f"  (graph capture failed: {str(exc).splitlines()[0][:120]})")
         torch.cuda.synchronize()
         return None
-
-    def median_ms(g) -> float:
-        times = []
-        for _ in range(7):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-
-    for g in graphs:
-        median_ms(g)
-    full, base = (median_ms(g) for g in graphs)
-    return max(0.0, (full - base) / reps * 1e3)
 
 
 def copy_gbps(device: str) -> float:
