@@ -9,43 +9,27 @@ request joins frees the reserved pages; closing the stream early aborts the requ
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from dataclasses import dataclass
 
 from engine import metrics
 from engine.allocator import OutOfPages
-from engine.engine_loop import AsyncSink, EngineLoop
-from engine.llm import load_engine
+from engine.engine_loop import AsyncSink
+from engine.handoff import DecodeOverloaded, PrefillResult, Transferred
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import TransferError, TransferTimeout, make_backend, resolve_name
-from prefill_worker.worker import PrefillResult, WorkerStats, engine_stats
+from engine.worker_base import WorkerBase
+from kv_transfer.base import TransferError, TransferTimeout
+from kv_transfer.registry import make_backend, resolve_name
 
 
-@dataclass(frozen=True)
-class Transferred:
-    request_id: str
-    num_bytes: int
-    seconds: float
-
-
-class DecodeOverloaded(RuntimeError):
-    """No cache capacity or batch slot for the request right now (the router maps it to 429)."""
-
-
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
                  transfer: str = "tcp", transfer_timeout_s: float = 30.0):
-        self.worker_id = worker_id
-        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
-        self.engine = load_engine(model_dir, **(engine_options or {}))
+        super().__init__(worker_id, model_dir, engine_options)
         self.transfer = resolve_name(transfer)  # the concrete backend, for metric labels
         self.transfer_timeout_s = transfer_timeout_s
-        self.backend = make_backend(transfer, self.engine.pool, worker_name=worker_id)
-        self.loop = EngineLoop(self.engine, name=f"decode-{worker_id}",
-                               on_step=lambda e, ev: metrics.observe_engine_load(self.role, self.worker_id, e))
+        self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id))
         self.peers: dict[str, bytes] = {}
         self.transfer_totals = {"bytes": 0, "seconds": 0.0, "count": 0, "failures": 0}
 
@@ -61,14 +45,6 @@ class DecodeWorker:
     def transfer_summary(self) -> dict:
         """Bytes, seconds, count and failures of every pull so far (for `dsv4 bench serve`)."""
         return dict(self.transfer_totals)
-
-    def stats(self) -> WorkerStats:
-        return engine_stats(self.worker_id, self.role, self.incarnation, self.engine)
-
-    def ping(self) -> str:
-        if not self.loop.alive:
-            raise RuntimeError(f"decode worker {self.worker_id}: engine loop is not running")
-        return self.incarnation
 
     async def decode(self, result: PrefillResult, prompt: list[int], params: SamplingParams):
         rid = result.request_id
@@ -125,7 +101,3 @@ class DecodeWorker:
 
     async def abort(self, request_id: str) -> None:
         await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))
-
-    def shutdown(self) -> None:
-        self.loop.stop()
-        self.backend.close()

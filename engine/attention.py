@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import CompressPlan, StepBatch, _paged_rows
+from engine.batch import CompressPlan, StepBatch, paged_rows
 from engine.cache import CacheLayer, CachePool
 from engine.config import ModelConfig
 from engine.fast_paths import use_triton
@@ -78,7 +78,7 @@ class AttentionBlock:
                                      cfg.head_dim)
             if self.ratio == 4:
                 picked = self._indexer(x, q_res, batch, pool, ropes)
-                comp_rows = _paged_rows(batch.tables["kv4"], pool.groups["kv4"].spec.page_rows,
+                comp_rows = paged_rows(batch.tables["kv4"], pool.groups["kv4"].spec.page_rows,
                                         batch.seq_of_token.unsqueeze(1).expand_as(picked), picked)
                 comp_valid = picked >= 0
             else:

@@ -138,7 +138,7 @@ class StepBatch:
         return self.token_ids.shape[0]
 
 
-def _sources(pos, seg, starts, cu, ring_page, ring_rows: int, ring_total_rows: int,
+def ring_sources(pos, seg, starts, cu, ring_page, ring_rows: int, ring_total_rows: int,
              page_stride: int | None = None) -> SourceRows:
     """ring_rows: the ring's length (slot = pos % ring_rows); page_stride: rows a page (default ring_rows)."""
     s = starts[seg]
@@ -156,7 +156,7 @@ def _ring_write(starts, ends, cu, ring_page, ring_rows: int, page_stride: int | 
     return RingWrite(cu[seg] + pos - starts[seg], ring_page[seg] * (page_stride or ring_rows) + pos % ring_rows)
 
 
-def _paged_rows(table: torch.Tensor, page_rows: int, seg: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+def paged_rows(table: torch.Tensor, page_rows: int, seg: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
     page_idx = (entry.clamp(min=0) // page_rows).clamp(max=table.shape[1] - 1)
     return table[seg, page_idx] * page_rows + entry.clamp(min=0) % page_rows
 
@@ -168,13 +168,13 @@ def _compress_plan(ratio: int, overlap: bool, starts, ends, cu, state_page, stat
     offs = torch.arange(ratio, device=w.device)
     cur_pos = (w * ratio).unsqueeze(1) + offs
     seg2 = seg.unsqueeze(1).expand_as(cur_pos)
-    cur = _sources(cur_pos, seg2, starts, cu, state_page, state_rows, state_total)
-    prev = _sources(cur_pos - ratio, seg2, starts, cu, state_page, state_rows, state_total) if overlap else None
+    cur = ring_sources(cur_pos, seg2, starts, cu, state_page, state_rows, state_total)
+    prev = ring_sources(cur_pos - ratio, seg2, starts, cu, state_page, state_rows, state_total) if overlap else None
     return CompressPlan(
         num_entries=int(w.numel()),
         cur=cur,
         prev=prev,
-        entry_row=_paged_rows(entry_table, entry_page_rows, seg, w),
+        entry_row=paged_rows(entry_table, entry_page_rows, seg, w),
         entry_pos=w * ratio,
         state_write=_ring_write(starts, ends, cu, state_page, state_rows),
     )
@@ -184,7 +184,7 @@ def _visible(ratio: int, positions, seg, ends, table, page_rows: int) -> Visible
     max_entries = max(1, int((ends // ratio).max()))
     w = torch.arange(max_entries, device=positions.device).unsqueeze(0).expand(positions.shape[0], -1)
     valid = w < ((positions + 1) // ratio).unsqueeze(1)
-    return VisibleEntries(_paged_rows(table, page_rows, seg.unsqueeze(1).expand_as(w), w), valid)
+    return VisibleEntries(paged_rows(table, page_rows, seg.unsqueeze(1).expand_as(w), w), valid)
 
 
 def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], tables: list[dict],
@@ -204,7 +204,7 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
     swa_page = group_tables["swa"][:, 0]
     win_pos = positions.unsqueeze(1) - window + 1 + torch.arange(window)
     swa_total = swa_spec.num_pages * swa_spec.page_rows
-    swa = _sources(win_pos, seg.unsqueeze(1).expand_as(win_pos), starts_t, cu, swa_page, window, swa_total,
+    swa = ring_sources(win_pos, seg.unsqueeze(1).expand_as(win_pos), starts_t, cu, swa_page, window, swa_total,
                    swa_spec.page_rows)
     swa_write = _ring_write(starts_t, ends_t, cu, swa_page, window, swa_spec.page_rows)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import CompressPlan, RingWrite, StepBatch, VisibleEntries, _paged_rows, _sources
+from engine.batch import CompressPlan, RingWrite, StepBatch, VisibleEntries, paged_rows, ring_sources
 from engine.cache import CachePool
 
 
@@ -146,12 +146,12 @@ def _decode_plan(pool: CachePool, entry_name: str, state_name: str, ratio: int, 
     def sources(pos):
         # Slots after the token (an open window) would index chunk rows of other requests: name the
         # row's own token instead. Only closing windows are kept, and they have no such slot.
-        return _sources(torch.minimum(pos, positions.unsqueeze(1)), seg, positions, rows, state_page,
+        return ring_sources(torch.minimum(pos, positions.unsqueeze(1)), seg, positions, rows, state_page,
                         state_spec.page_rows, state_total)
 
     closes = (positions + 1) % ratio == 0
     scratch_row = pool.scratch_pages[entry_name] * entry_spec.page_rows
-    entry_row = torch.where(closes, _paged_rows(tables[entry_name], entry_spec.page_rows, rows, window),
+    entry_row = torch.where(closes, paged_rows(tables[entry_name], entry_spec.page_rows, rows, window),
                             torch.full_like(window, scratch_row))
     state_write = RingWrite(rows, state_page * state_spec.page_rows + positions % state_spec.page_rows)
     return CompressPlan(num_entries=positions.shape[0], cur=sources(cur_pos),
@@ -164,7 +164,7 @@ def _decode_visible(pool: CachePool, name: str, ratio: int, positions: torch.Ten
     w = torch.arange(max(1, shape.context // ratio), device=positions.device).unsqueeze(0)
     w = w.expand(positions.shape[0], -1)
     valid = w < ((positions + 1) // ratio).unsqueeze(1)
-    return VisibleEntries(_paged_rows(tables[name], pool.groups[name].spec.page_rows, rows.unsqueeze(1).expand_as(w),
+    return VisibleEntries(paged_rows(tables[name], pool.groups[name].spec.page_rows, rows.unsqueeze(1).expand_as(w),
                                       w), valid)
 
 
@@ -180,7 +180,7 @@ def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInpu
     window = cfg.sliding_window
     win_pos = pos.unsqueeze(1) - window + 1 + torch.arange(window, device=device)
     swa_page = group_tables["swa"][:, 0]
-    swa = _sources(win_pos, rows.unsqueeze(1).expand_as(win_pos), pos, rows, swa_page, window,
+    swa = ring_sources(win_pos, rows.unsqueeze(1).expand_as(win_pos), pos, rows, swa_page, window,
                    swa_spec.num_pages * swa_spec.page_rows, swa_spec.page_rows)
     swa_write = RingWrite(rows, swa_page * swa_spec.page_rows + pos % window)
 

@@ -53,12 +53,11 @@ PREFIX_CACHE_HITS = Counter("dsv4_prefix_cache_hits_total",
                             "Prompt tokens whose blocks the chosen prefill worker served recently", ())
 
 
-def observe_engine_load(role: str, worker: str, engine) -> None:
-    """Publish the load gauges of one engine (called by the worker after each step)."""
-    sched = engine.scheduler
-    RUNNING.labels(role, worker).set(len(sched.running) + len(engine.held) + len(engine.imports))
-    WAITING.labels(role, worker).set(len(sched.waiting))
-    KV_USAGE.labels(role, worker).set(max(engine.pool.usage().values(), default=0.0))
+def observe_engine_load(role: str, worker: str, load) -> None:
+    """Publish the load gauges of one engine from its `EngineLoad` (the worker calls it on every change)."""
+    RUNNING.labels(role, worker).set(load.running)
+    WAITING.labels(role, worker).set(load.waiting)
+    KV_USAGE.labels(role, worker).set(load.kv_usage)
 
 
 def metrics_registry() -> CollectorRegistry | None:

@@ -65,7 +65,7 @@ class DeepseekV4Model:
     def _mhc(streams: torch.Tensor):
         """The mHC implementation for these streams: kernels.triton_mhc (fused) or the kernels.mhc reference."""
         # CUDA only: under the CPU interpreter the fused kernel's Sinkhorn loop is far too slow for whole-model
-        # runs (tests/test_triton_mhc.py checks it against the reference there).
+        # runs (tests/kernels/test_triton_mhc.py checks it against the reference there).
         if streams.is_cuda and use_triton(streams.device):
             from kernels import triton_mhc  # imports triton: only on this path
             return triton_mhc

@@ -16,6 +16,7 @@ from engine.cache import CacheConfig, CachePool
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeRunner
 from engine.fast_paths import use_triton
+from engine.handoff import EngineLoad
 from engine.model import DeepseekV4Model
 from engine.request import Request, TokenEvent
 from engine.sampling import draw_seed, sample
@@ -126,9 +127,12 @@ class EngineCore:
     def held_request(self, request_id: str) -> Request:
         return self.held[request_id]
 
-    def can_import(self, total_tokens: int) -> bool:
-        return (len(self.scheduler.running) + len(self.imports) < self.scheduler_config.max_num_seqs
-                and self.pool.can_grow({}, total_tokens))
+    def load(self) -> EngineLoad:
+        """The one load figure of this engine (gauges, worker stats and router placement read it)."""
+        running = len(self.scheduler.running) + len(self.held) + len(self.imports)
+        in_batch = len(self.scheduler.running) + len(self.imports)  # imports join the batch when they land
+        return EngineLoad(running, len(self.scheduler.waiting), max(self.pool.usage().values(), default=0.0),
+                          self.pool.free_tokens(), max(0, self.scheduler_config.max_num_seqs - in_batch))
 
     def reserve_import(self, prompt: list[int], params: SamplingParams, request_id: str, seed: int,
                        first_token: int, first_logprob: float, prompt_logprobs: list | None = None) -> dict:

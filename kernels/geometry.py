@@ -37,7 +37,7 @@ MXFP4_BLOCK = 32  # e2m1 values per UE8M0 scale.
 FP8_INDEXER_BLOCK = 128  # e4m3 values per fp32 scale.
 FP32_SCALE_BYTES = 4
 # The FP8 indexer writer floors amax / 448 (not amax) at 1e-10.
-_FP8_INDEXER_AMAX_FLOOR = qf.FP8_E4M3_MAX * 1.0e-10
+FP8_INDEXER_AMAX_FLOOR = qf.FP8_E4M3_MAX * 1.0e-10
 
 KV_FORMATS = ("fp8_ds_mla", "exact")
 INDEXER_FORMATS = ("mxfp4", "fp8", "exact")
@@ -407,7 +407,7 @@ def pack_indexer_fp8(k: torch.Tensor) -> torch.Tensor:
     """k [N, index_head_dim] float -> uint8 [N, dim + 4 * dim/128] = [e4m3 | fp32 scale per 128 values]."""
     if k.dim() != 2:
         raise ValueError(f"indexer keys must be [N, index_head_dim], got {tuple(k.shape)}")
-    codes, exponent = qf.quantize_fp8_pow2(k, FP8_INDEXER_BLOCK, floor=_FP8_INDEXER_AMAX_FLOOR)
+    codes, exponent = qf.quantize_fp8_pow2(k, FP8_INDEXER_BLOCK, floor=FP8_INDEXER_AMAX_FLOOR)
     scale = torch.exp2(exponent).contiguous().view(torch.uint8)
     return torch.cat([codes, scale], dim=1)
 

@@ -2,20 +2,20 @@
 
 The rules are those of kernels/quant_formats.py (what geometry's pack functions apply); here they are built
 from integer bit operations, so triton's CPU interpreter and the GPU write the same bytes:
-- `_round_bf16`: fp32 -> nearest-even bf16 value (kept in fp32). The interpreter's `.to(tl.bfloat16)`
+- `tl_round_bf16`: fp32 -> nearest-even bf16 value (kept in fp32). The interpreter's `.to(tl.bfloat16)`
   truncates, and every quantiser rounds its input to the model dtype first, so it must be exact.
-- `_pow2_exponent`: e = ceil(log2(max(amax, floor) / fmt_max)), computed exactly as the smallest e with
+- `tl_pow2_exponent`: e = ceil(log2(max(amax, floor) / fmt_max)), computed exactly as the smallest e with
   max(amax, floor) <= fmt_max * 2**e from amax's exponent and mantissa bits (the GPU's lg2.approx and
   div.full are not correctly rounded). torch's fp32 log2 agrees whenever amax is bf16-valued (8 mantissa
   bits: its quotient by 448 or 6 is at least 0.4% away from a power of two), which covers every production
   path (fp8_ds_mla rounds to bf16 before quantising; the model dtype is bf16). For arbitrary fp32 amax within
   ~|e| * 2**-23 (relative) above fmt_max * 2**e, torch's log2 rounds down onto an integer and the reference
   picks the exponent one lower (saturating that block at fmt_max); the kernel keeps the exact one.
-- `_e4m3_bits`: fp32 in [-448, 448] -> e4m3fn byte, round to nearest even, -0 kept as 0x80 (as torch). On the
+- `tl_e4m3_bits`: fp32 in [-448, 448] -> e4m3fn byte, round to nearest even, -0 kept as 0x80 (as torch). On the
   GPU `HW_FP8` uses the hardware cast instead (cvt.rn.satfinite on sm_89+); the interpreter's cast drops the
   carry when the mantissa rounds up to the next power of two (125.7 -> 64), so it never runs there.
-- `_e2m1_code`: nibble of the nearest e2m1 value, ties toward zero, -0 stored as +0 (quant_formats' bounds).
-Paged addressing (`_row_offsets`) is geometry's block layout: block s // block_size starts at
+- `tl_e2m1_code`: nibble of the nearest e2m1 value, ties toward zero, -0 stored as +0 (quant_formats' bounds).
+Paged addressing (`tl_row_offsets`) is geometry's block layout: block s // block_size starts at
 block * block_stride; it holds block_size value rows, then block_size scale rows.
 """
 
@@ -27,7 +27,7 @@ import torch
 
 from kernels import quant_formats as qf
 from kernels.geometry import (
-    _FP8_INDEXER_AMAX_FLOOR,
+    FP8_INDEXER_AMAX_FLOOR,
     FP8_INDEXER_BLOCK,
     MXFP4_BLOCK,
     BlockRowLayout,
@@ -37,12 +37,12 @@ from kernels.gpu import import_triton
 triton, tl = import_triton()
 
 # Set False to make the GPU use the bit-exact software e4m3 encoder too (e.g. if a triton build converts
-# fp32 -> fp8 through fp16, which double-rounds; tests/test_triton_cache_codecs.py would catch it).
+# fp32 -> fp8 through fp16, which double-rounds; tests/kernels/test_triton_cache_codecs.py would catch it).
 USE_HW_FP8_CAST = True
 
 
 def fmt_max_bits(fmt_max: float) -> tuple[int, int]:
-    """fmt_max = 1.m * 2**E -> (E, 23-bit mantissa field of m): the constants `_pow2_exponent` compares with."""
+    """fmt_max = 1.m * 2**E -> (E, 23-bit mantissa field of m): the constants `tl_pow2_exponent` compares with."""
     bits = struct.unpack("<I", struct.pack("<f", fmt_max))[0]
     return ((bits >> 23) & 0xFF) - 127, bits & 0x7FFFFF
 
@@ -50,16 +50,16 @@ def fmt_max_bits(fmt_max: float) -> tuple[int, int]:
 FP8_MAX_EXP, FP8_MAX_MANT = fmt_max_bits(qf.FP8_E4M3_MAX)  # 448 = 1.75 * 2**8
 E2M1_MAX_EXP, E2M1_MAX_MANT = fmt_max_bits(qf.E2M1_MAX)  # 6 = 1.5 * 2**2
 # The same numbers as constexpr globals (jit functions may only read constexpr globals).
-_FP8_EXP, _FP8_MANT = tl.constexpr(FP8_MAX_EXP), tl.constexpr(FP8_MAX_MANT)
-_E2M1_EXP, _E2M1_MANT = tl.constexpr(E2M1_MAX_EXP), tl.constexpr(E2M1_MAX_MANT)
-_AMAX_FLOOR = tl.constexpr(qf.AMAX_FLOOR)  # fp8_ds_mla and MXFP4
-_FP8_INDEXER_FLOOR = tl.constexpr(_FP8_INDEXER_AMAX_FLOOR)
-_MX_HALF = tl.constexpr(MXFP4_BLOCK // 2)  # even (or odd) columns of one MXFP4 scale group
-_FP8_GROUP = tl.constexpr(FP8_INDEXER_BLOCK)
+FP8_EXP, FP8_MANT = tl.constexpr(FP8_MAX_EXP), tl.constexpr(FP8_MAX_MANT)
+E2M1_EXP, E2M1_MANT = tl.constexpr(E2M1_MAX_EXP), tl.constexpr(E2M1_MAX_MANT)
+CODEC_AMAX_FLOOR = tl.constexpr(qf.AMAX_FLOOR)  # fp8_ds_mla and MXFP4
+FP8_INDEXER_FLOOR = tl.constexpr(FP8_INDEXER_AMAX_FLOOR)
+MX_HALF = tl.constexpr(MXFP4_BLOCK // 2)  # even (or odd) columns of one MXFP4 scale group
+FP8_GROUP = tl.constexpr(FP8_INDEXER_BLOCK)
 
 
 @triton.jit
-def _round_bf16(x):
+def tl_round_bf16(x):
     """fp32 -> fp32 holding x rounded to the nearest-even bf16 (finite x)."""
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
@@ -67,17 +67,17 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _round_to(x, BF16: tl.constexpr, DT: tl.constexpr):
+def tl_round_to(x, BF16: tl.constexpr, DT: tl.constexpr):
     """fp32 x rounded to the model dtype (bf16 exactly by bits; fp16 by cast; fp32 unchanged), kept in fp32."""
     if BF16:
-        y = _round_bf16(x)
+        y = tl_round_bf16(x)
     else:
         y = x.to(DT).to(tl.float32)
     return y
 
 
 @triton.jit
-def _pow2_exponent(amax, floor, FMT_EXP: tl.constexpr, FMT_MANT: tl.constexpr):
+def tl_pow2_exponent(amax, floor, FMT_EXP: tl.constexpr, FMT_MANT: tl.constexpr):
     """int32 e = ceil(log2(max(amax, floor) / fmt_max)) exactly; fmt_max = (1 + FMT_MANT / 2**23) * 2**FMT_EXP."""
     bits = tl.maximum(amax, floor).to(tl.int32, bitcast=True)
     over = ((bits & 0x7FFFFF) > FMT_MANT).to(tl.int32)
@@ -85,19 +85,19 @@ def _pow2_exponent(amax, floor, FMT_EXP: tl.constexpr, FMT_MANT: tl.constexpr):
 
 
 @triton.jit
-def _exp2i(e):
+def tl_exp2i(e):
     """int32 e in [-126, 127] -> fp32 2**e, exact (built from the exponent bits)."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _ue8m0(e):
+def tl_ue8m0(e):
     """int32 exponents -> UE8M0 bytes e + 127 saturated to [0, 255] (quant_formats.ue8m0_encode)."""
     return tl.minimum(tl.maximum(e + 127, 0), 255).to(tl.uint8)
 
 
 @triton.jit
-def _e4m3_bits(v, HW_FP8: tl.constexpr):
+def tl_e4m3_bits(v, HW_FP8: tl.constexpr):
     """fp32 v (scaled into range; clamped here to +-448) -> uint8 e4m3fn bit patterns, nearest even."""
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if HW_FP8:
@@ -117,7 +117,7 @@ def _e4m3_bits(v, HW_FP8: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_code(v):
+def tl_e2m1_code(v):
     """fp32 v (already divided by its block scale) -> int32 e2m1 nibbles (quant_formats.e2m1_encode)."""
     a = tl.abs(v)
     code = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
@@ -126,7 +126,7 @@ def _e2m1_code(v):
 
 
 @triton.jit
-def _row_offsets(slot, block_size, block_stride, VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+def tl_row_offsets(slot, block_size, block_stride, VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
     """int64 slots -> (value row, scale row) byte offsets in a paged cache (geometry's block layout)."""
     blk = slot // block_size
     pos = slot - blk * block_size
@@ -135,7 +135,7 @@ def _row_offsets(slot, block_size, block_stride, VALUE_BYTES: tl.constexpr, SCAL
 
 
 @triton.jit
-def _rotation(j, i, n, HADAMARD: tl.constexpr, LOG2N: tl.constexpr):
+def tl_rotation(j, i, n, HADAMARD: tl.constexpr, LOG2N: tl.constexpr):
     """[K, N] fp32 block of the n x n Sylvester Hadamard matrix (+-1, unnormalised) at rows j, columns i, or of
     the identity when not HADAMARD; 0 outside [0, n)^2. H[j, i] = (-1) ** popcount(j & i)."""
     inside = (j < n)[:, None] & (i < n)[None, :]
@@ -179,7 +179,7 @@ def check_rows(rows: torch.Tensor, n: int, capacity: int, what: str = "rows") ->
 
 
 @triton.jit
-def _store_fp8_ds_mla(cache_ptr, vrow, srow, ok, nope, ev, od, p, HALF, NB: tl.constexpr, NB_P: tl.constexpr,
+def tl_store_fp8_ds_mla(cache_ptr, vrow, srow, ok, nope, ev, od, p, HALF, NB: tl.constexpr, NB_P: tl.constexpr,
                       QB: tl.constexpr, ROPE_OFFSET: tl.constexpr, PAD: tl.constexpr, HW_FP8: tl.constexpr):
     """Write one fp8_ds_mla row (geometry.pack_fp8_ds_mla) at value / scale row offsets vrow / srow if ok.
 
@@ -191,13 +191,13 @@ def _store_fp8_ds_mla(cache_ptr, vrow, srow, ok, nope, ev, od, p, HALF, NB: tl.c
     b = tl.arange(0, NB_P)
     j = tl.arange(0, QB)
     bmask = b < NB
-    e = _pow2_exponent(tl.max(tl.abs(nope), axis=1), _AMAX_FLOOR, _FP8_EXP, _FP8_MANT)
-    codes = _e4m3_bits(nope * _exp2i(-e)[:, None], HW_FP8)
+    e = tl_pow2_exponent(tl.max(tl.abs(nope), axis=1), CODEC_AMAX_FLOOR, FP8_EXP, FP8_MANT)
+    codes = tl_e4m3_bits(nope * tl_exp2i(-e)[:, None], HW_FP8)
     tl.store(cache_ptr + vrow + b[:, None] * QB + j[None, :], codes, mask=ok & bmask[:, None])
     rope = (cache_ptr + vrow + ROPE_OFFSET).to(tl.pointer_type(tl.bfloat16))
     pm = ok & (p < HALF)
     tl.store(rope + 2 * p, ev.to(tl.bfloat16), mask=pm)  # exact: already bf16-valued
     tl.store(rope + 2 * p + 1, od.to(tl.bfloat16), mask=pm)
-    tl.store(cache_ptr + srow + b, _ue8m0(e), mask=ok & bmask)
+    tl.store(cache_ptr + srow + b, tl_ue8m0(e), mask=ok & bmask)
     for k in tl.static_range(PAD):
         tl.store(cache_ptr + srow + NB + k, tl.zeros([1], tl.uint8), mask=ok)

@@ -31,24 +31,24 @@ from kernels import triton_cache_codecs as tc
 from kernels.geometry import FP8_DS_MLA_QUANT_BLOCK, Fp8DsMlaLayout, IndexerKeyLayout
 from kernels.gpu import import_triton, require_triton
 from kernels.triton_cache_codecs import (
-    _AMAX_FLOOR,
-    _E2M1_EXP,
-    _E2M1_MANT,
-    _FP8_EXP,
-    _FP8_GROUP,
-    _FP8_INDEXER_FLOOR,
-    _FP8_MANT,
-    _MX_HALF,
-    _e2m1_code,
-    _e4m3_bits,
-    _exp2i,
-    _pow2_exponent,
-    _rotation,
-    _round_bf16,
-    _round_to,
-    _row_offsets,
-    _store_fp8_ds_mla,
-    _ue8m0,
+    CODEC_AMAX_FLOOR,
+    E2M1_EXP,
+    E2M1_MANT,
+    FP8_EXP,
+    FP8_GROUP,
+    FP8_INDEXER_FLOOR,
+    FP8_MANT,
+    MX_HALF,
+    tl_e2m1_code,
+    tl_e4m3_bits,
+    tl_exp2i,
+    tl_pow2_exponent,
+    tl_rotation,
+    tl_round_bf16,
+    tl_round_to,
+    tl_row_offsets,
+    tl_store_fp8_ds_mla,
+    tl_ue8m0,
 )
 
 triton, tl = import_triton()
@@ -79,9 +79,9 @@ def _pool_cols(kv_row, sc_row, cols, cmask, SLOTS, stride_kvs, stride_scs, OUT_D
         mask = (sl < SLOTS)[:, None] & cmask[None, :]
         sc = tl.load(sc_row + sl[:, None] * stride_scs + cols[None, :], mask=mask, other=float("-inf"))
         kv = tl.load(kv_row + sl[:, None] * stride_kvs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = _round_to(tl.exp(sc.to(tl.float32) - m[None, :]) * inv_l[None, :], BF16_BITS, OUT_DTYPE)
-        acc += tl.sum(_round_to(kv * w, BF16_BITS, OUT_DTYPE), axis=0)  # the reference multiplies in kv.dtype
-    return _round_to(acc, BF16_BITS, OUT_DTYPE)
+        w = tl_round_to(tl.exp(sc.to(tl.float32) - m[None, :]) * inv_l[None, :], BF16_BITS, OUT_DTYPE)
+        acc += tl.sum(tl_round_to(kv * w, BF16_BITS, OUT_DTYPE), axis=0)  # the reference multiplies in kv.dtype
+    return tl_round_to(acc, BF16_BITS, OUT_DTYPE)
 
 
 @triton.jit
@@ -213,9 +213,9 @@ def save_state(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, position
 @triton.jit
 def _rotate_1d(a, e, o, ca, ce, oc, D, HADAMARD: tl.constexpr, LOG2D: tl.constexpr):
     """Columns oc of [nope a | rope pairs (e, o)] @ H (or @ I) for one entry: broadcast sums, not dots (one row)."""
-    y = tl.sum(a[:, None] * _rotation(ca, oc, D, HADAMARD, LOG2D), axis=0)
-    y += tl.sum(e[:, None] * _rotation(ce, oc, D, HADAMARD, LOG2D), axis=0)
-    y += tl.sum(o[:, None] * _rotation(ce + 1, oc, D, HADAMARD, LOG2D), axis=0)
+    y = tl.sum(a[:, None] * tl_rotation(ca, oc, D, HADAMARD, LOG2D), axis=0)
+    y += tl.sum(e[:, None] * tl_rotation(ce, oc, D, HADAMARD, LOG2D), axis=0)
+    y += tl.sum(o[:, None] * tl_rotation(ce + 1, oc, D, HADAMARD, LOG2D), axis=0)
     return y
 
 
@@ -227,31 +227,31 @@ def _store_indexer_key(cache_ptr, out_row, vrow, srow, ok, a, e, o, ca, ce, D, h
     dt = out_row.dtype.element_ty
     i = tl.arange(0, OUT_P)
     if FMT == 1:  # MXFP4: even / odd columns -> low / high nibbles; 16 + 16 of them share a scale
-        ye = _round_to(_rotate_1d(a, e, o, ca, ce, 2 * i, D, HADAMARD, LOG2D) * hscale, BF16, dt)
-        yo = _round_to(_rotate_1d(a, e, o, ca, ce, 2 * i + 1, D, HADAMARD, LOG2D) * hscale, BF16, dt)
+        ye = tl_round_to(_rotate_1d(a, e, o, ca, ce, 2 * i, D, HADAMARD, LOG2D) * hscale, BF16, dt)
+        yo = tl_round_to(_rotate_1d(a, e, o, ca, ce, 2 * i + 1, D, HADAMARD, LOG2D) * hscale, BF16, dt)
         tl.store(out_row + 2 * i, ye.to(dt), mask=2 * i < D)
         tl.store(out_row + 2 * i + 1, yo.to(dt), mask=2 * i < D)
-        G: tl.constexpr = OUT_P // _MX_HALF
-        ye2 = tl.reshape(ye, [G, _MX_HALF])
-        yo2 = tl.reshape(yo, [G, _MX_HALF])
+        G: tl.constexpr = OUT_P // MX_HALF
+        ye2 = tl.reshape(ye, [G, MX_HALF])
+        yo2 = tl.reshape(yo, [G, MX_HALF])
         amax = tl.maximum(tl.max(tl.abs(ye2), axis=1), tl.max(tl.abs(yo2), axis=1))
-        ex = tl.minimum(tl.maximum(_pow2_exponent(amax, _AMAX_FLOOR, _E2M1_EXP, _E2M1_MANT), -127), 127)
-        inv = _exp2i(-ex)[:, None]
-        byte = _e2m1_code(tl.reshape(ye2 * inv, [OUT_P])) | (_e2m1_code(tl.reshape(yo2 * inv, [OUT_P])) << 4)
+        ex = tl.minimum(tl.maximum(tl_pow2_exponent(amax, CODEC_AMAX_FLOOR, E2M1_EXP, E2M1_MANT), -127), 127)
+        inv = tl_exp2i(-ex)[:, None]
+        byte = tl_e2m1_code(tl.reshape(ye2 * inv, [OUT_P])) | (tl_e2m1_code(tl.reshape(yo2 * inv, [OUT_P])) << 4)
         tl.store(cache_ptr + vrow + i[None, :], byte.to(tl.uint8)[None, :], mask=ok[:, None] & (i < LD // 2)[None, :])
         g = tl.arange(0, G)
-        tl.store(cache_ptr + srow + g[None, :], _ue8m0(ex)[None, :], mask=ok[:, None] & (g < NS)[None, :])
+        tl.store(cache_ptr + srow + g[None, :], tl_ue8m0(ex)[None, :], mask=ok[:, None] & (g < NS)[None, :])
     else:  # FP8: columns in order, one power-of-two fp32 scale per 128
-        y = _round_to(_rotate_1d(a, e, o, ca, ce, i, D, HADAMARD, LOG2D) * hscale, BF16, dt)
+        y = tl_round_to(_rotate_1d(a, e, o, ca, ce, i, D, HADAMARD, LOG2D) * hscale, BF16, dt)
         tl.store(out_row + i, y.to(dt), mask=i < D)
-        G: tl.constexpr = OUT_P // _FP8_GROUP
-        y2 = tl.reshape(y, [G, _FP8_GROUP])
-        ex = _pow2_exponent(tl.max(tl.abs(y2), axis=1), _FP8_INDEXER_FLOOR, _FP8_EXP, _FP8_MANT)
-        codes = _e4m3_bits(tl.reshape(y2 * _exp2i(-ex)[:, None], [OUT_P]), HW_FP8)
+        G: tl.constexpr = OUT_P // FP8_GROUP
+        y2 = tl.reshape(y, [G, FP8_GROUP])
+        ex = tl_pow2_exponent(tl.max(tl.abs(y2), axis=1), FP8_INDEXER_FLOOR, FP8_EXP, FP8_MANT)
+        codes = tl_e4m3_bits(tl.reshape(y2 * tl_exp2i(-ex)[:, None], [OUT_P]), HW_FP8)
         tl.store(cache_ptr + vrow + i[None, :], codes[None, :], mask=ok[:, None] & (i < LD)[None, :])
         g = tl.arange(0, G)
         sp = (cache_ptr + srow).to(tl.pointer_type(tl.float32))
-        tl.store(sp + g[None, :], _exp2i(ex)[None, :], mask=ok[:, None] & (g < NS)[None, :])
+        tl.store(sp + g[None, :], tl_exp2i(ex)[None, :], mask=ok[:, None] & (g < NS)[None, :])
 
 
 @triton.jit
@@ -281,22 +281,22 @@ def _pool_quant_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, out
     o = tl.where(mp, _pool_cols(kv_row, sc_row, ce + 1, mp, SLOTS, stride_kvs, stride_scs, dt, BLOCK_S,
                                   BF16), 0.0)
     r = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(e * e, axis=0) + tl.sum(o * o, axis=0)) / D + eps)
-    a = _round_to(tl.load(w_ptr + ca, mask=ma, other=0.0).to(tl.float32) * (a * r), BF16, dt)
-    e = _round_to(tl.load(w_ptr + ce, mask=mp, other=0.0).to(tl.float32) * (e * r), BF16, dt)
-    o = _round_to(tl.load(w_ptr + ce + 1, mask=mp, other=0.0).to(tl.float32) * (o * r), BF16, dt)
+    a = tl_round_to(tl.load(w_ptr + ca, mask=ma, other=0.0).to(tl.float32) * (a * r), BF16, dt)
+    e = tl_round_to(tl.load(w_ptr + ce, mask=mp, other=0.0).to(tl.float32) * (e * r), BF16, dt)
+    o = tl_round_to(tl.load(w_ptr + ce + 1, mask=mp, other=0.0).to(tl.float32) * (o * r), BF16, dt)
     c = tl.load(cos_ptr + n * stride_cn + p, mask=mp, other=1.0)
     s = tl.load(sin_ptr + n * stride_sn + p, mask=mp, other=0.0)
-    e, o = _round_to(e * c - o * s, BF16, dt), _round_to(o * c + e * s, BF16, dt)
+    e, o = tl_round_to(e * c - o * s, BF16, dt), tl_round_to(o * c + e * s, BF16, dt)
 
     slot = tl.load(rows_ptr + n + tl.arange(0, 1)).to(tl.int64)  # [1]: the interpreter needs vector masks
     ok = slot >= 0
-    vrow, srow = _row_offsets(tl.maximum(slot, 0), block_size, block_stride, VALUE_BYTES, SCALE_BYTES)
+    vrow, srow = tl_row_offsets(tl.maximum(slot, 0), block_size, block_stride, VALUE_BYTES, SCALE_BYTES)
     if FMT == 0:  # fp8_ds_mla KV entry: NoPE blocks of 64 -> rows of a [blocks, 64] view
         tl.store(o_row + ca, a.to(dt), mask=ma)
         tl.store(o_row + ce, e.to(dt), mask=mp)
         tl.store(o_row + ce + 1, o.to(dt), mask=mp)
-        nope2 = tl.reshape(_round_bf16(a), [NOPE_P // 64, 64])
-        _store_fp8_ds_mla(cache_ptr, vrow, srow, ok, nope2, _round_bf16(e), _round_bf16(o), p, HALF, NB,
+        nope2 = tl.reshape(tl_round_bf16(a), [NOPE_P // 64, 64])
+        tl_store_fp8_ds_mla(cache_ptr, vrow, srow, ok, nope2, tl_round_bf16(e), tl_round_bf16(o), p, HALF, NB,
                           NOPE_P // 64, 64, LD, SCALE_BYTES - NB, HW_FP8)
     else:
         _store_indexer_key(cache_ptr, o_row, vrow, srow, ok, a, e, o, ca, ce, D, hscale, FMT, LD, NB, OUT_P, HADAMARD,

@@ -14,7 +14,7 @@ de-interleave (H's sign structure lets the odd rope rows and the odd output colu
 directly; a 32-value scale group is 16 consecutive even + 16 odd columns, reduced through a [BLOCK_R, groups,
 16] reshape (the pattern kernels/triton_attention.py uses). Without the rotation the same dots run against the
 identity, which is exact.
-Rounding: bf16 roundings are by bits (`_round_bf16`), so interpreter and GPU agree and the bytes equal
+Rounding: bf16 roundings are by bits (`tl_round_bf16`), so interpreter and GPU agree and the bytes equal
 `pack_rows(rotated q the kernel returns)` exactly; against the torch reference the rotated q may differ by one
 ulp (fp32 sums in another order), and so may the codes of values on a rounding boundary.
 """
@@ -27,21 +27,21 @@ from kernels import triton_cache_codecs as tc
 from kernels.geometry import IndexerKeyLayout
 from kernels.gpu import import_triton, require_triton
 from kernels.triton_cache_codecs import (
-    _AMAX_FLOOR,
-    _E2M1_EXP,
-    _E2M1_MANT,
-    _FP8_EXP,
-    _FP8_GROUP,
-    _FP8_INDEXER_FLOOR,
-    _FP8_MANT,
-    _MX_HALF,
-    _e2m1_code,
-    _e4m3_bits,
-    _exp2i,
-    _pow2_exponent,
-    _rotation,
-    _round_to,
-    _ue8m0,
+    CODEC_AMAX_FLOOR,
+    E2M1_EXP,
+    E2M1_MANT,
+    FP8_EXP,
+    FP8_GROUP,
+    FP8_INDEXER_FLOOR,
+    FP8_MANT,
+    MX_HALF,
+    tl_e2m1_code,
+    tl_e4m3_bits,
+    tl_exp2i,
+    tl_pow2_exponent,
+    tl_rotation,
+    tl_round_to,
+    tl_ue8m0,
 )
 
 triton, tl = import_triton()
@@ -65,13 +65,13 @@ def _rotate(xn, xe, xo, cn, ce, oc, DI, HADAMARD: tl.constexpr, LOG2D: tl.conste
 
     With H, row ce + 1 (ce even) is row ce times (-1) ** (oc & 1), so the odd-rope block reuses the even one.
     """
-    hn = _rotation(cn, oc, DI, HADAMARD, LOG2D)
-    he = _rotation(ce, oc, DI, HADAMARD, LOG2D)
+    hn = tl_rotation(cn, oc, DI, HADAMARD, LOG2D)
+    he = tl_rotation(ce, oc, DI, HADAMARD, LOG2D)
     y = _dot(xn, hn, BF16_DOT) + _dot(xe, he, BF16_DOT)
     if HADAMARD:
         y += _dot(xo, he, BF16_DOT) * (1.0 - 2.0 * (oc & 1).to(tl.float32))[None, :]
     else:
-        y += _dot(xo, _rotation(ce + 1, oc, DI, HADAMARD, LOG2D), BF16_DOT)
+        y += _dot(xo, tl_rotation(ce + 1, oc, DI, HADAMARD, LOG2D), BF16_DOT)
     return y
 
 
@@ -83,8 +83,8 @@ def _rotate_pairs(xn, xe, xo, cn, ce, i, DI, HADAMARD: tl.constexpr, LOG2D: tl.c
     odd = (xn * (-1) ** cn) @ Hn + xe @ He - xo @ He, and even = xn @ Hn + xe @ He + xo @ He.
     """
     if HADAMARD:
-        hn = _rotation(cn, 2 * i, DI, HADAMARD, LOG2D)
-        he = _rotation(ce, 2 * i, DI, HADAMARD, LOG2D)
+        hn = tl_rotation(cn, 2 * i, DI, HADAMARD, LOG2D)
+        he = tl_rotation(ce, 2 * i, DI, HADAMARD, LOG2D)
         a = _dot(xe, he, BF16_DOT)
         b = _dot(xo, he, BF16_DOT)
         ye = _dot(xn, hn, BF16_DOT) + a + b
@@ -118,39 +118,39 @@ def _indexer_q_kernel(q_ptr, cos_ptr, sin_ptr, val_ptr, sc_ptr, rot_ptr, N, H, D
     xo = tl.load(row[:, None] + ce[None, :] + 1, mask=pm, other=0.0).to(tl.float32)
     cs = tl.load(cos_ptr + tok[:, None] * stride_ct + p[None, :], mask=pm, other=1.0)
     sn = tl.load(sin_ptr + tok[:, None] * stride_st + p[None, :], mask=pm, other=0.0)
-    xe, xo = _round_to(xe * cs - xo * sn, BF16, dt), _round_to(xo * cs + xe * sn, BF16, dt)
+    xe, xo = tl_round_to(xe * cs - xo * sn, BF16, dt), tl_round_to(xo * cs + xe * sn, BF16, dt)
 
     i = tl.arange(0, OUT_P)
     if FMT == 1:
         # MXFP4: even / odd output columns 2i, 2i + 1 -> the low / high nibble of byte i.
         ye, yo = _rotate_pairs(xn, xe, xo, cn, ce, i, DI, HADAMARD, LOG2D, BF16_DOT)
-        ye, yo = _round_to(ye * hscale, BF16, dt), _round_to(yo * hscale, BF16, dt)
-        G: tl.constexpr = OUT_P // _MX_HALF
-        ye3 = tl.reshape(ye, [BLOCK_R, G, _MX_HALF])
-        yo3 = tl.reshape(yo, [BLOCK_R, G, _MX_HALF])
+        ye, yo = tl_round_to(ye * hscale, BF16, dt), tl_round_to(yo * hscale, BF16, dt)
+        G: tl.constexpr = OUT_P // MX_HALF
+        ye3 = tl.reshape(ye, [BLOCK_R, G, MX_HALF])
+        yo3 = tl.reshape(yo, [BLOCK_R, G, MX_HALF])
         amax = tl.maximum(tl.max(tl.abs(ye3), axis=2), tl.max(tl.abs(yo3), axis=2))
-        e = tl.minimum(tl.maximum(_pow2_exponent(amax, _AMAX_FLOOR, _E2M1_EXP, _E2M1_MANT), -127), 127)
-        inv = _exp2i(-e)[:, :, None]
-        lo = _e2m1_code(tl.reshape(ye3 * inv, [BLOCK_R, OUT_P]))
-        hi = _e2m1_code(tl.reshape(yo3 * inv, [BLOCK_R, OUT_P]))
+        e = tl.minimum(tl.maximum(tl_pow2_exponent(amax, CODEC_AMAX_FLOOR, E2M1_EXP, E2M1_MANT), -127), 127)
+        inv = tl_exp2i(-e)[:, :, None]
+        lo = tl_e2m1_code(tl.reshape(ye3 * inv, [BLOCK_R, OUT_P]))
+        hi = tl_e2m1_code(tl.reshape(yo3 * inv, [BLOCK_R, OUT_P]))
         tl.store(val_ptr + n64[:, None] * VALUE_BYTES + i[None, :], (lo | (hi << 4)).to(tl.uint8),
                  mask=rm[:, None] & (i < LD // 2)[None, :])
         g = tl.arange(0, G)
-        tl.store(sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], _ue8m0(e), mask=rm[:, None] & (g < NUM_SCALES)[None, :])
+        tl.store(sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], tl_ue8m0(e), mask=rm[:, None] & (g < NUM_SCALES)[None, :])
         if HAS_ROT:
             om = rm[:, None] & (2 * i < DI)[None, :]
             tl.store(rot_ptr + n64[:, None] * DI + 2 * i[None, :], ye.to(dt), mask=om)
             tl.store(rot_ptr + n64[:, None] * DI + 2 * i[None, :] + 1, yo.to(dt), mask=om)
     else:
         # FP8: all columns in order; one power-of-two fp32 scale per 128.
-        y = _round_to(_rotate(xn, xe, xo, cn, ce, i, DI, HADAMARD, LOG2D, BF16_DOT) * hscale, BF16, dt)
-        G: tl.constexpr = OUT_P // _FP8_GROUP
-        y3 = tl.reshape(y, [BLOCK_R, G, _FP8_GROUP])
-        e = _pow2_exponent(tl.max(tl.abs(y3), axis=2), _FP8_INDEXER_FLOOR, _FP8_EXP, _FP8_MANT)
-        codes = _e4m3_bits(tl.reshape(y3 * _exp2i(-e)[:, :, None], [BLOCK_R, OUT_P]), HW_FP8)
+        y = tl_round_to(_rotate(xn, xe, xo, cn, ce, i, DI, HADAMARD, LOG2D, BF16_DOT) * hscale, BF16, dt)
+        G: tl.constexpr = OUT_P // FP8_GROUP
+        y3 = tl.reshape(y, [BLOCK_R, G, FP8_GROUP])
+        e = tl_pow2_exponent(tl.max(tl.abs(y3), axis=2), FP8_INDEXER_FLOOR, FP8_EXP, FP8_MANT)
+        codes = tl_e4m3_bits(tl.reshape(y3 * tl_exp2i(-e)[:, :, None], [BLOCK_R, OUT_P]), HW_FP8)
         tl.store(val_ptr + n64[:, None] * VALUE_BYTES + i[None, :], codes, mask=rm[:, None] & (i < LD)[None, :])
         g = tl.arange(0, G)
-        tl.store(sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], _exp2i(e),
+        tl.store(sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], tl_exp2i(e),
                  mask=rm[:, None] & (g < NUM_SCALES)[None, :])
         if HAS_ROT:
             tl.store(rot_ptr + n64[:, None] * DI + i[None, :], y.to(dt), mask=rm[:, None] & (i < DI)[None, :])

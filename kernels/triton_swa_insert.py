@@ -11,7 +11,7 @@ Rows < 0 are skipped. The normalised, rotated kv is returned in the model dtype 
 One program per token: the NoPE channels are loaded as a [blocks, 64] tile (one quant block a row), the RoPE
 channels as even / odd vectors (as kernels/triton_norm_rope.py), so nothing is reshaped in registers.
 
-Rounding: every rounding to bf16 uses `_round_bf16` (nearest even, by bits), so the interpreter and the GPU
+Rounding: every rounding to bf16 uses `tl_round_bf16` (nearest even, by bits), so the interpreter and the GPU
 store the same values, and the cache bytes equal `pack_fp8_ds_mla(returned kv)` exactly (see
 kernels/triton_cache_codecs.py for the e4m3 and exponent codecs). Against the torch reference the returned kv
 may differ by one bf16 ulp (fp32 sums in another order, rsqrt.approx on the GPU), and so may the bytes of the
@@ -27,10 +27,10 @@ from kernels import triton_cache_codecs as tc
 from kernels.geometry import FP8_DS_MLA_QUANT_BLOCK, ExactRowLayout, Fp8DsMlaLayout
 from kernels.gpu import import_triton, require_triton
 from kernels.triton_cache_codecs import (
-    _round_bf16,
-    _round_to,
-    _row_offsets,
-    _store_fp8_ds_mla,
+    tl_round_bf16,
+    tl_round_to,
+    tl_row_offsets,
+    tl_store_fp8_ds_mla,
 )
 
 triton, tl = import_triton()
@@ -58,12 +58,12 @@ def _swa_insert_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, out_ptr, cache
     od = tl.load(x_row + ce + 1, mask=pm, other=0.0).to(tl.float32)
     r = tl.rsqrt((tl.sum(tl.sum(x * x, axis=1), axis=0) + tl.sum(ev * ev, axis=0) + tl.sum(od * od, axis=0)) / D
                  + eps)
-    a = _round_to(tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32) * (x * r), BF16, dt)
-    ev = _round_to(tl.load(w_ptr + ce, mask=pm, other=0.0).to(tl.float32) * (ev * r), BF16, dt)
-    od = _round_to(tl.load(w_ptr + ce + 1, mask=pm, other=0.0).to(tl.float32) * (od * r), BF16, dt)
+    a = tl_round_to(tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32) * (x * r), BF16, dt)
+    ev = tl_round_to(tl.load(w_ptr + ce, mask=pm, other=0.0).to(tl.float32) * (ev * r), BF16, dt)
+    od = tl_round_to(tl.load(w_ptr + ce + 1, mask=pm, other=0.0).to(tl.float32) * (od * r), BF16, dt)
     cs = tl.load(cos_ptr + t * stride_ct + p, mask=pm, other=1.0)
     sn = tl.load(sin_ptr + t * stride_st + p, mask=pm, other=0.0)
-    ev, od = _round_to(ev * cs - od * sn, BF16, dt), _round_to(od * cs + ev * sn, BF16, dt)
+    ev, od = tl_round_to(ev * cs - od * sn, BF16, dt), tl_round_to(od * cs + ev * sn, BF16, dt)
     tl.store(o_row + c, a.to(dt), mask=cm)
     tl.store(o_row + ce, ev.to(dt), mask=pm)
     tl.store(o_row + ce + 1, od.to(dt), mask=pm)
@@ -73,9 +73,9 @@ def _swa_insert_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, out_ptr, cache
     ok = slot >= 0
     slot = tl.maximum(slot, 0)
     if FP8:
-        vrow, srow = _row_offsets(slot, block_size, block_stride, TOKEN_STRIDE, SCALE_STRIDE)
+        vrow, srow = tl_row_offsets(slot, block_size, block_stride, TOKEN_STRIDE, SCALE_STRIDE)
         # pack_fp8_ds_mla quantises the bf16 latent: round first (a no-op for a bf16 model).
-        _store_fp8_ds_mla(cache_ptr, vrow, srow, ok, _round_bf16(a), _round_bf16(ev), _round_bf16(od), p, HALF,
+        tl_store_fp8_ds_mla(cache_ptr, vrow, srow, ok, tl_round_bf16(a), tl_round_bf16(ev), tl_round_bf16(od), p, HALF,
                           NB, NB_P, QB, ROPE_OFFSET, SCALE_STRIDE - NB, HW_FP8)
     else:
         c_row = cache_ptr + slot * stride_cr

@@ -3,10 +3,11 @@
 See kv_transfer.base for the request flow and page ownership rules.
 """
 
-from kv_transfer.base import (BACKENDS, TransferBackend, TransferError, TransferStats, TransferTicket,
-                              TransferTimeout, add_cli_args, make_backend, resolve_name)
+from engine.handoff import TransferTicket
+from kv_transfer.base import TransferBackend, TransferError, TransferStats, TransferTimeout
 from kv_transfer.plan import ByteRange, GroupPlan, TransferPlan, build_plan, layout_fingerprint
+from kv_transfer.registry import BACKENDS, TRANSFER_CHOICES, make_backend, resolve_name
 
-__all__ = ["BACKENDS", "ByteRange", "GroupPlan", "TransferBackend", "TransferError", "TransferPlan",
-           "TransferStats", "TransferTicket", "TransferTimeout", "add_cli_args", "build_plan", "layout_fingerprint",
+__all__ = ["BACKENDS", "ByteRange", "GroupPlan", "TRANSFER_CHOICES", "TransferBackend", "TransferError",
+           "TransferPlan", "TransferStats", "TransferTicket", "TransferTimeout", "build_plan", "layout_fingerprint",
            "make_backend", "resolve_name"]

@@ -18,8 +18,6 @@ TransferError / TransferTimeout and the caller frees the destination pages (`rec
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import os
 import struct
@@ -31,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from engine.cache import CacheGroupSpec, CachePool
+from engine.handoff import TransferTicket
 from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint
 
 
@@ -40,23 +39,6 @@ class TransferError(RuntimeError):
 
 class TransferTimeout(TransferError):
     """A transfer did not finish before its deadline."""
-
-
-@dataclass(frozen=True)
-class TransferTicket:
-    """What the decode side needs to pull one request; small and picklable (travels through Ray).
-
-    src_pages: ((group, (page, ...)), ...) exactly the source pages that hold data for num_tokens positions.
-    """
-
-    source: str  # worker (agent) name of the prefill side
-    request_id: str
-    src_pages: tuple[tuple[str, tuple[int, ...]], ...]
-    num_tokens: int
-    fingerprint: str  # layout_fingerprint of the source pool
-
-    def page_table(self) -> dict[str, list[int]]:
-        return {g: list(p) for g, p in self.src_pages}
 
 
 @dataclass(frozen=True)
@@ -251,41 +233,3 @@ def check_deadline(deadline: float, what: str) -> float:
     if left <= 0:
         raise TransferTimeout(f"{what}: timed out")
     return left
-
-
-# ---- registry --------------------------------------------------------------------------------------------
-# "tcp" is the dependency-free fallback: stdlib sockets work between any two hosts (unlike shared memory) and
-# need nothing beyond Python, which is also why it is the reference the NIXL results are compared against.
-BACKENDS = {"nixl": "kv_transfer.nixl_backend:NixlBackend", "tcp": "kv_transfer.tcp_backend:TcpBackend"}
-
-
-def nixl_available() -> bool:
-    from kv_transfer.nixl_backend import import_nixl
-    try:
-        import_nixl()
-        return True
-    except ImportError:
-        return False
-
-
-def resolve_name(name: str) -> str:
-    """'auto' -> 'nixl' when a nixl package imports, else 'tcp'."""
-    if name == "auto":
-        return "nixl" if nixl_available() else "tcp"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown transfer backend {name!r}; choose one of {sorted(BACKENDS)} or 'auto'")
-    return name
-
-
-def make_backend(name: str, pool: CachePool, **kwargs) -> TransferBackend:
-    """make_backend('nixl' | 'tcp' | 'auto', pool, worker_name=..., lease_s=..., on_release=..., <backend opts>)."""
-    module, cls = BACKENDS[resolve_name(name)].split(":")
-    return getattr(importlib.import_module(module), cls)(pool, **kwargs)
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transfer", choices=["auto", *sorted(BACKENDS)], default="auto",
-                        help="KV-cache transfer backend between prefill and decode workers "
-                             "(auto: nixl when installed, else tcp)")
-    parser.add_argument("--transfer-timeout", type=float, default=30.0,
-                        help="seconds a decode worker waits for one request's KV cache before failing it")

@@ -11,64 +11,27 @@ decode side has confirmed.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from dataclasses import dataclass
 
 from engine import metrics
-from engine.engine_loop import AsyncSink, EngineLoop
-from engine.llm import load_engine
+from engine.engine_loop import AsyncSink
+from engine.handoff import PrefillResult
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import TransferTicket, make_backend, resolve_name
+from engine.worker_base import WorkerBase
+from kv_transfer.registry import make_backend, resolve_name
 
 POLL_INTERVAL_S = 0.02
 
 
-@dataclass(frozen=True)
-class PrefillResult:
-    request_id: str
-    worker_id: str
-    first_token: int
-    first_logprob: float
-    prompt_logprobs: tuple  # (None, lp1, ...) when asked for, else ()
-    seed: int
-    finished: bool  # the first token already ended the request (EOS, or max_new_tokens == 1)
-    finish_reason: str | None
-    ticket: TransferTicket | None  # None when finished
-    queue_time_s: float
-    prefill_time_s: float
-    incarnation: str = ""  # of the worker that holds the caches (a restarted worker holds none)
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    worker_id: str
-    role: str
-    incarnation: str  # changes when the actor restarts (new transfer agent, empty cache)
-    running: int
-    waiting: int
-    kv_usage: float
-    kv_free_tokens: int
-
-
-def engine_stats(worker_id: str, role: str, incarnation: str, engine) -> WorkerStats:
-    sched = engine.scheduler
-    return WorkerStats(worker_id, role, incarnation, len(sched.running) + len(engine.held) + len(engine.imports),
-                       len(sched.waiting), max(engine.pool.usage().values(), default=0.0), engine.pool.free_tokens())
-
-
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
     role = "prefill"
 
     def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
                  transfer: str = "tcp", lease_s: float = 120.0):
-        self.worker_id = worker_id
-        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
-        self.engine = load_engine(model_dir, **(engine_options or {}))
+        super().__init__(worker_id, model_dir, engine_options)
         self.transfer = resolve_name(transfer)  # the concrete backend, for metric labels
-        self.backend = make_backend(transfer, self.engine.pool, worker_name=worker_id, lease_s=lease_s)
+        self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id, lease_s=lease_s))
         self.backend.add_release_callback(self._on_release)
-        self.loop = EngineLoop(self.engine, name=f"prefill-{worker_id}", on_step=self._on_step)
         self._poller: asyncio.Task | None = None
 
     # ---- engine thread ---------------------------------------------------------------------------
@@ -78,20 +41,13 @@ class PrefillWorker:
             metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, "prefill_side").inc()
 
     def _on_step(self, engine, events) -> None:
-        self.backend.poll()
-        metrics.observe_engine_load(self.role, self.worker_id, engine)
+        if self.backend is not None:  # the first steps can run before the backend is attached
+            self.backend.poll()
+        self.publish_load()
 
     # ---- actor API -------------------------------------------------------------------------------
     def transfer_metadata(self) -> bytes:
         return self.backend.metadata()
-
-    def stats(self) -> WorkerStats:
-        return engine_stats(self.worker_id, self.role, self.incarnation, self.engine)
-
-    def ping(self) -> str:
-        if not self.loop.alive:
-            raise RuntimeError(f"prefill worker {self.worker_id}: engine loop is not running")
-        return self.incarnation
 
     async def _poll_forever(self) -> None:
         # Confirmations arrive while the engine may be idle: poll on the engine thread regularly.
@@ -152,7 +108,3 @@ class PrefillWorker:
             self.loop.unsubscribe(request_id)
 
         await self.loop.acall(drop)
-
-    def shutdown(self) -> None:
-        self.loop.stop()
-        self.backend.close()

@@ -123,11 +123,9 @@ class LocalWorker:
         self._snapshot = self._info()
 
     def _info(self) -> WorkerInfo:
-        sched, pool = self.engine.scheduler, self.engine.pool
-        usage = pool.usage()
-        return WorkerInfo(self.worker_id, "colocated", True, len(sched.running), len(sched.waiting),
-                          pool.free_tokens(), max(usage.values()) if usage else 0.0,
-                          f"{self.worker_id}#{self._incarnation}")
+        load = self.engine.load()
+        return WorkerInfo(self.worker_id, "colocated", True, load.running, load.waiting, load.kv_free_tokens,
+                          load.kv_usage, f"{self.worker_id}#{self._incarnation}")
 
 
 class LocalDispatcher:

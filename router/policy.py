@@ -1,6 +1,6 @@
 """Where a request runs: prefix locality and load for prefill, free KV capacity and load for decode.
 
-Pure Python (no gRPC, no engine) so every rule is unit-tested on its own (tests/test_router_policy.py).
+Pure Python (no gRPC, no engine) so every rule is unit-tested on its own (tests/router/test_router_policy.py).
 Not thread-safe: the router calls it from one asyncio event loop.
 
 Prefix locality is approximate, as in SGLang's cache-aware router and llm-d's hashed-block scorer: the

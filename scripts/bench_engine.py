@@ -23,7 +23,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import shlex
 import sys
 import tempfile
@@ -34,9 +33,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from service.benchmarks_md import write_section  # noqa: E402
 
-BEGIN = "<!-- bench_engine:begin -->"
-END = "<!-- bench_engine:end -->"
 
 
 def _median(xs):
@@ -239,14 +237,8 @@ def _table(rows) -> str:
 
 
 def _update_markdown(path: Path, meta: list[str], table: str) -> None:
-    section = "\n".join([BEGIN, "## Engine vs transformers (CPU, fp32): `scripts/bench_engine.py`", "",
-                         *meta, "", table, END])
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        text = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: section, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    write_section("bench_engine", "\n".join(["## Engine vs transformers (CPU, fp32): `scripts/bench_engine.py`", "",
+                                             *meta, "", table]), path)
 
 
 if __name__ == "__main__":

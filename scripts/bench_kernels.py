@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from service.benchmarks_md import write_section  # noqa: E402
 
 # V4-Flash decode shapes (docs/deepseek_v4.md).
 HEADS, HEAD_DIM, ROPE_DIM, WINDOW, TOPK = 64, 512, 64, 128, 512
@@ -408,16 +408,8 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, body: str) -> None:
-    """Put body under '## GPU kernels' in path, replacing an older section of that name."""
-    section = f"## GPU kernels\n\n{body.rstrip()}\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## GPU kernels\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
+def write_kernels_section(path: Path, body: str) -> None:
+    write_section("bench_kernels", f"## GPU kernels\n\n{body.rstrip()}", path)
 
 
 def main() -> int:
@@ -487,7 +479,7 @@ def main() -> int:
         body += "\n\nAttention tile / split sweep (top 3):\n" + "\n".join(sweep)
     print("\n" + body)
     if not args.no_write:
-        write_section(args.out, body)
+        write_kernels_section(args.out, body)
         print(f"\nwrote the '## GPU kernels' section of {args.out}")
     return 0
 

@@ -17,7 +17,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import shlex
 import sys
 import tempfile
@@ -29,10 +28,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+from service.benchmarks_md import write_section  # noqa: E402
 
 import bench_engine  # noqa: E402  (shares machine())
 
-BEGIN, END = "<!-- compare_kv_dtype:begin -->", "<!-- compare_kv_dtype:end -->"
 TITLE = "## fp8 KV cache vs exact"
 PROMPT_LENS = (9, 16, 37, 64, 100, 130, 170, 260)  # across the window, ratio-4 and ratio-128 boundaries
 
@@ -129,13 +128,7 @@ def table(results: list[tuple[str, dict]]) -> str:
 
 
 def update_markdown(path: Path, body: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{body.rstrip()}\n{END}"
-    if BEGIN in text and END in text:
-        text = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
+    write_section("compare_kv_dtype", body, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,9 +21,9 @@ stages=("$@")
 status=0
 for stage in "${stages[@]}"; do
   case $stage in
-    kernels) timeout ${KERNELS_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_triton_*.py \
-               tests/test_fast_paths.py tests/test_moe_grouped.py 2>&1 | tee "$OUT/kernels.log" || status=1 ;;
-    engine) timeout ${ENGINE_TIMEOUT:-240} $PY -m pytest -q -s -p no:cacheprovider tests/test_gpu_engine.py \
+    kernels) timeout ${KERNELS_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/kernels/ \
+               tests/engine/test_fast_paths.py tests/engine/test_moe_grouped.py 2>&1 | tee "$OUT/kernels.log" || status=1 ;;
+    engine) timeout ${ENGINE_TIMEOUT:-240} $PY -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py \
               2>&1 | tee "$OUT/engine.log" || status=1 ;;
     check) timeout ${CHECK_TIMEOUT:-150} $PY scripts/check_gpu_engine.py --tokens 24 2>&1 | tee "$OUT/check.log" \
              || status=1 ;;

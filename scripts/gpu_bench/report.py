@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import subprocess
 from pathlib import Path
 
@@ -19,10 +18,9 @@ import torch
 
 from .peer import transformers_info
 from .roofline import expert_bytes, index_row_bytes, kv_row_bytes
+from service.benchmarks_md import write_section  # noqa: E402
 
 SECTION = "## GPU decode and prefill (V4-Flash slice)"
-BEGIN = "<!-- bench_gpu:begin -->"
-END = "<!-- bench_gpu:end -->"
 
 
 def _run(cmd: list[str]) -> str:
@@ -241,13 +239,5 @@ def _gaps(ctx: dict) -> str:
 
 
 def write_benchmarks(path: Path, section: str) -> None:
-    """Put the section between the bench_gpu markers in BENCHMARKS.md (replacing an older one)."""
-    body = f"{BEGIN}\n{section.rstrip()}\n{END}"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: body, text, count=1)
-    else:
-        text = text.rstrip() + "\n\n" + body + "\n"
-    path.write_text(text if text.endswith("\n") else text + "\n")
-
+    """Put the section into BENCHMARKS.md's `bench_gpu` section (replacing an older one)."""
+    write_section("bench_gpu", section, path)

@@ -163,7 +163,7 @@ spec:
       command:
         - python
         - -m
-        - deploy.serve_entry
+        - service.kuberay_app
         - exporter
         - --port
         - {{ $v.metrics.port | quote }}

@@ -1,0 +1,100 @@
+"""The hand-off contract between the pools: what crosses from a prefill worker, through the dispatcher, to a
+decode worker, and what every worker reports about its load. Frozen, picklable dataclasses only (they travel
+through Ray); both workers, the KV-transfer backends and the dispatcher import them from here, never from
+each other.
+
+Flow of one disaggregated request:
+  PrefillWorker.prefill -> PrefillResult (first token, seed, TransferTicket)
+  DecodeWorker.decode(PrefillResult) -> Transferred (caches landed), then TokenEvents
+  DecodeWorker raises DecodeOverloaded when it has no slot or pages (the router answers 429 / queues).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class DecodeOverloaded(RuntimeError):
+    """No cache capacity or batch slot for the request right now (the router maps it to 429)."""
+
+
+@dataclass(frozen=True)
+class TransferTicket:
+    """What the decode side needs to pull one request; small and picklable (travels through Ray).
+
+    src_pages: ((group, (page, ...)), ...) exactly the source pages that hold data for num_tokens positions.
+    """
+
+    source: str  # worker (agent) name of the prefill side
+    request_id: str
+    src_pages: tuple[tuple[str, tuple[int, ...]], ...]
+    num_tokens: int
+    fingerprint: str  # layout_fingerprint of the source pool
+
+    def page_table(self) -> dict[str, list[int]]:
+        return {g: list(p) for g, p in self.src_pages}
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    worker_id: str
+    first_token: int
+    first_logprob: float
+    prompt_logprobs: tuple  # (None, lp1, ...) when asked for, else ()
+    seed: int
+    finished: bool  # the first token already ended the request (EOS, or max_new_tokens == 1)
+    finish_reason: str | None
+    ticket: TransferTicket | None  # None when finished
+    queue_time_s: float
+    prefill_time_s: float
+    incarnation: str = ""  # of the worker that holds the caches (a restarted worker holds none)
+
+
+@dataclass(frozen=True)
+class Transferred:
+    """Yielded by a decode stream once the request's caches have landed (before its first decoded token)."""
+
+    request_id: str
+    num_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The one load figure of an engine: gauges, router placement and worker stats all read this.
+
+    running: requests holding pages (scheduled, held for a hand-off, or importing); waiting: queued;
+    kv_usage: the fullest cache group's used fraction, 0..1; kv_free_tokens: tokens of new reservation the
+    pool can take; free_slots: requests more the engine's batch can admit.
+    """
+
+    running: int
+    waiting: int
+    kv_usage: float
+    kv_free_tokens: int
+    free_slots: int
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    role: str
+    incarnation: str  # changes when the actor restarts (new transfer agent, empty cache)
+    load: EngineLoad
+
+    @property
+    def running(self) -> int:
+        return self.load.running
+
+    @property
+    def waiting(self) -> int:
+        return self.load.waiting
+
+    @property
+    def kv_usage(self) -> float:
+        return self.load.kv_usage
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return self.load.kv_free_tokens

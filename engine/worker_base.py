@@ -1,0 +1,53 @@
+"""What a prefill and a decode worker share: the engine and its loop thread, the transfer backend's lifetime,
+identity across restarts, stats and gauges, liveness and shutdown. Each worker adds its own phase on top.
+
+The backend is made by the subclass (this layer knows nothing of kv_transfer) and handed in through
+`attach_backend`; `shutdown` closes it after the loop has stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from engine import metrics
+from engine.engine_loop import EngineLoop
+from engine.handoff import WorkerStats
+from engine.llm import load_engine
+
+
+class WorkerBase:
+    role = "?"
+
+    def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None):
+        self.worker_id = worker_id
+        # Changes when the actor restarts (new process, empty cache): peers and the router key on it.
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        self.engine = load_engine(model_dir, **(engine_options or {}))
+        self.backend = None
+        self.loop = EngineLoop(self.engine, name=f"{self.role}-{worker_id}", on_step=self._on_step)
+
+    def attach_backend(self, backend) -> None:
+        self.backend = backend
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _on_step(self, engine, events) -> None:
+        self.publish_load()
+
+    def publish_load(self) -> None:
+        """Set the load gauges from the engine's one load figure (engine thread, after every change)."""
+        metrics.observe_engine_load(self.role, self.worker_id, self.engine.load())
+
+    # ---- actor API -------------------------------------------------------------------------------
+    def stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, self.role, self.incarnation, self.engine.load())
+
+    def ping(self) -> str:
+        if not self.loop.alive:
+            raise RuntimeError(f"{self.role} worker {self.worker_id}: engine loop is not running")
+        return self.incarnation
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        if self.backend is not None:
+            self.backend.close()

@@ -1,0 +1,133 @@
+"""The `dsv4` command line: `generate`, `make-model` (later: `serve`, `bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _parse_ids(text: str) -> list[int]:
+    text = text.strip()
+    if not text:
+        return []
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids expects comma-separated integers, got {text!r}") from None
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate tokens for one or more prompts (one continuous batch)")
+    p.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-ids", type=_parse_ids, action="append", help="comma-separated token ids; repeatable")
+    src.add_argument("--prompt", action="append", help="text prompt (needs a tokenizer); repeatable")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", action="store_true")
+    p.add_argument("--prompt-logprobs", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV cache format: auto = exact rows in --dtype; fp8 = the production formats "
+                        "(fp8_ds_mla SWA / compressed KV, MXFP4 indexer keys)")
+    from service.launcher import add_engine_speed_args
+
+    add_engine_speed_args(p)
+
+
+def _add_make_model(sub) -> None:
+    p = sub.add_parser("make-model", help="write a random DeepSeek V4 checkpoint")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantize", action="store_true", help="FP8 dense weights and MXFP4 experts")
+
+
+def _generate(args) -> int:
+    from engine.llm import LLM
+    from engine.make_model import default_model_dir
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import load_tokenizer
+
+    model_dir = args.model or default_model_dir()
+    tokenizer = load_tokenizer(model_dir)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise ValueError(f"model {model_dir!r} has no tokenizer: use --prompt-ids")
+        prompts = [tokenizer.encode(text) for text in args.prompt]
+    else:
+        prompts = args.prompt_ids
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+                            prompt_logprobs=args.prompt_logprobs)
+    llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
+              kv_cache_dtype=args.kv_cache_dtype, keep_mxfp4_experts=args.keep_mxfp4_experts,
+              decode_mode=args.decode_mode)
+    for out in llm.generate(prompts, params):
+        if args.json:
+            print(json.dumps({"token_ids": out.token_ids, "logprobs": out.logprobs,
+                              "prompt_logprobs": out.prompt_logprobs, "finish_reason": out.finish_reason}))
+        else:
+            text = tokenizer.decode(out.token_ids) if tokenizer is not None else ""
+            print(f"{out.token_ids} {text!r} ({out.finish_reason})")
+    return 0
+
+
+def _make_model(args) -> int:
+    from engine.make_model import make_model
+
+    path = make_model(args.preset, args.out, seed=args.seed, quantize=args.quantize)
+    print(path or args.out)
+    return 0
+
+
+def _add_serve(sub) -> None:
+    from service.launcher import add_serve_args
+
+    add_serve_args(sub.add_parser("serve", help="run the disaggregated service (Ray, gRPC router, OpenAI HTTP)"))
+
+
+def _add_bench(sub) -> None:
+    from service.bench_serve import add_bench_serve_args
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_args(bench.add_parser("serve", help="concurrent clients against 1P1D, 2P2D and colocated"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek V4 inference service")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_make_model(sub)
+    _add_serve(sub)
+    _add_bench(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "make-model":
+            return _make_model(args)
+        if args.command == "serve":
+            from service.launcher import serve_main
+
+            return serve_main(args)
+        if args.command == "bench":
+            from service.bench_serve import bench_serve_main
+
+            return bench_serve_main(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dsv4 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The service as a Ray Serve application builder, for KubeRay: `import_path: service.kuberay_app:build`.
+
+On Kubernetes the pods only run `ray start` (KubeRay); the RayService's `serveConfigV2` names this builder
+with its `args`. Serve runs `build(args)` on the cluster: it starts the prefill and decode actors where
+the worker groups advertise the custom Ray resources `dsv4_prefill` / `dsv4_decode` (rayStartParams
+`resources`), the gRPC router actor, and returns the bound `OpenAIIngress` app, which Serve's proxies
+serve on every node (KubeRay's `<name>-serve-svc`).
+
+The actors are detached and named after a fingerprint of what they were built from, so a re-run of the
+builder (a Serve redeploy after `helm upgrade` changed `serveConfigV2`) keeps the workers whose settings
+did not change, replaces the others (killed first: the new ones need their GPUs), adds or removes
+workers for a new count, and starts a new router for the new set. Scaling a role or changing engine
+options is thus applied in place (requests on replaced workers fail); a new pod spec or image rolls a
+whole new cluster through the RayService `upgradeStrategy` instead.
+
+Metrics: every dsv4 process of a pod writes to PROMETHEUS_MULTIPROC_DIR (an emptyDir shared in the pod;
+the chart sets it in the Serve app's runtime_env, and it is passed to the actors here), so Ray's own
+processes keep their metrics out of it. A sidecar container of every pod runs
+`python -m service.kuberay_app exporter --port 8080`, which serves that directory's aggregate on the
+pod's port `metrics`: a sidecar starts and scales with its pod, unlike a per-node actor that a later
+autoscaled node would lack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+
+from kv_transfer.registry import TRANSFER_CHOICES
+from service.launcher import ENGINE_OPTION_KEYS, RouterActor, ServiceConfig, remote_classes, add_serve_args
+
+NAMESPACE = "dsv4"
+ROLES = ("prefill", "decode")
+_ARG_KEYS = {"model", "served_model_name", "prefill_workers", "decode_workers", "transfer", "router_policy",
+             "router_port", "engine", "prefill_args", "decode_args", "prefill_resources", "decode_resources",
+             "gpus_per_worker", "worker_num_cpus", "metrics_dir"}
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """How one role's actors are started: count, engine options and the Ray resources each takes."""
+
+    workers: int
+    engine_options: tuple  # (key, value) pairs for load_engine
+    resources: tuple  # (custom Ray resource, amount) pairs
+    num_gpus: float
+
+    def __post_init__(self):
+        if self.workers < 1:
+            raise ValueError(f"each role needs at least one worker, got {self.workers}")
+
+
+@dataclass(frozen=True)
+class EntryConfig:
+    service: ServiceConfig
+    prefill: RolePlan
+    decode: RolePlan
+    metrics_dir: str | None = None
+    env: tuple = field(default=())  # (name, value) env vars of every actor
+
+    def plan(self, role: str) -> RolePlan:
+        return self.prefill if role == "prefill" else self.decode
+
+
+def _engine_args(extra_args: list) -> dict:
+    """Per-role `dsv4 serve` engine flags (`prefill_args` / `decode_args`) -> load_engine options."""
+    parser = argparse.ArgumentParser(prog="dsv4 serve_entry", add_help=False, exit_on_error=False)
+    add_serve_args(parser)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS  # the namespace holds only the flags that were given
+    try:
+        parsed, rest = parser.parse_known_args([str(a) for a in extra_args])
+    except argparse.ArgumentError as e:
+        raise ValueError(f"bad engine argument: {e}") from None
+    given = vars(parsed)
+    not_engine = sorted(k for k in given if k not in ENGINE_OPTION_KEYS)
+    if rest or not_engine:
+        raise ValueError(f"only engine flags of `dsv4 serve` ({', '.join(ENGINE_OPTION_KEYS)}) go in a role's "
+                         f"args; got {rest + not_engine}")
+    return given
+
+
+def _engine_options(common: dict, extra_args: list) -> tuple:
+    unknown = set(common) - set(ENGINE_OPTION_KEYS)
+    if unknown:
+        raise ValueError(f"unknown engine options {sorted(unknown)}; expected some of {ENGINE_OPTION_KEYS}")
+    opts = {k: v for k, v in common.items() if v is not None}
+    opts.update({k: v for k, v in _engine_args(extra_args).items() if v is not None})
+    return tuple(sorted(opts.items()))
+
+
+def parse_args(args: dict) -> EntryConfig:
+    """Validate the `args` of the Serve application (YAML values, so numbers may arrive as strings)."""
+    unknown = set(args) - _ARG_KEYS
+    if unknown:
+        raise ValueError(f"unknown serve_entry args {sorted(unknown)}; expected some of {sorted(_ARG_KEYS)}")
+    transfer = str(args.get("transfer", "auto"))
+    if transfer not in TRANSFER_CHOICES:
+        raise ValueError(f"transfer must be one of {list(TRANSFER_CHOICES)}, got {transfer!r}")
+    service = ServiceConfig(
+        model_dir=str(args.get("model") or ""), model_name=str(args.get("served_model_name", "dsv4")),
+        router_port=int(args.get("router_port", 0)), prefill_workers=int(args.get("prefill_workers", 1)),
+        decode_workers=int(args.get("decode_workers", 1)), transfer=transfer,
+        router_policy=str(args.get("router_policy", "cache_aware")),
+        worker_num_cpus=float(args.get("worker_num_cpus", 0.5)))
+    gpus = float(args.get("gpus_per_worker", 0))
+    common = dict(args.get("engine") or {})
+    plans = {role: RolePlan(workers=getattr(service, f"{role}_workers"),
+                            engine_options=_engine_options(common, list(args.get(f"{role}_args") or [])),
+                            resources=tuple(sorted((str(k), float(v)) for k, v in
+                                                   (args.get(f"{role}_resources") or {}).items())),
+                            num_gpus=gpus) for role in ROLES}
+    metrics_dir = args.get("metrics_dir") or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    env = (("PROMETHEUS_MULTIPROC_DIR", metrics_dir),) if metrics_dir else ()
+    return EntryConfig(service, plans["prefill"], plans["decode"], metrics_dir, env)
+
+
+def _fingerprint(*parts) -> str:
+    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+class EntryRouter(RouterActor):
+    """The router, plus the address of its node (ingress replicas may run on any node)."""
+
+    async def start(self, host: str, port: int) -> int:
+        if self.port is None:  # a reused actor (builder re-run) is already serving
+            self.port = await super().start(host, port)
+        return self.port
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+
+def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None) -> dict:
+    plan, fp = cfg.plan(role), _role_fingerprint(cfg, role, model_dir)
+    handles = {}
+    for worker_id in worker_ids(cfg, role):
+        handles[worker_id] = cls.options(
+            name=f"dsv4-{worker_id}-{fp}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+            num_gpus=plan.num_gpus, resources=dict(plan.resources),
+            runtime_env={"env_vars": dict(cfg.env)}).remote(worker_id, model_dir,
+                                                             dict(plan.engine_options), cfg.service.transfer)
+    return handles
+
+
+def _kill_stale(keep: set, prefix: str) -> None:
+    """Kill this namespace's actors named `prefix...` that are not in `keep` (an older layout's)."""
+    import ray
+
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == NAMESPACE and actor["name"].startswith(prefix) and actor["name"] not in keep:
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
+            except ValueError:  # already gone
+                pass
+
+
+def start_backend(cfg: EntryConfig) -> str:
+    """Start (or reuse) the workers and the router on the connected cluster; -> the router's host:port.
+
+    Workers of an older layout are killed first (their GPUs and role resources are what the new ones
+    need); the old router goes once the new one serves.
+    """
+    import ray
+
+    model_dir = cfg.service.model_dir or None  # None: each worker builds the built-in tiny model
+    workers = {f"dsv4-{w}-{_role_fingerprint(cfg, role, model_dir)}" for role in ROLES for w in worker_ids(cfg, role)}
+    for role in ROLES:
+        _kill_stale(workers, f"dsv4-{role}-")
+    prefill_cls, decode_cls, _ = remote_classes(cfg.service)
+    prefill = _start_role(cfg, "prefill", prefill_cls, model_dir)
+    decode = _start_role(cfg, "decode", decode_cls, model_dir)
+    ray.get([h.ping.remote() for h in (*prefill.values(), *decode.values())])
+    router_name = f"dsv4-router-{_fingerprint(sorted(workers), cfg.service.router_policy)}"
+    router = ray.remote(num_cpus=0, max_concurrency=1000)(EntryRouter).options(
+        name=router_name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        runtime_env={"env_vars": dict(cfg.env)}).remote(prefill, decode, cfg.service.router_policy)
+    port = ray.get(router.start.remote("0.0.0.0", cfg.service.router_port))
+    addr = f"{ray.get(router.node_ip.remote())}:{port}"
+    _kill_stale({router_name}, "dsv4-router-")
+    return addr
+
+
+def worker_ids(cfg: EntryConfig, role: str) -> list[str]:
+    return [f"{role}-{i}" for i in range(cfg.plan(role).workers)]
+
+
+def _role_fingerprint(cfg: EntryConfig, role: str, model_dir: str | None) -> str:
+    """What a worker is built from (not how many there are: scaling keeps the existing ones)."""
+    plan = cfg.plan(role)
+    return _fingerprint(model_dir, cfg.service.transfer, plan.engine_options, plan.resources, plan.num_gpus)
+
+
+def build(args: dict):
+    """Serve application builder: start the backend, -> the OpenAI ingress app bound to its router."""
+    from service.serve_ingress import OpenAIIngress
+    from engine.make_model import default_model_dir
+
+    cfg = parse_args(args)
+    router_addr = start_backend(cfg)
+    return OpenAIIngress.bind(router_addr, cfg.service.model_dir or default_model_dir(), cfg.service.model_name)
+
+
+def run_exporter(port: int, host: str = "0.0.0.0") -> None:
+    """Serve the pod's multiprocess directory on host:port until SIGTERM/SIGINT (the chart's sidecar)."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        raise SystemExit("PROMETHEUS_MULTIPROC_DIR must name the pod's shared metrics directory")
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+    from engine.metrics import start_metrics_server
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server, _ = start_metrics_server(port, host)
+    print(f"dsv4 metrics exporter on http://{host}:{port}/metrics", flush=True)
+    stop.wait()
+    server.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m service.kuberay_app")
+    sub = parser.add_subparsers(dest="command", required=True)
+    exporter = sub.add_parser("exporter", help="serve this pod's dsv4 metrics (sidecar)")
+    exporter.add_argument("--host", default="0.0.0.0")
+    exporter.add_argument("--port", type=int, default=8080)
+    args = parser.parse_args(argv)
+    run_exporter(args.port, args.host)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,499 @@
+"""The OpenAI-compatible HTTP front end: FastAPI routes over the gRPC router.
+
+`build_app(router_addr, model_dir, model_name)` returns a self-contained app (plain uvicorn, tests). Ray
+Serve needs the app object at import time, so `make_app(get_server)` builds routes that look their
+`OpenAIServer` up per request: `service.serve_ingress` passes `current_server` (a module function, pickled by
+reference, so Ray's cloudpickle round trip keeps it) and the replica's constructor calls `configure(...)`.
+
+Flow: validate all that can be checked here (prompt empty / out of vocabulary / too long, sampling values,
+text or chat without a tokenizer) for a precise 400 before any work is placed; then run the router's
+events through `TextStream` (incremental detokenization, stop strings) on one path for streaming and
+non-streaming, so both return the same tokens and text. Router errors map to INVALID_ARGUMENT 400,
+RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, else 500. Each request has a deadline
+(`request_timeout_s`, here and as the gRPC deadline), so nothing hangs. Leaving a router stream early
+(stop string, client disconnect, timeout) cancels the gRPC call: the engine aborts it and frees its pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service import openai_protocol as P
+from engine import metrics
+from engine.config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
+from router.client import AsyncRouterClient, RouterError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+_HTTP_OF_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+                 grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+_INT64 = 1 << 63
+
+
+class APIError(Exception):
+    """Ends a request with an OpenAI-style error body and `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    @classmethod
+    def from_router(cls, e: RouterError) -> "APIError":
+        return cls(_HTTP_OF_GRPC.get(e.code, 500), e.message or e.code.name)
+
+    @property
+    def label(self) -> str:  # the `status` label of the requests counter
+        return "invalid" if self.status in (400, 404) else "error"
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(P.error_body(self.status, self.message, self.param), status_code=self.status)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+class TextStream:
+    """Token ids -> text deltas, with stop strings. Streaming and non-streaming responses both run it.
+
+    Each token decodes the whole output so far and emits the new suffix (simple, O(n^2) in the output; fine
+    for now). Held back until they are final: a trailing U+FFFD (a UTF-8 character split across tokens,
+    which the next token may complete) and, while stop strings are pending, the last len(longest)-1
+    characters, which could be the start of a stop string that must not reach the client.
+    """
+
+    def __init__(self, tokenizer, stops: list[str], include_stop: bool, skip_special: bool):
+        self.tokenizer, self.stops, self.include_stop, self.skip_special = tokenizer, stops, include_stop, skip_special
+        self.hold = max(map(len, stops)) - 1 if stops and not include_stop else 0
+        self.ids, self.sent, self.stop_hit = [], "", None  # stop_hit: the stop string that ended the text
+
+    def add(self, token_id: int | None, final: bool) -> str:
+        if token_id is not None:
+            self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, self.skip_special) if self.tokenizer is not None and self.ids else ""
+        if self.stops:
+            hits = [(text.find(s), s) for s in self.stops if s in text]
+            if hits:
+                idx, s = min(hits)
+                text, self.stop_hit, final = text[: idx + (len(s) if self.include_stop else 0)], s, True
+        if not final:
+            text = text[: max(0, len(text) - self.hold)].rstrip("\ufffd")
+        if not text.startswith(self.sent):  # a prefix decoded differently (rare): never retract sent text
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+@dataclass
+class Job:
+    """One validated request: what the router needs, and what the response is built from."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    text: TextStream
+    arrival: float  # time.monotonic() at arrival
+    deadline: float  # loop.time() by which it must be over
+    prompt_text: str = ""  # for echo
+    prompt_logprobs: list = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def usage(self) -> P.UsageInfo:
+        n, m = len(self.prompt_ids), len(self.token_ids)
+        return P.UsageInfo(prompt_tokens=n, completion_tokens=m, total_tokens=n + m)
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes the body generator however the response ends, so the router stream is always cancelled
+    (servers speaking ASGI spec >= 2.4 end a disconnected stream with an exception at the next write)."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _sse(obj) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect (uvicorn blocks until then).
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.5)  # a server replaying other messages must not make this spin
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Await `coro`, cancelling it (and so the router call) if the client disconnects first."""
+    task, watch = asyncio.ensure_future(coro), asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise _ClientGone()
+    return task.result()
+
+
+class OpenAIServer:
+    """Per-process state behind the routes: model facts, tokenizer, and the router client."""
+
+    def __init__(self, router_addr: str, model_dir: str, model_name: str,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, health_timeout_s: float = 5.0):
+        self.router_addr, self.model_dir, self.model_name = router_addr, model_dir, model_name
+        self.request_timeout_s, self.health_timeout_s = request_timeout_s, health_timeout_s
+        cfg = ModelConfig.from_model_dir(model_dir)
+        self.vocab_size, self.max_model_len = cfg.vocab_size, cfg.max_position_embeddings
+        self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.tokenizer = load_tokenizer(model_dir)  # None: token-id prompts only
+        self._client: AsyncRouterClient | None = None
+        self._client_loop = None
+
+    def client(self) -> AsyncRouterClient:
+        # grpc.aio channels belong to the loop that creates them: create it lazily in the serving loop.
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            self._client = AsyncRouterClient(self.router_addr, timeout_s=self.request_timeout_s)
+            self._client_loop = loop
+        return self._client
+
+    def count(self, status: str) -> None:
+        metrics.REQUESTS.labels(self.model_name, status).inc()
+
+    # ---- validation -----------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
+                           "model")
+
+    def _check_ids(self, ids: list[int], what: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"{what}: token id {bad[0]} is out of vocabulary (vocab_size {self.vocab_size})", what)
+
+    def _prompt(self, prompt) -> tuple[list[int], str]:
+        """-> (token ids, prompt text for echo)."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, f"batched prompts are not supported: got {len(prompt)}, send one per request",
+                               "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise APIError(400, f"model `{self.model_name}` has no tokenizer: send the prompt as token ids",
+                               "prompt")
+            if not prompt:
+                raise APIError(400, "prompt is empty: at least one token is required", "prompt")
+            return self.tokenizer.encode(prompt), prompt
+        ids = list(prompt)
+        if not ids:
+            raise APIError(400, "prompt is empty: at least one token is required", "prompt")
+        self._check_ids(ids, "prompt")
+        return ids, self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
+
+    def _chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise APIError(400, f"model `{self.model_name}` has no tokenizer, which chat needs: use "
+                                f"/v1/completions with token ids", "messages")
+        template = req.chat_template or tok.chat_template
+        if not template:
+            raise APIError(400, f"model `{self.model_name}` has no chat template; pass `chat_template`",
+                           "chat_template")
+        bos, eos = (tok.tokenizer.id_to_token(i) if i is not None else "" for i in (tok.bos_id, tok.eos_id))
+        try:
+            text = P.render_chat(req, template, bos, eos)
+        except Exception as e:  # non-text content, a template error or raise_exception(): the request's fault
+            raise APIError(400, f"chat template failed: {type(e).__name__}: {e}", "messages") from None
+        # The template writes BOS itself; encoding with special tokens would double it (as vLLM does).
+        ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            raise APIError(400, "prompt is empty: the chat template produced no tokens", "messages")
+        return list(ids)
+
+    def _params(self, req, prompt_len: int, max_tokens: int | None, logprobs: bool,
+                prompt_logprobs: bool) -> SamplingParams:
+        top_k = req.top_k or 0
+        if top_k < -1 or top_k >= 1 << 31:
+            raise APIError(400, f"top_k must be -1 or 0 (off) or a positive integer, got {top_k}", "top_k")
+        if req.seed is not None and not -_INT64 <= req.seed < _INT64:
+            raise APIError(400, f"seed must fit in 64 bits, got {req.seed}", "seed")
+        stop_ids = list(req.stop_token_ids or [])
+        self._check_ids(stop_ids, "stop_token_ids")
+        if req.stop_list() and self.tokenizer is None:
+            raise APIError(400, f"model `{self.model_name}` has no tokenizer: use stop_token_ids, not stop", "stop")
+        if max_tokens is None:  # unset: whatever fits the context
+            max_tokens = max(self.max_model_len - prompt_len, 1)
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        try:
+            params = SamplingParams(
+                max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=max(top_k, 0), seed=req.seed,
+                ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                stop_token_ids=tuple(stop_ids))
+        except ValueError as e:
+            raise APIError(400, str(e), str(e).split()[0]) from None
+        if prompt_len + max_tokens > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                                f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+                                f"completion.", "max_tokens")
+        return params
+
+    def _job(self, prefix: str, req, ids: list[int], params: SamplingParams, arrival: float, prompt_text="") -> Job:
+        if req.model_extra:
+            log.warning("ignoring unsupported request fields: %s", sorted(req.model_extra))
+        text = TextStream(self.tokenizer, req.stop_list(), req.include_stop_str_in_output, req.skip_special_tokens)
+        return Job(f"{prefix}-{uuid.uuid4().hex}", ids, params, text, arrival,
+                   asyncio.get_running_loop().time() + self.request_timeout_s, prompt_text)
+
+    # ---- running ---------------------------------------------------------------------------------
+    async def _pieces(self, job: Job) -> AsyncIterator[tuple[int | None, float | None, str]]:
+        """Run `job` on the router; yield (token id, logprob, text delta) per event; fills in the job."""
+        events = self.client().generate(job.prompt_ids, job.params, job.rid)
+        last = None
+        stop_tokens = self.eos_ids | set(job.params.stop_token_ids)
+        async with contextlib.aclosing(events):  # leaving early cancels the gRPC call: pages are freed
+            async for ev in events:
+                job.prompt_logprobs.extend(ev.prompt_logprobs)
+                now = time.monotonic()
+                if ev.token_id is not None:
+                    (metrics.TTFT if last is None else metrics.ITL).labels(self.model_name).observe(
+                        now - (job.arrival if last is None else last))
+                    last = now
+                    job.token_ids.append(ev.token_id)
+                    job.logprobs.append(ev.logprob)
+                # A stop token ends the output but is not part of its text (vLLM), unless asked for.
+                by_token = ev.finished and ev.finish_reason == "stop" and ev.token_id in stop_tokens
+                shown = None if by_token and not job.text.include_stop else ev.token_id
+                delta = job.text.add(shown, ev.finished)
+                if ev.finished:
+                    job.finish_reason = ev.finish_reason or "stop"
+                    if by_token and ev.token_id in job.params.stop_token_ids:
+                        job.stop_reason = ev.token_id
+                if job.text.stop_hit is not None:  # stop string: done, and the engine stops with us
+                    job.finish_reason, job.stop_reason = "stop", job.text.stop_hit
+                yield ev.token_id, ev.logprob, delta
+                if job.finish_reason is not None:
+                    return
+        raise APIError(500, f"request {job.rid}: router stream ended without a finish")
+
+    async def _collect(self, job: Job) -> None:
+        async with asyncio.timeout_at(job.deadline):
+            async for _ in self._pieces(job):
+                pass
+
+    async def _first(self, job: Job, pieces):
+        async with asyncio.timeout_at(job.deadline):
+            return await anext(pieces)
+
+    def _api_error(self, e: Exception) -> APIError:
+        if isinstance(e, (APIError, RouterError)):
+            return e if isinstance(e, APIError) else APIError.from_router(e)
+        if isinstance(e, TimeoutError):
+            return APIError(504, f"request timed out after {self.request_timeout_s:g} s")
+        return APIError(500, f"{type(e).__name__}: {e}")
+
+    async def _respond(self, request: Request, job: Job, stream: bool, render) -> Response:
+        """Run the job; -> the JSON response, or the SSE stream once the first token is in (so that
+        overload and bad-request errors of the router still get their HTTP status)."""
+        try:
+            if not stream:
+                await _unless_disconnected(request, self._collect(job))
+                resp = render.response(job)
+                self.finish(job, "ok")
+                return JSONResponse(resp.model_dump(mode="json"))
+            pieces = self._pieces(job)
+            try:
+                first = await _unless_disconnected(request, self._first(job, pieces))
+            except BaseException:
+                await pieces.aclose()
+                raise
+            return _SSEResponse(self._sse_body(job, first, pieces, render), media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        except (RouterError, TimeoutError) as e:
+            raise self._api_error(e) from None
+        except _ClientGone:
+            self.count("aborted")
+            return Response(status_code=499)  # nobody reads it
+
+    async def _sse_body(self, job: Job, first, pieces, render) -> AsyncIterator[str]:
+        status = "aborted"  # what escapes (the client went away, server shutdown) is an abort
+        try:
+            try:
+                for c in render.head(job):
+                    yield _sse(c)
+                piece = first
+                while piece is not None:
+                    c = render.piece(job, *piece)
+                    if c is not None:
+                        yield _sse(c)
+                    async with asyncio.timeout_at(job.deadline):  # only the wait, never a write to the client
+                        piece = await anext(pieces, None)
+                for c in render.tail(job):
+                    yield _sse(c)
+                status = "ok"
+            except Exception as e:  # RouterError, TimeoutError, APIError, or a bug
+                err = self._api_error(e)
+                if err.status == 500:
+                    log.exception("request %s failed mid-stream", job.rid)
+                status = err.label
+                # The headers are out: the error goes in-band, then [DONE] (as vLLM does).
+                yield _sse(P.ErrorResponse(**P.error_body(err.status, err.message, err.param)))
+            yield "data: [DONE]\n\n"
+        finally:
+            await pieces.aclose()
+            self.finish(job, status)
+
+    def finish(self, job: Job, status: str) -> None:
+        if status == "ok":
+            metrics.E2E.labels(self.model_name).observe(time.monotonic() - job.arrival)
+        self.count(status)
+
+    def token_str(self, t: int) -> str:
+        return self.tokenizer.decode([t], skip_special_tokens=False) if self.tokenizer else f"token_id:{t}"
+
+    # ---- endpoints -------------------------------------------------------------------------------
+    async def _guard(self, handler, req, request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            return await handler(req, request, arrival)
+        except APIError as e:
+            self.count(e.label)
+            if e.status >= 500:
+                log.warning("%s %s -> %d: %s", request.method, request.url.path, e.status, e.message)
+            return e.response()
+
+    async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
+        return await self._guard(self._completions, req, request)
+
+    async def chat_completions(self, req: P.ChatCompletionRequest, request: Request) -> Response:
+        return await self._guard(self._chat, req, request)
+
+    async def _completions(self, req: P.CompletionRequest, request: Request, arrival: float) -> Response:
+        self._check_model(req.model)
+        ids, prompt_text = self._prompt(req.prompt)
+        want_lp = req.logprobs is not None
+        params = self._params(req, len(ids), req.max_tokens, want_lp, want_lp and req.echo)
+        job = self._job("cmpl", req, ids, params, arrival, prompt_text)
+        render = P.CompletionRender(req, self.model_name, self.token_str)
+        return await self._respond(request, job, req.stream, render)
+
+    async def _chat(self, req: P.ChatCompletionRequest, request: Request, arrival: float) -> Response:
+        self._check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        ids = self._chat_prompt(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._params(req, len(ids), max_tokens, req.logprobs, False)
+        job = self._job("chatcmpl", req, ids, params, arrival)
+        render = P.ChatRender(req, self.model_name, self.token_str)
+        return await self._respond(request, job, req.stream, render)
+
+    async def health(self) -> Response:
+        """200 when the router answers and has a healthy prefill and decode worker; 503 otherwise."""
+        try:
+            rep = await asyncio.wait_for(self.client().health(), self.health_timeout_s)
+        except (RouterError, asyncio.TimeoutError) as e:
+            return APIError(503, f"router {self.router_addr} is not reachable: {str(e) or 'timed out'}").response()
+        if not rep.serving:
+            return APIError(503, "the router has no healthy prefill and decode worker").response()
+        return JSONResponse({"status": "ok", "model": self.model_name,
+                             "workers": [{"id": w.worker_id, "role": w.role, "healthy": w.healthy}
+                                         for w in rep.workers]})
+
+
+# ---- app ------------------------------------------------------------------------------------------
+_configured: OpenAIServer | None = None
+
+
+def configure(router_addr: str, model_dir: str, model_name: str,
+              request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> OpenAIServer:
+    """Set this process's server for apps built with `make_app()` (the Ray Serve replica calls it)."""
+    global _configured
+    _configured = OpenAIServer(router_addr, model_dir, model_name, request_timeout_s)
+    return _configured
+
+
+def current_server() -> OpenAIServer:
+    if _configured is None:
+        raise RuntimeError("service.openai_app.configure(...) has not been called in this process")
+    return _configured
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    parts, param = [], None
+    for err in exc.errors()[:3]:  # a union field (prompt) yields one error per member: keep it short
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        param = param or where or None
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return APIError(400, "; ".join(parts) or "invalid request", param)
+
+
+def make_app(get_server: Callable[[], OpenAIServer] = current_server) -> FastAPI:
+    """The FastAPI app; each request resolves its `OpenAIServer` through `get_server()`."""
+    app = FastAPI(title="dsv4 OpenAI-compatible API")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(request: Request, exc: RequestValidationError):
+        # OpenAI clients expect 400 with {"error": ...}, not FastAPI's 422 {"detail": ...}.
+        with contextlib.suppress(RuntimeError):
+            get_server().count("invalid")
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.get("/health")
+    async def health():
+        return await get_server().health()
+
+    @app.get("/v1/models")
+    async def models():
+        s = get_server()
+        card = P.ModelCard(id=s.model_name, root=s.model_dir, max_model_len=s.max_model_len)
+        return JSONResponse(P.ModelList(data=[card]).model_dump(mode="json"))
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, request: Request):
+        return await get_server().completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+        return await get_server().chat_completions(body, request)
+
+    return app
+
+
+def build_app(router_addr: str, model_dir: str, model_name: str, *,
+              request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> FastAPI:
+    """A self-contained app over the router at `router_addr` (for uvicorn and tests)."""
+    server = OpenAIServer(router_addr, model_dir, model_name, request_timeout_s)
+    app = make_app(lambda: server)
+    app.state.server = server
+    return app

@@ -1,0 +1,38 @@
+"""The HTTP ingress as a Ray Serve deployment: the FastAPI app of `service.openai_app` behind Serve's proxy.
+
+`@serve.ingress` needs the app object when the class is defined, so it is built here at import time with
+`make_app(current_server)`; each replica's constructor then calls `openai_app.configure(...)` for its own
+process. The routes reach that server through `service.openai_app.current_server`, a module-level function
+that cloudpickle sends by reference, so Serve's copy of the app finds the replica's real module state (a
+global set by a class pickled by value would land in a throwaway namespace instead). The router client is
+created lazily on the first request, inside the loop that serves it.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from service.openai_app import DEFAULT_REQUEST_TIMEOUT_S, current_server, make_app
+
+app = make_app(current_server)
+
+
+@serve.deployment(name="dsv4-openai", max_ongoing_requests=1000)  # requests mostly wait on the router
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, router_addr: str, model_dir: str, model_name: str,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+        from service import openai_app  # the real module (this method may have been pickled by value)
+
+        self.server = openai_app.configure(router_addr, model_dir, model_name, request_timeout_s)
+
+
+def deploy_http(router_addr: str, model_dir: str, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+                num_replicas: int = 1, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                app_name: str = "dsv4-openai"):
+    """Start Serve's HTTP proxy on host:port and deploy `num_replicas` ingress replicas (on the connected
+    Ray cluster) serving the OpenAI API at "/"; -> the deployment handle. Returns once it is running."""
+    serve.start(http_options={"host": host, "port": port})
+    deployment = OpenAIIngress.options(num_replicas=num_replicas)
+    return serve.run(deployment.bind(router_addr, model_dir, model_name, request_timeout_s),
+                     name=app_name, route_prefix="/")

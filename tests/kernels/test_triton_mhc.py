@@ -1,0 +1,77 @@
+"""Triton mHC pre/post (kernels/triton_mhc.py) against kernels.mhc.hc_pre / hc_post.
+
+Runs compiled on a GPU when one is present, else in triton's CPU interpreter (set before any
+kernels.triton_* import, because triton reads the flag when a kernel is decorated).
+"""
+
+import pytest
+import torch
+
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
+
+from kernels import mhc as ref  # noqa: E402
+from kernels import triton_mhc  # noqa: E402
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+T, D = 3, 80  # D is not a multiple of the 32-wide blocks used below
+
+
+def randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def pre_inputs(hc, dtype, seed=0):
+    n_mix = (2 + hc) * hc
+    streams = randn(T, hc, D, seed=seed, dtype=dtype, scale=2.0)
+    fn = randn(n_mix, hc * D, seed=seed + 1, scale=0.05)  # mixes of order 1 after the RMSNorm
+    base = randn(n_mix, seed=seed + 2, scale=0.5)
+    scale = torch.tensor([0.7, 1.3, 2.0], device=DEVICE)
+    return streams, fn, base, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hc,iters", [(4, 20), (3, 1), (4, 2)])  # hc 3: padded comb; iters 1: no loop
+def test_hc_pre_matches_reference(dtype, hc, iters):
+    streams, fn, base, scale = pre_inputs(hc, dtype, seed=hc * 10 + iters)
+    collapsed, post, comb = triton_mhc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32)
+    ref_collapsed, ref_post, ref_comb = ref.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
+    assert collapsed.dtype == dtype and post.dtype == comb.dtype == torch.float32
+    # The mixing weights are fp32 on both sides whatever the streams' dtype.
+    torch.testing.assert_close(post, ref_post, **TOL[torch.float32])
+    torch.testing.assert_close(comb, ref_comb, **TOL[torch.float32])
+    torch.testing.assert_close(collapsed.float(), ref_collapsed.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hc", [4, 3])
+def test_hc_post_matches_reference(dtype, hc):
+    streams = randn(T, hc, D, seed=40 + hc, dtype=dtype)
+    block_out = randn(T, D, seed=50 + hc, dtype=dtype)
+    post = 2 * torch.sigmoid(randn(T, hc, seed=60 + hc))
+    comb = torch.softmax(randn(T, hc, hc, seed=70 + hc), dim=-1)
+    out = triton_mhc.hc_post(block_out, streams, post, comb, block_d=32)
+    expected = ref.hc_post(block_out, streams, post, comb)
+    assert out.dtype == dtype and out.shape == (T, hc, D)
+    torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype])
+
+
+def test_pre_then_post_round_trip_on_strided_streams():
+    """The two kernels chained as a layer uses them, on a non-contiguous [T, hc, D] view."""
+    hc = 4
+    streams, fn, base, scale = pre_inputs(hc, torch.float32, seed=90)
+    wide = torch.cat([streams, randn(T, hc, 8, seed=91)], dim=-1)[..., :D]
+    collapsed, post, comb = triton_mhc.hc_pre(wide, fn, base, scale, 20, 1e-6, 1e-6, block_d=32)
+    new = triton_mhc.hc_post(collapsed * 0.5, wide, post, comb, block_d=32)
+    rc, rp, rm = ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(new, ref.hc_post(rc * 0.5, streams, rp, rm), **TOL[torch.float32])
+
+
+def test_bad_shapes_raise():
+    streams, fn, base, scale = pre_inputs(4, torch.float32)
+    with pytest.raises(ValueError, match="fn"):
+        triton_mhc.hc_pre(streams, fn[:, :10], base, scale, 20, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="streams"):
+        triton_mhc.hc_pre(streams[0], fn, base, scale, 20, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="comb"):
+        triton_mhc.hc_post(streams[:, 0], streams, torch.ones(T, 4, device=DEVICE), torch.ones(T, 4, device=DEVICE))

@@ -1,0 +1,81 @@
+"""Triton fused RMSNorm + RoPE (kernels/triton_norm_rope.py) against kernels.norm + kernels.rope.
+
+Runs compiled on a GPU when one is present, else in triton's CPU interpreter (set before any
+kernels.triton_* import, because triton reads the flag when a kernel is decorated).
+"""
+
+
+import pytest
+import torch
+
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
+
+from kernels.norm import rms_norm, unweighted_rms_norm  # noqa: E402
+from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+from kernels.triton_norm_rope import rms_norm_rope  # noqa: E402
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def assert_close(out, expected, dtype):
+    """Dtype-keyed tolerance with atol relative to the output's scale: the kernel rounds to dtype mid-way
+    (before RoPE, as the reference does), and a one-ulp difference there at magnitude m survives the
+    rotation as ~m * 2^-8 even where the rotated output is near zero."""
+    tol = TOL[dtype]
+    scale = max(1.0, expected.float().abs().max().item())
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol["atol"] * scale, rtol=tol["rtol"])
+T, EPS = 5, 1e-6
+
+
+def randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def cos_sin(rope_dim, seed):
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 5000, (T,), generator=gen)
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(10000.0, rope_dim))
+    return cos.to(DEVICE), sin.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_per_head_unweighted(dtype):
+    h, d, rope = 5, 96, 32  # D not a power of two; rows not a multiple of the row block
+    q = randn(T, h, d, seed=1, dtype=dtype, scale=3.0)
+    cos, sin = cos_sin(rope, seed=2)
+    out = rms_norm_rope(q, cos, sin, EPS, block_r=4)
+    expected = apply_rope(unweighted_rms_norm(q, EPS), cos, sin)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_weighted(dtype):
+    d, rope = 80, 16
+    kv = randn(T, d, seed=3, dtype=dtype, scale=0.5)
+    weight = randn(d, seed=4) + 1.0  # fp32, as V4 keeps norm weights
+    cos, sin = cos_sin(rope, seed=5)
+    out = rms_norm_rope(kv, cos, sin, EPS, weight, block_r=2)
+    expected = apply_rope(rms_norm(kv, weight, EPS), cos, sin)
+    assert_close(out, expected, dtype)
+
+
+def test_strided_q_view_and_no_rope_channels_untouched():
+    h, d, rope = 4, 64, 16
+    big = randn(T, h, d + 8, seed=6)
+    q = big[..., :d]  # head stride > D
+    cos, sin = cos_sin(rope, seed=7)
+    out = rms_norm_rope(q, cos, sin, EPS)
+    expected = apply_rope(unweighted_rms_norm(q, EPS), cos, sin)
+    assert_close(out, expected, torch.float32)
+    assert_close(out[..., : d - rope], unweighted_rms_norm(q, EPS)[..., : d - rope], torch.float32)
+
+
+def test_bad_shapes_raise():
+    q = randn(T, 4, 64, seed=8)
+    cos, sin = cos_sin(16, seed=9)
+    with pytest.raises(ValueError, match="cos/sin"):
+        rms_norm_rope(q, cos[:2], sin[:2], EPS)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_rope(q, cos, sin, EPS, torch.ones(8, device=DEVICE))

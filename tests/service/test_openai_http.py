@@ -1,0 +1,362 @@
+"""The OpenAI-compatible HTTP layer end to end: a real router (grpc.aio, one in-process tiny engine) on an
+ephemeral port, the FastAPI app under a real uvicorn server in a thread, driven by the official `openai`
+client. Failure modes the real router cannot produce on demand (overload, hang) come from a fake router."""
+
+import asyncio
+import http.client
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+
+import grpc
+import openai
+import pytest
+import uvicorn
+from prometheus_client import REGISTRY
+
+from service.openai_app import build_app
+from engine.llm import LLM
+from engine.make_model import ASSISTANT_TOKEN, BOS_TOKEN, USER_TOKEN, default_model_dir
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
+from router.local_dispatch import LocalDispatcher
+from router.protos import pb2_grpc
+from router.server import RouterServer
+
+MODEL = "tiny-http"
+PROMPT_IDS = [5, 9, 200, 17, 3, 41, 77, 120]
+GREEDY = dict(temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+
+
+class FakeRouter(pb2_grpc.RouterServicer):
+    """First prompt token 1: overloaded; 2: never answers; anything else: an internal error."""
+
+    async def Generate(self, request, context):
+        first = request.prompt_token_ids[0]
+        if first == 1:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "router has 9 requests in flight")
+        if first == 2:
+            await asyncio.sleep(3600)
+        await context.abort(grpc.StatusCode.INTERNAL, "boom")
+        yield  # a server-streaming handler must be a generator
+
+
+class Backend:
+    """The real router and the fake one, on one event-loop thread."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.dispatcher = LocalDispatcher(1)
+        self.router = RouterServer(self.dispatcher, health_interval_s=3600.0)
+        self.addr = f"127.0.0.1:{self.run(self.router.start('127.0.0.1', 0))}"
+        self.fake_addr = f"127.0.0.1:{self.run(self._start_fake())}"
+
+    async def _start_fake(self) -> int:
+        self.fake = grpc.aio.server()
+        pb2_grpc.add_RouterServicer_to_server(FakeRouter(), self.fake)
+        port = self.fake.add_insecure_port("127.0.0.1:0")
+        await self.fake.start()
+        return port
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def engine_requests(self) -> int:
+        eng = self.dispatcher.engine("engine-0")
+        return len(eng.requests) + len(eng.scheduler.waiting)
+
+    def close(self):
+        self.run(self.router.stop(0))
+        self.run(self.fake.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.dispatcher.close()
+
+
+class HTTPServer:
+    """A real uvicorn server in a thread, on an ephemeral port bound before it starts."""
+
+    def __init__(self, app):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0,
+                                    timeout=60)
+
+    def get(self, path: str) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    b = Backend()
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def srv(backend):
+    s = HTTPServer(build_app(backend.addr, default_model_dir(), MODEL))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(default_model_dir())
+
+
+def greedy_ref(llm, ids, n, **kw):
+    return llm.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True, **kw))[0]
+
+
+def requests_total(status: str) -> float:
+    return REGISTRY.get_sample_value("dsv4_requests_total", {"model_name": MODEL, "status": status}) or 0.0
+
+
+def test_models_and_health(srv):
+    models = srv.client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].max_model_len == 4096
+    status, body = srv.get("/health")
+    assert status == 200 and body["status"] == "ok" and body["workers"][0]["healthy"]
+    status, body = srv.get("/nope")
+    assert status == 404 and "error" in body
+
+
+def test_token_prompt_matches_offline_llm(srv, llm, tok):
+    ttft_before = REGISTRY.get_sample_value("dsv4_time_to_first_token_seconds_count", {"model_name": MODEL}) or 0
+    ok_before = requests_total("ok")
+    ref = greedy_ref(llm, PROMPT_IDS, 8)
+    r = srv.client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, **GREEDY)
+    c = r.choices[0]
+    assert c.token_ids == ref.token_ids and c.prompt_token_ids == PROMPT_IDS
+    assert c.text == tok.decode(ref.token_ids) and c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (8, 8, 16)
+    assert requests_total("ok") == ok_before + 1
+    assert REGISTRY.get_sample_value("dsv4_time_to_first_token_seconds_count", {"model_name": MODEL}) == ttft_before + 1
+
+
+def test_text_prompt_matches_offline_llm(srv, llm, tok):
+    ids = tok.encode("the quick brown fox")
+    ref = greedy_ref(llm, ids, 6)
+    c = srv.client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=6, **GREEDY).choices[0]
+    assert c.prompt_token_ids == ids and ids[0] == tok.bos_id
+    assert c.token_ids == ref.token_ids and c.text == tok.decode(ref.token_ids)
+
+
+def collect_stream(stream):
+    chunks = list(stream)
+    body = [ch for ch in chunks if ch.choices]
+    text = "".join(ch.choices[0].text for ch in body)
+    ids = [t for ch in body for t in (ch.choices[0].token_ids or [])]
+    return chunks, body, text, ids
+
+
+def test_stream_equals_non_stream(srv):
+    kw = dict(model=MODEL, prompt="hello world", max_tokens=10, logprobs=1, **GREEDY)
+    full = srv.client.completions.create(**kw).choices[0]
+    chunks, body, text, ids = collect_stream(srv.client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw))
+    assert text == full.text and ids == full.token_ids
+    assert body[0].choices[0].prompt_token_ids == full.prompt_token_ids
+    assert body[-1].choices[0].finish_reason == full.finish_reason == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in body[:-1])
+    lps = [x for ch in body if ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    assert lps == pytest.approx(full.logprobs.token_logprobs)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_logprobs_and_echo(srv, llm, tok):
+    ref = greedy_ref(llm, PROMPT_IDS, 5, logprobs=True, prompt_logprobs=True)
+    c = srv.client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=5, logprobs=2, echo=True,
+                                       **GREEDY).choices[0]
+    lp = c.logprobs
+    n = len(PROMPT_IDS) + 5
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first prompt token has none
+    assert lp.token_logprobs[1:] == pytest.approx(ref.prompt_logprobs[1:] + ref.logprobs, abs=1e-4)
+    assert all(len(d) == 1 for d in lp.top_logprobs[1:])  # only the sampled token: see openai_protocol
+    assert c.text == tok.decode(PROMPT_IDS, skip_special_tokens=False) + tok.decode(ref.token_ids)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_stop_string_truncates_and_cancels(srv, backend):
+    kw = dict(model=MODEL, prompt="jumps over the lazy dog", **GREEDY)
+    full = srv.client.completions.create(max_tokens=16, **kw).choices[0].text
+    # a printable 2-char stop string from the middle of the output
+    mid = next(i for i in range(len(full) // 3, len(full) - 2) if full[i:i + 2].isprintable())
+    stop = full[mid:mid + 2]
+    want = full[:full.find(stop)]
+    # max_tokens 3000 would take the engine minutes: a quick finish means the stop string cancelled it
+    r = srv.client.completions.create(max_tokens=3000, stop=[stop, "\u2603never"], **kw)
+    c = r.choices[0]
+    assert (c.text, c.finish_reason, c.model_extra["stop_reason"]) == (want, "stop", stop)
+    assert r.usage.completion_tokens <= 16
+    _, body, text, _ = collect_stream(srv.client.completions.create(max_tokens=3000, stop=stop, stream=True, **kw))
+    assert text == want and body[-1].choices[0].finish_reason == "stop"
+    wait_until(lambda: backend.engine_requests() == 0)  # the abort reaches the engine asynchronously
+
+
+def test_stop_token_ids(srv, llm, tok):
+    ref = llm.generate([PROMPT_IDS], SamplingParams(max_new_tokens=8))[0].token_ids
+    stop_id = next(t for t in ref[2:] if t not in tok.encode("") + [tok.eos_id])  # not BOS / EOS
+    k = ref.index(stop_id)
+    c = srv.client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, temperature=0,
+                                      extra_body={"stop_token_ids": [stop_id], "return_token_ids": True}).choices[0]
+    assert c.token_ids == ref[:k + 1] and c.text == tok.decode(ref[:k])  # the stop token's text is left out
+    assert (c.finish_reason, c.model_extra["stop_reason"]) == ("stop", stop_id)
+
+
+def test_chat_completion_uses_the_template(srv, llm, tok):
+    ids = tok.tokenizer.encode(BOS_TOKEN + USER_TOKEN + "Hello there" + ASSISTANT_TOKEN, add_special_tokens=False).ids
+    assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+    ref = greedy_ref(llm, ids, 6)
+    msgs = [{"role": "user", "content": "Hello there"}]
+    r = srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, **GREEDY)
+    assert r.model_extra["prompt_token_ids"] == ids and r.choices[0].model_extra["token_ids"] == ref.token_ids
+    assert r.choices[0].message.content == tok.decode(ref.token_ids) and r.choices[0].message.role == "assistant"
+    stream = list(srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, stream=True,
+                                                      logprobs=True, top_logprobs=1, **GREEDY))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == r.choices[0].message.content
+    lps = [x.logprob for ch in stream if ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert len(lps) == 6 and stream[-1].choices[0].finish_reason == "length"
+
+
+BAD_REQUESTS = [
+    (dict(prompt=[3, 512, 4]), "out of vocabulary"),
+    (dict(prompt=""), "empty"),
+    (dict(prompt=[]), "empty"),
+    (dict(prompt=[5] * 10, max_tokens=4090), "maximum context length is 4096"),
+    (dict(prompt=[5, 6], temperature=-1), "temperature"),
+    (dict(prompt=[5, 6], top_p=0), "top_p"),
+    (dict(prompt=[5, 6], n=2), "n=1"),
+    (dict(prompt=[5, 6], logprobs=6), "logprobs"),
+    (dict(prompt=[5, 6], max_tokens=0), "max_tokens"),
+    (dict(prompt=[5, 6], extra_body={"max_tokens": "lots"}), "max_tokens"),  # pydantic's 422 -> 400
+    (dict(prompt=[3, 512], stream=True), "out of vocabulary"),
+    (dict(prompt=["a", "b"]), "batched"),
+]
+
+
+@pytest.mark.parametrize("kw, needle", BAD_REQUESTS)
+def test_bad_requests_are_400(srv, kw, needle):
+    before = requests_total("invalid")
+    with pytest.raises(openai.BadRequestError) as info:
+        srv.client.completions.create(model=MODEL, **{"max_tokens": 4, **kw})
+    assert info.value.status_code == 400 and needle in info.value.message
+    assert info.value.body["type"] == "BadRequestError"
+    assert requests_total("invalid") == before + 1
+
+
+def test_unknown_model_is_404_and_serving_goes_on(srv):
+    with pytest.raises(openai.NotFoundError):
+        srv.client.completions.create(model="gpt-9", prompt=[5], max_tokens=2)
+    r = srv.client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=3)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_model_without_tokenizer(backend, llm, tmp_path):
+    src = default_model_dir()
+    for name in ("config.json", "model.safetensors"):  # a model dir with no tokenizer files
+        shutil.copy(os.path.join(src, name), tmp_path / name)
+    s = HTTPServer(build_app(backend.addr, str(tmp_path), MODEL))
+    try:
+        with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+            s.client.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+        with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+            s.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+            s.client.completions.create(model=MODEL, prompt=[5, 6], stop="x", max_tokens=4)
+        c = s.client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=4, logprobs=0, **GREEDY).choices[0]
+        assert c.token_ids == greedy_ref(llm, PROMPT_IDS, 4).token_ids and c.text == ""
+        assert c.logprobs.tokens == [f"token_id:{t}" for t in c.token_ids]
+    finally:
+        s.close()
+
+
+def test_overload_unavailable_timeout(backend):
+    fake = HTTPServer(build_app(backend.fake_addr, default_model_dir(), MODEL, request_timeout_s=1.0))
+    dead_sock = socket.socket()
+    dead_sock.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    dead = HTTPServer(build_app(f"127.0.0.1:{dead_sock.getsockname()[1]}", default_model_dir(), MODEL))
+    try:
+        for stream in (False, True):
+            with pytest.raises(openai.RateLimitError, match="in flight"):
+                fake.client.completions.create(model=MODEL, prompt=[1, 5], max_tokens=2, stream=stream)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as info:
+            fake.client.completions.create(model=MODEL, prompt=[2, 5], max_tokens=2)
+        assert info.value.status_code == 504 and time.monotonic() - t0 < 10
+        with pytest.raises(openai.InternalServerError) as info:
+            fake.client.completions.create(model=MODEL, prompt=[3, 5], max_tokens=2)
+        assert info.value.status_code == 500 and "boom" in info.value.message
+        with pytest.raises(openai.InternalServerError) as info:
+            dead.client.completions.create(model=MODEL, prompt=[3, 5], max_tokens=2)
+        assert info.value.status_code == 503
+        assert dead.get("/health")[0] == 503
+    finally:
+        fake.close()
+        dead.close()
+        dead_sock.close()
+
+
+def wait_until(cond, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_client_disconnect_frees_the_engine(srv, backend):
+    aborted = requests_total("aborted")
+    kw = dict(model=MODEL, prompt=PROMPT_IDS, max_tokens=3000, temperature=0)
+    stream = srv.client.completions.create(stream=True, extra_body={"ignore_eos": True}, **kw)
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    assert backend.engine_requests() == 1
+    stream.close()  # the engine would need minutes for 3000 tokens: only the abort can empty it
+    wait_until(lambda: backend.engine_requests() == 0)
+    wait_until(lambda: requests_total("aborted") == aborted + 1)
+    # non-streaming: the client gives up while the engine is still generating
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({**kw, "ignore_eos": True}),
+                 {"Content-Type": "application/json"})
+    wait_until(lambda: backend.engine_requests() == 1)
+    conn.close()
+    wait_until(lambda: backend.engine_requests() == 0)
+    wait_until(lambda: requests_total("aborted") == aborted + 2)
+    assert srv.client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_serve_app_imports():
+    pytest.importorskip("ray.serve")
+    from service import serve_ingress as serve_app
+
+    paths = {getattr(r, "path", None) for r in serve_app.app.routes}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= paths
+    assert callable(serve_app.deploy_http) and serve_app.OpenAIIngress.name == "dsv4-openai"
