@@ -77,12 +77,6 @@ class ModelConfig:
     def nope_dim(self) -> int:
         return self.head_dim - self.rope_dim
 
-    def layer_kind(self, layer: int) -> str:
-        ratio = self.compress_ratios[layer]
-        if ratio <= 1:
-            return SLIDING
-        return CSA if self.has_indexer(layer) else HCA
-
     def has_indexer(self, layer: int) -> bool:
         """CSA layers (overlapping windows + lightning indexer) are the ratio-4 ones."""
         return self.compress_ratios[layer] == 4
@@ -101,9 +95,6 @@ class ModelConfig:
     @property
     def indexer_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.has_indexer(i))
-
-    def rope_for_layer(self, layer: int) -> RopeSpec:
-        return self.compress_rope if self.compress_ratios[layer] > 1 else self.main_rope
 
     # ---- parsing -------------------------------------------------------------------------
     @classmethod

@@ -43,8 +43,6 @@ KV_USAGE = Gauge("dsv4_kv_cache_usage_ratio", "Fraction of the tightest cache gr
 PROMPT_TOKENS = Counter("dsv4_prompt_tokens_total", "Prompt tokens prefilled", WORKER)
 GENERATION_TOKENS = Counter("dsv4_generation_tokens_total", "Tokens generated", WORKER)
 REQUESTS = Counter("dsv4_requests_total", "Finished requests by status", ("model_name", "status"))
-ROUTER_DECISIONS = Counter("dsv4_router_decisions_total", "Placement decisions by stage and reason",
-                           ("stage", "reason"))
 KV_TRANSFER_FAILURES = Counter("dsv4_kv_transfer_failures_total", "Failed or timed-out KV transfers",
                                ("worker", "backend", "kind"))
 PREFIX_CACHE_QUERIES = Counter("dsv4_prefix_cache_queries_total",

@@ -17,14 +17,16 @@ import math
 
 import torch
 
+from kernels import quant_formats as qf
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP4_MAX = 6.0  # largest e2m1 magnitude
+FP4_MAX = qf.E2M1_MAX  # largest e2m1 magnitude
 MXFP4_BLOCK = 32
 FP8_BLOCK = (128, 128)
 UE8M0_BIAS = 127
 
 # e2m1 magnitudes indexed by the low three bits of a nibble; bit 0x8 is the sign.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = qf.E2M1_GRID
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 _FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)
@@ -138,13 +140,6 @@ def _packed_bytes(packed: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"expected int8/uint8 packed e2m1 bytes, got {packed.dtype}")
 
 
-def e2m1_to_float(nibbles: torch.Tensor) -> torch.Tensor:
-    """Integer tensor of 4-bit codes (0..15) -> float32 e2m1 values."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=nibbles.device)
-    mag = table[(nibbles & 0x7).long()]
-    return torch.where((nibbles & 0x8) != 0, -mag, mag)
-
-
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, block: int = MXFP4_BLOCK) -> torch.Tensor:
     """MXFP4 weight -> float32.
 
@@ -160,7 +155,7 @@ def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, block: int = MXFP4_
         raise ValueError(f"MXFP4 row length {k} is not a multiple of the block size {block}")
     if tuple(scale.shape) != (*lead, k // block):
         raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not match packed {tuple(p.shape)}")
-    vals = torch.stack((e2m1_to_float(p & 0xF), e2m1_to_float(p >> 4)), dim=-1).reshape(*lead, k)
+    vals = qf.e2m1_decode(qf.unpack_nibbles(p))
     s = ue8m0_to_float(scale).to(vals.device)
     return (vals.reshape(*lead, k // block, block) * s.unsqueeze(-1)).reshape(*lead, k)
 
@@ -180,39 +175,19 @@ def mxfp4_as_bytes(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
     return _packed_bytes(packed).contiguous(), scale.contiguous()
 
 
-def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """float (already scaled, |x| <= 6) -> 4-bit code, round to nearest with ties to even code.
-
-    Ties go to the even magnitude index, which is the one with a zero mantissa bit (OCP rounding).
-    """
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
-    mids = (table[1:] + table[:-1]) / 2
-    a = x.abs().clamp(max=FP4_MAX)
-    # Count of midpoints strictly below a: a == mids[i] lands on index i (the lower neighbour).
-    # (Same as torch.bucketize, which is oddly slow on CPU for small inputs.)
-    idx = (a.unsqueeze(-1) > mids).sum(dim=-1)
-    tie = (idx < len(mids)) & (a == mids[idx.clamp(max=len(mids) - 1)])
-    idx = torch.where(tie & (idx % 2 == 1), idx + 1, idx)
-    sign = ((x < 0) & (idx > 0)).to(torch.int64) << 3  # no negative zero code
-    return (idx | sign).to(torch.uint8)
-
-
 def quant_mxfp4(
     w: torch.Tensor, block: int = MXFP4_BLOCK, packed_dtype: torch.dtype = torch.uint8
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (packed [N, K/2] `packed_dtype`, scale [N, K/32] float8_e8m0fnu or uint8).
 
-    The block scale is the smallest power of two with amax / scale <= 6, so no element clips (OCP's
-    floor(log2 amax) - 2 rule can clip the top of the block; we prefer the bounded error here).
+    The checkpoint-shaped wrapper of the one MXFP4 codec (`kernels.quant_formats.quantize_mxfp4`, which the
+    cache writers and Triton kernels match bit for bit): the block scale is the smallest power of two with
+    amax / scale <= 6, so no element clips; e2m1 ties round to the smaller magnitude.
     """
-    *lead, k = w.shape
+    k = w.shape[-1]
     if k % block:
         raise ValueError(f"MXFP4 row length {k} is not a multiple of the block size {block}")
-    blocks = w.to(torch.float32).reshape(*lead, k // block, block)
-    amax = blocks.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, _pow2_ceil(amax / FP4_MAX), torch.ones_like(amax))
-    codes = _round_e2m1(blocks / scale.unsqueeze(-1)).reshape(*lead, k // 2, 2)
-    packed = codes[..., 0] | (codes[..., 1] << 4)
+    packed, exponent = qf.quantize_mxfp4(w, block)
     if packed_dtype != torch.uint8:
         packed = packed.view(packed_dtype)
-    return packed, _as_e8m0(float_to_ue8m0(scale))
+    return packed, _as_e8m0(qf.ue8m0_encode(exponent))

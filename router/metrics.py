@@ -1,6 +1,7 @@
 """Router counters: decisions by (stage, reason), requests, retries, worker deaths, errors by code.
 
-Plain in-process counters read by the Stats RPC, mirrored into the Prometheus counters of engine.metrics.
+Plain in-process counters read by the Stats RPC, mirrored into Prometheus: the router's own counters are
+defined here (same multiprocess registry as engine.metrics, which the node's /metrics server aggregates).
 Single event loop, so no locking.
 """
 
@@ -9,8 +10,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from prometheus_client import Counter as PromCounter
+
 from engine import metrics as prom
 from router.policy import Placement
+
+ROUTER_DECISIONS = PromCounter("dsv4_router_decisions_total", "Placement decisions by stage and reason",
+                               ("stage", "reason"))
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,7 @@ class RouterMetrics:
     def record_placement(self, placement: Placement) -> None:
         for d in (placement.prefill, placement.decode):
             self.decisions[(d.stage, d.reason)] += 1
-            prom.ROUTER_DECISIONS.labels(d.stage, d.reason).inc()
+            ROUTER_DECISIONS.labels(d.stage, d.reason).inc()
         # Prefix-cache hit ratio = hits / queries, in tokens of whole hashed blocks.
         prom.PREFIX_CACHE_QUERIES.inc(placement.prefill.prompt_blocks * self.block_size)
         prom.PREFIX_CACHE_HITS.inc(placement.prefill.matched_blocks * self.block_size)

@@ -10,7 +10,7 @@ Both come from one generate call of 1+new_tokens split where every request has i
 number is the median of `--repeats` runs after a short warm-up. transformers loads the same directory with
 `DeepseekV4ForCausalLM.from_pretrained` (it maps DeepSeek's original tensor names itself) and runs its
 own cached `generate` (fp32, eager attention). Note: transformers' cached decode is not numerically
-trustworthy on CSA layers (see docs/deepseek_v4.md, "Oracle pitfalls"); only its speed is used here, and
+trustworthy on CSA layers (see ../shared/docs/deepseek_v4.md, "Oracle pitfalls"); only its speed is used here, and
 the "first" column checks that both pick the same first token (that one comes from a full prefill).
 
 Prints a table and writes (or replaces) the `bench_engine` section of BENCHMARKS.md.

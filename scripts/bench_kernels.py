@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from service.benchmarks_md import write_section  # noqa: E402
 
-# V4-Flash decode shapes (docs/deepseek_v4.md).
+# V4-Flash decode shapes (../shared/docs/deepseek_v4.md).
 HEADS, HEAD_DIM, ROPE_DIM, WINDOW, TOPK = 64, 512, 64, 128, 512
 INDEX_HEADS, INDEX_DIM, HIDDEN, HC = 64, 128, 4096, 4
 INDEX_CANDIDATES = (2048, 8192)  # visible compressed entries: 8K and 32K tokens of context

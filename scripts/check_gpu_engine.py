@@ -10,11 +10,16 @@ For each preset and GPU dtype, prints:
   NEAR_TIE nats (random tiny models put 5-15% of positions within 0.02-0.05 nats, below bf16 noise);
 - mean / max |logprob| difference over the positions before the first divergence.
 The GPU engine runs with its defaults (Triton fast paths, CUDA-graph decode). Not a test: CI has no GPU.
+Writes the table, with the run's own near-tie counts, to BENCHMARKS.md section `check_gpu_engine`
+(`--no-write` to only print).
 """
 
 import argparse
+import datetime
+import shlex
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -22,6 +27,9 @@ import engine.runner
 from engine.llm import LLM
 from engine.make_model import make_model
 from engine.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from service.benchmarks_md import write_section  # noqa: E402
 
 NEAR_TIE = 0.05
 
@@ -89,15 +97,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="tiny,small")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 1
     g = torch.Generator().manual_seed(0)
+    lines = [f"| preset | dtype | decode | free-running agreement | teacher-forced agreement | teacher-forced, "
+             f"CPU gap >= {NEAR_TIE} | mean abs dlogprob | max abs dlogprob |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    notes = []
     print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}")
-    print(f"| preset | dtype | decode | free-running agreement | teacher-forced agreement | teacher-forced, "
-          f"CPU gap >= {NEAR_TIE} | mean abs dlogprob | max abs dlogprob |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print(lines[0], lines[1], sep="\n")
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, logprobs=True)
     for preset in args.presets.split(","):
         with tempfile.TemporaryDirectory() as d:
@@ -108,8 +118,9 @@ def main() -> int:
             cpu = cpu_llm.generate(prompts, params)
             seqs, want = forced_sequences(prompts, cpu)
             gaps = top2_gaps(cpu_llm, seqs)
-            print(f"{preset}: {sum(g < NEAR_TIE for g in gaps)} of {len(gaps)} CPU positions are near-ties "
-                  f"(top-2 gap < {NEAR_TIE} nats)", flush=True)
+            notes.append(f"{preset}: {sum(g < NEAR_TIE for g in gaps)} of {len(gaps)} CPU positions are near-ties "
+                         f"(top-2 gap < {NEAR_TIE} nats), {sum(g < 0.02 for g in gaps)} below 0.02 nats")
+            print(notes[-1], flush=True)
             del cpu_llm
             for dtype in ("float32", "bfloat16"):
                 llm = LLM(d, device="cuda", dtype=dtype, max_num_seqs=256, max_cached_tokens=1 << 17)
@@ -117,9 +128,19 @@ def main() -> int:
                 agree, total, diffs = free_running(cpu, gpu)
                 forced, decided = teacher_forced(llm, seqs, want, gaps)
                 dl = torch.tensor(diffs or [0.0])
-                print(f"| {preset} | {dtype} | {llm.engine.decode_mode} | {agree / total:.3f} | {forced:.3f} "
-                      f"| {decided:.3f} | {dl.mean().item():.2e} | {dl.max().item():.2e} |", flush=True)
+                lines.append(f"| {preset} | {dtype} | {llm.engine.decode_mode} | {agree / total:.3f} | {forced:.3f} "
+                             f"| {decided:.3f} | {dl.mean().item():.2e} | {dl.max().item():.2e} |")
+                print(lines[-1], flush=True)
                 del llm
+    if not args.no_write:
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        head = ["## GPU engine vs CPU fp32 engine: `scripts/check_gpu_engine.py`", "",
+                f"`python scripts/check_gpu_engine.py {shlex.join(sys.argv[1:])}` on {torch.cuda.get_device_name()} "
+                f"(torch {torch.__version__}), {when}; {len(prompts)} prompts of 5-300 tokens, {args.tokens} greedy "
+                "tokens each. Free-running: positions before each prompt's first divergence from the CPU run; "
+                "teacher-forced: the GPU engine's greedy token given the CPU run's prefix; decided: the same over "
+                f"positions whose CPU top-1/top-2 gap is >= {NEAR_TIE} nats.", ""]
+        write_section("check_gpu_engine", "\n".join(head + lines + [""] + [f"- {n}" for n in notes]))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The `dsv4` command line: `generate`, `make-model` (later: `serve`, `bench`)."""
+"""The `dsv4` command line: `generate`, `make-model`, `serve`, `bench serve`."""
 
 from __future__ import annotations
 

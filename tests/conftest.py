@@ -1,9 +1,84 @@
-"""Test-wide settings.
+"""Test-wide settings: thread count, markers by area, and the rule that CI skips only GPU-only tests.
 
 The suite runs tiny models on a 2-core CI machine, often next to Ray workers and gRPC servers started by
 other tests: one intra-op thread avoids the spin-wait contention that makes tiny ops 10x slower.
+
+Markers (registered in pyproject.toml) say what a test needs: `gpu` (a CUDA device), `nixl` (the NIXL
+package, host memory is enough), `ray` (a local Ray cluster), `triton` (compiled on a GPU, else the
+interpreter), `prometheus` (Debian's promtool / prometheus, installed by `make tools`). Files are marked by
+their area below, so a new test in such a file is marked without remembering to.
+
+With DSV4_STRICT_SKIPS=1 (set by .ci/run) a skipped test fails the session unless it is GPU-only (marked
+`gpu`, or skipped with a reason starting "GPU only"): the CI machine can run NIXL on host memory, Ray, the
+Triton interpreter and promtool, so a skip there means a broken environment that would otherwise hide.
 """
 
+from __future__ import annotations
+
+import os
+
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# Path fragment -> markers of every test collected from a matching file.
+AREA_MARKERS = {
+    "tests/kernels/test_triton_": ("triton",),
+    "tests/engine/test_fast_paths.py": ("triton",),
+    "tests/engine/test_gpu_engine.py": ("gpu",),
+    "tests/service/test_service_ray.py": ("ray", "nixl"),
+    "tests/deploy/test_deploy_prometheus_e2e.py": ("prometheus", "ray"),
+    "tests/deploy/test_deploy_dashboards.py": ("prometheus",),
+    "tests/deploy/test_deploy_serve_entry.py": ("ray",),
+}
+GPU_ONLY_PREFIX = "GPU only"
+_forbidden_skips: list[str] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.replace("\\", "/")
+        for fragment, names in AREA_MARKERS.items():
+            if path.startswith(fragment) or f"/{fragment}" in path:
+                for name in names:
+                    item.add_marker(getattr(pytest.mark, name))
+        if "nixl" in item.nodeid.split("[")[-1]:  # parametrised over transfer backends
+            item.add_marker(pytest.mark.nixl)
+
+
+def _strict() -> bool:
+    return os.environ.get("DSV4_STRICT_SKIPS") == "1"
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+
+
+def _allowed(report, keywords) -> bool:
+    reason = _skip_reason(report).removeprefix("Skipped: ")
+    return "gpu" in keywords or reason.startswith(GPU_ONLY_PREFIX)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and _strict() and not _allowed(report, report.keywords):
+        _forbidden_skips.append(f"{report.nodeid}: {_skip_reason(report)}")
+
+
+def pytest_collectreport(report):
+    # A module-level skip (`pytest.skip(..., allow_module_level=True)`) is a collect report.
+    if report.skipped and _strict() and not _allowed(report, {}):
+        _forbidden_skips.append(f"{report.nodeid}: {_skip_reason(report)}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _forbidden_skips:
+        terminalreporter.section("skips the CI machine must not have (DSV4_STRICT_SKIPS=1)", red=True)
+        for line in _forbidden_skips:
+            terminalreporter.line(line)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _forbidden_skips and session.exitstatus == 0:
+        session.exitstatus = 1

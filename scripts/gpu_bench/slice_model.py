@@ -44,7 +44,7 @@ QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "act
 
 
 def flash_slice_config(layers: int = 4, vocab: int = 129280) -> dict:
-    """V4-Flash's config.json (docs/deepseek_v4.md) cut to `layers` layers: SWA, CSA, HCA, CSA, ..."""
+    """V4-Flash's config.json (../shared/docs/deepseek_v4.md) cut to `layers` layers: SWA, CSA, HCA, CSA, ..."""
     return {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
         "vocab_size": vocab, "hidden_size": 4096, "num_hidden_layers": layers,

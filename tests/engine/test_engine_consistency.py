@@ -119,20 +119,38 @@ def test_more_prompts_than_fit_one_step(vocab):
         _assert_same(outs[k], r, f"request {k} of 70")
 
 
-def test_stops_at_eos_unless_ignored(llm, vocab):
-    """Find a prompt whose greedy continuation hits EOS; without ignore_eos it must stop there."""
-    eos = set(llm.config.eos_token_ids)
-    prompts = _prompts([3] * 48, vocab, seed=4)
-    outs = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
-    hits = [(p, o) for p, o in zip(prompts, outs) if eos & set(o.token_ids)]
-    if not hits:
-        pytest.skip("no greedy continuation of the sampled prompts produces EOS")
-    p, o = hits[0]
-    k = min(i for i, t in enumerate(o.token_ids) if t in eos)
-    stopped = llm.generate([p], SamplingParams(max_new_tokens=24))[0]
+def test_stops_at_eos_unless_ignored(llm, vocab, tmp_path):
+    """A checkpoint whose config names, as EOS, the 4th token of a greedy continuation must stop there
+    (and run on with ignore_eos): the built-in model with its config.json edited, so EOS comes from the
+    checkpoint as in production, whatever the random weights say."""
+    import json
+    import shutil
+
+    from engine.make_model import default_model_dir
+
+    prompt = _prompts([7], vocab, seed=4)[0]
+    free = llm.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    k = 3
+    eos = free[k]
+    k = free.index(eos)  # its first occurrence
+    model = tmp_path / "model"
+    shutil.copytree(default_model_dir(), model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (model / "config.json").write_text(json.dumps(cfg))
+    gen = model / "generation_config.json"
+    if gen.exists():
+        gen_cfg = json.loads(gen.read_text())
+        gen_cfg["eos_token_id"] = eos
+        gen.write_text(json.dumps(gen_cfg))
+    eos_llm = LLM(model_dir=str(model), device="cpu", dtype="float32")
+    assert eos in eos_llm.config.eos_token_ids
+    stopped = eos_llm.generate([prompt], SamplingParams(max_new_tokens=12))[0]
     assert stopped.finish_reason == "stop"
-    assert stopped.token_ids[: k + 1] == o.token_ids[: k + 1]
+    assert stopped.token_ids[: k + 1] == free[: k + 1]
     assert len(stopped.token_ids) in (k, k + 1)  # with or without the EOS token itself
+    ignored = eos_llm.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    assert ignored.token_ids == free and ignored.finish_reason == "length"
 
 
 # ---- sampling ---------------------------------------------------------------------------------------

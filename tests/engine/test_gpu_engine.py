@@ -16,7 +16,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
+    pytest.skip("GPU only: needs a CUDA device", allow_module_level=True)
 
 from engine.cache import CacheConfig  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
+from tests.support import numerics as NUM  # noqa: E402
 
 from kernels import geometry as g  # noqa: E402
 from kernels.attention import sparse_attention  # noqa: E402
 from kernels.triton_attention import (  # noqa: E402
     sparse_mqa_attention, sparse_mqa_attention_fp8, sparse_mqa_attention_multi)
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 def randn(*shape, seed, dtype=torch.float32, scale=1.0):
@@ -47,7 +47,7 @@ def test_plain_rows_match_reference(dtype, num_splits):
     out = sparse_mqa_attention(q, kv, rows, sink, scale, num_splits=num_splits, block_k=16)
     ref = reference(q, kv, rows, sink, scale)
     assert out.dtype == dtype and out.shape == (t, h, d)
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    torch.testing.assert_close(out.float(), ref.float(), **NUM.TOL[dtype])
     assert torch.all(out[1] == 0), "an all-invalid query must return the zero vector"
 
 
@@ -60,7 +60,7 @@ def test_strided_inputs_and_int64_rows():
     sink = randn(h, seed=7)
     rows = random_rows(t, k, r, seed=8).long()
     out = sparse_mqa_attention(q, kv, rows, sink, 0.2, num_splits=2, block_k=16)
-    torch.testing.assert_close(out, reference(q, kv, rows, sink, 0.2), **TOL[torch.float32])
+    torch.testing.assert_close(out, reference(q, kv, rows, sink, 0.2), **NUM.TOL[torch.float32])
 
 
 def test_sink_dominates_and_large_logits():
@@ -71,7 +71,7 @@ def test_sink_dominates_and_large_logits():
     sink = torch.tensor([-30.0, 0.0, 30.0, 5.0], device=DEVICE)
     rows = random_rows(t, k, r, seed=11)
     out = sparse_mqa_attention(q, kv, rows, sink, 1.0, num_splits=2, block_k=16)
-    torch.testing.assert_close(out, reference(q, kv, rows, sink, 1.0), **TOL[torch.float32])
+    torch.testing.assert_close(out, reference(q, kv, rows, sink, 1.0), **NUM.TOL[torch.float32])
 
 
 def fp8_cache(layout, num_slots, seed, pad=8):
@@ -100,7 +100,7 @@ def test_fp8_paged_cache_matches_unpack_reference(dtype, num_splits):
     scale = layout.head_dim ** -0.5
     out = sparse_mqa_attention_fp8(q, cache, rows, sink, scale, layout, num_splits=num_splits, block_k=16)
     ref = reference(q, dequant, rows, sink, scale)
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    torch.testing.assert_close(out.float(), ref.float(), **NUM.TOL[dtype])
     assert torch.all(out[1] == 0)
 
 
@@ -113,7 +113,7 @@ def test_fp8_packed_rows_are_block_size_one():
     sink = randn(h, seed=18)
     rows = random_rows(t, k, slots, seed=19)
     out = sparse_mqa_attention_fp8(q, cache, rows, sink, 0.1, layout, block_k=16)
-    torch.testing.assert_close(out, reference(q, dequant, rows, sink, 0.1), **TOL[torch.float32])
+    torch.testing.assert_close(out, reference(q, dequant, rows, sink, 0.1), **NUM.TOL[torch.float32])
 
 
 def test_bad_shapes_raise():
@@ -144,7 +144,7 @@ def test_decode_shape_many_tiles_and_d_split(dtype, num_splits):
     scale = d ** -0.5 * 2.0
     out = sparse_mqa_attention(q, kv, rows, sink, scale, num_splits=num_splits, block_k=32)
     ref = reference(q, kv, rows, sink, scale)
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    torch.testing.assert_close(out.float(), ref.float(), **NUM.TOL[dtype])
     assert torch.all(out[1] == 0)
 
 
@@ -155,7 +155,7 @@ def test_odd_head_dim_three_segments():
     sink = randn(h, seed=36)
     rows = random_rows(t, k, r, seed=37)
     out = sparse_mqa_attention(q, kv, rows, sink, 0.1, block_k=16)
-    torch.testing.assert_close(out, reference(q, kv, rows, sink, 0.1), **TOL[torch.float32])
+    torch.testing.assert_close(out, reference(q, kv, rows, sink, 0.1), **NUM.TOL[torch.float32])
 
 
 @pytest.mark.parametrize("num_stores", [2, 3])
@@ -174,7 +174,7 @@ def test_multi_store_rows_index_the_concatenation(num_stores):
     sink = randn(h, seed=40)
     rows = random_rows(t, k, sum(sizes), seed=41)
     out = sparse_mqa_attention_multi(q, stores, rows, sink, 0.2, num_splits=2, block_k=16)
-    torch.testing.assert_close(out, reference(q, flat, rows, sink, 0.2), **TOL[torch.float32])
+    torch.testing.assert_close(out, reference(q, flat, rows, sink, 0.2), **NUM.TOL[torch.float32])
     with pytest.raises(ValueError, match="dtype"):
         sparse_mqa_attention_multi(q, [stores[0], stores[1].double()], rows, sink, 0.2)
 
@@ -191,5 +191,5 @@ def test_fp8_v4_geometry_four_segments(dtype):
     scale = layout.head_dim ** -0.5
     out = sparse_mqa_attention_fp8(q, cache, rows, sink, scale, layout, num_splits=2, block_k=16)
     ref = reference(q, dequant, rows, sink, scale)
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    torch.testing.assert_close(out.float(), ref.float(), **NUM.TOL[dtype])
     assert torch.all(out[1] == 0)

@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_cache_kernels_compile_for_sm90():
     try:
         from triton.backends.nvidia import compiler as nv
-
-        assert nv.get_ptxas(90).path
-    except Exception as e:  # noqa: BLE001 - no CUDA backend / ptxas in this triton build
-        pytest.skip(f"triton's CUDA backend is not usable here: {type(e).__name__}")
+    except ImportError as e:  # a triton build without the NVIDIA backend (not the PyPI Linux wheel CI installs)
+        pytest.skip(f"triton has no NVIDIA backend here: {e}")
+    ptxas = nv.get_ptxas(90).path  # triton's bundled ptxas: its absence is a failure, not a skip
+    assert ptxas and os.path.exists(ptxas), f"triton's ptxas for sm_90 is missing: {ptxas!r}"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_triton_sm90.py")], cwd=ROOT, env=env,

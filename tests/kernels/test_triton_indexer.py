@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
+from tests.support import numerics as NUM  # noqa: E402
 
 from kernels import geometry as g  # noqa: E402
 from kernels import indexer as ref  # noqa: E402
 from kernels.triton_indexer import indexer_scores, indexer_topk  # noqa: E402
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 T, HI, DI, S, R = 4, 20, 48, 70, 90  # Hi >= 16 so ReLU zeros rarely tie; odd sizes exercise every mask
 
 
@@ -47,7 +47,7 @@ def test_scores_match_reference(dtype):
     assert out.dtype == torch.float32 and out.shape == (T, S)
     assert torch.equal(torch.isinf(out), rows < 0), "exactly the invalid candidates score -inf"
     valid = rows >= 0
-    torch.testing.assert_close(out[valid], expected[valid], **TOL[dtype])
+    torch.testing.assert_close(out[valid], expected[valid], **NUM.TOL[dtype])
 
 
 def test_strided_keys_and_int64_rows():
@@ -55,7 +55,7 @@ def test_strided_keys_and_int64_rows():
     padded = torch.cat([keys, randn(R, 16, seed=99)], dim=1)[:, :DI]  # row stride > Di
     out = indexer_scores(q, padded, rows.long(), weights, block_s=16)
     valid = rows >= 0
-    torch.testing.assert_close(out[valid], reference_scores(q, keys, rows, weights)[valid], **TOL[torch.float32])
+    torch.testing.assert_close(out[valid], reference_scores(q, keys, rows, weights)[valid], **NUM.TOL[torch.float32])
 
 
 @pytest.mark.parametrize("k", [16, 80])  # 80 > S: the candidate axis gets padded
@@ -70,7 +70,7 @@ def test_topk_matches_topk_visible(k):
     scores = reference_scores(q, keys, rows, weights)
     got = torch.where(picked >= 0, scores.gather(1, picked.clamp(min=0)), torch.zeros(()))
     want = torch.where(expected >= 0, scores.gather(1, expected.clamp(min=0)), torch.zeros(()))
-    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(got, want, **NUM.TOL[torch.float32])
     assert torch.all(rows.gather(1, picked.clamp(min=0))[picked >= 0] >= 0), "only valid candidates are picked"
 
 
@@ -97,7 +97,7 @@ def test_quantized_paged_cache_matches_unpack_reference(fmt, di, dtype):
     expected = reference_scores(q, dequant, rows, weights)
     assert torch.equal(torch.isinf(out), rows < 0)
     valid = rows >= 0
-    torch.testing.assert_close(out[valid], expected[valid], **TOL[dtype])
+    torch.testing.assert_close(out[valid], expected[valid], **NUM.TOL[dtype])
     picked = indexer_topk(q, cache.to(DEVICE), rows, weights, 16, layout)
     assert torch.equal(picked < 0, ref.topk_visible(expected, valid, 16) < 0)
 

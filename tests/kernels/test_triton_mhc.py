@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
+from tests.support import numerics as NUM  # noqa: E402
 
 from kernels import mhc as ref  # noqa: E402
 from kernels import triton_mhc  # noqa: E402
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 T, D = 3, 80  # D is not a multiple of the 32-wide blocks used below
 
 
@@ -38,9 +38,9 @@ def test_hc_pre_matches_reference(dtype, hc, iters):
     ref_collapsed, ref_post, ref_comb = ref.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
     assert collapsed.dtype == dtype and post.dtype == comb.dtype == torch.float32
     # The mixing weights are fp32 on both sides whatever the streams' dtype.
-    torch.testing.assert_close(post, ref_post, **TOL[torch.float32])
-    torch.testing.assert_close(comb, ref_comb, **TOL[torch.float32])
-    torch.testing.assert_close(collapsed.float(), ref_collapsed.float(), **TOL[dtype])
+    torch.testing.assert_close(post, ref_post, **NUM.TOL[torch.float32])
+    torch.testing.assert_close(comb, ref_comb, **NUM.TOL[torch.float32])
+    torch.testing.assert_close(collapsed.float(), ref_collapsed.float(), **NUM.TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,7 +53,7 @@ def test_hc_post_matches_reference(dtype, hc):
     out = triton_mhc.hc_post(block_out, streams, post, comb, block_d=32)
     expected = ref.hc_post(block_out, streams, post, comb)
     assert out.dtype == dtype and out.shape == (T, hc, D)
-    torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype])
+    torch.testing.assert_close(out.float(), expected.float(), **NUM.TOL[dtype])
 
 
 def test_pre_then_post_round_trip_on_strided_streams():
@@ -64,7 +64,7 @@ def test_pre_then_post_round_trip_on_strided_streams():
     collapsed, post, comb = triton_mhc.hc_pre(wide, fn, base, scale, 20, 1e-6, 1e-6, block_d=32)
     new = triton_mhc.hc_post(collapsed * 0.5, wide, post, comb, block_d=32)
     rc, rp, rm = ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
-    torch.testing.assert_close(new, ref.hc_post(rc * 0.5, streams, rp, rm), **TOL[torch.float32])
+    torch.testing.assert_close(new, ref.hc_post(rc * 0.5, streams, rp, rm), **NUM.TOL[torch.float32])
 
 
 def test_bad_shapes_raise():

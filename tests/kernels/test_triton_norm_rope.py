@@ -9,21 +9,17 @@ import pytest
 import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
+from tests.support import numerics as NUM  # noqa: E402
 
 from kernels.norm import rms_norm, unweighted_rms_norm  # noqa: E402
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 from kernels.triton_norm_rope import rms_norm_rope  # noqa: E402
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 def assert_close(out, expected, dtype):
-    """Dtype-keyed tolerance with atol relative to the output's scale: the kernel rounds to dtype mid-way
-    (before RoPE, as the reference does), and a one-ulp difference there at magnitude m survives the
-    rotation as ~m * 2^-8 even where the rotated output is near zero."""
-    tol = TOL[dtype]
-    scale = max(1.0, expected.float().abs().max().item())
-    torch.testing.assert_close(out.float(), expected.float(), atol=tol["atol"] * scale, rtol=tol["rtol"])
+    """The kernel rounds to dtype mid-way (before RoPE, as the reference does): atol scales with the output."""
+    NUM.assert_close(out, expected, dtype, scaled=True)
 T, EPS = 5, 1e-6
 
 

@@ -10,17 +10,15 @@ The kernels round and quantise exactly as geometry's pack functions, so their by
 import torch
 
 from kernels import geometry as g
+from tests.support import numerics
 
 SENTINEL = 0xA5
-TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
 def assert_close(out, expected, dtype):
-    """Dtype-keyed tolerance, atol relative to the output's scale (rounding before a rotation or a rotation
-    by the Hadamard carries one ulp of the largest value into outputs near zero)."""
-    tol = TOL[dtype]
-    scale = max(1.0, expected.float().abs().max().item())
-    torch.testing.assert_close(out.float(), expected.float(), atol=tol["atol"] * scale, rtol=tol["rtol"])
+    """atol relative to the output's scale (rounding before a rotation or the Hadamard rotation carries one
+    ulp of the largest value into outputs near zero)."""
+    numerics.assert_close(out, expected, dtype, scaled=True)
 
 
 def sentinel_cache(shape, device) -> torch.Tensor:
