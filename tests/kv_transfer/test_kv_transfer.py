@@ -14,16 +14,8 @@ from engine.make_model import PRESETS
 from kv_transfer import (TransferError, TransferTimeout, build_plan, layout_fingerprint, make_backend,
                          resolve_name)
 from kv_transfer.base import pack_metadata, unpack_metadata
-from kv_transfer.nixl_backend import import_nixl
 from kv_transfer.plan import page_bytes
-
-try:
-    import_nixl()
-    NIXL_SKIP = None
-except ImportError as e:
-    NIXL_SKIP = f"nixl not importable: {e}"
-
-BACKEND_NAMES = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP)))]
+from tests.support.backends import BACKEND_NAMES, NIXL_SKIP, needs_nixl
 CFG = ModelConfig.from_dict(PRESETS["tiny"])
 SRC_CACHE = CacheConfig(max_requests=4, max_tokens=2048, page_tokens=64)
 DST_CACHE = CacheConfig(max_requests=6, max_tokens=4096, page_tokens=64)  # other pool size: other layer strides
@@ -190,7 +182,8 @@ def test_pull_moves_every_group_byte_for_byte(kind):
         dst.close()
 
 
-@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+@needs_nixl
+@pytest.mark.nixl
 def test_nixl_and_tcp_give_identical_pools():
     src_pool = random_pool(SRC_CACHE, 0)
     table = src_table(src_pool)
@@ -316,7 +309,8 @@ def _nixl_source(q, stop):
     stop.wait(60)
 
 
-@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+@needs_nixl
+@pytest.mark.nixl
 def test_nixl_dead_source_process_fails_within_deadline():
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()

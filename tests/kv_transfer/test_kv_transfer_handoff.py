@@ -12,15 +12,7 @@ import torch
 from engine.llm import load_engine
 from engine.sampling_params import SamplingParams
 from kv_transfer import make_backend
-from kv_transfer.nixl_backend import import_nixl
-
-try:
-    import_nixl()
-    NIXL_SKIP = None
-except ImportError as e:
-    NIXL_SKIP = f"nixl not importable: {e}"
-
-KINDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP)))]
+from tests.support.backends import BACKEND_NAMES as KINDS
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=True, temperature=0.9, top_p=0.9, seed=7)
 PROMPTS = [list(range(3, 3 + n)) for n in (1, 23, 41, 140)]  # 140: a closed ratio-128 window + 12 open tokens
 
