@@ -141,11 +141,6 @@ class CacheGroupSpec:
             return 1
         return math.ceil(self.rows_for_tokens(num_tokens) / self.page_rows)
 
-    @property
-    def bytes_per_page(self) -> int:
-        return len(self.layers) * self.page_rows * self.width * self.dtype.itemsize
-
-
 @dataclass(frozen=True)
 class CacheConfig:
     max_requests: int = 64  # concurrent requests holding caches (fixed groups are sized by it)
@@ -247,12 +242,6 @@ class CacheGroup:
         """uint8 [N, row_bytes] -> [N, dim] in compute_dtype (quantised groups only)."""
         return self.codec.decode(packed, self.compute_dtype)
 
-    def as_stored(self, values: torch.Tensor) -> torch.Tensor:
-        """values [N, dim] as a read after writing them would return them (identity for exact groups)."""
-        if self.codec is None:
-            return values
-        return self.decode(self.encode(values)).to(values.dtype)
-
     def _planes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [blocks, block_size, value_bytes] and [blocks, block_size, scale_bytes] of one layer."""
         lay = self.codec.layout
@@ -338,6 +327,10 @@ class CachePool:
         self.groups = {s.name: CacheGroup(s, device, dtype) for s in group_specs(cfg, cache, dtype)}
         # Allocated first, so it is page 0; held for the pool's lifetime.
         self.scratch_pages = {n: g.allocator.allocate(SCRATCH_PAGES)[0] for n, g in self.groups.items()}
+        # The prefix cache (engine.prefix_cache) when one is attached: `reclaim(need)` evicts unreferenced
+        # cached blocks until every group of `need` has that many free pages. Pages only the cache holds
+        # count as free everywhere below (admission, load figures, idle counts).
+        self.reclaimer = None
 
     def extra_pages(self, table: PageTable, num_tokens: int) -> dict[str, int]:
         """Pages each group must add so `table` covers positions [0, num_tokens)."""
@@ -349,14 +342,22 @@ class CachePool:
                 need[name] = want - have
         return need
 
+    def available(self, name: str) -> int:
+        """Pages of group `name` a request can get: free, plus those only the prefix cache holds."""
+        alloc = self.groups[name].allocator
+        return alloc.num_free + alloc.num_evictable
+
     def can_grow(self, table: PageTable, num_tokens: int) -> bool:
-        return all(self.groups[n].allocator.can_allocate(k) for n, k in self.extra_pages(table, num_tokens).items())
+        return all(self.available(n) >= k for n, k in self.extra_pages(table, num_tokens).items())
 
     def grow(self, table: PageTable, num_tokens: int) -> None:
-        """Extend `table` in place to cover num_tokens; all groups or none (raises OutOfPages)."""
+        """Extend `table` in place to cover num_tokens; all groups or none (raises OutOfPages).
+        Evicts unreferenced prefix-cache blocks (LRU) when the free lists alone are short."""
         need = self.extra_pages(table, num_tokens)
-        if not all(self.groups[n].allocator.can_allocate(k) for n, k in need.items()):
+        if not all(self.available(n) >= k for n, k in need.items()):
             raise OutOfPages(f"cannot grow caches to {num_tokens} tokens: need {need}")
+        if self.reclaimer is not None and not all(self.groups[n].allocator.can_allocate(k) for n, k in need.items()):
+            self.reclaimer.reclaim(need)
         for name, k in need.items():
             table.setdefault(name, []).extend(self.groups[name].allocator.allocate(k))
 
@@ -370,7 +371,7 @@ class CachePool:
         per-request group (SWA ring, compressor state) has no page left."""
         free = []
         for g in self.groups.values():
-            spec, n = g.spec, g.allocator.num_free
+            spec, n = g.spec, self.available(g.spec.name)
             if spec.fixed:
                 if n == 0:
                     return 0
@@ -380,11 +381,13 @@ class CachePool:
 
     def usage(self) -> dict[str, float]:
         """Fraction of the requests' pages in use per group (the scratch page is not counted)."""
-        return {n: (g.allocator.num_used - SCRATCH_PAGES) / g.usable_pages for n, g in self.groups.items()}
+        return {n: (g.spec.num_pages - self.available(n) - SCRATCH_PAGES) / g.usable_pages
+                for n, g in self.groups.items()}
 
     def idle_free_pages(self) -> dict[str, int]:
         """num_free_pages() of a pool that holds no request."""
         return {n: g.usable_pages for n, g in self.groups.items()}
 
     def num_free_pages(self) -> dict[str, int]:
-        return {n: g.allocator.num_free for n, g in self.groups.items()}
+        """Free pages per group, counting those only the prefix cache holds (evictable on demand)."""
+        return {n: self.available(n) for n in self.groups}

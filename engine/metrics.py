@@ -45,10 +45,17 @@ GENERATION_TOKENS = Counter("dsv4_generation_tokens_total", "Tokens generated", 
 REQUESTS = Counter("dsv4_requests_total", "Finished requests by status", ("model_name", "status"))
 KV_TRANSFER_FAILURES = Counter("dsv4_kv_transfer_failures_total", "Failed or timed-out KV transfers",
                                ("worker", "backend", "kind"))
-PREFIX_CACHE_QUERIES = Counter("dsv4_prefix_cache_queries_total",
-                               "Prompt tokens (in whole hashed blocks) the router looked up", ())
-PREFIX_CACHE_HITS = Counter("dsv4_prefix_cache_hits_total",
-                            "Prompt tokens whose blocks the chosen prefill worker served recently", ())
+# The engines' real prefix cache (engine.prefix_cache): prompt tokens looked up at admission, and those
+# served from cache (not computed). Hit ratio = hit / query; dashboards and alerts read these.
+PREFIX_QUERY_TOKENS = Counter("dsv4_prefix_cache_query_tokens_total",
+                              "Prompt tokens looked up in the engine's prefix cache at admission", WORKER)
+PREFIX_HIT_TOKENS = Counter("dsv4_prefix_cache_hit_tokens_total",
+                            "Prompt tokens served from the engine's prefix cache (not computed)", WORKER)
+# The router's ESTIMATE: tokens of the prompt's blocks it believed cached on the worker it chose.
+ROUTER_PREFIX_ESTIMATE_QUERIES = Counter("dsv4_router_prefix_estimate_query_tokens_total",
+                                         "Prompt tokens (in whole hashed blocks) the router scored", ())
+ROUTER_PREFIX_ESTIMATE_HITS = Counter("dsv4_router_prefix_estimate_hit_tokens_total",
+                                      "Prompt tokens the router estimated cached on the chosen prefill worker", ())
 
 
 def observe_engine_load(role: str, worker: str, load) -> None:
@@ -56,6 +63,24 @@ def observe_engine_load(role: str, worker: str, load) -> None:
     RUNNING.labels(role, worker).set(load.running)
     WAITING.labels(role, worker).set(load.waiting)
     KV_USAGE.labels(role, worker).set(load.kv_usage)
+
+
+class PrefixCounters:
+    """Mirrors an engine's cumulative `PrefixStats` into the Prometheus counters (increments by the delta
+    since the last call; the worker calls it with its load gauges)."""
+
+    def __init__(self, role: str, worker: str):
+        self.labels = (role, worker)
+        self.query = self.hit = 0
+
+    def observe(self, stats) -> None:
+        if stats is None:
+            return
+        if stats.query_tokens > self.query:
+            PREFIX_QUERY_TOKENS.labels(*self.labels).inc(stats.query_tokens - self.query)
+        if stats.hit_tokens > self.hit:
+            PREFIX_HIT_TOKENS.labels(*self.labels).inc(stats.hit_tokens - self.hit)
+        self.query, self.hit = stats.query_tokens, stats.hit_tokens
 
 
 def metrics_registry() -> CollectorRegistry | None:

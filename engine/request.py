@@ -18,6 +18,7 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None
     prompt_logprobs: tuple  # logprobs of prompt tokens covered by this step's chunk (may be empty)
+    cached_tokens: int = 0  # prompt tokens the request got from the prefix cache (same on every event)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class GenerationOutput:
     logprobs: list[float] | None
     prompt_logprobs: list[float | None] | None
     finish_reason: str
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Request:
     finish_reason: str | None = None
     seed: int | None = None  # the params' seed, or a random one; travels with the request on a hand-off
     prefill_only: bool = False  # stop after the first token and hold the caches for a hand-off
+    cached_tokens: int = 0  # prompt tokens whose caches came from the prefix cache (engine.prefix_cache)
 
     def __post_init__(self):
         if self.seed is None:
@@ -81,4 +84,4 @@ class Request:
         return GenerationOutput(self.request_id, list(self.prompt), list(self.output),
                                 list(self.logprobs) if p.logprobs else None,
                                 list(self.prompt_logprobs) if p.prompt_logprobs else None,
-                                self.finish_reason or "length")
+                                self.finish_reason or "length", self.cached_tokens)

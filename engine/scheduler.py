@@ -6,7 +6,10 @@ Policy (one step = one forward):
   prompt is split across steps and never blocks decodes for more than one step's budget;
 - a waiting request is admitted only when the cache can hold its whole reservation
   (prompt + max_new_tokens); pages are taken at admission, so a running request never runs out of
-  cache mid-flight and nothing needs preempting.
+  cache mid-flight and nothing needs preempting;
+- with a prefix cache (engine.prefix_cache), admission first shares the longest cached prefix that ends
+  at a snapshot (the request starts computing there), and a prefill chunk ends at the request's next
+  snapshot point so the state there can be saved after the step.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.cache import CachePool
+from engine.prefix_cache import PrefixCache
 from engine.request import Request
 
 
@@ -32,11 +36,12 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, pool: CachePool, config: SchedulerConfig):
+    def __init__(self, pool: CachePool, config: SchedulerConfig, prefix: PrefixCache | None = None):
         if config.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {config.max_batch_tokens}")
         self.pool = pool
         self.config = config
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -50,9 +55,17 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            hit = None
+            if self.prefix is not None:
+                hit = self.prefix.lookup(req)
+                self.prefix.attach(req, hit)
             if not self.pool.can_grow(req.pages, req.max_total_tokens):
+                if hit is not None:
+                    self.prefix.detach(req, hit)
                 break  # FIFO: do not let small requests starve a large one
             self.pool.grow(req.pages, req.max_total_tokens)
+            if hit is not None:
+                self.prefix.commit(req, hit)
             self.running.append(self.waiting.popleft())
 
     def schedule(self) -> list[ScheduledChunk]:
@@ -66,6 +79,8 @@ class Scheduler:
         for req in self.running:
             if req.in_prefill and budget > 0:
                 n = min(len(req.prompt) - req.num_computed, budget)
+                if self.prefix is not None:
+                    n = self.prefix.cut(req, req.num_computed, n)
                 chunks.append(ScheduledChunk(req, req.num_computed, n))
                 budget -= n
         return chunks
@@ -87,3 +102,5 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.pool.free(request.pages)
+        if self.prefix is not None:
+            self.prefix.forget(request)

@@ -124,8 +124,10 @@ class LocalWorker:
 
     def _info(self) -> WorkerInfo:
         load = self.engine.load()
+        prefix = self.engine.prefix  # _info runs on the engine thread: the digest is a consistent copy
         return WorkerInfo(self.worker_id, "colocated", True, load.running, load.waiting, load.kv_free_tokens,
-                          load.kv_usage, f"{self.worker_id}#{self._incarnation}")
+                          load.kv_usage, f"{self.worker_id}#{self._incarnation}",
+                          prefix=prefix.digest() if prefix is not None else None)
 
 
 class LocalDispatcher:

@@ -41,9 +41,10 @@ class RouterMetrics:
         for d in (placement.prefill, placement.decode):
             self.decisions[(d.stage, d.reason)] += 1
             ROUTER_DECISIONS.labels(d.stage, d.reason).inc()
-        # Prefix-cache hit ratio = hits / queries, in tokens of whole hashed blocks.
-        prom.PREFIX_CACHE_QUERIES.inc(placement.prefill.prompt_blocks * self.block_size)
-        prom.PREFIX_CACHE_HITS.inc(placement.prefill.matched_blocks * self.block_size)
+        # The router's estimate (what it believed cached where it sent the request), in tokens of whole
+        # blocks; the engines count real hits (engine.metrics.PREFIX_HIT_TOKENS).
+        prom.ROUTER_PREFIX_ESTIMATE_QUERIES.inc(placement.prefill.prompt_blocks * self.block_size)
+        prom.ROUTER_PREFIX_ESTIMATE_HITS.inc(placement.prefill.matched_blocks * self.block_size)
 
     def snapshot(self) -> MetricsSnapshot:
         return MetricsSnapshot(dict(self.decisions), self.requests, self.retries, self.worker_deaths,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x64sv4_router.proto\x12\x0b\x64sv4.router\"\xa4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\x9c\x01\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.dsv4.router.Error.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"[\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x03\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x08\x12\x0c\n\x08INTERNAL\x10\r\x12\x0f\n\x0bUNAVAILABLE\x10\x0e\"\x80\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\x0fprompt_logprobs\x18\x06 \x03(\x01\x12!\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x12.dsv4.router.Error\x12\x16\n\x0eprefill_worker\x18\x08 \x01(\t\x12\x15\n\rdecode_worker\x18\t \x01(\tB\x0b\n\t_token_idB\n\n\x08_logprob\"\x1e\n\rHealthRequest\x12\r\n\x05probe\x18\x01 \x01(\x08\"@\n\x0cWorkerHealth\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"M\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.dsv4.router.WorkerHealth\"\x0e\n\x0cStatsRequest\"\xb4\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x16\n\x0ekv_free_tokens\x18\x07 \x01(\x04\x12\x10\n\x08inflight\x18\x08 \x01(\r\x12\x15\n\rcached_blocks\x18\t \x01(\x04\"=\n\rDecisionCount\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"\xbc\x02\n\rStatsResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.dsv4.router.WorkerStats\x12-\n\tdecisions\x18\x03 \x03(\x0b\x32\x1a.dsv4.router.DecisionCount\x12\x16\n\x0erequests_total\x18\x04 \x01(\x04\x12\x15\n\rretries_total\x18\x05 \x01(\x04\x12\x1b\n\x13worker_deaths_total\x18\x06 \x01(\x04\x12\x41\n\x0c\x65rrors_total\x18\x07 \x03(\x0b\x32+.dsv4.router.StatsResponse.ErrorsTotalEntry\x1a\x32\n\x10\x45rrorsTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xd6\x01\n\x06Router\x12I\n\x08Generate\x12\x1c.dsv4.router.GenerateRequest\x1a\x1d.dsv4.router.GenerateResponse0\x01\x12\x41\n\x06Health\x12\x1a.dsv4.router.HealthRequest\x1a\x1b.dsv4.router.HealthResponse\x12>\n\x05Stats\x12\x19.dsv4.router.StatsRequest\x1a\x1a.dsv4.router.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x64sv4_router.proto\x12\x0b\x64sv4.router\"\xa4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"\x9c\x01\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.dsv4.router.Error.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"[\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x03\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x08\x12\x0c\n\x08INTERNAL\x10\r\x12\x0f\n\x0bUNAVAILABLE\x10\x0e\"\x97\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\x0fprompt_logprobs\x18\x06 \x03(\x01\x12!\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x12.dsv4.router.Error\x12\x16\n\x0eprefill_worker\x18\x08 \x01(\t\x12\x15\n\rdecode_worker\x18\t \x01(\t\x12\x15\n\rcached_tokens\x18\n \x01(\rB\x0b\n\t_token_idB\n\n\x08_logprob\"\x1e\n\rHealthRequest\x12\r\n\x05probe\x18\x01 \x01(\x08\"@\n\x0cWorkerHealth\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"M\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.dsv4.router.WorkerHealth\"\x0e\n\x0cStatsRequest\"\xb4\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x16\n\x0ekv_free_tokens\x18\x07 \x01(\x04\x12\x10\n\x08inflight\x18\x08 \x01(\r\x12\x15\n\rcached_blocks\x18\t \x01(\x04\"=\n\rDecisionCount\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"\xbc\x02\n\rStatsResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.dsv4.router.WorkerStats\x12-\n\tdecisions\x18\x03 \x03(\x0b\x32\x1a.dsv4.router.DecisionCount\x12\x16\n\x0erequests_total\x18\x04 \x01(\x04\x12\x15\n\rretries_total\x18\x05 \x01(\x04\x12\x1b\n\x13worker_deaths_total\x18\x06 \x01(\x04\x12\x41\n\x0c\x65rrors_total\x18\x07 \x03(\x0b\x32+.dsv4.router.StatsResponse.ErrorsTotalEntry\x1a\x32\n\x10\x45rrorsTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xd6\x01\n\x06Router\x12I\n\x08Generate\x12\x1c.dsv4.router.GenerateRequest\x1a\x1d.dsv4.router.GenerateResponse0\x01\x12\x41\n\x06Health\x12\x1a.dsv4.router.HealthRequest\x1a\x1b.dsv4.router.HealthResponse\x12>\n\x05Stats\x12\x19.dsv4.router.StatsRequest\x1a\x1a.dsv4.router.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,23 +40,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ERROR_CODE']._serialized_start=395
   _globals['_ERROR_CODE']._serialized_end=486
   _globals['_GENERATERESPONSE']._serialized_start=489
-  _globals['_GENERATERESPONSE']._serialized_end=745
-  _globals['_HEALTHREQUEST']._serialized_start=747
-  _globals['_HEALTHREQUEST']._serialized_end=777
-  _globals['_WORKERHEALTH']._serialized_start=779
-  _globals['_WORKERHEALTH']._serialized_end=843
-  _globals['_HEALTHRESPONSE']._serialized_start=845
-  _globals['_HEALTHRESPONSE']._serialized_end=922
-  _globals['_STATSREQUEST']._serialized_start=924
-  _globals['_STATSREQUEST']._serialized_end=938
-  _globals['_WORKERSTATS']._serialized_start=941
-  _globals['_WORKERSTATS']._serialized_end=1121
-  _globals['_DECISIONCOUNT']._serialized_start=1123
-  _globals['_DECISIONCOUNT']._serialized_end=1184
-  _globals['_STATSRESPONSE']._serialized_start=1187
-  _globals['_STATSRESPONSE']._serialized_end=1503
-  _globals['_STATSRESPONSE_ERRORSTOTALENTRY']._serialized_start=1453
-  _globals['_STATSRESPONSE_ERRORSTOTALENTRY']._serialized_end=1503
-  _globals['_ROUTER']._serialized_start=1506
-  _globals['_ROUTER']._serialized_end=1720
+  _globals['_GENERATERESPONSE']._serialized_end=768
+  _globals['_HEALTHREQUEST']._serialized_start=770
+  _globals['_HEALTHREQUEST']._serialized_end=800
+  _globals['_WORKERHEALTH']._serialized_start=802
+  _globals['_WORKERHEALTH']._serialized_end=866
+  _globals['_HEALTHRESPONSE']._serialized_start=868
+  _globals['_HEALTHRESPONSE']._serialized_end=945
+  _globals['_STATSREQUEST']._serialized_start=947
+  _globals['_STATSREQUEST']._serialized_end=961
+  _globals['_WORKERSTATS']._serialized_start=964
+  _globals['_WORKERSTATS']._serialized_end=1144
+  _globals['_DECISIONCOUNT']._serialized_start=1146
+  _globals['_DECISIONCOUNT']._serialized_end=1207
+  _globals['_STATSRESPONSE']._serialized_start=1210
+  _globals['_STATSRESPONSE']._serialized_end=1526
+  _globals['_STATSRESPONSE_ERRORSTOTALENTRY']._serialized_start=1476
+  _globals['_STATSRESPONSE_ERRORSTOTALENTRY']._serialized_end=1526
+  _globals['_ROUTER']._serialized_start=1529
+  _globals['_ROUTER']._serialized_end=1743
 # @@protoc_insertion_point(module_scope)

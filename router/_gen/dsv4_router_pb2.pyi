@@ -54,7 +54,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[Error.Code, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_id", "logprob", "finished", "finish_reason", "prompt_logprobs", "error", "prefill_worker", "decode_worker")
+    __slots__ = ("request_id", "token_id", "logprob", "finished", "finish_reason", "prompt_logprobs", "error", "prefill_worker", "decode_worker", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class GenerateResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
     logprob: float
@@ -73,7 +74,8 @@ class GenerateResponse(_message.Message):
     error: Error
     prefill_worker: str
     decode_worker: str
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("probe",)

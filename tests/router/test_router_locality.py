@@ -1,0 +1,82 @@
+"""Routing by the workers' real prefix caches (router/locality.py, RoutingPolicy.choose_by_cache)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.block_hash import block_hashes
+from engine.handoff import PrefixDigest
+from engine.llm import load_engine
+from engine.sampling_params import SamplingParams
+from router import locality
+from router.dispatch import WorkerInfo
+from router.policy import PolicyConfig, RoutingPolicy
+
+SEED = b"12345678"
+BLOCK = 4
+
+
+def digest(tokens, upto_blocks, block=BLOCK, seed=SEED):
+    return PrefixDigest(block, seed, frozenset(block_hashes(tokens, block, seed)[:upto_blocks]))
+
+
+def worker(wid, prefix, running=0, waiting=0):
+    return WorkerInfo(wid, "colocated", True, running, waiting, 1 << 20, prefix=prefix)
+
+
+def test_cached_tokens_is_the_deepest_published_block_and_leaves_one_token():
+    prompt = list(range(100, 120))  # 5 blocks of 4
+    ws = [worker("a", digest(prompt, 2)), worker("b", digest(prompt, 5)), worker("c", None),
+          worker("d", PrefixDigest(BLOCK, b"otherfmt", frozenset(block_hashes(prompt, BLOCK, b"otherfmt"))))]
+    got = locality.cached_tokens(prompt, ws)
+    # b holds all 5 blocks but a hit must leave the last token to compute: 4 blocks; other format: none
+    assert got == {"a": 8, "b": 16, "c": 0, "d": 16}
+    only_last = PrefixDigest(BLOCK, SEED, frozenset(block_hashes(prompt, BLOCK, SEED)[3:4]))
+    assert locality.cached_tokens(prompt, [worker("e", only_last)]) == {"e": 16}  # snapshot at 16 suffices
+    assert locality.cached_tokens(prompt[:3], ws)["b"] == 0
+
+
+def test_cache_aware_follows_real_cache_until_queued_work_outweighs_it():
+    prompt = list(range(40))  # 10 blocks
+    pol = RoutingPolicy(PolicyConfig("cache_aware"))
+    ws = [worker("a", digest(prompt, 9)), worker("b", digest(prompt, 0)), worker("c", digest(prompt, 0))]
+    p = pol.place(prompt, 100, ws).prefill
+    assert (p.worker_id, p.reason, p.cached_tokens, p.uncached_tokens) == ("a", "prefix_hit", 36, 4)
+    assert pol.pending_tokens("a") == 4
+    # Another 4 uncached tokens queued on a: 8 + 4 = 12 there vs 40 elsewhere, still a.
+    assert pol.place(prompt, 100, ws).prefill.worker_id == "a" and pol.pending_tokens("a") == 8
+    # A long prefill queued there (33 tokens): 41 + 4 > 40 -> the idle workers take it.
+    pol._pending["a"] += 33
+    p = pol.place(prompt, 100, ws).prefill
+    assert p.worker_id in ("b", "c") and p.reason == "no_match" and pol.pending_tokens(p.worker_id) == 40
+    pol.prefill_done("a", 41)
+    assert pol.pending_tokens("a") == 0
+
+
+def test_real_view_records_no_estimate_and_guard_still_applies():
+    prompt = list(range(40))
+    pol = RoutingPolicy(PolicyConfig("cache_aware", balance_abs_threshold=2, balance_rel_threshold=1.5))
+    ws = [worker("a", digest(prompt, 9), running=9), worker("b", digest(prompt, 0))]
+    d = pol.place(prompt, 100, ws).prefill
+    assert (d.worker_id, d.reason) == ("b", "hotspot_guard")
+    assert pol.cached_blocks("a") == pol.cached_blocks("b") == 0  # nothing estimated
+    rr = RoutingPolicy(PolicyConfig("round_robin"))
+    assert rr.place(prompt, 100, ws).prefill.uncached_tokens == 40
+
+
+def test_router_hashes_prompts_like_the_engine_caches_them():
+    """An engine's published digest predicts the engine's own hit for the next prompt, token for token."""
+    engine = load_engine(page_tokens=64)
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(2, engine.cfg.vocab_size, (300,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    for tail in ([5, 6], [7, 8, 9]):
+        engine.add_request(system + tail, params)
+        while engine.has_work:
+            engine.step()
+    follow = system + [11, 12, 13]
+    predicted = locality.cached_tokens(follow, [worker("e", engine.prefix.digest())])["e"]
+    rid = engine.add_request(follow, params)
+    while engine.has_work:
+        engine.step()
+    assert predicted == engine.pop_finished(rid).cached_tokens == 256
