@@ -32,14 +32,11 @@ BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 USER_TOKEN = "<｜User｜>"
 ASSISTANT_TOKEN = "<｜Assistant｜>"
-# A minimal DeepSeek-style chat template (the real one adds tools / thinking blocks).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'user' %}" + USER_TOKEN + "{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}" + ASSISTANT_TOKEN + "{{ m['content'] }}{{ eos_token }}"
-    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}" + ASSISTANT_TOKEN + "{% endif %}"
-)
+# The rest of V4's chat-format tokens, added after training (ids past the BPE vocabulary). Like V4's
+# release the tokenizer ships no chat template: chat uses V4's encoding (service/chat_encoding.py).
+THINK_TOKENS = ["<think>", "</think>"]  # plain added tokens: decoded text keeps them
+V4_SPECIAL_TOKENS = ["<｜latest_reminder｜>", "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>",
+                     "<｜title｜>", "<｜read_url｜>"]
 
 _COMMON = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -140,7 +137,7 @@ _QUANT_CONFIG = {
     "activation_scheme": "dynamic",
     "weight_block_size": [128, 128],
 }
-_FORMAT_VERSION = 1  # bump when the generated weights change, so cached default models are rebuilt
+_FORMAT_VERSION = 2  # bump when the generated weights change, so cached default models are rebuilt
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -227,21 +224,24 @@ def quantize_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 def write_tokenizer(out_dir: str, vocab_size: int) -> None:
     """Train a byte-level BPE on a few built-in sentences; write tokenizer.json + tokenizer_config.json.
 
-    Ids: 0 = BOS, 1 = EOS, 2/3 = chat role markers; the vocabulary never exceeds `vocab_size`.
+    Ids: 0 = BOS, 1 = EOS, 2/3 = chat role markers, then the BPE vocabulary, then V4's other chat tokens
+    (think markers, latest_reminder, task tokens); the vocabulary never exceeds `vocab_size`.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     specials = [BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(THINK_TOKENS) - len(V4_SPECIAL_TOKENS),
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.add_tokens([AddedToken(t, normalized=False) for t in THINK_TOKENS])
+    tok.add_special_tokens(V4_SPECIAL_TOKENS)
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"tokenizer vocab {tok.get_vocab_size()} exceeds model vocab {vocab_size}")
     # Add BOS like DeepSeek's tokenizer (add_bos_token=True) for consumers that use special tokens.
@@ -258,7 +258,6 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 20,
-        "chat_template": CHAT_TEMPLATE,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as fh:
         json.dump(tok_cfg, fh, indent=2, ensure_ascii=False)

@@ -1,4 +1,4 @@
-"""The `dsv4` command line: `generate`, `make-model`, `serve`, `bench serve`."""
+"""The `dsv4` command line: `generate`, `make-model`, `serve`, `bench serve`, `chat-render`, `chat-parse`."""
 
 from __future__ import annotations
 
@@ -102,6 +102,62 @@ def _add_bench(sub) -> None:
     add_bench_serve_args(bench.add_parser("serve", help="concurrent clients against 1P1D, 2P2D and colocated"))
 
 
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat-render", help="print the prompt text the server tokenises for a chat request")
+    p.add_argument("--request", required=True, help="a /v1/chat/completions request body (JSON file)")
+    p.add_argument("--model", default=None, help="model directory (default: the built-in tiny model's format)")
+    p = sub.add_parser("chat-parse", help="parse a completion text (stdin) into content, reasoning, tool calls")
+    p.add_argument("--thinking", action="store_true", help="the prompt opened a thought (thinking mode)")
+    p.add_argument("--model", default=None, help="model directory (must be DeepSeek V4)")
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.flush()
+    sys.stdout.buffer.write(text.encode("utf-8"))  # exact bytes: no newline added, no locale encoding
+    sys.stdout.buffer.flush()
+
+
+def _chat_render(args) -> int:
+    from service import chat_v4
+    from service.openai_protocol import ChatCompletionRequest
+
+    with open(args.request, encoding="utf-8") as fh:
+        body = json.load(fh)
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except Exception as e:  # pydantic's ValidationError: the server's 400
+        raise ValueError(f"invalid request {args.request!r}: {e}") from None
+    if args.model is not None and not req.chat_template:
+        from engine.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(args.model)
+        if not chat_v4.uses_v4_encoding(args.model, tok):
+            if tok is None or not tok.chat_template:
+                raise ValueError(f"model {args.model!r} has no tokenizer or chat format")
+            req.chat_template = tok.chat_template
+    if req.chat_template:  # a Jinja template, as the server renders it
+        from engine.tokenizer import load_tokenizer
+        from service.openai_protocol import render_chat
+
+        tok = load_tokenizer(args.model) if args.model else None
+        bos, eos = ((tok.tokenizer.id_to_token(i) if i is not None else "" for i in (tok.bos_id, tok.eos_id))
+                    if tok else ("", ""))
+        _write_stdout(render_chat(req, req.chat_template, bos, eos))
+        return 0
+    _write_stdout(chat_v4.render(req).text)
+    return 0
+
+
+def _chat_parse(args) -> int:
+    from service import chat_v4
+
+    if args.model is not None and not chat_v4.is_v4_model(args.model):
+        raise ValueError(f"model {args.model!r} is not DeepSeek V4 (config.json model_type / architectures)")
+    text = sys.stdin.buffer.read().decode("utf-8")
+    _write_stdout(json.dumps(chat_v4.parse_output(text, args.thinking), ensure_ascii=False) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek V4 inference service")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_make_model(sub)
     _add_serve(sub)
     _add_bench(sub)
+    _add_chat(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -119,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             from service.launcher import serve_main
 
             return serve_main(args)
+        if args.command == "chat-render":
+            return _chat_render(args)
+        if args.command == "chat-parse":
+            return _chat_parse(args)
         if args.command == "bench":
             from service.bench_serve import bench_serve_main
 

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service import chat_v4
 from service import openai_protocol as P
 from engine import metrics
 from engine.config import ModelConfig
@@ -168,6 +169,7 @@ class OpenAIServer:
         self.vocab_size, self.max_model_len = cfg.vocab_size, cfg.max_position_embeddings
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.tokenizer = load_tokenizer(model_dir)  # None: token-id prompts only
+        self.v4_chat = chat_v4.uses_v4_encoding(model_dir, self.tokenizer)  # DeepSeek V4's own chat format
         self._client: AsyncRouterClient | None = None
         self._client_loop = None
 
@@ -213,11 +215,27 @@ class OpenAIServer:
         self._check_ids(ids, "prompt")
         return ids, self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
 
-    def _chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+    def _v4_prompt(self, req: P.ChatCompletionRequest) -> chat_v4.V4Prompt | None:
+        """The V4 encoding of the request, or None when a chat template applies instead."""
+        if not self.v4_chat or req.chat_template:
+            if req.tools:
+                raise APIError(400, "tools need the DeepSeek V4 chat encoding (no chat template)", "tools")
+            return None
+        try:
+            return chat_v4.render(req)
+        except ValueError as e:  # the message starts with the offending field ("tools[0] must ...")
+            field = str(e).split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
+            param = field if field in ("tools", "tool_choice", "reasoning_effort", "chat_template_kwargs") \
+                else "messages"
+            raise APIError(400, str(e), param) from None
+
+    def _chat_prompt(self, req: P.ChatCompletionRequest, v4: chat_v4.V4Prompt | None = None) -> list[int]:
         tok = self.tokenizer
         if tok is None:
             raise APIError(400, f"model `{self.model_name}` has no tokenizer, which chat needs: use "
                                 f"/v1/completions with token ids", "messages")
+        if v4 is not None:  # the V4 prompt starts with BOS itself
+            return list(tok.tokenizer.encode(v4.text, add_special_tokens=False).ids)
         template = req.chat_template or tok.chat_template
         if not template:
             raise APIError(400, f"model `{self.model_name}` has no chat template; pass `chat_template`",
@@ -263,10 +281,12 @@ class OpenAIServer:
                                 f"completion.", "max_tokens")
         return params
 
-    def _job(self, prefix: str, req, ids: list[int], params: SamplingParams, arrival: float, prompt_text="") -> Job:
+    def _job(self, prefix: str, req, ids: list[int], params: SamplingParams, arrival: float, prompt_text="",
+             keep_special: bool = False) -> Job:
         if req.model_extra:
             log.warning("ignoring unsupported request fields: %s", sorted(req.model_extra))
-        text = TextStream(self.tokenizer, req.stop_list(), req.include_stop_str_in_output, req.skip_special_tokens)
+        text = TextStream(self.tokenizer, req.stop_list(), req.include_stop_str_in_output,
+                          req.skip_special_tokens and not keep_special)  # V4 chat parses its markers
         return Job(f"{prefix}-{uuid.uuid4().hex}", ids, params, text, arrival,
                    asyncio.get_running_loop().time() + self.request_timeout_s, prompt_text)
 
@@ -406,11 +426,13 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        ids = self._chat_prompt(req)
+        v4 = self._v4_prompt(req)
+        ids = self._chat_prompt(req, v4)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, len(ids), max_tokens, req.logprobs, False)
-        job = self._job("chatcmpl", req, ids, params, arrival)
-        render = P.ChatRender(req, self.model_name, self.token_str)
+        job = self._job("chatcmpl", req, ids, params, arrival, keep_special=v4 is not None)
+        render = chat_v4.V4ChatRender(req, self.model_name, self.token_str, v4) if v4 else \
+            P.ChatRender(req, self.model_name, self.token_str)
         return await self._respond(request, job, req.stream, render)
 
     async def health(self) -> Response:

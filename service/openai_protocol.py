@@ -12,7 +12,7 @@ and vLLM-aware tools work unchanged:
 - vLLM extensions: `top_k`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
   `skip_special_tokens`, `return_token_ids` (each choice carries `token_ids` and the prompt's ids come back
   as `prompt_token_ids`), and for chat `add_generation_prompt`, `chat_template`, `chat_template_kwargs`.
-Fields the engine cannot honour (penalties, logit_bias, suffix, tools) are declared so that a non-default
+Fields the engine cannot honour (penalties, logit_bias, suffix) are declared so that a non-default
 value is a 400 naming the field instead of being silently ignored; unknown fields are ignored (and logged
 by the server), as vLLM does.
 Range checks of sampling values live in `engine.sampling_params.SamplingParams`, the one place that knows
@@ -137,7 +137,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # DeepSeek V4 encoding only (service/chat_v4.py)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None  # V4 thinking mode: "high" or "max"
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -147,13 +150,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _top_logprobs_range(cls, v: int | None) -> int | None:
         if v is not None and not 0 <= v <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {v}")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tool calling is not supported")
         return v
 
 
@@ -256,9 +252,25 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # a JSON object, as text
+
+
+class ToolCallOut(BaseModel):
+    """A tool call of a response message, or (with `index`) one of a stream delta."""
+
+    index: int | None = None  # stream deltas only
+    id: str | None = None
+    type: str | None = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # V4 thinking mode
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -283,6 +295,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

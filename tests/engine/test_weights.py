@@ -305,8 +305,9 @@ def test_auto_tokenizer_loads(tiny):
     at = transformers.AutoTokenizer.from_pretrained(tiny)
     assert at.bos_token_id == 0 and at.eos_token_id == 1
     assert at("Hello").input_ids == load_tokenizer(tiny).encode("Hello")
-    prompt = at.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
-    assert prompt.startswith("<｜begin▁of▁sentence｜>") and prompt.endswith("<｜Assistant｜>")
+    # Like V4's release: no chat template (chat uses service/chat_encoding.py); its chat tokens are single tokens.
+    assert at.chat_template is None
+    assert len(at("<｜User｜><think></think><｜latest_reminder｜>", add_special_tokens=False).input_ids) == 4
 
 
 def test_default_model_dir(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 from prometheus_client import REGISTRY
 
+from service.chat_parsing import parse_completion
 from service.openai_app import build_app
 from engine.llm import LLM
 from engine.make_model import ASSISTANT_TOKEN, BOS_TOKEN, USER_TOKEN, default_model_dir
@@ -231,14 +232,17 @@ def test_stop_token_ids(srv, llm, tok):
     assert (c.finish_reason, c.model_extra["stop_reason"]) == ("stop", stop_id)
 
 
-def test_chat_completion_uses_the_template(srv, llm, tok):
-    ids = tok.tokenizer.encode(BOS_TOKEN + USER_TOKEN + "Hello there" + ASSISTANT_TOKEN, add_special_tokens=False).ids
+def test_chat_completion_uses_the_v4_encoding(srv, llm, tok):
+    # The built-in model, like V4's release, has no chat template: chat uses V4's encoding (chat mode).
+    prompt = BOS_TOKEN + USER_TOKEN + "Hello there" + ASSISTANT_TOKEN + "</think>"
+    ids = tok.tokenizer.encode(prompt, add_special_tokens=False).ids
     assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
     ref = greedy_ref(llm, ids, 6)
     msgs = [{"role": "user", "content": "Hello there"}]
     r = srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, **GREEDY)
     assert r.model_extra["prompt_token_ids"] == ids and r.choices[0].model_extra["token_ids"] == ref.token_ids
-    assert r.choices[0].message.content == tok.decode(ref.token_ids) and r.choices[0].message.role == "assistant"
+    want = parse_completion(tok.decode(ref.token_ids, skip_special_tokens=False), thinking=False).content
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
     stream = list(srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, stream=True,
                                                       logprobs=True, top_logprobs=1, **GREEDY))
     assert stream[0].choices[0].delta.role == "assistant"

@@ -1,0 +1,206 @@
+"""DeepSeek V4 completion text -> OpenAI assistant fields: reasoning_content, content, tool_calls.
+
+The grammar is the one the V4 encoder writes (service/chat_encoding.py):
+
+    [reasoning </think>] content ["\\n\\n" <｜DSML｜tool_calls> invoke* </｜DSML｜tool_calls>] [<｜end▁of▁sentence｜>]
+
+    invoke = <｜DSML｜invoke name="NAME"> ( <｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter> )*
+             </｜DSML｜invoke>
+
+A parameter with string="true" is the raw string V; with string="false" V is JSON (numbers, booleans,
+arrays, objects). `arguments` is built the way DeepSeek's reference decoder builds it: `{"K": V, ...}` with
+", " / ": " separators, string values JSON-quoted (non-ASCII kept), JSON values inserted verbatim - so for
+well-formed text the output equals the reference's byte for byte.
+
+Where the reference raises, this parser degrades (a server must never 500 on what a model wrote):
+- no `</think>` in thinking mode: everything is reasoning (a truncated thought);
+- a stray `<think>` / `</think>` is dropped; text after the end-of-sentence token is dropped;
+- a tool-call block that is malformed, or cut off (max_tokens), becomes plain content, byte for byte as
+  the model wrote it (with the blank line before it), and a warning is logged; a block is all or nothing;
+- a string="false" value that is not JSON is passed on as a string (logged), so `arguments` is always JSON.
+
+`scan(text, thinking, final=False)` is the same parse over a prefix of the output: it returns only what
+can no longer change (a tail that may be the start of a marker, and an open tool-call block, are held
+back), which is what lets service/chat_stream.py stream without ever leaking a marker byte.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+
+from service.chat_encoding import (EOS, INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN, THINK_END,
+                                   THINK_START, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN, to_json)
+
+log = logging.getLogger(__name__)
+
+_BLOCK_LEAD = "\n\n"  # the encoder writes a blank line before a tool-call block; it belongs to the block
+_TEXT_MARKERS = (THINK_END, THINK_START, TOOL_CALLS_OPEN, EOS)
+_HOLD = (_BLOCK_LEAD + TOOL_CALLS_OPEN, *_TEXT_MARKERS)  # a tail that may still become one of these waits
+_INVOKE_HEAD = re.compile(re.escape(INVOKE_OPEN) + r'\s+name="(.*?)">\s*', re.DOTALL)
+_PARAM_HEAD = re.compile(re.escape(PARAM_OPEN) + r'\s+name="(.*?)"\s+string="(true|false)">', re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the function name and its arguments as a JSON object string."""
+
+    name: str
+    arguments: str
+
+
+@dataclass
+class Parsed:
+    """What a (prefix of a) completion says. `final=False` scans hold back what may still change."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # degradations (malformed blocks, junk after EOS)
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def _held(text: str) -> int:
+    """How many trailing characters of `text` could be the start of a marker (and must wait)."""
+    for k in range(min(len(text), max(map(len, _HOLD)) - 1), 0, -1):
+        tail = text[-k:]
+        if any(m.startswith(tail) for m in _HOLD):
+            return k
+    return 0
+
+
+def _value(name: str, raw: str, is_string: bool) -> str:
+    if is_string:
+        return to_json(raw)
+    try:
+        json.loads(raw)
+    except ValueError:
+        log.warning("tool parameter %r is marked string=\"false\" but is not JSON: passed on as a string", name)
+        return to_json(raw)
+    return raw  # verbatim, as the reference decoder inserts it
+
+
+def parse_invoke(text: str) -> ToolCall:
+    """One complete `<｜DSML｜invoke ...>...</｜DSML｜invoke>` -> ToolCall; _Malformed otherwise."""
+    head = _INVOKE_HEAD.match(text)
+    if head is None:
+        raise _Malformed(f"bad invoke header: {text[:80]!r}")
+    pos, args, body_end = head.end(), {}, len(text) - len(INVOKE_CLOSE)
+    while pos < body_end:
+        p = _PARAM_HEAD.match(text, pos)
+        if p is None:
+            raise _Malformed(f"expected a parameter at {text[pos:pos + 60]!r}")
+        end = text.find(PARAM_CLOSE, p.end())
+        if end < 0 or end > body_end:
+            raise _Malformed(f"unterminated parameter {p.group(1)!r}")
+        name = p.group(1)
+        if name in args:
+            raise _Malformed(f"duplicate parameter {name!r}")
+        args[name] = _value(name, text[p.end():end], p.group(2) == "true")
+        pos = end + len(PARAM_CLOSE)
+        while pos < body_end and text[pos].isspace():
+            pos += 1
+    arguments = "{" + ", ".join(f"{to_json(k)}: {v}" for k, v in args.items()) + "}"
+    return ToolCall(head.group(1), arguments)
+
+
+def _tool_block(text: str, pos: int, final: bool) -> tuple[list[ToolCall] | None, int]:
+    """Parse invokes from `pos` (just after the block's opening tag) to the closing tag.
+
+    -> (calls, position after the block), or (None, pos) when the block is not complete yet.
+    _Malformed for a block that is broken (or, with `final`, unterminated)."""
+    calls = []
+    while True:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        rest = text[pos:]
+        if rest.startswith(TOOL_CALLS_CLOSE):
+            return calls, pos + len(TOOL_CALLS_CLOSE)
+        if rest.startswith(INVOKE_OPEN):
+            end = text.find(INVOKE_CLOSE, pos)
+            if end < 0:
+                if final:
+                    raise _Malformed("unterminated invoke (output cut off?)")
+                return None, pos
+            calls.append(parse_invoke(text[pos:end + len(INVOKE_CLOSE)]))
+            pos = end + len(INVOKE_CLOSE)
+            continue
+        may_grow = not final and (TOOL_CALLS_CLOSE.startswith(rest) or INVOKE_OPEN.startswith(rest))
+        if may_grow and not rest.startswith(EOS):
+            return None, pos
+        raise _Malformed(f"expected an invoke or the end of the block at {rest[:60]!r}")
+
+
+def scan(text: str, thinking: bool, final: bool = True) -> Parsed:
+    """Parse a completion (`final`) or the settled part of a prefix of one (not `final`)."""
+    out = Parsed()
+    mode = "reasoning" if thinking else "content"
+    pos = 0
+    while pos <= len(text):
+        hits = [(i, m) for m in _TEXT_MARKERS if (i := text.find(m, pos)) >= 0]
+        if not hits:
+            seg = text[pos:]
+            seg = seg if final else seg[:len(seg) - _held(seg)]
+            setattr(out, mode, getattr(out, mode) + seg)
+            return out
+        idx, marker = min(hits)
+        seg = text[pos:idx]
+        lead = _BLOCK_LEAD if marker == TOOL_CALLS_OPEN and seg.endswith(_BLOCK_LEAD) else ""
+        setattr(out, mode, getattr(out, mode) + seg[:len(seg) - len(lead)])
+        pos = idx + len(marker)
+        if marker == EOS:
+            if text[pos:].strip():
+                out.errors.append(f"text after the end-of-sentence token dropped: {text[pos:pos + 60]!r}")
+            return out
+        if marker == THINK_END:
+            mode = "content"  # a second </think> in content is stray: dropped
+        elif marker == TOOL_CALLS_OPEN:
+            mode = "content"  # a block ends the thought, even without </think>
+            try:
+                calls, after = _tool_block(text, pos, final)
+            except _Malformed as e:
+                out.errors.append(f"malformed tool-call block kept as text: {e}")
+                end = text.find(EOS, pos)
+                raw = text[idx - len(lead):end if end >= 0 else len(text)]
+                out.content += raw if final else raw[:len(raw) - _held(raw)]
+                return out
+            if calls is None:
+                return out  # block still open: nothing after its start is settled
+            out.calls.extend(calls)
+            pos = after
+    return out
+
+
+def parse_completion(text: str, thinking: bool) -> Parsed:
+    """The whole completion text -> Parsed; degradations are logged."""
+    parsed = scan(text, thinking, final=True)
+    for err in parsed.errors:
+        log.warning("completion parse: %s", err)
+    return parsed
+
+
+# ---- tool_choice / parallel_tool_calls ----------------------------------------------------------
+def select_calls(calls: list[ToolCall], tool_choice, parallel: bool) -> list[ToolCall]:
+    """The calls a response may carry under `tool_choice` and `parallel_tool_calls` (pure; prefix-stable,
+    so a stream can apply it to the calls seen so far).
+
+    The model's output cannot be constrained, so these act on what it wrote: "none" returns no calls, a
+    named function only the calls to it, parallel_tool_calls=false only the first call."""
+    kept = calls
+    if tool_choice == "none":
+        kept = []
+    elif isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        kept = [c for c in kept if c.name == name]
+    return kept if parallel else kept[:1]
+
+
+def log_dropped(calls: list[ToolCall], kept: list[ToolCall], tool_choice, parallel: bool) -> None:
+    if len(kept) != len(calls):
+        log.warning("dropped %d tool call(s) of %s (tool_choice=%r, parallel_tool_calls=%s)",
+                    len(calls) - len(kept), [c.name for c in calls], tool_choice, parallel)
