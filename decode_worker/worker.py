@@ -14,22 +14,24 @@ import time
 from engine import metrics
 from engine.allocator import OutOfPages
 from engine.engine_loop import AsyncSink
-from engine.handoff import DecodeOverloaded, PrefillResult, Transferred
+from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
 from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerBase
 from kv_transfer.base import TransferError, TransferTimeout
-from kv_transfer.registry import make_backend, resolve_name
+from kv_transfer.registry import make_backend, network_options, resolve_name
 
 
 class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
-                 transfer: str = "tcp", transfer_timeout_s: float = 30.0):
+                 transfer: str = "tcp", transfer_timeout_s: float = 30.0, bind_host: str | None = None,
+                 cluster_token: str | None = None):
         super().__init__(worker_id, model_dir, engine_options)
         self.transfer = resolve_name(transfer)  # the concrete backend, for metric labels
         self.transfer_timeout_s = transfer_timeout_s
-        self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id))
+        self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id,
+                                         **network_options(transfer, bind_host, cluster_token)))
         self.peers: dict[str, bytes] = {}
         self.transfer_totals = {"bytes": 0, "seconds": 0.0, "count": 0, "failures": 0}
 
@@ -48,6 +50,8 @@ class DecodeWorker(WorkerBase):
 
     async def decode(self, result: PrefillResult, prompt: list[int], params: SamplingParams):
         rid = result.request_id
+        if result.ticket.source not in self.peers:  # this worker (or the source) restarted since the handshake
+            raise PeerUnknown(result.ticket.source, self.worker_id)
         try:
             pages = await self.loop.acall(lambda e: e.reserve_import(
                 prompt, params, rid, result.seed, result.first_token, result.first_logprob,

@@ -46,9 +46,13 @@ class AsyncSink:
 
 class EngineLoop:
     def __init__(self, engine: EngineCore, name: str = "engine",
-                 on_step: Callable[[EngineCore, list], None] | None = None):
+                 on_step: Callable[[EngineCore, list], None] | None = None,
+                 on_change: Callable[[EngineCore], None] | None = None):
+        """on_step(engine, events): after every step; on_change(engine): after a batch of `call`s ran
+        (adds, aborts, releases change the load between steps: gauges must see those too)."""
         self.engine = engine
         self.on_step = on_step
+        self.on_change = on_change
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, AsyncSink] = {}
         self._stopped = False
@@ -92,12 +96,16 @@ class EngineLoop:
 
     # ---- engine thread ---------------------------------------------------------------------------
     def _drain(self, block: bool) -> bool:
+        ran = False
         while True:
             try:
                 item = self._inbox.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
+                if ran and self.on_change is not None:
+                    self.on_change(self.engine)
                 return True
             block = False
+            ran = True
             if item is _STOP:
                 return False
             fn, fut = item

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import socket
 
 from engine.cache import CachePool
 from kv_transfer.base import TransferBackend
@@ -30,6 +31,27 @@ def resolve_name(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown transfer backend {name!r}; choose one of {list(TRANSFER_CHOICES)}")
     return name
+
+
+def network_options(name: str, host: str | None = None, token: str | None = None) -> dict:
+    """The listener address and cluster token for backends that run their own listener (tcp). NIXL's UCX
+    endpoints are set through UCX's environment (UCX_NET_DEVICES, UCX_TLS) instead."""
+    if resolve_name(name) != "tcp":
+        return {}
+    if host == "node":
+        host = node_address()
+    return {k: v for k, v in (("host", host), ("token", token)) if v}
+
+
+def node_address() -> str:
+    """This host's address on the cluster network: the source address of the default route (a UDP connect
+    sends nothing), as Ray finds its node IP; the hostname's address if there is no route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
 
 
 def make_backend(name: str, pool: CachePool, **kwargs) -> TransferBackend:

@@ -8,7 +8,10 @@ Wire protocol (one connection per pulled request; a frame = 4-byte little-endian
   prefill -> decode  {"ok": true, "nbytes": N} then the N bytes of the ranges in order, or {"ok": false, "error"}
   decode -> prefill  {"op": "done"}   after the last byte landed (the prefill side may now free the pages)
 A failed pull opens a short connection with {"op": "fail", "rid", "error"}. The server checks every requested
-range lies inside pages exported for that request, so a peer can read nothing else.
+range lies inside pages exported for that request, so a peer can read nothing else. With a `token` (the
+service's per-cluster secret, handed to both sides through Ray, never in the metadata) every request frame
+must carry it ("token"), compared in constant time, or the connection is closed unanswered.
+The listener binds `host`: loopback by default; the service passes the node's address on multi-node clusters.
 Memory: pages are sent straight from the pool tensor and received straight into it (no staging copy) for CPU
 pools; CUDA pools stage through host memory.
 Metadata: JSON header with the advertised host and port (no payload); ship it through Ray like NIXL's.
@@ -16,6 +19,7 @@ Metadata: JSON header with the advertised host and port (no payload); ship it th
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import queue
@@ -74,7 +78,7 @@ class TcpBackend(TransferBackend):
 
     def __init__(self, pool: CachePool, worker_name: str | None = None, lease_s: float = 120.0, on_release=None,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 io_timeout_s: float = 60.0):
+                 io_timeout_s: float = 60.0, token: str | None = None):
         """host/port: where to listen (port 0 = any free one). For peers on other hosts listen on the node's IP
         (e.g. ray.util.get_node_ip_address()) or on 0.0.0.0 with advertise_host set."""
         super().__init__(pool, worker_name, lease_s, on_release)
@@ -82,6 +86,7 @@ class TcpBackend(TransferBackend):
         self._bytes = {n: g.tensor.view(-1).view(torch.uint8) for n, g in pool.groups.items()}
         self._np = {n: b.numpy() for n, b in self._bytes.items() if b.device.type == "cpu"}
         self.io_timeout_s = io_timeout_s  # server side: a stuck decode peer cannot pin a thread forever
+        self._token = (token or "").encode()
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (rid, error) from server threads to poll()
         self._server = socket.create_server((host, port))
         self._closed = threading.Event()
@@ -116,6 +121,9 @@ class TcpBackend(TransferBackend):
             conn.settimeout(self.io_timeout_s)
             try:
                 req = _recv_frame(conn, None, "read request")
+                if not hmac.compare_digest(str(req.get("token", "")).encode(), self._token):
+                    log.warning("%s: refused a transfer request without the cluster token", self.worker_name)
+                    return
                 rid = str(req["rid"])
                 if req["op"] == "fail":
                     self._events.put((rid, f"decode side failed the transfer: {req.get('error', '?')}"))
@@ -187,7 +195,8 @@ class TcpBackend(TransferBackend):
         ranges = [(g.name, r) for g in plan.groups for r in g.ranges]
         with self._connect(ticket, deadline, what) as sock:
             try:
-                _send_frame(sock, {"op": "read", "rid": ticket.request_id, "fingerprint": ticket.fingerprint,
+                _send_frame(sock, {"op": "read", "token": self._token.decode(), "rid": ticket.request_id,
+                                   "fingerprint": ticket.fingerprint,
                                    "ranges": [[n, r.src_offset, r.length] for n, r in ranges]})
                 reply = _recv_frame(sock, deadline, what)
                 if not reply.get("ok"):
@@ -214,7 +223,8 @@ class TcpBackend(TransferBackend):
         try:  # bounded: a dead source must not delay the failure of the request
             with socket.create_connection(addr, timeout=1.0) as sock:
                 sock.settimeout(1.0)
-                _send_frame(sock, {"op": "fail", "rid": ticket.request_id, "error": error})
+                _send_frame(sock, {"op": "fail", "token": self._token.decode(), "rid": ticket.request_id,
+                                   "error": error})
         except OSError as e:
             log.info("could not report failed pull of %s to %s: %s", ticket.request_id, ticket.source, e)
 

@@ -36,10 +36,11 @@ def pct(values, q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def drive(addr: str, prompts: list[list[int]], params: SamplingParams, concurrency: int):
+async def drive(addr: str, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+                token: str | None = None):
     from router.client import AsyncRouterClient
 
-    client = AsyncRouterClient(addr, timeout_s=600)
+    client = AsyncRouterClient(addr, timeout_s=600, token=token)
     queue = list(enumerate(prompts))
     timings: list[RequestTiming] = []
 
@@ -83,9 +84,9 @@ def run_ray_topology(cfg_kwargs: dict, prompts, params, concurrency) -> tuple:
     cfg = ServiceConfig(**cfg_kwargs)
     handles = start_service(cfg, http=False)
     try:
-        asyncio.run(drive(handles["router_addr"], prompts[:4], params, 4))  # warm-up
+        asyncio.run(drive(handles["router_addr"], prompts[:4], params, 4, handles["token"]))  # warm-up
         base = ray.get([d.transfer_summary.remote() for d in handles["decode"].values()])
-        timings, wall = asyncio.run(drive(handles["router_addr"], prompts, params, concurrency))
+        timings, wall = asyncio.run(drive(handles["router_addr"], prompts, params, concurrency, handles["token"]))
         after = ray.get([d.transfer_summary.remote() for d in handles["decode"].values()])
         transfer = {k: sum(a[k] - b[k] for a, b in zip(after, base)) for k in ("bytes", "seconds", "count")}
     finally:

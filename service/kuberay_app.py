@@ -138,15 +138,37 @@ class EntryRouter(RouterActor):
         return ray.util.get_node_ip_address()
 
 
-def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None) -> dict:
+class TokenKeeper:
+    """Holds the cluster token (router and transfer listeners) across builder re-runs: workers that are kept
+    and workers that are replaced must agree on it."""
+
+    def __init__(self, token: str):
+        self._token = token
+
+    def token(self) -> str:
+        return self._token
+
+
+def cluster_token() -> str:
+    import ray
+
+    from router.auth import new_token
+
+    keeper = ray.remote(num_cpus=0)(TokenKeeper).options(name="dsv4-token", namespace=NAMESPACE,
+                                                          lifetime="detached", get_if_exists=True)
+    return ray.get(keeper.remote(new_token()).token.remote())
+
+
+def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: str) -> dict:
     plan, fp = cfg.plan(role), _role_fingerprint(cfg, role, model_dir)
     handles = {}
     for worker_id in worker_ids(cfg, role):
         handles[worker_id] = cls.options(
             name=f"dsv4-{worker_id}-{fp}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             num_gpus=plan.num_gpus, resources=dict(plan.resources),
-            runtime_env={"env_vars": dict(cfg.env)}).remote(worker_id, model_dir,
-                                                             dict(plan.engine_options), cfg.service.transfer)
+            runtime_env={"env_vars": dict(cfg.env)}).remote(worker_id, model_dir, dict(plan.engine_options),
+                                                             cfg.service.transfer, bind_host="node",
+                                                             cluster_token=token)
     return handles
 
 
@@ -162,8 +184,10 @@ def _kill_stale(keep: set, prefix: str) -> None:
                 pass
 
 
-def start_backend(cfg: EntryConfig) -> str:
-    """Start (or reuse) the workers and the router on the connected cluster; -> the router's host:port.
+def start_backend(cfg: EntryConfig) -> tuple[str, str]:
+    """Start (or reuse) the workers and the router on the connected cluster; -> (the router's host:port, the
+    cluster token it requires). The router listens on its node's address (ingress replicas run on any node),
+    never on every interface; a reused router keeps its token, which the new ingress reads from it.
 
     Workers of an older layout are killed first (their GPUs and role resources are what the new ones
     need); the old router goes once the new one serves.
@@ -174,18 +198,19 @@ def start_backend(cfg: EntryConfig) -> str:
     workers = {f"dsv4-{w}-{_role_fingerprint(cfg, role, model_dir)}" for role in ROLES for w in worker_ids(cfg, role)}
     for role in ROLES:
         _kill_stale(workers, f"dsv4-{role}-")
+    token = cluster_token()
     prefill_cls, decode_cls, _ = remote_classes(cfg.service)
-    prefill = _start_role(cfg, "prefill", prefill_cls, model_dir)
-    decode = _start_role(cfg, "decode", decode_cls, model_dir)
+    prefill = _start_role(cfg, "prefill", prefill_cls, model_dir, token)
+    decode = _start_role(cfg, "decode", decode_cls, model_dir, token)
     ray.get([h.ping.remote() for h in (*prefill.values(), *decode.values())])
     router_name = f"dsv4-router-{_fingerprint(sorted(workers), cfg.service.router_policy)}"
     router = ray.remote(num_cpus=0, max_concurrency=1000)(EntryRouter).options(
         name=router_name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        runtime_env={"env_vars": dict(cfg.env)}).remote(prefill, decode, cfg.service.router_policy)
-    port = ray.get(router.start.remote("0.0.0.0", cfg.service.router_port))
+        runtime_env={"env_vars": dict(cfg.env)}).remote(prefill, decode, cfg.service.router_policy, token)
+    port = ray.get(router.start.remote("node", cfg.service.router_port))
     addr = f"{ray.get(router.node_ip.remote())}:{port}"
     _kill_stale({router_name}, "dsv4-router-")
-    return addr
+    return addr, ray.get(router.token.remote())
 
 
 def worker_ids(cfg: EntryConfig, role: str) -> list[str]:
@@ -203,9 +228,14 @@ def build(args: dict):
     from service.serve_ingress import OpenAIIngress
     from engine.make_model import default_model_dir
 
+    from service.ingress_guard import IngressOptions
+
     cfg = parse_args(args)
-    router_addr = start_backend(cfg)
-    return OpenAIIngress.bind(router_addr, cfg.service.model_dir or default_model_dir(), cfg.service.model_name)
+    router_addr, token = start_backend(cfg)
+    # The API key comes from the pod's environment (DSV4_API_KEY, from the chart's Secret).
+    options = IngressOptions.from_env(router_token=token)
+    return OpenAIIngress.bind(router_addr, cfg.service.model_dir or default_model_dir(), cfg.service.model_name,
+                              options=options)
 
 
 def run_exporter(port: int, host: str = "0.0.0.0") -> None:

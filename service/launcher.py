@@ -4,8 +4,16 @@ Topology (one Ray cluster; scales out unchanged when RAY_ADDRESS points at a mul
   Ray Serve HTTP (FastAPI, OpenAI API) --gRPC--> RouterActor (policy + RayDispatcher)
       --Ray calls--> PrefillWorker x N  --KV pages over NIXL / TCP-->  DecodeWorker x M
 Metrics: every process of the node writes to one prometheus multiprocess directory; the driver serves
-the aggregate at http://HOST:METRICS_PORT/metrics. Workers are restarted by Ray (max_restarts=-1);
-the router's health loop removes a dead worker and adds it back with its new transfer metadata.
+the aggregate at http://METRICS_HOST:METRICS_PORT/metrics. Workers are restarted by Ray (max_restarts=-1);
+the router's health loop removes a dead worker and adds it back once it is re-introduced to its peers.
+
+Exposure: only the HTTP API listens on --host. Internal endpoints (the gRPC router, the tcp KV transfer
+listeners, the metrics page) bind loopback when the cluster is this one node, the node's own address
+otherwise, and the router and the transfer listeners require the per-service token (`router.auth`), which
+travels only through Ray. Startup checks the cluster can place every actor (CPUs, GPUs) before creating any,
+and fails with the numbers. SIGTERM / SIGINT run `stop_service`: new requests are refused, in-flight ones get
+`drain_s` to finish, then the router, Serve, the workers and the local Ray cluster stop, and the metrics
+directory this run created is removed.
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kv_transfer.registry import TRANSFER_CHOICES, TRANSFER_HELP
+from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 
 ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype",
-                      "decode_mode", "keep_mxfp4_experts")
+                      "decode_mode", "keep_mxfp4_experts", "prefix_cache")
 
 
 @dataclass(frozen=True)
@@ -42,8 +51,19 @@ class ServiceConfig:
     transfer: str = "auto"
     router_policy: str = "cache_aware"
     engine_options: tuple = ()  # (key, value) pairs for load_engine
-    worker_num_cpus: float = 0.5
+    # A Ray CPU reservation is a scheduling token, not a limit: 0.25 a worker lets 2P2D plus two ingress
+    # replicas (0.1 each) fit a 2-core machine.
+    worker_num_cpus: float = 0.25
     ready_timeout_s: float = 300.0  # per startup stage: workers pinged, router bound, HTTP ingress answering
+    ingress_replicas: int = 2
+    api_key: str | None = None  # required on every OpenAI route when set
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allow_request_chat_template: bool = False
+    api_docs: bool = False
+    metrics_host: str | None = None  # None: loopback on one node, the node's address on a cluster
+    drain_s: float = 10.0  # on shutdown, how long in-flight requests may take to finish
+    router_max_queued: int = 1024  # requests waiting at the router for a decode slot (429 beyond)
+    router_queue_timeout_s: float = 60.0  # how long one may wait there (503 after)
 
 
 class ServiceStartError(RuntimeError):
@@ -53,23 +73,44 @@ class ServiceStartError(RuntimeError):
 class RouterActor:
     """Hosts the gRPC router (grpc.aio) in a Ray actor's event loop."""
 
-    def __init__(self, prefill: dict, decode: dict, policy: str):
+    def __init__(self, prefill: dict, decode: dict, policy: str, token: str | None = None, **server_kw):
+        """server_kw: RouterServer's admission settings (max_queued, queue_timeout_s, restart_wait_s)."""
         from service.ray_dispatcher import RayDispatcher
         from router.policy import PolicyConfig, RoutingPolicy
         from router.server import RouterServer
 
         self.dispatcher = RayDispatcher(prefill, decode)
         self.server = RouterServer(self.dispatcher, RoutingPolicy(PolicyConfig(name=policy)),
-                                   health_interval_s=1.0, health_timeout_s=10.0)
+                                   health_interval_s=1.0, health_timeout_s=10.0, auth_token=token, **server_kw)
         self.port = None
+        self.host = None
+        self._token = token
 
     async def start(self, host: str, port: int) -> int:
+        """Bind host:port ("node": this node's cluster address); -> the port."""
+        from kv_transfer.registry import node_address
+
+        self.host = node_address() if host == "node" else host
         await self.dispatcher.health_check()  # exchanges transfer metadata before the first request
-        self.port = await self.server.start(host, port)
+        self.port = await self.server.start(self.host, port)
         return self.port
 
-    async def stop(self) -> None:
-        await self.server.stop(1.0)
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def token(self) -> str | None:
+        """The cluster token (callable only through Ray: the ingress of a re-run KubeRay builder reads it)."""
+        return self._token
+
+    def active(self) -> int:
+        return self.server._active
+
+    def drain(self) -> None:
+        """Refuse new requests from now on (shutdown)."""
+        self.server.draining = True
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.server.stop(grace)
 
 
 def remote_classes(cfg: ServiceConfig):
@@ -86,31 +127,81 @@ def remote_classes(cfg: ServiceConfig):
             ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor))
 
 
+def single_node() -> bool:
+    """Is the connected Ray cluster this one machine (internal endpoints may then stay on loopback)?"""
+    import ray
+
+    return len([n for n in ray.nodes() if n.get("Alive")]) == 1
+
+
+def internal_host(cfg: ServiceConfig | None = None) -> str:
+    """Where internal listeners bind: loopback on one node, else "node" (each process's node address)."""
+    return "127.0.0.1" if single_node() else "node"
+
+
+def check_placement(cfg: ServiceConfig, http: bool = True) -> None:
+    """Fail fast, with the numbers, when the cluster can never place every actor of the service."""
+    import ray
+
+    from service.serve_ingress import INGRESS_NUM_CPUS
+
+    workers = cfg.prefill_workers + cfg.decode_workers
+    num_gpus = 1 if str(dict(cfg.engine_options).get("device", "cpu")).startswith("cuda") else 0
+    need = {"CPU": workers * cfg.worker_num_cpus + (cfg.ingress_replicas * INGRESS_NUM_CPUS if http else 0),
+            "GPU": workers * num_gpus}
+    total, free = ray.cluster_resources(), ray.available_resources()
+    short = [f"{k}: need {v:g} ({workers} workers x {cfg.worker_num_cpus if k == 'CPU' else num_gpus:g}"
+             + (f" + {cfg.ingress_replicas} HTTP replicas x {INGRESS_NUM_CPUS:g}" if k == "CPU" and http else "")
+             + f"), the cluster has {total.get(k, 0):g} in all and {free.get(k, 0):g} free"
+             for k, v in need.items() if v > free.get(k, 0) + 1e-9]
+    if short:
+        raise ServiceStartError("the Ray cluster cannot place the service:\n  " + "\n  ".join(short)
+                                + "\n  (fewer workers, a smaller per-worker CPU reservation, or a bigger cluster)")
+
+
 def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     """Deploy everything on the connected Ray cluster; -> handles and URLs. `http=False` skips Ray Serve.
     Each stage waits at most cfg.ready_timeout_s, then raises ServiceStartError naming what is not up."""
+    from router.auth import new_token
+    from service.ingress_guard import IngressOptions
+
+    check_placement(cfg, http)
     prefill_cls, decode_cls, router_cls = remote_classes(cfg)
     opts = dict(cfg.engine_options)
-    prefill = {f"prefill-{i}": prefill_cls.options(name=f"dsv4-prefill-{i}").remote(
-        f"prefill-{i}", cfg.model_dir, opts, cfg.transfer) for i in range(cfg.prefill_workers)}
-    decode = {f"decode-{i}": decode_cls.options(name=f"dsv4-decode-{i}").remote(
-        f"decode-{i}", cfg.model_dir, opts, cfg.transfer) for i in range(cfg.decode_workers)}
-    _wait_ready({name: h.ping.remote() for name, h in (*prefill.items(), *decode.items())}, cfg.ready_timeout_s,
-                "worker actors")
-    router = router_cls.options(name="dsv4-router").remote(prefill, decode, cfg.router_policy)
-    bind = "127.0.0.1" if cfg.host in ("127.0.0.1", "localhost") else "0.0.0.0"
-    router_port = _wait_ready({"router": router.start.remote(bind, cfg.router_port)}, cfg.ready_timeout_s,
-                              "gRPC router")["router"]
-    router_addr = f"127.0.0.1:{router_port}"
-    if http:
-        from service.serve_ingress import deploy_http
+    host, token = internal_host(cfg), new_token()
+    net = dict(bind_host=None if host == "127.0.0.1" else "node", cluster_token=token)
+    handles: dict = {"prefill": {}, "decode": {}}
+    try:
+        handles["prefill"] = {f"prefill-{i}": prefill_cls.options(name=f"dsv4-prefill-{i}").remote(
+            f"prefill-{i}", cfg.model_dir, opts, cfg.transfer, **net) for i in range(cfg.prefill_workers)}
+        handles["decode"] = {f"decode-{i}": decode_cls.options(name=f"dsv4-decode-{i}").remote(
+            f"decode-{i}", cfg.model_dir, opts, cfg.transfer, **net) for i in range(cfg.decode_workers)}
+        prefill, decode = handles["prefill"], handles["decode"]
+        _wait_ready({name: h.ping.remote() for name, h in (*prefill.items(), *decode.items())},
+                    cfg.ready_timeout_s, "worker actors")
+        router = handles["router"] = router_cls.options(name="dsv4-router").remote(
+            prefill, decode, cfg.router_policy, token, max_queued=cfg.router_max_queued,
+            queue_timeout_s=cfg.router_queue_timeout_s)
+        _wait_ready({"router": router.start.remote(host, cfg.router_port)}, cfg.ready_timeout_s, "gRPC router")
+        import ray
 
-        deploy_http(router_addr, cfg.model_dir, cfg.model_name, cfg.host, cfg.port)
-        # serve.run returns when the replica runs; the proxy may not route to it yet: wait until it does
-        probe = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-        _wait_http(f"http://{probe}:{cfg.port}/v1/models", cfg.ready_timeout_s)
-    return {"prefill": prefill, "decode": decode, "router": router, "router_addr": router_addr,
-            "http": f"http://{cfg.host}:{cfg.port}", "metrics": f"http://{cfg.host}:{cfg.metrics_port}/metrics"}
+        router_addr = handles["router_addr"] = ray.get(router.address.remote())
+        if http:
+            from service.serve_ingress import deploy_http
+
+            options = IngressOptions.from_env(api_key=cfg.api_key, router_token=token,
+                                              max_body_bytes=cfg.max_body_bytes,
+                                              allow_request_templates=cfg.allow_request_chat_template)
+            handles["serve"] = True
+            deploy_http(router_addr, cfg.model_dir, cfg.model_name, cfg.host, cfg.port,
+                        num_replicas=cfg.ingress_replicas, options=options)
+            # serve.run returns when the replica runs; the proxy may not route to it yet: wait until it does
+            probe = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+            _wait_http(f"http://{probe}:{cfg.port}/health", cfg.ready_timeout_s)
+    except BaseException:
+        stop_service(handles, drain_s=0, shutdown_ray=False)
+        raise
+    return {**handles, "http": f"http://{cfg.host}:{cfg.port}", "token": token}
 
 
 def _wait_ready(refs: dict, timeout_s: float, what: str) -> dict:
@@ -200,9 +291,12 @@ def add_engine_speed_args(parser: argparse.ArgumentParser) -> None:
                         help="decode steps: auto = CUDA graphs on CUDA with exact caches, else eager")
     parser.add_argument("--keep-mxfp4-experts", action="store_true", default=None,
                         help="keep MXFP4 routed experts packed in GPU memory (Triton MXFP4 MoE kernel)")
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                        help="do not reuse cached prompt prefixes across requests (engine.prefix_cache; on by "
+                             "default)")
 
 
-def init_ray(metrics_dir: str) -> None:
+def init_ray(metrics_dir: str, extra_env: dict | None = None) -> None:
     """Start a fresh local cluster unless RAY_ADDRESS is set; our workers share the metrics directory.
 
     `address="local"` so a stale /tmp/ray/ray_current_cluster from an earlier run is never joined. The
@@ -211,7 +305,8 @@ def init_ray(metrics_dir: str) -> None:
     """
     import ray
 
-    env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           **(extra_env or {})}
     saved = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     try:
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env={"env_vars": env},
@@ -221,65 +316,115 @@ def init_ray(metrics_dir: str) -> None:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved
 
 
-def stop_service(handles: dict | None) -> None:
+def stop_service(handles: dict | None, drain_s: float = 10.0, shutdown_ray: bool = True) -> None:
+    """Stop in order, each step bounded: refuse new requests, let in-flight ones finish for up to drain_s, stop
+    the router (streams still open end with an in-band error and [DONE] from the ingress), stop Serve, kill the
+    workers, and (shutdown_ray) stop this process's Ray cluster with its daemons."""
     import ray
     from ray import serve
 
-    try:
-        serve.shutdown()
-    except Exception:  # noqa: BLE001 - best effort on the way out
-        pass
-    if handles:
+    handles = handles or {}
+    router = handles.get("router")
+    if router is not None and ray.is_initialized():
         try:
-            ray.get(handles["router"].stop.remote(), timeout=5)
+            ray.get(router.drain.remote(), timeout=5)
+            deadline = time.monotonic() + drain_s
+            while time.monotonic() < deadline and ray.get(router.active.remote(), timeout=5):
+                time.sleep(0.1)
+            ray.get(router.stop.remote(1.0), timeout=10)
+        except Exception as e:  # noqa: BLE001 - best effort on the way out
+            print(f"dsv4: router stop: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
         except Exception:  # noqa: BLE001
             pass
-    ray.shutdown()
+        for h in (*handles.get("prefill", {}).values(), *handles.get("decode", {}).values(),
+                  *([router] if router is not None else [])):
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+    if shutdown_ray:
+        ray.shutdown()
 
 
 def prepare_metrics_dir() -> str:
-    """Must run before prometheus_client is imported anywhere in this process."""
-    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(prefix="dsv4-metrics-")
+    """Must run before prometheus_client is imported anywhere in this process. A directory made here (not
+    one named by PROMETHEUS_MULTIPROC_DIR) is this run's: `remove_metrics_dir` deletes it at the end."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        path = tempfile.mkdtemp(prefix="dsv4-metrics-")
+        os.environ["DSV4_OWN_METRICS_DIR"] = path
     os.makedirs(path, exist_ok=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     return path
 
 
-def serve_main(args: argparse.Namespace) -> int:
+def remove_metrics_dir() -> None:
+    import shutil
+
+    path = os.environ.pop("DSV4_OWN_METRICS_DIR", None)
+    if path and os.environ.get("PROMETHEUS_MULTIPROC_DIR") == path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     from engine.make_model import default_model_dir
 
+    engine_options = tuple((k, getattr(args, k)) for k in ENGINE_OPTION_KEYS if getattr(args, k, None) is not None)
+    return ServiceConfig(model_dir=args.model or default_model_dir(), model_name=args.served_model_name,
+                         host=args.host, port=args.port, metrics_port=args.metrics_port, router_port=args.router_port,
+                         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+                         transfer=args.transfer, router_policy=args.router_policy, engine_options=engine_options,
+                         worker_num_cpus=args.worker_num_cpus, ingress_replicas=args.ingress_replicas,
+                         api_key=args.api_key or os.environ.get("DSV4_API_KEY") or None,
+                         max_body_bytes=args.max_body_bytes, allow_request_chat_template=args.allow_request_chat_template,
+                         api_docs=args.api_docs, metrics_host=args.metrics_host, drain_s=args.drain_seconds)
+
+
+def serve_main(args: argparse.Namespace) -> int:
     metrics_dir = prepare_metrics_dir()
     from engine.metrics import start_metrics_server
 
-    engine_options = tuple((k, getattr(args, k)) for k in ENGINE_OPTION_KEYS if getattr(args, k, None) is not None)
-    cfg = ServiceConfig(model_dir=args.model or default_model_dir(), model_name=args.served_model_name,
-                        host=args.host, port=args.port, metrics_port=args.metrics_port, router_port=args.router_port,
-                        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-                        transfer=args.transfer, router_policy=args.router_policy, engine_options=engine_options)
+    cfg = config_from_args(args)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    init_ray(metrics_dir)
-    handles = None
+    handles, metrics = None, None
     try:
+        init_ray(metrics_dir, {"DSV4_API_DOCS": "1"} if cfg.api_docs else {})
+        # After ray.init, which installs its own SIGTERM handler: ours runs the service's shutdown below.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         try:
-            start_metrics_server(cfg.metrics_port, cfg.host)
+            metrics_host = cfg.metrics_host or internal_host(cfg)
+            if metrics_host == "node":
+                from kv_transfer.registry import node_address
+
+                metrics_host = node_address()
+            metrics, _ = start_metrics_server(cfg.metrics_port, metrics_host)
             handles = start_service(cfg)
         except Exception:
             print(f"dsv4 serve: startup failed\n{ray_logs_tail()}", file=sys.stderr, flush=True)
             raise
         from kv_transfer.registry import resolve_name
 
+        m_host, m_port = metrics.server_address[:2]
         print(f"dsv4 serving {cfg.model_name} ({cfg.prefill_workers}P{cfg.decode_workers}D, transfer "
               f"{resolve_name(cfg.transfer)}, policy {cfg.router_policy})", flush=True)
-        print(f"  OpenAI API: {handles['http']}/v1", flush=True)
-        print(f"  router:     grpc://{handles['router_addr']}", flush=True)
-        print(f"  metrics:    {handles['metrics']}", flush=True)
+        print(f"  OpenAI API: {handles['http']}/v1 ({cfg.ingress_replicas} replicas, API key "
+              f"{'required' if cfg.api_key else 'off'})", flush=True)
+        print(f"  router:     grpc://{handles['router_addr']} (cluster token required)", flush=True)
+        print(f"  metrics:    http://{m_host}:{m_port}/metrics", flush=True)
         while not stop.wait(0.5):
             pass
-        print("dsv4: shutting down", flush=True)
+        print(f"dsv4: shutting down (draining for up to {cfg.drain_s:g} s)", flush=True)
     finally:
-        stop_service(handles)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C during shutdown ends it hard
+        stop_service(handles, cfg.drain_s)
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
+        remove_metrics_dir()
     return 0
 
 
@@ -290,6 +435,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8080)
     parser.add_argument("--router-port", type=int, default=0, help="gRPC router port (0 = any free port)")
+    parser.add_argument("--metrics-host", default=None,
+                        help="metrics listen address (default: loopback on one node, the node address on a cluster)")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on every /v1 route (default: $DSV4_API_KEY)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest accepted HTTP request body (413 beyond)")
+    parser.add_argument("--allow-request-chat-template", action="store_true",
+                        help="let requests supply `chat_template` (rendered in a sandbox with a time budget)")
+    parser.add_argument("--api-docs", action="store_true", help="serve /docs and /openapi.json")
+    parser.add_argument("--ingress-replicas", type=int, default=2, help="HTTP ingress replicas")
+    parser.add_argument("--worker-num-cpus", type=float, default=0.25,
+                        help="Ray CPU reservation of each prefill/decode worker")
+    parser.add_argument("--drain-seconds", type=float, default=10.0,
+                        help="on SIGTERM / Ctrl-C, how long in-flight requests may take to finish")
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--transfer", default="auto", choices=TRANSFER_CHOICES, help=TRANSFER_HELP)
@@ -306,4 +465,5 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 __all__ = ["ServiceConfig", "ServiceStartError", "serve_main", "start_service", "stop_service", "init_ray",
-           "add_serve_args", "prepare_metrics_dir", "ray_logs_dir", "ray_logs_tail", "RouterActor"]
+           "add_serve_args", "prepare_metrics_dir", "remove_metrics_dir", "ray_logs_dir", "ray_logs_tail",
+           "RouterActor", "check_placement", "single_node", "config_from_args"]

@@ -6,33 +6,52 @@ process. The routes reach that server through `service.openai_app.current_server
 that cloudpickle sends by reference, so Serve's copy of the app finds the replica's real module state (a
 global set by a class pickled by value would land in a throwaway namespace instead). The router client is
 created lazily on the first request, inside the loop that serves it.
+
+Liveness: Serve calls `check_health` every HEALTH_PERIOD_S on the replica's own event loop; a loop that a
+request has blocked cannot answer within HEALTH_TIMEOUT_S, so Serve marks the replica unhealthy and
+replaces it (user-sized work runs off the loop, so this is the last line of defence, not the first).
+Replicas are light (they wait on the router), so each reserves only INGRESS_NUM_CPUS of a CPU and the
+default is two of them, so that one stuck or restarting replica never takes the API down.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from ray import serve
 
+from service.ingress_guard import IngressOptions
 from service.openai_app import DEFAULT_REQUEST_TIMEOUT_S, current_server, make_app
 
 app = make_app(current_server)
+HEALTH_PERIOD_S = 5.0
+HEALTH_TIMEOUT_S = 10.0
+INGRESS_NUM_CPUS = 0.1
+DEFAULT_REPLICAS = 2
 
 
-@serve.deployment(name="dsv4-openai", max_ongoing_requests=1000)  # requests mostly wait on the router
+@serve.deployment(name="dsv4-openai", max_ongoing_requests=1000,  # requests mostly wait on the router
+                  health_check_period_s=HEALTH_PERIOD_S, health_check_timeout_s=HEALTH_TIMEOUT_S,
+                  ray_actor_options={"num_cpus": INGRESS_NUM_CPUS})
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, router_addr: str, model_dir: str, model_name: str,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, options: IngressOptions | None = None):
         from service import openai_app  # the real module (this method may have been pickled by value)
 
-        self.server = openai_app.configure(router_addr, model_dir, model_name, request_timeout_s)
+        self.server = openai_app.configure(router_addr, model_dir, model_name, request_timeout_s,
+                                           options or IngressOptions.from_env())
+
+    async def check_health(self) -> None:
+        await asyncio.sleep(0)  # answering at all proves the event loop is not blocked
 
 
 def deploy_http(router_addr: str, model_dir: str, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                num_replicas: int = 1, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                app_name: str = "dsv4-openai"):
+                num_replicas: int = DEFAULT_REPLICAS, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                app_name: str = "dsv4-openai", options: IngressOptions | None = None):
     """Start Serve's HTTP proxy on host:port and deploy `num_replicas` ingress replicas (on the connected
     Ray cluster) serving the OpenAI API at "/"; -> the deployment handle. Returns once it is running."""
     serve.start(http_options={"host": host, "port": port})
     deployment = OpenAIIngress.options(num_replicas=num_replicas)
-    return serve.run(deployment.bind(router_addr, model_dir, model_name, request_timeout_s),
+    return serve.run(deployment.bind(router_addr, model_dir, model_name, request_timeout_s, options),
                      name=app_name, route_prefix="/")

@@ -66,7 +66,7 @@ def service():
         _teardown(started)
         raise RuntimeError(f"service setup failed at {stage}: {type(e).__name__}: {e}\n\n{logs}") from e
     handles = started["handles"]
-    client = RouterClient(handles["router_addr"], timeout_s=120)
+    client = RouterClient(handles["router_addr"], timeout_s=120, token=handles["token"])
     http = openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.port}/v1", api_key="none", max_retries=0, timeout=120)
     yield handles, client, http, cfg
     client.close()

@@ -100,6 +100,13 @@ spec:
       env:
         - name: DSV4_ROLE
           value: {{ .role }}
+        {{- with $v.serve.apiKeySecret.name }}
+        - name: DSV4_API_KEY
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $v.serve.apiKeySecret.key }}
+        {{- end }}
         {{- if $rdma }}
         {{- range $name, $value := $v.rdma.ucxEnv }}
         - name: {{ $name }}

@@ -1,0 +1,153 @@
+"""What keeps one HTTP request from taking the ingress down: options, body limit, API key, text checks,
+and the thread pool that user-sized work (tokenising, chat templates) runs on instead of the event loop.
+
+- `IngressOptions`: the ingress's hardening settings (frozen; travel to the Serve replicas through Ray).
+- `GuardMiddleware` (pure ASGI, outermost): a request body over `max_body_bytes` is refused with 413 before it
+  is buffered (Content-Length) or as soon as the streamed body passes the limit; with an `api_key`, every
+  `/v1/` route needs `Authorization: Bearer <key>` (401 shaped as OpenAI's, compared in constant time).
+- `lone_surrogate(value)`: JSON may carry "\\ud800" escapes that decode to strings no tokenizer (or UTF-8
+  encoder) accepts; the request is a 400 naming the field instead of a 500 deep inside the tokenizer.
+- `Offloader`: a small bounded thread pool. The `tokenizers` encode/decode calls release the GIL; template
+  rendering is Python, but in a thread it only shares the GIL, so the loop keeps answering (/health included)
+  and a template that runs away is stopped by its time budget (service/template_sandbox.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: far beyond any prompt that fits a context, far below memory
+
+
+@dataclass(frozen=True)
+class IngressOptions:
+    api_key: str | None = None  # None: the OpenAI routes are open (loopback default)
+    router_token: str | None = None  # the per-cluster token the router requires (router/auth.py)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allow_request_templates: bool = False  # request-supplied `chat_template` (vLLM: --trust-request-chat-template)
+    template_budget_s: float = 2.0  # wall time a request-supplied template may render for
+    offload_threads: int = 4  # threads that tokenise and render
+
+    def __post_init__(self):
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.template_budget_s <= 0 or self.offload_threads < 1:
+            raise ValueError(f"template_budget_s must be > 0 and offload_threads >= 1, got {self.template_budget_s}, "
+                             f"{self.offload_threads}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be a non-empty string or None")
+
+    @classmethod
+    def from_env(cls, **kw) -> "IngressOptions":
+        """`DSV4_API_KEY` fills api_key when it is not given."""
+        if kw.get("api_key") is None and os.environ.get("DSV4_API_KEY"):
+            kw["api_key"] = os.environ["DSV4_API_KEY"]
+        return cls(**kw)
+
+
+def _json(status: int, body: dict, headers: list | None = None) -> tuple[dict, dict]:
+    data = json.dumps(body).encode()
+    start = {"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                         *(headers or [])]}
+    return start, {"type": "http.response.body", "body": data}
+
+
+class GuardMiddleware:
+    """ASGI middleware; `options()` and `error_body(status, message, param)` are looked up per request."""
+
+    def __init__(self, app, options, error_body):
+        self.app, self.options, self.error_body = app, options, error_body
+
+    async def _send_error(self, send, status: int, message: str, headers: list | None = None) -> None:
+        for msg in _json(status, self.error_body(status, message, None), headers):
+            await send(msg)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            opts = self.options()
+        except RuntimeError:  # not configured yet: let the app answer (its routes say so)
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if opts.api_key and scope["path"].startswith("/v1/"):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), opts.api_key.encode()):
+                return await self._send_error(send, 401, "Incorrect API key provided. Pass it as "
+                                              "`Authorization: Bearer <key>` (the server's --api-key / DSV4_API_KEY).",
+                                              [(b"www-authenticate", b"Bearer")])
+        limit = opts.max_body_bytes
+        try:
+            length = int(headers.get(b"content-length", b"0") or 0)
+        except ValueError:
+            length = 0
+        if length > limit:
+            return await self._send_error(send, 413, f"request body of {length} bytes exceeds the limit of "
+                                                     f"{limit} bytes")
+        seen, started, refused = 0, False, False
+
+        async def limited_receive():
+            # Past the limit: answer 413 now and tell the app the client left (FastAPI turns any exception
+            # raised while reading the body into its own 400, so an exception cannot carry the 413).
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit and not started:
+                    refused = True
+                    await self._send_error(send, 413, f"request body exceeds the limit of {limit} bytes")
+                    return {"type": "http.disconnect"}
+            return msg
+
+        async def tracking_send(msg):
+            nonlocal started
+            if refused:
+                return  # the 413 is already out: whatever the app answers goes nowhere
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        await self.app(scope, limited_receive, tracking_send)
+
+
+def lone_surrogate(value, path: str = "") -> str | None:
+    """The path of the first string in a JSON-like value holding a lone UTF-16 surrogate, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        found = lone_surrogate(v, f"{path}.{k}" if path and isinstance(k, str) else
+                               f"{path}[{k}]" if path else str(k))
+        if found:
+            return found
+    return None
+
+
+class Offloader:
+    """Run user-sized work off the event loop on a bounded pool (requests beyond its threads queue)."""
+
+    def __init__(self, threads: int):
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dsv4-ingress")
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
