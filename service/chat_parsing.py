@@ -19,9 +19,9 @@ Where the reference raises, this parser degrades (a server must never 500 on wha
   the model wrote it (with the blank line before it), and a warning is logged; a block is all or nothing;
 - a string="false" value that is not JSON is passed on as a string (logged), so `arguments` is always JSON.
 
-`scan(text, thinking, final=False)` is the same parse over a prefix of the output: it returns only what
-can no longer change (a tail that may be the start of a marker, and an open tool-call block, are held
-back), which is what lets service/chat_stream.py stream without ever leaking a marker byte.
+`Scanner` runs the same parse over an output fed in pieces and returns only what can no longer change (a
+tail that may be the start of a marker, and an open tool-call block, are held back), which is what lets
+service/chat_stream.py stream without ever leaking a marker byte; `scan(text, final=False)` is one piece.
 """
 
 from __future__ import annotations
@@ -136,44 +136,75 @@ def _tool_block(text: str, pos: int, final: bool) -> tuple[list[ToolCall] | None
         raise _Malformed(f"expected an invoke or the end of the block at {rest[:60]!r}")
 
 
+class Scanner:
+    """The parse of an output fed in pieces: each `feed` returns only what became settled.
+
+    It keeps only the unsettled tail of the text (a possible marker start, or an open tool-call block), so
+    the work per piece is the piece plus that tail, however long the output grows."""
+
+    def __init__(self, thinking: bool):
+        self.mode = "reasoning" if thinking else "content"  # then "content", "raw" (a broken block), "done"
+        self.buf = ""  # text not settled yet (it starts where the settled text ends)
+        self.errors: list[str] = []
+
+    def feed(self, piece: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        """Add `piece` (`final`: the output is complete) -> (reasoning, content, calls) settled by it."""
+        buf, pos = self.buf + piece, 0
+        out = {"reasoning": [], "content": []}
+        calls: list[ToolCall] = []
+        while self.mode != "done":
+            if self.mode == "raw":  # a broken block: the model's text as it is, up to the end of sentence
+                end = buf.find(EOS, pos)
+                stop = end if end >= 0 else len(buf) - (0 if final else _held(buf[pos:]))
+                out["content"].append(buf[pos:stop])
+                pos = stop
+                if end >= 0:
+                    pos = end + len(EOS)
+                    self.mode = "done"
+                break
+            hits = [(i, m) for m in _TEXT_MARKERS if (i := buf.find(m, pos)) >= 0]
+            if not hits:
+                seg = buf[pos:]
+                keep = 0 if final else _held(seg)
+                out[self.mode].append(seg[:len(seg) - keep])
+                pos = len(buf) - keep
+                break
+            idx, marker = min(hits)
+            seg = buf[pos:idx]
+            lead = _BLOCK_LEAD if marker == TOOL_CALLS_OPEN and seg.endswith(_BLOCK_LEAD) else ""
+            out[self.mode].append(seg[:len(seg) - len(lead)])
+            pos = idx + len(marker)
+            if marker == EOS:
+                self.mode = "done"
+                break
+            if marker != THINK_START:  # a stray <think> is dropped; </think> (stray in content: dropped) and a
+                self.mode = "content"  # tool-call block end the thought
+            if marker != TOOL_CALLS_OPEN:
+                continue
+            try:
+                block_calls, after = _tool_block(buf, pos, final)
+            except _Malformed as e:
+                self.errors.append(f"malformed tool-call block kept as text: {e}")
+                self.mode, pos = "raw", idx - len(lead)
+                continue
+            if block_calls is None:  # still open: wait for the rest of it, lead included
+                pos = idx - len(lead)
+                break
+            calls.extend(block_calls)
+            pos = after
+        if self.mode == "done" and buf[pos:].strip():
+            if not any(e.startswith("text after") for e in self.errors):
+                self.errors.append(f"text after the end-of-sentence token dropped: {buf[pos:pos + 60]!r}")
+            pos = len(buf)
+        self.buf = buf[pos:]
+        return "".join(out["reasoning"]), "".join(out["content"]), calls
+
+
 def scan(text: str, thinking: bool, final: bool = True) -> Parsed:
     """Parse a completion (`final`) or the settled part of a prefix of one (not `final`)."""
-    out = Parsed()
-    mode = "reasoning" if thinking else "content"
-    pos = 0
-    while pos <= len(text):
-        hits = [(i, m) for m in _TEXT_MARKERS if (i := text.find(m, pos)) >= 0]
-        if not hits:
-            seg = text[pos:]
-            seg = seg if final else seg[:len(seg) - _held(seg)]
-            setattr(out, mode, getattr(out, mode) + seg)
-            return out
-        idx, marker = min(hits)
-        seg = text[pos:idx]
-        lead = _BLOCK_LEAD if marker == TOOL_CALLS_OPEN and seg.endswith(_BLOCK_LEAD) else ""
-        setattr(out, mode, getattr(out, mode) + seg[:len(seg) - len(lead)])
-        pos = idx + len(marker)
-        if marker == EOS:
-            if text[pos:].strip():
-                out.errors.append(f"text after the end-of-sentence token dropped: {text[pos:pos + 60]!r}")
-            return out
-        if marker == THINK_END:
-            mode = "content"  # a second </think> in content is stray: dropped
-        elif marker == TOOL_CALLS_OPEN:
-            mode = "content"  # a block ends the thought, even without </think>
-            try:
-                calls, after = _tool_block(text, pos, final)
-            except _Malformed as e:
-                out.errors.append(f"malformed tool-call block kept as text: {e}")
-                end = text.find(EOS, pos)
-                raw = text[idx - len(lead):end if end >= 0 else len(text)]
-                out.content += raw if final else raw[:len(raw) - _held(raw)]
-                return out
-            if calls is None:
-                return out  # block still open: nothing after its start is settled
-            out.calls.extend(calls)
-            pos = after
-    return out
+    scanner = Scanner(thinking)
+    reasoning, content, calls = scanner.feed(text, final)
+    return Parsed(reasoning, content, calls, scanner.errors)
 
 
 def parse_completion(text: str, thinking: bool) -> Parsed:

@@ -121,9 +121,10 @@ def render(req: P.ChatCompletionRequest) -> V4Prompt:
     return V4Prompt(text, text.endswith(THINK_START), req.tool_choice, req.parallel_tool_calls)
 
 
-def _call_out(index: int | None, call_id: str, call: ToolCall) -> P.ToolCallOut:
-    return P.ToolCallOut(index=index, id=call_id, type="function",
-                         function=P.ToolCallFunction(name=call.name, arguments=call.arguments))
+def _delta_call(index: int, call: ToolCall) -> P.DeltaToolCall:
+    # A call is sent once it is complete: id, name and all its arguments in one piece.
+    return P.DeltaToolCall(index=index, id=new_call_id(), type="function",
+                           function=P.ToolCallFunction(name=call.name, arguments=call.arguments))
 
 
 def new_call_id() -> str:
@@ -174,7 +175,7 @@ class V4ChatRender(P.ChatRender):
         lps = P.chat_logprobs(self.token_str, [token_id], [logprob], req.top_logprobs) \
             if req.logprobs and token_id is not None else None
         delta_msg = P.DeltaMessage(reasoning_content=d.reasoning or None, content=d.content or None,
-                                   tool_calls=[_call_out(i, new_call_id(), c) for i, c in d.calls] or None)
+                                   tool_calls=[_delta_call(i, c) for i, c in d.calls] or None)
         return self._chunk(job, delta_msg, logprobs=lps,
                            finish_reason=self._finish(job, len(self.stream.calls)) if done else None,
                            stop_reason=job.stop_reason,

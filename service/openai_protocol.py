@@ -258,11 +258,19 @@ class ToolCallFunction(BaseModel):
 
 
 class ToolCallOut(BaseModel):
-    """A tool call of a response message, or (with `index`) one of a stream delta."""
+    """A tool call of a response message."""
 
-    index: int | None = None  # stream deltas only
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
+class DeltaToolCall(BaseModel):
+    """One tool call's piece of a stream delta (OpenAI's incremental shape: `index` says which call)."""
+
+    index: int
     id: str | None = None
-    type: str | None = "function"
+    type: str | None = None
     function: ToolCallFunction
 
 
@@ -296,7 +304,7 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCallOut] | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

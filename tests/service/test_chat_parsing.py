@@ -31,6 +31,9 @@ def invoke(name: str, **params) -> str:
 TOOL_TEXT = ("The user wants weather; call get_weather twice.</think>Checking both." +
              block(invoke("get_weather", city="Paris", days=3), invoke("search", q="東京 天気", opts={"n": [1, 2]})) + EOS)
 THINK_TEXT = "Let me think: 2 + 2 = 4 <not a tag>.</think>The answer is **4**.\n\nDone." + EOS
+STRAY_TEXT = "<think>T <b>bold</b></think>A</think>B<think>C\n\nD" + EOS + "junk after the end"
+TWO_BLOCKS_TEXT = ("First." + block(invoke("a", x=1)) + "\n\nThen more." + block(invoke("b", y="z"), invoke("c"))
+                   + EOS)
 MALFORMED_TEXT = ("Hmm.</think>Calling." + f'\n\n<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="x">1'
                   f"</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>" + EOS)
 TRUNCATED_TEXT = "Hmm.</think>Calling." + f'\n\n<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="x" str'
@@ -61,6 +64,13 @@ def test_chat_mode_plain_content():
     assert parse_completion("Hello <b>world</b>" + EOS, thinking=False).content == "Hello <b>world</b>"
     no_eos = parse_completion("Hello", thinking=False)
     assert (no_eos.content, no_eos.reasoning, no_eos.calls) == ("Hello", "", [])
+
+
+def test_two_blocks_and_stray_markers():
+    two = parse_completion(TWO_BLOCKS_TEXT, thinking=False)
+    assert two.content == "First.\n\nThen more." and [c.name for c in two.calls] == ["a", "b", "c"]
+    stray = parse_completion(STRAY_TEXT, thinking=True)
+    assert (stray.reasoning, stray.content) == ("T <b>bold</b>", "ABC\n\nD")
 
 
 def test_degradations_never_raise():
@@ -120,8 +130,9 @@ def splits_of(text: str):
         yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
-@pytest.mark.parametrize("name, text, thinking", [("tool_calls", TOOL_TEXT, True), ("thinking", THINK_TEXT, True),
-                                                  ("chat_tool_calls", TOOL_TEXT.split("</think>")[1], False)])
+@pytest.mark.parametrize("name, text, thinking", [
+    ("tool_calls", TOOL_TEXT, True), ("thinking", THINK_TEXT, True), ("stray_markers", STRAY_TEXT, True),
+    ("chat_tool_calls", TOOL_TEXT.split("</think>")[1], False), ("two_blocks", TWO_BLOCKS_TEXT, False)])
 def test_stream_every_split_point(name, text, thinking):
     full = parse_completion(text, thinking)
     for pieces in splits_of(text):
