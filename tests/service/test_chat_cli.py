@@ -84,3 +84,29 @@ def test_console_round_trip_bytes(tmp_path):
                          input=TOOL_COMPLETION.encode("utf-8"), capture_output=True, check=True).stdout
     assert json.loads(res.decode("utf-8"))["tool_calls"][0]["function"]["arguments"] == \
         '{"location": "Zürich", "days": 2}'
+
+
+def test_chat_render_follows_the_model(tmp_path, capsysbinary):
+    """A model whose tokenizer has a chat template renders that (as the server does); a model that is not
+    V4 and has none is an error."""
+    import shutil
+
+    from engine.make_model import default_model_dir
+
+    src, model = Path(default_model_dir()), tmp_path / "templated"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, model / name)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"messages": [{"role": "user", "content": "héllo"}]}))
+    assert main(["chat-render", "--request", str(req), "--model", str(model)]) == 0
+    assert capsysbinary.readouterr().out == "<｜begin▁of▁sentence｜>[user]héllo".encode()
+    raw = json.loads((model / "config.json").read_text())
+    raw.update(model_type="other", architectures=["OtherForCausalLM"])
+    (model / "config.json").write_text(json.dumps(raw))
+    del cfg["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert main(["chat-render", "--request", str(req), "--model", str(model)]) == 2
