@@ -103,5 +103,33 @@ class DecodeWorker(WorkerBase):
             else:
                 await self.loop.acall(lambda e: (e.abort(rid), self.loop.unsubscribe(rid)))
 
+    async def generate_local(self, request_id: str, prompt: list[int], params: SamplingParams,
+                             seed: int | None = None):
+        """Conditional disaggregation: prefill and decode a request here, no transfer (its prompt is mostly in
+        this worker's prefix cache, or short). A Ray streaming method yielding every TokenEvent; closing the
+        stream early aborts the request."""
+        sink = AsyncSink(asyncio.get_running_loop())
+
+        def add(engine):
+            engine.add_request(prompt, params, request_id, seed=seed)
+            self.loop.subscribe(request_id, sink)
+
+        await self.loop.acall(add)
+        finished = False
+        try:
+            while not finished:
+                ev = await sink.queue.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                finished = ev.finished
+                if ev.token_id is not None:
+                    metrics.GENERATION_TOKENS.labels(self.role, self.worker_id).inc()
+                yield ev
+        finally:
+            if finished:
+                await self.loop.acall(lambda e: e.pop_finished(request_id))
+            else:
+                await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))
+
     async def abort(self, request_id: str) -> None:
         await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))

@@ -72,6 +72,8 @@ class PrefixCounters:
     def __init__(self, role: str, worker: str):
         self.labels = (role, worker)
         self.query = self.hit = 0
+        PREFIX_QUERY_TOKENS.labels(*self.labels)  # exported at 0 from the start (dashboards divide by it)
+        PREFIX_HIT_TOKENS.labels(*self.labels)
 
     def observe(self, stats) -> None:
         if stats is None:

@@ -26,42 +26,116 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.block_hash import block_hashes
+from engine.handoff import PrefixDigest
 from router.dispatch import WorkerInfo
+
+
+def cached_for(digest: PrefixDigest | None, prompt_ids: Sequence[int], chains: dict) -> int:
+    """Prompt tokens `digest` says its worker would serve from cache. chains: per-call memo of the prompt's
+    block hashes per (block size, seed): workers of one model and format share one hashing."""
+    if digest is None or not digest.hashes:
+        return 0
+    key = (digest.block_tokens, digest.seed)
+    hit = chains.get(key)
+    if hit is None:  # a resume point must leave >= 1 prompt token to compute
+        chain = block_hashes(prompt_ids, digest.block_tokens, digest.seed,
+                             limit=(len(prompt_ids) - 1) // digest.block_tokens)
+        hit = chains[key] = (chain, frozenset(chain))
+    chain, members = hit
+    if members.isdisjoint(digest.hashes):  # most workers hold none of the prompt: one C-level test
+        return 0
+    for k in range(len(chain) - 1, -1, -1):
+        if chain[k] in digest.hashes:
+            return (k + 1) * digest.block_tokens
+    return 0
 
 
 def cached_tokens(prompt_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> dict[str, int]:
     """worker id -> prompt tokens its digest says it would serve from cache (0 without a digest)."""
-    n = len(prompt_ids)
-    hashes: dict[tuple[int, bytes], tuple[list[int], frozenset]] = {}
-    out = {}
-    for w in workers:
-        d = w.prefix
-        if d is None or not d.hashes:
-            out[w.worker_id] = 0
-            continue
-        key = (d.block_tokens, d.seed)
-        if key not in hashes:  # a resume point must leave >= 1 prompt token to compute
-            chain = block_hashes(prompt_ids, d.block_tokens, d.seed, limit=(n - 1) // d.block_tokens)
-            hashes[key] = chain, frozenset(chain)
-        chain, members = hashes[key]
-        best = 0
-        if members.isdisjoint(d.hashes):  # most workers hold none of the prompt: one C-level test
-            out[w.worker_id] = 0
-            continue
-        for k in range(len(chain) - 1, -1, -1):
-            if chain[k] in d.hashes:
-                best = (k + 1) * d.block_tokens
-                break
-        out[w.worker_id] = best
-    return out
+    chains: dict = {}
+    return {w.worker_id: cached_for(w.prefix, prompt_ids, chains) for w in workers}
 
 
-def costs(prompt_len: int, cached: dict[str, int], pending: dict[str, int],
-          recent: dict[str, float] | None = None) -> dict[str, float]:
-    """worker id -> prompt tokens it must compute before this request's first token, plus (balance) its
-    recent work above the candidates' mean."""
-    excess = {}
-    if recent:
-        mean = sum(recent.values()) / len(recent)
-        excess = {w: max(0.0, r - mean) for w, r in recent.items()}
-    return {w: pending.get(w, 0) + prompt_len - c + excess.get(w, 0.0) for w, c in cached.items()}
+class RecentWork:
+    """Prompt tokens sent to each worker, exponentially decayed (half-life in seconds), O(1) per update:
+    values are stored in units of 2 ** ((t - ref) / half_life), and rebased when that grows large."""
+
+    def __init__(self, half_life_s: float):
+        self.half_life_s = half_life_s
+        self.ref: float | None = None
+        self.stored: dict[str, float] = {}
+
+    def scale(self, now: float) -> float:
+        """2 ** ((now - ref) / half_life): stored / scale = the decayed value at `now`."""
+        if self.ref is None:
+            self.ref = now
+        x = (now - self.ref) / self.half_life_s
+        if x > 60.0:  # rebase before the scale overflows; drop what has decayed to nothing
+            f = 2.0 ** -x
+            self.stored = {w: v * f for w, v in self.stored.items() if v * f >= 1.0}
+            self.ref, x = now, 0.0
+        return 2.0 ** max(x, 0.0)
+
+    def add(self, worker_id: str, tokens: float, now: float) -> None:
+        self.stored[worker_id] = self.stored.get(worker_id, 0.0) + tokens * self.scale(now)
+
+
+class CacheIndex:
+    """The router's per-worker index of the workers' digests, inverted (block hash -> workers holding it),
+    so a prompt's lookup costs its block count, not workers x blocks. `sync` applies the digests of a
+    placement's candidates (a worker bumps its digest's version whenever the content changes, so an unchanged
+    version is skipped without comparing sets; a changed one is diffed against the previous one);
+    `drop` forgets a worker (down, restarted)."""
+
+    def __init__(self):
+        self.digests: dict[str, PrefixDigest] = {}
+        self.where: dict[tuple[int, bytes], dict[int, set[str]]] = {}
+
+    def sync(self, workers: Sequence[WorkerInfo]) -> None:
+        for w in workers:
+            d, old = w.prefix, self.digests.get(w.worker_id)
+            if d is old or (d is not None and old is not None and d.version == old.version
+                            and d.block_tokens == old.block_tokens and d.seed == old.seed):
+                continue
+            if d is None or old is None or (d.block_tokens, d.seed) != (old.block_tokens, old.seed):
+                self.drop(w.worker_id)
+                added, removed = (d.hashes if d is not None else ()), ()
+            else:  # the usual report: a few blocks stored or evicted since the last one
+                added, removed = d.hashes - old.hashes, old.hashes - d.hashes
+            if d is None:
+                continue
+            where = self.where.setdefault((d.block_tokens, d.seed), {})
+            for h in removed:
+                holders = where.get(h)
+                if holders is not None:
+                    holders.discard(w.worker_id)
+                    if not holders:
+                        del where[h]
+            for h in added:
+                where.setdefault(h, set()).add(w.worker_id)
+            self.digests[w.worker_id] = d
+
+    def drop(self, worker_id: str) -> None:
+        old = self.digests.pop(worker_id, None)
+        if old is None:
+            return
+        where = self.where.get((old.block_tokens, old.seed), {})
+        for h in old.hashes:
+            holders = where.get(h)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del where[h]
+
+    def cached(self, prompt_ids: Sequence[int]) -> dict[str, int]:
+        """worker id -> prompt tokens it would serve from cache (workers absent: none)."""
+        out: dict[str, int] = {}
+        for (block, seed), where in self.where.items():
+            if not where:
+                continue
+            chain = block_hashes(prompt_ids, block, seed, limit=(len(prompt_ids) - 1) // block)
+            for k in range(len(chain) - 1, -1, -1):
+                for wid in where.get(chain[k], ()):
+                    if wid not in out:
+                        out[wid] = (k + 1) * block
+        return out

@@ -39,7 +39,7 @@ def _request(t_ms: float, ids: list[int], out_len: int, rng: random.Random) -> d
             "output_length": out_len, "hash_ids": ids}
 
 
-def chat(n: int = 600, seed: int = 0, rate_per_s: float = 4.0) -> list[dict]:
+def chat(n: int = 3000, seed: int = 0, rate_per_s: float = 150.0, think_s: float = 8.0) -> list[dict]:
     """Conversations of 2-8 turns over 4 system prompts (2-6 blocks); ~n requests in all."""
     rng, ids = random.Random(seed), _Ids()
     systems = [ids.take(rng.randint(2, 6)) for _ in range(4)]
@@ -50,11 +50,11 @@ def chat(n: int = 600, seed: int = 0, rate_per_s: float = 4.0) -> list[dict]:
         for _ in range(rng.randint(2, 8)):
             out.append(_request(turn_t, list(ctx), rng.randint(64, 700), rng))
             ctx = ctx + ids.take(rng.randint(1, 3))  # the answer and the next question
-            turn_t += rng.expovariate(1 / 15.0) * 1000.0  # think time
+            turn_t += rng.expovariate(1 / think_s) * 1000.0  # think time
     return sorted(out[:n], key=lambda r: r["timestamp"])
 
 
-def system_prompts(groups: int = 64, per_group: int = 16, seed: int = 0, rate_per_s: float = 12.0,
+def system_prompts(groups: int = 64, per_group: int = 16, seed: int = 0, rate_per_s: float = 120.0,
                    zipf: float = 1.1) -> list[dict]:
     """groups x per_group requests: a 4-block (2048-token) system prompt + a 1-block question."""
     rng, ids = random.Random(seed), _Ids()
@@ -68,7 +68,7 @@ def system_prompts(groups: int = 64, per_group: int = 16, seed: int = 0, rate_pe
     return out
 
 
-def agentic(agents: int = 48, steps: int = 12, seed: int = 0, rate_per_s: float = 6.0) -> list[dict]:
+def agentic(agents: int = 96, steps: int = 12, seed: int = 0, rate_per_s: float = 60.0) -> list[dict]:
     """Agents over a 12-block shared tool context + a 2-block task, each step adding a 1-block result."""
     rng, ids = random.Random(seed), _Ids()
     tools = ids.take(12)

@@ -59,8 +59,13 @@ OVERVIEW = ("dsv4-overview", "dsv4 / Overview", [
      + [(mean("dsv4_e2e_request_latency_seconds", MODEL), "mean")]),
     ("Token throughput", "short", [(rate("dsv4_prompt_tokens_total", WORKER), "prompt tokens/s"),
                                    (rate("dsv4_generation_tokens_total", WORKER), "generated tokens/s")]),
-    ("Prefix-cache hit ratio (tokens)", "percentunit",
-     [(f"{rate('dsv4_prefix_cache_hits_total', NS)} / {rate('dsv4_prefix_cache_queries_total', NS)}", "hit ratio")]),
+    ("Prefix-cache hit ratio (prompt tokens served from cache)", "percentunit",
+     [(f"{rate('dsv4_prefix_cache_hit_tokens_total', NS)} / {rate('dsv4_prefix_cache_query_tokens_total', NS)}",
+       "engines (real)"),
+      (f"{rate('dsv4_prefix_cache_hit_tokens_total', WORKER, 'role, worker')} / "
+       f"{rate('dsv4_prefix_cache_query_tokens_total', WORKER, 'role, worker')}", "{{role}} {{worker}}"),
+      (f"{rate('dsv4_router_prefix_estimate_hit_tokens_total', NS)} / "
+       f"{rate('dsv4_router_prefix_estimate_query_tokens_total', NS)}", "router estimate (no worker digests)")]),
     ("Router decisions by stage and reason", "ops",
      [(rate("dsv4_router_decisions_total", NS, "stage, reason"), "{{stage}} / {{reason}}")]),
 ])

@@ -17,7 +17,8 @@ BLOCK = 4
 
 
 def digest(tokens, upto_blocks, block=BLOCK, seed=SEED):
-    return PrefixDigest(block, seed, frozenset(block_hashes(tokens, block, seed)[:upto_blocks]))
+    # A worker bumps its digest's version whenever the content changes (the router's index relies on it).
+    return PrefixDigest(block, seed, frozenset(block_hashes(tokens, block, seed)[:upto_blocks]), upto_blocks)
 
 
 def worker(wid, prefix, running=0, waiting=0):
@@ -80,3 +81,50 @@ def test_router_hashes_prompts_like_the_engine_caches_them():
     while engine.has_work:
         engine.step()
     assert predicted == engine.pop_finished(rid).cached_tokens == 256
+
+
+def test_conditional_disaggregation_prefills_short_uncached_parts_on_the_decode_worker():
+    prompt = list(range(40))  # 10 blocks of 4
+    pol = RoutingPolicy(PolicyConfig("cache_aware", local_prefill_tokens=8))
+    prefill = WorkerInfo("p", "prefill", True, 0, 0, 1 << 20, prefix=digest(prompt, 0))
+    dec = WorkerInfo("d", "decode", True, 0, 0, 1 << 20, prefix=digest(prompt, 8))  # 32 of 40 cached there
+    p = pol.place(prompt, 100, [prefill, dec])
+    assert (p.prefill.worker_id, p.prefill.reason, p.prefill.uncached_tokens) == ("d", "local_prefill", 8)
+    assert p.decode.worker_id == "d" and pol.pending_tokens("d") == 8
+    cold = WorkerInfo("d", "decode", True, 0, 0, 1 << 20, prefix=digest(prompt, 2))
+    p = pol.place(prompt, 100, [prefill, cold])  # 32 tokens to compute: the prefill pool does it
+    assert (p.prefill.worker_id, p.decode.worker_id) == ("p", "d")
+    assert RoutingPolicy(PolicyConfig("cache_aware")).place(prompt, 100, [prefill, dec]).prefill.worker_id == "p"
+
+
+def test_decode_worker_local_generation_equals_one_engine():
+    """DecodeWorker.generate_local (the dispatcher's local_prefill path) streams what one engine generates,
+    and serves a repeated prefix from its cache."""
+    import asyncio
+
+    from decode_worker.worker import DecodeWorker
+
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 500, (300,), generator=g).tolist()]
+    prompts.append(prompts[0][:280] + [7, 8, 9])
+    ref = load_engine(prefix_cache=False)
+    want = []
+    for p in prompts:
+        rid = ref.add_request(p, params, seed=5)
+        while ref.has_work:
+            ref.step()
+        want.append(ref.pop_finished(rid))
+    worker = DecodeWorker("d0", None, {"page_tokens": 64})
+    try:
+        async def run(rid, p):
+            return [ev async for ev in worker.generate_local(rid, p, params, 5)]
+
+        for i, (p, w) in enumerate(zip(prompts, want)):
+            events = asyncio.run(run(f"r{i}", p))
+            got = [e.token_id for e in events if e.token_id is not None]
+            assert got == w.output
+            assert events[-1].finished and events[-1].cached_tokens == (256 if i else 0)
+        assert worker.engine.pool.num_free_pages() == worker.engine.pool.idle_free_pages()
+    finally:
+        worker.shutdown()
