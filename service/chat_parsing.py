@@ -15,12 +15,14 @@ well-formed text the output equals the reference's byte for byte.
 Where the reference raises, this parser degrades (a server must never 500 on what a model wrote):
 - no `</think>` in thinking mode: everything is reasoning (a truncated thought);
 - a stray `<think>` / `</think>` is dropped; text after the end-of-sentence token is dropped;
-- a tool-call block that is malformed, or cut off (max_tokens), becomes plain content, byte for byte as
-  the model wrote it (with the blank line before it), and a warning is logged; a block is all or nothing;
+- in a tool-call block, each whole, well-formed invoke is a call; from the first broken or cut-off
+  (max_tokens) invoke on, the text is plain content, byte for byte as the model wrote it (from the block's
+  blank line when none of its calls was whole), and a warning is logged; a block cut off inside its
+  closing tag keeps its calls;
 - a string="false" value that is not JSON is passed on as a string (logged), so `arguments` is always JSON.
 
 `Scanner` runs the same parse over an output fed in pieces and returns only what can no longer change (a
-tail that may be the start of a marker, and an open tool-call block, are held back), which is what lets
+tail that may be the start of a marker, and an open invoke of a tool-call block, are held back), which lets
 service/chat_stream.py stream without ever leaking a marker byte; `scan(text, final=False)` is one piece.
 """
 
@@ -109,43 +111,50 @@ def parse_invoke(text: str) -> ToolCall:
     return ToolCall(head.group(1), arguments)
 
 
-def _tool_block(text: str, pos: int, final: bool) -> tuple[list[ToolCall] | None, int]:
-    """Parse invokes from `pos` (just after the block's opening tag) to the closing tag.
+def _block_step(text: str, pos: int, final: bool) -> tuple[str, ToolCall | None, int]:
+    """One step inside a tool-call block, from `pos` (after the opening tag or the last invoke).
 
-    -> (calls, position after the block), or (None, pos) when the block is not complete yet.
-    _Malformed for a block that is broken (or, with `final`, unterminated)."""
-    calls = []
-    while True:
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-        rest = text[pos:]
-        if rest.startswith(TOOL_CALLS_CLOSE):
-            return calls, pos + len(TOOL_CALLS_CLOSE)
-        if rest.startswith(INVOKE_OPEN):
-            end = text.find(INVOKE_CLOSE, pos)
-            if end < 0:
-                if final:
-                    raise _Malformed("unterminated invoke (output cut off?)")
-                return None, pos
-            calls.append(parse_invoke(text[pos:end + len(INVOKE_CLOSE)]))
-            pos = end + len(INVOKE_CLOSE)
-            continue
-        may_grow = not final and (TOOL_CALLS_CLOSE.startswith(rest) or INVOKE_OPEN.startswith(rest))
-        if may_grow and not rest.startswith(EOS):
-            return None, pos
-        raise _Malformed(f"expected an invoke or the end of the block at {rest[:60]!r}")
+    -> ("call", call, after it) | ("close", None, after the closing tag) | ("wait", None, pos) when the text
+    so far cannot tell yet. _Malformed when it can never be right (with `final`: when it is not complete)."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    rest = text[pos:]
+    if rest.startswith(TOOL_CALLS_CLOSE):
+        return "close", None, pos + len(TOOL_CALLS_CLOSE)
+    if rest.startswith(INVOKE_OPEN):
+        end = text.find(INVOKE_CLOSE, pos)
+        if end >= 0:
+            return "call", parse_invoke(text[pos:end + len(INVOKE_CLOSE)]), end + len(INVOKE_CLOSE)
+        if final:
+            raise _Malformed("unterminated invoke (output cut off?)")
+        return "wait", None, pos
+    if final and TOOL_CALLS_CLOSE.startswith(rest):  # cut off at the closing tag: the calls are whole
+        return "cut", None, len(text)
+    if not final and (TOOL_CALLS_CLOSE.startswith(rest) or INVOKE_OPEN.startswith(rest)):
+        return "wait", None, pos
+    raise _Malformed(f"expected an invoke or the end of the block at {rest[:60]!r}")
 
 
 class Scanner:
     """The parse of an output fed in pieces: each `feed` returns only what became settled.
 
-    It keeps only the unsettled tail of the text (a possible marker start, or an open tool-call block), so
-    the work per piece is the piece plus that tail, however long the output grows."""
+    It keeps only the unsettled tail of the text (a possible marker start, or the open invoke of a tool-call
+    block), so the work per piece is the piece plus that tail, however long the output grows. A call is
+    settled when its invoke closes; a block that turns out broken becomes content from where it broke (from
+    its blank line if none of its calls was whole), as the model wrote it, up to the end of sentence."""
 
     def __init__(self, thinking: bool):
-        self.mode = "reasoning" if thinking else "content"  # then "content", "raw" (a broken block), "done"
+        # modes: "reasoning", "content", "block" (inside a tool-call block), "raw" (a broken block), "done"
+        self.mode = "reasoning" if thinking else "content"
         self.buf = ""  # text not settled yet (it starts where the settled text ends)
+        self.block_head = ""  # the opening of the current block, until one of its calls is whole
         self.errors: list[str] = []
+
+    def _broken(self, err: _Malformed, buf: str, pos: int) -> tuple[str, int]:
+        self.errors.append(f"malformed tool-call block kept as text: {err}")
+        self.mode = "raw"
+        head, self.block_head = self.block_head, ""
+        return head + buf[pos:], 0
 
     def feed(self, piece: str, final: bool) -> tuple[str, str, list[ToolCall]]:
         """Add `piece` (`final`: the output is complete) -> (reasoning, content, calls) settled by it."""
@@ -162,6 +171,26 @@ class Scanner:
                     pos = end + len(EOS)
                     self.mode = "done"
                 break
+            if self.mode == "block":
+                try:
+                    step, call, after = _block_step(buf, pos, final)
+                except _Malformed as e:
+                    buf, pos = self._broken(e, buf, pos)
+                    continue
+                if step == "wait":
+                    break
+                if step == "call":
+                    calls.append(call)
+                    self.block_head = ""
+                elif step == "cut" and self.block_head:  # cut off before any whole call
+                    buf, pos = self._broken(_Malformed("block cut off before its first call"), buf, pos)
+                    continue
+                else:
+                    if step == "cut":
+                        self.errors.append("tool-call block cut off at its closing tag (its calls are whole)")
+                    self.mode, self.block_head = "content", ""
+                pos = after
+                continue
             hits = [(i, m) for m in _TEXT_MARKERS if (i := buf.find(m, pos)) >= 0]
             if not hits:
                 seg = buf[pos:]
@@ -176,22 +205,11 @@ class Scanner:
             pos = idx + len(marker)
             if marker == EOS:
                 self.mode = "done"
-                break
-            if marker != THINK_START:  # a stray <think> is dropped; </think> (stray in content: dropped) and a
-                self.mode = "content"  # tool-call block end the thought
-            if marker != TOOL_CALLS_OPEN:
-                continue
-            try:
-                block_calls, after = _tool_block(buf, pos, final)
-            except _Malformed as e:
-                self.errors.append(f"malformed tool-call block kept as text: {e}")
-                self.mode, pos = "raw", idx - len(lead)
-                continue
-            if block_calls is None:  # still open: wait for the rest of it, lead included
-                pos = idx - len(lead)
-                break
-            calls.extend(block_calls)
-            pos = after
+            elif marker == TOOL_CALLS_OPEN:  # a block ends the thought, even without </think>
+                self.mode, self.block_head = "block", lead + marker
+            elif marker == THINK_END:  # ends the thought (a stray one in content is dropped)
+                self.mode = "content"
+            # a stray <think> is dropped
         if self.mode == "done" and buf[pos:].strip():
             if not any(e.startswith("text after") for e in self.errors):
                 self.errors.append(f"text after the end-of-sentence token dropped: {buf[pos:pos + 60]!r}")

@@ -91,6 +91,23 @@ def test_malformed_or_truncated_block_becomes_content(text, caplog):
     assert "malformed tool-call block" in caplog.text
 
 
+def test_a_call_is_settled_when_its_invoke_closes():
+    first, second = invoke("a", x=1), invoke("b", y="z")
+    cut = "Go." + block(first, second)[:-len(f"</{D}invoke>\n</{D}tool_calls>") - 3]  # second invoke cut off
+    p = parse_completion(cut, thinking=False)
+    assert p.calls == [ToolCall("a", '{"x": 1}')]
+    assert p.content == "Go." + cut[cut.index(first) + len(first):]  # the broken rest, as written
+    at_close = parse_completion("Go." + block(first)[:-5], thinking=False)  # cut inside </｜DSML｜tool_calls>
+    assert (at_close.content, at_close.calls) == ("Go.", [ToolCall("a", '{"x": 1}')])
+    # streamed: the first call goes out as soon as its invoke closes, before the block does
+    text = "Go." + block(first, second) + EOS
+    parser = ChatStreamParser(thinking=False)
+    upto = text.index(f"</{D}invoke>") + len(f"</{D}invoke>")
+    assert [c.name for _, c in parser.feed(text[:upto]).calls] == ["a"]
+    rest = parser.feed(text[upto:], final=True)
+    assert [(i, c.name) for i, c in rest.calls] == [(1, "b")] and rest.content == ""
+
+
 def test_duplicate_parameter_and_non_json_value():
     dup = block(f'<{D}invoke name="f">\n<{D}parameter name="a" string="true">1</{D}parameter>\n'
                 f'<{D}parameter name="a" string="true">2</{D}parameter>\n</{D}invoke>')

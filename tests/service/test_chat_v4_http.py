@@ -159,15 +159,20 @@ def test_scripted_tool_calls_streamed_without_leaks(scripted, tok):
     assert chunks[-1].usage.completion_tokens == len(ScriptedRouter.ids)
 
 
-def test_scripted_truncated_block_is_content_and_tool_choice_none(scripted, tok):
-    ScriptedRouter.ids = tok.tokenizer.encode(SCRIPT[:-40], add_special_tokens=False).ids
-    ScriptedRouter.finish_reason = "length"
+def test_scripted_truncated_output_and_tool_choice_none(scripted, tok):
     kw = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], extra_body={"chat_template_kwargs": {"thinking": True}})
-    r = scripted.client.chat.completions.create(**kw)
-    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
-    assert r.choices[0].message.content == SCRIPT[:-40].split("</think>")[1]  # degraded to plain content
-    _, body, _, content, calls = collect(scripted.client.chat.completions.create(stream=True, **kw))
-    assert content == r.choices[0].message.content and calls == []
+    first_end = SCRIPT.index("</｜DSML｜invoke>") + len("</｜DSML｜invoke>")
+    for cut, calls_kept in ((SCRIPT.index("Zürich</"), 0), (len(SCRIPT) - 40, 1)):  # in the 1st / 2nd invoke
+        ScriptedRouter.ids = tok.tokenizer.encode(SCRIPT[:cut], add_special_tokens=False).ids
+        ScriptedRouter.finish_reason = "length"
+        r = scripted.client.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "length" and len(msg.tool_calls or []) == calls_kept
+        # the broken rest is plain content, as the model wrote it
+        broken = SCRIPT[SCRIPT.index("\n\n<｜DSML｜"):cut] if not calls_kept else SCRIPT[first_end:cut]
+        assert msg.content == "Let me check." + broken
+        _, _, _, content, calls = collect(scripted.client.chat.completions.create(stream=True, **kw))
+        assert content == msg.content and len(calls) == calls_kept
     ScriptedRouter.ids = tok.tokenizer.encode(SCRIPT, add_special_tokens=False).ids + [tok.eos_id]
     ScriptedRouter.finish_reason = "stop"
     r = scripted.client.chat.completions.create(tool_choice="none", **kw)
