@@ -119,13 +119,15 @@ def _write_stdout(text: str) -> None:
 
 def _chat_render(args) -> int:
     from service import chat_v4
+    from pydantic import ValidationError
+
     from service.openai_protocol import ChatCompletionRequest
 
     with open(args.request, encoding="utf-8") as fh:
         body = json.load(fh)
     try:
         req = ChatCompletionRequest.model_validate(body)
-    except Exception as e:  # pydantic's ValidationError: the server's 400
+    except ValidationError as e:  # the server's 400
         raise ValueError(f"invalid request {args.request!r}: {e}") from None
     if args.model is not None and not req.chat_template:
         from engine.tokenizer import load_tokenizer
