@@ -23,6 +23,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
+from engine import metrics
 from engine.engine_loop import AsyncSink, EngineLoop, LoopStopped
 from engine.request import TokenEvent
 from engine.runner import EngineCore
@@ -43,6 +44,8 @@ class LocalWorker:
         self._incarnation += 1
         self.engine = self._factory()
         self._killed = False
+        self._digest = None
+        self._prefix_counters = metrics.PrefixCounters("colocated", self.worker_id)  # a new engine counts from 0
         self._snapshot = self._info()
         self.loop = EngineLoop(self.engine, name=f"engine-{self.worker_id}", on_step=self._on_step)
 
@@ -125,9 +128,12 @@ class LocalWorker:
     def _info(self) -> WorkerInfo:
         load = self.engine.load()
         prefix = self.engine.prefix  # _info runs on the engine thread: the digest is a consistent copy
+        if prefix is not None:
+            self._prefix_counters.observe(prefix.stats)
+            if self._digest is None or self._digest.version != prefix.version:
+                self._digest = prefix.digest()
         return WorkerInfo(self.worker_id, "colocated", True, load.running, load.waiting, load.kv_free_tokens,
-                          load.kv_usage, f"{self.worker_id}#{self._incarnation}",
-                          prefix=prefix.digest() if prefix is not None else None)
+                          load.kv_usage, f"{self.worker_id}#{self._incarnation}", prefix=self._digest)
 
 
 class LocalDispatcher:
