@@ -11,11 +11,13 @@ request brings none either. Request mapping (what `dsv4 chat-render` prints is e
 - assistant messages carry `reasoning_content` (or vLLM's name for it, `reasoning`) and `tool_calls`;
   `tool` messages carry `tool_call_id`; V4 extensions pass through (`latest_reminder` role, `task`,
   `wo_eos`, message-level `tools` / `response_format`).
-- `tool_choice` / `parallel_tool_calls`: the prompt is the reference encoder's whatever they say (V4's
-  format has no way to forbid or force a call); they filter the parsed output: "none" returns no calls,
-  a named function only calls to it, "auto" / "required" all of them, parallel_tool_calls=false the first
-  one only (chat_parsing.select_calls). "required" and a named function need `tools` (a 400 otherwise),
-  and a named function must be one of them.
+- `tool_choice` / `parallel_tool_calls`: the prompt stays the reference encoder's whatever they say (V4's
+  format has no field for them; forcing a call by pre-filling the assistant turn with a DSML block would
+  make the prompt differ from the reference, and cannot work in thinking mode, where the thought comes
+  first). They filter the parsed output: "none" returns no calls, a named function only calls to it,
+  "auto" / "required" all of them (a "required" turn without a call is returned as the model wrote it),
+  parallel_tool_calls=false the first call only (chat_parsing.select_calls). "required" and a named
+  function need `tools` (a 400 otherwise), and a named function must be one of them.
 - `add_generation_prompt` is not used: the encoder opens the assistant turn after a user turn itself.
 Output: the completion is decoded with special tokens kept (the markers may be special tokens) and
 parsed into `reasoning_content` (thinking mode), `content` and `tool_calls`, with finish_reason
