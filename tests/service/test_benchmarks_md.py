@@ -32,6 +32,6 @@ def test_every_section_of_benchmarks_md_is_generated():
     for heading in re.finditer(r"^## .*$", text, re.M):
         assert any(a < heading.start() < b for a, b, _ in spans), f"hand-written section: {heading.group(0)!r}"
     code = "\n".join(p.read_text() for d in ("scripts", "service") for p in (ROOT / d).rglob("*.py"))
-    writers = set(re.findall(r'write_section\(\s*"([a-z0-9_]+)"', code))
+    writers = set(re.findall(r"""write_section\(\s*["']([a-z0-9_]+)["']""", code))
     for _, _, name in spans:
         assert name in writers, f"section {name!r} has no writer in scripts/ or service/"
