@@ -45,7 +45,7 @@ import hashlib
 import heapq
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -163,7 +163,6 @@ class PrefixStats:
     hit_requests: int = 0
     snapshots_taken: int = 0
     evicted_blocks: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class PrefixCache:

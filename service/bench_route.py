@@ -37,6 +37,8 @@ def add_make_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", required=True, choices=route_traces.KINDS)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate", type=float, default=None, help="arrival rate, requests/s (default: the kind's)")
+    p.add_argument("--size", type=int, default=None, help="chat: requests; system_prompts: groups; agentic: agents")
 
 
 def run(trace_path: str, policies: list[str], cfg: SimConfig) -> dict:
@@ -73,6 +75,6 @@ def bench_route_main(args) -> int:
 
 
 def make_trace_main(args) -> int:
-    path = route_traces.write(route_traces.make(args.kind, args.seed), args.out)
+    path = route_traces.write(route_traces.make(args.kind, args.seed, args.rate, args.size), args.out)
     print(path)
     return 0

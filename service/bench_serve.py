@@ -128,6 +128,10 @@ def write_markdown(rows: list[dict], command: str, header: str) -> str:
 
 
 def bench_serve_main(args: argparse.Namespace) -> int:
+    if getattr(args, "trace", None):
+        from service.bench_trace import bench_trace_main
+
+        return bench_trace_main(args)
     from service.launcher import init_ray, prepare_metrics_dir
     from engine.config import ModelConfig
     from engine.make_model import default_model_dir
@@ -169,3 +173,6 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--transfer", default="auto", choices=TRANSFER_CHOICES, help=TRANSFER_HELP)
+    from service.bench_trace import add_trace_args
+
+    add_trace_args(parser)

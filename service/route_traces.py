@@ -83,10 +83,20 @@ def agentic(agents: int = 96, steps: int = 12, seed: int = 0, rate_per_s: float 
     return sorted(out, key=lambda r: r["timestamp"])
 
 
-def make(kind: str, seed: int = 0) -> list[dict]:
+def make(kind: str, seed: int = 0, rate_per_s: float | None = None, size: int | None = None) -> list[dict]:
+    """size: chat requests / system_prompts groups / agentic agents (None: the generator's default)."""
     if kind not in KINDS:
         raise ValueError(f"unknown trace kind {kind!r}; choose one of {KINDS}")
-    return {"chat": chat, "system_prompts": system_prompts, "agentic": agentic}[kind](seed=seed)
+    kw: dict = {"seed": seed}
+    if rate_per_s is not None:
+        if rate_per_s <= 0:
+            raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
+        kw["rate_per_s"] = rate_per_s
+    if size is not None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        kw[{"chat": "n", "system_prompts": "groups", "agentic": "agents"}[kind]] = size
+    return {"chat": chat, "system_prompts": system_prompts, "agentic": agentic}[kind](**kw)
 
 
 def write(rows: list[dict], path: str | Path) -> Path:

@@ -25,7 +25,8 @@ TOL = 1e-5
 # name -> oracle checkpoint overrides, engine page_tokens (block = lcm(ratios, page spans)).
 CONFIGS = {
     # window 12 vs block 16: boundaries at 16, 32, 48 ... fall 4, 8, 0 ... slots into the ring
-    "w12_csa_hca16": dict(seed=21, overrides=dict(compress_ratios=[0, 4, 16, 4], sliding_window=12), page_tokens=16, block=16),
+    "w12_csa_hca16": dict(seed=21, overrides=dict(compress_ratios=[0, 4, 16, 4], sliding_window=12), page_tokens=16,
+                          block=16),
     # window 40 > block 16: the ring at a boundary spans three earlier blocks; HCA 8 below the block
     "w40_hca8_first": dict(seed=22, overrides=dict(compress_ratios=[8, 4, 0, 8], sliding_window=40, index_topk=5),
                            page_tokens=16, block=16),
@@ -150,7 +151,7 @@ def test_multi_turn_resumes_after_the_previous_answer(checkpoints):
     model_dir = checkpoints("w12_csa_hca16")
     opts = dict(model_dir=model_dir, page_tokens=16)
     cached, plain = load_engine(**opts), load_engine(prefix_cache=False, **opts)
-    turn = _rand(37, 7)
+    turn, prev = _rand(37, 7), 0
     for t in range(3):
         w = _run(plain, [turn], _params(21))[0]
         g = _run(cached, [turn], _params(21))[0]
