@@ -16,6 +16,7 @@ import asyncio
 import os
 import platform
 import random
+import sys
 import time
 
 from engine.sampling_params import SamplingParams
@@ -115,6 +116,9 @@ def bench_trace_main(args) -> int:
         results.append(run_policy(policy, trace, prompts, args, engine_options))
         print(results[-1], flush=True)
     lines = ["## Live trace replay (`dsv4 bench serve --trace`)", "",
+             f"Command: `dsv4 {' '.join(sys.argv[1:])}`"
+             + (f" (trace: `{args.trace_origin}`)" if args.trace_origin else ""),
+             "",
              f"Trace `{os.path.basename(args.trace)}`: first {len(trace)} requests, arrival times / "
              f"{args.time_scale:g}; 512-token blocks scaled to {args.block_tokens} tokens (prompts "
              f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens), outputs <= {args.max_new_tokens} tokens. "
@@ -145,3 +149,4 @@ def add_trace_args(parser) -> None:
                                                                      "lcm with the compress ratios)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="--trace: divide arrival times by this")
     parser.add_argument("--write", action="store_true", help="--trace: write BENCHMARKS.md section service_trace")
+    parser.add_argument("--trace-origin", default="", help="--trace: how the trace was made (recorded in the section)")

@@ -128,3 +128,15 @@ def test_decode_worker_local_generation_equals_one_engine():
         assert worker.engine.pool.num_free_pages() == worker.engine.pool.idle_free_pages()
     finally:
         worker.shutdown()
+
+
+def test_a_worker_going_down_leaves_the_index():
+    prompt = list(range(40))
+    pol = RoutingPolicy(PolicyConfig("cache_aware"))
+    ws = [worker("a", digest(prompt, 9)), worker("b", digest(prompt, 0))]
+    assert pol.place(prompt, 100, ws).prefill.worker_id == "a"
+    assert "a" in pol._index.digests
+    pol.set_health("a", False)
+    assert "a" not in pol._index.digests and pol._index.cached(prompt) == {}
+    p = pol.place(prompt, 100, ws).prefill
+    assert (p.worker_id, p.reason) == ("b", "no_match")
