@@ -1,0 +1,180 @@
+"""Tensor / expert parallelism inside one engine: the rank's place in its group and the few collectives.
+
+One `ParallelContext` per engine process, passed explicitly at construction (no module-global state).
+The model reads only three things from it:
+- `all_reduce(x)`: sum of the ranks' partial outputs after every row-parallel projection (attention's
+  `wo_b`, the MoE block's routed + shared experts) and after the vocab-parallel embedding;
+- `gather_vocab(logits)`: the vocab-parallel LM head's shards, concatenated on the last dim;
+- `head_range` / `expert_range` / `local(n)`: which slice of a split dimension this rank holds
+  (engine.sharding cuts the weights with the same numbers).
+At tp_size 1 every collective is the identity and no process group exists, so a one-rank engine runs
+exactly the code it ran before.
+
+Process groups: gloo on CPU, NCCL on CUDA (`init_distributed`). Rank 0 schedules; the other ranks
+receive each step's inputs through `broadcast_object` (engine.tp_executor).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's view of a tensor-parallel group of `tp_size` ranks.
+
+    expert_parallel: routed experts are split by expert id across the ranks (each rank holds
+    n_routed_experts / tp_size whole experts) instead of splitting every expert's intermediate dim.
+    group: the torch.distributed process group (None = the default group; unused at tp_size 1).
+    """
+
+    tp_size: int = 1
+    rank: int = 0
+    expert_parallel: bool = False
+    group: object = None
+
+    def __post_init__(self):
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not 0 <= self.rank < self.tp_size:
+            raise ValueError(f"rank {self.rank} is outside a group of {self.tp_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tp_size > 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 runs the scheduler and samples; the others only execute."""
+        return self.rank == 0
+
+    # ---- how a split dimension is cut ------------------------------------------------------------
+    def local(self, n: int, what: str) -> int:
+        """n / tp_size, or a ValueError naming `what` when n does not split evenly."""
+        if n % self.tp_size:
+            raise ValueError(f"{what} = {n} is not divisible by --tensor-parallel-size {self.tp_size}")
+        return n // self.tp_size
+
+    def shard_range(self, n: int, what: str) -> range:
+        """This rank's contiguous slice of an evenly split dimension of size n."""
+        k = self.local(n, what)
+        return range(self.rank * k, (self.rank + 1) * k)
+
+    def padded_range(self, n: int) -> range:
+        """Like shard_range for a dimension that may not split evenly (the vocab): ceil(n / tp) rows a rank,
+        the last rank's slice clipped at n (it may be empty)."""
+        k = -(-n // self.tp_size)
+        return range(min(n, self.rank * k), min(n, (self.rank + 1) * k))
+
+    def expert_range(self, n_experts: int) -> range:
+        """The routed experts this rank holds: all of them without expert parallelism."""
+        if not (self.enabled and self.expert_parallel):
+            return range(n_experts)
+        return self.shard_range(n_experts, "n_routed_experts")
+
+    # ---- collectives (identity at tp_size 1) -----------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place where possible; -> the summed tensor (same shape and dtype)."""
+        if not self.enabled:
+            return x
+        x = x.contiguous()
+        if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
+            # gloo's CPU all-reduce has no 16-bit kernels; sum in fp32 and round once, as NCCL would not
+            # (it sums in the dtype), which only makes the CPU path slightly more exact.
+            y = x.float()
+            dist.all_reduce(y, group=self.group)
+            return y.to(x.dtype)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor:
+        """local: [N, ceil(vocab / tp)] logits of this rank's vocab slice -> [N, vocab] on every rank."""
+        if not self.enabled:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)[..., :vocab]
+
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (same shape and dtype everywhere), in place."""
+        if self.enabled:
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's picklable `obj` on every rank (rank 0 gets its own back)."""
+        if not self.enabled:
+            return obj
+        box = [obj if self.is_driver else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+SINGLE = ParallelContext()
+
+
+def free_loopback_port() -> int:
+    """A port the kernel reports free on 127.0.0.1 (the ranks' rendezvous on one host)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, tp_size: int, device: str | torch.device, master_port: int,
+                     master_addr: str = "127.0.0.1", expert_parallel: bool = False,
+                     timeout_s: float = 365 * 86400.0) -> ParallelContext:
+    """Join the group of `tp_size` ranks (gloo on CPU, NCCL on CUDA) -> this rank's ParallelContext.
+
+    On CUDA the rank's device is cuda:<rank % visible devices>, set before NCCL initialises. The timeout
+    bounds every collective, including a follower's wait for rank 0's next step: an idle server waits for
+    as long as it is idle, hence the default of a year (a dead peer still fails a collective at once).
+    """
+    device = torch.device(device)
+    if device.type not in BACKENDS:
+        raise ValueError(f"tensor parallelism supports cpu and cuda devices, got {device}")
+    if tp_size == 1:
+        return ParallelContext(1, 0, expert_parallel)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank_device(device, rank))
+    if master_addr in ("127.0.0.1", "localhost"):
+        # gloo otherwise binds the interface the hostname resolves to, which a sandbox may not have.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(BACKENDS[device.type], init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=tp_size, timeout=datetime.timedelta(seconds=timeout_s))
+    return ParallelContext(tp_size, rank, expert_parallel, dist.group.WORLD)
+
+
+def rank_device(device: str | torch.device, rank: int) -> torch.device:
+    """The device a rank computes on: cuda -> cuda:<rank>; cpu stays cpu."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return device
+
+
+def shutdown_distributed(ctx: ParallelContext) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def vocab_embed(table: torch.Tensor, token_ids: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Embedding lookup on a vocab-parallel table: table [ceil(V/tp), H] rows of this rank -> [T, H] everywhere.
+
+    A rank looks up the ids in its slice and contributes zeros for the rest, so the all-reduce adds exact
+    zeros: the result equals an unsplit lookup bit for bit.
+    """
+    if not ctx.enabled:
+        return table[token_ids]
+    start = ctx.rank * table.shape[0]
+    local = token_ids - start
+    mine = (local >= 0) & (local < table.shape[0])
+    rows = table[local.clamp(0, table.shape[0] - 1)] * mine.unsqueeze(-1).to(table.dtype)
+    return ctx.all_reduce(rows)
