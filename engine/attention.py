@@ -32,6 +32,7 @@ from engine.batch import CompressPlan, StepBatch, paged_rows
 from engine.cache import CacheLayer, CachePool
 from engine.config import ModelConfig
 from engine.fast_paths import use_triton
+from engine.parallel import SINGLE, ParallelContext
 from kernels.attention import grouped_output_projection, sparse_attention
 from kernels.compressor import overlap_slots, pool_windows
 from kernels.indexer import indexer_scores, topk_visible
@@ -40,9 +41,14 @@ from kernels.rope import apply_rope
 
 
 class AttentionBlock:
-    def __init__(self, cfg: ModelConfig, weights: dict, layer: int):
+    def __init__(self, cfg: ModelConfig, weights: dict, layer: int, parallel: ParallelContext | None = None):
+        """parallel: with tp ranks this block holds num_heads / tp heads and o_groups / tp output groups
+        (engine.sharding cut the weights); its output is then a partial sum, all-reduced before returning."""
         self.cfg = cfg
         self.layer = layer
+        self.parallel = parallel or SINGLE
+        self.num_heads = self.parallel.local(cfg.num_heads, "num_attention_heads")
+        self.o_groups = self.parallel.local(cfg.o_groups, "o_groups")
         self.ratio = cfg.compress_ratios[layer]
         self.rope_kind = "compress" if self.ratio > 1 else "main"
         p = f"layers.{layer}.attn."
@@ -55,7 +61,7 @@ class AttentionBlock:
         cos, sin = ropes[self.rope_kind]
         fast_ops = use_triton(x.device)
         q_res = rms_norm(x @ w["wq_a.weight"].t(), w["q_norm.weight"], eps)
-        q = (q_res @ w["wq_b.weight"].t()).view(t, cfg.num_heads, cfg.head_dim)
+        q = (q_res @ w["wq_b.weight"].t()).view(t, self.num_heads, cfg.head_dim)
         q = _norm_rope(q, cos, sin, eps, None, fast_ops)
         kv = _norm_rope(x @ w["wkv.weight"].t(), cos, sin, eps, w["norm.weight"], fast_ops)
 
@@ -95,7 +101,8 @@ class AttentionBlock:
         else:
             o = sparse_attention(q, keys, valid, w["attn_sink"], cfg.head_dim ** -0.5)
         o = apply_rope(o, cos, sin, inverse=True)
-        return grouped_output_projection(o, w["wo_a.weight"], w["wo_b.weight"], cfg.o_groups)
+        # row-parallel wo_b: partial sums
+        return self.parallel.all_reduce(grouped_output_projection(o, w["wo_a.weight"], w["wo_b.weight"], self.o_groups))
 
     def _attend_triton(self, q, kv, ring, entries, comp_rows, comp_valid, batch: StepBatch) -> torch.Tensor:
         """Sparse attention over rows read in place: row ids into [ring | kv | entries] (-1 = invalid)."""

@@ -14,6 +14,7 @@ from kernels import mhc
 from kernels.mhc import hc_head
 from engine.fast_paths import use_triton
 from engine.moe import MoEBlock
+from engine.parallel import SINGLE, ParallelContext, vocab_embed
 from kernels.norm import rms_norm
 from kernels.rope import rope_cos_sin, rope_inv_freq
 
@@ -33,16 +34,18 @@ class Rope:
 class DeepseekV4Model:
     """Holds the weights (original DeepSeek names) and runs one step. Stateless apart from the caches."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict, device):
+    def __init__(self, cfg: ModelConfig, weights: dict, device, parallel: ParallelContext | None = None):
+        """parallel: this rank's tensor-parallel context (weights already cut by engine.sharding); None = one rank."""
         self.cfg = cfg
+        self.parallel = parallel or SINGLE
         self.device = torch.device(device)
         weights = dict(weights)
         self.embed = weights["embed.weight"]
         self.head = weights["head.weight"]
         self.norm = weights["norm.weight"]
         self.hc_head_params = (weights["hc_head_fn"], weights["hc_head_base"], weights["hc_head_scale"])
-        self.attn = [AttentionBlock(cfg, weights, i) for i in range(cfg.num_layers)]
-        self.moe = [MoEBlock(cfg, weights, i) for i in range(cfg.num_layers)]
+        self.attn = [AttentionBlock(cfg, weights, i, self.parallel) for i in range(cfg.num_layers)]
+        self.moe = [MoEBlock(cfg, weights, i, self.parallel) for i in range(cfg.num_layers)]
         self.layer_weights = [
             {k: weights[f"layers.{i}.{k}"] for k in ("attn_norm.weight", "ffn_norm.weight", "hc_attn_fn",
                                                       "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base",
@@ -85,7 +88,7 @@ class DeepseekV4Model:
             "compress": self.ropes["compress"](batch.positions),
             "compress_at": self.ropes["compress"],
         }
-        h = self.embed[batch.token_ids].to(self.residual_dtype)
+        h = vocab_embed(self.embed, batch.token_ids, self.parallel).to(self.residual_dtype)
         streams = h.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, hidden]
         dt = self.dtype
         for i in range(cfg.num_layers):
@@ -103,4 +106,4 @@ class DeepseekV4Model:
         cfg = self.cfg
         x = hc_head(streams, *self.hc_head_params, cfg.hc_eps, cfg.rms_norm_eps)
         x = rms_norm(x, self.norm, cfg.rms_norm_eps).to(self.head.dtype)
-        return (x @ self.head.t()).float()
+        return self.parallel.gather_vocab((x @ self.head.t()).float(), cfg.vocab_size)

@@ -17,6 +17,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.fast_paths import use_grouped_moe, use_mxfp4_moe
+from engine.parallel import SINGLE, ParallelContext
 from kernels.moe import expert_mlp, moe_experts, moe_experts_grouped, route
 from kernels.quant import dequant_mxfp4
 
@@ -57,12 +58,14 @@ def _pop_stack(weights: dict, names: list[str]) -> torch.Tensor:
     return torch.stack([weights.pop(n) for n in names])
 
 
-def take_experts(weights: dict, prefix: str, num_experts: int, dtype: torch.dtype):
-    """Pop the routed experts under `prefix` -> PackedExperts, or dense (w1, w2, w3) stacks.
+def take_experts(weights: dict, prefix: str, num_experts: int | range, dtype: torch.dtype):
+    """Pop the routed experts under `prefix` (all of them, or the id range an expert-parallel rank holds)
+    -> PackedExperts, or dense (w1, w2, w3) stacks indexed by id - range.start.
 
     A layer whose experts are not all packed (a mixed checkpoint) is dequantised to `dtype` here.
     """
-    names = {w: [f"{prefix}experts.{e}.{w}.weight" for e in range(num_experts)] for w in ("w1", "w2", "w3")}
+    ids = num_experts if isinstance(num_experts, range) else range(num_experts)
+    names = {w: [f"{prefix}experts.{e}.{w}.weight" for e in ids] for w in ("w1", "w2", "w3")}
     every = [n for ns in names.values() for n in ns]
     packed = [is_packed(weights, n) for n in every]
     scales = {w: [n[: -len(".weight")] + ".scale" for n in ns] for w, ns in names.items()}
@@ -82,14 +85,19 @@ def take_experts(weights: dict, prefix: str, num_experts: int, dtype: torch.dtyp
 class MoEBlock:
     """One layer's FFN. forward(x [T, H], token_ids [T]) -> [T, H] (routed + shared expert)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict, layer: int):
+    def __init__(self, cfg: ModelConfig, weights: dict, layer: int, parallel: ParallelContext | None = None):
+        """parallel: with tp ranks the shared expert (and, without expert parallelism, every routed expert) is
+        split on its intermediate dim, and with expert parallelism this rank holds experts
+        `parallel.expert_range(E)` whole; either way the block's output is a partial sum, all-reduced here."""
         self.cfg = cfg
+        self.parallel = parallel or SINGLE
+        self.experts = self.parallel.expert_range(cfg.n_routed_experts)
         p = f"layers.{layer}.ffn."
         self.gate = weights[p + "gate.weight"]
         self.bias = weights.get(p + "gate.bias")
         self.tid2eid = weights.get(p + "gate.tid2eid") if cfg.hash_layers[layer] else None
         self.shared = tuple(weights[f"{p}shared_experts.{n}.weight"] for n in ("w1", "w2", "w3"))
-        experts = take_experts(weights, p, cfg.n_routed_experts, self.gate.dtype)
+        experts = take_experts(weights, p, self.experts, self.gate.dtype)
         self.packed = experts if isinstance(experts, PackedExperts) else None
         self.w1, self.w2, self.w3 = (None, None, None) if self.packed is not None else experts
         # The fused router reads fp32 router weights; cast once here, not per call as the reference does.
@@ -107,17 +115,32 @@ class MoEBlock:
         if self.packed is not None and use_mxfp4_moe(x.device):
             from kernels import triton_moe  # imports triton: only on this path
 
-            weights, ids = triton_moe.route(x, self.gate_f32, **self._route_args(token_ids))
+            weights, ids = self._local(*triton_moe.route(x, self.gate_f32, **self._route_args(token_ids)), False)
             pk = self.packed
             return triton_moe.mxfp4_moe(x, weights, ids, pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3, limit)
-        weights, ids = route(x, self.gate, **self._route_args(token_ids))
+        weights, ids = self._local(*route(x, self.gate, **self._route_args(token_ids)), True)
         if self.packed is not None:
             # Reference on packed weights: dequantise only the experts in use (host sync; not a fast path).
             used = ids.unique()
+            used = used[used >= 0]
             w1, w2, w3 = self.packed.dequant(used, x.dtype)
-            return moe_experts(x, weights, torch.searchsorted(used, ids), w1, w2, w3, limit)
+            ids = torch.where(ids >= 0, torch.searchsorted(used, ids), -1)
+            return moe_experts(x, weights, ids, w1, w2, w3, limit)
         experts = moe_experts_grouped if use_grouped_moe(x) else moe_experts
         return experts(x, weights, ids, self.w1, self.w2, self.w3, limit)
 
+    def _local(self, weights: torch.Tensor, ids: torch.Tensor, skip: bool):
+        """Expert parallelism: global expert ids [T, k] -> ids into this rank's experts. Pairs routed to
+        another rank's experts become -1, which kernels.moe skips; for the fused GPU kernels (`skip` False,
+        they take no -1) they become local expert 0 with routing weight 0: correct, but computed."""
+        if len(self.experts) == self.cfg.n_routed_experts:
+            return weights, ids
+        local = ids - self.experts.start
+        mine = (local >= 0) & (local < len(self.experts))
+        if skip:
+            return weights, torch.where(mine, local, -1)
+        return torch.where(mine, weights, 0), torch.where(mine, local, 0)
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.routed(x, token_ids) + expert_mlp(x, *self.shared, self.cfg.swiglu_limit)
+        # One all-reduce for the block: routed (this rank's experts or expert slices) + shared (its slice).
+        return self.parallel.all_reduce(self.routed(x, token_ids) + expert_mlp(x, *self.shared, self.cfg.swiglu_limit))

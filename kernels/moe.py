@@ -51,12 +51,14 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: t
     """Routed experts, grouped by expert (sort tokens, one matmul per used expert).
 
     x: [T, H]; weights: [T, k]; ids: [T, k]; w1, w3: [E, I, H]; w2: [E, H, I] -> [T, H].
+    An id of -1 (a pair routed to an expert another expert-parallel rank holds) is skipped.
     """
     t, k = ids.shape
-    flat_ids = ids.reshape(-1)
+    e = w1.shape[0]
+    flat_ids = torch.where(ids >= 0, ids, e).reshape(-1)  # skipped pairs sort after every expert's
     order = flat_ids.argsort(stable=True)
     token_of = order // k
-    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=e + 1)[:e].tolist()
     out = torch.zeros_like(x)
     start = 0
     for expert, n in enumerate(counts):
@@ -74,23 +76,26 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
                         w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
     """`moe_experts` without a host sync or a Python loop: tokens sorted by expert, three grouped GEMMs.
 
-    Same shapes and semantics as `moe_experts`. Every shape depends only on T and k (the per-expert
-    split travels as device offsets), so the call can be captured in a CUDA graph. Needs
+    Same shapes and semantics as `moe_experts` (-1 ids skipped). Every shape depends only on T and k (the
+    per-expert split travels as device offsets), so the call can be captured in a CUDA graph. Needs
     `torch._grouped_mm` (bf16 on Hopper; fp32 on the CPU).
     """
     t, k = ids.shape
-    flat = ids.reshape(-1)
+    e = w1.shape[0]
+    flat = torch.where(ids >= 0, ids, e).reshape(-1)  # skipped pairs sort last, past the last group
     order = flat.argsort(stable=True)
     rows = order // k
     # scatter_add, not bincount: bincount reads its max back to the host on CUDA (breaks graph capture).
-    counts = torch.zeros(w1.shape[0], dtype=torch.int32, device=flat.device)
+    counts = torch.zeros(e + 1, dtype=torch.int32, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    offs = torch.cumsum(counts[:e], 0, dtype=torch.int32)
     xs = x.index_select(0, rows)
     gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)
     up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)
     y = torch._grouped_mm(swiglu(gate, up, limit).to(x.dtype), w2.transpose(1, 2), offs=offs)
     y = y * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(y.dtype)
+    # Rows past the last group's offset (skipped pairs) are not written by the grouped GEMMs: select, not scale.
+    y = torch.where((flat.index_select(0, order) < e).unsqueeze(-1), y, 0)
     return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
 
 
