@@ -6,6 +6,7 @@ import torch
 
 from engine.cache import CacheConfig
 from engine.config import ModelConfig
+from engine.parallel import ParallelContext
 from engine.request import GenerationOutput
 from engine.runner import EngineCore
 from engine.sampling_params import SamplingParams
@@ -25,12 +26,14 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | torch.dtype = "float32",
                 max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16,
                 page_tokens: int = 256, kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4",
-                keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None) -> EngineCore:
+                keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
+                parallel: ParallelContext | None = None) -> EngineCore:
     """kv_cache_dtype: "auto" (exact rows in `dtype`) or "fp8" (production formats: fp8_ds_mla SWA and
     compressed KV, MXFP4 indexer keys, or FP8 ones with index_cache_dtype="fp8"); see engine.cache.
     keep_mxfp4_experts: keep MXFP4 routed experts packed in memory (run by kernels.triton_moe, see
     engine.moe) instead of dequantising them to `dtype`; None = $DSV4_MXFP4_MOE=1 (default off).
-    decode_mode: see EngineCore (None = "auto": CUDA graphs on CUDA with exact caches)."""
+    decode_mode: see EngineCore (None = "auto": CUDA graphs on CUDA with exact caches).
+    parallel: this rank's tensor-parallel context: the loaded weights are cut for it (engine.sharding)."""
     from engine.fast_paths import keep_mxfp4_experts as keep_default
     from engine.make_model import default_model_dir
     from engine.weights import load_weights
@@ -42,7 +45,11 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     torch_dtype = resolve_dtype(dtype)
     keep = keep_default() if keep_mxfp4_experts is None else keep_mxfp4_experts
     weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device, keep_mxfp4_experts=keep)
-    return EngineCore(cfg, weights, device=device, dtype=torch_dtype,
+    if parallel is not None and parallel.enabled:
+        from engine.sharding import shard_weights
+
+        weights = shard_weights(weights, cfg, parallel, torch_dtype)
+    return EngineCore(cfg, weights, device=device, dtype=torch_dtype, parallel=parallel,
                       cache_config=cache_config,
                       scheduler_config=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs),
                       decode_mode=decode_mode or "auto")
@@ -52,11 +59,46 @@ class LLM:
     def __init__(self, model_dir: str | None = None, device: str = "cpu", dtype: str = "float32",
                  max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16,
                  kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4",
-                 keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None):
-        self.engine = load_engine(model_dir, device, dtype, max_batch_tokens, max_num_seqs, max_cached_tokens,
-                                  kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype,
-                                  keep_mxfp4_experts=keep_mxfp4_experts, decode_mode=decode_mode)
+                 keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
+                 tensor_parallel_size: int = 1, expert_parallel: bool = False):
+        """tensor_parallel_size > 1: this process is rank 0 and spawns the other ranks (engine.tp_launch);
+        expert_parallel: routed experts split by expert id across them. Call `close()` (or use `with`)."""
+        from engine.make_model import default_model_dir
+
+        kwargs = dict(model_dir=model_dir or default_model_dir(), device=device, dtype=dtype,
+                      max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
+                      max_cached_tokens=max_cached_tokens, kv_cache_dtype=kv_cache_dtype,
+                      index_cache_dtype=index_cache_dtype, keep_mxfp4_experts=keep_mxfp4_experts,
+                      decode_mode=decode_mode)
+        self.ranks = None
+        if tensor_parallel_size > 1 or expert_parallel:
+            from engine.sharding import check_divisible
+            from engine.tp_launch import RankGroup
+
+            # Before spawning: a model the group cannot split fails here with one clear ValueError.
+            check_divisible(ModelConfig.from_model_dir(kwargs["model_dir"]),
+                            ParallelContext(tensor_parallel_size, 0, expert_parallel))
+            self.ranks = RankGroup.start(tensor_parallel_size, device, expert_parallel, load_engine, kwargs)
+            try:
+                self.engine = load_engine(**kwargs, parallel=self.ranks.context)
+            except BaseException:
+                self.ranks.close(None)
+                raise
+        else:
+            self.engine = load_engine(**kwargs)
         self.config = self.engine.cfg
+
+    def close(self) -> None:
+        """Release the other tensor-parallel ranks (nothing to do on one rank)."""
+        if self.ranks is not None:
+            ranks, self.ranks = self.ranks, None
+            ranks.close(self.engine)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:

@@ -18,10 +18,12 @@ from engine.cuda_graphs import DecodeRunner
 from engine.fast_paths import use_triton
 from engine.handoff import EngineLoad
 from engine.model import DeepseekV4Model
+from engine.parallel import SINGLE, ParallelContext
 from engine.request import Request, TokenEvent
 from engine.sampling import draw_seed, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from engine.tp_executor import DECODE, FORWARD, SYNC, StepInputs, replicate_pages
 
 
 DECODE_MODES = ("auto", "eager", "bucketed", "graphs")
@@ -30,17 +32,20 @@ DECODE_MODES = ("auto", "eager", "bucketed", "graphs")
 class EngineCore:
     def __init__(self, cfg: ModelConfig, weights: dict, device="cpu", dtype=torch.float32,
                  cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
-                 decode_mode: str = "auto"):
+                 decode_mode: str = "auto", parallel: ParallelContext | None = None):
         """decode_mode: how steps made only of decode tokens run (steps with prefill always run eagerly):
         "graphs" replays CUDA graphs per (batch, context) bucket (engine.cuda_graphs); "bucketed" runs the
         same fixed-shape batches without graphs (tests, debugging); "eager" sizes every step to its
-        content; "auto" = "graphs" on CUDA in bf16/fp16 with exact caches and the Triton fast path, else "eager"."""
+        content; "auto" = "graphs" on CUDA in bf16/fp16 with exact caches and the Triton fast path, else "eager".
+        parallel: this rank's tensor-parallel context (weights cut by engine.sharding.shard_weights); rank 0
+        schedules and broadcasts each step's inputs, the other ranks run engine.tp_executor.follow."""
         self.cfg = cfg
+        self.parallel = parallel or SINGLE
         self.device = torch.device(device)
         self.dtype = dtype
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.cache_config = cache_config or CacheConfig(max_requests=self.scheduler_config.max_num_seqs)
-        self.model = DeepseekV4Model(cfg, weights, self.device)
+        self.model = DeepseekV4Model(cfg, weights, self.device, self.parallel)
         self.pool = CachePool(cfg, self.cache_config, dtype, self.device)
         self.scheduler = Scheduler(self.pool, self.scheduler_config)
         self.decode_mode = self._resolve_decode_mode(decode_mode)
@@ -151,6 +156,8 @@ class EngineCore:
     def commit_import(self, request_id: str) -> None:
         """Decode side: the caches arrived; the request joins the running batch."""
         req = self.imports.pop(request_id)
+        if self.parallel.enabled:  # the transfer wrote rank 0's pool; the other ranks get the same rows
+            self.execute(StepInputs(SYNC, sync=(req.pages,)))
         self.requests[request_id] = req
         self.scheduler.admit_with_pages(req)
 
@@ -168,18 +175,18 @@ class EngineCore:
             return []
         if self.decode_runner is not None and all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens
                                                   for c in chunks):
-            logits = self.decode_runner.run([c.request.request_id for c in chunks],
-                                            [c.request.token_slice(c.start, c.start + 1)[0] for c in chunks],
-                                            [c.start for c in chunks], [c.request.pages for c in chunks])
+            logits = self.execute(StepInputs(DECODE, tuple(c.request.token_slice(c.start, c.start + 1) for c in chunks),
+                                             tuple(c.start for c in chunks), tuple(c.request.pages for c in chunks),
+                                             request_ids=tuple(c.request.request_id for c in chunks)))
             if logits is not None:  # every request samples; no prompt-logprob rows in a decode step
                 return self._postprocess(chunks, logits, list(range(len(chunks))), [(0, 0)] * len(chunks))
-        batch, sample_rows, prompt_rows = self._build(chunks)
-        logits = self.model.forward(batch, self.pool)
+        inputs, sample_rows, prompt_rows = self._build(chunks)
+        logits = self.execute(inputs)
         events = self._postprocess(chunks, logits, sample_rows, prompt_rows)
         return events
 
     def _build(self, chunks: list[ScheduledChunk]):
-        """-> (StepBatch, per chunk: index into logit rows to sample or None, per chunk: prompt-logprob rows)."""
+        """-> (StepInputs, per chunk: index into logit rows to sample or None, per chunk: prompt-logprob rows)."""
         logit_rows, sample_rows, prompt_rows = [], [], []
         offset = 0
         for c in chunks:
@@ -199,9 +206,26 @@ class EngineCore:
             else:
                 sample_rows.append(None)
             offset += c.num_tokens
-        batch = build_step(self.pool, [c.request.token_slice(c.start, c.start + c.num_tokens) for c in chunks],
-                           [c.start for c in chunks], [c.request.pages for c in chunks], logit_rows, self.device)
-        return batch, sample_rows, prompt_rows
+        inputs = StepInputs(FORWARD, tuple(c.request.token_slice(c.start, c.start + c.num_tokens) for c in chunks),
+                            tuple(c.start for c in chunks), tuple(c.request.pages for c in chunks), tuple(logit_rows))
+        return inputs, sample_rows, prompt_rows
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Run one step's model inputs on this rank -> fp32 logits, or None when a decode step fits no bucket.
+
+        Rank 0 of a tensor-parallel group first broadcasts `inputs` (engine.tp_executor); followers call this
+        with what they received, so every rank runs the same forward and its collectives."""
+        if self.parallel.enabled and self.parallel.is_driver:
+            self.parallel.broadcast_object(inputs)
+        replicate_pages(self.pool, inputs.sync, self.parallel)
+        if inputs.kind == SYNC:
+            return None
+        if inputs.kind == DECODE:
+            return self.decode_runner.run(list(inputs.request_ids), [t[0] for t in inputs.token_ids],
+                                          list(inputs.starts), list(inputs.tables))
+        batch = build_step(self.pool, [list(t) for t in inputs.token_ids], list(inputs.starts), list(inputs.tables),
+                           list(inputs.logit_rows), self.device)
+        return self.model.forward(batch, self.pool)
 
     def _postprocess(self, chunks, logits, sample_rows, prompt_rows) -> list[TokenEvent]:
         logprobs = torch.log_softmax(logits, dim=-1)

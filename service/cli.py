@@ -38,6 +38,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="KV cache format: auto = exact rows in --dtype; fp8 = the production formats "
                         "(fp8_ds_mla SWA / compressed KV, MXFP4 indexer keys)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks of one engine (this process is rank 0 and spawns the others; gloo on cpu, "
+                        "NCCL on cuda with one GPU a rank): attention heads and dense projections split")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="split routed experts by expert id across the tensor-parallel ranks")
     from service.launcher import add_engine_speed_args
 
     add_engine_speed_args(p)
@@ -70,8 +75,11 @@ def _generate(args) -> int:
                             prompt_logprobs=args.prompt_logprobs)
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
               kv_cache_dtype=args.kv_cache_dtype, keep_mxfp4_experts=args.keep_mxfp4_experts,
-              decode_mode=args.decode_mode)
-    for out in llm.generate(prompts, params):
+              decode_mode=args.decode_mode, tensor_parallel_size=args.tensor_parallel_size,
+              expert_parallel=args.expert_parallel)
+    with llm:  # releases the other ranks
+        outs = llm.generate(prompts, params)
+    for out in outs:
         if args.json:
             print(json.dumps({"token_ids": out.token_ids, "logprobs": out.logprobs,
                               "prompt_logprobs": out.prompt_logprobs, "finish_reason": out.finish_reason}))
