@@ -44,10 +44,13 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
                                kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
     torch_dtype = resolve_dtype(dtype)
     keep = keep_default() if keep_mxfp4_experts is None else keep_mxfp4_experts
-    weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device, keep_mxfp4_experts=keep)
+    skip = None
     if parallel is not None and parallel.enabled:
-        from engine.sharding import shard_weights
+        from engine.sharding import shard_weights, skips_unowned
 
+        skip = skips_unowned(cfg, parallel)
+    weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device, keep_mxfp4_experts=keep, skip=skip)
+    if parallel is not None and parallel.enabled:
         weights = shard_weights(weights, cfg, parallel, torch_dtype)
     return EngineCore(cfg, weights, device=device, dtype=torch_dtype, parallel=parallel,
                       cache_config=cache_config,

@@ -83,6 +83,20 @@ def shard_weights(weights: dict, cfg: ModelConfig, ctx: ParallelContext, dtype: 
     return out
 
 
+def skips_unowned(cfg: ModelConfig, ctx: ParallelContext):
+    """For `load_weights(skip=...)`: True for the routed experts this rank does not hold (never read), so an
+    expert-parallel rank loads 1/tp of the experts, which are nearly all of V4's bytes. None = read all."""
+    owned = ctx.expert_range(cfg.n_routed_experts)
+    if len(owned) == cfg.n_routed_experts:
+        return None
+
+    def skip(name: str) -> bool:
+        m = _EXPERT.match(name)
+        return m is not None and int(m.group(1)) not in owned
+
+    return skip
+
+
 def _scale_name(name: str) -> str:
     return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -190,6 +191,7 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     keep_mxfp4_experts: bool = False,
+    skip: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read, check and dequantise a checkpoint -> {original name: tensor on `device`}.
 
@@ -199,7 +201,8 @@ def load_weights(
     a `...w1.scale` uint8 UE8M0 tensor [N, K/32], for kernels that dequantise in registers (a quarter of
     the bf16 bytes); experts stored in bf16/FP8 are unaffected. Every problem (missing, unexpected or
     mis-shaped tensors, scales without weights, quantised bytes without scales) is collected first and reported in
-    one ValueError, before any tensor data is read.
+    one ValueError, before any tensor data is read. `skip(name)` True: that tensor (and its scale) is checked
+    but never read nor returned.
     """
     expected = expected_weight_shapes(cfg)
     block = tuple(cfg.quantization.get("weight_block_size") or FP8_BLOCK)
@@ -260,6 +263,8 @@ def load_weights(
         # Pass 2: read each tensor exactly once, in expected order so the dict order is stable.
         out: dict[str, torch.Tensor] = {}
         for name in expected:
+            if skip is not None and skip(name):
+                continue  # never read (an expert-parallel rank's other experts: engine.sharding.skips_unowned)
             entry = weights[name]
             t = entry.handle.get_tensor(entry.raw).to(device)
             kind = plan[name]

@@ -253,3 +253,15 @@ def test_prefix_cache_hits_under_tensor_parallel(tmp_path):
     for i, (a, b) in enumerate(zip(outs, ref)):
         assert a.token_ids == b.token_ids, f"request {i}"
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= TOL, f"request {i}"
+
+
+def test_expert_parallel_rank_reads_only_its_experts():
+    from engine.sharding import skips_unowned
+
+    cfg = ModelConfig.from_model_dir(default_model_dir())
+    assert skips_unowned(cfg, ParallelContext(2, 1, False)) is None  # TP MoE: every rank slices every expert
+    skip = skips_unowned(cfg, ParallelContext(2, 1, True))
+    got = load_weights(default_model_dir(), cfg, skip=skip)
+    experts = {int(n.split(".experts.")[1].split(".")[0]) for n in got if ".experts." in n}
+    assert experts == set(range(cfg.n_routed_experts // 2, cfg.n_routed_experts))
+    assert "layers.0.ffn.shared_experts.w1.weight" in got and "embed.weight" in got
