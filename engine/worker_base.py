@@ -14,6 +14,8 @@ from engine import metrics
 from engine.engine_loop import EngineLoop
 from engine.handoff import WorkerStats
 from engine.llm import load_engine
+from engine.rank_worker import split_engine_options
+from engine.tp_executor import release_followers
 
 
 class WorkerBase:
@@ -23,7 +25,10 @@ class WorkerBase:
         self.worker_id = worker_id
         # Changes when the actor restarts (new process, empty cache): peers and the router key on it.
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
-        self.engine = load_engine(model_dir, **(engine_options or {}))
+        # A multi-rank worker (engine.rank_worker): this actor is rank 0; its followers are other actors.
+        opts, tp = split_engine_options(engine_options)
+        self.parallel = tp.join(0, opts.get("device", "cpu")) if tp is not None else None
+        self.engine = load_engine(model_dir, **opts, parallel=self.parallel)
         self.backend = None
         self.loop = EngineLoop(self.engine, name=f"{self.role}-{worker_id}", on_step=self._on_step)
 
@@ -49,5 +54,7 @@ class WorkerBase:
 
     def shutdown(self) -> None:
         self.loop.stop()
+        if self.parallel is not None:
+            release_followers(self.engine)  # the loop has stopped: no step broadcast can interleave
         if self.backend is not None:
             self.backend.close()

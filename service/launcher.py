@@ -33,6 +33,7 @@ from pathlib import Path
 
 from kv_transfer.registry import TRANSFER_CHOICES, TRANSFER_HELP
 from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
+from service.rank_placement import place_worker, remove_worker
 
 ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype",
                       "decode_mode", "keep_mxfp4_experts", "prefix_cache")
@@ -64,6 +65,8 @@ class ServiceConfig:
     drain_s: float = 10.0  # on shutdown, how long in-flight requests may take to finish
     router_max_queued: int = 1024  # requests waiting at the router for a decode slot (429 beyond)
     router_queue_timeout_s: float = 60.0  # how long one may wait there (503 after)
+    tensor_parallel_size: int = 1  # ranks (actors, GPUs on CUDA) per worker: service.rank_placement
+    expert_parallel: bool = False  # routed experts split by id across a worker's ranks
 
 
 class ServiceStartError(RuntimeError):
@@ -127,6 +130,10 @@ def remote_classes(cfg: ServiceConfig):
             ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor))
 
 
+def _num_gpus(cfg: ServiceConfig) -> int:
+    return 1 if str(dict(cfg.engine_options).get("device", "cpu")).startswith("cuda") else 0
+
+
 def single_node() -> bool:
     """Is the connected Ray cluster this one machine (internal endpoints may then stay on loopback)?"""
     import ray
@@ -145,7 +152,7 @@ def check_placement(cfg: ServiceConfig, http: bool = True) -> None:
 
     from service.serve_ingress import INGRESS_NUM_CPUS
 
-    workers = cfg.prefill_workers + cfg.decode_workers
+    workers = (cfg.prefill_workers + cfg.decode_workers) * cfg.tensor_parallel_size  # one actor a rank
     num_gpus = 1 if str(dict(cfg.engine_options).get("device", "cpu")).startswith("cuda") else 0
     need = {"CPU": workers * cfg.worker_num_cpus + (cfg.ingress_replicas * INGRESS_NUM_CPUS if http else 0),
             "GPU": workers * num_gpus}
@@ -172,12 +179,19 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     net = dict(bind_host=None if host == "127.0.0.1" else "node", cluster_token=token)
     handles: dict = {"prefill": {}, "decode": {}}
     try:
-        handles["prefill"] = {f"prefill-{i}": prefill_cls.options(name=f"dsv4-prefill-{i}").remote(
-            f"prefill-{i}", cfg.model_dir, opts, cfg.transfer, **net) for i in range(cfg.prefill_workers)}
-        handles["decode"] = {f"decode-{i}": decode_cls.options(name=f"dsv4-decode-{i}").remote(
-            f"decode-{i}", cfg.model_dir, opts, cfg.transfer, **net) for i in range(cfg.decode_workers)}
+        placed = handles["placed"] = {}
+        for role, cls, count in (("prefill", prefill_cls, cfg.prefill_workers), ("decode", decode_cls,
+                                                                              cfg.decode_workers)):
+            for i in range(count):
+                placed[f"{role}-{i}"] = place_worker(
+                    cls, f"dsv4-{role}-{i}", (f"{role}-{i}", cfg.model_dir, opts, cfg.transfer), net, opts,
+                    cfg.model_dir, cfg.tensor_parallel_size, cfg.expert_parallel, cfg.worker_num_cpus,
+                    _num_gpus(cfg), {}, cfg.ready_timeout_s)
+                handles[role][f"{role}-{i}"] = placed[f"{role}-{i}"].handle
         prefill, decode = handles["prefill"], handles["decode"]
-        _wait_ready({name: h.ping.remote() for name, h in (*prefill.items(), *decode.items())},
+        _wait_ready({name: h.ping.remote() for name, h in (*prefill.items(), *decode.items())}
+                    | {f"{name}-rank{r}": f.ping.remote() for name, pw in placed.items()
+                       for r, f in enumerate(pw.followers, start=1)},
                     cfg.ready_timeout_s, "worker actors")
         router = handles["router"] = router_cls.options(name="dsv4-router").remote(
             prefill, decode, cfg.router_policy, token, max_queued=cfg.router_max_queued,
@@ -345,6 +359,8 @@ def stop_service(handles: dict | None, drain_s: float = 10.0, shutdown_ray: bool
                 ray.kill(h, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        for pw in handles.get("placed", {}).values():
+            remove_worker(pw)
     if shutdown_ray:
         ray.shutdown()
 
@@ -380,7 +396,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                          worker_num_cpus=args.worker_num_cpus, ingress_replicas=args.ingress_replicas,
                          api_key=args.api_key or os.environ.get("DSV4_API_KEY") or None,
                          max_body_bytes=args.max_body_bytes, allow_request_chat_template=args.allow_request_chat_template,
-                         api_docs=args.api_docs, metrics_host=args.metrics_host, drain_s=args.drain_seconds)
+                         api_docs=args.api_docs, metrics_host=args.metrics_host, drain_s=args.drain_seconds,
+                         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel)
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -450,6 +467,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-seconds", type=float, default=10.0,
                         help="on SIGTERM / Ctrl-C, how long in-flight requests may take to finish")
     parser.add_argument("--prefill-workers", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks per prefill/decode worker: one Ray actor (one GPU on cuda) each, packed on "
+                             "one host by a STRICT_PACK placement group; heads and dense projections split")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="split routed experts by expert id across each worker's ranks")
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--transfer", default="auto", choices=TRANSFER_CHOICES, help=TRANSFER_HELP)
     parser.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "least_loaded",

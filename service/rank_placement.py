@@ -1,0 +1,89 @@
+"""Workers that span several devices: one Ray actor per rank, a worker's actors in one placement group.
+
+`--tensor-parallel-size N` (and `--expert-parallel`) make every prefill and decode worker N actors: a
+placement group of N bundles ({GPU: 1} each on CUDA, the worker's CPU reservation each on CPU) with
+strategy STRICT_PACK, so a worker's ranks share a host and meet on a loopback port; bundle 0 holds the
+worker actor itself (rank 0: it schedules, owns the KV pool the transfers address and answers the router),
+bundles 1..N-1 hold `engine.rank_worker.RankFollower` actors. Followers are not restarted by Ray: a rank
+cannot rejoin a running group, so a failed rank takes its worker down with it (the router's health loop
+drops that worker, as it drops any dead worker). N = 1 places workers exactly as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PlacedWorker:
+    """Rank 0's actor handle plus what only a multi-rank worker has (its followers and placement group)."""
+
+    handle: object
+    followers: list = field(default_factory=list)
+    group: object = None
+
+
+def per_worker_resources(num_cpus: float, num_gpus: int, tp_size: int) -> dict:
+    """What one worker reserves in all: its N ranks' CPUs and GPUs."""
+    return {"CPU": num_cpus * tp_size, "GPU": num_gpus * tp_size}
+
+
+def place_worker(cls, name: str, args: tuple, kwargs: dict, opts: dict, model_dir: str | None, tp_size: int,
+                 expert_parallel: bool, num_cpus: float, num_gpus: int, actor_options: dict,
+                 ready_timeout_s: float) -> PlacedWorker:
+    """Create worker `name` (cls.options(name=...).remote(*args, **kwargs)) over tp_size ranks.
+
+    args: the worker's positional constructor arguments, among them `opts` (its engine options), the dict
+    that gains the `tensor_parallel` spec here. The placement group is reserved (waiting up to ready_timeout_s)
+    before any actor exists.
+    """
+    if tp_size == 1:
+        return PlacedWorker(cls.options(name=name, **actor_options).remote(*args, **kwargs))
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from engine.parallel import free_loopback_port
+    from engine.rank_worker import RankFollower, TensorParallelSpec
+
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+    group = placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK", name=f"{name}-ranks")
+    try:
+        ray.get(group.ready(), timeout=ready_timeout_s)
+    except Exception:
+        ray.util.remove_placement_group(group)
+        raise
+    # The port is picked here, on the driver: STRICT_PACK puts every rank on one host, the driver's in the
+    # one-node clusters `dsv4 serve` starts (a multi-node cluster needs the port picked on that host).
+    spec = TensorParallelSpec(tp_size, expert_parallel, free_loopback_port())
+    ranked = {**opts, "tensor_parallel": spec}
+
+    def on(index: int) -> dict:
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+
+    follower_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(RankFollower)
+    followers = [follower_cls.options(name=f"{name}-rank{r}", **actor_options, **on(r)).remote(r, model_dir, ranked)
+                 for r in range(1, tp_size)]
+    handle = cls.options(name=name, max_restarts=0, **actor_options, **on(0)).remote(
+        *_with_opts(args, opts, ranked), **kwargs)
+    return PlacedWorker(handle, followers, group)
+
+
+def _with_opts(args: tuple, old: dict, new: dict) -> tuple:
+    return tuple(new if a is old else a for a in args)
+
+
+def remove_worker(placed: PlacedWorker) -> None:
+    """Kill the followers and free the placement group (rank 0 is killed with the other workers)."""
+    import ray
+
+    for h in placed.followers:
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    if placed.group is not None:
+        try:
+            ray.util.remove_placement_group(placed.group)
+        except Exception:  # noqa: BLE001
+            pass
