@@ -1,6 +1,7 @@
 """EngineCore: one model, one cache pool, one scheduler; `step()` runs one continuous-batching forward.
 
-Used directly by `LLM` (offline), and later by the prefill and decode workers. Everything about a
+Used by `LLM` (offline), by the prefill and decode workers and by the local dispatcher (all through
+`EngineLoop` except `LLM`). Everything about a
 request's progress is host state in `Request`; the step turns the scheduled chunks into one StepBatch,
 runs the model, then samples every request whose chunk reached its last known token.
 """
@@ -19,6 +20,7 @@ from engine.fast_paths import use_triton
 from engine.handoff import EngineLoad
 from engine.model import DeepseekV4Model
 from engine.parallel import SINGLE, ParallelContext
+from engine.prefix_cache import PrefixCache, PrefixCacheConfig
 from engine.request import Request, TokenEvent
 from engine.sampling import draw_seed, sample
 from engine.sampling_params import SamplingParams
@@ -32,7 +34,8 @@ DECODE_MODES = ("auto", "eager", "bucketed", "graphs")
 class EngineCore:
     def __init__(self, cfg: ModelConfig, weights: dict, device="cpu", dtype=torch.float32,
                  cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
-                 decode_mode: str = "auto", parallel: ParallelContext | None = None):
+                 decode_mode: str = "auto", prefix_cache: PrefixCacheConfig | bool = True,
+                 parallel: ParallelContext | None = None):
         """decode_mode: how steps made only of decode tokens run (steps with prefill always run eagerly):
         "graphs" replays CUDA graphs per (batch, context) bucket (engine.cuda_graphs); "bucketed" runs the
         same fixed-shape batches without graphs (tests, debugging); "eager" sizes every step to its
@@ -47,7 +50,12 @@ class EngineCore:
         self.cache_config = cache_config or CacheConfig(max_requests=self.scheduler_config.max_num_seqs)
         self.model = DeepseekV4Model(cfg, weights, self.device, self.parallel)
         self.pool = CachePool(cfg, self.cache_config, dtype, self.device)
-        self.scheduler = Scheduler(self.pool, self.scheduler_config)
+        if isinstance(prefix_cache, bool):
+            prefix_cache = PrefixCacheConfig(enabled=prefix_cache)
+        # Off: no cache object at all (nothing shared, no snapshot store, no chunk cuts).
+        self.prefix = (PrefixCache(self.pool, prefix_cache, self.cache_config.max_requests)
+                       if prefix_cache.enabled else None)
+        self.scheduler = Scheduler(self.pool, self.scheduler_config, self.prefix)
         self.decode_mode = self._resolve_decode_mode(decode_mode)
         self.decode_runner = None
         if self.decode_mode != "eager":
@@ -120,14 +128,20 @@ class EngineCore:
             if table is self.requests:
                 self.scheduler.finish(req)
             else:
-                self.pool.free(req.pages)
+                self._drop(req)
 
     # ---- disaggregation hooks ------------------------------------------------------------
     def release(self, request_id: str) -> None:
         """Prefill side: the decode side confirmed the hand-off; free the held caches."""
         req = self.held.pop(request_id, None)
         if req is not None:
-            self.pool.free(req.pages)
+            self._drop(req)
+
+    def _drop(self, req: Request) -> None:
+        """Free the pages of a request outside the scheduler (held or importing)."""
+        self.pool.free(req.pages)
+        if self.prefix is not None:
+            self.prefix.forget(req)
 
     def held_request(self, request_id: str) -> Request:
         return self.held[request_id]
@@ -177,7 +191,8 @@ class EngineCore:
                                                   for c in chunks):
             logits = self.execute(StepInputs(DECODE, tuple(c.request.token_slice(c.start, c.start + 1) for c in chunks),
                                              tuple(c.start for c in chunks), tuple(c.request.pages for c in chunks),
-                                             request_ids=tuple(c.request.request_id for c in chunks)))
+                                             request_ids=tuple(c.request.request_id for c in chunks),
+                                             sync=self._restored(chunks)))
             if logits is not None:  # every request samples; no prompt-logprob rows in a decode step
                 return self._postprocess(chunks, logits, list(range(len(chunks))), [(0, 0)] * len(chunks))
         inputs, sample_rows, prompt_rows = self._build(chunks)
@@ -207,8 +222,18 @@ class EngineCore:
                 sample_rows.append(None)
             offset += c.num_tokens
         inputs = StepInputs(FORWARD, tuple(c.request.token_slice(c.start, c.start + c.num_tokens) for c in chunks),
-                            tuple(c.start for c in chunks), tuple(c.request.pages for c in chunks), tuple(logit_rows))
+                            tuple(c.start for c in chunks), tuple(c.request.pages for c in chunks), tuple(logit_rows),
+                            sync=self._restored(chunks))
         return inputs, sample_rows, prompt_rows
+
+    def _restored(self, chunks: list[ScheduledChunk]) -> tuple:
+        """Tensor parallel: the fixed pages a prefix-cache hit just restored on rank 0 only (a request's first
+        chunk after a hit starts at its cached tokens); the other ranks must get them before the step."""
+        if not (self.parallel.enabled and self.prefix is not None):
+            return ()
+        groups = self.prefix.store.groups
+        return tuple({g: c.request.pages[g] for g in groups if g in c.request.pages} for c in chunks
+                     if c.request.cached_tokens and c.start == c.request.cached_tokens)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Run one step's model inputs on this rank -> fp32 logits, or None when a decode step fits no bucket.
@@ -253,6 +278,8 @@ class EngineCore:
                 plps = tuple(logprobs[first:first + count].gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
                 req.prompt_logprobs.extend(plps)
             req.num_computed = c.start + c.num_tokens
+            if self.prefix is not None:
+                self.prefix.on_computed(req)  # before a finished request's pages are freed below
             tok, lp = sampled.get(id(c), (None, None))
             if tok is not None:
                 req.output.append(tok)
@@ -263,7 +290,8 @@ class EngineCore:
                     self.held[req.request_id] = self.requests.pop(req.request_id)
             if req.finished:
                 self.scheduler.finish(req)
-            events.append(TokenEvent(req.request_id, tok, lp, req.finished, req.finish_reason, plps))
+            events.append(TokenEvent(req.request_id, tok, lp, req.finished, req.finish_reason, plps,
+                                     req.cached_tokens))
         return events
 
     def _check_finished(self, req: Request, tok: int) -> None:
