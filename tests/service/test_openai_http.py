@@ -363,3 +363,99 @@ def test_serve_app_imports():
     paths = {getattr(r, "path", None) for r in serve_app.app.routes}
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= paths
     assert callable(serve_app.deploy_http) and serve_app.OpenAIIngress.name == "dsv4-openai"
+
+
+def raw(srv, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, dict(resp.getheaders()), json.loads(data) if data else None
+
+
+STRICT_BAD = [
+    (b'{"model": "tiny-http", "prompt": [5, 6], "max_tokens": "5"}', "max_tokens"),
+    (b'{"model": "tiny-http", "prompt": [5, 6], "stream": "yes"}', "stream"),
+    (b'{"model": "tiny-http", "prompt": [5, 6], "temperature": "0.5"}', "temperature"),
+    (b'{"model": "tiny-http", "prompt": "a\\ud800b"}', "surrogate"),  # a lone UTF-16 surrogate
+    (b'{"model": "tiny-http", "prompt": [5, 6], "stop": ["\\udfff"]}', "surrogate"),
+    (b'{"model": "tiny-http", "prompt": [5, 6], "stop": [' + b", ".join([b'"s"'] * 17) + b"]}", "at most 16"),
+    (b'{"model": "tiny-http", "prompt": [5, 6], "stop": "' + b"x" * 2000 + b'"}', "at most 1024"),
+]
+
+
+@pytest.mark.parametrize("body, needle", STRICT_BAD)
+def test_strict_types_and_text_are_400(srv, body, needle):
+    status, _, out = raw(srv, "POST", "/v1/completions", body)
+    assert status == 400 and needle in out["error"]["message"] and out["error"]["type"] == "BadRequestError", out
+
+
+def test_error_shapes_never_500(srv):
+    status, _, out = raw(srv, "POST", "/v1/chat/completions",
+                         json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode())
+    assert status == 400 and "unknown role" in out["error"]["message"] and out["error"]["param"] == "messages.0.role"
+    status, _, out = raw(srv, "GET", "/v1/completions")
+    assert status == 405 and out["error"]["type"] == "MethodNotAllowedError"
+    status, _, out = raw(srv, "POST", "/v1/completions", b'{"model": "x", "prompt": [5,')
+    assert status == 400 and out["error"]["param"] is None and "not valid JSON" in out["error"]["message"], out
+    for path in ("/docs", "/openapi.json", "/redoc"):  # interactive docs are off unless asked for
+        assert raw(srv, "GET", path)[0] == 404
+
+
+def test_request_chat_template_is_off_by_default(srv):
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="chat templates are disabled"):
+        srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                           extra_body={"chat_template": "{{ messages[0].content }}"})
+
+
+def test_guarded_app_api_key_body_limit_and_template_budget(backend, tok):
+    from service.ingress_guard import IngressOptions
+
+    opts = IngressOptions(api_key="k3y", max_body_bytes=4096, allow_request_templates=True, template_budget_s=0.5)
+    s = HTTPServer(build_app(backend.addr, default_model_dir(), MODEL, options=opts, api_docs=True))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            s.client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2)  # the client sends key "x"
+        ok = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="k3y", max_retries=0, timeout=60)
+        assert ok.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2).usage.completion_tokens >= 1
+        status, _, out = raw(s, "POST", "/v1/completions", b'{"prompt": "' + b"a" * 5000 + b'"}',
+                             {"Authorization": "Bearer k3y"})
+        assert status == 413 and out["error"]["type"] == "RequestTooLargeError"
+        assert raw(s, "GET", "/health")[0] == 200 and raw(s, "GET", "/openapi.json")[0] == 200
+        bomb = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+        with pytest.raises(openai.BadRequestError, match="time budget"):
+            ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"chat_template": bomb})
+        r = ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"chat_template": "{{ messages[0].content }}", "ignore_eos": True})
+        n = len(tok.tokenizer.encode("hi", add_special_tokens=False).ids)  # the request's template ran: no markers
+        assert r.usage.prompt_tokens == n and r.usage.completion_tokens == 2
+    finally:
+        s.close()
+
+
+def test_incremental_text_equals_whole_decode(tok):
+    """TextStream decodes a window per token; the text must equal decoding the whole output at once, and a
+    stop string must cut the text exactly where the whole text first contains it."""
+    import random
+
+    from service.openai_app import TextStream
+
+    rng = random.Random(0)
+    for trial in range(40):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 60))]
+        whole = tok.decode(ids)
+        ts = TextStream(tok, [], False, True)
+        out = "".join(ts.add(t, i == len(ids) - 1) for i, t in enumerate(ids))
+        assert out == whole, (ids, out, whole)
+        if len(whole) > 6:
+            stop = whole[len(whole) // 2: len(whole) // 2 + 3]
+            ts = TextStream(tok, [stop], False, True)
+            out = ""
+            for i, t in enumerate(ids):
+                out += ts.add(t, i == len(ids) - 1)
+                if ts.stop_hit:
+                    break
+            assert out == whole[:whole.find(stop)] and ts.stop_hit == stop

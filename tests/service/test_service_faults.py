@@ -12,6 +12,7 @@ answering within HEALTH_BOUND_S, what the client saw, and (last) that the pools 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import socket
@@ -29,7 +30,7 @@ from engine.metrics import start_metrics_server  # noqa: E402
 from kv_transfer.base import unpack_metadata  # noqa: E402
 from router.client import RouterClient, RouterError  # noqa: E402
 from service.launcher import (ServiceConfig, init_ray, prepare_metrics_dir, ray_logs_tail,  # noqa: E402
-                              start_service, stop_service)
+                              remove_metrics_dir, start_service, stop_service)
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.proc import listening  # noqa: E402
 
@@ -147,6 +148,7 @@ def svc():
     stop_service(handles, drain_s=0)
     metrics.shutdown()
     metrics.server_close()
+    remove_metrics_dir()  # the temp dir this module's service made (kept if the environment named one)
 
 
 def wait_until(cond, timeout: float = 120.0, what: str = "condition"):
@@ -245,11 +247,24 @@ def test_overload_queues_then_429_with_retry_after(svc):
 
 
 def test_disconnects_mid_stream_free_everything(svc):
-    streams = [svc.stream(prompt=[9, 8, 7, i + 2], max_tokens=2000) for i in range(SLOTS + 2)]
-    for resp in streams[:SLOTS]:  # in flight: each has produced tokens
+    import http.client
+
+    streams = [svc.stream(prompt=[9, 8, 7, i + 2], max_tokens=2000) for i in range(SLOTS)]
+    for resp in streams:  # in flight: each has produced tokens, and every decode slot is taken
         assert next(line for line in resp.lines if line.startswith("data:"))
+    waiting = []  # two more wait at the router for a slot; their clients give up too
+    for i in range(2):
+        conn = http.client.HTTPConnection("127.0.0.1", svc.cfg.port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({"model": "dsv4", "prompt": [3, 4, i + 2], "stream": True,
+                                                            "max_tokens": 2000, "ignore_eos": True}),
+                     {"Content-Type": "application/json", **AUTH})
+        waiting.append(conn)
+    wait_until(lambda: ray.get(svc.handles["router"].queued.remote()) == 2, 60, "two requests queued")
+    for conn in waiting:
+        conn.close()
     for resp in streams:
         resp.close()
+    wait_until(lambda: ray.get(svc.handles["router"].queued.remote()) == 0, 60, "queue empty")
     wait_until(lambda: all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in svc.worker_stats()),
                60, "pools idle after disconnects")
 
@@ -316,3 +331,16 @@ def test_gauges_and_pools_return_to_idle(svc):
     wait_until(lambda: gauges() and all(v == 0.0 for v in gauges().values()), 30, "gauges at idle")
     g = gauges()
     assert any('role="prefill"' in k for k in g) and any('role="decode"' in k for k in g), g
+
+
+def test_unplaceable_service_fails_fast_with_numbers(svc):
+    from service.launcher import ServiceStartError, check_placement
+
+    total = ray.cluster_resources()["CPU"]
+    cfg = ServiceConfig(model_dir=default_model_dir(), prefill_workers=8, decode_workers=8, worker_num_cpus=total)
+    with pytest.raises(ServiceStartError) as info:
+        check_placement(cfg)
+    msg = str(info.value)
+    assert f"CPU: need {16 * total + 0.2:g} (16 workers x {total:g} + 2 HTTP replicas x 0.1)" in msg, msg
+    assert f"the cluster has {total:g} in all" in msg
+    check_placement(dataclasses.replace(cfg, prefill_workers=1, decode_workers=1, worker_num_cpus=0.01))

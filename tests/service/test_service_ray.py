@@ -23,6 +23,7 @@ from service.launcher import (  # noqa: E402
     init_ray,
     prepare_metrics_dir,
     ray_logs_tail,
+    remove_metrics_dir,
     start_service,
     stop_service,
 )
@@ -42,6 +43,7 @@ def _teardown(started: dict) -> None:
     if "metrics" in started:
         started["metrics"].shutdown()
         started["metrics"].server_close()
+    remove_metrics_dir()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,244 @@
+"""`dsv4 bench soak --minutes N`: the whole service under mixed load with faults, for a long time.
+
+Starts the service as `dsv4 serve` does (a fresh local Ray cluster, prefill and decode pools, the router, the
+HTTP ingress replicas), then for N minutes `--clients` threads send a mix over HTTP: streaming and plain
+completions of random lengths, chat, requests the server must refuse (bad types, unknown roles, oversized
+stop lists), and streams the client abandons midway. Every `--fault-every` seconds one worker is killed
+(`ray.kill`, Ray restarts it), alternating pools. At the end: outcomes by type (ok, 4xx by status, 429, 503
+in-band or not, other 5xx, transport errors), /health answer latency, the restarts, and the resident memory
+of every service process at the start of the run and at its end (growth = leak suspects). `--write-benchmarks`
+puts the report in BENCHMARKS.md (section `soak`), every number from this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import threading
+import time
+
+from kv_transfer.registry import TRANSFER_CHOICES, TRANSFER_HELP
+
+
+def rss_mib(pid: int) -> float:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+class Tally:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.counts: collections.Counter = collections.Counter()
+        self.health: list[float] = []
+
+    def add(self, key: str) -> None:
+        with self.lock:
+            self.counts[key] += 1
+
+
+def _one(session, base: str, rng: random.Random, vocab: int, tally: Tally) -> None:
+    """One request of the mix; counts what the client saw."""
+    kind = rng.choices(["stream", "plain", "chat", "bad", "abandon"], [35, 30, 15, 10, 10])[0]
+    prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(4, 200))]
+    body = {"model": "dsv4", "prompt": prompt, "max_tokens": rng.randint(1, 96), "ignore_eos": True}
+    path = "/v1/completions"
+    if kind == "chat":
+        path, body = "/v1/chat/completions", {"model": "dsv4", "max_tokens": rng.randint(1, 48),
+                                              "messages": [{"role": "user", "content": "soak " * rng.randint(1, 40)}]}
+    elif kind == "bad":
+        body = rng.choice([{**body, "max_tokens": "5"}, {"model": "dsv4", "messages": [{"role": "x", "content": "a"}]},
+                           {**body, "stop": ["s"] * 100}, {**body, "prompt": [vocab + 5]}])
+        path = "/v1/chat/completions" if "messages" in body else path
+    stream = kind in ("stream", "abandon")
+    try:
+        r = session.post(base + path, json={**body, "stream": stream}, stream=stream, timeout=300)
+        if r.status_code != 200:
+            tally.add(f"http_{r.status_code}" + ("_expected" if kind == "bad" and r.status_code == 400 else ""))
+            r.close()
+            return
+        if not stream:
+            tally.add("ok" if kind != "bad" else "bad_request_accepted")
+            return
+        payloads = []
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("data:"):
+                payloads.append(line[5:].strip())
+                if kind == "abandon" and len(payloads) >= 2:
+                    break
+        r.close()
+        if kind == "abandon":
+            tally.add("abandoned")
+        elif payloads and payloads[-1] == "[DONE]" and len(payloads) > 1 and "error" in payloads[-2]:
+            err = json.loads(payloads[-2])["error"]
+            tally.add(f"inband_{err.get('code')}")
+        elif payloads and payloads[-1] == "[DONE]":
+            tally.add("ok")
+        else:
+            tally.add("stream_cut")
+    except Exception as e:  # noqa: BLE001 - a transport error is an outcome to count
+        tally.add(f"client_{type(e).__name__}")
+
+
+def _health(base: str, stop: threading.Event, tally: Tally) -> None:
+    import requests
+
+    s = requests.Session()
+    s.trust_env = False
+    while not stop.wait(1.0):
+        t0 = time.monotonic()
+        try:
+            s.get(base + "/health", timeout=30)
+            tally.health.append(time.monotonic() - t0)
+        except Exception:  # noqa: BLE001
+            tally.add("health_no_answer")
+
+
+def _pids(handles) -> dict[str, int]:
+    import ray
+
+    actors = {**handles["prefill"], **handles["decode"], "router": handles["router"]}
+    return {k: ray.get(a.__ray_call__.remote(lambda self: os.getpid()), timeout=60) for k, a in actors.items()}
+
+
+def _serve_replica_pids() -> dict[str, int]:
+    """Serve's HTTP replicas and proxy are named actors in its namespace (no dashboard needed to find them)."""
+    import ray
+
+    out = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        name = a["name"]
+        if "REPLICA" in name.upper() or "PROXY" in name.upper():
+            try:
+                h = ray.get_actor(name, namespace=a["namespace"])
+                out[f"serve-{'replica' if 'REPLICA' in name.upper() else 'proxy'}-{len(out)}"] = ray.get(
+                    h.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+            except Exception:  # noqa: BLE001 - a replica being replaced: measure the others
+                continue
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_soak(args) -> dict:
+    import requests
+    import ray
+
+    from engine.config import ModelConfig
+    from engine.make_model import default_model_dir
+    from service.launcher import (ServiceConfig, init_ray, prepare_metrics_dir, remove_metrics_dir, start_service,
+                                  stop_service)
+
+    model_dir = args.model or default_model_dir()
+    vocab = ModelConfig.from_model_dir(model_dir).vocab_size
+    init_ray(prepare_metrics_dir())
+    cfg = ServiceConfig(model_dir=model_dir, port=_free_port(), prefill_workers=args.prefill_workers,
+                        decode_workers=args.decode_workers, transfer=args.transfer,
+                        engine_options=(("max_batch_tokens", args.max_batch_tokens),))
+    handles = start_service(cfg)
+    base = f"http://127.0.0.1:{cfg.port}"
+    tally, stop = Tally(), threading.Event()
+    try:
+        pids = {**_pids(handles), **_serve_replica_pids()}
+        time.sleep(5)
+        rss0 = {k: rss_mib(p) for k, p in pids.items()}
+        threading.Thread(target=_health, args=(base, stop, tally), daemon=True).start()
+
+        def client(seed: int) -> None:
+            rng, s = random.Random(seed), requests.Session()
+            s.trust_env = False
+            while not stop.is_set():
+                _one(s, base, rng, vocab, tally)
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        end, next_fault, kills = time.monotonic() + 60 * args.minutes, time.monotonic() + args.fault_every, []
+        pools = ["prefill", "decode"]
+        while time.monotonic() < end:
+            time.sleep(1.0)
+            if args.fault_every > 0 and time.monotonic() >= next_fault:
+                pool = pools[len(kills) % 2]
+                wid = sorted(handles[pool])[len(kills) // 2 % len(handles[pool])]
+                ray.kill(handles[pool][wid], no_restart=False)
+                kills.append(wid)
+                next_fault = time.monotonic() + args.fault_every
+        stop.set()
+        for t in threads:
+            t.join(300)
+        time.sleep(10)  # let restarts settle and idle gauges publish
+        pids_end = {**_pids(handles), **_serve_replica_pids()}
+        rss1 = {k: rss_mib(p) for k, p in pids_end.items()}
+        stats = ray.get([h.stats.remote() for h in (*handles["prefill"].values(), *handles["decode"].values())])
+        health = sorted(tally.health)
+        return {"minutes": args.minutes, "clients": args.clients, "topology": f"{cfg.prefill_workers}P"
+                f"{cfg.decode_workers}D", "transfer": args.transfer, "kills": kills,
+                "outcomes": dict(tally.counts), "health_answers": len(health),
+                "health_p50_ms": 1e3 * health[len(health) // 2] if health else float("nan"),
+                "health_max_ms": 1e3 * health[-1] if health else float("nan"),
+                "rss_start_mib": rss0, "rss_end_mib": rss1,
+                "idle_at_end": all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in stats)}
+    finally:
+        stop.set()
+        stop_service(handles, drain_s=5)
+        remove_metrics_dir()
+
+
+def report_markdown(r: dict) -> str:
+    total = sum(r["outcomes"].values())
+    lines = [f"## Soak: {r['minutes']:g} min, {r['clients']} clients, {r['topology']} ({r['transfer']}), "
+             f"a worker killed every so often ({len(r['kills'])} kills: {', '.join(r['kills']) or 'none'})", "",
+             "Mixed load over HTTP (streaming, plain, chat, refused bad input, abandoned streams) with worker kills; "
+             "written by `dsv4 bench soak`.", "", "| outcome | requests | share |", "|---|---:|---:|"]
+    for k, v in sorted(r["outcomes"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {k} | {v} | {100 * v / max(total, 1):.1f}% |")
+    lines += ["", f"/health: {r['health_answers']} answers, p50 {r['health_p50_ms']:.0f} ms, max "
+                  f"{r['health_max_ms']:.0f} ms. Pools idle at the end: {r['idle_at_end']}.", "",
+              "| process | RSS start MiB | RSS end MiB | growth MiB |", "|---|---:|---:|---:|"]
+    for k in sorted(set(r["rss_start_mib"]) | set(r["rss_end_mib"])):
+        a, b = r["rss_start_mib"].get(k, float("nan")), r["rss_end_mib"].get(k, float("nan"))
+        lines.append(f"| {k} | {a:.0f} | {b:.0f} | {b - a:+.0f} |")
+    lines.append("")
+    lines.append("A killed worker restarts as a new process, so its end RSS is a fresh process's; growth is "
+                 "meaningful for the router and the HTTP replicas.")
+    return "\n".join(lines)
+
+
+def bench_soak_main(args: argparse.Namespace) -> int:
+    result = run_soak(args)
+    md = report_markdown(result)
+    print(md, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.write_benchmarks:
+        from service.benchmarks_md import write_section
+
+        write_section("soak", md)
+    return 0
+
+
+def add_bench_soak_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between worker kills (0: none)")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--prefill-workers", type=int, default=1)
+    parser.add_argument("--decode-workers", type=int, default=1)
+    parser.add_argument("--transfer", default="auto", choices=TRANSFER_CHOICES, help=TRANSFER_HELP)
+    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--json", default=None, help="also write the raw result here")
+    parser.add_argument("--write-benchmarks", action="store_true", help="write the report to BENCHMARKS.md")

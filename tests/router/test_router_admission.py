@@ -1,0 +1,175 @@
+"""Router admission: requests queue (bounded, with a timeout) when no decode worker has a slot and pages, wait
+for a pool's only worker to come back, and come out as RESOURCE_EXHAUSTED / UNAVAILABLE saying "retry later".
+
+The real gRPC router and client; the dispatcher is a scripted one (one prefill, one decode worker reporting
+`max_slots`), so the test decides when a request finishes and when a worker is up. The same paths run end to
+end on Ray in tests/service/test_service_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from engine.request import TokenEvent
+from router.client import RouterClient, RouterError
+from router.dispatch import WorkerInfo
+from router.policy import PolicyConfig, RoutingPolicy
+from router.server import RouterServer
+
+
+class ScriptedDispatcher:
+    """Requests produce one token, then wait until `finish()` lets them end."""
+
+    def __init__(self, slots: int):
+        self.slots, self.decode_up = slots, True
+        self.gate: asyncio.Event | None = None
+        self.running = 0
+
+    def workers(self):
+        return [WorkerInfo("p0", "prefill", True, incarnation="1"),
+                WorkerInfo("d0", "decode", self.decode_up, kv_free_tokens=1 << 20, incarnation="1",
+                           max_slots=self.slots, kv_capacity_tokens=1 << 20)]
+
+    async def generate(self, request, prefill_id, decode_id):
+        if self.gate is None:
+            self.gate = asyncio.Event()
+        self.running += 1
+        try:
+            yield TokenEvent(request.request_id, 7, -0.5, False, None, ())
+            await self.gate.wait()
+            yield TokenEvent(request.request_id, 8, -0.5, True, "length", ())
+        finally:
+            self.running -= 1
+
+    async def health_check(self):
+        return {"p0": True, "d0": self.decode_up}
+
+
+class Harness:
+    def __init__(self, **server_kw):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.dispatcher = ScriptedDispatcher(slots=2)
+        self.server = RouterServer(self.dispatcher, RoutingPolicy(PolicyConfig("least_loaded")),
+                                   health_interval_s=0.05, **server_kw)
+        self.addr = f"127.0.0.1:{self.run(self.server.start('127.0.0.1', 0))}"
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def finish_all(self):
+        async def go():
+            self.dispatcher.gate.set()
+            self.dispatcher.gate = None
+        self.run(go())
+
+    def close(self):
+        self.run(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def wait_until(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def harness():
+    h = Harness(max_queued=2, queue_timeout_s=30.0)
+    yield h
+    h.close()
+
+
+def test_full_decode_queues_then_turns_away_then_drains(harness):
+    h = harness
+    clients = [RouterClient(h.addr, timeout_s=30) for _ in range(4)]
+    streams = [c.generate([5, 6, 7], request_id=f"r{i}") for i, c in enumerate(clients)]
+    out = [None] * 4
+
+    def consume(i):
+        try:
+            out[i] = [ev.token_id for ev in streams[i]]
+        except RouterError as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: h.dispatcher.running == 2 and h.server._queued == 2)  # 2 slots busy, 2 waiting
+    with RouterClient(h.addr, timeout_s=30) as c, pytest.raises(RouterError) as info:
+        c.generate_full([5, 6, 7])
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in info.value.message
+    h.finish_all()  # the first two end; the queued two take their slots
+    wait_until(lambda: h.dispatcher.running == 2 and h.server._queued == 0)
+    h.finish_all()
+    for t in threads:
+        t.join(20)
+    assert out == [[7, 8]] * 4
+    for c in clients:
+        c.close()
+
+
+def test_queue_timeout_is_unavailable():
+    h = Harness(max_queued=4, queue_timeout_s=0.3)
+    try:
+        c = RouterClient(h.addr, timeout_s=30)
+        held = [c.generate([5, 6], request_id=f"h{i}") for i in range(2)]
+        for s in held:
+            assert next(s).token_id == 7
+        with pytest.raises(RouterError) as info:
+            c.generate_full([5, 6, 7])
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE and "no decode capacity" in info.value.message
+        h.finish_all()
+        for s in held:
+            assert [ev.token_id for ev in s] == [8]
+    finally:
+        h.close()
+
+
+def test_request_waits_for_the_only_decode_worker_to_come_back():
+    h = Harness(restart_wait_s=30.0)
+    try:
+        h.dispatcher.decode_up = False
+        wait_until(lambda: not RouterClient(h.addr, timeout_s=5).health().serving)
+        result = {}
+
+        def call():
+            with RouterClient(h.addr, timeout_s=30) as c:
+                events = c.generate([5, 6, 7])
+                result["first"] = next(events).token_id
+
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.3)
+        assert "first" not in result  # waiting, not failed
+        h.dispatcher.decode_up = True  # "Ray restarted it": the health loop adds it back
+        t.join(20)
+        assert result == {"first": 7}
+        h.finish_all()
+    finally:
+        h.close()
+
+
+def test_policy_admits_by_slots_and_whole_pages():
+    pol = RoutingPolicy(PolicyConfig("least_loaded"))
+    d = WorkerInfo("d0", "decode", True, kv_free_tokens=0, max_slots=2, kv_capacity_tokens=1024, kv_page_tokens=256)
+    p = WorkerInfo("p0", "prefill", True)
+    assert pol.fits(d, 1024) and not pol.fits(d, 1025)  # a stale report (0 free) does not matter
+    pol.place([5, 6, 7], 10, [p, d])
+    pol.acquire("d0", 10)  # 10 tokens reserve a whole 256-token page
+    assert pol.effective_free_tokens(d) == 768 and pol.effective_free_slots(d) == 1
+    assert pol.fits(d, 768) and not pol.fits(d, 769)
+    pol.acquire("d0", 10)
+    assert pol.effective_free_slots(d) == 0 and not pol.can_admit(10, [p, d])
+    assert pol.can_admit(4096, [p, d])  # can never fit anywhere: let the engine reject it with a clear error
+    pol.release("d0", 10)
+    assert pol.can_admit(10, [p, d]) and pol.effective_free_tokens(d) == 768
+    colocated = WorkerInfo("c0", "colocated", True)
+    assert pol.can_admit(10 ** 9, [colocated])  # no decode pool: the engine queues itself
