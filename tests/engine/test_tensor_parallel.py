@@ -265,3 +265,46 @@ def test_expert_parallel_rank_reads_only_its_experts():
     experts = {int(n.split(".experts.")[1].split(".")[0]) for n in got if ".experts." in n}
     assert experts == set(range(cfg.n_routed_experts // 2, cfg.n_routed_experts))
     assert "layers.0.ffn.shared_experts.w1.weight" in got and "embed.weight" in got
+
+
+def _write_fp8_model(out_dir: str) -> str:
+    """A tiny V4 in the release formats whose projections fall on the 128-grid at TP 2 (so they stay e4m3)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from engine.make_model import preset_config, quantize_weights, random_weights
+
+    raw = preset_config("tiny")
+    raw.update(hidden_size=256, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=128,
+               o_groups=2, o_lora_rank=128, moe_intermediate_size=256, num_hidden_layers=2, compress_ratios=[4, 0],
+               quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                    "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(quantize_weights(random_weights(ModelConfig.from_dict(raw), 5)), os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump(raw, fh)
+    return out_dir
+
+
+def test_fp8_projections_stay_fp8_per_rank(tmp_path):
+    """keep_fp8_weights: each rank holds its cut of wq_b / wo_a / wo_b / shared experts as e4m3 + block scales
+    (engine.linear's FP8 path, here its CPU reference) and matches one rank. Activations are quantised per
+    128-block along K on both sides, on the same blocks; an fp32 summation-order difference can still move a
+    value across an e4m3 rounding step, hence a looser bound than the plain fp32 tests."""
+    from kernels.fp8_linear import Fp8Weight
+
+    model_dir = _write_fp8_model(str(tmp_path / "fp8"))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=True, prompt_logprobs=True)
+    prompts = [[5, 9, 33, 7, 100, 200, 3, 4, 8], [44, 2]]
+    ref = LLM(model_dir, keep_fp8_weights=True, prefix_cache=False).generate(prompts, params)
+    with LLM(model_dir, keep_fp8_weights=True, tensor_parallel_size=2, expert_parallel=True) as llm:
+        w = llm.engine.model.attn[0].w
+        assert isinstance(w["wq_b.weight"], Fp8Weight) and w["wq_b.weight"].shape == (128, 128)
+        assert isinstance(w["wo_b.weight"], Fp8Weight) and w["wo_b.weight"].shape == (256, 128)
+        assert isinstance(llm.engine.model.moe[0].shared[0], Fp8Weight)
+        outs = llm.generate(prompts, params)
+    for a, b in zip(outs, ref):
+        assert a.token_ids == b.token_ids
+        diffs = [abs(x - y) for x, y in zip(a.logprobs + a.prompt_logprobs[1:], b.logprobs + b.prompt_logprobs[1:])]
+        assert max(diffs) <= 5e-3
