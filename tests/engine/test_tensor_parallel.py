@@ -281,7 +281,8 @@ def _write_fp8_model(out_dir: str) -> str:
                quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                     "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
     os.makedirs(out_dir, exist_ok=True)
-    save_file(quantize_weights(random_weights(ModelConfig.from_dict(raw), 5)), os.path.join(out_dir, "model.safetensors"))
+    weights = quantize_weights(random_weights(ModelConfig.from_dict(raw), 5))
+    save_file(weights, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump(raw, fh)
     return out_dir
