@@ -49,6 +49,7 @@ class PrefillResult:
     queue_time_s: float
     prefill_time_s: float
     incarnation: str = ""  # of the worker that holds the caches (a restarted worker holds none)
+    cached_tokens: int = 0  # prompt tokens served from the prefill worker's prefix cache
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,24 @@ class EngineLoad:
 
 
 @dataclass(frozen=True)
+class PrefixDigest:
+    """What a worker's prefix cache can resume from (engine.prefix_cache): hashes of the blocks that end at
+    a snapshot, with the block size and the hash seed needed to name a prompt's blocks the same way
+    (`engine.block_hash.block_hashes`). Bounded by the cache's snapshot slots; `version` changes with it."""
+
+    block_tokens: int
+    seed: bytes
+    hashes: frozenset
+    version: int = 0
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     worker_id: str
     role: str
     incarnation: str  # changes when the actor restarts (new transfer agent, empty cache)
     load: EngineLoad
+    prefix: PrefixDigest | None = None  # None: the worker has no prefix cache
 
     @property
     def running(self) -> int:

@@ -27,12 +27,13 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
                 max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16,
                 page_tokens: int = 256, kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4",
                 keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
-                parallel: ParallelContext | None = None) -> EngineCore:
+                prefix_cache: bool = True, parallel: ParallelContext | None = None) -> EngineCore:
     """kv_cache_dtype: "auto" (exact rows in `dtype`) or "fp8" (production formats: fp8_ds_mla SWA and
     compressed KV, MXFP4 indexer keys, or FP8 ones with index_cache_dtype="fp8"); see engine.cache.
     keep_mxfp4_experts: keep MXFP4 routed experts packed in memory (run by kernels.triton_moe, see
     engine.moe) instead of dequantising them to `dtype`; None = $DSV4_MXFP4_MOE=1 (default off).
     decode_mode: see EngineCore (None = "auto": CUDA graphs on CUDA with exact caches).
+    prefix_cache: reuse cached prompt prefixes across requests (engine.prefix_cache); on by default.
     parallel: this rank's tensor-parallel context: the loaded weights are cut for it (engine.sharding)."""
     from engine.fast_paths import keep_mxfp4_experts as keep_default
     from engine.make_model import default_model_dir
@@ -55,7 +56,7 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     return EngineCore(cfg, weights, device=device, dtype=torch_dtype, parallel=parallel,
                       cache_config=cache_config,
                       scheduler_config=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs),
-                      decode_mode=decode_mode or "auto")
+                      decode_mode=decode_mode or "auto", prefix_cache=prefix_cache)
 
 
 class LLM:
@@ -63,16 +64,17 @@ class LLM:
                  max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16,
                  kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4",
                  keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
-                 tensor_parallel_size: int = 1, expert_parallel: bool = False):
+                 page_tokens: int = 256, prefix_cache: bool = True, tensor_parallel_size: int = 1,
+                 expert_parallel: bool = False):
         """tensor_parallel_size > 1: this process is rank 0 and spawns the other ranks (engine.tp_launch);
         expert_parallel: routed experts split by expert id across them. Call `close()` (or use `with`)."""
         from engine.make_model import default_model_dir
 
         kwargs = dict(model_dir=model_dir or default_model_dir(), device=device, dtype=dtype,
                       max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
-                      max_cached_tokens=max_cached_tokens, kv_cache_dtype=kv_cache_dtype,
+                      max_cached_tokens=max_cached_tokens, page_tokens=page_tokens, kv_cache_dtype=kv_cache_dtype,
                       index_cache_dtype=index_cache_dtype, keep_mxfp4_experts=keep_mxfp4_experts,
-                      decode_mode=decode_mode)
+                      decode_mode=decode_mode, prefix_cache=prefix_cache)
         self.ranks = None
         if tensor_parallel_size > 1 or expert_parallel:
             from engine.sharding import check_divisible

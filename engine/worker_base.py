@@ -30,6 +30,8 @@ class WorkerBase:
         self.parallel = tp.join(0, opts.get("device", "cpu")) if tp is not None else None
         self.engine = load_engine(model_dir, **opts, parallel=self.parallel)
         self.backend = None
+        self._prefix_counters = metrics.PrefixCounters(self.role, worker_id)
+        self._digest = None  # the engine's PrefixDigest, refreshed on the engine thread when it changes
         self.loop = EngineLoop(self.engine, name=f"{self.role}-{worker_id}", on_step=self._on_step)
 
     def attach_backend(self, backend) -> None:
@@ -42,10 +44,14 @@ class WorkerBase:
     def publish_load(self) -> None:
         """Set the load gauges from the engine's one load figure (engine thread, after every change)."""
         metrics.observe_engine_load(self.role, self.worker_id, self.engine.load())
+        prefix = self.engine.prefix
+        self._prefix_counters.observe(prefix.stats if prefix is not None else None)
+        if prefix is not None and (self._digest is None or self._digest.version != prefix.version):
+            self._digest = prefix.digest()  # immutable: stats() reads it from the actor's thread
 
     # ---- actor API -------------------------------------------------------------------------------
     def stats(self) -> WorkerStats:
-        return WorkerStats(self.worker_id, self.role, self.incarnation, self.engine.load())
+        return WorkerStats(self.worker_id, self.role, self.incarnation, self.engine.load(), prefix=self._digest)
 
     def ping(self) -> str:
         if not self.loop.alive:

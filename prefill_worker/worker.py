@@ -98,7 +98,7 @@ class PrefillWorker(WorkerBase):
         seed_used, ticket = await self.loop.acall(finish)
         return PrefillResult(request_id, self.worker_id, ev.token_id, ev.logprob, tuple(prompt_lps), seed_used,
                              ev.finished, ev.finish_reason, ticket, first_step - arrival, done - first_step,
-                             self.incarnation)
+                             self.incarnation, cached_tokens=ev.cached_tokens)
 
     async def abort(self, request_id: str) -> None:
         """Drop a request (queued, running or held) and withdraw its export; frees its pages."""

@@ -37,6 +37,7 @@ class StreamEvent:
     prompt_logprobs: tuple  # this message's share; None for the first prompt token
     prefill_worker: str = ""  # set on the first event only
     decode_worker: str = ""
+    cached_tokens: int = 0  # set on the first event only: prompt tokens served from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class GenerateResult:
     finish_reason: str
     prefill_worker: str
     decode_worker: str
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def to_event(msg) -> StreamEvent:
     return StreamEvent(msg.request_id, msg.token_id if msg.HasField("token_id") else None,
                        msg.logprob if msg.HasField("logprob") else None, msg.finished, msg.finish_reason or None,
                        tuple(None if math.isnan(x) else x for x in msg.prompt_logprobs),
-                       msg.prefill_worker, msg.decode_worker)
+                       msg.prefill_worker, msg.decode_worker, msg.cached_tokens)
 
 
 def collect(events: list[StreamEvent], params: SamplingParams | None) -> GenerateResult:
@@ -109,7 +111,8 @@ def collect(events: list[StreamEvent], params: SamplingParams | None) -> Generat
     first = events[0] if events else None
     return GenerateResult(first.request_id if first else "", tokens, lps, plps,
                           events[-1].finish_reason or "length" if events else "error",
-                          first.prefill_worker if first else "", first.decode_worker if first else "")
+                          first.prefill_worker if first else "", first.decode_worker if first else "",
+                          first.cached_tokens if first else 0)
 
 
 def _worker(w) -> WorkerStatus:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal, Protocol, runtime_checkable
 
+from engine.handoff import PrefixDigest
 from engine.request import TokenEvent
 from engine.sampling_params import SamplingParams
 
@@ -51,6 +52,9 @@ class WorkerInfo:
     # Changes when the worker restarts (new process, empty cache): a restart between two health probes
     # is never seen as "down", so this is how the router knows to forget what it sent there before.
     incarnation: str = ""
+    # What the worker's prefix cache can resume from (published by the worker; None = no real cache view,
+    # the policy falls back to its own estimate). See router/locality.py.
+    prefix: PrefixDigest | None = None
 
     def __post_init__(self):
         if self.role not in ROLES:

@@ -27,6 +27,12 @@ reported load lags, and without the in-flight term a burst would all land on the
 next report (the "load never updated, everything on worker 0" failure). Ties on load go to the worker
 with fewer remembered blocks (more room for a new prefix), then rotate, so idle workers share traffic.
 
+Real locality: when every prefill candidate publishes a `PrefixDigest` (what its engine's prefix cache
+can resume from, router/locality.py), nothing is estimated or recorded: `cache_aware` picks the worker
+with the least prompt compute queued + needed (`choose_by_cache`: pending uncached tokens this router sent
+there, plus this prompt's uncached tokens there), under the same hot-spot guard; `Decision.cached_tokens`
+is the chosen worker's real cached prefix. The router calls `prefill_done` when a prefill ends.
+
 Decode rule: a `colocated` prefill worker decodes its own request (reason "colocated"). Otherwise among
 healthy `decode` workers: those whose effective free KV (reported free tokens minus the tokens of
 requests in flight there, which the report may not show yet) fits prompt + max_new_tokens; the most free
@@ -42,15 +48,17 @@ in the tree); `set_health(worker, True)` adds it back, with an empty history. A 
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
+from router import locality
 from router.dispatch import DECODE_ROLES, PREFILL_ROLES, NoWorkerAvailable, WorkerInfo
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
-PREFILL_REASONS = ("prefix_hit", "least_loaded", "round_robin", "hotspot_guard", "no_match")
+PREFILL_REASONS = ("prefix_hit", "least_loaded", "round_robin", "hotspot_guard", "no_match", "local_prefill")
 DECODE_REASONS = ("colocated", "kv_capacity", "no_capacity")
 
 
@@ -112,6 +120,13 @@ class PolicyConfig:
     cache_threshold: float = 0.3  # min fraction of the prompt's blocks matched to follow the prefix
     balance_abs_threshold: int = 64  # hot-spot guard: load(best) - min_load must exceed this ...
     balance_rel_threshold: float = 1.5  # ... and load(best) must exceed this x min_load
+    # cache_aware on real digests: prompt tokens computed recently (decayed with this half-life) above the
+    # workers' mean are charged to a worker's cost, so sticky prefixes cannot pile work onto one worker.
+    balance_half_life_s: float = 30.0
+    # Conditional disaggregation (cache_aware on real digests): a request whose part not cached on its
+    # decode worker is at most this many tokens is prefilled there, skipping the transfer. 0 = off (the
+    # crossover of transfer cost vs prefill on the decode batch has not been measured on GPUs yet).
+    local_prefill_tokens: int = 0
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -120,6 +135,10 @@ class PolicyConfig:
             raise ValueError(f"block_size and lru_blocks must be >= 1, got {self.block_size}, {self.lru_blocks}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
+        if self.balance_half_life_s <= 0:
+            raise ValueError(f"balance_half_life_s must be > 0, got {self.balance_half_life_s}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1, got "
                              f"{self.balance_abs_threshold}, {self.balance_rel_threshold}")
@@ -134,6 +153,8 @@ class Decision:
     reason: str
     matched_blocks: int = 0  # prefill: leading prompt blocks the chosen worker was sent before
     prompt_blocks: int = 0
+    cached_tokens: int = 0  # prefill, from workers' digests: prompt tokens the chosen worker's cache holds
+    uncached_tokens: int = 0  # prefill: prompt tokens it computes (pending there until `prefill_done`)
 
 
 @dataclass(frozen=True)
@@ -152,6 +173,9 @@ class RoutingPolicy:
         self._reserved: Counter[str] = Counter()  # KV tokens of in-flight requests, per decode worker
         self._rr = 0  # round-robin cursor
         self._tie = 0  # rotates among equally good workers
+        self._pending: Counter[str] = Counter()  # uncached prompt tokens sent, prefill not finished (per worker)
+        self._recent = locality.RecentWork(self.config.balance_half_life_s)  # uncached prompt tokens sent
+        self._index = locality.CacheIndex()  # the workers' published digests, inverted
 
     # ---- state the server feeds in ---------------------------------------------------------
     def set_health(self, worker_id: str, healthy: bool) -> bool:
@@ -172,6 +196,7 @@ class RoutingPolicy:
         lru = self._lru.get(worker_id)
         if lru is not None:
             lru.clear()
+        self._index.drop(worker_id)
 
     def is_up(self, worker: WorkerInfo) -> bool:
         return worker.healthy and worker.worker_id not in self._down
@@ -204,7 +229,7 @@ class RoutingPolicy:
 
     # ---- decisions ---------------------------------------------------------------------------
     def place(self, prompt_ids: Sequence[int], max_total_tokens: int, workers: Iterable[WorkerInfo],
-              exclude: Iterable[str] = ()) -> Placement:
+              exclude: Iterable[str] = (), now: float | None = None) -> Placement:
         """Choose the prefill and the decode worker, and remember the prompt's blocks on the prefill one.
         Raises NoWorkerAvailable when no healthy worker can take a phase."""
         workers = list(workers)
@@ -218,12 +243,90 @@ class RoutingPolicy:
         if not prefill_cands:
             raise NoWorkerAvailable(f"no healthy prefill worker (excluded: {sorted(excluded)}; "
                                     f"down: {sorted(self._down)})")
-        hashes = hash_blocks(prompt_ids, self.config.block_size)
-        prefill = self.choose_prefill(hashes, prefill_cands)
+        # Every candidate publishes its real cache (router.locality): no estimate is needed or recorded.
+        real = all(w.prefix is not None for w in prefill_cands)
+        hashes = [] if real else hash_blocks(prompt_ids, self.config.block_size)
+        local = self._local_prefill(prompt_ids, max_total_tokens, up, prefill_cands) if real else None
+        if local is not None:
+            self._pending[local.prefill.worker_id] += local.prefill.uncached_tokens
+            return local
+        if real and self.config.name == "cache_aware":
+            prefill = self.choose_by_cache(prompt_ids, prefill_cands, time.monotonic() if now is None else now)
+        else:
+            prefill = self.choose_prefill(hashes, prefill_cands)
+            prefill = replace(prefill, uncached_tokens=len(prompt_ids))
         chosen = next(w for w in prefill_cands if w.worker_id == prefill.worker_id)
         decode = self.choose_decode(max_total_tokens, [w for w in up if w.role in DECODE_ROLES], chosen)
-        self._lru_of(prefill.worker_id).insert(hashes)
+        if not real:
+            self._lru_of(prefill.worker_id).insert(hashes)
+        self._pending[prefill.worker_id] += prefill.uncached_tokens
         return Placement(prefill, decode)
+
+    def _local_prefill(self, prompt_ids: Sequence[int], max_total_tokens: int, up: list[WorkerInfo],
+                       prefill_cands: list[WorkerInfo]) -> Placement | None:
+        """Conditional disaggregation: the decode worker (placed by free KV, as always) prefills the request
+        itself when the part of the prompt its own cache lacks is short; None otherwise."""
+        limit = self.config.local_prefill_tokens
+        decode_cands = [w for w in up if w.role == "decode"]
+        if (limit <= 0 or self.config.name != "cache_aware" or not decode_cands
+                or any(w.role == "colocated" for w in prefill_cands)):
+            return None
+        decode = self.choose_decode(max_total_tokens, decode_cands, prefill_cands[0])
+        worker = next(w for w in decode_cands if w.worker_id == decode.worker_id)
+        if worker.prefix is None:
+            return None
+        self._index.sync([worker])
+        n = len(prompt_ids)
+        c = self._index.cached(prompt_ids).get(worker.worker_id, 0)
+        if n - c > limit:
+            return None
+        return Placement(Decision("prefill", worker.worker_id, "local_prefill", cached_tokens=c, uncached_tokens=n - c),
+                         decode)
+
+    def prefill_done(self, worker_id: str, uncached_tokens: int) -> None:
+        """The prefill `place` sent there is over (first token, or the request ended): no longer pending."""
+        self._pending[worker_id] -= uncached_tokens
+        if self._pending[worker_id] <= 0:
+            del self._pending[worker_id]
+
+    def pending_tokens(self, worker_id: str) -> int:
+        return self._pending[worker_id]
+
+    def choose_by_cache(self, prompt_ids: Sequence[int], candidates: Sequence[WorkerInfo], now: float) -> Decision:
+        """cache_aware over real digests (router.locality): least prompt compute queued + needed + recent
+        work above the mean, under the hot-spot guard. One pass over the candidates (runs per request)."""
+        n = len(prompt_ids)
+        self._index.sync(candidates)
+        cached = self._index.cached(prompt_ids)
+        inv = 1.0 / self._recent.scale(now)
+        stored, pending, inflight = self._recent.stored, self._pending, self._inflight
+        mean = sum(stored.get(w.worker_id, 0.0) for w in candidates) * inv / len(candidates)
+        best_key, ties, min_load, least = None, [], None, []
+        for w in candidates:
+            wid = w.worker_id
+            c = cached.get(wid, 0)
+            load = max(w.running + w.waiting, inflight.get(wid, 0))
+            key = (pending.get(wid, 0) + n - c + max(0.0, stored.get(wid, 0.0) * inv - mean), load)
+            if best_key is None or key < best_key:
+                best_key, ties = key, [(w, c)]
+            elif key == best_key:
+                ties.append((w, c))
+            if min_load is None or load < min_load:
+                min_load, least = load, [(w, c)]
+            elif load == min_load:
+                least.append((w, c))
+        (best, c), reason = self._rotate(ties), None
+        if self._hot(best_key[1], min_load):
+            (best, c), reason = self._rotate(least), "hotspot_guard"
+        reason = reason or ("prefix_hit" if c else "no_match")
+        self._recent.add(best.worker_id, n - c, now)
+        return Decision("prefill", best.worker_id, reason, cached_tokens=c, uncached_tokens=n - c)
+
+    def _rotate(self, tied: list):
+        if len(tied) == 1:
+            return tied[0]
+        self._tie += 1
+        return tied[(self._tie - 1) % len(tied)]
 
     def choose_prefill(self, hashes: Sequence[int], candidates: Sequence[WorkerInfo]) -> Decision:
         name, total = self.config.name, len(hashes)

@@ -205,6 +205,7 @@ class RouterServer(pb2_grpc.RouterServicer):
         prefill_held = p_id != d_id
         if prefill_held:
             self.policy.acquire(p_id)
+        pending = placement.prefill.uncached_tokens  # the policy counts it queued on p_id until the first token
         params = dreq.params
         held_plps = [math.nan] if params.prompt_logprobs else []  # the first prompt token has none
         first = True
@@ -215,6 +216,9 @@ class RouterServer(pb2_grpc.RouterServicer):
                     held_plps.extend(ev.prompt_logprobs)
                     if ev.token_id is None and not ev.finished:
                         continue  # prefill progress only: hold its prompt logprobs for the first token
+                    if pending:
+                        self.policy.prefill_done(p_id, pending)
+                        pending = 0
                     if prefill_held:  # prefill is over: the worker is free of this request
                         self.policy.release(p_id)
                         prefill_held = False
@@ -226,6 +230,7 @@ class RouterServer(pb2_grpc.RouterServicer):
                             resp.logprob = ev.logprob
                     if first:
                         resp.prefill_worker, resp.decode_worker, first = p_id, d_id, False
+                        resp.cached_tokens = ev.cached_tokens
                     held_plps = []
                     yield resp
                     if ev.finished:
@@ -241,6 +246,8 @@ class RouterServer(pb2_grpc.RouterServicer):
             log.exception("request %s failed on %s/%s", dreq.request_id, p_id, d_id)
             raise RouterFailure(Code.INTERNAL, f"{type(e).__name__}: {e}") from None
         finally:
+            if pending:
+                self.policy.prefill_done(p_id, pending)
             if prefill_held:
                 self.policy.release(p_id)
             self.policy.release(d_id, kv)

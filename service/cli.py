@@ -75,14 +75,16 @@ def _generate(args) -> int:
                             prompt_logprobs=args.prompt_logprobs)
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
               kv_cache_dtype=args.kv_cache_dtype, keep_mxfp4_experts=args.keep_mxfp4_experts,
-              decode_mode=args.decode_mode, tensor_parallel_size=args.tensor_parallel_size,
+              decode_mode=args.decode_mode, prefix_cache=args.prefix_cache is not False,
+              tensor_parallel_size=args.tensor_parallel_size,
               expert_parallel=args.expert_parallel)
     with llm:  # releases the other ranks
         outs = llm.generate(prompts, params)
     for out in outs:
         if args.json:
             print(json.dumps({"token_ids": out.token_ids, "logprobs": out.logprobs,
-                              "prompt_logprobs": out.prompt_logprobs, "finish_reason": out.finish_reason}))
+                              "prompt_logprobs": out.prompt_logprobs, "finish_reason": out.finish_reason,
+                              "cached_tokens": out.cached_tokens}))
         else:
             text = tokenizer.decode(out.token_ids) if tokenizer is not None else ""
             print(f"{out.token_ids} {text!r} ({out.finish_reason})")
@@ -108,6 +110,11 @@ def _add_bench(sub) -> None:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     add_bench_serve_args(bench.add_parser("serve", help="concurrent clients against 1P1D, 2P2D and colocated"))
+    from service.bench_route import add_bench_route_args, add_make_trace_args
+
+    add_bench_route_args(bench.add_parser("route", help="replay a Mooncake trace against the routing policies "
+                                                        "and a model of the workers' caches"))
+    add_make_trace_args(bench.add_parser("make-trace", help="write a synthetic Mooncake-format trace"))
 
 
 def _add_chat(sub) -> None:
@@ -190,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             return _chat_render(args)
         if args.command == "chat-parse":
             return _chat_parse(args)
+        if args.command == "bench" and args.bench_command in ("route", "make-trace"):
+            from service.bench_route import bench_route_main, make_trace_main
+
+            return bench_route_main(args) if args.bench_command == "route" else make_trace_main(args)
         if args.command == "bench":
             from service.bench_serve import bench_serve_main
 

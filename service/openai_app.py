@@ -115,10 +115,12 @@ class Job:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
 
     def usage(self) -> P.UsageInfo:
         n, m = len(self.prompt_ids), len(self.token_ids)
-        return P.UsageInfo(prompt_tokens=n, completion_tokens=m, total_tokens=n + m)
+        return P.UsageInfo(prompt_tokens=n, completion_tokens=m, total_tokens=n + m,
+                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=self.cached_tokens))
 
 
 class _SSEResponse(StreamingResponse):
@@ -299,6 +301,7 @@ class OpenAIServer:
         async with contextlib.aclosing(events):  # leaving early cancels the gRPC call: pages are freed
             async for ev in events:
                 job.prompt_logprobs.extend(ev.prompt_logprobs)
+                job.cached_tokens = max(job.cached_tokens, ev.cached_tokens)
                 now = time.monotonic()
                 if ev.token_id is not None:
                     (metrics.TTFT if last is None else metrics.ITL).labels(self.model_name).observe(

@@ -47,7 +47,7 @@ class RayDispatcher:
             self._info[wid] = WorkerInfo(wid, self._info[wid].role, healthy=False)
             return False
         self._info[wid] = WorkerInfo(wid, stats.role, True, stats.running, stats.waiting, stats.kv_free_tokens,
-                                     stats.kv_usage, incarnation=stats.incarnation)
+                                     stats.kv_usage, incarnation=stats.incarnation, prefix=stats.prefix)
         if self._incarnation.get(wid) != stats.incarnation:
             self._incarnation[wid] = stats.incarnation
             if wid in self.prefill:  # a new prefill incarnation has a new transfer agent
@@ -71,15 +71,40 @@ class RayDispatcher:
             return False
 
     # ---- one request -----------------------------------------------------------------------------
+    async def _generate_local(self, rid: str, prompt: list[int], params, decode_id: str):
+        """Prefill and decode on one decode worker (router reason "local_prefill")."""
+        decode, finished = self.decode[decode_id], False
+        try:
+            async for ref in decode.generate_local.options(num_returns="streaming").remote(rid, prompt, params,
+                                                                                          params.seed):
+                try:
+                    item = await ref
+                except DEAD as e:
+                    raise WorkerDied(decode_id, str(e)) from None
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                try:
+                    decode.abort.remote(rid)
+                except DEAD:
+                    pass
+
     async def generate(self, request: DispatchRequest, prefill_id: str, decode_id: str):
         rid, prompt, params = request.request_id, list(request.prompt_ids), request.params
+        if prefill_id == decode_id and decode_id in self.decode:  # conditional disaggregation: no transfer
+            async for ev in self._generate_local(rid, prompt, params, decode_id):
+                yield ev
+            return
         prefill, decode = self.prefill[prefill_id], self.decode[decode_id]
         try:
             result = await prefill.prefill.remote(rid, prompt, params, params.seed)
         except DEAD as e:
             raise WorkerDied(prefill_id, str(e)) from None
         first = TokenEvent(rid, result.first_token, result.first_logprob, result.finished, result.finish_reason,
-                           tuple(result.prompt_logprobs[1:]) if params.prompt_logprobs else ())
+                           tuple(result.prompt_logprobs[1:]) if params.prompt_logprobs else (), result.cached_tokens)
         if result.finished:
             yield first
             return

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from engine.llm import LLM
+from engine.llm import LLM, load_engine
 from engine.sampling_params import SamplingParams
 from router.client import RouterClient, RouterError
 from router.local_dispatch import LocalDispatcher
@@ -25,11 +25,12 @@ PARAMS = SamplingParams(max_new_tokens=6, logprobs=True, prompt_logprobs=True)
 class Harness:
     """A RouterServer on its own event-loop thread, so the tests can use the blocking client."""
 
-    def __init__(self, health_interval_s=3600.0, policy=None, max_inflight=0):
+    def __init__(self, health_interval_s=3600.0, policy=None, max_inflight=0, prefix_cache=True):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.dispatcher = LocalDispatcher(2)
+        # prefix_cache=False: engines publish no digest, so the router routes on its own estimate
+        self.dispatcher = LocalDispatcher(2, engine_factory=lambda: load_engine(prefix_cache=prefix_cache))
         self.server = RouterServer(self.dispatcher, policy or RoutingPolicy(PolicyConfig(cache_threshold=0.5)),
                                    health_interval_s=health_interval_s, max_inflight=max_inflight)
         self.port = self.run(self.server.start("127.0.0.1", 0))
@@ -129,15 +130,21 @@ def test_health_and_stats_list_both_workers(router):
         sum(n for (stage, _), n in stats.decisions.items() if stage == "prefill")
 
 
+LONG_PREFIX = [(7 * i + 3) % 500 + 2 for i in range(300)]  # the engines cache 256-token blocks
+
+
 def test_repeated_prefix_goes_to_the_same_worker(router):
+    """The engines publish what their prefix caches hold: the router sends the second request where the
+    first one's prefix is cached, and the engine serves it from cache (cached_tokens reaches the client)."""
     params = SamplingParams(max_new_tokens=2)
-    first = router.client.generate_full(PREFIX + [40, 41], params)
+    first = router.client.generate_full(LONG_PREFIX + [40, 41], params)
+    assert first.cached_tokens == 0
     before = router.decisions()
-    again = router.client.generate_full(PREFIX + [99, 98, 97, 96], params)
+    again = router.client.generate_full(LONG_PREFIX + [99, 98, 97, 96], params)
     after = router.decisions()
     assert again.prefill_worker == first.prefill_worker
     assert after.get(("prefill", "prefix_hit"), 0) == before.get(("prefill", "prefix_hit"), 0) + 1
-    assert next(w for w in router.client.stats().workers if w.worker_id == first.prefill_worker).cached_blocks >= 3
+    assert again.cached_tokens == 256
 
 
 def test_client_going_away_aborts_the_request_on_the_engine(router):
@@ -154,7 +161,7 @@ def test_client_going_away_aborts_the_request_on_the_engine(router):
 
 
 def test_dead_prefill_worker_is_retried_elsewhere_then_readded(reference):
-    h = Harness()  # own engines: this test kills one
+    h = Harness(prefix_cache=False)  # own engines: this test kills one
     try:
         home = h.client.generate_full(PROMPTS[0], PARAMS).prefill_worker
         other = ({"engine-0", "engine-1"} - {home}).pop()
