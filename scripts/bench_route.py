@@ -52,7 +52,8 @@ def section(results: dict, wide: dict) -> str:
              "estimate (no digests: SGLang-style longest-match + thresholds over what it sent where). "
              "Traces: `dsv4 bench make-trace --kind KIND` (seed 0). Decision time = CPU time of one "
              f"`place` call (prompt hashing included) on {platform.machine()} / Python "
-             f"{platform.python_version()}, a shared 2-core CI-class machine.", ""]
+             f"{platform.python_version()}, a shared 2-core machine (load average {os.getloadavg()[0]:.1f} when "
+             "written).", ""]
     for kind, res in results.items():
         lines += [f"### {kind} ({res['requests']} requests)", "",
                   "| policy | hit rate | pooled | max/mean load | TTFT p50 s | TTFT p99 s | decision p50 us | "

@@ -111,9 +111,10 @@ def bench_trace_main(args) -> int:
     trace = sorted(read(args.trace), key=lambda r: r.timestamp_ms)[:args.num_requests]
     prompts = trace_prompts(trace, args.block_tokens, cfg.vocab_size, cfg.max_position_embeddings - args.max_new_tokens)
     engine_options = {"max_batch_tokens": args.max_batch_tokens, "page_tokens": args.page_tokens}
-    results = []
+    results, loads = [], [os.getloadavg()[0]]
     for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
         results.append(run_policy(policy, trace, prompts, args, engine_options))
+        loads.append(os.getloadavg()[0])
         print(results[-1], flush=True)
     lines = ["## Live trace replay (`dsv4 bench serve --trace`)", "",
              f"Command: `dsv4 {' '.join(sys.argv[1:])}`"
@@ -124,8 +125,10 @@ def bench_trace_main(args) -> int:
              f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens), outputs <= {args.max_new_tokens} tokens. "
              f"{args.workers} colocated engines (built-in model unless --model; page_tokens {args.page_tokens}, "
              f"prefix cache on) behind the gRPC router, in one process on {platform.machine()} "
-             f"{os.cpu_count()} CPUs; date {time.strftime('%Y-%m-%d')}. Hit rate = prompt tokens the engines "
-             "served from their prefix caches (each request's `cached_tokens`) / prompt tokens.", "",
+             f"{os.cpu_count()} CPUs (1-minute load average {min(loads):.1f}-{max(loads):.1f} during the run: the "
+             f"machine is shared, so TTFT/ITL are contention-bound); date {time.strftime('%Y-%m-%d')}. Hit rate = "
+             "prompt tokens the engines served from their prefix caches (each request's `cached_tokens`) / "
+             "prompt tokens.", "",
              "| policy | requests | real hit rate | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req/s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
