@@ -79,6 +79,22 @@ def block_tokens(pool: CachePool) -> int:
     return math.lcm(*spans, *pool.cfg.ratios) if spans else 1
 
 
+def snapshot_groups(specs) -> list[str]:
+    """The fixed groups a snapshot copies: all but `state{r}` of non-overlapping compressors (r > 4), whose
+    windows are all closed at a block boundary (the next one reads only positions >= the boundary)."""
+    return [s.name for s in specs if s.fixed and not (s.name.startswith("state") and s.name != "state4")]
+
+
+def snapshot_store_bytes(specs, slots: int) -> int:
+    """Device bytes of a SnapshotStore of `slots` slots over these CacheGroupSpecs (for memory planning)."""
+    names = set(snapshot_groups(specs))
+    return slots * sum(len(s.layers) * s.page_rows * s.width * s.dtype.itemsize for s in specs if s.name in names)
+
+
+def default_snapshot_slots(config: "PrefixCacheConfig", max_requests: int) -> int:
+    return config.snapshots or 4 * max_requests
+
+
 def hash_seed(pool: CachePool) -> bytes:
     """8 bytes naming the model config, cache format and block size: blocks of other formats never match."""
     cache = pool.cache_config
@@ -174,9 +190,8 @@ class PrefixCache:
         interval = self.config.snapshot_interval or DEFAULT_SNAPSHOT_INTERVAL
         self.interval = -(-interval // self.block) * self.block
         self.history = [n for n, g in pool.groups.items() if not g.spec.fixed]
-        # state{r} of a non-overlapping compressor (r > 4) is empty of use at a multiple of r.
-        state = [n for n, g in pool.groups.items() if g.spec.fixed and not (n.startswith("state") and n != "state4")]
-        self.store = SnapshotStore(pool, state, self.config.snapshots or 4 * max_requests)
+        state = snapshot_groups([g.spec for g in pool.groups.values()])
+        self.store = SnapshotStore(pool, state, default_snapshot_slots(self.config, max_requests))
         self.spans = {n: pool.groups[n].spec.page_rows * pool.groups[n].spec.tokens_per_row for n in self.history}
         self.nodes: dict[int, Node] = {}
         self.stats = PrefixStats()
