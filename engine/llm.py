@@ -112,6 +112,8 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        if self.engine.parallel.enabled and self.ranks is None:
+            raise RuntimeError("this LLM's tensor-parallel ranks were released (close() or a failed step)")
         for prompt, p in zip(prompts, plist):  # validate everything before anything is admitted
             self.engine.validate(list(prompt), p)
         ids = [self.engine.add_request(list(prompt), p) for prompt, p in zip(prompts, plist)]
@@ -121,5 +123,8 @@ class LLM:
         except BaseException:
             for rid in ids:
                 self.engine.abort(rid)
+            if self.ranks is not None:  # the other ranks may wait inside this step's collectives: end them
+                ranks, self.ranks = self.ranks, None
+                ranks.close(None)
             raise
         return [self.engine.pop_finished(rid).to_output() for rid in ids]

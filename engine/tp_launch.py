@@ -112,4 +112,7 @@ def _stop(procs: list, timeout: float = JOIN_TIMEOUT_S) -> None:
         p.join(timeout)
         if p.is_alive():  # stuck in a collective after rank 0 failed mid-step
             p.terminate()
-            p.join(timeout)
+            p.join(JOIN_TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
+            p.join(JOIN_TIMEOUT_S)

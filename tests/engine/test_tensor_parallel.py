@@ -309,3 +309,27 @@ def test_fp8_projections_stay_fp8_per_rank(tmp_path):
         assert a.token_ids == b.token_ids
         diffs = [abs(x - y) for x, y in zip(a.logprobs + a.prompt_logprobs[1:], b.logprobs + b.prompt_logprobs[1:])]
         assert max(diffs) <= 5e-3
+
+
+def test_failed_step_ends_the_group(monkeypatch):
+    """Rank 0 fails inside a step (after broadcasting it): the follower, left inside the step's collectives,
+    is terminated at once and the LLM refuses further work instead of hanging."""
+    from engine.runner import EngineCore
+
+    llm = LLM(model_dir=None, tensor_parallel_size=2)
+    follower = llm.ranks.processes[0]
+    real = EngineCore.execute
+
+    def failing(self, inputs):
+        if self.parallel.is_driver and inputs.kind == "forward" and len(inputs.token_ids[0]) == 1:
+            self.parallel.broadcast_object(inputs)  # as execute does, then fail before the forward
+            raise RuntimeError("injected rank-0 failure")
+        return real(self, inputs)
+
+    monkeypatch.setattr(EngineCore, "execute", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert not follower.is_alive()
+    with pytest.raises(RuntimeError, match="released"):
+        llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3))
+    llm.close()
