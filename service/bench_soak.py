@@ -184,8 +184,10 @@ def run_soak(args) -> dict:
         rss1 = {k: rss_mib(p) for k, p in pids_end.items()}
         stats = ray.get([h.stats.remote() for h in (*handles["prefill"].values(), *handles["decode"].values())])
         health = sorted(tally.health)
+        from kv_transfer.registry import resolve_name
+
         return {"minutes": args.minutes, "clients": args.clients, "topology": f"{cfg.prefill_workers}P"
-                f"{cfg.decode_workers}D", "transfer": args.transfer, "kills": kills,
+                f"{cfg.decode_workers}D", "transfer": resolve_name(args.transfer), "kills": kills,
                 "outcomes": dict(tally.counts), "health_answers": len(health),
                 "health_p50_ms": 1e3 * health[len(health) // 2] if health else float("nan"),
                 "health_max_ms": 1e3 * health[-1] if health else float("nan"),
@@ -199,10 +201,16 @@ def run_soak(args) -> dict:
 
 def report_markdown(r: dict) -> str:
     total = sum(r["outcomes"].values())
+    kills = ", ".join(f"{w} x{n}" for w, n in sorted(collections.Counter(r["kills"]).items())) or "none"
     lines = [f"## Soak: {r['minutes']:g} min, {r['clients']} clients, {r['topology']} ({r['transfer']}), "
-             f"a worker killed every so often ({len(r['kills'])} kills: {', '.join(r['kills']) or 'none'})", "",
-             "Mixed load over HTTP (streaming, plain, chat, refused bad input, abandoned streams) with worker kills; "
-             "written by `dsv4 bench soak`.", "", "| outcome | requests | share |", "|---|---:|---:|"]
+             f"{len(r['kills'])} worker kills ({kills})", "",
+             "Mixed load over HTTP (streaming, plain, chat, refused bad input, abandoned streams) with a worker "
+             "killed every `--fault-every` seconds, alternating pools; written by `dsv4 bench soak`. Outcomes: "
+             "`ok` finished normally, `abandoned` the client left mid-stream on purpose, `http_400_expected` bad "
+             "input refused, `http_503` a plain request (or a stream before its first token) and `inband_503` a "
+             "stream after its first tokens caught on a killed worker; any other outcome would be listed.", "",
+             f"{total} requests, {total / (60 * r['minutes']):.1f}/s.", "",
+             "| outcome | requests | share |", "|---|---:|---:|"]
     for k, v in sorted(r["outcomes"].items(), key=lambda kv: -kv[1]):
         lines.append(f"| {k} | {v} | {100 * v / max(total, 1):.1f}% |")
     lines += ["", f"/health: {r['health_answers']} answers, p50 {r['health_p50_ms']:.0f} ms, max "
@@ -218,7 +226,11 @@ def report_markdown(r: dict) -> str:
 
 
 def bench_soak_main(args: argparse.Namespace) -> int:
-    result = run_soak(args)
+    if args.report_json:  # re-render a finished run's result (its numbers, nothing re-measured)
+        with open(args.report_json) as f:
+            result = json.load(f)
+    else:
+        result = run_soak(args)
     md = report_markdown(result)
     print(md, flush=True)
     if args.json:
@@ -242,3 +254,4 @@ def add_bench_soak_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--json", default=None, help="also write the raw result here")
     parser.add_argument("--write-benchmarks", action="store_true", help="write the report to BENCHMARKS.md")
+    parser.add_argument("--report-json", default=None, help="render the report of a saved --json result instead")

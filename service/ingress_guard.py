@@ -99,7 +99,15 @@ class GuardMiddleware:
             nonlocal seen, refused
             if refused:
                 return {"type": "http.disconnect"}
-            msg = await receive()
+            try:
+                msg = await receive()
+            except Exception as e:
+                # Ray Serve cancels a request whose client went away, and its receive() then raises
+                # TaskCancelledError: that is the ASGI disconnect the app knows how to end on (streams close
+                # their router calls) rather than an error escaping into "Task exception was never retrieved".
+                if type(e).__name__ == "TaskCancelledError":
+                    return {"type": "http.disconnect"}
+                raise
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > limit and not started:
