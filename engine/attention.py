@@ -32,8 +32,9 @@ from engine.batch import CompressPlan, StepBatch, paged_rows
 from engine.cache import CacheLayer, CachePool
 from engine.config import ModelConfig
 from engine.fast_paths import use_triton
+from engine.linear import grouped_projection, linear, pow2_activations, take_fp8_weights
 from engine.parallel import SINGLE, ParallelContext
-from kernels.attention import grouped_output_projection, sparse_attention
+from kernels.attention import sparse_attention
 from kernels.compressor import overlap_slots, pool_windows
 from kernels.indexer import indexer_scores, topk_visible
 from kernels.norm import rms_norm, unweighted_rms_norm
@@ -52,7 +53,9 @@ class AttentionBlock:
         self.ratio = cfg.compress_ratios[layer]
         self.rope_kind = "compress" if self.ratio > 1 else "main"
         p = f"layers.{layer}.attn."
-        self.w = {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}
+        # FP8 projections kept as e4m3 + scales (engine.linear) become Fp8Weight values here.
+        self.w = take_fp8_weights({k[len(p):]: v for k, v in weights.items() if k.startswith(p)},
+                                  pow2_activations(cfg.quantization))
 
     def forward(self, x: torch.Tensor, batch: StepBatch, pool: CachePool, ropes: dict) -> torch.Tensor:
         """x: [T, hidden] (normed block input) -> [T, hidden]."""
@@ -60,10 +63,10 @@ class AttentionBlock:
         t = x.shape[0]
         cos, sin = ropes[self.rope_kind]
         fast_ops = use_triton(x.device)
-        q_res = rms_norm(x @ w["wq_a.weight"].t(), w["q_norm.weight"], eps)
-        q = (q_res @ w["wq_b.weight"].t()).view(t, self.num_heads, cfg.head_dim)
+        q_res = rms_norm(linear(x, w["wq_a.weight"]), w["q_norm.weight"], eps)
+        q = linear(q_res, w["wq_b.weight"]).view(t, self.num_heads, cfg.head_dim)
         q = _norm_rope(q, cos, sin, eps, None, fast_ops)
-        kv = _norm_rope(x @ w["wkv.weight"].t(), cos, sin, eps, w["norm.weight"], fast_ops)
+        kv = _norm_rope(linear(x, w["wkv.weight"]), cos, sin, eps, w["norm.weight"], fast_ops)
 
         swa = pool.groups["swa"]
         ring = swa.bind(self.layer)
@@ -101,8 +104,9 @@ class AttentionBlock:
         else:
             o = sparse_attention(q, keys, valid, w["attn_sink"], cfg.head_dim ** -0.5)
         o = apply_rope(o, cos, sin, inverse=True)
-        # row-parallel wo_b: partial sums
-        return self.parallel.all_reduce(grouped_output_projection(o, w["wo_a.weight"], w["wo_b.weight"], self.o_groups))
+        # = kernels.attention.grouped_output_projection, with FP8 weights where they were kept
+        y = grouped_projection(o.reshape(t, self.o_groups, -1), w["wo_a.weight"], self.o_groups)
+        return self.parallel.all_reduce(linear(y, w["wo_b.weight"]))  # row-parallel wo_b: partial sums
 
     def _attend_triton(self, q, kv, ring, entries, comp_rows, comp_valid, batch: StepBatch) -> torch.Tensor:
         """Sparse attention over rows read in place: row ids into [ring | kv | entries] (-1 = invalid)."""
@@ -157,7 +161,7 @@ class AttentionBlock:
         keys = self._compress(x, batch, pool, ropes, "index", "index_state", "indexer.compressor.",
                               cfg.index_head_dim)
         cos, sin = ropes["compress"]
-        q = (q_res @ w["indexer.wq_b.weight"].t()).view(x.shape[0], cfg.index_n_heads, cfg.index_head_dim)
+        q = linear(q_res, w["indexer.wq_b.weight"]).view(x.shape[0], cfg.index_n_heads, cfg.index_head_dim)
         q = apply_rope(q, cos, sin)
         head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
         vis = batch.visible["index"]

@@ -6,7 +6,10 @@
   set before any kernels.triton_* import) -- slow, for tests;
 - DSV4_TRITON=0 (or false/off/no) turns the fast paths off everywhere (the reference ops run on CUDA too).
 The reference path is the CPU oracle the tests pin; a fast path must compute the same function.
-MXFP4 experts kept packed have their own switch, `use_mxfp4_moe` ($DSV4_MXFP4_MOE, see there).
+MXFP4 experts kept packed have their own switch, `use_mxfp4_moe` ($DSV4_MXFP4_MOE, see there), and so do
+the library paths: FP8 dense GEMMs through DeepGEMM (`use_fp8_gemm`, $DSV4_FP8_GEMM) and the MXFP4 MoE
+through OpenAI's triton_kernels (`mxfp4_moe_backend`, $DSV4_MXFP4_MOE_BACKEND). `describe()` is the log line
+naming each fast path in use and why one fell back.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ import os
 
 import torch
 
-from kernels.gpu import has_triton, triton_enabled
+from kernels.gpu import has_deep_gemm, has_triton, has_triton_kernels, triton_enabled, why_not
 
 ENV = "DSV4_TRITON"
 MXFP4_ENV = "DSV4_MXFP4_MOE"
+FP8_GEMM_ENV = "DSV4_FP8_GEMM"
+MOE_BACKEND_ENV = "DSV4_MXFP4_MOE_BACKEND"
+MOE_BACKENDS = ("auto", "triton_kernels", "engine")
 _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
 
@@ -59,9 +65,15 @@ def use_grouped_moe(x: torch.Tensor) -> bool:
     return value in _ON or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
 
 
-def keep_mxfp4_experts() -> bool:
-    """Default of `load_engine(keep_mxfp4_experts=None)`: keep MXFP4 experts packed iff DSV4_MXFP4_MOE=1."""
-    return triton_setting(MXFP4_ENV) == "on"
+def keep_mxfp4_experts(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
+    """Default of `load_engine(keep_mxfp4_experts=None)`: DSV4_MXFP4_MOE=1 / =0 decide; unset, keep MXFP4 experts
+    packed where the fast MXFP4 MoE runs (a bf16 CUDA engine with triton_kernels; ~4x fewer expert bytes than
+    bf16 and faster than the bf16 grouped GEMM there: BENCHMARKS.md mxfp4_moe), else dequantise at load."""
+    setting = triton_setting(MXFP4_ENV)
+    if setting is not None:
+        return setting == "on"
+    return (torch.device(device).type == "cuda" and dtype == torch.bfloat16 and use_triton(device)
+            and has_triton_kernels())
 
 
 def use_mxfp4_moe(device: torch.device | str) -> bool:
@@ -76,3 +88,67 @@ def use_mxfp4_moe(device: torch.device | str) -> bool:
     if setting == "on":
         return triton_enabled(device)
     return use_triton(device)
+
+
+def use_fp8_gemm(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """FP8 checkpoint weights kept as e4m3 + block scales and multiplied by DeepGEMM (bf16 engines on CUDA).
+
+    DSV4_FP8_GEMM=0 turns it off (weights dequantised to the engine dtype at load, as on the CPU).
+    """
+    if triton_setting(FP8_GEMM_ENV) == "off" or dtype != torch.bfloat16:
+        return False
+    return torch.device(device).type == "cuda" and use_triton(device) and has_deep_gemm()
+
+
+def mxfp4_moe_backend(device: torch.device | str) -> str:
+    """Which kernel runs packed MXFP4 experts on `device`: "triton_kernels" (OpenAI's matmul with Hopper
+    weight layouts), "engine" (kernels.triton_moe) or "reference". $DSV4_MXFP4_MOE_BACKEND picks
+    triton_kernels or engine; "auto" (default) takes triton_kernels where it imports (CUDA)."""
+    if not use_mxfp4_moe(device):
+        return "reference"
+    want = os.environ.get(MOE_BACKEND_ENV, "auto").strip().lower() or "auto"
+    if want not in MOE_BACKENDS:
+        raise ValueError(f"{MOE_BACKEND_ENV} must be one of {MOE_BACKENDS}, got {want!r}")
+    if want == "engine" or torch.device(device).type != "cuda":
+        return "engine"
+    return "triton_kernels" if has_triton_kernels() else "engine"
+
+
+def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, packed_experts: bool) -> str:
+    """One line naming each fast path this engine uses and why any fell back (logged at model build)."""
+    dev = torch.device(device)
+    parts = [f"triton ops: {'on' if use_triton(dev) else 'off (' + _triton_reason(dev) + ')'}"]
+    if fp8_dense:
+        how = "DeepGEMM fp8_gemm_nt" if use_fp8_gemm(dev, dtype) else "reference (dequantise per call)"
+        parts.append(f"dense FP8 projections: e4m3 + 128x128 scales, {how}")
+    else:
+        parts.append("dense projections: " + str(dtype).replace("torch.", "") + " (" + _fp8_reason(dev, dtype) + ")")
+    if packed_experts:
+        backend = mxfp4_moe_backend(dev)
+        note = ""
+        if backend == "engine" and dev.type == "cuda" and not has_triton_kernels():
+            note = f" (triton_kernels unusable: {why_not('triton_kernels.matmul') or 'not installed'})"
+        parts.append(f"routed experts: packed MXFP4, {backend}{note}")
+    else:
+        parts.append("routed experts: dequantised, " + ("grouped GEMM" if dev.type == "cuda" else "per-expert loop"))
+    return "; ".join(parts)
+
+
+def _triton_reason(dev: torch.device) -> str:
+    if triton_setting() == "off":
+        return f"{ENV}=0"
+    if not has_triton():
+        return "triton not importable"
+    return "CPU without TRITON_INTERPRET + DSV4_TRITON=1" if dev.type == "cpu" else "CUDA unavailable"
+
+
+def _fp8_reason(dev: torch.device, dtype: torch.dtype) -> str:
+    if triton_setting(FP8_GEMM_ENV) == "off":
+        return f"FP8 GEMM off by {FP8_GEMM_ENV}=0"
+    if dev.type != "cuda":
+        return "FP8 weights dequantised at load: no FP8 GEMM on the CPU"
+    if dtype != torch.bfloat16:
+        return f"FP8 GEMM path needs a bf16 engine, this one is {dtype}"
+    if not has_deep_gemm():
+        return f"deep_gemm unusable: {why_not('deep_gemm') or 'not installed'}"
+    return "the checkpoint stores them unquantised"

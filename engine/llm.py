@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.cache import CacheConfig
@@ -24,35 +26,49 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | torch.dtype = "float32",
-                max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16,
+                max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int | None = None,
                 page_tokens: int = 256, kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4",
                 keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
-                prefix_cache: bool = True, parallel: ParallelContext | None = None) -> EngineCore:
+                keep_fp8_weights: bool | None = None, prefix_cache: bool = True,
+                parallel: ParallelContext | None = None, gpu_memory_utilization: float | None = None) -> EngineCore:
     """kv_cache_dtype: "auto" (exact rows in `dtype`) or "fp8" (production formats: fp8_ds_mla SWA and
     compressed KV, MXFP4 indexer keys, or FP8 ones with index_cache_dtype="fp8"); see engine.cache.
-    keep_mxfp4_experts: keep MXFP4 routed experts packed in memory (run by kernels.triton_moe, see
-    engine.moe) instead of dequantising them to `dtype`; None = $DSV4_MXFP4_MOE=1 (default off).
+    keep_mxfp4_experts: keep MXFP4 routed experts packed in memory (run by triton_kernels or kernels.triton_moe,
+    see engine.moe) instead of dequantising them to `dtype`; None = `engine.fast_paths.keep_mxfp4_experts` (packed
+    on a bf16 CUDA engine where triton_kernels runs; $DSV4_MXFP4_MOE=1/0 forces it).
     decode_mode: see EngineCore (None = "auto": CUDA graphs on CUDA with exact caches).
+    keep_fp8_weights: keep FP8 dense projections as e4m3 + block scales for DeepGEMM's FP8 GEMM (no bf16
+    copy); None = wherever that path runs (`engine.fast_paths.use_fp8_gemm`: bf16 on CUDA with deep_gemm).
     prefix_cache: reuse cached prompt prefixes across requests (engine.prefix_cache); on by default.
-    parallel: this rank's tensor-parallel context: the loaded weights are cut for it (engine.sharding)."""
+    parallel: this rank's tensor-parallel context: the loaded weights are cut for it (engine.sharding).
+    max_cached_tokens / gpu_memory_utilization: the KV pool's size (engine.memory_plan): the former if given,
+    else on CUDA what `gpu_memory_utilization` (default 0.90) of the GPU leaves after the weights, else 65536."""
     from engine.fast_paths import keep_mxfp4_experts as keep_default
+    from engine.fast_paths import use_fp8_gemm
     from engine.make_model import default_model_dir
+    from engine.memory_plan import log_plan, plan_kv_tokens
     from engine.weights import load_weights
 
     model_dir = model_dir or default_model_dir()
     cfg = ModelConfig.from_model_dir(model_dir)
-    cache_config = CacheConfig(max_requests=max_num_seqs, max_tokens=max_cached_tokens, page_tokens=page_tokens,
+    cache_config = CacheConfig(max_requests=max_num_seqs, max_tokens=max_cached_tokens or 1, page_tokens=page_tokens,
                                kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
     torch_dtype = resolve_dtype(dtype)
-    keep = keep_default() if keep_mxfp4_experts is None else keep_mxfp4_experts
+    keep = keep_default(device, torch_dtype) if keep_mxfp4_experts is None else keep_mxfp4_experts
+    keep_fp8 = use_fp8_gemm(device, torch_dtype) if keep_fp8_weights is None else keep_fp8_weights
     skip = None
     if parallel is not None and parallel.enabled:
         from engine.sharding import shard_weights, skips_unowned
 
         skip = skips_unowned(cfg, parallel)
-    weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device, keep_mxfp4_experts=keep, skip=skip)
+    weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device, keep_mxfp4_experts=keep,
+                           keep_fp8=keep_fp8, skip=skip)
     if parallel is not None and parallel.enabled:
         weights = shard_weights(weights, cfg, parallel, torch_dtype)
+    plan = plan_kv_tokens(cfg, cache_config, torch_dtype, device, max_batch_tokens, gpu_memory_utilization,
+                          max_cached_tokens)
+    log_plan(plan, cfg, max_num_seqs)
+    cache_config = dataclasses.replace(cache_config, max_tokens=plan.tokens)
     return EngineCore(cfg, weights, device=device, dtype=torch_dtype, parallel=parallel,
                       cache_config=cache_config,
                       scheduler_config=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs),
@@ -61,11 +77,12 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
 
 class LLM:
     def __init__(self, model_dir: str | None = None, device: str = "cpu", dtype: str = "float32",
-                 max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int = 1 << 16,
+                 max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int | None = None,
                  kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4",
                  keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
                  page_tokens: int = 256, prefix_cache: bool = True, tensor_parallel_size: int = 1,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, keep_fp8_weights: bool | None = None,
+                 gpu_memory_utilization: float | None = None):
         """tensor_parallel_size > 1: this process is rank 0 and spawns the other ranks (engine.tp_launch);
         expert_parallel: routed experts split by expert id across them. Call `close()` (or use `with`)."""
         from engine.make_model import default_model_dir
@@ -74,7 +91,8 @@ class LLM:
                       max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                       max_cached_tokens=max_cached_tokens, page_tokens=page_tokens, kv_cache_dtype=kv_cache_dtype,
                       index_cache_dtype=index_cache_dtype, keep_mxfp4_experts=keep_mxfp4_experts,
-                      decode_mode=decode_mode, prefix_cache=prefix_cache)
+                      decode_mode=decode_mode, prefix_cache=prefix_cache, keep_fp8_weights=keep_fp8_weights,
+                      gpu_memory_utilization=gpu_memory_utilization)
         self.ranks = None
         if tensor_parallel_size > 1 or expert_parallel:
             from engine.sharding import check_divisible

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -12,9 +13,10 @@ from engine.cache import CachePool
 from engine.config import ModelConfig, RopeSpec
 from kernels import mhc
 from kernels.mhc import hc_head
-from engine.fast_paths import use_triton
+from engine.fast_paths import describe, use_triton
 from engine.moe import MoEBlock
 from engine.parallel import SINGLE, ParallelContext, vocab_embed
+from kernels.fp8_linear import Fp8Weight
 from kernels.norm import rms_norm
 from kernels.rope import rope_cos_sin, rope_inv_freq
 
@@ -52,6 +54,10 @@ class DeepseekV4Model:
                                                       "hc_ffn_scale")}
             for i in range(cfg.num_layers)
         ]
+        fp8 = any(isinstance(v, Fp8Weight) for a in self.attn for v in a.w.values())
+        packed = any(m.mxfp4 for m in self.moe)
+        self.fast_paths = describe(self.device, self.dtype, fp8, packed)
+        logging.getLogger("dsv4.engine").info("fast paths: %s", self.fast_paths)
         self.ropes = {"main": Rope(cfg.main_rope, self.device), "compress": Rope(cfg.compress_rope, self.device)}
         # The hc residual streams stay fp32 in 16-bit engines (each block's input and output still round to
         # the model dtype). On the H200 this lifted bf16 teacher-forced greedy agreement with the fp32 engine

@@ -1,9 +1,12 @@
 """The V4 MoE block: router, routed experts, one shared expert.
 
-Routed experts run one of three ways, chosen per call:
+Routed experts run one of four ways, chosen per call:
 - MXFP4 experts kept packed (`load_weights(..., keep_mxfp4_experts=True)`) and
-  `engine.fast_paths.use_mxfp4_moe(device)`: `kernels.triton_moe` (fused router + grouped experts that
-  dequantise the e2m1 tiles in registers; no bf16 copy of the experts exists);
+  `engine.fast_paths.mxfp4_moe_backend(device)` == "triton_kernels" (default on CUDA where it imports): the
+  fused router of `kernels.triton_moe`, then OpenAI's triton_kernels matmul (`kernels.mxfp4_ogs`); the packed
+  bytes are moved into its Hopper layouts at the first call and the originals dropped (no bf16 copy);
+- packed, backend "engine": `kernels.triton_moe` (fused router + grouped experts that dequantise the e2m1
+  tiles in registers);
 - packed without that: the reference on just the experts this call uses, dequantised on the fly;
 - dequantised (bf16/fp32) stacks: `moe_experts_grouped` (torch._grouped_mm, sync-free) where
   `use_grouped_moe` says so, else the per-expert reference `moe_experts`.
@@ -16,9 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
-from engine.fast_paths import use_grouped_moe, use_mxfp4_moe
+from engine.fast_paths import mxfp4_moe_backend, use_grouped_moe, use_mxfp4_moe
+from engine.linear import linear, pow2_activations, take_fp8_weights
 from engine.parallel import SINGLE, ParallelContext
-from kernels.moe import expert_mlp, moe_experts, moe_experts_grouped, route
+from kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
 from kernels.quant import dequant_mxfp4
 
 
@@ -96,9 +100,14 @@ class MoEBlock:
         self.gate = weights[p + "gate.weight"]
         self.bias = weights.get(p + "gate.bias")
         self.tid2eid = weights.get(p + "gate.tid2eid") if cfg.hash_layers[layer] else None
-        self.shared = tuple(weights[f"{p}shared_experts.{n}.weight"] for n in ("w1", "w2", "w3"))
+        shared = take_fp8_weights({k: weights[f"{p}shared_experts.{k}"] for k in
+                                   ("w1.weight", "w2.weight", "w3.weight", "w1.scale", "w2.scale", "w3.scale")
+                                   if f"{p}shared_experts.{k}" in weights}, pow2_activations(cfg.quantization))
+        self.shared = tuple(shared[f"{n}.weight"] for n in ("w1", "w2", "w3"))  # tensors or Fp8Weight
         experts = take_experts(weights, p, self.experts, self.gate.dtype)
         self.packed = experts if isinstance(experts, PackedExperts) else None
+        self.mxfp4 = self.packed is not None  # routed experts held as MXFP4 (packed, or in triton_kernels layouts)
+        self.ogs = None  # kernels.mxfp4_ogs.OgsExperts, built from `packed` at the first triton_kernels call
         self.w1, self.w2, self.w3 = (None, None, None) if self.packed is not None else experts
         # The fused router reads fp32 router weights; cast once here, not per call as the reference does.
         self.gate_f32 = self.gate.float() if self.packed is not None else None
@@ -112,6 +121,16 @@ class MoEBlock:
     def routed(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum, [T, H]."""
         limit = self.cfg.swiglu_limit
+        if self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and \
+                (self.ogs is not None or mxfp4_moe_backend(x.device) == "triton_kernels"):
+            from kernels import mxfp4_ogs, triton_moe  # import triton / triton_kernels: only on this path
+
+            if self.ogs is None:
+                pk = self.packed
+                self.ogs = mxfp4_ogs.prepare(pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3)
+                self.packed = None  # the Hopper-layout copy replaces the checkpoint bytes
+            weights, ids = self._local(*triton_moe.route(x, self.gate_f32, **self._route_args(token_ids)), False)
+            return mxfp4_ogs.ogs_moe(x, weights, ids, self.ogs, limit)
         if self.packed is not None and use_mxfp4_moe(x.device):
             from kernels import triton_moe  # imports triton: only on this path
 
@@ -142,5 +161,7 @@ class MoEBlock:
         return torch.where(mine, weights, 0), torch.where(mine, local, 0)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.shared  # kernels.moe.expert_mlp, through engine.linear (FP8 weights where kept)
+        shared = linear(swiglu(linear(x, w1), linear(x, w3), self.cfg.swiglu_limit), w2)
         # One all-reduce for the block: routed (this rank's experts or expert slices) + shared (its slice).
-        return self.parallel.all_reduce(self.routed(x, token_ids) + expert_mlp(x, *self.shared, self.cfg.swiglu_limit))
+        return self.parallel.all_reduce(self.routed(x, token_ids) + shared)

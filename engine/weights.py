@@ -27,6 +27,8 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.linear import keeps_fp8, pow2_activations
+from kernels.fp8_linear import weight_from_checkpoint
 from kernels.quant import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4, mxfp4_as_bytes
 
 # Tensors that stay float32 whatever `dtype` is asked for: they are tiny and feed fp32 maths
@@ -191,6 +193,7 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     keep_mxfp4_experts: bool = False,
+    keep_fp8: bool = False,
     skip: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read, check and dequantise a checkpoint -> {original name: tensor on `device`}.
@@ -199,8 +202,10 @@ def load_weights(
     Shapes are those of `expected_weight_shapes(cfg)`, except with `keep_mxfp4_experts`: MXFP4 routed
     experts (`layers.N.ffn.experts.E.w{1,2,3}.weight`) then stay packed, uint8 e2m1 bytes [N, K/2] plus
     a `...w1.scale` uint8 UE8M0 tensor [N, K/32], for kernels that dequantise in registers (a quarter of
-    the bf16 bytes); experts stored in bf16/FP8 are unaffected. Every problem (missing, unexpected or
-    mis-shaped tensors, scales without weights, quantised bytes without scales) is collected first and reported in
+    the bf16 bytes); experts stored in bf16/FP8 are unaffected. With `keep_fp8`, FP8 dense projections that
+    `engine.linear.keeps_fp8` accepts stay as stored: float8_e4m3fn [N, K] plus `X.scale` fp32 block scales
+    [N/128, K/128] (UE8M0 bytes converted exactly), for the FP8 GEMM path (no bf16 copy). Every problem
+    (missing, unexpected or mis-shaped tensors, scales without weights, quantised bytes without scales) is collected first and reported in
     one ValueError, before any tensor data is read. `skip(name)` True: that tensor (and its scale) is checked
     but never read nor returned.
     """
@@ -275,6 +280,11 @@ def load_weights(
                     _ROUTED_EXPERT.search(name) else None
                 if packed is not None:
                     out[name], out[name[: -len(".weight")] + ".scale"] = packed
+                    continue
+                if kind == "fp8" and keep_fp8 and tuple(block) == FP8_BLOCK and \
+                        keeps_fp8(name, expected[name], cfg.o_groups):
+                    fp8 = weight_from_checkpoint(t, s, pow2_activations(cfg.quantization))
+                    out[name], out[name[: -len(".weight")] + ".scale"] = fp8.weight, fp8.scale
                     continue
                 t = dequant_fp8_block(t, s, block) if kind == "fp8" else dequant_mxfp4(t, s)
             if _INT_TENSORS.search(name):

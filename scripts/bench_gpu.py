@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--experts", nargs="+", choices=EXPERT_FORMATS, default=list(EXPERT_FORMATS),
                     help="routed-expert formats, one engine each, in this order: mxfp4 (packed, Triton MXFP4 MoE; "
                          "the production format), bf16 (dequantised, torch grouped_mm); default both")
+    ap.add_argument("--dense", choices=("auto", "fp8", "bf16"), default="auto",
+                    help="dense projections: fp8 (e4m3 + block scales through DeepGEMM, where it runs), bf16 "
+                         "(dequantised at load); auto = fp8 where DeepGEMM runs")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--out", default=None, help="also write the markdown section to this file")
     ap.add_argument("--write", action="store_true", help="put the section into BENCHMARKS.md")

@@ -1,6 +1,8 @@
 """Routed-expert MoE at V4-Flash shapes: the MXFP4 Triton kernel vs grouped_mm on bf16 vs the reference.
 
 For each token count (default 1/16/64/128; hidden 4096, moe_inter 2048, 256 experts, top-6, bf16) it times
+- `mxfp4 triton_kernels`: kernels.mxfp4_ogs.ogs_moe, OpenAI's triton_kernels matmul on the same packed bytes
+  moved into its Hopper layouts (sort + gate/up + SwiGLU + down + sum; when triton_kernels imports);
 - `mxfp4`: kernels.triton_moe.mxfp4_moe on packed e2m1 + UE8M0 experts (sort + gate/up + down + sum);
 - `grouped_mm`: kernels.moe.moe_experts_grouped on the same experts dequantised to bf16;
 - `reference`: kernels.moe.moe_experts (one matmul per used expert, host sync) on the bf16 experts;
@@ -12,7 +14,10 @@ the distinct experts the routing touches (3 matrices each: 0.5 + 1/32 bytes per 
 bf16 one); GB/s = bytes / time (the graph time where there is one), and % is that over a device-to-device
 copy measured in the same run ((read + write) / time). `err` is max |out - grouped_mm| / max |grouped_mm|.
 
-Usage: python scripts/bench_moe.py [--tokens 1 16 64 128] [--sweep]
+Usage: python scripts/bench_moe.py [--tokens 1 16 64 128] [--sweep] [--out FILE] [--merge FILE]
+`--out` also writes the table as a BENCHMARKS.md section (with the aim line computed from the rows: the MXFP4
+MoE at 64 tokens >= 60% of copy bandwidth, issue 11); `--merge FILE` puts such a file into BENCHMARKS.md
+(section mxfp4_moe) without running anything.
 `--sweep` also times MXFP4 launch configurations per token count and prints the best ones (several
 minutes: each configuration compiles).
 Smoke test without a GPU: TRITON_INTERPRET=1 python scripts/bench_moe.py --device cpu --hidden 64 --inter 32
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 import time
@@ -101,7 +107,7 @@ def row(tokens, path, us, graph_us, nbytes, copy, err="") -> str:
             f"| {err} |")
 
 
-def run_tokens(t, args, packed, dense, gate, bias, copy, tm) -> list[str]:
+def run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs=None) -> list[str]:
     dev, h, inter, k = args.device, args.hidden, args.inter, args.topk
     gen = torch.Generator(device=dev).manual_seed(t)
     x = torch.randn(t, h, device=dev, generator=gen).to(torch.bfloat16)
@@ -122,7 +128,16 @@ def run_tokens(t, args, packed, dense, gate, bias, copy, tm) -> list[str]:
 
     want = grouped()
     cuda = dev == "cuda"
-    rows = [row(t, "mxfp4", bench(mxfp4, dev), bench_graph(mxfp4) if cuda else None, mx_bytes, copy,
+    rows = []
+    if ogs is not None:
+        from kernels import mxfp4_ogs
+
+        def tk():
+            return mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0)
+
+        rows.append(row(t, "mxfp4 triton_kernels", bench(tk, dev), bench_graph(tk), mx_bytes, copy,
+                        f"{rel_err(tk(), want):.1e}"))
+    rows += [row(t, "mxfp4", bench(mxfp4, dev), bench_graph(mxfp4) if cuda else None, mx_bytes, copy,
                 f"{rel_err(mxfp4(), want):.1e}"),
             row(t, "grouped_mm bf16", bench(grouped, dev), None, bf_bytes, copy, "0"),
             row(t, "reference bf16", bench(reference, dev), None, bf_bytes, copy,
@@ -157,6 +172,56 @@ def sweep(t, x, weights, ids, pk, nbytes, copy, tm, dev) -> None:
         print(f"  {us:8.1f} us  {nbytes / us / 1e3:6.0f} GB/s ({100 * nbytes / us / 1e3 / copy:.0f}%)  {opts}")
 
 
+OGS_SWEEP = [{}, {"is_persistent": True}, {"is_persistent": False}, {"num_stages": 3}, {"num_stages": 5},
+             {"block_k": 256}, {"block_n": 128}, {"block_m": 32}, {"is_persistent": True, "block_n": 128}]
+
+
+def ogs_sweep(t, args, ogs, gate, bias, copy) -> dict:
+    """Graph-timed kernels.mxfp4_ogs.ogs_moe under each OGS_SWEEP constraint set at `t` tokens -> the fastest."""
+    from kernels import mxfp4_ogs
+
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, args.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    weights, ids = ref.route(x, gate, args.topk, 1.5, bias=bias)
+    nbytes = int(ids.unique().numel()) * 3 * args.inter * args.hidden * (0.5 + 1 / 32)
+    want = mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0, {})
+    results = []
+    for c in OGS_SWEEP:
+        try:
+            err = rel_err(mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0, c), want)
+            us = bench_graph(lambda c=c: mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0, c))
+        except Exception as exc:  # noqa: BLE001 - an inapplicable constraint: report, go on
+            print(f"  ogs tokens {t} {c}: failed ({type(exc).__name__}: {str(exc)[:80]})")
+            continue
+        if us is not None:
+            results.append((us, err, c))
+    results.sort(key=lambda r: r[0])
+    print(f"\nogs sweep, tokens {t}:")
+    for us, err, c in results:
+        print(f"  {us:8.1f} us  {nbytes / us / 1e3:6.0f} GB/s ({100 * nbytes / us / 1e3 / copy:.0f}%)  err {err:.1e}  {c}")
+    return results[0][2] if results else {}
+
+
+def section(device_name: str, copy: float, args, table: list[str]) -> str:
+    """The BENCHMARKS.md section: command, setup, the table and the 64-token aim judged from its rows."""
+    import datetime
+
+    lines = ["## Routed MXFP4 experts (V4-Flash shapes): `scripts/bench_moe.py`", "",
+             f"- command: `python scripts/bench_moe.py {' '.join(sys.argv[1:])}`",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {device_name}, torch "
+             f"{torch.__version__}; copy bandwidth {copy:.0f} GB/s (read + write, measured in this run)",
+             f"- hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts top-{args.topk}, bf16 activations; "
+             "weight MB = the distinct experts the routing touches; `graph us` = device time in a CUDA graph after "
+             "an L2 flush; GB/s from the graph time where there is one", ""] + table + [""]
+    for path in ("mxfp4 triton_kernels", "mxfp4"):
+        rows = [r for r in table if r.split("|")[1].strip() == "64" and r.split("|")[2].strip() == path]
+        if rows:
+            share = float(rows[0].split("|")[7].strip().rstrip("%"))
+            verdict = "met" if share >= 60 else f"missed by {60 - share:.0f} points"
+            lines.append(f"- {path} at 64 tokens: {share:.0f}% of copy bandwidth (aim >= 60%): {verdict}.")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128])
@@ -166,7 +231,17 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=6)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--ogs-sweep", action="store_true",
+                    help="time triton_kernels launch constraints (OGS_SWEEP) per token count; print the best")
+    ap.add_argument("--ogs-best-out", default=None, help="write the best constraints (JSON) at the last token count")
+    ap.add_argument("--merge", default=None)
     args = ap.parse_args()
+    if args.merge:
+        from service.benchmarks_md import write_section
+
+        write_section("mxfp4_moe", Path(args.merge).read_text())
+        return
     from kernels import triton_moe as tm
 
     dev = args.device
@@ -178,11 +253,30 @@ def main() -> None:
     name = torch.cuda.get_device_name() if dev == "cuda" else dev
     print(f"{name}: copy {copy:.0f} GB/s; hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts "
           f"top-{args.topk}, bf16 activations\n")
-    print("| tokens | path | us | graph us | weight MB | GB/s | % copy | err |")
-    print("|---|---|---|---|---|---|---|---|")
+    ogs = None
+    from kernels.gpu import has_triton_kernels, why_not
+
+    if dev == "cuda" and has_triton_kernels():
+        from kernels import mxfp4_ogs
+
+        ogs = mxfp4_ogs.prepare(packed["w1"], packed["s1"], packed["w2"], packed["s2"], packed["w3"], packed["s3"])
+    else:
+        print(f"(no triton_kernels rows: {why_not('triton_kernels.matmul') or 'needs CUDA'})")
+    head = ["| tokens | path | us | graph us | weight MB | GB/s | % copy | err |", "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(head))
+    table = []
     for t in args.tokens:
-        for line in run_tokens(t, args, packed, dense, gate, bias, copy, tm):
+        for line in run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs):
             print(line, flush=True)
+            table.append(line)
+    if args.out:
+        Path(args.out).write_text(section(name, copy, args, head + table))
+    if args.ogs_sweep and ogs is not None:
+        best = None
+        for t in args.tokens:
+            best = ogs_sweep(t, args, ogs, gate, bias, copy)
+        if args.ogs_best_out and best is not None:
+            Path(args.ogs_best_out).write_text(json.dumps(best))
 
 
 if __name__ == "__main__":

@@ -76,8 +76,8 @@ def _generate(args) -> int:
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
               kv_cache_dtype=args.kv_cache_dtype, keep_mxfp4_experts=args.keep_mxfp4_experts,
               decode_mode=args.decode_mode, prefix_cache=args.prefix_cache is not False,
-              tensor_parallel_size=args.tensor_parallel_size,
-              expert_parallel=args.expert_parallel)
+              tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     with llm:  # releases the other ranks
         outs = llm.generate(prompts, params)
     for out in outs:

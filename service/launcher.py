@@ -36,7 +36,7 @@ from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 from service.rank_placement import place_worker, remove_worker
 
 ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype",
-                      "decode_mode", "keep_mxfp4_experts", "prefix_cache")
+                      "decode_mode", "keep_mxfp4_experts", "prefix_cache", "gpu_memory_utilization")
 
 
 @dataclass(frozen=True)
@@ -305,6 +305,9 @@ def add_engine_speed_args(parser: argparse.ArgumentParser) -> None:
                         help="decode steps: auto = CUDA graphs on CUDA with exact caches, else eager")
     parser.add_argument("--keep-mxfp4-experts", action="store_true", default=None,
                         help="keep MXFP4 routed experts packed in GPU memory (Triton MXFP4 MoE kernel)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="share of GPU memory the engine may use (default 0.90): the KV cache gets what is left "
+                             "after weights and an activation/CUDA-graph reserve; --max-cached-tokens overrides it")
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                         help="do not reuse cached prompt prefixes across requests (engine.prefix_cache; on by "
                              "default)")

@@ -47,7 +47,7 @@ class ExpertRecorder:
         self._run_ids: list[torch.Tensor] | None = None  # route outputs inside DecodeRunner.run
         self._patched: list[tuple[object, str, object]] = []
         self._patch(sys.modules[type(core.model.moe[0]).__module__], "route")
-        packed = any(m.packed is not None for m in core.model.moe)
+        packed = any(m.mxfp4 for m in core.model.moe)
         if (packed and use_mxfp4_moe(core.device)) or "kernels.triton_moe" in sys.modules:
             self._patch(importlib.import_module("kernels.triton_moe"), "route")
         runner = core.decode_runner
@@ -156,7 +156,8 @@ def bench_decode(core: EngineCore, cfg: ModelConfig, rec: ExpertRecorder, batch:
 
 
 def profile_decode(core: EngineCore, cfg: ModelConfig, batch: int, ctx: int, seed: int) -> dict:
-    """One decode step under torch.profiler: kernels launched, summed kernel time, top ops by device time."""
+    """One decode step under torch.profiler: kernels launched, summed kernel time, top kernels by device time
+    (grouped by kernel name: under CUDA graphs the kernels are not attributed to torch ops)."""
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(seed)
@@ -178,19 +179,18 @@ def profile_decode(core: EngineCore, cfg: ModelConfig, batch: int, ctx: int, see
         for rid in rids:
             core.abort(rid)
     kernels, busy_us = 0, 0.0
+    by_name: dict[str, list] = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kernels += 1
-            busy_us += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-    ops = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "self_device_time_total", None)
-        if t is None:
-            t = getattr(ev, "self_cuda_time_total", 0.0)
-        if t > 0 and ev.device_type != torch.autograd.DeviceType.CUDA:
-            ops.append((t, ev.key, ev.count))
-    ops.sort(reverse=True)
-    return {"kernels": kernels, "busy_ms": busy_us / 1e3, "wall_ms": wall * 1e3, "top": ops[:6]}
+            t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            busy_us += t
+            acc = by_name.setdefault(ev.name[:60], [0.0, 0])
+            acc[0] += t
+            acc[1] += 1
+    ops = sorted(((t, k, c) for k, (t, c) in by_name.items()), reverse=True)
+    return {"kernels": kernels, "busy_ms": busy_us / 1e3, "wall_ms": wall * 1e3, "top": ops[:8],
+            "per_layer": kernels / cfg.num_layers}
 
 
 def bench_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, repeats: int, clock: Clock, reserve_s: float,

@@ -97,8 +97,8 @@ def _header_lines(ctx: dict) -> list[str]:
                  "touched = distinct routed experts per layer in those steps (mean, padding rows excluded)")
     lines.append("- roofline = bytes the step must read / copy bandwidth. *prod*: FP8 dense (+ scales), bf16 where the "
                  "release keeps bf16, MXFP4 touched experts, fp8_ds_mla cache rows (584 B) and MXFP4 indexer keys "
-                 "(68 B); *engine*: the same tensors and rows as that engine stores them (bf16 dense weights "
-                 "dequantised at load, touched experts as MXFP4 when kept packed else bf16, bf16 cache rows). "
+                 "(68 B); *engine*: the same tensors and rows as that engine stores them (dense weights as FP8 + "
+                 "scales when the engine keeps them FP8, else bf16 dequantised at load, touched experts as MXFP4 when kept packed else bf16, bf16 cache rows). "
                  "Cache rows read per request: SWA window on every layer, all visible indexer keys + top-512 "
                  "entries on CSA layers, all entries on HCA layers; writes and compressor states not counted")
     lines.append("")
@@ -167,9 +167,10 @@ def _profile_lines(ctx: dict) -> list[str]:
         top = "; ".join(f"{k} {t / 1e3:.1f} ms ({c}x)" for t, k, c in prof["top"])
         lines.append(f"Profile of one decode step (experts {prof['experts']}, decode mode `{prof['decode_mode']}`, "
                      f"batch {prof['batch']}, context {fmt_k(prof['ctx'])}, under torch.profiler, wall "
-                     f"{prof['wall_ms']:.0f} ms): {prof['kernels']} GPU kernels, summed kernel time "
+                     f"{prof['wall_ms']:.0f} ms): {prof['kernels']} GPU kernels "
+                     f"({prof.get('per_layer', prof['kernels'] / ctx['cfg'].num_layers):.0f} a layer), summed kernel time "
                      f"{prof['busy_ms']:.1f} ms ({100 * prof['busy_ms'] / prof['wall_ms']:.0f}% of the wall time). "
-                     f"Top ops by device time: {top}.")
+                     f"Top kernels by device time: {top}.")
         lines.append("")
     return lines
 
@@ -182,12 +183,19 @@ def _ours_at_peer(ctx: dict) -> dict | None:
 
 
 def verdicts(ctx: dict) -> list[str]:
-    out = ["Aims (issue): decode step <= 1.5x roofline at batch 64; >= 20x faster than transformers at batch 16."]
+    out = ["Aims (issue 11): decode step <= 2.0x the production-format roofline at batch 64 (contexts 4K and 32K), "
+           "<= 3x at batch 1; batch 128 >= 2x the 6.2K tok/s measured before it; >= 10x transformers' default path "
+           "at batch 16, context 4K."]
     for r in ctx["decode"]:
-        if r["batch"] == 64 and "skip" not in r:
-            ok = "met" if r["x_prod"] <= 1.5 else "missed"
-            out.append(f"- batch 64, context {fmt_k(r['ctx'])}, experts {r['experts']}: {r['x_prod']:.1f}x the "
-                       f"production-format roofline ({r['x_eng']:.1f}x the engine-format one): {ok}.")
+        if r["batch"] in (1, 64) and "skip" not in r:
+            aim = 2.0 if r["batch"] == 64 else 3.0
+            ok = "met" if r["x_prod"] <= aim else f"missed by {r['x_prod'] / aim:.2f}x"
+            out.append(f"- batch {r['batch']}, context {fmt_k(r['ctx'])}, {r['experts']}: {r['x_prod']:.1f}x the "
+                       f"production-format roofline ({r['x_eng']:.1f}x the engine-format one; aim {aim:.0f}x): {ok}.")
+        if r["batch"] == 128 and "skip" not in r:
+            ok = "met" if r["tok_s"] >= 2 * 6200 else f"missed by {2 * 6200 / r['tok_s']:.2f}x"
+            out.append(f"- batch 128, context {fmt_k(r['ctx'])}, {r['experts']}: {r['tok_s']:.0f} tok/s "
+                       f"(aim >= 12400): {ok}.")
     ours = _ours_at_peer(ctx)
     peers = [h for h in ctx.get("hf") or [] if "skip" not in h]
     if ours and peers:
@@ -195,7 +203,7 @@ def verdicts(ctx: dict) -> list[str]:
             sp = h["step_ms"] / ours["step_ms"]
             out.append(f"- batch {ctx['hf_batch']}, context {fmt_k(ctx['hf_ctx'])}, experts {ours['experts']}: "
                        f"{sp:.2f}x the speed of transformers with experts `{h['experts']}`: "
-                       f"{'met' if sp >= 20 else 'missed'}.")
+                       f"{'met' if sp >= 10 else 'missed'} (aim 10x).")
     else:
         out.append("- speed-up over transformers: not measured (see the peer rows).")
     replaced = [r for r in ctx["decode"] if r.get("captured_timed")]
@@ -219,12 +227,18 @@ def _gaps(ctx: dict) -> str:
            + ", with the Triton fast paths " + ("on (norm+RoPE, compressor, indexer, sparse attention, mHC)"
                                                  if ctx["triton_path"] else "off (torch reference ops)")
            + "; routed experts: " + "; ".join(f"{e['experts']}" for e in ran) + ".") if ran else "No engine ran."
-    gaps = ["dense projections are bf16 GEMMs on FP8-rounded weights (2x the FP8 bytes; no FP8 GEMM)",
+    fp8 = [e for e in ran if e.get("dense") == "fp8"]
+    gaps = [("dense projections run FP8 through DeepGEMM with a separate Triton activation-quantiser launch per "
+             "projection (no norm/quantise/GEMM fusion yet)") if fp8 else
+            "dense projections are bf16 GEMMs on FP8-rounded weights (2x the FP8 bytes; no FP8 GEMM)",
             (f"the KV cache holds exact bf16 rows ({kv_row_bytes(cfg, 'engine')} B a KV row vs "
              f"{kv_row_bytes(cfg, 'prod')} B fp8_ds_mla, {index_row_bytes(cfg, 'engine')} B an indexer key vs "
              f"{index_row_bytes(cfg, 'prod')} B MXFP4) because the fp8 cache path has no CUDA-graph / "
              "Triton-attention path yet"),
             "the indexer's top-k is torch.topk",
+            ("packed MXFP4 experts run through triton_kernels' matmul with the SwiGLU, the expert sort and the "
+             "k-way sum as separate torch kernels (scripts/bench_moe.py measures it against copy bandwidth)")
+            if any("triton_kernels" in e["experts"] for e in ran) else
             "the packed-MXFP4 expert kernel reaches ~10% of copy bandwidth (scripts/bench_moe.py), so it is "
             "slower than bf16 grouped_mm despite reading 4x fewer bytes",
             "under graphs each step still pays a host schedule, a [3, slots] input copy and sampling; "

@@ -6,8 +6,9 @@ Two byte counts for a decode step:
   by the step's routing, caches as fp8_ds_mla (584 B a row) and MXFP4 indexer keys (68 B a row) per
   kernels/geometry.py: per request and layer the SWA window (127 rows), on CSA layers all visible indexer
   keys + the top-512 entries, on HCA all entries;
-- engine format: the same rows and tensors as the engine stores them: bf16 dense weights, bf16 cache
-  rows, and the touched routed experts as MXFP4 when the engine keeps them packed (bf16 otherwise).
+- engine format: the same rows and tensors as the engine stores them: bf16 dense weights (FP8 + scales when
+  the engine keeps them FP8), bf16 cache rows, and the touched routed experts as MXFP4 when the engine keeps
+  them packed (bf16 otherwise).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def expert_bytes(cfg: ModelConfig, fmt: str, packed: bool = False) -> int:
     return n * 2 if fmt == "engine" and not packed else n // 2 + n // 32  # MXFP4: 4-bit values + UE8M0 per 32
 
 
-def weight_bytes(cfg: ModelConfig, batch: int, touched: list[float], fmt: str, packed: bool = False) -> float:
+def weight_bytes(cfg: ModelConfig, batch: int, touched: list[float], fmt: str, packed: bool = False,
+                 fp8_dense: bool = False) -> float:
     """Bytes of weights a decode step of `batch` tokens must read; touched[i] = distinct experts on layer i;
     `packed`: the engine keeps its routed experts as MXFP4 (only changes the engine format)."""
     total = 0.0
@@ -68,7 +70,7 @@ def weight_bytes(cfg: ModelConfig, batch: int, touched: list[float], fmt: str, p
             total += batch * cfg.num_experts_per_tok * (8 if fmt == "engine" else 4)
         elif keeps_fp32(name) or (packed and fmt == "engine" and name.endswith("ffn.gate.weight")):
             total += 4 * n  # (the packed path's fused router reads an fp32 copy of the gate)
-        elif _FP8.search(name) and fmt != "engine":
+        elif _FP8.search(name) and (fmt != "engine" or fp8_dense):
             total += n + math.ceil(shape[0] / 128) * math.ceil(shape[1] / 128)
         else:
             total += 2 * n
@@ -117,11 +119,11 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 
 
 def decode_figures(cfg: ModelConfig, batch: int, ctx: int, step_s: float, touched: list[float],
-                   copy_gbs: float, packed: bool) -> dict:
+                   copy_gbs: float, packed: bool, fp8_dense: bool = False) -> dict:
     """A decode step's time against both byte rooflines -> the decode table's figures (`packed`: the
     engine keeps routed experts as MXFP4; touched = mean distinct experts per layer)."""
     prod = weight_bytes(cfg, batch, touched, "prod") + batch * cache_bytes(cfg, ctx, "prod")
-    eng = weight_bytes(cfg, batch, touched, "engine", packed) + batch * cache_bytes(cfg, ctx, "engine")
+    eng = weight_bytes(cfg, batch, touched, "engine", packed, fp8_dense) + batch * cache_bytes(cfg, ctx, "engine")
     bw = copy_gbs * 1e9
     return {"step_ms": step_s * 1e3, "tok_s": batch / step_s, "touched": sum(touched) / len(touched),
             "prod_gb": prod / 1e9, "prod_roof_ms": prod / bw * 1e3, "x_prod": step_s / (prod / bw),

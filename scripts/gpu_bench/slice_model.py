@@ -19,7 +19,8 @@ import torch
 
 from engine.cache import CacheConfig
 from engine.config import ModelConfig
-from engine.fast_paths import use_grouped_moe, use_mxfp4_moe
+from engine.fast_paths import mxfp4_moe_backend, use_fp8_gemm, use_grouped_moe
+from engine.linear import keeps_fp8
 from engine.make_model import (  # the release's quantisation layout
     _FP8,
     _MXFP4,
@@ -35,6 +36,7 @@ from kernels.quant import (
     dequant_mxfp4,
     quant_fp8_block,
     quant_mxfp4,
+    ue8m0_to_float,
 )
 
 from .measure import sync
@@ -79,7 +81,8 @@ EXPERT_FORMATS = ("mxfp4", "bf16")
 def experts_path(fmt: str, device, dtype) -> str:
     """What runs the routed experts of a `fmt` engine on `device` (engine.moe's choice), for the report."""
     if fmt == "mxfp4":
-        return "mxfp4, Triton MoE" if use_mxfp4_moe(device) else "mxfp4, dequantise-on-the-fly reference"
+        return {"triton_kernels": "mxfp4, triton_kernels matmul", "engine": "mxfp4, engine Triton MoE",
+                "reference": "mxfp4, dequantise-on-the-fly reference"}[mxfp4_moe_backend(device)]
     probe = torch.empty(0, dtype=dtype, device=device)
     return "bf16, torch grouped_mm" if use_grouped_moe(probe) else "bf16, per-expert reference loop"
 
@@ -90,8 +93,16 @@ def mxfp4_scale_byte(std: float) -> int:
     return UE8M0_BIAS + round(math.log2(std / rms))
 
 
-def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator, experts: str = "bf16") -> dict:
-    """Random weights shaped like a checkpoint, FP8-quantised-then-dequantised where the release is FP8.
+def dense_path(device, dtype, want: str = "auto") -> str:
+    """'fp8' (e4m3 + block scales, DeepGEMM) where that path runs and `want` allows it, else 'bf16'."""
+    return "fp8" if want in ("auto", "fp8") and use_fp8_gemm(device, dtype) else "bf16"
+
+
+def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator, experts: str = "bf16",
+                  dense: str = "bf16") -> dict:
+    """Random weights shaped like a checkpoint, FP8-quantised-then-dequantised where the release is FP8
+    (dense "bf16"), or kept as e4m3 + fp32 block scales as `load_weights(keep_fp8=True)` hands them over
+    (dense "fp8").
 
     Routed experts get one small zero placeholder per (layer, w1/w2/w3) shared by all 256 names (for
     "mxfp4" a uint8 [N, K/2] weight and a uint8 [N, K/32] `.scale`, as the loader keeps them packed): the
@@ -142,7 +153,11 @@ def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator, experts
         else:
             t = randn(shape, _proj_std(shape[-1]))
         if _FP8.search(name):
-            t = dequant_fp8_block(*quant_fp8_block(t, scale_fmt="ue8m0"))
+            q, s = quant_fp8_block(t, scale_fmt="ue8m0")
+            if dense == "fp8" and keeps_fp8(name, shape, cfg.o_groups):
+                out[name], out[name[: -len(".weight")] + ".scale"] = q, ue8m0_to_float(s)
+                continue
+            t = dequant_fp8_block(q, s)
         out[name] = t.to(torch.float32 if keeps_fp32(name) else dtype)
     return out
 
@@ -176,13 +191,14 @@ def fill_caches(core: EngineCore, gen: torch.Generator) -> None:
 
 
 def build_engine(raw: dict, device, dtype, max_requests: int, max_tokens: int, prefill_tokens: int, seed: int,
-                 expert_chunk: int, experts: str = "bf16"):
-    """-> (cfg, EngineCore) with routed experts in format `experts` (EXPERT_FORMATS), decode_mode "auto"."""
+                 expert_chunk: int, experts: str = "bf16", dense: str = "bf16"):
+    """-> (cfg, EngineCore) with routed experts in format `experts` (EXPERT_FORMATS), dense projections as
+    `dense` ("fp8" / "bf16", see build_weights), decode_mode "auto"."""
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
     cfg = ModelConfig.from_dict(raw)
     gen = torch.Generator(device=device).manual_seed(seed)
-    weights = build_weights(cfg, device, dtype, gen, experts)
+    weights = build_weights(cfg, device, dtype, gen, experts, dense)
     core = EngineCore(cfg, weights, device=device, dtype=dtype,
                       cache_config=CacheConfig(max_requests=max_requests, max_tokens=max_tokens, page_tokens=256),
                       scheduler_config=SchedulerConfig(max_batch_tokens=max(prefill_tokens, 2048),
@@ -194,11 +210,13 @@ def build_engine(raw: dict, device, dtype, max_requests: int, max_tokens: int, p
     return cfg, core
 
 
-def slice_description(c0: ModelConfig) -> str:
+def slice_description(c0: ModelConfig, dense: str = "bf16") -> str:
     """The report's one-line description of the slice."""
     return (f"{c0.num_layers} layers, compress_ratios {list(c0.compress_ratios)}, hash layers "
             f"{sum(c0.hash_layers)}, hidden {c0.hidden_size}, {c0.num_heads} heads x {c0.head_dim}, q_lora "
             f"{c0.q_lora_rank}, {c0.n_routed_experts} experts top-{c0.num_experts_per_tok} x "
             f"{c0.moe_intermediate_size} + {c0.n_shared_experts} shared, index {c0.index_n_heads} x "
             f"{c0.index_head_dim} top-{c0.index_topk}, window {c0.sliding_window}, vocab {c0.vocab_size}; "
-            f"random seeded weights: dense FP8-rounded, held as bf16; routed experts as the experts column says")
+            "random seeded weights: dense " + ("FP8, held as e4m3 + 128x128 scales (DeepGEMM)" if dense == "fp8" else
+                                               "FP8-rounded, held as bf16")
+            + "; routed experts as the experts column says")

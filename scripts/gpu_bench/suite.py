@@ -33,6 +33,7 @@ from .roofline import check_geometry, decode_figures, prefill_figures
 from .slice_model import (
     EXPERT_FORMATS,
     build_engine,
+    dense_path,
     experts_path,
     flash_slice_config,
     slice_description,
@@ -60,6 +61,7 @@ class Plan:
     expert_chunk: int
     no_peer: bool
     experts: tuple[str, ...] = EXPERT_FORMATS  # routed-expert formats, one engine each, in this order
+    dense: str = "auto"  # dense projections: "fp8" (DeepGEMM, where it runs), "bf16", or "auto" (fp8 if it runs)
 
     @property
     def mm_n(self) -> int:  # the matmul size measure_roofs uses
@@ -76,7 +78,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     bad = [f for f in experts if f not in EXPERT_FORMATS]
     if bad:
         raise ValueError(f"--experts takes {EXPERT_FORMATS}, got {bad}")
-    return dataclasses.replace(_plan(args, device), experts=experts)
+    return dataclasses.replace(_plan(args, device), experts=experts, dense=getattr(args, "dense", None) or "auto")
 
 
 def _plan(args: argparse.Namespace, device: str) -> Plan:
@@ -133,7 +135,10 @@ class Suite:
     def run_format(self, fmt: str) -> None:
         """Build the `fmt` engine, run its rows, free it (before the next engine or the peer loads)."""
         p = self.plan
-        self.engine = {"format": fmt, "experts": experts_path(fmt, p.device, DTYPE)}
+        dense = dense_path(p.device, DTYPE, p.dense)
+        self.engine = {"format": fmt, "dense": dense,
+                       "experts": experts_path(fmt, p.device, DTYPE) + ("; dense fp8 DeepGEMM" if dense == "fp8" else
+                                                                        "; dense bf16")}
         self.engines.append(self.engine)
         need = 5 if p.smoke else 60
         if self.clock.left() - self.reserve < need:
@@ -174,10 +179,10 @@ class Suite:
         t = time.perf_counter()
         self.cfg, self.core = build_engine(p.raw, p.device, DTYPE, max_requests=max(max_b, 1), max_tokens=max_tokens,
                                            prefill_tokens=p.prefill_tokens, seed=0, expert_chunk=p.expert_chunk,
-                                           experts=fmt)
+                                           experts=fmt, dense=self.engine["dense"])
         self.rec = ExpertRecorder(self.core)
         self.engine.update(build_s=time.perf_counter() - t, decode_mode=self.core.decode_mode,
-                           packed=self.core.model.moe[0].packed is not None)
+                           packed=self.core.model.moe[0].mxfp4)
         mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if p.cuda else ""
         print(f"engine (experts {self.engine['experts']}, decode {self.core.decode_mode}) built in "
               f"{self.engine['build_s']:.1f} s{mem}", flush=True)
@@ -206,7 +211,7 @@ class Suite:
             return row
         self.est_step[ctx_len] = (b, r["step_s"])
         row.update(decode_figures(self.cfg, b, ctx_len, r["step_s"], r["touched"], self.copy_gbs,
-                                  self.engine["packed"]), n=r["n"], captured_timed=r["captured_timed"])
+                                  self.engine["packed"], self.engine["dense"] == "fp8"), n=r["n"], captured_timed=r["captured_timed"])
         print(f"decode {label} b={b} ctx={ctx_len}: {row['step_ms']:.1f} ms/step (n={r['n']}, setup "
               f"{r['setup_s']:.1f} s, graphs {r['graphs']}, timed captures replaced {r['captured_timed']}), "
               f"experts/layer {row['touched']:.0f}, prod roof {row['prod_roof_ms']:.2f} ms ({row['x_prod']:.1f}x), "
@@ -290,7 +295,7 @@ class Suite:
         ctx = {
             "env": env, "cfg": self.cfg, "copy_gbs": self.copy_gbs, "tflops": self.tflops, "mm_n": p.mm_n,
             "command": command, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "budget_s": clock.deadline - clock.t0, "slice_desc": slice_description(self.cfg),
+            "budget_s": clock.deadline - clock.t0, "slice_desc": slice_description(self.cfg, dense_path(p.device, DTYPE, p.dense)),
             "triton_path": triton_at_start, "engines": self.engines, "steps": p.steps, "warmup": p.warmup,
             "decode": self.decode, "prefill": self.prefills, "prefill_tokens": p.prefill_tokens, "hf": hf,
             "hf_batch": p.hf_batch, "hf_ctx": p.hf_ctx, "hf_chunk": p.hf_chunk, "profile": self.profile_info,

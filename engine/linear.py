@@ -1,0 +1,86 @@
+"""The engine's dense projections: a plain weight tensor, or an FP8 checkpoint weight kept as e4m3 + scales.
+
+`load_weights(..., keep_fp8=True)` hands FP8 projections over as `X.weight` (float8_e4m3fn [N, K]) plus
+`X.scale` (fp32 [N/128, K/128]); `take_fp8_weights` folds each pair into a kernels.fp8_linear.Fp8Weight
+and `linear` multiplies with whichever it gets:
+- a tensor: x @ W^T in the engine dtype (the CPU path and CI, unchanged);
+- an Fp8Weight on CUDA with `use_fp8_gemm`: activations quantised per token (1x128) and DeepGEMM's FP8
+  GEMM (kernels.deepgemm_linear); otherwise its plain-torch reference (same function, slow; tests).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from engine.fast_paths import use_fp8_gemm
+from kernels.fp8_linear import Fp8Weight, fp8_linear_ref
+
+Weight = torch.Tensor | Fp8Weight
+# The projections that go through `linear` / `grouped_projection` (the release stores them FP8).
+FP8_LINEAR = re.compile(r"\.attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$")
+
+
+def keeps_fp8(name: str, shape: tuple[int, ...], o_groups: int) -> bool:
+    """Can projection `name` of logical `shape` stay FP8 in memory? Whole 128-blocks only (wo_a per group)."""
+    if not FP8_LINEAR.search(name) or len(shape) != 2:
+        return False
+    n, k = shape
+    rows = n // o_groups if name.endswith("wo_a.weight") else n
+    return n % 128 == 0 and k % 128 == 0 and rows % 128 == 0
+
+
+def pow2_activations(quantization: dict) -> bool:
+    """Activations of FP8 projections get power-of-two scales when the checkpoint's scales are UE8M0 (V4's)."""
+    return str(quantization.get("scale_fmt", "ue8m0")).lower() == "ue8m0"
+
+
+def take_fp8_weights(weights: dict, pow2_act: bool = True) -> dict:
+    """Replace each `X.weight` e4m3 tensor with a `X.scale` companion by one Fp8Weight (scale popped)."""
+    out = dict(weights)
+    for name in [n for n, t in weights.items() if n.endswith(".weight") and t.dtype == torch.float8_e4m3fn]:
+        scale = out.pop(name[: -len(".weight")] + ".scale", None)
+        if scale is None:
+            raise ValueError(f"FP8 weight {name} has no .scale companion")
+        out[name] = Fp8Weight(weights[name], scale, pow2_act)
+    return out
+
+
+def _fast(x: torch.Tensor, w: Fp8Weight) -> bool:
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and use_fp8_gemm(x.device, x.dtype)):
+        return False
+    from kernels.deepgemm_linear import supported
+
+    return supported(w)
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x: [..., K] -> [..., N] = x W^T, for W [N, K] as a tensor or an Fp8Weight."""
+    if isinstance(w, torch.Tensor):
+        return x @ w.t()
+    if not _fast(x, w):
+        return fp8_linear_ref(x, w)
+    from kernels.deepgemm_linear import fp8_gemm  # imports deep_gemm: only on this path
+
+    n, k = w.shape
+    lead = x.shape[:-1]
+    return fp8_gemm(x.reshape(-1, k), w).view(*lead, n)
+
+
+def grouped_projection(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
+    """Block-diagonal projection: x [T, G, D] and W [G * R, D] -> [T, G * R] (group g through rows gR..gR+R)."""
+    t = x.shape[0]
+    if isinstance(w, torch.Tensor):
+        wg = w.view(groups, -1, w.shape[-1]).transpose(1, 2)  # [G, D, R]
+        return torch.bmm(x.transpose(0, 1), wg).transpose(0, 1).reshape(t, -1)
+    xg = x.transpose(0, 1).contiguous()  # [G, T, D]
+    if _fast(x, w):
+        from kernels.deepgemm_linear import fp8_grouped_gemm
+
+        return fp8_grouped_gemm(xg, w, groups).transpose(0, 1).reshape(t, -1)
+    r = w.shape[0] // groups
+    rb = r // 128
+    parts = [fp8_linear_ref(xg[i], Fp8Weight(w.weight[i * r:(i + 1) * r], w.scale[i * rb:(i + 1) * rb], w.pow2_act))
+             for i in range(groups)]
+    return torch.stack(parts, dim=1).reshape(t, -1)

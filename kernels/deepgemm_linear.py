@@ -1,0 +1,60 @@
+"""Block-scaled FP8 linear layers through DeepGEMM on Hopper (reference: kernels.fp8_linear.fp8_linear_ref).
+
+The activations are quantised per token in 1x128 blocks by kernels.triton_fp8_quant (one fused kernel, scales
+written in the MN-major layout DeepGEMM's sm90 kernels read), then `deep_gemm.fp8_gemm_nt` multiplies them with
+the checkpoint's e4m3 weight and its 128x128 block scales (fp32) into a bf16 output. DeepGEMM JIT-compiles a
+kernel per (N, K) and M bucket at first use (seconds, with the machine's nvcc), so callers warm every shape
+before timing or CUDA-graph capture (the engine's decode graphs run two warm-up forwards before capturing).
+
+The grouped output projection (wo_a: G groups, each [R, D] over its own D features) runs as G GEMMs over one
+quantised activation tensor [G, T, D].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.fp8_linear import BLOCK, Fp8Weight
+from kernels.gpu import import_deep_gemm
+
+
+def supported(w: Fp8Weight) -> bool:
+    """Shapes DeepGEMM's FP8 GEMM takes here: N and K whole 128-blocks (every V4 projection is)."""
+    n, k = w.shape
+    return n % BLOCK == 0 and k % BLOCK == 0 and w.weight.is_cuda
+
+
+def fp8_gemm(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """x: [M, K] bf16 -> [M, N] bf16 = quant(x) W^T (the reference's function, tensor-core accumulation)."""
+    from kernels.triton_fp8_quant import quant_act_1x128  # imports triton: only on this path
+
+    dg = import_deep_gemm()
+    n, k = w.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"fp8_gemm needs x [M, {k}] for weight {tuple(w.shape)}, got {tuple(x.shape)}")
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    xq, xs = quant_act_1x128(x, w.pow2_act)
+    dg.fp8_gemm_nt((xq, xs), (w.weight, w.scale), out)
+    return out
+
+
+def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int) -> torch.Tensor:
+    """Block-diagonal projection: x [G, T, D] bf16, w [G * R, D] -> [G, T, R] bf16 (group g uses rows gR..gR+R)."""
+    from kernels.triton_fp8_quant import quant_act_1x128
+
+    dg = import_deep_gemm()
+    g, t, d = x.shape
+    n, k = w.shape
+    if g != groups or k != d or n % (groups * BLOCK):
+        raise ValueError(f"grouped FP8 projection: x {tuple(x.shape)} vs weight {tuple(w.shape)} in {groups} groups")
+    r = n // groups
+    out = torch.empty(g, t, r, dtype=torch.bfloat16, device=x.device)
+    if t == 0:
+        return out
+    rb = r // BLOCK
+    for i in range(g):
+        xq, xs = quant_act_1x128(x[i], w.pow2_act)
+        dg.fp8_gemm_nt((xq, xs), (w.weight[i * r:(i + 1) * r], w.scale[i * rb:(i + 1) * rb]), out[i])
+    return out

@@ -1,0 +1,130 @@
+"""Routed MXFP4 experts through OpenAI's triton_kernels matmul on Hopper (reference: kernels.moe.moe_experts on
+kernels.quant.dequant_mxfp4 weights; the engine's own kernel is kernels.triton_moe).
+
+Mapping the checkpoint's bytes: an expert weight W [N, K] is stored as uint8 [N, K/2] (element 2j in the low
+nibble of byte j, e2m1 codes) plus UE8M0 scale bytes [N, K/32]. triton_kernels wants the logical [E, K, N]
+matrix quantised along K with the same nibble order and uint8 E8M0 scales [E, K/32, N]; its "K-major"
+strided form stores exactly our bytes, so `W.transpose(1, 2)` wraps them without a copy, and
+`convert_layout` then moves them once into the Hopper value/scale layouts its wgmma kernel reads (a one-off
+copy at build; the packed originals can be dropped after).
+
+A call: the (token, slot) pairs are sorted by expert on the device (no host sync, CUDA-graph safe), then
+- gate+up: one ragged matmul over the fused [E, H, 2I] weights, rows gathered from x by `gather_indx`
+  (bf16 activations x MXFP4 weights, fp32 accumulation) -> [P, 2I] in expert order;
+- clamped SwiGLU (kernels.moe.swiglu) in torch;
+- down: one ragged matmul over [E, I, H], each row scaled by its routing weight (`gammas`) and written back to
+  its pair's position (`scatter_indx`) -> [P, H]; the k rows of each token are summed (deterministic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kernels.gpu import import_triton_kernels
+from kernels.moe import swiglu
+
+SCALE_WARPS = 8  # warps of the kernels reading the scales (the Hopper scale layout is built for a warp count)
+# Launch constraints for triton_kernels' matmul (its opt_flags: block_m/n/k, num_stages, is_persistent, ...).
+# Non-persistent: on the H200 (scripts/bench_moe.py --ogs-sweep, BENCHMARKS.md mxfp4_moe_sweep) it matched the
+# heuristics' choice at 64 and 128 decode tokens (893 vs 899 us, 1141 vs 1147 us, identical outputs) and the
+# slice's 8K prefill ran in 0.22 s with it against 0.35-0.40 s in the runs without. $DSV4_OGS_CONSTRAINTS (a JSON
+# object; {} = triton_kernels' own heuristics) overrides.
+CONSTRAINTS: dict = {"is_persistent": False}
+
+
+def constraints() -> dict:
+    raw = os.environ.get("DSV4_OGS_CONSTRAINTS", "").strip()
+    if not raw:
+        return CONSTRAINTS
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError(f"DSV4_OGS_CONSTRAINTS must be a JSON object, got {raw!r}")
+    return value
+
+
+def _scoped(extra: dict | None):
+    """triton_kernels' opt-flag constraints for the calls inside (a no-op when there are none)."""
+    c = constraints() if extra is None else extra
+    if not c:
+        return contextlib.nullcontext()
+    from triton_kernels.matmul_details.opt_flags import scoped_opt_flags_constraints
+
+    return scoped_opt_flags_constraints(c)
+
+
+@dataclass(frozen=True)
+class OgsExperts:
+    """One layer's routed experts in triton_kernels' Hopper layouts: gate+up fused along N, then down."""
+
+    w13: object  # triton_kernels Tensor, logical [E, H, 2I] FP4
+    s13: object  # its E8M0 scales, logical [E, H/32, 2I]
+    w2: object  # [E, I, H] FP4
+    s2: object  # [E, I/32, H]
+    num_experts: int
+    hidden: int
+    inter: int
+
+
+def _wrap(w: torch.Tensor, s: torch.Tensor):
+    """uint8 [E, N, K/2] + [E, N, K/32] (checkpoint order) -> triton_kernels (value, scale) in Hopper layouts."""
+    _, tensor, layout, _ = import_triton_kernels()
+    value = tensor.wrap_torch_tensor(w.transpose(1, 2), dtype=tensor.FP4)  # logical [E, K, N], K contiguous
+    value = tensor.convert_layout(value, layout.make_default_matmul_mxfp4_w_layout(mx_axis=-2))
+    scale = tensor.wrap_torch_tensor(s.transpose(1, 2))  # logical [E, K/32, N]
+    scale = tensor.convert_layout(scale, layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=-2,
+                                                                                        num_warps=SCALE_WARPS))
+    return value, scale
+
+
+def prepare(w1, s1, w2, s2, w3, s3) -> OgsExperts:
+    """Packed experts as engine.moe.PackedExperts holds them -> OgsExperts (new tensors; inputs untouched).
+
+    w1, w3: uint8 [E, I, H/2], s1, s3: [E, I, H/32]; w2: [E, H, I/2], s2: [E, H, I/32].
+    """
+    e, inter, half_h = w1.shape
+    w13, s13 = _wrap(torch.cat([w1, w3], dim=1), torch.cat([s1, s3], dim=1))
+    wd, sd = _wrap(w2, s2)
+    return OgsExperts(w13, s13, wd, sd, e, 2 * half_h, inter)
+
+
+def sort_pairs(ids: torch.Tensor, num_experts: int):
+    """ids [T, k] -> (order int32 [P]: pair ids by expert, stable; rows int32 [P]: their token; counts int32 [E])."""
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # no host sync (bincount has one)
+    return order.to(torch.int32), (order // ids.shape[1]).to(torch.int32), counts
+
+
+def ogs_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: OgsExperts, limit: float,
+            opt_constraints: dict | None = None) -> torch.Tensor:
+    """= moe_experts(x, weights, ids, W1, W2, W3, limit) on the dequantised experts. x: [T, H] bf16;
+    weights: [T, k] float; ids: int [T, k] (-1 = not this rank's expert, contributes nothing) -> [T, H] in x.dtype.
+    opt_constraints: triton_kernels launch constraints for this call (None = `constraints()`)."""
+    matmul, tensor, _, precision = import_triton_kernels()
+    t, k = ids.shape
+    if x.shape != (t, ex.hidden):
+        raise ValueError(f"x must be [T={t}, H={ex.hidden}], got {tuple(x.shape)}")
+    if t == 0:
+        return torch.zeros_like(x)
+    # Expert parallelism marks pairs routed to another rank's experts with id -1: run them on expert 0 with
+    # routing weight 0 (shapes stay fixed for CUDA graphs; the wasted rows are few).
+    skip = ids < 0
+    ids, weights = ids.clamp_min(0), weights.masked_fill(skip, 0.0)
+    order, rows, counts = sort_pairs(ids, ex.num_experts)
+    p = t * k
+    meta = tensor.make_ragged_tensor_metadata(counts, p)
+    x = x.contiguous()
+    gammas = weights.reshape(-1).float().index_select(0, order.long())
+    with _scoped(opt_constraints):
+        h = matmul.matmul(x, ex.w13, None, a_ragged_metadata=meta, gather_indx=rows,
+                          precision_config=precision(b_mx_scale=ex.s13, b_microblock_size=32))  # [P, 2I]
+        act = swiglu(h[:, :ex.inter], h[:, ex.inter:], limit).to(x.dtype)
+        y = matmul.matmul(act, ex.w2, None, a_ragged_metadata=meta, scatter_indx=order, gammas=gammas,
+                          precision_config=precision(b_mx_scale=ex.s2, b_microblock_size=32))  # [P, H], pair order
+    return y.view(t, k, ex.hidden).float().sum(dim=1).to(x.dtype)

@@ -1,0 +1,71 @@
+"""Triton per-token 1x128 FP8 activation quantiser (reference: kernels.fp8_linear.quant_act_1x128).
+
+One program quantises BLOCK_M rows x one 128-wide K block: amax over the block (floored at 1e-4), scale =
+amax / 448 (rounded up to a power of two for UE8M0 checkpoints, computed on the exponent bits so it is
+exact), e4m3 codes with round-to-nearest-even and saturation at +-448.
+
+Scales are written MN-major ("column-major" [M, K/128] with the M stride padded to 4 fp32 = 16 bytes), the
+layout DeepGEMM's sm90 kernels load with TMA, so DeepGEMM does not transpose them again per call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.fp8_linear import AMAX_FLOOR, BLOCK, FP8_MAX
+from kernels.gpu import import_triton, require_triton
+from kernels.triton_cache_codecs import USE_HW_FP8_CAST, tl_e4m3_bits
+
+triton, tl = import_triton()
+
+BLOCK_M = 16
+# jit functions read only constexpr globals
+_FLOOR = tl.constexpr(AMAX_FLOOR)
+_FMAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sk,
+                  POW2: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (m < M)[:, None] & (k < K)[None, :]
+    m64 = m.to(tl.int64)
+    x = tl.load(x_ptr + m64[:, None] * stride_x + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _FLOOR)
+    scale = tl.div_rn(amax, _FMAX)  # IEEE division, as torch (the default `/` is approximate on the GPU)
+    if POW2:
+        # Round up to a power of two on the bits: keep the exponent, add one if any mantissa bit is set.
+        bits = scale.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = (exp << 23).to(tl.float32, bitcast=True)
+    # e4m3 bytes, nearest even (the interpreter's fp8 cast is not exact: kernels.triton_cache_codecs)
+    y = x / scale[:, None] if POW2 else tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))  # pow2: exact
+    codes = tl_e4m3_bits(y, HW_FP8)
+    tl.store(q_ptr + m64[:, None] * stride_q + k[None, :], codes, mask=mask)
+    tl.store(s_ptr + m64 * stride_sm + kb * stride_sk, scale, mask=m < M)
+
+
+def scale_buffer(m: int, kb: int, device) -> torch.Tensor:
+    """An fp32 [m, kb] view with MN-major strides (1, align(m, 4)): DeepGEMM's TMA layout for sm90 scales."""
+    m_pad = (m + 3) // 4 * 4
+    return torch.empty(kb, m_pad, dtype=torch.float32, device=device).t()[:m]
+
+
+def quant_act_1x128(x: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] (unit last stride) -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)] in MN-major strides)."""
+    if x.dim() != 2:
+        raise ValueError(f"activations must be [M, K], got shape {tuple(x.shape)}")
+    require_triton(x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    kb = triton.cdiv(k, BLOCK)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = scale_buffer(m, kb, x.device)
+    if m:
+        hw = x.is_cuda and USE_HW_FP8_CAST
+        _quant_kernel[(triton.cdiv(m, BLOCK_M), kb)](x, q.view(torch.uint8), s, m, k, x.stride(0), q.stride(0),
+                                                     s.stride(0), s.stride(1), POW2=pow2, HW_FP8=hw,
+                                                     BLOCK_M=BLOCK_M, BLOCK_K=BLOCK)
+    return q, s

@@ -1,0 +1,127 @@
+"""Dense projections of V4-Flash in FP8 through DeepGEMM vs bf16 torch.mm (one H200; not a test).
+
+For each projection shape (N x K of wq_a, wq_b, wkv, one of wo_a's 8 groups, wo_b, indexer wq_b,
+shared-expert w1/w3 and w2) and token count M (default 1/64/128/8192) it times, under a CUDA graph
+after an L2 flush (scripts/bench_kernels.bench_graph: device time, no launch overhead):
+- `fp8`: kernels.deepgemm_linear.fp8_gemm = Triton 1x128 activation quantiser + deep_gemm.fp8_gemm_nt;
+- `bf16`: x @ W^T on the dequantised bf16 weight (what the engine ran before).
+Reported: both times, the speed-up, TFLOP/s of the FP8 path, and its relative error ||fp8 - ref|| / ||ref||
+against kernels.fp8_linear.fp8_linear_ref (fp32, same quantised activations) and against the exact bf16 product.
+Every shape is warmed (DeepGEMM JIT-compiles per shape) before timing.
+
+Usage: PYTHONPATH=. python3 scripts/bench_fp8_gemm.py [--tokens 1 64 128 8192] [--out FILE] [--write]
+--write puts the table into BENCHMARKS.md (section fp8_gemm, service/benchmarks_md.write_section); on the GPU
+machine write --out instead and merge the file here with --merge FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels import fp8_linear as ref  # noqa: E402
+from kernels.quant import quant_fp8_block  # noqa: E402
+from scripts.bench_kernels import bench_graph  # noqa: E402
+
+# name -> (N, K) of V4-Flash (hidden 4096, q_lora 1024, 64 heads x 512, o_groups 8 x o_lora 1024, moe 2048)
+SHAPES = {
+    "wq_a 4096->1024": (1024, 4096),
+    "wq_b 1024->32768": (32768, 1024),
+    "wkv 4096->512": (512, 4096),
+    "wo_a group 4096->1024": (1024, 4096),
+    "wo_b 8192->4096": (4096, 8192),
+    "indexer wq_b 1024->8192": (8192, 1024),
+    "shared w1/w3 4096->2048": (2048, 4096),
+    "shared w2 2048->4096": (4096, 2048),
+}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def measure(name: str, n: int, k: int, m: int, gen: torch.Generator) -> dict:
+    from kernels.deepgemm_linear import fp8_gemm
+
+    w = torch.randn(n, k, device="cuda", generator=gen) * k**-0.5
+    fw = ref.weight_from_checkpoint(*quant_fp8_block(w, scale_fmt="ue8m0"))
+    wb = fw.dequant(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    got = fp8_gemm(x, fw)  # compiles this shape
+    want_ref = ref.fp8_linear_ref(x.float(), fw) if m * n <= (1 << 26) else None
+    exact = x.float() @ wb.float().t()
+    fp8_us = bench_graph(lambda: fp8_gemm(x, fw))
+    bf16_us = bench_graph(lambda: x @ wb.t())
+    return {"name": name, "m": m, "n": n, "k": k, "fp8_us": fp8_us, "bf16_us": bf16_us,
+            "tflops": 2 * m * n * k / fp8_us / 1e6, "err_ref": rel(got, want_ref) if want_ref is not None else None,
+            "err_exact": rel(got, exact), "bf16_err_exact": rel(x @ wb.t(), exact)}
+
+
+def table(rows: list[dict], command: str) -> str:
+    dev = torch.cuda.get_device_name()
+    lines = ["## FP8 dense GEMMs (DeepGEMM) vs bf16", "",
+             f"- command: `{command}`",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {dev}, torch "
+             f"{torch.__version__}",
+             "- time: device us in a CUDA graph after an L2 flush (weights from HBM); fp8 = Triton 1x128 activation "
+             "quantiser + `deep_gemm.fp8_gemm_nt` (bf16 out), bf16 = `x @ W^T` on the dequantised weight",
+             "- err vs ref: ||fp8 - fp8_linear_ref|| / ||ref|| (same quantised activations, fp32); err vs exact: "
+             "against x @ W^T in fp32 (what FP8 activations cost), bf16's own error beside it", "",
+             "| projection | M | fp8 us | bf16 us | bf16 / fp8 | fp8 TFLOP/s | err vs ref | err vs exact (bf16's) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        err_ref = f"{r['err_ref']:.1e}" if r["err_ref"] is not None else "n/a"
+        lines.append(f"| {r['name']} | {r['m']} | {r['fp8_us']:.1f} | {r['bf16_us']:.1f} | "
+                     f"{r['bf16_us'] / r['fp8_us']:.2f}x | {r['tflops']:.0f} | {err_ref} | "
+                     f"{r['err_exact']:.1e} ({r['bf16_err_exact']:.1e}) |")
+    by_m: dict[int, list[float]] = {}
+    for r in rows:
+        by_m.setdefault(r["m"], []).append(r["bf16_us"] / r["fp8_us"])
+    lines.append("")
+    lines.append("Speed-up of FP8 over bf16 by token count (geometric mean over the shapes): " + ", ".join(
+        f"M={m}: {torch.tensor(v).log().mean().exp().item():.2f}x" for m, v in by_m.items()) + ".")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 128, 8192])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--merge", default=None, help="put this section file into BENCHMARKS.md and exit")
+    args = ap.parse_args()
+    if args.merge:
+        from service.benchmarks_md import write_section
+
+        write_section("fp8_gemm", Path(args.merge).read_text())
+        return 0
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU with deep_gemm", file=sys.stderr)
+        return 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for m in args.tokens:
+        for name, (n, k) in SHAPES.items():
+            rows.append(measure(name, n, k, m, gen))
+            r = rows[-1]
+            print(f"{name:28s} M={m:5d} fp8 {r['fp8_us']:8.1f} us  bf16 {r['bf16_us']:8.1f} us", flush=True)
+    md = table(rows, "PYTHONPATH=. python3 scripts/bench_fp8_gemm.py " + " ".join(sys.argv[1:]))
+    print(md)
+    if args.out:
+        Path(args.out).write_text(md)
+    if args.write:
+        from service.benchmarks_md import write_section
+
+        write_section("fp8_gemm", md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

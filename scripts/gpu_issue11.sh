@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issue 11 GPU session runner: installs the carried .whl wheels (DeepGEMM, FlashMLA, triton_kernels) into a
+# private dir, then runs the named stages, logging each to $OUT. Stages: probe, ktests, fp8gemm, moe, fp8oracle,
+# slice, gputests. Usage: scripts/gpu_issue11.sh stage ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+shopt -s nullglob
+wheels=(.whl/*.whl .cache/whl/*.whl)  # GPU libraries + transformers >= 5.23 for the oracle tests
+if [ ${#wheels[@]} -gt 0 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+status=0
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%T)"
+  case $stage in
+    probe) python3 -c '
+import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+from kernels import gpu
+for n in ("has_deep_gemm", "has_flash_mla", "has_triton_kernels"):
+    print(n, getattr(gpu, n)(), gpu.why_not({"has_deep_gemm": "deep_gemm", "has_flash_mla": "flash_mla"}.get(n, "triton_kernels.matmul")))
+' 2>&1 | tee "$OUT/probe.log" ;;
+    ktests) timeout ${KTESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_fp8_linear.py \
+              tests/kernels/test_mxfp4_ogs.py tests/engine/test_fp8_weights.py > "$OUT/ktests.log" 2>&1 || status=1
+            grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ktests.log" | cut -c1-300 ;;
+    fp8gemm) timeout ${FP8GEMM_TIMEOUT:-300} python3 scripts/bench_fp8_gemm.py --out "$OUT/fp8_gemm.md" 2>&1 | tail -60 \
+               | tee "$OUT/fp8gemm.log" || status=1 ;;
+    moe) timeout 300 python3 scripts/bench_moe.py --tokens 1 16 64 128 --out "$OUT/mxfp4_moe.md" 2>&1 | tee "$OUT/moe.log" || status=1 ;;
+    fp8oracle) timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_fp8_engine.py 2>&1 \
+                 > "$OUT/fp8oracle.log" 2>&1 || status=1
+               grep -E "^\[gpu fp8|^(FAILED|ERROR)|passed|failed|Error" "$OUT/fp8oracle.log" | cut -c1-400 ;;
+    slice) timeout ${SLICE_TIMEOUT:-420} scripts/bench_gpu.sh --budget-s ${SLICE_BUDGET:-300} --out "$OUT/bench_gpu.md" ${SLICE_ARGS:-} \
+             > "$OUT/slice.log" 2>&1 || status=1
+           grep -E "^(engine|decode|prefill|transformers|profile)|SKIPPED|Error|FAILED" "$OUT/slice.log" | cut -c1-300 ;;
+    gputests) scripts/gpu_tests.sh ${GPU_TEST_STAGES:-kernels engine check} > "$OUT/gputests.log" 2>&1 || status=1
+              grep -E "^(FAILED|ERROR)|passed|failed|^\[gpu|agree|Error" "$OUT/gputests.log" | cut -c1-300 ;;
+    rest) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_linear.py \
+            tests/kernels/test_triton_swa_insert.py tests/engine/test_fast_paths.py tests/engine/test_moe_grouped.py \
+            > "$OUT/rest.log" 2>&1 || status=1
+          grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/rest.log" | cut -c1-300 ;;
+    memplan) python3 -c '
+import logging; logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+from engine.llm import LLM
+llm = LLM(device="cuda", dtype="bfloat16")
+print("pool tokens", llm.engine.cache_config.max_tokens)
+' 2>&1 | grep -v "^$" | tail -5 ;;
+    ogssweep) timeout 240 python3 scripts/bench_moe.py --tokens 64 128 --ogs-sweep --ogs-best-out "$OUT/ogs_best.json" \
+                > "$OUT/ogssweep.log" 2>&1 || status=1
+              sed -n '/ogs sweep/,$p' "$OUT/ogssweep.log" | cut -c1-200
+              # later stages run with the fastest constraints at the largest token count
+              [ -s "$OUT/ogs_best.json" ] && export DSV4_OGS_CONSTRAINTS="$(cat "$OUT/ogs_best.json")" \
+                && echo "DSV4_OGS_CONSTRAINTS=$DSV4_OGS_CONSTRAINTS" ;;
+    *) echo "unknown stage $stage"; status=2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,106 @@
+"""Block-scaled FP8 linear: the plain-torch reference, the Triton 1x128 activation quantiser (interpreter on the
+CPU, compiled on CUDA) and DeepGEMM's FP8 GEMM against the reference (CUDA with deep_gemm only)."""
+
+import pytest
+import torch
+
+from tests.support import triton_env  # noqa: F401  (sets TRITON_INTERPRET before kernels.triton_* imports)
+from kernels import fp8_linear as ref
+from kernels.gpu import has_deep_gemm, why_not
+from kernels.quant import quant_fp8_block
+from kernels.triton_fp8_quant import quant_act_1x128
+
+DEVICE = triton_env.DEVICE
+
+
+def _weight(n, k, gen, device="cpu", pow2=True):
+    w = torch.randn(n, k, generator=gen) * k**-0.5
+    q, s = quant_fp8_block(w, scale_fmt="ue8m0")
+    return w, ref.weight_from_checkpoint(q.to(device), s.to(device), pow2)
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_reference_quantiser_bounds_and_scales(pow2):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 300, generator=gen) * torch.rand(7, 1, generator=gen) * 50
+    x[2, :128] = 0.0  # an all-zero block takes the amax floor, not a 0/0
+    q, s = ref.quant_act_1x128(x, pow2)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (7, 3)
+    assert torch.isfinite(q.float()).all() and q.float().abs().max() <= ref.FP8_MAX
+    if pow2:
+        assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+    back = ref.dequant_act(q, s)
+    # e4m3 keeps 3 mantissa bits: relative error per element <= 2**-4 of the block's scale * 448 range
+    assert ((back - x).abs() <= s.repeat_interleave(128, 1)[:, :300] * 16 + 1e-12).all()
+
+
+def test_reference_linear_close_to_exact():
+    gen = torch.Generator().manual_seed(1)
+    w, fw = _weight(256, 384, gen)
+    x = torch.randn(5, 384, generator=gen)
+    y = ref.fp8_linear_ref(x, fw)
+    exact = x @ fw.dequant().t()
+    assert y.shape == (5, 256)
+    rel = ((y - exact).norm() / exact.norm()).item()
+    assert 1e-4 < rel < 3e-2  # activation quantisation is visible, and small
+
+
+def test_fp8_weight_validation():
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        ref.Fp8Weight(torch.zeros(128, 128), torch.ones(1, 1))
+    with pytest.raises(ValueError, match="scale must be float32"):
+        ref.Fp8Weight(torch.zeros(256, 128).to(torch.float8_e4m3fn), torch.ones(1, 1))
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("m,k", [(1, 128), (5, 256), (33, 384), (3, 100)])
+def test_triton_quantiser_matches_reference(m, k, pow2):
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 20).to(DEVICE)
+    x[0, : min(k, 128)] = 0.0
+    q, s = quant_act_1x128(x, pow2)
+    rq, rs = ref.quant_act_1x128(x.cpu(), pow2)
+    assert s.stride(0) == 1  # MN-major, the layout DeepGEMM's sm90 kernels load
+    assert torch.equal(s.cpu(), rs)
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+
+
+needs_deep_gemm = pytest.mark.skipif(
+    not torch.cuda.is_available() or not has_deep_gemm(),
+    reason="DeepGEMM FP8 GEMM needs a CUDA GPU with deep_gemm installed (pip install '.[gpu]'): "
+           + (why_not("deep_gemm") or "no CUDA device"))
+
+
+@pytest.mark.gpu
+@needs_deep_gemm
+@pytest.mark.parametrize("m", [1, 16, 64, 200])
+@pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 1024), (512, 4096)])
+def test_deep_gemm_matches_reference(m, n, k):
+    from kernels.deepgemm_linear import fp8_gemm
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    _, fw = _weight(n, k, gen, "cuda")
+    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out.copy_(fp8_gemm(x, fw))
+    want = ref.fp8_linear_ref(x.float(), fw).float()
+    assert torch.isfinite(out).all()
+    rel = ((out.float() - want).norm() / want.norm()).item()
+    assert rel < 8e-3, rel  # same products; bf16 output rounding + accumulation order
+
+
+@pytest.mark.gpu
+@needs_deep_gemm
+@pytest.mark.parametrize("t", [1, 64])
+def test_deep_gemm_grouped_projection(t):
+    from kernels.deepgemm_linear import fp8_grouped_gemm
+
+    g, r, d = 8, 256, 512
+    gen = torch.Generator().manual_seed(t)
+    _, fw = _weight(g * r, d, gen, "cuda")
+    x = torch.randn(g, t, d, generator=gen).to("cuda", torch.bfloat16)
+    out = fp8_grouped_gemm(x, fw, g)
+    for i in range(g):
+        part = ref.Fp8Weight(fw.weight[i * r:(i + 1) * r], fw.scale[i * 2:(i + 1) * 2], fw.pow2_act)
+        want = ref.fp8_linear_ref(x[i].float(), part)
+        assert ((out[i].float() - want).norm() / want.norm()).item() < 8e-3
