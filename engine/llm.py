@@ -56,15 +56,13 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     torch_dtype = resolve_dtype(dtype)
     keep = keep_default(device, torch_dtype) if keep_mxfp4_experts is None else keep_mxfp4_experts
     keep_fp8 = use_fp8_gemm(device, torch_dtype) if keep_fp8_weights is None else keep_fp8_weights
-    skip = None
     if parallel is not None and parallel.enabled:
-        from engine.sharding import shard_weights, skips_unowned
+        from engine.sharding import load_shard
 
-        skip = skips_unowned(cfg, parallel)
-    weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device, keep_mxfp4_experts=keep,
-                           keep_fp8=keep_fp8, skip=skip)
-    if parallel is not None and parallel.enabled:
-        weights = shard_weights(weights, cfg, parallel, torch_dtype)
+        weights = load_shard(model_dir, cfg, parallel, torch_dtype, device, keep_mxfp4_experts=keep, keep_fp8=keep_fp8)
+    else:
+        weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device, keep_mxfp4_experts=keep,
+                               keep_fp8=keep_fp8)
     plan = plan_kv_tokens(cfg, cache_config, torch_dtype, device, max_batch_tokens, gpu_memory_utilization,
                           max_cached_tokens)
     log_plan(plan, cfg, max_num_seqs)

@@ -97,6 +97,16 @@ def skips_unowned(cfg: ModelConfig, ctx: ParallelContext):
     return skip
 
 
+def load_shard(model_dir, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, device, **load_kwargs) -> dict:
+    """This rank's weights, read from the checkpoint: the routed experts of other expert-parallel ranks are never
+    read; the rest is read into host memory, cut (`shard_weights`) and only the cut moves to `device`, so a GPU
+    never holds more than its shard. load_kwargs: `engine.weights.load_weights` options (keep_fp8, ...)."""
+    from engine.weights import load_weights
+
+    host = load_weights(model_dir, cfg, dtype=dtype, device="cpu", skip=skips_unowned(cfg, ctx), **load_kwargs)
+    return {name: t.to(device) for name, t in shard_weights(host, cfg, ctx, dtype).items()}
+
+
 def _scale_name(name: str) -> str:
     return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 
