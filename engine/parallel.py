@@ -34,12 +34,15 @@ class ParallelContext:
     expert_parallel: routed experts are split by expert id across the ranks (each rank holds
     n_routed_experts / tp_size whole experts) instead of splitting every expert's intermediate dim.
     group: the torch.distributed process group (None = the default group; unused at tp_size 1).
+    cpu_group: a gloo group over the same ranks for the per-step object broadcast on CUDA (as vLLM's CPU
+    group): a follower waiting for rank 0's next step then blocks a host thread, not a spinning NCCL kernel.
     """
 
     tp_size: int = 1
     rank: int = 0
     expert_parallel: bool = False
     group: object = None
+    cpu_group: object = None
 
     def __post_init__(self):
         if self.tp_size < 1:
@@ -114,7 +117,7 @@ class ParallelContext:
         if not self.enabled:
             return obj
         box = [obj if self.is_driver else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group if self.cpu_group is not None else self.group)
         return box[0]
 
 
@@ -147,9 +150,11 @@ def init_distributed(rank: int, tp_size: int, device: str | torch.device, master
     if master_addr in ("127.0.0.1", "localhost"):
         # gloo otherwise binds the interface the hostname resolves to, which a sandbox may not have.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(BACKENDS[device.type], init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=tp_size, timeout=datetime.timedelta(seconds=timeout_s))
-    return ParallelContext(tp_size, rank, expert_parallel, dist.group.WORLD)
+                            world_size=tp_size, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
+    return ParallelContext(tp_size, rank, expert_parallel, dist.group.WORLD, cpu_group)
 
 
 def rank_device(device: str | torch.device, rank: int) -> torch.device:
