@@ -6,8 +6,11 @@ seeded-sampling requests must produce the same tokens and the same logprobs and 
 fp32 tolerance (the split changes only the summation order of wo_b, the shared / routed experts and
 the LM head). Cases: unchunked prefill + eager decode (TP 2); chunked prefill (7-token budget) +
 fixed-shape decode steps (TP 2 + EP 2, which exercises both broadcast kinds); MXFP4 experts kept packed
-(EP 2 on the packed reference path); `dsv4 generate --tensor-parallel-size 2 --expert-parallel` in a
-subprocess against the one-rank CLI; and TP 2 + EP 2 against the transformers oracle.
+(EP 2 on the packed reference path); FP8 projections kept as e4m3 + block scales, cut on the 128-grid;
+`dsv4 generate --tensor-parallel-size 2 --expert-parallel` in a subprocess against the one-rank CLI; TP 2 +
+EP 2 against the transformers oracle; the hand-off between layouts (TP 2 prefill -> one-rank decode and back,
+by page copy); prefix-cache hits (snapshot pages replicated from rank 0); a failed rank-0 step; and the weight
+split itself (shards reassemble the checkpoint, FP8 block grid, EP ranks read only their experts).
 """
 
 from __future__ import annotations
