@@ -53,13 +53,14 @@ def place_worker(cls, name: str, args: tuple, kwargs: dict, opts: dict, model_di
     except Exception:
         ray.util.remove_placement_group(group)
         raise
-    # The port is picked here, on the driver: STRICT_PACK puts every rank on one host, the driver's in the
-    # one-node clusters `dsv4 serve` starts (a multi-node cluster needs the port picked on that host).
-    spec = TensorParallelSpec(tp_size, expert_parallel, free_loopback_port())
-    ranked = {**opts, "tensor_parallel": spec}
-
     def on(index: int) -> dict:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+
+    # The rendezvous port is picked on the ranks' host (STRICT_PACK: one host, maybe not the driver's), by a
+    # task in bundle 0; the ranks meet on loopback there.
+    port = ray.get(ray.remote(num_cpus=0)(free_loopback_port).options(**on(0)).remote(), timeout=ready_timeout_s)
+    spec = TensorParallelSpec(tp_size, expert_parallel, port)
+    ranked = {**opts, "tensor_parallel": spec}
 
     follower_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(RankFollower)
     followers = [follower_cls.options(name=f"{name}-rank{r}", **actor_options, **on(r)).remote(r, model_dir, ranked)
