@@ -108,6 +108,9 @@ class MoEBlock:
         self.packed = experts if isinstance(experts, PackedExperts) else None
         self.mxfp4 = self.packed is not None  # routed experts held as MXFP4 (packed, or in triton_kernels layouts)
         self.ogs = None  # kernels.mxfp4_ogs.OgsExperts, built from `packed` at the first triton_kernels call
+        # triton_kernels' tiles were measured at V4 widths only (tests/kernels/test_mxfp4_ogs.py, >= 128);
+        # narrower toy models take the engine's own kernel.
+        self.ogs_fits = cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
         self.w1, self.w2, self.w3 = (None, None, None) if self.packed is not None else experts
         # The fused router reads fp32 router weights; cast once here, not per call as the reference does.
         self.gate_f32 = self.gate.float() if self.packed is not None else None
@@ -121,8 +124,8 @@ class MoEBlock:
     def routed(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum, [T, H]."""
         limit = self.cfg.swiglu_limit
-        if self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and \
-                (self.ogs is not None or mxfp4_moe_backend(x.device) == "triton_kernels"):
+        if self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and (self.ogs is not None or (
+                self.ogs_fits and mxfp4_moe_backend(x.device) == "triton_kernels")):
             from kernels import mxfp4_ogs, triton_moe  # import triton / triton_kernels: only on this path
 
             if self.ogs is None:
