@@ -114,7 +114,8 @@ def mxfp4_moe_backend(device: torch.device | str) -> str:
     return "triton_kernels" if has_triton_kernels() else "engine"
 
 
-def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, packed_experts: bool) -> str:
+def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, packed_experts: bool,
+             ogs_fits: bool = True) -> str:
     """One line naming each fast path this engine uses and why any fell back (logged at model build)."""
     dev = torch.device(device)
     parts = [f"triton ops: {'on' if use_triton(dev) else 'off (' + _triton_reason(dev) + ')'}"]
@@ -126,6 +127,8 @@ def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, pa
     if packed_experts:
         backend = mxfp4_moe_backend(dev)
         note = ""
+        if backend == "triton_kernels" and not ogs_fits:
+            backend, note = "engine", " (widths not in 128s: triton_kernels skipped)"
         if backend == "engine" and dev.type == "cuda" and not has_triton_kernels():
             note = f" (triton_kernels unusable: {why_not('triton_kernels.matmul') or 'not installed'})"
         parts.append(f"routed experts: packed MXFP4, {backend}{note}")

@@ -21,7 +21,7 @@ stages=("$@")
 status=0
 for stage in "${stages[@]}"; do
   case $stage in
-    kernels) timeout ${KERNELS_TIMEOUT:-240} $PY -m pytest -q -p no:cacheprovider tests/kernels/ \
+    kernels) timeout ${KERNELS_TIMEOUT:-400} $PY -m pytest -q -p no:cacheprovider tests/kernels/ \
                tests/engine/test_fast_paths.py tests/engine/test_moe_grouped.py 2>&1 | tee "$OUT/kernels.log" || status=1 ;;
     engine) timeout ${ENGINE_TIMEOUT:-240} $PY -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py \
               tests/engine/test_gpu_fp8_engine.py 2>&1 | tee "$OUT/engine.log" || status=1 ;;
