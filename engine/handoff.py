@@ -18,6 +18,18 @@ class DecodeOverloaded(RuntimeError):
     """No cache capacity or batch slot for the request right now (the router maps it to 429)."""
 
 
+class PeerUnknown(RuntimeError):
+    """The decode worker has no transfer metadata of the ticket's source (it restarted, or the source did,
+    since the dispatcher last introduced them): introduce them and retry the pull."""
+
+    def __init__(self, source: str, worker: str):
+        super().__init__(f"source worker {source!r} is unknown to {worker} (not introduced since a restart)")
+        self.source, self.worker = source, worker
+
+    def __reduce__(self):  # travels through Ray: rebuild from the constructor's arguments
+        return type(self), (self.source, self.worker)
+
+
 @dataclass(frozen=True)
 class TransferTicket:
     """What the decode side needs to pull one request; small and picklable (travels through Ray).
@@ -91,10 +103,16 @@ class PrefixDigest:
 
 @dataclass(frozen=True)
 class WorkerStats:
+    """max_slots / kv_capacity_tokens: what the idle engine admits (batch slots, tokens of reservation);
+    the router admits against these minus what it has in flight there (0 = unknown: not limiting)."""
+
     worker_id: str
     role: str
     incarnation: str  # changes when the actor restarts (new transfer agent, empty cache)
     load: EngineLoad
+    max_slots: int = 0
+    kv_capacity_tokens: int = 0
+    kv_page_tokens: int = 1  # a reservation is rounded up to whole pages of this many tokens
     prefix: PrefixDigest | None = None  # None: the worker has no prefix cache
 
     @property

@@ -32,7 +32,15 @@ class WorkerBase:
         self.backend = None
         self._prefix_counters = metrics.PrefixCounters(self.role, worker_id)
         self._digest = None  # the engine's PrefixDigest, refreshed on the engine thread when it changes
-        self.loop = EngineLoop(self.engine, name=f"{self.role}-{worker_id}", on_step=self._on_step)
+        # What the idle engine admits, read before any request holds a page (the router admits against it).
+        pool = self.engine.pool
+        self.max_slots = self.engine.scheduler_config.max_num_seqs
+        self.kv_capacity_tokens = pool.free_tokens()
+        self.kv_page_tokens = max((g.spec.page_rows * g.spec.tokens_per_row for g in pool.groups.values()
+                                   if not g.spec.fixed), default=1)
+        self.loop = EngineLoop(self.engine, name=f"{self.role}-{worker_id}", on_step=self._on_step,
+                               on_change=lambda engine: self.publish_load())
+        self.publish_load()  # the gauges exist (at idle) before the first request
 
     def attach_backend(self, backend) -> None:
         self.backend = backend
@@ -51,7 +59,8 @@ class WorkerBase:
 
     # ---- actor API -------------------------------------------------------------------------------
     def stats(self) -> WorkerStats:
-        return WorkerStats(self.worker_id, self.role, self.incarnation, self.engine.load(), prefix=self._digest)
+        return WorkerStats(self.worker_id, self.role, self.incarnation, self.engine.load(), self.max_slots,
+                           self.kv_capacity_tokens, self.kv_page_tokens, prefix=self._digest)
 
     def ping(self) -> str:
         if not self.loop.alive:

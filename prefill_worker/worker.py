@@ -18,7 +18,7 @@ from engine.engine_loop import AsyncSink
 from engine.handoff import PrefillResult
 from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerBase
-from kv_transfer.registry import make_backend, resolve_name
+from kv_transfer.registry import make_backend, network_options, resolve_name
 
 POLL_INTERVAL_S = 0.02
 
@@ -27,10 +27,12 @@ class PrefillWorker(WorkerBase):
     role = "prefill"
 
     def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
-                 transfer: str = "tcp", lease_s: float = 120.0):
+                 transfer: str = "tcp", lease_s: float = 120.0, bind_host: str | None = None,
+                 cluster_token: str | None = None):
         super().__init__(worker_id, model_dir, engine_options)
         self.transfer = resolve_name(transfer)  # the concrete backend, for metric labels
-        self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id, lease_s=lease_s))
+        self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id, lease_s=lease_s,
+                                         **network_options(transfer, bind_host, cluster_token)))
         self.backend.add_release_callback(self._on_release)
         self._poller: asyncio.Task | None = None
 

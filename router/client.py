@@ -15,6 +15,7 @@ from typing import AsyncIterator, Iterator, Sequence
 import grpc
 
 from engine.sampling_params import SamplingParams
+from router.auth import call_metadata
 from router.protos import pb2, pb2_grpc
 
 _STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}
@@ -133,15 +134,17 @@ def _stats(msg) -> StatsReport:
 class RouterClient:
     """Blocking client: `for ev in RouterClient("host:port").generate(ids, params): ...`."""
 
-    def __init__(self, addr: str, timeout_s: float | None = None):
+    def __init__(self, addr: str, timeout_s: float | None = None, token: str | None = None):
         self.addr = addr
         self.timeout_s = timeout_s  # per call deadline; None = none
+        self._md = call_metadata(token)  # the cluster token, when the router requires one
         self._channel = grpc.insecure_channel(addr)
         self._stub = pb2_grpc.RouterStub(self._channel)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                  request_id: str = "") -> Iterator[StreamEvent]:
-        call = self._stub.Generate(build_request(prompt_ids, params, request_id), timeout=self.timeout_s)
+        call = self._stub.Generate(build_request(prompt_ids, params, request_id), timeout=self.timeout_s,
+                                   metadata=self._md)
         try:
             for msg in call:
                 ev = to_event(msg)
@@ -165,7 +168,7 @@ class RouterClient:
 
     def _call(self, method, msg):
         try:
-            return method(msg, timeout=self.timeout_s)
+            return method(msg, timeout=self.timeout_s, metadata=self._md)
         except grpc.RpcError as e:
             raise RouterError(e.code(), e.details() or "") from None
 
@@ -182,15 +185,17 @@ class RouterClient:
 class AsyncRouterClient:
     """grpc.aio client; create it inside the event loop that will use it."""
 
-    def __init__(self, addr: str, timeout_s: float | None = None):
+    def __init__(self, addr: str, timeout_s: float | None = None, token: str | None = None):
         self.addr = addr
         self.timeout_s = timeout_s
+        self._md = call_metadata(token)
         self._channel = grpc.aio.insecure_channel(addr)
         self._stub = pb2_grpc.RouterStub(self._channel)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                        request_id: str = "") -> AsyncIterator[StreamEvent]:
-        call = self._stub.Generate(build_request(prompt_ids, params, request_id), timeout=self.timeout_s)
+        call = self._stub.Generate(build_request(prompt_ids, params, request_id), timeout=self.timeout_s,
+                                   metadata=self._md)
         try:
             async for msg in call:
                 ev = to_event(msg)
@@ -214,7 +219,7 @@ class AsyncRouterClient:
 
     async def _call(self, method, msg):
         try:
-            return await method(msg, timeout=self.timeout_s)
+            return await method(msg, timeout=self.timeout_s, metadata=self._md)
         except grpc.RpcError as e:
             raise RouterError(e.code(), e.details() or "") from None
 

@@ -52,6 +52,11 @@ class WorkerInfo:
     # Changes when the worker restarts (new process, empty cache): a restart between two health probes
     # is never seen as "down", so this is how the router knows to forget what it sent there before.
     incarnation: str = ""
+    # Admission (decode workers): what the idle engine admits; 0 = unknown, not limiting. The router admits
+    # against these minus what it has in flight there, so a stale report never over- or under-admits.
+    max_slots: int = 0
+    kv_capacity_tokens: int = 0
+    kv_page_tokens: int = 1
     # What the worker's prefix cache can resume from (published by the worker; None = no real cache view,
     # the policy falls back to its own estimate). See router/locality.py.
     prefix: PrefixDigest | None = None

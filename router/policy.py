@@ -38,6 +38,11 @@ healthy `decode` workers: those whose effective free KV (reported free tokens mi
 requests in flight there, which the report may not show yet) fits prompt + max_new_tokens; the most free
 capacity first, then the least load (reason "kv_capacity"). If none fits, the same order over all of them
 (reason "no_capacity": the request waits in that worker's queue).
+Admission (decode slots and pages): a worker that reports what it admits when idle (`max_slots`,
+`kv_capacity_tokens`, `kv_page_tokens`) has effective free slots = max_slots - this router's requests in
+flight there, and effective free tokens = capacity - their reservations rounded up to whole pages (what the
+worker itself reserves). These do not lag like load reports do. `can_admit` says whether some decode worker
+fits a request now; the router queues the request until one does (router/server.py).
 
 Health: a worker is a candidate only if the dispatcher reports it healthy AND the router has not marked
 it down (`set_health`). Going down forgets its blocks (its cache is gone, and a dead worker must not stay
@@ -171,6 +176,7 @@ class RoutingPolicy:
         self._incarnation: dict[str, str] = {}
         self._inflight: Counter[str] = Counter()
         self._reserved: Counter[str] = Counter()  # KV tokens of in-flight requests, per decode worker
+        self._page_tokens: dict[str, int] = {}  # per worker: a reservation is rounded up to these many tokens
         self._rr = 0  # round-robin cursor
         self._tie = 0  # rotates among equally good workers
         self._pending: Counter[str] = Counter()  # uncached prompt tokens sent, prefill not finished (per worker)
@@ -204,11 +210,11 @@ class RoutingPolicy:
     def acquire(self, worker_id: str, kv_tokens: int = 0) -> None:
         """A request of this router now occupies the worker (until `release`)."""
         self._inflight[worker_id] += 1
-        self._reserved[worker_id] += kv_tokens
+        self._reserved[worker_id] += self._round(worker_id, kv_tokens)
 
     def release(self, worker_id: str, kv_tokens: int = 0) -> None:
         self._inflight[worker_id] -= 1
-        self._reserved[worker_id] -= kv_tokens
+        self._reserved[worker_id] -= self._round(worker_id, kv_tokens)
         if self._inflight[worker_id] <= 0:  # keep the counters small and never negative
             del self._inflight[worker_id]
             self._reserved.pop(worker_id, None)
@@ -225,7 +231,39 @@ class RoutingPolicy:
         return len(lru) if lru is not None else 0
 
     def effective_free_tokens(self, worker: WorkerInfo) -> int:
+        if worker.kv_capacity_tokens:
+            return max(0, worker.kv_capacity_tokens - self._reserved[worker.worker_id])
         return max(0, worker.kv_free_tokens - self._reserved[worker.worker_id])
+
+    def effective_free_slots(self, worker: WorkerInfo) -> int | None:
+        """Batch slots the worker can still admit from this router; None = not reported (not limiting)."""
+        if not worker.max_slots:
+            return None
+        return max(0, worker.max_slots - self._inflight[worker.worker_id])
+
+    def fits(self, worker: WorkerInfo, max_total_tokens: int) -> bool:
+        """Would the decode worker accept a request of this many cache positions right now?"""
+        slots = self.effective_free_slots(worker)
+        return (slots is None or slots > 0) and \
+            self.effective_free_tokens(worker) >= self._round(worker.worker_id, max_total_tokens, worker)
+
+    def can_admit(self, max_total_tokens: int, workers: Iterable[WorkerInfo], exclude: Iterable[str] = ()) -> bool:
+        """True when a healthy decode worker fits the request now (or none ever could: the engine then
+        rejects it with a clear error instead of it waiting for nothing), or there are no decode workers."""
+        excluded = set(exclude)
+        cands = [w for w in workers if w.role == "decode" and self.is_up(w) and w.worker_id not in excluded]
+        if not cands:
+            return True
+        if any(self.fits(w, max_total_tokens) for w in cands):
+            return True
+        return all(w.kv_capacity_tokens and self._round(w.worker_id, max_total_tokens, w) > w.kv_capacity_tokens
+                   for w in cands)
+
+    def _round(self, worker_id: str, tokens: int, worker: WorkerInfo | None = None) -> int:
+        page = max(1, worker.kv_page_tokens if worker is not None else self._page_tokens.get(worker_id, 1))
+        if worker is not None:
+            self._page_tokens[worker_id] = page
+        return -(-tokens // page) * page
 
     # ---- decisions ---------------------------------------------------------------------------
     def place(self, prompt_ids: Sequence[int], max_total_tokens: int, workers: Iterable[WorkerInfo],
@@ -356,7 +394,7 @@ class RoutingPolicy:
         cands = [w for w in candidates if w.role == "decode"]
         if not cands:
             raise NoWorkerAvailable("no healthy decode worker")
-        fits = [w for w in cands if self.effective_free_tokens(w) >= max_total_tokens]
+        fits = [w for w in cands if self.fits(w, max_total_tokens)]
         pool, reason = (fits, "kv_capacity") if fits else (cands, "no_capacity")
         most_free = max(self.effective_free_tokens(w) for w in pool)
         top = [w for w in pool if self.effective_free_tokens(w) == most_free]

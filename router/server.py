@@ -9,10 +9,18 @@ the same code, so streaming clients get a typed reason and plain gRPC clients a 
   vocabulary, too long) -> INVALID_ARGUMENT with the engine's message; nothing was placed or it ran
   nowhere, and the server keeps serving;
 - more than `max_inflight` requests in the router -> RESOURCE_EXHAUSTED; so is `Overloaded`;
+- admission: when no decode worker has a free slot and pages for the request (`RoutingPolicy.can_admit`),
+  it waits in a FIFO queue of at most `max_queued` requests for up to `queue_timeout_s`; a full queue ->
+  RESOURCE_EXHAUSTED, a wait that times out -> UNAVAILABLE (both say "retry later");
+- no healthy worker for a phase (a one-worker pool whose worker Ray is restarting) -> the request waits up
+  to `restart_wait_s` for one to come back, then UNAVAILABLE;
 - `WorkerDied` before anything was streamed -> the worker is marked down (its remembered prefixes are
-  dropped) and the request is placed once more, excluding it; a second death, a death after tokens were
-  streamed (replaying generated tokens elsewhere is not implemented), or no healthy worker -> UNAVAILABLE;
+  dropped) and the request is placed once more, excluding that incarnation of it (a restarted one is
+  fine); a second death, or a death after tokens were streamed (replaying generated tokens elsewhere is
+  not implemented) -> UNAVAILABLE naming the worker and how far the request got;
 - anything else -> INTERNAL (logged with its traceback).
+Messages carry no internals (remote tracebacks, pids, addresses): those go to the log under the request id.
+With `auth_token` set, every call must carry it in the `x-dsv4-token` metadata (else UNAUTHENTICATED).
 Prompt logprobs of prefill-only steps are held back and sent with the first token, so "nothing streamed
 yet" holds until the first token and a retry never duplicates them.
 
@@ -33,6 +41,7 @@ from typing import AsyncIterator
 import grpc
 
 from engine.sampling_params import SamplingParams
+from router.auth import TokenInterceptor
 from router.dispatch import (Dispatcher, DispatchRequest, NoWorkerAvailable, Overloaded, PREFILL_ROLES,
                              DECODE_ROLES, WorkerDied)
 from router.metrics import RouterMetrics
@@ -75,10 +84,20 @@ def request_from_proto(msg, default_id: str) -> DispatchRequest:
 
 class RouterServer(pb2_grpc.RouterServicer):
     def __init__(self, dispatcher: Dispatcher, policy: RoutingPolicy | None = None, *,
-                 health_interval_s: float = 5.0, health_timeout_s: float = 5.0, max_inflight: int = 0):
+                 health_interval_s: float = 5.0, health_timeout_s: float = 5.0, max_inflight: int = 0,
+                 max_queued: int = 1024, queue_timeout_s: float = 60.0, restart_wait_s: float = 60.0,
+                 auth_token: str | None = None):
         if health_interval_s <= 0 or health_timeout_s <= 0 or max_inflight < 0:
             raise ValueError(f"health_interval_s and health_timeout_s must be > 0 and max_inflight >= 0, got "
                              f"{health_interval_s}, {health_timeout_s}, {max_inflight}")
+        if max_queued < 0 or queue_timeout_s < 0 or restart_wait_s < 0:
+            raise ValueError(f"max_queued, queue_timeout_s and restart_wait_s must be >= 0, got {max_queued}, "
+                             f"{queue_timeout_s}, {restart_wait_s}")
+        self.max_queued, self.queue_timeout_s, self.restart_wait_s = max_queued, queue_timeout_s, restart_wait_s
+        self.auth_token = auth_token
+        self.draining = False  # shutting down: new requests are refused
+        self._queued = 0
+        self._changed: asyncio.Condition | None = None  # notified when capacity frees or health changes
         self.dispatcher = dispatcher
         self.policy = policy or RoutingPolicy()
         self.metrics = RouterMetrics(self.policy.config.block_size)
@@ -94,7 +113,8 @@ class RouterServer(pb2_grpc.RouterServicer):
         """Bind and serve; returns the bound port (port 0 picks a free one)."""
         if self._server is not None:
             raise RuntimeError("router server already started")
-        self._server = grpc.aio.server()
+        interceptors = [TokenInterceptor(self.auth_token)] if self.auth_token else []
+        self._server = grpc.aio.server(interceptors=interceptors)
         pb2_grpc.add_RouterServicer_to_server(self, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
@@ -123,12 +143,32 @@ class RouterServer(pb2_grpc.RouterServicer):
     async def check_health(self) -> dict[str, bool]:
         """Probe every worker once and apply the verdicts (also what `Health(probe=true)` runs)."""
         verdicts = await asyncio.wait_for(self.dispatcher.health_check(), self.health_timeout_s)
+        changed = False
         for worker_id, ok in verdicts.items():
             if self.policy.set_health(worker_id, ok):
+                changed = True
                 log.warning("worker %s is %s", worker_id, "back" if ok else "down")
                 if not ok:
                     self.metrics.worker_deaths += 1
+        if changed:
+            await self._notify()
         return verdicts
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:  # created in the serving loop
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def _notify(self) -> None:
+        cond = self._condition()
+        async with cond:
+            cond.notify_all()
+
+    async def _wait_change(self, timeout: float) -> None:
+        cond = self._condition()
+        async with cond:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(cond.wait(), max(0.0, timeout))
 
     async def _health_loop(self) -> None:
         while True:
@@ -159,18 +199,20 @@ class RouterServer(pb2_grpc.RouterServicer):
             await context.abort(_STATUS[f.code], f.message)
 
     async def _generate(self, request, rid: str) -> AsyncIterator:
+        if self.draining:
+            raise RouterFailure(Code.UNAVAILABLE, "the service is shutting down; retry on another instance")
         if self.max_inflight and self._active >= self.max_inflight:
-            raise RouterFailure(Code.RESOURCE_EXHAUSTED, f"router has {self._active} requests in flight "
-                                                         f"(max_inflight {self.max_inflight})")
+            raise RouterFailure(Code.RESOURCE_EXHAUSTED, f"the service has {self._active} requests in flight "
+                                                         f"(max {self.max_inflight}); retry later")
         try:
             dreq = request_from_proto(request, rid)
         except ValueError as e:
             raise RouterFailure(Code.INVALID_ARGUMENT, str(e)) from None
         self._active += 1
         try:
-            excluded: list[str] = []
+            excluded: dict[str, str] = {}  # worker -> the incarnation of it that died on this request
             for attempt in range(2):
-                placement = self._place(dreq, excluded)
+                placement = await self._admit(dreq, excluded)
                 sent = 0
                 try:
                     async for resp in self._stream(dreq, placement):
@@ -179,21 +221,57 @@ class RouterServer(pb2_grpc.RouterServicer):
                     return
                 except WorkerDied as e:
                     self._worker_died(e.worker_id)
+                    log.warning("request %s: %s (after %d messages, attempt %d)", rid, e, sent, attempt + 1)
                     if sent or attempt == 1:
-                        what = f"after {sent} messages" if sent else "on retry"
-                        raise RouterFailure(Code.UNAVAILABLE, f"request {rid}: {e} {what}") from None
-                    log.warning("request %s: %s before streaming; retrying elsewhere", rid, e)
+                        role = "prefill" if e.worker_id == placement.prefill.worker_id else "decode"
+                        how = f"after {sent} streamed tokens" if sent else "twice"
+                        raise RouterFailure(Code.UNAVAILABLE, f"request {rid} failed: the {role} worker "
+                                            f"{e.worker_id} died while serving it ({how}); retry the request") \
+                            from None
                     self.metrics.retries += 1
-                    excluded.append(e.worker_id)
+                    excluded[e.worker_id] = self._incarnation(e.worker_id)
         finally:
             self._active -= 1
 
-    def _place(self, dreq: DispatchRequest, excluded: list[str]) -> Placement:
+    def _incarnation(self, worker_id: str) -> str:
+        return next((w.incarnation for w in self.dispatcher.workers() if w.worker_id == worker_id), "")
+
+    async def _admit(self, dreq: DispatchRequest, excluded: dict[str, str]) -> Placement:
+        """Place the request once a decode worker fits it and each phase has a healthy worker, waiting
+        (bounded, see the module docstring) for capacity or for Ray to restart a worker."""
+        loop = asyncio.get_running_loop()
+        start, queued = loop.time(), False
         try:
-            placement = self.policy.place(dreq.prompt_ids, dreq.max_total_tokens, self.dispatcher.workers(),
-                                          excluded)
-        except NoWorkerAvailable as e:
-            raise RouterFailure(Code.UNAVAILABLE, str(e)) from None
+            while True:
+                workers = self.dispatcher.workers()
+                exclude = [w.worker_id for w in workers if excluded.get(w.worker_id, None) == w.incarnation]
+                waited = loop.time() - start
+                fits = self.policy.can_admit(dreq.max_total_tokens, workers, exclude)
+                if fits and (queued or not self._queued):  # FIFO: newcomers do not overtake the queue
+                    try:
+                        return self._place(dreq, exclude)
+                    except NoWorkerAvailable as e:
+                        if waited >= self.restart_wait_s:
+                            raise RouterFailure(Code.UNAVAILABLE, f"no healthy worker can take the request ({e}) "
+                                                f"after waiting {waited:.0f} s; retry later") from None
+                        await self._wait_change(min(0.25, self.restart_wait_s - waited))
+                        continue
+                if not queued:
+                    if self._queued >= self.max_queued:
+                        raise RouterFailure(Code.RESOURCE_EXHAUSTED, f"the service is at capacity: {self._queued} "
+                                            f"requests are already waiting for a decode slot; retry later")
+                    self._queued, queued = self._queued + 1, True
+                if waited >= self.queue_timeout_s:
+                    raise RouterFailure(Code.UNAVAILABLE, f"no decode capacity freed up within "
+                                        f"{self.queue_timeout_s:g} s; retry later")
+                await self._wait_change(min(1.0, self.queue_timeout_s - waited))
+        finally:
+            if queued:
+                self._queued -= 1
+                asyncio.get_running_loop().create_task(self._notify())  # the next in line may fit now
+
+    def _place(self, dreq: DispatchRequest, excluded: list[str]) -> Placement:
+        placement = self.policy.place(dreq.prompt_ids, dreq.max_total_tokens, self.dispatcher.workers(), excluded)
         self.metrics.record_placement(placement)
         return placement
 
@@ -239,18 +317,27 @@ class RouterServer(pb2_grpc.RouterServicer):
         except ValueError as e:
             raise RouterFailure(Code.INVALID_ARGUMENT, str(e)) from None
         except Overloaded as e:
-            raise RouterFailure(Code.RESOURCE_EXHAUSTED, str(e) or f"worker {p_id} is overloaded") from None
+            log.warning("request %s: decode worker %s overloaded: %s", dreq.request_id, d_id, e)
+            raise RouterFailure(Code.RESOURCE_EXHAUSTED, "the service is at capacity (no decode slot or cache "
+                                                         "pages free); retry later") from None
         except (WorkerDied, RouterFailure):
             raise
-        except Exception as e:
+        except Exception:
             log.exception("request %s failed on %s/%s", dreq.request_id, p_id, d_id)
-            raise RouterFailure(Code.INTERNAL, f"{type(e).__name__}: {e}") from None
+            raise RouterFailure(Code.INTERNAL, f"internal error serving request {dreq.request_id} (details are in "
+                                               f"the router log under that id)") from None
         finally:
             if pending:
                 self.policy.prefill_done(p_id, pending)
             if prefill_held:
                 self.policy.release(p_id)
             self.policy.release(d_id, kv)
+            self._wake_soon()
+
+    def _wake_soon(self) -> None:
+        """Capacity freed: let queued requests re-check (from a finally: never await there)."""
+        if self._queued:
+            asyncio.get_running_loop().create_task(self._notify())
 
     # ---- Health / Stats ------------------------------------------------------------------------
     async def Health(self, request, context):

@@ -108,6 +108,10 @@ class RouterActor:
     def active(self) -> int:
         return self.server._active
 
+    def queued(self) -> int:
+        """Requests waiting at the router for a decode slot."""
+        return self.server._queued
+
     def drain(self) -> None:
         """Refuse new requests from now on (shutdown)."""
         self.server.draining = True
@@ -166,9 +170,20 @@ def check_placement(cfg: ServiceConfig, http: bool = True) -> None:
                                 + "\n  (fewer workers, a smaller per-worker CPU reservation, or a bigger cluster)")
 
 
+def _job_env() -> dict:
+    """The job's runtime_env variables (an actor's own runtime_env replaces them unless repeated)."""
+    import ray
+
+    try:
+        return dict((ray.get_runtime_context().runtime_env or {}).get("env_vars") or {})
+    except Exception:  # noqa: BLE001 - older Ray: nothing to repeat
+        return {}
+
+
 def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     """Deploy everything on the connected Ray cluster; -> handles and URLs. `http=False` skips Ray Serve.
     Each stage waits at most cfg.ready_timeout_s, then raises ServiceStartError naming what is not up."""
+    from kv_transfer.registry import resolve_name
     from router.auth import new_token
     from service.ingress_guard import IngressOptions
 
@@ -177,6 +192,11 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     opts = dict(cfg.engine_options)
     host, token = internal_host(cfg), new_token()
     net = dict(bind_host=None if host == "127.0.0.1" else "node", cluster_token=token)
+    actor = {}
+    if host == "127.0.0.1" and resolve_name(cfg.transfer) == "nixl" and "UCX_NET_DEVICES" not in os.environ:
+        # One node: UCX's network transports listen on loopback only (shared memory and CUDA IPC, which
+        # carry the transfers here, are not network devices); otherwise UCX also listens on the node address.
+        actor["runtime_env"] = {"env_vars": {**_job_env(), "UCX_NET_DEVICES": "lo"}}
     handles: dict = {"prefill": {}, "decode": {}}
     try:
         placed = handles["placed"] = {}
@@ -186,7 +206,7 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
                 placed[f"{role}-{i}"] = place_worker(
                     cls, f"dsv4-{role}-{i}", (f"{role}-{i}", cfg.model_dir, opts, cfg.transfer), net, opts,
                     cfg.model_dir, cfg.tensor_parallel_size, cfg.expert_parallel, cfg.worker_num_cpus,
-                    _num_gpus(cfg), {}, cfg.ready_timeout_s)
+                    _num_gpus(cfg), actor, cfg.ready_timeout_s)
                 handles[role][f"{role}-{i}"] = placed[f"{role}-{i}"].handle
         prefill, decode = handles["prefill"], handles["decode"]
         _wait_ready({name: h.ping.remote() for name, h in (*prefill.items(), *decode.items())}
@@ -386,6 +406,7 @@ def remove_metrics_dir() -> None:
     path = os.environ.pop("DSV4_OWN_METRICS_DIR", None)
     if path and os.environ.get("PROMETHEUS_MULTIPROC_DIR") == path:
         shutil.rmtree(path, ignore_errors=True)
+        del os.environ["PROMETHEUS_MULTIPROC_DIR"]  # a later prepare_metrics_dir makes (and owns) a new one
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
@@ -398,8 +419,10 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                          transfer=args.transfer, router_policy=args.router_policy, engine_options=engine_options,
                          worker_num_cpus=args.worker_num_cpus, ingress_replicas=args.ingress_replicas,
                          api_key=args.api_key or os.environ.get("DSV4_API_KEY") or None,
-                         max_body_bytes=args.max_body_bytes, allow_request_chat_template=args.allow_request_chat_template,
-                         api_docs=args.api_docs, metrics_host=args.metrics_host, drain_s=args.drain_seconds,
+                         max_body_bytes=args.max_body_bytes,
+                         allow_request_chat_template=args.allow_request_chat_template, api_docs=args.api_docs,
+                         metrics_host=args.metrics_host, drain_s=args.drain_seconds,
+                         router_max_queued=args.max_queued, router_queue_timeout_s=args.queue_timeout_seconds,
                          tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel)
 
 
@@ -469,6 +492,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="Ray CPU reservation of each prefill/decode worker")
     parser.add_argument("--drain-seconds", type=float, default=10.0,
                         help="on SIGTERM / Ctrl-C, how long in-flight requests may take to finish")
+    parser.add_argument("--max-queued", type=int, default=1024,
+                        help="requests that may wait at the router for a decode slot (429 beyond)")
+    parser.add_argument("--queue-timeout-seconds", type=float, default=60.0,
+                        help="how long a request may wait there (503 after)")
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks per prefill/decode worker: one Ray actor (one GPU on cuda) each, packed on "

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,6 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import chat_v4
 from service import openai_protocol as P
+from service.ingress_guard import GuardMiddleware, IngressOptions, Offloader, lone_surrogate
+from service.template_sandbox import TemplateTimeout
 from engine import metrics
 from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams
@@ -43,6 +47,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 300.0
 _HTTP_OF_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                  grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 _INT64 = 1 << 63
+_TRANSPORT_DETAIL = re.compile(r"ipv[46]:|unix:|failed to connect|Socket closed|Connection refused", re.I)
 
 
 class APIError(Exception):
@@ -54,14 +59,22 @@ class APIError(Exception):
 
     @classmethod
     def from_router(cls, e: RouterError) -> "APIError":
-        return cls(_HTTP_OF_GRPC.get(e.code, 500), e.message or e.code.name)
+        msg = e.message or e.code.name
+        if _TRANSPORT_DETAIL.search(msg):  # gRPC's own connection errors name addresses: keep them in the log
+            log.warning("router call failed: %s: %s", e.code.name, msg)
+            msg = "the router is not reachable; retry later" if e.code == grpc.StatusCode.UNAVAILABLE else \
+                f"router call failed ({e.code.name})"
+        return cls(_HTTP_OF_GRPC.get(e.code, 500), msg)
 
     @property
     def label(self) -> str:  # the `status` label of the requests counter
         return "invalid" if self.status in (400, 404) else "error"
 
     def response(self) -> JSONResponse:
-        return JSONResponse(P.error_body(self.status, self.message, self.param), status_code=self.status)
+        # 429 / 503 say when to come back (overload, a worker restarting); the openai client honours it.
+        headers = {"Retry-After": "1" if self.status == 429 else "2"} if self.status in (429, 503) else None
+        return JSONResponse(P.error_body(self.status, self.message, self.param), status_code=self.status,
+                            headers=headers)
 
 
 class _ClientGone(Exception):
@@ -71,29 +84,48 @@ class _ClientGone(Exception):
 class TextStream:
     """Token ids -> text deltas, with stop strings. Streaming and non-streaming responses both run it.
 
-    Each token decodes the whole output so far and emits the new suffix (simple, O(n^2) in the output; fine
-    for now). Held back until they are final: a trailing U+FFFD (a UTF-8 character split across tokens,
-    which the next token may complete) and, while stop strings are pending, the last len(longest)-1
-    characters, which could be the start of a stop string that must not reach the client.
+    Incremental detokenisation (vLLM's prefix / read offsets): a token decodes only the ids since the last
+    emitted piece (`ids[prefix:]` against `ids[prefix:read]`), and stop strings are searched only in the new
+    text and the len(longest) - 1 characters before it, so each token costs the same however long the
+    output grows (the whole-output decode it replaces was O(n^2) on the event loop). Held back until they
+    are final: a trailing U+FFFD (a UTF-8 character split across tokens, which the next token may complete)
+    and, while stop strings are pending, the last len(longest)-1 characters, which could be the start of a
+    stop string that must not reach the client.
     """
 
     def __init__(self, tokenizer, stops: list[str], include_stop: bool, skip_special: bool):
         self.tokenizer, self.stops, self.include_stop, self.skip_special = tokenizer, stops, include_stop, skip_special
-        self.hold = max(map(len, stops)) - 1 if stops and not include_stop else 0
+        self.longest = max(map(len, stops), default=0)
+        self.hold = self.longest - 1 if stops and not include_stop else 0
         self.ids, self.sent, self.stop_hit = [], "", None  # stop_hit: the stop string that ended the text
+        self.text = ""  # everything decoded so far (sent, held back, or cut by a stop string)
+        self._prefix = self._read = 0  # ids[_prefix:_read] is the context of the next piece
+        self._searched = 0  # self.text[:_searched] has been searched for stop strings
+
+    def _decode(self, final: bool) -> None:
+        if self.tokenizer is None or self._read == len(self.ids):
+            return
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read], self.skip_special)
+        now = self.tokenizer.decode(self.ids[self._prefix:], self.skip_special)
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self.text += now[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
 
     def add(self, token_id: int | None, final: bool) -> str:
         if token_id is not None:
             self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, self.skip_special) if self.tokenizer is not None and self.ids else ""
+        self._decode(final)
+        text = self.text
         if self.stops:
-            hits = [(text.find(s), s) for s in self.stops if s in text]
+            start = max(0, self._searched - self.longest + 1)
+            hits = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
+            self._searched = len(text)
             if hits:
                 idx, s = min(hits)
                 text, self.stop_hit, final = text[: idx + (len(s) if self.include_stop else 0)], s, True
         if not final:
             text = text[: max(0, len(text) - self.hold)].rstrip("\ufffd")
-        if not text.startswith(self.sent):  # a prefix decoded differently (rare): never retract sent text
+        if not text.startswith(self.sent):  # never retract sent text
             return ""
         delta, self.sent = text[len(self.sent):], text
         return delta
@@ -164,13 +196,20 @@ class OpenAIServer:
     """Per-process state behind the routes: model facts, tokenizer, and the router client."""
 
     def __init__(self, router_addr: str, model_dir: str, model_name: str,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, health_timeout_s: float = 5.0):
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, health_timeout_s: float = 5.0,
+                 options: IngressOptions | None = None):
         self.router_addr, self.model_dir, self.model_name = router_addr, model_dir, model_name
+        self.options = options or IngressOptions()
+        self.offload = Offloader(self.options.offload_threads)
         self.request_timeout_s, self.health_timeout_s = request_timeout_s, health_timeout_s
         cfg = ModelConfig.from_model_dir(model_dir)
         self.vocab_size, self.max_model_len = cfg.vocab_size, cfg.max_position_embeddings
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.tokenizer = load_tokenizer(model_dir)  # None: token-id prompts only
+        # A token covers at most this many characters: longer text can never fit the context, and is refused
+        # before the tokenizer spends seconds on it.
+        longest = max(map(len, self.tokenizer.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
+        self.max_prompt_chars = self.max_model_len * max(longest, 1)
         self.v4_chat = chat_v4.uses_v4_encoding(model_dir, self.tokenizer)  # DeepSeek V4's own chat format
         self._client: AsyncRouterClient | None = None
         self._client_loop = None
@@ -179,7 +218,8 @@ class OpenAIServer:
         # grpc.aio channels belong to the loop that creates them: create it lazily in the serving loop.
         loop = asyncio.get_running_loop()
         if self._client is None or self._client_loop is not loop:
-            self._client = AsyncRouterClient(self.router_addr, timeout_s=self.request_timeout_s)
+            self._client = AsyncRouterClient(self.router_addr, timeout_s=self.request_timeout_s,
+                                             token=self.options.router_token)
             self._client_loop = loop
         return self._client
 
@@ -191,6 +231,11 @@ class OpenAIServer:
         if model and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
                            "model")
+
+    def _check_chars(self, text: str, what: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"{what} of {len(text)} characters cannot fit this model's maximum context length "
+                                f"of {self.max_model_len} tokens", what)
 
     def _check_ids(self, ids: list[int], what: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -210,6 +255,7 @@ class OpenAIServer:
                                "prompt")
             if not prompt:
                 raise APIError(400, "prompt is empty: at least one token is required", "prompt")
+            self._check_chars(prompt, "prompt")
             return self.tokenizer.encode(prompt), prompt
         ids = list(prompt)
         if not ids:
@@ -238,15 +284,22 @@ class OpenAIServer:
                                 f"/v1/completions with token ids", "messages")
         if v4 is not None:  # the V4 prompt starts with BOS itself
             return list(tok.tokenizer.encode(v4.text, add_special_tokens=False).ids)
+        if req.chat_template and not self.options.allow_request_templates:
+            raise APIError(400, "request-supplied chat templates are disabled on this server (start it with "
+                                "--allow-request-chat-template to enable them)", "chat_template")
         template = req.chat_template or tok.chat_template
         if not template:
             raise APIError(400, f"model `{self.model_name}` has no chat template; pass `chat_template`",
                            "chat_template")
         bos, eos = (tok.tokenizer.id_to_token(i) if i is not None else "" for i in (tok.bos_id, tok.eos_id))
         try:
-            text = P.render_chat(req, template, bos, eos)
+            text = P.render_chat(req, template, bos, eos,
+                                 self.options.template_budget_s if req.chat_template else None)
+        except TemplateTimeout as e:
+            raise APIError(400, str(e), "chat_template") from None
         except Exception as e:  # non-text content, a template error or raise_exception(): the request's fault
             raise APIError(400, f"chat template failed: {type(e).__name__}: {e}", "messages") from None
+        self._check_chars(text, "the rendered chat prompt")
         # The template writes BOS itself; encoding with special tokens would double it (as vLLM does).
         ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
@@ -338,7 +391,7 @@ class OpenAIServer:
             return e if isinstance(e, APIError) else APIError.from_router(e)
         if isinstance(e, TimeoutError):
             return APIError(504, f"request timed out after {self.request_timeout_s:g} s")
-        return APIError(500, f"{type(e).__name__}: {e}")
+        return APIError(500, "internal error (details are in the server log)")
 
     async def _respond(self, request: Request, job: Job, stream: bool, render) -> Response:
         """Run the job; -> the JSON response, or the SSE stream once the first token is in (so that
@@ -403,6 +456,10 @@ class OpenAIServer:
     async def _guard(self, handler, req, request: Request) -> Response:
         arrival = time.monotonic()
         try:
+            bad = lone_surrogate(req.model_dump(exclude_none=True))
+            if bad:
+                raise APIError(400, f"{bad}: contains a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
+                                    f"valid Unicode text", bad)
             return await handler(req, request, arrival)
         except APIError as e:
             self.count(e.label)
@@ -418,7 +475,7 @@ class OpenAIServer:
 
     async def _completions(self, req: P.CompletionRequest, request: Request, arrival: float) -> Response:
         self._check_model(req.model)
-        ids, prompt_text = self._prompt(req.prompt)
+        ids, prompt_text = await self.offload.run(self._prompt, req.prompt)  # tokenising: off the loop
         want_lp = req.logprobs is not None
         params = self._params(req, len(ids), req.max_tokens, want_lp, want_lp and req.echo)
         job = self._job("cmpl", req, ids, params, arrival, prompt_text)
@@ -429,8 +486,8 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        v4 = self._v4_prompt(req)
-        ids = self._chat_prompt(req, v4)
+        v4 = await self.offload.run(self._v4_prompt, req)  # rendering and tokenising: off the loop
+        ids = await self.offload.run(self._chat_prompt, req, v4)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, len(ids), max_tokens, req.logprobs, False)
         job = self._job("chatcmpl", req, ids, params, arrival, keep_special=v4 is not None)
@@ -443,7 +500,8 @@ class OpenAIServer:
         try:
             rep = await asyncio.wait_for(self.client().health(), self.health_timeout_s)
         except (RouterError, asyncio.TimeoutError) as e:
-            return APIError(503, f"router {self.router_addr} is not reachable: {str(e) or 'timed out'}").response()
+            log.warning("health: router %s is not reachable: %s", self.router_addr, str(e) or "timed out")
+            return APIError(503, "the router is not reachable").response()
         if not rep.serving:
             return APIError(503, "the router has no healthy prefill and decode worker").response()
         return JSONResponse({"status": "ok", "model": self.model_name,
@@ -456,10 +514,11 @@ _configured: OpenAIServer | None = None
 
 
 def configure(router_addr: str, model_dir: str, model_name: str,
-              request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> OpenAIServer:
+              request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+              options: IngressOptions | None = None) -> OpenAIServer:
     """Set this process's server for apps built with `make_app()` (the Ray Serve replica calls it)."""
     global _configured
-    _configured = OpenAIServer(router_addr, model_dir, model_name, request_timeout_s)
+    _configured = OpenAIServer(router_addr, model_dir, model_name, request_timeout_s, options=options)
     return _configured
 
 
@@ -471,6 +530,12 @@ def current_server() -> OpenAIServer:
 
 def _validation_error(exc: RequestValidationError) -> APIError:
     parts, param = [], None
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":  # loc holds a byte offset, not a field: no param
+            offset = next((x for x in err.get("loc", ()) if isinstance(x, int)), None)
+            where = f" at byte {offset}" if offset is not None else ""
+            return APIError(400, f"request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')}"
+                                 f"{where})")
     for err in exc.errors()[:3]:  # a union field (prompt) yields one error per member: keep it short
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         param = param or where or None
@@ -479,9 +544,22 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, "; ".join(parts) or "invalid request", param)
 
 
-def make_app(get_server: Callable[[], OpenAIServer] = current_server) -> FastAPI:
-    """The FastAPI app; each request resolves its `OpenAIServer` through `get_server()`."""
-    app = FastAPI(title="dsv4 OpenAI-compatible API")
+def make_app(get_server: Callable[[], OpenAIServer] = current_server, api_docs: bool | None = None) -> FastAPI:
+    """The FastAPI app; each request resolves its `OpenAIServer` through `get_server()`. Interactive docs
+    (/docs, /redoc, /openapi.json) only with api_docs (default: the DSV4_API_DOCS=1 environment variable,
+    which `dsv4 serve --api-docs` sets for the Serve replicas)."""
+    if api_docs is None:
+        api_docs = os.environ.get("DSV4_API_DOCS") == "1"
+    docs = {} if api_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="dsv4 OpenAI-compatible API", **docs)
+    # Outermost: body limit and API key before anything buffers or parses the body.
+    app.add_middleware(GuardMiddleware, options=lambda: get_server().options, error_body=P.error_body)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        rid = uuid.uuid4().hex[:12]
+        log.exception("unhandled error %s on %s %s", rid, request.method, request.url.path)
+        return APIError(500, f"internal error (id {rid}; details are in the server log)").response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(request: Request, exc: RequestValidationError):
@@ -516,9 +594,10 @@ def make_app(get_server: Callable[[], OpenAIServer] = current_server) -> FastAPI
 
 
 def build_app(router_addr: str, model_dir: str, model_name: str, *,
-              request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> FastAPI:
+              request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, options: IngressOptions | None = None,
+              api_docs: bool | None = None) -> FastAPI:
     """A self-contained app over the router at `router_addr` (for uvicorn and tests)."""
-    server = OpenAIServer(router_addr, model_dir, model_name, request_timeout_s)
-    app = make_app(lambda: server)
+    server = OpenAIServer(router_addr, model_dir, model_name, request_timeout_s, options=options)
+    app = make_app(lambda: server, api_docs)
     app.state.server = server
     return app

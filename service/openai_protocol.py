@@ -28,12 +28,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_LOGPROBS = 5  # OpenAI's limit for completions' `logprobs`
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4): each costs a scan of the output per token
+MAX_STOP_CHARS = 1024  # per stop string (the stream holds back len - 1 characters)
+MAX_STOP_TOKEN_IDS = 256
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function",
+              "latest_reminder")  # DeepSeek V4's own role (service/chat_encoding.py)
 
 
 class _Model(BaseModel):
     # extra="allow": unknown request fields are kept in `model_extra` so the server can log them;
     # allow_inf_nan=False: a NaN or infinite sampling value is a 400, not a poisoned engine request.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # strict=True: "5" is not 5 and "yes" is not true (a client sending those has a bug worth a 400).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Model):
@@ -83,6 +89,24 @@ class _SamplingFields(_Model):
             raise ValueError("logit_bias is not supported")
         return v
 
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are supported, got {len(stops)}")
+        long = [len(x) for x in stops if len(x) > MAX_STOP_CHARS]
+        if long:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {long[0]}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _bounded_stop_ids(cls, v):
+        if v is not None and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got {len(v)}")
+        return v
+
     def stop_list(self) -> list[str]:
         s = self.stop
         stops = [s] if isinstance(s, str) else list(s or [])
@@ -130,6 +154,13 @@ class ChatMessage(_Model):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in CHAT_ROLES:
+            raise ValueError(f"unknown role {v!r}; expected one of {', '.join(CHAT_ROLES)}")
+        return v
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -156,19 +187,22 @@ class ChatCompletionRequest(_SamplingFields):
 @functools.lru_cache(maxsize=16)  # templates can come with requests: keep a few compiled ones
 def _compile_template(source: str):
     from jinja2 import ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from service.template_sandbox import LimitedSandbox
 
     def raise_exception(message):
         raise ValueError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
+    env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: time.strftime(f))
     return env.from_string(source)
 
 
-def render_chat(req: ChatCompletionRequest, template: str, bos_token: str, eos_token: str) -> str:
+def render_chat(req: ChatCompletionRequest, template: str, bos_token: str, eos_token: str,
+                budget_s: float | None = None) -> str:
     """The prompt text of a chat request (the contract of transformers' apply_chat_template, in a
-    sandbox); ValueError for non-text content parts, jinja2 errors for a broken template."""
+    sandbox); ValueError for non-text content parts, jinja2 errors for a broken template, TemplateTimeout
+    when `budget_s` (seconds; None = no budget) runs out."""
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -177,9 +211,16 @@ def render_chat(req: ChatCompletionRequest, template: str, bos_token: str, eos_t
                 raise ValueError(f"messages[{i}]: only text content parts are supported")
             content = "\n".join(p.text or "" for p in content)  # vLLM joins text parts the same way
         messages.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
-    return _compile_template(template).render(messages=messages, add_generation_prompt=req.add_generation_prompt,
-                                              bos_token=bos_token, eos_token=eos_token,
-                                              **(req.chat_template_kwargs or {}))
+    def render():
+        return _compile_template(template).render(messages=messages, add_generation_prompt=req.add_generation_prompt,
+                                                  bos_token=bos_token, eos_token=eos_token,
+                                                  **(req.chat_template_kwargs or {}))
+
+    if budget_s is None:
+        return render()
+    from service.template_sandbox import run_with_budget
+
+    return run_with_budget(render, budget_s)  # compiling counts too: the source came with the request
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -358,12 +399,15 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 500: "InternalServerError",
-               503: "ServiceUnavailableError", 504: "TimeoutError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
+               429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+               504: "TimeoutError"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    info = ErrorInfo(message=message, type=ERROR_TYPES.get(status, "InternalServerError"), param=param, code=status)
+    default = "BadRequestError" if 400 <= status < 500 else "InternalServerError"
+    info = ErrorInfo(message=message, type=ERROR_TYPES.get(status, default), param=param, code=status)
     return ErrorResponse(error=info).model_dump()
 
 

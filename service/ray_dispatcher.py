@@ -3,18 +3,28 @@
 generate(): prefill on the chosen prefill actor (first token + transfer ticket), then stream from the
 chosen decode actor, which pulls the caches and decodes. The first token is released to the client
 only once the decode side holds the caches, so TTFT includes the transfer (and a failed transfer
-fails the request before anything was streamed). Actor deaths become WorkerDied; a restarted actor
-(new incarnation) gets its transfer metadata re-exchanged by the health check.
+fails the request before anything was streamed). Actor deaths become WorkerDied.
+
+Healing: Ray restarts a dead actor (new process, new incarnation, empty transfer peers). A worker is
+reported healthy only once it can serve: the health probe that first sees a new incarnation introduces
+it to every peer it transfers with (a new prefill's metadata goes to every decode worker; a new decode
+worker gets every prefill worker's metadata) and only then marks it healthy. A request that races a
+restart (the decode worker answers `PeerUnknown`) introduces the pair and retries the pull once.
+A decode worker that is momentarily full (`DecodeOverloaded`: the router's admission estimate was
+off) is retried with backoff for `overload_retry_s` before the request fails as Overloaded.
+Errors raised inside an actor arrive wrapped in Ray's RayTaskError (whose text is a remote traceback with
+pids and addresses): they are unwrapped here so that only the worker's own message travels on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from engine.handoff import DecodeOverloaded, Transferred
+from engine.handoff import DecodeOverloaded, PeerUnknown, Transferred
 from kv_transfer.base import TransferError
 from engine.request import TokenEvent
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied, WorkerInfo
@@ -23,52 +33,92 @@ log = logging.getLogger(__name__)
 DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
+def _cause(e: BaseException) -> BaseException:
+    """The exception an actor method raised, without Ray's remote-traceback wrapper."""
+    cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
+    return cause if isinstance(cause, Exception) else e
+
+
 class RayDispatcher:
-    def __init__(self, prefill: dict, decode: dict, call_timeout_s: float = 10.0):
+    def __init__(self, prefill: dict, decode: dict, call_timeout_s: float = 10.0, overload_retry_s: float = 5.0):
         """prefill / decode: {worker_id: actor handle}."""
         self.prefill = dict(prefill)
         self.decode = dict(decode)
         self.call_timeout_s = call_timeout_s
+        self.overload_retry_s = overload_retry_s
         self._info: dict[str, WorkerInfo] = {}
-        self._incarnation: dict[str, str] = {}
+        self._incarnation: dict[str, str] = {}  # the incarnation each worker was last introduced as
+        self._metadata: dict[str, tuple[str, bytes]] = {}  # prefill id -> (incarnation, transfer metadata)
         for wid in self.prefill:
-            self._info[wid] = WorkerInfo(wid, "prefill")
+            self._info[wid] = WorkerInfo(wid, "prefill", healthy=False)
         for wid in self.decode:
-            self._info[wid] = WorkerInfo(wid, "decode")
+            self._info[wid] = WorkerInfo(wid, "decode", healthy=False)
 
     def workers(self) -> list[WorkerInfo]:
         return list(self._info.values())
 
-    # ---- health ----------------------------------------------------------------------------------
+    # ---- health and introductions ----------------------------------------------------------------
     async def _probe(self, wid: str, handle) -> bool:
+        role = self._info[wid].role
         try:
             stats = await asyncio.wait_for(handle.stats.remote(), self.call_timeout_s)
-        except (asyncio.TimeoutError, *DEAD):
-            self._info[wid] = WorkerInfo(wid, self._info[wid].role, healthy=False)
+            if self._incarnation.get(wid) != stats.incarnation:
+                await asyncio.wait_for(self._introduce_new(wid, stats.incarnation), self.call_timeout_s)
+                self._incarnation[wid] = stats.incarnation
+        except (asyncio.TimeoutError, *DEAD, RayTaskError, TransferError) as e:
+            if not isinstance(e, (asyncio.TimeoutError, *DEAD)):
+                log.warning("worker %s could not be introduced to its peers: %s", wid, _cause(e))
+            self._info[wid] = WorkerInfo(wid, role, healthy=False, incarnation=self._info[wid].incarnation)
             return False
-        self._info[wid] = WorkerInfo(wid, stats.role, True, stats.running, stats.waiting, stats.kv_free_tokens,
-                                     stats.kv_usage, incarnation=stats.incarnation, prefix=stats.prefix)
-        if self._incarnation.get(wid) != stats.incarnation:
-            self._incarnation[wid] = stats.incarnation
-            if wid in self.prefill:  # a new prefill incarnation has a new transfer agent
-                await self.connect_prefill(wid)
+        load = stats.load
+        self._info[wid] = WorkerInfo(wid, stats.role, True, load.running, load.waiting, load.kv_free_tokens,
+                                     load.kv_usage, stats.incarnation, stats.max_slots, stats.kv_capacity_tokens,
+                                     stats.kv_page_tokens, prefix=stats.prefix)
         return True
 
+    async def _introduce_new(self, wid: str, incarnation: str) -> None:
+        """A worker seen with a new incarnation: exchange transfer metadata with every peer before it serves."""
+        if wid in self.prefill:
+            md = await self.prefill[wid].transfer_metadata.remote()
+            self._metadata[wid] = (incarnation, md)
+            results = await asyncio.gather(*(d.add_peer.remote(wid, md) for d in self.decode.values()),
+                                           return_exceptions=True)
+            for did, r in zip(self.decode, results):
+                if isinstance(r, BaseException):  # that decode worker is down: it gets every peer on its return
+                    self._incarnation.pop(did, None)
+            return
+        decode = self.decode[wid]
+        for pid, (_, md) in list(self._metadata.items()):
+            await decode.add_peer.remote(pid, md)
+        log.info("decode worker %s (incarnation %s) introduced to %d prefill workers", wid, incarnation,
+                 len(self._metadata))
+
     async def connect_prefill(self, wid: str) -> None:
-        md = await self.prefill[wid].transfer_metadata.remote()
-        await asyncio.gather(*(d.add_peer.remote(wid, md) for d in self.decode.values()), return_exceptions=True)
+        """Send prefill worker `wid`'s current metadata to every decode worker."""
+        await self._introduce_new(wid, await self.prefill[wid].ping.remote())
 
     async def health_check(self) -> dict[str, bool]:
-        items = list(self.prefill.items()) + list(self.decode.items())
-        alive = await asyncio.gather(*(self._probe(w, h) for w, h in items))
-        return {w: a for (w, _), a in zip(items, alive)}
+        # Prefill first: a decode worker that restarted at the same time then gets the fresh metadata.
+        verdicts = {}
+        for pool in (self.prefill, self.decode):
+            alive = await asyncio.gather(*(self._probe(w, h) for w, h in pool.items()))
+            verdicts.update(zip(pool, alive))
+        return verdicts
 
     async def _still_holds(self, handle, incarnation: str) -> bool:
         """Is the worker that prefilled (this incarnation of it, not a restarted one) still alive?"""
         try:
             return await asyncio.wait_for(handle.ping.remote(), self.call_timeout_s) == incarnation
-        except (asyncio.TimeoutError, *DEAD):
+        except (asyncio.TimeoutError, *DEAD, RayTaskError):
             return False
+
+    async def _introduce_pair(self, prefill_id: str, decode_id: str, incarnation: str) -> None:
+        known = self._metadata.get(prefill_id)
+        if known is not None and known[0] == incarnation:
+            md = known[1]
+        else:
+            md = await self.prefill[prefill_id].transfer_metadata.remote()
+        await self.decode[decode_id].add_peer.remote(prefill_id, md)
 
     # ---- one request -----------------------------------------------------------------------------
     async def _generate_local(self, rid: str, prompt: list[int], params, decode_id: str):
@@ -81,6 +131,8 @@ class RayDispatcher:
                     item = await ref
                 except DEAD as e:
                     raise WorkerDied(decode_id, str(e)) from None
+                except RayTaskError as e:
+                    raise _cause(e) from None
                 finished = item.finished
                 yield item
                 if finished:
@@ -92,6 +144,46 @@ class RayDispatcher:
                 except DEAD:
                     pass
 
+    async def _open_decode(self, result, prompt, params, prefill_id: str, decode_id: str):
+        """Start the decode stream; -> (stream, its first item: Transferred). Retries a race with a restart
+        (PeerUnknown, once) and a full worker (DecodeOverloaded, for overload_retry_s)."""
+        prefill, decode = self.prefill[prefill_id], self.decode[decode_id]
+        deadline, delay, introduced = time.monotonic() + self.overload_retry_s, 0.05, False
+        while True:
+            stream = decode.decode.options(num_returns="streaming").remote(result, prompt, params)
+            try:
+                try:
+                    item = await (await anext(stream))
+                except RayTaskError as e:
+                    raise _cause(e) from None
+            except DEAD as e:
+                raise WorkerDied(decode_id, str(e)) from None
+            except PeerUnknown:
+                if introduced:
+                    raise WorkerDied(decode_id, "still lacks the prefill worker's metadata after an introduction")
+                introduced = True
+                try:
+                    await asyncio.wait_for(self._introduce_pair(prefill_id, decode_id, result.incarnation),
+                                           self.call_timeout_s)
+                except (asyncio.TimeoutError, *DEAD, RayTaskError) as e:
+                    if not await self._still_holds(prefill, result.incarnation):
+                        raise WorkerDied(prefill_id, f"introducing it to {decode_id}: {_cause(e)}") from None
+                    raise WorkerDied(decode_id, f"introducing {prefill_id}: {_cause(e)}") from None
+                continue
+            except DecodeOverloaded as e:
+                if time.monotonic() + delay > deadline:
+                    raise Overloaded(str(e)) from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+                continue
+            except TransferError as e:
+                # A pull fails when its source dies mid-transfer: report that as the prefill worker's death
+                # (nothing was streamed yet, so the router retries elsewhere); else fail as is.
+                if not await self._still_holds(prefill, result.incarnation):
+                    raise WorkerDied(prefill_id, f"KV transfer failed: {e}") from None
+                raise
+            return stream, item
+
     async def generate(self, request: DispatchRequest, prefill_id: str, decode_id: str):
         rid, prompt, params = request.request_id, list(request.prompt_ids), request.params
         if prefill_id == decode_id and decode_id in self.decode:  # conditional disaggregation: no transfer
@@ -99,34 +191,31 @@ class RayDispatcher:
                 yield ev
             return
         prefill, decode = self.prefill[prefill_id], self.decode[decode_id]
-        try:
-            result = await prefill.prefill.remote(rid, prompt, params, params.seed)
-        except DEAD as e:
-            raise WorkerDied(prefill_id, str(e)) from None
-        first = TokenEvent(rid, result.first_token, result.first_logprob, result.finished, result.finish_reason,
-                           tuple(result.prompt_logprobs[1:]) if params.prompt_logprobs else (), result.cached_tokens)
-        if result.finished:
-            yield first
-            return
-        stream = decode.decode.options(num_returns="streaming").remote(result, prompt, params)
         finished = False
         try:
+            try:
+                result = await prefill.prefill.remote(rid, prompt, params, params.seed)
+            except DEAD as e:
+                raise WorkerDied(prefill_id, str(e)) from None
+            except RayTaskError as e:
+                raise _cause(e) from None
+            first = TokenEvent(rid, result.first_token, result.first_logprob, result.finished, result.finish_reason,
+                               tuple(result.prompt_logprobs[1:]) if params.prompt_logprobs else (),
+                               result.cached_tokens)
+            if result.finished:
+                finished = True
+                yield first
+                return
+            stream, item = await self._open_decode(result, prompt, params, prefill_id, decode_id)
+            assert isinstance(item, Transferred), item
+            yield first  # released only now: TTFT includes the transfer
             async for ref in stream:
                 try:
                     item = await ref
                 except DEAD as e:
                     raise WorkerDied(decode_id, str(e)) from None
-                except DecodeOverloaded as e:
-                    raise Overloaded(str(e)) from None
-                except TransferError as e:
-                    # A pull fails when its source dies mid-transfer: report that as the prefill worker's
-                    # death (nothing was streamed yet, so the router retries elsewhere); else fail as is.
-                    if not await self._still_holds(prefill, result.incarnation):
-                        raise WorkerDied(prefill_id, f"KV transfer failed: {e}") from None
-                    raise
-                if isinstance(item, Transferred):
-                    yield first  # released only now: TTFT includes the transfer
-                    continue
+                except RayTaskError as e:
+                    raise _cause(e) from None
                 finished = item.finished
                 yield item
                 if finished:

@@ -25,14 +25,14 @@ PARAMS = SamplingParams(max_new_tokens=6, logprobs=True, prompt_logprobs=True)
 class Harness:
     """A RouterServer on its own event-loop thread, so the tests can use the blocking client."""
 
-    def __init__(self, health_interval_s=3600.0, policy=None, max_inflight=0, prefix_cache=True):
+    def __init__(self, health_interval_s=3600.0, policy=None, max_inflight=0, prefix_cache=True, **server_kw):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         # prefix_cache=False: engines publish no digest, so the router routes on its own estimate
         self.dispatcher = LocalDispatcher(2, engine_factory=lambda: load_engine(prefix_cache=prefix_cache))
         self.server = RouterServer(self.dispatcher, policy or RoutingPolicy(PolicyConfig(cache_threshold=0.5)),
-                                   health_interval_s=health_interval_s, max_inflight=max_inflight)
+                                   health_interval_s=health_interval_s, max_inflight=max_inflight, **server_kw)
         self.port = self.run(self.server.start("127.0.0.1", 0))
         self.client = RouterClient(f"127.0.0.1:{self.port}", timeout_s=60)
 
@@ -161,7 +161,9 @@ def test_client_going_away_aborts_the_request_on_the_engine(router):
 
 
 def test_dead_prefill_worker_is_retried_elsewhere_then_readded(reference):
-    h = Harness(prefix_cache=False)  # own engines: this test kills one
+    # Own engines: this test kills one; nobody restarts them. No prefix caches: the 51-token prompt's
+    # prefix_hit comes from the router's estimate (16-token blocks), whatever the engines can cache.
+    h = Harness(restart_wait_s=0.5, prefix_cache=False)
     try:
         home = h.client.generate_full(PROMPTS[0], PARAMS).prefill_worker
         other = ({"engine-0", "engine-1"} - {home}).pop()

@@ -363,6 +363,12 @@ def test_serve_app_imports():
     paths = {getattr(r, "path", None) for r in serve_app.app.routes}
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= paths
     assert callable(serve_app.deploy_http) and serve_app.OpenAIIngress.name == "dsv4-openai"
+    # liveness: Serve replaces a replica whose loop cannot answer check_health in time; replicas are light
+    cfg = serve_app.OpenAIIngress._deployment_config
+    assert (cfg.health_check_period_s, cfg.health_check_timeout_s) == (serve_app.HEALTH_PERIOD_S,
+                                                                       serve_app.HEALTH_TIMEOUT_S)
+    assert callable(serve_app.OpenAIIngress.func_or_class.check_health)
+    assert serve_app.OpenAIIngress.ray_actor_options["num_cpus"] == serve_app.INGRESS_NUM_CPUS < 1
 
 
 def raw(srv, method: str, path: str, body: bytes | None = None, headers: dict | None = None):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import os
 import socket
 import struct
 import threading
@@ -173,6 +172,10 @@ def test_internal_listeners_are_loopback_and_need_the_token(svc):
                 assert info.value.code.name == "UNAUTHENTICATED"
     with RouterClient(svc.handles["router_addr"], timeout_s=30, token=svc.handles["token"]) as c:
         assert c.health().serving
+        with pytest.raises(RouterError) as info:  # rejected inside the prefill actor: its message, not Ray's
+            c.generate_full([10 ** 6])
+        assert info.value.code.name == "INVALID_ARGUMENT" and "out of vocabulary" in info.value.message
+        assert not any(s in info.value.message for s in ("Traceback", "pid=", "ip=", "\x1b[")), info.value.message
 
     # the tcp transfer listener: a read request without the token gets no answer, only a closed connection
     with socket.create_connection(("127.0.0.1", header["port"]), timeout=10) as sock:
@@ -287,6 +290,9 @@ def test_killed_decode_worker_fails_in_flight_cleanly_then_heals(svc):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
     wait_until(lambda: svc.http.get("/health").status_code == 200, 60, "/health after the decode restart")
     r = svc.complete(prompt=[31, 32, 33], max_tokens=6, ignore_eos=True)  # and keeps succeeding
+    assert r.status_code == 200, r.text
+    ray.kill(svc.handles["decode"]["decode-0"], no_restart=False)  # again: each restart is re-introduced
+    r = svc.complete(prompt=[34, 35, 36], max_tokens=4, ignore_eos=True)
     assert r.status_code == 200, r.text
 
 
