@@ -63,9 +63,7 @@ OVERVIEW = ("dsv4-overview", "dsv4 / Overview", [
      [(f"{rate('dsv4_prefix_cache_hit_tokens_total', NS)} / {rate('dsv4_prefix_cache_query_tokens_total', NS)}",
        "engines (real)"),
       (f"{rate('dsv4_prefix_cache_hit_tokens_total', WORKER, 'role, worker')} / "
-       f"{rate('dsv4_prefix_cache_query_tokens_total', WORKER, 'role, worker')}", "{{role}} {{worker}}"),
-      (f"{rate('dsv4_router_prefix_estimate_hit_tokens_total', NS)} / "
-       f"{rate('dsv4_router_prefix_estimate_query_tokens_total', NS)}", "router estimate (no worker digests)")]),
+       f"{rate('dsv4_prefix_cache_query_tokens_total', WORKER, 'role, worker')}", "{{role}} {{worker}}")]),
     ("Router decisions by stage and reason", "ops",
      [(rate("dsv4_router_decisions_total", NS, "stage, reason"), "{{stage}} / {{reason}}")]),
 ])

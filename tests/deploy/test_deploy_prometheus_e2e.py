@@ -68,6 +68,6 @@ def test_alert_rules_evaluate_cleanly(prometheus):
             break
         assert time.monotonic() < deadline, rules
         time.sleep(0.5)
-    assert len(rules) == 4
+    assert len(rules) == 5
     for rule in rules:
         assert rule["health"] == "ok" and not rule.get("lastError"), rule

@@ -56,4 +56,20 @@ groups:
           description: >-
             More than {{ mulf $r.transferFailureRatio 100 }}% of prefill-to-decode cache transfers fail or
             time out: check the RDMA/UCX settings and the transfer failures panel by kind.
+      - alert: Dsv4PrefixCacheHitRatioDropped
+        expr: >-
+          sum by (namespace) (rate(dsv4_prefix_cache_hit_tokens_total[30m]))
+          / sum by (namespace) (rate(dsv4_prefix_cache_query_tokens_total[30m]))
+          < {{ $r.prefixHitRatioDrop }} * (sum by (namespace) (rate(dsv4_prefix_cache_hit_tokens_total[1d]))
+          / sum by (namespace) (rate(dsv4_prefix_cache_query_tokens_total[1d])))
+        for: {{ $r.for }}
+        labels:
+          {{ $sev }}: warning
+        annotations:
+          summary: {{ `prefix-cache hit ratio in {{ $labels.namespace }} fell to {{ $value | humanizePercentage }}` | quote }}
+          description: >-
+            The engines' real prefix-cache hit ratio (prompt tokens served from cache / prompt tokens looked
+            up) over 30 minutes is below {{ mulf $r.prefixHitRatioDrop 100 }}% of its one-day level: workers
+            restarted (empty caches), the router lost the workers' cache digests (check prefix_hit among
+            the prefill decisions), or the traffic changed.
 {{- end -}}
