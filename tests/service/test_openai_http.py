@@ -377,7 +377,9 @@ def raw(srv, method: str, path: str, body: bytes | None = None, headers: dict | 
     resp = conn.getresponse()
     data = resp.read()
     conn.close()
-    return resp.status, dict(resp.getheaders()), json.loads(data) if data else None
+    if resp.getheader("Content-Type", "").startswith("application/json"):
+        return resp.status, dict(resp.getheaders()), json.loads(data)
+    return resp.status, dict(resp.getheaders()), data.decode(errors="replace")  # SSE, or nothing
 
 
 STRICT_BAD = [
@@ -465,3 +467,37 @@ def test_incremental_text_equals_whole_decode(tok):
                 if ts.stop_hit:
                     break
             assert out == whole[:whole.find(stop)] and ts.stop_hit == stop
+
+
+FUZZ_VALUES = [None, True, False, 0, -1, 1.5, float("1e308"), "", "x", "5", "\ud800", [], [1, "a"], {}, {"a": []},
+               [[1, 2], [3]], "a" * 300, 2 ** 70, -(2 ** 70), [None], {"role": "user"}]
+
+
+def test_fuzzed_bodies_never_500(srv):
+    """Random fields of random types on both routes: every answer is JSON, typed, and never a 5xx."""
+    import random
+
+    rng = random.Random(7)
+    fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+              "stop_token_ids", "stream", "stream_options", "n", "logprobs", "echo", "logit_bias", "ignore_eos",
+              "chat_template", "chat_template_kwargs", "tools", "top_logprobs", "max_completion_tokens",
+              "return_token_ids", "skip_special_tokens", "presence_penalty", "best_of", "suffix"]
+    for trial in range(150):
+        chat = trial % 2 == 1
+        body = {"model": MODEL, "max_tokens": 2}
+        body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": [5, 6]})
+        for f in rng.sample(fields, rng.randint(1, 4)):
+            body[f] = rng.choice(FUZZ_VALUES)
+        if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:
+            body["max_tokens"] = 8  # bounded work; the type and range checks still see small and negative ones
+        for k in ("max_completion_tokens",):
+            if isinstance(body.get(k), int) and body[k] > 8:
+                body[k] = 8
+        raw_body = json.dumps(body).encode()
+        status, headers, out = raw(srv, "POST", "/v1/chat/completions" if chat else "/v1/completions", raw_body)
+        assert status < 500, (status, body, out)
+        if status != 200:
+            assert out["error"]["code"] == status and out["error"]["type"] and out["error"]["message"], out
+    for junk in (b"", b"null", b"[]", b'"x"', b"{", b"\xff\xfe", b'{"prompt": [5, 6], "model": 5}'):
+        status, _, out = raw(srv, "POST", "/v1/completions", junk)
+        assert 400 <= status < 500 and out["error"]["code"] == status, (junk, status, out)
