@@ -16,8 +16,12 @@ the same code, so streaming clients get a typed reason and plain gRPC clients a 
   to `restart_wait_s` for one to come back, then UNAVAILABLE;
 - `WorkerDied` before anything was streamed -> the worker is marked down (its remembered prefixes are
   dropped) and the request is placed once more, excluding that incarnation of it (a restarted one is
-  fine); a second death, or a death after tokens were streamed (replaying generated tokens elsewhere is
-  not implemented) -> UNAVAILABLE naming the worker and how far the request got;
+  fine); a second death -> UNAVAILABLE naming the worker;
+- the decode worker dies after tokens were streamed -> migration (Dynamo's recipe): the request continues
+  as a new one whose prompt is the original prompt plus every token streamed so far, with the remaining
+  token budget, placed on another (or the restarted) decode worker; the client's stream just goes on.
+  At most `max_migrations` times (0 turns it off: then UNAVAILABLE naming the worker and how far it got).
+  Greedy output is unchanged by a migration; a seeded sampler restarts its generator at that point;
 - anything else -> INTERNAL (logged with its traceback).
 Messages carry no internals (remote tracebacks, pids, addresses): those go to the log under the request id.
 With `auth_token` set, every call must carry it in the `x-dsv4-token` metadata (else UNAUTHENTICATED).
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import uuid
@@ -86,7 +91,7 @@ class RouterServer(pb2_grpc.RouterServicer):
     def __init__(self, dispatcher: Dispatcher, policy: RoutingPolicy | None = None, *,
                  health_interval_s: float = 5.0, health_timeout_s: float = 5.0, max_inflight: int = 0,
                  max_queued: int = 1024, queue_timeout_s: float = 60.0, restart_wait_s: float = 60.0,
-                 auth_token: str | None = None):
+                 auth_token: str | None = None, max_migrations: int = 2):
         if health_interval_s <= 0 or health_timeout_s <= 0 or max_inflight < 0:
             raise ValueError(f"health_interval_s and health_timeout_s must be > 0 and max_inflight >= 0, got "
                              f"{health_interval_s}, {health_timeout_s}, {max_inflight}")
@@ -94,6 +99,7 @@ class RouterServer(pb2_grpc.RouterServicer):
             raise ValueError(f"max_queued, queue_timeout_s and restart_wait_s must be >= 0, got {max_queued}, "
                              f"{queue_timeout_s}, {restart_wait_s}")
         self.max_queued, self.queue_timeout_s, self.restart_wait_s = max_queued, queue_timeout_s, restart_wait_s
+        self.max_migrations = max_migrations
         self.auth_token = auth_token
         self.draining = False  # shutting down: new requests are refused
         self._queued = 0
@@ -211,27 +217,47 @@ class RouterServer(pb2_grpc.RouterServicer):
         self._active += 1
         try:
             excluded: dict[str, str] = {}  # worker -> the incarnation of it that died on this request
-            for attempt in range(2):
-                placement = await self._admit(dreq, excluded)
+            generated: list[int] = []  # tokens streamed to the client (a migration continues after them)
+            retried = migrations = 0
+            current = dreq
+            while True:
+                placement = await self._admit(current, excluded)
                 sent = 0
                 try:
-                    async for resp in self._stream(dreq, placement):
+                    async for resp in self._stream(current, placement):
                         sent += 1
+                        if resp.HasField("token_id"):
+                            generated.append(resp.token_id)
                         yield resp
                     return
                 except WorkerDied as e:
                     self._worker_died(e.worker_id)
-                    log.warning("request %s: %s (after %d messages, attempt %d)", rid, e, sent, attempt + 1)
-                    if sent or attempt == 1:
-                        role = "prefill" if e.worker_id == placement.prefill.worker_id else "decode"
-                        how = f"after {sent} streamed tokens" if sent else "twice"
+                    excluded[e.worker_id] = self._incarnation(e.worker_id)
+                    log.warning("request %s: %s (after %d messages, %d tokens in all)", rid, e, sent, len(generated))
+                    role = "prefill" if e.worker_id == placement.prefill.worker_id else "decode"
+                    if generated and migrations < self.max_migrations:
+                        migrations += 1
+                        self.metrics.retries += 1
+                        current = self._continuation(dreq, generated, migrations)
+                        log.warning("request %s: migrating after %d tokens as %s", rid, len(generated),
+                                    current.request_id)
+                        continue
+                    if sent or retried:
+                        how = f"after {len(generated)} streamed tokens" if generated else "twice"
                         raise RouterFailure(Code.UNAVAILABLE, f"request {rid} failed: the {role} worker "
                                             f"{e.worker_id} died while serving it ({how}); retry the request") \
                             from None
+                    retried += 1
                     self.metrics.retries += 1
-                    excluded[e.worker_id] = self._incarnation(e.worker_id)
         finally:
             self._active -= 1
+
+    @staticmethod
+    def _continuation(dreq: DispatchRequest, generated: list[int], n: int) -> DispatchRequest:
+        """The rest of `dreq` after `generated` tokens: their ids join the prompt, the budget shrinks."""
+        params = dataclasses.replace(dreq.params, max_new_tokens=dreq.params.max_new_tokens - len(generated),
+                                     prompt_logprobs=False)
+        return DispatchRequest(f"{dreq.request_id}-m{n}", tuple(dreq.prompt_ids) + tuple(generated), params)
 
     def _incarnation(self, worker_id: str) -> str:
         return next((w.incarnation for w in self.dispatcher.workers() if w.worker_id == worker_id), "")

@@ -173,3 +173,50 @@ def test_policy_admits_by_slots_and_whole_pages():
     assert pol.can_admit(10, [p, d]) and pol.effective_free_tokens(d) == 768
     colocated = WorkerInfo("c0", "colocated", True)
     assert pol.can_admit(10 ** 9, [colocated])  # no decode pool: the engine queues itself
+
+
+def _local_router(**server_kw):
+    """The real router over two in-process engines (LocalDispatcher), on its own loop thread."""
+    from router.local_dispatch import LocalDispatcher
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    dispatcher = LocalDispatcher(2)
+    server = RouterServer(dispatcher, RoutingPolicy(PolicyConfig("least_loaded")), health_interval_s=3600.0,
+                          restart_wait_s=0.5, **server_kw)
+    port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", 0), loop).result(30)
+
+    def close():
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        dispatcher.close()
+
+    return dispatcher, f"127.0.0.1:{port}", close
+
+
+@pytest.mark.parametrize("max_migrations", [2, 0])
+def test_worker_death_mid_stream_migrates_or_fails_cleanly(max_migrations):
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=120, ignore_eos=True)
+    prompt = [(5 * i + 1) % 400 + 2 for i in range(20)]
+    want = LLM().generate([prompt], params)[0].token_ids
+    dispatcher, addr, close = _local_router(max_migrations=max_migrations)
+    try:
+        with RouterClient(addr, timeout_s=60) as c:
+            events = c.generate(prompt, params, request_id="mig")
+            first = [next(events) for _ in range(3)]  # in flight: three tokens streamed
+            dispatcher.kill(first[0].decode_worker)
+            if max_migrations == 0:
+                with pytest.raises(RouterError) as info:
+                    list(events)
+                assert info.value.code == grpc.StatusCode.UNAVAILABLE
+                assert f"worker {first[0].decode_worker} died" in info.value.message and "retry" in info.value.message
+                return
+            rest = list(events)
+        got = [e.token_id for e in first + rest if e.token_id is not None]
+        assert got == want  # the continuation (prompt + streamed tokens, on the other engine) changes nothing
+        assert rest[-1].finished and rest[-1].finish_reason == "length"
+    finally:
+        close()
