@@ -196,10 +196,22 @@ def ogs_sweep(t, args, ogs, gate, bias, copy) -> dict:
         if us is not None:
             results.append((us, err, c))
     results.sort(key=lambda r: r[0])
-    print(f"\nogs sweep, tokens {t}:")
-    for us, err, c in results:
-        print(f"  {us:8.1f} us  {nbytes / us / 1e3:6.0f} GB/s ({100 * nbytes / us / 1e3 / copy:.0f}%)  err {err:.1e}  {c}")
-    return results[0][2] if results else {}
+    lines = [f"ogs sweep, tokens {t}:"] + [
+        f"  {us:8.1f} us  {nbytes / us / 1e3:6.0f} GB/s ({100 * nbytes / us / 1e3 / copy:.0f}%)  err {err:.1e}  {c}"
+        for us, err, c in results]
+    print("\n" + "\n".join(lines))
+    return (results[0][2] if results else {}), lines
+
+
+def sweep_section(device_name: str, lines: list[str]) -> str:
+    """The `mxfp4_moe_sweep` section: the command and the sweep's own ranked lines."""
+    import datetime
+
+    return "\n".join(["## triton_kernels MXFP4 MoE launch constraints: `scripts/bench_moe.py --ogs-sweep`", "",
+                      f"- command: `python scripts/bench_moe.py {' '.join(sys.argv[1:])}`, "
+                      f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}; times = "
+                      "CUDA-graph device time of the whole kernels.mxfp4_ogs.ogs_moe call after an L2 flush; err = "
+                      "against the same call with triton_kernels' own heuristics", "", "```", *lines, "```"])
 
 
 def section(device_name: str, copy: float, args, table: list[str]) -> str:
@@ -235,12 +247,17 @@ def main() -> None:
     ap.add_argument("--ogs-sweep", action="store_true",
                     help="time triton_kernels launch constraints (OGS_SWEEP) per token count; print the best")
     ap.add_argument("--ogs-best-out", default=None, help="write the best constraints (JSON) at the last token count")
-    ap.add_argument("--merge", default=None)
+    ap.add_argument("--ogs-out", default=None, help="write the sweep's section text here (merge with --merge-sweep)")
+    ap.add_argument("--merge", default=None, help="put this --out file into BENCHMARKS.md (section mxfp4_moe) and exit")
+    ap.add_argument("--merge-sweep", default=None, help="put this --ogs-out file into section mxfp4_moe_sweep and exit")
     args = ap.parse_args()
-    if args.merge:
+    if args.merge or args.merge_sweep:
         from service.benchmarks_md import write_section
 
-        write_section("mxfp4_moe", Path(args.merge).read_text())
+        if args.merge:
+            write_section("mxfp4_moe", Path(args.merge).read_text())
+        if args.merge_sweep:
+            write_section("mxfp4_moe_sweep", Path(args.merge_sweep).read_text())
         return
     from kernels import triton_moe as tm
 
@@ -272,11 +289,14 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(section(name, copy, args, head + table))
     if args.ogs_sweep and ogs is not None:
-        best = None
+        best, sweep_lines = None, []
         for t in args.tokens:
-            best = ogs_sweep(t, args, ogs, gate, bias, copy)
+            best, lines = ogs_sweep(t, args, ogs, gate, bias, copy)
+            sweep_lines += lines + [""]
         if args.ogs_best_out and best is not None:
             Path(args.ogs_best_out).write_text(json.dumps(best))
+        if args.ogs_out:
+            Path(args.ogs_out).write_text(sweep_section(name, sweep_lines))
 
 
 if __name__ == "__main__":

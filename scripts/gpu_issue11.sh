@@ -47,7 +47,7 @@ from engine.llm import LLM
 llm = LLM(device="cuda", dtype="bfloat16")
 print("pool tokens", llm.engine.cache_config.max_tokens)
 ' 2>&1 | grep -v "^$" | tail -5 ;;
-    ogssweep) timeout 240 python3 scripts/bench_moe.py --tokens 64 128 --ogs-sweep --ogs-best-out "$OUT/ogs_best.json" \
+    ogssweep) timeout 240 python3 scripts/bench_moe.py --tokens 64 128 --ogs-sweep --ogs-best-out "$OUT/ogs_best.json" --ogs-out "$OUT/moe_sweep.md" \
                 > "$OUT/ogssweep.log" 2>&1 || status=1
               sed -n '/ogs sweep/,$p' "$OUT/ogssweep.log" | cut -c1-200
               # later stages run with the fastest constraints at the largest token count
