@@ -85,23 +85,8 @@ class DecodeWorker(WorkerBase):
             engine.commit_import(rid)
 
         await self.loop.acall(join)
-        decode_start = time.monotonic()
-        finished = False
-        try:
-            while not finished:
-                ev = await sink.queue.get()
-                if isinstance(ev, BaseException):
-                    raise ev
-                finished = ev.finished
-                if ev.token_id is not None:
-                    metrics.GENERATION_TOKENS.labels(self.role, self.worker_id).inc()
-                yield ev
-        finally:
-            if finished:
-                metrics.DECODE_TIME.labels(self.role, self.worker_id).observe(time.monotonic() - decode_start)
-                await self.loop.acall(lambda e: e.pop_finished(rid))
-            else:
-                await self.loop.acall(lambda e: (e.abort(rid), self.loop.unsubscribe(rid)))
+        async for ev in self._stream(rid, sink):
+            yield ev
 
     async def generate_local(self, request_id: str, prompt: list[int], params: SamplingParams,
                              seed: int | None = None):
@@ -115,6 +100,13 @@ class DecodeWorker(WorkerBase):
             self.loop.subscribe(request_id, sink)
 
         await self.loop.acall(add)
+        async for ev in self._stream(request_id, sink):
+            yield ev
+
+    async def _stream(self, rid: str, sink: AsyncSink):
+        """Yield a joined request's TokenEvents until it finishes; pop it when done, abort it when the
+        consumer stops early (closed stream, cancelled call) or the engine failed."""
+        start = time.monotonic()
         finished = False
         try:
             while not finished:
@@ -127,9 +119,10 @@ class DecodeWorker(WorkerBase):
                 yield ev
         finally:
             if finished:
-                await self.loop.acall(lambda e: e.pop_finished(request_id))
+                metrics.DECODE_TIME.labels(self.role, self.worker_id).observe(time.monotonic() - start)
+                await self.loop.acall(lambda e: e.pop_finished(rid))
             else:
-                await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))
+                await self.loop.acall(lambda e: (e.abort(rid), self.loop.unsubscribe(rid)))
 
     async def abort(self, request_id: str) -> None:
         await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))

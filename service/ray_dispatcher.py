@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
+async def _events(stream, worker_id: str):
+    """The items of a Ray streaming call, with a dead actor as WorkerDied and a task error as its cause."""
+    async for ref in stream:
+        try:
+            yield await ref
+        except DEAD as e:
+            raise WorkerDied(worker_id, str(e)) from None
+        except RayTaskError as e:
+            raise _cause(e) from None
+
+
 def _cause(e: BaseException) -> BaseException:
     """The exception an actor method raised, without Ray's remote-traceback wrapper."""
     cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
@@ -125,14 +136,8 @@ class RayDispatcher:
         """Prefill and decode on one decode worker (router reason "local_prefill")."""
         decode, finished = self.decode[decode_id], False
         try:
-            async for ref in decode.generate_local.options(num_returns="streaming").remote(rid, prompt, params,
-                                                                                          params.seed):
-                try:
-                    item = await ref
-                except DEAD as e:
-                    raise WorkerDied(decode_id, str(e)) from None
-                except RayTaskError as e:
-                    raise _cause(e) from None
+            stream = decode.generate_local.options(num_returns="streaming").remote(rid, prompt, params, params.seed)
+            async for item in _events(stream, decode_id):
                 finished = item.finished
                 yield item
                 if finished:
@@ -209,13 +214,7 @@ class RayDispatcher:
             stream, item = await self._open_decode(result, prompt, params, prefill_id, decode_id)
             assert isinstance(item, Transferred), item
             yield first  # released only now: TTFT includes the transfer
-            async for ref in stream:
-                try:
-                    item = await ref
-                except DEAD as e:
-                    raise WorkerDied(decode_id, str(e)) from None
-                except RayTaskError as e:
-                    raise _cause(e) from None
+            async for item in _events(stream, decode_id):
                 finished = item.finished
                 yield item
                 if finished:
