@@ -239,8 +239,9 @@ def _gaps(ctx: dict) -> str:
             ("packed MXFP4 experts run through triton_kernels' matmul with the SwiGLU, the expert sort and the "
              "k-way sum as separate torch kernels (scripts/bench_moe.py measures it against copy bandwidth)")
             if any("triton_kernels" in e["experts"] for e in ran) else
-            "the packed-MXFP4 expert kernel reaches ~10% of copy bandwidth (scripts/bench_moe.py), so it is "
-            "slower than bf16 grouped_mm despite reading 4x fewer bytes",
+            ("routed experts ran on the engine's own packed-MXFP4 Triton kernel, not triton_kernels (its share of "
+             "copy bandwidth is measured by scripts/bench_moe.py, section mxfp4_moe, not by this run)")
+            if any(e["format"] == "mxfp4" for e in ran) else "routed experts ran as bf16 grouped GEMMs",
             "under graphs each step still pays a host schedule, a [3, slots] input copy and sampling; "
             "without graphs the step's index tensors are built on the host"]
     if any(e["format"] == "bf16" for e in ran):
