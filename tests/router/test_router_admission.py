@@ -38,10 +38,11 @@ class ScriptedDispatcher:
     async def generate(self, request, prefill_id, decode_id):
         if self.gate is None:
             self.gate = asyncio.Event()
+        gate = self.gate  # this request's gate: finish_all may replace self.gate while we are suspended at the yield
         self.running += 1
         try:
             yield TokenEvent(request.request_id, 7, -0.5, False, None, ())
-            await self.gate.wait()
+            await gate.wait()
             yield TokenEvent(request.request_id, 8, -0.5, True, "length", ())
         finally:
             self.running -= 1
