@@ -75,3 +75,22 @@ def test_engine_triton_attention_matches_reference(monkeypatch):
             assert abs(x - y) <= TOL
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert abs(x - y) <= TOL
+
+
+@needs_triton
+def test_fp8_never_takes_the_triton_attention(monkeypatch):
+    """With every other op on Triton (the interpreter on CPU), an fp8 pool still attends through the reference:
+    the Triton attention reads exact rows only. (Here, not in test_kv_cache_fp8.py, because forcing the Triton
+    path needs TRITON_INTERPRET set before the first kernels.triton_* import.)"""
+    import engine.attention as attention_mod
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    def boom(*a, **k):
+        raise AssertionError("fp8 pools must use the reference attention")
+
+    monkeypatch.setattr(attention_mod, "use_triton", lambda device: True)
+    monkeypatch.setattr(attention_mod.AttentionBlock, "_attend_triton", boom)
+    out = LLM(kv_cache_dtype="fp8").generate([list(range(3, 40))], SamplingParams(max_new_tokens=3, ignore_eos=True,
+                                                                                   logprobs=True))
+    assert len(out[0].token_ids) == 3

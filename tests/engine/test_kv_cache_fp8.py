@@ -16,7 +16,6 @@ import time
 import pytest
 import torch
 
-import engine.attention as attention_mod
 from engine.cache import (CacheConfig, CacheGroup, CacheGroupSpec, CachePool, fp8_ds_mla_codec, group_specs,
                           indexer_codec)
 from engine.config import ModelConfig
@@ -25,24 +24,13 @@ from engine.make_model import PRESETS
 from engine.sampling_params import SamplingParams
 from kernels import geometry as g
 from kernels import quant_formats as qf
+from tests.support.configs import flash_config
 
 SENTINEL = 0xAB
 TINY = ModelConfig.from_dict(PRESETS["tiny"])
 # fp32 matmuls of different shapes (chunk sizes) differ in the last ulp, and now and then such a difference
 # crosses a bf16 / e4m3 rounding boundary of a cached value: fp8 runs agree to this, not to the exact path's 1e-5.
 FP8_TOL = 2e-3
-
-
-def flash_config(**overrides) -> ModelConfig:
-    raw = {
-        "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
-        "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
-        "n_routed_experts": 256, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
-        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "sliding_window": 128,
-        "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
-    }
-    raw.update(overrides)
-    return ModelConfig.from_dict(raw)
 
 
 def randn(*shape, seed: int) -> torch.Tensor:
@@ -252,16 +240,6 @@ def test_fp8_vs_exact_on_the_tiny_model():
     assert sum(agree) / len(agree) >= 0.8
     assert float(d.mean()) < 0.1 and float(d.max()) < 1.5
     assert float(d.max()) > 0  # the formats do change the numbers
-
-
-def test_fp8_never_takes_the_triton_path(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("fp8 pools must use the reference attention")
-
-    monkeypatch.setattr(attention_mod, "use_triton", lambda device: True)
-    monkeypatch.setattr(attention_mod.AttentionBlock, "_attend_triton", boom)
-    out = LLM(kv_cache_dtype="fp8").generate([list(range(3, 40))], _greedy(3))
-    assert len(out[0].token_ids) == 3
 
 
 # ---- disaggregation: fp8 pages through kv_transfer --------------------------------------------------------------

@@ -16,24 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from kernels import geometry as g
 from kernels import quant_formats as qf
+from tests.support.configs import flash_config
 
 SENTINEL = 0xAB
-
-
-def flash_config(**overrides) -> ModelConfig:
-    raw = {
-        "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
-        "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
-        "n_routed_experts": 256, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
-        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "sliding_window": 128,
-        # The released list carries a trailing 0 for the MTP layer; the parser keeps the first 43.
-        "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
-    }
-    raw.update(overrides)
-    return ModelConfig.from_dict(raw)
 
 
 def randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
