@@ -35,6 +35,7 @@ from service import chat_v4
 from service import openai_protocol as P
 from service.ingress_guard import GuardMiddleware, IngressOptions, Offloader, lone_surrogate
 from service.template_sandbox import TemplateTimeout
+from service.text_stream import TextStream
 from engine import metrics
 from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams
@@ -79,56 +80,6 @@ class APIError(Exception):
 
 class _ClientGone(Exception):
     """The client disconnected before the response was ready."""
-
-
-class TextStream:
-    """Token ids -> text deltas, with stop strings. Streaming and non-streaming responses both run it.
-
-    Incremental detokenisation (vLLM's prefix / read offsets): a token decodes only the ids since the last
-    emitted piece (`ids[prefix:]` against `ids[prefix:read]`), and stop strings are searched only in the new
-    text and the len(longest) - 1 characters before it, so each token costs the same however long the
-    output grows (the whole-output decode it replaces was O(n^2) on the event loop). Held back until they
-    are final: a trailing U+FFFD (a UTF-8 character split across tokens, which the next token may complete)
-    and, while stop strings are pending, the last len(longest)-1 characters, which could be the start of a
-    stop string that must not reach the client.
-    """
-
-    def __init__(self, tokenizer, stops: list[str], include_stop: bool, skip_special: bool):
-        self.tokenizer, self.stops, self.include_stop, self.skip_special = tokenizer, stops, include_stop, skip_special
-        self.longest = max(map(len, stops), default=0)
-        self.hold = self.longest - 1 if stops and not include_stop else 0
-        self.ids, self.sent, self.stop_hit = [], "", None  # stop_hit: the stop string that ended the text
-        self.text = ""  # everything decoded so far (sent, held back, or cut by a stop string)
-        self._prefix = self._read = 0  # ids[_prefix:_read] is the context of the next piece
-        self._searched = 0  # self.text[:_searched] has been searched for stop strings
-
-    def _decode(self, final: bool) -> None:
-        if self.tokenizer is None or self._read == len(self.ids):
-            return
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read], self.skip_special)
-        now = self.tokenizer.decode(self.ids[self._prefix:], self.skip_special)
-        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
-            self.text += now[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
-
-    def add(self, token_id: int | None, final: bool) -> str:
-        if token_id is not None:
-            self.ids.append(token_id)
-        self._decode(final)
-        text = self.text
-        if self.stops:
-            start = max(0, self._searched - self.longest + 1)
-            hits = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
-            self._searched = len(text)
-            if hits:
-                idx, s = min(hits)
-                text, self.stop_hit, final = text[: idx + (len(s) if self.include_stop else 0)], s, True
-        if not final:
-            text = text[: max(0, len(text) - self.hold)].rstrip("\ufffd")
-        if not text.startswith(self.sent):  # never retract sent text
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
 
 
 @dataclass

@@ -449,7 +449,7 @@ def test_incremental_text_equals_whole_decode(tok):
     stop string must cut the text exactly where the whole text first contains it."""
     import random
 
-    from service.openai_app import TextStream
+    from service.text_stream import TextStream
 
     rng = random.Random(0)
     for trial in range(40):
