@@ -20,8 +20,10 @@ Quantised caches (`--kv-cache-dtype fp8`, engine.cache): every read and write of
 through the group codec. This step's kv rows enter the SWA keys as the cache stores them (pack + unpack,
 as a production kernel reading the fp8 cache after the write sees them), so a key's value never depends
 on whether it came from the chunk or the ring, and chunked prefill computes what unchunked prefill does.
-fp8 pools always take the reference attention (also on CUDA): the Triton fp8_ds_mla kernel reads ONE
-paged cache, while a step's keys live in three stores (ring, chunk, entry pages) of different block sizes.
+On the fast path (`_path`) fp8 pools take engine.attention_fp8: FlashMLA reading the caches in place on
+decode steps whose geometry it takes ("fp8_flashmla"), else the Triton kernel over dequantised stores
+("fp8_triton"); the compressor packs its entries with the Triton quantised-entry kernel and the indexer
+scores the packed keys in its kernel. All of it without a host sync, so fp8 decode runs under CUDA graphs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch
 from engine.batch import CompressPlan, StepBatch, paged_rows
 from engine.cache import CacheLayer, CachePool
 from engine.config import ModelConfig
-from engine.fast_paths import use_triton
+from engine import attention_fp8
+from engine.fast_paths import use_flash_mla, use_triton
 from engine.linear import grouped_projection, linear, pow2_activations, take_fp8_weights
 from engine.parallel import SINGLE, ParallelContext
 from kernels.attention import sparse_attention
@@ -56,6 +59,7 @@ class AttentionBlock:
         # FP8 projections kept as e4m3 + scales (engine.linear) become Fp8Weight values here.
         self.w = take_fp8_weights({k[len(p):]: v for k, v in weights.items() if k.startswith(p)},
                                   pow2_activations(cfg.quantization))
+        self._flashmla = None  # FlashMLA runs this block's fp8 decode steps (decided at the first fp8 step)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, pool: CachePool, ropes: dict) -> torch.Tensor:
         """x: [T, hidden] (normed block input) -> [T, hidden]."""
@@ -66,47 +70,79 @@ class AttentionBlock:
         q_res = rms_norm(linear(x, w["wq_a.weight"]), w["q_norm.weight"], eps)
         q = linear(q_res, w["wq_b.weight"]).view(t, self.num_heads, cfg.head_dim)
         q = _norm_rope(q, cos, sin, eps, None, fast_ops)
-        kv = _norm_rope(linear(x, w["wkv.weight"]), cos, sin, eps, w["norm.weight"], fast_ops)
+        kv_pre = linear(x, w["wkv.weight"])
 
         swa = pool.groups["swa"]
         ring = swa.bind(self.layer)
-        fast = not swa.quantised and fast_ops and kv.dtype == ring.tensor.dtype
-        if not fast:
+        path = self._path(swa.quantised, fast_ops, batch, pool, kv_pre.dtype, ring)
+        if path == "fp8_flashmla":  # decode: this step's rows go into the ring first (see engine.attention_fp8)
+            attention_fp8.insert_decode_rows(kv_pre, w["norm.weight"], cos, sin, eps, ring, batch)
+        else:
+            kv = _norm_rope(kv_pre, cos, sin, eps, w["norm.weight"], fast_ops)
+        packed = swa.encode(kv) if swa.quantised and path != "fp8_flashmla" else None  # rows as the ring stores them
+        if path == "reference":
             valid = batch.swa.valid
             if swa.quantised:
-                packed = swa.encode(kv)  # this step's rows as the ring stores them; packed once
                 keys = batch.swa.gather(swa.decode(packed).to(kv.dtype), ring)
                 batch.swa_write.apply_packed(packed, ring)  # after the gather, as below
             else:
                 keys = batch.swa.gather(kv, ring)
                 batch.swa_write.apply(kv, ring)  # after the gather: the chunk may overwrite slots it just read
 
-        entries = comp_rows = comp_valid = None
+        entries = comp_rows = comp_valid = comp_ids = None
         if self.ratio > 1:
             entries = self._compress(x, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}", "compressor.",
                                      cfg.head_dim)
             if self.ratio == 4:
-                picked = self._indexer(x, q_res, batch, pool, ropes)
+                comp_ids = self._indexer(x, q_res, batch, pool, ropes)
                 comp_rows = paged_rows(batch.tables["kv4"], pool.groups["kv4"].spec.page_rows,
-                                        batch.seq_of_token.unsqueeze(1).expand_as(picked), picked)
-                comp_valid = picked >= 0
+                                       batch.seq_of_token.unsqueeze(1).expand_as(comp_ids), comp_ids)
+                comp_valid = comp_ids >= 0
             else:
                 vis = batch.visible[f"kv{self.ratio}"]
                 comp_rows, comp_valid = vis.rows, vis.valid
-            if not fast:
+                comp_ids = torch.arange(vis.rows.shape[1], device=x.device).expand_as(vis.rows)
+            if path == "reference":
                 keys = torch.cat([keys, entries.read(comp_rows).to(keys.dtype)], dim=1)
                 valid = torch.cat([valid, comp_valid], dim=1)
 
-        if fast:
+        sink, scale = w["attn_sink"], cfg.head_dim ** -0.5
+        if path == "exact_triton":
             o = self._attend_triton(q, kv, ring.tensor, entries.tensor if entries is not None else None, comp_rows,
                                     comp_valid, batch)
             batch.swa_write.apply(kv, ring)  # after the kernel, which read the ring's older rows
+        elif path == "fp8_flashmla":
+            o = attention_fp8.flashmla_attend(q, ring, entries, comp_rows, comp_valid, batch, sink, scale)
+        elif path == "fp8_triton":
+            o = attention_fp8.dequantised_attend(q, swa.decode(packed), ring, entries, comp_rows, comp_ids,
+                                                 comp_valid, batch, sink, scale)
+            batch.swa_write.apply_packed(packed, ring)  # after the kernel, as on the exact path
         else:
-            o = sparse_attention(q, keys, valid, w["attn_sink"], cfg.head_dim ** -0.5)
+            o = sparse_attention(q, keys, valid, sink, scale)
         o = apply_rope(o, cos, sin, inverse=True)
         # = kernels.attention.grouped_output_projection, with FP8 weights where they were kept
         y = grouped_projection(o.reshape(t, self.o_groups, -1), w["wo_a.weight"], self.o_groups)
         return self.parallel.all_reduce(linear(y, w["wo_b.weight"]))  # row-parallel wo_b: partial sums
+
+    def _path(self, quantised: bool, fast_ops: bool, batch: StepBatch, pool: CachePool, dtype: torch.dtype,
+              ring: CacheLayer) -> str:
+        """Which attention path this step takes (module docstring): reference, exact_triton, fp8_triton or
+        fp8_flashmla. Static per (pool, step shape): no host sync."""
+        if not fast_ops:
+            return "reference"
+        if not quantised:
+            return "exact_triton" if dtype == ring.tensor.dtype else "reference"
+        one_token_each = batch.num_tokens == batch.cu.shape[0] - 1  # a decode step: every request runs one token
+        if one_token_each and ring.tensor.is_cuda and dtype == torch.bfloat16 and self._flashmla_fits(pool, ring):
+            return "fp8_flashmla"
+        return "fp8_triton"
+
+    def _flashmla_fits(self, pool: CachePool, ring: CacheLayer) -> bool:
+        if self._flashmla is None:
+            entries = [pool.groups[f"kv{self.ratio}"].bind(self.layer)] if self.ratio > 1 else []
+            reason = attention_fp8.flashmla_unfit_reason(self.num_heads, ring, entries)
+            self._flashmla = use_flash_mla(ring.tensor.device) and not reason
+        return self._flashmla
 
     def _attend_triton(self, q, kv, ring, entries, comp_rows, comp_valid, batch: StepBatch) -> torch.Tensor:
         """Sparse attention over rows read in place: row ids into [ring | kv | entries] (-1 = invalid)."""
@@ -145,13 +181,21 @@ class AttentionBlock:
             else:
                 pkv, pscore = cur_kv, cur_score
             cos, sin = ropes["compress_at"](plan.entry_pos)
-            if use_triton(x.device):
-                from kernels.triton_compressor import pool_norm_rope  # imports triton: only on this path
-                pooled = pool_norm_rope(pkv.to(x.dtype), pscore, w[prefix + "norm.weight"], eps, cos, sin)
+            if use_triton(x.device) and entries.quantised:
+                # pooled, normalised, rotated and packed into the entry pages in one kernel; keys unrotated
+                # (no Hadamard), as the group codec stores them on the reference path
+                from kernels.triton_compressor import pool_norm_rope_quant  # imports triton: only on this path
+                pool_norm_rope_quant(pkv.to(x.dtype).contiguous(), pscore.contiguous(), w[prefix + "norm.weight"],
+                                     eps, cos, sin, entries.tensor, plan.entry_row, entries.group.codec.layout,
+                                     hadamard=False)
             else:
-                pooled = pool_windows(pkv.to(x.dtype), pscore)
-                pooled = apply_rope(rms_norm(pooled, w[prefix + "norm.weight"], eps), cos, sin)
-            entries.write(plan.entry_row, pooled)
+                if use_triton(x.device):
+                    from kernels.triton_compressor import pool_norm_rope  # imports triton: only on this path
+                    pooled = pool_norm_rope(pkv.to(x.dtype), pscore, w[prefix + "norm.weight"], eps, cos, sin)
+                else:
+                    pooled = pool_windows(pkv.to(x.dtype), pscore)
+                    pooled = apply_rope(rms_norm(pooled, w[prefix + "norm.weight"], eps), cos, sin)
+                entries.write(plan.entry_row, pooled)
         plan.state_write.apply(rows, state)
         return entries
 
@@ -165,10 +209,16 @@ class AttentionBlock:
         q = apply_rope(q, cos, sin)
         head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
         vis = batch.visible["index"]
-        if use_triton(x.device) and not keys.quantised:
+        if use_triton(x.device):
             from kernels.triton_indexer import indexer_topk  # imports triton: only on this path
             rows = torch.where(vis.valid, vis.rows, -1)
-            return indexer_topk(q.contiguous(), keys.tensor, rows, head_weights.contiguous(), cfg.index_topk)
+            store, layout = keys.tensor, None
+            if keys.quantised:  # paged MXFP4 / FP8 keys, dequantised in the kernel
+                layout = keys.group.codec.layout
+                store = store.view(-1, layout.block_size * layout.row_bytes)
+                if layout.index_head_dim != q.shape[-1]:  # zero-padded key dims (test presets): q . k unchanged
+                    q = torch.nn.functional.pad(q, (0, layout.index_head_dim - q.shape[-1]))
+            return indexer_topk(q.contiguous(), store, rows, head_weights.contiguous(), cfg.index_topk, layout)
         scores = indexer_scores(q, keys.read(vis.rows), head_weights)
         return topk_visible(scores, vis.valid, cfg.index_topk)
 

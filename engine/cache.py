@@ -15,7 +15,9 @@ fixed-shape decode steps (engine.decode_batch) point their padding slots and the
 do not close at it, so a captured CUDA graph can write unconditionally. Groups are sized one page larger.
 
 Formats (`CacheConfig.kv_cache_dtype`):
-- "auto": every group holds exact rows in the model dtype (what the reference engine and the oracle pin).
+- "exact" (and "auto" as CacheConfig holds it, i.e. unresolved): every group holds exact rows in the model
+  dtype (what the reference engine and the oracle pin). `load_engine` resolves the CLI's "auto" first
+  (engine.fast_paths.resolve_kv_cache_dtype: fp8 on a bf16 CUDA engine where FlashMLA decodes V4's geometry).
 - "fp8": the production formats of `kernels.geometry`, stored as uint8 (width = a packed row's bytes):
   `swa` and `kv{r}` hold fp8_ds_mla rows, `index` holds MXFP4 keys (or FP8 ones with
   `index_cache_dtype="fp8"`); `state{r}` / `index_state` stay fp32 in both modes.
@@ -44,7 +46,7 @@ from engine.allocator import OutOfPages, PageAllocator
 from engine.config import ModelConfig
 from kernels import geometry
 
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "exact", "fp8")
 SCRATCH_PAGES = 1  # page 0 of every group (see the module docstring)
 INDEX_CACHE_DTYPES = ("mxfp4", "fp8")
 
@@ -146,7 +148,7 @@ class CacheConfig:
     max_requests: int = 64  # concurrent requests holding caches (fixed groups are sized by it)
     max_tokens: int = 1 << 16  # total cached tokens across requests (growing groups are sized by it)
     page_tokens: int = 256  # tokens covered by one page of a growing group
-    kv_cache_dtype: str = "auto"  # "auto": exact rows in the model dtype; "fp8": the production formats
+    kv_cache_dtype: str = "auto"  # "auto" / "exact": exact rows in the model dtype; "fp8": the production formats
     index_cache_dtype: str = "mxfp4"  # indexer keys when kv_cache_dtype == "fp8": "mxfp4" or "fp8"
 
     def __post_init__(self) -> None:

@@ -18,12 +18,13 @@ import os
 
 import torch
 
-from kernels.gpu import has_deep_gemm, has_triton, has_triton_kernels, triton_enabled, why_not
+from kernels.gpu import has_deep_gemm, has_flash_mla, has_triton, has_triton_kernels, triton_enabled, why_not
 
 ENV = "DSV4_TRITON"
 MXFP4_ENV = "DSV4_MXFP4_MOE"
 FP8_GEMM_ENV = "DSV4_FP8_GEMM"
 MOE_BACKEND_ENV = "DSV4_MXFP4_MOE_BACKEND"
+FLASH_MLA_ENV = "DSV4_FLASH_MLA"
 MOE_BACKENDS = ("auto", "triton_kernels", "engine")
 _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
@@ -98,6 +99,38 @@ def use_fp8_gemm(device: torch.device | str, dtype: torch.dtype = torch.bfloat16
     if triton_setting(FP8_GEMM_ENV) == "off" or dtype != torch.bfloat16:
         return False
     return torch.device(device).type == "cuda" and use_triton(device) and has_deep_gemm()
+
+
+def use_flash_mla(device: torch.device | str) -> bool:
+    """FlashMLA's sparse decode over fp8_ds_mla pages (engine.attention_fp8) on `device`: CUDA with the Triton
+    fast paths on and flash_mla importable. DSV4_FLASH_MLA=0 keeps the engine's own Triton kernel."""
+    if triton_setting(FLASH_MLA_ENV) == "off":
+        return False
+    return torch.device(device).type == "cuda" and use_triton(device) and has_flash_mla()
+
+
+def resolve_kv_cache_dtype(requested: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
+                           rope_dim: int, num_heads: int) -> tuple[str, str]:
+    """--kv-cache-dtype -> ("exact" | "fp8", why). "auto" takes the production fp8 formats (fp8_ds_mla KV,
+    packed indexer keys) where FlashMLA decodes them: a bf16 CUDA engine with flash_mla and V4's attention
+    geometry (head_dim 512, rope 64, <= 128 heads); exact rows in the model dtype everywhere else (the CPU
+    and the test presets, whose oracle pins exact rows). "exact" and "fp8" are taken as asked."""
+    if requested != "auto":
+        return requested, "as requested"
+    from kernels.flashmla_sparse import HEAD_DIM, ROPE_DIM, padded_heads
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "exact", "auto on a CPU: exact rows"
+    if dtype != torch.bfloat16:
+        return "exact", f"auto with a {str(dtype).replace('torch.', '')} engine: exact rows"
+    if not use_flash_mla(dev):
+        return "exact", f"auto without FlashMLA ({why_not('flash_mla') or FLASH_MLA_ENV + '=0 or not installed'}): exact rows"
+    if head_dim != HEAD_DIM or rope_dim != ROPE_DIM or num_heads > 128:
+        return "exact", (f"auto: heads {num_heads} x {head_dim} (rope {rope_dim}) are not FlashMLA's V4 geometry: "
+                         "exact rows")
+    padded_heads(num_heads)
+    return "fp8", "auto on a Hopper engine with FlashMLA: fp8_ds_mla KV + packed indexer keys"
 
 
 def mxfp4_moe_backend(device: torch.device | str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -14,6 +15,7 @@ from engine.runner import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerConfig
 
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,8 +33,9 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
                 keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
                 keep_fp8_weights: bool | None = None, prefix_cache: bool = True,
                 parallel: ParallelContext | None = None, gpu_memory_utilization: float | None = None) -> EngineCore:
-    """kv_cache_dtype: "auto" (exact rows in `dtype`) or "fp8" (production formats: fp8_ds_mla SWA and
-    compressed KV, MXFP4 indexer keys, or FP8 ones with index_cache_dtype="fp8"); see engine.cache.
+    """kv_cache_dtype: "exact" (rows in `dtype`), "fp8" (production formats: fp8_ds_mla SWA and compressed KV,
+    MXFP4 indexer keys, or FP8 ones with index_cache_dtype="fp8"; see engine.cache) or "auto" (fp8 on a bf16
+    CUDA engine where FlashMLA decodes the model's geometry, else exact: engine.fast_paths.resolve_kv_cache_dtype).
     keep_mxfp4_experts: keep MXFP4 routed experts packed in memory (run by triton_kernels or kernels.triton_moe,
     see engine.moe) instead of dequantising them to `dtype`; None = `engine.fast_paths.keep_mxfp4_experts` (packed
     on a bf16 CUDA engine where triton_kernels runs; $DSV4_MXFP4_MOE=1/0 forces it).
@@ -44,13 +47,16 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     max_cached_tokens / gpu_memory_utilization: the KV pool's size (engine.memory_plan): the former if given,
     else on CUDA what `gpu_memory_utilization` (default 0.90) of the GPU leaves after the weights, else 65536."""
     from engine.fast_paths import keep_mxfp4_experts as keep_default
-    from engine.fast_paths import use_fp8_gemm
+    from engine.fast_paths import resolve_kv_cache_dtype, use_fp8_gemm
     from engine.make_model import default_model_dir
     from engine.memory_plan import log_plan, plan_kv_tokens
     from engine.weights import load_weights
 
     model_dir = model_dir or default_model_dir()
     cfg = ModelConfig.from_model_dir(model_dir)
+    kv_cache_dtype, why = resolve_kv_cache_dtype(kv_cache_dtype, device, resolve_dtype(dtype), cfg.head_dim,
+                                                 cfg.rope_dim, cfg.num_heads)
+    logger.info("kv cache: %s (%s)", kv_cache_dtype, why)
     cache_config = CacheConfig(max_requests=max_num_seqs, max_tokens=max_cached_tokens or 1, page_tokens=page_tokens,
                                kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
     torch_dtype = resolve_dtype(dtype)

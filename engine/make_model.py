@@ -125,6 +125,41 @@ PRESETS: dict[str, dict] = {
             "mscale_all_dim": 0,
         },
     },
+    # V4's attention geometry (64 heads x 512 with RoPE 64, window 128, index 64 x 128 top-512, 128-wide
+    # widths for the FP8 / MXFP4 blocks) with small widths elsewhere: the smallest model FlashMLA and the
+    # default fp8 KV cache run on (a GPU preset; ~60M parameters).
+    "mini_v4": {
+        **_COMMON,
+        "vocab_size": 4096,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "compress_ratios": [0, 4, 128, 4],
+        "num_hash_layers": 1,
+        "sliding_window": 128,
+        "num_attention_heads": 64,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 256,
+        "o_groups": 8,
+        "o_lora_rank": 128,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 256,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "hc_mult": 4,
+        "max_position_embeddings": 65536,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0,
+            "mscale_all_dim": 0,
+        },
+    },
 }
 
 # V4 quantisation layout: which original names are FP8 block-scaled / MXFP4 when quantize=True.

@@ -39,7 +39,7 @@ class EngineCore:
         """decode_mode: how steps made only of decode tokens run (steps with prefill always run eagerly):
         "graphs" replays CUDA graphs per (batch, context) bucket (engine.cuda_graphs); "bucketed" runs the
         same fixed-shape batches without graphs (tests, debugging); "eager" sizes every step to its
-        content; "auto" = "graphs" on CUDA in bf16/fp16 with exact caches and the Triton fast path, else "eager".
+        content; "auto" = "graphs" on CUDA in bf16/fp16 with the Triton fast path, else "eager".
         parallel: this rank's tensor-parallel context (weights cut by engine.sharding.shard_weights); rank 0
         schedules and broadcasts each step's inputs, the other ranks run engine.tp_executor.follow."""
         self.cfg = cfg
@@ -88,8 +88,8 @@ class EngineCore:
         if mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {mode!r}")
         if mode == "auto":
-            graphs = (self.device.type == "cuda" and use_triton(self.device) and self.dtype != torch.float32
-                      and not any(g.quantised for g in self.pool.groups.values()))
+            # fp8 caches too: their fast paths (engine.attention_fp8) never sync with the host
+            graphs = self.device.type == "cuda" and use_triton(self.device) and self.dtype != torch.float32
             return "graphs" if graphs else "eager"
         if mode == "graphs" and self.device.type != "cuda":
             raise ValueError(f"decode_mode 'graphs' needs a CUDA device, got {self.device}")

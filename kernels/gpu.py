@@ -106,6 +106,16 @@ def import_deep_gemm():
     return deep_gemm
 
 
+def import_flash_mla():
+    """-> the flash_mla module, or ImportError naming why it is unusable here."""
+    if not has_flash_mla():
+        raise ImportError(f"flash_mla is not usable here ({why_not('flash_mla') or 'no CUDA device'}): "
+                          "pip install '.[gpu]' on a CUDA machine")
+    import flash_mla
+
+    return flash_mla
+
+
 def import_triton_kernels():
     """-> (matmul, tensor, layout, PrecisionConfig) of triton_kernels, or ImportError naming why."""
     if not has_triton_kernels():

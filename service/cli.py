@@ -35,9 +35,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-batch-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="KV cache format: auto = exact rows in --dtype; fp8 = the production formats "
-                        "(fp8_ds_mla SWA / compressed KV, MXFP4 indexer keys)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "exact", "fp8"],
+                   help="KV cache format: fp8 = the production formats (fp8_ds_mla SWA / compressed KV, MXFP4 "
+                        "indexer keys), exact = rows in --dtype; auto = fp8 where FlashMLA decodes it (bf16 on a "
+                        "Hopper GPU with V4's attention geometry), else exact")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks of one engine (this process is rank 0 and spawns the others; gloo on cpu, "
                         "NCCL on cuda with one GPU a rank): attention heads and dense projections split")

@@ -511,8 +511,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-cached-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
-                        help="KV cache format of every worker (default auto: exact rows; fp8: production formats)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "exact", "fp8"],
+                        help="KV cache format of every worker (default auto: fp8 where FlashMLA decodes it, else exact rows)")
     add_engine_speed_args(parser)
 
 

@@ -77,20 +77,43 @@ def test_engine_triton_attention_matches_reference(monkeypatch):
             assert abs(x - y) <= TOL
 
 
-@needs_triton
-def test_fp8_never_takes_the_triton_attention(monkeypatch):
-    """With every other op on Triton (the interpreter on CPU), an fp8 pool still attends through the reference:
-    the Triton attention reads exact rows only. (Here, not in test_kv_cache_fp8.py, because forcing the Triton
-    path needs TRITON_INTERPRET set before the first kernels.triton_* import.)"""
-    import engine.attention as attention_mod
+def _fp8_run(monkeypatch, setting: str, prompts, budget: int, decode_mode: str):
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    def boom(*a, **k):
-        raise AssertionError("fp8 pools must use the reference attention")
+    monkeypatch.setenv(ENV, setting)
+    llm = LLM(model_dir=None, device=DEVICE, dtype="float32", max_batch_tokens=budget, kv_cache_dtype="fp8",
+              decode_mode=decode_mode)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=True, prompt_logprobs=True)
+    return llm.generate(prompts, params)
 
-    monkeypatch.setattr(attention_mod, "use_triton", lambda device: True)
-    monkeypatch.setattr(attention_mod.AttentionBlock, "_attend_triton", boom)
-    out = LLM(kv_cache_dtype="fp8").generate([list(range(3, 40))], SamplingParams(max_new_tokens=3, ignore_eos=True,
-                                                                                   logprobs=True))
-    assert len(out[0].token_ids) == 3
+
+@needs_triton
+@pytest.mark.parametrize("decode_mode", ["eager", "bucketed"])
+def test_fp8_fast_path_matches_fp8_reference(monkeypatch, decode_mode):
+    """An fp8 pool on the fast path (engine.attention_fp8: dequantised stores + the Triton MQA kernel, the
+    Triton quantised-entry writer, the indexer over packed keys) computes what the fp8 reference computes.
+    (Here, not in test_kv_cache_fp8.py, because forcing the Triton path needs TRITON_INTERPRET set before the
+    first kernels.triton_* import.) FlashMLA's decode path is checked on the GPU (tests/kernels/test_flashmla_sparse.py)."""
+    import engine.attention_fp8 as fp8_mod
+
+    calls = []
+    real = fp8_mod.dequantised_attend
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_mod, "dequantised_attend", spy)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (131, 9)]
+    ref = _fp8_run(monkeypatch, "0", prompts, 23, decode_mode)
+    assert not calls
+    fast = _fp8_run(monkeypatch, "1", prompts, 23, decode_mode)
+    assert calls, "the fp8 fast path was not taken"
+    for a, b in zip(ref, fast):
+        assert a.token_ids == b.token_ids
+        # the Triton entry writer rounds its pooled entries by bits before packing: a code on a rounding
+        # boundary may land one e4m3 step apart from the torch codec's, hence a looser bound than exact rows
+        for x, y in zip(a.logprobs + a.prompt_logprobs[1:], b.logprobs + b.prompt_logprobs[1:]):
+            assert abs(x - y) <= 1e-3
