@@ -72,7 +72,9 @@ def _engine_line(e: dict) -> str:
     if "skip" in e:
         return f"experts `{e['experts']}`: not run ({e['skip']})"
     graphs = f", {e.get('graphs', 0)} CUDA graph(s) captured" if e.get("decode_mode") == "graphs" else ""
-    return f"experts `{e['experts']}`: decode mode `{e['decode_mode']}`{graphs}, weights built in {e['build_s']:.0f} s"
+    cache = "fp8_ds_mla + MXFP4 indexer keys" if e.get("fp8_cache") else "exact bf16 rows"
+    return (f"experts `{e['experts']}`: decode mode `{e['decode_mode']}`{graphs}, KV cache {cache}, weights built "
+            f"in {e['build_s']:.0f} s")
 
 
 def _header_lines(ctx: dict) -> list[str]:
@@ -98,7 +100,8 @@ def _header_lines(ctx: dict) -> list[str]:
     lines.append("- roofline = bytes the step must read / copy bandwidth. *prod*: FP8 dense (+ scales), bf16 where the "
                  "release keeps bf16, MXFP4 touched experts, fp8_ds_mla cache rows (584 B) and MXFP4 indexer keys "
                  "(68 B); *engine*: the same tensors and rows as that engine stores them (dense weights as FP8 + "
-                 "scales when the engine keeps them FP8, else bf16 dequantised at load, touched experts as MXFP4 when kept packed else bf16, bf16 cache rows). "
+                 "scales when the engine keeps them FP8, else bf16 dequantised at load, touched experts as MXFP4 when kept packed else bf16, cache rows as the engine's KV cache holds them: "
+                 "the production formats when --kv-cache-dtype auto resolved to fp8, else bf16). "
                  "Cache rows read per request: SWA window on every layer, all visible indexer keys + top-512 "
                  "entries on CSA layers, all entries on HCA layers; writes and compressor states not counted")
     lines.append("")
@@ -231,10 +234,13 @@ def _gaps(ctx: dict) -> str:
     gaps = [("dense projections run FP8 through DeepGEMM with a separate Triton activation-quantiser launch per "
              "projection (no norm/quantise/GEMM fusion yet)") if fp8 else
             "dense projections are bf16 GEMMs on FP8-rounded weights (2x the FP8 bytes; no FP8 GEMM)",
+            ("the KV cache holds the production formats (fp8_ds_mla rows, MXFP4 indexer keys): decode attention "
+             "is FlashMLA's sparse kernel, the indexer dequantises MXFP4 keys in the engine's Triton kernel")
+            if all(e.get("fp8_cache") for e in ran) else
             (f"the KV cache holds exact bf16 rows ({kv_row_bytes(cfg, 'engine')} B a KV row vs "
              f"{kv_row_bytes(cfg, 'prod')} B fp8_ds_mla, {index_row_bytes(cfg, 'engine')} B an indexer key vs "
-             f"{index_row_bytes(cfg, 'prod')} B MXFP4) because the fp8 cache path has no CUDA-graph / "
-             "Triton-attention path yet"),
+             f"{index_row_bytes(cfg, 'prod')} B MXFP4): --kv-cache-dtype auto resolved to exact rows here "
+             "(no FlashMLA, or not a bf16 CUDA engine)"),
             "the indexer's top-k is torch.topk",
             ("packed MXFP4 experts run through triton_kernels' matmul with the SwiGLU, the expert sort and the "
              "k-way sum as separate torch kernels (scripts/bench_moe.py measures it against copy bandwidth)")

@@ -119,11 +119,13 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 
 
 def decode_figures(cfg: ModelConfig, batch: int, ctx: int, step_s: float, touched: list[float],
-                   copy_gbs: float, packed: bool, fp8_dense: bool = False) -> dict:
+                   copy_gbs: float, packed: bool, fp8_dense: bool = False, fp8_cache: bool = False) -> dict:
     """A decode step's time against both byte rooflines -> the decode table's figures (`packed`: the
-    engine keeps routed experts as MXFP4; touched = mean distinct experts per layer)."""
+    engine keeps routed experts as MXFP4; `fp8_cache`: its KV cache holds the production formats (fp8_ds_mla
+    rows, MXFP4 indexer keys), else bf16 rows; touched = mean distinct experts per layer)."""
     prod = weight_bytes(cfg, batch, touched, "prod") + batch * cache_bytes(cfg, ctx, "prod")
-    eng = weight_bytes(cfg, batch, touched, "engine", packed, fp8_dense) + batch * cache_bytes(cfg, ctx, "engine")
+    eng = (weight_bytes(cfg, batch, touched, "engine", packed, fp8_dense)
+           + batch * cache_bytes(cfg, ctx, "prod" if fp8_cache else "engine"))
     bw = copy_gbs * 1e9
     return {"step_ms": step_s * 1e3, "tok_s": batch / step_s, "touched": sum(touched) / len(touched),
             "prod_gb": prod / 1e9, "prod_roof_ms": prod / bw * 1e3, "x_prod": step_s / (prod / bw),

@@ -19,7 +19,7 @@ import torch
 
 from engine.cache import CacheConfig
 from engine.config import ModelConfig
-from engine.fast_paths import mxfp4_moe_backend, use_fp8_gemm, use_grouped_moe
+from engine.fast_paths import mxfp4_moe_backend, resolve_kv_cache_dtype, use_fp8_gemm, use_grouped_moe
 from engine.linear import keeps_fp8
 from engine.make_model import (  # the release's quantisation layout
     _FP8,
@@ -182,25 +182,37 @@ def fill_experts(core: EngineCore, gen: torch.Generator, chunk: int) -> None:
                 del t, packed, scale
 
 
-def fill_caches(core: EngineCore, gen: torch.Generator) -> None:
-    """Random rows in every cache group (SWA rings, compressed KV, indexer keys, compressor states)."""
+def fill_caches(core: EngineCore, gen: torch.Generator, chunk: int = 1 << 16) -> None:
+    """Random rows in every cache group (SWA rings, compressed KV, indexer keys, compressor states).
+    Quantised groups get packed rows of random values (random bytes would hold NaN codes and wild scales):
+    `chunk` rows are encoded once and tiled over the layer."""
     for group in core.pool.groups.values():
         t = group.tensor
         for i in range(t.shape[0]):
+            if group.quantised:
+                rows = min(chunk, t.shape[1])
+                packed = group.encode(torch.randn(rows, group.codec.dim, generator=gen, device=t.device))
+                for start in range(0, t.shape[1], rows):
+                    ids = torch.arange(start, min(start + rows, t.shape[1]), device=t.device)
+                    group.write_packed(group.spec.layers[i], ids, packed[:ids.numel()])
+                continue
             t[i].copy_(torch.randn(t[i].shape, generator=gen, device=t.device, dtype=torch.float32).to(t.dtype))
 
 
 def build_engine(raw: dict, device, dtype, max_requests: int, max_tokens: int, prefill_tokens: int, seed: int,
-                 expert_chunk: int, experts: str = "bf16", dense: str = "bf16"):
+                 expert_chunk: int, experts: str = "bf16", dense: str = "bf16", kv_cache: str = "auto"):
     """-> (cfg, EngineCore) with routed experts in format `experts` (EXPERT_FORMATS), dense projections as
-    `dense` ("fp8" / "bf16", see build_weights), decode_mode "auto"."""
+    `dense` ("fp8" / "bf16", see build_weights), the KV cache as `kv_cache` resolves (`dsv4 serve`'s
+    --kv-cache-dtype: auto = fp8 where FlashMLA decodes it), decode_mode "auto"."""
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
     cfg = ModelConfig.from_dict(raw)
     gen = torch.Generator(device=device).manual_seed(seed)
     weights = build_weights(cfg, device, dtype, gen, experts, dense)
+    kv_dtype, _ = resolve_kv_cache_dtype(kv_cache, device, dtype, cfg.head_dim, cfg.rope_dim, cfg.num_heads)
     core = EngineCore(cfg, weights, device=device, dtype=dtype,
-                      cache_config=CacheConfig(max_requests=max_requests, max_tokens=max_tokens, page_tokens=256),
+                      cache_config=CacheConfig(max_requests=max_requests, max_tokens=max_tokens, page_tokens=256,
+                                               kv_cache_dtype=kv_dtype),
                       scheduler_config=SchedulerConfig(max_batch_tokens=max(prefill_tokens, 2048),
                                                        max_num_seqs=max_requests))
     del weights
