@@ -32,7 +32,8 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
                 page_tokens: int = 256, kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4",
                 keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
                 keep_fp8_weights: bool | None = None, prefix_cache: bool = True,
-                parallel: ParallelContext | None = None, gpu_memory_utilization: float | None = None) -> EngineCore:
+                parallel: ParallelContext | None = None, gpu_memory_utilization: float | None = None,
+                max_model_len: int | None = None) -> EngineCore:
     """kv_cache_dtype: "exact" (rows in `dtype`), "fp8" (production formats: fp8_ds_mla SWA and compressed KV,
     MXFP4 indexer keys, or FP8 ones with index_cache_dtype="fp8"; see engine.cache) or "auto" (fp8 on a bf16
     CUDA engine where FlashMLA decodes the model's geometry, else exact: engine.fast_paths.resolve_kv_cache_dtype).
@@ -45,15 +46,20 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     prefix_cache: reuse cached prompt prefixes across requests (engine.prefix_cache); on by default.
     parallel: this rank's tensor-parallel context: the loaded weights are cut for it (engine.sharding).
     max_cached_tokens / gpu_memory_utilization: the KV pool's size (engine.memory_plan): the former if given,
-    else on CUDA what `gpu_memory_utilization` (default 0.90) of the GPU leaves after the weights, else 65536."""
+    else on CUDA what `gpu_memory_utilization` (default 0.90) of the GPU leaves after the weights, else 65536.
+    On CUDA, before any weight is read, engine.fit_check compares this rank's weights + reserve + the minimum
+    cache with that budget and raises a ValueError with the numbers when they do not fit.
+    model_dir: a directory or a Hugging Face repo id (engine.model_source; None: the built-in tiny model).
+    max_model_len: the longest request (prompt + output) served, at most the model's max_position_embeddings."""
     from engine.fast_paths import keep_mxfp4_experts as keep_default
     from engine.fast_paths import resolve_kv_cache_dtype, use_fp8_gemm
     from engine.make_model import default_model_dir
-    from engine.memory_plan import log_plan, plan_kv_tokens
+    from engine.memory_plan import cap_context, log_plan, plan_kv_tokens
+    from engine.model_source import local_model_dir
     from engine.weights import load_weights
 
-    model_dir = model_dir or default_model_dir()
-    cfg = ModelConfig.from_model_dir(model_dir)
+    model_dir = local_model_dir(model_dir) or default_model_dir()  # a worker lacking the path fetches it here
+    cfg = cap_context(ModelConfig.from_model_dir(model_dir), max_model_len)
     kv_cache_dtype, why = resolve_kv_cache_dtype(kv_cache_dtype, device, resolve_dtype(dtype), cfg.head_dim,
                                                  cfg.rope_dim, cfg.num_heads)
     logger.info("kv cache: %s (%s)", kv_cache_dtype, why)
@@ -62,6 +68,13 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     torch_dtype = resolve_dtype(dtype)
     keep = keep_default(device, torch_dtype) if keep_mxfp4_experts is None else keep_mxfp4_experts
     keep_fp8 = use_fp8_gemm(device, torch_dtype) if keep_fp8_weights is None else keep_fp8_weights
+    if torch.device(device).type == "cuda":
+        from engine.fit_check import check_fit, device_budget
+
+        fit = check_fit(model_dir, cfg, cache_config, torch_dtype, max_batch_tokens,
+                        device_budget(device, gpu_memory_utilization), parallel, keep, keep_fp8, max_cached_tokens,
+                        gpu_memory_utilization)
+        logger.info("memory: %s", fit.describe())
     if parallel is not None and parallel.enabled:
         from engine.sharding import load_shard
 
@@ -86,17 +99,19 @@ class LLM:
                  keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
                  page_tokens: int = 256, prefix_cache: bool = True, tensor_parallel_size: int = 1,
                  expert_parallel: bool = False, keep_fp8_weights: bool | None = None,
-                 gpu_memory_utilization: float | None = None):
+                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None):
         """tensor_parallel_size > 1: this process is rank 0 and spawns the other ranks (engine.tp_launch);
-        expert_parallel: routed experts split by expert id across them. Call `close()` (or use `with`)."""
+        expert_parallel: routed experts split by expert id across them. Call `close()` (or use `with`).
+        model_dir: a directory or a Hugging Face repo id, resolved (fetched) once here, before ranks spawn."""
         from engine.make_model import default_model_dir
+        from engine.model_source import local_model_dir
 
-        kwargs = dict(model_dir=model_dir or default_model_dir(), device=device, dtype=dtype,
+        kwargs = dict(model_dir=local_model_dir(model_dir) or default_model_dir(), device=device, dtype=dtype,
                       max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                       max_cached_tokens=max_cached_tokens, page_tokens=page_tokens, kv_cache_dtype=kv_cache_dtype,
                       index_cache_dtype=index_cache_dtype, keep_mxfp4_experts=keep_mxfp4_experts,
                       decode_mode=decode_mode, prefix_cache=prefix_cache, keep_fp8_weights=keep_fp8_weights,
-                      gpu_memory_utilization=gpu_memory_utilization)
+                      gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
         self.ranks = None
         if tensor_parallel_size > 1 or expert_parallel:
             from engine.sharding import check_divisible

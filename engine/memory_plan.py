@@ -97,8 +97,20 @@ def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, dev
     return KvPlan(tokens, pool_bytes(cfg, c, dtype), source)
 
 
+def cap_context(cfg: ModelConfig, max_model_len: int | None) -> ModelConfig:
+    """`--max-model-len`: the longest request (prompt + output) this engine serves, which also bounds the
+    minimum cache (engine.fit_check), the pool's cap and the decode context buckets; None keeps the model's."""
+    if max_model_len is None:
+        return cfg
+    if not 0 < max_model_len <= cfg.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_model_len} must be in [1, {cfg.max_position_embeddings}] (the model's "
+                         "max_position_embeddings)")
+    return replace(cfg, max_position_embeddings=max_model_len)
+
+
 def log_plan(plan: KvPlan, cfg: ModelConfig, max_num_seqs: int) -> None:
     log.info("%s", plan.describe(cfg, max_num_seqs))
 
 
-__all__ = ["KvPlan", "plan_kv_tokens", "pool_bytes", "activation_reserve", "log_plan", "DEFAULT_UTILIZATION"]
+__all__ = ["KvPlan", "plan_kv_tokens", "pool_bytes", "activation_reserve", "log_plan", "cap_context",
+           "DEFAULT_UTILIZATION"]

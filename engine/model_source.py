@@ -28,7 +28,7 @@ log = logging.getLogger("dsv4.engine")
 CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
 ENGINE_FILES = ("*.safetensors", "*.safetensors.index.json", *CONFIG_FILES)
-_SNAPSHOT = re.compile(r"models--(?P<org>[^/\\]+?)--(?P<name>[^/\\]+)[/\\]snapshots[/\\](?P<commit>[0-9a-f]{40})[/\\]?$")
+_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})/?$")
 _TRUE = ("1", "on", "yes", "true")
 
 

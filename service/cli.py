@@ -19,7 +19,8 @@ def _parse_ids(text: str) -> list[int]:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate tokens for one or more prompts (one continuous batch)")
-    p.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    p.add_argument("--model", default=None, help="model directory or Hugging Face repo id (org/name[@revision], "
+                   "fetched once into the HF cache); default: the built-in tiny model")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", type=_parse_ids, action="append", help="comma-separated token ids; repeatable")
     src.add_argument("--prompt", action="append", help="text prompt (needs a tokenizer); repeatable")
@@ -60,10 +61,11 @@ def _add_make_model(sub) -> None:
 def _generate(args) -> int:
     from engine.llm import LLM
     from engine.make_model import default_model_dir
+    from engine.model_source import local_model_dir
     from engine.sampling_params import SamplingParams
     from engine.tokenizer import load_tokenizer
 
-    model_dir = args.model or default_model_dir()
+    model_dir = local_model_dir(args.model) or default_model_dir()
     tokenizer = load_tokenizer(model_dir)
     if args.prompt is not None:
         if tokenizer is None:
@@ -78,7 +80,7 @@ def _generate(args) -> int:
               kv_cache_dtype=args.kv_cache_dtype, keep_mxfp4_experts=args.keep_mxfp4_experts,
               decode_mode=args.decode_mode, prefix_cache=args.prefix_cache is not False,
               tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
     with llm:  # releases the other ranks
         outs = llm.generate(prompts, params)
     for out in outs:
@@ -125,10 +127,11 @@ def _add_bench(sub) -> None:
 def _add_chat(sub) -> None:
     p = sub.add_parser("chat-render", help="print the prompt text the server tokenises for a chat request")
     p.add_argument("--request", required=True, help="a /v1/chat/completions request body (JSON file)")
-    p.add_argument("--model", default=None, help="model directory (default: the built-in tiny model's format)")
+    p.add_argument("--model", default=None, help="model directory or Hugging Face repo id (default: the built-in tiny "
+                   "model's format)")
     p = sub.add_parser("chat-parse", help="parse a completion text (stdin) into content, reasoning, tool calls")
     p.add_argument("--thinking", action="store_true", help="the prompt opened a thought (thinking mode)")
-    p.add_argument("--model", default=None, help="model directory (must be DeepSeek V4)")
+    p.add_argument("--model", default=None, help="model directory or Hugging Face repo id (must be DeepSeek V4)")
 
 
 def _write_stdout(text: str) -> None:
@@ -141,8 +144,10 @@ def _chat_render(args) -> int:
     from service import chat_v4
     from pydantic import ValidationError
 
+    from engine.model_source import local_model_dir
     from service.openai_protocol import ChatCompletionRequest
 
+    args.model = local_model_dir(args.model, with_weights=False)
     with open(args.request, encoding="utf-8") as fh:
         body = json.load(fh)
     try:
@@ -171,8 +176,10 @@ def _chat_render(args) -> int:
 
 
 def _chat_parse(args) -> int:
+    from engine.model_source import local_model_dir
     from service import chat_v4
 
+    args.model = local_model_dir(args.model, with_weights=False)
     if args.model is not None and not chat_v4.is_v4_model(args.model):
         raise ValueError(f"model {args.model!r} is not DeepSeek V4 (config.json model_type / architectures)")
     text = sys.stdin.buffer.read().decode("utf-8")

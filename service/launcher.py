@@ -36,7 +36,7 @@ from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 from service.rank_placement import place_worker, remove_worker
 
 ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype",
-                      "decode_mode", "keep_mxfp4_experts", "prefix_cache", "gpu_memory_utilization")
+                      "decode_mode", "keep_mxfp4_experts", "prefix_cache", "gpu_memory_utilization", "max_model_len")
 
 
 @dataclass(frozen=True)
@@ -328,6 +328,9 @@ def add_engine_speed_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="share of GPU memory the engine may use (default 0.90): the KV cache gets what is left "
                              "after weights and an activation/CUDA-graph reserve; --max-cached-tokens overrides it")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest request (prompt + output) in tokens, at most the model's max_position_embeddings "
+                             "(default): bounds the minimum KV cache the start-up fit check asks for")
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                         help="do not reuse cached prompt prefixes across requests (engine.prefix_cache; on by "
                              "default)")
@@ -411,9 +414,13 @@ def remove_metrics_dir() -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     from engine.make_model import default_model_dir
+    from engine.model_source import local_model_dir
 
     engine_options = tuple((k, getattr(args, k)) for k in ENGINE_OPTION_KEYS if getattr(args, k, None) is not None)
-    return ServiceConfig(model_dir=args.model or default_model_dir(), model_name=args.served_model_name,
+    # A repo id is fetched here, once, before any pool starts: workers get the local snapshot path (one on
+    # another node that lacks it fetches that same commit itself: engine.model_source).
+    return ServiceConfig(model_dir=local_model_dir(args.model) or default_model_dir(),
+                         model_name=args.served_model_name,
                          host=args.host, port=args.port, metrics_port=args.metrics_port, router_port=args.router_port,
                          prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                          transfer=args.transfer, router_policy=args.router_policy, engine_options=engine_options,
@@ -472,7 +479,8 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--model", default=None, help="model directory or Hugging Face repo id (org/name[@revision], "
+                        "fetched once into the HF cache); default: the built-in tiny model")
     parser.add_argument("--served-model-name", default="dsv4")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
