@@ -178,6 +178,11 @@ def profile_decode(core: EngineCore, cfg: ModelConfig, batch: int, ctx: int, see
     finally:
         for rid in rids:
             core.abort(rid)
+    return {**_kernel_table(prof, 8), "wall_ms": wall * 1e3, "per_layer": _kernel_table(prof, 0)["kernels"] / cfg.num_layers}
+
+
+def _kernel_table(prof, top: int) -> dict:
+    """Kernels of a torch.profiler run: count, summed device time, the `top` names by device time."""
     kernels, busy_us = 0, 0.0
     by_name: dict[str, list] = {}
     for ev in prof.events():
@@ -189,8 +194,24 @@ def profile_decode(core: EngineCore, cfg: ModelConfig, batch: int, ctx: int, see
             acc[0] += t
             acc[1] += 1
     ops = sorted(((t, k, c) for k, (t, c) in by_name.items()), reverse=True)
-    return {"kernels": kernels, "busy_ms": busy_us / 1e3, "wall_ms": wall * 1e3, "top": ops[:8],
-            "per_layer": kernels / cfg.num_layers}
+    return {"kernels": kernels, "busy_ms": busy_us / 1e3, "top": ops[:top]}
+
+
+def profile_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, seed: int) -> dict:
+    """One whole prefill of `tokens` under torch.profiler -> kernels, busy ms, wall ms, top 12 kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, cfg.vocab_size, (tokens,), generator=g).tolist()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        rid = core.add_request(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True), request_id="prefill-prof")
+        while core.has_work:
+            core.step()
+        sync(core.device)
+        wall = time.perf_counter() - t
+    core.pop_finished(rid)
+    return {**_kernel_table(prof, 12), "wall_ms": wall * 1e3}
 
 
 def bench_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, repeats: int, clock: Clock, reserve_s: float,

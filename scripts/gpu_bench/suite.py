@@ -25,7 +25,7 @@ import torch
 from engine.config import ModelConfig
 from engine.fast_paths import use_triton
 
-from .engine_bench import ExpertRecorder, bench_decode, bench_prefill, profile_decode
+from .engine_bench import ExpertRecorder, bench_decode, bench_prefill, profile_decode, profile_prefill
 from .measure import Clock, measure_roofs
 from .peer import bench_transformers, transformers_info
 from .report import environment, verdicts
@@ -265,6 +265,12 @@ class Suite:
             out.update(prefill_figures(self.cfg, p.prefill_tokens, r["s"], self.tflops), n=r["n"], steps=r["steps"])
             print(f"prefill {out['experts']} {p.prefill_tokens}: {r['s']:.2f} s ({out['tok_s']:.0f} tok/s), roof "
                   f"{out['roof_tok_s']:.0f} tok/s ({100 * out['share']:.1f}%)", flush=True)
+            if p.cuda and clock.left() - self.reserve > 3 * r["s"] + 10:
+                prof = profile_prefill(self.core, self.cfg, p.prefill_tokens, seed=6)
+                out["profile"] = prof
+                print(f"prefill profile: {prof['kernels']} kernels, busy {prof['busy_ms']:.1f} ms of "
+                      f"{prof['wall_ms']:.1f} ms; top: " + "; ".join(f"{k} {t / 1e3:.1f} ms ({c}x)"
+                                                                  for t, k, c in prof["top"]), flush=True)
         except Exception as e:  # noqa: BLE001
             out["skip"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             print(f"prefill: FAILED {out['skip']}", flush=True)
