@@ -33,12 +33,17 @@ from dataclasses import dataclass, field
 
 from kv_transfer.registry import TRANSFER_CHOICES
 from service.launcher import ENGINE_OPTION_KEYS, RouterActor, ServiceConfig, remote_classes, add_serve_args
+from service.rank_placement import follower_names, group_name, place_worker
 
 NAMESPACE = "dsv4"
 ROLES = ("prefill", "decode")
 _ARG_KEYS = {"model", "served_model_name", "prefill_workers", "decode_workers", "transfer", "router_policy",
              "router_port", "engine", "prefill_args", "decode_args", "prefill_resources", "decode_resources",
-             "gpus_per_worker", "worker_num_cpus", "metrics_dir"}
+             "gpus_per_worker", "worker_num_cpus", "metrics_dir", "prefill_tensor_parallel_size",
+             "decode_tensor_parallel_size", "prefill_expert_parallel", "decode_expert_parallel"}
+# How long a multi-rank worker waits for its placement group (pods of an autoscaled group may still be coming
+# up, as single-rank actors wait pending for theirs): the chart's startup probe allows an hour.
+PLACEMENT_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -47,12 +52,18 @@ class RolePlan:
 
     workers: int
     engine_options: tuple  # (key, value) pairs for load_engine
-    resources: tuple  # (custom Ray resource, amount) pairs
-    num_gpus: float
+    resources: tuple  # (custom Ray resource, amount) pairs, of each rank's actor
+    num_gpus: float  # of each rank's actor
+    tensor_parallel_size: int = 1  # ranks (actors) per worker: service.rank_placement
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if self.workers < 1:
             raise ValueError(f"each role needs at least one worker, got {self.workers}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("expert_parallel needs tensor_parallel_size > 1 (experts split across the ranks)")
 
 
 @dataclass(frozen=True)
@@ -114,10 +125,22 @@ def parse_args(args: dict) -> EntryConfig:
                             engine_options=_engine_options(common, list(args.get(f"{role}_args") or [])),
                             resources=tuple(sorted((str(k), float(v)) for k, v in
                                                    (args.get(f"{role}_resources") or {}).items())),
-                            num_gpus=gpus) for role in ROLES}
+                            num_gpus=gpus, tensor_parallel_size=int(args.get(f"{role}_tensor_parallel_size", 1)),
+                            expert_parallel=_flag(args.get(f"{role}_expert_parallel", False),
+                                                  f"{role}_expert_parallel"))
+             for role in ROLES}
     metrics_dir = args.get("metrics_dir") or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     env = (("PROMETHEUS_MULTIPROC_DIR", metrics_dir),) if metrics_dir else ()
     return EntryConfig(service, plans["prefill"], plans["decode"], metrics_dir, env)
+
+
+def _flag(value, what: str) -> bool:
+    """A YAML boolean (true/false, or the strings a --set may give)."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "false"):
+        return str(value).lower() == "true"
+    raise ValueError(f"{what} must be true or false, got {value!r}")
 
 
 def _fingerprint(*parts) -> str:
@@ -160,16 +183,47 @@ def cluster_token() -> str:
 
 
 def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: str) -> dict:
-    plan, fp = cfg.plan(role), _role_fingerprint(cfg, role, model_dir)
+    plan = cfg.plan(role)
     handles = {}
     for worker_id in worker_ids(cfg, role):
-        handles[worker_id] = cls.options(
-            name=f"dsv4-{worker_id}-{fp}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-            num_gpus=plan.num_gpus, resources=dict(plan.resources),
-            runtime_env={"env_vars": dict(cfg.env)}).remote(worker_id, model_dir, dict(plan.engine_options),
-                                                             cfg.service.transfer, bind_host="node",
-                                                             cluster_token=token)
+        name = worker_name(cfg, role, worker_id, model_dir)
+        options = dict(namespace=NAMESPACE, lifetime="detached", num_gpus=plan.num_gpus,
+                       resources=dict(plan.resources), runtime_env={"env_vars": dict(cfg.env)})
+        opts = dict(plan.engine_options)
+        args, kwargs = (worker_id, model_dir, opts, cfg.service.transfer), dict(bind_host="node", cluster_token=token)
+        if plan.tensor_parallel_size == 1:
+            handles[worker_id] = cls.options(name=name, get_if_exists=True, **options).remote(*args, **kwargs)
+            continue
+        # A multi-rank worker: its ranks in one detached STRICT_PACK placement group, one bundle (GPU and
+        # role resource) a rank; a worker kept from an earlier run of the builder is reused as it is.
+        handles[worker_id] = _named(name) or place_worker(
+            cls, name, args, kwargs, opts, model_dir, plan.tensor_parallel_size, plan.expert_parallel,
+            cfg.service.worker_num_cpus, plan.num_gpus, options, PLACEMENT_TIMEOUT_S).handle
     return handles
+
+
+def _named(name: str):
+    """The live actor `name` of this namespace, or None."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def worker_name(cfg: EntryConfig, role: str, worker_id: str, model_dir: str | None) -> str:
+    return f"dsv4-{worker_id}-{_role_fingerprint(cfg, role, model_dir)}"
+
+
+def actor_names(cfg: EntryConfig, model_dir: str | None) -> set[str]:
+    """Every actor of the current layout's workers: rank 0 and the followers of multi-rank ones."""
+    names = set()
+    for role in ROLES:
+        for w in worker_ids(cfg, role):
+            name = worker_name(cfg, role, w, model_dir)
+            names |= {name, *follower_names(name, cfg.plan(role).tensor_parallel_size)}
+    return names
 
 
 def _kill_stale(keep: set, prefix: str) -> None:
@@ -182,6 +236,17 @@ def _kill_stale(keep: set, prefix: str) -> None:
                 ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
             except ValueError:  # already gone
                 pass
+            _remove_group(actor["name"])
+
+
+def _remove_group(worker: str) -> None:
+    """Free the placement group of a removed multi-rank worker (its GPUs), if it had one."""
+    from ray.util import get_placement_group, remove_placement_group
+
+    try:
+        remove_placement_group(get_placement_group(group_name(worker)))
+    except Exception:  # noqa: BLE001 - a single-rank worker, a follower, or already removed
+        pass
 
 
 def start_backend(cfg: EntryConfig) -> tuple[str, str]:
@@ -195,7 +260,7 @@ def start_backend(cfg: EntryConfig) -> tuple[str, str]:
     import ray
 
     model_dir = cfg.service.model_dir or None  # None: each worker builds the built-in tiny model
-    workers = {f"dsv4-{w}-{_role_fingerprint(cfg, role, model_dir)}" for role in ROLES for w in worker_ids(cfg, role)}
+    workers = actor_names(cfg, model_dir)
     for role in ROLES:
         _kill_stale(workers, f"dsv4-{role}-")
     token = cluster_token()
@@ -220,7 +285,8 @@ def worker_ids(cfg: EntryConfig, role: str) -> list[str]:
 def _role_fingerprint(cfg: EntryConfig, role: str, model_dir: str | None) -> str:
     """What a worker is built from (not how many there are: scaling keeps the existing ones)."""
     plan = cfg.plan(role)
-    return _fingerprint(model_dir, cfg.service.transfer, plan.engine_options, plan.resources, plan.num_gpus)
+    layout = () if plan.tensor_parallel_size == 1 else (plan.tensor_parallel_size, plan.expert_parallel)
+    return _fingerprint(model_dir, cfg.service.transfer, plan.engine_options, plan.resources, plan.num_gpus, *layout)
 
 
 def build(args: dict):

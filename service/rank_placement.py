@@ -46,8 +46,12 @@ def place_worker(cls, name: str, args: tuple, kwargs: dict, opts: dict, model_di
     from engine.parallel import free_loopback_port
     from engine.rank_worker import RankFollower, TensorParallelSpec
 
-    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-    group = placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK", name=f"{name}-ranks")
+    # Custom resources the actors ask for (KubeRay's dsv4_prefill / dsv4_decode, one unit a rank) must be in
+    # their bundles; a detached worker (KubeRay builder) needs a detached group, or the group would end with
+    # the job that created it.
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **actor_options.get("resources", {})}
+    group = placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK", name=group_name(name),
+                            lifetime=actor_options.get("lifetime"))
     try:
         ray.get(group.ready(), timeout=ready_timeout_s)
     except Exception:
@@ -63,11 +67,21 @@ def place_worker(cls, name: str, args: tuple, kwargs: dict, opts: dict, model_di
     ranked = {**opts, "tensor_parallel": spec}
 
     follower_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(RankFollower)
-    followers = [follower_cls.options(name=f"{name}-rank{r}", **actor_options, **on(r)).remote(r, model_dir, ranked)
-                 for r in range(1, tp_size)]
+    followers = [follower_cls.options(name=fname, **actor_options, **on(r)).remote(r, model_dir, ranked)
+                 for r, fname in enumerate(follower_names(name, tp_size), start=1)]
     handle = cls.options(name=name, max_restarts=0, **actor_options, **on(0)).remote(
         *_with_opts(args, opts, ranked), **kwargs)
     return PlacedWorker(handle, followers, group)
+
+
+def group_name(worker_name: str) -> str:
+    """The placement group of a multi-rank worker."""
+    return f"{worker_name}-ranks"
+
+
+def follower_names(worker_name: str, tp_size: int) -> list[str]:
+    """The actor names of ranks 1..tp_size-1 of a worker."""
+    return [f"{worker_name}-rank{r}" for r in range(1, tp_size)]
 
 
 def _with_opts(args: tuple, old: dict, new: dict) -> tuple:

@@ -181,8 +181,9 @@ def test_serve_config_matches_the_builder_and_the_pods(case):
     for role in ROLES:
         plan = cfg.plan(role)
         assert plan.workers == values[role].get("replicas", 1) * values[role].get("workersPerPod", 1)
-        assert offered[role] >= plan.workers * dict(plan.resources)[f"dsv4_{role}"], (role, offered)
-        assert gpus[role] >= plan.workers * plan.num_gpus, (role, gpus)
+        ranks = plan.workers * plan.tensor_parallel_size  # one actor (and placement bundle) a rank
+        assert offered[role] >= ranks * dict(plan.resources)[f"dsv4_{role}"], (role, offered)
+        assert gpus[role] >= ranks * plan.num_gpus, (role, gpus)
 
 
 def test_every_pod_exports_metrics_on_the_scraped_port(case):

@@ -13,15 +13,15 @@ import torch
 from engine.cache import CacheConfig
 from engine.config import ModelConfig
 from engine.fit_check import check_fit, meta_from_stored, weight_bytes_per_rank
-from engine.linear import keeps_fp8
 from engine.llm import load_engine
 from engine.make_model import default_model_dir, make_model
 from engine.memory_plan import GIB, activation_reserve, cap_context, pool_bytes
 from engine.parallel import ParallelContext
 from engine.sampling_params import SamplingParams
 from engine.sharding import shard_weights
-from engine.weights import expected_weight_shapes, load_weights
+from engine.weights import load_weights
 from tests.support.configs import flash_config
+from tests.support.flash_layout import flash_release_layout
 
 H200_GIB = 140.4  # what an H200 reports (143771 MiB)
 
@@ -108,26 +108,11 @@ def test_load_engine_serves_at_most_max_model_len():
         engine.validate(list(range(1, 60)), SamplingParams(max_new_tokens=8))
 
 
-def _flash_release_layout(cfg: ModelConfig) -> dict:
-    """V4-Flash's checkpoint as released: MXFP4 routed experts, FP8 dense projections, the rest bf16/fp32."""
-    stored = {}
-    for name, shape in expected_weight_shapes(cfg).items():
-        base = name[: -len(".weight")]
-        if re.search(r"\.experts\.\d+\.", name):
-            stored[name], stored[base + ".scale"] = ("I8", (shape[0], shape[1] // 2)), ("U8", (shape[0], shape[1] // 32))
-        elif name.endswith(".weight") and keeps_fp8(name, shape, cfg.o_groups):
-            stored[name] = ("F8_E4M3", shape)
-            stored[base + ".scale"] = ("U8", (-(-shape[0] // 128), -(-shape[1] // 128)))
-        else:
-            stored[name] = ("BF16", shape)
-    return stored
-
-
 def test_v4_flash_on_h200s():
     """V4-Flash (about 145 GiB as loaded) does not fit one H200 at 0.90 and the advice says TP 2 + EP; at TP 4 +
     EP (the Helm example's layout) it fits with room for the KV pool."""
     cfg = flash_config(quantization_config={"weight_block_size": [128, 128]})
-    meta = meta_from_stored(_flash_release_layout(cfg), cfg, torch.bfloat16, True, True)
+    meta = meta_from_stored(flash_release_layout(cfg), cfg, torch.bfloat16, True, True)
     # No 149 GB checkpoint in CI: its release layout (names, shapes, formats) stands in for the headers.
     cache = CacheConfig(max_requests=256, max_tokens=1, kv_cache_dtype="fp8")
     budget = int(0.90 * H200_GIB * GIB)

@@ -55,9 +55,14 @@ true
 {{- end -}}
 {{- end -}}
 
-{{/* Total actors of a role: replicas x workersPerPod. Argument: the role's values. */}}
+{{/* Total workers (engines) of a role: replicas x workersPerPod. Argument: the role's values. */}}
 {{- define "dsv4.roleWorkers" -}}
 {{- mul (int .replicas) (int .workersPerPod) -}}
+{{- end -}}
+
+{{/* Ranks (Ray actors, one GPU each on CUDA) in one pod of a role: workersPerPod x tensorParallelSize. */}}
+{{- define "dsv4.podRanks" -}}
+{{- mul (int .workersPerPod) (int (default 1 .tensorParallelSize)) -}}
 {{- end -}}
 
 {{/* rayStartParams `resources`: a JSON object quoted for the shell line KubeRay builds. */}}
@@ -76,9 +81,11 @@ true
 {{- $_ := set $params "resources" (include "dsv4.rayResources" $root.Values.head.extraRayResources) -}}
 {{- end -}}
 {{- else -}}
-{{- $gpus := mulf (float64 .group.workersPerPod) (float64 $root.Values.serve.gpusPerWorker) -}}
+{{- $ranks := include "dsv4.podRanks" .group | int -}}
+{{- $gpus := mulf (float64 $ranks) (float64 $root.Values.serve.gpusPerWorker) -}}
 {{- $_ := set $params "num-gpus" (toString (ceil $gpus | int)) -}}
-{{- $_ := set $params "resources" (include "dsv4.rayResources" (dict (printf "dsv4_%s" .role) (int .group.workersPerPod))) -}}
+{{- /* one unit of the role's resource per rank: every rank's placement bundle takes one */ -}}
+{{- $_ := set $params "resources" (include "dsv4.rayResources" (dict (printf "dsv4_%s" .role) $ranks)) -}}
 {{- end -}}
 {{- range $k, $v := .group.rayStartParams -}}
 {{- $_ := set $params $k (toString $v) -}}
@@ -86,13 +93,15 @@ true
 {{- toYaml $params -}}
 {{- end -}}
 
-{{/* Container resources of a worker group: the values plus GPUs (and RDMA devices) per pod. */}}
+{{/* Container resources of a worker group: the values plus GPUs (workersPerPod x tensorParallelSize x
+gpusPerWorker) and RDMA devices per pod. */}}
 {{- define "dsv4.workerResources" -}}
 {{- $root := .root -}}
 {{- $res := deepCopy (default dict .group.resources) -}}
 {{- $limits := default dict $res.limits -}}
 {{- $requests := default dict $res.requests -}}
-{{- $gpus := ceil (mulf (float64 .group.workersPerPod) (float64 $root.Values.serve.gpusPerWorker)) | int -}}
+{{- $ranks := include "dsv4.podRanks" .group | int -}}
+{{- $gpus := ceil (mulf (float64 $ranks) (float64 $root.Values.serve.gpusPerWorker)) | int -}}
 {{- if gt $gpus 0 -}}
 {{- $_ := set $limits $root.Values.gpu.resourceKey $gpus -}}
 {{- $_ := set $requests $root.Values.gpu.resourceKey $gpus -}}
