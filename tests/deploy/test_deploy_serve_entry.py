@@ -35,6 +35,7 @@ def venv_bin(name: str) -> str:
 class KubeRayLikeHead:
     def __init__(self):
         values = load_values([e for e in EXAMPLES if e.endswith("values-cpu-demo.yaml")][0])
+        values["head"]["extraRayResources"]["dsv4_decode"] = 2  # room for a 2-rank decode worker (a unit a rank)
         (self.rayservice,) = [d for d in documents(render(values)) if d["kind"] == "RayService"]
         self.tmp = tempfile.mkdtemp(prefix="dsv4kr-")  # short: Ray's unix sockets live under it
         self.metrics_dir = os.path.join(self.tmp, "metrics")
@@ -87,12 +88,14 @@ class KubeRayLikeHead:
             time.sleep(1.0)
         raise RuntimeError(f"not ready after {timeout_s:.0f} s:\n{self.log(log)}")
 
-    def deploy(self, decode_args: list[str]) -> None:
+    def deploy(self, decode_args: list[str], **args) -> None:
+        """Submit the chart's serveConfigV2 with these decode args (and other builder `args` replaced)."""
         config = serve_config(self.rayservice)
         config["http_options"] = {"host": "127.0.0.1", "port": self.http_port}
         (app,) = config["applications"]
         app["args"]["metrics_dir"] = self.metrics_dir
         app["args"]["decode_args"] = decode_args
+        app["args"].update(args)
         app["runtime_env"]["env_vars"]["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
         path = os.path.join(self.tmp, "serve.yaml")
         with open(path, "w") as f:
@@ -101,11 +104,12 @@ class KubeRayLikeHead:
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
 
-    def app_running(self, decode_args: list[str]) -> bool:
+    def app_running(self, decode_args: list[str], **args) -> bool:
         status, body = http_json(self.dashboard + "/api/serve/applications/", timeout=10)
         app = body["applications"].get("dsv4", {}) if status == 200 else {}
         deployed_args = (app.get("deployed_app_config") or {}).get("args", {})
-        return app.get("status") == "RUNNING" and deployed_args.get("decode_args") == decode_args
+        return (app.get("status") == "RUNNING" and deployed_args.get("decode_args") == decode_args
+                and all(deployed_args.get(k) == v for k, v in args.items()))
 
     def dsv4_actors(self) -> set[str]:
         """Names of the ALIVE actors in the dsv4 namespace (Ray's state API)."""
@@ -173,6 +177,26 @@ def test_redeploy_replaces_only_what_changed(head):
     prefill = {n for n in before if n.startswith("dsv4-prefill-")}
     assert prefill <= after, (before, after)  # unchanged worker kept
     assert len(after) == 3 and not (after - prefill) & before, (before, after)  # decode and router replaced
+
+
+def test_redeploy_with_a_two_rank_decode_worker(head):
+    """`decode.tensorParallelSize: 2` as the chart passes it: the builder places the decode worker as two
+    actors (rank 0 and a follower) in one placement group on the role's resource units, the prefill worker is
+    kept, and the service answers with the same tokens as before."""
+    args = ["--max-num-seqs", "16"]
+    body = {"model": "dsv4", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
+    url = f"http://127.0.0.1:{head.http_port}/v1/completions"
+    status, before_out = http_json(url, body)
+    assert status == 200
+    before = head.dsv4_actors()
+    head.deploy(args, decode_tensor_parallel_size=2)
+    head.wait(lambda: head.app_running(args, decode_tensor_parallel_size=2) and completion(head) == 200, "ray.log")
+    after = head.dsv4_actors()
+    decode = sorted(n for n in after if n.startswith("dsv4-decode-"))
+    assert len(decode) == 2 and decode[1] == decode[0] + "-rank1", after
+    assert not set(decode) & before and {n for n in before if n.startswith("dsv4-prefill-")} <= after
+    status, out = http_json(url, body)
+    assert status == 200 and out["choices"][0]["text"] == before_out["choices"][0]["text"], (before_out, out)
 
 
 def test_builder_args_are_validated():
