@@ -25,6 +25,22 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+# gloo on CUDA: every collective goes through host memory and ranks may share a GPU. Slow and not capturable in
+# a CUDA graph (such engines decode without graphs): a check of the GPU tensor-parallel path on one GPU, since
+# NCCL refuses two ranks on one device. Not for serving.
+TP_BACKEND_ENV = "DSV4_TP_BACKEND"
+
+
+def process_backend(device: str | torch.device) -> str:
+    """The torch.distributed backend of a tensor-parallel group on `device`: gloo on CPU, NCCL on CUDA, unless
+    $DSV4_TP_BACKEND names one (gloo on CUDA: see TP_BACKEND_ENV)."""
+    device = torch.device(device)
+    want = os.environ.get(TP_BACKEND_ENV, "").strip().lower()
+    if not want:
+        return BACKENDS[device.type]
+    if want not in ("gloo", "nccl") or (want == "nccl" and device.type != "cuda"):
+        raise ValueError(f"{TP_BACKEND_ENV}={want!r} is not a backend for {device.type} (gloo, or nccl on CUDA)")
+    return want
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,7 @@ class ParallelContext:
     expert_parallel: bool = False
     group: object = None
     cpu_group: object = None
+    host_collectives: bool = False  # gloo over CUDA tensors: collectives run on host copies (TP_BACKEND_ENV)
 
     def __post_init__(self):
         if self.tp_size < 1:
@@ -89,6 +106,8 @@ class ParallelContext:
         if not self.enabled:
             return x
         x = x.contiguous()
+        if self.host_collectives and x.is_cuda:
+            return x.copy_(self._on_host(self.all_reduce, x))
         if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
             # gloo's CPU all-reduce has no 16-bit kernels; sum in fp32 and round once, as NCCL would not
             # (it sums in the dtype), which only makes the CPU path slightly more exact.
@@ -102,15 +121,24 @@ class ParallelContext:
         """local: [N, ceil(vocab / tp)] logits of this rank's vocab slice -> [N, vocab] on every rank."""
         if not self.enabled:
             return local
+        if self.host_collectives and local.is_cuda:
+            return self._on_host(lambda y: self.gather_vocab(y, vocab), local)
         parts = [torch.empty_like(local) for _ in range(self.tp_size)]
         dist.all_gather(parts, local.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)[..., :vocab]
 
     def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` into every rank's `x` (same shape and dtype everywhere), in place."""
+        if self.enabled and self.host_collectives and x.is_cuda:
+            return x.copy_(self._on_host(self.broadcast_tensor, x))
         if self.enabled:
             dist.broadcast(x, src=0, group=self.group)
         return x
+
+    @staticmethod
+    def _on_host(collective, x: torch.Tensor) -> torch.Tensor:
+        """Run `collective` on a host copy of a CUDA tensor -> the result back on x's device."""
+        return collective(x.cpu()).to(x.device)
 
     def broadcast_object(self, obj=None):
         """Rank 0's picklable `obj` on every rank (rank 0 gets its own back)."""
@@ -145,16 +173,18 @@ def init_distributed(rank: int, tp_size: int, device: str | torch.device, master
         raise ValueError(f"tensor parallelism supports cpu and cuda devices, got {device}")
     if tp_size == 1:
         return ParallelContext(1, 0, expert_parallel)
+    backend = process_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(rank_device(device, rank))
     if master_addr in ("127.0.0.1", "localhost"):
         # gloo otherwise binds the interface the hostname resolves to, which a sandbox may not have.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(BACKENDS[device.type], init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=tp_size, timeout=timeout)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
-    return ParallelContext(tp_size, rank, expert_parallel, dist.group.WORLD, cpu_group)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+    return ParallelContext(tp_size, rank, expert_parallel, dist.group.WORLD, cpu_group,
+                           host_collectives=backend == "gloo" and device.type == "cuda")
 
 
 def rank_device(device: str | torch.device, rank: int) -> torch.device:

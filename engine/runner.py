@@ -89,7 +89,8 @@ class EngineCore:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {mode!r}")
         if mode == "auto":
             # fp8 caches too: their fast paths (engine.attention_fp8) never sync with the host
-            graphs = self.device.type == "cuda" and use_triton(self.device) and self.dtype != torch.float32
+            graphs = (self.device.type == "cuda" and use_triton(self.device) and self.dtype != torch.float32
+                      and not self.parallel.host_collectives)  # host-copied collectives cannot be captured
             return "graphs" if graphs else "eager"
         if mode == "graphs" and self.device.type != "cuda":
             raise ValueError(f"decode_mode 'graphs' needs a CUDA device, got {self.device}")

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.parallel import ParallelContext, free_loopback_port, init_distributed, rank_device, shutdown_distributed
+from engine.parallel import (ParallelContext, free_loopback_port, init_distributed, process_backend, rank_device,
+                             shutdown_distributed)
 
 JOIN_TIMEOUT_S = 30.0
 
@@ -56,9 +57,10 @@ class RankGroup:
         if expert_parallel and tp_size == 1:
             raise ValueError("--expert-parallel needs --tensor-parallel-size > 1 (experts split across the ranks)")
         dev = torch.device(device)
-        if dev.type == "cuda" and torch.cuda.device_count() < tp_size:
+        if dev.type == "cuda" and torch.cuda.device_count() < tp_size and process_backend(dev) == "nccl":
             raise ValueError(f"--tensor-parallel-size {tp_size} needs {tp_size} GPUs, "
-                             f"{torch.cuda.device_count()} visible")
+                             f"{torch.cuda.device_count()} visible (DSV4_TP_BACKEND=gloo lets ranks share one GPU, "
+                             "slowly, to check the GPU path)")
         if tp_size == 1:
             return cls(ParallelContext(1, 0, expert_parallel))
         port = free_loopback_port()

@@ -336,3 +336,17 @@ def test_failed_step_ends_the_group(monkeypatch):
     with pytest.raises(RuntimeError, match="released"):
         llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3))
     llm.close()
+
+
+def test_tp_backend_override(monkeypatch):
+    """DSV4_TP_BACKEND picks the group's backend (gloo on CUDA = ranks sharing a GPU, host-copied collectives)."""
+    from engine.parallel import TP_BACKEND_ENV, process_backend
+
+    monkeypatch.delenv(TP_BACKEND_ENV, raising=False)
+    assert process_backend("cpu") == "gloo" and process_backend("cuda") == "nccl"
+    monkeypatch.setenv(TP_BACKEND_ENV, "gloo")
+    assert process_backend("cuda") == "gloo"
+    for bad in ("nccl", "mpi"):
+        monkeypatch.setenv(TP_BACKEND_ENV, bad)
+        with pytest.raises(ValueError, match=TP_BACKEND_ENV):
+            process_backend("cpu")
