@@ -38,6 +38,7 @@ from service.template_sandbox import TemplateTimeout
 from service.text_stream import TextStream
 from engine import metrics
 from engine.config import ModelConfig
+from engine.model_source import local_model_dir
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from router.client import AsyncRouterClient, RouterError
@@ -153,6 +154,8 @@ class OpenAIServer:
         self.options = options or IngressOptions()
         self.offload = Offloader(self.options.offload_threads)
         self.request_timeout_s, self.health_timeout_s = request_timeout_s, health_timeout_s
+        # A Hugging Face repo id, or a cache snapshot path of another node: fetch the config and tokenizer only.
+        model_dir = local_model_dir(model_dir, with_weights=False) or model_dir
         cfg = ModelConfig.from_model_dir(model_dir)
         self.vocab_size, self.max_model_len = cfg.vocab_size, cfg.max_position_embeddings
         self.eos_ids = frozenset(cfg.eos_token_ids)

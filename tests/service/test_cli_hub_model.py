@@ -92,3 +92,19 @@ def test_serve_config_resolves_the_repo_once(hub, monkeypatch):
     cfg = config_from_args(parser.parse_args(["--model", "org/tiny-cli", "--max-model-len", "1024"]))
     assert os.path.isdir(cfg.model_dir) and cfg.model_dir.endswith(f"models--org--tiny-cli/snapshots/{COMMIT}")
     assert dict(cfg.engine_options)["max_model_len"] == 1024
+
+
+def test_http_ingress_reads_a_repo_id_or_another_nodes_snapshot_path(hub, monkeypatch):
+    """The OpenAI ingress needs only config and tokenizer: a repo id (KubeRay `model: org/name`) or the
+    launcher's snapshot path on a node without it both resolve from this node's cache."""
+    from service.openai_app import OpenAIServer
+
+    model, cache = hub
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ref = OpenAIServer("127.0.0.1:1", str(model), "m")
+    for spec in ("org/tiny-cli", f"/other/node/hub/models--org--tiny-cli/snapshots/{COMMIT}"):
+        server = OpenAIServer("127.0.0.1:1", spec, "m")
+        assert (server.vocab_size, server.max_model_len, server.eos_ids) == (ref.vocab_size, ref.max_model_len,
+                                                                               ref.eos_ids)
+        assert server.tokenizer.encode("hello world") == ref.tokenizer.encode("hello world")
