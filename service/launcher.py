@@ -67,6 +67,9 @@ class ServiceConfig:
     router_queue_timeout_s: float = 60.0  # how long one may wait there (503 after)
     tensor_parallel_size: int = 1  # ranks (actors, GPUs on CUDA) per worker: service.rank_placement
     expert_parallel: bool = False  # routed experts split by id across a worker's ranks
+    # GPUs each rank reserves on CUDA (None: 1). A fraction shares a GPU between workers (e.g. 0.5: one prefill and
+    # one decode worker on one GPU); each worker's default --gpu-memory-utilization then shrinks to its share.
+    worker_num_gpus: float | None = None
 
 
 class ServiceStartError(RuntimeError):
@@ -126,16 +129,32 @@ def remote_classes(cfg: ServiceConfig):
     from decode_worker.worker import DecodeWorker
     from prefill_worker.worker import PrefillWorker
 
-    # A worker on a GPU engine owns one GPU (Ray sets CUDA_VISIBLE_DEVICES, so "cuda" means that GPU).
-    num_gpus = 1 if str(dict(cfg.engine_options).get("device", "cpu")).startswith("cuda") else 0
-    common = dict(max_restarts=-1, max_task_retries=0, num_cpus=cfg.worker_num_cpus, num_gpus=num_gpus,
+    # A worker on a GPU engine owns one GPU, or a share of one (Ray sets CUDA_VISIBLE_DEVICES, so "cuda" means it).
+    common = dict(max_restarts=-1, max_task_retries=0, num_cpus=cfg.worker_num_cpus, num_gpus=_num_gpus(cfg),
                   max_concurrency=1000)
     return (ray.remote(**common)(PrefillWorker), ray.remote(**common)(DecodeWorker),
             ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor))
 
 
-def _num_gpus(cfg: ServiceConfig) -> int:
-    return 1 if str(dict(cfg.engine_options).get("device", "cpu")).startswith("cuda") else 0
+def _num_gpus(cfg: ServiceConfig) -> float:
+    """GPUs one rank reserves: 0 off CUDA, else cfg.worker_num_gpus (default 1; a fraction shares a GPU)."""
+    if not str(dict(cfg.engine_options).get("device", "cpu")).startswith("cuda"):
+        return 0
+    share = 1 if cfg.worker_num_gpus is None else cfg.worker_num_gpus
+    if not 0 < share <= 1:
+        raise ValueError(f"worker_num_gpus must be in (0, 1] (a rank runs on one GPU), got {share}")
+    return share
+
+
+def _engine_opts(cfg: ServiceConfig) -> dict:
+    """The workers' engine options; a worker on a share of a GPU gets that share of the default memory budget."""
+    opts = dict(cfg.engine_options)
+    share = _num_gpus(cfg)
+    if 0 < share < 1 and opts.get("gpu_memory_utilization") is None and opts.get("max_cached_tokens") is None:
+        from engine.memory_plan import DEFAULT_UTILIZATION
+
+        opts["gpu_memory_utilization"] = round(DEFAULT_UTILIZATION * share, 4)
+    return opts
 
 
 def single_node() -> bool:
@@ -157,7 +176,7 @@ def check_placement(cfg: ServiceConfig, http: bool = True) -> None:
     from service.serve_ingress import INGRESS_NUM_CPUS
 
     workers = (cfg.prefill_workers + cfg.decode_workers) * cfg.tensor_parallel_size  # one actor a rank
-    num_gpus = 1 if str(dict(cfg.engine_options).get("device", "cpu")).startswith("cuda") else 0
+    num_gpus = _num_gpus(cfg)
     need = {"CPU": workers * cfg.worker_num_cpus + (cfg.ingress_replicas * INGRESS_NUM_CPUS if http else 0),
             "GPU": workers * num_gpus}
     total, free = ray.cluster_resources(), ray.available_resources()
@@ -189,7 +208,7 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
 
     check_placement(cfg, http)
     prefill_cls, decode_cls, router_cls = remote_classes(cfg)
-    opts = dict(cfg.engine_options)
+    opts = _engine_opts(cfg)
     host, token = internal_host(cfg), new_token()
     net = dict(bind_host=None if host == "127.0.0.1" else "node", cluster_token=token)
     actor = {}
@@ -430,7 +449,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                          allow_request_chat_template=args.allow_request_chat_template, api_docs=args.api_docs,
                          metrics_host=args.metrics_host, drain_s=args.drain_seconds,
                          router_max_queued=args.max_queued, router_queue_timeout_s=args.queue_timeout_seconds,
-                         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel)
+                         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
+                         worker_num_gpus=getattr(args, "worker_num_gpus", None))
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -498,6 +518,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ingress-replicas", type=int, default=2, help="HTTP ingress replicas")
     parser.add_argument("--worker-num-cpus", type=float, default=0.25,
                         help="Ray CPU reservation of each prefill/decode worker")
+    parser.add_argument("--worker-num-gpus", type=float, default=None,
+                        help="GPUs each worker rank reserves on cuda (default 1); a fraction such as 0.5 puts a "
+                             "prefill and a decode worker on one GPU, each with that share of the memory budget")
     parser.add_argument("--drain-seconds", type=float, default=10.0,
                         help="on SIGTERM / Ctrl-C, how long in-flight requests may take to finish")
     parser.add_argument("--max-queued", type=int, default=1024,
