@@ -114,7 +114,8 @@ def test_v4_flash_example_is_1p1d_at_tp4_on_one_8_gpu_node():
     assert sum(g["replicas"] * int(g["rayStartParams"]["num-gpus"]) for g in groups.values()) == 8
     (app,) = serve_config(rs)["applications"]
     args = app["args"]
-    assert args["model"] == "/models/DeepSeek-V4-Flash" and args["prefill_workers"] == args["decode_workers"] == 1
+    assert args["model"] == "deepseek-ai/DeepSeek-V4-Flash@main"
+    assert args["prefill_workers"] == args["decode_workers"] == 1
     assert all(args[f"{r}_tensor_parallel_size"] == 4 and args[f"{r}_expert_parallel"] is True for r in ROLES)
 
 
@@ -146,3 +147,27 @@ def test_v4_flash_example_flags_fit_an_h200(role):
 
 def test_every_example_is_rendered_by_the_chart_tests():
     assert os.path.basename(FLASH_EXAMPLE) in {os.path.basename(e) for e in EXAMPLES}
+
+
+def test_hub_source_lets_the_service_fetch_the_repo():
+    """model.source hub: `--model org/name@revision`, HF_HUB_CACHE (and the token) in every Ray container, the
+    cache volume mounted writable, no download init container."""
+    rs = rayservice({"model": {"source": "hub", "mountPath": "/cache",
+                               "hub": {"repo": "deepseek-ai/DeepSeek-V4-Flash", "revision": "v1"},
+                               "tokenSecret": {"name": "hf-token"}}})
+    assert serve_config(rs)["applications"][0]["args"]["model"] == "deepseek-ai/DeepSeek-V4-Flash@v1"
+    cluster = rs["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+    for t in templates:
+        spec, ray = t["spec"], t["spec"]["containers"][0]
+        assert "initContainers" not in spec
+        env = {e["name"]: e for e in ray["env"]}
+        assert env["HF_HUB_CACHE"]["value"] == "/cache"
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+        (mount,) = [m for m in ray["volumeMounts"] if m["name"] == "model"]
+        assert mount == {"name": "model", "mountPath": "/cache", "readOnly": False}
+        assert {"name": "model", "emptyDir": {"sizeLimit": "400Gi"}} in spec["volumes"]
+    rs = rayservice({"model": {"source": "hub", "hub": {"repo": "org/name"}}})
+    assert serve_config(rs)["applications"][0]["args"]["model"] == "org/name"
+    with pytest.raises(Exception, match="model.hub.repo is required"):
+        render({"model": {"source": "hub"}})

@@ -16,7 +16,8 @@ def flash_release_layout(cfg: ModelConfig) -> dict:
     for name, shape in expected_weight_shapes(cfg).items():
         base = name[: -len(".weight")]
         if re.search(r"\.experts\.\d+\.", name):
-            stored[name], stored[base + ".scale"] = ("I8", (shape[0], shape[1] // 2)), ("U8", (shape[0], shape[1] // 32))
+            stored[name] = ("I8", (shape[0], shape[1] // 2))
+            stored[base + ".scale"] = ("U8", (shape[0], shape[1] // 32))
         elif name.endswith(".weight") and keeps_fp8(name, shape, cfg.o_groups):
             stored[name] = ("F8_E4M3", shape)
             stored[base + ".scale"] = ("U8", (-(-shape[0] // 128), -(-shape[1] // 128)))

@@ -33,9 +33,14 @@ app.kubernetes.io/part-of: dsv4
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{/* Where the service reads the checkpoint; empty for the built-in tiny model. */}}
+{{/* Where the service reads the checkpoint (`--model`): a directory on the model volume, a Hugging Face repo
+id (`org/name@revision`, fetched by the service into the cache on that volume) for source hub, or empty for
+the built-in tiny model. */}}
 {{- define "dsv4.modelDir" -}}
-{{- if ne .Values.model.source "builtin" -}}
+{{- if eq .Values.model.source "hub" -}}
+{{- $repo := required "model.hub.repo is required when model.source is hub" .Values.model.hub.repo -}}
+{{- ternary (printf "%s@%s" $repo .Values.model.hub.revision) $repo (ne .Values.model.hub.revision "") -}}
+{{- else if ne .Values.model.source "builtin" -}}
 {{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.model.path -}}
 {{- end -}}
 {{- end -}}

@@ -113,6 +113,18 @@ spec:
           value: {{ $value | toString | quote }}
         {{- end }}
         {{- end }}
+        {{- if eq $v.model.source "hub" }}
+        {{- /* the service fetches the repo itself (engine.model_source) into this cache on the model volume */}}
+        - name: HF_HUB_CACHE
+          value: {{ $v.model.mountPath | quote }}
+        {{- with include "dsv4.tokenSecretName" $root }}
+        - name: {{ $v.model.tokenSecret.envName }}
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $v.model.tokenSecret.key }}
+        {{- end }}
+        {{- end }}
         {{- with $group.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -162,7 +174,7 @@ spec:
         {{- if ne $v.model.source "builtin" }}
         - name: model
           mountPath: {{ $v.model.mountPath }}
-          readOnly: true
+          readOnly: {{ ne $v.model.source "hub" }}
         {{- end }}
     - name: metrics-exporter
       image: {{ include "dsv4.image" $root }}
@@ -201,6 +213,9 @@ spec:
       hostPath:
         path: {{ required "model.hostPath.path is required when model.source is hostPath" $v.model.hostPath.path }}
         type: {{ $v.model.hostPath.type }}
+    {{- else if eq $v.model.source "hub" }}
+    - name: model
+      {{- toYaml $v.model.hub.volume | nindent 6 }}
     {{- else if eq $v.model.source "download" }}
     - name: model
       {{- toYaml $v.model.download.volume | nindent 6 }}
