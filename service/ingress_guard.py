@@ -32,6 +32,7 @@ class IngressOptions:
     allow_request_templates: bool = False  # request-supplied `chat_template` (vLLM: --trust-request-chat-template)
     template_budget_s: float = 2.0  # wall time a request-supplied template may render for
     offload_threads: int = 4  # threads that tokenise and render
+    max_model_len: int | None = None  # the workers' --max-model-len (None: the model's own context)
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:

@@ -289,6 +289,12 @@ def _role_fingerprint(cfg: EntryConfig, role: str, model_dir: str | None) -> str
     return _fingerprint(model_dir, cfg.service.transfer, plan.engine_options, plan.resources, plan.num_gpus, *layout)
 
 
+def ingress_max_model_len(cfg: EntryConfig) -> int | None:
+    """The longest request both roles serve (their --max-model-len), for the ingress; None: the model's."""
+    lens = [dict(cfg.plan(role).engine_options).get("max_model_len") for role in ROLES]
+    return min((int(n) for n in lens if n), default=None)
+
+
 def build(args: dict):
     """Serve application builder: start the backend, -> the OpenAI ingress app bound to its router."""
     from service.serve_ingress import OpenAIIngress
@@ -299,7 +305,7 @@ def build(args: dict):
     cfg = parse_args(args)
     router_addr, token = start_backend(cfg)
     # The API key comes from the pod's environment (DSV4_API_KEY, from the chart's Secret).
-    options = IngressOptions.from_env(router_token=token)
+    options = IngressOptions.from_env(router_token=token, max_model_len=ingress_max_model_len(cfg))
     return OpenAIIngress.bind(router_addr, cfg.service.model_dir or default_model_dir(), cfg.service.model_name,
                               options=options)
 

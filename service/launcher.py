@@ -244,7 +244,8 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
 
             options = IngressOptions.from_env(api_key=cfg.api_key, router_token=token,
                                               max_body_bytes=cfg.max_body_bytes,
-                                              allow_request_templates=cfg.allow_request_chat_template)
+                                              allow_request_templates=cfg.allow_request_chat_template,
+                                              max_model_len=dict(cfg.engine_options).get("max_model_len"))
             handles["serve"] = True
             deploy_http(router_addr, cfg.model_dir, cfg.model_name, cfg.host, cfg.port,
                         num_replicas=cfg.ingress_replicas, options=options)

@@ -157,7 +157,9 @@ class OpenAIServer:
         # A Hugging Face repo id, or a cache snapshot path of another node: fetch the config and tokenizer only.
         model_dir = local_model_dir(model_dir, with_weights=False) or model_dir
         cfg = ModelConfig.from_model_dir(model_dir)
-        self.vocab_size, self.max_model_len = cfg.vocab_size, cfg.max_position_embeddings
+        self.vocab_size = cfg.vocab_size
+        # The workers' --max-model-len when set: defaults (max_tokens) and the 400 for a too-long request follow it.
+        self.max_model_len = min(cfg.max_position_embeddings, self.options.max_model_len or cfg.max_position_embeddings)
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.tokenizer = load_tokenizer(model_dir)  # None: token-id prompts only
         # A token covers at most this many characters: longer text can never fit the context, and is refused
