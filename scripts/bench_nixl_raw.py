@@ -44,8 +44,8 @@ def _mem(t) -> tuple[str, int]:
 
 
 def source(conn, nbytes: int, device: str) -> None:
+    buf = _buffer(nbytes, device, fill=3)  # CUDA initialised before the agent, as in a worker (engine first)
     agent = _agent("raw-src")
-    buf = _buffer(nbytes, device, fill=3)
     agent.register_memory(buf)
     conn.send((agent.get_agent_metadata(), buf.data_ptr(), *_mem(buf)))
     conn.recv()  # the reader is done
@@ -56,8 +56,8 @@ def reader(conn, nbytes: int, device: str, descs: list[int], iters: int, out) ->
     import numpy as np
     import torch
 
-    agent = _agent("raw-dst")
     buf = _buffer(nbytes, device, fill=None)
+    agent = _agent("raw-dst")
     agent.register_memory(buf)
     meta, src_addr, src_mem, src_dev = conn.recv()
     peer = agent.add_remote_agent(meta)

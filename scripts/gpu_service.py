@@ -194,7 +194,7 @@ def _gap_lines(serve: dict, raw: dict | None) -> list[str]:
             out.append(f"- KV transfer: {d['kv_gb_per_s']:.2f} GB/s per pull (mean {per / 1e6:.2f} MB a request, the "
                        f"pull's whole time on the decode worker) vs NIXL's raw READ {near['gb_per_s_median']:.2f} GB/s "
                        f"at {near['bytes'] / (1 << 20):.0f} MiB in {near['descriptors']} descriptor(s) "
-                       f"({d['kv_gb_per_s'] / near['gb_per_s_median']:.0%} of it) and {best:.1f} GB/s at its best "
+                       f"({d['kv_gb_per_s'] / near['gb_per_s_median']:.1%} of it) and {best:.1f} GB/s at its best "
                        f"size here.")
     for t in serve.get("tokens", []):
         out.append(f"- Tokens: {t['topology']} gave the colocated engine's greedy tokens for {t['identical']} of "
@@ -206,7 +206,10 @@ def _gap_lines(serve: dict, raw: dict | None) -> list[str]:
 
 def report(d: Path) -> str:
     env, serve, raw, fault = (_load(d / n) for n in ("env.json", "serve.json", "nixl_raw.json", "fault.json"))
-    lines = ["## Disaggregated service on one GPU", ""]
+    on_gpu = bool(env and env.get("device") == "cuda")
+    lines = [f"## Disaggregated service on one {'GPU' if on_gpu else 'machine (CPU run)'}", "",
+             "Run: `scripts/gpu_service.sh` (stages env, model, serve, raw, fault, report; "
+             "`scripts/gpu_stage_wheels.sh` installs the service's packages on the GPU machine first).", ""]
     if env:
         lines += [f"Machine: {env.get('gpu', '?')}, torch {env.get('torch', '?')}, Ray {env.get('ray', '?')}, NIXL "
                   f"{env.get('nixl', '?')}, Python {env.get('python', '?')}; date {env.get('date', '?')}. "
@@ -215,8 +218,9 @@ def report(d: Path) -> str:
         opts = serve.get("engine_options", {})
         lines += [f"`dsv4 bench serve`: {serve['header'].split('; ', 1)[-1]} Engines: "
                   + ", ".join(f"{k} {v}" for k, v in opts.items())
-                  + f"; Ray workers reserve {serve.get('worker_num_gpus') or 1} GPU each (1P1D: both on the one GPU), "
-                  f"transfer {serve['transfer']}.", ""] + _serve_table(serve) + [""] + _gap_lines(serve, raw) + [""]
+                  + (f"; each Ray worker reserves {serve['worker_num_gpus']:g} GPU: the prefill and the decode worker "
+                     f"share GPU 0 in separate processes" if serve.get("worker_num_gpus") else "; workers on CPUs")
+                  + f"; transfer {serve['transfer']}.", ""] + _serve_table(serve) + [""] + _gap_lines(serve, raw) + [""]
     else:
         lines += ["`dsv4 bench serve` did not complete (see the run's serve.log).", ""]
     if raw and raw.get("rows"):

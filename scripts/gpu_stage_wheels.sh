@@ -14,17 +14,30 @@ SVCSITE=${SVCSITE:-/tmp/svcsite}
 copy_part() {
   local part=$1
   if [ ! -d ".svcwhl/$part" ]; then echo "no .svcwhl/$part here (name it in the call's carry)" >&2; return 1; fi
-  mkdir -p "$SVCWHL" && cp .svcwhl/"$part"/*.whl "$SVCWHL"/ || return 1
-  echo "staged $part: $(ls .svcwhl/"$part" | wc -l) wheels; $SVCWHL now holds $(ls "$SVCWHL" | wc -l) ($(du -sh "$SVCWHL" | cut -f1))"
+  mkdir -p "$SVCWHL" && cp .svcwhl/"$part"/*.whl .svcwhl/"$part"/ALL_WHEELS.txt "$SVCWHL"/ || return 1
+  echo "staged $part: $(ls .svcwhl/"$part"/*.whl | wc -l) wheels; $SVCWHL now holds $(ls "$SVCWHL"/*.whl | wc -l)" \
+       "of $(wc -l < "$SVCWHL/ALL_WHEELS.txt") ($(du -sh "$SVCWHL" | cut -f1))"
 }
 
 install() {
   shopt -s nullglob
   local wheels=("$SVCWHL"/*.whl)
   [ ${#wheels[@]} -gt 0 ] || { echo "nothing staged in $SVCWHL" >&2; return 1; }
+  local missing
+  missing=$(cd "$SVCWHL" && while read -r w; do [ -f "$w" ] || echo "$w"; done < ALL_WHEELS.txt)
+  if [ -n "$missing" ]; then  # a part staged by an earlier call is gone: that machine went back
+    echo "missing wheels in $SVCWHL (the machine was not kept warm since the earlier part's call? stage it again):" >&2
+    echo "$missing" | head -5 >&2
+    return 3
+  fi
+  if [ -f "$SVCSITE/.installed" ] && cmp -s "$SVCSITE/.installed" "$SVCWHL/ALL_WHEELS.txt"; then
+    echo "already installed in $SVCSITE"
+    return 0
+  fi
   local t0=$SECONDS
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SVCSITE" \
     "${wheels[@]}" || return 1
+  cp "$SVCWHL/ALL_WHEELS.txt" "$SVCSITE/.installed"
   echo "installed ${#wheels[@]} wheels into $SVCSITE in $((SECONDS - t0)) s"
   PYTHONPATH="$PWD:$SVCSITE" python3 - <<'EOF'
 import importlib, sys

@@ -132,12 +132,13 @@ def split(wheels: list[Path], dest: Path, part_mib: float) -> list[Path]:
             parts.append(slot)
         slot[0] += size
         slot[1].append(w)
-    out = []
+    out, everything = [], "".join(f"{w.name}\n" for w in sorted(wheels))
     for i, (used, members) in enumerate(parts, start=1):
         d = dest / f"part{i}"
         d.mkdir(parents=True)
         for w in members:
             shutil.copy2(w, d / w.name)
+        (d / "ALL_WHEELS.txt").write_text(everything)  # install checks every part arrived
         out.append(d)
         print(f"{d}: {len(members)} wheels, {used / MIB:.1f} MiB")
     return out

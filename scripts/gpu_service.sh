@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Issue 12 item 5: the disaggregated service on one machine, in named stages, each under a timeout, logs and JSON
+# in $OUT. On a GPU machine (DEVICE=cuda, the default where nvidia-smi answers): Ray started by `dsv4`'s own
+# launcher, a prefill and a decode worker sharing GPU 0 (--worker-num-gpus 0.5) with NIXL moving VRAM between
+# their processes, against the colocated engine; NIXL's raw READ rate between two processes; the decode
+# worker's process killed mid-stream. DEVICE=cpu runs the same stages smaller on the built-in tiny model.
+#   scripts/gpu_service.sh [stage ...]      stages: env model serve raw fault report (default: all, in order)
+# Needs the service's packages: on the GPU machine `scripts/gpu_stage_wheels.sh install` first (PYTHONPATH gets
+# $SVCSITE when it exists). The section lands in $OUT/gpu_service.md; merge it where the tree is with
+#   python3 scripts/gpu_service.py merge <files_at>/gpu_service.md
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_service_out}
+mkdir -p "$OUT"
+SVCSITE=${SVCSITE:-/tmp/svcsite}
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${SVCSITE:+:$SVCSITE}${PYTHONPATH:+:$PYTHONPATH}"
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0
+if [ -z "${DEVICE:-}" ]; then nvidia-smi -L >/dev/null 2>&1 && DEVICE=cuda || DEVICE=cpu; fi
+if [ "$DEVICE" = cuda ]; then
+  MODEL=${MODEL:-/tmp/dsv4-mini_v4}
+  PRESET=${PRESET:-mini_v4}  # V4's attention geometry (64 heads x 512, window 128, indexer 64 x 128 top-512), 4 layers
+  ENGINE=(--device cuda --dtype bfloat16 --max-cached-tokens ${KV_TOKENS:-65536})
+  SHARE=(--worker-num-gpus 0.5)
+  SERVE=(--num-requests ${REQUESTS:-64} --concurrency ${CONCURRENCY:-8} --min-prompt 256 --max-prompt 2048
+         --max-new-tokens 64 --max-batch-tokens 4096 --check-tokens 8)
+  RAW=(--device cuda --sizes-mib 1 4 64 1024 --descs 1 256 --iters 5)
+  FAULT=(--prompt-tokens 512 --max-new-tokens 400 --kill-after 16 --max-batch-tokens 4096)
+else
+  MODEL=${MODEL:-}  # the built-in tiny model
+  ENGINE=()
+  SHARE=()
+  SERVE=(--num-requests ${REQUESTS:-16} --concurrency 4 --min-prompt 16 --max-prompt 200 --max-new-tokens 16
+         --check-tokens 4)
+  RAW=(--device cpu --sizes-mib 1 16 --descs 1 64 --iters 3)
+  FAULT=(--max-new-tokens 120)
+fi
+MODEL_ARG=(); [ -n "$MODEL" ] && MODEL_ARG=(--model "$MODEL")
+stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(env model serve raw fault report)
+status=0
+
+run_stage() {  # name timeout_s command...: log to $OUT/name.log, show its end
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  echo "=== $name $(date -u +%T) (limit ${limit} s)"
+  timeout --signal=TERM --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  grep -vE "NIXL INFO|^\s*$|WARNING: Running pip|^\[[0-9.]+\] +\[" "$OUT/$name.log" | tail -n "${TAIL:-25}" | cut -c1-400
+  echo "=== $name: rc $rc in $((SECONDS - t0)) s"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
+
+for stage in "${stages[@]}"; do
+  case $stage in
+    env) run_stage env 90 "$PY" - "$OUT/env.json" "$DEVICE" <<'EOF'
+import json, sys, time, platform
+from importlib import metadata
+import torch
+out, device = sys.argv[1], sys.argv[2]
+def ver(*names):
+    for n in names:
+        try:
+            return metadata.version(n)
+        except metadata.PackageNotFoundError:
+            pass
+    return "missing"
+env = {"device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else f"{platform.machine()} CPU only",
+       "torch": torch.__version__, "ray": ver("ray"), "nixl": ver("nixl-cu13", "nixl-cu12", "nixl"),
+       "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+import ray
+from kv_transfer.nixl_backend import import_nixl
+env["nixl_module"] = import_nixl()[2].__name__
+ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+env["ray_resources"] = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
+ray.shutdown()
+print(json.dumps(env, indent=1))
+json.dump(env, open(out, "w"), indent=1)
+if device == "cuda" and not env["ray_resources"].get("GPU"):
+    sys.exit("Ray sees no GPU on this machine")
+EOF
+    ;;
+    model) if [ -n "$MODEL" ]; then
+             run_stage model 120 "$PY" -m service.cli make-model --preset "$PRESET" --out "$MODEL"
+           fi
+           "$PY" - "$OUT/env.json" "$MODEL" <<'EOF'
+import json, os, sys
+from engine.make_model import default_model_dir
+path, model = sys.argv[1], sys.argv[2] or default_model_dir()
+c = json.load(open(os.path.join(model, "config.json")))
+env = json.load(open(path)) if os.path.exists(path) else {}
+env["model"] = (f"{os.path.basename(model.rstrip('/'))}: random weights, {c['num_hidden_layers']} layers (compress "
+                f"ratios {c['compress_ratios']}), hidden {c['hidden_size']}, {c['num_attention_heads']} heads x "
+                f"{c['head_dim']}, window {c['sliding_window']}, indexer {c['index_n_heads']} x {c['index_head_dim']} "
+                f"top-{c['index_topk']}, {c['n_routed_experts']} experts (top-{c['num_experts_per_tok']}), "
+                f"vocab {c['vocab_size']}")
+json.dump(env, open(path, "w"), indent=1)
+print(env["model"])
+EOF
+    ;;
+    serve) run_stage serve ${SERVE_TIMEOUT:-330} "$PY" -m service.cli bench serve "${MODEL_ARG[@]}" "${ENGINE[@]}" \
+             "${SHARE[@]}" "${SERVE[@]}" --topologies 1P1D,colocated --transfer nixl --no-write \
+             --json-out "$OUT/serve.json" ;;
+    raw) UCX_PROTO_INFO=y run_stage nixl_raw ${RAW_TIMEOUT:-150} "$PY" scripts/bench_nixl_raw.py "${RAW[@]}" \
+           --json-out "$OUT/nixl_raw.json"
+         # which UCX transports carried the READs (UCX_PROTO_INFO prints its protocol choices)
+         "$PY" - "$OUT/nixl_raw.json" "$OUT/nixl_raw.log" <<'EOF'
+import json, os, re, sys
+path, log = sys.argv[1], sys.argv[2]
+if os.path.exists(path):
+    text = open(log, errors="replace").read()
+    seen = sorted(set(re.findall(r"\b(cuda_ipc|cuda_copy|gdr_copy|rc_mlx5|rc_verbs|dc_mlx5|tcp|sysv|posix|cma|xpmem)\b", text)))
+    d = json.load(open(path)); d["transports"] = ", ".join(seen) or "not printed"
+    json.dump(d, open(path, "w"), indent=1); print("UCX transports seen:", d["transports"])
+EOF
+         ;;
+    fault) run_stage fault ${FAULT_TIMEOUT:-300} "$PY" scripts/gpu_service.py fault "${MODEL_ARG[@]}" "${ENGINE[@]}" \
+             "${SHARE[@]}" "${FAULT[@]}" --transfer nixl --json-out "$OUT/fault.json" ;;
+    report) TAIL=80 run_stage report 60 "$PY" scripts/gpu_service.py report --dir "$OUT" --out "$OUT/gpu_service.md" ;;
+    *) echo "unknown stage $stage (env model serve raw fault report)"; status=2 ;;
+  esac
+done
+exit $status
