@@ -76,7 +76,7 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
                         gpu_memory_utilization)
         logger.info("memory: %s", fit.describe())
     if parallel is not None and parallel.enabled:
-        from engine.sharding import load_shard
+        from engine.shard_reader import load_shard
 
         weights = load_shard(model_dir, cfg, parallel, torch_dtype, device, keep_mxfp4_experts=keep, keep_fp8=keep_fp8)
     else:

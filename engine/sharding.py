@@ -1,5 +1,11 @@
 """How each weight of a loaded DeepSeek V4 checkpoint is split across tensor-parallel ranks.
 
+The rules live here once: `cut_of(name, shape, cfg, ctx)` says which part of a tensor a rank keeps (a
+`Cut`: one dimension's [start, stop), in logical elements) and `owns` which routed experts it holds.
+Two callers apply them: `shard_weights` cuts tensors already in memory, and `engine.shard_reader` reads
+only the cut (widened to the on-disk block grid) from the safetensors files, then finishes it with the
+same `cut_tensor`, so both give identical tensors.
+
 `shard_weights(weights, cfg, ctx, dtype)` takes what `engine.weights.load_weights` returns (original
 names; FP8 projections possibly kept as e4m3 `X.weight` + fp32 `X.scale`; MXFP4 experts possibly kept
 as uint8 bytes + UE8M0 `X.scale`) and returns this rank's dict, same names, local shapes. The split
@@ -29,6 +35,7 @@ would stop models the engine can run).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -37,12 +44,47 @@ from engine.parallel import ParallelContext
 from kernels.fp8_linear import BLOCK as FP8_BLOCK, Fp8Weight
 from kernels.quant import MXFP4_BLOCK, dequant_mxfp4
 
-# (pattern, dim): split on `dim` into tp equal contiguous parts.
 _COLUMN = re.compile(r"\.attn\.(?:wq_b|wo_a)\.weight$|\.attn\.attn_sink$|\.shared_experts\.w[13]\.weight$")
 _ROW = re.compile(r"\.attn\.wo_b\.weight$|\.shared_experts\.w2\.weight$")
 _INDEXER = re.compile(r"\.attn\.indexer\.")
 _EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
 _VOCAB = ("embed.weight", "head.weight")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A rank's part of one tensor: [start, stop) of dimension `dim` (length `size`), zero-padded to `width`
+    rows (only the vocab's last rank pads). Counted in logical elements: an MXFP4 tensor's K counts values,
+    not packed bytes."""
+
+    dim: int
+    start: int
+    stop: int
+    size: int
+    width: int
+
+    def on_grid(self, block: int) -> bool:
+        """Quantised bytes and their scales cut exactly: the cut starts and spans whole `block`s, no padding."""
+        length = self.stop - self.start
+        return self.start % block == 0 and length % block == 0 and self.width == length
+
+    def per(self, unit: int) -> "Cut":
+        """The same cut counted in units of `unit` elements (packed bytes: 2, scale blocks: the block)."""
+        return Cut(self.dim, self.start // unit, self.stop // unit, -(-self.size // unit), self.width // unit)
+
+    def covering(self, block: int) -> tuple[int, int]:
+        """The smallest [lo, hi) on whole `block`s (the last one may be ragged) that contains the cut."""
+        return self.start // block * block, min(self.size, -(-self.stop // block) * block)
+
+    def take(self, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """The cut of `t`, where t holds elements [offset, ...) of the dimension (the whole tensor: 0)."""
+        local = t.narrow(self.dim, self.start - offset, self.stop - self.start)
+        short = self.width - local.shape[self.dim]
+        if short:
+            pad = list(local.shape)
+            pad[self.dim] = short
+            local = torch.cat([local, local.new_zeros(pad)], dim=self.dim)
+        return local.contiguous()
 
 
 def check_divisible(cfg: ModelConfig, ctx: ParallelContext) -> None:
@@ -57,58 +99,29 @@ def check_divisible(cfg: ModelConfig, ctx: ParallelContext) -> None:
         ctx.local(cfg.moe_intermediate_size, "moe_intermediate_size")
 
 
-def shard_weights(weights: dict, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> dict:
-    """Full loaded weights -> this rank's weights (see the module docstring). tp_size 1: returned as is."""
+# ---- the rules ----------------------------------------------------------------------------------
+def owns(name: str, cfg: ModelConfig, ctx: ParallelContext) -> bool:
+    """False only for a routed expert tensor (weight or scale) of an expert another rank holds."""
+    m = _EXPERT.match(name)
+    return m is None or int(m.group(1)) in ctx.expert_range(cfg.n_routed_experts)
+
+
+def cut_of(name: str, shape: tuple[int, ...], ctx: ParallelContext) -> Cut | None:
+    """This rank's cut of weight `name` of logical `shape` (dequantised shape; see `logical_shape`);
+    None = the rank keeps it whole (replicated, or one of its whole experts)."""
     if not ctx.enabled:
-        return weights
-    check_divisible(cfg, ctx)
-    keep_experts = ctx.expert_range(cfg.n_routed_experts)
-    out: dict = {}
-    for name, t in weights.items():
-        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in weights:
-            continue  # cut together with its weight below
-        m = _EXPERT.match(name)
-        if m is not None and int(m.group(1)) not in keep_experts:
-            continue
-        dim = _split_dim(name, m is not None, ctx)
-        if name in _VOCAB:
-            out[name] = _vocab_rows(t, ctx)
-        elif dim is None:
-            out[name] = t
-            scale = _scale_name(name)
-            if scale in weights:
-                out[scale] = weights[scale]
-        else:
-            out.update(_cut(name, t, weights.get(_scale_name(name)), dim, ctx, dtype))
-    return out
-
-
-def skips_unowned(cfg: ModelConfig, ctx: ParallelContext):
-    """For `load_weights(skip=...)`: True for the routed experts this rank does not hold (never read), so an
-    expert-parallel rank loads 1/tp of the experts, which are nearly all of V4's bytes. None = read all."""
-    owned = ctx.expert_range(cfg.n_routed_experts)
-    if len(owned) == cfg.n_routed_experts:
         return None
-
-    def skip(name: str) -> bool:
-        m = _EXPERT.match(name)
-        return m is not None and int(m.group(1)) not in owned
-
-    return skip
-
-
-def load_shard(model_dir, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, device, **load_kwargs) -> dict:
-    """This rank's weights, read from the checkpoint: the routed experts of other expert-parallel ranks are never
-    read; the rest is read into host memory, cut (`shard_weights`) and only the cut moves to `device`, so a GPU
-    never holds more than its shard. load_kwargs: `engine.weights.load_weights` options (keep_fp8, ...)."""
-    from engine.weights import load_weights
-
-    host = load_weights(model_dir, cfg, dtype=dtype, device="cpu", skip=skips_unowned(cfg, ctx), **load_kwargs)
-    return {name: t.to(device) for name, t in shard_weights(host, cfg, ctx, dtype).items()}
-
-
-def _scale_name(name: str) -> str:
-    return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
+    if name in _VOCAB:
+        rows = ctx.padded_range(shape[0])
+        return Cut(0, rows.start, rows.stop, shape[0], -(-shape[0] // ctx.tp_size))
+    dim = _split_dim(name, _EXPERT.match(name) is not None, ctx)
+    if dim is None:
+        return None
+    if shape[dim] % ctx.tp_size:
+        raise ValueError(f"{name}: dim {dim} of {tuple(shape)} is not divisible by tensor parallel size "
+                         f"{ctx.tp_size}")
+    local = shape[dim] // ctx.tp_size
+    return Cut(dim, ctx.rank * local, (ctx.rank + 1) * local, shape[dim], local)
 
 
 def _split_dim(name: str, is_expert: bool, ctx: ParallelContext) -> int | None:
@@ -125,38 +138,63 @@ def _split_dim(name: str, is_expert: bool, ctx: ParallelContext) -> int | None:
     return None
 
 
-def _vocab_rows(t: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """This rank's ceil(V/tp) rows, zero-padded past the vocab so every rank's shard has one shape."""
-    v = t.shape[0]
-    rows = ctx.padded_range(v)
-    width = -(-v // ctx.tp_size)
-    local = t[rows.start:rows.stop]
-    if local.shape[0] < width:
-        local = torch.cat([local, local.new_zeros(width - local.shape[0], *t.shape[1:])])
-    return local.contiguous()
+def scale_name(name: str) -> str:
+    """`X.weight` -> `X.scale`, the companion holding a quantised weight's block scales."""
+    return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 
 
-def _slice(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
-    n = t.shape[dim] // parts
-    return t.narrow(dim, rank * n, n).contiguous()
+def logical_shape(t: torch.Tensor, scale: torch.Tensor | None) -> tuple[int, ...]:
+    """A loaded tensor's dequantised shape: MXFP4 bytes kept packed hold two values a byte on K."""
+    if scale is not None and t.dtype == torch.uint8:
+        return (*t.shape[:-1], 2 * t.shape[-1])
+    return tuple(t.shape)
 
 
-def _cut(name: str, t: torch.Tensor, scale: torch.Tensor | None, dim: int, ctx: ParallelContext,
-         dtype: torch.dtype) -> dict:
-    """One tensor (and its scale companion) -> this rank's part on `dim`, on the block grid when quantised."""
-    tp, r = ctx.tp_size, ctx.rank
-    if t.shape[dim] % tp:
-        raise ValueError(f"{name}: dim {dim} of {tuple(t.shape)} is not divisible by tensor parallel size {tp}")
-    local = t.shape[dim] // tp
+# ---- applying a cut ---------------------------------------------------------------------------------
+def cut_tensor(name: str, t: torch.Tensor, scale: torch.Tensor | None, cut: Cut | None, dtype: torch.dtype,
+               offset: int = 0) -> dict:
+    """One loaded tensor (and its scale companion) -> this rank's entries, on the block grid when quantised.
+
+    t may be a window of the whole tensor holding elements [offset, ...) of `cut.dim` (engine.shard_reader
+    reads the cut widened to whole blocks); a window must start on the block grid of the stored format.
+    """
+    sname = scale_name(name)
+    if cut is None:
+        return {name: t} if scale is None else {name: t, sname: scale}
     if scale is None:
-        return {name: _slice(t, dim, r, tp)}
-    sname = _scale_name(name)
-    if t.dtype == torch.float8_e4m3fn:
-        if local % FP8_BLOCK == 0:
-            return {name: _slice(t, dim, r, tp), sname: _slice(scale, dim, r, tp)}
-        return {name: _slice(Fp8Weight(t, scale.float()).dequant(dtype), dim, r, tp)}
+        return {name: cut.take(t, offset)}
+    if t.dtype == torch.float8_e4m3fn:  # e4m3 [N, K] + fp32 scales [N/128, K/128]
+        if cut.on_grid(FP8_BLOCK):
+            return {name: cut.take(t, offset), sname: cut.per(FP8_BLOCK).take(scale, offset // FP8_BLOCK)}
+        return {name: cut.take(Fp8Weight(t, scale.float()).dequant(dtype), offset)}
     if t.dtype == torch.uint8:  # MXFP4 bytes [N, K/2] + UE8M0 scales [N, K/32]: two values a byte on K
-        if dim == 0 or (2 * local) % MXFP4_BLOCK == 0:
-            return {name: _slice(t, dim, r, tp), sname: _slice(scale, dim, r, tp)}
-        return {name: _slice(dequant_mxfp4(t, scale).to(dtype), dim, r, tp)}
+        on_k = cut.dim == t.dim() - 1
+        block, unit = (MXFP4_BLOCK, 2) if on_k else (1, 1)
+        if cut.on_grid(block):
+            return {name: cut.per(unit).take(t, offset // unit), sname: cut.per(block).take(scale, offset // block)}
+        return {name: cut.take(dequant_mxfp4(t, scale).to(dtype), offset)}
     raise ValueError(f"{name}: cannot shard a {t.dtype} tensor with a scale companion")
+
+
+def shard_weights(weights: dict, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype) -> dict:
+    """Full loaded weights -> this rank's weights (see the module docstring). tp_size 1: returned as is."""
+    if not ctx.enabled:
+        return weights
+    check_divisible(cfg, ctx)
+    out: dict = {}
+    for name, t in weights.items():
+        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in weights:
+            continue  # cut together with its weight below
+        if not owns(name, cfg, ctx):
+            continue
+        scale = weights.get(scale_name(name))
+        out.update(cut_tensor(name, t, scale, cut_of(name, logical_shape(t, scale), ctx), dtype))
+    return out
+
+
+def skips_unowned(cfg: ModelConfig, ctx: ParallelContext):
+    """For `load_weights(skip=...)`: True for the routed experts this rank does not hold (never read), so an
+    expert-parallel rank loads 1/tp of the experts, which are nearly all of V4's bytes. None = read all."""
+    if len(ctx.expert_range(cfg.n_routed_experts)) == cfg.n_routed_experts:
+        return None
+    return lambda name: not owns(name, cfg, ctx)

@@ -28,6 +28,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.linear import keeps_fp8, pow2_activations
+from engine.load_progress import LoadProgress
 from kernels.fp8_linear import weight_from_checkpoint
 from kernels.quant import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4, mxfp4_as_bytes
 
@@ -156,7 +157,7 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[str]:
     return files
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Entry:
     raw: str  # name inside the file
     handle: object  # open safe_open handle holding it
@@ -187,6 +188,148 @@ def _quant_kind(name: str, w: _Entry, s: _Entry, want: tuple[int, ...], block: t
     return None
 
 
+def _index(model_dir, stack: contextlib.ExitStack) -> tuple[dict, dict, list[str]]:
+    """Pass 1, headers only (safe_open reads the JSON header; data is read on demand):
+    -> ({name: weight entry}, {weight base name: scale entry}, [names stored more than once])."""
+    weights: dict[str, _Entry] = {}
+    scales: dict[str, _Entry] = {}
+    duplicates: list[str] = []
+    for path in checkpoint_files(model_dir):
+        handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+        for raw in handle.keys():
+            name = canonical_name(raw)
+            if name is None:
+                continue
+            sl = handle.get_slice(raw)
+            entry = _Entry(raw, handle, sl.get_dtype(), tuple(sl.get_shape()))
+            table, key = (scales, name[: -len(".scale")]) if name.endswith(".scale") else (weights, name)
+            if key in table:
+                duplicates.append(name)
+            table[key] = entry
+    return weights, scales, duplicates
+
+
+def _plan(model_dir, expected: dict, weights: dict, scales: dict, duplicates: list[str],
+          block: tuple[int, int]) -> dict[str, str | None]:
+    """Check the headers against the config -> {name: None (plain) / "fp8" / "mxfp4"}; every problem is
+    collected into one ValueError."""
+    missing = [n for n in expected if n not in weights]
+    unexpected = [n for n in weights if n not in expected]
+    unexpected += [f"{n}.scale" for n in scales if f"{n}.weight" not in expected]
+    misshaped: list[str] = []
+    plan: dict[str, str | None] = {}
+    for name, entry in weights.items():
+        want = expected.get(name)
+        if want is None:
+            continue
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        scale = scales.get(base) if base is not None else None
+        if scale is not None:
+            plan[name] = _quant_kind(name, entry, scale, want, block)
+            if plan[name] is None:
+                misshaped.append(f"{name} (quantised): expected {want}, got {entry.shape} {entry.dtype} "
+                                 f"with scale {scale.shape} {scale.dtype}")
+        elif entry.dtype in ("F8_E4M3", "F4") or (entry.dtype in ("U8", "I8") and not _INT_TENSORS.search(name)):
+            misshaped.append(f"{name}: quantised {entry.dtype} tensor without a .scale companion")
+        elif entry.shape != want:
+            misshaped.append(f"{name}: expected {want}, got {entry.shape}")
+        else:
+            plan[name] = None
+    problems = []
+    for title, items in (("missing tensor(s)", missing), ("unexpected tensor(s)", sorted(unexpected)),
+                         ("mis-shaped tensor(s)", misshaped), ("tensor(s) stored more than once", sorted(duplicates))):
+        if items:
+            problems.append(_summarise(title, items))
+    if problems:
+        raise ValueError(f"checkpoint {os.fspath(model_dir)!r} does not match the config: " + "; ".join(problems))
+    return plan
+
+
+class Checkpoint:
+    """A checkpoint whose headers were checked against the config (`open_checkpoint`). `read(name)` returns a
+    tensor as `load_weights` does; `read(name, window)` only elements [lo, hi) of one dimension (logical
+    elements, starting on `grid(name, dim)`), read through safetensors' get_slice, so a tensor-parallel rank
+    reads its shard and not the whole (engine.shard_reader). `bytes_read`: bytes materialised from the files."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, scales: dict, plan: dict, dtype: torch.dtype, device,
+                 keep_mxfp4_experts: bool, keep_fp8: bool):
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.expected = expected_weight_shapes(cfg)
+        self.block = tuple(cfg.quantization.get("weight_block_size") or FP8_BLOCK)
+        self._weights, self._scales, self._plan = weights, scales, plan
+        self.keep_mxfp4_experts, self.keep_fp8 = keep_mxfp4_experts, keep_fp8
+        self.bytes_read = 0
+
+    @property
+    def names(self) -> list[str]:
+        """Every model tensor (scales excluded), in `expected_weight_shapes` order."""
+        return list(self.expected)
+
+    def grid(self, name: str, dim: int) -> int:
+        """Elements of `dim` a stored block spans: a window must start on it (FP8 scale blocks, 32-value MXFP4
+        blocks along K; 1 for plain tensors and MXFP4 rows)."""
+        kind = self._plan[name]
+        if kind == "fp8":
+            return self.block[dim]
+        return MXFP4_BLOCK if kind == "mxfp4" and dim == 1 else 1
+
+    def read(self, name: str, window: tuple[int, int, int] | None = None) -> dict[str, torch.Tensor]:
+        """-> {name: tensor} or, kept quantised, {name: ..., X.scale: ...}; window = (dim, lo, hi)."""
+        kind = self._plan[name]
+        t = self._read(self._weights[name], window, 2 if kind == "mxfp4" and window and window[0] == 1 else 1)
+        if kind is not None:
+            base = name[: -len(".weight")]
+            s_entry = self._scales[base]
+            s = self._read(s_entry, window, self.grid(name, window[0]) if window else 1)
+            if kind == "mxfp4" and self.keep_mxfp4_experts and _ROUTED_EXPERT.search(name):
+                packed = mxfp4_as_bytes(t, s) if self._packable(s_entry, t, window) else None
+                if packed is not None:
+                    return {name: packed[0], base + ".scale": packed[1]}
+            if kind == "fp8" and self.keep_fp8 and tuple(self.block) == FP8_BLOCK and \
+                    keeps_fp8(name, self.expected[name], self.cfg.o_groups):
+                fp8 = weight_from_checkpoint(t, s, pow2_activations(self.cfg.quantization))
+                return {name: fp8.weight, base + ".scale": fp8.scale}
+            t = dequant_fp8_block(t, s, self.block) if kind == "fp8" else dequant_mxfp4(t, s)
+        if _INT_TENSORS.search(name):
+            return {name: t.to(torch.int64)}
+        return {name: t.to(torch.float32 if keeps_fp32(name) else self.dtype)}
+
+    def _read(self, entry: _Entry, window, unit: int) -> torch.Tensor:
+        """Stored elements [lo // unit, ceil(hi / unit)) of the window's dim (unit: 2 for MXFP4 bytes along K,
+        the block for scales), moved to the device."""
+        if window is None:
+            t = entry.handle.get_tensor(entry.raw)
+        else:
+            dim, lo, hi = window
+            lo, hi = lo // unit, -(-hi // unit)
+            if entry.dtype == "F4":  # safetensors cannot slice float4 (it reshapes by element count): whole
+                t = entry.handle.get_tensor(entry.raw).narrow(dim, lo, hi - lo)
+            else:
+                t = entry.handle.get_slice(entry.raw)[(slice(None),) * dim + (slice(lo, hi),)]
+        self.bytes_read += t.numel() * t.element_size()
+        return t.to(self.device)
+
+    def _packable(self, s_entry: _Entry, t: torch.Tensor, window) -> bool:
+        """Float MXFP4 scales stay packed only when ALL the tensor's scales are powers of two (what a whole read
+        decides), so a window decides on the whole scale tensor (UE8M0 bytes always are)."""
+        if window is None or s_entry.dtype in ("U8", "F8_E8M0"):
+            return True
+        return mxfp4_as_bytes(t[:0], self._read(s_entry, None, 1)) is not None
+
+
+@contextlib.contextmanager
+def open_checkpoint(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu", keep_mxfp4_experts: bool = False, keep_fp8: bool = False):
+    """Read every header, check names, shapes and formats against `cfg` (one ValueError listing every problem,
+    before any tensor data is read), and yield a `Checkpoint` whose files stay open inside the `with`."""
+    expected = expected_weight_shapes(cfg)
+    block = tuple(cfg.quantization.get("weight_block_size") or FP8_BLOCK)
+    with contextlib.ExitStack() as stack:
+        weights, scales, duplicates = _index(model_dir, stack)
+        plan = _plan(model_dir, expected, weights, scales, duplicates, block)
+        yield Checkpoint(cfg, weights, scales, plan, dtype, device, keep_mxfp4_experts, keep_fp8)
+
+
 def load_weights(
     model_dir: str | os.PathLike,
     cfg: ModelConfig,
@@ -195,6 +338,7 @@ def load_weights(
     keep_mxfp4_experts: bool = False,
     keep_fp8: bool = False,
     skip: Callable[[str], bool] | None = None,
+    progress: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read, check and dequantise a checkpoint -> {original name: tensor on `device`}.
 
@@ -205,93 +349,15 @@ def load_weights(
     the bf16 bytes); experts stored in bf16/FP8 are unaffected. With `keep_fp8`, FP8 dense projections that
     `engine.linear.keeps_fp8` accepts stay as stored: float8_e4m3fn [N, K] plus `X.scale` fp32 block scales
     [N/128, K/128] (UE8M0 bytes converted exactly), for the FP8 GEMM path (no bf16 copy). Every problem
-    (missing, unexpected or mis-shaped tensors, scales without weights, quantised bytes without scales) is collected first and reported in
-    one ValueError, before any tensor data is read. `skip(name)` True: that tensor (and its scale) is checked
-    but never read nor returned.
+    (missing, unexpected or mis-shaped tensors, scales without weights, quantised bytes without scales) is
+    collected first and reported in one ValueError, before any tensor data is read. `skip(name)` True: that
+    tensor (and its scale) is checked but never read nor returned. progress: see engine.load_progress.
     """
-    expected = expected_weight_shapes(cfg)
-    block = tuple(cfg.quantization.get("weight_block_size") or FP8_BLOCK)
-    with contextlib.ExitStack() as stack:
-        # Pass 1: headers only (safe_open reads the JSON header; data is read on get_tensor).
-        weights: dict[str, _Entry] = {}
-        scales: dict[str, _Entry] = {}
-        duplicates: list[str] = []
-        for path in checkpoint_files(model_dir):
-            handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-            for raw in handle.keys():
-                name = canonical_name(raw)
-                if name is None:
-                    continue
-                sl = handle.get_slice(raw)
-                entry = _Entry(raw, handle, sl.get_dtype(), tuple(sl.get_shape()))
-                table, key = (scales, name[: -len(".scale")]) if name.endswith(".scale") else (weights, name)
-                if key in table:
-                    duplicates.append(name)
-                table[key] = entry
-
-        problems: list[str] = []
-        missing = [n for n in expected if n not in weights]
-        unexpected = [n for n in weights if n not in expected]
-        unexpected += [f"{n}.scale" for n in scales if f"{n}.weight" not in expected]
-        misshaped: list[str] = []
-        plan: dict[str, str | None] = {}  # name -> None (plain) / "fp8" / "mxfp4"
-        for name, entry in weights.items():
-            want = expected.get(name)
-            if want is None:
-                continue
-            base = name[: -len(".weight")] if name.endswith(".weight") else None
-            scale = scales.get(base) if base is not None else None
-            if scale is not None:
-                plan[name] = _quant_kind(name, entry, scale, want, block)
-                if plan[name] is None:
-                    misshaped.append(
-                        f"{name} (quantised): expected {want}, got {entry.shape} {entry.dtype} "
-                        f"with scale {scale.shape} {scale.dtype}"
-                    )
-            elif entry.dtype in ("F8_E4M3", "F4") or (entry.dtype in ("U8", "I8") and not _INT_TENSORS.search(name)):
-                misshaped.append(f"{name}: quantised {entry.dtype} tensor without a .scale companion")
-            elif entry.shape != want:
-                misshaped.append(f"{name}: expected {want}, got {entry.shape}")
-            else:
-                plan[name] = None
-        if missing:
-            problems.append(_summarise("missing tensor(s)", missing))
-        if unexpected:
-            problems.append(_summarise("unexpected tensor(s)", sorted(unexpected)))
-        if misshaped:
-            problems.append(_summarise("mis-shaped tensor(s)", misshaped))
-        if duplicates:
-            problems.append(_summarise("tensor(s) stored more than once", sorted(duplicates)))
-        if problems:
-            raise ValueError(f"checkpoint {os.fspath(model_dir)!r} does not match the config: " + "; ".join(problems))
-
-        # Pass 2: read each tensor exactly once, in expected order so the dict order is stable.
+    with open_checkpoint(model_dir, cfg, dtype, device, keep_mxfp4_experts, keep_fp8) as ckpt:
+        names = [n for n in ckpt.names if skip is None or not skip(n)]
         out: dict[str, torch.Tensor] = {}
-        for name in expected:
-            if skip is not None and skip(name):
-                continue  # never read (an expert-parallel rank's other experts: engine.sharding.skips_unowned)
-            entry = weights[name]
-            t = entry.handle.get_tensor(entry.raw).to(device)
-            kind = plan[name]
-            if kind is not None:
-                s_entry = scales[name[: -len(".weight")]]
-                s = s_entry.handle.get_tensor(s_entry.raw).to(device)
-                packed = mxfp4_as_bytes(t, s) if kind == "mxfp4" and keep_mxfp4_experts and \
-                    _ROUTED_EXPERT.search(name) else None
-                if packed is not None:
-                    out[name], out[name[: -len(".weight")] + ".scale"] = packed
-                    continue
-                if kind == "fp8" and keep_fp8 and tuple(block) == FP8_BLOCK and \
-                        keeps_fp8(name, expected[name], cfg.o_groups):
-                    fp8 = weight_from_checkpoint(t, s, pow2_activations(cfg.quantization))
-                    out[name], out[name[: -len(".weight")] + ".scale"] = fp8.weight, fp8.scale
-                    continue
-                t = dequant_fp8_block(t, s, block) if kind == "fp8" else dequant_mxfp4(t, s)
-            if _INT_TENSORS.search(name):
-                t = t.to(torch.int64)
-            elif keeps_fp32(name):
-                t = t.to(torch.float32)
-            else:
-                t = t.to(dtype)
-            out[name] = t
+        with LoadProgress(len(names), enabled=progress) as bar:
+            for name in names:  # each tensor read once, in expected order so the dict order is stable
+                out.update(ckpt.read(name))
+                bar.advance(ckpt.bytes_read)
         return out
