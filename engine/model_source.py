@@ -4,9 +4,10 @@
 - an existing directory is used as it is (exactly as before repo ids were accepted);
 - `org/name` or `org/name@revision` (a branch, tag or commit) is fetched with
   `huggingface_hub.snapshot_download` into the HF cache ($HF_HUB_CACHE, $HF_HOME/hub or
-  ~/.cache/huggingface/hub): only the files the engine reads (`ENGINE_FILES`), resumable (an interrupted
-  download continues from its `.incomplete` blobs), a progress bar per file, and a repo already cached is
-  not downloaded again. With HF_HUB_OFFLINE=1 the cache alone answers;
+  ~/.cache/huggingface/hub): only the files the engine reads (`ENGINE_FILES`), with huggingface_hub's
+  progress bars; resumable: a dropped connection continues from the bytes already written (a Range request),
+  a run started again fetches only the files not yet complete in the cache, and a repo already cached is not
+  downloaded again. With HF_HUB_OFFLINE=1 the cache alone answers;
 - a cache snapshot path (`.../models--org--name/snapshots/<commit>`) that this machine lacks is the repo at
   that commit: the launcher resolves once and hands workers the local path, and a worker on another node
   (whose disk does not have it) fetches that exact commit into its own cache;
