@@ -11,7 +11,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_service_out}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/gpu_service_logs}  # one log a stage; all of them end up in $OUT/stages.log (8 files come back)
+mkdir -p "$OUT" "$LOGS"
 SVCSITE=${SVCSITE:-/tmp/svcsite}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${SVCSITE:+:$SVCSITE}${PYTHONPATH:+:$PYTHONPATH}"
@@ -38,16 +39,31 @@ fi
 MODEL_ARG=(); [ -n "$MODEL" ] && MODEL_ARG=(--model "$MODEL")
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(env model serve raw fault report)
 status=0
+BUDGET_S=${BUDGET_S:-540}  # the whole run; a stage's limit shrinks to what is left (report keeps 20 s)
 
 run_stage() {  # name timeout_s command...: log to $OUT/name.log, show its end
-  local name=$1 limit=$2 t0=$SECONDS rc
+  local name=$1 limit=$2 t0=$SECONDS rc left
   shift 2
+  local reserve=20; [ "$name" = report ] && reserve=0
+  left=$((BUDGET_S - SECONDS - reserve))
+  [ "$left" -lt "$limit" ] && limit=$left
+  [ "$name" = report ] && [ "$limit" -lt 30 ] && limit=30  # always writes what the other stages left
+  if [ "$limit" -lt 15 ]; then
+    echo "=== $name: skipped, ${left} s left of the ${BUDGET_S} s budget"; status=1; return 1
+  fi
   echo "=== $name $(date -u +%T) (limit ${limit} s)"
-  timeout --signal=TERM --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # SIGINT first: KeyboardInterrupt runs the stage's finally blocks, which stop its service and local Ray cluster
+  timeout --signal=INT --kill-after=20 "$limit" "$@" > "$LOGS/$name.log" 2>&1
   rc=$?
-  grep -vE "NIXL INFO|^\s*$|WARNING: Running pip|^\[[0-9.]+\] +\[" "$OUT/$name.log" | tail -n "${TAIL:-25}" | cut -c1-400
+  grep -vE "NIXL INFO|^\s*$|WARNING: Running pip|^\[[0-9.]+\] +\[" "$LOGS/$name.log" | tail -n "${TAIL:-25}" | cut -c1-400
   echo "=== $name: rc $rc in $((SECONDS - t0)) s"
-  [ $rc -eq 0 ] || status=1
+  { echo "=== $name: rc $rc in $((SECONDS - t0)) s"; cat "$LOGS/$name.log"; } >> "$OUT/stages.log"
+  if [ $rc -ne 0 ]; then
+    status=1
+    case $name in serve|fault)  # what the workers said: the Ray session's logs, errors first
+      "$PY" -c "from service.launcher import ray_logs_tail; print(ray_logs_tail(40000, 4000))" >> "$OUT/stages.log" 2>&1 ;;
+    esac
+  fi
   return $rc
 }
 

@@ -154,7 +154,7 @@ def write_markdown(rows: list[dict], command: str, header: str) -> str:
 TOPOLOGIES = {"1P1D": (1, 1), "2P2D": (2, 2), "colocated": None}
 
 
-def _topologies(text: str) -> list[str]:
+def parse_topologies(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in names if t not in TOPOLOGIES]
     if bad or not names:
@@ -177,7 +177,7 @@ def bench_serve_main(args: argparse.Namespace) -> int:
     from engine.config import ModelConfig
     from engine.make_model import default_model_dir
 
-    topologies = _topologies(args.topologies)
+    topologies = parse_topologies(args.topologies)
     model_dir = args.model or default_model_dir()
     vocab = ModelConfig.from_model_dir(model_dir).vocab_size
     rng = random.Random(0)

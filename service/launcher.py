@@ -130,13 +130,13 @@ def remote_classes(cfg: ServiceConfig):
     from prefill_worker.worker import PrefillWorker
 
     # A worker on a GPU engine owns one GPU, or a share of one (Ray sets CUDA_VISIBLE_DEVICES, so "cuda" means it).
-    common = dict(max_restarts=-1, max_task_retries=0, num_cpus=cfg.worker_num_cpus, num_gpus=_num_gpus(cfg),
+    common = dict(max_restarts=-1, max_task_retries=0, num_cpus=cfg.worker_num_cpus, num_gpus=worker_gpus(cfg),
                   max_concurrency=1000)
     return (ray.remote(**common)(PrefillWorker), ray.remote(**common)(DecodeWorker),
             ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor))
 
 
-def _num_gpus(cfg: ServiceConfig) -> float:
+def worker_gpus(cfg: ServiceConfig) -> float:
     """GPUs one rank reserves: 0 off CUDA, else cfg.worker_num_gpus (default 1; a fraction shares a GPU)."""
     if not str(dict(cfg.engine_options).get("device", "cpu")).startswith("cuda"):
         return 0
@@ -146,10 +146,10 @@ def _num_gpus(cfg: ServiceConfig) -> float:
     return share
 
 
-def _engine_opts(cfg: ServiceConfig) -> dict:
+def worker_engine_options(cfg: ServiceConfig) -> dict:
     """The workers' engine options; a worker on a share of a GPU gets that share of the default memory budget."""
     opts = dict(cfg.engine_options)
-    share = _num_gpus(cfg)
+    share = worker_gpus(cfg)
     if 0 < share < 1 and opts.get("gpu_memory_utilization") is None and opts.get("max_cached_tokens") is None:
         from engine.memory_plan import DEFAULT_UTILIZATION
 
@@ -176,7 +176,7 @@ def check_placement(cfg: ServiceConfig, http: bool = True) -> None:
     from service.serve_ingress import INGRESS_NUM_CPUS
 
     workers = (cfg.prefill_workers + cfg.decode_workers) * cfg.tensor_parallel_size  # one actor a rank
-    num_gpus = _num_gpus(cfg)
+    num_gpus = worker_gpus(cfg)
     need = {"CPU": workers * cfg.worker_num_cpus + (cfg.ingress_replicas * INGRESS_NUM_CPUS if http else 0),
             "GPU": workers * num_gpus}
     total, free = ray.cluster_resources(), ray.available_resources()
@@ -208,7 +208,7 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
 
     check_placement(cfg, http)
     prefill_cls, decode_cls, router_cls = remote_classes(cfg)
-    opts = _engine_opts(cfg)
+    opts = worker_engine_options(cfg)
     host, token = internal_host(cfg), new_token()
     net = dict(bind_host=None if host == "127.0.0.1" else "node", cluster_token=token)
     actor = {}
@@ -225,7 +225,7 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
                 placed[f"{role}-{i}"] = place_worker(
                     cls, f"dsv4-{role}-{i}", (f"{role}-{i}", cfg.model_dir, opts, cfg.transfer), net, opts,
                     cfg.model_dir, cfg.tensor_parallel_size, cfg.expert_parallel, cfg.worker_num_cpus,
-                    _num_gpus(cfg), actor, cfg.ready_timeout_s)
+                    worker_gpus(cfg), actor, cfg.ready_timeout_s)
                 handles[role][f"{role}-{i}"] = placed[f"{role}-{i}"].handle
         prefill, decode = handles["prefill"], handles["decode"]
         _wait_ready({name: h.ping.remote() for name, h in (*prefill.items(), *decode.items())}
@@ -550,4 +550,4 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 __all__ = ["ServiceConfig", "ServiceStartError", "serve_main", "start_service", "stop_service", "init_ray",
            "add_serve_args", "prepare_metrics_dir", "remove_metrics_dir", "ray_logs_dir", "ray_logs_tail",
-           "RouterActor", "check_placement", "single_node", "config_from_args"]
+           "RouterActor", "check_placement", "single_node", "config_from_args", "worker_gpus", "worker_engine_options"]

@@ -1,0 +1,84 @@
+"""Workers sharing a GPU (`--worker-num-gpus`), `dsv4 bench serve`'s topology/token options, and the gpu_service
+section built from a run's JSON (scripts/gpu_service.sh; the GPU run itself is not part of CI)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.bench_serve import compare_tokens, parse_topologies
+from service.cli import main as cli_main
+from service.launcher import ServiceConfig, worker_engine_options, worker_gpus
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cfg(**kw) -> ServiceConfig:
+    return ServiceConfig(model_dir="unused", **kw)
+
+
+def test_worker_gpus_share_and_memory_budget():
+    cuda = (("device", "cuda"),)
+    assert worker_gpus(cfg()) == 0 and worker_gpus(cfg(worker_num_gpus=0.5)) == 0  # cpu engines reserve no GPU
+    assert worker_gpus(cfg(engine_options=cuda)) == 1
+    assert worker_gpus(cfg(engine_options=cuda, worker_num_gpus=0.5)) == 0.5
+    with pytest.raises(ValueError, match="worker_num_gpus must be in"):
+        worker_gpus(cfg(engine_options=cuda, worker_num_gpus=1.5))
+    # a half GPU gets half the default budget; explicit sizes are left alone
+    assert worker_engine_options(cfg(engine_options=cuda, worker_num_gpus=0.5))["gpu_memory_utilization"] == 0.45
+    assert "gpu_memory_utilization" not in worker_engine_options(cfg(engine_options=cuda))
+    assert "gpu_memory_utilization" not in worker_engine_options(
+        cfg(engine_options=cuda + (("max_cached_tokens", 4096),), worker_num_gpus=0.5))
+    assert worker_engine_options(cfg(engine_options=cuda + (("gpu_memory_utilization", 0.3),),
+                                     worker_num_gpus=0.5))["gpu_memory_utilization"] == 0.3
+
+
+def test_topologies_and_token_comparison():
+    assert parse_topologies("1P1D, colocated") == ["1P1D", "colocated"]
+    with pytest.raises(ValueError, match="unknown"):
+        parse_topologies("1P1D,3P3D")
+    same = compare_tokens("1P1D", [(1, 2, 3), (4, 5)], [(1, 2, 3), (4, 5)])
+    assert same["identical"] == 2 and same["first_difference"] is None
+    diff = compare_tokens("1P1D", [(1, 2, 3), (4, 6)], [(1, 2, 3), (4, 5)])
+    assert diff["identical"] == 1 and diff["first_difference"] == (1, 1)
+
+
+def test_bench_serve_colocated_only_writes_json_not_benchmarks(tmp_path):
+    before = (ROOT / "BENCHMARKS.md").read_text()
+    out = tmp_path / "serve.json"
+    rc = cli_main(["bench", "serve", "--topologies", "colocated", "--num-requests", "3", "--concurrency", "2",
+                   "--min-prompt", "4", "--max-prompt", "12", "--max-new-tokens", "3", "--check-tokens", "2",
+                   "--no-write", "--json-out", str(out)])
+    assert rc == 0 and (ROOT / "BENCHMARKS.md").read_text() == before
+    data = json.loads(out.read_text())
+    assert [r["topology"] for r in data["rows"]] == ["colocated 1 engine"] and data["rows"][0]["requests"] == 3
+    assert data["tokens"] == [] and data["check_prompts"] == 2  # nothing to compare with colocated alone
+
+
+def test_gpu_service_report_from_stage_json(tmp_path):
+    (tmp_path / "env.json").write_text(json.dumps({"device": "cuda", "gpu": "NVIDIA H200", "torch": "2.11.0",
+                                                   "ray": "2.60.0", "nixl": "1.5.1", "python": "3.12.3",
+                                                   "date": "2026-12-01", "model": "mini_v4: random weights"}))
+    row = {"requests": 64, "ttft_p50_ms": 40.0, "ttft_p99_ms": 90.0, "itl_p50_ms": 8.0, "itl_p99_ms": 20.0,
+           "req_per_s": 10.0, "tok_per_s": 640.0}
+    (tmp_path / "serve.json").write_text(json.dumps({
+        "rows": [{**row, "topology": "1P1D (nixl)", "kv_gb_per_s": 2.0, "kv_mb": 64.0, "kv_transfers": 64},
+                 {**row, "topology": "colocated 1 engine", "ttft_p50_ms": 32.0, "kv_gb_per_s": float("nan"),
+                  "kv_mb": 0.0, "kv_transfers": 0}],
+        "tokens": [{"topology": "1P1D", "requests": 8, "identical": 8, "first_difference": None}],
+        "header": "Machine: x; model mini_v4; 64 requests", "engine_options": {"device": "cuda"},
+        "worker_num_gpus": 0.5, "transfer": "nixl", "max_new_tokens": 64}))
+    (tmp_path / "nixl_raw.json").write_text(json.dumps({"rows": [
+        {"bytes": 1 << 20, "descriptors": 1, "gb_per_s_median": 20.0, "gb_per_s_best": 25.0, "bytes_match": True,
+         "device": "cuda"}], "ucx_tls": "(default)", "transports": "cuda_ipc"}))
+    out = tmp_path / "gpu_service.md"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_service.py"), "report", "--dir", str(tmp_path),
+                    "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
+    text = out.read_text()
+    assert text.startswith("## Disaggregated service on one GPU")
+    assert "TTFT p50 1.25x" in text and "(10.0% of it)" in text and "8 of 8 prompts" in text
+    assert "share GPU 0" in text and "cuda_ipc" in text and "killed" not in text  # no fault stage in this run
