@@ -19,7 +19,8 @@ pages (one cache reference each) and optionally one snapshot (the state at the b
 
 Where snapshots are taken (decisions; the issue leaves them open). The scheduler ends a prefill chunk at
 each of a request's snapshot points, so the state there exists after some step:
-- every `snapshot_interval` tokens of the prompt;
+- every `snapshot_interval` tokens of the prompt (EngineCore's default: the step's token budget, at least
+  DEFAULT_SNAPSHOT_INTERVAL, so the points fall where full prefill chunks end anyway);
 - the prompt's last block boundary (and the one before the last token, for an identical repeat);
 - the end of the longest cached *history* this prompt matched, when it is past the snapshot the request
   resumes from: the first two requests sharing a system prompt create a resume point where they diverge;

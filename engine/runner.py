@@ -20,7 +20,7 @@ from engine.fast_paths import use_triton
 from engine.handoff import EngineLoad
 from engine.model import DeepseekV4Model
 from engine.parallel import SINGLE, ParallelContext
-from engine.prefix_cache import PrefixCache, PrefixCacheConfig
+from engine.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixCacheConfig
 from engine.request import Request, TokenEvent
 from engine.sampling import draw_seed, sample
 from engine.sampling_params import SamplingParams
@@ -51,7 +51,10 @@ class EngineCore:
         self.model = DeepseekV4Model(cfg, weights, self.device, self.parallel)
         self.pool = CachePool(cfg, self.cache_config, dtype, self.device)
         if isinstance(prefix_cache, bool):
-            prefix_cache = PrefixCacheConfig(enabled=prefix_cache)
+            # Snapshot points where a full chunk ends anyway: a point inside a chunk cuts it, and a prefill
+            # step is host-bound below a few thousand tokens (BENCHMARKS.md bench_gpu, prefill profile).
+            interval = max(DEFAULT_SNAPSHOT_INTERVAL, self.scheduler_config.max_batch_tokens)
+            prefix_cache = PrefixCacheConfig(enabled=prefix_cache, snapshot_interval=interval)
         # Off: no cache object at all (nothing shared, no snapshot store, no chunk cuts).
         self.prefix = (PrefixCache(self.pool, prefix_cache, self.cache_config.max_requests)
                        if prefix_cache.enabled else None)
