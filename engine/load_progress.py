@@ -45,7 +45,7 @@ class LoadProgress:
             except ImportError:  # no tqdm: the log lines below
                 tqdm = None
             if tqdm is not None:
-                self._bar = tqdm(total=self.total, desc=self.what, unit="tensor", dynamic_ncols=True, leave=False)
+                self._bar = tqdm(total=self.total, desc=self.what, unit="tensor", dynamic_ncols=True)
         return self
 
     def advance(self, nbytes: int) -> None:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import engine.weights as weights_mod
 from engine.config import ModelConfig
-from engine.make_model import make_model, preset_config, quantize_weights, random_weights
+from engine.make_model import make_model, preset_config, random_weights
 from engine.parallel import ParallelContext
 from engine.shard_reader import load_shard
 from engine.sharding import cut_of, owns, shard_weights
@@ -248,7 +248,6 @@ def test_release_format_rank_reads_its_windows(models, monkeypatch):
     """MXFP4 experts (int8 bytes + UE8M0 scales) and FP8 projections at TP 2 without EP: each expert weight
     and scale is read at half its size; FP8 tensors at most their block-grid window."""
     model_dir = models["small_q"]
-    cfg = ModelConfig.from_model_dir(model_dir)
     ctx = ParallelContext(2, 1, False)
     counts = _read_counts(monkeypatch, model_dir, ctx, keep_mxfp4_experts=True, keep_fp8=True)
     with weights_mod.safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
