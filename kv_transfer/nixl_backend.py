@@ -148,6 +148,10 @@ class NixlBackend(TransferBackend):
         if plan.num_descriptors == 0:
             self.agent.send_notif(ticket.source, done)
             return
+        if self.mem_type == "VRAM":  # UCX's CUDA transports copy on the posting thread: make the pool's GPU current
+            import torch
+
+            torch.cuda.set_device(next(iter(self._local.values()))[1])
         local, remote = self._descs(ticket, plan)
         handle = self.agent.initialize_xfer(
             "READ", self.agent.get_xfer_descs(local, self.mem_type),
