@@ -4,8 +4,9 @@ NCCL refuses two ranks on one device, so the ranks here share the GPU over gloo 
 (DSV4_TP_BACKEND=gloo, engine.parallel): slow and without CUDA graphs, but every GPU kernel runs on the local
 shapes a rank sees (wq_b / sink by head, wo_a by output group, row-parallel wo_b, vocab-parallel head; FlashMLA
 over 32 local heads padded to 64; DeepGEMM on the cut FP8 weights; triton_kernels on E/2 experts with -1 ids).
-Model: `mini_v4` (FP8 dense + MXFP4 experts on disk), bf16, default fp8 KV cache. Greedy tokens and logprobs
-are compared with TP 1 up to the first differing token (bf16 sums in another order may flip a near-tie).
+Model: `mini_v4` (FP8 dense + MXFP4 experts on disk), bf16, default fp8 KV cache. This random model is sensitive
+(bf16 vs fp32 on the CPU: mean 0.047 nats, max 1.2), so each run is judged oracle-style: the fp32 CPU engine
+(same fp8 cache) scores the run's own greedy tokens (teacher forcing), and TP 2 must be as close to it as TP 1.
 
 Usage: PYTHONPATH=. python3 scripts/check_gpu_tp.py [--tokens 16]
 """
@@ -36,17 +37,18 @@ def run(model_dir: str, prompts, n: int, tp: int, ep: bool) -> list:
     return outs
 
 
-def compare(ref, got) -> tuple[int, int, float]:
-    """-> (positions compared, outputs identical, max |dlogprob| up to the first differing token)."""
-    pos, same, worst = 0, 0, 0.0
-    for a, b in zip(ref, got):
-        same += a.token_ids == b.token_ids
-        for ta, tb, x, y in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
-            pos += 1
-            worst = max(worst, abs(x - y))
-            if ta != tb:
-                break
-    return pos, same, worst
+def judge(model_dir: str, prompts, outs) -> tuple[float, float]:
+    """(mean |dlogprob|, share within 0.1) of a run's decode logprobs against the fp32 CPU engine's
+    teacher-forced logprobs of the same tokens (fp8 cache)."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_cached_tokens=4096, kv_cache_dtype="fp8")
+    ref = llm.generate([p + o.token_ids for p, o in zip(prompts, outs)],
+                       SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True))
+    d = torch.tensor([abs(x - y) for p, o, r in zip(prompts, outs, ref)
+                      for x, y in zip(o.logprobs, r.prompt_logprobs[len(p):])])
+    return d.mean().item(), (d <= 0.1).float().mean().item()
 
 
 def main() -> int:
@@ -63,13 +65,18 @@ def main() -> int:
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 4000, (k,), generator=g).tolist() for k in (9, 150, 700)]
     ref = run(model_dir, prompts, args.tokens, 1, False)
+    base = judge(model_dir, prompts, ref)
+    print(f"[gpu tp] tp 1 vs the fp32 CPU engine: mean |dlogprob| {base[0]:.3e}, {base[1]:.3f} within 0.1", flush=True)
     status = 0
     for ep in (False, True):
-        pos, same, worst = compare(ref, run(model_dir, prompts, args.tokens, 2, ep))
-        ok = worst < 0.1 and pos >= args.tokens
+        outs = run(model_dir, prompts, args.tokens, 2, ep)
+        same = sum(a.token_ids == b.token_ids for a, b in zip(ref, outs))
+        err = judge(model_dir, prompts, outs)
+        ok = err[0] <= max(0.08, 1.5 * base[0]) and err[1] >= 0.85
         status |= not ok
-        print(f"[gpu tp] tp 2{' + ep' if ep else ''} vs tp 1: {same}/{len(prompts)} outputs identical, {pos} positions "
-              f"compared, max |dlogprob| {worst:.3e} -> {'ok' if ok else 'MISMATCH'}", flush=True)
+        print(f"[gpu tp] tp 2{' + ep' if ep else ''}: {same}/{len(prompts)} outputs identical to tp 1; vs the fp32 CPU "
+              f"engine: mean |dlogprob| {err[0]:.3e}, {err[1]:.3f} within 0.1 -> {'ok' if ok else 'MISMATCH'}",
+              flush=True)
     return status
 
 
