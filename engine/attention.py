@@ -146,9 +146,7 @@ class AttentionBlock:
 
     def _attend_triton(self, q, kv, ring, entries, comp_rows, comp_valid, batch: StepBatch) -> torch.Tensor:
         """Sparse attention over rows read in place: row ids into [ring | kv | entries] (-1 = invalid)."""
-        from kernels.triton_attention import (
-            sparse_mqa_attention_multi,  # imports triton: only on this path
-        )
+        from kernels.triton_attention import sparse_mqa_attention_multi  # imports triton: only on this path
 
         kv = kv.contiguous()
         # batch.swa.row already indexes [ring rows | chunk rows]; the entry group's rows follow them.
@@ -186,17 +184,13 @@ class AttentionBlock:
             if use_triton(x.device) and entries.quantised:
                 # pooled, normalised, rotated and packed into the entry pages in one kernel; keys unrotated
                 # (no Hadamard), as the group codec stores them on the reference path
-                from kernels.triton_compressor import (
-                    pool_norm_rope_quant,  # imports triton: only on this path
-                )
+                from kernels.triton_compressor import pool_norm_rope_quant  # imports triton: only on this path
                 pool_norm_rope_quant(pkv.to(x.dtype).contiguous(), pscore.contiguous(), w[prefix + "norm.weight"],
                                      eps, cos, sin, entries.tensor, plan.entry_row, entries.group.codec.layout,
                                      hadamard=False)
             else:
                 if use_triton(x.device):
-                    from kernels.triton_compressor import (
-                        pool_norm_rope,  # imports triton: only on this path
-                    )
+                    from kernels.triton_compressor import pool_norm_rope  # imports triton: only on this path
                     pooled = pool_norm_rope(pkv.to(x.dtype), pscore, w[prefix + "norm.weight"], eps, cos, sin)
                 else:
                     pooled = pool_windows(pkv.to(x.dtype), pscore)
@@ -216,9 +210,7 @@ class AttentionBlock:
         head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
         vis = batch.visible["index"]
         if use_triton(x.device):
-            from kernels.triton_indexer import (
-                indexer_topk,  # imports triton: only on this path
-            )
+            from kernels.triton_indexer import indexer_topk  # imports triton: only on this path
             rows = torch.where(vis.valid, vis.rows, -1)
             store, layout = keys.tensor, None
             if keys.quantised:  # paged MXFP4 / FP8 keys, dequantised in the kernel
@@ -234,9 +226,7 @@ class AttentionBlock:
 def _norm_rope(x: torch.Tensor, cos, sin, eps: float, weight: torch.Tensor | None, fast: bool) -> torch.Tensor:
     """RMSNorm (weighted, or per head without a weight) then RoPE; the fused Triton kernel when `fast`."""
     if fast:
-        from kernels.triton_norm_rope import (
-            rms_norm_rope,  # imports triton: only on this path
-        )
+        from kernels.triton_norm_rope import rms_norm_rope  # imports triton: only on this path
         return rms_norm_rope(x.contiguous(), cos, sin, eps, weight)
     normed = unweighted_rms_norm(x, eps) if weight is None else rms_norm(x, weight, eps)
     return apply_rope(normed, cos, sin)

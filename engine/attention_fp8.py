@@ -31,9 +31,7 @@ def token_ring_rows(batch: StepBatch) -> torch.Tensor:
 def insert_decode_rows(kv_pre: torch.Tensor, weight: torch.Tensor, cos, sin, eps: float, ring: CacheLayer,
                        batch: StepBatch) -> torch.Tensor:
     """Normalise + rotate this step's kv and write it into the fp8_ds_mla ring (Triton, one launch). -> [T, D]."""
-    from kernels.triton_swa_insert import (
-        swa_insert,  # imports triton: only on this path
-    )
+    from kernels.triton_swa_insert import swa_insert  # imports triton: only on this path
 
     return swa_insert(kv_pre.contiguous(), weight, cos, sin, eps, ring.tensor, token_ring_rows(batch),
                       ring.group.codec.layout)
@@ -96,9 +94,7 @@ def dequantised_attend(q: torch.Tensor, chunk_keys: torch.Tensor, ring: CacheLay
 
     chunk_keys: [T, D] this step's kv rows as the cache stores them; comp_rows / comp_ids / comp_valid:
     [T, E] global entry rows, entry numbers and visibility (None without entries). -> [T, H, D]."""
-    from kernels.triton_attention import (
-        sparse_mqa_attention_multi,  # imports triton: only on this path
-    )
+    from kernels.triton_attention import sparse_mqa_attention_multi  # imports triton: only on this path
 
     swa = batch.swa
     stride = ring.group.spec.page_rows

@@ -18,14 +18,7 @@ import os
 
 import torch
 
-from kernels.gpu import (
-    has_deep_gemm,
-    has_flash_mla,
-    has_triton,
-    has_triton_kernels,
-    triton_enabled,
-    why_not,
-)
+from kernels.gpu import has_deep_gemm, has_flash_mla, has_triton, has_triton_kernels, triton_enabled, why_not
 
 ENV = "DSV4_TRITON"
 MXFP4_ENV = "DSV4_MXFP4_MOE"

@@ -10,13 +10,7 @@ import torch
 
 from kernels import flashmla_sparse as fm
 from kernels.attention import sparse_attention
-from kernels.geometry import (
-    Fp8DsMlaLayout,
-    pack_fp8_ds_mla,
-    read_rows,
-    unpack_fp8_ds_mla,
-    write_rows,
-)
+from kernels.geometry import Fp8DsMlaLayout, pack_fp8_ds_mla, read_rows, unpack_fp8_ds_mla, write_rows
 from kernels.gpu import has_flash_mla, why_not
 from tests.support.numerics import assert_close, randn
 
