@@ -121,11 +121,15 @@ class MoEBlock:
                 "scoring_func": cfg.scoring_func, "bias": None if self.tid2eid is not None else self.bias,
                 "tid2eid": self.tid2eid, "token_ids": token_ids, "renormalize": cfg.norm_topk_prob}
 
+    def takes_ogs(self, x: torch.Tensor) -> bool:
+        """Do the routed experts of this call go through triton_kernels' matmul (kernels.mxfp4_ogs)?"""
+        return self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and (self.ogs is not None or (
+            self.ogs_fits and mxfp4_moe_backend(x.device) == "triton_kernels"))
+
     def routed(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum, [T, H]."""
         limit = self.cfg.swiglu_limit
-        if self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and (self.ogs is not None or (
-                self.ogs_fits and mxfp4_moe_backend(x.device) == "triton_kernels")):
+        if self.takes_ogs(x):
             from kernels import mxfp4_ogs, triton_moe  # import triton / triton_kernels: only on this path
 
             if self.ogs is None:
