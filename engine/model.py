@@ -81,14 +81,21 @@ class DeepseekV4Model:
         return mhc
 
     def _hc(self, lw: dict, kind: str, streams: torch.Tensor):
-        cfg = self.cfg
-        return self._mhc(streams).hc_pre(streams, lw[f"hc_{kind}_fn"], lw[f"hc_{kind}_base"],
-                                         lw[f"hc_{kind}_scale"], cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        """mHC pre of block `kind` ("attn" / "ffn") -> (the block's input: RMSNorm(collapsed) in the model dtype
+        [T, D], post [T, hc], comb [T, hc, hc]). The Triton kernel fuses the norm and the cast in."""
+        cfg, impl = self.cfg, self._mhc(streams)
+        args = (streams, lw[f"hc_{kind}_fn"], lw[f"hc_{kind}_base"], lw[f"hc_{kind}_scale"], cfg.hc_sinkhorn_iters,
+                cfg.hc_eps, cfg.rms_norm_eps)
+        weight = lw[f"{kind}_norm.weight"]
+        if impl is not mhc:
+            return impl.hc_pre(*args, norm_weight=weight, out_eps=cfg.rms_norm_eps, out_dtype=self.dtype)
+        collapsed, post, comb = impl.hc_pre(*args)
+        return rms_norm(collapsed, weight, cfg.rms_norm_eps).to(self.dtype), post, comb
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, pool: CachePool) -> torch.Tensor:
         """Run every token of the step through the model; -> fp32 logits [len(batch.logit_rows), vocab]."""
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        cfg = self.cfg
         ropes = {
             "main": self.ropes["main"](batch.positions),
             "compress": self.ropes["compress"](batch.positions),
@@ -96,14 +103,13 @@ class DeepseekV4Model:
         }
         h = vocab_embed(self.embed, batch.token_ids, self.parallel).to(self.residual_dtype)
         streams = h.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, hidden]
-        dt = self.dtype
         for i in range(cfg.num_layers):
             lw = self.layer_weights[i]
-            collapsed, post, comb = self._hc(lw, "attn", streams)
-            out = self.attn[i].forward(rms_norm(collapsed, lw["attn_norm.weight"], eps).to(dt), batch, pool, ropes)
+            x, post, comb = self._hc(lw, "attn", streams)
+            out = self.attn[i].forward(x, batch, pool, ropes)
             streams = self._mhc(streams).hc_post(out, streams, post, comb)
-            collapsed, post, comb = self._hc(lw, "ffn", streams)
-            out = self.moe[i].forward(rms_norm(collapsed, lw["ffn_norm.weight"], eps).to(dt), batch.token_ids)
+            x, post, comb = self._hc(lw, "ffn", streams)
+            out = self.moe[i].forward(x, batch.token_ids)
             streams = self._mhc(streams).hc_post(out, streams, post, comb)
         return self.logits(streams[batch.logit_rows])
 

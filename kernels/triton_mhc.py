@@ -7,7 +7,8 @@ Reference: `kernels.mhc.hc_pre` / `hc_post`. Per token with hc streams of width 
   the collapse. Then, all in registers: pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax + eps,
   Sinkhorn (column norm, then iters-1 x (row, column)), and collapsed = sum_i pre_i * stream_i.
   One program per token: hc*hc is tiny and the streams of a token (hc * D values) stay in L1/L2
-  between the sum-of-squares pass and the collapse pass.
+  between the sum-of-squares pass and the collapse pass. Optionally (`norm_weight`) a third pass applies
+  the block's weighted input RMSNorm to the collapsed row and writes it in the block dtype.
 - post: new_streams[j] = post_j * block_out + sum_i comb[i, j] * streams[i]; grid (T, D / BLOCK_D).
 All mixing math is fp32 (as in the reference); outputs round once to the streams' dtype.
 Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see kernels/triton_attention.py).
@@ -24,9 +25,9 @@ triton, tl = import_triton()
 
 @triton.jit
 def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr,
-                   HC, D, iters, hc_eps, norm_eps,
-                   stride_st, stride_sh, stride_mt, stride_ct,
-                   HC_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                   normw_ptr, normed_ptr, HC, D, iters, hc_eps, norm_eps, out_eps,
+                   stride_st, stride_sh, stride_mt, stride_ct, stride_nt,
+                   HC_P: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HC_P)
     j = tl.arange(0, HC_P)
@@ -70,12 +71,29 @@ def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, p
     tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=cmask)
 
     # Pass 2: collapse (re-reads the token's streams, which the first pass just brought into cache).
+    ysq = tl.zeros([BLOCK_D], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         dmask = cols < D
         x = tl.load(s_row + cols[None, :], mask=imask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        y = tl.sum(pre[:, None] * x, axis=0)
-        tl.store(collapsed_ptr + t * stride_ct + cols, y.to(collapsed_ptr.dtype.element_ty), mask=dmask)
+        y = tl.sum(pre[:, None] * x, axis=0).to(collapsed_ptr.dtype.element_ty)
+        if NORM:
+            yf = y.to(tl.float32)  # the block input as the reference norms it: rounded to the streams' dtype
+            ysq += tl.where(dmask, yf * yf, 0.0)
+        else:
+            tl.store(collapsed_ptr + t * stride_ct + cols, y, mask=dmask)
+    if NORM:
+        # Pass 3: the block's input RMSNorm (weighted, fp32) and one rounding to the block dtype. The collapsed
+        # row is recomputed from the cached streams (bitwise the same), not re-read from memory written by
+        # other threads of this program (no barrier between them).
+        r = tl.rsqrt(tl.sum(ysq, axis=0) / D + out_eps)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            dmask = cols < D
+            x = tl.load(s_row + cols[None, :], mask=imask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            y = tl.sum(pre[:, None] * x, axis=0).to(collapsed_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(normw_ptr + cols, mask=dmask, other=0.0).to(tl.float32)
+            tl.store(normed_ptr + t * stride_nt + cols, (w * (y * r)).to(normed_ptr.dtype.element_ty), mask=dmask)
 
 
 @triton.jit
@@ -106,11 +124,15 @@ def _check_streams(streams: torch.Tensor) -> None:
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-           hc_eps: float, norm_eps: float, *, block_d: int = 256):
+           hc_eps: float, norm_eps: float, *, block_d: int = 256, norm_weight: torch.Tensor | None = None,
+           out_eps: float = 1e-6, out_dtype: torch.dtype | None = None):
     """Fused mHC pre. streams: [T, hc, D]; fn: [(2+hc)*hc, hc*D]; base: [(2+hc)*hc]; scale: [3].
 
     -> (collapsed [T, D] in streams.dtype, post fp32 [T, hc], comb fp32 [T, hc, hc]), as
     `kernels.mhc.hc_pre`. The logits matmul runs in torch, fp32, on the un-normalised streams.
+    norm_weight [D]: the block's input RMSNorm is fused in too and the first output is
+    `kernels.norm.rms_norm(collapsed, norm_weight, out_eps).to(out_dtype)` (out_dtype None = streams.dtype),
+    saving the norm's and the cast's kernels (a layer's attention and MoE inputs).
     """
     _check_streams(streams)
     t, hc, d = streams.shape
@@ -124,16 +146,22 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     collapsed = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
     post = torch.empty(t, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(t, hc, hc, dtype=torch.float32, device=streams.device)
+    norm = norm_weight is not None
+    if norm and norm_weight.shape != (d,):
+        raise ValueError(f"norm_weight must be [D={d}], got {tuple(norm_weight.shape)}")
+    normed = torch.empty(t, d, dtype=out_dtype or streams.dtype, device=streams.device) if norm else collapsed
+    # (with the norm fused the plain collapsed row is never stored: `collapsed` only names its dtype)
     if t == 0:
-        return collapsed, post, comb
+        return normed, post, comb
     mixes = streams.reshape(t, hc * d).float() @ fn.float().t()  # [T, n_mix] fp32, contiguous
     extra = {"num_warps": 4} if streams.is_cuda else {}
     _hc_pre_kernel[(t,)](streams, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post,
-                         comb, hc, d, iters, hc_eps, norm_eps,
-                         streams.stride(0), streams.stride(1), mixes.stride(0), collapsed.stride(0),
+                         comb, norm_weight.contiguous() if norm else collapsed, normed, hc, d, iters, hc_eps,
+                         norm_eps, out_eps, streams.stride(0), streams.stride(1), mixes.stride(0),
+                         collapsed.stride(0), normed.stride(0),
                          HC_P=triton.next_power_of_2(hc), BLOCK_D=min(block_d, triton.next_power_of_2(d)),
-                         **extra)
-    return collapsed, post, comb
+                         NORM=norm, **extra)
+    return normed, post, comb
 
 
 def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

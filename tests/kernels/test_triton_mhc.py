@@ -75,3 +75,22 @@ def test_bad_shapes_raise():
         triton_mhc.hc_pre(streams[0], fn, base, scale, 20, 1e-6, 1e-6)
     with pytest.raises(ValueError, match="comb"):
         triton_mhc.hc_post(streams[:, 0], streams, torch.ones(T, 4, device=DEVICE), torch.ones(T, 4, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16)])
+def test_hc_pre_with_fused_input_norm(dtype, out_dtype):
+    """norm_weight: the first output is the block's input, rms_norm(collapsed, w).to(out_dtype) (engine.model)."""
+    from kernels.norm import rms_norm
+
+    hc, iters = 4, 3
+    streams, fn, base, scale = pre_inputs(hc, dtype, seed=90)
+    weight = 1.0 + randn(D, seed=91, scale=0.3)
+    normed, post, comb = triton_mhc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32,
+                                           norm_weight=weight, out_eps=1e-5, out_dtype=out_dtype)
+    ref_collapsed, ref_post, ref_comb = ref.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
+    expected = rms_norm(ref_collapsed, weight, 1e-5).to(out_dtype)
+    assert normed.dtype == out_dtype and normed.shape == (T, D)
+    torch.testing.assert_close(post, ref_post, **NUM.TOL[torch.float32])
+    torch.testing.assert_close(comb, ref_comb, **NUM.TOL[torch.float32])
+    torch.testing.assert_close(normed.float(), expected.float(), **NUM.TOL[out_dtype])
