@@ -161,12 +161,26 @@ def check_fit(model_dir, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtyp
 
 
 def _advice(check: FitCheck, meta: dict, cfg: ModelConfig, dtype: torch.dtype, max_cached_tokens: int | None) -> str:
-    """What would make it fit: more ranks (the smallest group that holds the weights, if any), a shorter
-    context, fewer sequences, FP8 caches, a higher utilization."""
+    """What would make it fit: more ranks (the smallest group that holds the weights), a shorter context, fewer
+    sequences, FP8 caches, a higher utilization."""
+    rest = check.reserve_bytes + check.min_cache_bytes
+    tips, note = [], ""
+    if rest >= check.budget_bytes:  # more ranks cut only the weights: each keeps the whole cache and reserve
+        note = (" More ranks would not help: the reserve and the minimum cache alone exceed the budget, and every "
+                "rank keeps both.")
+    else:
+        tips.append(_smallest_group(check, meta, cfg, dtype, rest))
+    tips.append(f"a smaller --max-cached-tokens than {max_cached_tokens}" if max_cached_tokens else
+                f"a shorter --max-model-len than {cfg.max_position_embeddings}")
+    tips.append("fewer --max-num-seqs or --max-batch-tokens, --kv-cache-dtype fp8, or a higher "
+                "--gpu-memory-utilization")
+    return "Try " + "; or ".join(tips) + "." + note
+
+
+def _smallest_group(check: FitCheck, meta: dict, cfg: ModelConfig, dtype: torch.dtype, rest: int) -> str:
+    """The smallest tensor-parallel size (with expert parallelism) whose per-rank weights fit beside `rest`."""
     from engine.sharding import check_divisible
 
-    tips = []
-    rest = check.reserve_bytes + check.min_cache_bytes
     for tp in (2, 4, 8, 16, 32, 64):
         if tp <= check.tp_size:
             continue
@@ -176,16 +190,8 @@ def _advice(check: FitCheck, meta: dict, cfg: ModelConfig, dtype: torch.dtype, m
         except ValueError:
             continue
         if weight_bytes_per_rank(None, cfg, ctx, dtype, meta=meta) + rest <= check.budget_bytes:
-            tips.append(f"--tensor-parallel-size {tp} --expert-parallel (one GPU a rank)")
-            break
-    else:
-        tips.append("--tensor-parallel-size / --expert-parallel over more GPUs")
-    if max_cached_tokens:
-        tips.append(f"a smaller --max-cached-tokens than {max_cached_tokens}")
-    else:
-        tips.append(f"a shorter --max-model-len than {cfg.max_position_embeddings}")
-    tips.append("fewer --max-num-seqs, --kv-cache-dtype fp8, or a higher --gpu-memory-utilization")
-    return "Try " + "; or ".join(tips) + "."
+            return f"--tensor-parallel-size {tp} --expert-parallel (one GPU a rank)"
+    return "--tensor-parallel-size / --expert-parallel over more GPUs"
 
 
 __all__ = ["FitCheck", "check_fit", "device_budget", "loaded_meta", "meta_from_stored", "stored_tensors",

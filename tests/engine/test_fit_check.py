@@ -122,3 +122,12 @@ def test_v4_flash_on_h200s():
     fit = check_fit(None, cap_context(cfg, 262144), cache, torch.bfloat16, 16384, budget,
                     ParallelContext(4, 0, True), True, True, meta=meta)
     assert fit.weight_bytes < 40 * GIB and budget - fit.need_bytes > 40 * GIB
+
+
+def test_when_the_cache_alone_does_not_fit_more_ranks_are_not_advised():
+    d = default_model_dir()
+    cfg = ModelConfig.from_model_dir(d)
+    cache = CacheConfig(max_requests=8, max_tokens=1)
+    with pytest.raises(ValueError, match="More ranks would not help") as e:
+        check_fit(d, cfg, cache, torch.float32, 512, 1 << 20)  # 1 MiB: less than the reserve
+    assert "--tensor-parallel-size" not in str(e.value) and "--max-model-len" in str(e.value)
