@@ -4,6 +4,11 @@ Prefill chunks and decode tokens share one varlen layout (tokens of request b oc
 cu[b]:cu[b+1] and positions starts[b]:ends[b]), so a step that mixes both is one forward. All index
 tensors the layers need (SWA window gathers, compressor window gathers, cache writes, visible-entry
 gathers) are derived here once per step and shared by every layer: the layers only gather and scatter.
+
+They are derived *on the step's device* from a few small host tensors (per-request starts / counts, the
+page tables, the token ids): the big ones are O(T x window) and O(T x visible entries) (an 8K-token prefill
+of V4-Flash: ~180 MB of int64 ids), which a host would build slowly and copy over PCIe. Every size is known
+on the host (from the request lists), so no step waits on the device for one.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ import torch
 from engine.cache import CacheLayer, CachePool
 
 
-def segment_arange(starts: torch.Tensor, counts: torch.Tensor):
-    """Concatenated aranges: for segment b, starts[b] + [0, counts[b]). -> (values [N], segment ids [N])."""
-    seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+def segment_arange(starts: torch.Tensor, counts: torch.Tensor, total: int | None = None):
+    """Concatenated aranges: for segment b, starts[b] + [0, counts[b]). -> (values [N], segment ids [N]).
+    total: N = counts.sum() when the caller knows it (no device-to-host sync on CUDA)."""
+    if total is None:
+        total = int(counts.sum())
+    seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts, output_size=total)
     offsets = torch.cumsum(counts, 0) - counts
-    local = torch.arange(int(counts.sum()), device=counts.device) - offsets[seg]
+    local = torch.arange(total, device=counts.device) - offsets[seg]
     return starts[seg] + local, seg
 
 
@@ -30,6 +38,26 @@ def _table_tensor(tables: list[list[int]], device) -> torch.Tensor:
         if t:
             out[b, :len(t)] = torch.tensor(t, dtype=torch.long)
     return out.to(device)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Host-side lengths of one step (from the request lists): every data-dependent size build_step needs."""
+
+    counts: list[int]
+    starts: list[int]
+
+    @property
+    def ends(self) -> list[int]:
+        return [s + c for s, c in zip(self.starts, self.counts)]
+
+    def closing(self, ratio: int) -> int:
+        """Compressor windows of `ratio` that close in this step."""
+        return sum(e // ratio - s // ratio for s, e in zip(self.starts, self.ends))
+
+    def ring_writes(self, ring_rows: int) -> int:
+        """Rows this step writes into a ring of `ring_rows` slots (each request's last ring_rows tokens)."""
+        return sum(e - max(s, e - ring_rows) for s, e in zip(self.starts, self.ends))
 
 
 @dataclass(frozen=True)
@@ -150,9 +178,10 @@ def ring_sources(pos, seg, starts, cu, ring_page, ring_rows: int, ring_total_row
                                                                           ring_row))
 
 
-def _ring_write(starts, ends, cu, ring_page, ring_rows: int, page_stride: int | None = None) -> RingWrite:
+def _ring_write(starts, ends, cu, ring_page, ring_rows: int, page_stride: int | None = None,
+                total: int | None = None) -> RingWrite:
     first = torch.maximum(starts, ends - ring_rows)
-    pos, seg = segment_arange(first, ends - first)
+    pos, seg = segment_arange(first, ends - first, total)
     return RingWrite(cu[seg] + pos - starts[seg], ring_page[seg] * (page_stride or ring_rows) + pos % ring_rows)
 
 
@@ -162,26 +191,27 @@ def paged_rows(table: torch.Tensor, page_rows: int, seg: torch.Tensor, entry: to
 
 
 def _compress_plan(ratio: int, overlap: bool, starts, ends, cu, state_page, state_rows: int, state_total: int,
-                   entry_table, entry_page_rows: int) -> CompressPlan:
+                   entry_table, entry_page_rows: int, sizes: _Sizes) -> CompressPlan:
     first, last = starts // ratio, ends // ratio
-    w, seg = segment_arange(first, last - first)
+    num_entries = sizes.closing(ratio)
+    w, seg = segment_arange(first, last - first, num_entries)
     offs = torch.arange(ratio, device=w.device)
     cur_pos = (w * ratio).unsqueeze(1) + offs
     seg2 = seg.unsqueeze(1).expand_as(cur_pos)
     cur = ring_sources(cur_pos, seg2, starts, cu, state_page, state_rows, state_total)
     prev = ring_sources(cur_pos - ratio, seg2, starts, cu, state_page, state_rows, state_total) if overlap else None
     return CompressPlan(
-        num_entries=int(w.numel()),
+        num_entries=num_entries,
         cur=cur,
         prev=prev,
         entry_row=paged_rows(entry_table, entry_page_rows, seg, w),
         entry_pos=w * ratio,
-        state_write=_ring_write(starts, ends, cu, state_page, state_rows),
+        state_write=_ring_write(starts, ends, cu, state_page, state_rows, total=sizes.ring_writes(state_rows)),
     )
 
 
-def _visible(ratio: int, positions, seg, ends, table, page_rows: int) -> VisibleEntries:
-    max_entries = max(1, int((ends // ratio).max()))
+def _visible(ratio: int, positions, seg, table, page_rows: int, sizes: _Sizes) -> VisibleEntries:
+    max_entries = max(1, max(e // ratio for e in sizes.ends))
     w = torch.arange(max_entries, device=positions.device).unsqueeze(0).expand(positions.shape[0], -1)
     valid = w < ((positions + 1) // ratio).unsqueeze(1)
     return VisibleEntries(paged_rows(table, page_rows, seg.unsqueeze(1).expand_as(w), w), valid)
@@ -189,24 +219,31 @@ def _visible(ratio: int, positions, seg, ends, table, page_rows: int) -> Visible
 
 def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], tables: list[dict],
                logit_rows: list[int], device) -> StepBatch:
-    """token_ids[b]: the tokens request b runs this step, at positions starts[b]...; tables[b]: its pages."""
+    """token_ids[b]: the tokens request b runs this step, at positions starts[b]...; tables[b]: its pages.
+    Built on `device` (module docstring): a few small host-to-device copies, no device-to-host sync."""
     cfg = pool.cfg
-    counts = torch.tensor([len(t) for t in token_ids], dtype=torch.long)
-    starts_t = torch.tensor(starts, dtype=torch.long)
+    sizes = _Sizes([len(t) for t in token_ids], list(starts))
+    # The small inputs, as one int64 host tensor and one copy: [counts | starts | cu | logit_rows | token ids]
+    b, total, n_logits = len(sizes.counts), sum(sizes.counts), len(logit_rows)
+    cu_host = [0]
+    for c in sizes.counts:
+        cu_host.append(cu_host[-1] + c)
+    small = torch.tensor(sizes.counts + sizes.starts + cu_host + list(logit_rows) + [t for ids in token_ids for t in ids],
+                         dtype=torch.long).to(device, non_blocking=True)
+    counts, starts_t, cu = small[:b], small[b:2 * b], small[2 * b:3 * b + 1]
+    logit_rows_t, token_ids_t = small[3 * b + 1:3 * b + 1 + n_logits], small[3 * b + 1 + n_logits:]
     ends_t = starts_t + counts
-    cu = torch.zeros(len(counts) + 1, dtype=torch.long)
-    cu[1:] = torch.cumsum(counts, 0)
-    positions, seg = segment_arange(starts_t, counts)
-    group_tables = {name: _table_tensor([t.get(name, []) for t in tables], "cpu") for name in pool.groups}
+    positions, seg = segment_arange(starts_t, counts, total)
+    group_tables = {name: _table_tensor([t.get(name, []) for t in tables], device) for name in pool.groups}
 
     window = cfg.sliding_window
     swa_spec = pool.groups["swa"].spec  # a page may hold more rows than the window (fp8: whole 64-row blocks)
     swa_page = group_tables["swa"][:, 0]
-    win_pos = positions.unsqueeze(1) - window + 1 + torch.arange(window)
+    win_pos = positions.unsqueeze(1) - window + 1 + torch.arange(window, device=positions.device)
     swa_total = swa_spec.num_pages * swa_spec.page_rows
     swa = ring_sources(win_pos, seg.unsqueeze(1).expand_as(win_pos), starts_t, cu, swa_page, window, swa_total,
                    swa_spec.page_rows)
-    swa_write = _ring_write(starts_t, ends_t, cu, swa_page, window, swa_spec.page_rows)
+    swa_write = _ring_write(starts_t, ends_t, cu, swa_page, window, swa_spec.page_rows, sizes.ring_writes(window))
 
     compress, visible = {}, {}
     entry_groups = [(f"kv{r}", f"state{r}", r, r == 4) for r in cfg.ratios]
@@ -217,24 +254,12 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
         state_spec = pool.groups[state_name].spec
         compress[entry_name] = _compress_plan(ratio, overlap, starts_t, ends_t, cu, group_tables[state_name][:, 0],
                                               state_spec.page_rows, state_spec.num_pages * state_spec.page_rows,
-                                              group_tables[entry_name], spec.page_rows)
+                                              group_tables[entry_name], spec.page_rows, sizes)
         if entry_name != "kv4":  # CSA picks kv4 entries through the indexer instead of attending to all
-            visible[entry_name] = _visible(ratio, positions, seg, ends_t, group_tables[entry_name], spec.page_rows)
+            visible[entry_name] = _visible(ratio, positions, seg, group_tables[entry_name], spec.page_rows, sizes)
 
-    batch = StepBatch(
-        token_ids=torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long),
-        positions=positions, seq_of_token=seg, cu=cu, starts=starts_t, ends=ends_t,
+    return StepBatch(
+        token_ids=token_ids_t, positions=positions, seq_of_token=seg, cu=cu, starts=starts_t, ends=ends_t,
         swa=swa, swa_write=swa_write, compress=compress, visible=visible, tables=group_tables,
-        logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+        logit_rows=logit_rows_t,
     )
-    return _to_device(batch, device)
-
-
-def _to_device(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if hasattr(obj, "__dataclass_fields__"):
-        return type(obj)(**{k: _to_device(getattr(obj, k), device) for k in obj.__dataclass_fields__})
-    return obj
