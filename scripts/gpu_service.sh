@@ -39,7 +39,7 @@ fi
 MODEL_ARG=(); [ -n "$MODEL" ] && MODEL_ARG=(--model "$MODEL")
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(env model serve raw fault report)
 status=0
-BUDGET_S=${BUDGET_S:-540}  # the whole run; a stage's limit shrinks to what is left (report keeps 20 s)
+BUDGET_S=${BUDGET_S:-520}  # the whole run; a stage's limit shrinks to what is left (report keeps 20 s)
 
 run_stage() {  # name timeout_s command...: log to $OUT/name.log, show its end
   local name=$1 limit=$2 t0=$SECONDS rc left
