@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
-from engine.fast_paths import mxfp4_moe_backend, use_grouped_moe, use_mxfp4_moe
+from engine.fast_paths import mxfp4_moe_backend, use_grouped_moe, use_mxfp4_moe, use_triton
 from engine.linear import linear, pow2_activations, take_fp8_weights
 from engine.parallel import SINGLE, ParallelContext
+from kernels.fp8_linear import Fp8Weight
 from kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
 from kernels.quant import dequant_mxfp4
 
@@ -103,7 +104,10 @@ class MoEBlock:
         shared = take_fp8_weights({k: weights[f"{p}shared_experts.{k}"] for k in
                                    ("w1.weight", "w2.weight", "w3.weight", "w1.scale", "w2.scale", "w3.scale")
                                    if f"{p}shared_experts.{k}" in weights}, pow2_activations(cfg.quantization))
-        self.shared = tuple(shared[f"{n}.weight"] for n in ("w1", "w2", "w3"))  # tensors or Fp8Weight
+        # w1 and w3 are multiplied as one [2I, H] weight (one GEMM, one activation quantisation); self.shared
+        # keeps (w1, w2, w3) as views of it.
+        self.shared_w13 = _concat_rows(shared["w1.weight"], shared["w3.weight"])
+        self.shared = _split_rows(self.shared_w13, shared["w2.weight"])  # tensors or Fp8Weight
         experts = take_experts(weights, p, self.experts, self.gate.dtype)
         self.packed = experts if isinstance(experts, PackedExperts) else None
         self.mxfp4 = self.packed is not None  # routed experts held as MXFP4 (packed, or in triton_kernels layouts)
@@ -126,8 +130,13 @@ class MoEBlock:
         return self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and (self.ogs is not None or (
             self.ogs_fits and mxfp4_moe_backend(x.device) == "triton_kernels"))
 
-    def routed(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum, [T, H]."""
+    def routed(self, x: torch.Tensor, token_ids: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum, [T, H], plus `shared` [T, H] when given."""
+        out, added = self._routed(x, token_ids, shared)
+        return out if shared is None or added else out + shared
+
+    def _routed(self, x: torch.Tensor, token_ids: torch.Tensor, shared: torch.Tensor | None):
+        """-> (the routed sum [T, H], whether `shared` is already added in: the MXFP4 kernel's k-way sum adds it)."""
         limit = self.cfg.swiglu_limit
         if self.takes_ogs(x):
             from kernels import mxfp4_ogs, triton_moe  # import triton / triton_kernels: only on this path
@@ -137,13 +146,13 @@ class MoEBlock:
                 self.ogs = mxfp4_ogs.prepare(pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3)
                 self.packed = None  # the Hopper-layout copy replaces the checkpoint bytes
             weights, ids = self._local(*triton_moe.route(x, self.gate_f32, **self._route_args(token_ids)), False)
-            return mxfp4_ogs.ogs_moe(x, weights, ids, self.ogs, limit)
+            return mxfp4_ogs.ogs_moe(x, weights, ids, self.ogs, limit, shared=shared), True
         if self.packed is not None and use_mxfp4_moe(x.device):
             from kernels import triton_moe  # imports triton: only on this path
 
             weights, ids = self._local(*triton_moe.route(x, self.gate_f32, **self._route_args(token_ids)), False)
             pk = self.packed
-            return triton_moe.mxfp4_moe(x, weights, ids, pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3, limit)
+            return triton_moe.mxfp4_moe(x, weights, ids, pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3, limit), False
         weights, ids = self._local(*route(x, self.gate, **self._route_args(token_ids)), True)
         if self.packed is not None:
             # Reference on packed weights: dequantise only the experts in use (host sync; not a fast path).
@@ -151,9 +160,9 @@ class MoEBlock:
             used = used[used >= 0]
             w1, w2, w3 = self.packed.dequant(used, x.dtype)
             ids = torch.where(ids >= 0, torch.searchsorted(used, ids), -1)
-            return moe_experts(x, weights, ids, w1, w2, w3, limit)
+            return moe_experts(x, weights, ids, w1, w2, w3, limit), False
         experts = moe_experts_grouped if use_grouped_moe(x) else moe_experts
-        return experts(x, weights, ids, self.w1, self.w2, self.w3, limit)
+        return experts(x, weights, ids, self.w1, self.w2, self.w3, limit), False
 
     def _local(self, weights: torch.Tensor, ids: torch.Tensor, skip: bool):
         """Expert parallelism: global expert ids [T, k] -> ids into this rank's experts. Pairs routed to
@@ -167,8 +176,35 @@ class MoEBlock:
             return weights, torch.where(mine, local, -1)
         return torch.where(mine, weights, 0), torch.where(mine, local, 0)
 
+    def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        """kernels.moe.expert_mlp through engine.linear (FP8 weights where kept): x [T, H] -> [T, H]."""
+        h = linear(x, self.shared_w13)  # [T, 2I]: gate | up
+        inter = h.shape[-1] // 2
+        if use_triton(x.device) and h.dim() == 2:
+            from kernels import triton_moe_glue  # imports triton: only on this path
+
+            act = triton_moe_glue.swiglu(h[:, :inter], h[:, inter:], self.cfg.swiglu_limit)
+        else:
+            act = swiglu(h[..., :inter], h[..., inter:], self.cfg.swiglu_limit)
+        return linear(act, self.shared[1])
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = self.shared  # kernels.moe.expert_mlp, through engine.linear (FP8 weights where kept)
-        shared = linear(swiglu(linear(x, w1), linear(x, w3), self.cfg.swiglu_limit), w2)
         # One all-reduce for the block: routed (this rank's experts or expert slices) + shared (its slice).
-        return self.parallel.all_reduce(self.routed(x, token_ids) + shared)
+        return self.parallel.all_reduce(self.routed(x, token_ids, self.shared_expert(x)))
+
+
+def _concat_rows(a, b):
+    """[N1, K] and [N2, K] weights (tensors or Fp8Weight with whole 128-row blocks) -> one [N1 + N2, K]."""
+    if isinstance(a, Fp8Weight):
+        return Fp8Weight(torch.cat([a.weight, b.weight]), torch.cat([a.scale, b.scale]), a.pow2_act)
+    return torch.cat([a, b])
+
+
+def _split_rows(w13, w2):
+    """(w1, w2, w3) with w1 and w3 as row views of the concatenated w13."""
+    if isinstance(w13, Fp8Weight):
+        n, nb = w13.weight.shape[0] // 2, w13.scale.shape[0] // 2
+        return (Fp8Weight(w13.weight[:n], w13.scale[:nb], w13.pow2_act), w2,
+                Fp8Weight(w13.weight[n:], w13.scale[nb:], w13.pow2_act))
+    n = w13.shape[0] // 2
+    return w13[:n], w2, w13[n:]

@@ -11,9 +11,10 @@ copy at build; the packed originals can be dropped after).
 A call: the (token, slot) pairs are sorted by expert on the device (no host sync, CUDA-graph safe), then
 - gate+up: one ragged matmul over the fused [E, H, 2I] weights, rows gathered from x by `gather_indx`
   (bf16 activations x MXFP4 weights, fp32 accumulation) -> [P, 2I] in expert order;
-- clamped SwiGLU (kernels.moe.swiglu) in torch;
+- clamped SwiGLU (kernels.moe.swiglu's function) in one Triton launch (kernels.triton_moe_glue);
 - down: one ragged matmul over [E, I, H], each row scaled by its routing weight (`gammas`) and written back to
-  its pair's position (`scatter_indx`) -> [P, H]; the k rows of each token are summed (deterministic).
+  its pair's position (`scatter_indx`) -> [P, H]; the k rows of each token are summed (deterministic, fp32)
+  and the shared expert's output added, in one Triton launch.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels.gpu import import_triton_kernels
-from kernels.moe import swiglu
 
 SCALE_WARPS = 8  # warps of the kernels reading the scales (the Hopper scale layout is built for a warp count)
 # Launch constraints for triton_kernels' matmul (its opt_flags: block_m/n/k, num_stages, is_persistent, ...).
@@ -102,16 +102,19 @@ def sort_pairs(ids: torch.Tensor, num_experts: int):
 
 
 def ogs_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: OgsExperts, limit: float,
-            opt_constraints: dict | None = None) -> torch.Tensor:
+            opt_constraints: dict | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
     """= moe_experts(x, weights, ids, W1, W2, W3, limit) on the dequantised experts. x: [T, H] bf16;
     weights: [T, k] float; ids: int [T, k] (-1 = not this rank's expert, contributes nothing) -> [T, H] in x.dtype.
-    opt_constraints: triton_kernels launch constraints for this call (None = `constraints()`)."""
+    opt_constraints: triton_kernels launch constraints for this call (None = `constraints()`).
+    shared: [T, H] added to the result (the shared expert's output) in the k-way sum's kernel."""
+    from kernels import triton_moe_glue  # Triton SwiGLU and k-way sum (one launch each)
+
     matmul, tensor, _, precision = import_triton_kernels()
     t, k = ids.shape
     if x.shape != (t, ex.hidden):
         raise ValueError(f"x must be [T={t}, H={ex.hidden}], got {tuple(x.shape)}")
     if t == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if shared is None else shared.clone()
     # Expert parallelism marks pairs routed to another rank's experts with id -1: run them on expert 0 with
     # routing weight 0 (shapes stay fixed for CUDA graphs; the wasted rows are few).
     skip = ids < 0
@@ -124,7 +127,7 @@ def ogs_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: OgsEx
     with _scoped(opt_constraints):
         h = matmul.matmul(x, ex.w13, None, a_ragged_metadata=meta, gather_indx=rows,
                           precision_config=precision(b_mx_scale=ex.s13, b_microblock_size=32))  # [P, 2I]
-        act = swiglu(h[:, :ex.inter], h[:, ex.inter:], limit).to(x.dtype)
+        act = triton_moe_glue.swiglu(h[:, :ex.inter], h[:, ex.inter:], limit, x.dtype)
         y = matmul.matmul(act, ex.w2, None, a_ragged_metadata=meta, scatter_indx=order, gammas=gammas,
                           precision_config=precision(b_mx_scale=ex.s2, b_microblock_size=32))  # [P, H], pair order
-    return y.view(t, k, ex.hidden).float().sum(dim=1).to(x.dtype)
+    return triton_moe_glue.combine(y.view(t, k, ex.hidden), shared, x.dtype)

@@ -1,0 +1,91 @@
+"""Triton kernels for the MoE block's elementwise glue around its GEMMs (one launch each instead of 4-6 torch ones).
+
+References: `kernels.moe.swiglu` and the torch expressions the engine used before (named per function).
+- `swiglu(gate, up, limit)`: clamped SwiGLU over two [P, I] views (gate and up may be the two halves of one
+  fused [P, 2I] GEMM output). Rounded as torch rounds it in a 16-bit dtype: silu(min(gate, limit)) is
+  computed in fp32 and rounded to the dtype, then multiplied by clamp(up) in fp32 and rounded again.
+- `combine(y, shared)`: the k-way sum of the routed rows of each token, [T, k, H] -> [T, H], summed in fp32
+  in slot order and rounded to the dtype (= `y.float().sum(1).to(dtype)`), plus the shared expert's output
+  `shared` [T, H] added after that rounding and rounded again (= `routed + shared` in the dtype).
+Interpreter note (as kernels/triton_attention.py): every load is converted to fp32 before any arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gpu import import_triton, require_triton
+
+triton, tl = import_triton()
+
+BLOCK = 1024
+
+
+@triton.jit
+def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_o, limit, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.minimum(g, limit)
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    tl.store(out_ptr + row * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, shared_ptr, out_ptr, K, H, stride_yt, stride_yk, stride_st, stride_ot,
+                    HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in range(K):
+        acc += tl.load(y_ptr + t * stride_yt + k * stride_yk + cols, mask=mask, other=0.0).to(tl.float32)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_SHARED:
+        sh = tl.load(shared_ptr + t * stride_st + cols, mask=mask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + sh).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_ot + cols, out, mask=mask)
+
+
+def _rows(x: torch.Tensor, name: str, dims: int) -> None:
+    if x.dim() != dims or x.stride(-1) != 1:
+        raise ValueError(f"{name} must be {dims}-D with a unit last stride, got {tuple(x.shape)} strides {x.stride()}")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """gate, up: [P, I] (unit last stride; any row stride) -> [P, I] in out_dtype (default gate.dtype)."""
+    _rows(gate, "gate", 2)
+    _rows(up, "up", 2)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    require_triton(gate.device)
+    p, n = gate.shape
+    out = torch.empty(p, n, dtype=out_dtype or gate.dtype, device=gate.device)
+    if p and n:
+        block = min(BLOCK, triton.next_power_of_2(n))
+        _swiglu_kernel[(p, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0),
+                                                   float(limit), BLOCK_N=block)
+    return out
+
+
+def combine(y: torch.Tensor, shared: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y: [T, k, H] routed rows per (token, slot); shared: [T, H] or None -> [T, H] in out_dtype (default
+    shared's dtype, else y's)."""
+    _rows(y, "y", 3)
+    t, k, h = y.shape
+    if shared is not None:
+        _rows(shared, "shared", 2)
+        if shared.shape != (t, h):
+            raise ValueError(f"shared must be [T={t}, H={h}], got {tuple(shared.shape)}")
+    require_triton(y.device)
+    dtype = out_dtype or (shared.dtype if shared is not None else y.dtype)
+    out = torch.empty(t, h, dtype=dtype, device=y.device)
+    if t and h:
+        block = min(BLOCK, triton.next_power_of_2(h))
+        _combine_kernel[(t, triton.cdiv(h, block))](y, out if shared is None else shared, out, k, h, y.stride(0),
+                                                    y.stride(1), 0 if shared is None else shared.stride(0),
+                                                    out.stride(0), HAS_SHARED=shared is not None, BLOCK_H=block)
+    return out

@@ -1,0 +1,59 @@
+"""Triton MoE glue (kernels/triton_moe_glue.py) against the torch expressions it replaces.
+
+Runs compiled on a GPU when one is present, else in triton's CPU interpreter (tests/support/triton_env.py).
+"""
+
+import pytest
+import torch
+
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
+from tests.support import numerics as NUM  # noqa: E402
+
+from kernels.moe import swiglu as ref_swiglu  # noqa: E402
+from kernels import triton_moe_glue as glue  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fused", [True, False])
+def test_swiglu_matches_reference(dtype, fused):
+    """fused: gate and up are the two halves of one [P, 2I] GEMM output (strided views), as the MoE uses them.
+    Values span the clamp (limit 3 here) on both sides."""
+    p, inter, limit = 5, 80, 3.0
+    if fused:
+        h = NUM.randn(p, 2 * inter, dtype=dtype, device=DEVICE, seed=1, scale=4.0)
+        gate, up = h[:, :inter], h[:, inter:]
+    else:
+        gate = NUM.randn(p, inter, dtype=dtype, device=DEVICE, seed=2, scale=4.0)
+        up = NUM.randn(p, inter, dtype=dtype, device=DEVICE, seed=3, scale=4.0)
+    out = glue.swiglu(gate, up, limit)
+    assert out.dtype == dtype and out.shape == (p, inter)
+    NUM.assert_close(out, ref_swiglu(gate, up, limit), dtype)
+    NUM.assert_close(glue.swiglu(gate, up, limit, out_dtype=torch.bfloat16), ref_swiglu(gate, up, limit).to(
+        torch.bfloat16), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_combine_matches_reference(dtype, with_shared):
+    t, k, h = 4, 3, 72
+    y = NUM.randn(t, k, h, dtype=dtype, device=DEVICE, seed=4)
+    shared = NUM.randn(t, h, dtype=dtype, device=DEVICE, seed=5) if with_shared else None
+    expected = y.float().sum(dim=1).to(dtype)
+    if with_shared:
+        expected = expected + shared
+    out = glue.combine(y, shared)
+    assert out.dtype == dtype and out.shape == (t, h)
+    NUM.assert_close(out, expected, dtype)
+
+
+def test_empty_and_bad_shapes():
+    z = torch.zeros(0, 8, device=DEVICE)
+    assert glue.swiglu(z, z, 1.0).shape == (0, 8)
+    assert glue.combine(torch.zeros(0, 2, 8, device=DEVICE)).shape == (0, 8)
+    with pytest.raises(ValueError, match="differ"):
+        glue.swiglu(torch.zeros(2, 8, device=DEVICE), torch.zeros(2, 4, device=DEVICE), 1.0)
+    with pytest.raises(ValueError, match="shared"):
+        glue.combine(torch.zeros(2, 3, 8, device=DEVICE), torch.zeros(2, 4, device=DEVICE))
+
