@@ -8,7 +8,8 @@ strided form stores exactly our bytes, so `W.transpose(1, 2)` wraps them without
 `convert_layout` then moves them once into the Hopper value/scale layouts its wgmma kernel reads (a one-off
 copy at build; the packed originals can be dropped after).
 
-A call: the (token, slot) pairs are sorted by expert on the device (no host sync, CUDA-graph safe), then
+A call: the (token, slot) pairs are sorted by expert on the device (no host sync, CUDA-graph safe; one Triton
+launch up to kernels.triton_moe_glue.MAX_SORT_PAIRS pairs, torch's argsort beyond), then
 - gate+up: one ragged matmul over the fused [E, H, 2I] weights, rows gathered from x by `gather_indx`
   (bf16 activations x MXFP4 weights, fp32 accumulation) -> [P, 2I] in expert order;
 - clamped SwiGLU (kernels.moe.swiglu's function) in one Triton launch (kernels.triton_moe_glue);
@@ -117,13 +118,16 @@ def ogs_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: OgsEx
         return torch.zeros_like(x) if shared is None else shared.clone()
     # Expert parallelism marks pairs routed to another rank's experts with id -1: run them on expert 0 with
     # routing weight 0 (shapes stay fixed for CUDA graphs; the wasted rows are few).
-    skip = ids < 0
-    ids, weights = ids.clamp_min(0), weights.masked_fill(skip, 0.0)
-    order, rows, counts = sort_pairs(ids, ex.num_experts)
     p = t * k
+    if p <= triton_moe_glue.MAX_SORT_PAIRS:  # decode: sort, counts and gammas in one launch
+        order, rows, counts, gammas = triton_moe_glue.sort_pairs(ids, weights, ex.num_experts)
+    else:
+        skip = ids < 0
+        ids, weights = ids.clamp_min(0), weights.masked_fill(skip, 0.0)
+        order, rows, counts = sort_pairs(ids, ex.num_experts)
+        gammas = weights.reshape(-1).float().index_select(0, order.long())
     meta = tensor.make_ragged_tensor_metadata(counts, p)
     x = x.contiguous()
-    gammas = weights.reshape(-1).float().index_select(0, order.long())
     with _scoped(opt_constraints):
         h = matmul.matmul(x, ex.w13, None, a_ragged_metadata=meta, gather_indx=rows,
                           precision_config=precision(b_mx_scale=ex.s13, b_microblock_size=32))  # [P, 2I]

@@ -7,6 +7,10 @@ References: `kernels.moe.swiglu` and the torch expressions the engine used befor
 - `combine(y, shared)`: the k-way sum of the routed rows of each token, [T, k, H] -> [T, H], summed in fp32
   in slot order and rounded to the dtype (= `y.float().sum(1).to(dtype)`), plus the shared expert's output
   `shared` [T, H] added after that rounding and rounded again (= `routed + shared` in the dtype).
+- `sort_pairs(ids, weights, num_experts)`: the (token, slot) pairs of a decode-sized step grouped by expert in
+  one program (= `kernels.mxfp4_ogs.sort_pairs` + the gammas gather, its torch reference): keys
+  expert * P + pair are unique, so a bitonic `tl.sort` in registers gives the stable order; `tl.histogram`
+  the per-expert counts. Pairs with id -1 (another rank's expert) run on expert 0 with weight 0.
 Interpreter note (as kernels/triton_attention.py): every load is converted to fp32 before any arithmetic.
 """
 
@@ -48,6 +52,56 @@ def _combine_kernel(y_ptr, shared_ptr, out_ptr, K, H, stride_yt, stride_yk, stri
         sh = tl.load(shared_ptr + t * stride_st + cols, mask=mask, other=0.0).to(tl.float32)
         out = (out.to(tl.float32) + sh).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_ot + cols, out, mask=mask)
+
+
+@triton.jit
+def _sort_pairs_kernel(ids_ptr, w_ptr, order_ptr, rows_ptr, counts_ptr, gammas_ptr, P, K, E,
+                       P_BLOCK: tl.constexpr, E_BINS: tl.constexpr):
+    p = tl.arange(0, P_BLOCK)
+    pmask = p < P
+    ids = tl.load(ids_ptr + p, mask=pmask, other=0).to(tl.int32)
+    skip = ids < 0
+    ids = tl.where(skip, 0, ids)
+    # Padding lanes sort last (key >= E * P_BLOCK) and land in bin E, which is not stored.
+    key = tl.where(pmask, ids * P_BLOCK + p, E * P_BLOCK + p)
+    order = tl.sort(key) % P_BLOCK
+    tok = order // K
+    tl.store(order_ptr + p, order, mask=pmask)
+    tl.store(rows_ptr + p, tok, mask=pmask)
+    w = tl.load(w_ptr + order, mask=pmask, other=0.0).to(tl.float32)
+    wid = tl.load(ids_ptr + order, mask=pmask, other=0)
+    tl.store(gammas_ptr + p, tl.where(wid < 0, 0.0, w), mask=pmask)
+    counts = tl.histogram(tl.where(pmask, ids, E), E_BINS)
+    b = tl.arange(0, E_BINS)
+    tl.store(counts_ptr + b, counts.to(tl.int32), mask=b < E)
+
+
+# Pairs (tokens x top-k) one program sorts in registers: decode steps; larger steps take the torch sort.
+MAX_SORT_PAIRS = 2048
+
+
+def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
+    """ids: int [T, k] (-1 = not this rank's expert); weights: float [T, k] -> (order int32 [P]: pair ids by
+    expert, stable; rows int32 [P]: their token; counts int32 [E]; gammas fp32 [P]: weights in that order,
+    0 for -1 pairs). P = T * k <= MAX_SORT_PAIRS."""
+    if ids.dim() != 2 or weights.shape != ids.shape:
+        raise ValueError(f"ids and weights must both be [T, k], got {tuple(ids.shape)} and {tuple(weights.shape)}")
+    t, k = ids.shape
+    p = t * k
+    if p > MAX_SORT_PAIRS:
+        raise ValueError(f"sort_pairs takes at most {MAX_SORT_PAIRS} pairs in one program, got {p}")
+    require_triton(ids.device)
+    dev = ids.device
+    order = torch.empty(p, dtype=torch.int32, device=dev)
+    rows = torch.empty(p, dtype=torch.int32, device=dev)
+    gammas = torch.empty(p, dtype=torch.float32, device=dev)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    p_block = max(16, triton.next_power_of_2(p))
+    bins = triton.next_power_of_2(num_experts + 1)
+    extra = {"num_warps": 8} if ids.is_cuda else {}
+    _sort_pairs_kernel[(1,)](ids.contiguous(), weights.contiguous(), order, rows, counts, gammas, p, k, num_experts,
+                             P_BLOCK=p_block, E_BINS=bins, **extra)
+    return order, rows, counts, gammas
 
 
 def _rows(x: torch.Tensor, name: str, dims: int) -> None:

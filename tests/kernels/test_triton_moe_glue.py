@@ -57,3 +57,20 @@ def test_empty_and_bad_shapes():
     with pytest.raises(ValueError, match="shared"):
         glue.combine(torch.zeros(2, 3, 8, device=DEVICE), torch.zeros(2, 4, device=DEVICE))
 
+
+@pytest.mark.parametrize("t,k,e", [(5, 3, 8), (16, 6, 32), (1, 2, 4)])
+def test_sort_pairs_matches_torch_sort(t, k, e):
+    """Against kernels.mxfp4_ogs.sort_pairs' torch reference (stable argsort) + the gammas gather, with
+    repeated experts (ties keep pair order) and -1 pairs (expert parallelism: expert 0, weight 0)."""
+    gen = torch.Generator().manual_seed(t * 100 + k)
+    ids = torch.randint(-1, e, (t, k), generator=gen).to(DEVICE)
+    weights = torch.rand(t, k, generator=gen).to(DEVICE)
+    order, rows, counts, gammas = glue.sort_pairs(ids, weights, e)
+    flat = ids.clamp_min(0).reshape(-1)
+    want_order = flat.argsort(stable=True)
+    assert order.dtype == rows.dtype == counts.dtype == torch.int32
+    assert torch.equal(order.long(), want_order)
+    assert torch.equal(rows.long(), want_order // k)
+    assert torch.equal(counts.long(), torch.bincount(flat, minlength=e))
+    want_gammas = weights.masked_fill(ids < 0, 0.0).reshape(-1)[want_order]
+    torch.testing.assert_close(gammas, want_gammas, atol=0, rtol=0)
