@@ -74,11 +74,12 @@ def grouped_projection(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         wg = w.view(groups, -1, w.shape[-1]).transpose(1, 2)  # [G, D, R]
         return torch.bmm(x.transpose(0, 1), wg).transpose(0, 1).reshape(t, -1)
-    xg = x.transpose(0, 1).contiguous()  # [G, T, D]
-    if _fast(x, w):
+    if _fast(x, w) and x.stride(-1) == 1:
         from kernels.deepgemm_linear import fp8_grouped_gemm
 
-        return fp8_grouped_gemm(xg, w, groups).transpose(0, 1).reshape(t, -1)
+        # The quantiser reads the [G, T, D] view in place (no transposing copy) and writes contiguous groups.
+        return fp8_grouped_gemm(x.transpose(0, 1), w, groups).transpose(0, 1).reshape(t, -1)
+    xg = x.transpose(0, 1).contiguous()  # [G, T, D]
     r = w.shape[0] // groups
     rb = r // 128
     parts = [fp8_linear_ref(xg[i], Fp8Weight(w.weight[i * r:(i + 1) * r], w.scale[i * rb:(i + 1) * rb], w.pow2_act))

@@ -41,8 +41,9 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
 
 
 def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int) -> torch.Tensor:
-    """Block-diagonal projection: x [G, T, D] bf16, w [G * R, D] -> [G, T, R] bf16 (group g uses rows gR..gR+R)."""
-    from kernels.triton_fp8_quant import quant_act_1x128
+    """Block-diagonal projection: x [G, T, D] bf16 (unit last stride; a transposed [T, G, D] view is fine),
+    w [G * R, D] -> [G, T, R] bf16 (group g uses rows gR..gR+R). One quantiser launch for all groups."""
+    from kernels.triton_fp8_quant import quant_act_1x128_grouped
 
     dg = import_deep_gemm()
     g, t, d = x.shape
@@ -54,7 +55,7 @@ def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int) -> torch.Tensor
     if t == 0:
         return out
     rb = r // BLOCK
+    xq, xs = quant_act_1x128_grouped(x, w.pow2_act)
     for i in range(g):
-        xq, xs = quant_act_1x128(x[i], w.pow2_act)
-        dg.fp8_gemm_nt((xq, xs), (w.weight[i * r:(i + 1) * r], w.scale[i * rb:(i + 1) * rb]), out[i])
+        dg.fp8_gemm_nt((xq[i], xs[i]), (w.weight[i * r:(i + 1) * r], w.scale[i * rb:(i + 1) * rb]), out[i])
     return out

@@ -175,9 +175,10 @@ def _patch(sections: Sections, ogs: bool, fp8: bool) -> list:
     if fp8:
         def linear_of(real):
             def inner(x, w, *groups):
-                # CUDA: kernels.deepgemm_linear -- fp8_gemm: quantiser + GEMM; fp8_grouped_gemm: a contiguous
-                # copy, per group a quantiser + a GEMM, and the output's transposing reshape.
-                n = 2 if not groups else 2 + 2 * groups[0]
+                # CUDA: kernels.deepgemm_linear -- fp8_gemm: quantiser + GEMM; fp8_grouped_gemm: one quantiser
+                # launch over the groups (quant_act_1x128_grouped), a GEMM per group, the output's transposing
+                # reshape. (Before that quantiser: a contiguous copy and one quantiser per group, 2 + 2G.)
+                n = 2 if not groups else 2 + groups[0]
                 sections.add("fp8 dense (CUDA: quant + DeepGEMM launches)", n)
                 with sections.mute():
                     return real(x, w, *groups)

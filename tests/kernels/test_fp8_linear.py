@@ -104,3 +104,22 @@ def test_deep_gemm_grouped_projection(t):
         part = ref.Fp8Weight(fw.weight[i * r:(i + 1) * r], fw.scale[i * 2:(i + 1) * 2], fw.pow2_act)
         want = ref.fp8_linear_ref(x[i].float(), part)
         assert ((out[i].float() - want).norm() / want.norm()).item() < 8e-3
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("g,m,k", [(3, 5, 256), (2, 1, 128), (4, 6, 100)])
+def test_triton_grouped_quantiser_matches_per_group(g, m, k, pow2):
+    """One launch over a transposed [M, G, K] view (as engine.linear's grouped projection passes it) gives each
+    group exactly the plain quantiser's codes and scales, in the same MN-major scale layout."""
+    from kernels.triton_fp8_quant import quant_act_1x128_grouped
+
+    gen = torch.Generator().manual_seed(g * 100 + m + k)
+    x = (torch.randn(m, g, k, generator=gen) * torch.rand(m, g, 1, generator=gen) * 20).to(DEVICE)
+    xg = x.transpose(0, 1)
+    q, s = quant_act_1x128_grouped(xg, pow2)
+    assert q.shape == (g, m, k) and s.shape == (g, m, (k + 127) // 128)
+    for i in range(g):
+        rq, rs = ref.quant_act_1x128(xg[i].cpu(), pow2)
+        assert s[i].stride(0) == 1 and s[i].stride(1) == (m + 3) // 4 * 4
+        assert torch.equal(s[i].cpu(), rs)
+        assert torch.equal(q[i].cpu().view(torch.uint8), rq.view(torch.uint8))
