@@ -120,7 +120,7 @@ EOF
     raw) UCX_PROTO_INFO=y run_stage nixl_raw ${RAW_TIMEOUT:-150} "$PY" scripts/bench_nixl_raw.py "${RAW[@]}" \
            --json-out "$OUT/nixl_raw.json"
          # which UCX transports carried the READs (UCX_PROTO_INFO prints its protocol choices)
-         "$PY" - "$OUT/nixl_raw.json" "$OUT/nixl_raw.log" <<'EOF'
+         "$PY" - "$OUT/nixl_raw.json" "$LOGS/nixl_raw.log" <<'EOF'
 import json, os, re, sys
 path, log = sys.argv[1], sys.argv[2]
 if os.path.exists(path):
