@@ -9,7 +9,9 @@ time at decode batch sizes, so decode steps replay a captured graph instead. Sha
 - capture: two warm-up forwards on a side stream (Triton compiles, allocator settles), then the capture;
   every bucket shares one memory pool (replays never overlap and each output is consumed before the
   next replay);
-- the output is the graph's static logits tensor [slots, vocab]: valid until the next replay.
+- the output is the graph's static logits tensor [slots, vocab]: valid until the next replay; the graph also
+  holds the greedy pick of every row (argmax + its log-prob, fp64 [2, slots]), so an all-greedy step reads
+  its tokens with one device-to-host copy and no launch outside the graph (`take_greedy`).
 Warm-up and capture run on a padding-only batch, so they write the scratch page and nothing else.
 
 `DecodeRunner(mode="eager")` runs the same fixed-shape batches without graphs: the CPU tests use it
@@ -25,6 +27,7 @@ import torch
 
 from engine.cache import CachePool
 from engine.decode_batch import BlockTables, DecodeInputs, DecodeShape, derive_decode_batch
+from engine.sampling import greedy_pick
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -55,6 +58,7 @@ class _Graph:
     inputs: DecodeInputs  # static device inputs the graph reads
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # static output [slots, vocab]
+    greedy: torch.Tensor  # static output fp64 [2, slots]: engine.sampling.greedy_pick(logits), in the graph
 
 
 class DecodeRunner:
@@ -72,6 +76,7 @@ class DecodeRunner:
         self.steps = 0  # decode steps this runner ran (graphs replayed or eager bucketed)
         self.block_tables = BlockTables(pool, max_slots, max_context, model.device)
         self._mempool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
+        self._greedy = None  # [2, n] of the last replay, until taken
 
     def shape_for(self, num_requests: int, context: int) -> DecodeShape | None:
         """The smallest bucket holding num_requests rows at positions < context; None when none does."""
@@ -102,7 +107,14 @@ class DecodeRunner:
         graph = self.graphs.get(shape) or self._capture(shape)
         graph.inputs.packed.copy_(host.packed)
         graph.graph.replay()
+        self._greedy = graph.greedy[:, :n]
         return graph.logits[:n]
+
+    def take_greedy(self) -> torch.Tensor | None:
+        """The last replay's greedy tokens and log-probs, fp64 [2, n] (engine.sampling.greedy_pick over its
+        logits, computed inside the graph), once; None after an eager run or when already taken."""
+        out, self._greedy = self._greedy, None
+        return out
 
     def _capture(self, shape: DecodeShape) -> _Graph:
         # Padding only (every row on the scratch pages), so warm-up and capture write nothing else.
@@ -120,5 +132,6 @@ class DecodeRunner:
         # may touch CUDA; only this thread's calls must be capture-safe.
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             logits = self.model.forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), self.pool)
-        self.graphs[shape] = _Graph(inputs, graph, logits)
+            greedy = greedy_pick(logits)  # the sampling of greedy requests rides in the graph
+        self.graphs[shape] = _Graph(inputs, graph, logits, greedy)
         return self.graphs[shape]

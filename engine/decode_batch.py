@@ -106,7 +106,7 @@ class BlockTables:
         """Table rows of these requests (writing rows that are new or grew)."""
         out = []
         for rid, pages in zip(request_ids, page_tables):
-            count = sum(len(p) for p in pages.values())
+            count = sum(map(len, pages.values()))
             row, written, written_count = self._rows.get(rid, (None, None, -1))
             if row is None:
                 row = self._take_row(set(request_ids))

@@ -22,7 +22,7 @@ from engine.model import DeepseekV4Model
 from engine.parallel import SINGLE, ParallelContext
 from engine.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixCacheConfig
 from engine.request import Request, TokenEvent
-from engine.sampling import draw_seed, sample
+from engine.sampling import draw_seed, greedy_pick, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.tp_executor import DECODE, FORWARD, SYNC, StepInputs, replicate_pages
@@ -188,6 +188,8 @@ class EngineCore:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        if self.decode_runner is not None:
+            self.decode_runner.take_greedy()  # only this step's decode run may leave one
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -256,21 +258,33 @@ class EngineCore:
                            list(inputs.logit_rows), self.device)
         return self.model.forward(batch, self.pool)
 
+    def _sample(self, logits: torch.Tensor, todo: list) -> tuple[list[int], list[float]]:
+        """Sample the rows of `todo` [(chunk, logit row)] -> (tokens, their log-probs), read back in one copy.
+
+        A decode step samples every row in order (no index copy); an all-greedy batch is an argmax, decided on
+        the host from the requests' parameters (no parameter uploads, no device-to-host check)."""
+        rows = [r for _, r in todo]
+        dev = logits.device
+        sel = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=dev)]
+        params = [c.request.params for c, _ in todo]
+        if all(p.temperature == 0 for p in params):
+            # The decode graph computed this already (engine.cuda_graphs); else the same function here.
+            ready = self.decode_runner.take_greedy() if self.decode_runner is not None else None
+            both = (ready if ready is not None and sel is logits else greedy_pick(sel)).tolist()
+            return [int(t) for t in both[0]], both[1]
+        tokens_t = sample(sel, torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
+                          torch.tensor([p.top_k for p in params], device=dev, dtype=torch.long),
+                          torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
+                          [draw_seed(c.request.seed, len(c.request.output)) for c, _ in todo])
+        lps = torch.log_softmax(sel, dim=-1).gather(1, tokens_t.unsqueeze(1)).squeeze(1)
+        both = torch.stack([tokens_t.double(), lps.double()]).tolist()  # token ids < 2**53: exact in fp64
+        return [int(t) for t in both[0]], both[1]
+
     def _postprocess(self, chunks, logits, sample_rows, prompt_rows) -> list[TokenEvent]:
-        logprobs = torch.log_softmax(logits, dim=-1)
         todo = [(c, r) for c, r in zip(chunks, sample_rows) if r is not None]
-        tokens, token_lps = [], []
-        if todo:
-            rows = torch.tensor([r for _, r in todo], device=logits.device)
-            params = [c.request.params for c, _ in todo]
-            dev = logits.device
-            tokens_t = sample(logits[rows],
-                              torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
-                              torch.tensor([p.top_k for p in params], device=dev, dtype=torch.long),
-                              torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
-                              [draw_seed(c.request.seed, len(c.request.output)) for c, _ in todo])
-            token_lps = logprobs[rows].gather(1, tokens_t.unsqueeze(1)).squeeze(1).tolist()
-            tokens = tokens_t.tolist()
+        tokens, token_lps = self._sample(logits, todo) if todo else ([], [])
+        # Prompt log-probs (prefill steps that ask for them) read whole rows of the log-softmax.
+        logprobs = torch.log_softmax(logits, dim=-1) if any(count for _, count in prompt_rows) else None
         sampled = {id(c): (tok, lp) for (c, _), tok, lp in zip(todo, tokens, token_lps)}
 
         events = []

@@ -50,3 +50,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     exp = -torch.log(noise.clamp_min(1e-20)).to(logits.device)
     sampled = (probs / exp).argmax(dim=-1)
     return torch.where(greedy, tokens, sampled)
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """logits: fp32 [N, V] -> fp64 [2, N]: each row's argmax token (exact in fp64) and its log-probability,
+    as one tensor so the host reads both in one copy (and a CUDA graph can hold the whole computation)."""
+    tokens = logits.argmax(dim=-1)
+    lps = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return torch.stack([tokens.double(), lps.double()])

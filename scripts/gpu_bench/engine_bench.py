@@ -194,7 +194,30 @@ def _kernel_table(prof, top: int) -> dict:
             acc[0] += t
             acc[1] += 1
     ops = sorted(((t, k, c) for k, (t, c) in by_name.items()), reverse=True)
-    return {"kernels": kernels, "busy_ms": busy_us / 1e3, "top": ops[:top]}
+    cats: dict[str, int] = {}
+    for name, (_, c) in by_name.items():
+        cats[kernel_category(name)] = cats.get(kernel_category(name), 0) + c
+    return {"kernels": kernels, "busy_ms": busy_us / 1e3, "top": ops[:top],
+            "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1]))}
+
+
+# (category, name fragments) in match order: the profile line's kernels-per-layer split.
+KERNEL_CATEGORIES = (
+    ("MoE matmul (triton_kernels)", ("_matmul_",)),
+    ("DeepGEMM", ("deep_gemm",)),
+    ("FlashMLA", ("flash_fwd", "flashmla", "flash_mla", "sparse_attn_fwd")),
+    ("cuBLAS/GEMM", ("nvjet", "gemm", "cutlass", "xmma", "splitKreduce")),
+    ("torch elementwise/reduce/index", ("at::native", "at_cuda_detail", "cub::")),
+    ("copies/memsets", ("Memcpy", "Memset", "memcpy", "memset")),
+    ("engine Triton", ("_kernel",)),
+)
+
+
+def kernel_category(name: str) -> str:
+    for cat, frags in KERNEL_CATEGORIES:
+        if any(f in name for f in frags):
+            return cat
+    return "other Triton/other"
 
 
 def profile_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, seed: int) -> dict:

@@ -163,6 +163,14 @@ def _peer_table(ctx: dict) -> list[str]:
     return lines
 
 
+def _category_text(prof: dict, layers: int) -> str:
+    """' Kernels a layer by kind: ...' from the profile's categories (none in older profile JSON)."""
+    cats = prof.get("categories")
+    if not cats:
+        return ""
+    return " Kernels a layer by kind: " + "; ".join(f"{k} {n / layers:.1f}" for k, n in cats.items()) + "."
+
+
 def _profile_lines(ctx: dict) -> list[str]:
     lines = []
     prof = ctx.get("profile")
@@ -173,7 +181,7 @@ def _profile_lines(ctx: dict) -> list[str]:
                      f"{prof['wall_ms']:.0f} ms): {prof['kernels']} GPU kernels "
                      f"({prof.get('per_layer', prof['kernels'] / ctx['cfg'].num_layers):.0f} a layer), summed kernel time "
                      f"{prof['busy_ms']:.1f} ms ({100 * prof['busy_ms'] / prof['wall_ms']:.0f}% of the wall time). "
-                     f"Top kernels by device time: {top}.")
+                     f"Top kernels by device time: {top}." + _category_text(prof, ctx['cfg'].num_layers))
         lines.append("")
     return lines
 
@@ -242,13 +250,15 @@ def _gaps(ctx: dict) -> str:
              f"{index_row_bytes(cfg, 'prod')} B MXFP4): --kv-cache-dtype auto resolved to exact rows here "
              "(no FlashMLA, or not a bf16 CUDA engine)"),
             "the indexer's top-k is torch.topk",
-            ("packed MXFP4 experts run through triton_kernels' matmul with the SwiGLU, the expert sort and the "
-             "k-way sum as separate torch kernels (scripts/bench_moe.py measures it against copy bandwidth)")
+            ("packed MXFP4 experts run through triton_kernels' matmul, with the expert sort, the SwiGLU and the "
+             "k-way sum (+ shared expert) as one Triton launch each around it (scripts/bench_moe.py measures the "
+             "matmul against copy bandwidth)")
             if any("triton_kernels" in e["experts"] for e in ran) else
             ("routed experts ran on the engine's own packed-MXFP4 Triton kernel, not triton_kernels (its share of "
              "copy bandwidth is measured by scripts/bench_moe.py, section mxfp4_moe, not by this run)")
             if any(e["format"] == "mxfp4" for e in ran) else "routed experts ran as bf16 grouped GEMMs",
-            "under graphs each step still pays a host schedule, a [3, slots] input copy and sampling; "
+            "under graphs each step still pays a host schedule, a [3, slots] input copy and, for greedy requests, "
+            "one [2, slots] read-back of the tokens the graph picked (other sampling runs outside the graph); "
             "without graphs the step's index tensors are built on the host"]
     if any(e["format"] == "bf16" for e in ran):
         gaps.append(f"the bf16 experts read {expert_bytes(cfg, 'engine') / 1e6:.3g} MB per touched expert vs "

@@ -39,3 +39,17 @@ def test_sampling_follows_distribution():
              for i in range(3000)]
     freq = torch.bincount(torch.tensor(draws), minlength=3).float() / 3000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+
+
+def test_greedy_pick_is_argmax_and_its_logprob():
+    """engine.sampling.greedy_pick (what the decode graph computes for greedy requests): one fp64 [2, N]
+    tensor of argmax tokens (exact) and their log-probs, equal to the separate torch ops."""
+    from engine.sampling import greedy_pick
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(7)) * 4
+    both = greedy_pick(logits)
+    assert both.dtype == torch.float64 and both.shape == (2, 5)
+    tokens = logits.argmax(dim=-1)
+    assert torch.equal(both[0].long(), tokens)
+    want = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    assert torch.equal(both[1].float(), want)
