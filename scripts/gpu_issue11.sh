@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 11 GPU session runner: installs the carried .whl wheels (DeepGEMM, FlashMLA, triton_kernels) into a
 # private dir, then runs the named stages, logging each to $OUT. Stages: probe, ktests, fp8gemm, moe, fp8oracle,
-# slice, gputests. Usage: scripts/gpu_issue11.sh stage ...
+# slice, gputests, flash (FlashMLA kernel + fp8-default engine tests), tp (TP 2 vs TP 1 on one GPU), e2e.
+# Usage: scripts/gpu_issue11.sh stage ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -54,6 +55,11 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
               [ -s "$OUT/ogs_best.json" ] && export DSV4_OGS_CONSTRAINTS="$(cat "$OUT/ogs_best.json")" \
                 && echo "DSV4_OGS_CONSTRAINTS=$DSV4_OGS_CONSTRAINTS" ;;
     e2e) timeout 200 python3 scripts/check_hopper_e2e.py 2>&1 | grep -v "^$" | tail -12 || status=1 ;;
+    flash) timeout ${FLASH_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_flashmla_sparse.py \
+             tests/engine/test_gpu_flashmla_engine.py > "$OUT/flash.log" 2>&1 || status=1
+           grep -E "^\[gpu flashmla|^(FAILED|ERROR)|passed|failed" "$OUT/flash.log" | cut -c1-400 ;;
+    tp) timeout ${TP_TIMEOUT:-240} python3 scripts/check_gpu_tp.py > "$OUT/tp.log" 2>&1 || status=1
+        grep -E "^\[gpu tp|^tp |Error" "$OUT/tp.log" | cut -c1-400 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
