@@ -55,6 +55,31 @@ def _fast(x: torch.Tensor, w: Fp8Weight) -> bool:
     return supported(w)
 
 
+def uses_fp8_gemm(x: torch.Tensor, w: Weight) -> bool:
+    """Does `linear(x, w)` run DeepGEMM's FP8 GEMM (an Fp8Weight with the fast path on for x)?"""
+    return isinstance(w, Fp8Weight) and _fast(x, w)
+
+
+def concat_rows(a: Weight, b: Weight) -> Weight:
+    """Two projections of the same input as one: [N1, K] and [N2, K] -> [N1 + N2, K] (an Fp8Weight's rows and
+    scale rows stay aligned when N1 is whole 128-blocks), so one GEMM (and one activation quantisation) runs."""
+    if isinstance(a, Fp8Weight) != isinstance(b, Fp8Weight):
+        raise ValueError("concat_rows needs two tensors or two Fp8Weight")
+    if isinstance(a, Fp8Weight):
+        if a.shape[0] % 128 or a.shape[1] != b.shape[1] or a.pow2_act != b.pow2_act:
+            raise ValueError(f"cannot stack FP8 weights {a.shape} and {b.shape} (rows in 128s, same K and scales)")
+        return Fp8Weight(torch.cat([a.weight, b.weight]), torch.cat([a.scale, b.scale]), a.pow2_act)
+    return torch.cat([a, b])
+
+
+def split_rows(w: Weight, n: int) -> tuple[Weight, Weight]:
+    """Views of rows [:n] and [n:] of a (concatenated) weight; for an Fp8Weight n is whole 128-blocks."""
+    if isinstance(w, Fp8Weight):
+        nb = n // 128
+        return (Fp8Weight(w.weight[:n], w.scale[:nb], w.pow2_act), Fp8Weight(w.weight[n:], w.scale[nb:], w.pow2_act))
+    return w[:n], w[n:]
+
+
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x: [..., K] -> [..., N] = x W^T, for W [N, K] as a tensor or an Fp8Weight."""
     if isinstance(w, torch.Tensor):

@@ -20,9 +20,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.fast_paths import mxfp4_moe_backend, use_grouped_moe, use_mxfp4_moe, use_triton
-from engine.linear import linear, pow2_activations, take_fp8_weights
+from engine.linear import concat_rows, linear, pow2_activations, split_rows, take_fp8_weights, uses_fp8_gemm
 from engine.parallel import SINGLE, ParallelContext
-from kernels.fp8_linear import Fp8Weight
 from kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
 from kernels.quant import dequant_mxfp4
 
@@ -106,8 +105,9 @@ class MoEBlock:
                                    if f"{p}shared_experts.{k}" in weights}, pow2_activations(cfg.quantization))
         # w1 and w3 are multiplied as one [2I, H] weight (one GEMM, one activation quantisation); self.shared
         # keeps (w1, w2, w3) as views of it.
-        self.shared_w13 = _concat_rows(shared["w1.weight"], shared["w3.weight"])
-        self.shared = _split_rows(self.shared_w13, shared["w2.weight"])  # tensors or Fp8Weight
+        self.shared_w13 = concat_rows(shared["w1.weight"], shared["w3.weight"])
+        w1, w3 = split_rows(self.shared_w13, shared["w1.weight"].shape[0])
+        self.shared = (w1, shared["w2.weight"], w3)  # tensors or Fp8Weight
         experts = take_experts(weights, p, self.experts, self.gate.dtype)
         self.packed = experts if isinstance(experts, PackedExperts) else None
         self.mxfp4 = self.packed is not None  # routed experts held as MXFP4 (packed, or in triton_kernels layouts)
@@ -179,32 +179,23 @@ class MoEBlock:
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """kernels.moe.expert_mlp through engine.linear (FP8 weights where kept): x [T, H] -> [T, H]."""
         h = linear(x, self.shared_w13)  # [T, 2I]: gate | up
-        inter = h.shape[-1] // 2
+        inter, w2, limit = h.shape[-1] // 2, self.shared[1], self.cfg.swiglu_limit
+        gate, up = h[..., :inter], h[..., inter:]
+        if h.dim() == 2 and uses_fp8_gemm(h, w2):
+            from kernels import triton_moe_glue
+            from kernels.deepgemm_linear import fp8_gemm_quantized  # imports deep_gemm: only on this path
+
+            # SwiGLU and the down projection's 1x128 activation quantisation in one launch.
+            return fp8_gemm_quantized(*triton_moe_glue.swiglu_quant(gate, up, limit, w2.pow2_act), w2)
         if use_triton(x.device) and h.dim() == 2:
             from kernels import triton_moe_glue  # imports triton: only on this path
 
-            act = triton_moe_glue.swiglu(h[:, :inter], h[:, inter:], self.cfg.swiglu_limit)
+            act = triton_moe_glue.swiglu(gate, up, limit)
         else:
-            act = swiglu(h[..., :inter], h[..., inter:], self.cfg.swiglu_limit)
-        return linear(act, self.shared[1])
+            act = swiglu(gate, up, limit)
+        return linear(act, w2)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         # One all-reduce for the block: routed (this rank's experts or expert slices) + shared (its slice).
         return self.parallel.all_reduce(self.routed(x, token_ids, self.shared_expert(x)))
 
-
-def _concat_rows(a, b):
-    """[N1, K] and [N2, K] weights (tensors or Fp8Weight with whole 128-row blocks) -> one [N1 + N2, K]."""
-    if isinstance(a, Fp8Weight):
-        return Fp8Weight(torch.cat([a.weight, b.weight]), torch.cat([a.scale, b.scale]), a.pow2_act)
-    return torch.cat([a, b])
-
-
-def _split_rows(w13, w2):
-    """(w1, w2, w3) with w1 and w3 as row views of the concatenated w13."""
-    if isinstance(w13, Fp8Weight):
-        n, nb = w13.weight.shape[0] // 2, w13.scale.shape[0] // 2
-        return (Fp8Weight(w13.weight[:n], w13.scale[:nb], w13.pow2_act), w2,
-                Fp8Weight(w13.weight[n:], w13.scale[nb:], w13.pow2_act))
-    n = w13.shape[0] // 2
-    return w13[:n], w2, w13[n:]

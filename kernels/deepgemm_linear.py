@@ -40,6 +40,20 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     return out
 
 
+def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """fp8_gemm on activations already quantised per token in 1x128 blocks (e4m3 [M, K], fp32 scales [M, K/128]
+    MN-major, as kernels.triton_fp8_quant writes them; e.g. by a fused SwiGLU + quantiser) -> [M, N] bf16."""
+    dg = import_deep_gemm()
+    n, k = w.shape
+    if xq.dim() != 2 or xq.shape[1] != k or xq.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_gemm_quantized needs e4m3 [M, {k}] for weight {tuple(w.shape)}, got {xq.dtype} "
+                         f"{tuple(xq.shape)}")
+    out = torch.empty(xq.shape[0], n, dtype=torch.bfloat16, device=xq.device)
+    if xq.shape[0]:
+        dg.fp8_gemm_nt((xq, xs), (w.weight, w.scale), out)
+    return out
+
+
 def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int) -> torch.Tensor:
     """Block-diagonal projection: x [G, T, D] bf16 (unit last stride; a transposed [T, G, D] view is fine),
     w [G * R, D] -> [G, T, R] bf16 (group g uses rows gR..gR+R). One quantiser launch for all groups."""

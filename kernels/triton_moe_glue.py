@@ -11,6 +11,9 @@ References: `kernels.moe.swiglu` and the torch expressions the engine used befor
   one program (= `kernels.mxfp4_ogs.sort_pairs` + the gammas gather, its torch reference): keys
   expert * P + pair are unique, so a bitonic `tl.sort` in registers gives the stable order; `tl.histogram`
   the per-expert counts. Pairs with id -1 (another rank's expert) run on expert 0 with weight 0.
+- `swiglu_quant(gate, up, limit)`: the SwiGLU above, rounded to the dtype, then quantised per token in 1x128
+  FP8 blocks for the next FP8 projection (= `kernels.triton_fp8_quant.quant_act_1x128(swiglu(gate, up))`, scales
+  MN-major for DeepGEMM): the shared expert's down projection input without a separate quantiser launch.
 Interpreter note (as kernels/triton_attention.py): every load is converted to fp32 before any arithmetic.
 """
 
@@ -18,9 +21,16 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8_linear import AMAX_FLOOR, FP8_MAX
+from kernels.fp8_linear import BLOCK as FP8_BLOCK
 from kernels.gpu import import_triton, require_triton
+from kernels.triton_cache_codecs import USE_HW_FP8_CAST, tl_e4m3_bits
+from kernels.triton_fp8_quant import scale_buffer
 
 triton, tl = import_triton()
+# jit functions read only constexpr globals
+_FLOOR = tl.constexpr(AMAX_FLOOR)
+_FMAX = tl.constexpr(FP8_MAX)
 
 BLOCK = 1024
 
@@ -36,6 +46,34 @@ def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_o, l
     s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
     u = tl.minimum(tl.maximum(u, -limit), limit)
     tl.store(out_ptr + row * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_quant_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, M, N, stride_g, stride_u, stride_q, stride_sm, stride_sk,
+                         limit, POW2: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (m < M)[:, None] & (k < N)[None, :]
+    m64 = m.to(tl.int64)
+    g = tl.load(gate_ptr + m64[:, None] * stride_g + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + m64[:, None] * stride_u + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.minimum(g, limit)
+    sg = (g / (1.0 + tl.exp(-g))).to(gate_ptr.dtype.element_ty).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    x = (sg * u).to(gate_ptr.dtype.element_ty).to(tl.float32)  # the activation as the unfused path rounds it
+    x = tl.where(mask, x, 0.0)
+    # From here as kernels.triton_fp8_quant._quant_kernel.
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _FLOOR)
+    scale = tl.div_rn(amax, _FMAX)
+    if POW2:
+        bits = scale.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = (exp << 23).to(tl.float32, bitcast=True)
+    y = x / scale[:, None] if POW2 else tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    tl.store(q_ptr + m64[:, None] * stride_q + k[None, :], tl_e4m3_bits(y, HW_FP8), mask=mask)
+    tl.store(s_ptr + m64 * stride_sm + kb * stride_sk, scale, mask=m < M)
 
 
 @triton.jit
@@ -123,6 +161,27 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.
         _swiglu_kernel[(p, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0),
                                                    float(limit), BLOCK_N=block)
     return out
+
+
+def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, pow2: bool = True):
+    """gate, up: [M, N] (unit last stride) -> (e4m3 [M, N], fp32 scales [M, ceil(N/128)] MN-major) =
+    quant_act_1x128(swiglu(gate, up, limit), pow2) in one launch (the activation rounded to gate.dtype first)."""
+    _rows(gate, "gate", 2)
+    _rows(up, "up", 2)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    require_triton(gate.device)
+    m, n = gate.shape
+    kb = triton.cdiv(n, FP8_BLOCK)
+    q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=gate.device)
+    s = scale_buffer(m, kb, gate.device)
+    if m and n:
+        block_m = 16
+        _swiglu_quant_kernel[(triton.cdiv(m, block_m), kb)](
+            gate, up, q.view(torch.uint8), s, m, n, gate.stride(0), up.stride(0), q.stride(0), s.stride(0),
+            s.stride(1), float(limit), POW2=pow2, HW_FP8=gate.is_cuda and USE_HW_FP8_CAST, BLOCK_M=block_m,
+            BLOCK_K=FP8_BLOCK)
+    return q, s
 
 
 def combine(y: torch.Tensor, shared: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:

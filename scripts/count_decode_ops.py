@@ -187,6 +187,17 @@ def _patch(sections: Sections, ogs: bool, fp8: bool) -> list:
             for mod in (linear_mod, attention_mod, moe_mod):
                 if hasattr(mod, attr):
                     undo.append((mod, attr, _wrap(mod, attr, linear_of)))
+        # The shared expert's down projection takes its input from the fused SwiGLU + quantiser on CUDA
+        # (engine.moe.MoEBlock.shared_expert): run that kernel and count the GEMM after it as one launch.
+        import kernels.deepgemm_linear as dgl
+
+        def gemm_quantized(xq, xs, w):
+            sections.add("fp8 dense (CUDA: quant + DeepGEMM launches)")
+            return torch.zeros(xq.shape[0], w.shape[0], dtype=torch.bfloat16)
+        undo.append((moe_mod, "uses_fp8_gemm", moe_mod.uses_fp8_gemm))
+        undo.append((dgl, "fp8_gemm_quantized", dgl.fp8_gemm_quantized))
+        moe_mod.uses_fp8_gemm = lambda h, w: True
+        dgl.fp8_gemm_quantized = gemm_quantized
     if ogs:
         undo.extend(_stub_ogs(sections))
     return undo
@@ -267,6 +278,10 @@ def build_engine(preset: str, slots: int, dtype: torch.dtype):
 
 def count_step(engine, ogs: bool = True, fp8: bool = True) -> dict[str, collections.Counter]:
     """One decode step of `engine` (bucketed mode) -> {section: Counter(source -> launches)}."""
+    if fp8:
+        for m in engine.model.moe:  # dequantised on the CPU; the stand-in FP8 path reads this flag
+            if isinstance(m.shared[1], torch.Tensor):
+                m.shared[1].pow2_act = True
     sections = Sections()
     undo = _patch(sections, ogs, fp8)
     try:

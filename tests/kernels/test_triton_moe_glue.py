@@ -74,3 +74,23 @@ def test_sort_pairs_matches_torch_sort(t, k, e):
     assert torch.equal(counts.long(), torch.bincount(flat, minlength=e))
     want_gammas = weights.masked_fill(ids < 0, 0.0).reshape(-1)[want_order]
     torch.testing.assert_close(gammas, want_gammas, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("p,inter", [(5, 256), (1, 128), (3, 200)])
+def test_swiglu_quant_matches_swiglu_then_quantiser(dtype, pow2, p, inter):
+    """= kernels.fp8_linear.quant_act_1x128(swiglu(gate, up)) (the reference quantiser on the reference SwiGLU,
+    rounded to the dtype): scales within the dtype's tolerance (a 16-bit SwiGLU may round its largest value one
+    ulp apart from torch's, which moves a non-power-of-two scale by that ulp), values within one e4m3 step."""
+    from kernels import fp8_linear
+
+    h = NUM.randn(p, 2 * inter, dtype=dtype, device=DEVICE, seed=p + inter, scale=4.0)
+    gate, up = h[:, :inter], h[:, inter:]
+    q, s = glue.swiglu_quant(gate, up, 3.0, pow2)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (p, inter) and s.stride(0) == 1
+    rq, rs = fp8_linear.quant_act_1x128(ref_swiglu(gate, up, 3.0).cpu(), pow2)
+    torch.testing.assert_close(s.cpu(), rs, atol=0, rtol=NUM.tol(dtype)["rtol"])
+    back, want = fp8_linear.dequant_act(q.cpu(), s.cpu()), fp8_linear.dequant_act(rq, rs)
+    # e4m3: 3 mantissa bits; below its smallest normal (2**-6 of the scale) steps are absolute
+    torch.testing.assert_close(back, want, atol=rs.max().item() * 2 ** -6, rtol=2 ** -3)
