@@ -11,11 +11,13 @@ and `linear` multiplies with whichever it gets:
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
 from engine.fast_paths import use_fp8_gemm
 from kernels.fp8_linear import Fp8Weight, fp8_linear_ref
+from kernels.norm import rms_norm
 
 Weight = torch.Tensor | Fp8Weight
 # The projections that go through `linear` / `grouped_projection` (the release stores them FP8).
@@ -78,6 +80,36 @@ def split_rows(w: Weight, n: int) -> tuple[Weight, Weight]:
         nb = n // 128
         return (Fp8Weight(w.weight[:n], w.scale[:nb], w.pow2_act), Fp8Weight(w.weight[n:], w.scale[nb:], w.pow2_act))
     return w[:n], w[n:]
+
+
+@dataclass(frozen=True)
+class QuantizedAct:
+    """Activations already quantised per token in 1x128 FP8 blocks: e4m3 q [M, K], fp32 s [M, K/128] MN-major."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+
+
+def rms_norm_for(x: torch.Tensor, weight: torch.Tensor, eps: float, *ws: Weight):
+    """RMSNorm of x [M, K] that feeds the projections `ws` -> (normed [M, K] in x.dtype, QuantizedAct or None).
+
+    Where every w in `ws` runs DeepGEMM's FP8 GEMM, one Triton launch (kernels.triton_norm_quant) norms and
+    quantises, and each `linear_from(normed, qa, w)` then skips its own quantiser; elsewhere the plain norm."""
+    if x.dim() == 2 and ws and all(uses_fp8_gemm(x, w) for w in ws) and len({w.pow2_act for w in ws}) == 1:
+        from kernels.triton_norm_quant import rms_norm_quant  # imports triton: only on this path
+
+        normed, q, s = rms_norm_quant(x, weight, eps, ws[0].pow2_act)
+        return normed, QuantizedAct(q, s)
+    return rms_norm(x, weight, eps), None
+
+
+def linear_from(x: torch.Tensor, qa: QuantizedAct | None, w: Weight) -> torch.Tensor:
+    """linear(x, w), reusing `qa` (x's quantisation from rms_norm_for) when given."""
+    if qa is None:
+        return linear(x, w)
+    from kernels.deepgemm_linear import fp8_gemm_quantized  # imports deep_gemm: only on this path
+
+    return fp8_gemm_quantized(qa.q, qa.s, w)
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:

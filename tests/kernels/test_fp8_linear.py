@@ -123,3 +123,17 @@ def test_triton_grouped_quantiser_matches_per_group(g, m, k, pow2):
         assert s[i].stride(0) == 1 and s[i].stride(1) == (m + 3) // 4 * 4
         assert torch.equal(s[i].cpu(), rs)
         assert torch.equal(q[i].cpu().view(torch.uint8), rq.view(torch.uint8))
+
+
+def test_rms_norm_for_off_the_fp8_path_is_the_plain_norm():
+    """engine.linear.rms_norm_for without DeepGEMM (CPU, or tensor weights): rms_norm and no quantisation;
+    linear_from then is linear. (The fused path runs on CUDA: tests/kernels/test_triton_norm_quant.py.)"""
+    from engine.linear import linear, linear_from, rms_norm_for
+    from kernels.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(5)
+    x, w, proj = torch.randn(3, 256, generator=gen), torch.rand(256, generator=gen) + 0.5, torch.randn(64, 256,
+                                                                                                   generator=gen)
+    normed, qa = rms_norm_for(x, w, 1e-6, proj)
+    assert qa is None and torch.equal(normed, rms_norm(x, w, 1e-6))
+    assert torch.equal(linear_from(normed, qa, proj), linear(normed, proj))
