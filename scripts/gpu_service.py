@@ -221,14 +221,17 @@ def report(d: Path) -> str:
                   + (f"; each Ray worker reserves {serve['worker_num_gpus']:g} GPU: the prefill and the decode worker "
                      f"share GPU 0 in separate processes" if serve.get("worker_num_gpus") else "; workers on CPUs")
                   + f"; transfer {serve['transfer']}.", ""] + _serve_table(serve) + [""] + _gap_lines(serve, raw) + [""]
+        lines += [f"- {f['topology']} FAILED: {f['error'][:600]}" for f in serve.get("failures", [])]
     else:
-        lines += ["`dsv4 bench serve` did not complete (see the run's serve.log).", ""]
+        lines += ["`dsv4 bench serve` did not complete (the run's stages.log says why).", ""]
     if raw and raw.get("rows"):
         lines += [f"NIXL raw READ between two processes (`scripts/bench_nixl_raw.py`, {raw['rows'][0]['device']}, "
                   f"UCX_TLS {raw.get('ucx_tls')}; transports seen: {raw.get('transports', 'not recorded')}):", "",
                   "| MiB | descriptors | GB/s median | GB/s best | bytes match |", "|---|---|---|---|---|"]
         lines += [f"| {r['bytes'] / (1 << 20):.0f} | {r['descriptors']} | {r['gb_per_s_median']:.1f} | "
                   f"{r['gb_per_s_best']:.1f} | {r['bytes_match']} |" for r in raw["rows"]] + [""]
+    else:
+        lines += ["NIXL raw READ stage did not complete (the run's stages.log says why).", ""]
     if fault:
         ok = not fault["unclean"] and fault["completed"] + fault["clean_failures"] == fault["streams"]
         lines += [f"Decode worker killed mid-stream (SIGKILL to its process, pid {fault['killed_pid']}, after "
@@ -241,6 +244,8 @@ def report(d: Path) -> str:
                   f"the worker was back {fault['restarted_s']:.1f} s after it; both pools then idle with every page "
                   f"free (after {fault['idle_after_s']:.1f} s more); a new request served {fault['served_again_s']:.1f} "
                   f"s after the kill. Verdict: {'pass' if ok else 'FAIL'}.", ""]
+    else:
+        lines += ["Decode-worker kill stage did not complete (the run's stages.log says why).", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

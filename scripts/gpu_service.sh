@@ -115,7 +115,7 @@ print(env["model"])
 EOF
     ;;
     serve) run_stage serve ${SERVE_TIMEOUT:-330} "$PY" -m service.cli bench serve "${MODEL_ARG[@]}" "${ENGINE[@]}" \
-             "${SHARE[@]}" "${SERVE[@]}" --topologies 1P1D,colocated --transfer nixl --no-write \
+             "${SHARE[@]}" "${SERVE[@]}" --topologies colocated,1P1D --transfer nixl --no-write \
              --json-out "$OUT/serve.json" ;;
     raw) UCX_PROTO_INFO=y run_stage nixl_raw ${RAW_TIMEOUT:-150} "$PY" scripts/bench_nixl_raw.py "${RAW[@]}" \
            --json-out "$OUT/nixl_raw.json"

@@ -188,19 +188,27 @@ def bench_serve_main(args: argparse.Namespace) -> int:
     engine_options = _engine_options(args)
     if any(TOPOLOGIES[t] for t in topologies):
         init_ray(prepare_metrics_dir())
-    rows, checked = [], {}
+    rows, checked, failures = [], {}, []
     for name in topologies:
-        if TOPOLOGIES[name] is None:
-            timings, wall, transfer, checked[name] = run_colocated(model_dir, engine_options, prompts, params,
-                                                                   args.concurrency, check_prompts)
-            rows.append(summarize("colocated 1 engine", timings, wall, None))
-        else:
-            p, d = TOPOLOGIES[name]
-            timings, wall, transfer, checked[name] = run_ray_topology(
-                dict(model_dir=model_dir, prefill_workers=p, decode_workers=d, transfer=args.transfer,
-                     engine_options=tuple(engine_options.items()), worker_num_cpus=0.1,
-                     worker_num_gpus=args.worker_num_gpus), prompts, params, args.concurrency, check_prompts)
-            rows.append(summarize(f"{name} ({args.transfer})", timings, wall, transfer))
+        try:
+            if TOPOLOGIES[name] is None:
+                timings, wall, transfer, checked[name] = run_colocated(model_dir, engine_options, prompts, params,
+                                                                       args.concurrency, check_prompts)
+                rows.append(summarize("colocated 1 engine", timings, wall, None))
+            else:
+                p, d = TOPOLOGIES[name]
+                timings, wall, transfer, checked[name] = run_ray_topology(
+                    dict(model_dir=model_dir, prefill_workers=p, decode_workers=d, transfer=args.transfer,
+                         engine_options=tuple(engine_options.items()), worker_num_cpus=0.1,
+                         worker_num_gpus=args.worker_num_gpus), prompts, params, args.concurrency, check_prompts)
+                rows.append(summarize(f"{name} ({args.transfer})", timings, wall, transfer))
+        except Exception as e:  # noqa: BLE001 - the other topologies still run; reported and exit status 1
+            import traceback
+
+            traceback.print_exc()
+            failures.append({"topology": name, "error": f"{type(e).__name__}: {str(e).strip()[:3000]}"})
+            print(f"{name} failed: {failures[-1]['error']}", flush=True)
+            continue
         print(rows[-1], flush=True)
     tokens = ([compare_tokens(n, checked[n], checked["colocated"]) for n in topologies if n != "colocated"]
               if check_prompts and "colocated" in checked else [])
@@ -214,17 +222,19 @@ def bench_serve_main(args: argparse.Namespace) -> int:
               f"new tokens; date {time.strftime('%Y-%m-%d')}. Anchor: the colocated single engine.")
     section = write_markdown(rows, "dsv4 bench serve " + " ".join(sys.argv[3:]), header)
     print(section)
+    if failures and not args.json_out:
+        raise RuntimeError("; ".join(f"{f['topology']}: {f['error']}" for f in failures))
     if args.json_out:
         import json
 
         with open(args.json_out, "w") as fh:
-            json.dump({"rows": rows, "tokens": tokens, "header": header, "model": model_dir,
+            json.dump({"rows": rows, "tokens": tokens, "failures": failures, "header": header, "model": model_dir,
                        "engine_options": engine_options, "worker_num_gpus": args.worker_num_gpus,
                        "transfer": args.transfer, "check_prompts": len(check_prompts),
                        "max_new_tokens": args.max_new_tokens}, fh, indent=1)
     if not args.no_write:
         write_section("service", section)
-    return 0 if all(t["identical"] == t["requests"] for t in tokens) else 1
+    return 0 if not failures and all(t["identical"] == t["requests"] for t in tokens) else 1
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
