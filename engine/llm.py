@@ -55,6 +55,7 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     from engine.fast_paths import resolve_kv_cache_dtype, use_fp8_gemm
     from engine.make_model import default_model_dir
     from engine.memory_plan import cap_context, log_plan, plan_kv_tokens
+    from engine.prefix_cache import PrefixCacheConfig, default_snapshot_slots
     from engine.model_source import local_model_dir
     from engine.weights import load_weights
 
@@ -82,8 +83,9 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     else:
         weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=device, keep_mxfp4_experts=keep,
                                keep_fp8=keep_fp8)
+    slots = default_snapshot_slots(PrefixCacheConfig(), max_num_seqs) if prefix_cache else 0
     plan = plan_kv_tokens(cfg, cache_config, torch_dtype, device, max_batch_tokens, gpu_memory_utilization,
-                          max_cached_tokens)
+                          max_cached_tokens, snapshot_slots=slots)
     log_plan(plan, cfg, max_num_seqs)
     cache_config = dataclasses.replace(cache_config, max_tokens=plan.tokens)
     return EngineCore(cfg, weights, device=device, dtype=torch_dtype, parallel=parallel,

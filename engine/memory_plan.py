@@ -17,6 +17,7 @@ import torch
 
 from engine.cache import CacheConfig, group_specs
 from engine.config import ModelConfig
+from engine.prefix_cache import snapshot_store_bytes
 
 DEFAULT_UTILIZATION = 0.90
 CPU_DEFAULT_TOKENS = 1 << 16
@@ -58,8 +59,11 @@ def activation_reserve(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: in
 
 
 def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device, max_batch_tokens: int,
-                   utilization: float | None = None, max_cached_tokens: int | None = None) -> KvPlan:
-    """-> the pool size: `max_cached_tokens` if given, 65536 off CUDA, else from `utilization` of the GPU."""
+                   utilization: float | None = None, max_cached_tokens: int | None = None,
+                   snapshot_slots: int = 0) -> KvPlan:
+    """-> the pool size: `max_cached_tokens` if given, 65536 off CUDA, else from `utilization` of the GPU.
+    snapshot_slots: slots of the prefix cache's snapshot store (engine.prefix_cache), allocated beside the pool:
+    each holds one request's SWA ring and compressor state, so they come out of the same budget."""
     if max_cached_tokens is not None:
         c = replace(cache, max_tokens=max_cached_tokens)
         return KvPlan(max_cached_tokens, pool_bytes(cfg, c, dtype), "set by --max-cached-tokens")
@@ -72,10 +76,11 @@ def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, dev
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
     free, total = torch.cuda.mem_get_info(dev)
     reserve = activation_reserve(cfg, max_batch_tokens, cache.max_requests)
+    snapshots = snapshot_store_bytes(group_specs(cfg, cache, dtype), snapshot_slots)
     # This process's own allocations (the weights), not the device-wide use: equal shards on equal GPUs then
     # size equal pools on every tensor-parallel rank. What other processes hold still caps it (free memory).
     ours = torch.cuda.memory_allocated(dev)
-    budget = min(util * total - ours, free) - reserve
+    budget = min(util * total - ours, free) - reserve - snapshots
     page = cache.page_tokens
     fixed = pool_bytes(cfg, replace(cache, max_tokens=0), dtype)
     probe = 1024 * page
@@ -87,11 +92,11 @@ def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, dev
     if tokens < page:
         raise ValueError(f"gpu_memory_utilization {util} leaves no room for the KV cache: {total / GIB:.1f} GiB on "
                          f"the device, {ours / GIB:.1f} GiB of weights, {(total - free) / GIB:.1f} GiB in use, "
-                         f"{reserve / GIB:.1f} GiB reserved for activations and CUDA graphs; raise it or set "
-                         "--max-cached-tokens")
+                         f"{reserve / GIB:.1f} GiB reserved for activations and CUDA graphs, "
+                         f"{snapshots / GIB:.1f} GiB for prefix-cache snapshots; raise it or set --max-cached-tokens")
     source = (f"from --gpu-memory-utilization {util:.2f} of {total / GIB:.1f} GiB ({ours / GIB:.1f} GiB of weights, "
               f"{(total - free) / GIB:.1f} GiB in use on the device, {reserve / GIB:.1f} GiB kept for activations "
-              "and CUDA graphs"
+              f"and CUDA graphs, {snapshots / GIB:.2f} GiB for {snapshot_slots} prefix-cache snapshot slots"
               + (f"; capped at {cap} = max_num_seqs x max context)" if tokens == cap else ")"))
     c = replace(cache, max_tokens=tokens)
     return KvPlan(tokens, pool_bytes(cfg, c, dtype), source)
