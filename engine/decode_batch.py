@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import CompressPlan, RingWrite, StepBatch, VisibleEntries, paged_rows, ring_sources
+from engine.batch import CompressPlan, RingWrite, SourceRows, StepBatch, VisibleEntries, paged_rows
 from engine.cache import CachePool
 
 
@@ -133,6 +133,19 @@ class BlockTables:
             table[row].copy_(line)
 
 
+def _decode_sources(p: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, ring_page: torch.Tensor,
+                    ring_rows: int, ring_total_rows: int, page_stride: int | None = None) -> SourceRows:
+    """engine.batch.ring_sources for a decode step, in 9 ops instead of 15 (each is a kernel in the graph).
+
+    p: [S, W] positions, each <= its row's token position; row b's chunk is its one token at positions[b],
+    chunk row b (rows = arange(S)), so a position from the chunk is exactly the token's own and names row b."""
+    from_chunk = p >= positions.unsqueeze(1)
+    chunk_row = torch.where(from_chunk, rows.unsqueeze(1), 0)
+    ring_row = (ring_page * (page_stride or ring_rows)).unsqueeze(1) + p.clamp(min=0) % ring_rows
+    return SourceRows(from_chunk, chunk_row, ring_row, p >= 0,
+                      torch.where(from_chunk, ring_total_rows + chunk_row, ring_row))
+
+
 def _decode_plan(pool: CachePool, entry_name: str, state_name: str, ratio: int, overlap: bool,
                  positions: torch.Tensor, rows: torch.Tensor, tables: dict) -> CompressPlan:
     """One entry per row: the window holding the row's token; written for real only where it closes."""
@@ -141,13 +154,12 @@ def _decode_plan(pool: CachePool, entry_name: str, state_name: str, ratio: int, 
     state_total = state_spec.num_pages * state_spec.page_rows
     window = positions // ratio
     cur_pos = (window * ratio).unsqueeze(1) + torch.arange(ratio, device=positions.device)
-    seg = rows.unsqueeze(1).expand_as(cur_pos)
 
     def sources(pos):
         # Slots after the token (an open window) would index chunk rows of other requests: name the
         # row's own token instead. Only closing windows are kept, and they have no such slot.
-        return ring_sources(torch.minimum(pos, positions.unsqueeze(1)), seg, positions, rows, state_page,
-                        state_spec.page_rows, state_total)
+        return _decode_sources(torch.minimum(pos, positions.unsqueeze(1)), positions, rows, state_page,
+                               state_spec.page_rows, state_total)
 
     closes = (positions + 1) % ratio == 0
     scratch_row = pool.scratch_pages[entry_name] * entry_spec.page_rows
@@ -180,8 +192,8 @@ def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInpu
     window = cfg.sliding_window
     win_pos = pos.unsqueeze(1) - window + 1 + torch.arange(window, device=device)
     swa_page = group_tables["swa"][:, 0]
-    swa = ring_sources(win_pos, rows.unsqueeze(1).expand_as(win_pos), pos, rows, swa_page, window,
-                   swa_spec.num_pages * swa_spec.page_rows, swa_spec.page_rows)
+    swa = _decode_sources(win_pos, pos, rows, swa_page, window, swa_spec.num_pages * swa_spec.page_rows,
+                          swa_spec.page_rows)
     swa_write = RingWrite(rows, swa_page * swa_spec.page_rows + pos % window)
 
     compress, visible = {}, {}
