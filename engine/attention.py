@@ -35,7 +35,9 @@ from engine.batch import CompressPlan, StepBatch, paged_rows
 from engine.cache import CacheLayer, CachePool
 from engine.config import ModelConfig
 from engine.fast_paths import use_flash_mla, use_triton
-from engine.linear import grouped_projection, linear, pow2_activations, take_fp8_weights
+from engine.linear import (concat_rows, grouped_projection, linear, linear_from, pow2_activations, rms_norm_for,
+                           split_rows, take_fp8_weights, uses_fp8_gemm)
+from kernels.fp8_linear import Fp8Weight
 from engine.parallel import SINGLE, ParallelContext
 from kernels.attention import sparse_attention
 from kernels.compressor import overlap_slots, pool_windows
@@ -60,6 +62,15 @@ class AttentionBlock:
         self.w = take_fp8_weights({k[len(p):]: v for k, v in weights.items() if k.startswith(p)},
                                   pow2_activations(cfg.quantization))
         self._flashmla = None  # FlashMLA runs this block's fp8 decode steps (decided at the first fp8 step)
+        # wq_a and wkv both read x: stacked into one projection (one GEMM, one activation quantisation) where
+        # both are FP8 (engine.linear.concat_rows); the originals become views of it.
+        self.q_lora = cfg.q_lora_rank
+        wq_a, wkv = self.w["wq_a.weight"], self.w["wkv.weight"]
+        self.stacked_qkv = None
+        if isinstance(wq_a, Fp8Weight) and isinstance(wkv, Fp8Weight) and wq_a.shape[0] % 128 == 0 \
+                and wq_a.pow2_act == wkv.pow2_act and wq_a.shape[1] == wkv.shape[1]:
+            self.stacked_qkv = concat_rows(wq_a, wkv)
+            self.w["wq_a.weight"], self.w["wkv.weight"] = split_rows(self.stacked_qkv, wq_a.shape[0])
 
     def forward(self, x: torch.Tensor, batch: StepBatch, pool: CachePool, ropes: dict) -> torch.Tensor:
         """x: [T, hidden] (normed block input) -> [T, hidden]."""
@@ -67,10 +78,16 @@ class AttentionBlock:
         t = x.shape[0]
         cos, sin = ropes[self.rope_kind]
         fast_ops = use_triton(x.device)
-        q_res = rms_norm(linear(x, w["wq_a.weight"]), w["q_norm.weight"], eps)
-        q = linear(q_res, w["wq_b.weight"]).view(t, self.num_heads, cfg.head_dim)
+        if self.stacked_qkv is not None and uses_fp8_gemm(x, self.stacked_qkv):
+            both = linear(x, self.stacked_qkv)
+            q_lat, kv_pre = both[:, :self.q_lora], both[:, self.q_lora:]
+        else:
+            q_lat, kv_pre = linear(x, w["wq_a.weight"]), linear(x, w["wkv.weight"])
+        # q_res feeds wq_b and the indexer's wq_b: normed and FP8-quantised once where both run DeepGEMM
+        readers = [w["wq_b.weight"]] + ([w["indexer.wq_b.weight"]] if self.ratio == 4 else [])
+        q_res, q_res_fp8 = rms_norm_for(q_lat, w["q_norm.weight"], eps, *readers)
+        q = linear_from(q_res, q_res_fp8, w["wq_b.weight"]).view(t, self.num_heads, cfg.head_dim)
         q = _norm_rope(q, cos, sin, eps, None, fast_ops)
-        kv_pre = linear(x, w["wkv.weight"])
 
         swa = pool.groups["swa"]
         ring = swa.bind(self.layer)
@@ -94,7 +111,7 @@ class AttentionBlock:
             entries = self._compress(x, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}", "compressor.",
                                      cfg.head_dim)
             if self.ratio == 4:
-                comp_ids = self._indexer(x, q_res, batch, pool, ropes)
+                comp_ids = self._indexer(x, q_res, q_res_fp8, batch, pool, ropes)
                 comp_rows = paged_rows(batch.tables["kv4"], pool.groups["kv4"].spec.page_rows,
                                        batch.seq_of_token.unsqueeze(1).expand_as(comp_ids), comp_ids)
                 comp_valid = comp_ids >= 0
@@ -199,13 +216,14 @@ class AttentionBlock:
         plan.state_write.apply(rows, state)
         return entries
 
-    def _indexer(self, x, q_res, batch: StepBatch, pool: CachePool, ropes: dict) -> torch.Tensor:
+    def _indexer(self, x, q_res, q_res_fp8, batch: StepBatch, pool: CachePool, ropes: dict) -> torch.Tensor:
         """Top-k kv4 entry ids per query, -1 padded. -> int64 [T, index_topk]."""
         cfg, w = self.cfg, self.w
         keys = self._compress(x, batch, pool, ropes, "index", "index_state", "indexer.compressor.",
                               cfg.index_head_dim)
         cos, sin = ropes["compress"]
-        q = linear(q_res, w["indexer.wq_b.weight"]).view(x.shape[0], cfg.index_n_heads, cfg.index_head_dim)
+        q = linear_from(q_res, q_res_fp8, w["indexer.wq_b.weight"]).view(x.shape[0], cfg.index_n_heads,
+                                                                            cfg.index_head_dim)
         q = apply_rope(q, cos, sin)
         head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
         vis = batch.visible["index"]

@@ -33,7 +33,7 @@ def insert_decode_rows(kv_pre: torch.Tensor, weight: torch.Tensor, cos, sin, eps
     """Normalise + rotate this step's kv and write it into the fp8_ds_mla ring (Triton, one launch). -> [T, D]."""
     from kernels.triton_swa_insert import swa_insert  # imports triton: only on this path
 
-    return swa_insert(kv_pre.contiguous(), weight, cos, sin, eps, ring.tensor, token_ring_rows(batch),
+    return swa_insert(kv_pre, weight, cos, sin, eps, ring.tensor, token_ring_rows(batch),
                       ring.group.codec.layout)
 
 
