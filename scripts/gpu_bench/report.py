@@ -239,10 +239,10 @@ def _gaps(ctx: dict) -> str:
                                                  if ctx["triton_path"] else "off (torch reference ops)")
            + "; routed experts: " + "; ".join(f"{e['experts']}" for e in ran) + ".") if ran else "No engine ran."
     fp8 = [e for e in ran if e.get("dense") == "fp8"]
-    gaps = [("dense projections run FP8 through DeepGEMM; the attention projections each take a separate Triton "
-             "activation-quantiser launch (wo_a's groups share one; the shared expert's w1|w3 run as one GEMM and "
-             "its down projection takes its codes from the fused SwiGLU; no norm+quantise fusion wired into the "
-             "attention block yet)") if fp8 else
+    gaps = [("dense projections run FP8 through DeepGEMM with 1x128 activation quantisation fused where the seeds "
+             "fuse it (wq_a|wkv one GEMM; q_norm + quantisation one launch shared by wq_b and the indexer's wq_b; "
+             "wo_a's groups one quantiser; the shared expert's w1|w3 one GEMM, its down projection fed by the fused "
+             "SwiGLU-quantiser), the other projections one quantiser launch each") if fp8 else
             "dense projections are bf16 GEMMs on FP8-rounded weights (2x the FP8 bytes; no FP8 GEMM)",
             ("the KV cache holds the production formats (fp8_ds_mla rows, MXFP4 indexer keys): decode attention "
              "is FlashMLA's sparse kernel, the indexer dequantises MXFP4 keys in the engine's Triton kernel")
