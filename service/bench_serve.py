@@ -183,7 +183,12 @@ def bench_serve_main(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(2, vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(args.num_requests)]
-    check_prompts = prompts[:args.check_tokens]
+    # Fresh prompts for the token check, none of them served before: a prefix-cache hit would resume from pages a
+    # batched prefill wrote, and on a GPU bf16 results depend on the batch a row ran in (the check would then
+    # compare two batch histories, not the two topologies).
+    check_rng = random.Random(1)
+    check_prompts = [[check_rng.randrange(2, vocab) for _ in range(check_rng.randint(args.min_prompt, args.max_prompt))]
+                     for _ in range(args.check_tokens)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     engine_options = _engine_options(args)
     if any(TOPOLOGIES[t] for t in topologies):
@@ -255,8 +260,8 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-num-gpus", type=float, default=None,
                         help="GPUs each Ray worker reserves on cuda (0.5: prefill and decode share one GPU)")
     parser.add_argument("--check-tokens", type=int, default=0, metavar="N",
-                        help="also send the first N prompts one at a time to each topology and compare their "
-                             "greedy tokens with the colocated engine's (exit 1 when any differs)")
+                        help="also send N fresh prompts (not among the benchmark's) one at a time to each topology "
+                             "and compare their greedy tokens with the colocated engine's (exit 1 when any differs)")
     parser.add_argument("--json-out", default=None, help="write the rows and the token comparison as JSON here")
     parser.add_argument("--no-write", action="store_true", help="do not write BENCHMARKS.md")
     from service.bench_trace import add_trace_args
