@@ -33,6 +33,20 @@ class Rope:
         return rope_cos_sin(positions, self.inv_freq, self.spec.attention_factor)
 
 
+def _memo_by_tensor(fn):
+    """fn(t) computed once per distinct tensor object for one step: every layer of a compress ratio passes the
+    same CompressPlan.entry_pos, so cos/sin are built 3 times a step (kv4, kv128, index), not once a layer."""
+    memo: dict[int, tuple] = {}
+
+    def call(t: torch.Tensor):
+        hit = memo.get(id(t))
+        if hit is None:
+            hit = memo[id(t)] = (t, fn(t))  # t kept alive: its id cannot be reused within the step
+        return hit[1]
+
+    return call
+
+
 class DeepseekV4Model:
     """Holds the weights (original DeepSeek names) and runs one step. Stateless apart from the caches."""
 
@@ -99,7 +113,7 @@ class DeepseekV4Model:
         ropes = {
             "main": self.ropes["main"](batch.positions),
             "compress": self.ropes["compress"](batch.positions),
-            "compress_at": self.ropes["compress"],
+            "compress_at": _memo_by_tensor(self.ropes["compress"]),
         }
         h = vocab_embed(self.embed, batch.token_ids, self.parallel).to(self.residual_dtype)
         streams = h.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, hidden]
