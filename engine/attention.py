@@ -35,12 +35,12 @@ from engine.batch import CompressPlan, StepBatch, paged_rows
 from engine.cache import CacheLayer, CachePool
 from engine.config import ModelConfig
 from engine.fast_paths import use_flash_mla, use_triton
-from engine.linear import (concat_rows, grouped_projection, linear, linear_from, pow2_activations, rms_norm_for,
-                           split_rows, take_fp8_weights, uses_fp8_gemm)
-from kernels.fp8_linear import Fp8Weight
+from engine.linear import (can_concat_rows, concat_rows, grouped_projection, linear, linear_from, pow2_activations,
+                           rms_norm_for, split_rows, take_fp8_weights, uses_fp8_gemm)
 from engine.parallel import SINGLE, ParallelContext
 from kernels.attention import sparse_attention
 from kernels.compressor import overlap_slots, pool_windows
+from kernels.fp8_linear import Fp8Weight
 from kernels.indexer import indexer_scores, topk_visible
 from kernels.norm import rms_norm, unweighted_rms_norm
 from kernels.rope import apply_rope
@@ -67,8 +67,7 @@ class AttentionBlock:
         self.q_lora = cfg.q_lora_rank
         wq_a, wkv = self.w["wq_a.weight"], self.w["wkv.weight"]
         self.stacked_qkv = None
-        if isinstance(wq_a, Fp8Weight) and isinstance(wkv, Fp8Weight) and wq_a.shape[0] % 128 == 0 \
-                and wq_a.pow2_act == wkv.pow2_act and wq_a.shape[1] == wkv.shape[1]:
+        if isinstance(wq_a, Fp8Weight) and can_concat_rows(wq_a, wkv):
             self.stacked_qkv = concat_rows(wq_a, wkv)
             self.w["wq_a.weight"], self.w["wkv.weight"] = split_rows(self.stacked_qkv, wq_a.shape[0])
 

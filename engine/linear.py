@@ -62,6 +62,15 @@ def uses_fp8_gemm(x: torch.Tensor, w: Weight) -> bool:
     return isinstance(w, Fp8Weight) and _fast(x, w)
 
 
+def can_concat_rows(a: Weight, b: Weight) -> bool:
+    """Can `concat_rows(a, b)` stack these two (same kind, same K; FP8: a's rows whole 128-blocks, same scales)?"""
+    if isinstance(a, Fp8Weight) != isinstance(b, Fp8Weight) or a.shape[1] != b.shape[1]:
+        return False
+    if isinstance(a, Fp8Weight):
+        return a.shape[0] % 128 == 0 and a.pow2_act == b.pow2_act
+    return a.dtype == b.dtype and a.device == b.device
+
+
 def concat_rows(a: Weight, b: Weight) -> Weight:
     """Two projections of the same input as one: [N1, K] and [N2, K] -> [N1 + N2, K] (an Fp8Weight's rows and
     scale rows stay aligned when N1 is whole 128-blocks), so one GEMM (and one activation quantisation) runs."""

@@ -20,7 +20,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.fast_paths import mxfp4_moe_backend, use_grouped_moe, use_mxfp4_moe, use_triton
-from engine.linear import concat_rows, linear, pow2_activations, split_rows, take_fp8_weights, uses_fp8_gemm
+from engine.linear import (can_concat_rows, concat_rows, linear, pow2_activations, split_rows, take_fp8_weights,
+                           uses_fp8_gemm)
 from engine.parallel import SINGLE, ParallelContext
 from kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
 from kernels.quant import dequant_mxfp4
@@ -105,8 +106,12 @@ class MoEBlock:
                                    if f"{p}shared_experts.{k}" in weights}, pow2_activations(cfg.quantization))
         # w1 and w3 are multiplied as one [2I, H] weight (one GEMM, one activation quantisation); self.shared
         # keeps (w1, w2, w3) as views of it.
-        self.shared_w13 = concat_rows(shared["w1.weight"], shared["w3.weight"])
-        w1, w3 = split_rows(self.shared_w13, shared["w1.weight"].shape[0])
+        # (An FP8 w1 of fewer than whole 128-row blocks, e.g. a tiny test model, stays two GEMMs.)
+        w1, w3 = shared["w1.weight"], shared["w3.weight"]
+        self.shared_w13 = None
+        if can_concat_rows(w1, w3):
+            self.shared_w13 = concat_rows(w1, w3)
+            w1, w3 = split_rows(self.shared_w13, w1.shape[0])
         self.shared = (w1, shared["w2.weight"], w3)  # tensors or Fp8Weight
         experts = take_experts(weights, p, self.experts, self.gate.dtype)
         self.packed = experts if isinstance(experts, PackedExperts) else None
@@ -178,8 +183,12 @@ class MoEBlock:
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """kernels.moe.expert_mlp through engine.linear (FP8 weights where kept): x [T, H] -> [T, H]."""
-        h = linear(x, self.shared_w13)  # [T, 2I]: gate | up
-        inter, w2, limit = h.shape[-1] // 2, self.shared[1], self.cfg.swiglu_limit
+        w1, w2, w3 = self.shared
+        if self.shared_w13 is not None:
+            h = linear(x, self.shared_w13)  # [T, 2I]: gate | up
+        else:
+            h = torch.cat([linear(x, w1), linear(x, w3)], dim=-1)
+        inter, limit = h.shape[-1] // 2, self.cfg.swiglu_limit
         gate, up = h[..., :inter], h[..., inter:]
         if h.dim() == 2 and uses_fp8_gemm(h, w2):
             from kernels import triton_moe_glue
