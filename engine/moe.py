@@ -106,7 +106,7 @@ class MoEBlock:
                                    if f"{p}shared_experts.{k}" in weights}, pow2_activations(cfg.quantization))
         # w1 and w3 are multiplied as one [2I, H] weight (one GEMM, one activation quantisation); self.shared
         # keeps (w1, w2, w3) as views of it.
-        # (An FP8 w1 of fewer than whole 128-row blocks, e.g. a tiny test model, stays two GEMMs.)
+        # (Where they cannot stack, engine.linear.can_concat_rows, they stay two GEMMs.)
         w1, w3 = shared["w1.weight"], shared["w3.weight"]
         self.shared_w13 = None
         if can_concat_rows(w1, w3):
