@@ -11,6 +11,10 @@ Completion: the READ carries `notif_msg` = {"op": "done", "rid": ...}; NIXL deli
 the READ has completed, and the prefill side's `poll()` turns it into a release callback (no extra Ray call).
 A failed or timed-out pull sends {"op": "fail"} with `send_notif` (best effort; the lease covers a dead decode).
 Memory: CPU tensors register as DRAM (UCX moves them over shared memory or TCP), CUDA tensors as VRAM.
+VRAM pulls are GETs, and UCX turns cuda_ipc GETs off when it finds no NVLink (one GPU, PCIe-only nodes): the READ
+then goes through host staging over cma/tcp (0.5 GB/s between two processes on one H200, BENCHMARKS.md
+gpu_service). `enable_cuda_ipc_get()` sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y before the agent exists (newer NIXL
+builds enable it themselves; an explicit setting in the environment wins).
 Idle cost: NIXL's progress thread polls UCX in a loop with `pthrDelay` microseconds between rounds, which the
 python agent hard-codes to 0: an idle worker then burns most of a core. `progress_delay_us` (default 1000,
 env DSV4_NIXL_PROGRESS_DELAY_US) is set on the agent config instead: measured on a 2-core CPU host, idle
@@ -80,12 +84,19 @@ def _mem(tensor) -> tuple[str, int]:
     return ("DRAM", 0) if tensor.device.type == "cpu" else ("VRAM", tensor.device.index or 0)
 
 
+def enable_cuda_ipc_get() -> None:
+    """Let UCX carry GETs over cuda_ipc without NVLink (read by UCX when the agent's context is created)."""
+    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+
+
 class NixlBackend(TransferBackend):
     name = "nixl"
 
     def __init__(self, pool: CachePool, worker_name: str | None = None, lease_s: float = 120.0,
                  on_release=None, ucx_params: dict[str, str] | None = None, progress_delay_us: int | None = None):
         super().__init__(pool, worker_name, lease_s, on_release)
+        if any(g.tensor.is_cuda for g in pool.groups.values()):
+            enable_cuda_ipc_get()
         nixl_agent, nixl_agent_config, mod = import_nixl()
         try:  # the caller may poll() and pull() from different threads: let the agent serialise itself
             conf = nixl_agent_config(backends=[], sync_mode=mod.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)

@@ -22,8 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _agent(name: str):
-    from kv_transfer.nixl_backend import import_nixl
+    from kv_transfer.nixl_backend import enable_cuda_ipc_get, import_nixl
 
+    enable_cuda_ipc_get()  # as the engine's backend does (a no-op for host memory)
     nixl_agent, nixl_agent_config, _ = import_nixl()
     agent = nixl_agent(name, nixl_agent_config(backends=[]))
     agent.create_backend("UCX", {})
