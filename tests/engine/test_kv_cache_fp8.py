@@ -325,3 +325,22 @@ def test_cli_and_serve_accept_kv_cache_dtype(capsys):
     assert "kv_cache_dtype" in ENGINE_OPTION_KEYS
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-cache-dtype", "int8"])
+
+
+def test_kv_cache_dtype_auto_resolves_per_device_and_geometry():
+    """--kv-cache-dtype auto: fp8 only where FlashMLA decodes it (a bf16 CUDA engine with V4's geometry and
+    flash_mla); exact rows elsewhere, with the reason; explicit choices are kept."""
+    from engine.fast_paths import resolve_kv_cache_dtype
+    from kernels.gpu import has_flash_mla
+
+    assert resolve_kv_cache_dtype("fp8", "cpu", torch.float32, 32, 16, 4)[0] == "fp8"
+    assert resolve_kv_cache_dtype("exact", "cuda", torch.bfloat16, 512, 64, 64)[0] == "exact"
+    got, why = resolve_kv_cache_dtype("auto", "cpu", torch.bfloat16, 512, 64, 64)
+    assert got == "exact" and "CPU" in why
+    got, why = resolve_kv_cache_dtype("auto", "cuda", torch.float32, 512, 64, 64)
+    assert got == "exact" and "float32" in why
+    got, why = resolve_kv_cache_dtype("auto", "cuda", torch.bfloat16, 512, 64, 64)
+    assert got == ("fp8" if has_flash_mla() else "exact"), why
+    if has_flash_mla():
+        assert resolve_kv_cache_dtype("auto", "cuda", torch.bfloat16, 128, 64, 64)[0] == "exact"
+    assert CacheConfig(kv_cache_dtype="exact").kv_cache_dtype == "exact"
