@@ -114,10 +114,11 @@ def resolve_kv_cache_dtype(requested: str, device: torch.device | str, dtype: to
     """--kv-cache-dtype -> ("exact" | "fp8", why). "auto" takes the production fp8 formats (fp8_ds_mla KV,
     packed indexer keys) where FlashMLA decodes them: a bf16 CUDA engine with flash_mla and V4's attention
     geometry (head_dim 512, rope 64, <= 128 heads); exact rows in the model dtype everywhere else (the CPU
-    and the test presets, whose oracle pins exact rows). "exact" and "fp8" are taken as asked."""
+    and the test presets, whose oracle pins exact rows). "exact" and "fp8" are taken as asked.
+    num_heads: the query heads one rank attends with (num_attention_heads / tensor-parallel size)."""
     if requested != "auto":
         return requested, "as requested"
-    from kernels.flashmla_sparse import HEAD_DIM, ROPE_DIM, padded_heads
+    from kernels.flashmla_sparse import HEAD_COUNTS, HEAD_DIM, ROPE_DIM
 
     dev = torch.device(device)
     if dev.type != "cuda":
@@ -126,10 +127,9 @@ def resolve_kv_cache_dtype(requested: str, device: torch.device | str, dtype: to
         return "exact", f"auto with a {str(dtype).replace('torch.', '')} engine: exact rows"
     if not use_flash_mla(dev):
         return "exact", f"auto without FlashMLA ({why_not('flash_mla') or FLASH_MLA_ENV + '=0 or not installed'}): exact rows"
-    if head_dim != HEAD_DIM or rope_dim != ROPE_DIM or num_heads > 128:
+    if head_dim != HEAD_DIM or rope_dim != ROPE_DIM or num_heads > max(HEAD_COUNTS):
         return "exact", (f"auto: heads {num_heads} x {head_dim} (rope {rope_dim}) are not FlashMLA's V4 geometry: "
                          "exact rows")
-    padded_heads(num_heads)
     return "fp8", "auto on a Hopper engine with FlashMLA: fp8_ds_mla KV + packed indexer keys"
 
 

@@ -61,8 +61,9 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
 
     model_dir = local_model_dir(model_dir) or default_model_dir()  # a worker lacking the path fetches it here
     cfg = cap_context(ModelConfig.from_model_dir(model_dir), max_model_len)
+    rank_heads = cfg.num_heads // parallel.tp_size if parallel is not None else cfg.num_heads  # what FlashMLA sees
     kv_cache_dtype, why = resolve_kv_cache_dtype(kv_cache_dtype, device, resolve_dtype(dtype), cfg.head_dim,
-                                                 cfg.rope_dim, cfg.num_heads)
+                                                 cfg.rope_dim, rank_heads)
     logger.info("kv cache: %s (%s)", kv_cache_dtype, why)
     cache_config = CacheConfig(max_requests=max_num_seqs, max_tokens=max_cached_tokens or 1, page_tokens=page_tokens,
                                kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
