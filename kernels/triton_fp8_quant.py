@@ -25,6 +25,23 @@ _FMAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
+def tl_quant_1x128(x, POW2: tl.constexpr, HW_FP8: tl.constexpr):
+    """Rows of one 128-wide block, fp32 [R, 128] (masked lanes 0) -> (e4m3 code bytes [R, 128], fp32 scales [R]):
+    the one quantisation every 1x128 writer here shares (this module's kernel, kernels.triton_norm_quant and
+    kernels.triton_moe_glue's fused SwiGLU)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _FLOOR)
+    scale = tl.div_rn(amax, _FMAX)  # IEEE division, as torch (the default `/` is approximate on the GPU)
+    if POW2:
+        # Round up to a power of two on the bits: keep the exponent, add one if any mantissa bit is set.
+        bits = scale.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = (exp << 23).to(tl.float32, bitcast=True)
+    # e4m3 bytes, nearest even (the interpreter's fp8 cast is not exact: kernels.triton_cache_codecs)
+    y = x / scale[:, None] if POW2 else tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))  # pow2: exact
+    return tl_e4m3_bits(y, HW_FP8), scale
+
+
+@triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sk, stride_xg, stride_qg,
                   stride_sg, POW2: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -37,16 +54,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stri
     mask = (m < M)[:, None] & (k < K)[None, :]
     m64 = m.to(tl.int64)
     x = tl.load(x_ptr + m64[:, None] * stride_x + k[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _FLOOR)
-    scale = tl.div_rn(amax, _FMAX)  # IEEE division, as torch (the default `/` is approximate on the GPU)
-    if POW2:
-        # Round up to a power of two on the bits: keep the exponent, add one if any mantissa bit is set.
-        bits = scale.to(tl.int32, bitcast=True)
-        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        scale = (exp << 23).to(tl.float32, bitcast=True)
-    # e4m3 bytes, nearest even (the interpreter's fp8 cast is not exact: kernels.triton_cache_codecs)
-    y = x / scale[:, None] if POW2 else tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))  # pow2: exact
-    codes = tl_e4m3_bits(y, HW_FP8)
+    codes, scale = tl_quant_1x128(x, POW2, HW_FP8)
     tl.store(q_ptr + m64[:, None] * stride_q + k[None, :], codes, mask=mask)
     tl.store(s_ptr + m64 * stride_sm + kb * stride_sk, scale, mask=m < M)
 

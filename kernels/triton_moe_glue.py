@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_linear import AMAX_FLOOR, FP8_MAX
 from kernels.fp8_linear import BLOCK as FP8_BLOCK
 from kernels.gpu import import_triton, require_triton
-from kernels.triton_cache_codecs import USE_HW_FP8_CAST, tl_e4m3_bits
-from kernels.triton_fp8_quant import scale_buffer
+from kernels.triton_cache_codecs import USE_HW_FP8_CAST
+from kernels.triton_fp8_quant import scale_buffer, tl_quant_1x128
 
 triton, tl = import_triton()
-# jit functions read only constexpr globals
-_FLOOR = tl.constexpr(AMAX_FLOOR)
-_FMAX = tl.constexpr(FP8_MAX)
 
 BLOCK = 1024
 
@@ -64,15 +60,8 @@ def _swiglu_quant_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, M, N, stride_g, stride_
     u = tl.minimum(tl.maximum(u, -limit), limit)
     x = (sg * u).to(gate_ptr.dtype.element_ty).to(tl.float32)  # the activation as the unfused path rounds it
     x = tl.where(mask, x, 0.0)
-    # From here as kernels.triton_fp8_quant._quant_kernel.
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), _FLOOR)
-    scale = tl.div_rn(amax, _FMAX)
-    if POW2:
-        bits = scale.to(tl.int32, bitcast=True)
-        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        scale = (exp << 23).to(tl.float32, bitcast=True)
-    y = x / scale[:, None] if POW2 else tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    tl.store(q_ptr + m64[:, None] * stride_q + k[None, :], tl_e4m3_bits(y, HW_FP8), mask=mask)
+    codes, scale = tl_quant_1x128(x, POW2, HW_FP8)
+    tl.store(q_ptr + m64[:, None] * stride_q + k[None, :], codes, mask=mask)
     tl.store(s_ptr + m64 * stride_sm + kb * stride_sk, scale, mask=m < M)
 
 
@@ -147,13 +136,17 @@ def _rows(x: torch.Tensor, name: str, dims: int) -> None:
         raise ValueError(f"{name} must be {dims}-D with a unit last stride, got {tuple(x.shape)} strides {x.stride()}")
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """gate, up: [P, I] (unit last stride; any row stride) -> [P, I] in out_dtype (default gate.dtype)."""
+def _check_gate_up(gate: torch.Tensor, up: torch.Tensor) -> None:
     _rows(gate, "gate", 2)
     _rows(up, "up", 2)
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     require_triton(gate.device)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """gate, up: [P, I] (unit last stride; any row stride) -> [P, I] in out_dtype (default gate.dtype)."""
+    _check_gate_up(gate, up)
     p, n = gate.shape
     out = torch.empty(p, n, dtype=out_dtype or gate.dtype, device=gate.device)
     if p and n:
@@ -166,11 +159,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.
 def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, pow2: bool = True):
     """gate, up: [M, N] (unit last stride) -> (e4m3 [M, N], fp32 scales [M, ceil(N/128)] MN-major) =
     quant_act_1x128(swiglu(gate, up, limit), pow2) in one launch (the activation rounded to gate.dtype first)."""
-    _rows(gate, "gate", 2)
-    _rows(up, "up", 2)
-    if gate.shape != up.shape:
-        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-    require_triton(gate.device)
+    _check_gate_up(gate, up)
     m, n = gate.shape
     kb = triton.cdiv(n, FP8_BLOCK)
     q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=gate.device)

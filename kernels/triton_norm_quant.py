@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_linear import AMAX_FLOOR, BLOCK, FP8_MAX
+from kernels.fp8_linear import BLOCK
 from kernels.gpu import import_triton, require_triton
-from kernels.triton_cache_codecs import USE_HW_FP8_CAST, tl_e4m3_bits
-from kernels.triton_fp8_quant import scale_buffer
+from kernels.triton_cache_codecs import USE_HW_FP8_CAST
+from kernels.triton_fp8_quant import scale_buffer, tl_quant_1x128
 
 triton, tl = import_triton()
 
-# jit functions read only constexpr globals
-_FLOOR = tl.constexpr(AMAX_FLOOR)
-_FMAX = tl.constexpr(FP8_MAX)
 MAX_K = 8192  # a row in registers
 
 
@@ -42,14 +39,8 @@ def _norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, eps, stride_x, stri
     y = (w * (x * r)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + k, y, mask=mask)
     y = tl.where(mask, y.to(tl.float32), 0.0)
-    amax = tl.maximum(tl.max(tl.abs(y), axis=1), _FLOOR)  # [KB_P]
-    scale = tl.div_rn(amax, _FMAX)
-    if POW2:
-        bits = scale.to(tl.int32, bitcast=True)
-        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        scale = (exp << 23).to(tl.float32, bitcast=True)
-    v = y / scale[:, None] if POW2 else tl.div_rn(y, tl.broadcast_to(scale[:, None], y.shape))
-    tl.store(q_ptr + row * stride_q + k, tl_e4m3_bits(v, HW_FP8), mask=mask)
+    codes, scale = tl_quant_1x128(y, POW2, HW_FP8)  # one scale per 128-wide block: [KB_P]
+    tl.store(q_ptr + row * stride_q + k, codes, mask=mask)
     tl.store(s_ptr + row * stride_sm + b * stride_sk, scale, mask=b * BLOCK_K < K)
 
 
