@@ -59,11 +59,25 @@ def main() -> int:
             first = next((k for k, (a, b) in enumerate(zip(got.output, w.output)) if a != b), None)
             same += first is None
             print(f"[gpu handoff] {'batched' if together else 'one at a time'} prompt {i} ({len(prompts[i])} tokens): "
-                  + ("identical" if first is None else f"first difference at output position {first}"), flush=True)
+                  + ("identical" if first is None else f"first difference at output position {first}; ")
+                  + _logprob_gap(got, w, first), flush=True)
         status |= same != len(want)
         del colocated, prefill, decode
         torch.cuda.empty_cache()
     return status
+
+
+def _logprob_gap(got, want, first: int | None) -> str:
+    """Whether a divergence is numerical: the largest |dlogprob| on the shared tokens before it (0.0 = the two
+    runs computed the same bits until then), and both runs' logprobs of their picks at the divergence (a
+    near-tie flips on tiny numerical noise; a large gap after bit-equal history points at a state bug)."""
+    n = len(got.output) if first is None else first
+    gap = max((abs(a - b) for a, b in zip(got.logprobs[:n], want.logprobs[:n])), default=0.0)
+    text = f"max |dlogprob| on the shared tokens {gap:.3e}"
+    if first is not None:
+        text += (f"; at the difference: hand-off picked {got.output[first]} (logprob {got.logprobs[first]:.4f}), "
+                 f"one engine picked {want.output[first]} (logprob {want.logprobs[first]:.4f})")
+    return text
 
 
 if __name__ == "__main__":
