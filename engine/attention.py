@@ -235,7 +235,8 @@ class AttentionBlock:
                 store = store.view(-1, layout.block_size * layout.row_bytes)
                 if layout.index_head_dim != q.shape[-1]:  # zero-padded key dims (test presets): q . k unchanged
                     q = torch.nn.functional.pad(q, (0, layout.index_head_dim - q.shape[-1]))
-            return indexer_topk(q.contiguous(), store, rows, head_weights.contiguous(), cfg.index_topk, layout)
+            return indexer_topk(q.contiguous(), store, rows, head_weights.contiguous(), cfg.index_topk, layout,
+                                cu_seqlens=batch.cu)  # prefill-shaped steps: the shared-key prefill kernel
         scores = indexer_scores(q, keys.read(vis.rows), head_weights)
         return topk_visible(scores, vis.valid, cfg.index_topk)
 
