@@ -14,8 +14,10 @@ pads to a `DecodeShape` and derives every index tensor *on the device* from thre
   is irrelevant, because only closing windows are kept, and those have no slot past the token;
 - visible-entry lists are `context // ratio` wide, and page tables `ceil(context / tokens a page)` wide
   (longer reservations are cut: entries past `context` cannot be visible yet).
-The host's work per step is three [slots] int64 vectors (one copy); `derive_decode_batch` is pure torch
-ops of static shapes, so it is captured into the step's CUDA graph with the forward (engine.cuda_graphs).
+The host's work per step is three [slots] int64 vectors (one copy); `derive_decode_batch` is one Triton
+launch (kernels.triton_decode_prologue, laid out per bucket by `PrologueLayout`) or, without Triton, the torch
+ops of `derive_decode_batch_reference` (equal element for element); both have static shapes and no host sync,
+so the derivation is captured into the step's CUDA graph with the forward (engine.cuda_graphs).
 The forward computes exactly what it computes on `build_step`'s batch for the request rows (the tests
 pin logits and cache bytes); the padding costs `slots - requests` extra token rows of work.
 """
@@ -29,6 +31,7 @@ import torch
 
 from engine.batch import CompressPlan, RingWrite, SourceRows, StepBatch, VisibleEntries, paged_rows
 from engine.cache import CachePool
+from engine.fast_paths import use_triton
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,16 @@ class BlockTables:
         self.pool = pool
         self.pad_row = max_requests
         self.widths = table_widths(pool, max_context)
-        self.tables = {name: torch.full((max_requests + 1, w), pool.scratch_pages[name], dtype=torch.long,
-                                        device=device) for name, w in self.widths.items()}
+        # Every group's columns side by side in one tensor (the fused prologue reads one row of it; a new row
+        # is one copy); `tables` holds each group's column view.
+        self.columns: dict[str, int] = {}
+        for name, w in self.widths.items():
+            self.columns[name] = sum(self.widths[n] for n in self.columns)
+        self.scratch_line = torch.cat([torch.full((w,), pool.scratch_pages[name], dtype=torch.long)
+                                       for name, w in self.widths.items()])
+        self.table = self.scratch_line.to(device).unsqueeze(0).repeat(max_requests + 1, 1)
+        self.tables = {name: self.table[:, c:c + self.widths[name]] for name, c in self.columns.items()}
+        self.layouts: dict[DecodeShape, "PrologueLayout"] = {}  # fused-prologue descriptors per bucket
         # request id -> (row, the page-table dict written, its page count then). The dict itself is kept
         # (identity check): a later request reusing an id brings a new dict, so its row is rewritten.
         self._rows: dict[str, tuple[int, dict, int]] = {}
@@ -125,12 +136,11 @@ class BlockTables:
         return self._free.pop()
 
     def _write(self, row: int, pages: dict) -> None:
-        for name, table in self.tables.items():
+        line = self.scratch_line.tolist()
+        for name, col in self.columns.items():
             ids = list(pages.get(name, ()))[:self.widths[name]]
-            line = torch.full((self.widths[name],), self.pool.scratch_pages[name], dtype=torch.long)
-            if ids:
-                line[:len(ids)] = torch.tensor(ids, dtype=torch.long)
-            table[row].copy_(line)
+            line[col:col + len(ids)] = ids
+        self.table[row].copy_(torch.tensor(line, dtype=torch.long))  # one host-to-device copy a new row
 
 
 def _decode_sources(p: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, ring_page: torch.Tensor,
@@ -181,7 +191,22 @@ def _decode_visible(pool: CachePool, name: str, ratio: int, positions: torch.Ten
 
 
 def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInputs, shape: DecodeShape) -> StepBatch:
-    """The StepBatch of a decode step from device inputs: static shapes, no host sync (capturable)."""
+    """The StepBatch of a decode step from device inputs: static shapes, no host sync (capturable).
+
+    With the Triton fast path (engine.fast_paths.use_triton) one launch (kernels.triton_decode_prologue)
+    derives every index tensor; else the torch ops of `derive_decode_batch_reference` (equal element for
+    element: tests/engine/test_decode_prologue.py)."""
+    if use_triton(inputs.packed.device):
+        layout = tables.layouts.get(shape)
+        if layout is None:
+            layout = tables.layouts[shape] = PrologueLayout(pool, tables, shape)
+        return layout.derive(inputs)
+    return derive_decode_batch_reference(pool, tables, inputs, shape)
+
+
+def derive_decode_batch_reference(pool: CachePool, tables: BlockTables, inputs: DecodeInputs,
+                                  shape: DecodeShape) -> StepBatch:
+    """derive_decode_batch as torch ops (~170 kernels a step on a GPU): the reference of the fused prologue."""
     cfg = pool.cfg
     pos, device = inputs.positions, inputs.packed.device
     rows = torch.arange(shape.slots, device=device)
@@ -197,10 +222,7 @@ def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInpu
     swa_write = RingWrite(rows, swa_page * swa_spec.page_rows + pos % window)
 
     compress, visible = {}, {}
-    entry_groups = [(f"kv{r}", f"state{r}", r, r == 4) for r in cfg.ratios]
-    if cfg.indexer_layers:
-        entry_groups.append(("index", "index_state", 4, True))
-    for entry_name, state_name, ratio, overlap in entry_groups:
+    for entry_name, state_name, ratio, overlap in _entry_groups(cfg):
         compress[entry_name] = _decode_plan(pool, entry_name, state_name, ratio, overlap, pos, rows, group_tables)
         if entry_name != "kv4":  # CSA picks kv4 entries through the indexer
             visible[entry_name] = _decode_visible(pool, entry_name, ratio, pos, rows, group_tables, shape)
@@ -208,6 +230,100 @@ def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInpu
     return StepBatch(token_ids=inputs.token_ids, positions=pos, seq_of_token=rows,
                      cu=torch.arange(shape.slots + 1, device=device), starts=pos, ends=pos + 1, swa=swa,
                      swa_write=swa_write, compress=compress, visible=visible, tables=group_tables, logit_rows=rows)
+
+
+def _entry_groups(cfg) -> list[tuple[str, str, int, bool]]:
+    """(entry group, state group, ratio, overlap) of each compressor, in derive order."""
+    out = [(f"kv{r}", f"state{r}", r, r == 4) for r in cfg.ratios]
+    if cfg.indexer_layers:
+        out.append(("index", "index_state", 4, True))
+    return out
+
+
+class PrologueLayout:
+    """The fused prologue's sections for one bucket (kernels.triton_decode_prologue): the descriptor table
+    (on the device, built once) and where each StepBatch tensor lies in the kernel's two flat outputs."""
+
+    def __init__(self, pool: CachePool, tables: BlockTables, shape: DecodeShape):
+        from kernels import triton_decode_prologue as k
+
+        self.k, self.shape, self.table = k, shape, tables.table
+        s, cfg = shape.slots, pool.cfg
+        self.widths = table_widths(pool, shape.context)
+        self.rows: list[list[int]] = []
+        self.num_out = self.num_flags = 0
+        col = tables.columns
+
+        def add(kind, width, n_out, n_flags, **fields) -> tuple[int, int]:
+            desc = [0] * k.NUM_FIELDS
+            desc[k.F_KIND], desc[k.F_WIDTH], desc[k.F_OUT], desc[k.F_FLAG] = kind, width, self.num_out, self.num_flags
+            desc[k.F_ALIGN] = desc[k.F_STRIDE] = desc[k.F_RING_ROWS] = desc[k.F_ENTRY_PAGE_ROWS] = 1
+            desc[k.F_ENTRY_WIDTH] = 1
+            for name, v in fields.items():
+                desc[getattr(k, "F_" + name.upper())] = v
+            self.rows.append(desc)
+            at = (self.num_out, self.num_flags)
+            self.num_out += n_out
+            self.num_flags += n_flags
+            return at
+
+        self.table_at = {name: add(k.TABLE, w, s * w, 0, page_col=col[name])[0] for name, w in self.widths.items()}
+        swa_spec = pool.groups["swa"].spec
+        self.misc_at = add(k.MISC, 1, 4 * s + 1, 0, page_col=col["swa"], stride=swa_spec.page_rows,
+                           ring_rows=cfg.sliding_window)[0]
+
+        def sources(page_name, width, align, offset, stride, ring_rows, total):
+            return (width, add(k.SOURCES, width, 3 * s * width, 2 * s * width, page_col=col[page_name], align=align,
+                               offset=offset, stride=stride, ring_rows=ring_rows, total=total))
+
+        self.swa_at = sources("swa", cfg.sliding_window, 1, 1 - cfg.sliding_window, swa_spec.page_rows,
+                              cfg.sliding_window, swa_spec.num_pages * swa_spec.page_rows)
+        self.plans, self.visible = {}, {}
+        for entry, state, ratio, overlap in _entry_groups(cfg):
+            st, es = pool.groups[state].spec, pool.groups[entry].spec
+            ring = (st.page_rows, st.page_rows, st.num_pages * st.page_rows)
+            cur = sources(state, ratio, ratio, 0, *ring)
+            prev = sources(state, ratio, ratio, -ratio, *ring) if overlap else None
+            plan = add(k.PLAN, 1, 3 * s, 0, page_col=col[state], align=ratio, stride=st.page_rows,
+                       ring_rows=st.page_rows, entry_col=col[entry], entry_width=self.widths[entry],
+                       entry_page_rows=es.page_rows, scratch=pool.scratch_pages[entry] * es.page_rows)[0]
+            self.plans[entry] = (cur, prev, plan)
+            if entry != "kv4":  # CSA picks kv4 entries through the indexer
+                w = max(1, shape.context // ratio)
+                self.visible[entry] = (w, add(k.VISIBLE, w, s * w, s * w, page_col=col[entry], align=ratio,
+                                              entry_col=col[entry], entry_width=self.widths[entry],
+                                              entry_page_rows=es.page_rows))
+        self.desc = torch.tensor(self.rows, dtype=torch.long).to(tables.table.device)
+
+    def derive(self, inputs: DecodeInputs) -> StepBatch:
+        """One launch -> the StepBatch (every tensor a view of the kernel's two outputs)."""
+        s = self.shape.slots
+        out, flags = self.k.decode_prologue(inputs.packed, self.table, self.desc, self.num_out, self.num_flags)
+        flags = flags.view(torch.bool)
+
+        def ints(at, n, *shape):
+            return out[at:at + n].view(*shape)
+
+        def sources(spec) -> SourceRows:
+            w, (o, f) = spec
+            n = s * w
+            return SourceRows(flags[f:f + n].view(s, w), ints(o, n, s, w), ints(o + n, n, s, w), flags[f + n:f + 2 * n]
+                              .view(s, w), ints(o + 2 * n, n, s, w))
+
+        m = self.misc_at
+        rows, ends, swa_ring, cu = ints(m, s, s), ints(m + s, s, s), ints(m + 2 * s, s, s), ints(m + 3 * s, s + 1, s + 1)
+        compress = {}
+        for name, (cur, prev, p) in self.plans.items():
+            compress[name] = CompressPlan(num_entries=s, cur=sources(cur), prev=sources(prev) if prev else None,
+                                          entry_row=ints(p, s, s), entry_pos=ints(p + s, s, s),
+                                          state_write=RingWrite(rows, ints(p + 2 * s, s, s)))
+        visible = {name: VisibleEntries(ints(o, s * w, s, w), flags[f:f + s * w].view(s, w))
+                   for name, (w, (o, f)) in self.visible.items()}
+        group_tables = {name: ints(self.table_at[name], s * w, s, w) for name, w in self.widths.items()}
+        pos = inputs.positions
+        return StepBatch(token_ids=inputs.token_ids, positions=pos, seq_of_token=rows, cu=cu, starts=pos, ends=ends,
+                         swa=sources(self.swa_at), swa_write=RingWrite(rows, swa_ring), compress=compress,
+                         visible=visible, tables=group_tables, logit_rows=rows)
 
 
 def build_decode_step(pool: CachePool, token_ids: list[int], positions: list[int], tables: list[dict],

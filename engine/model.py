@@ -73,6 +73,7 @@ class DeepseekV4Model:
         self.fast_paths = describe(self.device, self.dtype, fp8, packed, all(m.ogs_fits for m in self.moe))
         logging.getLogger("dsv4.engine").info("fast paths: %s", self.fast_paths)
         self.ropes = {"main": Rope(cfg.main_rope, self.device), "compress": Rope(cfg.compress_rope, self.device)}
+        self._rope_stack = None  # (inv_freq [2, 1, half], attention factors [2, 1, 1]) for _position_ropes
         # The hc residual streams stay fp32 in 16-bit engines (each block's input and output still round to
         # the model dtype). On the H200 this lifted bf16 teacher-forced greedy agreement with the fp32 engine
         # from 0.93 to 0.96 (small preset, decided positions; BENCHMARKS.md) for ~4% more decode bytes at
@@ -110,13 +111,12 @@ class DeepseekV4Model:
     def forward(self, batch: StepBatch, pool: CachePool) -> torch.Tensor:
         """Run every token of the step through the model; -> fp32 logits [len(batch.logit_rows), vocab]."""
         cfg = self.cfg
-        ropes = {
-            "main": self.ropes["main"](batch.positions),
-            "compress": self.ropes["compress"](batch.positions),
-            "compress_at": _memo_by_tensor(self.ropes["compress"]),
-        }
-        h = vocab_embed(self.embed, batch.token_ids, self.parallel).to(self.residual_dtype)
-        streams = h.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, hidden]
+        main, compress = self._position_ropes(batch.positions)
+        ropes = {"main": main, "compress": compress, "compress_at": _memo_by_tensor(self.ropes["compress"])}
+        h = vocab_embed(self.embed, batch.token_ids, self.parallel)
+        # [T, hc, hidden] in the residual dtype: the cast and the hc broadcast as one copy (one kernel, not two)
+        streams = torch.empty((h.shape[0], cfg.hc_mult, h.shape[1]), dtype=self.residual_dtype, device=h.device)
+        streams.copy_(h.unsqueeze(1).expand(-1, cfg.hc_mult, -1))
         for i in range(cfg.num_layers):
             lw = self.layer_weights[i]
             x, post, comb = self._hc(lw, "attn", streams)
@@ -126,6 +126,21 @@ class DeepseekV4Model:
             out = self.moe[i].forward(x, batch.token_ids)
             streams = self._mhc(streams).hc_post(out, streams, post, comb)
         return self.logits(streams[batch.logit_rows])
+
+    def _position_ropes(self, positions: torch.Tensor) -> tuple[tuple, tuple]:
+        """(cos, sin) of the main and the compress RoPE at `positions`, each fp32 [T, dim // 2]: both from one
+        [2, T, dim // 2] pass (6 kernels, not 12), the same fp32 ops element for element as Rope.__call__."""
+        main, comp = self.ropes["main"], self.ropes["compress"]
+        if main.inv_freq.shape != comp.inv_freq.shape:
+            return main(positions), comp(positions)
+        if self._rope_stack is None:
+            self._rope_stack = (torch.stack([main.inv_freq, comp.inv_freq]).to(torch.float32).unsqueeze(1),
+                                torch.tensor([main.spec.attention_factor, comp.spec.attention_factor],
+                                             dtype=torch.float32, device=self.device).view(2, 1, 1))
+        inv, factor = self._rope_stack
+        freqs = positions.to(torch.float32).unsqueeze(-1) * inv  # [2, T, half]
+        cos, sin = freqs.cos() * factor, freqs.sin() * factor
+        return (cos[0], sin[0]), (cos[1], sin[1])
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """streams: [N, hc, hidden] -> fp32 [N, vocab]."""

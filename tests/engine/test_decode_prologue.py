@@ -1,0 +1,136 @@
+"""The fused decode prologue (kernels.triton_decode_prologue through engine.decode_batch.PrologueLayout) derives
+exactly the StepBatch of the torch derivation (derive_decode_batch_reference): every tensor, element for element,
+same dtype and shape, on random page tables and positions (window edges, position 0, padding rows)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
+
+from engine.batch import StepBatch  # noqa: E402
+from engine.cache import CacheConfig, CachePool  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.decode_batch import (BlockTables, DecodeInputs, DecodeShape, PrologueLayout,  # noqa: E402
+                                 derive_decode_batch, derive_decode_batch_reference)
+from engine.make_model import preset_config  # noqa: E402
+
+
+def _pool(preset: str, kv_cache_dtype: str = "auto", **overrides) -> CachePool:
+    raw = preset_config(preset)
+    raw.update(overrides)
+    cfg = ModelConfig.from_dict(raw)
+    return CachePool(cfg, CacheConfig(max_requests=8, max_tokens=8192, kv_cache_dtype=kv_cache_dtype),
+                     torch.float32, DEVICE)
+
+
+def _flatten(batch: StepBatch, prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        key = f"{prefix}{f.name}"
+        if isinstance(v, torch.Tensor):
+            out[key] = v
+        elif isinstance(v, dict):
+            for name, item in v.items():
+                out.update(_flatten(item, f"{key}.{name}.") if dataclasses.is_dataclass(item)
+                           else {f"{key}.{name}": item})
+        elif dataclasses.is_dataclass(v):
+            out.update(_flatten(v, key + "."))
+        elif v is not None:
+            out[key] = v
+    return out
+
+
+def _inputs(pool: CachePool, tables: BlockTables, shape: DecodeShape, n: int, seed: int) -> DecodeInputs:
+    """n requests with random pages and positions (some on window edges), the rest padding."""
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, shape.context, (n,), generator=g).tolist()
+    edges = [0, shape.context - 1, 127, 128, 3, 4, 255]
+    positions[:len(edges)] = [min(p, shape.context - 1) for p in edges[:n]]
+    page_tables = []
+    for p in positions:
+        pages = {}
+        pool.grow(pages, p + 1)
+        page_tables.append(pages)
+    rows = tables.rows_for([f"r{i}" for i in range(n)], page_tables)
+    tokens = torch.randint(0, pool.cfg.vocab_size, (n,), generator=g).tolist()
+    return DecodeInputs(DecodeInputs.make(tokens, positions, rows, shape, tables.pad_row).packed.to(DEVICE))
+
+
+def _assert_same(got: StepBatch, want: StepBatch) -> None:
+    a, b = _flatten(got), _flatten(want)
+    assert a.keys() == b.keys()
+    for key in b:
+        if isinstance(b[key], torch.Tensor):
+            assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("preset,kv_cache_dtype,overrides", [
+    ("tiny", "auto", {}), ("tiny", "fp8", {}), ("mini_v4", "auto", {}), ("mini_v4", "fp8", {}),
+    ("tiny", "auto", {"sliding_window": 40}),  # a window that is no power of two
+])
+@pytest.mark.parametrize("slots,n,context", [(1, 1, 256), (8, 5, 384), (4, 4, 1000)])
+def test_fused_prologue_equals_reference(preset, kv_cache_dtype, overrides, slots, n, context):
+    shape = DecodeShape(slots, context)
+    for seed in range(2):
+        pool = _pool(preset, kv_cache_dtype, **overrides)
+        tables = BlockTables(pool, 8, 1024, DEVICE)
+        inputs = _inputs(pool, tables, shape, n, seed=seed + slots)
+        _assert_same(PrologueLayout(pool, tables, shape).derive(inputs),
+                     derive_decode_batch_reference(pool, tables, inputs, shape))
+
+
+def test_padding_only_batch(monkeypatch):
+    pool = _pool("tiny")
+    tables = BlockTables(pool, 4, 512, DEVICE)
+    shape = DecodeShape(4, 512)
+    inputs = DecodeInputs(DecodeInputs.make([], [], [], shape, tables.pad_row).packed.to(DEVICE))
+    monkeypatch.setenv("DSV4_TRITON", "1")
+    fused = derive_decode_batch(pool, tables, inputs, shape)
+    assert shape in tables.layouts  # took the fused path (descriptors cached per bucket)
+    _assert_same(fused, derive_decode_batch_reference(pool, tables, inputs, shape))
+
+
+def test_stacked_position_ropes_equal_each_rope():
+    """engine.model's one-pass main + compress RoPE equals each Rope on its own, bit for bit."""
+    from engine.config import RopeSpec
+    from engine.model import DeepseekV4Model, Rope
+
+    model = DeepseekV4Model.__new__(DeepseekV4Model)
+    model.device, model._rope_stack = torch.device("cpu"), None
+    model.ropes = {"main": Rope(RopeSpec(10000.0, 64), "cpu"),
+                   "compress": Rope(RopeSpec(160000.0, 64, yarn_factor=16.0, original_max_position=4096,
+                                             attention_factor=1.2772588722239781), "cpu")}
+    positions = torch.tensor([0, 1, 7, 4095, 4096, 65535, 1 << 20], dtype=torch.long)
+    main, comp = model._position_ropes(positions)
+    for got, want in ((main, model.ropes["main"](positions)), (comp, model.ropes["compress"](positions))):
+        for a, b in zip(got, want):
+            assert a.is_contiguous() and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_bucketed_decode_with_fused_prologue_matches_eager(monkeypatch, kv_cache_dtype):
+    """The whole bucketed decode path on the fused prologue (the rest of the model on its CPU paths): the same
+    tokens and log-probs as content-sized eager steps, across HCA and ratio-4 window boundaries."""
+    import engine.decode_batch as decode_batch
+    from tests.engine.test_decode_buckets import _engine, _prompts, _run_until
+    from engine.make_model import default_model_dir
+
+    monkeypatch.setattr(decode_batch, "use_triton", lambda device: True)
+    model_dir = default_model_dir()
+    eager = _engine(model_dir, "eager", kv_cache_dtype=kv_cache_dtype)
+    bucketed = _engine(model_dir, "bucketed", kv_cache_dtype=kv_cache_dtype)
+    prompts = _prompts([125, 131, 9], eager.cfg.vocab_size, seed=5)
+    _, want = _run_until(eager, prompts, new_tokens=12, steps=10)
+    _, got = _run_until(bucketed, prompts, new_tokens=12, steps=10)
+    assert bucketed.decode_runner.steps >= 8 and bucketed.decode_runner.block_tables.layouts
+    assert [(r, t) for r, t, _ in got] == [(r, t) for r, t, _ in want]
+    tol = 1e-5 if kv_cache_dtype == "auto" else 1e-3
+    assert all(abs(a - b) <= tol for (_, _, a), (_, _, b) in zip(got, want) if a is not None)
