@@ -42,6 +42,7 @@ class TransferTicket:
     src_pages: tuple[tuple[str, tuple[int, ...]], ...]
     num_tokens: int
     fingerprint: str  # layout_fingerprint of the source pool
+    staging: tuple[int, int] | None = None  # (offset, nbytes) of the pages packed in the source's staging buffer
 
     def page_table(self) -> dict[str, list[int]]:
         return {g: list(p) for g, p in self.src_pages}

@@ -14,6 +14,9 @@ its release callback fires: on decode's confirmation, on decode's failure report
 (`lease_s`, default 120 s) runs out because the decode side vanished. `poll()` runs the callbacks in the CALLER's
 thread, since `engine.allocator` is not thread-safe. On the decode side a failed `pull` raises
 TransferError / TransferTimeout and the caller frees the destination pages (`receive` does it itself).
+Staging (NIXL): a backend may also pack the request's bytes at export (`_stage`, e.g. into a registered staging
+buffer, kv_transfer.staging); whatever it holds is freed (`_unstage`) when the export is released, by the same
+events as the pages, and the ticket tells the decode side where the packed bytes are (`TransferTicket.staging`).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class _Export:
     table: dict[str, list[int]]
     num_tokens: int
     deadline: float
+    staging: object = None  # what the backend's _stage returned (released with the export)
 
 
 class TransferBackend(ABC):
@@ -124,12 +128,36 @@ class TransferBackend(ABC):
         """Offer a finished prefill's pages for pulling. The caller keeps them until the release callback."""
         plan = build_plan(self.specs, pages, pages, num_tokens)  # validates the table against the pool
         src = tuple((g.name, tuple(s for s, _ in g.pages)) for g in plan.groups)
+        export = _Export({g: list(p) for g, p in src}, num_tokens, time.monotonic() + self.lease_s)
         with self._lock:
             if request_id in self._exports:
                 raise ValueError(f"request {request_id!r} is already exported by {self.worker_name}")
-            self._exports[request_id] = _Export({g: list(p) for g, p in src}, num_tokens,
-                                                time.monotonic() + self.lease_s)
-        return TransferTicket(self.worker_name, request_id, src, num_tokens, self.fingerprint)
+            self._exports[request_id] = export
+        try:  # held under the export's lease: released (freed) with it, whatever ends the export
+            staging = self._stage(request_id, plan)
+        except BaseException:
+            with self._lock:
+                self._exports.pop(request_id, None)
+            raise
+        with self._lock:
+            alive = self._exports.get(request_id) is export
+            if alive:
+                export.staging = staging
+        if not alive and staging is not None:  # released by another thread while staging: free it here
+            self._unstage(request_id, staging)
+        return TransferTicket(self.worker_name, request_id, src, num_tokens, self.fingerprint,
+                              self._ticket_staging(export.staging))
+
+    def _stage(self, request_id: str, plan: TransferPlan):
+        """Backend hook at export: pack the request's bytes somewhere cheaper to pull; None = pull the pages."""
+        return None
+
+    def _ticket_staging(self, staging) -> tuple[int, int] | None:
+        """What the ticket says of `_stage`'s result (the decode side reads it)."""
+        return None
+
+    def _unstage(self, request_id: str, staging) -> None:
+        """Backend hook when an export ends (confirmed, failed, expired, aborted): free what _stage held."""
 
     def add_release_callback(self, cb: ReleaseCallback) -> None:
         self._callbacks.append(cb)
@@ -137,8 +165,11 @@ class TransferBackend(ABC):
     def release(self, request_id: str, error: str | None = None) -> bool:
         """Mark an export done (error None) or failed; fires the callbacks, which free the pages. Frees nothing."""
         with self._lock:
-            if self._exports.pop(request_id, None) is None:
-                return False  # already released (duplicate confirmation, lease expiry race)
+            export = self._exports.pop(request_id, None)
+        if export is None:
+            return False  # already released (duplicate confirmation, lease expiry race)
+        if export.staging is not None:
+            self._unstage(request_id, export.staging)
         for cb in self._callbacks:
             cb(request_id, error)
         return True
@@ -183,7 +214,7 @@ class TransferBackend(ABC):
         deadline = t0 + timeout_s
         try:
             plan = self.plan_for(ticket, dst_pages)
-            self._read(ticket, plan, deadline)
+            descriptors = self._read(ticket, plan, deadline)
         except TransferError as e:
             self._notify(ticket, str(e))
             raise
@@ -191,7 +222,8 @@ class TransferBackend(ABC):
             err = TransferError(f"request {ticket.request_id!r} from {ticket.source!r}: {type(e).__name__}: {e}")
             self._notify(ticket, str(err))
             raise err from e
-        return TransferStats(plan.total_bytes, plan.num_descriptors, time.monotonic() - t0)
+        return TransferStats(plan.total_bytes, plan.num_descriptors if descriptors is None else descriptors,
+                             time.monotonic() - t0)
 
     def receive(self, ticket: TransferTicket, timeout_s: float = 30.0) -> tuple[dict[str, list[int]], TransferStats]:
         """Allocate destination pages for the ticket, pull into them, free them again if the pull fails."""
@@ -204,9 +236,10 @@ class TransferBackend(ABC):
             raise
 
     @abstractmethod
-    def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> None:
+    def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> int | None:
         """Execute `plan` from ticket.source into this pool before `deadline` (time.monotonic); on success the
-        source must learn the request is done (in-band), on failure raise."""
+        source must learn the request is done (in-band), on failure raise. Returns the descriptors it used
+        (None: the plan's page ranges)."""
 
     @abstractmethod
     def _notify(self, ticket: TransferTicket, error: str) -> None:

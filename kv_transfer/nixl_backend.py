@@ -15,6 +15,17 @@ VRAM pulls are GETs, and UCX turns cuda_ipc GETs off when it finds no NVLink (on
 then goes through host staging over cma/tcp (0.5 GB/s between two processes on one H200, BENCHMARKS.md
 gpu_service). `enable_cuda_ipc_get()` sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y before the agent exists (newer NIXL
 builds enable it themselves; an explicit setting in the environment wins).
+Staging (default on; `staging_bytes`, env DSV4_NIXL_STAGING_BYTES, 0 = off): a READ pays ~7-8 us per
+descriptor (H200, cuda_ipc), and a page plan has one per layer per group per page run (hundreds to thousands for
+V4-Flash). Each backend also registers one contiguous staging buffer (kv_transfer.staging) at start-up. At
+export the source gathers the request's pages into a range of it (one index_select per group) and the ticket
+carries (offset, nbytes); the range is freed with the export (confirmation, failure, lease expiry, abort). The
+destination READs that range as ONE descriptor into a range of its own buffer and scatters it into its pages
+(one index_copy_ per group). Byte layout: kv_transfer.plan.staged_layout. Short of staging space on either
+side (or a request larger than the buffer) the pull falls back to the page descriptors, logged once per side and
+counted in `staging_counts`. Default size: one request as long as the pool can hold, capped at
+DEFAULT_STAGING_CAP (the buffer is outside the KV memory plan: `--max-cached-tokens` / utilisation budgets do
+not include it).
 Idle cost: NIXL's progress thread polls UCX in a loop with `pthrDelay` microseconds between rounds, which the
 python agent hard-codes to 0: an idle worker then burns most of a core. `progress_delay_us` (default 1000,
 env DSV4_NIXL_PROGRESS_DELAY_US) is set on the agent config instead: measured on a 2-core CPU host, idle
@@ -35,7 +46,8 @@ import numpy as np
 
 from engine.cache import CachePool
 from kv_transfer.base import TransferBackend, TransferError, TransferTicket, TransferTimeout, pack_metadata
-from kv_transfer.plan import TransferPlan, group_nbytes
+from kv_transfer.plan import TransferPlan, group_nbytes, staged_layout, staged_nbytes
+from kv_transfer.staging import StagingBuffer
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +67,28 @@ def import_nixl():
 
 _CONFIG_LOCK = threading.Lock()
 DEFAULT_PROGRESS_DELAY_US = 1000
+DEFAULT_STAGING_CAP = 512 << 20
+
+
+def default_staging_bytes(pool: CachePool) -> int:
+    """Room for one request as long as the pool can hold (its tightest growing group), capped."""
+    growing = [g for g in pool.groups.values() if not g.spec.fixed]
+    tokens = min((g.usable_pages * g.spec.page_rows * g.spec.tokens_per_row for g in growing), default=0)
+    return min(staged_nbytes([g.spec for g in pool.groups.values()], tokens), DEFAULT_STAGING_CAP)
+
+
+def _staging_option(pool: CachePool, staging_bytes) -> int:
+    if staging_bytes is None:
+        env = os.environ.get("DSV4_NIXL_STAGING_BYTES")
+        staging_bytes = default_staging_bytes(pool) if env is None else env
+    try:
+        n = int(staging_bytes)
+        if n < 0 or isinstance(staging_bytes, bool) or (isinstance(staging_bytes, float) and n != staging_bytes):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"staging_bytes must be a non-negative int of bytes (0 = no staging), "
+                         f"got {staging_bytes!r}") from None
+    return n
 
 
 def _agent_with_delay(nixl_agent, mod, name: str, conf, delay_us: int):
@@ -89,12 +123,18 @@ def enable_cuda_ipc_get() -> None:
     os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
 
 
+class _Uncancelled(TransferError):
+    """A READ NIXL could not cancel: its destination bytes may still change."""
+
+
 class NixlBackend(TransferBackend):
     name = "nixl"
 
     def __init__(self, pool: CachePool, worker_name: str | None = None, lease_s: float = 120.0,
-                 on_release=None, ucx_params: dict[str, str] | None = None, progress_delay_us: int | None = None):
+                 on_release=None, ucx_params: dict[str, str] | None = None, progress_delay_us: int | None = None,
+                 staging_bytes: int | None = None):
         super().__init__(pool, worker_name, lease_s, on_release)
+        staging_bytes = _staging_option(pool, staging_bytes)  # bad values fail before any NIXL state exists
         if any(g.tensor.is_cuda for g in pool.groups.values()):
             enable_cuda_ipc_get()
         nixl_agent, nixl_agent_config, mod = import_nixl()
@@ -118,19 +158,29 @@ class NixlBackend(TransferBackend):
         if len(mem_types) != 1:
             raise ValueError(f"pool mixes memory types {mem_types}; one transfer request needs one type")
         self.mem_type = mem_types.pop()
+        self.staging = StagingBuffer(pool, staging_bytes) if staging_bytes else None
+        if self.staging is not None:
+            self._regs.append(self.agent.register_memory(self.staging.tensor))
+        self.staging_counts = {"staged": 0, "fallback_source": 0, "fallback_destination": 0}
+        self._count_lock = threading.Lock()
         self._peers: dict[str, dict] = {}  # worker -> {"mem": str, "groups": {group: (addr, nbytes, dev)}}
         self._stuck = []  # transfer handles NIXL could not cancel (kept alive: freeing them could crash)
 
     def metadata(self) -> bytes:
         groups = {n: [addr, group_nbytes(self.pool.groups[n].spec), dev] for n, (addr, dev) in self._local.items()}
-        return pack_metadata(self._header(mem=self.mem_type, groups=groups), self.agent.get_agent_metadata())
+        st = self.staging
+        staging = None if st is None else [st.tensor.data_ptr(), st.tensor.numel(), _mem(st.tensor)[1]]
+        return pack_metadata(self._header(mem=self.mem_type, groups=groups, staging=staging),
+                             self.agent.get_agent_metadata())
 
     def _add_peer(self, name: str, header: dict, payload: bytes) -> None:
         loaded = self.agent.add_remote_agent(payload)
         loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
         if loaded != name:
             raise TransferError(f"NIXL metadata names agent {loaded!r}, expected {name!r}")
-        self._peers[name] = {"mem": header["mem"], "groups": {g: tuple(v) for g, v in header["groups"].items()}}
+        staging = header.get("staging")
+        self._peers[name] = {"mem": header["mem"], "groups": {g: tuple(v) for g, v in header["groups"].items()},
+                             "staging": tuple(int(v) for v in staging) if staging else None}
         try:  # optional: connect now so the first request does not pay for it
             self.agent.make_connection(name)
         except Exception as e:
@@ -153,17 +203,94 @@ class NixlBackend(TransferBackend):
                 i += 1
         return local, remote
 
-    def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> None:
+    # ---- staging -------------------------------------------------------------------------------------
+    def _count(self, key: str, detail: str = "") -> None:
+        with self._count_lock:
+            self.staging_counts[key] += 1
+            first = self.staging_counts[key] == 1
+        if detail and first:  # once per side: a full buffer under load would otherwise flood the log
+            log.warning("%s: %s; pulling by page descriptors (correct, slower). Counted in staging_counts; "
+                        "raise staging_bytes / DSV4_NIXL_STAGING_BYTES", self.worker_name, detail)
+
+    def _stage(self, request_id: str, plan: TransferPlan):
+        if self.staging is None:
+            return None
+        layout = staged_layout(plan, self.specs)
+        if layout.nbytes == 0:
+            return None
+        offset = self.staging.arena.alloc(layout.nbytes)
+        if offset is None:
+            self._count("fallback_source", f"no {layout.nbytes}-byte staging range free for exporting "
+                        f"{request_id!r} ({self.staging.arena.largest_free} of {self.staging.arena.capacity} "
+                        "bytes contiguous free)")
+            return None
+        try:
+            self.staging.gather(offset, layout)
+        except BaseException:
+            self.staging.arena.free(offset)
+            raise
+        return offset, layout.nbytes
+
+    def _ticket_staging(self, staging) -> tuple[int, int] | None:
+        return staging
+
+    def _unstage(self, request_id: str, staging) -> None:
+        self.staging.arena.free(staging[0])
+
+    # ---- decode side -------------------------------------------------------------------------------------
+    def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> int:
         what = f"NIXL READ of request {ticket.request_id!r} from {ticket.source!r}"
         done = json.dumps({"op": "done", "rid": ticket.request_id}).encode()
         if plan.num_descriptors == 0:
             self.agent.send_notif(ticket.source, done)
-            return
+            return 0
         if self.mem_type == "VRAM":  # UCX's CUDA transports copy on the posting thread: make the pool's GPU current
             import torch
 
             torch.cuda.set_device(next(iter(self._local.values()))[1])
+        staged = self._read_staged(ticket, plan, deadline, what, done)
+        if staged is not None:
+            return staged
         local, remote = self._descs(ticket, plan)
+        self._xfer(ticket, local, remote, done, deadline, what, plan.total_bytes)
+        return len(local)
+
+    def _read_staged(self, ticket: TransferTicket, plan: TransferPlan, deadline: float, what: str,
+                     done: bytes) -> int | None:
+        """One READ of the source's staging range into ours, then the scatter; None: use the page plan."""
+        src = self._peers[ticket.source]["staging"]
+        if ticket.staging is None or src is None or self.staging is None:
+            return None
+        layout = staged_layout(plan, self.specs)
+        src_off, nbytes = ticket.staging
+        if nbytes != layout.nbytes or src_off < 0 or src_off + nbytes > src[1]:
+            raise TransferError(f"{what}: staged range {ticket.staging} does not match the plan "
+                                f"({layout.nbytes} bytes) or the source's staging buffer ({src[1]} bytes)")
+        offset = self.staging.arena.alloc(nbytes)
+        if offset is None:
+            self._count("fallback_destination", f"no {nbytes}-byte staging range free for pulling "
+                        f"{ticket.request_id!r} ({self.staging.arena.largest_free} of "
+                        f"{self.staging.arena.capacity} bytes contiguous free)")
+            return None
+        keep = False
+        try:
+            base, dev = self.staging.tensor.data_ptr(), _mem(self.staging.tensor)[1]
+            local = np.array([(base + offset, nbytes, dev)], dtype=np.uint64)
+            remote = np.array([(src[0] + src_off, nbytes, src[2])], dtype=np.uint64)
+            self._xfer(ticket, local, remote, done, deadline, what, nbytes)
+            self.staging.scatter(offset, layout)  # waits for its copies: the range is free to reuse after
+        except _Uncancelled:
+            keep = True  # a READ that may still land there: never hand the range out again
+            raise
+        finally:
+            if not keep:
+                self.staging.arena.free(offset)
+        self._count("staged")
+        return 1
+
+    def _xfer(self, ticket: TransferTicket, local: np.ndarray, remote: np.ndarray, done: bytes, deadline: float,
+              what: str, nbytes: int) -> None:
+        """Post one READ (local <- remote, Nx3 descriptor arrays) carrying `done`, and drive it to the end."""
         handle = self.agent.initialize_xfer(
             "READ", self.agent.get_xfer_descs(local, self.mem_type),
             self.agent.get_xfer_descs(remote, self._peers[ticket.source]["mem"]), ticket.source, done)
@@ -172,8 +299,8 @@ class NixlBackend(TransferBackend):
             state, spins = self.agent.transfer(handle), 0
             while state == "PROC":
                 if time.monotonic() >= deadline:
-                    error = TransferTimeout(f"{what}: timed out ({plan.total_bytes} bytes, "
-                                            f"{plan.num_descriptors} descriptors still in flight)")
+                    error = TransferTimeout(f"{what}: timed out ({nbytes} bytes, {len(local)} descriptors "
+                                            "still in flight)")
                     break
                 spins += 1
                 if spins > 100:  # spin briefly for small transfers, then stop burning a core
@@ -190,7 +317,7 @@ class NixlBackend(TransferBackend):
         except Exception as e:
             self._stuck.append(handle)
             msg = f"{what}: could not cancel the READ ({e}); its destination pages may still be written"
-            error = TransferError(f"{error}; {msg}" if error else msg)
+            error = _Uncancelled(f"{error}; {msg}" if error else msg)
         if error is not None:
             raise error
 

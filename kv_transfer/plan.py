@@ -18,6 +18,14 @@ Runs of pages that are consecutive on BOTH sides become one range per layer; ran
 not the byte count, is what a transfer engine pays for.
 The source and destination pools may differ in `num_pages` (prefill and decode size their pools independently);
 everything else in the layout must match.
+
+Staged layout (`staged_layout`, the NIXL backend's one-descriptor path): the same pages, packed into one
+contiguous byte range of a staging buffer on each side. Groups follow spec order, each at an offset aligned to
+STAGING_ALIGN bytes; inside a group the bytes are [layer slot, page in request order, page_bytes], i.e. what
+`index_select(dim=1)` of the group tensor viewed as [layers, num_pages, page_bytes] with the request's page ids
+produces. The source gathers its pages (the plan's src side) into that range, the destination READs the range
+whole into its own staging range and scatters it to its pages (the plan's dst side). The range's size depends
+only on the layout and the page counts, so both sides compute the same offsets from the same plan.
 """
 
 from __future__ import annotations
@@ -100,6 +108,59 @@ class TransferPlan:
             if g.name == name:
                 return g
         raise KeyError(f"no cache group {name!r} in plan; groups: {[g.name for g in self.groups]}")
+
+
+STAGING_ALIGN = 256  # bytes: every staged group starts aligned (wide loads, any dtype view)
+
+
+def align_up(n: int, k: int = STAGING_ALIGN) -> int:
+    return -(-n // k) * k
+
+
+@dataclass(frozen=True)
+class StagedGroup:
+    """One group's place in a request's staging range: bytes [offset, offset + nbytes) hold
+    [layers, len(pages), page_bytes], pages as (src_page, dst_page) in request order."""
+
+    name: str
+    offset: int
+    layers: int
+    page_bytes: int
+    pages: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.layers * len(self.pages) * self.page_bytes
+
+
+@dataclass(frozen=True)
+class StagedLayout:
+    groups: tuple[StagedGroup, ...]  # groups with pages only, in spec order
+    nbytes: int  # the whole staging range, alignment gaps included
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+
+def staged_layout(plan: TransferPlan, specs: Sequence[CacheGroupSpec]) -> StagedLayout:
+    """The staged form of `plan` (see the module docstring): per group its offset in the request's staging
+    range and its page order. `specs`: either side's groups (only the layout, not num_pages, is read)."""
+    by_name = {s.name: s for s in specs}
+    groups, off = [], 0
+    for g in plan.groups:
+        if not g.pages:
+            continue
+        spec = by_name[g.name]
+        sg = StagedGroup(g.name, off, len(spec.layers), page_bytes(spec), g.pages)
+        groups.append(sg)
+        off = align_up(off + sg.nbytes)
+    return StagedLayout(tuple(groups), off)
+
+
+def staged_nbytes(specs: Sequence[CacheGroupSpec], num_tokens: int) -> int:
+    """Size of the staging range `staged_layout` gives a request of `num_tokens` (without building a plan)."""
+    return sum(align_up(len(s.layers) * pages_needed(s, num_tokens) * page_bytes(s)) for s in specs)
 
 
 def pages_needed(spec: CacheGroupSpec, num_tokens: int) -> int:

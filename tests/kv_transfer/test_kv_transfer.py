@@ -173,7 +173,10 @@ def test_pull_moves_every_group_byte_for_byte(kind):
         ticket = pickle.loads(pickle.dumps(ticket))  # it travels through Ray
         stats = dst.pull(ticket, dtab, timeout_s=10)
         plan = dst.plan_for(ticket, dtab)
-        assert stats.bytes == plan.total_bytes > 0 and stats.descriptors == plan.num_descriptors
+        assert stats.bytes == plan.total_bytes > 0
+        # NIXL stages by default (kv_transfer.staging): the whole request is one descriptor
+        assert plan.num_descriptors > 1
+        assert stats.descriptors == (1 if kind == "nixl" else plan.num_descriptors)
         assert_moved(src_pool, dst_pool, ticket.page_table(), dtab, before)
         assert wait_poll(src) == [("req-1", None)] and released == [("req-1", None)]
         assert src.exported() == []
