@@ -24,6 +24,15 @@ On the fast path (`_path`) fp8 pools take engine.attention_fp8: FlashMLA reading
 decode steps whose geometry it takes ("fp8_flashmla"), else the Triton kernel over dequantised stores
 ("fp8_triton"); the compressor packs its entries with the Triton quantised-entry kernel and the indexer
 scores the packed keys in its kernel. All of it without a host sync, so fp8 decode runs under CUDA graphs.
+
+The fast path keeps a decode step's launches per layer few (CUDA graphs replay them, but each still costs launch
+latency at batch 1): the plain projections of x (compressor wkv | wgate, the indexer compressor's, the indexer
+head weights) are one GEMM (`_stack_x_projections`); each compressor is two launches (kernels.triton_compress_step:
+windows closed from their slot rows in place, cos / sin gathered from a table of window starts, entries written
+into their cache; then the state ring); the indexer's glue before its scoring kernel is one launch
+(kernels.triton_indexer_query.indexer_prologue); the attention's row ids are one launch
+(kernels.triton_attention_rows); decode steps write their kv rows into the SWA ring with the norm + RoPE launch
+(kernels.triton_swa_insert); the output's inverse RoPE is one launch (kernels.triton_norm_rope.rope).
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ class AttentionBlock:
         if isinstance(wq_a, Fp8Weight) and can_concat_rows(wq_a, wkv):
             self.stacked_qkv = concat_rows(wq_a, wkv)
             self.w["wq_a.weight"], self.w["wkv.weight"] = split_rows(self.stacked_qkv, wq_a.shape[0])
+        self.x_stack, self.x_cols = _stack_x_projections(self.w, self.ratio)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, pool: CachePool, ropes: dict) -> torch.Tensor:
         """x: [T, hidden] (normed block input) -> [T, hidden]."""
@@ -91,8 +101,10 @@ class AttentionBlock:
         swa = pool.groups["swa"]
         ring = swa.bind(self.layer)
         path = self._path(swa.quantised, fast_ops, batch, pool, kv_pre.dtype, ring)
-        if path == "fp8_flashmla":  # decode: this step's rows go into the ring first (see engine.attention_fp8)
-            attention_fp8.insert_decode_rows(kv_pre, w["norm.weight"], cos, sin, eps, ring, batch)
+        # decode steps on the fast paths write this step's rows into the ring first (engine.attention_fp8)
+        ring_first = path == "fp8_flashmla" or (path == "exact_triton" and _one_token_each(batch))
+        if ring_first:
+            kv = attention_fp8.insert_decode_rows(kv_pre, w["norm.weight"], cos, sin, eps, ring, batch)
         else:
             kv = _norm_rope(kv_pre, cos, sin, eps, w["norm.weight"], fast_ops)
         packed = swa.encode(kv) if swa.quantised and path != "fp8_flashmla" else None  # rows as the ring stores them
@@ -105,40 +117,68 @@ class AttentionBlock:
                 keys = batch.swa.gather(kv, ring)
                 batch.swa_write.apply(kv, ring)  # after the gather: the chunk may overwrite slots it just read
 
-        entries = comp_rows = comp_valid = comp_ids = None
-        if self.ratio > 1:
+        entries = comp_rows = comp_valid = comp_ids = comp = None
+        if self.ratio > 1 and fast_ops:
+            # one GEMM for every plain projection of x (compressor, indexer compressor, indexer head weights)
+            xp = self._x_projections(x)
+            entries = self._compress_fast(xp, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}",
+                                          "compressor.")
+            if self.ratio == 4:
+                comp_ids = self._indexer(x, q_res, q_res_fp8, batch, pool, ropes, xp)
+                comp = {"ids": comp_ids, "table": batch.tables["kv4"], "seg": batch.seq_of_token,
+                        "page_rows": pool.groups["kv4"].spec.page_rows}
+            else:
+                vis = batch.visible[f"kv{self.ratio}"]
+                comp = {"comp_rows": vis.rows, "comp_valid": vis.valid}
+            if path in ("fp8_triton", "reference"):  # these take rows, ids and visibility apart
+                comp_rows, comp_valid, comp_ids = self._entry_rows(batch, pool, comp_ids, x.device)
+        elif self.ratio > 1:
             entries = self._compress(x, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}", "compressor.",
                                      cfg.head_dim)
             if self.ratio == 4:
                 comp_ids = self._indexer(x, q_res, q_res_fp8, batch, pool, ropes)
-                comp_rows = paged_rows(batch.tables["kv4"], pool.groups["kv4"].spec.page_rows,
-                                       batch.seq_of_token.unsqueeze(1).expand_as(comp_ids), comp_ids)
-                comp_valid = comp_ids >= 0
-            else:
-                vis = batch.visible[f"kv{self.ratio}"]
-                comp_rows, comp_valid = vis.rows, vis.valid
-                comp_ids = torch.arange(vis.rows.shape[1], device=x.device).expand_as(vis.rows)
-            if path == "reference":
-                keys = torch.cat([keys, entries.read(comp_rows).to(keys.dtype)], dim=1)
-                valid = torch.cat([valid, comp_valid], dim=1)
+            comp_rows, comp_valid, comp_ids = self._entry_rows(batch, pool, comp_ids, x.device)
+        if self.ratio > 1 and path == "reference":
+            keys = torch.cat([keys, entries.read(comp_rows).to(keys.dtype)], dim=1)
+            valid = torch.cat([valid, comp_valid], dim=1)
 
         sink, scale = w["attn_sink"], cfg.head_dim ** -0.5
         if path == "exact_triton":
-            o = self._attend_triton(q, kv, ring.tensor, entries.tensor if entries is not None else None, comp_rows,
-                                    comp_valid, batch)
-            batch.swa_write.apply(kv, ring)  # after the kernel, which read the ring's older rows
+            o = self._attend_triton(q, kv, ring.tensor, entries.tensor if entries is not None else None, comp, batch)
+            if not ring_first:
+                batch.swa_write.apply(kv, ring)  # after the kernel, which read the ring's older rows
         elif path == "fp8_flashmla":
-            o = attention_fp8.flashmla_attend(q, ring, entries, comp_rows, comp_valid, batch, sink, scale)
+            o = attention_fp8.flashmla_attend(q, ring, entries, comp, batch, sink, scale)
         elif path == "fp8_triton":
             o = attention_fp8.dequantised_attend(q, swa.decode(packed), ring, entries, comp_rows, comp_ids,
                                                  comp_valid, batch, sink, scale)
             batch.swa_write.apply_packed(packed, ring)  # after the kernel, as on the exact path
         else:
             o = sparse_attention(q, keys, valid, sink, scale)
-        o = apply_rope(o, cos, sin, inverse=True)
+        if fast_ops:
+            from kernels.triton_norm_rope import rope  # imports triton: only on this path
+            o = rope(o, cos, sin, inverse=True)
+        else:
+            o = apply_rope(o, cos, sin, inverse=True)
         # = kernels.attention.grouped_output_projection, with FP8 weights where they were kept
         y = grouped_projection(o.reshape(t, self.o_groups, -1), w["wo_a.weight"], self.o_groups)
         return self.parallel.all_reduce(linear(y, w["wo_b.weight"]))  # row-parallel wo_b: partial sums
+
+    def _entry_rows(self, batch: StepBatch, pool: CachePool, comp_ids, device):
+        """(global entry rows [T, E], visibility [T, E], entry numbers [T, E]) of this layer's entry group."""
+        if self.ratio == 4:
+            comp_rows = paged_rows(batch.tables["kv4"], pool.groups["kv4"].spec.page_rows,
+                                   batch.seq_of_token.unsqueeze(1).expand_as(comp_ids), comp_ids)
+            return comp_rows, comp_ids >= 0, comp_ids
+        vis = batch.visible[f"kv{self.ratio}"]
+        return vis.rows, vis.valid, torch.arange(vis.rows.shape[1], device=device).expand_as(vis.rows)
+
+    def _x_projections(self, x: torch.Tensor) -> dict:
+        """name -> x @ w[name].t() for the plain projections of x ([T, n] column views of one GEMM when stacked)."""
+        if self.x_stack is None:
+            return {name: x @ self.w[name].t() for name in self.x_cols}
+        out = x @ self.x_stack.t()
+        return {name: out[:, a:b] for name, (a, b) in self.x_cols.items()}
 
     def _path(self, quantised: bool, fast_ops: bool, batch: StepBatch, pool: CachePool, dtype: torch.dtype,
               ring: CacheLayer) -> str:
@@ -160,20 +200,47 @@ class AttentionBlock:
             self._flashmla = use_flash_mla(ring.tensor.device) and not reason
         return self._flashmla
 
-    def _attend_triton(self, q, kv, ring, entries, comp_rows, comp_valid, batch: StepBatch) -> torch.Tensor:
-        """Sparse attention over rows read in place: row ids into [ring | kv | entries] (-1 = invalid)."""
+    def _attend_triton(self, q, kv, ring, entries, comp: dict | None, batch: StepBatch) -> torch.Tensor:
+        """Sparse attention over rows read in place: row ids into [ring | kv | entries] (-1 = invalid).
+
+        comp: the entry side as kernels.triton_attention_rows.attention_rows takes it (None without entries)."""
         from kernels.triton_attention import sparse_mqa_attention_multi  # imports triton: only on this path
+        from kernels.triton_attention_rows import attention_rows
 
         kv = kv.contiguous()
         # batch.swa.row already indexes [ring rows | chunk rows]; the entry group's rows follow them.
-        parts, stores = [torch.where(batch.swa.valid, batch.swa.row, -1)], [ring, kv]
+        stores, base = [ring, kv], ring.shape[0] + kv.shape[0]
         if entries is not None:
-            base = ring.shape[0] + kv.shape[0]
-            parts.append(torch.where(comp_valid, comp_rows + base, -1))
             stores.append(entries.to(kv.dtype) if entries.dtype != kv.dtype else entries)
-        total = sum(s.shape[0] for s in stores)
-        rows = torch.cat(parts, dim=1).to(torch.int32 if total < 2**31 else torch.int64)
+        if sum(s.shape[0] for s in stores) >= 2**31:
+            raise ValueError("attention stores past int32 row ids")
+        w = batch.swa.row.shape[1]
+        k = 0 if comp is None else (comp["ids"] if "ids" in comp else comp["comp_rows"]).shape[1]
+        rows = torch.empty(q.shape[0], w + k, dtype=torch.int32, device=q.device)
+        attention_rows(batch.swa.row, batch.swa.valid, rows[:, :w], base=base,
+                       out_comp=rows[:, w:] if comp is not None else None, **(comp or {}))
         return sparse_mqa_attention_multi(q, stores, rows, self.w["attn_sink"], self.cfg.head_dim ** -0.5)
+
+    def _compress_fast(self, xp: dict, batch: StepBatch, pool: CachePool, ropes: dict, entry_group: str,
+                       state_group: str, prefix: str) -> CacheLayer:
+        """`_compress` in two launches (kernels.triton_compress_step): the closing windows read their slots where
+        they live and go straight into the entry cache, then the state ring keeps the chunk tail."""
+        from kernels.triton_compress_step import close_windows, save_state  # imports triton: only on this path
+
+        plan: CompressPlan = batch.compress[entry_group]
+        w = self.w
+        entries = pool.groups[entry_group].bind(self.layer)
+        state = pool.groups[state_group].layer(self.layer)
+        ape, kv, gate = w[prefix + "ape"], xp[prefix + "wkv.weight"], xp[prefix + "wgate.weight"]
+        if plan.num_entries:
+            cos, sin = _entry_rope_table(self.cfg, ape.shape[0], ropes, kv.device)
+            prev = plan.prev
+            close_windows(state, kv, gate, ape, batch.positions, plan.cur.row, prev.row if prev else None,
+                          prev.valid if prev else None, w[prefix + "norm.weight"], self.cfg.rms_norm_eps, cos, sin,
+                          plan.entry_pos, plan.entry_row, entries.tensor,
+                          entries.group.codec.layout if entries.quantised else None, hadamard=False)
+        save_state(kv, gate, ape, batch.positions, state, plan.state_write.chunk_row, plan.state_write.ring_row)
+        return entries
 
     def _compress(self, x, batch: StepBatch, pool: CachePool, ropes: dict, entry_group: str, state_group: str,
                   prefix: str, dim: int) -> CacheLayer:
@@ -215,30 +282,86 @@ class AttentionBlock:
         plan.state_write.apply(rows, state)
         return entries
 
-    def _indexer(self, x, q_res, q_res_fp8, batch: StepBatch, pool: CachePool, ropes: dict) -> torch.Tensor:
-        """Top-k kv4 entry ids per query, -1 padded. -> int64 [T, index_topk]."""
+    def _indexer(self, x, q_res, q_res_fp8, batch: StepBatch, pool: CachePool, ropes: dict,
+                 xp: dict | None = None) -> torch.Tensor:
+        """Top-k kv4 entry ids per query, -1 padded. -> int64 [T, index_topk].
+
+        xp: the stacked x projections (`_x_projections`) on the fast path: the indexer compressor and the head
+        weights come from them, and its prologue (RoPE, head-weight scaling, padding, candidate rows) is one
+        launch (kernels.triton_indexer_query.indexer_prologue)."""
         cfg, w = self.cfg, self.w
-        keys = self._compress(x, batch, pool, ropes, "index", "index_state", "indexer.compressor.",
-                              cfg.index_head_dim)
+        if xp is not None:
+            keys = self._compress_fast(xp, batch, pool, ropes, "index", "index_state", "indexer.compressor.")
+        else:
+            keys = self._compress(x, batch, pool, ropes, "index", "index_state", "indexer.compressor.",
+                                  cfg.index_head_dim)
         cos, sin = ropes["compress"]
         q = linear_from(q_res, q_res_fp8, w["indexer.wq_b.weight"]).view(x.shape[0], cfg.index_n_heads,
                                                                             cfg.index_head_dim)
-        q = apply_rope(q, cos, sin)
-        head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
         vis = batch.visible["index"]
         if use_triton(x.device):
             from kernels.triton_indexer import indexer_topk  # imports triton: only on this path
-            rows = torch.where(vis.valid, vis.rows, -1)
+            from kernels.triton_indexer_query import indexer_prologue
             store, layout = keys.tensor, None
             if keys.quantised:  # paged MXFP4 / FP8 keys, dequantised in the kernel
                 layout = keys.group.codec.layout
                 store = store.view(-1, layout.block_size * layout.row_bytes)
-                if layout.index_head_dim != q.shape[-1]:  # zero-padded key dims (test presets): q . k unchanged
-                    q = torch.nn.functional.pad(q, (0, layout.index_head_dim - q.shape[-1]))
+            # zero-padded key dims (test presets): q . k unchanged
+            raw_weights = xp["indexer.weights_proj.weight"] if xp is not None else \
+                x @ w["indexer.weights_proj.weight"].t()
+            q, head_weights, rows = indexer_prologue(q, cos, sin, raw_weights, cfg.index_n_heads ** -0.5, vis.rows,
+                                                     vis.valid, layout.index_head_dim if layout else None)
             return indexer_topk(q.contiguous(), store, rows, head_weights.contiguous(), cfg.index_topk, layout,
                                 cu_seqlens=batch.cu)  # prefill-shaped steps: the shared-key prefill kernel
+        q = apply_rope(q, cos, sin)
+        head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
         scores = indexer_scores(q, keys.read(vis.rows), head_weights)
         return topk_visible(scores, vis.valid, cfg.index_topk)
+
+
+def _one_token_each(batch: StepBatch) -> bool:
+    """A decode step: every request runs one token (static: host-known sizes, no sync)."""
+    return batch.num_tokens == batch.cu.shape[0] - 1
+
+
+_X_PROJECTIONS = ("compressor.wkv.weight", "compressor.wgate.weight", "indexer.compressor.wkv.weight",
+                  "indexer.compressor.wgate.weight", "indexer.weights_proj.weight")
+
+
+def _stack_x_projections(w: dict, ratio: int):
+    """The block's plain (not FP8) projections of x stacked into one weight, the originals turned into row views
+    of it (no extra memory; x @ view.t() is the same product). -> (stacked [N, hidden] or None, name -> columns)."""
+    names = [n for n in _X_PROJECTIONS if n in w] if ratio > 1 else []
+    mats = [w[n] for n in names]
+    cols, start = {}, 0
+    for n, m in zip(names, mats):
+        cols[n] = (start, start + m.shape[0])
+        start += m.shape[0]
+    same = all(isinstance(m, torch.Tensor) and not isinstance(m, Fp8Weight) and m.dim() == 2
+               and m.dtype == mats[0].dtype and m.device == mats[0].device and m.shape[1] == mats[0].shape[1]
+               for m in mats)
+    if len(mats) < 2 or not same:
+        return None, cols
+    stacked = torch.cat(mats, dim=0)
+    for n, (a, b) in cols.items():
+        w[n] = stacked[a:b]
+    return stacked, cols
+
+
+_ENTRY_TABLES: dict = {}
+
+
+def _entry_rope_table(cfg: ModelConfig, ratio: int, ropes: dict, device) -> tuple:
+    """cos / sin of the compress RoPE at window starts 0, r, 2r, ... below max_position_embeddings (which
+    --max-model-len caps), built once per (rope, length, ratio, device) from the engine's own Rope (ropes'
+    "compress_at"), so a step gathers them in its compressor kernel instead of computing them.
+    V4-Flash at 1M positions: 64 MiB (ratio 4) + 2 MiB (ratio 128), shared by every layer."""
+    key = (cfg.compress_rope, cfg.max_position_embeddings, ratio, str(device))
+    table = _ENTRY_TABLES.get(key)
+    if table is None:
+        from kernels.triton_compress_step import entry_rope_table
+        table = _ENTRY_TABLES[key] = entry_rope_table(ropes["compress_at"], cfg.max_position_embeddings, ratio, device)
+    return table
 
 
 def _norm_rope(x: torch.Tensor, cos, sin, eps: float, weight: torch.Tensor | None, fast: bool) -> torch.Tensor:

@@ -6,7 +6,7 @@ dequantised keys. Both paths here compute that without a host sync, so decode st
 - `flashmla_attend`, decode steps (one token per request) whose geometry FlashMLA takes: the token's kv row was
   written into the SWA ring first (`insert_decode_rows`: Triton norm + RoPE + fp8_ds_mla pack; the slot it
   overwrites holds position - window, outside the token's window), then FlashMLA reads the ring and the entry
-  rows in place (kernels.flashmla_sparse);
+  rows in place (kernels.flashmla_sparse), its index lists built by one Triton launch (kernels.triton_attention_rows);
 - `dequantised_attend`, every other step (prefill chunks, mixed steps, geometries FlashMLA does not take): the
   keys a step names are dequantised into bf16 stores -- whole pages of the step's requests, or each query's
   own rows, whichever is fewer rows for these static shapes -- and the Triton MQA kernel reads them; the
@@ -22,31 +22,50 @@ from engine.cache import CacheLayer
 
 
 def token_ring_rows(batch: StepBatch) -> torch.Tensor:
-    """SWA ring row each token of a one-token-per-request step is written to (-1 = none). -> int64 [T]."""
-    w = batch.swa_write
-    rows = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=w.ring_row.device)
-    return rows.scatter(0, w.chunk_row, w.ring_row)
+    """SWA ring row each token of a one-token-per-request step is written to. -> int [T].
+
+    On such a step RingWrite's chunk rows are the tokens in order (engine.batch.build_step: one row a request, in
+    request order; engine.decode_batch: arange(slots)), so its ring rows are already per token: no scatter."""
+    return batch.swa_write.ring_row
 
 
 def insert_decode_rows(kv_pre: torch.Tensor, weight: torch.Tensor, cos, sin, eps: float, ring: CacheLayer,
                        batch: StepBatch) -> torch.Tensor:
-    """Normalise + rotate this step's kv and write it into the fp8_ds_mla ring (Triton, one launch). -> [T, D]."""
+    """Normalise + rotate this step's kv and write it into the ring (Triton, one launch). -> [T, D].
+
+    The ring is fp8_ds_mla (FlashMLA's decode) or exact rows in kv's dtype (the exact fast path's decode steps):
+    the slot a decode token overwrites holds position - window, outside every window of this step."""
     from kernels.triton_swa_insert import swa_insert  # imports triton: only on this path
 
     return swa_insert(kv_pre, weight, cos, sin, eps, ring.tensor, token_ring_rows(batch),
-                      ring.group.codec.layout)
+                      ring.group.codec.layout if ring.quantised else None)
 
 
-def flashmla_attend(q: torch.Tensor, ring: CacheLayer, entries: CacheLayer | None, comp_rows, comp_valid,
+def _padded(width: int) -> int:
+    from kernels.flashmla_sparse import TOPK_MULTIPLE
+
+    return max(TOPK_MULTIPLE, -(-width // TOPK_MULTIPLE) * TOPK_MULTIPLE)
+
+
+def flashmla_attend(q: torch.Tensor, ring: CacheLayer, entries: CacheLayer | None, comp: dict | None,
                     batch: StepBatch, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """FlashMLA over the ring (already holding this step's rows) and the entry rows, read in place."""
-    from kernels.flashmla_sparse import sparse_decode
+    """FlashMLA over the ring (already holding this step's rows) and the entry rows, read in place.
 
-    main_idx = torch.where(batch.swa.valid, batch.swa.ring_row, -1)
+    comp: the entry side as kernels.triton_attention_rows.attention_rows takes it (CSA: ids, table, seg, page_rows;
+    HCA: comp_rows, comp_valid); None without entries. Both index lists are built in one launch, int32 and -1
+    padded to FlashMLA's top-k multiple, so kernels.flashmla_sparse adds no copy."""
+    from kernels.flashmla_sparse import sparse_decode
+    from kernels.triton_attention_rows import attention_rows  # imports triton: only on this path
+
+    swa = batch.swa
+    t = q.shape[0]
+    main_idx = torch.empty(t, _padded(swa.ring_row.shape[1]), dtype=torch.int32, device=q.device)
     extra = extra_layout = extra_idx = None
     if entries is not None:
+        k = (comp["ids"] if "ids" in comp else comp["comp_rows"]).shape[1]
+        extra_idx = torch.empty(t, _padded(k), dtype=torch.int32, device=q.device)
         extra, extra_layout = entries.tensor, entries.group.codec.layout
-        extra_idx = torch.where(comp_valid, comp_rows, -1)
+    attention_rows(swa.ring_row, swa.valid, main_idx, out_comp=extra_idx, **(comp or {}))
     return sparse_decode(q, ring.tensor, ring.group.codec.layout, main_idx, extra, extra_layout, extra_idx, sink,
                          scale)
 

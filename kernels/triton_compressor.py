@@ -220,9 +220,9 @@ def _rotate_1d(a, e, o, ca, ce, oc, D, HADAMARD: tl.constexpr, LOG2D: tl.constex
 
 
 @triton.jit
-def _store_indexer_key(cache_ptr, out_row, vrow, srow, ok, a, e, o, ca, ce, D, hscale, FMT: tl.constexpr,
-                       LD: tl.constexpr, NS: tl.constexpr, OUT_P: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr,
-                       BF16: tl.constexpr, HW_FP8: tl.constexpr):
+def tl_store_indexer_key(cache_ptr, out_row, vrow, srow, ok, a, e, o, ca, ce, D, hscale, FMT: tl.constexpr,
+                         LD: tl.constexpr, NS: tl.constexpr, OUT_P: tl.constexpr, HADAMARD: tl.constexpr,
+                         LOG2D: tl.constexpr, BF16: tl.constexpr, HW_FP8: tl.constexpr):
     """Rotate one key (optional Hadamard), store it (model dtype) at out_row, quantise it into the cache row."""
     dt = out_row.dtype.element_ty
     i = tl.arange(0, OUT_P)
@@ -299,11 +299,11 @@ def _pool_quant_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, out
         tl_store_fp8_ds_mla(cache_ptr, vrow, srow, ok, nope2, tl_round_bf16(e), tl_round_bf16(o), p, HALF, NB,
                           NOPE_P // 64, 64, LD, SCALE_BYTES - NB, HW_FP8)
     else:
-        _store_indexer_key(cache_ptr, o_row, vrow, srow, ok, a, e, o, ca, ce, D, hscale, FMT, LD, NB, OUT_P, HADAMARD,
+        tl_store_indexer_key(cache_ptr, o_row, vrow, srow, ok, a, e, o, ca, ce, D, hscale, FMT, LD, NB, OUT_P, HADAMARD,
                            LOG2D, BF16, HW_FP8)
 
 
-def _quant_format(layout, d: int, rope_dim: int, hadamard: bool) -> int:
+def entry_quant_format(layout, d: int, rope_dim: int, hadamard: bool) -> int:
     """Validate the entry layout against entries of d channels (rope_dim of them RoPE) -> FMT code."""
     if isinstance(layout, Fp8DsMlaLayout):
         if hadamard:
@@ -350,7 +350,7 @@ def pool_norm_rope_quant(kv: torch.Tensor, score: torch.Tensor, weight: torch.Te
                          f"{tuple(sin.shape)}")
     half = cos.shape[1]
     rotate = isinstance(layout, IndexerKeyLayout) if hadamard is None else hadamard
-    fmt = _quant_format(layout, d, 2 * half, rotate)
+    fmt = entry_quant_format(layout, d, 2 * half, rotate)
     block_stride, capacity = tc.paged_cache_args(cache, layout)
     rows = tc.check_rows(rows, n, capacity)
     require_triton(kv.device)

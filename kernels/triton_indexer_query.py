@@ -205,3 +205,84 @@ def indexer_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout:
             BF16=q.dtype == torch.bfloat16, BF16_DOT=q.is_cuda and q.dtype == torch.bfloat16,
             HW_FP8=q.is_cuda and tc.USE_HW_FP8_CAST, HAS_ROT=rotated is not None, BLOCK_R=block_r, **extra)
     return (values, scales, rotated) if return_rotated else (values, scales)
+
+
+# ---- the engine's indexer prologue (unquantised queries) -----------------------------------------------------
+@triton.jit
+def _prologue_kernel(q_ptr, cos_ptr, sin_ptr, w_ptr, rows_ptr, valid_ptr, qo_ptr, wo_ptr, ro_ptr, H, DI, WIDTH, HALF, E,
+                     scale, stride_qt, stride_qh, stride_ct, stride_st, stride_wt, stride_rt, stride_vt, stride_ot,
+                     stride_oh, stride_rot, LD_P: tl.constexpr, H_P: tl.constexpr, HALF_P: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BF16: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    dt = qo_ptr.dtype.element_ty
+    hh = tl.arange(0, H_P)
+    hm = hh < H
+    # head weights: (x @ weights_proj^T).float() * scale
+    hw = tl.load(w_ptr + t * stride_wt + hh, mask=hm, other=0.0).to(tl.float32) * scale
+    tl.store(wo_ptr + t * H + hh, hw, mask=hm)
+    # q: NoPE copied, RoPE pairs rotated, zero padding up to the key width
+    nope = DI - 2 * HALF
+    c = tl.arange(0, LD_P)
+    q_row = q_ptr + t * stride_qt + hh[:, None] * stride_qh
+    o_row = qo_ptr + t * stride_ot + hh[:, None] * stride_oh
+    keep = hm[:, None] & (c < nope)[None, :]
+    x = tl.load(q_row + c[None, :], mask=keep, other=0.0)
+    tl.store(o_row + c[None, :], x.to(dt), mask=hm[:, None] & ((c < nope) | ((c >= DI) & (c < WIDTH)))[None, :])
+    p = tl.arange(0, HALF_P)
+    pm = hm[:, None] & (p < HALF)[None, :]
+    ce = nope + 2 * p
+    ev = tl.load(q_row + ce[None, :], mask=pm, other=0.0).to(tl.float32)
+    od = tl.load(q_row + ce[None, :] + 1, mask=pm, other=0.0).to(tl.float32)
+    cs = tl.load(cos_ptr + t * stride_ct + p, mask=p < HALF, other=1.0)[None, :]
+    sn = tl.load(sin_ptr + t * stride_st + p, mask=p < HALF, other=0.0)[None, :]
+    tl.store(o_row + ce[None, :], tl_round_to(ev * cs - od * sn, BF16, dt).to(dt), mask=pm)
+    tl.store(o_row + ce[None, :] + 1, tl_round_to(od * cs + ev * sn, BF16, dt).to(dt), mask=pm)
+    # candidate rows: -1 where not visible
+    for e0 in range(0, E, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        em = e < E
+        r = tl.load(rows_ptr + t * stride_rt + e, mask=em, other=-1)
+        v = tl.load(valid_ptr + t * stride_vt + e, mask=em, other=0)
+        tl.store(ro_ptr + t * stride_rot + e, tl.where(v != 0, r, -1), mask=em)
+
+
+def indexer_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: torch.Tensor, scale: float,
+                     rows: torch.Tensor, valid: torch.Tensor, width: int | None = None):
+    """The engine indexer's glue before its scoring kernel, one launch (AttentionBlock._indexer's reference):
+    q' = apply_rope(q, cos, sin) zero-padded to `width` channels; head weights = weights.float() * scale;
+    candidate rows = torch.where(valid, rows, -1).
+
+    q: [T, Hi, Di] (last dim contiguous; token / head strides free); cos, sin: fp32 [T, rope_dim // 2];
+    weights: [T, Hi] (model dtype; row stride free); rows: int [T, E]; valid: bool [T, E]; width >= Di (default Di).
+    -> (q' [T, Hi, width] q.dtype contiguous, fp32 [T, Hi], rows.dtype [T, E])."""
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, Hi, Di] with unit stride on the last dim, got {tuple(q.shape)}")
+    t, h, di = q.shape
+    width = width or di
+    if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or 2 * cos.shape[1] > di:
+        raise ValueError(f"cos/sin must be [T={t}, rope_dim // 2 <= {di // 2}], got {tuple(cos.shape)}")
+    if weights.shape != (t, h) or weights.stride(-1) != 1 or width < di:
+        raise ValueError(f"weights must be [T={t}, Hi={h}] with unit last stride (and width >= Di), got "
+                         f"{tuple(weights.shape)}, width {width}")
+    if rows.dim() != 2 or rows.shape[0] != t or valid.shape != rows.shape or valid.dtype != torch.bool:
+        raise ValueError(f"rows / valid must be matching int / bool [T={t}, E], got {tuple(rows.shape)}, "
+                         f"{valid.dtype} {tuple(valid.shape)}")
+    require_triton(q.device)
+    q_out = torch.empty(t, h, width, dtype=q.dtype, device=q.device)
+    w_out = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    r_out = torch.empty(rows.shape, dtype=rows.dtype, device=q.device)
+    if t == 0:
+        return q_out, w_out, r_out
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    valid = valid if valid.stride(-1) == 1 else valid.contiguous()
+    cos = cos if cos.dtype == torch.float32 and cos.stride(-1) == 1 else cos.float().contiguous()
+    sin = sin if sin.dtype == torch.float32 and sin.stride(-1) == 1 else sin.float().contiguous()
+    half, e = cos.shape[1], rows.shape[1]
+    extra = {"num_warps": 4} if q.is_cuda else {}
+    _prologue_kernel[(t,)](
+        q, cos, sin, weights, rows, valid, q_out, w_out, r_out, h, di, width, half, e, scale, q.stride(0), q.stride(1),
+        cos.stride(0), sin.stride(0), weights.stride(0), rows.stride(0), valid.stride(0), q_out.stride(0),
+        q_out.stride(1), r_out.stride(0), LD_P=triton.next_power_of_2(width), H_P=triton.next_power_of_2(h),
+        HALF_P=max(1, triton.next_power_of_2(half)), BLOCK_E=min(1024, triton.next_power_of_2(max(e, 1))),
+        BF16=q.dtype == torch.bfloat16, **extra)
+    return q_out, w_out, r_out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kernels.gpu import import_triton, require_triton
+from kernels.triton_cache_codecs import tl_round_to
 
 triton, tl = import_triton()
 
@@ -97,4 +98,57 @@ def rms_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: fl
         x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), cos.stride(0), sin.stride(0),
         HAS_WEIGHT=weight is not None, D_P=d_p, HALF_P=max(1, triton.next_power_of_2(half)),
         BLOCK_R=block_r, **extra)
+    return out
+
+
+# ---- RoPE alone (the attention output's inverse rotation, the indexer queries) --------------------------------
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, H, D, HALF, stride_xt, stride_xh, stride_ot, stride_oh,
+                 stride_ct, stride_st, SIGN: tl.constexpr, NOPE_P: tl.constexpr, HALF_P: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BF16: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = n < N
+    tok = (n // H).to(tl.int64)
+    x_row = x_ptr + tok * stride_xt + (n % H) * stride_xh
+    o_row = out_ptr + tok * stride_ot + (n % H) * stride_oh
+    dt = out_ptr.dtype.element_ty
+    nope = D - 2 * HALF
+    cn = tl.arange(0, NOPE_P)
+    nm = rmask[:, None] & (cn < nope)[None, :]
+    tl.store(o_row[:, None] + cn[None, :], tl.load(x_row[:, None] + cn[None, :], mask=nm, other=0.0), mask=nm)
+    p = tl.arange(0, HALF_P)
+    pm = rmask[:, None] & (p < HALF)[None, :]
+    ce = nope + 2 * p
+    ev = tl.load(x_row[:, None] + ce[None, :], mask=pm, other=0.0).to(tl.float32)
+    od = tl.load(x_row[:, None] + ce[None, :] + 1, mask=pm, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + tok[:, None] * stride_ct + p[None, :], mask=pm, other=1.0)
+    s = tl.load(sin_ptr + tok[:, None] * stride_st + p[None, :], mask=pm, other=0.0) * SIGN
+    tl.store(o_row[:, None] + ce[None, :], tl_round_to(ev * c - od * s, BF16, dt).to(dt), mask=pm)
+    tl.store(o_row[:, None] + ce[None, :] + 1, tl_round_to(od * c + ev * s, BF16, dt).to(dt), mask=pm)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, *,
+         block_r: int = 16) -> torch.Tensor:
+    """`kernels.rope.apply_rope(x, cos, sin, inverse)` in one launch: x [T, D] or [T, H, D] (last dim contiguous),
+    cos / sin fp32 [T, rope_dim // 2]. -> a new tensor of x's shape and dtype (bf16 rounded by bits)."""
+    if x.dim() not in (2, 3) or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, D] or [T, H, D] with unit stride on the last dim, got {tuple(x.shape)}")
+    t, d = x.shape[0], x.shape[-1]
+    h = x.shape[1] if x.dim() == 3 else 1
+    if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or 2 * cos.shape[1] > d:
+        raise ValueError(f"cos/sin must be [T={t}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    require_triton(x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if t * h == 0:
+        return out
+    x3, o3 = (x.view(t, 1, d), out.view(t, 1, d)) if x.dim() == 2 else (x, out)
+    cos = cos if cos.dtype == torch.float32 and cos.stride(-1) == 1 else cos.float().contiguous()
+    sin = sin if sin.dtype == torch.float32 and sin.stride(-1) == 1 else sin.float().contiguous()
+    half = cos.shape[1]
+    extra = {"num_warps": 4} if x.is_cuda else {}
+    _rope_kernel[(triton.cdiv(t * h, block_r),)](
+        x3, cos, sin, o3, t * h, h, d, half, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), cos.stride(0),
+        sin.stride(0), SIGN=-1.0 if inverse else 1.0, NOPE_P=max(1, triton.next_power_of_2(d - 2 * half)),
+        HALF_P=max(1, triton.next_power_of_2(half)), BLOCK_R=block_r, BF16=x.dtype == torch.bfloat16, **extra)
     return out

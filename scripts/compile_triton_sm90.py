@@ -7,7 +7,8 @@ GPUTarget("cuda", 90, 32), with the constexprs the CUDA path would use (hardware
 It reports registers / spills (ptxas -v) and checks that every fp32 -> e4m3 conversion is the single
 round-to-nearest-even cvt (cvt.rn.satfinite.e4m3x2.f32), not a double-rounding path through fp16.
 
-Usage: python scripts/compile_triton_sm90.py [--only swa,indexer_query,compressor]   (exit 1 on any failure)
+Usage: python scripts/compile_triton_sm90.py [--only swa,indexer_query,compressor,compress_step,attention_glue]
+         (exit 1 on any failure)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 _SIG = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
-        torch.int32: "i32", torch.int64: "i64"}
+        torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 _LAUNCH = ("num_warps", "num_stages")
 # What the wrappers pass when their tensors are on CUDA (they run on CPU tensors here).
 _CUDA_CONSTEXPRS = {"HW_FP8": True}
@@ -139,7 +140,9 @@ def indexer_query_cases():
         for dtype in (torch.bfloat16, torch.float32):
             m.indexer_query(q.to(dtype), cos, sin, g.IndexerKeyLayout(128, fmt), return_rotated=True)
         m.indexer_query(q, cos, sin, g.IndexerKeyLayout(128, fmt), hadamard=False)
-    return m, ["_indexer_q_kernel"]
+    rows = torch.randint(0, 99, (4, 300))
+    m.indexer_prologue(q, cos, sin, _rand(4, 64), 0.125, rows, rows > 50)
+    return m, ["_indexer_q_kernel", "_prologue_kernel"]
 
 
 def compressor_cases():
@@ -161,7 +164,52 @@ def compressor_cases():
     return m, ["_pool_quant_kernel", "_state_save_kernel", "_pool_norm_rope_kernel"]
 
 
-GROUPS = {"swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases}
+def compress_step_cases():
+    """The engine's decode compressor (V4-Flash: kv4 / kv128 entries, MXFP4 / FP8 indexer keys, exact rows)."""
+    from kernels import geometry as g
+    from kernels import triton_compress_step as m
+
+    t, ring = 4, 64
+    cos, sin = torch.rand(100, 32), torch.rand(100, 32)
+    for ratio, d, layout in ((4, 512, g.Fp8DsMlaLayout(512, 64, 64)), (128, 512, g.Fp8DsMlaLayout(512, 64, 2)),
+                             (4, 128, g.IndexerKeyLayout(128, "mxfp4", 64)),
+                             (4, 128, g.IndexerKeyLayout(128, "fp8", 64)), (4, 512, None)):
+        overlap = ratio == 4
+        w = 2 * d if overlap else d
+        kvg = _rand(t, 2 * w)  # column views of one GEMM output
+        cur = torch.randint(0, ring + t, (t, ratio))
+        cache = torch.zeros(128, d, dtype=torch.bfloat16) if layout is None else \
+            torch.zeros(2, layout.block_bytes(), dtype=torch.uint8)
+        m.close_windows(torch.zeros(ring, 2 * w), kvg[:, :w], kvg[:, w:], torch.randn(ratio, w), torch.arange(t), cur,
+                        cur if overlap else None, cur > 3 if overlap else None, torch.ones(d), 1e-6, cos, sin,
+                        torch.arange(t) * ratio, torch.arange(t), cache, layout)
+        m.save_state(kvg[:, :w], kvg[:, w:], torch.randn(ratio, w), torch.arange(t), torch.zeros(ring, 2 * w),
+                     torch.arange(t), torch.arange(t))
+    return m, ["_close_kernel", "_save_kernel"]
+
+
+def attention_glue_cases():
+    """Attention row ids (CSA ids through the page table, HCA rows) and the output's inverse RoPE."""
+    from kernels import triton_attention_rows as m
+    from kernels import triton_norm_rope as r
+
+    t = 4
+    swa, valid = torch.randint(0, 999, (t, 128)), torch.rand(t, 128) > 0.5
+    out = torch.empty(t, 128 + 512, dtype=torch.int32)
+    m.attention_rows(swa, valid, out[:, :128], ids=torch.randint(-1, 900, (t, 512)), table=torch.randint(0, 99, (t, 8)),
+                     seg=torch.arange(t), page_rows=64, base=1000, out_comp=out[:, 128:])
+    m.attention_rows(swa, valid, out[:, :128], comp_rows=torch.randint(0, 99, (t, 64)),
+                     comp_valid=torch.rand(t, 64) > 0.5, out_comp=out[:, 128:])
+    for dtype in (torch.bfloat16, torch.float32):
+        r.rope(_rand(t, 64, 512, dtype=dtype), torch.rand(t, 32), torch.rand(t, 32), inverse=True)
+    return (m, r), ["_rows_kernel", "_rope_kernel"]
+
+
+GROUPS = {"swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
+          "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
+MODULES = {"swa": ("kernels.triton_swa_insert",), "indexer_query": ("kernels.triton_indexer_query",),
+           "compressor": ("kernels.triton_compressor",), "compress_step": ("kernels.triton_compress_step",),
+           "attention_glue": ("kernels.triton_attention_rows", "kernels.triton_norm_rope")}
 
 
 def main() -> int:
@@ -175,18 +223,19 @@ def main() -> int:
         return 2
     errors = []
     for name in [g for g in args.only.split(",") if g] or list(GROUPS):
-        module_name = {"swa": "kernels.triton_swa_insert", "indexer_query": "kernels.triton_indexer_query",
-                       "compressor": "kernels.triton_compressor"}[name]
-        module = __import__(module_name, fromlist=["_"])
-        module.require_triton = lambda device: None  # CPU tensors stand in for CUDA ones; nothing runs
-        kernels = {k: Recorder(getattr(module, k)) for k in dir(module) if k.endswith("_kernel")}
-        originals = {k: getattr(module, k) for k in kernels}
-        for k, rec in kernels.items():
-            setattr(module, k, rec)
+        kernels, originals = {}, []
+        for module_name in MODULES[name]:
+            module = __import__(module_name, fromlist=["_"])
+            module.require_triton = lambda device: None  # CPU tensors stand in for CUDA ones; nothing runs
+            for k in dir(module):
+                if k.endswith("_kernel") and not isinstance(getattr(module, k), Recorder):
+                    kernels[k] = Recorder(getattr(module, k))
+                    originals.append((module, k, getattr(module, k)))
+                    setattr(module, k, kernels[k])
         try:
             GROUPS[name]()
         finally:
-            for k, fn in originals.items():
+            for module, k, fn in originals:
                 setattr(module, k, fn)
         for k, rec in kernels.items():
             errors += compile_calls(f"{name}.{k}", rec)

@@ -57,6 +57,7 @@ class Sections:
         self.layer = -1
         self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.muted = 0
+        _ACTIVE[:] = [self]
 
     @property
     def label(self) -> str:
@@ -256,7 +257,48 @@ def _stub_ogs(sections: Sections) -> list:
     return saved
 
 
-def build_engine(preset: str, slots: int, dtype: torch.dtype):
+@contextlib.contextmanager
+def _flashmla_stub():
+    """FlashMLA's decode path on the CPU: the path choice forced where the H200 takes it (a one-token-each fp8
+    step whose geometry FlashMLA takes), flash_mla's launch stubbed (zeros out) and counted as one."""
+    import engine.attention as attention_mod
+    import kernels.gpu as gpu
+
+    real_path, real_import = attention_mod.AttentionBlock._path, gpu.import_flash_mla
+
+    def path(self, quantised, fast_ops, batch, pool, dtype, ring):
+        chosen = real_path(self, quantised, fast_ops, batch, pool, dtype, ring)
+        entries = [pool.groups[f"kv{self.ratio}"].bind(self.layer)] if self.ratio > 1 else []
+        if chosen == "fp8_triton" and attention_mod._one_token_each(batch) and dtype == torch.bfloat16 and \
+                not attention_mod.attention_fp8.flashmla_unfit_reason(self.num_heads, ring, entries):
+            return "fp8_flashmla"
+        return chosen
+
+    class FlashMla:
+        @staticmethod
+        def get_mla_metadata():
+            return [object()]
+
+        @staticmethod
+        def flash_mla_with_kvcache(q, *a, **k):
+            sink = _ACTIVE[-1] if _ACTIVE else None
+            if sink is not None:
+                sink.add("flash_mla (stubbed)")
+                with sink.mute():
+                    return torch.zeros(q.shape[0], q.shape[1], q.shape[2], 512, dtype=q.dtype), None
+            return torch.zeros(q.shape[0], q.shape[1], q.shape[2], 512, dtype=q.dtype), None
+
+    attention_mod.AttentionBlock._path, gpu.import_flash_mla = path, lambda: FlashMla
+    try:
+        yield FlashMla
+    finally:
+        attention_mod.AttentionBlock._path, gpu.import_flash_mla = real_path, real_import
+
+
+_ACTIVE: list = []  # the Sections of the count in progress (the FlashMLA stub reports into it)
+
+
+def build_engine(preset: str, slots: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
     """An EngineCore in bucketed decode mode with `slots` requests already decoding."""
     import tempfile
 
@@ -266,6 +308,7 @@ def build_engine(preset: str, slots: int, dtype: torch.dtype):
 
     model_dir = make_model(preset, tempfile.mkdtemp(prefix="dsv4-count-"), quantize=True)
     engine = load_engine(model_dir, device="cpu", dtype=dtype, max_num_seqs=max(slots, 1), max_cached_tokens=8192,
+                         kv_cache_dtype=kv_cache_dtype,
                          keep_mxfp4_experts=True, decode_mode="bucketed", prefix_cache=False)
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
@@ -329,10 +372,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-ogs", action="store_true", help="count kernels.triton_moe instead of triton_kernels")
     ap.add_argument("--no-fp8", action="store_true", help="count dense projections as one CPU matmul each")
     ap.add_argument("--layer", default=None, help="list this layer's sources (e.g. layer1); default: the CSA layer")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "exact", "fp8"),
+                    help="auto = exact on the CPU; fp8: the GPU default's cache formats (fp8_ds_mla + MXFP4 keys)")
+    ap.add_argument("--flashmla-stub", action="store_true",
+                    help="with fp8 and FlashMLA's geometry (--preset mini_v4): take the decode path the H200 takes "
+                         "(engine.attention_fp8.flashmla_attend), FlashMLA's own launch stubbed and counted as one")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    engine = build_engine(args.preset, args.slots, getattr(torch, args.dtype))
-    counts = count_step(engine, ogs=not args.no_ogs, fp8=not args.no_fp8)
+    engine = build_engine(args.preset, args.slots, getattr(torch, args.dtype), args.kv_cache_dtype)
+    with _flashmla_stub() if args.flashmla_stub else contextlib.nullcontext() as stub:
+        if stub is not None:
+            engine.step()  # a decode step on the stubbed path outside the count (first-use work, rope tables)
+        counts = count_step(engine, ogs=not args.no_ogs, fp8=not args.no_fp8)
     table = per_layer(counts)
     layers = [k for k in table if k.startswith("layer")]
     total = sum(r["total"] for r in table.values())

@@ -109,7 +109,6 @@ def kill_mid_stream(handles: dict, streams: int, prompt_len: int, max_new: int, 
     idle_s = _wait(lambda: all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in _stats(handles)),
                    120, "both pools idle with every page free")
     probe = [5, 6, 7, 8]
-    t0 = time.monotonic()
     with RouterClient(addr, timeout_s=300, token=token) as c:
         again = c.generate_full(probe, SamplingParams(max_new_tokens=16, ignore_eos=True))
         stats = c.stats()

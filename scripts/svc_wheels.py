@@ -17,7 +17,6 @@ import base64
 import csv
 import hashlib
 import io
-import os
 import shutil
 import subprocess
 import sys

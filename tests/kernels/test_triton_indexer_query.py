@@ -13,7 +13,7 @@ from kernels import geometry as g  # noqa: E402
 from kernels.hadamard import hadamard  # noqa: E402
 from kernels.indexer import quantize_query  # noqa: E402
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
-from kernels.triton_indexer_query import indexer_query  # noqa: E402
+from kernels.triton_indexer_query import indexer_prologue, indexer_query  # noqa: E402
 from tests.support.cache_kernel_checks import assert_bytes_near, assert_close  # noqa: E402
 
 T, HI = 3, 7  # 21 rows: not a multiple of the 16-row block
@@ -100,3 +100,27 @@ def test_v4_shape_and_bad_inputs():
         indexer_query(q, cos, sin, g.IndexerKeyLayout(128, "mxfp4"), block_r=8)
     with pytest.raises(ValueError, match="cos/sin"):
         indexer_query(q, cos[:1], sin[:1], g.IndexerKeyLayout(128, "mxfp4"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [None, 32])  # 32: zero-padded key dims (test presets)
+def test_prologue_matches_the_engine_glue(dtype, width):
+    """indexer_prologue = apply_rope(q) (+ zero padding), weights.float() * scale, where(valid, rows, -1)."""
+    t, h, di, rope, e = 5, 6, 24, 8, 37
+    gen = torch.Generator().manual_seed(5)
+    big = (torch.randn(t, h + 1, di + 4, generator=gen) * 3).to(dtype).to(DEVICE)
+    q = big[:, :h, :di]  # strided token / head views, as the GEMM output's slices
+    wbig = (torch.randn(t, h + 3, generator=gen)).to(dtype).to(DEVICE)
+    weights = wbig[:, 1:h + 1]
+    rows = torch.randint(0, 1000, (t, e), generator=gen).to(DEVICE)
+    valid = (torch.rand(t, e, generator=gen) > 0.4).to(DEVICE)
+    cos, sin = rope_cos_sin(torch.randint(0, 4000, (t,), generator=gen), rope_inv_freq(160000.0, rope))
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    q_out, w_out, r_out = indexer_prologue(q, cos, sin, weights, h ** -0.5, rows, valid, width)
+    expected = apply_rope(q, cos, sin)
+    if width:
+        expected = torch.nn.functional.pad(expected, (0, width - di))
+    assert q_out.shape == expected.shape and q_out.dtype == dtype
+    assert_close(q_out, expected, dtype)
+    assert torch.equal(w_out, weights.float() * h ** -0.5)
+    assert torch.equal(r_out, torch.where(valid, rows, -1))

@@ -13,7 +13,7 @@ from tests.support import numerics as NUM  # noqa: E402
 
 from kernels.norm import rms_norm, unweighted_rms_norm  # noqa: E402
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
-from kernels.triton_norm_rope import rms_norm_rope  # noqa: E402
+from kernels.triton_norm_rope import rms_norm_rope, rope  # noqa: E402
 
 
 
@@ -75,3 +75,23 @@ def test_bad_shapes_raise():
         rms_norm_rope(q, cos[:2], sin[:2], EPS)
     with pytest.raises(ValueError, match="weight"):
         rms_norm_rope(q, cos, sin, EPS, torch.ones(8, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_alone(dtype, inverse):
+    """rope = apply_rope (the output's inverse rotation, the indexer queries): bit-equal where the reference
+    rounds once (fp32 math, one cast); a strided head view and a [T, D] input."""
+    h, d, r = 3, 80, 16
+    big = randn(T, h, d + 8, seed=10, dtype=dtype, scale=3.0)
+    x = big[..., :d]
+    cos, sin = cos_sin(r, seed=11)
+    out = rope(x, cos, sin, inverse, block_r=4)
+    expected = apply_rope(x, cos, sin, inverse=inverse)
+    assert out.dtype == dtype and out.shape == x.shape
+    NUM.assert_close(out, expected, dtype)
+    assert torch.equal(out[..., : d - r], x[..., : d - r])
+    flat = randn(T, d, seed=12, dtype=dtype)
+    NUM.assert_close(rope(flat, cos, sin, inverse), apply_rope(flat, cos, sin, inverse=inverse), dtype)
+    with pytest.raises(ValueError, match="cos/sin"):
+        rope(flat, cos[:2], sin[:2])
