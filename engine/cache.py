@@ -333,6 +333,8 @@ class CachePool:
         # cached blocks until every group of `need` has that many free pages. Pages only the cache holds
         # count as free everywhere below (admission, load figures, idle counts).
         self.reclaimer = None
+        self._deferring = False  # see defer_frees
+        self._deferred: list[PageTable] = []
 
     def extra_pages(self, table: PageTable, num_tokens: int) -> dict[str, int]:
         """Pages each group must add so `table` covers positions [0, num_tokens)."""
@@ -364,9 +366,24 @@ class CachePool:
             table.setdefault(name, []).extend(self.groups[name].allocator.allocate(k))
 
     def free(self, table: PageTable) -> None:
-        for name, pages in table.items():
-            self.groups[name].allocator.free(pages)
+        """Give `table`'s pages back (emptying it); held back while `defer_frees` is on."""
+        if self._deferring:
+            self._deferred.append({name: list(pages) for name, pages in table.items()})
+        else:
+            for name, pages in table.items():
+                self.groups[name].allocator.free(pages)
         table.clear()
+
+    def defer_frees(self) -> None:
+        """Hold pages freed from now on out of the pool: a queued GPU step may still write them
+        (engine.decode_overlap); `release_deferred_frees` gives them back once it has completed."""
+        self._deferring = True
+
+    def release_deferred_frees(self) -> None:
+        self._deferring = False
+        pending, self._deferred = self._deferred, []
+        for table in pending:
+            self.free(table)
 
     def free_tokens(self) -> int:
         """Tokens of new reservation the pool can still take: the tightest growing group, and zero when a

@@ -87,9 +87,11 @@ class DecodeRunner:
         return DecodeShape(self.slots[i], self.contexts[j])
 
     def run(self, request_ids: list[str], token_ids: list[int], positions: list[int],
-            tables: list[dict]) -> torch.Tensor | None:
+            tables: list[dict], token_source: torch.Tensor | None = None) -> torch.Tensor | None:
         """One decode step: request b runs token_ids[b] at positions[b] with page table tables[b].
 
+        token_source: device [n] token ids (any dtype holding integers) that replace token_ids, copied on the
+        device in stream order (engine.decode_overlap: the previous step's greedy picks, not yet on the host).
         -> fp32 logits [len(token_ids), vocab] (a view of a static buffer under graphs: read it before the
         next step), or None when no bucket fits (the caller runs the step eagerly).
         """
@@ -102,10 +104,16 @@ class DecodeRunner:
         host = DecodeInputs.make(token_ids, positions, rows, shape, self.block_tables.pad_row)
         if self.mode == "eager":
             inputs = DecodeInputs(host.packed.to(self.model.device))
+            if token_source is not None:
+                inputs.packed[0, :n].copy_(token_source)
             batch = derive_decode_batch(self.pool, self.block_tables, inputs, shape)
             return self.model.forward(batch, self.pool)[:n]
         graph = self.graphs.get(shape) or self._capture(shape)
-        graph.inputs.packed.copy_(host.packed)
+        # Pinned + non_blocking: the host does not wait for the steps queued before this one (the caching host
+        # allocator keeps the pinned block until the copy has run).
+        graph.inputs.packed.copy_(host.packed.pin_memory(), non_blocking=True)
+        if token_source is not None:
+            graph.inputs.packed[0, :n].copy_(token_source)
         graph.graph.replay()
         self._greedy = graph.greedy[:, :n]
         return graph.logits[:n]

@@ -9,6 +9,7 @@ runs the model, then samples every request whose chunk reached its last known to
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 
@@ -16,6 +17,7 @@ from engine.batch import build_step
 from engine.cache import CacheConfig, CachePool
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeRunner
+from engine.decode_overlap import LaunchedDecode, greedy_decode_step, next_step_is_known
 from engine.fast_paths import use_triton
 from engine.handoff import EngineLoad
 from engine.model import DeepseekV4Model
@@ -35,13 +37,16 @@ class EngineCore:
     def __init__(self, cfg: ModelConfig, weights: dict, device="cpu", dtype=torch.float32,
                  cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
                  decode_mode: str = "auto", prefix_cache: PrefixCacheConfig | bool = True,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, overlap_decode: bool | None = None):
         """decode_mode: how steps made only of decode tokens run (steps with prefill always run eagerly):
         "graphs" replays CUDA graphs per (batch, context) bucket (engine.cuda_graphs); "bucketed" runs the
         same fixed-shape batches without graphs (tests, debugging); "eager" sizes every step to its
         content; "auto" = "graphs" on CUDA in bf16/fp16 with the Triton fast path, else "eager".
         parallel: this rank's tensor-parallel context (weights cut by engine.sharding.shard_weights); rank 0
-        schedules and broadcasts each step's inputs, the other ranks run engine.tp_executor.follow."""
+        schedules and broadcasts each step's inputs, the other ranks run engine.tp_executor.follow.
+        overlap_decode: launch a greedy decode step from the previous one's device tokens before reading them
+        (engine.decode_overlap); None = $DSV4_OVERLAP_DECODE ("0" / "1") if set, else on with "graphs" (where the
+        host time would show), off otherwise."""
         self.cfg = cfg
         self.parallel = parallel or SINGLE
         self.device = torch.device(device)
@@ -65,6 +70,11 @@ class EngineCore:
             self.decode_runner = DecodeRunner(self.model, self.pool, "graphs" if self.decode_mode == "graphs" else
                                               "eager", self.scheduler_config.max_num_seqs,
                                               cfg.max_position_embeddings)
+        if overlap_decode is None:  # DSV4_OVERLAP_DECODE=0/1 overrides the default (on with graphs)
+            env = os.environ.get("DSV4_OVERLAP_DECODE")
+            overlap_decode = self.decode_mode == "graphs" if env is None else env == "1"
+        self.overlap_decode = overlap_decode and self.decode_runner is not None and not self.parallel.enabled
+        self._launched: LaunchedDecode | None = None  # a decode step not yet read back (engine.decode_overlap)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefilled, caches kept until the decode side confirms
         self.imports: dict[str, Request] = {}  # decode side: pages reserved, caches arriving
@@ -184,15 +194,21 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._launched is not None
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        if self._launched is not None:
+            return self._complete_launched()
         if self.decode_runner is not None:
             self.decode_runner.take_greedy()  # only this step's decode run may leave one
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        if self.overlap_decode and greedy_decode_step(chunks):
+            self._launched = self._launch_decode(chunks, None)
+            if self._launched is not None:
+                return self._complete_launched()
         if self.decode_runner is not None and all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens
                                                   for c in chunks):
             logits = self.execute(StepInputs(DECODE, tuple(c.request.token_slice(c.start, c.start + 1) for c in chunks),
@@ -204,6 +220,38 @@ class EngineCore:
         inputs, sample_rows, prompt_rows = self._build(chunks)
         logits = self.execute(inputs)
         events = self._postprocess(chunks, logits, sample_rows, prompt_rows)
+        return events
+
+    # ---- overlapped greedy decode (engine.decode_overlap) ---------------------------------------
+    def _launch_decode(self, chunks, previous: LaunchedDecode | None) -> LaunchedDecode | None:
+        """Queue one greedy decode step -> its LaunchedDecode, or None when no decode bucket fits (nothing ran).
+
+        previous: the step before it, still unread on the host; its picked tokens are this step's inputs."""
+        tokens = [0] * len(chunks) if previous is not None else [c.request.token_slice(c.start, c.start + 1)[0]
+                                                                 for c in chunks]
+        logits = self.decode_runner.run([c.request.request_id for c in chunks], tokens, [c.start for c in chunks],
+                                        [c.request.pages for c in chunks],
+                                        token_source=previous.picked[0] if previous is not None else None)
+        if logits is None:
+            return None
+        self.pool.defer_frees()  # until this step completes: it writes these requests' rows
+        picked = self.decode_runner.take_greedy()
+        return LaunchedDecode.of(chunks, picked if picked is not None else greedy_pick(logits))
+
+    def _complete_launched(self) -> list[TokenEvent]:
+        """Launch the step after the unread one when it is certain (engine.decode_overlap), then read the unread
+        one back and report it. Rows of requests that finished or were aborted since their launch are dropped."""
+        step, self._launched = self._launched, None
+        sched = self.scheduler
+        if next_step_is_known(step, sched.running, sched.waiting, self.prefix.block if self.prefix else None):
+            self._launched = self._launch_decode(step.next_chunks(), step)
+        tokens, lps = step.read()
+        keep = [i for i, c in enumerate(step.chunks) if not c.request.finished]
+        chunks = [step.chunks[i] for i in keep]
+        events = self._postprocess(chunks, None, list(range(len(chunks))), [(0, 0)] * len(chunks),
+                                   sampled=([tokens[i] for i in keep], [lps[i] for i in keep]))
+        if self._launched is None:
+            self.pool.release_deferred_frees()  # nothing queued writes rows any more
         return events
 
     def _build(self, chunks: list[ScheduledChunk]):
@@ -280,9 +328,13 @@ class EngineCore:
         both = torch.stack([tokens_t.double(), lps.double()]).tolist()  # token ids < 2**53: exact in fp64
         return [int(t) for t in both[0]], both[1]
 
-    def _postprocess(self, chunks, logits, sample_rows, prompt_rows) -> list[TokenEvent]:
+    def _postprocess(self, chunks, logits, sample_rows, prompt_rows, sampled: tuple | None = None) -> list[TokenEvent]:
+        """sampled: (token ids, log-probs) of the sampled rows when they were picked already (a launched step)."""
         todo = [(c, r) for c, r in zip(chunks, sample_rows) if r is not None]
-        tokens, token_lps = self._sample(logits, todo) if todo else ([], [])
+        if sampled is not None:
+            tokens, token_lps = sampled
+        else:
+            tokens, token_lps = self._sample(logits, todo) if todo else ([], [])
         # Prompt log-probs (prefill steps that ask for them) read whole rows of the log-softmax.
         logprobs = torch.log_softmax(logits, dim=-1) if any(count for _, count in prompt_rows) else None
         sampled = {id(c): (tok, lp) for (c, _), tok, lp in zip(todo, tokens, token_lps)}
