@@ -46,7 +46,7 @@ import numpy as np
 
 from engine.cache import CachePool
 from kv_transfer.base import TransferBackend, TransferError, TransferTicket, TransferTimeout, pack_metadata
-from kv_transfer.plan import TransferPlan, group_nbytes, staged_layout, staged_nbytes
+from kv_transfer.plan import STAGING_ALIGN, TransferPlan, group_nbytes, staged_layout, staged_nbytes
 from kv_transfer.staging import StagingBuffer
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,8 @@ def _staging_option(pool: CachePool, staging_bytes) -> int:
     except (TypeError, ValueError):
         raise ValueError(f"staging_bytes must be a non-negative int of bytes (0 = no staging), "
                          f"got {staging_bytes!r}") from None
+    if 0 < n < STAGING_ALIGN:  # the arena would hold nothing, and NIXL cannot register an empty buffer
+        raise ValueError(f"staging_bytes must be 0 (no staging) or at least {STAGING_ALIGN}, got {staging_bytes!r}")
     return n
 
 

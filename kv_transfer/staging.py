@@ -109,6 +109,8 @@ class StagingBuffer:
             raise ValueError(f"staging_bytes must be a positive int, got {nbytes!r}")
         device = next(iter(pool.groups.values())).tensor.device
         self.arena = ByteArena(nbytes)
+        if not self.arena.capacity:
+            raise ValueError(f"staging_bytes {nbytes!r} is below one alignment unit ({self.arena.align} bytes)")
         self.tensor = torch.empty(self.arena.capacity, dtype=torch.uint8, device=device)
         self.device = device
         # [layers, num_pages, page_bytes] views of every group tensor, made once

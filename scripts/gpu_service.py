@@ -188,12 +188,15 @@ def _gap_lines(serve: dict, raw: dict | None) -> list[str]:
                    f"{d['itl_p50_ms'] / c['itl_p50_ms']:.2f}x, output tok/s {d['tok_per_s'] / c['tok_per_s']:.2f}x.")
         if raw and raw.get("rows") and d.get("kv_transfers"):
             per = d["kv_mb"] * 1e6 / d["kv_transfers"]
-            near = min(raw["rows"], key=lambda r: (abs(r["bytes"] - per), -r["descriptors"]))
+            # A staged NIXL pull (kv_transfer.staging) is one READ descriptor: compare with the fewest-descriptor
+            # raw row of the nearest size. The serve stats do not say whether each pull was staged.
+            near = min(raw["rows"], key=lambda r: (abs(r["bytes"] - per), r["descriptors"]))
             best = max(r["gb_per_s_median"] for r in raw["rows"])
             out.append(f"- KV transfer: {d['kv_gb_per_s']:.2f} GB/s per pull (mean {per / 1e6:.2f} MB a request, the "
                        f"pull's whole time on the decode worker) vs NIXL's raw READ {near['gb_per_s_median']:.2f} GB/s "
                        f"at {near['bytes'] / (1 << 20):.0f} MiB in {near['descriptors']} descriptor(s) "
-                       f"({d['kv_gb_per_s'] / near['gb_per_s_median']:.1%} of it) and {best:.1f} GB/s at its best "
+                       f"({d['kv_gb_per_s'] / near['gb_per_s_median']:.1%} of it; a staged pull is one descriptor, "
+                       f"the stats here do not record which pulls were staged) and {best:.1f} GB/s at its best "
                        f"size here.")
     for t in serve.get("tokens", []):
         out.append(f"- Tokens: {t['topology']} gave the colocated engine's greedy tokens for {t['identical']} of "

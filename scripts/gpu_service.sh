@@ -21,6 +21,12 @@ if [ -z "${DEVICE:-}" ]; then nvidia-smi -L >/dev/null 2>&1 && DEVICE=cuda || DE
 if [ "$DEVICE" = cuda ]; then
   MODEL=${MODEL:-/tmp/dsv4-mini_v4}
   PRESET=${PRESET:-mini_v4}  # V4's attention geometry (64 heads x 512, window 128, indexer 64 x 128 top-512), 4 layers
+  # The token check compares two runs bit for bit, so both must run deterministic kernels. The model is made
+  # quantised (FP8 dense, MXFP4 experts: V4's checkpoint format, and the model scripts/check_gpu_handoff.py
+  # found bit-exact), and its MXFP4 experts stay packed (=1: the Triton MoE paths, whose k-way sum has no
+  # atomics). Dequantised bf16 experts would run kernels.moe.moe_experts_grouped, whose index_add_ combine uses
+  # float atomics on CUDA for more than 16 (token, expert) pairs: prefill sums in a varying order there.
+  export DSV4_MXFP4_MOE=${DSV4_MXFP4_MOE:-1}
   ENGINE=(--device cuda --dtype bfloat16 --max-cached-tokens ${KV_TOKENS:-65536})
   SHARE=(--worker-num-gpus 0.5)
   SERVE=(--num-requests ${REQUESTS:-64} --concurrency ${CONCURRENCY:-8} --min-prompt 256 --max-prompt 2048
@@ -28,7 +34,8 @@ if [ "$DEVICE" = cuda ]; then
   RAW=(--device cuda --sizes-mib 1 4 64 1024 --descs 1 256 --iters 5)
   FAULT=(--prompt-tokens 512 --max-new-tokens 400 --kill-after 16 --max-batch-tokens 4096)
 else
-  MODEL=${MODEL:-}  # the built-in tiny model
+  MODEL=${MODEL:-}  # the built-in tiny model (a MODEL path: made from PRESET in the model stage)
+  PRESET=${PRESET:-tiny}
   ENGINE=()
   SHARE=()
   SERVE=(--num-requests ${REQUESTS:-16} --concurrency 4 --min-prompt 16 --max-prompt 200 --max-new-tokens 16
@@ -97,7 +104,7 @@ if device == "cuda" and not env["ray_resources"].get("GPU"):
 EOF
     ;;
     model) if [ -n "$MODEL" ]; then
-             run_stage model 120 "$PY" -m service.cli make-model --preset "$PRESET" --out "$MODEL"
+             run_stage model 120 "$PY" -m service.cli make-model --preset "$PRESET" --quantize --out "$MODEL"
            fi
            "$PY" - "$OUT/env.json" "$MODEL" <<'EOF'
 import json, os, sys
@@ -105,7 +112,8 @@ from engine.make_model import default_model_dir
 path, model = sys.argv[1], sys.argv[2] or default_model_dir()
 c = json.load(open(os.path.join(model, "config.json")))
 env = json.load(open(path)) if os.path.exists(path) else {}
-env["model"] = (f"{os.path.basename(model.rstrip('/'))}: random weights, {c['num_hidden_layers']} layers (compress "
+quant = "FP8 dense / MXFP4 expert" if c.get("quantization_config") else "unquantised"
+env["model"] = (f"{os.path.basename(model.rstrip('/'))}: random {quant} weights, {c['num_hidden_layers']} layers (compress "
                 f"ratios {c['compress_ratios']}), hidden {c['hidden_size']}, {c['num_attention_heads']} heads x "
                 f"{c['head_dim']}, window {c['sliding_window']}, indexer {c['index_n_heads']} x {c['index_head_dim']} "
                 f"top-{c['index_topk']}, {c['n_routed_experts']} experts (top-{c['num_experts_per_tok']}), "

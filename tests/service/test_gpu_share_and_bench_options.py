@@ -73,6 +73,8 @@ def test_gpu_service_report_from_stage_json(tmp_path):
         "header": "Machine: x; model mini_v4; 64 requests", "engine_options": {"device": "cuda"},
         "worker_num_gpus": 0.5, "transfer": "nixl", "max_new_tokens": 64}))
     (tmp_path / "nixl_raw.json").write_text(json.dumps({"rows": [
+        {"bytes": 1 << 20, "descriptors": 256, "gb_per_s_median": 0.5, "gb_per_s_best": 0.5, "bytes_match": True,
+         "device": "cuda"},
         {"bytes": 1 << 20, "descriptors": 1, "gb_per_s_median": 20.0, "gb_per_s_best": 25.0, "bytes_match": True,
          "device": "cuda"}], "ucx_tls": "(default)", "transports": "cuda_ipc"}))
     out = tmp_path / "gpu_service.md"
@@ -80,5 +82,6 @@ def test_gpu_service_report_from_stage_json(tmp_path):
                     "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
     text = out.read_text()
     assert text.startswith("## Disaggregated service on one GPU")
-    assert "TTFT p50 1.25x" in text and "(10.0% of it)" in text and "8 of 8 prompts" in text
+    # a staged pull is one descriptor: compared with the 1-descriptor raw row of that size, not the 256 one
+    assert "TTFT p50 1.25x" in text and "in 1 descriptor(s) (10.0% of it;" in text and "8 of 8 prompts" in text
     assert "share GPU 0" in text and "cuda_ipc" in text and "kill stage did not complete" in text  # no fault.json
