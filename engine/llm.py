@@ -29,14 +29,16 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | torch.dtype = "float32",
                 max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int | None = None,
-                page_tokens: int = 256, kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4",
+                page_tokens: int = 256, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
                 keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
                 keep_fp8_weights: bool | None = None, prefix_cache: bool = True,
                 parallel: ParallelContext | None = None, gpu_memory_utilization: float | None = None,
                 max_model_len: int | None = None) -> EngineCore:
     """kv_cache_dtype: "exact" (rows in `dtype`), "fp8" (production formats: fp8_ds_mla SWA and compressed KV,
-    MXFP4 indexer keys, or FP8 ones with index_cache_dtype="fp8"; see engine.cache) or "auto" (fp8 on a bf16
-    CUDA engine where FlashMLA decodes the model's geometry, else exact: engine.fast_paths.resolve_kv_cache_dtype).
+    MXFP4 or FP8 indexer keys as index_cache_dtype says; see engine.cache) or "auto" (fp8 on a bf16 CUDA engine
+    where FlashMLA decodes the model's geometry, else exact: engine.fast_paths.resolve_kv_cache_dtype).
+    index_cache_dtype: "mxfp4", "fp8" or "auto" (FP8 keys on Hopper, else MXFP4:
+    engine.fast_paths.resolve_index_cache_dtype); only fp8 caches quantise the keys.
     keep_mxfp4_experts: keep MXFP4 routed experts packed in memory (run by triton_kernels or kernels.triton_moe,
     see engine.moe) instead of dequantising them to `dtype`; None = `engine.fast_paths.keep_mxfp4_experts` (packed
     on a bf16 CUDA engine where triton_kernels runs; $DSV4_MXFP4_MOE=1/0 forces it).
@@ -52,7 +54,7 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     model_dir: a directory or a Hugging Face repo id (engine.model_source; None: the built-in tiny model).
     max_model_len: the longest request (prompt + output) served, at most the model's max_position_embeddings."""
     from engine.fast_paths import keep_mxfp4_experts as keep_default
-    from engine.fast_paths import resolve_kv_cache_dtype, use_fp8_gemm
+    from engine.fast_paths import resolve_index_cache_dtype, resolve_kv_cache_dtype, use_fp8_gemm
     from engine.make_model import default_model_dir
     from engine.memory_plan import cap_context, log_plan, plan_kv_tokens
     from engine.prefix_cache import PrefixCacheConfig, default_snapshot_slots
@@ -64,7 +66,11 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     rank_heads = cfg.num_heads // parallel.tp_size if parallel is not None else cfg.num_heads  # what FlashMLA sees
     kv_cache_dtype, why = resolve_kv_cache_dtype(kv_cache_dtype, device, resolve_dtype(dtype), cfg.head_dim,
                                                  cfg.rope_dim, rank_heads)
-    logger.info("kv cache: %s (%s)", kv_cache_dtype, why)
+    index_cache_dtype, index_why = resolve_index_cache_dtype(index_cache_dtype, device)
+    if kv_cache_dtype == "fp8":
+        logger.info("kv cache: fp8 (%s); indexer keys %s (%s)", why, index_cache_dtype, index_why)
+    else:
+        logger.info("kv cache: %s (%s)", kv_cache_dtype, why)
     cache_config = CacheConfig(max_requests=max_num_seqs, max_tokens=max_cached_tokens or 1, page_tokens=page_tokens,
                                kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype)
     torch_dtype = resolve_dtype(dtype)
@@ -98,7 +104,7 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
 class LLM:
     def __init__(self, model_dir: str | None = None, device: str = "cpu", dtype: str = "float32",
                  max_batch_tokens: int = 2048, max_num_seqs: int = 64, max_cached_tokens: int | None = None,
-                 kv_cache_dtype: str = "auto", index_cache_dtype: str = "mxfp4",
+                 kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto",
                  keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
                  page_tokens: int = 256, prefix_cache: bool = True, tensor_parallel_size: int = 1,
                  expert_parallel: bool = False, keep_fp8_weights: bool | None = None,

@@ -96,7 +96,10 @@ def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     y = y * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(y.dtype)
     # Rows past the last group's offset (skipped pairs) are not written by the grouped GEMMs: select, not scale.
     y = torch.where((flat.index_select(0, order) < e).unsqueeze(-1), y, 0)
-    return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
+    # Each pair back to its (token, slot) row, then one sum over the k slots: deterministic (CUDA's index_add_
+    # adds with atomics in no fixed order, so two runs of one prompt could round apart) and one rounding a token.
+    pairs = torch.empty((t * k, x.shape[1]), dtype=y.dtype, device=x.device).index_copy_(0, order, y)
+    return pairs.view(t, k, -1).sum(1).to(x.dtype)
 
 
 def has_grouped_mm() -> bool:

@@ -84,7 +84,15 @@ def main() -> int:
     ap.add_argument("--start", type=int, default=0, help="position of the chunk's first query")
     ap.add_argument("--stores", nargs="+", default=["bf16", "mxfp4", "fp8"], choices=["bf16", "mxfp4", "fp8"])
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None, help="also write this run as a BENCHMARKS.md section file")
+    ap.add_argument("--merge", default=None, help="put this section file (--out of a GPU run) into BENCHMARKS.md")
     args = ap.parse_args()
+    if args.merge:
+        from service.benchmarks_md import write_section
+
+        write_section("indexer_prefill", Path(args.merge).read_text())
+        print(f"merged {args.merge} into BENCHMARKS.md")
+        return 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -98,8 +106,14 @@ def main() -> int:
     q = torch.randn(t, HEADS, DIM, device=dev).bfloat16()
     weights = torch.randn(t, HEADS, device=dev) * HEADS**-0.5
     flops = 2 * HEADS * DIM * pairs
-    print(f"{torch.cuda.get_device_name()}: T={t} start={args.start} S={s} Hi={HEADS} Di={DIM} k={TOPK}, "
-          f"{pairs} visible pairs ({pairs / (t * s):.2f} of T x S), {flops / 1e9:.1f} GFLOP")
+    log = []
+
+    def say(line: str = "") -> None:
+        print(line)
+        log.append(line)
+
+    say(f"{torch.cuda.get_device_name()}: T={t} start={args.start} S={s} Hi={HEADS} Di={DIM} k={TOPK}, "
+        f"{pairs} visible pairs ({pairs / (t * s):.2f} of T x S), {flops / 1e9:.1f} GFLOP")
     for kind in args.stores:
         keys, layout = store(kind, slots, dev)
         old_scores = indexer_scores(q, keys, rows, weights, layout)
@@ -113,10 +127,10 @@ def main() -> int:
             "prefill scores + topk": bench(lambda: indexer_topk(q, keys, rows, weights, TOPK, layout, cu_seqlens=cu)),
             "torch.topk alone": bench(lambda: topk_of_scores(new_scores, TOPK)),
         }
-        print(f"\n[{kind} keys] {compare(old_scores, new_scores, old_ids, new_ids, rows)}")
+        say(f"\n[{kind} keys] {compare(old_scores, new_scores, old_ids, new_ids, rows)}")
         for name, us in times.items():
             rate = "" if "alone" in name else f"  {flops / us / 1e6:7.1f} TFLOP/s"
-            print(f"  {name:<26} {us:9.1f} us{rate}")
+            say(f"  {name:<26} {us:9.1f} us{rate}")
         if args.sweep:
             results = []
             for cfg in SWEEP:
@@ -127,8 +141,23 @@ def main() -> int:
                     continue
                 results.append((us, cfg))
             for us, cfg in sorted(results, key=lambda r: r[0])[:6]:
-                print(f"  sweep {us:9.1f} us {flops / us / 1e6:7.1f} TFLOP/s  {cfg}")
+                say(f"  sweep {us:9.1f} us {flops / us / 1e6:7.1f} TFLOP/s  {cfg}")
+    if args.out:
+        Path(args.out).write_text(section(log, " ".join(sys.argv[1:])))
     return 0
+
+
+def section(log: list[str], argv: str) -> str:
+    """The run as a BENCHMARKS.md section (merged with --merge)."""
+    import datetime
+
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"## Prefill indexer: shared-key kernel vs per-token kernel\n\n"
+            f"- command: `python3 scripts/bench_indexer_prefill.py {argv}`\n- date: {when}; torch {torch.__version__}\n"
+            f"- \"per-token\" is the decode kernel (kernels/triton_indexer.py) run over every query; \"prefill\" is "
+            f"kernels/triton_indexer_prefill.py (a block of one sequence's queries shares each key tile through "
+            f"tl.dot); the compare line checks its scores and ids against the per-token kernel's\n\n"
+            "```\n" + "\n".join(log).strip() + "\n```\n")
 
 
 if __name__ == "__main__":

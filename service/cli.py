@@ -40,6 +40,8 @@ def _add_generate(sub) -> None:
                    help="KV cache format: fp8 = the production formats (fp8_ds_mla SWA / compressed KV, MXFP4 "
                         "indexer keys), exact = rows in --dtype; auto = fp8 where FlashMLA decodes it (bf16 on a "
                         "Hopper GPU with V4's attention geometry), else exact")
+    p.add_argument("--index-cache-dtype", default="auto", choices=["auto", "mxfp4", "fp8"],
+                   help="indexer keys of an fp8 cache: auto = FP8 on Hopper (faster to score there), else MXFP4")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks of one engine (this process is rank 0 and spawns the others; gloo on cpu, "
                         "NCCL on cuda with one GPU a rank): attention heads and dense projections split")
@@ -77,7 +79,8 @@ def _generate(args) -> int:
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
                             prompt_logprobs=args.prompt_logprobs)
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
-              kv_cache_dtype=args.kv_cache_dtype, keep_mxfp4_experts=args.keep_mxfp4_experts,
+              kv_cache_dtype=args.kv_cache_dtype, index_cache_dtype=args.index_cache_dtype,
+              keep_mxfp4_experts=args.keep_mxfp4_experts,
               decode_mode=args.decode_mode, prefix_cache=args.prefix_cache is not False,
               tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)

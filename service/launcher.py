@@ -36,7 +36,7 @@ from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 from service.rank_placement import place_worker, remove_worker
 
 ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype",
-                      "decode_mode", "keep_mxfp4_experts", "prefix_cache", "gpu_memory_utilization", "max_model_len")
+                      "index_cache_dtype", "decode_mode", "keep_mxfp4_experts", "prefix_cache", "gpu_memory_utilization", "max_model_len")
 
 
 @dataclass(frozen=True)
@@ -545,6 +545,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cached-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "exact", "fp8"],
                         help="KV cache format of every worker (default auto: fp8 where FlashMLA decodes it, else exact rows)")
+    parser.add_argument("--index-cache-dtype", default=None, choices=["auto", "mxfp4", "fp8"],
+                        help="indexer keys of an fp8 cache (default auto: FP8 on Hopper, else MXFP4)")
     add_engine_speed_args(parser)
 
 

@@ -34,9 +34,12 @@ def kv_row_bytes(cfg: ModelConfig, fmt: str) -> int:
 
 
 def index_row_bytes(cfg: ModelConfig, fmt: str) -> int:
-    """MXFP4 indexer key: packed e2m1 + one UE8M0 per 32 values (68 B for 128)."""
+    """fmt "prod" / "mxfp4": packed e2m1 + one UE8M0 per 32 values (68 B for 128); "fp8": e4m3 + one fp32 scale
+    (132 B); "engine": bf16."""
     if fmt == "engine":
         return cfg.index_head_dim * 2
+    if fmt == "fp8":
+        return cfg.index_head_dim + 4
     return cfg.index_head_dim // 2 + math.ceil(cfg.index_head_dim / 32)
 
 
@@ -46,6 +49,7 @@ def check_geometry(cfg: ModelConfig) -> None:
 
     assert kv_row_bytes(cfg, "prod") == Fp8DsMlaLayout(cfg.head_dim, cfg.rope_dim).row_bytes
     assert index_row_bytes(cfg, "prod") == IndexerKeyLayout(cfg.index_head_dim, "mxfp4").row_bytes
+    assert index_row_bytes(cfg, "fp8") == IndexerKeyLayout(cfg.index_head_dim, "fp8").row_bytes
 
 
 def expert_bytes(cfg: ModelConfig, fmt: str, packed: bool = False) -> int:
@@ -77,9 +81,10 @@ def weight_bytes(cfg: ModelConfig, batch: int, touched: list[float], fmt: str, p
     return total + sum(touched) * expert_bytes(cfg, fmt, packed)
 
 
-def cache_bytes(cfg: ModelConfig, ctx: int, fmt: str) -> float:
-    """Cache bytes one request's decode token at position ctx must read, all layers."""
-    kv, idx = kv_row_bytes(cfg, fmt), index_row_bytes(cfg, fmt)
+def cache_bytes(cfg: ModelConfig, ctx: int, fmt: str, index_fmt: str | None = None) -> float:
+    """Cache bytes one request's decode token at position ctx must read, all layers (index_fmt: the indexer
+    keys' format when it differs from fmt's, e.g. FP8 keys in a production-format cache)."""
+    kv, idx = kv_row_bytes(cfg, fmt), index_row_bytes(cfg, index_fmt or fmt)
     total = 0
     visible = lambda r: (ctx + 1) // r  # entries closed before the query (incl. its own window)
     for r in cfg.compress_ratios:
@@ -119,13 +124,15 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 
 
 def decode_figures(cfg: ModelConfig, batch: int, ctx: int, step_s: float, touched: list[float],
-                   copy_gbs: float, packed: bool, fp8_dense: bool = False, fp8_cache: bool = False) -> dict:
+                   copy_gbs: float, packed: bool, fp8_dense: bool = False, fp8_cache: bool = False,
+                   index_fmt: str = "mxfp4") -> dict:
     """A decode step's time against both byte rooflines -> the decode table's figures (`packed`: the
     engine keeps routed experts as MXFP4; `fp8_cache`: its KV cache holds the production formats (fp8_ds_mla
-    rows, MXFP4 indexer keys), else bf16 rows; touched = mean distinct experts per layer)."""
+    rows, indexer keys as `index_fmt`: "mxfp4" / "fp8"), else bf16 rows; touched = mean distinct experts per
+    layer)."""
     prod = weight_bytes(cfg, batch, touched, "prod") + batch * cache_bytes(cfg, ctx, "prod")
     eng = (weight_bytes(cfg, batch, touched, "engine", packed, fp8_dense)
-           + batch * cache_bytes(cfg, ctx, "prod" if fp8_cache else "engine"))
+           + batch * cache_bytes(cfg, ctx, "prod" if fp8_cache else "engine", index_fmt if fp8_cache else None))
     bw = copy_gbs * 1e9
     return {"step_ms": step_s * 1e3, "tok_s": batch / step_s, "touched": sum(touched) / len(touched),
             "prod_gb": prod / 1e9, "prod_roof_ms": prod / bw * 1e3, "x_prod": step_s / (prod / bw),

@@ -19,7 +19,8 @@ import torch
 
 from engine.cache import CacheConfig
 from engine.config import ModelConfig
-from engine.fast_paths import mxfp4_moe_backend, resolve_kv_cache_dtype, use_fp8_gemm, use_grouped_moe
+from engine.fast_paths import (mxfp4_moe_backend, resolve_index_cache_dtype, resolve_kv_cache_dtype, use_fp8_gemm,
+                               use_grouped_moe)
 from engine.linear import keeps_fp8
 from engine.make_model import (  # the release's quantisation layout
     _FP8,
@@ -200,19 +201,22 @@ def fill_caches(core: EngineCore, gen: torch.Generator, chunk: int = 1 << 16) ->
 
 
 def build_engine(raw: dict, device, dtype, max_requests: int, max_tokens: int, prefill_tokens: int, seed: int,
-                 expert_chunk: int, experts: str = "bf16", dense: str = "bf16", kv_cache: str = "auto"):
+                 expert_chunk: int, experts: str = "bf16", dense: str = "bf16", kv_cache: str = "auto",
+                 index_cache: str = "auto"):
     """-> (cfg, EngineCore) with routed experts in format `experts` (EXPERT_FORMATS), dense projections as
     `dense` ("fp8" / "bf16", see build_weights), the KV cache as `kv_cache` resolves (`dsv4 serve`'s
-    --kv-cache-dtype: auto = fp8 where FlashMLA decodes it), decode_mode "auto"."""
+    --kv-cache-dtype: auto = fp8 where FlashMLA decodes it) with indexer keys as `index_cache` resolves (auto = FP8
+    on Hopper, else MXFP4), decode_mode "auto"."""
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
     cfg = ModelConfig.from_dict(raw)
     gen = torch.Generator(device=device).manual_seed(seed)
     weights = build_weights(cfg, device, dtype, gen, experts, dense)
     kv_dtype, _ = resolve_kv_cache_dtype(kv_cache, device, dtype, cfg.head_dim, cfg.rope_dim, cfg.num_heads)
+    index_dtype, _ = resolve_index_cache_dtype(index_cache, device)
     core = EngineCore(cfg, weights, device=device, dtype=dtype,
                       cache_config=CacheConfig(max_requests=max_requests, max_tokens=max_tokens, page_tokens=256,
-                                               kv_cache_dtype=kv_dtype),
+                                               kv_cache_dtype=kv_dtype, index_cache_dtype=index_dtype),
                       scheduler_config=SchedulerConfig(max_batch_tokens=max(prefill_tokens, 2048),
                                                        max_num_seqs=max_requests))
     del weights

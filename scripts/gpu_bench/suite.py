@@ -183,7 +183,8 @@ class Suite:
                                            experts=fmt, dense=self.engine["dense"])
         self.rec = ExpertRecorder(self.core)
         self.engine.update(build_s=time.perf_counter() - t, decode_mode=self.core.decode_mode,
-                           packed=self.core.model.moe[0].mxfp4, fp8_cache=self.core.pool.groups["swa"].quantised)
+                           packed=self.core.model.moe[0].mxfp4, fp8_cache=self.core.pool.groups["swa"].quantised,
+                           index_fmt=self.core.cache_config.index_cache_dtype, overlap=self.core.overlap_decode)
         mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if p.cuda else ""
         print(f"engine (experts {self.engine['experts']}, decode {self.core.decode_mode}) built in "
               f"{self.engine['build_s']:.1f} s{mem}", flush=True)
@@ -212,7 +213,8 @@ class Suite:
             return row
         self.est_step[ctx_len] = (b, r["step_s"])
         row.update(decode_figures(self.cfg, b, ctx_len, r["step_s"], r["touched"], self.copy_gbs,
-                                  self.engine["packed"], self.engine["dense"] == "fp8", self.engine["fp8_cache"]),
+                                  self.engine["packed"], self.engine["dense"] == "fp8", self.engine["fp8_cache"],
+                                  self.engine.get("index_fmt", "mxfp4")),
                    n=r["n"], captured_timed=r["captured_timed"])
         print(f"decode {label} b={b} ctx={ctx_len}: {row['step_ms']:.1f} ms/step (n={r['n']}, setup "
               f"{r['setup_s']:.1f} s, graphs {r['graphs']}, timed captures replaced {r['captured_timed']}), "

@@ -344,3 +344,15 @@ def test_kv_cache_dtype_auto_resolves_per_device_and_geometry():
     if has_flash_mla():
         assert resolve_kv_cache_dtype("auto", "cuda", torch.bfloat16, 128, 64, 64)[0] == "exact"
     assert CacheConfig(kv_cache_dtype="exact").kv_cache_dtype == "exact"
+
+
+def test_index_cache_dtype_resolution():
+    """--index-cache-dtype: explicit formats are kept, auto is MXFP4 off Hopper (FP8 on sm90 is checked where a
+    GPU runs the bench), anything else is a ValueError naming it."""
+    from engine.fast_paths import resolve_index_cache_dtype
+
+    assert resolve_index_cache_dtype("auto", "cpu")[0] == "mxfp4"
+    assert resolve_index_cache_dtype("fp8", "cpu") == ("fp8", "as requested")
+    assert resolve_index_cache_dtype("mxfp4", "cpu") == ("mxfp4", "as requested")
+    with pytest.raises(ValueError, match="int4"):
+        resolve_index_cache_dtype("int4", "cpu")
