@@ -36,7 +36,8 @@ from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 from service.rank_placement import place_worker, remove_worker
 
 ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype",
-                      "index_cache_dtype", "decode_mode", "keep_mxfp4_experts", "prefix_cache", "gpu_memory_utilization", "max_model_len")
+                      "index_cache_dtype", "decode_mode", "keep_mxfp4_experts", "prefix_cache",
+                      "gpu_memory_utilization", "max_model_len")
 
 
 @dataclass(frozen=True)

@@ -252,8 +252,9 @@ def _gaps(ctx: dict) -> str:
              "wo_a's groups one quantiser; the shared expert's w1|w3 one GEMM, its down projection fed by the fused "
              "SwiGLU-quantiser), the other projections one quantiser launch each") if fp8 else
             "dense projections are bf16 GEMMs on FP8-rounded weights (2x the FP8 bytes; no FP8 GEMM)",
-            (f"the KV cache holds fp8_ds_mla rows and {(ran[0] if ran else {}).get('index_fmt', 'mxfp4').upper()} indexer keys "
-             f"(--index-cache-dtype auto: FP8 on Hopper, where the indexer scores them 2.7x faster than MXFP4, at 132 B "
+            (f"the KV cache holds fp8_ds_mla rows and {(ran[0] if ran else {}).get('index_fmt', 'mxfp4').upper()} "
+             f"indexer keys (--index-cache-dtype auto: FP8 on Hopper, where the indexer scores them 2.7x faster than "
+             f"MXFP4, at 132 B "
              f"a key vs 68; the prod roof counts MXFP4 keys, the engine roof the engine's): decode attention is "
              f"FlashMLA's sparse kernel, the indexer dequantises the keys in the engine's Triton kernel")
             if all(e.get("fp8_cache") for e in ran) else

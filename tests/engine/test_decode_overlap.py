@@ -76,7 +76,8 @@ def _summary(events, ids):
     out = []
     for rid in ids:
         evs = events.get(rid, [])
-        out.append(([e.token_id for e in evs if e.token_id is not None], [e.logprob for e in evs if e.token_id is not None],
+        sampled = [e for e in evs if e.token_id is not None]
+        out.append(([e.token_id for e in sampled], [e.logprob for e in sampled],
                     [e.finished for e in evs], evs[-1].finish_reason if evs else None))
     return out
 
@@ -93,7 +94,8 @@ def test_overlapped_decode_is_bit_exact_without_arrivals(weights, monkeypatch):
     every decode step is launched ahead except the first and those after which a request has one token left."""
     cfg, _ = weights
     prompts = _prompts(cfg, [5, 40, 131, 9, 17], seed=11)
-    jobs = [(p, SamplingParams(max_new_tokens=n, temperature=0, logprobs=True)) for p, n in zip(prompts, (12, 7, 20, 3, 15))]
+    jobs = [(p, SamplingParams(max_new_tokens=n, temperature=0, logprobs=True))
+            for p, n in zip(prompts, (12, 7, 20, 3, 15))]
     want, wids = _run(_engine(weights, overlap=False), jobs)
     fast = _engine(weights, overlap=True)
     launched = _spy_lookahead(monkeypatch, fast)
