@@ -98,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dense", choices=("auto", "fp8", "bf16"), default="auto",
                     help="dense projections: fp8 (e4m3 + block scales through DeepGEMM, where it runs), bf16 "
                          "(dequantised at load); auto = fp8 where DeepGEMM runs")
+    ap.add_argument("--index-cache", choices=("auto", "mxfp4", "fp8"), default="auto",
+                    help="indexer keys of the fp8 cache (dsv4's --index-cache-dtype): auto = FP8 on Hopper, else MXFP4")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--out", default=None, help="also write the markdown section to this file")
     ap.add_argument("--write", action="store_true", help="put the section into BENCHMARKS.md")

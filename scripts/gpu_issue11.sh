@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 11 GPU session runner: installs the carried .whl wheels (DeepGEMM, FlashMLA, triton_kernels) into a
 # private dir, then runs the named stages, logging each to $OUT. Stages: probe, ktests, fp8gemm, moe, fp8oracle,
-# slice, gputests, flash (FlashMLA kernel + fp8-default engine tests), tp (TP 2 vs TP 1 on one GPU), e2e.
+# slice, gputests, flash (FlashMLA kernel + fp8-default engine tests), tp (TP 2 vs TP 1 on one GPU), e2e, ab
+# (overlapped decode on/off, FP8 vs MXFP4 indexer keys).
 # Usage: scripts/gpu_issue11.sh stage ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +56,14 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
               [ -s "$OUT/ogs_best.json" ] && export DSV4_OGS_CONSTRAINTS="$(cat "$OUT/ogs_best.json")" \
                 && echo "DSV4_OGS_CONSTRAINTS=$DSV4_OGS_CONSTRAINTS" ;;
     e2e) timeout 200 python3 scripts/check_hopper_e2e.py 2>&1 | grep -v "^$" | tail -12 || status=1 ;;
+    # A/B of overlapped greedy decode (engine.decode_overlap) and of the indexer key format, b1 and b64 at 4K / 32K
+    ab) for v in "overlap=1 keys=auto" "overlap=0 keys=auto" "overlap=1 keys=mxfp4"; do
+          set -- $v; o=${1#overlap=}; k=${2#keys=}
+          DSV4_OVERLAP_DECODE=$o timeout ${AB_TIMEOUT:-150} scripts/bench_gpu.sh --budget-s ${AB_BUDGET:-120} --no-peer \
+            --experts mxfp4 --batches 1 64 --contexts 4096 32768 --index-cache "$k" --out "$OUT/ab_o${o}_$k.md" \
+            > "$OUT/ab_o${o}_$k.log" 2>&1 || status=1
+          echo "--- overlap $o, index keys $k"; grep -E "^(decode|prefill) " "$OUT/ab_o${o}_$k.log" | cut -c1-200
+        done ;;
     flash) timeout ${FLASH_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_flashmla_sparse.py \
              tests/engine/test_gpu_flashmla_engine.py > "$OUT/flash.log" 2>&1 || status=1
            grep -E "^\[gpu flashmla|^(FAILED|ERROR)|passed|failed" "$OUT/flash.log" | cut -c1-400 ;;

@@ -62,6 +62,7 @@ class Plan:
     no_peer: bool
     experts: tuple[str, ...] = EXPERT_FORMATS  # routed-expert formats, one engine each, in this order
     dense: str = "auto"  # dense projections: "fp8" (DeepGEMM, where it runs), "bf16", or "auto" (fp8 if it runs)
+    index_cache: str = "auto"  # indexer keys of an fp8 cache: "mxfp4", "fp8" or "auto" (FP8 on Hopper)
 
     @property
     def mm_n(self) -> int:  # the matmul size measure_roofs uses
@@ -78,7 +79,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     bad = [f for f in experts if f not in EXPERT_FORMATS]
     if bad:
         raise ValueError(f"--experts takes {EXPERT_FORMATS}, got {bad}")
-    return dataclasses.replace(_plan(args, device), experts=experts, dense=getattr(args, "dense", None) or "auto")
+    return dataclasses.replace(_plan(args, device), experts=experts, dense=getattr(args, "dense", None) or "auto",
+                               index_cache=getattr(args, "index_cache", None) or "auto")
 
 
 def _plan(args: argparse.Namespace, device: str) -> Plan:
@@ -180,7 +182,7 @@ class Suite:
         t = time.perf_counter()
         self.cfg, self.core = build_engine(p.raw, p.device, DTYPE, max_requests=max(max_b, 1), max_tokens=max_tokens,
                                            prefill_tokens=p.prefill_tokens, seed=0, expert_chunk=p.expert_chunk,
-                                           experts=fmt, dense=self.engine["dense"])
+                                           experts=fmt, dense=self.engine["dense"], index_cache=p.index_cache)
         self.rec = ExpertRecorder(self.core)
         self.engine.update(build_s=time.perf_counter() - t, decode_mode=self.core.decode_mode,
                            packed=self.core.model.moe[0].mxfp4, fp8_cache=self.core.pool.groups["swa"].quantised,
