@@ -62,6 +62,18 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, H, D, HALF, ep
     tl.store(o_row[:, None] + ev_col[None, :] + 1, (od * c + ev * s).to(out_ptr.dtype.element_ty), mask=pm)
 
 
+def _rows_of(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, int, int]:
+    """Check x [T, D] / [T, H, D] (last dim contiguous) against cos / sin [T, rope_dim // 2] -> (T, H, D)."""
+    if x.dim() not in (2, 3) or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, D] or [T, H, D] with unit stride on the last dim, got {tuple(x.shape)}")
+    t, d = x.shape[0], x.shape[-1]
+    h = x.shape[1] if x.dim() == 3 else 1
+    if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or 2 * cos.shape[1] > d:
+        raise ValueError(f"cos/sin must be [T={t}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    return t, h, d
+
+
 def rms_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                   weight: torch.Tensor | None = None, *, block_r: int | None = None) -> torch.Tensor:
     """RMSNorm over the last dim, then interleaved RoPE on its trailing 2 * cos.shape[-1] channels.
@@ -71,13 +83,7 @@ def rms_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: fl
     token's position. -> same shape as x, x.dtype. Equals
     `apply_rope(rms_norm(x, weight, eps), cos, sin)` or `apply_rope(unweighted_rms_norm(x, eps), cos, sin)`.
     """
-    if x.dim() not in (2, 3) or x.stride(-1) != 1:
-        raise ValueError(f"x must be [T, D] or [T, H, D] with unit stride on the last dim, got {tuple(x.shape)}")
-    t, d = x.shape[0], x.shape[-1]
-    h = x.shape[1] if x.dim() == 3 else 1
-    if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or 2 * cos.shape[1] > d:
-        raise ValueError(f"cos/sin must be [T={t}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
+    t, h, d = _rows_of(x, cos, sin)
     if weight is not None and weight.shape != (d,):
         raise ValueError(f"weight must be [D={d}], got {tuple(weight.shape)}")
     require_triton(x.device)
@@ -131,13 +137,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
          block_r: int = 16) -> torch.Tensor:
     """`kernels.rope.apply_rope(x, cos, sin, inverse)` in one launch: x [T, D] or [T, H, D] (last dim contiguous),
     cos / sin fp32 [T, rope_dim // 2]. -> a new tensor of x's shape and dtype (bf16 rounded by bits)."""
-    if x.dim() not in (2, 3) or x.stride(-1) != 1:
-        raise ValueError(f"x must be [T, D] or [T, H, D] with unit stride on the last dim, got {tuple(x.shape)}")
-    t, d = x.shape[0], x.shape[-1]
-    h = x.shape[1] if x.dim() == 3 else 1
-    if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or 2 * cos.shape[1] > d:
-        raise ValueError(f"cos/sin must be [T={t}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
+    t, h, d = _rows_of(x, cos, sin)
     require_triton(x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if t * h == 0:

@@ -18,6 +18,7 @@ Usage: python scripts/bench_indexer_prefill.py [--tokens 8192] [--start 0] [--st
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import sys
 from pathlib import Path
@@ -149,8 +150,6 @@ def main() -> int:
 
 def section(log: list[str], argv: str) -> str:
     """The run as a BENCHMARKS.md section (merged with --merge)."""
-    import datetime
-
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"## Prefill indexer: shared-key kernel vs per-token kernel\n\n"
             f"- command: `python3 scripts/bench_indexer_prefill.py {argv}`\n- date: {when}; torch {torch.__version__}\n"

@@ -24,8 +24,8 @@ if [ "$DEVICE" = cuda ]; then
   # The token check compares two runs bit for bit, so both must run deterministic kernels. The model is made
   # quantised (FP8 dense, MXFP4 experts: V4's checkpoint format, and the model scripts/check_gpu_handoff.py
   # found bit-exact), and its MXFP4 experts stay packed (=1: the Triton MoE paths, whose k-way sum has no
-  # atomics). Dequantised bf16 experts would run kernels.moe.moe_experts_grouped, whose index_add_ combine uses
-  # float atomics on CUDA for more than 16 (token, expert) pairs: prefill sums in a varying order there.
+  # atomics). The run of 2026-12-01 used dequantised bf16 experts, whose combine was then CUDA's atomic
+  # index_add_ (kernels.moe.moe_experts_grouped sums over k without atomics since).
   export DSV4_MXFP4_MOE=${DSV4_MXFP4_MOE:-1}
   ENGINE=(--device cuda --dtype bfloat16 --max-cached-tokens ${KV_TOKENS:-65536})
   SHARE=(--worker-num-gpus 0.5)
@@ -113,8 +113,9 @@ path, model = sys.argv[1], sys.argv[2] or default_model_dir()
 c = json.load(open(os.path.join(model, "config.json")))
 env = json.load(open(path)) if os.path.exists(path) else {}
 quant = "FP8 dense / MXFP4 expert" if c.get("quantization_config") else "unquantised"
-env["model"] = (f"{os.path.basename(model.rstrip('/'))}: random {quant} weights, {c['num_hidden_layers']} layers (compress "
-                f"ratios {c['compress_ratios']}), hidden {c['hidden_size']}, {c['num_attention_heads']} heads x "
+env["model"] = (f"{os.path.basename(model.rstrip('/'))}: random {quant} weights, {c['num_hidden_layers']} layers "
+                f"(compress ratios {c['compress_ratios']}), hidden {c['hidden_size']}, "
+                f"{c['num_attention_heads']} heads x "
                 f"{c['head_dim']}, window {c['sliding_window']}, indexer {c['index_n_heads']} x {c['index_head_dim']} "
                 f"top-{c['index_topk']}, {c['n_routed_experts']} experts (top-{c['num_experts_per_tok']}), "
                 f"vocab {c['vocab_size']}")
