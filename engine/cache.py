@@ -379,6 +379,10 @@ class CachePool:
         (engine.decode_overlap); `release_deferred_frees` gives them back once it has completed."""
         self._deferring = True
 
+    @property
+    def has_deferred_frees(self) -> bool:
+        return bool(self._deferred)
+
     def release_deferred_frees(self) -> None:
         self._deferring = False
         pending, self._deferred = self._deferred, []

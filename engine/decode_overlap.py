@@ -54,10 +54,14 @@ class LaunchedDecode:
         ready.record()
         return LaunchedDecode(tuple(chunks), picked, host, ready)
 
-    def read(self) -> tuple[list[int], list[float]]:
-        """-> (token ids, log-probs) per row; waits for this step only (not for steps launched after it)."""
+    def wait(self) -> None:
+        """Block until this step (and its host copy) has completed on the device."""
         if self.ready is not None:
             self.ready.synchronize()
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """-> (token ids, log-probs) per row; waits for this step only (not for steps launched after it)."""
+        self.wait()
         both = self.host.tolist()
         return [int(t) for t in both[0]], both[1]
 

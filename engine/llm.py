@@ -52,13 +52,15 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     On CUDA, before any weight is read, engine.fit_check compares this rank's weights + reserve + the minimum
     cache with that budget and raises a ValueError with the numbers when they do not fit.
     model_dir: a directory or a Hugging Face repo id (engine.model_source; None: the built-in tiny model).
-    max_model_len: the longest request (prompt + output) served, at most the model's max_position_embeddings."""
+    max_model_len: the longest request (prompt + output) served, at most the model's max_position_embeddings.
+    A one-rank CUDA engine is warmed up before it is returned (engine.warmup; $DSV4_WARMUP=0 skips it)."""
     from engine.fast_paths import keep_mxfp4_experts as keep_default
     from engine.fast_paths import resolve_index_cache_dtype, resolve_kv_cache_dtype, use_fp8_gemm
     from engine.make_model import default_model_dir
     from engine.memory_plan import cap_context, log_plan, plan_kv_tokens
     from engine.prefix_cache import PrefixCacheConfig, default_snapshot_slots
     from engine.model_source import local_model_dir
+    from engine.warmup import warm_engine, warmup_enabled
     from engine.weights import load_weights
 
     model_dir = local_model_dir(model_dir) or default_model_dir()  # a worker lacking the path fetches it here
@@ -95,10 +97,13 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
                           max_cached_tokens, snapshot_slots=slots)
     log_plan(plan, cfg, max_num_seqs)
     cache_config = dataclasses.replace(cache_config, max_tokens=plan.tokens)
-    return EngineCore(cfg, weights, device=device, dtype=torch_dtype, parallel=parallel,
+    core = EngineCore(cfg, weights, device=device, dtype=torch_dtype, parallel=parallel,
                       cache_config=cache_config,
                       scheduler_config=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs),
                       decode_mode=decode_mode or "auto", prefix_cache=prefix_cache)
+    if warmup_enabled(core):  # CUDA: compile before the first request waits on it (engine.warmup)
+        warm_engine(core)
+    return core
 
 
 class LLM:

@@ -14,6 +14,7 @@ import os
 import torch
 
 from engine.batch import build_step
+from engine.allocator import OutOfPages
 from engine.cache import CacheConfig, CachePool
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeRunner
@@ -177,7 +178,12 @@ class EngineCore:
                       num_computed=len(prompt))
         if prompt_logprobs is not None:
             req.prompt_logprobs = list(prompt_logprobs)
-        self.pool.grow(req.pages, req.max_total_tokens)  # raises OutOfPages, nothing taken
+        try:
+            self.pool.grow(req.pages, req.max_total_tokens)  # raises OutOfPages, nothing taken
+        except OutOfPages:
+            if not self._settle_deferred_frees():
+                raise
+            self.pool.grow(req.pages, req.max_total_tokens)
         self.imports[rid] = req
         return req.pages
 
@@ -253,6 +259,15 @@ class EngineCore:
         if self._launched is None:
             self.pool.release_deferred_frees()  # nothing queued writes rows any more
         return events
+
+    def _settle_deferred_frees(self) -> bool:
+        """Wait for the launched step's device work, then return the pages freed while it was in flight (an import
+        must not fail for pages that an aborted request gives back one step later). -> whether any came back."""
+        if self._launched is None or not self.pool.has_deferred_frees:
+            return False
+        self._launched.wait()  # the newest launch: every earlier one has completed too
+        self.pool.release_deferred_frees()  # the next launch defers again
+        return True
 
     def _build(self, chunks: list[ScheduledChunk]):
         """-> (StepInputs, per chunk: index into logit rows to sample or None, per chunk: prompt-logprob rows)."""

@@ -3,8 +3,9 @@
 The activations are quantised per token in 1x128 blocks by kernels.triton_fp8_quant (one fused kernel, scales
 written in the MN-major layout DeepGEMM's sm90 kernels read), then `deep_gemm.fp8_gemm_nt` multiplies them with
 the checkpoint's e4m3 weight and its 128x128 block scales (fp32) into a bf16 output. DeepGEMM JIT-compiles a
-kernel per (N, K) and M bucket at first use (seconds, with the machine's nvcc), so callers warm every shape
-before timing or CUDA-graph capture (the engine's decode graphs run two warm-up forwards before capturing).
+kernel per (N, K) and per configuration its heuristic picks for M (block sizes, stages, multicast; M itself is
+a runtime argument) at first use, seconds each with the machine's nvcc. Every (N, K) this module multiplies is
+recorded (`seen_shapes`), so engine.warmup can run each at every M a step may have before serving starts.
 
 The grouped output projection (wo_a: G groups, each [R, D] over its own D features) runs as G GEMMs over one
 quantised activation tensor [G, T, D].
@@ -16,6 +17,36 @@ import torch
 
 from kernels.fp8_linear import BLOCK, Fp8Weight
 from kernels.gpu import import_deep_gemm
+
+
+_SEEN: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor]] = {}  # (N, K, pow2) -> (weight, scale)
+
+
+def _gemm(dg, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool,
+          out: torch.Tensor) -> None:
+    _SEEN.setdefault((weight.shape[0], weight.shape[1], pow2), (weight, scale))
+    dg.fp8_gemm_nt((xq, xs), (weight, scale), out)
+
+
+def seen_shapes() -> dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor]]:
+    """(N, K, power-of-two activation scales) -> one (e4m3 weight, scales) pair of that shape, for every shape
+    multiplied in this process so far."""
+    return dict(_SEEN)
+
+
+def warm_shape(weight: torch.Tensor, scale: torch.Tensor, pow2: bool, m_values) -> None:
+    """Run the FP8 GEMM of this weight at each M in m_values (random activations): DeepGEMM compiles every
+    configuration its heuristic picks for them now."""
+    from kernels.triton_fp8_quant import quant_act_1x128
+
+    dg = import_deep_gemm()
+    m_values = sorted(m_values)
+    n, k = weight.shape
+    x = torch.randn(m_values[-1], k, dtype=torch.bfloat16, device=weight.device)
+    out = torch.empty(m_values[-1], n, dtype=torch.bfloat16, device=weight.device)
+    for m in m_values:
+        xq, xs = quant_act_1x128(x[:m], pow2)
+        dg.fp8_gemm_nt((xq, xs), (weight, scale), out[:m])
 
 
 def supported(w: Fp8Weight) -> bool:
@@ -36,7 +67,7 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     if x.shape[0] == 0:
         return out
     xq, xs = quant_act_1x128(x, w.pow2_act)
-    dg.fp8_gemm_nt((xq, xs), (w.weight, w.scale), out)
+    _gemm(dg, xq, xs, w.weight, w.scale, w.pow2_act, out)
     return out
 
 
@@ -50,7 +81,7 @@ def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight) -> torc
                          f"{tuple(xq.shape)}")
     out = torch.empty(xq.shape[0], n, dtype=torch.bfloat16, device=xq.device)
     if xq.shape[0]:
-        dg.fp8_gemm_nt((xq, xs), (w.weight, w.scale), out)
+        _gemm(dg, xq, xs, w.weight, w.scale, w.pow2_act, out)
     return out
 
 
@@ -71,5 +102,5 @@ def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int) -> torch.Tensor
     rb = r // BLOCK
     xq, xs = quant_act_1x128_grouped(x, w.pow2_act)
     for i in range(g):
-        dg.fp8_gemm_nt((xq[i], xs[i]), (w.weight[i * r:(i + 1) * r], w.scale[i * rb:(i + 1) * rb]), out[i])
+        _gemm(dg, xq[i], xs[i], w.weight[i * r:(i + 1) * r], w.scale[i * rb:(i + 1) * rb], w.pow2_act, out[i])
     return out

@@ -2,7 +2,9 @@
 
 Decode requests enter through the decode-side hand-off API (`reserve_import` + `commit_import`: pages
 allocated, num_computed = C) over the random cache rows, so a step sees a full context C without running a
-prefill of B x C tokens. Every timing is CUDA-synchronised wall time of `EngineCore.step()`.
+prefill of B x C tokens. A decode timing is the wall time of one `EngineCore.step()` in a run of steps (the
+rate a serving loop sees: with overlapped decode the host's share hides behind the next step); a prefill timing
+is CUDA-synchronised.
 
 Decode steps run as the engine runs them (`core.decode_mode`; "graphs" on a 16-bit CUDA engine): a CUDA
 graph is captured on the first step of each (batch-slot, context) bucket (engine/cuda_graphs.py). A timed
@@ -54,11 +56,11 @@ class ExpertRecorder:
         if runner is not None:
             orig_run = runner.run
 
-            def run(request_ids, token_ids, positions, tables):
+            def run(request_ids, token_ids, positions, tables, token_source=None):
                 shape = runner.shape_for(len(token_ids), max(positions) + 1)
                 self._run_ids, captured = [], shape is not None and shape not in runner.graphs
                 try:
-                    out = orig_run(request_ids, token_ids, positions, tables)
+                    out = orig_run(request_ids, token_ids, positions, tables, token_source=token_source)
                 finally:
                     got, self._run_ids = self._run_ids, None
                 n = len(token_ids)
@@ -129,6 +131,7 @@ def bench_decode(core: EngineCore, cfg: ModelConfig, rec: ExpertRecorder, batch:
             core.reserve_import(prompt, params, rid, seed=b, first_token=first[b], first_logprob=0.0)
             core.commit_import(rid)
         setup_s = time.perf_counter() - t_setup
+        sync(device)
         for _ in range(warmup + steps + extra):
             if len(times) >= warmup + steps:
                 break
@@ -136,10 +139,10 @@ def bench_decode(core: EngineCore, cfg: ModelConfig, rec: ExpertRecorder, batch:
                 break  # out of time: keep what was measured
             rec.on = len(times) >= warmup
             graphs = _graphs(core)
-            sync(device)
+            # No device sync around a step: a synchronous step reads its tokens back anyway, and an overlapped one
+            # (engine.decode_overlap) returns step N while N + 1 runs, so the time between returns is its rate.
             t = time.perf_counter()
             core.step()
-            sync(device)
             dt = time.perf_counter() - t
             rec.on = False
             if len(times) >= warmup and _graphs(core) > graphs:

@@ -192,3 +192,28 @@ def test_deferred_frees_return_on_release(weights):
     assert table == {} and pool.num_free_pages() == taken
     pool.release_deferred_frees()
     assert pool.num_free_pages() == idle
+
+
+def test_import_after_abort_gets_the_pages_a_launched_step_held(weights, monkeypatch):
+    """Pages of requests aborted while a step is launched are held back until it completes; a KV import that
+    needs them must not fail: the engine waits for the launched step and takes them (the decode worker's
+    reserve path, and the slice bench that aborts one batch and imports the next)."""
+    cfg, _ = weights
+    eng = _engine(weights, overlap=True)
+    idle_tokens = eng.pool.free_tokens()
+    launched = _spy_lookahead(monkeypatch, eng)
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=64, temperature=0))
+           for p in _prompts(cfg, [1200, 1000, 900], seed=5)]
+    while not launched:
+        eng.step()
+    for rid in ids:
+        eng.abort(rid)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    prompt = _prompts(cfg, [min(idle_tokens, cfg.max_position_embeddings) - 96], seed=6)[0]
+    assert eng.pool.free_tokens() < len(prompt) + 8 <= idle_tokens, "the aborted requests' pages are held back"
+    pages = eng.reserve_import(prompt, params, "imp", seed=0, first_token=3, first_logprob=0.0)
+    assert pages and not eng.pool.has_deferred_frees
+    eng.abort("imp")
+    while eng.has_work:
+        eng.step()
+    assert eng.pool.num_free_pages() == eng.pool.idle_free_pages()

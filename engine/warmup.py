@@ -1,0 +1,102 @@
+"""Start-up warm-up of a CUDA engine: compile now what the first requests would otherwise wait on.
+
+Why: on a machine whose caches are cold, DeepGEMM compiles a kernel with nvcc for each (N, K) and each
+configuration its heuristic picks for a step's M, and Triton compiles each kernel on its first launch, seconds
+each. Served without a warm-up, the first requests of new lengths stall on it: the GPU service run of 2026-12-02
+(4-layer model, FP8 dense / MXFP4 experts) saw TTFT p50 9.1 s, p99 26.8 s and ITL p99 3.4 s where the same
+service with bf16 weights gave 147 ms (BENCHMARKS.md, "Disaggregated service on one GPU"). vLLM compiles its
+DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a warm-up request at start. Here:
+1. a ladder of requests through the engine itself, one at a time so each prefill step has exactly its prompt's
+   tokens: 1, 2, 4, ... up to max_batch_tokens (and the model's length). Each runs its prefill, one decode step
+   (under CUDA graphs: the batch-1 graphs of those contexts are captured now) and sampling; every page returns
+   and the prefix cache forgets the prompts;
+2. every FP8 GEMM shape those steps ran (kernels.deepgemm_linear records them) at the M values whose DeepGEMM
+   configuration can differ: all M up to 128, then each multiple of 64 up to max_batch_tokens (the heuristic sees
+   a larger M only through its number of M-blocks, whose sizes are multiples of 64).
+Not done: tensor-parallel ranks (the request would need the followers' step loop, which starts after loading);
+FP8 routed experts' grouped GEMMs (MXFP4 is the resident expert format). $DSV4_WARMUP=0 skips it all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+GEMM_ALL_M_UPTO = 128  # every M up to here; beyond, one M per 64-row block count
+GEMM_M_STEP = 64
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    prompts: tuple[int, ...]  # prompt lengths run through the engine
+    gemm_shapes: int  # distinct FP8 GEMM (N, K) warmed at every M class
+    gemm_calls: int
+    seconds: float
+
+
+def warmup_enabled(engine) -> bool:
+    """On a one-rank CUDA engine unless $DSV4_WARMUP=0."""
+    if os.environ.get("DSV4_WARMUP", "1") == "0":
+        return False
+    return engine.device.type == "cuda" and not engine.parallel.enabled
+
+
+def prompt_ladder(max_batch_tokens: int, max_prompt: int) -> list[int]:
+    """1, 2, 4, ... below max_batch_tokens, then max_batch_tokens itself; none above max_prompt."""
+    top = max(1, min(max_batch_tokens, max_prompt))
+    out, n = [], 1
+    while n < top:
+        out.append(n)
+        n *= 2
+    return out + [top]
+
+
+def gemm_m_values(max_tokens: int) -> list[int]:
+    """The M values at which one FP8 GEMM shape is run (module docstring, item 2)."""
+    small = range(1, min(GEMM_ALL_M_UPTO, max_tokens) + 1)
+    blocks = range(GEMM_ALL_M_UPTO + GEMM_M_STEP, max_tokens + GEMM_M_STEP, GEMM_M_STEP)
+    return sorted({*small, *(min(m, max_tokens) for m in blocks)})
+
+
+def warm_engine(engine) -> WarmupReport:
+    """Run the warm-up on `engine` (an idle EngineCore); -> what ran. Leaves the pool as it found it."""
+    t0 = time.perf_counter()
+    if engine.has_work or engine.requests:
+        raise RuntimeError("warm-up needs an idle engine (requests are queued or running)")
+    max_tokens = engine.scheduler_config.max_batch_tokens
+    lengths = prompt_ladder(max_tokens, engine.cfg.max_position_embeddings - 2)
+    lengths = [n for n in lengths if engine._fits_empty_pool(n + 2)]
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    for n in lengths:
+        prompt = torch.randint(2, engine.cfg.vocab_size, (n,), generator=g).tolist()
+        rid = engine.add_request(prompt, params, request_id=f"warmup-{n}")
+        while engine.has_work:
+            engine.step()
+        engine.pop_finished(rid)
+    if engine.prefix is not None:
+        engine.prefix.clear()  # (the prompts are random: nothing to share)
+    shapes = calls = 0
+    if engine.device.type == "cuda":
+        from engine.fast_paths import use_fp8_gemm
+
+        if use_fp8_gemm(engine.device, engine.dtype):
+            from kernels.deepgemm_linear import seen_shapes, warm_shape
+
+            ms = gemm_m_values(max_tokens)
+            for (_, _, pow2), (weight, scale) in seen_shapes().items():
+                warm_shape(weight, scale, pow2, ms)
+                shapes, calls = shapes + 1, calls + len(ms)
+        torch.cuda.synchronize(engine.device)
+    report = WarmupReport(tuple(lengths), shapes, calls, time.perf_counter() - t0)
+    logger.info("warm-up: %d prompts (%s tokens), %d FP8 GEMM shapes x %d M values, %.1f s",
+                len(lengths), ",".join(map(str, lengths)), shapes, calls // max(shapes, 1), report.seconds)
+    return report

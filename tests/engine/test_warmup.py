@@ -1,0 +1,72 @@
+"""Start-up warm-up (engine.warmup): the request ladder runs through the engine and leaves it as it found it
+(no request, every page back, prefix cache empty), the engine then serves the same tokens as a cold one, and the
+M values cover every 64-row block count. On the CPU only the ladder runs (DeepGEMM is CUDA-only; its M sweep
+runs in the GPU engine tests' load_engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache import CacheConfig
+from engine.config import ModelConfig
+from engine.make_model import default_model_dir
+from engine.runner import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerConfig
+from engine.warmup import gemm_m_values, prompt_ladder, warm_engine, warmup_enabled
+from engine.weights import load_weights
+
+
+@pytest.fixture(scope="module")
+def weights():
+    model_dir = default_model_dir()
+    cfg = ModelConfig.from_model_dir(model_dir)
+    return cfg, load_weights(model_dir, cfg, dtype=torch.float32, device="cpu")
+
+
+def _engine(weights, prefix: bool = True) -> EngineCore:
+    cfg, w = weights
+    return EngineCore(cfg, w, cache_config=CacheConfig(max_requests=4, max_tokens=2048),
+                      scheduler_config=SchedulerConfig(max_batch_tokens=300, max_num_seqs=4), prefix_cache=prefix)
+
+
+def test_prompt_ladder_and_m_values():
+    assert prompt_ladder(48, 4094) == [1, 2, 4, 8, 16, 32, 48]
+    assert prompt_ladder(64, 4094) == [1, 2, 4, 8, 16, 32, 64]
+    assert prompt_ladder(8192, 100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    ms = gemm_m_values(1000)
+    assert ms[:128] == list(range(1, 129)) and ms[-1] == 1000
+    # one M for every count of 64-row blocks: DeepGEMM's configuration is a function of it above 128
+    assert {(m + 63) // 64 for m in ms} == set(range(1, (1000 + 63) // 64 + 1))
+    assert gemm_m_values(5) == [1, 2, 3, 4, 5]
+
+
+def test_warmup_leaves_the_engine_idle_and_exact(weights, monkeypatch):
+    cfg, _ = weights
+    warm, cold = _engine(weights), _engine(weights)
+    idle = warm.pool.num_free_pages()
+    report = warm_engine(warm)
+    assert report.prompts == (1, 2, 4, 8, 16, 32, 64, 128, 256, 300) and report.gemm_shapes == 0  # CPU: no DeepGEMM
+    assert not warm.has_work and not warm.requests and not warm.held and not warm.imports
+    assert warm.pool.num_free_pages() == idle, "a warm-up page was not returned"
+    assert warm.prefix.cached_blocks == 0 and not warm.prefix.resumable(), "the prefix cache kept a warm-up prompt"
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 33, 70)]
+    params = SamplingParams(max_new_tokens=6, temperature=0, logprobs=True)
+    outs = []
+    for eng in (warm, cold):
+        ids = [eng.add_request(p, params) for p in prompts]
+        while eng.has_work:
+            eng.step()
+        outs.append([(r.output, r.logprobs) for r in map(eng.pop_finished, ids)])
+    assert outs[0] == outs[1]
+    monkeypatch.setenv("DSV4_WARMUP", "1")
+    assert not warmup_enabled(warm), "the CPU engine is never warmed by load_engine"
+
+
+def test_warmup_refuses_a_busy_engine(weights):
+    eng = _engine(weights, prefix=False)
+    eng.add_request([3, 4, 5], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="idle"):
+        warm_engine(eng)
