@@ -1,4 +1,5 @@
-"""Decode under CUDA graphs: one graph per DecodeShape bucket, captured on first use, replayed after.
+"""Decode under CUDA graphs: one graph per DecodeShape bucket, captured at start-up (engine.warmup) or on first
+use, replayed after.
 
 A decode step's Python work (per-layer op dispatch, Triton launch setup) costs far more than its GPU
 time at decode batch sizes, so decode steps replay a captured graph instead. Shapes come from
@@ -123,6 +124,17 @@ class DecodeRunner:
         logits, computed inside the graph), once; None after an eager run or when already taken."""
         out, self._greedy = self._greedy, None
         return out
+
+    def capture_all(self) -> int:
+        """Capture every (slots, context) bucket not captured yet (engine.warmup, before serving: a bucket first
+        met mid-stream would otherwise stall its step on the capture and on the Triton compiles its shapes
+        need). -> how many were captured."""
+        if self.mode != "graphs":
+            return 0
+        todo = [DecodeShape(s, c) for s in self.slots for c in self.contexts if DecodeShape(s, c) not in self.graphs]
+        for shape in todo:
+            self._capture(shape)
+        return len(todo)
 
     def _capture(self, shape: DecodeShape) -> _Graph:
         # Padding only (every row on the scratch pages), so warm-up and capture write nothing else.

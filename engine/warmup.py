@@ -10,7 +10,10 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
    tokens: 1, 2, 4, ... up to max_batch_tokens (and the model's length). Each runs its prefill, one decode step
    (under CUDA graphs: the batch-1 graphs of those contexts are captured now) and sampling; every page returns
    and the prefix cache forgets the prompts;
-2. every FP8 GEMM shape those steps ran (kernels.deepgemm_linear records them) at the M values whose DeepGEMM
+2. every decode bucket's CUDA graph is captured (DecodeRunner.capture_all: each (batch slots, context) pair, on
+   padding rows that write only the scratch page), so no step mid-stream waits on a capture or on the Triton
+   compiles its shapes need (the run above saw single decode steps of 9-29 s on a cold machine);
+3. every FP8 GEMM shape those steps ran (kernels.deepgemm_linear records them) at the M values whose DeepGEMM
    configuration can differ: all M up to 128, then each multiple of 64 up to max_batch_tokens (the heuristic sees
    a larger M only through its number of M-blocks, whose sizes are multiples of 64).
 Not done: tensor-parallel ranks (the request would need the followers' step loop, which starts after loading);
@@ -37,6 +40,7 @@ GEMM_M_STEP = 64
 @dataclass(frozen=True)
 class WarmupReport:
     prompts: tuple[int, ...]  # prompt lengths run through the engine
+    graphs: int  # decode CUDA graphs captured
     gemm_shapes: int  # distinct FP8 GEMM (N, K) warmed at every M class
     gemm_calls: int
     seconds: float
@@ -84,6 +88,7 @@ def warm_engine(engine) -> WarmupReport:
         engine.pop_finished(rid)
     if engine.prefix is not None:
         engine.prefix.clear()  # (the prompts are random: nothing to share)
+    graphs = engine.decode_runner.capture_all() if engine.decode_runner is not None else 0
     shapes = calls = 0
     if engine.device.type == "cuda":
         from engine.fast_paths import use_fp8_gemm
@@ -96,7 +101,8 @@ def warm_engine(engine) -> WarmupReport:
                 warm_shape(weight, scale, pow2, ms)
                 shapes, calls = shapes + 1, calls + len(ms)
         torch.cuda.synchronize(engine.device)
-    report = WarmupReport(tuple(lengths), shapes, calls, time.perf_counter() - t0)
-    logger.info("warm-up: %d prompts (%s tokens), %d FP8 GEMM shapes x %d M values, %.1f s",
-                len(lengths), ",".join(map(str, lengths)), shapes, calls // max(shapes, 1), report.seconds)
+    report = WarmupReport(tuple(lengths), graphs, shapes, calls, time.perf_counter() - t0)
+    logger.info("warm-up: %d prompts (%s tokens), %d decode graphs captured, %d FP8 GEMM shapes x %d M values, "
+                "%.1f s", len(lengths), ",".join(map(str, lengths)), graphs, shapes, calls // max(shapes, 1),
+                report.seconds)
     return report

@@ -452,7 +452,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                          metrics_host=args.metrics_host, drain_s=args.drain_seconds,
                          router_max_queued=args.max_queued, router_queue_timeout_s=args.queue_timeout_seconds,
                          tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
-                         worker_num_gpus=getattr(args, "worker_num_gpus", None))
+                         worker_num_gpus=getattr(args, "worker_num_gpus", None),
+                         ready_timeout_s=getattr(args, "ready_timeout_seconds", 900.0))
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -523,6 +524,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-num-gpus", type=float, default=None,
                         help="GPUs each worker rank reserves on cuda (default 1); a fraction such as 0.5 puts a "
                              "prefill and a decode worker on one GPU, each with that share of the memory budget")
+    parser.add_argument("--ready-timeout-seconds", type=float, default=900.0,
+                        help="how long each start-up stage may take (workers: loading plus the warm-up that compiles "
+                             "every kernel before serving, minutes for a large model on a cold kernel cache)")
     parser.add_argument("--drain-seconds", type=float, default=10.0,
                         help="on SIGTERM / Ctrl-C, how long in-flight requests may take to finish")
     parser.add_argument("--max-queued", type=int, default=1024,

@@ -200,6 +200,22 @@ def test_every_pod_exports_metrics_on_the_scraped_port(case):
         assert exporter["command"][:3] == ["python", "-m", "service.kuberay_app"]
 
 
+def test_every_ray_container_keeps_compiled_kernels_on_the_cache_volume(case):
+    """DeepGEMM's and Triton's JIT caches point into the compileCache volume (engine.warmup compiles into them
+    before a worker reports ready; a volume that outlives the pod spares the next start that work)."""
+    values, _, docs = case
+    (rs,) = by_kind(docs, "RayService")
+    mount = values.get("compileCache", {}).get("mountPath", "/var/cache/dsv4-kernels")
+    for group, template in pod_templates(rs).items():
+        ray = template["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in ray["env"]}
+        assert env["DG_JIT_CACHE_DIR"] == f"{mount}/deep_gemm" and env["TRITON_CACHE_DIR"] == f"{mount}/triton"
+        assert {"name": "kernel-cache", "mountPath": mount} in ray["volumeMounts"], group
+        (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "kernel-cache"]
+        want = values.get("compileCache", {}).get("volume", {"emptyDir": {}})
+        assert {k: v for k, v in volume.items() if k != "name"} == {k: v for k, v in want.items() if v is not None}
+
+
 def test_rdma_and_scheduling_settings_reach_the_worker_pods():
     values = load_values([p for p in VALUES_FILES if p.endswith("values-xpyd-multinode.yaml")][0])
     (rs,) = by_kind(documents(render(values)), "RayService")

@@ -47,7 +47,8 @@ def test_warmup_leaves_the_engine_idle_and_exact(weights, monkeypatch):
     warm, cold = _engine(weights), _engine(weights)
     idle = warm.pool.num_free_pages()
     report = warm_engine(warm)
-    assert report.prompts == (1, 2, 4, 8, 16, 32, 64, 128, 256, 300) and report.gemm_shapes == 0  # CPU: no DeepGEMM
+    assert report.prompts == (1, 2, 4, 8, 16, 32, 64, 128, 256, 300)
+    assert report.gemm_shapes == 0 and report.graphs == 0  # CPU: no DeepGEMM, no graphs
     assert not warm.has_work and not warm.requests and not warm.held and not warm.imports
     assert warm.pool.num_free_pages() == idle, "a warm-up page was not returned"
     assert warm.prefix.cached_blocks == 0 and not warm.prefix.resumable(), "the prefix cache kept a warm-up prompt"

@@ -89,9 +89,11 @@ def test_serve_config_resolves_the_repo_once(hub, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    cfg = config_from_args(parser.parse_args(["--model", "org/tiny-cli", "--max-model-len", "1024"]))
+    cfg = config_from_args(parser.parse_args(["--model", "org/tiny-cli", "--max-model-len", "1024",
+                                              "--ready-timeout-seconds", "1200"]))
     assert os.path.isdir(cfg.model_dir) and cfg.model_dir.endswith(f"models--org--tiny-cli/snapshots/{COMMIT}")
     assert dict(cfg.engine_options)["max_model_len"] == 1024
+    assert cfg.ready_timeout_s == 1200.0
 
 
 def test_http_ingress_reads_a_repo_id_or_another_nodes_snapshot_path(hub, monkeypatch):

@@ -125,6 +125,10 @@ spec:
               key: {{ $v.model.tokenSecret.key }}
         {{- end }}
         {{- end }}
+        - name: DG_JIT_CACHE_DIR
+          value: {{ printf "%s/deep_gemm" $v.compileCache.mountPath | quote }}
+        - name: TRITON_CACHE_DIR
+          value: {{ printf "%s/triton" $v.compileCache.mountPath | quote }}
         {{- with $group.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -167,6 +171,8 @@ spec:
       volumeMounts:
         - name: dsv4-metrics
           mountPath: {{ $v.metrics.multiprocDir }}
+        - name: kernel-cache
+          mountPath: {{ $v.compileCache.mountPath }}
         {{- if $v.shm.enabled }}
         - name: dshm
           mountPath: /dev/shm
@@ -197,6 +203,8 @@ spec:
   volumes:
     - name: dsv4-metrics
       emptyDir: {}
+    - name: kernel-cache
+      {{- toYaml $v.compileCache.volume | nindent 6 }}
     {{- if $v.shm.enabled }}
     - name: dshm
       emptyDir:
