@@ -1,16 +1,20 @@
 """GPU check of engine.warmup: per-request times of a cold engine against a warmed one, each in a fresh process
 with empty DeepGEMM and Triton caches (so every compile shows).
 
-    python3 scripts/check_gpu_warmup.py --model DIR [--requests 12] [--warmup 0|1]
+    python3 scripts/check_gpu_warmup.py --model DIR [--requests 12] [--warmup 0|1] > warmW.log
+    python3 scripts/check_gpu_warmup.py --report DIR --timeout-s S [--write]
 
 Prints one line per request: prompt length, prefill step ms (its first step, the time to first token without
-queueing), the slowest decode step ms; then the medians and maxima. Run once with --warmup 0 and once with 1.
+queueing), the slowest decode step ms; then the medians and maxima. Run once with --warmup 0 and once with 1
+(each under `timeout S`, output in DIR/warm0.log and DIR/warm1.log); --report turns the two logs into the
+BENCHMARKS.md section gpu_cold_start.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -19,13 +23,62 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+REQUEST = re.compile(r"^request (\d+): prompt (\d+), first step ([\d.]+) ms, slowest decode step ([\d.]+) ms$", re.M)
+LOADED = re.compile(r"^load_engine \(warm-up (\d)\): ([\d.]+) s$", re.M)
+MACHINE = re.compile(r"^machine: (.*)$", re.M)
+
+
+def report(run_dir: str, timeout_s: float, machine: str | None) -> str:
+    """The section from DIR/warm0.log and DIR/warm1.log (what each process printed before it ended)."""
+    logs = {w: open(p).read() if os.path.exists(p := os.path.join(run_dir, f"warm{w}.log")) else "" for w in "01"}
+    if machine is None:
+        seen = [m.group(1) for t in logs.values() if (m := MACHINE.search(t))]
+        machine = seen[0] if seen else "not recorded"
+    lines = ["## Cold start on a GPU: per-request stalls without and with the engine warm-up", "",
+             "- command: `timeout S python3 scripts/check_gpu_warmup.py --model /tmp/mini --warmup W` for W = 0, 1 "
+             "(each a fresh process with empty DeepGEMM and Triton caches), then `python3 scripts/check_gpu_warmup.py "
+             f"--report DIR --timeout-s {timeout_s:.0f} --write`",
+             "- model: `dsv4 make-model --preset mini_v4 --quantize` (4 layers, V4 attention geometry, FP8 dense / "
+             "MXFP4 experts), bf16 engine, CUDA graphs, max_batch_tokens 4096; requests one at a time, prompts "
+             "256-2048 tokens, 16 new tokens", f"- machine: {machine}", "",
+             "| warm-up | engine ready after | requests done | first step ms: median / max | slowest decode step ms: "
+             "median / max |", "|---|---:|---:|---:|---:|"]
+    for w in ("0", "1"):
+        text = logs[w]
+        loaded = LOADED.search(text)
+        reqs = REQUEST.findall(text)
+        ready = f"{float(loaded.group(2)):.1f} s" if loaded else f"not within {timeout_s:.0f} s"
+        if reqs:
+            firsts, worst = [float(r[2]) for r in reqs], [float(r[3]) for r in reqs]
+            cells = (f"{statistics.median(firsts):.0f} / {max(firsts):.0f}",
+                     f"{statistics.median(worst):.0f} / {max(worst):.0f}")
+        else:
+            cells = ("-", "-")
+        lines.append(f"| {'on' if w == '1' else 'off'} | {ready} | {len(reqs)} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--report", default=None, help="write the section from DIR/warm{0,1}.log instead of running")
+    ap.add_argument("--timeout-s", type=float, default=0.0, help="the timeout each logged process ran under")
+    ap.add_argument("--machine", default=None, help="machine and date line (default: the one the logs print)")
+    ap.add_argument("--write", action="store_true", help="put the report into BENCHMARKS.md")
+    ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--warmup", default="1", choices=["0", "1"])
     ap.add_argument("--max-batch-tokens", type=int, default=4096)
     args = ap.parse_args()
+    if args.report:
+        section = report(args.report, args.timeout_s, args.machine)
+        print(section)
+        if args.write:
+            from service.benchmarks_md import write_section
+
+            write_section("gpu_cold_start", section)
+        return
+    if not args.model:
+        ap.error("--model is required to run")
     cache = tempfile.mkdtemp(prefix="dsv4-warm-")
     os.environ["DSV4_WARMUP"] = args.warmup
     os.environ.setdefault("DSV4_MXFP4_MOE", "1")
@@ -36,6 +89,8 @@ def main() -> None:
     import torch
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    print(f"machine: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     from engine.llm import load_engine
     from engine.sampling_params import SamplingParams
 

@@ -94,8 +94,10 @@ def _header_lines(ctx: dict) -> list[str]:
     lines.append("- engines (one per routed-experts format, freed before the next): "
                  + "; ".join(_engine_line(x) for x in ctx["engines"]))
     lines.append("- decode: B requests at context C enter through the decode-side hand-off API (`reserve_import` + "
-                 "`commit_import`) with random cache rows (no B x C prefill is run); step = CUDA-synchronised "
-                 f"`EngineCore.step()` (schedule, batch build, forward, sampling), median of {ctx['steps']} steps "
+                 "`commit_import`) with random cache rows (no B x C prefill is run); step = one `EngineCore.step()` "
+                 "(schedule, batch build, forward, sampling) in a run of steps, no device sync between them (an "
+                 "overlapped step returns while the next runs, so this is the serving rate), "
+                 f"median of {ctx['steps']} steps "
                  f"after {ctx['warmup']} warm-up (a timed step that captured a new CUDA graph is replaced by another); "
                  "touched = distinct routed experts per layer in those steps (mean, padding rows excluded)")
     lines.append("- roofline = bytes the step must read / copy bandwidth. *prod*: FP8 dense (+ scales), bf16 where the "
@@ -272,7 +274,7 @@ def _gaps(ctx: dict) -> str:
             if any(e["format"] == "mxfp4" for e in ran) else "routed experts ran as bf16 grouped GEMMs",
             ("under graphs greedy decode steps overlap (engine.decode_overlap): step N+1 is launched from step N's "
              "device tokens before N is read back, so the host's schedule, read-back and finish checks run while the "
-             "GPU works (the timed step still synchronises the device at its end)")
+             "GPU works")
             if any(e.get("overlap") for e in ran) else
             ("under graphs each step still pays a host schedule, a [3, slots] input copy and, for greedy requests, "
              "one [2, slots] read-back of the tokens the graph picked (other sampling runs outside the graph)"),
