@@ -17,7 +17,12 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
    configuration can differ: all M up to 128, then each multiple of 64 up to max_batch_tokens (the heuristic sees
    a larger M only through its number of M-blocks, whose sizes are multiples of 64).
 Not done: tensor-parallel ranks (the request would need the followers' step loop, which starts after loading);
-FP8 routed experts' grouped GEMMs (MXFP4 is the resident expert format). $DSV4_WARMUP=0 skips it all.
+FP8 routed experts' grouped GEMMs (MXFP4 is the resident expert format).
+
+$DSV4_WARMUP: 1 (default) all three; quick: 1 and 2 only (the DeepGEMM configurations of other M values then
+compile when a step first needs them); 0: none. Each phase's seconds are logged: on a cold cache the whole warm-up
+of even a 4-layer model took over 3 minutes on the H200 (the compiles, not the steps), so deployments keep the
+caches on a volume ($DG_JIT_CACHE_DIR, $TRITON_CACHE_DIR; the Helm chart's compileCache).
 """
 
 from __future__ import annotations
@@ -37,20 +42,28 @@ GEMM_ALL_M_UPTO = 128  # every M up to here; beyond, one M per 64-row block coun
 GEMM_M_STEP = 64
 
 
+WARMUP_MODES = ("1", "quick", "0")
+
+
 @dataclass(frozen=True)
 class WarmupReport:
     prompts: tuple[int, ...]  # prompt lengths run through the engine
     graphs: int  # decode CUDA graphs captured
     gemm_shapes: int  # distinct FP8 GEMM (N, K) warmed at every M class
     gemm_calls: int
-    seconds: float
+    seconds: tuple[float, float, float]  # ladder, graphs, GEMM sweep
+
+
+def warmup_mode() -> str:
+    mode = os.environ.get("DSV4_WARMUP", "1")
+    if mode not in WARMUP_MODES:
+        raise ValueError(f"DSV4_WARMUP must be one of {WARMUP_MODES}, got {mode!r}")
+    return mode
 
 
 def warmup_enabled(engine) -> bool:
     """On a one-rank CUDA engine unless $DSV4_WARMUP=0."""
-    if os.environ.get("DSV4_WARMUP", "1") == "0":
-        return False
-    return engine.device.type == "cuda" and not engine.parallel.enabled
+    return warmup_mode() != "0" and engine.device.type == "cuda" and not engine.parallel.enabled
 
 
 def prompt_ladder(max_batch_tokens: int, max_prompt: int) -> list[int]:
@@ -70,8 +83,11 @@ def gemm_m_values(max_tokens: int) -> list[int]:
     return sorted({*small, *(min(m, max_tokens) for m in blocks)})
 
 
-def warm_engine(engine) -> WarmupReport:
-    """Run the warm-up on `engine` (an idle EngineCore); -> what ran. Leaves the pool as it found it."""
+def warm_engine(engine, sweep_gemms: bool | None = None) -> WarmupReport:
+    """Run the warm-up on `engine` (an idle EngineCore); -> what ran. Leaves the pool as it found it.
+    sweep_gemms: run phase 3 (None: unless $DSV4_WARMUP=quick)."""
+    if sweep_gemms is None:
+        sweep_gemms = warmup_mode() != "quick"
     t0 = time.perf_counter()
     if engine.has_work or engine.requests:
         raise RuntimeError("warm-up needs an idle engine (requests are queued or running)")
@@ -88,12 +104,14 @@ def warm_engine(engine) -> WarmupReport:
         engine.pop_finished(rid)
     if engine.prefix is not None:
         engine.prefix.clear()  # (the prompts are random: nothing to share)
+    t1 = time.perf_counter()
     graphs = engine.decode_runner.capture_all() if engine.decode_runner is not None else 0
+    t2 = time.perf_counter()
     shapes = calls = 0
     if engine.device.type == "cuda":
         from engine.fast_paths import use_fp8_gemm
 
-        if use_fp8_gemm(engine.device, engine.dtype):
+        if sweep_gemms and use_fp8_gemm(engine.device, engine.dtype):
             from kernels.deepgemm_linear import seen_shapes, warm_shape
 
             ms = gemm_m_values(max_tokens)
@@ -101,8 +119,8 @@ def warm_engine(engine) -> WarmupReport:
                 warm_shape(weight, scale, pow2, ms)
                 shapes, calls = shapes + 1, calls + len(ms)
         torch.cuda.synchronize(engine.device)
-    report = WarmupReport(tuple(lengths), graphs, shapes, calls, time.perf_counter() - t0)
-    logger.info("warm-up: %d prompts (%s tokens), %d decode graphs captured, %d FP8 GEMM shapes x %d M values, "
-                "%.1f s", len(lengths), ",".join(map(str, lengths)), graphs, shapes, calls // max(shapes, 1),
-                report.seconds)
+    report = WarmupReport(tuple(lengths), graphs, shapes, calls, (t1 - t0, t2 - t1, time.perf_counter() - t2))
+    logger.info("warm-up: %d prompts (%s tokens) %.1f s, %d decode graphs captured %.1f s, %d FP8 GEMM shapes x %d "
+                "M values %.1f s", len(lengths), ",".join(map(str, lengths)), report.seconds[0], graphs,
+                report.seconds[1], shapes, calls // max(shapes, 1), report.seconds[2])
     return report

@@ -4,7 +4,7 @@
 # launcher, a prefill and a decode worker sharing GPU 0 (--worker-num-gpus 0.5) with NIXL moving VRAM between
 # their processes, against the colocated engine; NIXL's raw READ rate between two processes; the decode
 # worker's process killed mid-stream. DEVICE=cpu runs the same stages smaller on the built-in tiny model.
-#   scripts/gpu_service.sh [stage ...]      stages: env model serve raw fault report (default: all, in order)
+#   scripts/gpu_service.sh [stage ...]      stages: env model warm serve raw fault report (default: all, in order)
 # Needs the service's packages: on the GPU machine `scripts/gpu_stage_wheels.sh install` first (PYTHONPATH gets
 # $SVCSITE when it exists). The section lands in $OUT/gpu_service.md; merge it where the tree is with
 #   python3 scripts/gpu_service.py merge <files_at>/gpu_service.md
@@ -44,7 +44,7 @@ else
   FAULT=(--max-new-tokens 120)
 fi
 MODEL_ARG=(); [ -n "$MODEL" ] && MODEL_ARG=(--model "$MODEL")
-stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(env model serve raw fault report)
+stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(env model warm serve raw fault report)
 status=0
 BUDGET_S=${BUDGET_S:-520}  # the whole run; a stage's limit shrinks to what is left (report keeps 20 s)
 
@@ -123,6 +123,13 @@ json.dump(env, open(path, "w"), indent=1)
 print(env["model"])
 EOF
     ;;
+    warm) [ "$DEVICE" = cuda ] || continue  # compiles every kernel the workers need into the default caches
+          # (~/.deep_gemm, ~/.triton), so their own start-up warm-up (engine.warmup) loads instead of compiling
+          run_stage warm ${WARM_TIMEOUT:-400} "$PY" -c 'import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+from engine.llm import load_engine
+load_engine(sys.argv[1] or None, device="cuda", dtype="bfloat16", max_batch_tokens=4096, max_cached_tokens=65536)
+' "$MODEL" ;;
     serve) run_stage serve ${SERVE_TIMEOUT:-330} "$PY" -m service.cli bench serve "${MODEL_ARG[@]}" "${ENGINE[@]}" \
              "${SHARE[@]}" "${SERVE[@]}" --topologies colocated,1P1D --transfer nixl --no-write \
              --json-out "$OUT/serve.json" ;;
@@ -142,7 +149,7 @@ EOF
     fault) run_stage fault ${FAULT_TIMEOUT:-300} "$PY" scripts/gpu_service.py fault "${MODEL_ARG[@]}" "${ENGINE[@]}" \
              "${SHARE[@]}" "${FAULT[@]}" --transfer nixl --json-out "$OUT/fault.json" ;;
     report) TAIL=80 run_stage report 60 "$PY" scripts/gpu_service.py report --dir "$OUT" --out "$OUT/gpu_service.md" ;;
-    *) echo "unknown stage $stage (env model serve raw fault report)"; status=2 ;;
+    *) echo "unknown stage $stage (env model warm serve raw fault report)"; status=2 ;;
   esac
 done
 exit $status

@@ -64,6 +64,9 @@ def test_warmup_leaves_the_engine_idle_and_exact(weights, monkeypatch):
     assert outs[0] == outs[1]
     monkeypatch.setenv("DSV4_WARMUP", "1")
     assert not warmup_enabled(warm), "the CPU engine is never warmed by load_engine"
+    monkeypatch.setenv("DSV4_WARMUP", "yes")
+    with pytest.raises(ValueError, match="DSV4_WARMUP"):
+        warmup_enabled(warm)
 
 
 def test_warmup_refuses_a_busy_engine(weights):
@@ -71,3 +74,29 @@ def test_warmup_refuses_a_busy_engine(weights):
     eng.add_request([3, 4, 5], SamplingParams(max_new_tokens=2))
     with pytest.raises(RuntimeError, match="idle"):
         warm_engine(eng)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: the warm-up runs on CUDA engines")
+def test_gpu_load_engine_warms_and_serves_what_a_cold_engine_serves(monkeypatch):
+    """load_engine on CUDA captures every decode bucket before returning, and the warmed engine's greedy tokens
+    equal a cold engine's (the same graphs, captured earlier)."""
+    from engine.llm import load_engine
+
+    outs, engines = [], []
+    for mode in ("1", "0"):
+        monkeypatch.setenv("DSV4_WARMUP", mode)
+        eng = load_engine(None, device="cuda", dtype="bfloat16", max_batch_tokens=256, max_num_seqs=8,
+                          max_cached_tokens=16384)
+        runner = eng.decode_runner
+        if mode == "1":
+            assert len(runner.graphs) == len(runner.slots) * len(runner.contexts)
+            assert eng.pool.num_free_pages() == eng.pool.idle_free_pages()
+        g = torch.Generator().manual_seed(9)
+        prompts = [torch.randint(2, eng.cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 90, 300)]
+        params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=True)
+        ids = [eng.add_request(p, params) for p in prompts]
+        while eng.has_work:
+            eng.step()
+        outs.append([(r.output, r.logprobs) for r in map(eng.pop_finished, ids)])
+        engines.append(eng)
+    assert outs[0] == outs[1]
