@@ -30,21 +30,22 @@ MACHINE = re.compile(r"^machine: (.*)$", re.M)
 
 def report(run_dir: str, timeout_s: float, machine: str | None) -> str:
     """The section from DIR/warm0.log and DIR/warm1.log (what each process printed before it ended)."""
-    logs = {w: open(p).read() if os.path.exists(p := os.path.join(run_dir, f"warm{w}.log")) else "" for w in "01"}
+    logs = {w: open(p).read() for w in ("0", "1", "1_nvrtc")
+            if os.path.exists(p := os.path.join(run_dir, f"warm{w}.log"))}
     if machine is None:
         seen = [m.group(1) for t in logs.values() if (m := MACHINE.search(t))]
         machine = seen[0] if seen else "not recorded"
     lines = ["## Cold start on a GPU: per-request stalls without and with the engine warm-up", "",
-             "- command: `timeout S python3 scripts/check_gpu_warmup.py --model /tmp/mini --warmup W` for W = 0, 1 "
-             "(each a fresh process with empty DeepGEMM and Triton caches), then `python3 scripts/check_gpu_warmup.py "
+             "- command: `timeout S python3 scripts/check_gpu_warmup.py --model /tmp/mini --warmup W [--nvrtc]` "
+             "(`scripts/gpu_issue11.sh coldstart`; each a fresh process with empty DeepGEMM and Triton caches), then "
+             "`python3 scripts/check_gpu_warmup.py "
              f"--report DIR --timeout-s {timeout_s:.0f} --write`",
              "- model: `dsv4 make-model --preset mini_v4 --quantize` (4 layers, V4 attention geometry, FP8 dense / "
              "MXFP4 experts), bf16 engine, CUDA graphs, max_batch_tokens 4096; requests one at a time, prompts "
              "256-2048 tokens, 16 new tokens", f"- machine: {machine}", "",
              "| warm-up | engine ready after | requests done | first step ms: median / max | slowest decode step ms: "
              "median / max |", "|---|---:|---:|---:|---:|"]
-    for w in ("0", "1"):
-        text = logs[w]
+    for w, text in logs.items():
         loaded = LOADED.search(text)
         reqs = REQUEST.findall(text)
         ready = f"{float(loaded.group(2)):.1f} s" if loaded else f"not within {timeout_s:.0f} s"
@@ -54,7 +55,8 @@ def report(run_dir: str, timeout_s: float, machine: str | None) -> str:
                      f"{statistics.median(worst):.0f} / {max(worst):.0f}")
         else:
             cells = ("-", "-")
-        lines.append(f"| {'on' if w == '1' else 'off'} | {ready} | {len(reqs)} | {cells[0]} | {cells[1]} |")
+        name = {"0": "off", "1": "on (DeepGEMM via nvcc)", "1_nvrtc": "on (DeepGEMM via NVRTC)"}[w]
+        lines.append(f"| {name} | {ready} | {len(reqs)} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--warmup", default="1", choices=["0", "1"])
     ap.add_argument("--max-batch-tokens", type=int, default=4096)
+    ap.add_argument("--nvrtc", action="store_true", help="DeepGEMM compiles with NVRTC (DG_JIT_USE_NVRTC=1), not nvcc")
     args = ap.parse_args()
     if args.report:
         section = report(args.report, args.timeout_s, args.machine)
@@ -84,6 +87,8 @@ def main() -> None:
     os.environ.setdefault("DSV4_MXFP4_MOE", "1")
     os.environ["DG_JIT_CACHE_DIR"] = os.path.join(cache, "deep_gemm")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+    if args.nvrtc:
+        os.environ["DG_JIT_USE_NVRTC"] = "1"
     import logging
 
     import torch
@@ -115,6 +120,10 @@ def main() -> None:
         worst.append(max(steps[1:]))
         print(f"request {i}: prompt {n}, first step {steps[0]:.1f} ms, slowest decode step {worst[-1]:.1f} ms",
               flush=True)
+    compiled = {name: sum(len(files) for _, _, files in os.walk(os.path.join(cache, name)))
+                for name in ("deep_gemm", "triton")}
+    print(f"compile caches: {compiled['deep_gemm']} DeepGEMM files, {compiled['triton']} Triton files "
+          f"(nvrtc {int(args.nvrtc)})")
     print(f"warm-up {args.warmup}: first step median {statistics.median(firsts):.1f} ms, max {max(firsts):.1f} ms; "
           f"slowest decode step median {statistics.median(worst):.1f} ms, max {max(worst):.1f} ms")
 

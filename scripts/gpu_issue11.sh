@@ -2,7 +2,7 @@
 # Issue 11 GPU session runner: installs the carried .whl wheels (DeepGEMM, FlashMLA, triton_kernels) into a
 # private dir, then runs the named stages, logging each to $OUT. Stages: probe, ktests, fp8gemm, moe, fp8oracle,
 # slice, gputests, flash (FlashMLA kernel + fp8-default engine tests), tp (TP 2 vs TP 1 on one GPU), e2e, ab
-# (overlapped decode on/off, FP8 vs MXFP4 indexer keys).
+# (overlapped decode on/off, FP8 vs MXFP4 indexer keys), coldstart (engine warm-up on fresh compile caches).
 # Usage: scripts/gpu_issue11.sh stage ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +64,14 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
             > "$OUT/ab_o${o}_$k.log" 2>&1 || status=1
           echo "--- overlap $o, index keys $k"; grep -E "^(decode|prefill) " "$OUT/ab_o${o}_$k.log" | cut -c1-200
         done ;;
+    coldstart) python3 -m service.cli make-model --preset mini_v4 --quantize --out /tmp/mini >/dev/null 2>&1
+         # fresh compile caches per run: warm-up on (nvcc, then NVRTC), then off; each under its own limit
+         for v in "1 " "1 --nvrtc" "0 "; do
+           set -- $v; tag=warm$1${2:+_nvrtc}
+           timeout ${COLD_TIMEOUT:-180} python3 scripts/check_gpu_warmup.py --model /tmp/mini --warmup $1 ${2:-} \
+             > "$OUT/$tag.log" 2>&1
+           echo "--- $tag"; grep -E "warm-up|load_engine|compile caches" "$OUT/$tag.log" | cut -c1-300
+         done ;;
     flash) timeout ${FLASH_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_flashmla_sparse.py \
              tests/engine/test_gpu_flashmla_engine.py > "$OUT/flash.log" 2>&1 || status=1
            grep -E "^\[gpu flashmla|^(FAILED|ERROR)|passed|failed" "$OUT/flash.log" | cut -c1-400 ;;
