@@ -1,4 +1,7 @@
-"""Start-up warm-up of a CUDA engine: compile now what the first requests would otherwise wait on.
+"""Start-up warm-up of a CUDA serving engine: compile now what the first requests would otherwise wait on.
+
+Run by `load_engine(warmup=True)`: the prefill / decode workers and the local dispatchers; one-shot use (LLM,
+`dsv4 generate`) skips it, as one prompt would pay minutes of compiles it never needs.
 
 Why: on a machine whose caches are cold, DeepGEMM compiles a kernel with nvcc for each (N, K) and each
 configuration its heuristic picks for a step's M, and Triton compiles each kernel on its first launch, seconds

@@ -28,7 +28,7 @@ class WorkerBase:
         # A multi-rank worker (engine.rank_worker): this actor is rank 0; its followers are other actors.
         opts, tp = split_engine_options(engine_options)
         self.parallel = tp.join(0, opts.get("device", "cpu")) if tp is not None else None
-        self.engine = load_engine(model_dir, **opts, parallel=self.parallel)
+        self.engine = load_engine(model_dir, **opts, parallel=self.parallel, warmup=True)
         self.backend = None
         self._prefix_counters = metrics.PrefixCounters(self.role, worker_id)
         self._digest = None  # the engine's PrefixDigest, refreshed on the engine thread when it changes

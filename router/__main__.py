@@ -32,7 +32,7 @@ async def serve(args: argparse.Namespace) -> None:
     from router.local_dispatch import LocalDispatcher
     from router.server import RouterServer
 
-    dispatcher = LocalDispatcher(args.workers, functools.partial(load_engine, args.model_dir, args.device))
+    dispatcher = LocalDispatcher(args.workers, functools.partial(load_engine, args.model_dir, args.device, warmup=True))
     server = RouterServer(dispatcher, RoutingPolicy(PolicyConfig(args.policy)),
                           health_interval_s=args.health_interval, max_inflight=args.max_inflight)
     port = await server.start(args.host, args.port)

@@ -101,7 +101,7 @@ def main() -> None:
 
     t = time.perf_counter()
     core = load_engine(args.model, device="cuda", dtype="bfloat16", max_batch_tokens=args.max_batch_tokens,
-                       max_num_seqs=16, max_cached_tokens=65536)
+                       max_num_seqs=16, max_cached_tokens=65536, warmup=True)
     print(f"load_engine (warm-up {args.warmup}): {time.perf_counter() - t:.1f} s", flush=True)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)

@@ -124,7 +124,7 @@ def run_colocated(model_dir: str, engine_options: dict, prompts, params, concurr
     from router.server import RouterServer
 
     async def main():
-        dispatcher = LocalDispatcher(1, lambda: load_engine(model_dir, **engine_options))
+        dispatcher = LocalDispatcher(1, lambda: load_engine(model_dir, **engine_options, warmup=True))
         server = RouterServer(dispatcher)
         port = await server.start("127.0.0.1", 0)
         try:

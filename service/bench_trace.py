@@ -84,7 +84,7 @@ def run_policy(policy: str, trace, prompts, args, engine_options: dict) -> dict:
     from router.server import RouterServer
 
     async def main():
-        dispatcher = LocalDispatcher(args.workers, lambda: load_engine(args.model, **engine_options))
+        dispatcher = LocalDispatcher(args.workers, lambda: load_engine(args.model, **engine_options, warmup=True))
         server = RouterServer(dispatcher, RoutingPolicy(PolicyConfig(policy)))
         port = await server.start("127.0.0.1", 0)
         try:

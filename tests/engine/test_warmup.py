@@ -78,7 +78,7 @@ def test_warmup_refuses_a_busy_engine(weights):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: the warm-up runs on CUDA engines")
 def test_gpu_load_engine_warms_and_serves_what_a_cold_engine_serves(monkeypatch):
-    """load_engine on CUDA captures every decode bucket before returning, and the warmed engine's greedy tokens
+    """load_engine(warmup=True) on CUDA (what the workers call) captures every decode bucket before returning, and the warmed engine's greedy tokens
     equal a cold engine's (the same graphs, captured earlier)."""
     from engine.llm import load_engine
 
@@ -86,7 +86,7 @@ def test_gpu_load_engine_warms_and_serves_what_a_cold_engine_serves(monkeypatch)
     for mode in ("1", "0"):
         monkeypatch.setenv("DSV4_WARMUP", mode)
         eng = load_engine(None, device="cuda", dtype="bfloat16", max_batch_tokens=256, max_num_seqs=8,
-                          max_cached_tokens=16384)
+                          max_cached_tokens=16384, warmup=True)
         runner = eng.decode_runner
         if mode == "1":
             assert len(runner.graphs) == len(runner.slots) * len(runner.contexts)
