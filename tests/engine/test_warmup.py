@@ -78,8 +78,8 @@ def test_warmup_refuses_a_busy_engine(weights):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: the warm-up runs on CUDA engines")
 def test_gpu_load_engine_warms_and_serves_what_a_cold_engine_serves(monkeypatch):
-    """load_engine(warmup=True) on CUDA (what the workers call) captures every decode bucket before returning, and the warmed engine's greedy tokens
-    equal a cold engine's (the same graphs, captured earlier)."""
+    """load_engine(warmup=True) on CUDA (what the workers call) captures every decode bucket before returning,
+    and the warmed engine's greedy tokens equal a cold engine's (the same graphs, captured earlier)."""
     from engine.llm import load_engine
 
     outs, engines = [], []
