@@ -1,6 +1,10 @@
 """Count the kernels one fixed-shape decode step launches, per layer and by source (no GPU needed).
 
     .venv/bin/python scripts/count_decode_ops.py [--slots 8] [--preset tiny] [--json out.json]
+    .venv/bin/python scripts/count_decode_ops.py --prefill 256 [--kv-cache-dtype fp8]   # one prefill step instead
+
+With --prefill T, one request's prefill of T tokens in one step (engine.batch.build_step's index derivation is
+the prologue) is counted the same way, after an identical warm-up prefill.
 
 Runs the built-in V4-structured model (tiny widths: SWA, CSA and HCA layers, a hash layer, MXFP4 experts kept
 packed) on the CPU with the Triton fast paths forced under triton's interpreter (DSV4_TRITON=1,
@@ -298,8 +302,10 @@ def _flashmla_stub():
 _ACTIVE: list = []  # the Sections of the count in progress (the FlashMLA stub reports into it)
 
 
-def build_engine(preset: str, slots: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
-    """An EngineCore in bucketed decode mode with `slots` requests already decoding."""
+def build_engine(preset: str, slots: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                 prefill_tokens: int = 0):
+    """An EngineCore in bucketed decode mode with `slots` requests already decoding (prefill_tokens: an idle
+    engine whose steps take that many tokens)."""
     import tempfile
 
     from engine.llm import load_engine
@@ -307,9 +313,12 @@ def build_engine(preset: str, slots: int, dtype: torch.dtype, kv_cache_dtype: st
     from engine.sampling_params import SamplingParams
 
     model_dir = make_model(preset, tempfile.mkdtemp(prefix="dsv4-count-"), quantize=True)
-    engine = load_engine(model_dir, device="cpu", dtype=dtype, max_num_seqs=max(slots, 1), max_cached_tokens=8192,
-                         kv_cache_dtype=kv_cache_dtype,
+    engine = load_engine(model_dir, device="cpu", dtype=dtype, max_num_seqs=max(slots, 1),
+                         max_cached_tokens=max(8192, 4 * prefill_tokens), kv_cache_dtype=kv_cache_dtype,
+                         max_batch_tokens=max(2048, prefill_tokens),
                          keep_mxfp4_experts=True, decode_mode="bucketed", prefix_cache=False)
+    if prefill_tokens:
+        return engine
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for _ in range(slots):
@@ -339,6 +348,31 @@ def count_step(engine, ogs: bool = True, fp8: bool = True) -> dict[str, collecti
                                               [c.start for c in chunks], [r.pages for r in req])
             if logits is None:
                 raise ValueError("no decode bucket fits")
+    finally:
+        for obj, attr, real in reversed(undo):
+            setattr(obj, attr, real)
+    return dict(sections.counts)
+
+
+def count_prefill_step(engine, tokens: int, ogs: bool = True, fp8: bool = True) -> dict[str, collections.Counter]:
+    """One prefill step of a new `tokens`-token request on an idle `engine` -> {section: Counter}."""
+    from engine.sampling_params import SamplingParams
+
+    if fp8:
+        for m in engine.model.moe:
+            if isinstance(m.shared[1], torch.Tensor):
+                m.shared[1].pow2_act = True
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    engine.add_request(torch.randint(2, engine.cfg.vocab_size, (tokens,), generator=g).tolist(), params)
+    while engine.has_work:  # an identical prefill outside the count (first-use work)
+        engine.step()
+    engine.add_request(torch.randint(2, engine.cfg.vocab_size, (tokens,), generator=g).tolist(), params)
+    sections = Sections()
+    undo = _patch(sections, ogs, fp8)
+    try:
+        with AtenCounter(sections):
+            engine.step()
     finally:
         for obj, attr, real in reversed(undo):
             setattr(obj, attr, real)
@@ -377,17 +411,23 @@ def main(argv=None) -> int:
     ap.add_argument("--flashmla-stub", action="store_true",
                     help="with fp8 and FlashMLA's geometry (--preset mini_v4): take the decode path the H200 takes "
                          "(engine.attention_fp8.flashmla_attend), FlashMLA's own launch stubbed and counted as one")
+    ap.add_argument("--prefill", type=int, default=0, metavar="T", help="count one prefill step of T tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    engine = build_engine(args.preset, args.slots, getattr(torch, args.dtype), args.kv_cache_dtype)
-    with _flashmla_stub() if args.flashmla_stub else contextlib.nullcontext() as stub:
-        if stub is not None:
-            engine.step()  # a decode step on the stubbed path outside the count (first-use work, rope tables)
-        counts = count_step(engine, ogs=not args.no_ogs, fp8=not args.no_fp8)
+    engine = build_engine(args.preset, args.slots, getattr(torch, args.dtype), args.kv_cache_dtype, args.prefill)
+    if args.prefill:
+        counts = count_prefill_step(engine, args.prefill, ogs=not args.no_ogs, fp8=not args.no_fp8)
+        what = f"prefill step of {args.prefill} tokens"
+    else:
+        with _flashmla_stub() if args.flashmla_stub else contextlib.nullcontext() as stub:
+            if stub is not None:
+                engine.step()  # a decode step on the stubbed path outside the count (first-use work, rope tables)
+            counts = count_step(engine, ogs=not args.no_ogs, fp8=not args.no_fp8)
+        what = f"decode step, {args.slots} slots"
     table = per_layer(counts)
     layers = [k for k in table if k.startswith("layer")]
     total = sum(r["total"] for r in table.values())
-    print(f"decode step, {args.slots} slots, preset {args.preset}: {total} launches; per layer:")
+    print(f"{what}, preset {args.preset}: {total} launches; per layer:")
     for k, r in table.items():
         print(f"  {k:9s} " + ", ".join(f"{p} {n}" for p, n in sorted(r.items())))
     print(f"  mean per layer: {sum(table[k]['total'] for k in layers) / max(1, len(layers)):.1f}")
