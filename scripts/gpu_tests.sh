@@ -24,7 +24,7 @@ for stage in "${stages[@]}"; do
     kernels) timeout ${KERNELS_TIMEOUT:-400} $PY -m pytest -q -p no:cacheprovider tests/kernels/ \
                tests/engine/test_fast_paths.py tests/engine/test_moe_grouped.py 2>&1 | tee "$OUT/kernels.log" || status=1 ;;
     engine) timeout ${ENGINE_TIMEOUT:-240} $PY -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py \
-              tests/engine/test_gpu_fp8_engine.py tests/engine/test_gpu_flashmla_engine.py 2>&1 | tee "$OUT/engine.log" || status=1 ;;
+              tests/engine/test_warmup.py tests/engine/test_gpu_fp8_engine.py tests/engine/test_gpu_flashmla_engine.py 2>&1 | tee "$OUT/engine.log" || status=1 ;;
     check) timeout ${CHECK_TIMEOUT:-150} $PY scripts/check_gpu_engine.py --tokens 24 2>&1 | tee "$OUT/check.log" \
              || status=1 ;;
     *) echo "unknown stage $stage" >&2; status=2 ;;
