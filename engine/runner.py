@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from engine.batch import build_step
 from engine.allocator import OutOfPages
+from engine.batch import build_step
 from engine.cache import CacheConfig, CachePool
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeRunner

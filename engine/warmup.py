@@ -80,7 +80,7 @@ def prompt_ladder(max_batch_tokens: int, max_prompt: int) -> list[int]:
 
 
 def gemm_m_values(max_tokens: int) -> list[int]:
-    """The M values at which one FP8 GEMM shape is run (module docstring, item 2)."""
+    """The M values at which one FP8 GEMM shape is run (module docstring, item 3)."""
     small = range(1, min(GEMM_ALL_M_UPTO, max_tokens) + 1)
     blocks = range(GEMM_ALL_M_UPTO + GEMM_M_STEP, max_tokens + GEMM_M_STEP, GEMM_M_STEP)
     return sorted({*small, *(min(m, max_tokens) for m in blocks)})
@@ -118,8 +118,8 @@ def warm_engine(engine, sweep_gemms: bool | None = None) -> WarmupReport:
             from kernels.deepgemm_linear import seen_shapes, warm_shape
 
             ms = gemm_m_values(max_tokens)
-            for (_, _, pow2), (weight, scale) in seen_shapes().items():
-                warm_shape(weight, scale, pow2, ms)
+            for n, k, pow2, device in seen_shapes():  # this process's engines: one, in a worker
+                warm_shape(n, k, pow2, device, ms)
                 shapes, calls = shapes + 1, calls + len(ms)
         torch.cuda.synchronize(engine.device)
     report = WarmupReport(tuple(lengths), graphs, shapes, calls, (t1 - t0, t2 - t1, time.perf_counter() - t2))

@@ -19,31 +19,32 @@ from kernels.fp8_linear import BLOCK, Fp8Weight
 from kernels.gpu import import_deep_gemm
 
 
-_SEEN: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor]] = {}  # (N, K, pow2) -> (weight, scale)
+_SEEN: set[tuple[int, int, bool, torch.device]] = set()  # (N, K, pow2 activation scales, device): shapes only,
+# so no engine's weights outlive it here
 
 
 def _gemm(dg, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool,
           out: torch.Tensor) -> None:
-    _SEEN.setdefault((weight.shape[0], weight.shape[1], pow2), (weight, scale))
+    _SEEN.add((weight.shape[0], weight.shape[1], pow2, weight.device))
     dg.fp8_gemm_nt((xq, xs), (weight, scale), out)
 
 
-def seen_shapes() -> dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor]]:
-    """(N, K, power-of-two activation scales) -> one (e4m3 weight, scales) pair of that shape, for every shape
-    multiplied in this process so far."""
-    return dict(_SEEN)
+def seen_shapes() -> list[tuple[int, int, bool, torch.device]]:
+    """(N, K, power-of-two activation scales, device) of every FP8 GEMM run in this process so far."""
+    return sorted(_SEEN, key=str)
 
 
-def warm_shape(weight: torch.Tensor, scale: torch.Tensor, pow2: bool, m_values) -> None:
-    """Run the FP8 GEMM of this weight at each M in m_values (random activations): DeepGEMM compiles every
-    configuration its heuristic picks for them now."""
+def warm_shape(n: int, k: int, pow2: bool, device, m_values) -> None:
+    """Run an [N, K] FP8 GEMM (random weight and activations: DeepGEMM's choice of kernel depends on the shapes
+    only) at each M in m_values, so every configuration its heuristic picks for them is compiled now."""
     from kernels.triton_fp8_quant import quant_act_1x128
 
     dg = import_deep_gemm()
     m_values = sorted(m_values)
-    n, k = weight.shape
-    x = torch.randn(m_values[-1], k, dtype=torch.bfloat16, device=weight.device)
-    out = torch.empty(m_values[-1], n, dtype=torch.bfloat16, device=weight.device)
+    weight = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
+    scale = torch.ones(-(-n // BLOCK), -(-k // BLOCK), dtype=torch.float32, device=device)
+    x = torch.randn(m_values[-1], k, dtype=torch.bfloat16, device=device)
+    out = torch.empty(m_values[-1], n, dtype=torch.bfloat16, device=device)
     for m in m_values:
         xq, xs = quant_act_1x128(x[:m], pow2)
         dg.fp8_gemm_nt((xq, xs), (weight, scale), out[:m])

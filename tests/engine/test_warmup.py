@@ -100,3 +100,27 @@ def test_gpu_load_engine_warms_and_serves_what_a_cold_engine_serves(monkeypatch)
         outs.append([(r.output, r.logprobs) for r in map(eng.pop_finished, ids)])
         engines.append(eng)
     assert outs[0] == outs[1]
+
+
+def test_deepgemm_shapes_are_recorded_and_swept(monkeypatch):
+    """kernels.deepgemm_linear records (N, K) of every FP8 GEMM it runs, keeps no weight alive, and warm_shape
+    runs that shape at each M (DeepGEMM and the quantiser are CUDA-only: stand-ins record the calls here)."""
+    import types
+
+    import kernels.deepgemm_linear as dgl
+    import kernels.triton_fp8_quant as quant
+    from kernels.fp8_linear import Fp8Weight
+
+    calls = []
+    fake = types.SimpleNamespace(fp8_gemm_nt=lambda a, b, out: calls.append((a[0].shape[0], tuple(b[0].shape),
+                                                                            tuple(out.shape))))
+    monkeypatch.setattr(dgl, "import_deep_gemm", lambda: fake)
+    monkeypatch.setattr(quant, "quant_act_1x128", lambda x, pow2=True: (x.to(torch.float8_e4m3fn),
+                                                                        torch.ones(x.shape[0], -(-x.shape[1] // 128))))
+    monkeypatch.setattr(dgl, "_SEEN", set())
+    w = Fp8Weight(torch.randn(256, 384).to(torch.float8_e4m3fn), torch.ones(2, 3), pow2_act=False)
+    dgl.fp8_gemm(torch.randn(5, 384, dtype=torch.bfloat16), w)
+    assert dgl.seen_shapes() == [(256, 384, False, torch.device("cpu"))] and calls == [(5, (256, 384), (5, 256))]
+    calls.clear()
+    dgl.warm_shape(256, 384, False, "cpu", [1, 64, 3])
+    assert calls == [(1, (256, 384), (1, 256)), (3, (256, 384), (3, 256)), (64, (256, 384), (64, 256))]
