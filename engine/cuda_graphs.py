@@ -10,9 +10,9 @@ time at decode batch sizes, so decode steps replay a captured graph instead. Sha
 - capture: two warm-up forwards on a side stream (Triton compiles, allocator settles), then the capture;
   every bucket shares one memory pool (replays never overlap and each output is consumed before the
   next replay);
-- the output is the graph's static logits tensor [slots, vocab]: valid until the next replay; the graph also
-  holds the greedy pick of every row (argmax + its log-prob, fp64 [2, slots]), so an all-greedy step reads
-  its tokens with one device-to-host copy and no launch outside the graph (`take_greedy`).
+- the output is the first `slots` rows of one logits buffer all graphs share: valid until the next replay (any
+  bucket's); the graph also holds the greedy pick of every row (argmax + its log-prob, fp64 [2, slots]), so an
+  all-greedy step reads its tokens with one device-to-host copy and no launch outside the graph (`take_greedy`).
 Warm-up and capture run on a padding-only batch, so they write the scratch page and nothing else.
 
 `DecodeRunner(mode="eager")` runs the same fixed-shape batches without graphs: the CPU tests use it
@@ -78,6 +78,7 @@ class DecodeRunner:
         self.block_tables = BlockTables(pool, max_slots, max_context, model.device)
         self._mempool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
         self._greedy = None  # [2, n] of the last replay, until taken
+        self._logits: torch.Tensor | None = None  # [max slots, vocab]: every graph's output rows (module doc)
 
     def shape_for(self, num_requests: int, context: int) -> DecodeShape | None:
         """The smallest bucket holding num_requests rows at positions < context; None when none does."""
@@ -145,13 +146,20 @@ class DecodeRunner:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model.forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), self.pool)
+                warm = self.model.forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), self.pool)
         torch.cuda.current_stream(device).wait_stream(side)
+        if self._logits is None:  # outside the graphs' pool: one buffer for every bucket's output
+            self._logits = torch.empty(self.slots[-1], warm.shape[-1], dtype=warm.dtype, device=device)
+        out = self._logits[:shape.slots]
         graph = torch.cuda.CUDAGraph()
         # thread_local: workers capture on their engine thread while other threads (KV transfer, HTTP)
         # may touch CUDA; only this thread's calls must be capture-safe.
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             logits = self.model.forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), self.pool)
-            greedy = greedy_pick(logits)  # the sampling of greedy requests rides in the graph
-        self.graphs[shape] = _Graph(inputs, graph, logits, greedy)
+            # Copied into the shared buffer: the forward's own logits return to the pool after the capture, so
+            # the graphs of all buckets (captured at start-up) hold one [max slots, vocab] output, not one each.
+            out.copy_(logits)
+            greedy = greedy_pick(out)  # the sampling of greedy requests rides in the graph
+        del logits
+        self.graphs[shape] = _Graph(inputs, graph, out, greedy)
         return self.graphs[shape]
