@@ -17,8 +17,9 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
    padding rows that write only the scratch page), so no step mid-stream waits on a capture or on the Triton
    compiles its shapes need (the run above saw single decode steps of 9-29 s on a cold machine);
 3. every FP8 GEMM shape those steps ran (kernels.deepgemm_linear records them) at the M values whose DeepGEMM
-   configuration can differ: all M up to 128, then each multiple of 64 up to max_batch_tokens (the heuristic sees
-   a larger M only through its number of M-blocks, whose sizes are multiples of 64).
+   configuration can differ: all M up to 128, then the lowest and highest M of each 64-row block count up to
+   max_batch_tokens (the heuristic sees a larger M through its number of M-blocks, whose sizes are multiples of
+   64, and through thresholds on block edges).
 Not done: tensor-parallel ranks (the request would need the followers' step loop, which starts after loading);
 FP8 routed experts' grouped GEMMs (MXFP4 is the resident expert format).
 
@@ -80,10 +81,13 @@ def prompt_ladder(max_batch_tokens: int, max_prompt: int) -> list[int]:
 
 
 def gemm_m_values(max_tokens: int) -> list[int]:
-    """The M values at which one FP8 GEMM shape is run (module docstring, item 3)."""
+    """The M values at which one FP8 GEMM shape is run (module docstring, item 3): every M up to 128, then both
+    ends of each 64-row block count (the lowest and highest M with that count: a threshold of the heuristic
+    such as m >= 512 falls on a block edge, so each side of it is run)."""
     small = range(1, min(GEMM_ALL_M_UPTO, max_tokens) + 1)
-    blocks = range(GEMM_ALL_M_UPTO + GEMM_M_STEP, max_tokens + GEMM_M_STEP, GEMM_M_STEP)
-    return sorted({*small, *(min(m, max_tokens) for m in blocks)})
+    tops = range(GEMM_ALL_M_UPTO + GEMM_M_STEP, max_tokens + GEMM_M_STEP, GEMM_M_STEP)
+    ends = {min(m, max_tokens) for m in tops} | {m - GEMM_M_STEP + 1 for m in tops if m - GEMM_M_STEP < max_tokens}
+    return sorted({*small, *ends})
 
 
 def warm_engine(engine, sweep_gemms: bool | None = None) -> WarmupReport:

@@ -36,10 +36,12 @@ def test_prompt_ladder_and_m_values():
     assert prompt_ladder(64, 4094) == [1, 2, 4, 8, 16, 32, 64]
     assert prompt_ladder(8192, 100) == [1, 2, 4, 8, 16, 32, 64, 100]
     ms = gemm_m_values(1000)
-    assert ms[:128] == list(range(1, 129)) and ms[-1] == 1000
-    # one M for every count of 64-row blocks: DeepGEMM's configuration is a function of it above 128
-    assert {(m + 63) // 64 for m in ms} == set(range(1, (1000 + 63) // 64 + 1))
-    assert gemm_m_values(5) == [1, 2, 3, 4, 5]
+    assert ms[:128] == list(range(1, 129)) and ms[-1] == 1000 and ms[128:132] == [129, 192, 193, 256]
+    # both ends of every count of 64-row blocks: DeepGEMM's configuration is a function of it (and of
+    # thresholds on its edges) above 128
+    for j in range(3, (1000 + 63) // 64 + 1):
+        assert 64 * (j - 1) + 1 in ms and min(64 * j, 1000) in ms
+    assert len(ms) == 128 + 2 * ((1000 + 63) // 64 - 2) and gemm_m_values(5) == [1, 2, 3, 4, 5]
 
 
 def test_warmup_leaves_the_engine_idle_and_exact(weights, monkeypatch):
