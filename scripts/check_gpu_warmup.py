@@ -26,6 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REQUEST = re.compile(r"^request (\d+): prompt (\d+), first step ([\d.]+) ms, slowest decode step ([\d.]+) ms$", re.M)
 LOADED = re.compile(r"^load_engine \(warm-up (\d)\): ([\d.]+) s$", re.M)
 MACHINE = re.compile(r"^machine: (.*)$", re.M)
+PHASES = re.compile(r"warm-up: \d+ prompts \([\d,]+ tokens\) ([\d.]+) s, (\d+) decode graphs captured ([\d.]+) s, "
+                    r"(\d+) FP8 GEMM shapes x \d+ M values ([\d.]+) s")
+COMPILED = re.compile(r"^compile caches: (\d+) DeepGEMM files, (\d+) Triton files", re.M)
 
 
 def report(run_dir: str, timeout_s: float, machine: str | None) -> str:
@@ -43,8 +46,9 @@ def report(run_dir: str, timeout_s: float, machine: str | None) -> str:
              "- model: `dsv4 make-model --preset mini_v4 --quantize` (4 layers, V4 attention geometry, FP8 dense / "
              "MXFP4 experts), bf16 engine, CUDA graphs, max_batch_tokens 4096; requests one at a time, prompts "
              "256-2048 tokens, 16 new tokens", f"- machine: {machine}", "",
-             "| warm-up | engine ready after | requests done | first step ms: median / max | slowest decode step ms: "
-             "median / max |", "|---|---:|---:|---:|---:|"]
+             "| warm-up | engine ready after | its phases: ladder / graphs / GEMM sweep | requests done | "
+             "first step ms: median / max | slowest decode step ms: median / max | compiled files: DeepGEMM / "
+             "Triton |", "|---|---:|---|---:|---:|---:|---:|"]
     for w, text in logs.items():
         loaded = LOADED.search(text)
         reqs = REQUEST.findall(text)
@@ -56,7 +60,12 @@ def report(run_dir: str, timeout_s: float, machine: str | None) -> str:
         else:
             cells = ("-", "-")
         name = {"0": "off", "1": "on (DeepGEMM via nvcc)", "1_nvrtc": "on (DeepGEMM via NVRTC)"}[w]
-        lines.append(f"| {name} | {ready} | {len(reqs)} | {cells[0]} | {cells[1]} |")
+        ph = PHASES.search(text)
+        phases = (f"{ph.group(1)} s / {ph.group(2)} in {ph.group(3)} s / {ph.group(4)} shapes in {ph.group(5)} s"
+                  if ph else "-")
+        comp = COMPILED.search(text)
+        files = f"{comp.group(1)} / {comp.group(2)}" if comp else "-"
+        lines.append(f"| {name} | {ready} | {phases} | {len(reqs)} | {cells[0]} | {cells[1]} | {files} |")
     return "\n".join(lines)
 
 

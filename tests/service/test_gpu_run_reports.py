@@ -1,0 +1,57 @@
+"""The BENCHMARKS.md sections built from GPU runs' outputs (the runs themselves need a GPU): the decode A/B table
+(scripts/bench_gpu_ab.py) and the cold-start table (scripts/check_gpu_warmup.py --report), on synthetic run
+files written here, including runs that ended early."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _slice_md(rows: list[tuple[int, str, float, float]]) -> str:
+    head = ["## GPU decode and prefill (V4-Flash slice)", "", "- date: 2026-12-02 02:15 UTC; total run time 81 s",
+            "- GPU: NVIDIA H200", "- roofs measured in this run: device copy 4202 GB/s", "",
+            "| batch | context | experts | step ms | tok/s | touched/layer | prod GB | prod roof ms | x prod roof | "
+            "engine GB | engine roof ms | x engine roof |",
+            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    body = [f"| {b} | {c} | mxfp4, triton_kernels matmul | {ms} | 500 | 6 | 2.00 | 0.48 | {x} | 2.01 | 0.48 | {x} |"
+            for b, c, ms, x in rows]
+    return "\n".join(head + body) + "\n"
+
+
+def _run(script: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_decode_ab_table(tmp_path):
+    (tmp_path / "ab_o1_auto.md").write_text(_slice_md([(1, "4K", 1.8, 3.7), (64, "32K", 5.7, 2.1)]))
+    (tmp_path / "ab_o0_auto.md").write_text(_slice_md([(1, "4K", 1.9, 4.0), (64, "32K", 6.5, 2.4)]))
+    text = _run("bench_gpu_ab.py", "--dir", str(tmp_path))
+    assert "| 1 | 4K | 1.8 (3.7x) | 1.9 (4.0x) | 1.06x |" in text
+    assert "| 64 | 32K | 5.7 (2.1x) | 6.5 (2.4x) | 1.14x |" in text
+    assert "2026-12-02 02:15 UTC" in text and "NVIDIA H200" in text
+
+
+def test_cold_start_table(tmp_path):
+    (tmp_path / "warm0.log").write_text(
+        "machine: NVIDIA H200, torch 2.11\nload_engine (warm-up 0): 0.9 s\n"
+        "request 0: prompt 267, first step 46011.6 ms, slowest decode step 28980.5 ms\n"
+        "request 1: prompt 697, first step 12644.4 ms, slowest decode step 9169.7 ms\n")
+    (tmp_path / "warm1.log").write_text("machine: NVIDIA H200, torch 2.11\n")  # ended inside the warm-up
+    (tmp_path / "warm1_nvrtc.log").write_text(
+        "engine.warmup: warm-up: 13 prompts (1,2,4096 tokens) 12.5 s, 85 decode graphs captured 3.1 s, 9 FP8 GEMM "
+        "shapes x 156 M values 40.2 s\nload_engine (warm-up 1): 60.2 s\n"
+        "request 0: prompt 300, first step 20.0 ms, slowest decode step 3.0 ms\n"
+        "compile caches: 120 DeepGEMM files, 300 Triton files (nvrtc 1)\n")
+    text = _run("check_gpu_warmup.py", "--report", str(tmp_path), "--timeout-s", "190")
+    assert "| off | 0.9 s | - | 2 | 29328 / 46012 | 19075 / 28980 | - |" in text
+    assert "| on (DeepGEMM via nvcc) | not within 190 s | - | 0 | - | - | - |" in text
+    assert "| on (DeepGEMM via NVRTC) | 60.2 s | 12.5 s / 85 in 3.1 s / 9 shapes in 40.2 s | 1 | 20 / 20 | 3 / 3 | " \
+           "120 / 300 |" in text
+    assert "- machine: NVIDIA H200, torch 2.11" in text
