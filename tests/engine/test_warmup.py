@@ -1,7 +1,8 @@
 """Start-up warm-up (engine.warmup): the request ladder runs through the engine and leaves it as it found it
 (no request, every page back, prefix cache empty), the engine then serves the same tokens as a cold one, and the
-M values cover every 64-row block count. On the CPU only the ladder runs (DeepGEMM is CUDA-only; its M sweep
-runs in the GPU engine tests' load_engine)."""
+M values cover every 64-row block count. On the CPU the ladder runs, and the DeepGEMM recorder and sweep run
+against stand-ins; on a GPU, load_engine(warmup=True) captures every graph (the sweep on real DeepGEMM runs in
+scripts/check_gpu_warmup.py, `gpu_issue11.sh coldstart`, on a quantised model)."""
 
 from __future__ import annotations
 
