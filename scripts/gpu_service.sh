@@ -128,7 +128,8 @@ EOF
           run_stage warm ${WARM_TIMEOUT:-400} "$PY" -c 'import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 from engine.llm import load_engine
-load_engine(sys.argv[1] or None, device="cuda", dtype="bfloat16", max_batch_tokens=4096, max_cached_tokens=65536)
+load_engine(sys.argv[1] or None, device="cuda", dtype="bfloat16", max_batch_tokens=4096, max_cached_tokens=65536,
+            warmup=True)
 ' "$MODEL" ;;
     serve) run_stage serve ${SERVE_TIMEOUT:-330} "$PY" -m service.cli bench serve "${MODEL_ARG[@]}" "${ENGINE[@]}" \
              "${SHARE[@]}" "${SERVE[@]}" --topologies colocated,1P1D --transfer nixl --no-write \
