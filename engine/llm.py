@@ -33,7 +33,7 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
                 keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
                 keep_fp8_weights: bool | None = None, prefix_cache: bool = True,
                 parallel: ParallelContext | None = None, gpu_memory_utilization: float | None = None,
-                max_model_len: int | None = None, warmup: bool = False) -> EngineCore:
+                max_model_len: int | None = None, warmup: bool = False, warmup_decodes: bool = True) -> EngineCore:
     """kv_cache_dtype: "exact" (rows in `dtype`), "fp8" (production formats: fp8_ds_mla SWA and compressed KV,
     MXFP4 or FP8 indexer keys as index_cache_dtype says; see engine.cache) or "auto" (fp8 on a bf16 CUDA engine
     where FlashMLA decodes the model's geometry, else exact: engine.fast_paths.resolve_kv_cache_dtype).
@@ -54,7 +54,8 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     model_dir: a directory or a Hugging Face repo id (engine.model_source; None: the built-in tiny model).
     max_model_len: the longest request (prompt + output) served, at most the model's max_position_embeddings.
     warmup: a serving engine (the workers, the local dispatcher) compiles every kernel before it is returned
-    (engine.warmup: one-rank CUDA engines; $DSV4_WARMUP=0 skips it); one-shot use (LLM, `dsv4 generate`) does not."""
+    (engine.warmup: one-rank CUDA engines; $DSV4_WARMUP=0 skips it); one-shot use (LLM, `dsv4 generate`) does not.
+    warmup_decodes: False for an engine that will only prefill (a prefill worker: no decode graphs captured)."""
     from engine.fast_paths import keep_mxfp4_experts as keep_default
     from engine.fast_paths import resolve_index_cache_dtype, resolve_kv_cache_dtype, use_fp8_gemm
     from engine.make_model import default_model_dir
@@ -103,7 +104,7 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
                       scheduler_config=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs),
                       decode_mode=decode_mode or "auto", prefix_cache=prefix_cache)
     if warmup and warmup_enabled(core):  # CUDA: compile before the first request waits on it (engine.warmup)
-        warm_engine(core)
+        warm_engine(core, decodes=warmup_decodes)
     return core
 
 

@@ -11,8 +11,9 @@ service with bf16 weights gave 147 ms (BENCHMARKS.md, "Disaggregated service on 
 DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a warm-up request at start. Here:
 1. a ladder of requests through the engine itself, one at a time so each prefill step has exactly its prompt's
    tokens: 1, 2, 4, ... up to max_batch_tokens (and the model's length). Each runs its prefill, one decode step
-   (under CUDA graphs: the batch-1 graphs of those contexts are captured now) and sampling; every page returns
-   and the prefix cache forgets the prompts;
+   (under CUDA graphs: the batch-1 graphs of those contexts are captured now; an engine that only prefills, a
+   prefill worker's, stops at the first token as its requests do) and sampling; every page returns and the
+   prefix cache forgets the prompts;
 2. every decode bucket's CUDA graph is captured (DecodeRunner.capture_all: each (batch slots, context) pair, on
    padding rows that write only the scratch page), so no step mid-stream waits on a capture or on the Triton
    compiles its shapes need (the run above saw single decode steps of 9-29 s on a cold machine);
@@ -90,9 +91,11 @@ def gemm_m_values(max_tokens: int) -> list[int]:
     return sorted({*small, *ends})
 
 
-def warm_engine(engine, sweep_gemms: bool | None = None) -> WarmupReport:
+def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -> WarmupReport:
     """Run the warm-up on `engine` (an idle EngineCore); -> what ran. Leaves the pool as it found it.
-    sweep_gemms: run phase 3 (None: unless $DSV4_WARMUP=quick)."""
+    sweep_gemms: run phase 3 (None: unless $DSV4_WARMUP=quick). decodes: False for an engine that only prefills
+    (a prefill worker's requests are prefill-only): the ladder's requests stop after their first token, as the
+    worker's do, and no decode graph is captured (phase 2 skipped: it would hold graph memory never replayed)."""
     if sweep_gemms is None:
         sweep_gemms = warmup_mode() != "quick"
     t0 = time.perf_counter()
@@ -105,14 +108,17 @@ def warm_engine(engine, sweep_gemms: bool | None = None) -> WarmupReport:
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     for n in lengths:
         prompt = torch.randint(2, engine.cfg.vocab_size, (n,), generator=g).tolist()
-        rid = engine.add_request(prompt, params, request_id=f"warmup-{n}")
+        rid = engine.add_request(prompt, params, request_id=f"warmup-{n}", prefill_only=not decodes)
         while engine.has_work:
             engine.step()
-        engine.pop_finished(rid)
+        if decodes:
+            engine.pop_finished(rid)
+        else:
+            engine.release(rid)  # the held caches, as the decode side's confirmation frees them
     if engine.prefix is not None:
         engine.prefix.clear()  # (the prompts are random: nothing to share)
     t1 = time.perf_counter()
-    graphs = engine.decode_runner.capture_all() if engine.decode_runner is not None else 0
+    graphs = engine.decode_runner.capture_all() if decodes and engine.decode_runner is not None else 0
     t2 = time.perf_counter()
     shapes = calls = 0
     if engine.device.type == "cuda":

@@ -28,7 +28,9 @@ class WorkerBase:
         # A multi-rank worker (engine.rank_worker): this actor is rank 0; its followers are other actors.
         opts, tp = split_engine_options(engine_options)
         self.parallel = tp.join(0, opts.get("device", "cpu")) if tp is not None else None
-        self.engine = load_engine(model_dir, **opts, parallel=self.parallel, warmup=True)
+        # Compile before serving (engine.warmup); a prefill worker's requests never decode.
+        self.engine = load_engine(model_dir, **opts, parallel=self.parallel, warmup=True,
+                                  warmup_decodes=self.role != "prefill")
         self.backend = None
         self._prefix_counters = metrics.PrefixCounters(self.role, worker_id)
         self._digest = None  # the engine's PrefixDigest, refreshed on the engine thread when it changes

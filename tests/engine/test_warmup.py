@@ -72,6 +72,17 @@ def test_warmup_leaves_the_engine_idle_and_exact(weights, monkeypatch):
         warmup_enabled(warm)
 
 
+def test_prefill_only_warmup_holds_and_releases(weights):
+    """A prefill worker's engine (decodes=False): the ladder's requests stop at their first token and are held as
+    the worker's are, then released: nothing is left held, every page is back."""
+    eng = _engine(weights)
+    idle = eng.pool.num_free_pages()
+    report = warm_engine(eng, decodes=False)
+    assert report.prompts[-1] == 300 and report.graphs == 0
+    assert not eng.held and not eng.requests and not eng.has_work
+    assert eng.pool.num_free_pages() == idle
+
+
 def test_warmup_refuses_a_busy_engine(weights):
     eng = _engine(weights, prefix=False)
     eng.add_request([3, 4, 5], SamplingParams(max_new_tokens=2))
