@@ -25,9 +25,9 @@ ROW = re.compile(r"^\| (\d+) \| (\d+K) \| [^|]+ \| ([\d.]+) \| (\d+) \| [\d.]+ \
                  r"([\d.]+) \|", re.M)
 
 
-def parse(text: str) -> dict[tuple[int, str], tuple[float, int, float]]:
-    """(batch, context) -> (step ms, tok/s, x prod roof) of one run's decode table."""
-    return {(int(b), c): (float(ms), int(tps), float(x)) for b, c, ms, tps, _, x in ROW.findall(text)}
+def parse(text: str) -> dict[tuple[int, str], tuple[float, float]]:
+    """(batch, context) -> (step ms, x prod roof) of one run's decode table."""
+    return {(int(b), c): (float(ms), float(x)) for b, c, ms, _, _, x in ROW.findall(text)}
 
 
 def header(text: str, key: str) -> str:
@@ -52,9 +52,9 @@ def render(runs: dict[str, str]) -> str:
              "| batch | context | " + " | ".join(f"{lab}: ms (x roof)" for lab in labels) + " | overlap gain |",
              "|---:|---:|" + "---:|" * len(labels) + "---:|"]
     for key in keys:
-        cells = [f"{tables[lab][key][0]:.1f} ({tables[lab][key][2]:.1f}x)" if key in tables[lab] else "-"
+        cells = [f"{tables[lab][key][0]:.1f} ({tables[lab][key][1]:.1f}x)" if key in tables[lab] else "-"
                  for lab in labels]
-        on, off = tables[labels[0]].get(key), tables[labels[1]].get(key) if len(labels) > 1 else None
+        on, off = (tables.get(VARIANTS[i][1], {}).get(key) for i in (0, 1))
         gain = f"{off[0] / on[0]:.2f}x" if on and off else "-"
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + f" | {gain} |")
     return "\n".join(lines)

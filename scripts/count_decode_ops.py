@@ -329,8 +329,9 @@ def build_engine(preset: str, slots: int, dtype: torch.dtype, kv_cache_dtype: st
     return engine
 
 
-def count_step(engine, ogs: bool = True, fp8: bool = True) -> dict[str, collections.Counter]:
-    """One decode step of `engine` (bucketed mode) -> {section: Counter(source -> launches)}."""
+@contextlib.contextmanager
+def _counting(engine, ogs: bool, fp8: bool):
+    """Count every launch inside the block -> yields the Sections whose .counts fill in."""
     if fp8:
         for m in engine.model.moe:  # dequantised on the CPU; the stand-in FP8 path reads this flag
             if isinstance(m.shared[1], torch.Tensor):
@@ -339,18 +340,24 @@ def count_step(engine, ogs: bool = True, fp8: bool = True) -> dict[str, collecti
     undo = _patch(sections, ogs, fp8)
     try:
         with AtenCounter(sections):
-            chunks = engine.scheduler.schedule()
-            if not all(c.num_tokens == 1 for c in chunks):
-                raise ValueError("count_step needs every running request in decode")
-            req = [c.request for c in chunks]
-            logits = engine.decode_runner.run([r.request_id for r in req], [r.token_slice(c.start, c.start + 1)[0]
-                                                                            for r, c in zip(req, chunks)],
-                                              [c.start for c in chunks], [r.pages for r in req])
-            if logits is None:
-                raise ValueError("no decode bucket fits")
+            yield sections
     finally:
         for obj, attr, real in reversed(undo):
             setattr(obj, attr, real)
+
+
+def count_step(engine, ogs: bool = True, fp8: bool = True) -> dict[str, collections.Counter]:
+    """One decode step of `engine` (bucketed mode) -> {section: Counter(source -> launches)}."""
+    with _counting(engine, ogs, fp8) as sections:
+        chunks = engine.scheduler.schedule()
+        if not all(c.num_tokens == 1 for c in chunks):
+            raise ValueError("count_step needs every running request in decode")
+        req = [c.request for c in chunks]
+        logits = engine.decode_runner.run([r.request_id for r in req], [r.token_slice(c.start, c.start + 1)[0]
+                                                                        for r, c in zip(req, chunks)],
+                                          [c.start for c in chunks], [r.pages for r in req])
+        if logits is None:
+            raise ValueError("no decode bucket fits")
     return dict(sections.counts)
 
 
@@ -358,24 +365,14 @@ def count_prefill_step(engine, tokens: int, ogs: bool = True, fp8: bool = True) 
     """One prefill step of a new `tokens`-token request on an idle `engine` -> {section: Counter}."""
     from engine.sampling_params import SamplingParams
 
-    if fp8:
-        for m in engine.model.moe:
-            if isinstance(m.shared[1], torch.Tensor):
-                m.shared[1].pow2_act = True
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     engine.add_request(torch.randint(2, engine.cfg.vocab_size, (tokens,), generator=g).tolist(), params)
     while engine.has_work:  # an identical prefill outside the count (first-use work)
         engine.step()
     engine.add_request(torch.randint(2, engine.cfg.vocab_size, (tokens,), generator=g).tolist(), params)
-    sections = Sections()
-    undo = _patch(sections, ogs, fp8)
-    try:
-        with AtenCounter(sections):
-            engine.step()
-    finally:
-        for obj, attr, real in reversed(undo):
-            setattr(obj, attr, real)
+    with _counting(engine, ogs, fp8) as sections:
+        engine.step()
     return dict(sections.counts)
 
 

@@ -25,6 +25,7 @@ from engine.runner import EngineCore  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.weights import load_weights  # noqa: E402
 from tests.support.oracle import teacher_forced  # noqa: E402
+from tests.engine.test_decode_overlap import _spy_lookahead  # noqa: E402
 from tests.engine.test_oracle import CONFIGS, N_GEN, _prompts, checkpoints  # noqa: E402, F401 (fixture)
 
 # dtype -> (|dlogprob| tolerance, share of positions within it, bound on the mean |dlogprob|)
@@ -103,23 +104,14 @@ def test_graphs_refuse_fp32():
         _engine(torch.float32, "graphs")
 
 
-def test_overlapped_graph_decode_equals_synchronous():
+def test_overlapped_graph_decode_equals_synchronous(monkeypatch):
     """Overlapped greedy decode (engine.decode_overlap) under CUDA graphs runs the same kernels on the same inputs
     as the synchronous graph path, so tokens and log-probs are bit-equal; and the overlap must actually engage."""
     g = torch.Generator().manual_seed(7)
     overlapped, synchronous = _engine(torch.bfloat16, "graphs"), _engine(torch.bfloat16, "graphs")
     synchronous.overlap_decode = False
     assert overlapped.overlap_decode, "overlap is the default with graphs"
-    launched = []
-    real = overlapped._launch_decode
-
-    def spy(chunks, previous):
-        out = real(chunks, previous)
-        if previous is not None and out is not None:
-            launched.append(len(chunks))
-        return out
-
-    overlapped._launch_decode = spy
+    launched = _spy_lookahead(monkeypatch, overlapped)
     prompts = [torch.randint(2, overlapped.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 64, 200)]
     got, want = _generate(overlapped, prompts, 40), _generate(synchronous, prompts, 40)
     assert launched, "no step was launched ahead of its predecessor's read-back"
