@@ -22,6 +22,8 @@ to pin that a bucketed step computes what `build_step`'s batch computes.
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,8 @@ import torch
 from engine.cache import CachePool
 from engine.decode_batch import BlockTables, DecodeInputs, DecodeShape, derive_decode_batch
 from engine.sampling import greedy_pick
+
+logger = logging.getLogger(__name__)
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -134,7 +138,9 @@ class DecodeRunner:
             return 0
         todo = [DecodeShape(s, c) for s in self.slots for c in self.contexts if DecodeShape(s, c) not in self.graphs]
         for shape in todo:
+            t = time.perf_counter()
             self._capture(shape)
+            logger.info("captured decode graph %s: %.2f s", shape, time.perf_counter() - t)
         return len(todo)
 
     def _capture(self, shape: DecodeShape) -> _Graph:

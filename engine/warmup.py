@@ -107,6 +107,7 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     for n in lengths:
+        tn = time.perf_counter()
         prompt = torch.randint(2, engine.cfg.vocab_size, (n,), generator=g).tolist()
         rid = engine.add_request(prompt, params, request_id=f"warmup-{n}", prefill_only=not decodes)
         while engine.has_work:
@@ -115,11 +116,13 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
             engine.pop_finished(rid)
         else:
             engine.release(rid)  # the held caches, as the decode side's confirmation frees them
+        logger.info("warm-up prompt of %d tokens: %.1f s", n, time.perf_counter() - tn)
     if engine.prefix is not None:
         engine.prefix.clear()  # (the prompts are random: nothing to share)
     t1 = time.perf_counter()
     graphs = engine.decode_runner.capture_all() if decodes and engine.decode_runner is not None else 0
     t2 = time.perf_counter()
+    logger.info("warm-up: ladder %.1f s, %d decode graphs %.1f s", t1 - t0, graphs, t2 - t1)
     shapes = calls = 0
     if engine.device.type == "cuda":
         from engine.fast_paths import use_fp8_gemm
@@ -129,7 +132,9 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
 
             ms = gemm_m_values(max_tokens)
             for n, k, pow2, device in seen_shapes():  # this process's engines: one, in a worker
+                ts = time.perf_counter()
                 warm_shape(n, k, pow2, device, ms)
+                logger.info("warm-up GEMM N=%d K=%d at %d M values: %.1f s", n, k, len(ms), time.perf_counter() - ts)
                 shapes, calls = shapes + 1, calls + len(ms)
         torch.cuda.synchronize(engine.device)
     report = WarmupReport(tuple(lengths), graphs, shapes, calls, (t1 - t0, t2 - t1, time.perf_counter() - t2))

@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--warmup", default="1", choices=["0", "1"])
     ap.add_argument("--max-batch-tokens", type=int, default=4096)
+    ap.add_argument("--cache-dir", default=None, help="compile caches here (default: a fresh temporary directory); a "
+                    "later service run can load from it")
     ap.add_argument("--nvrtc", action="store_true", help="DeepGEMM compiles with NVRTC (DG_JIT_USE_NVRTC=1), not nvcc")
     args = ap.parse_args()
     if args.report:
@@ -91,7 +93,9 @@ def main() -> None:
         return
     if not args.model:
         ap.error("--model is required to run")
-    cache = tempfile.mkdtemp(prefix="dsv4-warm-")
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="dsv4-warm-")
+    if os.path.isdir(cache) and any(os.scandir(cache)):
+        print(f"note: compile cache {cache} is not empty: this run is not cold", flush=True)
     os.environ["DSV4_WARMUP"] = args.warmup
     os.environ.setdefault("DSV4_MXFP4_MOE", "1")
     os.environ["DG_JIT_CACHE_DIR"] = os.path.join(cache, "deep_gemm")
@@ -110,7 +114,7 @@ def main() -> None:
 
     t = time.perf_counter()
     core = load_engine(args.model, device="cuda", dtype="bfloat16", max_batch_tokens=args.max_batch_tokens,
-                       max_num_seqs=16, max_cached_tokens=65536, warmup=True)
+                       max_num_seqs=64, max_cached_tokens=65536, warmup=True)
     print(f"load_engine (warm-up {args.warmup}): {time.perf_counter() - t:.1f} s", flush=True)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)

@@ -27,6 +27,9 @@ if [ "$DEVICE" = cuda ]; then
   # atomics). The run of 2026-12-01 used dequantised bf16 experts, whose combine was then CUDA's atomic
   # index_add_ (kernels.moe.moe_experts_grouped sums over k without atomics since).
   export DSV4_MXFP4_MOE=${DSV4_MXFP4_MOE:-1}
+  # One compile cache for the warm stage and the workers (gpu_issue11.sh coldstart fills the same one first)
+  export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/dsv4-cc/deep_gemm}
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/dsv4-cc/triton}
   ENGINE=(--device cuda --dtype bfloat16 --max-cached-tokens ${KV_TOKENS:-65536})
   SHARE=(--worker-num-gpus 0.5)
   SERVE=(--num-requests ${REQUESTS:-64} --concurrency ${CONCURRENCY:-8} --min-prompt 256 --max-prompt 2048
@@ -123,8 +126,8 @@ json.dump(env, open(path, "w"), indent=1)
 print(env["model"])
 EOF
     ;;
-    warm) [ "$DEVICE" = cuda ] || continue  # compiles every kernel the workers need into the default caches
-          # (~/.deep_gemm, ~/.triton), so their own start-up warm-up (engine.warmup) loads instead of compiling
+    warm) [ "$DEVICE" = cuda ] || continue  # compiles every kernel the workers need into the shared caches
+          # ($DG_JIT_CACHE_DIR, $TRITON_CACHE_DIR), so their own start-up warm-up (engine.warmup) loads them
           run_stage warm ${WARM_TIMEOUT:-400} "$PY" -c 'import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 from engine.llm import load_engine
