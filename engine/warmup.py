@@ -20,7 +20,9 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
 3. every FP8 GEMM shape those steps ran (kernels.deepgemm_linear records them) at the M values whose DeepGEMM
    configuration can differ: all M up to 128, then the lowest and highest M of each 64-row block count up to
    max_batch_tokens (the heuristic sees a larger M through its number of M-blocks, whose sizes are multiples of
-   64, and through thresholds on block edges).
+   64, and through thresholds on block edges). The compiles are spread over spawned processes
+   ($DSV4_WARMUP_PROCS, default half the CPUs up to 8): run one after another they took minutes (4-49 s a shape
+   on the H200 of 2026-12-02, for a 4-layer model).
 Not done: tensor-parallel ranks (the request would need the followers' step loop, which starts after loading);
 FP8 routed experts' grouped GEMMs (MXFP4 is the resident expert format).
 
@@ -64,6 +66,17 @@ def warmup_mode() -> str:
     if mode not in WARMUP_MODES:
         raise ValueError(f"DSV4_WARMUP must be one of {WARMUP_MODES}, got {mode!r}")
     return mode
+
+
+def gemm_processes() -> int:
+    """Processes compiling the GEMM sweep side by side: $DSV4_WARMUP_PROCS, else half the CPUs this process may
+    use (at most 8; each holds a small CUDA context)."""
+    if "DSV4_WARMUP_PROCS" in os.environ:
+        value = os.environ["DSV4_WARMUP_PROCS"]
+        if not value.isdigit():
+            raise ValueError(f"DSV4_WARMUP_PROCS must be a whole number, got {value!r}")
+        return int(value)
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 def warmup_enabled(engine) -> bool:
@@ -128,14 +141,11 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
         from engine.fast_paths import use_fp8_gemm
 
         if sweep_gemms and use_fp8_gemm(engine.device, engine.dtype):
-            from kernels.deepgemm_linear import seen_shapes, warm_shape
+            from kernels.deepgemm_linear import seen_shapes, warm_shapes
 
-            ms = gemm_m_values(max_tokens)
-            for n, k, pow2, device in seen_shapes():  # this process's engines: one, in a worker
-                ts = time.perf_counter()
-                warm_shape(n, k, pow2, device, ms)
-                logger.info("warm-up GEMM N=%d K=%d at %d M values: %.1f s", n, k, len(ms), time.perf_counter() - ts)
-                shapes, calls = shapes + 1, calls + len(ms)
+            todo = seen_shapes()  # this process's engines: one, in a worker
+            shapes = len(todo)
+            calls = warm_shapes(todo, gemm_m_values(max_tokens), gemm_processes())
         torch.cuda.synchronize(engine.device)
     report = WarmupReport(tuple(lengths), graphs, shapes, calls, (t1 - t0, t2 - t1, time.perf_counter() - t2))
     logger.info("warm-up: %d prompts (%s tokens) %.1f s, %d decode graphs captured %.1f s, %d FP8 GEMM shapes x %d "

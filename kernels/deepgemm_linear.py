@@ -50,6 +50,34 @@ def warm_shape(n: int, k: int, pow2: bool, device, m_values) -> None:
         dg.fp8_gemm_nt((xq, xs), (weight, scale), out[:m])
 
 
+def _warm_task(n: int, k: int, pow2: bool, device_index: int, m_values: list[int]) -> None:
+    torch.cuda.set_device(device_index)
+    warm_shape(n, k, pow2, torch.device("cuda", device_index), m_values)
+
+
+def warm_shapes(shapes, m_values, processes: int) -> int:
+    """warm_shape for each (N, K, pow2, device) of `shapes` at every M in m_values, spread over `processes`
+    spawned processes sharing this one's compile cache ($DG_JIT_CACHE_DIR): the compiles are single-threaded
+    nvcc runs, seconds each, and independent. Each shape is split into its small-M and large-M halves, whose
+    configurations differ. processes <= 1 runs them here. -> the number of GEMM calls made."""
+    small = [m for m in m_values if m <= 128]
+    tasks = [(n, k, pow2, device, part) for n, k, pow2, device in shapes
+             for part in (small, [m for m in m_values if m > 128]) if part]
+    if processes <= 1 or len(tasks) <= 1:
+        for n, k, pow2, device, part in tasks:
+            warm_shape(n, k, pow2, device, part)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn: a forked child cannot use CUDA once this process has
+        with ProcessPoolExecutor(min(processes, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as ex:
+            for f in [ex.submit(_warm_task, n, k, pow2, torch.device(device).index or 0, part)
+                      for n, k, pow2, device, part in tasks]:
+                f.result()
+    return sum(len(t[-1]) for t in tasks)
+
+
 def supported(w: Fp8Weight) -> bool:
     """Shapes DeepGEMM's FP8 GEMM takes here: N and K whole 128-blocks (every V4 projection is)."""
     n, k = w.shape

@@ -69,6 +69,27 @@ def report(run_dir: str, timeout_s: float, machine: str | None) -> str:
     return "\n".join(lines)
 
 
+def cache_files(cache: str) -> set[str]:
+    return {os.path.join(d, f) for d, _, files in os.walk(cache) for f in files}
+
+
+def kernel_names(paths) -> str:
+    """'name xN, ...' for the Triton kernels (their metadata .json files) and DeepGEMM kernels among paths."""
+    import collections
+    import json
+
+    names = collections.Counter()
+    for p in paths:
+        if p.endswith(".json") and "__grp__" not in p and "/triton/" in p:
+            try:
+                names[json.load(open(p)).get("name", "?")] += 1
+            except (OSError, ValueError):
+                names["?"] += 1
+        elif "/deep_gemm/" in p:
+            names["DeepGEMM files"] += 1
+    return ", ".join(f"{n} x{c}" for n, c in names.most_common())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--report", default=None, help="write the section from DIR/warm{0,1}.log instead of running")
@@ -116,6 +137,7 @@ def main() -> None:
     core = load_engine(args.model, device="cuda", dtype="bfloat16", max_batch_tokens=args.max_batch_tokens,
                        max_num_seqs=64, max_cached_tokens=65536, warmup=True)
     print(f"load_engine (warm-up {args.warmup}): {time.perf_counter() - t:.1f} s", flush=True)
+    seen = cache_files(cache)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     firsts, worst = [], []
@@ -133,10 +155,16 @@ def main() -> None:
         worst.append(max(steps[1:]))
         print(f"request {i}: prompt {n}, first step {steps[0]:.1f} ms, slowest decode step {worst[-1]:.1f} ms",
               flush=True)
+        now = cache_files(cache)
+        if now - seen:  # what this request compiled (a warm-up that covers serving leaves nothing here)
+            print(f"  compiled during request {i}: {len(now - seen)} files: {kernel_names(now - seen)}", flush=True)
+        seen = now
     compiled = {name: sum(len(files) for _, _, files in os.walk(os.path.join(cache, name)))
                 for name in ("deep_gemm", "triton")}
     print(f"compile caches: {compiled['deep_gemm']} DeepGEMM files, {compiled['triton']} Triton files "
           f"(nvrtc {int(args.nvrtc)})")
+    print("Triton kernels compiled, variants per kernel:", kernel_names(
+        {f for f in cache_files(cache) if f.endswith(".json") and "__grp__" not in f}))
     print(f"warm-up {args.warmup}: first step median {statistics.median(firsts):.1f} ms, max {max(firsts):.1f} ms; "
           f"slowest decode step median {statistics.median(worst):.1f} ms, max {max(worst):.1f} ms")
 

@@ -74,8 +74,10 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
              > "$OUT/warm$tag.log" 2>&1 &
          done
          wait
+         # the nvcc run's caches come back (compressed), to be carried into later calls (gpu_service.sh)
+         tar -C "${COLD_CACHE:-/tmp/dsv4-cc}" -cJf "$OUT/compile_cache.tar.xz" . 2>/dev/null; ls -la "$OUT"
          for tag in ${COLD_VARIANTS:-1 1_nvrtc}; do
-           echo "--- warm$tag"; grep -E "warm-up|load_engine|compile caches|^request" "$OUT/warm$tag.log" | cut -c1-200 | tail -40
+           echo "--- warm$tag"; grep -E "warm-up|load_engine|compile caches|^request|compiled|Triton kernels" "$OUT/warm$tag.log" | cut -c1-600 | tail -60
          done ;;
     flash) timeout ${FLASH_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_flashmla_sparse.py \
              tests/engine/test_gpu_flashmla_engine.py > "$OUT/flash.log" 2>&1 || status=1
