@@ -21,7 +21,7 @@ triton, tl = import_triton()
 _NONE, _IDS, _ROWS = 0, 1, 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W", "LA", "K", "LB", "P"])
 def _rows_kernel(swa_ptr, sv_ptr, ids_ptr, table_ptr, seg_ptr, cv_ptr, oa_ptr, ob_ptr, W, LA, K, LB, P, page_rows,
                  base, stride_st, stride_svt, stride_it, stride_tb, stride_cvt, stride_oa, stride_ob,
                  COMP: tl.constexpr, BLOCK: tl.constexpr):

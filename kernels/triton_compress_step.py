@@ -107,7 +107,7 @@ def _pool(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_ptr, pv, 
     return tl_round_to(acc, BF16, DT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _close_kernel(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_ptr, pv_ptr, w_ptr, cos_ptr, sin_ptr,
                   epos_ptr, rows_ptr, out_ptr, cache_ptr, R, D, W, HALF, eps, hscale, table_rows, block_size,
                   block_stride, stride_sr, stride_kt, stride_gt, stride_ar, stride_pv, stride_on, stride_cr,

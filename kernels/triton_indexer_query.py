@@ -208,7 +208,7 @@ def indexer_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout:
 
 
 # ---- the engine's indexer prologue (unquantised queries) -----------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["E"])
 def _prologue_kernel(q_ptr, cos_ptr, sin_ptr, w_ptr, rows_ptr, valid_ptr, qo_ptr, wo_ptr, ro_ptr, H, DI, WIDTH, HALF, E,
                      scale, stride_qt, stride_qh, stride_ct, stride_st, stride_wt, stride_rt, stride_vt, stride_ot,
                      stride_oh, stride_rot, LD_P: tl.constexpr, H_P: tl.constexpr, HALF_P: tl.constexpr,

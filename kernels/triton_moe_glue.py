@@ -44,7 +44,7 @@ def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_o, l
     tl.store(out_ptr + row * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _swiglu_quant_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, M, N, stride_g, stride_u, stride_q, stride_sm, stride_sk,
                          limit, POW2: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_K: tl.constexpr):
@@ -81,7 +81,7 @@ def _combine_kernel(y_ptr, shared_ptr, out_ptr, K, H, stride_yt, stride_yk, stri
     tl.store(out_ptr + t * stride_ot + cols, out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _sort_pairs_kernel(ids_ptr, w_ptr, order_ptr, rows_ptr, counts_ptr, gammas_ptr, P, K, E,
                        P_BLOCK: tl.constexpr, E_BINS: tl.constexpr):
     p = tl.arange(0, P_BLOCK)
@@ -123,7 +123,10 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
     rows = torch.empty(p, dtype=torch.int32, device=dev)
     gammas = torch.empty(p, dtype=torch.float32, device=dev)
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    p_block = max(16, triton.next_power_of_2(p))
+    # From T's power-of-two bucket, not P: then the warm-up's ladder of T = 1, 2, 4, ... meets every block size a
+    # step can (engine.warmup), and P itself is not specialised on
+    bucket = triton.next_power_of_2(t) * k
+    p_block = min(triton.next_power_of_2(MAX_SORT_PAIRS), max(16, triton.next_power_of_2(bucket)))
     bins = triton.next_power_of_2(num_experts + 1)
     extra = {"num_warps": 8} if ids.is_cuda else {}
     _sort_pairs_kernel[(1,)](ids.contiguous(), weights.contiguous(), order, rows, counts, gammas, p, k, num_experts,

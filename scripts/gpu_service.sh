@@ -30,6 +30,10 @@ if [ "$DEVICE" = cuda ]; then
   # One compile cache for the warm stage and the workers (gpu_issue11.sh coldstart fills the same one first)
   export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/dsv4-cc/deep_gemm}
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/dsv4-cc/triton}
+  # a cache an earlier call brought back (gpu_issue11.sh coldstart's $OUT/compile_cache.tar.xz), carried as .cc/
+  if [ -f .cc/compile_cache.tar.xz ] && [ ! -d /tmp/dsv4-cc ]; then
+    mkdir -p /tmp/dsv4-cc && tar -C /tmp/dsv4-cc -xJf .cc/compile_cache.tar.xz && echo "compile cache from .cc/ unpacked"
+  fi
   ENGINE=(--device cuda --dtype bfloat16 --max-cached-tokens ${KV_TOKENS:-65536})
   SHARE=(--worker-num-gpus 0.5)
   SERVE=(--num-requests ${REQUESTS:-64} --concurrency ${CONCURRENCY:-8} --min-prompt 256 --max-prompt 2048
