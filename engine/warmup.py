@@ -10,7 +10,10 @@ each. Served without a warm-up, the first requests of new lengths stall on it: t
 service with bf16 weights gave 147 ms (BENCHMARKS.md, "Disaggregated service on one GPU"). vLLM compiles its
 DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a warm-up request at start. Here:
 1. a ladder of requests through the engine itself, one at a time so each prefill step has exactly its prompt's
-   tokens: 1, 2, 4, ... up to max_batch_tokens (and the model's length). Each runs its prefill, one decode step
+   tokens (no chunk ends at a prefix-cache snapshot point here): 1, 2, 4, ... up to max_batch_tokens (and the
+   model's length). The Triton kernels of a prefill step depend on its token count only through its
+   power-of-two bucket (their count arguments are not specialised), so these steps compile every variant a
+   serving step of up to max_batch_tokens tokens can need. Each runs its prefill, one decode step
    (under CUDA graphs: the batch-1 graphs of those contexts are captured now; an engine that only prefills, a
    prefill worker's, stops at the first token as its requests do) and sampling; every page returns and the
    prefix cache forgets the prompts;
@@ -119,17 +122,28 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
     lengths = [n for n in lengths if engine._fits_empty_pool(n + 2)]
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
-    for n in lengths:
-        tn = time.perf_counter()
-        prompt = torch.randint(2, engine.cfg.vocab_size, (n,), generator=g).tolist()
-        rid = engine.add_request(prompt, params, request_id=f"warmup-{n}", prefill_only=not decodes)
-        while engine.has_work:
-            engine.step()
-        if decodes:
-            engine.pop_finished(rid)
-        else:
-            engine.release(rid)  # the held caches, as the decode side's confirmation frees them
-        logger.info("warm-up prompt of %d tokens: %.1f s", n, time.perf_counter() - tn)
+    # Each prompt runs as one step of exactly its length: the scheduler would otherwise end chunks at the prefix
+    # cache's snapshot points (block boundaries), and a prompt of 512 would run as 256 + 256, leaving the step
+    # sizes of 257..512 tokens to compile mid-request (seen on the H200). Blocks are still registered and
+    # snapshots taken as the steps run; the cache is emptied after.
+    scheduler_prefix, engine.scheduler.prefix = engine.scheduler.prefix, None
+    try:
+        for n in lengths:
+            tn = time.perf_counter()
+            prompt = torch.randint(2, engine.cfg.vocab_size, (n,), generator=g).tolist()
+            rid = engine.add_request(prompt, params, request_id=f"warmup-{n}", prefill_only=not decodes)
+            request = engine.requests[rid]
+            while engine.has_work:
+                engine.step()
+            if decodes:
+                engine.pop_finished(rid)
+            else:
+                engine.release(rid)  # the held caches, as the decode side's confirmation frees them
+            if engine.prefix is not None:
+                engine.prefix.forget(request)  # (the scheduler, which forgets finished requests, had no cache)
+            logger.info("warm-up prompt of %d tokens: %.1f s", n, time.perf_counter() - tn)
+    finally:
+        engine.scheduler.prefix = scheduler_prefix
     if engine.prefix is not None:
         engine.prefix.clear()  # (the prompts are random: nothing to share)
     t1 = time.perf_counter()

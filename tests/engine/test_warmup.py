@@ -72,6 +72,31 @@ def test_warmup_leaves_the_engine_idle_and_exact(weights, monkeypatch):
         warmup_enabled(warm)
 
 
+def test_ladder_steps_have_exactly_the_prompt_lengths(weights):
+    """Each ladder prompt runs as one prefill step of its own length, though the prefix cache would end chunks at
+    its block boundaries (the 300-token prompt as 256 + 44 here): the step sizes are what the warm-up compiles for.
+    The scheduler's prefix cache is back afterwards."""
+    eng = _engine(weights)
+    assert eng.prefix.block < 300, "the test needs a ladder prompt longer than one prefix block"
+    schedule, steps = eng.scheduler.schedule, []
+
+    def spy():
+        chunks = schedule()
+        steps.append(sum(c.num_tokens for c in chunks if c.request.in_prefill))
+        return chunks
+
+    eng.scheduler.schedule = spy
+    report = warm_engine(eng)
+    assert [n for n in steps if n > 0] == list(report.prompts)
+    assert eng.scheduler.prefix is eng.prefix
+    # served requests are still cut at the cache's points
+    eng.add_request(list(range(2, 302)), SamplingParams(max_new_tokens=1))
+    steps.clear()
+    while eng.has_work:
+        eng.step()
+    assert steps[0] < 300 and steps[0] % eng.prefix.block == 0
+
+
 def test_prefill_only_warmup_holds_and_releases(weights):
     """A prefill worker's engine (decodes=False): the ladder's requests stop at their first token and are held as
     the worker's are, then released: nothing is left held, every page is back."""
