@@ -1,13 +1,13 @@
 """GPU check of engine.warmup: per-request times of a cold engine against a warmed one, each in a fresh process
-with empty DeepGEMM and Triton caches (so every compile shows).
+with empty DeepGEMM and Triton caches (so every compile shows), or with the caches an earlier run filled.
 
-    python3 scripts/check_gpu_warmup.py --model DIR [--requests 12] [--warmup 0|1] > warmW.log
+    python3 scripts/check_gpu_warmup.py --model DIR [--requests 12] [--warmup 0|1] [--cache-dir D] > warmW.log
     python3 scripts/check_gpu_warmup.py --report DIR --timeout-s S [--write]
 
 Prints one line per request: prompt length, prefill step ms (its first step, the time to first token without
-queueing), the slowest decode step ms; then the medians and maxima. Run once with --warmup 0 and once with 1
-(each under `timeout S`, output in DIR/warm0.log and DIR/warm1.log); --report turns the two logs into the
-BENCHMARKS.md section gpu_cold_start.
+queueing), the slowest later step ms (a decode step, or the rest of a prompt the prefix cache cut), and what the
+request compiled; then the medians and maxima. --report turns DIR/warm{0,1,1_nvrtc,1_hot}.log (warm-up off, on,
+on with NVRTC, on with the caches of an earlier run) into the BENCHMARKS.md section gpu_cold_start.
 """
 
 from __future__ import annotations
@@ -23,32 +23,39 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-REQUEST = re.compile(r"^request (\d+): prompt (\d+), first step ([\d.]+) ms, slowest decode step ([\d.]+) ms$", re.M)
+REQUEST = re.compile(r"^request (\d+): prompt (\d+), first step ([\d.]+) ms, "
+                     r"slowest (?:decode|later) step ([\d.]+) ms$", re.M)
 LOADED = re.compile(r"^load_engine \(warm-up (\d)\): ([\d.]+) s$", re.M)
 MACHINE = re.compile(r"^machine: (.*)$", re.M)
 PHASES = re.compile(r"warm-up: \d+ prompts \([\d,]+ tokens\) ([\d.]+) s, (\d+) decode graphs captured ([\d.]+) s, "
                     r"(\d+) FP8 GEMM shapes x \d+ M values ([\d.]+) s")
 COMPILED = re.compile(r"^compile caches: (\d+) DeepGEMM files, (\d+) Triton files", re.M)
+COMPILED_IN_REQUEST = re.compile(r"^  compiled during request \d+: (.*)$", re.M)
+ERROR = re.compile(r"^(\w*Error: .*)$", re.M)
+# DIR/warm{W}.log: W -> what the run was
+VARIANTS = {"0": "off, empty caches", "1": "on, empty caches (DeepGEMM via nvcc)",
+            "1_nvrtc": "on, empty caches (DeepGEMM via NVRTC)", "1_hot": "on, caches of an earlier run"}
 
 
-def report(run_dir: str, timeout_s: float, machine: str | None) -> str:
-    """The section from DIR/warm0.log and DIR/warm1.log (what each process printed before it ended)."""
-    logs = {w: open(p).read() for w in ("0", "1", "1_nvrtc")
-            if os.path.exists(p := os.path.join(run_dir, f"warm{w}.log"))}
+def report(run_dir: str, timeout_s: float, machine: str | None, extra_notes=()) -> str:
+    """The section from DIR/warm{0,1,1_nvrtc,1_hot}.log (what each process printed before it ended)."""
+    logs = {w: open(p).read() for w in VARIANTS if os.path.exists(p := os.path.join(run_dir, f"warm{w}.log"))}
     if machine is None:
         seen = [m.group(1) for t in logs.values() if (m := MACHINE.search(t))]
         machine = seen[0] if seen else "not recorded"
     lines = ["## Cold start on a GPU: per-request stalls without and with the engine warm-up", "",
-             "- command: `timeout S python3 scripts/check_gpu_warmup.py --model /tmp/mini --warmup W [--nvrtc]` "
-             "(`scripts/gpu_issue11.sh coldstart`; each a fresh process with empty DeepGEMM and Triton caches), then "
-             "`python3 scripts/check_gpu_warmup.py "
-             f"--report DIR --timeout-s {timeout_s:.0f} --write`",
+             "- command: `timeout S python3 scripts/check_gpu_warmup.py --model /tmp/mini --warmup W [--nvrtc] "
+             "[--cache-dir D]` (`scripts/gpu_issue11.sh coldstart`: a fresh process each, on empty DeepGEMM and "
+             "Triton caches unless a run names the caches an earlier run filled), then `python3 "
+             f"scripts/check_gpu_warmup.py --report DIR --timeout-s {timeout_s:.0f} --write`",
              "- model: `dsv4 make-model --preset mini_v4 --quantize` (4 layers, V4 attention geometry, FP8 dense / "
-             "MXFP4 experts), bf16 engine, CUDA graphs, max_batch_tokens 4096; requests one at a time, prompts "
-             "256-2048 tokens, 16 new tokens", f"- machine: {machine}", "",
-             "| warm-up | engine ready after | its phases: ladder / graphs / GEMM sweep | requests done | "
-             "first step ms: median / max | slowest decode step ms: median / max | compiled files: DeepGEMM / "
-             "Triton |", "|---|---:|---|---:|---:|---:|---:|"]
+             "MXFP4 experts), bf16 engine, CUDA graphs, max_batch_tokens 4096, 64 sequences; requests one at a time, "
+             "prompts 256-2048 tokens, 16 new tokens. A later step is a decode step or the rest of a prompt the "
+             "prefix cache cut at a block boundary", f"- machine: {machine}", "",
+             "| warm-up | run | engine ready after | its phases: ladder / graphs / GEMM sweep | requests done | "
+             "requests that compiled | first step ms: median / max | slowest later step ms: median / max | "
+             "compiled files: DeepGEMM / Triton |", "|---|---|---:|---|---:|---|---:|---:|---:|"]
+    notes = []
     for w, text in logs.items():
         loaded = LOADED.search(text)
         reqs = REQUEST.findall(text)
@@ -59,14 +66,27 @@ def report(run_dir: str, timeout_s: float, machine: str | None) -> str:
                      f"{statistics.median(worst):.0f} / {max(worst):.0f}")
         else:
             cells = ("-", "-")
-        name = {"0": "off", "1": "on (DeepGEMM via nvcc)", "1_nvrtc": "on (DeepGEMM via NVRTC)"}[w]
         ph = PHASES.search(text)
         phases = (f"{ph.group(1)} s / {ph.group(2)} in {ph.group(3)} s / {ph.group(4)} shapes in {ph.group(5)} s"
                   if ph else "-")
         comp = COMPILED.search(text)
         files = f"{comp.group(1)} / {comp.group(2)}" if comp else "-"
-        lines.append(f"| {name} | {ready} | {phases} | {len(reqs)} | {cells[0]} | {cells[1]} | {files} |")
-    return "\n".join(lines)
+        compiled = COMPILED_IN_REQUEST.findall(text)
+        names = (n.split(" x")[0].strip("_").removesuffix("_kernel")
+                 for c in compiled for n in c.split(": ", 1)[-1].split(", "))
+        kernels = dict.fromkeys("matmul_ogs" if n.startswith("matmul_") else n for n in names)  # (one per tile shape)
+        which = f"{len(compiled)} ({', '.join(kernels)})" if compiled else "0"
+        if not reqs:
+            which = "-"
+        elif not compiled and "Triton kernels compiled" not in text:
+            which = "not recorded"  # (a log from before the per-request record)
+        if not loaded and (err := ERROR.findall(text)):
+            notes.append(f"- {VARIANTS[w]}: the process ended with `{err[-1][:200]}`")
+        run = m.group(1).rsplit("; ", 1)[-1] if (m := MACHINE.search(text)) and "; " in m.group(1) else "-"
+        lines.append(f"| {VARIANTS[w]} | {run} | {ready} | {phases} | {len(reqs)} | {which} | {cells[0]} | "
+                     f"{cells[1]} | {files} |")
+    notes += [f"- {n}" for n in extra_notes]
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def cache_files(cache: str) -> set[str]:
@@ -96,6 +116,7 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=0.0, help="the timeout each logged process ran under")
     ap.add_argument("--machine", default=None, help="machine and date line (default: the one the logs print)")
     ap.add_argument("--write", action="store_true", help="put the report into BENCHMARKS.md")
+    ap.add_argument("--note", action="append", default=[], help="a line to add under the table (repeatable)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--warmup", default="1", choices=["0", "1"])
@@ -105,7 +126,7 @@ def main() -> None:
     ap.add_argument("--nvrtc", action="store_true", help="DeepGEMM compiles with NVRTC (DG_JIT_USE_NVRTC=1), not nvcc")
     args = ap.parse_args()
     if args.report:
-        section = report(args.report, args.timeout_s, args.machine)
+        section = report(args.report, args.timeout_s, args.machine, args.note)
         print(section)
         if args.write:
             from service.benchmarks_md import write_section
@@ -153,7 +174,7 @@ def main() -> None:
         core.pop_finished(rid)
         firsts.append(steps[0])
         worst.append(max(steps[1:]))
-        print(f"request {i}: prompt {n}, first step {steps[0]:.1f} ms, slowest decode step {worst[-1]:.1f} ms",
+        print(f"request {i}: prompt {n}, first step {steps[0]:.1f} ms, slowest later step {worst[-1]:.1f} ms",
               flush=True)
         now = cache_files(cache)
         if now - seen:  # what this request compiled (a warm-up that covers serving leaves nothing here)
@@ -166,7 +187,7 @@ def main() -> None:
     print("Triton kernels compiled, variants per kernel:", kernel_names(
         {f for f in cache_files(cache) if f.endswith(".json") and "__grp__" not in f}))
     print(f"warm-up {args.warmup}: first step median {statistics.median(firsts):.1f} ms, max {max(firsts):.1f} ms; "
-          f"slowest decode step median {statistics.median(worst):.1f} ms, max {max(worst):.1f} ms")
+          f"slowest later step median {statistics.median(worst):.1f} ms, max {max(worst):.1f} ms")
 
 
 if __name__ == "__main__":

@@ -40,18 +40,25 @@ def test_decode_ab_table(tmp_path):
 
 def test_cold_start_table(tmp_path):
     (tmp_path / "warm0.log").write_text(
-        "machine: NVIDIA H200, torch 2.11\nload_engine (warm-up 0): 0.9 s\n"
+        "machine: NVIDIA H200, torch 2.11; 2026-12-02 02:30 UTC\nload_engine (warm-up 0): 0.9 s\n"
         "request 0: prompt 267, first step 46011.6 ms, slowest decode step 28980.5 ms\n"
         "request 1: prompt 697, first step 12644.4 ms, slowest decode step 9169.7 ms\n")
     (tmp_path / "warm1.log").write_text("machine: NVIDIA H200, torch 2.11\n")  # ended inside the warm-up
     (tmp_path / "warm1_nvrtc.log").write_text(
+        "machine: NVIDIA H200, torch 2.11\nTraceback (most recent call last):\n"
+        "RuntimeError: CUDA driver error (handle.hpp:141): 200 (CUDA_ERROR_INVALID_IMAGE)\n")
+    (tmp_path / "warm1_hot.log").write_text(
         "engine.warmup: warm-up: 13 prompts (1,2,4096 tokens) 12.5 s, 85 decode graphs captured 3.1 s, 9 FP8 GEMM "
         "shapes x 156 M values 40.2 s\nload_engine (warm-up 1): 60.2 s\n"
-        "request 0: prompt 300, first step 20.0 ms, slowest decode step 3.0 ms\n"
-        "compile caches: 120 DeepGEMM files, 300 Triton files (nvrtc 1)\n")
+        "request 0: prompt 300, first step 20.0 ms, slowest later step 3.0 ms\n"
+        "request 1: prompt 697, first step 4257.7 ms, slowest later step 81.2 ms\n"
+        "  compiled during request 1: 8 files: _sort_pairs_kernel x1\n"
+        "compile caches: 120 DeepGEMM files, 300 Triton files (nvrtc 0)\n")
     text = _run("check_gpu_warmup.py", "--report", str(tmp_path), "--timeout-s", "190")
-    assert "| off | 0.9 s | - | 2 | 29328 / 46012 | 19075 / 28980 | - |" in text
-    assert "| on (DeepGEMM via nvcc) | not within 190 s | - | 0 | - | - | - |" in text
-    assert "| on (DeepGEMM via NVRTC) | 60.2 s | 12.5 s / 85 in 3.1 s / 9 shapes in 40.2 s | 1 | 20 / 20 | 3 / 3 | " \
-           "120 / 300 |" in text
+    assert "| off, empty caches | 2026-12-02 02:30 UTC | 0.9 s | - | 2 | not recorded | 29328 / 46012 | 19075 / 28980 | - |" in text
+    assert "| on, empty caches (DeepGEMM via nvcc) | - | not within 190 s | - | 0 | - | - | - | - |" in text
+    assert "| on, empty caches (DeepGEMM via NVRTC) | - | not within 190 s |" in text
+    assert "- on, empty caches (DeepGEMM via NVRTC): the process ended with `RuntimeError: CUDA driver error" in text
+    assert "| on, caches of an earlier run | - | 60.2 s | 12.5 s / 85 in 3.1 s / 9 shapes in 40.2 s | 2 | " \
+           "1 (sort_pairs) | 2139 / 4258 | 42 / 81 | 120 / 300 |" in text
     assert "- machine: NVIDIA H200, torch 2.11" in text
