@@ -25,7 +25,9 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
    max_batch_tokens (the heuristic sees a larger M through its number of M-blocks, whose sizes are multiples of
    64, and through thresholds on block edges). The compiles are spread over spawned processes
    ($DSV4_WARMUP_PROCS, default half the CPUs up to 8): run one after another they took minutes (4-49 s a shape
-   on the H200 of 2026-12-02, for a 4-layer model).
+   on the H200 of 2026-12-02, for a 4-layer model). Each process holds a CUDA context (~0.5 GB) and M x K
+   activations until the sweep ends, from the memory the KV pool left free (1 - --gpu-memory-utilization);
+   DSV4_WARMUP_PROCS=1 sweeps in this process where that is tight.
 Not done: tensor-parallel ranks (the request would need the followers' step loop, which starts after loading);
 FP8 routed experts' grouped GEMMs (MXFP4 is the resident expert format).
 
