@@ -33,7 +33,10 @@ class DecodeWorker(WorkerBase):
         self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id,
                                          **network_options(transfer, bind_host, cluster_token)))
         self.peers: dict[str, bytes] = {}
-        self.transfer_totals = {"bytes": 0, "seconds": 0.0, "count": 0, "failures": 0}
+        # seconds: each pull's whole time here (thread hand-off included); pull_seconds: inside the backend's pull;
+        # wire_seconds: its data movement alone (kv_transfer.TransferStats)
+        self.transfer_totals = {"bytes": 0, "seconds": 0.0, "pull_seconds": 0.0, "wire_seconds": 0.0, "count": 0,
+                                "failures": 0}
 
     def add_peer(self, name: str, metadata: bytes) -> None:
         """Learn (or re-learn, after a restart) a prefill worker's transfer metadata."""
@@ -76,6 +79,8 @@ class DecodeWorker(WorkerBase):
         totals = self.transfer_totals
         totals["bytes"], totals["seconds"], totals["count"] = (totals["bytes"] + stats.bytes,
                                                               totals["seconds"] + seconds, totals["count"] + 1)
+        totals["pull_seconds"] += stats.seconds
+        totals["wire_seconds"] += stats.wire_seconds
         yield Transferred(rid, stats.bytes, seconds)
 
         sink = AsyncSink(asyncio.get_running_loop())

@@ -48,7 +48,8 @@ class TransferTimeout(TransferError):
 class TransferStats:
     bytes: int
     descriptors: int
-    seconds: float
+    seconds: float  # the whole pull in the calling thread: plan, data movement, scatter, confirmation
+    wire_seconds: float = 0.0  # the data movement alone (NIXL: each READ from post to DONE; TCP: the socket reads)
 
 
 ReleaseCallback = Callable[[str, "str | None"], None]  # (request_id, error or None on success)
@@ -92,6 +93,7 @@ class TransferBackend(ABC):
         self._exports: dict[str, _Export] = {}
         self._lock = threading.Lock()  # _exports is read by server threads (tcp)
         self._peer_specs: dict[str, list[CacheGroupSpec]] = {}
+        self._wire = threading.local()  # the data movement's seconds of the pull running in this thread
         for g in pool.groups.values():
             if not g.tensor.is_contiguous():
                 raise ValueError(f"cache group {g.spec.name!r} tensor is not contiguous")
@@ -212,6 +214,7 @@ class TransferBackend(ABC):
         (destination pages then hold garbage: free them). Confirms to the source on success and on failure."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
+        self._wire.seconds = 0.0
         try:
             plan = self.plan_for(ticket, dst_pages)
             descriptors = self._read(ticket, plan, deadline)
@@ -223,7 +226,11 @@ class TransferBackend(ABC):
             self._notify(ticket, str(err))
             raise err from e
         return TransferStats(plan.total_bytes, plan.num_descriptors if descriptors is None else descriptors,
-                             time.monotonic() - t0)
+                             time.monotonic() - t0, self._wire.seconds)
+
+    def _on_wire(self, seconds: float) -> None:
+        """A backend's `_read` reports the time its data spent moving (TransferStats.wire_seconds)."""
+        self._wire.seconds = getattr(self._wire, "seconds", 0.0) + seconds
 
     def receive(self, ticket: TransferTicket, timeout_s: float = 30.0) -> tuple[dict[str, list[int]], TransferStats]:
         """Allocate destination pages for the ticket, pull into them, free them again if the pull fails."""

@@ -293,6 +293,7 @@ class NixlBackend(TransferBackend):
     def _xfer(self, ticket: TransferTicket, local: np.ndarray, remote: np.ndarray, done: bytes, deadline: float,
               what: str, nbytes: int) -> None:
         """Post one READ (local <- remote, Nx3 descriptor arrays) carrying `done`, and drive it to the end."""
+        t0 = time.monotonic()
         handle = self.agent.initialize_xfer(
             "READ", self.agent.get_xfer_descs(local, self.mem_type),
             self.agent.get_xfer_descs(remote, self._peers[ticket.source]["mem"]), ticket.source, done)
@@ -310,6 +311,7 @@ class NixlBackend(TransferBackend):
                 state = self.agent.check_xfer_state(handle)
             if error is None and state != "DONE":
                 error = TransferError(f"{what}: NIXL reported {state}")
+            self._on_wire(time.monotonic() - t0)
         except TransferError:
             raise
         except Exception as e:  # nixlRemoteDisconnectError & co: the source worker is gone

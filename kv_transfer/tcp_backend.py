@@ -26,6 +26,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 
 import torch
 
@@ -201,6 +202,7 @@ class TcpBackend(TransferBackend):
                 reply = _recv_frame(sock, deadline, what)
                 if not reply.get("ok"):
                     raise TransferError(f"{what}: source refused: {reply.get('error')}")
+                t0 = time.monotonic()
                 for name, r in ranges:
                     if name in self._np:  # straight into the pool tensor
                         _recv_exact(sock, memoryview(self._np[name])[r.dst_offset:r.dst_offset + r.length],
@@ -209,6 +211,7 @@ class TcpBackend(TransferBackend):
                         buf = bytearray(r.length)
                         _recv_exact(sock, memoryview(buf), deadline, what)
                         self._bytes[name][r.dst_offset:r.dst_offset + r.length].copy_(torch.frombuffer(buf, dtype=torch.uint8))
+                self._on_wire(time.monotonic() - t0)
                 sock.settimeout(check_deadline(deadline, what))
                 _send_frame(sock, {"op": "done"})
             except socket.timeout:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -198,6 +199,11 @@ def _gap_lines(serve: dict, raw: dict | None) -> list[str]:
                        f"({d['kv_gb_per_s'] / near['gb_per_s_median']:.1%} of it; a staged pull is one descriptor, "
                        f"the stats here do not record which pulls were staged) and {best:.1f} GB/s at its best "
                        f"size here.")
+            if not math.isnan(d.get("kv_wire_gb_per_s", math.nan)):  # where a pull's time goes (older runs: none)
+                out.append(f"- The pull's time split: {d['kv_pull_gb_per_s']:.2f} GB/s over the backend's pull "
+                           f"(the rest of the whole time is the hand-off to the pulling thread), "
+                           f"{d['kv_wire_gb_per_s']:.2f} GB/s over its READs alone (the rest of the pull is the "
+                           f"plan, the scatter into the pages and the confirmation).")
     for t in serve.get("tokens", []):
         out.append(f"- Tokens: {t['topology']} gave the colocated engine's greedy tokens for {t['identical']} of "
                    f"{t['requests']} prompts sent one at a time ({serve['max_new_tokens']} tokens each)"

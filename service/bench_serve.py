@@ -74,14 +74,18 @@ async def drive(addr: str, prompts: list[list[int]], params: SamplingParams, con
 
 def summarize(name: str, timings: list[RequestTiming], wall: float, transfer: dict | None) -> dict:
     itls = [x for t in timings for x in t.itls]
-    gbps = (transfer["bytes"] / transfer["seconds"] / 1e9) if transfer and transfer["seconds"] else float("nan")
+    def rate(key: str) -> float:  # GB/s over one of the decode workers' time totals (DecodeWorker.transfer_totals)
+        return transfer["bytes"] / transfer[key] / 1e9 if transfer and transfer.get(key) else float("nan")
+
+    gbps = rate("seconds")
     return {"topology": name, "requests": len(timings),
             "ttft_p50_ms": 1e3 * pct([t.ttft for t in timings], 0.5),
             "ttft_p99_ms": 1e3 * pct([t.ttft for t in timings], 0.99),
             "itl_p50_ms": 1e3 * pct(itls, 0.5), "itl_p99_ms": 1e3 * pct(itls, 0.99),
             "req_per_s": len(timings) / wall, "tok_per_s": sum(t.tokens for t in timings) / wall,
             "kv_gb_per_s": gbps, "kv_mb": (transfer or {}).get("bytes", 0) / 1e6,
-            "kv_transfers": (transfer or {}).get("count", 0)}
+            "kv_transfers": (transfer or {}).get("count", 0),
+            "kv_pull_gb_per_s": rate("pull_seconds"), "kv_wire_gb_per_s": rate("wire_seconds")}
 
 
 def tokens_by_prompt(timings: list[RequestTiming]) -> list[tuple]:
@@ -110,7 +114,8 @@ def run_ray_topology(cfg_kwargs: dict, prompts, params, concurrency, check_promp
         base = ray.get([d.transfer_summary.remote() for d in handles["decode"].values()])
         timings, wall = asyncio.run(drive(handles["router_addr"], prompts, params, concurrency, handles["token"]))
         after = ray.get([d.transfer_summary.remote() for d in handles["decode"].values()])
-        transfer = {k: sum(a[k] - b[k] for a, b in zip(after, base)) for k in ("bytes", "seconds", "count")}
+        transfer = {k: sum(a[k] - b[k] for a, b in zip(after, base))
+                    for k in ("bytes", "seconds", "pull_seconds", "wire_seconds", "count")}
         checked = tokens_by_prompt(asyncio.run(drive(handles["router_addr"], list(check_prompts), params, 1,
                                                      handles["token"]))[0]) if check_prompts else []
     finally:

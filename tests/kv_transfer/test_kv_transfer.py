@@ -177,6 +177,7 @@ def test_pull_moves_every_group_byte_for_byte(kind):
         # NIXL stages by default (kv_transfer.staging): the whole request is one descriptor
         assert plan.num_descriptors > 1
         assert stats.descriptors == (1 if kind == "nixl" else plan.num_descriptors)
+        assert 0 < stats.wire_seconds <= stats.seconds, "the data movement's time is measured inside the pull's"
         assert_moved(src_pool, dst_pool, ticket.page_table(), dtab, before)
         assert wait_poll(src) == [("req-1", None)] and released == [("req-1", None)]
         assert src.exported() == []

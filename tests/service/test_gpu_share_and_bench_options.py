@@ -66,7 +66,8 @@ def test_gpu_service_report_from_stage_json(tmp_path):
     row = {"requests": 64, "ttft_p50_ms": 40.0, "ttft_p99_ms": 90.0, "itl_p50_ms": 8.0, "itl_p99_ms": 20.0,
            "req_per_s": 10.0, "tok_per_s": 640.0}
     (tmp_path / "serve.json").write_text(json.dumps({
-        "rows": [{**row, "topology": "1P1D (nixl)", "kv_gb_per_s": 2.0, "kv_mb": 64.0, "kv_transfers": 64},
+        "rows": [{**row, "topology": "1P1D (nixl)", "kv_gb_per_s": 2.0, "kv_mb": 64.0, "kv_transfers": 64,
+                  "kv_pull_gb_per_s": 4.0, "kv_wire_gb_per_s": 16.0},
                  {**row, "topology": "colocated 1 engine", "ttft_p50_ms": 32.0, "kv_gb_per_s": float("nan"),
                   "kv_mb": 0.0, "kv_transfers": 0}],
         "tokens": [{"topology": "1P1D", "requests": 8, "identical": 8, "first_difference": None}],
@@ -84,4 +85,5 @@ def test_gpu_service_report_from_stage_json(tmp_path):
     assert text.startswith("## Disaggregated service on one GPU")
     # a staged pull is one descriptor: compared with the 1-descriptor raw row of that size, not the 256 one
     assert "TTFT p50 1.25x" in text and "in 1 descriptor(s) (10.0% of it;" in text and "8 of 8 prompts" in text
+    assert "4.00 GB/s over the backend's pull" in text and "16.00 GB/s over its READs alone" in text
     assert "share GPU 0" in text and "cuda_ipc" in text and "kill stage did not complete" in text  # no fault.json
