@@ -10,12 +10,18 @@ per group), the destination READs that range whole into its own staging range an
 on free; a lock makes it safe from the worker threads the backend is called on. `StagingBuffer` owns the tensor
 and the arena and does the copies; on CUDA it waits for its own copies before returning (the source's bytes
 must be in place before the ticket leaves; the destination's range is reused once freed).
+Streams: the gather runs on the caller's stream (the source engine's thread, after the step that wrote the pages).
+The scatter runs on a stream of its own, created non-blocking: on the engine's stream its host-to-device index
+copy (pageable memory: CUDA syncs the stream first) and its wait would sit behind every step the decode engine
+has queued, though nothing queued touches the pages being filled (they were just reserved, and the engine uses
+them only after the pull returns).
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
+from contextlib import nullcontext
 
 import torch
 
@@ -113,6 +119,7 @@ class StagingBuffer:
             raise ValueError(f"staging_bytes {nbytes!r} is below one alignment unit ({self.arena.align} bytes)")
         self.tensor = torch.empty(self.arena.capacity, dtype=torch.uint8, device=device)
         self.device = device
+        self._scatter_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # (module docstring)
         # [layers, num_pages, page_bytes] views of every group tensor, made once
         self._pages = {n: g.tensor.view(-1).view(torch.uint8).view(len(g.spec.layers), g.spec.num_pages, -1)
                        for n, g in pool.groups.items()}
@@ -139,10 +146,11 @@ class StagingBuffer:
 
     def scatter(self, offset: int, layout: StagedLayout) -> None:
         """Destination side: copy [offset, offset + layout.nbytes) into the layout's dst pages of every group."""
-        for pages, staged, idx in self._views(offset, layout, side=1):
-            pages.index_copy_(1, idx, staged)
-        self._wait()
+        with torch.cuda.stream(self._scatter_stream) if self._scatter_stream is not None else nullcontext():
+            for pages, staged, idx in self._views(offset, layout, side=1):
+                pages.index_copy_(1, idx, staged)
+            self._wait()
 
     def _wait(self) -> None:
-        if self.device.type == "cuda":  # only this thread's stream: the copies above, nothing of other threads
+        if self.device.type == "cuda":  # only the copies' stream (this thread's current one)
             torch.cuda.current_stream(self.device).synchronize()

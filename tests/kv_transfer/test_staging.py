@@ -334,3 +334,35 @@ def test_bad_staging_bytes_fail_with_the_value(value, monkeypatch):
     monkeypatch.setenv("DSV4_NIXL_STAGING_BYTES", str(value))
     with pytest.raises(ValueError, match="staging_bytes"):
         make_backend("nixl", pool)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: the scatter's own CUDA stream")
+def test_scatter_does_not_wait_for_work_queued_on_the_engine_stream():
+    """The decode side's scatter runs on a stream of its own: a busy default stream (a decode engine's queued
+    steps) does not hold it up, and the pages get the staged bytes (read back by a gather)."""
+    import time
+
+    from engine.cache import CachePool
+    from kv_transfer.staging import StagingBuffer
+    from tests.kv_transfer.test_kv_transfer import CFG
+
+    pool = CachePool(CFG, DST_CACHE, torch.bfloat16, "cuda")
+    specs = [g.spec for g in pool.groups.values()]
+    table = dst_tables(pool, 1)[0]
+    layout = staged_layout(build_plan(specs, table, table, NUM_TOKENS), specs)
+    buf = StagingBuffer(pool, 2 * layout.nbytes + 2 * STAGING_ALIGN)
+    src, back = buf.arena.alloc(layout.nbytes), buf.arena.alloc(layout.nbytes)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    buf.tensor[src:src + layout.nbytes].copy_(torch.randint(0, 256, (layout.nbytes,), generator=g, device="cuda",
+                                                            dtype=torch.uint8))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(3e9))  # ~1.5 s of work queued on the default stream
+    t = time.perf_counter()
+    buf.scatter(src, layout)
+    took = time.perf_counter() - t
+    torch.cuda.synchronize()
+    assert took < 0.5, f"the scatter waited {took:.2f} s: it queued behind the default stream's work"
+    buf.gather(back, layout)
+    for grp in layout.groups:
+        a, b = src + grp.offset, back + grp.offset
+        assert torch.equal(buf.tensor[a:a + grp.nbytes], buf.tensor[b:b + grp.nbytes]), grp.name
