@@ -42,7 +42,7 @@ def _block_rows(rows_ptr, tq, tmask, cand, hi, stride_rt):
                    other=-1).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["num_blocks", "S", "chunk"])
+@triton.jit(do_not_specialize=["num_blocks", "S"])  # (chunk: a multiple of BLOCK_N, kept specialised)
 def _prefill_scores_kernel(q_ptr, k_ptr, rows_ptr, w_ptr, out_ptr, blocks_ptr, num_blocks, HI, DI, S, chunk, scale,
                            block_size, stride_qt, stride_qh, stride_kr, stride_rt, stride_wt, stride_ot,
                            HI_P: tl.constexpr, DI_P: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
