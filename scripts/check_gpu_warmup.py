@@ -180,12 +180,11 @@ def main() -> None:
         if now - seen:  # what this request compiled (a warm-up that covers serving leaves nothing here)
             print(f"  compiled during request {i}: {len(now - seen)} files: {kernel_names(now - seen)}", flush=True)
         seen = now
-    compiled = {name: sum(len(files) for _, _, files in os.walk(os.path.join(cache, name)))
-                for name in ("deep_gemm", "triton")}
+    # (`seen` is the caches' file list after the last request)
+    compiled = {name: sum(f"/{name}/" in f for f in seen) for name in ("deep_gemm", "triton")}
     print(f"compile caches: {compiled['deep_gemm']} DeepGEMM files, {compiled['triton']} Triton files "
           f"(nvrtc {int(args.nvrtc)})")
-    print("Triton kernels compiled, variants per kernel:", kernel_names(
-        {f for f in cache_files(cache) if f.endswith(".json") and "__grp__" not in f}))
+    print("Triton kernels compiled, variants per kernel:", kernel_names(f for f in seen if "/triton/" in f))
     print(f"warm-up {args.warmup}: first step median {statistics.median(firsts):.1f} ms, max {max(firsts):.1f} ms; "
           f"slowest later step median {statistics.median(worst):.1f} ms, max {max(worst):.1f} ms")
 
