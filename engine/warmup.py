@@ -11,9 +11,10 @@ service with bf16 weights gave 147 ms (BENCHMARKS.md, "Disaggregated service on 
 DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a warm-up request at start. Here:
 1. a ladder of requests through the engine itself, one at a time so each prefill step has exactly its prompt's
    tokens (no chunk ends at a prefix-cache snapshot point here): 1, 2, 4, ... up to max_batch_tokens (and the
-   model's length). The Triton kernels of a prefill step depend on its token count only through its
-   power-of-two bucket (their count arguments are not specialised), so these steps compile every variant a
-   serving step of up to max_batch_tokens tokens can need. Each runs its prefill, one decode step
+   model's length), with an odd step beside each power from 8 (prompt_ladder). Our Triton kernels depend on a
+   step's token count only through its power-of-two bucket (their count, stride and index-pointer arguments are
+   not specialised); the odd steps cover library kernels that do specialise. So these steps compile every
+   variant a serving step of up to max_batch_tokens tokens can need. Each runs its prefill, one decode step
    (under CUDA graphs: the batch-1 graphs of those contexts are captured now; an engine that only prefills, a
    prefill worker's, stops at the first token as its requests do) and sampling; every page returns and the
    prefix cache forgets the prompts;
@@ -90,13 +91,19 @@ def warmup_enabled(engine) -> bool:
 
 
 def prompt_ladder(max_batch_tokens: int, max_prompt: int) -> list[int]:
-    """1, 2, 4, ... below max_batch_tokens, then max_batch_tokens itself; none above max_prompt."""
+    """1, 2, 4, ... below max_batch_tokens, then max_batch_tokens itself, each from 8 up preceded by its odd
+    neighbour n - 1 (same power-of-two bucket); none above max_prompt.
+
+    Why the odd steps: Triton specialises integer arguments on == 1 and on divisibility by 16 (and pointers on
+    16-byte alignment). Our kernels leave their step-dependent arguments unspecialised, but a library kernel's
+    may not be (triton_kernels' matmul_ogs specialises its write-back size, T * top-k): the powers of two only
+    meet the divisible class, so an odd step per bucket compiles the other (seen mid-request on the H200)."""
     top = max(1, min(max_batch_tokens, max_prompt))
     out, n = [], 1
     while n < top:
-        out.append(n)
+        out += [n - 1, n] if n >= 8 else [n]
         n *= 2
-    return out + [top]
+    return out + ([top - 1, top] if top >= 8 and top - 1 not in out else [top])
 
 
 def gemm_m_values(max_tokens: int) -> list[int]:

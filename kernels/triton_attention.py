@@ -121,8 +121,9 @@ def _store_seg(o_row, hmask, acc, scale, O: tl.constexpr, W: tl.constexpr, P: tl
              mask=hmask[:, None] & (c < W)[None, :])
 
 
-# K and the split counts vary with the step: unspecialised, so they add no compiled variants (engine.warmup)
-@triton.jit(do_not_specialize=["K", "tiles_per_split", "num_splits"])
+# K, the split counts and the store sizes (R0, R01: a prefill's local compressed rows) vary with the step, and
+# rows' stride with K: unspecialised, so they add no compiled variants (engine.warmup)
+@triton.jit(do_not_specialize=["K", "tiles_per_split", "num_splits", "stride_rt", "R0", "R01"])
 def _sparse_attn_kernel(
     q_ptr, kv0_ptr, rows_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
     H, K, tiles_per_split, num_splits,

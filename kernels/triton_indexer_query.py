@@ -208,7 +208,10 @@ def indexer_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout:
 
 
 # ---- the engine's indexer prologue (unquantised queries) -----------------------------------------------------
-@triton.jit(do_not_specialize=["E"])
+# E (visible compressed rows) grows with the context, and rows / valid may be views at any offset: neither
+# adds compiled variants (engine.warmup); only BLOCK_E follows E, by power-of-two bucket.
+@triton.jit(do_not_specialize=["E", "stride_rt", "stride_vt", "stride_rot"],
+            do_not_specialize_on_alignment=["rows_ptr", "valid_ptr"])
 def _prologue_kernel(q_ptr, cos_ptr, sin_ptr, w_ptr, rows_ptr, valid_ptr, qo_ptr, wo_ptr, ro_ptr, H, DI, WIDTH, HALF, E,
                      scale, stride_qt, stride_qh, stride_ct, stride_st, stride_wt, stride_rt, stride_vt, stride_ot,
                      stride_oh, stride_rot, LD_P: tl.constexpr, H_P: tl.constexpr, HALF_P: tl.constexpr,

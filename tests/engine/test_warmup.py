@@ -33,9 +33,11 @@ def _engine(weights, prefix: bool = True) -> EngineCore:
 
 
 def test_prompt_ladder_and_m_values():
-    assert prompt_ladder(48, 4094) == [1, 2, 4, 8, 16, 32, 48]
-    assert prompt_ladder(64, 4094) == [1, 2, 4, 8, 16, 32, 64]
-    assert prompt_ladder(8192, 100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert prompt_ladder(48, 4094) == [1, 2, 4, 7, 8, 15, 16, 31, 32, 47, 48]
+    assert prompt_ladder(64, 4094) == [1, 2, 4, 7, 8, 15, 16, 31, 32, 63, 64]
+    assert prompt_ladder(8192, 100) == [1, 2, 4, 7, 8, 15, 16, 31, 32, 63, 64, 99, 100]
+    assert prompt_ladder(33, 4094) == [1, 2, 4, 7, 8, 15, 16, 31, 32, 33]  # (32 already covers 33's odd side)
+    assert prompt_ladder(4, 4094) == [1, 2, 4]
     ms = gemm_m_values(1000)
     assert ms[:128] == list(range(1, 129)) and ms[-1] == 1000 and ms[128:132] == [129, 192, 193, 256]
     # both ends of every count of 64-row blocks: DeepGEMM's configuration is a function of it (and of
@@ -50,7 +52,7 @@ def test_warmup_leaves_the_engine_idle_and_exact(weights, monkeypatch):
     warm, cold = _engine(weights), _engine(weights)
     idle = warm.pool.num_free_pages()
     report = warm_engine(warm)
-    assert report.prompts == (1, 2, 4, 8, 16, 32, 64, 128, 256, 300)
+    assert report.prompts == (1, 2, 4, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 299, 300)
     assert report.gemm_shapes == 0 and report.graphs == 0  # CPU: no DeepGEMM, no graphs
     assert not warm.has_work and not warm.requests and not warm.held and not warm.imports
     assert warm.pool.num_free_pages() == idle, "a warm-up page was not returned"
