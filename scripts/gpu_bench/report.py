@@ -187,7 +187,7 @@ def _profile_lines(ctx: dict) -> list[str]:
     if prof and "skip" not in prof and prof["kernels"]:
         top = "; ".join(f"{k} {t / 1e3:.1f} ms ({c}x)" for t, k, c in prof["top"])
         lines.append(f"Profile of one decode step (experts {prof['experts']}, decode mode `{prof['decode_mode']}`, "
-                     f"batch {prof['batch']}, context {fmt_k(prof['ctx'])}, under torch.profiler, wall "
+                     f"batch {prof['batch']}, context {fmt_k(prof['ctx'])}, run synchronously under torch.profiler, wall "
                      f"{prof['wall_ms']:.0f} ms): {prof['kernels']} GPU kernels "
                      f"({prof.get('per_layer', prof['kernels'] / ctx['cfg'].num_layers):.0f} a layer), summed kernel time "
                      f"{prof['busy_ms']:.1f} ms ({100 * prof['busy_ms'] / prof['wall_ms']:.0f}% of the wall time). "
