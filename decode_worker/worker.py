@@ -34,9 +34,9 @@ class DecodeWorker(WorkerBase):
                                          **network_options(transfer, bind_host, cluster_token)))
         self.peers: dict[str, bytes] = {}
         # seconds: each pull's whole time here (thread hand-off included); pull_seconds: inside the backend's pull;
-        # wire_seconds: its data movement alone (kv_transfer.TransferStats)
-        self.transfer_totals = {"bytes": 0, "seconds": 0.0, "pull_seconds": 0.0, "wire_seconds": 0.0, "count": 0,
-                                "failures": 0}
+        # wire_seconds: its data movement alone; scatter_seconds: staged pulls' scatter (kv_transfer.TransferStats)
+        self.transfer_totals = {"bytes": 0, "seconds": 0.0, "pull_seconds": 0.0, "wire_seconds": 0.0,
+                                "scatter_seconds": 0.0, "count": 0, "failures": 0}
 
     def add_peer(self, name: str, metadata: bytes) -> None:
         """Learn (or re-learn, after a restart) a prefill worker's transfer metadata."""
@@ -81,6 +81,7 @@ class DecodeWorker(WorkerBase):
                                                               totals["seconds"] + seconds, totals["count"] + 1)
         totals["pull_seconds"] += stats.seconds
         totals["wire_seconds"] += stats.wire_seconds
+        totals["scatter_seconds"] += stats.scatter_seconds
         yield Transferred(rid, stats.bytes, seconds)
 
         sink = AsyncSink(asyncio.get_running_loop())

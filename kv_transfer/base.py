@@ -50,6 +50,7 @@ class TransferStats:
     descriptors: int
     seconds: float  # the whole pull in the calling thread: plan, data movement, scatter, confirmation
     wire_seconds: float = 0.0  # the data movement alone (NIXL: each READ from post to DONE; TCP: the socket reads)
+    scatter_seconds: float = 0.0  # a staged pull's scatter into the pool's pages, its wait included (NIXL staging)
 
 
 ReleaseCallback = Callable[[str, "str | None"], None]  # (request_id, error or None on success)
@@ -214,7 +215,7 @@ class TransferBackend(ABC):
         (destination pages then hold garbage: free them). Confirms to the source on success and on failure."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        self._wire.seconds = 0.0
+        self._wire.seconds = self._wire.scatter = 0.0
         try:
             plan = self.plan_for(ticket, dst_pages)
             descriptors = self._read(ticket, plan, deadline)
@@ -226,11 +227,15 @@ class TransferBackend(ABC):
             self._notify(ticket, str(err))
             raise err from e
         return TransferStats(plan.total_bytes, plan.num_descriptors if descriptors is None else descriptors,
-                             time.monotonic() - t0, self._wire.seconds)
+                             time.monotonic() - t0, self._wire.seconds, self._wire.scatter)
 
     def _on_wire(self, seconds: float) -> None:
         """A backend's `_read` reports the time its data spent moving (TransferStats.wire_seconds)."""
         self._wire.seconds = getattr(self._wire, "seconds", 0.0) + seconds
+
+    def _on_scatter(self, seconds: float) -> None:
+        """A staged pull reports its scatter's time (TransferStats.scatter_seconds)."""
+        self._wire.scatter = getattr(self._wire, "scatter", 0.0) + seconds
 
     def receive(self, ticket: TransferTicket, timeout_s: float = 30.0) -> tuple[dict[str, list[int]], TransferStats]:
         """Allocate destination pages for the ticket, pull into them, free them again if the pull fails."""

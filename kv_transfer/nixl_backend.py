@@ -280,7 +280,9 @@ class NixlBackend(TransferBackend):
             local = np.array([(base + offset, nbytes, dev)], dtype=np.uint64)
             remote = np.array([(src[0] + src_off, nbytes, src[2])], dtype=np.uint64)
             self._xfer(ticket, local, remote, done, deadline, what, nbytes)
+            t0 = time.monotonic()
             self.staging.scatter(offset, layout)  # waits for its copies: the range is free to reuse after
+            self._on_scatter(time.monotonic() - t0)
         except _Uncancelled:
             keep = True  # a READ that may still land there: never hand the range out again
             raise

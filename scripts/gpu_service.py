@@ -204,6 +204,11 @@ def _gap_lines(serve: dict, raw: dict | None) -> list[str]:
                            f"(the rest of the whole time is the hand-off to the pulling thread), "
                            f"{d['kv_wire_gb_per_s']:.2f} GB/s over its READs alone (the rest of the pull is the "
                            f"plan, the scatter into the pages and the confirmation).")
+            ms = d.get("kv_ms_per_pull")
+            if ms:  # (runs before 2026-12-02 10:30 UTC: none)
+                out.append(f"- A pull's mean milliseconds: {ms['seconds']:.2f} on the decode worker, "
+                           f"{ms['pull_seconds']:.2f} in the backend's pull, {ms['wire_seconds']:.2f} in its READs, "
+                           f"{ms['scatter_seconds']:.2f} in the staged scatter into the pages (its kernel and wait).")
     for t in serve.get("tokens", []):
         out.append(f"- Tokens: {t['topology']} gave the colocated engine's greedy tokens for {t['identical']} of "
                    f"{t['requests']} prompts sent one at a time ({serve['max_new_tokens']} tokens each)"

@@ -77,6 +77,9 @@ def summarize(name: str, timings: list[RequestTiming], wall: float, transfer: di
     def rate(key: str) -> float:  # GB/s over one of the decode workers' time totals (DecodeWorker.transfer_totals)
         return transfer["bytes"] / transfer[key] / 1e9 if transfer and transfer.get(key) else float("nan")
 
+    def per_pull_ms(key: str) -> float:  # mean milliseconds a pull spent in one of those totals
+        return 1e3 * transfer[key] / transfer["count"] if transfer and transfer.get("count") else float("nan")
+
     gbps = rate("seconds")
     return {"topology": name, "requests": len(timings),
             "ttft_p50_ms": 1e3 * pct([t.ttft for t in timings], 0.5),
@@ -85,7 +88,9 @@ def summarize(name: str, timings: list[RequestTiming], wall: float, transfer: di
             "req_per_s": len(timings) / wall, "tok_per_s": sum(t.tokens for t in timings) / wall,
             "kv_gb_per_s": gbps, "kv_mb": (transfer or {}).get("bytes", 0) / 1e6,
             "kv_transfers": (transfer or {}).get("count", 0),
-            "kv_pull_gb_per_s": rate("pull_seconds"), "kv_wire_gb_per_s": rate("wire_seconds")}
+            "kv_pull_gb_per_s": rate("pull_seconds"), "kv_wire_gb_per_s": rate("wire_seconds"),
+            "kv_ms_per_pull": {k: per_pull_ms(k) for k in ("seconds", "pull_seconds", "wire_seconds",
+                                                           "scatter_seconds")}}
 
 
 def tokens_by_prompt(timings: list[RequestTiming]) -> list[tuple]:
@@ -115,7 +120,7 @@ def run_ray_topology(cfg_kwargs: dict, prompts, params, concurrency, check_promp
         timings, wall = asyncio.run(drive(handles["router_addr"], prompts, params, concurrency, handles["token"]))
         after = ray.get([d.transfer_summary.remote() for d in handles["decode"].values()])
         transfer = {k: sum(a[k] - b[k] for a, b in zip(after, base))
-                    for k in ("bytes", "seconds", "pull_seconds", "wire_seconds", "count")}
+                    for k in ("bytes", "seconds", "pull_seconds", "wire_seconds", "scatter_seconds", "count")}
         checked = tokens_by_prompt(asyncio.run(drive(handles["router_addr"], list(check_prompts), params, 1,
                                                      handles["token"]))[0]) if check_prompts else []
     finally:

@@ -178,6 +178,9 @@ def test_pull_moves_every_group_byte_for_byte(kind):
         assert plan.num_descriptors > 1
         assert stats.descriptors == (1 if kind == "nixl" else plan.num_descriptors)
         assert 0 < stats.wire_seconds <= stats.seconds, "the data movement's time is measured inside the pull's"
+        # only a staged pull scatters (NIXL here), inside the pull and apart from its READ
+        assert (stats.scatter_seconds > 0) == (kind == "nixl")
+        assert stats.wire_seconds + stats.scatter_seconds <= stats.seconds
         assert_moved(src_pool, dst_pool, ticket.page_table(), dtab, before)
         assert wait_poll(src) == [("req-1", None)] and released == [("req-1", None)]
         assert src.exported() == []

@@ -67,7 +67,9 @@ def test_gpu_service_report_from_stage_json(tmp_path):
            "req_per_s": 10.0, "tok_per_s": 640.0}
     (tmp_path / "serve.json").write_text(json.dumps({
         "rows": [{**row, "topology": "1P1D (nixl)", "kv_gb_per_s": 2.0, "kv_mb": 64.0, "kv_transfers": 64,
-                  "kv_pull_gb_per_s": 4.0, "kv_wire_gb_per_s": 16.0},
+                  "kv_pull_gb_per_s": 4.0, "kv_wire_gb_per_s": 16.0,
+                  "kv_ms_per_pull": {"seconds": 0.52, "pull_seconds": 0.5, "wire_seconds": 0.125,
+                                     "scatter_seconds": 0.25}},
                  {**row, "topology": "colocated 1 engine", "ttft_p50_ms": 32.0, "kv_gb_per_s": float("nan"),
                   "kv_mb": 0.0, "kv_transfers": 0}],
         "tokens": [{"topology": "1P1D", "requests": 8, "identical": 8, "first_difference": None}],
@@ -86,4 +88,5 @@ def test_gpu_service_report_from_stage_json(tmp_path):
     # a staged pull is one descriptor: compared with the 1-descriptor raw row of that size, not the 256 one
     assert "TTFT p50 1.25x" in text and "in 1 descriptor(s) (10.0% of it;" in text and "8 of 8 prompts" in text
     assert "4.00 GB/s over the backend's pull" in text and "16.00 GB/s over its READs alone" in text
+    assert "0.52 on the decode worker, 0.50 in the backend's pull, 0.12 in its READs, 0.25 in the staged" in text
     assert "share GPU 0" in text and "cuda_ipc" in text and "kill stage did not complete" in text  # no fault.json
