@@ -247,7 +247,33 @@ def profile_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, seed: int) 
         sync(core.device)
         wall = time.perf_counter() - t
     core.pop_finished(rid)
-    return {**_kernel_table(prof, 12), "wall_ms": wall * 1e3}
+    return {**_kernel_table(prof, 12), **_host_table(prof), "wall_ms": wall * 1e3}
+
+
+def _host_table(prof, top: int = 6) -> dict:
+    """Where a host-bound run's time goes: the CUDA API calls by host time (launches, synchronisations,
+    blocking copies: a copy from pageable memory without non_blocking waits for the stream) and the GPU's idle
+    time between its first and last kernel (the span minus the union of kernel intervals), with the longest
+    gaps. -> {"api": [(ms, name, calls)], "idle_ms", "gaps_ms": [..], "span_ms"}."""
+    api: dict[str, list] = {}
+    spans = []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((ev.time_range.start, ev.time_range.end))
+        elif ev.name.startswith(("cuda", "cu")) and not ev.name.startswith("cudnn"):
+            acc = api.setdefault(ev.name, [0.0, 0])
+            acc[0] += ev.cpu_time_total
+            acc[1] += 1
+    spans.sort()
+    gaps, end = [], None
+    for a, b in spans:
+        if end is not None and a > end:
+            gaps.append(a - end)
+        end = b if end is None else max(end, b)
+    span = (end - spans[0][0]) if spans else 0.0
+    return {"api": sorted(((t / 1e3, n, c) for n, (t, c) in api.items()), reverse=True)[:top],
+            "idle_ms": sum(gaps) / 1e3, "gaps_ms": [g / 1e3 for g in sorted(gaps, reverse=True)[:3]],
+            "span_ms": span / 1e3}
 
 
 def bench_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, repeats: int, clock: Clock, reserve_s: float,

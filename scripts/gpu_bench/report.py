@@ -147,8 +147,18 @@ def _prefill_table(ctx: dict) -> list[str]:
             top = "; ".join(f"{k} {t / 1e3:.1f} ms ({c}x)" for t, k, c in prof["top"])
             lines += [f"Prefill profile ({p['experts']}, one run under torch.profiler): {prof['kernels']} GPU kernels, "
                       f"busy {prof['busy_ms']:.1f} ms of {prof['wall_ms']:.1f} ms wall ({p['s'] * 1e3:.0f} ms "
-                      f"unprofiled). Top kernels: {top}.", ""]
+                      f"unprofiled). Top kernels: {top}." + _host_text(prof), ""]
     return lines
+
+
+def _host_text(prof: dict) -> str:
+    """The host side of a profiled run (engine_bench._host_table), or nothing for runs before it existed."""
+    if "api" not in prof or not (prof["api"] or prof["span_ms"]):
+        return ""
+    api = "; ".join(f"{n} {t:.1f} ms ({c}x)" for t, n, c in prof["api"])
+    gaps = ", ".join(f"{g:.1f}" for g in prof["gaps_ms"])
+    return (f" GPU idle between its first and last kernel: {prof['idle_ms']:.1f} ms of {prof['span_ms']:.1f} ms "
+            f"(longest gaps {gaps} ms). Host time in CUDA API calls: {api}.")
 
 
 def _peer_table(ctx: dict) -> list[str]:

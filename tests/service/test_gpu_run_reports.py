@@ -62,3 +62,32 @@ def test_cold_start_table(tmp_path):
     assert "| on, caches of an earlier run | - | 60.2 s | 12.5 s / 85 in 3.1 s / 9 shapes in 40.2 s | 2 | " \
            "1 (sort_pairs) | 2139 / 4258 | 42 / 81 | 120 / 300 |" in text
     assert "- machine: NVIDIA H200, torch 2.11" in text
+
+
+def test_prefill_profile_host_side():
+    """The prefill profile's host side (scripts/gpu_bench): the GPU's idle gaps between kernels and the CUDA API
+    calls by host time, from a profile's events; nothing for a run without kernels (the CPU)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from types import SimpleNamespace
+
+    import torch
+    from gpu_bench.engine_bench import _host_table
+    from gpu_bench.report import _host_text
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, device, start, end):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               cpu_time_total=end - start)
+
+    kernels = [ev("k1", cuda, 0, 1000), ev("k2", cuda, 500, 2000), ev("k3", cuda, 5000, 6000),
+               ev("k4", cuda, 6500, 7000)]
+    api = [ev("cudaLaunchKernel", cpu, 0, 20), ev("cudaLaunchKernel", cpu, 30, 50),
+           ev("cudaStreamSynchronize", cpu, 100, 3100), ev("aten::mm", cpu, 0, 999)]
+    table = _host_table(SimpleNamespace(events=lambda: kernels + api))
+    assert table["span_ms"] == 7.0 and table["idle_ms"] == 3.5 and table["gaps_ms"] == [3.0, 0.5]
+    assert table["api"] == [(3.0, "cudaStreamSynchronize", 1), (0.04, "cudaLaunchKernel", 2)]
+    text = _host_text(table)
+    assert "idle between its first and last kernel: 3.5 ms of 7.0 ms (longest gaps 3.0, 0.5 ms)" in text
+    assert "cudaStreamSynchronize 3.0 ms (1x); cudaLaunchKernel 0.0 ms (2x)" in text
+    assert _host_text(_host_table(SimpleNamespace(events=lambda: api[3:]))) == ""
