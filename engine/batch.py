@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.cache import CacheLayer, CachePool
@@ -31,13 +32,39 @@ def segment_arange(starts: torch.Tensor, counts: torch.Tensor, total: int | None
     return starts[seg] + local, seg
 
 
-def _table_tensor(tables: list[list[int]], device) -> torch.Tensor:
-    width = max(1, max((len(t) for t in tables), default=1))
-    out = torch.zeros(len(tables), width, dtype=torch.long)
-    for b, t in enumerate(tables):
-        if t:
-            out[b, :len(t)] = torch.tensor(t, dtype=torch.long)
-    return out.to(device)
+# Offsets (in int64 elements) of the parts packed into a step's one host-to-device copy: 128-byte aligned, so a
+# kernel handed a page table sees the alignment a tensor of its own would have (Triton specialises on it).
+PART_ALIGN = 16
+
+
+def _padded(part: np.ndarray) -> np.ndarray:
+    return np.pad(part, (0, -part.size % PART_ALIGN))
+
+
+def _host_tables(tables: list[dict], names) -> tuple[np.ndarray, dict[str, tuple[int, int]]]:
+    """Every group's page table, zero-padded to its widest row, flattened into one int64 array.
+    -> (array, {group: (offset, width)}): group g's [B, width] table is array[offset:offset + B * width]
+    (offsets multiples of PART_ALIGN)."""
+    parts, where, off = [], {}, 0
+    for name in names:
+        rows = [t.get(name, ()) for t in tables]
+        width = max(1, max((len(r) for r in rows), default=1))
+        out = np.zeros((len(rows), width), dtype=np.int64)
+        for i, r in enumerate(rows):
+            out[i, :len(r)] = r
+        parts.append(_padded(out.reshape(-1)))
+        where[name] = (off, width)
+        off += parts[-1].size
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), where
+
+
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """One host-to-device copy that never waits for the device: from pinned memory on CUDA (a copy from
+    pageable memory without non_blocking synchronises the stream; with it, CUDA still stages it)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 @dataclass(frozen=True)
@@ -220,21 +247,28 @@ def _visible(ratio: int, positions, seg, table, page_rows: int, sizes: _Sizes) -
 def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], tables: list[dict],
                logit_rows: list[int], device) -> StepBatch:
     """token_ids[b]: the tokens request b runs this step, at positions starts[b]...; tables[b]: its pages.
-    Built on `device` (module docstring): a few small host-to-device copies, no device-to-host sync."""
+    Built on `device` (module docstring): one host-to-device copy that does not wait for the device, no
+    device-to-host sync, so the host can build this step while the device still runs the one before."""
     cfg = pool.cfg
     sizes = _Sizes([len(t) for t in token_ids], list(starts))
-    # The small inputs, as one int64 host tensor and one copy: [counts | starts | cu | logit_rows | token ids]
+    # The host inputs, as one int64 tensor and one copy that does not wait for the device:
+    # [counts | starts | cu | logit_rows | token ids | every group's page table]
     b, total, n_logits = len(sizes.counts), sum(sizes.counts), len(logit_rows)
     cu_host = [0]
     for c in sizes.counts:
         cu_host.append(cu_host[-1] + c)
-    small = torch.tensor(sizes.counts + sizes.starts + cu_host + list(logit_rows) + [t for ids in token_ids for t in ids],
-                         dtype=torch.long).to(device, non_blocking=True)
+    head = np.array(sizes.counts + sizes.starts + cu_host + list(logit_rows) + [t for ids in token_ids for t in ids],
+                    dtype=np.int64)
+    table_host, table_at = _host_tables(tables, pool.groups)
+    padded = _padded(head)
+    small = _to_device(torch.from_numpy(np.concatenate([padded, table_host])), device)
     counts, starts_t, cu = small[:b], small[b:2 * b], small[2 * b:3 * b + 1]
-    logit_rows_t, token_ids_t = small[3 * b + 1:3 * b + 1 + n_logits], small[3 * b + 1 + n_logits:]
+    logit_rows_t, token_ids_t = small[3 * b + 1:3 * b + 1 + n_logits], small[3 * b + 1 + n_logits:head.size]
     ends_t = starts_t + counts
     positions, seg = segment_arange(starts_t, counts, total)
-    group_tables = {name: _table_tensor([t.get(name, []) for t in tables], device) for name in pool.groups}
+    at = padded.size
+    group_tables = {name: small[at + off:at + off + b * width].view(b, width)
+                    for name, (off, width) in table_at.items()}
 
     window = cfg.sliding_window
     swa_spec = pool.groups["swa"].spec  # a page may hold more rows than the window (fp8: whole 64-row blocks)
