@@ -58,7 +58,7 @@ def _host_tables(tables: list[dict], names) -> tuple[np.ndarray, dict[str, tuple
     return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), where
 
 
-def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+def to_device_nonblocking(host: torch.Tensor, device) -> torch.Tensor:
     """One host-to-device copy that never waits for the device: from pinned memory on CUDA (a copy from
     pageable memory without non_blocking synchronises the stream; with it, CUDA still stages it)."""
     device = torch.device(device)
@@ -261,7 +261,7 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
                     dtype=np.int64)
     table_host, table_at = _host_tables(tables, pool.groups)
     padded = _padded(head)
-    small = _to_device(torch.from_numpy(np.concatenate([padded, table_host])), device)
+    small = to_device_nonblocking(torch.from_numpy(np.concatenate([padded, table_host])), device)
     counts, starts_t, cu = small[:b], small[b:2 * b], small[2 * b:3 * b + 1]
     logit_rows_t, token_ids_t = small[3 * b + 1:3 * b + 1 + n_logits], small[3 * b + 1 + n_logits:head.size]
     ends_t = starts_t + counts

@@ -140,7 +140,10 @@ class BlockTables:
         for name, col in self.columns.items():
             ids = list(pages.get(name, ()))[:self.widths[name]]
             line[col:col + len(ids)] = ids
-        self.table[row].copy_(torch.tensor(line, dtype=torch.long))  # one host-to-device copy a new row
+        # one host-to-device copy a new row, after the steps already queued (which read the old row) and without
+        # waiting for them: under overlapped decode a step is in flight whenever a request joins or grows a page
+        host = torch.tensor(line, dtype=torch.long)
+        self.table[row].copy_(host.pin_memory() if self.table.is_cuda else host, non_blocking=self.table.is_cuda)
 
 
 def _decode_sources(p: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, ring_page: torch.Tensor,
