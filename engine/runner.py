@@ -14,7 +14,7 @@ import os
 import torch
 
 from engine.allocator import OutOfPages
-from engine.batch import build_step
+from engine.batch import build_step, to_device_nonblocking
 from engine.cache import CacheConfig, CachePool
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeRunner
@@ -25,7 +25,7 @@ from engine.model import DeepseekV4Model
 from engine.parallel import SINGLE, ParallelContext
 from engine.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixCacheConfig
 from engine.request import Request, TokenEvent
-from engine.sampling import draw_seed, greedy_pick, sample
+from engine.sampling import draw_seed, greedy_pick, sample, sampling_inputs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.tp_executor import DECODE, FORWARD, SYNC, StepInputs, replicate_pages
@@ -328,17 +328,18 @@ class EngineCore:
         the host from the requests' parameters (no parameter uploads, no device-to-host check)."""
         rows = [r for _, r in todo]
         dev = logits.device
-        sel = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=dev)]
+        sel = logits if rows == list(range(logits.shape[0])) else \
+            logits[to_device_nonblocking(torch.tensor(rows, dtype=torch.long), dev)]
         params = [c.request.params for c, _ in todo]
         if all(p.temperature == 0 for p in params):
             # The decode graph computed this already (engine.cuda_graphs); else the same function here.
             ready = self.decode_runner.take_greedy() if self.decode_runner is not None else None
             both = (ready if ready is not None and sel is logits else greedy_pick(sel)).tolist()
             return [int(t) for t in both[0]], both[1]
-        tokens_t = sample(sel, torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
-                          torch.tensor([p.top_k for p in params], device=dev, dtype=torch.long),
-                          torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
-                          [draw_seed(c.request.seed, len(c.request.output)) for c, _ in todo])
+        tokens_t = sample(sel, *sampling_inputs([p.temperature for p in params], [p.top_k for p in params],
+                                                [p.top_p for p in params],
+                                                [draw_seed(c.request.seed, len(c.request.output)) for c, _ in todo],
+                                                dev))
         lps = torch.log_softmax(sel, dim=-1).gather(1, tokens_t.unsqueeze(1)).squeeze(1)
         both = torch.stack([tokens_t.double(), lps.double()]).tolist()  # token ids < 2**53: exact in fp64
         return [int(t) for t in both[0]], both[1]

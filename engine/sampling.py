@@ -37,15 +37,28 @@ def draw_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def sampling_inputs(temperature: list[float], top_k: list[int], top_p: list[float], draw_seeds: list[int],
+                    device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' sampling parameters on `device` -> (fp32 temperature, int64 top_k, fp32 top_p, int64 draw seeds),
+    all [N], from one host-to-device copy that does not wait for the device (three blocking uploads each
+    synchronised the stream before: the host then launched the sampling kernels only once the forward had
+    ended). The floats travel as fp64 bits in the one int64 tensor and round to fp32 on the device exactly as
+    they would on the host; draw seeds are < 2**63."""
+    from engine.batch import to_device_nonblocking
+
+    floats = torch.tensor([temperature, top_p], dtype=torch.float64).view(torch.int64)
+    packed = to_device_nonblocking(torch.cat([floats, torch.tensor([top_k, draw_seeds], dtype=torch.int64)]), device)
+    return (packed[0].view(torch.float64).float(), packed[2], packed[1].view(torch.float64).float(), packed[3])
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           draw_seeds: list[int]) -> torch.Tensor:
+           draw_seeds: list[int] | torch.Tensor) -> torch.Tensor:
     """logits: fp32 [N, V] -> int64 [N]. Rows with temperature 0 are argmax; others use the exponential race
     argmax(p / E), E ~ Exp(1) drawn from a generator seeded with the row's draw seed (equivalent to
-    sampling from p)."""
+    sampling from p). draw_seeds: a list, or int64 [N] on the logits' device (sampling_inputs).
+    No device-to-host sync: an all-greedy batch is the caller's to short-cut (it knows from the host)."""
     greedy = temperature == 0
     tokens = logits.argmax(dim=-1)
-    if bool(greedy.all()):
-        return tokens
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     masked = apply_top_k_top_p(logits / temp.unsqueeze(1), top_k, top_p)
     probs = masked.softmax(dim=-1)
@@ -54,10 +67,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         # and V4's vocabulary. Still a function of the draw seed alone, but another stream than the CPU's.
         from kernels.triton_sampling import exp_noise  # imports triton: only on this path
 
-        exp = exp_noise(torch.tensor(draw_seeds, dtype=torch.int64).to(logits.device), logits.shape[-1])
+        seeds = draw_seeds if isinstance(draw_seeds, torch.Tensor) else torch.tensor(draw_seeds, dtype=torch.int64)
+        exp = exp_noise(seeds.to(logits.device), logits.shape[-1])
     else:
+        seeds = draw_seeds.tolist() if isinstance(draw_seeds, torch.Tensor) else draw_seeds
         noise = torch.stack([torch.rand(logits.shape[-1], generator=torch.Generator().manual_seed(s))
-                             for s in draw_seeds])
+                             for s in seeds])
         exp = -torch.log(noise.clamp_min(1e-20)).to(logits.device)
     sampled = (probs / exp).argmax(dim=-1)
     return torch.where(greedy, tokens, sampled)

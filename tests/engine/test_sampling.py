@@ -53,3 +53,18 @@ def test_greedy_pick_is_argmax_and_its_logprob():
     assert torch.equal(both[0].long(), tokens)
     want = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     assert torch.equal(both[1].float(), want)
+
+
+def test_sampling_inputs_match_separate_uploads():
+    """sampling_inputs packs the rows' parameters into one upload: the same fp32 / int64 values as one tensor
+    each (floats rounded once, to fp32), draw seeds up to 2**63 - 1 exact."""
+    from engine.sampling import sampling_inputs
+
+    temps, top_ks, top_ps = [0.0, 0.7, 1.3, 1e-3], [0, 5, 40, 1], [1.0, 0.9, 0.123456789, 0.5]
+    seeds = [draw_seed(s, i) for s, i in ((0, 0), (7, 3), (2**40, 9))] + [2**63 - 1]
+    t, k, p, s = sampling_inputs(temps, top_ks, top_ps, seeds, "cpu")
+    assert t.dtype == p.dtype == torch.float32 and k.dtype == s.dtype == torch.int64
+    assert torch.equal(t, torch.tensor(temps, dtype=torch.float32)) and torch.equal(k, torch.tensor(top_ks))
+    assert torch.equal(p, torch.tensor(top_ps, dtype=torch.float32)) and s.tolist() == seeds
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    assert sample(logits, t, k, p, s).tolist() == sample(logits, t, k, p, seeds).tolist()
