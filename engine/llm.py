@@ -67,7 +67,8 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
 
     model_dir = local_model_dir(model_dir) or default_model_dir()  # a worker lacking the path fetches it here
     cfg = cap_context(ModelConfig.from_model_dir(model_dir), max_model_len)
-    rank_heads = cfg.num_heads // parallel.tp_size if parallel is not None else cfg.num_heads  # what FlashMLA sees
+    # what FlashMLA sees: a rank's heads (all of them under data-parallel attention)
+    rank_heads = cfg.num_heads // parallel.attention.tp_size if parallel is not None else cfg.num_heads
     kv_cache_dtype, why = resolve_kv_cache_dtype(kv_cache_dtype, device, resolve_dtype(dtype), cfg.head_dim,
                                                  cfg.rope_dim, rank_heads)
     index_cache_dtype, index_why = resolve_index_cache_dtype(index_cache_dtype, device)
@@ -115,9 +116,12 @@ class LLM:
                  keep_mxfp4_experts: bool | None = None, decode_mode: str | None = None,
                  page_tokens: int = 256, prefix_cache: bool = True, tensor_parallel_size: int = 1,
                  expert_parallel: bool = False, keep_fp8_weights: bool | None = None,
-                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None):
+                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
+                 data_parallel_attention: bool = False):
         """tensor_parallel_size > 1: this process is rank 0 and spawns the other ranks (engine.tp_launch);
-        expert_parallel: routed experts split by expert id across them. Call `close()` (or use `with`).
+        expert_parallel: routed experts split by expert id across them. data_parallel_attention (with both):
+        each rank keeps the whole attention and runs its share of the prompts (engine.dp_attention) instead of
+        splitting heads. Call `close()` (or use `with`).
         model_dir: a directory or a Hugging Face repo id, resolved (fetched) once here, before ranks spawn."""
         from engine.make_model import default_model_dir
         from engine.model_source import local_model_dir
@@ -135,8 +139,10 @@ class LLM:
 
             # Before spawning: a model the group cannot split fails here with one clear ValueError.
             check_divisible(ModelConfig.from_model_dir(kwargs["model_dir"]),
-                            ParallelContext(tensor_parallel_size, 0, expert_parallel))
-            self.ranks = RankGroup.start(tensor_parallel_size, device, expert_parallel, load_engine, kwargs)
+                            ParallelContext(tensor_parallel_size, 0, expert_parallel,
+                                            data_parallel_attention=data_parallel_attention))
+            self.ranks = RankGroup.start(tensor_parallel_size, device, expert_parallel, load_engine, kwargs,
+                                         data_parallel_attention)
             try:
                 self.engine = load_engine(**kwargs, parallel=self.ranks.context)
             except BaseException:
@@ -165,10 +171,13 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
-        if self.engine.parallel.enabled and self.ranks is None:
+        grouped = self.engine.parallel.enabled or self.engine.data_parallel is not None
+        if grouped and self.ranks is None:
             raise RuntimeError("this LLM's tensor-parallel ranks were released (close() or a failed step)")
         for prompt, p in zip(prompts, plist):  # validate everything before anything is admitted
             self.engine.validate(list(prompt), p)
+        if self.engine.data_parallel is not None:
+            return self._generate_dp([list(p) for p in prompts], plist)
         ids = [self.engine.add_request(list(prompt), p) for prompt, p in zip(prompts, plist)]
         try:
             while self.engine.has_work:
@@ -181,3 +190,16 @@ class LLM:
                 ranks.close(None)
             raise
         return [self.engine.pop_finished(rid).to_output() for rid in ids]
+
+    def _generate_dp(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
+        from engine.dp_attention import dp_generate
+
+        try:
+            return dp_generate(self.engine, prompts, params)
+        except BaseException:
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)
+            if self.ranks is not None:  # the other ranks may wait inside a step's exchanges: end them
+                ranks, self.ranks = self.ranks, None
+                ranks.close(None)
+            raise

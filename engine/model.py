@@ -55,12 +55,14 @@ class DeepseekV4Model:
         self.cfg = cfg
         self.parallel = parallel or SINGLE
         self.device = torch.device(device)
+        self.forwards = 0  # forward() calls: engine.dp_attention keeps every rank at one a step
         weights = dict(weights)
         self.embed = weights["embed.weight"]
         self.head = weights["head.weight"]
         self.norm = weights["norm.weight"]
         self.hc_head_params = (weights["hc_head_fn"], weights["hc_head_base"], weights["hc_head_scale"])
-        self.attn = [AttentionBlock(cfg, weights, i, self.parallel) for i in range(cfg.num_layers)]
+        # Under data-parallel attention only the MoE blocks see the group (engine.dp_attention)
+        self.attn = [AttentionBlock(cfg, weights, i, self.parallel.attention) for i in range(cfg.num_layers)]
         self.moe = [MoEBlock(cfg, weights, i, self.parallel) for i in range(cfg.num_layers)]
         self.layer_weights = [
             {k: weights[f"layers.{i}.{k}"] for k in ("attn_norm.weight", "ffn_norm.weight", "hc_attn_fn",
@@ -113,7 +115,9 @@ class DeepseekV4Model:
         cfg = self.cfg
         main, compress = self._position_ropes(batch.positions)
         ropes = {"main": main, "compress": compress, "compress_at": _memo_by_tensor(self.ropes["compress"])}
-        h = vocab_embed(self.embed, batch.token_ids, self.parallel)
+        self.forwards += 1
+        dp_counts = self.parallel.gather_counts(batch.num_tokens) if self.parallel.data_parallel_attention else None
+        h = vocab_embed(self.embed, batch.token_ids, self.parallel.attention)
         # [T, hc, hidden] in the residual dtype: the cast and the hc broadcast as one copy (one kernel, not two)
         streams = torch.empty((h.shape[0], cfg.hc_mult, h.shape[1]), dtype=self.residual_dtype, device=h.device)
         streams.copy_(h.unsqueeze(1).expand(-1, cfg.hc_mult, -1))
@@ -123,9 +127,21 @@ class DeepseekV4Model:
             out = self.attn[i].forward(x, batch, pool, ropes)
             streams = self._mhc(streams).hc_post(out, streams, post, comb)
             x, post, comb = self._hc(lw, "ffn", streams)
-            out = self.moe[i].forward(x, batch.token_ids)
+            out = self.moe[i].forward(x, batch.token_ids, dp_counts)
             streams = self._mhc(streams).hc_post(out, streams, post, comb)
         return self.logits(streams[batch.logit_rows])
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """Data-parallel attention: a step in which this rank has no tokens. It still joins every MoE layer's
+        exchange (its routed experts serve the other ranks' tokens), in the order a forward would."""
+        if not self.parallel.data_parallel_attention:
+            raise RuntimeError("idle_forward is for ranks of a data-parallel attention group")
+        dp_counts = self.parallel.gather_counts(0)
+        x = torch.empty((0, self.cfg.hidden_size), dtype=self.dtype, device=self.device)
+        ids = torch.empty(0, dtype=torch.long, device=self.device)
+        for moe in self.moe:
+            moe.forward(x, ids, dp_counts)
 
     def _position_ropes(self, positions: torch.Tensor) -> tuple[tuple, tuple]:
         """(cos, sin) of the main and the compress RoPE at `positions`, each fp32 [T, dim // 2]: both from one
@@ -147,4 +163,4 @@ class DeepseekV4Model:
         cfg = self.cfg
         x = hc_head(streams, *self.hc_head_params, cfg.hc_eps, cfg.rms_norm_eps)
         x = rms_norm(x, self.norm, cfg.rms_norm_eps).to(self.head.dtype)
-        return self.parallel.gather_vocab((x @ self.head.t()).float(), cfg.vocab_size)
+        return self.parallel.attention.gather_vocab((x @ self.head.t()).float(), cfg.vocab_size)

@@ -12,6 +12,10 @@ exactly the code it ran before.
 
 Process groups: gloo on CPU, NCCL on CUDA (`init_distributed`). Rank 0 schedules; the other ranks
 receive each step's inputs through `broadcast_object` (engine.tp_executor).
+
+Data-parallel attention (`data_parallel_attention`, engine.dp_attention) is the other layout: `attention` is one
+rank's context (nothing split, every rank schedules its own requests), the routed experts are split by id, and
+each MoE layer exchanges the ranks' tokens (`gather_counts`, `gather_rows`, `reduce_rows`).
 """
 
 from __future__ import annotations
@@ -60,12 +64,26 @@ class ParallelContext:
     group: object = None
     cpu_group: object = None
     host_collectives: bool = False  # gloo over CUDA tensors: collectives run on host copies (TP_BACKEND_ENV)
+    # Data-parallel attention (engine.dp_attention): every rank holds the whole attention, embedding, LM head
+    # and shared expert and runs its own requests; only the routed experts are split (expert parallelism),
+    # and each MoE layer exchanges the ranks' tokens.
+    data_parallel_attention: bool = False
 
     def __post_init__(self):
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 <= self.rank < self.tp_size:
             raise ValueError(f"rank {self.rank} is outside a group of {self.tp_size}")
+        if self.data_parallel_attention and not (self.tp_size > 1 and self.expert_parallel):
+            raise ValueError("data-parallel attention needs --tensor-parallel-size > 1 and --expert-parallel (the "
+                             f"ranks split the routed experts), got size {self.tp_size}, expert_parallel "
+                             f"{self.expert_parallel}")
+
+    @property
+    def attention(self) -> "ParallelContext":
+        """The context of everything but the routed experts: this one, or one rank's under data-parallel
+        attention (nothing there is split, and the engine schedules as a lone engine)."""
+        return SINGLE if self.data_parallel_attention else self
 
     @property
     def enabled(self) -> bool:
@@ -140,6 +158,37 @@ class ParallelContext:
         """Run `collective` on a host copy of a CUDA tensor -> the result back on x's device."""
         return collective(x.cpu()).to(x.device)
 
+    # ---- data-parallel attention: the MoE layers' token exchange --------------------------------
+    def gather_counts(self, n: int) -> list[int]:
+        """Every rank's `n` (a host int), in rank order, over the host-side group: no device sync."""
+        out = [0] * self.tp_size
+        dist.all_gather_object(out, int(n), group=self.cpu_group if self.cpu_group is not None else self.group)
+        return out
+
+    def gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: this rank's [counts[rank], ...] rows -> [tp_size * max(counts), ...]: rank r's rows at
+        r * max(counts), each block zero-padded to max(counts) rows (collectives need equal sizes)."""
+        width = max(counts)
+        if self.host_collectives and x.is_cuda:
+            return self._on_host(lambda y: self.gather_rows(y, counts), x)
+        padded = x.new_zeros((width, *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        wire = padded.float() if _gloo_16bit(padded) else padded
+        parts = [torch.empty_like(wire) for _ in range(self.tp_size)]
+        dist.all_gather(parts, wire, group=self.group)
+        return torch.cat(parts).to(x.dtype)
+
+    def reduce_rows(self, y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """y: [tp_size * max(counts), ...] partial sums laid out as gather_rows gave them -> this rank's
+        [counts[rank], ...] rows summed over the ranks (NCCL: a reduce-scatter; gloo has none: an all-reduce)."""
+        width = max(counts)
+        if dist.get_backend(self.group) == "nccl" and not self.host_collectives:
+            out = y.new_empty((width, *y.shape[1:]))
+            dist.reduce_scatter_tensor(out, y.contiguous(), group=self.group)
+            return out[:counts[self.rank]]
+        summed = self.all_reduce(y.contiguous())
+        return summed[self.rank * width:self.rank * width + counts[self.rank]]
+
     def broadcast_object(self, obj=None):
         """Rank 0's picklable `obj` on every rank (rank 0 gets its own back)."""
         if not self.enabled:
@@ -152,6 +201,11 @@ class ParallelContext:
 SINGLE = ParallelContext()
 
 
+def _gloo_16bit(x: torch.Tensor) -> bool:
+    """gloo's CPU collectives have no 16-bit kernels (see all_reduce): such tensors travel as fp32."""
+    return x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
+
+
 def free_loopback_port() -> int:
     """A port the kernel reports free on 127.0.0.1 (the ranks' rendezvous on one host)."""
     with socket.socket() as s:
@@ -161,7 +215,7 @@ def free_loopback_port() -> int:
 
 def init_distributed(rank: int, tp_size: int, device: str | torch.device, master_port: int,
                      master_addr: str = "127.0.0.1", expert_parallel: bool = False,
-                     timeout_s: float = 365 * 86400.0) -> ParallelContext:
+                     timeout_s: float = 365 * 86400.0, data_parallel_attention: bool = False) -> ParallelContext:
     """Join the group of `tp_size` ranks (gloo on CPU, NCCL on CUDA) -> this rank's ParallelContext.
 
     On CUDA the rank's device is cuda:<rank % visible devices>, set before NCCL initialises. The timeout
@@ -172,7 +226,7 @@ def init_distributed(rank: int, tp_size: int, device: str | torch.device, master
     if device.type not in BACKENDS:
         raise ValueError(f"tensor parallelism supports cpu and cuda devices, got {device}")
     if tp_size == 1:
-        return ParallelContext(1, 0, expert_parallel)
+        return ParallelContext(1, 0, expert_parallel, data_parallel_attention=data_parallel_attention)
     backend = process_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(rank_device(device, rank))
@@ -184,7 +238,8 @@ def init_distributed(rank: int, tp_size: int, device: str | torch.device, master
                             world_size=tp_size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     return ParallelContext(tp_size, rank, expert_parallel, dist.group.WORLD, cpu_group,
-                           host_collectives=backend == "gloo" and device.type == "cuda")
+                           host_collectives=backend == "gloo" and device.type == "cuda",
+                           data_parallel_attention=data_parallel_attention)
 
 
 def rank_device(device: str | torch.device, rank: int) -> torch.device:

@@ -49,12 +49,17 @@ class EngineCore:
         (engine.decode_overlap); None = $DSV4_OVERLAP_DECODE ("0" / "1") if set, else on with "graphs" (where the
         host time would show), off otherwise."""
         self.cfg = cfg
-        self.parallel = parallel or SINGLE
+        parallel = parallel or SINGLE
+        # Data-parallel attention: this rank schedules its own requests as a lone engine would (self.parallel is
+        # one rank's); only the model's MoE blocks see the group, and engine.dp_attention keeps the ranks' steps
+        # in lockstep. Its steps run without CUDA graphs or overlap: each rank's token count varies per step.
+        self.data_parallel = parallel if parallel.data_parallel_attention else None
+        self.parallel = parallel.attention
         self.device = torch.device(device)
         self.dtype = dtype
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.cache_config = cache_config or CacheConfig(max_requests=self.scheduler_config.max_num_seqs)
-        self.model = DeepseekV4Model(cfg, weights, self.device, self.parallel)
+        self.model = DeepseekV4Model(cfg, weights, self.device, parallel)
         self.pool = CachePool(cfg, self.cache_config, dtype, self.device)
         if isinstance(prefix_cache, bool):
             # Snapshot points where a full chunk ends anyway: a point inside a chunk cuts it, and a prefill
@@ -74,7 +79,8 @@ class EngineCore:
         if overlap_decode is None:  # DSV4_OVERLAP_DECODE=0/1 overrides the default (on with graphs)
             env = os.environ.get("DSV4_OVERLAP_DECODE")
             overlap_decode = self.decode_mode == "graphs" if env is None else env == "1"
-        self.overlap_decode = overlap_decode and self.decode_runner is not None and not self.parallel.enabled
+        self.overlap_decode = (overlap_decode and self.decode_runner is not None and not self.parallel.enabled
+                               and self.data_parallel is None)
         self._launched: LaunchedDecode | None = None  # a decode step not yet read back (engine.decode_overlap)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefilled, caches kept until the decode side confirms
@@ -101,10 +107,14 @@ class EngineCore:
     def _resolve_decode_mode(self, mode: str) -> str:
         if mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {mode!r}")
+        if mode == "graphs" and self.data_parallel is not None:
+            raise ValueError("decode_mode 'graphs' is not available with data-parallel attention yet (each rank's "
+                             "token count varies per step); use 'bucketed' or 'eager'")
         if mode == "auto":
             # fp8 caches too: their fast paths (engine.attention_fp8) never sync with the host
             graphs = (self.device.type == "cuda" and use_triton(self.device) and self.dtype != torch.float32
-                      and not self.parallel.host_collectives)  # host-copied collectives cannot be captured
+                      and not self.parallel.host_collectives  # host-copied collectives cannot be captured
+                      and self.data_parallel is None)
             return "graphs" if graphs else "eager"
         if mode == "graphs" and self.device.type != "cuda":
             raise ValueError(f"decode_mode 'graphs' needs a CUDA device, got {self.device}")

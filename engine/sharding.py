@@ -25,6 +25,8 @@ follows the production V4 model (TokenSpeed's `deepseek_v4.py`):
   Either way the MoE block's output is a partial sum: one all-reduce per block.
 - vocab: `embed` and `head` split by rows (ceil(V/tp) a rank): a masked lookup + all-reduce for the
   embedding, local logits + all-gather for the head.
+- data-parallel attention (ParallelContext.data_parallel_attention, engine.dp_attention): nothing is cut;
+  each rank keeps every tensor whole except the routed experts of the other ranks.
 
 Quantised tensors are cut on their block grid: FP8 along 128-blocks (weight rows/cols and the matching
 scale blocks), MXFP4 along 32-element blocks of K. A split that does not fall on block boundaries
@@ -89,6 +91,9 @@ class Cut:
 
 def check_divisible(cfg: ModelConfig, ctx: ParallelContext) -> None:
     """ValueError naming the first dimension the group size does not split."""
+    if ctx.data_parallel_attention:  # only the routed experts are split
+        ctx.local(cfg.n_routed_experts, "n_routed_experts")
+        return
     ctx.local(cfg.num_heads, "num_attention_heads")
     ctx.local(cfg.o_groups, "o_groups")
     if cfg.n_shared_experts:
@@ -108,8 +113,9 @@ def owns(name: str, cfg: ModelConfig, ctx: ParallelContext) -> bool:
 
 def cut_of(name: str, shape: tuple[int, ...], ctx: ParallelContext) -> Cut | None:
     """This rank's cut of weight `name` of logical `shape` (dequantised shape; see `logical_shape`);
-    None = the rank keeps it whole (replicated, or one of its whole experts)."""
-    if not ctx.enabled:
+    None = the rank keeps it whole (replicated, or one of its whole experts). Under data-parallel attention
+    every tensor a rank keeps is whole: the routed experts are split by id alone (`owns`)."""
+    if not ctx.enabled or ctx.data_parallel_attention:
         return None
     if name in _VOCAB:
         rows = ctx.padded_range(shape[0])

@@ -28,17 +28,19 @@ JOIN_TIMEOUT_S = 30.0
 
 
 def _follower_main(rank: int, tp_size: int, port: int, expert_parallel: bool, build, engine_kwargs: dict,
-                   ready) -> None:
+                   ready, data_parallel_attention: bool = False) -> None:
+    from engine.dp_attention import dp_follow
     from engine.tp_executor import follow
 
     device = rank_device(engine_kwargs.get("device", "cpu"), rank)
     if device.type == "cpu":  # ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
     ready.put(rank)  # alive and about to join: rank 0 stops watching for an early death
-    ctx = init_distributed(rank, tp_size, device, port, expert_parallel=expert_parallel)
+    ctx = init_distributed(rank, tp_size, device, port, expert_parallel=expert_parallel,
+                           data_parallel_attention=data_parallel_attention)
     try:
         engine = build(**{**engine_kwargs, "device": str(device)}, parallel=ctx)
-        follow(engine)
+        (dp_follow if data_parallel_attention else follow)(engine)
     finally:
         shutdown_distributed(ctx)
 
@@ -51,7 +53,8 @@ class RankGroup:
     processes: list = field(default_factory=list)
 
     @classmethod
-    def start(cls, tp_size: int, device: str, expert_parallel: bool, build, engine_kwargs: dict) -> "RankGroup":
+    def start(cls, tp_size: int, device: str, expert_parallel: bool, build, engine_kwargs: dict,
+              data_parallel_attention: bool = False) -> "RankGroup":
         if tp_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp_size}")
         if expert_parallel and tp_size == 1:
@@ -61,19 +64,23 @@ class RankGroup:
             raise ValueError(f"--tensor-parallel-size {tp_size} needs {tp_size} GPUs, "
                              f"{torch.cuda.device_count()} visible (DSV4_TP_BACKEND=gloo lets ranks share one GPU, "
                              "slowly, to check the GPU path)")
+        if data_parallel_attention:  # (the same ValueError a rank would raise, before anything spawns)
+            ParallelContext(tp_size, 0, expert_parallel, data_parallel_attention=True)
         if tp_size == 1:
             return cls(ParallelContext(1, 0, expert_parallel))
         port = free_loopback_port()
         spawn = mp.get_context("spawn")
         ready = spawn.Queue()
         procs = [spawn.Process(target=_follower_main, name=f"dsv4-tp-rank{r}", daemon=True,
-                               args=(r, tp_size, port, expert_parallel, build, engine_kwargs, ready))
+                               args=(r, tp_size, port, expert_parallel, build, engine_kwargs, ready,
+                                     data_parallel_attention))
                  for r in range(1, tp_size)]
         for p in procs:
             p.start()
         try:
             _wait_ready(procs, ready)
-            ctx = init_distributed(0, tp_size, rank_device(device, 0), port, expert_parallel=expert_parallel)
+            ctx = init_distributed(0, tp_size, rank_device(device, 0), port, expert_parallel=expert_parallel,
+                                   data_parallel_attention=data_parallel_attention)
         except BaseException:
             _stop(procs)
             raise
@@ -81,11 +88,12 @@ class RankGroup:
 
     def close(self, engine=None) -> None:
         """Release the followers (engine: rank 0's EngineCore, None if it was never built) and join them."""
+        from engine.dp_attention import release
         from engine.tp_executor import release_followers
 
         try:
             if engine is not None:
-                release_followers(engine)
+                (release if engine.data_parallel is not None else release_followers)(engine)
         finally:
             if engine is not None:  # the followers tear the group down too: side by side, before joining
                 shutdown_distributed(self.context)

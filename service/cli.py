@@ -47,6 +47,9 @@ def _add_generate(sub) -> None:
                         "NCCL on cuda with one GPU a rank): attention heads and dense projections split")
     p.add_argument("--expert-parallel", action="store_true",
                    help="split routed experts by expert id across the tensor-parallel ranks")
+    p.add_argument("--data-parallel-attention", action="store_true",
+                   help="with --expert-parallel: each rank keeps the whole attention and runs its share of the "
+                        "prompts (its own KV cache); only the MoE layers exchange tokens")
     from service.launcher import add_engine_speed_args
 
     add_engine_speed_args(p)
@@ -83,7 +86,8 @@ def _generate(args) -> int:
               keep_mxfp4_experts=args.keep_mxfp4_experts,
               decode_mode=args.decode_mode, prefix_cache=args.prefix_cache is not False,
               tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
-              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
+              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+              data_parallel_attention=args.data_parallel_attention)
     with llm:  # releases the other ranks
         outs = llm.generate(prompts, params)
     for out in outs:
