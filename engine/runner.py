@@ -349,7 +349,8 @@ class EngineCore:
         tokens_t = sample(sel, *sampling_inputs([p.temperature for p in params], [p.top_k for p in params],
                                                 [p.top_p for p in params],
                                                 [draw_seed(c.request.seed, len(c.request.output)) for c, _ in todo],
-                                                dev))
+                                                dev),
+                          filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
         lps = torch.log_softmax(sel, dim=-1).gather(1, tokens_t.unsqueeze(1)).squeeze(1)
         both = torch.stack([tokens_t.double(), lps.double()]).tolist()  # token ids < 2**53: exact in fp64
         return [int(t) for t in both[0]], both[1]

@@ -52,16 +52,19 @@ def sampling_inputs(temperature: list[float], top_k: list[int], top_p: list[floa
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           draw_seeds: list[int] | torch.Tensor) -> torch.Tensor:
+           draw_seeds: list[int] | torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """logits: fp32 [N, V] -> int64 [N]. Rows with temperature 0 are argmax; others use the exponential race
     argmax(p / E), E ~ Exp(1) drawn from a generator seeded with the row's draw seed (equivalent to
     sampling from p). draw_seeds: a list, or int64 [N] on the logits' device (sampling_inputs).
+    filtered: False when no row asks for top-k or top-p < 1 (the caller knows from the host): the full
+    distribution is sampled without apply_top_k_top_p's sort over the vocabulary (the default OpenAI request:
+    temperature 1, top_p 1), which also keeps the far tail that the fp32 cumulative mass can round past 1.
     No device-to-host sync: an all-greedy batch is the caller's to short-cut (it knows from the host)."""
     greedy = temperature == 0
     tokens = logits.argmax(dim=-1)
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    masked = apply_top_k_top_p(logits / temp.unsqueeze(1), top_k, top_p)
-    probs = masked.softmax(dim=-1)
+    scaled = logits / temp.unsqueeze(1)
+    probs = (apply_top_k_top_p(scaled, top_k, top_p) if filtered else scaled).softmax(dim=-1)
     if logits.is_cuda and use_triton(logits.device):
         # Philox on the device (kernels.triton_sampling): per-row host generators cost ~80 ms a step at batch 64
         # and V4's vocabulary. Still a function of the draw seed alone, but another stream than the CPU's.

@@ -68,3 +68,19 @@ def test_sampling_inputs_match_separate_uploads():
     assert torch.equal(p, torch.tensor(top_ps, dtype=torch.float32)) and s.tolist() == seeds
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     assert sample(logits, t, k, p, s).tolist() == sample(logits, t, k, p, seeds).tolist()
+
+
+def test_unfiltered_sampling_equals_filtering_with_no_limits():
+    """filtered=False (no row asks for top-k / top-p < 1) skips the vocabulary sort and samples what the filter
+    with no limits samples: the same draws on logits whose cumulative mass stays below 1 in fp32, and the
+    distribution itself (test_sampling_follows_distribution's three tokens) either way."""
+    logits = torch.randn(6, 400, generator=torch.Generator().manual_seed(2)) * 3
+    t, k, p = torch.tensor([1.0, 0.7, 1.3, 0.0, 1.0, 2.0]), torch.zeros(6, dtype=torch.long), torch.ones(6)
+    for i in range(30):
+        seeds = [draw_seed(s, i) for s in range(6)]
+        assert torch.equal(sample(logits, t, k, p, seeds, filtered=False), sample(logits, t, k, p, seeds))
+    small = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    draws = [sample(small, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1), [draw_seed(0, i)],
+                    filtered=False).item() for i in range(3000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=3).float() / 3000
+    assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
