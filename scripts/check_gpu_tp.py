@@ -1,4 +1,5 @@
-"""The tensor-parallel engine's GPU path on ONE GPU: TP 2 (with and without expert parallelism) against TP 1.
+"""The tensor-parallel engine's GPU path on ONE GPU: TP 2 (with and without expert parallelism) and data-parallel
+attention (2 ranks + EP 2, engine.dp_attention: each rank its own prompts, the MoE exchange on the GPU) against TP 1.
 
 NCCL refuses two ranks on one device, so the ranks here share the GPU over gloo with host-copied collectives
 (DSV4_TP_BACKEND=gloo, engine.parallel): slow and without CUDA graphs, but every GPU kernel runs on the local
@@ -24,17 +25,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run(model_dir: str, prompts, n: int, tp: int, ep: bool) -> list:
+def run(model_dir: str, prompts, n: int, tp: int, ep: bool, dp: bool = False) -> list:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     with LLM(model_dir=model_dir, device="cuda", dtype="bfloat16", max_cached_tokens=16384, tensor_parallel_size=tp,
-             expert_parallel=ep) as llm:
+             expert_parallel=ep, data_parallel_attention=dp) as llm:
         mode = llm.engine.decode_mode
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=True))
         kv = "fp8" if llm.engine.pool.groups["swa"].quantised else "exact"
-    print(f"tp {tp}{' + ep' if ep else ''}: decode {mode}, kv cache {kv}", flush=True)
+    print(f"{_name(tp, ep, dp)}: decode {mode}, kv cache {kv}", flush=True)
     return outs
+
+
+def _name(tp: int, ep: bool, dp: bool) -> str:
+    return f"tp {tp}" + (" + ep" if ep else "") + (" (data-parallel attention)" if dp else "")
 
 
 def judge(model_dir: str, prompts, outs) -> tuple[float, float]:
@@ -68,15 +73,15 @@ def main() -> int:
     base = judge(model_dir, prompts, ref)
     print(f"[gpu tp] tp 1 vs the fp32 CPU engine: mean |dlogprob| {base[0]:.3e}, {base[1]:.3f} within 0.1", flush=True)
     status = 0
-    for ep in (False, True):
-        outs = run(model_dir, prompts, args.tokens, 2, ep)
+    for ep, dp in ((False, False), (True, False), (True, True)):  # TP 2, TP 2 + EP 2, DP attention 2 + EP 2
+        outs = run(model_dir, prompts, args.tokens, 2, ep, dp)
         same = sum(a.token_ids == b.token_ids for a, b in zip(ref, outs))
         err = judge(model_dir, prompts, outs)
         # TP 1 itself sits ~0.15 nats from the fp32 CPU engine on this model (mostly the GPU's FP8 activations),
         # so the bound is relative to it; a wrongly cut weight measures ~1 nat.
         ok = err[0] <= max(0.08, 1.5 * base[0])
         status |= not ok
-        print(f"[gpu tp] tp 2{' + ep' if ep else ''}: {same}/{len(prompts)} outputs identical to tp 1; vs the fp32 CPU "
+        print(f"[gpu tp] {_name(2, ep, dp)}: {same}/{len(prompts)} outputs identical to tp 1; vs the fp32 CPU "
               f"engine: mean |dlogprob| {err[0]:.3e}, {err[1]:.3f} within 0.1 -> {'ok' if ok else 'MISMATCH'}",
               flush=True)
     return status
