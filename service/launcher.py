@@ -357,21 +357,39 @@ def add_engine_speed_args(parser: argparse.ArgumentParser) -> None:
                              "default)")
 
 
+LOCAL_START_ATTEMPTS = 3  # init_ray: a fresh local cluster that misses Ray's start-up deadline is started again
+
+
 def init_ray(metrics_dir: str, extra_env: dict | None = None) -> None:
     """Start a fresh local cluster unless RAY_ADDRESS is set; our workers share the metrics directory.
 
     `address="local"` so a stale /tmp/ray/ray_current_cluster from an earlier run is never joined. The
     metrics variable reaches our processes through the job's runtime_env only: Ray's own daemons (raylet,
     dashboard agent), spawned by ray.init, must not inherit it or their metrics would mix into ours.
+    A local cluster that misses Ray's start-up deadline is started again, up to LOCAL_START_ATTEMPTS times.
     """
     import ray
 
     env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            **(extra_env or {})}
+    address = os.environ.get("RAY_ADDRESS") or "local"
     saved = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     try:
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env={"env_vars": env},
-                 include_dashboard=False, logging_level="WARNING")
+        for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+            try:
+                ray.init(address=address, runtime_env={"env_vars": env}, include_dashboard=False,
+                         logging_level="WARNING")
+                return
+            except Exception as e:
+                # A fresh local cluster can miss Ray's start-up deadline on a loaded machine ("The current node
+                # timed out during startup": its raylet had not registered; seen once on the 2-core CI box).
+                # Start it again; a cluster named by RAY_ADDRESS is someone else's to fix.
+                if address != "local" or attempt == LOCAL_START_ATTEMPTS:
+                    raise
+                print(f"dsv4: the local Ray cluster did not start ({type(e).__name__}: {e}); starting it again "
+                      f"({attempt + 1}/{LOCAL_START_ATTEMPTS})", file=sys.stderr, flush=True)
+                ray.shutdown()
+                time.sleep(2.0 * attempt)
     finally:
         if saved is not None:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved
