@@ -24,6 +24,8 @@ requests from the router). The tokens and log-probs equal one engine's (tests/en
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from engine.parallel import ParallelContext
 from engine.request import GenerationOutput
 from engine.sampling_params import SamplingParams
@@ -64,12 +66,7 @@ def _run_share(engine, job) -> list[tuple[int, GenerationOutput]]:
 def dp_generate(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationOutput]:
     """Rank 0: run one generate() call across the group -> outputs in prompt order."""
     ctx = engine.data_parallel
-    job = ctx.broadcast_object((prompts, params))
-    parts = [None] * ctx.tp_size
-    import torch.distributed as dist
-
-    mine = _run_share(engine, job)
-    dist.all_gather_object(parts, mine, group=ctx.cpu_group if ctx.cpu_group is not None else ctx.group)
+    parts = _gather_outputs(ctx, _run_share(engine, ctx.broadcast_object((prompts, params))))
     out: list = [None] * len(prompts)
     for part in parts:
         for i, o in part:
@@ -79,18 +76,21 @@ def dp_generate(engine, prompts: list[list[int]], params: list[SamplingParams]) 
 
 def dp_follow(engine) -> int:
     """Ranks other than 0: serve rank 0's generate() calls until it releases them. -> calls served."""
-    import torch.distributed as dist
-
     ctx = engine.data_parallel
     calls = 0
     while True:
         job = ctx.broadcast_object()
         if job == STOP:
             return calls
-        mine = _run_share(engine, job)
-        dist.all_gather_object([None] * ctx.tp_size, mine,
-                               group=ctx.cpu_group if ctx.cpu_group is not None else ctx.group)
+        _gather_outputs(ctx, _run_share(engine, job))
         calls += 1
+
+
+def _gather_outputs(ctx: ParallelContext, mine: list) -> list[list]:
+    """Every rank's (prompt index, output) pairs, in rank order, over the host-side group."""
+    parts: list = [None] * ctx.tp_size
+    dist.all_gather_object(parts, mine, group=ctx.cpu_group if ctx.cpu_group is not None else ctx.group)
+    return parts
 
 
 def release(engine) -> None:
