@@ -114,12 +114,13 @@ def _graphs(core: EngineCore) -> int:
 
 
 def bench_decode(core: EngineCore, cfg: ModelConfig, rec: ExpertRecorder, batch: int, ctx: int, warmup: int,
-                 steps: int, clock: Clock, reserve_s: float, seed: int) -> dict:
-    """Median step time of `batch` requests decoding at context `ctx` (caches synthetic, see module doc)."""
+                 steps: int, clock: Clock, reserve_s: float, seed: int, temperature: float = 0.0) -> dict:
+    """Median step time of `batch` requests decoding at context `ctx` (caches synthetic, see module doc).
+    temperature > 0: seeded sampling (top_p 1, no top-k: the OpenAI default), not greedy: no overlapped steps."""
     device = core.device
     g = torch.Generator().manual_seed(seed)
     extra = 4  # timed steps that captured a graph are dropped and replaced, up to this many
-    params = SamplingParams(max_new_tokens=warmup + steps + extra + 2, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=warmup + steps + extra + 2, ignore_eos=True, temperature=temperature)
     prompt = torch.randint(2, cfg.vocab_size, (ctx,), generator=g).tolist()
     first = torch.randint(2, cfg.vocab_size, (batch,), generator=g).tolist()
     rids = [f"dec-b{batch}-c{ctx}-{b}" for b in range(batch)]

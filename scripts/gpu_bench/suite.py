@@ -28,7 +28,7 @@ from engine.fast_paths import use_triton
 from .engine_bench import ExpertRecorder, bench_decode, bench_prefill, profile_decode, profile_prefill
 from .measure import Clock, measure_roofs
 from .peer import bench_transformers, transformers_info
-from .report import environment, verdicts
+from .report import environment, fmt_k, verdicts
 from .roofline import check_geometry, decode_figures, prefill_figures
 from .slice_model import (
     EXPERT_FORMATS,
@@ -163,6 +163,7 @@ class Suite:
                 self.run_decode(c)
             if self.profile_info is None:
                 self.profile_info = self.profile()  # one profiled decode step, first format only
+                self.sampled_decode()  # first format only too
             self.prefills.append(self.prefill())  # one long prompt in one step
             for c in (c for c in p.contexts if c > 8192):
                 self.run_decode(c)
@@ -242,6 +243,28 @@ class Suite:
             print(f"decode b={b} ctx={ctx_len}: Triton path failed ({e!r}); retrying with DSV4_TRITON=0", flush=True)
             os.environ["DSV4_TRITON"] = "0"
             return bench_decode(*args, seed=b * 7 + ctx_len)
+
+    def sampled_decode(self) -> None:
+        """Batch 64 (or the largest batch) at the smallest context with temperature 1 (the OpenAI default): its
+        step next to the greedy row's, as a note. Sampled steps neither overlap nor pick inside the graph."""
+        p = self.plan
+        b, c = (64 if 64 in p.batches else max(p.batches)), min(p.contexts)
+        greedy = next((r for r in self.decode if r.get("batch") == b and r.get("ctx") == c and "skip" not in r), None)
+        if greedy is None or self.clock.left() - self.reserve < 4 * greedy["step_ms"] / 1e3 * (p.warmup + p.steps) + 5:
+            return
+        try:
+            r = bench_decode(self.core, self.cfg, self.rec, b, c, p.warmup, p.steps, self.clock, self.reserve,
+                             seed=b * 7 + c, temperature=1.0)
+        except Exception as e:  # noqa: BLE001
+            print(f"sampled decode: FAILED {type(e).__name__}: {e}", flush=True)
+            return
+        ms = r["step_s"] * 1e3
+        print(f"decode sampled (temperature 1) b={b} ctx={c}: {ms:.1f} ms/step vs greedy {greedy['step_ms']:.1f}",
+              flush=True)
+        self.notes.append(f"Sampled decode (temperature 1, top_p 1, seeded; experts {self.engine['experts']}), batch "
+                          f"{b}, context {fmt_k(c)}: {ms:.1f} ms a step against greedy's {greedy['step_ms']:.1f} "
+                          f"({ms / greedy['step_ms']:.2f}x; decode mode `{self.core.decode_mode}`: under graphs a "
+                          "sampled step is not overlapped and samples outside the graph).")
 
     # ---- profile, prefill, peer -------------------------------------------------------------------
     def profile(self) -> dict | None:
