@@ -7,7 +7,8 @@ data-parallel, each rank holds whole attention weights and its own requests' cac
 requests, and only the MoE layers talk (DeepSeek's own serving layout, SGLang's --enable-dp-attention).
 
 Per step, every rank runs one forward of its own tokens (engine.model.DeepseekV4Model.forward): the token counts
-are exchanged once (a host-side all-gather), and each MoE layer gathers every rank's tokens, runs this rank's
+(a host-side all-gather) and token ids are exchanged once (ParallelContext.token_exchange), and each MoE layer
+gathers every rank's activations, runs this rank's
 experts on the pairs routed to them, and returns the partial sums to the tokens' ranks (engine.moe.MoEBlock
 ._forward_dp). So the ranks must step together: `run_lockstep` has each rank say whether it has work, and while
 any has, every rank runs exactly one forward a step: its own step, or `idle_forward` (no tokens, its experts

@@ -116,7 +116,7 @@ class DeepseekV4Model:
         main, compress = self._position_ropes(batch.positions)
         ropes = {"main": main, "compress": compress, "compress_at": _memo_by_tensor(self.ropes["compress"])}
         self.forwards += 1
-        dp_counts = self.parallel.gather_counts(batch.num_tokens) if self.parallel.data_parallel_attention else None
+        dp = self.parallel.token_exchange(batch.token_ids) if self.parallel.data_parallel_attention else None
         h = vocab_embed(self.embed, batch.token_ids, self.parallel.attention)
         # [T, hc, hidden] in the residual dtype: the cast and the hc broadcast as one copy (one kernel, not two)
         streams = torch.empty((h.shape[0], cfg.hc_mult, h.shape[1]), dtype=self.residual_dtype, device=h.device)
@@ -127,7 +127,7 @@ class DeepseekV4Model:
             out = self.attn[i].forward(x, batch, pool, ropes)
             streams = self._mhc(streams).hc_post(out, streams, post, comb)
             x, post, comb = self._hc(lw, "ffn", streams)
-            out = self.moe[i].forward(x, batch.token_ids, dp_counts)
+            out = self.moe[i].forward(x, batch.token_ids, dp)
             streams = self._mhc(streams).hc_post(out, streams, post, comb)
         return self.logits(streams[batch.logit_rows])
 
@@ -137,11 +137,11 @@ class DeepseekV4Model:
         exchange (its routed experts serve the other ranks' tokens), in the order a forward would."""
         if not self.parallel.data_parallel_attention:
             raise RuntimeError("idle_forward is for ranks of a data-parallel attention group")
-        dp_counts = self.parallel.gather_counts(0)
-        x = torch.empty((0, self.cfg.hidden_size), dtype=self.dtype, device=self.device)
         ids = torch.empty(0, dtype=torch.long, device=self.device)
+        dp = self.parallel.token_exchange(ids)
+        x = torch.empty((0, self.cfg.hidden_size), dtype=self.dtype, device=self.device)
         for moe in self.moe:
-            moe.forward(x, ids, dp_counts)
+            moe.forward(x, ids, dp)
 
     def _position_ropes(self, positions: torch.Tensor) -> tuple[tuple, tuple]:
         """(cos, sin) of the main and the compress RoPE at `positions`, each fp32 [T, dim // 2]: both from one

@@ -22,7 +22,7 @@ from engine.config import ModelConfig
 from engine.fast_paths import mxfp4_moe_backend, use_grouped_moe, use_mxfp4_moe, use_triton
 from engine.linear import (can_concat_rows, concat_rows, linear, pow2_activations, split_rows, take_fp8_weights,
                            uses_fp8_gemm)
-from engine.parallel import SINGLE, ParallelContext
+from engine.parallel import SINGLE, ParallelContext, TokenExchange
 from kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
 from kernels.quant import dequant_mxfp4
 
@@ -204,26 +204,26 @@ class MoEBlock:
             act = swiglu(gate, up, limit)
         return linear(act, w2)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, dp_counts: list[int] | None = None) -> torch.Tensor:
-        """x: [T, H] -> [T, H]. dp_counts: every rank's token count this step, under data-parallel attention."""
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, dp: TokenExchange | None = None) -> torch.Tensor:
+        """x: [T, H] -> [T, H]. dp: the step's token exchange, under data-parallel attention."""
         if self.parallel.data_parallel_attention:
-            return self._forward_dp(x, token_ids, dp_counts)
+            return self._forward_dp(x, dp)
         # One all-reduce for the block: routed (this rank's experts or expert slices) + shared (its slice).
         return self.parallel.all_reduce(self.routed(x, token_ids, self.shared_expert(x)))
 
-    def _forward_dp(self, x: torch.Tensor, token_ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _forward_dp(self, x: torch.Tensor, dp: TokenExchange | None) -> torch.Tensor:
         """Data-parallel attention (engine.dp_attention): each rank brings its own tokens. They are gathered
         from every rank (zero-padded to the largest count), every rank routes them all (the router is
         replicated, so all agree) and runs its own experts on the pairs routed there, the partial sums go back
         to the tokens' ranks summed (reduce-scatter), and the shared expert (whole on every rank) runs on the
         rank's own tokens. An idle rank comes with no tokens and still serves its experts."""
+        counts = dp.counts if dp is not None else None
         if counts is None or len(counts) != self.parallel.tp_size or counts[self.parallel.rank] != x.shape[0]:
             raise ValueError(f"data-parallel MoE needs every rank's token count (this rank has {x.shape[0]}), "
                              f"got {counts}")
         if max(counts) == 0:  # a step in which no rank had tokens (every rank agrees: nothing to exchange)
             return torch.zeros_like(x)
         xs = self.parallel.gather_rows(x, counts)
-        ids = self.parallel.gather_rows(token_ids, counts)
-        routed = self.parallel.reduce_rows(self.routed(xs, ids), counts)
+        routed = self.parallel.reduce_rows(self.routed(xs, dp.token_ids), counts)
         return routed + self.shared_expert(x) if x.shape[0] else routed
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -159,13 +160,20 @@ class ParallelContext:
         return collective(x.cpu()).to(x.device)
 
     # ---- data-parallel attention: the MoE layers' token exchange --------------------------------
+    def token_exchange(self, token_ids: torch.Tensor) -> "TokenExchange":
+        """One step's exchange plan from this rank's token ids [T]: every rank's count and every rank's ids,
+        gathered once a step (each MoE layer then gathers only its activations)."""
+        counts = tuple(self.gather_counts(token_ids.shape[0]))
+        ids = self.gather_rows(token_ids, counts) if max(counts) else token_ids
+        return TokenExchange(counts, ids)
+
     def gather_counts(self, n: int) -> list[int]:
         """Every rank's `n` (a host int), in rank order, over the host-side group: no device sync."""
         out = [0] * self.tp_size
         dist.all_gather_object(out, int(n), group=self.cpu_group if self.cpu_group is not None else self.group)
         return out
 
-    def gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def gather_rows(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """x: this rank's [counts[rank], ...] rows -> [tp_size * max(counts), ...]: rank r's rows at
         r * max(counts), each block zero-padded to max(counts) rows (collectives need equal sizes)."""
         width = max(counts)
@@ -178,7 +186,7 @@ class ParallelContext:
         dist.all_gather(parts, wire, group=self.group)
         return torch.cat(parts).to(x.dtype)
 
-    def reduce_rows(self, y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def reduce_rows(self, y: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """y: [tp_size * max(counts), ...] partial sums laid out as gather_rows gave them -> this rank's
         [counts[rank], ...] rows summed over the ranks (NCCL: a reduce-scatter; gloo has none: an all-reduce)."""
         width = max(counts)
@@ -199,6 +207,15 @@ class ParallelContext:
 
 
 SINGLE = ParallelContext()
+
+
+@dataclass(frozen=True)
+class TokenExchange:
+    """One step's data-parallel MoE exchange (ParallelContext.token_exchange): counts[r] = rank r's tokens;
+    token_ids: [tp_size * max(counts)] every rank's ids as gather_rows lays rows out (empty when no rank has any)."""
+
+    counts: tuple[int, ...]
+    token_ids: torch.Tensor
 
 
 def _gloo_16bit(x: torch.Tensor) -> bool:

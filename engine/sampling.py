@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.batch import to_device_nonblocking
 from engine.fast_paths import use_triton
 
 
@@ -44,8 +45,6 @@ def sampling_inputs(temperature: list[float], top_k: list[int], top_p: list[floa
     synchronised the stream before: the host then launched the sampling kernels only once the forward had
     ended). The floats travel as fp64 bits in the one int64 tensor and round to fp32 on the device exactly as
     they would on the host; draw seeds are < 2**63."""
-    from engine.batch import to_device_nonblocking
-
     floats = torch.tensor([temperature, top_p], dtype=torch.float64).view(torch.int64)
     packed = to_device_nonblocking(torch.cat([floats, torch.tensor([top_k, draw_seeds], dtype=torch.int64)]), device)
     return (packed[0].view(torch.float64).float(), packed[2], packed[1].view(torch.float64).float(), packed[3])

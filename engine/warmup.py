@@ -89,7 +89,7 @@ def warmup_enabled(engine) -> bool:
     """On a one-rank CUDA engine unless $DSV4_WARMUP=0 (not a data-parallel attention rank either: its forwards
     are collectives its peers must join)."""
     return (warmup_mode() != "0" and engine.device.type == "cuda" and not engine.parallel.enabled
-            and getattr(engine, "data_parallel", None) is None)
+            and engine.data_parallel is None)
 
 
 def prompt_ladder(max_batch_tokens: int, max_prompt: int) -> list[int]:
