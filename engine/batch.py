@@ -67,6 +67,14 @@ def to_device_nonblocking(host: torch.Tensor, device) -> torch.Tensor:
     return host.to(device)
 
 
+def copy_nonblocking_(dst: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """dst.copy_(host) without waiting for the device: through pinned memory when dst is on CUDA (the caching
+    host allocator keeps the pinned block until the copy has run)."""
+    if dst.is_cuda:
+        return dst.copy_(host.pin_memory(), non_blocking=True)
+    return dst.copy_(host)
+
+
 @dataclass(frozen=True)
 class _Sizes:
     """Host-side lengths of one step (from the request lists): every data-dependent size build_step needs."""

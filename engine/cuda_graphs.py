@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.batch import copy_nonblocking_
 from engine.cache import CachePool
 from engine.decode_batch import BlockTables, DecodeInputs, DecodeShape, derive_decode_batch
 from engine.sampling import greedy_pick
@@ -115,9 +116,8 @@ class DecodeRunner:
             batch = derive_decode_batch(self.pool, self.block_tables, inputs, shape)
             return self.model.forward(batch, self.pool)[:n]
         graph = self.graphs.get(shape) or self._capture(shape)
-        # Pinned + non_blocking: the host does not wait for the steps queued before this one (the caching host
-        # allocator keeps the pinned block until the copy has run).
-        graph.inputs.packed.copy_(host.packed.pin_memory(), non_blocking=True)
+        # Pinned + non_blocking: the host does not wait for the steps queued before this one.
+        copy_nonblocking_(graph.inputs.packed, host.packed)
         if token_source is not None:
             graph.inputs.packed[0, :n].copy_(token_source)
         graph.graph.replay()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import CompressPlan, RingWrite, SourceRows, StepBatch, VisibleEntries, paged_rows
+from engine.batch import CompressPlan, RingWrite, SourceRows, StepBatch, VisibleEntries, copy_nonblocking_, paged_rows
 from engine.cache import CachePool
 from engine.fast_paths import use_triton
 
@@ -143,7 +143,7 @@ class BlockTables:
         # one host-to-device copy a new row, after the steps already queued (which read the old row) and without
         # waiting for them: under overlapped decode a step is in flight whenever a request joins or grows a page
         host = torch.tensor(line, dtype=torch.long)
-        self.table[row].copy_(host.pin_memory() if self.table.is_cuda else host, non_blocking=self.table.is_cuda)
+        copy_nonblocking_(self.table[row], host)
 
 
 def _decode_sources(p: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, ring_page: torch.Tensor,

@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--index-cache", choices=("auto", "mxfp4", "fp8"), default="auto",
                     help="indexer keys of the fp8 cache (dsv4's --index-cache-dtype): auto = FP8 on Hopper, else MXFP4")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--profile-batch", type=int, default=None, help="batch of the profiled decode step (default 64)")
+    ap.add_argument("--profile-dump", default=None,
+                    help="write the profiled decode step's kernels, in launch order with device us, to this file")
     ap.add_argument("--out", default=None, help="also write the markdown section to this file")
     ap.add_argument("--write", action="store_true", help="put the section into BENCHMARKS.md")
     ap.add_argument("--merge", default=None, help="put this section file into BENCHMARKS.md and exit")

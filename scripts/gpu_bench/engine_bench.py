@@ -159,7 +159,8 @@ def bench_decode(core: EngineCore, cfg: ModelConfig, rec: ExpertRecorder, batch:
             "graphs": _graphs(core), "touched": rec.touched_per_layer(cfg.num_layers)}
 
 
-def profile_decode(core: EngineCore, cfg: ModelConfig, batch: int, ctx: int, seed: int) -> dict:
+def profile_decode(core: EngineCore, cfg: ModelConfig, batch: int, ctx: int, seed: int,
+                   dump: str | None = None) -> dict:
     """One decode step under torch.profiler: kernels launched, summed kernel time, top kernels by device time
     (grouped by kernel name: under CUDA graphs the kernels are not attributed to torch ops).
 
@@ -192,7 +193,21 @@ def profile_decode(core: EngineCore, cfg: ModelConfig, batch: int, ctx: int, see
         core.overlap_decode = overlap
         for rid in rids:
             core.abort(rid)
+    if dump:
+        _dump_kernels(prof, dump)
     return {**_kernel_table(prof, 8), "wall_ms": wall * 1e3, "per_layer": _kernel_table(prof, 0)["kernels"] / cfg.num_layers}
+
+
+def _dump_kernels(prof, path: str) -> None:
+    """Every kernel of a profiled run in launch order: start us (from the first), device us, name. Under CUDA
+    graphs the kernels carry no torch op, so the order is what ties each to the model code."""
+    evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda ev: ev.time_range.start)
+    t0 = evs[0].time_range.start if evs else 0.0
+    with open(path, "w") as f:
+        for ev in evs:
+            start, us = ev.time_range.start - t0, ev.time_range.end - ev.time_range.start
+            f.write(f"{start:9.1f} {us:7.1f}  {ev.name[:140]}\n")
 
 
 def _kernel_table(prof, top: int) -> dict:

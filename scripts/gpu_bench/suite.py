@@ -63,6 +63,8 @@ class Plan:
     experts: tuple[str, ...] = EXPERT_FORMATS  # routed-expert formats, one engine each, in this order
     dense: str = "auto"  # dense projections: "fp8" (DeepGEMM, where it runs), "bf16", or "auto" (fp8 if it runs)
     index_cache: str = "auto"  # indexer keys of an fp8 cache: "mxfp4", "fp8" or "auto" (FP8 on Hopper)
+    profile_batch: int | None = None  # the profiled decode step's batch (default 64, or the largest batch)
+    profile_dump: str | None = None  # also write the profiled step's kernels, in launch order, to this file
 
     @property
     def mm_n(self) -> int:  # the matmul size measure_roofs uses
@@ -80,7 +82,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if bad:
         raise ValueError(f"--experts takes {EXPERT_FORMATS}, got {bad}")
     return dataclasses.replace(_plan(args, device), experts=experts, dense=getattr(args, "dense", None) or "auto",
-                               index_cache=getattr(args, "index_cache", None) or "auto")
+                               index_cache=getattr(args, "index_cache", None) or "auto",
+                               profile_batch=getattr(args, "profile_batch", None),
+                               profile_dump=getattr(args, "profile_dump", None))
 
 
 def _plan(args: argparse.Namespace, device: str) -> Plan:
@@ -268,13 +272,13 @@ class Suite:
 
     # ---- profile, prefill, peer -------------------------------------------------------------------
     def profile(self) -> dict | None:
-        """Batch 64 at the smallest context (or the largest batch in smoke); None when not run."""
+        """Batch 64 (or --profile-batch, or the largest batch) at the smallest context; None when not run."""
         p = self.plan
-        pb, pc = (64 if 64 in p.batches else max(p.batches)), min(p.contexts)
+        pb, pc = p.profile_batch or (64 if 64 in p.batches else max(p.batches)), min(p.contexts)
         if not (p.cuda or p.smoke) or self.clock.left() - self.reserve <= (5 if p.smoke else 25):
             return None
         try:
-            info = profile_decode(self.core, self.cfg, pb, pc, seed=99)
+            info = profile_decode(self.core, self.cfg, pb, pc, seed=99, dump=p.profile_dump)
             info.update(batch=pb, ctx=pc, experts=self.engine["experts"], decode_mode=self.core.decode_mode)
             print(f"profile b={pb} ctx={pc}: {info['kernels']} kernels, busy {info['busy_ms']:.1f} ms "
                   f"of {info['wall_ms']:.1f} ms", flush=True)
