@@ -50,7 +50,7 @@ class TransferStats:
     descriptors: int
     seconds: float  # the whole pull in the calling thread: plan, data movement, scatter, confirmation
     wire_seconds: float = 0.0  # the data movement alone (NIXL: each READ from post to DONE; TCP: the socket reads)
-    scatter_seconds: float = 0.0  # a staged pull's scatter into the pool's pages, its wait included (NIXL staging)
+    scatter_seconds: float = 0.0  # a staged pull's scatter into the pool's pages (NIXL staging; on CUDA: queueing it)
 
 
 ReleaseCallback = Callable[[str, "str | None"], None]  # (request_id, error or None on success)

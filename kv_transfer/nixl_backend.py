@@ -220,7 +220,7 @@ class NixlBackend(TransferBackend):
         layout = staged_layout(plan, self.specs)
         if layout.nbytes == 0:
             return None
-        offset = self.staging.arena.alloc(layout.nbytes)
+        offset = self.staging.alloc(layout.nbytes)
         if offset is None:
             self._count("fallback_source", f"no {layout.nbytes}-byte staging range free for exporting "
                         f"{request_id!r} ({self.staging.arena.largest_free} of {self.staging.arena.capacity} "
@@ -237,7 +237,7 @@ class NixlBackend(TransferBackend):
         return staging
 
     def _unstage(self, request_id: str, staging) -> None:
-        self.staging.arena.free(staging[0])
+        self.staging.release(staging[0])
 
     # ---- decode side -------------------------------------------------------------------------------------
     def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> int:
@@ -268,27 +268,28 @@ class NixlBackend(TransferBackend):
         if nbytes != layout.nbytes or src_off < 0 or src_off + nbytes > src[1]:
             raise TransferError(f"{what}: staged range {ticket.staging} does not match the plan "
                                 f"({layout.nbytes} bytes) or the source's staging buffer ({src[1]} bytes)")
-        offset = self.staging.arena.alloc(nbytes)
+        offset = self.staging.alloc(nbytes)
         if offset is None:
             self._count("fallback_destination", f"no {nbytes}-byte staging range free for pulling "
                         f"{ticket.request_id!r} ({self.staging.arena.largest_free} of "
                         f"{self.staging.arena.capacity} bytes contiguous free)")
             return None
-        keep = False
+        keep, scattered = False, None
         try:
             base, dev = self.staging.tensor.data_ptr(), _mem(self.staging.tensor)[1]
             local = np.array([(base + offset, nbytes, dev)], dtype=np.uint64)
             remote = np.array([(src[0] + src_off, nbytes, src[2])], dtype=np.uint64)
             self._xfer(ticket, local, remote, done, deadline, what, nbytes)
             t0 = time.monotonic()
-            self.staging.scatter(offset, layout)  # waits for its copies: the range is free to reuse after
+            # queued on this thread's current stream, the engine's (kv_transfer.staging): not waited for here
+            scattered = self.staging.scatter(offset, layout)
             self._on_scatter(time.monotonic() - t0)
         except _Uncancelled:
             keep = True  # a READ that may still land there: never hand the range out again
             raise
         finally:
             if not keep:
-                self.staging.arena.free(offset)
+                self.staging.release(offset, scattered)  # held until the queued scatter has read it
         self._count("staged")
         return 1
 

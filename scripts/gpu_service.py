@@ -208,7 +208,8 @@ def _gap_lines(serve: dict, raw: dict | None) -> list[str]:
             if ms:  # (runs before 2026-12-02 10:30 UTC: none)
                 out.append(f"- A pull's mean milliseconds: {ms['seconds']:.2f} on the decode worker, "
                            f"{ms['pull_seconds']:.2f} in the backend's pull, {ms['wire_seconds']:.2f} in its READs, "
-                           f"{ms['scatter_seconds']:.2f} in the staged scatter into the pages (its kernel and wait).")
+                           f"{ms['scatter_seconds']:.2f} in the staged scatter into the pages (since 2026-12-02 13:30 "
+                           "only queueing it on the engine's stream: the pull no longer waits for its copies).")
     for t in serve.get("tokens", []):
         out.append(f"- Tokens: {t['topology']} gave the colocated engine's greedy tokens for {t['identical']} of "
                    f"{t['requests']} prompts sent one at a time ({serve['max_new_tokens']} tokens each)"

@@ -336,10 +336,49 @@ def test_bad_staging_bytes_fail_with_the_value(value, monkeypatch):
         make_backend("nixl", pool)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: the scatter's own CUDA stream")
-def test_scatter_does_not_wait_for_work_queued_on_the_engine_stream():
-    """The decode side's scatter runs on a stream of its own: a busy default stream (a decode engine's queued
-    steps) does not hold it up, and the pages get the staged bytes (read back by a gather)."""
+class _Done:
+    """Stands in for a CUDA event on the CPU (StagingBuffer only calls query and synchronize)."""
+
+    def __init__(self):
+        self.done = False
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.done = True
+
+
+def test_a_released_range_is_held_until_its_scatter_has_run():
+    """release(offset, event) holds the range until the event completes; alloc reclaims finished ones first, and
+    waits for held ones rather than fail when nothing else is free."""
+    from engine.cache import CachePool
+    from kv_transfer.staging import StagingBuffer
+    from tests.kv_transfer.test_kv_transfer import CFG
+
+    buf = StagingBuffer(CachePool(CFG, DST_CACHE, torch.bfloat16, "cpu"), 4 * STAGING_ALIGN)
+    whole = buf.arena.capacity
+    a = buf.alloc(whole)
+    ev = _Done()
+    buf.release(a, ev)
+    assert buf.arena.allocated() == {a: whole} and buf.reclaim() == 0  # still queued: held
+    ev.done = True
+    assert buf.reclaim() == 1 and buf.arena.allocated() == {}
+    b = buf.alloc(whole)
+    ev = _Done()
+    buf.release(b, ev)
+    assert buf.alloc(whole) == b and ev.waited == 1  # full: waited for the held scatter instead of failing
+    buf.release(b)  # no event (the CPU's scatter is done on return): freed now
+    assert buf.arena.allocated() == {} and buf.arena.free_bytes == whole
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: the scatter queued on the engine's stream")
+def test_scatter_is_queued_without_waiting_and_holds_its_range_until_it_ran():
+    """The decode side's scatter is queued on the current stream (the decode engine's) and not waited for: a
+    busy stream (the engine's queued steps) does not hold up the pulling thread; its staging range stays held
+    until the scatter has run; the pages get the staged bytes (read back by a gather)."""
     import time
 
     from engine.cache import CachePool
@@ -351,21 +390,25 @@ def test_scatter_does_not_wait_for_work_queued_on_the_engine_stream():
     table = dst_tables(pool, 1)[0]
     layout = staged_layout(build_plan(specs, table, table, NUM_TOKENS), specs)
     buf = StagingBuffer(pool, 2 * layout.nbytes + 2 * STAGING_ALIGN)
-    src, back = buf.arena.alloc(layout.nbytes), buf.arena.alloc(layout.nbytes)
+    src, back = buf.alloc(layout.nbytes), buf.alloc(layout.nbytes)
     g = torch.Generator(device="cuda").manual_seed(5)
     buf.tensor[src:src + layout.nbytes].copy_(torch.randint(0, 256, (layout.nbytes,), generator=g, device="cuda",
                                                             dtype=torch.uint8))
+    staged = buf.tensor[src:src + layout.nbytes].clone()
     # One scatter first: a kernel's first launch loads its module (CUDA's lazy loading), which waits for the
     # device's queued work (seen on the H200: 1.5 s here); the steady state, every later pull, does not.
     buf.scatter(src, layout)
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(3e9))  # ~1.5 s of work queued on the default stream
+    torch.cuda._sleep(int(3e9))  # ~1.5 s of work queued on the stream
     t = time.perf_counter()
-    buf.scatter(src, layout)
+    event = buf.scatter(src, layout)
     took = time.perf_counter() - t
+    buf.release(src, event)
+    assert took < 0.5, f"the scatter waited {took:.2f} s for the stream's queued work"
+    assert not event.query() and src in buf.arena.allocated() and buf.reclaim() == 0  # queued: range held
     torch.cuda.synchronize()
-    assert took < 0.5, f"the scatter waited {took:.2f} s: it queued behind the default stream's work"
+    assert buf.reclaim() == 1 and src not in buf.arena.allocated()
     buf.gather(back, layout)
     for grp in layout.groups:
-        a, b = src + grp.offset, back + grp.offset
-        assert torch.equal(buf.tensor[a:a + grp.nbytes], buf.tensor[b:b + grp.nbytes]), grp.name
+        b = back + grp.offset
+        assert torch.equal(staged[grp.offset:grp.offset + grp.nbytes], buf.tensor[b:b + grp.nbytes]), grp.name
