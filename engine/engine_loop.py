@@ -6,6 +6,11 @@ concurrent Future) and per-request event sinks. The thread steps while there is 
 inbox when idle, so an idle worker costs no CPU.
 
 Users: the prefill and decode worker actors, and the in-process `router.local_dispatch.LocalWorker`.
+An engine of a data-parallel attention group (EngineCore.data_parallel) steps in lockstep with its peers, as
+engine.dp_attention.run_lockstep does for a batch: each tick the ranks all-gather whether they have work, and while
+any has, every rank runs exactly one forward (its own step, or an idle forward whose experts serve the others).
+Such a loop never blocks on its inbox (its peers wait in the tick's collective); an idle group ticks every
+IDLE_TICK_S.
 When the loop ends (stop, or an exception from a step or `on_step`), every subscriber and every queued
 or later call gets `LoopStopped`, except that a failed step hands its own exception to the subscribers;
 `error` keeps the exception that ended the loop (None after a plain stop).
@@ -24,6 +29,7 @@ from engine.request import TokenEvent
 from engine.runner import EngineCore
 
 _STOP = object()
+IDLE_TICK_S = 0.002  # data-parallel attention: how often an idle group's ranks meet to look for work
 
 
 class LoopStopped(RuntimeError):
@@ -117,25 +123,10 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
-            while self._drain(block=not self.engine.has_work):
-                if not self.engine.has_work:
-                    continue
-                self.step_started = time.monotonic()
-                try:
-                    events = self.engine.step()
-                except BaseException as e:  # a failed step fails every subscriber
-                    for sink in self._sinks.values():
-                        sink.put(e)
-                    self._sinks.clear()
-                    raise
-                finally:
-                    self.step_started = None
-                self.last_step_time = time.monotonic()
-                self._deliver(events)
-                if self.on_step is not None:
-                    self.on_step(self.engine, events)
-                if not events:
-                    time.sleep(0.001)  # nothing admissible (cache full): do not spin
+            if self.engine.data_parallel is not None:
+                self._run_lockstep()
+            else:
+                self._run_alone()
         except BaseException as e:
             self.error = e
             raise
@@ -146,6 +137,47 @@ class EngineLoop:
                 sink.put(LoopStopped("engine loop stopped"))
             self._sinks.clear()
             self._fail_pending()
+
+    def _run_alone(self) -> None:
+        while self._drain(block=not self.engine.has_work):
+            if not self.engine.has_work:
+                continue
+            if not self._step():
+                time.sleep(0.001)  # nothing admissible (cache full): do not spin
+
+    def _run_lockstep(self) -> None:
+        """One rank of a data-parallel attention group (module docstring)."""
+        engine, ctx = self.engine, self.engine.data_parallel
+        while self._drain(block=False):
+            if not any(ctx.gather_counts(int(engine.has_work))):
+                time.sleep(IDLE_TICK_S)
+                continue
+            before = engine.model.forwards
+            if engine.has_work:
+                self._step()
+            ran = engine.model.forwards - before
+            if ran == 0:  # no work here, or nothing admissible: this rank's experts still serve the others
+                engine.model.idle_forward()
+            elif ran > 1:  # (an EngineCore step runs at most one forward without graphs or overlap)
+                raise RuntimeError(f"a data-parallel step ran {ran} forwards; the ranks' exchanges no longer pair up")
+
+    def _step(self) -> list[TokenEvent]:
+        """One engine step; its events go to their sinks. A failed step fails every subscriber."""
+        self.step_started = time.monotonic()
+        try:
+            events = self.engine.step()
+        except BaseException as e:
+            for sink in self._sinks.values():
+                sink.put(e)
+            self._sinks.clear()
+            raise
+        finally:
+            self.step_started = None
+        self.last_step_time = time.monotonic()
+        self._deliver(events)
+        if self.on_step is not None:
+            self.on_step(self.engine, events)
+        return events
 
     def _fail_pending(self) -> None:
         """Calls queued after the stop signal must not wait forever."""

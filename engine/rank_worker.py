@@ -1,5 +1,9 @@
 """A prefill or decode worker spanning several devices: rank 0 is the worker, the other ranks follow it.
 
+With data-parallel attention (`TensorParallelSpec.data_parallel_attention`) there are no followers: every rank
+is a worker of its own (its requests, scheduler, KV pool, transfer endpoint and router identity), and the ranks'
+engine loops step in lockstep (engine.engine_loop, engine.dp_attention) because their MoE layers exchange tokens.
+
 The service places one Ray actor per device, all of a worker's actors in one placement group (STRICT_PACK,
 so one host and loopback rendezvous). The worker actor (engine.worker_base.WorkerBase) finds a
 `TensorParallelSpec` under `engine_options["tensor_parallel"]`, joins the group as rank 0 and schedules;
@@ -20,23 +24,27 @@ from engine.tp_executor import follow
 
 @dataclass(frozen=True)
 class TensorParallelSpec:
-    """How one worker's ranks find each other: group size, expert parallelism, rendezvous address."""
+    """How one worker's ranks find each other: group size, expert parallelism, rendezvous address, and whether
+    attention is data-parallel (every rank a worker, engine.dp_attention) rather than tensor-parallel."""
 
     size: int
     expert_parallel: bool = False
     master_port: int = 0
     master_addr: str = "127.0.0.1"
+    data_parallel_attention: bool = False
 
     def __post_init__(self):
         if self.size < 2:
             raise ValueError(f"a multi-rank worker needs size >= 2, got {self.size}")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
+        if self.data_parallel_attention and not self.expert_parallel:
+            raise ValueError("data-parallel attention needs expert parallelism (the ranks share the routed experts)")
 
     def join(self, rank: int, device: str) -> ParallelContext:
         """Blocks until every rank joined."""
         return init_distributed(rank, self.size, actor_device(device), self.master_port, self.master_addr,
-                                self.expert_parallel)
+                                self.expert_parallel, data_parallel_attention=self.data_parallel_attention)
 
 
 def actor_device(device: str) -> str:
@@ -44,19 +52,20 @@ def actor_device(device: str) -> str:
     return "cuda:0" if str(device).startswith("cuda") else str(device)
 
 
-def split_engine_options(engine_options: dict | None) -> tuple[dict, TensorParallelSpec | None]:
-    """-> (load_engine options, the tensor-parallel spec or None)."""
+def split_engine_options(engine_options: dict | None) -> tuple[dict, TensorParallelSpec | None, int]:
+    """-> (load_engine options, the tensor-parallel spec or None, this actor's rank: "rank", default 0)."""
     opts = dict(engine_options or {})
-    return opts, opts.pop("tensor_parallel", None)
+    return opts, opts.pop("tensor_parallel", None), opts.pop("rank", 0)
 
 
 class RankFollower:
     """Rank r > 0 of a multi-rank worker (see the module docstring). ping() raises what ended it."""
 
     def __init__(self, rank: int, model_dir: str | None, engine_options: dict):
-        opts, spec = split_engine_options(engine_options)
-        if spec is None or not 0 < rank < spec.size:
-            raise ValueError(f"RankFollower needs a tensor_parallel spec and 0 < rank < size, got rank {rank}")
+        opts, spec, _ = split_engine_options(engine_options)
+        if spec is None or spec.data_parallel_attention or not 0 < rank < spec.size:
+            raise ValueError(f"RankFollower needs a tensor_parallel spec (attention not data-parallel) and "
+                             f"0 < rank < size, got rank {rank}")
         self.rank, self.state, self.error, self.steps = rank, "joining", None, 0
         self._thread = threading.Thread(target=self._run, args=(spec, model_dir, opts), daemon=True,
                                         name=f"tp-rank{rank}")

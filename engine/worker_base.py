@@ -25,9 +25,11 @@ class WorkerBase:
         self.worker_id = worker_id
         # Changes when the actor restarts (new process, empty cache): peers and the router key on it.
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
-        # A multi-rank worker (engine.rank_worker): this actor is rank 0; its followers are other actors.
-        opts, tp = split_engine_options(engine_options)
-        self.parallel = tp.join(0, opts.get("device", "cpu")) if tp is not None else None
+        # A multi-rank worker (engine.rank_worker): under tensor parallelism this actor is rank 0 and its followers
+        # are other actors; under data-parallel attention every rank is a worker like this one.
+        opts, tp, rank = split_engine_options(engine_options)
+        self.parallel = tp.join(rank, opts.get("device", "cpu")) if tp is not None else None
+        self.data_parallel = tp is not None and tp.data_parallel_attention
         # Compile before serving (engine.warmup); a prefill worker's requests never decode.
         self.engine = load_engine(model_dir, **opts, parallel=self.parallel, warmup=True,
                                   warmup_decodes=self.role != "prefill")
@@ -71,7 +73,7 @@ class WorkerBase:
 
     def shutdown(self) -> None:
         self.loop.stop()
-        if self.parallel is not None:
+        if self.parallel is not None and not self.data_parallel:
             release_followers(self.engine)  # the loop has stopped: no step broadcast can interleave
         if self.backend is not None:
             self.backend.close()

@@ -68,9 +68,19 @@ class ServiceConfig:
     router_queue_timeout_s: float = 60.0  # how long one may wait there (503 after)
     tensor_parallel_size: int = 1  # ranks (actors, GPUs on CUDA) per worker: service.rank_placement
     expert_parallel: bool = False  # routed experts split by id across a worker's ranks
+    # every rank of a worker a worker of its own (attention data-parallel, experts split): service.rank_placement
+    data_parallel_attention: bool = False
     # GPUs each rank reserves on CUDA (None: 1). A fraction shares a GPU between workers (e.g. 0.5: one prefill and
     # one decode worker on one GPU); each worker's default --gpu-memory-utilization then shrinks to its share.
     worker_num_gpus: float | None = None
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_attention and not (self.tensor_parallel_size > 1 and self.expert_parallel):
+            raise ValueError("data_parallel_attention needs tensor_parallel_size > 1 and expert_parallel (its ranks "
+                             f"share the routed experts), got tensor_parallel_size {self.tensor_parallel_size}, "
+                             f"expert_parallel {self.expert_parallel}")
 
 
 class ServiceStartError(RuntimeError):
@@ -226,8 +236,9 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
                 placed[f"{role}-{i}"] = place_worker(
                     cls, f"dsv4-{role}-{i}", (f"{role}-{i}", cfg.model_dir, opts, cfg.transfer), net, opts,
                     cfg.model_dir, cfg.tensor_parallel_size, cfg.expert_parallel, cfg.worker_num_cpus,
-                    worker_gpus(cfg), actor, cfg.ready_timeout_s)
+                    worker_gpus(cfg), actor, cfg.ready_timeout_s, cfg.data_parallel_attention)
                 handles[role][f"{role}-{i}"] = placed[f"{role}-{i}"].handle
+                handles[role].update(placed[f"{role}-{i}"].ranks)  # data-parallel attention: each rank a worker
         prefill, decode = handles["prefill"], handles["decode"]
         _wait_ready({name: h.ping.remote() for name, h in (*prefill.items(), *decode.items())}
                     | {f"{name}-rank{r}": f.ping.remote() for name, pw in placed.items()
@@ -470,6 +481,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                          metrics_host=args.metrics_host, drain_s=args.drain_seconds,
                          router_max_queued=args.max_queued, router_queue_timeout_s=args.queue_timeout_seconds,
                          tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
+                         data_parallel_attention=getattr(args, "data_parallel_attention", False),
                          worker_num_gpus=getattr(args, "worker_num_gpus", None),
                          ready_timeout_s=getattr(args, "ready_timeout_seconds", 900.0))
 
@@ -557,6 +569,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "one host by a STRICT_PACK placement group; heads and dense projections split")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="split routed experts by expert id across each worker's ranks")
+    parser.add_argument("--data-parallel-attention", action="store_true",
+                        help="with --expert-parallel: every rank of a worker keeps the whole attention and serves its "
+                             "own requests and KV cache (a worker of its own to the router); only the MoE layers "
+                             "exchange tokens, the ranks stepping in lockstep")
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--transfer", default="auto", choices=TRANSFER_CHOICES, help=TRANSFER_HELP)
     parser.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "least_loaded",

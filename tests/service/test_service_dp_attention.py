@@ -1,0 +1,75 @@
+"""`dsv4 serve --tensor-parallel-size 2 --expert-parallel --data-parallel-attention` on a real local Ray cluster
+(CPU, gloo): 1 prefill + 1 decode worker of two ranks each, every rank a worker of its own to the router (its
+requests, KV pool and transfer endpoint), the ranks' engine loops in lockstep; TCP KV transfer.
+
+The disaggregated tokens and logprobs equal one engine's; both ranks of each pool serve; an idle group serves
+again; stopping the service frees every rank and the placement groups.
+"""
+
+import concurrent.futures
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from engine.llm import LLM  # noqa: E402
+from engine.make_model import default_model_dir  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from router.client import RouterClient  # noqa: E402
+from service.launcher import (  # noqa: E402
+    ServiceConfig,
+    init_ray,
+    prepare_metrics_dir,
+    ray_logs_tail,
+    remove_metrics_dir,
+    start_service,
+    stop_service,
+)
+
+pytestmark = pytest.mark.ray
+
+PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=True, prompt_logprobs=True)
+
+
+def test_config_refuses_data_parallel_attention_without_ranks_and_experts_split():
+    with pytest.raises(ValueError, match="data_parallel_attention needs.*tensor_parallel_size 1"):
+        ServiceConfig(model_dir="m", data_parallel_attention=True)
+    with pytest.raises(ValueError, match="expert_parallel False"):
+        ServiceConfig(model_dir="m", tensor_parallel_size=2, data_parallel_attention=True)
+
+
+def test_data_parallel_attention_ranks_serve_as_workers_and_match_one_engine():
+    init_ray(prepare_metrics_dir())
+    handles = None
+    try:
+        # round robin: the four requests reach both ranks of each pool whatever their loads
+        cfg = ServiceConfig(model_dir=default_model_dir(), transfer="tcp", worker_num_cpus=0.1, router_port=0,
+                            ready_timeout_s=240.0, engine_options=(("max_batch_tokens", 16),),
+                            router_policy="round_robin", tensor_parallel_size=2, expert_parallel=True,
+                            data_parallel_attention=True)
+        try:
+            handles = start_service(cfg, http=False)
+        except Exception as e:
+            raise RuntimeError(f"service start failed: {e}\n{ray_logs_tail()}") from e
+        assert sorted(handles["prefill"]) == ["prefill-0", "prefill-0-dp1"]
+        assert sorted(handles["decode"]) == ["decode-0", "decode-0-dp1"]
+        assert all(not pw.followers and pw.group is not None for pw in handles["placed"].values())
+        client = RouterClient(handles["router_addr"], timeout_s=120, token=handles["token"])
+        prompts = [[(5 * i + j) % 500 + 2 for j in range(4 + 9 * i)] for i in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: client.generate_full(p, PARAMS), prompts))
+        again = client.generate_full(prompts[0], PARAMS)  # after the group went idle
+        client.close()
+        want = LLM().generate(prompts, PARAMS)
+        for w, g in zip([*want, want[0]], [*got, again]):
+            assert g.token_ids == w.token_ids
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+            assert g.prompt_logprobs[1:] == pytest.approx(w.prompt_logprobs[1:], abs=1e-4)
+        pulls = {n: ray.get(h.transfer_summary.remote())["count"] for n, h in handles["decode"].items()}
+        assert sum(pulls.values()) == 5 and all(pulls.values()), pulls
+        for h in (*handles["prefill"].values(), *handles["decode"].values()):
+            assert ray.get(h.stats.remote()).load.running == 0
+    finally:
+        if ray.is_initialized():
+            stop_service(handles)
+        remove_metrics_dir()
