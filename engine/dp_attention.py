@@ -18,9 +18,12 @@ Here: `run_lockstep` (every rank), and the one-host driver for `LLM(..., data_pa
 broadcasts each generate() call's prompts, every rank takes its share (prompt i goes to rank i % N), they run in
 lockstep, and rank 0 gathers the outputs in prompt order (`dp_generate` on rank 0, `dp_follow` on the others).
 
+The serving workers run the same lockstep in their engine loops (engine.engine_loop): with `dsv4 serve
+--data-parallel-attention` every rank is a worker of its own to the router (service.rank_placement).
+
 Not yet: CUDA graphs and overlapped decode for these engines (each rank's token count varies per step; a graph
-per padded bucket, agreed across ranks, is the way), and the serving workers (a Ray worker whose ranks each take
-requests from the router). The tokens and log-probs equal one engine's (tests/engine/test_dp_attention.py).
+per padded bucket, agreed across ranks, is the way). The tokens and log-probs equal one engine's
+(tests/engine/test_dp_attention.py, tests/service/test_service_dp_attention.py).
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 requests, KV pool and transfer endpoint), the ranks' engine loops in lockstep; TCP KV transfer.
 
 The disaggregated tokens and logprobs equal one engine's; both ranks of each pool serve; an idle group serves
-again; stopping the service frees every rank and the placement groups.
+again; a rank that dies ends its peer's loop (the group leaves the router together); stopping the service frees
+every rank and the placement groups.
 """
 
 import concurrent.futures
+import time
 
 import pytest
 
@@ -69,6 +71,18 @@ def test_data_parallel_attention_ranks_serve_as_workers_and_match_one_engine():
         assert sum(pulls.values()) == 5 and all(pulls.values()), pulls
         for h in (*handles["prefill"].values(), *handles["decode"].values()):
             assert ray.get(h.stats.remote()).load.running == 0
+        # A rank that dies fails its peer's next collective: the peer's loop ends and its ping says so (the router
+        # then drops it as any dead worker), instead of a live-looking worker whose steps never return.
+        ray.kill(handles["decode"]["decode-0-dp1"], no_restart=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ray.get(handles["decode"]["decode-0"].ping.remote(), timeout=10)
+            except Exception as e:  # noqa: BLE001
+                assert "engine loop is not running" in str(e), e
+                break
+            assert time.monotonic() < deadline, "decode-0 still answers 60 s after its peer rank died"
+            time.sleep(0.2)
     finally:
         if ray.is_initialized():
             stop_service(handles)
