@@ -1,15 +1,17 @@
-"""Overlapped greedy decode: step N+1 is launched from step N's tokens on the device, before they reach the host.
+"""Overlapped decode: step N+1 is launched from step N's tokens on the device, before they reach the host.
 
 Why: under CUDA graphs a decode step's GPU work is a few milliseconds, and the host's share of a step (read the
 tokens back, check finishes, schedule, build the next inputs) would otherwise run while the GPU idles: a third of
 a batch-1 step on an H200 (BENCHMARKS.md, the slice profile). vLLM's async scheduling and SGLang's overlap
 scheduler hide it the same way: the next step's token column is the previous step's greedy pick, copied on the
-device, so the host reads step N back while step N+1 runs.
+device, so the host reads step N back while step N+1 runs. Sampled requests overlap too: their tokens are drawn on
+the device by the same `engine.sampling.sample` the synchronous path runs (counter-based noise keyed by the
+request's seed and the token's index, so drawing one step early draws the same token).
 
 EngineCore (engine.runner) takes this path only where it computes exactly what the synchronous path computes
 (same kernels, same inputs, same order); any other step runs synchronously, as before:
-- a step made only of decode tokens of greedy requests (temperature 0), none prefill-only, one rank (tensor
-  parallel ranks follow rank 0's broadcast inputs, which hold host token ids);
+- a step made only of decode tokens, greedy or sampled, none prefill-only, one rank (tensor parallel ranks
+  follow rank 0's broadcast inputs, which hold host token ids);
 - step N+1 is launched early only when it is certain to be the next step up to finishes: the same requests in
   the same order (nothing waiting for admission, no prefill running, no import joined), each with room for
   two more tokens (max_new_tokens), none standing on a prefix-cache block boundary after step N (completing
@@ -32,7 +34,7 @@ from engine.scheduler import ScheduledChunk
 
 @dataclass(frozen=True)
 class LaunchedDecode:
-    """A decode step whose greedy tokens are computed (or queued) on the device and not yet read by the host.
+    """A decode step whose tokens are computed (or queued) on the device and not yet read by the host.
 
     chunks: one ScheduledChunk per batch row; picked: device fp64 [2, n] (token id, its log-prob), the source of
     the next step's token column; host: its host copy (pinned on CUDA, written by a queued copy), readable once
@@ -70,10 +72,10 @@ class LaunchedDecode:
         return tuple(ScheduledChunk(c.request, c.start + 1, 1) for c in self.chunks)
 
 
-def greedy_decode_step(chunks) -> bool:
-    """Every chunk is one greedy decode token of a request that is not prefill-only."""
-    return all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens and c.request.params.temperature == 0
-               and not c.request.prefill_only and not c.request.finished for c in chunks)
+def overlappable_decode_step(chunks) -> bool:
+    """Every chunk is one decode token (greedy or sampled) of a request that is not prefill-only."""
+    return all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens and not c.request.prefill_only
+               and not c.request.finished for c in chunks)
 
 
 def next_step_is_known(step: LaunchedDecode, running: list, waiting, snapshot_block: int | None) -> bool:

@@ -18,7 +18,7 @@ from engine.batch import build_step, to_device_nonblocking
 from engine.cache import CacheConfig, CachePool
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeRunner
-from engine.decode_overlap import LaunchedDecode, greedy_decode_step, next_step_is_known
+from engine.decode_overlap import LaunchedDecode, next_step_is_known, overlappable_decode_step
 from engine.fast_paths import use_triton
 from engine.handoff import EngineLoad
 from engine.model import DeepseekV4Model
@@ -221,7 +221,7 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        if self.overlap_decode and greedy_decode_step(chunks):
+        if self.overlap_decode and overlappable_decode_step(chunks):
             self._launched = self._launch_decode(chunks, None)
             if self._launched is not None:
                 return self._complete_launched()
@@ -238,11 +238,13 @@ class EngineCore:
         events = self._postprocess(chunks, logits, sample_rows, prompt_rows)
         return events
 
-    # ---- overlapped greedy decode (engine.decode_overlap) ---------------------------------------
+    # ---- overlapped decode (engine.decode_overlap) ---------------------------------------------
     def _launch_decode(self, chunks, previous: LaunchedDecode | None) -> LaunchedDecode | None:
-        """Queue one greedy decode step -> its LaunchedDecode, or None when no decode bucket fits (nothing ran).
+        """Queue one decode step and its picks -> its LaunchedDecode, or None when no decode bucket fits (nothing
+        ran).
 
-        previous: the step before it, still unread on the host; its picked tokens are this step's inputs."""
+        previous: the step before it, still unread on the host; its picked tokens are this step's inputs (and its
+        requests' outputs are one token shorter than at this step's draw: the sampled rows' draw index adds 1)."""
         tokens = [0] * len(chunks) if previous is not None else [c.request.token_slice(c.start, c.start + 1)[0]
                                                                  for c in chunks]
         logits = self.decode_runner.run([c.request.request_id for c in chunks], tokens, [c.start for c in chunks],
@@ -252,6 +254,8 @@ class EngineCore:
             return None
         self.pool.defer_frees()  # until this step completes: it writes these requests' rows
         picked = self.decode_runner.take_greedy()
+        if any(c.request.params.temperature != 0 for c in chunks):
+            picked = self._draw(logits, [c.request for c in chunks], ahead=int(previous is not None))
         return LaunchedDecode.of(chunks, picked if picked is not None else greedy_pick(logits))
 
     def _complete_launched(self) -> list[TokenEvent]:
@@ -346,14 +350,22 @@ class EngineCore:
             ready = self.decode_runner.take_greedy() if self.decode_runner is not None else None
             both = (ready if ready is not None and sel is logits else greedy_pick(sel)).tolist()
             return [int(t) for t in both[0]], both[1]
-        tokens_t = sample(sel, *sampling_inputs([p.temperature for p in params], [p.top_k for p in params],
-                                                [p.top_p for p in params],
-                                                [draw_seed(c.request.seed, len(c.request.output)) for c, _ in todo],
-                                                dev),
-                          filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
-        lps = torch.log_softmax(sel, dim=-1).gather(1, tokens_t.unsqueeze(1)).squeeze(1)
-        both = torch.stack([tokens_t.double(), lps.double()]).tolist()  # token ids < 2**53: exact in fp64
+        both = self._draw(sel, [c.request for c, _ in todo]).tolist()
         return [int(t) for t in both[0]], both[1]
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, requests: list, ahead: int = 0) -> torch.Tensor:
+        """Sample one token per row of fp32 logits [N, V] for `requests` (engine.sampling.sample, no host sync)
+        -> fp64 [2, N]: token ids (exact: < 2**53) and their log-probs. Each draw is keyed by the request's seed
+        and the index of the token drawn: its output length, plus `ahead` tokens still unread on the device."""
+        params = [r.params for r in requests]
+        tokens = sample(logits, *sampling_inputs([p.temperature for p in params], [p.top_k for p in params],
+                                                 [p.top_p for p in params],
+                                                 [draw_seed(r.seed, len(r.output) + ahead) for r in requests],
+                                                 logits.device),
+                        filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
+        lps = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return torch.stack([tokens.double(), lps.double()])
 
     def _postprocess(self, chunks, logits, sample_rows, prompt_rows, sampled: tuple | None = None) -> list[TokenEvent]:
         """sampled: (token ids, log-probs) of the sampled rows when they were picked already (a launched step)."""

@@ -267,8 +267,9 @@ class Suite:
               flush=True)
         self.notes.append(f"Sampled decode (temperature 1, top_p 1, seeded; experts {self.engine['experts']}), batch "
                           f"{b}, context {fmt_k(c)}: {ms:.1f} ms a step against greedy's {greedy['step_ms']:.1f} "
-                          f"({ms / greedy['step_ms']:.2f}x; decode mode `{self.core.decode_mode}`: under graphs a "
-                          "sampled step is not overlapped and samples outside the graph).")
+                          f"({ms / greedy['step_ms']:.2f}x; decode mode `{self.core.decode_mode}`, overlapped "
+                          f"{'on' if self.core.overlap_decode else 'off'}: a sampled step draws on the device after "
+                          "the graph, and since 2026-12-02 14:40 overlaps like a greedy one).")
 
     # ---- profile, prefill, peer -------------------------------------------------------------------
     def profile(self) -> dict | None:

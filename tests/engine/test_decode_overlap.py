@@ -1,4 +1,4 @@
-"""Overlapped greedy decode (engine.decode_overlap): launching step N+1 from step N's device tokens before the host
+"""Overlapped decode (engine.decode_overlap), greedy and sampled: launching step N+1 from step N's device tokens before the host
 reads them gives exactly the synchronous engine's tokens, log-probs and events, drops the token a finished or
 aborted request already ran, and returns every page only after the step that may still write it.
 
@@ -106,7 +106,7 @@ def test_overlapped_decode_is_bit_exact_without_arrivals(weights, monkeypatch):
 
 def test_overlapped_decode_equals_synchronous(weights, monkeypatch):
     """Mixed lengths (requests reach max_new_tokens on different steps), a stop id hit mid-stream, a request
-    arriving during decode (the overlap drains and resumes), a sampled request (never overlapped): every
+    arriving during decode (the overlap drains and resumes), a sampled request among greedy ones: every
     event equal, and the overlap was taken on most decode steps."""
     cfg, _ = weights
     prompts = _prompts(cfg, [5, 40, 131, 9, 17], seed=11)
@@ -129,6 +129,30 @@ def test_overlapped_decode_equals_synchronous(weights, monkeypatch):
     assert _summary(got, gids)[0][3] == "stop" and len(_summary(got, gids)[0][0]) == 6
     assert len(launched) >= 5, f"the overlap was taken on {len(launched)} steps only"
     assert fast.pool.num_free_pages() == fast.pool.idle_free_pages()  # every page back, deferred ones included
+
+
+def test_overlapped_sampled_decode_draws_the_synchronous_tokens(weights, monkeypatch):
+    """Seeded sampled requests (plain temperature, top-p, top-k, one greedy among them): a step launched before
+    its predecessor is read draws each token with the index it will have, so every token and log-prob equals the
+    synchronous engine's, bit for bit, and the overlap is taken."""
+    cfg, _ = weights
+    prompts = _prompts(cfg, [6, 33, 70, 12], seed=5)
+    # ignore_eos: a sampled EOS would end a request one launched step late, and the rows batched with it in that
+    # step could then move in the last bits (as with an arrival, in the test above); here every step batches alike
+    params = [SamplingParams(max_new_tokens=14, temperature=1.0, seed=21, logprobs=True, ignore_eos=True),
+              SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.9, seed=22, logprobs=True, ignore_eos=True),
+              SamplingParams(max_new_tokens=17, temperature=1.3, top_k=5, seed=23, logprobs=True, ignore_eos=True),
+              SamplingParams(max_new_tokens=11, temperature=0, logprobs=True, ignore_eos=True)]
+    jobs = list(zip(prompts, params))
+    want, wids = _run(_engine(weights, overlap=False), jobs)
+    fast = _engine(weights, overlap=True)
+    launched = _spy_lookahead(monkeypatch, fast)
+    got, gids = _run(fast, jobs)
+    _assert_same(_summary(got, gids), _summary(want, wids))
+    assert len(launched) >= 6, f"the overlap was taken on {len(launched)} steps only"
+    again, aids = _run(_engine(weights, overlap=True), [(prompts[0], SamplingParams(
+        max_new_tokens=14, temperature=1.0, seed=99, logprobs=True, ignore_eos=True))])
+    assert _summary(again, aids)[0][0] != _summary(got, gids)[0][0]  # the draws follow the seed
 
 
 def test_abort_during_a_launched_step_drops_its_token_and_frees_after(weights, monkeypatch):
