@@ -22,6 +22,9 @@ from engine.parallel import ParallelContext, init_distributed, shutdown_distribu
 from engine.tp_executor import follow
 
 
+DP_COLLECTIVE_TIMEOUT_S = 600.0  # longer than any one step of a peer, its first-use kernel compiles included
+
+
 @dataclass(frozen=True)
 class TensorParallelSpec:
     """How one worker's ranks find each other: group size, expert parallelism, rendezvous address, and whether
@@ -42,9 +45,12 @@ class TensorParallelSpec:
             raise ValueError("data-parallel attention needs expert parallelism (the ranks share the routed experts)")
 
     def join(self, rank: int, device: str) -> ParallelContext:
-        """Blocks until every rank joined."""
+        """Blocks until every rank joined. A data-parallel attention group's collectives time out after
+        DP_COLLECTIVE_TIMEOUT_S: its ranks meet every tick even when idle, so no legitimate wait is long, and a
+        rank stuck in an NCCL exchange whose peer died then fails instead of hanging (gloo fails at once)."""
+        timeout = {"timeout_s": DP_COLLECTIVE_TIMEOUT_S} if self.data_parallel_attention else {}
         return init_distributed(rank, self.size, actor_device(device), self.master_port, self.master_addr,
-                                self.expert_parallel, data_parallel_attention=self.data_parallel_attention)
+                                self.expert_parallel, data_parallel_attention=self.data_parallel_attention, **timeout)
 
 
 def actor_device(device: str) -> str:
