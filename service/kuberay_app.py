@@ -33,14 +33,15 @@ from dataclasses import dataclass, field
 
 from kv_transfer.registry import TRANSFER_CHOICES
 from service.launcher import ENGINE_OPTION_KEYS, RouterActor, ServiceConfig, remote_classes, add_serve_args
-from service.rank_placement import follower_names, group_name, place_worker
+from service.rank_placement import dp_actor_names, dp_worker_ids, follower_names, group_name, place_worker
 
 NAMESPACE = "dsv4"
 ROLES = ("prefill", "decode")
 _ARG_KEYS = {"model", "served_model_name", "prefill_workers", "decode_workers", "transfer", "router_policy",
              "router_port", "engine", "prefill_args", "decode_args", "prefill_resources", "decode_resources",
              "gpus_per_worker", "worker_num_cpus", "metrics_dir", "prefill_tensor_parallel_size",
-             "decode_tensor_parallel_size", "prefill_expert_parallel", "decode_expert_parallel"}
+             "decode_tensor_parallel_size", "prefill_expert_parallel", "decode_expert_parallel",
+             "prefill_data_parallel_attention", "decode_data_parallel_attention"}
 # How long a multi-rank worker waits for its placement group (pods of an autoscaled group may still be coming
 # up, as single-rank actors wait pending for theirs): the chart's startup probe allows an hour.
 PLACEMENT_TIMEOUT_S = 3600.0
@@ -56,6 +57,7 @@ class RolePlan:
     num_gpus: float  # of each rank's actor
     tensor_parallel_size: int = 1  # ranks (actors) per worker: service.rank_placement
     expert_parallel: bool = False
+    data_parallel_attention: bool = False  # every rank a worker of its own (service.rank_placement)
 
     def __post_init__(self):
         if self.workers < 1:
@@ -64,6 +66,9 @@ class RolePlan:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("expert_parallel needs tensor_parallel_size > 1 (experts split across the ranks)")
+        if self.data_parallel_attention and not self.expert_parallel:
+            raise ValueError("data_parallel_attention needs expert_parallel and tensor_parallel_size > 1 (its ranks "
+                             "share the routed experts)")
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,9 @@ def parse_args(args: dict) -> EntryConfig:
                                                    (args.get(f"{role}_resources") or {}).items())),
                             num_gpus=gpus, tensor_parallel_size=int(args.get(f"{role}_tensor_parallel_size", 1)),
                             expert_parallel=_flag(args.get(f"{role}_expert_parallel", False),
-                                                  f"{role}_expert_parallel"))
+                                                  f"{role}_expert_parallel"),
+                            data_parallel_attention=_flag(args.get(f"{role}_data_parallel_attention", False),
+                                                          f"{role}_data_parallel_attention"))
              for role in ROLES}
     metrics_dir = args.get("metrics_dir") or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     env = (("PROMETHEUS_MULTIPROC_DIR", metrics_dir),) if metrics_dir else ()
@@ -196,9 +203,20 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
             continue
         # A multi-rank worker: its ranks in one detached STRICT_PACK placement group, one bundle (GPU and
         # role resource) a rank; a worker kept from an earlier run of the builder is reused as it is.
-        handles[worker_id] = _named(name) or place_worker(
-            cls, name, args, kwargs, opts, model_dir, plan.tensor_parallel_size, plan.expert_parallel,
-            cfg.service.worker_num_cpus, plan.num_gpus, options, PLACEMENT_TIMEOUT_S).handle
+        size = plan.tensor_parallel_size
+        if plan.data_parallel_attention:  # every rank a worker: reused only when all of them live
+            kept = [_named(n) for n in dp_actor_names(name, size)]
+            if all(kept):
+                handles.update(zip(dp_worker_ids(worker_id, size), kept))
+                continue
+        elif _named(name):
+            handles[worker_id] = _named(name)
+            continue
+        placed = place_worker(cls, name, args, kwargs, opts, model_dir, size, plan.expert_parallel,
+                              cfg.service.worker_num_cpus, plan.num_gpus, options, PLACEMENT_TIMEOUT_S,
+                              plan.data_parallel_attention)
+        handles[worker_id] = placed.handle
+        handles.update(placed.ranks)
     return handles
 
 
@@ -217,12 +235,15 @@ def worker_name(cfg: EntryConfig, role: str, worker_id: str, model_dir: str | No
 
 
 def actor_names(cfg: EntryConfig, model_dir: str | None) -> set[str]:
-    """Every actor of the current layout's workers: rank 0 and the followers of multi-rank ones."""
+    """Every actor of the current layout's workers: rank 0 and the followers (or data-parallel ranks) of
+    multi-rank ones."""
     names = set()
     for role in ROLES:
+        plan = cfg.plan(role)
         for w in worker_ids(cfg, role):
             name = worker_name(cfg, role, w, model_dir)
-            names |= {name, *follower_names(name, cfg.plan(role).tensor_parallel_size)}
+            ranks = dp_actor_names if plan.data_parallel_attention else follower_names
+            names |= {name, *ranks(name, plan.tensor_parallel_size)}
     return names
 
 
@@ -286,6 +307,7 @@ def _role_fingerprint(cfg: EntryConfig, role: str, model_dir: str | None) -> str
     """What a worker is built from (not how many there are: scaling keeps the existing ones)."""
     plan = cfg.plan(role)
     layout = () if plan.tensor_parallel_size == 1 else (plan.tensor_parallel_size, plan.expert_parallel)
+    layout += ("data-parallel attention",) if plan.data_parallel_attention else ()  # (older layouts keep their names)
     return _fingerprint(model_dir, cfg.service.transfer, plan.engine_options, plan.resources, plan.num_gpus, *layout)
 
 

@@ -84,6 +84,28 @@ def test_builder_rejects_bad_parallel_args():
     assert cfg.prefill.tensor_parallel_size == 2 and cfg.prefill.expert_parallel is True
 
 
+def test_data_parallel_attention_reaches_the_builder_and_names_every_rank_a_worker():
+    """dataParallelAttention renders into the builder's args; the builder plans every rank as a worker actor
+    (`<name>-dp<r>`, no followers), refuses it without expert parallelism, and keeps the TP layout's names."""
+    from service import kuberay_app
+
+    rs = rayservice({"decode": {"tensorParallelSize": 4, "expertParallel": True, "dataParallelAttention": True}})
+    args = serve_config(rs)["applications"][0]["args"]
+    assert args["decode_data_parallel_attention"] is True and args["prefill_data_parallel_attention"] is False
+    cfg = kuberay_app.parse_args(args)
+    assert cfg.decode.data_parallel_attention and not cfg.prefill.data_parallel_attention
+    names = kuberay_app.actor_names(cfg, "/models/m")
+    assert sum(n.endswith(("-dp1", "-dp2", "-dp3")) for n in names) == 3 and not any("-rank" in n for n in names)
+    tp = kuberay_app.parse_args(dict(args, decode_data_parallel_attention=False))
+    assert not any(n.endswith("-dp1") for n in kuberay_app.actor_names(tp, "/models/m"))
+    assert kuberay_app.actor_names(tp, "/models/m") != names  # another layout: other workers
+    for bad in ({"decode_tensor_parallel_size": 2, "decode_data_parallel_attention": True},
+                {"decode_tensor_parallel_size": 2, "decode_expert_parallel": True,
+                 "decode_data_parallel_attention": "sometimes"}):
+        with pytest.raises(ValueError, match="data_parallel_attention"):
+            kuberay_app.parse_args(bad)
+
+
 def test_single_rank_layout_keeps_its_worker_names():
     """Existing 1-GPU deployments: the new (default) parallel args do not change the workers' fingerprints, so
     an upgrade of the chart alone replaces no worker."""
