@@ -65,6 +65,7 @@ class EngineLoop:
         self._lock = threading.Lock()  # orders call()'s check-and-put against the thread's final drain
         self.last_step_time = time.monotonic()
         self.step_started: float | None = None  # monotonic start of the step in progress (stall checks)
+        self.last_step_seconds = 0.0  # how long the last step took (on_step reads it)
         self.error: BaseException | None = None  # what ended the loop, if an exception did
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -163,7 +164,7 @@ class EngineLoop:
 
     def _step(self) -> list[TokenEvent]:
         """One engine step; its events go to their sinks. A failed step fails every subscriber."""
-        self.step_started = time.monotonic()
+        started = self.step_started = time.monotonic()
         try:
             events = self.engine.step()
         except BaseException as e:
@@ -174,6 +175,7 @@ class EngineLoop:
         finally:
             self.step_started = None
         self.last_step_time = time.monotonic()
+        self.last_step_seconds = self.last_step_time - started
         self._deliver(events)
         if self.on_step is not None:
             self.on_step(self.engine, events)

@@ -43,6 +43,10 @@ KV_USAGE = Gauge("dsv4_kv_cache_usage_ratio", "Fraction of the tightest cache gr
 PROMPT_TOKENS = Counter("dsv4_prompt_tokens_total", "Prompt tokens prefilled", WORKER)
 GENERATION_TOKENS = Counter("dsv4_generation_tokens_total", "Tokens generated", WORKER)
 REQUESTS = Counter("dsv4_requests_total", "Finished requests by status", ("model_name", "status"))
+# Kernel variants compiled while serving (engine.compile_watch: looked for after a slow step): a warm-up that
+# covers serving leaves this at 0; each one stalled its step for seconds.
+KERNEL_COMPILES = Counter("dsv4_kernel_compiles_total", "Kernel variants compiled during serving steps (after warm-up)",
+                          WORKER)
 KV_TRANSFER_FAILURES = Counter("dsv4_kv_transfer_failures_total", "Failed or timed-out KV transfers",
                                ("worker", "backend", "kind"))
 # The engines' real prefix cache (engine.prefix_cache): prompt tokens looked up at admission, and those

@@ -41,6 +41,16 @@ groups:
           description: >-
             A worker's tightest cache group stays above {{ mulf $r.kvCacheUsageRatio 100 }}% use: requests
             queue for pages; scale that role or lower max-num-seqs.
+      - alert: Dsv4KernelCompilesWhileServing
+        expr: >-
+          sum by (namespace, role, worker) (increase(dsv4_kernel_compiles_total[15m])) > 0
+        labels:
+          {{ $sev }}: warning
+        annotations:
+          summary: {{ `{{ $labels.role }} worker {{ $labels.worker }} in {{ $labels.namespace }} compiled {{ $value }} kernel variants while serving` | quote }}
+          description: >-
+            Kernels compiled in a serving step after the start-up warm-up, each stalling its step (and every request
+            in it) for seconds: a shape the warm-up does not cover. The worker's log names the kernels.
       - alert: Dsv4KVTransferFailures
         expr: >-
           sum by (namespace) (rate(dsv4_kv_transfer_failures_total[5m]))
