@@ -2,10 +2,13 @@
 
 Reference: `kernels.mhc.hc_pre` / `hc_post`. Per token with hc streams of width D:
 - pre: the (2+hc)*hc mixing logits are RMSNorm(flat streams) @ fn^T. RMSNorm has no weight, so that is
-  rsqrt(mean(x^2) + eps) * (x @ fn^T): torch does the skinny matmul on the raw streams and the kernel
-  applies the per-token factor, which it gets from the same pass over the streams it needs anyway for
-  the collapse. Then, all in registers: pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax + eps,
-  Sinkhorn (column norm, then iters-1 x (row, column)), and collapsed = sum_i pre_i * stream_i.
+  rsqrt(mean(x^2) + eps) * (x @ fn^T): a split-K kernel (`_hc_mix_kernel`) does the skinny fp32 matmul on
+  the raw streams, in the streams' dtype as stored (no fp32 copy of them), writing one partial sum per split,
+  and the pre kernel adds the partials and applies the per-token factor, which it gets from the same pass
+  over the streams it needs anyway for the collapse. (Before: an fp32 copy of the streams, cuBLAS's sgemm
+  and its split-K reduction: three launches where one does, twice a layer.) Then, all in registers:
+  pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax + eps, Sinkhorn (column norm, then
+  iters-1 x (row, column)), and collapsed = sum_i pre_i * stream_i.
   One program per token: hc*hc is tiny and the streams of a token (hc * D values) stay in L1/L2
   between the sum-of-squares pass and the collapse pass. Optionally (`norm_weight`) a third pass applies
   the block's weighted input RMSNorm to the collapsed row and writes it in the block dtype.
@@ -23,10 +26,41 @@ from kernels.gpu import import_triton, require_triton
 triton, tl = import_triton()
 
 
+@triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "stride_pt"])
+def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
+                   stride_st, stride_sh, stride_fn, stride_ps, stride_pt,
+                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr):
+    """part[s, t, m] = sum over this split's k of streams[t].flat[k] * fn[m, k], fp32 (grid: T blocks x splits)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    m = tl.arange(0, NM_P)
+    mmask = m < N_MIX
+    k_lo = tl.program_id(1) * k_per_split
+    acc = tl.zeros([BLOCK_T, NM_P], dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        x = tl.load(streams_ptr + rows[:, None].to(tl.int64) * stride_st + (k // D)[None, :] * stride_sh
+                    + (k % D)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + m[None, :] * stride_fn + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+        acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+    tl.store(part_ptr + tl.program_id(1) * stride_ps + rows[:, None].to(tl.int64) * stride_pt + m[None, :], acc,
+             mask=rmask[:, None] & mmask[None, :])
+
+
 @triton.jit
+def _mix_sum(m_row, idx, mask, splits, stride_ms):
+    """The mixing logits at `idx` of one token: the sum of its split-K partials."""
+    acc = tl.load(m_row + idx, mask=mask, other=0.0)
+    for s in range(1, splits):
+        acc += tl.load(m_row + s * stride_ms + idx, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit(do_not_specialize=["splits", "stride_ms", "stride_mt"])
 def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr,
-                   normw_ptr, normed_ptr, HC, D, iters, hc_eps, norm_eps, out_eps,
-                   stride_st, stride_sh, stride_mt, stride_ct, stride_nt,
+                   normw_ptr, normed_ptr, HC, D, iters, hc_eps, norm_eps, out_eps, splits,
+                   stride_st, stride_sh, stride_ms, stride_mt, stride_ct, stride_nt,
                    HC_P: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HC_P)
@@ -46,17 +80,17 @@ def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, p
     s1 = tl.load(scale_ptr + 1).to(tl.float32)
     s2 = tl.load(scale_ptr + 2).to(tl.float32)
     m_row = mixes_ptr + t * stride_mt
-    pre = tl.load(m_row + i, mask=imask, other=0.0) * rinv * s0 + tl.load(base_ptr + i, mask=imask, other=0.0)
+    pre = _mix_sum(m_row, i, imask, splits, stride_ms) * rinv * s0 + tl.load(base_ptr + i, mask=imask, other=0.0)
     pre = tl.where(imask, tl.sigmoid(pre) + hc_eps, 0.0)
-    post = tl.load(m_row + HC + i, mask=imask, other=0.0) * rinv * s1 + tl.load(base_ptr + HC + i, mask=imask,
-                                                                                 other=0.0)
+    post = _mix_sum(m_row, HC + i, imask, splits, stride_ms) * rinv * s1 + tl.load(base_ptr + HC + i, mask=imask,
+                                                                                    other=0.0)
     post = 2.0 * tl.sigmoid(post)
 
     # comb[i, j] lives at 2*HC + i*HC + j; padded entries stay exactly 0 so they never enter a sum.
     cmask = imask[:, None] & (j < HC)[None, :]
     cidx = 2 * HC + i[:, None] * HC + j[None, :]
-    logits = tl.load(m_row + cidx, mask=cmask, other=0.0) * rinv * s2 + tl.load(base_ptr + cidx, mask=cmask,
-                                                                                 other=0.0)
+    logits = _mix_sum(m_row, cidx, cmask, splits, stride_ms) * rinv * s2 + tl.load(base_ptr + cidx, mask=cmask,
+                                                                                    other=0.0)
     logits = tl.where(cmask, logits, float("-inf"))
     row_max = tl.max(logits, axis=1)
     row_max = tl.where(imask, row_max, 0.0)  # padded rows are all -inf: keep their exponent finite
@@ -129,7 +163,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     """Fused mHC pre. streams: [T, hc, D]; fn: [(2+hc)*hc, hc*D]; base: [(2+hc)*hc]; scale: [3].
 
     -> (collapsed [T, D] in streams.dtype, post fp32 [T, hc], comb fp32 [T, hc, hc]), as
-    `kernels.mhc.hc_pre`. The logits matmul runs in torch, fp32, on the un-normalised streams.
+    `kernels.mhc.hc_pre`. The logits matmul runs split-K in fp32 on the un-normalised streams (mix_partials).
     norm_weight [D]: the block's input RMSNorm is fused in too and the first output is
     `kernels.norm.rms_norm(collapsed, norm_weight, out_eps).to(out_dtype)` (out_dtype None = streams.dtype),
     saving the norm's and the cast's kernels (a layer's attention and MoE inputs).
@@ -153,15 +187,42 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     # (with the norm fused the plain collapsed row is never stored: `collapsed` only names its dtype)
     if t == 0:
         return normed, post, comb
-    mixes = streams.reshape(t, hc * d).float() @ fn.float().t()  # [T, n_mix] fp32, contiguous
+    parts = mix_partials(streams, fn)  # [splits, T, n_mix] fp32
     extra = {"num_warps": 4} if streams.is_cuda else {}
-    _hc_pre_kernel[(t,)](streams, mixes, base.float().contiguous(), scale.float().contiguous(), collapsed, post,
+    _hc_pre_kernel[(t,)](streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post,
                          comb, norm_weight.contiguous() if norm else collapsed, normed, hc, d, iters, hc_eps,
-                         norm_eps, out_eps, streams.stride(0), streams.stride(1), mixes.stride(0),
-                         collapsed.stride(0), normed.stride(0),
+                         norm_eps, out_eps, parts.shape[0], streams.stride(0), streams.stride(1), parts.stride(0),
+                         parts.stride(1), collapsed.stride(0), normed.stride(0),
                          HC_P=triton.next_power_of_2(hc), BLOCK_D=min(block_d, triton.next_power_of_2(d)),
                          NORM=norm, **extra)
     return normed, post, comb
+
+
+MIX_PROGRAMS = 256  # split K until about this many programs run (T = 1 in decode: one token's 16K-long dot products)
+MIX_MAX_TOKENS = 256  # beyond (prefill chunks), cuBLAS's fp32 matmul as before: the split-K kernel is unmeasured there
+
+
+def mix_partials(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """Split-K partial mixing logits: streams [T, hc, D] (any float dtype, unit last stride), fn [n_mix, hc*D]
+    -> fp32 [splits, T, n_mix] whose sum over splits is streams.reshape(T, hc*D).float() @ fn.float().t()
+    (one "split", torch's matmul, above MIX_MAX_TOKENS tokens)."""
+    t, hc, d = streams.shape
+    k, n_mix = hc * d, fn.shape[0]
+    if t > MIX_MAX_TOKENS:
+        return (streams.reshape(t, k).float() @ fn.float().t()).unsqueeze(0)
+    # (sm_90 compile, scripts/compile_triton_sm90.py: 64 rows x 128 of K in 4 warps spilled at 255 registers)
+    block_t, block_k = (16, 128) if t <= 16 else (64, 64)
+    tiles = triton.cdiv(t, block_t)
+    splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(MIX_PROGRAMS, tiles)))
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    parts = torch.empty(splits, t, n_mix, dtype=torch.float32, device=streams.device)
+    fn = fn.float().contiguous()
+    _hc_mix_kernel[(tiles, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),
+                                    streams.stride(1), fn.stride(0), parts.stride(0), parts.stride(1),
+                                    BLOCK_T=block_t, BLOCK_K=block_k, NM_P=max(16, triton.next_power_of_2(n_mix)),
+                                    num_warps=4 if block_t == 16 else 8)
+    return parts
 
 
 def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

@@ -205,9 +205,25 @@ def attention_glue_cases():
     return (m, r), ["_rows_kernel", "_rope_kernel"]
 
 
-GROUPS = {"swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
+def mhc_cases():
+    """mHC pre (split-K mixing logits, Sinkhorn, collapse; with and without the fused input norm) and post at
+    V4-Flash widths: one decode token (16-row tile) and a 256-token step (64-row tile)."""
+    from kernels import triton_mhc as m
+
+    hc, d, n_mix = 4, 4096, 24
+    fn, base, scale = torch.randn(n_mix, hc * d), torch.randn(n_mix), torch.rand(3)
+    for t in (1, 256):
+        streams = torch.empty(t, hc, d, dtype=torch.bfloat16)  # recorded, never run: no values needed
+        m.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, norm_weight=torch.rand(d), out_eps=1e-6)
+        m.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+        m.hc_post(torch.empty(t, d, dtype=torch.bfloat16), streams, torch.rand(t, hc), torch.rand(t, hc, hc))
+    return m, ["_hc_mix_kernel", "_hc_pre_kernel", "_hc_post_kernel"]
+
+
+GROUPS = {"mhc": mhc_cases, "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
           "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
-MODULES = {"swa": ("kernels.triton_swa_insert",), "indexer_query": ("kernels.triton_indexer_query",),
+MODULES = {"mhc": ("kernels.triton_mhc",), "swa": ("kernels.triton_swa_insert",),
+           "indexer_query": ("kernels.triton_indexer_query",),
            "compressor": ("kernels.triton_compressor",), "compress_step": ("kernels.triton_compress_step",),
            "attention_glue": ("kernels.triton_attention_rows", "kernels.triton_norm_rope")}
 

@@ -94,3 +94,26 @@ def test_hc_pre_with_fused_input_norm(dtype, out_dtype):
     torch.testing.assert_close(post, ref_post, **NUM.TOL[torch.float32])
     torch.testing.assert_close(comb, ref_comb, **NUM.TOL[torch.float32])
     torch.testing.assert_close(normed.float(), expected.float(), **NUM.TOL[out_dtype])
+
+
+@pytest.mark.parametrize("t,d,dtype", [(1, 300, torch.bfloat16), (17, 80, torch.float32), (70, 300, torch.bfloat16)])
+def test_mix_partials_sum_to_the_fp32_matmul(t, d, dtype):
+    """The split-K mixing logits (one token, a 16-row tile and a 64-row tile; several K splits; strided streams
+    read in their stored dtype) add up to the reference's fp32 matmul of the flattened streams."""
+    hc, n_mix = 4, 24
+    wide = randn(t, hc, d + 8, seed=t + d, dtype=dtype, scale=2.0)
+    streams = wide[..., :d]  # a non-contiguous [T, hc, D] view
+    fn = randn(n_mix, hc * d, seed=d, scale=0.05)
+    parts = triton_mhc.mix_partials(streams, fn)
+    assert parts.dtype == torch.float32 and parts.shape[1:] == (t, n_mix) and parts.shape[0] > 1
+    want = streams.reshape(t, hc * d).float() @ fn.float().t()
+    torch.testing.assert_close(parts.sum(0), want, **NUM.TOL[torch.float32])
+
+
+def test_mix_partials_of_a_long_chunk_are_one_matmul(monkeypatch):
+    """Above MIX_MAX_TOKENS tokens (prefill chunks) the logits are torch's fp32 matmul: one partial."""
+    monkeypatch.setattr(triton_mhc, "MIX_MAX_TOKENS", 4)
+    streams, fn = randn(5, 4, 80, seed=3), randn(24, 320, seed=4, scale=0.05)
+    parts = triton_mhc.mix_partials(streams, fn)
+    assert parts.shape == (1, 5, 24)
+    torch.testing.assert_close(parts[0], streams.reshape(5, 320) @ fn.t(), **NUM.TOL[torch.float32])
