@@ -67,20 +67,33 @@ class ServiceConfig:
     router_max_queued: int = 1024  # requests waiting at the router for a decode slot (429 beyond)
     router_queue_timeout_s: float = 60.0  # how long one may wait there (503 after)
     tensor_parallel_size: int = 1  # ranks (actors, GPUs on CUDA) per worker: service.rank_placement
-    expert_parallel: bool = False  # routed experts split by id across a worker's ranks
+    expert_parallel: bool = False  # routed experts split by id across a worker's ranks (roles of > 1 rank)
     # every rank of a worker a worker of its own (attention data-parallel, experts split): service.rank_placement
     data_parallel_attention: bool = False
+    # one role's ranks per worker when it differs from tensor_parallel_size (e.g. prefill at 1, decode at 2: the
+    # hand-off moves rank 0's pages, which hold the whole request under either layout)
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
     # GPUs each rank reserves on CUDA (None: 1). A fraction shares a GPU between workers (e.g. 0.5: one prefill and
     # one decode worker on one GPU); each worker's default --gpu-memory-utilization then shrinks to its share.
     worker_num_gpus: float | None = None
 
     def __post_init__(self):
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.data_parallel_attention and not (self.tensor_parallel_size > 1 and self.expert_parallel):
-            raise ValueError("data_parallel_attention needs tensor_parallel_size > 1 and expert_parallel (its ranks "
-                             f"share the routed experts), got tensor_parallel_size {self.tensor_parallel_size}, "
+        for name in ("tensor_parallel_size", "prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        sizes = [self.parallel(role)[0] for role in ("prefill", "decode")]
+        if self.data_parallel_attention and not (max(sizes) > 1 and self.expert_parallel):
+            raise ValueError("data_parallel_attention needs a tensor parallel size > 1 and expert_parallel (its ranks "
+                             f"share the routed experts), got tensor parallel sizes {sizes} (prefill, decode), "
                              f"expert_parallel {self.expert_parallel}")
+
+    def parallel(self, role: str) -> tuple[int, bool, bool]:
+        """One role's worker layout: (ranks, expert parallel, data-parallel attention); the flags apply to the
+        roles of more than one rank."""
+        size = getattr(self, f"{role}_tensor_parallel_size") or self.tensor_parallel_size
+        return size, self.expert_parallel and size > 1, self.data_parallel_attention and size > 1
 
 
 class ServiceStartError(RuntimeError):
@@ -186,7 +199,9 @@ def check_placement(cfg: ServiceConfig, http: bool = True) -> None:
 
     from service.serve_ingress import INGRESS_NUM_CPUS
 
-    workers = (cfg.prefill_workers + cfg.decode_workers) * cfg.tensor_parallel_size  # one actor a rank
+    # one actor a rank
+    workers = sum(n * cfg.parallel(role)[0] for role, n in (("prefill", cfg.prefill_workers),
+                                                            ("decode", cfg.decode_workers)))
     num_gpus = worker_gpus(cfg)
     need = {"CPU": workers * cfg.worker_num_cpus + (cfg.ingress_replicas * INGRESS_NUM_CPUS if http else 0),
             "GPU": workers * num_gpus}
@@ -235,8 +250,8 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
             for i in range(count):
                 placed[f"{role}-{i}"] = place_worker(
                     cls, f"dsv4-{role}-{i}", (f"{role}-{i}", cfg.model_dir, opts, cfg.transfer), net, opts,
-                    cfg.model_dir, cfg.tensor_parallel_size, cfg.expert_parallel, cfg.worker_num_cpus,
-                    worker_gpus(cfg), actor, cfg.ready_timeout_s, cfg.data_parallel_attention)
+                    cfg.model_dir, *cfg.parallel(role)[:2], cfg.worker_num_cpus, worker_gpus(cfg), actor,
+                    cfg.ready_timeout_s, cfg.parallel(role)[2])
                 handles[role][f"{role}-{i}"] = placed[f"{role}-{i}"].handle
                 handles[role].update(placed[f"{role}-{i}"].ranks)  # data-parallel attention: each rank a worker
         prefill, decode = handles["prefill"], handles["decode"]
@@ -482,6 +497,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                          router_max_queued=args.max_queued, router_queue_timeout_s=args.queue_timeout_seconds,
                          tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
                          data_parallel_attention=getattr(args, "data_parallel_attention", False),
+                         prefill_tensor_parallel_size=getattr(args, "prefill_tensor_parallel_size", None),
+                         decode_tensor_parallel_size=getattr(args, "decode_tensor_parallel_size", None),
                          worker_num_gpus=getattr(args, "worker_num_gpus", None),
                          ready_timeout_s=getattr(args, "ready_timeout_seconds", 900.0))
 
@@ -567,6 +584,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks per prefill/decode worker: one Ray actor (one GPU on cuda) each, packed on "
                              "one host by a STRICT_PACK placement group; heads and dense projections split")
+    parser.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
+                        help="ranks per prefill worker when it differs from --tensor-parallel-size")
+    parser.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                        help="ranks per decode worker when it differs from --tensor-parallel-size")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="split routed experts by expert id across each worker's ranks")
     parser.add_argument("--data-parallel-attention", action="store_true",

@@ -2,6 +2,7 @@
 (CPU, gloo): 1 prefill + 1 decode worker of two ranks each, every rank a worker of its own to the router (its
 requests, KV pool and transfer endpoint), the ranks' engine loops in lockstep; TCP KV transfer.
 
+Also with a one-rank prefill worker feeding the data-parallel decode ranks (`prefill_tensor_parallel_size=1`).
 The disaggregated tokens and logprobs equal one engine's; both ranks of each pool serve; an idle group serves
 again; a rank that dies ends its peer's loop (the group leaves the router together); stopping the service frees
 every rank and the placement groups.
@@ -34,13 +35,25 @@ PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=True, prompt
 
 
 def test_config_refuses_data_parallel_attention_without_ranks_and_experts_split():
-    with pytest.raises(ValueError, match="data_parallel_attention needs.*tensor_parallel_size 1"):
+    with pytest.raises(ValueError, match=r"data_parallel_attention needs.*sizes \[1, 1\]"):
         ServiceConfig(model_dir="m", data_parallel_attention=True)
     with pytest.raises(ValueError, match="expert_parallel False"):
         ServiceConfig(model_dir="m", tensor_parallel_size=2, data_parallel_attention=True)
+    with pytest.raises(ValueError, match="decode_tensor_parallel_size must be an int >= 1, got 0"):
+        ServiceConfig(model_dir="m", decode_tensor_parallel_size=0)
 
 
-def test_data_parallel_attention_ranks_serve_as_workers_and_match_one_engine():
+def test_role_layouts_apply_the_flags_to_roles_of_several_ranks():
+    cfg = ServiceConfig(model_dir="m", decode_tensor_parallel_size=2, expert_parallel=True,
+                        data_parallel_attention=True)
+    assert cfg.parallel("prefill") == (1, False, False) and cfg.parallel("decode") == (2, True, True)
+    cfg = ServiceConfig(model_dir="m", tensor_parallel_size=2, prefill_tensor_parallel_size=1, expert_parallel=True)
+    assert cfg.parallel("prefill") == (1, False, False) and cfg.parallel("decode") == (2, True, False)
+
+
+@pytest.mark.parametrize("prefill_ranks", [2, 1], ids=["dp-prefill", "one-rank-prefill"])
+def test_data_parallel_attention_ranks_serve_as_workers_and_match_one_engine(prefill_ranks):
+    """prefill_ranks 1: a one-rank prefill worker feeds the data-parallel decode ranks (layouts differ per role)."""
     init_ray(prepare_metrics_dir())
     handles = None
     try:
@@ -48,14 +61,15 @@ def test_data_parallel_attention_ranks_serve_as_workers_and_match_one_engine():
         cfg = ServiceConfig(model_dir=default_model_dir(), transfer="tcp", worker_num_cpus=0.1, router_port=0,
                             ready_timeout_s=240.0, engine_options=(("max_batch_tokens", 16),),
                             router_policy="round_robin", tensor_parallel_size=2, expert_parallel=True,
-                            data_parallel_attention=True)
+                            data_parallel_attention=True, prefill_tensor_parallel_size=prefill_ranks)
         try:
             handles = start_service(cfg, http=False)
         except Exception as e:
             raise RuntimeError(f"service start failed: {e}\n{ray_logs_tail()}") from e
-        assert sorted(handles["prefill"]) == ["prefill-0", "prefill-0-dp1"]
+        assert sorted(handles["prefill"]) == ["prefill-0", "prefill-0-dp1"][:prefill_ranks]
         assert sorted(handles["decode"]) == ["decode-0", "decode-0-dp1"]
-        assert all(not pw.followers and pw.group is not None for pw in handles["placed"].values())
+        assert all(not pw.followers for pw in handles["placed"].values())
+        assert (handles["placed"]["prefill-0"].group is not None) == (prefill_ranks == 2)
         client = RouterClient(handles["router_addr"], timeout_s=120, token=handles["token"])
         prompts = [[(5 * i + j) % 500 + 2 for j in range(4 + 9 * i)] for i in range(4)]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
