@@ -174,6 +174,11 @@ def sweep(t, x, weights, ids, pk, nbytes, copy, tm, dev) -> None:
 
 OGS_SWEEP = [{}, {"is_persistent": True}, {"is_persistent": False}, {"num_stages": 3}, {"num_stages": 5},
              {"block_k": 256}, {"block_n": 128}, {"block_m": 32}, {"is_persistent": True, "block_n": 128}]
+# Prefill-sized steps (thousands of tokens: ~100+ rows an expert at V4-Flash's 256 experts) also try the M tiles.
+OGS_SWEEP_PREFILL = [{"is_persistent": False, "block_m": 64}, {"is_persistent": False, "block_m": 128},
+                     {"is_persistent": True, "block_m": 128}, {"is_persistent": False, "block_m": 128, "block_n": 128},
+                     {"is_persistent": False, "block_m": 128, "num_stages": 3}]
+PREFILL_TOKENS = 1024  # from here on a sweep adds OGS_SWEEP_PREFILL and reports TFLOP/s
 
 
 def ogs_sweep(t, args, ogs, gate, bias, copy) -> dict:
@@ -186,7 +191,8 @@ def ogs_sweep(t, args, ogs, gate, bias, copy) -> dict:
     nbytes = int(ids.unique().numel()) * 3 * args.inter * args.hidden * (0.5 + 1 / 32)
     want = mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0, {})
     results = []
-    for c in OGS_SWEEP:
+    flops = 2 * t * args.topk * 3 * args.inter * args.hidden
+    for c in OGS_SWEEP + (OGS_SWEEP_PREFILL if t >= PREFILL_TOKENS else []):
         try:
             err = rel_err(mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0, c), want)
             us = bench_graph(lambda c=c: mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0, c))
@@ -197,8 +203,8 @@ def ogs_sweep(t, args, ogs, gate, bias, copy) -> dict:
             results.append((us, err, c))
     results.sort(key=lambda r: r[0])
     lines = [f"ogs sweep, tokens {t}:"] + [
-        f"  {us:8.1f} us  {nbytes / us / 1e3:6.0f} GB/s ({100 * nbytes / us / 1e3 / copy:.0f}%)  err {err:.1e}  {c}"
-        for us, err, c in results]
+        f"  {us:8.1f} us  {nbytes / us / 1e3:6.0f} GB/s ({100 * nbytes / us / 1e3 / copy:.0f}%)  "
+        f"{flops / us / 1e6:6.0f} TFLOP/s  err {err:.1e}  {c}" for us, err, c in results]
     print("\n" + "\n".join(lines))
     return (results[0][2] if results else {}), lines
 

@@ -2,7 +2,8 @@
 # Issue 11 GPU session runner: installs the carried .whl wheels (DeepGEMM, FlashMLA, triton_kernels) into a
 # private dir, then runs the named stages, logging each to $OUT. Stages: probe, ktests, fp8gemm, moe, fp8oracle,
 # slice, gputests, flash (FlashMLA kernel + fp8-default engine tests), tp (TP 2 vs TP 1 on one GPU), e2e, ab
-# (overlapped decode on/off, FP8 vs MXFP4 indexer keys), coldstart (engine warm-up on fresh compile caches).
+# (overlapped decode on/off, FP8 vs MXFP4 indexer keys), coldstart (engine warm-up on fresh compile caches), b1prof
+# (the batch-1 decode step's kernels in launch order), prefillmoe (matmul_ogs launch constraints at prefill sizes).
 # Usage: scripts/gpu_issue11.sh stage ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,6 +83,12 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
     flash) timeout ${FLASH_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_flashmla_sparse.py \
              tests/engine/test_gpu_flashmla_engine.py > "$OUT/flash.log" 2>&1 || status=1
            grep -E "^\[gpu flashmla|^(FAILED|ERROR)|passed|failed" "$OUT/flash.log" | cut -c1-400 ;;
+    b1prof) timeout ${B1_TIMEOUT:-240} scripts/bench_gpu.sh --budget-s ${B1_BUDGET:-180} --batches 1 --contexts 4096 \
+              --experts mxfp4 --no-peer --profile-batch 1 --profile-dump "$OUT/kernels_b1.txt" --out "$OUT/b1.md" \
+              > "$OUT/b1prof.log" 2>&1 || status=1
+            grep -E "^(decode|profile|prefill)" "$OUT/b1prof.log" | cut -c1-300 ;;
+    prefillmoe) timeout ${PMOE_TIMEOUT:-300} python3 scripts/bench_moe.py --tokens 4096 8192 --ogs-sweep \
+                  --ogs-out "$OUT/moe_prefill_sweep.md" 2>&1 | tail -40 | tee "$OUT/prefillmoe.log" || status=1 ;;
     tp) timeout ${TP_TIMEOUT:-240} python3 scripts/check_gpu_tp.py > "$OUT/tp.log" 2>&1 || status=1
         grep -E "^\[gpu tp|^tp |Error" "$OUT/tp.log" | cut -c1-400 ;;
     *) echo "unknown stage $stage"; status=2 ;;
