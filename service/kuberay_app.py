@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 
 from kv_transfer.registry import TRANSFER_CHOICES
@@ -209,6 +210,7 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
             if all(kept):
                 handles.update(zip(dp_worker_ids(worker_id, size), kept))
                 continue
+            _drop_broken_group(name, size, [h for h in kept if h is not None])
         elif _named(name):
             handles[worker_id] = _named(name)
             continue
@@ -218,6 +220,19 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
         handles[worker_id] = placed.handle
         handles.update(placed.ranks)
     return handles
+
+
+def _drop_broken_group(name: str, size: int, live: list, wait_s: float = 30.0) -> None:
+    """A data-parallel group that lost a rank cannot take it back (the others' collectives failed with it): kill
+    its live ranks and free its placement group, so that its names and GPUs are there for the new group."""
+    import ray
+
+    for h in live:
+        ray.kill(h, no_restart=True)
+    _remove_group(name)
+    deadline = time.monotonic() + wait_s
+    while any(_named(n) for n in dp_actor_names(name, size)) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _named(name: str):
