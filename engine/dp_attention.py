@@ -45,16 +45,22 @@ def run_lockstep(engine) -> int:
         raise ValueError("run_lockstep needs an engine built with a data-parallel attention context")
     steps = 0
     while any(ctx.gather_counts(int(engine.has_work))):
-        before = engine.model.forwards
-        if engine.has_work:
-            engine.step()
-        ran = engine.model.forwards - before
-        if ran == 0:
-            engine.model.idle_forward()
-        elif ran > 1:  # (an EngineCore step runs at most one forward without graphs or overlap)
-            raise RuntimeError(f"a data-parallel step ran {ran} forwards; the ranks' exchanges no longer pair up")
+        lockstep_forward(engine, engine.step)
         steps += 1
     return steps
+
+
+def lockstep_forward(engine, step) -> None:
+    """This rank's one forward of a tick in which some rank has work: `step()` (an EngineCore step) when this
+    rank has work, else -- or when its scheduler ran nothing -- `idle_forward`, whose experts serve the others."""
+    before = engine.model.forwards
+    if engine.has_work:
+        step()
+    ran = engine.model.forwards - before
+    if ran == 0:
+        engine.model.idle_forward()
+    elif ran > 1:  # (an EngineCore step runs at most one forward without graphs or overlap)
+        raise RuntimeError(f"a data-parallel step ran {ran} forwards; the ranks' exchanges no longer pair up")
 
 
 def _run_share(engine, job) -> list[tuple[int, GenerationOutput]]:

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from engine.dp_attention import lockstep_forward
 from engine.request import TokenEvent
 from engine.runner import EngineCore
 
@@ -153,14 +154,7 @@ class EngineLoop:
             if not any(ctx.gather_counts(int(engine.has_work))):
                 time.sleep(IDLE_TICK_S)
                 continue
-            before = engine.model.forwards
-            if engine.has_work:
-                self._step()
-            ran = engine.model.forwards - before
-            if ran == 0:  # no work here, or nothing admissible: this rank's experts still serve the others
-                engine.model.idle_forward()
-            elif ran > 1:  # (an EngineCore step runs at most one forward without graphs or overlap)
-                raise RuntimeError(f"a data-parallel step ran {ran} forwards; the ranks' exchanges no longer pair up")
+            lockstep_forward(engine, self._step)
 
     def _step(self) -> list[TokenEvent]:
         """One engine step; its events go to their sinks. A failed step fails every subscriber."""

@@ -164,9 +164,10 @@ class StagingBuffer:
 
     def reclaim(self, wait: bool = False) -> int:
         """Free the held ranges whose scatter has run (all of them, after waiting, with wait=True) -> how many."""
-        with self._held_lock:
-            done = [(o, e) for o, e in self._held if wait or e.query()]
-            self._held = [h for h in self._held if h not in done]
+        with self._held_lock:  # one query per event: one that completes meanwhile stays held until the next look
+            ran = [wait or e.query() for _, e in self._held]
+            done = [h for h, r in zip(self._held, ran) if r]
+            self._held = [h for h, r in zip(self._held, ran) if not r]
         for offset, event in done:
             event.synchronize()
             self.arena.free(offset)
