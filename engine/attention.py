@@ -238,7 +238,8 @@ class AttentionBlock:
             close_windows(state, kv, gate, ape, batch.positions, plan.cur.row, prev.row if prev else None,
                           prev.valid if prev else None, w[prefix + "norm.weight"], self.cfg.rms_norm_eps, cos, sin,
                           plan.entry_pos, plan.entry_row, entries.tensor,
-                          entries.group.codec.layout if entries.quantised else None, hadamard=False)
+                          entries.group.codec.layout if entries.quantised else None, hadamard=False,
+                          skip_row=pool.scratch_pages[entry_group] * pool.groups[entry_group].spec.page_rows)
         save_state(kv, gate, ape, batch.positions, state, plan.state_write.chunk_row, plan.state_write.ring_row)
         return entries
 
@@ -311,8 +312,10 @@ class AttentionBlock:
                 x @ w["indexer.weights_proj.weight"].t()
             q, head_weights, rows = indexer_prologue(q, cos, sin, raw_weights, cfg.index_n_heads ** -0.5, vis.rows,
                                                      vis.valid, layout.index_head_dim if layout else None)
+            # cu_seqlens: prefill-shaped steps take the shared-key prefill kernel. Unordered picks on CUDA (the
+            # attention kernels skip -1 wherever it is); the CPU keeps topk's order, which its tests compare.
             return indexer_topk(q.contiguous(), store, rows, head_weights.contiguous(), cfg.index_topk, layout,
-                                cu_seqlens=batch.cu)  # prefill-shaped steps: the shared-key prefill kernel
+                                cu_seqlens=batch.cu, ordered=not x.is_cuda)
         q = apply_rope(q, cos, sin)
         head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
         scores = indexer_scores(q, keys.read(vis.rows), head_weights)

@@ -82,7 +82,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     """logits: fp32 [N, V] -> fp64 [2, N]: each row's argmax token (exact in fp64) and its log-probability,
-    as one tensor so the host reads both in one copy (and a CUDA graph can hold the whole computation)."""
+    as one tensor so the host reads both in one copy (and a CUDA graph can hold the whole computation).
+    On CUDA one fused two-stage Triton reduction (kernels.triton_greedy) instead of argmax + log_softmax."""
+    if logits.is_cuda and use_triton(logits.device):
+        from kernels.triton_greedy import greedy_pick as triton_greedy_pick  # imports triton: only on this path
+
+        return triton_greedy_pick(logits)
     tokens = logits.argmax(dim=-1)
     lps = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     return torch.stack([tokens.double(), lps.double()])

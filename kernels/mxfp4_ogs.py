@@ -33,24 +33,30 @@ SCALE_WARPS = 8  # warps of the kernels reading the scales (the Hopper scale lay
 # Launch constraints for triton_kernels' matmul (its opt_flags: block_m/n/k, num_stages, is_persistent, ...).
 # Non-persistent: on the H200 (scripts/bench_moe.py --ogs-sweep, BENCHMARKS.md mxfp4_moe_sweep) it matched the
 # heuristics' choice at 64 and 128 decode tokens (893 vs 899 us, 1141 vs 1147 us, identical outputs) and the
-# slice's 8K prefill ran in 0.22 s with it against 0.35-0.40 s in the runs without. $DSV4_OGS_CONSTRAINTS (a JSON
-# object; {} = triton_kernels' own heuristics) overrides.
+# slice's 8K prefill ran in 0.22 s with it against 0.35-0.40 s in the runs without. Prefill-sized calls also
+# take 3 pipeline stages: at 4096 and 8192 tokens the whole MoE ran in 4124 / 6407 us against 4870 / 7551 with
+# the heuristics' stages (BENCHMARKS.md, moe_prefill_sweep; identical outputs); sizes between were not measured,
+# so they keep the decode choice. $DSV4_OGS_CONSTRAINTS (a JSON object; {} = triton_kernels' own heuristics)
+# overrides both.
 CONSTRAINTS: dict = {"is_persistent": False}
+PREFILL_CONSTRAINTS: dict = {"is_persistent": False, "num_stages": 3}
+PREFILL_TOKENS = 4096  # from this many tokens a call is prefill-sized
 
 
-def constraints() -> dict:
+def constraints(tokens: int = 1) -> dict:
+    """Launch constraints for an MoE call over `tokens` tokens."""
     raw = os.environ.get("DSV4_OGS_CONSTRAINTS", "").strip()
     if not raw:
-        return CONSTRAINTS
+        return PREFILL_CONSTRAINTS if tokens >= PREFILL_TOKENS else CONSTRAINTS
     value = json.loads(raw)
     if not isinstance(value, dict):
         raise ValueError(f"DSV4_OGS_CONSTRAINTS must be a JSON object, got {raw!r}")
     return value
 
 
-def _scoped(extra: dict | None):
+def _scoped(extra: dict | None, tokens: int = 1):
     """triton_kernels' opt-flag constraints for the calls inside (a no-op when there are none)."""
-    c = constraints() if extra is None else extra
+    c = constraints(tokens) if extra is None else extra
     if not c:
         return contextlib.nullcontext()
     from triton_kernels.matmul_details.opt_flags import scoped_opt_flags_constraints
@@ -106,7 +112,7 @@ def ogs_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: OgsEx
             opt_constraints: dict | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
     """= moe_experts(x, weights, ids, W1, W2, W3, limit) on the dequantised experts. x: [T, H] bf16;
     weights: [T, k] float; ids: int [T, k] (-1 = not this rank's expert, contributes nothing) -> [T, H] in x.dtype.
-    opt_constraints: triton_kernels launch constraints for this call (None = `constraints()`).
+    opt_constraints: triton_kernels launch constraints for this call (None = `constraints(T)`).
     shared: [T, H] added to the result (the shared expert's output) in the k-way sum's kernel."""
     from kernels import triton_moe_glue  # Triton SwiGLU and k-way sum (one launch each)
 
@@ -128,7 +134,7 @@ def ogs_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: OgsEx
         gammas = weights.reshape(-1).float().index_select(0, order.long())
     meta = tensor.make_ragged_tensor_metadata(counts, p)
     x = x.contiguous()
-    with _scoped(opt_constraints):
+    with _scoped(opt_constraints, t):
         h = matmul.matmul(x, ex.w13, None, a_ragged_metadata=meta, gather_indx=rows,
                           precision_config=precision(b_mx_scale=ex.s13, b_microblock_size=32))  # [P, 2I]
         act = triton_moe_glue.swiglu(h[:, :ex.inter], h[:, ex.inter:], limit, x.dtype)

@@ -107,15 +107,20 @@ def _pool(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_ptr, pv, 
     return tl_round_to(acc, BF16, DT)
 
 
-@triton.jit(do_not_specialize=["R"])
+@triton.jit(do_not_specialize=["R", "skip_row"])
 def _close_kernel(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_ptr, pv_ptr, w_ptr, cos_ptr, sin_ptr,
-                  epos_ptr, rows_ptr, out_ptr, cache_ptr, R, D, W, HALF, eps, hscale, table_rows, block_size,
+                  epos_ptr, rows_ptr, out_ptr, cache_ptr, R, D, W, HALF, eps, hscale, table_rows, skip_row, block_size,
                   block_stride, stride_sr, stride_kt, stride_gt, stride_ar, stride_pv, stride_on, stride_cr,
                   FMT: tl.constexpr, OVERLAP: tl.constexpr, RATIO: tl.constexpr, SLOTS: tl.constexpr,
                   BLOCK_S: tl.constexpr, NOPE_P: tl.constexpr, HALF_P: tl.constexpr, VALUE_BYTES: tl.constexpr,
                   SCALE_BYTES: tl.constexpr, LD: tl.constexpr, NB: tl.constexpr, OUT_P: tl.constexpr,
                   HADAMARD: tl.constexpr, LOG2D: tl.constexpr, BF16: tl.constexpr, HW_FP8: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
+    first = tl.load(rows_ptr + n)
+    if (first < 0) | (first == skip_row):
+        # No window of this row closes this step. A fixed-shape decode step launches a program for every row
+        # whether or not its window closes (1 step in r): pooling anyway cost 88 us a step at ratio 128.
+        return
     dt = out_ptr.dtype.element_ty
     pv = 1
     if OVERLAP:
@@ -178,7 +183,7 @@ def close_windows(state: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor, ape
                   prev_valid: torch.Tensor | None, weight: torch.Tensor, eps: float, cos_table: torch.Tensor,
                   sin_table: torch.Tensor, entry_pos: torch.Tensor, entry_rows: torch.Tensor, cache: torch.Tensor,
                   layout: Fp8DsMlaLayout | IndexerKeyLayout | None = None, *, hadamard: bool = False,
-                  block_s: int | None = None) -> None:
+                  block_s: int | None = None, skip_row: int = -1) -> None:
     """Pool, normalise, rotate and store N entries whose slots are read in place (module docstring).
 
     state: fp32 [R, 2W] one layer's state ring (row stride free); kv, gate: [T, W] this step's compressor
@@ -189,6 +194,8 @@ def close_windows(state: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor, ape
     entry_pos: int [N] window starts; entry_rows: int [N] rows of the entry cache (-1 = skip);
     cache: exact [rows, d] model-dtype rows when layout is None, else the paged uint8 cache of `layout`.
     hadamard: rotate indexer keys by H / sqrt(d) before quantising (the engine stores them unrotated).
+    skip_row: an entry row that means "no window closes" too (a decode plan's scratch row); its program returns
+    at once, as for -1.
     """
     n, r = cur_rows.shape if cur_rows.dim() == 2 else (0, 0)
     overlap = prev_rows is not None
@@ -239,7 +246,7 @@ def close_windows(state: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor, ape
     _close_kernel[(n,)](
         state, kv, gate, ape, positions, cur_rows.contiguous(), (prev_rows if overlap else cur_rows).contiguous(), pv,
         weight, cos_table, sin_table, entry_pos, entry_rows, out, cache,
-        state.shape[0], d, w, half, eps, d**-0.5 if hadamard else 1.0, cos_table.shape[0],
+        state.shape[0], d, w, half, eps, d**-0.5 if hadamard else 1.0, cos_table.shape[0], skip_row,
         layout.block_size if layout is not None else 1, block_stride, state.stride(0), kv.stride(0), gate.stride(0),
         ape.stride(0), pv.stride(0), out.stride(0), stride_cr,
         FMT=fmt, OVERLAP=overlap, RATIO=r, SLOTS=slots, BLOCK_S=block_s, NOPE_P=nope_p,

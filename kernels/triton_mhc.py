@@ -9,9 +9,13 @@ Reference: `kernels.mhc.hc_pre` / `hc_post`. Per token with hc streams of width 
   and its split-K reduction: three launches where one does, twice a layer.) Then, all in registers:
   pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax + eps, Sinkhorn (column norm, then
   iters-1 x (row, column)), and collapsed = sum_i pre_i * stream_i.
-  One program per token: hc*hc is tiny and the streams of a token (hc * D values) stay in L1/L2
-  between the sum-of-squares pass and the collapse pass. Optionally (`norm_weight`) a third pass applies
-  the block's weighted input RMSNorm to the collapsed row and writes it in the block dtype.
+  Decode-sized steps (T <= MIX_MAX_TOKENS): the mix kernel also writes each split's sum of squares, and the
+  pre kernel runs on a (T, D / BLOCK_D) grid: every program derives its token's weights (hc*hc is tiny) and
+  collapses one block of D; the optional input RMSNorm (`norm_weight`) is a third launch over whole rows.
+  One program per token looping over D was latency-bound: 37 us a call at batch 1 and 64 on an H200 (V4-Flash
+  widths), ~0.3 ms of a 1.9 ms batch-1 step. Long steps (prefill chunks) keep one program per token: T
+  programs fill the GPU, and the streams of a token (hc * D values) stay in L1/L2 between its sum-of-squares
+  pass and its collapse pass; a third pass applies the input norm.
 - post: new_streams[j] = post_j * block_out + sum_i comb[i, j] * streams[i]; grid (T, D / BLOCK_D).
 All mixing math is fp32 (as in the reference); outputs round once to the streams' dtype.
 Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see kernels/triton_attention.py).
@@ -29,14 +33,16 @@ triton, tl = import_triton()
 @triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "stride_pt"])
 def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
                    stride_st, stride_sh, stride_fn, stride_ps, stride_pt,
-                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr):
-    """part[s, t, m] = sum over this split's k of streams[t].flat[k] * fn[m, k], fp32 (grid: T blocks x splits)."""
+                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr):
+    """part[s, t, m] = sum over this split's k of streams[t].flat[k] * fn[m, k], fp32 (grid: T blocks x splits);
+    SUMSQ: part[s, t, N_MIX] = the split's sum of streams[t].flat[k]^2 (the mixing RMSNorm's statistic)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     m = tl.arange(0, NM_P)
     mmask = m < N_MIX
     k_lo = tl.program_id(1) * k_per_split
     acc = tl.zeros([BLOCK_T, NM_P], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_T], dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
@@ -44,6 +50,11 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
                     + (k % D)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + m[None, :] * stride_fn + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
         acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+        if SUMSQ:
+            sq += tl.sum(x * x, axis=1)
+    if SUMSQ:  # (N_MIX < NM_P: the column is free in the tile)
+        acc = tl.where((m == N_MIX)[None, :], sq[:, None], acc)
+        mmask = m <= N_MIX
     tl.store(part_ptr + tl.program_id(1) * stride_ps + rows[:, None].to(tl.int64) * stride_pt + m[None, :], acc,
              mask=rmask[:, None] & mmask[None, :])
 
@@ -57,36 +68,20 @@ def _mix_sum(m_row, idx, mask, splits, stride_ms):
     return acc
 
 
-@triton.jit(do_not_specialize=["splits", "stride_ms", "stride_mt"])
-def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr,
-                   normw_ptr, normed_ptr, HC, D, iters, hc_eps, norm_eps, out_eps, splits,
-                   stride_st, stride_sh, stride_ms, stride_mt, stride_ct, stride_nt,
-                   HC_P: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, HC_P)
-    j = tl.arange(0, HC_P)
-    imask = i < HC
-    s_row = streams_ptr + t * stride_st + i[:, None] * stride_sh
-
-    # Pass 1: sum of squares of the flattened streams -> the RMSNorm factor of the mixing logits.
-    sq = tl.zeros([HC_P, BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(s_row + cols[None, :], mask=imask[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
-        sq += x * x
-    rinv = tl.rsqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / (HC * D) + norm_eps)
-
+@triton.jit
+def _mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms):
+    """One token's mixing weights from its split-K logit partials: (pre [HC_P], post [HC_P], comb [HC_P, HC_P],
+    comb's mask). pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax + eps, then Sinkhorn (column norm,
+    then iters-1 x (row, column)); padded entries stay exactly 0 so they never enter a sum."""
     s0 = tl.load(scale_ptr).to(tl.float32)
     s1 = tl.load(scale_ptr + 1).to(tl.float32)
     s2 = tl.load(scale_ptr + 2).to(tl.float32)
-    m_row = mixes_ptr + t * stride_mt
     pre = _mix_sum(m_row, i, imask, splits, stride_ms) * rinv * s0 + tl.load(base_ptr + i, mask=imask, other=0.0)
     pre = tl.where(imask, tl.sigmoid(pre) + hc_eps, 0.0)
     post = _mix_sum(m_row, HC + i, imask, splits, stride_ms) * rinv * s1 + tl.load(base_ptr + HC + i, mask=imask,
                                                                                     other=0.0)
     post = 2.0 * tl.sigmoid(post)
-
-    # comb[i, j] lives at 2*HC + i*HC + j; padded entries stay exactly 0 so they never enter a sum.
+    # comb[i, j] lives at 2*HC + i*HC + j
     cmask = imask[:, None] & (j < HC)[None, :]
     cidx = 2 * HC + i[:, None] * HC + j[None, :]
     logits = _mix_sum(m_row, cidx, cmask, splits, stride_ms) * rinv * s2 + tl.load(base_ptr + cidx, mask=cmask,
@@ -101,6 +96,30 @@ def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, p
     for _ in range(iters - 1):
         comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    return pre, post, comb, cmask
+
+
+@triton.jit(do_not_specialize=["splits", "stride_ms", "stride_mt"])
+def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr,
+                   normw_ptr, normed_ptr, HC, D, iters, hc_eps, norm_eps, out_eps, splits,
+                   stride_st, stride_sh, stride_ms, stride_mt, stride_ct, stride_nt,
+                   HC_P: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+    """One program per token (long steps: T programs fill the GPU)."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, HC_P)
+    j = tl.arange(0, HC_P)
+    imask = i < HC
+    s_row = streams_ptr + t * stride_st + i[:, None] * stride_sh
+
+    # Pass 1: sum of squares of the flattened streams -> the RMSNorm factor of the mixing logits.
+    sq = tl.zeros([HC_P, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(s_row + cols[None, :], mask=imask[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+        sq += x * x
+    rinv = tl.rsqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / (HC * D) + norm_eps)
+    pre, post, comb, cmask = _mixing(mixes_ptr + t * stride_mt, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters,
+                                     hc_eps, splits, stride_ms)
     tl.store(post_ptr + t * HC + i, post, mask=imask)
     tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=cmask)
 
@@ -128,6 +147,44 @@ def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, p
             y = tl.sum(pre[:, None] * x, axis=0).to(collapsed_ptr.dtype.element_ty).to(tl.float32)
             w = tl.load(normw_ptr + cols, mask=dmask, other=0.0).to(tl.float32)
             tl.store(normed_ptr + t * stride_nt + cols, (w * (y * r)).to(normed_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit(do_not_specialize=["splits", "stride_ms", "stride_mt"])
+def _hc_pre_split_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr,
+                         HC, D, N_MIX, iters, hc_eps, norm_eps, splits, stride_st, stride_sh, stride_ms, stride_mt,
+                         stride_ct, HC_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Short steps: grid (T, D / BLOCK_D). Each program derives its token's weights from the partials (the sum
+    of squares rides in column N_MIX of them, from _hc_mix_kernel) and collapses one block of D."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, HC_P)
+    j = tl.arange(0, HC_P)
+    imask = i < HC
+    m_row = mixes_ptr + t * stride_mt
+    sumsq = tl.sum(_mix_sum(m_row, N_MIX + i * 0, i == 0, splits, stride_ms), axis=0)
+    rinv = tl.rsqrt(sumsq / (HC * D) + norm_eps)
+    pre, post, comb, cmask = _mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits,
+                                     stride_ms)
+    if tl.program_id(1) == 0:
+        tl.store(post_ptr + t * HC + i, post, mask=imask)
+        tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=cmask)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = cols < D
+    x = tl.load(streams_ptr + t * stride_st + i[:, None] * stride_sh + cols[None, :],
+                mask=imask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(pre[:, None] * x, axis=0)
+    tl.store(collapsed_ptr + t * stride_ct + cols, y.to(collapsed_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _norm_rows_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_xt, stride_ot, BLOCK_D: tl.constexpr):
+    """out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), fp32 math, one rounding (a row per program, whole)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    dmask = cols < D
+    x = tl.load(x_ptr + t * stride_xt + cols, mask=dmask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=dmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols, (w * (x * r)).to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 @triton.jit
@@ -187,14 +244,25 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     # (with the norm fused the plain collapsed row is never stored: `collapsed` only names its dtype)
     if t == 0:
         return normed, post, comb
-    parts = mix_partials(streams, fn)  # [splits, T, n_mix] fp32
     extra = {"num_warps": 4} if streams.is_cuda else {}
+    block_d = min(block_d, triton.next_power_of_2(d))
+    if t <= MIX_MAX_TOKENS:  # decode-sized: spread each token over D blocks (one program a token is latency-bound)
+        parts = mix_partials(streams, fn, sumsq=True)  # [splits, T, n_mix + 1] fp32
+        _hc_pre_split_kernel[(t, triton.cdiv(d, block_d))](
+            streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, hc, d,
+            n_mix, iters, hc_eps, norm_eps, parts.shape[0], streams.stride(0), streams.stride(1), parts.stride(0),
+            parts.stride(1), collapsed.stride(0), HC_P=triton.next_power_of_2(hc), BLOCK_D=block_d, **extra)
+        if norm:
+            _norm_rows_kernel[(t,)](collapsed, norm_weight.contiguous(), normed, d, out_eps, collapsed.stride(0),
+                                    normed.stride(0), BLOCK_D=triton.next_power_of_2(d),
+                                    **({"num_warps": 8} if streams.is_cuda else {}))
+        return normed, post, comb
+    parts = mix_partials(streams, fn)  # [1, T, n_mix] fp32 (torch's matmul)
     _hc_pre_kernel[(t,)](streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post,
                          comb, norm_weight.contiguous() if norm else collapsed, normed, hc, d, iters, hc_eps,
                          norm_eps, out_eps, parts.shape[0], streams.stride(0), streams.stride(1), parts.stride(0),
                          parts.stride(1), collapsed.stride(0), normed.stride(0),
-                         HC_P=triton.next_power_of_2(hc), BLOCK_D=min(block_d, triton.next_power_of_2(d)),
-                         NORM=norm, **extra)
+                         HC_P=triton.next_power_of_2(hc), BLOCK_D=block_d, NORM=norm, **extra)
     return normed, post, comb
 
 
@@ -202,13 +270,16 @@ MIX_PROGRAMS = 256  # split K until about this many programs run (T = 1 in decod
 MIX_MAX_TOKENS = 256  # beyond (prefill chunks), cuBLAS's fp32 matmul as before: the split-K kernel is unmeasured there
 
 
-def mix_partials(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -> torch.Tensor:
     """Split-K partial mixing logits: streams [T, hc, D] (any float dtype, unit last stride), fn [n_mix, hc*D]
     -> fp32 [splits, T, n_mix] whose sum over splits is streams.reshape(T, hc*D).float() @ fn.float().t()
-    (one "split", torch's matmul, above MIX_MAX_TOKENS tokens)."""
+    (one "split", torch's matmul, above MIX_MAX_TOKENS tokens). sumsq (split-K only): one more column, n_mix,
+    whose sum over splits is each token's sum of squares of its flattened streams."""
     t, hc, d = streams.shape
     k, n_mix = hc * d, fn.shape[0]
     if t > MIX_MAX_TOKENS:
+        if sumsq:
+            raise ValueError(f"sumsq needs the split-K kernel (T <= {MIX_MAX_TOKENS}), got T={t}")
         return (streams.reshape(t, k).float() @ fn.float().t()).unsqueeze(0)
     # (sm_90 compile, scripts/compile_triton_sm90.py: 64 rows x 128 of K in 4 warps spilled at 255 registers)
     block_t, block_k = (16, 128) if t <= 16 else (64, 64)
@@ -216,11 +287,12 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(MIX_PROGRAMS, tiles)))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
-    parts = torch.empty(splits, t, n_mix, dtype=torch.float32, device=streams.device)
+    parts = torch.empty(splits, t, n_mix + sumsq, dtype=torch.float32, device=streams.device)
     fn = fn.float().contiguous()
     _hc_mix_kernel[(tiles, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),
                                     streams.stride(1), fn.stride(0), parts.stride(0), parts.stride(1),
-                                    BLOCK_T=block_t, BLOCK_K=block_k, NM_P=max(16, triton.next_power_of_2(n_mix)),
+                                    BLOCK_T=block_t, BLOCK_K=block_k,
+                                    NM_P=max(16, triton.next_power_of_2(n_mix + sumsq)), SUMSQ=sumsq,
                                     num_warps=4 if block_t == 16 else 8)
     return parts
 

@@ -179,6 +179,11 @@ OGS_SWEEP_PREFILL = [{"is_persistent": False, "block_m": 64}, {"is_persistent": 
                      {"is_persistent": True, "block_m": 128}, {"is_persistent": False, "block_m": 128, "block_n": 128},
                      {"is_persistent": False, "block_m": 128, "num_stages": 3}]
 PREFILL_TOKENS = 1024  # from here on a sweep adds OGS_SWEEP_PREFILL and reports TFLOP/s
+# Batch-1-sized steps (6 experts x 1 row: ~96 programs a matmul, each streaming 4096 of K) also try splitting K
+# and narrower N tiles, for more programs in flight.
+OGS_SWEEP_SMALL = [{"is_persistent": False, "split_k": 2}, {"is_persistent": False, "split_k": 4},
+                   {"is_persistent": False, "block_n": 64}, {"is_persistent": False, "block_k": 256, "split_k": 2}]
+SMALL_TOKENS = 8  # up to here a sweep adds OGS_SWEEP_SMALL
 
 
 def ogs_sweep(t, args, ogs, gate, bias, copy) -> dict:
@@ -192,7 +197,8 @@ def ogs_sweep(t, args, ogs, gate, bias, copy) -> dict:
     want = mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0, {})
     results = []
     flops = 2 * t * args.topk * 3 * args.inter * args.hidden
-    for c in OGS_SWEEP + (OGS_SWEEP_PREFILL if t >= PREFILL_TOKENS else []):
+    extra = OGS_SWEEP_PREFILL if t >= PREFILL_TOKENS else OGS_SWEEP_SMALL if t <= SMALL_TOKENS else []
+    for c in OGS_SWEEP + extra:
         try:
             err = rel_err(mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0, c), want)
             us = bench_graph(lambda c=c: mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0, c))

@@ -3,7 +3,8 @@
 # private dir, then runs the named stages, logging each to $OUT. Stages: probe, ktests, fp8gemm, moe, fp8oracle,
 # slice, gputests, flash (FlashMLA kernel + fp8-default engine tests), tp (TP 2 vs TP 1 on one GPU), e2e, ab
 # (overlapped decode on/off, FP8 vs MXFP4 indexer keys), coldstart (engine warm-up on fresh compile caches), b1prof
-# (the batch-1 decode step's kernels in launch order), prefillmoe (matmul_ogs launch constraints at prefill sizes).
+# (the batch-1 decode step's kernels in launch order), prefillmoe (matmul_ogs launch constraints at prefill sizes),
+# decodemoe (the same at 1 and 64 tokens, with split-K and narrow-N tiles at 1).
 # Usage: scripts/gpu_issue11.sh stage ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,6 +90,8 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
             grep -E "^(decode|profile|prefill)" "$OUT/b1prof.log" | cut -c1-300 ;;
     prefillmoe) timeout ${PMOE_TIMEOUT:-300} python3 scripts/bench_moe.py --tokens 4096 8192 --ogs-sweep \
                   --ogs-out "$OUT/moe_prefill_sweep.md" 2>&1 | tail -40 | tee "$OUT/prefillmoe.log" || status=1 ;;
+    decodemoe) timeout ${DMOE_TIMEOUT:-200} python3 scripts/bench_moe.py --tokens 1 64 --ogs-sweep \
+                 --ogs-out "$OUT/moe_decode_sweep.md" 2>&1 | tail -40 | tee "$OUT/decodemoe.log" || status=1 ;;
     tp) timeout ${TP_TIMEOUT:-240} python3 scripts/check_gpu_tp.py > "$OUT/tp.log" 2>&1 || status=1
         grep -E "^\[gpu tp|^tp |Error" "$OUT/tp.log" | cut -c1-400 ;;
     *) echo "unknown stage $stage"; status=2 ;;

@@ -161,7 +161,55 @@ def test_deepgemm_shapes_are_recorded_and_swept(monkeypatch):
     monkeypatch.setattr(dgl, "_SEEN", set())
     w = Fp8Weight(torch.randn(256, 384).to(torch.float8_e4m3fn), torch.ones(2, 3), pow2_act=False)
     dgl.fp8_gemm(torch.randn(5, 384, dtype=torch.bfloat16), w)
-    assert dgl.seen_shapes() == [(256, 384, False, torch.device("cpu"))] and calls == [(5, (256, 384), (5, 256))]
+    assert dgl.seen_shapes() == [(256, 384, False, torch.device("cpu"), 1)] and calls == [(5, (256, 384), (5, 256))]
     calls.clear()
     dgl.warm_shape(256, 384, False, "cpu", [1, 64, 3])
     assert calls == [(1, (256, 384), (1, 256)), (3, (256, 384), (3, 256)), (64, (256, 384), (64, 256))]
+
+
+def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
+    """fp8_grouped_gemm: one m_grouped_fp8_gemm_nt_masked call over [G, T, K] (every group's masked_m = T,
+    recorded with its group count for the warm-up sweep); when that call raises, G plain GEMMs, from then on."""
+    import types
+
+    import kernels.deepgemm_linear as dgl
+    import kernels.triton_fp8_quant as quant
+    from kernels.fp8_linear import Fp8Weight
+
+    calls = []
+
+    def masked(a, b, out, masked_m, expected_m):
+        calls.append(("masked", tuple(a[0].shape), tuple(b[0].shape), tuple(b[1].shape), masked_m.tolist(),
+                      expected_m))
+        out.copy_(torch.einsum("gmk,gnk->gmn", a[0].float(), b[0].float()))
+
+    def plain(a, b, out):
+        calls.append(("plain", tuple(a[0].shape), tuple(b[0].shape)))
+        out.copy_(a[0].float() @ b[0].float().t())
+
+    fake = types.SimpleNamespace(fp8_gemm_nt=plain, m_grouped_fp8_gemm_nt_masked=masked)
+    monkeypatch.setattr(dgl, "import_deep_gemm", lambda: fake)
+    monkeypatch.setattr(quant, "quant_act_1x128_grouped", lambda x, pow2=True: (
+        x.to(torch.float8_e4m3fn), torch.ones(x.shape[0], x.shape[1], -(-x.shape[2] // 128))))
+    monkeypatch.setattr(dgl, "_SEEN", set())
+    monkeypatch.setattr(dgl, "_GROUPED_BROKEN", [])
+    g, t, r, k = 4, 3, 128, 256
+    w = Fp8Weight(torch.randn(g * r, k).to(torch.float8_e4m3fn), torch.ones(g, 2), pow2_act=False)
+    x = torch.randn(g, t, k).to(torch.float8_e4m3fn).to(torch.bfloat16)  # exact in e4m3: the stand-ins agree
+    want = torch.einsum("gtk,grk->gtr", x.float(), w.weight.float().view(g, r, k))
+    out = dgl.fp8_grouped_gemm(x, w, g)
+    assert calls == [("masked", (g, t, k), (g, r, k), (g, 1, 2), [t] * g, t)]
+    assert dgl.seen_shapes() == [(r, k, False, torch.device("cpu"), g)]
+    torch.testing.assert_close(out.float(), want, atol=0.5, rtol=1e-2)
+
+    def broken(*args):
+        raise RuntimeError("no masked layout here")
+
+    fake.m_grouped_fp8_gemm_nt_masked = broken
+    calls.clear()
+    torch.testing.assert_close(dgl.fp8_grouped_gemm(x, w, g).float(), want, atol=0.5, rtol=1e-2)
+    assert [c[0] for c in calls] == ["plain"] * g and "no masked layout" in dgl._GROUPED_BROKEN[0]
+    fake.m_grouped_fp8_gemm_nt_masked = masked
+    calls.clear()
+    dgl.fp8_grouped_gemm(x, w, g)
+    assert [c[0] for c in calls] == ["plain"] * g  # the failure is remembered: no retry every step

@@ -29,7 +29,8 @@ def _experts(e, h, inter, gen):
     return packed, dense
 
 
-@pytest.mark.parametrize("t,e,h,inter,k", [(1, 8, 256, 128, 2), (37, 16, 512, 256, 4), (64, 32, 1024, 512, 6)])
+@pytest.mark.parametrize("t,e,h,inter,k", [(1, 8, 256, 128, 2), (37, 16, 512, 256, 4), (64, 32, 1024, 512, 6),
+                                           (4100, 16, 512, 256, 4)])  # 4100: prefill-sized constraints
 def test_ogs_moe_matches_reference(t, e, h, inter, k):
     from kernels import mxfp4_ogs
 

@@ -84,6 +84,23 @@ def test_exact_entries(dtype, d, rope, ratio, overlap):
     assert bool((cache[untouched] == 7.0).all())
 
 
+def test_skip_row_is_left_alone_and_the_rest_unchanged():
+    """skip_row (a decode plan's scratch row for rows whose window stays open) is never written; every other
+    row gets the bytes of a call without skip_row."""
+    d, rope, ratio = 40, 8, 16
+    kv, gate, ape, positions, state, cur, prev, pv, weight, epos = inputs(d, ratio, False, torch.bfloat16, 6,
+                                                                          seed=77)
+    cos_t, sin_t = tables(rope, ratio)
+    rows = torch.tensor([5, 0, 3, 0, 2, 11], device=DEVICE)  # row 0 plays the scratch row, named twice
+    plain = torch.full((12, d), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    skipped = plain.clone()
+    close_windows(state, kv, gate, ape, positions, cur, prev, pv, weight, EPS, cos_t, sin_t, epos, rows, plain)
+    close_windows(state, kv, gate, ape, positions, cur, prev, pv, weight, EPS, cos_t, sin_t, epos, rows, skipped,
+                  skip_row=0)
+    assert bool((skipped[0] == 7.0).all()) and not bool((plain[0] == 7.0).all())
+    assert torch.equal(skipped[1:], plain[1:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["fp8_ds_mla", "mxfp4", "fp8"])
 def test_quantised_entries_match_the_slot_writer(dtype, kind):

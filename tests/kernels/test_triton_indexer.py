@@ -74,6 +74,16 @@ def test_topk_matches_topk_visible(k):
     assert torch.all(rows.gather(1, picked.clamp(min=0))[picked >= 0] >= 0), "only valid candidates are picked"
 
 
+
+@pytest.mark.parametrize("k", [16, 80])
+def test_unordered_topk_is_the_same_set(k):
+    """ordered=False (the engine on CUDA): the ordered picks as a set, -1 padding included."""
+    q, keys, rows, weights = inputs(torch.float32, seed=21)
+    ordered = indexer_topk(q, keys, rows, weights, k)
+    unordered = indexer_topk(q, keys, rows, weights, k, ordered=False)
+    assert unordered.shape == ordered.shape and unordered.dtype == torch.int64
+    assert torch.equal(unordered.sort(dim=1).values, ordered.sort(dim=1).values)
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt,di", [("mxfp4", 64), ("fp8", 128)])
 def test_quantized_paged_cache_matches_unpack_reference(fmt, di, dtype):

@@ -117,3 +117,36 @@ def test_mix_partials_of_a_long_chunk_are_one_matmul(monkeypatch):
     parts = triton_mhc.mix_partials(streams, fn)
     assert parts.shape == (1, 5, 24)
     torch.testing.assert_close(parts[0], streams.reshape(5, 320) @ fn.t(), **NUM.TOL[torch.float32])
+
+
+def test_mix_partials_sum_of_squares_column():
+    """sumsq=True: one more column whose split sum is each token's sum of squares (the split-path's RMSNorm)."""
+    t, hc, d = 5, 4, 300
+    streams = randn(t, hc, d, seed=7, dtype=torch.bfloat16, scale=2.0)
+    fn = randn(24, hc * d, seed=8, scale=0.05)
+    parts = triton_mhc.mix_partials(streams, fn, sumsq=True)
+    assert parts.shape[1:] == (t, 25) and parts.shape[0] > 1
+    flat = streams.reshape(t, hc * d).float()
+    torch.testing.assert_close(parts[..., :24].sum(0), flat @ fn.float().t(), **NUM.TOL[torch.float32])
+    torch.testing.assert_close(parts[..., 24].sum(0), flat.square().sum(1), **NUM.TOL[torch.float32])
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_long_steps_take_the_per_token_kernel(monkeypatch, norm):
+    """Above MIX_MAX_TOKENS (prefill chunks) one program collapses a whole token (torch's matmul logits); below,
+    a token spreads over D blocks. Both match the reference, with and without the fused input norm."""
+    from kernels.norm import rms_norm
+
+    hc, iters = 4, 20
+    streams, fn, base, scale = pre_inputs(hc, torch.bfloat16, seed=120)
+    weight = 1.0 + randn(D, seed=121, scale=0.3)
+    kw = {"norm_weight": weight, "out_eps": 1e-5} if norm else {}
+    ref_collapsed, ref_post, ref_comb = ref.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
+    want = rms_norm(ref_collapsed, weight, 1e-5).to(torch.bfloat16) if norm else ref_collapsed
+    split = triton_mhc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32, **kw)
+    monkeypatch.setattr(triton_mhc, "MIX_MAX_TOKENS", T - 1)
+    per_token = triton_mhc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32, **kw)
+    for first, post, comb in (split, per_token):
+        torch.testing.assert_close(post, ref_post, **NUM.TOL[torch.float32])
+        torch.testing.assert_close(comb, ref_comb, **NUM.TOL[torch.float32])
+        torch.testing.assert_close(first.float(), want.float(), **NUM.TOL[torch.bfloat16])
