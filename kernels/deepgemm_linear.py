@@ -7,11 +7,15 @@ kernel per (N, K) and per configuration its heuristic picks for M (block sizes, 
 a runtime argument) at first use, seconds each with the machine's nvcc. Every (N, K) this module multiplies is
 recorded (`seen_shapes`), so engine.warmup can run each at every M a step may have before serving starts.
 
-The grouped output projection (wo_a: G groups, each [R, D] over its own D features) runs as one masked
-grouped GEMM (`m_grouped_fp8_gemm_nt_masked`, every group's M = T) over one quantised activation tensor
-[G, T, D]. It was G GEMMs: at batch 1 on an H200 V4-Flash's 8 x (4096 -> 1024) took 8 x 6.5 us where their
-33.5 MB of weights need ~9 us at copy bandwidth. If the grouped call raises (a DeepGEMM build without it, a
-shape it refuses), the module says so once in the log and keeps the G GEMMs.
+The grouped output projection (wo_a: G groups, each [R, D] over its own D features) quantises its activations
+[G, T, D] in one launch. Decode-sized steps (T <= GROUPED_MAX_TOKENS) then run one masked grouped GEMM
+(`m_grouped_fp8_gemm_nt_masked`, every group's masked M = T): as G GEMMs, at batch 1 on an H200 V4-Flash's
+8 x (4096 -> 1024) took 8 x 6.5 us where their 33.5 MB of weights need ~9 us at copy bandwidth. The masked
+kernel stores whole M tiles with a 2-D TMA store that clips only at the tensor's end, so a group's rows past
+its masked M would land on the next group's rows: every group gets GROUPED_ROWS rows of storage (a multiple of
+any M tile), and the result is the first T of them. Longer steps keep G GEMMs (they fill the GPU anyway). If
+the grouped call raises (a DeepGEMM build without it, a shape it refuses), the module says so once in the log
+and keeps the G GEMMs.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ log = logging.getLogger(__name__)
 _SEEN: set[tuple[int, int, bool, torch.device, int]] = set()  # (N, K, pow2 activation scales, device, groups):
 # shapes only, so no engine's weights outlive it here; groups 1 = fp8_gemm_nt, G > 1 = the masked grouped GEMM
 _GROUPED_BROKEN: list[str] = []  # why the masked grouped GEMM failed once (then G GEMMs run instead)
+GROUPED_ROWS = 256  # per-group rows of the masked grouped GEMM's storage (a multiple of its M tiles)
+GROUPED_MAX_TOKENS = 128  # above, G GEMMs
 
 
 def _gemm(dg, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool,
@@ -37,10 +43,13 @@ def _gemm(dg, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: t
 
 
 def _grouped_gemm(dg, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool,
-                  out: torch.Tensor) -> None:
-    """xq [G, M, K] e4m3, xs [G, M, K/128] (MN-major per group), weight [G, N, K], scale [G, N/128, K/128],
-    out [G, M, N] bf16: every group's M rows are real (masked_m = M)."""
-    g, m = xq.shape[0], xq.shape[1]
+                  out: torch.Tensor, m: int) -> None:
+    """xq [G, GROUPED_ROWS, K] e4m3, xs [G, GROUPED_ROWS, K/128] (MN-major per group), weight [G, N, K], scale
+    [G, N/128, K/128], out [G, GROUPED_ROWS, N] bf16: the first m rows of every group are real (masked_m = m)."""
+    g = xq.shape[0]
+    if xq.shape[1] != GROUPED_ROWS or out.shape[1] != GROUPED_ROWS or not 0 < m <= GROUPED_ROWS:
+        raise ValueError(f"masked grouped GEMM storage must be [G, {GROUPED_ROWS}, .] for 0 < m <= {GROUPED_ROWS}, "
+                         f"got {tuple(xq.shape)}, {tuple(out.shape)}, m={m}")
     _SEEN.add((weight.shape[1], weight.shape[2], pow2, weight.device, g))
     masked_m = torch.full((g,), m, dtype=torch.int32, device=xq.device)
     dg.m_grouped_fp8_gemm_nt_masked((xq, xs), (weight, scale), out, masked_m, m)
@@ -66,10 +75,10 @@ def warm_shape(n: int, k: int, pow2: bool, device, m_values, groups: int = 1) ->
         if groups == 1:
             xq, xs = quant_act_1x128(x[0, :m], pow2)
             dg.fp8_gemm_nt((xq, xs), (weight[0], scale[0]), torch.empty(m, n, dtype=torch.bfloat16, device=device))
-        else:
-            xq, xs = quant_act_1x128_grouped(x[:, :m], pow2)
+        elif m <= GROUPED_MAX_TOKENS:
+            xq, xs = quant_act_1x128_grouped(x[:, :m], pow2, GROUPED_ROWS)
             _grouped_gemm(dg, xq, xs, weight, scale, pow2,
-                          torch.empty(groups, m, n, dtype=torch.bfloat16, device=device))
+                          torch.empty(groups, GROUPED_ROWS, n, dtype=torch.bfloat16, device=device), m)
 
 
 def _warm_task(n: int, k: int, pow2: bool, device_index: int, m_values: list[int], groups: int) -> None:
@@ -151,15 +160,17 @@ def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int) -> torch.Tensor
     if t == 0:
         return out
     rb = r // BLOCK
-    xq, xs = quant_act_1x128_grouped(x, w.pow2_act)
-    if not _GROUPED_BROKEN:
+    if t <= GROUPED_MAX_TOKENS and not _GROUPED_BROKEN:
+        xq, xs = quant_act_1x128_grouped(x, w.pow2_act, GROUPED_ROWS)
+        padded = torch.empty(g, GROUPED_ROWS, r, dtype=torch.bfloat16, device=x.device)
         try:
-            _grouped_gemm(dg, xq, xs, w.weight.view(g, r, k), w.scale.view(g, rb, -1), w.pow2_act, out)
-            return out
+            _grouped_gemm(dg, xq, xs, w.weight.view(g, r, k), w.scale.view(g, rb, -1), w.pow2_act, padded, t)
+            return padded[:, :t]
         except (RuntimeError, AssertionError, TypeError, AttributeError) as e:
             _GROUPED_BROKEN.append(f"{type(e).__name__}: {e}")
             log.warning("DeepGEMM m_grouped_fp8_gemm_nt_masked failed for the grouped projection (%s); running %d "
                         "GEMMs instead", _GROUPED_BROKEN[0][:300], g)
+    xq, xs = quant_act_1x128_grouped(x, w.pow2_act)
     for i in range(g):
         _gemm(dg, xq[i], xs[i], w.weight[i * r:(i + 1) * r], w.scale[i * rb:(i + 1) * rb], w.pow2_act, out[i])
     return out

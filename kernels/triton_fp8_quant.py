@@ -83,19 +83,25 @@ def quant_act_1x128(x: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, t
     return q, s
 
 
-def quant_act_1x128_grouped(x: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_act_1x128_grouped(x: torch.Tensor, pow2: bool = True, rows: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [G, M, K] (unit last stride, any group / row strides: a transposed [M, G, K] view needs no copy) ->
     (e4m3 [G, M, K] contiguous, fp32 scales [G, M, ceil(K/128)]) in one launch; q[g], s[g] are exactly
-    `quant_act_1x128(x[g])`'s outputs, each group's scales MN-major with the same padded stride."""
+    `quant_act_1x128(x[g])`'s outputs, each group's scales MN-major with the same padded stride.
+    rows (>= M): each group gets `rows` rows of storage and both outputs are [G, rows, ...]; rows M.. are left
+    unwritten (DeepGEMM's masked grouped GEMM stores whole M tiles, so its per-group M must be tile-aligned)."""
     if x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"activations must be [G, M, K] with a unit last stride, got {tuple(x.shape)} {x.stride()}")
     require_triton(x.device)
     g, m, k = x.shape
+    rows = m if rows is None else rows
+    if rows < m:
+        raise ValueError(f"rows must be >= M={m}, got {rows}")
     kb = triton.cdiv(k, BLOCK)
-    q = torch.empty(g, m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    m_pad = (m + 3) // 4 * 4
+    q = torch.empty(g, rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    m_pad = (rows + 3) // 4 * 4
     buf = torch.empty(g, kb, m_pad, dtype=torch.float32, device=x.device)
-    s = buf.transpose(1, 2)[:, :m]  # s[g] = scale_buffer(m, kb)'s layout
+    s = buf.transpose(1, 2)[:, :rows]  # s[g] = scale_buffer(rows, kb)'s layout
     if m and g:
         hw = x.is_cuda and USE_HW_FP8_CAST
         _quant_kernel[(triton.cdiv(m, BLOCK_M), kb, g)](x, q.view(torch.uint8), s, m, k, x.stride(1), q.stride(1),

@@ -13,7 +13,9 @@ Reference: `kernels.mhc.hc_pre` / `hc_post`. Per token with hc streams of width 
   pre kernel runs on a (T, D / BLOCK_D) grid: every program derives its token's weights (hc*hc is tiny) and
   collapses one block of D; the optional input RMSNorm (`norm_weight`) is a third launch over whole rows.
   One program per token looping over D was latency-bound: 37 us a call at batch 1 and 64 on an H200 (V4-Flash
-  widths), ~0.3 ms of a 1.9 ms batch-1 step. Long steps (prefill chunks) keep one program per token: T
+  widths), ~0.3 ms of a 1.9 ms batch-1 step. Split over D in 4-warp programs it still took 28 us: the
+  Sinkhorn iterations' [hc, hc] sums were cross-warp reductions (shared memory and a barrier each, 40 in a
+  row), so these programs run as one warp. Long steps (prefill chunks) keep one program per token: T
   programs fill the GPU, and the streams of a token (hc * D values) stay in L1/L2 between its sum-of-squares
   pass and its collapse pass; a third pass applies the input norm.
 - post: new_streams[j] = post_j * block_out + sum_i comb[i, j] * streams[i]; grid (T, D / BLOCK_D).
@@ -251,7 +253,8 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         _hc_pre_split_kernel[(t, triton.cdiv(d, block_d))](
             streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, hc, d,
             n_mix, iters, hc_eps, norm_eps, parts.shape[0], streams.stride(0), streams.stride(1), parts.stride(0),
-            parts.stride(1), collapsed.stride(0), HC_P=triton.next_power_of_2(hc), BLOCK_D=block_d, **extra)
+            parts.stride(1), collapsed.stride(0), HC_P=triton.next_power_of_2(hc), BLOCK_D=block_d,
+            **({"num_warps": 1} if streams.is_cuda else {}))  # one warp: Sinkhorn's hc x hc sums stay in-warp
         if norm:
             _norm_rows_kernel[(t,)](collapsed, norm_weight.contiguous(), normed, d, out_eps, collapsed.stride(0),
                                     normed.stride(0), BLOCK_D=triton.next_power_of_2(d),

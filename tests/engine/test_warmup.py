@@ -168,8 +168,9 @@ def test_deepgemm_shapes_are_recorded_and_swept(monkeypatch):
 
 
 def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
-    """fp8_grouped_gemm: one m_grouped_fp8_gemm_nt_masked call over [G, T, K] (every group's masked_m = T,
-    recorded with its group count for the warm-up sweep); when that call raises, G plain GEMMs, from then on."""
+    """fp8_grouped_gemm: one m_grouped_fp8_gemm_nt_masked call over [G, GROUPED_ROWS, K] storage (every group's
+    masked_m = T, recorded with its group count for the warm-up sweep); when that call raises, G plain GEMMs,
+    from then on; above GROUPED_MAX_TOKENS, G plain GEMMs."""
     import types
 
     import kernels.deepgemm_linear as dgl
@@ -189,8 +190,13 @@ def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
 
     fake = types.SimpleNamespace(fp8_gemm_nt=plain, m_grouped_fp8_gemm_nt_masked=masked)
     monkeypatch.setattr(dgl, "import_deep_gemm", lambda: fake)
-    monkeypatch.setattr(quant, "quant_act_1x128_grouped", lambda x, pow2=True: (
-        x.to(torch.float8_e4m3fn), torch.ones(x.shape[0], x.shape[1], -(-x.shape[2] // 128))))
+    def fake_quant(x, pow2=True, rows=None):  # stand-in with the real one's padded-storage contract
+        g, m, k = x.shape
+        q = torch.zeros(g, rows or m, k).to(torch.float8_e4m3fn)
+        q[:, :m] = x.to(torch.float8_e4m3fn)
+        return q, torch.ones(g, rows or m, -(-k // 128))
+
+    monkeypatch.setattr(quant, "quant_act_1x128_grouped", fake_quant)
     monkeypatch.setattr(dgl, "_SEEN", set())
     monkeypatch.setattr(dgl, "_GROUPED_BROKEN", [])
     g, t, r, k = 4, 3, 128, 256
@@ -198,7 +204,8 @@ def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
     x = torch.randn(g, t, k).to(torch.float8_e4m3fn).to(torch.bfloat16)  # exact in e4m3: the stand-ins agree
     want = torch.einsum("gtk,grk->gtr", x.float(), w.weight.float().view(g, r, k))
     out = dgl.fp8_grouped_gemm(x, w, g)
-    assert calls == [("masked", (g, t, k), (g, r, k), (g, 1, 2), [t] * g, t)]
+    rows = dgl.GROUPED_ROWS  # whole M tiles of storage a group: the kernel's tile stores stay inside the group
+    assert calls == [("masked", (g, rows, k), (g, r, k), (g, 1, 2), [t] * g, t)] and out.shape == (g, t, r)
     assert dgl.seen_shapes() == [(r, k, False, torch.device("cpu"), g)]
     torch.testing.assert_close(out.float(), want, atol=0.5, rtol=1e-2)
 
@@ -213,3 +220,8 @@ def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
     calls.clear()
     dgl.fp8_grouped_gemm(x, w, g)
     assert [c[0] for c in calls] == ["plain"] * g  # the failure is remembered: no retry every step
+    monkeypatch.setattr(dgl, "_GROUPED_BROKEN", [])
+    monkeypatch.setattr(dgl, "GROUPED_MAX_TOKENS", t - 1)
+    calls.clear()
+    torch.testing.assert_close(dgl.fp8_grouped_gemm(x, w, g).float(), want, atol=0.5, rtol=1e-2)
+    assert [c[0] for c in calls] == ["plain"] * g

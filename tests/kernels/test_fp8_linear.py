@@ -128,6 +128,21 @@ def test_triton_grouped_quantiser_matches_per_group(g, m, k, pow2):
         assert torch.equal(q[i].cpu().view(torch.uint8), rq.view(torch.uint8))
 
 
+def test_triton_grouped_quantiser_into_padded_group_storage():
+    """rows: every group gets `rows` rows of storage (the masked grouped GEMM's tile-aligned M); its first M rows
+    hold the same codes and scales as without padding."""
+    from kernels.triton_fp8_quant import quant_act_1x128_grouped
+
+    g, m, k, rows = 3, 5, 256, 16
+    x = (torch.randn(m, g, k, generator=torch.Generator().manual_seed(4)) * 7).to(DEVICE).transpose(0, 1)
+    q, s = quant_act_1x128_grouped(x, True)
+    qp, sp = quant_act_1x128_grouped(x, True, rows)
+    assert qp.shape == (g, rows, k) and sp.shape == (g, rows, 2) and sp.stride() == (2 * rows, 1, rows)
+    assert torch.equal(qp[:, :m].view(torch.uint8), q.view(torch.uint8)) and torch.equal(sp[:, :m], s)
+    with pytest.raises(ValueError, match="rows"):
+        quant_act_1x128_grouped(x, True, m - 1)
+
+
 def test_rms_norm_for_off_the_fp8_path_is_the_plain_norm():
     """engine.linear.rms_norm_for without DeepGEMM (CPU, or tensor weights): rms_norm and no quantisation;
     linear_from then is linear. (The fused path runs on CUDA: tests/kernels/test_triton_norm_quant.py.)"""
