@@ -4,11 +4,15 @@
 reservation, pulls the prefill side's pages into them with a deadline, yields a `Transferred` marker,
 then joins the running batch and yields every TokenEvent as it is produced. Any failure before the
 request joins frees the reserved pages; closing the stream early aborts the request.
+A staged NIXL pull leaves its last step, the scatter of the pulled bytes into the pages, to this worker
+(`TransferBackend.pull_deferred`): it is queued on the engine thread, in the call that joins the request to the
+batch, not on the pulling thread, whose many small torch calls each wait for the GIL there (kv_transfer.staging).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from engine import metrics
@@ -19,6 +23,47 @@ from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerBase
 from kv_transfer.base import TransferError, TransferTimeout
 from kv_transfer.registry import make_backend, network_options, resolve_name
+
+# transfer_totals' finer seconds (summed over pulls, like the others):
+#   plan_seconds: the page plan / staged layout; staging_wait_seconds: getting a destination staging range (reclaim,
+#   or a wait for queued scatters holding ranges); pull_cpu_seconds: the pulling thread's CPU time over the pull
+#   (far below pull_seconds: it waited off the CPU, for the GIL or the READ's sleeps);
+#   scatter_index_seconds / scatter_views_seconds / scatter_copies_seconds / scatter_record_seconds: the scatter's
+#   page-id upload, per-group views, index_copy_ launches and event; scatter_cpu_seconds: the CPU time of the
+#   thread that ran it over the same span; join_seconds: from asking the engine thread to join the request
+#   (scatter included) until it has (the wait for the step in flight).
+TRANSFER_PARTS = ("plan_seconds", "staging_wait_seconds", "pull_cpu_seconds", "scatter_index_seconds",
+                  "scatter_views_seconds", "scatter_copies_seconds", "scatter_record_seconds", "scatter_cpu_seconds",
+                  "join_seconds")
+
+
+def _add_scatter_parts(totals: dict, parts: dict) -> None:
+    for key in ("index", "views", "copies", "record", "cpu"):
+        totals[f"scatter_{key}_seconds"] += parts.get(key, 0.0)
+
+
+class _PullClaim:
+    """Runs `backend.pull_deferred` on the pulling thread and hands its deferred scatter to the caller, or cancels
+    it (freeing its staging range) when the caller stopped waiting for the pull (its task was cancelled)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._gone = False
+        self._deferred = None
+
+    def pull(self, backend, ticket, pages, timeout_s: float):
+        stats, deferred = backend.pull_deferred(ticket, pages, timeout_s)
+        with self._lock:
+            gone, self._deferred = self._gone, deferred
+        if gone and deferred is not None:
+            deferred.cancel()
+        return stats, deferred
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._gone, deferred = True, self._deferred
+        if deferred is not None:
+            deferred.cancel()
 
 
 class DecodeWorker(WorkerBase):
@@ -34,9 +79,12 @@ class DecodeWorker(WorkerBase):
                                          **network_options(transfer, bind_host, cluster_token)))
         self.peers: dict[str, bytes] = {}
         # seconds: each pull's whole time here (thread hand-off included); pull_seconds: inside the backend's pull;
-        # wire_seconds: its data movement alone; scatter_seconds: staged pulls' scatter (kv_transfer.TransferStats)
+        # wire_seconds: its data movement alone; scatter_seconds: staged pulls' scatter (kv_transfer.TransferStats),
+        # queued on the engine thread in the join (not part of pull_seconds; in it for a backend that scatters
+        # itself). The finer parts (TRANSFER_PARTS) say where each of those went.
         self.transfer_totals = {"bytes": 0, "seconds": 0.0, "pull_seconds": 0.0, "wire_seconds": 0.0,
-                                "scatter_seconds": 0.0, "count": 0, "failures": 0}
+                                "scatter_seconds": 0.0, "count": 0, "failures": 0,
+                                **{k: 0.0 for k in TRANSFER_PARTS}, "scatters_on_engine": 0}
 
     def add_peer(self, name: str, metadata: bytes) -> None:
         """Learn (or re-learn, after a restart) a prefill worker's transfer metadata."""
@@ -62,8 +110,10 @@ class DecodeWorker(WorkerBase):
         except OutOfPages as e:
             raise DecodeOverloaded(f"decode worker {self.worker_id} has no room for {rid}: {e}") from None
         start = time.monotonic()
+        claim = _PullClaim()
         try:
-            stats = await asyncio.to_thread(self.backend.pull, result.ticket, pages, self.transfer_timeout_s)
+            stats, deferred = await asyncio.to_thread(claim.pull, self.backend, result.ticket, pages,
+                                                      self.transfer_timeout_s)
         except TransferError as e:
             kind = "timeout" if isinstance(e, TransferTimeout) else "error"
             metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, kind).inc()
@@ -71,26 +121,53 @@ class DecodeWorker(WorkerBase):
             await self.loop.acall(lambda eng: eng.abort(rid))
             raise
         except BaseException:
+            claim.abandon()  # cancelled while the thread pulls: a scatter it leaves behind frees its range
             await self.loop.acall(lambda eng: eng.abort(rid))
             raise
         seconds = time.monotonic() - start
-        metrics.KV_TRANSFER_TIME.labels(self.worker_id, self.transfer).observe(seconds)
-        metrics.KV_TRANSFER_BYTES.labels(self.worker_id, self.transfer).observe(stats.bytes)
-        totals = self.transfer_totals
-        totals["bytes"], totals["seconds"], totals["count"] = (totals["bytes"] + stats.bytes,
-                                                              totals["seconds"] + seconds, totals["count"] + 1)
-        totals["pull_seconds"] += stats.seconds
-        totals["wire_seconds"] += stats.wire_seconds
-        totals["scatter_seconds"] += stats.scatter_seconds
-        yield Transferred(rid, stats.bytes, seconds)
+        joined = False
+        try:
+            metrics.KV_TRANSFER_TIME.labels(self.worker_id, self.transfer).observe(seconds)
+            metrics.KV_TRANSFER_BYTES.labels(self.worker_id, self.transfer).observe(stats.bytes)
+            totals = self.transfer_totals
+            totals["bytes"], totals["seconds"], totals["count"] = (totals["bytes"] + stats.bytes,
+                                                                  totals["seconds"] + seconds, totals["count"] + 1)
+            totals["pull_seconds"] += stats.seconds
+            totals["wire_seconds"] += stats.wire_seconds
+            totals["scatter_seconds"] += stats.scatter_seconds
+            totals["plan_seconds"] += stats.plan_seconds
+            totals["staging_wait_seconds"] += stats.staging_wait_seconds
+            totals["pull_cpu_seconds"] += stats.cpu_seconds
+            _add_scatter_parts(totals, stats.scatter_parts)
+            yield Transferred(rid, stats.bytes, seconds)
 
-        sink = AsyncSink(asyncio.get_running_loop())
+            sink = AsyncSink(asyncio.get_running_loop())
 
-        def join(engine):
-            self.loop.subscribe(rid, sink)
-            engine.commit_import(rid)
+            def join(engine):
+                parts = None
+                if deferred is not None:
+                    try:  # on the engine's stream, before the step that first reads the pages (commit_import's)
+                        parts = deferred.run()
+                    except BaseException:
+                        engine.abort(rid)  # cancelled meanwhile (the stream closed), or the copies failed
+                        raise
+                self.loop.subscribe(rid, sink)
+                engine.commit_import(rid)
+                return parts
 
-        await self.loop.acall(join)
+            t_join = time.monotonic()
+            parts = await self.loop.acall(join)
+            joined = True
+            totals["join_seconds"] += time.monotonic() - t_join
+            if parts is not None:  # totals are only written on this (the actor's) thread
+                totals["scatter_seconds"] += parts["seconds"]
+                totals["scatters_on_engine"] += 1
+                _add_scatter_parts(totals, parts)
+        finally:
+            if not joined:  # the stream closed (or the loop stopped) before the request joined: drop it
+                if deferred is not None:
+                    deferred.cancel()  # frees its staging range, unless the join is running it right now
+                self.loop.call(lambda eng: (eng.abort(rid), self.loop.unsubscribe(rid)))
         async for ev in self._stream(rid, sink):
             yield ev
 

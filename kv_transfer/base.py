@@ -17,6 +17,8 @@ TransferError / TransferTimeout and the caller frees the destination pages (`rec
 Staging (NIXL): a backend may also pack the request's bytes at export (`_stage`, e.g. into a registered staging
 buffer, kv_transfer.staging); whatever it holds is freed (`_unstage`) when the export is released, by the same
 events as the pages, and the ticket tells the decode side where the packed bytes are (`TransferTicket.staging`).
+The decode side's last step of such a pull, the scatter of the staged bytes into the pages, can be left to the
+caller (`pull_deferred`): the decode worker runs it on its engine's thread (kv_transfer.staging says why).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from engine.cache import CacheGroupSpec, CachePool
@@ -50,7 +52,14 @@ class TransferStats:
     descriptors: int
     seconds: float  # the whole pull in the calling thread: plan, data movement, scatter, confirmation
     wire_seconds: float = 0.0  # the data movement alone (NIXL: each READ from post to DONE; TCP: the socket reads)
-    scatter_seconds: float = 0.0  # a staged pull's scatter into the pool's pages (NIXL staging; on CUDA: queueing it)
+    scatter_seconds: float = 0.0  # a staged pull's scatter into the pool's pages (NIXL staging; on CUDA: queueing it;
+    # 0 when the pull left it to the caller: pull_deferred)
+    plan_seconds: float = 0.0  # building the page plan (and a staged pull's layout)
+    staging_wait_seconds: float = 0.0  # a staged pull getting its destination staging range (reclaiming, or waiting
+    # for the queued scatters that hold ranges)
+    cpu_seconds: float = 0.0  # the calling thread's CPU time over the pull: far below `seconds` = waits off the CPU
+    # (the data movement's sleeps, the GIL)
+    scatter_parts: dict = field(default_factory=dict, hash=False)  # StagingBuffer.scatter's timings (staging.py)
 
 
 ReleaseCallback = Callable[[str, "str | None"], None]  # (request_id, error or None on success)
@@ -213,11 +222,14 @@ class TransferBackend(ABC):
              timeout_s: float = 30.0) -> TransferStats:
         """Copy the ticket's pages into `dst_pages` of this pool. Raises TransferError / TransferTimeout
         (destination pages then hold garbage: free them). Confirms to the source on success and on failure."""
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.thread_time()
         deadline = t0 + timeout_s
-        self._wire.seconds = self._wire.scatter = 0.0
+        w = self._wire
+        w.seconds = w.scatter = w.staging_wait = 0.0
+        w.scatter_parts = {}
         try:
             plan = self.plan_for(ticket, dst_pages)
+            w.plan = time.monotonic() - t0
             descriptors = self._read(ticket, plan, deadline)
         except TransferError as e:
             self._notify(ticket, str(e))
@@ -227,15 +239,57 @@ class TransferBackend(ABC):
             self._notify(ticket, str(err))
             raise err from e
         return TransferStats(plan.total_bytes, plan.num_descriptors if descriptors is None else descriptors,
-                             time.monotonic() - t0, self._wire.seconds, self._wire.scatter)
+                             time.monotonic() - t0, w.seconds, w.scatter, w.plan, w.staging_wait,
+                             time.thread_time() - c0, dict(w.scatter_parts))
+
+    def pull_deferred(self, ticket: TransferTicket, dst_pages: Mapping[str, Sequence[int]],
+                      timeout_s: float = 30.0):
+        """`pull`, except that a staged pull does not scatter: -> (stats, a kv_transfer.staging.DeferredScatter or
+        None). The caller must `run()` it on the thread whose current stream the destination engine's steps use,
+        before the first step that reads `dst_pages`, or `cancel()` it (its staging range stays held until then).
+        None: the pages already hold the bytes (or their copy is queued), as after `pull`."""
+        w = self._wire
+        w.defer, w.deferred = True, None
+        try:
+            stats = self.pull(ticket, dst_pages, timeout_s)
+        except BaseException:
+            if w.deferred is not None:
+                w.deferred.cancel()
+            raise
+        finally:
+            w.defer = False
+        deferred, w.deferred = w.deferred, None
+        return stats, deferred
+
+    def _defers_scatter(self) -> bool:
+        """Whether the pull running in this thread leaves its scatter to the caller (pull_deferred)."""
+        return getattr(self._wire, "defer", False)
+
+    def _on_deferred(self, deferred) -> None:
+        """A staged pull hands over the scatter it left to the caller (see pull_deferred)."""
+        self._wire.deferred = deferred
 
     def _on_wire(self, seconds: float) -> None:
         """A backend's `_read` reports the time its data spent moving (TransferStats.wire_seconds)."""
         self._wire.seconds = getattr(self._wire, "seconds", 0.0) + seconds
 
-    def _on_scatter(self, seconds: float) -> None:
-        """A staged pull reports its scatter's time (TransferStats.scatter_seconds)."""
+    def _on_scatter(self, seconds: float, parts: Mapping[str, float] | None = None) -> None:
+        """A staged pull reports its scatter's time (TransferStats.scatter_seconds) and its parts."""
         self._wire.scatter = getattr(self._wire, "scatter", 0.0) + seconds
+        if parts:
+            mine = getattr(self._wire, "scatter_parts", None)
+            if mine is None:
+                mine = self._wire.scatter_parts = {}
+            for key, value in parts.items():
+                mine[key] = mine.get(key, 0.0) + value
+
+    def _on_plan(self, seconds: float) -> None:
+        """A backend's `_read` reports time spent planning (a staged layout) (TransferStats.plan_seconds)."""
+        self._wire.plan = getattr(self._wire, "plan", 0.0) + seconds
+
+    def _on_staging_wait(self, seconds: float) -> None:
+        """A staged pull reports the time it took to get a staging range (TransferStats.staging_wait_seconds)."""
+        self._wire.staging_wait = getattr(self._wire, "staging_wait", 0.0) + seconds
 
     def receive(self, ticket: TransferTicket, timeout_s: float = 30.0) -> tuple[dict[str, list[int]], TransferStats]:
         """Allocate destination pages for the ticket, pull into them, free them again if the pull fails."""

@@ -21,7 +21,8 @@ V4-Flash). Each backend also registers one contiguous staging buffer (kv_transfe
 export the source gathers the request's pages into a range of it (one index_select per group) and the ticket
 carries (offset, nbytes); the range is freed with the export (confirmation, failure, lease expiry, abort). The
 destination READs that range as ONE descriptor into a range of its own buffer and scatters it into its pages
-(one index_copy_ per group). Byte layout: kv_transfer.plan.staged_layout. Short of staging space on either
+(one index_copy_ per group; with `pull_deferred` the caller queues that scatter on its engine's thread instead,
+kv_transfer.staging says why). Byte layout: kv_transfer.plan.staged_layout. Short of staging space on either
 side (or a request larger than the buffer) the pull falls back to the page descriptors, logged once per side and
 counted in `staging_counts`. Default size: one request as long as the pool can hold, capped at
 DEFAULT_STAGING_CAP (the buffer is outside the KV memory plan: `--max-cached-tokens` / utilisation budgets do
@@ -47,7 +48,7 @@ import numpy as np
 from engine.cache import CachePool
 from kv_transfer.base import TransferBackend, TransferError, TransferTicket, TransferTimeout, pack_metadata
 from kv_transfer.plan import STAGING_ALIGN, TransferPlan, group_nbytes, staged_layout, staged_nbytes
-from kv_transfer.staging import StagingBuffer
+from kv_transfer.staging import DeferredScatter, StagingBuffer
 
 log = logging.getLogger(__name__)
 
@@ -263,12 +264,16 @@ class NixlBackend(TransferBackend):
         src = self._peers[ticket.source]["staging"]
         if ticket.staging is None or src is None or self.staging is None:
             return None
+        t0 = time.monotonic()
         layout = staged_layout(plan, self.specs)
+        self._on_plan(time.monotonic() - t0)
         src_off, nbytes = ticket.staging
         if nbytes != layout.nbytes or src_off < 0 or src_off + nbytes > src[1]:
             raise TransferError(f"{what}: staged range {ticket.staging} does not match the plan "
                                 f"({layout.nbytes} bytes) or the source's staging buffer ({src[1]} bytes)")
+        t0 = time.monotonic()
         offset = self.staging.alloc(nbytes)
+        self._on_staging_wait(time.monotonic() - t0)
         if offset is None:
             self._count("fallback_destination", f"no {nbytes}-byte staging range free for pulling "
                         f"{ticket.request_id!r} ({self.staging.arena.largest_free} of "
@@ -280,10 +285,14 @@ class NixlBackend(TransferBackend):
             local = np.array([(base + offset, nbytes, dev)], dtype=np.uint64)
             remote = np.array([(src[0] + src_off, nbytes, src[2])], dtype=np.uint64)
             self._xfer(ticket, local, remote, done, deadline, what, nbytes)
-            t0 = time.monotonic()
-            # queued on this thread's current stream, the engine's (kv_transfer.staging): not waited for here
-            scattered = self.staging.scatter(offset, layout)
-            self._on_scatter(time.monotonic() - t0)
+            if self._defers_scatter():  # pull_deferred: the caller queues it on its engine's thread (the range
+                keep = True             # stays held until then)
+                self._on_deferred(DeferredScatter(self.staging, offset, layout, ticket.request_id))
+            else:
+                t0, parts = time.monotonic(), {}
+                # queued on this thread's current stream, the engine's (kv_transfer.staging): not waited for here
+                scattered = self.staging.scatter(offset, layout, parts)
+                self._on_scatter(time.monotonic() - t0, parts)
         except _Uncancelled:
             keep = True  # a READ that may still land there: never hand the range out again
             raise

@@ -18,12 +18,26 @@ the first step that reads them, which is launched after the pull returns. The st
 is held (`release(offset, event)`) until the scatter's event has completed, then reused.
 Why not wait: the H200 run of 2026-12-02 spent 7.3 ms of a 12.3 ms pull of 1.5 MB in the scatter and its wait
 (a thread that blocks on the device, then waits for the GIL behind the engine's loop) for microseconds of copies.
+Why not on the pulling thread either (`DeferredScatter`, what the decode worker uses): the next run, with the
+scatter only queued, still spent 8.2 ms a pull in it. Nothing in it waits for the device in the steady state; it
+is ~30 Python calls into torch (per group: views and an index_copy_ launch; the index's pin and upload, the
+event), and every one of them releases the GIL and must take it back, on a thread that competes with the engine
+loop and the actor's event loop. A thread waiting for the GIL asks the holder to drop it only after a whole
+switch interval (5 ms) without a hand-over, and a holder that lets it go around its own short torch calls takes
+it back first again and again; so each call can cost milliseconds there. Measured on an H200 (a DecodeWorker of
+the tiny model, 8 streams decoding, imports through `decode`, no Ray, no READ): 4.0-4.8
+ms a scatter on the pulling thread, of which 1.1-1.2 ms on its CPU (per-group views alone 1.0-1.3 ms), against
+0.5 ms (0.35-0.4 ms CPU) queued on the engine thread. The decode worker therefore takes the scatter from the
+pull (`TransferBackend.pull_deferred`) and queues it on the engine thread itself, in the call that joins the
+request to the batch: same stream, same order (before the first step that reads the pages), no GIL hand-offs.
+`scatter(..., timings=)` reports its parts (index upload, views, copies, event, thread CPU time).
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
+import time
 
 import torch
 
@@ -127,20 +141,38 @@ class StagingBuffer:
         # [layers, num_pages, page_bytes] views of every group tensor, made once
         self._pages = {n: g.tensor.view(-1).view(torch.uint8).view(len(g.spec.layers), g.spec.num_pages, -1)
                        for n, g in pool.groups.items()}
+        # the same in each group's word dtype, and the buffer as words of each dtype (capacity is a multiple of
+        # the alignment, so every word size divides it): a request's views are then one slice and one view a group
+        self._words: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._tensor_words: dict[torch.dtype, torch.Tensor] = {}
 
-    def _views(self, offset: int, layout: StagedLayout, side: int):
-        """Per group: (pool pages view, staged view, page ids) in one word dtype; one host->device index copy."""
+    def _index(self, layout: StagedLayout, side: int) -> torch.Tensor:
+        """Every group's page ids of one side, in layout order, on the device: one host->device copy (pinned
+        on CUDA: the host does not wait for the stream)."""
         ids = [p[side] for g in layout.groups for p in g.pages]
-        index = to_device_nonblocking(torch.tensor(ids, dtype=torch.int64), self.device)
+        return to_device_nonblocking(torch.tensor(ids, dtype=torch.int64), self.device)
+
+    def _group_views(self, offset: int, layout: StagedLayout, index: torch.Tensor):
+        """Per group: (pool pages view, staged view, page ids) in the group's word dtype."""
         out, k = [], 0
         for g in layout.groups:
             word = _word_dtype(g.page_bytes)
-            pages = self._pages[g.name].view(word)
-            lo = offset + g.offset
-            staged = self.tensor[lo:lo + g.nbytes].view(word).view(g.layers, len(g.pages), -1)
+            pages = self._words.get((g.name, word))
+            if pages is None:
+                pages = self._words[(g.name, word)] = self._pages[g.name].view(word)
+            words = self._tensor_words.get(word)
+            if words is None:
+                words = self._tensor_words[word] = self.tensor.view(word)
+            size = words.element_size()
+            lo = (offset + g.offset) // size  # group offsets are STAGING_ALIGN-aligned: a whole number of words
+            staged = words[lo:lo + g.nbytes // size].view(g.layers, len(g.pages), -1)
             out.append((pages, staged, index[k:k + len(g.pages)]))
             k += len(g.pages)
         return out
+
+    def _views(self, offset: int, layout: StagedLayout, side: int):
+        """Per group: (pool pages view, staged view, page ids) in one word dtype; one host->device index copy."""
+        return self._group_views(offset, layout, self._index(layout, side))
 
     # ---- ranges --------------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int | None:
@@ -182,14 +214,70 @@ class StagingBuffer:
         if self.device.type == "cuda":  # only the copies' stream (this thread's current one)
             torch.cuda.current_stream(self.device).synchronize()
 
-    def scatter(self, offset: int, layout: StagedLayout) -> torch.cuda.Event | None:
+    def scatter(self, offset: int, layout: StagedLayout, timings: dict | None = None) -> torch.cuda.Event | None:
         """Destination side: queue the copy of [offset, offset + layout.nbytes) into the layout's dst pages of
         every group on the current stream -> the event that marks its end on CUDA (pass it to `release`), None
-        on the CPU (done on return)."""
-        for pages, staged, idx in self._views(offset, layout, side=1):
+        on the CPU (done on return).
+
+        timings: a dict to add this scatter's seconds to (wall clock unless named cpu): "index" (the page ids'
+        host tensor and its upload), "views" (per-group views), "copies" (the index_copy_ launches), "record"
+        (its event), "cpu" (this thread's CPU time over all of it: far below the sum of the others means the
+        thread waited off the CPU, e.g. for the GIL)."""
+        clock = time.perf_counter
+        c0, t0 = time.thread_time(), clock()
+        index = self._index(layout, side=1)
+        t1 = clock()
+        views = self._group_views(offset, layout, index)
+        t2 = clock()
+        for pages, staged, idx in views:
             pages.index_copy_(1, idx, staged)
-        if self.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        t3 = clock()
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        if timings is not None:
+            t4 = clock()
+            for key, seconds in (("index", t1 - t0), ("views", t2 - t1), ("copies", t3 - t2), ("record", t4 - t3),
+                                 ("cpu", time.thread_time() - c0)):
+                timings[key] = timings.get(key, 0.0) + seconds
         return event
+
+
+class DeferredScatter:
+    """A staged pull's scatter, not yet queued: the pulled bytes wait in their staging range (held) until the
+    destination engine's own thread queues the scatter on its stream (`run`), before the first step that
+    reads the pages, or the request is dropped (`cancel`, which frees the range). Exactly one of the two takes
+    effect (thread-safe): `run` after `cancel` raises, `cancel` after `run` does nothing."""
+
+    def __init__(self, buffer: StagingBuffer, offset: int, layout: StagedLayout, request_id: str = "?"):
+        self.buffer, self.offset, self.layout, self.request_id = buffer, offset, layout, request_id
+        self.state = "pending"  # -> "queued" (run) or "cancelled"
+        self._lock = threading.Lock()
+
+    def run(self) -> dict:
+        """Queue the scatter on this thread's current stream and hold the range until it has run -> its timings
+        (StagingBuffer.scatter's keys, plus "seconds": the whole call). RuntimeError once cancelled."""
+        with self._lock:
+            if self.state != "pending":
+                raise RuntimeError(f"the staged scatter of request {self.request_id!r} was {self.state}")
+            self.state = "queued"
+        timings: dict = {}
+        t0 = time.perf_counter()
+        event = None
+        try:
+            event = self.buffer.scatter(self.offset, self.layout, timings)
+        finally:
+            self.buffer.release(self.offset, event)  # held until the queued scatter has read it
+        timings["seconds"] = time.perf_counter() - t0
+        return timings
+
+    def cancel(self) -> bool:
+        """Drop the scatter and free its range -> whether it was still pending (False: already run or
+        cancelled)."""
+        with self._lock:
+            if self.state != "pending":
+                return False
+            self.state = "cancelled"
+        self.buffer.release(self.offset)
+        return True

@@ -205,11 +205,22 @@ def _gap_lines(serve: dict, raw: dict | None) -> list[str]:
                            f"{d['kv_wire_gb_per_s']:.2f} GB/s over its READs alone (the rest of the pull is the "
                            f"plan, the scatter into the pages and the confirmation).")
             ms = d.get("kv_ms_per_pull")
-            if ms:  # (runs before 2026-12-02 10:30 UTC: none)
+            if ms and "join_seconds" not in ms:  # (runs before 2026-12-02 17:00 UTC)
                 out.append(f"- A pull's mean milliseconds: {ms['seconds']:.2f} on the decode worker, "
                            f"{ms['pull_seconds']:.2f} in the backend's pull, {ms['wire_seconds']:.2f} in its READs, "
-                           f"{ms['scatter_seconds']:.2f} in the staged scatter into the pages (since 2026-12-02 13:30 "
-                           "only queueing it on the engine's stream: the pull no longer waits for its copies).")
+                           f"{ms['scatter_seconds']:.2f} in the staged scatter into the pages (on the pulling "
+                           "thread).")
+            elif ms:
+                out.append(f"- A pull's mean milliseconds: {ms['seconds']:.2f} on the decode worker, of which "
+                           f"{ms['pull_seconds']:.2f} in the backend's pull: {ms['plan_seconds']:.2f} plan, "
+                           f"{ms['staging_wait_seconds']:.2f} waiting for a staging range, {ms['wire_seconds']:.2f} "
+                           f"READs; the pulling thread's CPU time {ms['pull_cpu_seconds']:.2f} (the rest of the pull "
+                           "it spent off the CPU: the GIL or the READ's waits). The staged scatter runs on the engine "
+                           f"thread as the request joins: {ms['scatter_seconds']:.2f} (page ids "
+                           f"{ms['scatter_index_seconds']:.2f}, views {ms['scatter_views_seconds']:.2f}, copies "
+                           f"{ms['scatter_copies_seconds']:.2f}, event {ms['scatter_record_seconds']:.2f}; CPU "
+                           f"{ms['scatter_cpu_seconds']:.2f}); the join, the wait for the engine's step in flight "
+                           f"included: {ms['join_seconds']:.2f}.")
     for t in serve.get("tokens", []):
         out.append(f"- Tokens: {t['topology']} gave the colocated engine's greedy tokens for {t['identical']} of "
                    f"{t['requests']} prompts sent one at a time ({serve['max_new_tokens']} tokens each)"

@@ -89,8 +89,14 @@ def summarize(name: str, timings: list[RequestTiming], wall: float, transfer: di
             "kv_gb_per_s": gbps, "kv_mb": (transfer or {}).get("bytes", 0) / 1e6,
             "kv_transfers": (transfer or {}).get("count", 0),
             "kv_pull_gb_per_s": rate("pull_seconds"), "kv_wire_gb_per_s": rate("wire_seconds"),
-            "kv_ms_per_pull": {k: per_pull_ms(k) for k in ("seconds", "pull_seconds", "wire_seconds",
-                                                           "scatter_seconds")}}
+            "kv_ms_per_pull": {k: per_pull_ms(k) for k in TRANSFER_KEYS if k not in ("bytes", "count")}}
+
+
+# A decode worker's transfer_totals summed over a timed run (decode_worker.worker: what each part measures).
+TRANSFER_KEYS = ("bytes", "count", "seconds", "pull_seconds", "wire_seconds", "scatter_seconds", "plan_seconds",
+                 "staging_wait_seconds", "pull_cpu_seconds", "scatter_index_seconds", "scatter_views_seconds",
+                 "scatter_copies_seconds", "scatter_record_seconds", "scatter_cpu_seconds", "join_seconds",
+                 "scatters_on_engine")
 
 
 def tokens_by_prompt(timings: list[RequestTiming]) -> list[tuple]:
@@ -119,8 +125,7 @@ def run_ray_topology(cfg_kwargs: dict, prompts, params, concurrency, check_promp
         base = ray.get([d.transfer_summary.remote() for d in handles["decode"].values()])
         timings, wall = asyncio.run(drive(handles["router_addr"], prompts, params, concurrency, handles["token"]))
         after = ray.get([d.transfer_summary.remote() for d in handles["decode"].values()])
-        transfer = {k: sum(a[k] - b[k] for a, b in zip(after, base))
-                    for k in ("bytes", "seconds", "pull_seconds", "wire_seconds", "scatter_seconds", "count")}
+        transfer = {k: sum(a.get(k, 0) - b.get(k, 0) for a, b in zip(after, base)) for k in TRANSFER_KEYS}
         checked = tokens_by_prompt(asyncio.run(drive(handles["router_addr"], list(check_prompts), params, 1,
                                                      handles["token"]))[0]) if check_prompts else []
     finally:
