@@ -29,6 +29,10 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
    on the H200 of 2026-12-02, for a 4-layer model). Each process holds a CUDA context (~0.5 GB) and M x K
    activations until the sweep ends, from the memory the KV pool left free (1 - --gpu-memory-utilization);
    DSV4_WARMUP_PROCS=1 sweeps in this process where that is tight.
+A data-parallel attention rank (engine.dp_attention) warms up with its group: every rank runs the same ladder
+(the lengths all of them fit), each prompt drained in lockstep (`run_lockstep`: one forward a tick on every
+rank, so each MoE layer's exchange pairs up), as its serving loop steps; its load_engine returns once all ranks
+are through. Its decode steps run eager (no graphs on these ranks yet), so phase 2 has nothing to capture.
 Not done: tensor-parallel ranks (the request would need the followers' step loop, which starts after loading);
 FP8 routed experts' grouped GEMMs (MXFP4 is the resident expert format).
 
@@ -47,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.dp_attention import run_lockstep
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -86,10 +91,9 @@ def gemm_processes() -> int:
 
 
 def warmup_enabled(engine) -> bool:
-    """On a one-rank CUDA engine unless $DSV4_WARMUP=0 (not a data-parallel attention rank either: its forwards
-    are collectives its peers must join)."""
-    return (warmup_mode() != "0" and engine.device.type == "cuda" and not engine.parallel.enabled
-            and engine.data_parallel is None)
+    """On a CUDA engine that schedules its own steps (one rank, or a data-parallel attention rank, which warms up
+    in lockstep with its group) unless $DSV4_WARMUP=0."""
+    return warmup_mode() != "0" and engine.device.type == "cuda" and not engine.parallel.enabled
 
 
 def prompt_ladder(max_batch_tokens: int, max_prompt: int) -> list[int]:
@@ -131,6 +135,10 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
     max_tokens = engine.scheduler_config.max_batch_tokens
     lengths = prompt_ladder(max_tokens, engine.cfg.max_position_embeddings - 2)
     lengths = [n for n in lengths if engine._fits_empty_pool(n + 2)]
+    dp = engine.data_parallel
+    if dp is not None:  # the same ladder on every rank of the group: what all of their pools fit
+        top = min(dp.gather_counts(max(lengths, default=0)))
+        lengths = [n for n in lengths if n <= top]
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     # Each prompt runs as one step of exactly its length: the scheduler would otherwise end chunks at the prefix
@@ -144,6 +152,8 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
             prompt = torch.randint(2, engine.cfg.vocab_size, (n,), generator=g).tolist()
             rid = engine.add_request(prompt, params, request_id=f"warmup-{n}", prefill_only=not decodes)
             request = engine.requests[rid]
+            if dp is not None:
+                run_lockstep(engine)
             while engine.has_work:
                 engine.step()
             if decodes:

@@ -225,3 +225,55 @@ def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
     calls.clear()
     torch.testing.assert_close(dgl.fp8_grouped_gemm(x, w, g).float(), want, atol=0.5, rtol=1e-2)
     assert [c[0] for c in calls] == ["plain"] * g
+
+
+def _dp_warm_rank(rank: int, port: int, max_batch_tokens: int, prompt: list[int], out) -> None:
+    """One data-parallel attention rank (gloo): warm up with its group, then serve one prompt in lockstep."""
+    from engine.dp_attention import run_lockstep
+    from engine.llm import load_engine
+    from engine.parallel import init_distributed
+
+    torch.set_num_threads(1)
+    try:
+        ctx = init_distributed(rank, 2, "cpu", port, expert_parallel=True, data_parallel_attention=True,
+                               timeout_s=120)
+        eng = load_engine(None, device="cpu", dtype="float32", parallel=ctx, max_batch_tokens=max_batch_tokens,
+                          max_num_seqs=4, max_cached_tokens=2048, warmup=False)
+        idle = eng.pool.num_free_pages()
+        report = warm_engine(eng, sweep_gemms=False)
+        clean = not eng.has_work and not eng.requests and eng.pool.num_free_pages() == idle
+        rid = eng.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        run_lockstep(eng)
+        out.put((rank, report.prompts, clean, eng.pop_finished(rid).output))
+    except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
+        out.put((rank, f"{type(e).__name__}: {e}", False, None))
+
+
+def test_data_parallel_ranks_warm_up_together():
+    """Data-parallel attention ranks (each its own scheduler, their MoE layers exchanging every forward) warm up
+    in lockstep: both run the ladder their pools and batch limits all allow (rank 1 takes at most 8 tokens a step
+    here, rank 0 16: both run 1..8), every page returns, and the group then serves the tokens one engine serves."""
+    import multiprocessing
+
+    from engine.llm import LLM
+    from engine.parallel import free_loopback_port
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 12]]
+    want = LLM(None, prefix_cache=True, max_batch_tokens=8).generate(
+        prompts, [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 2)
+    mp = multiprocessing.get_context("spawn")
+    out, port = mp.Queue(), free_loopback_port()
+    procs = [mp.Process(target=_dp_warm_rank, args=(r, port, (16, 8)[r], prompts[r], out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(out.get(timeout=240) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, lengths, clean, tokens in got:
+        assert lengths == (1, 2, 4, 7, 8), (rank, lengths)
+        assert clean, f"rank {rank} kept a warm-up request or page"
+        assert tokens == want[rank].token_ids, rank
