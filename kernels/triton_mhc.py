@@ -62,32 +62,48 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
 
 
 @triton.jit
-def _mix_sum(m_row, idx, mask, splits, stride_ms):
-    """The mixing logits at `idx` of one token: the sum of its split-K partials."""
-    acc = tl.load(m_row + idx, mask=mask, other=0.0)
-    for s in range(1, splits):
-        acc += tl.load(m_row + s * stride_ms + idx, mask=mask, other=0.0)
+def _mix_sum(m_row, idx, mask, splits, stride_ms, SB: tl.constexpr):
+    """The mixing logits at `idx` (1-D) of one token: the sum of its split-K partials, SB splits a load (one
+    split a load was 128 dependent loads in a row at batch 1, three times over)."""
+    acc = tl.zeros(idx.shape, dtype=tl.float32)
+    for s0 in range(0, splits, SB):
+        s = s0 + tl.arange(0, SB)
+        acc += tl.sum(tl.load(m_row + s[:, None] * stride_ms + idx[None, :], mask=(s < splits)[:, None] & mask[None, :],
+                              other=0.0), axis=0)
     return acc
 
 
 @triton.jit
-def _mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms):
+def _mix_sum2(m_row, idx, mask, splits, stride_ms, SB: tl.constexpr):
+    """_mix_sum of a 2-D `idx` (the comb logits)."""
+    acc = tl.zeros(idx.shape, dtype=tl.float32)
+    for s0 in range(0, splits, SB):
+        s = s0 + tl.arange(0, SB)
+        acc += tl.sum(tl.load(m_row + s[:, None, None] * stride_ms + idx[None, :, :],
+                              mask=(s < splits)[:, None, None] & mask[None, :, :], other=0.0), axis=0)
+    return acc
+
+
+@triton.jit
+def _mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms,
+            SB: tl.constexpr):
     """One token's mixing weights from its split-K logit partials: (pre [HC_P], post [HC_P], comb [HC_P, HC_P],
     comb's mask). pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax + eps, then Sinkhorn (column norm,
     then iters-1 x (row, column)); padded entries stay exactly 0 so they never enter a sum."""
     s0 = tl.load(scale_ptr).to(tl.float32)
     s1 = tl.load(scale_ptr + 1).to(tl.float32)
     s2 = tl.load(scale_ptr + 2).to(tl.float32)
-    pre = _mix_sum(m_row, i, imask, splits, stride_ms) * rinv * s0 + tl.load(base_ptr + i, mask=imask, other=0.0)
+    pre = _mix_sum(m_row, i, imask, splits, stride_ms, SB) * rinv * s0 + tl.load(base_ptr + i, mask=imask,
+                                                                                  other=0.0)
     pre = tl.where(imask, tl.sigmoid(pre) + hc_eps, 0.0)
-    post = _mix_sum(m_row, HC + i, imask, splits, stride_ms) * rinv * s1 + tl.load(base_ptr + HC + i, mask=imask,
-                                                                                    other=0.0)
+    post = _mix_sum(m_row, HC + i, imask, splits, stride_ms, SB) * rinv * s1 + tl.load(base_ptr + HC + i,
+                                                                                        mask=imask, other=0.0)
     post = 2.0 * tl.sigmoid(post)
     # comb[i, j] lives at 2*HC + i*HC + j
     cmask = imask[:, None] & (j < HC)[None, :]
     cidx = 2 * HC + i[:, None] * HC + j[None, :]
-    logits = _mix_sum(m_row, cidx, cmask, splits, stride_ms) * rinv * s2 + tl.load(base_ptr + cidx, mask=cmask,
-                                                                                    other=0.0)
+    logits = _mix_sum2(m_row, cidx, cmask, splits, stride_ms, SB) * rinv * s2 + tl.load(base_ptr + cidx,
+                                                                                         mask=cmask, other=0.0)
     logits = tl.where(cmask, logits, float("-inf"))
     row_max = tl.max(logits, axis=1)
     row_max = tl.where(imask, row_max, 0.0)  # padded rows are all -inf: keep their exponent finite
@@ -121,7 +137,7 @@ def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, p
         sq += x * x
     rinv = tl.rsqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / (HC * D) + norm_eps)
     pre, post, comb, cmask = _mixing(mixes_ptr + t * stride_mt, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters,
-                                     hc_eps, splits, stride_ms)
+                                     hc_eps, splits, stride_ms, 1)
     tl.store(post_ptr + t * HC + i, post, mask=imask)
     tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=cmask)
 
@@ -154,7 +170,7 @@ def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, p
 @triton.jit(do_not_specialize=["splits", "stride_ms", "stride_mt"])
 def _hc_pre_split_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr,
                          HC, D, N_MIX, iters, hc_eps, norm_eps, splits, stride_st, stride_sh, stride_ms, stride_mt,
-                         stride_ct, HC_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                         stride_ct, HC_P: tl.constexpr, BLOCK_D: tl.constexpr, SB: tl.constexpr):
     """Short steps: grid (T, D / BLOCK_D). Each program derives its token's weights from the partials (the sum
     of squares rides in column N_MIX of them, from _hc_mix_kernel) and collapses one block of D."""
     t = tl.program_id(0).to(tl.int64)
@@ -162,10 +178,10 @@ def _hc_pre_split_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_
     j = tl.arange(0, HC_P)
     imask = i < HC
     m_row = mixes_ptr + t * stride_mt
-    sumsq = tl.sum(_mix_sum(m_row, N_MIX + i * 0, i == 0, splits, stride_ms), axis=0)
+    sumsq = tl.sum(_mix_sum(m_row, N_MIX + i * 0, i == 0, splits, stride_ms, SB), axis=0)
     rinv = tl.rsqrt(sumsq / (HC * D) + norm_eps)
     pre, post, comb, cmask = _mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits,
-                                     stride_ms)
+                                     stride_ms, SB)
     if tl.program_id(1) == 0:
         tl.store(post_ptr + t * HC + i, post, mask=imask)
         tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=cmask)
@@ -254,6 +270,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
             streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, hc, d,
             n_mix, iters, hc_eps, norm_eps, parts.shape[0], streams.stride(0), streams.stride(1), parts.stride(0),
             parts.stride(1), collapsed.stride(0), HC_P=triton.next_power_of_2(hc), BLOCK_D=block_d,
+            SB=min(32, triton.next_power_of_2(parts.shape[0])),
             **({"num_warps": 1} if streams.is_cuda else {}))  # one warp: Sinkhorn's hc x hc sums stay in-warp
         if norm:
             _norm_rows_kernel[(t,)](collapsed, norm_weight.contiguous(), normed, d, out_eps, collapsed.stride(0),

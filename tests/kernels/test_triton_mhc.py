@@ -150,3 +150,17 @@ def test_long_steps_take_the_per_token_kernel(monkeypatch, norm):
         torch.testing.assert_close(post, ref_post, **NUM.TOL[torch.float32])
         torch.testing.assert_close(comb, ref_comb, **NUM.TOL[torch.float32])
         torch.testing.assert_close(first.float(), want.float(), **NUM.TOL[torch.bfloat16])
+
+
+def test_split_pre_sums_many_partials():
+    """A decode token of wide streams: more split-K partials than one load of the pre kernel takes (35 > 32)."""
+    hc, d, t = 4, 1100, 2
+    streams = randn(t, hc, d, seed=130, dtype=torch.bfloat16, scale=2.0)
+    fn = randn((2 + hc) * hc, hc * d, seed=131, scale=0.02)
+    base, scale = randn((2 + hc) * hc, seed=132, scale=0.5), torch.tensor([0.7, 1.3, 2.0], device=DEVICE)
+    assert triton_mhc.mix_partials(streams, fn).shape[0] > 32
+    got = triton_mhc.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    want = ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(got[1], want[1], **NUM.TOL[torch.float32])
+    torch.testing.assert_close(got[2], want[2], **NUM.TOL[torch.float32])
+    torch.testing.assert_close(got[0].float(), want[0].float(), **NUM.TOL[torch.bfloat16])
