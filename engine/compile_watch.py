@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
+
+from engine import metrics
+
+log = logging.getLogger(__name__)
 
 SLOW_STEP_S = 1.0  # a step this slow is worth a look (a compile takes seconds; a normal step, milliseconds)
 
@@ -54,3 +59,15 @@ class CompileWatch:
 
 def describe(names: dict[str, int]) -> str:
     return ", ".join(f"{n} x{c}" for n, c in sorted(names.items(), key=lambda kv: -kv[1])) or "nothing"
+
+
+def note_slow_step(watch: CompileWatch | None, role: str, worker_id: str, seconds: float) -> None:
+    """After each step of a serving engine (engine thread): when it took over SLOW_STEP_S, count and log the
+    kernels compiled during it (`dsv4_kernel_compiles_total`). watch None (CPU engines): nothing."""
+    if watch is None or seconds <= SLOW_STEP_S:
+        return
+    names = watch.since()
+    if names:
+        metrics.KERNEL_COMPILES.labels(role, worker_id).inc(sum(names.values()))
+    log.warning("%s %s: a step took %.2f s; kernels compiled since the last look: %s", role, worker_id, seconds,
+                describe(names))

@@ -7,20 +7,16 @@ The backend is made by the subclass (this layer knows nothing of kv_transfer) an
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 
 from engine import metrics
-from engine.compile_watch import SLOW_STEP_S, CompileWatch, describe
+from engine.compile_watch import CompileWatch, note_slow_step
 from engine.engine_loop import EngineLoop
 from engine.handoff import WorkerStats
 from engine.llm import load_engine
 from engine.rank_worker import split_engine_options
 from engine.tp_executor import release_followers
-
-
-log = logging.getLogger(__name__)
 
 
 class WorkerBase:
@@ -59,16 +55,7 @@ class WorkerBase:
     # ---- engine thread ---------------------------------------------------------------------------
     def _on_step(self, engine, events) -> None:
         self.publish_load()
-        if self.compile_watch is not None and self.loop.last_step_seconds > SLOW_STEP_S:
-            self._name_compiles(self.loop.last_step_seconds)
-
-    def _name_compiles(self, seconds: float) -> None:
-        """A slow step: count and log the kernels compiled during it (engine.compile_watch)."""
-        names = self.compile_watch.since()
-        if names:
-            metrics.KERNEL_COMPILES.labels(self.role, self.worker_id).inc(sum(names.values()))
-        log.warning("%s %s: a step took %.2f s; kernels compiled since the last look: %s", self.role, self.worker_id,
-                    seconds, describe(names))
+        note_slow_step(self.compile_watch, self.role, self.worker_id, self.loop.last_step_seconds)
 
     def publish_load(self) -> None:
         """Set the load gauges from the engine's one load figure (engine thread, after every change)."""

@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine import metrics
+from engine.compile_watch import CompileWatch, note_slow_step
 from engine.engine_loop import AsyncSink, EngineLoop, LoopStopped
 from engine.request import TokenEvent
 from engine.runner import EngineCore
@@ -46,6 +47,8 @@ class LocalWorker:
         self._killed = False
         self._digest = None
         self._prefix_counters = metrics.PrefixCounters("colocated", self.worker_id)  # a new engine counts from 0
+        # what compiles after load (and its warm-up) stalls a serving step: named after slow steps
+        self._compile_watch = CompileWatch() if self.engine.device.type == "cuda" else None
         self._snapshot = self._info()
         self.loop = EngineLoop(self.engine, name=f"engine-{self.worker_id}", on_step=self._on_step)
 
@@ -121,6 +124,7 @@ class LocalWorker:
             if ev.finished:  # the engine keeps finished requests until popped
                 engine.pop_finished(ev.request_id)
         self._publish()
+        note_slow_step(self._compile_watch, "colocated", self.worker_id, self.loop.last_step_seconds)
 
     def _publish(self) -> None:
         self._snapshot = self._info()

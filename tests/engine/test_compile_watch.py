@@ -39,3 +39,24 @@ def test_missing_cache_directories_are_skipped(tmp_path, monkeypatch):
     monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "absent-too"))
     watch = CompileWatch()
     assert watch.dirs == {} and watch.since() == {}
+
+
+def test_note_slow_step_counts_and_logs_only_slow_steps(tmp_path, caplog):
+    """What a worker (and a colocated LocalWorker) calls after every step: nothing below SLOW_STEP_S; above, the
+    compiled kernels go to the log and to dsv4_kernel_compiles_total under the engine's role and id."""
+    from engine import metrics
+    from engine.compile_watch import SLOW_STEP_S, note_slow_step
+
+    triton = str(tmp_path / "triton")
+    os.makedirs(triton)
+    watch = CompileWatch({"triton": triton})
+    counter = metrics.KERNEL_COMPILES.labels("colocated", "w-test")
+    before = counter._value.get()
+    _triton_variant(triton, "c1", "_close_kernel")
+    note_slow_step(watch, "colocated", "w-test", SLOW_STEP_S / 2)  # fast: not looked at
+    assert counter._value.get() == before and not caplog.records
+    note_slow_step(None, "colocated", "w-test", 5.0)  # CPU engine: no watch
+    with caplog.at_level("WARNING"):
+        note_slow_step(watch, "colocated", "w-test", SLOW_STEP_S + 1)
+    assert counter._value.get() == before + 1
+    assert "colocated w-test: a step took" in caplog.text and "_close_kernel x1" in caplog.text
