@@ -13,7 +13,7 @@ on the host (from the request lists), so no step waits on the device for one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -220,6 +220,39 @@ def _ring_write(starts, ends, cu, ring_page, ring_rows: int, page_stride: int | 
     return RingWrite(cu[seg] + pos - starts[seg], ring_page[seg] * (page_stride or ring_rows) + pos % ring_rows)
 
 
+def _staging_writes(pool: CachePool, snapshots: list, sizes: _Sizes, cu_host: list[int], device) -> dict:
+    """Ring group -> RingWrite of the rows an in-step snapshot keeps: for each request b with snapshots[b] =
+    (point, {group: page}), positions [point - ring, point) of its chunk into that group's staging page (slot =
+    position % ring, as _ring_write places them). Host-known sizes: built on the host, one upload."""
+    window = pool.cfg.sliding_window
+    chunk, ring, at = [], [], {}
+    for name in sorted({g for snap in snapshots if snap for g in snap[1]}):
+        spec = pool.groups[name].spec
+        positions = window if name == "swa" else spec.page_rows
+        first = len(chunk)
+        for b, snap in enumerate(snapshots):
+            if not snap:
+                continue
+            point, pages = snap
+            if not sizes.starts[b] + positions <= point <= sizes.ends[b]:
+                raise ValueError(f"in-step snapshot at {point} needs positions {point - positions}.. in the chunk "
+                                 f"[{sizes.starts[b]}, {sizes.ends[b]}) of request {b}")
+            pos = np.arange(point - positions, point, dtype=np.int64)
+            chunk.append(cu_host[b] + pos - sizes.starts[b])
+            ring.append(pages[name] * spec.page_rows + pos % positions)
+        at[name] = (first, len(chunk))
+    flat = to_device_nonblocking(torch.from_numpy(np.concatenate([np.concatenate(chunk), np.concatenate(ring)])),
+                                 device)
+    n = flat.shape[0] // 2
+    bounds = np.cumsum([0] + [c.size for c in chunk])
+    return {name: RingWrite(flat[bounds[a]:bounds[b]], flat[n + bounds[a]:n + bounds[b]])
+            for name, (a, b) in at.items()}
+
+
+def _joined(first: RingWrite, extra: RingWrite) -> RingWrite:
+    return RingWrite(torch.cat([first.chunk_row, extra.chunk_row]), torch.cat([first.ring_row, extra.ring_row]))
+
+
 def paged_rows(table: torch.Tensor, page_rows: int, seg: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
     page_idx = (entry.clamp(min=0) // page_rows).clamp(max=table.shape[1] - 1)
     return table[seg, page_idx] * page_rows + entry.clamp(min=0) % page_rows
@@ -253,10 +286,13 @@ def _visible(ratio: int, positions, seg, table, page_rows: int, sizes: _Sizes) -
 
 
 def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], tables: list[dict],
-               logit_rows: list[int], device) -> StepBatch:
+               logit_rows: list[int], device, snapshots: list | None = None) -> StepBatch:
     """token_ids[b]: the tokens request b runs this step, at positions starts[b]...; tables[b]: its pages.
     Built on `device` (module docstring): one host-to-device copy that does not wait for the device, no
-    device-to-host sync, so the host can build this step while the device still runs the one before."""
+    device-to-host sync, so the host can build this step while the device still runs the one before.
+    snapshots[b] (optional): (point, {ring group: staging page}) when request b keeps a prefix-cache snapshot
+    point inside its chunk (engine.prefix_cache): each of those rings' writes then also put the ring as it
+    stands at `point` (positions [point - ring, point), all in the chunk) into its staging page."""
     cfg = pool.cfg
     sizes = _Sizes([len(t) for t in token_ids], list(starts))
     # The host inputs, as one int64 tensor and one copy that does not wait for the device:
@@ -286,6 +322,9 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
     swa = ring_sources(win_pos, seg.unsqueeze(1).expand_as(win_pos), starts_t, cu, swa_page, window, swa_total,
                    swa_spec.page_rows)
     swa_write = _ring_write(starts_t, ends_t, cu, swa_page, window, swa_spec.page_rows, sizes.ring_writes(window))
+    staged = _staging_writes(pool, snapshots, sizes, cu_host, device) if snapshots and any(snapshots) else {}
+    if "swa" in staged:
+        swa_write = _joined(swa_write, staged["swa"])
 
     compress, visible = {}, {}
     entry_groups = [(f"kv{r}", f"state{r}", r, r == 4) for r in cfg.ratios]
@@ -297,6 +336,9 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
         compress[entry_name] = _compress_plan(ratio, overlap, starts_t, ends_t, cu, group_tables[state_name][:, 0],
                                               state_spec.page_rows, state_spec.num_pages * state_spec.page_rows,
                                               group_tables[entry_name], spec.page_rows, sizes)
+        if state_name in staged:
+            plan = compress[entry_name]
+            compress[entry_name] = replace(plan, state_write=_joined(plan.state_write, staged[state_name]))
         if entry_name != "kv4":  # CSA picks kv4 entries through the indexer instead of attending to all
             visible[entry_name] = _visible(ratio, positions, seg, group_tables[entry_name], spec.page_rows, sizes)
 

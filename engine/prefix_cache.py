@@ -17,8 +17,13 @@ chained blake2b hash of (seed, block 0..k's token ids); the seed covers the mode
 and the block size, so two caches of different formats never share a name. A node holds block k's history
 pages (one cache reference each) and optionally one snapshot (the state at the block's end).
 
-Where snapshots are taken (decisions; the issue leaves them open). The scheduler ends a prefill chunk at
-each of a request's snapshot points, so the state there exists after some step:
+Where snapshots are taken (decisions; the issue leaves them open). The state at a request's snapshot point
+must exist after some step. Either the scheduler ends a prefill chunk there, or -- when the chunk runs on
+past the point and has computed every ring row the snapshot holds (positions [point - ring, point) of each
+snapshotted ring, all inside the chunk) -- the step also writes those rows into staging pages (extra ring
+writes in engine.batch.build_step), copied into a store slot after the step: an 8K prompt then runs as one
+step, not 7936 + 256 tokens. One such in-step snapshot a request a step (a second point in the chunk ends
+it); without free fixed pages for the staging, the chunk ends at the point as before. The points:
 - every `snapshot_interval` tokens of the prompt (EngineCore's default: the step's token budget, at least
   DEFAULT_SNAPSHOT_INTERVAL, so the points fall where full prefill chunks end anyway);
 - the prompt's last block boundary (and the one before the last token, for an identical repeat);
@@ -179,6 +184,7 @@ class PrefixStats:
     requests: int = 0
     hit_requests: int = 0
     snapshots_taken: int = 0
+    snapshots_in_step: int = 0  # of those, kept from staging pages inside a longer chunk
     evicted_blocks: int = 0
 
 
@@ -202,6 +208,11 @@ class PrefixCache:
         self._pinned: set[int] = set()
         self._plans: dict[str, "_Plan"] = {}
         self.version = 0  # bumped whenever the set of resumable blocks changes (digest republish)
+        # (positions, page rows) of each snapshotted ring: slot = position % positions (engine.batch._ring_write)
+        window = pool.cfg.sliding_window
+        self.rings = {n: (window if n == "swa" else pool.groups[n].spec.page_rows, pool.groups[n].spec.page_rows)
+                      for n in state}
+        self.ring_span = max((r for r, _ in self.rings.values()), default=0)
         pool.reclaimer = self
 
     # ---- hashing ------------------------------------------------------------------------------
@@ -277,15 +288,47 @@ class PrefixCache:
         return sorted(p for p in pts if p > resume)
 
     # ---- scheduling ---------------------------------------------------------------------------
-    def cut(self, req: Request, start: int, num_tokens: int) -> int:
-        """A prefill chunk [start, start + num_tokens) ends at the first snapshot point inside it."""
+    def cut(self, req: Request, start: int, num_tokens: int) -> tuple[int, int]:
+        """A prefill chunk [start, start + num_tokens) -> (its length, in-step snapshot point or 0).
+
+        The first snapshot point inside the chunk is taken in the step when the chunk computes every ring row
+        it needs and staging pages are free (module docstring); the chunk then ends at the next point inside
+        it, if any. Otherwise the chunk ends at the first point. The scheduler runs every chunk it cuts."""
         plan = self._plans.get(req.request_id)
         if plan is None:
-            return num_tokens
+            return num_tokens, 0
+        self._unstage(plan)  # (staging a failed step left behind)
+        snap = 0
         for p in plan.points:
             if start < p < start + num_tokens:
-                return p - start
-        return num_tokens
+                if not snap and p - start >= self.ring_span and self._stage(plan, p):
+                    snap = p
+                    continue
+                return p - start, snap
+        return num_tokens, snap
+
+    def staging(self, req: Request) -> dict[str, int] | None:
+        """The staging page of each snapshotted group for req's in-step snapshot this step (None: none)."""
+        plan = self._plans.get(req.request_id)
+        return None if plan is None or plan.pending is None else plan.pending[1]
+
+    def _stage(self, plan: "_Plan", point: int) -> bool:
+        pages: dict[str, int] = {}
+        for name in self.rings:
+            alloc = self.pool.groups[name].allocator
+            if not alloc.can_allocate(1):
+                for n, page in pages.items():
+                    self.pool.groups[n].allocator.free([page])
+                return False
+            pages[name] = alloc.allocate(1)[0]
+        plan.pending = (point, pages)
+        return True
+
+    def _unstage(self, plan: "_Plan") -> None:
+        if plan.pending is not None:
+            for name, page in plan.pending[1].items():
+                self.pool.groups[name].allocator.free([page])
+            plan.pending = None
 
     def on_computed(self, req: Request) -> None:
         """After a step: register the request's newly completed blocks; snapshot when it stands on a point."""
@@ -299,13 +342,20 @@ class PrefixCache:
             for k in range(plan.registered, full):
                 self._register(req, hashes, k)
             plan.registered = full
+        if plan.pending is not None and done >= plan.pending[0]:  # the step wrote the point's rings to staging
+            point, pages = plan.pending
+            taken = self.stats.snapshots_taken
+            self._snapshot(req, self._hashes(req, point)[-1], {name: [page] for name, page in pages.items()})
+            self.stats.snapshots_in_step += self.stats.snapshots_taken - taken
+            self._unstage(plan)
         if done and done % self.block == 0 and (done in plan.points or done > len(req.prompt)):
             self._snapshot(req, self._hashes(req, done)[-1])
 
     def forget(self, req: Request) -> None:
-        """The request left the engine (finished, aborted, handed off): drop its plan."""
+        """The request left the engine (finished, aborted, handed off): drop its plan (and staging pages)."""
         plan = self._plans.get(req.request_id)
         if plan is not None and plan.request is req:
+            self._unstage(plan)
             del self._plans[req.request_id]
 
     def _register(self, req: Request, hashes: list[int], k: int) -> None:
@@ -330,7 +380,8 @@ class PrefixCache:
         self.nodes[node.key] = node
         self._touch([node])
 
-    def _snapshot(self, req: Request, key: int) -> None:
+    def _snapshot(self, req: Request, key: int, pages: dict | None = None) -> None:
+        """Keep the state at block `key`'s end: req's fixed pages (pages: staging pages holding it instead)."""
         node = self.nodes.get(key)
         if node is None:
             return
@@ -344,7 +395,7 @@ class PrefixCache:
                 return
             self._drop_snapshot(self.nodes[victim])
             slot = self.store.take()
-        self.store.save(slot, req.pages)
+        self.store.save(slot, req.pages if pages is None else pages)
         node.snapshot = slot
         self._snap_lru[key] = None
         self.version += 1
@@ -427,12 +478,13 @@ class PrefixCache:
 
 
 class _Plan:
-    """Per-request prefix bookkeeping: its block hashes, blocks registered, snapshot points."""
+    """Per-request prefix bookkeeping: its block hashes, blocks registered, snapshot points, staging."""
 
-    __slots__ = ("request", "hashes", "registered", "points")
+    __slots__ = ("request", "hashes", "registered", "points", "pending")
 
     def __init__(self, request: Request):
         self.request = request
         self.hashes: list[int] = []
         self.registered = 0
         self.points: list[int] = []
+        self.pending: tuple[int, dict[str, int]] | None = None  # this step's in-step snapshot: (point, staging)

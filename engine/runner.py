@@ -304,9 +304,11 @@ class EngineCore:
             else:
                 sample_rows.append(None)
             offset += c.num_tokens
+        snapshots = tuple((c.snapshot_at, self.prefix.staging(c.request)) if c.snapshot_at else None
+                          for c in chunks) if any(c.snapshot_at for c in chunks) else ()
         inputs = StepInputs(FORWARD, tuple(c.request.token_slice(c.start, c.start + c.num_tokens) for c in chunks),
                             tuple(c.start for c in chunks), tuple(c.request.pages for c in chunks), tuple(logit_rows),
-                            sync=self._restored(chunks))
+                            sync=self._restored(chunks), snapshots=snapshots)
         return inputs, sample_rows, prompt_rows
 
     def _restored(self, chunks: list[ScheduledChunk]) -> tuple:
@@ -332,7 +334,7 @@ class EngineCore:
             return self.decode_runner.run(list(inputs.request_ids), [t[0] for t in inputs.token_ids],
                                           list(inputs.starts), list(inputs.tables))
         batch = build_step(self.pool, [list(t) for t in inputs.token_ids], list(inputs.starts), list(inputs.tables),
-                           list(inputs.logit_rows), self.device)
+                           list(inputs.logit_rows), self.device, list(inputs.snapshots))
         return self.model.forward(batch, self.pool)
 
     def _sample(self, logits: torch.Tensor, todo: list) -> tuple[list[int], list[float]]:

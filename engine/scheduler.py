@@ -8,8 +8,9 @@ Policy (one step = one forward):
   (prompt + max_new_tokens); pages are taken at admission, so a running request never runs out of
   cache mid-flight and nothing needs preempting;
 - with a prefix cache (engine.prefix_cache), admission first shares the longest cached prefix that ends
-  at a snapshot (the request starts computing there), and a prefill chunk ends at the request's next
-  snapshot point so the state there can be saved after the step.
+  at a snapshot (the request starts computing there), and a prefill chunk either keeps its next snapshot
+  point in the step (ScheduledChunk.snapshot_at: the step also writes the state there into staging pages)
+  or ends at it, so the state there can be saved after the step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ScheduledChunk:
     request: Request
     start: int  # first position run this step
     num_tokens: int
+    snapshot_at: int = 0  # a prefix-cache snapshot point inside the chunk, kept in this step (0: none)
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,10 @@ class Scheduler:
                 budget -= 1
         for req in self.running:
             if req.in_prefill and budget > 0:
-                n = min(len(req.prompt) - req.num_computed, budget)
+                n, snap = min(len(req.prompt) - req.num_computed, budget), 0
                 if self.prefix is not None:
-                    n = self.prefix.cut(req, req.num_computed, n)
-                chunks.append(ScheduledChunk(req, req.num_computed, n))
+                    n, snap = self.prefix.cut(req, req.num_computed, n)
+                chunks.append(ScheduledChunk(req, req.num_computed, n, snap))
                 budget -= n
         return chunks
 

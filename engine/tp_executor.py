@@ -36,7 +36,7 @@ FORWARD, DECODE, SYNC, STOP = "forward", "decode", "sync", "stop"
 @dataclass(frozen=True)
 class StepInputs:
     """One step's model inputs. kind FORWARD: `engine.batch.build_step(pool, token_ids, starts, tables,
-    logit_rows)`; DECODE: `DecodeRunner.run(request_ids, [t[0] for t in token_ids], starts, tables)`;
+    logit_rows, snapshots)`; DECODE: `DecodeRunner.run(request_ids, [t[0] for t in token_ids], starts, tables)`;
     SYNC: only `sync`; STOP: the followers leave `follow`. Every kind first replicates the `sync` pages."""
 
     kind: str
@@ -46,13 +46,15 @@ class StepInputs:
     logit_rows: tuple = ()  # FORWARD: rows of the step whose logits are returned
     request_ids: tuple = ()  # DECODE: keys of the decode runner's persistent block tables
     sync: tuple = ()  # page tables {group: [page ids]} whose rows rank 0 broadcasts before running
+    snapshots: tuple = ()  # FORWARD, per request (or empty): (point, {group: staging page}) or None
 
     def __post_init__(self):
         if self.kind not in (FORWARD, DECODE, SYNC, STOP):
             raise ValueError(f"StepInputs.kind must be one of {(FORWARD, DECODE, SYNC, STOP)}, got {self.kind!r}")
         n = len(self.token_ids)
-        if len(self.starts) != n or len(self.tables) != n:
-            raise ValueError(f"StepInputs: {n} token lists, {len(self.starts)} starts, {len(self.tables)} tables")
+        if len(self.starts) != n or len(self.tables) != n or len(self.snapshots) not in (0, n):
+            raise ValueError(f"StepInputs: {n} token lists, {len(self.starts)} starts, {len(self.tables)} tables, "
+                             f"{len(self.snapshots)} snapshots")
         if self.kind == DECODE and (len(self.request_ids) != n or any(len(t) != 1 for t in self.token_ids)):
             raise ValueError("StepInputs(decode) needs one request id and exactly one token per request")
 

@@ -141,7 +141,7 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
         lengths = [n for n in lengths if n <= top]
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
-    # Each prompt runs as one step of exactly its length: the scheduler would otherwise end chunks at the prefix
+    # Each prompt runs as one step of exactly its length: the scheduler may otherwise end chunks at the prefix
     # cache's snapshot points (block boundaries), and a prompt of 512 would run as 256 + 256, leaving the step
     # sizes of 257..512 tokens to compile mid-request (seen on the H200). Blocks are still registered and
     # snapshots taken as the steps run; the cache is emptied after.

@@ -174,3 +174,30 @@ def test_flashmla_decode_glue_matches_fp8_reference(monkeypatch):
     fast = _fp8_run(monkeypatch, "1", prompts, 64, "bucketed")
     assert calls, "the FlashMLA decode path was not taken"
     _assert_fp8_close(ref, fast)
+
+
+@needs_triton
+def test_in_step_snapshot_on_the_fast_path(monkeypatch):
+    """A prefix-cache snapshot kept inside a longer chunk (engine.prefix_cache: the step's SWA and compressor
+    state writes also fill staging pages, on the fast path through the Triton state-ring save) resumes a
+    repeat of the prompt as the reference path does: same tokens, logprobs within fp32 tolerance."""
+    from engine.llm import load_engine
+    from engine.sampling_params import SamplingParams
+
+    prompt = torch.randint(2, 500, (140,), generator=torch.Generator().manual_seed(8)).tolist()
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=True)
+    runs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(ENV, setting)
+        eng = load_engine(None, device=DEVICE, dtype="float32", max_batch_tokens=256, page_tokens=64)
+        outs = []
+        for _ in range(2):
+            rid = eng.add_request(prompt, params, seed=1)
+            while eng.has_work:
+                eng.step()
+            outs.append(eng.pop_finished(rid))
+        assert eng.prefix.stats.snapshots_in_step == 1 and outs[1].cached_tokens == 128, setting
+        runs[setting] = outs
+    for ref, fast in zip(runs["0"], runs["1"]):
+        assert ref.output == fast.output
+        assert max(abs(x - y) for x, y in zip(ref.logprobs, fast.logprobs)) <= TOL

@@ -180,6 +180,8 @@ def test_chunked_prefill_from_a_cached_boundary(budget, kv_cache_dtype):
         _assert_same(g, w, f"budget {budget} {kv_cache_dtype} request {i}")
     # 273 tokens: snapshot at 256; 200 tokens: history to 128 but no snapshot there until it made one
     assert [g.cached_tokens for g in got] == [0, 256, 0, 128]
+    if budget == 2048:  # whole prompts in one chunk: their snapshot points were kept inside the step
+        assert cached.prefix.stats.snapshots_in_step >= 2
     _idle(cached)
 
 
@@ -306,3 +308,66 @@ def test_decode_worker_caches_imported_prompts():
     assert got.cached_tokens == (len(prompt) + len(first.output) - 1) // 128 * 128
     assert math.isclose(got.logprobs[0], want.logprobs[0], abs_tol=TOL)
     _assert_same(got, want, "local prefill on the decode worker")
+
+
+# ---- snapshots kept inside a longer chunk ---------------------------------------------------------------
+def _steps_of(engine, prompt, params):
+    rid = engine.add_request(prompt, params, seed=900)
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    return engine.pop_finished(rid), steps
+
+
+@pytest.mark.parametrize("name", ["w40_hca8_first", "w12_csa_hca16"])
+def test_snapshot_inside_the_chunk_keeps_the_prompt_one_step(name, checkpoints, monkeypatch):
+    """The prompt's last block boundary (the identical repeat's resume point) falls inside its one prefill chunk:
+    the step writes the rings there into staging pages, so the prompt runs in one step, not two; the repeat
+    resumes there and computes what an engine without a prefix cache computes. Without staging pages free, the
+    chunk ends at the boundary as before (two steps), with the same tokens."""
+    spec = CONFIGS[name]
+    opts = dict(model_dir=checkpoints(name), page_tokens=spec["page_tokens"], max_batch_tokens=2048)
+    plain = load_engine(prefix_cache=False, **opts)
+    prompt = _rand(70, 11)
+    params = _params(6)
+    want = _run(plain, [prompt, prompt], params)
+
+    cached = load_engine(**opts)
+    block = cached.prefix.block
+    first, steps = _steps_of(cached, prompt, params)
+    assert steps == 1 + params.max_new_tokens - 1, "the prompt took more than one step"
+    assert cached.prefix.stats.snapshots_in_step == 1
+    again = _run(cached, [prompt], params)[0]
+    assert again.cached_tokens == (len(prompt) - 1) // block * block
+    _assert_same(first, want[0], f"{name}: first run")
+    _assert_same(again, want[1], f"{name}: repeat from the in-step snapshot")
+    _idle(cached)
+
+    cut = load_engine(**opts)
+    monkeypatch.setattr(cut.prefix, "_stage", lambda plan, point: False)  # no staging pages free
+    first_cut, steps_cut = _steps_of(cut, prompt, params)
+    assert steps_cut == steps + 1 and cut.prefix.stats.snapshots_in_step == 0
+    again_cut = _run(cut, [prompt], params)[0]
+    assert again_cut.cached_tokens == again.cached_tokens
+    _assert_same(first_cut, want[0], f"{name}: first run, chunk cut at the boundary")
+    _assert_same(again_cut, want[1], f"{name}: repeat, snapshot after a step")
+    _idle(cut)
+
+
+def test_staging_pages_return_when_the_request_leaves(checkpoints):
+    """A chunk that kept an in-step snapshot point holds one staging page in each snapshotted ring group until
+    its step is read back; a request that leaves before that (aborted) gives them back."""
+    spec = CONFIGS["w40_hca8_first"]
+    engine = load_engine(model_dir=checkpoints("w40_hca8_first"), page_tokens=spec["page_tokens"],
+                         max_batch_tokens=2048)
+    idle = {n: g.allocator.num_free for n, g in engine.pool.groups.items()}
+    rid = engine.add_request(_rand(70, 12), _params(4))
+    [chunk] = engine.scheduler.schedule()  # admits the request and cuts its chunk (not run)
+    assert (chunk.num_tokens, chunk.snapshot_at) == (70, 64)
+    staging = engine.prefix.staging(chunk.request)
+    assert set(staging) == set(engine.prefix.rings) == {"swa", "state4", "index_state"}
+    assert all(engine.pool.groups[g].allocator.num_free == idle[g] - 2 for g in staging)  # its page + staging
+    engine.abort(rid)
+    _idle(engine)
+    assert {n: g.allocator.num_free for n, g in engine.pool.groups.items()} == idle
