@@ -17,6 +17,13 @@ Warm-up and capture run on a padding-only batch, so they write the scratch page 
 
 `DecodeRunner(mode="eager")` runs the same fixed-shape batches without graphs: the CPU tests use it
 to pin that a bucketed step computes what `build_step`'s batch computes.
+
+Data-parallel attention (`dp_ranks` > 1, engine.dp_attention): the ranks of a group agree on one shape a decode
+step (EngineCore's lockstep tick: the largest any rank needs), so every rank's MoE exchange moves `slots` rows
+a rank; the forward gets those counts instead of gathering them on the host (ParallelContext.token_exchange),
+which leaves only device collectives in the step, and a rank without requests replays the same shape on padding
+rows (`run_idle`) to serve its experts. Every rank captures the same shapes in the same order (capture_all at
+warm-up, or the same first use on every rank), so the captures' collectives pair up.
 """
 
 from __future__ import annotations
@@ -84,6 +91,11 @@ class DecodeRunner:
         self._mempool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
         self._greedy = None  # [2, n] of the last replay, until taken
         self._logits: torch.Tensor | None = None  # [max slots, vocab]: every graph's output rows (module doc)
+        self.dp_ranks = 0  # > 1: a data-parallel attention rank (module docstring), set by its EngineCore
+
+    def _forward(self, batch, shape: DecodeShape) -> torch.Tensor:
+        counts = (shape.slots,) * self.dp_ranks if self.dp_ranks > 1 else None
+        return self.model.forward(batch, self.pool, counts)
 
     def shape_for(self, num_requests: int, context: int) -> DecodeShape | None:
         """The smallest bucket holding num_requests rows at positions < context; None when none does."""
@@ -94,16 +106,18 @@ class DecodeRunner:
         return DecodeShape(self.slots[i], self.contexts[j])
 
     def run(self, request_ids: list[str], token_ids: list[int], positions: list[int],
-            tables: list[dict], token_source: torch.Tensor | None = None) -> torch.Tensor | None:
+            tables: list[dict], token_source: torch.Tensor | None = None,
+            shape: DecodeShape | None = None) -> torch.Tensor | None:
         """One decode step: request b runs token_ids[b] at positions[b] with page table tables[b].
 
         token_source: device [n] token ids (any dtype holding integers) that replace token_ids, copied on the
         device in stream order (engine.decode_overlap: the previous step's greedy picks, not yet on the host).
+        shape: the bucket to run (a data-parallel group's agreed one; it must hold the step), else the smallest.
         -> fp32 logits [len(token_ids), vocab] (a view of a static buffer under graphs: read it before the
         next step), or None when no bucket fits (the caller runs the step eagerly).
         """
         n = len(token_ids)
-        shape = self.shape_for(n, max(positions) + 1)
+        shape = shape or self.shape_for(n, max(positions) + 1)
         if shape is None:
             return None
         rows = self.block_tables.rows_for(request_ids, tables)
@@ -114,7 +128,7 @@ class DecodeRunner:
             if token_source is not None:
                 inputs.packed[0, :n].copy_(token_source)
             batch = derive_decode_batch(self.pool, self.block_tables, inputs, shape)
-            return self.model.forward(batch, self.pool)[:n]
+            return self._forward(batch, shape)[:n]
         graph = self.graphs.get(shape) or self._capture(shape)
         # Pinned + non_blocking: the host does not wait for the steps queued before this one.
         copy_nonblocking_(graph.inputs.packed, host.packed)
@@ -123,6 +137,12 @@ class DecodeRunner:
         graph.graph.replay()
         self._greedy = graph.greedy[:, :n]
         return graph.logits[:n]
+
+    def run_idle(self, shape: DecodeShape) -> None:
+        """A data-parallel rank with no decode requests in a decode step of its group: `shape` on padding rows
+        only (they write the scratch page), so its routed experts serve the other ranks' tokens."""
+        self.run([], [], [], [], shape=shape)
+        self._greedy = None
 
     def take_greedy(self) -> torch.Tensor | None:
         """The last replay's greedy tokens and log-probs, fp64 [2, n] (engine.sampling.greedy_pick over its
@@ -152,7 +172,7 @@ class DecodeRunner:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                warm = self.model.forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), self.pool)
+                warm = self._forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), shape)
         torch.cuda.current_stream(device).wait_stream(side)
         if self._logits is None:  # outside the graphs' pool: one buffer for every bucket's output
             self._logits = torch.empty(self.slots[-1], warm.shape[-1], dtype=warm.dtype, device=device)
@@ -161,7 +181,7 @@ class DecodeRunner:
         # thread_local: workers capture on their engine thread while other threads (KV transfer, HTTP)
         # may touch CUDA; only this thread's calls must be capture-safe.
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            logits = self.model.forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), self.pool)
+            logits = self._forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), shape)
             # Copied into the shared buffer: the forward's own logits return to the pool after the capture, so
             # the graphs of all buckets (captured at start-up) hold one [max slots, vocab] output, not one each.
             out.copy_(logits)

@@ -7,12 +7,14 @@ data-parallel, each rank holds whole attention weights and its own requests' cac
 requests, and only the MoE layers talk (DeepSeek's own serving layout, SGLang's --enable-dp-attention).
 
 Per step, every rank runs one forward of its own tokens (engine.model.DeepseekV4Model.forward): the token counts
-(a host-side all-gather) and token ids are exchanged once (ParallelContext.token_exchange), and each MoE layer
-gathers every rank's activations, runs this rank's
-experts on the pairs routed to them, and returns the partial sums to the tokens' ranks (engine.moe.MoEBlock
-._forward_dp). So the ranks must step together: `run_lockstep` has each rank say whether it has work, and while
-any has, every rank runs exactly one forward a step: its own step, or `idle_forward` (no tokens, its experts
-still serve the others) when it has none or its scheduler ran nothing.
+and token ids are exchanged once (ParallelContext.token_exchange), and each MoE layer gathers every rank's
+activations, runs this rank's experts on the pairs routed to them, and returns the partial sums to the tokens'
+ranks (engine.moe.MoEBlock._forward_dp). So the ranks must step together: `run_lockstep` has each rank say
+whether it has work, and while any has, every rank runs one EngineCore step a tick (EngineCore._step_lockstep).
+The ranks agree on its kind first: when every rank runs only decode tokens, one decode bucket for all (the
+largest batch and context any needs; the counts are then known, so the exchange needs no host-side gather and
+CUDA graphs can hold the step; a rank with no requests replays the bucket on padding rows), else eager forwards
+(host-side count gather; a rank with no tokens joins through `idle_forward`, its experts serving the others).
 
 Here: `run_lockstep` (every rank), and the one-host driver for `LLM(..., data_parallel_attention=True)`: rank 0
 broadcasts each generate() call's prompts, every rank takes its share (prompt i goes to rank i % N), they run in
@@ -21,9 +23,10 @@ lockstep, and rank 0 gathers the outputs in prompt order (`dp_generate` on rank 
 The serving workers run the same lockstep in their engine loops (engine.engine_loop): with `dsv4 serve
 --data-parallel-attention` every rank is a worker of its own to the router (service.rank_placement).
 
-Not yet: CUDA graphs and overlapped decode for these engines (each rank's token count varies per step; a graph
-per padded bucket, agreed across ranks, is the way). The tokens and log-probs equal one engine's
-(tests/engine/test_dp_attention.py, tests/service/test_service_dp_attention.py).
+Decode modes: 'bucketed' runs the agreed buckets without graphs (the CPU tests); 'graphs' captures them (every
+rank the same shapes in the same order, so the captures' collectives pair up) but has run on no multi-GPU
+machine yet, so 'auto' does not pick it for these ranks. Not yet: overlapped decode. The tokens and log-probs
+equal one engine's (tests/engine/test_dp_attention.py, tests/service/test_service_dp_attention.py).
 """
 
 from __future__ import annotations
@@ -51,16 +54,10 @@ def run_lockstep(engine) -> int:
 
 
 def lockstep_forward(engine, step) -> None:
-    """This rank's one forward of a tick in which some rank has work: `step()` (an EngineCore step) when this
-    rank has work, else -- or when its scheduler ran nothing -- `idle_forward`, whose experts serve the others."""
-    before = engine.model.forwards
-    if engine.has_work:
-        step()
-    ran = engine.model.forwards - before
-    if ran == 0:
-        engine.model.idle_forward()
-    elif ran > 1:  # (an EngineCore step runs at most one forward without graphs or overlap)
-        raise RuntimeError(f"a data-parallel step ran {ran} forwards; the ranks' exchanges no longer pair up")
+    """This rank's part of a tick in which some rank has work: `step()`, an EngineCore step, with or without
+    requests of its own (EngineCore._step_lockstep agrees the tick with the other ranks: one decode bucket for
+    all, or eager forwards, a rank with no tokens joining the exchanges)."""
+    step()
 
 
 def _run_share(engine, job) -> list[tuple[int, GenerationOutput]]:

@@ -110,13 +110,15 @@ class DeepseekV4Model:
         return rms_norm(collapsed, weight, cfg.rms_norm_eps).to(self.dtype), post, comb
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, pool: CachePool) -> torch.Tensor:
+    def forward(self, batch: StepBatch, pool: CachePool, exchange_counts: tuple[int, ...] | None = None
+                ) -> torch.Tensor:
         """Run every token of the step through the model; -> fp32 logits [len(batch.logit_rows), vocab]."""
         cfg = self.cfg
         main, compress = self._position_ropes(batch.positions)
         ropes = {"main": main, "compress": compress, "compress_at": _memo_by_tensor(self.ropes["compress"])}
         self.forwards += 1
-        dp = self.parallel.token_exchange(batch.token_ids) if self.parallel.data_parallel_attention else None
+        dp = (self.parallel.token_exchange(batch.token_ids, exchange_counts) if self.parallel.data_parallel_attention
+              else None)
         h = vocab_embed(self.embed, batch.token_ids, self.parallel.attention)
         # [T, hc, hidden] in the residual dtype: the cast and the hc broadcast as one copy (one kernel, not two)
         streams = torch.empty((h.shape[0], cfg.hc_mult, h.shape[1]), dtype=self.residual_dtype, device=h.device)

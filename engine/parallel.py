@@ -160,17 +160,26 @@ class ParallelContext:
         return collective(x.cpu()).to(x.device)
 
     # ---- data-parallel attention: the MoE layers' token exchange --------------------------------
-    def token_exchange(self, token_ids: torch.Tensor) -> "TokenExchange":
+    def token_exchange(self, token_ids: torch.Tensor, counts: Sequence[int] | None = None) -> "TokenExchange":
         """One step's exchange plan from this rank's token ids [T]: every rank's count and every rank's ids,
-        gathered once a step (each MoE layer then gathers only its activations)."""
-        counts = tuple(self.gather_counts(token_ids.shape[0]))
+        gathered once a step (each MoE layer then gathers only its activations). counts: every rank's count when
+        all ranks know it already (a decode step of a bucket the group agreed on): no host-side gather, so the
+        exchange is device collectives only and a CUDA graph can hold it."""
+        counts = tuple(self.gather_counts(token_ids.shape[0]) if counts is None else counts)
+        if len(counts) != self.tp_size or counts[self.rank] != token_ids.shape[0]:
+            raise ValueError(f"token exchange: counts {counts} for {self.tp_size} ranks, this rank (rank "
+                             f"{self.rank}) has {token_ids.shape[0]} tokens")
         ids = self.gather_rows(token_ids, counts) if max(counts) else token_ids
         return TokenExchange(counts, ids)
 
     def gather_counts(self, n: int) -> list[int]:
         """Every rank's `n` (a host int), in rank order, over the host-side group: no device sync."""
-        out = [0] * self.tp_size
-        dist.all_gather_object(out, int(n), group=self.cpu_group if self.cpu_group is not None else self.group)
+        return [int(v) for v in self.gather_values(int(n))]
+
+    def gather_values(self, value) -> list:
+        """Every rank's `value` (a small picklable host object), in rank order, over the host-side group."""
+        out = [None] * self.tp_size
+        dist.all_gather_object(out, value, group=self.cpu_group if self.cpu_group is not None else self.group)
         return out
 
     def gather_rows(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:

@@ -76,6 +76,8 @@ class EngineCore:
             self.decode_runner = DecodeRunner(self.model, self.pool, "graphs" if self.decode_mode == "graphs" else
                                               "eager", self.scheduler_config.max_num_seqs,
                                               cfg.max_position_embeddings)
+            if self.data_parallel is not None:  # the group agrees on each decode step's shape (its docstring)
+                self.decode_runner.dp_ranks = self.data_parallel.tp_size
         if overlap_decode is None:  # DSV4_OVERLAP_DECODE=0/1 overrides the default (on with graphs)
             env = os.environ.get("DSV4_OVERLAP_DECODE")
             overlap_decode = self.decode_mode == "graphs" if env is None else env == "1"
@@ -107,11 +109,10 @@ class EngineCore:
     def _resolve_decode_mode(self, mode: str) -> str:
         if mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {mode!r}")
-        if mode == "graphs" and self.data_parallel is not None:
-            raise ValueError("decode_mode 'graphs' is not available with data-parallel attention yet (each rank's "
-                             "token count varies per step); use 'bucketed' or 'eager'")
         if mode == "auto":
             # fp8 caches too: their fast paths (engine.attention_fp8) never sync with the host
+            # Data-parallel attention ranks: graphs only when asked for ('graphs'): their agreed-shape decode
+            # steps (_step_lockstep) ran under graphs on no multi-GPU machine yet.
             graphs = (self.device.type == "cuda" and use_triton(self.device) and self.dtype != torch.float32
                       and not self.parallel.host_collectives  # host-copied collectives cannot be captured
                       and self.data_parallel is None)
@@ -214,6 +215,8 @@ class EngineCore:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        if self.data_parallel is not None:
+            return self._step_lockstep()
         if self._launched is not None:
             return self._complete_launched()
         if self.decode_runner is not None:
@@ -237,6 +240,38 @@ class EngineCore:
         logits = self.execute(inputs)
         events = self._postprocess(chunks, logits, sample_rows, prompt_rows)
         return events
+
+    def _step_lockstep(self) -> list[TokenEvent]:
+        """One tick of a data-parallel attention group (engine.dp_attention): every rank runs this once a tick in
+        which some rank has work, with or without requests of its own. The ranks first agree on the tick: a
+        decode step of one shared bucket (the largest batch and context any rank needs) when every rank that runs
+        anything runs only decode tokens and a bucket holds them; its MoE exchanges then move `slots` rows a rank
+        with no host-side count gather (CUDA graphs can hold them), and a rank without requests replays the
+        bucket on padding rows. Otherwise an eager step: each rank its own tokens, a rank with none joining the
+        exchanges through idle_forward."""
+        runner = self.decode_runner
+        chunks = self.scheduler.schedule() if self.scheduler.has_work else []
+        decode = bool(chunks) and runner is not None and all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens
+                                                             for c in chunks)
+        want = (len(chunks), max(c.start for c in chunks) + 1) if decode else (-1 if chunks else 0, 0)
+        wants = self.data_parallel.gather_values(want)
+        shape = None
+        if all(n >= 0 for n, _ in wants) and any(n > 0 for n, _ in wants):
+            shape = runner.shape_for(max(n for n, _ in wants), max(c for _, c in wants))
+        if shape is not None:
+            if not chunks:
+                runner.run_idle(shape)
+                return []
+            logits = runner.run([c.request.request_id for c in chunks],
+                                [c.request.token_slice(c.start, c.start + 1)[0] for c in chunks],
+                                [c.start for c in chunks], [c.request.pages for c in chunks], shape=shape)
+            return self._postprocess(chunks, logits, list(range(len(chunks))), [(0, 0)] * len(chunks))
+        if not chunks:
+            if any(n for n, _ in wants):  # another rank runs a forward: serve its tokens' experts
+                self.model.idle_forward()
+            return []
+        inputs, sample_rows, prompt_rows = self._build(chunks)
+        return self._postprocess(chunks, self.execute(inputs), sample_rows, prompt_rows)
 
     # ---- overlapped decode (engine.decode_overlap) ---------------------------------------------
     def _launch_decode(self, chunks, previous: LaunchedDecode | None) -> LaunchedDecode | None:
