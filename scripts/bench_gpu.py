@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile-batch", type=int, default=None, help="batch of the profiled decode step (default 64)")
     ap.add_argument("--profile-dump", default=None,
                     help="write the profiled decode step's kernels, in launch order with device us, to this file")
+    ap.add_argument("--prefill-dump", default=None,
+                    help="write the profiled prefill's kernels, in launch order with device us, to this file")
     ap.add_argument("--out", default=None, help="also write the markdown section to this file")
     ap.add_argument("--write", action="store_true", help="put the section into BENCHMARKS.md")
     ap.add_argument("--merge", default=None, help="put this section file into BENCHMARKS.md and exit")

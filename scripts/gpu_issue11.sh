@@ -85,7 +85,8 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
              tests/engine/test_gpu_flashmla_engine.py > "$OUT/flash.log" 2>&1 || status=1
            grep -E "^\[gpu flashmla|^(FAILED|ERROR)|passed|failed" "$OUT/flash.log" | cut -c1-400 ;;
     b1prof) timeout ${B1_TIMEOUT:-240} scripts/bench_gpu.sh --budget-s ${B1_BUDGET:-180} --batches 1 --contexts 4096 \
-              --experts mxfp4 --no-peer --profile-batch 1 --profile-dump "$OUT/kernels_b1.txt" --out "$OUT/b1.md" \
+              --experts mxfp4 --no-peer --profile-batch 1 --profile-dump "$OUT/kernels_b1.txt" \
+              --prefill-dump "$OUT/kernels_prefill.txt" --out "$OUT/b1.md" \
               > "$OUT/b1prof.log" 2>&1 || status=1
             grep -E "^(decode|profile|prefill)" "$OUT/b1prof.log" | cut -c1-300 ;;
     prefillmoe) timeout ${PMOE_TIMEOUT:-300} python3 scripts/bench_moe.py --tokens 4096 8192 --ogs-sweep \

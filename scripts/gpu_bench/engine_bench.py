@@ -249,8 +249,10 @@ def kernel_category(name: str) -> str:
     return "other Triton/other"
 
 
-def profile_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, seed: int) -> dict:
-    """One whole prefill of `tokens` under torch.profiler -> kernels, busy ms, wall ms, top 12 kernels."""
+def profile_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, seed: int, dump: str | None = None) -> dict:
+    """One whole prefill of `tokens` under torch.profiler -> kernels, busy ms, wall ms, top 12 kernels; dump: also
+    write every kernel in launch order to this file (with the GPU's idle gaps between them, where the host was
+    behind)."""
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(seed)
@@ -263,6 +265,8 @@ def profile_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, seed: int) 
         sync(core.device)
         wall = time.perf_counter() - t
     core.pop_finished(rid)
+    if dump:
+        _dump_kernels(prof, dump)
     return {**_kernel_table(prof, 12), **_host_table(prof), "wall_ms": wall * 1e3}
 
 

@@ -65,6 +65,7 @@ class Plan:
     index_cache: str = "auto"  # indexer keys of an fp8 cache: "mxfp4", "fp8" or "auto" (FP8 on Hopper)
     profile_batch: int | None = None  # the profiled decode step's batch (default 64, or the largest batch)
     profile_dump: str | None = None  # also write the profiled step's kernels, in launch order, to this file
+    prefill_dump: str | None = None  # the same for the profiled prefill
 
     @property
     def mm_n(self) -> int:  # the matmul size measure_roofs uses
@@ -84,7 +85,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return dataclasses.replace(_plan(args, device), experts=experts, dense=getattr(args, "dense", None) or "auto",
                                index_cache=getattr(args, "index_cache", None) or "auto",
                                profile_batch=getattr(args, "profile_batch", None),
-                               profile_dump=getattr(args, "profile_dump", None))
+                               profile_dump=getattr(args, "profile_dump", None),
+                               prefill_dump=getattr(args, "prefill_dump", None))
 
 
 def _plan(args: argparse.Namespace, device: str) -> Plan:
@@ -301,7 +303,7 @@ class Suite:
             print(f"prefill {out['experts']} {p.prefill_tokens}: {r['s']:.2f} s ({out['tok_s']:.0f} tok/s), roof "
                   f"{out['roof_tok_s']:.0f} tok/s ({100 * out['share']:.1f}%)", flush=True)
             if p.cuda and clock.left() - self.reserve > 3 * r["s"] + 10:
-                prof = profile_prefill(self.core, self.cfg, p.prefill_tokens, seed=6)
+                prof = profile_prefill(self.core, self.cfg, p.prefill_tokens, seed=6, dump=p.prefill_dump)
                 out["profile"] = prof
                 print(f"prefill profile: {prof['kernels']} kernels, busy {prof['busy_ms']:.1f} ms of "
                       f"{prof['wall_ms']:.1f} ms; top: " + "; ".join(f"{k} {t / 1e3:.1f} ms ({c}x)"
