@@ -250,13 +250,15 @@ class EngineCore:
         bucket on padding rows. Otherwise an eager step: each rank its own tokens, a rank with none joining the
         exchanges through idle_forward."""
         runner = self.decode_runner
+        if runner is not None:
+            runner.take_greedy()  # only this step's decode run may leave one
         chunks = self.scheduler.schedule() if self.scheduler.has_work else []
         decode = bool(chunks) and runner is not None and all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens
                                                              for c in chunks)
         want = (len(chunks), max(c.start for c in chunks) + 1) if decode else (-1 if chunks else 0, 0)
         wants = self.data_parallel.gather_values(want)
         shape = None
-        if all(n >= 0 for n, _ in wants) and any(n > 0 for n, _ in wants):
+        if runner is not None and all(n >= 0 for n, _ in wants) and any(n > 0 for n, _ in wants):
             shape = runner.shape_for(max(n for n, _ in wants), max(c for _, c in wants))
         if shape is not None:
             if not chunks:
