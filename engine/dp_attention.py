@@ -48,16 +48,9 @@ def run_lockstep(engine) -> int:
         raise ValueError("run_lockstep needs an engine built with a data-parallel attention context")
     steps = 0
     while any(ctx.gather_counts(int(engine.has_work))):
-        lockstep_forward(engine, engine.step)
+        engine.step()  # with or without requests of its own (EngineCore._step_lockstep agrees the tick)
         steps += 1
     return steps
-
-
-def lockstep_forward(engine, step) -> None:
-    """This rank's part of a tick in which some rank has work: `step()`, an EngineCore step, with or without
-    requests of its own (EngineCore._step_lockstep agrees the tick with the other ranks: one decode bucket for
-    all, or eager forwards, a rank with no tokens joining the exchanges)."""
-    step()
 
 
 def _run_share(engine, job) -> list[tuple[int, GenerationOutput]]:

@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from engine.dp_attention import lockstep_forward
 from engine.request import TokenEvent
 from engine.runner import EngineCore
 
@@ -154,7 +153,7 @@ class EngineLoop:
             if not any(ctx.gather_counts(int(engine.has_work))):
                 time.sleep(IDLE_TICK_S)
                 continue
-            lockstep_forward(engine, self._step)
+            self._step()  # every rank, with or without requests (EngineCore._step_lockstep agrees the tick)
 
     def _step(self) -> list[TokenEvent]:
         """One engine step; its events go to their sinks. A failed step fails every subscriber."""

@@ -92,8 +92,9 @@ def warm_shapes(shapes, m_values, processes: int) -> int:
     nvcc runs, seconds each, and independent. Each shape is split into its small-M and large-M halves, whose
     configurations differ. processes <= 1 runs them here. -> the number of GEMM calls made."""
     small = [m for m in m_values if m <= 128]
+    # (a grouped shape runs as one masked GEMM only up to GROUPED_MAX_TOKENS: beyond, its groups are plain shapes)
     tasks = [(n, k, pow2, device, groups, part) for n, k, pow2, device, groups in shapes
-             for part in (small, [m for m in m_values if m > 128]) if part]
+             for part in (small, [m for m in m_values if m > 128] if groups == 1 else []) if part]
     if processes <= 1 or len(tasks) <= 1:
         for n, k, pow2, device, groups, part in tasks:
             warm_shape(n, k, pow2, device, part, groups)
