@@ -82,7 +82,10 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     keep = keep_default(device, torch_dtype) if keep_mxfp4_experts is None else keep_mxfp4_experts
     keep_fp8 = use_fp8_gemm(device, torch_dtype) if keep_fp8_weights is None else keep_fp8_weights
     if torch.device(device).type == "cuda":
+        from engine.compile_watch import install_variant_log
         from engine.fit_check import check_fit, device_budget
+
+        install_variant_log()  # from the first kernel on: a variant first needed while serving is named later
 
         fit = check_fit(model_dir, cfg, cache_config, torch_dtype, max_batch_tokens,
                         device_budget(device, gpu_memory_utilization), parallel, keep, keep_fp8, max_cached_tokens,

@@ -28,7 +28,8 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
    ($DSV4_WARMUP_PROCS, default half the CPUs up to 8): run one after another they took minutes (4-49 s a shape
    on the H200 of 2026-12-02, for a 4-layer model). Each process holds a CUDA context (~0.5 GB) and M x K
    activations until the sweep ends, from the memory the KV pool left free (1 - --gpu-memory-utilization);
-   DSV4_WARMUP_PROCS=1 sweeps in this process where that is tight.
+   DSV4_WARMUP_PROCS=1 sweeps in this process where that is tight. Then the MXFP4 MoE (triton_kernels' matmul),
+   whose variants also follow its row-block count: one call per class of token count (sweep_moe_variants).
 A data-parallel attention rank (engine.dp_attention) warms up with its group: every rank runs the same ladder
 (the lengths all of them fit), each prompt drained in lockstep (`run_lockstep`: one forward a tick on every
 rank, so each MoE layer's exchange pairs up), as its serving loop steps; its load_engine returns once all ranks
@@ -36,10 +37,10 @@ are through. Its decode steps run eager (no graphs on these ranks yet), so phase
 Not done: tensor-parallel ranks (the request would need the followers' step loop, which starts after loading);
 FP8 routed experts' grouped GEMMs (MXFP4 is the resident expert format).
 
-$DSV4_WARMUP: 1 (default) all three; quick: 1 and 2 only (the DeepGEMM configurations of other M values then
-compile when a step first needs them); 0: none. Each phase's seconds are logged: on a cold cache the whole warm-up
-of even a 4-layer model took over 3 minutes on the H200 (the compiles, not the steps), so deployments keep the
-caches on a volume ($DG_JIT_CACHE_DIR, $TRITON_CACHE_DIR; the Helm chart's compileCache).
+$DSV4_WARMUP: 1 (default) all three; quick: 1 and 2 only (the DeepGEMM configurations of other M values and the
+MoE's other variants then compile when a step first needs them); 0: none. Each phase's seconds are logged: on a cold
+cache the whole warm-up of even a 4-layer model took over 3 minutes on the H200 (the compiles, not the steps), so
+deployments keep the caches on a volume ($DG_JIT_CACHE_DIR, $TRITON_CACHE_DIR; the Helm chart's compileCache).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class WarmupReport:
     graphs: int  # decode CUDA graphs captured
     gemm_shapes: int  # distinct FP8 GEMM (N, K) warmed at every M class
     gemm_calls: int
-    seconds: tuple[float, float, float]  # ladder, graphs, GEMM sweep
+    seconds: tuple[float, float, float]  # ladder, graphs, GEMM + MoE sweeps
+    moe_calls: int = 0  # MXFP4 MoE calls of the variant sweep (sweep_moe_variants)
 
 
 def warmup_mode() -> str:
@@ -171,7 +173,7 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
     graphs = engine.decode_runner.capture_all() if decodes and engine.decode_runner is not None else 0
     t2 = time.perf_counter()
     logger.info("warm-up: ladder %.1f s, %d decode graphs %.1f s", t1 - t0, graphs, t2 - t1)
-    shapes = calls = 0
+    shapes = calls = moe_calls = 0
     if engine.device.type == "cuda":
         from engine.fast_paths import use_fp8_gemm
 
@@ -181,9 +183,36 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
             todo = seen_shapes()  # this process's engines: one, in a worker
             shapes = len(todo)
             calls = warm_shapes(todo, gemm_m_values(max_tokens), gemm_processes())
+        if sweep_gemms:
+            moe_calls = sweep_moe_variants(engine, max_tokens)
         torch.cuda.synchronize(engine.device)
-    report = WarmupReport(tuple(lengths), graphs, shapes, calls, (t1 - t0, t2 - t1, time.perf_counter() - t2))
+    report = WarmupReport(tuple(lengths), graphs, shapes, calls, (t1 - t0, t2 - t1, time.perf_counter() - t2),
+                          moe_calls)
     logger.info("warm-up: %d prompts (%s tokens) %.1f s, %d decode graphs captured %.1f s, %d FP8 GEMM shapes x %d "
-                "M values %.1f s", len(lengths), ",".join(map(str, lengths)), report.seconds[0], graphs,
-                report.seconds[1], shapes, calls // max(shapes, 1), report.seconds[2])
+                "M values and %d MXFP4 MoE token counts %.1f s", len(lengths), ",".join(map(str, lengths)),
+                report.seconds[0], graphs, report.seconds[1], shapes, calls // max(shapes, 1), moe_calls,
+                report.seconds[2])
     return report
+
+
+def sweep_moe_variants(engine, max_tokens: int) -> int:
+    """Phase 3's MoE half: triton_kernels' matmul (kernels.mxfp4_ogs) compiles a variant per class of a step's
+    token count that the ladder's powers of two and their odd neighbours do not all meet (its row-block count is
+    specialised too: a serving step of ~520 tokens compiled one mid-request on the H200, 2026-12-02). One
+    call per `mxfp4_ogs.variant_key` class up to max_tokens, on random tokens through the first MoE layer's
+    experts (every layer has the same shapes). -> calls run (0: no layer runs triton_kernels)."""
+    blocks = [m for m in engine.model.moe if m.ogs is not None]
+    if not blocks:
+        return 0
+    from kernels import mxfp4_ogs  # imports triton_kernels: only where a layer runs it
+
+    ex, k, dev = blocks[0].ogs, engine.cfg.num_experts_per_tok, engine.device
+    counts = mxfp4_ogs.variant_tokens(max_tokens, ex.num_experts, k)
+    g = torch.Generator(device=dev).manual_seed(0)
+    top = max(counts)
+    x = torch.randn(top, ex.hidden, generator=g, device=dev, dtype=torch.bfloat16)
+    ids = torch.randint(0, ex.num_experts, (top, k), generator=g, device=dev)
+    weights = torch.rand(top, k, generator=g, device=dev)
+    for t in counts:
+        mxfp4_ogs.ogs_moe(x[:t], weights[:t], ids[:t], ex, engine.cfg.swiglu_limit, shared=x[:t])
+    return len(counts)

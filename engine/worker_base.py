@@ -11,7 +11,7 @@ import os
 import time
 
 from engine import metrics
-from engine.compile_watch import CompileWatch, note_slow_step
+from engine.compile_watch import CompileWatch, install_variant_log, note_slow_step
 from engine.engine_loop import EngineLoop
 from engine.handoff import WorkerStats
 from engine.llm import load_engine
@@ -36,7 +36,7 @@ class WorkerBase:
                                   warmup_decodes=self.role != "prefill")
         self.backend = None
         # After the warm-up: what compiles from here on stalls a serving step (looked for after slow steps only)
-        self.compile_watch = CompileWatch() if self.engine.device.type == "cuda" else None
+        self.compile_watch = CompileWatch(variants=install_variant_log()) if self.engine.device.type == "cuda" else None
         self._prefix_counters = metrics.PrefixCounters(self.role, worker_id)
         self._digest = None  # the engine's PrefixDigest, refreshed on the engine thread when it changes
         # What the idle engine admits, read before any request holds a page (the router admits against it).

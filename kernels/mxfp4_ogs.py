@@ -108,6 +108,46 @@ def sort_pairs(ids: torch.Tensor, num_experts: int):
     return order.to(torch.int32), (order // ids.shape[1]).to(torch.int32), counts
 
 
+def _spec_class(v: int) -> str:
+    """How Triton specialises an integer argument: == 1, divisible by 16, or neither."""
+    return "1" if v == 1 else ("16" if v % 16 == 0 else "-")
+
+
+def _ragged_blocks(n_slices: int, rows: int, block: int) -> int:
+    """triton_kernels' RaggedTensorMetadata.n_blocks: the row blocks a ragged matmul's grid covers (its grid_m)."""
+    return rows if rows <= n_slices else n_slices - 1 - ((n_slices - rows - 1) // block)
+
+
+def variant_key(tokens: int, num_experts: int, top_k: int) -> tuple:
+    """What decides which compiled variant of triton_kernels' two matmuls `ogs_moe` over `tokens` tokens runs.
+
+    The matmul picks block_m from the pairs per expert (P // E, P = tokens * top_k, through its power of two),
+    and passes its row-block count (grid_m) and the write-back size (P) as integers Triton specialises on == 1 and
+    divisibility by 16; the launch constraints change with `constraints(tokens)`, and the pair sort with P's size.
+    The key holds each of these (grid_m's class at every block_m it may pick): a superset of what the library's
+    choice depends on, so one call per key compiles every variant (engine.warmup's MoE sweep)."""
+    p = tokens * top_k
+    per_expert = max(1, p // max(1, num_experts))
+    return (json.dumps(constraints(tokens), sort_keys=True), 1 << (per_expert - 1).bit_length(), _spec_class(p),
+            tuple(_spec_class(_ragged_blocks(num_experts, p, b)) for b in (16, 32, 64, 128)),
+            p <= _max_sort_pairs())
+
+
+def _max_sort_pairs() -> int:
+    from kernels.triton_moe_glue import MAX_SORT_PAIRS  # imports triton: only where the kernels run
+
+    return MAX_SORT_PAIRS
+
+
+def variant_tokens(max_tokens: int, num_experts: int, top_k: int) -> list[int]:
+    """The smallest token count of every `variant_key` class in 1..max_tokens (a few hundred at V4-Flash's 256
+    experts top-6 and 8192 tokens: 156 calls summing to 348K tokens)."""
+    first: dict[tuple, int] = {}
+    for t in range(1, max_tokens + 1):
+        first.setdefault(variant_key(t, num_experts, top_k), t)
+    return sorted(first.values())
+
+
 def ogs_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: OgsExperts, limit: float,
             opt_constraints: dict | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
     """= moe_experts(x, weights, ids, W1, W2, W3, limit) on the dequantised experts. x: [T, H] bf16;

@@ -122,13 +122,16 @@ def _store_seg(o_row, hmask, acc, scale, O: tl.constexpr, W: tl.constexpr, P: tl
 
 
 # K, the split counts and the store sizes (R0, R01: a prefill's local compressed rows) vary with the step, and
-# rows' stride with K: unspecialised, so they add no compiled variants (engine.warmup)
-@triton.jit(do_not_specialize=["K", "tiles_per_split", "num_splits", "stride_rt", "R0", "R01"])
+# rows' stride with K: unspecialised, so they add no compiled variants (engine.warmup). b1 / b2, the element
+# offsets of stores 1 and 2 from store 0, are pointer differences: wherever the allocator put this step's stores.
+# Typed by value they were i32 or i64 (stores 4 GiB apart), a variant each, compiled mid-request on the H200
+# (engine.compile_watch): declared i64 and unspecialised, they are one.
+@triton.jit(do_not_specialize=["K", "tiles_per_split", "num_splits", "stride_rt", "R0", "R01", "b1", "b2"])
 def _sparse_attn_kernel(
     q_ptr, kv0_ptr, rows_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
     H, K, tiles_per_split, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_rt,
-    R0, R01, s0, s1, s2, b1, b2,
+    R0, R01, s0, s1, s2, b1: tl.int64, b2: tl.int64,
     block_size, stride_block, scale_log2,
     D: tl.constexpr, NSRC: tl.constexpr, ALIGN: tl.constexpr, FP8: tl.constexpr, TOKEN_STRIDE: tl.constexpr,
     SCALE_STRIDE: tl.constexpr, SCALE_BLOCK: tl.constexpr,

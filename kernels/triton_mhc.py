@@ -9,21 +9,22 @@ Reference: `kernels.mhc.hc_pre` / `hc_post`. Per token with hc streams of width 
   and its split-K reduction: three launches where one does, twice a layer.) Then, all in registers:
   pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax + eps, Sinkhorn (column norm, then
   iters-1 x (row, column)), and collapsed = sum_i pre_i * stream_i.
-  Decode-sized steps (T <= MIX_MAX_TOKENS): the mix kernel also writes each split's sum of squares, and the
-  pre kernel runs on a (T, D / BLOCK_D) grid: every program derives its token's weights (hc*hc is tiny) and
-  collapses one block of D; the optional input RMSNorm (`norm_weight`) is a third launch over whole rows.
+  Steps of up to MIX_MAX_TOKENS tokens (by default all): the mix kernel also writes each split's sum of squares,
+  and the pre kernel runs on a (T, D / BLOCK_D) grid: every program derives its token's weights (hc*hc is tiny)
+  and collapses one block of D; the optional input RMSNorm (`norm_weight`) is a third launch over whole rows.
   One program per token looping over D was latency-bound: 37 us a call at batch 1 and 64 on an H200 (V4-Flash
-  widths), ~0.3 ms of a 1.9 ms batch-1 step. Split over D in 4-warp programs it still took 28 us: the
-  Sinkhorn iterations' [hc, hc] sums were cross-warp reductions (shared memory and a barrier each, 40 in a
-  row), so these programs run as one warp. Long steps (prefill chunks) keep one program per token: T
-  programs fill the GPU, and the streams of a token (hc * D values) stay in L1/L2 between its sum-of-squares
-  pass and its collapse pass; a third pass applies the input norm.
+  widths), ~0.3 ms of a 1.9 ms batch-1 step, and 0.49 ms at 8K tokens. Split over D in 4-warp programs it still
+  took 28 us: the Sinkhorn iterations' [hc, hc] sums were cross-warp reductions (shared memory and a barrier
+  each, 40 in a row), so these programs run as one warp. Beyond MIX_MAX_TOKENS, the long path: torch's fp32
+  matmul for the logits and one program per token (sum-of-squares pass, collapse pass, norm pass).
 - post: new_streams[j] = post_j * block_out + sum_i comb[i, j] * streams[i]; grid (T, D / BLOCK_D).
 All mixing math is fp32 (as in the reference); outputs round once to the streams' dtype.
 Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see kernels/triton_attention.py).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -264,7 +265,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         return normed, post, comb
     extra = {"num_warps": 4} if streams.is_cuda else {}
     block_d = min(block_d, triton.next_power_of_2(d))
-    if t <= MIX_MAX_TOKENS:  # decode-sized: spread each token over D blocks (one program a token is latency-bound)
+    if t <= MIX_MAX_TOKENS:  # spread each token over D blocks (one program a token is latency-bound)
         parts = mix_partials(streams, fn, sumsq=True)  # [splits, T, n_mix + 1] fp32
         _hc_pre_split_kernel[(t, triton.cdiv(d, block_d))](
             streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, hc, d,
@@ -287,7 +288,12 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 
 MIX_PROGRAMS = 256  # split K until about this many programs run (T = 1 in decode: one token's 16K-long dot products)
-MIX_MAX_TOKENS = 256  # beyond (prefill chunks), cuBLAS's fp32 matmul as before: the split-K kernel is unmeasured there
+# Steps up to this many tokens take the split kernels (mix kernel + (T, D blocks) pre kernel); longer ones, torch's
+# fp32 matmul on an fp32 copy of the streams and one pre program a token. The H200 prefill profile of 2026-12-02
+# (8K tokens, V4-Flash widths) had the long path at ~1 ms a call (sgemm 0.27, the copy ~0.2, the pre kernel 0.49:
+# one 4-warp program a token, its Sinkhorn sums cross-warp), 8 calls a 4-layer step; the split path reads the
+# streams once. $DSV4_HC_SPLIT_MAX_TOKENS=256 restores the long path above 256 tokens (scripts/bench_mhc.py).
+MIX_MAX_TOKENS = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS", str(1 << 30)))
 
 
 def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -> torch.Tensor:

@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine import metrics
-from engine.compile_watch import CompileWatch, note_slow_step
+from engine.compile_watch import CompileWatch, install_variant_log, note_slow_step
 from engine.engine_loop import AsyncSink, EngineLoop, LoopStopped
 from engine.request import TokenEvent
 from engine.runner import EngineCore
@@ -47,8 +47,9 @@ class LocalWorker:
         self._killed = False
         self._digest = None
         self._prefix_counters = metrics.PrefixCounters("colocated", self.worker_id)  # a new engine counts from 0
-        # what compiles after load (and its warm-up) stalls a serving step: named after slow steps
-        self._compile_watch = CompileWatch() if self.engine.device.type == "cuda" else None
+        # what compiles after load (and its warm-up) stalls a serving step: named as it happens
+        cuda = self.engine.device.type == "cuda"
+        self._compile_watch = CompileWatch(variants=install_variant_log()) if cuda else None
         self._snapshot = self._info()
         self.loop = EngineLoop(self.engine, name=f"engine-{self.worker_id}", on_step=self._on_step)
 

@@ -4,7 +4,8 @@
 # slice, gputests, flash (FlashMLA kernel + fp8-default engine tests), tp (TP 2 vs TP 1 on one GPU), e2e, ab
 # (overlapped decode on/off, FP8 vs MXFP4 indexer keys), coldstart (engine warm-up on fresh compile caches), b1prof
 # (the batch-1 decode step's kernels in launch order), prefillmoe (matmul_ogs launch constraints at prefill sizes),
-# decodemoe (the same at 1 and 64 tokens, with split-K and narrow-N tiles at 1).
+# decodemoe (the same at 1 and 64 tokens, with split-K and narrow-N tiles at 1), mhc (scripts/bench_mhc.py: the
+# mHC pre's two paths by token count), pytests (pytest on $PYTEST_FILES).
 # Usage: scripts/gpu_issue11.sh stage ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +33,11 @@ for n in ("has_deep_gemm", "has_flash_mla", "has_triton_kernels"):
             grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ktests.log" | cut -c1-300 ;;
     fp8gemm) timeout ${FP8GEMM_TIMEOUT:-300} python3 scripts/bench_fp8_gemm.py --out "$OUT/fp8_gemm.md" 2>&1 | tail -60 \
                | tee "$OUT/fp8gemm.log" || status=1 ;;
+    mhc) timeout ${MHC_TIMEOUT:-150} python3 scripts/bench_mhc.py --out "$OUT/mhc.md" > "$OUT/mhc.log" 2>&1 || status=1
+         grep -E "^hc_pre|Error" "$OUT/mhc.log" | cut -c1-200 ;;
+    pytests) timeout ${PYTESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_FILES:-tests/kernels} \
+               > "$OUT/pytests.log" 2>&1 || status=1
+             grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/pytests.log" | cut -c1-300 ;;
     moe) timeout 300 python3 scripts/bench_moe.py --tokens 1 16 64 128 --out "$OUT/mxfp4_moe.md" 2>&1 | tee "$OUT/moe.log" || status=1 ;;
     fp8oracle) timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_fp8_engine.py 2>&1 \
                  > "$OUT/fp8oracle.log" 2>&1 || status=1

@@ -141,12 +141,14 @@ load_engine(sys.argv[1] or None, device="cuda", dtype="bfloat16", max_batch_toke
     serve) run_stage serve ${SERVE_TIMEOUT:-330} "$PY" -m service.cli bench serve "${MODEL_ARG[@]}" "${ENGINE[@]}" \
              "${SHARE[@]}" "${SERVE[@]}" --topologies colocated,1P1D --transfer nixl --no-write \
              --json-out "$OUT/serve.json"
-           # the kernels compiled in serving steps (engine.compile_watch logs them after a slow step): the Ray
-           # workers' logs, and this stage's own log for the colocated engine (it runs in the bench's process)
-           grep -rh "kernels compiled since the last look" "$("$PY" -c 'from service.launcher import ray_logs_dir
+           # the kernels compiled in serving steps and the Triton variants first needed there (engine.compile_watch
+           # logs both): the Ray workers' logs, and this stage's own log for the colocated engine (it runs in the
+           # bench's process)
+           grep -rhE "kernels compiled since the last look|variant first needed while serving" \
+             "$("$PY" -c 'from service.launcher import ray_logs_dir
 print(ray_logs_dir() or "/tmp/ray/session_latest/logs")')" "$LOGS/serve.log" 2>/dev/null | tail -100 \
              > "$OUT/compiles.log"
-           echo "slow steps logged by the engines: $(wc -l < "$OUT/compiles.log") (compiles.log)" ;;
+           echo "compile lines logged by the engines: $(wc -l < "$OUT/compiles.log") (compiles.log)" ;;
     raw) UCX_PROTO_INFO=y run_stage nixl_raw ${RAW_TIMEOUT:-150} "$PY" scripts/bench_nixl_raw.py "${RAW[@]}" \
            --json-out "$OUT/nixl_raw.json"
          # which UCX transports carried the READs (UCX_PROTO_INFO prints its protocol choices)

@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from engine.compile_watch import CompileWatch, describe
 
 
@@ -60,3 +62,87 @@ def test_note_slow_step_counts_and_logs_only_slow_steps(tmp_path, caplog):
         note_slow_step(watch, "colocated", "w-test", SLOW_STEP_S + 1)
     assert counter._value.get() == before + 1
     assert "colocated w-test: a step took" in caplog.text and "_close_kernel x1" in caplog.text
+
+
+def _spec(signature: dict, constants: dict | None = None, aligned: tuple[str, ...] = (), **options) -> str:
+    """Triton's specialization_data JSON (the fields VariantLog reads): argument-index paths for constants and
+    attributes, as the JIT writes them."""
+    names = list(signature)
+    constants = constants or {}
+    return json.dumps({
+        "name": "k", "signature": signature,
+        "constant_keys": [[names.index(n)] for n in constants], "constant_vals": list(constants.values()),
+        "attrs_keys": [[names.index(n)] for n in aligned], "attrs_vals": [[["tt.divisibility", 16]] for _ in aligned],
+        "options": {"num_warps": 4, "num_stages": 2, **options}})
+
+
+class _Fn:
+    def __init__(self, name):
+        self.name = name
+
+
+def test_variant_log_names_what_differs_from_the_nearest_earlier_variant():
+    from engine.compile_watch import VariantLog
+
+    log = VariantLog()
+    sig = {"q_ptr": "*bf16", "b1": "i32", "grid_m": "i32", "D": "constexpr"}
+    log.hook(fn=_Fn("_sparse_attn_kernel"), compile={"specialization_data": _spec(sig, {"D": {"constexpr": 512}},
+                                                                                  ("q_ptr",))})
+    log.hook(fn=_Fn("_sparse_attn_kernel"), compile={"specialization_data": _spec(
+        dict(sig, grid_m="constexpr"), {"D": {"constexpr": 512}, "grid_m": 1}, ("q_ptr",))})
+    log.hook(fn=_Fn("_hc_pre_kernel"), compile={"specialization_data": _spec({"x_ptr": "*bf16"})})
+    # the serving-time variant: nearest to the first one (one difference), not the second (two)
+    log.hook(fn=_Fn("_sparse_attn_kernel"), compile={"specialization_data": _spec(
+        dict(sig, b1="i64"), {"D": {"constexpr": 512}}, ("q_ptr", "grid_m"))})
+    log.hook(fn=_Fn("_odd_kernel"), compile={"specialization_data": "not json"})  # recorded by name only
+    lines = log.explain(0)
+    assert lines[0] == "_sparse_attn_kernel (its first variant in this process)"
+    assert lines[1] == "_sparse_attn_kernel [grid_m: i32 -> =1]"
+    assert lines[2] == "_hc_pre_kernel (its first variant in this process)"
+    assert lines[3] == "_sparse_attn_kernel [b1: i32 -> i64, grid_m: i32 -> i32/16]"
+    assert lines[4] == "_odd_kernel (its first variant in this process)" and len(lines) == 5
+    assert log.explain(3) == lines[3:]
+
+
+def test_note_slow_step_logs_variants_first_needed_while_serving(tmp_path, caplog):
+    """Every step (fast ones too): a variant specialised after the watch started is logged once, with its
+    difference from the warm-up's; a step with none logs nothing."""
+    from engine.compile_watch import VariantLog, note_slow_step
+
+    log = VariantLog()
+    sig = {"x_ptr": "*bf16", "n": "i32"}
+    log.hook(fn=_Fn("_k"), compile={"specialization_data": _spec(sig)})  # the warm-up's
+    watch = CompileWatch({}, variants=log)
+    with caplog.at_level("WARNING"):
+        note_slow_step(watch, "decode", "w-1", 0.01)
+    assert not caplog.records
+    log.hook(fn=_Fn("_k"), compile={"specialization_data": _spec(sig, aligned=("n",), num_stages=3)})
+    with caplog.at_level("WARNING"):
+        note_slow_step(watch, "decode", "w-1", 0.05)
+        note_slow_step(watch, "decode", "w-1", 0.01)
+    assert len(caplog.records) == 1
+    assert "decode w-1: a kernel variant first needed while serving" in caplog.text
+    assert "_k [n: i32 -> i32/16, num_stages: 2 -> 3]" in caplog.text
+
+
+def test_install_variant_log_hooks_triton_once_and_chains():
+    """The hook sits on triton.knobs.runtime.jit_cache_hook, keeps a hook already there, and returns None (the
+    compile goes ahead)."""
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    import engine.compile_watch as cw
+
+    calls = []
+    saved_hook, saved_log = knobs.runtime.jit_cache_hook, cw._VARIANT_LOG
+    try:
+        knobs.runtime.jit_cache_hook = lambda **kw: calls.append(kw["fn"].name)
+        cw._VARIANT_LOG = None
+        log = cw.install_variant_log()
+        assert cw.install_variant_log() is log
+        spec = {"specialization_data": _spec({"x_ptr": "*fp32"})}
+        assert knobs.runtime.jit_cache_hook(key="k", repr="r", fn=_Fn("_k"), compile=spec, is_manual_warmup=False,
+                                            already_compiled=False) is None
+        assert calls == ["_k"] and [v.kernel for v in log.variants] == ["_k"]
+    finally:
+        knobs.runtime.jit_cache_hook, cw._VARIANT_LOG = saved_hook, saved_log

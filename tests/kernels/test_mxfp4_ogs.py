@@ -71,3 +71,28 @@ def test_ogs_moe_under_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, mxfp4_ogs.ogs_moe(x, weights, ids, ex, 10.0))
     assert not torch.equal(out, eager)
+
+
+def test_variant_sweep_leaves_no_step_size_to_compile():
+    """engine.warmup's MoE sweep (one call per mxfp4_ogs.variant_key class) compiles every variant of
+    triton_kernels' matmul a step of up to max_tokens tokens can need: random step sizes afterwards, and the
+    ~520-token one that compiled mid-request on the H200 after the ladder, specialise nothing new."""
+    from engine.compile_watch import install_variant_log
+    from kernels import mxfp4_ogs
+
+    log = install_variant_log()
+    gen = torch.Generator().manual_seed(11)
+    e, h, inter, k, top = 16, 512, 256, 4, 1100
+    packed, _ = _experts(e, h, inter, gen)
+    ex = mxfp4_ogs.prepare(packed["w1"], packed["s1"], packed["w2"], packed["s2"], packed["w3"], packed["s3"])
+    x = torch.randn(top, h, generator=gen).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, e, (top, k), generator=gen).cuda()
+    weights = torch.rand(top, k, generator=gen).cuda()
+    for t in mxfp4_ogs.variant_tokens(top, e, k):
+        mxfp4_ogs.ogs_moe(x[:t], weights[:t], ids[:t], ex, 10.0)
+    mark = len(log.variants)
+    sizes = sorted({520, 547, top, *torch.randint(1, top + 1, (48,), generator=gen).tolist()})
+    for t in sizes:
+        mxfp4_ogs.ogs_moe(x[:t], weights[:t], ids[:t], ex, 10.0)
+    new = [line for line in log.explain(mark) if line.startswith("_matmul") or line.startswith("_p_matmul")]
+    assert new == [], new

@@ -179,6 +179,34 @@ def test_multi_store_rows_index_the_concatenation(num_stores):
         sparse_mqa_attention_multi(q, [stores[0], stores[1].double()], rows, sink, 0.2)
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="compiled variants: the interpreter compiles nothing, and the stores "
+                                            "must lie over 4 GiB apart in GPU memory")
+def test_multi_store_offsets_beyond_int32_add_no_variant():
+    """The element offsets of stores 1 and 2 from store 0 are pointer differences: stores over 4 GiB apart made
+    them i64 where near ones were i32, and each type compiled its own variant (mid-request on the H200, named by
+    engine.compile_watch). Declared i64, the far stores run the near stores' variant and still read right."""
+    from engine.compile_watch import install_variant_log
+
+    log = install_variant_log()
+    t, h, d, k = 8, 64, 512, 160
+    q = randn(t, h, d, seed=70, dtype=torch.bfloat16)
+    sink = randn(h, seed=71)
+    near = [randn(64, d, seed=72, dtype=torch.bfloat16), randn(48, d, seed=73, dtype=torch.bfloat16)]
+    filler = torch.empty(6 << 30, dtype=torch.uint8, device=DEVICE)
+    far = randn(48, d, seed=73, dtype=torch.bfloat16)
+    offset = (far.data_ptr() - near[0].data_ptr()) // 2
+    if abs(offset) < 2**31:
+        pytest.skip(f"the allocator put the far store only {offset} elements from store 0")
+    rows = random_rows(t, k, 112, seed=74)
+    sparse_mqa_attention_multi(q, near, rows, sink, 0.1)
+    mark = len(log.variants)
+    out = sparse_mqa_attention_multi(q, [near[0], far], rows, sink, 0.1)
+    assert [v.kernel for v in log.variants[mark:]] == [], log.explain(mark)
+    want = reference(q.float(), torch.cat([near[0], far]).float(), rows, sink, 0.1)
+    torch.testing.assert_close(out.float(), want, **NUM.TOL[torch.bfloat16])
+    del filler
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_v4_geometry_four_segments(dtype):
     """The V4 row: NoPE 448 = 256 + 128 + 64 fp8 segments plus the 64 bf16 RoPE values; several tiles."""

@@ -1,0 +1,96 @@
+"""mHC pre (kernels.triton_mhc.hc_pre with the block's input norm fused) at V4-Flash widths: the split path
+(mix kernel + (T, D blocks) pre kernel + norm) against the long path (torch's fp32 matmul on an fp32 copy of
+the streams + one pre program a token), by token count (CUDA only; a script, not a test).
+
+Shapes: hc 4 streams x 4096, 24 mixing logits, 20 Sinkhorn iterations, bf16 streams. Prints the median time of
+each path (triton.testing.do_bench), the bytes-read roof (the streams once, at the measured copy bandwidth) and
+the two paths' largest output difference (they round differently: fp32 sums in another order).
+
+Usage: python scripts/bench_mhc.py [--tokens 1 64 256 1024 4096 8192] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+HC, D, ITERS = 4, 4096, 20
+
+
+def inputs(t: int, device, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    n_mix = (2 + HC) * HC
+    streams = torch.randn(t, HC, D, generator=g, device=device).bfloat16()
+    fn = torch.randn(n_mix, HC * D, generator=g, device=device) * (HC * D) ** -0.5
+    base = torch.randn(n_mix, generator=g, device=device) * 0.1
+    scale = torch.rand(3, generator=g, device=device) + 0.5
+    norm_w = torch.rand(D, generator=g, device=device) + 0.5
+    return streams, fn, base, scale, norm_w
+
+
+def run(path: str, args):
+    from kernels import triton_mhc
+
+    saved = triton_mhc.MIX_MAX_TOKENS
+    triton_mhc.MIX_MAX_TOKENS = 1 << 30 if path == "split" else 0
+    try:
+        streams, fn, base, scale, norm_w = args
+        return triton_mhc.hc_pre(streams, fn, base, scale, ITERS, 1e-6, 1e-6, norm_weight=norm_w)
+    finally:
+        triton_mhc.MIX_MAX_TOKENS = saved
+
+
+def copy_gbps(device) -> float:
+    from triton.testing import do_bench
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=5, rep=50)
+    return 2 * x.numel() / ms / 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024, 4096, 8192])
+    ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_mhc: needs a CUDA GPU")
+        return 1
+    from triton.testing import do_bench
+
+    dev = torch.device("cuda")
+    gbps = copy_gbps(dev)
+    rows = []
+    for t in args.tokens:
+        x = inputs(t, dev, seed=t)
+        times = {p: do_bench(lambda p=p: run(p, x), warmup=10, rep=100) for p in ("split", "long")}
+        a, b = run("split", x), run("long", x)
+        diff = max((u.float() - v.float()).abs().max().item() for u, v in zip(a, b))
+        roof_ms = t * HC * D * 2 / gbps / 1e6
+        rows.append((t, times["split"], times["long"], roof_ms, diff))
+        print(f"hc_pre T={t}: split {times['split'] * 1e3:.1f} us, long {times['long'] * 1e3:.1f} us, "
+              f"roof {roof_ms * 1e3:.1f} us, max |diff| {diff:.2e}", flush=True)
+    lines = [f"- command: `python scripts/bench_mhc.py --tokens {' '.join(map(str, args.tokens))}`",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+             f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {gbps:.0f} GB/s",
+             "", "| tokens | split path us | long path us | long / split | streams-read roof us | split x roof "
+             "| max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {t} | {s * 1e3:.1f} | {lg * 1e3:.1f} | {lg / s:.2f} | {r * 1e3:.1f} | {s / r:.1f} | {d:.1e} |"
+              for t, s, lg, r, d in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
