@@ -36,9 +36,13 @@ triton, tl = import_triton()
 @triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "stride_pt"])
 def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
                    stride_st, stride_sh, stride_fn, stride_ps, stride_pt,
-                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr,
+                   EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
     """part[s, t, m] = sum over this split's k of streams[t].flat[k] * fn[m, k], fp32 (grid: T blocks x splits);
-    SUMSQ: part[s, t, N_MIX] = the split's sum of streams[t].flat[k]^2 (the mixing RMSNorm's statistic)."""
+    SUMSQ: part[s, t, N_MIX] = the split's sum of streams[t].flat[k]^2 (the mixing RMSNorm's statistic).
+    EVEN_D: BLOCK_K divides D (and the split), so a K tile lies in one stream: one scalar division a tile, not
+    one per element. PRECISION: tl.dot's input precision ("ieee": fp32 FMAs; "tf32x3": tensor cores, exact
+    for bf16 / fp16 streams, fn to ~21 bits)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     m = tl.arange(0, NM_P)
@@ -49,10 +53,15 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
-        x = tl.load(streams_ptr + rows[:, None].to(tl.int64) * stride_st + (k // D)[None, :] * stride_sh
-                    + (k % D)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        if EVEN_D:
+            h = k0 // D
+            off = h * stride_sh + (k0 - h * D) + tl.arange(0, BLOCK_K)
+        else:
+            off = (k // D) * stride_sh + (k % D)
+        x = tl.load(streams_ptr + rows[:, None].to(tl.int64) * stride_st + off[None, :],
+                    mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + m[None, :] * stride_fn + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
-        acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+        acc += tl.dot(x, w.to(tl.float32), input_precision=PRECISION)
         if SUMSQ:
             sq += tl.sum(x * x, axis=1)
     if SUMSQ:  # (N_MIX < NM_P: the column is free in the tile)
@@ -294,6 +303,9 @@ MIX_PROGRAMS = 256  # split K until about this many programs run (T = 1 in decod
 # one 4-warp program a token, its Sinkhorn sums cross-warp), 8 calls a 4-layer step; the split path reads the
 # streams once. $DSV4_HC_SPLIT_MAX_TOKENS=256 restores the long path above 256 tokens (scripts/bench_mhc.py).
 MIX_MAX_TOKENS = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS", str(1 << 30)))
+# From this many tokens the mix kernel's dot runs on tensor cores ("tf32x3"): with fp32 FMAs it took 2.3 ms at 8K
+# tokens on the H200 (2026-12-02, 8x a prefill: the slice's prefill fell from 35% to 30% of its roof with it).
+MIX_TF32X3_MIN_TOKENS = 257
 
 
 def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -> torch.Tensor:
@@ -315,10 +327,12 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
     splits = triton.cdiv(k, k_per_split)
     parts = torch.empty(splits, t, n_mix + sumsq, dtype=torch.float32, device=streams.device)
     fn = fn.float().contiguous()
+    tensor_cores = streams.is_cuda and t >= MIX_TF32X3_MIN_TOKENS and streams.dtype != torch.float32
     _hc_mix_kernel[(tiles, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),
                                     streams.stride(1), fn.stride(0), parts.stride(0), parts.stride(1),
                                     BLOCK_T=block_t, BLOCK_K=block_k,
                                     NM_P=max(16, triton.next_power_of_2(n_mix + sumsq)), SUMSQ=sumsq,
+                                    EVEN_D=d % block_k == 0, PRECISION="tf32x3" if tensor_cores else "ieee",
                                     num_warps=4 if block_t == 16 else 8)
     return parts
 

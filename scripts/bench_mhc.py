@@ -1,6 +1,8 @@
 """mHC pre (kernels.triton_mhc.hc_pre with the block's input norm fused) at V4-Flash widths: the split path
-(mix kernel + (T, D blocks) pre kernel + norm) against the long path (torch's fp32 matmul on an fp32 copy of
-the streams + one pre program a token), by token count (CUDA only; a script, not a test).
+(mix kernel + (T, D blocks) pre kernel + norm; its mix dot on tensor cores from MIX_TF32X3_MIN_TOKENS, and on
+fp32 FMAs at every size) against the long path (torch's fp32 matmul on an fp32 copy of the streams + one pre
+program a token), by token count (CUDA only; a script, not a test). Small steps are host-bound here (three
+launches; serving runs them under CUDA graphs).
 
 Shapes: hc 4 streams x 4096, 24 mixing logits, 20 Sinkhorn iterations, bf16 streams. Prints the median time of
 each path (triton.testing.do_bench), the bytes-read roof (the streams once, at the measured copy bandwidth) and
@@ -35,16 +37,21 @@ def inputs(t: int, device, seed: int = 0):
     return streams, fn, base, scale, norm_w
 
 
+PATHS = ("split", "split ieee", "long")  # the default; its mix dot on fp32 FMAs at every size; the long path
+
+
 def run(path: str, args):
     from kernels import triton_mhc
 
-    saved = triton_mhc.MIX_MAX_TOKENS
-    triton_mhc.MIX_MAX_TOKENS = 1 << 30 if path == "split" else 0
+    saved = triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_TF32X3_MIN_TOKENS
+    triton_mhc.MIX_MAX_TOKENS = 0 if path == "long" else 1 << 30
+    if path == "split ieee":
+        triton_mhc.MIX_TF32X3_MIN_TOKENS = 1 << 30
     try:
         streams, fn, base, scale, norm_w = args
         return triton_mhc.hc_pre(streams, fn, base, scale, ITERS, 1e-6, 1e-6, norm_weight=norm_w)
     finally:
-        triton_mhc.MIX_MAX_TOKENS = saved
+        triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_TF32X3_MIN_TOKENS = saved
 
 
 def copy_gbps(device) -> float:
@@ -71,20 +78,20 @@ def main() -> int:
     rows = []
     for t in args.tokens:
         x = inputs(t, dev, seed=t)
-        times = {p: do_bench(lambda p=p: run(p, x), warmup=10, rep=100) for p in ("split", "long")}
+        times = {p: do_bench(lambda p=p: run(p, x), warmup=10, rep=100) for p in PATHS}
         a, b = run("split", x), run("long", x)
         diff = max((u.float() - v.float()).abs().max().item() for u, v in zip(a, b))
         roof_ms = t * HC * D * 2 / gbps / 1e6
-        rows.append((t, times["split"], times["long"], roof_ms, diff))
-        print(f"hc_pre T={t}: split {times['split'] * 1e3:.1f} us, long {times['long'] * 1e3:.1f} us, "
-              f"roof {roof_ms * 1e3:.1f} us, max |diff| {diff:.2e}", flush=True)
+        rows.append((t, times["split"], times["split ieee"], times["long"], roof_ms, diff))
+        print(f"hc_pre T={t}: " + ", ".join(f"{p} {times[p] * 1e3:.1f} us" for p in PATHS)
+              + f", roof {roof_ms * 1e3:.1f} us, max |diff| split vs long {diff:.2e}", flush=True)
     lines = [f"- command: `python scripts/bench_mhc.py --tokens {' '.join(map(str, args.tokens))}`",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {gbps:.0f} GB/s",
-             "", "| tokens | split path us | long path us | long / split | streams-read roof us | split x roof "
-             "| max abs diff |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {t} | {s * 1e3:.1f} | {lg * 1e3:.1f} | {lg / s:.2f} | {r * 1e3:.1f} | {s / r:.1f} | {d:.1e} |"
-              for t, s, lg, r, d in rows]
+             "", "| tokens | split path us | split, FMA dot us | long path us | long / split | streams-read roof us "
+             "| split x roof | max abs diff split vs long |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {t} | {s * 1e3:.1f} | {f * 1e3:.1f} | {lg * 1e3:.1f} | {lg / s:.2f} | {r * 1e3:.1f} | {s / r:.1f} "
+              f"| {d:.1e} |" for t, s, f, lg, r, d in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -191,12 +191,15 @@ def test_multi_store_offsets_beyond_int32_add_no_variant():
     t, h, d, k = 8, 64, 512, 160
     q = randn(t, h, d, seed=70, dtype=torch.bfloat16)
     sink = randn(h, seed=71)
-    near = [randn(64, d, seed=72, dtype=torch.bfloat16), randn(48, d, seed=73, dtype=torch.bfloat16)]
-    filler = torch.empty(6 << 30, dtype=torch.uint8, device=DEVICE)
-    far = randn(48, d, seed=73, dtype=torch.bfloat16)
-    offset = (far.data_ptr() - near[0].data_ptr()) // 2
-    if abs(offset) < 2**31:
-        pytest.skip(f"the allocator put the far store only {offset} elements from store 0")
+    # store 0 at the start of one 5 GiB block, the far store at its end: 2.7e9 elements apart whatever the
+    # allocator does (separate small tensors land next to each other)
+    block = torch.empty((5 << 30) // 2 + 48 * d, dtype=torch.bfloat16, device=DEVICE)
+    first, second, far = block[:64 * d].view(64, d), block[64 * d:112 * d].view(48, d), block[(5 << 30) // 2:]
+    first.copy_(randn(64, d, seed=72, dtype=torch.bfloat16))
+    second.copy_(randn(48, d, seed=73, dtype=torch.bfloat16))
+    far = far.view(48, d).copy_(second)
+    near = [first, second]
+    assert (far.data_ptr() - first.data_ptr()) // 2 >= 2**31 > (second.data_ptr() - first.data_ptr()) // 2
     rows = random_rows(t, k, 112, seed=74)
     sparse_mqa_attention_multi(q, near, rows, sink, 0.1)
     mark = len(log.variants)
@@ -204,7 +207,6 @@ def test_multi_store_offsets_beyond_int32_add_no_variant():
     assert [v.kernel for v in log.variants[mark:]] == [], log.explain(mark)
     want = reference(q.float(), torch.cat([near[0], far]).float(), rows, sink, 0.1)
     torch.testing.assert_close(out.float(), want, **NUM.TOL[torch.bfloat16])
-    del filler
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
