@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from kernels.gpu import import_triton, require_triton
 
@@ -37,12 +38,11 @@ triton, tl = import_triton()
 def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
                    stride_st, stride_sh, stride_fn, stride_ps, stride_pt,
                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr,
-                   EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
+                   EVEN_D: tl.constexpr):
     """part[s, t, m] = sum over this split's k of streams[t].flat[k] * fn[m, k], fp32 (grid: T blocks x splits);
     SUMSQ: part[s, t, N_MIX] = the split's sum of streams[t].flat[k]^2 (the mixing RMSNorm's statistic).
     EVEN_D: BLOCK_K divides D (and the split), so a K tile lies in one stream: one scalar division a tile, not
-    one per element. PRECISION: tl.dot's input precision ("ieee": fp32 FMAs; "tf32x3": tensor cores, exact
-    for bf16 / fp16 streams, fn to ~21 bits)."""
+    one per element. The dot is fp32 FMAs (decode-sized steps; long bf16 steps: _hc_mix_bf16x3_kernel)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     m = tl.arange(0, NM_P)
@@ -61,9 +61,48 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
         x = tl.load(streams_ptr + rows[:, None].to(tl.int64) * stride_st + off[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + m[None, :] * stride_fn + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
-        acc += tl.dot(x, w.to(tl.float32), input_precision=PRECISION)
+        acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
         if SUMSQ:
             sq += tl.sum(x * x, axis=1)
+    if SUMSQ:  # (N_MIX < NM_P: the column is free in the tile)
+        acc = tl.where((m == N_MIX)[None, :], sq[:, None], acc)
+        mmask = m <= N_MIX
+    tl.store(part_ptr + tl.program_id(1) * stride_ps + rows[:, None].to(tl.int64) * stride_pt + m[None, :], acc,
+             mask=rmask[:, None] & mmask[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "stride_pt"])
+def _hc_mix_bf16x3_kernel(streams_ptr, w_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
+                          stride_st, stride_sh, stride_ps, stride_pt,
+                          BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr,
+                          BF16_DOT: tl.constexpr):
+    """_hc_mix_kernel for long steps of bf16 streams, on tensor cores. w: bf16 [3, K, NM_P], fn^T split in three
+    (hi + mid + lo = fn to fp32 precision; zero columns from N_MIX): a bf16 x bf16 product is exact in fp32, so
+    three bf16 dots with fp32 accumulation give the fp32 matmul's products. BLOCK_K divides D and the split.
+    BF16_DOT False (the interpreter, whose dots take no bf16): the same operands as fp32."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    m = tl.arange(0, NM_P)
+    c = tl.arange(0, BLOCK_K)
+    k_lo = tl.program_id(1) * k_per_split
+    acc = tl.zeros([BLOCK_T, NM_P], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    row_ptr = streams_ptr + rows[:, None].to(tl.int64) * stride_st
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        kmask = (k0 + c) < K
+        h = k0 // D
+        x = tl.load(row_ptr + h * stride_sh + (k0 - h * D) + c[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0)
+        xf = x.to(tl.float32)
+        if not BF16_DOT:
+            x = xf
+        wp = w_ptr + (k0 + c)[:, None] * NM_P + m[None, :]
+        for part in tl.static_range(3):
+            w = tl.load(wp + part * K * NM_P, mask=kmask[:, None], other=0.0)
+            acc += tl.dot(x, w if BF16_DOT else w.to(tl.float32))
+        if SUMSQ:
+            sq += tl.sum(xf * xf, axis=1)
+    mmask = m < N_MIX
     if SUMSQ:  # (N_MIX < NM_P: the column is free in the tile)
         acc = tl.where((m == N_MIX)[None, :], sq[:, None], acc)
         mmask = m <= N_MIX
@@ -303,9 +342,11 @@ MIX_PROGRAMS = 256  # split K until about this many programs run (T = 1 in decod
 # one 4-warp program a token, its Sinkhorn sums cross-warp), 8 calls a 4-layer step; the split path reads the
 # streams once. $DSV4_HC_SPLIT_MAX_TOKENS=256 restores the long path above 256 tokens (scripts/bench_mhc.py).
 MIX_MAX_TOKENS = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS", str(1 << 30)))
-# From this many tokens the mix kernel's dot runs on tensor cores ("tf32x3"): with fp32 FMAs it took 2.3 ms at 8K
-# tokens on the H200 (2026-12-02, 8x a prefill: the slice's prefill fell from 35% to 30% of its roof with it).
-MIX_TF32X3_MIN_TOKENS = 257
+# From this many tokens bf16 streams take the tensor-core mix kernel (_hc_mix_bf16x3_kernel): with fp32 FMAs the
+# mix took 2.3 ms a call at 8K tokens on the H200 (2026-12-02; tf32x3 dots 1.4 ms for the whole pre), 8 calls a
+# prefill of the 4-layer slice: its prefill fell from 35% to 30% of its roof.
+MIX_TENSOR_CORE_MIN_TOKENS = 257
+BF16X3_BLOCK_K = 128
 
 
 def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -> torch.Tensor:
@@ -321,19 +362,45 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
         return (streams.reshape(t, k).float() @ fn.float().t()).unsqueeze(0)
     # (sm_90 compile, scripts/compile_triton_sm90.py: 64 rows x 128 of K in 4 warps spilled at 255 registers)
     block_t, block_k = (16, 128) if t <= 16 else (64, 64)
+    if t >= MIX_TENSOR_CORE_MIN_TOKENS and streams.dtype == torch.bfloat16 and d % BF16X3_BLOCK_K == 0:
+        block_k = BF16X3_BLOCK_K
     tiles = triton.cdiv(t, block_t)
     splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(MIX_PROGRAMS, tiles)))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     parts = torch.empty(splits, t, n_mix + sumsq, dtype=torch.float32, device=streams.device)
+    nm_p = max(16, triton.next_power_of_2(n_mix + sumsq))
+    if t >= MIX_TENSOR_CORE_MIN_TOKENS and streams.dtype == torch.bfloat16 and d % BF16X3_BLOCK_K == 0:
+        _hc_mix_bf16x3_kernel[(tiles, splits)](streams, _fn_bf16x3(fn, nm_p), parts, t, d, k, n_mix, k_per_split,
+                                               streams.stride(0), streams.stride(1), parts.stride(0),
+                                               parts.stride(1), BLOCK_T=block_t, BLOCK_K=block_k, NM_P=nm_p,
+                                               SUMSQ=sumsq, BF16_DOT=streams.is_cuda,
+                                               **({"num_warps": 4} if streams.is_cuda else {}))
+        return parts
     fn = fn.float().contiguous()
-    tensor_cores = streams.is_cuda and t >= MIX_TF32X3_MIN_TOKENS and streams.dtype != torch.float32
     _hc_mix_kernel[(tiles, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),
                                     streams.stride(1), fn.stride(0), parts.stride(0), parts.stride(1),
-                                    BLOCK_T=block_t, BLOCK_K=block_k,
-                                    NM_P=max(16, triton.next_power_of_2(n_mix + sumsq)), SUMSQ=sumsq,
-                                    EVEN_D=d % block_k == 0, PRECISION="tf32x3" if tensor_cores else "ieee",
-                                    num_warps=4 if block_t == 16 else 8)
+                                    BLOCK_T=block_t, BLOCK_K=block_k, NM_P=nm_p, SUMSQ=sumsq,
+                                    EVEN_D=d % block_k == 0, num_warps=4 if block_t == 16 else 8)
+    return parts
+
+
+_FN_BF16X3 = WeakIdKeyDictionary()  # weight tensor -> ((its _version, nm_p), bf16 [3, K, nm_p])
+
+
+def _fn_bf16x3(fn: torch.Tensor, nm_p: int) -> torch.Tensor:
+    """fn [n_mix, K] -> bf16 [3, K, nm_p]: fn^T as hi + mid + lo bf16 parts (zero-padded columns), built once
+    per weight tensor (and again if it is written in place)."""
+    cached = _FN_BF16X3.get(fn)
+    if cached is not None and cached[0] == (fn._version, nm_p):
+        return cached[1]
+    w = torch.zeros(fn.shape[1], nm_p, dtype=torch.float32, device=fn.device)
+    w[:, :fn.shape[0]] = fn.float().t()
+    hi = w.bfloat16()
+    rest = w - hi.float()
+    mid = rest.bfloat16()
+    parts = torch.stack([hi, mid, (rest - mid.float()).bfloat16()]).contiguous()
+    _FN_BF16X3[fn] = ((fn._version, nm_p), parts)
     return parts
 
 

@@ -1,5 +1,5 @@
 """mHC pre (kernels.triton_mhc.hc_pre with the block's input norm fused) at V4-Flash widths: the split path
-(mix kernel + (T, D blocks) pre kernel + norm; its mix dot on tensor cores from MIX_TF32X3_MIN_TOKENS, and on
+(mix kernel + (T, D blocks) pre kernel + norm; its mix dot on tensor cores from MIX_TENSOR_CORE_MIN_TOKENS, and on
 fp32 FMAs at every size) against the long path (torch's fp32 matmul on an fp32 copy of the streams + one pre
 program a token), by token count (CUDA only; a script, not a test). Small steps are host-bound here (three
 launches; serving runs them under CUDA graphs).
@@ -37,21 +37,21 @@ def inputs(t: int, device, seed: int = 0):
     return streams, fn, base, scale, norm_w
 
 
-PATHS = ("split", "split ieee", "long")  # the default; its mix dot on fp32 FMAs at every size; the long path
+PATHS = ("split", "split fma", "long")  # the default; its mix on fp32 FMAs at every size; the long path
 
 
 def run(path: str, args):
     from kernels import triton_mhc
 
-    saved = triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_TF32X3_MIN_TOKENS
+    saved = triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS
     triton_mhc.MIX_MAX_TOKENS = 0 if path == "long" else 1 << 30
-    if path == "split ieee":
-        triton_mhc.MIX_TF32X3_MIN_TOKENS = 1 << 30
+    if path == "split fma":
+        triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS = 1 << 30
     try:
         streams, fn, base, scale, norm_w = args
         return triton_mhc.hc_pre(streams, fn, base, scale, ITERS, 1e-6, 1e-6, norm_weight=norm_w)
     finally:
-        triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_TF32X3_MIN_TOKENS = saved
+        triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS = saved
 
 
 def copy_gbps(device) -> float:
@@ -82,7 +82,7 @@ def main() -> int:
         a, b = run("split", x), run("long", x)
         diff = max((u.float() - v.float()).abs().max().item() for u, v in zip(a, b))
         roof_ms = t * HC * D * 2 / gbps / 1e6
-        rows.append((t, times["split"], times["split ieee"], times["long"], roof_ms, diff))
+        rows.append((t, times["split"], times["split fma"], times["long"], roof_ms, diff))
         print(f"hc_pre T={t}: " + ", ".join(f"{p} {times[p] * 1e3:.1f} us" for p in PATHS)
               + f", roof {roof_ms * 1e3:.1f} us, max |diff| split vs long {diff:.2e}", flush=True)
     lines = [f"- command: `python scripts/bench_mhc.py --tokens {' '.join(map(str, args.tokens))}`",

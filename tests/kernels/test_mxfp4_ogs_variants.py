@@ -32,9 +32,10 @@ def test_prefill_constraints_and_sort_path_split_classes():
     assert PREFILL_TOKENS in big and len(big) < 400  # V4-Flash: a few hundred calls, not 8192
 
 
+@pytest.mark.gpu
 def test_row_blocks_match_triton_kernels():
     tk = pytest.importorskip("triton_kernels.tensor_details.ragged_tensor",
-                             reason="tokenspeed-triton-kernels not installed (the gpu extra)")
+                             reason="GPU only: tokenspeed-triton-kernels (the gpu extra) is not installed")
     for e in (1, 16, 256):
         for p in (1, 5, 16, 17, 255, 256, 2049, 16384):
             for b in (16, 32, 64, 128):

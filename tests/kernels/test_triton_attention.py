@@ -179,8 +179,9 @@ def test_multi_store_rows_index_the_concatenation(num_stores):
         sparse_mqa_attention_multi(q, [stores[0], stores[1].double()], rows, sink, 0.2)
 
 
-@pytest.mark.skipif(DEVICE == "cpu", reason="compiled variants: the interpreter compiles nothing, and the stores "
-                                            "must lie over 4 GiB apart in GPU memory")
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE == "cpu", reason="GPU only: the interpreter compiles no variants, and the stores must "
+                                            "lie over 4 GiB apart in GPU memory")
 def test_multi_store_offsets_beyond_int32_add_no_variant():
     """The element offsets of stores 1 and 2 from store 0 are pointer differences: stores over 4 GiB apart made
     them i64 where near ones were i32, and each type compiled its own variant (mid-request on the H200, named by
