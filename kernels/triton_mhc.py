@@ -71,15 +71,26 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
              mask=rmask[:, None] & mmask[None, :])
 
 
+@triton.jit
+def _bf16_split(x):
+    """fp32 x -> (hi, mid, lo) bf16 with hi + mid + lo = x to ~24 bits (each part the rest's bf16 rounding)."""
+    hi = x.to(tl.bfloat16)
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
+
+
 @triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "stride_pt"])
 def _hc_mix_bf16x3_kernel(streams_ptr, w_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
                           stride_st, stride_sh, stride_ps, stride_pt,
                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr,
-                          BF16_DOT: tl.constexpr):
-    """_hc_mix_kernel for long steps of bf16 streams, on tensor cores. w: bf16 [3, K, NM_P], fn^T split in three
-    (hi + mid + lo = fn to fp32 precision; zero columns from N_MIX): a bf16 x bf16 product is exact in fp32, so
-    three bf16 dots with fp32 accumulation give the fp32 matmul's products. BLOCK_K divides D and the split.
-    BF16_DOT False (the interpreter, whose dots take no bf16): the same operands as fp32."""
+                          SPLIT_X: tl.constexpr, BF16_DOT: tl.constexpr):
+    """_hc_mix_kernel for long steps, on tensor cores. w: bf16 [3, K, NM_P], fn^T split in three (hi + mid + lo
+    = fn to fp32 precision; zero columns from N_MIX); a bf16 x bf16 product is exact in fp32. bf16 streams: three
+    dots (x with each part of w) give the fp32 matmul's products. SPLIT_X (fp32 streams): x is split the same way
+    in registers and the six products of order <= 2 (hi.hi, hi.mid, mid.hi, hi.lo, lo.hi, mid.mid) are summed,
+    ~fp32's 24 bits. BLOCK_K divides D and the split. BF16_DOT False (the interpreter, whose dots take no bf16):
+    the same operands as fp32."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     m = tl.arange(0, NM_P)
@@ -91,15 +102,29 @@ def _hc_mix_bf16x3_kernel(streams_ptr, w_ptr, part_ptr, T, D, K, N_MIX, k_per_sp
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         kmask = (k0 + c) < K
         h = k0 // D
-        x = tl.load(row_ptr + h * stride_sh + (k0 - h * D) + c[None, :], mask=rmask[:, None] & kmask[None, :],
-                    other=0.0)
-        xf = x.to(tl.float32)
-        if not BF16_DOT:
-            x = xf
+        xf = tl.load(row_ptr + h * stride_sh + (k0 - h * D) + c[None, :], mask=rmask[:, None] & kmask[None, :],
+                     other=0.0).to(tl.float32)
         wp = w_ptr + (k0 + c)[:, None] * NM_P + m[None, :]
-        for part in tl.static_range(3):
-            w = tl.load(wp + part * K * NM_P, mask=kmask[:, None], other=0.0)
-            acc += tl.dot(x, w if BF16_DOT else w.to(tl.float32))
+        w_hi = tl.load(wp, mask=kmask[:, None], other=0.0)
+        w_mid = tl.load(wp + K * NM_P, mask=kmask[:, None], other=0.0)
+        w_lo = tl.load(wp + 2 * K * NM_P, mask=kmask[:, None], other=0.0)
+        if not BF16_DOT:
+            w_hi, w_mid, w_lo = w_hi.to(tl.float32), w_mid.to(tl.float32), w_lo.to(tl.float32)
+        if SPLIT_X:
+            x_hi, x_mid, x_lo = _bf16_split(xf)
+            if not BF16_DOT:
+                x_hi, x_mid, x_lo = x_hi.to(tl.float32), x_mid.to(tl.float32), x_lo.to(tl.float32)
+            acc += tl.dot(x_hi, w_hi)
+            acc += tl.dot(x_hi, w_mid)
+            acc += tl.dot(x_mid, w_hi)
+            acc += tl.dot(x_hi, w_lo)
+            acc += tl.dot(x_lo, w_hi)
+            acc += tl.dot(x_mid, w_mid)
+        else:
+            x = xf.to(tl.bfloat16) if BF16_DOT else xf  # (exact: the streams are bf16)
+            acc += tl.dot(x, w_hi)
+            acc += tl.dot(x, w_mid)
+            acc += tl.dot(x, w_lo)
         if SUMSQ:
             sq += tl.sum(xf * xf, axis=1)
     mmask = m < N_MIX
@@ -324,7 +349,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         if norm:
             _norm_rows_kernel[(t,)](collapsed, norm_weight.contiguous(), normed, d, out_eps, collapsed.stride(0),
                                     normed.stride(0), BLOCK_D=triton.next_power_of_2(d),
-                                    **({"num_warps": 8} if streams.is_cuda else {}))
+                                    num_warps=8)
         return normed, post, comb
     parts = mix_partials(streams, fn)  # [1, T, n_mix] fp32 (torch's matmul)
     _hc_pre_kernel[(t,)](streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post,
@@ -342,9 +367,9 @@ MIX_PROGRAMS = 256  # split K until about this many programs run (T = 1 in decod
 # one 4-warp program a token, its Sinkhorn sums cross-warp), 8 calls a 4-layer step; the split path reads the
 # streams once. $DSV4_HC_SPLIT_MAX_TOKENS=256 restores the long path above 256 tokens (scripts/bench_mhc.py).
 MIX_MAX_TOKENS = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS", str(1 << 30)))
-# From this many tokens bf16 streams take the tensor-core mix kernel (_hc_mix_bf16x3_kernel): with fp32 FMAs the
-# mix took 2.3 ms a call at 8K tokens on the H200 (2026-12-02; tf32x3 dots 1.4 ms for the whole pre), 8 calls a
-# prefill of the 4-layer slice: its prefill fell from 35% to 30% of its roof.
+# From this many tokens the mix runs on tensor cores (_hc_mix_bf16x3_kernel, bf16 or fp32 streams): with fp32 FMAs
+# it took 1.3 ms a 4K-token chunk on the H200 (2026-12-04, fp32 streams, 16 calls an 8K prefill of the 4-layer
+# slice: 21 ms, its prefill at 29% of its roof against 35% on the long path).
 MIX_TENSOR_CORE_MIN_TOKENS = 257
 BF16X3_BLOCK_K = 128
 
@@ -362,20 +387,23 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
         return (streams.reshape(t, k).float() @ fn.float().t()).unsqueeze(0)
     # (sm_90 compile, scripts/compile_triton_sm90.py: 64 rows x 128 of K in 4 warps spilled at 255 registers)
     block_t, block_k = (16, 128) if t <= 16 else (64, 64)
-    if t >= MIX_TENSOR_CORE_MIN_TOKENS and streams.dtype == torch.bfloat16 and d % BF16X3_BLOCK_K == 0:
-        block_k = BF16X3_BLOCK_K
+    tensor_cores = (t >= MIX_TENSOR_CORE_MIN_TOKENS and d % BF16X3_BLOCK_K == 0
+                    and streams.dtype in (torch.bfloat16, torch.float32))
+    if tensor_cores:  # (fp32 streams: 64 of K a tile; 128 spilled at 255 registers, scripts/compile_triton_sm90.py)
+        block_k = BF16X3_BLOCK_K if streams.dtype == torch.bfloat16 else BF16X3_BLOCK_K // 2
     tiles = triton.cdiv(t, block_t)
     splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(MIX_PROGRAMS, tiles)))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     parts = torch.empty(splits, t, n_mix + sumsq, dtype=torch.float32, device=streams.device)
     nm_p = max(16, triton.next_power_of_2(n_mix + sumsq))
-    if t >= MIX_TENSOR_CORE_MIN_TOKENS and streams.dtype == torch.bfloat16 and d % BF16X3_BLOCK_K == 0:
+    if tensor_cores:
         _hc_mix_bf16x3_kernel[(tiles, splits)](streams, _fn_bf16x3(fn, nm_p), parts, t, d, k, n_mix, k_per_split,
                                                streams.stride(0), streams.stride(1), parts.stride(0),
                                                parts.stride(1), BLOCK_T=block_t, BLOCK_K=block_k, NM_P=nm_p,
-                                               SUMSQ=sumsq, BF16_DOT=streams.is_cuda,
-                                               **({"num_warps": 4} if streams.is_cuda else {}))
+                                               SUMSQ=sumsq, SPLIT_X=streams.dtype == torch.float32,
+                                               BF16_DOT=streams.is_cuda,
+                                               num_warps=8, num_stages=2)
         return parts
     fn = fn.float().contiguous()
     _hc_mix_kernel[(tiles, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),

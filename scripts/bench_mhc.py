@@ -4,11 +4,12 @@ fp32 FMAs at every size) against the long path (torch's fp32 matmul on an fp32 c
 program a token), by token count (CUDA only; a script, not a test). Small steps are host-bound here (three
 launches; serving runs them under CUDA graphs).
 
-Shapes: hc 4 streams x 4096, 24 mixing logits, 20 Sinkhorn iterations, bf16 streams. Prints the median time of
+Shapes: hc 4 streams x 4096, 24 mixing logits, 20 Sinkhorn iterations, streams in --dtype (fp32: the engine's
+residual streams, $DSV4_FP32_RESIDUAL on by default). Prints the median time of
 each path (triton.testing.do_bench), the bytes-read roof (the streams once, at the measured copy bandwidth) and
 the two paths' largest output difference (they round differently: fp32 sums in another order).
 
-Usage: python scripts/bench_mhc.py [--tokens 1 64 256 1024 4096 8192] [--out FILE]
+Usage: python scripts/bench_mhc.py [--tokens 1 64 256 1024 4096 8192] [--dtype float32|bfloat16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ sys.path.insert(0, str(ROOT))
 HC, D, ITERS = 4, 4096, 20
 
 
-def inputs(t: int, device, seed: int = 0):
+def inputs(t: int, device, dtype: torch.dtype, seed: int = 0):
     g = torch.Generator(device=device).manual_seed(seed)
     n_mix = (2 + HC) * HC
-    streams = torch.randn(t, HC, D, generator=g, device=device).bfloat16()
+    streams = torch.randn(t, HC, D, generator=g, device=device).to(dtype)
     fn = torch.randn(n_mix, HC * D, generator=g, device=device) * (HC * D) ** -0.5
     base = torch.randn(n_mix, generator=g, device=device) * 0.1
     scale = torch.rand(3, generator=g, device=device) + 0.5
@@ -66,6 +67,7 @@ def copy_gbps(device) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024, 4096, 8192])
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the streams' dtype")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -77,7 +79,7 @@ def main() -> int:
     gbps = copy_gbps(dev)
     rows = []
     for t in args.tokens:
-        x = inputs(t, dev, seed=t)
+        x = inputs(t, dev, getattr(torch, args.dtype), seed=t)
         times = {p: do_bench(lambda p=p: run(p, x), warmup=10, rep=100) for p in PATHS}
         a, b = run("split", x), run("long", x)
         diff = max((u.float() - v.float()).abs().max().item() for u, v in zip(a, b))
@@ -85,7 +87,8 @@ def main() -> int:
         rows.append((t, times["split"], times["split fma"], times["long"], roof_ms, diff))
         print(f"hc_pre T={t}: " + ", ".join(f"{p} {times[p] * 1e3:.1f} us" for p in PATHS)
               + f", roof {roof_ms * 1e3:.1f} us, max |diff| split vs long {diff:.2e}", flush=True)
-    lines = [f"- command: `python scripts/bench_mhc.py --tokens {' '.join(map(str, args.tokens))}`",
+    tokens = " ".join(map(str, args.tokens))
+    lines = [f"- command: `python scripts/bench_mhc.py --tokens {tokens} --dtype {args.dtype}`",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {gbps:.0f} GB/s",
              "", "| tokens | split path us | split, FMA dot us | long path us | long / split | streams-read roof us "

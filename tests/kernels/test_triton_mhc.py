@@ -97,12 +97,12 @@ def test_hc_pre_with_fused_input_norm(dtype, out_dtype):
 
 
 @pytest.mark.parametrize("t,d,dtype", [(1, 300, torch.bfloat16), (17, 80, torch.float32), (70, 300, torch.bfloat16),
-                                       (300, 256, torch.bfloat16)])
+                                       (300, 256, torch.bfloat16), (260, 128, torch.float32)])
 def test_mix_partials_sum_to_the_fp32_matmul(t, d, dtype):
     """The split-K mixing logits (one token, a 16-row tile and a 64-row tile; several K splits; strided streams
-    read in their stored dtype; K tiles within one stream (D = 256) and across two (D = 300, 80); on a GPU a
-    prefill-sized step's tensor-core dot, tf32x3) add up to the reference's fp32 matmul of the flattened
-    streams."""
+    read in their stored dtype; K tiles within one stream (D = 256, 128) and across two (D = 300, 80); from 257
+    tokens the tensor-core kernel on bf16 parts: three dots for bf16 streams, six for fp32) add up to the
+    reference's fp32 matmul of the flattened streams."""
     hc, n_mix = 4, 24
     wide = randn(t, hc, d + 8, seed=t + d, dtype=dtype, scale=2.0)
     streams = wide[..., :d]  # a non-contiguous [T, hc, D] view
