@@ -10,9 +10,9 @@ Per layer and step:
 5. Sparse attention with sinks, inverse rope on the output, grouped output projection.
 
 Step 5 has two implementations (engine.fast_paths.use_triton picks): the reference gathers each query's
-keys into [T, K, D] and calls `kernels.attention.sparse_attention`; the fast path (CUDA) builds one row-id
+keys into [T, K, D] and calls `dsv4_kernels.attention.sparse_attention`; the fast path (CUDA) builds one row-id
 tensor [T, K] into the concatenation [SWA ring | this step's kv | entry group] and runs the Triton MQA
-kernel (`kernels.triton_attention.sparse_mqa_attention_multi`), which reads the rows in place. On the fast
+kernel (`dsv4_kernels.triton_attention.sparse_mqa_attention_multi`), which reads the rows in place. On the fast
 path the SWA ring is written after the attention (it reads the ring's older rows and takes this step's
 rows from the chunk), which is exactly what the reference's gather-then-write sees.
 
@@ -27,12 +27,12 @@ scores the packed keys in its kernel. All of it without a host sync, so fp8 deco
 
 The fast path keeps a decode step's launches per layer few (CUDA graphs replay them, but each still costs launch
 latency at batch 1): the plain projections of x (compressor wkv | wgate, the indexer compressor's, the indexer
-head weights) are one GEMM (`_stack_x_projections`); each compressor is two launches (kernels.triton_compress_step:
+head weights) are one GEMM (`_stack_x_projections`); each compressor is two launches (dsv4_kernels.triton_compress_step:
 windows closed from their slot rows in place, cos / sin gathered from a table of window starts, entries written
 into their cache; then the state ring); the indexer's glue before its scoring kernel is one launch
-(kernels.triton_indexer_query.indexer_prologue); the attention's row ids are one launch
-(kernels.triton_attention_rows); decode steps write their kv rows into the SWA ring with the norm + RoPE launch
-(kernels.triton_swa_insert); the output's inverse RoPE is one launch (kernels.triton_norm_rope.rope).
+(dsv4_kernels.triton_indexer_query.indexer_prologue); the attention's row ids are one launch
+(dsv4_kernels.triton_attention_rows); decode steps write their kv rows into the SWA ring with the norm + RoPE launch
+(dsv4_kernels.triton_swa_insert); the output's inverse RoPE is one launch (dsv4_kernels.triton_norm_rope.rope).
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ from engine.fast_paths import use_flash_mla, use_triton
 from engine.linear import (can_concat_rows, concat_rows, grouped_projection, linear, linear_from, pow2_activations,
                            rms_norm_for, split_rows, take_fp8_weights, uses_fp8_gemm)
 from engine.parallel import SINGLE, ParallelContext
-from kernels.attention import sparse_attention
-from kernels.compressor import overlap_slots, pool_windows
-from kernels.fp8_linear import Fp8Weight
-from kernels.indexer import indexer_scores, topk_visible
-from kernels.norm import rms_norm, unweighted_rms_norm
-from kernels.rope import apply_rope
+from dsv4_kernels.attention import sparse_attention
+from dsv4_kernels.compressor import overlap_slots, pool_windows
+from dsv4_kernels.fp8_linear import Fp8Weight
+from dsv4_kernels.indexer import indexer_scores, topk_visible
+from dsv4_kernels.norm import rms_norm, unweighted_rms_norm
+from dsv4_kernels.rope import apply_rope
 
 
 class AttentionBlock:
@@ -156,11 +156,11 @@ class AttentionBlock:
         else:
             o = sparse_attention(q, keys, valid, sink, scale)
         if fast_ops:
-            from kernels.triton_norm_rope import rope  # imports triton: only on this path
+            from dsv4_kernels.triton_norm_rope import rope  # imports triton: only on this path
             o = rope(o, cos, sin, inverse=True)
         else:
             o = apply_rope(o, cos, sin, inverse=True)
-        # = kernels.attention.grouped_output_projection, with FP8 weights where they were kept
+        # = dsv4_kernels.attention.grouped_output_projection, with FP8 weights where they were kept
         y = grouped_projection(o.reshape(t, self.o_groups, -1), w["wo_a.weight"], self.o_groups)
         return self.parallel.all_reduce(linear(y, w["wo_b.weight"]))  # row-parallel wo_b: partial sums
 
@@ -203,9 +203,9 @@ class AttentionBlock:
     def _attend_triton(self, q, kv, ring, entries, comp: dict | None, batch: StepBatch) -> torch.Tensor:
         """Sparse attention over rows read in place: row ids into [ring | kv | entries] (-1 = invalid).
 
-        comp: the entry side as kernels.triton_attention_rows.attention_rows takes it (None without entries)."""
-        from kernels.triton_attention import sparse_mqa_attention_multi  # imports triton: only on this path
-        from kernels.triton_attention_rows import attention_rows
+        comp: the entry side as dsv4_kernels.triton_attention_rows.attention_rows takes it (None without entries)."""
+        from dsv4_kernels.triton_attention import sparse_mqa_attention_multi  # imports triton: only on this path
+        from dsv4_kernels.triton_attention_rows import attention_rows
 
         kv = kv.contiguous()
         # batch.swa.row already indexes [ring rows | chunk rows]; the entry group's rows follow them.
@@ -223,9 +223,9 @@ class AttentionBlock:
 
     def _compress_fast(self, xp: dict, batch: StepBatch, pool: CachePool, ropes: dict, entry_group: str,
                        state_group: str, prefix: str) -> CacheLayer:
-        """`_compress` in two launches (kernels.triton_compress_step): the closing windows read their slots where
+        """`_compress` in two launches (dsv4_kernels.triton_compress_step): the closing windows read their slots where
         they live and go straight into the entry cache, then the state ring keeps the chunk tail."""
-        from kernels.triton_compress_step import close_windows, save_state  # imports triton: only on this path
+        from dsv4_kernels.triton_compress_step import close_windows, save_state  # imports triton: only on this path
 
         plan: CompressPlan = batch.compress[entry_group]
         w = self.w
@@ -268,13 +268,13 @@ class AttentionBlock:
             if use_triton(x.device) and entries.quantised:
                 # pooled, normalised, rotated and packed into the entry pages in one kernel; keys unrotated
                 # (no Hadamard), as the group codec stores them on the reference path
-                from kernels.triton_compressor import pool_norm_rope_quant  # imports triton: only on this path
+                from dsv4_kernels.triton_compressor import pool_norm_rope_quant  # imports triton: only on this path
                 pool_norm_rope_quant(pkv.to(x.dtype).contiguous(), pscore.contiguous(), w[prefix + "norm.weight"],
                                      eps, cos, sin, entries.tensor, plan.entry_row, entries.group.codec.layout,
                                      hadamard=False)
             else:
                 if use_triton(x.device):
-                    from kernels.triton_compressor import pool_norm_rope  # imports triton: only on this path
+                    from dsv4_kernels.triton_compressor import pool_norm_rope  # imports triton: only on this path
                     pooled = pool_norm_rope(pkv.to(x.dtype), pscore, w[prefix + "norm.weight"], eps, cos, sin)
                 else:
                     pooled = pool_windows(pkv.to(x.dtype), pscore)
@@ -289,7 +289,7 @@ class AttentionBlock:
 
         xp: the stacked x projections (`_x_projections`) on the fast path: the indexer compressor and the head
         weights come from them, and its prologue (RoPE, head-weight scaling, padding, candidate rows) is one
-        launch (kernels.triton_indexer_query.indexer_prologue)."""
+        launch (dsv4_kernels.triton_indexer_query.indexer_prologue)."""
         cfg, w = self.cfg, self.w
         if xp is not None:
             keys = self._compress_fast(xp, batch, pool, ropes, "index", "index_state", "indexer.compressor.")
@@ -301,8 +301,8 @@ class AttentionBlock:
                                                                             cfg.index_head_dim)
         vis = batch.visible["index"]
         if use_triton(x.device):
-            from kernels.triton_indexer import indexer_topk  # imports triton: only on this path
-            from kernels.triton_indexer_query import indexer_prologue
+            from dsv4_kernels.triton_indexer import indexer_topk  # imports triton: only on this path
+            from dsv4_kernels.triton_indexer_query import indexer_prologue
             store, layout = keys.tensor, None
             if keys.quantised:  # paged MXFP4 / FP8 keys, dequantised in the kernel
                 layout = keys.group.codec.layout
@@ -362,7 +362,7 @@ def _entry_rope_table(cfg: ModelConfig, ratio: int, ropes: dict, device) -> tupl
     key = (cfg.compress_rope, cfg.max_position_embeddings, ratio, str(device))
     table = _ENTRY_TABLES.get(key)
     if table is None:
-        from kernels.triton_compress_step import entry_rope_table
+        from dsv4_kernels.triton_compress_step import entry_rope_table
         table = _ENTRY_TABLES[key] = entry_rope_table(ropes["compress_at"], cfg.max_position_embeddings, ratio, device)
     return table
 
@@ -370,7 +370,7 @@ def _entry_rope_table(cfg: ModelConfig, ratio: int, ropes: dict, device) -> tupl
 def _norm_rope(x: torch.Tensor, cos, sin, eps: float, weight: torch.Tensor | None, fast: bool) -> torch.Tensor:
     """RMSNorm (weighted, or per head without a weight) then RoPE; the fused Triton kernel when `fast`."""
     if fast:
-        from kernels.triton_norm_rope import rms_norm_rope  # imports triton: only on this path
+        from dsv4_kernels.triton_norm_rope import rms_norm_rope  # imports triton: only on this path
         return rms_norm_rope(x.contiguous(), cos, sin, eps, weight)
     normed = unweighted_rms_norm(x, eps) if weight is None else rms_norm(x, weight, eps)
     return apply_rope(normed, cos, sin)

@@ -6,7 +6,7 @@ dequantised keys. Both paths here compute that without a host sync, so decode st
 - `flashmla_attend`, decode steps (one token per request) whose geometry FlashMLA takes: the token's kv row was
   written into the SWA ring first (`insert_decode_rows`: Triton norm + RoPE + fp8_ds_mla pack; the slot it
   overwrites holds position - window, outside the token's window), then FlashMLA reads the ring and the entry
-  rows in place (kernels.flashmla_sparse), its index lists built by one Triton launch (kernels.triton_attention_rows);
+  rows in place (dsv4_kernels.flashmla_sparse), its index lists built by one Triton launch (dsv4_kernels.triton_attention_rows);
 - `dequantised_attend`, every other step (prefill chunks, mixed steps, geometries FlashMLA does not take): the
   keys a step names are dequantised into bf16 stores -- whole pages of the step's requests, or each query's
   own rows, whichever is fewer rows for these static shapes -- and the Triton MQA kernel reads them; the
@@ -35,14 +35,14 @@ def insert_decode_rows(kv_pre: torch.Tensor, weight: torch.Tensor, cos, sin, eps
 
     The ring is fp8_ds_mla (FlashMLA's decode) or exact rows in kv's dtype (the exact fast path's decode steps):
     the slot a decode token overwrites holds position - window, outside every window of this step."""
-    from kernels.triton_swa_insert import swa_insert  # imports triton: only on this path
+    from dsv4_kernels.triton_swa_insert import swa_insert  # imports triton: only on this path
 
     return swa_insert(kv_pre, weight, cos, sin, eps, ring.tensor, token_ring_rows(batch),
                       ring.group.codec.layout if ring.quantised else None)
 
 
 def _padded(width: int) -> int:
-    from kernels.flashmla_sparse import TOPK_MULTIPLE
+    from dsv4_kernels.flashmla_sparse import TOPK_MULTIPLE
 
     return max(TOPK_MULTIPLE, -(-width // TOPK_MULTIPLE) * TOPK_MULTIPLE)
 
@@ -51,11 +51,11 @@ def flashmla_attend(q: torch.Tensor, ring: CacheLayer, entries: CacheLayer | Non
                     batch: StepBatch, sink: torch.Tensor, scale: float) -> torch.Tensor:
     """FlashMLA over the ring (already holding this step's rows) and the entry rows, read in place.
 
-    comp: the entry side as kernels.triton_attention_rows.attention_rows takes it (CSA: ids, table, seg, page_rows;
+    comp: the entry side as dsv4_kernels.triton_attention_rows.attention_rows takes it (CSA: ids, table, seg, page_rows;
     HCA: comp_rows, comp_valid); None without entries. Both index lists are built in one launch, int32 and -1
-    padded to FlashMLA's top-k multiple, so kernels.flashmla_sparse adds no copy."""
-    from kernels.flashmla_sparse import sparse_decode
-    from kernels.triton_attention_rows import attention_rows  # imports triton: only on this path
+    padded to FlashMLA's top-k multiple, so dsv4_kernels.flashmla_sparse adds no copy."""
+    from dsv4_kernels.flashmla_sparse import sparse_decode
+    from dsv4_kernels.triton_attention_rows import attention_rows  # imports triton: only on this path
 
     swa = batch.swa
     t = q.shape[0]
@@ -72,7 +72,7 @@ def flashmla_attend(q: torch.Tensor, ring: CacheLayer, entries: CacheLayer | Non
 
 def flashmla_unfit_reason(num_heads: int, ring: CacheLayer, entries: list[CacheLayer]) -> str:
     """'' when FlashMLA can run this block's decode attention, else why not."""
-    from kernels.flashmla_sparse import unfit_reason
+    from dsv4_kernels.flashmla_sparse import unfit_reason
 
     for layer in [ring] + entries:
         codec = layer.group.codec
@@ -113,7 +113,7 @@ def dequantised_attend(q: torch.Tensor, chunk_keys: torch.Tensor, ring: CacheLay
 
     chunk_keys: [T, D] this step's kv rows as the cache stores them; comp_rows / comp_ids / comp_valid:
     [T, E] global entry rows, entry numbers and visibility (None without entries). -> [T, H, D]."""
-    from kernels.triton_attention import sparse_mqa_attention_multi  # imports triton: only on this path
+    from dsv4_kernels.triton_attention import sparse_mqa_attention_multi  # imports triton: only on this path
 
     swa = batch.swa
     stride = ring.group.spec.page_rows

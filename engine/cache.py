@@ -18,7 +18,7 @@ Formats (`CacheConfig.kv_cache_dtype`):
 - "exact" (and "auto" as CacheConfig holds it, i.e. unresolved): every group holds exact rows in the model
   dtype (what the reference engine and the oracle pin). `load_engine` resolves the CLI's "auto" first
   (engine.fast_paths.resolve_kv_cache_dtype: fp8 on a bf16 CUDA engine where FlashMLA decodes V4's geometry).
-- "fp8": the production formats of `kernels.geometry`, stored as uint8 (width = a packed row's bytes):
+- "fp8": the production formats of `dsv4_kernels.geometry`, stored as uint8 (width = a packed row's bytes):
   `swa` and `kv{r}` hold fp8_ds_mla rows, `index` holds MXFP4 keys (or FP8 ones with
   `index_cache_dtype="fp8"`); `state{r}` / `index_state` stay fp32 in both modes.
   Byte placement is geometry's block layout: a block of `block_size` rows stores all its value rows,
@@ -44,7 +44,7 @@ import torch
 
 from engine.allocator import OutOfPages, PageAllocator
 from engine.config import ModelConfig
-from kernels import geometry
+from dsv4_kernels import geometry
 
 KV_CACHE_DTYPES = ("auto", "exact", "fp8")
 SCRATCH_PAGES = 1  # page 0 of every group (see the module docstring)

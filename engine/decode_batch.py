@@ -15,7 +15,7 @@ pads to a `DecodeShape` and derives every index tensor *on the device* from thre
 - visible-entry lists are `context // ratio` wide, and page tables `ceil(context / tokens a page)` wide
   (longer reservations are cut: entries past `context` cannot be visible yet).
 The host's work per step is three [slots] int64 vectors (one copy); `derive_decode_batch` is one Triton
-launch (kernels.triton_decode_prologue, laid out per bucket by `PrologueLayout`) or, without Triton, the torch
+launch (dsv4_kernels.triton_decode_prologue, laid out per bucket by `PrologueLayout`) or, without Triton, the torch
 ops of `derive_decode_batch_reference` (equal element for element); both have static shapes and no host sync,
 so the derivation is captured into the step's CUDA graph with the forward (engine.cuda_graphs).
 The forward computes exactly what it computes on `build_step`'s batch for the request rows (the tests
@@ -196,7 +196,7 @@ def _decode_visible(pool: CachePool, name: str, ratio: int, positions: torch.Ten
 def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInputs, shape: DecodeShape) -> StepBatch:
     """The StepBatch of a decode step from device inputs: static shapes, no host sync (capturable).
 
-    With the Triton fast path (engine.fast_paths.use_triton) one launch (kernels.triton_decode_prologue)
+    With the Triton fast path (engine.fast_paths.use_triton) one launch (dsv4_kernels.triton_decode_prologue)
     derives every index tensor; else the torch ops of `derive_decode_batch_reference` (equal element for
     element: tests/engine/test_decode_prologue.py)."""
     if use_triton(inputs.packed.device):
@@ -244,11 +244,11 @@ def _entry_groups(cfg) -> list[tuple[str, str, int, bool]]:
 
 
 class PrologueLayout:
-    """The fused prologue's sections for one bucket (kernels.triton_decode_prologue): the descriptor table
+    """The fused prologue's sections for one bucket (dsv4_kernels.triton_decode_prologue): the descriptor table
     (on the device, built once) and where each StepBatch tensor lies in the kernel's two flat outputs."""
 
     def __init__(self, pool: CachePool, tables: BlockTables, shape: DecodeShape):
-        from kernels import triton_decode_prologue as k
+        from dsv4_kernels import triton_decode_prologue as k
 
         self.k, self.shape, self.table = k, shape, tables.table
         s, cfg = shape.slots, pool.cfg

@@ -1,9 +1,9 @@
 """The one switch between the engine's reference torch ops and the Triton fast paths.
 
 `use_triton(device)` decides per call, so a process can run both paths (tests compare them):
-- CUDA tensors: on whenever triton imports (`kernels.gpu.has_triton`);
+- CUDA tensors: on whenever triton imports (`dsv4_kernels.gpu.has_triton`);
 - CPU tensors: only when forced with DSV4_TRITON=1 *and* triton's interpreter is on (TRITON_INTERPRET=1,
-  set before any kernels.triton_* import) -- slow, for tests;
+  set before any dsv4_kernels.triton_* import) -- slow, for tests;
 - DSV4_TRITON=0 (or false/off/no) turns the fast paths off everywhere (the reference ops run on CUDA too).
 The reference path is the CPU oracle the tests pin; a fast path must compute the same function.
 MXFP4 experts kept packed have their own switch, `use_mxfp4_moe` ($DSV4_MXFP4_MOE, see there), and so do
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from kernels.gpu import has_deep_gemm, has_flash_mla, has_triton, has_triton_kernels, triton_enabled, why_not
+from dsv4_kernels.gpu import has_deep_gemm, has_flash_mla, has_triton, has_triton_kernels, triton_enabled, why_not
 
 ENV = "DSV4_TRITON"
 MXFP4_ENV = "DSV4_MXFP4_MOE"
@@ -56,7 +56,7 @@ def use_grouped_moe(x: torch.Tensor) -> bool:
 
     DSV4_GROUPED_MOE=1 forces it on the CPU too (tests compare both), =0 turns it off everywhere.
     """
-    from kernels.moe import has_grouped_mm
+    from dsv4_kernels.moe import has_grouped_mm
 
     value = os.environ.get("DSV4_GROUPED_MOE", "").strip().lower()
     if value in _OFF or not has_grouped_mm():
@@ -118,7 +118,7 @@ def resolve_kv_cache_dtype(requested: str, device: torch.device | str, dtype: to
     num_heads: the query heads one rank attends with (num_attention_heads / tensor-parallel size)."""
     if requested != "auto":
         return requested, "as requested"
-    from kernels.flashmla_sparse import HEAD_COUNTS, HEAD_DIM, ROPE_DIM
+    from dsv4_kernels.flashmla_sparse import HEAD_COUNTS, HEAD_DIM, ROPE_DIM
 
     dev = torch.device(device)
     if dev.type != "cuda":
@@ -151,7 +151,7 @@ def resolve_index_cache_dtype(requested: str, device: torch.device | str) -> tup
 
 def mxfp4_moe_backend(device: torch.device | str) -> str:
     """Which kernel runs packed MXFP4 experts on `device`: "triton_kernels" (OpenAI's matmul with Hopper
-    weight layouts), "engine" (kernels.triton_moe) or "reference". $DSV4_MXFP4_MOE_BACKEND picks
+    weight layouts), "engine" (dsv4_kernels.triton_moe) or "reference". $DSV4_MXFP4_MOE_BACKEND picks
     triton_kernels or engine; "auto" (default) takes triton_kernels where it imports (CUDA)."""
     if not use_mxfp4_moe(device):
         return "reference"

@@ -1,11 +1,11 @@
 """The engine's dense projections: a plain weight tensor, or an FP8 checkpoint weight kept as e4m3 + scales.
 
 `load_weights(..., keep_fp8=True)` hands FP8 projections over as `X.weight` (float8_e4m3fn [N, K]) plus
-`X.scale` (fp32 [N/128, K/128]); `take_fp8_weights` folds each pair into a kernels.fp8_linear.Fp8Weight
+`X.scale` (fp32 [N/128, K/128]); `take_fp8_weights` folds each pair into a dsv4_kernels.fp8_linear.Fp8Weight
 and `linear` multiplies with whichever it gets:
 - a tensor: x @ W^T in the engine dtype (the CPU path and CI, unchanged);
 - an Fp8Weight on CUDA with `use_fp8_gemm`: activations quantised per token (1x128) and DeepGEMM's FP8
-  GEMM (kernels.deepgemm_linear); otherwise its plain-torch reference (same function, slow; tests).
+  GEMM (dsv4_kernels.deepgemm_linear); otherwise its plain-torch reference (same function, slow; tests).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.fast_paths import use_fp8_gemm
-from kernels.fp8_linear import Fp8Weight, fp8_linear_ref
-from kernels.norm import rms_norm
+from dsv4_kernels.fp8_linear import Fp8Weight, fp8_linear_ref
+from dsv4_kernels.norm import rms_norm
 
 Weight = torch.Tensor | Fp8Weight
 # The projections that go through `linear` / `grouped_projection` (the release stores them FP8).
@@ -52,7 +52,7 @@ def take_fp8_weights(weights: dict, pow2_act: bool = True) -> dict:
 def _fast(x: torch.Tensor, w: Fp8Weight) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16 and use_fp8_gemm(x.device, x.dtype)):
         return False
-    from kernels.deepgemm_linear import supported
+    from dsv4_kernels.deepgemm_linear import supported
 
     return supported(w)
 
@@ -102,10 +102,10 @@ class QuantizedAct:
 def rms_norm_for(x: torch.Tensor, weight: torch.Tensor, eps: float, *ws: Weight):
     """RMSNorm of x [M, K] that feeds the projections `ws` -> (normed [M, K] in x.dtype, QuantizedAct or None).
 
-    Where every w in `ws` runs DeepGEMM's FP8 GEMM, one Triton launch (kernels.triton_norm_quant) norms and
+    Where every w in `ws` runs DeepGEMM's FP8 GEMM, one Triton launch (dsv4_kernels.triton_norm_quant) norms and
     quantises, and each `linear_from(normed, qa, w)` then skips its own quantiser; elsewhere the plain norm."""
     if x.dim() == 2 and ws and all(uses_fp8_gemm(x, w) for w in ws) and len({w.pow2_act for w in ws}) == 1:
-        from kernels.triton_norm_quant import rms_norm_quant  # imports triton: only on this path
+        from dsv4_kernels.triton_norm_quant import rms_norm_quant  # imports triton: only on this path
 
         normed, q, s = rms_norm_quant(x, weight, eps, ws[0].pow2_act)
         return normed, QuantizedAct(q, s)
@@ -116,7 +116,7 @@ def linear_from(x: torch.Tensor, qa: QuantizedAct | None, w: Weight) -> torch.Te
     """linear(x, w), reusing `qa` (x's quantisation from rms_norm_for) when given."""
     if qa is None:
         return linear(x, w)
-    from kernels.deepgemm_linear import fp8_gemm_quantized  # imports deep_gemm: only on this path
+    from dsv4_kernels.deepgemm_linear import fp8_gemm_quantized  # imports deep_gemm: only on this path
 
     return fp8_gemm_quantized(qa.q, qa.s, w)
 
@@ -127,7 +127,7 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         return x @ w.t()
     if not _fast(x, w):
         return fp8_linear_ref(x, w)
-    from kernels.deepgemm_linear import fp8_gemm  # imports deep_gemm: only on this path
+    from dsv4_kernels.deepgemm_linear import fp8_gemm  # imports deep_gemm: only on this path
 
     n, k = w.shape
     lead = x.shape[:-1]
@@ -141,7 +141,7 @@ def grouped_projection(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
         wg = w.view(groups, -1, w.shape[-1]).transpose(1, 2)  # [G, D, R]
         return torch.bmm(x.transpose(0, 1), wg).transpose(0, 1).reshape(t, -1)
     if _fast(x, w) and x.stride(-1) == 1:
-        from kernels.deepgemm_linear import fp8_grouped_gemm
+        from dsv4_kernels.deepgemm_linear import fp8_grouped_gemm
 
         # The quantiser reads the [G, T, D] view in place (no transposing copy) and writes contiguous groups.
         return fp8_grouped_gemm(x.transpose(0, 1), w, groups).transpose(0, 1).reshape(t, -1)

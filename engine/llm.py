@@ -39,7 +39,7 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
     where FlashMLA decodes the model's geometry, else exact: engine.fast_paths.resolve_kv_cache_dtype).
     index_cache_dtype: "mxfp4", "fp8" or "auto" (FP8 keys on Hopper, else MXFP4:
     engine.fast_paths.resolve_index_cache_dtype); only fp8 caches quantise the keys.
-    keep_mxfp4_experts: keep MXFP4 routed experts packed in memory (run by triton_kernels or kernels.triton_moe,
+    keep_mxfp4_experts: keep MXFP4 routed experts packed in memory (run by triton_kernels or dsv4_kernels.triton_moe,
     see engine.moe) instead of dequantising them to `dtype`; None = `engine.fast_paths.keep_mxfp4_experts` (packed
     on a bf16 CUDA engine where triton_kernels runs; $DSV4_MXFP4_MOE=1/0 forces it).
     decode_mode: see EngineCore (None = "auto": CUDA graphs on CUDA with exact caches).

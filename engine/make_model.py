@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig
 from engine.weights import expected_weight_shapes
-from kernels.quant import quant_fp8_block, quant_mxfp4
+from dsv4_kernels.quant import quant_fp8_block, quant_mxfp4
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"

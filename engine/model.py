@@ -11,14 +11,14 @@ from engine.attention import AttentionBlock
 from engine.batch import StepBatch
 from engine.cache import CachePool
 from engine.config import ModelConfig, RopeSpec
-from kernels import mhc
-from kernels.mhc import hc_head
+from dsv4_kernels import mhc
+from dsv4_kernels.mhc import hc_head
 from engine.fast_paths import describe, use_triton
 from engine.moe import MoEBlock
 from engine.parallel import SINGLE, ParallelContext, vocab_embed
-from kernels.fp8_linear import Fp8Weight
-from kernels.norm import rms_norm
-from kernels.rope import rope_cos_sin, rope_inv_freq
+from dsv4_kernels.fp8_linear import Fp8Weight
+from dsv4_kernels.norm import rms_norm
+from dsv4_kernels.rope import rope_cos_sin, rope_inv_freq
 
 
 class Rope:
@@ -89,11 +89,11 @@ class DeepseekV4Model:
 
     @staticmethod
     def _mhc(streams: torch.Tensor):
-        """The mHC implementation for these streams: kernels.triton_mhc (fused) or the kernels.mhc reference."""
+        """The mHC implementation for these streams: dsv4_kernels.triton_mhc (fused) or the dsv4_kernels.mhc reference."""
         # CUDA only: under the CPU interpreter the fused kernel's Sinkhorn loop is far too slow for whole-model
         # runs (tests/kernels/test_triton_mhc.py checks it against the reference there).
         if streams.is_cuda and use_triton(streams.device):
-            from kernels import triton_mhc  # imports triton: only on this path
+            from dsv4_kernels import triton_mhc  # imports triton: only on this path
             return triton_mhc
         return mhc
 

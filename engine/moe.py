@@ -3,9 +3,9 @@
 Routed experts run one of four ways, chosen per call:
 - MXFP4 experts kept packed (`load_weights(..., keep_mxfp4_experts=True)`) and
   `engine.fast_paths.mxfp4_moe_backend(device)` == "triton_kernels" (default on CUDA where it imports): the
-  fused router of `kernels.triton_moe`, then OpenAI's triton_kernels matmul (`kernels.mxfp4_ogs`); the packed
+  fused router of `dsv4_kernels.triton_moe`, then OpenAI's triton_kernels matmul (`dsv4_kernels.mxfp4_ogs`); the packed
   bytes are moved into its Hopper layouts at the first call and the originals dropped (no bf16 copy);
-- packed, backend "engine": `kernels.triton_moe` (fused router + grouped experts that dequantise the e2m1
+- packed, backend "engine": `dsv4_kernels.triton_moe` (fused router + grouped experts that dequantise the e2m1
   tiles in registers);
 - packed without that: the reference on just the experts this call uses, dequantised on the fly;
 - dequantised (bf16/fp32) stacks: `moe_experts_grouped` (torch._grouped_mm, sync-free) where
@@ -23,15 +23,15 @@ from engine.fast_paths import mxfp4_moe_backend, use_grouped_moe, use_mxfp4_moe,
 from engine.linear import (can_concat_rows, concat_rows, linear, pow2_activations, split_rows, take_fp8_weights,
                            uses_fp8_gemm)
 from engine.parallel import SINGLE, ParallelContext, TokenExchange
-from kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
-from kernels.quant import dequant_mxfp4
+from dsv4_kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
+from dsv4_kernels.quant import dequant_mxfp4
 
 
 @dataclass(frozen=True)
 class PackedExperts:
     """MXFP4 routed experts of one layer: uint8 e2m1 bytes w [E, N, K/2] and UE8M0 scales s [E, N, K/32].
 
-    w1, w3: [E, I, H/2] (gate, up); w2: [E, H, I/2] (down); low nibble = even element (kernels.quant).
+    w1, w3: [E, I, H/2] (gate, up); w2: [E, H, I/2] (down); low nibble = even element (dsv4_kernels.quant).
     """
 
     w1: torch.Tensor
@@ -116,7 +116,7 @@ class MoEBlock:
         experts = take_experts(weights, p, self.experts, self.gate.dtype)
         self.packed = experts if isinstance(experts, PackedExperts) else None
         self.mxfp4 = self.packed is not None  # routed experts held as MXFP4 (packed, or in triton_kernels layouts)
-        self.ogs = None  # kernels.mxfp4_ogs.OgsExperts, built from `packed` at the first triton_kernels call
+        self.ogs = None  # dsv4_kernels.mxfp4_ogs.OgsExperts, built from `packed` at the first triton_kernels call
         # triton_kernels' tiles were measured at V4 widths only (tests/kernels/test_mxfp4_ogs.py, >= 128);
         # narrower toy models take the engine's own kernel.
         self.ogs_fits = cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
@@ -131,7 +131,7 @@ class MoEBlock:
                 "tid2eid": self.tid2eid, "token_ids": token_ids, "renormalize": cfg.norm_topk_prob}
 
     def takes_ogs(self, x: torch.Tensor) -> bool:
-        """Do the routed experts of this call go through triton_kernels' matmul (kernels.mxfp4_ogs)?"""
+        """Do the routed experts of this call go through triton_kernels' matmul (dsv4_kernels.mxfp4_ogs)?"""
         return self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and (self.ogs is not None or (
             self.ogs_fits and mxfp4_moe_backend(x.device) == "triton_kernels"))
 
@@ -144,7 +144,7 @@ class MoEBlock:
         """-> (the routed sum [T, H], whether `shared` is already added in: the MXFP4 kernel's k-way sum adds it)."""
         limit = self.cfg.swiglu_limit
         if self.takes_ogs(x):
-            from kernels import mxfp4_ogs, triton_moe  # import triton / triton_kernels: only on this path
+            from dsv4_kernels import mxfp4_ogs, triton_moe  # import triton / triton_kernels: only on this path
 
             if self.ogs is None:
                 pk = self.packed
@@ -153,7 +153,7 @@ class MoEBlock:
             weights, ids = self._local(*triton_moe.route(x, self.gate_f32, **self._route_args(token_ids)), False)
             return mxfp4_ogs.ogs_moe(x, weights, ids, self.ogs, limit, shared=shared), True
         if self.packed is not None and use_mxfp4_moe(x.device):
-            from kernels import triton_moe  # imports triton: only on this path
+            from dsv4_kernels import triton_moe  # imports triton: only on this path
 
             weights, ids = self._local(*triton_moe.route(x, self.gate_f32, **self._route_args(token_ids)), False)
             pk = self.packed
@@ -171,7 +171,7 @@ class MoEBlock:
 
     def _local(self, weights: torch.Tensor, ids: torch.Tensor, skip: bool):
         """Expert parallelism: global expert ids [T, k] -> ids into this rank's experts. Pairs routed to
-        another rank's experts become -1, which kernels.moe skips; for the fused GPU kernels (`skip` False,
+        another rank's experts become -1, which dsv4_kernels.moe skips; for the fused GPU kernels (`skip` False,
         they take no -1) they become local expert 0 with routing weight 0: correct, but computed."""
         if len(self.experts) == self.cfg.n_routed_experts:
             return weights, ids
@@ -182,7 +182,7 @@ class MoEBlock:
         return torch.where(mine, weights, 0), torch.where(mine, local, 0)
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
-        """kernels.moe.expert_mlp through engine.linear (FP8 weights where kept): x [T, H] -> [T, H]."""
+        """dsv4_kernels.moe.expert_mlp through engine.linear (FP8 weights where kept): x [T, H] -> [T, H]."""
         w1, w2, w3 = self.shared
         if self.shared_w13 is not None:
             h = linear(x, self.shared_w13)  # [T, 2I]: gate | up
@@ -191,13 +191,13 @@ class MoEBlock:
         inter, limit = h.shape[-1] // 2, self.cfg.swiglu_limit
         gate, up = h[..., :inter], h[..., inter:]
         if h.dim() == 2 and uses_fp8_gemm(h, w2):
-            from kernels import triton_moe_glue
-            from kernels.deepgemm_linear import fp8_gemm_quantized  # imports deep_gemm: only on this path
+            from dsv4_kernels import triton_moe_glue
+            from dsv4_kernels.deepgemm_linear import fp8_gemm_quantized  # imports deep_gemm: only on this path
 
             # SwiGLU and the down projection's 1x128 activation quantisation in one launch.
             return fp8_gemm_quantized(*triton_moe_glue.swiglu_quant(gate, up, limit, w2.pow2_act), w2)
         if use_triton(x.device) and h.dim() == 2:
-            from kernels import triton_moe_glue  # imports triton: only on this path
+            from dsv4_kernels import triton_moe_glue  # imports triton: only on this path
 
             act = triton_moe_glue.swiglu(gate, up, limit)
         else:

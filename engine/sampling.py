@@ -2,7 +2,7 @@
 
 Masks and the draw are tensor ops over the whole batch; the only per-request work is drawing each
 row's uniform noise from a generator seeded by (request seed, output index): torch's CPU generator, or on
-CUDA Philox in a Triton kernel keyed by the same seed (kernels.triton_sampling; one launch, no host noise).
+CUDA Philox in a Triton kernel keyed by the same seed (dsv4_kernels.triton_sampling; one launch, no host noise).
 Counter-based noise makes a seeded request reproducible regardless of which other requests share its batch,
 and lets a decode worker continue a request that a prefill worker started with exactly the draws one engine
 would make (CUDA engines agree with CUDA engines, CPU engines with CPU engines).
@@ -65,9 +65,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     scaled = logits / temp.unsqueeze(1)
     probs = (apply_top_k_top_p(scaled, top_k, top_p) if filtered else scaled).softmax(dim=-1)
     if logits.is_cuda and use_triton(logits.device):
-        # Philox on the device (kernels.triton_sampling): per-row host generators cost ~80 ms a step at batch 64
+        # Philox on the device (dsv4_kernels.triton_sampling): per-row host generators cost ~80 ms a step at batch 64
         # and V4's vocabulary. Still a function of the draw seed alone, but another stream than the CPU's.
-        from kernels.triton_sampling import exp_noise  # imports triton: only on this path
+        from dsv4_kernels.triton_sampling import exp_noise  # imports triton: only on this path
 
         seeds = draw_seeds if isinstance(draw_seeds, torch.Tensor) else torch.tensor(draw_seeds, dtype=torch.int64)
         exp = exp_noise(seeds.to(logits.device), logits.shape[-1])
@@ -83,9 +83,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     """logits: fp32 [N, V] -> fp64 [2, N]: each row's argmax token (exact in fp64) and its log-probability,
     as one tensor so the host reads both in one copy (and a CUDA graph can hold the whole computation).
-    On CUDA one fused two-stage Triton reduction (kernels.triton_greedy) instead of argmax + log_softmax."""
+    On CUDA one fused two-stage Triton reduction (dsv4_kernels.triton_greedy) instead of argmax + log_softmax."""
     if logits.is_cuda and use_triton(logits.device):
-        from kernels.triton_greedy import greedy_pick as triton_greedy_pick  # imports triton: only on this path
+        from dsv4_kernels.triton_greedy import greedy_pick as triton_greedy_pick  # imports triton: only on this path
 
         return triton_greedy_pick(logits)
     tokens = logits.argmax(dim=-1)

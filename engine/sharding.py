@@ -43,8 +43,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.parallel import ParallelContext
-from kernels.fp8_linear import BLOCK as FP8_BLOCK, Fp8Weight
-from kernels.quant import MXFP4_BLOCK, dequant_mxfp4
+from dsv4_kernels.fp8_linear import BLOCK as FP8_BLOCK, Fp8Weight
+from dsv4_kernels.quant import MXFP4_BLOCK, dequant_mxfp4
 
 _COLUMN = re.compile(r"\.attn\.(?:wq_b|wo_a)\.weight$|\.attn\.attn_sink$|\.shared_experts\.w[13]\.weight$")
 _ROW = re.compile(r"\.attn\.wo_b\.weight$|\.shared_experts\.w2\.weight$")

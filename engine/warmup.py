@@ -21,7 +21,7 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
 2. every decode bucket's CUDA graph is captured (DecodeRunner.capture_all: each (batch slots, context) pair, on
    padding rows that write only the scratch page), so no step mid-stream waits on a capture or on the Triton
    compiles its shapes need (the run above saw single decode steps of 9-29 s on a cold machine);
-3. every FP8 GEMM shape those steps ran (kernels.deepgemm_linear records them) at the M values whose DeepGEMM
+3. every FP8 GEMM shape those steps ran (dsv4_kernels.deepgemm_linear records them) at the M values whose DeepGEMM
    configuration can differ: all M up to 128, then the lowest and highest M of each 64-row block count up to
    max_batch_tokens (the heuristic sees a larger M through its number of M-blocks, whose sizes are multiples of
    64, and through thresholds on block edges). The compiles are spread over spawned processes
@@ -178,7 +178,7 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
         from engine.fast_paths import use_fp8_gemm
 
         if sweep_gemms and use_fp8_gemm(engine.device, engine.dtype):
-            from kernels.deepgemm_linear import seen_shapes, warm_shapes
+            from dsv4_kernels.deepgemm_linear import seen_shapes, warm_shapes
 
             todo = seen_shapes()  # this process's engines: one, in a worker
             shapes = len(todo)
@@ -196,7 +196,7 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
 
 
 def sweep_moe_variants(engine, max_tokens: int) -> int:
-    """Phase 3's MoE half: triton_kernels' matmul (kernels.mxfp4_ogs) compiles a variant per class of a step's
+    """Phase 3's MoE half: triton_kernels' matmul (dsv4_kernels.mxfp4_ogs) compiles a variant per class of a step's
     token count that the ladder's powers of two and their odd neighbours do not all meet (its row-block count is
     specialised too: a serving step of ~520 tokens compiled one mid-request on the H200, 2026-12-02). One
     call per `mxfp4_ogs.variant_key` class up to max_tokens, on random tokens through the first MoE layer's
@@ -204,7 +204,7 @@ def sweep_moe_variants(engine, max_tokens: int) -> int:
     blocks = [m for m in engine.model.moe if m.ogs is not None]
     if not blocks:
         return 0
-    from kernels import mxfp4_ogs  # imports triton_kernels: only where a layer runs it
+    from dsv4_kernels import mxfp4_ogs  # imports triton_kernels: only where a layer runs it
 
     ex, k, dev = blocks[0].ogs, engine.cfg.num_experts_per_tok, engine.device
     counts = mxfp4_ogs.variant_tokens(max_tokens, ex.num_experts, k)

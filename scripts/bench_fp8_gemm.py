@@ -3,10 +3,10 @@
 For each projection shape (N x K of wq_a, wq_b, wkv, one of wo_a's 8 groups, wo_b, indexer wq_b,
 shared-expert w1/w3 and w2) and token count M (default 1/64/128/8192) it times, under a CUDA graph
 after an L2 flush (scripts/bench_kernels.bench_graph: device time, no launch overhead):
-- `fp8`: kernels.deepgemm_linear.fp8_gemm = Triton 1x128 activation quantiser + deep_gemm.fp8_gemm_nt;
+- `fp8`: dsv4_kernels.deepgemm_linear.fp8_gemm = Triton 1x128 activation quantiser + deep_gemm.fp8_gemm_nt;
 - `bf16`: x @ W^T on the dequantised bf16 weight (what the engine ran before).
 Reported: both times, the speed-up, TFLOP/s of the FP8 path, and its relative error ||fp8 - ref|| / ||ref||
-against kernels.fp8_linear.fp8_linear_ref (fp32, same quantised activations) and against the exact bf16 product.
+against dsv4_kernels.fp8_linear.fp8_linear_ref (fp32, same quantised activations) and against the exact bf16 product.
 Every shape is warmed (DeepGEMM JIT-compiles per shape) before timing.
 
 Usage: PYTHONPATH=. python3 scripts/bench_fp8_gemm.py [--tokens 1 64 128 8192] [--out FILE] [--write]
@@ -26,8 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import fp8_linear as ref  # noqa: E402
-from kernels.quant import quant_fp8_block  # noqa: E402
+from dsv4_kernels import fp8_linear as ref  # noqa: E402
+from dsv4_kernels.quant import quant_fp8_block  # noqa: E402
 from scripts.bench_kernels import bench_graph  # noqa: E402
 
 # name -> (N, K) of V4-Flash (hidden 4096, q_lora 1024, 64 heads x 512, o_groups 8 x o_lora 1024, moe 2048)
@@ -48,7 +48,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure(name: str, n: int, k: int, m: int, gen: torch.Generator) -> dict:
-    from kernels.deepgemm_linear import fp8_gemm
+    from dsv4_kernels.deepgemm_linear import fp8_gemm
 
     w = torch.randn(n, k, device="cuda", generator=gen) * k**-0.5
     fw = ref.weight_from_checkpoint(*quant_fp8_block(w, scale_fmt="ue8m0"))

@@ -10,7 +10,7 @@ The routed experts come in the formats --experts names (default both, in this or
 freed before the next:
 - mxfp4 (the production format): kept packed as `load_weights(..., keep_mxfp4_experts=True)` keeps them
   (uint8 e2m1 bytes + UE8M0 scale bytes, engine.moe.PackedExperts; random bytes, scale set for the same
-  std as the bf16 experts) and run by the Triton MXFP4 MoE kernel (kernels/triton_moe.py) on CUDA;
+  std as the bf16 experts) and run by the Triton MXFP4 MoE kernel (dsv4_kernels/triton_moe.py) on CUDA;
 - bf16: MXFP4-rounded then dequantised to bf16, run by torch's grouped GEMM (engine.moe).
 No checkpoint file is written; the weights dict is built on the GPU and handed to `EngineCore`, whose
 decode mode is its default ("auto": CUDA graphs per (batch-slot, context) bucket on a 16-bit CUDA engine,
@@ -28,7 +28,7 @@ Measured, in one process (CUDA-synchronised wall time of `EngineCore.step()`, me
     router, indexer weights_proj, embed rows, head), fp32 mHC/norm tensors, MXFP4 experts *actually
     touched by this step's routing* (counted from the engine's own routing, on either experts path and
     under CUDA graphs), caches as fp8_ds_mla (584 B a row) and MXFP4 indexer keys (68 B a row) per
-    kernels/geometry.py: per request and layer the SWA window (127 rows), on CSA layers all visible
+    dsv4_kernels/geometry.py: per request and layer the SWA window (127 rows), on CSA layers all visible
     indexer keys + the top-512 entries, on HCA all entries;
   * engine format: the same rows and tensors as that engine stores them (bf16 dense weights, bf16 cache
     rows, touched experts as MXFP4 when kept packed, else bf16);

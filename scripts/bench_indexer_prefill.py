@@ -4,9 +4,9 @@ Shapes: V4-Flash's indexer (64 heads x 128, top-512) over one sequence's chunk o
 position `--start` (default an 8K prompt from 0: 2048 entries, each query seeing (p + 1) // 4 of them), keys
 in a paged store (bf16 rows, MXFP4 or FP8 cache). Rows are built as engine.batch builds its visible entries.
 For each store it prints the median time (triton.testing.do_bench) of:
-- per-token: kernels.triton_indexer.indexer_scores (the decode kernel) + torch.topk (today's prefill path);
-- prefill scores: kernels.triton_indexer_prefill.indexer_prefill_scores alone, and + torch.topk
-  (kernels.triton_indexer.indexer_topk with cu_seqlens, what the engine now runs);
+- per-token: dsv4_kernels.triton_indexer.indexer_scores (the decode kernel) + torch.topk (today's prefill path);
+- prefill scores: dsv4_kernels.triton_indexer_prefill.indexer_prefill_scores alone, and + torch.topk
+  (dsv4_kernels.triton_indexer.indexer_topk with cu_seqlens, what the engine now runs);
 - TFLOP/s: 2 * Hi * Di * (visible query-entry pairs) / time (the causal work; the dense T x S figure is twice
   that for a prompt from 0), and the agreement of the two kernels' scores (max |diff| over visible entries)
   and top-k ids (share equal, and share whose scores agree within bf16 tolerance where ids differ).
@@ -50,7 +50,7 @@ def step(tokens: int, start: int, device):
 
 def store(kind: str, slots: int, device):
     """-> (key store, layout or None)."""
-    from kernels import geometry as g
+    from dsv4_kernels import geometry as g
 
     keys = torch.randn(slots, DIM, device=device)
     if kind == "bf16":
@@ -97,8 +97,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    from kernels.triton_indexer import indexer_scores, indexer_topk, topk_of_scores
-    from kernels.triton_indexer_prefill import indexer_prefill_scores
+    from dsv4_kernels.triton_indexer import indexer_scores, indexer_topk, topk_of_scores
+    from dsv4_kernels.triton_indexer_prefill import indexer_prefill_scores
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -153,8 +153,8 @@ def section(log: list[str], argv: str) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"## Prefill indexer: shared-key kernel vs per-token kernel\n\n"
             f"- command: `python3 scripts/bench_indexer_prefill.py {argv}`\n- date: {when}; torch {torch.__version__}\n"
-            f"- \"per-token\" is the decode kernel (kernels/triton_indexer.py) run over every query; \"prefill\" is "
-            f"kernels/triton_indexer_prefill.py (a block of one sequence's queries shares each key tile through "
+            f"- \"per-token\" is the decode kernel (dsv4_kernels/triton_indexer.py) run over every query; \"prefill\" is "
+            f"dsv4_kernels/triton_indexer_prefill.py (a block of one sequence's queries shares each key tile through "
             f"tl.dot); the compare line checks its scores and ids against the per-token kernel's\n\n"
             "```\n" + "\n".join(log).strip() + "\n```\n")
 

@@ -1,6 +1,6 @@
 """GPU kernel micro-benchmarks at V4-Flash decode shapes (CUDA only; a script, never run by CI).
 
-For each Triton kernel in kernels/triton_*.py and each batch size it reports:
+For each Triton kernel in dsv4_kernels/triton_*.py and each batch size it reports:
 - us: median time of the public wrapper (triton.testing.do_bench, L2 flushed before every call, so the
   rows really come from HBM; includes the wrapper's Python launch overhead, as eager decode pays it);
 - GB/s: the bytes the op must read (inputs, gathered rows, weights; not its writes) / time, and that
@@ -146,9 +146,9 @@ def distinct_rows(t: int, k: int, pool: int, seed: int = 0) -> torch.Tensor:
 
 # ---- cases ---------------------------------------------------------------------------------------
 def attention_cases(t: int) -> list[Case]:
-    from kernels import geometry as g
-    from kernels.attention import sparse_attention
-    from kernels.triton_attention import sparse_mqa_attention, sparse_mqa_attention_fp8
+    from dsv4_kernels import geometry as g
+    from dsv4_kernels.attention import sparse_attention
+    from dsv4_kernels.triton_attention import sparse_mqa_attention, sparse_mqa_attention_fp8
 
     k = WINDOW + TOPK
     q = rand(t, HEADS, HEAD_DIM, scale=0.5, seed=1)
@@ -179,9 +179,9 @@ def attention_cases(t: int) -> list[Case]:
 
 
 def indexer_cases(t: int) -> list[Case]:
-    from kernels import geometry as g
-    from kernels import indexer as ref
-    from kernels.triton_indexer import indexer_topk
+    from dsv4_kernels import geometry as g
+    from dsv4_kernels import indexer as ref
+    from dsv4_kernels.triton_indexer import indexer_topk
 
     out = []
     for s in INDEX_CANDIDATES:
@@ -221,8 +221,8 @@ def indexer_cases(t: int) -> list[Case]:
 
 
 def mhc_cases(t: int) -> list[Case]:
-    from kernels import mhc as ref
-    from kernels import triton_mhc
+    from dsv4_kernels import mhc as ref
+    from dsv4_kernels import triton_mhc
 
     n_mix = (2 + HC) * HC
     streams = rand(t, HC, HIDDEN, seed=9)
@@ -248,9 +248,9 @@ def mhc_cases(t: int) -> list[Case]:
 
 
 def norm_rope_cases(t: int) -> list[Case]:
-    from kernels.norm import rms_norm, unweighted_rms_norm
-    from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
-    from kernels.triton_norm_rope import rms_norm_rope
+    from dsv4_kernels.norm import rms_norm, unweighted_rms_norm
+    from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+    from dsv4_kernels.triton_norm_rope import rms_norm_rope
 
     positions = torch.randint(0, 65536, (t,), device=DEVICE)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(10000.0, ROPE_DIM))
@@ -267,10 +267,10 @@ def norm_rope_cases(t: int) -> list[Case]:
 
 
 def compressor_cases(t: int) -> list[Case]:
-    from kernels.compressor import pool_windows
-    from kernels.norm import rms_norm
-    from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
-    from kernels.triton_compressor import pool_norm_rope
+    from dsv4_kernels.compressor import pool_windows
+    from dsv4_kernels.norm import rms_norm
+    from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+    from dsv4_kernels.triton_compressor import pool_norm_rope
 
     out = []
     for slots, d, what in ((8, HEAD_DIM, "ratio 4"), (128, HEAD_DIM, "ratio 128"), (8, INDEX_DIM, "indexer")):
@@ -313,8 +313,8 @@ def measure(case: Case, copy_gbs: float, mm_tflops: float) -> dict:
 
 def sweep_attention(t: int, configs=None, splits=None) -> dict:
     """Graph-timed attention configs at batch t: {variant: [(us, kwargs)] sorted}; failing configs skipped."""
-    from kernels import geometry as g
-    from kernels.triton_attention import sparse_mqa_attention, sparse_mqa_attention_fp8
+    from dsv4_kernels import geometry as g
+    from dsv4_kernels.triton_attention import sparse_mqa_attention, sparse_mqa_attention_fp8
 
     k = WINDOW + TOPK
     q = rand(t, HEADS, HEAD_DIM, scale=0.5)
@@ -351,8 +351,8 @@ def sweep_lines(t: int, swept: dict) -> list[str]:
 
 def tune_attention(batches: list[int]) -> list[str]:
     """Pick each variant's launch defaults (tile, stages; default split heuristic) by the summed graph time
-    over `batches`, and install them in kernels.triton_attention.DEFAULTS for the rest of this run."""
-    from kernels import triton_attention as ta
+    over `batches`, and install them in dsv4_kernels.triton_attention.DEFAULTS for the rest of this run."""
+    from dsv4_kernels import triton_attention as ta
 
     totals: dict = {}
     lines = []
@@ -378,7 +378,7 @@ def tune_attention(batches: list[int]) -> list[str]:
 
 def compiled_attention_kernels() -> list[str]:
     """Resource use of every compiled attention kernel variant (registers, spills, shared memory)."""
-    from kernels import triton_attention as ta
+    from dsv4_kernels import triton_attention as ta
 
     lines = []
     try:
@@ -420,14 +420,14 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also sweep attention tiles and splits")
     ap.add_argument("--tune", type=int, nargs="*", default=None, metavar="T",
                     help="first pick the attention launch defaults by graph time at these batches (default 64 128) "
-                         "and use them for the run (copy the printed DEFAULTS into kernels/triton_attention.py)")
+                         "and use them for the run (copy the printed DEFAULTS into dsv4_kernels/triton_attention.py)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from kernels.gpu import has_triton
+    from dsv4_kernels.gpu import has_triton
 
     if not has_triton():
         print("bench_kernels.py needs triton (pip install '.[gpu]')", file=sys.stderr)
@@ -446,7 +446,7 @@ def main() -> int:
     tuned = []
     if args.tune is not None:
         tuned = tune_attention(args.tune or [64, 128])
-    from kernels.triton_attention import DEFAULTS
+    from dsv4_kernels.triton_attention import DEFAULTS
 
     results = []
     for name in chosen:

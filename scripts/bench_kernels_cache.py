@@ -21,8 +21,8 @@ def bytes_check(out_cache: torch.Tensor, ref_cache: torch.Tensor, min_equal: flo
 
 def case_groups(Case, rand, close, device: str) -> dict:
     """{group name: (t -> [Case])} for the cache kernels; Case / rand / close are bench_kernels' own."""
-    from kernels import geometry as g
-    from kernels.rope import rope_cos_sin, rope_inv_freq
+    from dsv4_kernels import geometry as g
+    from dsv4_kernels.rope import rope_cos_sin, rope_inv_freq
 
     def cos_sin(n: int, theta: float):
         return rope_cos_sin(torch.randint(0, 65536, (n,), device=device), rope_inv_freq(theta, ROPE_DIM))
@@ -31,9 +31,9 @@ def case_groups(Case, rand, close, device: str) -> dict:
         return torch.zeros(-(-rows // layout.block_size), layout.block_bytes(), dtype=torch.uint8, device=device)
 
     def swa_insert_cases(t: int) -> list:
-        from kernels.norm import rms_norm
-        from kernels.rope import apply_rope
-        from kernels.triton_swa_insert import swa_insert
+        from dsv4_kernels.norm import rms_norm
+        from dsv4_kernels.rope import apply_rope
+        from dsv4_kernels.triton_swa_insert import swa_insert
 
         kv = rand(t, HEAD_DIM, seed=30)
         weight = rand(HEAD_DIM, dtype=torch.float32, scale=0.1, seed=31) + 1
@@ -56,8 +56,8 @@ def case_groups(Case, rand, close, device: str) -> dict:
                      check=check)]
 
     def indexer_query_cases(t: int) -> list:
-        from kernels.indexer import quantize_query
-        from kernels.triton_indexer_query import indexer_query
+        from dsv4_kernels.indexer import quantize_query
+        from dsv4_kernels.triton_indexer_query import indexer_query
 
         q = rand(t, INDEX_HEADS, INDEX_DIM, seed=32)
         cos, sin = cos_sin(t, 160000.0)
@@ -76,11 +76,11 @@ def case_groups(Case, rand, close, device: str) -> dict:
         return out
 
     def compressor_cache_cases(t: int) -> list:
-        from kernels.compressor import pool_windows, state_rows
-        from kernels.hadamard import hadamard
-        from kernels.norm import rms_norm
-        from kernels.rope import apply_rope
-        from kernels.triton_compressor import pool_norm_rope_quant, save_state
+        from dsv4_kernels.compressor import pool_windows, state_rows
+        from dsv4_kernels.hadamard import hadamard
+        from dsv4_kernels.norm import rms_norm
+        from dsv4_kernels.rope import apply_rope
+        from dsv4_kernels.triton_compressor import pool_norm_rope_quant, save_state
 
         out = []
         kinds = (("ratio 4 fp8_ds_mla", 8, HEAD_DIM, g.Fp8DsMlaLayout(HEAD_DIM, ROPE_DIM, g.compressed_block_rows(4))),

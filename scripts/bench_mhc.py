@@ -1,4 +1,4 @@
-"""mHC pre (kernels.triton_mhc.hc_pre with the block's input norm fused) at V4-Flash widths: the split path
+"""mHC pre (dsv4_kernels.triton_mhc.hc_pre with the block's input norm fused) at V4-Flash widths: the split path
 (mix kernel + (T, D blocks) pre kernel + norm; its mix dot on tensor cores from MIX_TENSOR_CORE_MIN_TOKENS, and on
 fp32 FMAs at every size) against the long path (torch's fp32 matmul on an fp32 copy of the streams + one pre
 program a token), by token count (CUDA only; a script, not a test). Small steps are host-bound here (three
@@ -42,7 +42,7 @@ PATHS = ("split", "split fma", "long")  # the default; its mix on fp32 FMAs at e
 
 
 def run(path: str, args):
-    from kernels import triton_mhc
+    from dsv4_kernels import triton_mhc
 
     saved = triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS
     triton_mhc.MIX_MAX_TOKENS = 0 if path == "long" else 1 << 30

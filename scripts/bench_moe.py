@@ -1,12 +1,12 @@
 """Routed-expert MoE at V4-Flash shapes: the MXFP4 Triton kernel vs grouped_mm on bf16 vs the reference.
 
 For each token count (default 1/16/64/128; hidden 4096, moe_inter 2048, 256 experts, top-6, bf16) it times
-- `mxfp4 triton_kernels`: kernels.mxfp4_ogs.ogs_moe, OpenAI's triton_kernels matmul on the same packed bytes
+- `mxfp4 triton_kernels`: dsv4_kernels.mxfp4_ogs.ogs_moe, OpenAI's triton_kernels matmul on the same packed bytes
   moved into its Hopper layouts (sort + gate/up + SwiGLU + down + sum; when triton_kernels imports);
-- `mxfp4`: kernels.triton_moe.mxfp4_moe on packed e2m1 + UE8M0 experts (sort + gate/up + down + sum);
-- `grouped_mm`: kernels.moe.moe_experts_grouped on the same experts dequantised to bf16;
-- `reference`: kernels.moe.moe_experts (one matmul per used expert, host sync) on the bf16 experts;
-- `route`: kernels.triton_moe.route vs kernels.moe.route (router matmul + scoring + top-k).
+- `mxfp4`: dsv4_kernels.triton_moe.mxfp4_moe on packed e2m1 + UE8M0 experts (sort + gate/up + down + sum);
+- `grouped_mm`: dsv4_kernels.moe.moe_experts_grouped on the same experts dequantised to bf16;
+- `reference`: dsv4_kernels.moe.moe_experts (one matmul per used expert, host sync) on the bf16 experts;
+- `route`: dsv4_kernels.triton_moe.route vs dsv4_kernels.moe.route (router matmul + scoring + top-k).
 `us` is triton.testing.do_bench's median with the L2 flushed before every call (weights come from HBM;
 includes Python launch overhead); `graph us` replays the wrapper in a CUDA graph, each call after an L2
 flush whose own time is subtracted (n/a when the wrapper cannot be captured). Weight bytes are those of
@@ -40,8 +40,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import moe as ref  # noqa: E402
-from kernels.quant import dequant_mxfp4  # noqa: E402
+from dsv4_kernels import moe as ref  # noqa: E402
+from dsv4_kernels.quant import dequant_mxfp4  # noqa: E402
 from scripts.bench_kernels import bench_graph as bench_kernels_graph  # noqa: E402
 
 SWEEP_TILES = [{"block_n": n, "block_k": k} for n in (32, 64, 128) for k in (128, 256)]
@@ -130,7 +130,7 @@ def run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs=None) -> list[s
     cuda = dev == "cuda"
     rows = []
     if ogs is not None:
-        from kernels import mxfp4_ogs
+        from dsv4_kernels import mxfp4_ogs
 
         def tk():
             return mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0)
@@ -187,8 +187,8 @@ SMALL_TOKENS = 8  # up to here a sweep adds OGS_SWEEP_SMALL
 
 
 def ogs_sweep(t, args, ogs, gate, bias, copy) -> dict:
-    """Graph-timed kernels.mxfp4_ogs.ogs_moe under each OGS_SWEEP constraint set at `t` tokens -> the fastest."""
-    from kernels import mxfp4_ogs
+    """Graph-timed dsv4_kernels.mxfp4_ogs.ogs_moe under each OGS_SWEEP constraint set at `t` tokens -> the fastest."""
+    from dsv4_kernels import mxfp4_ogs
 
     gen = torch.Generator(device="cuda").manual_seed(t)
     x = torch.randn(t, args.hidden, device="cuda", generator=gen).to(torch.bfloat16)
@@ -222,7 +222,7 @@ def sweep_section(device_name: str, lines: list[str]) -> str:
     return "\n".join(["## triton_kernels MXFP4 MoE launch constraints: `scripts/bench_moe.py --ogs-sweep`", "",
                       f"- command: `python scripts/bench_moe.py {' '.join(sys.argv[1:])}`, "
                       f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}; times = "
-                      "CUDA-graph device time of the whole kernels.mxfp4_ogs.ogs_moe call after an L2 flush; err = "
+                      "CUDA-graph device time of the whole dsv4_kernels.mxfp4_ogs.ogs_moe call after an L2 flush; err = "
                       "against the same call with triton_kernels' own heuristics", "", "```", *lines, "```"])
 
 
@@ -271,7 +271,7 @@ def main() -> None:
         if args.merge_sweep:
             write_section("mxfp4_moe_sweep", Path(args.merge_sweep).read_text())
         return
-    from kernels import triton_moe as tm
+    from dsv4_kernels import triton_moe as tm
 
     dev = args.device
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -283,10 +283,10 @@ def main() -> None:
     print(f"{name}: copy {copy:.0f} GB/s; hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts "
           f"top-{args.topk}, bf16 activations\n")
     ogs = None
-    from kernels.gpu import has_triton_kernels, why_not
+    from dsv4_kernels.gpu import has_triton_kernels, why_not
 
     if dev == "cuda" and has_triton_kernels():
-        from kernels import mxfp4_ogs
+        from dsv4_kernels import mxfp4_ogs
 
         ogs = mxfp4_ogs.prepare(packed["w1"], packed["s1"], packed["w2"], packed["s2"], packed["w3"], packed["s3"])
     else:

@@ -115,8 +115,8 @@ def _rand(*shape, dtype=torch.bfloat16):
 
 
 def swa_cases():
-    from kernels import geometry as g
-    from kernels import triton_swa_insert as m
+    from dsv4_kernels import geometry as g
+    from dsv4_kernels import triton_swa_insert as m
 
     d, rope, t = 512, 64, 4
     cos, sin = torch.rand(t, rope // 2), torch.rand(t, rope // 2)
@@ -131,8 +131,8 @@ def swa_cases():
 
 
 def indexer_query_cases():
-    from kernels import geometry as g
-    from kernels import triton_indexer_query as m
+    from dsv4_kernels import geometry as g
+    from dsv4_kernels import triton_indexer_query as m
 
     q = _rand(4, 64, 128)
     cos, sin = torch.rand(4, 32), torch.rand(4, 32)
@@ -146,8 +146,8 @@ def indexer_query_cases():
 
 
 def compressor_cases():
-    from kernels import geometry as g
-    from kernels import triton_compressor as m
+    from dsv4_kernels import geometry as g
+    from dsv4_kernels import triton_compressor as m
 
     n = 4
     for slots, d, layout in ((8, 512, g.Fp8DsMlaLayout(512, 64, 64)), (128, 512, g.Fp8DsMlaLayout(512, 64, 2)),
@@ -166,8 +166,8 @@ def compressor_cases():
 
 def compress_step_cases():
     """The engine's decode compressor (V4-Flash: kv4 / kv128 entries, MXFP4 / FP8 indexer keys, exact rows)."""
-    from kernels import geometry as g
-    from kernels import triton_compress_step as m
+    from dsv4_kernels import geometry as g
+    from dsv4_kernels import triton_compress_step as m
 
     t, ring = 4, 64
     cos, sin = torch.rand(100, 32), torch.rand(100, 32)
@@ -190,8 +190,8 @@ def compress_step_cases():
 
 def attention_glue_cases():
     """Attention row ids (CSA ids through the page table, HCA rows) and the output's inverse RoPE."""
-    from kernels import triton_attention_rows as m
-    from kernels import triton_norm_rope as r
+    from dsv4_kernels import triton_attention_rows as m
+    from dsv4_kernels import triton_norm_rope as r
 
     t = 4
     swa, valid = torch.randint(0, 999, (t, 128)), torch.rand(t, 128) > 0.5
@@ -208,7 +208,7 @@ def attention_glue_cases():
 def mhc_cases():
     """mHC pre (split-K mixing logits, Sinkhorn, collapse; with and without the fused input norm) and post at
     V4-Flash widths: one decode token (16-row tile) and a 256-token step (64-row tile)."""
-    from kernels import triton_mhc as m
+    from dsv4_kernels import triton_mhc as m
 
     hc, d, n_mix = 4, 4096, 24
     fn, base, scale = torch.randn(n_mix, hc * d), torch.randn(n_mix), torch.rand(3)
@@ -225,17 +225,17 @@ def mhc_cases():
 
 GROUPS = {"mhc": mhc_cases, "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
           "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
-MODULES = {"mhc": ("kernels.triton_mhc",), "swa": ("kernels.triton_swa_insert",),
-           "indexer_query": ("kernels.triton_indexer_query",),
-           "compressor": ("kernels.triton_compressor",), "compress_step": ("kernels.triton_compress_step",),
-           "attention_glue": ("kernels.triton_attention_rows", "kernels.triton_norm_rope")}
+MODULES = {"mhc": ("dsv4_kernels.triton_mhc",), "swa": ("dsv4_kernels.triton_swa_insert",),
+           "indexer_query": ("dsv4_kernels.triton_indexer_query",),
+           "compressor": ("dsv4_kernels.triton_compressor",), "compress_step": ("dsv4_kernels.triton_compress_step",),
+           "attention_glue": ("dsv4_kernels.triton_attention_rows", "dsv4_kernels.triton_norm_rope")}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated subset of " + ",".join(GROUPS))
     args = ap.parse_args()
-    from kernels import gpu
+    from dsv4_kernels import gpu
 
     if not gpu.has_triton():
         print("needs triton", file=sys.stderr)
@@ -256,7 +256,7 @@ def main() -> int:
         finally:
             for module, k, fn in originals:
                 setattr(module, k, fn)
-        for k, rec in kernels.items():
+        for k, rec in dsv4_kernels.items():
             errors += compile_calls(f"{name}.{k}", rec)
     print(f"\n{len(errors)} failure(s)" if errors else "\nall kernels compiled for sm_90")
     return 1 if errors else 0

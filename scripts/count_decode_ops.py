@@ -15,10 +15,10 @@ both are attributed to the section that issued them: prologue (input derivation,
 mhc / attn / moe (incl. each block's input norm), head (hc_head, norm, LM head).
 
 What the CPU cannot run, and how it is counted:
-- the MXFP4 MoE takes triton_kernels' matmul (kernels.mxfp4_ogs) on CUDA: with `--ogs` (default) the step
-  runs kernels.mxfp4_ogs.ogs_moe with the two matmuls and the ragged metadata stubbed (each counted as the
+- the MXFP4 MoE takes triton_kernels' matmul (dsv4_kernels.mxfp4_ogs) on CUDA: with `--ogs` (default) the step
+  runs dsv4_kernels.mxfp4_ogs.ogs_moe with the two matmuls and the ragged metadata stubbed (each counted as the
   launches they make on the H200: matmul 1 each, `make_ragged_tensor_metadata` RAGGED_LAUNCHES), so its
-  torch glue is counted as it runs; `--no-ogs` counts the engine's own kernel (kernels.triton_moe) instead;
+  torch glue is counted as it runs; `--no-ogs` counts the engine's own kernel (dsv4_kernels.triton_moe) instead;
 - FP8 dense projections on CUDA are an activation-quantiser launch + a DeepGEMM launch, where the CPU
   multiplies dequantised weights once: `--fp8` adds one launch per dense projection call (reported apart);
 - anything that differs between CUDA and the CPU inside a torch op (cuBLAS splitting a GEMM, ...) is not seen.
@@ -162,9 +162,9 @@ def _patch(sections: Sections, ogs: bool, fp8: bool) -> list:
     real_mhc = model_mod.DeepseekV4Model.__dict__["_mhc"]
 
     def cuda_mhc(streams):
-        # CUDA takes kernels.triton_mhc; the CPU engine keeps the reference (the interpreter is slow), so the
+        # CUDA takes dsv4_kernels.triton_mhc; the CPU engine keeps the reference (the interpreter is slow), so the
         # count forces the kernels in.
-        from kernels import triton_mhc
+        from dsv4_kernels import triton_mhc
         return triton_mhc
     model_mod.DeepseekV4Model._mhc = mhc_of(cuda_mhc)
     undo.append((model_mod.DeepseekV4Model, "_mhc", real_mhc))
@@ -180,7 +180,7 @@ def _patch(sections: Sections, ogs: bool, fp8: bool) -> list:
     if fp8:
         def linear_of(real):
             def inner(x, w, *groups):
-                # CUDA: kernels.deepgemm_linear -- fp8_gemm: quantiser + GEMM; fp8_grouped_gemm: one quantiser
+                # CUDA: dsv4_kernels.deepgemm_linear -- fp8_gemm: quantiser + GEMM; fp8_grouped_gemm: one quantiser
                 # launch over the groups (quant_act_1x128_grouped), a GEMM per group, the output's transposing
                 # reshape. (Before that quantiser: a contiguous copy and one quantiser per group, 2 + 2G.)
                 n = 2 if not groups else 2 + groups[0]
@@ -194,7 +194,7 @@ def _patch(sections: Sections, ogs: bool, fp8: bool) -> list:
                     undo.append((mod, attr, _wrap(mod, attr, linear_of)))
         # The shared expert's down projection takes its input from the fused SwiGLU + quantiser on CUDA
         # (engine.moe.MoEBlock.shared_expert): run that kernel and count the GEMM after it as one launch.
-        import kernels.deepgemm_linear as dgl
+        import dsv4_kernels.deepgemm_linear as dgl
 
         def gemm_quantized(xq, xs, w):
             sections.add("fp8 dense (CUDA: quant + DeepGEMM launches)")
@@ -210,7 +210,7 @@ def _patch(sections: Sections, ogs: bool, fp8: bool) -> list:
 
 
 class _LabelledMhc:
-    """kernels.mhc / kernels.triton_mhc with hc_post labelled as the layer's mhc."""
+    """dsv4_kernels.mhc / dsv4_kernels.triton_mhc with hc_post labelled as the layer's mhc."""
 
     def __init__(self, impl, sections: Sections):
         self.impl, self.sections = impl, sections
@@ -225,9 +225,9 @@ class _LabelledMhc:
 
 
 def _stub_ogs(sections: Sections) -> list:
-    """Run kernels.mxfp4_ogs.ogs_moe's torch glue with triton_kernels' launches stubbed (counted, not run)."""
+    """Run dsv4_kernels.mxfp4_ogs.ogs_moe's torch glue with triton_kernels' launches stubbed (counted, not run)."""
     import engine.moe as moe_mod
-    import kernels.mxfp4_ogs as ogs_mod
+    import dsv4_kernels.mxfp4_ogs as ogs_mod
 
     class Matmul:
         @staticmethod
@@ -266,7 +266,7 @@ def _flashmla_stub():
     """FlashMLA's decode path on the CPU: the path choice forced where the H200 takes it (a one-token-each fp8
     step whose geometry FlashMLA takes), flash_mla's launch stubbed (zeros out) and counted as one."""
     import engine.attention as attention_mod
-    import kernels.gpu as gpu
+    import dsv4_kernels.gpu as gpu
 
     real_path, real_import = attention_mod.AttentionBlock._path, gpu.import_flash_mla
 
@@ -400,7 +400,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--no-ogs", action="store_true", help="count kernels.triton_moe instead of triton_kernels")
+    ap.add_argument("--no-ogs", action="store_true", help="count dsv4_kernels.triton_moe instead of triton_kernels")
     ap.add_argument("--no-fp8", action="store_true", help="count dense projections as one CPU matmul each")
     ap.add_argument("--layer", default=None, help="list this layer's sources (e.g. layer1); default: the CSA layer")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "exact", "fp8"),

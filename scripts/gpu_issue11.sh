@@ -24,7 +24,7 @@ for stage in "$@"; do
   case $stage in
     probe) python3 -c '
 import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
-from kernels import gpu
+from dsv4_kernels import gpu
 for n in ("has_deep_gemm", "has_flash_mla", "has_triton_kernels"):
     print(n, getattr(gpu, n)(), gpu.why_not({"has_deep_gemm": "deep_gemm", "has_flash_mla": "flash_mla"}.get(n, "triton_kernels.matmul")))
 ' 2>&1 | tee "$OUT/probe.log" ;;

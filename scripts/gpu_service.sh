@@ -25,7 +25,7 @@ if [ "$DEVICE" = cuda ]; then
   # quantised (FP8 dense, MXFP4 experts: V4's checkpoint format, and the model scripts/check_gpu_handoff.py
   # found bit-exact), and its MXFP4 experts stay packed (=1: the Triton MoE paths, whose k-way sum has no
   # atomics). The run of 2026-12-01 used dequantised bf16 experts, whose combine was then CUDA's atomic
-  # index_add_ (kernels.moe.moe_experts_grouped sums over k without atomics since).
+  # index_add_ (dsv4_kernels.moe.moe_experts_grouped sums over k without atomics since).
   export DSV4_MXFP4_MOE=${DSV4_MXFP4_MOE:-1}
   # One compile cache for the warm stage and the workers (gpu_issue11.sh coldstart fills the same one first)
   export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/dsv4-cc/deep_gemm}

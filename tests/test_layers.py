@@ -1,6 +1,6 @@
 """The import graph follows the layers, has no cycles, and no private name crosses a module boundary.
 
-  kernels <- engine <- {kv_transfer, prefill_worker, decode_worker} <- router <- service
+  dsv4_kernels <- engine <- {kv_transfer, prefill_worker, decode_worker} <- router <- service
 Workers may use kv_transfer but never each other; kv_transfer uses neither worker. deploy/ (files that are
 deployed: chart, dashboards, rules) imports nothing of the runtime except `engine.metrics`, whose names it charts.
 Read with `ast`, so a lazy import inside a function counts as much as one at the top.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYER = {"kernels": 0, "engine": 1, "kv_transfer": 2, "prefill_worker": 2, "decode_worker": 2, "router": 3,
+LAYER = {"dsv4_kernels": 0, "engine": 1, "kv_transfer": 2, "prefill_worker": 2, "decode_worker": 2, "router": 3,
          "service": 4}
 SIDEWAYS_OK = {("prefill_worker", "kv_transfer"), ("decode_worker", "kv_transfer")}
 RUNTIME = set(LAYER)

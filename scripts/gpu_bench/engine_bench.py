@@ -36,7 +36,7 @@ class ExpertRecorder:
     """Keeps the routed expert ids of each MoE call while `on`, whichever route the engine takes.
 
     Wraps `route` where engine.moe looks it up: `engine.moe.route` (dense experts) and the attribute
-    `kernels.triton_moe.route` (packed MXFP4 on the Triton path; engine.moe imports the module inside
+    `dsv4_kernels.triton_moe.route` (packed MXFP4 on the Triton path; engine.moe imports the module inside
     the call). Under CUDA graphs route runs only at capture: the ids tensors of the capture forward are
     kept per bucket (so their memory stays theirs) and read after each replay. Padding rows of a
     fixed-shape step are dropped (real requests come first).
@@ -50,8 +50,8 @@ class ExpertRecorder:
         self._patched: list[tuple[object, str, object]] = []
         self._patch(sys.modules[type(core.model.moe[0]).__module__], "route")
         packed = any(m.mxfp4 for m in core.model.moe)
-        if (packed and use_mxfp4_moe(core.device)) or "kernels.triton_moe" in sys.modules:
-            self._patch(importlib.import_module("kernels.triton_moe"), "route")
+        if (packed and use_mxfp4_moe(core.device)) or "dsv4_kernels.triton_moe" in sys.modules:
+            self._patch(importlib.import_module("dsv4_kernels.triton_moe"), "route")
         runner = core.decode_runner
         if runner is not None:
             orig_run = runner.run

@@ -4,7 +4,7 @@ Two byte counts for a decode step:
 - production format: dense FP8 (+ UE8M0 block scales) or bf16 where the release keeps bf16 (compressor,
   router, indexer weights_proj, embed rows, head), fp32 mHC/norm tensors, MXFP4 experts actually touched
   by the step's routing, caches as fp8_ds_mla (584 B a row) and MXFP4 indexer keys (68 B a row) per
-  kernels/geometry.py: per request and layer the SWA window (127 rows), on CSA layers all visible indexer
+  dsv4_kernels/geometry.py: per request and layer the SWA window (127 rows), on CSA layers all visible indexer
   keys + the top-512 entries, on HCA all entries;
 - engine format: the same rows and tensors as the engine stores them: bf16 dense weights (FP8 + scales when
   the engine keeps them FP8), bf16 cache rows, and the touched routed experts as MXFP4 when the engine keeps
@@ -44,8 +44,8 @@ def index_row_bytes(cfg: ModelConfig, fmt: str) -> int:
 
 
 def check_geometry(cfg: ModelConfig) -> None:
-    """Cross-check the row sizes above with kernels/geometry.py (only valid for V4-like widths)."""
-    from kernels.geometry import Fp8DsMlaLayout, IndexerKeyLayout
+    """Cross-check the row sizes above with dsv4_kernels/geometry.py (only valid for V4-like widths)."""
+    from dsv4_kernels.geometry import Fp8DsMlaLayout, IndexerKeyLayout
 
     assert kv_row_bytes(cfg, "prod") == Fp8DsMlaLayout(cfg.head_dim, cfg.rope_dim).row_bytes
     assert index_row_bytes(cfg, "prod") == IndexerKeyLayout(cfg.index_head_dim, "mxfp4").row_bytes

@@ -6,7 +6,7 @@ Routed experts come in one of two formats (EXPERT_FORMATS), one engine each:
 - "mxfp4": kept packed, as `load_weights(..., keep_mxfp4_experts=True)` hands them over (uint8 e2m1 bytes
   [N, K/2] + UE8M0 scale bytes [N, K/32] per expert; engine.moe.PackedExperts), filled with random bytes
   (every byte is a valid e2m1 pair) and one scale per tensor giving the std of the bf16 experts;
-- "bf16": MXFP4-rounded (kernels/quant.py) then dequantised to bf16, as the loader does by default.
+- "bf16": MXFP4-rounded (dsv4_kernels/quant.py) then dequantised to bf16, as the loader does by default.
 No checkpoint file is written: the weights dict is built on the device and handed to `EngineCore`, and
 the caches are filled with random rows.
 """
@@ -30,7 +30,7 @@ from engine.make_model import (  # the release's quantisation layout
 from engine.runner import EngineCore
 from engine.scheduler import SchedulerConfig
 from engine.weights import expected_weight_shapes, keeps_fp32
-from kernels.quant import (
+from dsv4_kernels.quant import (
     E2M1_VALUES,
     UE8M0_BIAS,
     dequant_fp8_block,

@@ -1,4 +1,4 @@
-"""The fused decode prologue (kernels.triton_decode_prologue through engine.decode_batch.PrologueLayout) derives
+"""The fused decode prologue (dsv4_kernels.triton_decode_prologue through engine.decode_batch.PrologueLayout) derives
 exactly the StepBatch of the torch derivation (derive_decode_batch_reference): every tensor, element for element,
 same dtype and shape, on random page tables and positions (window edges, position 0, padding rows)."""
 

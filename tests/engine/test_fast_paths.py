@@ -1,7 +1,7 @@
 """engine.fast_paths: the Triton switch, and the engine's Triton attention path against the reference path.
 
 On a CUDA machine the fast path runs compiled; elsewhere it is forced onto CPU tensors with DSV4_TRITON=1
-under triton's interpreter (TRITON_INTERPRET=1, set before any kernels.triton_* import). Both paths run
+under triton's interpreter (TRITON_INTERPRET=1, set before any dsv4_kernels.triton_* import). Both paths run
 the tiny model in fp32 on the same prompts (chunked prefill, so window rows come from the SWA ring and
 from the chunk, plus CSA and HCA entries), and must give the same greedy tokens and log-probs within 1e-4.
 """
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine.fast_paths import ENV, use_triton  # noqa: E402
-from kernels.gpu import has_triton, triton_enabled  # noqa: E402
+from dsv4_kernels.gpu import has_triton, triton_enabled  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-4
@@ -97,7 +97,7 @@ def test_fp8_fast_path_matches_fp8_reference(monkeypatch, decode_mode):
     chunks here, and bucketed = eager with fp8 caches is tests/engine/test_decode_buckets.py's (a 95 s
     interpreter run saved on the 2-core CI machine).
     (Here, not in test_kv_cache_fp8.py, because forcing the Triton path needs TRITON_INTERPRET set before the
-    first kernels.triton_* import.) FlashMLA's decode path is checked on the GPU (tests/kernels/test_flashmla_sparse.py)."""
+    first dsv4_kernels.triton_* import.) FlashMLA's decode path is checked on the GPU (tests/kernels/test_flashmla_sparse.py)."""
     import engine.attention_fp8 as fp8_mod
 
     calls = []
@@ -138,9 +138,9 @@ def test_flashmla_decode_glue_matches_fp8_reference(monkeypatch):
     itself replaced by plain attention over the rows those lists name (FlashMLA needs the GPU; its own numerics
     are tests/kernels/test_flashmla_sparse.py's). The tiny geometry is not FlashMLA's, so the path is forced."""
     import engine.attention as attention_mod
-    import kernels.flashmla_sparse as fm
+    import dsv4_kernels.flashmla_sparse as fm
     from engine.cache import fp8_ds_mla_codec
-    from kernels.attention import sparse_attention
+    from dsv4_kernels.attention import sparse_attention
 
     calls = []
 
@@ -152,7 +152,7 @@ def test_flashmla_decode_glue_matches_fp8_reference(monkeypatch):
             assert idx.dtype == torch.int32 and idx.shape[1] % fm.TOPK_MULTIPLE == 0 and idx.is_contiguous()
             codec = fp8_ds_mla_codec(q.shape[-1], layout.rope_dim, layout.block_size)
             blocks = cache.view(-1, layout.block_bytes())
-            from kernels import geometry as g
+            from dsv4_kernels import geometry as g
             rows = g.read_rows(blocks, layout, idx.reshape(-1).clamp(min=0).long())
             keys.append(codec.decode(rows, q.dtype).view(*idx.shape, -1))
             valid.append(idx >= 0)

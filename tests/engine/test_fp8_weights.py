@@ -16,8 +16,8 @@ from engine.llm import LLM
 from engine.make_model import _QUANT_CONFIG, preset_config, quantize_weights, random_weights, write_tokenizer
 from engine.sampling_params import SamplingParams
 from engine.weights import load_weights
-from kernels.fp8_linear import Fp8Weight, weight_from_checkpoint
-from kernels.quant import quant_fp8_block
+from dsv4_kernels.fp8_linear import Fp8Weight, weight_from_checkpoint
+from dsv4_kernels.quant import quant_fp8_block
 
 
 def _fp8_config() -> dict:

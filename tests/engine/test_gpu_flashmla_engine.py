@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gpu import has_flash_mla, why_not
+from dsv4_kernels.gpu import has_flash_mla, why_not
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""The CUDA bf16 engine on FP8 projections through DeepGEMM (kernels.deepgemm_linear) against transformers.
+"""The CUDA bf16 engine on FP8 projections through DeepGEMM (dsv4_kernels.deepgemm_linear) against transformers.
 
 The oracle runs the same FP8-rounded weights with exact fp32 activations (tests.support.fp8_oracle), so the
 engine's error is its bf16 arithmetic plus the 1x128 FP8 activation quantisation (e4m3 keeps 3 mantissa bits,
@@ -7,7 +7,7 @@ Asserted:
 - the bf16 engine on the dequantised weights and the FP8 engine (DeepGEMM, CUDA graphs) both stay within the
   bf16 tolerances of test_gpu_engine (share within 0.1 nats, mean |dlogprob|);
 - the FP8 engine adds no error beyond the reference FP8 function: its mean |dlogprob| against the oracle is at
-  most 1.5x (+0.02) that of the CPU fp32 engine on kernels.fp8_linear's reference.
+  most 1.5x (+0.02) that of the CPU fp32 engine on dsv4_kernels.fp8_linear's reference.
 The three figures are printed ("[gpu fp8 oracle]") for BENCHMARKS.md.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gpu import has_deep_gemm, why_not
+from dsv4_kernels.gpu import has_deep_gemm, why_not
 
 if not torch.cuda.is_available() or not has_deep_gemm():
     pytest.skip("GPU only: the FP8 GEMM path needs a CUDA device with deep_gemm (pip install '.[gpu]'): "
@@ -24,7 +24,7 @@ if not torch.cuda.is_available() or not has_deep_gemm():
 
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from kernels.fp8_linear import Fp8Weight  # noqa: E402
+from dsv4_kernels.fp8_linear import Fp8Weight  # noqa: E402
 from tests.support.fp8_oracle import make_fp8_pair, oracle_diffs, prompts  # noqa: E402
 
 pytestmark = pytest.mark.gpu

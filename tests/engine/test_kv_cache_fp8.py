@@ -22,8 +22,8 @@ from engine.config import ModelConfig
 from engine.llm import LLM, load_engine
 from engine.make_model import PRESETS
 from engine.sampling_params import SamplingParams
-from kernels import geometry as g
-from kernels import quant_formats as qf
+from dsv4_kernels import geometry as g
+from dsv4_kernels import quant_formats as qf
 from tests.support.configs import flash_config
 
 SENTINEL = 0xAB
@@ -331,7 +331,7 @@ def test_kv_cache_dtype_auto_resolves_per_device_and_geometry():
     """--kv-cache-dtype auto: fp8 only where FlashMLA decodes it (a bf16 CUDA engine with V4's geometry and
     flash_mla); exact rows elsewhere, with the reason; explicit choices are kept."""
     from engine.fast_paths import resolve_kv_cache_dtype
-    from kernels.gpu import has_flash_mla
+    from dsv4_kernels.gpu import has_flash_mla
 
     assert resolve_kv_cache_dtype("fp8", "cpu", torch.float32, 32, 16, 4)[0] == "fp8"
     assert resolve_kv_cache_dtype("exact", "cuda", torch.bfloat16, 512, 64, 64)[0] == "exact"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.moe import has_grouped_mm, moe_experts, moe_experts_grouped
+from dsv4_kernels.moe import has_grouped_mm, moe_experts, moe_experts_grouped
 
 pytestmark = pytest.mark.skipif(not has_grouped_mm(), reason="torch._grouped_mm is not available")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -26,7 +26,7 @@ from engine.parallel import ParallelContext
 from engine.shard_reader import load_shard
 from engine.sharding import cut_of, owns, shard_weights
 from engine.weights import load_weights
-from kernels.quant import ue8m0_to_float
+from dsv4_kernels.quant import ue8m0_to_float
 
 FP4 = getattr(torch, "float4_e2m1fn_x2", None)
 

@@ -296,7 +296,7 @@ def test_fp8_projections_stay_fp8_per_rank(tmp_path):
     (engine.linear's FP8 path, here its CPU reference) and matches one rank. Activations are quantised per
     128-block along K on both sides, on the same blocks; an fp32 summation-order difference can still move a
     value across an e4m3 rounding step, hence a looser bound than the plain fp32 tests."""
-    from kernels.fp8_linear import Fp8Weight
+    from dsv4_kernels.fp8_linear import Fp8Weight
 
     model_dir = _write_fp8_model(str(tmp_path / "fp8"))
     params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=True, prompt_logprobs=True)

@@ -145,13 +145,13 @@ def test_gpu_load_engine_warms_and_serves_what_a_cold_engine_serves(monkeypatch)
 
 
 def test_deepgemm_shapes_are_recorded_and_swept(monkeypatch):
-    """kernels.deepgemm_linear records (N, K) of every FP8 GEMM it runs, keeps no weight alive, and warm_shape
+    """dsv4_kernels.deepgemm_linear records (N, K) of every FP8 GEMM it runs, keeps no weight alive, and warm_shape
     runs that shape at each M (DeepGEMM and the quantiser are CUDA-only: stand-ins record the calls here)."""
     import types
 
-    import kernels.deepgemm_linear as dgl
-    import kernels.triton_fp8_quant as quant
-    from kernels.fp8_linear import Fp8Weight
+    import dsv4_kernels.deepgemm_linear as dgl
+    import dsv4_kernels.triton_fp8_quant as quant
+    from dsv4_kernels.fp8_linear import Fp8Weight
 
     calls = []
     fake = types.SimpleNamespace(fp8_gemm_nt=lambda a, b, out: calls.append((a[0].shape[0], tuple(b[0].shape),
@@ -174,9 +174,9 @@ def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
     from then on; above GROUPED_MAX_TOKENS, G plain GEMMs."""
     import types
 
-    import kernels.deepgemm_linear as dgl
-    import kernels.triton_fp8_quant as quant
-    from kernels.fp8_linear import Fp8Weight
+    import dsv4_kernels.deepgemm_linear as dgl
+    import dsv4_kernels.triton_fp8_quant as quant
+    from dsv4_kernels.fp8_linear import Fp8Weight
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""kernels.flashmla_sparse: FlashMLA's sparse decode over two fp8_ds_mla paged caches against the plain-torch
+"""dsv4_kernels.flashmla_sparse: FlashMLA's sparse decode over two fp8_ds_mla paged caches against the plain-torch
 reference, on fresh random caches written in the engine's block layout (geometry.write_rows).
 
 The reference's block addressing is checked everywhere (CPU); FlashMLA itself needs an sm90 GPU with
@@ -8,10 +8,10 @@ tokenspeed-flashmla installed: those tests are marked gpu and skip elsewhere.
 import pytest
 import torch
 
-from kernels import flashmla_sparse as fm
-from kernels.attention import sparse_attention
-from kernels.geometry import Fp8DsMlaLayout, pack_fp8_ds_mla, read_rows, unpack_fp8_ds_mla, write_rows
-from kernels.gpu import has_flash_mla, why_not
+from dsv4_kernels import flashmla_sparse as fm
+from dsv4_kernels.attention import sparse_attention
+from dsv4_kernels.geometry import Fp8DsMlaLayout, pack_fp8_ds_mla, read_rows, unpack_fp8_ds_mla, write_rows
+from dsv4_kernels.gpu import has_flash_mla, why_not
 from tests.support.numerics import assert_close, randn
 
 needs_flash_mla = pytest.mark.skipif(

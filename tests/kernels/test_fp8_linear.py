@@ -4,11 +4,11 @@ CPU, compiled on CUDA) and DeepGEMM's FP8 GEMM against the reference (CUDA with 
 import pytest
 import torch
 
-from tests.support import triton_env  # noqa: F401  (sets TRITON_INTERPRET before kernels.triton_* imports)
-from kernels import fp8_linear as ref
-from kernels.gpu import has_deep_gemm, why_not
-from kernels.quant import quant_fp8_block
-from kernels.triton_fp8_quant import quant_act_1x128
+from tests.support import triton_env  # noqa: F401  (sets TRITON_INTERPRET before dsv4_kernels.triton_* imports)
+from dsv4_kernels import fp8_linear as ref
+from dsv4_kernels.gpu import has_deep_gemm, why_not
+from dsv4_kernels.quant import quant_fp8_block
+from dsv4_kernels.triton_fp8_quant import quant_act_1x128
 
 DEVICE = triton_env.DEVICE
 
@@ -76,7 +76,7 @@ needs_deep_gemm = pytest.mark.skipif(
 @pytest.mark.parametrize("m", [1, 16, 64, 200])
 @pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 1024), (512, 4096)])
 def test_deep_gemm_matches_reference(m, n, k):
-    from kernels.deepgemm_linear import fp8_gemm
+    from dsv4_kernels.deepgemm_linear import fp8_gemm
 
     gen = torch.Generator().manual_seed(m + n + k)
     _, fw = _weight(n, k, gen, "cuda")
@@ -94,8 +94,8 @@ def test_deep_gemm_matches_reference(m, n, k):
 @pytest.mark.parametrize("t", [1, 3, 64])
 def test_deep_gemm_grouped_projection(t):
     """One masked grouped GEMM (not its G-GEMM fallback) over a transposed [T, G, D] view, as the engine passes."""
-    import kernels.deepgemm_linear as dgl
-    from kernels.deepgemm_linear import fp8_grouped_gemm
+    import dsv4_kernels.deepgemm_linear as dgl
+    from dsv4_kernels.deepgemm_linear import fp8_grouped_gemm
 
     g, r, d = 8, 256, 512
     gen = torch.Generator().manual_seed(t)
@@ -114,7 +114,7 @@ def test_deep_gemm_grouped_projection(t):
 def test_triton_grouped_quantiser_matches_per_group(g, m, k, pow2):
     """One launch over a transposed [M, G, K] view (as engine.linear's grouped projection passes it) gives each
     group exactly the plain quantiser's codes and scales, in the same MN-major scale layout."""
-    from kernels.triton_fp8_quant import quant_act_1x128_grouped
+    from dsv4_kernels.triton_fp8_quant import quant_act_1x128_grouped
 
     gen = torch.Generator().manual_seed(g * 100 + m + k)
     x = (torch.randn(m, g, k, generator=gen) * torch.rand(m, g, 1, generator=gen) * 20).to(DEVICE)
@@ -131,7 +131,7 @@ def test_triton_grouped_quantiser_matches_per_group(g, m, k, pow2):
 def test_triton_grouped_quantiser_into_padded_group_storage():
     """rows: every group gets `rows` rows of storage (the masked grouped GEMM's tile-aligned M); its first M rows
     hold the same codes and scales as without padding."""
-    from kernels.triton_fp8_quant import quant_act_1x128_grouped
+    from dsv4_kernels.triton_fp8_quant import quant_act_1x128_grouped
 
     g, m, k, rows = 3, 5, 256, 16
     x = (torch.randn(m, g, k, generator=torch.Generator().manual_seed(4)) * 7).to(DEVICE).transpose(0, 1)
@@ -147,7 +147,7 @@ def test_rms_norm_for_off_the_fp8_path_is_the_plain_norm():
     """engine.linear.rms_norm_for without DeepGEMM (CPU, or tensor weights): rms_norm and no quantisation;
     linear_from then is linear. (The fused path runs on CUDA: tests/kernels/test_triton_norm_quant.py.)"""
     from engine.linear import linear, linear_from, rms_norm_for
-    from kernels.norm import rms_norm
+    from dsv4_kernels.norm import rms_norm
 
     gen = torch.Generator().manual_seed(5)
     x, w, proj = torch.randn(3, 256, generator=gen), torch.rand(256, generator=gen) + 0.5, torch.randn(64, 256,

@@ -1,4 +1,4 @@
-"""Byte-exact cache layouts (kernels/geometry.py) and their codecs (kernels/quant_formats.py).
+"""Byte-exact cache layouts (dsv4_kernels/geometry.py) and their codecs (dsv4_kernels/quant_formats.py).
 
 Capacity numbers for V4-Flash (43 layers: 2 SWA-only, then CSA(4) / HCA(128) alternating -> 21 CSA, 20 HCA),
 computed by the module and pinned here:
@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import geometry as g
-from kernels import quant_formats as qf
+from dsv4_kernels import geometry as g
+from dsv4_kernels import quant_formats as qf
 from tests.support.configs import flash_config
 
 SENTINEL = 0xAB

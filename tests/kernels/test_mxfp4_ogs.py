@@ -1,12 +1,12 @@
-"""Routed MXFP4 experts through OpenAI's triton_kernels (kernels.mxfp4_ogs) against the reference on the
+"""Routed MXFP4 experts through OpenAI's triton_kernels (dsv4_kernels.mxfp4_ogs) against the reference on the
 dequantised checkpoint bytes (CUDA with triton_kernels installed only: it has no CPU/interpreter path)."""
 
 import pytest
 import torch
 
-from kernels.gpu import has_triton_kernels, why_not
-from kernels.moe import moe_experts, route
-from kernels.quant import dequant_mxfp4, quant_mxfp4
+from dsv4_kernels.gpu import has_triton_kernels, why_not
+from dsv4_kernels.moe import moe_experts, route
+from dsv4_kernels.quant import dequant_mxfp4, quant_mxfp4
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,7 +32,7 @@ def _experts(e, h, inter, gen):
 @pytest.mark.parametrize("t,e,h,inter,k", [(1, 8, 256, 128, 2), (37, 16, 512, 256, 4), (64, 32, 1024, 512, 6),
                                            (4100, 16, 512, 256, 4)])  # 4100: prefill-sized constraints
 def test_ogs_moe_matches_reference(t, e, h, inter, k):
-    from kernels import mxfp4_ogs
+    from dsv4_kernels import mxfp4_ogs
 
     gen = torch.Generator().manual_seed(t * 7 + e)
     packed, dense = _experts(e, h, inter, gen)
@@ -48,7 +48,7 @@ def test_ogs_moe_matches_reference(t, e, h, inter, k):
 
 
 def test_ogs_moe_under_cuda_graph():
-    from kernels import mxfp4_ogs
+    from dsv4_kernels import mxfp4_ogs
 
     gen = torch.Generator().manual_seed(5)
     packed, _ = _experts(16, 512, 256, gen)
@@ -78,7 +78,7 @@ def test_variant_sweep_leaves_no_step_size_to_compile():
     triton_kernels' matmul a step of up to max_tokens tokens can need: random step sizes afterwards, and the
     ~520-token one that compiled mid-request on the H200 after the ladder, specialise nothing new."""
     from engine.compile_watch import install_variant_log
-    from kernels import mxfp4_ogs
+    from dsv4_kernels import mxfp4_ogs
 
     log = install_variant_log()
     gen = torch.Generator().manual_seed(11)

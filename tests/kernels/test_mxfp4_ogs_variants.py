@@ -1,11 +1,11 @@
-"""kernels.mxfp4_ogs.variant_tokens: one token count per class of launch variant of triton_kernels' MoE matmuls
+"""dsv4_kernels.mxfp4_ogs.variant_tokens: one token count per class of launch variant of triton_kernels' MoE matmuls
 (what engine.warmup's MoE sweep runs). CPU: the classes themselves; the GPU test in test_mxfp4_ogs.py checks
 that after the sweep no step size compiles a new variant."""
 
 import pytest
 
 from engine.warmup import prompt_ladder
-from kernels.mxfp4_ogs import PREFILL_TOKENS, _ragged_blocks, variant_key, variant_tokens
+from dsv4_kernels.mxfp4_ogs import PREFILL_TOKENS, _ragged_blocks, variant_key, variant_tokens
 
 
 def test_every_step_size_shares_its_class_with_a_swept_one():
@@ -34,7 +34,7 @@ def test_prefill_constraints_and_sort_path_split_classes():
 
 @pytest.mark.gpu
 def test_row_blocks_match_triton_kernels():
-    from kernels import gpu
+    from dsv4_kernels import gpu
 
     if not gpu.has_triton_kernels():  # (it also installs the triton 3.6 shims triton_kernels imports need)
         pytest.skip("GPU only: triton_kernels needs a CUDA GPU with tokenspeed-triton-kernels (the gpu extra)")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.quant import (
+from dsv4_kernels.quant import (
     E2M1_VALUES,
     dequant_fp8_block,
     dequant_mxfp4,
@@ -143,7 +143,7 @@ def test_mxfp4_hand_built_bytes():
 
 def test_mxfp4_rounding_ties_to_smaller_magnitude():
     # amax 6 -> scale 1; midpoints round to the smaller magnitude, as the cache writers and Triton kernels do
-    # (one codec: kernels.quant_formats).
+    # (one codec: dsv4_kernels.quant_formats).
     vals = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 0.3, -0.0]
     w = torch.tensor(vals + [0.0] * (32 - len(vals))).reshape(1, 32)
     packed, s = quant_mxfp4(w)

@@ -1,7 +1,7 @@
-"""Triton sparse MQA attention (kernels/triton_attention.py) against kernels.attention.sparse_attention.
+"""Triton sparse MQA attention (dsv4_kernels/triton_attention.py) against dsv4_kernels.attention.sparse_attention.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter (set before any
-kernels.triton_* import, because triton reads the flag when a kernel is decorated).
+dsv4_kernels.triton_* import, because triton reads the flag when a kernel is decorated).
 """
 
 import pytest
@@ -10,9 +10,9 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 from tests.support import numerics as NUM  # noqa: E402
 
-from kernels import geometry as g  # noqa: E402
-from kernels.attention import sparse_attention  # noqa: E402
-from kernels.triton_attention import (  # noqa: E402
+from dsv4_kernels import geometry as g  # noqa: E402
+from dsv4_kernels.attention import sparse_attention  # noqa: E402
+from dsv4_kernels.triton_attention import (  # noqa: E402
     sparse_mqa_attention, sparse_mqa_attention_fp8, sparse_mqa_attention_multi)
 
 

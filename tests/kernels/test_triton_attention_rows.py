@@ -1,4 +1,4 @@
-"""Triton attention row ids (kernels/triton_attention_rows.py) against the torch glue they replace.
+"""Triton attention row ids (dsv4_kernels/triton_attention_rows.py) against the torch glue they replace.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter.
 """
@@ -9,7 +9,7 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 from engine.batch import paged_rows  # noqa: E402
-from kernels.triton_attention_rows import attention_rows  # noqa: E402
+from dsv4_kernels.triton_attention_rows import attention_rows  # noqa: E402
 
 T, W = 6, 20
 

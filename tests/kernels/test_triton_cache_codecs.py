@@ -1,4 +1,4 @@
-"""Triton element codecs (kernels/triton_cache_codecs.py) bit for bit against kernels/quant_formats.py.
+"""Triton element codecs (dsv4_kernels/triton_cache_codecs.py) bit for bit against dsv4_kernels/quant_formats.py.
 
 Runs compiled on a GPU when one is present (where the e4m3 encoder is the hardware cast), else in
 triton's CPU interpreter (the software encoder).
@@ -9,9 +9,9 @@ import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
-from kernels import quant_formats as qf  # noqa: E402
-from kernels import triton_cache_codecs as tc  # noqa: E402
-from kernels.hadamard import hadamard_matrix  # noqa: E402
+from dsv4_kernels import quant_formats as qf  # noqa: E402
+from dsv4_kernels import triton_cache_codecs as tc  # noqa: E402
+from dsv4_kernels.hadamard import hadamard_matrix  # noqa: E402
 
 triton, tl = tc.triton, tc.tl
 

@@ -1,9 +1,9 @@
-"""Triton compressor step (kernels/triton_compress_step.py) against the engine's reference chain.
+"""Triton compressor step (dsv4_kernels/triton_compress_step.py) against the engine's reference chain.
 
 close_windows: slots gathered from [state ring | chunk] rows (SourceRows.row), overlap_slots, pool_windows, rms_norm,
 apply_rope at the window start -> the entry rows (exact: values; quantised: the bytes the quantised-entry writer
-kernels.triton_compressor.pool_norm_rope_quant stores for the same slots, byte for byte). save_state: RingWrite
-of kernels.compressor.state_rows. Runs compiled on a GPU when one is present, else in triton's CPU interpreter.
+dsv4_kernels.triton_compressor.pool_norm_rope_quant stores for the same slots, byte for byte). save_state: RingWrite
+of dsv4_kernels.compressor.state_rows. Runs compiled on a GPU when one is present, else in triton's CPU interpreter.
 """
 
 import pytest
@@ -12,11 +12,11 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 from engine.cache import fp8_ds_mla_codec, indexer_codec  # noqa: E402
-from kernels.compressor import overlap_slots, pool_windows, state_rows  # noqa: E402
-from kernels.norm import rms_norm  # noqa: E402
-from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
-from kernels.triton_compress_step import close_windows, entry_rope_table, save_state  # noqa: E402
-from kernels.triton_compressor import pool_norm_rope_quant  # noqa: E402
+from dsv4_kernels.compressor import overlap_slots, pool_windows, state_rows  # noqa: E402
+from dsv4_kernels.norm import rms_norm  # noqa: E402
+from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+from dsv4_kernels.triton_compress_step import close_windows, entry_rope_table, save_state  # noqa: E402
+from dsv4_kernels.triton_compressor import pool_norm_rope_quant  # noqa: E402
 from tests.support.cache_kernel_checks import assert_close, sentinel_cache  # noqa: E402
 
 EPS, T, R = 1e-6, 7, 12

@@ -1,7 +1,7 @@
-"""Triton compressor pooling (kernels/triton_compressor.py) against pool_windows + rms_norm (+ apply_rope).
+"""Triton compressor pooling (dsv4_kernels/triton_compressor.py) against pool_windows + rms_norm (+ apply_rope).
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter (set before any
-kernels.triton_* import, because triton reads the flag when a kernel is decorated).
+dsv4_kernels.triton_* import, because triton reads the flag when a kernel is decorated).
 """
 
 
@@ -11,10 +11,10 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 from tests.support import numerics as NUM  # noqa: E402
 
-from kernels.compressor import overlap_slots, pool_windows  # noqa: E402
-from kernels.norm import rms_norm  # noqa: E402
-from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
-from kernels.triton_compressor import pool_norm_rope  # noqa: E402
+from dsv4_kernels.compressor import overlap_slots, pool_windows  # noqa: E402
+from dsv4_kernels.norm import rms_norm  # noqa: E402
+from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+from dsv4_kernels.triton_compressor import pool_norm_rope  # noqa: E402
 
 
 

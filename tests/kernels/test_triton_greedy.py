@@ -1,11 +1,11 @@
-"""Triton greedy pick (kernels/triton_greedy.py): the first argmax and its log-softmax, as torch computes them."""
+"""Triton greedy pick (dsv4_kernels/triton_greedy.py): the first argmax and its log-softmax, as torch computes them."""
 
 import pytest
 import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
-from kernels.triton_greedy import greedy_pick  # noqa: E402
+from dsv4_kernels.triton_greedy import greedy_pick  # noqa: E402
 
 
 def reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

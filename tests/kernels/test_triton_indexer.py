@@ -1,7 +1,7 @@
-"""Triton indexer logits + top-k (kernels/triton_indexer.py) against kernels.indexer.
+"""Triton indexer logits + top-k (dsv4_kernels/triton_indexer.py) against dsv4_kernels.indexer.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter (set before any
-kernels.triton_* import, because triton reads the flag when a kernel is decorated).
+dsv4_kernels.triton_* import, because triton reads the flag when a kernel is decorated).
 """
 
 import pytest
@@ -10,9 +10,9 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 from tests.support import numerics as NUM  # noqa: E402
 
-from kernels import geometry as g  # noqa: E402
-from kernels import indexer as ref  # noqa: E402
-from kernels.triton_indexer import indexer_scores, indexer_topk  # noqa: E402
+from dsv4_kernels import geometry as g  # noqa: E402
+from dsv4_kernels import indexer as ref  # noqa: E402
+from dsv4_kernels.triton_indexer import indexer_scores, indexer_topk  # noqa: E402
 
 T, HI, DI, S, R = 4, 20, 48, 70, 90  # Hi >= 16 so ReLU zeros rarely tie; odd sizes exercise every mask
 

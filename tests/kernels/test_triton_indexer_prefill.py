@@ -1,4 +1,4 @@
-"""Prefill-shaped Triton indexer logits + top-k (kernels/triton_indexer_prefill.py) against kernels.indexer.
+"""Prefill-shaped Triton indexer logits + top-k (dsv4_kernels/triton_indexer_prefill.py) against dsv4_kernels.indexer.
 
 Varlen steps built as engine.batch builds its visible index entries (one page table per sequence, entry w
 visible to position p iff w < (p + 1) // 4), several sequences of different lengths, chunks starting
@@ -13,11 +13,11 @@ from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRE
 from tests.support import numerics as NUM  # noqa: E402
 
 from engine.batch import paged_rows, segment_arange  # noqa: E402
-from kernels import geometry as g  # noqa: E402
-from kernels import indexer as ref  # noqa: E402
-from kernels import triton_indexer  # noqa: E402
-from kernels.triton_indexer import indexer_topk  # noqa: E402
-from kernels.triton_indexer_prefill import indexer_prefill_scores, prefill_blocks  # noqa: E402
+from dsv4_kernels import geometry as g  # noqa: E402
+from dsv4_kernels import indexer as ref  # noqa: E402
+from dsv4_kernels import triton_indexer  # noqa: E402
+from dsv4_kernels.triton_indexer import indexer_topk  # noqa: E402
+from dsv4_kernels.triton_indexer_prefill import indexer_prefill_scores, prefill_blocks  # noqa: E402
 
 PAGE_ROWS, PAGES = 8, 24
 # (start position, query count) per sequence: a prompt from 0 (its first 3 queries see nothing), a short

@@ -1,7 +1,7 @@
-"""Triton indexer query prologue (kernels/triton_indexer_query.py) against kernels.indexer.quantize_query.
+"""Triton indexer query prologue (dsv4_kernels/triton_indexer_query.py) against dsv4_kernels.indexer.quantize_query.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter (set before any
-kernels.triton_* import, because triton reads the flag when a kernel is decorated).
+dsv4_kernels.triton_* import, because triton reads the flag when a kernel is decorated).
 """
 
 import pytest
@@ -9,11 +9,11 @@ import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
-from kernels import geometry as g  # noqa: E402
-from kernels.hadamard import hadamard  # noqa: E402
-from kernels.indexer import quantize_query  # noqa: E402
-from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
-from kernels.triton_indexer_query import indexer_prologue, indexer_query  # noqa: E402
+from dsv4_kernels import geometry as g  # noqa: E402
+from dsv4_kernels.hadamard import hadamard  # noqa: E402
+from dsv4_kernels.indexer import quantize_query  # noqa: E402
+from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+from dsv4_kernels.triton_indexer_query import indexer_prologue, indexer_query  # noqa: E402
 from tests.support.cache_kernel_checks import assert_bytes_near, assert_close  # noqa: E402
 
 T, HI = 3, 7  # 21 rows: not a multiple of the 16-row block

@@ -1,7 +1,7 @@
-"""Triton mHC pre/post (kernels/triton_mhc.py) against kernels.mhc.hc_pre / hc_post.
+"""Triton mHC pre/post (dsv4_kernels/triton_mhc.py) against dsv4_kernels.mhc.hc_pre / hc_post.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter (set before any
-kernels.triton_* import, because triton reads the flag when a kernel is decorated).
+dsv4_kernels.triton_* import, because triton reads the flag when a kernel is decorated).
 """
 
 import pytest
@@ -10,8 +10,8 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 from tests.support import numerics as NUM  # noqa: E402
 
-from kernels import mhc as ref  # noqa: E402
-from kernels import triton_mhc  # noqa: E402
+from dsv4_kernels import mhc as ref  # noqa: E402
+from dsv4_kernels import triton_mhc  # noqa: E402
 
 T, D = 3, 80  # D is not a multiple of the 32-wide blocks used below
 
@@ -81,7 +81,7 @@ def test_bad_shapes_raise():
                                              (torch.bfloat16, torch.bfloat16)])
 def test_hc_pre_with_fused_input_norm(dtype, out_dtype):
     """norm_weight: the first output is the block's input, rms_norm(collapsed, w).to(out_dtype) (engine.model)."""
-    from kernels.norm import rms_norm
+    from dsv4_kernels.norm import rms_norm
 
     hc, iters = 4, 3
     streams, fn, base, scale = pre_inputs(hc, dtype, seed=90)
@@ -138,7 +138,7 @@ def test_mix_partials_sum_of_squares_column():
 def test_long_steps_take_the_per_token_kernel(monkeypatch, norm):
     """Above MIX_MAX_TOKENS (prefill chunks) one program collapses a whole token (torch's matmul logits); below,
     a token spreads over D blocks. Both match the reference, with and without the fused input norm."""
-    from kernels.norm import rms_norm
+    from dsv4_kernels.norm import rms_norm
 
     hc, iters = 4, 20
     streams, fn, base, scale = pre_inputs(hc, torch.bfloat16, seed=120)

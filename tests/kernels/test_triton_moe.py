@@ -1,4 +1,4 @@
-"""Triton MoE (kernels/triton_moe.py) against kernels.moe, and packed MXFP4 experts inside the engine.
+"""Triton MoE (dsv4_kernels/triton_moe.py) against dsv4_kernels.moe, and packed MXFP4 experts inside the engine.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter (tests/support/triton_env.py), so the
 shapes are tiny: the interpreter runs every program in Python.
@@ -10,9 +10,9 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 from tests.support import numerics as NUM  # noqa: E402
 
-from kernels import moe as ref  # noqa: E402
-from kernels import triton_moe  # noqa: E402
-from kernels.quant import dequant_mxfp4, quant_mxfp4  # noqa: E402
+from dsv4_kernels import moe as ref  # noqa: E402
+from dsv4_kernels import triton_moe  # noqa: E402
+from dsv4_kernels.quant import dequant_mxfp4, quant_mxfp4  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -1,4 +1,4 @@
-"""Triton MoE glue (kernels/triton_moe_glue.py) against the torch expressions it replaces.
+"""Triton MoE glue (dsv4_kernels/triton_moe_glue.py) against the torch expressions it replaces.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter (tests/support/triton_env.py).
 """
@@ -9,8 +9,8 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 from tests.support import numerics as NUM  # noqa: E402
 
-from kernels.moe import swiglu as ref_swiglu  # noqa: E402
-from kernels import triton_moe_glue as glue  # noqa: E402
+from dsv4_kernels.moe import swiglu as ref_swiglu  # noqa: E402
+from dsv4_kernels import triton_moe_glue as glue  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -60,7 +60,7 @@ def test_empty_and_bad_shapes():
 
 @pytest.mark.parametrize("t,k,e", [(5, 3, 8), (16, 6, 32), (1, 2, 4)])
 def test_sort_pairs_matches_torch_sort(t, k, e):
-    """Against kernels.mxfp4_ogs.sort_pairs' torch reference (stable argsort) + the gammas gather, with
+    """Against dsv4_kernels.mxfp4_ogs.sort_pairs' torch reference (stable argsort) + the gammas gather, with
     repeated experts (ties keep pair order) and -1 pairs (expert parallelism: expert 0, weight 0)."""
     gen = torch.Generator().manual_seed(t * 100 + k)
     ids = torch.randint(-1, e, (t, k), generator=gen).to(DEVICE)
@@ -80,10 +80,10 @@ def test_sort_pairs_matches_torch_sort(t, k, e):
 @pytest.mark.parametrize("pow2", [True, False])
 @pytest.mark.parametrize("p,inter", [(5, 256), (1, 128), (3, 200)])
 def test_swiglu_quant_matches_swiglu_then_quantiser(dtype, pow2, p, inter):
-    """= kernels.fp8_linear.quant_act_1x128(swiglu(gate, up)) (the reference quantiser on the reference SwiGLU,
+    """= dsv4_kernels.fp8_linear.quant_act_1x128(swiglu(gate, up)) (the reference quantiser on the reference SwiGLU,
     rounded to the dtype): scales within the dtype's tolerance (a 16-bit SwiGLU may round its largest value one
     ulp apart from torch's, which moves a non-power-of-two scale by that ulp), values within one e4m3 step."""
-    from kernels import fp8_linear
+    from dsv4_kernels import fp8_linear
 
     h = NUM.randn(p, 2 * inter, dtype=dtype, device=DEVICE, seed=p + inter, scale=4.0)
     gate, up = h[:, :inter], h[:, inter:]

@@ -1,5 +1,5 @@
-"""Triton RMSNorm + 1x128 FP8 quantisation (kernels/triton_norm_quant.py) against kernels.norm.rms_norm followed by
-kernels.fp8_linear.quant_act_1x128. Compiled on a GPU, else in triton's CPU interpreter."""
+"""Triton RMSNorm + 1x128 FP8 quantisation (dsv4_kernels/triton_norm_quant.py) against dsv4_kernels.norm.rms_norm followed by
+dsv4_kernels.fp8_linear.quant_act_1x128. Compiled on a GPU, else in triton's CPU interpreter."""
 
 import pytest
 import torch
@@ -7,9 +7,9 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 from tests.support import numerics as NUM  # noqa: E402
 
-from kernels import fp8_linear  # noqa: E402
-from kernels.norm import rms_norm  # noqa: E402
-from kernels.triton_norm_quant import rms_norm_quant  # noqa: E402
+from dsv4_kernels import fp8_linear  # noqa: E402
+from dsv4_kernels.norm import rms_norm  # noqa: E402
+from dsv4_kernels.triton_norm_quant import rms_norm_quant  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

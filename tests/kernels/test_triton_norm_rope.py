@@ -1,7 +1,7 @@
-"""Triton fused RMSNorm + RoPE (kernels/triton_norm_rope.py) against kernels.norm + kernels.rope.
+"""Triton fused RMSNorm + RoPE (dsv4_kernels/triton_norm_rope.py) against dsv4_kernels.norm + dsv4_kernels.rope.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter (set before any
-kernels.triton_* import, because triton reads the flag when a kernel is decorated).
+dsv4_kernels.triton_* import, because triton reads the flag when a kernel is decorated).
 """
 
 
@@ -11,9 +11,9 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 from tests.support import numerics as NUM  # noqa: E402
 
-from kernels.norm import rms_norm, unweighted_rms_norm  # noqa: E402
-from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
-from kernels.triton_norm_rope import rms_norm_rope, rope  # noqa: E402
+from dsv4_kernels.norm import rms_norm, unweighted_rms_norm  # noqa: E402
+from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+from dsv4_kernels.triton_norm_rope import rms_norm_rope, rope  # noqa: E402
 
 
 

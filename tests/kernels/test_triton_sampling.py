@@ -1,10 +1,10 @@
-"""Triton per-row exponential noise (kernels/triton_sampling.py): a function of the row's seed only, Exp(1)."""
+"""Triton per-row exponential noise (dsv4_kernels/triton_sampling.py): a function of the row's seed only, Exp(1)."""
 
 import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
-from kernels.triton_sampling import exp_noise  # noqa: E402
+from dsv4_kernels.triton_sampling import exp_noise  # noqa: E402
 
 
 def test_noise_depends_only_on_the_row_seed_and_is_exponential():

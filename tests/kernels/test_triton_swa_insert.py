@@ -1,7 +1,7 @@
-"""Triton fused SWA insert (kernels/triton_swa_insert.py) against norm + rope + geometry's fp8_ds_mla pack.
+"""Triton fused SWA insert (dsv4_kernels/triton_swa_insert.py) against norm + rope + geometry's fp8_ds_mla pack.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter (set before any
-kernels.triton_* import, because triton reads the flag when a kernel is decorated).
+dsv4_kernels.triton_* import, because triton reads the flag when a kernel is decorated).
 """
 
 import pytest
@@ -10,10 +10,10 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 from engine.cache import fp8_ds_mla_codec  # noqa: E402
-from kernels import geometry as g  # noqa: E402
-from kernels.norm import rms_norm  # noqa: E402
-from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
-from kernels.triton_swa_insert import swa_insert  # noqa: E402
+from dsv4_kernels import geometry as g  # noqa: E402
+from dsv4_kernels.norm import rms_norm  # noqa: E402
+from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
+from dsv4_kernels.triton_swa_insert import swa_insert  # noqa: E402
 from tests.support.cache_kernel_checks import assert_bytes_near, assert_close, expected_cache, sentinel_cache  # noqa: E402
 
 T, EPS = 7, 1e-6

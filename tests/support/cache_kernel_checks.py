@@ -9,7 +9,7 @@ The kernels round and quantise exactly as geometry's pack functions, so their by
 
 import torch
 
-from kernels import geometry as g
+from dsv4_kernels import geometry as g
 from tests.support import numerics
 
 SENTINEL = 0xA5

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.linear import FP8_LINEAR
 from engine.weights import canonical_name
-from kernels.quant import dequant_fp8_block, quant_fp8_block, ue8m0_to_float
+from dsv4_kernels.quant import dequant_fp8_block, quant_fp8_block, ue8m0_to_float
 from tests.support import oracle
 
 # Every FP8 projection in whole 128-blocks (wo_a: 2 groups of 128 rows over 128 features). Init scales of

@@ -1,4 +1,4 @@
-"""Shared preamble of the Triton kernel tests: import this before any kernels.triton_* module.
+"""Shared preamble of the Triton kernel tests: import this before any dsv4_kernels.triton_* module.
 
 Without a GPU the kernels run in triton's CPU interpreter, which triton reads when a kernel is decorated,
 so TRITON_INTERPRET must be set before those imports. Skips the importing test module when triton
@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.gpu import has_triton, triton_enabled  # noqa: E402
+from dsv4_kernels.gpu import has_triton, triton_enabled  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if not has_triton():

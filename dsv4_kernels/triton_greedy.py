@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gpu import import_triton, require_triton
+from dsv4_kernels.gpu import import_triton, require_triton
 
 triton, tl = import_triton()
 

@@ -1,9 +1,9 @@
 """Triton indexer query prologue: RoPE, Walsh-Hadamard rotation, MXFP4 / FP8 quantisation, fused.
 
-Reference: `kernels.indexer.quantize_query`: q [T, Hi, Di] -> apply_rope on the trailing rope channels
-(interleaved pairs, rounded to q.dtype) -> `kernels.hadamard.hadamard` (x @ H / sqrt(Di), fp32 math rounded
+Reference: `dsv4_kernels.indexer.quantize_query`: q [T, Hi, Di] -> apply_rope on the trailing rope channels
+(interleaved pairs, rounded to q.dtype) -> `dsv4_kernels.hadamard.hadamard` (x @ H / sqrt(Di), fp32 math rounded
 once to q.dtype; the keys get the same rotation, so q . k is unchanged) -> the indexer-key quantisation of
-kernels/geometry.py (MXFP4: e2m1 nibbles, element 2i in the low nibble, one UE8M0 scale per 32 values; FP8:
+dsv4_kernels/geometry.py (MXFP4: e2m1 nibbles, element 2i in the low nibble, one UE8M0 scale per 32 values; FP8:
 e4m3 with one power-of-two fp32 scale per 128 values). Outputs use the key packing: values [T, Hi, value_bytes]
 and scales [T, Hi, num_scales], whose concatenation is `geometry.pack_rows` of the rotated q.
 
@@ -12,7 +12,7 @@ Xnope @ H[nope rows, cols] + Xeven @ H[even rope rows, cols] + Xodd @ H[odd rope
 blocks of H generated in registers from the row / column ids, so the RoPE pairs never need an in-register
 de-interleave (H's sign structure lets the odd rope rows and the odd output columns reuse the even blocks). For MXFP4 the even and odd output columns come out of separate dots and pair up into bytes
 directly; a 32-value scale group is 16 consecutive even + 16 odd columns, reduced through a [BLOCK_R, groups,
-16] reshape (the pattern kernels/triton_attention.py uses). Without the rotation the same dots run against the
+16] reshape (the pattern dsv4_kernels/triton_attention.py uses). Without the rotation the same dots run against the
 identity, which is exact.
 Rounding: bf16 roundings are by bits (`tl_round_bf16`), so interpreter and GPU agree and the bytes equal
 `pack_rows(rotated q the kernel returns)` exactly; against the torch reference the rotated q may differ by one
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import triton_cache_codecs as tc
-from kernels.geometry import IndexerKeyLayout
-from kernels.gpu import import_triton, require_triton
-from kernels.triton_cache_codecs import (
+from dsv4_kernels import triton_cache_codecs as tc
+from dsv4_kernels.geometry import IndexerKeyLayout
+from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_cache_codecs import (
     CODEC_AMAX_FLOOR,
     E2M1_EXP,
     E2M1_MANT,
@@ -171,7 +171,7 @@ def _check(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: Indexe
 
 def indexer_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: IndexerKeyLayout, *,
                   hadamard: bool = True, return_rotated: bool = False, block_r: int = 16):
-    """Quantise the indexer queries in the key format of `layout` (kernels.indexer.quantize_query).
+    """Quantise the indexer queries in the key format of `layout` (dsv4_kernels.indexer.quantize_query).
 
     q: [T, Hi, Di] (bf16 / fp32, last dim contiguous); cos, sin: fp32 [T, rope_dim // 2] (compress RoPE at
     each token's position); layout: IndexerKeyLayout, fmt "mxfp4" or "fp8", index_head_dim >= Di (extra

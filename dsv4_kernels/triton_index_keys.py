@@ -1,6 +1,6 @@
 """In-kernel loads of indexer key tiles from a key store, shared by the decode and prefill indexer kernels.
 
-Key stores: plain rows [R, Di] (the exact cache), or the paged indexer cache of kernels/geometry.py
+Key stores: plain rows [R, Di] (the exact cache), or the paged indexer cache of dsv4_kernels/geometry.py
 (`IndexerKeyLayout`): FP8 e4m3 with one fp32 scale per 128 values, or MXFP4 (e2m1 nibbles, element 2i
 in the low nibble, one UE8M0 scale per 32 values), dequantised in registers. Dequantised values are
 exact in bf16 (few mantissa bits times a power of two), so bf16 tensor-core dots lose nothing on them.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.geometry import IndexerKeyLayout
-from kernels.gpu import import_triton
+from dsv4_kernels.geometry import IndexerKeyLayout
+from dsv4_kernels.gpu import import_triton
 
 triton, tl = import_triton()
 

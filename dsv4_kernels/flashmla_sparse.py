@@ -7,7 +7,7 @@ RoPE part included). Row ids are the engine's flat page rows, `block * block_siz
 blocks), which is exactly FlashMLA's `indices_in_kvcache` convention.
 
 FlashMLA's constraints, checked by `unfit_reason` (the engine falls back to its own kernels when one fails):
-- rows of 584 B: 448 e4m3 NoPE values + 64 bf16 RoPE values, 7 UE8M0 scales + 1 pad (kernels.geometry's
+- rows of 584 B: 448 e4m3 NoPE values + 64 bf16 RoPE values, 7 UE8M0 scales + 1 pad (dsv4_kernels.geometry's
   fp8_ds_mla block layout: a block's value rows, then its scale rows), i.e. head_dim 512, rope_dim 64;
 - 64 or 128 query heads: fewer (tensor-parallel ranks) are padded with zero queries, their outputs dropped;
 - top-k widths a multiple of 64: index lists are padded with -1; int32 indices.
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import sparse_attention
-from kernels.geometry import Fp8DsMlaLayout, unpack_fp8_ds_mla
+from dsv4_kernels.attention import sparse_attention
+from dsv4_kernels.geometry import Fp8DsMlaLayout, unpack_fp8_ds_mla
 
 HEAD_DIM = 512
 ROPE_DIM = 64
@@ -70,7 +70,7 @@ def sparse_decode(q: torch.Tensor, main: torch.Tensor, main_layout: Fp8DsMlaLayo
     """FlashMLA sparse decode. q: bf16 [T, H, 512]; main / extra: one layer's uint8 rows [R, 584];
     main_idx [T, K1] / extra_idx [T, K2]: int row ids, -1 = skip; sink: [H]. -> bf16 [T, H, 512].
     Equals `reference_sparse_decode` up to FlashMLA's bf16 rounding of the softmax weights."""
-    from kernels.gpu import import_flash_mla
+    from dsv4_kernels.gpu import import_flash_mla
 
     flash_mla = import_flash_mla()
     t, h, d = q.shape
@@ -113,7 +113,7 @@ def _decode_rows(cache: torch.Tensor, layout: Fp8DsMlaLayout, idx: torch.Tensor)
 def reference_sparse_decode(q: torch.Tensor, main: torch.Tensor, main_layout: Fp8DsMlaLayout, main_idx: torch.Tensor,
                             extra: torch.Tensor | None, extra_layout: Fp8DsMlaLayout | None,
                             extra_idx: torch.Tensor | None, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain torch: dequantise the named rows of both caches, then `kernels.attention.sparse_attention`."""
+    """Plain torch: dequantise the named rows of both caches, then `dsv4_kernels.attention.sparse_attention`."""
     keys, valid = _decode_rows(main, main_layout, main_idx), main_idx >= 0
     if extra is not None:
         keys = torch.cat([keys, _decode_rows(extra, extra_layout, extra_idx)], dim=1)

@@ -1,7 +1,7 @@
 """Prefill-shaped Triton indexer logits: blocks of queries of one sequence share each key tile (tensor cores).
 
-Reference: `kernels.indexer.indexer_scores` on each query's candidates, -inf where rows < 0 (the contract of
-kernels/triton_indexer.py's `indexer_scores`):
+Reference: `dsv4_kernels.indexer.indexer_scores` on each query's candidates, -inf where rows < 0 (the contract of
+dsv4_kernels/triton_indexer.py's `indexer_scores`):
     score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . key[rows[t, s]]) * Di^-0.5.
 In prefill every query of a sequence sees a prefix of the same compressed entries, so the per-token kernel
 (which re-reads and re-dots each key row once per query) wastes the sharing. Here one program takes BT
@@ -28,9 +28,9 @@ import functools
 
 import torch
 
-from kernels.geometry import IndexerKeyLayout
-from kernels.gpu import import_triton, require_triton
-from kernels.triton_index_keys import bf16_dot, check_index_keys, key_format, tl_load_index_keys
+from dsv4_kernels.geometry import IndexerKeyLayout
+from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_index_keys import bf16_dot, check_index_keys, key_format, tl_load_index_keys
 
 triton, tl = import_triton()
 
@@ -143,7 +143,7 @@ def indexer_prefill_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tens
     """Indexer logits of a varlen step whose queries share their sequence's keys (module docstring).
 
     q: [T, Hi, Di] fp32/bf16 (last dim contiguous); keys, layout, rows [T, S] (-1 = invalid), weights [T, Hi]
-    as kernels.triton_indexer.indexer_scores; cu_seqlens: int [B + 1] query offsets of the B sequences
+    as dsv4_kernels.triton_indexer.indexer_scores; cu_seqlens: int [B + 1] query offsets of the B sequences
     (cu[0] = 0, cu[B] = T; on q's device). block_m: q rows a program (BT = block_m // Hi_p queries, at least
     1); block_n: candidates a tile; split: candidate chunks (None: enough programs for the GPU).
     -> fp32 [T, S], -inf where rows < 0; equal to indexer_scores on inputs that meet the contract.

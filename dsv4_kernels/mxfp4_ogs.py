@@ -1,5 +1,5 @@
-"""Routed MXFP4 experts through OpenAI's triton_kernels matmul on Hopper (reference: kernels.moe.moe_experts on
-kernels.quant.dequant_mxfp4 weights; the engine's own kernel is kernels.triton_moe).
+"""Routed MXFP4 experts through OpenAI's triton_kernels matmul on Hopper (reference: dsv4_kernels.moe.moe_experts on
+dsv4_kernels.quant.dequant_mxfp4 weights; the engine's own kernel is dsv4_kernels.triton_moe).
 
 Mapping the checkpoint's bytes: an expert weight W [N, K] is stored as uint8 [N, K/2] (element 2j in the low
 nibble of byte j, e2m1 codes) plus UE8M0 scale bytes [N, K/32]. triton_kernels wants the logical [E, K, N]
@@ -9,10 +9,10 @@ strided form stores exactly our bytes, so `W.transpose(1, 2)` wraps them without
 copy at build; the packed originals can be dropped after).
 
 A call: the (token, slot) pairs are sorted by expert on the device (no host sync, CUDA-graph safe; one Triton
-launch up to kernels.triton_moe_glue.MAX_SORT_PAIRS pairs, torch's argsort beyond), then
+launch up to dsv4_kernels.triton_moe_glue.MAX_SORT_PAIRS pairs, torch's argsort beyond), then
 - gate+up: one ragged matmul over the fused [E, H, 2I] weights, rows gathered from x by `gather_indx`
   (bf16 activations x MXFP4 weights, fp32 accumulation) -> [P, 2I] in expert order;
-- clamped SwiGLU (kernels.moe.swiglu's function) in one Triton launch (kernels.triton_moe_glue);
+- clamped SwiGLU (dsv4_kernels.moe.swiglu's function) in one Triton launch (dsv4_kernels.triton_moe_glue);
 - down: one ragged matmul over [E, I, H], each row scaled by its routing weight (`gammas`) and written back to
   its pair's position (`scatter_indx`) -> [P, H]; the k rows of each token are summed (deterministic, fp32)
   and the shared expert's output added, in one Triton launch.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.gpu import import_triton_kernels
+from dsv4_kernels.gpu import import_triton_kernels
 
 SCALE_WARPS = 8  # warps of the kernels reading the scales (the Hopper scale layout is built for a warp count)
 # Launch constraints for triton_kernels' matmul (its opt_flags: block_m/n/k, num_stages, is_persistent, ...).
@@ -134,7 +134,7 @@ def variant_key(tokens: int, num_experts: int, top_k: int) -> tuple:
 
 
 def _max_sort_pairs() -> int:
-    from kernels.triton_moe_glue import MAX_SORT_PAIRS  # imports triton: only where the kernels run
+    from dsv4_kernels.triton_moe_glue import MAX_SORT_PAIRS  # imports triton: only where the kernels run
 
     return MAX_SORT_PAIRS
 
@@ -154,7 +154,7 @@ def ogs_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: OgsEx
     weights: [T, k] float; ids: int [T, k] (-1 = not this rank's expert, contributes nothing) -> [T, H] in x.dtype.
     opt_constraints: triton_kernels launch constraints for this call (None = `constraints(T)`).
     shared: [T, H] added to the result (the shared expert's output) in the k-way sum's kernel."""
-    from kernels import triton_moe_glue  # Triton SwiGLU and k-way sum (one launch each)
+    from dsv4_kernels import triton_moe_glue  # Triton SwiGLU and k-way sum (one launch each)
 
     matmul, tensor, _, precision = import_triton_kernels()
     t, k = ids.shape

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from kernels import quant_formats as qf
+from dsv4_kernels import quant_formats as qf
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_MAX = qf.E2M1_MAX  # largest e2m1 magnitude
@@ -180,7 +180,7 @@ def quant_mxfp4(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (packed [N, K/2] `packed_dtype`, scale [N, K/32] float8_e8m0fnu or uint8).
 
-    The checkpoint-shaped wrapper of the one MXFP4 codec (`kernels.quant_formats.quantize_mxfp4`, which the
+    The checkpoint-shaped wrapper of the one MXFP4 codec (`dsv4_kernels.quant_formats.quantize_mxfp4`, which the
     cache writers and Triton kernels match bit for bit): the block scale is the smallest power of two with
     amax / scale <= 6, so no element clips; e2m1 ties round to the smaller magnitude.
     """

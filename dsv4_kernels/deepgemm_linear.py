@@ -1,6 +1,6 @@
-"""Block-scaled FP8 linear layers through DeepGEMM on Hopper (reference: kernels.fp8_linear.fp8_linear_ref).
+"""Block-scaled FP8 linear layers through DeepGEMM on Hopper (reference: dsv4_kernels.fp8_linear.fp8_linear_ref).
 
-The activations are quantised per token in 1x128 blocks by kernels.triton_fp8_quant (one fused kernel, scales
+The activations are quantised per token in 1x128 blocks by dsv4_kernels.triton_fp8_quant (one fused kernel, scales
 written in the MN-major layout DeepGEMM's sm90 kernels read), then `deep_gemm.fp8_gemm_nt` multiplies them with
 the checkpoint's e4m3 weight and its 128x128 block scales (fp32) into a bf16 output. DeepGEMM JIT-compiles a
 kernel per (N, K) and per configuration its heuristic picks for M (block sizes, stages, multicast; M itself is
@@ -24,8 +24,8 @@ import logging
 
 import torch
 
-from kernels.fp8_linear import BLOCK, Fp8Weight
-from kernels.gpu import import_deep_gemm
+from dsv4_kernels.fp8_linear import BLOCK, Fp8Weight
+from dsv4_kernels.gpu import import_deep_gemm
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def warm_shape(n: int, k: int, pow2: bool, device, m_values, groups: int = 1) ->
     """Run an [N, K] FP8 GEMM (random weight and activations: DeepGEMM's choice of kernel depends on the shapes
     only) at each M in m_values, so every configuration its heuristic picks for them is compiled now.
     groups > 1: the masked grouped GEMM of `groups` [N, K] weights, every group M rows."""
-    from kernels.triton_fp8_quant import quant_act_1x128, quant_act_1x128_grouped
+    from dsv4_kernels.triton_fp8_quant import quant_act_1x128, quant_act_1x128_grouped
 
     dg = import_deep_gemm()
     m_values = sorted(m_values)
@@ -118,7 +118,7 @@ def supported(w: Fp8Weight) -> bool:
 
 def fp8_gemm(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """x: [M, K] bf16 -> [M, N] bf16 = quant(x) W^T (the reference's function, tensor-core accumulation)."""
-    from kernels.triton_fp8_quant import quant_act_1x128  # imports triton: only on this path
+    from dsv4_kernels.triton_fp8_quant import quant_act_1x128  # imports triton: only on this path
 
     dg = import_deep_gemm()
     n, k = w.shape
@@ -134,7 +134,7 @@ def fp8_gemm(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
 
 def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """fp8_gemm on activations already quantised per token in 1x128 blocks (e4m3 [M, K], fp32 scales [M, K/128]
-    MN-major, as kernels.triton_fp8_quant writes them; e.g. by a fused SwiGLU + quantiser) -> [M, N] bf16."""
+    MN-major, as dsv4_kernels.triton_fp8_quant writes them; e.g. by a fused SwiGLU + quantiser) -> [M, N] bf16."""
     dg = import_deep_gemm()
     n, k = w.shape
     if xq.dim() != 2 or xq.shape[1] != k or xq.dtype != torch.float8_e4m3fn:
@@ -149,7 +149,7 @@ def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight) -> torc
 def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int) -> torch.Tensor:
     """Block-diagonal projection: x [G, T, D] bf16 (unit last stride; a transposed [T, G, D] view is fine),
     w [G * R, D] -> [G, T, R] bf16 (group g uses rows gR..gR+R). One quantiser launch for all groups."""
-    from kernels.triton_fp8_quant import quant_act_1x128_grouped
+    from dsv4_kernels.triton_fp8_quant import quant_act_1x128_grouped
 
     dg = import_deep_gemm()
     g, t, d = x.shape

@@ -1,7 +1,7 @@
 """The one import point of optional GPU libraries (triton, deep_gemm, flash_mla, triton_kernels): probes, errors.
 
 Nothing here imports a GPU library at module import time; the probes import on first call and cache the
-answer, so `import kernels.gpu` is cheap on a CPU-only machine. Modules that need triton get it through
+answer, so `import dsv4_kernels.gpu` is cheap on a CPU-only machine. Modules that need triton get it through
 `import_triton()`, which raises one actionable error instead of a bare ModuleNotFoundError.
 
 The library wheels (`pip install '.[gpu]'`, Python 3.12 + torch 2.11 builds; docs hopper-kernels notes):
@@ -11,7 +11,7 @@ newer triton, so `import_triton_kernels` first adds the two names triton 3.6 lac
 the import fails for any reason, and `why_not(name)` says why, for the engine's fast-path log line.
 
 Triton's interpreter (TRITON_INTERPRET=1) runs kernels on CPU tensors. The flag is read when a kernel is
-*decorated*, i.e. when a `kernels.triton_*` module is first imported, so it must be set before that.
+*decorated*, i.e. when a `dsv4_kernels.triton_*` module is first imported, so it must be set before that.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 
 import torch
 
-_TRITON_HINT = "triton is required for the kernels.triton_* ops: pip install '.[gpu]' (triton>=3.0)"
+_TRITON_HINT = "triton is required for the dsv4_kernels.triton_* ops: pip install '.[gpu]' (triton>=3.0)"
 
 
 @functools.cache
@@ -158,4 +158,4 @@ def require_triton(device: torch.device | str) -> None:
         raise RuntimeError(_TRITON_HINT)
     if not triton_enabled(device):
         raise RuntimeError(f"triton kernels cannot run on device {torch.device(device)}: need CUDA, "
-                           "or TRITON_INTERPRET=1 (set before importing kernels.triton_*) for CPU tensors")
+                           "or TRITON_INTERPRET=1 (set before importing dsv4_kernels.triton_*) for CPU tensors")

@@ -1,6 +1,6 @@
 """Triton kernels for the MoE block's elementwise glue around its GEMMs (one launch each instead of 4-6 torch ones).
 
-References: `kernels.moe.swiglu` and the torch expressions the engine used before (named per function).
+References: `dsv4_kernels.moe.swiglu` and the torch expressions the engine used before (named per function).
 - `swiglu(gate, up, limit)`: clamped SwiGLU over two [P, I] views (gate and up may be the two halves of one
   fused [P, 2I] GEMM output). Rounded as torch rounds it in a 16-bit dtype: silu(min(gate, limit)) is
   computed in fp32 and rounded to the dtype, then multiplied by clamp(up) in fp32 and rounded again.
@@ -8,23 +8,23 @@ References: `kernels.moe.swiglu` and the torch expressions the engine used befor
   in slot order and rounded to the dtype (= `y.float().sum(1).to(dtype)`), plus the shared expert's output
   `shared` [T, H] added after that rounding and rounded again (= `routed + shared` in the dtype).
 - `sort_pairs(ids, weights, num_experts)`: the (token, slot) pairs of a decode-sized step grouped by expert in
-  one program (= `kernels.mxfp4_ogs.sort_pairs` + the gammas gather, its torch reference): keys
+  one program (= `dsv4_kernels.mxfp4_ogs.sort_pairs` + the gammas gather, its torch reference): keys
   expert * P + pair are unique, so a bitonic `tl.sort` in registers gives the stable order; `tl.histogram`
   the per-expert counts. Pairs with id -1 (another rank's expert) run on expert 0 with weight 0.
 - `swiglu_quant(gate, up, limit)`: the SwiGLU above, rounded to the dtype, then quantised per token in 1x128
-  FP8 blocks for the next FP8 projection (= `kernels.triton_fp8_quant.quant_act_1x128(swiglu(gate, up))`, scales
+  FP8 blocks for the next FP8 projection (= `dsv4_kernels.triton_fp8_quant.quant_act_1x128(swiglu(gate, up))`, scales
   MN-major for DeepGEMM): the shared expert's down projection input without a separate quantiser launch.
-Interpreter note (as kernels/triton_attention.py): every load is converted to fp32 before any arithmetic.
+Interpreter note (as dsv4_kernels/triton_attention.py): every load is converted to fp32 before any arithmetic.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.fp8_linear import BLOCK as FP8_BLOCK
-from kernels.gpu import import_triton, require_triton
-from kernels.triton_cache_codecs import USE_HW_FP8_CAST
-from kernels.triton_fp8_quant import scale_buffer, tl_quant_1x128
+from dsv4_kernels.fp8_linear import BLOCK as FP8_BLOCK
+from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_cache_codecs import USE_HW_FP8_CAST
+from dsv4_kernels.triton_fp8_quant import scale_buffer, tl_quant_1x128
 
 triton, tl = import_triton()
 

@@ -1,12 +1,12 @@
 """Triton sparse MQA attention with a per-head sink, reading candidate KV rows in place.
 
-Reference: `kernels.attention.sparse_attention`. Every query token attends, with all H heads, to K
+Reference: `dsv4_kernels.attention.sparse_attention`. Every query token attends, with all H heads, to K
 candidate rows of one shared latent (K = V) named by row indices into a flat or paged row store, so the
 [T, K, D] gather the reference needs is never materialised. Stores:
 - `sparse_mqa_attention`: rows of D values (bf16 / fp32), kv[row];
 - `sparse_mqa_attention_multi`: the same over up to three row stores of one dtype (e.g. the engine's SWA
   ring, this step's fresh kv and a compressed-entry group), row ids index their concatenation;
-- `sparse_mqa_attention_fp8`: fp8_ds_mla bytes (kernels/geometry.py), dequantised on the fly: e4m3 NoPE
+- `sparse_mqa_attention_fp8`: fp8_ds_mla bytes (dsv4_kernels/geometry.py), dequantised on the fly: e4m3 NoPE
   values times a UE8M0 scale per 64, then raw bf16 RoPE values. Works directly on the paged cache
   (value rows first, scale rows after all of them); packed [R, row_bytes] rows are the block_size=1 case.
 
@@ -39,8 +39,8 @@ import functools
 
 import torch
 
-from kernels.geometry import Fp8DsMlaLayout
-from kernels.gpu import import_triton, require_triton
+from dsv4_kernels.geometry import Fp8DsMlaLayout
+from dsv4_kernels.gpu import import_triton, require_triton
 
 triton, tl = import_triton()
 
@@ -428,7 +428,7 @@ def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, 
     [T, K], -1 = invalid (window slots and selected compressed entries alike); sink: [H] (fp32);
     scale: softmax scale. -> [T, H, D] in q.dtype.
 
-    Equals `kernels.attention.sparse_attention(q, kv[rows.clamp(min=0)], rows >= 0, sink, scale)`;
+    Equals `dsv4_kernels.attention.sparse_attention(q, kv[rows.clamp(min=0)], rows >= 0, sink, scale)`;
     logits, softmax and accumulation run in fp32 (bf16 tensor-core operands on GPU for bf16 inputs).
     Row indices must be < R (not checked: that would need a device sync).
     num_splits / block_h / block_k / num_warps / num_stages / seg_max override the launch heuristics.

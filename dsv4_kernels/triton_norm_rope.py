@@ -1,7 +1,7 @@
 """Triton fused RMSNorm + interleaved partial RoPE (the q and kv prologue of V4 attention).
 
-Reference: `kernels.rope.apply_rope(norm(x), cos, sin)` with norm = `kernels.norm.rms_norm` (kv, weighted)
-or `kernels.norm.unweighted_rms_norm` (q, per head). Rounding to x.dtype happens at the same points as
+Reference: `dsv4_kernels.rope.apply_rope(norm(x), cos, sin)` with norm = `dsv4_kernels.norm.rms_norm` (kv, weighted)
+or `dsv4_kernels.norm.unweighted_rms_norm` (q, per head). Rounding to x.dtype happens at the same points as
 in the references (so bf16 results differ from them by about one ulp, not by accumulated drift):
 - weighted: y = (w * (x * rsqrt(mean(x^2) + eps))).to(dtype), all fp32 before the cast;
 - unweighted: y = (x * rsqrt(...).to(dtype)).to(dtype) (the reference multiplies in x.dtype);
@@ -10,15 +10,15 @@ One program normalises BLOCK_R rows (a row is one head of one token, or one toke
 channels are re-loaded as separate even / odd vectors (cache hits) rather than de-interleaved in
 registers, which keeps the kernel free of reshape/split layout shuffles.
 Interpreter note: bf16 loads are converted to fp32 before any arithmetic, and the interpreter's fp32 -> bf16
-cast truncates where the GPU rounds to nearest even (see kernels/triton_attention.py).
+cast truncates where the GPU rounds to nearest even (see dsv4_kernels/triton_attention.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.gpu import import_triton, require_triton
-from kernels.triton_cache_codecs import tl_round_to
+from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_cache_codecs import tl_round_to
 
 triton, tl = import_triton()
 
@@ -135,7 +135,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, H, D, HALF, stride_xt, str
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, *,
          block_r: int = 16) -> torch.Tensor:
-    """`kernels.rope.apply_rope(x, cos, sin, inverse)` in one launch: x [T, D] or [T, H, D] (last dim contiguous),
+    """`dsv4_kernels.rope.apply_rope(x, cos, sin, inverse)` in one launch: x [T, D] or [T, H, D] (last dim contiguous),
     cos / sin fp32 [T, rope_dim // 2]. -> a new tensor of x's shape and dtype (bf16 rounded by bits)."""
     t, h, d = _rows_of(x, cos, sin)
     require_triton(x.device)

@@ -1,6 +1,6 @@
 """Triton lightning-indexer logits over paged key rows, then top-k with -1 padding.
 
-Reference: `kernels.indexer.indexer_scores` + `topk_visible`. For query t and candidate s (row rows[t, s]
+Reference: `dsv4_kernels.indexer.indexer_scores` + `topk_visible`. For query t and candidate s (row rows[t, s]
 of a key store, -1 = not visible):
     score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . key[rows[t, s]]) * Di^-0.5,   -inf when invalid.
 One program scores BLOCK_S candidates of one token against all its index heads with a single
@@ -8,8 +8,8 @@ One program scores BLOCK_S candidates of one token against all its index heads w
 gather). Decode has few tokens but thousands of candidates, so the grid is (T, S / BLOCK_S).
 
 Key stores (plain rows or the paged FP8 / MXFP4 indexer cache, dequantised in registers): see
-kernels/triton_index_keys.py. Prefill-shaped steps (many queries per sequence, all seeing one prefix of
-the same keys) go to kernels/triton_indexer_prefill.py when `indexer_topk` is given the step's cu_seqlens.
+dsv4_kernels/triton_index_keys.py. Prefill-shaped steps (many queries per sequence, all seeing one prefix of
+the same keys) go to dsv4_kernels/triton_indexer_prefill.py when `indexer_topk` is given the step's cu_seqlens.
 
 Selection uses torch.topk on the kernel's scores for now (the score pass is the bandwidth-bound part;
 a fused radix/bitonic top-k is the next step). As in the reference, near-ties may order differently
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.geometry import IndexerKeyLayout
-from kernels.gpu import import_triton, require_triton
-from kernels.triton_index_keys import bf16_dot, check_index_keys, key_format, tl_load_index_keys
-from kernels.triton_indexer_prefill import indexer_prefill_scores
+from dsv4_kernels.geometry import IndexerKeyLayout
+from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_index_keys import bf16_dot, check_index_keys, key_format, tl_load_index_keys
+from dsv4_kernels.triton_indexer_prefill import indexer_prefill_scores
 
 triton, tl = import_triton()
 
@@ -69,7 +69,7 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weig
     - None: plain rows [R, Di] (row stride free, last dim contiguous), rows index them;
     - IndexerKeyLayout (fmt "fp8" or "mxfp4"): uint8 paged cache [blocks, >= layout.block_bytes()],
       rows are global slots (slot s = block s // block_size, position s % block_size).
-    -> fp32 [T, S], -inf where rows < 0. Equals `kernels.indexer.indexer_scores(q, K, weights)` on the
+    -> fp32 [T, S], -inf where rows < 0. Equals `dsv4_kernels.indexer.indexer_scores(q, K, weights)` on the
     valid entries, K = the (dequantised) keys of rows.clamp(min=0).
     """
     if q.dim() != 3 or q.stride(-1) != 1:
@@ -107,12 +107,12 @@ def indexer_topk(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weight
 
     cu_seqlens: optional int [B + 1] query offsets of the step's sequences (the StepBatch's `cu`). When it is
     given and the step has more queries than sequences (prefill / chunked prefill), the scores come from the
-    prefill kernel (kernels.triton_indexer_prefill: one key tile shared by a block of queries of a sequence,
+    prefill kernel (dsv4_kernels.triton_indexer_prefill: one key tile shared by a block of queries of a sequence,
     tensor-core dots), which requires that within a sequence every valid rows[t, s] of a column s is the same
     row (true of the engine's visible entries); decode steps (T == B, CUDA graphs) keep the per-token kernel.
     The choice depends on shapes only, and neither path syncs with the host.
     -> int64 [T, k] candidate positions (columns of `rows`, not row ids), best first, -1 where fewer
-    than k candidates are valid: the contract of `kernels.indexer.topk_visible(scores, rows >= 0, k)`.
+    than k candidates are valid: the contract of `dsv4_kernels.indexer.topk_visible(scores, rows >= 0, k)`.
     Selection is torch.topk on the fp32 scores (see the module docstring). ordered=False: the same set in no
     particular order, -1 anywhere (what the attention kernels take: -1 skips a slot wherever it is); on CUDA
     that drops topk's sort of the picks (22 us a layer at batch 1 on an H200).

@@ -1,6 +1,6 @@
 """Triton fused SWA insert: kv RMSNorm + interleaved RoPE, then the row write into the SWA cache.
 
-Reference: kv = `apply_rope(rms_norm(kv, weight, eps), cos, sin)` (as `kernels.triton_norm_rope`, with the same
+Reference: kv = `apply_rope(rms_norm(kv, weight, eps), cos, sin)` (as `dsv4_kernels.triton_norm_rope`, with the same
 rounding points), then
 - fp8_ds_mla cache: `geometry.write_rows(cache, layout, rows, geometry.pack_fp8_ds_mla(kv, layout))`, with the
   NoPE zero-padded up to layout.nope_dim when the model's NoPE width is not a multiple of 64 (engine.cache's
@@ -9,24 +9,24 @@ rounding points), then
 - exact cache: `cache[rows] = kv` (rows of D values in the model dtype).
 Rows < 0 are skipped. The normalised, rotated kv is returned in the model dtype for the step's own attention.
 One program per token: the NoPE channels are loaded as a [blocks, 64] tile (one quant block a row), the RoPE
-channels as even / odd vectors (as kernels/triton_norm_rope.py), so nothing is reshaped in registers.
+channels as even / odd vectors (as dsv4_kernels/triton_norm_rope.py), so nothing is reshaped in registers.
 
 Rounding: every rounding to bf16 uses `tl_round_bf16` (nearest even, by bits), so the interpreter and the GPU
 store the same values, and the cache bytes equal `pack_fp8_ds_mla(returned kv)` exactly (see
-kernels/triton_cache_codecs.py for the e4m3 and exponent codecs). Against the torch reference the returned kv
+dsv4_kernels/triton_cache_codecs.py for the e4m3 and exponent codecs). Against the torch reference the returned kv
 may differ by one bf16 ulp (fp32 sums in another order, rsqrt.approx on the GPU), and so may the bytes of the
 few values sitting on a rounding boundary.
-The q side (per-head unweighted RMSNorm + RoPE) is `kernels.triton_norm_rope.rms_norm_rope(q, cos, sin, eps)`.
+The q side (per-head unweighted RMSNorm + RoPE) is `dsv4_kernels.triton_norm_rope.rms_norm_rope(q, cos, sin, eps)`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import triton_cache_codecs as tc
-from kernels.geometry import FP8_DS_MLA_QUANT_BLOCK, ExactRowLayout, Fp8DsMlaLayout
-from kernels.gpu import import_triton, require_triton
-from kernels.triton_cache_codecs import (
+from dsv4_kernels import triton_cache_codecs as tc
+from dsv4_kernels.geometry import FP8_DS_MLA_QUANT_BLOCK, ExactRowLayout, Fp8DsMlaLayout
+from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_cache_codecs import (
     tl_round_bf16,
     tl_round_to,
     tl_row_offsets,

@@ -1,6 +1,6 @@
 """Triton mHC (manifold-constrained hyper-connections): fused pre (weights + Sinkhorn + collapse) and post.
 
-Reference: `kernels.mhc.hc_pre` / `hc_post`. Per token with hc streams of width D:
+Reference: `dsv4_kernels.mhc.hc_pre` / `hc_post`. Per token with hc streams of width D:
 - pre: the (2+hc)*hc mixing logits are RMSNorm(flat streams) @ fn^T. RMSNorm has no weight, so that is
   rsqrt(mean(x^2) + eps) * (x @ fn^T): a split-K kernel (`_hc_mix_kernel`) does the skinny fp32 matmul on
   the raw streams, in the streams' dtype as stored (no fp32 copy of them), writing one partial sum per split,
@@ -19,7 +19,7 @@ Reference: `kernels.mhc.hc_pre` / `hc_post`. Per token with hc streams of width 
   matmul for the logits and one program per token (sum-of-squares pass, collapse pass, norm pass).
 - post: new_streams[j] = post_j * block_out + sum_i comb[i, j] * streams[i]; grid (T, D / BLOCK_D).
 All mixing math is fp32 (as in the reference); outputs round once to the streams' dtype.
-Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see kernels/triton_attention.py).
+Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see dsv4_kernels/triton_attention.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from kernels.gpu import import_triton, require_triton
+from dsv4_kernels.gpu import import_triton, require_triton
 
 triton, tl = import_triton()
 
@@ -312,9 +312,9 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     """Fused mHC pre. streams: [T, hc, D]; fn: [(2+hc)*hc, hc*D]; base: [(2+hc)*hc]; scale: [3].
 
     -> (collapsed [T, D] in streams.dtype, post fp32 [T, hc], comb fp32 [T, hc, hc]), as
-    `kernels.mhc.hc_pre`. The logits matmul runs split-K in fp32 on the un-normalised streams (mix_partials).
+    `dsv4_kernels.mhc.hc_pre`. The logits matmul runs split-K in fp32 on the un-normalised streams (mix_partials).
     norm_weight [D]: the block's input RMSNorm is fused in too and the first output is
-    `kernels.norm.rms_norm(collapsed, norm_weight, out_eps).to(out_dtype)` (out_dtype None = streams.dtype),
+    `dsv4_kernels.norm.rms_norm(collapsed, norm_weight, out_eps).to(out_dtype)` (out_dtype None = streams.dtype),
     saving the norm's and the cast's kernels (a layer's attention and MoE inputs).
     """
     _check_streams(streams)

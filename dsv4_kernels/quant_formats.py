@@ -1,7 +1,7 @@
 """Element formats of DeepSeek V4's quantized caches: FP8 e4m3, FP4 e2m1 and power-of-two scales.
 
-Bit-level codecs only, plain torch, CPU friendly; `kernels.geometry` decides where the bytes live.
-(`kernels.quant` is a different module: it dequantises checkpoint *weights*.)
+Bit-level codecs only, plain torch, CPU friendly; `dsv4_kernels.geometry` decides where the bytes live.
+(`dsv4_kernels.quant` is a different module: it dequantises checkpoint *weights*.)
 
 Rules, as TokenSpeed's reference cache writers apply them (seed 002 and its Triton kernels):
 - every scale is a power of two 2**e, chosen as e = ceil(log2(amax / fmt_max)) so that the block's

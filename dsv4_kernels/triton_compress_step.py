@@ -1,7 +1,7 @@
 """Triton compressor step in two launches: close this step's windows straight from their slot rows, save the state.
 
 Reference (engine/attention.py, AttentionBlock._compress on the reference path), for one compressor of ratio r:
-    rows  = kernels.compressor.state_rows(kv, gate, ape, positions)      # fp32 [T, 2W] = [kv | gate + ape[pos % r]]
+    rows  = dsv4_kernels.compressor.state_rows(kv, gate, ape, positions)      # fp32 [T, 2W] = [kv | gate + ape[pos % r]]
     cur   = plan.cur.gather(rows, state); prev = plan.prev.gather(rows, state)   # SourceRows: [ring | chunk] rows
     slots = overlap_slots(prev, cur, prev_valid) (ratio 4) or cur (ratio 128)
     entry = apply_rope(rms_norm(pool_windows(slots kv in the model dtype, slots score), weight, eps), cos, sin)
@@ -11,10 +11,10 @@ lives -- a state-ring row (fp32 [kv | score]) or a chunk row (kv and gate in the
 registers as gate + ape[position % r], as state_rows builds it) -- pools, normalises, rotates at the window start
 (cos / sin gathered from a table of multiples of r, not computed per step) and stores the entry into the entry
 cache: exact rows in the model dtype, or the quantised row (fp8_ds_mla KV entries, MXFP4 / FP8 indexer keys) of
-kernels/triton_compressor.py's writers. `save_state` is the last line (one program per written ring row). The
+dsv4_kernels/triton_compressor.py's writers. `save_state` is the last line (one program per written ring row). The
 caller runs them in that order: the close reads ring rows this step's save may overwrite (prefill chunks).
 
-Rounding: as kernels/triton_compressor.py's quantised writer (every bf16 rounding by bits), so interpreter and GPU
+Rounding: as dsv4_kernels/triton_compressor.py's quantised writer (every bf16 rounding by bits), so interpreter and GPU
 agree; against the torch reference an entry may differ by about one ulp (fp32 sums in another order).
 No host sync; shapes are the plan's (static in a fixed-shape decode step), so both run under CUDA graphs.
 """
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels import triton_cache_codecs as tc
-from kernels.geometry import Fp8DsMlaLayout, IndexerKeyLayout
-from kernels.gpu import import_triton, require_triton
-from kernels.triton_cache_codecs import tl_round_bf16, tl_round_to, tl_row_offsets, tl_store_fp8_ds_mla
-from kernels.triton_compressor import entry_quant_format, tl_store_indexer_key
+from dsv4_kernels import triton_cache_codecs as tc
+from dsv4_kernels.geometry import Fp8DsMlaLayout, IndexerKeyLayout
+from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_cache_codecs import tl_round_bf16, tl_round_to, tl_row_offsets, tl_store_fp8_ds_mla
+from dsv4_kernels.triton_compressor import entry_quant_format, tl_store_indexer_key
 
 triton, tl = import_triton()
 
@@ -80,7 +80,7 @@ def _load_slots(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, rid, col0, dead, 
 def _pool(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_ptr, pv, n, cols, cmask, R, D, W,
           stride_sr, stride_kt, stride_gt, stride_ar, DT: tl.constexpr, OVERLAP: tl.constexpr,
           RATIO: tl.constexpr, SLOTS: tl.constexpr, BLOCK_S: tl.constexpr, BF16: tl.constexpr):
-    """kernels.compressor.pool_windows of columns `cols` of entry n (fp32 holding model-dtype values)."""
+    """dsv4_kernels.compressor.pool_windows of columns `cols` of entry n (fp32 holding model-dtype values)."""
     m = tl.full(cols.shape, float("-inf"), dtype=tl.float32)
     l = tl.zeros(cols.shape, dtype=tl.float32)
     for s0 in range(0, SLOTS, BLOCK_S):
@@ -278,7 +278,7 @@ def save_state(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, position
 
     kv, gate: [T, W] (row strides free, unit last stride); ape: [r, W]; positions: int [T]; state: fp32 [R, 2W];
     chunk_rows / ring_rows: int [M] (ring_rows < 0 skipped). Equals
-    `RingWrite(chunk_rows, ring_rows).apply(kernels.compressor.state_rows(kv, gate, ape, positions), state)`."""
+    `RingWrite(chunk_rows, ring_rows).apply(dsv4_kernels.compressor.state_rows(kv, gate, ape, positions), state)`."""
     t, w = kv.shape
     if gate.shape != kv.shape or kv.stride(-1) != 1 or gate.stride(-1) != 1 or ape.dim() != 2 or ape.shape[1] != w:
         raise ValueError(f"kv / gate must be matching [T, W] and ape [r, W], got {tuple(kv.shape)}, "

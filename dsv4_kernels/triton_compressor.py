@@ -1,7 +1,7 @@
 """Triton compressor pooling: softmax over slots, weighted sum, RMSNorm, optional compress RoPE, fused.
 
-Reference: `kernels.rms_norm(kernels.compressor.pool_windows(kv, score), weight, eps)`, then (if cos/sin
-are given) `kernels.rope.apply_rope(., cos, sin)` at each entry's window start, as engine/attention.py
+Reference: `dsv4_kernels.rms_norm(dsv4_kernels.compressor.pool_windows(kv, score), weight, eps)`, then (if cos/sin
+are given) `dsv4_kernels.rope.apply_rope(., cos, sin)` at each entry's window start, as engine/attention.py
 chains them. kv and score are the slot rows already arranged per entry (`overlap_slots` for ratio 4,
 the plain window for ratio 128); a slot whose score is -inf gets weight 0.
 
@@ -10,14 +10,14 @@ per entry pools three column groups separately: the NoPE channels, then the even
 channels (pairs (2i, 2i+1)); the norm sums squares over all three and RoPE rotates even against odd
 without any in-register de-interleave. Each group takes two passes over the slots (max/sum, then the
 weighted sum) so the weights are final before they are rounded to kv.dtype, as in the reference.
-Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see kernels/triton_attention.py).
+Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see dsv4_kernels/triton_attention.py).
 
 Also here, for the quantised caches (engine `--kv-cache-dtype fp8`):
 - `save_state`: this step's fp32 state ring rows [kv | gate + ape[pos % ratio]] (`compressor.state_rows`)
   written at given ring rows;
 - `pool_norm_rope_quant`: the same pooling, then each entry quantised into the paged uint8 entry cache
   (fp8_ds_mla KV entries, or MXFP4 / FP8 indexer keys after the Hadamard rotation), bytes placed as
-  geometry.write_rows places them. Its roundings to bf16 are by bits (kernels/triton_cache_codecs.py), so the
+  geometry.write_rows places them. Its roundings to bf16 are by bits (dsv4_kernels/triton_cache_codecs.py), so the
   bytes equal geometry's pack of the entries it returns exactly, in the interpreter and on the GPU. One entry
   per program: the indexer keys' Hadamard is a [d, d / 2] broadcast sum per nibble half, not a dot (tl.dot
   needs 16 rows; a step closes few windows).
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import triton_cache_codecs as tc
-from kernels.geometry import FP8_DS_MLA_QUANT_BLOCK, Fp8DsMlaLayout, IndexerKeyLayout
-from kernels.gpu import import_triton, require_triton
-from kernels.triton_cache_codecs import (
+from dsv4_kernels import triton_cache_codecs as tc
+from dsv4_kernels.geometry import FP8_DS_MLA_QUANT_BLOCK, Fp8DsMlaLayout, IndexerKeyLayout
+from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_cache_codecs import (
     CODEC_AMAX_FLOOR,
     E2M1_EXP,
     E2M1_MANT,
@@ -186,7 +186,7 @@ def save_state(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, position
     kv, gate: [T, W] (W = coff * d; model dtype; last dim contiguous); ape: [ratio, W]; positions: int [T];
     state: fp32 [R, 2W] (one layer's state ring rows; row stride free, last dim contiguous);
     rows: int32/int64 [T] (-1 = keep nothing; ids are not range-checked).
-    Equals `state[rows[valid]] = kernels.compressor.state_rows(kv, gate, ape, positions)[valid]`.
+    Equals `state[rows[valid]] = dsv4_kernels.compressor.state_rows(kv, gate, ape, positions)[valid]`.
     """
     if kv.dim() != 2 or gate.shape != kv.shape or kv.stride(-1) != 1 or gate.stride(-1) != 1:
         raise ValueError(f"kv and gate must be matching [T, W] with unit last stride, got {tuple(kv.shape)}, "
@@ -333,7 +333,7 @@ def pool_norm_rope_quant(kv: torch.Tensor, score: torch.Tensor, weight: torch.Te
     - Fp8DsMlaLayout (compressed KV): the row of `geometry.pack_fp8_ds_mla`, NoPE zero-padded up to
       layout.nope_dim like engine.cache's RowCodec;
     - IndexerKeyLayout (indexer keys, "mxfp4" or "fp8"): `geometry.pack_rows` of the entry after the
-      Hadamard rotation (`kernels.hadamard.hadamard`, the query side's, see kernels/triton_indexer_query.py),
+      Hadamard rotation (`dsv4_kernels.hadamard.hadamard`, the query side's, see dsv4_kernels/triton_indexer_query.py),
       zero-padded up to layout.index_head_dim. hadamard: None = rotate indexer keys (as V4 does); False
       quantises them unrotated (then the queries must not be rotated either).
     -> [N, d] in kv.dtype: the entries as quantised (the pooled, normalised, rotated entries; for rotated

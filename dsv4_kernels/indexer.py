@@ -3,14 +3,14 @@
 score(t, s) = sum_h w[t, h] * ReLU(q[t, h] . k[s]) * index_head_dim^-0.5, w = weights_proj(x) * n_heads^-0.5.
 Only entries visible to the query (`s < (t + 1) // 4`) compete; when fewer than k are visible the tail
 of the result is -1. `quantize_query` is the query prologue of the quantised indexer (RoPE, Hadamard
-rotation, MXFP4 / FP8 in the key packing), the reference of kernels/triton_indexer_query.py.
+rotation, MXFP4 / FP8 in the key packing), the reference of dsv4_kernels/triton_indexer_query.py.
 """
 
 import torch
 
-from kernels import geometry
-from kernels.hadamard import hadamard
-from kernels.rope import apply_rope
+from dsv4_kernels import geometry
+from dsv4_kernels.hadamard import hadamard
+from dsv4_kernels.rope import apply_rope
 
 
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,7 @@ def quantize_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout
     q: [T, Hi, Di]; cos, sin: fp32 [T, rope_dim // 2]; layout: geometry.IndexerKeyLayout (index_head_dim >= Di,
     the extra channels zero). -> (values uint8 [T, Hi, layout.value_bytes], scales [T, Hi, layout.num_scales]
     (UE8M0 uint8 for mxfp4, fp32 for fp8), rotated q [T, Hi, Di] in q.dtype). Rotation and quantisation are
-    those of the keys (kernels.hadamard, geometry.pack_rows), so dequantised q . k approximates q . k.
+    those of the keys (dsv4_kernels.hadamard, geometry.pack_rows), so dequantised q . k approximates q . k.
     """
     x = apply_rope(q, cos, sin)
     if hadamard_rotate:

@@ -1,24 +1,24 @@
 """Triton RMSNorm + 1x128 FP8 activation quantisation in one launch (the prologue of FP8 projections on a normed input).
 
-Reference: `kernels.fp8_linear.quant_act_1x128(kernels.norm.rms_norm(x, weight, eps))`, plus the normed rows
+Reference: `dsv4_kernels.fp8_linear.quant_act_1x128(dsv4_kernels.norm.rms_norm(x, weight, eps))`, plus the normed rows
 themselves (V4's attention keeps q_res, the normed low-rank query, and feeds it to two FP8 projections: wq_b
 and the indexer's wq_b, which can then share one quantisation).
 
 One program per row: the whole row (K <= a few thousand, V4's q_lora 1024) stays in registers; sum of squares
 in fp32, normed = weight * x * rsqrt(mean + eps) rounded once to the output dtype (as rms_norm returns it), then
 per 128-wide block amax -> scale (power of two for UE8M0 checkpoints) -> e4m3 codes, exactly as
-`kernels.triton_fp8_quant` does on that rounded row. Scales are written MN-major for DeepGEMM.
-Interpreter note: every load is converted to fp32 before any arithmetic (see kernels/triton_attention.py).
+`dsv4_kernels.triton_fp8_quant` does on that rounded row. Scales are written MN-major for DeepGEMM.
+Interpreter note: every load is converted to fp32 before any arithmetic (see dsv4_kernels/triton_attention.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.fp8_linear import BLOCK
-from kernels.gpu import import_triton, require_triton
-from kernels.triton_cache_codecs import USE_HW_FP8_CAST
-from kernels.triton_fp8_quant import scale_buffer, tl_quant_1x128
+from dsv4_kernels.fp8_linear import BLOCK
+from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_cache_codecs import USE_HW_FP8_CAST
+from dsv4_kernels.triton_fp8_quant import scale_buffer, tl_quant_1x128
 
 triton, tl = import_triton()
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import quant_formats as qf
+from dsv4_kernels import quant_formats as qf
 
 SWA_BLOCK_ROWS = 64  # TokenSpeed's choice (V4_KERNEL_BLOCK_ROWS): rows per SWA / indexer page.
 COMPRESSED_BLOCK_TOKENS = 256  # TokenSpeed's choice: one compressed page covers 256 raw tokens.

@@ -9,7 +9,7 @@ All mixing weights are computed in fp32.
 
 import torch
 
-from kernels.norm import unweighted_rms_norm
+from dsv4_kernels.norm import unweighted_rms_norm
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

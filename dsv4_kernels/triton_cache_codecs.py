@@ -1,6 +1,6 @@
 """Triton element codecs and paged-row addressing shared by the cache-writing kernels.
 
-The rules are those of kernels/quant_formats.py (what geometry's pack functions apply); here they are built
+The rules are those of dsv4_kernels/quant_formats.py (what geometry's pack functions apply); here they are built
 from integer bit operations, so triton's CPU interpreter and the GPU write the same bytes:
 - `tl_round_bf16`: fp32 -> nearest-even bf16 value (kept in fp32). The interpreter's `.to(tl.bfloat16)`
   truncates, and every quantiser rounds its input to the model dtype first, so it must be exact.
@@ -25,14 +25,14 @@ import struct
 
 import torch
 
-from kernels import quant_formats as qf
-from kernels.geometry import (
+from dsv4_kernels import quant_formats as qf
+from dsv4_kernels.geometry import (
     FP8_INDEXER_AMAX_FLOOR,
     FP8_INDEXER_BLOCK,
     MXFP4_BLOCK,
     BlockRowLayout,
 )
-from kernels.gpu import import_triton
+from dsv4_kernels.gpu import import_triton
 
 triton, tl = import_triton()
 

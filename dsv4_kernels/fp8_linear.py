@@ -1,4 +1,4 @@
-"""Block-scaled FP8 linear layers, plain torch: the reference the DeepGEMM path (kernels.deepgemm_linear) must match.
+"""Block-scaled FP8 linear layers, plain torch: the reference the DeepGEMM path (dsv4_kernels.deepgemm_linear) must match.
 
 DeepSeek V4's dense projections are stored as FP8 e4m3 weights [N, K] with one scale per 128x128 block
 (UE8M0 in the release, i.e. powers of two). At inference the activations are quantised too, per token in
@@ -106,7 +106,7 @@ def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
 
 def weight_from_checkpoint(weight: torch.Tensor, scale: torch.Tensor, pow2_act: bool = True) -> Fp8Weight:
     """Checkpoint FP8 bytes (e4m3 or raw uint8/int8) + block scales (UE8M0 bytes or floats) -> Fp8Weight."""
-    from kernels.quant import ue8m0_to_float
+    from dsv4_kernels.quant import ue8m0_to_float
 
     w = weight if weight.dtype == torch.float8_e4m3fn else weight.view(torch.float8_e4m3fn)
     return Fp8Weight(w.contiguous(), ue8m0_to_float(scale).to(w.device).contiguous(), pow2_act)

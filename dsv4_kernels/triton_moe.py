@@ -1,6 +1,6 @@
 """Triton MoE: routing, and grouped SwiGLU experts that read MXFP4 weights straight from their packed bytes.
 
-References: `kernels.moe.route` and `kernels.moe.moe_experts` on `kernels.quant.dequant_mxfp4` weights.
+References: `dsv4_kernels.moe.route` and `dsv4_kernels.moe.moe_experts` on `dsv4_kernels.quant.dequant_mxfp4` weights.
 
 - `route`: torch does the fp32 router matmul; one program per token then scores (sqrt-softplus, sigmoid or
   softmax), adds the selection bias, picks the top k by repeated arg-max (lowest expert id wins a tie),
@@ -20,7 +20,7 @@ References: `kernels.moe.route` and `kernels.moe.moe_experts` on `kernels.quant.
   its UE8M0 scale 2**(byte - 127), also built from bits: the product has <= 2 mantissa bits, so the bf16
   dot operand is exact.
 
-Interpreter note (as kernels/triton_attention.py): the CPU interpreter does bf16 arithmetic on raw bits, so
+Interpreter note (as dsv4_kernels/triton_attention.py): the CPU interpreter does bf16 arithmetic on raw bits, so
 every load is converted to fp32 and the dots run in fp32 there (`BF16_DOT` only when compiled for bf16).
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gpu import import_triton, require_triton
+from dsv4_kernels.gpu import import_triton, require_triton
 
 triton, tl = import_triton()
 
@@ -109,7 +109,7 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, token_ids_ptr, w_ptr, ids_p
 def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, scaling: float, scoring_func: str = "sqrtsoftplus",
           bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
           token_ids: torch.Tensor | None = None, renormalize: bool = True):
-    """`kernels.moe.route` (same arguments and contract) with scoring and top-k fused in one kernel.
+    """`dsv4_kernels.moe.route` (same arguments and contract) with scoring and top-k fused in one kernel.
 
     x: [T, H]; gate: [E, H] (pass it as fp32 to skip a cast per call) -> (fp32 [T, k], int64 [T, k]).
     """

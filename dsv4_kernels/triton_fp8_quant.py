@@ -1,4 +1,4 @@
-"""Triton per-token 1x128 FP8 activation quantiser (reference: kernels.fp8_linear.quant_act_1x128).
+"""Triton per-token 1x128 FP8 activation quantiser (reference: dsv4_kernels.fp8_linear.quant_act_1x128).
 
 One program quantises BLOCK_M rows x one 128-wide K block: amax over the block (floored at 1e-4), scale =
 amax / 448 (rounded up to a power of two for UE8M0 checkpoints, computed on the exponent bits so it is
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8_linear import AMAX_FLOOR, BLOCK, FP8_MAX
-from kernels.gpu import import_triton, require_triton
-from kernels.triton_cache_codecs import USE_HW_FP8_CAST, tl_e4m3_bits
+from dsv4_kernels.fp8_linear import AMAX_FLOOR, BLOCK, FP8_MAX
+from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_cache_codecs import USE_HW_FP8_CAST, tl_e4m3_bits
 
 triton, tl = import_triton()
 
@@ -27,8 +27,8 @@ _FMAX = tl.constexpr(FP8_MAX)
 @triton.jit
 def tl_quant_1x128(x, POW2: tl.constexpr, HW_FP8: tl.constexpr):
     """Rows of one 128-wide block, fp32 [R, 128] (masked lanes 0) -> (e4m3 code bytes [R, 128], fp32 scales [R]):
-    the one quantisation every 1x128 writer here shares (this module's kernel, kernels.triton_norm_quant and
-    kernels.triton_moe_glue's fused SwiGLU)."""
+    the one quantisation every 1x128 writer here shares (this module's kernel, dsv4_kernels.triton_norm_quant and
+    dsv4_kernels.triton_moe_glue's fused SwiGLU)."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), _FLOOR)
     scale = tl.div_rn(amax, _FMAX)  # IEEE division, as torch (the default `/` is approximate on the GPU)
     if POW2:
@@ -36,7 +36,7 @@ def tl_quant_1x128(x, POW2: tl.constexpr, HW_FP8: tl.constexpr):
         bits = scale.to(tl.int32, bitcast=True)
         exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
         scale = (exp << 23).to(tl.float32, bitcast=True)
-    # e4m3 bytes, nearest even (the interpreter's fp8 cast is not exact: kernels.triton_cache_codecs)
+    # e4m3 bytes, nearest even (the interpreter's fp8 cast is not exact: dsv4_kernels.triton_cache_codecs)
     y = x / scale[:, None] if POW2 else tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))  # pow2: exact
     return tl_e4m3_bits(y, HW_FP8), scale
 
