@@ -1,4 +1,5 @@
-"""Block-scaled FP8 linear layers, plain torch: the reference the DeepGEMM path (dsv4_kernels.deepgemm_linear) must match.
+"""Block-scaled FP8 linear layers, plain torch: the reference the DeepGEMM path (dsv4_kernels.deepgemm_linear)
+must match.
 
 DeepSeek V4's dense projections are stored as FP8 e4m3 weights [N, K] with one scale per 128x128 block
 (UE8M0 in the release, i.e. powers of two). At inference the activations are quantised too, per token in

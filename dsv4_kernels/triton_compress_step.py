@@ -1,7 +1,7 @@
 """Triton compressor step in two launches: close this step's windows straight from their slot rows, save the state.
 
 Reference (engine/attention.py, AttentionBlock._compress on the reference path), for one compressor of ratio r:
-    rows  = dsv4_kernels.compressor.state_rows(kv, gate, ape, positions)      # fp32 [T, 2W] = [kv | gate + ape[pos % r]]
+    rows  = dsv4_kernels.compressor.state_rows(kv, gate, ape, positions)  # fp32 [T, 2W] = [kv | gate + ape[pos % r]]
     cur   = plan.cur.gather(rows, state); prev = plan.prev.gather(rows, state)   # SourceRows: [ring | chunk] rows
     slots = overlap_slots(prev, cur, prev_valid) (ratio 4) or cur (ratio 128)
     entry = apply_rope(rms_norm(pool_windows(slots kv in the model dtype, slots score), weight, eps), cos, sin)

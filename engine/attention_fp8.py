@@ -6,7 +6,8 @@ dequantised keys. Both paths here compute that without a host sync, so decode st
 - `flashmla_attend`, decode steps (one token per request) whose geometry FlashMLA takes: the token's kv row was
   written into the SWA ring first (`insert_decode_rows`: Triton norm + RoPE + fp8_ds_mla pack; the slot it
   overwrites holds position - window, outside the token's window), then FlashMLA reads the ring and the entry
-  rows in place (dsv4_kernels.flashmla_sparse), its index lists built by one Triton launch (dsv4_kernels.triton_attention_rows);
+  rows in place (dsv4_kernels.flashmla_sparse), its index lists built by one Triton launch
+  (dsv4_kernels.triton_attention_rows);
 - `dequantised_attend`, every other step (prefill chunks, mixed steps, geometries FlashMLA does not take): the
   keys a step names are dequantised into bf16 stores -- whole pages of the step's requests, or each query's
   own rows, whichever is fewer rows for these static shapes -- and the Triton MQA kernel reads them; the

@@ -89,7 +89,8 @@ class DeepseekV4Model:
 
     @staticmethod
     def _mhc(streams: torch.Tensor):
-        """The mHC implementation for these streams: dsv4_kernels.triton_mhc (fused) or the dsv4_kernels.mhc reference."""
+        """The mHC implementation for these streams: dsv4_kernels.triton_mhc (fused) or the dsv4_kernels.mhc
+        reference."""
         # CUDA only: under the CPU interpreter the fused kernel's Sinkhorn loop is far too slow for whole-model
         # runs (tests/kernels/test_triton_mhc.py checks it against the reference there).
         if streams.is_cuda and use_triton(streams.device):

@@ -153,7 +153,8 @@ def section(log: list[str], argv: str) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"## Prefill indexer: shared-key kernel vs per-token kernel\n\n"
             f"- command: `python3 scripts/bench_indexer_prefill.py {argv}`\n- date: {when}; torch {torch.__version__}\n"
-            f"- \"per-token\" is the decode kernel (dsv4_kernels/triton_indexer.py) run over every query; \"prefill\" is "
+            f"- \"per-token\" is the decode kernel (dsv4_kernels/triton_indexer.py) run over every query; "
+            f"\"prefill\" is "
             f"dsv4_kernels/triton_indexer_prefill.py (a block of one sequence's queries shares each key tile through "
             f"tl.dot); the compare line checks its scores and ids against the per-token kernel's\n\n"
             "```\n" + "\n".join(log).strip() + "\n```\n")

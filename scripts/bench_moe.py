@@ -222,7 +222,8 @@ def sweep_section(device_name: str, lines: list[str]) -> str:
     return "\n".join(["## triton_kernels MXFP4 MoE launch constraints: `scripts/bench_moe.py --ogs-sweep`", "",
                       f"- command: `python scripts/bench_moe.py {' '.join(sys.argv[1:])}`, "
                       f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}; times = "
-                      "CUDA-graph device time of the whole dsv4_kernels.mxfp4_ogs.ogs_moe call after an L2 flush; err = "
+                      "CUDA-graph device time of the whole dsv4_kernels.mxfp4_ogs.ogs_moe call after an L2 flush; "
+                      "err = "
                       "against the same call with triton_kernels' own heuristics", "", "```", *lines, "```"])
 
 

@@ -97,7 +97,8 @@ def test_fp8_fast_path_matches_fp8_reference(monkeypatch, decode_mode):
     chunks here, and bucketed = eager with fp8 caches is tests/engine/test_decode_buckets.py's (a 95 s
     interpreter run saved on the 2-core CI machine).
     (Here, not in test_kv_cache_fp8.py, because forcing the Triton path needs TRITON_INTERPRET set before the
-    first dsv4_kernels.triton_* import.) FlashMLA's decode path is checked on the GPU (tests/kernels/test_flashmla_sparse.py)."""
+    first dsv4_kernels.triton_* import.) FlashMLA's decode path is checked on the GPU
+    (tests/kernels/test_flashmla_sparse.py)."""
     import engine.attention_fp8 as fp8_mod
 
     calls = []

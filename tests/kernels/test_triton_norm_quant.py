@@ -1,5 +1,5 @@
-"""Triton RMSNorm + 1x128 FP8 quantisation (dsv4_kernels/triton_norm_quant.py) against dsv4_kernels.norm.rms_norm followed by
-dsv4_kernels.fp8_linear.quant_act_1x128. Compiled on a GPU, else in triton's CPU interpreter."""
+"""Triton RMSNorm + 1x128 FP8 quantisation (dsv4_kernels/triton_norm_quant.py) against
+dsv4_kernels.norm.rms_norm followed by dsv4_kernels.fp8_linear.quant_act_1x128. Compiled on a GPU, else in triton's CPU interpreter."""
 
 import pytest
 import torch
