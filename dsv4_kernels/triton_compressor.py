@@ -1,6 +1,6 @@
 """Triton compressor pooling: softmax over slots, weighted sum, RMSNorm, optional compress RoPE, fused.
 
-Reference: `dsv4_kernels.rms_norm(dsv4_kernels.compressor.pool_windows(kv, score), weight, eps)`, then (if cos/sin
+Reference: `dsv4_kernels.norm.rms_norm(dsv4_kernels.compressor.pool_windows(kv, score), weight, eps)`, then (if cos/sin
 are given) `dsv4_kernels.rope.apply_rope(., cos, sin)` at each entry's window start, as engine/attention.py
 chains them. kv and score are the slot rows already arranged per entry (`overlap_slots` for ratio 4,
 the plain window for ratio 128); a slot whose score is -inf gets weight 0.

@@ -9,14 +9,14 @@ Reference: `dsv4_kernels.mhc.hc_pre` / `hc_post`. Per token with hc streams of w
   and its split-K reduction: three launches where one does, twice a layer.) Then, all in registers:
   pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax + eps, Sinkhorn (column norm, then
   iters-1 x (row, column)), and collapsed = sum_i pre_i * stream_i.
-  Steps of up to MIX_MAX_TOKENS tokens (by default all): the mix kernel also writes each split's sum of squares,
-  and the pre kernel runs on a (T, D / BLOCK_D) grid: every program derives its token's weights (hc*hc is tiny)
-  and collapses one block of D; the optional input RMSNorm (`norm_weight`) is a third launch over whole rows.
-  One program per token looping over D was latency-bound: 37 us a call at batch 1 and 64 on an H200 (V4-Flash
-  widths), ~0.3 ms of a 1.9 ms batch-1 step, and 0.49 ms at 8K tokens. Split over D in 4-warp programs it still
-  took 28 us: the Sinkhorn iterations' [hc, hc] sums were cross-warp reductions (shared memory and a barrier
-  each, 40 in a row), so these programs run as one warp. Beyond MIX_MAX_TOKENS, the long path: torch's fp32
-  matmul for the logits and one program per token (sum-of-squares pass, collapse pass, norm pass).
+  Steps of up to split_max_tokens(dtype) tokens (fp32 streams: 256; bf16: all): the mix kernel also writes each
+  split's sum of squares, and the pre kernel runs on a (T, D / BLOCK_D) grid: every program derives its token's
+  weights (hc*hc is tiny) and collapses one block of D; the optional input RMSNorm (`norm_weight`) is a third launch
+  over whole rows. One program per token looping over D was latency-bound: 37 us a call at batch 1 and 64 on an H200
+  (V4-Flash widths), ~0.3 ms of a 1.9 ms batch-1 step, and 0.49 ms at 8K tokens. Split over D in 4-warp programs it
+  still took 28 us: the Sinkhorn iterations' [hc, hc] sums were cross-warp reductions (shared memory and a barrier
+  each, 40 in a row), so these programs run as one warp. Longer steps take the long path: torch's fp32 matmul for
+  the logits and one program per token (sum-of-squares pass, collapse pass, norm pass).
 - post: new_streams[j] = post_j * block_out + sum_i comb[i, j] * streams[i]; grid (T, D / BLOCK_D).
 All mixing math is fp32 (as in the reference); outputs round once to the streams' dtype.
 Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see dsv4_kernels/triton_attention.py).
@@ -71,26 +71,16 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
              mask=rmask[:, None] & mmask[None, :])
 
 
-@triton.jit
-def _bf16_split(x):
-    """fp32 x -> (hi, mid, lo) bf16 with hi + mid + lo = x to ~24 bits (each part the rest's bf16 rounding)."""
-    hi = x.to(tl.bfloat16)
-    rest = x - hi.to(tl.float32)
-    mid = rest.to(tl.bfloat16)
-    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
-
-
 @triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "stride_pt"])
 def _hc_mix_bf16x3_kernel(streams_ptr, w_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
                           stride_st, stride_sh, stride_ps, stride_pt,
                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr,
-                          SPLIT_X: tl.constexpr, BF16_DOT: tl.constexpr):
-    """_hc_mix_kernel for long steps, on tensor cores. w: bf16 [3, K, NM_P], fn^T split in three (hi + mid + lo
-    = fn to fp32 precision; zero columns from N_MIX); a bf16 x bf16 product is exact in fp32. bf16 streams: three
-    dots (x with each part of w) give the fp32 matmul's products. SPLIT_X (fp32 streams): x is split the same way
-    in registers and the six products of order <= 2 (hi.hi, hi.mid, mid.hi, hi.lo, lo.hi, mid.mid) are summed,
-    ~fp32's 24 bits. BLOCK_K divides D and the split. BF16_DOT False (the interpreter, whose dots take no bf16):
-    the same operands as fp32."""
+                          BF16_DOT: tl.constexpr):
+    """_hc_mix_kernel for long steps of bf16 streams, on tensor cores. w: bf16 [3, K, NM_P], fn^T split in three
+    (hi + mid + lo = fn to fp32 precision; zero columns from N_MIX): a bf16 x bf16 product is exact in fp32, so
+    three bf16 dots with fp32 accumulation give the fp32 matmul's products. BLOCK_K divides D and the split.
+    (fp32 streams split the same way took six dots and 2.3 ms at 8K tokens on the H200, 3x the long path: they
+    take the long path.) BF16_DOT False (the interpreter, whose dots take no bf16): the same operands as fp32."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     m = tl.arange(0, NM_P)
@@ -102,29 +92,20 @@ def _hc_mix_bf16x3_kernel(streams_ptr, w_ptr, part_ptr, T, D, K, N_MIX, k_per_sp
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         kmask = (k0 + c) < K
         h = k0 // D
-        xf = tl.load(row_ptr + h * stride_sh + (k0 - h * D) + c[None, :], mask=rmask[:, None] & kmask[None, :],
-                     other=0.0).to(tl.float32)
+        x = tl.load(row_ptr + h * stride_sh + (k0 - h * D) + c[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0)
+        xf = x.to(tl.float32)
+        if not BF16_DOT:
+            x = xf
         wp = w_ptr + (k0 + c)[:, None] * NM_P + m[None, :]
         w_hi = tl.load(wp, mask=kmask[:, None], other=0.0)
         w_mid = tl.load(wp + K * NM_P, mask=kmask[:, None], other=0.0)
         w_lo = tl.load(wp + 2 * K * NM_P, mask=kmask[:, None], other=0.0)
         if not BF16_DOT:
             w_hi, w_mid, w_lo = w_hi.to(tl.float32), w_mid.to(tl.float32), w_lo.to(tl.float32)
-        if SPLIT_X:
-            x_hi, x_mid, x_lo = _bf16_split(xf)
-            if not BF16_DOT:
-                x_hi, x_mid, x_lo = x_hi.to(tl.float32), x_mid.to(tl.float32), x_lo.to(tl.float32)
-            acc += tl.dot(x_hi, w_hi)
-            acc += tl.dot(x_hi, w_mid)
-            acc += tl.dot(x_mid, w_hi)
-            acc += tl.dot(x_hi, w_lo)
-            acc += tl.dot(x_lo, w_hi)
-            acc += tl.dot(x_mid, w_mid)
-        else:
-            x = xf.to(tl.bfloat16) if BF16_DOT else xf  # (exact: the streams are bf16)
-            acc += tl.dot(x, w_hi)
-            acc += tl.dot(x, w_mid)
-            acc += tl.dot(x, w_lo)
+        acc += tl.dot(x, w_hi)
+        acc += tl.dot(x, w_mid)
+        acc += tl.dot(x, w_lo)
         if SUMSQ:
             sq += tl.sum(xf * xf, axis=1)
     mmask = m < N_MIX
@@ -338,7 +319,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         return normed, post, comb
     extra = {"num_warps": 4} if streams.is_cuda else {}
     block_d = min(block_d, triton.next_power_of_2(d))
-    if t <= MIX_MAX_TOKENS:  # spread each token over D blocks (one program a token is latency-bound)
+    if t <= split_max_tokens(streams.dtype):  # spread each token over D blocks (one program a token is latency-bound)
         parts = mix_partials(streams, fn, sumsq=True)  # [splits, T, n_mix + 1] fp32
         _hc_pre_split_kernel[(t, triton.cdiv(d, block_d))](
             streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, hc, d,
@@ -361,36 +342,41 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 
 MIX_PROGRAMS = 256  # split K until about this many programs run (T = 1 in decode: one token's 16K-long dot products)
-# Steps up to this many tokens take the split kernels (mix kernel + (T, D blocks) pre kernel); longer ones, torch's
-# fp32 matmul on an fp32 copy of the streams and one pre program a token. The H200 prefill profile of 2026-12-02
-# (8K tokens, V4-Flash widths) had the long path at ~1 ms a call (sgemm 0.27, the copy ~0.2, the pre kernel 0.49:
-# one 4-warp program a token, its Sinkhorn sums cross-warp), 8 calls a 4-layer step; the split path reads the
-# streams once. $DSV4_HC_SPLIT_MAX_TOKENS=256 restores the long path above 256 tokens (scripts/bench_mhc.py).
-MIX_MAX_TOKENS = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS", str(1 << 30)))
-# From this many tokens the mix runs on tensor cores (_hc_mix_bf16x3_kernel, bf16 or fp32 streams): with fp32 FMAs
-# it took 1.3 ms a 4K-token chunk on the H200 (2026-12-04, fp32 streams, 16 calls an 8K prefill of the 4-layer
-# slice: 21 ms, its prefill at 29% of its roof against 35% on the long path).
+# Steps up to split_max_tokens(dtype) tokens take the split kernels (mix kernel + (T, D blocks) pre kernel), longer
+# ones the long path (torch's fp32 matmul on an fp32 copy of the streams, one pre program a token). Measured on the
+# H200 (scripts/bench_mhc.py, V4-Flash widths, 2026-12-04): fp32 streams (the engine's residual, by default) at 8K
+# tokens 0.77 ms a call on the long path (cuBLAS's sgemm reads fp32 as stored) against 2.3 ms split with the mix on
+# tensor cores (six bf16 dots) and 2.9 ms on FMAs: the split path up to 256 tokens (decode steps, where one
+# program a token was latency-bound). bf16 streams at 8K: 0.59 ms split (three bf16 dots) against 3.1 ms long (the
+# fp32 copy): split at every size. $DSV4_HC_SPLIT_MAX_TOKENS / $DSV4_HC_SPLIT_MAX_TOKENS_BF16 override.
+MIX_MAX_TOKENS = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS", "256"))
+MIX_MAX_TOKENS_BF16 = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS_BF16", str(1 << 30)))
+# From this many tokens bf16 streams' mix runs on tensor cores (_hc_mix_bf16x3_kernel; fp32 FMAs below).
 MIX_TENSOR_CORE_MIN_TOKENS = 257
 BF16X3_BLOCK_K = 128
+
+
+def split_max_tokens(dtype: torch.dtype) -> int:
+    """The longest step whose mHC pre takes the split kernels, for streams of this dtype (see above)."""
+    return MIX_MAX_TOKENS_BF16 if dtype == torch.bfloat16 else MIX_MAX_TOKENS
 
 
 def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -> torch.Tensor:
     """Split-K partial mixing logits: streams [T, hc, D] (any float dtype, unit last stride), fn [n_mix, hc*D]
     -> fp32 [splits, T, n_mix] whose sum over splits is streams.reshape(T, hc*D).float() @ fn.float().t()
-    (one "split", torch's matmul, above MIX_MAX_TOKENS tokens). sumsq (split-K only): one more column, n_mix,
-    whose sum over splits is each token's sum of squares of its flattened streams."""
+    (one "split", torch's matmul, above split_max_tokens(streams.dtype) tokens). sumsq (split-K only): one more
+    column, n_mix, whose sum over splits is each token's sum of squares of its flattened streams."""
     t, hc, d = streams.shape
     k, n_mix = hc * d, fn.shape[0]
-    if t > MIX_MAX_TOKENS:
+    if t > split_max_tokens(streams.dtype):
         if sumsq:
-            raise ValueError(f"sumsq needs the split-K kernel (T <= {MIX_MAX_TOKENS}), got T={t}")
+            raise ValueError(f"sumsq needs the split-K kernel (T <= {split_max_tokens(streams.dtype)}), got T={t}")
         return (streams.reshape(t, k).float() @ fn.float().t()).unsqueeze(0)
     # (sm_90 compile, scripts/compile_triton_sm90.py: 64 rows x 128 of K in 4 warps spilled at 255 registers)
     block_t, block_k = (16, 128) if t <= 16 else (64, 64)
-    tensor_cores = (t >= MIX_TENSOR_CORE_MIN_TOKENS and d % BF16X3_BLOCK_K == 0
-                    and streams.dtype in (torch.bfloat16, torch.float32))
-    if tensor_cores:  # (fp32 streams: 64 of K a tile; 128 spilled at 255 registers, scripts/compile_triton_sm90.py)
-        block_k = BF16X3_BLOCK_K if streams.dtype == torch.bfloat16 else BF16X3_BLOCK_K // 2
+    tensor_cores = t >= MIX_TENSOR_CORE_MIN_TOKENS and d % BF16X3_BLOCK_K == 0 and streams.dtype == torch.bfloat16
+    if tensor_cores:
+        block_k = BF16X3_BLOCK_K
     tiles = triton.cdiv(t, block_t)
     splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(MIX_PROGRAMS, tiles)))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
@@ -401,9 +387,7 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
         _hc_mix_bf16x3_kernel[(tiles, splits)](streams, _fn_bf16x3(fn, nm_p), parts, t, d, k, n_mix, k_per_split,
                                                streams.stride(0), streams.stride(1), parts.stride(0),
                                                parts.stride(1), BLOCK_T=block_t, BLOCK_K=block_k, NM_P=nm_p,
-                                               SUMSQ=sumsq, SPLIT_X=streams.dtype == torch.float32,
-                                               BF16_DOT=streams.is_cuda,
-                                               num_warps=8, num_stages=2)
+                                               SUMSQ=sumsq, BF16_DOT=streams.is_cuda, num_warps=8)
         return parts
     fn = fn.float().contiguous()
     _hc_mix_kernel[(tiles, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),

@@ -1,13 +1,13 @@
-"""mHC pre (dsv4_kernels.triton_mhc.hc_pre with the block's input norm fused) at V4-Flash widths: the split path
-(mix kernel + (T, D blocks) pre kernel + norm; its mix dot on tensor cores from MIX_TENSOR_CORE_MIN_TOKENS, and on
-fp32 FMAs at every size) against the long path (torch's fp32 matmul on an fp32 copy of the streams + one pre
-program a token), by token count (CUDA only; a script, not a test). Small steps are host-bound here (three
-launches; serving runs them under CUDA graphs).
+"""mHC pre (dsv4_kernels.triton_mhc.hc_pre with the block's input norm fused) at V4-Flash widths: the split path (mix
+kernel + (T, D blocks) pre kernel + norm; for bf16 streams its mix dot on tensor cores from
+MIX_TENSOR_CORE_MIN_TOKENS, and on fp32 FMAs at every size) against the long path (torch's fp32 matmul on an fp32
+copy of the streams + one pre program a token), by token count (CUDA only; a script, not a test). Small steps are
+host-bound here (three launches; serving runs them under CUDA graphs).
 
 Shapes: hc 4 streams x 4096, 24 mixing logits, 20 Sinkhorn iterations, streams in --dtype (fp32: the engine's
-residual streams, $DSV4_FP32_RESIDUAL on by default). Prints the median time of
-each path (triton.testing.do_bench), the bytes-read roof (the streams once, at the measured copy bandwidth) and
-the two paths' largest output difference (they round differently: fp32 sums in another order).
+residual streams, $DSV4_FP32_RESIDUAL on by default). Prints the median time of each path
+(triton.testing.do_bench), the bytes-read roof (the streams once, at the measured copy bandwidth) and the two
+paths' largest output difference (they round differently: fp32 sums in another order).
 
 Usage: python scripts/bench_mhc.py [--tokens 1 64 256 1024 4096 8192] [--dtype float32|bfloat16] [--out FILE]
 """
@@ -44,15 +44,15 @@ PATHS = ("split", "split fma", "long")  # the default; its mix on fp32 FMAs at e
 def run(path: str, args):
     from dsv4_kernels import triton_mhc
 
-    saved = triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS
-    triton_mhc.MIX_MAX_TOKENS = 0 if path == "long" else 1 << 30
+    saved = triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_MAX_TOKENS_BF16, triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS
+    triton_mhc.MIX_MAX_TOKENS = triton_mhc.MIX_MAX_TOKENS_BF16 = 0 if path == "long" else 1 << 30
     if path == "split fma":
         triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS = 1 << 30
     try:
         streams, fn, base, scale, norm_w = args
         return triton_mhc.hc_pre(streams, fn, base, scale, ITERS, 1e-6, 1e-6, norm_weight=norm_w)
     finally:
-        triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS = saved
+        triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_MAX_TOKENS_BF16, triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS = saved
 
 
 def copy_gbps(device) -> float:

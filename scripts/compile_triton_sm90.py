@@ -256,7 +256,7 @@ def main() -> int:
         finally:
             for module, k, fn in originals:
                 setattr(module, k, fn)
-        for k, rec in dsv4_kernels.items():
+        for k, rec in kernels.items():
             errors += compile_calls(f"{name}.{k}", rec)
     print(f"\n{len(errors)} failure(s)" if errors else "\nall kernels compiled for sm_90")
     return 1 if errors else 0

@@ -97,11 +97,11 @@ def test_hc_pre_with_fused_input_norm(dtype, out_dtype):
 
 
 @pytest.mark.parametrize("t,d,dtype", [(1, 300, torch.bfloat16), (17, 80, torch.float32), (70, 300, torch.bfloat16),
-                                       (300, 256, torch.bfloat16), (260, 128, torch.float32)])
+                                       (300, 256, torch.bfloat16)])
 def test_mix_partials_sum_to_the_fp32_matmul(t, d, dtype):
     """The split-K mixing logits (one token, a 16-row tile and a 64-row tile; several K splits; strided streams
     read in their stored dtype; K tiles within one stream (D = 256, 128) and across two (D = 300, 80); from 257
-    tokens the tensor-core kernel on bf16 parts: three dots for bf16 streams, six for fp32) add up to the
+    tokens bf16 streams' tensor-core kernel: three bf16 dots on fn's hi / mid / lo parts) add up to the
     reference's fp32 matmul of the flattened streams."""
     hc, n_mix = 4, 24
     wide = randn(t, hc, d + 8, seed=t + d, dtype=dtype, scale=2.0)
@@ -120,6 +120,16 @@ def test_mix_partials_of_a_long_chunk_are_one_matmul(monkeypatch):
     parts = triton_mhc.mix_partials(streams, fn)
     assert parts.shape == (1, 5, 24)
     torch.testing.assert_close(parts[0], streams.reshape(5, 320) @ fn.t(), **NUM.TOL[torch.float32])
+
+
+def test_long_steps_take_the_path_measured_faster_for_their_dtype():
+    """By default (scripts/bench_mhc.py on the H200): fp32 streams beyond 256 tokens take torch's fp32 matmul (one
+    partial), bf16 streams stay on the split kernels at every length."""
+    assert triton_mhc.split_max_tokens(torch.float32) == triton_mhc.MIX_MAX_TOKENS == 256
+    assert triton_mhc.split_max_tokens(torch.bfloat16) > 1 << 20
+    fn = randn(24, 4 * 128, seed=5, scale=0.05)
+    assert triton_mhc.mix_partials(randn(257, 4, 128, seed=6), fn).shape[0] == 1
+    assert triton_mhc.mix_partials(randn(257, 4, 128, seed=6, dtype=torch.bfloat16), fn).shape[0] > 1
 
 
 def test_mix_partials_sum_of_squares_column():
