@@ -127,9 +127,13 @@ def _check_shapes(out, prompt):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_engine_matches_oracle(name, checkpoints, capsys):
     spec = CONFIGS[name]
-    model_dir = checkpoints(name)
-    prompts = _prompts(spec)
-    greedy_outs, sampled_outs = _run_engine(model_dir, prompts, spec["max_batch_tokens"])
+    assert_engine_matches_oracle(name, checkpoints(name), _prompts(spec), spec["max_batch_tokens"], capsys)
+
+
+def assert_engine_matches_oracle(name: str, model_dir: str, prompts, max_batch_tokens: int, capsys) -> None:
+    """Run `prompts` (greedy and seeded-sampled copies) through the engine and judge every position against
+    the oracle on the engine's own trajectory (module docstring)."""
+    greedy_outs, sampled_outs = _run_engine(model_dir, prompts, max_batch_tokens)
 
     diffs: list[float] = []
     bad: list[str] = []  # positions outside LP_TOL, for the failure message
@@ -171,7 +175,8 @@ def test_engine_matches_oracle(name, checkpoints, capsys):
     assert share >= MIN_SHARE, (
         f"{name}: only {share:.4f} of {n} positions within {LP_TOL:g} (max {worst:.3g}); first bad:\n  "
         + "\n  ".join(bad[:12]))
-    assert not greedy_fail, f"{name}: greedy tokens differ from the oracle's argmax:\n  " + "\n  ".join(greedy_fail[:12])
+    assert not greedy_fail, (f"{name}: greedy tokens differ from the oracle's argmax:\n  "
+                             + "\n  ".join(greedy_fail[:12]))
 
 
 # ---- the oracle helpers themselves --------------------------------------------------------------
