@@ -57,13 +57,14 @@ from dsv4_kernels.rope import apply_rope
 
 class AttentionBlock:
     def __init__(self, cfg: ModelConfig, weights: dict, layer: int, parallel: ParallelContext | None = None):
-        """parallel: with tp ranks this block holds num_heads / tp heads and o_groups / tp output groups
-        (engine.sharding cut the weights); its output is then a partial sum, all-reduced before returning."""
+        """parallel: with tp ranks this block holds num_heads / tp heads and o_groups / tp output groups, or part
+        of one group when o_groups < tp (engine.sharding cut the weights); its output is then a partial sum,
+        all-reduced before returning."""
         self.cfg = cfg
         self.layer = layer
         self.parallel = parallel or SINGLE
         self.num_heads = self.parallel.local(cfg.num_heads, "num_attention_heads")
-        self.o_groups = self.parallel.local(cfg.o_groups, "o_groups")
+        self.o_groups = self.parallel.local_groups(cfg.o_groups, "o_groups")
         self.ratio = cfg.compress_ratios[layer]
         self.rope_kind = "compress" if self.ratio > 1 else "main"
         p = f"layers.{layer}.attn."

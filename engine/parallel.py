@@ -102,6 +102,16 @@ class ParallelContext:
             raise ValueError(f"{what} = {n} is not divisible by --tensor-parallel-size {self.tp_size}")
         return n // self.tp_size
 
+    def local_groups(self, n: int, what: str) -> int:
+        """Output groups (o_groups) a rank holds: n / tp_size, or 1 when n divides tp_size (each group's heads
+        span tp_size / n ranks, a rank holds part of one group); a ValueError naming `what` otherwise."""
+        if n % self.tp_size == 0:
+            return n // self.tp_size
+        if self.tp_size % n == 0:
+            return 1
+        raise ValueError(f"{what} = {n} is neither divisible by nor a divisor of --tensor-parallel-size "
+                         f"{self.tp_size}")
+
     def shard_range(self, n: int, what: str) -> range:
         """This rank's contiguous slice of an evenly split dimension of size n."""
         k = self.local(n, what)

@@ -20,7 +20,7 @@ import torch
 from engine.config import ModelConfig
 from engine.load_progress import LoadProgress
 from engine.parallel import ParallelContext
-from engine.sharding import check_divisible, cut_of, cut_tensor, owns, scale_name
+from engine.sharding import check_divisible, cut_heads_of_group, cut_of, cut_tensor, owns, scale_name
 from engine.weights import Checkpoint, open_checkpoint
 
 
@@ -44,10 +44,12 @@ def load_shard(model_dir: str | os.PathLike, cfg: ModelConfig, ctx: ParallelCont
 
 def read_cut(ckpt: Checkpoint, name: str, ctx: ParallelContext, dtype: torch.dtype) -> dict:
     """One tensor's part for this rank (with its scale companion when kept quantised), read as a window."""
-    cut = cut_of(name, ckpt.expected[name], ctx)
+    shape, o_groups = ckpt.expected[name], ckpt.cfg.o_groups
+    cut = cut_of(name, shape, ctx, o_groups)
     if cut is None:
         part = ckpt.read(name)
         return cut_tensor(name, part[name], part.get(scale_name(name)), None, dtype)
     lo, hi = cut.covering(ckpt.grid(name, cut.dim))
     part = ckpt.read(name, (cut.dim, lo, hi))
-    return cut_tensor(name, part[name], part.get(scale_name(name)), cut, dtype, offset=lo)
+    part = cut_tensor(name, part[name], part.get(scale_name(name)), cut, dtype, offset=lo)
+    return cut_heads_of_group(name, part, shape, ctx, o_groups, dtype)

@@ -15,6 +15,9 @@ follows the production V4 model (TokenSpeed's `deepseek_v4.py`):
   alike; the grouped output projection keeps whole groups: `wo_a` column-parallel by group (o_groups / tp
   groups a rank, exactly the groups of its heads), `wo_b` row-parallel (its input is those groups'
   outputs), so a rank's attention output is a partial sum: one all-reduce (ParallelContext.all_reduce).
+  With fewer groups than ranks (o_groups divides tp) a group's heads span tp / o_groups ranks: a rank keeps
+  its group's rows of `wo_a` and, of those, the columns of its own heads (a second cut, `head_cut_of`), and
+  its group's columns of `wo_b`; nothing nonlinear lies between the two, so the partial sums still add up.
 - replicated: `wq_a`, `q_norm`, `wkv` + `norm` (the MQA KV latent: one K=V row shared by every head),
   the compressor and the whole indexer (its heads score entries for all query heads together), mHC,
   norms, the router (gate, bias, tid2eid). So every rank computes and caches the same compressed KV,
@@ -48,6 +51,7 @@ from dsv4_kernels.quant import MXFP4_BLOCK, dequant_mxfp4
 
 _COLUMN = re.compile(r"\.attn\.(?:wq_b|wo_a)\.weight$|\.attn\.attn_sink$|\.shared_experts\.w[13]\.weight$")
 _ROW = re.compile(r"\.attn\.wo_b\.weight$|\.shared_experts\.w2\.weight$")
+_GROUPED = re.compile(r"\.attn\.wo_[ab]\.weight$")
 _INDEXER = re.compile(r"\.attn\.indexer\.")
 _EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
 _VOCAB = ("embed.weight", "head.weight")
@@ -95,7 +99,7 @@ def check_divisible(cfg: ModelConfig, ctx: ParallelContext) -> None:
         ctx.local(cfg.n_routed_experts, "n_routed_experts")
         return
     ctx.local(cfg.num_heads, "num_attention_heads")
-    ctx.local(cfg.o_groups, "o_groups")
+    ctx.local_groups(cfg.o_groups, "o_groups")
     if cfg.n_shared_experts:
         ctx.local(cfg.moe_intermediate_size * cfg.n_shared_experts, "shared expert intermediate size")
     if ctx.expert_parallel:
@@ -111,12 +115,18 @@ def owns(name: str, cfg: ModelConfig, ctx: ParallelContext) -> bool:
     return m is None or int(m.group(1)) in ctx.expert_range(cfg.n_routed_experts)
 
 
-def cut_of(name: str, shape: tuple[int, ...], ctx: ParallelContext) -> Cut | None:
+def cut_of(name: str, shape: tuple[int, ...], ctx: ParallelContext, o_groups: int = 0) -> Cut | None:
     """This rank's cut of weight `name` of logical `shape` (dequantised shape; see `logical_shape`);
     None = the rank keeps it whole (replicated, or one of its whole experts). Under data-parallel attention
-    every tensor a rank keeps is whole: the routed experts are split by id alone (`owns`)."""
+    every tensor a rank keeps is whole: the routed experts are split by id alone (`owns`). o_groups: the
+    model's output groups (wo_a / wo_b are cut by group when there are fewer groups than ranks)."""
     if not ctx.enabled or ctx.data_parallel_attention:
         return None
+    if _spans_ranks(o_groups, ctx) and _GROUPED.search(name):
+        dim = 0 if name.endswith("wo_a.weight") else 1  # wo_a: the group's rows; wo_b: its input columns
+        width = shape[dim] // o_groups
+        group = ctx.rank // (ctx.tp_size // o_groups)
+        return Cut(dim, group * width, (group + 1) * width, shape[dim], width)
     if name in _VOCAB:
         rows = ctx.padded_range(shape[0])
         return Cut(0, rows.start, rows.stop, shape[0], -(-shape[0] // ctx.tp_size))
@@ -128,6 +138,22 @@ def cut_of(name: str, shape: tuple[int, ...], ctx: ParallelContext) -> Cut | Non
                          f"{ctx.tp_size}")
     local = shape[dim] // ctx.tp_size
     return Cut(dim, ctx.rank * local, (ctx.rank + 1) * local, shape[dim], local)
+
+
+def head_cut_of(name: str, shape: tuple[int, ...], ctx: ParallelContext, o_groups: int) -> Cut | None:
+    """wo_a's second cut when a group spans ranks: of the group's input columns (its heads x head_dim), the
+    ones of this rank's heads. None otherwise."""
+    if not ctx.enabled or ctx.data_parallel_attention or not _spans_ranks(o_groups, ctx) \
+            or not name.endswith(".attn.wo_a.weight"):
+        return None
+    parts = ctx.tp_size // o_groups
+    width = shape[1] // parts
+    part = ctx.rank % parts
+    return Cut(1, part * width, (part + 1) * width, shape[1], width)
+
+
+def _spans_ranks(o_groups: int, ctx: ParallelContext) -> bool:
+    return 0 < o_groups < ctx.tp_size and ctx.tp_size % o_groups == 0
 
 
 def _split_dim(name: str, is_expert: bool, ctx: ParallelContext) -> int | None:
@@ -194,8 +220,19 @@ def shard_weights(weights: dict, cfg: ModelConfig, ctx: ParallelContext, dtype: 
         if not owns(name, cfg, ctx):
             continue
         scale = weights.get(scale_name(name))
-        out.update(cut_tensor(name, t, scale, cut_of(name, logical_shape(t, scale), ctx), dtype))
+        shape = logical_shape(t, scale)
+        part = cut_tensor(name, t, scale, cut_of(name, shape, ctx, cfg.o_groups), dtype)
+        out.update(cut_heads_of_group(name, part, shape, ctx, cfg.o_groups, dtype))
     return out
+
+
+def cut_heads_of_group(name: str, part: dict, shape: tuple[int, ...], ctx: ParallelContext, o_groups: int,
+                       dtype: torch.dtype) -> dict:
+    """`part` (cut_tensor's entries for `name`) after `head_cut_of`'s second cut, where there is one."""
+    cut = head_cut_of(name, shape, ctx, o_groups)
+    if cut is None:
+        return part
+    return cut_tensor(name, part[name], part.get(scale_name(name)), cut, dtype)
 
 
 def skips_unowned(cfg: ModelConfig, ctx: ParallelContext):

@@ -1,16 +1,16 @@
 """Tensor parallelism (TP 2) and expert parallelism (EP 2) over gloo on the CPU equal one rank.
 
-Every multi-rank case runs a real 2-process group: the test process is rank 0 (it schedules and samples)
-and `engine.tp_launch` spawns rank 1. Compared with a one-rank engine on the same prompts, greedy and
-seeded-sampling requests must produce the same tokens and the same logprobs and prompt logprobs within
-fp32 tolerance (the split changes only the summation order of wo_b, the shared / routed experts and
-the LM head). Cases: unchunked prefill + eager decode (TP 2); chunked prefill (7-token budget) +
-fixed-shape decode steps (TP 2 + EP 2, which exercises both broadcast kinds); MXFP4 experts kept packed
-(EP 2 on the packed reference path); FP8 projections kept as e4m3 + block scales, cut on the 128-grid;
-`dsv4 generate --tensor-parallel-size 2 --expert-parallel` in a subprocess against the one-rank CLI; TP 2 +
-EP 2 against the transformers oracle; the hand-off between layouts (TP 2 prefill -> one-rank decode and back,
-by page copy); prefix-cache hits (snapshot pages replicated from rank 0); a failed rank-0 step; and the weight
-split itself (shards reassemble the checkpoint, FP8 block grid, EP ranks read only their experts).
+Every multi-rank case runs a real 2-process group: the test process is rank 0 (it schedules and samples) and
+`engine.tp_launch` spawns rank 1. Compared with a one-rank engine on the same prompts, greedy and seeded-sampling
+requests must produce the same tokens and the same logprobs and prompt logprobs within fp32 tolerance (the split
+changes only the summation order of wo_b, the shared / routed experts and the LM head). Cases: unchunked prefill +
+eager decode (TP 2); chunked prefill (7-token budget) + fixed-shape decode steps (TP 2 + EP 2, which exercises both
+broadcast kinds); MXFP4 experts kept packed (EP 2 on the packed reference path); FP8 projections kept as e4m3 +
+block scales, cut on the 128-grid; `dsv4 generate --tensor-parallel-size 2 --expert-parallel` in a subprocess
+against the one-rank CLI; TP 2 + EP 2 against the transformers oracle; the hand-off between layouts (TP 2 prefill ->
+one-rank decode and back, by page copy); o_groups = 1 at TP 2 (a group's heads across ranks) against the oracle;
+prefix-cache hits (snapshot pages replicated from rank 0); a failed rank-0 step; and the weight split itself (shards
+reassemble the checkpoint, FP8 block grid, EP ranks read only their experts).
 """
 
 from __future__ import annotations
@@ -137,6 +137,26 @@ def test_two_ranks_match_the_oracle(tmp_path):
     assert not greedy_bad
 
 
+def test_groups_spanning_ranks_match_the_oracle(tmp_path):
+    """o_groups = 1 at TP 2 (a random-config sweep found `dsv4 generate` refusing it): each rank holds half of
+    the one group's heads and its columns of wo_a; TP 2 + EP 2 still matches transformers."""
+    from tests.support.oracle import make_hf_checkpoint, teacher_forced
+
+    model_dir = make_hf_checkpoint(tmp_path / "hf", seed=22, o_groups=1, compress_ratios=[4, 0, 16],
+                                   num_hidden_layers=3, index_topk=3)
+    prompts = _prompts(128, [5, 33], seed=22)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True, prompt_logprobs=True)
+    with LLM(model_dir, max_batch_tokens=16, tensor_parallel_size=2, expert_parallel=True) as llm:
+        outs = llm.generate(prompts, params)
+    diffs = []
+    for prompt, out in zip(prompts, outs):
+        ref = teacher_forced(model_dir, prompt, out.token_ids)
+        diffs += [abs(e - o) for e, o in zip(out.prompt_logprobs[1:], ref.prompt_lp[1:])]
+        diffs += [abs(e - o) for e, o in zip(out.logprobs, ref.gen_lp)]
+        assert out.token_ids == ref.gen_top
+    assert max(diffs) <= 2e-3, max(diffs)
+
+
 # ---- the weight split itself (no processes) ------------------------------------------------------
 def _full_weights():
     return load_weights(default_model_dir(), ModelConfig.from_model_dir(default_model_dir()))
@@ -182,12 +202,34 @@ def test_fp8_weights_split_on_block_boundaries():
     assert "layers.0.attn.wo_b.scale" not in r3 and torch.equal(r3["layers.0.attn.wo_b.weight"], deq[:, 192:])
 
 
+@pytest.mark.parametrize("tp,o_groups", [(2, 1), (4, 2)])
+def test_groups_spanning_ranks_cut_rows_then_heads(tp, o_groups):
+    """Fewer output groups than ranks: rank r keeps its group's rows of wo_a and the columns of its own heads,
+    and its group's columns of wo_b (shared with the group's other ranks)."""
+    cfg = dataclasses.replace(ModelConfig.from_model_dir(default_model_dir()), o_groups=o_groups)
+    rows, cols = o_groups * 8, 4 * 6  # 8 = o_lora_rank, a group's heads x head_dim = 24
+    wo_a, wo_b = torch.randn(rows, cols), torch.randn(10, rows)
+    weights = {"layers.0.attn.wo_a.weight": wo_a, "layers.0.attn.wo_b.weight": wo_b}
+    parts = tp // o_groups
+    for r in range(tp):
+        shard = shard_weights(weights, cfg, ParallelContext(tp, r), torch.float32)
+        group, part = r // parts, r % parts
+        width = cols // parts
+        assert torch.equal(shard["layers.0.attn.wo_a.weight"],
+                           wo_a[group * 8:(group + 1) * 8, part * width:(part + 1) * width])
+        assert torch.equal(shard["layers.0.attn.wo_b.weight"], wo_b[:, group * 8:(group + 1) * 8])
+
+
 def test_indivisible_group_is_a_clear_error():
     with pytest.raises(ValueError, match="num_attention_heads = 4 is not divisible by --tensor-parallel-size 3"):
         LLM(model_dir=None, tensor_parallel_size=3)
     cfg = dataclasses.replace(ModelConfig.from_model_dir(default_model_dir()), n_routed_experts=7)
     with pytest.raises(ValueError, match="n_routed_experts = 7 is not divisible"):
         shard_weights({}, cfg, ParallelContext(2, 0, True), torch.float32)
+    cfg = dataclasses.replace(ModelConfig.from_model_dir(default_model_dir()), num_heads=12, o_groups=3)
+    with pytest.raises(ValueError, match="o_groups = 3 is neither divisible by nor a divisor of "
+                                         "--tensor-parallel-size 2"):
+        shard_weights({}, cfg, ParallelContext(2, 0), torch.float32)
 
 
 # ---- caches written outside a forward: prefix-cache hits and KV imports -----------------------------
