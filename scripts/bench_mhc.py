@@ -10,6 +10,7 @@ residual streams, $DSV4_FP32_RESIDUAL on by default). Prints the median time of 
 paths' largest output difference (they round differently: fp32 sums in another order).
 
 Usage: python scripts/bench_mhc.py [--tokens 1 64 256 1024 4096 8192] [--dtype float32|bfloat16] [--out FILE]
+       python scripts/bench_mhc.py --merge FP32_TABLE BF16_TABLE   # --out files -> BENCHMARKS.md section
 """
 
 from __future__ import annotations
@@ -64,12 +65,38 @@ def copy_gbps(device) -> float:
     return 2 * x.numel() / ms / 1e6
 
 
+def section(tables: list[str]) -> str:
+    """The BENCHMARKS.md section from --out tables (each starts with its command line, which names the dtype)."""
+    return "\n".join([
+        "## mHC pre: split kernels vs the long path (`scripts/bench_mhc.py`)", "",
+        "`dsv4_kernels.triton_mhc.hc_pre` at V4-Flash widths (4 streams x 4096, 24 mixing logits, 20 Sinkhorn "
+        "iterations, the block's input norm fused) by token count, host launch included (small steps are "
+        "host-bound here; decode runs them under CUDA graphs). \"split\": the mix kernel + the (T, D blocks) pre "
+        "kernel, its mix on tensor cores from MIX_TENSOR_CORE_MIN_TOKENS tokens (bf16 streams: three bf16 dots "
+        "on fn's hi / mid / lo parts; fp32 streams, in runs before 2026-12-04 01:00 UTC: six, x split the same "
+        "way); \"split, FMA dot\": the same on fp32 FMAs; \"long\": torch's fp32 matmul + one pre program a "
+        "token.", "",
+        *[t.strip() + "\n" for t in tables],
+        "The rule taken from these (`triton_mhc.split_max_tokens`): fp32 streams, the engine's residual, take "
+        "the split kernels up to 256 tokens and the long path above (cuBLAS reads fp32 as stored; the six-dot "
+        "kernel was 3x slower than it at 8K and is gone); bf16 streams take the split kernels at every size "
+        "(no fp32 copy). `$DSV4_HC_SPLIT_MAX_TOKENS` / `$DSV4_HC_SPLIT_MAX_TOKENS_BF16` override."])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024, 4096, 8192])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the streams' dtype")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    ap.add_argument("--merge", nargs="+", default=None,
+                    help="put these --out tables (fp32 streams first) into BENCHMARKS.md's mHC section and exit")
     args = ap.parse_args()
+    if args.merge:
+        from service.benchmarks_md import write_section
+
+        write_section("mhc_pre", section([Path(f).read_text() for f in args.merge]))
+        print(f"merged {', '.join(args.merge)} into BENCHMARKS.md")
+        return 0
     if not torch.cuda.is_available():
         print("bench_mhc: needs a CUDA GPU")
         return 1

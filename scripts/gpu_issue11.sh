@@ -5,7 +5,7 @@
 # (overlapped decode on/off, FP8 vs MXFP4 indexer keys), coldstart (engine warm-up on fresh compile caches), b1prof
 # (the batch-1 decode step's kernels in launch order), prefillmoe (matmul_ogs launch constraints at prefill sizes),
 # decodemoe (the same at 1 and 64 tokens, with split-K and narrow-N tiles at 1), mhc (scripts/bench_mhc.py: the
-# mHC pre's two paths by token count), pytests (pytest on $PYTEST_FILES).
+# mHC pre's paths by token count, fp32 and bf16 streams), pytests (pytest on $PYTEST_FILES).
 # Usage: scripts/gpu_issue11.sh stage ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,8 +33,11 @@ for n in ("has_deep_gemm", "has_flash_mla", "has_triton_kernels"):
             grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ktests.log" | cut -c1-300 ;;
     fp8gemm) timeout ${FP8GEMM_TIMEOUT:-300} python3 scripts/bench_fp8_gemm.py --out "$OUT/fp8_gemm.md" 2>&1 | tail -60 \
                | tee "$OUT/fp8gemm.log" || status=1 ;;
-    mhc) timeout ${MHC_TIMEOUT:-150} python3 scripts/bench_mhc.py --out "$OUT/mhc.md" > "$OUT/mhc.log" 2>&1 || status=1
-         grep -E "^hc_pre|Error" "$OUT/mhc.log" | cut -c1-200 ;;
+    mhc) for dt in float32 bfloat16; do  # merge: bench_mhc.py --merge mhc_float32.md mhc_bfloat16.md
+           timeout ${MHC_TIMEOUT:-150} python3 scripts/bench_mhc.py --dtype $dt --out "$OUT/mhc_$dt.md" \
+             > "$OUT/mhc_$dt.log" 2>&1 || status=1
+           echo "--- $dt streams"; grep -E "^hc_pre|Error" "$OUT/mhc_$dt.log" | cut -c1-200
+         done ;;
     pytests) timeout ${PYTESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_FILES:-tests/kernels} \
                > "$OUT/pytests.log" 2>&1 || status=1
              grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/pytests.log" | cut -c1-300 ;;
