@@ -1,6 +1,6 @@
 """How each weight of a loaded DeepSeek V4 checkpoint is split across tensor-parallel ranks.
 
-The rules live here once: `cut_of(name, shape, cfg, ctx)` says which part of a tensor a rank keeps (a
+The rules live here once: `cut_of(name, shape, ctx, o_groups)` says which part of a tensor a rank keeps (a
 `Cut`: one dimension's [start, stop), in logical elements) and `owns` which routed experts it holds.
 Two callers apply them: `shard_weights` cuts tensors already in memory, and `engine.shard_reader` reads
 only the cut (widened to the on-disk block grid) from the safetensors files, then finishes it with the
