@@ -129,6 +129,13 @@ def _layer_ratios(raw: dict, n: int) -> tuple[int, ...]:
         if bad:
             raise ValueError(f"layer_types entries must be one of {LAYER_TYPES}; got {bad}")
         ratios = [0 if t == SLIDING else int(rates[t]) for t in types]
+        # (the engine tells a layer's kind by its rate: 4 is CSA, with its indexer; any other rate is HCA)
+        if CSA in types and int(rates[CSA]) != 4:
+            raise ValueError(f"compress_rates: compressed_sparse_attention layers must use rate 4, got "
+                             f"{rates[CSA]}")
+        if HCA in types and int(rates[HCA]) == 4:
+            raise ValueError("compress_rates: heavily_compressed_attention layers need a rate other than 4 "
+                             "(4 is the compressed_sparse_attention rate)")
     elif raw.get("compress_ratios") is not None:
         ratios = [int(r) for r in raw["compress_ratios"]][:n]
         ratios = [0 if r <= 1 else r for r in ratios]
@@ -139,8 +146,6 @@ def _layer_ratios(raw: dict, n: int) -> tuple[int, ...]:
     for r in ratios:
         if r not in (0, 4) and (r < 2 or r % 2):
             raise ValueError(f"unsupported compress ratio {r}")
-    if 4 not in rates.values() and any(r == rates.get(CSA) for r in ratios if r):
-        raise ValueError("CSA layers must use compress ratio 4")
     return tuple(ratios)
 
 
