@@ -355,6 +355,19 @@ def test_snapshot_inside_the_chunk_keeps_the_prompt_one_step(name, checkpoints, 
     _idle(cut)
 
 
+def test_a_full_engine_still_snapshots_inside_the_chunk(checkpoints):
+    """An engine running as many requests as it takes (max_num_seqs 1 here) keeps spare fixed pages for the
+    staging (engine.prefix_cache.STAGING_PAGES): its long prompt still runs in one step. Before, the one request
+    held every fixed page and the chunk was cut at the snapshot point (the H200 slice's 8K prompt ran in two)."""
+    spec = CONFIGS["w12_csa_hca16"]
+    engine = load_engine(model_dir=checkpoints("w12_csa_hca16"), page_tokens=spec["page_tokens"],
+                         max_batch_tokens=2048, max_num_seqs=1)
+    params = _params(3)
+    _, steps = _steps_of(engine, _rand(70, 12), params)
+    assert steps == params.max_new_tokens and engine.prefix.stats.snapshots_in_step == 1
+    _idle(engine)
+
+
 def test_staging_pages_return_when_the_request_leaves(checkpoints):
     """A chunk that kept an in-step snapshot point holds one staging page in each snapshotted ring group until
     its step is read back; a request that leaves before that (aborted) gives them back."""
