@@ -150,6 +150,7 @@ class CacheConfig:
     page_tokens: int = 256  # tokens covered by one page of a growing group
     kv_cache_dtype: str = "auto"  # "auto" / "exact": exact rows in the model dtype; "fp8": the production formats
     index_cache_dtype: str = "mxfp4"  # indexer keys when kv_cache_dtype == "fp8": "mxfp4" or "fp8"
+    staging_pages: int = 0  # fixed-group pages beyond one a request: the prefix cache's in-chunk snapshots
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -161,7 +162,7 @@ class CacheConfig:
 def group_specs(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> list[CacheGroupSpec]:
     all_layers = tuple(range(cfg.num_layers))
     fp8 = cache.kv_cache_dtype == "fp8"
-    fixed_pages = cache.max_requests + SCRATCH_PAGES  # one page per request, plus the scratch page
+    fixed_pages = cache.max_requests + SCRATCH_PAGES + cache.staging_pages  # a page a request, scratch, staging
 
     def kv_spec(name, layers, rows, ratio, pages, block_size):
         if not fp8:

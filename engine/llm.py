@@ -77,10 +77,9 @@ def load_engine(model_dir: str | None = None, device: str = "cpu", dtype: str | 
         logger.info("kv cache: fp8 (%s); indexer keys %s (%s)", why, index_cache_dtype, index_why)
     else:
         logger.info("kv cache: %s (%s)", kv_cache_dtype, why)
-    staging = STAGING_PAGES if prefix_cache else 0  # spare fixed pages for in-chunk snapshots
-    cache_config = CacheConfig(max_requests=max_num_seqs + staging, max_tokens=max_cached_tokens or 1,
-                               page_tokens=page_tokens, kv_cache_dtype=kv_cache_dtype,
-                               index_cache_dtype=index_cache_dtype)
+    cache_config = CacheConfig(max_requests=max_num_seqs, max_tokens=max_cached_tokens or 1, page_tokens=page_tokens,
+                               kv_cache_dtype=kv_cache_dtype, index_cache_dtype=index_cache_dtype,
+                               staging_pages=STAGING_PAGES if prefix_cache else 0)
     torch_dtype = resolve_dtype(dtype)
     keep = keep_default(device, torch_dtype) if keep_mxfp4_experts is None else keep_mxfp4_experts
     keep_fp8 = use_fp8_gemm(device, torch_dtype) if keep_fp8_weights is None else keep_fp8_weights

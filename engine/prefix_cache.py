@@ -98,7 +98,7 @@ def snapshot_store_bytes(specs, slots: int) -> int:
 
 
 # Fixed pages (a request's SWA ring / compressor states) an engine with a prefix cache holds beyond one per
-# running request (engine.llm.load_engine sizes its pool for max_num_seqs + these): the in-chunk snapshots stage
+# running request (engine.llm.load_engine: CacheConfig.staging_pages): the in-chunk snapshots stage
 # there. Without spare pages an engine running its full max_num_seqs cut every long prompt at its snapshot
 # point: two prefill steps where one does (the H200 slice with one request: an 8K prompt as 7936 + 256 tokens,
 # 2141 kernels instead of 1181). Held requests (prefill-side hand-offs) may still take them: staging then

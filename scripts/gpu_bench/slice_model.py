@@ -27,6 +27,7 @@ from engine.make_model import (  # the release's quantisation layout
     _MXFP4,
     preset_config,
 )
+from engine.prefix_cache import STAGING_PAGES
 from engine.runner import EngineCore
 from engine.scheduler import SchedulerConfig
 from engine.weights import expected_weight_shapes, keeps_fp32
@@ -216,7 +217,8 @@ def build_engine(raw: dict, device, dtype, max_requests: int, max_tokens: int, p
     index_dtype, _ = resolve_index_cache_dtype(index_cache, device)
     core = EngineCore(cfg, weights, device=device, dtype=dtype,
                       cache_config=CacheConfig(max_requests=max_requests, max_tokens=max_tokens, page_tokens=256,
-                                               kv_cache_dtype=kv_dtype, index_cache_dtype=index_dtype),
+                                               kv_cache_dtype=kv_dtype, index_cache_dtype=index_dtype,
+                                               staging_pages=STAGING_PAGES),
                       scheduler_config=SchedulerConfig(max_batch_tokens=max(prefill_tokens, 2048),
                                                        max_num_seqs=max_requests))
     del weights

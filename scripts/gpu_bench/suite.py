@@ -187,9 +187,7 @@ class Suite:
         steps_total = p.warmup + p.steps + 8
         max_tokens = max_b * (max_c + steps_total) + p.prefill_tokens + 1024
         t = time.perf_counter()
-        # (at least 2 requests: the prefix cache stages the prefill's in-chunk snapshot in a spare ring page; with
-        # --batches 1 there was none and the 8K prompt ran as 7936 + 256 tokens in two steps, 2141 kernels not 1181)
-        self.cfg, self.core = build_engine(p.raw, p.device, DTYPE, max_requests=max(max_b, 2), max_tokens=max_tokens,
+        self.cfg, self.core = build_engine(p.raw, p.device, DTYPE, max_requests=max(max_b, 1), max_tokens=max_tokens,
                                            prefill_tokens=p.prefill_tokens, seed=0, expert_chunk=p.expert_chunk,
                                            experts=fmt, dense=self.engine["dense"], index_cache=p.index_cache)
         self.rec = ExpertRecorder(self.core)
