@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -248,44 +246,15 @@ HANDOFF_PROMPTS = [list(range(3, 3 + n)) for n in (1, 23, 41, 140)]
 
 
 def test_fp8_handoff_through_tcp_equals_colocated():
-    from kv_transfer import make_backend
+    from tests.support.handoff import run_colocated, run_handoff
 
-    colocated = load_engine(kv_cache_dtype="fp8")
-    ids = [colocated.add_request(p, HANDOFF_PARAMS, seed=100 + i) for i, p in enumerate(HANDOFF_PROMPTS)]
-    _run(colocated)
-    want = [colocated.pop_finished(r) for r in ids]
-
+    want = run_colocated(load_engine(kv_cache_dtype="fp8"), HANDOFF_PROMPTS, HANDOFF_PARAMS)
     prefill = load_engine(max_batch_tokens=16, kv_cache_dtype="fp8")
     decode = load_engine(max_batch_tokens=64, max_num_seqs=16, kv_cache_dtype="fp8")  # other pool size
-    src = make_backend("tcp", prefill.pool, worker_name="fp8-prefill", on_release=lambda rid, err: prefill.release(rid))
-    dst = make_backend("tcp", decode.pool, worker_name="fp8-decode")
-    try:
-        dst.add_peer(src.worker_name, src.metadata())
-        pids = [prefill.add_request(p, HANDOFF_PARAMS, request_id=f"p{i}", prefill_only=True, seed=100 + i)
-                for i, p in enumerate(HANDOFF_PROMPTS)]
-        decode.reserve_import([1], SamplingParams(max_new_tokens=3), "occupier", 0, 1, 0.0)  # shift page ids
-        _run(prefill)
-        for i, rid in enumerate(pids):
-            req = prefill.held_request(rid)
-            ticket = src.export(rid, req.pages, req.num_computed)
-            pages = decode.reserve_import(req.prompt, HANDOFF_PARAMS, f"d{i}", req.seed, req.output[0],
-                                          req.logprobs[0])
-            assert dst.pull(ticket, pages, timeout_s=10).bytes > 0
-            decode.commit_import(f"d{i}")
-        deadline = time.monotonic() + 5
-        while src.exported() and time.monotonic() < deadline:
-            src.poll()
-            time.sleep(0.005)
-        assert prefill.held == {}
-        decode.abort("occupier")
-        _run(decode)
-        for i, w in enumerate(want):
-            got = decode.pop_finished(f"d{i}")
-            assert got.output == w.output
-            assert _close(got.logprobs, w.logprobs, FP8_TOL)
-    finally:
-        src.close()
-        dst.close()
+    outs = run_handoff("tcp", prefill, decode, HANDOFF_PROMPTS, HANDOFF_PARAMS, ("fp8-prefill", "fp8-decode"))
+    for got, w in zip(outs, want):
+        assert got.output == w.output
+        assert _close(got.logprobs, w.logprobs, FP8_TOL)
 
 
 def test_fp8_and_exact_pools_refuse_to_exchange_pages():

@@ -6,24 +6,18 @@ mixes with HCA rates 8-128 (compressor states of every width), windows 4-32, mHC
 """
 
 import random
-import time
 
 import pytest
 import torch
 
 from engine.llm import load_engine
 from engine.sampling_params import SamplingParams
-from kv_transfer import make_backend
 from tests.engine.test_oracle_random import draw_config
 from tests.support.backends import BACKEND_NAMES
+from tests.support.handoff import run_colocated, run_handoff
 from tests.support.oracle import make_hf_checkpoint
 
 SEEDS = (0, 6, 11, 16)
-
-
-def run_to_end(engine):
-    while engine.has_work:
-        engine.step()
 
 
 @pytest.mark.parametrize("kind", BACKEND_NAMES)
@@ -37,39 +31,11 @@ def test_random_checkpoint_handoff_equals_one_engine(seed, kind, tmp_path):
     kv, page = rng.choice(["exact", "fp8"]), rng.choice([16, 64, 256])
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=True, temperature=rng.choice([0.0, 0.9]),
                             seed=7)
-    colocated = load_engine(model, max_batch_tokens=2048, kv_cache_dtype=kv, page_tokens=page)
-    ids = [colocated.add_request(p, params, seed=100 + i) for i, p in enumerate(prompts)]
-    run_to_end(colocated)
-    want = [colocated.pop_finished(r) for r in ids]
-
+    want = run_colocated(load_engine(model, max_batch_tokens=2048, kv_cache_dtype=kv, page_tokens=page), prompts,
+                         params)
     prefill = load_engine(model, max_batch_tokens=budget, kv_cache_dtype=kv, page_tokens=page)
     decode = load_engine(model, max_batch_tokens=64, max_num_seqs=16, kv_cache_dtype=kv, page_tokens=page)
-    src = make_backend(kind, prefill.pool, on_release=lambda rid, err: prefill.release(rid))
-    dst = make_backend(kind, decode.pool)
-    try:
-        dst.add_peer(src.worker_name, src.metadata())
-        pids = [prefill.add_request(p, params, request_id=f"p{i}", prefill_only=True, seed=100 + i)
-                for i, p in enumerate(prompts)]
-        decode.reserve_import([1], SamplingParams(max_new_tokens=3), "occupier", 0, 1, 0.0)  # shift page ids
-        run_to_end(prefill)
-        for i, rid in enumerate(pids):
-            req = prefill.held_request(rid)
-            ticket = src.export(rid, req.pages, req.num_computed)
-            pages = decode.reserve_import(req.prompt, params, f"d{i}", req.seed, req.output[0], req.logprobs[0])
-            dst.pull(ticket, pages, timeout_s=10)
-            decode.commit_import(f"d{i}")
-        deadline = time.monotonic() + 5
-        while src.exported() and time.monotonic() < deadline:  # confirmations arrive in-band
-            src.poll()
-            time.sleep(0.005)
-        decode.abort("occupier")
-        run_to_end(decode)
-        for i, w in enumerate(want):
-            got = decode.pop_finished(f"d{i}")
-            assert got.output == w.output, (overrides, lens, i)
-            assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(w.logprobs), atol=1e-5)
-        assert prefill.held == {} and src.exported() == []
-        assert prefill.pool.num_free_pages() == prefill.pool.idle_free_pages()
-    finally:
-        src.close()
-        dst.close()
+    for i, (w, got) in enumerate(zip(want, run_handoff(kind, prefill, decode, prompts, params))):
+        assert got.output == w.output, (overrides, lens, i)
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(w.logprobs), atol=1e-5)
+    assert prefill.pool.num_free_pages() == prefill.pool.idle_free_pages()
