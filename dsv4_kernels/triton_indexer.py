@@ -11,8 +11,9 @@ Key stores (plain rows or the paged FP8 / MXFP4 indexer cache, dequantised in re
 dsv4_kernels/triton_index_keys.py. Prefill-shaped steps (many queries per sequence, all seeing one prefix of
 the same keys) go to dsv4_kernels/triton_indexer_prefill.py when `indexer_topk` is given the step's cu_seqlens.
 
-Selection uses torch.topk on the kernel's scores for now (the score pass is the bandwidth-bound part;
-a fused radix/bitonic top-k is the next step). As in the reference, near-ties may order differently
+Selection: unordered picks of steps of at most TOPK_KERNEL_MAX_ROWS rows on CUDA (decode) take the radix-select
+kernel (dsv4_kernels/triton_topk.py; torch.topk runs a row as one thread block, 47 us at 8192 candidates on the
+H200); ordered picks and larger steps take torch.topk. As in the reference, near-ties may order differently
 from another implementation whose scores differ in the last bits.
 
 Interpreter note: bf16 values are converted to fp32 right after loading (triton 3.x's interpreter does
@@ -124,9 +125,16 @@ def indexer_topk(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weight
     return topk_of_scores(scores, k, ordered)
 
 
+TOPK_KERNEL_MAX_ROWS = 256  # scripts/bench_topk.py: decode-sized steps; prefill chunks keep torch.topk
+
+
 def topk_of_scores(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
-    """scores: fp32 [T, S], -inf = invalid -> int64 [T, k] best columns first (ordered; else the same set in
-    topk's unsorted order), -1 for invalid picks."""
+    """scores: fp32 [T, S], -inf = invalid -> int64 [T, k] best columns first (ordered; else the same set in no
+    particular order), -1 for invalid picks."""
+    if not ordered and scores.is_cuda and scores.shape[0] <= TOPK_KERNEL_MAX_ROWS:
+        from dsv4_kernels.triton_topk import topk_columns
+
+        return topk_columns(scores, k)
     if scores.shape[1] < k:  # pad the candidate axis so topk always returns k columns
         scores = torch.nn.functional.pad(scores, (0, k - scores.shape[1]), value=float("-inf"))
     top = scores.topk(k, dim=-1, sorted=ordered)

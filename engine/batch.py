@@ -5,15 +5,16 @@ cu[b]:cu[b+1] and positions starts[b]:ends[b]), so a step that mixes both is one
 tensors the layers need (SWA window gathers, compressor window gathers, cache writes, visible-entry
 gathers) are derived here once per step and shared by every layer: the layers only gather and scatter.
 
-They are derived *on the step's device* from a few small host tensors (per-request starts / counts, the
-page tables, the token ids): the big ones are O(T x window) and O(T x visible entries) (an 8K-token prefill
-of V4-Flash: ~180 MB of int64 ids), which a host would build slowly and copy over PCIe. Every size is known
-on the host (from the request lists), so no step waits on the device for one.
+Where each is built: the O(T) ones (positions, compressor windows and their sources, ring writes, the
+page tables) on the host, in numpy, and sent in one copy; the O(T x window) SWA sources and O(T x visible
+entries) lists (an 8K-token prefill of V4-Flash: ~180 MB of int64 ids) on the step's device, from those, by the
+same formulas (`ring_sources` and `paged_rows` take numpy arrays or tensors). Every size is known on the host
+(from the request lists), so no step waits on the device for one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import numpy as np
 import torch
@@ -21,9 +22,26 @@ import torch
 from engine.cache import CacheLayer, CachePool
 
 
-def segment_arange(starts: torch.Tensor, counts: torch.Tensor, total: int | None = None):
+def _is_host(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def _where(cond, a, b):
+    return np.where(cond, a, b) if _is_host(cond) else torch.where(cond, a, b)
+
+
+def _clamp(x, lo=None, hi=None):
+    return np.clip(x, lo, hi) if _is_host(x) else x.clamp(lo, hi)
+
+
+def segment_arange(starts, counts, total: int | None = None):
     """Concatenated aranges: for segment b, starts[b] + [0, counts[b]). -> (values [N], segment ids [N]).
-    total: N = counts.sum() when the caller knows it (no device-to-host sync on CUDA)."""
+    numpy int64 arrays (on the host) or torch tensors (on their device); total: N = counts.sum() when the caller
+    knows it (no device-to-host sync on CUDA)."""
+    if _is_host(counts):
+        seg = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+        offsets = np.cumsum(counts) - counts
+        return starts[seg] + np.arange(seg.size, dtype=np.int64) - offsets[seg], seg
     if total is None:
         total = int(counts.sum())
     seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts, output_size=total)
@@ -32,30 +50,59 @@ def segment_arange(starts: torch.Tensor, counts: torch.Tensor, total: int | None
     return starts[seg] + local, seg
 
 
-# Offsets (in int64 elements) of the parts packed into a step's one host-to-device copy: 128-byte aligned, so a
-# kernel handed a page table sees the alignment a tensor of its own would have (Triton specialises on it).
+# A step's host arrays go to the device as one buffer, each part at a 128-byte boundary (PART_ALIGN int64s): a
+# kernel handed a part sees the alignment a tensor of its own would have (Triton specialises on it).
 PART_ALIGN = 16
+_PART_BYTES = 8 * PART_ALIGN
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool}
 
 
-def _padded(part: np.ndarray) -> np.ndarray:
-    return np.pad(part, (0, -part.size % PART_ALIGN))
+def _host_arrays(obj):
+    """Every numpy array in obj: an array, or a dataclass / dict / list / tuple holding arrays (field order)."""
+    if _is_host(obj):
+        yield obj
+    elif is_dataclass(obj):
+        for f in fields(obj):
+            yield from _host_arrays(getattr(obj, f.name))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _host_arrays(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _host_arrays(v)
 
 
-def _host_tables(tables: list[dict], names) -> tuple[np.ndarray, dict[str, tuple[int, int]]]:
-    """Every group's page table, zero-padded to its widest row, flattened into one int64 array.
-    -> (array, {group: (offset, width)}): group g's [B, width] table is array[offset:offset + B * width]
-    (offsets multiples of PART_ALIGN)."""
-    parts, where, off = [], {}, 0
-    for name in names:
-        rows = [t.get(name, ()) for t in tables]
-        width = max(1, max((len(r) for r in rows), default=1))
-        out = np.zeros((len(rows), width), dtype=np.int64)
-        for i, r in enumerate(rows):
-            out[i, :len(r)] = r
-        parts.append(_padded(out.reshape(-1)))
-        where[name] = (off, width)
-        off += parts[-1].size
-    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), where
+class _Upload:
+    """The numpy arrays of some host objects as device tensors, through one buffer and one host-to-device copy
+    that does not wait for the device (pinned on CUDA). `upload(obj)` -> obj with each array replaced by its
+    device view (same shape and dtype: int64 or bool)."""
+
+    def __init__(self, host_objects, device):
+        arrays = {id(a): a for a in _host_arrays(host_objects)}  # by identity: a shared array goes once
+        offsets, size = {}, 0
+        for key, a in arrays.items():
+            if a.dtype not in _TORCH_DTYPES:
+                raise TypeError(f"a step's host arrays are int64 or bool, got {a.dtype}")
+            offsets[key] = size
+            size += -(-a.nbytes // _PART_BYTES) * _PART_BYTES
+        device = torch.device(device)
+        host = torch.empty(max(size, _PART_BYTES), dtype=torch.uint8, pin_memory=device.type == "cuda")
+        flat = host.numpy()
+        for key, a in arrays.items():
+            flat[offsets[key]:offsets[key] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        buffer = host.to(device, non_blocking=True) if device.type == "cuda" else host
+        self._views = {key: buffer[offsets[key]:offsets[key] + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+                       for key, a in arrays.items()}
+        self._arrays = arrays  # keeps every id valid while this object lives
+
+    def __call__(self, obj):
+        if _is_host(obj):
+            return self._views[id(obj)]
+        if is_dataclass(obj):
+            return replace(obj, **{f.name: self(getattr(obj, f.name)) for f in fields(obj) if f.init})
+        if isinstance(obj, dict):
+            return {k: self(v) for k, v in obj.items()}
+        return obj
 
 
 def to_device_nonblocking(host: torch.Tensor, device) -> torch.Tensor:
@@ -73,26 +120,6 @@ def copy_nonblocking_(dst: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
     if dst.is_cuda:
         return dst.copy_(host.pin_memory(), non_blocking=True)
     return dst.copy_(host)
-
-
-@dataclass(frozen=True)
-class _Sizes:
-    """Host-side lengths of one step (from the request lists): every data-dependent size build_step needs."""
-
-    counts: list[int]
-    starts: list[int]
-
-    @property
-    def ends(self) -> list[int]:
-        return [s + c for s, c in zip(self.starts, self.counts)]
-
-    def closing(self, ratio: int) -> int:
-        """Compressor windows of `ratio` that close in this step."""
-        return sum(e // ratio - s // ratio for s, e in zip(self.starts, self.ends))
-
-    def ring_writes(self, ring_rows: int) -> int:
-        """Rows this step writes into a ring of `ring_rows` slots (each request's last ring_rows tokens)."""
-        return sum(e - max(s, e - ring_rows) for s, e in zip(self.starts, self.ends))
 
 
 @dataclass(frozen=True)
@@ -202,148 +229,151 @@ class StepBatch:
 
 
 def ring_sources(pos, seg, starts, cu, ring_page, ring_rows: int, ring_total_rows: int,
-             page_stride: int | None = None) -> SourceRows:
-    """ring_rows: the ring's length (slot = pos % ring_rows); page_stride: rows a page (default ring_rows)."""
+                 page_stride: int | None = None) -> SourceRows:
+    """ring_rows: the ring's length (slot = pos % ring_rows); page_stride: rows a page (default ring_rows).
+    numpy arrays (host) or tensors (device) alike: the same formula builds both (build_step)."""
     s = starts[seg]
     valid = pos >= 0
     from_chunk = pos >= s
-    chunk_row = torch.where(from_chunk, cu[seg] + pos - s, torch.zeros_like(pos))
-    ring_row = ring_page[seg] * (page_stride or ring_rows) + pos.clamp(min=0) % ring_rows
-    return SourceRows(from_chunk, chunk_row, ring_row, valid, torch.where(from_chunk, ring_total_rows + chunk_row,
-                                                                          ring_row))
+    chunk_row = _where(from_chunk, cu[seg] + pos - s, 0)
+    ring_row = ring_page[seg] * (page_stride or ring_rows) + _clamp(pos, lo=0) % ring_rows
+    return SourceRows(from_chunk, chunk_row, ring_row, valid, _where(from_chunk, ring_total_rows + chunk_row, ring_row))
 
 
-def _ring_write(starts, ends, cu, ring_page, ring_rows: int, page_stride: int | None = None,
-                total: int | None = None) -> RingWrite:
-    first = torch.maximum(starts, ends - ring_rows)
-    pos, seg = segment_arange(first, ends - first, total)
+def _ring_write(starts, ends, cu, ring_page, ring_rows: int, page_stride: int | None = None) -> RingWrite:
+    """Host arrays: each request's last ring_rows positions of this step, into its ring page."""
+    first = np.maximum(starts, ends - ring_rows)
+    pos, seg = segment_arange(first, ends - first)
     return RingWrite(cu[seg] + pos - starts[seg], ring_page[seg] * (page_stride or ring_rows) + pos % ring_rows)
 
 
-def _staging_writes(pool: CachePool, snapshots: list, sizes: _Sizes, cu_host: list[int], device) -> dict:
-    """Ring group -> RingWrite of the rows an in-step snapshot keeps: for each request b with snapshots[b] =
-    (point, {group: page}), positions [point - ring, point) of its chunk into that group's staging page (slot =
-    position % ring, as _ring_write places them). Host-known sizes: built on the host, one upload."""
+def _staging_writes(pool: CachePool, snapshots: list, starts, ends, cu) -> dict:
+    """Ring group -> RingWrite (host arrays) of the rows an in-step snapshot keeps: for each request b with
+    snapshots[b] = (point, {group: page}), positions [point - ring, point) of its chunk into that group's staging
+    page (slot = position % ring, as _ring_write places them)."""
     window = pool.cfg.sliding_window
-    chunk, ring, at = [], [], {}
+    out = {}
     for name in sorted({g for snap in snapshots if snap for g in snap[1]}):
         spec = pool.groups[name].spec
         positions = window if name == "swa" else spec.page_rows
-        first = len(chunk)
+        chunk, ring = [], []
         for b, snap in enumerate(snapshots):
-            if not snap:
+            if not snap or name not in snap[1]:
                 continue
             point, pages = snap
-            if not sizes.starts[b] + positions <= point <= sizes.ends[b]:
+            if not starts[b] + positions <= point <= ends[b]:
                 raise ValueError(f"in-step snapshot at {point} needs positions {point - positions}.. in the chunk "
-                                 f"[{sizes.starts[b]}, {sizes.ends[b]}) of request {b}")
+                                 f"[{starts[b]}, {ends[b]}) of request {b}")
             pos = np.arange(point - positions, point, dtype=np.int64)
-            chunk.append(cu_host[b] + pos - sizes.starts[b])
+            chunk.append(cu[b] + pos - starts[b])
             ring.append(pages[name] * spec.page_rows + pos % positions)
-        at[name] = (first, len(chunk))
-    flat = to_device_nonblocking(torch.from_numpy(np.concatenate([np.concatenate(chunk), np.concatenate(ring)])),
-                                 device)
-    n = flat.shape[0] // 2
-    bounds = np.cumsum([0] + [c.size for c in chunk])
-    return {name: RingWrite(flat[bounds[a]:bounds[b]], flat[n + bounds[a]:n + bounds[b]])
-            for name, (a, b) in at.items()}
+        out[name] = RingWrite(np.concatenate(chunk), np.concatenate(ring))
+    return out
 
 
-def _joined(first: RingWrite, extra: RingWrite) -> RingWrite:
-    return RingWrite(torch.cat([first.chunk_row, extra.chunk_row]), torch.cat([first.ring_row, extra.ring_row]))
+def _joined(first: RingWrite, extra: RingWrite | None) -> RingWrite:
+    if extra is None:
+        return first
+    return RingWrite(np.concatenate([first.chunk_row, extra.chunk_row]),
+                     np.concatenate([first.ring_row, extra.ring_row]))
 
 
-def paged_rows(table: torch.Tensor, page_rows: int, seg: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
-    page_idx = (entry.clamp(min=0) // page_rows).clamp(max=table.shape[1] - 1)
-    return table[seg, page_idx] * page_rows + entry.clamp(min=0) % page_rows
+def paged_rows(table, page_rows: int, seg, entry):
+    """Rows of entries `entry` of requests `seg` in a paged group with page table `table` [B, pages]; numpy
+    arrays or tensors alike."""
+    page_idx = _clamp(_clamp(entry, lo=0) // page_rows, hi=table.shape[1] - 1)
+    return table[seg, page_idx] * page_rows + _clamp(entry, lo=0) % page_rows
 
 
 def _compress_plan(ratio: int, overlap: bool, starts, ends, cu, state_page, state_rows: int, state_total: int,
-                   entry_table, entry_page_rows: int, sizes: _Sizes) -> CompressPlan:
+                   entry_table, entry_page_rows: int) -> CompressPlan:
+    """Host arrays: [N, ratio] sources of the N windows that close in this step."""
     first, last = starts // ratio, ends // ratio
-    num_entries = sizes.closing(ratio)
-    w, seg = segment_arange(first, last - first, num_entries)
-    offs = torch.arange(ratio, device=w.device)
-    cur_pos = (w * ratio).unsqueeze(1) + offs
-    seg2 = seg.unsqueeze(1).expand_as(cur_pos)
+    w, seg = segment_arange(first, last - first)
+    cur_pos = (w * ratio)[:, None] + np.arange(ratio, dtype=np.int64)
+    seg2 = np.broadcast_to(seg[:, None], cur_pos.shape)
     cur = ring_sources(cur_pos, seg2, starts, cu, state_page, state_rows, state_total)
     prev = ring_sources(cur_pos - ratio, seg2, starts, cu, state_page, state_rows, state_total) if overlap else None
     return CompressPlan(
-        num_entries=num_entries,
+        num_entries=int(w.size),
         cur=cur,
         prev=prev,
         entry_row=paged_rows(entry_table, entry_page_rows, seg, w),
         entry_pos=w * ratio,
-        state_write=_ring_write(starts, ends, cu, state_page, state_rows, total=sizes.ring_writes(state_rows)),
+        state_write=_ring_write(starts, ends, cu, state_page, state_rows),
     )
 
 
-def _visible(ratio: int, positions, seg, table, page_rows: int, sizes: _Sizes) -> VisibleEntries:
-    max_entries = max(1, max(e // ratio for e in sizes.ends))
+def _visible(ratio: int, positions, seg, table, page_rows: int, max_entries: int) -> VisibleEntries:
+    """On the device: [T, max_entries] rows and visibility of every entry of each token's request."""
     w = torch.arange(max_entries, device=positions.device).unsqueeze(0).expand(positions.shape[0], -1)
     valid = w < ((positions + 1) // ratio).unsqueeze(1)
     return VisibleEntries(paged_rows(table, page_rows, seg.unsqueeze(1).expand_as(w), w), valid)
 
 
+def _host_tables(tables: list[dict], names) -> dict[str, np.ndarray]:
+    """Every group's page table as int64 [B, width], zero-padded to its widest row (width >= 1)."""
+    out = {}
+    for name in names:
+        rows = [t.get(name, ()) for t in tables]
+        table = np.zeros((len(rows), max(1, max((len(r) for r in rows), default=1))), dtype=np.int64)
+        for i, r in enumerate(rows):
+            table[i, :len(r)] = r
+        out[name] = table
+    return out
+
+
 def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], tables: list[dict],
                logit_rows: list[int], device, snapshots: list | None = None) -> StepBatch:
     """token_ids[b]: the tokens request b runs this step, at positions starts[b]...; tables[b]: its pages.
-    Built on `device` (module docstring): one host-to-device copy that does not wait for the device, no
-    device-to-host sync, so the host can build this step while the device still runs the one before.
+
+    Every index tensor of O(tokens) size (positions, compressor plans, ring writes) is built on the host in numpy
+    (a few dozen array ops, microseconds each) and goes to `device` in one copy that does not wait for the device;
+    only the O(tokens x window) SWA sources and the O(tokens x entries) visible-entry lists are derived on the
+    device from them (about 40 kernels: an 8K-token prefill built every tensor on the device in ~320 launches,
+    ~9 ms of host time on the H200 with the GPU idle). No device-to-host sync, so the host can build this step
+    while the device still runs the one before.
     snapshots[b] (optional): (point, {ring group: staging page}) when request b keeps a prefix-cache snapshot
     point inside its chunk (engine.prefix_cache): each of those rings' writes then also put the ring as it
     stands at `point` (positions [point - ring, point), all in the chunk) into its staging page."""
     cfg = pool.cfg
-    sizes = _Sizes([len(t) for t in token_ids], list(starts))
-    # The host inputs, as one int64 tensor and one copy that does not wait for the device:
-    # [counts | starts | cu | logit_rows | token ids | every group's page table]
-    b, total, n_logits = len(sizes.counts), sum(sizes.counts), len(logit_rows)
-    cu_host = [0]
-    for c in sizes.counts:
-        cu_host.append(cu_host[-1] + c)
-    head = np.array(sizes.counts + sizes.starts + cu_host + list(logit_rows) + [t for ids in token_ids for t in ids],
-                    dtype=np.int64)
-    table_host, table_at = _host_tables(tables, pool.groups)
-    padded = _padded(head)
-    small = to_device_nonblocking(torch.from_numpy(np.concatenate([padded, table_host])), device)
-    counts, starts_t, cu = small[:b], small[b:2 * b], small[2 * b:3 * b + 1]
-    logit_rows_t, token_ids_t = small[3 * b + 1:3 * b + 1 + n_logits], small[3 * b + 1 + n_logits:head.size]
-    ends_t = starts_t + counts
-    positions, seg = segment_arange(starts_t, counts, total)
-    at = padded.size
-    group_tables = {name: small[at + off:at + off + b * width].view(b, width)
-                    for name, (off, width) in table_at.items()}
+    counts = np.array([len(t) for t in token_ids], dtype=np.int64)
+    starts_h = np.array(list(starts), dtype=np.int64)
+    ends_h = starts_h + counts
+    cu = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
+    positions, seg = segment_arange(starts_h, counts)
+    ids = np.fromiter((t for row in token_ids for t in row), dtype=np.int64, count=int(cu[-1]))
+    group_tables = _host_tables(tables, pool.groups)
+    staged = _staging_writes(pool, snapshots, starts_h, ends_h, cu) if snapshots and any(snapshots) else {}
 
     window = cfg.sliding_window
     swa_spec = pool.groups["swa"].spec  # a page may hold more rows than the window (fp8: whole 64-row blocks)
     swa_page = group_tables["swa"][:, 0]
-    win_pos = positions.unsqueeze(1) - window + 1 + torch.arange(window, device=positions.device)
-    swa_total = swa_spec.num_pages * swa_spec.page_rows
-    swa = ring_sources(win_pos, seg.unsqueeze(1).expand_as(win_pos), starts_t, cu, swa_page, window, swa_total,
-                   swa_spec.page_rows)
-    swa_write = _ring_write(starts_t, ends_t, cu, swa_page, window, swa_spec.page_rows, sizes.ring_writes(window))
-    staged = _staging_writes(pool, snapshots, sizes, cu_host, device) if snapshots and any(snapshots) else {}
-    if "swa" in staged:
-        swa_write = _joined(swa_write, staged["swa"])
-
-    compress, visible = {}, {}
+    swa_write = _joined(_ring_write(starts_h, ends_h, cu, swa_page, window, swa_spec.page_rows), staged.get("swa"))
+    compress, visible_at = {}, {}
     entry_groups = [(f"kv{r}", f"state{r}", r, r == 4) for r in cfg.ratios]
     if cfg.indexer_layers:
         entry_groups.append(("index", "index_state", 4, True))
     for entry_name, state_name, ratio, overlap in entry_groups:
-        spec = pool.groups[entry_name].spec
-        state_spec = pool.groups[state_name].spec
-        compress[entry_name] = _compress_plan(ratio, overlap, starts_t, ends_t, cu, group_tables[state_name][:, 0],
-                                              state_spec.page_rows, state_spec.num_pages * state_spec.page_rows,
-                                              group_tables[entry_name], spec.page_rows, sizes)
-        if state_name in staged:
-            plan = compress[entry_name]
-            compress[entry_name] = replace(plan, state_write=_joined(plan.state_write, staged[state_name]))
+        spec, state_spec = pool.groups[entry_name].spec, pool.groups[state_name].spec
+        plan = _compress_plan(ratio, overlap, starts_h, ends_h, cu, group_tables[state_name][:, 0],
+                              state_spec.page_rows, state_spec.num_pages * state_spec.page_rows,
+                              group_tables[entry_name], spec.page_rows)
+        compress[entry_name] = replace(plan, state_write=_joined(plan.state_write, staged.get(state_name)))
         if entry_name != "kv4":  # CSA picks kv4 entries through the indexer instead of attending to all
-            visible[entry_name] = _visible(ratio, positions, seg, group_tables[entry_name], spec.page_rows, sizes)
+            visible_at[entry_name] = (ratio, spec.page_rows, max(1, int(ends_h.max(initial=0)) // ratio))
 
-    return StepBatch(
-        token_ids=token_ids_t, positions=positions, seq_of_token=seg, cu=cu, starts=starts_t, ends=ends_t,
-        swa=swa, swa_write=swa_write, compress=compress, visible=visible, tables=group_tables,
-        logit_rows=logit_rows_t,
-    )
+    host = dict(token_ids=ids, positions=positions, seq_of_token=seg, cu=cu, starts=starts_h, ends=ends_h,
+                swa_write=swa_write, compress=compress, tables=group_tables,
+                logit_rows=np.array(list(logit_rows), dtype=np.int64))
+    upload = _Upload(host, device)
+    on_device = {name: upload(value) for name, value in host.items()}
+
+    # The two big index sets, from the uploaded vectors, on the device
+    pos_d, seg_d, tables_d = on_device["positions"], on_device["seq_of_token"], on_device["tables"]
+    win_pos = pos_d.unsqueeze(1) - window + 1 + torch.arange(window, device=pos_d.device)
+    swa = ring_sources(win_pos, seg_d.unsqueeze(1).expand_as(win_pos), on_device["starts"], on_device["cu"],
+                       tables_d["swa"][:, 0], window, swa_spec.num_pages * swa_spec.page_rows, swa_spec.page_rows)
+    visible = {name: _visible(ratio, pos_d, seg_d, tables_d[name], page_rows, entries)
+               for name, (ratio, page_rows, entries) in visible_at.items()}
+    return StepBatch(swa=swa, visible=visible, **on_device)

@@ -256,7 +256,7 @@ def _stub_ogs(sections: Sections) -> list:
              (ogs_mod, "_scoped", ogs_mod._scoped), (moe_mod.MoEBlock, "takes_ogs", moe_mod.MoEBlock.takes_ogs)]
     ogs_mod.import_triton_kernels = fake_import
     ogs_mod.prepare = prepare
-    ogs_mod._scoped = lambda extra: contextlib.nullcontext()
+    ogs_mod._scoped = lambda extra, tokens=1: contextlib.nullcontext()
     moe_mod.MoEBlock.takes_ogs = lambda self, x: True
     return saved
 

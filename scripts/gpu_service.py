@@ -125,11 +125,17 @@ def kill_mid_stream(handles: dict, streams: int, prompt_len: int, max_new: int, 
                                                                for e in run["errors"]),
             "unclean": [e for e in run["errors"] if e and e.startswith("UNCLEAN")],
             "identical_to_undisturbed": sum(run["tokens"][i] == reference["tokens"][i] for i in completed),
+            "first_divergence": [_first_difference(run["tokens"][i], reference["tokens"][i]) for i in completed],
             "reference_errors": [e for e in reference["errors"] if e],
             "streams_ended_s": streams_done_s, "restarted_s": restarted_s, "idle_after_s": idle_s,
             "served_again_s": serve_again_s, "served_again_tokens": len(again.token_ids),
             "router_retries_total": stats.retries_total, "router_worker_deaths_total": stats.worker_deaths_total,
             "router_errors_total": dict(stats.errors_total), "killed_pid": int(victim.split("-")[0])}
+
+
+def _first_difference(a: list, b: list) -> int | None:
+    """Index of the first token where two streams differ (None when equal)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def fault_main(args) -> int:
@@ -265,13 +271,25 @@ def report(d: Path) -> str:
                   f"{fault['router_retries_total']}), {fault['clean_failures']} ended with a clean gRPC error"
                   + (f", {len(fault['unclean'])} did not end cleanly" if fault["unclean"] else "")
                   + f"; {fault['identical_to_undisturbed']} of the completed streams gave the tokens of the same "
-                  f"streams run undisturbed afterwards. Streams ended {fault['streams_ended_s']:.1f} s after the kill; "
+                  f"streams run undisturbed afterwards{_divergence_note(fault)}. Streams ended "
+                  f"{fault['streams_ended_s']:.1f} s after the kill; "
                   f"the worker was back {fault['restarted_s']:.1f} s after it; both pools then idle with every page "
                   f"free (after {fault['idle_after_s']:.1f} s more); a new request served {fault['served_again_s']:.1f} "
                   f"s after the kill. Verdict: {'pass' if ok else 'FAIL'}.", ""]
     else:
         lines += ["Decode-worker kill stage did not complete (the run's stages.log says why).", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _divergence_note(fault: dict) -> str:
+    """Where the completed streams first differ from the undisturbed ones: after the kill point, a retry's
+    re-prefill rounding differently; before it, a real fault."""
+    firsts = [f for f in fault.get("first_divergence", []) if f is not None]
+    if not firsts:
+        return ""
+    kill = min(fault["tokens_at_kill"])
+    where = "all after it" if min(firsts) >= kill else "SOME BEFORE IT"
+    return f" (first differing token at {', '.join(map(str, firsts))}; the kill came after token {kill}: {where})"
 
 
 def report_main(args) -> int:

@@ -90,3 +90,14 @@ def test_gpu_service_report_from_stage_json(tmp_path):
     assert "4.00 GB/s over the backend's pull" in text and "16.00 GB/s over its READs alone" in text
     assert "0.52 on the decode worker, 0.50 in the backend's pull, 0.12 in its READs, 0.25 in the staged" in text
     assert "share GPU 0" in text and "cuda_ipc" in text and "kill stage did not complete" in text  # no fault.json
+    # the kill stage: where the continued streams first differ from undisturbed ones, against the kill point
+    (tmp_path / "fault.json").write_text(json.dumps({
+        "streams": 2, "max_new_tokens": 400, "kill_after": 16, "tokens_at_kill": [16, 17], "completed": 2,
+        "clean_failures": 0, "unclean": [], "identical_to_undisturbed": 0, "first_divergence": [40, 57],
+        "streams_ended_s": 30.0, "restarted_s": 30.0, "idle_after_s": 0.1, "served_again_s": 30.2,
+        "router_retries_total": 2, "killed_pid": 123}))
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_service.py"), "report", "--dir", str(tmp_path),
+                    "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
+    text = out.read_text()
+    assert "first differing token at 40, 57; the kill came after token 16: all after it" in text
+    assert "Verdict: pass" in text

@@ -1,0 +1,104 @@
+"""The indexer's top-k: dsv4_kernels.triton_topk (radix select, one program a row) against torch.topk
+(sorted=False, with the -1 mask the engine applies), by (rows, candidates) (CUDA only; a script, not a test).
+
+Rows are queries (decode: the batch; prefill: the chunk's tokens), candidates the visible 4:1 entries (context / 4;
+a prefill row sees its causal prefix: the rest is -inf). k = 512, V4's index_topk. Each time is the median of
+CUDA-graph replays of 20 calls (triton.testing.do_bench_cudagraph), so host launch cost is out, as in decode.
+Both outputs are checked equal as sets (sorted picked values) before timing.
+Usage: python scripts/bench_topk.py [--out FILE]
+       python scripts/bench_topk.py --merge FILE   # an --out table -> BENCHMARKS.md section
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+K = 512
+# (rows, candidates, causal): decode at batch 1 / 64 / 128 and contexts 4K / 32K / 128K; prefill chunks
+SHAPES = [(1, 1024, False), (1, 8192, False), (1, 32768, False), (64, 1024, False), (64, 8192, False),
+          (128, 8192, False), (128, 32768, False), (2048, 2048, True), (8192, 2048, True)]
+
+
+def scores_for(rows: int, cands: int, causal: bool, device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(rows * 7 + cands)
+    x = torch.randn(rows, cands, generator=g, device=device)
+    if causal:  # row t of a prompt's last `rows` tokens sees (cands - rows + t + 1) / ... entries: its prefix
+        seen = torch.linspace(cands / rows, cands, rows, device=device).long()
+        x = x.masked_fill(torch.arange(cands, device=device) >= seen[:, None], float("-inf"))
+    return x
+
+
+def torch_topk(x: torch.Tensor) -> torch.Tensor:
+    top = x.topk(K, dim=-1, sorted=False)
+    return torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
+
+
+def same_sets(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    def vals(idx):
+        v = torch.where(idx >= 0, x.gather(1, idx.clamp(min=0)), torch.full_like(x[:, :1], float("-inf")))
+        return v.sort(dim=1).values
+    return torch.equal(vals(a), vals(b))
+
+
+def section(table: str) -> str:
+    return "\n".join([
+        "## Indexer top-k: radix select vs torch.topk (`scripts/bench_topk.py`)", "",
+        "k = 512 of each row's candidates (the indexer's picks), fp32 scores; each time the median of CUDA-graph "
+        "replays. `dsv4_kernels.triton_topk`: one program a row, four 8-bit radix passes to find the 512th key "
+        "and one pass to write the picks (unordered, what the attention kernels take).", "",
+        table.strip(), "",
+        "The rule taken from these: `triton_indexer.TOPK_KERNEL_MAX_ROWS` (steps of at most that many rows take "
+        "the radix kernel on CUDA, larger ones torch.topk)."])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    ap.add_argument("--merge", default=None, help="put this --out table into BENCHMARKS.md and exit")
+    args = ap.parse_args()
+    if args.merge:
+        from service.benchmarks_md import write_section
+        write_section("indexer_topk", section(Path(args.merge).read_text()))
+        print(f"merged {args.merge} into BENCHMARKS.md")
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_topk: needs a CUDA GPU")
+        return 1
+    from triton.testing import do_bench_cudagraph
+
+    from dsv4_kernels.triton_topk import topk_columns
+
+    dev = torch.device("cuda")
+    rows_out = []
+    for rows, cands, causal in SHAPES:
+        x = scores_for(rows, cands, causal, dev)
+        same = same_sets(x, topk_columns(x, K), torch_topk(x))
+        t_torch = do_bench_cudagraph(lambda: torch_topk(x), rep=50)
+        t_radix = do_bench_cudagraph(lambda: topk_columns(x, K), rep=50)
+        rows_out.append((rows, cands, causal, t_torch, t_radix, same))
+        print(f"topk rows={rows} candidates={cands}{' causal' if causal else ''}: torch {t_torch * 1e3:.1f} us, "
+              f"radix {t_radix * 1e3:.1f} us ({t_torch / t_radix:.2f}x), same picks {same}", flush=True)
+    lines = ["- command: `python scripts/bench_topk.py`",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+             f"{torch.cuda.get_device_name()}, torch {torch.__version__}", "",
+             "| rows | candidates | causal | torch.topk us | radix kernel us | speed-up | same picks |",
+             "|---:|---:|---|---:|---:|---:|---|"]
+    lines += [f"| {r} | {c} | {'yes' if cz else 'no'} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x | {s} |"
+              for r, c, cz, a, b, s in rows_out]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if all(r[-1] for r in rows_out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Radix-select top-k (dsv4_kernels/triton_topk.py) against torch.topk.
+
+Runs compiled on a GPU when one is present, else in triton's CPU interpreter. The kernel's picks are a set:
+compared with torch.topk's as sorted values (equal multisets), distinct columns, the same number of -1, and
+ties at the k-th value resolved to the lowest columns.
+"""
+
+import pytest
+import torch
+
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
+
+from dsv4_kernels.triton_topk import MAX_BLOCK, topk_columns  # noqa: E402
+
+NEG_INF = float("-inf")
+
+
+def reference(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk with the engine's padding and -1 convention (dsv4_kernels.triton_indexer.topk_of_scores)."""
+    padded = torch.nn.functional.pad(scores, (0, max(0, k - scores.shape[1])), value=NEG_INF)
+    top = padded.topk(k, dim=-1)
+    return torch.where(top.values > NEG_INF, top.indices, -1)
+
+
+def check_rows(scores: torch.Tensor, got: torch.Tensor, k: int) -> None:
+    want = reference(scores, k)
+    assert got.shape == want.shape and got.dtype == torch.int64
+    for i in range(scores.shape[0]):
+        g, w = got[i], want[i]
+        assert int((g == -1).sum()) == int((w == -1).sum()), i
+        picks = g[g >= 0]
+        assert picks.unique().numel() == picks.numel(), f"row {i}: a column picked twice"
+        assert torch.equal(scores[i, picks].sort().values, scores[i, w[w >= 0]].sort().values), i
+        if picks.numel():  # ties at the k-th value: the lowest columns of that value
+            kth = scores[i, picks].min()
+            tied_cols = (scores[i] == kth).nonzero().flatten()
+            taken = picks[scores[i, picks] == kth].sort().values
+            assert torch.equal(taken, tied_cols[: taken.numel()]), f"row {i}: ties not the lowest columns"
+
+
+def random_scores(t: int, s: int, seed: int, holes: float = 0.3) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-6, 7, (t, 1), generator=gen).float())  # several binades, both signs
+    x = torch.randn(t, s, generator=gen) * scale
+    x[torch.rand(t, s, generator=gen) < holes] = NEG_INF
+    return x
+
+
+@pytest.mark.parametrize("t,s,k", [
+    (3, 70, 16),            # one block, k < S
+    (4, 600, 512),          # the indexer's k, a short context
+    (2, 5000, 512),         # two blocks (MAX_BLOCK 4096)
+    (2, 2 * MAX_BLOCK + 37, 64),  # three blocks, a ragged tail
+    (3, 10, 16),            # S < k: -1 past the row
+])
+def test_topk_matches_torch(t, s, k):
+    scores = random_scores(t, s, seed=t * 1000 + s)
+    scores[0] = NEG_INF if s < k else scores[0]  # a row with nothing valid when short
+    check_rows(scores, topk_columns(scores.to(DEVICE), k).cpu(), k)
+
+
+def test_ties_at_the_boundary_take_the_lowest_columns():
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.randint(-4, 5, (4, 900), generator=gen).float()  # nine values: every k-th value is tied
+    scores[1, ::3] = NEG_INF
+    scores[2] = 0.0  # one value everywhere, with -0.0 in it (a different key, the same float)
+    scores[2, 5::7] = -0.0
+    scores[3, :100] = 3.0e38  # near fp32's largest, and the smallest positive normal and subnormal
+    scores[3, 100:200] = 1.2e-38
+    scores[3, 200:300] = 1e-45
+    got = topk_columns(scores.to(DEVICE), 128).cpu()
+    check_rows(scores[:2], got[:2], 128)
+    check_rows(scores[3:], got[3:], 128)
+    # -0.0 == 0.0 as floats but orders below it as a key: the 128 picks are +0.0 columns, the lowest ones
+    plus_zero = (scores[2] == 0) & ~torch.signbit(scores[2])
+    assert torch.equal(got[2].sort().values, plus_zero.nonzero().flatten()[:128])
+
+
+def test_bad_arguments_are_value_errors():
+    with pytest.raises(ValueError, match="fp32"):
+        topk_columns(torch.zeros(2, 8, dtype=torch.float16, device=DEVICE), 4)
+    with pytest.raises(ValueError, match="k >= 1"):
+        topk_columns(torch.zeros(2, 8, device=DEVICE), 0)
+    assert topk_columns(torch.zeros(0, 8, device=DEVICE), 4).shape == (0, 4)
