@@ -11,9 +11,9 @@ Key stores (plain rows or the paged FP8 / MXFP4 indexer cache, dequantised in re
 dsv4_kernels/triton_index_keys.py. Prefill-shaped steps (many queries per sequence, all seeing one prefix of
 the same keys) go to dsv4_kernels/triton_indexer_prefill.py when `indexer_topk` is given the step's cu_seqlens.
 
-Selection: unordered picks of steps of at most TOPK_KERNEL_MAX_ROWS rows on CUDA (decode) take the radix-select
-kernel (dsv4_kernels/triton_topk.py; torch.topk runs a row as one thread block, 47 us at 8192 candidates on the
-H200); ordered picks and larger steps take torch.topk. As in the reference, near-ties may order differently
+Selection: unordered picks on CUDA of decode-sized steps over at most 8192 candidates take the radix-select kernel
+(dsv4_kernels/triton_topk.py), where it measured 1.0-1.4x torch.topk; ordered picks, longer rows and prefill
+chunks take torch.topk. As in the reference, near-ties may order differently
 from another implementation whose scores differ in the last bits.
 
 Interpreter note: bf16 values are converted to fp32 right after loading (triton 3.x's interpreter does
@@ -125,13 +125,18 @@ def indexer_topk(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weight
     return topk_of_scores(scores, k, ordered)
 
 
-TOPK_KERNEL_MAX_ROWS = 256  # scripts/bench_topk.py: decode-sized steps; prefill chunks keep torch.topk
+# Where the radix kernel measured at least as fast as torch.topk on the H200 (scripts/bench_topk.py, BENCHMARKS.md):
+# decode-sized steps over at most 8192 candidates (1.0-1.4x). Longer rows (its passes are ~2-4 us each per 4096
+# scores: 0.3x at 32768) and prefill chunks (0.6-0.7x) keep torch.topk.
+TOPK_KERNEL_MAX_ROWS = 256
+TOPK_KERNEL_MAX_CANDIDATES = 8192
 
 
 def topk_of_scores(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     """scores: fp32 [T, S], -inf = invalid -> int64 [T, k] best columns first (ordered; else the same set in no
     particular order), -1 for invalid picks."""
-    if not ordered and scores.is_cuda and scores.shape[0] <= TOPK_KERNEL_MAX_ROWS:
+    rows, candidates = scores.shape
+    if not ordered and scores.is_cuda and rows <= TOPK_KERNEL_MAX_ROWS and candidates <= TOPK_KERNEL_MAX_CANDIDATES:
         from dsv4_kernels.triton_topk import topk_columns
 
         return topk_columns(scores, k)

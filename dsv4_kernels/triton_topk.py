@@ -1,9 +1,11 @@
 """Top-k columns of each row of fp32 scores by radix select, one program a row (Triton).
 
 Why: the indexer picks 512 of its candidates per query. torch.topk runs a row as one thread block; at batch 1
-and context 32K (8192 candidates) that was 47 us a CSA layer on the H200, the largest piece of the step after
-the LM head and the experts (BENCHMARKS.md). Here a row is a few passes over its scores, each pass reading
-them from L2.
+and context 32K (8192 candidates) that was 47 us a CSA layer on the H200. Measured (scripts/bench_topk.py,
+2026-12-04): this kernel does not beat that case (44 us: each of its five passes costs ~2-4 us per 4096 scores,
+whatever the row count), but at 64-128 rows it takes 45 us where torch.topk takes 53-63, and 12 us against 15-16
+at 1024 candidates; so the engine uses it there only (dsv4_kernels.triton_indexer.topk_of_scores). Making the
+passes cheaper (a wider first digit, the row kept in registers between passes) is what is left.
 
 Contract (what the attention kernels take, `topk_of_scores(..., ordered=False)`): int64 [T, k], the columns of
 the k largest scores of each row as a set in no particular order; ties at the k-th value go to the lowest
@@ -25,7 +27,7 @@ from dsv4_kernels.gpu import import_triton, require_triton
 triton, tl = import_triton()
 
 MAX_BLOCK = 4096  # scores a program holds at once; longer rows loop over blocks of this size
-NEG_INF_KEY = 0x007FFFFF  # the key of -inf
+NEG_INF_KEY = tl.constexpr(0x007FFFFF)  # the key of -inf (a constexpr: read inside the kernel)
 
 
 @triton.jit

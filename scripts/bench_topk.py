@@ -55,8 +55,11 @@ def section(table: str) -> str:
         "replays. `dsv4_kernels.triton_topk`: one program a row, four 8-bit radix passes to find the 512th key "
         "and one pass to write the picks (unordered, what the attention kernels take).", "",
         table.strip(), "",
-        "The rule taken from these: `triton_indexer.TOPK_KERNEL_MAX_ROWS` (steps of at most that many rows take "
-        "the radix kernel on CUDA, larger ones torch.topk)."])
+        "The rule taken from these (`triton_indexer.topk_of_scores`): steps of at most TOPK_KERNEL_MAX_ROWS (256) "
+        "rows over at most TOPK_KERNEL_MAX_CANDIDATES (8192) candidates take the radix kernel on CUDA (1.0-1.4x "
+        "here), the rest torch.topk. The kernel was built for batch 1 at 8192 candidates, where torch.topk runs the "
+        "row as one thread block; it only ties there: each of its five passes costs 2-4 us per 4096 scores at any "
+        "row count."])
 
 
 def main() -> int:
