@@ -223,9 +223,18 @@ def mhc_cases():
                "_norm_rows_kernel", "_hc_post_kernel"]
 
 
-GROUPS = {"mhc": mhc_cases, "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
+def topk_cases():
+    """The indexer's radix top-k at decode sizes: 512 of 1024 and of 8192 candidates (two blocks)."""
+    from dsv4_kernels import triton_topk as m
+
+    for rows, cands in ((1, 1024), (64, 8192)):
+        m.topk_columns(torch.randn(rows, cands), 512)
+    return m, ["_topk_kernel"]
+
+
+GROUPS = {"mhc": mhc_cases, "topk": topk_cases, "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
           "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
-MODULES = {"mhc": ("dsv4_kernels.triton_mhc",), "swa": ("dsv4_kernels.triton_swa_insert",),
+MODULES = {"mhc": ("dsv4_kernels.triton_mhc",), "topk": ("dsv4_kernels.triton_topk",), "swa": ("dsv4_kernels.triton_swa_insert",),
            "indexer_query": ("dsv4_kernels.triton_indexer_query",),
            "compressor": ("dsv4_kernels.triton_compressor",), "compress_step": ("dsv4_kernels.triton_compress_step",),
            "attention_glue": ("dsv4_kernels.triton_attention_rows", "dsv4_kernels.triton_norm_rope")}
