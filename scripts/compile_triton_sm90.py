@@ -232,9 +232,11 @@ def topk_cases():
     return m, ["_topk_kernel"]
 
 
-GROUPS = {"mhc": mhc_cases, "topk": topk_cases, "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
+GROUPS = {"mhc": mhc_cases, "topk": topk_cases,
+          "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
           "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
-MODULES = {"mhc": ("dsv4_kernels.triton_mhc",), "topk": ("dsv4_kernels.triton_topk",), "swa": ("dsv4_kernels.triton_swa_insert",),
+MODULES = {"mhc": ("dsv4_kernels.triton_mhc",), "topk": ("dsv4_kernels.triton_topk",),
+           "swa": ("dsv4_kernels.triton_swa_insert",),
            "indexer_query": ("dsv4_kernels.triton_indexer_query",),
            "compressor": ("dsv4_kernels.triton_compressor",), "compress_step": ("dsv4_kernels.triton_compress_step",),
            "attention_glue": ("dsv4_kernels.triton_attention_rows", "dsv4_kernels.triton_norm_rope")}
