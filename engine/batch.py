@@ -14,6 +14,7 @@ same formulas (`ring_sources` and `paged_rows` take numpy arrays or tensors). Ev
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields, is_dataclass, replace
 
 import numpy as np
@@ -79,20 +80,30 @@ class _Upload:
 
     def __init__(self, host_objects, device):
         arrays = {id(a): a for a in _host_arrays(host_objects)}  # by identity: a shared array goes once
-        offsets, size = {}, 0
-        for key, a in arrays.items():
+        for a in arrays.values():
             if a.dtype not in _TORCH_DTYPES:
                 raise TypeError(f"a step's host arrays are int64 or bool, got {a.dtype}")
-            offsets[key] = size
-            size += -(-a.nbytes // _PART_BYTES) * _PART_BYTES
+        # int64 parts first, then bool parts: each region is cut into its views by one split call
+        regions = [[k for k, a in arrays.items() if a.dtype == np.int64], [k for k, a in arrays.items()
+                                                                           if a.dtype == np.bool_]]
+        padded = {k: -(-a.nbytes // _PART_BYTES) * _PART_BYTES for k, a in arrays.items()}
+        int_bytes = sum(padded[k] for k in regions[0])
+        size = int_bytes + sum(padded[k] for k in regions[1])
         device = torch.device(device)
         host = torch.empty(max(size, _PART_BYTES), dtype=torch.uint8, pin_memory=device.type == "cuda")
-        flat = host.numpy()
-        for key, a in arrays.items():
-            flat[offsets[key]:offsets[key] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        flat, at = host.numpy(), 0
+        for k in regions[0] + regions[1]:
+            a = arrays[k]
+            flat[at:at + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+            at += padded[k]
         buffer = host.to(device, non_blocking=True) if device.type == "cuda" else host
-        self._views = {key: buffer[offsets[key]:offsets[key] + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-                       for key, a in arrays.items()}
+        self._views = {}
+        for keys, region, item in ((regions[0], buffer[:int_bytes].view(torch.int64), 8),
+                                   (regions[1], buffer[int_bytes:size].view(torch.bool), 1)):
+            sizes = [n for k in keys for n in (arrays[k].nbytes // item, (padded[k] - arrays[k].nbytes) // item)]
+            pieces = region.split_with_sizes(sizes) if keys else ()
+            for k, piece in zip(keys, pieces[::2]):
+                self._views[k] = piece if arrays[k].ndim == 1 else piece.view(arrays[k].shape)
         self._arrays = arrays  # keeps every id valid while this object lives
 
     def __call__(self, obj):
@@ -230,8 +241,9 @@ class StepBatch:
 
 def ring_sources(pos, seg, starts, cu, ring_page, ring_rows: int, ring_total_rows: int,
                  page_stride: int | None = None) -> SourceRows:
-    """ring_rows: the ring's length (slot = pos % ring_rows); page_stride: rows a page (default ring_rows).
-    numpy arrays (host) or tensors (device) alike: the same formula builds both (build_step)."""
+    """pos: [N, W] positions; seg: their requests, [N, W] or [N, 1] (broadcast: each request's values gathered once
+    a row). ring_rows: the ring's length (slot = pos % ring_rows); page_stride: rows a page (default ring_rows).
+    -> SourceRows of pos's shape. numpy arrays (host) or tensors (device) alike: the same formula builds both."""
     s = starts[seg]
     valid = pos >= 0
     from_chunk = pos >= s
@@ -291,9 +303,9 @@ def _compress_plan(ratio: int, overlap: bool, starts, ends, cu, state_page, stat
     first, last = starts // ratio, ends // ratio
     w, seg = segment_arange(first, last - first)
     cur_pos = (w * ratio)[:, None] + np.arange(ratio, dtype=np.int64)
-    seg2 = np.broadcast_to(seg[:, None], cur_pos.shape)
-    cur = ring_sources(cur_pos, seg2, starts, cu, state_page, state_rows, state_total)
-    prev = ring_sources(cur_pos - ratio, seg2, starts, cu, state_page, state_rows, state_total) if overlap else None
+    cur = ring_sources(cur_pos, seg[:, None], starts, cu, state_page, state_rows, state_total)
+    prev = ring_sources(cur_pos - ratio, seg[:, None], starts, cu, state_page, state_rows, state_total) if overlap \
+        else None
     return CompressPlan(
         num_entries=int(w.size),
         cur=cur,
@@ -342,7 +354,7 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
     ends_h = starts_h + counts
     cu = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
     positions, seg = segment_arange(starts_h, counts)
-    ids = np.fromiter((t for row in token_ids for t in row), dtype=np.int64, count=int(cu[-1]))
+    ids = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=int(cu[-1]))
     group_tables = _host_tables(tables, pool.groups)
     staged = _staging_writes(pool, snapshots, starts_h, ends_h, cu) if snapshots and any(snapshots) else {}
 
@@ -372,7 +384,7 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
     # The two big index sets, from the uploaded vectors, on the device
     pos_d, seg_d, tables_d = on_device["positions"], on_device["seq_of_token"], on_device["tables"]
     win_pos = pos_d.unsqueeze(1) - window + 1 + torch.arange(window, device=pos_d.device)
-    swa = ring_sources(win_pos, seg_d.unsqueeze(1).expand_as(win_pos), on_device["starts"], on_device["cu"],
+    swa = ring_sources(win_pos, seg_d.unsqueeze(1), on_device["starts"], on_device["cu"],
                        tables_d["swa"][:, 0], window, swa_spec.num_pages * swa_spec.page_rows, swa_spec.page_rows)
     visible = {name: _visible(ratio, pos_d, seg_d, tables_d[name], page_rows, entries)
                for name, (ratio, page_rows, entries) in visible_at.items()}
