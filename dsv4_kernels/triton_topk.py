@@ -9,7 +9,8 @@ passes cheaper (a wider first digit, the row kept in registers between passes) i
 
 Contract (what the attention kernels take, `topk_of_scores(..., ordered=False)`): int64 [T, k], the columns of
 the k largest scores of each row as a set in no particular order; ties at the k-th value go to the lowest
-columns; -1 where the pick is -inf (an invalid candidate) and in the slots past the row's length when S < k.
+columns (-0.0 orders below +0.0: their keys differ); -1 where the pick is -inf (an invalid candidate) and in the slots
+past the row's length when S < k.
 
 Method: an fp32 score maps to a uint32 key whose unsigned order is the float order (flip the sign bit of a
 positive, every bit of a negative). Four passes of 8-bit radix select find the k-th largest key: each pass
@@ -36,6 +37,7 @@ def _keys(x):
     bits = x.to(tl.int32, bitcast=True)
     flip = (bits >> 31) | -2147483648  # all ones for a negative, the sign bit for a positive
     return (bits ^ flip).to(tl.uint32, bitcast=True)
+
 
 @triton.jit
 def _topk_kernel(scores, out, S, K, stride_s, stride_o, BLOCK: tl.constexpr):
