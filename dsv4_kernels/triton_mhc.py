@@ -29,6 +29,7 @@ import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dsv4_kernels import triton_mhc_rows
 from dsv4_kernels.gpu import import_triton, require_triton
 
 triton, tl = import_triton()
@@ -38,11 +39,13 @@ triton, tl = import_triton()
 def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
                    stride_st, stride_sh, stride_fn, stride_ps, stride_pt,
                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr,
-                   EVEN_D: tl.constexpr):
+                   EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
     """part[s, t, m] = sum over this split's k of streams[t].flat[k] * fn[m, k], fp32 (grid: T blocks x splits);
     SUMSQ: part[s, t, N_MIX] = the split's sum of streams[t].flat[k]^2 (the mixing RMSNorm's statistic).
     EVEN_D: BLOCK_K divides D (and the split), so a K tile lies in one stream: one scalar division a tile, not
-    one per element. The dot is fp32 FMAs (decode-sized steps; long bf16 steps: _hc_mix_bf16x3_kernel)."""
+    one per element. PRECISION "ieee": the dot on fp32 FMAs (decode-sized steps); "tf32x3" (long fp32 steps): on
+    tensor cores as three TF32 products a pair (hi*hi + hi*lo + lo*hi), fp32-level accuracy. (Long bf16 steps:
+    _hc_mix_bf16x3_kernel.)"""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     m = tl.arange(0, NM_P)
@@ -61,7 +64,7 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
         x = tl.load(streams_ptr + rows[:, None].to(tl.int64) * stride_st + off[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + m[None, :] * stride_fn + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
-        acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+        acc += tl.dot(x, w.to(tl.float32), input_precision=PRECISION)
         if SUMSQ:
             sq += tl.sum(x * x, axis=1)
     if SUMSQ:  # (N_MIX < NM_P: the column is free in the tile)
@@ -332,6 +335,11 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
                                     normed.stride(0), BLOCK_D=triton.next_power_of_2(d),
                                     num_warps=8)
         return normed, post, comb
+    if LONG_PATH == "rows":  # mix + token-block weights + whole-row collapse (dsv4_kernels/triton_mhc_rows.py)
+        parts = mix_partials(streams, fn, sumsq=True)  # [splits, T, n_mix + 1] fp32
+        triton_mhc_rows.weights_and_collapse(streams, parts, base, scale, iters, hc_eps, norm_eps, normed, post,
+                                             comb, norm_weight, out_eps)
+        return normed, post, comb
     parts = mix_partials(streams, fn)  # [1, T, n_mix] fp32 (torch's matmul)
     _hc_pre_kernel[(t,)](streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post,
                          comb, norm_weight.contiguous() if norm else collapsed, normed, hc, d, iters, hc_eps,
@@ -354,6 +362,12 @@ MIX_MAX_TOKENS_BF16 = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS_BF16", str(1 
 # From this many tokens bf16 streams' mix runs on tensor cores (_hc_mix_bf16x3_kernel; fp32 FMAs below).
 MIX_TENSOR_CORE_MIN_TOKENS = 257
 BF16X3_BLOCK_K = 128
+# The long path: "rows" (the split-K mix on tensor cores in TF32x3 + dsv4_kernels/triton_mhc_rows.py: weights for
+# blocks of tokens, whole-row collapses with the norm fused) or "cublas" (torch's fp32 matmul for the logits, one
+# _hc_pre_kernel program a token, which reads its streams three times). $DSV4_HC_LONG_PATH overrides.
+LONG_PATH = os.environ.get("DSV4_HC_LONG_PATH", "rows")
+if LONG_PATH not in ("rows", "cublas"):
+    raise ValueError(f"DSV4_HC_LONG_PATH must be 'rows' or 'cublas', got {LONG_PATH!r}")
 
 
 def split_max_tokens(dtype: torch.dtype) -> int:
@@ -368,7 +382,8 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
     column, n_mix, whose sum over splits is each token's sum of squares of its flattened streams."""
     t, hc, d = streams.shape
     k, n_mix = hc * d, fn.shape[0]
-    if t > split_max_tokens(streams.dtype):
+    long = t > split_max_tokens(streams.dtype)
+    if long and LONG_PATH == "cublas":
         if sumsq:
             raise ValueError(f"sumsq needs the split-K kernel (T <= {split_max_tokens(streams.dtype)}), got T={t}")
         return (streams.reshape(t, k).float() @ fn.float().t()).unsqueeze(0)
@@ -393,7 +408,8 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
     _hc_mix_kernel[(tiles, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),
                                     streams.stride(1), fn.stride(0), parts.stride(0), parts.stride(1),
                                     BLOCK_T=block_t, BLOCK_K=block_k, NM_P=nm_p, SUMSQ=sumsq,
-                                    EVEN_D=d % block_k == 0, num_warps=4 if block_t == 16 else 8)
+                                    EVEN_D=d % block_k == 0, PRECISION="tf32x3" if long else "ieee",
+                                    num_warps=4 if block_t == 16 else 8)
     return parts
 
 

@@ -121,8 +121,11 @@ class MoEBlock:
         # narrower toy models take the engine's own kernel.
         self.ogs_fits = cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
         self.w1, self.w2, self.w3 = (None, None, None) if self.packed is not None else experts
-        # The fused router reads fp32 router weights; cast once here, not per call as the reference does.
-        self.gate_f32 = self.gate.float() if self.packed is not None else None
+        # The fused router's weights: bf16 as stored (multiplied with fp32 output, triton_moe.router_logits), else
+        # cast to fp32 once here, not per call as the reference does.
+        self.router_gate = None
+        if self.packed is not None:
+            self.router_gate = self.gate if self.gate.dtype == torch.bfloat16 else self.gate.float()
 
     def _route_args(self, token_ids: torch.Tensor) -> dict:
         cfg = self.cfg
@@ -150,12 +153,12 @@ class MoEBlock:
                 pk = self.packed
                 self.ogs = mxfp4_ogs.prepare(pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3)
                 self.packed = None  # the Hopper-layout copy replaces the checkpoint bytes
-            weights, ids = self._local(*triton_moe.route(x, self.gate_f32, **self._route_args(token_ids)), False)
+            weights, ids = self._local(*triton_moe.route(x, self.router_gate, **self._route_args(token_ids)), False)
             return mxfp4_ogs.ogs_moe(x, weights, ids, self.ogs, limit, shared=shared), True
         if self.packed is not None and use_mxfp4_moe(x.device):
             from dsv4_kernels import triton_moe  # imports triton: only on this path
 
-            weights, ids = self._local(*triton_moe.route(x, self.gate_f32, **self._route_args(token_ids)), False)
+            weights, ids = self._local(*triton_moe.route(x, self.router_gate, **self._route_args(token_ids)), False)
             pk = self.packed
             return triton_moe.mxfp4_moe(x, weights, ids, pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3, limit), False
         weights, ids = self._local(*route(x, self.gate, **self._route_args(token_ids)), True)

@@ -1,15 +1,18 @@
-"""mHC pre (dsv4_kernels.triton_mhc.hc_pre with the block's input norm fused) at V4-Flash widths: the split path (mix
-kernel + (T, D blocks) pre kernel + norm; for bf16 streams its mix dot on tensor cores from
-MIX_TENSOR_CORE_MIN_TOKENS, and on fp32 FMAs at every size) against the long path (torch's fp32 matmul on an fp32
-copy of the streams + one pre program a token), by token count (CUDA only; a script, not a test). Small steps are
-host-bound here (three launches; serving runs them under CUDA graphs).
+"""mHC pre (dsv4_kernels.triton_mhc.hc_pre with the block's input norm fused) at V4-Flash widths, by token count,
+on its three paths (CUDA only; a script, not a test): "split" (mix kernel + (T, D blocks) pre kernel + norm, the
+path of steps up to split_max_tokens), and the two long paths: "rows" (the split-K mix, for fp32 streams in TF32x3
+on tensor cores, + dsv4_kernels/triton_mhc_rows.py: weights for blocks of tokens, whole-row collapses with the
+norm fused) and "cublas" (torch's fp32 matmul on an fp32 copy of the streams + one pre program a token). Small
+steps are host-bound here (three launches; serving runs them under CUDA graphs).
 
 Shapes: hc 4 streams x 4096, 24 mixing logits, 20 Sinkhorn iterations, streams in --dtype (fp32: the engine's
 residual streams, $DSV4_FP32_RESIDUAL on by default). Prints the median time of each path
-(triton.testing.do_bench), the bytes-read roof (the streams once, at the measured copy bandwidth) and the two
-paths' largest output difference (they round differently: fp32 sums in another order).
+(triton.testing.do_bench), the bytes-read roof (the streams once, at the measured copy bandwidth) and the paths'
+largest output difference from "cublas" (they round differently: fp32 sums in another order). --sweep also times
+the rows path's two sizes (MIX_PROGRAMS, ROW_ELEMS) from 1024 tokens.
 
 Usage: python scripts/bench_mhc.py [--tokens 1 64 256 1024 4096 8192] [--dtype float32|bfloat16] [--out FILE]
+                                   [--sweep]
        python scripts/bench_mhc.py --merge FP32_TABLE BF16_TABLE   # --out files -> BENCHMARKS.md section
 """
 
@@ -39,21 +42,24 @@ def inputs(t: int, device, dtype: torch.dtype, seed: int = 0):
     return streams, fn, base, scale, norm_w
 
 
-PATHS = ("split", "split fma", "long")  # the default; its mix on fp32 FMAs at every size; the long path
+PATHS = ("split", "rows", "cublas")  # the split kernels; the long path "rows" (default); the long path "cublas"
 
 
-def run(path: str, args):
-    from dsv4_kernels import triton_mhc
+def run(path: str, args, mix_programs: int | None = None, row_elems: int | None = None):
+    from dsv4_kernels import triton_mhc, triton_mhc_rows
 
-    saved = triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_MAX_TOKENS_BF16, triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS
-    triton_mhc.MIX_MAX_TOKENS = triton_mhc.MIX_MAX_TOKENS_BF16 = 0 if path == "long" else 1 << 30
-    if path == "split fma":
-        triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS = 1 << 30
+    saved = (triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_MAX_TOKENS_BF16, triton_mhc.LONG_PATH, triton_mhc.MIX_PROGRAMS,
+             triton_mhc_rows.ROW_ELEMS)
+    triton_mhc.MIX_MAX_TOKENS = triton_mhc.MIX_MAX_TOKENS_BF16 = 1 << 30 if path == "split" else 0
+    triton_mhc.LONG_PATH = "cublas" if path == "cublas" else "rows"
+    triton_mhc.MIX_PROGRAMS = mix_programs or triton_mhc.MIX_PROGRAMS
+    triton_mhc_rows.ROW_ELEMS = row_elems or triton_mhc_rows.ROW_ELEMS
     try:
         streams, fn, base, scale, norm_w = args
         return triton_mhc.hc_pre(streams, fn, base, scale, ITERS, 1e-6, 1e-6, norm_weight=norm_w)
     finally:
-        triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_MAX_TOKENS_BF16, triton_mhc.MIX_TENSOR_CORE_MIN_TOKENS = saved
+        (triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_MAX_TOKENS_BF16, triton_mhc.LONG_PATH, triton_mhc.MIX_PROGRAMS,
+         triton_mhc_rows.ROW_ELEMS) = saved
 
 
 def copy_gbps(device) -> float:
@@ -88,6 +94,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024, 4096, 8192])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the streams' dtype")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    ap.add_argument("--sweep", action="store_true", help="also time the rows path's sizes from 1024 tokens")
     ap.add_argument("--merge", nargs="+", default=None,
                     help="put these --out tables (fp32 streams first) into BENCHMARKS.md's mHC section and exit")
     args = ap.parse_args()
@@ -108,20 +115,27 @@ def main() -> int:
     for t in args.tokens:
         x = inputs(t, dev, getattr(torch, args.dtype), seed=t)
         times = {p: do_bench(lambda p=p: run(p, x), warmup=10, rep=100) for p in PATHS}
-        a, b = run("split", x), run("long", x)
-        diff = max((u.float() - v.float()).abs().max().item() for u, v in zip(a, b))
-        roof_ms = t * HC * D * 2 / gbps / 1e6
-        rows.append((t, times["split"], times["split fma"], times["long"], roof_ms, diff))
+        outs = {p: run(p, x) for p in PATHS}
+        diff = {p: max((u.float() - v.float()).abs().max().item() for u, v in zip(outs[p], outs["cublas"]))
+                for p in ("split", "rows")}
+        roof_ms = t * HC * D * x[0].element_size() / gbps / 1e6
+        rows.append((t, times["split"], times["rows"], times["cublas"], roof_ms, diff["split"], diff["rows"]))
         print(f"hc_pre T={t}: " + ", ".join(f"{p} {times[p] * 1e3:.1f} us" for p in PATHS)
-              + f", roof {roof_ms * 1e3:.1f} us, max |diff| split vs long {diff:.2e}", flush=True)
+              + f", roof {roof_ms * 1e3:.1f} us, max |diff| vs cublas: split {diff['split']:.2e}, "
+              f"rows {diff['rows']:.2e}", flush=True)
+        if args.sweep and t >= 1024:  # the rows path's two sizes: mix programs, collapse rows a program
+            for mp in (256, 512, 1024):
+                for re_ in (4096, 8192, 16384):
+                    ms = do_bench(lambda: run("rows", x, mp, re_), warmup=10, rep=100)
+                    print(f"  sweep T={t} MIX_PROGRAMS={mp} ROW_ELEMS={re_}: {ms * 1e3:.1f} us", flush=True)
     tokens = " ".join(map(str, args.tokens))
     lines = [f"- command: `python scripts/bench_mhc.py --tokens {tokens} --dtype {args.dtype}`",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {gbps:.0f} GB/s",
-             "", "| tokens | split path us | split, FMA dot us | long path us | long / split | streams-read roof us "
-             "| split x roof | max abs diff split vs long |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {t} | {s * 1e3:.1f} | {f * 1e3:.1f} | {lg * 1e3:.1f} | {lg / s:.2f} | {r * 1e3:.1f} | {s / r:.1f} "
-              f"| {d:.1e} |" for t, s, f, lg, r, d in rows]
+             "", "| tokens | split us | long, rows us | long, cublas us | streams-read roof us | best x roof "
+             "| max abs diff vs cublas: split | rows |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {t} | {s * 1e3:.1f} | {r * 1e3:.1f} | {c * 1e3:.1f} | {f * 1e3:.1f} | {min(s, r, c) / f:.1f} "
+              f"| {ds:.1e} | {dr:.1e} |" for t, s, r, c, f, ds, dr in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -213,14 +213,14 @@ def mhc_cases():
     hc, d, n_mix = 4, 4096, 24
     fn, base, scale = torch.randn(n_mix, hc * d), torch.randn(n_mix), torch.rand(3)
     for dtype in (torch.float32, torch.bfloat16):  # the engine's residual streams are fp32 by default
-        for t in (1, 256, 4096):  # 4096: a prefill chunk (the tensor-core mix kernel)
+        for t in (1, 256, 4096):  # 4096: a prefill chunk (tensor-core mix kernels; fp32: the rows path)
             streams = torch.empty(t, hc, d, dtype=dtype)  # recorded, never run: no values needed
             m.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, norm_weight=torch.rand(d), out_eps=1e-6,
                      out_dtype=torch.bfloat16)
             m.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
             m.hc_post(torch.empty(t, d, dtype=torch.bfloat16), streams, torch.rand(t, hc), torch.rand(t, hc, hc))
     return m, ["_hc_mix_kernel", "_hc_mix_bf16x3_kernel", "_hc_pre_kernel", "_hc_pre_split_kernel",
-               "_norm_rows_kernel", "_hc_post_kernel"]
+               "_norm_rows_kernel", "_hc_post_kernel", "_hc_weights_kernel", "_hc_collapse_kernel"]
 
 
 def topk_cases():
@@ -235,7 +235,7 @@ def topk_cases():
 GROUPS = {"mhc": mhc_cases, "topk": topk_cases,
           "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
           "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
-MODULES = {"mhc": ("dsv4_kernels.triton_mhc",), "topk": ("dsv4_kernels.triton_topk",),
+MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_rows"), "topk": ("dsv4_kernels.triton_topk",),
            "swa": ("dsv4_kernels.triton_swa_insert",),
            "indexer_query": ("dsv4_kernels.triton_indexer_query",),
            "compressor": ("dsv4_kernels.triton_compressor",), "compress_step": ("dsv4_kernels.triton_compress_step",),

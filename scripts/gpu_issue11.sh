@@ -33,10 +33,10 @@ for n in ("has_deep_gemm", "has_flash_mla", "has_triton_kernels"):
             grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ktests.log" | cut -c1-300 ;;
     fp8gemm) timeout ${FP8GEMM_TIMEOUT:-300} python3 scripts/bench_fp8_gemm.py --out "$OUT/fp8_gemm.md" 2>&1 | tail -60 \
                | tee "$OUT/fp8gemm.log" || status=1 ;;
-    mhc) for dt in float32 bfloat16; do  # merge: bench_mhc.py --merge mhc_float32.md mhc_bfloat16.md
-           timeout ${MHC_TIMEOUT:-150} python3 scripts/bench_mhc.py --dtype $dt --out "$OUT/mhc_$dt.md" \
+    mhc) for dt in ${MHC_DTYPES:-float32 bfloat16}; do  # merge: bench_mhc.py --merge mhc_float32.md mhc_bfloat16.md
+           timeout ${MHC_TIMEOUT:-150} python3 scripts/bench_mhc.py --dtype $dt --out "$OUT/mhc_$dt.md" ${MHC_ARGS:-} \
              > "$OUT/mhc_$dt.log" 2>&1 || status=1
-           echo "--- $dt streams"; grep -E "^hc_pre|Error" "$OUT/mhc_$dt.log" | cut -c1-200
+           echo "--- $dt streams"; grep -E "^hc_pre|sweep|Error" "$OUT/mhc_$dt.log" | cut -c1-200
          done ;;
     pytests) timeout ${PYTESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_FILES:-tests/kernels} \
                > "$OUT/pytests.log" 2>&1 || status=1

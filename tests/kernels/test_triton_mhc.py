@@ -114,8 +114,9 @@ def test_mix_partials_sum_to_the_fp32_matmul(t, d, dtype):
 
 
 def test_mix_partials_of_a_long_chunk_are_one_matmul(monkeypatch):
-    """Above MIX_MAX_TOKENS tokens (prefill chunks) the logits are torch's fp32 matmul: one partial."""
+    """On the "cublas" long path, above MIX_MAX_TOKENS tokens the logits are torch's fp32 matmul: one partial."""
     monkeypatch.setattr(triton_mhc, "MIX_MAX_TOKENS", 4)
+    monkeypatch.setattr(triton_mhc, "LONG_PATH", "cublas")
     streams, fn = randn(5, 4, 80, seed=3), randn(24, 320, seed=4, scale=0.05)
     parts = triton_mhc.mix_partials(streams, fn)
     assert parts.shape == (1, 5, 24)
@@ -123,12 +124,19 @@ def test_mix_partials_of_a_long_chunk_are_one_matmul(monkeypatch):
 
 
 def test_long_steps_take_the_path_measured_faster_for_their_dtype():
-    """By default (scripts/bench_mhc.py on the H200): fp32 streams beyond 256 tokens take torch's fp32 matmul (one
-    partial), bf16 streams stay on the split kernels at every length."""
+    """By default: fp32 streams beyond 256 tokens take the long path ("rows": the split-K mix in TF32x3, whose
+    partials with the sum of squares add up to the fp32 matmul), bf16 streams stay on the split kernels at every
+    length."""
     assert triton_mhc.split_max_tokens(torch.float32) == triton_mhc.MIX_MAX_TOKENS == 256
     assert triton_mhc.split_max_tokens(torch.bfloat16) > 1 << 20
+    assert triton_mhc.LONG_PATH == "rows"
     fn = randn(24, 4 * 128, seed=5, scale=0.05)
-    assert triton_mhc.mix_partials(randn(257, 4, 128, seed=6), fn).shape[0] == 1
+    streams = randn(257, 4, 128, seed=6, scale=2.0)
+    parts = triton_mhc.mix_partials(streams, fn, sumsq=True)
+    assert parts.shape[0] > 1 and parts.shape[1:] == (257, 25)
+    flat = streams.reshape(257, 4 * 128)
+    torch.testing.assert_close(parts[..., :24].sum(0), flat @ fn.t(), **NUM.TOL[torch.float32])
+    torch.testing.assert_close(parts[..., 24].sum(0), flat.square().sum(1), **NUM.TOL[torch.float32])
     assert triton_mhc.mix_partials(randn(257, 4, 128, seed=6, dtype=torch.bfloat16), fn).shape[0] > 1
 
 
@@ -145,24 +153,49 @@ def test_mix_partials_sum_of_squares_column():
 
 
 @pytest.mark.parametrize("norm", [False, True])
-def test_long_steps_take_the_per_token_kernel(monkeypatch, norm):
-    """Above MIX_MAX_TOKENS (prefill chunks) one program collapses a whole token (torch's matmul logits); below,
-    a token spreads over D blocks. Both match the reference, with and without the fused input norm."""
+@pytest.mark.parametrize("long_path", ["rows", "cublas"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_long_steps_take_the_long_path(monkeypatch, norm, long_path, dtype):
+    """Above MIX_MAX_TOKENS (prefill chunks) the long path: "rows" (weights for blocks of tokens, whole-row
+    collapses) or "cublas" (torch's matmul logits, one program a token); below, a token spreads over D blocks.
+    All match the reference, with and without the fused input norm."""
     from dsv4_kernels.norm import rms_norm
 
     hc, iters = 4, 20
-    streams, fn, base, scale = pre_inputs(hc, torch.bfloat16, seed=120)
+    streams, fn, base, scale = pre_inputs(hc, dtype, seed=120)
     weight = 1.0 + randn(D, seed=121, scale=0.3)
-    kw = {"norm_weight": weight, "out_eps": 1e-5} if norm else {}
+    kw = {"norm_weight": weight, "out_eps": 1e-5, "out_dtype": torch.bfloat16} if norm else {}
     ref_collapsed, ref_post, ref_comb = ref.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
     want = rms_norm(ref_collapsed, weight, 1e-5).to(torch.bfloat16) if norm else ref_collapsed
     split = triton_mhc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32, **kw)
     monkeypatch.setattr(triton_mhc, "MIX_MAX_TOKENS", T - 1)
-    per_token = triton_mhc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32, **kw)
-    for first, post, comb in (split, per_token):
+    monkeypatch.setattr(triton_mhc, "MIX_MAX_TOKENS_BF16", T - 1)
+    monkeypatch.setattr(triton_mhc, "LONG_PATH", long_path)
+    long = triton_mhc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32, **kw)
+    for first, post, comb in (split, long):
         torch.testing.assert_close(post, ref_post, **NUM.TOL[torch.float32])
         torch.testing.assert_close(comb, ref_comb, **NUM.TOL[torch.float32])
-        torch.testing.assert_close(first.float(), want.float(), **NUM.TOL[torch.bfloat16])
+        assert first.dtype == want.dtype
+        torch.testing.assert_close(first.float(), want.float(), **NUM.TOL[want.dtype])
+
+
+@pytest.mark.parametrize("hc,t,d", [(3, 70, 300), (4, 130, 64)])
+def test_rows_path_over_several_token_blocks(monkeypatch, hc, t, d):
+    """The rows path with more tokens than one weights program takes (WEIGHT_BLOCK_T) and a partial last block,
+    padded streams (hc 3), D not a power of two, and several collapse programs with a partial last one."""
+    from dsv4_kernels import triton_mhc_rows
+
+    n_mix = (2 + hc) * hc
+    streams = randn(t, hc, d, seed=t + d, scale=2.0)
+    fn = randn(n_mix, hc * d, seed=d, scale=0.05)
+    base, scale = randn(n_mix, seed=hc, scale=0.5), torch.tensor([0.7, 1.3, 2.0], device=DEVICE)
+    monkeypatch.setattr(triton_mhc, "MIX_MAX_TOKENS", 1)
+    monkeypatch.setattr(triton_mhc_rows, "ROW_ELEMS", 4 * triton_mhc.triton.next_power_of_2(d))  # 4 rows a program
+    assert t > triton_mhc_rows.WEIGHT_BLOCK_T and t % triton_mhc_rows.WEIGHT_BLOCK_T and t % 4
+    got = triton_mhc.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    want = ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **NUM.TOL[torch.float32])
 
 
 def test_split_pre_sums_many_partials():

@@ -53,6 +53,18 @@ def test_route_matches_reference(scoring, mode, t):
         torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="GPU only: bf16 router weights multiply with fp32 output on CUDA "
+                    "(torch.mm(out_dtype=)); elsewhere router_logits is the reference's fp32 matmul itself")
+def test_router_logits_of_bf16_weights_are_the_fp32_matmul():
+    """bf16 x and gate at V4 widths: the cuBLAS bf16 GEMM with fp32 output equals x.float() @ gate.float().t() to
+    fp32 rounding (exact products, fp32 sums in another order), and the path did not fall back."""
+    x, gate, *_ = router_inputs(300, 4096, 256, 10, 6, seed=7)
+    x, gate = x.bfloat16(), gate.bfloat16()
+    got = triton_moe.router_logits(x, gate)
+    assert got.dtype == torch.float32 and triton_moe._MM_OUT_DTYPE[0]
+    torch.testing.assert_close(got, x.float() @ gate.float().t(), **NUM.TOL[torch.float32])
+
+
 def test_route_softplus_extremes():
     """Large logits take softplus' identity branch; very negative ones need the accurate log1p."""
     x = torch.ones(1, 1, device=DEVICE)
