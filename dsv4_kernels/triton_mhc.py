@@ -16,7 +16,7 @@ Reference: `dsv4_kernels.mhc.hc_pre` / `hc_post`. Per token with hc streams of w
   (V4-Flash widths), ~0.3 ms of a 1.9 ms batch-1 step, and 0.49 ms at 8K tokens. Split over D in 4-warp programs it
   still took 28 us: the Sinkhorn iterations' [hc, hc] sums were cross-warp reductions (shared memory and a barrier
   each, 40 in a row), so these programs run as one warp. Longer steps take the long path: torch's fp32 matmul for
-  the logits and one program per token (sum-of-squares pass, collapse pass, norm pass).
+  the logits, then dsv4_kernels/triton_mhc_rows.py (a whole-row collapse a token, then the weights of token blocks).
 - post: new_streams[j] = post_j * block_out + sum_i comb[i, j] * streams[i]; grid (T, D / BLOCK_D).
 All mixing math is fp32 (as in the reference); outputs round once to the streams' dtype.
 Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see dsv4_kernels/triton_attention.py).
@@ -39,13 +39,12 @@ triton, tl = import_triton()
 def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
                    stride_st, stride_sh, stride_fn, stride_ps, stride_pt,
                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr,
-                   EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
+                   EVEN_D: tl.constexpr):
     """part[s, t, m] = sum over this split's k of streams[t].flat[k] * fn[m, k], fp32 (grid: T blocks x splits);
     SUMSQ: part[s, t, N_MIX] = the split's sum of streams[t].flat[k]^2 (the mixing RMSNorm's statistic).
     EVEN_D: BLOCK_K divides D (and the split), so a K tile lies in one stream: one scalar division a tile, not
-    one per element. PRECISION "ieee": the dot on fp32 FMAs (decode-sized steps); "tf32x3" (long fp32 steps): on
-    tensor cores as three TF32 products a pair (hi*hi + hi*lo + lo*hi), fp32-level accuracy. (Long bf16 steps:
-    _hc_mix_bf16x3_kernel.)"""
+    one per element. The dot is fp32 FMAs (decode-sized steps; long bf16 steps: _hc_mix_bf16x3_kernel; long fp32
+    steps: cuBLAS, see hc_pre)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     m = tl.arange(0, NM_P)
@@ -64,7 +63,7 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
         x = tl.load(streams_ptr + rows[:, None].to(tl.int64) * stride_st + off[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + m[None, :] * stride_fn + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
-        acc += tl.dot(x, w.to(tl.float32), input_precision=PRECISION)
+        acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
         if SUMSQ:
             sq += tl.sum(x * x, axis=1)
     if SUMSQ:  # (N_MIX < NM_P: the column is free in the tile)
@@ -335,12 +334,11 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
                                     normed.stride(0), BLOCK_D=triton.next_power_of_2(d),
                                     num_warps=8)
         return normed, post, comb
-    if LONG_PATH == "rows":  # mix + token-block weights + whole-row collapse (dsv4_kernels/triton_mhc_rows.py)
-        parts = mix_partials(streams, fn, sumsq=True)  # [splits, T, n_mix + 1] fp32
-        triton_mhc_rows.weights_and_collapse(streams, parts, base, scale, iters, hc_eps, norm_eps, normed, post,
+    parts = mix_partials(streams, fn)  # [1, T, n_mix] fp32 (torch's matmul)
+    if LONG_PATH == "rows":  # whole-row collapse + token-block weights (dsv4_kernels/triton_mhc_rows.py)
+        triton_mhc_rows.collapse_and_weights(streams, parts[0], base, scale, iters, hc_eps, norm_eps, normed, post,
                                              comb, norm_weight, out_eps)
         return normed, post, comb
-    parts = mix_partials(streams, fn)  # [1, T, n_mix] fp32 (torch's matmul)
     _hc_pre_kernel[(t,)](streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post,
                          comb, norm_weight.contiguous() if norm else collapsed, normed, hc, d, iters, hc_eps,
                          norm_eps, out_eps, parts.shape[0], streams.stride(0), streams.stride(1), parts.stride(0),
@@ -351,23 +349,25 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 MIX_PROGRAMS = 256  # split K until about this many programs run (T = 1 in decode: one token's 16K-long dot products)
 # Steps up to split_max_tokens(dtype) tokens take the split kernels (mix kernel + (T, D blocks) pre kernel), longer
-# ones the long path (torch's fp32 matmul on an fp32 copy of the streams, one pre program a token). Measured on the
-# H200 (scripts/bench_mhc.py, V4-Flash widths, 2026-12-04): fp32 streams (the engine's residual, by default) at 8K
-# tokens 0.77 ms a call on the long path (cuBLAS's sgemm reads fp32 as stored) against 2.3 ms split with the mix on
-# tensor cores (six bf16 dots) and 2.9 ms on FMAs: the split path up to 256 tokens (decode steps, where one
-# program a token was latency-bound). bf16 streams at 8K: 0.59 ms split (three bf16 dots) against 3.1 ms long (the
-# fp32 copy): split at every size. $DSV4_HC_SPLIT_MAX_TOKENS / $DSV4_HC_SPLIT_MAX_TOKENS_BF16 override.
+# ones the long path (torch's fp32 matmul on an fp32 copy of the streams, then LONG_PATH's kernels). Measured on
+# the H200 (scripts/bench_mhc.py, V4-Flash widths, 2026-12-04): fp32 streams (the engine's residual, by default)
+# at 8K tokens 0.77 ms a call on the long path of one pre program a token (cuBLAS's sgemm reads fp32 as stored)
+# against 2.3 ms split with the mix on tensor cores (six bf16 dots) and 2.9 ms on FMAs: the split path up to 256
+# tokens (decode steps, where one program a token was latency-bound). bf16 streams at 8K: 0.59 ms split (three
+# bf16 dots) against 3.1 ms long (the fp32 copy): split at every size. $DSV4_HC_SPLIT_MAX_TOKENS /
+# $DSV4_HC_SPLIT_MAX_TOKENS_BF16 override.
 MIX_MAX_TOKENS = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS", "256"))
 MIX_MAX_TOKENS_BF16 = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS_BF16", str(1 << 30)))
 # From this many tokens bf16 streams' mix runs on tensor cores (_hc_mix_bf16x3_kernel; fp32 FMAs below).
 MIX_TENSOR_CORE_MIN_TOKENS = 257
 BF16X3_BLOCK_K = 128
-# The long path: "rows" (the split-K mix on tensor cores in TF32x3 + dsv4_kernels/triton_mhc_rows.py: weights for
-# blocks of tokens, whole-row collapses with the norm fused) or "cublas" (torch's fp32 matmul for the logits, one
-# _hc_pre_kernel program a token, which reads its streams three times). $DSV4_HC_LONG_PATH overrides.
+# The long path: torch's fp32 matmul (cuBLAS) for the logits, then "rows" (dsv4_kernels/triton_mhc_rows.py: a
+# whole-row collapse a token, its sum of squares and norm fused, then weights for blocks of tokens) or "token"
+# (one _hc_pre_kernel program a token, which reads its streams three times). The split-K mix on tensor cores in
+# TF32x3 took 2.4 ms a call at 8K tokens against cuBLAS's 0.27 ms (H200, 2026-12-04). $DSV4_HC_LONG_PATH overrides.
 LONG_PATH = os.environ.get("DSV4_HC_LONG_PATH", "rows")
-if LONG_PATH not in ("rows", "cublas"):
-    raise ValueError(f"DSV4_HC_LONG_PATH must be 'rows' or 'cublas', got {LONG_PATH!r}")
+if LONG_PATH not in ("rows", "token"):
+    raise ValueError(f"DSV4_HC_LONG_PATH must be 'rows' or 'token', got {LONG_PATH!r}")
 
 
 def split_max_tokens(dtype: torch.dtype) -> int:
@@ -382,8 +382,7 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
     column, n_mix, whose sum over splits is each token's sum of squares of its flattened streams."""
     t, hc, d = streams.shape
     k, n_mix = hc * d, fn.shape[0]
-    long = t > split_max_tokens(streams.dtype)
-    if long and LONG_PATH == "cublas":
+    if t > split_max_tokens(streams.dtype):
         if sumsq:
             raise ValueError(f"sumsq needs the split-K kernel (T <= {split_max_tokens(streams.dtype)}), got T={t}")
         return (streams.reshape(t, k).float() @ fn.float().t()).unsqueeze(0)
@@ -408,8 +407,7 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
     _hc_mix_kernel[(tiles, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),
                                     streams.stride(1), fn.stride(0), parts.stride(0), parts.stride(1),
                                     BLOCK_T=block_t, BLOCK_K=block_k, NM_P=nm_p, SUMSQ=sumsq,
-                                    EVEN_D=d % block_k == 0, PRECISION="tf32x3" if long else "ieee",
-                                    num_warps=4 if block_t == 16 else 8)
+                                    EVEN_D=d % block_k == 0, num_warps=4 if block_t == 16 else 8)
     return parts
 
 

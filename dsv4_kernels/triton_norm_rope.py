@@ -111,7 +111,7 @@ def rms_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: fl
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, H, D, HALF, stride_xt, stride_xh, stride_ot, stride_oh,
                  stride_ct, stride_st, SIGN: tl.constexpr, NOPE_P: tl.constexpr, HALF_P: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BF16: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BF16: tl.constexpr, COPY_NOPE: tl.constexpr):
     n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = n < N
     tok = (n // H).to(tl.int64)
@@ -119,9 +119,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, H, D, HALF, stride_xt, str
     o_row = out_ptr + tok * stride_ot + (n % H) * stride_oh
     dt = out_ptr.dtype.element_ty
     nope = D - 2 * HALF
-    cn = tl.arange(0, NOPE_P)
-    nm = rmask[:, None] & (cn < nope)[None, :]
-    tl.store(o_row[:, None] + cn[None, :], tl.load(x_row[:, None] + cn[None, :], mask=nm, other=0.0), mask=nm)
+    if COPY_NOPE:  # (in place the non-rotated channels are already where they belong)
+        cn = tl.arange(0, NOPE_P)
+        nm = rmask[:, None] & (cn < nope)[None, :]
+        tl.store(o_row[:, None] + cn[None, :], tl.load(x_row[:, None] + cn[None, :], mask=nm, other=0.0), mask=nm)
     p = tl.arange(0, HALF_P)
     pm = rmask[:, None] & (p < HALF)[None, :]
     ce = nope + 2 * p
@@ -134,12 +135,14 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, H, D, HALF, stride_xt, str
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, *,
-         block_r: int = 16) -> torch.Tensor:
+         block_r: int = 16, inplace: bool = False) -> torch.Tensor:
     """`dsv4_kernels.rope.apply_rope(x, cos, sin, inverse)` in one launch: x [T, D] or [T, H, D] (last dim contiguous),
-    cos / sin fp32 [T, rope_dim // 2]. -> a new tensor of x's shape and dtype (bf16 rounded by bits)."""
+    cos / sin fp32 [T, rope_dim // 2]. -> a new tensor of x's shape and dtype (bf16 rounded by bits), or with
+    inplace x itself, only its rope channels read and written (the attention output's inverse rotation: 64 of 512
+    channels, where a copy moved all of them, 0.37 ms a layer at 8K tokens on the H200)."""
     t, h, d = _rows_of(x, cos, sin)
     require_triton(x.device)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if t * h == 0:
         return out
     x3, o3 = (x.view(t, 1, d), out.view(t, 1, d)) if x.dim() == 2 else (x, out)
@@ -150,5 +153,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     _rope_kernel[(triton.cdiv(t * h, block_r),)](
         x3, cos, sin, o3, t * h, h, d, half, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), cos.stride(0),
         sin.stride(0), SIGN=-1.0 if inverse else 1.0, NOPE_P=max(1, triton.next_power_of_2(d - 2 * half)),
-        HALF_P=max(1, triton.next_power_of_2(half)), BLOCK_R=block_r, BF16=x.dtype == torch.bfloat16, **extra)
+        HALF_P=max(1, triton.next_power_of_2(half)), BLOCK_R=block_r, BF16=x.dtype == torch.bfloat16,
+        COPY_NOPE=not inplace, **extra)
     return out

@@ -158,7 +158,7 @@ class AttentionBlock:
             o = sparse_attention(q, keys, valid, sink, scale)
         if fast_ops:
             from dsv4_kernels.triton_norm_rope import rope  # imports triton: only on this path
-            o = rope(o, cos, sin, inverse=True)
+            o = rope(o, cos, sin, inverse=True, inplace=True)  # o is this step's own attention output
         else:
             o = apply_rope(o, cos, sin, inverse=True)
         # = dsv4_kernels.attention.grouped_output_projection, with FP8 weights where they were kept

@@ -1,15 +1,15 @@
 """mHC pre (dsv4_kernels.triton_mhc.hc_pre with the block's input norm fused) at V4-Flash widths, by token count,
 on its three paths (CUDA only; a script, not a test): "split" (mix kernel + (T, D blocks) pre kernel + norm, the
-path of steps up to split_max_tokens), and the two long paths: "rows" (the split-K mix, for fp32 streams in TF32x3
-on tensor cores, + dsv4_kernels/triton_mhc_rows.py: weights for blocks of tokens, whole-row collapses with the
-norm fused) and "cublas" (torch's fp32 matmul on an fp32 copy of the streams + one pre program a token). Small
-steps are host-bound here (three launches; serving runs them under CUDA graphs).
+path of steps up to split_max_tokens), and the two long paths after torch's fp32 matmul (cuBLAS) for the logits:
+"rows" (dsv4_kernels/triton_mhc_rows.py: a whole-row collapse a token with its sum of squares and the norm fused,
+then the weights of token blocks) and "token" (one pre program a token, reading its streams three times); and
+the logits matmul alone. Small steps are host-bound here (three launches; serving runs them under CUDA graphs).
 
 Shapes: hc 4 streams x 4096, 24 mixing logits, 20 Sinkhorn iterations, streams in --dtype (fp32: the engine's
 residual streams, $DSV4_FP32_RESIDUAL on by default). Prints the median time of each path
 (triton.testing.do_bench), the bytes-read roof (the streams once, at the measured copy bandwidth) and the paths'
-largest output difference from "cublas" (they round differently: fp32 sums in another order). --sweep also times
-the rows path's two sizes (MIX_PROGRAMS, ROW_ELEMS) from 1024 tokens.
+largest output difference from "token" (they round differently: fp32 sums in another order). --sweep also times
+the rows path's collapse at 4, 8 and 16 warps (ROW_ELEMS_PER_WARP) from 1024 tokens.
 
 Usage: python scripts/bench_mhc.py [--tokens 1 64 256 1024 4096 8192] [--dtype float32|bfloat16] [--out FILE]
                                    [--sweep]
@@ -42,24 +42,23 @@ def inputs(t: int, device, dtype: torch.dtype, seed: int = 0):
     return streams, fn, base, scale, norm_w
 
 
-PATHS = ("split", "rows", "cublas")  # the split kernels; the long path "rows" (default); the long path "cublas"
+PATHS = ("split", "rows", "token")  # the split kernels; the long path "rows" (default); the long path "token"
 
 
-def run(path: str, args, mix_programs: int | None = None, row_elems: int | None = None):
+def run(path: str, args, row_elems_per_warp: int | None = None):
     from dsv4_kernels import triton_mhc, triton_mhc_rows
 
-    saved = (triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_MAX_TOKENS_BF16, triton_mhc.LONG_PATH, triton_mhc.MIX_PROGRAMS,
-             triton_mhc_rows.ROW_ELEMS)
+    saved = (triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_MAX_TOKENS_BF16, triton_mhc.LONG_PATH,
+             triton_mhc_rows.ROW_ELEMS_PER_WARP)
     triton_mhc.MIX_MAX_TOKENS = triton_mhc.MIX_MAX_TOKENS_BF16 = 1 << 30 if path == "split" else 0
-    triton_mhc.LONG_PATH = "cublas" if path == "cublas" else "rows"
-    triton_mhc.MIX_PROGRAMS = mix_programs or triton_mhc.MIX_PROGRAMS
-    triton_mhc_rows.ROW_ELEMS = row_elems or triton_mhc_rows.ROW_ELEMS
+    triton_mhc.LONG_PATH = "token" if path == "token" else "rows"
+    triton_mhc_rows.ROW_ELEMS_PER_WARP = row_elems_per_warp or triton_mhc_rows.ROW_ELEMS_PER_WARP
     try:
         streams, fn, base, scale, norm_w = args
         return triton_mhc.hc_pre(streams, fn, base, scale, ITERS, 1e-6, 1e-6, norm_weight=norm_w)
     finally:
-        (triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_MAX_TOKENS_BF16, triton_mhc.LONG_PATH, triton_mhc.MIX_PROGRAMS,
-         triton_mhc_rows.ROW_ELEMS) = saved
+        (triton_mhc.MIX_MAX_TOKENS, triton_mhc.MIX_MAX_TOKENS_BF16, triton_mhc.LONG_PATH,
+         triton_mhc_rows.ROW_ELEMS_PER_WARP) = saved
 
 
 def copy_gbps(device) -> float:
@@ -80,8 +79,11 @@ def section(tables: list[str]) -> str:
         "host-bound here; decode runs them under CUDA graphs). \"split\": the mix kernel + the (T, D blocks) pre "
         "kernel, its mix on tensor cores from MIX_TENSOR_CORE_MIN_TOKENS tokens (bf16 streams: three bf16 dots "
         "on fn's hi / mid / lo parts; fp32 streams, in runs before 2026-12-04 01:00 UTC: six, x split the same "
-        "way); \"split, FMA dot\": the same on fp32 FMAs; \"long\": torch's fp32 matmul + one pre program a "
-        "token.", "",
+        "way); \"split, FMA dot\": the same on fp32 FMAs; \"long\" (before 2026-12-04 14:00 UTC) and \"long, "
+        "token\": torch's fp32 matmul + one pre program a token; \"long, rows\": torch's fp32 matmul + a "
+        "whole-row collapse a token (sum of squares and norm fused) + the weights of 64-token blocks "
+        "(dsv4_kernels/triton_mhc_rows.py); in the 09:34 run \"rows\" took its logits from a split-K TF32x3 "
+        "mix kernel instead, 2.4 ms a call at 8K tokens.", "",
         *[t.strip() + "\n" for t in tables],
         "The rule taken from these (`triton_mhc.split_max_tokens`): fp32 streams, the engine's residual, take "
         "the split kernels up to 256 tokens and the long path above (cuBLAS reads fp32 as stored; the six-dot "
@@ -116,26 +118,28 @@ def main() -> int:
         x = inputs(t, dev, getattr(torch, args.dtype), seed=t)
         times = {p: do_bench(lambda p=p: run(p, x), warmup=10, rep=100) for p in PATHS}
         outs = {p: run(p, x) for p in PATHS}
-        diff = {p: max((u.float() - v.float()).abs().max().item() for u, v in zip(outs[p], outs["cublas"]))
+        streams, fn = x[0], x[1]
+        logits_ms = do_bench(lambda: streams.reshape(t, HC * D).float() @ fn.t(), warmup=10, rep=100)
+        diff = {p: max((u.float() - v.float()).abs().max().item() for u, v in zip(outs[p], outs["token"]))
                 for p in ("split", "rows")}
         roof_ms = t * HC * D * x[0].element_size() / gbps / 1e6
-        rows.append((t, times["split"], times["rows"], times["cublas"], roof_ms, diff["split"], diff["rows"]))
+        rows.append((t, times["split"], times["rows"], times["token"], logits_ms, roof_ms, diff["split"],
+                     diff["rows"]))
         print(f"hc_pre T={t}: " + ", ".join(f"{p} {times[p] * 1e3:.1f} us" for p in PATHS)
-              + f", roof {roof_ms * 1e3:.1f} us, max |diff| vs cublas: split {diff['split']:.2e}, "
-              f"rows {diff['rows']:.2e}", flush=True)
-        if args.sweep and t >= 1024:  # the rows path's two sizes: mix programs, collapse rows a program
-            for mp in (256, 512, 1024):
-                for re_ in (4096, 8192, 16384):
-                    ms = do_bench(lambda: run("rows", x, mp, re_), warmup=10, rep=100)
-                    print(f"  sweep T={t} MIX_PROGRAMS={mp} ROW_ELEMS={re_}: {ms * 1e3:.1f} us", flush=True)
+              + f", logits matmul {logits_ms * 1e3:.1f} us, roof {roof_ms * 1e3:.1f} us, max |diff| vs token: "
+              f"split {diff['split']:.2e}, rows {diff['rows']:.2e}", flush=True)
+        if args.sweep and t >= 1024:  # the rows path's collapse: 16, 8, 4 warps at V4-Flash widths
+            for epw in (1024, 2048, 4096):
+                ms = do_bench(lambda: run("rows", x, epw), warmup=10, rep=100)
+                print(f"  sweep T={t} ROW_ELEMS_PER_WARP={epw}: {ms * 1e3:.1f} us", flush=True)
     tokens = " ".join(map(str, args.tokens))
     lines = [f"- command: `python scripts/bench_mhc.py --tokens {tokens} --dtype {args.dtype}`",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {gbps:.0f} GB/s",
-             "", "| tokens | split us | long, rows us | long, cublas us | streams-read roof us | best x roof "
-             "| max abs diff vs cublas: split | rows |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {t} | {s * 1e3:.1f} | {r * 1e3:.1f} | {c * 1e3:.1f} | {f * 1e3:.1f} | {min(s, r, c) / f:.1f} "
-              f"| {ds:.1e} | {dr:.1e} |" for t, s, r, c, f, ds, dr in rows]
+             "", "| tokens | split us | long, rows us | long, token us | (logits matmul us) | streams-read roof us "
+             "| best x roof | max abs diff vs token: split | rows |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {t} | {s * 1e3:.1f} | {r * 1e3:.1f} | {c * 1e3:.1f} | {lg * 1e3:.1f} | {f * 1e3:.1f} "
+              f"| {min(s, r, c) / f:.1f} | {ds:.1e} | {dr:.1e} |" for t, s, r, c, lg, f, ds, dr in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -95,3 +95,19 @@ def test_rope_alone(dtype, inverse):
     NUM.assert_close(rope(flat, cos, sin, inverse), apply_rope(flat, cos, sin, inverse=inverse), dtype)
     with pytest.raises(ValueError, match="cos/sin"):
         rope(flat, cos[:2], sin[:2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_writes_only_the_rope_channels(dtype):
+    """inplace=True: the strided view itself holds apply_rope's result; the pad columns beside the view and the
+    non-rotated channels keep their values."""
+    h, d, r = 3, 80, 16
+    big = randn(T, h, d + 8, seed=13, dtype=dtype, scale=3.0)
+    before = big.clone()
+    x = big[..., :d]
+    cos, sin = cos_sin(r, seed=14)
+    expected = apply_rope(x.clone(), cos, sin, inverse=True)
+    out = rope(x, cos, sin, True, block_r=4, inplace=True)
+    assert out.data_ptr() == x.data_ptr()
+    NUM.assert_close(x, expected, dtype)
+    assert torch.equal(big[..., : d - r], before[..., : d - r]) and torch.equal(big[..., d:], before[..., d:])
