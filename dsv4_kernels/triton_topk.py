@@ -28,6 +28,7 @@ from dsv4_kernels.gpu import import_triton, require_triton
 triton, tl = import_triton()
 
 MAX_BLOCK = 4096  # scores a program holds at once; longer rows loop over blocks of this size
+NUM_WARPS: int | None = None  # None: 8 warps from 2048-score blocks, else 4 (scripts/bench_topk.py --sweep sets it)
 NEG_INF_KEY = tl.constexpr(0x007FFFFF)  # the key of -inf (a constexpr: read inside the kernel)
 
 
@@ -101,5 +102,5 @@ def topk_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
     block = min(MAX_BLOCK, triton.next_power_of_2(max(s, k, 16)))
     _topk_kernel[(t,)](scores, out, s, k, scores.stride(0), out.stride(0), BLOCK=block,
-                       num_warps=8 if block >= 2048 else 4)
+                       num_warps=NUM_WARPS or (8 if block >= 2048 else 4))
     return out

@@ -9,7 +9,9 @@ Shapes: hc 4 streams x 4096, 24 mixing logits, 20 Sinkhorn iterations, streams i
 residual streams, $DSV4_FP32_RESIDUAL on by default). Prints the median time of each path
 (triton.testing.do_bench), the bytes-read roof (the streams once, at the measured copy bandwidth) and the paths'
 largest output difference from "token" (they round differently: fp32 sums in another order). --sweep also times
-the rows path's collapse at 4, 8 and 16 warps (ROW_ELEMS_PER_WARP) from 1024 tokens.
+the rows path's collapse at 4, 8 and 16 warps (ROW_ELEMS_PER_WARP) from 1024 tokens. --graph-small times the split
+path at decode sizes (1, 8, 64 tokens) in CUDA-graph replays (no host launch cost, as decode runs it) by
+MIX_PROGRAMS, the split-K width.
 
 Usage: python scripts/bench_mhc.py [--tokens 1 64 256 1024 4096 8192] [--dtype float32|bfloat16] [--out FILE]
                                    [--sweep]
@@ -70,6 +72,27 @@ def copy_gbps(device) -> float:
     return 2 * x.numel() / ms / 1e6
 
 
+def graph_small(dev, dtype: torch.dtype) -> None:
+    """The split path at decode sizes, CUDA-graph replays, by MIX_PROGRAMS (outputs checked against the default)."""
+    from triton.testing import do_bench_cudagraph
+
+    from dsv4_kernels import triton_mhc
+
+    saved = triton_mhc.MIX_PROGRAMS
+    try:
+        for t in (1, 8, 64):
+            x = inputs(t, dev, dtype, seed=t)
+            want = run("split", x)
+            for programs in (32, 64, 128, 256, 512):
+                triton_mhc.MIX_PROGRAMS = programs
+                diff = max((u.float() - v.float()).abs().max().item() for u, v in zip(run("split", x), want))
+                us = do_bench_cudagraph(lambda: run("split", x), rep=50) * 1e3
+                print(f"  graph T={t} MIX_PROGRAMS={programs}: {us:.1f} us, max |diff| vs default {diff:.1e}",
+                      flush=True)
+    finally:
+        triton_mhc.MIX_PROGRAMS = saved
+
+
 def section(tables: list[str]) -> str:
     """The BENCHMARKS.md section from --out tables (each starts with its command line, which names the dtype)."""
     return "\n".join([
@@ -97,6 +120,8 @@ def main() -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the streams' dtype")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     ap.add_argument("--sweep", action="store_true", help="also time the rows path's sizes from 1024 tokens")
+    ap.add_argument("--graph-small", action="store_true",
+                    help="also time decode sizes under CUDA graphs by MIX_PROGRAMS")
     ap.add_argument("--merge", nargs="+", default=None,
                     help="put these --out tables (fp32 streams first) into BENCHMARKS.md's mHC section and exit")
     args = ap.parse_args()
@@ -132,6 +157,8 @@ def main() -> int:
             for epw in (1024, 2048, 4096):
                 ms = do_bench(lambda: run("rows", x, epw), warmup=10, rep=100)
                 print(f"  sweep T={t} ROW_ELEMS_PER_WARP={epw}: {ms * 1e3:.1f} us", flush=True)
+    if args.graph_small:
+        graph_small(dev, getattr(torch, args.dtype))
     tokens = " ".join(map(str, args.tokens))
     lines = [f"- command: `python scripts/bench_mhc.py --tokens {tokens} --dtype {args.dtype}`",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "

@@ -5,7 +5,8 @@ Rows are queries (decode: the batch; prefill: the chunk's tokens), candidates th
 a prefill row sees its causal prefix: the rest is -inf). k = 512, V4's index_topk. Each time is the median of
 CUDA-graph replays of 20 calls (triton.testing.do_bench_cudagraph), so host launch cost is out, as in decode.
 Both outputs are checked equal as sets (sorted picked values) before timing.
-Usage: python scripts/bench_topk.py [--out FILE]
+--sweep also times the kernel's block size and warps (triton_topk.MAX_BLOCK, NUM_WARPS) at decode shapes.
+Usage: python scripts/bench_topk.py [--out FILE] [--sweep]
        python scripts/bench_topk.py --merge FILE   # an --out table -> BENCHMARKS.md section
 """
 
@@ -62,10 +63,32 @@ def section(table: str) -> str:
         "row count."])
 
 
+def sweep(dev) -> None:
+    """Radix kernel times by (MAX_BLOCK, NUM_WARPS) at the decode shapes, picks checked against torch.topk."""
+    from triton.testing import do_bench_cudagraph
+
+    from dsv4_kernels import triton_topk
+
+    saved = triton_topk.MAX_BLOCK, triton_topk.NUM_WARPS
+    try:
+        for rows, cands in ((1, 8192), (1, 32768), (64, 8192)):
+            x = scores_for(rows, cands, False, dev)
+            for block in (4096, 8192, 16384):
+                for warps in (8, 16, 32):
+                    triton_topk.MAX_BLOCK, triton_topk.NUM_WARPS = block, warps
+                    same = same_sets(x, triton_topk.topk_columns(x, K), torch_topk(x))
+                    us = do_bench_cudagraph(lambda: triton_topk.topk_columns(x, K), rep=50) * 1e3
+                    print(f"  sweep rows={rows} candidates={cands} MAX_BLOCK={block} NUM_WARPS={warps}: {us:.1f} us, "
+                          f"same picks {same}", flush=True)
+    finally:
+        triton_topk.MAX_BLOCK, triton_topk.NUM_WARPS = saved
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     ap.add_argument("--merge", default=None, help="put this --out table into BENCHMARKS.md and exit")
+    ap.add_argument("--sweep", action="store_true", help="also time MAX_BLOCK x NUM_WARPS at decode shapes")
     args = ap.parse_args()
     if args.merge:
         from service.benchmarks_md import write_section
@@ -89,6 +112,8 @@ def main() -> int:
         rows_out.append((rows, cands, causal, t_torch, t_radix, same))
         print(f"topk rows={rows} candidates={cands}{' causal' if causal else ''}: torch {t_torch * 1e3:.1f} us, "
               f"radix {t_radix * 1e3:.1f} us ({t_torch / t_radix:.2f}x), same picks {same}", flush=True)
+    if args.sweep:
+        sweep(dev)
     lines = ["- command: `python scripts/bench_topk.py`",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}", "",
