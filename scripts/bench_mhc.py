@@ -102,16 +102,23 @@ def section(tables: list[str]) -> str:
         "host-bound here; decode runs them under CUDA graphs). \"split\": the mix kernel + the (T, D blocks) pre "
         "kernel, its mix on tensor cores from MIX_TENSOR_CORE_MIN_TOKENS tokens (bf16 streams: three bf16 dots "
         "on fn's hi / mid / lo parts; fp32 streams, in runs before 2026-12-04 01:00 UTC: six, x split the same "
-        "way); \"split, FMA dot\": the same on fp32 FMAs; \"long\" (before 2026-12-04 14:00 UTC) and \"long, "
-        "token\": torch's fp32 matmul + one pre program a token; \"long, rows\": torch's fp32 matmul + a "
+        "way); \"split, FMA dot\": the same on fp32 FMAs; \"long\" (runs before 2026-12-04 13:00 UTC) and "
+        "\"long, token\": torch's fp32 matmul + one pre program a token; \"long, rows\": torch's fp32 matmul + a "
         "whole-row collapse a token (sum of squares and norm fused) + the weights of 64-token blocks "
-        "(dsv4_kernels/triton_mhc_rows.py); in the 09:34 run \"rows\" took its logits from a split-K TF32x3 "
-        "mix kernel instead, 2.4 ms a call at 8K tokens.", "",
+        "(dsv4_kernels/triton_mhc_rows.py; in a 09:34 UTC run the rows path took its logits from a split-K TF32x3 "
+        "mix kernel instead: 2.6 ms a call at 8K tokens, the mix alone 2.4 ms); \"(logits matmul)\": the cuBLAS "
+        "matmul both long paths start with. Newest run first.", "",
         *[t.strip() + "\n" for t in tables],
         "The rule taken from these (`triton_mhc.split_max_tokens`): fp32 streams, the engine's residual, take "
         "the split kernels up to 256 tokens and the long path above (cuBLAS reads fp32 as stored; the six-dot "
-        "kernel was 3x slower than it at 8K and is gone); bf16 streams take the split kernels at every size "
-        "(no fp32 copy). `$DSV4_HC_SPLIT_MAX_TOKENS` / `$DSV4_HC_SPLIT_MAX_TOKENS_BF16` override."])
+        "kernel was 3x slower than it at 8K and is gone), there the rows kernels (`triton_mhc.LONG_PATH`, "
+        "0.44 against 0.77 ms a call at 8K tokens: 0.28 of it the matmul, the rest 1.3x the streams' read); bf16 "
+        "streams take the split kernels at every size (no fp32 copy). `$DSV4_HC_SPLIT_MAX_TOKENS` / "
+        "`$DSV4_HC_SPLIT_MAX_TOKENS_BF16` / `$DSV4_HC_LONG_PATH` override.", "",
+        "Decode sizes under CUDA graphs (`--graph-small`, fp32 streams, 2026-12-04 14:00 UTC): the split path "
+        "takes 20.9 us a call at 1 token and 21.6 at 8 with 128 to 512 split-K programs (K caps the splits at "
+        "128 there), 25.1 / 37.2 us with 64 / 32; at 64 tokens 39.4 us with 128 programs against 50.8 with 256 "
+        "(fewer partials for the pre kernel to add) and 55.7 with 64: `triton_mhc.MIX_PROGRAMS` is 128."])
 
 
 def main() -> int:
