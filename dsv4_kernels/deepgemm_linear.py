@@ -21,7 +21,6 @@ and keeps the G GEMMs.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -35,19 +34,11 @@ _SEEN: set[tuple[int, int, bool, torch.device, int]] = set()  # (N, K, pow2 acti
 _GROUPED_BROKEN: list[str] = []  # why the masked grouped GEMM failed once (then G GEMMs run instead)
 GROUPED_ROWS = 256  # per-group rows of the masked grouped GEMM's storage (a multiple of its M tiles)
 GROUPED_MAX_TOKENS = 128  # above, G GEMMs
-# Steps of up to this many tokens run dsv4_kernels/triton_fp8_skinny.py's split-K GEMM instead of fp8_gemm_nt
-# (DeepGEMM's M and N tiles leave most SMs idle at batch 1); 0 turns it off. At most its MAX_M (16).
-SKINNY_MAX_M = min(int(os.environ.get("DSV4_FP8_SKINNY_MAX_M", "16")), 16)
 
 
 def _gemm(dg, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool,
           out: torch.Tensor) -> None:
-    _SEEN.add((weight.shape[0], weight.shape[1], pow2, weight.device, 1))  # (warm-up compiles every M for it)
-    if 0 < xq.shape[0] <= SKINNY_MAX_M:
-        from dsv4_kernels.triton_fp8_skinny import fp8_skinny_gemm
-
-        fp8_skinny_gemm(xq, xs, weight, scale, out)
-        return
+    _SEEN.add((weight.shape[0], weight.shape[1], pow2, weight.device, 1))
     dg.fp8_gemm_nt((xq, xs), (weight, scale), out)
 
 

@@ -3,8 +3,7 @@
 For each projection shape (N x K of wq_a, wq_b, wkv, one of wo_a's 8 groups, wo_b, indexer wq_b,
 shared-expert w1/w3 and w2) and token count M (default 1/64/128/8192) it times, under a CUDA graph
 after an L2 flush (scripts/bench_kernels.bench_graph: device time, no launch overhead):
-- `fp8`: dsv4_kernels.deepgemm_linear.fp8_gemm = Triton 1x128 activation quantiser + deep_gemm.fp8_gemm_nt, or
-  for M <= SKINNY_MAX_M (16) the split-K Triton GEMM dsv4_kernels/triton_fp8_skinny.py, timed beside DeepGEMM's;
+- `fp8`: dsv4_kernels.deepgemm_linear.fp8_gemm = Triton 1x128 activation quantiser + deep_gemm.fp8_gemm_nt;
 - `bf16`: x @ W^T on the dequantised bf16 weight (what the engine ran before).
 Reported: both times, the speed-up, TFLOP/s of the FP8 path, and its relative error ||fp8 - ref|| / ||ref||
 against dsv4_kernels.fp8_linear.fp8_linear_ref (fp32, same quantised activations) and against the exact bf16 product.
@@ -49,7 +48,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure(name: str, n: int, k: int, m: int, gen: torch.Generator) -> dict:
-    from dsv4_kernels import deepgemm_linear as dgl
     from dsv4_kernels.deepgemm_linear import fp8_gemm
 
     w = torch.randn(n, k, device="cuda", generator=gen) * k**-0.5
@@ -61,15 +59,7 @@ def measure(name: str, n: int, k: int, m: int, gen: torch.Generator) -> dict:
     exact = x.float() @ wb.float().t()
     fp8_us = bench_graph(lambda: fp8_gemm(x, fw))
     bf16_us = bench_graph(lambda: x @ wb.t())
-    dg_us = None
-    if m <= dgl.SKINNY_MAX_M:  # the engine's path is the Triton kernel here: DeepGEMM's time beside it
-        saved, dgl.SKINNY_MAX_M = dgl.SKINNY_MAX_M, 0
-        try:
-            fp8_gemm(x, fw)
-            dg_us = bench_graph(lambda: fp8_gemm(x, fw))
-        finally:
-            dgl.SKINNY_MAX_M = saved
-    return {"name": name, "m": m, "n": n, "k": k, "fp8_us": fp8_us, "bf16_us": bf16_us, "dg_us": dg_us,
+    return {"name": name, "m": m, "n": n, "k": k, "fp8_us": fp8_us, "bf16_us": bf16_us,
             "tflops": 2 * m * n * k / fp8_us / 1e6, "err_ref": rel(got, want_ref) if want_ref is not None else None,
             "err_exact": rel(got, exact), "bf16_err_exact": rel(x @ wb.t(), exact)}
 
@@ -81,18 +71,14 @@ def table(rows: list[dict], command: str) -> str:
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {dev}, torch "
              f"{torch.__version__}",
              "- time: device us in a CUDA graph after an L2 flush (weights from HBM); fp8 = Triton 1x128 activation "
-             "quantiser + `deep_gemm.fp8_gemm_nt` (bf16 out), or from M <= 16 the split-K Triton GEMM "
-             "(dsv4_kernels/triton_fp8_skinny.py) with DeepGEMM's time beside it; bf16 = `x @ W^T` on the "
-             "dequantised weight",
+             "quantiser + `deep_gemm.fp8_gemm_nt` (bf16 out), bf16 = `x @ W^T` on the dequantised weight",
              "- err vs ref: ||fp8 - fp8_linear_ref|| / ||ref|| (same quantised activations, fp32); err vs exact: "
              "against x @ W^T in fp32 (what FP8 activations cost), bf16's own error beside it", "",
-             "| projection | M | fp8 us | (DeepGEMM us) | bf16 us | bf16 / fp8 | fp8 TFLOP/s | err vs ref "
-             "| err vs exact (bf16's) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| projection | M | fp8 us | bf16 us | bf16 / fp8 | fp8 TFLOP/s | err vs ref | err vs exact (bf16's) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         err_ref = f"{r['err_ref']:.1e}" if r["err_ref"] is not None else "n/a"
-        dg = f"{r['dg_us']:.1f}" if r.get("dg_us") is not None else ""
-        lines.append(f"| {r['name']} | {r['m']} | {r['fp8_us']:.1f} | {dg} | {r['bf16_us']:.1f} | "
+        lines.append(f"| {r['name']} | {r['m']} | {r['fp8_us']:.1f} | {r['bf16_us']:.1f} | "
                      f"{r['bf16_us'] / r['fp8_us']:.2f}x | {r['tflops']:.0f} | {err_ref} | "
                      f"{r['err_exact']:.1e} ({r['bf16_err_exact']:.1e}) |")
     by_m: dict[int, list[float]] = {}
@@ -125,8 +111,7 @@ def main() -> int:
         for name, (n, k) in SHAPES.items():
             rows.append(measure(name, n, k, m, gen))
             r = rows[-1]
-            dg = f"  DeepGEMM {r['dg_us']:8.1f} us" if r["dg_us"] is not None else ""
-            print(f"{name:28s} M={m:5d} fp8 {r['fp8_us']:8.1f} us{dg}  bf16 {r['bf16_us']:8.1f} us", flush=True)
+            print(f"{name:28s} M={m:5d} fp8 {r['fp8_us']:8.1f} us  bf16 {r['bf16_us']:8.1f} us", flush=True)
     md = table(rows, "PYTHONPATH=. python3 scripts/bench_fp8_gemm.py " + " ".join(sys.argv[1:]))
     print(md)
     if args.out:

@@ -232,21 +232,10 @@ def topk_cases():
     return m, ["_topk_kernel"]
 
 
-def fp8_skinny_cases():
-    """The decode-sized FP8 GEMM at V4-Flash's q_a (split K, 16-wide column blocks) and q_b (one split, 32-wide)."""
-    from dsv4_kernels import triton_fp8_skinny as m
-
-    for n, k in ((1024, 4096), (32768, 1024)):
-        m.fp8_skinny_gemm(torch.zeros(1, k).to(torch.float8_e4m3fn), torch.ones(k // 128, 1).t(),
-                          torch.zeros(n, k).to(torch.float8_e4m3fn), torch.ones(n // 128, k // 128))
-    return m, ["_fp8_skinny_kernel"]
-
-
-GROUPS = {"mhc": mhc_cases, "topk": topk_cases, "fp8_skinny": fp8_skinny_cases,
+GROUPS = {"mhc": mhc_cases, "topk": topk_cases,
           "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
           "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
 MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_rows"), "topk": ("dsv4_kernels.triton_topk",),
-           "fp8_skinny": ("dsv4_kernels.triton_fp8_skinny",),
            "swa": ("dsv4_kernels.triton_swa_insert",),
            "indexer_query": ("dsv4_kernels.triton_indexer_query",),
            "compressor": ("dsv4_kernels.triton_compressor",), "compress_step": ("dsv4_kernels.triton_compress_step",),
