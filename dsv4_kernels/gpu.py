@@ -1,4 +1,5 @@
-"""The one import point of optional GPU libraries (triton, deep_gemm, flash_mla, triton_kernels): probes, errors.
+"""The one import point of optional GPU libraries (triton, deep_gemm, flash_mla, triton_kernels, the Marlin MoE
+candidate): probes, errors.
 
 Nothing here imports a GPU library at module import time; the probes import on first call and cache the
 answer, so `import dsv4_kernels.gpu` is cheap on a CPU-only machine. Modules that need triton get it through
@@ -94,6 +95,25 @@ def _triton_kernels_shims() -> None:
                 self.__dict__[key] = value
 
             setattr(JITFunction, name, property(getter, setter))
+
+
+@functools.cache
+def has_marlin_moe() -> bool:
+    """True when the Marlin MXFP4 MoE candidate's loaders and TVM FFI import on a CUDA machine (a local wheel:
+    scripts/marlin_wheel.py; the GEMM library itself loads on first use)."""
+    return torch.cuda.is_available() and _probe("tvm_ffi") and _probe("tokenspeed_marlin_moe.marlin_moe")
+
+
+def import_marlin_moe():
+    """-> (tvm_ffi, the repack module, the MoE GEMM module) of the Marlin candidate, or ImportError naming why."""
+    if not has_marlin_moe():
+        raise ImportError("the Marlin MoE candidate is not usable here "
+                          f"({why_not('tvm_ffi') or why_not('tokenspeed_marlin_moe.marlin_moe') or 'no CUDA'}): "
+                          "python scripts/marlin_wheel.py, then install .whl/ on the CUDA machine")
+    import tvm_ffi
+    from tokenspeed_marlin_moe import marlin, marlin_moe
+
+    return tvm_ffi, marlin, marlin_moe
 
 
 def import_deep_gemm():

@@ -3,6 +3,9 @@
 For each token count (default 1/16/64/128; hidden 4096, moe_inter 2048, 256 experts, top-6, bf16) it times
 - `mxfp4 triton_kernels`: dsv4_kernels.mxfp4_ogs.ogs_moe, OpenAI's triton_kernels matmul on the same packed bytes
   moved into its Hopper layouts (sort + gate/up + SwiGLU + down + sum; when triton_kernels imports);
+- `mxfp4 marlin`: dsv4_kernels.marlin_moe.marlin_moe, Marlin's W4A16 grouped GEMM (vLLM's and SGLang's Hopper
+  path) on the same bytes repacked into its tiles (route sort + gate/up + SwiGLU + down + sum; when its wheels,
+  scripts/marlin_wheel.py, are installed);
 - `mxfp4`: dsv4_kernels.triton_moe.mxfp4_moe on packed e2m1 + UE8M0 experts (sort + gate/up + down + sum);
 - `grouped_mm`: dsv4_kernels.moe.moe_experts_grouped on the same experts dequantised to bf16;
 - `reference`: dsv4_kernels.moe.moe_experts (one matmul per used expert, host sync) on the bf16 experts;
@@ -107,7 +110,7 @@ def row(tokens, path, us, graph_us, nbytes, copy, err="") -> str:
             f"| {err} |")
 
 
-def run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs=None) -> list[str]:
+def run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs=None, marlin=None) -> list[str]:
     dev, h, inter, k = args.device, args.hidden, args.inter, args.topk
     gen = torch.Generator(device=dev).manual_seed(t)
     x = torch.randn(t, h, device=dev, generator=gen).to(torch.bfloat16)
@@ -137,6 +140,17 @@ def run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs=None) -> list[s
 
         rows.append(row(t, "mxfp4 triton_kernels", bench(tk, dev), bench_graph(tk), mx_bytes, copy,
                         f"{rel_err(tk(), want):.1e}"))
+    if marlin is not None:
+        from dsv4_kernels import marlin_moe
+
+        def mar():
+            return marlin_moe.marlin_moe(x, weights, ids, marlin, 10.0)
+
+        try:
+            rows.append(row(t, "mxfp4 marlin", bench(mar, dev), bench_graph(mar), mx_bytes, copy,
+                            f"{rel_err(mar(), want):.1e}"))
+        except Exception as exc:  # noqa: BLE001 - a candidate's failure is a table row, not the end of the bench
+            rows.append(f"| {t} | mxfp4 marlin | failed: {type(exc).__name__}: {str(exc)[:120]} | | | | | |")
     rows += [row(t, "mxfp4", bench(mxfp4, dev), bench_graph(mxfp4) if cuda else None, mx_bytes, copy,
                 f"{rel_err(mxfp4(), want):.1e}"),
             row(t, "grouped_mm bf16", bench(grouped, dev), None, bf_bytes, copy, "0"),
@@ -292,11 +306,25 @@ def main() -> None:
         ogs = mxfp4_ogs.prepare(packed["w1"], packed["s1"], packed["w2"], packed["s2"], packed["w3"], packed["s3"])
     else:
         print(f"(no triton_kernels rows: {why_not('triton_kernels.matmul') or 'needs CUDA'})")
+    marlin = None
+    from dsv4_kernels.gpu import has_marlin_moe
+
+    if dev == "cuda" and has_marlin_moe():
+        from dsv4_kernels import marlin_moe
+
+        try:
+            marlin = marlin_moe.prepare(packed["w1"], packed["s1"], packed["w2"], packed["s2"], packed["w3"],
+                                        packed["s3"])
+        except Exception as exc:  # noqa: BLE001 - report and bench the rest
+            print(f"(no Marlin rows: its repack failed: {type(exc).__name__}: {str(exc)[:200]})")
+    else:
+        print(f"(no Marlin rows: {why_not('tvm_ffi') or why_not('tokenspeed_marlin_moe.marlin_moe') or 'needs CUDA'}"
+              "; scripts/marlin_wheel.py builds its wheels)")
     head = ["| tokens | path | us | graph us | weight MB | GB/s | % copy | err |", "|---|---|---|---|---|---|---|---|"]
     print("\n".join(head))
     table = []
     for t in args.tokens:
-        for line in run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs):
+        for line in run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs, marlin):
             print(line, flush=True)
             table.append(line)
     if args.out:
