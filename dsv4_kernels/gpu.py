@@ -104,11 +104,17 @@ def has_marlin_moe() -> bool:
     return torch.cuda.is_available() and _probe("tvm_ffi") and _probe("tokenspeed_marlin_moe.marlin_moe")
 
 
+def why_not_marlin_moe() -> str:
+    """Why the Marlin candidate is unusable here ('' when it is, or was never probed)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return why_not("tvm_ffi") or why_not("tokenspeed_marlin_moe.marlin_moe")
+
+
 def import_marlin_moe():
     """-> (tvm_ffi, the repack module, the MoE GEMM module) of the Marlin candidate, or ImportError naming why."""
     if not has_marlin_moe():
-        raise ImportError("the Marlin MoE candidate is not usable here "
-                          f"({why_not('tvm_ffi') or why_not('tokenspeed_marlin_moe.marlin_moe') or 'no CUDA'}): "
+        raise ImportError(f"the Marlin MoE candidate is not usable here ({why_not_marlin_moe()}): "
                           "python scripts/marlin_wheel.py, then install .whl/ on the CUDA machine")
     import tvm_ffi
     from tokenspeed_marlin_moe import marlin, marlin_moe

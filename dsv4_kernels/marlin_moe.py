@@ -42,17 +42,23 @@ class MarlinExperts:
     inter: int
 
 
-def _repack(marlin, weight: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """uint8 [E, N, K/2] -> int32 Marlin tiles [E, K/16, 2N] (one repack launch per expert)."""
-    perm = torch.empty(0, dtype=torch.int32, device=weight.device)
-    return torch.stack([marlin.gptq_marlin_repack(weight[e].contiguous().view(torch.int32).t().contiguous(), perm,
-                                                  size_k=k, size_n=n, num_bits=4) for e in range(weight.shape[0])])
+def _rows(parts: list[torch.Tensor], e: int) -> torch.Tensor:
+    """Expert e's rows of `parts` ([E, N_i, ...] each) stacked along N: one expert at a time, so stacking gate and
+    up never copies a whole layer's experts at once (2 GB a layer at V4-Flash)."""
+    return torch.cat([p[e] for p in parts]) if len(parts) > 1 else parts[0][e].contiguous()
 
 
-def _permute_scales(mm, scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """UE8M0 bytes [E, N, K/32] -> float8_e8m0fnu [E, K/32, N] in the order Marlin's bf16 path reads."""
+def _repack(marlin, parts: list[torch.Tensor], n: int, k: int) -> torch.Tensor:
+    """uint8 [E, N_i, K/2] parts (sum N_i = N) -> int32 Marlin tiles [E, K/16, 2N] (one repack launch an expert)."""
+    perm = torch.empty(0, dtype=torch.int32, device=parts[0].device)
+    return torch.stack([marlin.gptq_marlin_repack(_rows(parts, e).view(torch.int32).t().contiguous(), perm,
+                                                  size_k=k, size_n=n, num_bits=4) for e in range(parts[0].shape[0])])
+
+
+def _permute_scales(mm, parts: list[torch.Tensor], n: int, k: int) -> torch.Tensor:
+    """UE8M0 bytes [E, N_i, K/32] parts -> float8_e8m0fnu [E, K/32, N] in the order Marlin's bf16 path reads."""
     return torch.stack([mm.mxfp4_marlin_process_scales(mm.marlin_permute_scales(
-        scale[e].t().contiguous(), size_k=k, size_n=n, group_size=GROUP)) for e in range(scale.shape[0])])
+        _rows(parts, e).t().contiguous(), size_k=k, size_n=n, group_size=GROUP)) for e in range(parts[0].shape[0])])
 
 
 def prepare(w1, s1, w2, s2, w3, s3) -> MarlinExperts:
@@ -67,10 +73,10 @@ def prepare(w1, s1, w2, s2, w3, s3) -> MarlinExperts:
     if w2.shape != (e, hidden, inter // 2) or w3.shape != w1.shape:
         raise ValueError(f"expert shapes disagree: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)}")
     with tvm_ffi.use_torch_stream():
-        w13 = _repack(marlin, torch.cat([w1, w3], dim=1), 2 * inter, hidden)
-        wd = _repack(marlin, w2, hidden, inter)
-    s13 = _permute_scales(mm, torch.cat([s1, s3], dim=1), 2 * inter, hidden)
-    sd = _permute_scales(mm, s2, hidden, inter)
+        w13 = _repack(marlin, [w1, w3], 2 * inter, hidden)
+        wd = _repack(marlin, [w2], hidden, inter)
+    s13 = _permute_scales(mm, [s1, s3], 2 * inter, hidden)
+    sd = _permute_scales(mm, [s2], hidden, inter)
     return MarlinExperts(w13, s13, wd, sd, e, hidden, inter)
 
 

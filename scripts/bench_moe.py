@@ -307,7 +307,7 @@ def main() -> None:
     else:
         print(f"(no triton_kernels rows: {why_not('triton_kernels.matmul') or 'needs CUDA'})")
     marlin = None
-    from dsv4_kernels.gpu import has_marlin_moe
+    from dsv4_kernels.gpu import has_marlin_moe, why_not_marlin_moe
 
     if dev == "cuda" and has_marlin_moe():
         from dsv4_kernels import marlin_moe
@@ -318,8 +318,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - report and bench the rest
             print(f"(no Marlin rows: its repack failed: {type(exc).__name__}: {str(exc)[:200]})")
     else:
-        print(f"(no Marlin rows: {why_not('tvm_ffi') or why_not('tokenspeed_marlin_moe.marlin_moe') or 'needs CUDA'}"
-              "; scripts/marlin_wheel.py builds its wheels)")
+        print(f"(no Marlin rows: {why_not_marlin_moe()}; scripts/marlin_wheel.py builds its wheels)")
     head = ["| tokens | path | us | graph us | weight MB | GB/s | % copy | err |", "|---|---|---|---|---|---|---|---|"]
     print("\n".join(head))
     table = []

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from dsv4_kernels import moe as ref
-from dsv4_kernels.gpu import has_marlin_moe, why_not
+from dsv4_kernels.gpu import has_marlin_moe, why_not_marlin_moe
 from dsv4_kernels.quant import dequant_mxfp4
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not has_marlin_moe(), reason="the Marlin MoE candidate needs a CUDA GPU and its wheels "
-                       f"(scripts/marlin_wheel.py): {why_not('tvm_ffi') or why_not('tokenspeed_marlin_moe.marlin_moe')}"
-                       if torch.cuda.is_available() else "needs a CUDA GPU"),
+                       f"(scripts/marlin_wheel.py): {why_not_marlin_moe()}"),
 ]
 
 
