@@ -18,14 +18,15 @@ import os
 
 import torch
 
-from dsv4_kernels.gpu import has_deep_gemm, has_flash_mla, has_triton, has_triton_kernels, triton_enabled, why_not
+from dsv4_kernels.gpu import (has_deep_gemm, has_flash_mla, has_marlin_moe, has_triton, has_triton_kernels,
+                              triton_enabled, why_not, why_not_marlin_moe)
 
 ENV = "DSV4_TRITON"
 MXFP4_ENV = "DSV4_MXFP4_MOE"
 FP8_GEMM_ENV = "DSV4_FP8_GEMM"
 MOE_BACKEND_ENV = "DSV4_MXFP4_MOE_BACKEND"
 FLASH_MLA_ENV = "DSV4_FLASH_MLA"
-MOE_BACKENDS = ("auto", "triton_kernels", "engine")
+MOE_BACKENDS = ("auto", "triton_kernels", "marlin", "engine")
 _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
 
@@ -151,8 +152,9 @@ def resolve_index_cache_dtype(requested: str, device: torch.device | str) -> tup
 
 def mxfp4_moe_backend(device: torch.device | str) -> str:
     """Which kernel runs packed MXFP4 experts on `device`: "triton_kernels" (OpenAI's matmul with Hopper
-    weight layouts), "engine" (dsv4_kernels.triton_moe) or "reference". $DSV4_MXFP4_MOE_BACKEND picks
-    triton_kernels or engine; "auto" (default) takes triton_kernels where it imports (CUDA)."""
+    weight layouts), "marlin" (Marlin's W4A16 grouped GEMM, dsv4_kernels.marlin_moe), "engine"
+    (dsv4_kernels.triton_moe) or "reference". $DSV4_MXFP4_MOE_BACKEND picks one; "auto" (default) takes
+    triton_kernels where it imports (CUDA). A requested library that does not import falls back to the next."""
     if not use_mxfp4_moe(device):
         return "reference"
     want = os.environ.get(MOE_BACKEND_ENV, "auto").strip().lower() or "auto"
@@ -160,11 +162,13 @@ def mxfp4_moe_backend(device: torch.device | str) -> str:
         raise ValueError(f"{MOE_BACKEND_ENV} must be one of {MOE_BACKENDS}, got {want!r}")
     if want == "engine" or torch.device(device).type != "cuda":
         return "engine"
+    if want == "marlin" and has_marlin_moe():
+        return "marlin"
     return "triton_kernels" if has_triton_kernels() else "engine"
 
 
 def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, packed_experts: bool,
-             ogs_fits: bool = True) -> str:
+             ogs_fits: bool = True, marlin_fits: bool = True) -> str:
     """One line naming each fast path this engine uses and why any fell back (logged at model build)."""
     dev = torch.device(device)
     parts = [f"triton ops: {'on' if use_triton(dev) else 'off (' + _triton_reason(dev) + ')'}"]
@@ -176,6 +180,11 @@ def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, pa
     if packed_experts:
         backend = mxfp4_moe_backend(dev)
         note = ""
+        want = os.environ.get(MOE_BACKEND_ENV, "").strip().lower()
+        if want == "marlin" and backend != "marlin":
+            note = f" (Marlin unusable: {why_not_marlin_moe()})"
+        if backend == "marlin" and not marlin_fits:
+            backend, note = "engine", " (widths not Marlin's tiles: hidden % 256, moe_inter % 64)"
         if backend == "triton_kernels" and not ogs_fits:
             backend, note = "engine", " (widths not in 128s: triton_kernels skipped)"
         if backend == "engine" and dev.type == "cuda" and not has_triton_kernels():

@@ -72,7 +72,8 @@ class DeepseekV4Model:
         ]
         fp8 = any(isinstance(v, Fp8Weight) for a in self.attn for v in a.w.values())
         packed = any(m.mxfp4 for m in self.moe)
-        self.fast_paths = describe(self.device, self.dtype, fp8, packed, all(m.ogs_fits for m in self.moe))
+        self.fast_paths = describe(self.device, self.dtype, fp8, packed, all(m.ogs_fits for m in self.moe),
+                                   all(m.marlin_fits for m in self.moe))
         logging.getLogger("dsv4.engine").info("fast paths: %s", self.fast_paths)
         self.ropes = {"main": Rope(cfg.main_rope, self.device), "compress": Rope(cfg.compress_rope, self.device)}
         self._rope_stack = None  # (inv_freq [2, 1, half], attention factors [2, 1, 1]) for _position_ropes

@@ -120,6 +120,8 @@ class MoEBlock:
         # triton_kernels' tiles were measured at V4 widths only (tests/kernels/test_mxfp4_ogs.py, >= 128);
         # narrower toy models take the engine's own kernel.
         self.ogs_fits = cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
+        self.marlin = None  # dsv4_kernels.marlin_moe.MarlinExperts, built from `packed` at the first Marlin call
+        self.marlin_fits = cfg.hidden_size % 256 == 0 and cfg.moe_intermediate_size % 64 == 0  # Marlin's tiles
         self.w1, self.w2, self.w3 = (None, None, None) if self.packed is not None else experts
         # The fused router's weights: bf16 as stored (multiplied with fp32 output, triton_moe.router_logits), else
         # cast to fp32 once here, not per call as the reference does.
@@ -138,6 +140,11 @@ class MoEBlock:
         return self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and (self.ogs is not None or (
             self.ogs_fits and mxfp4_moe_backend(x.device) == "triton_kernels"))
 
+    def takes_marlin(self, x: torch.Tensor) -> bool:
+        """Do the routed experts of this call go through Marlin's grouped GEMM (dsv4_kernels.marlin_moe)?"""
+        return self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and (self.marlin is not None or (
+            self.marlin_fits and mxfp4_moe_backend(x.device) == "marlin"))
+
     def routed(self, x: torch.Tensor, token_ids: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' weighted sum, [T, H], plus `shared` [T, H] when given."""
         out, added = self._routed(x, token_ids, shared)
@@ -146,6 +153,15 @@ class MoEBlock:
     def _routed(self, x: torch.Tensor, token_ids: torch.Tensor, shared: torch.Tensor | None):
         """-> (the routed sum [T, H], whether `shared` is already added in: the MXFP4 kernel's k-way sum adds it)."""
         limit = self.cfg.swiglu_limit
+        if self.takes_marlin(x):
+            from dsv4_kernels import marlin_moe, triton_moe  # imports triton / the Marlin library: only here
+
+            if self.marlin is None:
+                pk = self.packed
+                self.marlin = marlin_moe.prepare(pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3)
+                self.packed = None  # Marlin's tiles replace the checkpoint bytes
+            weights, ids = self._local(*triton_moe.route(x, self.router_gate, **self._route_args(token_ids)), False)
+            return marlin_moe.marlin_moe(x, weights, ids, self.marlin, limit, shared=shared), True
         if self.takes_ogs(x):
             from dsv4_kernels import mxfp4_ogs, triton_moe  # import triton / triton_kernels: only on this path
 
