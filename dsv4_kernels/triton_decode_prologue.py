@@ -36,6 +36,7 @@ TABLE, SOURCES, PLAN, VISIBLE, MISC = range(5)
  F_ENTRY_WIDTH, F_ENTRY_PAGE_ROWS, F_SCRATCH) = range(14)
 NUM_FIELDS = 14
 BLOCK = 128
+MAX_PROGRAMS_PER_SECTION = 64  # see chunks_per_section
 
 
 @triton.jit
@@ -44,10 +45,13 @@ def _paged(table_ptr, trow_off, col, width, page_rows, e):
     return tl.load(table_ptr + trow_off + col + page_idx) * page_rows + e % page_rows
 
 
-@triton.jit
-def _prologue_kernel(packed_ptr, table_ptr, desc_ptr, out_ptr, flag_ptr, S, table_stride,
+@triton.jit(do_not_specialize=["NC"])  # NC is 1 at full batches: no second compiled variant for it
+def _prologue_kernel(packed_ptr, table_ptr, desc_ptr, out_ptr, flag_ptr, S, table_stride, NC,
                      NF: tl.constexpr, BLOCK_W: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(2)  # this program's blocks of a wide section: chunk, chunk + NC, ...
+    first = chunk * BLOCK_W
+    step = NC * BLOCK_W
     d = desc_ptr + tl.program_id(1).to(tl.int64) * NF
     kind = tl.load(d + 0)
     W = tl.load(d + 1)
@@ -70,14 +74,14 @@ def _prologue_kernel(packed_ptr, table_ptr, desc_ptr, out_ptr, flag_ptr, S, tabl
     cols = tl.arange(0, BLOCK_W).to(tl.int64)
     plane = S * W
     if kind == 0:  # TABLE
-        for start in range(0, W, BLOCK_W):
+        for start in range(first, W, step):
             j = start + cols
             m = j < W
             v = tl.load(table_ptr + trow_off + page_col + j, mask=m)
             tl.store(out_ptr + out_off + b * W + j, v, mask=m)
     elif kind == 1:  # SOURCES
         base = pos - pos % align + offset
-        for start in range(0, W, BLOCK_W):
+        for start in range(first, W, step):
             k = start + cols
             m = k < W
             p = tl.minimum(base + k, pos)
@@ -92,7 +96,7 @@ def _prologue_kernel(packed_ptr, table_ptr, desc_ptr, out_ptr, flag_ptr, S, tabl
             f = flag_off + b * W + k
             tl.store(flag_ptr + f, from_chunk.to(tl.uint8), mask=m)
             tl.store(flag_ptr + plane + f, (p >= 0).to(tl.uint8), mask=m)
-    elif kind == 2:  # PLAN
+    elif kind == 2 and chunk == 0:  # PLAN
         window = pos // align
         closes = (pos + 1) % align == 0
         entry = _paged(table_ptr, trow_off, entry_col, entry_width, entry_page_rows, window)
@@ -101,14 +105,14 @@ def _prologue_kernel(packed_ptr, table_ptr, desc_ptr, out_ptr, flag_ptr, S, tabl
         tl.store(out_ptr + out_off + 2 * S + b, page * stride + pos % ring_rows)
     elif kind == 3:  # VISIBLE
         visible = (pos + 1) // align
-        for start in range(0, W, BLOCK_W):
+        for start in range(first, W, step):
             w = start + cols
             m = w < W
             page_idx = tl.minimum(w // entry_page_rows, entry_width - 1)
             rows = tl.load(table_ptr + trow_off + entry_col + page_idx, mask=m) * entry_page_rows
             tl.store(out_ptr + out_off + b * W + w, rows + w % entry_page_rows, mask=m)
             tl.store(flag_ptr + flag_off + b * W + w, (w < visible).to(tl.uint8), mask=m)
-    else:  # MISC
+    elif kind == 4 and chunk == 0:  # MISC
         tl.store(out_ptr + out_off + b, b)
         tl.store(out_ptr + out_off + S + b, pos + 1)
         tl.store(out_ptr + out_off + 2 * S + b, page * stride + pos % ring_rows)
@@ -117,11 +121,19 @@ def _prologue_kernel(packed_ptr, table_ptr, desc_ptr, out_ptr, flag_ptr, S, tabl
             tl.store(out_ptr + out_off + 4 * S, b + 1)
 
 
+def chunks_per_section(slots: int, max_width: int) -> int:
+    """Programs a (row, section) pair gets: a wide section (a CSA layer's visible entries, 8192 at 32K) walked by
+    one program was ~22 us of a batch-1 step on the H200; few slots get up to MAX_PROGRAMS_PER_SECTION // slots
+    programs each, a full batch keeps one (the grid already fills the GPU there)."""
+    return max(1, min(triton.cdiv(max(max_width, 1), BLOCK), MAX_PROGRAMS_PER_SECTION // max(slots, 1)))
+
+
 def decode_prologue(packed: torch.Tensor, table: torch.Tensor, desc: torch.Tensor, num_out: int,
-                    num_flags: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_flags: int, max_width: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """packed: int64 [3, S] (token, position, table row); table: int64 [R, TW] (every group's page-table
-    columns side by side, contiguous); desc: int64 [sections, NUM_FIELDS] -> (int64 [num_out], uint8
-    [num_flags]): the sections' outputs at their descriptor offsets. One launch, no host sync."""
+    columns side by side, contiguous); desc: int64 [sections, NUM_FIELDS]; max_width: the widest section's W (a
+    host int: it sets the grid; smaller only costs parallelism) -> (int64 [num_out], uint8 [num_flags]): the
+    sections' outputs at their descriptor offsets. One launch, no host sync."""
     if packed.dtype != torch.int64 or packed.dim() != 2 or packed.shape[0] != 3 or not packed.is_contiguous():
         raise ValueError(f"packed must be contiguous int64 [3, S], got {packed.dtype} {tuple(packed.shape)}")
     if table.dtype != torch.int64 or not table.is_contiguous() or desc.shape[-1] != NUM_FIELDS:
@@ -130,6 +142,7 @@ def decode_prologue(packed: torch.Tensor, table: torch.Tensor, desc: torch.Tenso
     out = torch.empty(num_out, dtype=torch.int64, device=packed.device)
     flags = torch.empty(num_flags, dtype=torch.uint8, device=packed.device)
     slots = packed.shape[1]
-    _prologue_kernel[(slots, desc.shape[0])](packed, table, desc, out, flags, slots, table.stride(0),
-                                             NF=NUM_FIELDS, BLOCK_W=BLOCK)
+    nc = chunks_per_section(slots, max_width)
+    _prologue_kernel[(slots, desc.shape[0], nc)](packed, table, desc, out, flags, slots, table.stride(0), nc,
+                                                 NF=NUM_FIELDS, BLOCK_W=BLOCK)
     return out, flags

@@ -130,12 +130,30 @@ def indexer_topk(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weight
 # scores: 0.3x at 32768) and prefill chunks (0.6-0.7x) keep torch.topk.
 TOPK_KERNEL_MAX_ROWS = 256
 TOPK_KERNEL_MAX_CANDIDATES = 8192
+# Few rows of many candidates (small decode batches at long contexts) split each row over several programs
+# (dsv4_kernels.triton_topk_split), where the kernels above run a row on one SM. Measured (bench_topk.py,
+# 2026-12-04 16:52 UTC): 1 row of 8192 candidates 20.4 us against torch.topk's 43.7, 1 x 32768 20.8 / 46.8,
+# 16 x 8192 25.3 / 51.5, 32 x 8192 34.2 / 51.8 (radix 44.7); it lost at 64 x 8192 (51.2, radix 44.7), at 2048
+# candidates (18.6, radix 16.2) and tied torch at 16 x 32768 (51.1 / 52.9).
+TOPK_SPLIT_MAX_ROWS = 32
+TOPK_SPLIT_MIN_CANDIDATES = 4096
+TOPK_SPLIT_MAX_SCORES = 32 * 8192  # rows x candidates
+
+
+def takes_split_topk(rows: int, candidates: int) -> bool:
+    """Does a step of `rows` x `candidates` scores take the split radix kernel (on CUDA, unordered picks)?"""
+    return (rows <= TOPK_SPLIT_MAX_ROWS and candidates >= TOPK_SPLIT_MIN_CANDIDATES
+            and rows * candidates <= TOPK_SPLIT_MAX_SCORES)
 
 
 def topk_of_scores(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     """scores: fp32 [T, S], -inf = invalid -> int64 [T, k] best columns first (ordered; else the same set in no
     particular order), -1 for invalid picks."""
     rows, candidates = scores.shape
+    if not ordered and scores.is_cuda and takes_split_topk(rows, candidates):
+        from dsv4_kernels.triton_topk_split import topk_columns_split
+
+        return topk_columns_split(scores, k)
     if not ordered and scores.is_cuda and rows <= TOPK_KERNEL_MAX_ROWS and candidates <= TOPK_KERNEL_MAX_CANDIDATES:
         from dsv4_kernels.triton_topk import topk_columns
 

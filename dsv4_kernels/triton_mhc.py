@@ -74,6 +74,33 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
 
 
 @triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "stride_pt"])
+def _hc_mix_gemv_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
+                        stride_st, stride_sh, stride_fn, stride_ps, stride_pt,
+                        BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr):
+    """_hc_mix_kernel's partials for one token a program (grid: T x splits), as a matrix-vector product on FMAs:
+    a few tokens' 16-row dot tiles were mostly padding (decode steps of 1-4 requests)."""
+    t = tl.program_id(0).to(tl.int64)
+    m = tl.arange(0, NM_P)
+    mmask = m < N_MIX
+    k_lo = tl.program_id(1) * k_per_split
+    acc = tl.zeros([NM_P], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        x = tl.load(streams_ptr + t * stride_st + (k // D) * stride_sh + (k % D), mask=kmask, other=0.0)
+        x = x.to(tl.float32)
+        w = tl.load(fn_ptr + m[:, None] * stride_fn + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if SUMSQ:
+            sq += x * x
+    if SUMSQ:  # (N_MIX < NM_P: the column is free)
+        acc = tl.where(m == N_MIX, tl.sum(sq, axis=0), acc)
+        mmask = m <= N_MIX
+    tl.store(part_ptr + tl.program_id(1) * stride_ps + t * stride_pt + m, acc, mask=mmask)
+
+
+@triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "stride_pt"])
 def _hc_mix_bf16x3_kernel(streams_ptr, w_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
                           stride_st, stride_sh, stride_ps, stride_pt,
                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr,
@@ -327,7 +354,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
             streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, hc, d,
             n_mix, iters, hc_eps, norm_eps, parts.shape[0], streams.stride(0), streams.stride(1), parts.stride(0),
             parts.stride(1), collapsed.stride(0), HC_P=triton.next_power_of_2(hc), BLOCK_D=block_d,
-            SB=min(32, triton.next_power_of_2(parts.shape[0])),
+            SB=min(PRE_SPLITS_PER_LOAD, triton.next_power_of_2(parts.shape[0])),
             **({"num_warps": 1} if streams.is_cuda else {}))  # one warp: Sinkhorn's hc x hc sums stay in-warp
         if norm:
             _norm_rows_kernel[(t,)](collapsed, norm_weight.contiguous(), normed, d, out_eps, collapsed.stride(0),
@@ -352,6 +379,13 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 # tokens 128 -> 39.4 us a call against 50.8 at 256 (fewer partials for the pre kernel to add) and 55.7 at 64; at 1
 # and 8 tokens K caps the splits at 128 (20.9 / 21.6 us at 128-512).
 MIX_PROGRAMS = 128
+# Up to this many tokens the mix is _hc_mix_gemv_kernel (one token a program), above _hc_mix_kernel's dot tiles;
+# the split pre kernel adds a token's split-K partials PRE_SPLITS_PER_LOAD splits a load (each load a dependent
+# global read). Measured under CUDA graphs on the H200 (bench_mhc.py --graph-small, fp32 streams, 2026-12-04
+# 16:52 UTC), the whole split path a call: 1 token 11.1 us (GEMV, 128 a load) against 21.1 (dot tiles, 32 a
+# load), 4 tokens 13.2 / 21.7, 8 tokens 16.4 / 21.6 (18.7 with dot tiles and 128 a load), 64 tokens 37.5 / 39.1.
+MIX_GEMV_MAX_TOKENS = 8
+PRE_SPLITS_PER_LOAD = 128
 # Steps up to split_max_tokens(dtype) tokens take the split kernels (mix kernel + (T, D blocks) pre kernel), longer
 # ones the long path (torch's fp32 matmul on an fp32 copy of the streams, then LONG_PATH's kernels). Measured on
 # the H200 (scripts/bench_mhc.py, V4-Flash widths, 2026-12-04): fp32 streams (the engine's residual, by default)
@@ -408,6 +442,12 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
                                                SUMSQ=sumsq, BF16_DOT=streams.is_cuda, num_warps=8)
         return parts
     fn = fn.float().contiguous()
+    if t <= MIX_GEMV_MAX_TOKENS:
+        _hc_mix_gemv_kernel[(t, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),
+                                         streams.stride(1), fn.stride(0), parts.stride(0), parts.stride(1),
+                                         BLOCK_K=block_k, NM_P=nm_p, SUMSQ=sumsq, **({"num_warps": 4}
+                                                                                     if streams.is_cuda else {}))
+        return parts
     _hc_mix_kernel[(tiles, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),
                                     streams.stride(1), fn.stride(0), parts.stride(0), parts.stride(1),
                                     BLOCK_T=block_t, BLOCK_K=block_k, NM_P=nm_p, SUMSQ=sumsq,

@@ -140,12 +140,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     cos / sin fp32 [T, rope_dim // 2]. -> a new tensor of x's shape and dtype (bf16 rounded by bits), or with
     inplace x itself, only its rope channels read and written (the attention output's inverse rotation: 64 of 512
     channels, where a copy moved all of them, 0.37 ms a layer at 8K tokens on the H200). block_r: rows (token x
-    head) a program, default 16 (a copy moves whole rows), 128 in place (only the rope pairs: 16 rows a program
-    left it launch-bound, 0.25 ms at 8K tokens)."""
+    head) a program, default 16 (a copy moves whole rows); in place (only the rope pairs) rows / 128 rounded up to
+    a power of two within [4, 128]: 128 at prefill sizes (16 rows a program left it launch-bound, 0.25 ms at 8K
+    tokens), few rows a program at decode sizes (a batch-1 step's 64 rows in one program took 8.7 us a layer)."""
     t, h, d = _rows_of(x, cos, sin)
     require_triton(x.device)
     out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_r = block_r or (128 if inplace else 16)
+    if block_r is None:
+        block_r = min(128, max(4, triton.next_power_of_2(triton.cdiv(t * h, 128)))) if inplace else 16
     if t * h == 0:
         return out
     x3, o3 = (x.view(t, 1, d), out.view(t, 1, d)) if x.dim() == 2 else (x, out)

@@ -297,11 +297,13 @@ class PrologueLayout:
                                               entry_col=col[entry], entry_width=self.widths[entry],
                                               entry_page_rows=es.page_rows))
         self.desc = torch.tensor(self.rows, dtype=torch.long).to(tables.table.device)
+        self.max_width = max(row[k.F_WIDTH] for row in self.rows)  # sets the kernel's grid
 
     def derive(self, inputs: DecodeInputs) -> StepBatch:
         """One launch -> the StepBatch (every tensor a view of the kernel's two outputs)."""
         s = self.shape.slots
-        out, flags = self.k.decode_prologue(inputs.packed, self.table, self.desc, self.num_out, self.num_flags)
+        out, flags = self.k.decode_prologue(inputs.packed, self.table, self.desc, self.num_out, self.num_flags,
+                                            self.max_width)
         flags = flags.view(torch.bool)
 
         def ints(at, n, *shape):

@@ -10,8 +10,8 @@ residual streams, $DSV4_FP32_RESIDUAL on by default). Prints the median time of 
 (triton.testing.do_bench), the bytes-read roof (the streams once, at the measured copy bandwidth) and the paths'
 largest output difference from "token" (they round differently: fp32 sums in another order). --sweep also times
 the rows path's collapse at 4, 8 and 16 warps (ROW_ELEMS_PER_WARP) from 1024 tokens. --graph-small times the split
-path at decode sizes (1, 8, 64 tokens) in CUDA-graph replays (no host launch cost, as decode runs it) by
-MIX_PROGRAMS, the split-K width.
+path at decode sizes (1, 4, 8, 64 tokens) in CUDA-graph replays (no host launch cost, as decode runs it) by
+MIX_PROGRAMS (the split-K width), MIX_GEMV_MAX_TOKENS and PRE_SPLITS_PER_LOAD.
 
 Usage: python scripts/bench_mhc.py [--tokens 1 64 256 1024 4096 8192] [--dtype float32|bfloat16] [--out FILE]
                                    [--sweep]
@@ -73,24 +73,32 @@ def copy_gbps(device) -> float:
 
 
 def graph_small(dev, dtype: torch.dtype) -> None:
-    """The split path at decode sizes, CUDA-graph replays, by MIX_PROGRAMS (outputs checked against the default)."""
+    """The split path at decode sizes, CUDA-graph replays, by MIX_PROGRAMS, the mix kernel (16-row dot tiles or
+    one token a program: MIX_GEMV_MAX_TOKENS) and the pre kernel's splits a load (PRE_SPLITS_PER_LOAD); outputs
+    checked against the defaults'."""
     from triton.testing import do_bench_cudagraph
 
     from dsv4_kernels import triton_mhc
 
-    saved = triton_mhc.MIX_PROGRAMS
+    knobs = ("MIX_PROGRAMS", "MIX_GEMV_MAX_TOKENS", "PRE_SPLITS_PER_LOAD")
+    saved = {k: getattr(triton_mhc, k) for k in knobs}
     try:
-        for t in (1, 8, 64):
+        for t in (1, 4, 8, 64):
             x = inputs(t, dev, dtype, seed=t)
             want = run("split", x)
-            for programs in (32, 64, 128, 256, 512):
-                triton_mhc.MIX_PROGRAMS = programs
-                diff = max((u.float() - v.float()).abs().max().item() for u, v in zip(run("split", x), want))
-                us = do_bench_cudagraph(lambda: run("split", x), rep=50) * 1e3
-                print(f"  graph T={t} MIX_PROGRAMS={programs}: {us:.1f} us, max |diff| vs default {diff:.1e}",
-                      flush=True)
+            for programs in (64, 128, 256):
+                for gemv in (0, 16):
+                    for per_load in (32, 128):
+                        for k, v in zip(knobs, (programs, gemv, per_load)):
+                            setattr(triton_mhc, k, v)
+                        diff = max((u.float() - v.float()).abs().max().item() for u, v in zip(run("split", x), want))
+                        us = do_bench_cudagraph(lambda: run("split", x), rep=50) * 1e3
+                        print(f"  graph T={t} MIX_PROGRAMS={programs} MIX_GEMV_MAX_TOKENS={gemv} "
+                              f"PRE_SPLITS_PER_LOAD={per_load}: {us:.1f} us, max |diff| vs default {diff:.1e}",
+                              flush=True)
     finally:
-        triton_mhc.MIX_PROGRAMS = saved
+        for k, v in saved.items():
+            setattr(triton_mhc, k, v)
 
 
 def section(tables: list[str]) -> str:

@@ -1,5 +1,6 @@
-"""The indexer's top-k: dsv4_kernels.triton_topk (radix select, one program a row) against torch.topk
-(sorted=False, with the -1 mask the engine applies), by (rows, candidates) (CUDA only; a script, not a test).
+"""The indexer's top-k: dsv4_kernels.triton_topk (radix select, one program a row) and triton_topk_split (a row
+over several programs) against torch.topk (sorted=False, with the -1 mask the engine applies), by (rows,
+candidates) (CUDA only; a script, not a test).
 
 Rows are queries (decode: the batch; prefill: the chunk's tokens), candidates the visible 4:1 entries (context / 4;
 a prefill row sees its causal prefix: the rest is -inf). k = 512, V4's index_topk. Each time is the median of
@@ -24,8 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 K = 512
 # (rows, candidates, causal): decode at batch 1 / 64 / 128 and contexts 4K / 32K / 128K; prefill chunks
-SHAPES = [(1, 1024, False), (1, 8192, False), (1, 32768, False), (64, 1024, False), (64, 8192, False),
-          (128, 8192, False), (128, 32768, False), (2048, 2048, True), (8192, 2048, True)]
+SHAPES = [(1, 1024, False), (1, 2048, False), (1, 8192, False), (1, 8256, False), (1, 32768, False),
+          (4, 8192, False), (16, 8192, False), (16, 32768, False), (32, 8192, False), (64, 1024, False),
+          (64, 8192, False), (128, 8192, False), (128, 32768, False), (2048, 2048, True), (8192, 2048, True)]
 
 
 def scores_for(rows: int, cands: int, causal: bool, device) -> torch.Tensor:
@@ -100,27 +102,34 @@ def main() -> int:
         return 1
     from triton.testing import do_bench_cudagraph
 
+    from dsv4_kernels.triton_indexer import topk_of_scores
     from dsv4_kernels.triton_topk import topk_columns
+    from dsv4_kernels.triton_topk_split import topk_columns_split
 
     dev = torch.device("cuda")
     rows_out = []
     for rows, cands, causal in SHAPES:
         x = scores_for(rows, cands, causal, dev)
-        same = same_sets(x, topk_columns(x, K), torch_topk(x))
+        want = torch_topk(x)
+        same = all(same_sets(x, f(x, K), want) for f in (topk_columns, topk_columns_split))
         t_torch = do_bench_cudagraph(lambda: torch_topk(x), rep=50)
         t_radix = do_bench_cudagraph(lambda: topk_columns(x, K), rep=50)
-        rows_out.append((rows, cands, causal, t_torch, t_radix, same))
+        t_split = do_bench_cudagraph(lambda: topk_columns_split(x, K), rep=50)
+        t_rule = do_bench_cudagraph(lambda: topk_of_scores(x, K, ordered=False), rep=50)
+        rows_out.append((rows, cands, causal, t_torch, t_radix, t_split, t_rule, same))
         print(f"topk rows={rows} candidates={cands}{' causal' if causal else ''}: torch {t_torch * 1e3:.1f} us, "
-              f"radix {t_radix * 1e3:.1f} us ({t_torch / t_radix:.2f}x), same picks {same}", flush=True)
+              f"radix {t_radix * 1e3:.1f} us, split {t_split * 1e3:.1f} us, engine rule {t_rule * 1e3:.1f} us "
+              f"({t_torch / t_rule:.2f}x torch), same picks {same}", flush=True)
     if args.sweep:
         sweep(dev)
     lines = ["- command: `python scripts/bench_topk.py`",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}", "",
-             "| rows | candidates | causal | torch.topk us | radix kernel us | speed-up | same picks |",
-             "|---:|---:|---|---:|---:|---:|---|"]
-    lines += [f"| {r} | {c} | {'yes' if cz else 'no'} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x | {s} |"
-              for r, c, cz, a, b, s in rows_out]
+             "| rows | candidates | causal | torch.topk us | radix, one program us | radix, split us | "
+             "engine rule us | rule vs torch | same picks |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| {r} | {c} | {'yes' if cz else 'no'} | {a * 1e3:.1f} | {b * 1e3:.1f} | {sp * 1e3:.1f} | "
+              f"{ru * 1e3:.1f} | {a / ru:.2f}x | {s} |" for r, c, cz, a, b, sp, ru, s in rows_out]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

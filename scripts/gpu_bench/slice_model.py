@@ -83,7 +83,8 @@ EXPERT_FORMATS = ("mxfp4", "bf16")
 def experts_path(fmt: str, device, dtype) -> str:
     """What runs the routed experts of a `fmt` engine on `device` (engine.moe's choice), for the report."""
     if fmt == "mxfp4":
-        return {"triton_kernels": "mxfp4, triton_kernels matmul", "engine": "mxfp4, engine Triton MoE",
+        return {"triton_kernels": "mxfp4, triton_kernels matmul", "marlin": "mxfp4, Marlin W4A16 grouped GEMM",
+                "engine": "mxfp4, engine Triton MoE",
                 "reference": "mxfp4, dequantise-on-the-fly reference"}[mxfp4_moe_backend(device)]
     probe = torch.empty(0, dtype=dtype, device=device)
     return "bf16, torch grouped_mm" if use_grouped_moe(probe) else "bf16, per-expert reference loop"

@@ -87,6 +87,23 @@ def test_fused_prologue_equals_reference(preset, kv_cache_dtype, overrides, slot
                      derive_decode_batch_reference(pool, tables, inputs, shape))
 
 
+@pytest.mark.parametrize("max_programs", [1, 2, 64])
+def test_wide_sections_split_over_programs(monkeypatch, max_programs):
+    """Sections wider than a block are walked by several programs a row (chunks_per_section; blocks chunk,
+    chunk + NC, ...): 1, 2 (programs that each take several blocks) and 64 (one block a program) agree."""
+    from dsv4_kernels import triton_decode_prologue as k
+
+    monkeypatch.setattr(k, "MAX_PROGRAMS_PER_SECTION", max_programs)
+    pool = _pool("mini_v4", sliding_window=600)
+    tables = BlockTables(pool, 8, 1024, DEVICE)
+    shape = DecodeShape(1, 1000)
+    layout = PrologueLayout(pool, tables, shape)
+    assert layout.max_width > 4 * k.BLOCK  # the window's sources: several blocks
+    assert k.chunks_per_section(1, layout.max_width) == min(max_programs, -(-layout.max_width // k.BLOCK))
+    inputs = _inputs(pool, tables, shape, 1, seed=3)
+    _assert_same(layout.derive(inputs), derive_decode_batch_reference(pool, tables, inputs, shape))
+
+
 def test_padding_only_batch(monkeypatch):
     pool = _pool("tiny")
     tables = BlockTables(pool, 4, 512, DEVICE)

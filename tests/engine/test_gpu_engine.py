@@ -35,6 +35,20 @@ ORACLE_TOL = {"float32": (2e-3, 0.99, 1e-3), "bfloat16": (0.1, 0.95, 0.03)}
 @pytest.mark.parametrize("dtype", list(ORACLE_TOL))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_gpu_engine_matches_oracle(name, dtype, checkpoints):  # noqa: F811 - the imported fixture
+    _check_against_oracle(name, dtype, checkpoints)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_split_topk_engine_matches_oracle(name, checkpoints, monkeypatch):  # noqa: F811 - the imported fixture
+    """Every decode step's indexer top-k through the split radix kernel (dsv4_kernels.triton_topk_split; by
+    default only from 4096 candidates, contexts of 16K and more), bf16 under CUDA graphs."""
+    from dsv4_kernels import triton_indexer
+
+    monkeypatch.setattr(triton_indexer, "TOPK_SPLIT_MIN_CANDIDATES", 1)
+    _check_against_oracle(name, "bfloat16", checkpoints)
+
+
+def _check_against_oracle(name, dtype, checkpoints):  # noqa: F811 - the imported fixture
     from engine.llm import LLM
 
     spec = CONFIGS[name]

@@ -104,9 +104,17 @@ def test_v4_shape_and_bad_inputs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [None, 32])  # 32: zero-padded key dims (test presets)
-def test_prologue_matches_the_engine_glue(dtype, width):
+@pytest.mark.parametrize("t,e,max_programs", [
+    (5, 37, 64),  # one block a token
+    (1, 1500, 64),  # a decode step's few tokens: three programs, one block each
+    (2, 2100, 4),  # two programs a token, each walking several blocks (chunk, chunk + NE, ...)
+])
+def test_prologue_matches_the_engine_glue(monkeypatch, dtype, width, t, e, max_programs):
     """indexer_prologue = apply_rope(q) (+ zero padding), weights.float() * scale, where(valid, rows, -1)."""
-    t, h, di, rope, e = 5, 6, 24, 8, 37
+    import dsv4_kernels.triton_indexer_query as iq
+
+    monkeypatch.setattr(iq, "PROLOGUE_MAX_PROGRAMS", max_programs)
+    h, di, rope = 6, 24, 8
     gen = torch.Generator().manual_seed(5)
     big = (torch.randn(t, h + 1, di + 4, generator=gen) * 3).to(dtype).to(DEVICE)
     q = big[:, :h, :di]  # strided token / head views, as the GEMM output's slices

@@ -30,9 +30,19 @@ def pre_inputs(hc, dtype, seed=0):
     return streams, fn, base, scale
 
 
+@pytest.fixture(params=["dot tiles, 32 splits a load", "gemv mix, 128 splits a load"])
+def decode_knobs(request, monkeypatch):
+    """The split path's decode-size variants: the mix as 16-row dot tiles or one token a program (GEMV), the pre
+    kernel adding its partials 32 or 128 splits a load."""
+    gemv = request.param.startswith("gemv")
+    monkeypatch.setattr(triton_mhc, "MIX_GEMV_MAX_TOKENS", 16 if gemv else 0)
+    monkeypatch.setattr(triton_mhc, "PRE_SPLITS_PER_LOAD", 128 if gemv else 32)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hc,iters", [(4, 20), (3, 1), (4, 2)])  # hc 3: padded comb; iters 1: no loop
-def test_hc_pre_matches_reference(dtype, hc, iters):
+def test_hc_pre_matches_reference(decode_knobs, dtype, hc, iters):
     streams, fn, base, scale = pre_inputs(hc, dtype, seed=hc * 10 + iters)
     collapsed, post, comb = triton_mhc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32)
     ref_collapsed, ref_post, ref_comb = ref.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
@@ -79,7 +89,7 @@ def test_bad_shapes_raise():
 
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
                                              (torch.bfloat16, torch.bfloat16)])
-def test_hc_pre_with_fused_input_norm(dtype, out_dtype):
+def test_hc_pre_with_fused_input_norm(decode_knobs, dtype, out_dtype):
     """norm_weight: the first output is the block's input, rms_norm(collapsed, w).to(out_dtype) (engine.model)."""
     from dsv4_kernels.norm import rms_norm
 
@@ -98,7 +108,7 @@ def test_hc_pre_with_fused_input_norm(dtype, out_dtype):
 
 @pytest.mark.parametrize("t,d,dtype", [(1, 300, torch.bfloat16), (17, 80, torch.float32), (70, 300, torch.bfloat16),
                                        (300, 256, torch.bfloat16)])
-def test_mix_partials_sum_to_the_fp32_matmul(t, d, dtype):
+def test_mix_partials_sum_to_the_fp32_matmul(decode_knobs, t, d, dtype):
     """The split-K mixing logits (one token, a 16-row tile and a 64-row tile; several K splits; strided streams
     read in their stored dtype; K tiles within one stream (D = 256, 128) and across two (D = 300, 80); from 257
     tokens bf16 streams' tensor-core kernel: three bf16 dots on fn's hi / mid / lo parts) add up to the
@@ -133,7 +143,7 @@ def test_long_steps_take_the_path_measured_faster_for_their_dtype():
     assert triton_mhc.mix_partials(randn(257, 4, 128, seed=6, dtype=torch.bfloat16), fn).shape[0] > 1
 
 
-def test_mix_partials_sum_of_squares_column():
+def test_mix_partials_sum_of_squares_column(decode_knobs):
     """sumsq=True: one more column whose split sum is each token's sum of squares (the split-path's RMSNorm)."""
     t, hc, d = 5, 4, 300
     streams = randn(t, hc, d, seed=7, dtype=torch.bfloat16, scale=2.0)

@@ -98,7 +98,8 @@ def test_rope_alone(dtype, inverse):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_in_place_writes_only_the_rope_channels(dtype):
+@pytest.mark.parametrize("block_r", [4, None])  # None: the size rule (rows / 128 within [4, 128])
+def test_rope_in_place_writes_only_the_rope_channels(dtype, block_r):
     """inplace=True: the strided view itself holds apply_rope's result; the pad columns beside the view and the
     non-rotated channels keep their values."""
     h, d, r = 3, 80, 16
@@ -107,7 +108,7 @@ def test_rope_in_place_writes_only_the_rope_channels(dtype):
     x = big[..., :d]
     cos, sin = cos_sin(r, seed=14)
     expected = apply_rope(x.clone(), cos, sin, inverse=True)
-    out = rope(x, cos, sin, True, block_r=4, inplace=True)
+    out = rope(x, cos, sin, True, block_r=block_r, inplace=True)
     assert out.data_ptr() == x.data_ptr()
     NUM.assert_close(x, expected, dtype)
     assert torch.equal(big[..., : d - r], before[..., : d - r]) and torch.equal(big[..., d:], before[..., d:])

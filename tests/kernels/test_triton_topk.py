@@ -1,4 +1,5 @@
-"""Radix-select top-k (dsv4_kernels/triton_topk.py) against torch.topk.
+"""Radix-select top-k (dsv4_kernels/triton_topk.py: one program a row; triton_topk_split.py: a row over several
+programs) against torch.topk.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter. The kernel's picks are a set:
 compared with torch.topk's as sorted values (equal multisets), distinct columns, the same number of -1, and
@@ -10,9 +11,22 @@ import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
-from dsv4_kernels.triton_topk import MAX_BLOCK, topk_columns  # noqa: E402
+from dsv4_kernels.triton_topk import MAX_BLOCK  # noqa: E402
+from dsv4_kernels.triton_topk import topk_columns as one_program  # noqa: E402
+from dsv4_kernels.triton_topk_split import topk_columns_split  # noqa: E402
 
 NEG_INF = float("-inf")
+IMPLS = {
+    "one program": one_program,
+    "split": topk_columns_split,  # programs_per_row: chunks of MIN_CHUNK columns
+    "split, 3 programs": lambda x, k: topk_columns_split(x, k, programs=3),  # chunks of several blocks
+    "split, 64 programs": lambda x, k: topk_columns_split(x, k, programs=64),  # short chunks, some rows empty
+}
+
+
+@pytest.fixture(params=list(IMPLS))
+def topk_columns(request):
+    return IMPLS[request.param]
 
 
 def reference(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -53,13 +67,13 @@ def random_scores(t: int, s: int, seed: int, holes: float = 0.3) -> torch.Tensor
     (2, 2 * MAX_BLOCK + 37, 64),  # three blocks, a ragged tail
     (3, 10, 16),            # S < k: -1 past the row
 ])
-def test_topk_matches_torch(t, s, k):
+def test_topk_matches_torch(topk_columns, t, s, k):
     scores = random_scores(t, s, seed=t * 1000 + s)
     scores[0] = NEG_INF if s < k else scores[0]  # a row with nothing valid when short
     check_rows(scores, topk_columns(scores.to(DEVICE), k).cpu(), k)
 
 
-def test_ties_at_the_boundary_take_the_lowest_columns():
+def test_ties_at_the_boundary_take_the_lowest_columns(topk_columns):
     gen = torch.Generator().manual_seed(7)
     scores = torch.randint(-4, 5, (4, 900), generator=gen).float()  # nine values: every k-th value is tied
     scores[1, ::3] = NEG_INF
@@ -76,7 +90,7 @@ def test_ties_at_the_boundary_take_the_lowest_columns():
     assert torch.equal(got[2].sort().values, plus_zero.nonzero().flatten()[:128])
 
 
-def test_bad_arguments_are_value_errors():
+def test_bad_arguments_are_value_errors(topk_columns):
     with pytest.raises(ValueError, match="fp32"):
         topk_columns(torch.zeros(2, 8, dtype=torch.float16, device=DEVICE), 4)
     with pytest.raises(ValueError, match="k >= 1"):
