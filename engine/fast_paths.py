@@ -154,7 +154,9 @@ def mxfp4_moe_backend(device: torch.device | str) -> str:
     """Which kernel runs packed MXFP4 experts on `device`: "triton_kernels" (OpenAI's matmul with Hopper
     weight layouts), "marlin" (Marlin's W4A16 grouped GEMM, dsv4_kernels.marlin_moe), "engine"
     (dsv4_kernels.triton_moe) or "reference". $DSV4_MXFP4_MOE_BACKEND picks one; "auto" (default) takes
-    triton_kernels where it imports (CUDA). A requested library that does not import falls back to the next."""
+    triton_kernels where it imports (CUDA), else Marlin where it loads, else the engine's kernel (BENCHMARKS.md:
+    Marlin ties triton_kernels at 1 and 64 decode tokens and takes twice its time at prefill sizes; both are 5-6x
+    the engine kernel's bandwidth). A requested library that does not load falls back the same way."""
     if not use_mxfp4_moe(device):
         return "reference"
     want = os.environ.get(MOE_BACKEND_ENV, "auto").strip().lower() or "auto"
@@ -164,7 +166,9 @@ def mxfp4_moe_backend(device: torch.device | str) -> str:
         return "engine"
     if want == "marlin" and has_marlin_moe():
         return "marlin"
-    return "triton_kernels" if has_triton_kernels() else "engine"
+    if has_triton_kernels():
+        return "triton_kernels"
+    return "marlin" if has_marlin_moe() else "engine"
 
 
 def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, packed_experts: bool,
@@ -181,14 +185,17 @@ def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, pa
         backend = mxfp4_moe_backend(dev)
         note = ""
         want = os.environ.get(MOE_BACKEND_ENV, "").strip().lower()
+        no_ogs = f"triton_kernels unusable: {why_not('triton_kernels.matmul') or 'not installed'}"
         if want == "marlin" and backend != "marlin":
             note = f" (Marlin unusable: {why_not_marlin_moe()})"
+        if backend == "marlin" and want != "marlin":
+            note = f" ({no_ogs})"
         if backend == "marlin" and not marlin_fits:
             backend, note = "engine", " (widths not Marlin's tiles: hidden % 256, moe_inter % 64)"
         if backend == "triton_kernels" and not ogs_fits:
             backend, note = "engine", " (widths not in 128s: triton_kernels skipped)"
-        if backend == "engine" and dev.type == "cuda" and not has_triton_kernels():
-            note = f" (triton_kernels unusable: {why_not('triton_kernels.matmul') or 'not installed'})"
+        if backend == "engine" and dev.type == "cuda" and not has_triton_kernels() and not has_marlin_moe():
+            note = f" ({no_ogs}; Marlin unusable: {why_not_marlin_moe()})"
         parts.append(f"routed experts: packed MXFP4, {backend}{note}")
     else:
         parts.append("routed experts: dequantised, " + ("grouped GEMM" if dev.type == "cuda" else "per-expert loop"))

@@ -126,7 +126,14 @@ def section(tables: list[str]) -> str:
         "Decode sizes under CUDA graphs (`--graph-small`, fp32 streams, 2026-12-04 14:00 UTC): the split path "
         "takes 20.9 us a call at 1 token and 21.6 at 8 with 128 to 512 split-K programs (K caps the splits at "
         "128 there), 25.1 / 37.2 us with 64 / 32; at 64 tokens 39.4 us with 128 programs against 50.8 with 256 "
-        "(fewer partials for the pre kernel to add) and 55.7 with 64: `triton_mhc.MIX_PROGRAMS` is 128."])
+        "(fewer partials for the pre kernel to add) and 55.7 with 64: `triton_mhc.MIX_PROGRAMS` is 128.", "",
+        "Decode sizes again (`--graph-small`, 2026-12-04 16:52 UTC), by the mix kernel (16-row dot tiles, or "
+        "one token a program as a matrix-vector product: `MIX_GEMV_MAX_TOKENS`) and the splits the pre kernel "
+        "adds a load (`PRE_SPLITS_PER_LOAD`: each load one dependent global read, three per token), 128 "
+        "programs: 1 token 21.1 us (dot tiles, 32 a load) -> 18.5 (128 a load) -> 11.1 (GEMV, 128 a load); 4 "
+        "tokens 21.7 -> 13.2; 8 tokens 21.6 -> 16.4 (dot tiles with 128 a load 18.7); 64 tokens 39.1 -> 37.5 "
+        "(128 a load; the GEMV is not used there). Defaults since: GEMV up to 8 tokens, 128 splits a load (the "
+        "batch-1 decode step's mHC pre went from 148 to 74 us)."])
 
 
 def main() -> int:

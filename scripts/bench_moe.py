@@ -252,7 +252,7 @@ def section(device_name: str, copy: float, args, table: list[str]) -> str:
              f"- hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts top-{args.topk}, bf16 activations; "
              "weight MB = the distinct experts the routing touches; `graph us` = device time in a CUDA graph after "
              "an L2 flush; GB/s from the graph time where there is one", ""] + table + [""]
-    for path in ("mxfp4 triton_kernels", "mxfp4"):
+    for path in ("mxfp4 triton_kernels", "mxfp4 marlin", "mxfp4"):
         rows = [r for r in table if r.split("|")[1].strip() == "64" and r.split("|")[2].strip() == path]
         if rows:
             share = float(rows[0].split("|")[7].strip().rstrip("%"))

@@ -56,13 +56,18 @@ def section(table: str) -> str:
         "## Indexer top-k: radix select vs torch.topk (`scripts/bench_topk.py`)", "",
         "k = 512 of each row's candidates (the indexer's picks), fp32 scores; each time the median of CUDA-graph "
         "replays. `dsv4_kernels.triton_topk`: one program a row, four 8-bit radix passes to find the 512th key "
-        "and one pass to write the picks (unordered, what the attention kernels take).", "",
+        "and one pass to write the picks (unordered, what the attention kernels take). "
+        "`dsv4_kernels.triton_topk_split`: the same passes with each row split over up to 128 programs of 256+ "
+        "columns, meeting through global histograms (a memset and five launches). \"engine rule\": what "
+        "`triton_indexer.topk_of_scores(ordered=False)` picks for the shape.", "",
         table.strip(), "",
-        "The rule taken from these (`triton_indexer.topk_of_scores`): steps of at most TOPK_KERNEL_MAX_ROWS (256) "
-        "rows over at most TOPK_KERNEL_MAX_CANDIDATES (8192) candidates take the radix kernel on CUDA (1.0-1.4x "
-        "here), the rest torch.topk. The kernel was built for batch 1 at 8192 candidates, where torch.topk runs the "
-        "row as one thread block; it only ties there: each of its five passes costs 2-4 us per 4096 scores at any "
-        "row count."])
+        "The rule taken from these (`triton_indexer.topk_of_scores`): at most 32 rows of at least 4096 candidates "
+        "(and at most 32 x 8192 scores) take the split kernel (2.0-2.3x torch.topk at 1-16 rows, where torch and "
+        "the one-program kernel run a row on one SM: 44-47 us); other steps of at most 256 rows over at most "
+        "8192 candidates take the one-program kernel (1.2-1.4x), the rest torch.topk (long prefill chunks: the "
+        "radix kernels' passes cost more there). The 16:52 run's \"engine rule\" column timed the provisional "
+        "rule of that run (split at up to 16 rows from 2048 candidates: its 1 x 2048 and 32 x 8192 rows); the "
+        "rule above was set from the kernels' columns."])
 
 
 def sweep(dev) -> None:

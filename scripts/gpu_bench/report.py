@@ -274,7 +274,10 @@ def _gaps(ctx: dict) -> str:
              f"{kv_row_bytes(cfg, 'prod')} B fp8_ds_mla, {index_row_bytes(cfg, 'engine')} B an indexer key vs "
              f"{index_row_bytes(cfg, 'prod')} B MXFP4): --kv-cache-dtype auto resolved to exact rows here "
              "(no FlashMLA, or not a bf16 CUDA engine)"),
-            "the indexer's top-k is torch.topk",
+            ("the indexer's top-k is a Triton radix select (unordered picks, what the attention kernels take): "
+             "split over many programs a row for small batches of long rows (dsv4_kernels/triton_topk_split.py), "
+             "one program a row for other decode steps up to 8192 candidates, torch.topk elsewhere "
+             "(triton_indexer.topk_of_scores; scripts/bench_topk.py)"),
             ("packed MXFP4 experts run through triton_kernels' matmul, with the expert sort, the SwiGLU and the "
              "k-way sum (+ shared expert) as one Triton launch each around it (scripts/bench_moe.py measures the "
              "matmul against copy bandwidth)")

@@ -202,3 +202,31 @@ def test_in_step_snapshot_on_the_fast_path(monkeypatch):
     for ref, fast in zip(runs["0"], runs["1"]):
         assert ref.output == fast.output
         assert max(abs(x - y) for x, y in zip(ref.logprobs, fast.logprobs)) <= TOL
+
+
+@pytest.mark.parametrize("want,ogs,marlin,expected", [
+    ("auto", True, True, "triton_kernels"),  # the measured default
+    ("auto", False, True, "marlin"),  # triton_kernels does not import: Marlin before the engine's kernel
+    ("auto", False, False, "engine"),
+    ("marlin", True, True, "marlin"),  # by request
+    ("marlin", True, False, "triton_kernels"),  # requested but unloadable: the auto order
+    ("engine", True, True, "engine"),
+])
+def test_mxfp4_moe_backend_order(monkeypatch, want, ogs, marlin, expected):
+    from engine import fast_paths
+
+    monkeypatch.setattr(fast_paths, "use_mxfp4_moe", lambda device: True)
+    monkeypatch.setattr(fast_paths, "has_triton_kernels", lambda: ogs)
+    monkeypatch.setattr(fast_paths, "has_marlin_moe", lambda: marlin)
+    monkeypatch.setattr(fast_paths, "why_not_marlin_moe", lambda: "not installed")
+    monkeypatch.setattr(fast_paths, "why_not", lambda name: "not installed")
+    monkeypatch.setenv(fast_paths.MOE_BACKEND_ENV, want)
+    assert fast_paths.mxfp4_moe_backend("cuda") == expected
+    assert fast_paths.mxfp4_moe_backend("cpu") == "engine"
+    line = fast_paths.describe("cuda", torch.bfloat16, True, True)
+    assert f"routed experts: packed MXFP4, {expected}" in line
+    if expected != want and want != "auto" or expected == "engine" and want == "auto":
+        assert "unusable" in line  # a fallback names why
+    with pytest.raises(ValueError, match=fast_paths.MOE_BACKEND_ENV):
+        monkeypatch.setenv(fast_paths.MOE_BACKEND_ENV, "cutlass")
+        fast_paths.mxfp4_moe_backend("cuda")
