@@ -3,7 +3,8 @@
 engine.decode_batch derives a decode step's StepBatch (SWA window sources, compressor plans, visible
 entry rows, page tables of each cache group) from three [slots] int64 inputs and the persistent block
 tables. As torch ops that is ~170 small kernels a step (each a launch inside the CUDA graph); here one
-program per (row, section) writes them all. What each section computes is described by one row of an
+launch writes them all, a (row, section) pair per program, or for few slots several programs a pair, each
+taking every NC-th block of a wide section (chunks_per_section). What each section computes is described by one row of an
 int64 descriptor table built once per decode bucket on the host (engine.decode_batch.PrologueLayout); the
 outputs land in one flat int64 buffer and one flat uint8 (bool) buffer, each tensor a contiguous range.
 

@@ -1,10 +1,12 @@
 """The V4 MoE block: router, routed experts, one shared expert.
 
-Routed experts run one of four ways, chosen per call:
+Routed experts run one of five ways, chosen per call:
 - MXFP4 experts kept packed (`load_weights(..., keep_mxfp4_experts=True)`) and
   `engine.fast_paths.mxfp4_moe_backend(device)` == "triton_kernels" (default on CUDA where it imports): the
   fused router of `dsv4_kernels.triton_moe`, then OpenAI's triton_kernels matmul (`dsv4_kernels.mxfp4_ogs`); the packed
   bytes are moved into its Hopper layouts at the first call and the originals dropped (no bf16 copy);
+- packed, backend "marlin" (where triton_kernels does not import, or by request): the same router, then Marlin's
+  W4A16 grouped GEMM (`dsv4_kernels.marlin_moe`) on its own repack of the bytes (again replacing the originals);
 - packed, backend "engine": `dsv4_kernels.triton_moe` (fused router + grouped experts that dequantise the e2m1
   tiles in registers);
 - packed without that: the reference on just the experts this call uses, dequantised on the fly;
