@@ -34,7 +34,7 @@ NEG_INF_KEY = tl.constexpr(0x007FFFFF)  # the key of -inf (a constexpr: read ins
 
 
 @triton.jit
-def _keys(x):
+def order_keys(x):
     """fp32 -> uint32 keys in the same order (unsigned)."""
     bits = x.to(tl.int32, bitcast=True)
     flip = (bits >> 31) | -2147483648  # all ones for a negative, the sign bit for a positive
@@ -57,7 +57,7 @@ def _topk_kernel(scores, out, S, K, stride_s, stride_o, BLOCK: tl.constexpr):
         hist = tl.zeros([512], dtype=tl.int32)
         for start in range(0, S, BLOCK):
             inside = start + offs < S
-            key = _keys(tl.load(src + start + offs, mask=inside, other=0.0))
+            key = order_keys(tl.load(src + start + offs, mask=inside, other=0.0))
             match = inside & ((key & chosen) == prefix)
             digit = tl.where(match, ((key >> shift) & 255).to(tl.int32), 256)
             hist += tl.histogram(digit, 512)
@@ -74,7 +74,7 @@ def _topk_kernel(scores, out, S, K, stride_s, stride_o, BLOCK: tl.constexpr):
     n_tied = tl.full([], 0, tl.int32)
     for start in range(0, S, BLOCK):
         inside = start + offs < S
-        key = _keys(tl.load(src + start + offs, mask=inside, other=0.0))
+        key = order_keys(tl.load(src + start + offs, mask=inside, other=0.0))
         gt = inside & (key > prefix)
         eq = inside & (key == prefix)
         gt_at = n_above + tl.cumsum(gt.to(tl.int32), 0) - 1

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
-from dsv4_kernels.triton_topk import NEG_INF_KEY, _keys
+from dsv4_kernels.triton_topk import NEG_INF_KEY, order_keys
 
 triton, tl = import_triton()
 
@@ -75,7 +75,7 @@ def _split_topk_kernel(scores, out, work, S, K, CHUNK, stride_s, stride_o, PASS:
         hist = tl.zeros([512], dtype=tl.int32)
         for start in range(lo, hi, BLOCK):
             inside = start + offs < hi
-            key = _keys(tl.load(src + start + offs, mask=inside, other=0.0))
+            key = order_keys(tl.load(src + start + offs, mask=inside, other=0.0))
             match = inside & ((key & chosen) == prefix)
             hist += tl.histogram(tl.where(match, ((key >> shift) & 255).to(tl.int32), 256), 512)
         tl.atomic_add(wrk + PASS * 256 + bins, hist, mask=(bins < 256) & (hist > 0))
@@ -86,11 +86,11 @@ def _split_topk_kernel(scores, out, work, S, K, CHUNK, stride_s, stride_o, PASS:
         tied_before = tl.full([], 0, tl.int32)
         if not all_ties:  # ties go by column: count those in the chunks before this one
             for start in range(0, lo, BLOCK):
-                key = _keys(tl.load(src + start + offs, mask=start + offs < lo, other=0.0))
+                key = order_keys(tl.load(src + start + offs, mask=start + offs < lo, other=0.0))
                 tied_before += tl.sum(((start + offs < lo) & (key == prefix)).to(tl.int32))
         for start in range(lo, hi, BLOCK):
             inside = start + offs < hi
-            key = _keys(tl.load(src + start + offs, mask=inside, other=0.0))
+            key = order_keys(tl.load(src + start + offs, mask=inside, other=0.0))
             eq = inside & (key == prefix)
             take = inside & (key > prefix)
             if all_ties:
