@@ -88,19 +88,25 @@ def _topk_kernel(scores, out, S, K, stride_s, stride_o, BLOCK: tl.constexpr):
         tl.store(dst + start + offs, tl.full([BLOCK], -1, tl.int64), mask=start + offs < K)
 
 
+def topk_arguments(scores: torch.Tensor, k: int, caller: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The radix top-k kernels' checks (a ValueError naming `caller`) -> (scores with unit column stride, the
+    int64 [T, k] output to fill)."""
+    require_triton(scores.device)
+    if scores.dtype != torch.float32 or scores.dim() != 2:
+        raise ValueError(f"{caller} takes fp32 [T, S] scores, got {scores.dtype} {tuple(scores.shape)}")
+    if k < 1:
+        raise ValueError(f"{caller} needs k >= 1, got {k}")
+    out = torch.empty((scores.shape[0], k), dtype=torch.int64, device=scores.device)
+    return (scores if scores.stride(1) == 1 else scores.contiguous()), out
+
+
 def topk_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores: fp32 [T, S] (-inf = invalid) -> int64 [T, k]: the columns of each row's k largest scores, unordered,
     -1 for invalid picks and past S (module docstring). Equal as a set to torch.topk's picks up to ties."""
-    require_triton(scores.device)
-    if scores.dtype != torch.float32 or scores.dim() != 2:
-        raise ValueError(f"topk_columns takes fp32 [T, S] scores, got {scores.dtype} {tuple(scores.shape)}")
-    if k < 1:
-        raise ValueError(f"topk_columns needs k >= 1, got {k}")
+    scores, out = topk_arguments(scores, k, "topk_columns")
     t, s = scores.shape
-    out = torch.empty((t, k), dtype=torch.int64, device=scores.device)
     if t == 0:
         return out
-    scores = scores if scores.stride(1) == 1 else scores.contiguous()
     block = min(MAX_BLOCK, triton.next_power_of_2(max(s, k, 16)))
     _topk_kernel[(t,)](scores, out, s, k, scores.stride(0), out.stride(0), BLOCK=block,
                        num_warps=NUM_WARPS or (8 if block >= 2048 else 4))

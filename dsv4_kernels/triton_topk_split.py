@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_kernels.gpu import import_triton, require_triton
-from dsv4_kernels.triton_topk import NEG_INF_KEY, order_keys
+from dsv4_kernels.gpu import import_triton
+from dsv4_kernels.triton_topk import NEG_INF_KEY, order_keys, topk_arguments
 
 triton, tl = import_triton()
 
@@ -117,16 +117,10 @@ def programs_per_row(rows: int, candidates: int) -> int:
 def topk_columns_split(scores: torch.Tensor, k: int, programs: int | None = None) -> torch.Tensor:
     """scores: fp32 [T, S] (-inf = invalid) -> int64 [T, k], as triton_topk.topk_columns (module docstring).
     programs: per row (default programs_per_row). Six launches (a memset, five passes), no host sync."""
-    require_triton(scores.device)
-    if scores.dtype != torch.float32 or scores.dim() != 2:
-        raise ValueError(f"topk_columns_split takes fp32 [T, S] scores, got {scores.dtype} {tuple(scores.shape)}")
-    if k < 1:
-        raise ValueError(f"topk_columns_split needs k >= 1, got {k}")
+    scores, out = topk_arguments(scores, k, "topk_columns_split")
     t, s = scores.shape
-    out = torch.empty((t, k), dtype=torch.int64, device=scores.device)
     if t == 0:
         return out
-    scores = scores if scores.stride(1) == 1 else scores.contiguous()
     p = programs or programs_per_row(t, s)
     chunk = triton.cdiv(max(s, 1), p)
     p = triton.cdiv(max(s, 1), chunk)  # no empty programs
