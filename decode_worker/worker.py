@@ -15,12 +15,12 @@ import asyncio
 import threading
 import time
 
-from engine import metrics
-from engine.allocator import OutOfPages
-from engine.engine_loop import AsyncSink
+from engine.telemetry import metrics
+from engine.model.allocator import OutOfPages
+from engine.runtime.engine_loop import AsyncSink
 from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
-from engine.sampling_params import SamplingParams
-from engine.worker_base import WorkerBase
+from engine.execution.sampling_params import SamplingParams
+from engine.runtime.worker_base import WorkerBase
 from kv_transfer.base import TransferError, TransferTimeout
 from kv_transfer.registry import make_backend, network_options, resolve_name
 

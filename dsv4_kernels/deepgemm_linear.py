@@ -5,7 +5,7 @@ written in the MN-major layout DeepGEMM's sm90 kernels read), then `deep_gemm.fp
 the checkpoint's e4m3 weight and its 128x128 block scales (fp32) into a bf16 output. DeepGEMM JIT-compiles a
 kernel per (N, K) and per configuration its heuristic picks for M (block sizes, stages, multicast; M itself is
 a runtime argument) at first use, seconds each with the machine's nvcc. Every (N, K) this module multiplies is
-recorded (`seen_shapes`), so engine.warmup can run each at every M a step may have before serving starts.
+recorded (`seen_shapes`), so engine.execution.warmup can run each at every M a step may have before serving starts.
 
 The grouped output projection (wo_a: G groups, each [R, D] over its own D features) quantises its activations
 [G, T, D] in one launch. Decode-sized steps (T <= GROUPED_MAX_TOKENS) then run one masked grouped GEMM

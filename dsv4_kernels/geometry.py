@@ -483,7 +483,7 @@ class CacheGeometry:
     """Every layout a DeepSeek V4 model needs, resolved from its config and the chosen cache formats.
 
     Build with `CacheGeometry.from_config(cfg, kv_format=..., indexer_format=...)`; `cfg` is an
-    `engine.config.ModelConfig` (only head_dim, rope_dim, index_head_dim, sliding_window,
+    `engine.model.config.ModelConfig` (only head_dim, rope_dim, index_head_dim, sliding_window,
     compress_ratios and torch_dtype are read).
     """
 

@@ -62,7 +62,7 @@ def _permute_scales(mm, parts: list[torch.Tensor], n: int, k: int) -> torch.Tens
 
 
 def prepare(w1, s1, w2, s2, w3, s3) -> MarlinExperts:
-    """Packed experts as engine.moe.PackedExperts holds them -> MarlinExperts (new tensors; inputs untouched).
+    """Packed experts as engine.model.moe.PackedExperts holds them -> MarlinExperts (new tensors; inputs untouched).
 
     w1, w3: uint8 [E, I, H/2], s1, s3: uint8 [E, I, H/32]; w2: [E, H, I/2], s2: [E, H, I/32] (CUDA tensors)."""
     tvm_ffi, marlin, mm = import_marlin_moe()

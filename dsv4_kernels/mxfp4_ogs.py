@@ -89,7 +89,7 @@ def _wrap(w: torch.Tensor, s: torch.Tensor):
 
 
 def prepare(w1, s1, w2, s2, w3, s3) -> OgsExperts:
-    """Packed experts as engine.moe.PackedExperts holds them -> OgsExperts (new tensors; inputs untouched).
+    """Packed experts as engine.model.moe.PackedExperts holds them -> OgsExperts (new tensors; inputs untouched).
 
     w1, w3: uint8 [E, I, H/2], s1, s3: [E, I, H/32]; w2: [E, H, I/2], s2: [E, H, I/32].
     """
@@ -125,7 +125,7 @@ def variant_key(tokens: int, num_experts: int, top_k: int) -> tuple:
     and passes its row-block count (grid_m) and the write-back size (P) as integers Triton specialises on == 1 and
     divisibility by 16; the launch constraints change with `constraints(tokens)`, and the pair sort with P's size.
     The key holds each of these (grid_m's class at every block_m it may pick): a superset of what the library's
-    choice depends on, so one call per key compiles every variant (engine.warmup's MoE sweep)."""
+    choice depends on, so one call per key compiles every variant (engine.execution.warmup's MoE sweep)."""
     p = tokens * top_k
     per_expert = max(1, p // max(1, num_experts))
     return (json.dumps(constraints(tokens), sort_keys=True), 1 << (per_expert - 1).bit_length(), _spec_class(p),

@@ -122,10 +122,10 @@ def _store_seg(o_row, hmask, acc, scale, O: tl.constexpr, W: tl.constexpr, P: tl
 
 
 # K, the split counts and the store sizes (R0, R01: a prefill's local compressed rows) vary with the step, and
-# rows' stride with K: unspecialised, so they add no compiled variants (engine.warmup). b1 / b2, the element
+# rows' stride with K: unspecialised, so they add no compiled variants (engine.execution.warmup). b1 / b2, the element
 # offsets of stores 1 and 2 from store 0, are pointer differences: wherever the allocator put this step's stores.
 # Typed by value they were i32 or i64 (stores 4 GiB apart), a variant each, compiled mid-request on the H200
-# (engine.compile_watch): declared i64 and unspecialised, they are one.
+# (engine.telemetry.compile_watch): declared i64 and unspecialised, they are one.
 @triton.jit(do_not_specialize=["K", "tiles_per_split", "num_splits", "stride_rt", "R0", "R01", "b1", "b2"])
 def _sparse_attn_kernel(
     q_ptr, kv0_ptr, rows_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,

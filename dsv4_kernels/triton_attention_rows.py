@@ -1,8 +1,8 @@
 """Triton row ids of a step's sparse attention: the SWA window and the compressed entries, one launch.
 
-Reference (engine/attention.py and engine/attention_fp8.py before this kernel):
+Reference (engine/model/attention.py and engine/model/attention_fp8.py before this kernel):
     swa part:  torch.where(swa_valid, swa_rows, -1)
-    CSA part:  ids = indexer top-k (-1 padded); rows = engine.batch.paged_rows(table, page_rows, seg, ids);
+    CSA part:  ids = indexer top-k (-1 padded); rows = engine.model.batch.paged_rows(table, page_rows, seg, ids);
                torch.where(ids >= 0, rows + base, -1)
     HCA part:  torch.where(valid, rows + base, -1) over the visible entries' rows
 each written into its own int32 destination, padded with -1 up to the destination's width (FlashMLA takes top-k
@@ -37,7 +37,7 @@ def _rows_kernel(swa_ptr, sv_ptr, ids_ptr, table_ptr, seg_ptr, cv_ptr, oa_ptr, o
             j = j0 + tl.arange(0, BLOCK)
             inside = j < K
             x = tl.load(ids_ptr + t * stride_it + j, mask=inside, other=-1).to(tl.int64)
-            if COMP == 1:  # entry ids of this token's request -> its paged rows (engine.batch.paged_rows)
+            if COMP == 1:  # entry ids of this token's request -> its paged rows (engine.model.batch.paged_rows)
                 b = tl.load(seg_ptr + t + tl.arange(0, 1)).to(tl.int64)  # [1]: the interpreter needs vectors
                 e = tl.maximum(x, 0)
                 page = tl.minimum(e // page_rows, P - 1)

@@ -1,6 +1,6 @@
 """Triton compressor step in two launches: close this step's windows straight from their slot rows, save the state.
 
-Reference (engine/attention.py, AttentionBlock._compress on the reference path), for one compressor of ratio r:
+Reference (engine/model/attention.py, AttentionBlock._compress on the reference path), for one compressor of ratio r:
     rows  = dsv4_kernels.compressor.state_rows(kv, gate, ape, positions)  # fp32 [T, 2W] = [kv | gate + ape[pos % r]]
     cur   = plan.cur.gather(rows, state); prev = plan.prev.gather(rows, state)   # SourceRows: [ring | chunk] rows
     slots = overlap_slots(prev, cur, prev_valid) (ratio 4) or cur (ratio 128)
@@ -274,7 +274,7 @@ def _save_kernel(kv_ptr, gate_ptr, ape_ptr, pos_ptr, src_ptr, dst_ptr, state_ptr
 
 def save_state(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                state: torch.Tensor, chunk_rows: torch.Tensor, ring_rows: torch.Tensor) -> None:
-    """state[ring_rows[i]] = fp32 [kv | gate + ape[pos % r]] of chunk row chunk_rows[i] (engine.batch.RingWrite).
+    """state[ring_rows[i]] = fp32 [kv | gate + ape[pos % r]] of chunk row chunk_rows[i] (engine.model.batch.RingWrite).
 
     kv, gate: [T, W] (row strides free, unit last stride); ape: [r, W]; positions: int [T]; state: fp32 [R, 2W];
     chunk_rows / ring_rows: int [M] (ring_rows < 0 skipped). Equals

@@ -1,7 +1,7 @@
 """Triton compressor pooling: softmax over slots, weighted sum, RMSNorm, optional compress RoPE, fused.
 
 Reference: `dsv4_kernels.norm.rms_norm(dsv4_kernels.compressor.pool_windows(kv, score), weight, eps)`, then (if cos/sin
-are given) `dsv4_kernels.rope.apply_rope(., cos, sin)` at each entry's window start, as engine/attention.py
+are given) `dsv4_kernels.rope.apply_rope(., cos, sin)` at each entry's window start, as engine/model/attention.py
 chains them. kv and score are the slot rows already arranged per entry (`overlap_slots` for ratio 4,
 the plain window for ratio 128); a slot whose score is -inf gets weight 0.
 
@@ -331,7 +331,7 @@ def pool_norm_rope_quant(kv: torch.Tensor, score: torch.Tensor, weight: torch.Te
     entry rows (slot s = block s // block_size, position s % block_size; not range-checked); cache: uint8
     [blocks, >= layout.block_bytes()] or the engine's [rows, layout.row_bytes] view of one layer; layout:
     - Fp8DsMlaLayout (compressed KV): the row of `geometry.pack_fp8_ds_mla`, NoPE zero-padded up to
-      layout.nope_dim like engine.cache's RowCodec;
+      layout.nope_dim like engine.model.cache's RowCodec;
     - IndexerKeyLayout (indexer keys, "mxfp4" or "fp8"): `geometry.pack_rows` of the entry after the
       Hadamard rotation (`dsv4_kernels.hadamard.hadamard`, the query side's, see dsv4_kernels/triton_indexer_query.py),
       zero-padded up to layout.index_head_dim. hadamard: None = rotate indexer keys (as V4 does); False

@@ -1,16 +1,16 @@
 """Triton decode-step prologue: every index tensor of a fixed-shape decode step in one launch.
 
-engine.decode_batch derives a decode step's StepBatch (SWA window sources, compressor plans, visible
+engine.model.decode_batch derives a decode step's StepBatch (SWA window sources, compressor plans, visible
 entry rows, page tables of each cache group) from three [slots] int64 inputs and the persistent block
 tables. As torch ops that is ~170 small kernels a step (each a launch inside the CUDA graph); here one
 launch writes them all, a (row, section) pair per program, or for few slots several programs a pair, each
 taking every NC-th block of a wide section (chunks_per_section). What each section computes is described by one row of an
-int64 descriptor table built once per decode bucket on the host (engine.decode_batch.PrologueLayout); the
+int64 descriptor table built once per decode bucket on the host (engine.model.decode_batch.PrologueLayout); the
 outputs land in one flat int64 buffer and one flat uint8 (bool) buffer, each tensor a contiguous range.
 
 Sections (descriptor columns: see the F_* constants; S = slots, W = the section's width, b = the row):
 - TABLE: out[b, j] = table[trow[b], col + j] for j < W (a cache group's page-table row, cut to the bucket).
-- SOURCES (engine.batch.SourceRows over a ring, decode case): p = min(pos - pos % align + offset + k, pos),
+- SOURCES (engine.model.batch.SourceRows over a ring, decode case): p = min(pos - pos % align + offset + k, pos),
   k < W; from_chunk = p >= pos, chunk_row = from_chunk ? b : 0, ring_row = page * stride + max(p, 0) %
   ring_rows (page = table[trow[b], page_col]), valid = p >= 0, row = from_chunk ? total + chunk_row : ring_row.
   int64 outputs chunk_row, ring_row, row (each [S, W], one after the other); flags from_chunk, valid.
@@ -20,7 +20,7 @@ Sections (descriptor columns: see the F_* constants; S = slots, W = the section'
 - VISIBLE: rows[b, w] = paged(entry table, w), valid[b, w] = w < (pos + 1) // ratio, w < W.
 - MISC: arange rows [S], ends = pos + 1 [S], the SWA write row (as PLAN's state row) [S], cu = arange [S + 1].
 paged(t, e) = table[trow[b], col + min(e // page_rows, width - 1)] * page_rows + e % page_rows (e >= 0 here),
-as engine.batch.paged_rows. Integer math only: the outputs equal the torch derivation element for element.
+as engine.model.batch.paged_rows. Integer math only: the outputs equal the torch derivation element for element.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Triton greedy pick: each row's argmax token and its log-probability in two small launches.
 
-`engine.sampling.greedy_pick` runs inside the decode CUDA graph every step. In torch it is `argmax` (a
+`engine.execution.sampling.greedy_pick` runs inside the decode CUDA graph every step. In torch it is `argmax` (a
 single-block reduce per row) plus a full `log_softmax` whose only used entry is the argmax's: at N=1 and
 V4's vocabulary (129280) ~27.6 + 29.3 us on an H200. Here the row is read once by many programs:
 
@@ -76,7 +76,7 @@ def _greedy_combine_kernel(max_ptr, idx_ptr, sum_ptr, out_ptr, N, NB, NB_P2: tl.
 
 def greedy_pick(logits: torch.Tensor, block_v: int = BLOCK_V) -> torch.Tensor:
     """logits: fp32 [N, V] (unit last stride) -> fp64 [2, N]: each row's first argmax token (exact in fp64) and
-    its log-softmax, as engine.sampling.greedy_pick. block_v: the stage-1 slice (a power of two; tests shrink
+    its log-softmax, as engine.execution.sampling.greedy_pick. block_v: the stage-1 slice (a power of two; tests shrink
     it to exercise many blocks)."""
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be fp32 [N, V], got {logits.dtype} {tuple(logits.shape)}")

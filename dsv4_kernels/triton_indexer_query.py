@@ -211,7 +211,7 @@ def indexer_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout:
 PROLOGUE_BLOCK_E = 512  # candidate rows a program writes per block
 PROLOGUE_MAX_PROGRAMS = 64  # programs a step's candidate rows may spread over (few tokens only)
 # E (visible compressed rows) grows with the context, and rows / valid may be views at any offset: neither
-# adds compiled variants (engine.warmup); only BLOCK_E follows E, by power-of-two bucket.
+# adds compiled variants (engine.execution.warmup); only BLOCK_E follows E, by power-of-two bucket.
 @triton.jit(do_not_specialize=["E", "stride_rt", "stride_vt", "stride_rot", "NE"],
             do_not_specialize_on_alignment=["rows_ptr", "valid_ptr"])
 def _prologue_kernel(q_ptr, cos_ptr, sin_ptr, w_ptr, rows_ptr, valid_ptr, qo_ptr, wo_ptr, ro_ptr, H, DI, WIDTH, HALF, E,

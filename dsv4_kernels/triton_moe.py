@@ -47,7 +47,7 @@ MAX_CHUNK_TOKENS = 2048
 
 
 # ---- routing ------------------------------------------------------------------------------------------
-# (engine.warmup: step sizes must not add variants; token_ids may be a slice at any offset of the step's ids)
+# (engine.execution.warmup: step sizes must not add variants; token_ids may be a slice at any offset of the step's ids)
 @triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["token_ids_ptr"])
 def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, token_ids_ptr, w_ptr, ids_ptr,
                   T, E, stride_l, stride_h, scaling,

@@ -124,7 +124,7 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
     gammas = torch.empty(p, dtype=torch.float32, device=dev)
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     # From T's power-of-two bucket, not P: then the warm-up's ladder of T = 1, 2, 4, ... meets every block size a
-    # step can (engine.warmup), and P itself is not specialised on
+    # step can (engine.execution.warmup), and P itself is not specialised on
     bucket = triton.next_power_of_2(t) * k
     p_block = min(triton.next_power_of_2(MAX_SORT_PAIRS), max(16, triton.next_power_of_2(bucket)))
     bins = triton.next_power_of_2(num_experts + 1)

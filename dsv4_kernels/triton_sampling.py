@@ -1,6 +1,6 @@
 """Triton per-row exponential noise for sampling: E[row, v] = -log(U), U from Philox keyed by the row's seed.
 
-`engine.sampling.sample` draws tokens by the exponential race argmax(p / E). On the CPU it draws U from one
+`engine.execution.sampling.sample` draws tokens by the exponential race argmax(p / E). On the CPU it draws U from one
 torch generator per row; at V4's vocabulary that is ~8M host random numbers per step at batch 64 (~80 ms on
 one core), far more than a decode step's GPU time. Here each row's U comes from `tl.rand(seed, v)` (Philox
 4x32, counter = the vocabulary index), so a row's noise depends only on its draw seed, as on the CPU path

@@ -3,7 +3,7 @@
 Reference: kv = `apply_rope(rms_norm(kv, weight, eps), cos, sin)` (as `dsv4_kernels.triton_norm_rope`, with the same
 rounding points), then
 - fp8_ds_mla cache: `geometry.write_rows(cache, layout, rows, geometry.pack_fp8_ds_mla(kv, layout))`, with the
-  NoPE zero-padded up to layout.nope_dim when the model's NoPE width is not a multiple of 64 (engine.cache's
+  NoPE zero-padded up to layout.nope_dim when the model's NoPE width is not a multiple of 64 (engine.model.cache's
   RowCodec): e4m3 codes of each 64-value block over a UE8M0 scale, bf16 RoPE bytes in the value row, the scale
   bytes (+ one zero pad byte) in the block's scale area;
 - exact cache: `cache[rows] = kv` (rows of D values in the model dtype).

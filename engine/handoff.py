@@ -92,9 +92,9 @@ class EngineLoad:
 
 @dataclass(frozen=True)
 class PrefixDigest:
-    """What a worker's prefix cache can resume from (engine.prefix_cache): hashes of the blocks that end at
+    """What a worker's prefix cache can resume from (engine.execution.prefix_cache): hashes of the blocks that end at
     a snapshot, with the block size and the hash seed needed to name a prompt's blocks the same way
-    (`engine.block_hash.block_hashes`). Bounded by the cache's snapshot slots; `version` changes with it."""
+    (`engine.execution.block_hash.block_hashes`). Bounded by the cache's snapshot slots; `version` changes with it."""
 
     block_tokens: int
     seed: bytes

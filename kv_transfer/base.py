@@ -12,7 +12,7 @@ Pool tensors are registered ONCE, in the constructor; per request only a small t
 Page ownership: backends never allocate or free pages. The prefill side keeps an exported request's pages until
 its release callback fires: on decode's confirmation, on decode's failure report, or when the lease
 (`lease_s`, default 120 s) runs out because the decode side vanished. `poll()` runs the callbacks in the CALLER's
-thread, since `engine.allocator` is not thread-safe. On the decode side a failed `pull` raises
+thread, since `engine.model.allocator` is not thread-safe. On the decode side a failed `pull` raises
 TransferError / TransferTimeout and the caller frees the destination pages (`receive` does it itself).
 Staging (NIXL): a backend may also pack the request's bytes at export (`_stage`, e.g. into a registered staging
 buffer, kv_transfer.staging); whatever it holds is freed (`_unstage`) when the export is released, by the same
@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from engine.cache import CacheGroupSpec, CachePool
+from engine.model.cache import CacheGroupSpec, CachePool
 from engine.handoff import TransferTicket
 from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint
 

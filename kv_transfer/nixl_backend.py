@@ -45,7 +45,7 @@ import time
 
 import numpy as np
 
-from engine.cache import CachePool
+from engine.model.cache import CachePool
 from kv_transfer.base import TransferBackend, TransferError, TransferTicket, TransferTimeout, pack_metadata
 from kv_transfer.plan import STAGING_ALIGN, TransferPlan, group_nbytes, staged_layout, staged_nbytes
 from kv_transfer.staging import DeferredScatter, StagingBuffer

@@ -3,7 +3,7 @@
 Pure Python over `CacheGroupSpec`s; no tensors, no I/O. Both backends (NIXL and TCP) execute the same plan, which
 is what makes their results byte-identical.
 
-Geometry (see engine.cache): a group tensor is [num_layers_in_group, num_pages * page_rows, width], contiguous, so
+Geometry (see engine.model.cache): a group tensor is [num_layers_in_group, num_pages * page_rows, width], contiguous, so
 relative to the tensor's first byte
     page_bytes   = page_rows * width * itemsize          (one page of one layer)
     layer_stride = num_pages * page_bytes
@@ -38,7 +38,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from engine.cache import CacheGroupSpec
+from engine.model.cache import CacheGroupSpec
 
 
 @functools.lru_cache(maxsize=None)

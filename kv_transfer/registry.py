@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import socket
 
-from engine.cache import CachePool
+from engine.model.cache import CachePool
 from kv_transfer.base import TransferBackend
 
 # "tcp" is the dependency-free fallback: stdlib sockets work between any two hosts (unlike shared memory) and

@@ -41,8 +41,8 @@ import time
 
 import torch
 
-from engine.batch import to_device_nonblocking
-from engine.cache import CachePool
+from engine.model.batch import to_device_nonblocking
+from engine.model.cache import CachePool
 from kv_transfer.plan import STAGING_ALIGN, StagedLayout, align_up
 
 

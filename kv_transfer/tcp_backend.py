@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from engine.cache import CachePool
+from engine.model.cache import CachePool
 from kv_transfer.base import (TransferBackend, TransferError, TransferTicket, TransferTimeout, check_deadline,
                               pack_metadata)
 from kv_transfer.plan import TransferPlan, group_nbytes, page_bytes

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from engine import metrics
-from engine.engine_loop import AsyncSink
+from engine.telemetry import metrics
+from engine.runtime.engine_loop import AsyncSink
 from engine.handoff import PrefillResult
-from engine.sampling_params import SamplingParams
-from engine.worker_base import WorkerBase
+from engine.execution.sampling_params import SamplingParams
+from engine.runtime.worker_base import WorkerBase
 from kv_transfer.registry import make_backend, network_options, resolve_name
 
 POLL_INTERVAL_S = 0.02

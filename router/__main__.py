@@ -28,7 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from engine.llm import load_engine
+    from engine.loading.load import load_engine
     from router.local_dispatch import LocalDispatcher
     from router.server import RouterServer
 

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from engine.sampling_params import SamplingParams
+from engine.execution.sampling_params import SamplingParams
 from router.auth import call_metadata
 from router.protos import pb2, pb2_grpc
 
@@ -43,7 +43,7 @@ class StreamEvent:
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """A whole stream collected; fields mirror `engine.request.GenerationOutput`."""
+    """A whole stream collected; fields mirror `engine.execution.request.GenerationOutput`."""
 
     request_id: str
     token_ids: list[int]

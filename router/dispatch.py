@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Literal, Protocol, runtime_checkable
 
 from engine.handoff import PrefixDigest
-from engine.request import TokenEvent
-from engine.sampling_params import SamplingParams
+from engine.execution.request import TokenEvent
+from engine.execution.sampling_params import SamplingParams
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLES = ("prefill", "decode", "colocated")

@@ -4,7 +4,7 @@ Used by the router tests and as the "colocated single engine" deployment (`Local
 dispatcher implements the same `router.dispatch.Dispatcher` protocol with remote actors.
 
 Threading model (why it looks like an actor): an `EngineCore` is not thread-safe and one `step()` can take
-a while, so each engine is owned by an `engine.engine_loop.EngineLoop` (the same loop the prefill/decode
+a while, so each engine is owned by an `engine.runtime.engine_loop.EngineLoop` (the same loop the prefill/decode
 worker actors use) and everything else talks to it through `call` and per-request event sinks. The event
 loop never waits for a step, and no lock is held across one. After every step (and every add/abort) the
 engine thread publishes a frozen `WorkerInfo` load snapshot, so `workers()` is a plain read.
@@ -23,11 +23,11 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
-from engine import metrics
-from engine.compile_watch import CompileWatch, install_variant_log, note_slow_step
-from engine.engine_loop import AsyncSink, EngineLoop, LoopStopped
-from engine.request import TokenEvent
-from engine.runner import EngineCore
+from engine.telemetry import metrics
+from engine.telemetry.compile_watch import CompileWatch, install_variant_log, note_slow_step
+from engine.runtime.engine_loop import AsyncSink, EngineLoop, LoopStopped
+from engine.execution.request import TokenEvent
+from engine.execution.runner import EngineCore
 from router.dispatch import DispatchRequest, WorkerDied, WorkerInfo
 
 
@@ -147,7 +147,7 @@ class LocalDispatcher:
     def __init__(self, num_workers: int = 1, engine_factory: Callable[[], EngineCore] | None = None,
                  worker_ids: list[str] | None = None, stall_timeout_s: float = 60.0):
         if engine_factory is None:
-            from engine.llm import load_engine
+            from engine.loading.load import load_engine
 
             engine_factory = load_engine  # the built-in tiny model
         ids = worker_ids or [f"engine-{i}" for i in range(num_workers)]

@@ -1,6 +1,6 @@
 """Prefix locality from the workers' real caches, and the cache-aware prefill choice built on it.
 
-Each worker publishes a `PrefixDigest` with its stats (engine.prefix_cache.PrefixCache.digest): the hashes
+Each worker publishes a `PrefixDigest` with its stats (engine.execution.prefix_cache.PrefixCache.digest): the hashes
 of the blocks its prefix cache can resume after, the block size, and the hash seed (model + cache format).
 The digest is bounded (one hash per snapshot slot) and replaced whole on every report, so a block the
 worker evicted leaves the router's view at the next report, and a dead or restarted worker's view goes
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.block_hash import block_hashes
+from engine.execution.block_hash import block_hashes
 from engine.handoff import PrefixDigest
 from router.dispatch import WorkerInfo
 

@@ -1,7 +1,7 @@
 """Router counters: decisions by (stage, reason), requests, retries, worker deaths, errors by code.
 
 Plain in-process counters read by the Stats RPC, mirrored into Prometheus: the router's own counters are
-defined here (same multiprocess registry as engine.metrics, which the node's /metrics server aggregates).
+defined here (same multiprocess registry as engine.telemetry.metrics, which the node's /metrics server aggregates).
 Single event loop, so no locking.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter as PromCounter
 
-from engine import metrics as prom
+from engine.telemetry import metrics as prom
 from router.policy import Placement
 
 ROUTER_DECISIONS = PromCounter("dsv4_router_decisions_total", "Placement decisions by stage and reason",
@@ -42,7 +42,7 @@ class RouterMetrics:
             self.decisions[(d.stage, d.reason)] += 1
             ROUTER_DECISIONS.labels(d.stage, d.reason).inc()
         # The router's estimate (what it believed cached where it sent the request), in tokens of whole
-        # blocks; the engines count real hits (engine.metrics.PREFIX_HIT_TOKENS).
+        # blocks; the engines count real hits (engine.telemetry.metrics.PREFIX_HIT_TOKENS).
         prom.ROUTER_PREFIX_ESTIMATE_QUERIES.inc(placement.prefill.prompt_blocks * self.block_size)
         prom.ROUTER_PREFIX_ESTIMATE_HITS.inc(placement.prefill.matched_blocks * self.block_size)
 

@@ -45,7 +45,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.sampling_params import SamplingParams
+from engine.execution.sampling_params import SamplingParams
 from router.auth import TokenInterceptor
 from router.dispatch import (Dispatcher, DispatchRequest, NoWorkerAvailable, Overloaded, PREFILL_ROLES,
                              DECODE_ROLES, WorkerDied)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU throughput of our engine vs transformers' `generate`, same checkpoint, same run (not a test).
 
-For each preset of `engine.make_model.PRESETS` asked for (default: tiny, small) and each batch size
+For each preset of `engine.loading.make_model.PRESETS` asked for (default: tiny, small) and each batch size
 (default: 1, 16): `batch` random prompts of `--prompt-len` tokens, greedy, EOS ignored.
 
 - prefill tokens/s: batch * prompt_len / time until every request has its first generated token;
@@ -54,7 +54,7 @@ def bench_ours(model_dir: str, prompts: list[list[int]], new_tokens: int, repeat
     """Drives the engine's step loop (what LLM.generate does) and splits the wall time at the step where
     the last request got its first token: before = prefill (incl. that first sample), after = decode."""
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     llm = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_batch_tokens=max_batch_tokens)
     eng = llm.engine
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers
 
-    from engine.make_model import PRESETS, make_model
+    from engine.loading.make_model import PRESETS, make_model
 
     presets = [p for p in args.presets.split(",") if p]
     unknown = [p for p in presets if p not in PRESETS]

@@ -5,13 +5,13 @@ The slice has V4-Flash's real widths (hidden 4096, 64 heads x 512, rope 64, q_lo
 256 routed experts top-6 of width 2048 + 1 shared, 64 index heads x 128, index_topk 512, window 128, hc 4,
 vocab 129280) and 4 layers mixing SWA / CSA / HCA (compress_ratios [0, 4, 128, 4], 1 hash-routed layer).
 Weights are random and seeded: dense projections go through FP8 e4m3 128x128 UE8M0 block quantisation and
-are dequantised to bf16, which is what the engine's loader does with a real checkpoint (engine/weights.py).
+are dequantised to bf16, which is what the engine's loader does with a real checkpoint (engine/loading/weights.py).
 The routed experts come in the formats --experts names (default both, in this order), one engine each,
 freed before the next:
 - mxfp4 (the production format): kept packed as `load_weights(..., keep_mxfp4_experts=True)` keeps them
-  (uint8 e2m1 bytes + UE8M0 scale bytes, engine.moe.PackedExperts; random bytes, scale set for the same
+  (uint8 e2m1 bytes + UE8M0 scale bytes, engine.model.moe.PackedExperts; random bytes, scale set for the same
   std as the bf16 experts) and run by the Triton MXFP4 MoE kernel (dsv4_kernels/triton_moe.py) on CUDA;
-- bf16: MXFP4-rounded then dequantised to bf16, run by torch's grouped GEMM (engine.moe).
+- bf16: MXFP4-rounded then dequantised to bf16, run by torch's grouped GEMM (engine.model.moe).
 No checkpoint file is written; the weights dict is built on the GPU and handed to `EngineCore`, whose
 decode mode is its default ("auto": CUDA graphs per (batch-slot, context) bucket on a 16-bit CUDA engine,
 captured on a bucket's first step; the report names the mode each engine used).
@@ -47,7 +47,7 @@ Measured, in one process (CUDA-synchronised wall time of `EngineCore.step()`, me
 Every configuration runs under a time budget (--budget-s, default 540 s for the whole script, all formats
 and the peer together) and is skipped with a printed reason when what is left would not cover it (shares
 are kept back for the formats still to come and the peer). `--smoke` runs the same code on CPU with a tiny
-config in seconds (eager decode, Triton off: packed MXFP4 experts take engine.moe's dequantise-on-the-fly
+config in seconds (eager decode, Triton off: packed MXFP4 experts take engine.model.moe's dequantise-on-the-fly
 reference). The markdown section is printed, written to --out if given, and put into BENCHMARKS.md under
 '## GPU decode and prefill (V4-Flash slice)' with --write (or --merge FILE inserts a section written
 earlier, e.g. on the GPU machine, without running anything).

@@ -2,7 +2,7 @@
 
 Shapes: V4-Flash's indexer (64 heads x 128, top-512) over one sequence's chunk of T queries starting at
 position `--start` (default an 8K prompt from 0: 2048 entries, each query seeing (p + 1) // 4 of them), keys
-in a paged store (bf16 rows, MXFP4 or FP8 cache). Rows are built as engine.batch builds its visible entries.
+in a paged store (bf16 rows, MXFP4 or FP8 cache). Rows are built as engine.model.batch builds its visible entries.
 For each store it prints the median time (triton.testing.do_bench) of:
 - per-token: dsv4_kernels.triton_indexer.indexer_scores (the decode kernel) + torch.topk (today's prefill path);
 - prefill scores: dsv4_kernels.triton_indexer_prefill.indexer_prefill_scores alone, and + torch.topk
@@ -35,7 +35,7 @@ SWEEP = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
 
 def step(tokens: int, start: int, device):
     """-> (rows int64 [T, S] (-1 = not visible), cu [2], visible pairs, number of key slots)."""
-    from engine.batch import paged_rows
+    from engine.model.batch import paged_rows
 
     positions = torch.arange(start, start + tokens, device=device)
     entries = (start + tokens) // RATIO

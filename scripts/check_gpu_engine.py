@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-import engine.runner
+import engine.execution.runner
 from engine.llm import LLM
-from engine.make_model import make_model
-from engine.sampling_params import SamplingParams
+from engine.loading.make_model import make_model
+from engine.execution.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service.benchmarks_md import write_section  # noqa: E402
@@ -41,7 +41,7 @@ def top2_gaps(llm: LLM, seqs: list[list[int]]) -> list[float]:
     the duration of the call to read the logits rows it samples from.
     """
     gaps: dict[str, float] = {}
-    original = engine.runner.EngineCore._postprocess
+    original = engine.execution.runner.EngineCore._postprocess
 
     def spy(self, chunks, logits, sample_rows, prompt_rows):
         for c, r in zip(chunks, sample_rows):
@@ -50,7 +50,7 @@ def top2_gaps(llm: LLM, seqs: list[list[int]]) -> list[float]:
                 gaps[c.request.request_id] = float(top[0] - top[1])
         return original(self, chunks, logits, sample_rows, prompt_rows)
 
-    engine.runner.EngineCore._postprocess = spy
+    engine.execution.runner.EngineCore._postprocess = spy
     try:
         ids = [llm.engine.add_request(s, SamplingParams(max_new_tokens=1, ignore_eos=True)) for s in seqs]
         while llm.engine.has_work:
@@ -58,7 +58,7 @@ def top2_gaps(llm: LLM, seqs: list[list[int]]) -> list[float]:
         for rid in ids:
             llm.engine.pop_finished(rid)
     finally:
-        engine.runner.EngineCore._postprocess = original
+        engine.execution.runner.EngineCore._postprocess = original
     return [gaps[rid] for rid in ids]
 
 

@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from engine.llm import load_engine
-    from engine.make_model import make_model
-    from engine.sampling_params import SamplingParams
+    from engine.loading.load import load_engine
+    from engine.loading.make_model import make_model
+    from engine.execution.sampling_params import SamplingParams
     from tests.kv_transfer.test_handoff import copy_pages, run_to_end
 
     d = make_model("mini_v4", tempfile.mkdtemp(prefix="dsv4-handoff-"), quantize=True)

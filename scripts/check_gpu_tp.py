@@ -1,8 +1,8 @@
 """The tensor-parallel engine's GPU path on ONE GPU: TP 2 (with and without expert parallelism) and data-parallel
-attention (2 ranks + EP 2, engine.dp_attention: each rank its own prompts, the MoE exchange on the GPU) against TP 1.
+attention (2 ranks + EP 2, engine.execution.dp_attention: each rank its own prompts, the MoE exchange on the GPU) against TP 1.
 
 NCCL refuses two ranks on one device, so the ranks here share the GPU over gloo with host-copied collectives
-(DSV4_TP_BACKEND=gloo, engine.parallel): slow and without CUDA graphs, but every GPU kernel runs on the local
+(DSV4_TP_BACKEND=gloo, engine.model.parallel): slow and without CUDA graphs, but every GPU kernel runs on the local
 shapes a rank sees (wq_b / sink by head, wo_a by output group, row-parallel wo_b, vocab-parallel head; FlashMLA
 over 32 local heads padded to 64; DeepGEMM on the cut FP8 weights; triton_kernels on E/2 experts with -1 ids).
 Model: `mini_v4` (FP8 dense + MXFP4 experts on disk), bf16, default fp8 KV cache. This random model is sensitive
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def run(model_dir: str, prompts, n: int, tp: int, ep: bool, dp: bool = False) -> list:
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     with LLM(model_dir=model_dir, device="cuda", dtype="bfloat16", max_cached_tokens=16384, tensor_parallel_size=tp,
              expert_parallel=ep, data_parallel_attention=dp) as llm:
@@ -46,7 +46,7 @@ def judge(model_dir: str, prompts, outs) -> tuple[float, float]:
     """(mean |dlogprob|, share within 0.1) of a run's decode logprobs against the fp32 CPU engine's
     teacher-forced logprobs of the same tokens (fp8 cache)."""
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     llm = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_cached_tokens=4096, kv_cache_dtype="fp8")
     ref = llm.generate([p + o.token_ids for p, o in zip(prompts, outs)],
@@ -64,7 +64,7 @@ def main() -> int:
         print("needs a CUDA device", file=sys.stderr)
         return 2
     os.environ["DSV4_TP_BACKEND"] = "gloo"  # read by the spawned ranks too
-    from engine.make_model import make_model
+    from engine.loading.make_model import make_model
 
     model_dir = make_model("mini_v4", tempfile.mkdtemp(prefix="dsv4-tp-"), quantize=True)
     g = torch.Generator().manual_seed(3)

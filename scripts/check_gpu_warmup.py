@@ -1,4 +1,4 @@
-"""GPU check of engine.warmup: per-request times of a cold engine against a warmed one, each in a fresh process
+"""GPU check of engine.execution.warmup: per-request times of a cold engine against a warmed one, each in a fresh process
 with empty DeepGEMM and Triton caches (so every compile shows), or with the caches an earlier run filled.
 
     python3 scripts/check_gpu_warmup.py --model DIR [--requests 12] [--warmup 0|1] [--cache-dir D] > warmW.log
@@ -151,8 +151,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     print(f"machine: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
-    from engine.llm import load_engine
-    from engine.sampling_params import SamplingParams
+    from engine.loading.load import load_engine
+    from engine.execution.sampling_params import SamplingParams
 
     t = time.perf_counter()
     core = load_engine(args.model, device="cuda", dtype="bfloat16", max_batch_tokens=args.max_batch_tokens,

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.llm import LLM  # noqa: E402
-from engine.make_model import make_model  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.loading.make_model import make_model  # noqa: E402
+from engine.execution.sampling_params import SamplingParams  # noqa: E402
 from service.benchmarks_md import write_section  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """fp8 KV cache vs exact: how far the production cache formats move the tiny and small models (CPU, fp32).
 
-For each preset (a random checkpoint from `engine.make_model.make_model`), 8 prompts x 32 greedy tokens:
+For each preset (a random checkpoint from `engine.loading.make_model.make_model`), 8 prompts x 32 greedy tokens:
 1. the exact engine (`kv_cache_dtype="auto"`) generates greedily; its prompt + output is the reference sequence;
 2. the fp8 engine (`kv_cache_dtype="fp8"`: fp8_ds_mla SWA / compressed KV, MXFP4 or FP8 indexer keys) generates
    greedily from the same prompts -> free-running agreement: the share of the 32 positions before the first
@@ -50,7 +50,7 @@ def run_engine(engine, prompts, params) -> list:
 def score(engine, sequences) -> tuple[list[list[float]], list[list[int]], list[list[float]]]:
     """Teacher forcing: per sequence, the logprob of every token given its prefix, and at each prefix the
     argmax and the top-2 logprob margin (entry i - 1 belongs to token i)."""
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     argmax: dict[str, list[int]] = {}
     margin: dict[str, list[float]] = {}
@@ -79,8 +79,8 @@ def kv_bytes_per_token(engine) -> float:
 
 
 def compare(model_dir: str, vocab: int, new_tokens: int, seed: int, index_formats: list[str]) -> list[dict]:
-    from engine.llm import load_engine
-    from engine.sampling_params import SamplingParams
+    from engine.loading.load import load_engine
+    from engine.execution.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update ('' = none)")
     args = ap.parse_args(argv)
 
-    from engine.make_model import PRESETS, make_model
+    from engine.loading.make_model import PRESETS, make_model
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     t_start = time.perf_counter()
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- machine: {machine()}",
         f"- workload: random checkpoints (`make_model(preset, seed={args.seed})`), fp32 compute, CPU reference "
         f"path; {len(PROMPT_LENS)} prompts of {', '.join(map(str, PROMPT_LENS))} tokens x {args.new_tokens} "
-        "greedy tokens; exact = `--kv-cache-dtype auto`, fp8 = `--kv-cache-dtype fp8` (engine/cache.py: "
+        "greedy tokens; exact = `--kv-cache-dtype auto`, fp8 = `--kv-cache-dtype fp8` (engine/model/cache.py: "
         "fp8_ds_mla SWA and compressed KV rows in geometry's block layout, MXFP4 or FP8 indexer keys; the tiny "
         "and small presets' NoPE / index widths are zero-padded to whole scale blocks)",
         "- greedy prefix agreement: share of the generated positions before the first token that differs "

@@ -3,13 +3,13 @@
     .venv/bin/python scripts/count_decode_ops.py [--slots 8] [--preset tiny] [--json out.json]
     .venv/bin/python scripts/count_decode_ops.py --prefill 256 [--kv-cache-dtype fp8]   # one prefill step instead
 
-With --prefill T, one request's prefill of T tokens in one step (engine.batch.build_step's index derivation is
+With --prefill T, one request's prefill of T tokens in one step (engine.model.batch.build_step's index derivation is
 the prologue) is counted the same way, after an identical warm-up prefill.
 
 Runs the built-in V4-structured model (tiny widths: SWA, CSA and HCA layers, a hash layer, MXFP4 experts kept
 packed) on the CPU with the Triton fast paths forced under triton's interpreter (DSV4_TRITON=1,
 TRITON_INTERPRET=1, DSV4_MXFP4_MOE=1), warms a few requests into decode, then runs one bucketed decode step
-(the graph path's fixed shapes, engine.decode_batch) under a TorchDispatchMode. Each aten op that launches a
+(the graph path's fixed shapes, engine.model.decode_batch) under a TorchDispatchMode. Each aten op that launches a
 kernel on a GPU (views, reshapes and allocations do not) counts once, each Triton launch counts once, and
 both are attributed to the section that issued them: prologue (input derivation, embedding), layer i's
 mhc / attn / moe (incl. each block's input norm), head (hc_head, norm, LM head).
@@ -117,10 +117,10 @@ def _wrap(obj, attr: str, wrapper_of):
 
 def _patch(sections: Sections, ogs: bool, fp8: bool) -> list:
     """Monkeypatches that label sections and count Triton launches; -> undo list of (obj, attr, real)."""
-    import engine.attention as attention_mod
-    import engine.linear as linear_mod
-    import engine.model as model_mod
-    import engine.moe as moe_mod
+    import engine.model.attention as attention_mod
+    import engine.model.linear as linear_mod
+    import engine.model.model as model_mod
+    import engine.model.moe as moe_mod
     from triton.runtime.interpreter import InterpretedFunction
 
     undo = []
@@ -193,7 +193,7 @@ def _patch(sections: Sections, ogs: bool, fp8: bool) -> list:
                 if hasattr(mod, attr):
                     undo.append((mod, attr, _wrap(mod, attr, linear_of)))
         # The shared expert's down projection takes its input from the fused SwiGLU + quantiser on CUDA
-        # (engine.moe.MoEBlock.shared_expert): run that kernel and count the GEMM after it as one launch.
+        # (engine.model.moe.MoEBlock.shared_expert): run that kernel and count the GEMM after it as one launch.
         import dsv4_kernels.deepgemm_linear as dgl
 
         def gemm_quantized(xq, xs, w):
@@ -226,7 +226,7 @@ class _LabelledMhc:
 
 def _stub_ogs(sections: Sections) -> list:
     """Run dsv4_kernels.mxfp4_ogs.ogs_moe's torch glue with triton_kernels' launches stubbed (counted, not run)."""
-    import engine.moe as moe_mod
+    import engine.model.moe as moe_mod
     import dsv4_kernels.mxfp4_ogs as ogs_mod
 
     class Matmul:
@@ -265,7 +265,7 @@ def _stub_ogs(sections: Sections) -> list:
 def _flashmla_stub():
     """FlashMLA's decode path on the CPU: the path choice forced where the H200 takes it (a one-token-each fp8
     step whose geometry FlashMLA takes), flash_mla's launch stubbed (zeros out) and counted as one."""
-    import engine.attention as attention_mod
+    import engine.model.attention as attention_mod
     import dsv4_kernels.gpu as gpu
 
     real_path, real_import = attention_mod.AttentionBlock._path, gpu.import_flash_mla
@@ -308,9 +308,9 @@ def build_engine(preset: str, slots: int, dtype: torch.dtype, kv_cache_dtype: st
     engine whose steps take that many tokens)."""
     import tempfile
 
-    from engine.llm import load_engine
-    from engine.make_model import make_model
-    from engine.sampling_params import SamplingParams
+    from engine.loading.load import load_engine
+    from engine.loading.make_model import make_model
+    from engine.execution.sampling_params import SamplingParams
 
     model_dir = make_model(preset, tempfile.mkdtemp(prefix="dsv4-count-"), quantize=True)
     engine = load_engine(model_dir, device="cpu", dtype=dtype, max_num_seqs=max(slots, 1),
@@ -363,7 +363,7 @@ def count_step(engine, ogs: bool = True, fp8: bool = True) -> dict[str, collecti
 
 def count_prefill_step(engine, tokens: int, ogs: bool = True, fp8: bool = True) -> dict[str, collections.Counter]:
     """One prefill step of a new `tokens`-token request on an idle `engine` -> {section: Counter}."""
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
@@ -407,7 +407,7 @@ def main(argv=None) -> int:
                     help="auto = exact on the CPU; fp8: the GPU default's cache formats (fp8_ds_mla + MXFP4 keys)")
     ap.add_argument("--flashmla-stub", action="store_true",
                     help="with fp8 and FlashMLA's geometry (--preset mini_v4): take the decode path the H200 takes "
-                         "(engine.attention_fp8.flashmla_attend), FlashMLA's own launch stubbed and counted as one")
+                         "(engine.model.attention_fp8.flashmla_attend), FlashMLA's own launch stubbed and counted as one")
     ap.add_argument("--prefill", type=int, default=0, metavar="T", help="count one prefill step of T tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

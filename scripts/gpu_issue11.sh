@@ -67,7 +67,7 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
               [ -s "$OUT/ogs_best.json" ] && export DSV4_OGS_CONSTRAINTS="$(cat "$OUT/ogs_best.json")" \
                 && echo "DSV4_OGS_CONSTRAINTS=$DSV4_OGS_CONSTRAINTS" ;;
     e2e) timeout 200 python3 scripts/check_hopper_e2e.py 2>&1 | grep -v "^$" | tail -12 || status=1 ;;
-    # A/B of overlapped greedy decode (engine.decode_overlap) and of the indexer key format, b1 and b64 at 4K / 32K
+    # A/B of overlapped greedy decode (engine.execution.decode_overlap) and of the indexer key format, b1 and b64 at 4K / 32K
     ab) for v in "overlap=1 keys=auto" "overlap=0 keys=auto" "overlap=1 keys=mxfp4"; do
           set -- $v; o=${1#overlap=}; k=${2#keys=}
           DSV4_OVERLAP_DECODE=$o timeout ${AB_TIMEOUT:-150} scripts/bench_gpu.sh --budget-s ${AB_BUDGET:-120} --no-peer \

@@ -87,7 +87,7 @@ def _stream_all(addr: str, token: str, prompts: list, params, kill_after: int | 
 def kill_mid_stream(handles: dict, streams: int, prompt_len: int, max_new: int, kill_after: int, vocab: int) -> dict:
     import ray
 
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
     from router.client import RouterClient
 
     addr, token = handles["router_addr"], handles["token"]
@@ -139,8 +139,8 @@ def _first_difference(a: list, b: list) -> int | None:
 
 
 def fault_main(args) -> int:
-    from engine.config import ModelConfig
-    from engine.make_model import default_model_dir
+    from engine.model.config import ModelConfig
+    from engine.loading.make_model import default_model_dir
     from service.launcher import ServiceConfig, init_ray, prepare_metrics_dir, ray_logs_tail, start_service, \
         stop_service
 

@@ -115,7 +115,7 @@ EOF
            fi
            "$PY" - "$OUT/env.json" "$MODEL" <<'EOF'
 import json, os, sys
-from engine.make_model import default_model_dir
+from engine.loading.make_model import default_model_dir
 path, model = sys.argv[1], sys.argv[2] or default_model_dir()
 c = json.load(open(os.path.join(model, "config.json")))
 env = json.load(open(path)) if os.path.exists(path) else {}
@@ -131,7 +131,7 @@ print(env["model"])
 EOF
     ;;
     warm) [ "$DEVICE" = cuda ] || continue  # compiles every kernel the workers need into the shared caches
-          # ($DG_JIT_CACHE_DIR, $TRITON_CACHE_DIR), so their own start-up warm-up (engine.warmup) loads them
+          # ($DG_JIT_CACHE_DIR, $TRITON_CACHE_DIR), so their own start-up warm-up (engine.execution.warmup) loads them
           run_stage warm ${WARM_TIMEOUT:-400} "$PY" -c 'import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 from engine.llm import load_engine
@@ -141,7 +141,7 @@ load_engine(sys.argv[1] or None, device="cuda", dtype="bfloat16", max_batch_toke
     serve) run_stage serve ${SERVE_TIMEOUT:-330} "$PY" -m service.cli bench serve "${MODEL_ARG[@]}" "${ENGINE[@]}" \
              "${SHARE[@]}" "${SERVE[@]}" --topologies colocated,1P1D --transfer nixl --no-write \
              --json-out "$OUT/serve.json"
-           # the kernels compiled in serving steps and the Triton variants first needed there (engine.compile_watch
+           # the kernels compiled in serving steps and the Triton variants first needed there (engine.telemetry.compile_watch
            # logs both): the Ray workers' logs, and this stage's own log for the colocated engine (it runs in the
            # bench's process)
            grep -rhE "kernels compiled since the last look|variant first needed while serving" \

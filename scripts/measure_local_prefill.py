@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engine.llm import load_engine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.loading.load import load_engine  # noqa: E402
+from engine.execution.sampling_params import SamplingParams  # noqa: E402
 from kv_transfer import make_backend  # noqa: E402
 from service.benchmarks_md import write_section  # noqa: E402
 

@@ -34,11 +34,11 @@ class _NoopGraph:
 
 def build(requests: int, vocab: int, temperature: float):
     """An EngineCore in graphs mode on the CPU with a stand-in graph; `requests` requests decoding."""
-    import engine.cuda_graphs as cg
-    from engine.sampling import greedy_pick
-    from engine.llm import load_engine
-    from engine.make_model import make_model
-    from engine.sampling_params import SamplingParams
+    import engine.execution.cuda_graphs as cg
+    from engine.execution.sampling import greedy_pick
+    from engine.loading.load import load_engine
+    from engine.loading.make_model import make_model
+    from engine.execution.sampling_params import SamplingParams
 
     model_dir = make_model("tiny", tempfile.mkdtemp(prefix="dsv4-host-"))
     engine = load_engine(model_dir, device="cpu", dtype="float32", max_num_seqs=requests, max_cached_tokens=1 << 16,
@@ -56,7 +56,7 @@ def build(requests: int, vocab: int, temperature: float):
     def capture(shape):
         inputs = cg.DecodeInputs(torch.zeros(3, shape.slots, dtype=torch.long))
         static = logits[:shape.slots]
-        # what the graph computes on the device (engine.cuda_graphs): no host cost per step
+        # what the graph computes on the device (engine.execution.cuda_graphs): no host cost per step
         greedy = greedy_pick(static) if hasattr(cg, "greedy_pick") else None
         graph = cg._Graph(inputs, _NoopGraph(), static, greedy) if greedy is not None else cg._Graph(
             inputs, _NoopGraph(), static)

@@ -28,7 +28,7 @@ def prefill_step(core, n: int, gen, sync, prof: cProfile.Profile | None = None) 
     ms; then finish the request."""
     import torch
 
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     rid = core.add_request(torch.randint(2, core.cfg.vocab_size, (n,), generator=gen).tolist(),
                            SamplingParams(max_new_tokens=2, ignore_eos=True))
@@ -58,7 +58,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from engine.llm import load_engine
+    from engine.loading.load import load_engine
 
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from engine.execution.sampling_params import SamplingParams
 from kv_transfer.registry import TRANSFER_CHOICES, TRANSFER_HELP
 from service.benchmarks_md import write_section
 
@@ -134,7 +134,7 @@ def run_ray_topology(cfg_kwargs: dict, prompts, params, concurrency, check_promp
 
 
 def run_colocated(model_dir: str, engine_options: dict, prompts, params, concurrency, check_prompts=()) -> tuple:
-    from engine.llm import load_engine
+    from engine.loading.load import load_engine
     from router.local_dispatch import LocalDispatcher
     from router.server import RouterServer
 
@@ -189,8 +189,8 @@ def bench_serve_main(args: argparse.Namespace) -> int:
 
         return bench_trace_main(args)
     from service.launcher import init_ray, prepare_metrics_dir
-    from engine.config import ModelConfig
-    from engine.make_model import default_model_dir
+    from engine.model.config import ModelConfig
+    from engine.loading.make_model import default_model_dir
 
     topologies = parse_topologies(args.topologies)
     model_dir = args.model or default_model_dir()

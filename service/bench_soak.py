@@ -137,8 +137,8 @@ def run_soak(args) -> dict:
     import requests
     import ray
 
-    from engine.config import ModelConfig
-    from engine.make_model import default_model_dir
+    from engine.model.config import ModelConfig
+    from engine.loading.make_model import default_model_dir
     from service.launcher import (ServiceConfig, init_ray, prepare_metrics_dir, remove_metrics_dir, start_service,
                                   stop_service)
 

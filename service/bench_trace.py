@@ -19,7 +19,7 @@ import random
 import sys
 import time
 
-from engine.sampling_params import SamplingParams
+from engine.execution.sampling_params import SamplingParams
 from service.benchmarks_md import write_section
 from service.route_traces import BLOCK, read
 
@@ -78,7 +78,7 @@ async def _replay(addr: str, trace, prompts, args) -> tuple[list[dict], float]:
 
 
 def run_policy(policy: str, trace, prompts, args, engine_options: dict) -> dict:
-    from engine.llm import load_engine
+    from engine.loading.load import load_engine
     from router.local_dispatch import LocalDispatcher
     from router.policy import PolicyConfig, RoutingPolicy
     from router.server import RouterServer
@@ -103,8 +103,8 @@ def run_policy(policy: str, trace, prompts, args, engine_options: dict) -> dict:
 
 
 def bench_trace_main(args) -> int:
-    from engine.config import ModelConfig
-    from engine.make_model import default_model_dir
+    from engine.model.config import ModelConfig
+    from engine.loading.make_model import default_model_dir
 
     args.model = args.model or default_model_dir()
     cfg = ModelConfig.from_model_dir(args.model)

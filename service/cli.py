@@ -65,10 +65,10 @@ def _add_make_model(sub) -> None:
 
 def _generate(args) -> int:
     from engine.llm import LLM
-    from engine.make_model import default_model_dir
-    from engine.model_source import local_model_dir
-    from engine.sampling_params import SamplingParams
-    from engine.tokenizer import load_tokenizer
+    from engine.loading.make_model import default_model_dir
+    from engine.loading.model_source import local_model_dir
+    from engine.execution.sampling_params import SamplingParams
+    from engine.loading.tokenizer import load_tokenizer
 
     model_dir = local_model_dir(args.model) or default_model_dir()
     tokenizer = load_tokenizer(model_dir)
@@ -102,7 +102,7 @@ def _generate(args) -> int:
 
 
 def _make_model(args) -> int:
-    from engine.make_model import make_model
+    from engine.loading.make_model import make_model
 
     path = make_model(args.preset, args.out, seed=args.seed, quantize=args.quantize)
     print(path or args.out)
@@ -151,7 +151,7 @@ def _chat_render(args) -> int:
     from service import chat_v4
     from pydantic import ValidationError
 
-    from engine.model_source import local_model_dir
+    from engine.loading.model_source import local_model_dir
     from service.openai_protocol import ChatCompletionRequest
 
     args.model = local_model_dir(args.model, with_weights=False)
@@ -162,7 +162,7 @@ def _chat_render(args) -> int:
     except ValidationError as e:  # the server's 400
         raise ValueError(f"invalid request {args.request!r}: {e}") from None
     if args.model is not None and not req.chat_template:
-        from engine.tokenizer import load_tokenizer
+        from engine.loading.tokenizer import load_tokenizer
 
         tok = load_tokenizer(args.model)
         if not chat_v4.uses_v4_encoding(args.model, tok):
@@ -170,7 +170,7 @@ def _chat_render(args) -> int:
                 raise ValueError(f"model {args.model!r} has no tokenizer or chat format")
             req.chat_template = tok.chat_template
     if req.chat_template:  # a Jinja template, as the server renders it
-        from engine.tokenizer import load_tokenizer
+        from engine.loading.tokenizer import load_tokenizer
         from service.openai_protocol import render_chat
 
         tok = load_tokenizer(args.model) if args.model else None
@@ -183,7 +183,7 @@ def _chat_render(args) -> int:
 
 
 def _chat_parse(args) -> int:
-    from engine.model_source import local_model_dir
+    from engine.loading.model_source import local_model_dir
     from service import chat_v4
 
     args.model = local_model_dir(args.model, with_weights=False)

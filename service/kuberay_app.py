@@ -335,7 +335,7 @@ def ingress_max_model_len(cfg: EntryConfig) -> int | None:
 def build(args: dict):
     """Serve application builder: start the backend, -> the OpenAI ingress app bound to its router."""
     from service.serve_ingress import OpenAIIngress
-    from engine.make_model import default_model_dir
+    from engine.loading.make_model import default_model_dir
 
     from service.ingress_guard import IngressOptions
 
@@ -352,7 +352,7 @@ def run_exporter(port: int, host: str = "0.0.0.0") -> None:
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         raise SystemExit("PROMETHEUS_MULTIPROC_DIR must name the pod's shared metrics directory")
     os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
-    from engine.metrics import start_metrics_server
+    from engine.telemetry.metrics import start_metrics_server
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -114,7 +114,7 @@ def worker_engine_options(cfg: ServiceConfig) -> dict:
     opts = dict(cfg.engine_options)
     share = worker_gpus(cfg)
     if 0 < share < 1 and opts.get("gpu_memory_utilization") is None and opts.get("max_cached_tokens") is None:
-        from engine.memory_plan import DEFAULT_UTILIZATION
+        from engine.loading.memory_plan import DEFAULT_UTILIZATION
 
         opts["gpu_memory_utilization"] = round(DEFAULT_UTILIZATION * share, 4)
     return opts
@@ -318,7 +318,7 @@ def add_engine_speed_args(parser: argparse.ArgumentParser) -> None:
                         help="longest request (prompt + output) in tokens, at most the model's max_position_embeddings "
                              "(default): bounds the minimum KV cache the start-up fit check asks for")
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
-                        help="do not reuse cached prompt prefixes across requests (engine.prefix_cache; on by "
+                        help="do not reuse cached prompt prefixes across requests (engine.execution.prefix_cache; on by "
                              "default)")
 
 
@@ -417,12 +417,12 @@ def remove_metrics_dir() -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    from engine.make_model import default_model_dir
-    from engine.model_source import local_model_dir
+    from engine.loading.make_model import default_model_dir
+    from engine.loading.model_source import local_model_dir
 
     engine_options = tuple((k, getattr(args, k)) for k in ENGINE_OPTION_KEYS if getattr(args, k, None) is not None)
     # A repo id is fetched here, once, before any pool starts: workers get the local snapshot path (one on
-    # another node that lacks it fetches that same commit itself: engine.model_source).
+    # another node that lacks it fetches that same commit itself: engine.loading.model_source).
     return ServiceConfig(model_dir=local_model_dir(args.model) or default_model_dir(),
                          model_name=args.served_model_name,
                          host=args.host, port=args.port, metrics_port=args.metrics_port, router_port=args.router_port,
@@ -444,7 +444,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
 
 def serve_main(args: argparse.Namespace) -> int:
     metrics_dir = prepare_metrics_dir()
-    from engine.metrics import start_metrics_server
+    from engine.telemetry.metrics import start_metrics_server
 
     cfg = config_from_args(args)
     stop = threading.Event()

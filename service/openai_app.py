@@ -36,11 +36,11 @@ from service import openai_protocol as P
 from service.ingress_guard import GuardMiddleware, IngressOptions, Offloader, lone_surrogate
 from service.template_sandbox import TemplateTimeout
 from service.text_stream import TextStream
-from engine import metrics
-from engine.config import ModelConfig
-from engine.model_source import local_model_dir
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer
+from engine.telemetry import metrics
+from engine.model.config import ModelConfig
+from engine.loading.model_source import local_model_dir
+from engine.execution.sampling_params import SamplingParams
+from engine.loading.tokenizer import load_tokenizer
 from router.client import AsyncRouterClient, RouterError
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ and vLLM-aware tools work unchanged:
 Fields the engine cannot honour (penalties, logit_bias, suffix) are declared so that a non-default
 value is a 400 naming the field instead of being silently ignored; unknown fields are ignored (and logged
 by the server), as vLLM does.
-Range checks of sampling values live in `engine.sampling_params.SamplingParams`, the one place that knows
+Range checks of sampling values live in `engine.execution.sampling_params.SamplingParams`, the one place that knows
 what the engine accepts; the server turns its ValueError into a 400.
 """
 

@@ -4,13 +4,13 @@
 placement group of N bundles ({GPU: 1} each on CUDA, the worker's CPU reservation each on CPU) with
 strategy STRICT_PACK, so a worker's ranks share a host and meet on a loopback port; bundle 0 holds the
 worker actor itself (rank 0: it schedules, owns the KV pool the transfers address and answers the router),
-bundles 1..N-1 hold `engine.rank_worker.RankFollower` actors. Followers are not restarted by Ray: a rank
+bundles 1..N-1 hold `engine.runtime.rank_worker.RankFollower` actors. Followers are not restarted by Ray: a rank
 cannot rejoin a running group, so a failed rank takes its worker down with it (the router's health loop
 drops that worker, as it drops any dead worker). N = 1 places workers exactly as before.
 
 With data-parallel attention (`--data-parallel-attention`) every bundle holds a worker actor: rank r of worker
 "decode-0" is worker "decode-0" (r = 0) or "decode-0-dp<r>", each with its own requests, KV pool, transfer
-endpoint and place in the router; their engine loops step in lockstep (engine.engine_loop). A failed rank fails its
+endpoint and place in the router; their engine loops step in lockstep (engine.runtime.engine_loop). A failed rank fails its
 peers' collectives, so the whole group leaves the router together, as a tensor-parallel worker does.
 """
 
@@ -50,8 +50,8 @@ def place_worker(cls, name: str, args: tuple, kwargs: dict, opts: dict, model_di
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from engine.parallel import free_loopback_port
-    from engine.rank_worker import RankFollower, TensorParallelSpec
+    from engine.model.parallel import free_loopback_port
+    from engine.runtime.rank_worker import RankFollower, TensorParallelSpec
 
     # Custom resources the actors ask for (KubeRay's dsv4_prefill / dsv4_decode, one unit a rank) must be in
     # their bundles; a detached worker (KubeRay builder) needs a detached group, or the group would end with

@@ -26,7 +26,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from engine.handoff import DecodeOverloaded, PeerUnknown, Transferred
 from kv_transfer.base import TransferError
-from engine.request import TokenEvent
+from engine.execution.request import TokenEvent
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied, WorkerInfo
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 What is real: `router.policy.RoutingPolicy.place` decides every request, from `WorkerInfo`s carrying each
 worker's load (requests queued or running) and its `PrefixDigest` (for `cache_aware`), exactly as the
-router sees them from live workers; prompts are hashed by the policy itself (`engine.block_hash`), and the
+router sees them from live workers; prompts are hashed by the policy itself (`engine.execution.block_hash`), and the
 router's `prefill_done` bookkeeping is called when a modelled prefill ends. What is modelled:
 - a worker's cache: `capacity_blocks` blocks of `block_tokens` tokens, LRU, every cached block resumable
   (the engine resumes at snapshots; a model with a snapshot on every block is the upper end of that);
@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from engine.block_hash import block_hashes
+from engine.execution.block_hash import block_hashes
 from engine.handoff import PrefixDigest
 from router.dispatch import WorkerInfo
 from router.policy import PolicyConfig, RoutingPolicy

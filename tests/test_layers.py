@@ -2,7 +2,9 @@
 
   dsv4_kernels <- engine <- {kv_transfer, prefill_worker, decode_worker} <- router <- service
 Workers may use kv_transfer but never each other; kv_transfer uses neither worker. deploy/ (files that are
-deployed: chart, dashboards, rules) imports nothing of the runtime except `engine.metrics`, whose names it charts.
+deployed: chart, dashboards, rules) imports nothing of the runtime except `engine.telemetry.metrics`, whose names it charts.
+Inside engine/ the folders are layers of their own (engine.handoff, the cross-pool contract, imports nothing):
+  engine.model <- engine.execution <- engine.telemetry <- engine.loading <- engine.runtime <- engine.llm
 Read with `ast`, so a lazy import inside a function counts as much as one at the top.
 """
 
@@ -18,6 +20,9 @@ LAYER = {"dsv4_kernels": 0, "engine": 1, "kv_transfer": 2, "prefill_worker": 2, 
          "service": 4}
 SIDEWAYS_OK = {("prefill_worker", "kv_transfer"), ("decode_worker", "kv_transfer")}
 RUNTIME = set(LAYER)
+# engine/ by role: the model and its caches, scheduling and execution, loading, telemetry, the worker runtime.
+ENGINE_LAYER = {"engine.handoff": 0, "engine.model": 1, "engine.execution": 2, "engine.telemetry": 3,
+                "engine.loading": 4, "engine.runtime": 5, "engine.llm": 6}
 
 
 def modules() -> dict[str, Path]:
@@ -69,10 +74,29 @@ def test_imports_follow_layers(name):
         if dst not in RUNTIME or dst == src:
             continue
         if src == "deploy":
-            if mod != "engine.metrics":
-                bad.append(f"line {line}: deploy/ imports {mod} (only engine.metrics' names may be charted)")
+            if mod != "engine.telemetry.metrics":
+                bad.append(f"line {line}: deploy/ imports {mod} (only engine.telemetry.metrics' names may be charted)")
         elif LAYER[dst] > LAYER[src] or (LAYER[dst] == LAYER[src] and (src, dst) not in SIDEWAYS_OK):
             bad.append(f"line {line}: {src} (layer {LAYER[src]}) imports {mod} (layer {LAYER[dst]})")
+    assert not bad, f"{name}:\n" + "\n".join(bad)
+
+
+def engine_part(mod: str) -> str | None:
+    parts = mod.split(".")
+    return ".".join(parts[:2]) if parts[0] == "engine" and len(parts) > 1 else None
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if engine_part(n)))
+def test_engine_roles_follow_layers(name):
+    src = engine_part(name)
+    assert src in ENGINE_LAYER, f"{name}: engine/ holds only {sorted(ENGINE_LAYER)}"
+    bad = []
+    for mod, _, line in imports_of(MODULES[name], name):
+        dst = engine_part(mod)
+        if dst is None or dst == src:
+            continue
+        if dst not in ENGINE_LAYER or ENGINE_LAYER[dst] >= ENGINE_LAYER[src]:
+            bad.append(f"line {line}: {src} imports {mod}")
     assert not bad, f"{name}:\n" + "\n".join(bad)
 
 

@@ -7,7 +7,7 @@ rate a serving loop sees: with overlapped decode the host's share hides behind t
 is CUDA-synchronised.
 
 Decode steps run as the engine runs them (`core.decode_mode`; "graphs" on a 16-bit CUDA engine): a CUDA
-graph is captured on the first step of each (batch-slot, context) bucket (engine/cuda_graphs.py). A timed
+graph is captured on the first step of each (batch-slot, context) bucket (engine/execution/cuda_graphs.py). A timed
 step that captured one (the context crossed a bucket edge) is dropped and another step is run in its
 place; the count is reported.
 """
@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from engine.config import ModelConfig
-from engine.fast_paths import use_mxfp4_moe
-from engine.runner import EngineCore
-from engine.sampling_params import SamplingParams
+from engine.model.config import ModelConfig
+from engine.model.fast_paths import use_mxfp4_moe
+from engine.execution.runner import EngineCore
+from engine.execution.sampling_params import SamplingParams
 
 from .measure import Clock, median, sync
 
@@ -35,8 +35,8 @@ def _capturing() -> bool:
 class ExpertRecorder:
     """Keeps the routed expert ids of each MoE call while `on`, whichever route the engine takes.
 
-    Wraps `route` where engine.moe looks it up: `engine.moe.route` (dense experts) and the attribute
-    `dsv4_kernels.triton_moe.route` (packed MXFP4 on the Triton path; engine.moe imports the module inside
+    Wraps `route` where engine.model.moe looks it up: `engine.model.moe.route` (dense experts) and the attribute
+    `dsv4_kernels.triton_moe.route` (packed MXFP4 on the Triton path; engine.model.moe imports the module inside
     the call). Under CUDA graphs route runs only at capture: the ids tensors of the capture forward are
     kept per bucket (so their memory stays theirs) and read after each replay. Padding rows of a
     fixed-shape step are dropped (real requests come first).
@@ -141,7 +141,7 @@ def bench_decode(core: EngineCore, cfg: ModelConfig, rec: ExpertRecorder, batch:
             rec.on = len(times) >= warmup
             graphs = _graphs(core)
             # No device sync around a step: a synchronous step reads its tokens back anyway, and an overlapped one
-            # (engine.decode_overlap) returns step N while N + 1 runs, so the time between returns is its rate.
+            # (engine.execution.decode_overlap) returns step N while N + 1 runs, so the time between returns is its rate.
             t = time.perf_counter()
             core.step()
             dt = time.perf_counter() - t

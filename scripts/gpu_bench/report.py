@@ -285,7 +285,7 @@ def _gaps(ctx: dict) -> str:
             ("routed experts ran on the engine's own packed-MXFP4 Triton kernel, not triton_kernels (its share of "
              "copy bandwidth is measured by scripts/bench_moe.py, section mxfp4_moe, not by this run)")
             if any(e["format"] == "mxfp4" for e in ran) else "routed experts ran as bf16 grouped GEMMs",
-            ("under graphs greedy decode steps overlap (engine.decode_overlap): step N+1 is launched from step N's "
+            ("under graphs greedy decode steps overlap (engine.execution.decode_overlap): step N+1 is launched from step N's "
              "device tokens before N is read back, so the host's schedule, read-back and finish checks run while the "
              "GPU works")
             if any(e.get("overlap") for e in ran) else

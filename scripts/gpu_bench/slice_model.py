@@ -1,10 +1,10 @@
 """The V4-Flash slice the GPU benchmark runs: its config.json, seeded random weights, the built engine.
 
 Weights are random and seeded. Dense projections go through FP8 e4m3 128x128 UE8M0 block quantisation and
-are dequantised to bf16, which is what the engine's loader does with a real checkpoint (engine/weights.py).
+are dequantised to bf16, which is what the engine's loader does with a real checkpoint (engine/loading/weights.py).
 Routed experts come in one of two formats (EXPERT_FORMATS), one engine each:
 - "mxfp4": kept packed, as `load_weights(..., keep_mxfp4_experts=True)` hands them over (uint8 e2m1 bytes
-  [N, K/2] + UE8M0 scale bytes [N, K/32] per expert; engine.moe.PackedExperts), filled with random bytes
+  [N, K/2] + UE8M0 scale bytes [N, K/32] per expert; engine.model.moe.PackedExperts), filled with random bytes
   (every byte is a valid e2m1 pair) and one scale per tensor giving the std of the bf16 experts;
 - "bf16": MXFP4-rounded (dsv4_kernels/quant.py) then dequantised to bf16, as the loader does by default.
 No checkpoint file is written: the weights dict is built on the device and handed to `EngineCore`, and
@@ -17,20 +17,20 @@ import math
 
 import torch
 
-from engine.cache import CacheConfig
-from engine.config import ModelConfig
-from engine.fast_paths import (mxfp4_moe_backend, resolve_index_cache_dtype, resolve_kv_cache_dtype, use_fp8_gemm,
+from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
+from engine.model.fast_paths import (mxfp4_moe_backend, resolve_index_cache_dtype, resolve_kv_cache_dtype, use_fp8_gemm,
                                use_grouped_moe)
-from engine.linear import keeps_fp8
-from engine.make_model import (  # the release's quantisation layout
+from engine.model.linear import keeps_fp8
+from engine.loading.make_model import (  # the release's quantisation layout
     _FP8,
     _MXFP4,
     preset_config,
 )
-from engine.prefix_cache import STAGING_PAGES
-from engine.runner import EngineCore
-from engine.scheduler import SchedulerConfig
-from engine.weights import expected_weight_shapes, keeps_fp32
+from engine.execution.prefix_cache import STAGING_PAGES
+from engine.execution.runner import EngineCore
+from engine.execution.scheduler import SchedulerConfig
+from engine.loading.weights import expected_weight_shapes, keeps_fp32
 from dsv4_kernels.quant import (
     E2M1_VALUES,
     UE8M0_BIAS,
@@ -74,14 +74,14 @@ def smoke_config() -> dict:
 
 
 def _proj_std(fan_in: int) -> float:
-    return min(0.1, max(0.02, 1.0 / math.sqrt(fan_in)))  # as engine.make_model.random_weights
+    return min(0.1, max(0.02, 1.0 / math.sqrt(fan_in)))  # as engine.loading.make_model.random_weights
 
 
 EXPERT_FORMATS = ("mxfp4", "bf16")
 
 
 def experts_path(fmt: str, device, dtype) -> str:
-    """What runs the routed experts of a `fmt` engine on `device` (engine.moe's choice), for the report."""
+    """What runs the routed experts of a `fmt` engine on `device` (engine.model.moe's choice), for the report."""
     if fmt == "mxfp4":
         return {"triton_kernels": "mxfp4, triton_kernels matmul", "marlin": "mxfp4, Marlin W4A16 grouped GEMM",
                 "engine": "mxfp4, engine Triton MoE",

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
-from engine.fast_paths import use_triton
+from engine.model.config import ModelConfig
+from engine.model.fast_paths import use_triton
 
 from .engine_bench import ExpertRecorder, bench_decode, bench_prefill, profile_decode, profile_prefill
 from .measure import Clock, measure_roofs

@@ -201,7 +201,7 @@ def test_every_pod_exports_metrics_on_the_scraped_port(case):
 
 
 def test_every_ray_container_keeps_compiled_kernels_on_the_cache_volume(case):
-    """DeepGEMM's and Triton's JIT caches point into the compileCache volume (engine.warmup compiles into them
+    """DeepGEMM's and Triton's JIT caches point into the compileCache volume (engine.execution.warmup compiles into them
     before a worker reports ready; a volume that outlives the pod spares the next start that work)."""
     values, _, docs = case
     (rs,) = by_kind(docs, "RayService")

@@ -1,11 +1,11 @@
-"""engine.compile_watch: the kernels whose compile-cache files appeared since the last look, by name."""
+"""engine.telemetry.compile_watch: the kernels whose compile-cache files appeared since the last look, by name."""
 
 import json
 import os
 
 import pytest
 
-from engine.compile_watch import CompileWatch, describe
+from engine.telemetry.compile_watch import CompileWatch, describe
 
 
 def _triton_variant(root: str, key: str, name: str) -> None:
@@ -46,8 +46,8 @@ def test_missing_cache_directories_are_skipped(tmp_path, monkeypatch):
 def test_note_slow_step_counts_and_logs_only_slow_steps(tmp_path, caplog):
     """What a worker (and a colocated LocalWorker) calls after every step: nothing below SLOW_STEP_S; above, the
     compiled kernels go to the log and to dsv4_kernel_compiles_total under the engine's role and id."""
-    from engine import metrics
-    from engine.compile_watch import SLOW_STEP_S, note_slow_step
+    from engine.telemetry import metrics
+    from engine.telemetry.compile_watch import SLOW_STEP_S, note_slow_step
 
     triton = str(tmp_path / "triton")
     os.makedirs(triton)
@@ -82,7 +82,7 @@ class _Fn:
 
 
 def test_variant_log_names_what_differs_from_the_nearest_earlier_variant():
-    from engine.compile_watch import VariantLog
+    from engine.telemetry.compile_watch import VariantLog
 
     log = VariantLog()
     sig = {"q_ptr": "*bf16", "b1": "i32", "grid_m": "i32", "D": "constexpr"}
@@ -107,7 +107,7 @@ def test_variant_log_names_what_differs_from_the_nearest_earlier_variant():
 def test_note_slow_step_logs_variants_first_needed_while_serving(tmp_path, caplog):
     """Every step (fast ones too): a variant specialised after the watch started is logged once, with its
     difference from the warm-up's; a step with none logs nothing."""
-    from engine.compile_watch import VariantLog, note_slow_step
+    from engine.telemetry.compile_watch import VariantLog, note_slow_step
 
     log = VariantLog()
     sig = {"x_ptr": "*bf16", "n": "i32"}
@@ -131,7 +131,7 @@ def test_install_variant_log_hooks_triton_once_and_chains():
     pytest.importorskip("triton")
     from triton import knobs
 
-    import engine.compile_watch as cw
+    import engine.telemetry.compile_watch as cw
 
     calls = []
     saved_hook, saved_log = knobs.runtime.jit_cache_hook, cw._VARIANT_LOG

@@ -1,6 +1,6 @@
 """Fixed-shape decode steps (what CUDA graphs replay) compute what the content-sized steps compute.
 
-decode_mode="bucketed" runs engine.decode_batch's padded batches eagerly, so the CPU checks the whole
+decode_mode="bucketed" runs engine.model.decode_batch's padded batches eagerly, so the CPU checks the whole
 graph path except the capture itself: same tokens and logprobs as decode_mode="eager", the same cache
 contents on every request page, and padding rows that touch nothing but the scratch page. On a GPU the
 same comparison runs with decode_mode="graphs" (tests/engine/test_gpu_engine.py).
@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache import CacheConfig
-from engine.config import ModelConfig
-from engine.cuda_graphs import context_buckets, slot_buckets
-from engine.decode_batch import DecodeShape, build_decode_step
-from engine.make_model import default_model_dir
-from engine.runner import EngineCore
-from engine.sampling_params import SamplingParams
-from engine.weights import load_weights
+from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
+from engine.execution.cuda_graphs import context_buckets, slot_buckets
+from engine.model.decode_batch import DecodeShape, build_decode_step
+from engine.loading.make_model import default_model_dir
+from engine.execution.runner import EngineCore
+from engine.execution.sampling_params import SamplingParams
+from engine.loading.weights import load_weights
 
 TOL = 1e-5
 
@@ -116,7 +116,7 @@ def test_decode_mode_validation(model_dir):
 
 def test_block_tables_rewrite_a_reused_request_id(model_dir):
     """A request id that comes back with other pages (a retry, a new request) must not reuse stale rows."""
-    from engine.decode_batch import BlockTables
+    from engine.model.decode_batch import BlockTables
 
     engine = _engine(model_dir, "bucketed")
     tables = BlockTables(engine.pool, 4, 1024, "cpu")

@@ -1,4 +1,4 @@
-"""Overlapped decode (engine.decode_overlap), greedy and sampled: launching step N+1 from step N's device tokens before the host
+"""Overlapped decode (engine.execution.decode_overlap), greedy and sampled: launching step N+1 from step N's device tokens before the host
 reads them gives exactly the synchronous engine's tokens, log-probs and events, drops the token a finished or
 aborted request already ran, and returns every page only after the step that may still write it.
 
@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache import CacheConfig
-from engine.config import ModelConfig
-from engine.make_model import default_model_dir
-from engine.runner import EngineCore
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerConfig
-from engine.weights import load_weights
+from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
+from engine.loading.make_model import default_model_dir
+from engine.execution.runner import EngineCore
+from engine.execution.sampling_params import SamplingParams
+from engine.execution.scheduler import SchedulerConfig
+from engine.loading.weights import load_weights
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The fused decode prologue (dsv4_kernels.triton_decode_prologue through engine.decode_batch.PrologueLayout) derives
+"""The fused decode prologue (dsv4_kernels.triton_decode_prologue through engine.model.decode_batch.PrologueLayout) derives
 exactly the StepBatch of the torch derivation (derive_decode_batch_reference): every tensor, element for element,
 same dtype and shape, on random page tables and positions (window edges, position 0, padding rows)."""
 
@@ -11,12 +11,12 @@ import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
-from engine.batch import StepBatch  # noqa: E402
-from engine.cache import CacheConfig, CachePool  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.decode_batch import (BlockTables, DecodeInputs, DecodeShape, PrologueLayout,  # noqa: E402
+from engine.model.batch import StepBatch  # noqa: E402
+from engine.model.cache import CacheConfig, CachePool  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
+from engine.model.decode_batch import (BlockTables, DecodeInputs, DecodeShape, PrologueLayout,  # noqa: E402
                                  derive_decode_batch, derive_decode_batch_reference)
-from engine.make_model import preset_config  # noqa: E402
+from engine.loading.make_model import preset_config  # noqa: E402
 
 
 def _pool(preset: str, kv_cache_dtype: str = "auto", **overrides) -> CachePool:
@@ -116,9 +116,9 @@ def test_padding_only_batch(monkeypatch):
 
 
 def test_stacked_position_ropes_equal_each_rope():
-    """engine.model's one-pass main + compress RoPE equals each Rope on its own, bit for bit."""
-    from engine.config import RopeSpec
-    from engine.model import DeepseekV4Model, Rope
+    """engine.model.model's one-pass main + compress RoPE equals each Rope on its own, bit for bit."""
+    from engine.model.config import RopeSpec
+    from engine.model.model import DeepseekV4Model, Rope
 
     model = DeepseekV4Model.__new__(DeepseekV4Model)
     model.device, model._rope_stack = torch.device("cpu"), None
@@ -138,9 +138,9 @@ def test_bucketed_decode_with_fused_prologue_matches_eager(monkeypatch, kv_cache
     tokens and log-probs as content-sized eager steps, across HCA and ratio-4 window boundaries."""
     if DEVICE != "cpu":  # the engines here are CPU ones with the prologue forced through the interpreter
         pytest.skip("interpreter test; on a GPU the graphs engine runs this prologue (tests/engine/test_gpu_engine.py)")
-    import engine.decode_batch as decode_batch
+    import engine.model.decode_batch as decode_batch
     from tests.engine.test_decode_buckets import _engine, _prompts, _run_until
-    from engine.make_model import default_model_dir
+    from engine.loading.make_model import default_model_dir
 
     monkeypatch.setattr(decode_batch, "use_triton", lambda device: True)
     model_dir = default_model_dir()

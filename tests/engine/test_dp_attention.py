@@ -1,6 +1,6 @@
-"""Data-parallel attention (engine.dp_attention) over gloo on the CPU equals one rank.
+"""Data-parallel attention (engine.execution.dp_attention) over gloo on the CPU equals one rank.
 
-Two real ranks (this process and one spawned by engine.tp_launch), each with whole attention weights and its own
+Two real ranks (this process and one spawned by engine.execution.tp_launch), each with whole attention weights and its own
 requests (prompt i runs on rank i % 2), the routed experts split by expert parallelism and exchanged in every MoE
 layer. Against a one-rank engine on the same prompts, greedy and seeded-sampling requests give the same tokens and
 the same logprobs and prompt logprobs within fp32 tolerance (the routed sum is added across ranks in another
@@ -18,8 +18,8 @@ import sys
 import pytest
 
 from engine.llm import LLM
-from engine.make_model import make_model
-from engine.parallel import ParallelContext
+from engine.loading.make_model import make_model
+from engine.model.parallel import ParallelContext
 from tests.engine.test_tensor_parallel import TOL, _assert_close, _params, _prompts
 
 LENS = [37, 130, 9, 2, 21]

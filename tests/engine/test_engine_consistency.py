@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.execution.sampling_params import SamplingParams
 
 TOL = 1e-5
 
@@ -126,7 +126,7 @@ def test_stops_at_eos_unless_ignored(llm, vocab, tmp_path):
     import json
     import shutil
 
-    from engine.make_model import default_model_dir
+    from engine.loading.make_model import default_model_dir
 
     prompt = _prompts([7], vocab, seed=4)[0]
     free = llm.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids

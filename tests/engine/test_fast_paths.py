@@ -1,4 +1,4 @@
-"""engine.fast_paths: the Triton switch, and the engine's Triton attention path against the reference path.
+"""engine.model.fast_paths: the Triton switch, and the engine's Triton attention path against the reference path.
 
 On a CUDA machine the fast path runs compiled; elsewhere it is forced onto CPU tensors with DSV4_TRITON=1
 under triton's interpreter (TRITON_INTERPRET=1, set before any dsv4_kernels.triton_* import). Both paths run
@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.fast_paths import ENV, use_triton  # noqa: E402
+from engine.model.fast_paths import ENV, use_triton  # noqa: E402
 from dsv4_kernels.gpu import has_triton, triton_enabled  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,7 +39,7 @@ needs_triton = pytest.mark.skipif(not has_triton() or not triton_enabled(DEVICE)
 
 def _generate(monkeypatch, setting: str, prompts, max_batch_tokens: int):
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     monkeypatch.setenv(ENV, setting)
     llm = LLM(model_dir=None, device=DEVICE, dtype="float32", max_batch_tokens=max_batch_tokens)
@@ -49,7 +49,7 @@ def _generate(monkeypatch, setting: str, prompts, max_batch_tokens: int):
 
 @needs_triton
 def test_engine_triton_attention_matches_reference(monkeypatch):
-    import engine.attention as attention_mod
+    import engine.model.attention as attention_mod
 
     calls = []
     real = attention_mod.AttentionBlock._attend_triton
@@ -79,7 +79,7 @@ def test_engine_triton_attention_matches_reference(monkeypatch):
 
 def _fp8_run(monkeypatch, setting: str, prompts, budget: int, decode_mode: str):
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     monkeypatch.setenv(ENV, setting)
     llm = LLM(model_dir=None, device=DEVICE, dtype="float32", max_batch_tokens=budget, kv_cache_dtype="fp8",
@@ -91,7 +91,7 @@ def _fp8_run(monkeypatch, setting: str, prompts, budget: int, decode_mode: str):
 @needs_triton
 @pytest.mark.parametrize("decode_mode", ["bucketed"])
 def test_fp8_fast_path_matches_fp8_reference(monkeypatch, decode_mode):
-    """An fp8 pool on the fast path (engine.attention_fp8: dequantised stores + the Triton MQA kernel, the
+    """An fp8 pool on the fast path (engine.model.attention_fp8: dequantised stores + the Triton MQA kernel, the
     Triton quantised-entry writer, the indexer over packed keys) computes what the fp8 reference computes.
     Bucketed decode only: content-sized ("eager") decode steps take the same attention path as the prefill
     chunks here, and bucketed = eager with fp8 caches is tests/engine/test_decode_buckets.py's (a 95 s
@@ -99,7 +99,7 @@ def test_fp8_fast_path_matches_fp8_reference(monkeypatch, decode_mode):
     (Here, not in test_kv_cache_fp8.py, because forcing the Triton path needs TRITON_INTERPRET set before the
     first dsv4_kernels.triton_* import.) FlashMLA's decode path is checked on the GPU
     (tests/kernels/test_flashmla_sparse.py)."""
-    import engine.attention_fp8 as fp8_mod
+    import engine.model.attention_fp8 as fp8_mod
 
     calls = []
     real = fp8_mod.dequantised_attend
@@ -138,9 +138,9 @@ def test_flashmla_decode_glue_matches_fp8_reference(monkeypatch):
     launch: int32, -1 padded to FlashMLA's multiple of 64) computes what the fp8 reference computes, with FlashMLA
     itself replaced by plain attention over the rows those lists name (FlashMLA needs the GPU; its own numerics
     are tests/kernels/test_flashmla_sparse.py's). The tiny geometry is not FlashMLA's, so the path is forced."""
-    import engine.attention as attention_mod
+    import engine.model.attention as attention_mod
     import dsv4_kernels.flashmla_sparse as fm
-    from engine.cache import fp8_ds_mla_codec
+    from engine.model.cache import fp8_ds_mla_codec
     from dsv4_kernels.attention import sparse_attention
 
     calls = []
@@ -179,11 +179,11 @@ def test_flashmla_decode_glue_matches_fp8_reference(monkeypatch):
 
 @needs_triton
 def test_in_step_snapshot_on_the_fast_path(monkeypatch):
-    """A prefix-cache snapshot kept inside a longer chunk (engine.prefix_cache: the step's SWA and compressor
+    """A prefix-cache snapshot kept inside a longer chunk (engine.execution.prefix_cache: the step's SWA and compressor
     state writes also fill staging pages, on the fast path through the Triton state-ring save) resumes a
     repeat of the prompt as the reference path does: same tokens, logprobs within fp32 tolerance."""
-    from engine.llm import load_engine
-    from engine.sampling_params import SamplingParams
+    from engine.loading.load import load_engine
+    from engine.execution.sampling_params import SamplingParams
 
     prompt = torch.randint(2, 500, (140,), generator=torch.Generator().manual_seed(8)).tolist()
     params = SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=True)
@@ -213,7 +213,7 @@ def test_in_step_snapshot_on_the_fast_path(monkeypatch):
     ("engine", True, True, "engine"),
 ])
 def test_mxfp4_moe_backend_order(monkeypatch, want, ogs, marlin, expected):
-    from engine import fast_paths
+    from engine.model import fast_paths
 
     monkeypatch.setattr(fast_paths, "use_mxfp4_moe", lambda device: True)
     monkeypatch.setattr(fast_paths, "has_triton_kernels", lambda: ogs)

@@ -1,4 +1,4 @@
-"""The start-up fit check (engine.fit_check): per-rank weight bytes from the headers equal what the loader and
+"""The start-up fit check (engine.loading.fit_check): per-rank weight bytes from the headers equal what the loader and
 the sharder really hold; a budget too small is a ValueError with the numbers and what to change; V4-Flash's
 release layout against an H200."""
 
@@ -10,16 +10,16 @@ import re
 import pytest
 import torch
 
-from engine.cache import CacheConfig
-from engine.config import ModelConfig
-from engine.fit_check import check_fit, meta_from_stored, weight_bytes_per_rank
-from engine.llm import load_engine
-from engine.make_model import default_model_dir, make_model
-from engine.memory_plan import GIB, activation_reserve, cap_context, pool_bytes
-from engine.parallel import ParallelContext
-from engine.sampling_params import SamplingParams
-from engine.sharding import shard_weights
-from engine.weights import load_weights
+from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
+from engine.loading.fit_check import check_fit, meta_from_stored, weight_bytes_per_rank
+from engine.loading.load import load_engine
+from engine.loading.make_model import default_model_dir, make_model
+from engine.loading.memory_plan import GIB, activation_reserve, cap_context, pool_bytes
+from engine.model.parallel import ParallelContext
+from engine.execution.sampling_params import SamplingParams
+from engine.model.sharding import shard_weights
+from engine.loading.weights import load_weights
 from tests.support.configs import flash_config
 from tests.support.flash_layout import flash_release_layout
 

@@ -1,4 +1,4 @@
-"""FP8 dense projections kept as e4m3 + block scales (load_weights(keep_fp8=True), engine.linear): the loader's
+"""FP8 dense projections kept as e4m3 + block scales (load_weights(keep_fp8=True), engine.model.linear): the loader's
 contract, and an engine on them (reference FP8 linear with 1x128 activation quantisation on the CPU; DeepGEMM
 on CUDA) against the engine on dequantised weights."""
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import linear as engine_linear
-from engine.config import ModelConfig
-from engine.linear import FP8_LINEAR, grouped_projection, keeps_fp8, linear
+from engine.model.model import linear as engine_linear
+from engine.model.config import ModelConfig
+from engine.model.linear import FP8_LINEAR, grouped_projection, keeps_fp8, linear
 from engine.llm import LLM
-from engine.make_model import _QUANT_CONFIG, preset_config, quantize_weights, random_weights, write_tokenizer
-from engine.sampling_params import SamplingParams
-from engine.weights import load_weights
+from engine.loading.make_model import _QUANT_CONFIG, preset_config, quantize_weights, random_weights, write_tokenizer
+from engine.execution.sampling_params import SamplingParams
+from engine.loading.weights import load_weights
 from dsv4_kernels.fp8_linear import Fp8Weight, weight_from_checkpoint
 from dsv4_kernels.quant import quant_fp8_block
 
@@ -95,6 +95,6 @@ def test_engine_on_fp8_weights_matches_dequantised(fp8_model_dir, monkeypatch):
     # FP8 activations are the only difference: finite, a modest shift on this random 4-layer model.
     assert torch.isfinite(fp8).all() and (fp8 - base).abs().mean().item() < 0.5
     # Without the activation rounding the FP8 engine computes exactly what the dequantised one does
-    # (every projection is wired through engine.linear, nothing dropped or transposed).
+    # (every projection is wired through engine.model.linear, nothing dropped or transposed).
     monkeypatch.setattr(engine_linear, "fp8_linear_ref", lambda x, w: (x.float() @ w.dequant().t()).to(x.dtype))
     assert torch.equal(run(keep_fp8_weights=True), base)

@@ -18,12 +18,12 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("GPU only: needs a CUDA device", allow_module_level=True)
 
-from engine.cache import CacheConfig  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.make_model import default_model_dir  # noqa: E402
-from engine.runner import EngineCore  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.weights import load_weights  # noqa: E402
+from engine.model.cache import CacheConfig  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
+from engine.loading.make_model import default_model_dir  # noqa: E402
+from engine.execution.runner import EngineCore  # noqa: E402
+from engine.execution.sampling_params import SamplingParams  # noqa: E402
+from engine.loading.weights import load_weights  # noqa: E402
 from tests.support.oracle import teacher_forced  # noqa: E402
 from tests.engine.test_decode_overlap import _spy_lookahead  # noqa: E402
 from tests.engine.test_oracle import CONFIGS, N_GEN, _prompts, checkpoints  # noqa: E402, F401 (fixture)
@@ -119,7 +119,7 @@ def test_graphs_refuse_fp32():
 
 
 def test_overlapped_graph_decode_equals_synchronous(monkeypatch):
-    """Overlapped greedy decode (engine.decode_overlap) under CUDA graphs runs the same kernels on the same inputs
+    """Overlapped greedy decode (engine.execution.decode_overlap) under CUDA graphs runs the same kernels on the same inputs
     as the synchronous graph path, so tokens and log-probs are bit-equal; and the overlap must actually engage."""
     g = torch.Generator().manual_seed(7)
     overlapped, synchronous = _engine(torch.bfloat16, "graphs"), _engine(torch.bfloat16, "graphs")

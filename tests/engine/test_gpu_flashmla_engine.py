@@ -1,5 +1,5 @@
 """The default fp8 KV cache on a GPU: `--kv-cache-dtype auto` resolves to fp8_ds_mla on a bf16 CUDA engine with
-FlashMLA, decode steps run FlashMLA under CUDA graphs (engine.attention_fp8), and the results agree with the
+FlashMLA, decode steps run FlashMLA under CUDA graphs (engine.model.attention_fp8), and the results agree with the
 same engine's other paths. Model: the `mini_v4` preset (V4's attention geometry, small elsewhere), FP8 dense +
 MXFP4 experts on disk. GPU only (CUDA + tokenspeed-flashmla); run by scripts/gpu_tests.sh on the device.
 
@@ -25,7 +25,7 @@ N_GEN = 16
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from engine.make_model import make_model
+    from engine.loading.make_model import make_model
 
     return make_model("mini_v4", tmp_path_factory.mktemp("mini_v4"), quantize=True)
 
@@ -37,7 +37,7 @@ def _prompts():
 
 def _run(model_dir, prompts, **kwargs):
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     llm = LLM(model_dir=model_dir, device="cuda", dtype="bfloat16", max_cached_tokens=16384, **kwargs)
     params = SamplingParams(max_new_tokens=N_GEN, ignore_eos=True, logprobs=True, prompt_logprobs=True)
@@ -47,7 +47,7 @@ def _run(model_dir, prompts, **kwargs):
 def _score(model_dir, sequences, **kwargs):
     """Teacher-forced logprobs of whole sequences (prompt_logprobs of prompt + continuation)."""
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     llm = LLM(model_dir=model_dir, device="cuda", dtype="bfloat16", max_cached_tokens=16384, **kwargs)
     outs = llm.generate(sequences, SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True))
@@ -60,7 +60,7 @@ def _diffs(a, b):
 
 
 def test_auto_is_fp8_and_decode_takes_flashmla_under_graphs(model_dir, monkeypatch):
-    import engine.attention_fp8 as fp8_mod
+    import engine.model.attention_fp8 as fp8_mod
 
     calls = []
     real = fp8_mod.flashmla_attend
@@ -111,7 +111,7 @@ def test_flashmla_vs_triton_and_fp8_vs_exact(model_dir, monkeypatch):
 def _cpu_judge(model_dir, prompts, outs) -> tuple[float, float]:
     """(mean |dlogprob|, share within 0.1) of the decode logprobs against the fp32 CPU engine, fp8 cache."""
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     llm = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_cached_tokens=4096, kv_cache_dtype="fp8")
     seqs = [p + o.token_ids for p, o in zip(prompts, outs)]

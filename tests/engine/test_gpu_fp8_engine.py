@@ -23,7 +23,7 @@ if not torch.cuda.is_available() or not has_deep_gemm():
                 + (why_not("deep_gemm") or "no CUDA device"), allow_module_level=True)
 
 from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.execution.sampling_params import SamplingParams  # noqa: E402
 from dsv4_kernels.fp8_linear import Fp8Weight  # noqa: E402
 from tests.support.fp8_oracle import make_fp8_pair, oracle_diffs, prompts  # noqa: E402
 

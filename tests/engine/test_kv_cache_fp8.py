@@ -14,12 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache import (CacheConfig, CacheGroup, CacheGroupSpec, CachePool, fp8_ds_mla_codec, group_specs,
+from engine.model.cache import (CacheConfig, CacheGroup, CacheGroupSpec, CachePool, fp8_ds_mla_codec, group_specs,
                           indexer_codec)
-from engine.config import ModelConfig
-from engine.llm import LLM, load_engine
-from engine.make_model import PRESETS
-from engine.sampling_params import SamplingParams
+from engine.model.config import ModelConfig
+from engine.llm import LLM
+from engine.loading.load import load_engine
+from engine.loading.make_model import PRESETS
+from engine.execution.sampling_params import SamplingParams
 from dsv4_kernels import geometry as g
 from dsv4_kernels import quant_formats as qf
 from tests.support.configs import flash_config
@@ -299,7 +300,7 @@ def test_cli_and_serve_accept_kv_cache_dtype(capsys):
 def test_kv_cache_dtype_auto_resolves_per_device_and_geometry():
     """--kv-cache-dtype auto: fp8 only where FlashMLA decodes it (a bf16 CUDA engine with V4's geometry and
     flash_mla); exact rows elsewhere, with the reason; explicit choices are kept."""
-    from engine.fast_paths import resolve_kv_cache_dtype
+    from engine.model.fast_paths import resolve_kv_cache_dtype
     from dsv4_kernels.gpu import has_flash_mla
 
     assert resolve_kv_cache_dtype("fp8", "cpu", torch.float32, 32, 16, 4)[0] == "fp8"
@@ -318,7 +319,7 @@ def test_kv_cache_dtype_auto_resolves_per_device_and_geometry():
 def test_index_cache_dtype_resolution():
     """--index-cache-dtype: explicit formats are kept, auto is MXFP4 off Hopper (FP8 on sm90 is checked where a
     GPU runs the bench), anything else is a ValueError naming it."""
-    from engine.fast_paths import resolve_index_cache_dtype
+    from engine.model.fast_paths import resolve_index_cache_dtype
 
     assert resolve_index_cache_dtype("auto", "cpu")[0] == "mxfp4"
     assert resolve_index_cache_dtype("fp8", "cpu") == ("fp8", "as requested")

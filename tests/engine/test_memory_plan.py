@@ -1,4 +1,4 @@
-"""KV-pool sizing (engine.memory_plan): the override, the CPU default and the GPU-memory arithmetic.
+"""KV-pool sizing (engine.loading.memory_plan): the override, the CPU default and the GPU-memory arithmetic.
 
 The CUDA branch's arithmetic is checked here with `torch.cuda.mem_get_info` answering fixed numbers; on a GPU the
 real call runs in tests/engine/test_gpu_engine.py-style loads (every LLM on CUDA logs its plan)."""
@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from engine.cache import CacheConfig
-from engine.config import ModelConfig
-from engine.make_model import preset_config
-from engine.memory_plan import GIB, activation_reserve, plan_kv_tokens, pool_bytes
+from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
+from engine.loading.make_model import preset_config
+from engine.loading.memory_plan import GIB, activation_reserve, plan_kv_tokens, pool_bytes
 
 CFG = ModelConfig.from_dict(preset_config("small"))
 CACHE = CacheConfig(max_requests=8, max_tokens=1, page_tokens=256)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from engine.llm import LLM
-from engine.make_model import default_model_dir
-from engine.sampling_params import SamplingParams
+from engine.loading.make_model import default_model_dir
+from engine.execution.sampling_params import SamplingParams
 from tests.support.local_hub import LocalHub, repo_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def test_a_dropped_connection_resumes_where_it_stopped(tmp_path):
     shard = bytes(range(256)) * (96 * 1024)  # 24 MiB
     files = repo_files(default_model_dir(), {**EXTRA, "extra-00001-of-00001.safetensors": shard})
     with LocalHub("org/tiny", files, COMMIT, drop_once=("extra-00001-of-00001.safetensors",)) as hub:
-        proc = run(["-c", "from engine.model_source import resolve_model; "
+        proc = run(["-c", "from engine.loading.model_source import resolve_model; "
                           "print(resolve_model('org/tiny@main').local_dir)"], hub, tmp_path / "hub")
         assert proc.returncode == 0, proc.stderr
         ranges = [r for m, p, r in hub.log if m == "GET" and p.endswith("/extra-00001-of-00001.safetensors")]

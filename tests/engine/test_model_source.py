@@ -1,4 +1,4 @@
-"""`--model` resolution (engine.model_source): local directories unchanged, Hugging Face repo ids served from
+"""`--model` resolution (engine.loading.model_source): local directories unchanged, Hugging Face repo ids served from
 a real HF cache layout with downloads off (HF_HUB_OFFLINE=1; no test downloads), clear errors otherwise."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ import os
 import pytest
 import torch
 
-from engine.llm import LLM, load_engine
-from engine.make_model import default_model_dir
-from engine.model_source import (CONFIG_FILES, ENGINE_FILES, ModelNotAvailable, local_model_dir, parse_repo_id,
+from engine.llm import LLM
+from engine.loading.load import load_engine
+from engine.loading.make_model import default_model_dir
+from engine.loading.model_source import (CONFIG_FILES, ENGINE_FILES, ModelNotAvailable, local_model_dir, parse_repo_id,
                                  resolve_model)
-from engine.sampling_params import SamplingParams
+from engine.execution.sampling_params import SamplingParams
 from tests.support.hf_cache import COMMIT, add_repo
 
 

@@ -1,4 +1,4 @@
-"""Prefix cache (engine.prefix_cache): a request served from cache computes what it computes without one.
+"""Prefix cache (engine.execution.prefix_cache): a request served from cache computes what it computes without one.
 
 Every comparison runs the same requests, in the same order, on an engine with the prefix cache and on one
 without (fp32 CPU): tokens equal, logprobs within 1e-5. Configs cover all three layer kinds (SWA, CSA,
@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from engine.allocator import PageAllocator
-from engine.llm import load_engine
-from engine.sampling_params import SamplingParams
+from engine.model.allocator import PageAllocator
+from engine.loading.load import load_engine
+from engine.execution.sampling_params import SamplingParams
 from tests.support.oracle import make_hf_checkpoint, teacher_forced
 
 TOL = 1e-5
@@ -357,7 +357,7 @@ def test_snapshot_inside_the_chunk_keeps_the_prompt_one_step(name, checkpoints, 
 
 def test_a_full_engine_still_snapshots_inside_the_chunk(checkpoints):
     """An engine running as many requests as it takes (max_num_seqs 1 here) keeps spare fixed pages for the
-    staging (engine.prefix_cache.STAGING_PAGES): its long prompt still runs in one step. Before, the one request
+    staging (engine.execution.prefix_cache.STAGING_PAGES): its long prompt still runs in one step. Before, the one request
     held every fixed page and the chunk was cut at the snapshot point (the H200 slice's 8K prompt ran in two)."""
     spec = CONFIGS["w12_csa_hca16"]
     engine = load_engine(model_dir=checkpoints("w12_csa_hca16"), page_tokens=spec["page_tokens"],

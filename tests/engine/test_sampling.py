@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.sampling import apply_top_k_top_p, draw_seed, sample
+from engine.execution.sampling import apply_top_k_top_p, draw_seed, sample
 
 
 def test_top_k_top_p_masks():
@@ -42,9 +42,9 @@ def test_sampling_follows_distribution():
 
 
 def test_greedy_pick_is_argmax_and_its_logprob():
-    """engine.sampling.greedy_pick (what the decode graph computes for greedy requests): one fp64 [2, N]
+    """engine.execution.sampling.greedy_pick (what the decode graph computes for greedy requests): one fp64 [2, N]
     tensor of argmax tokens (exact) and their log-probs, equal to the separate torch ops."""
-    from engine.sampling import greedy_pick
+    from engine.execution.sampling import greedy_pick
 
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(7)) * 4
     both = greedy_pick(logits)
@@ -58,7 +58,7 @@ def test_greedy_pick_is_argmax_and_its_logprob():
 def test_sampling_inputs_match_separate_uploads():
     """sampling_inputs packs the rows' parameters into one upload: the same fp32 / int64 values as one tensor
     each (floats rounded once, to fp32), draw seeds up to 2**63 - 1 exact."""
-    from engine.sampling import sampling_inputs
+    from engine.execution.sampling import sampling_inputs
 
     temps, top_ks, top_ps = [0.0, 0.7, 1.3, 1e-3], [0, 5, 40, 1], [1.0, 0.9, 0.123456789, 0.5]
     seeds = [draw_seed(s, i) for s, i in ((0, 0), (7, 3), (2**40, 9))] + [2**63 - 1]

@@ -1,4 +1,4 @@
-"""Each tensor-parallel rank reads only its shard from the safetensors files (engine.shard_reader).
+"""Each tensor-parallel rank reads only its shard from the safetensors files (engine.loading.shard_reader).
 
 `load_shard` must equal today's load-then-cut, `shard_weights(load_weights(...))`, bit for bit, for every
 tensor and rank: tiny and small presets, plain and in the release formats (FP8 e4m3 + UE8M0 128x128 block
@@ -19,13 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import engine.weights as weights_mod
-from engine.config import ModelConfig
-from engine.make_model import make_model, preset_config, random_weights
-from engine.parallel import ParallelContext
-from engine.shard_reader import load_shard
-from engine.sharding import cut_of, owns, shard_weights
-from engine.weights import load_weights
+import engine.loading.weights as weights_mod
+from engine.model.config import ModelConfig
+from engine.loading.make_model import make_model, preset_config, random_weights
+from engine.model.parallel import ParallelContext
+from engine.loading.shard_reader import load_shard
+from engine.model.sharding import cut_of, owns, shard_weights
+from engine.loading.weights import load_weights
 from dsv4_kernels.quant import ue8m0_to_float
 
 FP4 = getattr(torch, "float4_e2m1fn_x2", None)

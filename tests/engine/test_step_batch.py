@@ -1,14 +1,14 @@
-"""engine.batch.build_step's host inputs: one packed host-to-device copy (pinned and non-blocking on CUDA, so the
+"""engine.model.batch.build_step's host inputs: one packed host-to-device copy (pinned and non-blocking on CUDA, so the
 host never waits for the device there), unpacked into the step's small tensors and every group's page table."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.batch import PART_ALIGN, build_step
-from engine.cache import CacheConfig, CachePool
-from engine.config import ModelConfig
-from engine.make_model import PRESETS
+from engine.model.batch import PART_ALIGN, build_step
+from engine.model.cache import CacheConfig, CachePool
+from engine.model.config import ModelConfig
+from engine.loading.make_model import PRESETS
 
 
 def _pool():

@@ -1,7 +1,7 @@
 """Tensor parallelism (TP 2) and expert parallelism (EP 2) over gloo on the CPU equal one rank.
 
 Every multi-rank case runs a real 2-process group: the test process is rank 0 (it schedules and samples) and
-`engine.tp_launch` spawns rank 1. Compared with a one-rank engine on the same prompts, greedy and seeded-sampling
+`engine.execution.tp_launch` spawns rank 1. Compared with a one-rank engine on the same prompts, greedy and seeded-sampling
 requests must produce the same tokens and the same logprobs and prompt logprobs within fp32 tolerance (the split
 changes only the summation order of wo_b, the shared / routed experts and the LM head). Cases: unchunked prefill +
 eager decode (TP 2); chunked prefill (7-token budget) + fixed-shape decode steps (TP 2 + EP 2, which exercises both
@@ -25,13 +25,13 @@ import sys
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from engine.llm import LLM
-from engine.make_model import default_model_dir, make_model
-from engine.parallel import ParallelContext
-from engine.sampling_params import SamplingParams
-from engine.sharding import shard_weights
-from engine.weights import load_weights
+from engine.loading.make_model import default_model_dir, make_model
+from engine.model.parallel import ParallelContext
+from engine.execution.sampling_params import SamplingParams
+from engine.model.sharding import shard_weights
+from engine.loading.weights import load_weights
 
 TOL = 2e-5  # fp32: the only differences are summation orders of split reductions
 LENS = [37, 130, 9, 2]  # 130 closes an HCA-128 entry inside prefill; the tiny window is 16
@@ -251,7 +251,7 @@ def test_handoff_between_layouts():
 
     Every rank holds the full (MQA) caches, so the prefill side's rank 0 pages are the whole request; on a
     TP decode side the copy lands in rank 0's pool and commit_import replicates it to rank 1."""
-    from engine.llm import load_engine
+    from engine.loading.load import load_engine
 
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=True, temperature=0.8, seed=3)
     prompts = _prompts(512, [23, 131, 4], seed=17)
@@ -301,7 +301,7 @@ def test_prefix_cache_hits_under_tensor_parallel(tmp_path):
 
 
 def test_expert_parallel_rank_reads_only_its_experts():
-    from engine.sharding import skips_unowned
+    from engine.model.sharding import skips_unowned
 
     cfg = ModelConfig.from_model_dir(default_model_dir())
     assert skips_unowned(cfg, ParallelContext(2, 1, False)) is None  # TP MoE: every rank slices every expert
@@ -318,7 +318,7 @@ def _write_fp8_model(out_dir: str) -> str:
 
     from safetensors.torch import save_file
 
-    from engine.make_model import preset_config, quantize_weights, random_weights
+    from engine.loading.make_model import preset_config, quantize_weights, random_weights
 
     raw = preset_config("tiny")
     raw.update(hidden_size=256, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=128,
@@ -335,7 +335,7 @@ def _write_fp8_model(out_dir: str) -> str:
 
 def test_fp8_projections_stay_fp8_per_rank(tmp_path):
     """keep_fp8_weights: each rank holds its cut of wq_b / wo_a / wo_b / shared experts as e4m3 + block scales
-    (engine.linear's FP8 path, here its CPU reference) and matches one rank. Activations are quantised per
+    (engine.model.linear's FP8 path, here its CPU reference) and matches one rank. Activations are quantised per
     128-block along K on both sides, on the same blocks; an fp32 summation-order difference can still move a
     value across an e4m3 rounding step, hence a looser bound than the plain fp32 tests."""
     from dsv4_kernels.fp8_linear import Fp8Weight
@@ -359,7 +359,7 @@ def test_fp8_projections_stay_fp8_per_rank(tmp_path):
 def test_failed_step_ends_the_group(monkeypatch):
     """Rank 0 fails inside a step (after broadcasting it): the follower, left inside the step's collectives,
     is terminated at once and the LLM refuses further work instead of hanging."""
-    from engine.runner import EngineCore
+    from engine.execution.runner import EngineCore
 
     llm = LLM(model_dir=None, tensor_parallel_size=2)
     follower = llm.ranks.processes[0]
@@ -382,7 +382,7 @@ def test_failed_step_ends_the_group(monkeypatch):
 
 def test_tp_backend_override(monkeypatch):
     """DSV4_TP_BACKEND picks the group's backend (gloo on CUDA = ranks sharing a GPU, host-copied collectives)."""
-    from engine.parallel import TP_BACKEND_ENV, process_backend
+    from engine.model.parallel import TP_BACKEND_ENV, process_backend
 
     monkeypatch.delenv(TP_BACKEND_ENV, raising=False)
     assert process_backend("cpu") == "gloo" and process_backend("cuda") == "nccl"

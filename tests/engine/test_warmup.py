@@ -1,4 +1,4 @@
-"""Start-up warm-up (engine.warmup): the request ladder runs through the engine and leaves it as it found it
+"""Start-up warm-up (engine.execution.warmup): the request ladder runs through the engine and leaves it as it found it
 (no request, every page back, prefix cache empty), the engine then serves the same tokens as a cold one, and the
 M values cover every 64-row block count. On the CPU the ladder runs, and the DeepGEMM recorder and sweep run
 against stand-ins; on a GPU, load_engine(warmup=True) captures every graph (the sweep on real DeepGEMM runs in
@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache import CacheConfig
-from engine.config import ModelConfig
-from engine.make_model import default_model_dir
-from engine.runner import EngineCore
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerConfig
-from engine.warmup import gemm_m_values, prompt_ladder, warm_engine, warmup_enabled
-from engine.weights import load_weights
+from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
+from engine.loading.make_model import default_model_dir
+from engine.execution.runner import EngineCore
+from engine.execution.sampling_params import SamplingParams
+from engine.execution.scheduler import SchedulerConfig
+from engine.execution.warmup import gemm_m_values, prompt_ladder, warm_engine, warmup_enabled
+from engine.loading.weights import load_weights
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_warmup_refuses_a_busy_engine(weights):
 def test_gpu_load_engine_warms_and_serves_what_a_cold_engine_serves(monkeypatch):
     """load_engine(warmup=True) on CUDA (what the workers call) captures every decode bucket before returning,
     and the warmed engine's greedy tokens equal a cold engine's (the same graphs, captured earlier)."""
-    from engine.llm import load_engine
+    from engine.loading.load import load_engine
 
     outs, engines = [], []
     for mode in ("1", "0"):
@@ -230,9 +230,9 @@ def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
 
 def _dp_warm_rank(rank: int, port: int, max_batch_tokens: int, prompt: list[int], out) -> None:
     """One data-parallel attention rank (gloo): warm up with its group, then serve one prompt in lockstep."""
-    from engine.dp_attention import run_lockstep
-    from engine.llm import load_engine
-    from engine.parallel import init_distributed
+    from engine.execution.dp_attention import run_lockstep
+    from engine.loading.load import load_engine
+    from engine.model.parallel import init_distributed
 
     torch.set_num_threads(1)
     try:
@@ -257,7 +257,7 @@ def test_data_parallel_ranks_warm_up_together():
     import multiprocessing
 
     from engine.llm import LLM
-    from engine.parallel import free_loopback_port
+    from engine.model.parallel import free_loopback_port
 
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 12]]
     want = LLM(None, prefix_cache=True, max_batch_tokens=8).generate(

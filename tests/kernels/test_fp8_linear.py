@@ -112,7 +112,7 @@ def test_deep_gemm_grouped_projection(t):
 @pytest.mark.parametrize("pow2", [True, False])
 @pytest.mark.parametrize("g,m,k", [(3, 5, 256), (2, 1, 128), (4, 6, 100)])
 def test_triton_grouped_quantiser_matches_per_group(g, m, k, pow2):
-    """One launch over a transposed [M, G, K] view (as engine.linear's grouped projection passes it) gives each
+    """One launch over a transposed [M, G, K] view (as engine.model.linear's grouped projection passes it) gives each
     group exactly the plain quantiser's codes and scales, in the same MN-major scale layout."""
     from dsv4_kernels.triton_fp8_quant import quant_act_1x128_grouped
 
@@ -144,9 +144,9 @@ def test_triton_grouped_quantiser_into_padded_group_storage():
 
 
 def test_rms_norm_for_off_the_fp8_path_is_the_plain_norm():
-    """engine.linear.rms_norm_for without DeepGEMM (CPU, or tensor weights): rms_norm and no quantisation;
+    """engine.model.linear.rms_norm_for without DeepGEMM (CPU, or tensor weights): rms_norm and no quantisation;
     linear_from then is linear. (The fused path runs on CUDA: tests/kernels/test_triton_norm_quant.py.)"""
-    from engine.linear import linear, linear_from, rms_norm_for
+    from engine.model.linear import linear, linear_from, rms_norm_for
     from dsv4_kernels.norm import rms_norm
 
     gen = torch.Generator().manual_seed(5)

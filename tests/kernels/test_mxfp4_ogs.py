@@ -74,10 +74,10 @@ def test_ogs_moe_under_cuda_graph():
 
 
 def test_variant_sweep_leaves_no_step_size_to_compile():
-    """engine.warmup's MoE sweep (one call per mxfp4_ogs.variant_key class) compiles every variant of
+    """engine.execution.warmup's MoE sweep (one call per mxfp4_ogs.variant_key class) compiles every variant of
     triton_kernels' matmul a step of up to max_tokens tokens can need: random step sizes afterwards, and the
     ~520-token one that compiled mid-request on the H200 after the ladder, specialise nothing new."""
-    from engine.compile_watch import install_variant_log
+    from engine.telemetry.compile_watch import install_variant_log
     from dsv4_kernels import mxfp4_ogs
 
     log = install_variant_log()

@@ -1,10 +1,10 @@
 """dsv4_kernels.mxfp4_ogs.variant_tokens: one token count per class of launch variant of triton_kernels' MoE matmuls
-(what engine.warmup's MoE sweep runs). CPU: the classes themselves; the GPU test in test_mxfp4_ogs.py checks
+(what engine.execution.warmup's MoE sweep runs). CPU: the classes themselves; the GPU test in test_mxfp4_ogs.py checks
 that after the sweep no step size compiles a new variant."""
 
 import pytest
 
-from engine.warmup import prompt_ladder
+from engine.execution.warmup import prompt_ladder
 from dsv4_kernels.mxfp4_ogs import PREFILL_TOKENS, _ragged_blocks, variant_key, variant_tokens
 
 

@@ -185,8 +185,8 @@ def test_multi_store_rows_index_the_concatenation(num_stores):
 def test_multi_store_offsets_beyond_int32_add_no_variant():
     """The element offsets of stores 1 and 2 from store 0 are pointer differences: stores over 4 GiB apart made
     them i64 where near ones were i32, and each type compiled its own variant (mid-request on the H200, named by
-    engine.compile_watch). Declared i64, the far stores run the near stores' variant and still read right."""
-    from engine.compile_watch import install_variant_log
+    engine.telemetry.compile_watch). Declared i64, the far stores run the near stores' variant and still read right."""
+    from engine.telemetry.compile_watch import install_variant_log
 
     log = install_variant_log()
     t, h, d, k = 8, 64, 512, 160

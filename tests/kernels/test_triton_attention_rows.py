@@ -8,7 +8,7 @@ import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
-from engine.batch import paged_rows  # noqa: E402
+from engine.model.batch import paged_rows  # noqa: E402
 from dsv4_kernels.triton_attention_rows import attention_rows  # noqa: E402
 
 T, W = 6, 20

@@ -1,6 +1,6 @@
 """Prefill-shaped Triton indexer logits + top-k (dsv4_kernels/triton_indexer_prefill.py) against dsv4_kernels.indexer.
 
-Varlen steps built as engine.batch builds its visible index entries (one page table per sequence, entry w
+Varlen steps built as engine.model.batch builds its visible index entries (one page table per sequence, entry w
 visible to position p iff w < (p + 1) // 4), several sequences of different lengths, chunks starting
 mid-sequence, exact and quantised (MXFP4 / FP8 paged) key stores. Runs compiled on a GPU when one is present,
 else in triton's CPU interpreter (tiny sizes: the interpreter is slow).
@@ -12,7 +12,7 @@ import torch
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 from tests.support import numerics as NUM  # noqa: E402
 
-from engine.batch import paged_rows, segment_arange  # noqa: E402
+from engine.model.batch import paged_rows, segment_arange  # noqa: E402
 from dsv4_kernels import geometry as g  # noqa: E402
 from dsv4_kernels import indexer as ref  # noqa: E402
 from dsv4_kernels import triton_indexer  # noqa: E402
@@ -92,7 +92,7 @@ def test_scores_and_topk_match_reference(fmt, dtype):
     t = rows.shape[0]
     store, layout, dense = key_store(fmt, di if fmt == "exact" else (32 if fmt == "mxfp4" else 128), seed=2)
     q = randn(t, hi, di, seed=3, dtype=dtype)
-    if layout is not None:  # zero-padded key dims, as engine.attention pads q: q . k unchanged
+    if layout is not None:  # zero-padded key dims, as engine.model.attention pads q: q . k unchanged
         q = torch.nn.functional.pad(q, (0, layout.index_head_dim - di))
     keys = dense.to(dtype) if layout is None else store
     weights = randn(t, hi, seed=4, scale=hi**-0.5)

@@ -44,7 +44,7 @@ CASES = [("mxfp4", 64, 16, 64), ("mxfp4", 32, 16, 64), ("fp8", 128, 32, 128), ("
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt, di, rope, width", CASES)  # width > di: zero-padded layout (as engine.cache)
+@pytest.mark.parametrize("fmt, di, rope, width", CASES)  # width > di: zero-padded layout (as engine.model.cache)
 @pytest.mark.parametrize("rotate", [True, False])
 def test_matches_reference_and_pack(dtype, fmt, di, rope, width, rotate):
     q = randn(T, HI, di, seed=di + rope, dtype=dtype, scale=3.0)

@@ -90,7 +90,7 @@ def test_bad_shapes_raise():
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
                                              (torch.bfloat16, torch.bfloat16)])
 def test_hc_pre_with_fused_input_norm(decode_knobs, dtype, out_dtype):
-    """norm_weight: the first output is the block's input, rms_norm(collapsed, w).to(out_dtype) (engine.model)."""
+    """norm_weight: the first output is the block's input, rms_norm(collapsed, w).to(out_dtype) (engine.model.model)."""
     from dsv4_kernels.norm import rms_norm
 
     hc, iters = 4, 3

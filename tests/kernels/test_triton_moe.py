@@ -165,15 +165,15 @@ def test_mxfp4_moe_rejects_bad_shapes():
 # ---- engine -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_q(tmp_path_factory):
-    from engine.make_model import make_model
+    from engine.loading.make_model import make_model
 
     return make_model("tiny", tmp_path_factory.mktemp("tiny_q"), seed=5, quantize=True)
 
 
 def test_load_weights_keeps_mxfp4_experts_packed(tiny_q, tmp_path):
-    from engine.config import ModelConfig
-    from engine.make_model import make_model
-    from engine.weights import load_weights
+    from engine.model.config import ModelConfig
+    from engine.loading.make_model import make_model
+    from engine.loading.weights import load_weights
 
     cfg = ModelConfig.from_model_dir(tiny_q)
     dense = load_weights(tiny_q, cfg)
@@ -191,7 +191,7 @@ def test_load_weights_keeps_mxfp4_experts_packed(tiny_q, tmp_path):
 
 def test_take_experts_mixed_layer_is_dequantised():
     """A layer with some experts packed and some dense (an odd checkpoint) falls back to dense stacks."""
-    from engine.moe import PackedExperts, take_experts
+    from engine.model.moe import PackedExperts, take_experts
 
     pk, dense = packed_experts(2, 64, 32, seed=4)
     weights = {}
@@ -212,7 +212,7 @@ def test_take_experts_mixed_layer_is_dequantised():
 
 def _generate(tiny_q, monkeypatch, keep: bool, kernel: str):
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.execution.sampling_params import SamplingParams
 
     monkeypatch.setenv("DSV4_MXFP4_MOE", kernel)
     llm = LLM(tiny_q, device=DEVICE, keep_mxfp4_experts=keep)

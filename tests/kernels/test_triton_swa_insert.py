@@ -9,7 +9,7 @@ import torch
 
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
-from engine.cache import fp8_ds_mla_codec  # noqa: E402
+from engine.model.cache import fp8_ds_mla_codec  # noqa: E402
 from dsv4_kernels import geometry as g  # noqa: E402
 from dsv4_kernels.norm import rms_norm  # noqa: E402
 from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from engine.cache import CachePool
-from engine.llm import load_engine
-from engine.sampling_params import SamplingParams
+from engine.model.cache import CachePool
+from engine.loading.load import load_engine
+from engine.execution.sampling_params import SamplingParams
 from kv_transfer import build_plan, make_backend
 from kv_transfer.plan import STAGING_ALIGN, staged_layout
 from kv_transfer.staging import DeferredScatter, StagingBuffer

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from engine.cache import CacheConfig, CacheGroupSpec, CachePool, group_specs
-from engine.config import ModelConfig
-from engine.make_model import PRESETS
+from engine.model.cache import CacheConfig, CacheGroupSpec, CachePool, group_specs
+from engine.model.config import ModelConfig
+from engine.loading.make_model import PRESETS
 from kv_transfer import (TransferError, TransferTimeout, build_plan, layout_fingerprint, make_backend,
                          resolve_name)
 from kv_transfer.base import pack_metadata, unpack_metadata

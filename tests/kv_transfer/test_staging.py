@@ -354,7 +354,7 @@ class _Done:
 def test_a_released_range_is_held_until_its_scatter_has_run():
     """release(offset, event) holds the range until the event completes; alloc reclaims finished ones first, and
     waits for held ones rather than fail when nothing else is free."""
-    from engine.cache import CachePool
+    from engine.model.cache import CachePool
     from kv_transfer.staging import StagingBuffer
     from tests.kv_transfer.test_kv_transfer import CFG
 
@@ -381,7 +381,7 @@ def test_scatter_is_queued_without_waiting_and_holds_its_range_until_it_ran():
     until the scatter has run; the pages get the staged bytes (read back by a gather)."""
     import time
 
-    from engine.cache import CachePool
+    from engine.model.cache import CachePool
     from kv_transfer.staging import StagingBuffer
     from tests.kv_transfer.test_kv_transfer import CFG
 

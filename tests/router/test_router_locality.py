@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.block_hash import block_hashes
+from engine.execution.block_hash import block_hashes
 from engine.handoff import PrefixDigest
-from engine.llm import load_engine
-from engine.sampling_params import SamplingParams
+from engine.loading.load import load_engine
+from engine.execution.sampling_params import SamplingParams
 from router import locality
 from router.dispatch import WorkerInfo
 from router.policy import PolicyConfig, RoutingPolicy

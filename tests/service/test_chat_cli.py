@@ -38,7 +38,7 @@ def test_chat_render_prints_the_fixture_bytes(tmp_path, capsysbinary, n):
 
 
 def test_chat_render_with_the_built_in_model(tmp_path, capsysbinary):
-    from engine.make_model import default_model_dir
+    from engine.loading.make_model import default_model_dir
 
     path = request_file(tmp_path, "2")
     assert main(["chat-render", "--request", str(path), "--model", default_model_dir()]) == 0
@@ -91,7 +91,7 @@ def test_chat_render_follows_the_model(tmp_path, capsysbinary):
     V4 and has none is an error."""
     import shutil
 
-    from engine.make_model import default_model_dir
+    from engine.loading.make_model import default_model_dir
 
     src, model = Path(default_model_dir()), tmp_path / "templated"
     model.mkdir()

@@ -16,8 +16,8 @@ import grpc
 import openai
 import pytest
 
-from engine.make_model import default_model_dir
-from engine.tokenizer import load_tokenizer
+from engine.loading.make_model import default_model_dir
+from engine.loading.tokenizer import load_tokenizer
 from router.protos import pb2, pb2_grpc
 from service import chat_v4
 from service.chat_parsing import parse_completion

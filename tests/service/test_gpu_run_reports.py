@@ -48,7 +48,7 @@ def test_cold_start_table(tmp_path):
         "machine: NVIDIA H200, torch 2.11\nTraceback (most recent call last):\n"
         "RuntimeError: CUDA driver error (handle.hpp:141): 200 (CUDA_ERROR_INVALID_IMAGE)\n")
     (tmp_path / "warm1_hot.log").write_text(
-        "engine.warmup: warm-up: 13 prompts (1,2,4096 tokens) 12.5 s, 85 decode graphs captured 3.1 s, 9 FP8 GEMM "
+        "engine.execution.warmup: warm-up: 13 prompts (1,2,4096 tokens) 12.5 s, 85 decode graphs captured 3.1 s, 9 FP8 GEMM "
         "shapes x 156 M values 40.2 s\nload_engine (warm-up 1): 60.2 s\n"
         "request 0: prompt 300, first step 20.0 ms, slowest later step 3.0 ms\n"
         "request 1: prompt 697, first step 4257.7 ms, slowest later step 81.2 ms\n"

@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 import uvicorn
 
-from engine.llm import load_engine
-from engine.make_model import default_model_dir
+from engine.loading.load import load_engine
+from engine.loading.make_model import default_model_dir
 from router.local_dispatch import LocalDispatcher
 from router.server import RouterServer
 from service.ingress_guard import IngressOptions

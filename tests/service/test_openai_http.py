@@ -20,9 +20,9 @@ from prometheus_client import REGISTRY
 from service.chat_parsing import parse_completion
 from service.openai_app import build_app
 from engine.llm import LLM
-from engine.make_model import ASSISTANT_TOKEN, BOS_TOKEN, USER_TOKEN, default_model_dir
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer
+from engine.loading.make_model import ASSISTANT_TOKEN, BOS_TOKEN, USER_TOKEN, default_model_dir
+from engine.execution.sampling_params import SamplingParams
+from engine.loading.tokenizer import load_tokenizer
 from router.local_dispatch import LocalDispatcher
 from router.protos import pb2_grpc
 from router.server import RouterServer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
-from engine.make_model import default_model_dir
+from engine.loading.make_model import default_model_dir
 from service.openai_app import build_app
 from tests.service.test_openai_http import MODEL, Backend, HTTPServer
 

@@ -24,8 +24,8 @@ import pytest
 ray = pytest.importorskip("ray")
 requests = pytest.importorskip("requests")
 
-from engine.make_model import default_model_dir  # noqa: E402
-from engine.metrics import start_metrics_server  # noqa: E402
+from engine.loading.make_model import default_model_dir  # noqa: E402
+from engine.telemetry.metrics import start_metrics_server  # noqa: E402
 from kv_transfer.base import unpack_metadata  # noqa: E402
 from router.client import RouterClient, RouterError  # noqa: E402
 from service.launcher import (ServiceConfig, init_ray, prepare_metrics_dir, ray_logs_tail,  # noqa: E402

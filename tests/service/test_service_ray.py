@@ -28,9 +28,9 @@ from service.launcher import (  # noqa: E402
     stop_service,
 )
 from engine.llm import LLM  # noqa: E402
-from engine.make_model import default_model_dir  # noqa: E402
-from engine.metrics import start_metrics_server  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.loading.make_model import default_model_dir  # noqa: E402
+from engine.telemetry.metrics import start_metrics_server  # noqa: E402
+from engine.execution.sampling_params import SamplingParams  # noqa: E402
 from router.client import RouterClient, RouterError  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 
 def flash_config(**overrides) -> ModelConfig:

@@ -292,11 +292,11 @@ def sample_names(exposition: str) -> set[str]:
 
 
 def event_only_samples() -> set[str]:
-    """Sample names of the service's labelled counters (engine.metrics), which have no sample in a scrape
+    """Sample names of the service's labelled counters (engine.telemetry.metrics), which have no sample in a scrape
     until their first event; only these may be missing from a live scrape of a healthy service."""
     import prometheus_client
 
-    from engine import metrics
+    from engine.telemetry import metrics
 
     names = set()
     for obj in vars(metrics).values():

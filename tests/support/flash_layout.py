@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import re
 
-from engine.config import ModelConfig
-from engine.linear import keeps_fp8
-from engine.weights import expected_weight_shapes
+from engine.model.config import ModelConfig
+from engine.model.linear import keeps_fp8
+from engine.loading.weights import expected_weight_shapes
 
 
 def flash_release_layout(cfg: ModelConfig) -> dict:
     """{name: (safetensors dtype, stored shape)}: MXFP4 routed experts (e2m1 bytes + UE8M0 scales), FP8 dense
-    projections with 128x128 block scales, everything else bf16 (as engine.fit_check.stored_tensors reads)."""
+    projections with 128x128 block scales, everything else bf16 (as engine.loading.fit_check.stored_tensors reads)."""
     stored = {}
     for name, shape in expected_weight_shapes(cfg).items():
         base = name[: -len(".weight")]

@@ -2,10 +2,10 @@
 
 `make_fp8_pair(root, seed)` writes two checkpoint dirs of the same model:
 - oracle: transformers' fp32 checkpoint (tests.support.oracle) with every projection the release stores in
-  FP8 (engine.linear.FP8_LINEAR) replaced by its FP8-rounded value (128x128 block scales, UE8M0), so the
+  FP8 (engine.model.linear.FP8_LINEAR) replaced by its FP8-rounded value (128x128 block scales, UE8M0), so the
   oracle computes what an FP8 checkpoint means with exact activations;
 - fp8: the same tensors, those projections stored as e4m3 + `weight_scale_inv` block scales (fp32 values),
-  which the loader keeps as FP8 (engine.weights, keep_fp8).
+  which the loader keeps as FP8 (engine.loading.weights, keep_fp8).
 An engine on `fp8` differs from the oracle by its activation quantisation (and its dtype) only.
 """
 
@@ -17,8 +17,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.linear import FP8_LINEAR
-from engine.weights import canonical_name
+from engine.model.linear import FP8_LINEAR
+from engine.loading.weights import canonical_name
 from dsv4_kernels.quant import dequant_fp8_block, quant_fp8_block, ue8m0_to_float
 from tests.support import oracle
 

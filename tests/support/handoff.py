@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from engine.sampling_params import SamplingParams
+from engine.execution.sampling_params import SamplingParams
 from kv_transfer import make_backend
 
 

@@ -114,7 +114,7 @@ spec:
         {{- end }}
         {{- end }}
         {{- if eq $v.model.source "hub" }}
-        {{- /* the service fetches the repo itself (engine.model_source) into this cache on the model volume */}}
+        {{- /* the service fetches the repo itself (engine.loading.model_source) into this cache on the model volume */}}
         - name: HF_HUB_CACHE
           value: {{ $v.model.mountPath | quote }}
         {{- with include "dsv4.tokenSecretName" $root }}

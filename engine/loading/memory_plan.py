@@ -1,0 +1,121 @@
+"""KV-cache capacity from GPU memory: `--gpu-memory-utilization` (default 0.90) sizes the cache pool.
+
+After the weights are on the GPU, the pool gets what is left of `utilization` x the device's memory, less a
+reserve for activations and CUDA-graph pools (estimated from the step budget, below), and is never made larger
+than `max_num_seqs` requests of the model's full context could use. `--max-cached-tokens` overrides all of it;
+on the CPU the default stays 65536 tokens. The pool's bytes are affine in its token count (the growing groups,
+kv{r} and index pages, scale with it; the per-request groups, SWA rings and compressor states, do not), so the
+count comes from two evaluations of `engine.model.cache.group_specs`, then rounds down to whole pages.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.model.cache import CacheConfig, group_specs
+from engine.model.config import ModelConfig
+from engine.execution.prefix_cache import snapshot_store_bytes
+
+DEFAULT_UTILIZATION = 0.90
+CPU_DEFAULT_TOKENS = 1 << 16
+GIB = 1 << 30
+log = logging.getLogger("dsv4.engine")
+
+
+@dataclass(frozen=True)
+class KvPlan:
+    """How many tokens the cache pool holds and where the number came from (logged once at load)."""
+
+    tokens: int
+    pool_bytes: int
+    source: str  # the log line's explanation
+
+    def describe(self, cfg: ModelConfig, max_num_seqs: int) -> str:
+        full = max(1, cfg.max_position_embeddings)
+        return (f"KV cache: {self.tokens} tokens ({self.pool_bytes / GIB:.2f} GiB): {self.tokens // full} request(s) "
+                f"at the full {full}-token context, or {max_num_seqs} concurrent requests of up to "
+                f"{self.tokens // max(1, max_num_seqs)} tokens each; {self.source}")
+
+
+def pool_bytes(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+    """Bytes of every cache group's page tensor for this config."""
+    total = 0
+    for s in group_specs(cfg, cache, dtype):
+        total += len(s.layers) * s.num_pages * s.page_rows * s.width * torch.empty(0, dtype=s.dtype).element_size()
+    return total
+
+
+def activation_reserve(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int) -> int:
+    """Bytes kept back for one step's activations and the decode CUDA-graph pool (an estimate, logged): per token
+    of the larger of the prefill budget and the decode batch, the fp32 hc streams and mixes, the attention
+    query/output rows, the routed-expert intermediates and the logits row, with 2x headroom, plus 1 GiB."""
+    tokens = max(max_batch_tokens, max_num_seqs)
+    per_token = (4 * cfg.hc_mult * cfg.hidden_size * 4 + 2 * cfg.num_heads * cfg.head_dim * 2
+                 + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 2 + 4 * cfg.vocab_size)
+    return 2 * tokens * per_token + GIB
+
+
+def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device, max_batch_tokens: int,
+                   utilization: float | None = None, max_cached_tokens: int | None = None,
+                   snapshot_slots: int = 0) -> KvPlan:
+    """-> the pool size: `max_cached_tokens` if given, 65536 off CUDA, else from `utilization` of the GPU.
+    snapshot_slots: slots of the prefix cache's snapshot store (engine.execution.prefix_cache), allocated beside the pool:
+    each holds one request's SWA ring and compressor state, so they come out of the same budget."""
+    if max_cached_tokens is not None:
+        c = replace(cache, max_tokens=max_cached_tokens)
+        return KvPlan(max_cached_tokens, pool_bytes(cfg, c, dtype), "set by --max-cached-tokens")
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        c = replace(cache, max_tokens=CPU_DEFAULT_TOKENS)
+        return KvPlan(CPU_DEFAULT_TOKENS, pool_bytes(cfg, c, dtype), "CPU default")
+    util = DEFAULT_UTILIZATION if utilization is None else utilization
+    if not 0.0 < util <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+    free, total = torch.cuda.mem_get_info(dev)
+    reserve = activation_reserve(cfg, max_batch_tokens, cache.max_requests)
+    snapshots = snapshot_store_bytes(group_specs(cfg, cache, dtype), snapshot_slots)
+    # This process's own allocations (the weights), not the device-wide use: equal shards on equal GPUs then
+    # size equal pools on every tensor-parallel rank. What other processes hold still caps it (free memory).
+    ours = torch.cuda.memory_allocated(dev)
+    budget = min(util * total - ours, free) - reserve - snapshots
+    page = cache.page_tokens
+    fixed = pool_bytes(cfg, replace(cache, max_tokens=0), dtype)
+    probe = 1024 * page
+    per_token = (pool_bytes(cfg, replace(cache, max_tokens=probe), dtype) - fixed) / probe
+    cap = cache.max_requests * cfg.max_position_embeddings  # more could never be used at once
+    tokens = min(cap, int((budget - fixed) // per_token) // page * page) if per_token > 0 else cap
+    while tokens > 0 and pool_bytes(cfg, replace(cache, max_tokens=tokens), dtype) > budget:
+        tokens -= page  # the ceil()s of the page counts can add a page per group
+    if tokens < page:
+        raise ValueError(f"gpu_memory_utilization {util} leaves no room for the KV cache: {total / GIB:.1f} GiB on "
+                         f"the device, {ours / GIB:.1f} GiB of weights, {(total - free) / GIB:.1f} GiB in use, "
+                         f"{reserve / GIB:.1f} GiB reserved for activations and CUDA graphs, "
+                         f"{snapshots / GIB:.1f} GiB for prefix-cache snapshots; raise it or set --max-cached-tokens")
+    source = (f"from --gpu-memory-utilization {util:.2f} of {total / GIB:.1f} GiB ({ours / GIB:.1f} GiB of weights, "
+              f"{(total - free) / GIB:.1f} GiB in use on the device, {reserve / GIB:.1f} GiB kept for activations "
+              f"and CUDA graphs, {snapshots / GIB:.2f} GiB for {snapshot_slots} prefix-cache snapshot slots"
+              + (f"; capped at {cap} = max_num_seqs x max context)" if tokens == cap else ")"))
+    c = replace(cache, max_tokens=tokens)
+    return KvPlan(tokens, pool_bytes(cfg, c, dtype), source)
+
+
+def cap_context(cfg: ModelConfig, max_model_len: int | None) -> ModelConfig:
+    """`--max-model-len`: the longest request (prompt + output) this engine serves, which also bounds the
+    minimum cache (engine.loading.fit_check), the pool's cap and the decode context buckets; None keeps the model's."""
+    if max_model_len is None:
+        return cfg
+    if not 0 < max_model_len <= cfg.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_model_len} must be in [1, {cfg.max_position_embeddings}] (the model's "
+                         "max_position_embeddings)")
+    return replace(cfg, max_position_embeddings=max_model_len)
+
+
+def log_plan(plan: KvPlan, cfg: ModelConfig, max_num_seqs: int) -> None:
+    log.info("%s", plan.describe(cfg, max_num_seqs))
+
+
+__all__ = ["KvPlan", "plan_kv_tokens", "pool_bytes", "activation_reserve", "log_plan", "cap_context",
+           "DEFAULT_UTILIZATION"]

@@ -1,0 +1,222 @@
+"""The one switch between the engine's reference torch ops and the Triton fast paths.
+
+`use_triton(device)` decides per call, so a process can run both paths (tests compare them):
+- CUDA tensors: on whenever triton imports (`dsv4_kernels.gpu.has_triton`);
+- CPU tensors: only when forced with DSV4_TRITON=1 *and* triton's interpreter is on (TRITON_INTERPRET=1,
+  set before any dsv4_kernels.triton_* import) -- slow, for tests;
+- DSV4_TRITON=0 (or false/off/no) turns the fast paths off everywhere (the reference ops run on CUDA too).
+The reference path is the CPU oracle the tests pin; a fast path must compute the same function.
+MXFP4 experts kept packed have their own switch, `use_mxfp4_moe` ($DSV4_MXFP4_MOE, see there), and so do
+the library paths: FP8 dense GEMMs through DeepGEMM (`use_fp8_gemm`, $DSV4_FP8_GEMM) and the MXFP4 MoE
+through OpenAI's triton_kernels (`mxfp4_moe_backend`, $DSV4_MXFP4_MOE_BACKEND). `describe()` is the log line
+naming each fast path in use and why one fell back.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dsv4_kernels.gpu import (has_deep_gemm, has_flash_mla, has_marlin_moe, has_triton, has_triton_kernels,
+                              triton_enabled, why_not, why_not_marlin_moe)
+
+ENV = "DSV4_TRITON"
+MXFP4_ENV = "DSV4_MXFP4_MOE"
+FP8_GEMM_ENV = "DSV4_FP8_GEMM"
+MOE_BACKEND_ENV = "DSV4_MXFP4_MOE_BACKEND"
+FLASH_MLA_ENV = "DSV4_FLASH_MLA"
+MOE_BACKENDS = ("auto", "triton_kernels", "marlin", "engine")
+_OFF = ("0", "false", "off", "no")
+_ON = ("1", "true", "on", "yes")
+
+
+def triton_setting(env: str = ENV) -> str | None:
+    """'off', 'on' (forced, also on CPU under the interpreter) or None (automatic) from $env (DSV4_TRITON)."""
+    value = os.environ.get(env, "").strip().lower()
+    if value in _OFF:
+        return "off"
+    if value in _ON:
+        return "on"
+    return None
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """Should ops on `device` take the Triton kernels? See the module docstring."""
+    setting = triton_setting()
+    if setting == "off":
+        return False
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return has_triton() and torch.cuda.is_available()
+    return setting == "on" and triton_enabled(kind)
+
+
+def use_grouped_moe(x: torch.Tensor) -> bool:
+    """Routed experts as grouped GEMMs (no host sync) on CUDA; the per-expert loop reference elsewhere.
+
+    DSV4_GROUPED_MOE=1 forces it on the CPU too (tests compare both), =0 turns it off everywhere.
+    """
+    from dsv4_kernels.moe import has_grouped_mm
+
+    value = os.environ.get("DSV4_GROUPED_MOE", "").strip().lower()
+    if value in _OFF or not has_grouped_mm():
+        return False
+    # On CUDA only 16-bit inputs have a native grouped kernel: fp32 falls back to a per-group loop that
+    # reads the offsets on the host (slow, and it breaks CUDA-graph capture).
+    return value in _ON or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def keep_mxfp4_experts(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
+    """Default of `load_engine(keep_mxfp4_experts=None)`: DSV4_MXFP4_MOE=1 / =0 decide; unset, keep MXFP4 experts
+    packed where the fast MXFP4 MoE runs (a bf16 CUDA engine with triton_kernels; ~4x fewer expert bytes than
+    bf16 and faster than the bf16 grouped GEMM there: BENCHMARKS.md mxfp4_moe), else dequantise at load."""
+    setting = triton_setting(MXFP4_ENV)
+    if setting is not None:
+        return setting == "on"
+    return (torch.device(device).type == "cuda" and dtype == torch.bfloat16 and use_triton(device)
+            and has_triton_kernels())
+
+
+def use_mxfp4_moe(device: torch.device | str) -> bool:
+    """Packed MXFP4 experts on `device`: the Triton kernel (True) or the dequantise-on-the-fly reference.
+
+    DSV4_MXFP4_MOE=0 -> reference everywhere; =1 -> the kernel wherever triton runs (CPU only under the
+    interpreter); unset -> follows `use_triton`. (Only matters when the weights were kept packed.)
+    """
+    setting = triton_setting(MXFP4_ENV)
+    if setting == "off":
+        return False
+    if setting == "on":
+        return triton_enabled(device)
+    return use_triton(device)
+
+
+def use_fp8_gemm(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """FP8 checkpoint weights kept as e4m3 + block scales and multiplied by DeepGEMM (bf16 engines on CUDA).
+
+    DSV4_FP8_GEMM=0 turns it off (weights dequantised to the engine dtype at load, as on the CPU).
+    """
+    if triton_setting(FP8_GEMM_ENV) == "off" or dtype != torch.bfloat16:
+        return False
+    return torch.device(device).type == "cuda" and use_triton(device) and has_deep_gemm()
+
+
+def use_flash_mla(device: torch.device | str) -> bool:
+    """FlashMLA's sparse decode over fp8_ds_mla pages (engine.model.attention_fp8) on `device`: CUDA with the Triton
+    fast paths on and flash_mla importable. DSV4_FLASH_MLA=0 keeps the engine's own Triton kernel."""
+    if triton_setting(FLASH_MLA_ENV) == "off":
+        return False
+    return torch.device(device).type == "cuda" and use_triton(device) and has_flash_mla()
+
+
+def resolve_kv_cache_dtype(requested: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
+                           rope_dim: int, num_heads: int) -> tuple[str, str]:
+    """--kv-cache-dtype -> ("exact" | "fp8", why). "auto" takes the production fp8 formats (fp8_ds_mla KV,
+    packed indexer keys) where FlashMLA decodes them: a bf16 CUDA engine with flash_mla and V4's attention
+    geometry (head_dim 512, rope 64, <= 128 heads); exact rows in the model dtype everywhere else (the CPU
+    and the test presets, whose oracle pins exact rows). "exact" and "fp8" are taken as asked.
+    num_heads: the query heads one rank attends with (num_attention_heads / tensor-parallel size)."""
+    if requested != "auto":
+        return requested, "as requested"
+    from dsv4_kernels.flashmla_sparse import HEAD_COUNTS, HEAD_DIM, ROPE_DIM
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "exact", "auto on a CPU: exact rows"
+    if dtype != torch.bfloat16:
+        return "exact", f"auto with a {str(dtype).replace('torch.', '')} engine: exact rows"
+    if not use_flash_mla(dev):
+        return "exact", f"auto without FlashMLA ({why_not('flash_mla') or FLASH_MLA_ENV + '=0 or not installed'}): exact rows"
+    if head_dim != HEAD_DIM or rope_dim != ROPE_DIM or num_heads > max(HEAD_COUNTS):
+        return "exact", (f"auto: heads {num_heads} x {head_dim} (rope {rope_dim}) are not FlashMLA's V4 geometry: "
+                         "exact rows")
+    return "fp8", "auto on a Hopper engine with FlashMLA: fp8_ds_mla KV + packed indexer keys"
+
+
+def resolve_index_cache_dtype(requested: str, device: torch.device | str) -> tuple[str, str]:
+    """--index-cache-dtype -> ("mxfp4" | "fp8", why): the indexer keys' format when the cache is fp8.
+    "auto" picks per GPU: FP8 keys on Hopper (sm90), where the indexer kernels decode MXFP4 keys 2.7x slower
+    than FP8 ones (BENCHMARKS.md, scripts/bench_indexer_prefill.py on an H200) and DeepGEMM's paged MQA logits
+    take only FP8 keys, at 132 B a key instead of 68 (about 10% more cache a token for V4-Flash); MXFP4 keys,
+    the release format, everywhere else (Blackwell's MQA logits read them natively; the CPU)."""
+    if requested not in ("auto", "mxfp4", "fp8"):
+        raise ValueError(f"index_cache_dtype must be auto, mxfp4 or fp8, got {requested!r}")
+    if requested != "auto":
+        return requested, "as requested"
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9:
+        return "fp8", "auto on Hopper: FP8 indexer keys (faster to score than MXFP4 there)"
+    return "mxfp4", "auto: MXFP4 indexer keys (the release format)"
+
+
+def mxfp4_moe_backend(device: torch.device | str) -> str:
+    """Which kernel runs packed MXFP4 experts on `device`: "triton_kernels" (OpenAI's matmul with Hopper
+    weight layouts), "marlin" (Marlin's W4A16 grouped GEMM, dsv4_kernels.marlin_moe), "engine"
+    (dsv4_kernels.triton_moe) or "reference". $DSV4_MXFP4_MOE_BACKEND picks one; "auto" (default) takes
+    triton_kernels where it imports (CUDA), else Marlin where it loads, else the engine's kernel (BENCHMARKS.md:
+    Marlin ties triton_kernels at 1 and 64 decode tokens and takes twice its time at prefill sizes; both are 5-6x
+    the engine kernel's bandwidth). A requested library that does not load falls back the same way."""
+    if not use_mxfp4_moe(device):
+        return "reference"
+    want = os.environ.get(MOE_BACKEND_ENV, "auto").strip().lower() or "auto"
+    if want not in MOE_BACKENDS:
+        raise ValueError(f"{MOE_BACKEND_ENV} must be one of {MOE_BACKENDS}, got {want!r}")
+    if want == "engine" or torch.device(device).type != "cuda":
+        return "engine"
+    if want == "marlin" and has_marlin_moe():
+        return "marlin"
+    if has_triton_kernels():
+        return "triton_kernels"
+    return "marlin" if has_marlin_moe() else "engine"
+
+
+def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, packed_experts: bool,
+             ogs_fits: bool = True, marlin_fits: bool = True) -> str:
+    """One line naming each fast path this engine uses and why any fell back (logged at model build)."""
+    dev = torch.device(device)
+    parts = [f"triton ops: {'on' if use_triton(dev) else 'off (' + _triton_reason(dev) + ')'}"]
+    if fp8_dense:
+        how = "DeepGEMM fp8_gemm_nt" if use_fp8_gemm(dev, dtype) else "reference (dequantise per call)"
+        parts.append(f"dense FP8 projections: e4m3 + 128x128 scales, {how}")
+    else:
+        parts.append("dense projections: " + str(dtype).replace("torch.", "") + " (" + _fp8_reason(dev, dtype) + ")")
+    if packed_experts:
+        backend = mxfp4_moe_backend(dev)
+        note = ""
+        want = os.environ.get(MOE_BACKEND_ENV, "").strip().lower()
+        no_ogs = f"triton_kernels unusable: {why_not('triton_kernels.matmul') or 'not installed'}"
+        if want == "marlin" and backend != "marlin":
+            note = f" (Marlin unusable: {why_not_marlin_moe()})"
+        if backend == "marlin" and want != "marlin":
+            note = f" ({no_ogs})"
+        if backend == "marlin" and not marlin_fits:
+            backend, note = "engine", " (widths not Marlin's tiles: hidden % 256, moe_inter % 64)"
+        if backend == "triton_kernels" and not ogs_fits:
+            backend, note = "engine", " (widths not in 128s: triton_kernels skipped)"
+        if backend == "engine" and dev.type == "cuda" and not has_triton_kernels() and not has_marlin_moe():
+            note = f" ({no_ogs}; Marlin unusable: {why_not_marlin_moe()})"
+        parts.append(f"routed experts: packed MXFP4, {backend}{note}")
+    else:
+        parts.append("routed experts: dequantised, " + ("grouped GEMM" if dev.type == "cuda" else "per-expert loop"))
+    return "; ".join(parts)
+
+
+def _triton_reason(dev: torch.device) -> str:
+    if triton_setting() == "off":
+        return f"{ENV}=0"
+    if not has_triton():
+        return "triton not importable"
+    return "CPU without TRITON_INTERPRET + DSV4_TRITON=1" if dev.type == "cpu" else "CUDA unavailable"
+
+
+def _fp8_reason(dev: torch.device, dtype: torch.dtype) -> str:
+    if triton_setting(FP8_GEMM_ENV) == "off":
+        return f"FP8 GEMM off by {FP8_GEMM_ENV}=0"
+    if dev.type != "cuda":
+        return "FP8 weights dequantised at load: no FP8 GEMM on the CPU"
+    if dtype != torch.bfloat16:
+        return f"FP8 GEMM path needs a bf16 engine, this one is {dtype}"
+    if not has_deep_gemm():
+        return f"deep_gemm unusable: {why_not('deep_gemm') or 'not installed'}"
+    return "the checkpoint stores them unquantised"

@@ -1,0 +1,170 @@
+"""DeepSeek V4 forward over a StepBatch: embedding -> layers (mHC + attention + MoE) -> hc_head -> logits."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from engine.model.attention import AttentionBlock
+from engine.model.batch import StepBatch
+from engine.model.cache import CachePool
+from engine.model.config import ModelConfig, RopeSpec
+from dsv4_kernels import mhc
+from dsv4_kernels.mhc import hc_head
+from engine.model.fast_paths import describe, use_triton
+from engine.model.moe import MoEBlock
+from engine.model.parallel import SINGLE, ParallelContext, vocab_embed
+from dsv4_kernels.fp8_linear import Fp8Weight
+from dsv4_kernels.norm import rms_norm
+from dsv4_kernels.rope import rope_cos_sin, rope_inv_freq
+
+
+class Rope:
+    """Cached inverse frequencies of one RopeSpec; cos/sin computed per step from positions."""
+
+    def __init__(self, spec: RopeSpec, device):
+        self.spec = spec
+        self.inv_freq = rope_inv_freq(spec.theta, spec.dim, spec.yarn_factor, spec.original_max_position,
+                                      spec.beta_fast, spec.beta_slow).to(device)
+
+    def __call__(self, positions: torch.Tensor):
+        return rope_cos_sin(positions, self.inv_freq, self.spec.attention_factor)
+
+
+def _memo_by_tensor(fn):
+    """fn(t) computed once per distinct tensor object for one step: every layer of a compress ratio passes the
+    same CompressPlan.entry_pos, so cos/sin are built 3 times a step (kv4, kv128, index), not once a layer."""
+    memo: dict[int, tuple] = {}
+
+    def call(t: torch.Tensor):
+        hit = memo.get(id(t))
+        if hit is None:
+            hit = memo[id(t)] = (t, fn(t))  # t kept alive: its id cannot be reused within the step
+        return hit[1]
+
+    return call
+
+
+class DeepseekV4Model:
+    """Holds the weights (original DeepSeek names) and runs one step. Stateless apart from the caches."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, device, parallel: ParallelContext | None = None):
+        """parallel: this rank's tensor-parallel context (weights already cut by engine.model.sharding); None = one rank."""
+        self.cfg = cfg
+        self.parallel = parallel or SINGLE
+        self.device = torch.device(device)
+        self.forwards = 0  # forward() calls: engine.execution.dp_attention keeps every rank at one a step
+        weights = dict(weights)
+        self.embed = weights["embed.weight"]
+        self.head = weights["head.weight"]
+        self.norm = weights["norm.weight"]
+        self.hc_head_params = (weights["hc_head_fn"], weights["hc_head_base"], weights["hc_head_scale"])
+        # Under data-parallel attention only the MoE blocks see the group (engine.execution.dp_attention)
+        self.attn = [AttentionBlock(cfg, weights, i, self.parallel.attention) for i in range(cfg.num_layers)]
+        self.moe = [MoEBlock(cfg, weights, i, self.parallel) for i in range(cfg.num_layers)]
+        self.layer_weights = [
+            {k: weights[f"layers.{i}.{k}"] for k in ("attn_norm.weight", "ffn_norm.weight", "hc_attn_fn",
+                                                      "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base",
+                                                      "hc_ffn_scale")}
+            for i in range(cfg.num_layers)
+        ]
+        fp8 = any(isinstance(v, Fp8Weight) for a in self.attn for v in a.w.values())
+        packed = any(m.mxfp4 for m in self.moe)
+        self.fast_paths = describe(self.device, self.dtype, fp8, packed, all(m.ogs_fits for m in self.moe),
+                                   all(m.marlin_fits for m in self.moe))
+        logging.getLogger("dsv4.engine").info("fast paths: %s", self.fast_paths)
+        self.ropes = {"main": Rope(cfg.main_rope, self.device), "compress": Rope(cfg.compress_rope, self.device)}
+        self._rope_stack = None  # (inv_freq [2, 1, half], attention factors [2, 1, 1]) for _position_ropes
+        # The hc residual streams stay fp32 in 16-bit engines (each block's input and output still round to
+        # the model dtype). On the H200 this lifted bf16 teacher-forced greedy agreement with the fp32 engine
+        # from 0.93 to 0.96 (small preset, decided positions; BENCHMARKS.md) for ~4% more decode bytes at
+        # batch 64. DSV4_FP32_RESIDUAL=0 keeps them in the model dtype, as the transformers reference does.
+        fp32_residual = os.environ.get("DSV4_FP32_RESIDUAL", "1").strip().lower() not in ("0", "false", "off", "no")
+        self.residual_dtype = torch.float32 if fp32_residual else self.dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @staticmethod
+    def _mhc(streams: torch.Tensor):
+        """The mHC implementation for these streams: dsv4_kernels.triton_mhc (fused) or the dsv4_kernels.mhc
+        reference."""
+        # CUDA only: under the CPU interpreter the fused kernel's Sinkhorn loop is far too slow for whole-model
+        # runs (tests/kernels/test_triton_mhc.py checks it against the reference there).
+        if streams.is_cuda and use_triton(streams.device):
+            from dsv4_kernels import triton_mhc  # imports triton: only on this path
+            return triton_mhc
+        return mhc
+
+    def _hc(self, lw: dict, kind: str, streams: torch.Tensor):
+        """mHC pre of block `kind` ("attn" / "ffn") -> (the block's input: RMSNorm(collapsed) in the model dtype
+        [T, D], post [T, hc], comb [T, hc, hc]). The Triton kernel fuses the norm and the cast in."""
+        cfg, impl = self.cfg, self._mhc(streams)
+        args = (streams, lw[f"hc_{kind}_fn"], lw[f"hc_{kind}_base"], lw[f"hc_{kind}_scale"], cfg.hc_sinkhorn_iters,
+                cfg.hc_eps, cfg.rms_norm_eps)
+        weight = lw[f"{kind}_norm.weight"]
+        if impl is not mhc:
+            return impl.hc_pre(*args, norm_weight=weight, out_eps=cfg.rms_norm_eps, out_dtype=self.dtype)
+        collapsed, post, comb = impl.hc_pre(*args)
+        return rms_norm(collapsed, weight, cfg.rms_norm_eps).to(self.dtype), post, comb
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, pool: CachePool, exchange_counts: tuple[int, ...] | None = None
+                ) -> torch.Tensor:
+        """Run every token of the step through the model; -> fp32 logits [len(batch.logit_rows), vocab]."""
+        cfg = self.cfg
+        main, compress = self._position_ropes(batch.positions)
+        ropes = {"main": main, "compress": compress, "compress_at": _memo_by_tensor(self.ropes["compress"])}
+        self.forwards += 1
+        dp = (self.parallel.token_exchange(batch.token_ids, exchange_counts) if self.parallel.data_parallel_attention
+              else None)
+        h = vocab_embed(self.embed, batch.token_ids, self.parallel.attention)
+        # [T, hc, hidden] in the residual dtype: the cast and the hc broadcast as one copy (one kernel, not two)
+        streams = torch.empty((h.shape[0], cfg.hc_mult, h.shape[1]), dtype=self.residual_dtype, device=h.device)
+        streams.copy_(h.unsqueeze(1).expand(-1, cfg.hc_mult, -1))
+        for i in range(cfg.num_layers):
+            lw = self.layer_weights[i]
+            x, post, comb = self._hc(lw, "attn", streams)
+            out = self.attn[i].forward(x, batch, pool, ropes)
+            streams = self._mhc(streams).hc_post(out, streams, post, comb)
+            x, post, comb = self._hc(lw, "ffn", streams)
+            out = self.moe[i].forward(x, batch.token_ids, dp)
+            streams = self._mhc(streams).hc_post(out, streams, post, comb)
+        return self.logits(streams[batch.logit_rows])
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """Data-parallel attention: a step in which this rank has no tokens. It still joins every MoE layer's
+        exchange (its routed experts serve the other ranks' tokens), in the order a forward would."""
+        if not self.parallel.data_parallel_attention:
+            raise RuntimeError("idle_forward is for ranks of a data-parallel attention group")
+        ids = torch.empty(0, dtype=torch.long, device=self.device)
+        dp = self.parallel.token_exchange(ids)
+        x = torch.empty((0, self.cfg.hidden_size), dtype=self.dtype, device=self.device)
+        for moe in self.moe:
+            moe.forward(x, ids, dp)
+
+    def _position_ropes(self, positions: torch.Tensor) -> tuple[tuple, tuple]:
+        """(cos, sin) of the main and the compress RoPE at `positions`, each fp32 [T, dim // 2]: both from one
+        [2, T, dim // 2] pass (6 kernels, not 12), the same fp32 ops element for element as Rope.__call__."""
+        main, comp = self.ropes["main"], self.ropes["compress"]
+        if main.inv_freq.shape != comp.inv_freq.shape:
+            return main(positions), comp(positions)
+        if self._rope_stack is None:
+            self._rope_stack = (torch.stack([main.inv_freq, comp.inv_freq]).to(torch.float32).unsqueeze(1),
+                                torch.tensor([main.spec.attention_factor, comp.spec.attention_factor],
+                                             dtype=torch.float32, device=self.device).view(2, 1, 1))
+        inv, factor = self._rope_stack
+        freqs = positions.to(torch.float32).unsqueeze(-1) * inv  # [2, T, half]
+        cos, sin = freqs.cos() * factor, freqs.sin() * factor
+        return (cos[0], sin[0]), (cos[1], sin[1])
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams: [N, hc, hidden] -> fp32 [N, vocab]."""
+        cfg = self.cfg
+        x = hc_head(streams, *self.hc_head_params, cfg.hc_eps, cfg.rms_norm_eps)
+        x = rms_norm(x, self.norm, cfg.rms_norm_eps).to(self.head.dtype)
+        return self.parallel.attention.gather_vocab((x @ self.head.t()).float(), cfg.vocab_size)

@@ -1,0 +1,194 @@
+"""EngineLoop: one EngineCore owned by one thread, driven through an inbox.
+
+An EngineCore is not thread-safe and a step can take a while, so the worker actors never touch it from
+their event loop. Everything goes through `call(fn)` (run fn(engine) between two steps, get a
+concurrent Future) and per-request event sinks. The thread steps while there is work and blocks on the
+inbox when idle, so an idle worker costs no CPU.
+
+Users: the prefill and decode worker actors, and the in-process `router.local_dispatch.LocalWorker`.
+An engine of a data-parallel attention group (EngineCore.data_parallel) steps in lockstep with its peers, as
+engine.execution.dp_attention.run_lockstep does for a batch: each tick the ranks all-gather whether they have work, and while
+any has, every rank runs exactly one forward (its own step, or an idle forward whose experts serve the others).
+Such a loop never blocks on its inbox (its peers wait in the tick's collective); an idle group ticks every
+IDLE_TICK_S.
+When the loop ends (stop, or an exception from a step or `on_step`), every subscriber and every queued
+or later call gets `LoopStopped`, except that a failed step hands its own exception to the subscribers;
+`error` keeps the exception that ended the loop (None after a plain stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from engine.execution.request import TokenEvent
+from engine.execution.runner import EngineCore
+
+_STOP = object()
+IDLE_TICK_S = 0.002  # data-parallel attention: how often an idle group's ranks meet to look for work
+
+
+class LoopStopped(RuntimeError):
+    """The engine loop is not running (stopped, or ended by an exception: see `EngineLoop.error`)."""
+
+
+class AsyncSink:
+    """Delivers a request's events to an asyncio queue owned by another thread's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # loop closed: nobody listens any more
+            pass
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, name: str = "engine",
+                 on_step: Callable[[EngineCore, list], None] | None = None,
+                 on_change: Callable[[EngineCore], None] | None = None):
+        """on_step(engine, events): after every step; on_change(engine): after a batch of `call`s ran
+        (adds, aborts, releases change the load between steps: gauges must see those too)."""
+        self.engine = engine
+        self.on_step = on_step
+        self.on_change = on_change
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, AsyncSink] = {}
+        self._stopped = False
+        self._lock = threading.Lock()  # orders call()'s check-and-put against the thread's final drain
+        self.last_step_time = time.monotonic()
+        self.step_started: float | None = None  # monotonic start of the step in progress (stall checks)
+        self.last_step_seconds = 0.0  # how long the last step took (on_step reads it)
+        self.error: BaseException | None = None  # what ended the loop, if an exception did
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def call(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between steps."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if not self._stopped:
+                self._inbox.put((fn, fut))
+                return fut
+        fut.set_exception(LoopStopped("engine loop is stopped"))
+        return fut
+
+    async def acall(self, fn: Callable[[EngineCore], object]):
+        return await asyncio.wrap_future(self.call(fn))
+
+    def subscribe(self, request_id: str, sink: AsyncSink) -> None:
+        """Route request_id's events to sink; call through `call` so it happens before the request steps."""
+        self._sinks[request_id] = sink
+
+    def unsubscribe(self, request_id: str) -> None:
+        """Forget a request's sink (aborted requests produce no final event). Engine thread only."""
+        self._sinks.pop(request_id, None)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the current step; wait up to `timeout` s for the thread (0: do not wait)."""
+        self._stopped = True
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _drain(self, block: bool) -> bool:
+        ran = False
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                if ran and self.on_change is not None:
+                    self.on_change(self.engine)
+                return True
+            block = False
+            ran = True
+            if item is _STOP:
+                return False
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+
+    def _run(self) -> None:
+        try:
+            if self.engine.data_parallel is not None:
+                self._run_lockstep()
+            else:
+                self._run_alone()
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            with self._lock:
+                self._stopped = True
+            for sink in self._sinks.values():
+                sink.put(LoopStopped("engine loop stopped"))
+            self._sinks.clear()
+            self._fail_pending()
+
+    def _run_alone(self) -> None:
+        while self._drain(block=not self.engine.has_work):
+            if not self.engine.has_work:
+                continue
+            if not self._step():
+                time.sleep(0.001)  # nothing admissible (cache full): do not spin
+
+    def _run_lockstep(self) -> None:
+        """One rank of a data-parallel attention group (module docstring)."""
+        engine, ctx = self.engine, self.engine.data_parallel
+        while self._drain(block=False):
+            if not any(ctx.gather_counts(int(engine.has_work))):
+                time.sleep(IDLE_TICK_S)
+                continue
+            self._step()  # every rank, with or without requests (EngineCore._step_lockstep agrees the tick)
+
+    def _step(self) -> list[TokenEvent]:
+        """One engine step; its events go to their sinks. A failed step fails every subscriber."""
+        started = self.step_started = time.monotonic()
+        try:
+            events = self.engine.step()
+        except BaseException as e:
+            for sink in self._sinks.values():
+                sink.put(e)
+            self._sinks.clear()
+            raise
+        finally:
+            self.step_started = None
+        self.last_step_time = time.monotonic()
+        self.last_step_seconds = self.last_step_time - started
+        self._deliver(events)
+        if self.on_step is not None:
+            self.on_step(self.engine, events)
+        return events
+
+    def _fail_pending(self) -> None:
+        """Calls queued after the stop signal must not wait forever."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(LoopStopped("engine loop is stopped"))
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            sink = self._sinks.get(ev.request_id)
+            if sink is None:
+                continue
+            sink.put(ev)
+            if ev.finished or ev.request_id in self.engine.held:
+                del self._sinks[ev.request_id]

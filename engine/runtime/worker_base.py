@@ -1,0 +1,83 @@
+"""What a prefill and a decode worker share: the engine and its loop thread, the transfer backend's lifetime,
+identity across restarts, stats and gauges, liveness and shutdown. Each worker adds its own phase on top.
+
+The backend is made by the subclass (this layer knows nothing of kv_transfer) and handed in through
+`attach_backend`; `shutdown` closes it after the loop has stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from engine.telemetry import metrics
+from engine.telemetry.compile_watch import CompileWatch, install_variant_log, note_slow_step
+from engine.runtime.engine_loop import EngineLoop
+from engine.handoff import WorkerStats
+from engine.loading.load import load_engine
+from engine.runtime.rank_worker import split_engine_options
+from engine.execution.tp_executor import release_followers
+
+
+class WorkerBase:
+    role = "?"
+
+    def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None):
+        self.worker_id = worker_id
+        # Changes when the actor restarts (new process, empty cache): peers and the router key on it.
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        # A multi-rank worker (engine.runtime.rank_worker): under tensor parallelism this actor is rank 0 and its followers
+        # are other actors; under data-parallel attention every rank is a worker like this one.
+        opts, tp, rank = split_engine_options(engine_options)
+        self.parallel = tp.join(rank, opts.get("device", "cpu")) if tp is not None else None
+        self.data_parallel = tp is not None and tp.data_parallel_attention
+        # Compile before serving (engine.execution.warmup); a prefill worker's requests never decode.
+        self.engine = load_engine(model_dir, **opts, parallel=self.parallel, warmup=True,
+                                  warmup_decodes=self.role != "prefill")
+        self.backend = None
+        # After the warm-up: what compiles from here on stalls a serving step (looked for after slow steps only)
+        self.compile_watch = CompileWatch(variants=install_variant_log()) if self.engine.device.type == "cuda" else None
+        self._prefix_counters = metrics.PrefixCounters(self.role, worker_id)
+        self._digest = None  # the engine's PrefixDigest, refreshed on the engine thread when it changes
+        # What the idle engine admits, read before any request holds a page (the router admits against it).
+        pool = self.engine.pool
+        self.max_slots = self.engine.scheduler_config.max_num_seqs
+        self.kv_capacity_tokens = pool.free_tokens()
+        self.kv_page_tokens = max((g.spec.page_rows * g.spec.tokens_per_row for g in pool.groups.values()
+                                   if not g.spec.fixed), default=1)
+        self.loop = EngineLoop(self.engine, name=f"{self.role}-{worker_id}", on_step=self._on_step,
+                               on_change=lambda engine: self.publish_load())
+        self.publish_load()  # the gauges exist (at idle) before the first request
+
+    def attach_backend(self, backend) -> None:
+        self.backend = backend
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _on_step(self, engine, events) -> None:
+        self.publish_load()
+        note_slow_step(self.compile_watch, self.role, self.worker_id, self.loop.last_step_seconds)
+
+    def publish_load(self) -> None:
+        """Set the load gauges from the engine's one load figure (engine thread, after every change)."""
+        metrics.observe_engine_load(self.role, self.worker_id, self.engine.load())
+        prefix = self.engine.prefix
+        self._prefix_counters.observe(prefix.stats if prefix is not None else None)
+        if prefix is not None and (self._digest is None or self._digest.version != prefix.version):
+            self._digest = prefix.digest()  # immutable: stats() reads it from the actor's thread
+
+    # ---- actor API -------------------------------------------------------------------------------
+    def stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, self.role, self.incarnation, self.engine.load(), self.max_slots,
+                           self.kv_capacity_tokens, self.kv_page_tokens, prefix=self._digest)
+
+    def ping(self) -> str:
+        if not self.loop.alive:
+            raise RuntimeError(f"{self.role} worker {self.worker_id}: engine loop is not running")
+        return self.incarnation
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        if self.parallel is not None and not self.data_parallel:
+            release_followers(self.engine)  # the loop has stopped: no step broadcast can interleave
+        if self.backend is not None:
+            self.backend.close()

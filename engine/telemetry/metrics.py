@@ -1,0 +1,109 @@
+"""Prometheus metrics of every stage, shared by all worker roles, scrapeable from one URL per node.
+
+Every process of a node (router, prefill and decode actors, HTTP replicas) writes its samples to the
+shared directory named by PROMETHEUS_MULTIPROC_DIR (prometheus-client multiprocess mode); one HTTP
+server per node aggregates that directory (`start_metrics_server`). The service sets the variable for
+every actor before any of them imports prometheus_client. Without it, metrics live in the process
+registry (tests, `dsv4 generate`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BYTES_BUCKETS = tuple(float(4 ** k) for k in range(5, 18))  # 1 KiB .. 16 GiB
+
+WORKER = ("role", "worker")
+
+REQUEST_QUEUE_TIME = Histogram("dsv4_request_queue_time_seconds", "Time a request waited before its first step",
+                               WORKER, buckets=LATENCY_BUCKETS)
+PREFILL_TIME = Histogram("dsv4_prefill_time_seconds", "Prefill time from first step to first token",
+                         WORKER, buckets=LATENCY_BUCKETS)
+KV_TRANSFER_TIME = Histogram("dsv4_kv_transfer_time_seconds", "Time to pull one request's caches",
+                             ("worker", "backend"), buckets=LATENCY_BUCKETS)
+KV_TRANSFER_BYTES = Histogram("dsv4_kv_transfer_bytes", "Bytes moved per request hand-off",
+                              ("worker", "backend"), buckets=BYTES_BUCKETS)
+TTFT = Histogram("dsv4_time_to_first_token_seconds", "Arrival to first token, including the KV transfer",
+                 ("model_name",), buckets=LATENCY_BUCKETS)
+ITL = Histogram("dsv4_inter_token_latency_seconds", "Time between consecutive streamed tokens", ("model_name",),
+                buckets=LATENCY_BUCKETS)
+E2E = Histogram("dsv4_e2e_request_latency_seconds", "Arrival to last token", ("model_name",),
+                buckets=LATENCY_BUCKETS)
+DECODE_TIME = Histogram("dsv4_decode_time_seconds", "Decode phase: caches arrived to last token", WORKER,
+                        buckets=LATENCY_BUCKETS)
+
+RUNNING = Gauge("dsv4_running_requests", "Requests holding cache pages", WORKER, multiprocess_mode="mostrecent")
+WAITING = Gauge("dsv4_waiting_requests", "Requests waiting for admission", WORKER, multiprocess_mode="mostrecent")
+KV_USAGE = Gauge("dsv4_kv_cache_usage_ratio", "Fraction of the tightest cache group's pages in use", WORKER,
+                 multiprocess_mode="mostrecent")
+
+PROMPT_TOKENS = Counter("dsv4_prompt_tokens_total", "Prompt tokens prefilled", WORKER)
+GENERATION_TOKENS = Counter("dsv4_generation_tokens_total", "Tokens generated", WORKER)
+REQUESTS = Counter("dsv4_requests_total", "Finished requests by status", ("model_name", "status"))
+# Kernel variants compiled while serving (engine.telemetry.compile_watch: looked for after a slow step): a warm-up that
+# covers serving leaves this at 0; each one stalled its step for seconds.
+KERNEL_COMPILES = Counter("dsv4_kernel_compiles_total", "Kernel variants compiled during serving steps (after warm-up)",
+                          WORKER)
+KV_TRANSFER_FAILURES = Counter("dsv4_kv_transfer_failures_total", "Failed or timed-out KV transfers",
+                               ("worker", "backend", "kind"))
+# The engines' real prefix cache (engine.execution.prefix_cache): prompt tokens looked up at admission, and those
+# served from cache (not computed). Hit ratio = hit / query; dashboards and alerts read these.
+PREFIX_QUERY_TOKENS = Counter("dsv4_prefix_cache_query_tokens_total",
+                              "Prompt tokens looked up in the engine's prefix cache at admission", WORKER)
+PREFIX_HIT_TOKENS = Counter("dsv4_prefix_cache_hit_tokens_total",
+                            "Prompt tokens served from the engine's prefix cache (not computed)", WORKER)
+# The router's ESTIMATE: tokens of the prompt's blocks it believed cached on the worker it chose.
+ROUTER_PREFIX_ESTIMATE_QUERIES = Counter("dsv4_router_prefix_estimate_query_tokens_total",
+                                         "Prompt tokens (in whole hashed blocks) the router scored", ())
+ROUTER_PREFIX_ESTIMATE_HITS = Counter("dsv4_router_prefix_estimate_hit_tokens_total",
+                                      "Prompt tokens the router estimated cached on the chosen prefill worker", ())
+
+
+def observe_engine_load(role: str, worker: str, load) -> None:
+    """Publish the load gauges of one engine from its `EngineLoad` (the worker calls it on every change)."""
+    RUNNING.labels(role, worker).set(load.running)
+    WAITING.labels(role, worker).set(load.waiting)
+    KV_USAGE.labels(role, worker).set(load.kv_usage)
+
+
+class PrefixCounters:
+    """Mirrors an engine's cumulative `PrefixStats` into the Prometheus counters (increments by the delta
+    since the last call; the worker calls it with its load gauges)."""
+
+    def __init__(self, role: str, worker: str):
+        self.labels = (role, worker)
+        self.query = self.hit = 0
+        PREFIX_QUERY_TOKENS.labels(*self.labels)  # exported at 0 from the start (dashboards divide by it)
+        PREFIX_HIT_TOKENS.labels(*self.labels)
+
+    def observe(self, stats) -> None:
+        if stats is None:
+            return
+        if stats.query_tokens > self.query:
+            PREFIX_QUERY_TOKENS.labels(*self.labels).inc(stats.query_tokens - self.query)
+        if stats.hit_tokens > self.hit:
+            PREFIX_HIT_TOKENS.labels(*self.labels).inc(stats.hit_tokens - self.hit)
+        self.query, self.hit = stats.query_tokens, stats.hit_tokens
+
+
+def metrics_registry() -> CollectorRegistry | None:
+    """The registry to serve: the aggregated multiprocess one when the shared directory is set."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        return None
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path)
+    return registry
+
+
+def start_metrics_server(port: int, host: str = "0.0.0.0"):
+    """Serve /metrics for every process of this node; -> (server, thread)."""
+    registry = metrics_registry()
+    if registry is None:
+        return start_http_server(port, addr=host)
+    return start_http_server(port, addr=host, registry=registry)
