@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.model.model import linear as engine_linear
+from engine.model import linear as engine_linear
 from engine.model.config import ModelConfig
 from engine.model.linear import FP8_LINEAR, grouped_projection, keeps_fp8, linear
 from engine.llm import LLM
