@@ -5,7 +5,8 @@ of the blocks its prefix cache can resume after, the block size, and the hash se
 The digest is bounded (one hash per snapshot slot) and replaced whole on every report, so a block the
 worker evicted leaves the router's view at the next report, and a dead or restarted worker's view goes
 with its WorkerInfo. The router names a prompt's blocks with the same function (`block_hashes`), once per
-distinct (block size, seed), and a worker's cached prefix is the deepest prompt block in its digest.
+distinct (block size, seed), and a worker's cached prefix is the deepest prompt block in its digest
+(`CacheIndex.cached`, which `RoutingPolicy.choose_by_cache` calls for every placement).
 
 Choice (`choose_by_cache`), for the healthy prefill candidates, all with digests:
 - cached(w): prompt tokens w would serve from cache (at most prompt - 1: one token is always computed);
@@ -28,32 +29,6 @@ from typing import Sequence
 from engine.execution.block_hash import block_hashes
 from engine.handoff import PrefixDigest
 from router.dispatch import WorkerInfo
-
-
-def cached_for(digest: PrefixDigest | None, prompt_ids: Sequence[int], chains: dict) -> int:
-    """Prompt tokens `digest` says its worker would serve from cache. chains: per-call memo of the prompt's
-    block hashes per (block size, seed): workers of one model and format share one hashing."""
-    if digest is None or not digest.hashes:
-        return 0
-    key = (digest.block_tokens, digest.seed)
-    hit = chains.get(key)
-    if hit is None:  # a resume point must leave >= 1 prompt token to compute
-        chain = block_hashes(prompt_ids, digest.block_tokens, digest.seed,
-                             limit=(len(prompt_ids) - 1) // digest.block_tokens)
-        hit = chains[key] = (chain, frozenset(chain))
-    chain, members = hit
-    if members.isdisjoint(digest.hashes):  # most workers hold none of the prompt: one C-level test
-        return 0
-    for k in range(len(chain) - 1, -1, -1):
-        if chain[k] in digest.hashes:
-            return (k + 1) * digest.block_tokens
-    return 0
-
-
-def cached_tokens(prompt_ids: Sequence[int], workers: Sequence[WorkerInfo]) -> dict[str, int]:
-    """worker id -> prompt tokens its digest says it would serve from cache (0 without a digest)."""
-    chains: dict = {}
-    return {w.worker_id: cached_for(w.prefix, prompt_ids, chains) for w in workers}
 
 
 class RecentWork:

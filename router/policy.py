@@ -1,13 +1,14 @@
 """Where a request runs: prefix locality and load for prefill, free KV capacity and load for decode.
 
-Pure Python (no gRPC, no engine) so every rule is unit-tested on its own (tests/router/test_router_policy.py).
+Pure Python (no gRPC, no torch: the engine's block hasher it imports is pure Python) so every rule is unit-tested on its own (tests/router/test_router_policy.py).
 Not thread-safe: the router calls it from one asyncio event loop.
 
 Prefix locality is approximate, as in SGLang's cache-aware router and llm-d's hashed-block scorer: the
 router cannot see a worker's cache, so it remembers which prompt blocks it SENT to which prefill worker
 (`BlockLRU`, bounded, least recently routed first out) and assumes those are still cached there. Blocks
 are fixed-size runs of `block_size` tokens hashed as a chain (block i's hash covers blocks 0..i, like vLLM
-and SGLang prefix caching), so "block i matches" implies the whole prefix up to i matches.
+and SGLang prefix caching), so "block i matches" implies the whole prefix up to i matches. The hasher is
+the engine's (`engine.execution.block_hash.block_hashes`), the one the real-locality path below uses too.
 
 Prefill rule of `cache_aware` (the default), for the healthy prefill candidates:
 1. match = the longest run of leading prompt blocks a worker has seen. If the best match covers less
@@ -52,13 +53,12 @@ in the tree); `set_health(worker, True)` adds it back, with an empty history. A 
 
 from __future__ import annotations
 
-import hashlib
 import time
-from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
+from engine.execution.block_hash import block_hashes
 from router import locality
 from router.dispatch import DECODE_ROLES, PREFILL_ROLES, NoWorkerAvailable, WorkerInfo
 
@@ -67,17 +67,9 @@ PREFILL_REASONS = ("prefix_hit", "least_loaded", "round_robin", "hotspot_guard",
 DECODE_REASONS = ("colocated", "kv_capacity", "no_capacity")
 
 
-def hash_blocks(token_ids: Sequence[int], block_size: int = 16) -> list[int]:
-    """Chained 64-bit hashes of the full `block_size`-token blocks of `token_ids` (a partial tail block is
-    not hashed: it cannot be shared). blake2b, not `hash()`, so every router replica and process agrees."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    hashes, parent = [], b"\0" * 8
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = array("q", token_ids[start:start + block_size]).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
-        hashes.append(int.from_bytes(parent, "little"))
-    return hashes
+# The estimate's blocks are named by the engine's hasher (one encoding in the tree); the seed only has to be
+# the same for every router replica, since these hashes never meet a worker's digest.
+ESTIMATE_SEED = b"\0" * 8
 
 
 class BlockLRU:
@@ -283,7 +275,7 @@ class RoutingPolicy:
                                     f"down: {sorted(self._down)})")
         # Every candidate publishes its real cache (router.locality): no estimate is needed or recorded.
         real = all(w.prefix is not None for w in prefill_cands)
-        hashes = [] if real else hash_blocks(prompt_ids, self.config.block_size)
+        hashes = [] if real else block_hashes(prompt_ids, self.config.block_size, ESTIMATE_SEED)
         local = self._local_prefill(prompt_ids, max_total_tokens, up, prefill_cands) if real else None
         if local is not None:
             self._pending[local.prefill.worker_id] += local.prefill.uncached_tokens

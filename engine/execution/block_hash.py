@@ -1,5 +1,6 @@
 """Chained block hashes of token ids: how the prefix cache names its blocks and how the router names a
-prompt's blocks to look them up in a worker's digest. Pure Python (the router imports it without torch)."""
+prompt's blocks, to look them up in a worker's digest or (without digests) in its own estimate. Pure Python
+(the router imports it without torch)."""
 
 from __future__ import annotations
 

@@ -25,16 +25,25 @@ def worker(wid, prefix, running=0, waiting=0):
     return WorkerInfo(wid, "colocated", True, running, waiting, 1 << 20, prefix=prefix)
 
 
+def cached_tokens(prompt, workers):
+    """worker id -> prompt tokens its digest would serve, through what placement calls (RoutingPolicy.place ->
+    choose_by_cache -> CacheIndex.sync / cached); 0 for a worker without a hit."""
+    index = locality.CacheIndex()
+    index.sync(workers)
+    got = index.cached(prompt)
+    return {w.worker_id: got.get(w.worker_id, 0) for w in workers}
+
+
 def test_cached_tokens_is_the_deepest_published_block_and_leaves_one_token():
     prompt = list(range(100, 120))  # 5 blocks of 4
     ws = [worker("a", digest(prompt, 2)), worker("b", digest(prompt, 5)), worker("c", None),
           worker("d", PrefixDigest(BLOCK, b"otherfmt", frozenset(block_hashes(prompt, BLOCK, b"otherfmt"))))]
-    got = locality.cached_tokens(prompt, ws)
+    got = cached_tokens(prompt, ws)
     # b holds all 5 blocks but a hit must leave the last token to compute: 4 blocks; other format: none
     assert got == {"a": 8, "b": 16, "c": 0, "d": 16}
     only_last = PrefixDigest(BLOCK, SEED, frozenset(block_hashes(prompt, BLOCK, SEED)[3:4]))
-    assert locality.cached_tokens(prompt, [worker("e", only_last)]) == {"e": 16}  # snapshot at 16 suffices
-    assert locality.cached_tokens(prompt[:3], ws)["b"] == 0
+    assert cached_tokens(prompt, [worker("e", only_last)]) == {"e": 16}  # snapshot at 16 suffices
+    assert cached_tokens(prompt[:3], ws)["b"] == 0
 
 
 def test_cache_aware_follows_real_cache_until_queued_work_outweighs_it():
@@ -76,7 +85,9 @@ def test_router_hashes_prompts_like_the_engine_caches_them():
         while engine.has_work:
             engine.step()
     follow = system + [11, 12, 13]
-    predicted = locality.cached_tokens(follow, [worker("e", engine.prefix.digest())])["e"]
+    # The production path: the router's placement (router/server.py -> RoutingPolicy.place) on the digest.
+    placed = RoutingPolicy(PolicyConfig("cache_aware")).place(follow, 400, [worker("e", engine.prefix.digest())])
+    predicted = placed.prefill.cached_tokens
     rid = engine.add_request(follow, params)
     while engine.has_work:
         engine.step()

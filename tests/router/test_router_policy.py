@@ -2,8 +2,9 @@
 
 import pytest
 
+from engine.execution.block_hash import block_hashes
 from router.dispatch import NoWorkerAvailable, WorkerInfo
-from router.policy import BlockLRU, PolicyConfig, RoutingPolicy, hash_blocks
+from router.policy import ESTIMATE_SEED, BlockLRU, PolicyConfig, RoutingPolicy
 
 
 def colocated(wid, running=0, waiting=0, healthy=True, free=10_000):
@@ -21,6 +22,11 @@ def prompt(prefix_id, n_blocks, tail=(), block=16):
 
 
 # ---- hashing ------------------------------------------------------------------------------------
+def hash_blocks(token_ids, block_size):
+    """The prompt's block names as RoutingPolicy.place computes them for its estimate (the engine's hasher)."""
+    return block_hashes(token_ids, block_size, ESTIMATE_SEED)
+
+
 def test_hash_blocks_is_chained_and_ignores_partial_tail():
     a = hash_blocks(list(range(40)), 16)
     assert len(a) == 2  # 8-token tail is not a block
