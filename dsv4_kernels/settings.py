@@ -1,4 +1,367 @@
-"""Every ``DSV4_*`` environment switch, typed and parsed once (issue 31, item 1).
+"""Every `DSV4_*` environment switch, in one typed, frozen registry, parsed once.
 
-Work in progress.
+`settings()` is the one reader: it parses the environment on its first call and caches the result (a frozen
+`Settings`), so hot paths (`engine.model.fast_paths.use_triton`, per layer per step) read an attribute, not
+the environment. Code that changes a switch in its own process after that calls `reload()` (tests: the
+`monkeypatch` fixture of tests/conftest.py does it for them). Code that passes a switch to a child process
+(Ray's runtime_env, a subprocess env) writes the variable under the constant named here.
+
+One rule for every value (an empty value counts as unset, i.e. the default):
+- bool: 1/0, true/false, yes/no, on/off, case-insensitive; a switch whose default is None (unset = automatic)
+  also takes "auto";
+- int / float: parsed once, here;
+- choice: one of its values, case-insensitive;
+- json: a JSON object.
+A bad value raises ValueError naming the variable, the value and what it accepts. An unknown `DSV4_*` name in
+the environment logs one warning (with the closest known name, if one is close).
+
+This lives in dsv4_kernels, the lowest layer, so the kernels can read their own switches.
+`python -m dsv4_kernels.settings --markdown > docs/settings.md` writes the table of them all;
+`python -m dsv4_kernels.settings` prints the values this environment gives.
 """
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+log = logging.getLogger("dsv4.settings")
+
+PREFIX = "DSV4_"
+# The variables' names, for code that writes them into a child process's environment (or names them in text).
+HC_SPLIT_MAX_TOKENS = "DSV4_HC_SPLIT_MAX_TOKENS"
+HC_SPLIT_MAX_TOKENS_BF16 = "DSV4_HC_SPLIT_MAX_TOKENS_BF16"
+HC_LONG_PATH = "DSV4_HC_LONG_PATH"
+OGS_CONSTRAINTS = "DSV4_OGS_CONSTRAINTS"
+TRITON = "DSV4_TRITON"
+MXFP4_MOE = "DSV4_MXFP4_MOE"
+MXFP4_MOE_BACKEND = "DSV4_MXFP4_MOE_BACKEND"
+FP8_GEMM = "DSV4_FP8_GEMM"
+FLASH_MLA = "DSV4_FLASH_MLA"
+GROUPED_MOE = "DSV4_GROUPED_MOE"
+FP32_RESIDUAL = "DSV4_FP32_RESIDUAL"
+TP_BACKEND = "DSV4_TP_BACKEND"
+OVERLAP_DECODE = "DSV4_OVERLAP_DECODE"
+WARMUP = "DSV4_WARMUP"
+WARMUP_PROCS = "DSV4_WARMUP_PROCS"
+LOAD_PROGRESS = "DSV4_LOAD_PROGRESS"
+HOME = "DSV4_HOME"
+NIXL_STAGING_BYTES = "DSV4_NIXL_STAGING_BYTES"
+NIXL_PROGRESS_DELAY_US = "DSV4_NIXL_PROGRESS_DELAY_US"
+API_KEY = "DSV4_API_KEY"
+API_DOCS = "DSV4_API_DOCS"
+STRICT_SKIPS = "DSV4_STRICT_SKIPS"
+TEST_TRANSFER = "DSV4_TEST_TRANSFER"
+TEST_MARK = "DSV4_TEST_MARK"
+BENCH_COMMAND = "DSV4_BENCH_COMMAND"
+TRANSFORMERS_SOURCE = "DSV4_TRANSFORMERS_SOURCE"
+BENCH_SITE = "DSV4_BENCH_SITE"
+ROLE = "DSV4_ROLE"
+MODEL_REPO = "DSV4_MODEL_REPO"
+MODEL_REVISION = "DSV4_MODEL_REVISION"
+MODEL_DIR = "DSV4_MODEL_DIR"
+
+KINDS = ("bool", "int", "float", "str", "choice", "json")
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+AUTO = "auto"
+GROUPS = {  # group -> heading of its table in docs/settings.md, in this order
+    "kernels": "Kernels (dsv4_kernels)",
+    "engine": "Engine: fast paths, decode, warm-up, loading",
+    "transfer": "KV transfer (kv_transfer)",
+    "service": "Service (HTTP API)",
+    "tests": "Tests",
+    "scripts": "Scripts (GPU benchmarks)",
+    "deploy": "Deployment (Helm chart; read by the pods' shell commands, not by Python)",
+}
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One environment switch: its variable, value kind, default and a one-line help."""
+
+    name: str
+    kind: str  # one of KINDS
+    default: Any
+    help: str
+    group: str
+    choices: tuple[str, ...] = ()  # kind "choice": the allowed values (lower case)
+    minimum: int | float | None = None  # kind int / float: the smallest allowed value
+    secret: bool = False  # never printed (its value, not its name)
+
+    def __post_init__(self):
+        if not self.name.startswith(PREFIX) or self.kind not in KINDS or self.group not in GROUPS:
+            raise ValueError(f"bad switch definition {self!r}")
+        if (self.kind == "choice") != bool(self.choices):
+            raise ValueError(f"{self.name}: choices go with kind 'choice' only")
+
+    @property
+    def auto(self) -> bool:
+        """Unset means "decide automatically" (the value is None)."""
+        return self.default is None
+
+    def accepted(self) -> str:
+        """What the variable takes, in words (the error text and the table's type column)."""
+        base = {"bool": "1/0, true/false, yes/no, on/off", "int": "an integer", "float": "a number",
+                "str": "any text", "json": "a JSON object"}.get(self.kind) or ", ".join(self.choices)
+        if self.minimum is not None:
+            base += f" >= {self.minimum}"
+        if self.kind == "bool" and self.auto:
+            base += ", auto"
+        return base
+
+    def parse(self, raw: str | None) -> Any:
+        """The value of the raw environment string (None or empty: the default); ValueError on a bad one."""
+        if raw is None or not raw.strip():
+            return self.default
+        text = raw.strip()
+        try:
+            return self._convert(text)
+        except ValueError:
+            shown = "<hidden>" if self.secret else repr(raw)
+            raise ValueError(f"{self.name}={shown} is not valid (accepted: {self.accepted()}); "
+                             f"{self.name}: {self.help}") from None
+
+    def _convert(self, text: str) -> Any:
+        low = text.lower()
+        if self.kind == "bool":
+            if low in TRUE:
+                return True
+            if low in FALSE:
+                return False
+            if self.auto and low == AUTO:
+                return None
+            raise ValueError(text)
+        if self.kind in ("int", "float"):
+            value = int(text) if self.kind == "int" else float(text)
+            if self.minimum is not None and value < self.minimum:
+                raise ValueError(text)
+            return value
+        if self.kind == "choice":
+            if low not in self.choices:
+                raise ValueError(text)
+            return low
+        if self.kind == "json":
+            value = json.loads(text)  # json.JSONDecodeError is a ValueError
+            if not isinstance(value, dict):
+                raise ValueError(text)
+            return value
+        return text
+
+    def shown_default(self) -> str:
+        """The default as the table shows it."""
+        if self.default is None:
+            return "unset"
+        if isinstance(self.default, bool):
+            return "1" if self.default else "0"
+        return str(self.default)
+
+
+def _switch(name: str, kind: str, default: Any, help: str, group: str, **extra: Any) -> Any:
+    """A Settings field carrying its Switch (the field's default is the switch's)."""
+    return field(default=default, metadata={"switch": Switch(name, kind, default, help, group, **extra)})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The parsed value of every switch (attribute = the variable's name without DSV4_, lower case)."""
+
+    # Kernels
+    hc_split_max_tokens: int = _switch(
+        HC_SPLIT_MAX_TOKENS, "int", 256, "mHC pre with fp32 streams: the longest step (tokens) taking the split "
+        "kernels; longer steps take the long path (dsv4_kernels.triton_mhc)", "kernels", minimum=0)
+    hc_split_max_tokens_bf16: int = _switch(
+        HC_SPLIT_MAX_TOKENS_BF16, "int", 1 << 30, "the same for bf16 residual streams (default: every size)",
+        "kernels", minimum=0)
+    hc_long_path: str = _switch(
+        HC_LONG_PATH, "choice", "rows", "mHC pre's long path after torch's matmul: rows (a whole-row collapse a "
+        "token, dsv4_kernels.triton_mhc_rows) or token (one program a token)", "kernels", choices=("rows", "token"))
+    ogs_constraints: dict | None = _switch(
+        OGS_CONSTRAINTS, "json", None, "triton_kernels' launch constraints for every MXFP4 MoE call ({} = its own "
+        "heuristics); unset = the measured choice per call size (dsv4_kernels.mxfp4_ogs)", "kernels")
+    # Engine
+    triton: bool | None = _switch(
+        TRITON, "bool", None, "the Triton fast paths: 0 = the torch reference ops everywhere; 1 = forced, also on "
+        "CPU tensors under TRITON_INTERPRET=1 (tests); unset = on for CUDA tensors where triton imports", "engine")
+    mxfp4_moe: bool | None = _switch(
+        MXFP4_MOE, "bool", None, "packed MXFP4 experts: 1 = keep them packed, run the kernel wherever triton runs; "
+        "0 = dequantise at load; unset = packed in bf16 CUDA engines with triton_kernels", "engine")
+    mxfp4_moe_backend: str = _switch(
+        MXFP4_MOE_BACKEND, "choice", "auto", "kernel of packed MXFP4 experts on CUDA; auto = triton_kernels, else "
+        "Marlin, else the engine's own kernel", "engine", choices=("auto", "triton_kernels", "marlin", "engine"))
+    fp8_gemm: bool = _switch(
+        FP8_GEMM, "bool", True, "FP8 dense GEMMs through DeepGEMM in bf16 CUDA engines; 0 = FP8 weights "
+        "dequantised at load", "engine")
+    flash_mla: bool = _switch(
+        FLASH_MLA, "bool", True, "FlashMLA's sparse decode over fp8_ds_mla pages on CUDA; 0 = the engine's own "
+        "Triton kernel", "engine")
+    grouped_moe: bool | None = _switch(
+        GROUPED_MOE, "bool", None, "routed experts as grouped GEMMs: 1 = also on the CPU; 0 = the per-expert loop "
+        "everywhere; unset = on for 16-bit CUDA inputs", "engine")
+    fp32_residual: bool = _switch(
+        FP32_RESIDUAL, "bool", True, "mHC residual streams in fp32 in 16-bit engines; 0 = in the model dtype (as "
+        "the transformers reference)", "engine")
+    tp_backend: str | None = _switch(
+        TP_BACKEND, "choice", None, "torch.distributed backend of tensor-parallel groups; unset = gloo on CPU, "
+        "NCCL on CUDA; gloo on CUDA lets ranks share one GPU (checks, not serving)", "engine",
+        choices=("gloo", "nccl"))
+    overlap_decode: bool | None = _switch(
+        OVERLAP_DECODE, "bool", None, "launch each greedy decode step from the previous one's device tokens "
+        "before the host reads them; unset = on with CUDA graphs", "engine")
+    warmup: str = _switch(
+        WARMUP, "choice", "1", "start-up warm-up of CUDA serving engines: 1 = prompt ladder, decode graphs and "
+        "the FP8 GEMM sweep; quick = without the GEMM sweep; 0 = none", "engine", choices=("1", "quick", "0"))
+    warmup_procs: int | None = _switch(
+        WARMUP_PROCS, "int", None, "processes compiling the warm-up GEMM sweep side by side (1 = in this "
+        "process); unset = half the CPUs, at most 8", "engine", minimum=0)
+    load_progress: bool | None = _switch(
+        LOAD_PROGRESS, "bool", None, "checkpoint load progress (tqdm on a terminal, else log lines); unset = on "
+        "except under pytest", "engine")
+    home: str | None = _switch(
+        HOME, "str", None, "where the built-in tiny model is built and cached (HOME/tiny); unset = "
+        "~/.cache/dsv4", "engine")
+    # KV transfer
+    nixl_staging_bytes: int | None = _switch(
+        NIXL_STAGING_BYTES, "int", None, "bytes of each NIXL backend's staging arena (its staging_bytes option; "
+        "0 = no staging); unset = room for one request as long as the pool holds, at most 512 MiB", "transfer")
+    nixl_progress_delay_us: int = _switch(
+        NIXL_PROGRESS_DELAY_US, "int", 1000, "microseconds NIXL's progress thread sleeps between rounds (the "
+        "progress_delay_us option)", "transfer", minimum=0)
+    # Service
+    api_key: str | None = _switch(
+        API_KEY, "str", None, "the key every /v1 route requires (`Authorization: Bearer KEY`) when --api-key is "
+        "not given; unset = an open API", "service", secret=True)
+    api_docs: bool = _switch(
+        API_DOCS, "bool", False, "serve /docs, /redoc and /openapi.json (`dsv4 serve --api-docs` sets it for the "
+        "Serve replicas)", "service")
+    # Tests
+    strict_skips: bool = _switch(
+        STRICT_SKIPS, "bool", False, "pytest: a skip that is not GPU-only fails the session (.ci/run sets it)",
+        "tests")
+    test_transfer: str = _switch(
+        TEST_TRANSFER, "str", "nixl", "KV transfer backend of the Ray service test (tests/service/"
+        "test_service_ray.py)", "tests")
+    test_mark: str | None = _switch(
+        TEST_MARK, "str", None, "set by tests/service/test_service_shutdown.py on the service it starts, to find "
+        "processes left behind", "tests")
+    # Scripts
+    bench_command: str | None = _switch(
+        BENCH_COMMAND, "str", None, "the command a GPU bench report names (scripts/bench_gpu.sh sets it); unset = "
+        "this process's command line", "scripts")
+    transformers_source: str | None = _switch(
+        TRANSFORMERS_SOURCE, "str", None, "where the GPU bench's transformers came from, noted in its report "
+        "(scripts/bench_gpu.sh sets it)", "scripts")
+    bench_site: str | None = _switch(
+        BENCH_SITE, "str", None, "scripts/bench_gpu.sh: the directory carried wheels are installed into; unset = "
+        "/tmp/dsv4_bench_site", "scripts")
+    # Deployment
+    role: str | None = _switch(
+        ROLE, "str", None, "the pod's Ray role (head or worker), set by the chart", "deploy")
+    model_repo: str | None = _switch(
+        MODEL_REPO, "str", None, "the chart's model-download init container: the Hugging Face repo to fetch",
+        "deploy")
+    model_revision: str | None = _switch(
+        MODEL_REVISION, "str", None, "the chart's model-download init container: the revision to fetch", "deploy")
+    model_dir: str | None = _switch(
+        MODEL_DIR, "str", None, "the chart's model-download init container: where the model goes", "deploy")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "Settings":
+        """Parse every switch from `environ`; ValueError on the first bad value."""
+        values = {f.name: f.metadata["switch"].parse(environ.get(f.metadata["switch"].name)) for f in fields(cls)}
+        return cls(**values)
+
+
+SWITCHES: tuple[Switch, ...] = tuple(f.metadata["switch"] for f in fields(Settings))
+BY_NAME: dict[str, Switch] = {s.name: s for s in SWITCHES}
+_warned: set[str] = set()  # unknown names already warned about (one warning a name a process)
+
+
+def warn_unknown(environ: Mapping[str, str]) -> list[str]:
+    """Log one warning per unknown DSV4_* name in `environ` (the closest known name suggested); -> those names."""
+    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in BY_NAME)
+    for name in unknown:
+        if name in _warned:
+            continue
+        _warned.add(name)
+        close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        log.warning("unknown setting %s in the environment is ignored%s; the known ones: docs/settings.md",
+                    name, hint)
+    return unknown
+
+
+@functools.lru_cache(maxsize=1)
+def settings() -> Settings:
+    """Every switch, parsed from os.environ on the first call (and after `reload()`), then cached."""
+    environ = dict(os.environ)
+    warn_unknown(environ)
+    return Settings.from_env(environ)
+
+
+def reload() -> Settings:
+    """Forget the cached values and parse the environment again (after changing it in this process)."""
+    settings.cache_clear()
+    return settings()
+
+
+def markdown() -> str:
+    """docs/settings.md: every switch by group, with its type, default and help."""
+    out = ["# Settings", "",
+           "Every `DSV4_*` environment variable the code reads. Generated from `dsv4_kernels/settings.py` by",
+           "`python -m dsv4_kernels.settings --markdown > docs/settings.md` (tests/test_settings.py fails when this",
+           "file is out of date); `python -m dsv4_kernels.settings` prints the values your environment gives.", "",
+           "One rule for every value; an empty value counts as unset (the default):",
+           "- bool: `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`, case-insensitive; where unset means automatic,",
+           "  `auto` too;",
+           "- int / number: parsed once, at the first read; choice: one of its values, case-insensitive; json: a JSON "
+           "object.",
+           "A bad value fails with an error naming the variable, the value and what it accepts. An unknown `DSV4_*`",
+           "name in the environment logs one warning (naming the closest known one).", ""]
+    for group, heading in GROUPS.items():
+        out += [f"## {heading}", "", "| Variable | Type | Default | What it does |", "|---|---|---|---|"]
+        for s in SWITCHES:
+            if s.group == group:
+                kind = s.kind if s.kind != "choice" else "choice: " + " / ".join(s.choices)
+                if s.kind == "bool" and s.auto:
+                    kind = "bool or auto"
+                if s.minimum is not None:
+                    kind += f" >= {s.minimum}"
+                cell = s.help.replace("|", "\\|")
+                out.append(f"| `{s.name}` | {kind} | {s.shown_default()} | {cell} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def describe(values: Settings) -> str:
+    """One line a switch: NAME=value (secrets hidden), those the environment sets marked."""
+    lines = []
+    for f in fields(values):
+        s: Switch = f.metadata["switch"]
+        value = getattr(values, f.name)
+        shown = "<hidden>" if s.secret and value is not None else ("unset" if value is None else value)
+        mark = " (set)" if s.name in os.environ else ""
+        lines.append(f"{s.name}={shown}{mark}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--markdown"]:
+        print(markdown(), end="")
+        return 0
+    if argv:
+        print("usage: python -m dsv4_kernels.settings [--markdown]", file=sys.stderr)
+        return 2
+    print(describe(settings()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
