@@ -1,335 +1,367 @@
-"""Every `DSV4_*` environment switch: declared once here, typed, parsed once per process.
+"""Every `DSV4_*` environment switch, in one typed, frozen registry, parsed once.
 
-Code reads a switch as `settings.current().triton` (`from dsv4_kernels import settings`): a frozen `Settings`,
-one field a variable. Nothing else reads `DSV4_*` from the environment (tests/test_settings.py fails if code
-does); code that *sets* one for a child process (a Ray runtime env, a subprocess) still writes os.environ.
+`settings()` is the one reader: it parses the environment on its first call and caches the result (a frozen
+`Settings`), so hot paths (`engine.model.fast_paths.use_triton`, per layer per step) read an attribute, not
+the environment. Code that changes a switch in its own process after that calls `reload()` (tests: the
+`monkeypatch` fixture of tests/conftest.py does it for them). Code that passes a switch to a child process
+(Ray's runtime_env, a subprocess env) writes the variable under the constant named here.
 
-The first `current()` parses every `DSV4_*` variable set, by one rule:
-- empty or unset: the default;
-- booleans: 1 / true / on / yes or 0 / false / off / no, any case;
-- whole numbers: decimal digits, at least the stated minimum;
-- choices: one of the listed words, any case;
-- JSON: a JSON object.
-A bad value raises ValueError naming the variable, the value and what it accepts, at the first read of any
-switch (so every process fails on it, not only the one that reads that switch). A `DSV4_*` name declared
-nowhere here is logged once as a warning with the closest declared name. The parse is kept for the life of the
-process: one that changes its environment afterwards calls `reload()` (in tests, the `monkeypatch` fixture of
-tests/conftest.py does so whenever it sets or restores a DSV4_ name).
+One rule for every value (an empty value counts as unset, i.e. the default):
+- bool: 1/0, true/false, yes/no, on/off, case-insensitive; a switch whose default is None (unset = automatic)
+  also takes "auto";
+- int / float: parsed once, here;
+- choice: one of its values, case-insensitive;
+- json: a JSON object.
+A bad value raises ValueError naming the variable, the value and what it accepts. An unknown `DSV4_*` name in
+the environment logs one warning (with the closest known name, if one is close).
 
-This module imports only the standard library, so every layer (and the service's processes) may import it.
-docs/settings.md is generated from the declarations below: `python -m dsv4_kernels.settings --write docs/settings.md`.
+This lives in dsv4_kernels, the lowest layer, so the kernels can read their own switches.
+`python -m dsv4_kernels.settings --markdown > docs/settings.md` writes the table of them all;
+`python -m dsv4_kernels.settings` prints the values this environment gives.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+import functools
 import json
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 log = logging.getLogger("dsv4.settings")
 
 PREFIX = "DSV4_"
-TRUE = ("1", "true", "on", "yes")
-FALSE = ("0", "false", "off", "no")
+# The variables' names, for code that writes them into a child process's environment (or names them in text).
+HC_SPLIT_MAX_TOKENS = "DSV4_HC_SPLIT_MAX_TOKENS"
+HC_SPLIT_MAX_TOKENS_BF16 = "DSV4_HC_SPLIT_MAX_TOKENS_BF16"
+HC_LONG_PATH = "DSV4_HC_LONG_PATH"
+OGS_CONSTRAINTS = "DSV4_OGS_CONSTRAINTS"
+TRITON = "DSV4_TRITON"
+MXFP4_MOE = "DSV4_MXFP4_MOE"
+MXFP4_MOE_BACKEND = "DSV4_MXFP4_MOE_BACKEND"
+FP8_GEMM = "DSV4_FP8_GEMM"
+FLASH_MLA = "DSV4_FLASH_MLA"
+GROUPED_MOE = "DSV4_GROUPED_MOE"
+FP32_RESIDUAL = "DSV4_FP32_RESIDUAL"
+TP_BACKEND = "DSV4_TP_BACKEND"
+OVERLAP_DECODE = "DSV4_OVERLAP_DECODE"
+WARMUP = "DSV4_WARMUP"
+WARMUP_PROCS = "DSV4_WARMUP_PROCS"
+LOAD_PROGRESS = "DSV4_LOAD_PROGRESS"
+HOME = "DSV4_HOME"
+NIXL_STAGING_BYTES = "DSV4_NIXL_STAGING_BYTES"
+NIXL_PROGRESS_DELAY_US = "DSV4_NIXL_PROGRESS_DELAY_US"
+API_KEY = "DSV4_API_KEY"
+API_DOCS = "DSV4_API_DOCS"
+STRICT_SKIPS = "DSV4_STRICT_SKIPS"
+TEST_TRANSFER = "DSV4_TEST_TRANSFER"
+TEST_MARK = "DSV4_TEST_MARK"
+BENCH_COMMAND = "DSV4_BENCH_COMMAND"
+TRANSFORMERS_SOURCE = "DSV4_TRANSFORMERS_SOURCE"
+BENCH_SITE = "DSV4_BENCH_SITE"
+ROLE = "DSV4_ROLE"
+MODEL_REPO = "DSV4_MODEL_REPO"
+MODEL_REVISION = "DSV4_MODEL_REVISION"
+MODEL_DIR = "DSV4_MODEL_DIR"
+
+KINDS = ("bool", "int", "float", "str", "choice", "json")
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+AUTO = "auto"
+GROUPS = {  # group -> heading of its table in docs/settings.md, in this order
+    "kernels": "Kernels (dsv4_kernels)",
+    "engine": "Engine: fast paths, decode, warm-up, loading",
+    "transfer": "KV transfer (kv_transfer)",
+    "service": "Service (HTTP API)",
+    "tests": "Tests",
+    "scripts": "Scripts (GPU benchmarks)",
+    "deploy": "Deployment (Helm chart; read by the pods' shell commands, not by Python)",
+}
 
 
 @dataclass(frozen=True)
-class Spec:
-    """How one variable is read. kind: "bool", "int", "choice", "json" or "str". read_by: where it acts."""
+class Switch:
+    """One environment switch: its variable, value kind, default and a one-line help."""
 
-    env: str
-    kind: str
+    name: str
+    kind: str  # one of KINDS
+    default: Any
     help: str
-    read_by: str
-    choices: tuple[str, ...] = ()
-    minimum: int | None = None
-    accepted: str = ""  # what the error names as accepted, where the generated words would not say enough
-    secret: bool = False  # never shown (a credential)
+    group: str
+    choices: tuple[str, ...] = ()  # kind "choice": the allowed values (lower case)
+    minimum: int | float | None = None  # kind int / float: the smallest allowed value
+    secret: bool = False  # never printed (its value, not its name)
 
-    def accepts(self) -> str:
-        if self.accepted:
-            return self.accepted
-        if self.kind == "bool":
-            return "a boolean: " + " / ".join(TRUE) + " or " + " / ".join(FALSE)
-        if self.kind == "int":
-            return "a whole number" + ("" if self.minimum is None else f" >= {self.minimum}")
-        if self.kind == "choice":
-            return "one of " + ", ".join(self.choices)
-        if self.kind == "json":
-            return "a JSON object"
-        return "any text"
+    def __post_init__(self):
+        if not self.name.startswith(PREFIX) or self.kind not in KINDS or self.group not in GROUPS:
+            raise ValueError(f"bad switch definition {self!r}")
+        if (self.kind == "choice") != bool(self.choices):
+            raise ValueError(f"{self.name}: choices go with kind 'choice' only")
 
-    def parse(self, raw: str) -> Any:
-        """The value of a set, non-empty variable (already stripped); ValueError naming it when it is bad."""
-        value = raw.lower()
+    @property
+    def auto(self) -> bool:
+        """Unset means "decide automatically" (the value is None)."""
+        return self.default is None
+
+    def accepted(self) -> str:
+        """What the variable takes, in words (the error text and the table's type column)."""
+        base = {"bool": "1/0, true/false, yes/no, on/off", "int": "an integer", "float": "a number",
+                "str": "any text", "json": "a JSON object"}.get(self.kind) or ", ".join(self.choices)
+        if self.minimum is not None:
+            base += f" >= {self.minimum}"
+        if self.kind == "bool" and self.auto:
+            base += ", auto"
+        return base
+
+    def parse(self, raw: str | None) -> Any:
+        """The value of the raw environment string (None or empty: the default); ValueError on a bad one."""
+        if raw is None or not raw.strip():
+            return self.default
+        text = raw.strip()
+        try:
+            return self._convert(text)
+        except ValueError:
+            shown = "<hidden>" if self.secret else repr(raw)
+            raise ValueError(f"{self.name}={shown} is not valid (accepted: {self.accepted()}); "
+                             f"{self.name}: {self.help}") from None
+
+    def _convert(self, text: str) -> Any:
+        low = text.lower()
         if self.kind == "bool":
-            if value in TRUE:
+            if low in TRUE:
                 return True
-            if value in FALSE:
+            if low in FALSE:
                 return False
-        elif self.kind == "int":
-            if raw.isdigit() and raw.isascii() and (self.minimum is None or int(raw) >= self.minimum):
-                return int(raw)
-            if raw.startswith("-") and raw[1:].isdigit() and raw.isascii() and self.minimum is None:
-                return int(raw)
-        elif self.kind == "choice":
-            if value in self.choices:
-                return value
-        elif self.kind == "json":
-            try:
-                parsed = json.loads(raw)
-            except json.JSONDecodeError:
-                parsed = None
-            if isinstance(parsed, dict):
-                return parsed
-        else:
-            return raw
-        raise ValueError(f"{self.env}={raw!r} is not valid: expected {self.accepts()} "
-                         f"(empty or unset: the default)")
+            if self.auto and low == AUTO:
+                return None
+            raise ValueError(text)
+        if self.kind in ("int", "float"):
+            value = int(text) if self.kind == "int" else float(text)
+            if self.minimum is not None and value < self.minimum:
+                raise ValueError(text)
+            return value
+        if self.kind == "choice":
+            if low not in self.choices:
+                raise ValueError(text)
+            return low
+        if self.kind == "json":
+            value = json.loads(text)  # json.JSONDecodeError is a ValueError
+            if not isinstance(value, dict):
+                raise ValueError(text)
+            return value
+        return text
+
+    def shown_default(self) -> str:
+        """The default as the table shows it."""
+        if self.default is None:
+            return "unset"
+        if isinstance(self.default, bool):
+            return "1" if self.default else "0"
+        return str(self.default)
 
 
-def _setting(env: str, default: Any, kind: str, help: str, read_by: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"spec": Spec(PREFIX + env, kind, help, read_by, **kw)})
-
-
-KERNELS, ENGINE, TRANSFER, SERVICE = "dsv4_kernels", "engine", "kv_transfer", "service"
-BENCH, TESTS, DEPLOY = "benchmarks / scripts", "tests", "deploy (Helm chart)"
+def _switch(name: str, kind: str, default: Any, help: str, group: str, **extra: Any) -> Any:
+    """A Settings field carrying its Switch (the field's default is the switch's)."""
+    return field(default=default, metadata={"switch": Switch(name, kind, default, help, group, **extra)})
 
 
 @dataclass(frozen=True)
 class Settings:
-    """The parsed switches. None where the default is decided by the code that reads it (named in its help)."""
+    """The parsed value of every switch (attribute = the variable's name without DSV4_, lower case)."""
 
-    # ---- kernels -------------------------------------------------------------------------------------------
-    hc_split_max_tokens: int = _setting(
-        "HC_SPLIT_MAX_TOKENS", 256, "int", "mHC pre with fp32 residual streams: the longest step that takes the "
-        "split kernels; longer steps take the long path (triton_mhc.split_max_tokens). Read at import.",
-        KERNELS, minimum=0)
-    hc_split_max_tokens_bf16: int = _setting(
-        "HC_SPLIT_MAX_TOKENS_BF16", 1 << 30, "int", "The same for bf16 residual streams (default: every step "
-        "splits). Read at import.", KERNELS, minimum=0)
-    hc_long_path: str = _setting(
-        "HC_LONG_PATH", "rows", "choice", "mHC pre's long path after the fp32 matmul: `rows` (whole-row collapse, "
-        "triton_mhc_rows) or `token` (one program a token). Read at import.", KERNELS, choices=("rows", "token"))
-    ogs_constraints: dict | None = _setting(
-        "OGS_CONSTRAINTS", None, "json", "triton_kernels' opt-flag constraints for every MXFP4 MoE call, replacing "
-        "mxfp4_ogs's decode and prefill choices (`{}` = triton_kernels' own heuristics). Unset: mxfp4_ogs's.",
-        KERNELS)
-
-    # ---- engine: fast paths ---------------------------------------------------------------------------------
-    triton: bool | None = _setting(
-        "TRITON", None, "bool", "The Triton fast paths. Unset: on for CUDA tensors where triton imports, off on "
-        "the CPU; true also forces them onto CPU tensors under TRITON_INTERPRET=1 (tests); false: the torch "
-        "reference ops everywhere (engine.model.fast_paths.use_triton).", ENGINE)
-    mxfp4_moe: bool | None = _setting(
-        "MXFP4_MOE", None, "bool", "Packed MXFP4 experts. Unset: kept packed on a bf16 CUDA engine with "
-        "triton_kernels and run by a kernel where triton runs; true: kept packed and run by the kernel wherever "
-        "triton runs; false: dequantised at load, the reference op everywhere.", ENGINE)
-    mxfp4_moe_backend: str = _setting(
-        "MXFP4_MOE_BACKEND", "auto", "choice", "The kernel for packed MXFP4 experts on CUDA: `auto` takes "
-        "triton_kernels, else Marlin, else the engine's own kernel; a named library that does not load falls "
-        "back the same way.", ENGINE, choices=("auto", "triton_kernels", "marlin", "engine"))
-    fp8_gemm: bool = _setting(
-        "FP8_GEMM", True, "bool", "FP8 checkpoint weights kept as e4m3 and multiplied by DeepGEMM (bf16 CUDA "
-        "engines with deep_gemm); false dequantises them at load.", ENGINE)
-    flash_mla: bool = _setting(
-        "FLASH_MLA", True, "bool", "FlashMLA's sparse decode over fp8_ds_mla pages where it imports; false keeps "
-        "the engine's Triton kernel (and --kv-cache-dtype auto then picks exact rows).", ENGINE)
-    grouped_moe: bool | None = _setting(
-        "GROUPED_MOE", None, "bool", "Dequantised routed experts as grouped GEMMs. Unset: on CUDA for 16-bit "
-        "inputs; true also on the CPU (tests compare both); false: the per-expert loop everywhere.", ENGINE)
-    fp32_residual: bool = _setting(
-        "FP32_RESIDUAL", True, "bool", "mHC's residual streams in fp32 in 16-bit engines; false keeps them in the "
-        "model dtype, as the transformers reference does.", ENGINE)
-    tp_backend: str | None = _setting(
-        "TP_BACKEND", None, "choice", "The torch.distributed backend of a tensor-parallel group. Unset: gloo on "
-        "the CPU, NCCL on CUDA; `gloo` on CUDA lets ranks share one GPU (a check, not for serving).", ENGINE,
+    # Kernels
+    hc_split_max_tokens: int = _switch(
+        HC_SPLIT_MAX_TOKENS, "int", 256, "mHC pre with fp32 streams: the longest step (tokens) taking the split "
+        "kernels; longer steps take the long path (dsv4_kernels.triton_mhc)", "kernels", minimum=0)
+    hc_split_max_tokens_bf16: int = _switch(
+        HC_SPLIT_MAX_TOKENS_BF16, "int", 1 << 30, "the same for bf16 residual streams (default: every size)",
+        "kernels", minimum=0)
+    hc_long_path: str = _switch(
+        HC_LONG_PATH, "choice", "rows", "mHC pre's long path after torch's matmul: rows (a whole-row collapse a "
+        "token, dsv4_kernels.triton_mhc_rows) or token (one program a token)", "kernels", choices=("rows", "token"))
+    ogs_constraints: dict | None = _switch(
+        OGS_CONSTRAINTS, "json", None, "triton_kernels' launch constraints for every MXFP4 MoE call ({} = its own "
+        "heuristics); unset = the measured choice per call size (dsv4_kernels.mxfp4_ogs)", "kernels")
+    # Engine
+    triton: bool | None = _switch(
+        TRITON, "bool", None, "the Triton fast paths: 0 = the torch reference ops everywhere; 1 = forced, also on "
+        "CPU tensors under TRITON_INTERPRET=1 (tests); unset = on for CUDA tensors where triton imports", "engine")
+    mxfp4_moe: bool | None = _switch(
+        MXFP4_MOE, "bool", None, "packed MXFP4 experts: 1 = keep them packed, run the kernel wherever triton runs; "
+        "0 = dequantise at load; unset = packed in bf16 CUDA engines with triton_kernels", "engine")
+    mxfp4_moe_backend: str = _switch(
+        MXFP4_MOE_BACKEND, "choice", "auto", "kernel of packed MXFP4 experts on CUDA; auto = triton_kernels, else "
+        "Marlin, else the engine's own kernel", "engine", choices=("auto", "triton_kernels", "marlin", "engine"))
+    fp8_gemm: bool = _switch(
+        FP8_GEMM, "bool", True, "FP8 dense GEMMs through DeepGEMM in bf16 CUDA engines; 0 = FP8 weights "
+        "dequantised at load", "engine")
+    flash_mla: bool = _switch(
+        FLASH_MLA, "bool", True, "FlashMLA's sparse decode over fp8_ds_mla pages on CUDA; 0 = the engine's own "
+        "Triton kernel", "engine")
+    grouped_moe: bool | None = _switch(
+        GROUPED_MOE, "bool", None, "routed experts as grouped GEMMs: 1 = also on the CPU; 0 = the per-expert loop "
+        "everywhere; unset = on for 16-bit CUDA inputs", "engine")
+    fp32_residual: bool = _switch(
+        FP32_RESIDUAL, "bool", True, "mHC residual streams in fp32 in 16-bit engines; 0 = in the model dtype (as "
+        "the transformers reference)", "engine")
+    tp_backend: str | None = _switch(
+        TP_BACKEND, "choice", None, "torch.distributed backend of tensor-parallel groups; unset = gloo on CPU, "
+        "NCCL on CUDA; gloo on CUDA lets ranks share one GPU (checks, not serving)", "engine",
         choices=("gloo", "nccl"))
+    overlap_decode: bool | None = _switch(
+        OVERLAP_DECODE, "bool", None, "launch each greedy decode step from the previous one's device tokens "
+        "before the host reads them; unset = on with CUDA graphs", "engine")
+    warmup: str = _switch(
+        WARMUP, "choice", "1", "start-up warm-up of CUDA serving engines: 1 = prompt ladder, decode graphs and "
+        "the FP8 GEMM sweep; quick = without the GEMM sweep; 0 = none", "engine", choices=("1", "quick", "0"))
+    warmup_procs: int | None = _switch(
+        WARMUP_PROCS, "int", None, "processes compiling the warm-up GEMM sweep side by side (1 = in this "
+        "process); unset = half the CPUs, at most 8", "engine", minimum=0)
+    load_progress: bool | None = _switch(
+        LOAD_PROGRESS, "bool", None, "checkpoint load progress (tqdm on a terminal, else log lines); unset = on "
+        "except under pytest", "engine")
+    home: str | None = _switch(
+        HOME, "str", None, "where the built-in tiny model is built and cached (HOME/tiny); unset = "
+        "~/.cache/dsv4", "engine")
+    # KV transfer
+    nixl_staging_bytes: int | None = _switch(
+        NIXL_STAGING_BYTES, "int", None, "bytes of each NIXL backend's staging arena (its staging_bytes option; "
+        "0 = no staging); unset = room for one request as long as the pool holds, at most 512 MiB", "transfer")
+    nixl_progress_delay_us: int = _switch(
+        NIXL_PROGRESS_DELAY_US, "int", 1000, "microseconds NIXL's progress thread sleeps between rounds (the "
+        "progress_delay_us option)", "transfer", minimum=0)
+    # Service
+    api_key: str | None = _switch(
+        API_KEY, "str", None, "the key every /v1 route requires (`Authorization: Bearer KEY`) when --api-key is "
+        "not given; unset = an open API", "service", secret=True)
+    api_docs: bool = _switch(
+        API_DOCS, "bool", False, "serve /docs, /redoc and /openapi.json (`dsv4 serve --api-docs` sets it for the "
+        "Serve replicas)", "service")
+    # Tests
+    strict_skips: bool = _switch(
+        STRICT_SKIPS, "bool", False, "pytest: a skip that is not GPU-only fails the session (.ci/run sets it)",
+        "tests")
+    test_transfer: str = _switch(
+        TEST_TRANSFER, "str", "nixl", "KV transfer backend of the Ray service test (tests/service/"
+        "test_service_ray.py)", "tests")
+    test_mark: str | None = _switch(
+        TEST_MARK, "str", None, "set by tests/service/test_service_shutdown.py on the service it starts, to find "
+        "processes left behind", "tests")
+    # Scripts
+    bench_command: str | None = _switch(
+        BENCH_COMMAND, "str", None, "the command a GPU bench report names (scripts/bench_gpu.sh sets it); unset = "
+        "this process's command line", "scripts")
+    transformers_source: str | None = _switch(
+        TRANSFORMERS_SOURCE, "str", None, "where the GPU bench's transformers came from, noted in its report "
+        "(scripts/bench_gpu.sh sets it)", "scripts")
+    bench_site: str | None = _switch(
+        BENCH_SITE, "str", None, "scripts/bench_gpu.sh: the directory carried wheels are installed into; unset = "
+        "/tmp/dsv4_bench_site", "scripts")
+    # Deployment
+    role: str | None = _switch(
+        ROLE, "str", None, "the pod's Ray role (head or worker), set by the chart", "deploy")
+    model_repo: str | None = _switch(
+        MODEL_REPO, "str", None, "the chart's model-download init container: the Hugging Face repo to fetch",
+        "deploy")
+    model_revision: str | None = _switch(
+        MODEL_REVISION, "str", None, "the chart's model-download init container: the revision to fetch", "deploy")
+    model_dir: str | None = _switch(
+        MODEL_DIR, "str", None, "the chart's model-download init container: where the model goes", "deploy")
 
-    # ---- engine: start-up -----------------------------------------------------------------------------------
-    warmup: str = _setting(
-        "WARMUP", "1", "choice", "Start-up warm-up of a one-rank CUDA engine: `1` everything, `quick` without the "
-        "DeepGEMM sweep over M classes, `0` none (engine.execution.warmup).", ENGINE, choices=("1", "quick", "0"))
-    warmup_procs: int | None = _setting(
-        "WARMUP_PROCS", None, "int", "Processes compiling the warm-up's GEMM sweep side by side (<= 1: in this "
-        "process). Unset: half the CPUs this process may use, at most 8.", ENGINE, minimum=0)
-    overlap_decode: bool | None = _setting(
-        "OVERLAP_DECODE", None, "bool", "Launch the next decode step before the host reads the last one "
-        "(engine.execution.decode_overlap). Unset: on with CUDA graphs; an explicit overlap_decode= wins.",
-        ENGINE)
-    load_progress: bool | None = _setting(
-        "LOAD_PROGRESS", None, "bool", "The checkpoint load's progress bar / log lines. Unset: on, except under "
-        "pytest.", ENGINE)
-    home: str = _setting(
-        "HOME", "~/.cache/dsv4", "str", "Where the built-in tiny model is built on first use (`<home>/tiny`).",
-        ENGINE)
-
-    # ---- KV transfer ----------------------------------------------------------------------------------------
-    nixl_staging_bytes: int | None = _setting(
-        "NIXL_STAGING_BYTES", None, "int", "Bytes of the NIXL backend's staging arena when staging_bytes= is not "
-        "given (0 = no staging). Unset: room for one request as long as the pool holds, capped.", TRANSFER,
-        minimum=0, accepted="a whole number of bytes >= 0, as the staging_bytes option (0 = no staging)")
-    nixl_progress_delay_us: int | None = _setting(
-        "NIXL_PROGRESS_DELAY_US", None, "int", "The NIXL agent's progress-thread delay in microseconds. Unset: "
-        "kv_transfer.nixl_backend.DEFAULT_PROGRESS_DELAY_US.", TRANSFER, minimum=0)
-
-    # ---- service --------------------------------------------------------------------------------------------
-    api_key: str | None = _setting(
-        "API_KEY", None, "str", "The API key every /v1 route requires (`Authorization: Bearer KEY`) when "
-        "--api-key is not given; the Helm chart sets it from a Secret. Unset: the API is open.", SERVICE,
-        secret=True)
-    api_docs: bool = _setting(
-        "API_DOCS", False, "bool", "Serve the interactive API docs (/docs, /redoc, /openapi.json); "
-        "`dsv4 serve --api-docs` sets it for the Serve replicas.", SERVICE)
-
-    # ---- benchmarks and scripts -----------------------------------------------------------------------------
-    transformers_source: str | None = _setting(
-        "TRANSFORMERS_SOURCE", None, "str", "Where the transformers baseline came from, for the benchmark "
-        "report (set by the slice benchmark's shell runner).", BENCH)
-    bench_command: str | None = _setting(
-        "BENCH_COMMAND", None, "str", "The command line the benchmark report names (set by the slice "
-        "benchmark's shell runner).", BENCH)
-    bench_site: str | None = _setting(
-        "BENCH_SITE", None, "str", "Read by the slice benchmark's shell runner only: the directory it installs "
-        "the transformers baseline into (default /tmp/dsv4_bench_site).", BENCH)
-
-    # ---- tests ----------------------------------------------------------------------------------------------
-    strict_skips: bool = _setting(
-        "STRICT_SKIPS", False, "bool", "A skipped test that is not GPU-only fails the session (.ci/run sets it).",
-        TESTS)
-    test_transfer: str = _setting(
-        "TEST_TRANSFER", "nixl", "str", "The KV transfer backend of tests/service/test_service_ray.py's service.",
-        TESTS)
-    test_mark: str | None = _setting(
-        "TEST_MARK", None, "str", "A marker tests/service/test_service_shutdown.py puts in a service's "
-        "environment to find every process it left behind; no code acts on it.", TESTS)
-
-    # ---- deploy ---------------------------------------------------------------------------------------------
-    role: str | None = _setting(
-        "ROLE", None, "str", "Set by the Helm chart on every Ray container (its role: head or a worker group); "
-        "no code acts on it.", DEPLOY)
-    model_repo: str | None = _setting(
-        "MODEL_REPO", None, "str", "Read by the chart's model-download init container only: the Hub repository.",
-        DEPLOY)
-    model_revision: str | None = _setting(
-        "MODEL_REVISION", None, "str", "Read by the chart's model-download init container only: the revision.",
-        DEPLOY)
-    model_dir: str | None = _setting(
-        "MODEL_DIR", None, "str", "Read by the chart's model-download init container only: where the model goes.",
-        DEPLOY)
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "Settings":
+        """Parse every switch from `environ`; ValueError on the first bad value."""
+        values = {f.name: f.metadata["switch"].parse(environ.get(f.metadata["switch"].name)) for f in fields(cls)}
+        return cls(**values)
 
 
-def specs() -> dict[str, tuple[str, Spec, Any]]:
-    """env name -> (Settings field name, its Spec, its default), in declaration order."""
-    return {f.metadata["spec"].env: (f.name, f.metadata["spec"], f.default) for f in dataclasses.fields(Settings)}
+SWITCHES: tuple[Switch, ...] = tuple(f.metadata["switch"] for f in fields(Settings))
+BY_NAME: dict[str, Switch] = {s.name: s for s in SWITCHES}
+_warned: set[str] = set()  # unknown names already warned about (one warning a name a process)
 
 
-_SPECS = specs()
-_current: Settings | None = None
-_warned: set[str] = set()
+def warn_unknown(environ: Mapping[str, str]) -> list[str]:
+    """Log one warning per unknown DSV4_* name in `environ` (the closest known name suggested); -> those names."""
+    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in BY_NAME)
+    for name in unknown:
+        if name in _warned:
+            continue
+        _warned.add(name)
+        close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        log.warning("unknown setting %s in the environment is ignored%s; the known ones: docs/settings.md",
+                    name, hint)
+    return unknown
 
 
-def parse(environ: Any = None) -> Settings:
-    """Settings from `environ` (default os.environ); see the module docstring for the rules."""
-    environ = os.environ if environ is None else environ
-    values = {}
-    for env, (name, spec, _) in _SPECS.items():
-        raw = environ.get(env)
-        if raw is not None and raw.strip():
-            values[name] = spec.parse(raw.strip())
-    for env in sorted(k for k in environ if k.startswith(PREFIX) and k not in _SPECS):
-        if env not in _warned:
-            _warned.add(env)
-            near = difflib.get_close_matches(env, _SPECS, n=1)
-            log.warning("%s is not a dsv4 setting and is ignored%s (all of them: docs/settings.md)", env,
-                        f"; did you mean {near[0]}?" if near else "")
-    return Settings(**values)
+@functools.lru_cache(maxsize=1)
+def settings() -> Settings:
+    """Every switch, parsed from os.environ on the first call (and after `reload()`), then cached."""
+    environ = dict(os.environ)
+    warn_unknown(environ)
+    return Settings.from_env(environ)
 
 
-def current() -> Settings:
-    """This process's settings, parsed from its environment at the first call (after `reload()`, the next)."""
-    global _current
-    if _current is None:
-        _current = parse()
-    return _current
-
-
-def reload() -> None:
-    """Forget the parse: the next `current()` reads the environment again (after a process changes it)."""
-    global _current
-    _current = None
-
-
-def active() -> list[tuple[str, str]]:
-    """[(name, value)] of the DSV4_* variables set in this process, credentials masked (for diagnostics)."""
-    out = []
-    for env in sorted(k for k in os.environ if k.startswith(PREFIX)):
-        spec = _SPECS[env][1] if env in _SPECS else None
-        out.append((env, "(set, hidden)" if spec is not None and spec.secret else os.environ[env]))
-    return out
-
-
-def _kind_text(spec: Spec) -> str:
-    if spec.kind == "bool":
-        return "boolean"
-    if spec.kind == "int":
-        return "whole number" + ("" if spec.minimum is None else f" >= {spec.minimum}")
-    if spec.kind == "choice":
-        return " / ".join(f"`{c}`" for c in spec.choices)
-    return {"json": "JSON object", "str": "text"}[spec.kind]
-
-
-def _default_text(default: Any) -> str:
-    if default is None:
-        return "unset"
-    if isinstance(default, bool):
-        return "true" if default else "false"
-    if isinstance(default, int) and default >= 1 << 20 and (default & (default - 1)) == 0:
-        return f"2^{default.bit_length() - 1}"
-    return f"`{default}`"
+def reload() -> Settings:
+    """Forget the cached values and parse the environment again (after changing it in this process)."""
+    settings.cache_clear()
+    return settings()
 
 
 def markdown() -> str:
-    """docs/settings.md: the rules and one table of every variable."""
-    lines = [
-        "# Settings: the `DSV4_*` environment variables",
-        "",
-        "Generated from `dsv4_kernels/settings.py` by `python -m dsv4_kernels.settings --write docs/settings.md`;",
-        "edit the declarations there, not this file (tests/test_settings.py checks the two agree).",
-        "",
-        "Code reads them only through `dsv4_kernels.settings.current()`, which parses them once per process.",
-        "Empty or unset takes the default. Booleans are " + " / ".join(f"`{v}`" for v in TRUE) + " or",
-        " / ".join(f"`{v}`" for v in FALSE) + ", choices any case. A bad value stops the process with an error",
-        "naming the variable and what it accepts; a `DSV4_*` name not listed here is logged as a warning and",
-        "ignored.",
-        "",
-        "| Variable | Type | Default | Read by | What it does |",
-        "|---|---|---|---|---|",
-    ]
-    for env, (_, spec, default) in _SPECS.items():
-        lines.append(f"| `{env}` | {_kind_text(spec)} | {_default_text(default)} | {spec.read_by} | "
-                     f"{spec.help.replace('|', '/')} |")
-    return "\n".join(lines) + "\n"
+    """docs/settings.md: every switch by group, with its type, default and help."""
+    out = ["# Settings", "",
+           "Every `DSV4_*` environment variable the code reads. Generated from `dsv4_kernels/settings.py` by",
+           "`python -m dsv4_kernels.settings --markdown > docs/settings.md` (tests/test_settings.py fails when this",
+           "file is out of date); `python -m dsv4_kernels.settings` prints the values your environment gives.", "",
+           "One rule for every value; an empty value counts as unset (the default):",
+           "- bool: `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`, case-insensitive; where unset means automatic,",
+           "  `auto` too;",
+           "- int / number: parsed once, at the first read; choice: one of its values, case-insensitive; json: a JSON "
+           "object.",
+           "A bad value fails with an error naming the variable, the value and what it accepts. An unknown `DSV4_*`",
+           "name in the environment logs one warning (naming the closest known one).", ""]
+    for group, heading in GROUPS.items():
+        out += [f"## {heading}", "", "| Variable | Type | Default | What it does |", "|---|---|---|---|"]
+        for s in SWITCHES:
+            if s.group == group:
+                kind = s.kind if s.kind != "choice" else "choice: " + " / ".join(s.choices)
+                if s.kind == "bool" and s.auto:
+                    kind = "bool or auto"
+                if s.minimum is not None:
+                    kind += f" >= {s.minimum}"
+                cell = s.help.replace("|", "\\|")
+                out.append(f"| `{s.name}` | {kind} | {s.shown_default()} | {cell} |")
+        out.append("")
+    return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--write"] and len(argv) == 2:
-        with open(argv[1], "w") as f:
-            f.write(markdown())
+def describe(values: Settings) -> str:
+    """One line a switch: NAME=value (secrets hidden), those the environment sets marked."""
+    lines = []
+    for f in fields(values):
+        s: Switch = f.metadata["switch"]
+        value = getattr(values, f.name)
+        shown = "<hidden>" if s.secret and value is not None else ("unset" if value is None else value)
+        mark = " (set)" if s.name in os.environ else ""
+        lines.append(f"{s.name}={shown}{mark}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--markdown"]:
+        print(markdown(), end="")
         return 0
     if argv:
-        print("usage: python -m dsv4_kernels.settings [--write PATH]  (no argument: print the table)",
-              file=sys.stderr)
+        print("usage: python -m dsv4_kernels.settings [--markdown]", file=sys.stderr)
         return 2
-    print(markdown(), end="")
+    print(describe(settings()))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main(sys.argv[1:]))
