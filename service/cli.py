@@ -61,6 +61,9 @@ def _add_make_model(sub) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantize", action="store_true", help="FP8 dense weights and MXFP4 experts")
+    p.add_argument("--mtp-layers", type=int, default=0,
+                   help="add N random MTP draft layers (mtp.{i}.*, num_nextn_predict_layers: N) for speculative "
+                        "decoding; the main model's weights are unchanged")
 
 
 def _generate(args) -> int:
@@ -104,7 +107,8 @@ def _generate(args) -> int:
 def _make_model(args) -> int:
     from engine.loading.make_model import make_model
 
-    path = make_model(args.preset, args.out, seed=args.seed, quantize=args.quantize)
+    path = make_model(args.preset, args.out, seed=args.seed, quantize=args.quantize,
+                      mtp_layers=args.mtp_layers)
     print(path or args.out)
     return 0
 

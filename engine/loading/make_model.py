@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from engine.model.config import ModelConfig
 from engine.loading.weights import expected_weight_shapes
 from dsv4_kernels.quant import quant_fp8_block, quant_mxfp4
+from dsv4_kernels.settings import settings
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -163,7 +164,8 @@ PRESETS: dict[str, dict] = {
 }
 
 # V4 quantisation layout: which original names are FP8 block-scaled / MXFP4 when quantize=True.
-_FP8 = re.compile(r"\.attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$")
+_FP8 = re.compile(r"\.attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$"
+                  r"|^mtp\.\d+\.[eh]_proj\.weight$")
 _MXFP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 _QUANT_CONFIG = {
     "quant_method": "fp8",
@@ -193,6 +195,20 @@ def preset_config(preset: str) -> dict:
     return copy.deepcopy(PRESETS[preset])
 
 
+def with_mtp_layers(raw: dict, n: int) -> dict:
+    """A config.json dict with `n` MTP layers declared the way V4's release does (a copy; n = 0: unchanged)."""
+    if n < 0:
+        raise ValueError(f"mtp_layers must be >= 0, got {n}")
+    if not n:
+        return raw
+    raw = copy.deepcopy(raw)
+    raw["num_nextn_predict_layers"] = n
+    ratios = raw.get("compress_ratios")
+    if ratios is not None:
+        raw["compress_ratios"] = list(ratios)[: raw["num_hidden_layers"]] + [0] * n  # the MTP slots: SWA only
+    return raw
+
+
 # ---- random weights ---------------------------------------------------------------------------
 def _proj_std(fan_in: int) -> float:
     # ~unit-variance outputs for small widths, capped into the 0.02-0.1 range of trained weights.
@@ -200,9 +216,10 @@ def _proj_std(fan_in: int) -> float:
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """float32 random weights {original name: tensor} shaped by `expected_weight_shapes(cfg)`.
+    """float32 random weights {original name: tensor} shaped by `expected_weight_shapes(cfg, mtp=True)`.
 
-    Deterministic in `seed`; draws happen in the (stable) expected-name order.
+    Deterministic in `seed`; draws happen in the (stable) expected-name order, the MTP layers' last, so a
+    model with MTP layers has the same main-model weights as one without.
     """
     g = torch.Generator().manual_seed(seed)
 
@@ -210,7 +227,7 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         return torch.randn(shape, generator=g) * std + mean
 
     out: dict[str, torch.Tensor] = {}
-    for name, shape in expected_weight_shapes(cfg).items():
+    for name, shape in expected_weight_shapes(cfg, mtp=True).items():
         leaf = name.rsplit(".", 1)[-1]  # hc_{attn,ffn}_{fn,base,scale}, hc_head_*, or "weight"
         if name == "embed.weight":
             t = randn(shape, 1.0)
@@ -299,13 +316,16 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
 
 
 # ---- model directories --------------------------------------------------------------------------
-def make_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, quantize: bool = False) -> str:
+def make_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, quantize: bool = False,
+               mtp_layers: int = 0) -> str:
     """Write config.json, model.safetensors and the tokenizer for `preset` into `out_dir`; return it.
 
     The same (preset, seed) gives the same underlying weights whether or not `quantize` is set, so a
-    quantised model can be compared with its unquantised source.
+    quantised model can be compared with its unquantised source. mtp_layers: N adds N random MTP draft layers
+    (`mtp.{i}.*`, as V4's release ships them) with `num_nextn_predict_layers: N` and N trailing 0 entries in
+    `compress_ratios`; the main model's weights are those of the same preset and seed without them.
     """
-    raw = preset_config(preset)
+    raw = with_mtp_layers(preset_config(preset), mtp_layers)
     if quantize:
         raw["quantization_config"] = dict(_QUANT_CONFIG)
     cfg = ModelConfig.from_dict(raw)
@@ -343,7 +363,7 @@ def default_model_dir() -> str:
     uses never see a half-written directory; the loser of the race discards its copy. A stamp file
     (hash of the preset + format version) makes a stale cache from an older preset get rebuilt.
     """
-    home = os.path.expanduser(os.environ.get("DSV4_HOME") or os.path.join("~", ".cache", "dsv4"))
+    home = os.path.expanduser(settings().home or os.path.join("~", ".cache", "dsv4"))
     target = os.path.join(home, "tiny")
     stamp = _stamp("tiny", 0)
     if _is_current(target, stamp):

@@ -9,7 +9,10 @@ Quantised tensors carry a companion holding their scales: `X.scale` (DeepSeek) o
 `X.weight_scale` (transformers / other exporters), where `X.weight` is the quantised tensor:
 - float8_e4m3fn weight [N, K] + block scales [ceil(N/128), ceil(K/128)] -> FP8 block dequant;
 - int8/uint8 weight [N, K/2] (or float4_e2m1fn_x2) + UE8M0 scales [N, K/32] -> MXFP4 dequant.
-The multi-token-prediction head (`mtp.*`) is not used by this engine and is skipped.
+The multi-token-prediction layers (`mtp.{i}.*`, DeepSeek's names; `model.mtp.{i}.*` in the `model.`-prefixed
+scheme, the same way `model.layers.N.*` maps to `layers.N.*`) are read only with `mtp=True` (speculative
+decoding on); otherwise they are skipped unread (no memory cost). vLLM's in-memory rename
+(`model.layers.{L+i}.*`) is not an on-disk scheme and is not read: a `layers.{L}` tensor is reported unexpected.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dsv4_kernels.quant import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequan
 
 # Tensors that stay float32 whatever `dtype` is asked for: they are tiny and feed fp32 maths
 # (RMSNorm weights, mHC mixing, attention sinks, compressor position biases, router bias).
-_KEEP_FP32 = re.compile(r"(?:norm\.weight|attn_sink|\.ape|gate\.bias)$|^hc_head_|\.hc_(?:attn|ffn)_")
+_KEEP_FP32 = re.compile(r"(?:norm\.weight|attn_sink|\.ape|gate\.bias)$|(?:^|\.)hc_head_|\.hc_(?:attn|ffn)_")
 _INT_TENSORS = re.compile(r"\.tid2eid$")
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 # transformers' leaf names that differ from DeepSeek's (after the `model.` prefix is stripped).
@@ -50,14 +53,13 @@ _SHOW = 8  # how many names an error message lists before summarising the rest
 
 
 # ---- expected names and shapes --------------------------------------------------------------
-def expected_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the model (original DeepSeek names, mtp excluded) -> its logical shape.
+def expected_weight_shapes(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model (original DeepSeek names) -> its logical shape; with `mtp`, the
+    `cfg.num_nextn_predict_layers` MTP layers' `mtp.{i}.*` tensors follow the main model's.
 
     Quantised tensors are listed by their dequantised shape; `.scale` companions are not listed.
     """
     h, v, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
-    hd, nh, ql = cfg.head_dim, cfg.num_heads, cfg.q_lora_rank
-    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "embed.weight": (v, h),
         "head.weight": (v, h),
@@ -66,54 +68,84 @@ def expected_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "hc_head_base": (hc,),
         "hc_head_scale": (1,),
     }
-    mix = (2 + hc) * hc  # pre (hc) + post (hc) + comb (hc*hc) mixing weights per token
     for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        shapes[p + "attn_norm.weight"] = (h,)
-        shapes[p + "ffn_norm.weight"] = (h,)
-        for site in ("attn", "ffn"):
-            shapes[f"{p}hc_{site}_fn"] = (mix, hc * h)
-            shapes[f"{p}hc_{site}_base"] = (mix,)
-            shapes[f"{p}hc_{site}_scale"] = (3,)
-        a = p + "attn."
-        shapes[a + "wq_a.weight"] = (ql, h)
-        shapes[a + "q_norm.weight"] = (ql,)
-        shapes[a + "wq_b.weight"] = (nh * hd, ql)
-        shapes[a + "wkv.weight"] = (hd, h)
-        shapes[a + "norm.weight"] = (hd,)
-        shapes[a + "wo_a.weight"] = (cfg.o_groups * cfg.o_lora_rank, nh * hd // cfg.o_groups)
-        shapes[a + "wo_b.weight"] = (h, cfg.o_groups * cfg.o_lora_rank)
-        shapes[a + "attn_sink"] = (nh,)
-        ratio = cfg.compress_ratios[i]
-        if ratio > 1:
-            coff = 2 if ratio == 4 else 1  # overlapping (ratio 4) windows carry two halves per token
-            shapes[a + "compressor.wkv.weight"] = (coff * hd, h)
-            shapes[a + "compressor.wgate.weight"] = (coff * hd, h)
-            shapes[a + "compressor.ape"] = (ratio, coff * hd)
-            shapes[a + "compressor.norm.weight"] = (hd,)
-        if cfg.has_indexer(i):
-            ih, idim = cfg.index_n_heads, cfg.index_head_dim
-            shapes[a + "indexer.wq_b.weight"] = (ih * idim, ql)
-            shapes[a + "indexer.weights_proj.weight"] = (ih, h)
-            shapes[a + "indexer.compressor.wkv.weight"] = (2 * idim, h)
-            shapes[a + "indexer.compressor.wgate.weight"] = (2 * idim, h)
-            shapes[a + "indexer.compressor.ape"] = (4, 2 * idim)
-            shapes[a + "indexer.compressor.norm.weight"] = (idim,)
-        f = p + "ffn."
-        shapes[f + "gate.weight"] = (e, h)
-        if cfg.hash_layers[i]:
-            shapes[f + "gate.tid2eid"] = (v, cfg.num_experts_per_tok)
-        else:
-            shapes[f + "gate.bias"] = (e,)
-        for j in range(e):
-            shapes[f"{f}experts.{j}.w1.weight"] = (inter, h)
-            shapes[f"{f}experts.{j}.w2.weight"] = (h, inter)
-            shapes[f"{f}experts.{j}.w3.weight"] = (inter, h)
-        shared = inter * cfg.n_shared_experts
-        if shared:
-            shapes[f + "shared_experts.w1.weight"] = (shared, h)
-            shapes[f + "shared_experts.w2.weight"] = (h, shared)
-            shapes[f + "shared_experts.w3.weight"] = (shared, h)
+        shapes.update(_block_shapes(cfg, f"layers.{i}.", cfg.compress_ratios[i], cfg.hash_layers[i]))
+    if mtp:
+        shapes.update(mtp_weight_shapes(cfg))
+    return shapes
+
+
+def mtp_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP layers' tensors (docs: /work/shared/docs/mtp.md section 1): per layer i, `mtp.{i}.` +
+    enorm / hnorm / norm, e_proj / h_proj (D x D), its own hc_head_{fn,base,scale}, and one V4 block whose
+    attention is sliding-window only (no compressor, no indexer) and whose MoE is score-routed (gate.bias)."""
+    h, hc = cfg.hidden_size, cfg.hc_mult
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.num_nextn_predict_layers):
+        p = f"mtp.{i}."
+        for norm in ("enorm", "hnorm", "norm"):
+            shapes[f"{p}{norm}.weight"] = (h,)
+        shapes[p + "e_proj.weight"] = (h, h)
+        shapes[p + "h_proj.weight"] = (h, h)
+        shapes[p + "hc_head_fn"] = (hc, hc * h)
+        shapes[p + "hc_head_base"] = (hc,)
+        shapes[p + "hc_head_scale"] = (1,)
+        shapes.update(_block_shapes(cfg, p, 0, False))
+    return shapes
+
+
+def _block_shapes(cfg: ModelConfig, p: str, ratio: int, hash_layer: bool) -> dict[str, tuple[int, ...]]:
+    """One V4 block's tensors under prefix `p` (`layers.N.` or `mtp.i.`): norms, mHC mixing, attention
+    (compressor when ratio > 1, indexer when ratio == 4) and MoE (tid2eid when hash-routed, else gate.bias)."""
+    h, v, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    hd, nh, ql = cfg.head_dim, cfg.num_heads, cfg.q_lora_rank
+    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    mix = (2 + hc) * hc  # pre (hc) + post (hc) + comb (hc*hc) mixing weights per token
+    shapes: dict[str, tuple[int, ...]] = {}
+    shapes[p + "attn_norm.weight"] = (h,)
+    shapes[p + "ffn_norm.weight"] = (h,)
+    for site in ("attn", "ffn"):
+        shapes[f"{p}hc_{site}_fn"] = (mix, hc * h)
+        shapes[f"{p}hc_{site}_base"] = (mix,)
+        shapes[f"{p}hc_{site}_scale"] = (3,)
+    a = p + "attn."
+    shapes[a + "wq_a.weight"] = (ql, h)
+    shapes[a + "q_norm.weight"] = (ql,)
+    shapes[a + "wq_b.weight"] = (nh * hd, ql)
+    shapes[a + "wkv.weight"] = (hd, h)
+    shapes[a + "norm.weight"] = (hd,)
+    shapes[a + "wo_a.weight"] = (cfg.o_groups * cfg.o_lora_rank, nh * hd // cfg.o_groups)
+    shapes[a + "wo_b.weight"] = (h, cfg.o_groups * cfg.o_lora_rank)
+    shapes[a + "attn_sink"] = (nh,)
+    if ratio > 1:
+        coff = 2 if ratio == 4 else 1  # overlapping (ratio 4) windows carry two halves per token
+        shapes[a + "compressor.wkv.weight"] = (coff * hd, h)
+        shapes[a + "compressor.wgate.weight"] = (coff * hd, h)
+        shapes[a + "compressor.ape"] = (ratio, coff * hd)
+        shapes[a + "compressor.norm.weight"] = (hd,)
+    if ratio == 4:
+        ih, idim = cfg.index_n_heads, cfg.index_head_dim
+        shapes[a + "indexer.wq_b.weight"] = (ih * idim, ql)
+        shapes[a + "indexer.weights_proj.weight"] = (ih, h)
+        shapes[a + "indexer.compressor.wkv.weight"] = (2 * idim, h)
+        shapes[a + "indexer.compressor.wgate.weight"] = (2 * idim, h)
+        shapes[a + "indexer.compressor.ape"] = (4, 2 * idim)
+        shapes[a + "indexer.compressor.norm.weight"] = (idim,)
+    f = p + "ffn."
+    shapes[f + "gate.weight"] = (e, h)
+    if hash_layer:
+        shapes[f + "gate.tid2eid"] = (v, cfg.num_experts_per_tok)
+    else:
+        shapes[f + "gate.bias"] = (e,)
+    for j in range(e):
+        shapes[f"{f}experts.{j}.w1.weight"] = (inter, h)
+        shapes[f"{f}experts.{j}.w2.weight"] = (h, inter)
+        shapes[f"{f}experts.{j}.w3.weight"] = (inter, h)
+    shared = inter * cfg.n_shared_experts
+    if shared:
+        shapes[f + "shared_experts.w1.weight"] = (shared, h)
+        shapes[f + "shared_experts.w2.weight"] = (h, shared)
+        shapes[f + "shared_experts.w3.weight"] = (shared, h)
     return shapes
 
 
@@ -123,10 +155,9 @@ def keeps_fp32(name: str) -> bool:
 
 
 def canonical_name(raw: str) -> str | None:
-    """On-disk tensor name -> original DeepSeek name (scale companions end in `.scale`); None for mtp."""
+    """On-disk tensor name -> original DeepSeek name (scale companions end in `.scale`); MTP tensors keep their
+    `mtp.{i}.` names (`model.mtp.{i}.` loses the prefix like `model.layers.N.`)."""
     name = raw[len("model.") :] if raw.startswith("model.") else raw
-    if name.startswith("mtp."):
-        return None
     name = _HF_RENAMES.get(name, name)
     for suffix in _SCALE_SUFFIXES[:2]:
         if name.endswith(suffix):
@@ -188,9 +219,10 @@ def _quant_kind(name: str, w: _Entry, s: _Entry, want: tuple[int, ...], block: t
     return None
 
 
-def _index(model_dir, stack: contextlib.ExitStack) -> tuple[dict, dict, list[str]]:
+def _index(model_dir, stack: contextlib.ExitStack, mtp: bool = False) -> tuple[dict, dict, list[str]]:
     """Pass 1, headers only (safe_open reads the JSON header; data is read on demand):
-    -> ({name: weight entry}, {weight base name: scale entry}, [names stored more than once])."""
+    -> ({name: weight entry}, {weight base name: scale entry}, [names stored more than once]).
+    mtp False: `mtp.*` tensors are left out (never read, never checked)."""
     weights: dict[str, _Entry] = {}
     scales: dict[str, _Entry] = {}
     duplicates: list[str] = []
@@ -198,7 +230,7 @@ def _index(model_dir, stack: contextlib.ExitStack) -> tuple[dict, dict, list[str
         handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
         for raw in handle.keys():
             name = canonical_name(raw)
-            if name is None:
+            if name is None or (not mtp and name.startswith("mtp.")):
                 continue
             sl = handle.get_slice(raw)
             entry = _Entry(raw, handle, sl.get_dtype(), tuple(sl.get_shape()))
@@ -252,9 +284,9 @@ class Checkpoint:
     reads its shard and not the whole (engine.loading.shard_reader). `bytes_read`: bytes materialised from the files."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, scales: dict, plan: dict, dtype: torch.dtype, device,
-                 keep_mxfp4_experts: bool, keep_fp8: bool):
+                 keep_mxfp4_experts: bool, keep_fp8: bool, mtp: bool = False):
         self.cfg, self.dtype, self.device = cfg, dtype, device
-        self.expected = expected_weight_shapes(cfg)
+        self.expected = expected_weight_shapes(cfg, mtp)
         self.block = tuple(cfg.quantization.get("weight_block_size") or FP8_BLOCK)
         self._weights, self._scales, self._plan = weights, scales, plan
         self.keep_mxfp4_experts, self.keep_fp8 = keep_mxfp4_experts, keep_fp8
@@ -319,15 +351,17 @@ class Checkpoint:
 
 @contextlib.contextmanager
 def open_checkpoint(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu", keep_mxfp4_experts: bool = False, keep_fp8: bool = False):
+                    device: str | torch.device = "cpu", keep_mxfp4_experts: bool = False, keep_fp8: bool = False,
+                    mtp: bool = False):
     """Read every header, check names, shapes and formats against `cfg` (one ValueError listing every problem,
-    before any tensor data is read), and yield a `Checkpoint` whose files stay open inside the `with`."""
-    expected = expected_weight_shapes(cfg)
+    before any tensor data is read), and yield a `Checkpoint` whose files stay open inside the `with`.
+    mtp: also the MTP layers (`expected_weight_shapes(cfg, mtp=True)`); otherwise `mtp.*` is skipped."""
+    expected = expected_weight_shapes(cfg, mtp)
     block = tuple(cfg.quantization.get("weight_block_size") or FP8_BLOCK)
     with contextlib.ExitStack() as stack:
-        weights, scales, duplicates = _index(model_dir, stack)
+        weights, scales, duplicates = _index(model_dir, stack, mtp)
         plan = _plan(model_dir, expected, weights, scales, duplicates, block)
-        yield Checkpoint(cfg, weights, scales, plan, dtype, device, keep_mxfp4_experts, keep_fp8)
+        yield Checkpoint(cfg, weights, scales, plan, dtype, device, keep_mxfp4_experts, keep_fp8, mtp)
 
 
 def load_weights(
@@ -339,6 +373,7 @@ def load_weights(
     keep_fp8: bool = False,
     skip: Callable[[str], bool] | None = None,
     progress: bool | None = None,
+    mtp: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read, check and dequantise a checkpoint -> {original name: tensor on `device`}.
 
@@ -352,8 +387,10 @@ def load_weights(
     (missing, unexpected or mis-shaped tensors, scales without weights, quantised bytes without scales) is
     collected first and reported in one ValueError, before any tensor data is read. `skip(name)` True: that
     tensor (and its scale) is checked but never read nor returned. progress: see engine.loading.load_progress.
+    mtp: also read the MTP layers (`mtp.{i}.*`, routed experts kept packed like the main layers'); the engine
+    loads them only with speculative decoding on.
     """
-    with open_checkpoint(model_dir, cfg, dtype, device, keep_mxfp4_experts, keep_fp8) as ckpt:
+    with open_checkpoint(model_dir, cfg, dtype, device, keep_mxfp4_experts, keep_fp8, mtp) as ckpt:
         names = [n for n in ckpt.names if skip is None or not skip(n)]
         out: dict[str, torch.Tensor] = {}
         with LoadProgress(len(names), enabled=progress) as bar:

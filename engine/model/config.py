@@ -70,6 +70,9 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
     torch_dtype: str = "bfloat16"
+    # MTP draft layers shipped with the checkpoint (`mtp.{i}.*`); their compress_ratios entries (trailing 0s
+    # past num_hidden_layers) are not kept in compress_ratios: an MTP layer is always sliding-window only.
+    num_nextn_predict_layers: int = 0
     quantization: dict = field(default_factory=dict, compare=False, hash=False)
 
     # ---- derived views -------------------------------------------------------------------
@@ -251,6 +254,7 @@ def _parse(raw: dict) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_ids=eos_ids,
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         quantization=dict(raw.get("quantization_config") or {}),
     )
     _validate(cfg)
