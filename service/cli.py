@@ -1,4 +1,5 @@
-"""The `dsv4` command line: `generate`, `make-model`, `serve`, `bench serve`, `chat-render`, `chat-parse`."""
+"""The `dsv4` command line: `generate`, `make-model`, `serve`, `bench serve|route|soak|kernels|slice`, `chat-render`,
+`chat-parse`."""
 
 from __future__ import annotations
 
@@ -133,6 +134,9 @@ def _add_bench(sub) -> None:
 
     add_bench_soak_args(bench.add_parser("soak", help="mixed load with worker kills for N minutes: errors by "
                                                       "type, /health latency, memory growth"))
+    # Listed for --help only: main() hands `bench kernels|slice ...` to service.bench_tree before parsing.
+    bench.add_parser("kernels", help="kernel micro-benchmarks: `dsv4 bench kernels <op> ...`, --list (source tree)")
+    bench.add_parser("slice", help="V4-Flash-slice decode/prefill vs rooflines on one GPU (source tree)")
 
 
 def _add_chat(sub) -> None:
@@ -199,6 +203,11 @@ def _chat_parse(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and argv[1:2] in (["kernels"], ["slice"]):  # each op parses its own flags
+        from service.bench_tree import bench_tree_main
+
+        return bench_tree_main(argv[1], argv[2:])
     parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek V4 inference service")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)

@@ -1,5 +1,5 @@
 """The BENCHMARKS.md sections built from GPU runs' outputs (the runs themselves need a GPU): the decode A/B table
-(scripts/bench_gpu_ab.py) and the cold-start table (scripts/check_gpu_warmup.py --report), on synthetic run
+(benchmarks/slice/ab.py) and the cold-start table (benchmarks/cold_start.py --report), on synthetic run
 files written here, including runs that ended early."""
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ def _slice_md(rows: list[tuple[int, str, float, float]]) -> str:
     return "\n".join(head + body) + "\n"
 
 
-def _run(script: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
+def _run(module: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -32,7 +31,7 @@ def _run(script: str, *args: str) -> str:
 def test_decode_ab_table(tmp_path):
     (tmp_path / "ab_o1_auto.md").write_text(_slice_md([(1, "4K", 1.8, 3.7), (64, "32K", 5.7, 2.1)]))
     (tmp_path / "ab_o0_auto.md").write_text(_slice_md([(1, "4K", 1.9, 4.0), (64, "32K", 6.5, 2.4)]))
-    text = _run("bench_gpu_ab.py", "--dir", str(tmp_path))
+    text = _run("benchmarks.slice.ab", "--dir", str(tmp_path))
     assert "| 1 | 4K | 1.8 (3.7x) | 1.9 (4.0x) | 1.06x |" in text
     assert "| 64 | 32K | 5.7 (2.1x) | 6.5 (2.4x) | 1.14x |" in text
     assert "2026-12-02 02:15 UTC" in text and "NVIDIA H200" in text
@@ -54,7 +53,7 @@ def test_cold_start_table(tmp_path):
         "request 1: prompt 697, first step 4257.7 ms, slowest later step 81.2 ms\n"
         "  compiled during request 1: 8 files: _sort_pairs_kernel x1\n"
         "compile caches: 120 DeepGEMM files, 300 Triton files (nvrtc 0)\n")
-    text = _run("check_gpu_warmup.py", "--report", str(tmp_path), "--timeout-s", "190")
+    text = _run("benchmarks.cold_start", "--report", str(tmp_path), "--timeout-s", "190")
     assert "| off, empty caches | 2026-12-02 02:30 UTC | 0.9 s | - | 2 | not recorded | 29328 / 46012 | 19075 / 28980 | - |" in text
     assert "| on, empty caches (DeepGEMM via nvcc) | - | not within 190 s | - | 0 | - | - | - | - |" in text
     assert "| on, empty caches (DeepGEMM via NVRTC) | - | not within 190 s |" in text
@@ -65,14 +64,14 @@ def test_cold_start_table(tmp_path):
 
 
 def test_prefill_profile_host_side():
-    """The prefill profile's host side (scripts/gpu_bench): the GPU's idle gaps between kernels and the CUDA API
+    """The prefill profile's host side (benchmarks/slice): the GPU's idle gaps between kernels and the CUDA API
     calls by host time, from a profile's events; nothing for a run without kernels (the CPU)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     from types import SimpleNamespace
 
     import torch
-    from gpu_bench.engine_bench import _host_table
-    from gpu_bench.report import _host_text
+
+    from benchmarks.slice.engine_bench import _host_table
+    from benchmarks.slice.report import _host_text
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 

@@ -13,9 +13,9 @@ the rows path's collapse at 4, 8 and 16 warps (ROW_ELEMS_PER_WARP) from 1024 tok
 path at decode sizes (1, 4, 8, 64 tokens) in CUDA-graph replays (no host launch cost, as decode runs it) by
 MIX_PROGRAMS (the split-K width), MIX_GEMV_MAX_TOKENS and PRE_SPLITS_PER_LOAD.
 
-Usage: python scripts/bench_mhc.py [--tokens 1 64 256 1024 4096 8192] [--dtype float32|bfloat16] [--out FILE]
+Usage: dsv4 bench kernels mhc [--tokens 1 64 256 1024 4096 8192] [--dtype float32|bfloat16] [--out FILE]
                                    [--sweep]
-       python scripts/bench_mhc.py --merge FP32_TABLE BF16_TABLE   # --out files -> BENCHMARKS.md section
+       dsv4 bench kernels mhc --merge FP32_TABLE BF16_TABLE   # --out files -> BENCHMARKS.md section
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.timing import bench, bench_cudagraph, copy_gbps
 
 HC, D, ITERS = 4, 4096, 20
 
@@ -63,21 +62,15 @@ def run(path: str, args, row_elems_per_warp: int | None = None):
          triton_mhc_rows.ROW_ELEMS_PER_WARP) = saved
 
 
-def copy_gbps(device) -> float:
-    from triton.testing import do_bench
-
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), warmup=5, rep=50)
-    return 2 * x.numel() / ms / 1e6
+def bench_ms(fn) -> float:
+    """Median milliseconds (benchmarks.timing.bench, a flushed L2; this op's tables are in ms-derived us)."""
+    return bench(fn, rep=100) / 1e3
 
 
 def graph_small(dev, dtype: torch.dtype) -> None:
     """The split path at decode sizes, CUDA-graph replays, by MIX_PROGRAMS, the mix kernel (16-row dot tiles or
     one token a program: MIX_GEMV_MAX_TOKENS) and the pre kernel's splits a load (PRE_SPLITS_PER_LOAD); outputs
     checked against the defaults'."""
-    from triton.testing import do_bench_cudagraph
-
     from dsv4_kernels import triton_mhc
 
     knobs = ("MIX_PROGRAMS", "MIX_GEMV_MAX_TOKENS", "PRE_SPLITS_PER_LOAD")
@@ -92,7 +85,7 @@ def graph_small(dev, dtype: torch.dtype) -> None:
                         for k, v in zip(knobs, (programs, gemv, per_load)):
                             setattr(triton_mhc, k, v)
                         diff = max((u.float() - v.float()).abs().max().item() for u, v in zip(run("split", x), want))
-                        us = do_bench_cudagraph(lambda: run("split", x), rep=50) * 1e3
+                        us = bench_cudagraph(lambda: run("split", x), rep=50)
                         print(f"  graph T={t} MIX_PROGRAMS={programs} MIX_GEMV_MAX_TOKENS={gemv} "
                               f"PRE_SPLITS_PER_LOAD={per_load}: {us:.1f} us, max |diff| vs default {diff:.1e}",
                               flush=True)
@@ -104,7 +97,7 @@ def graph_small(dev, dtype: torch.dtype) -> None:
 def section(tables: list[str]) -> str:
     """The BENCHMARKS.md section from --out tables (each starts with its command line, which names the dtype)."""
     return "\n".join([
-        "## mHC pre: split kernels vs the long path (`scripts/bench_mhc.py`)", "",
+        "## mHC pre: split kernels vs the long path (`dsv4 bench kernels mhc`)", "",
         "`dsv4_kernels.triton_mhc.hc_pre` at V4-Flash widths (4 streams x 4096, 24 mixing logits, 20 Sinkhorn "
         "iterations, the block's input norm fused) by token count, host launch included (small steps are "
         "host-bound here; decode runs them under CUDA graphs). \"split\": the mix kernel + the (T, D blocks) pre "
@@ -136,8 +129,8 @@ def section(tables: list[str]) -> str:
         "batch-1 decode step's mHC pre went from 148 to 74 us)."])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dsv4 bench kernels mhc", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024, 4096, 8192])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the streams' dtype")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
@@ -146,7 +139,7 @@ def main() -> int:
                     help="also time decode sizes under CUDA graphs by MIX_PROGRAMS")
     ap.add_argument("--merge", nargs="+", default=None,
                     help="put these --out tables (fp32 streams first) into BENCHMARKS.md's mHC section and exit")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.merge:
         from service.benchmarks_md import write_section
 
@@ -154,19 +147,17 @@ def main() -> int:
         print(f"merged {', '.join(args.merge)} into BENCHMARKS.md")
         return 0
     if not torch.cuda.is_available():
-        print("bench_mhc: needs a CUDA GPU")
+        print("dsv4 bench kernels mhc: needs a CUDA GPU", file=sys.stderr)
         return 1
-    from triton.testing import do_bench
-
     dev = torch.device("cuda")
     gbps = copy_gbps(dev)
     rows = []
     for t in args.tokens:
         x = inputs(t, dev, getattr(torch, args.dtype), seed=t)
-        times = {p: do_bench(lambda p=p: run(p, x), warmup=10, rep=100) for p in PATHS}
+        times = {p: bench_ms(lambda p=p: run(p, x)) for p in PATHS}
         outs = {p: run(p, x) for p in PATHS}
         streams, fn = x[0], x[1]
-        logits_ms = do_bench(lambda: streams.reshape(t, HC * D).float() @ fn.t(), warmup=10, rep=100)
+        logits_ms = bench_ms(lambda: streams.reshape(t, HC * D).float() @ fn.t())
         diff = {p: max((u.float() - v.float()).abs().max().item() for u, v in zip(outs[p], outs["token"]))
                 for p in ("split", "rows")}
         roof_ms = t * HC * D * x[0].element_size() / gbps / 1e6
@@ -177,12 +168,12 @@ def main() -> int:
               f"split {diff['split']:.2e}, rows {diff['rows']:.2e}", flush=True)
         if args.sweep and t >= 1024:  # the rows path's collapse: 16, 8, 4 warps at V4-Flash widths
             for epw in (1024, 2048, 4096):
-                ms = do_bench(lambda: run("rows", x, epw), warmup=10, rep=100)
+                ms = bench_ms(lambda: run("rows", x, epw))
                 print(f"  sweep T={t} ROW_ELEMS_PER_WARP={epw}: {ms * 1e3:.1f} us", flush=True)
     if args.graph_small:
         graph_small(dev, getattr(torch, args.dtype))
     tokens = " ".join(map(str, args.tokens))
-    lines = [f"- command: `python scripts/bench_mhc.py --tokens {tokens} --dtype {args.dtype}`",
+    lines = [f"- command: `dsv4 bench kernels mhc --tokens {tokens} --dtype {args.dtype}`",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {gbps:.0f} GB/s",
              "", "| tokens | split us | long, rows us | long, token us | (logits matmul us) | streams-read roof us "

@@ -1,10 +1,10 @@
-"""Bench cases of the cache-writing Triton kernels, for scripts/bench_kernels.py (kept apart for size).
+"""Bench cases of the cache-writing Triton kernels, for benchmarks/kernels/triton_decode.py (kept apart for size).
 
 Groups: swa_insert (norm + rope + fp8_ds_mla row write), indexer_query (RoPE + Hadamard + MXFP4 / FP8 q),
 compressor_cache (state save; pool + norm + rope + quantised entry write). V4-Flash shapes: D=512, rope 64,
 Hi=64, Di=128. These ops write as much as they read, so their byte count is read + write (the copy roof
 counts both too); the reference is the plain-torch chain (norm, rope, geometry pack, write_rows).
-`case_groups(Case, rand, close, device)` returns {name: cases(t)} built on bench_kernels' helpers.
+`case_groups(Case, rand, close, device)` returns {name: cases(t)} built on triton_decode's helpers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def bytes_check(out_cache: torch.Tensor, ref_cache: torch.Tensor, min_equal: flo
 
 
 def case_groups(Case, rand, close, device: str) -> dict:
-    """{group name: (t -> [Case])} for the cache kernels; Case / rand / close are bench_kernels' own."""
+    """{group name: (t -> [Case])} for the cache kernels; Case / rand / close are triton_decode's own."""
     from dsv4_kernels import geometry as g
     from dsv4_kernels.rope import rope_cos_sin, rope_inv_freq
 

@@ -2,14 +2,14 @@
 
 For each projection shape (N x K of wq_a, wq_b, wkv, one of wo_a's 8 groups, wo_b, indexer wq_b,
 shared-expert w1/w3 and w2) and token count M (default 1/64/128/8192) it times, under a CUDA graph
-after an L2 flush (scripts/bench_kernels.bench_graph: device time, no launch overhead):
+after an L2 flush (benchmarks.timing.bench_graph: device time, no launch overhead):
 - `fp8`: dsv4_kernels.deepgemm_linear.fp8_gemm = Triton 1x128 activation quantiser + deep_gemm.fp8_gemm_nt;
 - `bf16`: x @ W^T on the dequantised bf16 weight (what the engine ran before).
 Reported: both times, the speed-up, TFLOP/s of the FP8 path, and its relative error ||fp8 - ref|| / ||ref||
 against dsv4_kernels.fp8_linear.fp8_linear_ref (fp32, same quantised activations) and against the exact bf16 product.
 Every shape is warmed (DeepGEMM JIT-compiles per shape) before timing.
 
-Usage: PYTHONPATH=. python3 scripts/bench_fp8_gemm.py [--tokens 1 64 128 8192] [--out FILE] [--write]
+Usage: dsv4 bench kernels fp8-gemm [--tokens 1 64 128 8192] [--out FILE] [--write]
 --write puts the table into BENCHMARKS.md (section fp8_gemm, service/benchmarks_md.write_section); on the GPU
 machine write --out instead and merge the file here with --merge FILE.
 """
@@ -23,12 +23,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from dsv4_kernels import fp8_linear as ref  # noqa: E402
-from dsv4_kernels.quant import quant_fp8_block  # noqa: E402
-from scripts.bench_kernels import bench_graph  # noqa: E402
+from benchmarks.timing import bench_graph
+from dsv4_kernels import fp8_linear as ref
+from dsv4_kernels.quant import quant_fp8_block
 
 # name -> (N, K) of V4-Flash (hidden 4096, q_lora 1024, 64 heads x 512, o_groups 8 x o_lora 1024, moe 2048)
 SHAPES = {
@@ -90,13 +87,13 @@ def table(rows: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dsv4 bench kernels fp8-gemm", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 128, 8192])
     ap.add_argument("--out", default=None)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--merge", default=None, help="put this section file into BENCHMARKS.md and exit")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.merge:
         from service.benchmarks_md import write_section
 
@@ -112,7 +109,7 @@ def main() -> int:
             rows.append(measure(name, n, k, m, gen))
             r = rows[-1]
             print(f"{name:28s} M={m:5d} fp8 {r['fp8_us']:8.1f} us  bf16 {r['bf16_us']:8.1f} us", flush=True)
-    md = table(rows, "PYTHONPATH=. python3 scripts/bench_fp8_gemm.py " + " ".join(sys.argv[1:]))
+    md = table(rows, "dsv4 bench kernels fp8-gemm " + " ".join(sys.argv[1:] if argv is None else argv))
     print(md)
     if args.out:
         Path(args.out).write_text(md)

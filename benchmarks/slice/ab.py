@@ -1,8 +1,8 @@
-"""A/B table of slice-bench runs that differ in one setting (`scripts/gpu_issue11.sh ab`): overlapped decode on and
-off, FP8 and MXFP4 indexer keys. Reads the runs' markdown sections (scripts/bench_gpu.py --out) and writes one
+"""A/B table of slice-bench runs that differ in one setting (`tools/gpu/stages.sh ab`): overlapped decode on and
+off, FP8 and MXFP4 indexer keys. Reads the runs' markdown sections (`dsv4 bench slice --out`) and writes one
 comparison into BENCHMARKS.md (section gpu_decode_ab).
 
-    python scripts/bench_gpu_ab.py --dir DIR [--write]
+    python -m benchmarks.slice.ab --dir DIR [--write]
 
 DIR holds ab_o{0,1}_{auto,mxfp4}.md as the stage writes them.
 """
@@ -14,9 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from service.benchmarks_md import write_section  # noqa: E402
+from service.benchmarks_md import write_section
 
 VARIANTS = (("ab_o1_auto.md", "overlap on, FP8 keys (the default)"), ("ab_o0_auto.md", "overlap off, FP8 keys"),
             ("ab_o1_mxfp4.md", "overlap on, MXFP4 keys"))
@@ -41,9 +39,9 @@ def render(runs: dict[str, str]) -> str:
     keys = sorted({k for t in tables.values() for k in t}, key=lambda k: (k[0], int(k[1][:-1])))
     labels = list(runs)
     lines = ["## GPU decode A/B: overlapped decode, indexer key format (V4-Flash slice)", "",
-             "- command: `scripts/gpu_issue11.sh ab` (three `scripts/bench_gpu.sh --no-peer --experts mxfp4 "
+             "- command: `tools/gpu/stages.sh ab` (three `benchmarks/slice/run.sh --no-peer --experts mxfp4 "
              "--batches 1 64 --contexts 4096 32768` runs: `DSV4_OVERLAP_DECODE=1/0`, `--index-cache auto/mxfp4`), then "
-             "`python scripts/bench_gpu_ab.py --dir DIR --write`",
+             "`python -m benchmarks.slice.ab --dir DIR --write`",
              f"- date: {header(first, 'date')}", f"- GPU: {header(first, 'GPU')}",
              f"- roofs: {header(first, 'roofs measured in this run')}",
              "- step ms = one `EngineCore.step()` in a run of steps (no device sync between steps: an overlapped step "

@@ -2,7 +2,7 @@
 # GPU decode / prefill benchmark of a V4-Flash-shaped slice vs its rooflines and transformers (one H200,
 # under 10 minutes). Prints the markdown table; pass --write to put it into BENCHMARKS.md, --out FILE to
 # keep a copy, --smoke for the tiny CPU check, --experts mxfp4|bf16 for the routed-expert formats (default
-# both, one engine each). See scripts/bench_gpu.py for what is measured.
+# both, one engine each). See benchmarks/slice/cli.py for what is measured.
 #
 # The peer is transformers' DeepseekV4ForCausalLM. When wheels sit in .cache/whl (git-ignored), they are
 # installed into a private target dir and used (on the GPU machine: carry .cache/whl); otherwise the
@@ -11,7 +11,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .cache/whl transformers==5.24.0 regex==2026.11.19
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -39,9 +39,9 @@ if [ ${#wheels[@]} -gt 0 ]; then
     export PYTHONPATH="$site:$PYTHONPATH"
     source_note="carried wheel; the image's transformers: $installed"
   else
-    echo "bench_gpu.sh: could not install ${wheels[*]}; using the installed transformers" >&2
+    echo "benchmarks/slice/run.sh: could not install ${wheels[*]}; using the installed transformers" >&2
   fi
 fi
 export DSV4_TRANSFORMERS_SOURCE="$source_note"
-export DSV4_BENCH_COMMAND="scripts/bench_gpu.sh $*"
-exec $PY scripts/bench_gpu.py "$@"
+export DSV4_BENCH_COMMAND="benchmarks/slice/run.sh $*"
+exec $PY -m benchmarks.slice "$@"

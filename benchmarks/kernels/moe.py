@@ -5,7 +5,7 @@ For each token count (default 1/16/64/128; hidden 4096, moe_inter 2048, 256 expe
   moved into its Hopper layouts (sort + gate/up + SwiGLU + down + sum; when triton_kernels imports);
 - `mxfp4 marlin`: dsv4_kernels.marlin_moe.marlin_moe, Marlin's W4A16 grouped GEMM (vLLM's and SGLang's Hopper
   path) on the same bytes repacked into its tiles (route sort + gate/up + SwiGLU + down + sum; when its wheels,
-  scripts/marlin_wheel.py, are installed);
+  tools/device_wheels/marlin_wheel.py, are installed);
 - `mxfp4`: dsv4_kernels.triton_moe.mxfp4_moe on packed e2m1 + UE8M0 experts (sort + gate/up + down + sum);
 - `grouped_mm`: dsv4_kernels.moe.moe_experts_grouped on the same experts dequantised to bf16;
 - `reference`: dsv4_kernels.moe.moe_experts (one matmul per used expert, host sync) on the bf16 experts;
@@ -17,13 +17,13 @@ the distinct experts the routing touches (3 matrices each: 0.5 + 1/32 bytes per 
 bf16 one); GB/s = bytes / time (the graph time where there is one), and % is that over a device-to-device
 copy measured in the same run ((read + write) / time). `err` is max |out - grouped_mm| / max |grouped_mm|.
 
-Usage: python scripts/bench_moe.py [--tokens 1 16 64 128] [--sweep] [--out FILE] [--merge FILE]
+Usage: dsv4 bench kernels moe [--tokens 1 16 64 128] [--sweep] [--out FILE] [--merge FILE]
 `--out` also writes the table as a BENCHMARKS.md section (with the aim line computed from the rows: the MXFP4
-MoE at 64 tokens >= 60% of copy bandwidth, issue 11); `--merge FILE` puts such a file into BENCHMARKS.md
+MoE at 64 tokens >= 60% of copy bandwidth); `--merge FILE` puts such a file into BENCHMARKS.md
 (section mxfp4_moe) without running anything.
 `--sweep` also times MXFP4 launch configurations per token count and prints the best ones (several
 minutes: each configuration compiles).
-Smoke test without a GPU: TRITON_INTERPRET=1 python scripts/bench_moe.py --device cpu --hidden 64 --inter 32
+Smoke test without a GPU: TRITON_INTERPRET=1 dsv4 bench kernels moe --device cpu --hidden 64 --inter 32
 --experts 8 --topk 2 --tokens 1 5.
 """
 
@@ -32,56 +32,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from dsv4_kernels import moe as ref  # noqa: E402
-from dsv4_kernels.quant import dequant_mxfp4  # noqa: E402
-from scripts.bench_kernels import bench_graph as bench_kernels_graph  # noqa: E402
+from benchmarks.timing import bench, copy_gbps
+from benchmarks.timing import try_bench_graph as bench_graph
+from dsv4_kernels import moe as ref
+from dsv4_kernels.quant import dequant_mxfp4
 
 SWEEP_TILES = [{"block_n": n, "block_k": k} for n in (32, 64, 128) for k in (128, 256)]
 SWEEP_LAUNCH = [{"num_warps": w, "num_stages": s} for w, s in ((4, 2), (4, 3), (4, 4), (8, 3))]
-
-
-def bench(fn: Callable[[], object], device: str) -> float:
-    """Median microseconds of fn; on CUDA with a flushed L2 (triton's do_bench)."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
-def bench_graph(fn: Callable[[], object], reps: int = 10) -> float | None:
-    """bench_kernels.bench_graph (device us in a CUDA graph after an L2 flush); None if not capturable."""
-    try:
-        return bench_kernels_graph(fn, reps)
-    except RuntimeError as exc:  # e.g. a host sync inside the wrapper
-        print(f"  (graph capture failed: {str(exc).splitlines()[0][:120]})")
-        torch.cuda.synchronize()
-        return None
-
-
-def copy_gbps(device: str) -> float:
-    """Device-to-device copy bandwidth, (read + write) bytes / time."""
-    n = (1 << 30) if device == "cuda" else (1 << 24)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    us = bench(lambda: dst.copy_(src), device)
-    return 2 * n / us / 1e3
 
 
 def make_experts(e: int, h: int, inter: int, device: str, gen: torch.Generator):
@@ -229,12 +191,12 @@ def ogs_sweep(t, args, ogs, gate, bias, copy) -> dict:
     return (results[0][2] if results else {}), lines
 
 
-def sweep_section(device_name: str, lines: list[str]) -> str:
+def sweep_section(device_name: str, lines: list[str], command: str) -> str:
     """The `mxfp4_moe_sweep` section: the command and the sweep's own ranked lines."""
     import datetime
 
-    return "\n".join(["## triton_kernels MXFP4 MoE launch constraints: `scripts/bench_moe.py --ogs-sweep`", "",
-                      f"- command: `python scripts/bench_moe.py {' '.join(sys.argv[1:])}`, "
+    return "\n".join(["## triton_kernels MXFP4 MoE launch constraints: `dsv4 bench kernels moe --ogs-sweep`", "",
+                      f"- command: `{command}`, "
                       f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}; times = "
                       "CUDA-graph device time of the whole dsv4_kernels.mxfp4_ogs.ogs_moe call after an L2 flush; "
                       "err = "
@@ -245,8 +207,8 @@ def section(device_name: str, copy: float, args, table: list[str]) -> str:
     """The BENCHMARKS.md section: command, setup, the table and the 64-token aim judged from its rows."""
     import datetime
 
-    lines = ["## Routed MXFP4 experts (V4-Flash shapes): `scripts/bench_moe.py`", "",
-             f"- command: `python scripts/bench_moe.py {' '.join(sys.argv[1:])}`",
+    lines = ["## Routed MXFP4 experts (V4-Flash shapes): `dsv4 bench kernels moe`", "",
+             f"- command: `{args.command}`",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {device_name}, torch "
              f"{torch.__version__}; copy bandwidth {copy:.0f} GB/s (read + write, measured in this run)",
              f"- hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts top-{args.topk}, bf16 activations; "
@@ -261,8 +223,8 @@ def section(device_name: str, copy: float, args, table: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dsv4 bench kernels moe", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128])
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--inter", type=int, default=2048)
@@ -277,7 +239,8 @@ def main() -> None:
     ap.add_argument("--ogs-out", default=None, help="write the sweep's section text here (merge with --merge-sweep)")
     ap.add_argument("--merge", default=None, help="put this --out file into BENCHMARKS.md (section mxfp4_moe) and exit")
     ap.add_argument("--merge-sweep", default=None, help="put this --ogs-out file into section mxfp4_moe_sweep and exit")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.command = "dsv4 bench kernels moe " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.merge or args.merge_sweep:
         from service.benchmarks_md import write_section
 
@@ -285,7 +248,7 @@ def main() -> None:
             write_section("mxfp4_moe", Path(args.merge).read_text())
         if args.merge_sweep:
             write_section("mxfp4_moe_sweep", Path(args.merge_sweep).read_text())
-        return
+        return 0
     from dsv4_kernels import triton_moe as tm
 
     dev = args.device
@@ -318,7 +281,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - report and bench the rest
             print(f"(no Marlin rows: its repack failed: {type(exc).__name__}: {str(exc)[:200]})")
     else:
-        print(f"(no Marlin rows: {why_not_marlin_moe()}; scripts/marlin_wheel.py builds its wheels)")
+        print(f"(no Marlin rows: {why_not_marlin_moe()}; tools/device_wheels/marlin_wheel.py builds its wheels)")
     head = ["| tokens | path | us | graph us | weight MB | GB/s | % copy | err |", "|---|---|---|---|---|---|---|---|"]
     print("\n".join(head))
     table = []
@@ -336,8 +299,9 @@ def main() -> None:
         if args.ogs_best_out and best is not None:
             Path(args.ogs_best_out).write_text(json.dumps(best))
         if args.ogs_out:
-            Path(args.ogs_out).write_text(sweep_section(name, sweep_lines))
+            Path(args.ogs_out).write_text(sweep_section(name, sweep_lines, args.command))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

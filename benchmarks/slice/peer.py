@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .measure import Clock, median, sync
+from benchmarks.timing import Clock, median, sync
 
 
 def transformers_info() -> tuple[str, bool]:

@@ -4,9 +4,9 @@ A source process registers one buffer (VRAM on `--device cuda`, DRAM on cpu) and
 and the buffer's address to a reader process over a pipe; the reader registers its own buffer, loads the peer and
 READs the whole buffer, as one descriptor and as `--descs` equal descriptors (the KV transfer's shape: many page
 runs), `--iters` timed times after one warm-up, and checks the bytes it got. Both processes on the same GPU is the
-setting of `scripts/gpu_service.sh` (UCX moves VRAM with cuda_ipc there). Prints one line per case; `--json-out`.
+setting of `tools/gpu/service_run.sh` (UCX moves VRAM with cuda_ipc there). Prints one line per case; `--json-out`.
 
-    python3 scripts/bench_nixl_raw.py --device cuda --sizes-mib 16 256 1024
+    dsv4 bench kernels nixl-raw --device cuda --sizes-mib 16 256 1024
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.timing import median
 
 
 def _agent(name: str):
@@ -89,9 +89,9 @@ def reader(conn, nbytes: int, device: str, descs: list[int], iters: int, out) ->
         expect = (torch.arange(nbytes, device=device, dtype=torch.int64) * 7 + 3).remainder_(251).to(torch.uint8)
         ok = bool(torch.equal(buf, expect))
         handle.release()
-        best, median = min(times), sorted(times)[len(times) // 2]
-        results.append({"bytes": nbytes, "descriptors": n, "iters": iters, "best_s": best, "median_s": median,
-                        "gb_per_s_best": nbytes / best / 1e9, "gb_per_s_median": nbytes / median / 1e9,
+        best, mid = min(times), median(times)
+        results.append({"bytes": nbytes, "descriptors": n, "iters": iters, "best_s": best, "median_s": mid,
+                        "gb_per_s_best": nbytes / best / 1e9, "gb_per_s_median": nbytes / mid / 1e9,
                         "bytes_match": ok})
     out.put(results)
     conn.send("done")
@@ -118,15 +118,15 @@ def run_size(nbytes: int, device: str, descs: list[int], iters: int) -> list[dic
     return results
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dsv4 bench kernels nixl-raw", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda (VRAM; both processes on GPU 0)")
     ap.add_argument("--sizes-mib", type=float, nargs="+", default=[16, 64])
     ap.add_argument("--descs", type=int, nargs="+", default=[1, 1024],
                     help="descriptor counts per READ (the service's READs carry one per page run)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json-out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # as `dsv4 serve` sets it on one node
     rows = []
     for mib in args.sizes_mib:

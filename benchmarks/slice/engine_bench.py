@@ -25,7 +25,7 @@ from engine.model.fast_paths import use_mxfp4_moe
 from engine.execution.runner import EngineCore
 from engine.execution.sampling_params import SamplingParams
 
-from .measure import Clock, median, sync
+from benchmarks.timing import Clock, median, sync
 
 
 def _capturing() -> bool:

@@ -1,8 +1,8 @@
-"""GPU check of engine.execution.warmup: per-request times of a cold engine against a warmed one, each in a fresh process
+"""Cold start on a GPU (engine.execution.warmup): per-request times of a cold engine against a warmed one, each in a fresh process
 with empty DeepGEMM and Triton caches (so every compile shows), or with the caches an earlier run filled.
 
-    python3 scripts/check_gpu_warmup.py --model DIR [--requests 12] [--warmup 0|1] [--cache-dir D] > warmW.log
-    python3 scripts/check_gpu_warmup.py --report DIR --timeout-s S [--write]
+    python3 -m benchmarks.cold_start --model DIR [--requests 12] [--warmup 0|1] [--cache-dir D] > warmW.log
+    python3 -m benchmarks.cold_start --report DIR --timeout-s S [--write]
 
 Prints one line per request: prompt length, prefill step ms (its first step, the time to first token without
 queueing), the slowest later step ms (a decode step, or the rest of a prompt the prefix cache cut), and what the
@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 REQUEST = re.compile(r"^request (\d+): prompt (\d+), first step ([\d.]+) ms, "
@@ -44,10 +43,10 @@ def report(run_dir: str, timeout_s: float, machine: str | None, extra_notes=()) 
         seen = [m.group(1) for t in logs.values() if (m := MACHINE.search(t))]
         machine = seen[0] if seen else "not recorded"
     lines = ["## Cold start on a GPU: per-request stalls without and with the engine warm-up", "",
-             "- command: `timeout S python3 scripts/check_gpu_warmup.py --model /tmp/mini --warmup W [--nvrtc] "
-             "[--cache-dir D]` (`scripts/gpu_issue11.sh coldstart`: a fresh process each, on empty DeepGEMM and "
+             "- command: `timeout S python3 -m benchmarks.cold_start --model /tmp/mini --warmup W [--nvrtc] "
+             "[--cache-dir D]` (`tools/gpu/stages.sh coldstart`: a fresh process each, on empty DeepGEMM and "
              "Triton caches unless a run names the caches an earlier run filled), then `python3 "
-             f"scripts/check_gpu_warmup.py --report DIR --timeout-s {timeout_s:.0f} --write`",
+             f"-m benchmarks.cold_start --report DIR --timeout-s {timeout_s:.0f} --write`",
              "- model: `dsv4 make-model --preset mini_v4 --quantize` (4 layers, V4 attention geometry, FP8 dense / "
              "MXFP4 experts), bf16 engine, CUDA graphs, max_batch_tokens 4096, 64 sequences; requests one at a time, "
              "prompts 256-2048 tokens, 16 new tokens. A later step is a decode step or the rest of a prompt the "

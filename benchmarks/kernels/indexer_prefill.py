@@ -12,7 +12,7 @@ For each store it prints the median time (triton.testing.do_bench) of:
   and top-k ids (share equal, and share whose scores agree within bf16 tolerance where ids differ).
 --sweep times the prefill scores over tile shapes / warps / stages and lists the fastest.
 
-Usage: python scripts/bench_indexer_prefill.py [--tokens 8192] [--start 0] [--stores bf16 mxfp4 fp8] [--sweep]
+Usage: dsv4 bench kernels indexer-prefill [--tokens 8192] [--start 0] [--stores bf16 mxfp4 fp8] [--sweep]
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.timing import bench
 
 HEADS, DIM, TOPK, RATIO, PAGE_ROWS = 64, 128, 512, 4, 64
 SWEEP = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
@@ -61,12 +60,6 @@ def store(kind: str, slots: int, device):
     return cache, layout
 
 
-def bench(fn) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3  # us
-
-
 def compare(old_scores, new_scores, old_ids, new_ids, rows) -> str:
     valid = rows >= 0
     diff = (old_scores[valid] - new_scores[valid]).abs().max().item()
@@ -79,15 +72,16 @@ def compare(old_scores, new_scores, old_ids, new_ids, rows) -> str:
            f"-1 pattern {'same' if pad_ok else 'DIFFERENT'}"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dsv4 bench kernels indexer-prefill", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--start", type=int, default=0, help="position of the chunk's first query")
     ap.add_argument("--stores", nargs="+", default=["bf16", "mxfp4", "fp8"], choices=["bf16", "mxfp4", "fp8"])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=None, help="also write this run as a BENCHMARKS.md section file")
     ap.add_argument("--merge", default=None, help="put this section file (--out of a GPU run) into BENCHMARKS.md")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     if args.merge:
         from service.benchmarks_md import write_section
 
@@ -144,7 +138,7 @@ def main() -> int:
             for us, cfg in sorted(results, key=lambda r: r[0])[:6]:
                 say(f"  sweep {us:9.1f} us {flops / us / 1e6:7.1f} TFLOP/s  {cfg}")
     if args.out:
-        Path(args.out).write_text(section(log, " ".join(sys.argv[1:])))
+        Path(args.out).write_text(section(log, " ".join(argv)))
     return 0
 
 
@@ -152,7 +146,7 @@ def section(log: list[str], argv: str) -> str:
     """The run as a BENCHMARKS.md section (merged with --merge)."""
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"## Prefill indexer: shared-key kernel vs per-token kernel\n\n"
-            f"- command: `python3 scripts/bench_indexer_prefill.py {argv}`\n- date: {when}; torch {torch.__version__}\n"
+            f"- command: `dsv4 bench kernels indexer-prefill {argv}`\n- date: {when}; torch {torch.__version__}\n"
             f"- \"per-token\" is the decode kernel (dsv4_kernels/triton_indexer.py) run over every query; "
             f"\"prefill\" is "
             f"dsv4_kernels/triton_indexer_prefill.py (a block of one sequence's queries shares each key tile through "

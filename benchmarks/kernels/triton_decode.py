@@ -13,12 +13,13 @@ For each Triton kernel in dsv4_kernels/triton_*.py and each batch size it report
 - speed-up over the plain-torch reference on the same inputs (the reference gathers [T, K, D] first),
   and whether the two agree (bf16 tolerance, or exact -1 pattern + close scores for the top-k).
 The cache-writing kernels (SWA insert, indexer query prologue, compressor state / quantised entries) have
-their cases in scripts/bench_kernels_cache.py; they count read + write bytes (marked "r+w").
+their cases in benchmarks/kernels/triton_decode_cache.py; they count read + write bytes (marked "r+w").
 The markdown table is printed and written to BENCHMARKS.md under '## GPU kernels' (replacing that
 section if present). `--sweep` also tries attention tile / split configurations (ranked by graph time),
 lists the best, and prints the registers / spills / shared memory of every compiled attention variant.
 
-Usage: python scripts/bench_kernels.py [--batches 1 16 64 128] [--sweep] [--no-write]
+Usage: dsv4 bench kernels triton [--batches 1 16 64 128] [--only GROUPS] [--sweep] [--no-write]
+       (`attention` and `cache` are this op with --only preset to those groups)
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ from typing import Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from service.benchmarks_md import write_section  # noqa: E402
+from benchmarks.timing import bench, bench_graph, measure_roofs
+from service.benchmarks_md import BENCHMARKS_MD, write_section
 
 # V4-Flash decode shapes (../shared/docs/deepseek_v4.md).
 HEADS, HEAD_DIM, ROPE_DIM, WINDOW, TOPK = 64, 512, 64, 128, 512
@@ -60,68 +60,6 @@ class Case:
     flops: int = 0
     check: Callable[[object, object], str] | None = None
     graph: bool = False  # also time it replayed in a CUDA graph (no Python launch overhead)
-
-
-def bench(fn: Callable[[], object]) -> float:
-    """Median microseconds of fn with a flushed L2 (triton's do_bench)."""
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
-
-
-def bench_graph(fn: Callable[[], object], reps: int = 10) -> float:
-    """Median microseconds of one fn call replayed in a CUDA graph, each call after an L2 flush.
-
-    Captures `reps` x (flush, fn) and `reps` x flush alone, and reports the difference per call: the
-    kernels' device time with cold L2 and no Python launch overhead (what a graph-captured decode pays).
-    """
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compiles, allocator) outside the capture
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graphs = []
-    for with_fn in (True, False):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                flush.zero_()
-                if with_fn:
-                    fn()
-        graphs.append(g)
-
-    def median_ms(g) -> float:
-        times = []
-        for _ in range(9):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
-
-    for g in graphs:
-        median_ms(g)
-    full, base = (median_ms(g) for g in graphs)
-    del graphs, flush
-    return max(0.0, (full - base) / reps * 1e3)
-
-
-def measure_roofs() -> tuple[float, float]:
-    """-> (device-to-device copy GB/s counting read + write, bf16 matmul TFLOP/s) on this GPU now."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    copy_us = bench(lambda: dst.copy_(src))
-    del src, dst
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
-    mm_us = bench(lambda: a @ b)
-    return 2 * (1 << 30) / copy_us / 1e3, 2 * n**3 / mm_us / 1e6
 
 
 def close(out, ref, tol=2e-2) -> str:
@@ -412,36 +350,36 @@ def write_kernels_section(path: Path, body: str) -> None:
     write_section("bench_kernels", f"## GPU kernels\n\n{body.rstrip()}", path)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, only: str = "", prog: str = "triton") -> int:
+    ap = argparse.ArgumentParser(prog=f"dsv4 bench kernels {prog}", description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
-    ap.add_argument("--only", default="", help="comma-separated subset: attention,indexer,mhc,norm_rope,compressor,"
+    ap.add_argument("--only", default=only, help="comma-separated subset: attention,indexer,mhc,norm_rope,compressor,"
                                                 "swa_insert,indexer_query,compressor_cache")
     ap.add_argument("--sweep", action="store_true", help="also sweep attention tiles and splits")
     ap.add_argument("--tune", type=int, nargs="*", default=None, metavar="T",
                     help="first pick the attention launch defaults by graph time at these batches (default 64 128) "
                          "and use them for the run (copy the printed DEFAULTS into dsv4_kernels/triton_attention.py)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
-    ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=BENCHMARKS_MD)
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("dsv4 bench kernels triton needs a CUDA GPU", file=sys.stderr)
         return 2
     from dsv4_kernels.gpu import has_triton
 
     if not has_triton():
-        print("bench_kernels.py needs triton (pip install '.[gpu]')", file=sys.stderr)
+        print("dsv4 bench kernels triton needs triton (pip install '.[gpu]')", file=sys.stderr)
         return 2
     import triton
 
-    from scripts.bench_kernels_cache import case_groups
+    from benchmarks.kernels.triton_decode_cache import case_groups
 
     groups = {"attention": attention_cases, "indexer": indexer_cases, "mhc": mhc_cases,
               "norm_rope": norm_rope_cases, "compressor": compressor_cases,
               **case_groups(Case, rand, close, DEVICE)}
     chosen = [g for g in args.only.split(",") if g] or list(groups)
     torch.manual_seed(0)
-    copy_gbs, mm_tflops = measure_roofs()
+    copy_gbs, mm_tflops = measure_roofs(DEVICE)
     print(f"copy {copy_gbs:.0f} GB/s (read + write), bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
     tuned = []
     if args.tune is not None:
@@ -465,7 +403,7 @@ def main() -> int:
         print("\n".join(compiled_attention_kernels()), flush=True)
     props = torch.cuda.get_device_properties(0)
     body = (f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"{datetime.date.today().isoformat()} (`python scripts/bench_kernels.py`).\n"
+            f"{datetime.date.today().isoformat()} (`dsv4 bench kernels triton`).\n"
             f"Roofs measured in the same run: device copy {copy_gbs:.0f} GB/s (read + write of 1 GiB), "
             f"bf16 matmul {mm_tflops:.0f} TFLOP/s (8192^3). 'read GB/s' = bytes the op must read / time; "
             "times are medians with a flushed L2 and include the wrappers' launch overhead (eager use). "
@@ -483,6 +421,3 @@ def main() -> int:
         print(f"\nwrote the '## GPU kernels' section of {args.out}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -214,7 +214,7 @@ def _ours_at_peer(ctx: dict) -> dict | None:
 
 
 def verdicts(ctx: dict) -> list[str]:
-    out = ["Aims (issue 11): decode step <= 2.0x the production-format roofline at batch 64 (contexts 4K and 32K), "
+    out = ["Aims: decode step <= 2.0x the production-format roofline at batch 64 (contexts 4K and 32K), "
            "<= 3x at batch 1; batch 128 >= 2x the 6.2K tok/s measured before it; >= 10x transformers' default path "
            "at batch 16, context 4K."]
     for r in ctx["decode"]:
@@ -277,13 +277,13 @@ def _gaps(ctx: dict) -> str:
             ("the indexer's top-k is a Triton radix select (unordered picks, what the attention kernels take): "
              "split over many programs a row for small batches of long rows (dsv4_kernels/triton_topk_split.py), "
              "one program a row for other decode steps up to 8192 candidates, torch.topk elsewhere "
-             "(triton_indexer.topk_of_scores; scripts/bench_topk.py)"),
+             "(triton_indexer.topk_of_scores; `dsv4 bench kernels topk`)"),
             ("packed MXFP4 experts run through triton_kernels' matmul, with the expert sort, the SwiGLU and the "
-             "k-way sum (+ shared expert) as one Triton launch each around it (scripts/bench_moe.py measures the "
+             "k-way sum (+ shared expert) as one Triton launch each around it (`dsv4 bench kernels moe` measures the "
              "matmul against copy bandwidth)")
             if any("triton_kernels" in e["experts"] for e in ran) else
             ("routed experts ran on the engine's own packed-MXFP4 Triton kernel, not triton_kernels (its share of "
-             "copy bandwidth is measured by scripts/bench_moe.py, section mxfp4_moe, not by this run)")
+             "copy bandwidth is measured by `dsv4 bench kernels moe`, section mxfp4_moe, not by this run)")
             if any(e["format"] == "mxfp4" for e in ran) else "routed experts ran as bf16 grouped GEMMs",
             ("under graphs greedy decode steps overlap (engine.execution.decode_overlap): step N+1 is launched from step N's "
              "device tokens before N is read back, so the host's schedule, read-back and finish checks run while the "

@@ -52,14 +52,14 @@ reference). The markdown section is printed, written to --out if given, and put 
 '## GPU decode and prefill (V4-Flash slice)' with --write (or --merge FILE inserts a section written
 earlier, e.g. on the GPU machine, without running anything).
 
-Code: scripts/gpu_bench/ (slice_model: config + weights per experts format + engine; measure: timing +
+Code: benchmarks/slice/ (slice_model: config + weights per experts format + engine; benchmarks.timing: timing +
 roofs; engine_bench: decode / profile / prefill runs and the expert-id recorder; roofline: bytes and
 FLOPs; peer: transformers; report: the section and BENCHMARKS.md; suite: the run in order). This file
 only parses the flags.
 
-Usage: PYTHONPATH=. python3 scripts/bench_gpu.py [--experts mxfp4 bf16] [--out FILE] [--write] [--smoke]
-       [--budget-s 540]
-       (scripts/bench_gpu.sh wraps it and provides transformers' DeepseekV4 when the installed one lacks it)
+Usage: dsv4 bench slice [--experts mxfp4 bf16] [--out FILE] [--write] [--smoke] [--budget-s 540]
+       (= python -m benchmarks.slice; benchmarks/slice/run.sh wraps it and provides transformers' DeepseekV4 when
+       the installed one lacks it)
 """
 
 from __future__ import annotations
@@ -70,18 +70,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_bench, also under `python -m`
-
-from gpu_bench.measure import Clock
-from gpu_bench.report import render, write_benchmarks
-from gpu_bench.slice_model import EXPERT_FORMATS
-from gpu_bench.suite import Suite, make_plan
+from benchmarks.slice.report import render, write_benchmarks
+from benchmarks.slice.slice_model import EXPERT_FORMATS
+from benchmarks.slice.suite import Suite, make_plan
+from benchmarks.timing import Clock
+from service.benchmarks_md import BENCHMARKS_MD
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="dsv4 bench slice", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU (or --device), seconds")
     ap.add_argument("--device", default=None)
     ap.add_argument("--budget-s", type=float, default=None, help="wall budget of the whole script (default 540)")
@@ -112,10 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.merge:
-        write_benchmarks(ROOT / "BENCHMARKS.md", Path(args.merge).read_text())
+        write_benchmarks(BENCHMARKS_MD, Path(args.merge).read_text())
         print(f"merged {args.merge} into BENCHMARKS.md")
         return 0
     plan = make_plan(args)
@@ -129,10 +126,7 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(section)
     if args.write:
-        write_benchmarks(ROOT / "BENCHMARKS.md", section)
+        write_benchmarks(BENCHMARKS_MD, section)
         print("wrote BENCHMARKS.md", flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -41,7 +41,7 @@ from dsv4_kernels.quant import (
     ue8m0_to_float,
 )
 
-from .measure import sync
+from benchmarks.timing import sync
 
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128]}

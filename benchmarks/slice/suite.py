@@ -26,7 +26,7 @@ from engine.model.config import ModelConfig
 from engine.model.fast_paths import use_triton
 
 from .engine_bench import ExpertRecorder, bench_decode, bench_prefill, profile_decode, profile_prefill
-from .measure import Clock, measure_roofs
+from benchmarks.timing import Clock, measure_roofs
 from .peer import bench_transformers, transformers_info
 from .report import environment, fmt_k, verdicts
 from .roofline import check_geometry, decode_figures, prefill_figures
@@ -335,7 +335,7 @@ class Suite:
     def context(self, env: dict, triton_at_start: bool, hf: list[dict]) -> dict:
         p, clock = self.plan, self.clock
         command = os.environ.get("DSV4_BENCH_COMMAND") or (
-            "PYTHONPATH=. python3 " + " ".join(shlex.quote(a) for a in sys.argv))
+            "python -m benchmarks.slice " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
         ctx = {
             "env": env, "cfg": self.cfg, "copy_gbs": self.copy_gbs, "tflops": self.tflops, "mm_n": p.mm_n,
             "command": command, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -7,8 +7,8 @@ a prefill row sees its causal prefix: the rest is -inf). k = 512, V4's index_top
 CUDA-graph replays of 20 calls (triton.testing.do_bench_cudagraph), so host launch cost is out, as in decode.
 Both outputs are checked equal as sets (sorted picked values) before timing.
 --sweep also times the kernel's block size and warps (triton_topk.MAX_BLOCK, NUM_WARPS) at decode shapes.
-Usage: python scripts/bench_topk.py [--out FILE] [--sweep]
-       python scripts/bench_topk.py --merge FILE   # an --out table -> BENCHMARKS.md section
+Usage: dsv4 bench kernels topk [--out FILE] [--sweep]
+       dsv4 bench kernels topk --merge FILE   # an --out table -> BENCHMARKS.md section
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.timing import bench_cudagraph
 
 K = 512
 # (rows, candidates, causal): decode at batch 1 / 64 / 128 and contexts 4K / 32K / 128K; prefill chunks
@@ -53,7 +52,7 @@ def same_sets(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def section(table: str) -> str:
     return "\n".join([
-        "## Indexer top-k: radix select vs torch.topk (`scripts/bench_topk.py`)", "",
+        "## Indexer top-k: radix select vs torch.topk (`dsv4 bench kernels topk`)", "",
         "k = 512 of each row's candidates (the indexer's picks), fp32 scores; each time the median of CUDA-graph "
         "replays. `dsv4_kernels.triton_topk`: one program a row, four 8-bit radix passes to find the 512th key "
         "and one pass to write the picks (unordered, what the attention kernels take). "
@@ -72,8 +71,6 @@ def section(table: str) -> str:
 
 def sweep(dev) -> None:
     """Radix kernel times by (MAX_BLOCK, NUM_WARPS) at the decode shapes, picks checked against torch.topk."""
-    from triton.testing import do_bench_cudagraph
-
     from dsv4_kernels import triton_topk
 
     saved = triton_topk.MAX_BLOCK, triton_topk.NUM_WARPS
@@ -84,29 +81,27 @@ def sweep(dev) -> None:
                 for warps in (8, 16, 32):
                     triton_topk.MAX_BLOCK, triton_topk.NUM_WARPS = block, warps
                     same = same_sets(x, triton_topk.topk_columns(x, K), torch_topk(x))
-                    us = do_bench_cudagraph(lambda: triton_topk.topk_columns(x, K), rep=50) * 1e3
+                    us = bench_cudagraph(lambda: triton_topk.topk_columns(x, K), rep=50)
                     print(f"  sweep rows={rows} candidates={cands} MAX_BLOCK={block} NUM_WARPS={warps}: {us:.1f} us, "
                           f"same picks {same}", flush=True)
     finally:
         triton_topk.MAX_BLOCK, triton_topk.NUM_WARPS = saved
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dsv4 bench kernels topk", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     ap.add_argument("--merge", default=None, help="put this --out table into BENCHMARKS.md and exit")
     ap.add_argument("--sweep", action="store_true", help="also time MAX_BLOCK x NUM_WARPS at decode shapes")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.merge:
         from service.benchmarks_md import write_section
         write_section("indexer_topk", section(Path(args.merge).read_text()))
         print(f"merged {args.merge} into BENCHMARKS.md")
         return 0
     if not torch.cuda.is_available():
-        print("bench_topk: needs a CUDA GPU")
+        print("dsv4 bench kernels topk: needs a CUDA GPU", file=sys.stderr)
         return 1
-    from triton.testing import do_bench_cudagraph
-
     from dsv4_kernels.triton_indexer import topk_of_scores
     from dsv4_kernels.triton_topk import topk_columns
     from dsv4_kernels.triton_topk_split import topk_columns_split
@@ -117,24 +112,24 @@ def main() -> int:
         x = scores_for(rows, cands, causal, dev)
         want = torch_topk(x)
         same = all(same_sets(x, f(x, K), want) for f in (topk_columns, topk_columns_split))
-        t_torch = do_bench_cudagraph(lambda: torch_topk(x), rep=50)
-        t_radix = do_bench_cudagraph(lambda: topk_columns(x, K), rep=50)
-        t_split = do_bench_cudagraph(lambda: topk_columns_split(x, K), rep=50)
-        t_rule = do_bench_cudagraph(lambda: topk_of_scores(x, K, ordered=False), rep=50)
+        t_torch = bench_cudagraph(lambda: torch_topk(x), rep=50)
+        t_radix = bench_cudagraph(lambda: topk_columns(x, K), rep=50)
+        t_split = bench_cudagraph(lambda: topk_columns_split(x, K), rep=50)
+        t_rule = bench_cudagraph(lambda: topk_of_scores(x, K, ordered=False), rep=50)
         rows_out.append((rows, cands, causal, t_torch, t_radix, t_split, t_rule, same))
-        print(f"topk rows={rows} candidates={cands}{' causal' if causal else ''}: torch {t_torch * 1e3:.1f} us, "
-              f"radix {t_radix * 1e3:.1f} us, split {t_split * 1e3:.1f} us, engine rule {t_rule * 1e3:.1f} us "
+        print(f"topk rows={rows} candidates={cands}{' causal' if causal else ''}: torch {t_torch:.1f} us, "
+              f"radix {t_radix:.1f} us, split {t_split:.1f} us, engine rule {t_rule:.1f} us "
               f"({t_torch / t_rule:.2f}x torch), same picks {same}", flush=True)
     if args.sweep:
         sweep(dev)
-    lines = ["- command: `python scripts/bench_topk.py`",
+    lines = ["- command: `dsv4 bench kernels topk`",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}", "",
              "| rows | candidates | causal | torch.topk us | radix, one program us | radix, split us | "
              "engine rule us | rule vs torch | same picks |",
              "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
-    lines += [f"| {r} | {c} | {'yes' if cz else 'no'} | {a * 1e3:.1f} | {b * 1e3:.1f} | {sp * 1e3:.1f} | "
-              f"{ru * 1e3:.1f} | {a / ru:.2f}x | {s} |" for r, c, cz, a, b, sp, ru, s in rows_out]
+    lines += [f"| {r} | {c} | {'yes' if cz else 'no'} | {a:.1f} | {b:.1f} | {sp:.1f} | "
+              f"{ru:.1f} | {a / ru:.2f}x | {s} |" for r, c, cz, a, b, sp, ru, s in rows_out]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
