@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from dataclasses import dataclass
 
 import torch
 
 from dsv4_kernels.gpu import import_triton_kernels
+from dsv4_kernels.settings import settings
 
 SCALE_WARPS = 8  # warps of the kernels reading the scales (the Hopper scale layout is built for a warp count)
 # Launch constraints for triton_kernels' matmul (its opt_flags: block_m/n/k, num_stages, is_persistent, ...).
@@ -45,13 +45,10 @@ PREFILL_TOKENS = 4096  # from this many tokens a call is prefill-sized
 
 def constraints(tokens: int = 1) -> dict:
     """Launch constraints for an MoE call over `tokens` tokens."""
-    raw = os.environ.get("DSV4_OGS_CONSTRAINTS", "").strip()
-    if not raw:
+    override = settings().ogs_constraints  # a dict (checked when parsed) or None
+    if override is None:
         return PREFILL_CONSTRAINTS if tokens >= PREFILL_TOKENS else CONSTRAINTS
-    value = json.loads(raw)
-    if not isinstance(value, dict):
-        raise ValueError(f"DSV4_OGS_CONSTRAINTS must be a JSON object, got {raw!r}")
-    return value
+    return override
 
 
 def _scoped(extra: dict | None, tokens: int = 1):

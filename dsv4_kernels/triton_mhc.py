@@ -24,10 +24,10 @@ Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see ds
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from dsv4_kernels.settings import settings
 
 from dsv4_kernels import triton_mhc_rows
 from dsv4_kernels.gpu import import_triton, require_triton
@@ -393,9 +393,10 @@ PRE_SPLITS_PER_LOAD = 128
 # against 2.3 ms split with the mix on tensor cores (six bf16 dots) and 2.9 ms on FMAs: the split path up to 256
 # tokens (decode steps, where one program a token was latency-bound). bf16 streams at 8K: 0.59 ms split (three
 # bf16 dots) against 3.1 ms long (the fp32 copy): split at every size. $DSV4_HC_SPLIT_MAX_TOKENS /
-# $DSV4_HC_SPLIT_MAX_TOKENS_BF16 override.
-MIX_MAX_TOKENS = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS", "256"))
-MIX_MAX_TOKENS_BF16 = int(os.environ.get("DSV4_HC_SPLIT_MAX_TOKENS_BF16", str(1 << 30)))
+# $DSV4_HC_SPLIT_MAX_TOKENS_BF16 override (dsv4_kernels.settings, read at import; tests and benchmarks set these
+# attributes).
+MIX_MAX_TOKENS = settings().hc_split_max_tokens  # 256
+MIX_MAX_TOKENS_BF16 = settings().hc_split_max_tokens_bf16  # 1 << 30
 # From this many tokens bf16 streams' mix runs on tensor cores (_hc_mix_bf16x3_kernel; fp32 FMAs below).
 MIX_TENSOR_CORE_MIN_TOKENS = 257
 BF16X3_BLOCK_K = 128
@@ -403,9 +404,7 @@ BF16X3_BLOCK_K = 128
 # whole-row collapse a token, its sum of squares and norm fused, then weights for blocks of tokens) or "token"
 # (one _hc_pre_kernel program a token, which reads its streams three times). The split-K mix on tensor cores in
 # TF32x3 took 2.4 ms a call at 8K tokens against cuBLAS's 0.27 ms (H200, 2026-12-04). $DSV4_HC_LONG_PATH overrides.
-LONG_PATH = os.environ.get("DSV4_HC_LONG_PATH", "rows")
-if LONG_PATH not in ("rows", "token"):
-    raise ValueError(f"DSV4_HC_LONG_PATH must be 'rows' or 'token', got {LONG_PATH!r}")
+LONG_PATH = settings().hc_long_path  # "rows" or "token" (checked when parsed)
 
 
 def split_max_tokens(dtype: torch.dtype) -> int:

@@ -45,6 +45,7 @@ import time
 
 import numpy as np
 
+from dsv4_kernels.settings import BY_NAME, NIXL_PROGRESS_DELAY_US, settings
 from engine.model.cache import CachePool
 from kv_transfer.base import TransferBackend, TransferError, TransferTicket, TransferTimeout, pack_metadata
 from kv_transfer.plan import STAGING_ALIGN, TransferPlan, group_nbytes, staged_layout, staged_nbytes
@@ -67,7 +68,7 @@ def import_nixl():
 
 
 _CONFIG_LOCK = threading.Lock()
-DEFAULT_PROGRESS_DELAY_US = 1000
+DEFAULT_PROGRESS_DELAY_US = BY_NAME[NIXL_PROGRESS_DELAY_US].default  # 1000
 DEFAULT_STAGING_CAP = 512 << 20
 
 
@@ -80,7 +81,7 @@ def default_staging_bytes(pool: CachePool) -> int:
 
 def _staging_option(pool: CachePool, staging_bytes) -> int:
     if staging_bytes is None:
-        env = os.environ.get("DSV4_NIXL_STAGING_BYTES")
+        env = settings().nixl_staging_bytes
         staging_bytes = default_staging_bytes(pool) if env is None else env
     try:
         n = int(staging_bytes)
@@ -146,7 +147,7 @@ class NixlBackend(TransferBackend):
         except (TypeError, AttributeError):
             conf = nixl_agent_config(backends=[])
         if progress_delay_us is None:
-            progress_delay_us = int(os.environ.get("DSV4_NIXL_PROGRESS_DELAY_US", DEFAULT_PROGRESS_DELAY_US))
+            progress_delay_us = settings().nixl_progress_delay_us
         self.agent = _agent_with_delay(nixl_agent, mod, self.worker_name, conf, progress_delay_us)
         # "peer" error handling: a dead peer surfaces as an error instead of a hang.
         self.agent.create_backend("UCX", {"ucx_error_handling_mode": "peer", **(ucx_params or {})})

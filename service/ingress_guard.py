@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from dsv4_kernels.settings import settings
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: far beyond any prompt that fits a context, far below memory
 
@@ -46,8 +47,8 @@ class IngressOptions:
     @classmethod
     def from_env(cls, **kw) -> "IngressOptions":
         """`DSV4_API_KEY` fills api_key when it is not given."""
-        if kw.get("api_key") is None and os.environ.get("DSV4_API_KEY"):
-            kw["api_key"] = os.environ["DSV4_API_KEY"]
+        if kw.get("api_key") is None and settings().api_key:
+            kw["api_key"] = settings().api_key
         return cls(**kw)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import time
 import uuid
@@ -42,6 +41,7 @@ from engine.loading.model_source import local_model_dir
 from engine.execution.sampling_params import SamplingParams
 from engine.loading.tokenizer import load_tokenizer
 from router.client import AsyncRouterClient, RouterError
+from dsv4_kernels.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -502,10 +502,10 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 def make_app(get_server: Callable[[], OpenAIServer] = current_server, api_docs: bool | None = None) -> FastAPI:
     """The FastAPI app; each request resolves its `OpenAIServer` through `get_server()`. Interactive docs
-    (/docs, /redoc, /openapi.json) only with api_docs (default: the DSV4_API_DOCS=1 environment variable,
+    (/docs, /redoc, /openapi.json) only with api_docs (default: $DSV4_API_DOCS, dsv4_kernels.settings,
     which `dsv4 serve --api-docs` sets for the Serve replicas)."""
     if api_docs is None:
-        api_docs = os.environ.get("DSV4_API_DOCS") == "1"
+        api_docs = settings().api_docs
     docs = {} if api_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="dsv4 OpenAI-compatible API", **docs)
     # Outermost: body limit and API key before anything buffers or parses the body.

@@ -11,14 +11,17 @@ their area below, so a new test in such a file is marked without remembering to.
 With DSV4_STRICT_SKIPS=1 (set by .ci/run) a skipped test fails the session unless it is GPU-only (marked
 `gpu`, or skipped with a reason starting "GPU only"): the CI machine can run NIXL on host memory, Ray, the
 Triton interpreter and promtool, so a skip there means a broken environment that would otherwise hide.
+
+`DSV4_*` switches are parsed once and cached (dsv4_kernels.settings): the `monkeypatch` fixture here is pytest's,
+except that setting or deleting a `DSV4_*` variable, and its undo, make the next `settings()` parse again.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from dsv4_kernels import settings as switches
 
 torch.set_num_threads(1)
 
@@ -48,7 +51,34 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _strict() -> bool:
-    return os.environ.get("DSV4_STRICT_SKIPS") == "1"
+    return switches.settings().strict_skips
+
+
+class SettingsMonkeyPatch(pytest.MonkeyPatch):
+    """pytest's MonkeyPatch whose DSV4_* setenv / delenv / undo drop the cached settings (parsed again, so a bad
+    value raises where the test reads it)."""
+
+    def setenv(self, name: str, value: str, prepend: str | None = None) -> None:
+        super().setenv(name, value, prepend)
+        if name.startswith(switches.PREFIX):
+            switches.settings.cache_clear()
+
+    def delenv(self, name: str, raising: bool = True) -> None:
+        super().delenv(name, raising)
+        if name.startswith(switches.PREFIX):
+            switches.settings.cache_clear()
+
+    def undo(self) -> None:
+        super().undo()
+        switches.settings.cache_clear()
+
+
+@pytest.fixture
+def monkeypatch():
+    """Overrides pytest's fixture of that name (see SettingsMonkeyPatch)."""
+    patch = SettingsMonkeyPatch()
+    yield patch
+    patch.undo()
 
 
 def _skip_reason(report) -> str:

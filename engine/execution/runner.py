@@ -9,7 +9,6 @@ runs the model, then samples every request whose chunk reached its last known to
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 
@@ -29,6 +28,7 @@ from engine.execution.sampling import draw_seed, greedy_pick, sample, sampling_i
 from engine.execution.sampling_params import SamplingParams
 from engine.execution.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.execution.tp_executor import DECODE, FORWARD, SYNC, StepInputs, replicate_pages
+from dsv4_kernels.settings import settings
 
 
 DECODE_MODES = ("auto", "eager", "bucketed", "graphs")
@@ -46,7 +46,7 @@ class EngineCore:
         parallel: this rank's tensor-parallel context (weights cut by engine.model.sharding.shard_weights); rank 0
         schedules and broadcasts each step's inputs, the other ranks run engine.execution.tp_executor.follow.
         overlap_decode: launch a greedy decode step from the previous one's device tokens before reading them
-        (engine.execution.decode_overlap); None = $DSV4_OVERLAP_DECODE ("0" / "1") if set, else on with "graphs" (where the
+        (engine.execution.decode_overlap); None = $DSV4_OVERLAP_DECODE (a boolean) if set, else on with "graphs" (where the
         host time would show), off otherwise."""
         self.cfg = cfg
         parallel = parallel or SINGLE
@@ -78,9 +78,9 @@ class EngineCore:
                                               cfg.max_position_embeddings)
             if self.data_parallel is not None:  # the group agrees on each decode step's shape (its docstring)
                 self.decode_runner.dp_ranks = self.data_parallel.tp_size
-        if overlap_decode is None:  # DSV4_OVERLAP_DECODE=0/1 overrides the default (on with graphs)
-            env = os.environ.get("DSV4_OVERLAP_DECODE")
-            overlap_decode = self.decode_mode == "graphs" if env is None else env == "1"
+        if overlap_decode is None:  # DSV4_OVERLAP_DECODE overrides the default (on with graphs)
+            env = settings().overlap_decode
+            overlap_decode = self.decode_mode == "graphs" if env is None else env
         self.overlap_decode = (overlap_decode and self.decode_runner is not None and not self.parallel.enabled
                                and self.data_parallel is None)
         self._launched: LaunchedDecode | None = None  # a decode step not yet read back (engine.execution.decode_overlap)

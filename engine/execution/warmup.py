@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_kernels.settings import BY_NAME, WARMUP, settings
 from engine.execution.dp_attention import run_lockstep
 from engine.execution.sampling_params import SamplingParams
 
@@ -61,7 +62,7 @@ GEMM_ALL_M_UPTO = 128  # every M up to here; beyond, one M per 64-row block coun
 GEMM_M_STEP = 64
 
 
-WARMUP_MODES = ("1", "quick", "0")
+WARMUP_MODES = BY_NAME[WARMUP].choices  # ("1", "quick", "0")
 
 
 @dataclass(frozen=True)
@@ -75,20 +76,15 @@ class WarmupReport:
 
 
 def warmup_mode() -> str:
-    mode = os.environ.get("DSV4_WARMUP", "1")
-    if mode not in WARMUP_MODES:
-        raise ValueError(f"DSV4_WARMUP must be one of {WARMUP_MODES}, got {mode!r}")
-    return mode
+    return settings().warmup  # one of WARMUP_MODES (checked when parsed)
 
 
 def gemm_processes() -> int:
     """Processes compiling the GEMM sweep side by side: $DSV4_WARMUP_PROCS, else half the CPUs this process may
     use (at most 8; each holds a small CUDA context)."""
-    if "DSV4_WARMUP_PROCS" in os.environ:
-        value = os.environ["DSV4_WARMUP_PROCS"]
-        if not value.isdigit():
-            raise ValueError(f"DSV4_WARMUP_PROCS must be a whole number, got {value!r}")
-        return int(value)
+    procs = settings().warmup_procs
+    if procs is not None:
+        return procs
     return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 

@@ -13,8 +13,10 @@ import os
 import sys
 import time
 
+from dsv4_kernels.settings import LOAD_PROGRESS, settings
+
 log = logging.getLogger("dsv4.engine")
-ENV = "DSV4_LOAD_PROGRESS"
+ENV = LOAD_PROGRESS
 LOG_STEPS = 10  # log lines per load when there is no terminal
 
 
@@ -22,9 +24,9 @@ def progress_wanted(enabled: bool | None) -> bool:
     """enabled, or when None: $DSV4_LOAD_PROGRESS if set, else not under pytest."""
     if enabled is not None:
         return enabled
-    env = os.environ.get(ENV)
+    env = settings().load_progress
     if env is not None:
-        return env.strip().lower() not in ("0", "false", "no", "off", "")
+        return env
     return "PYTEST_CURRENT_TEST" not in os.environ
 
 

@@ -5,6 +5,7 @@
 - CPU tensors: only when forced with DSV4_TRITON=1 *and* triton's interpreter is on (TRITON_INTERPRET=1,
   set before any dsv4_kernels.triton_* import) -- slow, for tests;
 - DSV4_TRITON=0 (or false/off/no) turns the fast paths off everywhere (the reference ops run on CUDA too).
+Every switch here is read from `dsv4_kernels.settings` (parsed once; docs/settings.md).
 The reference path is the CPU oracle the tests pin; a fast path must compute the same function.
 MXFP4 experts kept packed have their own switch, `use_mxfp4_moe` ($DSV4_MXFP4_MOE, see there), and so do
 the library paths: FP8 dense GEMMs through DeepGEMM (`use_fp8_gemm`, $DSV4_FP8_GEMM) and the MXFP4 MoE
@@ -14,42 +15,30 @@ naming each fast path in use and why one fell back.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dsv4_kernels.gpu import (has_deep_gemm, has_flash_mla, has_marlin_moe, has_triton, has_triton_kernels,
                               triton_enabled, why_not, why_not_marlin_moe)
+from dsv4_kernels.settings import BY_NAME, FLASH_MLA, FP8_GEMM, MXFP4_MOE, MXFP4_MOE_BACKEND, TRITON, settings
 
-ENV = "DSV4_TRITON"
-MXFP4_ENV = "DSV4_MXFP4_MOE"
-FP8_GEMM_ENV = "DSV4_FP8_GEMM"
-MOE_BACKEND_ENV = "DSV4_MXFP4_MOE_BACKEND"
-FLASH_MLA_ENV = "DSV4_FLASH_MLA"
-MOE_BACKENDS = ("auto", "triton_kernels", "marlin", "engine")
-_OFF = ("0", "false", "off", "no")
-_ON = ("1", "true", "on", "yes")
-
-
-def triton_setting(env: str = ENV) -> str | None:
-    """'off', 'on' (forced, also on CPU under the interpreter) or None (automatic) from $env (DSV4_TRITON)."""
-    value = os.environ.get(env, "").strip().lower()
-    if value in _OFF:
-        return "off"
-    if value in _ON:
-        return "on"
-    return None
+ENV = TRITON
+MXFP4_ENV = MXFP4_MOE
+FP8_GEMM_ENV = FP8_GEMM
+MOE_BACKEND_ENV = MXFP4_MOE_BACKEND
+FLASH_MLA_ENV = FLASH_MLA
+MOE_BACKENDS = BY_NAME[MOE_BACKEND_ENV].choices
 
 
 def use_triton(device: torch.device | str) -> bool:
-    """Should ops on `device` take the Triton kernels? See the module docstring."""
-    setting = triton_setting()
-    if setting == "off":
+    """Should ops on `device` take the Triton kernels? See the module docstring. (Called for every layer of
+    every eager step: reads the cached settings, never the environment.)"""
+    setting = settings().triton
+    if setting is False:
         return False
     kind = torch.device(device).type
     if kind == "cuda":
         return has_triton() and torch.cuda.is_available()
-    return setting == "on" and triton_enabled(kind)
+    return setting is True and triton_enabled(kind)
 
 
 def use_grouped_moe(x: torch.Tensor) -> bool:
@@ -59,21 +48,21 @@ def use_grouped_moe(x: torch.Tensor) -> bool:
     """
     from dsv4_kernels.moe import has_grouped_mm
 
-    value = os.environ.get("DSV4_GROUPED_MOE", "").strip().lower()
-    if value in _OFF or not has_grouped_mm():
+    setting = settings().grouped_moe
+    if setting is False or not has_grouped_mm():
         return False
     # On CUDA only 16-bit inputs have a native grouped kernel: fp32 falls back to a per-group loop that
     # reads the offsets on the host (slow, and it breaks CUDA-graph capture).
-    return value in _ON or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
+    return setting is True or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def keep_mxfp4_experts(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
     """Default of `load_engine(keep_mxfp4_experts=None)`: DSV4_MXFP4_MOE=1 / =0 decide; unset, keep MXFP4 experts
     packed where the fast MXFP4 MoE runs (a bf16 CUDA engine with triton_kernels; ~4x fewer expert bytes than
     bf16 and faster than the bf16 grouped GEMM there: BENCHMARKS.md mxfp4_moe), else dequantise at load."""
-    setting = triton_setting(MXFP4_ENV)
+    setting = settings().mxfp4_moe
     if setting is not None:
-        return setting == "on"
+        return setting
     return (torch.device(device).type == "cuda" and dtype == torch.bfloat16 and use_triton(device)
             and has_triton_kernels())
 
@@ -84,10 +73,10 @@ def use_mxfp4_moe(device: torch.device | str) -> bool:
     DSV4_MXFP4_MOE=0 -> reference everywhere; =1 -> the kernel wherever triton runs (CPU only under the
     interpreter); unset -> follows `use_triton`. (Only matters when the weights were kept packed.)
     """
-    setting = triton_setting(MXFP4_ENV)
-    if setting == "off":
+    setting = settings().mxfp4_moe
+    if setting is False:
         return False
-    if setting == "on":
+    if setting is True:
         return triton_enabled(device)
     return use_triton(device)
 
@@ -97,7 +86,7 @@ def use_fp8_gemm(device: torch.device | str, dtype: torch.dtype = torch.bfloat16
 
     DSV4_FP8_GEMM=0 turns it off (weights dequantised to the engine dtype at load, as on the CPU).
     """
-    if triton_setting(FP8_GEMM_ENV) == "off" or dtype != torch.bfloat16:
+    if not settings().fp8_gemm or dtype != torch.bfloat16:
         return False
     return torch.device(device).type == "cuda" and use_triton(device) and has_deep_gemm()
 
@@ -105,7 +94,7 @@ def use_fp8_gemm(device: torch.device | str, dtype: torch.dtype = torch.bfloat16
 def use_flash_mla(device: torch.device | str) -> bool:
     """FlashMLA's sparse decode over fp8_ds_mla pages (engine.model.attention_fp8) on `device`: CUDA with the Triton
     fast paths on and flash_mla importable. DSV4_FLASH_MLA=0 keeps the engine's own Triton kernel."""
-    if triton_setting(FLASH_MLA_ENV) == "off":
+    if not settings().flash_mla:
         return False
     return torch.device(device).type == "cuda" and use_triton(device) and has_flash_mla()
 
@@ -159,9 +148,7 @@ def mxfp4_moe_backend(device: torch.device | str) -> str:
     the engine kernel's bandwidth). A requested library that does not load falls back the same way."""
     if not use_mxfp4_moe(device):
         return "reference"
-    want = os.environ.get(MOE_BACKEND_ENV, "auto").strip().lower() or "auto"
-    if want not in MOE_BACKENDS:
-        raise ValueError(f"{MOE_BACKEND_ENV} must be one of {MOE_BACKENDS}, got {want!r}")
+    want = settings().mxfp4_moe_backend  # one of MOE_BACKENDS (checked when parsed)
     if want == "engine" or torch.device(device).type != "cuda":
         return "engine"
     if want == "marlin" and has_marlin_moe():
@@ -184,7 +171,7 @@ def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, pa
     if packed_experts:
         backend = mxfp4_moe_backend(dev)
         note = ""
-        want = os.environ.get(MOE_BACKEND_ENV, "").strip().lower()
+        want = settings().mxfp4_moe_backend
         no_ogs = f"triton_kernels unusable: {why_not('triton_kernels.matmul') or 'not installed'}"
         if want == "marlin" and backend != "marlin":
             note = f" (Marlin unusable: {why_not_marlin_moe()})"
@@ -203,7 +190,7 @@ def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, pa
 
 
 def _triton_reason(dev: torch.device) -> str:
-    if triton_setting() == "off":
+    if settings().triton is False:
         return f"{ENV}=0"
     if not has_triton():
         return "triton not importable"
@@ -211,7 +198,7 @@ def _triton_reason(dev: torch.device) -> str:
 
 
 def _fp8_reason(dev: torch.device, dtype: torch.dtype) -> str:
-    if triton_setting(FP8_GEMM_ENV) == "off":
+    if not settings().fp8_gemm:
         return f"FP8 GEMM off by {FP8_GEMM_ENV}=0"
     if dev.type != "cuda":
         return "FP8 weights dequantised at load: no FP8 GEMM on the CPU"

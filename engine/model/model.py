@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -19,6 +18,7 @@ from engine.model.parallel import SINGLE, ParallelContext, vocab_embed
 from dsv4_kernels.fp8_linear import Fp8Weight
 from dsv4_kernels.norm import rms_norm
 from dsv4_kernels.rope import rope_cos_sin, rope_inv_freq
+from dsv4_kernels.settings import settings
 
 
 class Rope:
@@ -81,8 +81,7 @@ class DeepseekV4Model:
         # the model dtype). On the H200 this lifted bf16 teacher-forced greedy agreement with the fp32 engine
         # from 0.93 to 0.96 (small preset, decided positions; BENCHMARKS.md) for ~4% more decode bytes at
         # batch 64. DSV4_FP32_RESIDUAL=0 keeps them in the model dtype, as the transformers reference does.
-        fp32_residual = os.environ.get("DSV4_FP32_RESIDUAL", "1").strip().lower() not in ("0", "false", "off", "no")
-        self.residual_dtype = torch.float32 if fp32_residual else self.dtype
+        self.residual_dtype = torch.float32 if settings().fp32_residual else self.dtype
 
     @property
     def dtype(self) -> torch.dtype:

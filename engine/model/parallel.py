@@ -29,21 +29,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dsv4_kernels.settings import TP_BACKEND, settings
+
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 # gloo on CUDA: every collective goes through host memory and ranks may share a GPU. Slow and not capturable in
 # a CUDA graph (such engines decode without graphs): a check of the GPU tensor-parallel path on one GPU, since
 # NCCL refuses two ranks on one device. Not for serving.
-TP_BACKEND_ENV = "DSV4_TP_BACKEND"
+TP_BACKEND_ENV = TP_BACKEND
 
 
 def process_backend(device: str | torch.device) -> str:
     """The torch.distributed backend of a tensor-parallel group on `device`: gloo on CPU, NCCL on CUDA, unless
     $DSV4_TP_BACKEND names one (gloo on CUDA: see TP_BACKEND_ENV)."""
     device = torch.device(device)
-    want = os.environ.get(TP_BACKEND_ENV, "").strip().lower()
-    if not want:
+    want = settings().tp_backend  # gloo, nccl or None (checked when parsed)
+    if want is None:
         return BACKENDS[device.type]
-    if want not in ("gloo", "nccl") or (want == "nccl" and device.type != "cuda"):
+    if want == "nccl" and device.type != "cuda":
         raise ValueError(f"{TP_BACKEND_ENV}={want!r} is not a backend for {device.type} (gloo, or nccl on CUDA)")
     return want
 

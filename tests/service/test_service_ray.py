@@ -9,7 +9,6 @@ requests succeed; afterwards every page pool is back to idle.
 """
 
 import concurrent.futures
-import os
 import time
 import urllib.request
 
@@ -27,6 +26,7 @@ from service.launcher import (  # noqa: E402
     start_service,
     stop_service,
 )
+from dsv4_kernels.settings import settings  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.loading.make_model import default_model_dir  # noqa: E402
 from engine.telemetry.metrics import start_metrics_server  # noqa: E402
@@ -56,7 +56,7 @@ def service():
     try:
         init_ray(metrics_dir)
         cfg = ServiceConfig(model_dir=default_model_dir(), prefill_workers=2, decode_workers=2,
-                            transfer=os.environ.get("DSV4_TEST_TRANSFER", "nixl"), worker_num_cpus=0.1,
+                            transfer=settings().test_transfer, worker_num_cpus=0.1,
                             port=free_port(), metrics_port=free_port(), router_port=0, ready_timeout_s=240.0,
                             engine_options=(("max_batch_tokens", 64),))
         stage = f"metrics server on port {cfg.metrics_port}"
