@@ -29,11 +29,3 @@ def write_section(name: str, body: str, path: Path | str | None = None) -> Path:
     text = pattern.sub(lambda _: block, text, count=1) if pattern.search(text) else text.rstrip() + "\n\n" + block
     path.write_text(text.rstrip() + "\n")
     return path
-
-
-def read_section(name: str, path: Path | str | None = None) -> str | None:
-    """The body of section `name`, or None when the file has none."""
-    path = Path(path) if path else BENCHMARKS_MD
-    begin, end = markers(name)
-    m = re.search(re.escape(begin) + r"\n(.*?)\n" + re.escape(end), path.read_text() if path.exists() else "", re.S)
-    return m.group(1) if m else None

@@ -29,11 +29,6 @@ class PlacedWorker:
     ranks: dict = field(default_factory=dict)  # data-parallel attention: worker id -> handle of ranks 1..N-1
 
 
-def per_worker_resources(num_cpus: float, num_gpus: int, tp_size: int) -> dict:
-    """What one worker reserves in all: its N ranks' CPUs and GPUs."""
-    return {"CPU": num_cpus * tp_size, "GPU": num_gpus * tp_size}
-
-
 def place_worker(cls, name: str, args: tuple, kwargs: dict, opts: dict, model_dir: str | None, tp_size: int,
                  expert_parallel: bool, num_cpus: float, num_gpus: int, actor_options: dict,
                  ready_timeout_s: float, data_parallel_attention: bool = False) -> PlacedWorker:

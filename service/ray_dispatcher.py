@@ -104,10 +104,6 @@ class RayDispatcher:
         log.info("decode worker %s (incarnation %s) introduced to %d prefill workers", wid, incarnation,
                  len(self._metadata))
 
-    async def connect_prefill(self, wid: str) -> None:
-        """Send prefill worker `wid`'s current metadata to every decode worker."""
-        await self._introduce_new(wid, await self.prefill[wid].ping.remote())
-
     async def health_check(self) -> dict[str, bool]:
         # Prefill first: a decode worker that restarted at the same time then gets the fresh metadata.
         verdicts = {}

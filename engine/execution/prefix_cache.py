@@ -38,7 +38,7 @@ by leaf nodes (a leaf's ancestors stay, so every surviving node still has its wh
 group is short (`CachePool.grow` calls `reclaim`). Snapshots have their own LRU over the store's slots.
 Pages only the cache holds count as free in every pool figure (`CachePool.available`).
 
-Hash digest. `resumable()` lists the hashes of nodes with a snapshot (at most the store's slot count): a
+Hash digest. `digest()` holds the hashes of nodes with a snapshot (at most the store's slot count): a
 worker publishes it with the seed and block size, and the router hashes a prompt the same way
 (`block_hashes`) to see how many of its tokens the worker would serve from cache.
 
@@ -473,10 +473,6 @@ class PrefixCache:
             self._evict(node)
 
     # ---- what the worker publishes ----------------------------------------------------------
-    def resumable(self) -> list[int]:
-        """Hashes of blocks a hit can resume after (nodes with a snapshot), most recently used last."""
-        return list(self._snap_lru)
-
     def digest(self) -> PrefixDigest:
         """The resumable blocks as a worker publishes them (engine thread; the result is immutable)."""
         return PrefixDigest(self.block, self.seed, frozenset(self._snap_lru), self.version)

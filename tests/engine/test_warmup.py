@@ -56,7 +56,7 @@ def test_warmup_leaves_the_engine_idle_and_exact(weights, monkeypatch):
     assert report.gemm_shapes == 0 and report.graphs == 0  # CPU: no DeepGEMM, no graphs
     assert not warm.has_work and not warm.requests and not warm.held and not warm.imports
     assert warm.pool.num_free_pages() == idle, "a warm-up page was not returned"
-    assert warm.prefix.cached_blocks == 0 and not warm.prefix.resumable(), "the prefix cache kept a warm-up prompt"
+    assert warm.prefix.cached_blocks == 0 and not warm.prefix.digest().hashes, "the prefix cache kept a warm-up prompt"
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 33, 70)]
     params = SamplingParams(max_new_tokens=6, temperature=0, logprobs=True)

@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from service.benchmarks_md import BENCHMARKS_MD, markers, read_section, write_section
+from service.benchmarks_md import BENCHMARKS_MD, markers, write_section
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def read_section(name: str, path: Path) -> str | None:
+    """The body of section `name`, or None when the file has none (only the tests read sections back)."""
+    begin, end = markers(name)
+    m = re.search(re.escape(begin) + r"\n(.*?)\n" + re.escape(end), path.read_text() if path.exists() else "", re.S)
+    return m.group(1) if m else None
 
 
 def test_write_section_replaces_and_appends(tmp_path):
