@@ -35,6 +35,7 @@ from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 from service.rank_placement import place_worker, remove_worker
 from service.service_config import ENGINE_OPTION_KEYS, ServiceConfig
 
+from dsv4_kernels.settings import API_DOCS, settings
 class ServiceStartError(RuntimeError):
     """A part of the service did not come up; the message names which part and what Ray reported."""
 
@@ -398,10 +399,14 @@ def stop_service(handles: dict | None, drain_s: float = 10.0, shutdown_ray: bool
 def prepare_metrics_dir() -> str:
     """Must run before prometheus_client is imported anywhere in this process. A directory made here (not
     one named by PROMETHEUS_MULTIPROC_DIR) is this run's: `remove_metrics_dir` deletes it at the end."""
+_own_metrics_dir: str | None = None  # the directory prepare_metrics_dir made in this process (not one it was given)
+
+
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not path:
         path = tempfile.mkdtemp(prefix="dsv4-metrics-")
-        os.environ["DSV4_OWN_METRICS_DIR"] = path
+    global _own_metrics_dir
+        _own_metrics_dir = path
     os.makedirs(path, exist_ok=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     return path
@@ -410,7 +415,8 @@ def prepare_metrics_dir() -> str:
 def remove_metrics_dir() -> None:
     import shutil
 
-    path = os.environ.pop("DSV4_OWN_METRICS_DIR", None)
+    global _own_metrics_dir
+    path, _own_metrics_dir = _own_metrics_dir, None
     if path and os.environ.get("PROMETHEUS_MULTIPROC_DIR") == path:
         shutil.rmtree(path, ignore_errors=True)
         del os.environ["PROMETHEUS_MULTIPROC_DIR"]  # a later prepare_metrics_dir makes (and owns) a new one
@@ -429,7 +435,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                          prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                          transfer=args.transfer, router_policy=args.router_policy, engine_options=engine_options,
                          worker_num_cpus=args.worker_num_cpus, ingress_replicas=args.ingress_replicas,
-                         api_key=args.api_key or os.environ.get("DSV4_API_KEY") or None,
+                         api_key=args.api_key or settings().api_key,
                          max_body_bytes=args.max_body_bytes,
                          allow_request_chat_template=args.allow_request_chat_template, api_docs=args.api_docs,
                          metrics_host=args.metrics_host, drain_s=args.drain_seconds,
@@ -450,7 +456,7 @@ def serve_main(args: argparse.Namespace) -> int:
     stop = threading.Event()
     handles, metrics = None, None
     try:
-        init_ray(metrics_dir, {"DSV4_API_DOCS": "1"} if cfg.api_docs else {})
+        init_ray(metrics_dir, {API_DOCS: "1"} if cfg.api_docs else {})
         # After ray.init, which installs its own SIGTERM handler: ours runs the service's shutdown below.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
