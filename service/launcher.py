@@ -34,8 +34,8 @@ from kv_transfer.registry import TRANSFER_CHOICES, TRANSFER_HELP
 from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 from service.rank_placement import place_worker, remove_worker
 from service.service_config import ENGINE_OPTION_KEYS, ServiceConfig
-
 from dsv4_kernels.settings import API_DOCS, settings
+
 class ServiceStartError(RuntimeError):
     """A part of the service did not come up; the message names which part and what Ray reported."""
 
@@ -396,16 +396,16 @@ def stop_service(handles: dict | None, drain_s: float = 10.0, shutdown_ray: bool
         ray.shutdown()
 
 
-def prepare_metrics_dir() -> str:
-    """Must run before prometheus_client is imported anywhere in this process. A directory made here (not
-    one named by PROMETHEUS_MULTIPROC_DIR) is this run's: `remove_metrics_dir` deletes it at the end."""
 _own_metrics_dir: str | None = None  # the directory prepare_metrics_dir made in this process (not one it was given)
 
 
+def prepare_metrics_dir() -> str:
+    """Must run before prometheus_client is imported anywhere in this process. A directory made here (not
+    one named by PROMETHEUS_MULTIPROC_DIR) is this run's: `remove_metrics_dir` deletes it at the end."""
+    global _own_metrics_dir
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not path:
         path = tempfile.mkdtemp(prefix="dsv4-metrics-")
-    global _own_metrics_dir
         _own_metrics_dir = path
     os.makedirs(path, exist_ok=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
