@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from dsv4_kernels.settings import settings
 from .peer import transformers_info
 from .roofline import expert_bytes, index_row_bytes, kv_row_bytes
 from service.benchmarks_md import write_section  # noqa: E402
@@ -48,7 +49,7 @@ def environment(device) -> dict:
         env["driver"] = "-"
         env["cuda"] = "-"
     env["transformers"], _ = transformers_info()
-    src = os.environ.get("DSV4_TRANSFORMERS_SOURCE")
+    src = settings().transformers_source
     if src:
         env["transformers"] += f" ({src})"
     return env

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_kernels.settings import TRITON, reload, settings
 from engine.model.config import ModelConfig
 from engine.model.fast_paths import use_triton
 
@@ -247,7 +248,8 @@ class Suite:
                               f"{str(e).splitlines()[0][:120] if str(e) else ''}); this and the following rows "
                               "ran with DSV4_TRITON=0 (reference ops).")
             print(f"decode b={b} ctx={ctx_len}: Triton path failed ({e!r}); retrying with DSV4_TRITON=0", flush=True)
-            os.environ["DSV4_TRITON"] = "0"
+            os.environ[TRITON] = "0"  # this process's settings, and any process it starts
+            reload()
             return bench_decode(*args, seed=b * 7 + ctx_len)
 
     def sampled_decode(self) -> None:
@@ -334,7 +336,7 @@ class Suite:
     # ---- report context ---------------------------------------------------------------------------
     def context(self, env: dict, triton_at_start: bool, hf: list[dict]) -> dict:
         p, clock = self.plan, self.clock
-        command = os.environ.get("DSV4_BENCH_COMMAND") or (
+        command = settings().bench_command or (
             "python -m benchmarks.slice " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
         ctx = {
             "env": env, "cfg": self.cfg, "copy_gbs": self.copy_gbs, "tflops": self.tflops, "mm_n": p.mm_n,
