@@ -151,6 +151,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # "auto" / "exact": exact rows in the model dtype; "fp8": the production formats
     index_cache_dtype: str = "mxfp4"  # indexer keys when kv_cache_dtype == "fp8": "mxfp4" or "fp8"
     staging_pages: int = 0  # fixed-group pages beyond one a request: the prefix cache's in-chunk snapshots
+    mtp_layers: int = 0  # MTP draft layers (speculative decoding) whose SWA rows the `swa` group also holds
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -160,7 +161,8 @@ class CacheConfig:
 
 
 def group_specs(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> list[CacheGroupSpec]:
-    all_layers = tuple(range(cfg.num_layers))
+    # MTP draft layer i is swa layer num_layers + i: its SWA-only KV shares each request's ring page
+    all_layers = tuple(range(cfg.num_layers + cache.mtp_layers))
     fp8 = cache.kv_cache_dtype == "fp8"
     fixed_pages = cache.max_requests + SCRATCH_PAGES + cache.staging_pages  # a page a request, scratch, staging
 

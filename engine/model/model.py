@@ -114,9 +114,15 @@ class DeepseekV4Model:
     def forward(self, batch: StepBatch, pool: CachePool, exchange_counts: tuple[int, ...] | None = None
                 ) -> torch.Tensor:
         """Run every token of the step through the model; -> fp32 logits [len(batch.logit_rows), vocab]."""
+        return self.logits(self.forward_streams(batch, pool, exchange_counts)[batch.logit_rows])
+
+    @torch.inference_mode()
+    def forward_streams(self, batch: StepBatch, pool: CachePool, exchange_counts: tuple[int, ...] | None = None
+                        ) -> torch.Tensor:
+        """Run every token of the step through the layers -> the residual streams before hc_head [T, hc, D] in
+        the residual dtype (what the MTP draft layer takes as its hidden input, engine.model.mtp)."""
         cfg = self.cfg
-        main, compress = self._position_ropes(batch.positions)
-        ropes = {"main": main, "compress": compress, "compress_at": _memo_by_tensor(self.ropes["compress"])}
+        ropes = self.step_ropes(batch)
         self.forwards += 1
         dp = (self.parallel.token_exchange(batch.token_ids, exchange_counts) if self.parallel.data_parallel_attention
               else None)
@@ -132,7 +138,12 @@ class DeepseekV4Model:
             x, post, comb = self._hc(lw, "ffn", streams)
             out = self.moe[i].forward(x, batch.token_ids, dp)
             streams = self._mhc(streams).hc_post(out, streams, post, comb)
-        return self.logits(streams[batch.logit_rows])
+        return streams
+
+    def step_ropes(self, batch: StepBatch) -> dict:
+        """The step's RoPE tables as the attention blocks take them."""
+        main, compress = self._position_ropes(batch.positions)
+        return {"main": main, "compress": compress, "compress_at": _memo_by_tensor(self.ropes["compress"])}
 
     @torch.inference_mode()
     def idle_forward(self) -> None:
