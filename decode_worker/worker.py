@@ -20,6 +20,7 @@ from engine.model.allocator import OutOfPages
 from engine.runtime.engine_loop import AsyncSink
 from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
 from engine.execution.sampling_params import SamplingParams
+from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
 from kv_transfer.base import TransferError, TransferTimeout
 from kv_transfer.registry import make_backend, network_options, resolve_name
@@ -71,8 +72,8 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
                  transfer: str = "tcp", transfer_timeout_s: float = 30.0, bind_host: str | None = None,
-                 cluster_token: str | None = None):
-        super().__init__(worker_id, model_dir, engine_options)
+                 cluster_token: str | None = None, health: HealthOptions | None = None):
+        super().__init__(worker_id, model_dir, engine_options, health)
         self.transfer = resolve_name(transfer)  # the concrete backend, for metric labels
         self.transfer_timeout_s = transfer_timeout_s
         self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id,

@@ -115,6 +115,11 @@ class WorkerStats:
     kv_capacity_tokens: int = 0
     kv_page_tokens: int = 1  # a reservation is rounded up to whole pages of this many tokens
     prefix: PrefixDigest | None = None  # None: the worker has no prefix cache
+    problem: str | None = None  # None while the engine is healthy; else why not (loop ended, stalled step)
+
+    @property
+    def healthy(self) -> bool:
+        return self.problem is None
 
     @property
     def running(self) -> int:

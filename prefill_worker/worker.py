@@ -17,6 +17,7 @@ from engine.telemetry import metrics
 from engine.runtime.engine_loop import AsyncSink
 from engine.handoff import PrefillResult
 from engine.execution.sampling_params import SamplingParams
+from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
 from kv_transfer.registry import make_backend, network_options, resolve_name
 
@@ -28,8 +29,8 @@ class PrefillWorker(WorkerBase):
 
     def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
                  transfer: str = "tcp", lease_s: float = 120.0, bind_host: str | None = None,
-                 cluster_token: str | None = None):
-        super().__init__(worker_id, model_dir, engine_options)
+                 cluster_token: str | None = None, health: HealthOptions | None = None):
+        super().__init__(worker_id, model_dir, engine_options, health)
         self.transfer = resolve_name(transfer)  # the concrete backend, for metric labels
         self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id, lease_s=lease_s,
                                          **network_options(transfer, bind_host, cluster_token)))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Callable
 
 from engine.telemetry import metrics
@@ -58,10 +57,8 @@ class LocalWorker:
         return self._snapshot
 
     def alive(self) -> bool:
-        """Loop running, and not stuck in one step for longer than the stall timeout."""
-        started = self.loop.step_started
-        stalled = started is not None and time.monotonic() - started > self.stall_timeout_s
-        return self.loop.alive and not stalled
+        """Loop running, and not stuck in one step or call for longer than the stall timeout (EngineLoop.problem)."""
+        return self.loop.problem(self.stall_timeout_s) is None
 
     async def generate(self, request: DispatchRequest) -> AsyncIterator[TokenEvent]:
         loop, rid = self.loop, request.request_id  # the incarnation this request runs on
@@ -176,6 +173,10 @@ class LocalDispatcher:
 
     def kill(self, worker_id: str) -> None:
         self._workers[worker_id].kill()
+
+    def inject_fault(self, worker_id: str, kind: str) -> None:
+        """Test hook: that engine's next step raises ("raise") or never returns ("hang"; `close` ends it)."""
+        self._workers[worker_id].loop.inject_fault(kind)
 
     def restart(self, worker_id: str) -> None:
         self._workers[worker_id].restart()

@@ -30,7 +30,9 @@ yet" holds until the first token and a retry never duplicates them.
 
 A background task probes `dispatcher.health_check()` every `health_interval_s` (bounded by
 `health_timeout_s`) and feeds the verdicts to the policy: a dead worker stops receiving requests and a
-restarted one is added back.
+restarted one is added back. A worker found down (dead, not answering, or reporting an unhealthy engine: a dead
+loop or a stalled step) also releases every stream waiting on it (`router.stream_watch`): each fails as
+`WorkerDied` and is retried or migrated as above, so a stopped or hung worker's streams complete elsewhere.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from router.dispatch import (Dispatcher, DispatchRequest, NoWorkerAvailable, Ove
 from router.metrics import RouterMetrics
 from router.policy import Placement, RoutingPolicy
 from router.protos import pb2, pb2_grpc
+from router.stream_watch import StreamWatches
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ class RouterServer(pb2_grpc.RouterServicer):
         self._active = 0
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task | None = None
+        self.watches = StreamWatches()  # streams by the workers they wait on (released when one is marked down)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -156,6 +160,8 @@ class RouterServer(pb2_grpc.RouterServicer):
                 log.warning("worker %s is %s", worker_id, "back" if ok else "down")
                 if not ok:
                     self.metrics.worker_deaths += 1
+            if not ok and (moved := self.watches.worker_down(worker_id)):
+                log.warning("worker %s is down: %d streams waiting on it are retried or migrated", worker_id, moved)
         if changed:
             await self._notify()
         return verdicts
@@ -313,10 +319,11 @@ class RouterServer(pb2_grpc.RouterServicer):
         params = dreq.params
         held_plps = [math.nan] if params.prompt_logprobs else []  # the first prompt token has none
         first = True
+        watch = self.watches.watch(p_id, d_id)
         try:
             events = self.dispatcher.generate(dreq, p_id, d_id)
             async with contextlib.aclosing(events):
-                async for ev in events:
+                while (ev := await watch.next(events)) is not StreamWatches.END:
                     held_plps.extend(ev.prompt_logprobs)
                     if ev.token_id is None and not ev.finished:
                         continue  # prefill progress only: hold its prompt logprobs for the first token
@@ -325,6 +332,7 @@ class RouterServer(pb2_grpc.RouterServicer):
                         pending = 0
                     if prefill_held:  # prefill is over: the worker is free of this request
                         self.policy.release(p_id)
+                        watch.release(p_id)
                         prefill_held = False
                     resp = pb2.GenerateResponse(request_id=dreq.request_id, finished=ev.finished,
                                                 finish_reason=ev.finish_reason or "", prompt_logprobs=held_plps)
@@ -353,6 +361,7 @@ class RouterServer(pb2_grpc.RouterServicer):
             raise RouterFailure(Code.INTERNAL, f"internal error serving request {dreq.request_id} (details are in "
                                                f"the router log under that id)") from None
         finally:
+            watch.close()
             if pending:
                 self.policy.prefill_done(p_id, pending)
             if prefill_held:

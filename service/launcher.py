@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from engine.runtime.health import DEFAULT_STALL_TIMEOUT_S
 from kv_transfer.registry import TRANSFER_CHOICES, TRANSFER_HELP
 from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 from service.rank_placement import place_worker, remove_worker
@@ -168,6 +169,7 @@ def _job_env() -> dict:
 def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     """Deploy everything on the connected Ray cluster; -> handles and URLs. `http=False` skips Ray Serve.
     Each stage waits at most cfg.ready_timeout_s, then raises ServiceStartError naming what is not up."""
+    from engine.runtime.health import HealthOptions
     from kv_transfer.registry import resolve_name
     from router.auth import new_token
     from service.ingress_guard import IngressOptions
@@ -176,7 +178,8 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     prefill_cls, decode_cls, router_cls = remote_classes(cfg)
     opts = worker_engine_options(cfg)
     host, token = internal_host(cfg), new_token()
-    net = dict(bind_host=None if host == "127.0.0.1" else "node", cluster_token=token)
+    net = dict(bind_host=None if host == "127.0.0.1" else "node", cluster_token=token,
+               health=HealthOptions(cfg.stall_timeout_s, cfg.worker_test_hooks, exit_on_failure=True))
     actor = {}
     if host == "127.0.0.1" and resolve_name(cfg.transfer) == "nixl" and "UCX_NET_DEVICES" not in os.environ:
         # One node: UCX's network transports listen on loopback only (shared memory and CUDA IPC, which
@@ -445,6 +448,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
                          prefill_tensor_parallel_size=getattr(args, "prefill_tensor_parallel_size", None),
                          decode_tensor_parallel_size=getattr(args, "decode_tensor_parallel_size", None),
                          worker_num_gpus=getattr(args, "worker_num_gpus", None),
+                         stall_timeout_s=getattr(args, "stall_timeout_seconds", DEFAULT_STALL_TIMEOUT_S),
                          ready_timeout_s=getattr(args, "ready_timeout_seconds", 900.0))
 
 
@@ -519,6 +523,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout-seconds", type=float, default=900.0,
                         help="how long each start-up stage may take (workers: loading plus the warm-up that compiles "
                              "every kernel before serving, minutes for a large model on a cold kernel cache)")
+    parser.add_argument("--stall-timeout-seconds", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                        help="a worker whose engine stays this long in one step is unhealthy: the router moves its "
+                             "streams and the worker is restarted (keep it well above the slowest step, a compile)")
     parser.add_argument("--drain-seconds", type=float, default=10.0,
                         help="on SIGTERM / Ctrl-C, how long in-flight requests may take to finish")
     parser.add_argument("--max-queued", type=int, default=1024,

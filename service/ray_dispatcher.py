@@ -14,6 +14,11 @@ A decode worker that is momentarily full (`DecodeOverloaded`: the router's admis
 off) is retried with backoff for `overload_retry_s` before the request fails as Overloaded.
 Errors raised inside an actor arrive wrapped in Ray's RayTaskError (whose text is a remote traceback with
 pids and addresses): they are unwrapped here so that only the worker's own message travels on.
+
+Engine health: a worker whose stats report a problem (its engine loop ended, or a step stalled:
+engine.runtime.health) is unhealthy, and so is one whose stats call does not answer within `probe_timeout_s`
+(a stopped or wedged process). A request that failed because the worker's engine loop had ended (`LoopStopped`)
+fails as `WorkerDied`, like one whose actor died: the router retries or migrates it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from engine.handoff import DecodeOverloaded, PeerUnknown, Transferred
+from engine.runtime.engine_loop import LoopStopped
 from kv_transfer.base import TransferError
 from engine.execution.request import TokenEvent
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied, WorkerInfo
@@ -41,7 +47,7 @@ async def _events(stream, worker_id: str):
         except DEAD as e:
             raise WorkerDied(worker_id, str(e)) from None
         except RayTaskError as e:
-            raise _cause(e) from None
+            raise _failure(e, worker_id) from None
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -50,12 +56,21 @@ def _cause(e: BaseException) -> BaseException:
     return cause if isinstance(cause, Exception) else e
 
 
+def _failure(e: BaseException, worker_id: str) -> BaseException:
+    """What a caller sees for an actor's task error: a dead engine loop is the worker's death, else the cause."""
+    cause = _cause(e)
+    return WorkerDied(worker_id, f"its engine failed: {cause}") if isinstance(cause, LoopStopped) else cause
+
+
 class RayDispatcher:
-    def __init__(self, prefill: dict, decode: dict, call_timeout_s: float = 10.0, overload_retry_s: float = 5.0):
-        """prefill / decode: {worker_id: actor handle}."""
+    def __init__(self, prefill: dict, decode: dict, call_timeout_s: float = 10.0, overload_retry_s: float = 5.0,
+                 probe_timeout_s: float = 5.0):
+        """prefill / decode: {worker_id: actor handle}; probe_timeout_s: a stats call slower than this marks the
+        worker unhealthy (its process is stopped or wedged: the router then moves its streams)."""
         self.prefill = dict(prefill)
         self.decode = dict(decode)
         self.call_timeout_s = call_timeout_s
+        self.probe_timeout_s = probe_timeout_s
         self.overload_retry_s = overload_retry_s
         self._info: dict[str, WorkerInfo] = {}
         self._incarnation: dict[str, str] = {}  # the incarnation each worker was last introduced as
@@ -72,7 +87,12 @@ class RayDispatcher:
     async def _probe(self, wid: str, handle) -> bool:
         role = self._info[wid].role
         try:
-            stats = await asyncio.wait_for(handle.stats.remote(), self.call_timeout_s)
+            stats = await asyncio.wait_for(handle.stats.remote(), self.probe_timeout_s)
+            if stats.problem is not None:
+                if self._info[wid].healthy:
+                    log.warning("worker %s is unhealthy: %s", wid, stats.problem)
+                self._info[wid] = WorkerInfo(wid, role, healthy=False, incarnation=self._info[wid].incarnation)
+                return False
             if self._incarnation.get(wid) != stats.incarnation:
                 await asyncio.wait_for(self._introduce_new(wid, stats.incarnation), self.call_timeout_s)
                 self._incarnation[wid] = stats.incarnation
@@ -156,7 +176,7 @@ class RayDispatcher:
                 try:
                     item = await (await anext(stream))
                 except RayTaskError as e:
-                    raise _cause(e) from None
+                    raise _failure(e, decode_id) from None
             except DEAD as e:
                 raise WorkerDied(decode_id, str(e)) from None
             except PeerUnknown:
@@ -199,7 +219,7 @@ class RayDispatcher:
             except DEAD as e:
                 raise WorkerDied(prefill_id, str(e)) from None
             except RayTaskError as e:
-                raise _cause(e) from None
+                raise _failure(e, prefill_id) from None
             first = TokenEvent(rid, result.first_token, result.first_logprob, result.finished, result.finish_reason,
                                tuple(result.prompt_logprobs[1:]) if params.prompt_logprobs else (),
                                result.cached_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.runtime.health import DEFAULT_STALL_TIMEOUT_S
 from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 
 ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype",
@@ -48,6 +49,10 @@ class ServiceConfig:
     # GPUs each rank reserves on CUDA (None: 1). A fraction shares a GPU between workers (e.g. 0.5: one prefill and
     # one decode worker on one GPU); each worker's default --gpu-memory-utilization then shrinks to its share.
     worker_num_gpus: float | None = None
+    # a worker whose engine thread stays this long in one step or call is unhealthy, then restarted
+    # (engine.runtime.health); well above the slowest legitimate step
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    worker_test_hooks: bool = False  # workers expose inject_fault (tests only; no CLI flag)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "prefill_tensor_parallel_size", "decode_tensor_parallel_size"):

@@ -12,8 +12,16 @@ any has, every rank runs exactly one forward (its own step, or an idle forward w
 Such a loop never blocks on its inbox (its peers wait in the tick's collective); an idle group ticks every
 IDLE_TICK_S.
 When the loop ends (stop, or an exception from a step or `on_step`), every subscriber and every queued
-or later call gets `LoopStopped`, except that a failed step hands its own exception to the subscribers;
-`error` keeps the exception that ended the loop (None after a plain stop).
+or later call gets `LoopStopped` (a failed step: `StepFailed`, naming the step's exception); `error` keeps the
+exception that ended the loop (None after a plain stop). Callers across a process boundary treat LoopStopped as
+the worker's death (retryable), never as the request's fault.
+
+Health (`problem`): the loop is unhealthy when its thread has ended, or when the engine thread has been inside one
+piece of work (a step, a `call`, a lockstep tick's collective) for longer than a stall bound. The clock only runs
+while the thread is busy: an idle loop, and the warm-up (which runs before the loop exists), never trip it. A
+step that compiles a kernel is still "in a step", so the bound must sit well above the slowest legitimate step
+(a first-use compile); a hung collective or a wedged kernel stays in its step forever and crosses it.
+`inject_fault` is a test hook (the worker only exposes it when built with test hooks on).
 """
 
 from __future__ import annotations
@@ -34,6 +42,13 @@ IDLE_TICK_S = 0.002  # data-parallel attention: how often an idle group's ranks 
 
 class LoopStopped(RuntimeError):
     """The engine loop is not running (stopped, or ended by an exception: see `EngineLoop.error`)."""
+
+
+class StepFailed(LoopStopped):
+    """A step raised and ended the loop; the subscribers get this (the step's exception is `EngineLoop.error`)."""
+
+
+FAULTS = ("raise", "hang")  # inject_fault's kinds
 
 
 class AsyncSink:
@@ -65,6 +80,9 @@ class EngineLoop:
         self._lock = threading.Lock()  # orders call()'s check-and-put against the thread's final drain
         self.last_step_time = time.monotonic()
         self.step_started: float | None = None  # monotonic start of the step in progress (stall checks)
+        self.busy_since: float | None = None  # start of the step / call / tick the thread is inside (health)
+        self._fault: str | None = None  # inject_fault's pending fault (tests only)
+        self._unhang = threading.Event()  # `stop` ends an injected hang (in-process tests must not leak it)
         self.last_step_seconds = 0.0  # how long the last step took (on_step reads it)
         self.error: BaseException | None = None  # what ended the loop, if an exception did
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -73,6 +91,23 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped
+
+    def problem(self, stall_timeout_s: float) -> str | None:
+        """None while healthy; else why not (the loop ended, or one piece of work outlasted stall_timeout_s)."""
+        if self._stopped or not self._thread.is_alive():
+            err = self.error
+            return f"engine loop ended: {type(err).__name__}: {err}" if err is not None else "engine loop stopped"
+        since = self.busy_since
+        if since is not None and time.monotonic() - since > stall_timeout_s:
+            return (f"engine thread stuck for {time.monotonic() - since:.0f} s in one step or call "
+                    f"(stall bound {stall_timeout_s:g} s)")
+        return None
+
+    def inject_fault(self, kind: str) -> None:
+        """Test hook: the next step raises ("raise") or never returns ("hang")."""
+        if kind not in FAULTS:
+            raise ValueError(f"fault must be one of {FAULTS}, got {kind!r}")
+        self._fault = kind
 
     def call(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between steps."""
@@ -98,6 +133,7 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop after the current step; wait up to `timeout` s for the thread (0: do not wait)."""
         self._stopped = True
+        self._unhang.set()
         self._inbox.put(_STOP)
         self._thread.join(timeout)
 
@@ -117,10 +153,13 @@ class EngineLoop:
                 return False
             fn, fut = item
             if fut.set_running_or_notify_cancel():
+                self.busy_since = time.monotonic()
                 try:
                     fut.set_result(fn(self.engine))
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
+                finally:
+                    self.busy_since = None
 
     def _run(self) -> None:
         try:
@@ -150,29 +189,42 @@ class EngineLoop:
         """One rank of a data-parallel attention group (module docstring)."""
         engine, ctx = self.engine, self.engine.data_parallel
         while self._drain(block=False):
-            if not any(ctx.gather_counts(int(engine.has_work))):
+            self.busy_since = time.monotonic()  # a peer that never meets us hangs here
+            counts = ctx.gather_counts(int(engine.has_work))
+            self.busy_since = None
+            if not any(counts):
                 time.sleep(IDLE_TICK_S)
                 continue
             self._step()  # every rank, with or without requests (EngineCore._step_lockstep agrees the tick)
 
     def _step(self) -> list[TokenEvent]:
         """One engine step; its events go to their sinks. A failed step fails every subscriber."""
-        started = self.step_started = time.monotonic()
+        started = self.step_started = self.busy_since = time.monotonic()
         try:
+            if self._fault is not None:
+                self._take_fault()
             events = self.engine.step()
         except BaseException as e:
+            failed = StepFailed(f"engine step failed: {type(e).__name__}: {e}")
             for sink in self._sinks.values():
-                sink.put(e)
+                sink.put(failed)
             self._sinks.clear()
             raise
         finally:
-            self.step_started = None
+            self.step_started = self.busy_since = None
         self.last_step_time = time.monotonic()
         self.last_step_seconds = self.last_step_time - started
         self._deliver(events)
         if self.on_step is not None:
             self.on_step(self.engine, events)
         return events
+
+    def _take_fault(self) -> None:
+        kind, self._fault = self._fault, None
+        if kind == "hang":  # a wedged kernel / collective: in a worker only the process's end releases it
+            self._unhang.wait()
+            raise RuntimeError("injected hang ended by stop (test hook)")
+        raise RuntimeError("injected step failure (test hook)")
 
     def _fail_pending(self) -> None:
         """Calls queued after the stop signal must not wait forever."""

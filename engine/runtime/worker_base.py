@@ -13,6 +13,7 @@ import time
 from engine.telemetry import metrics
 from engine.telemetry.compile_watch import CompileWatch, install_variant_log, note_slow_step
 from engine.runtime.engine_loop import EngineLoop
+from engine.runtime.health import HealthOptions, LoopWatchdog
 from engine.handoff import WorkerStats
 from engine.loading.load import load_engine
 from engine.runtime.rank_worker import split_engine_options
@@ -22,8 +23,10 @@ from engine.execution.tp_executor import release_followers
 class WorkerBase:
     role = "?"
 
-    def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None):
+    def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
+                 health: HealthOptions | None = None):
         self.worker_id = worker_id
+        self.health = health or HealthOptions()
         # Changes when the actor restarts (new process, empty cache): peers and the router key on it.
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         # A multi-rank worker (engine.runtime.rank_worker): under tensor parallelism this actor is rank 0 and its followers
@@ -48,6 +51,9 @@ class WorkerBase:
         self.loop = EngineLoop(self.engine, name=f"{self.role}-{worker_id}", on_step=self._on_step,
                                on_change=lambda engine: self.publish_load())
         self.publish_load()  # the gauges exist (at idle) before the first request
+        # Created after the warm-up: the stall clock never runs during it (engine.runtime.health).
+        self.watchdog = (LoopWatchdog(self.loop, self.health.stall_timeout_s, f"{self.role} worker {worker_id}")
+                         if self.health.exit_on_failure else None)
 
     def attach_backend(self, backend) -> None:
         self.backend = backend
@@ -68,14 +74,24 @@ class WorkerBase:
     # ---- actor API -------------------------------------------------------------------------------
     def stats(self) -> WorkerStats:
         return WorkerStats(self.worker_id, self.role, self.incarnation, self.engine.load(), self.max_slots,
-                           self.kv_capacity_tokens, self.kv_page_tokens, prefix=self._digest)
+                           self.kv_capacity_tokens, self.kv_page_tokens, prefix=self._digest,
+                           problem=self.loop.problem(self.health.stall_timeout_s))
 
     def ping(self) -> str:
-        if not self.loop.alive:
-            raise RuntimeError(f"{self.role} worker {self.worker_id}: engine loop is not running")
+        problem = self.loop.problem(self.health.stall_timeout_s)
+        if problem is not None:
+            raise RuntimeError(f"{self.role} worker {self.worker_id}: {problem}")
         return self.incarnation
 
+    def inject_fault(self, kind: str) -> None:
+        """Test hook (only with HealthOptions.test_hooks): the engine's next step raises or hangs."""
+        if not self.health.test_hooks:
+            raise PermissionError(f"{self.role} worker {self.worker_id}: test hooks are off")
+        self.loop.inject_fault(kind)
+
     def shutdown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.loop.stop()
         if self.parallel is not None and not self.data_parallel:
             release_followers(self.engine)  # the loop has stopped: no step broadcast can interleave

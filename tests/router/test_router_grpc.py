@@ -26,12 +26,14 @@ PARAMS = SamplingParams(max_new_tokens=6, logprobs=True, prompt_logprobs=True)
 class Harness:
     """A RouterServer on its own event-loop thread, so the tests can use the blocking client."""
 
-    def __init__(self, health_interval_s=3600.0, policy=None, max_inflight=0, prefix_cache=True, **server_kw):
+    def __init__(self, health_interval_s=3600.0, policy=None, max_inflight=0, prefix_cache=True, stall_timeout_s=60.0,
+                 **server_kw):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         # prefix_cache=False: engines publish no digest, so the router routes on its own estimate
-        self.dispatcher = LocalDispatcher(2, engine_factory=lambda: load_engine(prefix_cache=prefix_cache))
+        self.dispatcher = LocalDispatcher(2, engine_factory=lambda: load_engine(prefix_cache=prefix_cache),
+                                          stall_timeout_s=stall_timeout_s)
         self.server = RouterServer(self.dispatcher, policy or RoutingPolicy(PolicyConfig(cache_threshold=0.5)),
                                    health_interval_s=health_interval_s, max_inflight=max_inflight, **server_kw)
         self.port = self.run(self.server.start("127.0.0.1", 0))
@@ -226,5 +228,29 @@ def test_router_admission_limit_is_resource_exhausted():
             time.sleep(0.02)
         assert h.client.generate_full(PROMPTS[2], SamplingParams(max_new_tokens=2)).finish_reason == "length"
         assert h.client.stats().errors_total == {"RESOURCE_EXHAUSTED": 1}
+    finally:
+        h.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the hung step ends at close
+def test_hung_engine_is_marked_down_and_its_stream_migrates():
+    """A step that never returns: the health loop sees the stall, releases the stream waiting on that engine, and
+    the stream continues on the other one (prompt + streamed tokens, the rest of the budget); the client sees the
+    tokens of an undisturbed run, each once."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    expected = LLM().generate([PROMPTS[1]], params)[0].token_ids
+    h = Harness(health_interval_s=0.2, stall_timeout_s=1.0)
+    try:
+        stream = h.client.generate(PROMPTS[1], params)
+        first = next(stream)
+        hung = first.decode_worker
+        h.dispatcher.inject_fault(hung, "hang")  # the engine's next step never returns
+        events = [first, *stream]
+        assert [e.token_id for e in events] == expected and events[-1].finish_reason == "length"
+        stats = h.client.stats()
+        assert stats.retries_total == 1 and stats.worker_deaths_total == 1
+        assert {w.worker_id: w.healthy for w in h.client.health().workers}[hung] is False
+        other = ({"engine-0", "engine-1"} - {hung}).pop()
+        assert h.client.generate_full(PROMPTS[2], PARAMS).prefill_worker == other
     finally:
         h.close()
