@@ -10,10 +10,14 @@ The reference path is the CPU oracle the tests pin; a fast path must compute the
 MXFP4 experts kept packed have their own switch, `use_mxfp4_moe` ($DSV4_MXFP4_MOE, see there), and so do
 the library paths: FP8 dense GEMMs through DeepGEMM (`use_fp8_gemm`, $DSV4_FP8_GEMM) and the MXFP4 MoE
 through OpenAI's triton_kernels (`mxfp4_moe_backend`, $DSV4_MXFP4_MOE_BACKEND). `describe()` is the log line
-naming each fast path in use and why one fell back.
+naming each fast path in use and why one fell back; `fast_path_states` the same as data, and
+`log_fast_paths` logs the line (a WARNING on CUDA when any path fell back).
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -169,24 +173,71 @@ def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, pa
     else:
         parts.append("dense projections: " + str(dtype).replace("torch.", "") + " (" + _fp8_reason(dev, dtype) + ")")
     if packed_experts:
-        backend = mxfp4_moe_backend(dev)
-        note = ""
-        want = settings().mxfp4_moe_backend
-        no_ogs = f"triton_kernels unusable: {why_not('triton_kernels.matmul') or 'not installed'}"
-        if want == "marlin" and backend != "marlin":
-            note = f" (Marlin unusable: {why_not_marlin_moe()})"
-        if backend == "marlin" and want != "marlin":
-            note = f" ({no_ogs})"
-        if backend == "marlin" and not marlin_fits:
-            backend, note = "engine", " (widths not Marlin's tiles: hidden % 256, moe_inter % 64)"
-        if backend == "triton_kernels" and not ogs_fits:
-            backend, note = "engine", " (widths not in 128s: triton_kernels skipped)"
-        if backend == "engine" and dev.type == "cuda" and not has_triton_kernels() and not has_marlin_moe():
-            note = f" ({no_ogs}; Marlin unusable: {why_not_marlin_moe()})"
+        backend, note = _moe_choice(dev, ogs_fits, marlin_fits)
         parts.append(f"routed experts: packed MXFP4, {backend}{note}")
     else:
         parts.append("routed experts: dequantised, " + ("grouped GEMM" if dev.type == "cuda" else "per-expert loop"))
     return "; ".join(parts)
+
+
+def _moe_choice(dev: torch.device, ogs_fits: bool, marlin_fits: bool) -> tuple[str, str]:
+    """The packed experts' backend on `dev` and, when it is not the one asked for or expected, why."""
+    backend = mxfp4_moe_backend(dev)
+    note = ""
+    want = settings().mxfp4_moe_backend
+    no_ogs = f"triton_kernels unusable: {why_not('triton_kernels.matmul') or 'not installed'}"
+    if want == "marlin" and backend != "marlin":
+        note = f" (Marlin unusable: {why_not_marlin_moe()})"
+    if backend == "marlin" and want != "marlin":
+        note = f" ({no_ogs})"
+    if backend == "marlin" and not marlin_fits:
+        backend, note = "engine", " (widths not Marlin's tiles: hidden % 256, moe_inter % 64)"
+    if backend == "triton_kernels" and not ogs_fits:
+        backend, note = "engine", " (widths not in 128s: triton_kernels skipped)"
+    if backend == "engine" and dev.type == "cuda" and not has_triton_kernels() and not has_marlin_moe():
+        note = f" ({no_ogs}; Marlin unusable: {why_not_marlin_moe()})"
+    return backend, note
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """One GPU fast path of a built engine: taken or not, and why not (for the start-up warning, the workers'
+    stats and the `dsv4_fast_path_active` gauge)."""
+
+    name: str  # "triton" | "fp8_gemm" | "flash_mla" | "mxfp4_moe"
+    active: bool
+    why: str = ""  # why it fell back ("" when active)
+
+
+def fast_path_states(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, packed_experts: bool,
+                     ogs_fits: bool = True, marlin_fits: bool = True) -> tuple[FastPath, ...]:
+    """The fast paths that apply to this engine (FP8 GEMM only for FP8 checkpoint weights, the MoE library only
+    for packed experts), each with whether it runs. Same decisions as `describe`."""
+    dev = torch.device(device)
+    out = [FastPath("triton", use_triton(dev), "" if use_triton(dev) else _triton_reason(dev))]
+    if fp8_dense:
+        on = use_fp8_gemm(dev, dtype)
+        out.append(FastPath("fp8_gemm", on, "" if on else _fp8_reason(dev, dtype)))
+    on = use_flash_mla(dev)
+    missing = "not a CUDA engine" if dev.type != "cuda" else "flash_mla not installed"
+    why = "" if on else (f"{FLASH_MLA_ENV}=0" if not settings().flash_mla else why_not("flash_mla") or missing)
+    out.append(FastPath("flash_mla", on, why))
+    if packed_experts:
+        backend, note = _moe_choice(dev, ogs_fits, marlin_fits)
+        on = backend in ("triton_kernels", "marlin")
+        out.append(FastPath("mxfp4_moe", on, "" if on else f"{backend} kernel{note}"))
+    return tuple(out)
+
+
+def log_fast_paths(line: str, states: tuple[FastPath, ...], device: torch.device | str) -> None:
+    """The INFO line naming the paths, and on CUDA one WARNING naming each path that fell back and why: a GPU
+    engine on reference ops is several times slower, and a single INFO line is too easy to miss."""
+    log = logging.getLogger("dsv4.engine")
+    log.info("fast paths: %s", line)
+    fallen = [f"{p.name} ({p.why})" for p in states if not p.active]
+    if torch.device(device).type == "cuda" and fallen:
+        log.warning("GPU fast paths fell back to slower code: %s. `dsv4 doctor` shows what imports and why not; "
+                    "`make install-gpu` installs the matching torch and kernel wheels", "; ".join(fallen))
 
 
 def _triton_reason(dev: torch.device) -> str:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from engine.model.attention import AttentionBlock
@@ -12,7 +10,7 @@ from engine.model.cache import CachePool
 from engine.model.config import ModelConfig, RopeSpec
 from dsv4_kernels import mhc
 from dsv4_kernels.mhc import hc_head
-from engine.model.fast_paths import describe, use_triton
+from engine.model.fast_paths import describe, fast_path_states, log_fast_paths, use_triton
 from engine.model.moe import MoEBlock
 from engine.model.parallel import SINGLE, ParallelContext, vocab_embed
 from dsv4_kernels.fp8_linear import Fp8Weight
@@ -74,7 +72,9 @@ class DeepseekV4Model:
         packed = any(m.mxfp4 for m in self.moe)
         self.fast_paths = describe(self.device, self.dtype, fp8, packed, all(m.ogs_fits for m in self.moe),
                                    all(m.marlin_fits for m in self.moe))
-        logging.getLogger("dsv4.engine").info("fast paths: %s", self.fast_paths)
+        self.fast_path_states = fast_path_states(self.device, self.dtype, fp8, packed,
+                                                 all(m.ogs_fits for m in self.moe), all(m.marlin_fits for m in self.moe))
+        log_fast_paths(self.fast_paths, self.fast_path_states, self.device)  # a WARNING on CUDA for each fallback
         self.ropes = {"main": Rope(cfg.main_rope, self.device), "compress": Rope(cfg.compress_rope, self.device)}
         self._rope_stack = None  # (inv_freq [2, 1, half], attention factors [2, 1, 1]) for _position_ropes
         # The hc residual streams stay fp32 in 16-bit engines (each block's input and output still round to

@@ -51,6 +51,9 @@ class WorkerBase:
         self.loop = EngineLoop(self.engine, name=f"{self.role}-{worker_id}", on_step=self._on_step,
                                on_change=lambda engine: self.publish_load())
         self.publish_load()  # the gauges exist (at idle) before the first request
+        states = self.engine.model.fast_path_states
+        self.fast_path_fallbacks = tuple(f"{p.name}: {p.why}" for p in states if not p.active)
+        metrics.observe_fast_paths(self.role, worker_id, states)
         # Created after the warm-up: the stall clock never runs during it (engine.runtime.health).
         self.watchdog = (LoopWatchdog(self.loop, self.health.stall_timeout_s, f"{self.role} worker {worker_id}")
                          if self.health.exit_on_failure else None)
@@ -75,7 +78,8 @@ class WorkerBase:
     def stats(self) -> WorkerStats:
         return WorkerStats(self.worker_id, self.role, self.incarnation, self.engine.load(), self.max_slots,
                            self.kv_capacity_tokens, self.kv_page_tokens, prefix=self._digest,
-                           problem=self.loop.problem(self.health.stall_timeout_s))
+                           problem=self.loop.problem(self.health.stall_timeout_s),
+                           fast_path_fallbacks=self.fast_path_fallbacks)
 
     def ping(self) -> str:
         problem = self.loop.problem(self.health.stall_timeout_s)

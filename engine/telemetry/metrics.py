@@ -39,6 +39,10 @@ RUNNING = Gauge("dsv4_running_requests", "Requests holding cache pages", WORKER,
 WAITING = Gauge("dsv4_waiting_requests", "Requests waiting for admission", WORKER, multiprocess_mode="mostrecent")
 KV_USAGE = Gauge("dsv4_kv_cache_usage_ratio", "Fraction of the tightest cache group's pages in use", WORKER,
                  multiprocess_mode="mostrecent")
+# 1 where the engine takes a GPU fast path, 0 where it fell back (set once at start; the reason is in the
+# start-up WARNING and the worker's stats).
+FAST_PATH_ACTIVE = Gauge("dsv4_fast_path_active", "1 if the engine takes this GPU fast path, 0 if it fell back",
+                         (*WORKER, "path"), multiprocess_mode="mostrecent")
 
 PROMPT_TOKENS = Counter("dsv4_prompt_tokens_total", "Prompt tokens prefilled", WORKER)
 GENERATION_TOKENS = Counter("dsv4_generation_tokens_total", "Tokens generated", WORKER)
@@ -67,6 +71,12 @@ def observe_engine_load(role: str, worker: str, load) -> None:
     RUNNING.labels(role, worker).set(load.running)
     WAITING.labels(role, worker).set(load.waiting)
     KV_USAGE.labels(role, worker).set(load.kv_usage)
+
+
+def observe_fast_paths(role: str, worker: str, states) -> None:
+    """Publish an engine's `FastPath` states (engine.model.fast_paths) as dsv4_fast_path_active."""
+    for p in states:
+        FAST_PATH_ACTIVE.labels(role, worker, p.name).set(1 if p.active else 0)
 
 
 class PrefixCounters:

@@ -230,3 +230,46 @@ def test_mxfp4_moe_backend_order(monkeypatch, want, ogs, marlin, expected):
     with pytest.raises(ValueError, match=fast_paths.MOE_BACKEND_ENV):
         monkeypatch.setenv(fast_paths.MOE_BACKEND_ENV, "cutlass")
         fast_paths.mxfp4_moe_backend("cuda")
+
+
+def test_fallbacks_are_loud_on_cuda(monkeypatch, caplog):
+    """A CUDA engine without its libraries: a WARNING names every fallen-back path and why, the states say the
+    same, and dsv4_fast_path_active reads 0 for each (the CPU stands in: fast_paths decides by device type)."""
+    import logging
+
+    from engine.model import fast_paths
+    from engine.telemetry import metrics
+
+    for name in ("has_triton", "has_deep_gemm", "has_flash_mla", "has_triton_kernels", "has_marlin_moe"):
+        monkeypatch.setattr(fast_paths, name, lambda: False)
+    monkeypatch.setattr(fast_paths, "use_mxfp4_moe", lambda device: True)
+    monkeypatch.setattr(fast_paths, "why_not", lambda name: f"{name} not installed")
+    monkeypatch.setattr(fast_paths, "why_not_marlin_moe", lambda: "marlin not installed")
+    states = fast_paths.fast_path_states("cuda", torch.bfloat16, True, True)
+    assert [(p.name, p.active) for p in states] == [("triton", False), ("fp8_gemm", False), ("flash_mla", False),
+                                                    ("mxfp4_moe", False)]
+    assert all(p.why for p in states)
+    with caplog.at_level(logging.INFO, logger="dsv4.engine"):
+        fast_paths.log_fast_paths("line", states, "cuda")
+        fast_paths.log_fast_paths("line", states, "cpu")  # a CPU engine has no fast paths to lose: no warning
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and all(f"{p.name} ({p.why})" in warnings[0] for p in states)
+    metrics.observe_fast_paths("decode", "d-test", states)
+    for p in states:
+        assert metrics.FAST_PATH_ACTIVE.labels("decode", "d-test", p.name)._value.get() == 0
+    metrics.observe_fast_paths("decode", "d-test", (fast_paths.FastPath("triton", True),))
+    assert metrics.FAST_PATH_ACTIVE.labels("decode", "d-test", "triton")._value.get() == 1
+
+
+def test_worker_stats_carry_the_fallbacks():
+    from prefill_worker.worker import PrefillWorker
+
+    worker = PrefillWorker("p-fast", None)
+    try:
+        states = worker.engine.model.fast_path_states
+        want = tuple(f"{p.name}: {p.why}" for p in states if not p.active)
+        assert worker.stats().fast_path_fallbacks == want
+        if DEVICE == "cpu" and os.environ.get(ENV) is None:
+            assert any(f.startswith("triton: ") for f in want)  # a CPU engine runs the reference ops
+    finally:
+        worker.shutdown()
