@@ -8,7 +8,9 @@ runs the model, then samples every request whose chunk reached its last known to
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 
 import torch
 
@@ -19,7 +21,7 @@ from engine.model.config import ModelConfig
 from engine.execution.cuda_graphs import DecodeRunner
 from engine.execution.decode_overlap import LaunchedDecode, next_step_is_known, overlappable_decode_step
 from engine.model.fast_paths import use_triton
-from engine.handoff import EngineLoad
+from engine.handoff import DecodeOverloaded, EngineLoad
 from engine.model.model import DeepseekV4Model
 from engine.model.parallel import SINGLE, ParallelContext
 from engine.execution.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixCacheConfig
@@ -38,7 +40,8 @@ class EngineCore:
     def __init__(self, cfg: ModelConfig, weights: dict, device="cpu", dtype=torch.float32,
                  cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
                  decode_mode: str = "auto", prefix_cache: PrefixCacheConfig | bool = True,
-                 parallel: ParallelContext | None = None, overlap_decode: bool | None = None):
+                 parallel: ParallelContext | None = None, overlap_decode: bool | None = None,
+                 speculative_tokens: int = 0):
         """decode_mode: how steps made only of decode tokens run (steps with prefill always run eagerly):
         "graphs" replays CUDA graphs per (batch, context) bucket (engine.execution.cuda_graphs); "bucketed" runs the
         same fixed-shape batches without graphs (tests, debugging); "eager" sizes every step to its
@@ -60,6 +63,14 @@ class EngineCore:
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.cache_config = cache_config or CacheConfig(max_requests=self.scheduler_config.max_num_seqs)
         self.model = DeepseekV4Model(cfg, weights, self.device, parallel)
+        if speculative_tokens:  # MTP drafts (engine.execution.speculative): eager steps, the MTP KV in the swa group
+            if parallel.enabled:
+                raise ValueError("speculative decoding does not run on tensor-parallel or data-parallel engines yet")
+            if decode_mode not in ("auto", "eager"):
+                logging.getLogger("dsv4.engine").info(
+                    "speculative decoding runs its steps eagerly: decode_mode %r ignored", decode_mode)
+            decode_mode, overlap_decode = "eager", False
+            self.cache_config = dataclasses.replace(self.cache_config, mtp_layers=cfg.num_nextn_predict_layers)
         self.pool = CachePool(cfg, self.cache_config, dtype, self.device)
         if isinstance(prefix_cache, bool):
             # Snapshot points where a full chunk ends anyway: a point inside a chunk cuts it, and a prefill
@@ -87,7 +98,13 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefilled, caches kept until the decode side confirms
         self.imports: dict[str, Request] = {}  # decode side: pages reserved, caches arriving
+        self.scheduler.arriving = self.imports  # each holds a batch slot the waiting queue must not take
         self._ids = itertools.count()
+        self.speculator = None
+        if speculative_tokens:
+            from engine.execution.speculative import Speculator
+
+            self.speculator = Speculator(self, weights, speculative_tokens)
 
     # ---- request lifecycle ---------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -185,6 +202,10 @@ class EngineCore:
         prompt = list(prompt)
         self.validate(prompt, params)
         rid = self._new_id(request_id)
+        taken = len(self.scheduler.running) + len(self.imports)
+        if taken >= self.scheduler_config.max_num_seqs:  # checked with the pages, before any byte moves
+            raise DecodeOverloaded(f"no batch slot for {rid}: {taken} requests running or arriving "
+                                   f"(max_num_seqs {self.scheduler_config.max_num_seqs})")
         req = Request(rid, prompt, params, output=[first_token], logprobs=[first_logprob], seed=seed,
                       num_computed=len(prompt))
         if prompt_logprobs is not None:
@@ -219,6 +240,8 @@ class EngineCore:
             return self._step_lockstep()
         if self._launched is not None:
             return self._complete_launched()
+        if self.speculator is not None:
+            return self.speculator.step()
         if self.decode_runner is not None:
             self.decode_runner.take_greedy()  # only this step's decode run may leave one
         chunks = self.scheduler.schedule()

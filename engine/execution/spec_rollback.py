@@ -1,0 +1,73 @@
+"""Rollback of rejected draft tokens in the per-request ring groups (speculative decoding).
+
+Why: a verify step runs [last token + K drafts] through the target like a short prefill chunk, so every layer
+writes those K+1 positions into the request's fixed (one page a request) rings: the SWA ring (slot = pos %
+window, main layers and the MTP layers' rows) and the compressor state rings (`state{r}`, `index_state`: slot =
+pos % rows). A rejected position p overwrote the slot of position p - ring, which a later query (or a window
+that closes later) still reads. So the rows a verify step will write are saved before it and the rejected
+positions' rows are put back after acceptance: afterwards every ring holds exactly what it would hold had the
+rejected tokens never run. The paged groups (compressed KV `kv{r}`, indexer keys `index`) need nothing: their
+rows are addressed by position, an entry a rejected token closed is visible to no accepted query, and the
+accepted path rewrites it (in the same layer, before attention reads it) when it reaches that position.
+
+Quantised rings (fp8_ds_mla SWA rows) are saved and restored as their packed bytes, so a restore is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.cache import CachePool
+
+
+@dataclass(frozen=True)
+class SavedRows:
+    """One ring group's rows of one request at `positions` [N], as stored: [layers, N, width] (exact) or
+    [layers, N, row_bytes] (packed)."""
+
+    group: str
+    layers: tuple[int, ...]
+    rows: torch.Tensor  # [N] row ids in the group's tensor
+    values: torch.Tensor
+
+
+def ring_rows(pool: CachePool, name: str, table: dict, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of ring group `name` that positions [N] write (slot = pos % ring length, as engine.model.batch)."""
+    spec = pool.groups[name].spec
+    ring = pool.cfg.sliding_window if name == "swa" else spec.page_rows
+    return table[name][0] * spec.page_rows + positions % ring
+
+
+def save(pool: CachePool, table: dict, positions: torch.Tensor, layers: dict | None = None) -> list[SavedRows]:
+    """Copies of every ring group's rows that `positions` [N] (distinct mod every ring) write for the request with
+    page table `table`. layers: {group: model layer ids} to save only those (default: every ring group, all
+    layers)."""
+    out = []
+    for name, group in pool.groups.items():
+        if not group.spec.fixed or name not in table or (layers is not None and name not in layers):
+            continue
+        ids = tuple(layers[name]) if layers is not None else group.spec.layers
+        rows = ring_rows(pool, name, table, positions).to(group.tensor.device)
+        if group.quantised:
+            values = torch.stack([group.read_packed(layer, rows) for layer in ids])
+        else:
+            values = group.tensor[[group.spec.layer_slot(layer) for layer in ids]][:, rows].clone()
+        out.append(SavedRows(name, ids, rows, values))
+    return out
+
+
+def restore(pool: CachePool, saved: list[SavedRows], keep: slice | None = None) -> None:
+    """Write the saved rows back (only positions[keep] when given: the rejected ones)."""
+    for s in saved:
+        group = pool.groups[s.group]
+        rows = s.rows if keep is None else s.rows[keep]
+        values = s.values if keep is None else s.values[:, keep]
+        if rows.numel() == 0:
+            continue
+        for i, layer in enumerate(s.layers):
+            if group.quantised:
+                group.write_packed(layer, rows, values[i])
+            else:
+                group.layer(layer)[rows] = values[i]

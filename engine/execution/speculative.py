@@ -1,0 +1,250 @@
+"""MTP speculative decoding inside EngineCore (`speculative_tokens` K > 0; docs: shared/docs/mtp.md sections 2-3).
+
+One step (eager; `EngineCore.step` hands it here):
+1. The scheduler's chunks as usual; a decode chunk of a request holding drafts becomes a verify chunk
+   [last token + its drafts] (a short prefill chunk over cached history: the varlen path runs it, mixed
+   with prefill chunks and with requests that have fewer or no drafts). Pages need no growth: admission
+   reserved max_total_tokens and drafts are capped to the tokens the request may still emit.
+2. The ring rows the verify positions will write are saved (engine.execution.spec_rollback), the target
+   runs once (its residual streams kept), greedy acceptance takes the longest prefix of drafts equal to the
+   target's argmax plus the target's next (bonus) token; the rejected positions' ring rows are restored.
+3. The MTP layer runs over every position the target just computed and kept (token t+1 with the target's
+   streams at t): that fills its own SWA KV over prompts and accepted tokens; its output at the newest
+   position drafts token 1, then K-1 chained MTP steps (its own streams, the previous draft) draft the rest,
+   their MTP ring rows saved and restored around the chain so the MTP KV only ever holds the accepted path.
+Greedy output is token for token the non-speculative output (tests/engine/test_speculative.py).
+Requests with temperature > 0 run without drafts in this version (exact, no speed-up): the rejection-sampling
+verify is not built yet. Not here yet: CUDA graphs and overlapped decode for verify steps (EngineCore runs
+these steps eagerly), tensor/data parallel engines, the disaggregated hand-off of the MTP state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.execution import spec_rollback
+from engine.execution.request import Request, TokenEvent
+from engine.execution.sampling import greedy_pick
+from engine.model.batch import build_step
+from engine.model.mtp import MtpLayer
+
+MAX_SPECULATIVE_TOKENS = 3
+
+
+@dataclass
+class _Plan:
+    """One scheduled chunk of this step: its tokens, first logit row and how many of those rows are drafts."""
+
+    chunk: object
+    tokens: list[int]
+    drafts: list[int]
+    first_row: int  # this chunk's first row in the step's token rows
+    emitted: list = None  # [(token, logprob)] this step appends
+    computed: int = 0  # the request's num_computed after the step
+
+
+class Speculator:
+    def __init__(self, core, weights: dict, k: int):
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must be 0 (off) or 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
+        cfg = core.cfg
+        if cfg.num_nextn_predict_layers < 1:
+            raise ValueError("speculative decoding needs the checkpoint's MTP layer (num_nextn_predict_layers >= 1)")
+        if cfg.sliding_window < k + 1:
+            raise ValueError(f"speculative_tokens {k} needs sliding_window >= {k + 1}, got {cfg.sliding_window}")
+        self.core, self.k = core, k
+        self.layers = [MtpLayer(core.model, weights, i) for i in range(cfg.num_nextn_predict_layers)]
+        self.drafts: dict[str, list[int]] = {}
+        self.drafted: dict[str, int] = {}  # request id -> draft tokens verified so far
+        self.accepted: dict[str, int] = {}  # request id -> of those, accepted
+        self.steps = 0
+        self.verify_rows = 0  # metrics: verify chunks run, and their tokens
+        self.stats = {"drafted": 0, "accepted": 0, "verify_chunks": 0, "emitted": 0}
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        core = self.core
+        chunks = core.scheduler.schedule()
+        if not chunks:
+            return []
+        plans, row = [], 0
+        for c in chunks:
+            req = c.request
+            drafts = []
+            if c.num_tokens == 1 and c.start + 1 == req.num_tokens:
+                drafts = self.drafts.pop(req.request_id, [])[:self._room(req)]
+            plans.append(_Plan(c, req.token_slice(c.start, c.start + c.num_tokens) + drafts, drafts, row))
+            row += len(plans[-1].tokens)
+        saved = {id(p): spec_rollback.save(core.pool, p.chunk.request.pages,
+                                           torch.arange(p.chunk.start, p.chunk.start + len(p.tokens)))
+                 for p in plans if p.drafts}
+        streams, logits, sample_rows, prompt_rows = self._forward(plans)
+        self._pick(plans, logits, sample_rows)
+        for p in plans:
+            if p.drafts:
+                kept = len(p.emitted)  # positions start .. start + kept - 1 were computed on the accepted path
+                spec_rollback.restore(core.pool, saved[id(p)], slice(kept, None))
+        events = self._apply(plans, logits, prompt_rows)
+        self._draft(plans, streams)
+        for p in plans:
+            req = p.chunk.request
+            if core.prefix is not None:
+                core.prefix.on_computed(req)  # after the MTP pass: a snapshot holds its ring rows too
+            if req.prefill_only and not req.finished:
+                core.scheduler.hold(req)  # caches stay until `release`
+                core.held[req.request_id] = core.requests.pop(req.request_id)
+            if req.finished:
+                core.scheduler.finish(req)
+                self.drafts.pop(req.request_id, None)
+        return events
+
+    def _room(self, req: Request) -> int:
+        """Drafts worth verifying for `req`: K, fewer near max_new_tokens, none for sampled or hand-off requests."""
+        if req.params.temperature != 0 or req.prefill_only:
+            return 0
+        return max(0, min(self.k, req.params.max_new_tokens - len(req.output) - 1))
+
+    def _forward(self, plans: list[_Plan]):
+        """The target over every chunk -> (streams [T, hc, D], logits of the logit rows, per plan: logit row of its
+        sample (None) or first verify row, per plan: (first, count) prompt-logprob logit rows)."""
+        core = self.core
+        logit_rows, sample_rows, prompt_rows = [], [], []
+        for p in plans:
+            c, req = p.chunk, p.chunk.request
+            end, rows = c.start + c.num_tokens, []
+            if req.params.prompt_logprobs and c.start < len(req.prompt) - 1:
+                last = min(end, len(req.prompt) - 1)  # row p scores prompt token p + 1
+                rows = list(range(p.first_row, p.first_row + last - c.start))
+            prompt_rows.append((len(logit_rows), len(rows)))
+            logit_rows.extend(rows)
+            if end == req.num_tokens:  # reached the newest token: sample (or verify) from here
+                if rows and rows[-1] == p.first_row + c.num_tokens - 1:
+                    sample_rows.append(len(logit_rows) - 1)
+                else:
+                    sample_rows.append(len(logit_rows))
+                    logit_rows.append(p.first_row + c.num_tokens - 1)
+                logit_rows.extend(range(p.first_row + c.num_tokens, p.first_row + len(p.tokens)))  # the drafts'
+            else:
+                sample_rows.append(None)
+        snapshots = [(p.chunk.snapshot_at, core.prefix.staging(p.chunk.request)) if p.chunk.snapshot_at else None
+                     for p in plans] if any(p.chunk.snapshot_at for p in plans) else None
+        batch = build_step(core.pool, [p.tokens for p in plans], [p.chunk.start for p in plans],
+                           [p.chunk.request.pages for p in plans], logit_rows, core.device, snapshots)
+        streams = core.model.forward_streams(batch, core.pool)
+        return streams, core.model.logits(streams[batch.logit_rows]), sample_rows, prompt_rows
+
+    def _pick(self, plans: list[_Plan], logits: torch.Tensor, sample_rows: list) -> None:
+        """Each plan's emitted tokens: one sample (core._sample) or, for a verify chunk, the accepted drafts plus the
+        target's token after them (greedy: the longest prefix of drafts equal to the target's argmax)."""
+        core = self.core
+        todo = [(p.chunk, r) for p, r in zip(plans, sample_rows) if r is not None and not p.drafts]
+        tokens, lps = core._sample(logits, todo) if todo else ([], [])
+        plain = iter(zip(tokens, lps))
+        verify = [(p, r) for p, r in zip(plans, sample_rows) if p.drafts]
+        picks = None
+        if verify:
+            rows = torch.cat([torch.arange(r, r + len(p.drafts) + 1) for p, r in verify]).to(logits.device)
+            picks = greedy_pick(logits[rows]).tolist()
+        at = 0
+        for p, r in zip(plans, sample_rows):
+            if r is None:
+                p.emitted = []
+            elif not p.drafts:
+                p.emitted = [next(plain)]
+            else:
+                n = len(p.drafts) + 1
+                toks, lp = [int(t) for t in picks[0][at:at + n]], picks[1][at:at + n]
+                at += n
+                a = 0
+                while a < len(p.drafts) and p.drafts[a] == toks[a]:
+                    a += 1
+                p.emitted = list(zip(toks[:a + 1], lp[:a + 1]))
+                self._count(p.chunk.request.request_id, len(p.drafts), a)
+
+    def _count(self, rid: str, drafted: int, accepted: int) -> None:
+        self.drafted[rid] = self.drafted.get(rid, 0) + drafted
+        self.accepted[rid] = self.accepted.get(rid, 0) + accepted
+        self.stats["drafted"] += drafted
+        self.stats["accepted"] += accepted
+        self.stats["verify_chunks"] += 1
+        self.stats["emitted"] += accepted + 1
+
+    def _apply(self, plans: list[_Plan], logits: torch.Tensor, prompt_rows: list) -> list[TokenEvent]:
+        """Append each plan's tokens (stopping at a finish), advance num_computed -> the step's events."""
+        core = self.core
+        logprobs = torch.log_softmax(logits, dim=-1) if any(n for _, n in prompt_rows) else None
+        events = []
+        for p, (first, count) in zip(plans, prompt_rows):
+            c, req = p.chunk, p.chunk.request
+            plps = ()
+            if count:
+                targets = torch.tensor(req.prompt[c.start + 1:c.start + 1 + count], device=logits.device)
+                plps = tuple(logprobs[first:first + count].gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
+                req.prompt_logprobs.extend(plps)
+            # a verify chunk computed its last token and the accepted drafts (emitted - 1 of them)
+            req.num_computed = c.start + (len(p.emitted) if p.drafts else c.num_tokens)
+            if not p.emitted:
+                events.append(TokenEvent(req.request_id, None, None, False, None, plps, req.cached_tokens))
+            for i, (tok, lp) in enumerate(p.emitted):
+                req.output.append(tok)
+                req.logprobs.append(lp)
+                core._check_finished(req, tok)
+                events.append(TokenEvent(req.request_id, tok, lp, req.finished, req.finish_reason,
+                                         plps if i == 0 else (), req.cached_tokens))
+                if req.finished:
+                    break
+        return events
+
+    # ---- drafting -----------------------------------------------------------------------------------
+    def _draft(self, plans: list[_Plan], streams: torch.Tensor) -> None:
+        """The MTP pass over the positions each continuing greedy request just computed, then the chain."""
+        core = self.core
+        runs = [p for p in plans if not p.chunk.request.finished and not p.chunk.request.prefill_only
+                and p.chunk.request.params.temperature == 0 and p.chunk.request.num_computed > p.chunk.start]
+        if not runs:
+            return
+        tokens, starts, tables, hidden_rows = [], [], [], []
+        for p in runs:
+            c, req = p.chunk, p.chunk.request
+            tokens.append(req.token_slice(c.start + 1, req.num_computed + 1))  # token t+1 at position t
+            starts.append(c.start)
+            tables.append(req.pages)
+            hidden_rows.extend(range(p.first_row, p.first_row + req.num_computed - c.start))
+        last = [p for p, t in zip(runs, tokens) if p.chunk.request.num_computed == p.chunk.request.num_tokens - 1]
+        ends = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
+        out_rows = [int(ends[i]) for i, p in enumerate(runs) if p in last]
+        layer = self.layers[0]
+        batch = build_step(core.pool, tokens, starts, tables, [], core.device)
+        out = layer.forward(batch, core.pool, streams[torch.tensor(hidden_rows, device=streams.device)])
+        if not last:
+            return
+        hid = out[torch.tensor(out_rows, device=out.device)]
+        drafts = [[t] for t in greedy_pick(layer.logits(hid))[0].long().tolist()]
+        self._chain(last, drafts, hid)
+        for p, d in zip(last, drafts):
+            self.drafts[p.chunk.request.request_id] = d
+
+    def _chain(self, plans: list[_Plan], drafts: list[list[int]], hid: torch.Tensor) -> None:
+        """Drafts 2..K: MTP step j at position P + j - 2 (P = the request's newest position) on its own streams and
+        the previous draft; its ring rows are put back afterwards (they hold draft-on-draft KV)."""
+        core, n = self.core, max(self._room(p.chunk.request) for p in plans)
+        if n <= 1:
+            return
+        mtp_ids = {"swa": [m.layer for m in self.layers]}
+        saved = [spec_rollback.save(core.pool, p.chunk.request.pages,
+                                    torch.arange(p.chunk.request.num_computed,
+                                                 p.chunk.request.num_computed + n - 1), mtp_ids) for p in plans]
+        for j in range(1, n):
+            layer = self.layers[j % len(self.layers)]
+            batch = build_step(core.pool, [[d[-1]] for d in drafts],
+                               [p.chunk.request.num_computed + j - 1 for p in plans],
+                               [p.chunk.request.pages for p in plans], [], core.device)
+            hid = layer.forward(batch, core.pool, hid)
+            for d, t in zip(drafts, greedy_pick(layer.logits(hid))[0].long().tolist()):
+                d.append(t)
+        for s in saved:
+            spec_rollback.restore(core.pool, s)
+        for p, d in zip(plans, drafts):
+            del d[self._room(p.chunk.request):]
