@@ -17,7 +17,8 @@ Sections (descriptor columns: see the F_* constants; S = slots, W = the section'
 - PLAN (a compressor's per-row scalars): window = pos // ratio; entry_row = paged(entry table, window) where
   (pos + 1) % ratio == 0, else the scratch row; entry_pos = window * ratio; state ring row = page * stride +
   pos % ring_rows. Three int64 [S] outputs.
-- VISIBLE: rows[b, w] = paged(entry table, w), valid[b, w] = w < (pos + 1) // ratio, w < W.
+- VISIBLE: rows[b, w] = paged(entry table, w), w < W ([S, W]), then count[b] = (pos + 1) // ratio ([S]); no
+  flags (engine.model.batch.VisibleEntries: validity is derived from the count, never stored per entry).
 - MISC: arange rows [S], ends = pos + 1 [S], the SWA write row (as PLAN's state row) [S], cu = arange [S + 1].
 paged(t, e) = table[trow[b], col + min(e // page_rows, width - 1)] * page_rows + e % page_rows (e >= 0 here),
 as engine.model.batch.paged_rows. Integer math only: the outputs equal the torch derivation element for element.
@@ -105,14 +106,14 @@ def _prologue_kernel(packed_ptr, table_ptr, desc_ptr, out_ptr, flag_ptr, S, tabl
         tl.store(out_ptr + out_off + S + b, window * align)
         tl.store(out_ptr + out_off + 2 * S + b, page * stride + pos % ring_rows)
     elif kind == 3:  # VISIBLE
-        visible = (pos + 1) // align
         for start in range(first, W, step):
             w = start + cols
             m = w < W
             page_idx = tl.minimum(w // entry_page_rows, entry_width - 1)
             rows = tl.load(table_ptr + trow_off + entry_col + page_idx, mask=m) * entry_page_rows
             tl.store(out_ptr + out_off + b * W + w, rows + w % entry_page_rows, mask=m)
-            tl.store(flag_ptr + flag_off + b * W + w, (w < visible).to(tl.uint8), mask=m)
+        if chunk == 0:
+            tl.store(out_ptr + out_off + plane + b, (pos + 1) // align)
     elif kind == 4 and chunk == 0:  # MISC
         tl.store(out_ptr + out_off + b, b)
         tl.store(out_ptr + out_off + S + b, pos + 1)

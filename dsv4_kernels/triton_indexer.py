@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.geometry import IndexerKeyLayout
+from dsv4_kernels.indexer import SCORES_BUDGET, check_candidates, query_blocks, token_candidates
 from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.triton_index_keys import bf16_dot, check_index_keys, key_format, tl_load_index_keys
 from dsv4_kernels.triton_indexer_prefill import indexer_prefill_scores
@@ -32,7 +33,7 @@ from dsv4_kernels.triton_indexer_prefill import indexer_prefill_scores
 triton, tl = import_triton()
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, k_ptr, rows_ptr, w_ptr, out_ptr, HI, DI, S, scale, block_size,
+def _indexer_scores_kernel(q_ptr, k_ptr, rows_ptr, seg_ptr, count_ptr, w_ptr, out_ptr, HI, DI, S, scale, block_size,
                            stride_qt, stride_qh, stride_kr, stride_rt, stride_wt, stride_ot,
                            HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_S: tl.constexpr,
                            FMT: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
@@ -43,7 +44,10 @@ def _indexer_scores_kernel(q_ptr, k_ptr, rows_ptr, w_ptr, out_ptr, HI, DI, S, sc
     cols = tl.arange(0, DI_P)
     hmask = heads < HI
     cmask = cols < DI
-    r = tl.load(rows_ptr + t * stride_rt + cand, mask=cand < S, other=-1).to(tl.int64)
+    # token t's candidates: row seg[t] of rows, its first count[t] columns (module docstring)
+    b = tl.load(seg_ptr + t).to(tl.int64)
+    n = tl.load(count_ptr + t)
+    r = tl.load(rows_ptr + b * stride_rt + cand, mask=(cand < S) & (cand < n), other=-1).to(tl.int64)
     ok = r >= 0
     r = tl.where(ok, r, 0)
     keys = tl_load_index_keys(k_ptr, r, ok, cols, cmask, DI, stride_kr, block_size, VALUE_BYTES, SCALE_BYTES, FMT,
@@ -62,10 +66,14 @@ def _indexer_scores_kernel(q_ptr, k_ptr, rows_ptr, w_ptr, out_ptr, HI, DI, S, sc
 
 
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
-                   layout: IndexerKeyLayout | None = None, *, block_s: int = 64) -> torch.Tensor:
+                   layout: IndexerKeyLayout | None = None, *, block_s: int = 64, seg: torch.Tensor | None = None,
+                   count: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer logits of each token's candidates, read from a key store.
 
-    q: [T, Hi, Di] fp32/bf16 (last dim contiguous); rows: int32/int64 [T, S], -1 = invalid;
+    q: [T, Hi, Di] fp32/bf16 (last dim contiguous); rows: int32/int64 [R, S], -1 = invalid; token t's candidates
+    are row seg[t] of rows (seg: int [T], default arange: R = T), its first count[t] columns (count: int [T],
+    default S; the rest are invalid): the engine passes each request's entry rows once ([B, S]) and each token's
+    visible count, never a [T, S] list (module docstring);
     weights: [T, Hi] (already times Hi^-0.5); keys, by `layout`:
     - None: plain rows [R, Di] (row stride free, last dim contiguous), rows index them;
     - IndexerKeyLayout (fmt "fp8" or "mxfp4"): uint8 paged cache [blocks, >= layout.block_bytes()],
@@ -77,8 +85,7 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weig
         raise ValueError(f"q must be [T, Hi, Di] with unit stride on the last dim, got {tuple(q.shape)}")
     t, hi, di = q.shape
     check_index_keys(keys, layout, di)
-    if rows.dim() != 2 or rows.shape[0] != t or rows.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"rows must be int32/int64 [T={t}, S], got {rows.dtype} {tuple(rows.shape)}")
+    check_candidates(rows, t, seg, count)
     if weights.shape != (t, hi):
         raise ValueError(f"weights must be [T={t}, Hi={hi}], got {tuple(weights.shape)}")
     if block_s < 16:
@@ -93,8 +100,9 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weig
     fmt, value_bytes, scale_bytes, block_size = key_format(layout)
     # sm_90 compiles at Hi=64, Di=128, BLOCK_S=64: plain keys fit 4 warps; dequantising needs 8 to not spill.
     extra = {"num_warps": 4 if layout is None else 8, "num_stages": 2} if q.is_cuda else {}
+    seg, count = token_candidates(rows, t, seg, count)
     _indexer_scores_kernel[(t, triton.cdiv(s, block_s))](
-        q, keys, rows, weights, out, hi, di, s, di**-0.5, block_size,
+        q, keys, rows, seg, count, weights, out, hi, di, s, di**-0.5, block_size,
         q.stride(0), q.stride(1), keys.stride(0), rows.stride(0), weights.stride(0), out.stride(0),
         HI_P=max(16, triton.next_power_of_2(hi)), DI_P=max(16, triton.next_power_of_2(di)), BLOCK_S=block_s,
         FMT=fmt, VALUE_BYTES=value_bytes, SCALE_BYTES=scale_bytes, BF16_DOT=bf16_dot(q, keys, layout), **extra)
@@ -103,8 +111,13 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weig
 
 def indexer_topk(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, k: int,
                  layout: IndexerKeyLayout | None = None, cu_seqlens: torch.Tensor | None = None,
-                 ordered: bool = True) -> torch.Tensor:
-    """Top-k candidates of each token by indexer score. Inputs as `indexer_scores`.
+                 ordered: bool = True, *, seg: torch.Tensor | None = None, count: torch.Tensor | None = None,
+                 budget: int = SCORES_BUDGET) -> torch.Tensor:
+    """Top-k candidates of each token by indexer score. Inputs as `indexer_scores` (rows [R, S], seg, count).
+
+    The queries go a block at a time (dsv4_kernels.indexer.query_blocks): no scores tensor exceeds `budget`
+    bytes (fp32 [block, S]) whatever T and S, e.g. an 8K-token chunk at 1M context (S = 262144) is 32 blocks
+    of 256 queries at the default 256 MiB instead of one 8 GiB tensor. The split depends on (T, S) only.
 
     cu_seqlens: optional int [B + 1] query offsets of the step's sequences (the StepBatch's `cu`). When it is
     given and the step has more queries than sequences (prefill / chunked prefill), the scores come from the
@@ -118,11 +131,24 @@ def indexer_topk(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weight
     particular order, -1 anywhere (what the attention kernels take: -1 skips a slot wherever it is); on CUDA
     that drops topk's sort of the picks (22 us a layer at batch 1 on an H200).
     """
-    if cu_seqlens is not None and q.shape[0] > cu_seqlens.numel() - 1:
-        scores = indexer_prefill_scores(q, keys, rows, weights, cu_seqlens, layout)
-    else:
-        scores = indexer_scores(q, keys, rows, weights, layout)
-    return topk_of_scores(scores, k, ordered)
+    t = q.shape[0]
+    check_candidates(rows, t, seg, count)
+    seg, count = token_candidates(rows, t, seg, count)
+    prefill = cu_seqlens is not None and t > cu_seqlens.numel() - 1
+    blocks = query_blocks(t, rows.shape[1], budget)
+    out = None if len(blocks) == 1 else torch.empty(t, k, dtype=torch.int64, device=q.device)
+    for t0, t1 in blocks:
+        args = (q[t0:t1], keys, rows, weights[t0:t1])
+        if prefill:  # the block's own sequences: cu_seqlens shifted to t0 and clamped to the block, no sync
+            cu = (cu_seqlens.to(q.device, torch.int64) - t0).clamp(0, t1 - t0)
+            scores = indexer_prefill_scores(*args, cu, layout, seg=seg[t0:t1], count=count[t0:t1])
+        else:
+            scores = indexer_scores(*args, layout, seg=seg[t0:t1], count=count[t0:t1])
+        picked = topk_of_scores(scores, k, ordered)
+        if out is None:
+            return picked
+        out[t0:t1] = picked
+    return out
 
 
 # Where the radix kernel measured at least as fast as torch.topk on the H200 (scripts/bench_topk.py, BENCHMARKS.md):

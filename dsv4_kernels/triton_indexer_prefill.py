@@ -10,9 +10,9 @@ tiles of BLOCK_N candidates: each tile is loaded (dequantised in registers for F
 multiplied as [M, Di] x [Di, BLOCK_N] with tl.dot, then ReLU, the per-(query, head) weight, and a sum over
 heads give the [BT, BLOCK_N] logits, -inf where rows[t, s] < 0 (causality, padding).
 
-Contract beyond the per-token kernel's: within one sequence, every valid rows[t, s] of a column s names
-the same key row (true of the engine's visible entries: one page table per sequence); the tile's key row
-of column s is the largest rows[t, s] of the block. Sequences are cu_seqlens' ranges (varlen steps, chunks
+Contract beyond the per-token kernel's: within one sequence, every valid candidate of a column s names
+the same key row (true of the engine's visible entries: one row of per-request candidates per sequence, each
+token seeing a prefix of it); the tile's key row of column s is the largest valid candidate of the block. Sequences are cu_seqlens' ranges (varlen steps, chunks
 starting mid-sequence: only rows matter, not positions).
 
 Work per program is bounded by its extent: the candidates past its last valid column (causal prefill:
@@ -30,20 +30,22 @@ import torch
 
 from dsv4_kernels.geometry import IndexerKeyLayout
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.indexer import check_candidates, token_candidates
 from dsv4_kernels.triton_index_keys import bf16_dot, check_index_keys, key_format, tl_load_index_keys
 
 triton, tl = import_triton()
 
 
 @triton.jit
-def _block_rows(rows_ptr, tq, tmask, cand, hi, stride_rt):
-    """rows[tq, cand] (int64 [BT, BLOCK_N]), -1 outside the block's queries or past `hi`."""
-    return tl.load(rows_ptr + tq[:, None] * stride_rt + cand[None, :], mask=tmask[:, None] & (cand < hi)[None, :],
-                   other=-1).to(tl.int64)
+def _block_rows(rows_ptr, row_off, n, tmask, cand, hi):
+    """rows[seg[tq], cand] (int64 [BT, BLOCK_N]; row_off = seg[tq] * stride), -1 outside the block's queries,
+    past `hi` or past each query's visible count n."""
+    ok = tmask[:, None] & (cand < hi)[None, :] & (cand[None, :] < n[:, None])
+    return tl.load(rows_ptr + row_off[:, None] + cand[None, :], mask=ok, other=-1).to(tl.int64)
 
 
 @triton.jit(do_not_specialize=["num_blocks", "S"])  # (chunk: a multiple of BLOCK_N, kept specialised)
-def _prefill_scores_kernel(q_ptr, k_ptr, rows_ptr, w_ptr, out_ptr, blocks_ptr, num_blocks, HI, DI, S, chunk, scale,
+def _prefill_scores_kernel(q_ptr, k_ptr, rows_ptr, seg_ptr, count_ptr, w_ptr, out_ptr, blocks_ptr, num_blocks, HI, DI, S, chunk, scale,
                            block_size, stride_qt, stride_qh, stride_kr, stride_rt, stride_wt, stride_ot,
                            HI_P: tl.constexpr, DI_P: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
                            FMT: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
@@ -56,11 +58,14 @@ def _prefill_scores_kernel(q_ptr, k_ptr, rows_ptr, w_ptr, out_ptr, blocks_ptr, n
     hi = tl.minimum(lo + chunk, S)
     tq = (t0 + tl.arange(0, BT)).to(tl.int64)
     tmask = tq < t1
-    # Extent: one past the block's last valid candidate in [lo, hi) (lo when none).
+    row_off = tl.load(seg_ptr + tq, mask=tmask, other=0).to(tl.int64) * stride_rt
+    n = tl.load(count_ptr + tq, mask=tmask, other=0)
+    # Extent: one past the block's last valid candidate in [lo, hi) (lo when none); nothing past the
+    # largest visible count is scanned.
     ext = lo
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, tl.minimum(hi, tl.max(n)), BLOCK_N):
         cand = start + tl.arange(0, BLOCK_N)
-        rt = _block_rows(rows_ptr, tq, tmask, cand, hi, stride_rt)
+        rt = _block_rows(rows_ptr, row_off, n, tmask, cand, hi)
         ext = tl.maximum(ext, tl.max(tl.where(rt >= 0, cand[None, :] + 1, 0)))
 
     # q of the block as [M, Di]: row i is query t0 + i // HI_P, head i % HI_P (padding rows load 0, w = 0).
@@ -80,7 +85,7 @@ def _prefill_scores_kernel(q_ptr, k_ptr, rows_ptr, w_ptr, out_ptr, blocks_ptr, n
         q_dot = q
     for start in range(lo, ext, BLOCK_N):
         cand = start + tl.arange(0, BLOCK_N)
-        rt = _block_rows(rows_ptr, tq, tmask, cand, hi, stride_rt)
+        rt = _block_rows(rows_ptr, row_off, n, tmask, cand, hi)
         r = tl.max(rt, axis=0)  # the column's key row (valid rows of a sequence agree), -1 when none is valid
         ok = r >= 0
         keys = tl_load_index_keys(k_ptr, tl.where(ok, r, 0), ok, cols, cmask, DI, stride_kr, block_size, VALUE_BYTES,
@@ -142,11 +147,12 @@ def _chunk(s: int, blocks: int, block_n: int, device: torch.device, split: int |
 def indexer_prefill_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
                            cu_seqlens: torch.Tensor, layout: IndexerKeyLayout | None = None, *, block_m: int = 256,
                            block_n: int = 64, split: int | None = None, num_warps: int = 8,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int = 2, seg: torch.Tensor | None = None,
+                           count: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer logits of a varlen step whose queries share their sequence's keys (module docstring).
 
-    q: [T, Hi, Di] fp32/bf16 (last dim contiguous); keys, layout, rows [T, S] (-1 = invalid), weights [T, Hi]
-    as dsv4_kernels.triton_indexer.indexer_scores; cu_seqlens: int [B + 1] query offsets of the B sequences
+    q: [T, Hi, Di] fp32/bf16 (last dim contiguous); keys, layout, rows [R, S] (-1 = invalid), seg / count
+    (token t's candidates: rows[seg[t], :count[t]]), weights [T, Hi] as dsv4_kernels.triton_indexer.indexer_scores; cu_seqlens: int [B + 1] query offsets of the B sequences
     (cu[0] = 0, cu[B] = T; on q's device). block_m: q rows a program (BT = block_m // Hi_p queries, at least
     1); block_n: candidates a tile; split: candidate chunks (None: enough programs for the GPU).
     -> fp32 [T, S], -inf where rows < 0; equal to indexer_scores on inputs that meet the contract.
@@ -155,8 +161,7 @@ def indexer_prefill_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tens
         raise ValueError(f"q must be [T, Hi, Di] with unit stride on the last dim, got {tuple(q.shape)}")
     t, hi, di = q.shape
     check_index_keys(keys, layout, di)
-    if rows.dim() != 2 or rows.shape[0] != t or rows.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"rows must be int32/int64 [T={t}, S], got {rows.dtype} {tuple(rows.shape)}")
+    check_candidates(rows, t, seg, count)
     if weights.shape != (t, hi):
         raise ValueError(f"weights must be [T={t}, Hi={hi}], got {tuple(weights.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -173,12 +178,13 @@ def indexer_prefill_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tens
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     hi_p = triton.next_power_of_2(hi)
     bt = max(1, block_m // hi_p, triton.next_power_of_2(triton.cdiv(16, hi_p)))  # tl.dot needs M >= 16
+    seg, count = token_candidates(rows, t, seg, count)
     blocks = prefill_blocks(cu_seqlens.to(q.device), t, bt)
     chunk = _chunk(s, blocks.shape[0], block_n, q.device, split)
     fmt, value_bytes, scale_bytes, block_size = key_format(layout)
     extra = {"num_warps": num_warps, "num_stages": num_stages} if q.is_cuda else {}
     _prefill_scores_kernel[(blocks.shape[0], triton.cdiv(s, chunk))](
-        q, keys, rows, weights, out, blocks, blocks.shape[0], hi, di, s, chunk, di**-0.5, block_size,
+        q, keys, rows, seg, count, weights, out, blocks, blocks.shape[0], hi, di, s, chunk, di**-0.5, block_size,
         q.stride(0), q.stride(1), keys.stride(0), rows.stride(0), weights.stride(0), out.stride(0),
         HI_P=hi_p, DI_P=max(16, triton.next_power_of_2(di)), BT=bt, BLOCK_N=block_n, FMT=fmt,
         VALUE_BYTES=value_bytes, SCALE_BYTES=scale_bytes, BF16_DOT=bf16_dot(q, keys, layout), **extra)

@@ -262,14 +262,16 @@ def _prologue_query(q_ptr, cos_ptr, sin_ptr, w_ptr, qo_ptr, wo_ptr, t, H, DI, WI
 
 
 def indexer_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: torch.Tensor, scale: float,
-                     rows: torch.Tensor, valid: torch.Tensor, width: int | None = None):
+                     rows: torch.Tensor | None = None, valid: torch.Tensor | None = None, width: int | None = None):
     """The engine indexer's glue before its scoring kernel, one launch (AttentionBlock._indexer's reference):
     q' = apply_rope(q, cos, sin) zero-padded to `width` channels; head weights = weights.float() * scale;
     candidate rows = torch.where(valid, rows, -1).
 
     q: [T, Hi, Di] (last dim contiguous; token / head strides free); cos, sin: fp32 [T, rope_dim // 2];
     weights: [T, Hi] (model dtype; row stride free); rows: int [T, E]; valid: bool [T, E]; width >= Di (default Di).
-    -> (q' [T, Hi, width] q.dtype contiguous, fp32 [T, Hi], rows.dtype [T, E])."""
+    -> (q' [T, Hi, width] q.dtype contiguous, fp32 [T, Hi], rows.dtype [T, E]). Without rows / valid the third
+    output is None: the engine passes per-request candidates and visible counts to the scoring kernels instead
+    (dsv4_kernels.indexer's module docstring), so no [T, E] list is written."""
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [T, Hi, Di] with unit stride on the last dim, got {tuple(q.shape)}")
     t, h, di = q.shape
@@ -279,15 +281,20 @@ def indexer_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weig
     if weights.shape != (t, h) or weights.stride(-1) != 1 or width < di:
         raise ValueError(f"weights must be [T={t}, Hi={h}] with unit last stride (and width >= Di), got "
                          f"{tuple(weights.shape)}, width {width}")
-    if rows.dim() != 2 or rows.shape[0] != t or valid.shape != rows.shape or valid.dtype != torch.bool:
-        raise ValueError(f"rows / valid must be matching int / bool [T={t}, E], got {tuple(rows.shape)}, "
-                         f"{valid.dtype} {tuple(valid.shape)}")
+    no_rows = rows is None and valid is None
+    if no_rows:  # zero candidate columns (the engine's dtypes: the same compiled variant): no candidate work
+        rows, valid = torch.empty(t, 0, dtype=torch.int64, device=q.device), torch.empty(t, 0, dtype=torch.bool,
+                                                                                         device=q.device)
+    elif rows is None or valid is None or rows.dim() != 2 or rows.shape[0] != t or valid.shape != rows.shape \
+            or valid.dtype != torch.bool:
+        raise ValueError(f"rows / valid must be given together as matching int / bool [T={t}, E], got "
+                         f"{None if rows is None else tuple(rows.shape)}, {None if valid is None else valid.dtype}")
     require_triton(q.device)
     q_out = torch.empty(t, h, width, dtype=q.dtype, device=q.device)
     w_out = torch.empty(t, h, dtype=torch.float32, device=q.device)
     r_out = torch.empty(rows.shape, dtype=rows.dtype, device=q.device)
     if t == 0:
-        return q_out, w_out, r_out
+        return q_out, w_out, None if no_rows else r_out
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     valid = valid if valid.stride(-1) == 1 else valid.contiguous()
     cos = cos if cos.dtype == torch.float32 and cos.stride(-1) == 1 else cos.float().contiguous()
@@ -303,4 +310,4 @@ def indexer_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weig
         cos.stride(0), sin.stride(0), weights.stride(0), rows.stride(0), valid.stride(0), q_out.stride(0),
         q_out.stride(1), r_out.stride(0), ne, LD_P=triton.next_power_of_2(width), H_P=triton.next_power_of_2(h),
         HALF_P=max(1, triton.next_power_of_2(half)), BLOCK_E=block_e, BF16=q.dtype == torch.bfloat16, **extra)
-    return q_out, w_out, r_out
+    return q_out, w_out, None if no_rows else r_out

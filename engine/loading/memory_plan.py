@@ -51,11 +51,61 @@ def pool_bytes(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
 def activation_reserve(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int) -> int:
     """Bytes kept back for one step's activations and the decode CUDA-graph pool (an estimate, logged): per token
     of the larger of the prefill budget and the decode batch, the fp32 hc streams and mixes, the attention
-    query/output rows, the routed-expert intermediates and the logits row, with 2x headroom, plus 1 GiB."""
+    query/output rows, the routed-expert intermediates and the logits row, with 2x headroom, plus 1 GiB, plus the
+    step's context-dependent workspace at the longest context served (`step_workspace`)."""
     tokens = max(max_batch_tokens, max_num_seqs)
     per_token = (4 * cfg.hc_mult * cfg.hidden_size * 4 + 2 * cfg.num_heads * cfg.head_dim * 2
                  + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 2 + 4 * cfg.vocab_size)
-    return 2 * tokens * per_token + GIB
+    return 2 * tokens * per_token + GIB + step_workspace(cfg, max_batch_tokens, max_num_seqs).total
+
+
+@dataclass(frozen=True)
+class StepWorkspace:
+    """The largest context-dependent buffers of one step (bytes), at `context` (engine.model.batch, the indexer):
+    visible: per-request candidate rows, int64 [B, context // r] for each group scored or attended in full
+      (the indexer's kv4 keys, each HCA ratio), B = max_num_seqs (decode slots or prefill requests);
+    scores: the indexer's fp32 scores of one query block, at most dsv4_kernels.indexer.SCORES_BUDGET
+      (query_blocks), plus its top-k picks;
+    attention_rows: the fast path's int32 row ids [T, window + max(index_topk, context // smallest HCA ratio)];
+    swa: the SWA sources, int64 x 3 + 2 flags [T, window]."""
+
+    context: int
+    tokens: int
+    visible: int
+    scores: int
+    attention_rows: int
+    swa: int
+
+    @property
+    def total(self) -> int:
+        return self.visible + self.scores + self.attention_rows + self.swa
+
+    def describe(self) -> str:
+        return (f"step workspace at {self.context} tokens of context, {self.tokens} tokens a step: "
+                f"{self.total / GIB:.2f} GiB (visible-entry rows {self.visible / GIB:.3f}, indexer scores "
+                f"{self.scores / GIB:.3f}, attention row ids {self.attention_rows / GIB:.3f}, SWA sources "
+                f"{self.swa / GIB:.3f})")
+
+
+def step_workspace(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int,
+                   context: int | None = None) -> StepWorkspace:
+    """StepWorkspace of the largest step (max(max_batch_tokens, max_num_seqs) tokens) at `context` (default
+    cfg.max_position_embeddings, which --max-model-len caps: no admitted request goes past it)."""
+    from dsv4_kernels.indexer import SCORES_BUDGET, query_blocks
+
+    context = cfg.max_position_embeddings if context is None else context
+    tokens = max(max_batch_tokens, max_num_seqs)
+    hca = [r for r in cfg.ratios if r != 4]
+    scored = ([4] if cfg.indexer_layers else []) + hca
+    visible = sum(8 * max_num_seqs * max(1, context // r) for r in scored)
+    scores = 0
+    if cfg.indexer_layers:
+        entries = max(1, context // 4)
+        t0, t1 = query_blocks(tokens, entries, SCORES_BUDGET)[0]
+        scores = 4 * (t1 - t0) * entries + 8 * tokens * cfg.index_topk
+    comp = max([cfg.index_topk if cfg.indexer_layers else 0] + [max(1, context // r) for r in hca])
+    window = cfg.sliding_window
+    return StepWorkspace(context, tokens, visible, scores, 4 * tokens * (window + comp), 26 * tokens * window)
 
 
 def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device, max_batch_tokens: int,
@@ -94,9 +144,11 @@ def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, dev
                          f"the device, {ours / GIB:.1f} GiB of weights, {(total - free) / GIB:.1f} GiB in use, "
                          f"{reserve / GIB:.1f} GiB reserved for activations and CUDA graphs, "
                          f"{snapshots / GIB:.1f} GiB for prefix-cache snapshots; raise it or set --max-cached-tokens")
+    workspace = step_workspace(cfg, max_batch_tokens, cache.max_requests)
     source = (f"from --gpu-memory-utilization {util:.2f} of {total / GIB:.1f} GiB ({ours / GIB:.1f} GiB of weights, "
               f"{(total - free) / GIB:.1f} GiB in use on the device, {reserve / GIB:.1f} GiB kept for activations "
-              f"and CUDA graphs, {snapshots / GIB:.2f} GiB for {snapshot_slots} prefix-cache snapshot slots"
+              f"and CUDA graphs (with the {workspace.describe()}), {snapshots / GIB:.2f} GiB for {snapshot_slots} "
+              f"prefix-cache snapshot slots"
               + (f"; capped at {cap} = max_num_seqs x max context)" if tokens == cap else ")"))
     c = replace(cache, max_tokens=tokens)
     return KvPlan(tokens, pool_bytes(cfg, c, dtype), source)
@@ -117,5 +169,6 @@ def log_plan(plan: KvPlan, cfg: ModelConfig, max_num_seqs: int) -> None:
     log.info("%s", plan.describe(cfg, max_num_seqs))
 
 
-__all__ = ["KvPlan", "plan_kv_tokens", "pool_bytes", "activation_reserve", "log_plan", "cap_context",
+__all__ = ["KvPlan", "plan_kv_tokens", "pool_bytes", "activation_reserve", "step_workspace", "StepWorkspace",
+           "log_plan", "cap_context",
            "DEFAULT_UTILIZATION"]

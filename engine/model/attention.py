@@ -50,7 +50,7 @@ from engine.model.parallel import SINGLE, ParallelContext
 from dsv4_kernels.attention import sparse_attention
 from dsv4_kernels.compressor import overlap_slots, pool_windows
 from dsv4_kernels.fp8_linear import Fp8Weight
-from dsv4_kernels.indexer import indexer_scores, topk_visible
+from dsv4_kernels.indexer import SCORES_BUDGET, visible_topk
 from dsv4_kernels.norm import rms_norm, unweighted_rms_norm
 from dsv4_kernels.rope import apply_rope
 
@@ -72,6 +72,9 @@ class AttentionBlock:
         self.w = take_fp8_weights({k[len(p):]: v for k, v in weights.items() if k.startswith(p)},
                                   pow2_activations(cfg.quantization))
         self._flashmla = None  # FlashMLA runs this block's fp8 decode steps (decided at the first fp8 step)
+        # bytes of indexer scores a step holds at once (query blocks, dsv4_kernels.indexer.query_blocks); tests lower
+        # it to force several blocks on small shapes
+        self.scores_budget = SCORES_BUDGET
         # wq_a and wkv both read x: stacked into one projection (one GEMM, one activation quantisation) where
         # both are FP8 (engine.model.linear.concat_rows); the originals become views of it.
         self.q_lora = cfg.q_lora_rank
@@ -129,8 +132,8 @@ class AttentionBlock:
                 comp = {"ids": comp_ids, "table": batch.tables["kv4"], "seg": batch.seq_of_token,
                         "page_rows": pool.groups["kv4"].spec.page_rows}
             else:
-                vis = batch.visible[f"kv{self.ratio}"]
-                comp = {"comp_rows": vis.rows, "comp_valid": vis.valid}
+                vis = batch.visible[f"kv{self.ratio}"]  # per request: rows [B, E], counts [T]
+                comp = {"comp_rows": vis.rows, "seg": vis.seg, "comp_count": vis.count}
             if path in ("fp8_triton", "reference"):  # these take rows, ids and visibility apart
                 comp_rows, comp_valid, comp_ids = self._entry_rows(batch, pool, comp_ids, x.device)
         elif self.ratio > 1:
@@ -166,13 +169,15 @@ class AttentionBlock:
         return self.parallel.all_reduce(linear(y, w["wo_b.weight"]))  # row-parallel wo_b: partial sums
 
     def _entry_rows(self, batch: StepBatch, pool: CachePool, comp_ids, device):
-        """(global entry rows [T, E], visibility [T, E], entry numbers [T, E]) of this layer's entry group."""
+        """(global entry rows [T, E], visibility [T, E], entry numbers [T, E]) of this layer's entry group: the
+        per-token lists of the paths that gather per query (reference, fp8_triton); the others never build them."""
         if self.ratio == 4:
             comp_rows = paged_rows(batch.tables["kv4"], pool.groups["kv4"].spec.page_rows,
                                    batch.seq_of_token.unsqueeze(1).expand_as(comp_ids), comp_ids)
             return comp_rows, comp_ids >= 0, comp_ids
         vis = batch.visible[f"kv{self.ratio}"]
-        return vis.rows, vis.valid, torch.arange(vis.rows.shape[1], device=device).expand_as(vis.rows)
+        rows = vis.token_rows()
+        return rows, vis.token_valid(), torch.arange(rows.shape[1], device=device).expand_as(rows)
 
     def _x_projections(self, x: torch.Tensor) -> dict:
         """name -> x @ w[name].t() for the plain projections of x ([T, n] column views of one GEMM when stacked)."""
@@ -216,6 +221,7 @@ class AttentionBlock:
         if sum(s.shape[0] for s in stores) >= 2**31:
             raise ValueError("attention stores past int32 row ids")
         w = batch.swa.row.shape[1]
+        # entry columns: of the CSA ids [T, K], or of the HCA per-request rows [B, K]
         k = 0 if comp is None else (comp["ids"] if "ids" in comp else comp["comp_rows"]).shape[1]
         rows = torch.empty(q.shape[0], w + k, dtype=torch.int32, device=q.device)
         attention_rows(batch.swa.row, batch.swa.valid, rows[:, :w], base=base,
@@ -311,16 +317,19 @@ class AttentionBlock:
             # zero-padded key dims (test presets): q . k unchanged
             raw_weights = xp["indexer.weights_proj.weight"] if xp is not None else \
                 x @ w["indexer.weights_proj.weight"].t()
-            q, head_weights, rows = indexer_prologue(q, cos, sin, raw_weights, cfg.index_n_heads ** -0.5, vis.rows,
-                                                     vis.valid, layout.index_head_dim if layout else None)
-            # cu_seqlens: prefill-shaped steps take the shared-key prefill kernel. Unordered picks on CUDA (the
-            # attention kernels skip -1 wherever it is); the CPU keeps topk's order, which its tests compare.
-            return indexer_topk(q.contiguous(), store, rows, head_weights.contiguous(), cfg.index_topk, layout,
-                                cu_seqlens=batch.cu, ordered=not x.is_cuda)
+            q, head_weights, _ = indexer_prologue(q, cos, sin, raw_weights, cfg.index_n_heads ** -0.5,
+                                                  width=layout.index_head_dim if layout else None)
+            # Candidates per request (vis.rows [B, E], vis.count [T]); scores in query blocks of at most
+            # self.scores_budget bytes. cu_seqlens: prefill-shaped steps take the shared-key prefill kernel.
+            # Unordered picks on CUDA (the attention kernels skip -1 wherever it is); the CPU keeps topk's order,
+            # which its tests compare.
+            return indexer_topk(q.contiguous(), store, vis.rows, head_weights.contiguous(), cfg.index_topk, layout,
+                                cu_seqlens=batch.cu, ordered=not x.is_cuda, seg=vis.seg, count=vis.count,
+                                budget=self.scores_budget)
         q = apply_rope(q, cos, sin)
         head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
-        scores = indexer_scores(q, keys.read(vis.rows), head_weights)
-        return topk_visible(scores, vis.valid, cfg.index_topk)
+        return visible_topk(q, keys.read, vis.rows, vis.seg, vis.count, head_weights, cfg.index_topk,
+                            self.scores_budget)
 
 
 def _one_token_each(batch: StepBatch) -> bool:

@@ -6,9 +6,10 @@ tensors the layers need (SWA window gathers, compressor window gathers, cache wr
 gathers) are derived here once per step and shared by every layer: the layers only gather and scatter.
 
 Where each is built: the O(T) ones (positions, compressor windows and their sources, ring writes, the
-page tables) on the host, in numpy, and sent in one copy; the O(T x window) SWA sources and O(T x visible
-entries) lists (an 8K-token prefill of V4-Flash: ~180 MB of int64 ids) on the step's device, from those, by the
-same formulas (`ring_sources` and `paged_rows` take numpy arrays or tensors). Every size is known on the host
+page tables) on the host, in numpy, and sent in one copy; the O(T x window) SWA sources and O(B x visible
+entries) candidate rows on the step's device, from those, by the
+same formulas (`ring_sources` and `paged_rows` take numpy arrays or tensors). Visible entries are per request
+([B, E] rows, [T] counts: VisibleEntries), never per token x entry. Every size is known on the host
 (from the request lists), so no step waits on the device for one.
 """
 
@@ -213,10 +214,26 @@ class CompressPlan:
 
 @dataclass(frozen=True)
 class VisibleEntries:
-    """Per-query candidate entries of one paged entry group: rows [T, E] and visibility [T, E]."""
+    """Candidate entries of one paged entry group, per request: token t sees rows[seg[t], :count[t]].
+
+    rows: [B, E] request b's entries 0..E-1 as rows of the group (its page table expanded; entries past its pages
+    name real rows of its last page: every consumer masks by count); count: [T] (position + 1) // ratio, the
+    entries visible to each token; seg: [T] its request (the batch's seq_of_token). Nothing here is [T, E]: at a
+    128K-token step of a 128K context that was 32 GiB of int64 rows (+ 4 GiB of flags) per group.
+    """
 
     rows: torch.Tensor
-    valid: torch.Tensor
+    count: torch.Tensor
+    seg: torch.Tensor
+
+    def token_rows(self) -> torch.Tensor:
+        """[T, E] rows of each token's request (materialised: the reference paths only, which gather [T, E, D]
+        keys anyway)."""
+        return self.rows.index_select(0, self.seg)
+
+    def token_valid(self) -> torch.Tensor:
+        """bool [T, E]: entry e is visible to token t (materialised: the reference paths only)."""
+        return torch.arange(self.rows.shape[1], device=self.rows.device) < self.count.unsqueeze(1)
 
 
 @dataclass(frozen=True)
@@ -317,10 +334,11 @@ def _compress_plan(ratio: int, overlap: bool, starts, ends, cu, state_page, stat
 
 
 def _visible(ratio: int, positions, seg, table, page_rows: int, max_entries: int) -> VisibleEntries:
-    """On the device: [T, max_entries] rows and visibility of every entry of each token's request."""
-    w = torch.arange(max_entries, device=positions.device).unsqueeze(0).expand(positions.shape[0], -1)
-    valid = w < ((positions + 1) // ratio).unsqueeze(1)
-    return VisibleEntries(paged_rows(table, page_rows, seg.unsqueeze(1).expand_as(w), w), valid)
+    """On the device: [B, max_entries] rows of every entry of each request, [T] visible counts."""
+    dev = positions.device
+    entries = torch.arange(max_entries, device=dev).unsqueeze(0)
+    requests = torch.arange(table.shape[0], device=dev).unsqueeze(1)
+    return VisibleEntries(paged_rows(table, page_rows, requests, entries), (positions + 1) // ratio, seg)
 
 
 def _host_tables(tables: list[dict], names) -> dict[str, np.ndarray]:
@@ -341,7 +359,7 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
 
     Every index tensor of O(tokens) size (positions, compressor plans, ring writes) is built on the host in numpy
     (a few dozen array ops, microseconds each) and goes to `device` in one copy that does not wait for the device;
-    only the O(tokens x window) SWA sources and the O(tokens x entries) visible-entry lists are derived on the
+    only the O(tokens x window) SWA sources and the O(requests x entries) visible-entry rows are derived on the
     device from them (about 40 kernels: an 8K-token prefill built every tensor on the device in ~320 launches,
     ~9 ms of host time on the H200 with the GPU idle). No device-to-host sync, so the host can build this step
     while the device still runs the one before.

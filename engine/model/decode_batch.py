@@ -12,7 +12,8 @@ pads to a `DecodeShape` and derives every index tensor *on the device* from thre
   the ratio); other rows write their pooled garbage to the scratch page. A window's slots past the
   current token are never read from the chunk (they name the row's own token instead): their value
   is irrelevant, because only closing windows are kept, and those have no slot past the token;
-- visible-entry lists are `context // ratio` wide, and page tables `ceil(context / tokens a page)` wide
+- visible-entry rows are `context // ratio` wide (one row per slot: T == B here), with a visible count per
+  slot, and page tables `ceil(context / tokens a page)` wide
   (longer reservations are cut: entries past `context` cannot be visible yet).
 The host's work per step is three [slots] int64 vectors (one copy); `derive_decode_batch` is one Triton
 launch (dsv4_kernels.triton_decode_prologue, laid out per bucket by `PrologueLayout`) or, without Triton, the torch
@@ -187,10 +188,8 @@ def _decode_plan(pool: CachePool, entry_name: str, state_name: str, ratio: int, 
 def _decode_visible(pool: CachePool, name: str, ratio: int, positions: torch.Tensor, rows: torch.Tensor,
                     tables: dict, shape: DecodeShape) -> VisibleEntries:
     w = torch.arange(max(1, shape.context // ratio), device=positions.device).unsqueeze(0)
-    w = w.expand(positions.shape[0], -1)
-    valid = w < ((positions + 1) // ratio).unsqueeze(1)
-    return VisibleEntries(paged_rows(tables[name], pool.groups[name].spec.page_rows, rows.unsqueeze(1).expand_as(w),
-                                      w), valid)
+    return VisibleEntries(paged_rows(tables[name], pool.groups[name].spec.page_rows, rows.unsqueeze(1), w),
+                          (positions + 1) // ratio, rows)
 
 
 def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInputs, shape: DecodeShape) -> StepBatch:
@@ -293,7 +292,7 @@ class PrologueLayout:
             self.plans[entry] = (cur, prev, plan)
             if entry != "kv4":  # CSA picks kv4 entries through the indexer
                 w = max(1, shape.context // ratio)
-                self.visible[entry] = (w, add(k.VISIBLE, w, s * w, s * w, page_col=col[entry], align=ratio,
+                self.visible[entry] = (w, add(k.VISIBLE, w, s * w + s, 0, page_col=col[entry], align=ratio,
                                               entry_col=col[entry], entry_width=self.widths[entry],
                                               entry_page_rows=es.page_rows))
         self.desc = torch.tensor(self.rows, dtype=torch.long).to(tables.table.device)
@@ -322,8 +321,8 @@ class PrologueLayout:
             compress[name] = CompressPlan(num_entries=s, cur=sources(cur), prev=sources(prev) if prev else None,
                                           entry_row=ints(p, s, s), entry_pos=ints(p + s, s, s),
                                           state_write=RingWrite(rows, ints(p + 2 * s, s, s)))
-        visible = {name: VisibleEntries(ints(o, s * w, s, w), flags[f:f + s * w].view(s, w))
-                   for name, (w, (o, f)) in self.visible.items()}
+        visible = {name: VisibleEntries(ints(o, s * w, s, w), ints(o + s * w, s, s), rows)
+                   for name, (w, (o, _)) in self.visible.items()}
         group_tables = {name: ints(self.table_at[name], s * w, s, w) for name, w in self.widths.items()}
         pos = inputs.positions
         return StepBatch(token_ids=inputs.token_ids, positions=pos, seq_of_token=rows, cu=cu, starts=pos, ends=ends,

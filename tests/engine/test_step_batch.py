@@ -120,18 +120,21 @@ def test_build_step_index_sets_match_their_definitions():
         assert plan.entry_row.tolist() == rows and plan.entry_pos.tolist() == pos0, entry
         assert (plan.state_write.chunk_row.tolist(), plan.state_write.ring_row.tolist()) == sw, entry
 
-    # visible entries of the groups every query attends to in full (HCA) or scores (the indexer); an invalid
-    # entry's row is unspecified beyond being a real row
+    # visible entries of the groups every query attends to in full (HCA) or scores (the indexer): per request
+    # rows [B, E] and per token counts [T] (nothing [T, E]); an entry past a request's pages is unspecified
+    # beyond being a real row
     for name, ratio in (("kv128", 128), ("index", 4)):
         width = max(1, max(s + n for s, n in lengths) // ratio)
         vis = batch.visible[name]
-        rows, valid = [], []
+        assert vis.rows.shape == (len(lengths), width) and vis.count.shape == batch.positions.shape, name
+        counts, valid = [], []
         for b, (start, n) in enumerate(lengths):
-            for p in range(start, start + n):
-                rows.append([_paged(tables[b].get(name, []), spec[name].page_rows, e) for e in range(width)])
-                valid.append([e < (p + 1) // ratio for e in range(width)])
-        assert vis.valid.tolist() == valid, name
-        got = [[r if ok else None for r, ok in zip(rr, vv)] for rr, vv in zip(vis.rows.tolist(), valid)]
-        assert got == [[r if ok else None for r, ok in zip(rr, vv)] for rr, vv in zip(rows, valid)], name
+            counts += [(p + 1) // ratio for p in range(start, start + n)]
+            known = (start + n) // ratio  # entries visible to its last token
+            want = [_paged(tables[b].get(name, []), spec[name].page_rows, e) for e in range(min(width, known))]
+            assert vis.rows[b, :len(want)].tolist() == want, name
+        assert vis.count.tolist() == counts and torch.equal(vis.seg, batch.seq_of_token), name
         assert int(vis.rows.min()) >= 0, name  # invalid entries still name real rows (every consumer masks them)
+        assert torch.equal(vis.token_valid(), torch.arange(width) < vis.count.unsqueeze(1)), name
+        assert torch.equal(vis.token_rows(), vis.rows[batch.seq_of_token]), name
     assert "kv4" not in batch.visible

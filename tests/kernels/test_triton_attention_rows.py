@@ -66,3 +66,18 @@ def test_swa_only_and_bad_inputs():
         attention_rows(swa, valid, out, ids=swa, out_comp=out)
     with pytest.raises(ValueError, match="swa_valid"):
         attention_rows(swa, valid.int(), out)
+
+
+def test_hca_rows_per_request_with_counts():
+    """The engine's HCA form: per-request rows [B, K], each token's request and visible count."""
+    g, swa, valid = rand(3)
+    k = 13
+    rows = torch.randint(0, 900, (2, k), generator=g).to(DEVICE)
+    seg = torch.randint(0, 2, (T,), generator=g).to(DEVICE)
+    count = torch.randint(0, k + 1, (T,), generator=g).to(DEVICE)
+    main = torch.empty(T, 64, dtype=torch.int32, device=DEVICE)
+    extra = torch.empty(T, 64, dtype=torch.int32, device=DEVICE)
+    attention_rows(swa, valid, main, comp_rows=rows, seg=seg, comp_count=count, base=7, out_comp=extra)
+    listed = torch.where(torch.arange(k, device=DEVICE) < count.unsqueeze(1), rows[seg] + 7, -1)
+    assert torch.equal(main, padded(torch.where(valid, swa, -1), 64))
+    assert torch.equal(extra, padded(listed, 64))

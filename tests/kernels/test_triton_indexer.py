@@ -122,3 +122,22 @@ def test_bad_shapes_raise():
         indexer_scores(q, keys, rows.float(), weights)
     with pytest.raises(ValueError, match="index_head_dim"):
         indexer_scores(q, keys.to(torch.uint8), rows, weights, g.IndexerKeyLayout(64, "mxfp4"))
+
+
+def test_per_request_candidates_and_query_blocks():
+    """rows [B, S] per request + seg / count (what the engine passes) equal the [T, S] list they stand for, in
+    any number of query blocks (budget forced down to 2 and 3 queries a block)."""
+    gen = torch.Generator().manual_seed(30)
+    b = 2
+    per_request = torch.randint(0, R, (b, S), generator=gen).to(DEVICE)
+    seg = torch.tensor([0, 1, 1, 0]).to(DEVICE)
+    count = torch.tensor([0, 33, S, 5]).to(DEVICE)
+    q, keys, _, weights = inputs(torch.float32, seed=31)
+    listed = torch.where(torch.arange(S, device=DEVICE) < count.unsqueeze(1), per_request[seg], -1)
+    out = indexer_scores(q, keys, per_request, weights, block_s=32, seg=seg, count=count)
+    assert torch.equal(out, indexer_scores(q, keys, listed, weights, block_s=32))
+    expected = indexer_topk(q, keys, listed, weights, 16)
+    for per_block in (2, 3, T):
+        picked = indexer_topk(q, keys, per_request, weights, 16, seg=seg, count=count, budget=4 * S * per_block)
+        assert torch.equal(picked, expected), per_block
+    assert ref.query_blocks(T, S, 4 * S * 3) == [(0, 3), (3, 4)]

@@ -182,3 +182,28 @@ def test_bad_inputs_raise():
         indexer_prefill_scores(q, keys[:, :8], rows, weights, cu)
     with pytest.raises(ValueError, match="rows"):
         indexer_prefill_scores(q, keys, rows[:2], weights, cu)
+
+
+def test_per_request_candidates_in_query_blocks(monkeypatch):
+    """The engine's form: rows [B, S] per request, each token's visible count; split into query blocks that cut
+    sequences mid-way (budget of 7 queries): the same scores and picks as the [T, S] list in one block."""
+    hi, di = 16, 32
+    listed, cu = step_rows(STEP, seed=7)
+    t, s = listed.shape
+    seg = torch.repeat_interleave(torch.arange(len(STEP)), torch.tensor([n for _, n in STEP])).to(DEVICE)
+    count = (listed >= 0).sum(1)
+    per_request = torch.stack([listed[int(cu[b + 1]) - 1] for b in range(len(STEP))])  # last token sees the most
+    per_request = torch.where(per_request >= 0, per_request, 0)  # entries past a count: any real row
+    store, _, _ = key_store("exact", di, seed=8)
+    q = randn(t, hi, di, seed=9)
+    weights = randn(t, hi, seed=10, scale=hi**-0.5)
+    out = indexer_prefill_scores(q, store, per_request, weights, cu, block_n=16, seg=seg, count=count)
+    assert torch.equal(out, indexer_prefill_scores(q, store, listed, weights, cu, block_n=16))
+    calls = []
+    real = triton_indexer.indexer_prefill_scores
+    monkeypatch.setattr(triton_indexer, "indexer_prefill_scores",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
+    expected = indexer_topk(q, store, listed, weights, 8, cu_seqlens=cu)
+    picked = indexer_topk(q, store, per_request, weights, 8, cu_seqlens=cu, seg=seg, count=count, budget=4 * s * 7)
+    assert torch.equal(picked, expected)
+    assert calls[1:] == [7] * (t // 7) + ([t % 7] if t % 7 else [])

@@ -132,3 +132,5 @@ def test_prologue_matches_the_engine_glue(monkeypatch, dtype, width, t, e, max_p
     assert_close(q_out, expected, dtype)
     assert torch.equal(w_out, weights.float() * h ** -0.5)
     assert torch.equal(r_out, torch.where(valid, rows, -1))
+    q_only, w_only, none = indexer_prologue(q, cos, sin, weights, h ** -0.5, width=width)  # the engine's call
+    assert none is None and torch.equal(q_only, q_out) and torch.equal(w_only, w_out)
