@@ -1,7 +1,7 @@
 """DecodeWorker: admits a request only after its caches arrived, then decodes in continuous batches.
 
 `decode` is an async generator (a Ray streaming method): it reserves pages for the request's whole
-reservation, pulls the prefill side's pages into them with a deadline, yields a `Transferred` marker,
+reservation and a batch slot (a full worker answers DecodeOverloaded, retryable, before any byte moves), pulls the prefill side's pages into them with a deadline, yields a `Transferred` marker,
 then joins the running batch and yields every TokenEvent as it is produced. Any failure before the
 request joins frees the reserved pages; closing the stream early aborts the request.
 A staged NIXL pull leaves its last step, the scatter of the pulled bytes into the pages, to this worker

@@ -21,7 +21,7 @@ from engine.model.config import ModelConfig
 from engine.execution.cuda_graphs import DecodeRunner
 from engine.execution.decode_overlap import LaunchedDecode, next_step_is_known, overlappable_decode_step
 from engine.model.fast_paths import use_triton
-from engine.handoff import EngineLoad
+from engine.handoff import DecodeOverloaded, EngineLoad
 from engine.model.model import DeepseekV4Model
 from engine.model.parallel import SINGLE, ParallelContext
 from engine.execution.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixCacheConfig
@@ -98,6 +98,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefilled, caches kept until the decode side confirms
         self.imports: dict[str, Request] = {}  # decode side: pages reserved, caches arriving
+        self.scheduler.arriving = self.imports  # each holds a batch slot the waiting queue must not take
         self._ids = itertools.count()
         self.speculator = None
         if speculative_tokens:
@@ -201,6 +202,10 @@ class EngineCore:
         prompt = list(prompt)
         self.validate(prompt, params)
         rid = self._new_id(request_id)
+        taken = len(self.scheduler.running) + len(self.imports)
+        if taken >= self.scheduler_config.max_num_seqs:  # checked with the pages, before any byte moves
+            raise DecodeOverloaded(f"no batch slot for {rid}: {taken} requests running or arriving "
+                                   f"(max_num_seqs {self.scheduler_config.max_num_seqs})")
         req = Request(rid, prompt, params, output=[first_token], logprobs=[first_logprob], seed=seed,
                       num_computed=len(prompt))
         if prompt_logprobs is not None:

@@ -16,6 +16,7 @@ Policy (one step = one forward):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sized
 from dataclasses import dataclass
 
 from engine.model.cache import CachePool
@@ -46,6 +47,8 @@ class Scheduler:
         self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Decode side: requests whose caches are arriving (EngineCore.imports); each has a batch slot reserved.
+        self.arriving: Sized = ()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -55,7 +58,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) + len(self.arriving) < self.config.max_num_seqs:
             req = self.waiting[0]
             hit = None
             if self.prefix is not None:
