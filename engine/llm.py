@@ -17,7 +17,7 @@ class LLM:
                  page_tokens: int = 256, prefix_cache: bool = True, tensor_parallel_size: int = 1,
                  expert_parallel: bool = False, keep_fp8_weights: bool | None = None,
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
-                 data_parallel_attention: bool = False):
+                 data_parallel_attention: bool = False, speculative_tokens: int = 0):
         """tensor_parallel_size > 1: this process is rank 0 and spawns the other ranks (engine.execution.tp_launch);
         expert_parallel: routed experts split by expert id across them. data_parallel_attention (with both):
         each rank keeps the whole attention and runs its share of the prompts (engine.execution.dp_attention) instead of
@@ -32,7 +32,8 @@ class LLM:
                                 page_tokens=page_tokens, kv_cache_dtype=kv_cache_dtype,
                                 index_cache_dtype=index_cache_dtype, keep_mxfp4_experts=keep_mxfp4_experts,
                                 decode_mode=decode_mode, prefix_cache=prefix_cache, keep_fp8_weights=keep_fp8_weights,
-                                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
+                                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                                speculative_tokens=speculative_tokens)
         self.ranks = None
         if tensor_parallel_size > 1 or expert_parallel:
             from engine.model.sharding import check_divisible

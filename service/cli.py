@@ -48,6 +48,9 @@ def _add_generate(sub) -> None:
                         "NCCL on cuda with one GPU a rank): attention heads and dense projections split")
     p.add_argument("--expert-parallel", action="store_true",
                    help="split routed experts by expert id across the tensor-parallel ranks")
+    p.add_argument("--speculative-tokens", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="MTP speculative decoding: draft K tokens a step with the checkpoint's MTP layer and verify "
+                        "them in one target step (greedy requests; 0 = off); steps run eagerly")
     p.add_argument("--data-parallel-attention", action="store_true",
                    help="with --expert-parallel: each rank keeps the whole attention and runs its share of the "
                         "prompts (its own KV cache); only the MoE layers exchange tokens")
@@ -91,14 +94,16 @@ def _generate(args) -> int:
               decode_mode=args.decode_mode, prefix_cache=args.prefix_cache is not False,
               tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-              data_parallel_attention=args.data_parallel_attention)
+              data_parallel_attention=args.data_parallel_attention,
+              speculative_tokens=args.speculative_tokens)
     with llm:  # releases the other ranks
         outs = llm.generate(prompts, params)
     for out in outs:
         if args.json:
             print(json.dumps({"token_ids": out.token_ids, "logprobs": out.logprobs,
                               "prompt_logprobs": out.prompt_logprobs, "finish_reason": out.finish_reason,
-                              "cached_tokens": out.cached_tokens}))
+                              "cached_tokens": out.cached_tokens, "drafted_tokens": out.drafted_tokens,
+                              "accepted_tokens": out.accepted_tokens}))
         else:
             text = tokenizer.decode(out.token_ids) if tokenizer is not None else ""
             print(f"{out.token_ids} {text!r} ({out.finish_reason})")

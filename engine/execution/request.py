@@ -30,6 +30,8 @@ class GenerationOutput:
     prompt_logprobs: list[float | None] | None
     finish_reason: str
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    drafted_tokens: int = 0  # speculative decoding: MTP draft tokens verified for this request
+    accepted_tokens: int = 0  # of those, accepted (each saved one target step)
 
 
 @dataclass
@@ -46,6 +48,8 @@ class Request:
     seed: int | None = None  # the params' seed, or a random one; travels with the request on a hand-off
     prefill_only: bool = False  # stop after the first token and hold the caches for a hand-off
     cached_tokens: int = 0  # prompt tokens whose caches came from the prefix cache (engine.execution.prefix_cache)
+    drafted_tokens: int = 0  # speculative decoding (engine.execution.speculative): drafts verified, and accepted
+    accepted_tokens: int = 0
 
     def __post_init__(self):
         if self.seed is None:
@@ -84,4 +88,5 @@ class Request:
         return GenerationOutput(self.request_id, list(self.prompt), list(self.output),
                                 list(self.logprobs) if p.logprobs else None,
                                 list(self.prompt_logprobs) if p.prompt_logprobs else None,
-                                self.finish_reason or "length", self.cached_tokens)
+                                self.finish_reason or "length", self.cached_tokens, self.drafted_tokens,
+                                self.accepted_tokens)

@@ -56,11 +56,7 @@ class Speculator:
             raise ValueError(f"speculative_tokens {k} needs sliding_window >= {k + 1}, got {cfg.sliding_window}")
         self.core, self.k = core, k
         self.layers = [MtpLayer(core.model, weights, i) for i in range(cfg.num_nextn_predict_layers)]
-        self.drafts: dict[str, list[int]] = {}
-        self.drafted: dict[str, int] = {}  # request id -> draft tokens verified so far
-        self.accepted: dict[str, int] = {}  # request id -> of those, accepted
-        self.steps = 0
-        self.verify_rows = 0  # metrics: verify chunks run, and their tokens
+        self.drafts: dict[str, list[int]] = {}  # request id -> drafts to verify in its next step
         self.stats = {"drafted": 0, "accepted": 0, "verify_chunks": 0, "emitted": 0}
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -161,11 +157,11 @@ class Speculator:
                 while a < len(p.drafts) and p.drafts[a] == toks[a]:
                     a += 1
                 p.emitted = list(zip(toks[:a + 1], lp[:a + 1]))
-                self._count(p.chunk.request.request_id, len(p.drafts), a)
+                self._count(p.chunk.request, len(p.drafts), a)
 
-    def _count(self, rid: str, drafted: int, accepted: int) -> None:
-        self.drafted[rid] = self.drafted.get(rid, 0) + drafted
-        self.accepted[rid] = self.accepted.get(rid, 0) + accepted
+    def _count(self, req: Request, drafted: int, accepted: int) -> None:
+        req.drafted_tokens += drafted
+        req.accepted_tokens += accepted
         self.stats["drafted"] += drafted
         self.stats["accepted"] += accepted
         self.stats["verify_chunks"] += 1

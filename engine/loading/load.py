@@ -47,6 +47,8 @@ class EngineOptions:
     warmup: a serving engine (the workers, the local dispatcher) compiles every kernel before it is returned
     (engine.execution.warmup: one-rank CUDA engines); one-shot use (LLM, `dsv4 generate`) does not.
     warmup_decodes: False for an engine that will only prefill (a prefill worker: no decode graphs captured).
+    speculative_tokens: K draft tokens a step from the checkpoint's MTP layer (engine.execution.speculative;
+    0 = off, 1..3); loads `mtp.*` only when on; its steps run eagerly (no CUDA graphs, no overlapped decode).
     """
 
     device: str = "cpu"
@@ -65,6 +67,7 @@ class EngineOptions:
     max_model_len: int | None = None
     warmup: bool = False
     warmup_decodes: bool = True
+    speculative_tokens: int = 0
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -130,7 +133,7 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
                              keep_fp8=keep_fp8)
     else:
         weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=o.device, keep_mxfp4_experts=keep,
-                               keep_fp8=keep_fp8)
+                               keep_fp8=keep_fp8, mtp=o.speculative_tokens > 0)
     slots = default_snapshot_slots(PrefixCacheConfig(), o.max_num_seqs) if o.prefix_cache else 0
     plan = plan_kv_tokens(cfg, cache_config, torch_dtype, o.device, o.max_batch_tokens, o.gpu_memory_utilization,
                           o.max_cached_tokens, snapshot_slots=slots)
@@ -139,7 +142,8 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
     scheduler_config = SchedulerConfig(max_batch_tokens=o.max_batch_tokens, max_num_seqs=o.max_num_seqs)
     core = EngineCore(cfg, weights, device=o.device, dtype=torch_dtype, parallel=parallel,
                       cache_config=cache_config, scheduler_config=scheduler_config,
-                      decode_mode=o.decode_mode or "auto", prefix_cache=o.prefix_cache)
+                      decode_mode=o.decode_mode or "auto", prefix_cache=o.prefix_cache,
+                      speculative_tokens=o.speculative_tokens)
     if o.warmup and warmup_enabled(core):  # CUDA: compile before the first request waits on it (engine.execution.warmup)
         warm_engine(core, decodes=o.warmup_decodes)
     return core

@@ -114,3 +114,19 @@ def test_stop_tokens_and_eos(model, monkeypatch):
     got = _run(_engine(model, 3), prompts, stops)
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
     assert all(o.finish_reason == "stop" and len(o.token_ids) <= 6 for o in got)
+
+
+def test_generate_cli_reports_drafted_and_accepted(tmp_path, capsys):
+    import json
+
+    from service.cli import main
+
+    d = make_model("tiny", tmp_path / "m", seed=11, mtp_layers=1)
+    args = ["generate", "--model", d, "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "8", "--ignore-eos", "--json",
+            "--kv-cache-dtype", "exact"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out.strip())
+    assert main(args + ["--speculative-tokens", "2"]) == 0
+    spec = json.loads(capsys.readouterr().out.strip())
+    assert spec["token_ids"] == plain["token_ids"] and plain["drafted_tokens"] == 0
+    assert spec["drafted_tokens"] > 0 and 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
