@@ -1,9 +1,10 @@
 """DecodeWorker: admits a request only after its caches arrived, then decodes in continuous batches.
 
 `decode` is an async generator (a Ray streaming method): it reserves pages for the request's whole
-reservation and a batch slot (a full worker answers DecodeOverloaded, retryable, before any byte moves), pulls the prefill side's pages into them with a deadline, yields a `Transferred` marker,
-then joins the running batch and yields every TokenEvent as it is produced. Any failure before the
-request joins frees the reserved pages; closing the stream early aborts the request.
+reservation and a batch slot (a full worker answers DecodeOverloaded, retryable, before any byte moves), pulls
+the prefill side's pages into them with a deadline, yields a `Transferred` marker, then joins the running
+batch and yields every TokenEvent as it is produced. Any failure before the request joins frees the reserved
+pages; closing the stream early aborts the request.
 A staged NIXL pull leaves its last step, the scatter of the pulled bytes into the pages, to this worker
 (`TransferBackend.pull_deferred`): it is queued on the engine thread, in the call that joins the request to the
 batch, not on the pulling thread, whose many small torch calls each wait for the GIL there (kv_transfer.staging).
