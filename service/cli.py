@@ -220,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     _add_bench(sub)
     _add_chat(sub)
+    from service.doctor import add_doctor_args
+
+    add_doctor_args(sub.add_parser("doctor", help="print the environment: Python, torch, GPUs, kernel libraries, NIXL, "
+                                   "Ray (version, token auth), gRPC"))
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -234,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
             return _chat_render(args)
         if args.command == "chat-parse":
             return _chat_parse(args)
+        if args.command == "doctor":
+            from service.doctor import doctor_main
+
+            return doctor_main(args)
         if args.command == "bench" and args.bench_command in ("route", "make-trace"):
             from service.bench_route import bench_route_main, make_trace_main
 

@@ -225,7 +225,7 @@ def fast_path_states(device: torch.device | str, dtype: torch.dtype, fp8_dense: 
     if packed_experts:
         backend, note = _moe_choice(dev, ogs_fits, marlin_fits)
         on = backend in ("triton_kernels", "marlin")
-        out.append(FastPath("mxfp4_moe", on, "" if on else f"{backend} kernel{note}"))
+        out.append(FastPath("mxfp4_moe", on, "" if on else f"{backend} path{note}"))
     return tuple(out)
 
 
