@@ -39,3 +39,13 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# A CUDA machine (Python 3.12, Linux): the torch the Hopper kernel wheels import on (2.11) and those wheels, pinned
+# together in the `gpu` extra, then `dsv4 doctor` to show which fast paths load. WHEELS=dir installs from carried
+# wheels only (a machine without network: pip --no-index --find-links dir).
+.PHONY: install-gpu
+install-gpu:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) 'torch==2.11.*'
+	$(PY) -m pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e '.[gpu]'
+	$(VENV)/bin/dsv4 doctor
