@@ -67,6 +67,8 @@ class StepWorkspace:
     scores: the indexer's fp32 scores of one query block, at most dsv4_kernels.indexer.SCORES_BUDGET
       (query_blocks), plus its top-k picks;
     attention_rows: the fast path's int32 row ids [T, window + max(index_topk, context // smallest HCA ratio)];
+    hca_lists: the fp8-cache prefill path's per-token HCA lists (engine.model.attention_fp8.dequantised_attend
+      takes [T, E] rows, visibility and store ids: ~25 bytes a token and entry, E = context // smallest HCA ratio);
     swa: the SWA sources, int64 x 3 + 2 flags [T, window]."""
 
     context: int
@@ -74,16 +76,18 @@ class StepWorkspace:
     visible: int
     scores: int
     attention_rows: int
+    hca_lists: int
     swa: int
 
     @property
     def total(self) -> int:
-        return self.visible + self.scores + self.attention_rows + self.swa
+        return self.visible + self.scores + self.attention_rows + self.hca_lists + self.swa
 
     def describe(self) -> str:
         return (f"step workspace at {self.context} tokens of context, {self.tokens} tokens a step: "
                 f"{self.total / GIB:.2f} GiB (visible-entry rows {self.visible / GIB:.3f}, indexer scores "
-                f"{self.scores / GIB:.3f}, attention row ids {self.attention_rows / GIB:.3f}, SWA sources "
+                f"{self.scores / GIB:.3f}, attention row ids {self.attention_rows / GIB:.3f}, fp8-path HCA lists "
+                f"{self.hca_lists / GIB:.3f}, SWA sources "
                 f"{self.swa / GIB:.3f})")
 
 
@@ -103,9 +107,11 @@ def step_workspace(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int,
         entries = max(1, context // 4)
         t0, t1 = query_blocks(tokens, entries, SCORES_BUDGET)[0]
         scores = 4 * (t1 - t0) * entries + 8 * tokens * cfg.index_topk
-    comp = max([cfg.index_topk if cfg.indexer_layers else 0] + [max(1, context // r) for r in hca])
+    widest_hca = max([0] + [max(1, context // r) for r in hca])
+    comp = max(cfg.index_topk if cfg.indexer_layers else 0, widest_hca)
     window = cfg.sliding_window
-    return StepWorkspace(context, tokens, visible, scores, 4 * tokens * (window + comp), 26 * tokens * window)
+    return StepWorkspace(context, tokens, visible, scores, 4 * tokens * (window + comp), 25 * tokens * widest_hca,
+                         26 * tokens * window)
 
 
 def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device, max_batch_tokens: int,
