@@ -9,7 +9,9 @@ watchdog exits the process: Ray restarts the actor (a new incarnation), the rout
 Timing: a dead loop ends the process after DEAD_EXIT_GRACE_S (long enough for the failed requests' errors to
 reach their callers, who retry them as a worker death). A stall is reported by `stats` / `ping` from
 `stall_timeout_s` on (the router marks the worker down and moves its streams), and ends the process
-STALL_EXIT_GRACE_S later (the router has seen it by then: it probes every second or so).
+STALL_EXIT_GRACE_S later (the router has seen it by then: it probes every second or so). Time the whole process
+spent stopped (SIGSTOP) is not held against the step in progress: the router has moved its streams already, and a
+continued process finishes its step and serves again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ DEFAULT_STALL_TIMEOUT_S = 300.0  # well above the slowest legitimate step (a fir
 DEAD_EXIT_GRACE_S = 1.0
 STALL_EXIT_GRACE_S = 5.0
 EXIT_CODE = 70  # EX_SOFTWARE: "internal software error"
+PAUSE_S = 1.0  # the watchdog woke this much later than asked: the process was paused, its time is no stall
 
 
 @dataclass(frozen=True)
@@ -65,11 +68,18 @@ class LoopWatchdog:
         self._thread.join(5)
 
     def _run(self) -> None:
+        last, credit, seen = time.monotonic(), 0.0, None
         while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            paused, last = now - last - self.interval_s, now
+            if self.loop.busy_since != seen:  # a new piece of work: its own clock
+                credit, seen = 0.0, self.loop.busy_since
+            if paused > PAUSE_S:  # this whole process was stopped (SIGSTOP, a frozen VM): not the engine's stall
+                credit += paused
             if not self.loop.alive:
                 grace, why = DEAD_EXIT_GRACE_S, self.loop.problem(self.stall_timeout_s)
             else:
-                why = self.loop.problem(self.stall_timeout_s + self.stall_exit_grace_s)
+                why = self.loop.problem(self.stall_timeout_s + self.stall_exit_grace_s + credit)
                 grace = 0.0
             if why is None:
                 continue
