@@ -124,6 +124,7 @@ class DecodeWorker(WorkerBase):
             raise
         except BaseException:
             claim.abandon()  # cancelled while the thread pulls: a scatter it leaves behind frees its range
+            metrics.KV_TRANSFER_ABORTS.labels(self.worker_id, self.transfer, "decode").inc()
             await self.loop.acall(lambda eng: eng.abort(rid))
             raise
         seconds = time.monotonic() - start

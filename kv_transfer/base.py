@@ -38,6 +38,20 @@ from engine.handoff import TransferTicket
 from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint
 
 
+ABORTED = "aborted"  # release(rid, ABORTED): the request was cancelled (the caller withdrew the export)
+LEASE_EXPIRED = "transfer lease expired"  # how every lease-expiry release error begins
+
+
+def release_kind(error: str | None) -> str:
+    """What ended an export, from its release error: "done", "aborted", "lease_expired" or "failed" (a failure the
+    pulling side reported, and counted)."""
+    if error is None:
+        return "done"
+    if error == ABORTED:
+        return "aborted"
+    return "lease_expired" if error.startswith(LEASE_EXPIRED) else "failed"
+
+
 class TransferError(RuntimeError):
     """A transfer failed: the request must fail (or be recomputed); its pages are freed on both sides."""
 
@@ -192,7 +206,7 @@ class TransferBackend(ABC):
         now = time.monotonic()
         with self._lock:
             expired = [rid for rid, e in self._exports.items() if e.deadline <= now]
-        events += [(rid, f"transfer lease of {self.lease_s:g}s expired without confirmation from the decode side")
+        events += [(rid, f"{LEASE_EXPIRED} after {self.lease_s:g} s without confirmation from the decode side")
                    for rid in expired]
         return [(rid, err) for rid, err in events if self.release(rid, err)]
 

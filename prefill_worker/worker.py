@@ -19,6 +19,7 @@ from engine.handoff import PrefillResult
 from engine.execution.sampling_params import SamplingParams
 from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
+from kv_transfer.base import ABORTED, release_kind
 from kv_transfer.registry import make_backend, network_options, resolve_name
 
 POLL_INTERVAL_S = 0.02
@@ -40,8 +41,11 @@ class PrefillWorker(WorkerBase):
     # ---- engine thread ---------------------------------------------------------------------------
     def _on_release(self, request_id: str, error: str | None) -> None:
         self.engine.release(request_id)
-        if error:
-            metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, "prefill_side").inc()
+        kind = release_kind(error)  # a failed pull is counted by the decode worker that pulled, not here too
+        if kind == "lease_expired":  # the decode side vanished: nobody else counts this one
+            metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, kind).inc()
+        elif kind == "aborted":
+            metrics.KV_TRANSFER_ABORTS.labels(self.worker_id, self.transfer, "prefill").inc()
 
     def _on_step(self, engine, events) -> None:
         if self.backend is not None:  # the first steps can run before the backend is attached
@@ -106,7 +110,7 @@ class PrefillWorker(WorkerBase):
     async def abort(self, request_id: str) -> None:
         """Drop a request (queued, running or held) and withdraw its export; frees its pages."""
         def drop(engine):
-            self.backend.release(request_id, "aborted")
+            self.backend.release(request_id, ABORTED)
             engine.abort(request_id)
             self.loop.unsubscribe(request_id)
 

@@ -47,7 +47,8 @@ def quantile_targets(metric: str, sel: str) -> list[tuple[str, str]]:
 
 
 ERRORS = 'namespace=~"$namespace", model_name=~"$model", status="error"'
-FAILURES = "dsv4_kv_transfer_failures_total"
+FAILURES = "dsv4_kv_transfer_failures_total"  # once per failed pull (engine.telemetry.metrics says who counts)
+ABORTS = "dsv4_kv_transfer_aborts_total"  # cancelled requests: apart from failures, never in the failure ratio
 
 OVERVIEW = ("dsv4-overview", "dsv4 / Overview", [
     ("Requests per second by status", "reqps", [(rate("dsv4_requests_total", MODEL, "status"), "{{status}}")]),
@@ -84,6 +85,8 @@ STAGE_BREAKDOWN = ("dsv4-stages", "dsv4 / Stage breakdown", [
     ("KV bytes per request", "bytes", quantile_targets("dsv4_kv_transfer_bytes", TRANSFER)),
     ("KV transfer failures per second", "ops",
      [(zero_if_absent(rate(FAILURES, TRANSFER, "worker, backend, kind")), "{{worker}} {{kind}}")]),
+    ("KV transfer aborts per second (cancelled requests, not failures)", "ops",
+     [(zero_if_absent(rate(ABORTS, TRANSFER, "worker, backend, side")), "{{worker}} {{side}}")]),
     ("KV transfer failure ratio", "percentunit",
      [(f"{zero_if_absent(rate(FAILURES, TRANSFER))} / ({rate('dsv4_kv_transfer_time_seconds_count', TRANSFER)}"
        f" + {zero_if_absent(rate(FAILURES, TRANSFER))})", "failure ratio")]),

@@ -51,8 +51,15 @@ REQUESTS = Counter("dsv4_requests_total", "Finished requests by status", ("model
 # covers serving leaves this at 0; each one stalled its step for seconds.
 KERNEL_COMPILES = Counter("dsv4_kernel_compiles_total", "Kernel variants compiled during serving steps (after warm-up)",
                           WORKER)
-KV_TRANSFER_FAILURES = Counter("dsv4_kv_transfer_failures_total", "Failed or timed-out KV transfers",
+# One count per failed transfer: the pulling (decode) worker counts its failed pulls (kind timeout / error); the
+# prefill worker counts only leases that expired unconfirmed (kind lease_expired: the decode side vanished and
+# could not count). A cancelled request (client gone) is not a failure: KV_TRANSFER_ABORTS counts those apart.
+KV_TRANSFER_FAILURES = Counter("dsv4_kv_transfer_failures_total",
+                               "KV transfers that failed or timed out (counted once, by the pulling side)",
                                ("worker", "backend", "kind"))
+KV_TRANSFER_ABORTS = Counter("dsv4_kv_transfer_aborts_total",
+                             "KV transfers abandoned because their request was cancelled (not failures)",
+                             ("worker", "backend", "side"))
 # The engines' real prefix cache (engine.execution.prefix_cache): prompt tokens looked up at admission, and those
 # served from cache (not computed). Hit ratio = hit / query; dashboards and alerts read these.
 PREFIX_QUERY_TOKENS = Counter("dsv4_prefix_cache_query_tokens_total",

@@ -65,7 +65,8 @@ groups:
           summary: {{ `{{ $value | humanizePercentage }} of KV transfers in {{ $labels.namespace }} fail` | quote }}
           description: >-
             More than {{ mulf $r.transferFailureRatio 100 }}% of prefill-to-decode cache transfers fail or
-            time out: check the RDMA/UCX settings and the transfer failures panel by kind.
+            time out (each failed pull counted once; cancelled requests are aborts, not failures): check the
+            RDMA/UCX settings and the transfer failures panel by kind.
       - alert: Dsv4PrefixCacheHitRatioDropped
         expr: >-
           sum by (namespace) (rate(dsv4_prefix_cache_hit_tokens_total[30m]))
