@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench clean tools
+.PHONY: serve test gpu-test bench clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -x -q tests
+
+# On a CUDA machine: every test marked `gpu` and the Triton kernels compiled (pytest -m "gpu or triton").
+gpu-test:
+	tools/gpu/run_tests.sh
 
 # Debian tools the deploy tests run (promtool, prometheus); needs apt-get as root, else those tests skip.
 tools:

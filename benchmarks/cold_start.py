@@ -1,5 +1,6 @@
-"""Cold start on a GPU (engine.execution.warmup): per-request times of a cold engine against a warmed one, each in a fresh process
-with empty DeepGEMM and Triton caches (so every compile shows), or with the caches an earlier run filled.
+"""Cold start on a GPU (engine.execution.warmup): per-request times of a cold engine against a warmed one, each in a
+fresh process with empty DeepGEMM and Triton caches (so every compile shows), or with the caches an earlier run
+filled.
 
     python3 -m benchmarks.cold_start --model DIR [--requests 12] [--warmup 0|1] [--cache-dir D] > warmW.log
     python3 -m benchmarks.cold_start --report DIR --timeout-s S [--write]

@@ -100,7 +100,7 @@ def _triton_kernels_shims() -> None:
 @functools.cache
 def has_marlin_moe() -> bool:
     """True when the Marlin MXFP4 MoE candidate's loaders and TVM FFI import on a CUDA machine (a local wheel:
-    scripts/marlin_wheel.py; the GEMM library itself loads on first use)."""
+    tools/device_wheels/marlin_wheel.py; the GEMM library itself loads on first use)."""
     return torch.cuda.is_available() and _probe("tvm_ffi") and _probe("tokenspeed_marlin_moe.marlin_moe")
 
 
@@ -115,7 +115,7 @@ def import_marlin_moe():
     """-> (tvm_ffi, the repack module, the MoE GEMM module) of the Marlin candidate, or ImportError naming why."""
     if not has_marlin_moe():
         raise ImportError(f"the Marlin MoE candidate is not usable here ({why_not_marlin_moe()}): "
-                          "python scripts/marlin_wheel.py, then install .whl/ on the CUDA machine")
+                          "python tools/device_wheels/marlin_wheel.py, then install .whl/ on the CUDA machine")
     import tvm_ffi
     from tokenspeed_marlin_moe import marlin, marlin_moe
 

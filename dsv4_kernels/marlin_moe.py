@@ -1,5 +1,5 @@
 """Routed MXFP4 experts through Marlin's W4A16 MoE GEMM (what vLLM and SGLang run on Hopper): a candidate measured
-beside triton_kernels in scripts/bench_moe.py (issue 11, item 3), not yet wired into the engine.
+beside triton_kernels in `dsv4 bench kernels moe`, not yet wired into the engine.
 
 Reference: `dsv4_kernels.moe.moe_experts` on the dequantised experts. Marlin dequantises the e2m1 weights and their
 E8M0 group-32 scales in registers and multiplies bf16 activations on the tensor cores; its grouped GEMM schedules
@@ -13,8 +13,8 @@ library's `gptq_marlin_repack`: each int32 of the [K/8, N] view holds 8 consecut
 4j, which is the checkpoint's byte order), and permutes the scales as the library's bf16 path reads them. The
 repacked experts replace, not add to, the triton_kernels layout when an engine adopts this path.
 
-The library (tokenspeed-kernel 0.1.4's `marlin_moe.so` through TVM FFI; scripts/marlin_wheel.py) comes through
-`dsv4_kernels.gpu.import_marlin_moe`; every call runs inside `tvm_ffi.use_torch_stream()` so its kernels go on
+The library (tokenspeed-kernel 0.1.4's `marlin_moe.so` through TVM FFI; tools/device_wheels/marlin_wheel.py) comes
+through `dsv4_kernels.gpu.import_marlin_moe`; every call runs inside `tvm_ffi.use_torch_stream()` so its kernels go on
 torch's current stream (CUDA-graph capture included).
 """
 

@@ -31,7 +31,7 @@ from dsv4_kernels.settings import settings
 
 SCALE_WARPS = 8  # warps of the kernels reading the scales (the Hopper scale layout is built for a warp count)
 # Launch constraints for triton_kernels' matmul (its opt_flags: block_m/n/k, num_stages, is_persistent, ...).
-# Non-persistent: on the H200 (scripts/bench_moe.py --ogs-sweep, BENCHMARKS.md mxfp4_moe_sweep) it matched the
+# Non-persistent: on the H200 (dsv4 bench kernels moe --ogs-sweep, BENCHMARKS.md mxfp4_moe_sweep) it matched the
 # heuristics' choice at 64 and 128 decode tokens (893 vs 899 us, 1141 vs 1147 us, identical outputs) and the
 # slice's 8K prefill ran in 0.22 s with it against 0.35-0.40 s in the runs without. Prefill-sized calls also
 # take 3 pipeline stages: at 4096 and 8192 tokens the whole MoE ran in 4124 / 6407 us against 4870 / 7551 with

@@ -50,7 +50,7 @@ MAX_SEGMENTS = 4
 SEG_MAX = 256  # widest column segment (wgmma's largest N)
 _PLAIN, _FP8_NOPE, _BF16_ROPE = 0, 1, 2  # segment kinds
 # CUDA launch defaults per store kind (block_h None = all heads up to 64 in one block), from graph-timed
-# sm_90 sweeps at H=64, D=512, K=640 (`scripts/bench_kernels.py --tune`, BENCHMARKS.md '## GPU kernels').
+# sm_90 sweeps at H=64, D=512, K=640 (`dsv4 bench kernels triton --tune`, BENCHMARKS.md '## GPU kernels').
 DEFAULTS = {"plain": {"block_h": None, "block_k": 64, "num_warps": 8, "num_stages": 2},
             "fp8": {"block_h": None, "block_k": 64, "num_warps": 8, "num_stages": 2}}
 

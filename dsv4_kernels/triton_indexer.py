@@ -1,7 +1,8 @@
 """Triton lightning-indexer logits over paged key rows, then top-k with -1 padding.
 
 Reference: `dsv4_kernels.indexer.indexer_scores` + `topk_visible`. For query t and candidate s (row rows[t, s]
-of a key store, -1 = not visible):
+of a key store, -1 = not visible; or, as the engine passes them, rows[seg[t], s] for s < count[t]: per-request
+candidates and per-token visible counts, dsv4_kernels.indexer's module docstring):
     score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . key[rows[t, s]]) * Di^-0.5,   -inf when invalid.
 One program scores BLOCK_S candidates of one token against all its index heads with a single
 [BLOCK_S, Di] x [Di, Hi] dot, so keys are read once per token straight from the store (no [T, S, Di]
@@ -151,7 +152,7 @@ def indexer_topk(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weight
     return out
 
 
-# Where the radix kernel measured at least as fast as torch.topk on the H200 (scripts/bench_topk.py, BENCHMARKS.md):
+# Where the radix kernel measured at least as fast as torch.topk on the H200 (dsv4 bench kernels topk, BENCHMARKS.md):
 # decode-sized steps over at most 8192 candidates (1.0-1.4x). Longer rows (its passes are ~2-4 us each per 4096
 # scores: 0.3x at 32768) and prefill chunks (0.6-0.7x) keep torch.topk.
 TOPK_KERNEL_MAX_ROWS = 256

@@ -375,7 +375,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 
 # Split K until about this many programs run (T = 1 in decode: one token's 16K-long dot products). Measured under
-# CUDA graphs on the H200 (scripts/bench_mhc.py --graph-small, V4-Flash widths, fp32 streams, 2026-12-04): at 64
+# CUDA graphs on the H200 (dsv4 bench kernels mhc --graph-small, V4-Flash widths, fp32 streams, 2026-12-04): at 64
 # tokens 128 -> 39.4 us a call against 50.8 at 256 (fewer partials for the pre kernel to add) and 55.7 at 64; at 1
 # and 8 tokens K caps the splits at 128 (20.9 / 21.6 us at 128-512).
 MIX_PROGRAMS = 128
@@ -388,7 +388,7 @@ MIX_GEMV_MAX_TOKENS = 8
 PRE_SPLITS_PER_LOAD = 128
 # Steps up to split_max_tokens(dtype) tokens take the split kernels (mix kernel + (T, D blocks) pre kernel), longer
 # ones the long path (torch's fp32 matmul on an fp32 copy of the streams, then LONG_PATH's kernels). Measured on
-# the H200 (scripts/bench_mhc.py, V4-Flash widths, 2026-12-04): fp32 streams (the engine's residual, by default)
+# the H200 (dsv4 bench kernels mhc, V4-Flash widths, 2026-12-04): fp32 streams (the engine's residual, by default)
 # at 8K tokens 0.77 ms a call on the long path of one pre program a token (cuBLAS's sgemm reads fp32 as stored)
 # against 2.3 ms split with the mix on tensor cores (six bf16 dots) and 2.9 ms on FMAs: the split path up to 256
 # tokens (decode steps, where one program a token was latency-bound). bf16 streams at 8K: 0.59 ms split (three

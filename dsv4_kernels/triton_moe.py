@@ -38,7 +38,7 @@ triton, tl = import_triton()
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 MXFP4_BLOCK = 32
-# Launch defaults (untuned guesses for sm_90; `scripts/bench_moe.py --sweep` measures alternatives).
+# Launch defaults (untuned guesses for sm_90; `dsv4 bench kernels moe --sweep` measures alternatives).
 DEFAULTS = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}
 # Routing: tokens per program so that a program holds about this many scores (256 experts -> 8 tokens).
 ROUTE_ELEMS = 2048

@@ -1,7 +1,7 @@
 """Top-k columns of each row of fp32 scores by radix select, one program a row (Triton).
 
 Why: the indexer picks 512 of its candidates per query. torch.topk runs a row as one thread block; at batch 1
-and context 32K (8192 candidates) that was 47 us a CSA layer on the H200. Measured (scripts/bench_topk.py,
+and context 32K (8192 candidates) that was 47 us a CSA layer on the H200. Measured (dsv4 bench kernels topk,
 2026-12-04): this kernel does not beat that case (44 us: each of its five passes costs ~2-4 us per 4096 scores,
 whatever the row count), but at 64-128 rows it takes 45 us where torch.topk takes 53-63, and 12 us against 15-16
 at 1024 candidates; so the engine uses it there only (dsv4_kernels.triton_indexer.topk_of_scores). Holding the
@@ -29,7 +29,7 @@ from dsv4_kernels.gpu import import_triton, require_triton
 triton, tl = import_triton()
 
 MAX_BLOCK = 4096  # scores a program holds at once; longer rows loop over blocks of this size
-NUM_WARPS: int | None = None  # None: 8 warps from 2048-score blocks, else 4 (scripts/bench_topk.py --sweep sets it)
+NUM_WARPS: int | None = None  # None: 8 warps from 2048-score blocks, else 4 (dsv4 bench kernels topk --sweep sets it)
 NEG_INF_KEY = tl.constexpr(0x007FFFFF)  # the key of -inf (a constexpr: read inside the kernel)
 
 

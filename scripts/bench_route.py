@@ -4,7 +4,7 @@ the decision time at 64 workers; writes the `route_policies` section of BENCHMAR
 
     .venv/bin/python scripts/bench_route.py [--no-write]
 
-Targets (issue 14), checked from the numbers: at 8 workers cache_aware's hit rate >= 90% of the pooled
+Targets, checked from the numbers: at 8 workers cache_aware's hit rate >= 90% of the pooled
 cache's, max/mean prefill load <= 1.3, TTFT p99 below round_robin's and least_loaded's; decision p99 <
 0.5 ms at 64 workers.
 """

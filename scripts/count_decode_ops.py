@@ -22,7 +22,7 @@ What the CPU cannot run, and how it is counted:
 - FP8 dense projections on CUDA are an activation-quantiser launch + a DeepGEMM launch, where the CPU
   multiplies dequantised weights once: `--fp8` adds one launch per dense projection call (reported apart);
 - anything that differs between CUDA and the CPU inside a torch op (cuBLAS splitting a GEMM, ...) is not seen.
-The GPU bench's profile line (scripts/gpu_bench) reports the kernels the GPU actually ran.
+The GPU bench's profile line (benchmarks/slice/) reports the kernels the GPU actually ran.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The default fp8 KV cache on a GPU: `--kv-cache-dtype auto` resolves to fp8_ds_mla on a bf16 CUDA engine with
 FlashMLA, decode steps run FlashMLA under CUDA graphs (engine.model.attention_fp8), and the results agree with the
 same engine's other paths. Model: the `mini_v4` preset (V4's attention geometry, small elsewhere), FP8 dense +
-MXFP4 experts on disk. GPU only (CUDA + tokenspeed-flashmla); run by scripts/gpu_tests.sh on the device.
+MXFP4 experts on disk. GPU only (CUDA + tokenspeed-flashmla); run by tools/gpu/run_tests.sh on the device.
 
 Printed lines ([gpu flashmla] ...) are the figures BENCHMARKS.md reports: teacher-forced |dlogprob| of the fp8
 cache against exact rows, and of FlashMLA against the engine's own Triton kernel over the same fp8 cache.

@@ -18,7 +18,8 @@ import torch
 from dsv4_kernels.gpu import has_marlin_moe, has_triton_kernels, why_not, why_not_marlin_moe
 
 if not torch.cuda.is_available() or not has_marlin_moe() or not has_triton_kernels():
-    pytest.skip("GPU only: needs a CUDA device, the Marlin MoE wheel (scripts/marlin_wheel.py) and triton_kernels: "
+    pytest.skip("GPU only: needs a CUDA device, the Marlin MoE wheel (tools/device_wheels/marlin_wheel.py) and "
+                "triton_kernels: "
                 + (why_not_marlin_moe() or why_not("triton_kernels.matmul") or "no CUDA device"),
                 allow_module_level=True)
 

@@ -2,7 +2,7 @@
 (no request, every page back, prefix cache empty), the engine then serves the same tokens as a cold one, and the
 M values cover every 64-row block count. On the CPU the ladder runs, and the DeepGEMM recorder and sweep run
 against stand-ins; on a GPU, load_engine(warmup=True) captures every graph (the sweep on real DeepGEMM runs in
-scripts/check_gpu_warmup.py, `gpu_issue11.sh coldstart`, on a quantised model)."""
+python3 -m benchmarks.cold_start, `tools/gpu/stages.sh coldstart`, on a quantised model)."""
 
 from __future__ import annotations
 
@@ -118,6 +118,7 @@ def test_warmup_refuses_a_busy_engine(weights):
         warm_engine(eng)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: the warm-up runs on CUDA engines")
 def test_gpu_load_engine_warms_and_serves_what_a_cold_engine_serves(monkeypatch):
     """load_engine(warmup=True) on CUDA (what the workers call) captures every decode bucket before returning,

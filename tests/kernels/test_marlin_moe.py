@@ -1,6 +1,6 @@
 """The Marlin MXFP4 MoE candidate (dsv4_kernels/marlin_moe.py) against the reference experts on their
 dequantised weights, on fresh random experts and routes (CUDA with the candidate's wheels only:
-scripts/marlin_wheel.py)."""
+tools/device_wheels/marlin_wheel.py)."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from dsv4_kernels.quant import dequant_mxfp4
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not has_marlin_moe(), reason="the Marlin MoE candidate needs a CUDA GPU and its wheels "
-                       f"(scripts/marlin_wheel.py): {why_not_marlin_moe()}"),
+                       f"(tools/device_wheels/marlin_wheel.py): {why_not_marlin_moe()}"),
 ]
 
 

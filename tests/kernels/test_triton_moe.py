@@ -53,6 +53,7 @@ def test_route_matches_reference(scoring, mode, t):
         torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE == "cpu", reason="GPU only: bf16 router weights multiply with fp32 output on CUDA "
                     "(torch.mm(out_dtype=)); elsewhere router_logits is the reference's fp32 matmul itself")
 def test_router_logits_of_bf16_weights_are_the_fp32_matmul():

@@ -22,8 +22,8 @@ from tests.kv_transfer.test_staging import assert_arenas_idle, nixl_pair
 from tests.support.backends import BACKEND_NAMES, needs_nixl
 
 SCATTER_PARTS = {"index", "views", "copies", "record", "cpu"}
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="GPU only: the scatter on a CUDA stream"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="GPU only: the scatter on a CUDA stream")])]
 
 
 # ---- StagingBuffer.scatter / DeferredScatter ----------------------------------------------------------------

@@ -374,6 +374,7 @@ def test_a_released_range_is_held_until_its_scatter_has_run():
     assert buf.arena.allocated() == {} and buf.arena.free_bytes == whole
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: the scatter queued on the engine's stream")
 def test_scatter_is_queued_without_waiting_and_holds_its_range_until_it_ran():
     """The decode side's scatter is queued on the current stream (the decode engine's) and not waited for: a

@@ -38,7 +38,8 @@ def test_every_section_of_benchmarks_md_is_generated():
              re.finditer(r"<!-- dsv4:([a-z0-9_]+) begin -->.*?<!-- dsv4:\1 end -->", text, re.S)]
     for heading in re.finditer(r"^## .*$", text, re.M):
         assert any(a < heading.start() < b for a, b, _ in spans), f"hand-written section: {heading.group(0)!r}"
-    code = "\n".join(p.read_text() for d in ("benchmarks", "scripts", "service", "tools") for p in (ROOT / d).rglob("*.py"))
+    dirs = ("benchmarks", "scripts", "service", "tools")
+    code = "\n".join(p.read_text() for d in dirs for p in (ROOT / d).rglob("*.py"))
     writers = set(re.findall(r"""write_section\(\s*["']([a-z0-9_]+)["']""", code))
     for _, _, name in spans:
         assert name in writers, f"section {name!r} has no writer in benchmarks/, scripts/, service/ or tools/"

@@ -166,3 +166,21 @@ def test_installed_console_script(model_dir, reference):
     assert len(recs) == len(PROMPTS)
     for rec, ref in zip(recs, reference):
         _assert_matches(rec, ref)
+
+
+def test_bench_kernels_passthrough(capsys):
+    """`dsv4 bench kernels` hands its arguments to the source tree's benchmarks package: --list names every op,
+    an op's --help is its own parser, an unknown op is a clear error (no CUDA needed for any of these)."""
+    from benchmarks.kernels import OPS
+
+    assert main(["bench", "kernels", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(op in listed for op in OPS) and {"triton", "cache", "moe", "topk", "mhc", "fp8-gemm"} <= set(OPS)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "kernels", "topk", "--help"])
+    assert exc.value.code == 0 and "dsv4 bench kernels topk" in capsys.readouterr().out
+    assert main(["bench", "kernels", "no-such-op"]) == 2
+    assert "unknown op 'no-such-op'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "slice", "--help"])
+    assert "--experts" in capsys.readouterr().out

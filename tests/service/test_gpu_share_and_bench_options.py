@@ -1,5 +1,5 @@
 """Workers sharing a GPU (`--worker-num-gpus`), `dsv4 bench serve`'s topology/token options, and the gpu_service
-section built from a run's JSON (scripts/gpu_service.sh; the GPU run itself is not part of CI)."""
+section built from a run's JSON (tools/gpu/service_run.sh; the GPU run itself is not part of CI)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_gpu_service_report_from_stage_json(tmp_path):
         {"bytes": 1 << 20, "descriptors": 1, "gb_per_s_median": 20.0, "gb_per_s_best": 25.0, "bytes_match": True,
          "device": "cuda"}], "ucx_tls": "(default)", "transports": "cuda_ipc"}))
     out = tmp_path / "gpu_service.md"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_service.py"), "report", "--dir", str(tmp_path),
+    subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "service_run.py"), "report", "--dir", str(tmp_path),
                     "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
     text = out.read_text()
     assert text.startswith("## Disaggregated service on one GPU")
@@ -96,7 +96,7 @@ def test_gpu_service_report_from_stage_json(tmp_path):
         "clean_failures": 0, "unclean": [], "identical_to_undisturbed": 0, "first_divergence": [40, 57],
         "streams_ended_s": 30.0, "restarted_s": 30.0, "idle_after_s": 0.1, "served_again_s": 30.2,
         "router_retries_total": 2, "killed_pid": 123}))
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_service.py"), "report", "--dir", str(tmp_path),
+    subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "service_run.py"), "report", "--dir", str(tmp_path),
                     "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
     text = out.read_text()
     assert "first differing token at 40, 57; the kill came after token 16: all after it" in text

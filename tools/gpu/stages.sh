@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Issue 11 GPU session runner: installs the carried .whl wheels (DeepGEMM, FlashMLA, triton_kernels) into a
-# private dir, then runs the named stages, logging each to $OUT. Stages: probe, ktests, fp8gemm, moe, fp8oracle,
+# One GPU-machine session in named stages (the Hopper fast paths' probes, tests and benchmarks): installs the carried
+# .whl wheels (DeepGEMM, FlashMLA, triton_kernels; tools/device_wheels/README.md) into a private dir, then runs the named stages, logging each to $OUT. Stages: probe, ktests, fp8gemm, moe, fp8oracle,
 # slice, gputests, flash (FlashMLA kernel + fp8-default engine tests), tp (TP 2 vs TP 1 on one GPU), e2e, ab
 # (overlapped decode on/off, FP8 vs MXFP4 indexer keys), coldstart (engine warm-up on fresh compile caches), b1prof
 # (the batch-1 decode step's kernels in launch order), prefillmoe (matmul_ogs launch constraints at prefill sizes),
-# decodemoe (the same at 1 and 64 tokens, with split-K and narrow-N tiles at 1), mhc (scripts/bench_mhc.py: the
+# decodemoe (the same at 1 and 64 tokens, with split-K and narrow-N tiles at 1), mhc (`dsv4 bench kernels mhc`: the
 # mHC pre's paths by token count, fp32 and bf16 streams), pytests (pytest on $PYTEST_FILES).
-# Usage: scripts/gpu_issue11.sh stage ...
+# Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -31,24 +31,24 @@ for n in ("has_deep_gemm", "has_flash_mla", "has_triton_kernels"):
     ktests) timeout ${KTESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_fp8_linear.py \
               tests/kernels/test_mxfp4_ogs.py tests/engine/test_fp8_weights.py > "$OUT/ktests.log" 2>&1 || status=1
             grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ktests.log" | cut -c1-300 ;;
-    fp8gemm) timeout ${FP8GEMM_TIMEOUT:-300} python3 scripts/bench_fp8_gemm.py --out "$OUT/fp8_gemm.md" 2>&1 | tail -60 \
+    fp8gemm) timeout ${FP8GEMM_TIMEOUT:-300} python3 -m benchmarks.kernels fp8-gemm --out "$OUT/fp8_gemm.md" 2>&1 | tail -60 \
                | tee "$OUT/fp8gemm.log" || status=1 ;;
-    mhc) for dt in ${MHC_DTYPES:-float32 bfloat16}; do  # merge: bench_mhc.py --merge mhc_float32.md mhc_bfloat16.md
-           timeout ${MHC_TIMEOUT:-150} python3 scripts/bench_mhc.py --dtype $dt --out "$OUT/mhc_$dt.md" ${MHC_ARGS:-} \
+    mhc) for dt in ${MHC_DTYPES:-float32 bfloat16}; do  # merge: dsv4 bench kernels mhc --merge mhc_float32.md mhc_bfloat16.md
+           timeout ${MHC_TIMEOUT:-150} python3 -m benchmarks.kernels mhc --dtype $dt --out "$OUT/mhc_$dt.md" ${MHC_ARGS:-} \
              > "$OUT/mhc_$dt.log" 2>&1 || status=1
            echo "--- $dt streams"; grep -E "^hc_pre|sweep|Error" "$OUT/mhc_$dt.log" | cut -c1-200
          done ;;
     pytests) timeout ${PYTESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_FILES:-tests/kernels} \
                > "$OUT/pytests.log" 2>&1 || status=1
              grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/pytests.log" | cut -c1-300 ;;
-    moe) timeout 300 python3 scripts/bench_moe.py --tokens 1 16 64 128 --out "$OUT/mxfp4_moe.md" 2>&1 | tee "$OUT/moe.log" || status=1 ;;
+    moe) timeout 300 python3 -m benchmarks.kernels moe --tokens 1 16 64 128 --out "$OUT/mxfp4_moe.md" 2>&1 | tee "$OUT/moe.log" || status=1 ;;
     fp8oracle) timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_fp8_engine.py 2>&1 \
                  > "$OUT/fp8oracle.log" 2>&1 || status=1
                grep -E "^\[gpu fp8|^(FAILED|ERROR)|passed|failed|Error" "$OUT/fp8oracle.log" | cut -c1-400 ;;
-    slice) timeout ${SLICE_TIMEOUT:-420} scripts/bench_gpu.sh --budget-s ${SLICE_BUDGET:-300} --out "$OUT/bench_gpu.md" ${SLICE_ARGS:-} \
+    slice) timeout ${SLICE_TIMEOUT:-420} benchmarks/slice/run.sh --budget-s ${SLICE_BUDGET:-300} --out "$OUT/bench_gpu.md" ${SLICE_ARGS:-} \
              > "$OUT/slice.log" 2>&1 || status=1
            grep -E "^(engine|decode|prefill|transformers|profile)|SKIPPED|Error|FAILED" "$OUT/slice.log" | cut -c1-300 ;;
-    gputests) scripts/gpu_tests.sh ${GPU_TEST_STAGES:-kernels engine check} > "$OUT/gputests.log" 2>&1 || status=1
+    gputests) tools/gpu/run_tests.sh ${GPU_TEST_ARGS:-} > "$OUT/gputests.log" 2>&1 || status=1
               grep -E "^(FAILED|ERROR)|passed|failed|^\[gpu|agree|Error" "$OUT/gputests.log" | cut -c1-300 ;;
     rest) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_linear.py \
             tests/kernels/test_triton_swa_insert.py tests/engine/test_fast_paths.py tests/engine/test_moe_grouped.py \
@@ -60,17 +60,17 @@ from engine.llm import LLM
 llm = LLM(device="cuda", dtype="bfloat16")
 print("pool tokens", llm.engine.cache_config.max_tokens)
 ' 2>&1 | grep -v "^$" | tail -5 ;;
-    ogssweep) timeout 240 python3 scripts/bench_moe.py --tokens 64 128 --ogs-sweep --ogs-best-out "$OUT/ogs_best.json" --ogs-out "$OUT/moe_sweep.md" \
+    ogssweep) timeout 240 python3 -m benchmarks.kernels moe --tokens 64 128 --ogs-sweep --ogs-best-out "$OUT/ogs_best.json" --ogs-out "$OUT/moe_sweep.md" \
                 > "$OUT/ogssweep.log" 2>&1 || status=1
               sed -n '/ogs sweep/,$p' "$OUT/ogssweep.log" | cut -c1-200
               # later stages run with the fastest constraints at the largest token count
               [ -s "$OUT/ogs_best.json" ] && export DSV4_OGS_CONSTRAINTS="$(cat "$OUT/ogs_best.json")" \
                 && echo "DSV4_OGS_CONSTRAINTS=$DSV4_OGS_CONSTRAINTS" ;;
-    e2e) timeout 200 python3 scripts/check_hopper_e2e.py 2>&1 | grep -v "^$" | tail -12 || status=1 ;;
+    e2e) timeout 200 python3 -m benchmarks.hopper_e2e 2>&1 | grep -v "^$" | tail -12 || status=1 ;;
     # A/B of overlapped greedy decode (engine.execution.decode_overlap) and of the indexer key format, b1 and b64 at 4K / 32K
     ab) for v in "overlap=1 keys=auto" "overlap=0 keys=auto" "overlap=1 keys=mxfp4"; do
           set -- $v; o=${1#overlap=}; k=${2#keys=}
-          DSV4_OVERLAP_DECODE=$o timeout ${AB_TIMEOUT:-150} scripts/bench_gpu.sh --budget-s ${AB_BUDGET:-120} --no-peer \
+          DSV4_OVERLAP_DECODE=$o timeout ${AB_TIMEOUT:-150} benchmarks/slice/run.sh --budget-s ${AB_BUDGET:-120} --no-peer \
             --experts mxfp4 --batches 1 64 --contexts 4096 32768 --index-cache "$k" --out "$OUT/ab_o${o}_$k.md" \
             > "$OUT/ab_o${o}_$k.log" 2>&1 || status=1
           echo "--- overlap $o, index keys $k"; grep -E "^(decode|prefill) " "$OUT/ab_o${o}_$k.log" | cut -c1-200
@@ -80,12 +80,12 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
          # compiles are CPU-bound on 16 cores; the steps are small), each under its own limit
          for tag in ${COLD_VARIANTS:-1 1_nvrtc}; do
            w=${tag%%_*}; extra=; [ "$tag" != "${tag%_nvrtc}" ] && extra=--nvrtc
-           [ "$tag" = 1 ] && extra="--cache-dir ${COLD_CACHE:-/tmp/dsv4-cc}"  # kept for gpu_service.sh's workers
-           timeout ${COLD_TIMEOUT:-180} python3 scripts/check_gpu_warmup.py --model /tmp/mini --warmup $w $extra \
+           [ "$tag" = 1 ] && extra="--cache-dir ${COLD_CACHE:-/tmp/dsv4-cc}"  # kept for service_run.sh's workers
+           timeout ${COLD_TIMEOUT:-180} python3 -m benchmarks.cold_start --model /tmp/mini --warmup $w $extra \
              > "$OUT/warm$tag.log" 2>&1 &
          done
          wait
-         # the nvcc run's caches come back (compressed), to be carried into later calls (gpu_service.sh)
+         # the nvcc run's caches come back (compressed), to be carried into later calls (service_run.sh)
          tar -C "${COLD_CACHE:-/tmp/dsv4-cc}" -cJf "$OUT/compile_cache.tar.xz" . 2>/dev/null; ls -la "$OUT"
          for tag in ${COLD_VARIANTS:-1 1_nvrtc}; do
            echo "--- warm$tag"; grep -E "warm-up|load_engine|compile caches|^request|compiled|Triton kernels" "$OUT/warm$tag.log" | cut -c1-600 | tail -60
@@ -93,16 +93,17 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
     flash) timeout ${FLASH_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_flashmla_sparse.py \
              tests/engine/test_gpu_flashmla_engine.py > "$OUT/flash.log" 2>&1 || status=1
            grep -E "^\[gpu flashmla|^(FAILED|ERROR)|passed|failed" "$OUT/flash.log" | cut -c1-400 ;;
-    b1prof) timeout ${B1_TIMEOUT:-240} scripts/bench_gpu.sh --budget-s ${B1_BUDGET:-180} --batches 1 --contexts 4096 \
+    b1prof) timeout ${B1_TIMEOUT:-240} benchmarks/slice/run.sh --budget-s ${B1_BUDGET:-180} --batches 1 --contexts 4096 \
               --experts mxfp4 --no-peer --profile-batch 1 --profile-dump "$OUT/kernels_b1.txt" \
               --prefill-dump "$OUT/kernels_prefill.txt" --out "$OUT/b1.md" \
               > "$OUT/b1prof.log" 2>&1 || status=1
             grep -E "^(decode|profile|prefill)" "$OUT/b1prof.log" | cut -c1-300 ;;
-    prefillmoe) timeout ${PMOE_TIMEOUT:-300} python3 scripts/bench_moe.py --tokens 4096 8192 --ogs-sweep \
+    prefillmoe) timeout ${PMOE_TIMEOUT:-300} python3 -m benchmarks.kernels moe --tokens 4096 8192 --ogs-sweep \
                   --ogs-out "$OUT/moe_prefill_sweep.md" 2>&1 | tail -40 | tee "$OUT/prefillmoe.log" || status=1 ;;
-    decodemoe) timeout ${DMOE_TIMEOUT:-200} python3 scripts/bench_moe.py --tokens 1 64 --ogs-sweep \
+    decodemoe) timeout ${DMOE_TIMEOUT:-200} python3 -m benchmarks.kernels moe --tokens 1 64 --ogs-sweep \
                  --ogs-out "$OUT/moe_decode_sweep.md" 2>&1 | tail -40 | tee "$OUT/decodemoe.log" || status=1 ;;
-    tp) timeout ${TP_TIMEOUT:-240} python3 scripts/check_gpu_tp.py > "$OUT/tp.log" 2>&1 || status=1
+    tp) timeout ${TP_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_tensor_parallel.py \
+          > "$OUT/tp.log" 2>&1 || status=1
         grep -E "^\[gpu tp|^tp |Error" "$OUT/tp.log" | cut -c1-400 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

@@ -1,13 +1,13 @@
-"""The disaggregated service on one machine (issue 12 item 5): the kill stage, and the BENCHMARKS section.
+"""The disaggregated service on one machine (tools/gpu/service_run.sh): the kill stage, and the BENCHMARKS section.
 
-`scripts/gpu_service.sh` runs the stages (on one GPU: `dsv4 bench serve` colocated vs 1P1D sharing the GPU with
-NIXL moving VRAM, `scripts/bench_nixl_raw.py`, then `fault` here) and `report` here; each stage leaves JSON in
+`tools/gpu/service_run.sh` runs the stages (on one GPU: `dsv4 bench serve` colocated vs 1P1D sharing the GPU with
+NIXL moving VRAM, `dsv4 bench kernels nixl-raw`, then `fault` here) and `report` here; each stage leaves JSON in
 $OUT. `report --out FILE` writes the section's markdown; `merge FILE` puts it into BENCHMARKS.md (section
 `gpu_service`) where the tree is (the GPU machine works on a copy).
 
-    python3 scripts/gpu_service.py fault --device cuda --worker-num-gpus 0.5 --transfer nixl --json-out fault.json
-    python3 scripts/gpu_service.py report --dir $OUT --out $OUT/gpu_service.md
-    python3 scripts/gpu_service.py merge gpu_service.md
+    python3 tools/gpu/service_run.py fault --device cuda --worker-num-gpus 0.5 --transfer nixl --json-out fault.json
+    python3 tools/gpu/service_run.py report --dir $OUT --out $OUT/gpu_service.md
+    python3 tools/gpu/service_run.py merge gpu_service.md
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 # ---- fault: kill the decode worker's process mid-stream --------------------------------------------------------
@@ -239,8 +239,8 @@ def report(d: Path) -> str:
     env, serve, raw, fault = (_load(d / n) for n in ("env.json", "serve.json", "nixl_raw.json", "fault.json"))
     on_gpu = bool(env and env.get("device") == "cuda")
     lines = [f"## Disaggregated service on one {'GPU' if on_gpu else 'machine (CPU run)'}", "",
-             "Run: `scripts/gpu_service.sh` (stages env, model, serve, raw, fault, report; "
-             "`scripts/gpu_stage_wheels.sh` installs the service's packages on the GPU machine first).", ""]
+             "Run: `tools/gpu/service_run.sh` (stages env, model, serve, raw, fault, report; "
+             "`tools/device_wheels/stage.sh` installs the service's packages on the GPU machine first).", ""]
     if env:
         lines += [f"Machine: {env.get('gpu', '?')}, torch {env.get('torch', '?')}, Ray {env.get('ray', '?')}, NIXL "
                   f"{env.get('nixl', '?')}, Python {env.get('python', '?')}; date {env.get('date', '?')}. "
@@ -256,7 +256,7 @@ def report(d: Path) -> str:
     else:
         lines += ["`dsv4 bench serve` did not complete (the run's stages.log says why).", ""]
     if raw and raw.get("rows"):
-        lines += [f"NIXL raw READ between two processes (`scripts/bench_nixl_raw.py`, {raw['rows'][0]['device']}, "
+        lines += [f"NIXL raw READ between two processes (`dsv4 bench kernels nixl-raw`, {raw['rows'][0]['device']}, "
                   f"UCX_TLS {raw.get('ucx_tls')}; transports seen: {raw.get('transports', 'not recorded')}):", "",
                   "| MiB | descriptors | GB/s median | GB/s best | bytes match |", "|---|---|---|---|---|"]
         lines += [f"| {r['bytes'] / (1 << 20):.0f} | {r['descriptors']} | {r['gb_per_s_median']:.1f} | "

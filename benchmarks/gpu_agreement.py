@@ -1,4 +1,5 @@
-"""GPU engine check (run on a CUDA machine): greedy tokens of the GPU engine vs the CPU fp32 engine.
+"""Greedy tokens of the GPU engine vs the CPU fp32 engine (a CUDA machine; its bounds are asserted by
+tests/engine/test_gpu_cpu_agreement.py, this writes the BENCHMARKS.md table).
 
 For each preset and GPU dtype, prints:
 - free-running agreement: generated positions before the first divergence from the CPU run, over all
@@ -9,17 +10,18 @@ For each preset and GPU dtype, prints:
 - the same restricted to decided positions: where the CPU run's top-1 / top-2 log-prob gap is at least
   NEAR_TIE nats (random tiny models put 5-15% of positions within 0.02-0.05 nats, below bf16 noise);
 - mean / max |logprob| difference over the positions before the first divergence.
-The GPU engine runs with its defaults (Triton fast paths, CUDA-graph decode). Not a test: CI has no GPU.
+The GPU engine runs with its defaults (Triton fast paths, CUDA-graph decode).
 Writes the table, with the run's own near-tie counts, to BENCHMARKS.md section `check_gpu_engine`
 (`--no-write` to only print).
 """
+
+from __future__ import annotations
 
 import argparse
 import datetime
 import shlex
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 
@@ -27,11 +29,10 @@ import engine.execution.runner
 from engine.llm import LLM
 from engine.loading.make_model import make_model
 from engine.execution.sampling_params import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service.benchmarks_md import write_section  # noqa: E402
+from service.benchmarks_md import write_section
 
 NEAR_TIE = 0.05
+PROMPT_LENS = (5, 33, 130, 300)
 
 
 def top2_gaps(llm: LLM, seqs: list[list[int]]) -> list[float]:
@@ -93,12 +94,45 @@ def teacher_forced(llm: LLM, seqs, want, gaps) -> tuple[float, float]:
     return sum(same) / len(same), sum(decided) / max(1, len(decided))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def measure(preset: str, tokens: int, g: torch.Generator, dtypes=("float32", "bfloat16")) -> tuple[list[dict], str]:
+    """One preset: the CPU fp32 run, then each GPU dtype against it -> (one row a dtype, the near-tie note)."""
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True, logprobs=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        make_model(preset, d, seed=1)
+        cpu_llm = LLM(d, device="cpu", dtype="float32")
+        vocab = cpu_llm.config.vocab_size
+        prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+        cpu = cpu_llm.generate(prompts, params)
+        seqs, want = forced_sequences(prompts, cpu)
+        gaps = top2_gaps(cpu_llm, seqs)
+        note = (f"{preset}: {sum(x < NEAR_TIE for x in gaps)} of {len(gaps)} CPU positions are near-ties "
+                f"(top-2 gap < {NEAR_TIE} nats), {sum(x < 0.02 for x in gaps)} below 0.02 nats")
+        del cpu_llm
+        for dtype in dtypes:
+            llm = LLM(d, device="cuda", dtype=dtype, max_num_seqs=256, max_cached_tokens=1 << 17)
+            gpu = llm.generate(prompts, params)
+            agree, total, diffs = free_running(cpu, gpu)
+            forced, decided = teacher_forced(llm, seqs, want, gaps)
+            dl = torch.tensor(diffs or [0.0])
+            rows.append({"preset": preset, "dtype": dtype, "decode": llm.engine.decode_mode, "free": agree / total,
+                         "forced": forced, "decided": decided, "mean": dl.mean().item(), "max": dl.max().item()})
+            del llm
+    return rows, note
+
+
+def row_line(r: dict) -> str:
+    return (f"| {r['preset']} | {r['dtype']} | {r['decode']} | {r['free']:.3f} | {r['forced']:.3f} "
+            f"| {r['decided']:.3f} | {r['mean']:.2e} | {r['max']:.2e} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_agreement", description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="tiny,small")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 1
@@ -108,36 +142,19 @@ def main() -> int:
     notes = []
     print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}")
     print(lines[0], lines[1], sep="\n")
-    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True, logprobs=True)
     for preset in args.presets.split(","):
-        with tempfile.TemporaryDirectory() as d:
-            make_model(preset, d, seed=1)
-            cpu_llm = LLM(d, device="cpu", dtype="float32")
-            vocab = cpu_llm.config.vocab_size
-            prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in (5, 33, 130, 300)]
-            cpu = cpu_llm.generate(prompts, params)
-            seqs, want = forced_sequences(prompts, cpu)
-            gaps = top2_gaps(cpu_llm, seqs)
-            notes.append(f"{preset}: {sum(g < NEAR_TIE for g in gaps)} of {len(gaps)} CPU positions are near-ties "
-                         f"(top-2 gap < {NEAR_TIE} nats), {sum(g < 0.02 for g in gaps)} below 0.02 nats")
-            print(notes[-1], flush=True)
-            del cpu_llm
-            for dtype in ("float32", "bfloat16"):
-                llm = LLM(d, device="cuda", dtype=dtype, max_num_seqs=256, max_cached_tokens=1 << 17)
-                gpu = llm.generate(prompts, params)
-                agree, total, diffs = free_running(cpu, gpu)
-                forced, decided = teacher_forced(llm, seqs, want, gaps)
-                dl = torch.tensor(diffs or [0.0])
-                lines.append(f"| {preset} | {dtype} | {llm.engine.decode_mode} | {agree / total:.3f} | {forced:.3f} "
-                             f"| {decided:.3f} | {dl.mean().item():.2e} | {dl.max().item():.2e} |")
-                print(lines[-1], flush=True)
-                del llm
+        rows, note = measure(preset, args.tokens, g)
+        notes.append(note)
+        print(note, flush=True)
+        for r in rows:
+            lines.append(row_line(r))
+            print(lines[-1], flush=True)
     if not args.no_write:
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        head = ["## GPU engine vs CPU fp32 engine: `scripts/check_gpu_engine.py`", "",
-                f"`python scripts/check_gpu_engine.py {shlex.join(sys.argv[1:])}` on {torch.cuda.get_device_name()} "
-                f"(torch {torch.__version__}), {when}; {len(prompts)} prompts of 5-300 tokens, {args.tokens} greedy "
-                "tokens each. Free-running: positions before each prompt's first divergence from the CPU run; "
+        head = ["## GPU engine vs CPU fp32 engine: `python -m benchmarks.gpu_agreement`", "",
+                f"`python -m benchmarks.gpu_agreement {shlex.join(argv)}` on {torch.cuda.get_device_name()} "
+                f"(torch {torch.__version__}), {when}; {len(PROMPT_LENS)} prompts of 5-300 tokens, {args.tokens} "
+                "greedy tokens each. Free-running: positions before each prompt's first divergence from the CPU run; "
                 "teacher-forced: the GPU engine's greedy token given the CPU run's prefix; decided: the same over "
                 f"positions whose CPU top-1/top-2 gap is >= {NEAR_TIE} nats.", ""]
         write_section("check_gpu_engine", "\n".join(head + lines + [""] + [f"- {n}" for n in notes]))

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The service's Python packages on the GPU machine (no network there; its image lacks Ray, FastAPI, OpenAI, NIXL).
-# Here:   scripts/gpu_stage_wheels.sh build        -> .svcwhl/part1, part2 (ignored; each carried by one device call)
-# Device: scripts/gpu_stage_wheels.sh part1        copies the carried .svcwhl/part1 into $SVCWHL (kept while the
+# Here:   tools/device_wheels/stage.sh build        -> .svcwhl/part1, part2 (ignored; each carried by one device call)
+# Device: tools/device_wheels/stage.sh part1        copies the carried .svcwhl/part1 into $SVCWHL (kept while the
 #                                                  machine stays warm between back-to-back calls)
-#         scripts/gpu_stage_wheels.sh install      pip-installs every staged wheel into $SVCSITE, checks the imports
-#         scripts/gpu_stage_wheels.sh install part2   copies part2 first, then installs
-# After install: export PYTHONPATH="$PWD:$SVCSITE" (scripts/gpu_service.sh does).
+#         tools/device_wheels/stage.sh install      pip-installs every staged wheel into $SVCSITE, checks the imports
+#         tools/device_wheels/stage.sh install part2   copies part2 first, then installs
+# After install: export PYTHONPATH="$PWD:$SVCSITE" (tools/gpu/service_run.sh does).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SVCWHL=${SVCWHL:-/tmp/svcwhl}
 SVCSITE=${SVCSITE:-/tmp/svcsite}
 
@@ -57,7 +57,7 @@ EOF
 }
 
 case ${1:-} in
-  build) python3 scripts/svc_wheels.py build "${@:2}" ;;
+  build) python3 tools/device_wheels/svc_wheels.py build "${@:2}" ;;
   install) for p in "${@:2}"; do copy_part "$p" || exit 1; done; install ;;
   part*) copy_part "$1" ;;
   *) echo "usage: $0 build | partN | install [partN...]" >&2; exit 2 ;;

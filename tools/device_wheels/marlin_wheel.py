@@ -6,9 +6,9 @@ The Marlin W4A16 MoE GEMM that vLLM and SGLang run on Hopper ships pre-compiled 
 (no libtorch), so they load under the GPU machine's torch 2.11: this takes the two loader modules and their
 objects (MIT, LightSeek Foundation; the licence files go along) into a local wheel, `tokenspeed_marlin_moe`,
 and fetches the TVM FFI runtime they need (`apache-tvm-ffi==0.1.13.post3`, the cp312 build). Both land in .whl/,
-which `scripts/gpu_issue11.sh` installs on the device with the other GPU wheels.
+which `tools/gpu/stages.sh` installs on the device with the other GPU wheels.
 
-    python scripts/marlin_wheel.py            # needs network (PyPI); ~55 MB downloaded, ~9 MB written
+    python tools/device_wheels/marlin_wheel.py            # needs network (PyPI); ~55 MB downloaded, ~9 MB written
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE = "tokenspeed-kernel==0.1.4"
 TVM_FFI = "apache-tvm-ffi==0.1.13.post3"
 PACKAGE, VERSION = "tokenspeed_marlin_moe", "0.1.4"
@@ -54,13 +54,13 @@ def build(source_wheel: Path, out_dir: Path) -> Path:
     dist = f"{PACKAGE}-{VERSION}.dist-info"
     entries: list[tuple[str, bytes]] = [(f"{PACKAGE}/__init__.py",
                                          b'"""Marlin MoE loaders and objects from tokenspeed-kernel 0.1.4 '
-                                         b'(scripts/marlin_wheel.py)."""\n')]
+                                         b'(tools/device_wheels/marlin_wheel.py)."""\n')]
     with zipfile.ZipFile(source_wheel) as src:
         for path, target in FILES.items():
             entries.append((f"{PACKAGE}/{target}", src.read(path)))
     entries.append((f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {PACKAGE}\nVersion: {VERSION}\n"
                                         f"Summary: Marlin MoE loaders from {SOURCE}\nLicense: MIT\n".encode()))
-    entries.append((f"{dist}/WHEEL", b"Wheel-Version: 1.0\nGenerator: dsv4 scripts/marlin_wheel.py\n"
+    entries.append((f"{dist}/WHEEL", b"Wheel-Version: 1.0\nGenerator: dsv4 tools/device_wheels/marlin_wheel.py\n"
                                      b"Root-Is-Purelib: true\nTag: py3-none-any\n"))
     record = "\n".join([_record_line(n, d) for n, d in entries] + [f"{dist}/RECORD,,"]) + "\n"
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as whl:

@@ -1,13 +1,13 @@
 """Stage the service's Python packages for the GPU machine (Python 3.12, x86_64), whose image lacks Ray,
 FastAPI, the OpenAI client and NIXL and has no network: download the wheels here, drop what the service
-never loads, and split them into carry-sized parts (`scripts/gpu_stage_wheels.sh` installs them there).
+never loads, and split them into carry-sized parts (`tools/device_wheels/stage.sh` installs them there).
 
 Repacks: `ray/jars/` (Ray's Java workers, ~31 MB), RLlib, Ray LLM and the dashboard's web UI leave the Ray wheel and `nixl_ep_cu13/` (NIXL's
 expert-parallel kernels for torch 2.12-2.14, ~28 MB; the GPU image has torch 2.11 and the service uses only
 the agent) leaves the NIXL wheel; their RECORD files lose those lines, so pip installs them as usual.
 
-    python3 scripts/svc_wheels.py build [--dest .svcwhl] [--part-mib 55]
-    python3 scripts/svc_wheels.py check WHEEL...    # RECORD lists exactly the archive's files, hashes match
+    python3 tools/device_wheels/svc_wheels.py build [--dest .svcwhl] [--part-mib 55]
+    python3 tools/device_wheels/svc_wheels.py check WHEEL...    # RECORD lists exactly the archive's files, hashes match
 """
 
 from __future__ import annotations

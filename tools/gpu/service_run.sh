@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Issue 12 item 5: the disaggregated service on one machine, in named stages, each under a timeout, logs and JSON
+# The disaggregated service on one machine, in named stages, each under a timeout, logs and JSON
 # in $OUT. On a GPU machine (DEVICE=cuda, the default where nvidia-smi answers): Ray started by `dsv4`'s own
 # launcher, a prefill and a decode worker sharing GPU 0 (--worker-num-gpus 0.5) with NIXL moving VRAM between
 # their processes, against the colocated engine; NIXL's raw READ rate between two processes; the decode
 # worker's process killed mid-stream. DEVICE=cpu runs the same stages smaller on the built-in tiny model.
-#   scripts/gpu_service.sh [stage ...]      stages: env model warm serve raw fault report (default: all, in order)
-# Needs the service's packages: on the GPU machine `scripts/gpu_stage_wheels.sh install` first (PYTHONPATH gets
+#   tools/gpu/service_run.sh [stage ...]      stages: env model warm serve raw fault report (default: all, in order)
+# Needs the service's packages: on the GPU machine `tools/device_wheels/stage.sh install` first (PYTHONPATH gets
 # $SVCSITE when it exists). The section lands in $OUT/gpu_service.md; merge it where the tree is with
-#   python3 scripts/gpu_service.py merge <files_at>/gpu_service.md
+#   python3 tools/gpu/service_run.py merge <files_at>/gpu_service.md
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu_service_out}
 LOGS=${LOGS:-/tmp/gpu_service_logs}  # one log a stage; all of them end up in $OUT/stages.log (8 files come back)
 mkdir -p "$OUT" "$LOGS"
@@ -22,15 +22,15 @@ if [ "$DEVICE" = cuda ]; then
   MODEL=${MODEL:-/tmp/dsv4-mini_v4}
   PRESET=${PRESET:-mini_v4}  # V4's attention geometry (64 heads x 512, window 128, indexer 64 x 128 top-512), 4 layers
   # The token check compares two runs bit for bit, so both must run deterministic kernels. The model is made
-  # quantised (FP8 dense, MXFP4 experts: V4's checkpoint format, and the model scripts/check_gpu_handoff.py
+  # quantised (FP8 dense, MXFP4 experts: V4's checkpoint format, and the model tests/kv_transfer/test_gpu_handoff.py
   # found bit-exact), and its MXFP4 experts stay packed (=1: the Triton MoE paths, whose k-way sum has no
   # atomics). The run of 2026-12-01 used dequantised bf16 experts, whose combine was then CUDA's atomic
   # index_add_ (dsv4_kernels.moe.moe_experts_grouped sums over k without atomics since).
   export DSV4_MXFP4_MOE=${DSV4_MXFP4_MOE:-1}
-  # One compile cache for the warm stage and the workers (gpu_issue11.sh coldstart fills the same one first)
+  # One compile cache for the warm stage and the workers (tools/gpu/stages.sh coldstart fills the same one first)
   export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/dsv4-cc/deep_gemm}
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/dsv4-cc/triton}
-  # a cache an earlier call brought back (gpu_issue11.sh coldstart's $OUT/compile_cache.tar.xz), carried as .cc/
+  # a cache an earlier call brought back (tools/gpu/stages.sh coldstart's $OUT/compile_cache.tar.xz), carried as .cc/
   if [ -f .cc/compile_cache.tar.xz ] && [ ! -d /tmp/dsv4-cc ]; then
     mkdir -p /tmp/dsv4-cc && tar -C /tmp/dsv4-cc -xJf .cc/compile_cache.tar.xz && echo "compile cache from .cc/ unpacked"
   fi
@@ -149,7 +149,7 @@ load_engine(sys.argv[1] or None, device="cuda", dtype="bfloat16", max_batch_toke
 print(ray_logs_dir() or "/tmp/ray/session_latest/logs")')" "$LOGS/serve.log" 2>/dev/null | tail -100 \
              > "$OUT/compiles.log"
            echo "compile lines logged by the engines: $(wc -l < "$OUT/compiles.log") (compiles.log)" ;;
-    raw) UCX_PROTO_INFO=y run_stage nixl_raw ${RAW_TIMEOUT:-150} "$PY" scripts/bench_nixl_raw.py "${RAW[@]}" \
+    raw) UCX_PROTO_INFO=y run_stage nixl_raw ${RAW_TIMEOUT:-150} "$PY" -m benchmarks.kernels nixl-raw "${RAW[@]}" \
            --json-out "$OUT/nixl_raw.json"
          # which UCX transports carried the READs (UCX_PROTO_INFO prints its protocol choices)
          "$PY" - "$OUT/nixl_raw.json" "$LOGS/nixl_raw.log" <<'EOF'
@@ -162,9 +162,9 @@ if os.path.exists(path):
     json.dump(d, open(path, "w"), indent=1); print("UCX transports seen:", d["transports"])
 EOF
          ;;
-    fault) run_stage fault ${FAULT_TIMEOUT:-300} "$PY" scripts/gpu_service.py fault "${MODEL_ARG[@]}" "${ENGINE[@]}" \
+    fault) run_stage fault ${FAULT_TIMEOUT:-300} "$PY" tools/gpu/service_run.py fault "${MODEL_ARG[@]}" "${ENGINE[@]}" \
              "${SHARE[@]}" "${FAULT[@]}" --transfer nixl --json-out "$OUT/fault.json" ;;
-    report) TAIL=80 run_stage report 60 "$PY" scripts/gpu_service.py report --dir "$OUT" --out "$OUT/gpu_service.md" ;;
+    report) TAIL=80 run_stage report 60 "$PY" tools/gpu/service_run.py report --dir "$OUT" --out "$OUT/gpu_service.md" ;;
     *) echo "unknown stage $stage (env model warm serve raw fault report)"; status=2 ;;
   esac
 done
