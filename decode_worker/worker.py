@@ -23,7 +23,7 @@ from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transfe
 from engine.execution.sampling_params import SamplingParams
 from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
-from kv_transfer.base import TransferError, TransferTimeout
+from kv_transfer.base import ReadInFlight, TransferError, TransferTimeout
 from kv_transfer.registry import make_backend, network_options, resolve_name
 
 # transfer_totals' finer seconds (summed over pulls, like the others):
@@ -34,6 +34,8 @@ from kv_transfer.registry import make_backend, network_options, resolve_name
 #   page-id upload, per-group views, index_copy_ launches and event; scatter_cpu_seconds: the CPU time of the
 #   thread that ran it over the same span; join_seconds: from asking the engine thread to join the request
 #   (scatter included) until it has (the wait for the step in flight).
+QUARANTINE_SWEEP_S = 0.5  # how often quarantined pages are checked for their READ's end
+
 TRANSFER_PARTS = ("plan_seconds", "staging_wait_seconds", "pull_cpu_seconds", "scatter_index_seconds",
                   "scatter_views_seconds", "scatter_copies_seconds", "scatter_record_seconds", "scatter_cpu_seconds",
                   "join_seconds")
@@ -80,6 +82,8 @@ class DecodeWorker(WorkerBase):
         self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id,
                                          **network_options(transfer, bind_host, cluster_token)))
         self.peers: dict[str, bytes] = {}
+        self.quarantined: dict = {}  # request id -> its Request, pages held behind a READ that may still land
+        self._sweeper: asyncio.Task | None = None
         # seconds: each pull's whole time here (thread hand-off included); pull_seconds: inside the backend's pull;
         # wire_seconds: its data movement alone; scatter_seconds: staged pulls' scatter (kv_transfer.TransferStats),
         # queued on the engine thread in the join (not part of pull_seconds; in it for a backend that scatters
@@ -120,7 +124,11 @@ class DecodeWorker(WorkerBase):
             kind = "timeout" if isinstance(e, TransferTimeout) else "error"
             metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, kind).inc()
             self.transfer_totals["failures"] += 1
-            await self.loop.acall(lambda eng: eng.abort(rid))
+            if isinstance(e, ReadInFlight):  # the READ may still write the pages: keep them until it is over
+                await self.loop.acall(lambda eng: self._quarantine(eng, rid))
+                self._sweep_soon()
+            else:
+                await self.loop.acall(lambda eng: eng.abort(rid))
             raise
         except BaseException:
             claim.abandon()  # cancelled while the thread pulls: a scatter it leaves behind frees its range
@@ -173,6 +181,26 @@ class DecodeWorker(WorkerBase):
                 self.loop.call(lambda eng: (eng.abort(rid), self.loop.unsubscribe(rid)))
         async for ev in self._stream(rid, sink):
             yield ev
+
+    # ---- pages behind a READ that could not be cancelled (kv_transfer.base.ReadInFlight) -----------------
+    def _quarantine(self, engine, rid: str) -> None:
+        """Engine thread: take the import out of the engine (an abort must not free its pages) and hold it."""
+        req = engine.imports.pop(rid, None)
+        if req is not None:
+            self.quarantined[rid] = req
+
+    def _sweep_soon(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Free quarantined pages once the backend says their READ is over (or its peer is gone)."""
+        while self.quarantined:
+            await asyncio.sleep(QUARANTINE_SWEEP_S)
+            over = await asyncio.to_thread(self.backend.settled)
+            if over:
+                await self.loop.acall(lambda e: [e.pool.free(self.quarantined.pop(r).pages)
+                                                 for r in over if r in self.quarantined])
 
     async def generate_local(self, request_id: str, prompt: list[int], params: SamplingParams,
                              seed: int | None = None):

@@ -13,7 +13,10 @@ Page ownership: backends never allocate or free pages. The prefill side keeps an
 its release callback fires: on decode's confirmation, on decode's failure report, or when the lease
 (`lease_s`, default 120 s) runs out because the decode side vanished. `poll()` runs the callbacks in the CALLER's
 thread, since `engine.model.allocator` is not thread-safe. On the decode side a failed `pull` raises
-TransferError / TransferTimeout and the caller frees the destination pages (`receive` does it itself).
+TransferError / TransferTimeout and the caller frees the destination pages (`receive` does it itself), except
+after `ReadInFlight`: a READ that could not be cancelled may still write them, so they stay out of use until
+`settled()` names the request (a staged pull's READ lands in the staging buffer: that range is held the same way,
+inside the backend, and the pages are free to go).
 Staging (NIXL): a backend may also pack the request's bytes at export (`_stage`, e.g. into a registered staging
 buffer, kv_transfer.staging); whatever it holds is freed (`_unstage`) when the export is released, by the same
 events as the pages, and the ticket tells the decode side where the packed bytes are (`TransferTicket.staging`).
@@ -58,6 +61,19 @@ class TransferError(RuntimeError):
 
 class TransferTimeout(TransferError):
     """A transfer did not finish before its deadline."""
+
+
+class ReadInFlight(TransferError):
+    """A failed pull whose READ could not be cancelled: the destination pages may still be written. The caller must
+    keep them out of use (never free them) until `TransferBackend.settled()` names the request: the READ is known
+    to be over, or its peer is gone."""
+
+    def __init__(self, message: str, request_id: str):
+        super().__init__(message)
+        self.request_id = request_id
+
+    def __reduce__(self):
+        return type(self), (str(self), self.request_id)
 
 
 @dataclass(frozen=True)
@@ -114,6 +130,7 @@ class TransferBackend(ABC):
         self.fingerprint = layout_fingerprint(self.specs)
         self.lease_s = lease_s
         self._callbacks: list[ReleaseCallback] = [on_release] if on_release else []
+        self._receive_quarantine: dict[str, dict[str, list[int]]] = {}  # receive()'s pages behind a ReadInFlight
         self._exports: dict[str, _Export] = {}
         self._lock = threading.Lock()  # _exports is read by server threads (tcp)
         self._peer_specs: dict[str, list[CacheGroupSpec]] = {}
@@ -311,9 +328,26 @@ class TransferBackend(ABC):
         self.pool.grow(table, ticket.num_tokens)  # raises OutOfPages: nothing was allocated
         try:
             return table, self.pull(ticket, table, timeout_s)
+        except ReadInFlight:
+            self._receive_quarantine[ticket.request_id] = table  # freed by settled() once the READ is over
+            raise
         except BaseException:
             self.pool.free(table)
             raise
+
+    def settled(self) -> list[str]:
+        """Requests whose uncancelled READ (ReadInFlight) is now over or whose peer is gone: their destination
+        pages may be reused (those `receive` allocated are freed here). Call it regularly (cheap when idle)."""
+        over = self._settled_reads()
+        for rid in over:
+            table = self._receive_quarantine.pop(rid, None)
+            if table is not None:
+                self.pool.free(table)
+        return over
+
+    def _settled_reads(self) -> list[str]:
+        """Backend hook: request ids of quarantined READs that are over (a backend without READs has none)."""
+        return []
 
     @abstractmethod
     def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> int | None:

@@ -42,12 +42,14 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from dsv4_kernels.settings import BY_NAME, NIXL_PROGRESS_DELAY_US, settings
 from engine.model.cache import CachePool
-from kv_transfer.base import TransferBackend, TransferError, TransferTicket, TransferTimeout, pack_metadata
+from kv_transfer.base import (ReadInFlight, TransferBackend, TransferError, TransferTicket, TransferTimeout,
+                              pack_metadata)
 from kv_transfer.plan import STAGING_ALIGN, TransferPlan, group_nbytes, staged_layout, staged_nbytes
 from kv_transfer.staging import DeferredScatter, StagingBuffer
 
@@ -127,8 +129,16 @@ def enable_cuda_ipc_get() -> None:
     os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
 
 
-class _Uncancelled(TransferError):
-    """A READ NIXL could not cancel: its destination bytes may still change."""
+@dataclass(eq=False)
+class _StuckRead:
+    """A READ NIXL could not cancel: its destination (the request's pages, or a staging range) stays out of use
+    until the READ is known to be over (its state left PROC and its handle released) or its peer is gone."""
+
+    handle: object
+    source: str
+    request_id: str
+    staging_offset: int | None  # a staged READ's destination range; None: the pages themselves
+    peer_gone: bool = False  # remove_peer tore the source's connection down: nothing lands any more
 
 
 class NixlBackend(TransferBackend):
@@ -168,7 +178,8 @@ class NixlBackend(TransferBackend):
         self.staging_counts = {"staged": 0, "fallback_source": 0, "fallback_destination": 0}
         self._count_lock = threading.Lock()
         self._peers: dict[str, dict] = {}  # worker -> {"mem": str, "groups": {group: (addr, nbytes, dev)}}
-        self._stuck = []  # transfer handles NIXL could not cancel (kept alive: freeing them could crash)
+        self._stuck: list[_StuckRead] = []  # READs NIXL could not cancel (handles kept alive: freeing could crash)
+        self._stuck_lock = threading.Lock()
 
     def metadata(self) -> bytes:
         groups = {n: [addr, group_nbytes(self.pool.groups[n].spec), dev] for n, (addr, dev) in self._local.items()}
@@ -285,7 +296,7 @@ class NixlBackend(TransferBackend):
             base, dev = self.staging.tensor.data_ptr(), _mem(self.staging.tensor)[1]
             local = np.array([(base + offset, nbytes, dev)], dtype=np.uint64)
             remote = np.array([(src[0] + src_off, nbytes, src[2])], dtype=np.uint64)
-            self._xfer(ticket, local, remote, done, deadline, what, nbytes)
+            self._xfer(ticket, local, remote, done, deadline, what, nbytes, staging_offset=offset)
             if self._defers_scatter():  # pull_deferred: the caller queues it on its engine's thread (the range
                 keep = True             # stays held until then)
                 self._on_deferred(DeferredScatter(self.staging, offset, layout, ticket.request_id))
@@ -294,9 +305,9 @@ class NixlBackend(TransferBackend):
                 # queued on this thread's current stream, the engine's (kv_transfer.staging): not waited for here
                 scattered = self.staging.scatter(offset, layout, parts)
                 self._on_scatter(time.monotonic() - t0, parts)
-        except _Uncancelled:
-            keep = True  # a READ that may still land there: never hand the range out again
-            raise
+        except ReadInFlight as e:  # the READ may still land in the range: quarantined (settled() frees it)
+            keep = True
+            raise TransferError(str(e)) from None  # ... but not in the pages: the caller may free those
         finally:
             if not keep:
                 self.staging.release(offset, scattered)  # held until the queued scatter has read it
@@ -304,8 +315,9 @@ class NixlBackend(TransferBackend):
         return 1
 
     def _xfer(self, ticket: TransferTicket, local: np.ndarray, remote: np.ndarray, done: bytes, deadline: float,
-              what: str, nbytes: int) -> None:
-        """Post one READ (local <- remote, Nx3 descriptor arrays) carrying `done`, and drive it to the end."""
+              what: str, nbytes: int, staging_offset: int | None = None) -> None:
+        """Post one READ (local <- remote, Nx3 descriptor arrays) carrying `done`, and drive it to the end. A READ
+        that cannot be cancelled is quarantined with its destination (ReadInFlight)."""
         t0 = time.monotonic()
         handle = self.agent.initialize_xfer(
             "READ", self.agent.get_xfer_descs(local, self.mem_type),
@@ -332,9 +344,11 @@ class NixlBackend(TransferBackend):
         try:
             handle.release()  # cancels the READ if it is still in flight
         except Exception as e:
-            self._stuck.append(handle)
-            msg = f"{what}: could not cancel the READ ({e}); its destination pages may still be written"
-            error = _Uncancelled(f"{error}; {msg}" if error else msg)
+            with self._stuck_lock:
+                self._stuck.append(_StuckRead(handle, ticket.source, ticket.request_id, staging_offset))
+            msg = (f"{what}: could not cancel the READ ({e}); its destination stays out of use until the READ is "
+                   f"over or {ticket.source!r} is gone")
+            error = ReadInFlight(f"{error}; {msg}" if error else msg, ticket.request_id)
         if error is not None:
             raise error
 
@@ -359,6 +373,28 @@ class NixlBackend(TransferBackend):
                     log.warning("ignoring malformed NIXL notification from %s: %r", peer, m[:100])
         return out
 
+    def _settled_reads(self) -> list[str]:
+        """Quarantined READs now over (or from a peer that is gone): staging ranges freed here; -> the request ids
+        of those that wrote pages (the caller frees them)."""
+        with self._stuck_lock:
+            over = [s for s in self._stuck if self._read_over(s)]
+            self._stuck = [s for s in self._stuck if s not in over]
+        for s in over:
+            if s.staging_offset is not None:
+                self.staging.release(s.staging_offset)
+        return [s.request_id for s in over if s.staging_offset is None]
+
+    def _read_over(self, s: _StuckRead) -> bool:
+        if s.peer_gone:
+            return True
+        try:
+            if self.agent.check_xfer_state(s.handle) == "PROC":
+                return False
+            s.handle.release()
+            return True
+        except Exception:  # still not releasable: keep it quarantined, look again later
+            return False
+
     def remove_peer(self, name: str) -> None:
         super().remove_peer(name)
         if self._peers.pop(name, None) is not None:
@@ -366,6 +402,9 @@ class NixlBackend(TransferBackend):
                 self.agent.remove_remote_agent(name)
             except Exception as e:
                 log.info("NIXL remove_remote_agent(%s): %s", name, e)
+            with self._stuck_lock:
+                for s in self._stuck:
+                    s.peer_gone = s.peer_gone or s.source == name
 
     def close(self) -> None:
         super().close()
