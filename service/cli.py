@@ -1,5 +1,5 @@
 """The `dsv4` command line: `generate`, `make-model`, `serve`, `bench serve|route|soak|kernels|slice`, `chat-render`,
-`chat-parse`."""
+`chat-parse`, `eval perplexity|tasks`."""
 
 from __future__ import annotations
 
@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     _add_bench(sub)
     _add_chat(sub)
+    from service.eval_cli import add_eval_args
+
+    add_eval_args(sub.add_parser("eval", help="model quality through the engine: perplexity (bits per byte), tasks"))
     from service.doctor import add_doctor_args
 
     add_doctor_args(sub.add_parser("doctor", help="print the environment: Python, torch, GPUs, kernel libraries, NIXL, "
@@ -238,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             return _chat_render(args)
         if args.command == "chat-parse":
             return _chat_parse(args)
+        if args.command == "eval":
+            from service.eval_cli import eval_main
+
+            return eval_main(args)
         if args.command == "doctor":
             from service.doctor import doctor_main
 

@@ -54,7 +54,12 @@ def _fresh_release(tmp) -> str:
     os.makedirs(run)
     texts = [corpus.read_text(f.path) for f in corpus.list_files() if not f.heldout][:40]
     train_tokenizer([t for t in texts if t], 4096, data)
-    save_state(build_model(seed=3), run)
+    model = build_model(seed=3)
+    with torch.no_grad():  # transformers' 0.02 init gives near-uniform logits, where every path agrees
+        torch.manual_seed(3)
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+        model.lm_head.weight.normal_(0.0, 0.35)
+    save_state(model, run)
     return export(run, data, os.path.join(tmp, "release"))
 
 
@@ -136,6 +141,7 @@ def test_engine_matches_transformers(kind, models):
     ref = oracle_logprobs(twin, ids)
     diffs = [abs(out.prompt_logprobs[i] - float(ref[i - 1, ids[i]])) for i in range(1, len(ids))]
     share = share_within(diffs, LP_TOL)
+    assert float(ref[:, :].max(dim=-1).values.exp().mean()) > 0.02, "near-uniform logits: the check would be void"
     assert share >= MIN_SHARE, (kind, rel, share, max(diffs))
     assert out.token_ids[0] == int(torch.argmax(ref[-1])) or float(ref[-1].max() - ref[-1, out.token_ids[0]]) < 1e-3
     if kind == "trained":
