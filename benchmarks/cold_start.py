@@ -17,11 +17,8 @@ import argparse
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
-
-
 
 REQUEST = re.compile(r"^request (\d+): prompt (\d+), first step ([\d.]+) ms, "
                      r"slowest (?:decode|later) step ([\d.]+) ms$", re.M)
@@ -151,8 +148,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     print(f"machine: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
-    from engine.loading.load import load_engine
     from engine.execution.sampling_params import SamplingParams
+    from engine.loading.load import load_engine
 
     t = time.perf_counter()
     core = load_engine(args.model, device="cuda", dtype="bfloat16", max_batch_tokens=args.max_batch_tokens,

@@ -26,9 +26,9 @@ import tempfile
 import torch
 
 import engine.execution.runner
+from engine.execution.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.loading.make_model import make_model
-from engine.execution.sampling_params import SamplingParams
 from service.benchmarks_md import write_section
 
 NEAR_TIE = 0.05
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(row_line(r))
             print(lines[-1], flush=True)
     if not args.no_write:
-        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
         head = ["## GPU engine vs CPU fp32 engine: `python -m benchmarks.gpu_agreement`", "",
                 f"`python -m benchmarks.gpu_agreement {shlex.join(argv)}` on {torch.cuda.get_device_name()} "
                 f"(torch {torch.__version__}), {when}; {len(PROMPT_LENS)} prompts of 5-300 tokens, {args.tokens} "

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     out = measure(args.preset, args.tokens)["lines"]
     print("\n".join(out))
     if not args.no_write:
-        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
         write_section("hopper_e2e", "\n".join([
             "## Hopper fast paths end to end: `python -m benchmarks.hopper_e2e`", "",
             f"- `python -m benchmarks.hopper_e2e {' '.join(argv)}`, {when}, {torch.cuda.get_device_name()} "

@@ -16,13 +16,13 @@ import asyncio
 import threading
 import time
 
-from engine.telemetry import metrics
+from engine.execution.sampling_params import SamplingParams
+from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
 from engine.model.allocator import OutOfPages
 from engine.runtime.engine_loop import AsyncSink
-from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
-from engine.execution.sampling_params import SamplingParams
 from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
+from engine.telemetry import metrics
 from kv_transfer.base import ReadInFlight, TransferError, TransferTimeout
 from kv_transfer.registry import make_backend, network_options, resolve_name
 

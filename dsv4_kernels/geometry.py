@@ -208,7 +208,7 @@ class IndexerKeyLayout(BlockRowLayout):
         return self.num_scales * (1 if self.fmt == "mxfp4" else FP32_SCALE_BYTES)
 
     @classmethod
-    def from_row_bytes(cls, row_bytes: int, fmt: str, block_size: int = SWA_BLOCK_ROWS) -> "IndexerKeyLayout":
+    def from_row_bytes(cls, row_bytes: int, fmt: str, block_size: int = SWA_BLOCK_ROWS) -> IndexerKeyLayout:
         """Recover index_head_dim from a packed row size (68 -> 128 for mxfp4, 132 -> 128 for fp8)."""
         per_block = MXFP4_BLOCK // 2 + 1 if fmt == "mxfp4" else FP8_INDEXER_BLOCK + FP32_SCALE_BYTES
         scale_block = MXFP4_BLOCK if fmt == "mxfp4" else FP8_INDEXER_BLOCK
@@ -495,7 +495,7 @@ class CacheGeometry:
     indexer_state: CompressorStateLayout | None
 
     @classmethod
-    def from_config(cls, cfg, kv_format: str = "fp8_ds_mla", indexer_format: str = "mxfp4") -> "CacheGeometry":
+    def from_config(cls, cfg, kv_format: str = "fp8_ds_mla", indexer_format: str = "mxfp4") -> CacheGeometry:
         if kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
         if indexer_format not in INDEXER_FORMATS:

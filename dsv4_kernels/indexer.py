@@ -12,7 +12,7 @@ no step holds more than SCORES_BUDGET bytes of scores whatever its length or con
 rotation, MXFP4 / FP8 in the key packing), the reference of dsv4_kernels/triton_indexer_query.py.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

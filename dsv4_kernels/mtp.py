@@ -51,7 +51,7 @@ class MtpSpec:
     swiglu_limit: float
 
     @classmethod
-    def of(cls, cfg) -> "MtpSpec":
+    def of(cls, cfg) -> MtpSpec:
         """From any object with these fields (engine.model.config.ModelConfig: its `main_rope.theta`)."""
         theta = cfg.main_rope.theta if hasattr(cfg, "main_rope") else cfg.rope_theta
         return cls(cfg.num_heads, cfg.head_dim, cfg.rope_dim, float(theta), cfg.o_groups, cfg.sliding_window,

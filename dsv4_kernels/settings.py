@@ -273,7 +273,7 @@ class Settings:
         MODEL_DIR, "str", None, "the chart's model-download init container: where the model goes", "deploy")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str]) -> Settings:
         """Parse every switch from `environ`; ValueError on the first bad value."""
         values = {f.name: f.metadata["switch"].parse(environ.get(f.metadata["switch"].name)) for f in fields(cls)}
         return cls(**values)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.geometry import IndexerKeyLayout
-from dsv4_kernels.indexer import SCORES_BUDGET, check_candidates, query_blocks, token_candidates
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.indexer import SCORES_BUDGET, check_candidates, query_blocks, token_candidates
 from dsv4_kernels.triton_index_keys import bf16_dot, check_index_keys, key_format, tl_load_index_keys
 from dsv4_kernels.triton_indexer_prefill import indexer_prefill_scores
 

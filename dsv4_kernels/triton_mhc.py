@@ -27,10 +27,9 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dsv4_kernels.settings import settings
-
 from dsv4_kernels import triton_mhc_rows
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.settings import settings
 
 triton, tl = import_triton()
 

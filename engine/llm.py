@@ -36,8 +36,8 @@ class LLM:
                                 speculative_tokens=speculative_tokens)
         self.ranks = None
         if tensor_parallel_size > 1 or expert_parallel:
-            from engine.model.sharding import check_divisible
             from engine.execution.tp_launch import RankGroup
+            from engine.model.sharding import check_divisible
 
             # Before spawning: a model the group cannot split fails here with one clear ValueError.
             check_divisible(ModelConfig.from_model_dir(model_dir),
@@ -61,7 +61,7 @@ class LLM:
             ranks, self.ranks = self.ranks, None
             ranks.close(self.engine)
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -48,8 +48,14 @@ import numpy as np
 
 from dsv4_kernels.settings import BY_NAME, NIXL_PROGRESS_DELAY_US, settings
 from engine.model.cache import CachePool
-from kv_transfer.base import (ReadInFlight, TransferBackend, TransferError, TransferTicket, TransferTimeout,
-                              pack_metadata)
+from kv_transfer.base import (
+    ReadInFlight,
+    TransferBackend,
+    TransferError,
+    TransferTicket,
+    TransferTimeout,
+    pack_metadata,
+)
 from kv_transfer.plan import STAGING_ALIGN, TransferPlan, group_nbytes, staged_layout, staged_nbytes
 from kv_transfer.staging import DeferredScatter, StagingBuffer
 

@@ -33,15 +33,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
 from engine.model.cache import CacheGroupSpec
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element; works for integer (quantised byte) dtypes too, unlike torch.finfo. Cached: every pull's
     plan asks it per group (a tensor made each time cost ~0.2 ms a pull on the CPU)."""

@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from engine.telemetry import metrics
-from engine.runtime.engine_loop import AsyncSink
-from engine.handoff import PrefillResult
 from engine.execution.sampling_params import SamplingParams
+from engine.handoff import PrefillResult
+from engine.runtime.engine_loop import AsyncSink
 from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
+from engine.telemetry import metrics
 from kv_transfer.base import ABORTED, release_kind
 from kv_transfer.registry import make_backend, network_options, resolve_name
 
@@ -111,7 +111,8 @@ class PrefillWorker(WorkerBase):
         """Drop a request (queued, running or held) and withdraw its export; frees its pages."""
         def drop(engine):
             self.backend.release(request_id, ABORTED)
-            engine.abort(request_id)
+            if request_id not in self.backend.exported():  # else a read of its pages is in progress: the release
+                engine.abort(request_id)                    # frees them after it (kv_transfer.base.release)
             self.loop.unsubscribe(request_id)
 
         await self.loop.acall(drop)

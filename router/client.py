@@ -9,8 +9,8 @@ as the call's status.
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 

@@ -21,12 +21,13 @@ Contract of a Dispatcher (the router is its only caller; all calls come from the
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
-from engine.handoff import PrefixDigest
 from engine.execution.request import TokenEvent
 from engine.execution.sampling_params import SamplingParams
+from engine.handoff import PrefixDigest
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLES = ("prefill", "decode", "colocated")

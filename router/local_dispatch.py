@@ -22,11 +22,11 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 
-from engine.telemetry import metrics
-from engine.telemetry.compile_watch import CompileWatch, install_variant_log, note_slow_step
-from engine.runtime.engine_loop import AsyncSink, EngineLoop, LoopStopped
 from engine.execution.request import TokenEvent
 from engine.execution.runner import EngineCore
+from engine.runtime.engine_loop import AsyncSink, EngineLoop, LoopStopped
+from engine.telemetry import metrics
+from engine.telemetry.compile_watch import CompileWatch, install_variant_log, note_slow_step
 from router.dispatch import DispatchRequest, WorkerDied, WorkerInfo
 
 

@@ -24,7 +24,7 @@ work wins), "hotspot_guard".
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from engine.execution.block_hash import block_hashes
 from engine.handoff import PrefixDigest

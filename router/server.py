@@ -43,14 +43,21 @@ import dataclasses
 import logging
 import math
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 
 from engine.execution.sampling_params import SamplingParams
 from router.auth import TokenInterceptor
-from router.dispatch import (Dispatcher, DispatchRequest, NoWorkerAvailable, Overloaded, PREFILL_ROLES,
-                             DECODE_ROLES, WorkerDied)
+from router.dispatch import (
+    DECODE_ROLES,
+    PREFILL_ROLES,
+    Dispatcher,
+    DispatchRequest,
+    NoWorkerAvailable,
+    Overloaded,
+    WorkerDied,
+)
 from router.metrics import RouterMetrics
 from router.policy import Placement, RoutingPolicy
 from router.protos import pb2, pb2_grpc
@@ -187,7 +194,7 @@ class RouterServer(pb2_grpc.RouterServicer):
             await asyncio.sleep(self.health_interval_s)
             try:
                 await self.check_health()
-            except asyncio.TimeoutError:  # cannot tell which worker hangs: keep the last verdicts
+            except TimeoutError:  # cannot tell which worker hangs: keep the last verdicts
                 log.warning("health check timed out after %.1f s", self.health_timeout_s)
             except Exception:
                 log.exception("health check failed")
@@ -379,7 +386,7 @@ class RouterServer(pb2_grpc.RouterServicer):
         if request.probe:
             try:
                 await self.check_health()
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "health check timed out")
         workers = self.dispatcher.workers()
         up = [w for w in workers if self.policy.is_up(w)]

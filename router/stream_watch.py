@@ -24,7 +24,7 @@ _END = object()
 class StreamWatch:
     """One stream's link to the workers it currently depends on (`workers`: drop one once it is done)."""
 
-    def __init__(self, registry: "StreamWatches", workers: set[str]):
+    def __init__(self, registry: StreamWatches, workers: set[str]):
         self._registry = registry
         self.workers = set(workers)
         self.task = asyncio.current_task()

@@ -188,9 +188,9 @@ def bench_serve_main(args: argparse.Namespace) -> int:
         from service.bench_trace import bench_trace_main
 
         return bench_trace_main(args)
-    from service.launcher import init_ray, prepare_metrics_dir
-    from engine.model.config import ModelConfig
     from engine.loading.make_model import default_model_dir
+    from engine.model.config import ModelConfig
+    from service.launcher import init_ray, prepare_metrics_dir
 
     topologies = parse_topologies(args.topologies)
     model_dir = args.model or default_model_dir()

@@ -134,13 +134,19 @@ def _free_port() -> int:
 
 
 def run_soak(args) -> dict:
-    import requests
     import ray
+    import requests
 
-    from engine.model.config import ModelConfig
     from engine.loading.make_model import default_model_dir
-    from service.launcher import (ServiceConfig, init_ray, prepare_metrics_dir, remove_metrics_dir, start_service,
-                                  stop_service)
+    from engine.model.config import ModelConfig
+    from service.launcher import (
+        ServiceConfig,
+        init_ray,
+        prepare_metrics_dir,
+        remove_metrics_dir,
+        start_service,
+        stop_service,
+    )
 
     model_dir = args.model or default_model_dir()
     vocab = ModelConfig.from_model_dir(model_dir).vocab_size

@@ -103,8 +103,8 @@ def run_policy(policy: str, trace, prompts, args, engine_options: dict) -> dict:
 
 
 def bench_trace_main(args) -> int:
-    from engine.model.config import ModelConfig
     from engine.loading.make_model import default_model_dir
+    from engine.model.config import ModelConfig
 
     args.model = args.model or default_model_dir()
     cfg = ModelConfig.from_model_dir(args.model)

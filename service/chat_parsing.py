@@ -33,8 +33,18 @@ import logging
 import re
 from dataclasses import dataclass, field
 
-from service.chat_encoding import (EOS, INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN, THINK_END,
-                                   THINK_START, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN, to_json)
+from service.chat_encoding import (
+    EOS,
+    INVOKE_CLOSE,
+    INVOKE_OPEN,
+    PARAM_CLOSE,
+    PARAM_OPEN,
+    THINK_END,
+    THINK_START,
+    TOOL_CALLS_CLOSE,
+    TOOL_CALLS_OPEN,
+    to_json,
+)
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ class IngressOptions:
             raise ValueError("api_key must be a non-empty string or None")
 
     @classmethod
-    def from_env(cls, **kw) -> "IngressOptions":
+    def from_env(cls, **kw) -> IngressOptions:
         """`DSV4_API_KEY` fills api_key when it is not given."""
         if kw.get("api_key") is None and settings().api_key:
             kw["api_key"] = settings().api_key

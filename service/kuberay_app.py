@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from kv_transfer.registry import TRANSFER_CHOICES
-from service.launcher import ENGINE_OPTION_KEYS, RouterActor, ServiceConfig, remote_classes, add_serve_args
+from service.launcher import ENGINE_OPTION_KEYS, RouterActor, ServiceConfig, add_serve_args, remote_classes
 from service.rank_placement import dp_actor_names, dp_worker_ids, follower_names, group_name, place_worker
 
 NAMESPACE = "dsv4"
@@ -334,10 +334,9 @@ def ingress_max_model_len(cfg: EntryConfig) -> int | None:
 
 def build(args: dict):
     """Serve application builder: start the backend, -> the OpenAI ingress app bound to its router."""
-    from service.serve_ingress import OpenAIIngress
     from engine.loading.make_model import default_model_dir
-
     from service.ingress_guard import IngressOptions
+    from service.serve_ingress import OpenAIIngress
 
     cfg = parse_args(args)
     router_addr, token = start_backend(cfg)

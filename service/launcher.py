@@ -30,12 +30,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from dsv4_kernels.settings import API_DOCS, settings
 from engine.runtime.health import DEFAULT_STALL_TIMEOUT_S
 from kv_transfer.registry import TRANSFER_CHOICES, TRANSFER_HELP
 from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 from service.rank_placement import place_worker, remove_worker
 from service.service_config import ENGINE_OPTION_KEYS, ServiceConfig
-from dsv4_kernels.settings import API_DOCS, settings
+
 
 class ServiceStartError(RuntimeError):
     """A part of the service did not come up; the message names which part and what Ray reported."""
@@ -46,9 +47,9 @@ class RouterActor:
 
     def __init__(self, prefill: dict, decode: dict, policy: str, token: str | None = None, **server_kw):
         """server_kw: RouterServer's admission settings (max_queued, queue_timeout_s, restart_wait_s)."""
-        from service.ray_dispatcher import RayDispatcher
         from router.policy import PolicyConfig, RoutingPolicy
         from router.server import RouterServer
+        from service.ray_dispatcher import RayDispatcher
 
         self.dispatcher = RayDispatcher(prefill, decode)
         self.server = RouterServer(self.dispatcher, RoutingPolicy(PolicyConfig(name=policy)),

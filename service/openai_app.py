@@ -21,8 +21,8 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 import grpc
 from fastapi import FastAPI, Request
@@ -30,18 +30,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsv4_kernels.settings import settings
+from engine.execution.sampling_params import SamplingParams
+from engine.loading.model_source import local_model_dir
+from engine.loading.tokenizer import load_tokenizer
+from engine.model.config import ModelConfig
+from engine.telemetry import metrics
+from router.client import AsyncRouterClient, RouterError
 from service import chat_v4
 from service import openai_protocol as P
 from service.ingress_guard import GuardMiddleware, IngressOptions, Offloader, lone_surrogate
 from service.template_sandbox import TemplateTimeout
 from service.text_stream import TextStream
-from engine.telemetry import metrics
-from engine.model.config import ModelConfig
-from engine.loading.model_source import local_model_dir
-from engine.execution.sampling_params import SamplingParams
-from engine.loading.tokenizer import load_tokenizer
-from router.client import AsyncRouterClient, RouterError
-from dsv4_kernels.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
     @classmethod
-    def from_router(cls, e: RouterError) -> "APIError":
+    def from_router(cls, e: RouterError) -> APIError:
         msg = e.message or e.code.name
         if _TRANSPORT_DETAIL.search(msg):  # gRPC's own connection errors name addresses: keep them in the log
             log.warning("router call failed: %s: %s", e.code.name, msg)
@@ -455,7 +455,7 @@ class OpenAIServer:
         """200 when the router answers and has a healthy prefill and decode worker; 503 otherwise."""
         try:
             rep = await asyncio.wait_for(self.client().health(), self.health_timeout_s)
-        except (RouterError, asyncio.TimeoutError) as e:
+        except (TimeoutError, RouterError) as e:
             log.warning("health: router %s is not reachable: %s", self.router_addr, str(e) or "timed out")
             return APIError(503, "the router is not reachable").response()
         if not rep.serving:

@@ -29,10 +29,10 @@ import time
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from engine.execution.request import TokenEvent
 from engine.handoff import DecodeOverloaded, PeerUnknown, Transferred
 from engine.runtime.engine_loop import LoopStopped
 from kv_transfer.base import TransferError
-from engine.execution.request import TokenEvent
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class RayDispatcher:
             if self._incarnation.get(wid) != stats.incarnation:
                 await asyncio.wait_for(self._introduce_new(wid, stats.incarnation), self.call_timeout_s)
                 self._incarnation[wid] = stats.incarnation
-        except (asyncio.TimeoutError, *DEAD, RayTaskError, TransferError) as e:
+        except (TimeoutError, *DEAD, RayTaskError, TransferError) as e:
             if not isinstance(e, (asyncio.TimeoutError, *DEAD)):
                 log.warning("worker %s could not be introduced to its peers: %s", wid, _cause(e))
             self._info[wid] = WorkerInfo(wid, role, healthy=False, incarnation=self._info[wid].incarnation)
@@ -136,7 +136,7 @@ class RayDispatcher:
         """Is the worker that prefilled (this incarnation of it, not a restarted one) still alive?"""
         try:
             return await asyncio.wait_for(handle.ping.remote(), self.call_timeout_s) == incarnation
-        except (asyncio.TimeoutError, *DEAD, RayTaskError):
+        except (TimeoutError, *DEAD, RayTaskError):
             return False
 
     async def _introduce_pair(self, prefill_id: str, decode_id: str, incarnation: str) -> None:
@@ -186,7 +186,7 @@ class RayDispatcher:
                 try:
                     await asyncio.wait_for(self._introduce_pair(prefill_id, decode_id, result.incarnation),
                                            self.call_timeout_s)
-                except (asyncio.TimeoutError, *DEAD, RayTaskError) as e:
+                except (TimeoutError, *DEAD, RayTaskError) as e:
                     if not await self._still_holds(prefill, result.incarnation):
                         raise WorkerDied(prefill_id, f"introducing it to {decode_id}: {_cause(e)}") from None
                     raise WorkerDied(decode_id, f"introducing {prefill_id}: {_cause(e)}") from None

@@ -65,7 +65,7 @@ def table(rows: list[dict], command: str) -> str:
     dev = torch.cuda.get_device_name()
     lines = ["## FP8 dense GEMMs (DeepGEMM) vs bf16", "",
              f"- command: `{command}`",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {dev}, torch "
+             f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {dev}, torch "
              f"{torch.__version__}",
              "- time: device us in a CUDA graph after an L2 flush (weights from HBM); fp8 = Triton 1x128 activation "
              "quantiser + `deep_gemm.fp8_gemm_nt` (bf16 out), bf16 = `x @ W^T` on the dequantised weight",

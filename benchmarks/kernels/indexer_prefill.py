@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def section(log: list[str], argv: str) -> str:
     """The run as a BENCHMARKS.md section (merged with --merge)."""
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (f"## Prefill indexer: shared-key kernel vs per-token kernel\n\n"
             f"- command: `dsv4 bench kernels indexer-prefill {argv}`\n- date: {when}; torch {torch.__version__}\n"
             f"- \"per-token\" is the decode kernel (dsv4_kernels/triton_indexer.py) run over every query; "

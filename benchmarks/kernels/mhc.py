@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         graph_small(dev, getattr(torch, args.dtype))
     tokens = " ".join(map(str, args.tokens))
     lines = [f"- command: `dsv4 bench kernels mhc --tokens {tokens} --dtype {args.dtype}`",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+             f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {gbps:.0f} GB/s",
              "", "| tokens | split us | long, rows us | long, token us | (logits matmul us) | streams-read roof us "
              "| best x roof | max abs diff vs token: split | rows |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -197,7 +197,7 @@ def sweep_section(device_name: str, lines: list[str], command: str) -> str:
 
     return "\n".join(["## triton_kernels MXFP4 MoE launch constraints: `dsv4 bench kernels moe --ogs-sweep`", "",
                       f"- command: `{command}`, "
-                      f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {device_name}; times = "
+                      f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {device_name}; times = "
                       "CUDA-graph device time of the whole dsv4_kernels.mxfp4_ogs.ogs_moe call after an L2 flush; "
                       "err = "
                       "against the same call with triton_kernels' own heuristics", "", "```", *lines, "```"])
@@ -209,7 +209,7 @@ def section(device_name: str, copy: float, args, table: list[str]) -> str:
 
     lines = ["## Routed MXFP4 experts (V4-Flash shapes): `dsv4 bench kernels moe`", "",
              f"- command: `{args.command}`",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {device_name}, torch "
+             f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {device_name}, torch "
              f"{torch.__version__}; copy bandwidth {copy:.0f} GB/s (read + write, measured in this run)",
              f"- hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts top-{args.topk}, bf16 activations; "
              "weight MB = the distinct experts the routing touches; `graph us` = device time in a CUDA graph after "

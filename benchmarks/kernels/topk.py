@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         sweep(dev)
     lines = ["- command: `dsv4 bench kernels topk`",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+             f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}", "",
              "| rows | candidates | causal | torch.topk us | radix, one program us | radix, split us | "
              "engine rule us | rule vs torch | same picks |",

@@ -27,9 +27,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 

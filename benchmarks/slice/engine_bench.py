@@ -20,12 +20,11 @@ import time
 
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.fast_paths import use_mxfp4_moe
+from benchmarks.timing import Clock, median, sync
 from engine.execution.runner import EngineCore
 from engine.execution.sampling_params import SamplingParams
-
-from benchmarks.timing import Clock, median, sync
+from engine.model.config import ModelConfig
+from engine.model.fast_paths import use_mxfp4_moe
 
 
 def _capturing() -> bool:

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from dsv4_kernels.settings import settings
+from service.benchmarks_md import write_section  # noqa: E402
+
 from .peer import transformers_info
 from .roofline import expert_bytes, index_row_bytes, kv_row_bytes
-from service.benchmarks_md import write_section  # noqa: E402
 
 SECTION = "## GPU decode and prefill (V4-Flash slice)"
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 import re
 
-from engine.model.config import ModelConfig
 from engine.loading.make_model import _FP8, _MXFP4
 from engine.loading.weights import expected_weight_shapes, keeps_fp32
+from engine.model.config import ModelConfig
 
 
 def _numel(shape) -> int:

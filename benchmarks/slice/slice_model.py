@@ -17,20 +17,7 @@ import math
 
 import torch
 
-from engine.model.cache import CacheConfig
-from engine.model.config import ModelConfig
-from engine.model.fast_paths import (mxfp4_moe_backend, resolve_index_cache_dtype, resolve_kv_cache_dtype, use_fp8_gemm,
-                               use_grouped_moe)
-from engine.model.linear import keeps_fp8
-from engine.loading.make_model import (  # the release's quantisation layout
-    _FP8,
-    _MXFP4,
-    preset_config,
-)
-from engine.execution.prefix_cache import STAGING_PAGES
-from engine.execution.runner import EngineCore
-from engine.execution.scheduler import SchedulerConfig
-from engine.loading.weights import expected_weight_shapes, keeps_fp32
+from benchmarks.timing import sync
 from dsv4_kernels.quant import (
     E2M1_VALUES,
     UE8M0_BIAS,
@@ -40,8 +27,25 @@ from dsv4_kernels.quant import (
     quant_mxfp4,
     ue8m0_to_float,
 )
-
-from benchmarks.timing import sync
+from engine.execution.prefix_cache import STAGING_PAGES
+from engine.execution.runner import EngineCore
+from engine.execution.scheduler import SchedulerConfig
+from engine.loading.make_model import (  # the release's quantisation layout
+    _FP8,
+    _MXFP4,
+    preset_config,
+)
+from engine.loading.weights import expected_weight_shapes, keeps_fp32
+from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
+from engine.model.fast_paths import (
+    mxfp4_moe_backend,
+    resolve_index_cache_dtype,
+    resolve_kv_cache_dtype,
+    use_fp8_gemm,
+    use_grouped_moe,
+)
+from engine.model.linear import keeps_fp8
 
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128]}

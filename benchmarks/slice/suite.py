@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.timing import Clock, measure_roofs
 from dsv4_kernels.settings import TRITON, reload, settings
 from engine.model.config import ModelConfig
 from engine.model.fast_paths import use_triton
 
 from .engine_bench import ExpertRecorder, bench_decode, bench_prefill, profile_decode, profile_prefill
-from benchmarks.timing import Clock, measure_roofs
 from .peer import bench_transformers, transformers_info
 from .report import environment, fmt_k, verdicts
 from .roofline import check_geometry, decode_figures, prefill_figures
@@ -340,7 +340,7 @@ class Suite:
             "python -m benchmarks.slice " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
         ctx = {
             "env": env, "cfg": self.cfg, "copy_gbs": self.copy_gbs, "tflops": self.tflops, "mm_n": p.mm_n,
-            "command": command, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": command, "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "budget_s": clock.deadline - clock.t0, "slice_desc": slice_description(self.cfg, dense_path(p.device, DTYPE, p.dense)),
             "triton_path": triton_at_start, "engines": self.engines, "steps": p.steps, "warmup": p.warmup,
             "decode": self.decode, "prefill": self.prefills, "prefill_tokens": p.prefill_tokens, "hf": hf,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def block_hashes(tokens: Sequence[int], block: int, seed: bytes, start: int = 0, parent: bytes | None = None,

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.execution.sampling import greedy_pick
 from engine.model.batch import copy_nonblocking_
 from engine.model.cache import CachePool
 from engine.model.decode_batch import BlockTables, DecodeInputs, DecodeShape, derive_decode_batch
-from engine.execution.sampling import greedy_pick
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ class LaunchedDecode:
     ready: object
 
     @staticmethod
-    def of(chunks, picked: torch.Tensor) -> "LaunchedDecode":
+    def of(chunks, picked: torch.Tensor) -> LaunchedDecode:
         """Queue the host copy of `picked` right behind the step (before anything launched later)."""
         if picked.device.type != "cuda":
             return LaunchedDecode(tuple(chunks), picked, picked.clone(), None)

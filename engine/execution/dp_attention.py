@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from engine.model.parallel import ParallelContext
 from engine.execution.request import GenerationOutput
 from engine.execution.sampling_params import SamplingParams
+from engine.model.parallel import ParallelContext
 
 STOP = "stop"
 

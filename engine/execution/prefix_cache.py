@@ -51,15 +51,15 @@ import hashlib
 import heapq
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from engine.execution.block_hash import block_hashes
-from engine.model.cache import CachePool
-from engine.handoff import PrefixDigest
 from engine.execution.request import Request
+from engine.handoff import PrefixDigest
+from engine.model.cache import CachePool
 
 DEFAULT_SNAPSHOT_INTERVAL = 2048  # tokens (rounded up to whole blocks)
 
@@ -106,7 +106,7 @@ def snapshot_store_bytes(specs, slots: int) -> int:
 STAGING_PAGES = 2
 
 
-def default_snapshot_slots(config: "PrefixCacheConfig", max_requests: int) -> int:
+def default_snapshot_slots(config: PrefixCacheConfig, max_requests: int) -> int:
     return config.snapshots or 4 * max_requests
 
 
@@ -215,7 +215,7 @@ class PrefixCache:
         self._leaves: list[tuple[int, int]] = []  # heap of (stamp, key), stale entries skipped
         self._snap_lru: OrderedDict[int, None] = OrderedDict()
         self._pinned: set[int] = set()
-        self._plans: dict[str, "_Plan"] = {}
+        self._plans: dict[str, _Plan] = {}
         self.version = 0  # bumped whenever the set of resumable blocks changes (digest republish)
         # (positions, page rows) of each snapshotted ring: slot = position % positions (engine.model.batch._ring_write)
         window = pool.cfg.sliding_window
@@ -235,7 +235,7 @@ class PrefixCache:
             plan.hashes.extend(block_hashes(tokens, self.block, self.seed, len(plan.hashes), parent))
         return plan.hashes[:want]
 
-    def _plan(self, req: Request) -> "_Plan":
+    def _plan(self, req: Request) -> _Plan:
         plan = self._plans.get(req.request_id)
         if plan is None or plan.request is not req:
             plan = self._plans[req.request_id] = _Plan(req)
@@ -321,7 +321,7 @@ class PrefixCache:
         plan = self._plans.get(req.request_id)
         return None if plan is None or plan.pending is None else plan.pending[1]
 
-    def _stage(self, plan: "_Plan", point: int) -> bool:
+    def _stage(self, plan: _Plan, point: int) -> bool:
         pages: dict[str, int] = {}
         for name in self.rings:
             alloc = self.pool.groups[name].allocator
@@ -333,7 +333,7 @@ class PrefixCache:
         plan.pending = (point, pages)
         return True
 
-    def _unstage(self, plan: "_Plan") -> None:
+    def _unstage(self, plan: _Plan) -> None:
         if plan.pending is not None:
             for name, page in plan.pending[1].items():
                 self.pool.groups[name].allocator.free([page])

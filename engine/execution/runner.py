@@ -14,24 +14,23 @@ import logging
 
 import torch
 
-from engine.model.allocator import OutOfPages
-from engine.model.batch import build_step, to_device_nonblocking
-from engine.model.cache import CacheConfig, CachePool
-from engine.model.config import ModelConfig
+from dsv4_kernels.settings import settings
 from engine.execution.cuda_graphs import DecodeRunner
 from engine.execution.decode_overlap import LaunchedDecode, next_step_is_known, overlappable_decode_step
-from engine.model.fast_paths import use_triton
-from engine.handoff import DecodeOverloaded, EngineLoad
-from engine.model.model import DeepseekV4Model
-from engine.model.parallel import SINGLE, ParallelContext
 from engine.execution.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixCacheConfig
 from engine.execution.request import Request, TokenEvent
 from engine.execution.sampling import draw_seed, greedy_pick, sample, sampling_inputs
 from engine.execution.sampling_params import SamplingParams
 from engine.execution.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.execution.tp_executor import DECODE, FORWARD, SYNC, StepInputs, replicate_pages
-from dsv4_kernels.settings import settings
-
+from engine.handoff import DecodeOverloaded, EngineLoad
+from engine.model.allocator import OutOfPages
+from engine.model.batch import build_step, to_device_nonblocking
+from engine.model.cache import CacheConfig, CachePool
+from engine.model.config import ModelConfig
+from engine.model.fast_paths import use_triton
+from engine.model.model import DeepseekV4Model
+from engine.model.parallel import SINGLE, ParallelContext
 
 DECODE_MODES = ("auto", "eager", "bucketed", "graphs")
 

@@ -19,9 +19,9 @@ from collections import deque
 from collections.abc import Sized
 from dataclasses import dataclass
 
-from engine.model.cache import CachePool
 from engine.execution.prefix_cache import PrefixCache
 from engine.execution.request import Request
+from engine.model.cache import CachePool
 
 
 @dataclass(frozen=True)

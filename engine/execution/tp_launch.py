@@ -21,8 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.model.parallel import (ParallelContext, free_loopback_port, init_distributed, process_backend, rank_device,
-                             shutdown_distributed)
+from engine.model.parallel import (
+    ParallelContext,
+    free_loopback_port,
+    init_distributed,
+    process_backend,
+    rank_device,
+    shutdown_distributed,
+)
 
 JOIN_TIMEOUT_S = 30.0
 
@@ -54,7 +60,7 @@ class RankGroup:
 
     @classmethod
     def start(cls, tp_size: int, device: str, expert_parallel: bool, build, engine_kwargs: dict,
-              data_parallel_attention: bool = False) -> "RankGroup":
+              data_parallel_attention: bool = False) -> RankGroup:
         if tp_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp_size}")
         if expert_parallel and tp_size == 1:

@@ -21,10 +21,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.loading.memory_plan import DEFAULT_UTILIZATION, GIB, activation_reserve, pool_bytes
 from engine.model.cache import CacheConfig
 from engine.model.config import ModelConfig
-from engine.loading.memory_plan import DEFAULT_UTILIZATION, GIB, activation_reserve, pool_bytes
 from engine.model.parallel import ParallelContext
+
 
 @dataclass(frozen=True)
 class FitCheck:
@@ -81,8 +82,8 @@ def stored_tensors(model_dir: str | os.PathLike) -> dict[str, tuple]:
 def meta_from_stored(stored: dict[str, tuple], cfg: ModelConfig, dtype: torch.dtype, keep_mxfp4_experts: bool,
                      keep_fp8: bool) -> dict[str, torch.Tensor]:
     """load_weights' output layout for checkpoint tensors `stored` (see stored_tensors), as meta tensors."""
-    from engine.model.linear import keeps_fp8
     from engine.loading.weights import expected_weight_shapes, keeps_fp32
+    from engine.model.linear import keeps_fp8
 
     block = tuple(cfg.quantization.get("weight_block_size") or (128, 128))
     out: dict[str, torch.Tensor] = {}

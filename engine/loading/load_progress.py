@@ -40,7 +40,7 @@ class LoadProgress:
         self._every = max(1, -(-total // LOG_STEPS))
         self._t0 = time.perf_counter()
 
-    def __enter__(self) -> "LoadProgress":
+    def __enter__(self) -> LoadProgress:
         if self.enabled and sys.stderr is not None and sys.stderr.isatty():
             try:
                 from tqdm import tqdm

@@ -24,10 +24,10 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
-from engine.model.config import ModelConfig
-from engine.loading.weights import expected_weight_shapes
 from dsv4_kernels.quant import quant_fp8_block, quant_mxfp4
 from dsv4_kernels.settings import settings
+from engine.loading.weights import expected_weight_shapes
+from engine.model.config import ModelConfig
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"

@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.execution.prefix_cache import snapshot_store_bytes
 from engine.model.cache import CacheConfig, group_specs
 from engine.model.config import ModelConfig
-from engine.execution.prefix_cache import snapshot_store_bytes
 
 DEFAULT_UTILIZATION = 0.90
 CPU_DEFAULT_TOKENS = 1 << 16

@@ -118,8 +118,13 @@ def cache_dir() -> str:
 def fetch(repo: str, revision: str | None, patterns: tuple[str, ...], spec: str | None = None) -> str:
     """snapshot_download of `patterns` -> the snapshot directory; errors say what to do about them."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     spec, where, off = spec or repo, cache_dir(), offline()
     if not off:

@@ -17,11 +17,11 @@ import os
 
 import torch
 
-from engine.model.config import ModelConfig
 from engine.loading.load_progress import LoadProgress
+from engine.loading.weights import Checkpoint, open_checkpoint
+from engine.model.config import ModelConfig
 from engine.model.parallel import ParallelContext
 from engine.model.sharding import check_divisible, cut_heads_of_group, cut_of, cut_tensor, owns, scale_name
-from engine.loading.weights import Checkpoint, open_checkpoint
 
 
 def load_shard(model_dir: str | os.PathLike, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, device,

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from engine.model.config import ModelConfig
-from engine.model.linear import keeps_fp8, pow2_activations
-from engine.loading.load_progress import LoadProgress
 from dsv4_kernels.fp8_linear import weight_from_checkpoint
 from dsv4_kernels.quant import FP8_BLOCK, MXFP4_BLOCK, dequant_fp8_block, dequant_mxfp4, mxfp4_as_bytes
+from engine.loading.load_progress import LoadProgress
+from engine.model.config import ModelConfig
+from engine.model.linear import keeps_fp8, pow2_activations
 
 # Tensors that stay float32 whatever `dtype` is asked for: they are tiny and feed fp32 maths
 # (RMSNorm weights, mHC mixing, attention sinks, compressor position biases, router bias).

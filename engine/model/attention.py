@@ -39,20 +39,30 @@ from __future__ import annotations
 
 import torch
 
-from engine.model import attention_fp8
-from engine.model.batch import CompressPlan, StepBatch, paged_rows
-from engine.model.cache import CacheLayer, CachePool
-from engine.model.config import ModelConfig
-from engine.model.fast_paths import use_flash_mla, use_triton
-from engine.model.linear import (can_concat_rows, concat_rows, grouped_projection, linear, linear_from, pow2_activations,
-                           rms_norm_for, split_rows, take_fp8_weights, uses_fp8_gemm)
-from engine.model.parallel import SINGLE, ParallelContext
 from dsv4_kernels.attention import sparse_attention
 from dsv4_kernels.compressor import overlap_slots, pool_windows
 from dsv4_kernels.fp8_linear import Fp8Weight
 from dsv4_kernels.indexer import SCORES_BUDGET, visible_topk
 from dsv4_kernels.norm import rms_norm, unweighted_rms_norm
 from dsv4_kernels.rope import apply_rope
+from engine.model import attention_fp8
+from engine.model.batch import CompressPlan, StepBatch, paged_rows
+from engine.model.cache import CacheLayer, CachePool
+from engine.model.config import ModelConfig
+from engine.model.fast_paths import use_flash_mla, use_triton
+from engine.model.linear import (
+    can_concat_rows,
+    concat_rows,
+    grouped_projection,
+    linear,
+    linear_from,
+    pow2_activations,
+    rms_norm_for,
+    split_rows,
+    take_fp8_weights,
+    uses_fp8_gemm,
+)
+from engine.model.parallel import SINGLE, ParallelContext
 
 
 class AttentionBlock:

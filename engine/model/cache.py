@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_kernels import geometry
 from engine.model.allocator import OutOfPages, PageAllocator
 from engine.model.config import ModelConfig
-from dsv4_kernels import geometry
 
 KV_CACHE_DTYPES = ("auto", "exact", "fp8")
 SCRATCH_PAGES = 1  # page 0 of every group (see the module docstring)
@@ -235,7 +235,7 @@ class CacheGroup:
         """[num_pages * page_rows, width] view of one model layer (raw storage: bytes when quantised)."""
         return self.tensor[self.spec.layer_slot(layer)]
 
-    def bind(self, layer: int) -> "CacheLayer":
+    def bind(self, layer: int) -> CacheLayer:
         return CacheLayer(self, layer)
 
     # ---- codec -------------------------------------------------------------------------------------

@@ -101,11 +101,11 @@ class ModelConfig:
 
     # ---- parsing -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
+    def from_dict(cls, raw: dict) -> ModelConfig:
         return _parse(raw)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | os.PathLike) -> "ModelConfig":
+    def from_model_dir(cls, model_dir: str | os.PathLike) -> ModelConfig:
         path = os.path.join(os.fspath(model_dir), "config.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no config.json in model directory {os.fspath(model_dir)!r}")

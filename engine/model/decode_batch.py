@@ -30,7 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.batch import CompressPlan, RingWrite, SourceRows, StepBatch, VisibleEntries, copy_nonblocking_, paged_rows
+from engine.model.batch import (
+    CompressPlan,
+    RingWrite,
+    SourceRows,
+    StepBatch,
+    VisibleEntries,
+    copy_nonblocking_,
+    paged_rows,
+)
 from engine.model.cache import CachePool
 from engine.model.fast_paths import use_triton
 
@@ -68,7 +76,7 @@ class DecodeInputs:
 
     @staticmethod
     def make(token_ids: list[int], positions: list[int], table_rows: list[int], shape: DecodeShape,
-             pad_row: int) -> "DecodeInputs":
+             pad_row: int) -> DecodeInputs:
         n = len(token_ids)
         if not n <= shape.slots or len(positions) != n or len(table_rows) != n:
             raise ValueError(f"{n} decode requests do not fit {shape} (positions {len(positions)}, "
@@ -108,7 +116,7 @@ class BlockTables:
                                        for name, w in self.widths.items()])
         self.table = self.scratch_line.to(device).unsqueeze(0).repeat(max_requests + 1, 1)
         self.tables = {name: self.table[:, c:c + self.widths[name]] for name, c in self.columns.items()}
-        self.layouts: dict[DecodeShape, "PrologueLayout"] = {}  # fused-prologue descriptors per bucket
+        self.layouts: dict[DecodeShape, PrologueLayout] = {}  # fused-prologue descriptors per bucket
         # request id -> (row, the page-table dict written, its page count then). The dict itself is kept
         # (identity check): a later request reusing an id brings a new dict, so its row is rewritten.
         self._rows: dict[str, tuple[int, dict, int]] = {}

@@ -21,8 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4_kernels.gpu import (has_deep_gemm, has_flash_mla, has_marlin_moe, has_triton, has_triton_kernels,
-                              triton_enabled, why_not, why_not_marlin_moe)
+from dsv4_kernels.gpu import (
+    has_deep_gemm,
+    has_flash_mla,
+    has_marlin_moe,
+    has_triton,
+    has_triton_kernels,
+    triton_enabled,
+    why_not,
+    why_not_marlin_moe,
+)
 from dsv4_kernels.settings import BY_NAME, FLASH_MLA, FP8_GEMM, MXFP4_MOE, MXFP4_MOE_BACKEND, TRITON, settings
 
 ENV = TRITON

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.fast_paths import use_fp8_gemm
 from dsv4_kernels.fp8_linear import Fp8Weight, fp8_linear_ref
 from dsv4_kernels.norm import rms_norm
+from engine.model.fast_paths import use_fp8_gemm
 
 Weight = torch.Tensor | Fp8Weight
 # The projections that go through `linear` / `grouped_projection` (the release stores them FP8).

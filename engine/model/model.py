@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_kernels import mhc
+from dsv4_kernels.fp8_linear import Fp8Weight
+from dsv4_kernels.mhc import hc_head
+from dsv4_kernels.norm import rms_norm
+from dsv4_kernels.rope import rope_cos_sin, rope_inv_freq
+from dsv4_kernels.settings import settings
 from engine.model.attention import AttentionBlock
 from engine.model.batch import StepBatch
 from engine.model.cache import CachePool
 from engine.model.config import ModelConfig, RopeSpec
-from dsv4_kernels import mhc
-from dsv4_kernels.mhc import hc_head
 from engine.model.fast_paths import describe, fast_path_states, log_fast_paths, use_triton
 from engine.model.moe import MoEBlock
 from engine.model.parallel import SINGLE, ParallelContext, vocab_embed
-from dsv4_kernels.fp8_linear import Fp8Weight
-from dsv4_kernels.norm import rms_norm
-from dsv4_kernels.rope import rope_cos_sin, rope_inv_freq
-from dsv4_kernels.settings import settings
 
 
 class Rope:

@@ -20,13 +20,20 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.fast_paths import mxfp4_moe_backend, use_grouped_moe, use_mxfp4_moe, use_triton
-from engine.model.linear import (can_concat_rows, concat_rows, linear, pow2_activations, split_rows, take_fp8_weights,
-                           uses_fp8_gemm)
-from engine.model.parallel import SINGLE, ParallelContext, TokenExchange
 from dsv4_kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
 from dsv4_kernels.quant import dequant_mxfp4
+from engine.model.config import ModelConfig
+from engine.model.fast_paths import mxfp4_moe_backend, use_grouped_moe, use_mxfp4_moe, use_triton
+from engine.model.linear import (
+    can_concat_rows,
+    concat_rows,
+    linear,
+    pow2_activations,
+    split_rows,
+    take_fp8_weights,
+    uses_fp8_gemm,
+)
+from engine.model.parallel import SINGLE, ParallelContext, TokenExchange
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class ParallelContext:
                              f"{self.expert_parallel}")
 
     @property
-    def attention(self) -> "ParallelContext":
+    def attention(self) -> ParallelContext:
         """The context of everything but the routed experts: this one, or one rank's under data-parallel
         attention (nothing there is split, and the engine schedules as a lone engine)."""
         return SINGLE if self.data_parallel_attention else self
@@ -172,7 +172,7 @@ class ParallelContext:
         return collective(x.cpu()).to(x.device)
 
     # ---- data-parallel attention: the MoE layers' token exchange --------------------------------
-    def token_exchange(self, token_ids: torch.Tensor, counts: Sequence[int] | None = None) -> "TokenExchange":
+    def token_exchange(self, token_ids: torch.Tensor, counts: Sequence[int] | None = None) -> TokenExchange:
         """One step's exchange plan from this rank's token ids [T]: every rank's count and every rank's ids,
         gathered once a step (each MoE layer then gathers only its activations). counts: every rank's count when
         all ranks know it already (a decode step of a bucket the group agreed on): no host-side gather, so the

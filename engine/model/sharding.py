@@ -44,10 +44,11 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_kernels.fp8_linear import BLOCK as FP8_BLOCK
+from dsv4_kernels.fp8_linear import Fp8Weight
+from dsv4_kernels.quant import MXFP4_BLOCK, dequant_mxfp4
 from engine.model.config import ModelConfig
 from engine.model.parallel import ParallelContext
-from dsv4_kernels.fp8_linear import BLOCK as FP8_BLOCK, Fp8Weight
-from dsv4_kernels.quant import MXFP4_BLOCK, dequant_mxfp4
 
 _COLUMN = re.compile(r"\.attn\.(?:wq_b|wo_a)\.weight$|\.attn\.attn_sink$|\.shared_experts\.w[13]\.weight$")
 _ROW = re.compile(r"\.attn\.wo_b\.weight$|\.shared_experts\.w2\.weight$")
@@ -74,7 +75,7 @@ class Cut:
         length = self.stop - self.start
         return self.start % block == 0 and length % block == 0 and self.width == length
 
-    def per(self, unit: int) -> "Cut":
+    def per(self, unit: int) -> Cut:
         """The same cut counted in units of `unit` elements (packed bytes: 2, scale blocks: the block)."""
         return Cut(self.dim, self.start // unit, self.stop // unit, -(-self.size // unit), self.width // unit)
 

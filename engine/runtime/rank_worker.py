@@ -17,10 +17,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from engine.execution.tp_executor import follow
 from engine.loading.load import load_engine
 from engine.model.parallel import ParallelContext, init_distributed, shutdown_distributed
-from engine.execution.tp_executor import follow
-
 
 DP_COLLECTIVE_TIMEOUT_S = 600.0  # longer than any one step of a peer, its first-use kernel compiles included
 

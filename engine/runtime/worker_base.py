@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 import time
 
-from engine.telemetry import metrics
-from engine.telemetry.compile_watch import CompileWatch, install_variant_log, note_slow_step
-from engine.runtime.engine_loop import EngineLoop
-from engine.runtime.health import HealthOptions, LoopWatchdog
+from engine.execution.tp_executor import release_followers
 from engine.handoff import WorkerStats
 from engine.loading.load import load_engine
+from engine.runtime.engine_loop import EngineLoop
+from engine.runtime.health import HealthOptions, LoopWatchdog
 from engine.runtime.rank_worker import split_engine_options
-from engine.execution.tp_executor import release_followers
+from engine.telemetry import metrics
+from engine.telemetry.compile_watch import CompileWatch, install_variant_log, note_slow_step
 
 
 class WorkerBase:

@@ -41,7 +41,7 @@ def cache_dirs() -> dict[str, str]:
 class CompileWatch:
     """The compile caches' files at the last look; `since()` names the kernels whose files appeared after it."""
 
-    def __init__(self, dirs: dict[str, str] | None = None, variants: "VariantLog | None" = None):
+    def __init__(self, dirs: dict[str, str] | None = None, variants: VariantLog | None = None):
         self.dirs = cache_dirs() if dirs is None else dict(dirs)
         self.seen = self._files()
         self.variants = variants  # the process's VariantLog (install_variant_log), None: not watched
@@ -84,7 +84,7 @@ class Variant:
     kernel: str
     spec: tuple[tuple[str, str], ...]
 
-    def diff(self, other: "Variant") -> dict[str, tuple[str, str]]:
+    def diff(self, other: Variant) -> dict[str, tuple[str, str]]:
         """argument -> (other's, this one's) where they differ."""
         mine, theirs = dict(self.spec), dict(other.spec)
         return {k: (theirs.get(k, "-"), mine.get(k, "-")) for k in dict.fromkeys([*mine, *theirs])

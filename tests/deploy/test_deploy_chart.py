@@ -15,9 +15,22 @@ import subprocess
 import pytest
 import yaml
 
-from tests.support.deploy_fixtures import (CHART, RULES_FILE, VALUES_FILES, YAMLLINT_CONFIG, crd_schemas, debian_tool,
-                                   documents, helm, load_values, manifest_stream, render, serve_config, venv_tool,
-                                   with_monitoring)
+from tests.support.deploy_fixtures import (
+    CHART,
+    RULES_FILE,
+    VALUES_FILES,
+    YAMLLINT_CONFIG,
+    crd_schemas,
+    debian_tool,
+    documents,
+    helm,
+    load_values,
+    manifest_stream,
+    render,
+    serve_config,
+    venv_tool,
+    with_monitoring,
+)
 
 CORE_KINDS = {"ConfigMap", "Secret", "Service", "ServiceAccount"}
 ROLES = ("prefill", "decode")

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from tests.support.deploy_fixtures import EXAMPLES, documents, helm, load_values, render, serve_config, CHART
+from tests.support.deploy_fixtures import CHART, EXAMPLES, documents, helm, load_values, render, serve_config
 
 ROLES = ("prefill", "decode")
 FLASH_EXAMPLE = [e for e in EXAMPLES if e.endswith("values-v4-flash-8gpu.yaml")][0]
@@ -145,9 +145,9 @@ def test_v4_flash_example_is_1p1d_at_tp4_on_one_8_gpu_node():
 def test_v4_flash_example_flags_fit_an_h200(role):
     """The example's engine flags, parsed by the builder, pass the engine's start-up fit check for V4-Flash's
     release layout on one H200 per rank; the same flags at TP 1 do not (the reason for TP 4)."""
-    from engine.model.cache import CacheConfig
     from engine.loading.fit_check import check_fit, meta_from_stored
     from engine.loading.memory_plan import GIB, cap_context
+    from engine.model.cache import CacheConfig
     from engine.model.parallel import ParallelContext
     from service import kuberay_app
     from tests.support.configs import flash_config

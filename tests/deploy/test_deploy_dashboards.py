@@ -12,8 +12,19 @@ import subprocess
 
 import pytest
 
-from tests.support.deploy_fixtures import (GRAFANA, dashboards, debian_tool, event_only_samples, live_service, metric_names,
-                                   panel_queries, rule_queries, sample_names, substitute, variable_queries)
+from tests.support.deploy_fixtures import (
+    GRAFANA,
+    dashboards,
+    debian_tool,
+    event_only_samples,
+    live_service,
+    metric_names,
+    panel_queries,
+    rule_queries,
+    sample_names,
+    substitute,
+    variable_queries,
+)
 
 VARIABLES = {"datasource", "namespace", "model", "role", "worker"}
 COUNTERISH = ("_total", "_sum", "_count", "_bucket")

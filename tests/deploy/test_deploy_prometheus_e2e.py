@@ -10,8 +10,14 @@ import time
 import pytest
 import yaml
 
-from tests.support.deploy_fixtures import (RULES_FILE, PrometheusServer, live_service, panel_queries, substitute,
-                                   variable_queries)
+from tests.support.deploy_fixtures import (
+    RULES_FILE,
+    PrometheusServer,
+    live_service,
+    panel_queries,
+    substitute,
+    variable_queries,
+)
 
 LABELS = {"namespace": "dsv4-e2e", "pod": "dsv4-head-0", "container": "ray-head"}  # what a PodMonitor adds
 

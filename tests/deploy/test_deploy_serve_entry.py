@@ -22,8 +22,16 @@ import urllib.request
 import pytest
 import yaml
 
-from tests.support.deploy_fixtures import (EXAMPLES, documents, free_port, http_json, load_values, render, sample_names,
-                                   serve_config)
+from tests.support.deploy_fixtures import (
+    EXAMPLES,
+    documents,
+    free_port,
+    http_json,
+    load_values,
+    render,
+    sample_names,
+    serve_config,
+)
 
 READY_TIMEOUT_S = 240.0
 

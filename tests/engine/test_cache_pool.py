@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from engine.loading.make_model import PRESETS
 from engine.model.allocator import OutOfPages, PageAllocator
 from engine.model.cache import CacheConfig, CachePool
 from engine.model.config import ModelConfig
-from engine.loading.make_model import PRESETS
 
 
 def test_allocator_refcounts_and_free_list():

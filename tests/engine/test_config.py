@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from engine.model.config import ModelConfig
 from engine.loading.make_model import default_model_dir
+from engine.model.config import ModelConfig
 
 
 def _raw(**changes) -> dict:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.cache import CacheConfig
-from engine.model.config import ModelConfig
 from engine.execution.cuda_graphs import context_buckets, slot_buckets
-from engine.model.decode_batch import DecodeShape, build_decode_step
-from engine.loading.make_model import default_model_dir
 from engine.execution.runner import EngineCore
 from engine.execution.sampling_params import SamplingParams
+from engine.loading.make_model import default_model_dir
 from engine.loading.weights import load_weights
+from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
+from engine.model.decode_batch import DecodeShape, build_decode_step
 
 TOL = 1e-5
 
@@ -136,8 +136,8 @@ def test_block_tables_rewrite_a_reused_request_id(model_dir):
 def test_bucketed_decode_on_oracle_configs(name, tmp_path):
     """Other shapes (hc 4, windows 16, ratios 8 / 32, 5 layers, 3 hash layers, head dim 16 / 48): the
     padded decode steps still equal content-sized ones."""
-    from tests.support.oracle import make_hf_checkpoint
     from tests.engine.test_oracle import CONFIGS, _prompts
+    from tests.support.oracle import make_hf_checkpoint
 
     spec = CONFIGS[name]
     model_dir = make_hf_checkpoint(tmp_path / name, seed=spec["seed"], **spec["overrides"])

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.cache import CacheConfig
-from engine.model.config import ModelConfig
-from engine.loading.make_model import default_model_dir
 from engine.execution.runner import EngineCore
 from engine.execution.sampling_params import SamplingParams
 from engine.execution.scheduler import SchedulerConfig
+from engine.loading.make_model import default_model_dir
 from engine.loading.weights import load_weights
+from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,19 @@ import dataclasses
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-
+from engine.loading.make_model import preset_config  # noqa: E402
 from engine.model.batch import StepBatch  # noqa: E402
 from engine.model.cache import CacheConfig, CachePool  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
-from engine.model.decode_batch import (BlockTables, DecodeInputs, DecodeShape, PrologueLayout,  # noqa: E402
-                                 derive_decode_batch, derive_decode_batch_reference)
-from engine.loading.make_model import preset_config  # noqa: E402
+from engine.model.decode_batch import (  # noqa: E402
+    BlockTables,
+    DecodeInputs,
+    DecodeShape,
+    PrologueLayout,
+    derive_decode_batch,
+    derive_decode_batch_reference,
+)
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 
 def _pool(preset: str, kv_cache_dtype: str = "auto", **overrides) -> CachePool:
@@ -139,8 +144,8 @@ def test_bucketed_decode_with_fused_prologue_matches_eager(monkeypatch, kv_cache
     if DEVICE != "cpu":  # the engines here are CPU ones with the prologue forced through the interpreter
         pytest.skip("interpreter test; on a GPU the graphs engine runs this prologue (tests/engine/test_gpu_engine.py)")
     import engine.model.decode_batch as decode_batch
-    from tests.engine.test_decode_buckets import _engine, _prompts, _run_until
     from engine.loading.make_model import default_model_dir
+    from tests.engine.test_decode_buckets import _engine, _prompts, _run_until
 
     monkeypatch.setattr(decode_batch, "use_triton", lambda device: True)
     model_dir = default_model_dir()

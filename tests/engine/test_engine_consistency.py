@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from engine.llm import LLM
 from engine.execution.sampling_params import SamplingParams
+from engine.llm import LLM
 
 TOL = 1e-5
 

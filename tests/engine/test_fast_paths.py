@@ -16,8 +16,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.model.fast_paths import ENV, use_triton  # noqa: E402
 from dsv4_kernels.gpu import has_triton, triton_enabled  # noqa: E402
+from engine.model.fast_paths import ENV, use_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-4
@@ -38,8 +38,8 @@ needs_triton = pytest.mark.skipif(not has_triton() or not triton_enabled(DEVICE)
 
 
 def _generate(monkeypatch, setting: str, prompts, max_batch_tokens: int):
-    from engine.llm import LLM
     from engine.execution.sampling_params import SamplingParams
+    from engine.llm import LLM
 
     monkeypatch.setenv(ENV, setting)
     llm = LLM(model_dir=None, device=DEVICE, dtype="float32", max_batch_tokens=max_batch_tokens)
@@ -78,8 +78,8 @@ def test_engine_triton_attention_matches_reference(monkeypatch):
 
 
 def _fp8_run(monkeypatch, setting: str, prompts, budget: int, decode_mode: str):
-    from engine.llm import LLM
     from engine.execution.sampling_params import SamplingParams
+    from engine.llm import LLM
 
     monkeypatch.setenv(ENV, setting)
     llm = LLM(model_dir=None, device=DEVICE, dtype="float32", max_batch_tokens=budget, kv_cache_dtype="fp8",
@@ -138,10 +138,10 @@ def test_flashmla_decode_glue_matches_fp8_reference(monkeypatch):
     launch: int32, -1 padded to FlashMLA's multiple of 64) computes what the fp8 reference computes, with FlashMLA
     itself replaced by plain attention over the rows those lists name (FlashMLA needs the GPU; its own numerics
     are tests/kernels/test_flashmla_sparse.py's). The tiny geometry is not FlashMLA's, so the path is forced."""
-    import engine.model.attention as attention_mod
     import dsv4_kernels.flashmla_sparse as fm
-    from engine.model.cache import fp8_ds_mla_codec
+    import engine.model.attention as attention_mod
     from dsv4_kernels.attention import sparse_attention
+    from engine.model.cache import fp8_ds_mla_codec
 
     calls = []
 
@@ -182,8 +182,8 @@ def test_in_step_snapshot_on_the_fast_path(monkeypatch):
     """A prefix-cache snapshot kept inside a longer chunk (engine.execution.prefix_cache: the step's SWA and compressor
     state writes also fill staging pages, on the fast path through the Triton state-ring save) resumes a
     repeat of the prompt as the reference path does: same tokens, logprobs within fp32 tolerance."""
-    from engine.loading.load import load_engine
     from engine.execution.sampling_params import SamplingParams
+    from engine.loading.load import load_engine
 
     prompt = torch.randint(2, 500, (140,), generator=torch.Generator().manual_seed(8)).tolist()
     params = SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=True)

@@ -10,16 +10,16 @@ import re
 import pytest
 import torch
 
-from engine.model.cache import CacheConfig
-from engine.model.config import ModelConfig
+from engine.execution.sampling_params import SamplingParams
 from engine.loading.fit_check import check_fit, meta_from_stored, weight_bytes_per_rank
 from engine.loading.load import load_engine
 from engine.loading.make_model import default_model_dir, make_model
 from engine.loading.memory_plan import GIB, activation_reserve, cap_context, pool_bytes
-from engine.model.parallel import ParallelContext
-from engine.execution.sampling_params import SamplingParams
-from engine.model.sharding import shard_weights
 from engine.loading.weights import load_weights
+from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
+from engine.model.parallel import ParallelContext
+from engine.model.sharding import shard_weights
 from tests.support.configs import flash_config
 from tests.support.flash_layout import flash_release_layout
 

@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dsv4_kernels.fp8_linear import Fp8Weight, weight_from_checkpoint
+from dsv4_kernels.quant import quant_fp8_block
+from engine.execution.sampling_params import SamplingParams
+from engine.llm import LLM
+from engine.loading.make_model import _QUANT_CONFIG, preset_config, quantize_weights, random_weights, write_tokenizer
+from engine.loading.weights import load_weights
 from engine.model import linear as engine_linear
 from engine.model.config import ModelConfig
 from engine.model.linear import FP8_LINEAR, grouped_projection, keeps_fp8, linear
-from engine.llm import LLM
-from engine.loading.make_model import _QUANT_CONFIG, preset_config, quantize_weights, random_weights, write_tokenizer
-from engine.execution.sampling_params import SamplingParams
-from engine.loading.weights import load_weights
-from dsv4_kernels.fp8_linear import Fp8Weight, weight_from_checkpoint
-from dsv4_kernels.quant import quant_fp8_block
 
 
 def _fp8_config() -> dict:

@@ -18,15 +18,15 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("GPU only: needs a CUDA device", allow_module_level=True)
 
-from engine.model.cache import CacheConfig  # noqa: E402
-from engine.model.config import ModelConfig  # noqa: E402
-from engine.loading.make_model import default_model_dir  # noqa: E402
 from engine.execution.runner import EngineCore  # noqa: E402
 from engine.execution.sampling_params import SamplingParams  # noqa: E402
+from engine.loading.make_model import default_model_dir  # noqa: E402
 from engine.loading.weights import load_weights  # noqa: E402
-from tests.support.oracle import teacher_forced  # noqa: E402
+from engine.model.cache import CacheConfig  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
 from tests.engine.test_decode_overlap import _spy_lookahead  # noqa: E402
 from tests.engine.test_oracle import CONFIGS, N_GEN, _prompts, checkpoints  # noqa: E402, F401 (fixture)
+from tests.support.oracle import teacher_forced  # noqa: E402
 
 # dtype -> (|dlogprob| tolerance, share of positions within it, bound on the mean |dlogprob|)
 ORACLE_TOL = {"float32": (2e-3, 0.99, 1e-3), "bfloat16": (0.1, 0.95, 0.03)}

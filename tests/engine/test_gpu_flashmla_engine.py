@@ -36,8 +36,8 @@ def _prompts():
 
 
 def _run(model_dir, prompts, **kwargs):
-    from engine.llm import LLM
     from engine.execution.sampling_params import SamplingParams
+    from engine.llm import LLM
 
     llm = LLM(model_dir=model_dir, device="cuda", dtype="bfloat16", max_cached_tokens=16384, **kwargs)
     params = SamplingParams(max_new_tokens=N_GEN, ignore_eos=True, logprobs=True, prompt_logprobs=True)
@@ -46,8 +46,8 @@ def _run(model_dir, prompts, **kwargs):
 
 def _score(model_dir, sequences, **kwargs):
     """Teacher-forced logprobs of whole sequences (prompt_logprobs of prompt + continuation)."""
-    from engine.llm import LLM
     from engine.execution.sampling_params import SamplingParams
+    from engine.llm import LLM
 
     llm = LLM(model_dir=model_dir, device="cuda", dtype="bfloat16", max_cached_tokens=16384, **kwargs)
     outs = llm.generate(sequences, SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True))
@@ -110,8 +110,8 @@ def test_flashmla_vs_triton_and_fp8_vs_exact(model_dir, monkeypatch):
 
 def _cpu_judge(model_dir, prompts, outs) -> tuple[float, float]:
     """(mean |dlogprob|, share within 0.1) of the decode logprobs against the fp32 CPU engine, fp8 cache."""
-    from engine.llm import LLM
     from engine.execution.sampling_params import SamplingParams
+    from engine.llm import LLM
 
     llm = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_cached_tokens=4096, kv_cache_dtype="fp8")
     seqs = [p + o.token_ids for p, o in zip(prompts, outs)]

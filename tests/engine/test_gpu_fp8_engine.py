@@ -22,9 +22,9 @@ if not torch.cuda.is_available() or not has_deep_gemm():
     pytest.skip("GPU only: the FP8 GEMM path needs a CUDA device with deep_gemm (pip install '.[gpu]'): "
                 + (why_not("deep_gemm") or "no CUDA device"), allow_module_level=True)
 
-from engine.llm import LLM  # noqa: E402
-from engine.execution.sampling_params import SamplingParams  # noqa: E402
 from dsv4_kernels.fp8_linear import Fp8Weight  # noqa: E402
+from engine.execution.sampling_params import SamplingParams  # noqa: E402
+from engine.llm import LLM  # noqa: E402
 from tests.support.fp8_oracle import make_fp8_pair, oracle_diffs, prompts  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -23,10 +23,10 @@ if not torch.cuda.is_available() or not has_marlin_moe() or not has_triton_kerne
                 + (why_not_marlin_moe() or why_not("triton_kernels.matmul") or "no CUDA device"),
                 allow_module_level=True)
 
-from engine.model.fast_paths import MOE_BACKEND_ENV  # noqa: E402
+from engine.execution.sampling_params import SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.loading.make_model import make_model  # noqa: E402
-from engine.execution.sampling_params import SamplingParams  # noqa: E402
+from engine.model.fast_paths import MOE_BACKEND_ENV  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

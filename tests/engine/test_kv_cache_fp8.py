@@ -14,15 +14,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.cache import (CacheConfig, CacheGroup, CacheGroupSpec, CachePool, fp8_ds_mla_codec, group_specs,
-                          indexer_codec)
-from engine.model.config import ModelConfig
+from dsv4_kernels import geometry as g
+from dsv4_kernels import quant_formats as qf
+from engine.execution.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.loading.load import load_engine
 from engine.loading.make_model import PRESETS
-from engine.execution.sampling_params import SamplingParams
-from dsv4_kernels import geometry as g
-from dsv4_kernels import quant_formats as qf
+from engine.model.cache import (
+    CacheConfig,
+    CacheGroup,
+    CacheGroupSpec,
+    CachePool,
+    fp8_ds_mla_codec,
+    group_specs,
+    indexer_codec,
+)
+from engine.model.config import ModelConfig
 from tests.support.configs import flash_config
 
 SENTINEL = 0xAB
@@ -279,8 +286,8 @@ def test_cli_and_serve_accept_kv_cache_dtype(capsys):
     import argparse
     import json
 
-    from service.launcher import ENGINE_OPTION_KEYS, add_serve_args
     from service.cli import main
+    from service.launcher import ENGINE_OPTION_KEYS, add_serve_args
 
     rc = main(["generate", "--prompt-ids", "3,4,5,6,7", "--max-new-tokens", "3", "--ignore-eos", "--json",
                "--logprobs", "--kv-cache-dtype", "fp8"])
@@ -300,8 +307,8 @@ def test_cli_and_serve_accept_kv_cache_dtype(capsys):
 def test_kv_cache_dtype_auto_resolves_per_device_and_geometry():
     """--kv-cache-dtype auto: fp8 only where FlashMLA decodes it (a bf16 CUDA engine with V4's geometry and
     flash_mla); exact rows elsewhere, with the reason; explicit choices are kept."""
-    from engine.model.fast_paths import resolve_kv_cache_dtype
     from dsv4_kernels.gpu import has_flash_mla
+    from engine.model.fast_paths import resolve_kv_cache_dtype
 
     assert resolve_kv_cache_dtype("fp8", "cpu", torch.float32, 32, 16, 4)[0] == "fp8"
     assert resolve_kv_cache_dtype("exact", "cuda", torch.bfloat16, 512, 64, 64)[0] == "exact"

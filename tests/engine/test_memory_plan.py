@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from engine.model.cache import CacheConfig
-from engine.model.config import ModelConfig
 from engine.loading.make_model import preset_config
 from engine.loading.memory_plan import GIB, activation_reserve, plan_kv_tokens, pool_bytes
+from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
 
 CFG = ModelConfig.from_dict(preset_config("small"))
 CACHE = CacheConfig(max_requests=8, max_tokens=1, page_tokens=256)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.execution.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.loading.make_model import default_model_dir
-from engine.execution.sampling_params import SamplingParams
 from tests.support.local_hub import LocalHub, repo_files
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,12 +8,18 @@ import os
 import pytest
 import torch
 
+from engine.execution.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.loading.load import load_engine
 from engine.loading.make_model import default_model_dir
-from engine.loading.model_source import (CONFIG_FILES, ENGINE_FILES, ModelNotAvailable, local_model_dir, parse_repo_id,
-                                 resolve_model)
-from engine.execution.sampling_params import SamplingParams
+from engine.loading.model_source import (
+    CONFIG_FILES,
+    ENGINE_FILES,
+    ModelNotAvailable,
+    local_model_dir,
+    parse_repo_id,
+    resolve_model,
+)
 from tests.support.hf_cache import COMMIT, add_repo
 
 

@@ -25,8 +25,8 @@ def test_grouped_matches_reference(dtype):
 
 
 def test_engine_with_grouped_moe_matches_reference(monkeypatch):
-    from engine.llm import LLM
     from engine.execution.sampling_params import SamplingParams
+    from engine.llm import LLM
 
     prompts = [list(range(3, 40)), [5, 6, 7]]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=True)

@@ -102,8 +102,8 @@ def checkpoints(tmp_path_factory):
 
 
 def _run_engine(model_dir: str, prompts, max_batch_tokens: int):
-    from engine.llm import LLM
     from engine.execution.sampling_params import SamplingParams
+    from engine.llm import LLM
 
     llm = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_batch_tokens=max_batch_tokens)
     greedy = SamplingParams(max_new_tokens=N_GEN, temperature=0.0, ignore_eos=True, logprobs=True,

@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from engine.model.allocator import PageAllocator
-from engine.loading.load import load_engine
 from engine.execution.sampling_params import SamplingParams
+from engine.loading.load import load_engine
+from engine.model.allocator import PageAllocator
 from tests.support.oracle import make_hf_checkpoint, teacher_forced
 
 TOL = 1e-5

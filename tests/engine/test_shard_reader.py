@@ -20,13 +20,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import engine.loading.weights as weights_mod
-from engine.model.config import ModelConfig
-from engine.loading.make_model import make_model, preset_config, random_weights
-from engine.model.parallel import ParallelContext
-from engine.loading.shard_reader import load_shard
-from engine.model.sharding import cut_of, owns, shard_weights
-from engine.loading.weights import load_weights
 from dsv4_kernels.quant import ue8m0_to_float
+from engine.loading.make_model import make_model, preset_config, random_weights
+from engine.loading.shard_reader import load_shard
+from engine.loading.weights import load_weights
+from engine.model.config import ModelConfig
+from engine.model.parallel import ParallelContext
+from engine.model.sharding import cut_of, owns, shard_weights
 
 FP4 = getattr(torch, "float4_e2m1fn_x2", None)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.loading.make_model import PRESETS
 from engine.model.batch import PART_ALIGN, build_step
 from engine.model.cache import CacheConfig, CachePool
 from engine.model.config import ModelConfig
-from engine.loading.make_model import PRESETS
 
 
 def _pool():

@@ -25,13 +25,13 @@ import sys
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
+from engine.execution.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.loading.make_model import default_model_dir, make_model
-from engine.model.parallel import ParallelContext
-from engine.execution.sampling_params import SamplingParams
-from engine.model.sharding import shard_weights
 from engine.loading.weights import load_weights
+from engine.model.config import ModelConfig
+from engine.model.parallel import ParallelContext
+from engine.model.sharding import shard_weights
 
 TOL = 2e-5  # fp32: the only differences are summation orders of split reductions
 LENS = [37, 130, 9, 2]  # 130 closes an HCA-128 entry inside prefill; the tiny window is 16

@@ -10,10 +10,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engine.model.config import ModelConfig
 from engine.loading.make_model import PRESETS, default_model_dir, make_model, random_weights
 from engine.loading.tokenizer import load_tokenizer
 from engine.loading.weights import canonical_name, expected_weight_shapes, keeps_fp32, load_weights
+from engine.model.config import ModelConfig
 
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
 

@@ -4,11 +4,11 @@ CPU, compiled on CUDA) and DeepGEMM's FP8 GEMM against the reference (CUDA with 
 import pytest
 import torch
 
-from tests.support import triton_env  # noqa: F401  (sets TRITON_INTERPRET before dsv4_kernels.triton_* imports)
 from dsv4_kernels import fp8_linear as ref
 from dsv4_kernels.gpu import has_deep_gemm, why_not
 from dsv4_kernels.quant import quant_fp8_block
 from dsv4_kernels.triton_fp8_quant import quant_act_1x128
+from tests.support import triton_env  # noqa: F401  (sets TRITON_INTERPRET before dsv4_kernels.triton_* imports)
 
 DEVICE = triton_env.DEVICE
 
@@ -146,8 +146,8 @@ def test_triton_grouped_quantiser_into_padded_group_storage():
 def test_rms_norm_for_off_the_fp8_path_is_the_plain_norm():
     """engine.model.linear.rms_norm_for without DeepGEMM (CPU, or tensor weights): rms_norm and no quantisation;
     linear_from then is linear. (The fused path runs on CUDA: tests/kernels/test_triton_norm_quant.py.)"""
-    from engine.model.linear import linear, linear_from, rms_norm_for
     from dsv4_kernels.norm import rms_norm
+    from engine.model.linear import linear, linear_from, rms_norm_for
 
     gen = torch.Generator().manual_seed(5)
     x, w, proj = torch.randn(3, 256, generator=gen), torch.rand(256, generator=gen) + 0.5, torch.randn(64, 256,

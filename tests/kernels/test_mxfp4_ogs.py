@@ -77,8 +77,8 @@ def test_variant_sweep_leaves_no_step_size_to_compile():
     """engine.execution.warmup's MoE sweep (one call per mxfp4_ogs.variant_key class) compiles every variant of
     triton_kernels' matmul a step of up to max_tokens tokens can need: random step sizes afterwards, and the
     ~520-token one that compiled mid-request on the H200 after the ladder, specialise nothing new."""
-    from engine.telemetry.compile_watch import install_variant_log
     from dsv4_kernels import mxfp4_ogs
+    from engine.telemetry.compile_watch import install_variant_log
 
     log = install_variant_log()
     gen = torch.Generator().manual_seed(11)

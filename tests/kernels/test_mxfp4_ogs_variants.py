@@ -4,8 +4,8 @@ that after the sweep no step size compiles a new variant."""
 
 import pytest
 
-from engine.execution.warmup import prompt_ladder
 from dsv4_kernels.mxfp4_ogs import PREFILL_TOKENS, _ragged_blocks, variant_key, variant_tokens
+from engine.execution.warmup import prompt_ladder
 
 
 def test_every_step_size_shares_its_class_with_a_swept_one():

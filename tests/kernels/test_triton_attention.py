@@ -7,14 +7,11 @@ dsv4_kernels.triton_* import, because triton reads the flag when a kernel is dec
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-from tests.support import numerics as NUM  # noqa: E402
-
 from dsv4_kernels import geometry as g  # noqa: E402
 from dsv4_kernels.attention import sparse_attention  # noqa: E402
-from dsv4_kernels.triton_attention import (  # noqa: E402
-    sparse_mqa_attention, sparse_mqa_attention_fp8, sparse_mqa_attention_multi)
-
+from dsv4_kernels.triton_attention import sparse_mqa_attention, sparse_mqa_attention_fp8, sparse_mqa_attention_multi  # noqa: E402
+from tests.support import numerics as NUM  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 
 def randn(*shape, seed, dtype=torch.float32, scale=1.0):

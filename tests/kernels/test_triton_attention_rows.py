@@ -6,10 +6,9 @@ Runs compiled on a GPU when one is present, else in triton's CPU interpreter.
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-
-from engine.model.batch import paged_rows  # noqa: E402
 from dsv4_kernels.triton_attention_rows import attention_rows  # noqa: E402
+from engine.model.batch import paged_rows  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 T, W = 6, 20
 

@@ -7,11 +7,10 @@ triton's CPU interpreter (the software encoder).
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-
 from dsv4_kernels import quant_formats as qf  # noqa: E402
 from dsv4_kernels import triton_cache_codecs as tc  # noqa: E402
 from dsv4_kernels.hadamard import hadamard_matrix  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 triton, tl = tc.triton, tc.tl
 

@@ -9,15 +9,14 @@ of dsv4_kernels.compressor.state_rows. Runs compiled on a GPU when one is presen
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-
-from engine.model.cache import fp8_ds_mla_codec, indexer_codec  # noqa: E402
 from dsv4_kernels.compressor import overlap_slots, pool_windows, state_rows  # noqa: E402
 from dsv4_kernels.norm import rms_norm  # noqa: E402
 from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 from dsv4_kernels.triton_compress_step import close_windows, entry_rope_table, save_state  # noqa: E402
 from dsv4_kernels.triton_compressor import pool_norm_rope_quant  # noqa: E402
+from engine.model.cache import fp8_ds_mla_codec, indexer_codec  # noqa: E402
 from tests.support.cache_kernel_checks import assert_close, sentinel_cache  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 EPS, T, R = 1e-6, 7, 12
 

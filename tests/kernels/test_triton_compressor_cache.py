@@ -8,16 +8,15 @@ Runs compiled on a GPU when one is present, else in triton's CPU interpreter.
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-
-from engine.model.cache import fp8_ds_mla_codec, indexer_codec  # noqa: E402
 from dsv4_kernels import geometry as g  # noqa: E402
 from dsv4_kernels.compressor import overlap_slots, pool_windows, state_rows  # noqa: E402
 from dsv4_kernels.hadamard import hadamard  # noqa: E402
 from dsv4_kernels.norm import rms_norm  # noqa: E402
 from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 from dsv4_kernels.triton_compressor import pool_norm_rope_quant, save_state  # noqa: E402
+from engine.model.cache import fp8_ds_mla_codec, indexer_codec  # noqa: E402
 from tests.support.cache_kernel_checks import assert_bytes_near, assert_close, expected_cache, sentinel_cache  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 N, EPS, BLOCK = 6, 1e-6, 4  # 4-row blocks: entries land in several blocks
 

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-
 from dsv4_kernels.triton_greedy import greedy_pick  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 
 def reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

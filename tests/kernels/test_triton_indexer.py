@@ -7,12 +7,11 @@ dsv4_kernels.triton_* import, because triton reads the flag when a kernel is dec
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-from tests.support import numerics as NUM  # noqa: E402
-
 from dsv4_kernels import geometry as g  # noqa: E402
 from dsv4_kernels import indexer as ref  # noqa: E402
 from dsv4_kernels.triton_indexer import indexer_scores, indexer_topk  # noqa: E402
+from tests.support import numerics as NUM  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 T, HI, DI, S, R = 4, 20, 48, 70, 90  # Hi >= 16 so ReLU zeros rarely tie; odd sizes exercise every mask
 

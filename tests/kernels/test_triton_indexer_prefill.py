@@ -9,15 +9,14 @@ else in triton's CPU interpreter (tiny sizes: the interpreter is slow).
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-from tests.support import numerics as NUM  # noqa: E402
-
-from engine.model.batch import paged_rows, segment_arange  # noqa: E402
 from dsv4_kernels import geometry as g  # noqa: E402
 from dsv4_kernels import indexer as ref  # noqa: E402
 from dsv4_kernels import triton_indexer  # noqa: E402
 from dsv4_kernels.triton_indexer import indexer_topk  # noqa: E402
 from dsv4_kernels.triton_indexer_prefill import indexer_prefill_scores, prefill_blocks  # noqa: E402
+from engine.model.batch import paged_rows, segment_arange  # noqa: E402
+from tests.support import numerics as NUM  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 PAGE_ROWS, PAGES = 8, 24
 # (start position, query count) per sequence: a prompt from 0 (its first 3 queries see nothing), a short

@@ -7,14 +7,13 @@ dsv4_kernels.triton_* import, because triton reads the flag when a kernel is dec
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-
 from dsv4_kernels import geometry as g  # noqa: E402
 from dsv4_kernels.hadamard import hadamard  # noqa: E402
 from dsv4_kernels.indexer import quantize_query  # noqa: E402
 from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 from dsv4_kernels.triton_indexer_query import indexer_prologue, indexer_query  # noqa: E402
 from tests.support.cache_kernel_checks import assert_bytes_near, assert_close  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 T, HI = 3, 7  # 21 rows: not a multiple of the 16-row block
 

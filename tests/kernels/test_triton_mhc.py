@@ -7,11 +7,10 @@ dsv4_kernels.triton_* import, because triton reads the flag when a kernel is dec
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-from tests.support import numerics as NUM  # noqa: E402
-
 from dsv4_kernels import mhc as ref  # noqa: E402
 from dsv4_kernels import triton_mhc  # noqa: E402
+from tests.support import numerics as NUM  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 T, D = 3, 80  # D is not a multiple of the 32-wide blocks used below
 

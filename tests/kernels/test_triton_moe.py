@@ -7,12 +7,11 @@ shapes are tiny: the interpreter runs every program in Python.
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-from tests.support import numerics as NUM  # noqa: E402
-
 from dsv4_kernels import moe as ref  # noqa: E402
 from dsv4_kernels import triton_moe  # noqa: E402
 from dsv4_kernels.quant import dequant_mxfp4, quant_mxfp4  # noqa: E402
+from tests.support import numerics as NUM  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -172,9 +171,9 @@ def tiny_q(tmp_path_factory):
 
 
 def test_load_weights_keeps_mxfp4_experts_packed(tiny_q, tmp_path):
-    from engine.model.config import ModelConfig
     from engine.loading.make_model import make_model
     from engine.loading.weights import load_weights
+    from engine.model.config import ModelConfig
 
     cfg = ModelConfig.from_model_dir(tiny_q)
     dense = load_weights(tiny_q, cfg)
@@ -212,8 +211,8 @@ def test_take_experts_mixed_layer_is_dequantised():
 
 
 def _generate(tiny_q, monkeypatch, keep: bool, kernel: str):
-    from engine.llm import LLM
     from engine.execution.sampling_params import SamplingParams
+    from engine.llm import LLM
 
     monkeypatch.setenv("DSV4_MXFP4_MOE", kernel)
     llm = LLM(tiny_q, device=DEVICE, keep_mxfp4_experts=keep)

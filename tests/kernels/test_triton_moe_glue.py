@@ -6,11 +6,10 @@ Runs compiled on a GPU when one is present, else in triton's CPU interpreter (te
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-from tests.support import numerics as NUM  # noqa: E402
-
-from dsv4_kernels.moe import swiglu as ref_swiglu  # noqa: E402
 from dsv4_kernels import triton_moe_glue as glue  # noqa: E402
+from dsv4_kernels.moe import swiglu as ref_swiglu  # noqa: E402
+from tests.support import numerics as NUM  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -4,12 +4,11 @@ dsv4_kernels.norm.rms_norm followed by dsv4_kernels.fp8_linear.quant_act_1x128. 
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-from tests.support import numerics as NUM  # noqa: E402
-
 from dsv4_kernels import fp8_linear  # noqa: E402
 from dsv4_kernels.norm import rms_norm  # noqa: E402
 from dsv4_kernels.triton_norm_quant import rms_norm_quant  # noqa: E402
+from tests.support import numerics as NUM  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

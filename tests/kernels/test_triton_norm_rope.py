@@ -8,13 +8,11 @@ dsv4_kernels.triton_* import, because triton reads the flag when a kernel is dec
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-from tests.support import numerics as NUM  # noqa: E402
-
 from dsv4_kernels.norm import rms_norm, unweighted_rms_norm  # noqa: E402
 from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 from dsv4_kernels.triton_norm_rope import rms_norm_rope, rope  # noqa: E402
-
+from tests.support import numerics as NUM  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 
 def assert_close(out, expected, dtype):

@@ -2,9 +2,8 @@
 
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-
 from dsv4_kernels.triton_sampling import exp_noise  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 
 def test_noise_depends_only_on_the_row_seed_and_is_exponential():

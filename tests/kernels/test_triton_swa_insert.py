@@ -7,14 +7,13 @@ dsv4_kernels.triton_* import, because triton reads the flag when a kernel is dec
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-
-from engine.model.cache import fp8_ds_mla_codec  # noqa: E402
 from dsv4_kernels import geometry as g  # noqa: E402
 from dsv4_kernels.norm import rms_norm  # noqa: E402
 from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 from dsv4_kernels.triton_swa_insert import swa_insert  # noqa: E402
+from engine.model.cache import fp8_ds_mla_codec  # noqa: E402
 from tests.support.cache_kernel_checks import assert_bytes_near, assert_close, expected_cache, sentinel_cache  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 T, EPS = 7, 1e-6
 

@@ -9,11 +9,10 @@ ties at the k-th value resolved to the lowest columns.
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-
 from dsv4_kernels.triton_topk import MAX_BLOCK  # noqa: E402
 from dsv4_kernels.triton_topk import topk_columns as one_program  # noqa: E402
 from dsv4_kernels.triton_topk_split import topk_columns_split  # noqa: E402
+from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
 NEG_INF = float("-inf")
 IMPLS = {

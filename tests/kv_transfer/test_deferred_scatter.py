@@ -10,14 +10,23 @@ import threading
 import pytest
 import torch
 
-from engine.model.cache import CachePool
-from engine.loading.load import load_engine
 from engine.execution.sampling_params import SamplingParams
+from engine.loading.load import load_engine
+from engine.model.cache import CachePool
 from kv_transfer import build_plan, make_backend
 from kv_transfer.plan import STAGING_ALIGN, staged_layout
 from kv_transfer.staging import DeferredScatter, StagingBuffer
-from tests.kv_transfer.test_kv_transfer import (CFG, DST_CACHE, NUM_TOKENS, SRC_CACHE, assert_moved, dst_table,
-                                                random_pool, src_table, wait_poll)
+from tests.kv_transfer.test_kv_transfer import (
+    CFG,
+    DST_CACHE,
+    NUM_TOKENS,
+    SRC_CACHE,
+    assert_moved,
+    dst_table,
+    random_pool,
+    src_table,
+    wait_poll,
+)
 from tests.kv_transfer.test_staging import assert_arenas_idle, nixl_pair
 from tests.support.backends import BACKEND_NAMES, needs_nixl
 

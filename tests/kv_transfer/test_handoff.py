@@ -7,8 +7,8 @@ backends in kv_transfer/ are tested against the same expectation in their own te
 import pytest
 import torch
 
-from engine.loading.load import load_engine
 from engine.execution.sampling_params import SamplingParams
+from engine.loading.load import load_engine
 
 
 def copy_pages(src_pool, src_pages, dst_pool, dst_pages):

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from engine.loading.load import load_engine
 from engine.execution.sampling_params import SamplingParams
+from engine.loading.load import load_engine
 from tests.engine.test_oracle_random import draw_config
 from tests.support.backends import BACKEND_NAMES
 from tests.support.handoff import run_colocated, run_handoff

@@ -8,14 +8,14 @@ import time
 import pytest
 import torch
 
+from engine.loading.make_model import PRESETS
 from engine.model.cache import CacheConfig, CacheGroupSpec, CachePool, group_specs
 from engine.model.config import ModelConfig
-from engine.loading.make_model import PRESETS
-from kv_transfer import (TransferError, TransferTimeout, build_plan, layout_fingerprint, make_backend,
-                         resolve_name)
+from kv_transfer import TransferError, TransferTimeout, build_plan, layout_fingerprint, make_backend, resolve_name
 from kv_transfer.base import pack_metadata, unpack_metadata
 from kv_transfer.plan import page_bytes
 from tests.support.backends import BACKEND_NAMES, NIXL_SKIP, needs_nixl
+
 CFG = ModelConfig.from_dict(PRESETS["tiny"])
 SRC_CACHE = CacheConfig(max_requests=4, max_tokens=2048, page_tokens=64)
 DST_CACHE = CacheConfig(max_requests=6, max_tokens=4096, page_tokens=64)  # other pool size: other layer strides

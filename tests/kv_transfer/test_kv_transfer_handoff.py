@@ -7,8 +7,8 @@ copy, and the prefill side frees its held pages only from the backend's release 
 import pytest
 import torch
 
-from engine.loading.load import load_engine
 from engine.execution.sampling_params import SamplingParams
+from engine.loading.load import load_engine
 from tests.support.backends import BACKEND_NAMES as KINDS
 from tests.support.handoff import run_colocated, run_handoff
 

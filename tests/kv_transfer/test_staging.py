@@ -12,8 +12,17 @@ import torch
 from kv_transfer import TransferTimeout, build_plan, make_backend
 from kv_transfer.plan import STAGING_ALIGN, staged_layout, staged_nbytes
 from kv_transfer.staging import ByteArena
-from tests.kv_transfer.test_kv_transfer import (DST_CACHE, NUM_TOKENS, SRC_CACHE, as_bytes, assert_moved,
-                                                dst_table, random_pool, src_table, wait_poll)
+from tests.kv_transfer.test_kv_transfer import (
+    DST_CACHE,
+    NUM_TOKENS,
+    SRC_CACHE,
+    as_bytes,
+    assert_moved,
+    dst_table,
+    random_pool,
+    src_table,
+    wait_poll,
+)
 from tests.support.backends import needs_nixl
 
 

@@ -10,9 +10,9 @@ import time
 
 import torch
 
+from engine.execution.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.loading.load import load_engine
-from engine.execution.sampling_params import SamplingParams
 from kv_transfer import make_backend
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=True, temperature=0.9, top_p=0.9, seed=7)

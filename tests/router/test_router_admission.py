@@ -197,8 +197,8 @@ def _local_router(**server_kw):
 
 @pytest.mark.parametrize("max_migrations", [2, 0])
 def test_worker_death_mid_stream_migrates_or_fails_cleanly(max_migrations):
-    from engine.llm import LLM
     from engine.execution.sampling_params import SamplingParams
+    from engine.llm import LLM
 
     params = SamplingParams(max_new_tokens=120, ignore_eos=True)
     prompt = [(5 * i + 1) % 400 + 2 for i in range(20)]

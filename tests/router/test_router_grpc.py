@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from engine.execution.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.loading.load import load_engine
-from engine.execution.sampling_params import SamplingParams
 from router.client import RouterClient, RouterError
 from router.local_dispatch import LocalDispatcher
 from router.policy import PolicyConfig, RoutingPolicy

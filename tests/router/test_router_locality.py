@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from engine.execution.block_hash import block_hashes
+from engine.execution.sampling_params import SamplingParams
 from engine.handoff import PrefixDigest
 from engine.loading.load import load_engine
-from engine.execution.sampling_params import SamplingParams
 from router import locality
 from router.dispatch import WorkerInfo
 from router.policy import PolicyConfig, RoutingPolicy

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from service.cli import main
-from engine.llm import LLM
 from engine.execution.sampling_params import SamplingParams
+from engine.llm import LLM
+from service.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[0, 17, 42, 7, 99, 3, 250], [0, 5], [300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311, 312,

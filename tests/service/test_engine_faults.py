@@ -27,8 +27,15 @@ openai = pytest.importorskip("openai")
 from engine.execution.sampling_params import SamplingParams  # noqa: E402
 from engine.loading.make_model import default_model_dir  # noqa: E402
 from router.client import RouterClient  # noqa: E402
-from service.launcher import (ServiceConfig, init_ray, prepare_metrics_dir, ray_logs_tail,  # noqa: E402
-                              remove_metrics_dir, start_service, stop_service)
+from service.launcher import (  # noqa: E402
+    ServiceConfig,
+    init_ray,
+    prepare_metrics_dir,
+    ray_logs_tail,
+    remove_metrics_dir,
+    start_service,
+    stop_service,
+)
 from tests.support.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.ray

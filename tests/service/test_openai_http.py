@@ -17,15 +17,15 @@ import pytest
 import uvicorn
 from prometheus_client import REGISTRY
 
-from service.chat_parsing import parse_completion
-from service.openai_app import build_app
+from engine.execution.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.loading.make_model import ASSISTANT_TOKEN, BOS_TOKEN, USER_TOKEN, default_model_dir
-from engine.execution.sampling_params import SamplingParams
 from engine.loading.tokenizer import load_tokenizer
 from router.local_dispatch import LocalDispatcher
 from router.protos import pb2_grpc
 from router.server import RouterServer
+from service.chat_parsing import parse_completion
+from service.openai_app import build_app
 
 MODEL = "tiny-http"
 PROMPT_IDS = [5, 9, 200, 17, 3, 41, 77, 120]

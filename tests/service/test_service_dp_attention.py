@@ -15,9 +15,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from engine.execution.sampling_params import SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.loading.make_model import default_model_dir  # noqa: E402
-from engine.execution.sampling_params import SamplingParams  # noqa: E402
 from router.client import RouterClient  # noqa: E402
 from service.launcher import (  # noqa: E402
     ServiceConfig,

@@ -28,8 +28,15 @@ from engine.loading.make_model import default_model_dir  # noqa: E402
 from engine.telemetry.metrics import start_metrics_server  # noqa: E402
 from kv_transfer.base import unpack_metadata  # noqa: E402
 from router.client import RouterClient, RouterError  # noqa: E402
-from service.launcher import (ServiceConfig, init_ray, prepare_metrics_dir, ray_logs_tail,  # noqa: E402
-                              remove_metrics_dir, start_service, stop_service)
+from service.launcher import (  # noqa: E402
+    ServiceConfig,
+    init_ray,
+    prepare_metrics_dir,
+    ray_logs_tail,
+    remove_metrics_dir,
+    start_service,
+    stop_service,
+)
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.proc import listening  # noqa: E402
 

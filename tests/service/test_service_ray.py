@@ -17,6 +17,12 @@ import pytest
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
+from dsv4_kernels.settings import settings  # noqa: E402
+from engine.execution.sampling_params import SamplingParams  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.loading.make_model import default_model_dir  # noqa: E402
+from engine.telemetry.metrics import start_metrics_server  # noqa: E402
+from router.client import RouterClient, RouterError  # noqa: E402
 from service.launcher import (  # noqa: E402
     ServiceConfig,
     init_ray,
@@ -26,12 +32,6 @@ from service.launcher import (  # noqa: E402
     start_service,
     stop_service,
 )
-from dsv4_kernels.settings import settings  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.loading.make_model import default_model_dir  # noqa: E402
-from engine.telemetry.metrics import start_metrics_server  # noqa: E402
-from engine.execution.sampling_params import SamplingParams  # noqa: E402
-from router.client import RouterClient, RouterError  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=True, prompt_logprobs=True)

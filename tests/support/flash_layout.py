@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
+from engine.loading.weights import expected_weight_shapes
 from engine.model.config import ModelConfig
 from engine.model.linear import keeps_fp8
-from engine.loading.weights import expected_weight_shapes
 
 
 def flash_release_layout(cfg: ModelConfig) -> dict:

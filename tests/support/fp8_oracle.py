@@ -17,9 +17,9 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.model.linear import FP8_LINEAR
-from engine.loading.weights import canonical_name
 from dsv4_kernels.quant import dequant_fp8_block, quant_fp8_block, ue8m0_to_float
+from engine.loading.weights import canonical_name
+from engine.model.linear import FP8_LINEAR
 from tests.support import oracle
 
 # Every FP8 projection in whole 128-blocks (wo_a: 2 groups of 128 rows over 128 features). Init scales of

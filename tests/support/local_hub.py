@@ -52,7 +52,7 @@ class LocalHub:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def __enter__(self) -> "LocalHub":
+    def __enter__(self) -> LocalHub:
         self.thread.start()
         return self
 
