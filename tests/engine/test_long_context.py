@@ -111,3 +111,32 @@ def test_step_workspace_is_bounded_at_1m_context():
     assert ws.total - ws.hca_lists < GIB, ws.describe()
     assert len(query_blocks(8192, 1 << 18)) == 32  # 256 queries a block at 1M context
     assert np.all(np.diff([a for a, _ in query_blocks(8192, 1 << 18)]) == 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: peak memory of a 1M-context indexer step")
+def test_indexer_step_at_1m_context_peak_memory_is_bounded():
+    """An 8K-query chunk at the end of a 1M context (V4-Flash's 64 x 128 index heads, FP8 paged keys, one
+    request): the indexer's picks take at most SCORES_BUDGET of scores plus the inputs (the old [T, S] path
+    needed 16 GiB of candidate rows and 8 GiB of scores)."""
+    from dsv4_kernels import geometry as g
+    from dsv4_kernels.indexer import SCORES_BUDGET
+    from dsv4_kernels.triton_indexer import indexer_topk
+
+    dev, t, s, hi, di = torch.device("cuda"), 8192, 1 << 18, 64, 128
+    layout = g.IndexerKeyLayout(index_head_dim=di, fmt="fp8", block_size=64)
+    store = torch.randint(0, 120, (s // layout.block_size, layout.block_bytes()), dtype=torch.uint8, device=dev)
+    rows = torch.randperm(s, device=dev).unsqueeze(0)
+    count = torch.arange((1 << 20) - t, 1 << 20, device=dev) // 4 + 1
+    q = torch.randn(t, hi, di, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(t, hi, device=dev) * hi ** -0.5
+    cu = torch.tensor([0, t], device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    picked = indexer_topk(q, store, rows, w, 512, layout, cu_seqlens=cu, ordered=False,
+                          seg=torch.zeros(t, dtype=torch.long, device=dev), count=count)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert picked.shape == (t, 512) and bool((picked >= 0).all())
+    assert peak < SCORES_BUDGET + (256 << 20), peak / 2**20
