@@ -130,7 +130,6 @@ def copy_gbps(device="cuda", nbytes: int | None = None) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     us = bench(lambda: dst.copy_(src), device)
-    del src, dst
     return 2 * n / us / 1e3
 
 

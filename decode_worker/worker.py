@@ -199,8 +199,8 @@ class DecodeWorker(WorkerBase):
             await asyncio.sleep(QUARANTINE_SWEEP_S)
             over = await asyncio.to_thread(self.backend.settled)
             if over:
-                await self.loop.acall(lambda e: [e.pool.free(self.quarantined.pop(r).pages)
-                                                 for r in over if r in self.quarantined])
+                await self.loop.acall(lambda e: [e.pool.free(self.quarantined.pop(r).pages)  # awaited in this iteration
+                                                 for r in over if r in self.quarantined])  # noqa: B023
 
     async def generate_local(self, request_id: str, prompt: list[int], params: SamplingParams,
                              seed: int | None = None):

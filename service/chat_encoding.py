@@ -155,7 +155,7 @@ def _text(content, where: str) -> str:
 def merge_tool_messages(messages: list[dict]) -> list[dict]:
     """Tool messages -> `tool_result` blocks of user turns; consecutive user turns merge into one."""
     merged: list[dict] = []
-    for i, m in enumerate(messages):
+    for m in messages:
         role = m.get("role")
         prev = merged[-1] if merged else None
         joinable = prev is not None and prev.get("role") == "user" and "blocks" in prev

@@ -181,7 +181,7 @@ class RayDispatcher:
                 raise WorkerDied(decode_id, str(e)) from None
             except PeerUnknown:
                 if introduced:
-                    raise WorkerDied(decode_id, "still lacks the prefill worker's metadata after an introduction")
+                    raise WorkerDied(decode_id, "still lacks the prefill worker's metadata after an introduction") from None
                 introduced = True
                 try:
                     await asyncio.wait_for(self._introduce_pair(prefill_id, decode_id, result.incarnation),

@@ -73,7 +73,7 @@ def agentic(agents: int = 96, steps: int = 12, seed: int = 0, rate_per_s: float 
     rng, ids = random.Random(seed), _Ids()
     tools = ids.take(12)
     out = []
-    for a in range(agents):
+    for _ in range(agents):
         t = rng.uniform(0, agents / rate_per_s * steps / 4) * 1000.0
         ctx = tools + ids.take(2)
         for _ in range(steps):

@@ -75,7 +75,7 @@ def test_modules_found():
 def test_imports_follow_layers(name):
     src = top(name)
     bad = []
-    for mod, names, line in imports_of(MODULES[name], name):
+    for mod, _names, line in imports_of(MODULES[name], name):
         dst = top(mod)
         if dst not in RUNTIME or dst == src:
             continue

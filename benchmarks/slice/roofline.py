@@ -86,7 +86,9 @@ def cache_bytes(cfg: ModelConfig, ctx: int, fmt: str, index_fmt: str | None = No
     keys' format when it differs from fmt's, e.g. FP8 keys in a production-format cache)."""
     kv, idx = kv_row_bytes(cfg, fmt), index_row_bytes(cfg, index_fmt or fmt)
     total = 0
-    visible = lambda r: (ctx + 1) // r  # entries closed before the query (incl. its own window)
+    def visible(r: int) -> int:  # entries closed before the query (incl. its own window)
+        return (ctx + 1) // r
+
     for r in cfg.compress_ratios:
         total += min(ctx, cfg.sliding_window - 1) * kv  # the query's own row comes from the step
         if r == 4:

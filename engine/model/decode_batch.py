@@ -110,7 +110,7 @@ class BlockTables:
         # Every group's columns side by side in one tensor (the fused prologue reads one row of it; a new row
         # is one copy); `tables` holds each group's column view.
         self.columns: dict[str, int] = {}
-        for name, w in self.widths.items():
+        for name in self.widths:
             self.columns[name] = sum(self.widths[n] for n in self.columns)
         self.scratch_line = torch.cat([torch.full((w,), pool.scratch_pages[name], dtype=torch.long)
                                        for name, w in self.widths.items()])

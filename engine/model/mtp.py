@@ -62,7 +62,7 @@ class MtpLayer:
         """batch: the step built with the NEXT token of each position (token at t+1 at position t) over `pool`
         (made with CacheConfig.mtp_layers); hidden: [T, hc, D] the target's (or, chained, this layer's) streams
         at t -> this layer's output streams [T, hc, D] in the residual dtype."""
-        model, cfg, eps = self.model, self.cfg, self.cfg.rms_norm_eps
+        model, eps = self.model, self.cfg.rms_norm_eps
         t, hc, d = hidden.shape
         emb = vocab_embed(model.embed, batch.token_ids, model.parallel.attention)
         e = linear(rms_norm(emb, self.w["enorm.weight"], eps).to(model.dtype), self.e_proj)  # [T, D]

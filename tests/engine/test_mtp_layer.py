@@ -61,6 +61,7 @@ def test_mtp_layer_matches_reference_with_a_chain(setup, chunk):
     # chain: draft 1 (at position n-1, after the last prompt token's successor), then draft 2 from its own streams
     tokens, hid, last = list(prompt[1:]), hidden[:n - 1], out[-1:]
     bonus = 5
+    draft = bonus  # replaced by step 0's pick before step 1 reads it
     for step in range(2):
         pos = n - 1 + step
         tok = bonus if step == 0 else draft

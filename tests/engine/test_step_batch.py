@@ -127,7 +127,7 @@ def test_build_step_index_sets_match_their_definitions():
         width = max(1, max(s + n for s, n in lengths) // ratio)
         vis = batch.visible[name]
         assert vis.rows.shape == (len(lengths), width) and vis.count.shape == batch.positions.shape, name
-        counts, valid = [], []
+        counts = []
         for b, (start, n) in enumerate(lengths):
             counts += [(p + 1) // ratio for p in range(start, start + n)]
             known = (start + n) // ratio  # entries visible to its last token

@@ -452,7 +452,7 @@ def test_incremental_text_equals_whole_decode(tok):
     from service.text_stream import TextStream
 
     rng = random.Random(0)
-    for trial in range(40):
+    for _ in range(40):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 60))]
         whole = tok.decode(ids)
         ts = TextStream(tok, [], False, True)

@@ -127,7 +127,7 @@ def _randomise(model, p: dict, gen: torch.Generator) -> None:
         t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32) * std + mean)
 
     std = p["init_std"]
-    for name, param in model.named_parameters():  # plain linears / embeddings / experts first
+    for _, param in model.named_parameters():  # plain linears / embeddings / experts first
         normal_(param, std)
     cfg = model.config
     for mod in model.modules():
