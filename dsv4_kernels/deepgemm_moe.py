@@ -1,0 +1,94 @@
+"""Routed FP8 experts through DeepGEMM's contiguous grouped FP8 GEMM (prefill-sized steps on Hopper; reference:
+dsv4_kernels.fp8_experts.fp8_moe_ref).
+
+One call, every step on the device and none reading back to the host (CUDA-graph safe):
+1. the (token, slot) pairs sorted by expert into segments padded to DeepGEMM's M alignment
+   (dsv4_kernels.fp8_experts.contiguous_layout: `m_indices` per row, -1 on padding rows);
+2. x quantised once per token in 1x128 blocks (dsv4_kernels.triton_fp8_quant) and its e4m3 rows and scales gathered
+   into the padded order (padding rows read token 0: their products are never read);
+3. gate|up: `m_grouped_fp8_gemm_nt_contiguous` over w13 [E, 2I, H] -> [M, 2I] bf16;
+4. clamped SwiGLU + 1x128 quantisation in one launch (dsv4_kernels.triton_moe_glue.swiglu_quant);
+5. down: the same GEMM over w2 [E, H, I] -> [M, H] bf16;
+6. each token's k rows read through the layout, weighted, summed in fp32, plus the shared expert, in one launch
+   (dsv4_kernels.triton_pair_combine).
+Precision against the bf16 x MXFP4 path: activations are FP8 (1x128, as every dense FP8 projection of the engine)
+where triton_kernels multiplies bf16 activations, and the weights are the MXFP4 values exactly where
+dsv4_kernels.mxfp4_fp8 says so.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dsv4_kernels.fp8_experts import DEFAULT_ALIGN, Fp8Experts, contiguous_layout
+from dsv4_kernels.gpu import import_deep_gemm
+
+_SEEN: set[tuple[int, int, int, torch.device]] = set()  # (N, K, groups, device) run so far (warm-up)
+
+
+@functools.cache
+def m_alignment() -> int:
+    """DeepGEMM's row alignment of each expert's segment in the contiguous layout."""
+    dg = import_deep_gemm()
+    for name in ("get_mk_alignment_for_contiguous_layout", "get_m_alignment_for_contiguous_layout"):
+        fn = getattr(dg, name, None) or getattr(getattr(dg, "utils", None), name, None)
+        if fn is not None:
+            return int(fn())
+    return DEFAULT_ALIGN
+
+
+def grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                 m_indices: torch.Tensor) -> torch.Tensor:
+    """xq e4m3 [M, K], xs fp32 [M, K/128] (MN-major), w e4m3 [E, N, K], ws fp32 [E, N/128, K/128], m_indices int32
+    [M] -> bf16 [M, N] (rows with m_indices -1 are left as the kernel leaves them)."""
+    dg = import_deep_gemm()
+    out = torch.empty(xq.shape[0], w.shape[1], dtype=torch.bfloat16, device=xq.device)
+    _SEEN.add((w.shape[1], w.shape[2], w.shape[0], w.device))
+    dg.m_grouped_fp8_gemm_nt_contiguous((xq, xs), (w, ws), out, m_indices)
+    return out
+
+
+def seen_shapes() -> list[tuple[int, int, int, torch.device]]:
+    return sorted(_SEEN, key=str)
+
+
+def _gather_rows(xq: torch.Tensor, xs: torch.Tensor, src: torch.Tensor):
+    """Quantised tokens -> the padded layout's rows: e4m3 [M, K] and fp32 scales [M, K/128] MN-major (M a multiple
+    of 4, so the gathered [K/128, M] transpose is already DeepGEMM's TMA-aligned layout)."""
+    q = xq.view(torch.uint8).index_select(0, src).view(torch.float8_e4m3fn)
+    s = xs.t().index_select(1, src).t()  # [kb, T] -> [kb, M] contiguous -> MN-major [M, kb]
+    return q, s
+
+
+def deepgemm_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: Fp8Experts, limit: float,
+                 shared: torch.Tensor | None = None) -> torch.Tensor:
+    """= fp8_moe_ref(x, weights, ids, ex, limit, shared). x: [T, H] bf16 CUDA; weights float [T, k]; ids int [T, k]
+    (-1 = another rank's expert, contributes nothing); shared: [T, H] or None -> [T, H] bf16."""
+    from dsv4_kernels import triton_moe_glue, triton_pair_combine  # import triton: only on this path
+    from dsv4_kernels.triton_fp8_quant import quant_act_1x128
+
+    t, k = ids.shape
+    if x.shape != (t, ex.hidden):
+        raise ValueError(f"x must be [T={t}, H={ex.hidden}], got {tuple(x.shape)}")
+    if t == 0:
+        return torch.zeros_like(x) if shared is None else shared.clone()
+    layout = contiguous_layout(ids, ex.num_experts, m_alignment())
+    xq, xs = _gather_rows(*quant_act_1x128(x.contiguous(), ex.pow2_act), layout.src_token)
+    h = grouped_gemm(xq, xs, ex.w13, ex.s13, layout.m_indices)  # [M, 2I]
+    del xq, xs
+    aq, as_ = triton_moe_glue.swiglu_quant(h[:, :ex.inter], h[:, ex.inter:], limit, ex.pow2_act)
+    del h
+    y = grouped_gemm(aq, as_, ex.w2, ex.s2, layout.m_indices)  # [M, H]
+    return triton_pair_combine.gather_combine(y, layout.pair_row.view(t, k), weights, shared, x.dtype)
+
+
+def warm(ex: Fp8Experts, tokens, top_k: int, limit: float = 10.0) -> None:
+    """Run deepgemm_moe once at each token count (random routing): DeepGEMM compiles a kernel per (N, K) and per
+    configuration its heuristic picks for M, seconds each; do it before timing or serving."""
+    gen = torch.Generator(device=ex.w13.device).manual_seed(0)
+    for t in tokens:
+        x = torch.randn(t, ex.hidden, device=ex.w13.device, generator=gen).to(torch.bfloat16)
+        ids = torch.randint(0, ex.num_experts, (t, top_k), device=x.device, generator=gen)
+        deepgemm_moe(x, torch.rand(t, top_k, device=x.device, generator=gen), ids, ex, limit)
