@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test gpu-test bench clean tools
+.PHONY: serve test lint gpu-test bench clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,14 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -x -q tests
+
+# Lint and types (.ci/run runs it before the tests): ruff's rules and its formatter's check over the product
+# packages, tests/ and benchmarks/, then mypy over the product packages (both configured in pyproject.toml).
+LINT_PATHS := dsv4_kernels engine kv_transfer prefill_worker decode_worker router service tests benchmarks
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
 
 # On a CUDA machine: every test marked `gpu` and the Triton kernels compiled (pytest -m "gpu or triton").
 gpu-test:
