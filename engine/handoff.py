@@ -43,6 +43,8 @@ class TransferTicket:
     num_tokens: int
     fingerprint: str  # layout_fingerprint of the source pool
     staging: tuple[int, int] | None = None  # (offset, nbytes) of the pages packed in the source's staging buffer
+    # wall-clock (time.time()) end of the source's lease on these pages (0: none): a pull must end before it
+    lease_expires_at: float = 0.0
 
     def page_table(self) -> dict[str, list[int]]:
         return {g: list(p) for g, p in self.src_pages}

@@ -41,6 +41,10 @@ from engine.handoff import TransferTicket
 from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint
 
 
+# A pull's deadline ends this long before the source's lease (ticket.lease_expires_at, wall clock: covers clock skew
+# between nodes and the time a cancelled READ takes to stop); the tcp server refuses to start reading pages whose
+# lease ends sooner.
+READ_LEASE_MARGIN_S = 5.0
 ABORTED = "aborted"  # release(rid, ABORTED): the request was cancelled (the caller withdrew the export)
 LEASE_EXPIRED = "transfer lease expired"  # how every lease-expiry release error begins
 
@@ -115,6 +119,8 @@ class _Export:
     num_tokens: int
     deadline: float
     staging: object = None  # what the backend's _stage returned (released with the export)
+    readers: int = 0  # reads of its pages in progress (tcp server): no expiry, no freeing meanwhile
+    pending: tuple | None = None  # (error,) of a release that waits for the reads to end
 
 
 class TransferBackend(ABC):
@@ -189,7 +195,7 @@ class TransferBackend(ABC):
         if not alive and staging is not None:  # released by another thread while staging: free it here
             self._unstage(request_id, staging)
         return TransferTicket(self.worker_name, request_id, src, num_tokens, self.fingerprint,
-                              self._ticket_staging(export.staging))
+                              self._ticket_staging(export.staging), time.time() + self.lease_s)
 
     def _stage(self, request_id: str, plan: TransferPlan):
         """Backend hook at export: pack the request's bytes somewhere cheaper to pull; None = pull the pages."""
@@ -206,9 +212,15 @@ class TransferBackend(ABC):
         self._callbacks.append(cb)
 
     def release(self, request_id: str, error: str | None = None) -> bool:
-        """Mark an export done (error None) or failed; fires the callbacks, which free the pages. Frees nothing."""
+        """Mark an export done (error None) or failed; fires the callbacks, which free the pages. Frees nothing.
+        -> whether it was released now: False when unknown (already released) or while a read of its pages is in
+        progress (then it is released by the first `poll` after the read ends; `exported()` still lists it)."""
         with self._lock:
-            export = self._exports.pop(request_id, None)
+            export = self._exports.get(request_id)
+            if export is not None and export.readers:
+                export.pending = (error,)
+                return False
+            self._exports.pop(request_id, None)
         if export is None:
             return False  # already released (duplicate confirmation, lease expiry race)
         if export.staging is not None:
@@ -221,11 +233,29 @@ class TransferBackend(ABC):
         """Apply the decode side's confirmations and expired leases; returns the released (request_id, error)."""
         events = list(self._confirmations())
         now = time.monotonic()
-        with self._lock:
-            expired = [rid for rid, e in self._exports.items() if e.deadline <= now]
+        with self._lock:  # a release that waited for a read first; a lease never ends under a read
+            events += [(rid, e.pending[0]) for rid, e in self._exports.items() if e.pending and not e.readers]
+            expired = [rid for rid, e in self._exports.items() if e.deadline <= now and not e.readers and not e.pending]
         events += [(rid, f"{LEASE_EXPIRED} after {self.lease_s:g} s without confirmation from the decode side")
                    for rid in expired]
         return [(rid, err) for rid, err in events if self.release(rid, err)]
+
+    def _begin_read(self, request_id: str) -> "_Export | None":
+        """Pin an export for a read of its pages by this side (the tcp server): None when it is unknown, released,
+        or its lease ends within READ_LEASE_MARGIN_S. A pinned export neither expires nor is freed until
+        `_end_read` (a release meanwhile waits), so the pages cannot be reused under the read."""
+        with self._lock:
+            e = self._exports.get(request_id)
+            if e is None or e.pending is not None or e.deadline - time.monotonic() < READ_LEASE_MARGIN_S:
+                return None
+            e.readers += 1
+            return e
+
+    def _end_read(self, request_id: str) -> None:
+        with self._lock:
+            e = self._exports.get(request_id)
+            if e is not None:
+                e.readers -= 1
 
     def exported(self) -> list[str]:
         with self._lock:
@@ -254,11 +284,16 @@ class TransferBackend(ABC):
         """Copy the ticket's pages into `dst_pages` of this pool. Raises TransferError / TransferTimeout
         (destination pages then hold garbage: free them). Confirms to the source on success and on failure."""
         t0, c0 = time.monotonic(), time.thread_time()
-        deadline = t0 + timeout_s
+        # The pull ends before the source's lease on its pages may: never read pages that can be freed under it.
+        lease_left = ticket.lease_expires_at - time.time() - READ_LEASE_MARGIN_S if ticket.lease_expires_at else None
+        deadline = t0 + timeout_s if lease_left is None else t0 + min(timeout_s, lease_left)
         w = self._wire
         w.seconds = w.scatter = w.staging_wait = 0.0
         w.scatter_parts = {}
         try:
+            if lease_left is not None and lease_left <= 0:
+                raise TransferTimeout(f"request {ticket.request_id!r}: the source's lease on its pages ends within "
+                                      f"{READ_LEASE_MARGIN_S:g} s: too late to pull")
             plan = self.plan_for(ticket, dst_pages)
             w.plan = time.monotonic() - t0
             descriptors = self._read(ticket, plan, deadline)

@@ -130,9 +130,12 @@ class TcpBackend(TransferBackend):
                     self._events.put((rid, f"decode side failed the transfer: {req.get('error', '?')}"))
                     return
                 views = self._check_read(req)
-                _send_frame(conn, {"ok": True, "nbytes": sum(len(v) for v in views)})
-                for v in views:
-                    conn.sendall(v)
+                try:
+                    _send_frame(conn, {"ok": True, "nbytes": sum(len(v) for v in views)})
+                    for v in views:
+                        conn.sendall(v)
+                finally:
+                    self._end_read(rid)  # the pages have been read: a release may free them now
                 if _recv_frame(conn, None, "confirmation").get("op") == "done":
                     self._events.put((rid, None))
                     return
@@ -151,12 +154,19 @@ class TcpBackend(TransferBackend):
         rid = str(req["rid"])
         if req.get("fingerprint") != self.fingerprint:
             raise _Refused(f"layout {req.get('fingerprint')} != {self.fingerprint}")
-        with self._lock:
-            export = self._exports.get(rid)
+        export = self._begin_read(rid)  # pinned until _serve's _end_read: its lease cannot end under the read
         if export is None:
-            raise _Refused(f"request {rid!r} is not exported by {self.worker_name} (never, or released)")
+            raise _Refused(f"request {rid!r} is not exported by {self.worker_name} (never, released, or its lease "
+                           f"ends too soon to read)")
+        try:
+            return self._views(rid, export, req["ranges"])
+        except BaseException:
+            self._end_read(rid)
+            raise
+
+    def _views(self, rid: str, export, ranges) -> list[memoryview]:
         views = []
-        for name, off, length in req["ranges"]:
+        for name, off, length in ranges:
             if name not in self.pool.groups:
                 raise _Refused(f"no cache group {name!r}")
             spec = self.pool.groups[name].spec

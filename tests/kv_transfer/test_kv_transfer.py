@@ -12,7 +12,7 @@ from engine.loading.make_model import PRESETS
 from engine.model.cache import CacheConfig, CacheGroupSpec, CachePool, group_specs
 from engine.model.config import ModelConfig
 from kv_transfer import TransferError, TransferTimeout, build_plan, layout_fingerprint, make_backend, resolve_name
-from kv_transfer.base import pack_metadata, unpack_metadata
+from kv_transfer.base import ABORTED, READ_LEASE_MARGIN_S, pack_metadata, unpack_metadata
 from kv_transfer.plan import page_bytes
 from tests.support.backends import BACKEND_NAMES, NIXL_SKIP, needs_nixl
 
@@ -273,6 +273,8 @@ def test_tcp_source_gone_fails_fast_and_lease_expires():
     src, dst, released = connect("tcp", src_pool, dst_pool, lease_s=0.2)
     ticket = src.export("r", src_table(src_pool), NUM_TOKENS)
     src.close()
+    # the pull would refuse a 0.2 s lease up front (test_lease_bounds_the_pull): this checks the connection
+    ticket = dataclasses.replace(ticket, lease_expires_at=time.time() + 60)
     with pytest.raises(TransferError, match="cannot connect") as err:
         dst.pull(ticket, dst_table(dst_pool), timeout_s=5)
     assert not isinstance(err.value, TransferTimeout)  # a refused connection fails at once, not at the deadline
@@ -370,3 +372,59 @@ def test_idle_nixl_agent_does_not_spin():
         assert share < 0.3, f"idle NIXL agent threads use {100 * share:.0f}% of a core"
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("kind", BACKEND_NAMES)
+def test_lease_bounds_the_pull(kind, monkeypatch):
+    """A pull's deadline is the earlier of its timeout and the source's lease (less READ_LEASE_MARGIN_S): a pull
+    never outlives the pages it reads, and one that starts too late fails at once (the source is told)."""
+    src_pool, dst_pool = random_pool(SRC_CACHE, 0), random_pool(DST_CACHE, 1)
+    src, dst, released = connect(kind, src_pool, dst_pool, lease_s=READ_LEASE_MARGIN_S + 1.0)
+    try:
+        late = src.export("late", src_table(src_pool), NUM_TOKENS)
+        late = dataclasses.replace(late, lease_expires_at=time.time() + READ_LEASE_MARGIN_S - 0.5)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout, match="too late to pull"):
+            dst.pull(late, dst_table(dst_pool), timeout_s=30)
+        assert time.monotonic() - t0 < 5
+        got = wait_poll(src)
+        assert [r for r, _ in got] == ["late"] and "failed the transfer" in got[0][1]
+        if kind == "tcp":  # a source that stalls: the pull gives up when the lease would, not after 30 s
+            monkeypatch.setattr(src, "_check_read", lambda req: time.sleep(3.0) or [])
+        else:
+            monkeypatch.setattr(dst.agent, "transfer", lambda h, notif_msg=b"": "PROC")
+            monkeypatch.setattr(dst.agent, "check_xfer_state", lambda h: "PROC")
+        ticket = src.export("slow", src_table(src_pool), NUM_TOKENS)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            dst.pull(ticket, dst_table(dst_pool), timeout_s=30)
+        assert time.monotonic() - t0 < 2.5  # lease 6 s less the 5 s margin
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_tcp_server_pins_pages_while_it_reads_them():
+    """The tcp server reads page views after dropping its lock: an export being read neither expires nor is freed
+    (an abort waits for the read), and a read is not started when the lease ends within the margin."""
+    src_pool = random_pool(SRC_CACHE, 0)
+    released = []
+    src = make_backend("tcp", src_pool, lease_s=0.3, on_release=lambda rid, err: released.append((rid, err)))
+    try:
+        src.export("short", src_table(src_pool), NUM_TOKENS)
+        assert src._begin_read("short") is None  # its lease ends within the margin: never read
+        src.lease_s = READ_LEASE_MARGIN_S + 0.3
+        src.export("pinned", src_table(src_pool), NUM_TOKENS)
+        export = src._begin_read("pinned")
+        assert export is not None
+        time.sleep(0.4)
+        export.deadline = time.monotonic() - 1  # its lease ran out during the read
+        assert [r for r, _ in src.poll()] == ["short"]  # "pinned" does not expire while it is read
+        assert src.release("pinned", ABORTED) is False and "pinned" in src.exported()  # waits for the read
+        assert src.poll() == []
+        assert released == [("short", released[0][1])] and "pinned" in src.exported()
+        src._end_read("pinned")
+        assert src.poll() == [("pinned", ABORTED)] and released[-1] == ("pinned", ABORTED)
+        assert src.exported() == []
+    finally:
+        src.close()
