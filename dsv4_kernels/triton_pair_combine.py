@@ -30,7 +30,8 @@ def _gather_combine_kernel(y_ptr, row_ptr, w_ptr, shared_ptr, out_ptr, K, H, str
     for j in range(K):
         row = tl.load(row_ptr + t * K + j).to(tl.int64)
         w = tl.load(w_ptr + t * K + j).to(tl.float32)
-        y = tl.load(y_ptr + tl.maximum(row, 0) * stride_y + cols, mask=mask & (row >= 0), other=0.0).to(tl.float32)
+        # A -1 pair reads row 0 (always allocated) and is dropped by the select, never multiplied (NaN x 0 = NaN).
+        y = tl.load(y_ptr + tl.maximum(row, 0) * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
         acc += tl.where(row >= 0, w * y, 0.0)
     out = acc.to(out_ptr.dtype.element_ty)
     if HAS_SHARED:
