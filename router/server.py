@@ -21,7 +21,12 @@ the same code, so streaming clients get a typed reason and plain gRPC clients a 
   as a new one whose prompt is the original prompt plus every token streamed so far, with the remaining
   token budget, placed on another (or the restarted) decode worker; the client's stream just goes on.
   At most `max_migrations` times (0 turns it off: then UNAVAILABLE naming the worker and how far it got).
-  Greedy output is unchanged by a migration; a seeded sampler restarts its generator at that point;
+  What a migration preserves, exactly: the budget (the continuation's max_new_tokens is the original less the
+  tokens streamed, so the stream has the same total length), every token streamed once (none lost, none
+  repeated: the continuation's tokens follow the last one streamed) and the prefix (original prompt + streamed
+  tokens). Not the continuation itself: it is decoded from that prefix in another batch, so where numerics depend
+  on the batch (bf16 on a GPU) greedy tokens after the migration can differ from an undisturbed run; a seeded
+  sampler restarts its generator at that point; prompt logprobs are not sent again;
 - anything else -> INTERNAL (logged with its traceback).
 Messages carry no internals (remote tracebacks, pids, addresses): those go to the log under the request id.
 With `auth_token` set, every call must carry it in the `x-dsv4-token` metadata (else UNAUTHENTICATED).

@@ -233,20 +233,37 @@ def test_router_admission_limit_is_resource_exhausted():
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the hung step ends at close
-def test_hung_engine_is_marked_down_and_its_stream_migrates():
+def test_hung_engine_is_marked_down_and_its_stream_migrates_as_documented():
     """A step that never returns: the health loop sees the stall, releases the stream waiting on that engine, and
-    the stream continues on the other one (prompt + streamed tokens, the rest of the budget); the client sees the
-    tokens of an undisturbed run, each once."""
+    the stream continues on the other one. Checked exactly as router.server and the README state it: the
+    continuation's prompt is the original prompt plus the k tokens streamed, its budget the original less k, and
+    the client's stream is those k tokens followed by the continuation's own tokens (an undisturbed run of that
+    prefix): the same total length, nothing lost or repeated."""
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    expected = LLM().generate([PROMPTS[1]], params)[0].token_ids
     h = Harness(health_interval_s=0.2, stall_timeout_s=1.0)
+    asked = []
+    real_generate = h.dispatcher.generate
+
+    def recording(request, prefill_id, decode_id):  # the real dispatcher; we only note what it was asked
+        asked.append(request)
+        return real_generate(request, prefill_id, decode_id)
+
+    h.dispatcher.generate = recording
     try:
         stream = h.client.generate(PROMPTS[1], params)
         first = next(stream)
         hung = first.decode_worker
         h.dispatcher.inject_fault(hung, "hang")  # the engine's next step never returns
         events = [first, *stream]
-        assert [e.token_id for e in events] == expected and events[-1].finish_reason == "length"
+        tokens = [e.token_id for e in events]
+        assert len(tokens) == 40 and events[-1].finish_reason == "length"
+        orig, cont = asked
+        k = len(cont.prompt_ids) - len(orig.prompt_ids)
+        assert 1 <= k < 40 and cont.request_id == f"{orig.request_id}-m1"
+        assert list(cont.prompt_ids) == PROMPTS[1] + tokens[:k]  # the prefix: prompt + what was streamed
+        assert cont.params.max_new_tokens == 40 - k  # the budget
+        rest = LLM().generate([list(cont.prompt_ids)], SamplingParams(max_new_tokens=40 - k, ignore_eos=True))
+        assert tokens[k:] == rest[0].token_ids  # the continuation's tokens, each once, after the streamed ones
         stats = h.client.stats()
         assert stats.retries_total == 1 and stats.worker_deaths_total == 1
         assert {w.worker_id: w.healthy for w in h.client.health().workers}[hung] is False
