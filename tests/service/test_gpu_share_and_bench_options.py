@@ -93,11 +93,18 @@ def test_gpu_service_report_from_stage_json(tmp_path):
     # the kill stage: where the continued streams first differ from undisturbed ones, against the kill point
     (tmp_path / "fault.json").write_text(json.dumps({
         "streams": 2, "max_new_tokens": 400, "kill_after": 16, "tokens_at_kill": [16, 17], "completed": 2,
-        "clean_failures": 0, "unclean": [], "identical_to_undisturbed": 0, "first_divergence": [40, 57],
+        "clean_failures": 0, "unclean": [], "kept_streamed": 2, "identical_to_undisturbed": 0,
+        "first_divergence": [40, 57],
         "streams_ended_s": 30.0, "restarted_s": 30.0, "idle_after_s": 0.1, "served_again_s": 30.2,
         "router_retries_total": 2, "killed_pid": 123}))
     subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "service_run.py"), "report", "--dir", str(tmp_path),
                     "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
     text = out.read_text()
     assert "first differing token at 40, 57; the kill came after token 16: all after it" in text
-    assert "Verdict: pass" in text
+    assert "Verdict: pass" in text  # the README's claim: every token kept, the whole budget; not identity
+    fault = json.loads((tmp_path / "fault.json").read_text())
+    (tmp_path / "fault.json").write_text(json.dumps({**fault, "kept_streamed": 1}))  # one lost a streamed token
+    subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "service_run.py"), "report", "--dir", str(tmp_path),
+                    "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
+    assert "1 of them kept every token streamed before the kill" in out.read_text()
+    assert "Verdict: FAIL" in out.read_text()
