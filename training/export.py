@@ -5,10 +5,11 @@
 The trained transformers model is written with `save_pretrained` (transformers' own names), read back by the
 engine's loader (`load_weights`: original DeepSeek names, experts split), then stored the way DeepSeek ships V4
 (`engine.loading.make_model.quantize_weights`): dense projections FP8 e4m3 with 128x128 UE8M0 block scales,
-routed experts MXFP4, each with a `.scale` companion; the remaining large tensors (embedding, head, compressor
-and indexer projections, router) in bf16, and in fp32 the small ones and those the engine keeps in fp32
-(norms, mHC, sinks, position biases, router bias: `engine.loading.weights.keeps_fp32`). config.json carries
-the release's quantization_config; the tokenizer comes from the data dir.
+routed experts MXFP4, each with a `.scale` companion (the MTP layer's `mtp.0.*` alike, when the run trained
+one); the remaining large tensors (embedding, head, compressor and indexer projections, router) in bf16, and in
+fp32 the small ones and those the engine keeps in fp32 (norms, mHC, sinks, position biases, router bias:
+`engine.loading.weights.keeps_fp32`). config.json carries the release's quantization_config (and
+num_nextn_predict_layers with an MTP layer); the tokenizer comes from the data dir.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from engine.loading.make_model import quantize_weights
 from engine.loading.weights import keeps_fp32, load_weights
 from engine.model.config import ModelConfig
 from training.mini_config import mini_config
+from training.mtp_head import PREFIX as MTP_PREFIX
+from training.mtp_head import mtp_config
 from training.train import build_model, load_state
 
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
@@ -54,7 +57,12 @@ def release_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def export(run_dir: str, data_dir: str, out_dir: str) -> str:
     raw = mini_config()
-    weights = original_weights(load_state(run_dir), raw)
+    state = load_state(run_dir)
+    mtp = {k: state.pop(k) for k in [k for k in state if k.startswith(MTP_PREFIX)]}
+    weights = original_weights(state, raw)
+    if mtp:  # already in checkpoint names; the config declares the layer (num_nextn_predict_layers)
+        weights.update(mtp)
+        raw = mtp_config(raw)
     raw["quantization_config"] = dict(QUANT_CONFIG)
     os.makedirs(out_dir, exist_ok=True)
     save_file(release_tensors(weights), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

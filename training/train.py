@@ -15,8 +15,9 @@ What the model learns and does not: next-token prediction with AdamW on random w
 auxiliary-loss-free balancing (bias += rate * sign(mean load - expert load) after each step); hash layers route
 by a seeded random `tid2eid` table. The lightning indexer gets no gradient through its top-k (V4 trains it with
 a separate distillation loss, which this trainer does not have), so its weights stay at their seeded init.
-TODO(issue 36 item 4): an MTP head once engine/model/mtp.py lands (predict t+2 from the pre-hc_head streams at t
-and the embedding of t+1).
+With --mtp-weight > 0 (default 0.3) one MTP layer (training.mtp_head: the engine's reference MTP forward) learns
+to predict token t+2 from the pre-hc_head streams at t and the embedding of t+1, on the first --mtp-rows
+sequences of each batch; its loss is added with that weight (it also trains the shared embedding, head and trunk).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from training.mini_config import mini_config
+from training.mtp_head import MtpHead, StreamTap, mtp_config
 
 MAX_SHARD_BYTES = 12 << 20
 
@@ -54,6 +56,8 @@ class TrainArgs:
     eval_every: int = 100
     eval_windows: int = 16
     save_every_s: float = 120.0
+    mtp_weight: float = 0.3  # 0: no MTP layer
+    mtp_rows: int = 8  # sequences of a batch the MTP layer trains on (it runs one sequence at a time)
 
 
 def _transformers():
@@ -154,19 +158,32 @@ def param_groups(model, weight_decay: float):
 
 
 @torch.no_grad()
-def evaluate(model, windows: Windows, a: TrainArgs, device, autocast: bool) -> dict:
+def evaluate(model, windows: Windows, a: TrainArgs, device, autocast: bool, mtp=None, tap=None) -> dict:
     model.eval()
     ids = windows.heldout_batch(a.eval_windows)
-    losses = [float(lm_loss(model, ids[i:i + 4].to(device), autocast)) for i in range(0, len(ids), 4)]
+    losses, mtp_losses = [], []
+    for i in range(0, len(ids), 4):
+        chunk = ids[i:i + 4].to(device)
+        losses.append(float(lm_loss(model, chunk, autocast)))
+        if mtp is not None:
+            mtp_losses.append(float(mtp.loss(tap.streams, chunk, model.model.embed_tokens.weight,
+                                             model.lm_head.weight, rows=1)))
     model.train()
     loss = sum(losses) / len(losses)
-    return {"heldout_loss": loss, "heldout_bits_per_byte": loss / math.log(2) / windows.heldout_bytes_per_token}
+    out = {"heldout_loss": loss, "heldout_bits_per_byte": loss / math.log(2) / windows.heldout_bytes_per_token}
+    if mtp_losses:
+        out["heldout_mtp_loss"] = sum(mtp_losses) / len(mtp_losses)
+    return out
 
 
-def save_state(model, out: str) -> list[str]:
-    """The fp32 state dict in shards of <= MAX_SHARD_BYTES (whole tensors), written atomically."""
+def save_state(model, out: str, mtp=None) -> list[str]:
+    """The fp32 state dict (+ the MTP layer's `mtp.0.*` tensors) in shards of <= MAX_SHARD_BYTES (whole
+    tensors), written atomically."""
     shards, cur, size = [], {}, 0
-    for name, t in model.state_dict().items():
+    tensors = dict(model.state_dict())
+    if mtp is not None:
+        tensors.update(mtp.checkpoint_weights())
+    for name, t in tensors.items():
         t = t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype).contiguous()
         nbytes = t.numel() * t.element_size()
         if cur and size + nbytes > MAX_SHARD_BYTES:
@@ -185,6 +202,7 @@ def save_state(model, out: str) -> list[str]:
 
 
 def load_state(run_dir: str) -> dict[str, torch.Tensor]:
+    """Every saved tensor: the model's (transformers' names) and the MTP layer's (`mtp.0.*`)."""
     state: dict[str, torch.Tensor] = {}
     for name in sorted(f for f in os.listdir(run_dir) if f.startswith("state-") and f.endswith(".pt")):
         state.update(torch.load(os.path.join(run_dir, name), map_location="cpu", weights_only=True))
@@ -197,12 +215,17 @@ def train(a: TrainArgs) -> dict:
     device = torch.device(a.device)
     autocast = device.type == "cuda"
     model = build_model(a.seed).to(device).train()
+    mtp = MtpHead(mini_config(), a.seed).to(device) if a.mtp_weight > 0 else None
+    tap = StreamTap(model) if mtp is not None else None
     windows = Windows(a.data, a.seq_len, a.seed)
     balancer = LoadBalancer(model, a.bias_rate)
-    opt = torch.optim.AdamW(param_groups(model, a.weight_decay), lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
+    groups = param_groups(model, a.weight_decay)
+    if mtp is not None:
+        groups += param_groups(mtp, a.weight_decay)
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=device.type == "cuda")
     with open(os.path.join(a.out, "config.json"), "w") as fh:
-        json.dump(mini_config(), fh, indent=2)
+        json.dump(mtp_config(mini_config()) if mtp is not None else mini_config(), fh, indent=2)
     log = {"args": asdict(a), "params": sum(p.numel() for p in model.parameters()), "steps": []}
     budget = a.minutes * 60.0
     start = last_save = time.time()
@@ -214,29 +237,35 @@ def train(a: TrainArgs) -> dict:
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(a, step, progress)
-        loss = lm_loss(model, windows.batch(a.batch).to(device), autocast)
+        ids = windows.batch(a.batch).to(device)
+        loss = lm_loss(model, ids, autocast)
+        mtp_loss = None
+        if mtp is not None:
+            mtp_loss = mtp.loss(tap.streams, ids, model.model.embed_tokens.weight, model.lm_head.weight, a.mtp_rows)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        (loss if mtp_loss is None else loss + a.mtp_weight * mtp_loss).backward()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
         opt.step()
         imbalance = balancer.step()
         step += 1
         tokens += a.batch * a.seq_len
         if step % a.eval_every == 0 or step == 1:
-            row = {"step": step, "loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"], "grad_norm": gnorm,
+            row = {"step": step, "loss": float(loss.detach()),
+                   "mtp_loss": None if mtp_loss is None else float(mtp_loss.detach()), "lr": opt.param_groups[0]["lr"], "grad_norm": gnorm,
                    "max_over_mean_load": imbalance, "tokens": tokens, "elapsed_s": round(time.time() - start, 1),
-                   **evaluate(model, windows, a, device, autocast)}
+                   **evaluate(model, windows, a, device, autocast, mtp, tap)}
             log["steps"].append(row)
             print(json.dumps(row), flush=True)
         if time.time() - last_save > a.save_every_s:
-            save_state(model, a.out)
+            save_state(model, a.out, mtp)
             last_save = time.time()
     final = {"step": step, "tokens": tokens, "elapsed_s": round(time.time() - start, 1),
              "tokens_per_s": round(tokens / max(1e-9, time.time() - start)),
-             **evaluate(model, windows, a, device, autocast)}
+             **evaluate(model, windows, a, device, autocast, mtp, tap)}
     log["final"] = final
     print(json.dumps({"final": final}), flush=True)
-    log["shards"] = save_state(model, a.out)
+    log["shards"] = save_state(model, a.out, mtp)
     with open(os.path.join(a.out, "train_log.json"), "w") as fh:
         json.dump(log, fh, indent=1)
     return log

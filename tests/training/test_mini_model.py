@@ -47,6 +47,8 @@ def test_split_is_fixed_and_disjoint():
 
 def _fresh_release(tmp) -> str:
     from training.export import export
+    from training.mini_config import mini_config
+    from training.mtp_head import MtpHead
     from training.tokenizer_train import train_tokenizer
     from training.train import build_model, save_state
 
@@ -59,7 +61,7 @@ def _fresh_release(tmp) -> str:
         torch.manual_seed(3)
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
         model.lm_head.weight.normal_(0.0, 0.35)
-    save_state(model, run)
+    save_state(model, run, MtpHead(mini_config(), seed=3))
     return export(run, data, os.path.join(tmp, "release"))
 
 
@@ -114,6 +116,8 @@ def test_release_format(models):
     assert "layers.2.ffn.experts.7.w1.scale" in dtypes and "layers.1.attn.wq_b.scale" in dtypes
     assert dtypes["embed.weight"] == "BF16" and dtypes["layers.0.hc_attn_fn"] == "F32"
     assert "layers.0.ffn.gate.tid2eid" in dtypes and "layers.2.ffn.gate.bias" in dtypes
+    assert dtypes["mtp.0.e_proj.weight"] == "F8_E4M3" and dtypes["mtp.0.ffn.experts.0.w2.weight"] == "I8"
+    assert json.load(open(os.path.join(release, "config.json")))["num_nextn_predict_layers"] == 1
     assert {r for r in json.load(open(os.path.join(release, "config.json")))["compress_ratios"]} == {0, 4, 128}
 
 
@@ -147,3 +151,23 @@ def test_engine_matches_transformers(kind, models):
     if kind == "trained":
         nll = -sum(out.prompt_logprobs[1:]) / (len(ids) - 1)
         assert nll < 0.5 * math.log(hf_cfg.vocab_size), (rel, nll)  # chance is ln(4096) = 8.3 nats a token
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_speculative_decoding_keeps_tokens(kind, models):
+    """The MTP layer drafts, the target decides: greedy tokens are those of plain decoding."""
+    from engine.execution.sampling_params import SamplingParams
+    from engine.llm import LLM
+    from engine.loading.tokenizer import load_tokenizer
+
+    release, _ = models(kind)
+    prompt = load_tokenizer(release).encode("import os\n\n\ndef main(argv):\n    ")
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(model_dir=release, device="cpu", dtype="float32") as llm:
+        plain = llm.generate([prompt], params)[0]
+    with LLM(model_dir=release, device="cpu", dtype="float32", speculative_tokens=1) as llm:
+        spec = llm.generate([prompt], params)[0]
+    assert spec.token_ids == plain.token_ids
+    assert spec.drafted_tokens > 0
+    if kind == "trained":  # a trained MTP layer's drafts are right more often than a random one's never
+        assert spec.accepted_tokens > 0, (spec.drafted_tokens, spec.accepted_tokens)
