@@ -535,7 +535,8 @@ def make_app(get_server: Callable[[], OpenAIServer] = current_server, api_docs: 
     @app.get("/v1/models")
     async def models():
         s = get_server()
-        card = P.ModelCard(id=s.model_name, root=s.model_dir, max_model_len=s.max_model_len)
+        # root names the model, never the server's path to it (no filesystem layout in API answers)
+        card = P.ModelCard(id=s.model_name, root=s.model_name, max_model_len=s.max_model_len)
         return JSONResponse(P.ModelList(data=[card]).model_dump(mode="json"))
 
     @app.post("/v1/completions")

@@ -142,6 +142,8 @@ def requests_total(status: str) -> float:
 def test_models_and_health(srv):
     models = srv.client.models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].max_model_len == 4096
+    raw = srv.client.models.with_raw_response.list().text
+    assert models[0].root == MODEL and str(default_model_dir()) not in raw and "/" not in models[0].root  # no server paths
     status, body = srv.get("/health")
     assert status == 200 and body["status"] == "ok" and body["workers"][0]["healthy"]
     status, body = srv.get("/nope")
