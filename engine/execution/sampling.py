@@ -61,23 +61,40 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     No device-to-host sync: an all-greedy batch is the caller's to short-cut (it knows from the host)."""
     greedy = temperature == 0
     tokens = logits.argmax(dim=-1)
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    sampled = exponential_race(filtered_probs(logits, temperature, top_k, top_p, filtered), draw_seeds)
+    return torch.where(greedy, tokens, sampled)
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   filtered: bool = True) -> torch.Tensor:
+    """fp32 [N, V] -> the distribution each row samples from: softmax(logits / temperature) after top-k / top-p
+    (`sample`'s; rows with temperature 0 use temperature 1 here: the caller takes their argmax). Speculative
+    decoding's rejection sampler compares these for the target and the draft (engine.execution.spec_sampling)."""
+    temp = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
     scaled = logits / temp.unsqueeze(1)
-    probs = (apply_top_k_top_p(scaled, top_k, top_p) if filtered else scaled).softmax(dim=-1)
-    if logits.is_cuda and use_triton(logits.device):
+    return (apply_top_k_top_p(scaled, top_k, top_p) if filtered else scaled).softmax(dim=-1)
+
+
+def exp_noise_rows(draw_seeds: list[int] | torch.Tensor, vocab: int, device) -> torch.Tensor:
+    """Exp(1) noise fp32 [N, vocab] on `device`, row i a function of draw seed i alone (see the module docstring)."""
+    device = torch.device(device)
+    if device.type == "cuda" and use_triton(device):
         # Philox on the device (dsv4_kernels.triton_sampling): per-row host generators cost ~80 ms a step at batch 64
         # and V4's vocabulary. Still a function of the draw seed alone, but another stream than the CPU's.
         from dsv4_kernels.triton_sampling import exp_noise  # imports triton: only on this path
 
         seeds = draw_seeds if isinstance(draw_seeds, torch.Tensor) else torch.tensor(draw_seeds, dtype=torch.int64)
-        exp = exp_noise(seeds.to(logits.device), logits.shape[-1])
-    else:
-        seeds = draw_seeds.tolist() if isinstance(draw_seeds, torch.Tensor) else draw_seeds
-        noise = torch.stack([torch.rand(logits.shape[-1], generator=torch.Generator().manual_seed(s))
-                             for s in seeds])
-        exp = -torch.log(noise.clamp_min(1e-20)).to(logits.device)
-    sampled = (probs / exp).argmax(dim=-1)
-    return torch.where(greedy, tokens, sampled)
+        return exp_noise(seeds.to(device), vocab)
+    seeds = draw_seeds.tolist() if isinstance(draw_seeds, torch.Tensor) else draw_seeds
+    noise = torch.stack([torch.rand(vocab, generator=torch.Generator().manual_seed(s)) for s in seeds]) \
+        if len(seeds) else torch.empty(0, vocab)
+    return -torch.log(noise.clamp_min(1e-20)).to(device)
+
+
+def exponential_race(probs: torch.Tensor, draw_seeds: list[int] | torch.Tensor) -> torch.Tensor:
+    """probs: fp32 [N, V] (each row's weights, normalised or not) -> int64 [N]: argmax(probs / E), E ~ Exp(1)
+    keyed by the row's draw seed: a draw from the normalised row."""
+    return (probs / exp_noise_rows(draw_seeds, probs.shape[-1], probs.device)).argmax(dim=-1)
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,12 @@ One step (eager; `EngineCore.step` hands it here):
    streams at t): that fills its own SWA KV over prompts and accepted tokens; its output at the newest
    position drafts token 1, then K-1 chained MTP steps (its own streams, the previous draft) draft the rest,
    their MTP ring rows saved and restored around the chain so the MTP KV only ever holds the accepted path.
-Greedy output is token for token the non-speculative output (tests/engine/test_speculative.py).
-Requests with temperature > 0 run without drafts in this version (exact, no speed-up): the rejection-sampling
-verify is not built yet. Not here yet: CUDA graphs and overlapped decode for verify steps (EngineCore runs
+Greedy output is token for token the non-speculative output (tests/engine/test_speculative.py). Sampled
+requests (temperature > 0) draft from the MTP layer's distribution q under their own filters and verify by
+rejection sampling (engine.execution.spec_sampling): their output has the non-speculative distribution.
+A prefill-only request (the hand-off) gets the MTP pass over its prompt but no drafts: the MTP KV travels with
+the swa group's ring page, and the decode side drafts after its first (one-token) step, whose streams it has.
+Not here yet: CUDA graphs and overlapped decode for verify steps (EngineCore runs
 these steps eagerly), tensor/data parallel engines, the disaggregated hand-off of the MTP state.
 """
 
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.execution import spec_rollback
+from engine.execution import spec_sampling
 from engine.execution.request import Request, TokenEvent
 from engine.execution.sampling import greedy_pick
 from engine.model.batch import build_step
@@ -42,6 +46,7 @@ class _Plan:
     drafts: list[int]
     first_row: int  # this chunk's first row in the step's token rows
     emitted: list = None  # [(token, logprob)] this step appends
+    q: list = None  # a sampled request's drafts' q rows (fp32 [V] each), else None
     computed: int = 0  # the request's num_computed after the step
 
 
@@ -57,6 +62,7 @@ class Speculator:
         self.core, self.k = core, k
         self.layers = [MtpLayer(core.model, weights, i) for i in range(cfg.num_nextn_predict_layers)]
         self.drafts: dict[str, list[int]] = {}  # request id -> drafts to verify in its next step
+        self.draft_q: dict[str, list[torch.Tensor]] = {}  # sampled requests: each draft's q [V] (spec_sampling)
         self.stats = {"drafted": 0, "accepted": 0, "verify_chunks": 0, "emitted": 0}
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -69,9 +75,12 @@ class Speculator:
         for c in chunks:
             req = c.request
             drafts = []
+            q = None
             if c.num_tokens == 1 and c.start + 1 == req.num_tokens:
                 drafts = self.drafts.pop(req.request_id, [])[:self._room(req)]
-            plans.append(_Plan(c, req.token_slice(c.start, c.start + c.num_tokens) + drafts, drafts, row))
+                q = self.draft_q.pop(req.request_id, None)
+            plans.append(_Plan(c, req.token_slice(c.start, c.start + c.num_tokens) + drafts, drafts, row,
+                               q=q[:len(drafts)] if q is not None and drafts else None))
             row += len(plans[-1].tokens)
         saved = {id(p): spec_rollback.save(core.pool, p.chunk.request.pages,
                                            torch.arange(p.chunk.start, p.chunk.start + len(p.tokens)))
@@ -94,11 +103,12 @@ class Speculator:
             if req.finished:
                 core.scheduler.finish(req)
                 self.drafts.pop(req.request_id, None)
+                self.draft_q.pop(req.request_id, None)
         return events
 
     def _room(self, req: Request) -> int:
-        """Drafts worth verifying for `req`: K, fewer near max_new_tokens, none for sampled or hand-off requests."""
-        if req.params.temperature != 0 or req.prefill_only:
+        """Drafts worth verifying for `req`: K, fewer near max_new_tokens, none for a prefill-only request."""
+        if req.prefill_only:
             return 0
         return max(0, min(self.k, req.params.max_new_tokens - len(req.output) - 1))
 
@@ -138,18 +148,19 @@ class Speculator:
         todo = [(p.chunk, r) for p, r in zip(plans, sample_rows) if r is not None and not p.drafts]
         tokens, lps = core._sample(logits, todo) if todo else ([], [])
         plain = iter(zip(tokens, lps))
-        verify = [(p, r) for p, r in zip(plans, sample_rows) if p.drafts]
+        greedy = [(p, r) for p, r in zip(plans, sample_rows) if p.drafts and p.q is None]
         picks = None
-        if verify:
-            rows = torch.cat([torch.arange(r, r + len(p.drafts) + 1) for p, r in verify]).to(logits.device)
+        if greedy:
+            rows = torch.cat([torch.arange(r, r + len(p.drafts) + 1) for p, r in greedy]).to(logits.device)
             picks = greedy_pick(logits[rows]).tolist()
-        at = 0
+        sampled = self._verify_sampled(plans, logits, sample_rows)
+        at = at_sampled = 0
         for p, r in zip(plans, sample_rows):
             if r is None:
                 p.emitted = []
             elif not p.drafts:
                 p.emitted = [next(plain)]
-            else:
+            elif p.q is None:  # greedy: the longest prefix of drafts equal to the target's argmax, then its token
                 n = len(p.drafts) + 1
                 toks, lp = [int(t) for t in picks[0][at:at + n]], picks[1][at:at + n]
                 at += n
@@ -158,6 +169,27 @@ class Speculator:
                     a += 1
                 p.emitted = list(zip(toks[:a + 1], lp[:a + 1]))
                 self._count(p.chunk.request, len(p.drafts), a)
+            else:  # rejection sampling: the accepted drafts, then the first row not accepted emits its draw
+                a = spec_sampling.accepted_prefix(sampled[0], at_sampled, len(p.drafts))
+                rows = range(at_sampled, at_sampled + a + 1)
+                p.emitted = [(int(sampled[1][i]), sampled[2][i]) for i in rows]
+                at_sampled += len(p.drafts) + 1
+                self._count(p.chunk.request, len(p.drafts), a)
+
+    def _verify_sampled(self, plans: list[_Plan], logits: torch.Tensor, sample_rows: list) -> list | None:
+        """The sampled verify chunks' rows [drafts.., bonus] through spec_sampling.verify_sampled, in plan order ->
+        its [3, R] result on the host (one copy), or None when there is none."""
+        verify = [(p, r) for p, r in zip(plans, sample_rows) if p.drafts and p.q is not None]
+        if not verify:
+            return None
+        dev = logits.device
+        rows = torch.cat([torch.arange(r, r + len(p.drafts) + 1) for p, r in verify]).to(dev)
+        drafts = torch.tensor([t for p, _ in verify for t in p.drafts + [-1]], dtype=torch.int64).to(dev)
+        zero = logits.new_zeros(1, logits.shape[-1])
+        q = torch.cat([torch.cat([torch.stack(p.q), zero]) for p, _ in verify])
+        reqs = [p.chunk.request for p, _ in verify for _ in range(len(p.drafts) + 1)]
+        index = [len(p.chunk.request.output) + j for p, _ in verify for j in range(len(p.drafts) + 1)]
+        return spec_sampling.verify_sampled(logits[rows], drafts, q, reqs, index).tolist()
 
     def _count(self, req: Request, drafted: int, accepted: int) -> None:
         req.drafted_tokens += drafted
@@ -197,8 +229,7 @@ class Speculator:
     def _draft(self, plans: list[_Plan], streams: torch.Tensor) -> None:
         """The MTP pass over the positions each continuing greedy request just computed, then the chain."""
         core = self.core
-        runs = [p for p in plans if not p.chunk.request.finished and not p.chunk.request.prefill_only
-                and p.chunk.request.params.temperature == 0 and p.chunk.request.num_computed > p.chunk.start]
+        runs = [p for p in plans if not p.chunk.request.finished and p.chunk.request.num_computed > p.chunk.start]
         if not runs:
             return
         tokens, starts, tables, hidden_rows = [], [], [], []
@@ -208,7 +239,8 @@ class Speculator:
             starts.append(c.start)
             tables.append(req.pages)
             hidden_rows.extend(range(p.first_row, p.first_row + req.num_computed - c.start))
-        last = [p for p, t in zip(runs, tokens) if p.chunk.request.num_computed == p.chunk.request.num_tokens - 1]
+        last = [p for p in runs if p.chunk.request.num_computed == p.chunk.request.num_tokens - 1
+                and not p.chunk.request.prefill_only]  # a hand-off drafts on the decode side
         ends = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
         out_rows = [int(ends[i]) for i, p in enumerate(runs) if p in last]
         layer = self.layers[0]
@@ -217,12 +249,29 @@ class Speculator:
         if not last:
             return
         hid = out[torch.tensor(out_rows, device=out.device)]
-        drafts = [[t] for t in greedy_pick(layer.logits(hid))[0].long().tolist()]
-        self._chain(last, drafts, hid)
-        for p, d in zip(last, drafts):
+        tokens, qs = self._pick_drafts(layer.logits(hid), last, 0)
+        drafts, q = [[t] for t in tokens], [None if r is None else [r] for r in qs]
+        self._chain(last, drafts, q, hid)
+        for p, d, r in zip(last, drafts, q):
             self.drafts[p.chunk.request.request_id] = d
+            if r is not None:
+                self.draft_q[p.chunk.request.request_id] = r
 
-    def _chain(self, plans: list[_Plan], drafts: list[list[int]], hid: torch.Tensor) -> None:
+    def _pick_drafts(self, logits: torch.Tensor, plans: list[_Plan], j: int) -> tuple[list[int], list]:
+        """Draft j of each plan's request from the MTP logits [N, V] -> (tokens, per plan its q row or None):
+        argmax for greedy requests, a draw from q (spec_sampling.draw_drafts) for sampled ones."""
+        tokens = greedy_pick(logits)[0].long().tolist()
+        qs = [None] * len(plans)
+        sampled = [i for i, p in enumerate(plans) if p.chunk.request.params.temperature != 0]
+        if sampled:
+            reqs = [plans[i].chunk.request for i in sampled]
+            rows = torch.tensor(sampled, device=logits.device)
+            drawn, q = spec_sampling.draw_drafts(logits[rows], reqs, [len(r.output) + j for r in reqs])
+            for n, (i, t) in enumerate(zip(sampled, drawn.tolist())):
+                tokens[i], qs[i] = t, q[n]
+        return tokens, qs
+
+    def _chain(self, plans: list[_Plan], drafts: list[list[int]], q: list, hid: torch.Tensor) -> None:
         """Drafts 2..K: MTP step j at position P + j - 2 (P = the request's newest position) on its own streams and
         the previous draft; its ring rows are put back afterwards (they hold draft-on-draft KV)."""
         core, n = self.core, max(self._room(p.chunk.request) for p in plans)
@@ -238,9 +287,14 @@ class Speculator:
                                [p.chunk.request.num_computed + j - 1 for p in plans],
                                [p.chunk.request.pages for p in plans], [], core.device)
             hid = layer.forward(batch, core.pool, hid)
-            for d, t in zip(drafts, greedy_pick(layer.logits(hid))[0].long().tolist()):
+            tokens, qs = self._pick_drafts(layer.logits(hid), plans, j)
+            for d, r, t, row in zip(drafts, q, tokens, qs):
                 d.append(t)
+                if r is not None:
+                    r.append(row)
         for s in saved:
             spec_rollback.restore(core.pool, s)
-        for p, d in zip(plans, drafts):
+        for p, d, r in zip(plans, drafts, q):
             del d[self._room(p.chunk.request):]
+            if r is not None:
+                del r[self._room(p.chunk.request):]
