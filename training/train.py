@@ -78,6 +78,9 @@ def build_model(seed: int, raw: dict | None = None):
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(cfg).float()
+    # The per-expert loop: autocast covers its F.linear, while torch._grouped_mm on CUDA wants matching bf16
+    # operands (fp32 master weights under autocast would not be), and the 8 experts make the loop cheap.
+    model.set_experts_implementation("eager")
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for mod in model.modules():
