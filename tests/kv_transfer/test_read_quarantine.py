@@ -106,3 +106,45 @@ def test_staged_read_keeps_its_range_until_it_is_over(monkeypatch):
     finally:
         src.close()
         dst.close()
+
+
+def test_decode_worker_keeps_quarantined_pages_through_an_abort(monkeypatch):
+    """The decode worker's side: after a ReadInFlight the import leaves the engine (the dispatcher's abort cannot
+    free it) and its pages return to the pool only once the backend says the READ is over."""
+    import asyncio
+    import time
+
+    from decode_worker.worker import DecodeWorker
+    from engine.execution.sampling_params import SamplingParams
+    from prefill_worker.worker import PrefillWorker
+
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prefill = PrefillWorker("q-p", None, transfer="nixl")
+    decode = DecodeWorker("q-d", None, transfer="nixl", transfer_timeout_s=0.3)
+    for w in (prefill, decode):  # page-descriptor pulls: no staging buffers
+        w.backend.close()
+        w.attach_backend(make_backend("nixl", w.engine.pool, worker_name=w.worker_id, staging_bytes=0))
+    prefill.backend.add_release_callback(prefill._on_release)
+    decode.add_peer("q-p", prefill.transfer_metadata())
+    ctl = StuckReads(monkeypatch, decode.backend.agent)
+    pool = decode.engine.pool
+    idle = pool.free_tokens()
+    try:
+        async def scenario():
+            res = await prefill.prefill("q", [5, 6, 7, 8], params)
+            with pytest.raises(ReadInFlight):
+                await anext(decode.decode(res, [5, 6, 7, 8], params))
+            await decode.abort("q")  # what the dispatcher sends after a failure
+            await asyncio.sleep(1.2)  # sweeps come and go: the READ is still in flight
+            assert "q" in decode.quarantined and pool.free_tokens() < idle
+            ctl.state = "DONE"
+            deadline = time.monotonic() + 10
+            while decode.quarantined and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+
+        asyncio.run(scenario())
+        assert not decode.quarantined
+        assert decode.loop.call(lambda e: e.pool.free_tokens()).result(10) == idle
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
