@@ -105,6 +105,13 @@ WORKERS = ("dsv4-workers", "dsv4 / Load per role and worker", [
                                                "{{role}} {{worker}}")]),
     ("Prompt tokens per second", "short", [(rate("dsv4_prompt_tokens_total", WORKER, "role, worker"),
                                             "{{role}} {{worker}}")]),
+    # speculative decoding (engine.telemetry.metrics SPEC_*): speculative engines only, no data elsewhere
+    ("Speculative decoding: draft acceptance rate", "percentunit",
+     [(f"{rate('dsv4_spec_accepted_tokens_total', WORKER, 'role, worker')} / "
+       f"{rate('dsv4_spec_draft_tokens_total', WORKER, 'role, worker')}", "{{role}} {{worker}}")]),
+    ("Speculative decoding: accepted draft tokens per verify step", "short",
+     [(f"{rate('dsv4_spec_accepted_tokens_total', WORKER, 'role, worker')} / "
+       f"{rate('dsv4_spec_verify_steps_total', WORKER, 'role, worker')}", "{{role}} {{worker}}")]),
 ])
 
 

@@ -41,6 +41,8 @@ class WorkerBase:
         # After the warm-up: what compiles from here on stalls a serving step (looked for after slow steps only)
         self.compile_watch = CompileWatch(variants=install_variant_log()) if self.engine.device.type == "cuda" else None
         self._prefix_counters = metrics.PrefixCounters(self.role, worker_id)
+        spec = getattr(self.engine, "speculator", None)  # speculative decoding's counters, on speculative engines only
+        self._spec_counters = metrics.SpecCounters(self.role, worker_id) if spec is not None else None
         self._digest = None  # the engine's PrefixDigest, refreshed on the engine thread when it changes
         # What the idle engine admits, read before any request holds a page (the router admits against it).
         pool = self.engine.pool
@@ -71,6 +73,8 @@ class WorkerBase:
         metrics.observe_engine_load(self.role, self.worker_id, self.engine.load())
         prefix = self.engine.prefix
         self._prefix_counters.observe(prefix.stats if prefix is not None else None)
+        if self._spec_counters is not None:
+            self._spec_counters.observe(self.engine.speculator.stats)
         if prefix is not None and (self._digest is None or self._digest.version != prefix.version):
             self._digest = prefix.digest()  # immutable: stats() reads it from the actor's thread
 

@@ -66,6 +66,13 @@ PREFIX_QUERY_TOKENS = Counter("dsv4_prefix_cache_query_tokens_total",
                               "Prompt tokens looked up in the engine's prefix cache at admission", WORKER)
 PREFIX_HIT_TOKENS = Counter("dsv4_prefix_cache_hit_tokens_total",
                             "Prompt tokens served from the engine's prefix cache (not computed)", WORKER)
+# Speculative decoding (engine.execution.speculative), per decode engine: draft tokens verified, those accepted, and
+# verify steps (one a request per step it verified drafts in). Acceptance rate = accepted / drafted; accepted tokens
+# per verify step = accepted / verify steps (tokens a step emits: that + 1).
+SPEC_DRAFT_TOKENS = Counter("dsv4_spec_draft_tokens_total", "Speculative draft tokens verified", WORKER)
+SPEC_ACCEPTED_TOKENS = Counter("dsv4_spec_accepted_tokens_total", "Speculative draft tokens accepted", WORKER)
+SPEC_VERIFY_STEPS = Counter("dsv4_spec_verify_steps_total", "Request verify steps (one a request a step with drafts)",
+                            WORKER)
 # The router's ESTIMATE: tokens of the prompt's blocks it believed cached on the worker it chose.
 ROUTER_PREFIX_ESTIMATE_QUERIES = Counter("dsv4_router_prefix_estimate_query_tokens_total",
                                          "Prompt tokens (in whole hashed blocks) the router scored", ())
@@ -104,6 +111,25 @@ class PrefixCounters:
         if stats.hit_tokens > self.hit:
             PREFIX_HIT_TOKENS.labels(*self.labels).inc(stats.hit_tokens - self.hit)
         self.query, self.hit = stats.query_tokens, stats.hit_tokens
+
+
+class SpecCounters:
+    """Mirrors a Speculator's cumulative `stats` (drafted, accepted, verify_chunks) into the speculative-decoding
+    counters by the delta since the last call (the worker calls it with its load gauges)."""
+
+    KEYS = (("drafted", SPEC_DRAFT_TOKENS), ("accepted", SPEC_ACCEPTED_TOKENS), ("verify_chunks", SPEC_VERIFY_STEPS))
+
+    def __init__(self, role: str, worker: str):
+        self.labels = (role, worker)
+        self.seen = {key: 0 for key, _ in self.KEYS}
+        for _, counter in self.KEYS:
+            counter.labels(*self.labels)  # exported at 0 from the start (dashboards divide by them)
+
+    def observe(self, stats: dict) -> None:
+        for key, counter in self.KEYS:
+            if stats[key] > self.seen[key]:
+                counter.labels(*self.labels).inc(stats[key] - self.seen[key])
+                self.seen[key] = stats[key]
 
 
 def metrics_registry() -> CollectorRegistry | None:

@@ -130,3 +130,26 @@ def test_generate_cli_reports_drafted_and_accepted(tmp_path, capsys):
     spec = json.loads(capsys.readouterr().out.strip())
     assert spec["token_ids"] == plain["token_ids"] and plain["drafted_tokens"] == 0
     assert spec["drafted_tokens"] > 0 and 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
+
+
+def test_spec_counters_mirror_the_speculator(model):
+    """engine.telemetry.metrics.SpecCounters (what a worker publishes): the counters move by the stats' deltas."""
+    from prometheus_client import REGISTRY
+
+    from engine.telemetry.metrics import SpecCounters
+
+    def value(name):
+        return REGISTRY.get_sample_value(name, {"role": "decode", "worker": "spec-test"})
+
+    counters = SpecCounters("decode", "spec-test")
+    assert value("dsv4_spec_draft_tokens_total") == 0
+    spec = _engine(model, 2)
+    prompts = _prompts(3, [4, 9], model[0].vocab_size)
+    _run(spec, prompts, [SamplingParams(max_new_tokens=6, ignore_eos=True)] * 2)
+    counters.observe(spec.speculator.stats)
+    _run(spec, prompts, [SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True)] * 2)
+    counters.observe(spec.speculator.stats)
+    s = spec.speculator.stats
+    assert s["drafted"] > 0
+    assert (value("dsv4_spec_draft_tokens_total"), value("dsv4_spec_accepted_tokens_total"),
+            value("dsv4_spec_verify_steps_total")) == (s["drafted"], s["accepted"], s["verify_chunks"])
