@@ -14,11 +14,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# The whole service on the built-in tiny model: 1 prefill + 1 decode worker, OpenAI API on :8000,
-# metrics on :8080. Try: curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
-#   -d '{"model": "dsv4", "prompt": "Hello", "max_tokens": 16}'
+# The whole service: 1 prefill + 1 decode worker, OpenAI API on :8000, metrics on :8080. The model is the trained
+# dsv4-mini-py (models/, training/) when the tree has it, else the built-in random tiny model. Try:
+#   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
+#   -d '{"model": "dsv4", "prompt": "def fibonacci(n):", "max_tokens": 32}'
+SERVE_MODEL := $(if $(wildcard models/dsv4-mini-py/config.json),--model models/dsv4-mini-py)
 serve: $(STAMP)
-	$(VENV)/bin/dsv4 serve
+	$(VENV)/bin/dsv4 serve $(SERVE_MODEL)
 
 test: $(STAMP)
 	$(PY) -m pytest -x -q tests
