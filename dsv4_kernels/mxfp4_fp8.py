@@ -97,7 +97,6 @@ def _measure(report: ConversionReport, dense, q, full, amax, s, name: str) -> No
     per = BLOCK // 32
     hi = hi.view(c, n // BLOCK, BLOCK, g // per, per).amax(dim=(2, 4))
     lo = lo.view(c, n // BLOCK, BLOCK, g // per, per).amin(dim=(2, 4))
-    report.tensors += 1
     report.blocks += amax.numel()
     inexact = int((block_err > 0).sum())
     report.inexact_blocks += inexact
@@ -129,6 +128,8 @@ def convert(w: torch.Tensor, s: torch.Tensor, report: ConversionReport | None = 
         raise ValueError(f"FP8 128x128 experts need N and K in whole 128-blocks, got N={n}, K={k}")
     q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty(e, n // BLOCK, k // BLOCK, dtype=torch.float32, device=w.device)
+    if report is not None:
+        report.tensors += 1
     for e0 in range(0, e, chunk):
         q[e0:e0 + chunk], scale[e0:e0 + chunk] = _convert_chunk(w[e0:e0 + chunk], s[e0:e0 + chunk], report, name)
     return q, scale

@@ -56,9 +56,9 @@ class FitCheck:
 
 
 def loaded_meta(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype, keep_mxfp4_experts: bool,
-                keep_fp8: bool) -> dict[str, torch.Tensor]:
+                keep_fp8: bool, fp8_experts: bool = False) -> dict[str, torch.Tensor]:
     """What load_weights would return, as meta tensors (names, shapes, dtypes) read from the headers only."""
-    return meta_from_stored(stored_tensors(model_dir), cfg, dtype, keep_mxfp4_experts, keep_fp8)
+    return meta_from_stored(stored_tensors(model_dir), cfg, dtype, keep_mxfp4_experts, keep_fp8, fp8_experts)
 
 
 def stored_tensors(model_dir: str | os.PathLike) -> dict[str, tuple]:
@@ -80,8 +80,11 @@ def stored_tensors(model_dir: str | os.PathLike) -> dict[str, tuple]:
 
 
 def meta_from_stored(stored: dict[str, tuple], cfg: ModelConfig, dtype: torch.dtype, keep_mxfp4_experts: bool,
-                     keep_fp8: bool) -> dict[str, torch.Tensor]:
-    """load_weights' output layout for checkpoint tensors `stored` (see stored_tensors), as meta tensors."""
+                     keep_fp8: bool, fp8_experts: bool = False) -> dict[str, torch.Tensor]:
+    """load_weights' output layout for checkpoint tensors `stored` (see stored_tensors), as meta tensors.
+    fp8_experts: packed MXFP4 experts counted as the FP8 128x128 experts they convert to
+    (engine.model.fp8_expert_weights: e4m3 [N, K] + fp32 [N/128, K/128], 2x the MXFP4 bytes), under the same
+    names, so engine.model.sharding cuts them as it cuts FP8 weights."""
     from engine.loading.weights import expected_weight_shapes, keeps_fp32
     from engine.model.linear import keeps_fp8
 
@@ -90,7 +93,10 @@ def meta_from_stored(stored: dict[str, tuple], cfg: ModelConfig, dtype: torch.dt
     for name, shape in expected_weight_shapes(cfg).items():
         base = name[: -len(".weight")] if name.endswith(".weight") else None
         kind = _stored_kind(stored.get(name), shape) if base is not None and f"{base}.scale" in stored else None
-        if kind == "mxfp4" and keep_mxfp4_experts and ".experts." in name and ".shared_experts." not in name:
+        if kind == "mxfp4" and keep_mxfp4_experts and fp8_experts and _routed(name):
+            out[name] = _meta(shape, torch.float8_e4m3fn)
+            out[f"{base}.scale"] = _meta((math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)), torch.float32)
+        elif kind == "mxfp4" and keep_mxfp4_experts and ".experts." in name and ".shared_experts." not in name:
             out[name] = _meta((shape[0], shape[1] // 2), torch.uint8)  # packed e2m1 bytes + UE8M0 scales
             out[f"{base}.scale"] = _meta((shape[0], shape[1] // 32), torch.uint8)
         elif kind == "fp8" and keep_fp8 and block == (128, 128) and \
@@ -102,6 +108,11 @@ def meta_from_stored(stored: dict[str, tuple], cfg: ModelConfig, dtype: torch.dt
         else:
             out[name] = _meta(shape, torch.float32 if keeps_fp32(name) else dtype)
     return out
+
+
+def _routed(name: str) -> bool:
+    """A main layer's routed expert (the MTP layer's keep their format: engine.model.fp8_expert_weights)."""
+    return name.startswith("layers.") and ".experts." in name and ".shared_experts." not in name
 
 
 def _stored_kind(entry: tuple | None, shape: tuple) -> str | None:
@@ -143,22 +154,32 @@ def device_budget(device, utilization: float | None) -> int:
 def check_fit(model_dir, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, max_batch_tokens: int,
               budget_bytes: int, ctx: ParallelContext | None = None, keep_mxfp4_experts: bool = False,
               keep_fp8: bool = False, max_cached_tokens: int | None = None, utilization: float | None = None,
-              meta: dict | None = None) -> FitCheck:
+              meta: dict | None = None, expert_format: str = "mxfp4") -> FitCheck:
     """-> the FitCheck when the model fits `budget_bytes`; else a ValueError with the numbers and what to change.
     `cfg.max_position_embeddings` is the context a request may reach (already capped by --max-model-len).
-    meta: the loaded layout (loaded_meta / meta_from_stored) when known; default: read from model_dir."""
+    meta: the loaded layout (loaded_meta / meta_from_stored) when known; default: read from model_dir.
+    expert_format: "mxfp4", "fp8" (packed experts held as FP8 instead) or "both" (FP8 beside MXFP4)."""
     if meta is None:
-        meta = loaded_meta(model_dir, cfg, dtype, keep_mxfp4_experts, keep_fp8)
+        meta = loaded_meta(model_dir, cfg, dtype, keep_mxfp4_experts, keep_fp8, expert_format == "fp8")
     tp, ep = (ctx.tp_size, ctx.expert_parallel) if ctx is not None else (1, False)
     tokens = max_cached_tokens or cfg.max_position_embeddings
-    check = FitCheck(weight_bytes_per_rank(model_dir, cfg, ctx, dtype, meta=meta),
-                     activation_reserve(cfg, max_batch_tokens, cache.max_requests),
+    weights = weight_bytes_per_rank(model_dir, cfg, ctx, dtype, meta=meta)
+    if expert_format == "both":  # the FP8 copy beside the MXFP4 bytes: its experts' bytes on top
+        fp8 = loaded_meta(model_dir, cfg, dtype, keep_mxfp4_experts, keep_fp8, True)
+        weights += _expert_bytes(fp8, cfg, ctx, dtype)
+    check = FitCheck(weights, activation_reserve(cfg, max_batch_tokens, cache.max_requests, expert_format != "mxfp4"),
                      pool_bytes(cfg, replace(cache, max_tokens=tokens), dtype), tokens, int(budget_bytes), tp, ep)
     if check.fits:
         return check
     util = DEFAULT_UTILIZATION if utilization is None else utilization
     raise ValueError(f"the model does not fit: {check.describe()} (--gpu-memory-utilization {util:.2f}). "
                      + _advice(check, meta, cfg, dtype, max_cached_tokens))
+
+
+def _expert_bytes(meta: dict, cfg: ModelConfig, ctx: ParallelContext | None, dtype: torch.dtype) -> int:
+    """Bytes of the main layers' routed experts alone of a loaded layout, on this rank."""
+    experts = {n: t for n, t in meta.items() if _routed(n)}
+    return weight_bytes_per_rank(None, cfg, ctx, dtype, meta=experts)
 
 
 def _advice(check: FitCheck, meta: dict, cfg: ModelConfig, dtype: torch.dtype, max_cached_tokens: int | None) -> str:

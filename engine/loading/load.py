@@ -47,6 +47,11 @@ class EngineOptions:
     warmup: a serving engine (the workers, the local dispatcher) compiles every kernel before it is returned
     (engine.execution.warmup: one-rank CUDA engines); one-shot use (LLM, `dsv4 generate`) does not.
     warmup_decodes: False for an engine that will only prefill (a prefill worker: no decode graphs captured).
+    prefill_expert_format: "auto" | "mxfp4" | "fp8": the routed experts' format for prefill
+    (engine.model.fast_paths.resolve_prefill_expert_format). "auto" converts packed MXFP4 experts to FP8 128x128 at
+    load on a prefill-only engine (`warmup_decodes` False: the prefill worker's mark) of bf16 on CUDA with DeepGEMM,
+    for its contiguous grouped FP8 GEMM (2x the expert bytes, counted by the fit check and the KV plan); "fp8" on an
+    engine that decodes keeps both (FP8 for steps of >= FP8_EXPERT_MIN_TOKENS tokens).
     speculative_tokens: K draft tokens a step from the checkpoint's MTP layer (engine.execution.speculative;
     0 = off, 1..3); loads `mtp.*` only when on; its steps run eagerly (no CUDA graphs, no overlapped decode).
     """
@@ -68,6 +73,7 @@ class EngineOptions:
     warmup: bool = False
     warmup_decodes: bool = True
     speculative_tokens: int = 0
+    prefill_expert_format: str = "auto"
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -96,7 +102,8 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
     from engine.loading.model_source import local_model_dir
     from engine.loading.weights import load_weights
     from engine.model.fast_paths import keep_mxfp4_experts as keep_default
-    from engine.model.fast_paths import resolve_index_cache_dtype, resolve_kv_cache_dtype, use_fp8_gemm
+    from engine.model.fast_paths import (resolve_index_cache_dtype, resolve_kv_cache_dtype,
+                                         resolve_prefill_expert_format, use_fp8_gemm)
 
     model_dir = local_model_dir(model_dir) or default_model_dir()  # a worker lacking the path fetches it here
     cfg = cap_context(ModelConfig.from_model_dir(model_dir), o.max_model_len)
@@ -116,6 +123,9 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
                                staging_pages=STAGING_PAGES if o.prefix_cache else 0)
     keep = keep_default(o.device, torch_dtype) if o.keep_mxfp4_experts is None else o.keep_mxfp4_experts
     keep_fp8 = use_fp8_gemm(o.device, torch_dtype) if o.keep_fp8_weights is None else o.keep_fp8_weights
+    expert_format, expert_why = resolve_prefill_expert_format(o.prefill_expert_format, o.device, torch_dtype,
+                                                              not o.warmup_decodes, keep)
+    logger.info("routed experts: %s (%s)", expert_format, expert_why)
     if torch.device(o.device).type == "cuda":
         from engine.loading.fit_check import check_fit, device_budget
         from engine.telemetry.compile_watch import install_variant_log
@@ -124,7 +134,7 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
 
         fit = check_fit(model_dir, cfg, cache_config, torch_dtype, o.max_batch_tokens,
                         device_budget(o.device, o.gpu_memory_utilization), parallel, keep, keep_fp8,
-                        o.max_cached_tokens, o.gpu_memory_utilization)
+                        o.max_cached_tokens, o.gpu_memory_utilization, expert_format=expert_format)
         logger.info("memory: %s", fit.describe())
     if parallel is not None and parallel.enabled:
         from engine.loading.shard_reader import load_shard
@@ -134,9 +144,14 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
     else:
         weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=o.device, keep_mxfp4_experts=keep,
                                keep_fp8=keep_fp8, mtp=o.speculative_tokens > 0)
+    if expert_format != "mxfp4":  # before the KV plan: it sizes the pool from what the weights leave
+        from engine.model.fp8_expert_weights import convert_expert_weights
+        from engine.model.linear import pow2_activations
+
+        convert_expert_weights(weights, cfg, expert_format, pow2_activations(cfg.quantization))
     slots = default_snapshot_slots(PrefixCacheConfig(), o.max_num_seqs) if o.prefix_cache else 0
     plan = plan_kv_tokens(cfg, cache_config, torch_dtype, o.device, o.max_batch_tokens, o.gpu_memory_utilization,
-                          o.max_cached_tokens, snapshot_slots=slots)
+                          o.max_cached_tokens, snapshot_slots=slots, fp8_experts=expert_format != "mxfp4")
     log_plan(plan, cfg, o.max_num_seqs)
     cache_config = dataclasses.replace(cache_config, max_tokens=plan.tokens)
     scheduler_config = SchedulerConfig(max_batch_tokens=o.max_batch_tokens, max_num_seqs=o.max_num_seqs)

@@ -48,15 +48,29 @@ def pool_bytes(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
     return total
 
 
-def activation_reserve(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int) -> int:
+def fp8_moe_workspace(cfg: ModelConfig, tokens: int) -> int:
+    """Peak bytes of the FP8 grouped MoE's padded buffers in one layer (dsv4_kernels.deepgemm_moe) for a step of
+    `tokens` tokens: rows = the padded layout's bound (each used expert's segment rounded up to 128 rows), of which
+    two buffers live at once at most: gate|up bf16 [rows, 2I] beside either the quantised input [rows, H] or the
+    quantised activation [rows, I]; then that activation beside the down output bf16 [rows, H]."""
+    from dsv4_kernels.fp8_experts import DEFAULT_ALIGN, padded_rows
+
+    rows = padded_rows(tokens * cfg.num_experts_per_tok, cfg.n_routed_experts, DEFAULT_ALIGN)
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return rows * max(4 * i + max(h, i) + 4 * (h // 128), i + 2 * h)
+
+
+def activation_reserve(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int, fp8_experts: bool = False) -> int:
     """Bytes kept back for one step's activations and the decode CUDA-graph pool (an estimate, logged): per token
     of the larger of the prefill budget and the decode batch, the fp32 hc streams and mixes, the attention
     query/output rows, the routed-expert intermediates and the logits row, with 2x headroom, plus 1 GiB, plus the
-    step's context-dependent workspace at the longest context served (`step_workspace`)."""
+    step's context-dependent workspace at the longest context served (`step_workspace`); with FP8 experts
+    (engine.model.fp8_expert_weights), their grouped GEMMs' padded buffers (`fp8_moe_workspace`)."""
     tokens = max(max_batch_tokens, max_num_seqs)
     per_token = (4 * cfg.hc_mult * cfg.hidden_size * 4 + 2 * cfg.num_heads * cfg.head_dim * 2
                  + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 2 + 4 * cfg.vocab_size)
-    return 2 * tokens * per_token + GIB + step_workspace(cfg, max_batch_tokens, max_num_seqs).total
+    moe = fp8_moe_workspace(cfg, max_batch_tokens) if fp8_experts else 0
+    return 2 * tokens * per_token + GIB + step_workspace(cfg, max_batch_tokens, max_num_seqs).total + moe
 
 
 @dataclass(frozen=True)
@@ -116,8 +130,9 @@ def step_workspace(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int,
 
 def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device, max_batch_tokens: int,
                    utilization: float | None = None, max_cached_tokens: int | None = None,
-                   snapshot_slots: int = 0) -> KvPlan:
+                   snapshot_slots: int = 0, fp8_experts: bool = False) -> KvPlan:
     """-> the pool size: `max_cached_tokens` if given, 65536 off CUDA, else from `utilization` of the GPU.
+    fp8_experts: the routed experts run as FP8 (activation_reserve counts their padded buffers).
     snapshot_slots: slots of the prefix cache's snapshot store (engine.execution.prefix_cache), allocated beside the pool:
     each holds one request's SWA ring and compressor state, so they come out of the same budget."""
     if max_cached_tokens is not None:
@@ -131,7 +146,7 @@ def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, dev
     if not 0.0 < util <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
     free, total = torch.cuda.mem_get_info(dev)
-    reserve = activation_reserve(cfg, max_batch_tokens, cache.max_requests)
+    reserve = activation_reserve(cfg, max_batch_tokens, cache.max_requests, fp8_experts)
     snapshots = snapshot_store_bytes(group_specs(cfg, cache, dtype), snapshot_slots)
     # This process's own allocations (the weights), not the device-wide use: equal shards on equal GPUs then
     # size equal pools on every tensor-parallel rank. What other processes hold still caps it (free memory).
@@ -175,6 +190,7 @@ def log_plan(plan: KvPlan, cfg: ModelConfig, max_num_seqs: int) -> None:
     log.info("%s", plan.describe(cfg, max_num_seqs))
 
 
-__all__ = ["KvPlan", "plan_kv_tokens", "pool_bytes", "activation_reserve", "step_workspace", "StepWorkspace",
+__all__ = ["KvPlan", "plan_kv_tokens", "pool_bytes", "activation_reserve", "fp8_moe_workspace", "step_workspace",
+           "StepWorkspace",
            "log_plan", "cap_context",
            "DEFAULT_UTILIZATION"]

@@ -103,6 +103,46 @@ def use_fp8_gemm(device: torch.device | str, dtype: torch.dtype = torch.bfloat16
     return torch.device(device).type == "cuda" and use_triton(device) and has_deep_gemm()
 
 
+# Steps of at least this many tokens take the FP8 experts when an engine holds both formats ("both"); below, the
+# MXFP4 backend. Not measured yet (`dsv4 bench kernels moe-fp8-grouped` times 2K and 8K): FP8 weights are 2x the
+# bytes, so decode-sized steps, which read the touched experts' weights once, stay on MXFP4.
+FP8_EXPERT_MIN_TOKENS = 1024
+PREFILL_EXPERT_FORMATS = ("auto", "mxfp4", "fp8")
+
+
+def use_fp8_expert_gemm(device: torch.device | str) -> bool:
+    """FP8 routed experts through DeepGEMM's contiguous grouped GEMM (dsv4_kernels.deepgemm_moe) on `device`: CUDA
+    with the Triton fast paths on and deep_gemm importable; elsewhere they run the dequantising reference."""
+    return torch.device(device).type == "cuda" and use_triton(device) and has_deep_gemm()
+
+
+def resolve_prefill_expert_format(requested: str, device: torch.device | str, dtype: torch.dtype,
+                                  prefill_only: bool, packed: bool) -> tuple[str, str]:
+    """EngineOptions.prefill_expert_format -> ("mxfp4" | "fp8" | "both", why): the routed experts' formats held
+    (engine.model.fp8_expert_weights). "auto" = FP8 alone on a prefill-only engine of bf16 on CUDA with DeepGEMM
+    (its steps are prefill-sized: the grouped FP8 GEMM runs at FP8 tensor-core rates where bf16 x MXFP4 runs at
+    bf16 ones), else MXFP4 as today. "fp8" as asked: FP8 alone on a prefill-only engine, both formats on one that
+    decodes (decode-sized steps keep MXFP4). Only MXFP4 experts kept packed (`keep_mxfp4_experts`) convert."""
+    if requested not in PREFILL_EXPERT_FORMATS:
+        raise ValueError(f"prefill_expert_format must be one of {PREFILL_EXPERT_FORMATS}, got {requested!r}")
+    if requested == "mxfp4":
+        return "mxfp4", "as requested"
+    if not packed:
+        return "mxfp4", "routed experts not kept as MXFP4 (dequantised at load): nothing to convert"
+    usable = use_fp8_expert_gemm(device) and dtype == torch.bfloat16
+    if requested == "auto":
+        if not prefill_only:
+            return "mxfp4", "auto on an engine that decodes: MXFP4 experts"
+        if not usable:
+            return "mxfp4", (f"auto without DeepGEMM's grouped FP8 GEMM here "
+                             f"({why_not('deep_gemm') or 'needs a bf16 CUDA engine with deep_gemm'}): MXFP4 experts")
+        return "fp8", "auto on a prefill-only engine with DeepGEMM: FP8 experts (2x the MXFP4 bytes)"
+    how = "" if usable else " (no DeepGEMM here: the dequantising reference runs them)"
+    if prefill_only:
+        return "fp8", "as requested, prefill-only: FP8 experts alone" + how
+    return "both", f"as requested on an engine that decodes: FP8 for steps >= {FP8_EXPERT_MIN_TOKENS} tokens" + how
+
+
 def use_flash_mla(device: torch.device | str) -> bool:
     """FlashMLA's sparse decode over fp8_ds_mla pages (engine.model.attention_fp8) on `device`: CUDA with the Triton
     fast paths on and flash_mla importable. DSV4_FLASH_MLA=0 keeps the engine's own Triton kernel."""
@@ -171,8 +211,9 @@ def mxfp4_moe_backend(device: torch.device | str) -> str:
 
 
 def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, packed_experts: bool,
-             ogs_fits: bool = True, marlin_fits: bool = True) -> str:
-    """One line naming each fast path this engine uses and why any fell back (logged at model build)."""
+             ogs_fits: bool = True, marlin_fits: bool = True, fp8_experts: bool = False) -> str:
+    """One line naming each fast path this engine uses and why any fell back (logged at model build).
+    fp8_experts: the routed experts are (also) held as FP8 128x128 (engine.model.fp8_expert_weights)."""
     dev = torch.device(device)
     parts = [f"triton ops: {'on' if use_triton(dev) else 'off (' + _triton_reason(dev) + ')'}"]
     if fp8_dense:
@@ -180,10 +221,14 @@ def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, pa
         parts.append(f"dense FP8 projections: e4m3 + 128x128 scales, {how}")
     else:
         parts.append("dense projections: " + str(dtype).replace("torch.", "") + " (" + _fp8_reason(dev, dtype) + ")")
+    if fp8_experts:
+        how = "DeepGEMM m_grouped_fp8_gemm_nt_contiguous" if use_fp8_expert_gemm(dev) else "reference (dequantised)"
+        when = f" for steps >= {FP8_EXPERT_MIN_TOKENS} tokens" if packed_experts else ""
+        parts.append(f"routed experts: FP8 128x128{when}, {how}")
     if packed_experts:
         backend, note = _moe_choice(dev, ogs_fits, marlin_fits)
         parts.append(f"routed experts: packed MXFP4, {backend}{note}")
-    else:
+    elif not fp8_experts:
         parts.append("routed experts: dequantised, " + ("grouped GEMM" if dev.type == "cuda" else "per-expert loop"))
     return "; ".join(parts)
 
@@ -212,13 +257,14 @@ class FastPath:
     """One GPU fast path of a built engine: taken or not, and why not (for the start-up warning, the workers'
     stats and the `dsv4_fast_path_active` gauge)."""
 
-    name: str  # "triton" | "fp8_gemm" | "flash_mla" | "mxfp4_moe"
+    name: str  # "triton" | "fp8_gemm" | "flash_mla" | "mxfp4_moe" | "fp8_moe"
     active: bool
     why: str = ""  # why it fell back ("" when active)
 
 
 def fast_path_states(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, packed_experts: bool,
-                     ogs_fits: bool = True, marlin_fits: bool = True) -> tuple[FastPath, ...]:
+                     ogs_fits: bool = True, marlin_fits: bool = True, fp8_experts: bool = False
+                     ) -> tuple[FastPath, ...]:
     """The fast paths that apply to this engine (FP8 GEMM only for FP8 checkpoint weights, the MoE library only
     for packed experts), each with whether it runs. Same decisions as `describe`."""
     dev = torch.device(device)
@@ -234,6 +280,9 @@ def fast_path_states(device: torch.device | str, dtype: torch.dtype, fp8_dense: 
         backend, note = _moe_choice(dev, ogs_fits, marlin_fits)
         on = backend in ("triton_kernels", "marlin")
         out.append(FastPath("mxfp4_moe", on, "" if on else f"{backend} path{note}"))
+    if fp8_experts:
+        on = use_fp8_expert_gemm(dev)
+        out.append(FastPath("fp8_moe", on, "" if on else f"deep_gemm unusable: {why_not('deep_gemm') or 'no CUDA'}"))
     return tuple(out)
 
 

@@ -70,10 +70,12 @@ class DeepseekV4Model:
         ]
         fp8 = any(isinstance(v, Fp8Weight) for a in self.attn for v in a.w.values())
         packed = any(m.mxfp4 for m in self.moe)
+        fp8_experts = any(m.fp8 is not None for m in self.moe)  # a prefill engine's FP8 experts
         self.fast_paths = describe(self.device, self.dtype, fp8, packed, all(m.ogs_fits for m in self.moe),
-                                   all(m.marlin_fits for m in self.moe))
+                                   all(m.marlin_fits for m in self.moe), fp8_experts)
         self.fast_path_states = fast_path_states(self.device, self.dtype, fp8, packed,
-                                                 all(m.ogs_fits for m in self.moe), all(m.marlin_fits for m in self.moe))
+                                                 all(m.ogs_fits for m in self.moe), all(m.marlin_fits for m in self.moe),
+                                                 fp8_experts)
         log_fast_paths(self.fast_paths, self.fast_path_states, self.device)  # a WARNING on CUDA for each fallback
         self.ropes = {"main": Rope(cfg.main_rope, self.device), "compress": Rope(cfg.compress_rope, self.device)}
         self._rope_stack = None  # (inv_freq [2, 1, half], attention factors [2, 1, 1]) for _position_ropes

@@ -12,6 +12,10 @@ Routed experts run one of five ways, chosen per call:
 - packed without that: the reference on just the experts this call uses, dequantised on the fly;
 - dequantised (bf16/fp32) stacks: `moe_experts_grouped` (torch._grouped_mm, sync-free) where
   `use_grouped_moe` says so, else the per-expert reference `moe_experts`.
+Before all of these: FP8 128x128 experts (a prefill engine's format, converted at load:
+engine.model.fp8_expert_weights) run every step of an engine that holds only them, and the steps of at least
+`FP8_EXPERT_MIN_TOKENS` tokens of one that holds both formats, through DeepGEMM's contiguous grouped FP8 GEMM
+(`dsv4_kernels.deepgemm_moe`) where `use_fp8_expert_gemm` says so, else the reference on the dequantised experts.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import torch
 from dsv4_kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
 from dsv4_kernels.quant import dequant_mxfp4
 from engine.model.config import ModelConfig
-from engine.model.fast_paths import mxfp4_moe_backend, use_grouped_moe, use_mxfp4_moe, use_triton
+from engine.model.fast_paths import (FP8_EXPERT_MIN_TOKENS, mxfp4_moe_backend, use_fp8_expert_gemm, use_grouped_moe,
+                                     use_mxfp4_moe, use_triton)
+from engine.model.fp8_expert_weights import has_packed_experts, take_fp8_experts
 from engine.model.linear import (
     can_concat_rows,
     concat_rows,
@@ -122,7 +128,10 @@ class MoEBlock:
             self.shared_w13 = concat_rows(w1, w3)
             w1, w3 = split_rows(self.shared_w13, w1.shape[0])
         self.shared = (w1, shared["w2.weight"], w3)  # tensors or Fp8Weight
-        experts = take_experts(weights, p, self.experts, self.gate.dtype)
+        # dsv4_kernels.fp8_experts.Fp8Experts when converted at load (alone, or beside the MXFP4 bytes)
+        self.fp8 = take_fp8_experts(weights, p, pow2_activations(cfg.quantization))
+        experts = (take_experts(weights, p, self.experts, self.gate.dtype)
+                   if self.fp8 is None or has_packed_experts(weights, p, self.experts.start) else None)
         self.packed = experts if isinstance(experts, PackedExperts) else None
         self.mxfp4 = self.packed is not None  # routed experts held as MXFP4 (packed, or in triton_kernels layouts)
         self.ogs = None  # dsv4_kernels.mxfp4_ogs.OgsExperts, built from `packed` at the first triton_kernels call
@@ -131,11 +140,11 @@ class MoEBlock:
         self.ogs_fits = cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
         self.marlin = None  # dsv4_kernels.marlin_moe.MarlinExperts, built from `packed` at the first Marlin call
         self.marlin_fits = cfg.hidden_size % 256 == 0 and cfg.moe_intermediate_size % 64 == 0  # Marlin's tiles
-        self.w1, self.w2, self.w3 = (None, None, None) if self.packed is not None else experts
+        self.w1, self.w2, self.w3 = (None, None, None) if self.packed is not None or experts is None else experts
         # The fused router's weights: bf16 as stored (multiplied with fp32 output, triton_moe.router_logits), else
         # cast to fp32 once here, not per call as the reference does.
         self.router_gate = None
-        if self.packed is not None:
+        if self.packed is not None or self.fp8 is not None:
             self.router_gate = self.gate if self.gate.dtype == torch.bfloat16 else self.gate.float()
 
     def _route_args(self, token_ids: torch.Tensor) -> dict:
@@ -154,6 +163,11 @@ class MoEBlock:
         return self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and (self.marlin is not None or (
             self.marlin_fits and mxfp4_moe_backend(x.device) == "marlin"))
 
+    def takes_fp8(self, x: torch.Tensor) -> bool:
+        """Do the routed experts of this call run on the FP8 experts? Always when they are the only format held;
+        beside MXFP4, for steps of at least FP8_EXPERT_MIN_TOKENS tokens (decode-sized steps keep MXFP4)."""
+        return self.fp8 is not None and (not self.mxfp4 or x.shape[0] >= FP8_EXPERT_MIN_TOKENS)
+
     def routed(self, x: torch.Tensor, token_ids: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' weighted sum, [T, H], plus `shared` [T, H] when given."""
         out, added = self._routed(x, token_ids, shared)
@@ -162,6 +176,13 @@ class MoEBlock:
     def _routed(self, x: torch.Tensor, token_ids: torch.Tensor, shared: torch.Tensor | None):
         """-> (the routed sum [T, H], whether `shared` is already added in: the MXFP4 kernel's k-way sum adds it)."""
         limit = self.cfg.swiglu_limit
+        if self.takes_fp8(x) and x.dtype == torch.bfloat16 and use_fp8_expert_gemm(x.device):
+            from dsv4_kernels import deepgemm_moe, triton_moe  # import deep_gemm / triton: only on this path
+
+            weights, ids = self._local(*triton_moe.route(x, self.router_gate, **self._route_args(token_ids)), True)
+            return deepgemm_moe.deepgemm_moe(x, weights, ids, self.fp8, limit, shared=shared), True
+        if self.takes_fp8(x):
+            return self._reference(x, token_ids, self.fp8), False
         if self.takes_marlin(x):
             from dsv4_kernels import marlin_moe, triton_moe  # imports triton / the Marlin library: only here
 
@@ -186,16 +207,21 @@ class MoEBlock:
             weights, ids = self._local(*triton_moe.route(x, self.router_gate, **self._route_args(token_ids)), False)
             pk = self.packed
             return triton_moe.mxfp4_moe(x, weights, ids, pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3, limit), False
-        weights, ids = self._local(*route(x, self.gate, **self._route_args(token_ids)), True)
         if self.packed is not None:
-            # Reference on packed weights: dequantise only the experts in use (host sync; not a fast path).
-            used = ids.unique()
-            used = used[used >= 0]
-            w1, w2, w3 = self.packed.dequant(used, x.dtype)
-            ids = torch.where(ids >= 0, torch.searchsorted(used, ids), -1)
-            return moe_experts(x, weights, ids, w1, w2, w3, limit), False
+            return self._reference(x, token_ids, self.packed), False
+        weights, ids = self._local(*route(x, self.gate, **self._route_args(token_ids)), True)
         experts = moe_experts_grouped if use_grouped_moe(x) else moe_experts
         return experts(x, weights, ids, self.w1, self.w2, self.w3, limit), False
+
+    def _reference(self, x: torch.Tensor, token_ids: torch.Tensor, held) -> torch.Tensor:
+        """Reference on quantised experts (PackedExperts or Fp8Experts): dequantise only the experts in use (host
+        sync; not a fast path), then dsv4_kernels.moe.moe_experts."""
+        weights, ids = self._local(*route(x, self.gate, **self._route_args(token_ids)), True)
+        used = ids.unique()
+        used = used[used >= 0]
+        w1, w2, w3 = held.dequant(used, x.dtype)
+        ids = torch.where(ids >= 0, torch.searchsorted(used, ids), -1)
+        return moe_experts(x, weights, ids, w1, w2, w3, self.cfg.swiglu_limit)
 
     def _local(self, weights: torch.Tensor, ids: torch.Tensor, skip: bool):
         """Expert parallelism: global expert ids [T, k] -> ids into this rank's experts. Pairs routed to
