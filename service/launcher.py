@@ -560,6 +560,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache format of every worker (default auto: fp8 where FlashMLA decodes it, else exact rows)")
     parser.add_argument("--index-cache-dtype", default=None, choices=["auto", "mxfp4", "fp8"],
                         help="indexer keys of an fp8 cache (default auto: FP8 on Hopper, else MXFP4)")
+    parser.add_argument("--speculative-tokens", type=int, default=None, choices=[0, 1, 2, 3],
+                        help="MTP speculative decoding on the decode pool: draft K tokens a step with the checkpoint's "
+                             "MTP layer (0 = off). The prefill pool gets it too: it runs the MTP layer over each prompt "
+                             "so that layer's KV travels with the hand-off (and both pools' cache layouts match)")
     add_engine_speed_args(parser)
 
 

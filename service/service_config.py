@@ -9,7 +9,7 @@ from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 
 ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype",
                       "index_cache_dtype", "decode_mode", "keep_mxfp4_experts", "prefix_cache",
-                      "gpu_memory_utilization", "max_model_len")
+                      "gpu_memory_utilization", "max_model_len", "speculative_tokens")
 
 
 @dataclass(frozen=True)
