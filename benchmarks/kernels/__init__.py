@@ -30,6 +30,8 @@ OPS = {
     "topk": Op("topk", "the indexer's top-k: radix kernels vs torch.topk (section indexer_topk)"),
     "mhc": Op("mhc", "mHC pre's split and long paths by token count (section mhc_pre)"),
     "moe": Op("moe", "routed MXFP4 experts: triton_kernels, Marlin, Triton vs grouped_mm (section mxfp4_moe)"),
+    "moe-fp8-grouped": Op("moe_fp8", "routed experts for prefill: FP8 through DeepGEMM's contiguous grouped GEMM vs "
+                          "MXFP4 through triton_kernels at 2K / 8K tokens, % of the FP8 roof"),
     "fp8-gemm": Op("fp8_gemm", "V4-Flash projections in FP8 through DeepGEMM vs bf16 (section fp8_gemm)"),
     "nixl-raw": Op("nixl_raw", "NIXL READ GB/s between two processes of one machine"),
 }
