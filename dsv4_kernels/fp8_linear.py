@@ -49,7 +49,8 @@ class Fp8Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape)
+        rows, cols = self.weight.shape  # 2-D, checked in __post_init__
+        return rows, cols
 
     @property
     def device(self) -> torch.device:

@@ -196,7 +196,7 @@ def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
             runs[-1][2] += 1
         else:
             runs.append([s, d, 1])
-    return [tuple(r) for r in runs]
+    return [(s, d, n) for s, d, n in runs]
 
 
 def _group_ranges(src: CacheGroupSpec, dst: CacheGroupSpec, pairs) -> tuple[ByteRange, ...]:

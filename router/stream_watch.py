@@ -47,6 +47,7 @@ class StreamWatch:
         except StopAsyncIteration:
             return _END
         except asyncio.CancelledError:
+            assert self.task is not None  # CancelledError: we run in a task
             if self.down is None or self.task.uncancel() > 0:  # a real cancellation (or one more): let it through
                 raise
             self._raise_if_down()

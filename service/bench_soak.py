@@ -112,7 +112,7 @@ def _serve_replica_pids() -> dict[str, int]:
     """Serve's HTTP replicas and proxy are named actors in its namespace (no dashboard needed to find them)."""
     import ray
 
-    out = {}
+    out: dict = {}  # name -> pid (ray.get of an actor call, typed loosely)
     for a in ray.util.list_named_actors(all_namespaces=True):
         name = a["name"]
         if "REPLICA" in name.upper() or "PROXY" in name.upper():
@@ -172,7 +172,8 @@ def run_soak(args) -> dict:
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
         for t in threads:
             t.start()
-        end, next_fault, kills = time.monotonic() + 60 * args.minutes, time.monotonic() + args.fault_every, []
+        end, next_fault = time.monotonic() + 60 * args.minutes, time.monotonic() + args.fault_every
+        kills: list[str] = []
         pools = ["prefill", "decode"]
         while time.monotonic() < end:
             time.sleep(1.0)

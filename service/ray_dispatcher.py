@@ -126,7 +126,7 @@ class RayDispatcher:
 
     async def health_check(self) -> dict[str, bool]:
         # Prefill first: a decode worker that restarted at the same time then gets the fresh metadata.
-        verdicts = {}
+        verdicts: dict[str, bool] = {}
         for pool in (self.prefill, self.decode):
             alive = await asyncio.gather(*(self._probe(w, h) for w, h in pool.items()))
             verdicts.update(zip(pool, alive))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from service.route_sim import TraceRequest
@@ -43,7 +44,8 @@ def chat(n: int = 3000, seed: int = 0, rate_per_s: float = 150.0, think_s: float
     """Conversations of 2-8 turns over 4 system prompts (2-6 blocks); ~n requests in all."""
     rng, ids = random.Random(seed), _Ids()
     systems = [ids.take(rng.randint(2, 6)) for _ in range(4)]
-    out, t = [], 0.0
+    out: list[dict] = []
+    t = 0.0
     while len(out) < n:
         t += rng.expovariate(rate_per_s / 4.0) * 1000.0
         ctx, turn_t = list(rng.choice(systems)) + ids.take(1), t
@@ -96,7 +98,8 @@ def make(kind: str, seed: int = 0, rate_per_s: float | None = None, size: int | 
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         kw[{"chat": "n", "system_prompts": "groups", "agentic": "agents"}[kind]] = size
-    return {"chat": chat, "system_prompts": system_prompts, "agentic": agentic}[kind](**kw)
+    generators: dict[str, Callable[..., list[dict]]] = {"chat": chat, "system_prompts": system_prompts, "agentic": agentic}
+    return generators[kind](**kw)
 
 
 def write(rows: list[dict], path: str | Path) -> Path:

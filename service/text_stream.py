@@ -19,6 +19,8 @@ class TextStream:
         self.tokenizer, self.stops, self.include_stop, self.skip_special = tokenizer, stops, include_stop, skip_special
         self.longest = max(map(len, stops), default=0)
         self.hold = self.longest - 1 if stops and not include_stop else 0
+        self.ids: list[int]
+        self.stop_hit: str | None
         self.ids, self.sent, self.stop_hit = [], "", None  # stop_hit: the stop string that ended the text
         self.text = ""  # everything decoded so far (sent, held back, or cut by a stop string)
         self._prefix = self._read = 0  # ids[_prefix:_read] is the context of the next piece

@@ -16,7 +16,8 @@ def block_hashes(tokens: Sequence[int], block: int, seed: bytes, start: int = 0,
     blocks 0..k, so equal hashes mean equal prefixes (a partial tail block is not hashed)."""
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
-    out, prev = [], parent if parent is not None else seed
+    out: list[int] = []
+    prev = parent if parent is not None else seed
     n = len(tokens) // block
     if limit is not None:
         n = min(n, start + limit)

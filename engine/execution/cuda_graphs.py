@@ -89,7 +89,7 @@ class DecodeRunner:
         self.steps = 0  # decode steps this runner ran (graphs replayed or eager bucketed)
         self.block_tables = BlockTables(pool, max_slots, max_context, model.device)
         self._mempool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
-        self._greedy = None  # [2, n] of the last replay, until taken
+        self._greedy: torch.Tensor | None = None  # [2, n] of the last replay, until taken
         self._logits: torch.Tensor | None = None  # [max slots, vocab]: every graph's output rows (module doc)
         self.dp_ranks = 0  # > 1: a data-parallel attention rank (module docstring), set by its EngineCore
 

@@ -65,11 +65,11 @@ class Scheduler:
                 hit = self.prefix.lookup(req)
                 self.prefix.attach(req, hit)
             if not self.pool.can_grow(req.pages, req.max_total_tokens):
-                if hit is not None:
+                if hit is not None and self.prefix is not None:  # a hit implies a prefix cache
                     self.prefix.detach(req, hit)
                 break  # FIFO: do not let small requests starve a large one
             self.pool.grow(req.pages, req.max_total_tokens)
-            if hit is not None:
+            if hit is not None and self.prefix is not None:
                 self.prefix.commit(req, hit)
             self.running.append(self.waiting.popleft())
 

@@ -188,6 +188,7 @@ class EngineLoop:
     def _run_lockstep(self) -> None:
         """One rank of a data-parallel attention group (module docstring)."""
         engine, ctx = self.engine, self.engine.data_parallel
+        assert ctx is not None  # run() takes this path only with data-parallel attention
         while self._drain(block=False):
             self.busy_since = time.monotonic()  # a peer that never meets us hangs here
             counts = ctx.gather_counts(int(engine.has_work))

@@ -71,7 +71,8 @@ class RankFollower:
         if spec is None or spec.data_parallel_attention or not 0 < rank < spec.size:
             raise ValueError(f"RankFollower needs a tensor_parallel spec (attention not data-parallel) and "
                              f"0 < rank < size, got rank {rank}")
-        self.rank, self.state, self.error, self.steps = rank, "joining", None, 0
+        self.error: BaseException | None = None
+        self.rank, self.state, self.steps = rank, "joining", 0
         self._thread = threading.Thread(target=self._run, args=(spec, model_dir, opts), daemon=True,
                                         name=f"tp-rank{rank}")
         self._thread.start()

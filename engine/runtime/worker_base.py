@@ -11,7 +11,7 @@ import os
 import time
 
 from engine.execution.tp_executor import release_followers
-from engine.handoff import WorkerStats
+from engine.handoff import PrefixDigest, WorkerStats
 from engine.loading.load import load_engine
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.health import HealthOptions, LoopWatchdog
@@ -43,7 +43,7 @@ class WorkerBase:
         self._prefix_counters = metrics.PrefixCounters(self.role, worker_id)
         spec = getattr(self.engine, "speculator", None)  # speculative decoding's counters, on speculative engines only
         self._spec_counters = metrics.SpecCounters(self.role, worker_id) if spec is not None else None
-        self._digest = None  # the engine's PrefixDigest, refreshed on the engine thread when it changes
+        self._digest: PrefixDigest | None = None  # the engine's PrefixDigest, refreshed on the engine thread when it changes
         # What the idle engine admits, read before any request holds a page (the router admits against it).
         pool = self.engine.pool
         self.max_slots = self.engine.scheduler_config.max_num_seqs
@@ -74,6 +74,7 @@ class WorkerBase:
         prefix = self.engine.prefix
         self._prefix_counters.observe(prefix.stats if prefix is not None else None)
         if self._spec_counters is not None:
+            assert self.engine.speculator is not None  # the counters exist on speculative engines only
             self._spec_counters.observe(self.engine.speculator.stats)
         if prefix is not None and (self._digest is None or self._digest.version != prefix.version):
             self._digest = prefix.digest()  # immutable: stats() reads it from the actor's thread
