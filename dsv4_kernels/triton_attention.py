@@ -378,6 +378,8 @@ def _launch(q, stores, rows, sink, scale, segs, *, fp8, layout=None, bf16_operan
     bf16_dot = q.is_cuda and q.dtype == torch.bfloat16 and bf16_operands
     extra = {}
     if q.is_cuda:
+        if num_stages is None and stores[0].element_size() >= 4 and d > 256:
+            num_stages = 1  # fp32 rows of wide heads: two stages of tiles pass Hopper's 227 KB of shared memory
         extra = {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
     kv0 = stores[0]
     sizes = [s.shape[0] for s in stores] + [0] * (3 - len(stores))

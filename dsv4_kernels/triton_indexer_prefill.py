@@ -59,7 +59,7 @@ def _prefill_scores_kernel(q_ptr, k_ptr, rows_ptr, seg_ptr, count_ptr, w_ptr, ou
     tq = (t0 + tl.arange(0, BT)).to(tl.int64)
     tmask = tq < t1
     row_off = tl.load(seg_ptr + tq, mask=tmask, other=0).to(tl.int64) * stride_rt
-    n = tl.load(count_ptr + tq, mask=tmask, other=0)
+    n = tl.load(count_ptr + tq, mask=tmask, other=0).to(tl.int32)  # int32: the loops carry it (compiled Triton keeps types)
     # Extent: one past the block's last valid candidate in [lo, hi) (lo when none); nothing past the
     # largest visible count is scanned.
     ext = lo
