@@ -49,6 +49,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 300.0
 _HTTP_OF_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                  grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 _INT64 = 1 << 63
+_GRPC_SHUTDOWN = "Cancelling all calls"  # what gRPC says to the calls a stopping server ends
 _TRANSPORT_DETAIL = re.compile(r"ipv[46]:|unix:|failed to connect|Socket closed|Connection refused", re.I)
 
 
@@ -61,6 +62,10 @@ class APIError(Exception):
 
     @classmethod
     def from_router(cls, e: RouterError) -> APIError:
+        if e.code == grpc.StatusCode.CANCELLED or _GRPC_SHUTDOWN in (e.message or ""):
+            # not by us (we close the call when our client leaves): the router is stopping, gRPC ended every call
+            log.warning("router call ended by the router's shutdown: %s: %s", e.code.name, e.message)
+            return cls(503, "the service is shutting down; retry the request")
         msg = e.message or e.code.name
         if _TRANSPORT_DETAIL.search(msg):  # gRPC's own connection errors name addresses: keep them in the log
             log.warning("router call failed: %s: %s", e.code.name, msg)

@@ -507,3 +507,22 @@ def test_fuzzed_bodies_never_500(srv):
     for junk in (b"", b"null", b"[]", b'"x"', b"{", b"\xff\xfe", b'{"prompt": [5, 6], "model": 5}'):
         status, _, out = raw(srv, "POST", "/v1/completions", junk)
         assert 400 <= status < 500 and out["error"]["code"] == status, (junk, status, out)
+
+
+def test_router_shutting_down_mid_stream_says_so():
+    """The router stops while a stream is open (gRPC cancels every call with its own "Cancelling all calls"): the
+    client's error chunk says the service is shutting down, in the OpenAI error shape."""
+    b = Backend()
+    s = HTTPServer(build_app(b.addr, default_model_dir(), MODEL))
+    try:
+        stream = s.client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=4000, stream=True, **GREEDY)
+        next(iter(stream))  # in flight
+        b.run(b.router.stop(0))
+        with pytest.raises(openai.APIError) as info:
+            for _ in stream:
+                pass
+        message = str(info.value)
+        assert "shutting down" in message and "Cancelling all calls" not in message, message
+    finally:
+        s.close()
+        b.close()
