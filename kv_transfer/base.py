@@ -33,13 +33,12 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
-from engine.model.cache import CacheGroupSpec, CachePool
 from engine.handoff import TransferTicket
+from engine.model.cache import CacheGroupSpec, CachePool
 from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint
-
 
 # A pull's deadline ends this long before the source's lease (ticket.lease_expires_at, wall clock: covers clock skew
 # between nodes and the time a cancelled READ takes to stop); the tcp server refuses to start reading pages whose
@@ -207,6 +206,7 @@ class TransferBackend(ABC):
 
     def _unstage(self, request_id: str, staging) -> None:
         """Backend hook when an export ends (confirmed, failed, expired, aborted): free what _stage held."""
+        return None  # an optional hook (not abstract): by default there is nothing to free
 
     def add_release_callback(self, cb: ReleaseCallback) -> None:
         self._callbacks.append(cb)
@@ -240,7 +240,7 @@ class TransferBackend(ABC):
                    for rid in expired]
         return [(rid, err) for rid, err in events if self.release(rid, err)]
 
-    def _begin_read(self, request_id: str) -> "_Export | None":
+    def _begin_read(self, request_id: str) -> _Export | None:
         """Pin an export for a read of its pages by this side (the tcp server): None when it is unknown, released,
         or its lease ends within READ_LEASE_MARGIN_S. A pinned export neither expires nor is freed until
         `_end_read` (a release meanwhile waits), so the pages cannot be reused under the read."""

@@ -31,8 +31,14 @@ import time
 import torch
 
 from engine.model.cache import CachePool
-from kv_transfer.base import (TransferBackend, TransferError, TransferTicket, TransferTimeout, check_deadline,
-                              pack_metadata)
+from kv_transfer.base import (
+    TransferBackend,
+    TransferError,
+    TransferTicket,
+    TransferTimeout,
+    check_deadline,
+    pack_metadata,
+)
 from kv_transfer.plan import TransferPlan, group_nbytes, page_bytes
 
 log = logging.getLogger(__name__)
@@ -56,7 +62,7 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None, w
             sock.settimeout(check_deadline(deadline, what))
         try:
             n = sock.recv_into(view[pos:])
-        except socket.timeout:
+        except TimeoutError:
             raise TransferTimeout(f"{what}: timed out after {pos} of {len(view)} bytes") from None
         if n == 0:
             raise ConnectionError(f"peer closed the connection after {pos} of {len(view)} bytes")
@@ -196,7 +202,7 @@ class TcpBackend(TransferBackend):
         addr = self._peers[ticket.source]
         try:
             return socket.create_connection(addr, timeout=check_deadline(deadline, what))
-        except socket.timeout:
+        except TimeoutError:
             raise TransferTimeout(f"{what}: connecting to {addr} timed out") from None
         except OSError as e:
             raise TransferError(f"{what}: cannot connect to {addr}: {e}") from e
@@ -224,7 +230,7 @@ class TcpBackend(TransferBackend):
                 self._on_wire(time.monotonic() - t0)
                 sock.settimeout(check_deadline(deadline, what))
                 _send_frame(sock, {"op": "done"})
-            except socket.timeout:
+            except TimeoutError:
                 raise TransferTimeout(f"{what}: timed out") from None
             except OSError as e:
                 raise TransferError(f"{what}: connection failed: {e}") from e

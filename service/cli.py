@@ -71,10 +71,10 @@ def _add_make_model(sub) -> None:
 
 
 def _generate(args) -> int:
+    from engine.execution.sampling_params import SamplingParams
     from engine.llm import LLM
     from engine.loading.make_model import default_model_dir
     from engine.loading.model_source import local_model_dir
-    from engine.execution.sampling_params import SamplingParams
     from engine.loading.tokenizer import load_tokenizer
 
     model_dir = local_model_dir(args.model) or default_model_dir()
@@ -161,10 +161,10 @@ def _write_stdout(text: str) -> None:
 
 
 def _chat_render(args) -> int:
-    from service import chat_v4
     from pydantic import ValidationError
 
     from engine.loading.model_source import local_model_dir
+    from service import chat_v4
     from service.openai_protocol import ChatCompletionRequest
 
     args.model = local_model_dir(args.model, with_weights=False)

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.execution import spec_rollback
-from engine.execution import spec_sampling
+from engine.execution import spec_rollback, spec_sampling
 from engine.execution.request import Request, TokenEvent
 from engine.execution.sampling import greedy_pick
 from engine.model.batch import build_step

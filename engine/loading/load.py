@@ -102,8 +102,12 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
     from engine.loading.model_source import local_model_dir
     from engine.loading.weights import load_weights
     from engine.model.fast_paths import keep_mxfp4_experts as keep_default
-    from engine.model.fast_paths import (resolve_index_cache_dtype, resolve_kv_cache_dtype,
-                                         resolve_prefill_expert_format, use_fp8_gemm)
+    from engine.model.fast_paths import (
+        resolve_index_cache_dtype,
+        resolve_kv_cache_dtype,
+        resolve_prefill_expert_format,
+        use_fp8_gemm,
+    )
 
     model_dir = local_model_dir(model_dir) or default_model_dir()  # a worker lacking the path fetches it here
     cfg = cap_context(ModelConfig.from_model_dir(model_dir), o.max_model_len)

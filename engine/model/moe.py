@@ -27,8 +27,14 @@ import torch
 from dsv4_kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
 from dsv4_kernels.quant import dequant_mxfp4
 from engine.model.config import ModelConfig
-from engine.model.fast_paths import (FP8_EXPERT_MIN_TOKENS, mxfp4_moe_backend, use_fp8_expert_gemm, use_grouped_moe,
-                                     use_mxfp4_moe, use_triton)
+from engine.model.fast_paths import (
+    FP8_EXPERT_MIN_TOKENS,
+    mxfp4_moe_backend,
+    use_fp8_expert_gemm,
+    use_grouped_moe,
+    use_mxfp4_moe,
+    use_triton,
+)
 from engine.model.fp8_expert_weights import has_packed_experts, take_fp8_experts
 from engine.model.linear import (
     can_concat_rows,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm import LLM
 from engine.execution.sampling_params import SamplingParams
+from engine.llm import LLM
 from engine.loading.fit_check import weight_bytes_per_rank
 from engine.loading.load import load_engine
 from engine.loading.make_model import make_model

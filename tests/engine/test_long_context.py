@@ -62,10 +62,10 @@ def test_long_prompt_chunked_and_blocked_matches_one_step(tmp_path, monkeypatch)
 
 
 def test_long_step_visible_entries_are_per_request():
+    from engine.loading.make_model import preset_config
     from engine.model.batch import build_step
     from engine.model.cache import CacheConfig, CachePool
     from engine.model.config import ModelConfig
-    from engine.loading.make_model import preset_config
 
     context, chunk = 1 << 20, 8192
     raw = preset_config("tiny")

@@ -94,7 +94,7 @@ def _experts(e, h, inter, seed):
     packed = {}
     for i, (name, (n, kk)) in enumerate((("w1", (inter, h)), ("w3", (inter, h)), ("w2", (h, inter)))):
         g = torch.Generator().manual_seed(seed + i)
-        q, s = quant_mxfp4((torch.randn(e * n, kk, generator=g) * kk**-0.5))
+        q, s = quant_mxfp4(torch.randn(e * n, kk, generator=g) * kk**-0.5)
         packed[name], packed["s" + name[1]] = q.view(e, n, kk // 2), s.view(torch.uint8).view(e, n, kk // 32)
     return packed
 

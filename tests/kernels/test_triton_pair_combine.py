@@ -6,9 +6,9 @@ Runs compiled on a GPU when one is present, else in triton's CPU interpreter (te
 import pytest
 import torch
 
+from dsv4_kernels import triton_pair_combine as pc  # noqa: E402
 from tests.support import numerics as NUM
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
-from dsv4_kernels import triton_pair_combine as pc  # noqa: E402
 
 
 def _ref(y, rows, w, shared, dtype):
