@@ -27,7 +27,8 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+import traceback
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -58,6 +59,7 @@ class TrainArgs:
     save_every_s: float = 120.0
     mtp_weight: float = 0.3  # 0: no MTP layer
     mtp_rows: int = 8  # sequences of a batch the MTP layer trains on (it runs one sequence at a time)
+    bf16: int = 1  # 1: bf16 autocast on CUDA (fp32 master weights); 0: fp32 (TF32 matmuls)
 
 
 def _transformers():
@@ -216,7 +218,8 @@ def train(a: TrainArgs) -> dict:
     os.makedirs(a.out, exist_ok=True)
     torch.manual_seed(a.seed)
     device = torch.device(a.device)
-    autocast = device.type == "cuda"
+    autocast = device.type == "cuda" and bool(a.bf16)
+    torch.backends.cuda.matmul.allow_tf32 = True
     model = build_model(a.seed).to(device).train()
     mtp = MtpHead(mini_config(), a.seed).to(device) if a.mtp_weight > 0 else None
     tap = StreamTap(model) if mtp is not None else None
@@ -252,6 +255,7 @@ def train(a: TrainArgs) -> dict:
         opt.step()
         imbalance = balancer.step()
         step += 1
+        _STARTED.add(a.out)
         tokens += a.batch * a.seq_len
         if step % a.eval_every == 0 or step == 1:
             row = {"step": step, "loss": float(loss.detach()),
@@ -274,6 +278,24 @@ def train(a: TrainArgs) -> dict:
     return log
 
 
+_STARTED: set[str] = set()  # runs that completed a step (a later failure is not retried)
+
+
+def train_with_fallbacks(a: TrainArgs) -> dict:
+    """A run that fails before its first step completes (an op missing on this GPU / torch build) is retried
+    in fp32, then also without the MTP layer, so a one-shot GPU session still trains; each failure is printed."""
+    ladder = [a, replace(a, bf16=0), replace(a, bf16=0, mtp_weight=0.0)]
+    for i, attempt in enumerate(ladder):
+        try:
+            return train(attempt)
+        except Exception:
+            if a.out in _STARTED or i == len(ladder) - 1:
+                raise
+            traceback.print_exc()
+            print(json.dumps({"fallback": asdict(ladder[i + 1])}), flush=True)
+    raise AssertionError("unreachable")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TrainArgs(data="", out="")
@@ -283,7 +305,7 @@ def main(argv=None) -> None:
             ap.add_argument(flag, required=True)
         else:
             ap.add_argument(flag, type=type(value), default=value)
-    train(TrainArgs(**vars(ap.parse_args(argv))))
+    train_with_fallbacks(TrainArgs(**vars(ap.parse_args(argv))))
 
 
 if __name__ == "__main__":
