@@ -5,11 +5,13 @@
 
 Give held-out files (text the model never saw): for dsv4-mini-py, any Python source outside its training split.
 --device / --dtype / --kv-cache-dtype choose the engine path, so each production format can be measured against
-exact fp32 on the same model.
+exact fp32 on the same model. --url http://host:8000 scores through a running `dsv4 serve` instead (the same
+requests over /v1/completions; --model then names the local dir whose tokenizer the service uses).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 
@@ -25,6 +27,9 @@ def add_eval_args(parser) -> None:
         p.add_argument("--dtype", default="float32")
         p.add_argument("--kv-cache-dtype", default="auto")
         p.add_argument("--max-batch-tokens", type=int, default=2048)
+        p.add_argument("--url", default=None, help="score through a running service's OpenAI API instead")
+        p.add_argument("--served-model", default="dsv4", help="the model name the service answers to (--url)")
+        p.add_argument("--api-key", default=None, help="the service's --api-key (--url)")
         if name == "perplexity":
             p.add_argument("--window", type=int, default=1024, help="tokens a request scores (after BOS)")
         else:
@@ -48,8 +53,14 @@ def eval_main(args) -> int:
     if tokenizer is None:
         raise ValueError(f"model {model_dir!r} has no tokenizer.json: text cannot be scored")
     texts = {path: _read(path) for path in args.file}
-    with LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
-             kv_cache_dtype=args.kv_cache_dtype) as llm:
+    if args.url:
+        from service.eval_http import HttpModel
+
+        model = contextlib.nullcontext(HttpModel(args.url, args.served_model, args.api_key))
+    else:
+        model = LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
+                    kv_cache_dtype=args.kv_cache_dtype)
+    with model as llm:
         if args.eval_command == "perplexity":
             from service.eval_perplexity import perplexity
 
@@ -62,6 +73,6 @@ def eval_main(args) -> int:
             tasks = [t for path, text in texts.items() for t in find_tasks(path, text, args.per_idiom)]
             result = score(llm, tokenizer, tasks, args.context).as_dict()
             line = f"exact match {result['correct']}/{result['tasks']} = {result['exact_match']:.3f}"
-    result["model"] = model_dir
+    result["model"] = args.url or model_dir
     print(json.dumps(result) if args.json else line)
     return 0

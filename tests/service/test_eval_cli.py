@@ -103,3 +103,30 @@ def test_tasks_cli(tiny, tmp_path, capsys):
     got = _run(capsys, "eval", "tasks", "--file", str(path), "--model", tiny, "--json")
     assert got["tasks"] == len(find_tasks(str(path), TEXT))
     assert 0.0 <= got["exact_match"] <= 1.0 and sum(v[1] for v in got["by_idiom"].values()) == got["tasks"]
+
+
+def test_eval_through_the_service_equals_the_engine(tmp_path, capsys):
+    """`--url`: the same windows and tasks over /v1/completions of a live app (real router, one engine)."""
+    from engine.loading.make_model import default_model_dir
+    from service.openai_app import build_app
+    from tests.service.test_openai_http import Backend, HTTPServer
+
+    path = tmp_path / "sample.py"
+    path.write_text(TEXT)
+    model = default_model_dir()  # what the in-process router's engine serves
+    backend = Backend()
+    srv = HTTPServer(build_app(backend.addr, model, "tiny-eval"))
+    try:
+        url = ["--url", f"http://127.0.0.1:{srv.port}", "--served-model", "tiny-eval"]
+        common = ["--file", str(path), "--model", model, "--json"]
+        ppl_http = _run(capsys, "eval", "perplexity", *common, "--window", "40", *url)
+        tasks_http = _run(capsys, "eval", "tasks", *common, *url)
+    finally:
+        srv.close()
+        backend.close()
+    ppl = _run(capsys, "eval", "perplexity", *common, "--window", "40")
+    tasks = _run(capsys, "eval", "tasks", *common)
+    assert ppl_http["windows"] == ppl["windows"] > 1
+    assert ppl_http["bits_per_byte"] == pytest.approx(ppl["bits_per_byte"], rel=1e-4)
+    assert (tasks_http["tasks"], tasks_http["correct"]) == (tasks["tasks"], tasks["correct"])
+    assert tasks_http["failures"] == tasks["failures"]
