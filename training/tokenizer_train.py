@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
-from engine.loading.make_model import (ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, THINK_TOKENS, USER_TOKEN,
-                                       V4_SPECIAL_TOKENS)
+from engine.loading.make_model import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, THINK_TOKENS, USER_TOKEN, V4_SPECIAL_TOKENS
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str) -> None:
