@@ -53,6 +53,7 @@ def eval_main(args) -> int:
     if tokenizer is None:
         raise ValueError(f"model {model_dir!r} has no tokenizer.json: text cannot be scored")
     texts = {path: _read(path) for path in args.file}
+    model: contextlib.AbstractContextManager
     if args.url:
         from service.eval_http import HttpModel
 
