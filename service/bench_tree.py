@@ -12,7 +12,7 @@ import importlib
 import sys
 from pathlib import Path
 
-ENTRY = {"kernels": "benchmarks.kernels", "slice": "benchmarks.slice.cli"}
+ENTRY = {"kernels": "benchmarks.kernels", "slice": "benchmarks.slice.cli", "spec": "benchmarks.spec"}
 
 
 def bench_tree_main(what: str, argv: list[str]) -> int:

@@ -142,6 +142,8 @@ def _add_bench(sub) -> None:
     # Listed for --help only: main() hands `bench kernels|slice ...` to service.bench_tree before parsing.
     bench.add_parser("kernels", help="kernel micro-benchmarks: `dsv4 bench kernels <op> ...`, --list (source tree)")
     bench.add_parser("slice", help="V4-Flash-slice decode/prefill vs rooflines on one GPU (source tree)")
+    bench.add_parser("spec", help="MTP speculative decoding on the V4-Flash slice: verify-step time, tok/s per user "
+                                  "at forced acceptance rates (source tree)")
 
 
 def _add_chat(sub) -> None:
@@ -209,7 +211,7 @@ def _chat_parse(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"] and argv[1:2] in (["kernels"], ["slice"]):  # each op parses its own flags
+    if argv[:1] == ["bench"] and argv[1:2] in (["kernels"], ["slice"], ["spec"]):  # each op parses its own flags
         from service.bench_tree import bench_tree_main
 
         return bench_tree_main(argv[1], argv[2:])

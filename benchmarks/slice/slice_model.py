@@ -106,7 +106,7 @@ def dense_path(device, dtype, want: str = "auto") -> str:
 
 
 def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator, experts: str = "bf16",
-                  dense: str = "bf16") -> dict:
+                  dense: str = "bf16", mtp: bool = False) -> dict:
     """Random weights shaped like a checkpoint, FP8-quantised-then-dequantised where the release is FP8
     (dense "bf16"), or kept as e4m3 + fp32 block scales as `load_weights(keep_fp8=True)` hands them over
     (dense "fp8").
@@ -121,7 +121,7 @@ def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator, experts
         return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std + mean
 
     out, placeholders = {}, {}
-    for name, shape in expected_weight_shapes(cfg).items():
+    for name, shape in expected_weight_shapes(cfg, mtp).items():  # mtp: also the MTP layers (benchmarks/spec.py)
         if _MXFP4.search(name):
             key = (name.split(".experts.")[0], name.rsplit(".", 2)[-2])
             if key not in placeholders:

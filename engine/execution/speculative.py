@@ -63,6 +63,9 @@ class Speculator:
         self.drafts: dict[str, list[int]] = {}  # request id -> drafts to verify in its next step
         self.draft_q: dict[str, list[torch.Tensor]] = {}  # sampled requests: each draft's q [V] (spec_sampling)
         self.stats = {"drafted": 0, "accepted": 0, "verify_chunks": 0, "emitted": 0}
+        # Benchmarks only (benchmarks/spec.py): (drafts, the target's greedy picks) -> the drafts greedy acceptance
+        # compares, applied after the verify forward (its cost is unchanged) to force an acceptance rate.
+        self.force_drafts = None
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -163,6 +166,8 @@ class Speculator:
                 n = len(p.drafts) + 1
                 toks, lp = [int(t) for t in picks[0][at:at + n]], picks[1][at:at + n]
                 at += n
+                if self.force_drafts is not None:
+                    p.drafts = self.force_drafts(p.drafts, toks)
                 a = 0
                 while a < len(p.drafts) and p.drafts[a] == toks[a]:
                     a += 1

@@ -1,0 +1,14 @@
+"""`dsv4 bench spec --tiny` (benchmarks/spec.py) runs end to end on the CPU and writes its section, so the GPU run
+does not fail on a typo; forced acceptance 1.0 makes every step emit K + 1 tokens a request."""
+
+from service.cli import main
+
+
+def test_bench_spec_tiny_runs_and_writes_its_section(tmp_path):
+    out = tmp_path / "spec.md"
+    assert main(["bench", "spec", "--tiny", "--k", "2", "--batches", "2", "--rates", "1.0", "--steps", "1",
+                 "--context", "8", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("## Speculative decoding (MTP, K=2)")
+    row = [line for line in text.splitlines() if "acceptance 1.0" in line][0].split("|")
+    assert float(row[5]) == 3.0 and float(row[6]) == 1.0  # K + 1 tokens a step, every draft accepted
