@@ -109,8 +109,13 @@ class Switch:
 
     def accepted(self) -> str:
         """What the variable takes, in words (the error text and the table's type column)."""
-        base = {"bool": "1/0, true/false, yes/no, on/off", "int": "an integer", "float": "a number",
-                "str": "any text", "json": "a JSON object"}.get(self.kind) or ", ".join(self.choices)
+        base = {
+            "bool": "1/0, true/false, yes/no, on/off",
+            "int": "an integer",
+            "float": "a number",
+            "str": "any text",
+            "json": "a JSON object",
+        }.get(self.kind) or ", ".join(self.choices)
         if self.minimum is not None:
             base += f" >= {self.minimum}"
         if self.kind == "bool" and self.auto:
@@ -126,8 +131,9 @@ class Switch:
             return self._convert(text)
         except ValueError:
             shown = "<hidden>" if self.secret else repr(raw)
-            raise ValueError(f"{self.name}={shown} is not valid (accepted: {self.accepted()}); "
-                             f"{self.name}: {self.help}") from None
+            raise ValueError(
+                f"{self.name}={shown} is not valid (accepted: {self.accepted()}); {self.name}: {self.help}"
+            ) from None
 
     def _convert(self, text: str) -> Any:
         low = text.lower()
@@ -175,102 +181,227 @@ class Settings:
 
     # Kernels
     hc_split_max_tokens: int = _switch(
-        HC_SPLIT_MAX_TOKENS, "int", 256, "mHC pre with fp32 streams: the longest step (tokens) taking the split "
-        "kernels; longer steps take the long path (dsv4_kernels.triton_mhc)", "kernels", minimum=0)
+        HC_SPLIT_MAX_TOKENS,
+        "int",
+        256,
+        "mHC pre with fp32 streams: the longest step (tokens) taking the split "
+        "kernels; longer steps take the long path (dsv4_kernels.triton_mhc)",
+        "kernels",
+        minimum=0,
+    )
     hc_split_max_tokens_bf16: int = _switch(
-        HC_SPLIT_MAX_TOKENS_BF16, "int", 1 << 30, "the same for bf16 residual streams (default: every size)",
-        "kernels", minimum=0)
+        HC_SPLIT_MAX_TOKENS_BF16,
+        "int",
+        1 << 30,
+        "the same for bf16 residual streams (default: every size)",
+        "kernels",
+        minimum=0,
+    )
     hc_long_path: str = _switch(
-        HC_LONG_PATH, "choice", "rows", "mHC pre's long path after torch's matmul: rows (a whole-row collapse a "
-        "token, dsv4_kernels.triton_mhc_rows) or token (one program a token)", "kernels", choices=("rows", "token"))
+        HC_LONG_PATH,
+        "choice",
+        "rows",
+        "mHC pre's long path after torch's matmul: rows (a whole-row collapse a "
+        "token, dsv4_kernels.triton_mhc_rows) or token (one program a token)",
+        "kernels",
+        choices=("rows", "token"),
+    )
     ogs_constraints: dict | None = _switch(
-        OGS_CONSTRAINTS, "json", None, "triton_kernels' launch constraints for every MXFP4 MoE call ({} = its own "
-        "heuristics); unset = the measured choice per call size (dsv4_kernels.mxfp4_ogs)", "kernels")
+        OGS_CONSTRAINTS,
+        "json",
+        None,
+        "triton_kernels' launch constraints for every MXFP4 MoE call ({} = its own "
+        "heuristics); unset = the measured choice per call size (dsv4_kernels.mxfp4_ogs)",
+        "kernels",
+    )
     # Engine
     triton: bool | None = _switch(
-        TRITON, "bool", None, "the Triton fast paths: 0 = the torch reference ops everywhere; 1 = forced, also on "
-        "CPU tensors under TRITON_INTERPRET=1 (tests); unset = on for CUDA tensors where triton imports", "engine")
+        TRITON,
+        "bool",
+        None,
+        "the Triton fast paths: 0 = the torch reference ops everywhere; 1 = forced, also on "
+        "CPU tensors under TRITON_INTERPRET=1 (tests); unset = on for CUDA tensors where triton imports",
+        "engine",
+    )
     mxfp4_moe: bool | None = _switch(
-        MXFP4_MOE, "bool", None, "packed MXFP4 experts: 1 = keep them packed, run the kernel wherever triton runs; "
-        "0 = dequantise at load; unset = packed in bf16 CUDA engines with triton_kernels", "engine")
+        MXFP4_MOE,
+        "bool",
+        None,
+        "packed MXFP4 experts: 1 = keep them packed, run the kernel wherever triton runs; "
+        "0 = dequantise at load; unset = packed in bf16 CUDA engines with triton_kernels",
+        "engine",
+    )
     mxfp4_moe_backend: str = _switch(
-        MXFP4_MOE_BACKEND, "choice", "auto", "kernel of packed MXFP4 experts on CUDA; auto = triton_kernels, else "
-        "Marlin, else the engine's own kernel", "engine", choices=("auto", "triton_kernels", "marlin", "engine"))
+        MXFP4_MOE_BACKEND,
+        "choice",
+        "auto",
+        "kernel of packed MXFP4 experts on CUDA; auto = triton_kernels, else Marlin, else the engine's own kernel",
+        "engine",
+        choices=("auto", "triton_kernels", "marlin", "engine"),
+    )
     fp8_gemm: bool = _switch(
-        FP8_GEMM, "bool", True, "FP8 dense GEMMs through DeepGEMM in bf16 CUDA engines; 0 = FP8 weights "
-        "dequantised at load", "engine")
+        FP8_GEMM,
+        "bool",
+        True,
+        "FP8 dense GEMMs through DeepGEMM in bf16 CUDA engines; 0 = FP8 weights dequantised at load",
+        "engine",
+    )
     flash_mla: bool = _switch(
-        FLASH_MLA, "bool", True, "FlashMLA's sparse decode over fp8_ds_mla pages on CUDA; 0 = the engine's own "
-        "Triton kernel", "engine")
+        FLASH_MLA,
+        "bool",
+        True,
+        "FlashMLA's sparse decode over fp8_ds_mla pages on CUDA; 0 = the engine's own Triton kernel",
+        "engine",
+    )
     grouped_moe: bool | None = _switch(
-        GROUPED_MOE, "bool", None, "routed experts as grouped GEMMs: 1 = also on the CPU; 0 = the per-expert loop "
-        "everywhere; unset = on for 16-bit CUDA inputs", "engine")
+        GROUPED_MOE,
+        "bool",
+        None,
+        "routed experts as grouped GEMMs: 1 = also on the CPU; 0 = the per-expert loop "
+        "everywhere; unset = on for 16-bit CUDA inputs",
+        "engine",
+    )
     fp32_residual: bool = _switch(
-        FP32_RESIDUAL, "bool", True, "mHC residual streams in fp32 in 16-bit engines; 0 = in the model dtype (as "
-        "the transformers reference)", "engine")
+        FP32_RESIDUAL,
+        "bool",
+        True,
+        "mHC residual streams in fp32 in 16-bit engines; 0 = in the model dtype (as the transformers reference)",
+        "engine",
+    )
     tp_backend: str | None = _switch(
-        TP_BACKEND, "choice", None, "torch.distributed backend of tensor-parallel groups; unset = gloo on CPU, "
-        "NCCL on CUDA; gloo on CUDA lets ranks share one GPU (checks, not serving)", "engine",
-        choices=("gloo", "nccl"))
+        TP_BACKEND,
+        "choice",
+        None,
+        "torch.distributed backend of tensor-parallel groups; unset = gloo on CPU, "
+        "NCCL on CUDA; gloo on CUDA lets ranks share one GPU (checks, not serving)",
+        "engine",
+        choices=("gloo", "nccl"),
+    )
     overlap_decode: bool | None = _switch(
-        OVERLAP_DECODE, "bool", None, "launch each greedy decode step from the previous one's device tokens "
-        "before the host reads them; unset = on with CUDA graphs", "engine")
+        OVERLAP_DECODE,
+        "bool",
+        None,
+        "launch each greedy decode step from the previous one's device tokens "
+        "before the host reads them; unset = on with CUDA graphs",
+        "engine",
+    )
     warmup: str = _switch(
-        WARMUP, "choice", "1", "start-up warm-up of CUDA serving engines: 1 = prompt ladder, decode graphs and "
-        "the FP8 GEMM sweep; quick = without the GEMM sweep; 0 = none", "engine", choices=("1", "quick", "0"))
+        WARMUP,
+        "choice",
+        "1",
+        "start-up warm-up of CUDA serving engines: 1 = prompt ladder, decode graphs and "
+        "the FP8 GEMM sweep; quick = without the GEMM sweep; 0 = none",
+        "engine",
+        choices=("1", "quick", "0"),
+    )
     warmup_procs: int | None = _switch(
-        WARMUP_PROCS, "int", None, "processes compiling the warm-up GEMM sweep side by side (1 = in this "
-        "process); unset = half the CPUs, at most 8", "engine", minimum=0)
+        WARMUP_PROCS,
+        "int",
+        None,
+        "processes compiling the warm-up GEMM sweep side by side (1 = in this "
+        "process); unset = half the CPUs, at most 8",
+        "engine",
+        minimum=0,
+    )
     load_progress: bool | None = _switch(
-        LOAD_PROGRESS, "bool", None, "checkpoint load progress (tqdm on a terminal, else log lines); unset = on "
-        "except under pytest", "engine")
+        LOAD_PROGRESS,
+        "bool",
+        None,
+        "checkpoint load progress (tqdm on a terminal, else log lines); unset = on except under pytest",
+        "engine",
+    )
     home: str | None = _switch(
-        HOME, "str", None, "where the built-in tiny model is built and cached (HOME/tiny); unset = "
-        "~/.cache/dsv4", "engine")
+        HOME,
+        "str",
+        None,
+        "where the built-in tiny model is built and cached (HOME/tiny); unset = ~/.cache/dsv4",
+        "engine",
+    )
     # KV transfer
     nixl_staging_bytes: int | None = _switch(
-        NIXL_STAGING_BYTES, "int", None, "bytes of each NIXL backend's staging arena (its staging_bytes option; "
-        "0 = no staging); unset = room for one request as long as the pool holds, at most 512 MiB", "transfer")
+        NIXL_STAGING_BYTES,
+        "int",
+        None,
+        "bytes of each NIXL backend's staging arena (its staging_bytes option; "
+        "0 = no staging); unset = room for one request as long as the pool holds, at most 512 MiB",
+        "transfer",
+    )
     nixl_progress_delay_us: int = _switch(
-        NIXL_PROGRESS_DELAY_US, "int", 1000, "microseconds NIXL's progress thread sleeps between rounds (the "
-        "progress_delay_us option)", "transfer", minimum=0)
+        NIXL_PROGRESS_DELAY_US,
+        "int",
+        1000,
+        "microseconds NIXL's progress thread sleeps between rounds (the progress_delay_us option)",
+        "transfer",
+        minimum=0,
+    )
     # Service
     api_key: str | None = _switch(
-        API_KEY, "str", None, "the key every /v1 route requires (`Authorization: Bearer KEY`) when --api-key is "
-        "not given; unset = an open API", "service", secret=True)
+        API_KEY,
+        "str",
+        None,
+        "the key every /v1 route requires (`Authorization: Bearer KEY`) when --api-key is "
+        "not given; unset = an open API",
+        "service",
+        secret=True,
+    )
     api_docs: bool = _switch(
-        API_DOCS, "bool", False, "serve /docs, /redoc and /openapi.json (`dsv4 serve --api-docs` sets it for the "
-        "Serve replicas)", "service")
+        API_DOCS,
+        "bool",
+        False,
+        "serve /docs, /redoc and /openapi.json (`dsv4 serve --api-docs` sets it for the Serve replicas)",
+        "service",
+    )
     # Tests
     strict_skips: bool = _switch(
-        STRICT_SKIPS, "bool", False, "pytest: a skip that is not GPU-only fails the session (.ci/run sets it)",
-        "tests")
+        STRICT_SKIPS, "bool", False, "pytest: a skip that is not GPU-only fails the session (.ci/run sets it)", "tests"
+    )
     test_transfer: str = _switch(
-        TEST_TRANSFER, "str", "nixl", "KV transfer backend of the Ray service test (tests/service/"
-        "test_service_ray.py)", "tests")
+        TEST_TRANSFER,
+        "str",
+        "nixl",
+        "KV transfer backend of the Ray service test (tests/service/test_service_ray.py)",
+        "tests",
+    )
     test_mark: str | None = _switch(
-        TEST_MARK, "str", None, "set by tests/service/test_service_shutdown.py on the service it starts, to find "
-        "processes left behind", "tests")
+        TEST_MARK,
+        "str",
+        None,
+        "set by tests/service/test_service_shutdown.py on the service it starts, to find processes left behind",
+        "tests",
+    )
     # Scripts
     bench_command: str | None = _switch(
-        BENCH_COMMAND, "str", None, "the command a GPU bench report names (scripts/bench_gpu.sh sets it); unset = "
-        "this process's command line", "scripts")
+        BENCH_COMMAND,
+        "str",
+        None,
+        "the command a GPU bench report names (scripts/bench_gpu.sh sets it); unset = this process's command line",
+        "scripts",
+    )
     transformers_source: str | None = _switch(
-        TRANSFORMERS_SOURCE, "str", None, "where the GPU bench's transformers came from, noted in its report "
-        "(scripts/bench_gpu.sh sets it)", "scripts")
+        TRANSFORMERS_SOURCE,
+        "str",
+        None,
+        "where the GPU bench's transformers came from, noted in its report (scripts/bench_gpu.sh sets it)",
+        "scripts",
+    )
     bench_site: str | None = _switch(
-        BENCH_SITE, "str", None, "scripts/bench_gpu.sh: the directory carried wheels are installed into; unset = "
-        "/tmp/dsv4_bench_site", "scripts")
+        BENCH_SITE,
+        "str",
+        None,
+        "scripts/bench_gpu.sh: the directory carried wheels are installed into; unset = /tmp/dsv4_bench_site",
+        "scripts",
+    )
     # Deployment
-    role: str | None = _switch(
-        ROLE, "str", None, "the pod's Ray role (head or worker), set by the chart", "deploy")
+    role: str | None = _switch(ROLE, "str", None, "the pod's Ray role (head or worker), set by the chart", "deploy")
     model_repo: str | None = _switch(
-        MODEL_REPO, "str", None, "the chart's model-download init container: the Hugging Face repo to fetch",
-        "deploy")
+        MODEL_REPO, "str", None, "the chart's model-download init container: the Hugging Face repo to fetch", "deploy"
+    )
     model_revision: str | None = _switch(
-        MODEL_REVISION, "str", None, "the chart's model-download init container: the revision to fetch", "deploy")
+        MODEL_REVISION, "str", None, "the chart's model-download init container: the revision to fetch", "deploy"
+    )
     model_dir: str | None = _switch(
-        MODEL_DIR, "str", None, "the chart's model-download init container: where the model goes", "deploy")
+        MODEL_DIR, "str", None, "the chart's model-download init container: where the model goes", "deploy"
+    )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
@@ -293,8 +424,7 @@ def warn_unknown(environ: Mapping[str, str]) -> list[str]:
         _warned.add(name)
         close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.8)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        log.warning("unknown setting %s in the environment is ignored%s; the known ones: docs/settings.md",
-                    name, hint)
+        log.warning("unknown setting %s in the environment is ignored%s; the known ones: docs/settings.md", name, hint)
     return unknown
 
 
@@ -314,17 +444,22 @@ def reload() -> Settings:
 
 def markdown() -> str:
     """docs/settings.md: every switch by group, with its type, default and help."""
-    out = ["# Settings", "",
-           "Every `DSV4_*` environment variable the code reads. Generated from `dsv4_kernels/settings.py` by",
-           "`python -m dsv4_kernels.settings --markdown > docs/settings.md` (tests/test_settings.py fails when this",
-           "file is out of date); `python -m dsv4_kernels.settings` prints the values your environment gives.", "",
-           "One rule for every value; an empty value counts as unset (the default):",
-           "- bool: `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`, case-insensitive; where unset means automatic,",
-           "  `auto` too;",
-           "- int / number: parsed once, at the first read; choice: one of its values, case-insensitive; json: a JSON "
-           "object.",
-           "A bad value fails with an error naming the variable, the value and what it accepts. An unknown `DSV4_*`",
-           "name in the environment logs one warning (naming the closest known one).", ""]
+    out = [
+        "# Settings",
+        "",
+        "Every `DSV4_*` environment variable the code reads. Generated from `dsv4_kernels/settings.py` by",
+        "`python -m dsv4_kernels.settings --markdown > docs/settings.md` (tests/test_settings.py fails when this",
+        "file is out of date); `python -m dsv4_kernels.settings` prints the values your environment gives.",
+        "",
+        "One rule for every value; an empty value counts as unset (the default):",
+        "- bool: `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`, case-insensitive; where unset means automatic,",
+        "  `auto` too;",
+        "- int / number: parsed once, at the first read; choice: one of its values, case-insensitive; json: a JSON "
+        "object.",
+        "A bad value fails with an error naming the variable, the value and what it accepts. An unknown `DSV4_*`",
+        "name in the environment logs one warning (naming the closest known one).",
+        "",
+    ]
     for group, heading in GROUPS.items():
         out += [f"## {heading}", "", "| Variable | Type | Default | What it does |", "|---|---|---|---|"]
         for s in SWITCHES:

@@ -21,8 +21,19 @@ from dsv4_kernels import settings as switches
 from dsv4_kernels.settings import BY_NAME, SWITCHES, Settings, Switch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED = ("dsv4_kernels", "engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "service",
-           "deploy", "scripts", "benchmarks", "tests")
+SCANNED = (
+    "dsv4_kernels",
+    "engine",
+    "kv_transfer",
+    "prefill_worker",
+    "decode_worker",
+    "router",
+    "service",
+    "deploy",
+    "scripts",
+    "benchmarks",
+    "tests",
+)
 SETTINGS_FILE = ROOT / "dsv4_kernels" / "settings.py"
 ENVIRON = {"os.environ", "environ"}
 READERS = {"os.environ.get", "os.getenv", "os.environ.pop", "environ.get", "getenv", "environ.pop"}
@@ -30,16 +41,24 @@ NAME = re.compile(r"DSV4_[A-Z][A-Z0-9_]*[A-Z0-9]")
 
 
 def python_files() -> list[Path]:
-    return [p for d in SCANNED if (ROOT / d).is_dir() for p in sorted((ROOT / d).rglob("*.py"))
-            if "_gen" not in p.parts and p != SETTINGS_FILE]
+    return [
+        p
+        for d in SCANNED
+        if (ROOT / d).is_dir()
+        for p in sorted((ROOT / d).rglob("*.py"))
+        if "_gen" not in p.parts and p != SETTINGS_FILE
+    ]
 
 
 def dsv4_names(tree: ast.AST) -> set[str]:
     """Identifiers this module binds to a DSV4_* name: `X = "DSV4_..."` or imported from dsv4_kernels.settings."""
     names = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
-                and str(node.value.value).startswith("DSV4_"):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and str(node.value.value).startswith("DSV4_")
+        ):
             names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
         elif isinstance(node, ast.ImportFrom) and node.module == "dsv4_kernels.settings":
             names |= {a.asname or a.name for a in node.names if a.name.isupper()}
@@ -51,11 +70,18 @@ def is_dsv4(key: ast.AST, bound: set[str]) -> bool:
     if isinstance(key, ast.Constant):
         return str(key.value).startswith("DSV4_")
     if isinstance(key, ast.JoinedStr):
-        return bool(key.values) and isinstance(key.values[0], ast.Constant) \
+        return (
+            bool(key.values)
+            and isinstance(key.values[0], ast.Constant)
             and str(key.values[0].value).startswith("DSV4_")
+        )
     ident = key.id if isinstance(key, ast.Name) else key.attr if isinstance(key, ast.Attribute) else ""
-    return ident in bound or ident == "ENV" or ident.endswith("_ENV") or \
-        (isinstance(key, ast.Attribute) and ast.unparse(key.value).endswith("settings") and ident.isupper())
+    return (
+        ident in bound
+        or ident == "ENV"
+        or ident.endswith("_ENV")
+        or (isinstance(key, ast.Attribute) and ast.unparse(key.value).endswith("settings") and ident.isupper())
+    )
 
 
 def environment_reads(source: str, filename: str = "<src>") -> list[tuple[int, str]]:
@@ -67,11 +93,13 @@ def environment_reads(source: str, filename: str = "<src>") -> list[tuple[int, s
         key = None
         if isinstance(node, ast.Call) and ast.unparse(node.func) in READERS and node.args:
             key = node.args[0]
-        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
-                and ast.unparse(node.value) in ENVIRON:
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and ast.unparse(node.value) in ENVIRON:
             key = node.slice
-        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) \
-                and any(ast.unparse(c) in ENVIRON for c in node.comparators):
+        elif (
+            isinstance(node, ast.Compare)
+            and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
+            and any(ast.unparse(c) in ENVIRON for c in node.comparators)
+        ):
             key = node.left
         if key is not None and is_dsv4(key, bound):
             found.append((node.lineno, ast.unparse(node)))
@@ -79,7 +107,7 @@ def environment_reads(source: str, filename: str = "<src>") -> list[tuple[int, s
 
 
 def test_the_scan_tells_reads_from_writes():
-    src = '''
+    src = """
 import os
 from dsv4_kernels.settings import TRITON
 ENV = "DSV4_X"
@@ -95,22 +123,35 @@ os.environ.setdefault("DSV4_S", "1")
 env = dict(os.environ, DSV4_K="1")
 env.update(DSV4_U="1")
 h = os.environ.get("HOME")
-'''
+"""
     lines = [line for line, _ in environment_reads(src)]
     assert lines == [5, 6, 7, 8, 9, 10, 11], environment_reads(src)
 
 
 def test_no_code_reads_dsv4_variables_outside_the_settings_module():
-    offenders = [f"{path.relative_to(ROOT)}:{line}: {code}" for path in python_files()
-                 for line, code in environment_reads(path.read_text(), str(path))]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {code}"
+        for path in python_files()
+        for line, code in environment_reads(path.read_text(), str(path))
+    ]
     assert not offenders, "read DSV4_* through dsv4_kernels.settings.settings():\n" + "\n".join(offenders)
 
 
 def test_every_dsv4_name_in_the_tree_is_registered():
-    files = [p for d in SCANNED if (ROOT / d).is_dir() for p in (ROOT / d).rglob("*")
-             if p.is_file() and p.suffix in (".py", ".sh", ".yaml", ".tpl", ".md", ".toml")]
-    files += [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "Makefile", ROOT / ".ci" / "run",
-              *sorted((ROOT / "docs").glob("*.md"))]
+    files = [
+        p
+        for d in SCANNED
+        if (ROOT / d).is_dir()
+        for p in (ROOT / d).rglob("*")
+        if p.is_file() and p.suffix in (".py", ".sh", ".yaml", ".tpl", ".md", ".toml")
+    ]
+    files += [
+        ROOT / "README.md",
+        ROOT / "BENCHMARKS.md",
+        ROOT / "Makefile",
+        ROOT / ".ci" / "run",
+        *sorted((ROOT / "docs").glob("*.md")),
+    ]
     unknown = {}
     for path in files:
         if path.exists() and path != Path(__file__):
@@ -122,8 +163,9 @@ def test_every_dsv4_name_in_the_tree_is_registered():
 
 def test_docs_table_is_up_to_date():
     doc = ROOT / "docs" / "settings.md"
-    assert doc.read_text() == switches.markdown(), \
+    assert doc.read_text() == switches.markdown(), (
         "docs/settings.md is stale: python -m dsv4_kernels.settings --markdown > docs/settings.md"
+    )
     for s in SWITCHES:
         assert f"`{s.name}`" in doc.read_text()
 
@@ -142,8 +184,11 @@ BOOL = Switch("DSV4_T_BOOL", "bool", True, "a test switch", "tests")
 AUTO = Switch("DSV4_T_AUTO", "bool", None, "a test switch", "tests")
 
 
-@pytest.mark.parametrize("raw,value", [(r, True) for r in ("1", "true", "yes", "on", "TRUE", " On ", "Yes")]
-                         + [(r, False) for r in ("0", "false", "no", "off", "FALSE", "Off", " no ")])
+@pytest.mark.parametrize(
+    "raw,value",
+    [(r, True) for r in ("1", "true", "yes", "on", "TRUE", " On ", "Yes")]
+    + [(r, False) for r in ("0", "false", "no", "off", "FALSE", "Off", " no ")],
+)
 def test_boolean_spellings(raw, value):
     assert BOOL.parse(raw) is value
     assert AUTO.parse(raw) is value
@@ -156,15 +201,19 @@ def test_unset_and_empty_mean_the_default_and_auto_only_where_unset_is_automatic
         BOOL.parse("auto")
 
 
-@pytest.mark.parametrize("switch,raw", [
-    (BOOL, "2"), (BOOL, "enabled"),
-    (Switch("DSV4_T_INT", "int", 3, "an int", "tests", minimum=0), "1.5"),
-    (Switch("DSV4_T_INT", "int", 3, "an int", "tests", minimum=0), "-1"),
-    (Switch("DSV4_T_FLOAT", "float", 0.5, "a float", "tests"), "half"),
-    (Switch("DSV4_T_CHOICE", "choice", "a", "a choice", "tests", choices=("a", "b")), "c"),
-    (Switch("DSV4_T_JSON", "json", None, "an object", "tests"), "[1, 2]"),
-    (Switch("DSV4_T_JSON", "json", None, "an object", "tests"), "{oops"),
-])
+@pytest.mark.parametrize(
+    "switch,raw",
+    [
+        (BOOL, "2"),
+        (BOOL, "enabled"),
+        (Switch("DSV4_T_INT", "int", 3, "an int", "tests", minimum=0), "1.5"),
+        (Switch("DSV4_T_INT", "int", 3, "an int", "tests", minimum=0), "-1"),
+        (Switch("DSV4_T_FLOAT", "float", 0.5, "a float", "tests"), "half"),
+        (Switch("DSV4_T_CHOICE", "choice", "a", "a choice", "tests", choices=("a", "b")), "c"),
+        (Switch("DSV4_T_JSON", "json", None, "an object", "tests"), "[1, 2]"),
+        (Switch("DSV4_T_JSON", "json", None, "an object", "tests"), "{oops"),
+    ],
+)
 def test_a_bad_value_names_the_variable_the_value_and_what_it_accepts(switch, raw):
     with pytest.raises(ValueError) as err:
         switch.parse(raw)
