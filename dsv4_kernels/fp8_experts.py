@@ -128,7 +128,7 @@ def contiguous_layout(ids: torch.Tensor, num_experts: int, align: int = DEFAULT_
     expert = torch.where(flat < e, flat, -1).to(torch.int32)
     m_indices = torch.full((m,), -1, dtype=torch.int32, device=dev).index_copy_(0, dump, expert)
     # The dump row took every skipped pair's write: it must stay padding whatever order the writes landed in.
-    m_indices[m - 1] = -1
+    m_indices[m - 1:].fill_(-1)  # a device fill: assigning a Python scalar copies from the host (no graph)
     return ContiguousLayout(pair_row, src_token, m_indices)
 
 

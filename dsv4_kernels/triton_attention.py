@@ -361,6 +361,9 @@ def _launch(q, stores, rows, sink, scale, segs, *, fp8, layout=None, bf16_operan
     cfg = DEFAULTS["fp8" if fp8 else "plain"]
     block_h = block_h or cfg["block_h"] or min(64, max(16, triton.next_power_of_2(h)))
     block_k = block_k or cfg["block_k"]
+    if q.is_cuda and stores[0].element_size() >= 4 and d > 256:
+        # fp32 rows of wide heads: [64, D] q and kv tiles need 279 KB of shared memory, Hopper has 227 KB
+        block_h, block_k = min(block_h, 32), min(block_k, 32)
     if block_h < 16 or block_k < 16:
         raise ValueError(f"block_h and block_k must be >= 16 (tl.dot), got {block_h}, {block_k}")
     head_blocks = triton.cdiv(h, block_h)
@@ -378,8 +381,6 @@ def _launch(q, stores, rows, sink, scale, segs, *, fp8, layout=None, bf16_operan
     bf16_dot = q.is_cuda and q.dtype == torch.bfloat16 and bf16_operands
     extra = {}
     if q.is_cuda:
-        if num_stages is None and stores[0].element_size() >= 4 and d > 256:
-            num_stages = 1  # fp32 rows of wide heads: two stages of tiles pass Hopper's 227 KB of shared memory
         extra = {"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
     kv0 = stores[0]
     sizes = [s.shape[0] for s in stores] + [0] * (3 - len(stores))
