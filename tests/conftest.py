@@ -18,10 +18,19 @@ except that setting or deleting a `DSV4_*` variable, and its undo, make the next
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from dsv4_kernels import settings as switches
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when a dsv4_kernels.triton_* module is imported.
+# Set it here, before any test module's imports (their import order is ruff's to sort), not in each test module
+# (tests/support/triton_env.py still skips a module where Triton cannot run). The engine's CPU paths never take
+# the interpreter on their own: DSV4_TRITON=1 does that (engine.model.fast_paths.use_triton).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dsv4_kernels import settings as switches  # noqa: E402
 
 torch.set_num_threads(1)
 
