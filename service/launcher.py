@@ -5,7 +5,8 @@ Topology (one Ray cluster; scales out unchanged when RAY_ADDRESS points at a mul
       --Ray calls--> PrefillWorker x N  --KV pages over NIXL / TCP-->  DecodeWorker x M
 Metrics: every process of the node writes to one prometheus multiprocess directory; the driver serves
 the aggregate at http://METRICS_HOST:METRICS_PORT/metrics. Workers are restarted by Ray (max_restarts=-1);
-the router's health loop removes a dead worker and adds it back once it is re-introduced to its peers.
+multi-rank workers as a whole group by the router actor's supervisor (service.group_restart); the router's
+health loop removes a dead worker and adds it back once it is re-introduced to its peers.
 
 Exposure: only the HTTP API listens on --host. Internal endpoints (the gRPC router, the tcp KV transfer
 listeners, the metrics page) bind loopback when the cluster is this one node, the node's own address
@@ -19,6 +20,7 @@ directory this run created is removed.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
 import signal
@@ -45,8 +47,13 @@ class ServiceStartError(RuntimeError):
 class RouterActor:
     """Hosts the gRPC router (grpc.aio) in a Ray actor's event loop."""
 
-    def __init__(self, prefill: dict, decode: dict, policy: str, token: str | None = None, **server_kw):
-        """server_kw: RouterServer's admission settings (max_queued, queue_timeout_s, restart_wait_s)."""
+    def __init__(self, prefill: dict, decode: dict, policy: str, token: str | None = None, groups: tuple = ({}, {}),
+                 **server_kw):
+        """server_kw: RouterServer's admission settings (max_queued, queue_timeout_s, restart_wait_s);
+        groups: ({worker id: PlacedWorker}, {worker id: GroupRecipe}) of the multi-rank workers, restarted as a
+        group when a rank dies (service.group_restart)."""
+        from service.group_restart import GroupSupervisor
+
         from router.policy import PolicyConfig, RoutingPolicy
         from router.server import RouterServer
         from service.ray_dispatcher import RayDispatcher
@@ -57,6 +64,8 @@ class RouterActor:
         self.port = None
         self.host = None
         self._token = token
+        self.supervisor = GroupSupervisor(*groups, replace=self.dispatcher.replace_handle) if groups[0] else None
+        self._supervising = None
 
     async def start(self, host: str, port: int) -> int:
         """Bind host:port ("node": this node's cluster address); -> the port."""
@@ -65,7 +74,16 @@ class RouterActor:
         self.host = node_address() if host == "node" else host
         await self.dispatcher.health_check()  # exchanges transfer metadata before the first request
         self.port = await self.server.start(self.host, port)
+        if self.supervisor is not None:
+            self._supervising = asyncio.get_running_loop().create_task(self.supervisor.run())
         return self.port
+
+    def placed_workers(self) -> dict:
+        """The multi-rank workers as they are placed now (a group restart replaces their actors and group)."""
+        return dict(self.supervisor.placed) if self.supervisor is not None else {}
+
+    def group_restarts(self) -> int:
+        return self.supervisor.restarts if self.supervisor is not None else 0
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -86,6 +104,8 @@ class RouterActor:
         self.server.draining = True
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self._supervising is not None:
+            self._supervising.cancel()
         await self.server.stop(grace)
 
 
@@ -199,12 +219,13 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
                 handles[role][f"{role}-{i}"] = placed[f"{role}-{i}"].handle
                 handles[role].update(placed[f"{role}-{i}"].ranks)  # data-parallel attention: each rank a worker
         prefill, decode = handles["prefill"], handles["decode"]
+        groups = _group_recipes(cfg, placed, prefill_cls, decode_cls, net, opts, actor)
         _wait_ready({name: h.ping.remote() for name, h in (*prefill.items(), *decode.items())}
                     | {f"{name}-rank{r}": f.ping.remote() for name, pw in placed.items()
                        for r, f in enumerate(pw.followers, start=1)},
                     cfg.ready_timeout_s, "worker actors")
         router = handles["router"] = router_cls.options(name="dsv4-router").remote(
-            prefill, decode, cfg.router_policy, token, max_queued=cfg.router_max_queued,
+            prefill, decode, cfg.router_policy, token, groups=groups, max_queued=cfg.router_max_queued,
             queue_timeout_s=cfg.router_queue_timeout_s)
         _wait_ready({"router": router.start.remote(host, cfg.router_port)}, cfg.ready_timeout_s, "gRPC router")
         import ray
@@ -227,6 +248,22 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
         stop_service(handles, drain_s=0, shutdown_ray=False)
         raise
     return {**handles, "http": f"http://{cfg.host}:{cfg.port}", "token": token}
+
+
+def _group_recipes(cfg: ServiceConfig, placed: dict, prefill_cls, decode_cls, net: dict, opts: dict,
+                   actor: dict) -> tuple[dict, dict]:
+    """({worker id: PlacedWorker}, {worker id: GroupRecipe}) of the multi-rank workers: how to place each again."""
+    from service.group_restart import GroupRecipe
+
+    recipes = {}
+    for wid, pw in placed.items():
+        role = wid.rsplit("-", 1)[0]
+        size, ep, dp = cfg.parallel(role)
+        if size > 1:
+            recipes[wid] = GroupRecipe(f"dsv4-{wid}", prefill_cls if role == "prefill" else decode_cls,
+                                       (wid, cfg.model_dir, opts, cfg.transfer), net, opts, cfg.model_dir, size, ep,
+                                       cfg.worker_num_cpus, worker_gpus(cfg), actor, cfg.ready_timeout_s, dp)
+    return {wid: placed[wid] for wid in recipes}, recipes
 
 
 def _wait_ready(refs: dict, timeout_s: float, what: str) -> dict:
@@ -374,7 +411,12 @@ def stop_service(handles: dict | None, drain_s: float = 10.0, shutdown_ray: bool
 
     handles = handles or {}
     router = handles.get("router")
+    placed = dict(handles.get("placed", {}))
     if router is not None and ray.is_initialized():
+        try:
+            placed.update(ray.get(router.placed_workers.remote(), timeout=5))  # as a group restart left them
+        except Exception:  # noqa: BLE001 - the router is gone: what start_service placed
+            pass
         try:
             ray.get(router.drain.remote(), timeout=5)
             deadline = time.monotonic() + drain_s
@@ -394,7 +436,11 @@ def stop_service(handles: dict | None, drain_s: float = 10.0, shutdown_ray: bool
                 ray.kill(h, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        for pw in handles.get("placed", {}).values():
+        for pw in placed.values():
+            try:
+                ray.kill(pw.handle, no_restart=True)  # rank 0 of a group placed again since start
+            except Exception:  # noqa: BLE001 - already gone
+                pass
             remove_worker(pw)
     if shutdown_ray:
         ray.shutdown()

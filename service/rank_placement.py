@@ -6,7 +6,8 @@ strategy STRICT_PACK, so a worker's ranks share a host and meet on a loopback po
 worker actor itself (rank 0: it schedules, owns the KV pool the transfers address and answers the router),
 bundles 1..N-1 hold `engine.runtime.rank_worker.RankFollower` actors. Followers are not restarted by Ray: a rank
 cannot rejoin a running group, so a failed rank takes its worker down with it (the router's health loop
-drops that worker, as it drops any dead worker). N = 1 places workers exactly as before.
+drops that worker, as it drops any dead worker) and service.group_restart places the whole worker again. N = 1
+places workers exactly as before.
 
 With data-parallel attention (`--data-parallel-attention`) every bundle holds a worker actor: rank r of worker
 "decode-0" is worker "decode-0" (r = 0) or "decode-0-dp<r>", each with its own requests, KV pool, transfer

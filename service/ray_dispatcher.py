@@ -83,6 +83,16 @@ class RayDispatcher:
     def workers(self) -> list[WorkerInfo]:
         return list(self._info.values())
 
+    def replace_handle(self, wid: str, handle) -> None:
+        """A multi-rank worker placed again (service.group_restart): route to the new actor; the next health
+        probe sees its new incarnation and introduces it to its transfer peers before it serves."""
+        pool = self.prefill if wid in self.prefill else self.decode
+        pool[wid] = handle
+        self._incarnation.pop(wid, None)
+        self._metadata.pop(wid, None)
+        role = self._info[wid].role
+        self._info[wid] = WorkerInfo(wid, role, healthy=False, incarnation=self._info[wid].incarnation)
+
     # ---- health and introductions ----------------------------------------------------------------
     async def _probe(self, wid: str, handle) -> bool:
         role = self._info[wid].role

@@ -75,7 +75,6 @@ def test_data_parallel_attention_ranks_serve_as_workers_and_match_one_engine(pre
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda p: client.generate_full(p, PARAMS), prompts))
         again = client.generate_full(prompts[0], PARAMS)  # after the group went idle
-        client.close()
         want = LLM().generate(prompts, PARAMS)
         for w, g in zip([*want, want[0]], [*got, again]):
             assert g.token_ids == w.token_ids
@@ -85,18 +84,30 @@ def test_data_parallel_attention_ranks_serve_as_workers_and_match_one_engine(pre
         assert sum(pulls.values()) == 5 and all(pulls.values()), pulls
         for h in (*handles["prefill"].values(), *handles["decode"].values()):
             assert ray.get(h.stats.remote()).load.running == 0
-        # A rank that dies fails its peer's next collective: the peer's loop ends and its ping says so (the router
-        # then drops it as any dead worker), instead of a live-looking worker whose steps never return.
+        # A rank that dies fails its peer's next collective: the peer's loop ends and its ping says so (then its
+        # watchdog ends it), instead of a live-looking worker whose steps never return; the group is placed again
+        # as a whole (service.group_restart) and both its ranks serve again.
         ray.kill(handles["decode"]["decode-0-dp1"], no_restart=True)
         deadline = time.monotonic() + 60
         while True:
             try:
                 ray.get(handles["decode"]["decode-0"].ping.remote(), timeout=10)
+            except ray.exceptions.RayActorError:
+                break  # already ended by its watchdog
             except Exception as e:  # noqa: BLE001
-                assert "engine loop is not running" in str(e), e
+                assert "engine loop ended" in str(e), e
                 break
             assert time.monotonic() < deadline, "decode-0 still answers 60 s after its peer rank died"
             time.sleep(0.2)
+        router = handles["router"]
+        deadline = time.monotonic() + 120
+        while ray.get(router.group_restarts.remote(), timeout=30) < 1 or not all(w.healthy for w in
+                                                                                client.health().workers):
+            assert time.monotonic() < deadline, "the data-parallel group is not back within 120 s"
+            time.sleep(0.5)
+        again = [client.generate_full(p, PARAMS) for p in prompts]
+        assert [g.token_ids for g in again] == [w.token_ids for w in want]
+        client.close()
     finally:
         if ray.is_initialized():
             stop_service(handles)

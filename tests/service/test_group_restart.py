@@ -1,0 +1,74 @@
+"""Multi-rank workers restart as a group, on a real local Ray cluster (CPU, gloo ranks): 1 prefill worker and 2
+decode workers of 2 ranks each (tensor + expert parallel, a STRICT_PACK placement group each), the real gRPC
+router (round robin), tcp transfer.
+
+Killing one rank of decode-0 (a follower: Ray does not restart ranks) brings the whole worker back: the
+supervisor in the router's actor kills its other rank, frees its placement group and places it again; the
+router re-introduces it to the prefill worker and takes it back within 120 s. Meanwhile every request succeeds
+(the other decode worker serves; one that hit the broken worker is retried), and afterwards decode-0 serves
+again with the tokens of one engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from engine.execution.sampling_params import SamplingParams  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.loading.make_model import default_model_dir  # noqa: E402
+from router.client import RouterClient  # noqa: E402
+from service.launcher import (ServiceConfig, init_ray, prepare_metrics_dir, ray_logs_tail,  # noqa: E402
+                              remove_metrics_dir, start_service, stop_service)
+
+pytestmark = pytest.mark.ray
+
+PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+def test_killed_rank_restarts_its_whole_group_while_others_serve():
+    init_ray(prepare_metrics_dir())
+    handles = None
+    try:
+        cfg = ServiceConfig(model_dir=default_model_dir(), transfer="tcp", worker_num_cpus=0.1, decode_workers=2,
+                            ready_timeout_s=240.0, engine_options=(("max_batch_tokens", 16),),
+                            decode_tensor_parallel_size=2, expert_parallel=True, router_policy="round_robin",
+                            stall_timeout_s=30.0)
+        try:
+            handles = start_service(cfg, http=False)
+        except Exception as e:
+            raise RuntimeError(f"service start failed: {e}\n{ray_logs_tail()}") from e
+        router, placed = handles["router"], handles["placed"]
+        client = RouterClient(handles["router_addr"], timeout_s=180, token=handles["token"])
+        prompts = [[(3 * i + j) % 400 + 2 for j in range(5 + i)] for i in range(6)]
+        want = [r.token_ids for r in LLM().generate(prompts, PARAMS)]
+        assert {client.generate_full(p, PARAMS).decode_worker for p in prompts[:2]} == {"decode-0", "decode-1"}
+        before = ray.get(handles["decode"]["decode-0"].stats.remote(), timeout=30).incarnation
+
+        ray.kill(placed["decode-0"].followers[0], no_restart=True)  # one rank of decode-0 dies
+        t0 = time.monotonic()
+        served = []
+        while ray.get(router.group_restarts.remote(), timeout=30) < 1 or not all(
+                w.healthy for w in client.health().workers):
+            assert time.monotonic() - t0 < 120, "decode-0 not back within 120 s"
+            i = len(served) % len(prompts)
+            res = client.generate_full(prompts[i], PARAMS)  # every request meanwhile succeeds
+            assert res.token_ids == want[i]
+            served.append(res.decode_worker)
+            time.sleep(0.5)
+        assert served and "decode-1" in served  # the other worker kept serving
+
+        fresh = ray.get(router.placed_workers.remote(), timeout=30)["decode-0"]
+        assert fresh.group is not None and len(fresh.followers) == 1
+        assert ray.get(fresh.handle.stats.remote(), timeout=30).incarnation != before
+        got = [client.generate_full(p, PARAMS) for p in prompts]
+        assert [g.token_ids for g in got] == want
+        assert "decode-0" in {g.decode_worker for g in got}  # the restarted group serves again
+        client.close()
+    finally:
+        if ray.is_initialized():
+            stop_service(handles)
+        remove_metrics_dir()
