@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -367,13 +368,37 @@ def add_engine_speed_args(parser: argparse.ArgumentParser) -> None:
 LOCAL_START_ATTEMPTS = 3  # init_ray: a fresh local cluster that misses Ray's start-up deadline is started again
 
 
-def init_ray(metrics_dir: str, extra_env: dict | None = None) -> None:
+@contextlib.contextmanager
+def _daemons_in_own_session():
+    """Ray's daemons (GCS, raylet, ...) that ray.init spawns start in a session of their own: a SIGTERM to the
+    driver's process group (`kill -TERM -- -PGID`, systemd, container runtimes) then reaches only the driver, whose
+    handler drains and stops them in order (`stop_service`), instead of killing them under the drain. Measured:
+    9 s instead of 45 s with a 2 s drain. A driver killed hard relies on Ray's own fate-sharing (not changed here).
+    Patches the one Popen class Ray's `start_ray_process` uses, only while ray.init runs."""
+    from ray._private import services
+
+    base = services.ConsolePopen
+
+    class OwnSession(base):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
+
+
+def init_ray(metrics_dir: str, extra_env: dict | None = None, own_session: bool = False) -> None:
     """Start a fresh local cluster unless RAY_ADDRESS is set; our workers share the metrics directory.
 
     `address="local"` so a stale /tmp/ray/ray_current_cluster from an earlier run is never joined. The
     metrics variable reaches our processes through the job's runtime_env only: Ray's own daemons (raylet,
     dashboard agent), spawned by ray.init, must not inherit it or their metrics would mix into ours.
     A local cluster that misses Ray's start-up deadline is started again, up to LOCAL_START_ATTEMPTS times.
+    own_session (`dsv4 serve`): a local cluster's daemons start in their own session (_daemons_in_own_session).
     """
     import ray
 
@@ -384,8 +409,9 @@ def init_ray(metrics_dir: str, extra_env: dict | None = None) -> None:
     try:
         for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
             try:
-                ray.init(address=address, runtime_env={"env_vars": env}, include_dashboard=False,
-                         logging_level="WARNING")
+                with _daemons_in_own_session() if own_session and address == "local" else contextlib.nullcontext():
+                    ray.init(address=address, runtime_env={"env_vars": env}, include_dashboard=False,
+                             logging_level="WARNING")
                 return
             except Exception as e:
                 # A fresh local cluster can miss Ray's start-up deadline on a loaded machine ("The current node
@@ -507,7 +533,7 @@ def serve_main(args: argparse.Namespace) -> int:
     stop = threading.Event()
     handles, metrics = None, None
     try:
-        init_ray(metrics_dir, {API_DOCS: "1"} if cfg.api_docs else {})
+        init_ray(metrics_dir, {API_DOCS: "1"} if cfg.api_docs else {}, own_session=True)
         # After ray.init, which installs its own SIGTERM handler: ours runs the service's shutdown below.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
