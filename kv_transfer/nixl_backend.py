@@ -10,6 +10,9 @@ the decode worker's `add_peer`, which loads it with `add_remote_agent`. Nothing 
 Completion: the READ carries `notif_msg` = {"op": "done", "rid": ...}; NIXL delivers it to the prefill agent when
 the READ has completed, and the prefill side's `poll()` turns it into a release callback (no extra Ray call).
 A failed or timed-out pull sends {"op": "fail"} with `send_notif` (best effort; the lease covers a dead decode).
+Authentication: with a cluster token (the one the tcp transfer and the router require) every notification carries
+it, and the prefill side ignores one that does not (any process that reaches the UCX endpoint could otherwise
+release, i.e. free, another request's pages early); the data itself moves by one-sided READs of registered memory.
 Memory: CPU tensors register as DRAM (UCX moves them over shared memory or TCP), CUDA tensors as VRAM.
 VRAM pulls are GETs, and UCX turns cuda_ipc GETs off when it finds no NVLink (one GPU, PCIe-only nodes): the READ
 then goes through host staging over cma/tcp (0.5 GB/s between two processes on one H200, BENCHMARKS.md
@@ -36,6 +39,7 @@ decode side drives its READ with check_xfer_state, and the prefill side polls it
 
 from __future__ import annotations
 
+import hmac
 import importlib
 import json
 import logging
@@ -152,8 +156,9 @@ class NixlBackend(TransferBackend):
 
     def __init__(self, pool: CachePool, worker_name: str | None = None, lease_s: float = 120.0,
                  on_release=None, ucx_params: dict[str, str] | None = None, progress_delay_us: int | None = None,
-                 staging_bytes: int | None = None):
+                 staging_bytes: int | None = None, token: str | None = None):
         super().__init__(pool, worker_name, lease_s, on_release)
+        self._token = token  # the per-service token notifications carry (None: not checked)
         staging_bytes = _staging_option(pool, staging_bytes)  # bad values fail before any NIXL state exists
         if any(g.tensor.is_cuda for g in pool.groups.values()):
             enable_cuda_ipc_get()
@@ -261,7 +266,7 @@ class NixlBackend(TransferBackend):
     # ---- decode side -------------------------------------------------------------------------------------
     def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> int:
         what = f"NIXL READ of request {ticket.request_id!r} from {ticket.source!r}"
-        done = json.dumps({"op": "done", "rid": ticket.request_id}).encode()
+        done = self._notif("done", ticket.request_id)
         if plan.num_descriptors == 0:
             self.agent.send_notif(ticket.source, done)
             return 0
@@ -362,10 +367,13 @@ class NixlBackend(TransferBackend):
         if ticket.source not in self._peers:
             return
         try:
-            self.agent.send_notif(ticket.source, json.dumps({"op": "fail", "rid": ticket.request_id,
-                                                             "error": error}).encode())
+            self.agent.send_notif(ticket.source, self._notif("fail", ticket.request_id, error=error))
         except Exception as e:  # a dead source cannot be told; its pages die with it
             log.info("could not report failed pull of %s to %s: %s", ticket.request_id, ticket.source, e)
+
+    def _notif(self, op: str, request_id: str, **extra) -> bytes:
+        token = {"token": self._token} if self._token else {}
+        return json.dumps({"op": op, "rid": request_id, **extra, **token}).encode()
 
     def _confirmations(self) -> list[tuple[str, str | None]]:
         out = []
@@ -373,9 +381,14 @@ class NixlBackend(TransferBackend):
             for m in msgs:
                 try:
                     d = json.loads(m)
+                    if self._token and not hmac.compare_digest(str(d.get("token", "")).encode(),
+                                                               self._token.encode()):
+                        log.warning("%s: ignored a NIXL notification from %s without the cluster token",
+                                    self.worker_name, peer)
+                        continue
                     out.append((str(d["rid"]), None if d["op"] == "done" else
                                 f"decode worker {peer!r} failed the transfer: {d.get('error', '?')}"))
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, AttributeError):
                     log.warning("ignoring malformed NIXL notification from %s: %r", peer, m[:100])
         return out
 

@@ -34,10 +34,11 @@ def resolve_name(name: str) -> str:
 
 
 def network_options(name: str, host: str | None = None, token: str | None = None) -> dict:
-    """The listener address and cluster token for backends that run their own listener (tcp). NIXL's UCX
-    endpoints are set through UCX's environment (UCX_NET_DEVICES, UCX_TLS) instead."""
+    """The listener address and cluster token for backends that run their own listener (tcp); NIXL gets the
+    token only (its notifications carry it). NIXL's UCX endpoints are set through UCX's environment
+    (UCX_NET_DEVICES, UCX_TLS) instead."""
     if resolve_name(name) != "tcp":
-        return {}
+        return {"token": token} if token else {}
     if host == "node":
         host = node_address()
     return {k: v for k, v in (("host", host), ("token", token)) if v}

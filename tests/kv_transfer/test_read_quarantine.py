@@ -148,3 +148,4 @@ def test_decode_worker_keeps_quarantined_pages_through_an_abort(monkeypatch):
     finally:
         decode.shutdown()
         prefill.shutdown()
+
