@@ -391,6 +391,20 @@ def _daemons_in_own_session():
         services.ConsolePopen = base
 
 
+def owner_only_ray_token() -> str | None:
+    """Make Ray's token file (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token, which Ray writes world-readable) readable
+    by its owner only; -> its path when it exists. Whoever reads the token can run code on the cluster. Ray's
+    token authentication itself is never turned off here (no RAY_AUTH_MODE is set)."""
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(path, 0o600)
+    return str(path)
+
+
 def init_ray(metrics_dir: str, extra_env: dict | None = None, own_session: bool = False) -> None:
     """Start a fresh local cluster unless RAY_ADDRESS is set; our workers share the metrics directory.
 
@@ -412,6 +426,7 @@ def init_ray(metrics_dir: str, extra_env: dict | None = None, own_session: bool 
                 with _daemons_in_own_session() if own_session and address == "local" else contextlib.nullcontext():
                     ray.init(address=address, runtime_env={"env_vars": env}, include_dashboard=False,
                              logging_level="WARNING")
+                owner_only_ray_token()
                 return
             except Exception as e:
                 # A fresh local cluster can miss Ray's start-up deadline on a loaded machine ("The current node

@@ -49,7 +49,7 @@ def test_banner_addresses_and_sigterm_under_load(target):
     mark = uuid.uuid4().hex
     port, metrics_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PROMETHEUS_MULTIPROC_DIR")}
-    env.update(TMPDIR=tmp, DSV4_TEST_MARK=mark, RAY_ADDRESS="local")
+    env.update(TMPDIR=tmp, DSV4_TEST_MARK=mark, RAY_ADDRESS="local", HOME=tmp)  # Ray's token file lands in tmp
     dsv4 = os.path.join(os.path.dirname(sys.executable), "dsv4")
     cmd = [dsv4] if os.path.exists(dsv4) else [sys.executable, "-m", "service.cli"]
     cmd += ["serve", "--port", str(port), "--metrics-port", str(metrics_port), "--transfer", "tcp",
@@ -76,6 +76,8 @@ def test_banner_addresses_and_sigterm_under_load(target):
         assert banner["router"].startswith("grpc://127.0.0.1:") and listening(router_port) == ["127.0.0.1"]
         assert banner["metrics"] == f"http://127.0.0.1:{metrics_port}/metrics"
         assert listening(metrics_port) == ["127.0.0.1"] and listening(port) == ["127.0.0.1"]
+        token_file = os.path.join(tmp, ".ray", "auth_token")  # Ray writes it world-readable; dsv4 serve fixes that
+        assert os.stat(token_file).st_mode & 0o777 == 0o600, oct(os.stat(token_file).st_mode)
 
         streams = []
         for i in range(6):
