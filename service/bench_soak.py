@@ -3,10 +3,14 @@
 Starts the service as `dsv4 serve` does (a fresh local Ray cluster, prefill and decode pools, the router, the
 HTTP ingress replicas), then for N minutes `--clients` threads send a mix over HTTP: streaming and plain
 completions of random lengths, chat, requests the server must refuse (bad types, unknown roles, oversized
-stop lists), and streams the client abandons midway. Every `--fault-every` seconds one worker is killed
-(`ray.kill`, Ray restarts it), alternating pools. At the end: outcomes by type (ok, 4xx by status, 429, 503
-in-band or not, other 5xx, transport errors), /health answer latency, the restarts, and the resident memory
-of every service process at the start of the run and at its end (growth = leak suspects). `--write-benchmarks`
+stop lists), and streams the client abandons midway. Every `--fault-every` seconds one worker gets the next fault
+of `--faults`, alternating pools: `kill` (`ray.kill`, Ray restarts it), `raise` (its engine's next step raises:
+the watchdog ends it, Ray restarts it), `hang` (its next step never returns: marked down at the stall bound, its
+streams moved, then restarted), `stop` (SIGSTOP for `--stop-seconds`: marked down, its streams moved, then
+SIGCONT). `raise` and `hang` build the workers with their test hooks on (engine.runtime.health). At the end:
+outcomes by type (ok, 4xx by status, 429, 503 in-band or not, other 5xx, transport errors), /health answer
+latency, the restarts, and the resident memory of every service process at the start of the run and at its end
+(growth = leak suspects). `--write-benchmarks`
 puts the report in BENCHMARKS.md (section `soak`), every number from this run.
 """
 
@@ -101,6 +105,37 @@ def _health(base: str, stop: threading.Event, tally: Tally) -> None:
             tally.add("health_no_answer")
 
 
+FAULTS = ("kill", "raise", "hang", "stop")
+
+
+def _inject(kind: str, handle, stop_s: float, stopped: list) -> None:
+    """One fault on one worker (the module docstring); a stopped process is continued after stop_s."""
+    import signal
+
+    import ray
+
+    if kind == "kill":
+        ray.kill(handle, no_restart=False)
+    elif kind in ("raise", "hang"):
+        ray.get(handle.inject_fault.remote(kind), timeout=30)
+    else:
+        pid = int(ray.get(handle.stats.remote(), timeout=30).incarnation.split("-")[0])
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+        threading.Timer(stop_s, _continue, args=(pid, stopped)).start()
+
+
+def _continue(pid: int, stopped: list) -> None:
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except OSError:
+        pass
+    if pid in stopped:
+        stopped.remove(pid)
+
+
 def _pids(handles) -> dict[str, int]:
     import ray
 
@@ -151,12 +186,18 @@ def run_soak(args) -> dict:
     model_dir = args.model or default_model_dir()
     vocab = ModelConfig.from_model_dir(model_dir).vocab_size
     init_ray(prepare_metrics_dir())
+    faults = [f for f in args.faults.split(",") if f]
+    if not faults or set(faults) - set(FAULTS):
+        raise ValueError(f"--faults must list some of {FAULTS}, got {args.faults!r}")
     cfg = ServiceConfig(model_dir=model_dir, port=_free_port(), prefill_workers=args.prefill_workers,
                         decode_workers=args.decode_workers, transfer=args.transfer,
-                        engine_options=(("max_batch_tokens", args.max_batch_tokens),))
+                        engine_options=(("max_batch_tokens", args.max_batch_tokens),),
+                        stall_timeout_s=args.stall_timeout_seconds,
+                        worker_test_hooks=bool({"raise", "hang"} & set(faults)))
     handles = start_service(cfg)
     base = f"http://127.0.0.1:{cfg.port}"
     tally, stop = Tally(), threading.Event()
+    stopped: list[int] = []  # pids under SIGSTOP right now
     try:
         pids = {**_pids(handles), **_serve_replica_pids()}
         time.sleep(5)
@@ -174,18 +215,26 @@ def run_soak(args) -> dict:
             t.start()
         end, next_fault = time.monotonic() + 60 * args.minutes, time.monotonic() + args.fault_every
         kills: list[str] = []
+        injected: list[str] = []  # "kind worker" of every fault
         pools = ["prefill", "decode"]
         while time.monotonic() < end:
             time.sleep(1.0)
             if args.fault_every > 0 and time.monotonic() >= next_fault:
-                pool = pools[len(kills) % 2]
-                wid = sorted(handles[pool])[len(kills) // 2 % len(handles[pool])]
-                ray.kill(handles[pool][wid], no_restart=False)
-                kills.append(wid)
+                n = len(injected)
+                pool, kind = pools[n % 2], faults[n // 2 % len(faults)]
+                wid = sorted(handles[pool])[n // (2 * len(faults)) % len(handles[pool])]
+                try:
+                    _inject(kind, handles[pool][wid], args.stop_seconds, stopped)
+                    injected.append(f"{kind} {wid}")
+                    kills += [wid] if kind == "kill" else []
+                except Exception as e:  # noqa: BLE001 - e.g. the worker is restarting from the last fault
+                    print(f"soak: {kind} on {wid} skipped: {type(e).__name__}: {e}", flush=True)
                 next_fault = time.monotonic() + args.fault_every
         stop.set()
         for t in threads:
             t.join(300)
+        while stopped:  # a stopped worker is continued before the end is measured
+            time.sleep(0.5)
         time.sleep(10)  # let restarts settle and idle gauges publish
         pids_end = {**_pids(handles), **_serve_replica_pids()}
         rss1 = {k: rss_mib(p) for k, p in pids_end.items()}
@@ -195,6 +244,7 @@ def run_soak(args) -> dict:
 
         return {"minutes": args.minutes, "clients": args.clients, "topology": f"{cfg.prefill_workers}P"
                 f"{cfg.decode_workers}D", "transfer": resolve_name(args.transfer), "kills": kills,
+                "faults": injected,
                 "outcomes": dict(tally.counts), "health_answers": len(health),
                 "health_p50_ms": 1e3 * health[len(health) // 2] if health else float("nan"),
                 "health_max_ms": 1e3 * health[-1] if health else float("nan"),
@@ -202,17 +252,21 @@ def run_soak(args) -> dict:
                 "idle_at_end": all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in stats)}
     finally:
         stop.set()
+        for pid in list(stopped):
+            _continue(pid, stopped)
         stop_service(handles, drain_s=5)
         remove_metrics_dir()
 
 
 def report_markdown(r: dict) -> str:
     total = sum(r["outcomes"].values())
-    kills = ", ".join(f"{w} x{n}" for w, n in sorted(collections.Counter(r["kills"]).items())) or "none"
+    faults = r.get("faults", [f"kill {w}" for w in r["kills"]])
+    kills = ", ".join(f"{w} x{n}" for w, n in sorted(collections.Counter(faults).items())) or "none"
     lines = [f"## Soak: {r['minutes']:g} min, {r['clients']} clients, {r['topology']} ({r['transfer']}), "
-             f"{len(r['kills'])} worker kills ({kills})", "",
+             f"{len(faults)} worker faults ({kills})", "",
              "Mixed load over HTTP (streaming, plain, chat, refused bad input, abandoned streams) with a worker "
-             "killed every `--fault-every` seconds, alternating pools; written by `dsv4 bench soak`. Outcomes: "
+             "faulted (killed, a step raising or hanging, stopped) every `--fault-every` seconds, alternating "
+             "pools; written by `dsv4 bench soak`. Outcomes: "
              "`ok` finished normally, `abandoned` the client left mid-stream on purpose, `http_400_expected` bad "
              "input refused, `http_503` a plain request (or a stream before its first token) and `inband_503` a "
              "stream after its first tokens caught on a killed worker; any other outcome would be listed.", "",
@@ -253,7 +307,12 @@ def bench_soak_main(args: argparse.Namespace) -> int:
 def add_bench_soak_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between worker kills (0: none)")
+    parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between worker faults (0: none)")
+    parser.add_argument("--faults", default="kill", help=f"comma-separated faults to rotate through, of {FAULTS}")
+    parser.add_argument("--stop-seconds", type=float, default=20.0, help="how long a `stop` fault keeps a worker "
+                        "stopped")
+    parser.add_argument("--stall-timeout-seconds", type=float, default=15.0,
+                        help="the workers' stall bound (a `hang` fault is seen after it)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
