@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--write", action="store_true", help="put the table into BENCHMARKS.md (section moe_fp8_grouped)")
     args = ap.parse_args(argv)
     from dsv4_kernels.gpu import has_deep_gemm, has_triton_kernels
 
@@ -133,4 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     if args.out:
         Path(args.out).write_text(md)
+    if args.write:
+        from service.benchmarks_md import write_section
+
+        write_section("moe_fp8_grouped", md)
     return 0
