@@ -4,9 +4,15 @@ layout, and the plain-torch references the DeepGEMM path (dsv4_kernels.deepgemm_
 Layout (DeepGEMM's `m_grouped_fp8_gemm_nt_contiguous`): the (token, slot) pairs are sorted by expert and each
 expert's segment is padded to the kernel's M alignment A (`deep_gemm.get_mk_alignment_for_contiguous_layout()`,
 128 on sm90), so no M tile spans two experts; `m_indices` gives every padded row its expert, -1 for padding rows
-(the kernel skips tiles whose first row is -1). The row count is the bound M = roundup(P + min(E, P) (A - 1), A),
-known from the shapes alone, so building the layout reads nothing back to the host (no sync; the unused tail is
-all -1 and skipped). Pairs another expert-parallel rank serves (id -1) get no row (`pair_row` -1).
+(the kernel skips tiles whose first row is -1). Two row counts M:
+- bound (`padded_rows`): roundup(P + min(E, P) (A - 1) + 1, A), known from the shapes alone, so building the layout
+  reads nothing back to the host (no sync: CUDA-graph safe; the unused tail is all -1 and skipped). At V4-Flash's
+  256 experts top-6 that is 81,792 rows for 8K tokens' 49,152 pairs: the kernel still walks the empty tiles;
+- exact (`exact=True`): sum over experts of roundup(count, A) (one tile at least), read back once (one host sync
+  per call, i.e. per MoE layer of a step). For eager steps (prefill is not captured). Under uniform routing at
+  8K tokens each expert's ~192 pairs round up to 256: 65,536 rows (bound 81,792); at 2K, 32,768 (bound 44,928).
+The two give the same rows to the same pairs in the same order; only the padding after the last segment differs.
+Pairs another expert-parallel rank serves (id -1) get no row (`pair_row` -1).
 
 References:
 - `fp8_moe_ref`: what the DeepGEMM path computes: x quantised per token in 1x128 blocks (as every FP8 projection
@@ -98,53 +104,61 @@ class ContiguousLayout:
 
 
 def padded_rows(pairs: int, num_experts: int, align: int) -> int:
-    """Rows of the padded layout: every used expert's segment rounds up by < align rows; plus one spare tile
-    when nothing is padded, so a skipped pair always has a dump row."""
+    """Rows of the bound layout (no sync): every used expert's segment rounds up by < align rows, plus one row
+    (the layout always ends in padding)."""
     raw = pairs + min(num_experts, pairs) * (align - 1) + 1
     return -(-raw // align) * align
 
 
-def contiguous_layout(ids: torch.Tensor, num_experts: int, align: int = DEFAULT_ALIGN) -> ContiguousLayout:
-    """ids: int [T, k] (-1 = another rank's expert) -> ContiguousLayout, on ids' device, without a host sync.
-    Pairs keep their (token, slot) order within an expert's segment (stable sort)."""
+def exact_rows(counts: torch.Tensor, align: int) -> int:
+    """Rows of the exact layout from the per-expert pair counts int64 [E] (one host sync): every segment rounded up
+    to `align`, one tile at least (the kernel is never handed M = 0)."""
+    return max(align, int(((counts + align - 1) // align * align).sum()))
+
+
+def contiguous_layout(ids: torch.Tensor, num_experts: int, align: int = DEFAULT_ALIGN,
+                      exact: bool = False) -> ContiguousLayout:
+    """ids: int [T, k] (-1 = another rank's expert) -> ContiguousLayout, on ids' device: the bound row count
+    without a host sync, or (`exact`) the exact one after one (module docstring). Pairs keep their (token, slot)
+    order within an expert's segment (stable sort)."""
     t, k = ids.shape
     p, e, dev = t * k, num_experts, ids.device
-    m = padded_rows(p, e, align)
     flat = torch.where(ids >= 0, ids, e).reshape(-1).long()  # skipped pairs sort after every expert
     order = flat.argsort(stable=True)
     sorted_e = flat.index_select(0, order)
     counts = torch.zeros(e + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # scatter_add: bincount syncs on CUDA
+    m = exact_rows(counts[:e], align) if exact else padded_rows(p, e, align)
     first = torch.cumsum(counts, 0) - counts  # [E + 1] sorted position of each expert's first pair
     padded = (counts[:e] + align - 1) // align * align
     seg = torch.cumsum(padded, 0) - padded  # [E] first padded row of each expert's segment
-    seg = torch.cat([seg, seg.new_full((1,), m - 1)])  # skipped pairs -> the last row (always padding)
+    # Skipped pairs write row m, one past the layout (the buffers hold m + 1 rows; the layout is their first m).
+    seg = torch.cat([seg, seg.new_full((1,), m)])
     rank = torch.arange(p, device=dev) - first.index_select(0, sorted_e)
     row_sorted = seg.index_select(0, sorted_e) + torch.where(sorted_e < e, rank, 0)
     dump = torch.empty(p, dtype=torch.int64, device=dev).index_copy_(0, order, row_sorted)  # pair -> row
     pair_row = torch.where(flat < e, dump, -1)
     tokens = torch.arange(p, device=dev) // k
-    src_token = torch.zeros(m, dtype=torch.int64, device=dev).index_copy_(0, dump, tokens)
+    src_token = torch.zeros(m + 1, dtype=torch.int64, device=dev).index_copy_(0, dump, tokens)[:m]
     expert = torch.where(flat < e, flat, -1).to(torch.int32)
-    m_indices = torch.full((m,), -1, dtype=torch.int32, device=dev).index_copy_(0, dump, expert)
-    # The dump row took every skipped pair's write: it must stay padding whatever order the writes landed in.
-    m_indices[m - 1:].fill_(-1)  # a device fill: assigning a Python scalar copies from the host (no graph)
+    m_indices = torch.full((m + 1,), -1, dtype=torch.int32, device=dev).index_copy_(0, dump, expert)[:m]
     return ContiguousLayout(pair_row, src_token, m_indices)
 
 
-def layout_ref(ids: torch.Tensor, num_experts: int, align: int = DEFAULT_ALIGN):
+def layout_ref(ids: torch.Tensor, num_experts: int, align: int = DEFAULT_ALIGN, exact: bool = False):
     """Plain loop of `contiguous_layout` (the test's oracle): -> (pair_row list, src_token list, m_indices list)
     over the same M rows."""
     t, k = ids.shape
     flat = ids.reshape(-1).tolist()
-    m = padded_rows(t * k, num_experts, align)
+    sizes = [-(-flat.count(ex) // align) * align for ex in range(num_experts)]
+    m = max(align, sum(sizes)) if exact else padded_rows(t * k, num_experts, align)
     pair_row, src, mi = [-1] * len(flat), [0] * m, [-1] * m
     row = 0
     for ex in range(num_experts):
         pairs = [i for i, x in enumerate(flat) if x == ex]
         for j, i in enumerate(pairs):
             pair_row[i], src[row + j], mi[row + j] = row + j, i // k, ex
-        row += -(-len(pairs) // align) * align
+        row += sizes[ex]
     return pair_row, src, mi
 
 

@@ -2,9 +2,12 @@
 triton_kernels, at V4-Flash shapes (256 experts top-6, 4096 -> 2 x 2048 gate/up, 2048 -> 4096 down; one H200).
 
 For each token count (default 2048 and 8192) it times, under a CUDA graph after an L2 flush (device time):
-- `fp8 GEMMs`: the two `m_grouped_fp8_gemm_nt_contiguous` calls alone on the padded, quantised rows;
-- `fp8 MoE`: the whole dsv4_kernels.deepgemm_moe.deepgemm_moe (layout, 1x128 quantiser, gather, GEMMs, SwiGLU +
-  quantiser, gathered k-way sum);
+- `fp8 GEMMs exact` / `fp8 GEMMs bound`: the two `m_grouped_fp8_gemm_nt_contiguous` calls alone on the padded,
+  quantised rows of the exact layout (what an eager prefill step runs) and of the sync-free bound (under capture);
+- `fp8 MoE bound`: the whole dsv4_kernels.deepgemm_moe.deepgemm_moe (layout, 1x128 quantiser, gather, GEMMs, SwiGLU
+  + quantiser, gathered k-way sum) captured, so on the bound layout;
+- `fp8 MoE exact`: the same call eager (its exact layout's host sync inside), median wall time after an L2 flush
+  (triton's do_bench: host gaps included, unlike the graph rows);
 - `mxfp4 MoE`: dsv4_kernels.mxfp4_ogs.ogs_moe on the same experts in MXFP4 (what the engine runs today).
 Reported: microseconds, TFLOP/s over the useful FLOPs (2 x pairs x (H x 2I + I x H); padding rows not counted) and
 % of the FP8 roof measured in the same run (`deep_gemm.fp8_gemm_nt` at 8192^3), and the FP8 MoE's relative error
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.timing import bench
 from benchmarks.timing import try_bench_graph as bench_graph
 
 H, INTER, TOP_K = 4096, 2048, 6
@@ -51,13 +55,35 @@ def _experts(e: int, gen: torch.Generator):
 
 def measure(t: int, pk: dict, ex, ogs, e: int, roof: float, gen: torch.Generator) -> dict:
     from dsv4_kernels import deepgemm_moe, mxfp4_ogs
-    from dsv4_kernels.fp8_experts import contiguous_layout
-    from dsv4_kernels.triton_fp8_quant import quant_act_1x128
 
     x = torch.randn(t, H, device="cuda", generator=gen).to(torch.bfloat16)
     ids = torch.rand(t, e, device="cuda", generator=gen).topk(TOP_K, dim=1).indices
     w = torch.rand(t, TOP_K, device="cuda", generator=gen)
-    lay = contiguous_layout(ids, e, deepgemm_moe.m_alignment())
+    exact, bound = (_gemms(x, ids, ex, e, kind) for kind in (True, False))
+    flops = 2 * t * TOP_K * (H * 2 * INTER + INTER * H)
+    rows = {"tokens": t, "rows": {"fp8 GEMMs exact": exact[1], "fp8 GEMMs bound": bound[1],
+                                  "fp8 MoE bound": bound[1], "fp8 MoE exact": exact[1], "mxfp4 MoE": t * TOP_K}}
+    for name, fn in (("fp8 GEMMs exact", exact[0]), ("fp8 GEMMs bound", bound[0]),
+                     ("fp8 MoE bound", lambda: deepgemm_moe.deepgemm_moe(x, w, ids, ex, 10.0)),
+                     ("fp8 MoE exact", lambda: deepgemm_moe.deepgemm_moe(x, w, ids, ex, 10.0, exact=True)),
+                     ("mxfp4 MoE", lambda: mxfp4_ogs.ogs_moe(x, w, ids, ogs, 10.0))):
+        fn()  # compile
+        us = bench(fn) if name == "fp8 MoE exact" else bench_graph(fn)
+        rows[name] = us
+        if us:
+            print(f"T={t:5d} {name:15s} {us:9.1f} us {flops / us / 1e6:7.0f} TFLOP/s {100 * flops / us / 1e6 / roof:5.1f}%"
+                  f" of the FP8 roof", flush=True)
+    rows["flops"] = flops
+    return rows
+
+
+def _gemms(x, ids, ex, e: int, exact: bool):
+    """-> (the two grouped GEMMs on the layout's quantised rows, as one callable; the layout's row count)."""
+    from dsv4_kernels import deepgemm_moe
+    from dsv4_kernels.fp8_experts import contiguous_layout
+    from dsv4_kernels.triton_fp8_quant import quant_act_1x128
+
+    lay = contiguous_layout(ids, e, deepgemm_moe.m_alignment(), exact=exact)
     xq, xs = deepgemm_moe._gather_rows(*quant_act_1x128(x, True), lay.src_token)  # noqa: SLF001 - timing the GEMMs
     aq, as_ = quant_act_1x128(torch.randn(lay.rows, INTER, device="cuda").to(torch.bfloat16), True)
 
@@ -65,32 +91,22 @@ def measure(t: int, pk: dict, ex, ogs, e: int, roof: float, gen: torch.Generator
         deepgemm_moe.grouped_gemm(xq, xs, ex.w13, ex.s13, lay.m_indices)
         deepgemm_moe.grouped_gemm(aq, as_, ex.w2, ex.s2, lay.m_indices)
 
-    flops = 2 * t * TOP_K * (H * 2 * INTER + INTER * H)
-    rows = {"tokens": t, "padded_rows": lay.rows}
-    for name, fn in (("fp8 GEMMs", gemms), ("fp8 MoE", lambda: deepgemm_moe.deepgemm_moe(x, w, ids, ex, 10.0)),
-                     ("mxfp4 MoE", lambda: mxfp4_ogs.ogs_moe(x, w, ids, ogs, 10.0))):
-        fn()  # compile
-        us = bench_graph(fn)
-        rows[name] = us
-        if us:
-            print(f"T={t:5d} {name:10s} {us:9.1f} us {flops / us / 1e6:7.0f} TFLOP/s {100 * flops / us / 1e6 / roof:5.1f}%"
-                  f" of the FP8 roof", flush=True)
-    rows["flops"] = flops
-    return rows
+    return gemms, lay.rows
 
 
 def table(results: list[dict], roof: float, err: float, command: str) -> str:
     lines = ["## Routed experts for prefill: FP8 grouped (DeepGEMM) vs MXFP4 (triton_kernels)", "",
              f"- command: `{command}`; {torch.cuda.get_device_name()}, torch {torch.__version__}",
              f"- FP8 roof measured here: `deep_gemm.fp8_gemm_nt` 8192^3 = {roof:.0f} TFLOP/s; device us in a CUDA "
-             "graph after an L2 flush; TFLOP/s over the useful FLOPs (padding rows not counted)",
+             "graph after an L2 flush (`fp8 MoE exact`: eager wall us, its host sync included); TFLOP/s over the "
+             "useful FLOPs (padding rows not counted); rows: the GEMMs' M (the pairs for MXFP4)",
              f"- FP8 MoE vs fp8_moe_ref (256 tokens): relative error {err:.1e}", "",
-             "| tokens | padded rows | path | us | TFLOP/s | % of FP8 roof |", "|---:|---:|---|---:|---:|---:|"]
+             "| tokens | rows | path | us | TFLOP/s | % of FP8 roof |", "|---:|---:|---|---:|---:|---:|"]
     for r in results:
-        for name in ("fp8 GEMMs", "fp8 MoE", "mxfp4 MoE"):
+        for name, m in r["rows"].items():
             us = r[name]
             tf = r["flops"] / us / 1e6 if us else 0.0
-            lines.append(f"| {r['tokens']} | {r['padded_rows']} | {name} | {us or 0:.1f} | {tf:.0f} | "
+            lines.append(f"| {r['tokens']} | {m} | {name} | {us or 0:.1f} | {tf:.0f} | "
                          f"{100 * tf / roof:.1f}% |")
     return "\n".join(lines)
 

@@ -7,7 +7,8 @@ import torch
 
 from dsv4_kernels import fp8_experts as fe
 from dsv4_kernels import mxfp4_fp8
-from dsv4_kernels.moe import moe_experts, moe_experts_grouped, route
+from dsv4_kernels.fp8_linear import dequant_act, quant_act_1x128
+from dsv4_kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
 from dsv4_kernels.quant import dequant_mxfp4, quant_mxfp4
 from tests.support import numerics as NUM
 
@@ -70,16 +71,19 @@ def test_conversion_rejects_ragged_blocks():
         mxfp4_fp8.convert(w, s)
 
 
+@pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("t,k,e,align,skip", [(1, 1, 4, 128, False), (7, 3, 5, 8, False), (33, 6, 16, 16, True),
                                               (200, 6, 8, 128, True), (64, 2, 300, 4, False)])
-def test_layout_matches_loop(t, k, e, align, skip):
+def test_layout_matches_loop(t, k, e, align, skip, exact):
     g = torch.Generator().manual_seed(t + e)
     ids = torch.randint(0, e, (t, k), generator=g)
     if skip:
         ids[torch.rand(t, k, generator=g) < 0.3] = -1
-    lay = fe.contiguous_layout(ids, e, align)
-    pair_row, src, mi = fe.layout_ref(ids, e, align)
-    assert lay.rows == fe.padded_rows(t * k, e, align) and lay.rows % align == 0
+    lay = fe.contiguous_layout(ids, e, align, exact=exact)
+    pair_row, src, mi = fe.layout_ref(ids, e, align, exact=exact)
+    bound = fe.padded_rows(t * k, e, align)
+    assert lay.rows == (len(mi) if exact else bound) and lay.rows % align == 0 and lay.rows <= bound
+    assert lay.src_token.is_contiguous() and lay.m_indices.is_contiguous()
     assert lay.pair_row.tolist() == pair_row
     assert lay.m_indices.tolist() == mi and lay.m_indices.dtype == torch.int32
     real = lay.m_indices >= 0
@@ -88,6 +92,74 @@ def test_layout_matches_loop(t, k, e, align, skip):
     tiles = lay.m_indices.view(-1, align)
     first = tiles[:, :1]
     assert bool(((tiles == first) | (tiles == -1)).all())
+
+
+def test_exact_layout_is_minimal():
+    """The exact layout has the fewest rows DeepGEMM can take (each used expert's segment rounded up to the
+    alignment, nothing else; one tile when no pair is local). V4-Flash's 8K-token step under uniform routing:
+    each expert's ~192 pairs round up to 256, 65,536 rows against the bound's 81,792."""
+    g = torch.Generator().manual_seed(11)
+    for t, k, e, align in ((8192, 6, 256, 128), (2048, 6, 256, 128), (50, 4, 64, 16)):
+        ids = torch.rand(t, e, generator=g).topk(k, dim=1).indices
+        counts = torch.bincount(ids.reshape(-1), minlength=e)
+        want = int(sum(-(-c // align) * align for c in counts.tolist()))
+        lay = fe.contiguous_layout(ids, e, align, exact=True)
+        assert lay.rows == want and bool((lay.m_indices >= 0).sum() == t * k)
+        if (t, e) == (8192, 256):
+            assert fe.padded_rows(t * k, e, align) - lay.rows > 15_000
+    none = torch.full((5, 2), -1)
+    lay = fe.contiguous_layout(none, 8, 16, exact=True)
+    assert lay.rows == 16 and lay.pair_row.tolist() == [-1] * 10 and bool((lay.m_indices == -1).all())
+
+
+def _grouped_emulated(x, weights, ids, ex, limit, layout):
+    """DeepGEMM's contiguous grouped path on the CPU, row for row: each padded row multiplied by its m_indices
+    expert (padding rows left NaN: they must never be read), the k-way sum read through pair_row."""
+    xq = dequant_act(*quant_act_1x128(x, ex.pow2_act)).index_select(0, layout.src_token)  # [M, H]
+    h = torch.full((layout.rows, 2 * ex.inter), float("nan"))
+    y = torch.full((layout.rows, ex.hidden), float("nan"))
+    experts = [int(v) for v in layout.m_indices.unique() if v >= 0]
+    for e in experts:
+        sel = layout.m_indices == e
+        h[sel] = (xq[sel] @ mxfp4_fp8.dequant(ex.w13[e], ex.s13[e]).t()).to(x.dtype).float()
+    act = swiglu(h[:, :ex.inter], h[:, ex.inter:], limit)
+    aq = dequant_act(*quant_act_1x128(act, ex.pow2_act))
+    for e in experts:
+        sel = layout.m_indices == e
+        y[sel] = (aq[sel] @ mxfp4_fp8.dequant(ex.w2[e], ex.s2[e]).t()).to(x.dtype).float()
+    rows = layout.pair_row.view(ids.shape)
+    picked = y.index_select(0, rows.clamp_min(0).reshape(-1)).view(*ids.shape, ex.hidden)
+    return torch.where((rows >= 0).unsqueeze(-1), weights.unsqueeze(-1) * picked, 0.0).sum(1).to(x.dtype)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_exact_and_bound_layouts_same_outputs(skip):
+    """The grouped FP8 MoE over the exact layout = over the bound one (the same rows for the same pairs; only the
+    trailing padding differs), and both = fp8_moe_ref to fp32 summation order."""
+    e, h, inter, k, limit, align = 8, 256, 128, 3, 10.0, 16
+    pk = _experts(e, h, inter, seed=12)
+    ex = fe.from_packed(pk["w1"], pk["s1"], pk["w2"], pk["s2"], pk["w3"], pk["s3"])
+    x, weights, ids = _inputs(41, h, e, k, seed=13, skip=skip)
+    exact = fe.contiguous_layout(ids, e, align, exact=True)
+    bound = fe.contiguous_layout(ids, e, align)
+    assert exact.rows < bound.rows
+    got = _grouped_emulated(x, weights, ids, ex, limit, exact)
+    assert not got.isnan().any()
+    assert torch.equal(got, _grouped_emulated(x, weights, ids, ex, limit, bound))
+    NUM.assert_close(got, fe.fp8_moe_ref(x, weights, ids, ex, limit), torch.float32, loose=True)
+
+
+def test_deepgemm_moe_sizes_exactly_unless_capturing(monkeypatch):
+    """deepgemm_moe's layout: exact on eager calls, the sync-free bound while a CUDA graph is captured."""
+    from dsv4_kernels import deepgemm_moe
+
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    assert deepgemm_moe.exact_layout(ids)  # (a CPU tensor is never captured)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not deepgemm_moe.exact_layout(ids)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert deepgemm_moe.exact_layout(ids)
 
 
 def _experts(e, h, inter, seed):
