@@ -150,7 +150,7 @@ class DecodeWorker(WorkerBase):
             totals["staging_wait_seconds"] += stats.staging_wait_seconds
             totals["pull_cpu_seconds"] += stats.cpu_seconds
             _add_scatter_parts(totals, stats.scatter_parts)
-            yield Transferred(rid, stats.bytes, seconds)
+            yield Transferred(request_id=rid, num_bytes=stats.bytes, seconds=seconds)
 
             sink = AsyncSink(asyncio.get_running_loop())
 

@@ -193,8 +193,9 @@ class TransferBackend(ABC):
                 export.staging = staging
         if not alive and staging is not None:  # released by another thread while staging: free it here
             self._unstage(request_id, staging)
-        return TransferTicket(self.worker_name, request_id, src, num_tokens, self.fingerprint,
-                              self._ticket_staging(export.staging), time.time() + self.lease_s)
+        return TransferTicket(source=self.worker_name, request_id=request_id, src_pages=src, num_tokens=num_tokens,
+                              fingerprint=self.fingerprint, staging=self._ticket_staging(export.staging),
+                              lease_expires_at=time.time() + self.lease_s)
 
     def _stage(self, request_id: str, plan: TransferPlan):
         """Backend hook at export: pack the request's bytes somewhere cheaper to pull; None = pull the pages."""

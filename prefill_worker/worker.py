@@ -103,9 +103,11 @@ class PrefillWorker(WorkerBase):
             return req.seed, self.backend.export(request_id, req.pages, req.num_computed)
 
         seed_used, ticket = await self.loop.acall(finish)
-        return PrefillResult(request_id, self.worker_id, ev.token_id, ev.logprob, tuple(prompt_lps), seed_used,
-                             ev.finished, ev.finish_reason, ticket, first_step - arrival, done - first_step,
-                             self.incarnation, cached_tokens=ev.cached_tokens)
+        return PrefillResult(request_id=request_id, worker_id=self.worker_id, first_token=ev.token_id,
+                             first_logprob=ev.logprob, prompt_logprobs=tuple(prompt_lps), seed=seed_used,
+                             finished=ev.finished, finish_reason=ev.finish_reason, ticket=ticket,
+                             queue_time_s=first_step - arrival, prefill_time_s=done - first_step,
+                             incarnation=self.incarnation, cached_tokens=ev.cached_tokens)
 
     async def abort(self, request_id: str) -> None:
         """Drop a request (queued, running or held) and withdraw its export; frees its pages."""

@@ -99,7 +99,8 @@ class SimWorker:
         prefix = None
         if with_digest:
             if self._digest is None or self._digest.version != self.cache.version:
-                self._digest = PrefixDigest(block, SEED, frozenset(self.cache.blocks), self.cache.version)
+                self._digest = PrefixDigest(block_tokens=block, seed=SEED, hashes=frozenset(self.cache.blocks),
+                                            version=self.cache.version)
             prefix = self._digest
         return WorkerInfo(self.worker_id, "colocated", True, min(busy, 1), max(busy - 1, 0), 1 << 40, prefix=prefix)
 

@@ -475,7 +475,8 @@ class PrefixCache:
     # ---- what the worker publishes ----------------------------------------------------------
     def digest(self) -> PrefixDigest:
         """The resumable blocks as a worker publishes them (engine thread; the result is immutable)."""
-        return PrefixDigest(self.block, self.seed, frozenset(self._snap_lru), self.version)
+        return PrefixDigest(block_tokens=self.block, seed=self.seed, hashes=frozenset(self._snap_lru),
+                            version=self.version)
 
     @property
     def cached_blocks(self) -> int:

@@ -81,8 +81,10 @@ class WorkerBase:
 
     # ---- actor API -------------------------------------------------------------------------------
     def stats(self) -> WorkerStats:
-        return WorkerStats(self.worker_id, self.role, self.incarnation, self.engine.load(), self.max_slots,
-                           self.kv_capacity_tokens, self.kv_page_tokens, prefix=self._digest,
+        return WorkerStats(worker_id=self.worker_id, role=self.role, incarnation=self.incarnation,
+                           load=self.engine.load(), max_slots=self.max_slots,
+                           kv_capacity_tokens=self.kv_capacity_tokens, kv_page_tokens=self.kv_page_tokens,
+                           prefix=self._digest,
                            problem=self.loop.problem(self.health.stall_timeout_s),
                            fast_path_fallbacks=self.fast_path_fallbacks)
 
