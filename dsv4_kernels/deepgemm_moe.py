@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from dsv4_kernels.fp8_experts import DEFAULT_ALIGN, Fp8Experts, contiguous_layout
+from dsv4_kernels.fp8_experts import DEFAULT_ALIGN, Fp8Experts, contiguous_layout, padded_rows
 from dsv4_kernels.gpu import import_deep_gemm
 
 _SEEN: set[tuple[int, int, int, torch.device]] = set()  # (N, K, groups, device) run so far (warm-up)
@@ -93,11 +93,25 @@ def deepgemm_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: 
     return triton_pair_combine.gather_combine(y, layout.pair_row.view(t, k), weights, shared, x.dtype)
 
 
-def warm(ex: Fp8Experts, tokens, top_k: int, limit: float = 10.0) -> None:
-    """Run deepgemm_moe once at each token count (random routing): DeepGEMM compiles a kernel per (N, K) and per
-    configuration its heuristic picks for M, seconds each; do it before timing or serving."""
-    gen = torch.Generator(device=ex.w13.device).manual_seed(0)
-    for t in tokens:
-        x = torch.randn(t, ex.hidden, device=ex.w13.device, generator=gen).to(torch.bfloat16)
-        ids = torch.randint(0, ex.num_experts, (t, top_k), device=x.device, generator=gen)
-        deepgemm_moe(x, torch.rand(t, top_k, device=x.device, generator=gen), ids, ex, limit)
+def warm_m_values(max_tokens: int, top_k: int, num_experts: int, align: int) -> list[int]:
+    """Every row count M a layout of a step of up to max_tokens tokens can have, exact or bound: each multiple of
+    the alignment up to the bound (DeepGEMM's configuration follows M through its count of M blocks)."""
+    return list(range(align, padded_rows(max_tokens * top_k, num_experts, align) + 1, align))
+
+
+def warm(ex: Fp8Experts, max_tokens: int, top_k: int) -> int:
+    """Run both grouped GEMMs (w13, w2) at every M of `warm_m_values`: DeepGEMM compiles a kernel per (N, K) and
+    per configuration its heuristic picks for M, seconds each, and an exact layout's M follows the routing; do it
+    before timing or serving. Zero operands (only the shapes matter); one GEMM's largest buffers live at a time
+    (the input rows and the output: at most what a step of max_tokens holds). -> GEMM calls made."""
+    align, dev, e = m_alignment(), ex.w13.device, ex.num_experts
+    ms = warm_m_values(max_tokens, top_k, e, align)
+    experts = (torch.arange(ms[-1], device=dev) // align % e).to(torch.int32)  # one expert per aligned tile
+    for w, ws in ((ex.w13, ex.s13), (ex.w2, ex.s2)):
+        k = w.shape[2]
+        xq = torch.zeros(ms[-1], k, dtype=torch.float8_e4m3fn, device=dev)
+        for m in ms:
+            xs = torch.ones(k // 128, m, device=dev).t()  # MN-major scales of m rows
+            grouped_gemm(xq[:m], xs, w, ws, experts[:m])
+        del xq
+    return 2 * len(ms)

@@ -29,13 +29,15 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
    on the H200 of 2026-12-02, for a 4-layer model). Each process holds a CUDA context (~0.5 GB) and M x K
    activations until the sweep ends, from the memory the KV pool left free (1 - --gpu-memory-utilization);
    DSV4_WARMUP_PROCS=1 sweeps in this process where that is tight. Then the MXFP4 MoE (triton_kernels' matmul),
-   whose variants also follow its row-block count: one call per class of token count (sweep_moe_variants).
+   whose variants also follow its row-block count: one call per class of token count (sweep_moe_variants); and
+   on an engine holding FP8 routed experts (a prefill engine's, engine.model.fp8_expert_weights), both of their
+   grouped GEMMs at every row count a step's contiguous layout can have (sweep_fp8_experts: the exact layout's
+   M follows the routing, so the ladder's steps do not meet them all).
 A data-parallel attention rank (engine.execution.dp_attention) warms up with its group: every rank runs the same ladder
 (the lengths all of them fit), each prompt drained in lockstep (`run_lockstep`: one forward a tick on every
 rank, so each MoE layer's exchange pairs up), as its serving loop steps; its load_engine returns once all ranks
 are through. Its decode steps run eager (no graphs on these ranks yet), so phase 2 has nothing to capture.
-Not done: tensor-parallel ranks (the request would need the followers' step loop, which starts after loading);
-FP8 routed experts' grouped GEMMs (MXFP4 is the resident expert format).
+Not done: tensor-parallel ranks (the request would need the followers' step loop, which starts after loading).
 
 $DSV4_WARMUP: 1 (default) all three; quick: 1 and 2 only (the DeepGEMM configurations of other M values and the
 MoE's other variants then compile when a step first needs them); 0: none. Each phase's seconds are logged: on a cold
@@ -73,6 +75,7 @@ class WarmupReport:
     gemm_calls: int
     seconds: tuple[float, float, float]  # ladder, graphs, GEMM + MoE sweeps
     moe_calls: int = 0  # MXFP4 MoE calls of the variant sweep (sweep_moe_variants)
+    fp8_moe_calls: int = 0  # FP8 experts' grouped GEMM calls (sweep_fp8_experts)
 
 
 def warmup_mode() -> str:
@@ -169,7 +172,7 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
     graphs = engine.decode_runner.capture_all() if decodes and engine.decode_runner is not None else 0
     t2 = time.perf_counter()
     logger.info("warm-up: ladder %.1f s, %d decode graphs %.1f s", t1 - t0, graphs, t2 - t1)
-    shapes = calls = moe_calls = 0
+    shapes = calls = moe_calls = fp8_calls = 0
     if engine.device.type == "cuda":
         from engine.model.fast_paths import use_fp8_gemm
 
@@ -181,13 +184,14 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
             calls = warm_shapes(todo, gemm_m_values(max_tokens), gemm_processes())
         if sweep_gemms:
             moe_calls = sweep_moe_variants(engine, max_tokens)
+            fp8_calls = sweep_fp8_experts(engine, max_tokens)
         torch.cuda.synchronize(engine.device)
     report = WarmupReport(tuple(lengths), graphs, shapes, calls, (t1 - t0, t2 - t1, time.perf_counter() - t2),
-                          moe_calls)
+                          moe_calls, fp8_calls)
     logger.info("warm-up: %d prompts (%s tokens) %.1f s, %d decode graphs captured %.1f s, %d FP8 GEMM shapes x %d "
-                "M values and %d MXFP4 MoE token counts %.1f s", len(lengths), ",".join(map(str, lengths)),
-                report.seconds[0], graphs, report.seconds[1], shapes, calls // max(shapes, 1), moe_calls,
-                report.seconds[2])
+                "M values, %d MXFP4 MoE token counts and %d FP8 expert GEMMs %.1f s", len(lengths),
+                ",".join(map(str, lengths)), report.seconds[0], graphs, report.seconds[1], shapes,
+                calls // max(shapes, 1), moe_calls, fp8_calls, report.seconds[2])
     return report
 
 
@@ -212,3 +216,18 @@ def sweep_moe_variants(engine, max_tokens: int) -> int:
     for t in counts:
         mxfp4_ogs.ogs_moe(x[:t], weights[:t], ids[:t], ex, engine.cfg.swiglu_limit, shared=x[:t])
     return len(counts)
+
+
+def sweep_fp8_experts(engine, max_tokens: int) -> int:
+    """Phase 3's FP8-expert half: an engine whose routed experts are (also) FP8 and run through DeepGEMM's grouped
+    GEMM (engine.model.moe.MoEBlock.takes_fp8) runs both GEMMs at every row count a step of up to max_tokens tokens
+    can lay out (dsv4_kernels.deepgemm_moe.warm), through the first such layer's experts (every layer has the same
+    shapes). -> GEMM calls run (0: no FP8 experts, or not on DeepGEMM)."""
+    from engine.model.fast_paths import use_fp8_expert_gemm
+
+    blocks = [m for m in engine.model.moe if m.fp8 is not None]
+    if not blocks or engine.dtype != torch.bfloat16 or not use_fp8_expert_gemm(engine.device):
+        return 0
+    from dsv4_kernels import deepgemm_moe  # imports deep_gemm: only where a layer runs it
+
+    return deepgemm_moe.warm(blocks[0].fp8, max_tokens, engine.cfg.num_experts_per_tok)

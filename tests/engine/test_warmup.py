@@ -169,6 +169,45 @@ def test_deepgemm_shapes_are_recorded_and_swept(monkeypatch):
     assert calls == [(1, (256, 384), (1, 256)), (3, (256, 384), (3, 256)), (64, (256, 384), (64, 256))]
 
 
+def test_fp8_expert_gemms_swept_at_every_layout_row_count(monkeypatch):
+    """An engine holding FP8 routed experts warms both grouped GEMMs at every M a step's layout can have (each
+    multiple of the alignment up to the bound), so an exact layout's routing-dependent M is always among them
+    (DeepGEMM is CUDA-only: a stand-in records the calls); an engine without FP8 experts sweeps nothing."""
+    import types
+
+    import dsv4_kernels.deepgemm_moe as dgm
+    import engine.model.fast_paths as fp
+    from dsv4_kernels import fp8_experts as fe
+    from engine.execution.warmup import sweep_fp8_experts
+
+    calls = []
+
+    def grouped(a, b, out, m_indices):
+        assert a[1].shape == (a[0].shape[0], a[0].shape[1] // 128) and a[1].stride(0) == 1  # MN-major scales
+        assert m_indices.shape == (a[0].shape[0],) and out.shape == (a[0].shape[0], b[0].shape[1])
+        calls.append((a[0].shape[0], tuple(b[0].shape[1:])))
+
+    monkeypatch.setattr(dgm, "import_deep_gemm", lambda: types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=grouped))
+    monkeypatch.setattr(dgm, "m_alignment", lambda: 16)
+    monkeypatch.setattr(dgm, "_SEEN", set())
+    monkeypatch.setattr(fp, "use_fp8_expert_gemm", lambda device: True)
+    e, h, inter, k, top = 4, 256, 128, 2, 40
+    ex = fe.Fp8Experts(torch.zeros(e, 2 * inter, h).to(torch.float8_e4m3fn), torch.ones(e, 2, 2),
+                       torch.zeros(e, h, inter).to(torch.float8_e4m3fn), torch.ones(e, 2, 1))
+    eng = types.SimpleNamespace(model=types.SimpleNamespace(moe=[types.SimpleNamespace(fp8=ex)]), dtype=torch.bfloat16,
+                                device=torch.device("cpu"), cfg=types.SimpleNamespace(num_experts_per_tok=k))
+    n = sweep_fp8_experts(eng, top)
+    ms = list(range(16, fe.padded_rows(top * k, e, 16) + 1, 16))
+    assert n == len(calls) == 2 * len(ms)
+    assert [m for m, _ in calls] == ms + ms and {w for _, w in calls} == {(2 * inter, h), (h, inter)}
+    g = torch.Generator().manual_seed(0)
+    for t in range(1, top + 1):  # every step's exact and bound row counts were warmed
+        ids = torch.randint(0, e, (t, k), generator=g)
+        assert {fe.contiguous_layout(ids, e, 16, exact=x).rows for x in (True, False)} <= set(ms)
+    eng.model.moe[0].fp8 = None
+    assert sweep_fp8_experts(eng, top) == 0
+
+
 def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
     """fp8_grouped_gemm: one m_grouped_fp8_gemm_nt_masked call over [G, GROUPED_ROWS, K] storage (every group's
     masked_m = T, recorded with its group count for the warm-up sweep); when that call raises, G plain GEMMs,

@@ -66,3 +66,17 @@ def test_alignment_is_deepgemms():
     from dsv4_kernels import deepgemm_moe
 
     assert deepgemm_moe.m_alignment() in (64, 128, 256)
+
+
+def test_warm_runs_every_layout_row_count():
+    """deepgemm_moe.warm on real DeepGEMM: both GEMMs at each multiple of the alignment up to the bound."""
+    from dsv4_kernels import deepgemm_moe, fp8_experts
+
+    gen = torch.Generator().manual_seed(1)
+    pk = _experts(16, 512, 256, gen)
+    ex = fp8_experts.from_packed(pk["w1"], pk["s1"], pk["w2"], pk["s2"], pk["w3"], pk["s3"])
+    align = deepgemm_moe.m_alignment()
+    ms = deepgemm_moe.warm_m_values(300, 4, 16, align)
+    assert ms[0] == align and ms[-1] == fp8_experts.padded_rows(1200, 16, align)
+    assert deepgemm_moe.warm(ex, 300, 4) == 2 * len(ms)
+    torch.cuda.synchronize()
