@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 
 import torch
 
@@ -40,7 +39,7 @@ class EngineCore:
                  cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
                  decode_mode: str = "auto", prefix_cache: PrefixCacheConfig | bool = True,
                  parallel: ParallelContext | None = None, overlap_decode: bool | None = None,
-                 speculative_tokens: int = 0):
+                 speculative_tokens: int = 0, speculative_policy=None):
         """decode_mode: how steps made only of decode tokens run (steps with prefill always run eagerly):
         "graphs" replays CUDA graphs per (batch, context) bucket (engine.execution.cuda_graphs); "bucketed" runs the
         same fixed-shape batches without graphs (tests, debugging); "eager" sizes every step to its
@@ -49,7 +48,10 @@ class EngineCore:
         schedules and broadcasts each step's inputs, the other ranks run engine.execution.tp_executor.follow.
         overlap_decode: launch a greedy decode step from the previous one's device tokens before reading them
         (engine.execution.decode_overlap); None = $DSV4_OVERLAP_DECODE (a boolean) if set, else on with "graphs" (where the
-        host time would show), off otherwise."""
+        host time would show), off otherwise.
+        speculative_tokens / speculative_policy: MTP drafts (engine.execution.speculative) and when to make them
+        (engine.execution.spec_policy.SpecPolicy, None: its defaults); decode-only steps then run as fixed-shape
+        verify steps in decode_mode's way (graphs / bucketed), never overlapped."""
         self.cfg = cfg
         parallel = parallel or SINGLE
         # Data-parallel attention: this rank schedules its own requests as a lone engine would (self.parallel is
@@ -62,13 +64,10 @@ class EngineCore:
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.cache_config = cache_config or CacheConfig(max_requests=self.scheduler_config.max_num_seqs)
         self.model = DeepseekV4Model(cfg, weights, self.device, parallel)
-        if speculative_tokens:  # MTP drafts (engine.execution.speculative): eager steps, the MTP KV in the swa group
+        if speculative_tokens:  # MTP drafts (engine.execution.speculative), the MTP KV in the swa group
             if parallel.enabled:
                 raise ValueError("speculative decoding does not run on tensor-parallel or data-parallel engines yet")
-            if decode_mode not in ("auto", "eager"):
-                logging.getLogger("dsv4.engine").info(
-                    "speculative decoding runs its steps eagerly: decode_mode %r ignored", decode_mode)
-            decode_mode, overlap_decode = "eager", False
+            overlap_decode = False  # the Speculator reads every step back (drafts come from its tokens)
             self.cache_config = dataclasses.replace(self.cache_config, mtp_layers=cfg.num_nextn_predict_layers)
         self.pool = CachePool(cfg, self.cache_config, dtype, self.device)
         if isinstance(prefix_cache, bool):
@@ -103,7 +102,7 @@ class EngineCore:
         if speculative_tokens:
             from engine.execution.speculative import Speculator
 
-            self.speculator = Speculator(self, weights, speculative_tokens)
+            self.speculator = Speculator(self, weights, speculative_tokens, speculative_policy)
 
     # ---- request lifecycle ---------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:

@@ -30,6 +30,8 @@ import torch
 from engine.execution import spec_rollback, spec_sampling
 from engine.execution.request import Request, TokenEvent
 from engine.execution.sampling import greedy_pick
+from engine.execution.spec_policy import SpecGate, SpecPolicy
+from engine.execution.verify_graphs import VerifyRunner
 from engine.model.batch import build_step
 from engine.model.mtp import MtpLayer
 
@@ -49,8 +51,15 @@ class _Plan:
     computed: int = 0  # the request's num_computed after the step
 
 
+def _decode_chunk(c) -> bool:
+    """A chunk of one token at the request's newest position (a decode step's, or a verify chunk's first), with no
+    in-step prefix-cache snapshot and not a prefill-only hand-off."""
+    req = c.request
+    return c.num_tokens == 1 and c.start + 1 == req.num_tokens and not c.snapshot_at and not req.prefill_only
+
+
 class Speculator:
-    def __init__(self, core, weights: dict, k: int):
+    def __init__(self, core, weights: dict, k: int, policy: SpecPolicy | None = None):
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_tokens must be 0 (off) or 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
         cfg = core.cfg
@@ -62,7 +71,11 @@ class Speculator:
         self.layers = [MtpLayer(core.model, weights, i) for i in range(cfg.num_nextn_predict_layers)]
         self.drafts: dict[str, list[int]] = {}  # request id -> drafts to verify in its next step
         self.draft_q: dict[str, list[torch.Tensor]] = {}  # sampled requests: each draft's q [V] (spec_sampling)
-        self.stats = {"drafted": 0, "accepted": 0, "verify_chunks": 0, "emitted": 0}
+        self.stats = {"drafted": 0, "accepted": 0, "verify_chunks": 0, "emitted": 0, "undrafted_steps": 0}
+        self.gate = SpecGate(policy or SpecPolicy())  # when to draft (engine.execution.spec_policy)
+        # decode-only steps as fixed-shape verify steps (graphs on CUDA, eager bucketed on the CPU) when the engine
+        # buckets its decode steps; else (decode_mode "eager") every step takes the varlen path
+        self.verify = VerifyRunner(core.decode_runner, k + 1) if core.decode_runner is not None else None
         # Benchmarks only (benchmarks/spec.py): (drafts, the target's greedy picks) -> the drafts greedy acceptance
         # compares, applied after the verify forward (its cost is unchanged) to force an acceptance rate.
         self.force_drafts = None
@@ -88,7 +101,9 @@ class Speculator:
                                            torch.arange(p.chunk.start, p.chunk.start + len(p.tokens)))
                  for p in plans if p.drafts}
         streams, logits, sample_rows, prompt_rows = self._forward(plans)
+        before = (self.stats["drafted"], self.stats["accepted"])
         self._pick(plans, logits, sample_rows)
+        self.gate.observe(self.stats["drafted"] - before[0], self.stats["accepted"] - before[1])
         for p in plans:
             if p.drafts:
                 kept = len(p.emitted)  # positions start .. start + kept - 1 were computed on the accepted path
@@ -117,6 +132,9 @@ class Speculator:
     def _forward(self, plans: list[_Plan]):
         """The target over every chunk -> (streams [T, hc, D], logits of the logit rows, per plan: logit row of its
         sample (None) or first verify row, per plan: (first, count) prompt-logprob logit rows)."""
+        bucketed = self._forward_bucketed(plans)
+        if bucketed is not None:
+            return bucketed
         core = self.core
         logit_rows, sample_rows, prompt_rows = [], [], []
         for p in plans:
@@ -142,6 +160,23 @@ class Speculator:
                            [p.chunk.request.pages for p in plans], logit_rows, core.device, snapshots)
         streams = core.model.forward_streams(batch, core.pool)
         return streams, core.model.logits(streams[batch.logit_rows]), sample_rows, prompt_rows
+
+    def _forward_bucketed(self, plans: list[_Plan]):
+        """`_forward` as one fixed-shape verify step (engine.execution.verify_graphs) when every chunk is a decode or
+        verify chunk: K + 1 rows a request when any has drafts, else 1; plan b's rows start at b * queries (its
+        first_row). None when a chunk is not one (prefill, an in-step snapshot) or no bucket fits."""
+        if self.verify is None or not all(_decode_chunk(p.chunk) for p in plans):
+            return None
+        queries = self.k + 1 if any(p.drafts for p in plans) else 1
+        reqs = [p.chunk.request for p in plans]
+        out = self.verify.run([r.request_id for r in reqs], [p.tokens for p in plans],
+                              [p.chunk.start for p in plans], [r.pages for r in reqs], queries)
+        if out is None:
+            return None
+        for b, p in enumerate(plans):
+            p.first_row = b * queries
+        streams, logits = out
+        return streams, logits, [p.first_row for p in plans], [(0, 0)] * len(plans)
 
     def _pick(self, plans: list[_Plan], logits: torch.Tensor, sample_rows: list) -> None:
         """Each plan's emitted tokens: one sample (core._sample) or, for a verify chunk, the accepted drafts plus the
@@ -250,6 +285,9 @@ class Speculator:
         layer = self.layers[0]
         batch = build_step(core.pool, tokens, starts, tables, [], core.device)
         out = layer.forward(batch, core.pool, streams[torch.tensor(hidden_rows, device=streams.device)])
+        if last and not self.gate.should_draft(len(last)):
+            self.stats["undrafted_steps"] += 1  # the MTP KV above is kept complete: drafting resumes exactly
+            return
         if not last:
             return
         hid = out[torch.tensor(out_rows, device=out.device)]

@@ -15,6 +15,7 @@ import torch
 from engine.execution.prefix_cache import STAGING_PAGES
 from engine.execution.runner import EngineCore
 from engine.execution.scheduler import SchedulerConfig
+from engine.execution.spec_policy import DEFAULT_MAX_BATCH, SpecPolicy
 from engine.model.cache import CacheConfig
 from engine.model.config import ModelConfig
 from engine.model.parallel import ParallelContext
@@ -53,7 +54,11 @@ class EngineOptions:
     for its contiguous grouped FP8 GEMM (2x the expert bytes, counted by the fit check and the KV plan); "fp8" on an
     engine that decodes keeps both (FP8 for steps of >= FP8_EXPERT_MIN_TOKENS tokens).
     speculative_tokens: K draft tokens a step from the checkpoint's MTP layer (engine.execution.speculative;
-    0 = off, 1..3); loads `mtp.*` only when on; its steps run eagerly (no CUDA graphs, no overlapped decode).
+    0 = off, 1..3); loads `mtp.*` only when on; steps made only of decode / verify chunks run the fixed-shape
+    bucketed verify step (under CUDA graphs where decode_mode resolves to graphs; no overlapped decode).
+    speculative_max_batch / speculative_min_acceptance: draft only in steps with at most this many decoding
+    requests and while the acceptance estimate is at least this (engine.execution.spec_policy; the default batch
+    comes from BENCHMARKS.md bench_spec).
     """
 
     device: str = "cpu"
@@ -73,6 +78,8 @@ class EngineOptions:
     warmup: bool = False
     warmup_decodes: bool = True
     speculative_tokens: int = 0
+    speculative_max_batch: int = DEFAULT_MAX_BATCH
+    speculative_min_acceptance: float = 0.0
     prefill_expert_format: str = "auto"
 
 
@@ -162,7 +169,8 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
     core = EngineCore(cfg, weights, device=o.device, dtype=torch_dtype, parallel=parallel,
                       cache_config=cache_config, scheduler_config=scheduler_config,
                       decode_mode=o.decode_mode or "auto", prefix_cache=o.prefix_cache,
-                      speculative_tokens=o.speculative_tokens)
+                      speculative_tokens=o.speculative_tokens,
+                      speculative_policy=SpecPolicy(o.speculative_max_batch, o.speculative_min_acceptance))
     if o.warmup and warmup_enabled(core):  # CUDA: compile before the first request waits on it (engine.execution.warmup)
         warm_engine(core, decodes=o.warmup_decodes)
     return core

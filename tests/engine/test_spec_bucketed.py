@@ -1,0 +1,105 @@
+"""Speculation through fixed-shape verify steps (engine.execution.verify_graphs, engine.model.verify_batch) and the
+drafting policy (engine.execution.spec_policy): greedy output equals non-speculative output token for token (fp32,
+eager bucketed mode: the shapes CUDA graphs replay), with drafts forced from the known continuation so long
+accepted runs and rejections at every depth occur; the GPU test pins graphs against eager bucketed steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.execution.runner import EngineCore
+from engine.execution.sampling_params import SamplingParams
+from engine.execution.scheduler import SchedulerConfig
+from engine.execution.spec_policy import SpecGate, SpecPolicy
+from engine.model.cache import CacheConfig
+from tests.engine.test_speculative import _forced, _prompts, _run
+from tests.engine.test_speculative import model as model  # noqa: F401 (the module fixture)
+
+
+def _engine(model, k, kv="exact", mode="bucketed", policy=None, budget=2048, device="cpu", dtype=torch.float32):
+    cfg, weights = model
+    return EngineCore(cfg, weights, device=device, dtype=dtype,
+                      cache_config=CacheConfig(max_requests=8, max_tokens=4096, page_tokens=16, kv_cache_dtype=kv),
+                      scheduler_config=SchedulerConfig(max_batch_tokens=budget, max_num_seqs=8),
+                      decode_mode=mode, prefix_cache=True, speculative_tokens=k,
+                      speculative_policy=policy or SpecPolicy(max_batch=8))
+
+
+def _case(model, seed):
+    cfg = model[0]
+    prompts = _prompts(seed, [1, 5, 17, 33, 40], cfg.vocab_size)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 9, 24, 30, 11)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("k,kv,corrupt", [(1, "exact", 0.2), (2, "exact", 0.3), (1, "fp8", 0.3), (2, "fp8", 0.2)])
+def test_bucketed_verify_equals_non_speculative(model, monkeypatch, k, kv, corrupt):
+    prompts, params = _case(model, k)
+    base = _run(_engine(model, 0, kv, mode="eager"), prompts, params)
+    refs = {tuple(p): o.token_ids for p, o in zip(prompts, base)}
+    _forced(monkeypatch, refs, corrupt, seed=k)
+    spec = _engine(model, k, kv)
+    outs = _run(spec, prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    for o, b in zip(outs, base):
+        torch.testing.assert_close(torch.tensor(o.logprobs or []), torch.tensor(b.logprobs or []))
+    s = spec.speculator.stats
+    assert spec.speculator.verify.steps > 0  # the fixed-shape path ran
+    assert s["accepted"] > s["drafted"] // 2 and s["accepted"] < s["drafted"]
+
+
+def test_policy_turns_drafting_off_above_the_batch_and_back_on(model, monkeypatch):
+    """5 requests, max_batch 2: no drafts while more than 2 decode; as they finish (2, 9, 11, 24, 30 tokens) the
+    batch drops to 2 and drafting resumes from a complete MTP KV; the output is the non-speculative one."""
+    prompts, params = _case(model, 5)
+    base = _run(_engine(model, 0, mode="eager"), prompts, params)
+    refs = {tuple(p): o.token_ids for p, o in zip(prompts, base)}
+    _forced(monkeypatch, refs, 0.2, seed=5)
+    spec = _engine(model, 2, policy=SpecPolicy(max_batch=2))
+    ids = [spec.add_request(p, q) for p, q in zip(prompts, params)]
+    drafted_at = []  # (decoding requests, drafts made) after each step
+    while spec.has_work:
+        spec.step()
+        drafted_at.append((len(spec.scheduler.running), len(spec.speculator.drafts)))
+    outs = [spec.pop_finished(i).to_output() for i in ids]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert all(d == 0 for n, d in drafted_at if n > 2)
+    assert any(d > 0 for n, d in drafted_at if n <= 2)
+    assert spec.speculator.stats["undrafted_steps"] > 0 and spec.speculator.stats["accepted"] > 0
+    # max_batch 0: never drafts, output unchanged
+    never = _engine(model, 2, policy=SpecPolicy(max_batch=0))
+    assert [o.token_ids for o in _run(never, prompts, params)] == [o.token_ids for o in base]
+    assert never.speculator.stats["drafted"] == 0
+
+
+def test_acceptance_floor_pauses_and_probes():
+    gate = SpecGate(SpecPolicy(max_batch=4, min_acceptance=0.5, decay=0.0, probe_every=3))
+    assert gate.should_draft(1) and not gate.should_draft(5)
+    gate.observe(4, 0)  # acceptance 0 < 0.5: paused, a probe every 3rd step
+    assert [gate.should_draft(1) for _ in range(6)] == [False, False, True, False, False, True]
+    gate.observe(2, 2)
+    assert gate.should_draft(1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 2])
+def test_graph_verify_steps_equal_eager_bucketed(model, monkeypatch, k):
+    """bf16 on CUDA (graphs need it): the graph verify steps give the tokens the eager bucketed steps give, and the
+    warm-up captured the verify buckets (no capture while serving)."""
+    from engine.execution.warmup import warm_engine
+
+    cfg, weights = model
+    gpu = (cfg, {n: t.to("cuda", torch.bfloat16) if t.is_floating_point() else t.to("cuda")
+                 for n, t in weights.items()})
+    prompts, params = _case(model, 7)
+    eager = _engine(gpu, k, device="cuda", dtype=torch.bfloat16)
+    want = [o.token_ids for o in _run(eager, prompts, params)]
+    graphs = _engine(gpu, k, mode="graphs", device="cuda", dtype=torch.bfloat16)
+    warm_engine(graphs, decodes=True)
+    captured = len(graphs.speculator.verify.graphs)
+    assert captured > 0
+    got = [o.token_ids for o in _run(graphs, prompts, params)]
+    assert got == want
+    assert len(graphs.speculator.verify.graphs) == captured  # every bucket used was captured at warm-up
+    assert graphs.speculator.verify.steps > 0
