@@ -38,7 +38,7 @@ from engine.runtime.health import DEFAULT_STALL_TIMEOUT_S
 from kv_transfer.registry import TRANSFER_CHOICES, TRANSFER_HELP
 from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 from service.rank_placement import place_worker, remove_worker
-from service.service_config import ENGINE_OPTION_KEYS, ServiceConfig
+from service.service_config import ENGINE_OPTION_KEYS, ServiceConfig, role_engine_options
 
 
 class ServiceStartError(RuntimeError):
@@ -213,8 +213,9 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
         for role, cls, count in (("prefill", prefill_cls, cfg.prefill_workers), ("decode", decode_cls,
                                                                               cfg.decode_workers)):
             for i in range(count):
+                ropts = role_engine_options(opts, role)
                 placed[f"{role}-{i}"] = place_worker(
-                    cls, f"dsv4-{role}-{i}", (f"{role}-{i}", cfg.model_dir, opts, cfg.transfer), net, opts,
+                    cls, f"dsv4-{role}-{i}", (f"{role}-{i}", cfg.model_dir, ropts, cfg.transfer), net, ropts,
                     cfg.model_dir, *cfg.parallel(role)[:2], cfg.worker_num_cpus, worker_gpus(cfg), actor,
                     cfg.ready_timeout_s, cfg.parallel(role)[2])
                 handles[role][f"{role}-{i}"] = placed[f"{role}-{i}"].handle
@@ -261,8 +262,9 @@ def _group_recipes(cfg: ServiceConfig, placed: dict, prefill_cls, decode_cls, ne
         role = wid.rsplit("-", 1)[0]
         size, ep, dp = cfg.parallel(role)
         if size > 1:
+            ropts = role_engine_options(opts, role)
             recipes[wid] = GroupRecipe(f"dsv4-{wid}", prefill_cls if role == "prefill" else decode_cls,
-                                       (wid, cfg.model_dir, opts, cfg.transfer), net, opts, cfg.model_dir, size, ep,
+                                       (wid, cfg.model_dir, ropts, cfg.transfer), net, ropts, cfg.model_dir, size, ep,
                                        cfg.worker_num_cpus, worker_gpus(cfg), actor, cfg.ready_timeout_s, dp)
     return {wid: placed[wid] for wid in recipes}, recipes
 
@@ -651,6 +653,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="MTP speculative decoding on the decode pool: draft K tokens a step with the checkpoint's "
                              "MTP layer (0 = off). The prefill pool gets it too: it runs the MTP layer over each prompt "
                              "so that layer's KV travels with the hand-off (and both pools' cache layouts match)")
+    parser.add_argument("--prefill-expert-format", default=None, choices=["auto", "mxfp4", "fp8"],
+                        help="routed experts of the prefill pool (default auto: FP8 128x128 through DeepGEMM's grouped "
+                             "GEMM on a bf16 CUDA engine with DeepGEMM, else MXFP4); the decode pool keeps MXFP4")
     add_engine_speed_args(parser)
 
 

@@ -9,7 +9,14 @@ from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 
 ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype",
                       "index_cache_dtype", "decode_mode", "keep_mxfp4_experts", "prefix_cache",
-                      "gpu_memory_utilization", "max_model_len", "speculative_tokens")
+                      "gpu_memory_utilization", "max_model_len", "speculative_tokens", "prefill_expert_format")
+PREFILL_POOL_KEYS = ("prefill_expert_format",)  # given to the prefill pool only (the decode pool keeps MXFP4 experts)
+
+
+def role_engine_options(opts: dict, role: str) -> dict:
+    """One pool's engine options: the prefill-only keys stay with the prefill pool ("fp8" on an engine that decodes
+    would hold both expert formats)."""
+    return opts if role == "prefill" else {k: v for k, v in opts.items() if k not in PREFILL_POOL_KEYS}
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,26 @@ def test_worker_gpus_share_and_memory_budget():
                                      worker_num_gpus=0.5))["gpu_memory_utilization"] == 0.3
 
 
+def test_prefill_expert_format_reaches_the_prefill_pool_only():
+    """`dsv4 serve --prefill-expert-format fp8`: an engine option of the prefill pool; the decode pool's options
+    lack it (an engine that decodes would otherwise hold both expert formats)."""
+    import argparse
+
+    from service.launcher import add_serve_args, config_from_args
+    from service.service_config import role_engine_options
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--device", "cuda", "--prefill-expert-format", "fp8"])
+    opts = dict(config_from_args(args).engine_options)
+    assert opts["prefill_expert_format"] == "fp8"
+    assert role_engine_options(opts, "prefill")["prefill_expert_format"] == "fp8"
+    assert role_engine_options(opts, "decode") == {"device": "cuda"}
+    assert "prefill_expert_format" not in dict(config_from_args(parser.parse_args([])).engine_options)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prefill-expert-format", "fp4"])
+
+
 def test_topologies_and_token_comparison():
     assert parse_topologies("1P1D, colocated") == ["1P1D", "colocated"]
     with pytest.raises(ValueError, match="unknown"):
