@@ -135,6 +135,10 @@ def _add_bench(sub) -> None:
     add_bench_route_args(bench.add_parser("route", help="replay a Mooncake trace against the routing policies "
                                                         "and a model of the workers' caches"))
     add_make_trace_args(bench.add_parser("make-trace", help="write a synthetic Mooncake-format trace"))
+    from service.bench_frontdoor import add_bench_frontdoor_args
+
+    add_bench_frontdoor_args(bench.add_parser("frontdoor", help="streamed tokens/s, added latency and CPU through "
+                                              "the ingress, router and Serve proxy (synthetic pool)"))
     from service.bench_soak import add_bench_soak_args
 
     add_bench_soak_args(bench.add_parser("soak", help="mixed load with worker kills for N minutes: errors by "
@@ -255,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             from service.bench_route import bench_route_main, make_trace_main
 
             return bench_route_main(args) if args.bench_command == "route" else make_trace_main(args)
+        if args.command == "bench" and args.bench_command == "frontdoor":
+            from service.bench_frontdoor import bench_frontdoor_main
+
+            return bench_frontdoor_main(args)
         if args.command == "bench" and args.bench_command == "soak":
             from service.bench_soak import bench_soak_main
 

@@ -1,0 +1,231 @@
+"""`dsv4 bench frontdoor`: the service's token path (Serve proxy -> ingress replica -> gRPC router -> Ray streaming
+call -> worker) under many concurrent streams, with a synthetic pool in place of the model.
+
+Everything on the token path is production's: `service.serve_ingress.deploy_http` (Serve's HTTP proxy and the
+OpenAI ingress replicas), the `RouterActor` of `service.launcher` (RouterServer + RayDispatcher + the policy);
+only the workers are `service.frontdoor_workers` (disaggregated: prefill answers at once, decode emits
+`--token-rate` tokens/s per stream). For each ingress replica count, the offered load rises (`--streams`
+levels) until delivered tokens/s stops growing; each level reports delivered tokens/s, the added latency per
+token (client receive time minus the worker's emit time, time.time() on one host; decode tokens only), CPU per
+1K tokens of the service's processes (by component), and checks that every stream's tokens arrived in order
+with none lost. Loopback only; every level is bounded by `--seconds`, and the run ends by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from service.bench_serve import pct
+from service.benchmarks_md import write_section
+from service.frontdoor_load import SERVICE, cpu_by_component, cpu_delta, run_level
+from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill, token_for
+
+LETTER = "a"
+TOKEN_PATH_TODAY = ("every token is relayed by the one `RouterActor` (service/launcher.py: a Ray streaming call "
+                    "from the decode actor, then gRPC to the ingress replica; router/server.py `Generate`)")
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    replicas: int
+    streams: int
+    offered_tps: float
+    delivered_tps: float
+    requests: int
+    tokens: int
+    added_ms_p50: float
+    added_ms_p99: float
+    cpu_ms_per_1k: float  # the service's processes (SERVICE components), per 1K tokens received
+    cpu_by_component: dict
+    lost_tokens: int
+    out_of_order: int
+    errors: int
+
+
+def _letter_id(model_dir: str) -> int:
+    from engine.loading.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    if tok is None:
+        raise RuntimeError(f"{model_dir}: no tokenizer (the ingress must turn the synthetic tokens into letters)")
+    ids = tok.encode(LETTER)
+    ids = [i for i in ids if tok.decode([i], False) == LETTER]
+    if not ids or any(tok.decode([ids[0] + d], False) != chr(ord(LETTER) + d) for d in range(26)):
+        raise RuntimeError(f"{model_dir}: the synthetic streams need one token per letter a..z in order")
+    return ids[0]
+
+
+def start(model_dir: str, decode_workers: int, token_rate: float, letter_id: int) -> dict:
+    """Ray (local), the synthetic pool and the real router; -> handles (Serve is deployed per replica count)."""
+    import ray
+
+    from router.auth import new_token
+    from service.launcher import RouterActor, init_ray
+
+    init_ray(tempfile.mkdtemp(prefix="dsv4-frontdoor-metrics-"))
+    actor: Any = ray.remote(num_cpus=0, max_concurrency=10_000)  # type: ignore[call-overload]
+    prefill = {"prefill-0": actor(SyntheticPrefill).remote("prefill-0", token_rate, letter_id)}
+    decode = {f"decode-{i}": actor(SyntheticDecode).remote(f"decode-{i}", token_rate, letter_id)
+              for i in range(decode_workers)}
+    token = new_token()
+    router_cls: Any = ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor)  # type: ignore[call-overload]
+    router = router_cls.options(name="dsv4-router").remote(
+        prefill, decode, "cache_aware", token)
+    ray.get(router.start.remote("127.0.0.1", 0), timeout=120)
+    return {"prefill": prefill, "decode": decode, "router": router, "token": token,
+            "router_addr": ray.get(router.address.remote())}
+
+
+def deploy(handles: dict, model_dir: str, port: int, replicas: int) -> str:
+    from service.ingress_guard import IngressOptions
+    from service.serve_ingress import deploy_http
+
+    deploy_http(handles["router_addr"], model_dir, "dsv4", "127.0.0.1", port, num_replicas=replicas,
+                options=IngressOptions.from_env(router_token=handles["token"]))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return url
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
+
+
+def _emits(handles: dict) -> dict:
+    import ray
+
+    logs: dict = {}
+    for h in (*handles["prefill"].values(), *handles["decode"].values()):
+        for tag, times in ray.get(h.take_emits.remote()).items():
+            logs.setdefault(tag, []).extend(times)
+    return {tag: sorted(times) for tag, times in logs.items()}
+
+
+def score(records, emits: dict, t0: float, t_end: float, max_tokens: int, letter_id: int) -> dict:
+    """Order, loss, delivered tokens in [t0, t_end] and added latency of decode tokens (k >= 1), from the records."""
+    expected = "".join(chr(ord(LETTER) + token_for(k, letter_id) - letter_id) for k in range(max_tokens))
+    lost = disorder = errors = in_window = 0
+    added: list[float] = []
+    for r in records:
+        errors += r.error is not None
+        lost += max(0, max_tokens - len(r.text)) if r.error is None else 0
+        disorder += not expected.startswith(r.text)
+        in_window += sum(t0 <= t <= t_end for t in r.recv)
+        sent = emits.get(r.tag, [])
+        added.extend((got - sent[k]) * 1e3 for k, got in enumerate(r.recv) if 1 <= k < len(sent))
+    return {"lost": lost, "disorder": disorder, "errors": errors, "in_window": in_window,
+            "tokens": sum(len(r.text) for r in records), "p50": pct(added, 0.5), "p99": pct(added, 0.99)}
+
+
+def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_id: int, first_tag: int) -> LevelResult:
+    _emits(handles)  # drop what an earlier level left
+    before = cpu_by_component()
+    records, t0, t_end = asyncio.run(run_level(url, streams, args.seconds, args.max_tokens, letter_id, first_tag))
+    cpu = cpu_delta(before, cpu_by_component())
+    s = score(records, _emits(handles), t0, t_end, args.max_tokens, letter_id)
+    service_cpu = sum(cpu.get(k, 0.0) for k in SERVICE)
+    return LevelResult(replicas, streams, streams * args.token_rate, s["in_window"] / (t_end - t0), len(records),
+                       s["tokens"], s["p50"], s["p99"], 1e6 * service_cpu / max(1, s["tokens"]),
+                       {k: round(v, 2) for k, v in sorted(cpu.items())}, s["lost"], s["disorder"], s["errors"])
+
+
+def sweep(handles: dict, model_dir: str, args, letter_id: int) -> list[LevelResult]:
+    """Per replica count, raise the streams until delivered tokens/s grows by less than --growth."""
+    rows: list[LevelResult] = []
+    for replicas in args.replicas:
+        url = deploy(handles, model_dir, args.port, replicas)
+        best = 0.0
+        for streams in args.streams:
+            row = run_one(handles, url, replicas, streams, args, letter_id, first_tag=len(rows) * 100_000)
+            rows.append(row)
+            print(_row_line(row), flush=True)
+            if row.delivered_tps < best * (1 + args.growth):
+                break  # the ceiling: more offered load no longer raises throughput
+            best = max(best, row.delivered_tps)
+    return rows
+
+
+def _row_line(r: LevelResult) -> str:
+    top = sorted(((v, k) for k, v in r.cpu_by_component.items() if k in SERVICE), reverse=True)[:3]
+    return (f"| {r.replicas} | {r.streams} | {r.offered_tps:.0f} | {r.delivered_tps:.0f} | {r.added_ms_p50:.1f} | "
+            f"{r.added_ms_p99:.1f} | {r.cpu_ms_per_1k:.0f} | {', '.join(f'{k} {v:.1f}' for v, k in top)} | "
+            f"{r.requests} | {r.lost_tokens} | {r.out_of_order} | {r.errors} |")
+
+
+def ceilings(rows: list[LevelResult]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for r in rows:
+        out[r.replicas] = max(out.get(r.replicas, 0.0), r.delivered_tps)
+    return out
+
+
+def report(rows: list[LevelResult], args, command: str) -> str:
+    ceil = ceilings(rows)
+    lines = ["## Front door: streamed tokens through the ingress, router and Serve proxy (`dsv4 bench frontdoor`)", "",
+             f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+             f"{platform.python_version()}; loopback; synthetic pool (1 prefill + {args.decode_workers} decode "
+             f"actors, no model) at {args.token_rate:g} tokens/s a stream, {args.max_tokens} tokens a request, "
+             f"{args.seconds:g} s a level. Today {TOKEN_PATH_TODAY}.", "",
+             "Added latency: client receive time minus the synthetic worker's emit time (decode tokens, same host "
+             "clock). CPU: user + system of the service's processes (router, ingress replicas, Serve proxy and "
+             "controller, raylet + GCS) per 1K tokens received; the top three components in CPU seconds.", "",
+             "| ingress replicas | streams | offered tok/s | delivered tok/s | added p50 ms | added p99 ms | "
+             "CPU ms / 1K tok | top CPU (s) | requests | lost | out of order | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [_row_line(r) for r in rows]
+    lines += ["", "Ceiling (max delivered tok/s): " + ", ".join(f"{k} replica{'s' if k > 1 else ''}: {v:.0f}"
+                                                             for k, v in sorted(ceil.items())) + "."]
+    return "\n".join(lines)
+
+
+def bench_frontdoor_main(args: argparse.Namespace) -> int:
+    from engine.loading.make_model import default_model_dir
+    from service.launcher import stop_service
+
+    model_dir = args.model or default_model_dir()
+    letter_id = _letter_id(model_dir)
+    handles = start(model_dir, args.decode_workers, args.token_rate, letter_id)
+    try:
+        rows = sweep(handles, model_dir, args, letter_id)
+    finally:
+        stop_service({"prefill": handles["prefill"], "decode": handles["decode"], "router": handles["router"]},
+                     drain_s=0)
+    text = report(rows, args, args.command_line or "dsv4 bench frontdoor")
+    print(text)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    if args.write:
+        write_section("frontdoor", text)
+    return 0
+
+
+def add_bench_frontdoor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],
+                   help="ingress replica counts, comma-separated")
+    p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32, 64, 128],
+                   help="concurrent streaming clients, rising levels (a level that adds < --growth ends the sweep)")
+    p.add_argument("--token-rate", type=float, default=50.0, help="tokens/s each synthetic stream emits")
+    p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--seconds", type=float, default=6.0, help="each level's duration (in-flight requests finish)")
+    p.add_argument("--decode-workers", type=int, default=2)
+    p.add_argument("--growth", type=float, default=0.05, help="a level must raise throughput by this fraction")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="model dir for the ingress's tokenizer (default: the tiny model)")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--write", action="store_true", help="write the table to BENCHMARKS.md (section frontdoor)")
+    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)

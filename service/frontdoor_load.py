@@ -1,0 +1,139 @@
+"""The load side of `dsv4 bench frontdoor`: streaming HTTP clients (raw SSE over aiohttp) and /proc CPU accounting.
+
+Each client loops: POST /v1/completions (token-id prompt carrying a unique tag, stream=true), stamp every
+received chunk with time.time() (the synthetic workers stamp their yields on the same host clock), until the
+level's deadline. Then a level's record says, per stream, what text arrived and when, so the bench can check
+order and loss and subtract the workers' emit times.
+
+CPU: the service's processes are this driver's descendants (a local Ray cluster: GCS, raylet, and every worker
+process under it), grouped by the title Ray gives each actor process (`ray::RouterActor`, `ray::ServeReplica:...`,
+`ray::ProxyActor`); user + system time from /proc/PID/stat. The synthetic workers and the client are left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass
+
+# process title prefix -> component; order matters (first match)
+COMPONENTS = (("ray::RouterActor", "router"), ("ray::ServeReplica", "ingress"), ("ray::ProxyActor", "proxy"),
+              ("ray::ServeController", "serve_controller"), ("ray::Synthetic", "synthetic"))
+SERVICE = ("router", "ingress", "proxy", "serve_controller", "ray_daemons")
+
+
+@dataclass(frozen=True)
+class StreamRecord:
+    tag: tuple
+    text: str
+    recv: tuple  # time.time() per received character (one token each)
+    error: str | None = None
+
+
+def tag_prompt(n: int, letter_id: int, width: int = 5) -> list[int]:
+    """A unique token-id prompt for request n: BOS then n in base 26 as letters."""
+    digits = []
+    for _ in range(width):
+        n, d = divmod(n, 26)
+        digits.append(letter_id + d)
+    return [0, *reversed(digits)]
+
+
+async def _one(session, url: str, prompt: list[int], max_tokens: int) -> StreamRecord:
+    body = {"model": "dsv4", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    text: list[str] = []
+    recv: list[float] = []
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                return StreamRecord(tuple(prompt), "", (), f"HTTP {resp.status}")
+            async for raw in resp.content:  # one line at a time
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.time()
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return StreamRecord(tuple(prompt), "".join(text), tuple(recv), str(chunk["error"]))
+                piece = chunk["choices"][0].get("text") or ""
+                text.append(piece)
+                recv.extend([now] * len(piece))
+    except Exception as e:  # noqa: BLE001 - recorded as this stream's error
+        return StreamRecord(tuple(prompt), "".join(text), tuple(recv), f"{type(e).__name__}: {e}")
+    return StreamRecord(tuple(prompt), "".join(text), tuple(recv))
+
+
+async def run_level(base_url: str, streams: int, seconds: float, max_tokens: int, letter_id: int,
+                    first_tag: int) -> tuple[list[StreamRecord], float, float]:
+    """`streams` clients loop requests until `seconds` pass (in-flight ones finish); -> (records, t0, t_end)."""
+    import aiohttp  # a dependency of Ray Serve
+
+    records: list[StreamRecord] = []
+    counter = iter(range(first_tag, first_tag + 10**7))
+    url = f"{base_url}/v1/completions"
+    connector = aiohttp.TCPConnector(limit=streams + 4)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        t0 = time.time()
+        deadline = t0 + seconds
+
+        async def loop():
+            while time.time() < deadline:
+                records.append(await _one(session, url, tag_prompt(next(counter), letter_id), max_tokens))
+
+        await asyncio.gather(*(loop() for _ in range(streams)))
+        return records, t0, deadline
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def _component(pid: int) -> str | None:
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    for prefix, name in COMPONENTS:
+        if cmd.startswith(prefix):
+            return name
+    if "raylet" in cmd or "gcs_server" in cmd:
+        return "ray_daemons"
+    return "other"
+
+
+def _cpu(pid: int) -> float:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_component(root: int | None = None) -> dict[str, float]:
+    """CPU seconds so far of root's descendants (default: this process's), by component."""
+    kids, out = _children(), dict[str, float]()
+    stack = list(kids.get(root or os.getpid(), []))
+    while stack:
+        pid = stack.pop()
+        stack.extend(kids.get(pid, []))
+        name = _component(pid)
+        if name is not None:
+            out[name] = out.get(name, 0.0) + _cpu(pid)
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per component; a process that ended in between is missing from `after` (clamped at 0)."""
+    return {k: max(0.0, after.get(k, 0.0) - before.get(k, 0.0)) for k in set(before) | set(after)}

@@ -1,0 +1,40 @@
+"""`dsv4 bench frontdoor` at a tiny size: real Ray, Serve proxy, ingress and router over a synthetic pool; every
+stream's tokens arrive in order with none lost, and the report has its fields."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from service.bench_frontdoor import add_bench_frontdoor_args, bench_frontdoor_main, report
+from service.frontdoor_load import tag_prompt
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.ray
+
+
+def test_tag_prompts_are_unique():
+    assert len({tuple(tag_prompt(n, 68)) for n in range(2000)}) == 2000
+
+
+def test_frontdoor_tiny(tmp_path):
+    p = argparse.ArgumentParser()
+    add_bench_frontdoor_args(p)
+    out = tmp_path / "rows.json"
+    args = p.parse_args(["--replicas", "1,2", "--streams", "2,4", "--seconds", "2", "--max-tokens", "12",
+                         "--growth", "-1", "--port", str(free_port()), "--json", str(out)])
+    assert bench_frontdoor_main(args) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["replicas"], r["streams"]) for r in rows] == [(1, 2), (1, 4), (2, 2), (2, 4)]
+    for r in rows:
+        assert r["requests"] > 0 and r["tokens"] == 12 * r["requests"]
+        assert r["lost_tokens"] == 0 and r["out_of_order"] == 0 and r["errors"] == 0
+        assert r["delivered_tps"] > 0 and 0 < r["added_ms_p50"] <= r["added_ms_p99"] < 5000
+        assert r["cpu_ms_per_1k"] > 0 and r["cpu_by_component"].get("router", 0) > 0
+        assert r["cpu_by_component"].get("ingress", 0) > 0
+    from service.bench_frontdoor import LevelResult
+
+    text = report([LevelResult(**r) for r in rows], args, "dsv4 bench frontdoor --tiny")
+    assert "RouterActor" in text and "Ceiling" in text and "| 2 | 4 |" in text
