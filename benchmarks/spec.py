@@ -1,13 +1,17 @@
 """`dsv4 bench spec`: MTP speculative decoding on the V4-Flash slice (benchmarks/slice/slice_model.py + 1 MTP layer).
 
-At batch 1, 16 and 64 (requests prefilled to --context tokens, greedy), one engine with speculative_tokens K:
-- the one-token step: the same engine with its Speculator set aside (EngineCore's plain eager step);
+At batch 1, 16 and 64 (requests prefilled to --context tokens, greedy), one engine with speculative_tokens K and
+decode_mode graphs on CUDA (eager bucketed on the CPU: the same fixed shapes), its drafting policy set to draft at
+every batch measured (engine.execution.spec_policy: what these numbers set its default from):
+- the one-token step, three ways, with the Speculator set aside: eager (EngineCore's plain varlen step), under CUDA
+  graphs, and under graphs with overlapped decode (the production non-speculative path: the baseline of "x non-spec");
 - speculative steps with drafts forced to a per-draft acceptance rate (Speculator.force_drafts: after the verify
   forward each draft is replaced by the target's pick with probability `rate`, else by another token, so the
   step's cost is the real one: verify of K+1 tokens a request, rollback of the rejected rows, the MTP pass and
   the K-1 chained MTP steps); rate 0 is the bare verify-step time.
-Tokens/s per user = tokens a request emits / wall time, against 1 / the one-token step. Both run eagerly (verify
-steps have no CUDA graphs yet; the production non-speculative decode does): the section says so.
+Tokens/s per user = tokens a request emits / wall time, against the production one-token step. Verify steps of
+decode-only batches run as fixed-shape verify steps under CUDA graphs (engine.execution.verify_graphs); the MTP pass
+and the chained MTP steps still run eagerly after each, and nothing overlaps (the section says so).
 `--tiny` runs the tiny preset on the CPU in seconds (tests/test_bench_spec.py) so a GPU run does not die on a typo.
 """
 
@@ -28,16 +32,20 @@ from benchmarks.timing import sync
 from engine.execution.runner import EngineCore
 from engine.execution.sampling_params import SamplingParams
 from engine.execution.scheduler import SchedulerConfig
+from engine.execution.spec_policy import SpecPolicy
 from engine.loading.make_model import with_mtp_layers
 from engine.model.cache import CacheConfig
 from engine.model.config import ModelConfig
 from service.benchmarks_md import write_section
 
+EAGER, GRAPHS, PRODUCTION = "one-token step, eager", "one-token step, graphs", "one-token step, graphs + overlap"
+
 
 @dataclass(frozen=True)
 class Point:
     batch: int
-    rate: float | None  # None: the one-token step
+    mode: str  # one of the one-token modes above, or "verify K+1, acceptance r"
+    rate: float | None  # None: a one-token step
     step_ms: float
     tokens_per_step: float  # a request's, on average
     accepted: float  # measured accepted / drafted (None-rate: 0)
@@ -77,7 +85,8 @@ def build(args) -> EngineCore:
                                                kv_cache_dtype="exact"),
                       scheduler_config=SchedulerConfig(max_batch_tokens=max(2048, args.context),
                                                        max_num_seqs=max(args.batches)),
-                      decode_mode="eager", prefix_cache=False, speculative_tokens=args.k)
+                      decode_mode="graphs" if device.type == "cuda" else "bucketed", prefix_cache=False,
+                      speculative_tokens=args.k, speculative_policy=SpecPolicy(max_batch=max(args.batches)))
     del weights
     fill_experts(core, gen, 16)
     fill_experts(SimpleNamespace(model=SimpleNamespace(moe=[m.moe for m in core.speculator.layers])), gen, 16)
@@ -113,20 +122,32 @@ def measure(core: EngineCore, batch: int, args) -> list[Point]:
     while any(not core.requests[i].output for i in ids):  # prefill, then every request decodes
         core.step()
     points = []
-    core.speculator = None  # the plain one-token step
-    ms, per = timed(core, args.steps, batch)
-    points.append(Point(batch, None, ms, per, 0.0))
-    core.speculator = spec
     for rate in [0.0] + list(args.rates):
         spec.force_drafts = forcing(rate, batch)
         before = dict(spec.stats)
         ms, per = timed(core, args.steps, batch)
         drafted = spec.stats["drafted"] - before["drafted"]
-        points.append(Point(batch, rate, ms, per, (spec.stats["accepted"] - before["accepted"]) / max(drafted, 1)))
+        points.append(Point(batch, f"verify K+1, acceptance {rate:.1f}", rate, ms, per,
+                            (spec.stats["accepted"] - before["accepted"]) / max(drafted, 1)))
     spec.force_drafts = None
+    points += one_token_steps(core, batch, args)
     for i in ids:
         core.abort(i)
+    while core.has_work or core._launched is not None:  # the overlapped step still in flight
+        core.step()
+    core.speculator, core.overlap_decode = spec, False
     return points
+
+
+def one_token_steps(core: EngineCore, batch: int, args) -> list[Point]:
+    """The one-token step with the Speculator set aside: eager, graphs (eager bucketed on the CPU), graphs + overlap
+    (production; left on: the caller aborts the requests and drains the step in flight)."""
+    runner, core.speculator, out = core.decode_runner, None, []
+    for mode, bucketed, overlap in ((EAGER, False, False), (GRAPHS, True, False), (PRODUCTION, True, True)):
+        core.decode_runner, core.overlap_decode = (runner if bucketed else None), overlap
+        ms, per = timed(core, args.steps, batch)
+        out.append(Point(batch, mode, None, ms, per, 0.0))
+    return out
 
 
 def render(points: list[Point], args, core: EngineCore) -> str:
@@ -135,17 +156,19 @@ def render(points: list[Point], args, core: EngineCore) -> str:
              "",
              f"`dsv4 bench spec{' --tiny' if args.tiny else ''} --k {args.k}`: {cfg.num_layers} layers + 1 MTP layer, "
              f"context {args.context} tokens, {args.steps} timed steps a point, device {core.device}, greedy; drafts "
-             "forced to the per-draft acceptance rate after the verify forward (benchmarks/spec.py). Both columns run "
-             "eager steps (no CUDA graphs for verify steps yet).",
+             "forced to the per-draft acceptance rate after the verify forward (benchmarks/spec.py). Verify steps run "
+             f"as fixed-shape steps {'under CUDA graphs' if core.device.type == 'cuda' else 'eager bucketed (CPU)'} "
+             "with the MTP pass and chain eager after them, no overlap; x non-spec is against the production "
+             "one-token step (graphs + overlapped decode).",
              "",
-             "| batch | mode | step ms | x one-token step | tokens/step/user | accepted | tok/s/user | x non-spec |",
+             "| batch | mode | step ms | x production step | tokens/step/user | accepted | tok/s/user | x non-spec |",
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for batch in args.batches:
         rows = [p for p in points if p.batch == batch]
-        base = rows[0]
+        base = next(p for p in rows if p.mode == PRODUCTION)
+        rows = [p for p in rows if p.rate is None] + [p for p in rows if p.rate is not None]
         for p in rows:
-            mode = "one-token step" if p.rate is None else f"verify K+1, acceptance {p.rate:.1f}"
-            lines.append(f"| {batch} | {mode} | {p.step_ms:.2f} | {p.step_ms / base.step_ms:.2f} | "
+            lines.append(f"| {batch} | {p.mode} | {p.step_ms:.2f} | {p.step_ms / base.step_ms:.2f} | "
                          f"{p.tokens_per_step:.2f} | {p.accepted:.2f} | {p.user_tps:.1f} | "
                          f"{p.user_tps / base.user_tps:.2f} |")
     return "\n".join(lines) + "\n"
@@ -162,7 +185,7 @@ def main(argv=None) -> int:
     points = []
     for batch in args.batches:
         points += measure(core, batch, args)
-        print(f"batch {batch}: " + ", ".join(f"{p.rate}: {p.step_ms:.2f} ms {p.user_tps:.1f} tok/s/user"
+        print(f"batch {batch}: " + ", ".join(f"{p.mode}: {p.step_ms:.2f} ms {p.user_tps:.1f} tok/s/user"
                                               for p in points if p.batch == batch), flush=True)
     section = render(points, args, core)
     print(section)

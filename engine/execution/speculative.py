@@ -17,8 +17,13 @@ requests (temperature > 0) draft from the MTP layer's distribution q under their
 rejection sampling (engine.execution.spec_sampling): their output has the non-speculative distribution.
 A prefill-only request (the hand-off) gets the MTP pass over its prompt but no drafts: the MTP KV travels with
 the swa group's ring page, and the decode side drafts after its first (one-token) step, whose streams it has.
-Not here yet: CUDA graphs and overlapped decode for verify steps (EngineCore runs
-these steps eagerly), tensor/data parallel engines, the disaggregated hand-off of the MTP state.
+Steps made only of decode / verify chunks run as one fixed-shape verify step (engine.execution.verify_graphs: K + 1
+rows a request, or 1 when nobody drafts; CUDA graphs in decode_mode graphs, eager bucketed in "bucketed", the
+varlen step in "eager"); steps with prefill chunks run the varlen step. engine.execution.spec_policy decides per
+step whether to draft (at most speculative_max_batch decoding requests; an optional acceptance floor): the MTP
+pass runs either way, so its KV stays complete.
+Not here yet: the MTP pass and chained MTP steps under graphs (they run eagerly after each step), overlapped
+decode with speculation, tensor/data parallel engines, the disaggregated hand-off of the MTP state.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
    prefill worker's, stops at the first token as its requests do) and sampling; every page returns and the
    prefix cache forgets the prompts;
 2. every decode bucket's CUDA graph is captured (DecodeRunner.capture_all: each (batch slots, context) pair, on
-   padding rows that write only the scratch page), so no step mid-stream waits on a capture or on the Triton
+   padding rows that write only the scratch page; a speculative engine captures its verify buckets instead,
+   VerifyRunner.capture_all, with 1 and K + 1 rows a request), so no step mid-stream waits on a capture or on the Triton
    compiles its shapes need (the run above saw single decode steps of 9-29 s on a cold machine);
 3. every FP8 GEMM shape those steps ran (dsv4_kernels.deepgemm_linear records them) at the M values whose DeepGEMM
    configuration can differ: all M up to 128, then the lowest and highest M of each 64-row block count up to
@@ -169,7 +170,7 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
     if engine.prefix is not None:
         engine.prefix.clear()  # (the prompts are random: nothing to share)
     t1 = time.perf_counter()
-    graphs = engine.decode_runner.capture_all() if decodes and engine.decode_runner is not None else 0
+    graphs = _capture_decode_graphs(engine) if decodes and engine.decode_runner is not None else 0
     t2 = time.perf_counter()
     logger.info("warm-up: ladder %.1f s, %d decode graphs %.1f s", t1 - t0, graphs, t2 - t1)
     shapes = calls = moe_calls = fp8_calls = 0
@@ -193,6 +194,15 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
                 ",".join(map(str, lengths)), report.seconds[0], graphs, report.seconds[1], shapes,
                 calls // max(shapes, 1), moe_calls, fp8_calls, report.seconds[2])
     return report
+
+
+def _capture_decode_graphs(engine) -> int:
+    """Phase 2: every decode bucket's graph; for a speculative engine, whose decode-only steps are verify steps
+    (engine.execution.verify_graphs), every verify bucket with 1 and with K + 1 rows a request instead."""
+    spec = engine.speculator
+    if spec is not None and spec.verify is not None:
+        return spec.verify.capture_all(sorted({1, spec.k + 1}))
+    return engine.decode_runner.capture_all()
 
 
 def sweep_moe_variants(engine, max_tokens: int) -> int:

@@ -232,7 +232,7 @@ def derive_decode_batch_reference(pool: CachePool, tables: BlockTables, inputs: 
     swa_write = RingWrite(rows, swa_page * swa_spec.page_rows + pos % window)
 
     compress, visible = {}, {}
-    for entry_name, state_name, ratio, overlap in _entry_groups(cfg):
+    for entry_name, state_name, ratio, overlap in entry_groups(cfg):
         compress[entry_name] = _decode_plan(pool, entry_name, state_name, ratio, overlap, pos, rows, group_tables)
         if entry_name != "kv4":  # CSA picks kv4 entries through the indexer
             visible[entry_name] = _decode_visible(pool, entry_name, ratio, pos, rows, group_tables, shape)
@@ -242,7 +242,7 @@ def derive_decode_batch_reference(pool: CachePool, tables: BlockTables, inputs: 
                      swa_write=swa_write, compress=compress, visible=visible, tables=group_tables, logit_rows=rows)
 
 
-def _entry_groups(cfg) -> list[tuple[str, str, int, bool]]:
+def entry_groups(cfg) -> list[tuple[str, str, int, bool]]:
     """(entry group, state group, ratio, overlap) of each compressor, in derive order."""
     out = [(f"kv{r}", f"state{r}", r, r == 4) for r in cfg.ratios]
     if cfg.indexer_layers:
@@ -289,7 +289,7 @@ class PrologueLayout:
         self.swa_at = sources("swa", cfg.sliding_window, 1, 1 - cfg.sliding_window, swa_spec.page_rows,
                               cfg.sliding_window, swa_spec.num_pages * swa_spec.page_rows)
         self.plans, self.visible = {}, {}
-        for entry, state, ratio, overlap in _entry_groups(cfg):
+        for entry, state, ratio, overlap in entry_groups(cfg):
             st, es = pool.groups[state].spec, pool.groups[entry].spec
             ring = (st.page_rows, st.page_rows, st.num_pages * st.page_rows)
             cur = sources(state, ratio, ratio, 0, *ring)

@@ -28,7 +28,7 @@ import torch
 
 from engine.model.batch import CompressPlan, RingWrite, StepBatch, VisibleEntries, paged_rows, ring_sources
 from engine.model.cache import CachePool
-from engine.model.decode_batch import BlockTables, DecodeShape, _entry_groups, table_widths
+from engine.model.decode_batch import BlockTables, DecodeShape, entry_groups, table_widths
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def derive_verify_batch(pool: CachePool, tables: BlockTables, packed: torch.Tens
     swa_write = RingWrite(t_rows, torch.where(live, swa_page[seg] * swa_spec.page_rows + pos % window,
                                               scratch("swa", window)))
     compress, visible = {}, {}
-    for entry, state, ratio, overlap in _entry_groups(cfg):
+    for entry, state, ratio, overlap in entry_groups(cfg):
         st, es = pool.groups[state].spec, pool.groups[entry].spec
         state_page, total = group_tables[state][:, 0], st.num_pages * st.page_rows
         window_id = pos // ratio

@@ -127,13 +127,15 @@ def model(tmp_path_factory):
 def _engine(model, k):
     from engine.execution.runner import EngineCore
     from engine.execution.scheduler import SchedulerConfig
+    from engine.execution.spec_policy import SpecPolicy
     from engine.model.cache import CacheConfig
 
     cfg, weights = model
     return EngineCore(cfg, weights, cache_config=CacheConfig(max_requests=64, max_tokens=8192, page_tokens=16,
                                                              kv_cache_dtype="exact"),
                       scheduler_config=SchedulerConfig(max_batch_tokens=4096, max_num_seqs=64),
-                      decode_mode="eager", speculative_tokens=k)
+                      decode_mode="eager", speculative_tokens=k,
+                      speculative_policy=SpecPolicy(max_batch=64))  # draft at every batch here
 
 
 def _run(engine, requests):
