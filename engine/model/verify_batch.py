@@ -12,8 +12,9 @@ kept only where it closes, as engine.model.decode_batch does), visible counts pe
 
 Rows past a request's tokens (fewer drafts than K) and padding slots carry the padding table row
 (`BlockTables.pad_row`): every write they make (SWA ring, compressor state, closing entries) goes to the
-scratch pages, and no real row reads them (a real row reads only chunk rows at positions <= its own). Their
-logits are garbage and never read. With queries = 1 the batch equals decode_batch's (same tensors).
+scratch pages, and no real row reads them (a real row reads only chunk rows at positions <= its own). A padded
+row repeats the position of its request's last real row (a padding slot: position 0), so it reads only what
+that row reads (no entry past the request's reservation). Their logits are never read. With queries = 1 the batch equals decode_batch's (same tensors).
 
 Derived with torch ops on the device (no host sync, static shapes); the fused Triton prologue
 (dsv4_kernels.triton_decode_prologue) covers queries = 1 only: a q > 1 step is ~150 more small kernels inside
@@ -68,7 +69,8 @@ class VerifyInputs:
             if len(toks) > q or start + q > shape.decode.context:
                 raise ValueError(f"request {b} ({len(toks)} tokens at {start}) does not fit {shape}")
             ids += list(toks) + [0] * (q - len(toks))
-            pos += range(start, start + q)
+            last = start + max(len(toks), 1) - 1  # padded rows repeat it: they read nothing a real row does not
+            pos += list(range(start, last + 1)) + [last] * (q - max(len(toks), 1))
             rows += [row] * len(toks) + [pad_row] * (q - len(toks))
         return VerifyInputs(torch.tensor([ids, pos, rows], dtype=torch.long))
 

@@ -33,13 +33,15 @@ def _case(model, seed):
     return prompts, params
 
 
-@pytest.mark.parametrize("k,kv,corrupt", [(1, "exact", 0.2), (2, "exact", 0.3), (1, "fp8", 0.3), (2, "fp8", 0.2)])
-def test_bucketed_verify_equals_non_speculative(model, monkeypatch, k, kv, corrupt):
+@pytest.mark.parametrize("k,kv,corrupt,budget", [(1, "exact", 0.2, 2048), (2, "exact", 0.3, 2048),
+                                                 (2, "exact", 0.3, 7), (1, "fp8", 0.3, 2048), (2, "fp8", 0.2, 2048)])
+def test_bucketed_verify_equals_non_speculative(model, monkeypatch, k, kv, corrupt, budget):
+    """budget 7: chunked prefill, so steps mixing prefill with decode take the varlen path between bucketed ones."""
     prompts, params = _case(model, k)
     base = _run(_engine(model, 0, kv, mode="eager"), prompts, params)
     refs = {tuple(p): o.token_ids for p, o in zip(prompts, base)}
     _forced(monkeypatch, refs, corrupt, seed=k)
-    spec = _engine(model, k, kv)
+    spec = _engine(model, k, kv, budget=budget)
     outs = _run(spec, prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     for o, b in zip(outs, base):
@@ -103,3 +105,39 @@ def test_graph_verify_steps_equal_eager_bucketed(model, monkeypatch, k):
     assert got == want
     assert len(graphs.speculator.verify.graphs) == captured  # every bucket used was captured at warm-up
     assert graphs.speculator.verify.steps > 0
+
+
+def test_one_query_verify_batch_is_the_decode_batch(model):
+    """queries = 1: derive_verify_batch gives derive_decode_batch_reference's tensors (the decode step's indices)."""
+    from dataclasses import fields
+
+    from engine.model.decode_batch import DecodeInputs, DecodeShape, derive_decode_batch_reference
+    from engine.model.verify_batch import VerifyInputs, VerifyShape, derive_verify_batch
+
+    engine = _engine(model, 1)
+    pool, tables = engine.pool, engine.speculator.verify.decode.block_tables
+    pages = [{name: [1 + b + 3 * i for i in range(1 if g.spec.fixed else 3)] for name, g in pool.groups.items()}
+             for b in range(3)]
+    rows = tables.rows_for(["a", "b", "c"], pages)
+    shape = DecodeShape(4, 256)
+    tokens, positions = [5, 6, 7], [3, 40, 127]
+    dec = derive_decode_batch_reference(pool, tables, DecodeInputs.make(tokens, positions, rows, shape,
+                                                                        tables.pad_row), shape)
+    ver = derive_verify_batch(pool, tables, VerifyInputs.make([[t] for t in tokens], positions, rows,
+                                                              VerifyShape(shape, 1), tables.pad_row).packed,
+                              VerifyShape(shape, 1))
+
+    def same(a, b, where):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), where
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys(), where
+            for k in a:
+                same(a[k], b[k], f"{where}.{k}")
+        elif hasattr(a, "__dataclass_fields__"):
+            for f in fields(a):
+                same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+        else:
+            assert a == b, where
+
+    same(dec, ver, "batch")
