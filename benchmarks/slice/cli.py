@@ -32,9 +32,10 @@ Measured, in one process (CUDA-synchronised wall time of `EngineCore.step()`, me
     indexer keys + the top-512 entries, on HCA all entries;
   * engine format: the same rows and tensors as that engine stores them (bf16 dense weights, bf16 cache
     rows, touched experts as MXFP4 when kept packed, else bf16);
-- prefill, per experts format: one request of 8K prompt tokens in one step; tokens/s against the FLOP
-  roofline (the matmul, attention and indexer FLOPs the prefill must do / a large bf16 matmul measured
-  in the same run);
+- prefill, per experts format: one request of --prefill-tokens (8K) prompt tokens in chunks of --prefill-chunk
+  (8192) tokens, each step synchronised; tokens/s against the FLOP roofline (the matmul, attention and indexer
+  FLOPs the prefill must do / a large bf16 matmul measured in the same run, and / DeepGEMM's FP8 GEMM at 8192^3
+  where it runs), each timed run's seconds, each chunk's time as the prompt grows and the peak allocated memory;
 - peer: transformers' `DeepseekV4ForCausalLM` on the same slice in bf16 (its own random init, hash table
   randomised; eager attention, the only one it supports), batch 16, context 4K, twice: with the experts
   implementation transformers picks by itself (`grouped_mm` on CUDA in 5.2x) and with `eager` experts (its
@@ -57,7 +58,8 @@ roofs; engine_bench: decode / profile / prefill runs and the expert-id recorder;
 FLOPs; peer: transformers; report: the section and BENCHMARKS.md; suite: the run in order). This file
 only parses the flags.
 
-Usage: dsv4 bench slice [--experts mxfp4 bf16] [--out FILE] [--write] [--smoke] [--budget-s 540]
+Usage: dsv4 bench slice [--experts mxfp4 bf16 fp8] [--out FILE] [--write] [--smoke] [--budget-s 540]
+       [--prefill-tokens N] [--prefill-chunk 8192] [--prefill-runs 2] [--prefill-only]
        (= python -m benchmarks.slice; benchmarks/slice/run.sh wraps it and provides transformers' DeepseekV4 when
        the installed one lacks it)
 """
@@ -71,7 +73,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.slice.report import render, write_benchmarks
-from benchmarks.slice.slice_model import EXPERT_FORMATS
+from benchmarks.slice.slice_model import ALL_EXPERT_FORMATS, EXPERT_FORMATS
 from benchmarks.slice.suite import Suite, make_plan
 from benchmarks.timing import Clock
 from service.benchmarks_md import BENCHMARKS_MD
@@ -87,11 +89,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--prefill-tokens", type=int, default=None)
+    ap.add_argument("--prefill-chunk", type=int, default=8192,
+                    help="the engine's max_batch_tokens: a longer prompt runs in chunks of this many tokens, as the "
+                         "service runs it (each chunk's time and the peak memory are reported)")
+    ap.add_argument("--prefill-runs", type=int, default=2, help="timed prefill runs after one untimed (median)")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only the prefill rows (no decode rows, profiled decode step or sampled decode)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--experts", nargs="+", choices=EXPERT_FORMATS, default=list(EXPERT_FORMATS),
+    ap.add_argument("--experts", nargs="+", choices=ALL_EXPERT_FORMATS, default=list(EXPERT_FORMATS),
                     help="routed-expert formats, one engine each, in this order: mxfp4 (packed, Triton MXFP4 MoE; "
-                         "the production format), bf16 (dequantised, torch grouped_mm); default both")
+                         "the production format), bf16 (dequantised, torch grouped_mm), fp8 (mxfp4 plus the experts "
+                         "converted to FP8 for steps of >= 1024 tokens: DeepGEMM's grouped GEMM, as "
+                         "`dsv4 serve --prefill-expert-format fp8`); default mxfp4 bf16")
     ap.add_argument("--dense", choices=("auto", "fp8", "bf16"), default="auto",
                     help="dense projections: fp8 (e4m3 + block scales through DeepGEMM, where it runs), bf16 "
                          "(dequantised at load); auto = fp8 where DeepGEMM runs")

@@ -297,25 +297,40 @@ def _host_table(prof, top: int = 6) -> dict:
 
 def bench_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, repeats: int, clock: Clock, reserve_s: float,
                   seed: int) -> dict:
+    """One `tokens`-token prompt, 1 + repeats times (the first untimed unless it is the only one), each in as many
+    steps as the engine's max_batch_tokens makes (chunks), synchronised after each step. -> {"s": median prefill
+    seconds, "n", "steps", "runs_s": each timed run, "chunk_s": the last run's step seconds in order, "chunk_end":
+    the prompt tokens computed after each of those steps (chunks may end early at prefix-cache blocks), "peak_gib":
+    the largest allocated GiB during a run, "base_gib": allocated before it (CUDA; 0 elsewhere)}."""
     device = core.device
+    cuda = torch.device(device).type == "cuda"
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    times, steps = [], 0
+    times, steps, chunk_s, chunk_end, peak, base = [], 0, [], [], 0.0, 0.0
     for r in range(1 + repeats):
         if r >= 2 and clock.left() - reserve_s < 2 * max(times):
             break
         prompt = torch.randint(2, cfg.vocab_size, (tokens,), generator=g).tolist()
         rid = core.add_request(prompt, params, request_id=f"prefill-{r}")
         sync(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device) / 2**30
         t = time.perf_counter()
-        n = 0
+        chunk_s, chunk_end = [], []
+        request = core.requests[rid]
         while core.has_work:
+            ts = time.perf_counter()
             core.step()
-            n += 1
-        sync(device)
+            sync(device)  # per step: the time of each chunk as the prompt grows
+            chunk_s.append(time.perf_counter() - ts)
+            chunk_end.append(min(request.num_computed, tokens))
         times.append(time.perf_counter() - t)
+        if cuda:
+            peak = max(peak, torch.cuda.max_memory_allocated(device) / 2**30)
         core.pop_finished(rid)
-        steps = n
+        steps = len(chunk_s)
     timed = times[1:] or times
-    return {"s": median(timed), "n": len(timed), "steps": steps}
+    return {"s": median(timed), "n": len(timed), "steps": steps, "runs_s": timed, "chunk_s": chunk_s, "chunk_end": chunk_end,
+            "peak_gib": peak, "base_gib": base}
 

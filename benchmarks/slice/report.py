@@ -132,17 +132,25 @@ def _decode_table(ctx: dict) -> list[str]:
 
 def _prefill_table(ctx: dict) -> list[str]:
     lines = []
-    lines.append("| prefill | experts | time s | tok/s | TFLOP | FLOP roof tok/s | % of roof |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|")
+    fp8 = ctx.get("fp8_tflops")
+    lines.append("| prefill | experts | time s | tok/s | TFLOP | bf16 matmul roof tok/s | % of bf16 roof | "
+                 "% of FP8 roof |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|")
     for p in ctx.get("prefill") or [{"experts": "-", "skip": "not run"}]:
         if "skip" not in p:
+            share_fp8 = f"{100 * p['share_fp8']:.1f}%" if "share_fp8" in p else "-"
             lines.append(f"| 1 x {fmt_k(p['tokens'])} tokens, {p['steps']} step(s), median of {p['n']} "
                          f"| {p['experts']} | {p['s']:.2f} | {p['tok_s']:.0f} | {p['tflop']:.1f} "
-                         f"| {p['roof_tok_s']:.0f} | {100 * p['share']:.1f}% |")
+                         f"| {p['roof_tok_s']:.0f} | {100 * p['share']:.1f}% | {share_fp8} |")
         else:
             lines.append(f"| {fmt_k(ctx['prefill_tokens'])} tokens | {p['experts']} | skipped: {p['skip']} "
-                         "| | | | |")
+                         "| | | | | |")
     lines.append("")
+    if fp8:
+        lines += [f"FP8 roof: DeepGEMM `fp8_gemm_nt` 8192^3 = {fp8:.0f} TFLOP/s, measured in this run.", ""]
+    for p in ctx.get("prefill") or []:
+        if "chunk_s" in p:
+            lines += [_chunk_text(p), ""]
     for p in ctx.get("prefill") or []:
         prof = p.get("profile")
         if prof:  # device-busy share: how host-bound the prefill is
@@ -151,6 +159,19 @@ def _prefill_table(ctx: dict) -> list[str]:
                       f"busy {prof['busy_ms']:.1f} ms of {prof['wall_ms']:.1f} ms wall ({p['s'] * 1e3:.0f} ms "
                       f"unprofiled). Top kernels: {top}." + _host_text(prof), ""]
     return lines
+
+
+def _chunk_text(p: dict) -> str:
+    """Each timed run's seconds, and the last run's chunks as the prompt grows (every chunk up to 16, else the
+    chunks ending at each power-of-two prompt length and the last) with the peak allocated memory."""
+    picked = []
+    for i, (t, done) in enumerate(zip(p["chunk_s"], p["chunk_end"])):
+        if len(p["chunk_s"]) <= 16 or done & (done - 1) == 0 or i == len(p["chunk_s"]) - 1:
+            picked.append(f"{fmt_k(done)} {t * 1e3:.0f} ms")
+    runs = ", ".join(f"{t:.3f}" for t in p["runs_s"])
+    return (f"Prefill {p['experts']}: runs {runs} s; chunks of <= {fmt_k(p['chunk'])} tokens, time of the chunk "
+            f"ending at each prompt length: {'; '.join(picked)}; peak {p['peak_gib']:.2f} GiB allocated "
+            f"({p['base_gib']:.2f} GiB before the prompt: weights and the KV pool).")
 
 
 def _host_text(prof: dict) -> str:

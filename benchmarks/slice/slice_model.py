@@ -6,7 +6,11 @@ Routed experts come in one of two formats (EXPERT_FORMATS), one engine each:
 - "mxfp4": kept packed, as `load_weights(..., keep_mxfp4_experts=True)` hands them over (uint8 e2m1 bytes
   [N, K/2] + UE8M0 scale bytes [N, K/32] per expert; engine.model.moe.PackedExperts), filled with random bytes
   (every byte is a valid e2m1 pair) and one scale per tensor giving the std of the bf16 experts;
-- "bf16": MXFP4-rounded (dsv4_kernels/quant.py) then dequantised to bf16, as the loader does by default.
+- "bf16": MXFP4-rounded (dsv4_kernels/quant.py) then dequantised to bf16, as the loader does by default;
+- "fp8" (not in the default list): the "mxfp4" engine whose experts are also converted to FP8 128x128 after they
+  are filled (dsv4_kernels.fp8_experts.from_packed, what `--prefill-expert-format fp8` does at load on an engine
+  that decodes): steps of >= FP8_EXPERT_MIN_TOKENS tokens (the prefill) run DeepGEMM's grouped FP8 GEMM, decode
+  steps keep MXFP4.
 No checkpoint file is written: the weights dict is built on the device and handed to `EngineCore`, and
 the caches are filled with random rows.
 """
@@ -39,13 +43,15 @@ from engine.loading.weights import expected_weight_shapes, keeps_fp32
 from engine.model.cache import CacheConfig
 from engine.model.config import ModelConfig
 from engine.model.fast_paths import (
+    FP8_EXPERT_MIN_TOKENS,
     mxfp4_moe_backend,
     resolve_index_cache_dtype,
     resolve_kv_cache_dtype,
+    use_fp8_expert_gemm,
     use_fp8_gemm,
     use_grouped_moe,
 )
-from engine.model.linear import keeps_fp8
+from engine.model.linear import keeps_fp8, pow2_activations
 
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128]}
@@ -81,11 +87,15 @@ def _proj_std(fan_in: int) -> float:
     return min(0.1, max(0.02, 1.0 / math.sqrt(fan_in)))  # as engine.loading.make_model.random_weights
 
 
-EXPERT_FORMATS = ("mxfp4", "bf16")
+EXPERT_FORMATS = ("mxfp4", "bf16")  # the default run's formats
+ALL_EXPERT_FORMATS = (*EXPERT_FORMATS, "fp8")
 
 
 def experts_path(fmt: str, device, dtype) -> str:
     """What runs the routed experts of a `fmt` engine on `device` (engine.model.moe's choice), for the report."""
+    if fmt == "fp8":
+        prefill = "DeepGEMM grouped FP8" if use_fp8_expert_gemm(device) and dtype == torch.bfloat16 else "reference"
+        return f"fp8 >= {FP8_EXPERT_MIN_TOKENS} tokens ({prefill}), else " + experts_path("mxfp4", device, dtype)
     if fmt == "mxfp4":
         return {"triton_kernels": "mxfp4, triton_kernels matmul", "marlin": "mxfp4, Marlin W4A16 grouped GEMM",
                 "engine": "mxfp4, engine Triton MoE",
@@ -189,6 +199,22 @@ def fill_experts(core: EngineCore, gen: torch.Generator, chunk: int) -> None:
                 del t, packed, scale
 
 
+def add_fp8_experts(core: EngineCore, cfg: ModelConfig) -> None:
+    """Each MoE layer's filled MXFP4 experts also as FP8 128x128 (before any MoE call: triton_kernels' layouts
+    replace the packed bytes at the first one); the conversion's precision report is printed."""
+    from dsv4_kernels.fp8_experts import from_packed
+    from dsv4_kernels.mxfp4_fp8 import ConversionReport
+
+    report = ConversionReport()
+    for i, moe in enumerate(core.model.moe):
+        pk = moe.packed
+        if pk is None:
+            raise ValueError("fp8 experts convert packed MXFP4 experts; this engine's are not packed")
+        moe.fp8 = from_packed(pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3, report, f"layer {i} ",
+                              pow2_activations(cfg.quantization))
+    print(report.describe(), flush=True)
+
+
 def fill_caches(core: EngineCore, gen: torch.Generator, chunk: int = 1 << 16) -> None:
     """Random rows in every cache group (SWA rings, compressed KV, indexer keys, compressor states).
     Quantised groups get packed rows of random values (random bytes would hold NaN codes and wild scales):
@@ -208,26 +234,30 @@ def fill_caches(core: EngineCore, gen: torch.Generator, chunk: int = 1 << 16) ->
 
 def build_engine(raw: dict, device, dtype, max_requests: int, max_tokens: int, prefill_tokens: int, seed: int,
                  expert_chunk: int, experts: str = "bf16", dense: str = "bf16", kv_cache: str = "auto",
-                 index_cache: str = "auto"):
+                 index_cache: str = "auto", prefill_chunk: int | None = None):
     """-> (cfg, EngineCore) with routed experts in format `experts` (EXPERT_FORMATS), dense projections as
     `dense` ("fp8" / "bf16", see build_weights), the KV cache as `kv_cache` resolves (`dsv4 serve`'s
     --kv-cache-dtype: auto = fp8 where FlashMLA decodes it) with indexer keys as `index_cache` resolves (auto = FP8
-    on Hopper, else MXFP4), decode_mode "auto"."""
-    if experts not in EXPERT_FORMATS:
-        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
+    on Hopper, else MXFP4), decode_mode "auto". prefill_chunk: the step's token budget (max_batch_tokens, at least
+    max_requests), as a serving engine chunks a long prompt; None: the whole prefill in one step (at least 2048)."""
+    budget = (max(min(prefill_tokens, prefill_chunk), max_requests) if prefill_chunk
+              else max(prefill_tokens, 2048))
+    if experts not in ALL_EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {ALL_EXPERT_FORMATS}, got {experts!r}")
     cfg = ModelConfig.from_dict(raw)
     gen = torch.Generator(device=device).manual_seed(seed)
-    weights = build_weights(cfg, device, dtype, gen, experts, dense)
+    weights = build_weights(cfg, device, dtype, gen, "mxfp4" if experts == "fp8" else experts, dense)
     kv_dtype, _ = resolve_kv_cache_dtype(kv_cache, device, dtype, cfg.head_dim, cfg.rope_dim, cfg.num_heads)
     index_dtype, _ = resolve_index_cache_dtype(index_cache, device)
     core = EngineCore(cfg, weights, device=device, dtype=dtype,
                       cache_config=CacheConfig(max_requests=max_requests, max_tokens=max_tokens, page_tokens=256,
                                                kv_cache_dtype=kv_dtype, index_cache_dtype=index_dtype,
                                                staging_pages=STAGING_PAGES),
-                      scheduler_config=SchedulerConfig(max_batch_tokens=max(prefill_tokens, 2048),
-                                                       max_num_seqs=max_requests))
+                      scheduler_config=SchedulerConfig(max_batch_tokens=budget, max_num_seqs=max_requests))
     del weights
     fill_experts(core, gen, expert_chunk)
+    if experts == "fp8":
+        add_fp8_experts(core, cfg)
     fill_caches(core, gen)
     sync(device)
     return cfg, core

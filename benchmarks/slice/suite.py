@@ -32,6 +32,7 @@ from .peer import bench_transformers, transformers_info
 from .report import environment, fmt_k, verdicts
 from .roofline import check_geometry, decode_figures, prefill_figures
 from .slice_model import (
+    ALL_EXPERT_FORMATS,
     EXPERT_FORMATS,
     build_engine,
     dense_path,
@@ -67,6 +68,9 @@ class Plan:
     profile_batch: int | None = None  # the profiled decode step's batch (default 64, or the largest batch)
     profile_dump: str | None = None  # also write the profiled step's kernels, in launch order, to this file
     prefill_dump: str | None = None  # the same for the profiled prefill
+    prefill_chunk: int = 8192  # the engine's max_batch_tokens: a longer prompt runs in chunks, as the service runs it
+    prefill_runs: int = 2  # timed prefill runs (after one untimed)
+    prefill_only: bool = False  # skip the decode rows, the profiled decode step and the sampled decode
 
     @property
     def mm_n(self) -> int:  # the matmul size measure_roofs uses
@@ -80,14 +84,17 @@ class Plan:
 def make_plan(args: argparse.Namespace) -> Plan:
     device = args.device or ("cpu" if args.smoke else "cuda")
     experts = tuple(dict.fromkeys(getattr(args, "experts", None) or EXPERT_FORMATS))
-    bad = [f for f in experts if f not in EXPERT_FORMATS]
+    bad = [f for f in experts if f not in ALL_EXPERT_FORMATS]
     if bad:
-        raise ValueError(f"--experts takes {EXPERT_FORMATS}, got {bad}")
+        raise ValueError(f"--experts takes {ALL_EXPERT_FORMATS}, got {bad}")
     return dataclasses.replace(_plan(args, device), experts=experts, dense=getattr(args, "dense", None) or "auto",
                                index_cache=getattr(args, "index_cache", None) or "auto",
                                profile_batch=getattr(args, "profile_batch", None),
                                profile_dump=getattr(args, "profile_dump", None),
-                               prefill_dump=getattr(args, "prefill_dump", None))
+                               prefill_dump=getattr(args, "prefill_dump", None),
+                               prefill_chunk=getattr(args, "prefill_chunk", None) or 8192,
+                               prefill_runs=getattr(args, "prefill_runs", None) or 2,
+                               prefill_only=bool(getattr(args, "prefill_only", False)))
 
 
 def _plan(args: argparse.Namespace, device: str) -> Plan:
@@ -100,6 +107,29 @@ def _plan(args: argparse.Namespace, device: str) -> Plan:
                 batches=args.batches or [1, 16, 64, 128], contexts=args.contexts or [4096, 32768],
                 prefill_tokens=args.prefill_tokens or 8192, steps=args.steps or 8, warmup=args.warmup,
                 hf_batch=16, hf_ctx=4096, hf_chunk=512, expert_chunk=16, no_peer=args.no_peer)
+
+
+def fp8_roof(p: Plan) -> float | None:
+    """DeepGEMM's dense FP8 GEMM rate at 8192^3 (TFLOP/s), the FP8 FLOP roof issue 35 counts prefill against; None
+    off CUDA or without DeepGEMM."""
+    from dsv4_kernels.gpu import has_deep_gemm
+
+    if not p.cuda or p.smoke or not has_deep_gemm():
+        return None
+    from benchmarks.kernels.moe_fp8 import fp8_roof_tflops
+
+    return fp8_roof_tflops()
+
+
+def prefill_line(out: dict) -> str:
+    """The log line of one measured prefill (Suite.prefill's figures)."""
+    fp8 = f"; {100 * out['share_fp8']:.1f}% of the FP8 roof" if "share_fp8" in out else ""
+    runs = ", ".join(f"{t * 1e3:.1f}" for t in out["runs_s"])
+    chunks = ", ".join(f"{t * 1e3:.0f}" for t in out["chunk_s"])
+    return (f"prefill {out['experts']} {out['tokens']}: {out['s']:.2f} s ({out['tok_s']:.0f} tok/s), roof "
+            f"{out['roof_tok_s']:.0f} tok/s ({100 * out['share']:.1f}% of the bf16 matmul roof{fp8}); runs {runs} ms; "
+            f"{out['steps']} chunk(s) of <= {out['chunk']} tokens: {chunks} ms; peak {out['peak_gib']:.2f} GiB "
+            f"allocated ({out['base_gib']:.2f} before)")
 
 
 def free_device_memory(device: str) -> None:
@@ -120,6 +150,7 @@ class Suite:
         self.est_step: dict[int, tuple[int, float]] = {}  # context -> last measured (batch, step s)
         self.core, self.rec, self.engine = None, None, {}
         self.reserve = 0.0  # seconds kept back for the formats to come and the peer
+        self.fp8_tflops: float | None = None  # the FP8 GEMM roof (CUDA with DeepGEMM)
 
     def run(self) -> dict:
         p = self.plan
@@ -129,7 +160,9 @@ class Suite:
         print(f"# {env['gpu']} driver {env['driver']} torch {env['torch']} triton {env['triton']} "
               f"transformers {env['transformers']}", flush=True)
         self.copy_gbs, self.tflops = measure_roofs(p.device, p.smoke)
-        print(f"roofs: copy {self.copy_gbs:.0f} GB/s, bf16 matmul {self.tflops:.3g} TFLOP/s", flush=True)
+        self.fp8_tflops = fp8_roof(p)
+        fp8 = f", FP8 GEMM {self.fp8_tflops:.3g} TFLOP/s" if self.fp8_tflops else ""
+        print(f"roofs: copy {self.copy_gbs:.0f} GB/s, bf16 matmul {self.tflops:.3g} TFLOP/s{fp8}", flush=True)
         peer_ok = not p.no_peer and transformers_info()[1]
         # the peer (both experts paths) took 20-40 s on an H200; 90 s kept back skipped an 8K prefill with 115 s left
         self.hf_reserve = (20 if p.smoke else 50) if peer_ok else 5
@@ -166,13 +199,13 @@ class Suite:
             free_device_memory(p.device)
             return
         try:
-            for c in (c for c in p.contexts if c <= 8192):
+            for c in (c for c in p.contexts if c <= 8192 and not p.prefill_only):
                 self.run_decode(c)
-            if self.profile_info is None:
+            if self.profile_info is None and not p.prefill_only:
                 self.profile_info = self.profile()  # one profiled decode step, first format only
                 self.sampled_decode()  # first format only too
-            self.prefills.append(self.prefill())  # one long prompt in one step
-            for c in (c for c in p.contexts if c > 8192):
+            self.prefills.append(self.prefill())  # one long prompt, in chunks of p.prefill_chunk tokens
+            for c in (c for c in p.contexts if c > 8192 and not p.prefill_only):
                 self.run_decode(c)
             runner = self.core.decode_runner
             self.engine["graphs"] = len(runner.graphs) if runner is not None and runner.mode == "graphs" else 0
@@ -190,7 +223,8 @@ class Suite:
         t = time.perf_counter()
         self.cfg, self.core = build_engine(p.raw, p.device, DTYPE, max_requests=max(max_b, 1), max_tokens=max_tokens,
                                            prefill_tokens=p.prefill_tokens, seed=0, expert_chunk=p.expert_chunk,
-                                           experts=fmt, dense=self.engine["dense"], index_cache=p.index_cache)
+                                           experts=fmt, dense=self.engine["dense"], index_cache=p.index_cache,
+                                           prefill_chunk=p.prefill_chunk)
         self.rec = ExpertRecorder(self.core)
         self.engine.update(build_s=time.perf_counter() - t, decode_mode=self.core.decode_mode,
                            packed=self.core.model.moe[0].mxfp4, fp8_cache=self.core.pool.groups["swa"].quantised,
@@ -300,10 +334,13 @@ class Suite:
         if clock.left() - self.hf_reserve < (5 if p.smoke else 30):
             return {**out, "skip": f"time budget ({clock.left():.0f} s left)"}
         try:
-            r = bench_prefill(self.core, self.cfg, p.prefill_tokens, 2, clock, self.reserve, seed=5)
-            out.update(prefill_figures(self.cfg, p.prefill_tokens, r["s"], self.tflops), n=r["n"], steps=r["steps"])
-            print(f"prefill {out['experts']} {p.prefill_tokens}: {r['s']:.2f} s ({out['tok_s']:.0f} tok/s), roof "
-                  f"{out['roof_tok_s']:.0f} tok/s ({100 * out['share']:.1f}%)", flush=True)
+            r = bench_prefill(self.core, self.cfg, p.prefill_tokens, p.prefill_runs, clock, self.reserve, seed=5)
+            out.update(prefill_figures(self.cfg, p.prefill_tokens, r["s"], self.tflops), n=r["n"], steps=r["steps"],
+                       runs_s=r["runs_s"], chunk_s=r["chunk_s"], chunk_end=r["chunk_end"], peak_gib=r["peak_gib"], base_gib=r["base_gib"],
+                       chunk=p.prefill_chunk)
+            if self.fp8_tflops:
+                out["share_fp8"] = out["tflop"] / self.fp8_tflops / r["s"]
+            print(prefill_line(out), flush=True)
             if p.cuda and clock.left() - self.reserve > 3 * r["s"] + 10:
                 prof = profile_prefill(self.core, self.cfg, p.prefill_tokens, seed=6, dump=p.prefill_dump)
                 out["profile"] = prof
@@ -345,6 +382,7 @@ class Suite:
             "triton_path": triton_at_start, "engines": self.engines, "steps": p.steps, "warmup": p.warmup,
             "decode": self.decode, "prefill": self.prefills, "prefill_tokens": p.prefill_tokens, "hf": hf,
             "hf_batch": p.hf_batch, "hf_ctx": p.hf_ctx, "hf_chunk": p.hf_chunk, "profile": self.profile_info,
+            "fp8_tflops": self.fp8_tflops,
         }
         ctx["verdicts"] = self.notes + ([""] if self.notes else []) + verdicts(ctx)
         ctx["total_s"] = clock.elapsed()
