@@ -13,6 +13,7 @@ from engine.execution.sampling_params import SamplingParams
 from engine.execution.scheduler import SchedulerConfig
 from engine.execution.spec_policy import SpecGate, SpecPolicy
 from engine.model.cache import CacheConfig
+from engine.model.config import ModelConfig
 from tests.engine.test_speculative import _forced, _prompts, _run
 from tests.engine.test_speculative import model as model  # noqa: F401 (the module fixture)
 
@@ -85,26 +86,30 @@ def test_acceptance_floor_pauses_and_probes():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: CUDA graphs of verify steps")
 @pytest.mark.parametrize("k", [1, 2])
-def test_graph_verify_steps_equal_eager_bucketed(model, monkeypatch, k):
-    """bf16 on CUDA (graphs need it): the graph verify steps give the tokens the eager bucketed steps give, and the
-    warm-up captured the verify buckets (no capture while serving)."""
+def test_graph_verify_steps_equal_eager_bucketed(tmp_path, monkeypatch, k):
+    """bf16 on CUDA (graphs need it): the graph verify steps give the tokens the eager bucketed steps give (forced
+    drafts: accepted runs and rejections), and the warm-up captured every verify bucket the run used."""
     from engine.execution.warmup import warm_engine
+    from engine.loading.make_model import make_model
+    from engine.loading.weights import load_weights
 
-    cfg, weights = model
-    gpu = (cfg, {n: t.to("cuda", torch.bfloat16) if t.is_floating_point() else t.to("cuda")
-                 for n, t in weights.items()})
-    prompts, params = _case(model, 7)
+    d = make_model("tiny", tmp_path / "m", seed=11, mtp_layers=1)
+    cfg = ModelConfig.from_model_dir(d)
+    gpu = (cfg, load_weights(d, cfg, dtype=torch.bfloat16, device="cuda", mtp=True))
+    prompts, params = _case(gpu, 7)
+    want = _run(_engine(gpu, 0, mode="bucketed", device="cuda", dtype=torch.bfloat16), prompts, params)
+    _forced(monkeypatch, {tuple(p): o.token_ids for p, o in zip(prompts, want)}, 0.3, seed=k)
     eager = _engine(gpu, k, device="cuda", dtype=torch.bfloat16)
-    want = [o.token_ids for o in _run(eager, prompts, params)]
+    bucketed = [o.token_ids for o in _run(eager, prompts, params)]
     graphs = _engine(gpu, k, mode="graphs", device="cuda", dtype=torch.bfloat16)
-    warm_engine(graphs, decodes=True)
+    warm_engine(graphs, sweep_gemms=False, decodes=True)
     captured = len(graphs.speculator.verify.graphs)
     assert captured > 0
-    got = [o.token_ids for o in _run(graphs, prompts, params)]
-    assert got == want
-    assert len(graphs.speculator.verify.graphs) == captured  # every bucket used was captured at warm-up
-    assert graphs.speculator.verify.steps > 0
+    assert [o.token_ids for o in _run(graphs, prompts, params)] == bucketed
+    assert len(graphs.speculator.verify.graphs) == captured  # nothing captured while serving
+    assert graphs.speculator.verify.steps > 0 and graphs.speculator.stats["accepted"] > 0
 
 
 def test_one_query_verify_batch_is_the_decode_batch(model):
