@@ -99,12 +99,12 @@ def test_graph_verify_steps_equal_eager_bucketed(tmp_path, monkeypatch, k):
     cfg = ModelConfig.from_model_dir(d)
     gpu = (cfg, load_weights(d, cfg, dtype=torch.bfloat16, device="cuda", mtp=True))
     prompts, params = _case(gpu, 7)
+    graphs = _engine(gpu, k, mode="graphs", device="cuda", dtype=torch.bfloat16)
+    warm_engine(graphs, sweep_gemms=False, decodes=True)  # before forcing: its prompts have no reference
     want = _run(_engine(gpu, 0, mode="bucketed", device="cuda", dtype=torch.bfloat16), prompts, params)
     _forced(monkeypatch, {tuple(p): o.token_ids for p, o in zip(prompts, want)}, 0.3, seed=k)
     eager = _engine(gpu, k, device="cuda", dtype=torch.bfloat16)
     bucketed = [o.token_ids for o in _run(eager, prompts, params)]
-    graphs = _engine(gpu, k, mode="graphs", device="cuda", dtype=torch.bfloat16)
-    warm_engine(graphs, sweep_gemms=False, decodes=True)
     captured = len(graphs.speculator.verify.graphs)
     assert captured > 0
     assert [o.token_ids for o in _run(graphs, prompts, params)] == bucketed
