@@ -107,4 +107,5 @@ def visible_topk(q: torch.Tensor, read_keys: Callable[[torch.Tensor], torch.Tens
         block_rows = rows[seg[t0:t1]]
         scores = indexer_scores(q[t0:t1], read_keys(block_rows.reshape(-1)).view(t1 - t0, s, -1), weights[t0:t1])
         out[t0:t1] = topk_visible(scores, cols < count[t0:t1].unsqueeze(1), k)
+        del block_rows, scores  # before the next block's: one block's keys and scores alive at a time
     return out

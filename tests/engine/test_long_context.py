@@ -117,8 +117,12 @@ def test_step_workspace_is_bounded_at_1m_context():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: peak memory of a 1M-context indexer step")
 def test_indexer_step_at_1m_context_peak_memory_is_bounded():
     """An 8K-query chunk at the end of a 1M context (V4-Flash's 64 x 128 index heads, FP8 paged keys, one
-    request): the indexer's picks take at most SCORES_BUDGET of scores plus the inputs (the old [T, S] path
-    needed 16 GiB of candidate rows and 8 GiB of scores)."""
+    request): what the call allocates beyond its inputs is one query block's fp32 scores (SCORES_BUDGET: 256
+    queries x 262144 entries = 256 MiB), the int64 picks [T, 512] (32 MiB) and torch.topk's per-block outputs and
+    radix-select scratch (values + indices [256, 512]: 1.5 MiB; its scratch a few MiB), bounded here by 32 MiB
+    (the old [T, S] path needed 16 GiB of candidate rows and 8 GiB of scores). The H200 measured 545 MiB when
+    the loop kept the previous block's scores alive while the next was scored (2 x 256 + 32 + 1): memory_plan's
+    step_workspace counts one block + the picks."""
     from dsv4_kernels import geometry as g
     from dsv4_kernels.indexer import SCORES_BUDGET
     from dsv4_kernels.triton_indexer import indexer_topk
@@ -139,4 +143,4 @@ def test_indexer_step_at_1m_context_peak_memory_is_bounded():
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     assert picked.shape == (t, 512) and bool((picked >= 0).all())
-    assert peak < SCORES_BUDGET + (256 << 20), peak / 2**20
+    assert peak <= SCORES_BUDGET + t * 512 * 8 + (32 << 20), peak / 2**20
