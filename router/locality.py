@@ -13,7 +13,11 @@ Choice (`choose_by_cache`), for the healthy prefill candidates, all with digests
 - cost(w) = pending(w) + prompt - cached(w): the prompt tokens w must compute before this request's first
   token, where pending(w) is the uncached prompt tokens this router sent to w whose prefill has not
   finished (RoutingPolicy tracks it: it does not lag like a load report). This is the Dynamo / LMetric
-  family of rules: overlap is worth exactly the compute it saves, load costs exactly the compute queued.
+  family of rules, with the prompt's uncached tokens weighted by `PolicyConfig.uncached_weight` (2): a prefix
+  recomputed elsewhere delays every later request and its copy evicts other prefixes, so a growing session
+  leaves the worker holding it only when that worker's queue is longer by more than twice the cached part.
+  With weight 1 (overlap worth exactly the compute it saves) bursts and heavy-tailed lengths scattered
+  sessions: 86% / 91% of the pooled hit rate on the `bursty` / `heavy_tail` traces, 96% / 96% at 2.
 - the lowest cost wins (ties: fewer requests there, then fewer pending tokens, then rotate);
 - anti-hot-spot guard: if the winner's request load exceeds the least-loaded worker's by more than
   `balance_abs_threshold` AND by more than `balance_rel_threshold` x, the least-loaded worker takes the

@@ -31,7 +31,7 @@ with fewer remembered blocks (more room for a new prefix), then rotate, so idle 
 Real locality: when every prefill candidate publishes a `PrefixDigest` (what its engine's prefix cache
 can resume from, router/locality.py), nothing is estimated or recorded: `cache_aware` picks the worker
 with the least prompt compute queued + needed (`choose_by_cache`: pending uncached tokens this router sent
-there, plus this prompt's uncached tokens there), under the same hot-spot guard; `Decision.cached_tokens`
+there, plus this prompt's uncached tokens there, weighted by `uncached_weight`), under the same hot-spot guard; `Decision.cached_tokens`
 is the chosen worker's real cached prefix. The router calls `prefill_done` when a prefill ends.
 
 Decode rule: a `colocated` prefill worker decodes its own request (reason "colocated"). Otherwise among
@@ -120,6 +120,11 @@ class PolicyConfig:
     # cache_aware on real digests: prompt tokens computed recently (decayed with this half-life) above the
     # workers' mean are charged to a worker's cost, so sticky prefixes cannot pile work onto one worker.
     balance_half_life_s: float = 30.0
+    # cache_aware on real digests: a prompt token a worker must compute counts this many times a token already
+    # queued there. Recomputing a prefix elsewhere costs more than this request's wait: the work delays every
+    # later request too and the copy evicts other prefixes, so a session stays with the worker holding its
+    # prefix unless the holder's queue is longer by more than (weight x the cached part).
+    uncached_weight: float = 2.0
     # Conditional disaggregation (cache_aware on real digests): a request whose part not cached on its
     # decode worker is at most this many tokens is prefilled there, skipping the transfer. 0 = off (the
     # crossover of transfer cost vs prefill on the decode batch has not been measured on GPUs yet).
@@ -134,6 +139,8 @@ class PolicyConfig:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
+        if self.uncached_weight < 1.0:
+            raise ValueError(f"uncached_weight must be >= 1, got {self.uncached_weight}")
         if self.balance_half_life_s <= 0:
             raise ValueError(f"balance_half_life_s must be > 0, got {self.balance_half_life_s}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
@@ -330,13 +337,14 @@ class RoutingPolicy:
         cached = self._index.cached(prompt_ids)
         inv = 1.0 / self._recent.scale(now)
         stored, pending, inflight = self._recent.stored, self._pending, self._inflight
+        weight = self.config.uncached_weight
         mean = sum(stored.get(w.worker_id, 0.0) for w in candidates) * inv / len(candidates)
         best_key, ties, min_load, least = None, [], None, []
         for w in candidates:
             wid = w.worker_id
             c = cached.get(wid, 0)
             load = max(w.running + w.waiting, inflight.get(wid, 0))
-            key = (pending.get(wid, 0) + n - c + max(0.0, stored.get(wid, 0.0) * inv - mean), load)
+            key = (pending.get(wid, 0) + weight * (n - c) + max(0.0, stored.get(wid, 0.0) * inv - mean), load)
             if best_key is None or key < best_key:
                 best_key, ties = key, [(w, c)]
             elif key == best_key:

@@ -9,6 +9,15 @@ prefix. Three generators, each a workload the routing docs name (docs/routing.md
   with its own short question.
 - `agentic`: tool-using agents in loops over a long shared context (tool definitions), each step adding
   a small tool result to the agent's own growing context.
+What real conversation traffic adds (the three below; an unseen conversation trace was where the router fell to
+83% of the pooled hit rate): long sessions whose prefix grows every turn, separated by heavy-tailed think
+times, far more live sessions than one worker's cache holds, bursty arrivals, and heavy-tailed lengths.
+- `long_sessions`: hundreds of concurrent sessions of 6-40 turns; each turn adds a heavy-tailed number of
+  blocks (mostly 1-2, sometimes a pasted document); lognormal think times (seconds to minutes).
+- `bursty`: sessions arriving in bursts (an on/off process: 8x the mean rate for short spells), over a few
+  shared system prompts, each a short multi-turn chat.
+- `heavy_tail`: a Pareto mix of prompt lengths: most requests short, a few huge documents asked several
+  questions each, some minutes apart.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from pathlib import Path
 from service.route_sim import TraceRequest
 
 BLOCK = 512
-KINDS = ("chat", "system_prompts", "agentic")
+KINDS = ("chat", "system_prompts", "agentic", "long_sessions", "bursty", "heavy_tail")
 
 
 class _Ids:
@@ -85,8 +94,65 @@ def agentic(agents: int = 96, steps: int = 12, seed: int = 0, rate_per_s: float 
     return sorted(out, key=lambda r: r["timestamp"])
 
 
+def _pareto_blocks(rng: random.Random, alpha: float, lo: int, hi: int) -> int:
+    return min(hi, int(lo * rng.paretovariate(alpha)))
+
+
+def long_sessions(sessions: int = 360, seed: int = 0, rate_per_s: float = 3.0) -> list[dict]:
+    """`sessions` conversations starting at rate_per_s, 6-40 turns each, prefix growing every turn."""
+    rng, ids = random.Random(seed), _Ids()
+    systems = [ids.take(rng.randint(2, 8)) for _ in range(6)]
+    out: list[dict] = []
+    t = 0.0
+    for _ in range(sessions):
+        t += rng.expovariate(rate_per_s) * 1000.0
+        ctx, turn_t = list(rng.choice(systems)) + ids.take(rng.randint(1, 4)), t
+        for _ in range(rng.randint(6, 40)):
+            out.append(_request(turn_t, list(ctx), rng.randint(64, 900), rng))
+            ctx = ctx + ids.take(_pareto_blocks(rng, 1.6, 1, 40))  # the answer, the next question, a paste
+            turn_t += rng.lognormvariate(2.5, 1.0) * 1000.0  # think time: median 12 s, a long tail
+    return sorted(out, key=lambda r: r["timestamp"])
+
+
+def bursty(sessions: int = 900, seed: int = 0, rate_per_s: float = 12.0) -> list[dict]:
+    """Sessions of 2-6 turns over 3 system prompts, arriving in on/off bursts (mean rate_per_s)."""
+    rng, ids = random.Random(seed), _Ids()
+    systems = [ids.take(rng.randint(3, 10)) for _ in range(3)]
+    out: list[dict] = []
+    t, burst_end, off_until = 0.0, 0.0, 0.0
+    for _ in range(sessions):
+        if t >= burst_end:  # a quiet spell, then a burst of ~2 s at 8x the mean rate
+            off_until = t + rng.expovariate(1 / 12.0) * 1000.0
+            burst_end = off_until + rng.uniform(1.0, 3.0) * 1000.0
+            t = off_until
+        t += rng.expovariate(rate_per_s * 8) * 1000.0
+        ctx, turn_t = list(rng.choice(systems)) + ids.take(rng.randint(1, 6)), t
+        for _ in range(rng.randint(2, 6)):
+            out.append(_request(turn_t, list(ctx), rng.randint(32, 600), rng))
+            ctx = ctx + ids.take(rng.randint(1, 4))
+            turn_t += rng.lognormvariate(2.0, 0.8) * 1000.0
+    return sorted(out, key=lambda r: r["timestamp"])
+
+
+def heavy_tail(requests: int = 3000, seed: int = 0, rate_per_s: float = 20.0) -> list[dict]:
+    """Pareto-sized prompts (1-160 blocks); a long one is a document asked 2-6 questions minutes apart."""
+    rng, ids = random.Random(seed), _Ids()
+    out: list[dict] = []
+    t = 0.0
+    while len(out) < requests:
+        t += rng.expovariate(rate_per_s) * 1000.0
+        doc = ids.take(_pareto_blocks(rng, 1.2, 1, 160))
+        asks = rng.randint(2, 6) if len(doc) > 8 else 1
+        q_t = t
+        for _ in range(asks):
+            out.append(_request(q_t, doc + ids.take(1), rng.randint(16, 400), rng))
+            q_t += rng.lognormvariate(3.0, 1.0) * 1000.0
+    return sorted(out[:requests], key=lambda r: r["timestamp"])
+
+
 def make(kind: str, seed: int = 0, rate_per_s: float | None = None, size: int | None = None) -> list[dict]:
-    """size: chat requests / system_prompts groups / agentic agents (None: the generator's default)."""
+    """size: chat / heavy_tail requests, system_prompts groups, agentic agents, long_sessions / bursty sessions
+    (None: the generator's default)."""
     if kind not in KINDS:
         raise ValueError(f"unknown trace kind {kind!r}; choose one of {KINDS}")
     kw: dict = {"seed": seed}
@@ -97,8 +163,11 @@ def make(kind: str, seed: int = 0, rate_per_s: float | None = None, size: int | 
     if size is not None:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
-        kw[{"chat": "n", "system_prompts": "groups", "agentic": "agents"}[kind]] = size
-    generators: dict[str, Callable[..., list[dict]]] = {"chat": chat, "system_prompts": system_prompts, "agentic": agentic}
+        kw[{"chat": "n", "system_prompts": "groups", "agentic": "agents", "long_sessions": "sessions",
+            "bursty": "sessions", "heavy_tail": "requests"}[kind]] = size
+    generators: dict[str, Callable[..., list[dict]]] = {
+        "chat": chat, "system_prompts": system_prompts, "agentic": agentic, "long_sessions": long_sessions,
+        "bursty": bursty, "heavy_tail": heavy_tail}
     return generators[kind](**kw)
 
 

@@ -55,13 +55,14 @@ def test_cache_aware_follows_real_cache_until_queued_work_outweighs_it():
     p = pol.place(prompt, 100, ws).prefill
     assert (p.worker_id, p.reason, p.cached_tokens, p.uncached_tokens) == ("a", "prefix_hit", 36, 4)
     assert pol.pending_tokens("a") == 4
-    # Another 4 uncached tokens queued on a: 8 + 4 = 12 there vs 40 elsewhere, still a.
+    # Uncached tokens count twice (PolicyConfig.uncached_weight): another 4 queued on a: 4 + 2 x 4 = 12 there
+    # vs 2 x 40 elsewhere, still a.
     assert pol.place(prompt, 100, ws).prefill.worker_id == "a" and pol.pending_tokens("a") == 8
-    # A long prefill queued there (33 tokens): 41 + 4 > 40 -> the idle workers take it.
-    pol._pending["a"] += 33
+    # A long prefill queued there (65 tokens): 73 + 2 x 4 > 2 x 40 -> the idle workers take it.
+    pol._pending["a"] += 65
     p = pol.place(prompt, 100, ws).prefill
     assert p.worker_id in ("b", "c") and p.reason == "no_match" and pol.pending_tokens(p.worker_id) == 40
-    pol.prefill_done("a", 41)
+    pol.prefill_done("a", 73)
     assert pol.pending_tokens("a") == 0
 
 

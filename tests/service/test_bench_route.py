@@ -46,3 +46,15 @@ def test_unknown_policy_is_a_clear_error(tmp_path, capsys):
     path = route_traces.write(route_traces.make("agentic", size=2), tmp_path / "a.jsonl")
     assert main(["bench", "route", "--trace", str(path), "--policies", "nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind,size", [("long_sessions", 30), ("bursty", 30), ("heavy_tail", 400)])
+def test_real_traffic_trace_kinds(kind, size):
+    """The kinds that stress what real conversations do: seeded, time-ordered, and sessions whose later prompts
+    share a prefix of two or more blocks (the prefix a router must keep on one worker)."""
+    rows = route_traces.make(kind, size=size)
+    assert rows == route_traces.make(kind, size=size)
+    assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
+    heads = [tuple(r["hash_ids"][:2]) for r in rows if len(r["hash_ids"]) >= 3]
+    assert sum(heads.count(h) > 1 for h in heads) > len(rows) // 6
+    assert all(0 < r["input_length"] <= 512 * len(r["hash_ids"]) for r in rows)
