@@ -27,7 +27,7 @@ test: $(STAMP)
 
 # Lint and types (.ci/run runs it before the tests): ruff's rules and its formatter's check over the product
 # packages, tests/ and benchmarks/, then mypy over the product packages (both configured in pyproject.toml).
-LINT_PATHS := dsv4_kernels engine kv_transfer prefill_worker decode_worker router service tests benchmarks
+LINT_PATHS := dsv4_kernels engine kv_transfer prefill_worker decode_worker router service tests benchmarks training
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)

@@ -20,18 +20,27 @@ import statistics
 import tempfile
 import time
 
-REQUEST = re.compile(r"^request (\d+): prompt (\d+), first step ([\d.]+) ms, "
-                     r"slowest (?:decode|later) step ([\d.]+) ms$", re.M)
+REQUEST = re.compile(
+    r"^request (\d+): prompt (\d+), first step ([\d.]+) ms, "
+    r"slowest (?:decode|later) step ([\d.]+) ms$",
+    re.M,
+)
 LOADED = re.compile(r"^load_engine \(warm-up (\d)\): ([\d.]+) s$", re.M)
 MACHINE = re.compile(r"^machine: (.*)$", re.M)
-PHASES = re.compile(r"warm-up: \d+ prompts \([\d,]+ tokens\) ([\d.]+) s, (\d+) decode graphs captured ([\d.]+) s, "
-                    r"(\d+) FP8 GEMM shapes x \d+ M values ([\d.]+) s")
+PHASES = re.compile(
+    r"warm-up: \d+ prompts \([\d,]+ tokens\) ([\d.]+) s, (\d+) decode graphs captured ([\d.]+) s, "
+    r"(\d+) FP8 GEMM shapes x \d+ M values ([\d.]+) s"
+)
 COMPILED = re.compile(r"^compile caches: (\d+) DeepGEMM files, (\d+) Triton files", re.M)
 COMPILED_IN_REQUEST = re.compile(r"^  compiled during request \d+: (.*)$", re.M)
 ERROR = re.compile(r"^(\w*Error: .*)$", re.M)
 # DIR/warm{W}.log: W -> what the run was
-VARIANTS = {"0": "off, empty caches", "1": "on, empty caches (DeepGEMM via nvcc)",
-            "1_nvrtc": "on, empty caches (DeepGEMM via NVRTC)", "1_hot": "on, caches of an earlier run"}
+VARIANTS = {
+    "0": "off, empty caches",
+    "1": "on, empty caches (DeepGEMM via nvcc)",
+    "1_nvrtc": "on, empty caches (DeepGEMM via NVRTC)",
+    "1_hot": "on, caches of an earlier run",
+}
 
 
 def report(run_dir: str, timeout_s: float, machine: str | None, extra_notes=()) -> str:
@@ -40,18 +49,24 @@ def report(run_dir: str, timeout_s: float, machine: str | None, extra_notes=()) 
     if machine is None:
         seen = [m.group(1) for t in logs.values() if (m := MACHINE.search(t))]
         machine = seen[0] if seen else "not recorded"
-    lines = ["## Cold start on a GPU: per-request stalls without and with the engine warm-up", "",
-             "- command: `timeout S python3 -m benchmarks.cold_start --model /tmp/mini --warmup W [--nvrtc] "
-             "[--cache-dir D]` (`tools/gpu/stages.sh coldstart`: a fresh process each, on empty DeepGEMM and "
-             "Triton caches unless a run names the caches an earlier run filled), then `python3 "
-             f"-m benchmarks.cold_start --report DIR --timeout-s {timeout_s:.0f} --write`",
-             "- model: `dsv4 make-model --preset mini_v4 --quantize` (4 layers, V4 attention geometry, FP8 dense / "
-             "MXFP4 experts), bf16 engine, CUDA graphs, max_batch_tokens 4096, 64 sequences; requests one at a time, "
-             "prompts 256-2048 tokens, 16 new tokens. A later step is a decode step or the rest of a prompt the "
-             "prefix cache cut at a block boundary", f"- machine: {machine}", "",
-             "| warm-up | run | engine ready after | its phases: ladder / graphs / GEMM sweep | requests done | "
-             "requests that compiled | first step ms: median / max | slowest later step ms: median / max | "
-             "compiled files: DeepGEMM / Triton |", "|---|---|---:|---|---:|---|---:|---:|---:|"]
+    lines = [
+        "## Cold start on a GPU: per-request stalls without and with the engine warm-up",
+        "",
+        "- command: `timeout S python3 -m benchmarks.cold_start --model /tmp/mini --warmup W [--nvrtc] "
+        "[--cache-dir D]` (`tools/gpu/stages.sh coldstart`: a fresh process each, on empty DeepGEMM and "
+        "Triton caches unless a run names the caches an earlier run filled), then `python3 "
+        f"-m benchmarks.cold_start --report DIR --timeout-s {timeout_s:.0f} --write`",
+        "- model: `dsv4 make-model --preset mini_v4 --quantize` (4 layers, V4 attention geometry, FP8 dense / "
+        "MXFP4 experts), bf16 engine, CUDA graphs, max_batch_tokens 4096, 64 sequences; requests one at a time, "
+        "prompts 256-2048 tokens, 16 new tokens. A later step is a decode step or the rest of a prompt the "
+        "prefix cache cut at a block boundary",
+        f"- machine: {machine}",
+        "",
+        "| warm-up | run | engine ready after | its phases: ladder / graphs / GEMM sweep | requests done | "
+        "requests that compiled | first step ms: median / max | slowest later step ms: median / max | "
+        "compiled files: DeepGEMM / Triton |",
+        "|---|---|---:|---|---:|---|---:|---:|---:|",
+    ]
     notes = []
     for w, text in logs.items():
         loaded = LOADED.search(text)
@@ -59,18 +74,26 @@ def report(run_dir: str, timeout_s: float, machine: str | None, extra_notes=()) 
         ready = f"{float(loaded.group(2)):.1f} s" if loaded else f"not within {timeout_s:.0f} s"
         if reqs:
             firsts, worst = [float(r[2]) for r in reqs], [float(r[3]) for r in reqs]
-            cells = (f"{statistics.median(firsts):.0f} / {max(firsts):.0f}",
-                     f"{statistics.median(worst):.0f} / {max(worst):.0f}")
+            cells = (
+                f"{statistics.median(firsts):.0f} / {max(firsts):.0f}",
+                f"{statistics.median(worst):.0f} / {max(worst):.0f}",
+            )
         else:
             cells = ("-", "-")
         ph = PHASES.search(text)
-        phases = (f"{ph.group(1)} s / {ph.group(2)} in {ph.group(3)} s / {ph.group(4)} shapes in {ph.group(5)} s"
-                  if ph else "-")
+        phases = (
+            f"{ph.group(1)} s / {ph.group(2)} in {ph.group(3)} s / {ph.group(4)} shapes in {ph.group(5)} s"
+            if ph
+            else "-"
+        )
         comp = COMPILED.search(text)
         files = f"{comp.group(1)} / {comp.group(2)}" if comp else "-"
         compiled = COMPILED_IN_REQUEST.findall(text)
-        names = (n.split(" x")[0].strip("_").removesuffix("_kernel")
-                 for c in compiled for n in c.split(": ", 1)[-1].split(", "))
+        names = (
+            n.split(" x")[0].strip("_").removesuffix("_kernel")
+            for c in compiled
+            for n in c.split(": ", 1)[-1].split(", ")
+        )
         kernels = dict.fromkeys("matmul_ogs" if n.startswith("matmul_") else n for n in names)  # (one per tile shape)
         which = f"{len(compiled)} ({', '.join(kernels)})" if compiled else "0"
         if not reqs:
@@ -80,8 +103,10 @@ def report(run_dir: str, timeout_s: float, machine: str | None, extra_notes=()) 
         if not loaded and (err := ERROR.findall(text)):
             notes.append(f"- {VARIANTS[w]}: the process ended with `{err[-1][:200]}`")
         run = m.group(1).rsplit("; ", 1)[-1] if (m := MACHINE.search(text)) and "; " in m.group(1) else "-"
-        lines.append(f"| {VARIANTS[w]} | {run} | {ready} | {phases} | {len(reqs)} | {which} | {cells[0]} | "
-                     f"{cells[1]} | {files} |")
+        lines.append(
+            f"| {VARIANTS[w]} | {run} | {ready} | {phases} | {len(reqs)} | {which} | {cells[0]} | "
+            f"{cells[1]} | {files} |"
+        )
     notes += [f"- {n}" for n in extra_notes]
     return "\n".join(lines + ([""] + notes if notes else []))
 
@@ -118,8 +143,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--warmup", default="1", choices=["0", "1"])
     ap.add_argument("--max-batch-tokens", type=int, default=4096)
-    ap.add_argument("--cache-dir", default=None, help="compile caches here (default: a fresh temporary directory); a "
-                    "later service run can load from it")
+    ap.add_argument(
+        "--cache-dir",
+        default=None,
+        help="compile caches here (default: a fresh temporary directory); a later service run can load from it",
+    )
     ap.add_argument("--nvrtc", action="store_true", help="DeepGEMM compiles with NVRTC (DG_JIT_USE_NVRTC=1), not nvcc")
     args = ap.parse_args()
     if args.report:
@@ -146,14 +174,24 @@ def main() -> None:
     import torch
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    print(f"machine: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    print(
+        f"machine: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        flush=True,
+    )
     from engine.execution.sampling_params import SamplingParams
     from engine.loading.load import load_engine
 
     t = time.perf_counter()
-    core = load_engine(args.model, device="cuda", dtype="bfloat16", max_batch_tokens=args.max_batch_tokens,
-                       max_num_seqs=64, max_cached_tokens=65536, warmup=True)
+    core = load_engine(
+        args.model,
+        device="cuda",
+        dtype="bfloat16",
+        max_batch_tokens=args.max_batch_tokens,
+        max_num_seqs=64,
+        max_cached_tokens=65536,
+        warmup=True,
+    )
     print(f"load_engine (warm-up {args.warmup}): {time.perf_counter() - t:.1f} s", flush=True)
     seen = cache_files(cache)
     g = torch.Generator().manual_seed(1)
@@ -171,19 +209,24 @@ def main() -> None:
         core.pop_finished(rid)
         firsts.append(steps[0])
         worst.append(max(steps[1:]))
-        print(f"request {i}: prompt {n}, first step {steps[0]:.1f} ms, slowest later step {worst[-1]:.1f} ms",
-              flush=True)
+        print(
+            f"request {i}: prompt {n}, first step {steps[0]:.1f} ms, slowest later step {worst[-1]:.1f} ms", flush=True
+        )
         now = cache_files(cache)
         if now - seen:  # what this request compiled (a warm-up that covers serving leaves nothing here)
             print(f"  compiled during request {i}: {len(now - seen)} files: {kernel_names(now - seen)}", flush=True)
         seen = now
     # (`seen` is the caches' file list after the last request)
     compiled = {name: sum(f"/{name}/" in f for f in seen) for name in ("deep_gemm", "triton")}
-    print(f"compile caches: {compiled['deep_gemm']} DeepGEMM files, {compiled['triton']} Triton files "
-          f"(nvrtc {int(args.nvrtc)})")
+    print(
+        f"compile caches: {compiled['deep_gemm']} DeepGEMM files, {compiled['triton']} Triton files "
+        f"(nvrtc {int(args.nvrtc)})"
+    )
     print("Triton kernels compiled, variants per kernel:", kernel_names(f for f in seen if "/triton/" in f))
-    print(f"warm-up {args.warmup}: first step median {statistics.median(firsts):.1f} ms, max {max(firsts):.1f} ms; "
-          f"slowest later step median {statistics.median(worst):.1f} ms, max {max(worst):.1f} ms")
+    print(
+        f"warm-up {args.warmup}: first step median {statistics.median(firsts):.1f} ms, max {max(firsts):.1f} ms; "
+        f"slowest later step median {statistics.median(worst):.1f} ms, max {max(worst):.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -106,8 +106,10 @@ def measure(preset: str, tokens: int, g: torch.Generator, dtypes=("float32", "bf
         cpu = cpu_llm.generate(prompts, params)
         seqs, want = forced_sequences(prompts, cpu)
         gaps = top2_gaps(cpu_llm, seqs)
-        note = (f"{preset}: {sum(x < NEAR_TIE for x in gaps)} of {len(gaps)} CPU positions are near-ties "
-                f"(top-2 gap < {NEAR_TIE} nats), {sum(x < 0.02 for x in gaps)} below 0.02 nats")
+        note = (
+            f"{preset}: {sum(x < NEAR_TIE for x in gaps)} of {len(gaps)} CPU positions are near-ties "
+            f"(top-2 gap < {NEAR_TIE} nats), {sum(x < 0.02 for x in gaps)} below 0.02 nats"
+        )
         del cpu_llm
         for dtype in dtypes:
             llm = LLM(d, device="cuda", dtype=dtype, max_num_seqs=256, max_cached_tokens=1 << 17)
@@ -115,15 +117,27 @@ def measure(preset: str, tokens: int, g: torch.Generator, dtypes=("float32", "bf
             agree, total, diffs = free_running(cpu, gpu)
             forced, decided = teacher_forced(llm, seqs, want, gaps)
             dl = torch.tensor(diffs or [0.0])
-            rows.append({"preset": preset, "dtype": dtype, "decode": llm.engine.decode_mode, "free": agree / total,
-                         "forced": forced, "decided": decided, "mean": dl.mean().item(), "max": dl.max().item()})
+            rows.append(
+                {
+                    "preset": preset,
+                    "dtype": dtype,
+                    "decode": llm.engine.decode_mode,
+                    "free": agree / total,
+                    "forced": forced,
+                    "decided": decided,
+                    "mean": dl.mean().item(),
+                    "max": dl.max().item(),
+                }
+            )
             del llm
     return rows, note
 
 
 def row_line(r: dict) -> str:
-    return (f"| {r['preset']} | {r['dtype']} | {r['decode']} | {r['free']:.3f} | {r['forced']:.3f} "
-            f"| {r['decided']:.3f} | {r['mean']:.2e} | {r['max']:.2e} |")
+    return (
+        f"| {r['preset']} | {r['dtype']} | {r['decode']} | {r['free']:.3f} | {r['forced']:.3f} "
+        f"| {r['decided']:.3f} | {r['mean']:.2e} | {r['max']:.2e} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device", file=sys.stderr)
         return 1
     g = torch.Generator().manual_seed(0)
-    lines = [f"| preset | dtype | decode | free-running agreement | teacher-forced agreement | teacher-forced, "
-             f"CPU gap >= {NEAR_TIE} | mean abs dlogprob | max abs dlogprob |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| preset | dtype | decode | free-running agreement | teacher-forced agreement | teacher-forced, "
+        f"CPU gap >= {NEAR_TIE} | mean abs dlogprob | max abs dlogprob |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     notes = []
     print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}")
     print(lines[0], lines[1], sep="\n")
@@ -151,12 +168,16 @@ def main(argv: list[str] | None = None) -> int:
             print(lines[-1], flush=True)
     if not args.no_write:
         when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        head = ["## GPU engine vs CPU fp32 engine: `python -m benchmarks.gpu_agreement`", "",
-                f"`python -m benchmarks.gpu_agreement {shlex.join(argv)}` on {torch.cuda.get_device_name()} "
-                f"(torch {torch.__version__}), {when}; {len(PROMPT_LENS)} prompts of 5-300 tokens, {args.tokens} "
-                "greedy tokens each. Free-running: positions before each prompt's first divergence from the CPU run; "
-                "teacher-forced: the GPU engine's greedy token given the CPU run's prefix; decided: the same over "
-                f"positions whose CPU top-1/top-2 gap is >= {NEAR_TIE} nats.", ""]
+        head = [
+            "## GPU engine vs CPU fp32 engine: `python -m benchmarks.gpu_agreement`",
+            "",
+            f"`python -m benchmarks.gpu_agreement {shlex.join(argv)}` on {torch.cuda.get_device_name()} "
+            f"(torch {torch.__version__}), {when}; {len(PROMPT_LENS)} prompts of 5-300 tokens, {args.tokens} "
+            "greedy tokens each. Free-running: positions before each prompt's first divergence from the CPU run; "
+            "teacher-forced: the GPU engine's greedy token given the CPU run's prefix; decided: the same over "
+            f"positions whose CPU top-1/top-2 gap is >= {NEAR_TIE} nats.",
+            "",
+        ]
         write_section("check_gpu_engine", "\n".join(head + lines + [""] + [f"- {n}" for n in notes]))
     return 0
 

@@ -35,15 +35,24 @@ def measure(preset: str, tokens: int) -> dict:
     fast = LLM(d, device="cuda", dtype="bfloat16")
     kv = "fp8" if fast.engine.pool.groups["swa"].quantised else "exact"
     moe = fast.engine.model.moe
-    got = {"fast_paths": str(fast.engine.model.fast_paths), "kv": kv, "moe_layers": len(moe),
-           "ogs_layers": sum(m.ogs is not None for m in moe), "gaps": {}}
+    got = {
+        "fast_paths": str(fast.engine.model.fast_paths),
+        "kv": kv,
+        "moe_layers": len(moe),
+        "ogs_layers": sum(m.ogs is not None for m in moe),
+        "gaps": {},
+    }
     out = [f"fast: {got['fast_paths']}; kv cache {kv}; decode {fast.engine.decode_mode}"]
     a = fast.generate(prompts, params)
     out.append(f"MoE layers on triton_kernels: {got['ogs_layers']} of {got['moe_layers']}")
     del fast
     sequences = [p + o.token_ids for p, o in zip(prompts, a)]
-    refs = [("bf16-dequantised weights, same cache", dict(keep_mxfp4_experts=False, keep_fp8_weights=False,
-                                                         kv_cache_dtype=kv))]
+    refs = [
+        (
+            "bf16-dequantised weights, same cache",
+            dict(keep_mxfp4_experts=False, keep_fp8_weights=False, kv_cache_dtype=kv),
+        )
+    ]
     if kv == "fp8":
         refs.append(("the defaults on an exact bf16 KV cache", dict(kv_cache_dtype="exact")))
     for label, kwargs in refs:
@@ -53,11 +62,13 @@ def measure(preset: str, tokens: int) -> dict:
         diffs = []
         for x, y in zip(a, b):
             fl = list(x.prompt_logprobs[1:]) + list(x.logprobs)
-            diffs += [abs(u - v) for u, v in zip(fl, y.prompt_logprobs[1:len(fl) + 1])]
+            diffs += [abs(u - v) for u, v in zip(fl, y.prompt_logprobs[1 : len(fl) + 1])]
         within, mean = sum(x <= 0.1 for x in diffs) / len(diffs), sum(diffs) / len(diffs)
         got["gaps"][label] = (len(diffs), within, mean, max(diffs))
-        out.append(f"fast vs {label}, teacher-forced on the fast tokens: {len(diffs)} positions, "
-                   f"{within:.3f} within 0.1, mean {mean:.3e}, max {max(diffs):.3e}")
+        out.append(
+            f"fast vs {label}, teacher-forced on the fast tokens: {len(diffs)} positions, "
+            f"{within:.3f} within 0.1, mean {mean:.3e}, max {max(diffs):.3e}"
+        )
     got["lines"] = out
     return got
 
@@ -76,18 +87,28 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(out))
     if not args.no_write:
         when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        write_section("hopper_e2e", "\n".join([
-            "## Hopper fast paths end to end: `python -m benchmarks.hopper_e2e`", "",
-            f"- `python -m benchmarks.hopper_e2e {' '.join(argv)}`, {when}, {torch.cuda.get_device_name()} "
-            f"(torch {torch.__version__}); model `make_model({args.preset!r}, quantize=True)` (FP8 dense + MXFP4 "
-            f"experts on disk, random weights); prompts of {'/'.join(map(str, PROMPT_LENS))} tokens + {args.tokens} "
-            "greedy tokens; the default load vs (1) the same checkpoint dequantised to bf16 on the same KV cache "
-            "format (the gap is the FP8 rounding of activations, which the dequantised engine does not do) and (2) "
-            "the default load on an exact bf16 KV cache (the gap the fp8_ds_mla + MXFP4-key cache adds), "
-            "teacher-forced on the fast tokens. Random weights give near-flat distributions: on this preset bf16 vs "
-            "fp32 alone moves logprobs by 0.047 nats on average (CPU), so these are upper bounds of what a trained "
-            "model sees.", "",
-            "```", *out, "```"]))
+        write_section(
+            "hopper_e2e",
+            "\n".join(
+                [
+                    "## Hopper fast paths end to end: `python -m benchmarks.hopper_e2e`",
+                    "",
+                    f"- `python -m benchmarks.hopper_e2e {' '.join(argv)}`, {when}, {torch.cuda.get_device_name()} "
+                    f"(torch {torch.__version__}); model `make_model({args.preset!r}, quantize=True)` (FP8 dense + MXFP4 "
+                    f"experts on disk, random weights); prompts of {'/'.join(map(str, PROMPT_LENS))} tokens + {args.tokens} "
+                    "greedy tokens; the default load vs (1) the same checkpoint dequantised to bf16 on the same KV cache "
+                    "format (the gap is the FP8 rounding of activations, which the dequantised engine does not do) and (2) "
+                    "the default load on an exact bf16 KV cache (the gap the fp8_ds_mla + MXFP4-key cache adds), "
+                    "teacher-forced on the fast tokens. Random weights give near-flat distributions: on this preset bf16 vs "
+                    "fp32 alone moves logprobs by 0.047 nats on average (CPU), so these are upper bounds of what a trained "
+                    "model sees.",
+                    "",
+                    "```",
+                    *out,
+                    "```",
+                ]
+            ),
+        )
     return 0
 
 

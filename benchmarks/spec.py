@@ -80,13 +80,20 @@ def build(args) -> EngineCore:
     experts = "bf16" if device.type == "cpu" else args.experts
     weights = build_weights(cfg, device, dtype, gen, experts, mtp=True)
     need = max(args.batches) * (args.context + (args.steps + 4) * (args.k + 1) * 5 + 64)
-    core = EngineCore(cfg, weights, device=device, dtype=dtype,
-                      cache_config=CacheConfig(max_requests=max(args.batches), max_tokens=need, page_tokens=256,
-                                               kv_cache_dtype="exact"),
-                      scheduler_config=SchedulerConfig(max_batch_tokens=max(2048, args.context),
-                                                       max_num_seqs=max(args.batches)),
-                      decode_mode="graphs" if device.type == "cuda" else "bucketed", prefix_cache=False,
-                      speculative_tokens=args.k, speculative_policy=SpecPolicy(max_batch=max(args.batches)))
+    core = EngineCore(
+        cfg,
+        weights,
+        device=device,
+        dtype=dtype,
+        cache_config=CacheConfig(
+            max_requests=max(args.batches), max_tokens=need, page_tokens=256, kv_cache_dtype="exact"
+        ),
+        scheduler_config=SchedulerConfig(max_batch_tokens=max(2048, args.context), max_num_seqs=max(args.batches)),
+        decode_mode="graphs" if device.type == "cuda" else "bucketed",
+        prefix_cache=False,
+        speculative_tokens=args.k,
+        speculative_policy=SpecPolicy(max_batch=max(args.batches)),
+    )
     del weights
     fill_experts(core, gen, 16)
     fill_experts(SimpleNamespace(model=SimpleNamespace(moe=[m.moe for m in core.speculator.layers])), gen, 16)
@@ -98,7 +105,7 @@ def build(args) -> EngineCore:
 def forcing(rate: float, seed: int):
     """Speculator.force_drafts at per-draft acceptance `rate`: draft j right with probability rate, else wrong."""
     g = random.Random(seed)
-    return lambda drafts, picks: [t if g.random() < rate else t + 1 for t in picks[:len(drafts)]]
+    return lambda drafts, picks: [t if g.random() < rate else t + 1 for t in picks[: len(drafts)]]
 
 
 def timed(core: EngineCore, steps: int, batch: int) -> tuple[float, float]:
@@ -117,8 +124,13 @@ def measure(core: EngineCore, batch: int, args) -> list[Point]:
     spec = core.speculator
     g = random.Random(batch)
     budget = (args.steps + 4) * (args.k + 1) * 5
-    ids = [core.add_request([g.randrange(2, core.cfg.vocab_size) for _ in range(args.context)],
-                            SamplingParams(max_new_tokens=budget, ignore_eos=True)) for _ in range(batch)]
+    ids = [
+        core.add_request(
+            [g.randrange(2, core.cfg.vocab_size) for _ in range(args.context)],
+            SamplingParams(max_new_tokens=budget, ignore_eos=True),
+        )
+        for _ in range(batch)
+    ]
     while any(not core.requests[i].output for i in ids):  # prefill, then every request decodes
         core.step()
     points = []
@@ -127,8 +139,16 @@ def measure(core: EngineCore, batch: int, args) -> list[Point]:
         before = dict(spec.stats)
         ms, per = timed(core, args.steps, batch)
         drafted = spec.stats["drafted"] - before["drafted"]
-        points.append(Point(batch, f"verify K+1, acceptance {rate:.1f}", rate, ms, per,
-                            (spec.stats["accepted"] - before["accepted"]) / max(drafted, 1)))
+        points.append(
+            Point(
+                batch,
+                f"verify K+1, acceptance {rate:.1f}",
+                rate,
+                ms,
+                per,
+                (spec.stats["accepted"] - before["accepted"]) / max(drafted, 1),
+            )
+        )
     spec.force_drafts = None
     points += one_token_steps(core, batch, args)
     for i in ids:
@@ -152,25 +172,29 @@ def one_token_steps(core: EngineCore, batch: int, args) -> list[Point]:
 
 def render(points: list[Point], args, core: EngineCore) -> str:
     cfg = core.cfg
-    lines = [f"## Speculative decoding (MTP, K={args.k}) on the {'tiny preset (smoke)' if args.tiny else 'V4-Flash slice'}",
-             "",
-             f"`dsv4 bench spec{' --tiny' if args.tiny else ''} --k {args.k}`: {cfg.num_layers} layers + 1 MTP layer, "
-             f"context {args.context} tokens, {args.steps} timed steps a point, device {core.device}, greedy; drafts "
-             "forced to the per-draft acceptance rate after the verify forward (benchmarks/spec.py). Verify steps run "
-             f"as fixed-shape steps {'under CUDA graphs' if core.device.type == 'cuda' else 'eager bucketed (CPU)'} "
-             "with the MTP pass and chain eager after them, no overlap; x non-spec is against the production "
-             "one-token step (graphs + overlapped decode).",
-             "",
-             "| batch | mode | step ms | x production step | tokens/step/user | accepted | tok/s/user | x non-spec |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"## Speculative decoding (MTP, K={args.k}) on the {'tiny preset (smoke)' if args.tiny else 'V4-Flash slice'}",
+        "",
+        f"`dsv4 bench spec{' --tiny' if args.tiny else ''} --k {args.k}`: {cfg.num_layers} layers + 1 MTP layer, "
+        f"context {args.context} tokens, {args.steps} timed steps a point, device {core.device}, greedy; drafts "
+        "forced to the per-draft acceptance rate after the verify forward (benchmarks/spec.py). Verify steps run "
+        f"as fixed-shape steps {'under CUDA graphs' if core.device.type == 'cuda' else 'eager bucketed (CPU)'} "
+        "with the MTP pass and chain eager after them, no overlap; x non-spec is against the production "
+        "one-token step (graphs + overlapped decode).",
+        "",
+        "| batch | mode | step ms | x production step | tokens/step/user | accepted | tok/s/user | x non-spec |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for batch in args.batches:
         rows = [p for p in points if p.batch == batch]
         base = next(p for p in rows if p.mode == PRODUCTION)
         rows = [p for p in rows if p.rate is None] + [p for p in rows if p.rate is not None]
         for p in rows:
-            lines.append(f"| {batch} | {p.mode} | {p.step_ms:.2f} | {p.step_ms / base.step_ms:.2f} | "
-                         f"{p.tokens_per_step:.2f} | {p.accepted:.2f} | {p.user_tps:.1f} | "
-                         f"{p.user_tps / base.user_tps:.2f} |")
+            lines.append(
+                f"| {batch} | {p.mode} | {p.step_ms:.2f} | {p.step_ms / base.step_ms:.2f} | "
+                f"{p.tokens_per_step:.2f} | {p.accepted:.2f} | {p.user_tps:.1f} | "
+                f"{p.user_tps / base.user_tps:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -185,8 +209,13 @@ def main(argv=None) -> int:
     points = []
     for batch in args.batches:
         points += measure(core, batch, args)
-        print(f"batch {batch}: " + ", ".join(f"{p.mode}: {p.step_ms:.2f} ms {p.user_tps:.1f} tok/s/user"
-                                              for p in points if p.batch == batch), flush=True)
+        print(
+            f"batch {batch}: "
+            + ", ".join(
+                f"{p.mode}: {p.step_ms:.2f} ms {p.user_tps:.1f} tok/s/user" for p in points if p.batch == batch
+            ),
+            flush=True,
+        )
     section = render(points, args, core)
     print(section)
     if args.out:

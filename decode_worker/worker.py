@@ -13,6 +13,7 @@ batch, not on the pulling thread, whose many small torch calls each wait for the
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 
@@ -36,9 +37,17 @@ from kv_transfer.registry import make_backend, network_options, resolve_name
 #   (scatter included) until it has (the wait for the step in flight).
 QUARANTINE_SWEEP_S = 0.5  # how often quarantined pages are checked for their READ's end
 
-TRANSFER_PARTS = ("plan_seconds", "staging_wait_seconds", "pull_cpu_seconds", "scatter_index_seconds",
-                  "scatter_views_seconds", "scatter_copies_seconds", "scatter_record_seconds", "scatter_cpu_seconds",
-                  "join_seconds")
+TRANSFER_PARTS = (
+    "plan_seconds",
+    "staging_wait_seconds",
+    "pull_cpu_seconds",
+    "scatter_index_seconds",
+    "scatter_views_seconds",
+    "scatter_copies_seconds",
+    "scatter_record_seconds",
+    "scatter_cpu_seconds",
+    "join_seconds",
+)
 
 
 def _add_scatter_parts(totals: dict, parts: dict) -> None:
@@ -73,14 +82,25 @@ class _PullClaim:
 class DecodeWorker(WorkerBase):
     role = "decode"
 
-    def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
-                 transfer: str = "tcp", transfer_timeout_s: float = 30.0, bind_host: str | None = None,
-                 cluster_token: str | None = None, health: HealthOptions | None = None):
+    def __init__(
+        self,
+        worker_id: str,
+        model_dir: str | None,
+        engine_options: dict | None = None,
+        transfer: str = "tcp",
+        transfer_timeout_s: float = 30.0,
+        bind_host: str | None = None,
+        cluster_token: str | None = None,
+        health: HealthOptions | None = None,
+    ):
         super().__init__(worker_id, model_dir, engine_options, health)
         self.transfer = resolve_name(transfer)  # the concrete backend, for metric labels
         self.transfer_timeout_s = transfer_timeout_s
-        self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id,
-                                         **network_options(transfer, bind_host, cluster_token)))
+        self.attach_backend(
+            make_backend(
+                transfer, self.engine.pool, worker_name=worker_id, **network_options(transfer, bind_host, cluster_token)
+            )
+        )
         self.peers: dict[str, bytes] = {}
         self.quarantined: dict = {}  # request id -> its Request, pages held behind a READ that may still land
         self._sweeper: asyncio.Task | None = None
@@ -88,9 +108,17 @@ class DecodeWorker(WorkerBase):
         # wire_seconds: its data movement alone; scatter_seconds: staged pulls' scatter (kv_transfer.TransferStats),
         # queued on the engine thread in the join (not part of pull_seconds; in it for a backend that scatters
         # itself). The finer parts (TRANSFER_PARTS) say where each of those went.
-        self.transfer_totals = {"bytes": 0, "seconds": 0.0, "pull_seconds": 0.0, "wire_seconds": 0.0,
-                                "scatter_seconds": 0.0, "count": 0, "failures": 0,
-                                **{k: 0.0 for k in TRANSFER_PARTS}, "scatters_on_engine": 0}
+        self.transfer_totals = {
+            "bytes": 0,
+            "seconds": 0.0,
+            "pull_seconds": 0.0,
+            "wire_seconds": 0.0,
+            "scatter_seconds": 0.0,
+            "count": 0,
+            "failures": 0,
+            **{k: 0.0 for k in TRANSFER_PARTS},
+            "scatters_on_engine": 0,
+        }
 
     def add_peer(self, name: str, metadata: bytes) -> None:
         """Learn (or re-learn, after a restart) a prefill worker's transfer metadata."""
@@ -110,16 +138,25 @@ class DecodeWorker(WorkerBase):
         if result.ticket.source not in self.peers:  # this worker (or the source) restarted since the handshake
             raise PeerUnknown(result.ticket.source, self.worker_id)
         try:
-            pages = await self.loop.acall(lambda e: e.reserve_import(
-                prompt, params, rid, result.seed, result.first_token, result.first_logprob,
-                list(result.prompt_logprobs) if params.prompt_logprobs else None))
+            pages = await self.loop.acall(
+                lambda e: e.reserve_import(
+                    prompt,
+                    params,
+                    rid,
+                    result.seed,
+                    result.first_token,
+                    result.first_logprob,
+                    list(result.prompt_logprobs) if params.prompt_logprobs else None,
+                )
+            )
         except OutOfPages as e:
             raise DecodeOverloaded(f"decode worker {self.worker_id} has no room for {rid}: {e}") from None
         start = time.monotonic()
         claim = _PullClaim()
         try:
-            stats, deferred = await asyncio.to_thread(claim.pull, self.backend, result.ticket, pages,
-                                                      self.transfer_timeout_s)
+            stats, deferred = await asyncio.to_thread(
+                claim.pull, self.backend, result.ticket, pages, self.transfer_timeout_s
+            )
         except TransferError as e:
             kind = "timeout" if isinstance(e, TransferTimeout) else "error"
             metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, kind).inc()
@@ -141,8 +178,11 @@ class DecodeWorker(WorkerBase):
             metrics.KV_TRANSFER_TIME.labels(self.worker_id, self.transfer).observe(seconds)
             metrics.KV_TRANSFER_BYTES.labels(self.worker_id, self.transfer).observe(stats.bytes)
             totals = self.transfer_totals
-            totals["bytes"], totals["seconds"], totals["count"] = (totals["bytes"] + stats.bytes,
-                                                                  totals["seconds"] + seconds, totals["count"] + 1)
+            totals["bytes"], totals["seconds"], totals["count"] = (
+                totals["bytes"] + stats.bytes,
+                totals["seconds"] + seconds,
+                totals["count"] + 1,
+            )
             totals["pull_seconds"] += stats.seconds
             totals["wire_seconds"] += stats.wire_seconds
             totals["scatter_seconds"] += stats.scatter_seconds
@@ -199,11 +239,15 @@ class DecodeWorker(WorkerBase):
             await asyncio.sleep(QUARANTINE_SWEEP_S)
             over = await asyncio.to_thread(self.backend.settled)
             if over:
-                await self.loop.acall(lambda e: [e.pool.free(self.quarantined.pop(r).pages)  # awaited in this iteration
-                                                 for r in over if r in self.quarantined])  # noqa: B023
+                await self.loop.acall(functools.partial(self._free_settled, over))
 
-    async def generate_local(self, request_id: str, prompt: list[int], params: SamplingParams,
-                             seed: int | None = None):
+    def _free_settled(self, over, engine) -> None:
+        """Engine thread: free the pages of quarantined pulls whose READ is over."""
+        for r in over:
+            if r in self.quarantined:
+                engine.pool.free(self.quarantined.pop(r).pages)
+
+    async def generate_local(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None = None):
         """Conditional disaggregation: prefill and decode a request here, no transfer (its prompt is mostly in
         this worker's prefix cache, or short). A Ray streaming method yielding every TokenEvent; closing the
         stream early aborts the request."""

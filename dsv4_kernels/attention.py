@@ -8,8 +8,9 @@ passes a validity mask. The sink is one extra logit per head whose probability m
 import torch
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q: [T, H, D]; kv: [T, K, D]; valid: bool [T, K]; sink: fp32 [H] -> [T, H, D] in q.dtype.
 
     Logits and softmax run in fp32; a query with no valid key returns the zero vector (all mass on the sink).

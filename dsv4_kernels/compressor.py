@@ -15,8 +15,13 @@ ring rows a step saves for later steps.
 import torch
 
 
-def overlap_slots(kv_prev: torch.Tensor, score_prev: torch.Tensor, kv_cur: torch.Tensor, score_cur: torch.Tensor,
-                  prev_valid: torch.Tensor):
+def overlap_slots(
+    kv_prev: torch.Tensor,
+    score_prev: torch.Tensor,
+    kv_cur: torch.Tensor,
+    score_cur: torch.Tensor,
+    prev_valid: torch.Tensor,
+):
     """Arrange the 2r overlap slots of N entries.
 
     kv_prev/score_prev: [N, r, 2d] rows of window w-1; kv_cur/score_cur: [N, r, 2d] rows of window w;

@@ -36,20 +36,31 @@ GROUPED_ROWS = 256  # per-group rows of the masked grouped GEMM's storage (a mul
 GROUPED_MAX_TOKENS = 128  # above, G GEMMs
 
 
-def _gemm(dg, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool,
-          out: torch.Tensor) -> None:
+def _gemm(
+    dg, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool, out: torch.Tensor
+) -> None:
     _SEEN.add((weight.shape[0], weight.shape[1], pow2, weight.device, 1))
     dg.fp8_gemm_nt((xq, xs), (weight, scale), out)
 
 
-def _grouped_gemm(dg, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool,
-                  out: torch.Tensor, m: int) -> None:
+def _grouped_gemm(
+    dg,
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    pow2: bool,
+    out: torch.Tensor,
+    m: int,
+) -> None:
     """xq [G, GROUPED_ROWS, K] e4m3, xs [G, GROUPED_ROWS, K/128] (MN-major per group), weight [G, N, K], scale
     [G, N/128, K/128], out [G, GROUPED_ROWS, N] bf16: the first m rows of every group are real (masked_m = m)."""
     g = xq.shape[0]
     if xq.shape[1] != GROUPED_ROWS or out.shape[1] != GROUPED_ROWS or not 0 < m <= GROUPED_ROWS:
-        raise ValueError(f"masked grouped GEMM storage must be [G, {GROUPED_ROWS}, .] for 0 < m <= {GROUPED_ROWS}, "
-                         f"got {tuple(xq.shape)}, {tuple(out.shape)}, m={m}")
+        raise ValueError(
+            f"masked grouped GEMM storage must be [G, {GROUPED_ROWS}, .] for 0 < m <= {GROUPED_ROWS}, "
+            f"got {tuple(xq.shape)}, {tuple(out.shape)}, m={m}"
+        )
     _SEEN.add((weight.shape[1], weight.shape[2], pow2, weight.device, g))
     masked_m = torch.full((g,), m, dtype=torch.int32, device=xq.device)
     dg.m_grouped_fp8_gemm_nt_masked((xq, xs), (weight, scale), out, masked_m, m)
@@ -77,8 +88,16 @@ def warm_shape(n: int, k: int, pow2: bool, device, m_values, groups: int = 1) ->
             dg.fp8_gemm_nt((xq, xs), (weight[0], scale[0]), torch.empty(m, n, dtype=torch.bfloat16, device=device))
         elif m <= GROUPED_MAX_TOKENS:
             xq, xs = quant_act_1x128_grouped(x[:, :m], pow2, GROUPED_ROWS)
-            _grouped_gemm(dg, xq, xs, weight, scale, pow2,
-                          torch.empty(groups, GROUPED_ROWS, n, dtype=torch.bfloat16, device=device), m)
+            _grouped_gemm(
+                dg,
+                xq,
+                xs,
+                weight,
+                scale,
+                pow2,
+                torch.empty(groups, GROUPED_ROWS, n, dtype=torch.bfloat16, device=device),
+                m,
+            )
 
 
 def _warm_task(n: int, k: int, pow2: bool, device_index: int, m_values: list[int], groups: int) -> None:
@@ -93,8 +112,12 @@ def warm_shapes(shapes, m_values, processes: int) -> int:
     configurations differ. processes <= 1 runs them here. -> the number of GEMM calls made."""
     small = [m for m in m_values if m <= 128]
     # (a grouped shape runs as one masked GEMM only up to GROUPED_MAX_TOKENS: beyond, its groups are plain shapes)
-    tasks = [(n, k, pow2, device, groups, part) for n, k, pow2, device, groups in shapes
-             for part in (small, [m for m in m_values if m > 128] if groups == 1 else []) if part]
+    tasks = [
+        (n, k, pow2, device, groups, part)
+        for n, k, pow2, device, groups in shapes
+        for part in (small, [m for m in m_values if m > 128] if groups == 1 else [])
+        if part
+    ]
     if processes <= 1 or len(tasks) <= 1:
         for n, k, pow2, device, groups, part in tasks:
             warm_shape(n, k, pow2, device, part, groups)
@@ -104,8 +127,10 @@ def warm_shapes(shapes, m_values, processes: int) -> int:
 
         # spawn: a forked child cannot use CUDA once this process has
         with ProcessPoolExecutor(min(processes, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as ex:
-            for f in [ex.submit(_warm_task, n, k, pow2, torch.device(device).index or 0, part, groups)
-                      for n, k, pow2, device, groups, part in tasks]:
+            for f in [
+                ex.submit(_warm_task, n, k, pow2, torch.device(device).index or 0, part, groups)
+                for n, k, pow2, device, groups, part in tasks
+            ]:
                 f.result()
     return sum(len(t[-1]) for t in tasks)
 
@@ -138,8 +163,9 @@ def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight) -> torc
     dg = import_deep_gemm()
     n, k = w.shape
     if xq.dim() != 2 or xq.shape[1] != k or xq.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_gemm_quantized needs e4m3 [M, {k}] for weight {tuple(w.shape)}, got {xq.dtype} "
-                         f"{tuple(xq.shape)}")
+        raise ValueError(
+            f"fp8_gemm_quantized needs e4m3 [M, {k}] for weight {tuple(w.shape)}, got {xq.dtype} {tuple(xq.shape)}"
+        )
     out = torch.empty(xq.shape[0], n, dtype=torch.bfloat16, device=xq.device)
     if xq.shape[0]:
         _gemm(dg, xq, xs, w.weight, w.scale, w.pow2_act, out)
@@ -169,9 +195,13 @@ def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int) -> torch.Tensor
             return padded[:, :t]
         except (RuntimeError, AssertionError, TypeError, AttributeError) as e:
             _GROUPED_BROKEN.append(f"{type(e).__name__}: {e}")
-            log.warning("DeepGEMM m_grouped_fp8_gemm_nt_masked failed for the grouped projection (%s); running %d "
-                        "GEMMs instead", _GROUPED_BROKEN[0][:300], g)
+            log.warning(
+                "DeepGEMM m_grouped_fp8_gemm_nt_masked failed for the grouped projection (%s); running %d "
+                "GEMMs instead",
+                _GROUPED_BROKEN[0][:300],
+                g,
+            )
     xq, xs = quant_act_1x128_grouped(x, w.pow2_act)
     for i in range(g):
-        _gemm(dg, xq[i], xs[i], w.weight[i * r:(i + 1) * r], w.scale[i * rb:(i + 1) * rb], w.pow2_act, out[i])
+        _gemm(dg, xq[i], xs[i], w.weight[i * r : (i + 1) * r], w.scale[i * rb : (i + 1) * rb], w.pow2_act, out[i])
     return out

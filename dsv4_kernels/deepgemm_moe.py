@@ -42,8 +42,9 @@ def m_alignment() -> int:
     return DEFAULT_ALIGN
 
 
-def grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
-                 m_indices: torch.Tensor) -> torch.Tensor:
+def grouped_gemm(
+    xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, m_indices: torch.Tensor
+) -> torch.Tensor:
     """xq e4m3 [M, K], xs fp32 [M, K/128] (MN-major), w e4m3 [E, N, K], ws fp32 [E, N/128, K/128], m_indices int32
     [M] -> bf16 [M, N] (rows with m_indices -1 are left as the kernel leaves them)."""
     dg = import_deep_gemm()
@@ -70,8 +71,15 @@ def exact_layout(ids: torch.Tensor) -> bool:
     return not (ids.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def deepgemm_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: Fp8Experts, limit: float,
-                 shared: torch.Tensor | None = None, exact: bool | None = None) -> torch.Tensor:
+def deepgemm_moe(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    ex: Fp8Experts,
+    limit: float,
+    shared: torch.Tensor | None = None,
+    exact: bool | None = None,
+) -> torch.Tensor:
     """= fp8_moe_ref(x, weights, ids, ex, limit, shared). x: [T, H] bf16 CUDA; weights float [T, k]; ids int [T, k]
     (-1 = another rank's expert, contributes nothing); shared: [T, H] or None -> [T, H] bf16. exact: the layout's
     row count (None: `exact_layout`; True under capture fails on the sync)."""
@@ -87,7 +95,7 @@ def deepgemm_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: 
     xq, xs = _gather_rows(*quant_act_1x128(x.contiguous(), ex.pow2_act), layout.src_token)
     h = grouped_gemm(xq, xs, ex.w13, ex.s13, layout.m_indices)  # [M, 2I]
     del xq, xs
-    aq, as_ = triton_moe_glue.swiglu_quant(h[:, :ex.inter], h[:, ex.inter:], limit, ex.pow2_act)
+    aq, as_ = triton_moe_glue.swiglu_quant(h[:, : ex.inter], h[:, ex.inter :], limit, ex.pow2_act)
     del h
     y = grouped_gemm(aq, as_, ex.w2, ex.s2, layout.m_indices)  # [M, H]
     return triton_pair_combine.gather_combine(y, layout.pair_row.view(t, k), weights, shared, x.dtype)

@@ -37,7 +37,9 @@ def unfit_reason(num_heads: int, layouts: list[Fp8DsMlaLayout]) -> str:
         return f"{num_heads} query heads (FlashMLA takes up to {max(HEAD_COUNTS)})"
     for lay in layouts:
         if lay.head_dim != HEAD_DIM or lay.rope_dim != ROPE_DIM:
-            return f"head_dim {lay.head_dim} / rope_dim {lay.rope_dim} (FlashMLA's V4 format is {HEAD_DIM} / {ROPE_DIM})"
+            return (
+                f"head_dim {lay.head_dim} / rope_dim {lay.rope_dim} (FlashMLA's V4 format is {HEAD_DIM} / {ROPE_DIM})"
+            )
     return ""
 
 
@@ -57,16 +59,31 @@ def _pad_topk(idx: torch.Tensor) -> torch.Tensor:
 
 def _blocks(cache: torch.Tensor, layout: Fp8DsMlaLayout) -> torch.Tensor:
     """One layer's flat rows uint8 [R, 584] -> FlashMLA's [blocks, block_size, 1, 584] view (no copy)."""
-    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != layout.row_bytes or not cache.is_contiguous():
-        raise ValueError(f"cache must be contiguous uint8 [R, {layout.row_bytes}], got {cache.dtype} {tuple(cache.shape)}")
+    if (
+        cache.dtype != torch.uint8
+        or cache.dim() != 2
+        or cache.shape[1] != layout.row_bytes
+        or not cache.is_contiguous()
+    ):
+        raise ValueError(
+            f"cache must be contiguous uint8 [R, {layout.row_bytes}], got {cache.dtype} {tuple(cache.shape)}"
+        )
     if cache.shape[0] % layout.block_size:
         raise ValueError(f"{cache.shape[0]} rows are not whole {layout.block_size}-row blocks")
     return cache.view(-1, layout.block_size, 1, layout.row_bytes)
 
 
-def sparse_decode(q: torch.Tensor, main: torch.Tensor, main_layout: Fp8DsMlaLayout, main_idx: torch.Tensor,
-                  extra: torch.Tensor | None, extra_layout: Fp8DsMlaLayout | None, extra_idx: torch.Tensor | None,
-                  sink: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_decode(
+    q: torch.Tensor,
+    main: torch.Tensor,
+    main_layout: Fp8DsMlaLayout,
+    main_idx: torch.Tensor,
+    extra: torch.Tensor | None,
+    extra_layout: Fp8DsMlaLayout | None,
+    extra_idx: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """FlashMLA sparse decode. q: bf16 [T, H, 512]; main / extra: one layer's uint8 rows [R, 584];
     main_idx [T, K1] / extra_idx [T, K2]: int row ids, -1 = skip; sink: [H]. -> bf16 [T, H, 512].
     Equals `reference_sparse_decode` up to FlashMLA's bf16 rounding of the softmax weights."""
@@ -76,7 +93,9 @@ def sparse_decode(q: torch.Tensor, main: torch.Tensor, main_layout: Fp8DsMlaLayo
     t, h, d = q.shape
     reason = unfit_reason(h, [main_layout] + ([extra_layout] if extra_layout is not None else []))
     if reason or d != HEAD_DIM or q.dtype != torch.bfloat16:
-        raise ValueError(f"FlashMLA sparse decode cannot run q {q.dtype} {tuple(q.shape)}: {reason or 'needs bf16 [T, H, 512]'}")
+        raise ValueError(
+            f"FlashMLA sparse decode cannot run q {q.dtype} {tuple(q.shape)}: {reason or 'needs bf16 [T, H, 512]'}"
+        )
     hp = padded_heads(h)
     if hp != h:
         q = torch.cat([q, q.new_zeros(t, hp - h, d)], dim=1)
@@ -86,15 +105,30 @@ def sparse_decode(q: torch.Tensor, main: torch.Tensor, main_layout: Fp8DsMlaLayo
     if extra is not None:
         extra_idx = _pad_topk(extra_idx).unsqueeze(1)
         extra_args = {"extra_k_cache": _blocks(extra, extra_layout), "extra_indices_in_kvcache": extra_idx}
-    key = (q.device.index, t, hp, main_idx.shape[-1], main_layout.block_size,
-           None if extra is None else (extra_idx.shape[-1], extra_layout.block_size))
+    key = (
+        q.device.index,
+        t,
+        hp,
+        main_idx.shape[-1],
+        main_layout.block_size,
+        None if extra is None else (extra_idx.shape[-1], extra_layout.block_size),
+    )
     sched = _SCHED.get(key)
     if sched is None:
         sched = _SCHED[key] = flash_mla.get_mla_metadata()[0]
     out, _ = flash_mla.flash_mla_with_kvcache(
-        q.unsqueeze(1).contiguous(), _blocks(main, main_layout), None, None, HEAD_DIM, sched,
-        softmax_scale=scale, is_fp8_kvcache=True, indices=main_idx, attn_sink=sink.float().contiguous(),
-        **extra_args)
+        q.unsqueeze(1).contiguous(),
+        _blocks(main, main_layout),
+        None,
+        None,
+        HEAD_DIM,
+        sched,
+        softmax_scale=scale,
+        is_fp8_kvcache=True,
+        indices=main_idx,
+        attn_sink=sink.float().contiguous(),
+        **extra_args,
+    )
     return out[:, 0, :h]
 
 
@@ -104,15 +138,23 @@ def _decode_rows(cache: torch.Tensor, layout: Fp8DsMlaLayout, idx: torch.Tensor)
     bs, vb = layout.block_size, layout.token_stride
     blocks = cache.reshape(-1, bs * layout.row_bytes)
     blk, pos = flat // bs, flat % bs
-    values = blocks[:, :bs * vb].unflatten(1, (bs, vb))[blk, pos]
-    scales = blocks[:, bs * vb:].unflatten(1, (bs, layout.row_bytes - vb))[blk, pos]
+    values = blocks[:, : bs * vb].unflatten(1, (bs, vb))[blk, pos]
+    scales = blocks[:, bs * vb :].unflatten(1, (bs, layout.row_bytes - vb))[blk, pos]
     rows = unpack_fp8_ds_mla(torch.cat([values, scales], dim=1), layout)
     return rows.float().view(*idx.shape, layout.head_dim)
 
 
-def reference_sparse_decode(q: torch.Tensor, main: torch.Tensor, main_layout: Fp8DsMlaLayout, main_idx: torch.Tensor,
-                            extra: torch.Tensor | None, extra_layout: Fp8DsMlaLayout | None,
-                            extra_idx: torch.Tensor | None, sink: torch.Tensor, scale: float) -> torch.Tensor:
+def reference_sparse_decode(
+    q: torch.Tensor,
+    main: torch.Tensor,
+    main_layout: Fp8DsMlaLayout,
+    main_idx: torch.Tensor,
+    extra: torch.Tensor | None,
+    extra_layout: Fp8DsMlaLayout | None,
+    extra_idx: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Plain torch: dequantise the named rows of both caches, then `dsv4_kernels.attention.sparse_attention`."""
     keys, valid = _decode_rows(main, main_layout, main_idx), main_idx >= 0
     if extra is not None:

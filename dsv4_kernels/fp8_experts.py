@@ -73,11 +73,12 @@ class Fp8Experts:
         """Dense (w1 [n, I, H], w2 [n, H, I], w3 [n, I, H]) of the given expert ids, in `dtype`."""
         w13 = mxfp4_fp8.dequant(self.w13[experts], self.s13[experts], dtype)
         w2 = mxfp4_fp8.dequant(self.w2[experts], self.s2[experts], dtype)
-        return w13[:, :self.inter], w2, w13[:, self.inter:]
+        return w13[:, : self.inter], w2, w13[:, self.inter :]
 
 
-def from_packed(w1, s1, w2, s2, w3, s3, report: mxfp4_fp8.ConversionReport | None = None, name: str = "",
-                pow2_act: bool = True) -> Fp8Experts:
+def from_packed(
+    w1, s1, w2, s2, w3, s3, report: mxfp4_fp8.ConversionReport | None = None, name: str = "", pow2_act: bool = True
+) -> Fp8Experts:
     """MXFP4 experts as engine.model.moe.PackedExperts holds them (w1, w3: uint8 [E, I, H/2], scales [E, I, H/32];
     w2: [E, H, I/2], [E, H, I/32]) -> Fp8Experts on the same device (dsv4_kernels.mxfp4_fp8.convert)."""
     q1, t1 = mxfp4_fp8.convert(w1, s1, report, name + "w1")
@@ -116,8 +117,9 @@ def exact_rows(counts: torch.Tensor, align: int) -> int:
     return max(align, int(((counts + align - 1) // align * align).sum()))
 
 
-def contiguous_layout(ids: torch.Tensor, num_experts: int, align: int = DEFAULT_ALIGN,
-                      exact: bool = False) -> ContiguousLayout:
+def contiguous_layout(
+    ids: torch.Tensor, num_experts: int, align: int = DEFAULT_ALIGN, exact: bool = False
+) -> ContiguousLayout:
     """ids: int [T, k] (-1 = another rank's expert) -> ContiguousLayout, on ids' device: the bound row count
     without a host sync, or (`exact`) the exact one after one (module docstring). Pairs keep their (token, slot)
     order within an expert's segment (stable sort)."""
@@ -162,8 +164,14 @@ def layout_ref(ids: torch.Tensor, num_experts: int, align: int = DEFAULT_ALIGN, 
     return pair_row, src, mi
 
 
-def fp8_moe_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: Fp8Experts, limit: float,
-                shared: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_moe_ref(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    ex: Fp8Experts,
+    limit: float,
+    shared: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The DeepGEMM path's function in plain torch (fp32 products of the quantised operands; module docstring).
     x: [T, H] (bf16 on the GPU); weights float [T, k]; ids int [T, k] (-1 skipped) -> [T, H] in x.dtype."""
     t, k = ids.shape
@@ -173,7 +181,7 @@ def fp8_moe_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: F
         tok, slot = (ids == e).nonzero(as_tuple=True)
         w13 = mxfp4_fp8.dequant(ex.w13[e], ex.s13[e])
         h = (xq[tok] @ w13.t()).to(x.dtype)
-        act = swiglu(h[:, :ex.inter], h[:, ex.inter:], limit)  # rounded as the Triton SwiGLU rounds it
+        act = swiglu(h[:, : ex.inter], h[:, ex.inter :], limit)  # rounded as the Triton SwiGLU rounds it
         aq = dequant_act(*quant_act_1x128(act, ex.pow2_act))
         y = (aq @ mxfp4_fp8.dequant(ex.w2[e], ex.s2[e]).t()).to(x.dtype)
         out.index_add_(0, tok, y.float() * weights[tok, slot].float().unsqueeze(-1))

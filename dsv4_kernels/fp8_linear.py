@@ -44,8 +44,9 @@ class Fp8Weight:
             raise ValueError(f"Fp8Weight.weight must be float8_e4m3fn [N, K], got {w.dtype} {tuple(w.shape)}")
         want = (math.ceil(w.shape[0] / BLOCK), math.ceil(w.shape[1] / BLOCK))
         if s.dtype != torch.float32 or tuple(s.shape) != want:
-            raise ValueError(f"Fp8Weight.scale must be float32 {want} for weight {tuple(w.shape)}, "
-                             f"got {s.dtype} {tuple(s.shape)}")
+            raise ValueError(
+                f"Fp8Weight.scale must be float32 {want} for weight {tuple(w.shape)}, got {s.dtype} {tuple(s.shape)}"
+            )
 
     @property
     def shape(self) -> tuple[int, int]:

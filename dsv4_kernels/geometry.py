@@ -140,8 +140,9 @@ class Fp8DsMlaLayout(BlockRowLayout):
         if self.rope_dim < 0 or self.rope_dim % 2:
             raise ValueError(f"rope_dim must be even and >= 0, got {self.rope_dim}")
         if self.nope_dim <= 0 or self.nope_dim % FP8_DS_MLA_QUANT_BLOCK:
-            raise ValueError(f"head_dim - rope_dim = {self.nope_dim} must be a positive multiple "
-                             f"of {FP8_DS_MLA_QUANT_BLOCK}")
+            raise ValueError(
+                f"head_dim - rope_dim = {self.nope_dim} must be a positive multiple of {FP8_DS_MLA_QUANT_BLOCK}"
+            )
 
     @property
     def nope_dim(self) -> int:
@@ -187,8 +188,10 @@ class IndexerKeyLayout(BlockRowLayout):
         if self.fmt not in ("mxfp4", "fp8"):
             raise ValueError(f"indexer cache format must be 'mxfp4' or 'fp8', got {self.fmt!r}")
         if self.index_head_dim <= 0 or self.index_head_dim % self.scale_block:
-            raise ValueError(f"{self.fmt} index_head_dim must be a positive multiple of {self.scale_block}, "
-                             f"got {self.index_head_dim}")
+            raise ValueError(
+                f"{self.fmt} index_head_dim must be a positive multiple of {self.scale_block}, "
+                f"got {self.index_head_dim}"
+            )
 
     @property
     def scale_block(self) -> int:
@@ -447,8 +450,10 @@ def _cache_offsets(cache: torch.Tensor, layout: BlockRowLayout, slots: torch.Ten
     if cache.dtype != torch.uint8:
         raise TypeError(f"cache must be uint8, got {cache.dtype}")
     if cache.dim() != 2 or cache.shape[1] < layout.block_bytes() or not cache.is_contiguous():
-        raise ValueError(f"cache must be a contiguous [blocks, >= {layout.block_bytes()}] tensor, "
-                         f"got {tuple(cache.shape)} (contiguous={cache.is_contiguous()})")
+        raise ValueError(
+            f"cache must be a contiguous [blocks, >= {layout.block_bytes()}] tensor, "
+            f"got {tuple(cache.shape)} (contiguous={cache.is_contiguous()})"
+        )
     slots = slots.to(torch.int64).reshape(-1)
     valid = slots >= 0
     capacity = cache.shape[0] * layout.block_size
@@ -514,8 +519,11 @@ class CacheGeometry:
         if 4 in used:  # ratio-4 layers are the CSA ones, with overlap and a lightning indexer
             # Indexer keys share the ratio-4 compressed pages, so they use the same rows per page.
             rows = compressed_block_rows(4)
-            indexer = (ExactRowLayout(cfg.index_head_dim, dtype, rows) if indexer_format == "exact"
-                       else IndexerKeyLayout(cfg.index_head_dim, indexer_format, rows))
+            indexer = (
+                ExactRowLayout(cfg.index_head_dim, dtype, rows)
+                if indexer_format == "exact"
+                else IndexerKeyLayout(cfg.index_head_dim, indexer_format, rows)
+            )
             indexer_state = CompressorStateLayout(4, cfg.index_head_dim, overlap=True)
         return cls(
             compress_ratios=ratios,

@@ -83,8 +83,10 @@ def _triton_kernels_shims() -> None:
 
     if not hasattr(target_info, "is_hip_gfx1250"):
         target_info.is_hip_gfx1250 = lambda: False
-    for name, default in (("def_file_line_number", lambda self: self.starting_line_number),
-                          ("def_file_col_number", lambda self: 0)):
+    for name, default in (
+        ("def_file_line_number", lambda self: self.starting_line_number),
+        ("def_file_col_number", lambda self: 0),
+    ):
         if not hasattr(JITFunction, name):
             key = "_dsv4_" + name
 
@@ -114,8 +116,10 @@ def why_not_marlin_moe() -> str:
 def import_marlin_moe():
     """-> (tvm_ffi, the repack module, the MoE GEMM module) of the Marlin candidate, or ImportError naming why."""
     if not has_marlin_moe():
-        raise ImportError(f"the Marlin MoE candidate is not usable here ({why_not_marlin_moe()}): "
-                          "python tools/device_wheels/marlin_wheel.py, then install .whl/ on the CUDA machine")
+        raise ImportError(
+            f"the Marlin MoE candidate is not usable here ({why_not_marlin_moe()}): "
+            "python tools/device_wheels/marlin_wheel.py, then install .whl/ on the CUDA machine"
+        )
     import tvm_ffi
     from tokenspeed_marlin_moe import marlin, marlin_moe
 
@@ -125,8 +129,10 @@ def import_marlin_moe():
 def import_deep_gemm():
     """-> the deep_gemm module, or ImportError naming why it is unusable here."""
     if not has_deep_gemm():
-        raise ImportError(f"deep_gemm is not usable here ({why_not('deep_gemm') or 'no CUDA device'}): "
-                          "pip install '.[gpu]' on a CUDA machine")
+        raise ImportError(
+            f"deep_gemm is not usable here ({why_not('deep_gemm') or 'no CUDA device'}): "
+            "pip install '.[gpu]' on a CUDA machine"
+        )
     import deep_gemm
 
     return deep_gemm
@@ -135,8 +141,10 @@ def import_deep_gemm():
 def import_flash_mla():
     """-> the flash_mla module, or ImportError naming why it is unusable here."""
     if not has_flash_mla():
-        raise ImportError(f"flash_mla is not usable here ({why_not('flash_mla') or 'no CUDA device'}): "
-                          "pip install '.[gpu]' on a CUDA machine")
+        raise ImportError(
+            f"flash_mla is not usable here ({why_not('flash_mla') or 'no CUDA device'}): "
+            "pip install '.[gpu]' on a CUDA machine"
+        )
     import flash_mla
 
     return flash_mla
@@ -145,8 +153,10 @@ def import_flash_mla():
 def import_triton_kernels():
     """-> (matmul, tensor, layout, PrecisionConfig) of triton_kernels, or ImportError naming why."""
     if not has_triton_kernels():
-        raise ImportError(f"triton_kernels is not usable here ({why_not('triton_kernels.matmul') or 'no CUDA'}): "
-                          "pip install '.[gpu]' on a CUDA machine")
+        raise ImportError(
+            f"triton_kernels is not usable here ({why_not('triton_kernels.matmul') or 'no CUDA'}): "
+            "pip install '.[gpu]' on a CUDA machine"
+        )
     from triton_kernels import matmul, tensor
     from triton_kernels.tensor_details import layout
 
@@ -183,5 +193,7 @@ def require_triton(device: torch.device | str) -> None:
     if not has_triton():
         raise RuntimeError(_TRITON_HINT)
     if not triton_enabled(device):
-        raise RuntimeError(f"triton kernels cannot run on device {torch.device(device)}: need CUDA, "
-                           "or TRITON_INTERPRET=1 (set before importing dsv4_kernels.triton_*) for CPU tensors")
+        raise RuntimeError(
+            f"triton kernels cannot run on device {torch.device(device)}: need CUDA, "
+            "or TRITON_INTERPRET=1 (set before importing dsv4_kernels.triton_*) for CPU tensors"
+        )

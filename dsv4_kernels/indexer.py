@@ -87,14 +87,24 @@ def token_candidates(rows: torch.Tensor, num_tokens: int, seg: torch.Tensor | No
     """(seg, count) with their defaults filled in (arange(T); S each), int64 contiguous, on rows' device."""
     dev = rows.device
     seg = torch.arange(num_tokens, device=dev) if seg is None else seg.to(dev, torch.int64).contiguous()
-    count = (torch.full((num_tokens,), rows.shape[1], device=dev, dtype=torch.int64) if count is None
-             else count.to(dev, torch.int64).contiguous())
+    count = (
+        torch.full((num_tokens,), rows.shape[1], device=dev, dtype=torch.int64)
+        if count is None
+        else count.to(dev, torch.int64).contiguous()
+    )
     return seg, count
 
 
-def visible_topk(q: torch.Tensor, read_keys: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor,
-                 seg: torch.Tensor, count: torch.Tensor, weights: torch.Tensor, k: int,
-                 budget: int = SCORES_BUDGET) -> torch.Tensor:
+def visible_topk(
+    q: torch.Tensor,
+    read_keys: Callable[[torch.Tensor], torch.Tensor],
+    rows: torch.Tensor,
+    seg: torch.Tensor,
+    count: torch.Tensor,
+    weights: torch.Tensor,
+    k: int,
+    budget: int = SCORES_BUDGET,
+) -> torch.Tensor:
     """The reference indexer over per-request candidates, a query block at a time (module docstring).
 
     q: [T, H, D]; read_keys: key rows [N] -> [N, D]; rows: int [B, S]; seg, count: int [T]; weights: [T, H].

@@ -51,14 +51,26 @@ def _rows(parts: list[torch.Tensor], e: int) -> torch.Tensor:
 def _repack(marlin, parts: list[torch.Tensor], n: int, k: int) -> torch.Tensor:
     """uint8 [E, N_i, K/2] parts (sum N_i = N) -> int32 Marlin tiles [E, K/16, 2N] (one repack launch an expert)."""
     perm = torch.empty(0, dtype=torch.int32, device=parts[0].device)
-    return torch.stack([marlin.gptq_marlin_repack(_rows(parts, e).view(torch.int32).t().contiguous(), perm,
-                                                  size_k=k, size_n=n, num_bits=4) for e in range(parts[0].shape[0])])
+    return torch.stack(
+        [
+            marlin.gptq_marlin_repack(
+                _rows(parts, e).view(torch.int32).t().contiguous(), perm, size_k=k, size_n=n, num_bits=4
+            )
+            for e in range(parts[0].shape[0])
+        ]
+    )
 
 
 def _permute_scales(mm, parts: list[torch.Tensor], n: int, k: int) -> torch.Tensor:
     """UE8M0 bytes [E, N_i, K/32] parts -> float8_e8m0fnu [E, K/32, N] in the order Marlin's bf16 path reads."""
-    return torch.stack([mm.mxfp4_marlin_process_scales(mm.marlin_permute_scales(
-        _rows(parts, e).t().contiguous(), size_k=k, size_n=n, group_size=GROUP)) for e in range(parts[0].shape[0])])
+    return torch.stack(
+        [
+            mm.mxfp4_marlin_process_scales(
+                mm.marlin_permute_scales(_rows(parts, e).t().contiguous(), size_k=k, size_n=n, group_size=GROUP)
+            )
+            for e in range(parts[0].shape[0])
+        ]
+    )
 
 
 def prepare(w1, s1, w2, s2, w3, s3) -> MarlinExperts:
@@ -89,8 +101,14 @@ def block_size_m(tokens: int, top_k: int, num_experts: int) -> int:
     return 64
 
 
-def marlin_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: MarlinExperts, limit: float,
-               shared: torch.Tensor | None = None) -> torch.Tensor:
+def marlin_moe(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    ex: MarlinExperts,
+    limit: float,
+    shared: torch.Tensor | None = None,
+) -> torch.Tensor:
     """= moe_experts(x, weights, ids, W1, W2, W3, limit) on the dequantised experts. x: [T, H] bf16; weights:
     [T, k] float; ids: int [T, k] (all in [0, E): no expert parallelism here) -> [T, H] bf16; shared: [T, H]
     added in the k-way sum."""
@@ -106,14 +124,45 @@ def marlin_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: Ma
     gammas = weights.float().contiguous()
     x = x.contiguous()
     with tvm_ffi.use_torch_stream():
-        sorted_ids, expert_ids, padded = mm.moe_align_block_size(ids.to(torch.int32).contiguous(), block,
-                                                                 ex.num_experts)
+        sorted_ids, expert_ids, padded = mm.moe_align_block_size(
+            ids.to(torch.int32).contiguous(), block, ex.num_experts
+        )
         workspace = mm.marlin_make_workspace(x.device)  # per call: graphs must not share its locks
-        h = mm.moe_wna16_marlin_gemm(x, None, ex.w13, ex.s13, workspace, sorted_ids, expert_ids, padded, gammas,
-                                     moe_block_size=block, top_k=k, mul_topk_weights=False, is_ep=False,
-                                     size_m=t, size_n=2 * ex.inter, size_k=ex.hidden)  # [P, 2I], route order
-        act = triton_moe_glue.swiglu(h[:, :ex.inter], h[:, ex.inter:], limit, x.dtype)
-        y = mm.moe_wna16_marlin_gemm(act, None, ex.w2, ex.s2, workspace, sorted_ids, expert_ids, padded, gammas,
-                                     moe_block_size=block, top_k=1, mul_topk_weights=True, is_ep=False,
-                                     size_m=t * k, size_n=ex.hidden, size_k=ex.inter)  # [P, H], weighted
+        h = mm.moe_wna16_marlin_gemm(
+            x,
+            None,
+            ex.w13,
+            ex.s13,
+            workspace,
+            sorted_ids,
+            expert_ids,
+            padded,
+            gammas,
+            moe_block_size=block,
+            top_k=k,
+            mul_topk_weights=False,
+            is_ep=False,
+            size_m=t,
+            size_n=2 * ex.inter,
+            size_k=ex.hidden,
+        )  # [P, 2I], route order
+        act = triton_moe_glue.swiglu(h[:, : ex.inter], h[:, ex.inter :], limit, x.dtype)
+        y = mm.moe_wna16_marlin_gemm(
+            act,
+            None,
+            ex.w2,
+            ex.s2,
+            workspace,
+            sorted_ids,
+            expert_ids,
+            padded,
+            gammas,
+            moe_block_size=block,
+            top_k=1,
+            mul_topk_weights=True,
+            is_ep=False,
+            size_m=t * k,
+            size_n=ex.hidden,
+            size_k=ex.inter,
+        )  # [P, H], weighted
     return triton_moe_glue.combine(y.view(t, k, ex.hidden), shared, x.dtype)

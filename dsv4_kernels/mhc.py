@@ -21,8 +21,15 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-           hc_eps: float, norm_eps: float):
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+):
     """streams: [T, hc, D]; fn: [(2+hc)*hc, hc*D]; base: [(2+hc)*hc]; scale: [3].
 
     -> (collapsed [T, D] in streams.dtype, post fp32 [T, hc], comb fp32 [T, hc, hc]).
@@ -48,8 +55,9 @@ def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, 
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
 
 
-def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-            norm_eps: float) -> torch.Tensor:
+def hc_head(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, norm_eps: float
+) -> torch.Tensor:
     """Collapse the streams before the final norm. streams: [T, hc, D]; fn: [hc, hc*D] -> [T, D]."""
     flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)
     pre = torch.sigmoid((flat @ fn.float().t()) * scale.float() + base.float()) + hc_eps

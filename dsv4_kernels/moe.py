@@ -15,9 +15,17 @@ def score_experts(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     raise ValueError(f"unknown scoring_func {scoring_func!r}")
 
 
-def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, scaling: float, scoring_func: str = "sqrtsoftplus",
-          bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
-          token_ids: torch.Tensor | None = None, renormalize: bool = True):
+def route(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    top_k: int,
+    scaling: float,
+    scoring_func: str = "sqrtsoftplus",
+    bias: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
+    renormalize: bool = True,
+):
     """x: [T, H]; gate: [E, H]. Hash layers pass tid2eid [V, k] and token_ids [T]; others pass bias [E].
 
     -> (weights fp32 [T, k], expert ids int64 [T, k]). Selection uses scores + bias; weights are the
@@ -46,8 +54,15 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
     return swiglu(x @ w1.t(), x @ w3.t(), limit) @ w2.t()
 
 
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                w3: torch.Tensor, limit: float) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
     """Routed experts, grouped by expert (sort tokens, one matmul per used expert).
 
     x: [T, H]; weights: [T, k]; ids: [T, k]; w1, w3: [E, I, H]; w2: [E, H, I] -> [T, H].
@@ -64,16 +79,23 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: t
     for expert, n in enumerate(counts):
         if n == 0:
             continue
-        rows = token_of[start:start + n]
+        rows = token_of[start : start + n]
         y = expert_mlp(x[rows], w1[expert], w2[expert], w3[expert], limit)
-        y = y * weights.reshape(-1)[order[start:start + n]].unsqueeze(-1).to(y.dtype)
+        y = y * weights.reshape(-1)[order[start : start + n]].unsqueeze(-1).to(y.dtype)
         out.index_add_(0, rows, y.to(out.dtype))
         start += n
     return out
 
 
-def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
-                        w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+def moe_experts_grouped(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
     """`moe_experts` without a host sync or a Python loop: tokens sorted by expert, three grouped GEMMs.
 
     Same shapes and semantics as `moe_experts` (-1 ids skipped). Every shape depends only on T and k (the

@@ -54,14 +54,34 @@ class MtpSpec:
     def of(cls, cfg) -> MtpSpec:
         """From any object with these fields (engine.model.config.ModelConfig: its `main_rope.theta`)."""
         theta = cfg.main_rope.theta if hasattr(cfg, "main_rope") else cfg.rope_theta
-        return cls(cfg.num_heads, cfg.head_dim, cfg.rope_dim, float(theta), cfg.o_groups, cfg.sliding_window,
-                   cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, cfg.num_experts_per_tok,
-                   cfg.n_routed_experts, cfg.routed_scaling_factor, cfg.scoring_func, cfg.norm_topk_prob,
-                   cfg.swiglu_limit)
+        return cls(
+            cfg.num_heads,
+            cfg.head_dim,
+            cfg.rope_dim,
+            float(theta),
+            cfg.o_groups,
+            cfg.sliding_window,
+            cfg.hc_sinkhorn_iters,
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+            cfg.num_experts_per_tok,
+            cfg.n_routed_experts,
+            cfg.routed_scaling_factor,
+            cfg.scoring_func,
+            cfg.norm_topk_prob,
+            cfg.swiglu_limit,
+        )
 
 
-def mtp_input(embedded: torch.Tensor, streams: torch.Tensor, enorm: torch.Tensor, hnorm: torch.Tensor,
-              e_proj: torch.Tensor, h_proj: torch.Tensor, eps: float) -> torch.Tensor:
+def mtp_input(
+    embedded: torch.Tensor,
+    streams: torch.Tensor,
+    enorm: torch.Tensor,
+    hnorm: torch.Tensor,
+    e_proj: torch.Tensor,
+    h_proj: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
     """embedded: [T, D] (embed rows of the tokens at t+1); streams: [T, hc, D] (target, pre-hc_head, at t);
     e_proj, h_proj: [D, D] -> the block's input streams [T, hc, D] in streams' dtype."""
     e = rms_norm(embedded, enorm, eps) @ e_proj.t().to(embedded.dtype)  # [T, D]
@@ -86,50 +106,88 @@ def swa_attention(x: torch.Tensor, positions: torch.Tensor, w: dict, spec: MtpSp
     q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)
     kv = apply_rope(rms_norm(x @ w["wkv.weight"].t(), w["norm.weight"], eps), cos, sin)  # [T, hd]: K = V
     # keys of query i: rows i - W + 1 .. i (the window), as one [T, W] gather with a validity mask
-    rows = torch.arange(t, device=x.device).unsqueeze(1) - spec.sliding_window + 1 + \
-        torch.arange(spec.sliding_window, device=x.device)
+    rows = (
+        torch.arange(t, device=x.device).unsqueeze(1)
+        - spec.sliding_window
+        + 1
+        + torch.arange(spec.sliding_window, device=x.device)
+    )
     keys = kv[rows.clamp(min=0)]  # [T, W, hd]
-    o = sparse_attention(q, keys, rows >= 0, w["attn_sink"], spec.head_dim ** -0.5)
+    o = sparse_attention(q, keys, rows >= 0, w["attn_sink"], spec.head_dim**-0.5)
     o = apply_rope(o, cos, sin, inverse=True)
     return grouped_output_projection(o, w["wo_a.weight"], w["wo_b.weight"], spec.o_groups)
 
 
 def moe(x: torch.Tensor, w: dict, spec: MtpSpec) -> torch.Tensor:
     """Score-routed MoE + shared expert. x: [T, D]; w: names relative to `ffn.` -> [T, D]."""
-    weights, ids = route(x, w["gate.weight"], spec.num_experts_per_tok, spec.routed_scaling_factor,
-                         spec.scoring_func, bias=w["gate.bias"], renormalize=spec.norm_topk_prob)
+    weights, ids = route(
+        x,
+        w["gate.weight"],
+        spec.num_experts_per_tok,
+        spec.routed_scaling_factor,
+        spec.scoring_func,
+        bias=w["gate.bias"],
+        renormalize=spec.norm_topk_prob,
+    )
     stack = [torch.stack([w[f"experts.{e}.w{k}.weight"] for e in range(spec.n_routed_experts)]) for k in (1, 2, 3)]
     routed = moe_experts(x, weights, ids, *stack, spec.swiglu_limit)
-    shared = expert_mlp(x, w["shared_experts.w1.weight"], w["shared_experts.w2.weight"],
-                        w["shared_experts.w3.weight"], spec.swiglu_limit)
+    shared = expert_mlp(
+        x,
+        w["shared_experts.w1.weight"],
+        w["shared_experts.w2.weight"],
+        w["shared_experts.w3.weight"],
+        spec.swiglu_limit,
+    )
     return routed + shared
 
 
 def _sub(w: dict, prefix: str) -> dict:
-    return {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in w.items() if k.startswith(prefix)}
 
 
 def mtp_block(x: torch.Tensor, positions: torch.Tensor, w: dict, spec: MtpSpec) -> torch.Tensor:
     """The MTP layer's V4 block on streams x [T, hc, D] -> [T, hc, D] (mHC pre/post around attention and MoE)."""
     eps = spec.rms_norm_eps
     streams = x
-    for site, run in (("attn", lambda h: swa_attention(h, positions, _sub(w, "attn."), spec)),
-                      ("ffn", lambda h: moe(h, _sub(w, "ffn."), spec))):
-        collapsed, post, comb = hc_pre(streams, w[f"hc_{site}_fn"], w[f"hc_{site}_base"], w[f"hc_{site}_scale"],
-                                       spec.hc_sinkhorn_iters, spec.hc_eps, eps)
+    for site, run in (
+        ("attn", lambda h: swa_attention(h, positions, _sub(w, "attn."), spec)),
+        ("ffn", lambda h: moe(h, _sub(w, "ffn."), spec)),
+    ):
+        collapsed, post, comb = hc_pre(
+            streams,
+            w[f"hc_{site}_fn"],
+            w[f"hc_{site}_base"],
+            w[f"hc_{site}_scale"],
+            spec.hc_sinkhorn_iters,
+            spec.hc_eps,
+            eps,
+        )
         out = run(rms_norm(collapsed, w[f"{site}_norm.weight"], eps))
         streams = hc_post(out, streams, post, comb)
     return streams
 
 
-def mtp_layer_reference(w: dict, spec: MtpSpec, embed: torch.Tensor, head: torch.Tensor,
-                        next_tokens: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def mtp_layer_reference(
+    w: dict,
+    spec: MtpSpec,
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    next_tokens: torch.Tensor,
+    streams: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One MTP layer over one sequence. w: the layer's tensors (names relative to `mtp.{i}.`); embed, head:
     the model's [V, D]; next_tokens: [T] token ids at t+1; streams: [T, hc, D] hidden at t; positions: [T] = t
     (contiguous, increasing; the layer's SWA covers only these rows) -> (output streams [T, hc, D],
     fp32 logits [T, V] predicting the token at t+2)."""
-    x = mtp_input(embed[next_tokens], streams, w["enorm.weight"], w["hnorm.weight"], w["e_proj.weight"],
-                  w["h_proj.weight"], spec.rms_norm_eps)
+    x = mtp_input(
+        embed[next_tokens],
+        streams,
+        w["enorm.weight"],
+        w["hnorm.weight"],
+        w["e_proj.weight"],
+        w["h_proj.weight"],
+        spec.rms_norm_eps,
+    )
     out = mtp_block(x, positions, w, spec)
     return out, mtp_logits(out, w, head, spec.hc_eps, spec.rms_norm_eps)

@@ -51,12 +51,17 @@ class ConversionReport:
         return self.inexact_blocks == 0
 
     def describe(self) -> str:
-        head = (f"MXFP4 -> FP8 128x128 experts: {self.tensors} tensors, {self.blocks} blocks, "
-                f"{self.inexact_blocks} inexact ({self.wide_blocks} with a scale span > {EXACT_SPAN} binades)")
+        head = (
+            f"MXFP4 -> FP8 128x128 experts: {self.tensors} tensors, {self.blocks} blocks, "
+            f"{self.inexact_blocks} inexact ({self.wide_blocks} with a scale span > {EXACT_SPAN} binades)"
+        )
         if self.exact:
             return head + ": exact"
-        return (head + f"; worst error {self.max_abs_err:.3g} absolute, {self.max_rel_err:.3g} of its block's amax"
-                + (f" (in {', '.join(self.worst)})" if self.worst else ""))
+        return (
+            head
+            + f"; worst error {self.max_abs_err:.3g} absolute, {self.max_rel_err:.3g} of its block's amax"
+            + (f" (in {', '.join(self.worst)})" if self.worst else "")
+        )
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -113,15 +118,17 @@ def _groups_nonzero(dense: torch.Tensor) -> torch.Tensor:
     return dense.view(c, n, k // 32, 32).ne(0).any(-1)
 
 
-def convert(w: torch.Tensor, s: torch.Tensor, report: ConversionReport | None = None, name: str = "",
-            chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def convert(
+    w: torch.Tensor, s: torch.Tensor, report: ConversionReport | None = None, name: str = "", chunk: int = CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked MXFP4 experts -> FP8 128x128 block-scaled, on w's device, `chunk` experts at a time.
 
     w: uint8 [E, N, K/2] (low nibble = even element); s: UE8M0 [E, N, K/32] (uint8 or float8_e8m0fnu); N, K whole
     128-blocks. -> (float8_e4m3fn [E, N, K], fp32 [E, N/128, K/128]). report: accumulates the precision figures."""
     if w.dim() != 3 or s.dim() != 3:
-        raise ValueError(f"convert takes stacked experts [E, N, K/2] and [E, N, K/32], got {tuple(w.shape)}, "
-                         f"{tuple(s.shape)}")
+        raise ValueError(
+            f"convert takes stacked experts [E, N, K/2] and [E, N, K/32], got {tuple(w.shape)}, {tuple(s.shape)}"
+        )
     e, n, half = w.shape
     k = 2 * half
     if n % BLOCK or k % BLOCK:
@@ -131,7 +138,9 @@ def convert(w: torch.Tensor, s: torch.Tensor, report: ConversionReport | None = 
     if report is not None:
         report.tensors += 1
     for e0 in range(0, e, chunk):
-        q[e0:e0 + chunk], scale[e0:e0 + chunk] = _convert_chunk(w[e0:e0 + chunk], s[e0:e0 + chunk], report, name)
+        q[e0 : e0 + chunk], scale[e0 : e0 + chunk] = _convert_chunk(
+            w[e0 : e0 + chunk], s[e0 : e0 + chunk], report, name
+        )
     return q, scale
 
 

@@ -80,8 +80,9 @@ def _wrap(w: torch.Tensor, s: torch.Tensor):
     value = tensor.wrap_torch_tensor(w.transpose(1, 2), dtype=tensor.FP4)  # logical [E, K, N], K contiguous
     value = tensor.convert_layout(value, layout.make_default_matmul_mxfp4_w_layout(mx_axis=-2))
     scale = tensor.wrap_torch_tensor(s.transpose(1, 2))  # logical [E, K/32, N]
-    scale = tensor.convert_layout(scale, layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=-2,
-                                                                                        num_warps=SCALE_WARPS))
+    scale = tensor.convert_layout(
+        scale, layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=-2, num_warps=SCALE_WARPS)
+    )
     return value, scale
 
 
@@ -125,9 +126,13 @@ def variant_key(tokens: int, num_experts: int, top_k: int) -> tuple:
     choice depends on, so one call per key compiles every variant (engine.execution.warmup's MoE sweep)."""
     p = tokens * top_k
     per_expert = max(1, p // max(1, num_experts))
-    return (json.dumps(constraints(tokens), sort_keys=True), 1 << (per_expert - 1).bit_length(), _spec_class(p),
-            tuple(_spec_class(_ragged_blocks(num_experts, p, b)) for b in (16, 32, 64, 128)),
-            p <= _max_sort_pairs())
+    return (
+        json.dumps(constraints(tokens), sort_keys=True),
+        1 << (per_expert - 1).bit_length(),
+        _spec_class(p),
+        tuple(_spec_class(_ragged_blocks(num_experts, p, b)) for b in (16, 32, 64, 128)),
+        p <= _max_sort_pairs(),
+    )
 
 
 def _max_sort_pairs() -> int:
@@ -145,8 +150,15 @@ def variant_tokens(max_tokens: int, num_experts: int, top_k: int) -> list[int]:
     return sorted(first.values())
 
 
-def ogs_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: OgsExperts, limit: float,
-            opt_constraints: dict | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
+def ogs_moe(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    ex: OgsExperts,
+    limit: float,
+    opt_constraints: dict | None = None,
+    shared: torch.Tensor | None = None,
+) -> torch.Tensor:
     """= moe_experts(x, weights, ids, W1, W2, W3, limit) on the dequantised experts. x: [T, H] bf16;
     weights: [T, k] float; ids: int [T, k] (-1 = not this rank's expert, contributes nothing) -> [T, H] in x.dtype.
     opt_constraints: triton_kernels launch constraints for this call (None = `constraints(T)`).
@@ -172,9 +184,22 @@ def ogs_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex: OgsEx
     meta = tensor.make_ragged_tensor_metadata(counts, p)
     x = x.contiguous()
     with _scoped(opt_constraints, t):
-        h = matmul.matmul(x, ex.w13, None, a_ragged_metadata=meta, gather_indx=rows,
-                          precision_config=precision(b_mx_scale=ex.s13, b_microblock_size=32))  # [P, 2I]
-        act = triton_moe_glue.swiglu(h[:, :ex.inter], h[:, ex.inter:], limit, x.dtype)
-        y = matmul.matmul(act, ex.w2, None, a_ragged_metadata=meta, scatter_indx=order, gammas=gammas,
-                          precision_config=precision(b_mx_scale=ex.s2, b_microblock_size=32))  # [P, H], pair order
+        h = matmul.matmul(
+            x,
+            ex.w13,
+            None,
+            a_ragged_metadata=meta,
+            gather_indx=rows,
+            precision_config=precision(b_mx_scale=ex.s13, b_microblock_size=32),
+        )  # [P, 2I]
+        act = triton_moe_glue.swiglu(h[:, : ex.inter], h[:, ex.inter :], limit, x.dtype)
+        y = matmul.matmul(
+            act,
+            ex.w2,
+            None,
+            a_ragged_metadata=meta,
+            scatter_indx=order,
+            gammas=gammas,
+            precision_config=precision(b_mx_scale=ex.s2, b_microblock_size=32),
+        )  # [P, H], pair order
     return triton_moe_glue.combine(y.view(t, k, ex.hidden), shared, x.dtype)

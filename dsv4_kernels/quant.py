@@ -75,9 +75,7 @@ def _fp8_view(weight: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"expected float8_e4m3fn (or uint8/int8 bytes) weight, got {weight.dtype}")
 
 
-def dequant_fp8_block(
-    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
-) -> torch.Tensor:
+def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
     """FP8 block-scaled weight -> float32.
 
     weight: [N, K] float8_e4m3fn (or uint8/int8 holding its bytes).

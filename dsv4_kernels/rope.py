@@ -13,8 +13,14 @@ import math
 import torch
 
 
-def rope_inv_freq(theta: float, dim: int, yarn_factor: float | None = None, original_max_position: int = 0,
-                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+def rope_inv_freq(
+    theta: float,
+    dim: int,
+    yarn_factor: float | None = None,
+    original_max_position: int = 0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+) -> torch.Tensor:
     """Inverse frequencies, one per rotated pair. -> fp32 [dim // 2]."""
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     extrapolation = 1.0 / pos_freqs

@@ -51,8 +51,10 @@ SEG_MAX = 256  # widest column segment (wgmma's largest N)
 _PLAIN, _FP8_NOPE, _BF16_ROPE = 0, 1, 2  # segment kinds
 # CUDA launch defaults per store kind (block_h None = all heads up to 64 in one block), from graph-timed
 # sm_90 sweeps at H=64, D=512, K=640 (`dsv4 bench kernels triton --tune`, BENCHMARKS.md '## GPU kernels').
-DEFAULTS = {"plain": {"block_h": None, "block_k": 64, "num_warps": 8, "num_stages": 2},
-            "fp8": {"block_h": None, "block_k": 64, "num_warps": 8, "num_stages": 2}}
+DEFAULTS = {
+    "plain": {"block_h": None, "block_k": 64, "num_warps": 8, "num_stages": 2},
+    "fp8": {"block_h": None, "block_k": 64, "num_warps": 8, "num_stages": 2},
+}
 
 
 @triton.jit
@@ -66,8 +68,18 @@ def _dot(a, b, BF16_DOT: tl.constexpr):
 
 
 @triton.jit
-def _load_seg(rp, sp, ok, O: tl.constexpr, W: tl.constexpr, P: tl.constexpr, KIND: tl.constexpr,
-              BF16_DOT: tl.constexpr, SCALE_BLOCK: tl.constexpr, BK: tl.constexpr):
+def _load_seg(
+    rp,
+    sp,
+    ok,
+    O: tl.constexpr,
+    W: tl.constexpr,
+    P: tl.constexpr,
+    KIND: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    BK: tl.constexpr,
+):
     """Columns [O, O + W) (padded to P) of BK rows -> [BK, P] dot operand (bf16 on GPU, fp32 when interpreted).
 
     rp: per-row pointers to the row start (elements of the store for KIND 0, the fp8 value row's bytes
@@ -90,8 +102,11 @@ def _load_seg(rp, sp, ok, O: tl.constexpr, W: tl.constexpr, P: tl.constexpr, KIN
         codes = tl.load(rp[:, None] + (O + c)[None, :], mask=mask, other=0)
         NB: tl.constexpr = P // SCALE_BLOCK
         sidx = tl.arange(0, NB)
-        sbyte = tl.load(sp[:, None] + (O // SCALE_BLOCK + sidx)[None, :],
-                        mask=ok[:, None] & (sidx * SCALE_BLOCK < W)[None, :], other=127)
+        sbyte = tl.load(
+            sp[:, None] + (O // SCALE_BLOCK + sidx)[None, :],
+            mask=ok[:, None] & (sidx * SCALE_BLOCK < W)[None, :],
+            other=127,
+        )
         # UE8M0 byte b is 2**(b - 127): build the fp32 from its exponent bits (exact, unlike ex2.approx).
         scale = (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -117,8 +132,11 @@ def _load_q(q_row, hmask, O: tl.constexpr, W: tl.constexpr, P: tl.constexpr, BF1
 def _store_seg(o_row, hmask, acc, scale, O: tl.constexpr, W: tl.constexpr, P: tl.constexpr):
     """o_row: [BLOCK_H] pointers to the output (or partial) row; writes acc * scale[:, None] cast to its type."""
     c = tl.arange(0, P)
-    tl.store(o_row[:, None] + (O + c)[None, :], (acc * scale[:, None]).to(o_row.dtype.element_ty),
-             mask=hmask[:, None] & (c < W)[None, :])
+    tl.store(
+        o_row[:, None] + (O + c)[None, :],
+        (acc * scale[:, None]).to(o_row.dtype.element_ty),
+        mask=hmask[:, None] & (c < W)[None, :],
+    )
 
 
 # K, the split counts and the store sizes (R0, R01: a prefill's local compressed rows) vary with the step, and
@@ -128,20 +146,64 @@ def _store_seg(o_row, hmask, acc, scale, O: tl.constexpr, W: tl.constexpr, P: tl
 # (engine.telemetry.compile_watch): declared i64 and unspecialised, they are one.
 @triton.jit(do_not_specialize=["K", "tiles_per_split", "num_splits", "stride_rt", "R0", "R01", "b1", "b2"])
 def _sparse_attn_kernel(
-    q_ptr, kv0_ptr, rows_ptr, sink_ptr, out_ptr, pacc_ptr, pml_ptr,
-    H, K, tiles_per_split, num_splits,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_rt,
-    R0, R01, s0, s1, s2, b1: tl.int64, b2: tl.int64,
-    block_size, stride_block, scale_log2,
-    D: tl.constexpr, NSRC: tl.constexpr, ALIGN: tl.constexpr, FP8: tl.constexpr, TOKEN_STRIDE: tl.constexpr,
-    SCALE_STRIDE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    q_ptr,
+    kv0_ptr,
+    rows_ptr,
+    sink_ptr,
+    out_ptr,
+    pacc_ptr,
+    pml_ptr,
+    H,
+    K,
+    tiles_per_split,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_rt,
+    R0,
+    R01,
+    s0,
+    s1,
+    s2,
+    b1: tl.int64,
+    b2: tl.int64,
+    block_size,
+    stride_block,
+    scale_log2,
+    D: tl.constexpr,
+    NSRC: tl.constexpr,
+    ALIGN: tl.constexpr,
+    FP8: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
+    SCALE_STRIDE: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     NSEG: tl.constexpr,
-    O0: tl.constexpr, W0: tl.constexpr, P0: tl.constexpr, KD0: tl.constexpr,
-    O1: tl.constexpr, W1: tl.constexpr, P1: tl.constexpr, KD1: tl.constexpr,
-    O2: tl.constexpr, W2: tl.constexpr, P2: tl.constexpr, KD2: tl.constexpr,
-    O3: tl.constexpr, W3: tl.constexpr, P3: tl.constexpr, KD3: tl.constexpr,
-    QO0: tl.constexpr, QO1: tl.constexpr, QO2: tl.constexpr, QO3: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BF16_DOT: tl.constexpr,
+    O0: tl.constexpr,
+    W0: tl.constexpr,
+    P0: tl.constexpr,
+    KD0: tl.constexpr,
+    O1: tl.constexpr,
+    W1: tl.constexpr,
+    P1: tl.constexpr,
+    KD1: tl.constexpr,
+    O2: tl.constexpr,
+    W2: tl.constexpr,
+    P2: tl.constexpr,
+    KD2: tl.constexpr,
+    O3: tl.constexpr,
+    W3: tl.constexpr,
+    P3: tl.constexpr,
+    KD3: tl.constexpr,
+    QO0: tl.constexpr,
+    QO1: tl.constexpr,
+    QO2: tl.constexpr,
+    QO3: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BF16_DOT: tl.constexpr,
 ):
     """Segment i: store columns O_i (bytes for fp8 kinds) of width W_i, q / output columns QO_i."""
     t = tl.program_id(0).to(tl.int64)
@@ -251,8 +313,19 @@ def _sparse_attn_kernel(
 
 
 @triton.jit
-def _merge_kernel(pacc_ptr, pml_ptr, sink_ptr, out_ptr, H, num_splits, stride_ot, stride_oh,
-                  D: tl.constexpr, PD: tl.constexpr, BLOCK_H: tl.constexpr):
+def _merge_kernel(
+    pacc_ptr,
+    pml_ptr,
+    sink_ptr,
+    out_ptr,
+    H,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    D: tl.constexpr,
+    PD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """Merge the split partials of one (token, head block); the sink enters once, as the initial state."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -316,8 +389,7 @@ def _seg_args(segs: list[tuple[int, int, int, int]]) -> dict:
     args = {"NSEG": len(segs)}
     for i in range(MAX_SEGMENTS):
         o, w, kind, qo = segs[i] if i < len(segs) else (0, 16, 0, 0)
-        args.update({f"O{i}": o, f"W{i}": w, f"P{i}": max(16, triton.next_power_of_2(w)), f"KD{i}": kind,
-                     f"QO{i}": qo})
+        args.update({f"O{i}": o, f"W{i}": w, f"P{i}": max(16, triton.next_power_of_2(w)), f"KD{i}": kind, f"QO{i}": qo})
     return args
 
 
@@ -346,8 +418,23 @@ def _check_common(q: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor, d: in
     require_triton(q.device)
 
 
-def _launch(q, stores, rows, sink, scale, segs, *, fp8, layout=None, bf16_operands=False, num_splits=None,
-            block_h=None, block_k=None, num_warps=None, num_stages=None):
+def _launch(
+    q,
+    stores,
+    rows,
+    sink,
+    scale,
+    segs,
+    *,
+    fp8,
+    layout=None,
+    bf16_operands=False,
+    num_splits=None,
+    block_h=None,
+    block_k=None,
+    num_warps=None,
+    num_stages=None,
+):
     t, h, d = q.shape
     k = rows.shape[1]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -390,26 +477,74 @@ def _launch(q, stores, rows, sink, scale, segs, *, fp8, layout=None, bf16_operan
     item = kv0.element_size()
     offs = [0] + [(s.data_ptr() - kv0.data_ptr()) // item for s in stores[1:]]
     offs += [0] * (3 - len(offs))
-    align = 16 // item if not fp8 and all(x % (16 // item) == 0 for x in strides + offs) and \
-        kv0.data_ptr() % 16 == 0 else 1
+    align = (
+        16 // item if not fp8 and all(x % (16 // item) == 0 for x in strides + offs) and kv0.data_ptr() % 16 == 0 else 1
+    )
     if fp8:
-        fp8_args = dict(block_size=layout.block_size, stride_block=kv0.stride(0), TOKEN_STRIDE=layout.token_stride,
-                        SCALE_STRIDE=layout.scale_stride)
+        fp8_args = dict(
+            block_size=layout.block_size,
+            stride_block=kv0.stride(0),
+            TOKEN_STRIDE=layout.token_stride,
+            SCALE_STRIDE=layout.scale_stride,
+        )
     else:
         fp8_args = dict(block_size=1, stride_block=0, TOKEN_STRIDE=1, SCALE_STRIDE=1)
     _sparse_attn_kernel[(t, head_blocks, num_splits)](
-        q, kv0, rows, sink, out, pacc, pml,
-        h, k, tiles_per_split, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), rows.stride(0),
-        sizes[0], sizes[0] + sizes[1], strides[0], strides[1], strides[2], offs[1], offs[2],
-        fp8_args.pop("block_size"), fp8_args.pop("stride_block"), scale * LOG2E,
-        D=d, NSRC=len(stores), ALIGN=align, FP8=fp8, SCALE_BLOCK=FP8_SCALE_BLOCK, **fp8_args, **_seg_args(segs),
-        BLOCK_H=block_h, BLOCK_K=block_k, SPLIT=split, BF16_DOT=bf16_dot, **extra)
+        q,
+        kv0,
+        rows,
+        sink,
+        out,
+        pacc,
+        pml,
+        h,
+        k,
+        tiles_per_split,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        rows.stride(0),
+        sizes[0],
+        sizes[0] + sizes[1],
+        strides[0],
+        strides[1],
+        strides[2],
+        offs[1],
+        offs[2],
+        fp8_args.pop("block_size"),
+        fp8_args.pop("stride_block"),
+        scale * LOG2E,
+        D=d,
+        NSRC=len(stores),
+        ALIGN=align,
+        FP8=fp8,
+        SCALE_BLOCK=FP8_SCALE_BLOCK,
+        **fp8_args,
+        **_seg_args(segs),
+        BLOCK_H=block_h,
+        BLOCK_K=block_k,
+        SPLIT=split,
+        BF16_DOT=bf16_dot,
+        **extra,
+    )
     if split:
         merge_h = min(8, triton.next_power_of_2(h))  # no dot here: small head blocks keep registers low
-        _merge_kernel[(t, triton.cdiv(h, merge_h))](pacc, pml, sink, out, h, num_splits, out.stride(0),
-                                                    out.stride(1), D=d, PD=triton.next_power_of_2(d),
-                                                    BLOCK_H=merge_h, **({"num_warps": 4} if q.is_cuda else {}))
+        _merge_kernel[(t, triton.cdiv(h, merge_h))](
+            pacc,
+            pml,
+            sink,
+            out,
+            h,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            D=d,
+            PD=triton.next_power_of_2(d),
+            BLOCK_H=merge_h,
+            **({"num_warps": 4} if q.is_cuda else {}),
+        )
     return out
 
 
@@ -420,10 +555,20 @@ def _check_store(kv: torch.Tensor, d: int, dtype: torch.dtype | None = None) -> 
         raise ValueError(f"all kv stores must share one dtype, got {kv.dtype} and {dtype}")
 
 
-def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor, scale: float,
-                         *, num_splits: int | None = None, block_h: int | None = None,
-                         block_k: int | None = None, num_warps: int | None = None,
-                         num_stages: int | None = None, seg_max: int = SEG_MAX) -> torch.Tensor:
+def sparse_mqa_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    seg_max: int = SEG_MAX,
+) -> torch.Tensor:
     """Sparse MQA attention with sinks over rows of a flat KV store.
 
     q: [T, H, D] fp32/bf16/fp16 (last dim contiguous); kv: [R, D] rows, any float dtype, last dim
@@ -436,12 +581,29 @@ def sparse_mqa_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, 
     Row indices must be < R (not checked: that would need a device sync).
     num_splits / block_h / block_k / num_warps / num_stages / seg_max override the launch heuristics.
     """
-    return sparse_mqa_attention_multi(q, [kv], rows, sink, scale, num_splits=num_splits, block_h=block_h,
-                                      block_k=block_k, num_warps=num_warps, num_stages=num_stages, seg_max=seg_max)
+    return sparse_mqa_attention_multi(
+        q,
+        [kv],
+        rows,
+        sink,
+        scale,
+        num_splits=num_splits,
+        block_h=block_h,
+        block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        seg_max=seg_max,
+    )
 
 
-def sparse_mqa_attention_multi(q: torch.Tensor, stores: list[torch.Tensor] | tuple[torch.Tensor, ...],
-                               rows: torch.Tensor, sink: torch.Tensor, scale: float, **launch) -> torch.Tensor:
+def sparse_mqa_attention_multi(
+    q: torch.Tensor,
+    stores: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    rows: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    **launch,
+) -> torch.Tensor:
     """`sparse_mqa_attention` over the row concatenation of 1-3 stores [R_i, D] of one dtype, not copied.
 
     Row id r < R_0 is stores[0][r], R_0 <= r < R_0 + R_1 is stores[1][r - R_0], and so on; -1 = invalid.
@@ -459,14 +621,17 @@ def sparse_mqa_attention_multi(q: torch.Tensor, stores: list[torch.Tensor] | tup
     _check_common(q, rows, sink, d)
     seg_max = launch.pop("seg_max", SEG_MAX)
     segs = [(o, w, _PLAIN, o) for o, w in plain_segments(d, seg_max)]
-    return _launch(q, stores, rows, sink, scale, segs, fp8=False,
-                   bf16_operands=stores[0].dtype == torch.bfloat16, **launch)
+    return _launch(
+        q, stores, rows, sink, scale, segs, fp8=False, bf16_operands=stores[0].dtype == torch.bfloat16, **launch
+    )
 
 
 def fp8_segments(layout: Fp8DsMlaLayout, seg_max: int = SEG_MAX) -> list[tuple[int, int, int, int]]:
     """(byte offset in the value row, width, kind, q column) of each segment of an fp8_ds_mla row."""
-    nope = _segments([(o, w) for o, w in _offsets(_pow2_pieces(layout.nope_dim, seg_max, FP8_SCALE_BLOCK))],
-                     MAX_SEGMENTS - (1 if layout.rope_dim else 0))
+    nope = _segments(
+        [(o, w) for o, w in _offsets(_pow2_pieces(layout.nope_dim, seg_max, FP8_SCALE_BLOCK))],
+        MAX_SEGMENTS - (1 if layout.rope_dim else 0),
+    )
     segs = [(o, w, _FP8_NOPE, o) for o, w in nope]
     if layout.rope_dim:
         segs.append((layout.nope_dim, layout.rope_dim, _BF16_ROPE, layout.nope_dim))
@@ -481,11 +646,21 @@ def _offsets(widths: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def sparse_mqa_attention_fp8(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, sink: torch.Tensor,
-                             scale: float, layout: Fp8DsMlaLayout, *, num_splits: int | None = None,
-                             block_h: int | None = None, block_k: int | None = None,
-                             num_warps: int | None = None, num_stages: int | None = None,
-                             seg_max: int = SEG_MAX) -> torch.Tensor:
+def sparse_mqa_attention_fp8(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    rows: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    layout: Fp8DsMlaLayout,
+    *,
+    num_splits: int | None = None,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    seg_max: int = SEG_MAX,
+) -> torch.Tensor:
     """Sparse MQA attention with sinks over fp8_ds_mla rows, dequantised in the kernel.
 
     q: [T, H, layout.head_dim]; cache: uint8 [num_blocks, >= layout.block_bytes()] paged cache (value rows
@@ -498,15 +673,32 @@ def sparse_mqa_attention_fp8(q: torch.Tensor, cache: torch.Tensor, rows: torch.T
     if not isinstance(layout, Fp8DsMlaLayout):
         raise TypeError(f"layout must be an Fp8DsMlaLayout, got {type(layout).__name__}")
     if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.stride(-1) != 1:
-        raise ValueError(f"cache must be uint8 [blocks, bytes] with unit last stride, got {cache.dtype} "
-                         f"{tuple(cache.shape)}")
+        raise ValueError(
+            f"cache must be uint8 [blocks, bytes] with unit last stride, got {cache.dtype} {tuple(cache.shape)}"
+        )
     if cache.shape[1] < layout.block_bytes():
-        raise ValueError(f"cache rows of {cache.shape[1]} B cannot hold a {layout.block_size}-row block "
-                         f"({layout.block_bytes()} B)")
+        raise ValueError(
+            f"cache rows of {cache.shape[1]} B cannot hold a {layout.block_size}-row block ({layout.block_bytes()} B)"
+        )
     if cache.stride(0) % 2 or cache.data_ptr() % 2:
-        raise ValueError(f"cache must start on an even byte with an even block stride (the RoPE values are "
-                         f"read as bf16), got stride {cache.stride(0)}")
+        raise ValueError(
+            f"cache must start on an even byte with an even block stride (the RoPE values are "
+            f"read as bf16), got stride {cache.stride(0)}"
+        )
     _check_common(q, rows, sink, layout.head_dim)
-    return _launch(q, [cache], rows, sink, scale, fp8_segments(layout, seg_max), fp8=True, layout=layout,
-                   bf16_operands=True, num_splits=num_splits, block_h=block_h, block_k=block_k,
-                   num_warps=num_warps, num_stages=num_stages)
+    return _launch(
+        q,
+        [cache],
+        rows,
+        sink,
+        scale,
+        fp8_segments(layout, seg_max),
+        fp8=True,
+        layout=layout,
+        bf16_operands=True,
+        num_splits=num_splits,
+        block_h=block_h,
+        block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

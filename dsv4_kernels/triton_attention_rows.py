@@ -24,9 +24,32 @@ _NONE, _IDS, _ROWS, _COUNT = 0, 1, 2, 3
 
 
 @triton.jit(do_not_specialize=["W", "LA", "K", "LB", "P"])
-def _rows_kernel(swa_ptr, sv_ptr, ids_ptr, table_ptr, seg_ptr, cv_ptr, oa_ptr, ob_ptr, W, LA, K, LB, P, page_rows,
-                 base, stride_st, stride_svt, stride_it, stride_tb, stride_cvt, stride_oa, stride_ob,
-                 COMP: tl.constexpr, BLOCK: tl.constexpr):
+def _rows_kernel(
+    swa_ptr,
+    sv_ptr,
+    ids_ptr,
+    table_ptr,
+    seg_ptr,
+    cv_ptr,
+    oa_ptr,
+    ob_ptr,
+    W,
+    LA,
+    K,
+    LB,
+    P,
+    page_rows,
+    base,
+    stride_st,
+    stride_svt,
+    stride_it,
+    stride_tb,
+    stride_cvt,
+    stride_oa,
+    stride_ob,
+    COMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     for j0 in range(0, LA, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
@@ -58,10 +81,21 @@ def _rows_kernel(swa_ptr, sv_ptr, ids_ptr, table_ptr, seg_ptr, cv_ptr, oa_ptr, o
             tl.store(ob_ptr + t * stride_ob + j, tl.where(ok, row + base, -1).to(tl.int32), mask=j < LB)
 
 
-def attention_rows(swa_rows: torch.Tensor, swa_valid: torch.Tensor, out_swa: torch.Tensor, *,
-                   ids: torch.Tensor | None = None, table: torch.Tensor | None = None, seg: torch.Tensor | None = None,
-                   page_rows: int = 1, comp_rows: torch.Tensor | None = None, comp_valid: torch.Tensor | None = None,
-                   comp_count: torch.Tensor | None = None, base: int = 0, out_comp: torch.Tensor | None = None) -> None:
+def attention_rows(
+    swa_rows: torch.Tensor,
+    swa_valid: torch.Tensor,
+    out_swa: torch.Tensor,
+    *,
+    ids: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
+    seg: torch.Tensor | None = None,
+    page_rows: int = 1,
+    comp_rows: torch.Tensor | None = None,
+    comp_valid: torch.Tensor | None = None,
+    comp_count: torch.Tensor | None = None,
+    base: int = 0,
+    out_comp: torch.Tensor | None = None,
+) -> None:
     """Write the attention's row ids (module docstring) into int32 out_swa [T, >= W] and out_comp [T, >= K].
 
     swa_rows: int [T, W]; swa_valid: bool [T, W]; then either the CSA form (ids int [T, K], -1 padded; table int
@@ -73,12 +107,22 @@ def attention_rows(swa_rows: torch.Tensor, swa_valid: torch.Tensor, out_swa: tor
     mode = _IDS if ids is not None else _NONE if comp_rows is None else _COUNT if comp_count is not None else _ROWS
     comp = ids if mode == _IDS else comp_rows
     if swa_valid.shape != swa_rows.shape or swa_valid.dtype != torch.bool:
-        raise ValueError(f"swa_valid must be bool {tuple(swa_rows.shape)}, got {swa_valid.dtype} "
-                         f"{tuple(swa_valid.shape)}")
+        raise ValueError(
+            f"swa_valid must be bool {tuple(swa_rows.shape)}, got {swa_valid.dtype} {tuple(swa_valid.shape)}"
+        )
     for name, out, width in (("out_swa", out_swa, w), ("out_comp", out_comp, 0 if comp is None else comp.shape[1])):
-        if out is None and name == "out_swa" or out is not None and (
-                out.dtype != torch.int32 or out.dim() != 2 or out.shape[0] != t or out.shape[1] < width
-                or out.stride(-1) != 1):
+        if (
+            out is None
+            and name == "out_swa"
+            or out is not None
+            and (
+                out.dtype != torch.int32
+                or out.dim() != 2
+                or out.shape[0] != t
+                or out.shape[1] < width
+                or out.stride(-1) != 1
+            )
+        ):
             raise ValueError(f"{name} must be int32 [T={t}, >= {width}] with unit last stride")
     if mode != _NONE:
         if out_comp is None or comp.dim() != 2 or comp.shape[0] != t and mode != _COUNT or comp.stride(-1) != 1:
@@ -104,7 +148,28 @@ def attention_rows(swa_rows: torch.Tensor, swa_valid: torch.Tensor, out_swa: tor
     lb, k = (ob.shape[1], comp.shape[1]) if mode != _NONE else (0, 0)
     widest = max(out_swa.shape[1], lb)
     _rows_kernel[(t,)](
-        swa_rows, swa_valid, comp, table, seg, cv, out_swa, ob, w, out_swa.shape[1], k, lb,
-        table.shape[1] if mode == _IDS else 1, page_rows, base, swa_rows.stride(0), swa_valid.stride(0),
-        comp.stride(0), table.stride(0), cv.stride(0), out_swa.stride(0), ob.stride(0),
-        COMP=mode, BLOCK=min(1024, triton.next_power_of_2(max(widest, 1))))
+        swa_rows,
+        swa_valid,
+        comp,
+        table,
+        seg,
+        cv,
+        out_swa,
+        ob,
+        w,
+        out_swa.shape[1],
+        k,
+        lb,
+        table.shape[1] if mode == _IDS else 1,
+        page_rows,
+        base,
+        swa_rows.stride(0),
+        swa_valid.stride(0),
+        comp.stride(0),
+        table.stride(0),
+        cv.stride(0),
+        out_swa.stride(0),
+        ob.stride(0),
+        COMP=mode,
+        BLOCK=min(1024, triton.next_power_of_2(max(widest, 1))),
+    )

@@ -120,8 +120,15 @@ def tl_e4m3_bits(v, HW_FP8: tl.constexpr):
 def tl_e2m1_code(v):
     """fp32 v (already divided by its block scale) -> int32 e2m1 nibbles (quant_formats.e2m1_encode)."""
     a = tl.abs(v)
-    code = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a > 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    code = (
+        (a > 0.25).to(tl.int32)
+        + (a > 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a > 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a > 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
     return tl.where((v < 0) & (code != 0), code | 8, code)
 
 
@@ -157,14 +164,18 @@ def paged_cache_args(cache: torch.Tensor, layout: BlockRowLayout) -> tuple[int, 
     per-layer view [rows, row_bytes] (rows a multiple of block_size; block stride = block_bytes).
     """
     if cache.dtype != torch.uint8 or cache.dim() != 2 or not cache.is_contiguous():
-        raise ValueError(f"cache must be a contiguous uint8 [blocks, >= {layout.block_bytes()}] or "
-                         f"[rows, {layout.row_bytes}] tensor, got {cache.dtype} {tuple(cache.shape)}")
+        raise ValueError(
+            f"cache must be a contiguous uint8 [blocks, >= {layout.block_bytes()}] or "
+            f"[rows, {layout.row_bytes}] tensor, got {cache.dtype} {tuple(cache.shape)}"
+        )
     if cache.shape[1] >= layout.block_bytes():
         return cache.stride(0), cache.shape[0] * layout.block_size
     if cache.shape[1] == layout.row_bytes and cache.shape[0] % layout.block_size == 0:
         return layout.block_bytes(), cache.shape[0]
-    raise ValueError(f"cache must be [blocks, >= {layout.block_bytes()}] or [rows (multiple of "
-                     f"{layout.block_size}), {layout.row_bytes}], got {tuple(cache.shape)}")
+    raise ValueError(
+        f"cache must be [blocks, >= {layout.block_bytes()}] or [rows (multiple of "
+        f"{layout.block_size}), {layout.row_bytes}], got {tuple(cache.shape)}"
+    )
 
 
 def check_rows(rows: torch.Tensor, n: int, capacity: int, what: str = "rows") -> torch.Tensor:
@@ -173,14 +184,30 @@ def check_rows(rows: torch.Tensor, n: int, capacity: int, what: str = "rows") ->
     Out-of-range ids are not checked here (that would sync the GPU); callers own the range, as with index_copy.
     """
     if rows.dim() != 1 or rows.shape[0] != n or rows.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what} must be int32/int64 [{n}] (-1 = skip; < {capacity}), got {rows.dtype} "
-                         f"{tuple(rows.shape)}")
+        raise ValueError(
+            f"{what} must be int32/int64 [{n}] (-1 = skip; < {capacity}), got {rows.dtype} {tuple(rows.shape)}"
+        )
     return rows.contiguous()
 
 
 @triton.jit
-def tl_store_fp8_ds_mla(cache_ptr, vrow, srow, ok, nope, ev, od, p, HALF, NB: tl.constexpr, NB_P: tl.constexpr,
-                      QB: tl.constexpr, ROPE_OFFSET: tl.constexpr, PAD: tl.constexpr, HW_FP8: tl.constexpr):
+def tl_store_fp8_ds_mla(
+    cache_ptr,
+    vrow,
+    srow,
+    ok,
+    nope,
+    ev,
+    od,
+    p,
+    HALF,
+    NB: tl.constexpr,
+    NB_P: tl.constexpr,
+    QB: tl.constexpr,
+    ROPE_OFFSET: tl.constexpr,
+    PAD: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
     """Write one fp8_ds_mla row (geometry.pack_fp8_ds_mla) at value / scale row offsets vrow / srow if ok.
 
     vrow, srow: int64 [1]; ok: bool [1] (a [1] vector: the interpreter rejects masks from scalar compares).

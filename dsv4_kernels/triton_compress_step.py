@@ -52,8 +52,27 @@ def _slot_rows(cur_ptr, prev_ptr, pv, n, sl, R, D, OVERLAP: tl.constexpr, RATIO:
 
 
 @triton.jit
-def _load_slots(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, rid, col0, dead, in_range, cols, cmask, R, W,
-                stride_sr, stride_kt, stride_gt, stride_ar, RATIO: tl.constexpr, LOAD_KV: tl.constexpr):
+def _load_slots(
+    state_ptr,
+    kv_ptr,
+    gate_ptr,
+    ape_ptr,
+    pos_ptr,
+    rid,
+    col0,
+    dead,
+    in_range,
+    cols,
+    cmask,
+    R,
+    W,
+    stride_sr,
+    stride_kt,
+    stride_gt,
+    stride_ar,
+    RATIO: tl.constexpr,
+    LOAD_KV: tl.constexpr,
+):
     """[slots, cols] fp32 scores (-inf where dead / out of range), or kv values (0 there) when LOAD_KV."""
     live = in_range & (dead == 0)
     ring = rid < R
@@ -77,17 +96,59 @@ def _load_slots(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, rid, col0, dead, 
 
 
 @triton.jit
-def _pool(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_ptr, pv, n, cols, cmask, R, D, W,
-          stride_sr, stride_kt, stride_gt, stride_ar, DT: tl.constexpr, OVERLAP: tl.constexpr,
-          RATIO: tl.constexpr, SLOTS: tl.constexpr, BLOCK_S: tl.constexpr, BF16: tl.constexpr):
+def _pool(
+    state_ptr,
+    kv_ptr,
+    gate_ptr,
+    ape_ptr,
+    pos_ptr,
+    cur_ptr,
+    prev_ptr,
+    pv,
+    n,
+    cols,
+    cmask,
+    R,
+    D,
+    W,
+    stride_sr,
+    stride_kt,
+    stride_gt,
+    stride_ar,
+    DT: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    RATIO: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BF16: tl.constexpr,
+):
     """dsv4_kernels.compressor.pool_windows of columns `cols` of entry n (fp32 holding model-dtype values)."""
     m = tl.full(cols.shape, float("-inf"), dtype=tl.float32)
     l = tl.zeros(cols.shape, dtype=tl.float32)
     for s0 in range(0, SLOTS, BLOCK_S):
         sl = s0 + tl.arange(0, BLOCK_S)
         rid, col0, dead, ok = _slot_rows(cur_ptr, prev_ptr, pv, n, sl, R, D, OVERLAP, RATIO)
-        sc = _load_slots(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, rid, col0, dead, ok, cols, cmask, R, W,
-                         stride_sr, stride_kt, stride_gt, stride_ar, RATIO, False)
+        sc = _load_slots(
+            state_ptr,
+            kv_ptr,
+            gate_ptr,
+            ape_ptr,
+            pos_ptr,
+            rid,
+            col0,
+            dead,
+            ok,
+            cols,
+            cmask,
+            R,
+            W,
+            stride_sr,
+            stride_kt,
+            stride_gt,
+            stride_ar,
+            RATIO,
+            False,
+        )
         m_new = tl.maximum(m, tl.max(sc, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(sc - m_safe[None, :]), axis=0)
@@ -98,23 +159,104 @@ def _pool(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_ptr, pv, 
     for s0 in range(0, SLOTS, BLOCK_S):
         sl = s0 + tl.arange(0, BLOCK_S)
         rid, col0, dead, ok = _slot_rows(cur_ptr, prev_ptr, pv, n, sl, R, D, OVERLAP, RATIO)
-        sc = _load_slots(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, rid, col0, dead, ok, cols, cmask, R, W,
-                         stride_sr, stride_kt, stride_gt, stride_ar, RATIO, False)
-        kv = _load_slots(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, rid, col0, dead, ok, cols, cmask, R, W,
-                         stride_sr, stride_kt, stride_gt, stride_ar, RATIO, True)
+        sc = _load_slots(
+            state_ptr,
+            kv_ptr,
+            gate_ptr,
+            ape_ptr,
+            pos_ptr,
+            rid,
+            col0,
+            dead,
+            ok,
+            cols,
+            cmask,
+            R,
+            W,
+            stride_sr,
+            stride_kt,
+            stride_gt,
+            stride_ar,
+            RATIO,
+            False,
+        )
+        kv = _load_slots(
+            state_ptr,
+            kv_ptr,
+            gate_ptr,
+            ape_ptr,
+            pos_ptr,
+            rid,
+            col0,
+            dead,
+            ok,
+            cols,
+            cmask,
+            R,
+            W,
+            stride_sr,
+            stride_kt,
+            stride_gt,
+            stride_ar,
+            RATIO,
+            True,
+        )
         w = tl_round_to(tl.exp(sc - m[None, :]) * inv_l[None, :], BF16, DT)
         acc += tl.sum(tl_round_to(kv * w, BF16, DT), axis=0)
     return tl_round_to(acc, BF16, DT)
 
 
 @triton.jit(do_not_specialize=["R", "skip_row"])
-def _close_kernel(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_ptr, pv_ptr, w_ptr, cos_ptr, sin_ptr,
-                  epos_ptr, rows_ptr, out_ptr, cache_ptr, R, D, W, HALF, eps, hscale, table_rows, skip_row, block_size,
-                  block_stride, stride_sr, stride_kt, stride_gt, stride_ar, stride_pv, stride_on, stride_cr,
-                  FMT: tl.constexpr, OVERLAP: tl.constexpr, RATIO: tl.constexpr, SLOTS: tl.constexpr,
-                  BLOCK_S: tl.constexpr, NOPE_P: tl.constexpr, HALF_P: tl.constexpr, VALUE_BYTES: tl.constexpr,
-                  SCALE_BYTES: tl.constexpr, LD: tl.constexpr, NB: tl.constexpr, OUT_P: tl.constexpr,
-                  HADAMARD: tl.constexpr, LOG2D: tl.constexpr, BF16: tl.constexpr, HW_FP8: tl.constexpr):
+def _close_kernel(
+    state_ptr,
+    kv_ptr,
+    gate_ptr,
+    ape_ptr,
+    pos_ptr,
+    cur_ptr,
+    prev_ptr,
+    pv_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    epos_ptr,
+    rows_ptr,
+    out_ptr,
+    cache_ptr,
+    R,
+    D,
+    W,
+    HALF,
+    eps,
+    hscale,
+    table_rows,
+    skip_row,
+    block_size,
+    block_stride,
+    stride_sr,
+    stride_kt,
+    stride_gt,
+    stride_ar,
+    stride_pv,
+    stride_on,
+    stride_cr,
+    FMT: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    RATIO: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    NOPE_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    LD: tl.constexpr,
+    NB: tl.constexpr,
+    OUT_P: tl.constexpr,
+    HADAMARD: tl.constexpr,
+    LOG2D: tl.constexpr,
+    BF16: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     first = tl.load(rows_ptr + n)
     if (first < 0) | (first == skip_row):
@@ -131,13 +273,96 @@ def _close_kernel(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_p
     p = tl.arange(0, HALF_P)
     mp = p < HALF
     ce = nope + 2 * p
-    a = tl.where(ma, _pool(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_ptr, pv, n, ca, ma, R, D, W,
-                           stride_sr, stride_kt, stride_gt, stride_ar, dt, OVERLAP, RATIO, SLOTS, BLOCK_S, BF16), 0.0)
-    e = tl.where(mp, _pool(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_ptr, pv, n, ce, mp, R, D, W,
-                           stride_sr, stride_kt, stride_gt, stride_ar, dt, OVERLAP, RATIO, SLOTS, BLOCK_S, BF16), 0.0)
-    o = tl.where(mp, _pool(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_ptr, pv, n, ce + 1, mp, R, D,
-                           W, stride_sr, stride_kt, stride_gt, stride_ar, dt, OVERLAP, RATIO, SLOTS, BLOCK_S, BF16),
-                     0.0)
+    a = tl.where(
+        ma,
+        _pool(
+            state_ptr,
+            kv_ptr,
+            gate_ptr,
+            ape_ptr,
+            pos_ptr,
+            cur_ptr,
+            prev_ptr,
+            pv,
+            n,
+            ca,
+            ma,
+            R,
+            D,
+            W,
+            stride_sr,
+            stride_kt,
+            stride_gt,
+            stride_ar,
+            dt,
+            OVERLAP,
+            RATIO,
+            SLOTS,
+            BLOCK_S,
+            BF16,
+        ),
+        0.0,
+    )
+    e = tl.where(
+        mp,
+        _pool(
+            state_ptr,
+            kv_ptr,
+            gate_ptr,
+            ape_ptr,
+            pos_ptr,
+            cur_ptr,
+            prev_ptr,
+            pv,
+            n,
+            ce,
+            mp,
+            R,
+            D,
+            W,
+            stride_sr,
+            stride_kt,
+            stride_gt,
+            stride_ar,
+            dt,
+            OVERLAP,
+            RATIO,
+            SLOTS,
+            BLOCK_S,
+            BF16,
+        ),
+        0.0,
+    )
+    o = tl.where(
+        mp,
+        _pool(
+            state_ptr,
+            kv_ptr,
+            gate_ptr,
+            ape_ptr,
+            pos_ptr,
+            cur_ptr,
+            prev_ptr,
+            pv,
+            n,
+            ce + 1,
+            mp,
+            R,
+            D,
+            W,
+            stride_sr,
+            stride_kt,
+            stride_gt,
+            stride_ar,
+            dt,
+            OVERLAP,
+            RATIO,
+            SLOTS,
+            BLOCK_S,
+            BF16,
+        ),
+        0.0,
+    )
     r = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(e * e, axis=0) + tl.sum(o * o, axis=0)) / D + eps)
     a = tl_round_to(tl.load(w_ptr + ca, mask=ma, other=0.0).to(tl.float32) * (a * r), BF16, dt)
     e = tl_round_to(tl.load(w_ptr + ce, mask=mp, other=0.0).to(tl.float32) * (e * r), BF16, dt)
@@ -163,11 +388,46 @@ def _close_kernel(state_ptr, kv_ptr, gate_ptr, ape_ptr, pos_ptr, cur_ptr, prev_p
         vrow, srow = tl_row_offsets(slot, block_size, block_stride, VALUE_BYTES, SCALE_BYTES)
         if FMT == 0:
             nope2 = tl.reshape(tl_round_bf16(a), [NOPE_P // 64, 64])
-            tl_store_fp8_ds_mla(cache_ptr, vrow, srow, ok, nope2, tl_round_bf16(e), tl_round_bf16(o), p, HALF, NB,
-                                NOPE_P // 64, 64, LD, SCALE_BYTES - NB, HW_FP8)
+            tl_store_fp8_ds_mla(
+                cache_ptr,
+                vrow,
+                srow,
+                ok,
+                nope2,
+                tl_round_bf16(e),
+                tl_round_bf16(o),
+                p,
+                HALF,
+                NB,
+                NOPE_P // 64,
+                64,
+                LD,
+                SCALE_BYTES - NB,
+                HW_FP8,
+            )
         else:
-            tl_store_indexer_key(cache_ptr, o_row, vrow, srow, ok, a, e, o, ca, ce, D, hscale, FMT, LD, NB, OUT_P,
-                               HADAMARD, LOG2D, BF16, HW_FP8)
+            tl_store_indexer_key(
+                cache_ptr,
+                o_row,
+                vrow,
+                srow,
+                ok,
+                a,
+                e,
+                o,
+                ca,
+                ce,
+                D,
+                hscale,
+                FMT,
+                LD,
+                NB,
+                OUT_P,
+                HADAMARD,
+                LOG2D,
+                BF16,
+                HW_FP8,
+            )
 
 
 def entry_rope_table(cos_sin_of, max_positions: int, ratio: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,12 +438,28 @@ def entry_rope_table(cos_sin_of, max_positions: int, ratio: int, device) -> tupl
     return cos.float().contiguous(), sin.float().contiguous()
 
 
-def close_windows(state: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor,
-                  positions: torch.Tensor, cur_rows: torch.Tensor, prev_rows: torch.Tensor | None,
-                  prev_valid: torch.Tensor | None, weight: torch.Tensor, eps: float, cos_table: torch.Tensor,
-                  sin_table: torch.Tensor, entry_pos: torch.Tensor, entry_rows: torch.Tensor, cache: torch.Tensor,
-                  layout: Fp8DsMlaLayout | IndexerKeyLayout | None = None, *, hadamard: bool = False,
-                  block_s: int | None = None, skip_row: int = -1) -> None:
+def close_windows(
+    state: torch.Tensor,
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    cur_rows: torch.Tensor,
+    prev_rows: torch.Tensor | None,
+    prev_valid: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    entry_pos: torch.Tensor,
+    entry_rows: torch.Tensor,
+    cache: torch.Tensor,
+    layout: Fp8DsMlaLayout | IndexerKeyLayout | None = None,
+    *,
+    hadamard: bool = False,
+    block_s: int | None = None,
+    skip_row: int = -1,
+) -> None:
     """Pool, normalise, rotate and store N entries whose slots are read in place (module docstring).
 
     state: fp32 [R, 2W] one layer's state ring (row stride free); kv, gate: [T, W] this step's compressor
@@ -204,13 +480,16 @@ def close_windows(state: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor, ape
     if cur_rows.dim() != 2 or (overlap and (prev_rows.shape != cur_rows.shape or prev_valid is None)):
         raise ValueError(f"cur_rows / prev_rows must be matching [N, r], got {tuple(cur_rows.shape)}")
     if w != (2 * d if overlap else d) or gate.shape != kv.shape or kv.stride(-1) != 1 or gate.stride(-1) != 1:
-        raise ValueError(f"kv / gate must be [T, {'2d' if overlap else 'd'}] (d={d}) with unit last stride, got "
-                         f"{tuple(kv.shape)}, {tuple(gate.shape)}")
+        raise ValueError(
+            f"kv / gate must be [T, {'2d' if overlap else 'd'}] (d={d}) with unit last stride, got "
+            f"{tuple(kv.shape)}, {tuple(gate.shape)}"
+        )
     if state.dtype != torch.float32 or state.dim() != 2 or state.shape[1] != 2 * w or state.stride(-1) != 1:
         raise ValueError(f"state must be fp32 [R, 2W={2 * w}], got {state.dtype} {tuple(state.shape)}")
     if ape.shape != (r, w) or ape.stride(-1) != 1 or positions.shape != (t,):
-        raise ValueError(f"ape must be [r={r}, W={w}] and positions [T={t}], got {tuple(ape.shape)}, "
-                         f"{tuple(positions.shape)}")
+        raise ValueError(
+            f"ape must be [r={r}, W={w}] and positions [T={t}], got {tuple(ape.shape)}, {tuple(positions.shape)}"
+        )
     half = cos_table.shape[1]
     if sin_table.shape != cos_table.shape or 2 * half > d or entry_pos.shape != (n,):
         raise ValueError(f"cos/sin tables must be [P, rope_dim // 2 <= {d // 2}] and entry_pos [N={n}]")
@@ -221,8 +500,9 @@ def close_windows(state: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor, ape
     out = kv  # the kernel's dtype source; a scratch [N, d] for indexer keys (their writer stores them too)
     if layout is None:
         if cache.dim() != 2 or cache.shape[1] != d or cache.stride(-1) != 1:
-            raise ValueError(f"an exact entry cache must be [rows, d={d}] with unit last stride, got "
-                             f"{tuple(cache.shape)}")
+            raise ValueError(
+                f"an exact entry cache must be [rows, d={d}] with unit last stride, got {tuple(cache.shape)}"
+            )
         fmt, block_stride, nope_p, width, out_p, nb = 3, 0, triton.next_power_of_2(max(1, d - 2 * half)), d, 1, 1
         value_bytes = scale_bytes = 1
         stride_cr = cache.stride(0)
@@ -244,20 +524,75 @@ def close_windows(state: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor, ape
     pv = prev_valid if overlap else entry_rows
     extra = {"num_warps": 4} if kv.is_cuda else {}
     _close_kernel[(n,)](
-        state, kv, gate, ape, positions, cur_rows.contiguous(), (prev_rows if overlap else cur_rows).contiguous(), pv,
-        weight, cos_table, sin_table, entry_pos, entry_rows, out, cache,
-        state.shape[0], d, w, half, eps, d**-0.5 if hadamard else 1.0, cos_table.shape[0], skip_row,
-        layout.block_size if layout is not None else 1, block_stride, state.stride(0), kv.stride(0), gate.stride(0),
-        ape.stride(0), pv.stride(0), out.stride(0), stride_cr,
-        FMT=fmt, OVERLAP=overlap, RATIO=r, SLOTS=slots, BLOCK_S=block_s, NOPE_P=nope_p,
-        HALF_P=max(1, triton.next_power_of_2(half)), VALUE_BYTES=value_bytes, SCALE_BYTES=scale_bytes, LD=width,
-        NB=nb, OUT_P=out_p, HADAMARD=hadamard, LOG2D=max(1, d.bit_length() - 1), BF16=kv.dtype == torch.bfloat16,
-        HW_FP8=kv.is_cuda and tc.USE_HW_FP8_CAST, **extra)
+        state,
+        kv,
+        gate,
+        ape,
+        positions,
+        cur_rows.contiguous(),
+        (prev_rows if overlap else cur_rows).contiguous(),
+        pv,
+        weight,
+        cos_table,
+        sin_table,
+        entry_pos,
+        entry_rows,
+        out,
+        cache,
+        state.shape[0],
+        d,
+        w,
+        half,
+        eps,
+        d**-0.5 if hadamard else 1.0,
+        cos_table.shape[0],
+        skip_row,
+        layout.block_size if layout is not None else 1,
+        block_stride,
+        state.stride(0),
+        kv.stride(0),
+        gate.stride(0),
+        ape.stride(0),
+        pv.stride(0),
+        out.stride(0),
+        stride_cr,
+        FMT=fmt,
+        OVERLAP=overlap,
+        RATIO=r,
+        SLOTS=slots,
+        BLOCK_S=block_s,
+        NOPE_P=nope_p,
+        HALF_P=max(1, triton.next_power_of_2(half)),
+        VALUE_BYTES=value_bytes,
+        SCALE_BYTES=scale_bytes,
+        LD=width,
+        NB=nb,
+        OUT_P=out_p,
+        HADAMARD=hadamard,
+        LOG2D=max(1, d.bit_length() - 1),
+        BF16=kv.dtype == torch.bfloat16,
+        HW_FP8=kv.is_cuda and tc.USE_HW_FP8_CAST,
+        **extra,
+    )
 
 
 @triton.jit
-def _save_kernel(kv_ptr, gate_ptr, ape_ptr, pos_ptr, src_ptr, dst_ptr, state_ptr, W, RATIO,
-                 stride_kt, stride_gt, stride_ar, stride_sr, BLOCK_W: tl.constexpr):
+def _save_kernel(
+    kv_ptr,
+    gate_ptr,
+    ape_ptr,
+    pos_ptr,
+    src_ptr,
+    dst_ptr,
+    state_ptr,
+    W,
+    RATIO,
+    stride_kt,
+    stride_gt,
+    stride_ar,
+    stride_sr,
+    BLOCK_W: tl.constexpr,
+):
     i = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     src = tl.load(src_ptr + i + tl.arange(0, 1)).to(tl.int64)  # [1]: the interpreter needs vector masks
@@ -272,8 +607,15 @@ def _save_kernel(kv_ptr, gate_ptr, ape_ptr, pos_ptr, src_ptr, dst_ptr, state_ptr
     tl.store(row + W + cols[None, :], gate + ape.to(tl.float32), mask=mask)
 
 
-def save_state(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
-               state: torch.Tensor, chunk_rows: torch.Tensor, ring_rows: torch.Tensor) -> None:
+def save_state(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    state: torch.Tensor,
+    chunk_rows: torch.Tensor,
+    ring_rows: torch.Tensor,
+) -> None:
     """state[ring_rows[i]] = fp32 [kv | gate + ape[pos % r]] of chunk row chunk_rows[i] (engine.model.batch.RingWrite).
 
     kv, gate: [T, W] (row strides free, unit last stride); ape: [r, W]; positions: int [T]; state: fp32 [R, 2W];
@@ -281,18 +623,34 @@ def save_state(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, position
     `RingWrite(chunk_rows, ring_rows).apply(dsv4_kernels.compressor.state_rows(kv, gate, ape, positions), state)`."""
     t, w = kv.shape
     if gate.shape != kv.shape or kv.stride(-1) != 1 or gate.stride(-1) != 1 or ape.dim() != 2 or ape.shape[1] != w:
-        raise ValueError(f"kv / gate must be matching [T, W] and ape [r, W], got {tuple(kv.shape)}, "
-                         f"{tuple(gate.shape)}, {tuple(ape.shape)}")
+        raise ValueError(
+            f"kv / gate must be matching [T, W] and ape [r, W], got {tuple(kv.shape)}, "
+            f"{tuple(gate.shape)}, {tuple(ape.shape)}"
+        )
     if state.dtype != torch.float32 or state.dim() != 2 or state.shape[1] != 2 * w or state.stride(-1) != 1:
         raise ValueError(f"state must be fp32 [R, 2W={2 * w}], got {state.dtype} {tuple(state.shape)}")
     if chunk_rows.dim() != 1 or ring_rows.shape != chunk_rows.shape:
-        raise ValueError(f"chunk_rows / ring_rows must be matching [M], got {tuple(chunk_rows.shape)}, "
-                         f"{tuple(ring_rows.shape)}")
+        raise ValueError(
+            f"chunk_rows / ring_rows must be matching [M], got {tuple(chunk_rows.shape)}, {tuple(ring_rows.shape)}"
+        )
     require_triton(kv.device)
     m = chunk_rows.shape[0]
     if m == 0:
         return
     block_w = min(1024, triton.next_power_of_2(w))
     _save_kernel[(m, triton.cdiv(w, block_w))](
-        kv, gate, ape, positions, chunk_rows.contiguous(), ring_rows.contiguous(), state, w, ape.shape[0],
-        kv.stride(0), gate.stride(0), ape.stride(0), state.stride(0), BLOCK_W=block_w)
+        kv,
+        gate,
+        ape,
+        positions,
+        chunk_rows.contiguous(),
+        ring_rows.contiguous(),
+        state,
+        w,
+        ape.shape[0],
+        kv.stride(0),
+        gate.stride(0),
+        ape.stride(0),
+        state.stride(0),
+        BLOCK_W=block_w,
+    )

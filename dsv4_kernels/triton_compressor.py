@@ -55,8 +55,18 @@ triton, tl = import_triton()
 
 
 @triton.jit
-def _pool_cols(kv_row, sc_row, cols, cmask, SLOTS, stride_kvs, stride_scs, OUT_DTYPE: tl.constexpr,
-               BLOCK_S: tl.constexpr, BF16_BITS: tl.constexpr = False):
+def _pool_cols(
+    kv_row,
+    sc_row,
+    cols,
+    cmask,
+    SLOTS,
+    stride_kvs,
+    stride_scs,
+    OUT_DTYPE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BF16_BITS: tl.constexpr = False,
+):
     """Softmax-over-slots weighted sum of the given columns -> fp32 values rounded to OUT_DTYPE.
 
     BF16_BITS: round to bf16 by bits (nearest even in the interpreter too; the cache writers need it)."""
@@ -85,10 +95,29 @@ def _pool_cols(kv_row, sc_row, cols, cmask, SLOTS, stride_kvs, stride_scs, OUT_D
 
 
 @triton.jit
-def _pool_norm_rope_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, SLOTS, D, HALF, eps,
-                           stride_kvn, stride_kvs, stride_scn, stride_scs, stride_on, stride_cn, stride_sn,
-                           NOPE_P: tl.constexpr, HALF_P: tl.constexpr, HAS_ROPE: tl.constexpr,
-                           BLOCK_S: tl.constexpr):
+def _pool_norm_rope_kernel(
+    kv_ptr,
+    score_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    SLOTS,
+    D,
+    HALF,
+    eps,
+    stride_kvn,
+    stride_kvs,
+    stride_scn,
+    stride_scs,
+    stride_on,
+    stride_cn,
+    stride_sn,
+    NOPE_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     kv_row = kv_ptr + n * stride_kvn
     sc_row = score_ptr + n * stride_scn
@@ -119,9 +148,16 @@ def _pool_norm_rope_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, 
     tl.store(o_row + ce + 1, o.to(dt), mask=mp)
 
 
-def pool_norm_rope(kv: torch.Tensor, score: torch.Tensor, weight: torch.Tensor, eps: float,
-                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                   *, block_s: int | None = None) -> torch.Tensor:
+def pool_norm_rope(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    *,
+    block_s: int | None = None,
+) -> torch.Tensor:
     """Compressed entries from their slot rows.
 
     kv: [N, slots, d] (bf16/fp32, last dim contiguous); score: [N, slots, d] (fp32; -inf = empty slot);
@@ -139,8 +175,9 @@ def pool_norm_rope(kv: torch.Tensor, score: torch.Tensor, weight: torch.Tensor, 
     if (cos is None) != (sin is None):
         raise ValueError("pass both cos and sin, or neither")
     if cos is not None and (cos.dim() != 2 or cos.shape[0] != n or sin.shape != cos.shape or 2 * cos.shape[1] > d):
-        raise ValueError(f"cos/sin must be [N={n}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
+        raise ValueError(
+            f"cos/sin must be [N={n}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     require_triton(kv.device)
     out = torch.empty(n, d, dtype=kv.dtype, device=kv.device)
     if n == 0:
@@ -155,17 +192,49 @@ def pool_norm_rope(kv: torch.Tensor, score: torch.Tensor, weight: torch.Tensor, 
     block_s = block_s or max(1, min(16, triton.next_power_of_2(slots)))
     extra = {"num_warps": 4} if kv.is_cuda else {}
     _pool_norm_rope_kernel[(n,)](
-        kv, score, weight, cos, sin, out, slots, d, half, eps,
-        kv.stride(0), kv.stride(1), score.stride(0), score.stride(1), out.stride(0), cos.stride(0), sin.stride(0),
-        NOPE_P=max(1, triton.next_power_of_2(d - 2 * half)), HALF_P=max(1, triton.next_power_of_2(half)),
-        HAS_ROPE=half > 0, BLOCK_S=block_s, **extra)
+        kv,
+        score,
+        weight,
+        cos,
+        sin,
+        out,
+        slots,
+        d,
+        half,
+        eps,
+        kv.stride(0),
+        kv.stride(1),
+        score.stride(0),
+        score.stride(1),
+        out.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        NOPE_P=max(1, triton.next_power_of_2(d - 2 * half)),
+        HALF_P=max(1, triton.next_power_of_2(half)),
+        HAS_ROPE=half > 0,
+        BLOCK_S=block_s,
+        **extra,
+    )
     return out
 
 
 # ---- compressor state save ----------------------------------------------------------------------------
 @triton.jit
-def _state_save_kernel(kv_ptr, gate_ptr, ape_ptr, pos_ptr, rows_ptr, state_ptr, W, RATIO,
-                       stride_kt, stride_gt, stride_ar, stride_sr, BLOCK_W: tl.constexpr):
+def _state_save_kernel(
+    kv_ptr,
+    gate_ptr,
+    ape_ptr,
+    pos_ptr,
+    rows_ptr,
+    state_ptr,
+    W,
+    RATIO,
+    stride_kt,
+    stride_gt,
+    stride_ar,
+    stride_sr,
+    BLOCK_W: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     slot = tl.load(rows_ptr + t + tl.arange(0, 1)).to(tl.int64)  # [1]: the interpreter needs vector masks
@@ -179,8 +248,14 @@ def _state_save_kernel(kv_ptr, gate_ptr, ape_ptr, pos_ptr, rows_ptr, state_ptr, 
     tl.store(row + W + cols[None, :], gate + ape.to(tl.float32), mask=mask)
 
 
-def save_state(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
-               state: torch.Tensor, rows: torch.Tensor) -> None:
+def save_state(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
     """state[rows[t]] = [kv[t] | gate[t] + ape[positions[t] % ratio]] in fp32; rows < 0 are skipped.
 
     kv, gate: [T, W] (W = coff * d; model dtype; last dim contiguous); ape: [ratio, W]; positions: int [T];
@@ -189,14 +264,16 @@ def save_state(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, position
     Equals `state[rows[valid]] = dsv4_kernels.compressor.state_rows(kv, gate, ape, positions)[valid]`.
     """
     if kv.dim() != 2 or gate.shape != kv.shape or kv.stride(-1) != 1 or gate.stride(-1) != 1:
-        raise ValueError(f"kv and gate must be matching [T, W] with unit last stride, got {tuple(kv.shape)}, "
-                         f"{tuple(gate.shape)}")
+        raise ValueError(
+            f"kv and gate must be matching [T, W] with unit last stride, got {tuple(kv.shape)}, {tuple(gate.shape)}"
+        )
     t, w = kv.shape
     if ape.dim() != 2 or ape.shape[1] != w or ape.stride(-1) != 1:
         raise ValueError(f"ape must be [ratio, W={w}] with unit last stride, got {tuple(ape.shape)}")
     if state.dtype != torch.float32 or state.dim() != 2 or state.shape[1] != 2 * w or state.stride(-1) != 1:
-        raise ValueError(f"state must be fp32 [R, 2W={2 * w}] with unit last stride, got {state.dtype} "
-                         f"{tuple(state.shape)}")
+        raise ValueError(
+            f"state must be fp32 [R, 2W={2 * w}] with unit last stride, got {state.dtype} {tuple(state.shape)}"
+        )
     for name, ids in (("positions", positions), ("rows", rows)):
         if ids.shape != (t,) or ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32/int64 [T={t}], got {ids.dtype} {tuple(ids.shape)}")
@@ -205,8 +282,20 @@ def save_state(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, position
         return
     block_w = min(1024, triton.next_power_of_2(w))
     _state_save_kernel[(t, triton.cdiv(w, block_w))](
-        kv, gate, ape, positions.contiguous(), rows.contiguous(), state, w, ape.shape[0],
-        kv.stride(0), gate.stride(0), ape.stride(0), state.stride(0), BLOCK_W=block_w)
+        kv,
+        gate,
+        ape,
+        positions.contiguous(),
+        rows.contiguous(),
+        state,
+        w,
+        ape.shape[0],
+        kv.stride(0),
+        gate.stride(0),
+        ape.stride(0),
+        state.stride(0),
+        BLOCK_W=block_w,
+    )
 
 
 # ---- pooled entries straight into the quantised entry cache ---------------------------------------------
@@ -220,9 +309,28 @@ def _rotate_1d(a, e, o, ca, ce, oc, D, HADAMARD: tl.constexpr, LOG2D: tl.constex
 
 
 @triton.jit
-def tl_store_indexer_key(cache_ptr, out_row, vrow, srow, ok, a, e, o, ca, ce, D, hscale, FMT: tl.constexpr,
-                         LD: tl.constexpr, NS: tl.constexpr, OUT_P: tl.constexpr, HADAMARD: tl.constexpr,
-                         LOG2D: tl.constexpr, BF16: tl.constexpr, HW_FP8: tl.constexpr):
+def tl_store_indexer_key(
+    cache_ptr,
+    out_row,
+    vrow,
+    srow,
+    ok,
+    a,
+    e,
+    o,
+    ca,
+    ce,
+    D,
+    hscale,
+    FMT: tl.constexpr,
+    LD: tl.constexpr,
+    NS: tl.constexpr,
+    OUT_P: tl.constexpr,
+    HADAMARD: tl.constexpr,
+    LOG2D: tl.constexpr,
+    BF16: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
     """Rotate one key (optional Hadamard), store it (model dtype) at out_row, quantise it into the cache row."""
     dt = out_row.dtype.element_ty
     i = tl.arange(0, OUT_P)
@@ -255,13 +363,43 @@ def tl_store_indexer_key(cache_ptr, out_row, vrow, srow, ok, a, e, o, ca, ce, D,
 
 
 @triton.jit
-def _pool_quant_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, out_ptr, cache_ptr,
-                       SLOTS, D, HALF, eps, hscale, block_size, block_stride,
-                       stride_kvn, stride_kvs, stride_scn, stride_scs, stride_on, stride_cn, stride_sn,
-                       FMT: tl.constexpr, NOPE_P: tl.constexpr, HALF_P: tl.constexpr, BLOCK_S: tl.constexpr,
-                       VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, LD: tl.constexpr, NB: tl.constexpr,
-                       OUT_P: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, BF16: tl.constexpr,
-                       HW_FP8: tl.constexpr):
+def _pool_quant_kernel(
+    kv_ptr,
+    score_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    rows_ptr,
+    out_ptr,
+    cache_ptr,
+    SLOTS,
+    D,
+    HALF,
+    eps,
+    hscale,
+    block_size,
+    block_stride,
+    stride_kvn,
+    stride_kvs,
+    stride_scn,
+    stride_scs,
+    stride_on,
+    stride_cn,
+    stride_sn,
+    FMT: tl.constexpr,
+    NOPE_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    LD: tl.constexpr,
+    NB: tl.constexpr,
+    OUT_P: tl.constexpr,
+    HADAMARD: tl.constexpr,
+    LOG2D: tl.constexpr,
+    BF16: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
     """One entry: pool + RMSNorm + RoPE (as _pool_norm_rope_kernel, rounding by bits), then its cache row."""
     n = tl.program_id(0).to(tl.int64)
     kv_row = kv_ptr + n * stride_kvn
@@ -274,12 +412,9 @@ def _pool_quant_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, out
     p = tl.arange(0, HALF_P)
     mp = p < HALF
     ce = nope + 2 * p
-    a = tl.where(ma, _pool_cols(kv_row, sc_row, ca, ma, SLOTS, stride_kvs, stride_scs, dt, BLOCK_S,
-                                  BF16), 0.0)
-    e = tl.where(mp, _pool_cols(kv_row, sc_row, ce, mp, SLOTS, stride_kvs, stride_scs, dt, BLOCK_S,
-                                  BF16), 0.0)
-    o = tl.where(mp, _pool_cols(kv_row, sc_row, ce + 1, mp, SLOTS, stride_kvs, stride_scs, dt, BLOCK_S,
-                                  BF16), 0.0)
+    a = tl.where(ma, _pool_cols(kv_row, sc_row, ca, ma, SLOTS, stride_kvs, stride_scs, dt, BLOCK_S, BF16), 0.0)
+    e = tl.where(mp, _pool_cols(kv_row, sc_row, ce, mp, SLOTS, stride_kvs, stride_scs, dt, BLOCK_S, BF16), 0.0)
+    o = tl.where(mp, _pool_cols(kv_row, sc_row, ce + 1, mp, SLOTS, stride_kvs, stride_scs, dt, BLOCK_S, BF16), 0.0)
     r = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(e * e, axis=0) + tl.sum(o * o, axis=0)) / D + eps)
     a = tl_round_to(tl.load(w_ptr + ca, mask=ma, other=0.0).to(tl.float32) * (a * r), BF16, dt)
     e = tl_round_to(tl.load(w_ptr + ce, mask=mp, other=0.0).to(tl.float32) * (e * r), BF16, dt)
@@ -296,11 +431,46 @@ def _pool_quant_kernel(kv_ptr, score_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, out
         tl.store(o_row + ce, e.to(dt), mask=mp)
         tl.store(o_row + ce + 1, o.to(dt), mask=mp)
         nope2 = tl.reshape(tl_round_bf16(a), [NOPE_P // 64, 64])
-        tl_store_fp8_ds_mla(cache_ptr, vrow, srow, ok, nope2, tl_round_bf16(e), tl_round_bf16(o), p, HALF, NB,
-                          NOPE_P // 64, 64, LD, SCALE_BYTES - NB, HW_FP8)
+        tl_store_fp8_ds_mla(
+            cache_ptr,
+            vrow,
+            srow,
+            ok,
+            nope2,
+            tl_round_bf16(e),
+            tl_round_bf16(o),
+            p,
+            HALF,
+            NB,
+            NOPE_P // 64,
+            64,
+            LD,
+            SCALE_BYTES - NB,
+            HW_FP8,
+        )
     else:
-        tl_store_indexer_key(cache_ptr, o_row, vrow, srow, ok, a, e, o, ca, ce, D, hscale, FMT, LD, NB, OUT_P, HADAMARD,
-                           LOG2D, BF16, HW_FP8)
+        tl_store_indexer_key(
+            cache_ptr,
+            o_row,
+            vrow,
+            srow,
+            ok,
+            a,
+            e,
+            o,
+            ca,
+            ce,
+            D,
+            hscale,
+            FMT,
+            LD,
+            NB,
+            OUT_P,
+            HADAMARD,
+            LOG2D,
+            BF16,
+            HW_FP8,
+        )
 
 
 def entry_quant_format(layout, d: int, rope_dim: int, hadamard: bool) -> int:
@@ -309,8 +479,10 @@ def entry_quant_format(layout, d: int, rope_dim: int, hadamard: bool) -> int:
         if hadamard:
             raise ValueError("the Hadamard rotation applies to indexer keys, not to fp8_ds_mla KV entries")
         if layout.rope_dim != rope_dim or not 0 <= layout.nope_dim - (d - rope_dim) < FP8_DS_MLA_QUANT_BLOCK:
-            raise ValueError(f"layout (head_dim {layout.head_dim}, rope {layout.rope_dim}) does not hold entries of "
-                             f"d={d} with rope {rope_dim} (NoPE may only be zero-padded to the next multiple of 64)")
+            raise ValueError(
+                f"layout (head_dim {layout.head_dim}, rope {layout.rope_dim}) does not hold entries of "
+                f"d={d} with rope {rope_dim} (NoPE may only be zero-padded to the next multiple of 64)"
+            )
         return 0
     if isinstance(layout, IndexerKeyLayout):
         if layout.index_head_dim < d:
@@ -321,10 +493,20 @@ def entry_quant_format(layout, d: int, rope_dim: int, hadamard: bool) -> int:
     raise TypeError(f"layout must be an Fp8DsMlaLayout or IndexerKeyLayout, got {type(layout).__name__}")
 
 
-def pool_norm_rope_quant(kv: torch.Tensor, score: torch.Tensor, weight: torch.Tensor, eps: float,
-                         cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
-                         layout: Fp8DsMlaLayout | IndexerKeyLayout, *, hadamard: bool | None = None,
-                         block_s: int | None = None) -> torch.Tensor:
+def pool_norm_rope_quant(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    rows: torch.Tensor,
+    layout: Fp8DsMlaLayout | IndexerKeyLayout,
+    *,
+    hadamard: bool | None = None,
+    block_s: int | None = None,
+) -> torch.Tensor:
     """`pool_norm_rope`, then each entry quantised into the paged entry cache at `rows` (-1 = skip).
 
     kv, score, weight, eps, cos, sin: as `pool_norm_rope` (cos / sin required); rows: int32/int64 [N] global
@@ -341,13 +523,16 @@ def pool_norm_rope_quant(kv: torch.Tensor, score: torch.Tensor, weight: torch.Te
     """
     n, slots, d = kv.shape if kv.dim() == 3 else (0, 0, 0)
     if kv.dim() != 3 or kv.stride(-1) != 1 or score.shape != kv.shape or score.stride(-1) != 1:
-        raise ValueError(f"kv and score must be matching [N, slots, d] with unit last stride, got {tuple(kv.shape)}, "
-                         f"{tuple(score.shape)}")
+        raise ValueError(
+            f"kv and score must be matching [N, slots, d] with unit last stride, got {tuple(kv.shape)}, "
+            f"{tuple(score.shape)}"
+        )
     if weight.shape != (d,):
         raise ValueError(f"weight must be [d={d}], got {tuple(weight.shape)}")
     if cos.dim() != 2 or cos.shape[0] != n or sin.shape != cos.shape or 2 * cos.shape[1] > d:
-        raise ValueError(f"cos/sin must be [N={n}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
+        raise ValueError(
+            f"cos/sin must be [N={n}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     half = cos.shape[1]
     rotate = isinstance(layout, IndexerKeyLayout) if hadamard is None else hadamard
     fmt = entry_quant_format(layout, d, 2 * half, rotate)
@@ -362,16 +547,48 @@ def pool_norm_rope_quant(kv: torch.Tensor, score: torch.Tensor, weight: torch.Te
         nope_p, width, out_p = triton.next_power_of_2(layout.nope_dim), layout.nope_dim, 1
     else:
         width = layout.index_head_dim
-        nope_p, out_p = max(1, triton.next_power_of_2(d - 2 * half)), triton.next_power_of_2(
-            width // 2 if fmt == 1 else width)
+        nope_p, out_p = (
+            max(1, triton.next_power_of_2(d - 2 * half)),
+            triton.next_power_of_2(width // 2 if fmt == 1 else width),
+        )
     block_s = block_s or max(1, min(16, triton.next_power_of_2(slots)))
     extra = {"num_warps": 4} if kv.is_cuda else {}
     _pool_quant_kernel[(n,)](
-        kv, score, weight, cos, sin, rows, out, cache, slots, d, half, eps, d**-0.5 if rotate else 1.0,
-        layout.block_size, block_stride, kv.stride(0), kv.stride(1), score.stride(0), score.stride(1),
-        out.stride(0), cos.stride(0), sin.stride(0),
-        FMT=fmt, NOPE_P=nope_p, HALF_P=max(1, triton.next_power_of_2(half)), BLOCK_S=block_s,
-        VALUE_BYTES=layout.value_bytes, SCALE_BYTES=layout.scale_bytes, LD=width, NB=layout.num_scales,
-        OUT_P=out_p, HADAMARD=rotate, LOG2D=max(1, d.bit_length() - 1), BF16=kv.dtype == torch.bfloat16,
-        HW_FP8=kv.is_cuda and tc.USE_HW_FP8_CAST, **extra)
+        kv,
+        score,
+        weight,
+        cos,
+        sin,
+        rows,
+        out,
+        cache,
+        slots,
+        d,
+        half,
+        eps,
+        d**-0.5 if rotate else 1.0,
+        layout.block_size,
+        block_stride,
+        kv.stride(0),
+        kv.stride(1),
+        score.stride(0),
+        score.stride(1),
+        out.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        FMT=fmt,
+        NOPE_P=nope_p,
+        HALF_P=max(1, triton.next_power_of_2(half)),
+        BLOCK_S=block_s,
+        VALUE_BYTES=layout.value_bytes,
+        SCALE_BYTES=layout.scale_bytes,
+        LD=width,
+        NB=layout.num_scales,
+        OUT_P=out_p,
+        HADAMARD=rotate,
+        LOG2D=max(1, d.bit_length() - 1),
+        BF16=kv.dtype == torch.bfloat16,
+        HW_FP8=kv.is_cuda and tc.USE_HW_FP8_CAST,
+        **extra,
+    )
     return out

@@ -34,8 +34,22 @@ triton, tl = import_triton()
 
 TABLE, SOURCES, PLAN, VISIBLE, MISC = range(5)
 # descriptor columns
-(F_KIND, F_WIDTH, F_OUT, F_FLAG, F_PAGE_COL, F_ALIGN, F_OFFSET, F_STRIDE, F_RING_ROWS, F_TOTAL, F_ENTRY_COL,
- F_ENTRY_WIDTH, F_ENTRY_PAGE_ROWS, F_SCRATCH) = range(14)
+(
+    F_KIND,
+    F_WIDTH,
+    F_OUT,
+    F_FLAG,
+    F_PAGE_COL,
+    F_ALIGN,
+    F_OFFSET,
+    F_STRIDE,
+    F_RING_ROWS,
+    F_TOTAL,
+    F_ENTRY_COL,
+    F_ENTRY_WIDTH,
+    F_ENTRY_PAGE_ROWS,
+    F_SCRATCH,
+) = range(14)
 NUM_FIELDS = 14
 BLOCK = 128
 MAX_PROGRAMS_PER_SECTION = 64  # see chunks_per_section
@@ -48,8 +62,9 @@ def _paged(table_ptr, trow_off, col, width, page_rows, e):
 
 
 @triton.jit(do_not_specialize=["NC"])  # NC is 1 at full batches: no second compiled variant for it
-def _prologue_kernel(packed_ptr, table_ptr, desc_ptr, out_ptr, flag_ptr, S, table_stride, NC,
-                     NF: tl.constexpr, BLOCK_W: tl.constexpr):
+def _prologue_kernel(
+    packed_ptr, table_ptr, desc_ptr, out_ptr, flag_ptr, S, table_stride, NC, NF: tl.constexpr, BLOCK_W: tl.constexpr
+):
     b = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(2)  # this program's blocks of a wide section: chunk, chunk + NC, ...
     first = chunk * BLOCK_W
@@ -130,8 +145,9 @@ def chunks_per_section(slots: int, max_width: int) -> int:
     return max(1, min(triton.cdiv(max(max_width, 1), BLOCK), MAX_PROGRAMS_PER_SECTION // max(slots, 1)))
 
 
-def decode_prologue(packed: torch.Tensor, table: torch.Tensor, desc: torch.Tensor, num_out: int,
-                    num_flags: int, max_width: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_prologue(
+    packed: torch.Tensor, table: torch.Tensor, desc: torch.Tensor, num_out: int, num_flags: int, max_width: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """packed: int64 [3, S] (token, position, table row); table: int64 [R, TW] (every group's page-table
     columns side by side, contiguous); desc: int64 [sections, NUM_FIELDS]; max_width: the widest section's W (a
     host int: it sets the grid; smaller only costs parallelism) -> (int64 [num_out], uint8 [num_flags]): the
@@ -145,6 +161,7 @@ def decode_prologue(packed: torch.Tensor, table: torch.Tensor, desc: torch.Tenso
     flags = torch.empty(num_flags, dtype=torch.uint8, device=packed.device)
     slots = packed.shape[1]
     nc = chunks_per_section(slots, max_width)
-    _prologue_kernel[(slots, desc.shape[0], nc)](packed, table, desc, out, flags, slots, table.stride(0), nc,
-                                                 NF=NUM_FIELDS, BLOCK_W=BLOCK)
+    _prologue_kernel[(slots, desc.shape[0], nc)](
+        packed, table, desc, out, flags, slots, table.stride(0), nc, NF=NUM_FIELDS, BLOCK_W=BLOCK
+    )
     return out, flags

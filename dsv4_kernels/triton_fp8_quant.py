@@ -42,8 +42,24 @@ def tl_quant_1x128(x, POW2: tl.constexpr, HW_FP8: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sk, stride_xg, stride_qg,
-                  stride_sg, POW2: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _quant_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_x,
+    stride_q,
+    stride_sm,
+    stride_sk,
+    stride_xg,
+    stride_qg,
+    stride_sg,
+    POW2: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)  # group of a grouped projection (0 for a plain one)
@@ -77,14 +93,30 @@ def quant_act_1x128(x: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, t
     s = scale_buffer(m, kb, x.device)
     if m:
         hw = x.is_cuda and USE_HW_FP8_CAST
-        _quant_kernel[(triton.cdiv(m, BLOCK_M), kb, 1)](x, q.view(torch.uint8), s, m, k, x.stride(0), q.stride(0),
-                                                        s.stride(0), s.stride(1), 0, 0, 0, POW2=pow2, HW_FP8=hw,
-                                                        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK)
+        _quant_kernel[(triton.cdiv(m, BLOCK_M), kb, 1)](
+            x,
+            q.view(torch.uint8),
+            s,
+            m,
+            k,
+            x.stride(0),
+            q.stride(0),
+            s.stride(0),
+            s.stride(1),
+            0,
+            0,
+            0,
+            POW2=pow2,
+            HW_FP8=hw,
+            BLOCK_M=BLOCK_M,
+            BLOCK_K=BLOCK,
+        )
     return q, s
 
 
-def quant_act_1x128_grouped(x: torch.Tensor, pow2: bool = True, rows: int | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_act_1x128_grouped(
+    x: torch.Tensor, pow2: bool = True, rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [G, M, K] (unit last stride, any group / row strides: a transposed [M, G, K] view needs no copy) ->
     (e4m3 [G, M, K] contiguous, fp32 scales [G, M, ceil(K/128)]) in one launch; q[g], s[g] are exactly
     `quant_act_1x128(x[g])`'s outputs, each group's scales MN-major with the same padded stride.
@@ -104,8 +136,22 @@ def quant_act_1x128_grouped(x: torch.Tensor, pow2: bool = True, rows: int | None
     s = buf.transpose(1, 2)[:, :rows]  # s[g] = scale_buffer(rows, kb)'s layout
     if m and g:
         hw = x.is_cuda and USE_HW_FP8_CAST
-        _quant_kernel[(triton.cdiv(m, BLOCK_M), kb, g)](x, q.view(torch.uint8), s, m, k, x.stride(1), q.stride(1),
-                                                        s.stride(1), s.stride(2), x.stride(0), q.stride(0),
-                                                        s.stride(0), POW2=pow2, HW_FP8=hw, BLOCK_M=BLOCK_M,
-                                                        BLOCK_K=BLOCK)
+        _quant_kernel[(triton.cdiv(m, BLOCK_M), kb, g)](
+            x,
+            q.view(torch.uint8),
+            s,
+            m,
+            k,
+            x.stride(1),
+            q.stride(1),
+            s.stride(1),
+            s.stride(2),
+            x.stride(0),
+            q.stride(0),
+            s.stride(0),
+            POW2=pow2,
+            HW_FP8=hw,
+            BLOCK_M=BLOCK_M,
+            BLOCK_K=BLOCK,
+        )
     return q, s

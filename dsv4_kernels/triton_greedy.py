@@ -81,8 +81,9 @@ def greedy_pick(logits: torch.Tensor, block_v: int = BLOCK_V) -> torch.Tensor:
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be fp32 [N, V], got {logits.dtype} {tuple(logits.shape)}")
     if logits.shape[1] > 1 and logits.stride(1) != 1:
-        raise ValueError(f"logits must have unit last stride, got strides {tuple(logits.stride())} "
-                         f"for shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must have unit last stride, got strides {tuple(logits.stride())} for shape {tuple(logits.shape)}"
+        )
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     n, vocab = logits.shape
@@ -96,8 +97,10 @@ def greedy_pick(logits: torch.Tensor, block_v: int = BLOCK_V) -> torch.Tensor:
     maxima = torch.empty(n, nb, dtype=torch.float32, device=logits.device)
     firsts = torch.empty(n, nb, dtype=torch.int32, device=logits.device)
     sums = torch.empty(n, nb, dtype=torch.float32, device=logits.device)
-    _greedy_partial_kernel[(n, nb)](logits, maxima, firsts, sums, vocab, logits.stride(0), nb, BLOCK=block_v,
-                                    num_warps=8 if block_v >= 2048 else 4)
-    _greedy_combine_kernel[(n,)](maxima, firsts, sums, out, n, nb, NB_P2=max(triton.next_power_of_2(nb), 16),
-                                 num_warps=1)
+    _greedy_partial_kernel[(n, nb)](
+        logits, maxima, firsts, sums, vocab, logits.stride(0), nb, BLOCK=block_v, num_warps=8 if block_v >= 2048 else 4
+    )
+    _greedy_combine_kernel[(n,)](
+        maxima, firsts, sums, out, n, nb, NB_P2=max(triton.next_power_of_2(nb), 16), num_warps=1
+    )
     return out

@@ -26,8 +26,21 @@ def tl_ue8m0_scale(byte):
 
 
 @triton.jit
-def tl_load_index_keys(k_ptr, r, ok, cols, cmask, DI, stride_kr, block_size, VALUE_BYTES: tl.constexpr,
-                       SCALE_BYTES: tl.constexpr, FMT: tl.constexpr, DI_P: tl.constexpr, BLOCK_S: tl.constexpr):
+def tl_load_index_keys(
+    k_ptr,
+    r,
+    ok,
+    cols,
+    cmask,
+    DI,
+    stride_kr,
+    block_size,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    FMT: tl.constexpr,
+    DI_P: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """Keys of rows / slots r (int64 [BLOCK_S], in range where ok) -> fp32 [BLOCK_S, DI_P], 0 where masked."""
     mask = ok[:, None] & cmask[None, :]
     if FMT == 0:
@@ -76,8 +89,10 @@ def check_index_keys(keys: torch.Tensor, layout: IndexerKeyLayout | None, di: in
     if layout.index_head_dim != di:
         raise ValueError(f"layout.index_head_dim {layout.index_head_dim} != q's Di {di}")
     if keys.dtype != torch.uint8 or keys.dim() != 2 or keys.stride(-1) != 1 or keys.shape[1] < layout.block_bytes():
-        raise ValueError(f"keys must be a uint8 cache [blocks, >= {layout.block_bytes()}] with unit last stride, "
-                         f"got {keys.dtype} {tuple(keys.shape)}")
+        raise ValueError(
+            f"keys must be a uint8 cache [blocks, >= {layout.block_bytes()}] with unit last stride, "
+            f"got {keys.dtype} {tuple(keys.shape)}"
+        )
     if layout.fmt == "fp8" and (keys.stride(0) % 4 or keys.data_ptr() % 4):
         raise ValueError(f"an fp8 indexer cache must be 4-byte aligned (fp32 scales), got stride {keys.stride(0)}")
 

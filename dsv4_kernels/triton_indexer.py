@@ -33,12 +33,35 @@ from dsv4_kernels.triton_indexer_prefill import indexer_prefill_scores
 
 triton, tl = import_triton()
 
+
 @triton.jit
-def _indexer_scores_kernel(q_ptr, k_ptr, rows_ptr, seg_ptr, count_ptr, w_ptr, out_ptr, HI, DI, S, scale, block_size,
-                           stride_qt, stride_qh, stride_kr, stride_rt, stride_wt, stride_ot,
-                           HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_S: tl.constexpr,
-                           FMT: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                           BF16_DOT: tl.constexpr):
+def _indexer_scores_kernel(
+    q_ptr,
+    k_ptr,
+    rows_ptr,
+    seg_ptr,
+    count_ptr,
+    w_ptr,
+    out_ptr,
+    HI,
+    DI,
+    S,
+    scale,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_kr,
+    stride_rt,
+    stride_wt,
+    stride_ot,
+    HI_P: tl.constexpr,
+    DI_P: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    FMT: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cand = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     heads = tl.arange(0, HI_P)
@@ -51,10 +74,14 @@ def _indexer_scores_kernel(q_ptr, k_ptr, rows_ptr, seg_ptr, count_ptr, w_ptr, ou
     r = tl.load(rows_ptr + b * stride_rt + cand, mask=(cand < S) & (cand < n), other=-1).to(tl.int64)
     ok = r >= 0
     r = tl.where(ok, r, 0)
-    keys = tl_load_index_keys(k_ptr, r, ok, cols, cmask, DI, stride_kr, block_size, VALUE_BYTES, SCALE_BYTES, FMT,
-                              DI_P, BLOCK_S)
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
-                mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    keys = tl_load_index_keys(
+        k_ptr, r, ok, cols, cmask, DI, stride_kr, block_size, VALUE_BYTES, SCALE_BYTES, FMT, DI_P, BLOCK_S
+    )
+    q = tl.load(
+        q_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+        mask=hmask[:, None] & cmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
     if BF16_DOT:
         dots = tl.dot(keys.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))
     else:
@@ -66,9 +93,17 @@ def _indexer_scores_kernel(q_ptr, k_ptr, rows_ptr, seg_ptr, count_ptr, w_ptr, ou
     tl.store(out_ptr + t * stride_ot + cand, score, mask=cand < S)
 
 
-def indexer_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
-                   layout: IndexerKeyLayout | None = None, *, block_s: int = 64, seg: torch.Tensor | None = None,
-                   count: torch.Tensor | None = None) -> torch.Tensor:
+def indexer_scores(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    layout: IndexerKeyLayout | None = None,
+    *,
+    block_s: int = 64,
+    seg: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Indexer logits of each token's candidates, read from a key store.
 
     q: [T, Hi, Di] fp32/bf16 (last dim contiguous); rows: int32/int64 [R, S], -1 = invalid; token t's candidates
@@ -103,17 +138,50 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weig
     extra = {"num_warps": 4 if layout is None else 8, "num_stages": 2} if q.is_cuda else {}
     seg, count = token_candidates(rows, t, seg, count)
     _indexer_scores_kernel[(t, triton.cdiv(s, block_s))](
-        q, keys, rows, seg, count, weights, out, hi, di, s, di**-0.5, block_size,
-        q.stride(0), q.stride(1), keys.stride(0), rows.stride(0), weights.stride(0), out.stride(0),
-        HI_P=max(16, triton.next_power_of_2(hi)), DI_P=max(16, triton.next_power_of_2(di)), BLOCK_S=block_s,
-        FMT=fmt, VALUE_BYTES=value_bytes, SCALE_BYTES=scale_bytes, BF16_DOT=bf16_dot(q, keys, layout), **extra)
+        q,
+        keys,
+        rows,
+        seg,
+        count,
+        weights,
+        out,
+        hi,
+        di,
+        s,
+        di**-0.5,
+        block_size,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        rows.stride(0),
+        weights.stride(0),
+        out.stride(0),
+        HI_P=max(16, triton.next_power_of_2(hi)),
+        DI_P=max(16, triton.next_power_of_2(di)),
+        BLOCK_S=block_s,
+        FMT=fmt,
+        VALUE_BYTES=value_bytes,
+        SCALE_BYTES=scale_bytes,
+        BF16_DOT=bf16_dot(q, keys, layout),
+        **extra,
+    )
     return out
 
 
-def indexer_topk(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, k: int,
-                 layout: IndexerKeyLayout | None = None, cu_seqlens: torch.Tensor | None = None,
-                 ordered: bool = True, *, seg: torch.Tensor | None = None, count: torch.Tensor | None = None,
-                 budget: int = SCORES_BUDGET) -> torch.Tensor:
+def indexer_topk(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    k: int,
+    layout: IndexerKeyLayout | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    ordered: bool = True,
+    *,
+    seg: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+    budget: int = SCORES_BUDGET,
+) -> torch.Tensor:
     """Top-k candidates of each token by indexer score. Inputs as `indexer_scores` (rows [R, S], seg, count).
 
     The queries go a block at a time (dsv4_kernels.indexer.query_blocks): no scores tensor exceeds `budget`
@@ -172,8 +240,11 @@ TOPK_SPLIT_MAX_SCORES = 32 * 8192  # rows x candidates
 
 def takes_split_topk(rows: int, candidates: int) -> bool:
     """Does a step of `rows` x `candidates` scores take the split radix kernel (on CUDA, unordered picks)?"""
-    return (rows <= TOPK_SPLIT_MAX_ROWS and candidates >= TOPK_SPLIT_MIN_CANDIDATES
-            and rows * candidates <= TOPK_SPLIT_MAX_SCORES)
+    return (
+        rows <= TOPK_SPLIT_MAX_ROWS
+        and candidates >= TOPK_SPLIT_MIN_CANDIDATES
+        and rows * candidates <= TOPK_SPLIT_MAX_SCORES
+    )
 
 
 def topk_of_scores(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:

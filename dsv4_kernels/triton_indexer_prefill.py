@@ -45,11 +45,37 @@ def _block_rows(rows_ptr, row_off, n, tmask, cand, hi):
 
 
 @triton.jit(do_not_specialize=["num_blocks", "S"])  # (chunk: a multiple of BLOCK_N, kept specialised)
-def _prefill_scores_kernel(q_ptr, k_ptr, rows_ptr, seg_ptr, count_ptr, w_ptr, out_ptr, blocks_ptr, num_blocks, HI, DI, S, chunk, scale,
-                           block_size, stride_qt, stride_qh, stride_kr, stride_rt, stride_wt, stride_ot,
-                           HI_P: tl.constexpr, DI_P: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
-                           FMT: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                           BF16_DOT: tl.constexpr):
+def _prefill_scores_kernel(
+    q_ptr,
+    k_ptr,
+    rows_ptr,
+    seg_ptr,
+    count_ptr,
+    w_ptr,
+    out_ptr,
+    blocks_ptr,
+    num_blocks,
+    HI,
+    DI,
+    S,
+    chunk,
+    scale,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_kr,
+    stride_rt,
+    stride_wt,
+    stride_ot,
+    HI_P: tl.constexpr,
+    DI_P: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
     # Blocks late in a sequence see the most keys: the table runs backwards so they start first.
     g = num_blocks - 1 - tl.program_id(0)
     t0 = tl.load(blocks_ptr + 2 * g)
@@ -59,7 +85,9 @@ def _prefill_scores_kernel(q_ptr, k_ptr, rows_ptr, seg_ptr, count_ptr, w_ptr, ou
     tq = (t0 + tl.arange(0, BT)).to(tl.int64)
     tmask = tq < t1
     row_off = tl.load(seg_ptr + tq, mask=tmask, other=0).to(tl.int64) * stride_rt
-    n = tl.load(count_ptr + tq, mask=tmask, other=0).to(tl.int32)  # int32: the loops carry it (compiled Triton keeps types)
+    n = tl.load(count_ptr + tq, mask=tmask, other=0).to(
+        tl.int32
+    )  # int32: the loops carry it (compiled Triton keeps types)
     # Extent: one past the block's last valid candidate in [lo, hi) (lo when none); nothing past the
     # largest visible count is scanned.
     ext = lo
@@ -76,8 +104,11 @@ def _prefill_scores_kernel(q_ptr, k_ptr, rows_ptr, seg_ptr, count_ptr, w_ptr, ou
     qmask = (qt < t1) & (head < HI)
     cols = tl.arange(0, DI_P)
     cmask = cols < DI
-    q = tl.load(q_ptr + qt[:, None] * stride_qt + head[:, None] * stride_qh + cols[None, :],
-                mask=qmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + qt[:, None] * stride_qt + head[:, None] * stride_qh + cols[None, :],
+        mask=qmask[:, None] & cmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
     w = tl.load(w_ptr + qt * stride_wt + head, mask=qmask, other=0.0).to(tl.float32)
     if BF16_DOT:
         q_dot = q.to(tl.bfloat16)
@@ -88,8 +119,21 @@ def _prefill_scores_kernel(q_ptr, k_ptr, rows_ptr, seg_ptr, count_ptr, w_ptr, ou
         rt = _block_rows(rows_ptr, row_off, n, tmask, cand, hi)
         r = tl.max(rt, axis=0)  # the column's key row (valid rows of a sequence agree), -1 when none is valid
         ok = r >= 0
-        keys = tl_load_index_keys(k_ptr, tl.where(ok, r, 0), ok, cols, cmask, DI, stride_kr, block_size, VALUE_BYTES,
-                                  SCALE_BYTES, FMT, DI_P, BLOCK_N)
+        keys = tl_load_index_keys(
+            k_ptr,
+            tl.where(ok, r, 0),
+            ok,
+            cols,
+            cmask,
+            DI,
+            stride_kr,
+            block_size,
+            VALUE_BYTES,
+            SCALE_BYTES,
+            FMT,
+            DI_P,
+            BLOCK_N,
+        )
         if BF16_DOT:
             dots = tl.dot(q_dot, tl.trans(keys.to(tl.bfloat16)))
         else:
@@ -144,11 +188,22 @@ def _chunk(s: int, blocks: int, block_n: int, device: torch.device, split: int |
 # Tile defaults from dsv4 bench kernels indexer-prefill --sweep on the H200 (2026-12-04, V4-Flash's 64 heads x 128,
 # FP8 keys, an 8K prompt): 4 queries x 64 heads a program, 64 candidates a tile, 8 warps, 2 stages: 868 us against
 # 1946 us for 2 queries a program (block_m 128); the next best shapes were within 4%.
-def indexer_prefill_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
-                           cu_seqlens: torch.Tensor, layout: IndexerKeyLayout | None = None, *, block_m: int = 256,
-                           block_n: int = 64, split: int | None = None, num_warps: int = 8,
-                           num_stages: int = 2, seg: torch.Tensor | None = None,
-                           count: torch.Tensor | None = None) -> torch.Tensor:
+def indexer_prefill_scores(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    layout: IndexerKeyLayout | None = None,
+    *,
+    block_m: int = 256,
+    block_n: int = 64,
+    split: int | None = None,
+    num_warps: int = 8,
+    num_stages: int = 2,
+    seg: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Indexer logits of a varlen step whose queries share their sequence's keys (module docstring).
 
     q: [T, Hi, Di] fp32/bf16 (last dim contiguous); keys, layout, rows [R, S] (-1 = invalid), seg / count
@@ -165,8 +220,9 @@ def indexer_prefill_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tens
     if weights.shape != (t, hi):
         raise ValueError(f"weights must be [T={t}, Hi={hi}], got {tuple(weights.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be int32/int64 [B + 1 >= 2], got {cu_seqlens.dtype} "
-                         f"{tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be int32/int64 [B + 1 >= 2], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot), got {block_n}")
     require_triton(q.device)
@@ -184,8 +240,35 @@ def indexer_prefill_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tens
     fmt, value_bytes, scale_bytes, block_size = key_format(layout)
     extra = {"num_warps": num_warps, "num_stages": num_stages} if q.is_cuda else {}
     _prefill_scores_kernel[(blocks.shape[0], triton.cdiv(s, chunk))](
-        q, keys, rows, seg, count, weights, out, blocks, blocks.shape[0], hi, di, s, chunk, di**-0.5, block_size,
-        q.stride(0), q.stride(1), keys.stride(0), rows.stride(0), weights.stride(0), out.stride(0),
-        HI_P=hi_p, DI_P=max(16, triton.next_power_of_2(di)), BT=bt, BLOCK_N=block_n, FMT=fmt,
-        VALUE_BYTES=value_bytes, SCALE_BYTES=scale_bytes, BF16_DOT=bf16_dot(q, keys, layout), **extra)
+        q,
+        keys,
+        rows,
+        seg,
+        count,
+        weights,
+        out,
+        blocks,
+        blocks.shape[0],
+        hi,
+        di,
+        s,
+        chunk,
+        di**-0.5,
+        block_size,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        rows.stride(0),
+        weights.stride(0),
+        out.stride(0),
+        HI_P=hi_p,
+        DI_P=max(16, triton.next_power_of_2(di)),
+        BT=bt,
+        BLOCK_N=block_n,
+        FMT=fmt,
+        VALUE_BYTES=value_bytes,
+        SCALE_BYTES=scale_bytes,
+        BF16_DOT=bf16_dot(q, keys, layout),
+        **extra,
+    )
     return out

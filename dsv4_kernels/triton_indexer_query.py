@@ -96,12 +96,37 @@ def _rotate_pairs(xn, xe, xo, cn, ce, i, DI, HADAMARD: tl.constexpr, LOG2D: tl.c
 
 
 @triton.jit
-def _indexer_q_kernel(q_ptr, cos_ptr, sin_ptr, val_ptr, sc_ptr, rot_ptr, N, H, DI, HALF, hscale,
-                      stride_qt, stride_qh, stride_ct, stride_st,
-                      FMT: tl.constexpr, LD: tl.constexpr, NOPE_P: tl.constexpr, HALF_P: tl.constexpr,
-                      OUT_P: tl.constexpr, VALUE_BYTES: tl.constexpr, NUM_SCALES: tl.constexpr,
-                      HADAMARD: tl.constexpr, LOG2D: tl.constexpr, BF16: tl.constexpr, BF16_DOT: tl.constexpr,
-                      HW_FP8: tl.constexpr, HAS_ROT: tl.constexpr, BLOCK_R: tl.constexpr):
+def _indexer_q_kernel(
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    val_ptr,
+    sc_ptr,
+    rot_ptr,
+    N,
+    H,
+    DI,
+    HALF,
+    hscale,
+    stride_qt,
+    stride_qh,
+    stride_ct,
+    stride_st,
+    FMT: tl.constexpr,
+    LD: tl.constexpr,
+    NOPE_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    OUT_P: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    NUM_SCALES: tl.constexpr,
+    HADAMARD: tl.constexpr,
+    LOG2D: tl.constexpr,
+    BF16: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    HAS_ROT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = n < N
     n64 = n.to(tl.int64)
@@ -133,10 +158,15 @@ def _indexer_q_kernel(q_ptr, cos_ptr, sin_ptr, val_ptr, sc_ptr, rot_ptr, N, H, D
         inv = tl_exp2i(-e)[:, :, None]
         lo = tl_e2m1_code(tl.reshape(ye3 * inv, [BLOCK_R, OUT_P]))
         hi = tl_e2m1_code(tl.reshape(yo3 * inv, [BLOCK_R, OUT_P]))
-        tl.store(val_ptr + n64[:, None] * VALUE_BYTES + i[None, :], (lo | (hi << 4)).to(tl.uint8),
-                 mask=rm[:, None] & (i < LD // 2)[None, :])
+        tl.store(
+            val_ptr + n64[:, None] * VALUE_BYTES + i[None, :],
+            (lo | (hi << 4)).to(tl.uint8),
+            mask=rm[:, None] & (i < LD // 2)[None, :],
+        )
         g = tl.arange(0, G)
-        tl.store(sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], tl_ue8m0(e), mask=rm[:, None] & (g < NUM_SCALES)[None, :])
+        tl.store(
+            sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], tl_ue8m0(e), mask=rm[:, None] & (g < NUM_SCALES)[None, :]
+        )
         if HAS_ROT:
             om = rm[:, None] & (2 * i < DI)[None, :]
             tl.store(rot_ptr + n64[:, None] * DI + 2 * i[None, :], ye.to(dt), mask=om)
@@ -150,8 +180,9 @@ def _indexer_q_kernel(q_ptr, cos_ptr, sin_ptr, val_ptr, sc_ptr, rot_ptr, N, H, D
         codes = tl_e4m3_bits(tl.reshape(y3 * tl_exp2i(-e)[:, :, None], [BLOCK_R, OUT_P]), HW_FP8)
         tl.store(val_ptr + n64[:, None] * VALUE_BYTES + i[None, :], codes, mask=rm[:, None] & (i < LD)[None, :])
         g = tl.arange(0, G)
-        tl.store(sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], tl_exp2i(e),
-                 mask=rm[:, None] & (g < NUM_SCALES)[None, :])
+        tl.store(
+            sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], tl_exp2i(e), mask=rm[:, None] & (g < NUM_SCALES)[None, :]
+        )
         if HAS_ROT:
             tl.store(rot_ptr + n64[:, None] * DI + i[None, :], y.to(dt), mask=rm[:, None] & (i < DI)[None, :])
 
@@ -161,16 +192,25 @@ def _check(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: Indexe
         raise ValueError(f"q must be [T, Hi, Di] with unit stride on the last dim, got {tuple(q.shape)}")
     t, _, di = q.shape
     if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or 2 * cos.shape[1] > di:
-        raise ValueError(f"cos/sin must be [T={t}, rope_dim // 2 <= {di // 2}], got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
+        raise ValueError(
+            f"cos/sin must be [T={t}, rope_dim // 2 <= {di // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     if not isinstance(layout, IndexerKeyLayout) or layout.index_head_dim < di:
         raise ValueError(f"layout must be an IndexerKeyLayout with index_head_dim >= Di={di}, got {layout}")
     if hadamard and di & (di - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two Di, got {di}")
 
 
-def indexer_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: IndexerKeyLayout, *,
-                  hadamard: bool = True, return_rotated: bool = False, block_r: int = 16):
+def indexer_query(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layout: IndexerKeyLayout,
+    *,
+    hadamard: bool = True,
+    return_rotated: bool = False,
+    block_r: int = 16,
+):
     """Quantise the indexer queries in the key format of `layout` (dsv4_kernels.indexer.quantize_query).
 
     q: [T, Hi, Di] (bf16 / fp32, last dim contiguous); cos, sin: fp32 [T, rope_dim // 2] (compress RoPE at
@@ -196,28 +236,84 @@ def indexer_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout:
         ld = layout.index_head_dim
         extra = {"num_warps": 4} if q.is_cuda else {}
         _indexer_q_kernel[(triton.cdiv(n, block_r),)](
-            q, cos, sin, values, scales, rotated if rotated is not None else values, n, h, di, half,
-            di**-0.5 if hadamard else 1.0, q.stride(0), q.stride(1), cos.stride(0), sin.stride(0),
-            FMT=_MXFP4 if mx else _FP8, LD=ld, NOPE_P=max(16, triton.next_power_of_2(di - 2 * half)),
+            q,
+            cos,
+            sin,
+            values,
+            scales,
+            rotated if rotated is not None else values,
+            n,
+            h,
+            di,
+            half,
+            di**-0.5 if hadamard else 1.0,
+            q.stride(0),
+            q.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            FMT=_MXFP4 if mx else _FP8,
+            LD=ld,
+            NOPE_P=max(16, triton.next_power_of_2(di - 2 * half)),
             HALF_P=max(16, triton.next_power_of_2(half)),
-            OUT_P=triton.next_power_of_2(ld // 2 if mx else ld), VALUE_BYTES=layout.value_bytes,
-            NUM_SCALES=layout.num_scales, HADAMARD=hadamard, LOG2D=max(1, di.bit_length() - 1),
-            BF16=q.dtype == torch.bfloat16, BF16_DOT=q.is_cuda and q.dtype == torch.bfloat16,
-            HW_FP8=q.is_cuda and tc.USE_HW_FP8_CAST, HAS_ROT=rotated is not None, BLOCK_R=block_r, **extra)
+            OUT_P=triton.next_power_of_2(ld // 2 if mx else ld),
+            VALUE_BYTES=layout.value_bytes,
+            NUM_SCALES=layout.num_scales,
+            HADAMARD=hadamard,
+            LOG2D=max(1, di.bit_length() - 1),
+            BF16=q.dtype == torch.bfloat16,
+            BF16_DOT=q.is_cuda and q.dtype == torch.bfloat16,
+            HW_FP8=q.is_cuda and tc.USE_HW_FP8_CAST,
+            HAS_ROT=rotated is not None,
+            BLOCK_R=block_r,
+            **extra,
+        )
     return (values, scales, rotated) if return_rotated else (values, scales)
 
 
 # ---- the engine's indexer prologue (unquantised queries) -----------------------------------------------------
 PROLOGUE_BLOCK_E = 512  # candidate rows a program writes per block
 PROLOGUE_MAX_PROGRAMS = 64  # programs a step's candidate rows may spread over (few tokens only)
+
+
 # E (visible compressed rows) grows with the context, and rows / valid may be views at any offset: neither
 # adds compiled variants (engine.execution.warmup); only BLOCK_E follows E, by power-of-two bucket.
-@triton.jit(do_not_specialize=["E", "stride_rt", "stride_vt", "stride_rot", "NE"],
-            do_not_specialize_on_alignment=["rows_ptr", "valid_ptr"])
-def _prologue_kernel(q_ptr, cos_ptr, sin_ptr, w_ptr, rows_ptr, valid_ptr, qo_ptr, wo_ptr, ro_ptr, H, DI, WIDTH, HALF, E,
-                     scale, stride_qt, stride_qh, stride_ct, stride_st, stride_wt, stride_rt, stride_vt, stride_ot,
-                     stride_oh, stride_rot, NE, LD_P: tl.constexpr, H_P: tl.constexpr, HALF_P: tl.constexpr,
-                     BLOCK_E: tl.constexpr, BF16: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["E", "stride_rt", "stride_vt", "stride_rot", "NE"],
+    do_not_specialize_on_alignment=["rows_ptr", "valid_ptr"],
+)
+def _prologue_kernel(
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    w_ptr,
+    rows_ptr,
+    valid_ptr,
+    qo_ptr,
+    wo_ptr,
+    ro_ptr,
+    H,
+    DI,
+    WIDTH,
+    HALF,
+    E,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ct,
+    stride_st,
+    stride_wt,
+    stride_rt,
+    stride_vt,
+    stride_ot,
+    stride_oh,
+    stride_rot,
+    NE,
+    LD_P: tl.constexpr,
+    H_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BF16: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)  # this program's candidate blocks: chunk, chunk + NE, ...; chunk 0 also does q
     # candidate rows: -1 where not visible
@@ -228,14 +324,59 @@ def _prologue_kernel(q_ptr, cos_ptr, sin_ptr, w_ptr, rows_ptr, valid_ptr, qo_ptr
         v = tl.load(valid_ptr + t * stride_vt + e, mask=em, other=0)
         tl.store(ro_ptr + t * stride_rot + e, tl.where(v != 0, r, -1), mask=em)
     if chunk == 0:
-        _prologue_query(q_ptr, cos_ptr, sin_ptr, w_ptr, qo_ptr, wo_ptr, t, H, DI, WIDTH, HALF, scale, stride_qt,
-                        stride_qh, stride_ct, stride_st, stride_wt, stride_ot, stride_oh, LD_P, H_P, HALF_P, BF16)
+        _prologue_query(
+            q_ptr,
+            cos_ptr,
+            sin_ptr,
+            w_ptr,
+            qo_ptr,
+            wo_ptr,
+            t,
+            H,
+            DI,
+            WIDTH,
+            HALF,
+            scale,
+            stride_qt,
+            stride_qh,
+            stride_ct,
+            stride_st,
+            stride_wt,
+            stride_ot,
+            stride_oh,
+            LD_P,
+            H_P,
+            HALF_P,
+            BF16,
+        )
 
 
 @triton.jit
-def _prologue_query(q_ptr, cos_ptr, sin_ptr, w_ptr, qo_ptr, wo_ptr, t, H, DI, WIDTH, HALF, scale, stride_qt,
-                    stride_qh, stride_ct, stride_st, stride_wt, stride_ot, stride_oh, LD_P: tl.constexpr,
-                    H_P: tl.constexpr, HALF_P: tl.constexpr, BF16: tl.constexpr):
+def _prologue_query(
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    w_ptr,
+    qo_ptr,
+    wo_ptr,
+    t,
+    H,
+    DI,
+    WIDTH,
+    HALF,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ct,
+    stride_st,
+    stride_wt,
+    stride_ot,
+    stride_oh,
+    LD_P: tl.constexpr,
+    H_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BF16: tl.constexpr,
+):
     dt = qo_ptr.dtype.element_ty
     hh = tl.arange(0, H_P)
     hm = hh < H
@@ -261,8 +402,16 @@ def _prologue_query(q_ptr, cos_ptr, sin_ptr, w_ptr, qo_ptr, wo_ptr, t, H, DI, WI
     tl.store(o_row + ce[None, :] + 1, tl_round_to(od * cs + ev * sn, BF16, dt).to(dt), mask=pm)
 
 
-def indexer_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: torch.Tensor, scale: float,
-                     rows: torch.Tensor | None = None, valid: torch.Tensor | None = None, width: int | None = None):
+def indexer_prologue(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    rows: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    width: int | None = None,
+):
     """The engine indexer's glue before its scoring kernel, one launch (AttentionBlock._indexer's reference):
     q' = apply_rope(q, cos, sin) zero-padded to `width` channels; head weights = weights.float() * scale;
     candidate rows = torch.where(valid, rows, -1).
@@ -279,16 +428,28 @@ def indexer_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weig
     if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or 2 * cos.shape[1] > di:
         raise ValueError(f"cos/sin must be [T={t}, rope_dim // 2 <= {di // 2}], got {tuple(cos.shape)}")
     if weights.shape != (t, h) or weights.stride(-1) != 1 or width < di:
-        raise ValueError(f"weights must be [T={t}, Hi={h}] with unit last stride (and width >= Di), got "
-                         f"{tuple(weights.shape)}, width {width}")
+        raise ValueError(
+            f"weights must be [T={t}, Hi={h}] with unit last stride (and width >= Di), got "
+            f"{tuple(weights.shape)}, width {width}"
+        )
     no_rows = rows is None and valid is None
     if no_rows:  # zero candidate columns (the engine's dtypes: the same compiled variant): no candidate work
-        rows, valid = torch.empty(t, 0, dtype=torch.int64, device=q.device), torch.empty(t, 0, dtype=torch.bool,
-                                                                                         device=q.device)
-    elif rows is None or valid is None or rows.dim() != 2 or rows.shape[0] != t or valid.shape != rows.shape \
-            or valid.dtype != torch.bool:
-        raise ValueError(f"rows / valid must be given together as matching int / bool [T={t}, E], got "
-                         f"{None if rows is None else tuple(rows.shape)}, {None if valid is None else valid.dtype}")
+        rows, valid = (
+            torch.empty(t, 0, dtype=torch.int64, device=q.device),
+            torch.empty(t, 0, dtype=torch.bool, device=q.device),
+        )
+    elif (
+        rows is None
+        or valid is None
+        or rows.dim() != 2
+        or rows.shape[0] != t
+        or valid.shape != rows.shape
+        or valid.dtype != torch.bool
+    ):
+        raise ValueError(
+            f"rows / valid must be given together as matching int / bool [T={t}, E], got "
+            f"{None if rows is None else tuple(rows.shape)}, {None if valid is None else valid.dtype}"
+        )
     require_triton(q.device)
     q_out = torch.empty(t, h, width, dtype=q.dtype, device=q.device)
     w_out = torch.empty(t, h, dtype=torch.float32, device=q.device)
@@ -306,8 +467,37 @@ def indexer_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weig
     # tokens split their candidates over up to PROLOGUE_MAX_PROGRAMS // T programs each.
     ne = max(1, min(triton.cdiv(max(e, 1), block_e), PROLOGUE_MAX_PROGRAMS // t))
     _prologue_kernel[(t, ne)](
-        q, cos, sin, weights, rows, valid, q_out, w_out, r_out, h, di, width, half, e, scale, q.stride(0), q.stride(1),
-        cos.stride(0), sin.stride(0), weights.stride(0), rows.stride(0), valid.stride(0), q_out.stride(0),
-        q_out.stride(1), r_out.stride(0), ne, LD_P=triton.next_power_of_2(width), H_P=triton.next_power_of_2(h),
-        HALF_P=max(1, triton.next_power_of_2(half)), BLOCK_E=block_e, BF16=q.dtype == torch.bfloat16, **extra)
+        q,
+        cos,
+        sin,
+        weights,
+        rows,
+        valid,
+        q_out,
+        w_out,
+        r_out,
+        h,
+        di,
+        width,
+        half,
+        e,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        weights.stride(0),
+        rows.stride(0),
+        valid.stride(0),
+        q_out.stride(0),
+        q_out.stride(1),
+        r_out.stride(0),
+        ne,
+        LD_P=triton.next_power_of_2(width),
+        H_P=triton.next_power_of_2(h),
+        HALF_P=max(1, triton.next_power_of_2(half)),
+        BLOCK_E=block_e,
+        BF16=q.dtype == torch.bfloat16,
+        **extra,
+    )
     return q_out, w_out, None if no_rows else r_out

@@ -35,10 +35,26 @@ triton, tl = import_triton()
 
 
 @triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "stride_pt"])
-def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
-                   stride_st, stride_sh, stride_fn, stride_ps, stride_pt,
-                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr,
-                   EVEN_D: tl.constexpr):
+def _hc_mix_kernel(
+    streams_ptr,
+    fn_ptr,
+    part_ptr,
+    T,
+    D,
+    K,
+    N_MIX,
+    k_per_split,
+    stride_st,
+    stride_sh,
+    stride_fn,
+    stride_ps,
+    stride_pt,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NM_P: tl.constexpr,
+    SUMSQ: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
     """part[s, t, m] = sum over this split's k of streams[t].flat[k] * fn[m, k], fp32 (grid: T blocks x splits);
     SUMSQ: part[s, t, N_MIX] = the split's sum of streams[t].flat[k]^2 (the mixing RMSNorm's statistic).
     EVEN_D: BLOCK_K divides D (and the split), so a K tile lies in one stream: one scalar division a tile, not
@@ -59,8 +75,11 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
             off = h * stride_sh + (k0 - h * D) + tl.arange(0, BLOCK_K)
         else:
             off = (k // D) * stride_sh + (k % D)
-        x = tl.load(streams_ptr + rows[:, None].to(tl.int64) * stride_st + off[None, :],
-                    mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        x = tl.load(
+            streams_ptr + rows[:, None].to(tl.int64) * stride_st + off[None, :],
+            mask=rmask[:, None] & kmask[None, :],
+            other=0.0,
+        ).to(tl.float32)
         w = tl.load(fn_ptr + m[None, :] * stride_fn + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
         acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
         if SUMSQ:
@@ -68,14 +87,32 @@ def _hc_mix_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
     if SUMSQ:  # (N_MIX < NM_P: the column is free in the tile)
         acc = tl.where((m == N_MIX)[None, :], sq[:, None], acc)
         mmask = m <= N_MIX
-    tl.store(part_ptr + tl.program_id(1) * stride_ps + rows[:, None].to(tl.int64) * stride_pt + m[None, :], acc,
-             mask=rmask[:, None] & mmask[None, :])
+    tl.store(
+        part_ptr + tl.program_id(1) * stride_ps + rows[:, None].to(tl.int64) * stride_pt + m[None, :],
+        acc,
+        mask=rmask[:, None] & mmask[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "stride_pt"])
-def _hc_mix_gemv_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
-                        stride_st, stride_sh, stride_fn, stride_ps, stride_pt,
-                        BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr):
+def _hc_mix_gemv_kernel(
+    streams_ptr,
+    fn_ptr,
+    part_ptr,
+    T,
+    D,
+    K,
+    N_MIX,
+    k_per_split,
+    stride_st,
+    stride_sh,
+    stride_fn,
+    stride_ps,
+    stride_pt,
+    BLOCK_K: tl.constexpr,
+    NM_P: tl.constexpr,
+    SUMSQ: tl.constexpr,
+):
     """_hc_mix_kernel's partials for one token a program (grid: T x splits), as a matrix-vector product on FMAs:
     a few tokens' 16-row dot tiles were mostly padding (decode steps of 1-4 requests)."""
     t = tl.program_id(0).to(tl.int64)
@@ -100,10 +137,25 @@ def _hc_mix_gemv_kernel(streams_ptr, fn_ptr, part_ptr, T, D, K, N_MIX, k_per_spl
 
 
 @triton.jit(do_not_specialize=["T", "k_per_split", "stride_ps", "stride_pt"])
-def _hc_mix_bf16x3_kernel(streams_ptr, w_ptr, part_ptr, T, D, K, N_MIX, k_per_split,
-                          stride_st, stride_sh, stride_ps, stride_pt,
-                          BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, NM_P: tl.constexpr, SUMSQ: tl.constexpr,
-                          BF16_DOT: tl.constexpr):
+def _hc_mix_bf16x3_kernel(
+    streams_ptr,
+    w_ptr,
+    part_ptr,
+    T,
+    D,
+    K,
+    N_MIX,
+    k_per_split,
+    stride_st,
+    stride_sh,
+    stride_ps,
+    stride_pt,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NM_P: tl.constexpr,
+    SUMSQ: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
     """_hc_mix_kernel for long steps of bf16 streams, on tensor cores. w: bf16 [3, K, NM_P], fn^T split in three
     (hi + mid + lo = fn to fp32 precision; zero columns from N_MIX): a bf16 x bf16 product is exact in fp32, so
     three bf16 dots with fp32 accumulation give the fp32 matmul's products. BLOCK_K divides D and the split.
@@ -120,8 +172,9 @@ def _hc_mix_bf16x3_kernel(streams_ptr, w_ptr, part_ptr, T, D, K, N_MIX, k_per_sp
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         kmask = (k0 + c) < K
         h = k0 // D
-        x = tl.load(row_ptr + h * stride_sh + (k0 - h * D) + c[None, :], mask=rmask[:, None] & kmask[None, :],
-                    other=0.0)
+        x = tl.load(
+            row_ptr + h * stride_sh + (k0 - h * D) + c[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0
+        )
         xf = x.to(tl.float32)
         if not BF16_DOT:
             x = xf
@@ -140,8 +193,11 @@ def _hc_mix_bf16x3_kernel(streams_ptr, w_ptr, part_ptr, T, D, K, N_MIX, k_per_sp
     if SUMSQ:  # (N_MIX < NM_P: the column is free in the tile)
         acc = tl.where((m == N_MIX)[None, :], sq[:, None], acc)
         mmask = m <= N_MIX
-    tl.store(part_ptr + tl.program_id(1) * stride_ps + rows[:, None].to(tl.int64) * stride_pt + m[None, :], acc,
-             mask=rmask[:, None] & mmask[None, :])
+    tl.store(
+        part_ptr + tl.program_id(1) * stride_ps + rows[:, None].to(tl.int64) * stride_pt + m[None, :],
+        acc,
+        mask=rmask[:, None] & mmask[None, :],
+    )
 
 
 @triton.jit
@@ -151,8 +207,12 @@ def _mix_sum(m_row, idx, mask, splits, stride_ms, SB: tl.constexpr):
     acc = tl.zeros(idx.shape, dtype=tl.float32)
     for s0 in range(0, splits, SB):
         s = s0 + tl.arange(0, SB)
-        acc += tl.sum(tl.load(m_row + s[:, None] * stride_ms + idx[None, :], mask=(s < splits)[:, None] & mask[None, :],
-                              other=0.0), axis=0)
+        acc += tl.sum(
+            tl.load(
+                m_row + s[:, None] * stride_ms + idx[None, :], mask=(s < splits)[:, None] & mask[None, :], other=0.0
+            ),
+            axis=0,
+        )
     return acc
 
 
@@ -162,31 +222,37 @@ def _mix_sum2(m_row, idx, mask, splits, stride_ms, SB: tl.constexpr):
     acc = tl.zeros(idx.shape, dtype=tl.float32)
     for s0 in range(0, splits, SB):
         s = s0 + tl.arange(0, SB)
-        acc += tl.sum(tl.load(m_row + s[:, None, None] * stride_ms + idx[None, :, :],
-                              mask=(s < splits)[:, None, None] & mask[None, :, :], other=0.0), axis=0)
+        acc += tl.sum(
+            tl.load(
+                m_row + s[:, None, None] * stride_ms + idx[None, :, :],
+                mask=(s < splits)[:, None, None] & mask[None, :, :],
+                other=0.0,
+            ),
+            axis=0,
+        )
     return acc
 
 
 @triton.jit
-def _mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms,
-            SB: tl.constexpr):
+def _mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms, SB: tl.constexpr):
     """One token's mixing weights from its split-K logit partials: (pre [HC_P], post [HC_P], comb [HC_P, HC_P],
     comb's mask). pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax + eps, then Sinkhorn (column norm,
     then iters-1 x (row, column)); padded entries stay exactly 0 so they never enter a sum."""
     s0 = tl.load(scale_ptr).to(tl.float32)
     s1 = tl.load(scale_ptr + 1).to(tl.float32)
     s2 = tl.load(scale_ptr + 2).to(tl.float32)
-    pre = _mix_sum(m_row, i, imask, splits, stride_ms, SB) * rinv * s0 + tl.load(base_ptr + i, mask=imask,
-                                                                                  other=0.0)
+    pre = _mix_sum(m_row, i, imask, splits, stride_ms, SB) * rinv * s0 + tl.load(base_ptr + i, mask=imask, other=0.0)
     pre = tl.where(imask, tl.sigmoid(pre) + hc_eps, 0.0)
-    post = _mix_sum(m_row, HC + i, imask, splits, stride_ms, SB) * rinv * s1 + tl.load(base_ptr + HC + i,
-                                                                                        mask=imask, other=0.0)
+    post = _mix_sum(m_row, HC + i, imask, splits, stride_ms, SB) * rinv * s1 + tl.load(
+        base_ptr + HC + i, mask=imask, other=0.0
+    )
     post = 2.0 * tl.sigmoid(post)
     # comb[i, j] lives at 2*HC + i*HC + j
     cmask = imask[:, None] & (j < HC)[None, :]
     cidx = 2 * HC + i[:, None] * HC + j[None, :]
-    logits = _mix_sum2(m_row, cidx, cmask, splits, stride_ms, SB) * rinv * s2 + tl.load(base_ptr + cidx,
-                                                                                         mask=cmask, other=0.0)
+    logits = _mix_sum2(m_row, cidx, cmask, splits, stride_ms, SB) * rinv * s2 + tl.load(
+        base_ptr + cidx, mask=cmask, other=0.0
+    )
     logits = tl.where(cmask, logits, float("-inf"))
     row_max = tl.max(logits, axis=1)
     row_max = tl.where(imask, row_max, 0.0)  # padded rows are all -inf: keep their exponent finite
@@ -201,10 +267,33 @@ def _mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, sp
 
 
 @triton.jit(do_not_specialize=["splits", "stride_ms", "stride_mt"])
-def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr,
-                   normw_ptr, normed_ptr, HC, D, iters, hc_eps, norm_eps, out_eps, splits,
-                   stride_st, stride_sh, stride_ms, stride_mt, stride_ct, stride_nt,
-                   HC_P: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+def _hc_pre_kernel(
+    streams_ptr,
+    mixes_ptr,
+    base_ptr,
+    scale_ptr,
+    collapsed_ptr,
+    post_ptr,
+    comb_ptr,
+    normw_ptr,
+    normed_ptr,
+    HC,
+    D,
+    iters,
+    hc_eps,
+    norm_eps,
+    out_eps,
+    splits,
+    stride_st,
+    stride_sh,
+    stride_ms,
+    stride_mt,
+    stride_ct,
+    stride_nt,
+    HC_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """One program per token (long steps: T programs fill the GPU)."""
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HC_P)
@@ -219,8 +308,9 @@ def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, p
         x = tl.load(s_row + cols[None, :], mask=imask[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
         sq += x * x
     rinv = tl.rsqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / (HC * D) + norm_eps)
-    pre, post, comb, cmask = _mixing(mixes_ptr + t * stride_mt, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters,
-                                     hc_eps, splits, stride_ms, 1)
+    pre, post, comb, cmask = _mixing(
+        mixes_ptr + t * stride_mt, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms, 1
+    )
     tl.store(post_ptr + t * HC + i, post, mask=imask)
     tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=cmask)
 
@@ -251,9 +341,30 @@ def _hc_pre_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, p
 
 
 @triton.jit(do_not_specialize=["splits", "stride_ms", "stride_mt"])
-def _hc_pre_split_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr,
-                         HC, D, N_MIX, iters, hc_eps, norm_eps, splits, stride_st, stride_sh, stride_ms, stride_mt,
-                         stride_ct, HC_P: tl.constexpr, BLOCK_D: tl.constexpr, SB: tl.constexpr):
+def _hc_pre_split_kernel(
+    streams_ptr,
+    mixes_ptr,
+    base_ptr,
+    scale_ptr,
+    collapsed_ptr,
+    post_ptr,
+    comb_ptr,
+    HC,
+    D,
+    N_MIX,
+    iters,
+    hc_eps,
+    norm_eps,
+    splits,
+    stride_st,
+    stride_sh,
+    stride_ms,
+    stride_mt,
+    stride_ct,
+    HC_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SB: tl.constexpr,
+):
     """Short steps: grid (T, D / BLOCK_D). Each program derives its token's weights from the partials (the sum
     of squares rides in column N_MIX of them, from _hc_mix_kernel) and collapses one block of D."""
     t = tl.program_id(0).to(tl.int64)
@@ -263,15 +374,19 @@ def _hc_pre_split_kernel(streams_ptr, mixes_ptr, base_ptr, scale_ptr, collapsed_
     m_row = mixes_ptr + t * stride_mt
     sumsq = tl.sum(_mix_sum(m_row, N_MIX + i * 0, i == 0, splits, stride_ms, SB), axis=0)
     rinv = tl.rsqrt(sumsq / (HC * D) + norm_eps)
-    pre, post, comb, cmask = _mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits,
-                                     stride_ms, SB)
+    pre, post, comb, cmask = _mixing(
+        m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms, SB
+    )
     if tl.program_id(1) == 0:
         tl.store(post_ptr + t * HC + i, post, mask=imask)
         tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=cmask)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = cols < D
-    x = tl.load(streams_ptr + t * stride_st + i[:, None] * stride_sh + cols[None, :],
-                mask=imask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    x = tl.load(
+        streams_ptr + t * stride_st + i[:, None] * stride_sh + cols[None, :],
+        mask=imask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
     y = tl.sum(pre[:, None] * x, axis=0)
     tl.store(collapsed_ptr + t * stride_ct + cols, y.to(collapsed_ptr.dtype.element_ty), mask=dmask)
 
@@ -289,24 +404,44 @@ def _norm_rows_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_xt, stride_ot, BLOCK
 
 
 @triton.jit
-def _hc_post_kernel(out_ptr, block_out_ptr, streams_ptr, post_ptr, comb_ptr, HC, D,
-                    stride_st, stride_sh, stride_bt, stride_ot, stride_oh,
-                    HC_P: tl.constexpr, BLOCK_D: tl.constexpr):
+def _hc_post_kernel(
+    out_ptr,
+    block_out_ptr,
+    streams_ptr,
+    post_ptr,
+    comb_ptr,
+    HC,
+    D,
+    stride_st,
+    stride_sh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    HC_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = cols < D
     i = tl.arange(0, HC_P)
     imask = i < HC
-    x = tl.load(streams_ptr + t * stride_st + i[:, None] * stride_sh + cols[None, :],
-                mask=imask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [i, d]
-    comb = tl.load(comb_ptr + t * HC * HC + i[:, None] * HC + i[None, :],
-                   mask=imask[:, None] & imask[None, :], other=0.0).to(tl.float32)  # [i, j]
+    x = tl.load(
+        streams_ptr + t * stride_st + i[:, None] * stride_sh + cols[None, :],
+        mask=imask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [i, d]
+    comb = tl.load(
+        comb_ptr + t * HC * HC + i[:, None] * HC + i[None, :], mask=imask[:, None] & imask[None, :], other=0.0
+    ).to(tl.float32)  # [i, j]
     post = tl.load(post_ptr + t * HC + i, mask=imask, other=0.0).to(tl.float32)  # [j]
     bo = tl.load(block_out_ptr + t * stride_bt + cols, mask=dmask, other=0.0).to(tl.float32)
     mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)  # [j, d] = sum_i comb[i, j] x[i, d]
     y = post[:, None] * bo[None, :] + mixed
-    tl.store(out_ptr + t * stride_ot + i[:, None] * stride_oh + cols[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=imask[:, None] & dmask[None, :])
+    tl.store(
+        out_ptr + t * stride_ot + i[:, None] * stride_oh + cols[None, :],
+        y.to(out_ptr.dtype.element_ty),
+        mask=imask[:, None] & dmask[None, :],
+    )
 
 
 def _check_streams(streams: torch.Tensor) -> None:
@@ -315,9 +450,20 @@ def _check_streams(streams: torch.Tensor) -> None:
     require_triton(streams.device)
 
 
-def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-           hc_eps: float, norm_eps: float, *, block_d: int = 256, norm_weight: torch.Tensor | None = None,
-           out_eps: float = 1e-6, out_dtype: torch.dtype | None = None):
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    block_d: int = 256,
+    norm_weight: torch.Tensor | None = None,
+    out_eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None,
+):
     """Fused mHC pre. streams: [T, hc, D]; fn: [(2+hc)*hc, hc*D]; base: [(2+hc)*hc]; scale: [3].
 
     -> (collapsed [T, D] in streams.dtype, post fp32 [T, hc], comb fp32 [T, hc, hc]), as
@@ -350,26 +496,77 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     if t <= split_max_tokens(streams.dtype):  # spread each token over D blocks (one program a token is latency-bound)
         parts = mix_partials(streams, fn, sumsq=True)  # [splits, T, n_mix + 1] fp32
         _hc_pre_split_kernel[(t, triton.cdiv(d, block_d))](
-            streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post, comb, hc, d,
-            n_mix, iters, hc_eps, norm_eps, parts.shape[0], streams.stride(0), streams.stride(1), parts.stride(0),
-            parts.stride(1), collapsed.stride(0), HC_P=triton.next_power_of_2(hc), BLOCK_D=block_d,
+            streams,
+            parts,
+            base.float().contiguous(),
+            scale.float().contiguous(),
+            collapsed,
+            post,
+            comb,
+            hc,
+            d,
+            n_mix,
+            iters,
+            hc_eps,
+            norm_eps,
+            parts.shape[0],
+            streams.stride(0),
+            streams.stride(1),
+            parts.stride(0),
+            parts.stride(1),
+            collapsed.stride(0),
+            HC_P=triton.next_power_of_2(hc),
+            BLOCK_D=block_d,
             SB=min(PRE_SPLITS_PER_LOAD, triton.next_power_of_2(parts.shape[0])),
-            **({"num_warps": 1} if streams.is_cuda else {}))  # one warp: Sinkhorn's hc x hc sums stay in-warp
+            **({"num_warps": 1} if streams.is_cuda else {}),
+        )  # one warp: Sinkhorn's hc x hc sums stay in-warp
         if norm:
-            _norm_rows_kernel[(t,)](collapsed, norm_weight.contiguous(), normed, d, out_eps, collapsed.stride(0),
-                                    normed.stride(0), BLOCK_D=triton.next_power_of_2(d),
-                                    num_warps=8)
+            _norm_rows_kernel[(t,)](
+                collapsed,
+                norm_weight.contiguous(),
+                normed,
+                d,
+                out_eps,
+                collapsed.stride(0),
+                normed.stride(0),
+                BLOCK_D=triton.next_power_of_2(d),
+                num_warps=8,
+            )
         return normed, post, comb
     parts = mix_partials(streams, fn)  # [1, T, n_mix] fp32 (torch's matmul)
     if LONG_PATH == "rows":  # whole-row collapse + token-block weights (dsv4_kernels/triton_mhc_rows.py)
-        triton_mhc_rows.collapse_and_weights(streams, parts[0], base, scale, iters, hc_eps, norm_eps, normed, post,
-                                             comb, norm_weight, out_eps)
+        triton_mhc_rows.collapse_and_weights(
+            streams, parts[0], base, scale, iters, hc_eps, norm_eps, normed, post, comb, norm_weight, out_eps
+        )
         return normed, post, comb
-    _hc_pre_kernel[(t,)](streams, parts, base.float().contiguous(), scale.float().contiguous(), collapsed, post,
-                         comb, norm_weight.contiguous() if norm else collapsed, normed, hc, d, iters, hc_eps,
-                         norm_eps, out_eps, parts.shape[0], streams.stride(0), streams.stride(1), parts.stride(0),
-                         parts.stride(1), collapsed.stride(0), normed.stride(0),
-                         HC_P=triton.next_power_of_2(hc), BLOCK_D=block_d, NORM=norm, **extra)
+    _hc_pre_kernel[(t,)](
+        streams,
+        parts,
+        base.float().contiguous(),
+        scale.float().contiguous(),
+        collapsed,
+        post,
+        comb,
+        norm_weight.contiguous() if norm else collapsed,
+        normed,
+        hc,
+        d,
+        iters,
+        hc_eps,
+        norm_eps,
+        out_eps,
+        parts.shape[0],
+        streams.stride(0),
+        streams.stride(1),
+        parts.stride(0),
+        parts.stride(1),
+        collapsed.stride(0),
+        normed.stride(0),
+        HC_P=triton.next_power_of_2(hc),
+        BLOCK_D=block_d,
+        NORM=norm,
+        **extra,
+    )
     return normed, post, comb
 
 
@@ -434,22 +631,70 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
     parts = torch.empty(splits, t, n_mix + sumsq, dtype=torch.float32, device=streams.device)
     nm_p = max(16, triton.next_power_of_2(n_mix + sumsq))
     if tensor_cores:
-        _hc_mix_bf16x3_kernel[(tiles, splits)](streams, _fn_bf16x3(fn, nm_p), parts, t, d, k, n_mix, k_per_split,
-                                               streams.stride(0), streams.stride(1), parts.stride(0),
-                                               parts.stride(1), BLOCK_T=block_t, BLOCK_K=block_k, NM_P=nm_p,
-                                               SUMSQ=sumsq, BF16_DOT=streams.is_cuda, num_warps=8)
+        _hc_mix_bf16x3_kernel[(tiles, splits)](
+            streams,
+            _fn_bf16x3(fn, nm_p),
+            parts,
+            t,
+            d,
+            k,
+            n_mix,
+            k_per_split,
+            streams.stride(0),
+            streams.stride(1),
+            parts.stride(0),
+            parts.stride(1),
+            BLOCK_T=block_t,
+            BLOCK_K=block_k,
+            NM_P=nm_p,
+            SUMSQ=sumsq,
+            BF16_DOT=streams.is_cuda,
+            num_warps=8,
+        )
         return parts
     fn = fn.float().contiguous()
     if t <= MIX_GEMV_MAX_TOKENS:
-        _hc_mix_gemv_kernel[(t, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),
-                                         streams.stride(1), fn.stride(0), parts.stride(0), parts.stride(1),
-                                         BLOCK_K=block_k, NM_P=nm_p, SUMSQ=sumsq, **({"num_warps": 4}
-                                                                                     if streams.is_cuda else {}))
+        _hc_mix_gemv_kernel[(t, splits)](
+            streams,
+            fn,
+            parts,
+            t,
+            d,
+            k,
+            n_mix,
+            k_per_split,
+            streams.stride(0),
+            streams.stride(1),
+            fn.stride(0),
+            parts.stride(0),
+            parts.stride(1),
+            BLOCK_K=block_k,
+            NM_P=nm_p,
+            SUMSQ=sumsq,
+            **({"num_warps": 4} if streams.is_cuda else {}),
+        )
         return parts
-    _hc_mix_kernel[(tiles, splits)](streams, fn, parts, t, d, k, n_mix, k_per_split, streams.stride(0),
-                                    streams.stride(1), fn.stride(0), parts.stride(0), parts.stride(1),
-                                    BLOCK_T=block_t, BLOCK_K=block_k, NM_P=nm_p, SUMSQ=sumsq,
-                                    EVEN_D=d % block_k == 0, num_warps=4 if block_t == 16 else 8)
+    _hc_mix_kernel[(tiles, splits)](
+        streams,
+        fn,
+        parts,
+        t,
+        d,
+        k,
+        n_mix,
+        k_per_split,
+        streams.stride(0),
+        streams.stride(1),
+        fn.stride(0),
+        parts.stride(0),
+        parts.stride(1),
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+        NM_P=nm_p,
+        SUMSQ=sumsq,
+        EVEN_D=d % block_k == 0,
+        num_warps=4 if block_t == 16 else 8,
+    )
     return parts
 
 
@@ -463,7 +708,7 @@ def _fn_bf16x3(fn: torch.Tensor, nm_p: int) -> torch.Tensor:
     if cached is not None and cached[0] == (fn._version, nm_p):
         return cached[1]
     w = torch.zeros(fn.shape[1], nm_p, dtype=torch.float32, device=fn.device)
-    w[:, :fn.shape[0]] = fn.float().t()
+    w[:, : fn.shape[0]] = fn.float().t()
     hi = w.bfloat16()
     rest = w - hi.float()
     mid = rest.bfloat16()
@@ -472,8 +717,9 @@ def _fn_bf16x3(fn: torch.Tensor, nm_p: int) -> torch.Tensor:
     return parts
 
 
-def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            *, block_d: int = 512) -> torch.Tensor:
+def hc_post(
+    block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *, block_d: int = 512
+) -> torch.Tensor:
     """Fused mHC post. block_out: [T, D]; streams: [T, hc, D]; post: [T, hc]; comb: [T, hc, hc].
 
     -> [T, hc, D] in streams.dtype: post_j * block_out + sum_i comb[i, j] * streams_i, computed in fp32
@@ -484,15 +730,29 @@ def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, 
     if block_out.shape != (t, d) or block_out.stride(-1) != 1:
         raise ValueError(f"block_out must be [T={t}, D={d}] with unit last stride, got {tuple(block_out.shape)}")
     if post.shape != (t, hc) or comb.shape != (t, hc, hc):
-        raise ValueError(f"post must be [{t}, {hc}] and comb [{t}, {hc}, {hc}], got {tuple(post.shape)}, "
-                         f"{tuple(comb.shape)}")
+        raise ValueError(
+            f"post must be [{t}, {hc}] and comb [{t}, {hc}, {hc}], got {tuple(post.shape)}, {tuple(comb.shape)}"
+        )
     out = torch.empty(t, hc, d, dtype=streams.dtype, device=streams.device)
     if t == 0:
         return out
     block_d = min(block_d, triton.next_power_of_2(d))
     extra = {"num_warps": 4} if streams.is_cuda else {}
     _hc_post_kernel[(t, triton.cdiv(d, block_d))](
-        out, block_out, streams, post.float().contiguous(), comb.float().contiguous(), hc, d,
-        streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), out.stride(1),
-        HC_P=triton.next_power_of_2(hc), BLOCK_D=block_d, **extra)
+        out,
+        block_out,
+        streams,
+        post.float().contiguous(),
+        comb.float().contiguous(),
+        hc,
+        d,
+        streams.stride(0),
+        streams.stride(1),
+        block_out.stride(0),
+        out.stride(0),
+        out.stride(1),
+        HC_P=triton.next_power_of_2(hc),
+        BLOCK_D=block_d,
+        **extra,
+    )
     return out

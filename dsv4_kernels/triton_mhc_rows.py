@@ -25,9 +25,28 @@ ROW_ELEMS_PER_WARP = 2048  # fp32 stream elements a warp holds in the collapse (
 
 
 @triton.jit(do_not_specialize=["T"])
-def _hc_collapse_kernel(streams_ptr, logits_ptr, base_ptr, scale_ptr, normw_ptr, out_ptr, sumsq_ptr, T, HC, D,
-                        hc_eps, norm_eps, out_eps, stride_st, stride_sh, stride_lt, stride_ot,
-                        HC_P: tl.constexpr, D_P: tl.constexpr, NORM: tl.constexpr):
+def _hc_collapse_kernel(
+    streams_ptr,
+    logits_ptr,
+    base_ptr,
+    scale_ptr,
+    normw_ptr,
+    out_ptr,
+    sumsq_ptr,
+    T,
+    HC,
+    D,
+    hc_eps,
+    norm_eps,
+    out_eps,
+    stride_st,
+    stride_sh,
+    stride_lt,
+    stride_ot,
+    HC_P: tl.constexpr,
+    D_P: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """One token t: sumsq[t] = sum of its streams' squares; pre_i = sigmoid(logits[t, i] * rsqrt(sumsq / (HC*D)
     + norm_eps) * scale[0] + base[i]) + hc_eps; out[t] = sum_i pre_i * streams[t, i] (rounded to the streams'
     dtype), then with NORM the block's input RMSNorm: normw * (y * rsqrt(mean(y^2) + out_eps)), fp32 math, one
@@ -37,8 +56,11 @@ def _hc_collapse_kernel(streams_ptr, logits_ptr, base_ptr, scale_ptr, normw_ptr,
     cols = tl.arange(0, D_P)
     imask = i < HC
     dmask = cols < D
-    x = tl.load(streams_ptr + t.to(tl.int64) * stride_st + i[:, None] * stride_sh + cols[None, :],
-                mask=imask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    x = tl.load(
+        streams_ptr + t.to(tl.int64) * stride_st + i[:, None] * stride_sh + cols[None, :],
+        mask=imask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
     sumsq = tl.sum(tl.sum(x * x, axis=1), axis=0)
     rinv = tl.rsqrt(sumsq / (HC * D) + norm_eps)
     logit = tl.load(logits_ptr + t.to(tl.int64) * stride_lt + i, mask=imask, other=0.0)
@@ -55,8 +77,23 @@ def _hc_collapse_kernel(streams_ptr, logits_ptr, base_ptr, scale_ptr, normw_ptr,
 
 
 @triton.jit(do_not_specialize=["T", "stride_lt"])
-def _hc_weights_kernel(logits_ptr, sumsq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, T, HC, D, iters,
-                       hc_eps, norm_eps, stride_lt, HC_P: tl.constexpr, BLOCK_T: tl.constexpr):
+def _hc_weights_kernel(
+    logits_ptr,
+    sumsq_ptr,
+    base_ptr,
+    scale_ptr,
+    post_ptr,
+    comb_ptr,
+    T,
+    HC,
+    D,
+    iters,
+    hc_eps,
+    norm_eps,
+    stride_lt,
+    HC_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """logits: fp32 [T, (2+HC)*HC] (row stride stride_lt), sumsq: fp32 [T] -> post fp32 [T, HC], comb fp32
     [T, HC, HC]; padded stream entries stay exactly 0 so they never enter a sum."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -69,15 +106,20 @@ def _hc_weights_kernel(logits_ptr, sumsq_ptr, base_ptr, scale_ptr, post_ptr, com
     s1 = tl.load(scale_ptr + 1).to(tl.float32)
     s2 = tl.load(scale_ptr + 2).to(tl.float32)
     m2 = rmask[:, None] & imask[None, :]
-    post = (tl.load(logits_ptr + row_off[:, None] + HC + i[None, :], mask=m2, other=0.0) * rinv[:, None] * s1
-            + tl.load(base_ptr + HC + i, mask=imask, other=0.0)[None, :])
+    post = (
+        tl.load(logits_ptr + row_off[:, None] + HC + i[None, :], mask=m2, other=0.0) * rinv[:, None] * s1
+        + tl.load(base_ptr + HC + i, mask=imask, other=0.0)[None, :]
+    )
     post = 2.0 * tl.sigmoid(post)
     cmask2 = imask[:, None] & (j < HC)[None, :]
     cmask = cmask2[None, :, :]  # [1, HC_P, HC_P]
     cidx = 2 * HC + i[:, None] * HC + j[None, :]  # comb[i, j] lives at 2*HC + i*HC + j
-    logits = (tl.load(logits_ptr + row_off[:, None, None] + cidx[None, :, :], mask=rmask[:, None, None] & cmask,
-                      other=0.0) * rinv[:, None, None] * s2
-              + tl.load(base_ptr + cidx, mask=cmask2, other=0.0)[None, :, :])
+    logits = (
+        tl.load(logits_ptr + row_off[:, None, None] + cidx[None, :, :], mask=rmask[:, None, None] & cmask, other=0.0)
+        * rinv[:, None, None]
+        * s2
+        + tl.load(base_ptr + cidx, mask=cmask2, other=0.0)[None, :, :]
+    )
     logits = tl.where(cmask, logits, float("-inf"))
     row_max = tl.max(logits, axis=2)
     row_max = tl.where(imask[None, :], row_max, 0.0)  # padded rows are all -inf: keep their exponent finite
@@ -89,21 +131,36 @@ def _hc_weights_kernel(logits_ptr, sumsq_ptr, base_ptr, scale_ptr, post_ptr, com
         comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
     tl.store(post_ptr + rows[:, None].to(tl.int64) * HC + i[None, :], post, mask=m2)
-    tl.store(comb_ptr + rows[:, None, None].to(tl.int64) * HC * HC + cidx[None, :, :] - 2 * HC, comb,
-             mask=rmask[:, None, None] & cmask)
+    tl.store(
+        comb_ptr + rows[:, None, None].to(tl.int64) * HC * HC + cidx[None, :, :] - 2 * HC,
+        comb,
+        mask=rmask[:, None, None] & cmask,
+    )
 
 
-def collapse_and_weights(streams: torch.Tensor, logits: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                         iters: int, hc_eps: float, norm_eps: float, out: torch.Tensor, post: torch.Tensor,
-                         comb: torch.Tensor, norm_weight: torch.Tensor | None = None, out_eps: float = 1e-6) -> None:
+def collapse_and_weights(
+    streams: torch.Tensor,
+    logits: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    out_eps: float = 1e-6,
+) -> None:
     """The rest of `triton_mhc.hc_pre` for a long step, written into out [T, D] (the collapsed row, or with
     norm_weight its RMSNorm), post fp32 [T, hc] and comb fp32 [T, hc, hc]. streams: [T, hc, D] (unit last
     stride); logits: fp32 [T, (2+hc)*hc] (unit last stride), the un-normalised streams @ fn^T."""
     t, hc, d = streams.shape
     n_mix = (2 + hc) * hc
     if logits.shape != (t, n_mix) or logits.stride(-1) != 1 or logits.dtype != torch.float32:
-        raise ValueError(f"logits must be fp32 [T={t}, {n_mix}] with unit last stride, got {logits.dtype} "
-                         f"{tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must be fp32 [T={t}, {n_mix}] with unit last stride, got {logits.dtype} {tuple(logits.shape)}"
+        )
     base = base.float().contiguous()
     scale = scale.float().contiguous()
     sumsq = torch.empty(t, dtype=torch.float32, device=streams.device)
@@ -111,9 +168,42 @@ def collapse_and_weights(streams: torch.Tensor, logits: torch.Tensor, base: torc
     norm = norm_weight is not None
     warps = min(16, max(4, hc_p * d_p // ROW_ELEMS_PER_WARP))
     _hc_collapse_kernel[(t,)](
-        streams, logits, base, scale, norm_weight.contiguous() if norm else base, out, sumsq, t, hc, d, hc_eps,
-        norm_eps, out_eps, streams.stride(0), streams.stride(1), logits.stride(0), out.stride(0),
-        HC_P=hc_p, D_P=d_p, NORM=norm, num_warps=warps)
+        streams,
+        logits,
+        base,
+        scale,
+        norm_weight.contiguous() if norm else base,
+        out,
+        sumsq,
+        t,
+        hc,
+        d,
+        hc_eps,
+        norm_eps,
+        out_eps,
+        streams.stride(0),
+        streams.stride(1),
+        logits.stride(0),
+        out.stride(0),
+        HC_P=hc_p,
+        D_P=d_p,
+        NORM=norm,
+        num_warps=warps,
+    )
     _hc_weights_kernel[(triton.cdiv(t, WEIGHT_BLOCK_T),)](
-        logits, sumsq, base, scale, post, comb, t, hc, d, iters, hc_eps, norm_eps, logits.stride(0),
-        HC_P=hc_p, BLOCK_T=WEIGHT_BLOCK_T)
+        logits,
+        sumsq,
+        base,
+        scale,
+        post,
+        comb,
+        t,
+        hc,
+        d,
+        iters,
+        hc_eps,
+        norm_eps,
+        logits.stride(0),
+        HC_P=hc_p,
+        BLOCK_T=WEIGHT_BLOCK_T,
+    )

@@ -49,10 +49,27 @@ MAX_CHUNK_TOKENS = 2048
 # ---- routing ------------------------------------------------------------------------------------------
 # (engine.execution.warmup: step sizes must not add variants; token_ids may be a slice at any offset of the step's ids)
 @triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["token_ids_ptr"])
-def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, token_ids_ptr, w_ptr, ids_ptr,
-                  T, E, stride_l, stride_h, scaling,
-                  K: tl.constexpr, K_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, RENORM: tl.constexpr):
+def _route_kernel(
+    logits_ptr,
+    bias_ptr,
+    tid2eid_ptr,
+    token_ids_ptr,
+    w_ptr,
+    ids_ptr,
+    T,
+    E,
+    stride_l,
+    stride_h,
+    scaling,
+    K: tl.constexpr,
+    K_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SCORING: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HASH: tl.constexpr,
+    RENORM: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -84,8 +101,7 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, token_ids_ptr, w_ptr, ids_p
             idx = tl.load(tid2eid_ptr + tok * stride_h + i, mask=tmask, other=0).to(tl.int32)
             # Gather from registers: one-hot select over the expert axis and sum.
             ids = tl.where(kk[None, :] == i, idx[:, None], ids)
-            sel = tl.where(kk[None, :] == i, tl.sum(tl.where(e[None, :] == idx[:, None], s, 0.0), axis=1)[:, None],
-                           sel)
+            sel = tl.where(kk[None, :] == i, tl.sum(tl.where(e[None, :] == idx[:, None], s, 0.0), axis=1)[:, None], sel)
     else:
         biased = s
         if HAS_BIAS:
@@ -128,9 +144,17 @@ def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return x.float() @ gate.float().t()
 
 
-def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, scaling: float, scoring_func: str = "sqrtsoftplus",
-          bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
-          token_ids: torch.Tensor | None = None, renormalize: bool = True):
+def route(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    top_k: int,
+    scaling: float,
+    scoring_func: str = "sqrtsoftplus",
+    bias: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
+    renormalize: bool = True,
+):
     """`dsv4_kernels.moe.route` (same arguments and contract) with scoring and top-k fused in one kernel.
 
     x: [T, H]; gate: [E, H] (bf16 with bf16 x, else fp32, to skip a cast per call: `router_logits`)
@@ -156,10 +180,26 @@ def route(x: torch.Tensor, gate: torch.Tensor, top_k: int, scaling: float, scori
     block_e = triton.next_power_of_2(e)
     block_t = max(1, min(triton.next_power_of_2(t), ROUTE_ELEMS // block_e))
     _route_kernel[(triton.cdiv(t, block_t),)](
-        logits, bias if has_bias else dummy, tid2eid if hashed else dummy, token_ids if hashed else dummy,
-        weights, ids, t, e, logits.stride(0), tid2eid.stride(0) if hashed else 0, float(scaling),
-        K=top_k, K_P=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e,
-        SCORING=SCORING[scoring_func], HAS_BIAS=has_bias, HASH=hashed, RENORM=renormalize)
+        logits,
+        bias if has_bias else dummy,
+        tid2eid if hashed else dummy,
+        token_ids if hashed else dummy,
+        weights,
+        ids,
+        t,
+        e,
+        logits.stride(0),
+        tid2eid.stride(0) if hashed else 0,
+        float(scaling),
+        K=top_k,
+        K_P=triton.next_power_of_2(top_k),
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        SCORING=SCORING[scoring_func],
+        HAS_BIAS=has_bias,
+        HASH=hashed,
+        RENORM=renormalize,
+    )
     return weights, ids
 
 
@@ -222,11 +262,33 @@ def _tile_rows(order_ptr, tile_expert_ptr, tile_start_ptr, tile_stop_ptr, tile, 
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_stop_ptr,
-                    w1_ptr, s1_ptr, w3_ptr, s3_ptr, act_ptr,
-                    N, K, E, TOPK, limit,
-                    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_act,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BF16_DOT: tl.constexpr):
+def _gate_up_kernel(
+    x_ptr,
+    order_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_stop_ptr,
+    w1_ptr,
+    s1_ptr,
+    w3_ptr,
+    s3_ptr,
+    act_ptr,
+    N,
+    K,
+    E,
+    TOPK,
+    limit,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_act,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
     """act[pos, n] = silu(min(g, limit)) * clamp(u, +-limit), g/u = x[token(pos)] . W1/W3[expert, n]."""
     tile = tl.program_id(0)
     expert, pos, rmask, pair = _tile_rows(order_ptr, tile_expert_ptr, tile_start_ptr, tile_stop_ptr, tile, BM)
@@ -260,11 +322,30 @@ def _gate_up_kernel(x_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_stop
 
 
 @triton.jit
-def _down_kernel(act_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_stop_ptr,
-                 w2_ptr, s2_ptr, rw_ptr, y_ptr,
-                 N, K, E,
-                 stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BF16_DOT: tl.constexpr):
+def _down_kernel(
+    act_ptr,
+    order_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_stop_ptr,
+    w2_ptr,
+    s2_ptr,
+    rw_ptr,
+    y_ptr,
+    N,
+    K,
+    E,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_y,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
     """y[pair, n] = routing_weight[pair] * act[pos] . W2[expert, n]."""
     tile = tl.program_id(0)
     expert, pos, rmask, pair = _tile_rows(order_ptr, tile_expert_ptr, tile_start_ptr, tile_stop_ptr, tile, BM)
@@ -284,8 +365,9 @@ def _down_kernel(act_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_stop_
         kmask = kk < K // 2
         ae, ao = _act_cols(a_rows, rmask, kk, kmask, BF16_DOT)
         sk = (kk // 16)[None, :]
-        lo, hi = _mxfp4_tile(w2_ptr + w_off + kk[None, :], s2_ptr + s_off + sk, nmask[:, None] & kmask[None, :],
-                             BF16_DOT)
+        lo, hi = _mxfp4_tile(
+            w2_ptr + w_off + kk[None, :], s2_ptr + s_off + sk, nmask[:, None] & kmask[None, :], BF16_DOT
+        )
         acc = _dot(hi, ao, _dot(lo, ae, acc, BF16_DOT), BF16_DOT)
     rw = tl.load(rw_ptr + pair, mask=rmask, other=0.0)
     ptrs = y_ptr + pair[None, :].to(tl.int64) * stride_y + n[:, None]
@@ -308,8 +390,7 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
     p = flat.numel()
     order = torch.argsort(flat, stable=True).to(torch.int32)
     # scatter_add, not bincount: bincount reads the max id back to the host to size its output.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat,
-                                                                                         torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     row_end = counts.cumsum(0)
     tiles = (counts + block_m - 1) // block_m
     tile_end = tiles.cumsum(0)
@@ -330,12 +411,20 @@ def pick_block_m(pairs: int, num_experts: int) -> int:
 def _check_experts(x, w1, s1, w2, s2, w3, s3):
     e, inter = w1.shape[:2]
     h = x.shape[1]
-    want = {"w1": (w1, (e, inter, h // 2)), "w3": (w3, (e, inter, h // 2)), "w2": (w2, (e, h, inter // 2)),
-            "s1": (s1, (e, inter, h // 32)), "s3": (s3, (e, inter, h // 32)), "s2": (s2, (e, h, inter // 32))}
+    want = {
+        "w1": (w1, (e, inter, h // 2)),
+        "w3": (w3, (e, inter, h // 2)),
+        "w2": (w2, (e, h, inter // 2)),
+        "s1": (s1, (e, inter, h // 32)),
+        "s3": (s3, (e, inter, h // 32)),
+        "s2": (s2, (e, h, inter // 32)),
+    }
     for name, (t, shape) in want.items():
         if t.dtype != torch.uint8 or tuple(t.shape) != shape or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be uint8 {shape} with unit last stride (hidden {h}, inter {inter}), "
-                             f"got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be uint8 {shape} with unit last stride (hidden {h}, inter {inter}), "
+                f"got {t.dtype} {tuple(t.shape)}"
+            )
     if h % MXFP4_BLOCK or inter % MXFP4_BLOCK:
         raise ValueError(f"hidden {h} and intermediate {inter} must be multiples of {MXFP4_BLOCK}")
 
@@ -347,10 +436,24 @@ def _blocks(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
     return bn, bk
 
 
-def mxfp4_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
-              w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, limit: float, *,
-              block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-              num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+def mxfp4_moe(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    limit: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
     """Routed SwiGLU experts on MXFP4 weights. = `moe_experts(x, weights, ids, W1, W2, W3, limit)` with
     W = dequant_mxfp4(w, s).
 
@@ -358,16 +461,23 @@ def mxfp4_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: tor
     e2m1 with s1, s3: uint8 UE8M0 [E, I, H/32]; w2: uint8 [E, H, I/2] with s2: [E, H, I/32] -> [T, H].
     """
     if x.dim() != 2 or ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
-        raise ValueError(f"x must be [T, H], ids and weights [T, k]; got {tuple(x.shape)}, {tuple(ids.shape)}, "
-                         f"{tuple(weights.shape)}")
+        raise ValueError(
+            f"x must be [T, H], ids and weights [T, k]; got {tuple(x.shape)}, {tuple(ids.shape)}, "
+            f"{tuple(weights.shape)}"
+        )
     _check_experts(x, w1, s1, w2, s2, w3, s3)
     for name, value, least in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32)):
         if value is not None and (value < least or value & (value - 1)):
             raise ValueError(f"{name} must be a power of two >= {least} (tl.dot tiles), got {value}")
     require_triton(x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    opts = {"block_m": block_m, "block_n": block_n or DEFAULTS["block_n"], "block_k": block_k or DEFAULTS["block_k"],
-            "num_warps": num_warps or DEFAULTS["num_warps"], "num_stages": num_stages or DEFAULTS["num_stages"]}
+    opts = {
+        "block_m": block_m,
+        "block_n": block_n or DEFAULTS["block_n"],
+        "block_k": block_k or DEFAULTS["block_k"],
+        "num_warps": num_warps or DEFAULTS["num_warps"],
+        "num_stages": num_stages or DEFAULTS["num_stages"],
+    }
     packed = (w1, s1, w2, s2, w3, s3)
     if x.shape[0] <= MAX_CHUNK_TOKENS:
         return _moe_chunk(x, weights, ids, packed, limit, **opts) if x.shape[0] else torch.zeros_like(x)
@@ -393,16 +503,59 @@ def _moe_chunk(x, weights, ids, packed, limit, *, block_m, block_n, block_k, num
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     bn, bk = _blocks(inter, h, block_n, block_k)
     _gate_up_kernel[(n_tiles, triton.cdiv(inter, bn))](
-        x, order, tile_expert, tile_start, tile_stop, w1, s1, w3, s3, act,
-        inter, h, e, k, float(limit),
-        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), act.stride(0),
-        BM=bm, BN=bn, BK=bk, BF16_DOT=bf16_dot, **extra)
+        x,
+        order,
+        tile_expert,
+        tile_start,
+        tile_stop,
+        w1,
+        s1,
+        w3,
+        s3,
+        act,
+        inter,
+        h,
+        e,
+        k,
+        float(limit),
+        x.stride(0),
+        w1.stride(0),
+        w1.stride(1),
+        s1.stride(0),
+        s1.stride(1),
+        act.stride(0),
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        BF16_DOT=bf16_dot,
+        **extra,
+    )
     y = torch.empty(p, h, dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).float().contiguous()
     bn, bk = _blocks(h, inter, block_n, block_k)
     _down_kernel[(n_tiles, triton.cdiv(h, bn))](
-        act, order, tile_expert, tile_start, tile_stop, w2, s2, rw, y,
-        h, inter, e,
-        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        BM=bm, BN=bn, BK=bk, BF16_DOT=bf16_dot, **extra)
+        act,
+        order,
+        tile_expert,
+        tile_start,
+        tile_stop,
+        w2,
+        s2,
+        rw,
+        y,
+        h,
+        inter,
+        e,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        s2.stride(0),
+        s2.stride(1),
+        y.stride(0),
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        BF16_DOT=bf16_dot,
+        **extra,
+    )
     return y.view(t, k, h).sum(dim=1).to(x.dtype)

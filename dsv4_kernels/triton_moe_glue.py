@@ -45,9 +45,24 @@ def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_o, l
 
 
 @triton.jit(do_not_specialize=["M"])
-def _swiglu_quant_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, M, N, stride_g, stride_u, stride_q, stride_sm, stride_sk,
-                         limit, POW2: tl.constexpr, HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+def _swiglu_quant_kernel(
+    gate_ptr,
+    up_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    N,
+    stride_g,
+    stride_u,
+    stride_q,
+    stride_sm,
+    stride_sk,
+    limit,
+    POW2: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -66,8 +81,19 @@ def _swiglu_quant_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, M, N, stride_g, stride_
 
 
 @triton.jit
-def _combine_kernel(y_ptr, shared_ptr, out_ptr, K, H, stride_yt, stride_yk, stride_st, stride_ot,
-                    HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_kernel(
+    y_ptr,
+    shared_ptr,
+    out_ptr,
+    K,
+    H,
+    stride_yt,
+    stride_yk,
+    stride_st,
+    stride_ot,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -82,8 +108,9 @@ def _combine_kernel(y_ptr, shared_ptr, out_ptr, K, H, stride_yt, stride_yk, stri
 
 
 @triton.jit(do_not_specialize=["P"])
-def _sort_pairs_kernel(ids_ptr, w_ptr, order_ptr, rows_ptr, counts_ptr, gammas_ptr, P, K, E,
-                       P_BLOCK: tl.constexpr, E_BINS: tl.constexpr):
+def _sort_pairs_kernel(
+    ids_ptr, w_ptr, order_ptr, rows_ptr, counts_ptr, gammas_ptr, P, K, E, P_BLOCK: tl.constexpr, E_BINS: tl.constexpr
+):
     p = tl.arange(0, P_BLOCK)
     pmask = p < P
     ids = tl.load(ids_ptr + p, mask=pmask, other=0).to(tl.int32)
@@ -129,8 +156,20 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
     p_block = min(triton.next_power_of_2(MAX_SORT_PAIRS), max(16, triton.next_power_of_2(bucket)))
     bins = triton.next_power_of_2(num_experts + 1)
     extra = {"num_warps": 8} if ids.is_cuda else {}
-    _sort_pairs_kernel[(1,)](ids.contiguous(), weights.contiguous(), order, rows, counts, gammas, p, k, num_experts,
-                             P_BLOCK=p_block, E_BINS=bins, **extra)
+    _sort_pairs_kernel[(1,)](
+        ids.contiguous(),
+        weights.contiguous(),
+        order,
+        rows,
+        counts,
+        gammas,
+        p,
+        k,
+        num_experts,
+        P_BLOCK=p_block,
+        E_BINS=bins,
+        **extra,
+    )
     return order, rows, counts, gammas
 
 
@@ -154,8 +193,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.
     out = torch.empty(p, n, dtype=out_dtype or gate.dtype, device=gate.device)
     if p and n:
         block = min(BLOCK, triton.next_power_of_2(n))
-        _swiglu_kernel[(p, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0),
-                                                   float(limit), BLOCK_N=block)
+        _swiglu_kernel[(p, triton.cdiv(n, block))](
+            gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), float(limit), BLOCK_N=block
+        )
     return out
 
 
@@ -170,9 +210,23 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, pow2: bool 
     if m and n:
         block_m = 16
         _swiglu_quant_kernel[(triton.cdiv(m, block_m), kb)](
-            gate, up, q.view(torch.uint8), s, m, n, gate.stride(0), up.stride(0), q.stride(0), s.stride(0),
-            s.stride(1), float(limit), POW2=pow2, HW_FP8=gate.is_cuda and USE_HW_FP8_CAST, BLOCK_M=block_m,
-            BLOCK_K=FP8_BLOCK)
+            gate,
+            up,
+            q.view(torch.uint8),
+            s,
+            m,
+            n,
+            gate.stride(0),
+            up.stride(0),
+            q.stride(0),
+            s.stride(0),
+            s.stride(1),
+            float(limit),
+            POW2=pow2,
+            HW_FP8=gate.is_cuda and USE_HW_FP8_CAST,
+            BLOCK_M=block_m,
+            BLOCK_K=FP8_BLOCK,
+        )
     return q, s
 
 
@@ -190,7 +244,17 @@ def combine(y: torch.Tensor, shared: torch.Tensor | None = None, out_dtype: torc
     out = torch.empty(t, h, dtype=dtype, device=y.device)
     if t and h:
         block = min(BLOCK, triton.next_power_of_2(h))
-        _combine_kernel[(t, triton.cdiv(h, block))](y, out if shared is None else shared, out, k, h, y.stride(0),
-                                                    y.stride(1), 0 if shared is None else shared.stride(0),
-                                                    out.stride(0), HAS_SHARED=shared is not None, BLOCK_H=block)
+        _combine_kernel[(t, triton.cdiv(h, block))](
+            y,
+            out if shared is None else shared,
+            out,
+            k,
+            h,
+            y.stride(0),
+            y.stride(1),
+            0 if shared is None else shared.stride(0),
+            out.stride(0),
+            HAS_SHARED=shared is not None,
+            BLOCK_H=block,
+        )
     return out

@@ -26,8 +26,24 @@ MAX_K = 8192  # a row in registers
 
 
 @triton.jit
-def _norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, eps, stride_x, stride_y, stride_q, stride_sm, stride_sk,
-                       KB_P: tl.constexpr, BLOCK_K: tl.constexpr, POW2: tl.constexpr, HW_FP8: tl.constexpr):
+def _norm_quant_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    eps,
+    stride_x,
+    stride_y,
+    stride_q,
+    stride_sm,
+    stride_sk,
+    KB_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    POW2: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     b = tl.arange(0, KB_P)
     c = tl.arange(0, BLOCK_K)
@@ -44,8 +60,9 @@ def _norm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, eps, stride_x, stri
     tl.store(s_ptr + row * stride_sm + b * stride_sk, scale, mask=b * BLOCK_K < K)
 
 
-def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, pow2: bool = True,
-                   out_dtype: torch.dtype | None = None):
+def rms_norm_quant(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, pow2: bool = True, out_dtype: torch.dtype | None = None
+):
     """x: [M, K] (unit last stride), weight: [K] -> (normed [M, K] in out_dtype (default x.dtype), e4m3 [M, K],
     fp32 scales [M, ceil(K/128)] MN-major) = (rms_norm(x, weight, eps), *quant_act_1x128(that, pow2))."""
     if x.dim() != 2 or x.stride(-1) != 1:
@@ -62,7 +79,23 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, pow2: bool
     s = scale_buffer(m, kb, x.device)
     if m and k:
         extra = {"num_warps": 4} if x.is_cuda else {}
-        _norm_quant_kernel[(m,)](x, weight.contiguous(), y, q.view(torch.uint8), s, k, float(eps), x.stride(0),
-                                 y.stride(0), q.stride(0), s.stride(0), s.stride(1), KB_P=triton.next_power_of_2(kb),
-                                 BLOCK_K=BLOCK, POW2=pow2, HW_FP8=x.is_cuda and USE_HW_FP8_CAST, **extra)
+        _norm_quant_kernel[(m,)](
+            x,
+            weight.contiguous(),
+            y,
+            q.view(torch.uint8),
+            s,
+            k,
+            float(eps),
+            x.stride(0),
+            y.stride(0),
+            q.stride(0),
+            s.stride(0),
+            s.stride(1),
+            KB_P=triton.next_power_of_2(kb),
+            BLOCK_K=BLOCK,
+            POW2=pow2,
+            HW_FP8=x.is_cuda and USE_HW_FP8_CAST,
+            **extra,
+        )
     return y, q, s

@@ -24,9 +24,28 @@ triton, tl = import_triton()
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, H, D, HALF, eps,
-                      stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st,
-                      HAS_WEIGHT: tl.constexpr, D_P: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr):
+def _norm_rope_kernel(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    N,
+    H,
+    D,
+    HALF,
+    eps,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_ct,
+    stride_st,
+    HAS_WEIGHT: tl.constexpr,
+    D_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = n < N
     tok = (n // H).to(tl.int64)
@@ -42,8 +61,9 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N, H, D, HALF, ep
     y = x * r[:, None]
     if HAS_WEIGHT:
         y = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :] * y
-    tl.store(o_row[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None] & (cols < nope)[None, :])
+    tl.store(
+        o_row[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < nope)[None, :]
+    )
 
     # RoPE channels: even = nope + 2i, odd = nope + 2i + 1, normalised the same way, rounded, rotated.
     p = tl.arange(0, HALF_P)
@@ -69,13 +89,21 @@ def _rows_of(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int
     t, d = x.shape[0], x.shape[-1]
     h = x.shape[1] if x.dim() == 3 else 1
     if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or 2 * cos.shape[1] > d:
-        raise ValueError(f"cos/sin must be [T={t}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
+        raise ValueError(
+            f"cos/sin must be [T={t}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     return t, h, d
 
 
-def rms_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                  weight: torch.Tensor | None = None, *, block_r: int | None = None) -> torch.Tensor:
+def rms_norm_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    *,
+    block_r: int | None = None,
+) -> torch.Tensor:
     """RMSNorm over the last dim, then interleaved RoPE on its trailing 2 * cos.shape[-1] channels.
 
     x: [T, D] (kv, pass `weight` [D]) or [T, H, D] (q, weight None = per-head unweighted norm; a weight
@@ -100,18 +128,55 @@ def rms_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: fl
     block_r = block_r or max(1, min(16, 8192 // d_p))  # ~8K values per program
     extra = {"num_warps": 4} if x.is_cuda else {}
     _norm_rope_kernel[(triton.cdiv(n, block_r),)](
-        x3, weight if weight is not None else x3, cos, sin, o3, n, h, d, half, eps,
-        x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), cos.stride(0), sin.stride(0),
-        HAS_WEIGHT=weight is not None, D_P=d_p, HALF_P=max(1, triton.next_power_of_2(half)),
-        BLOCK_R=block_r, **extra)
+        x3,
+        weight if weight is not None else x3,
+        cos,
+        sin,
+        o3,
+        n,
+        h,
+        d,
+        half,
+        eps,
+        x3.stride(0),
+        x3.stride(1),
+        o3.stride(0),
+        o3.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HAS_WEIGHT=weight is not None,
+        D_P=d_p,
+        HALF_P=max(1, triton.next_power_of_2(half)),
+        BLOCK_R=block_r,
+        **extra,
+    )
     return out
 
 
 # ---- RoPE alone (the attention output's inverse rotation, the indexer queries) --------------------------------
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, H, D, HALF, stride_xt, stride_xh, stride_ot, stride_oh,
-                 stride_ct, stride_st, SIGN: tl.constexpr, NOPE_P: tl.constexpr, HALF_P: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BF16: tl.constexpr, COPY_NOPE: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    N,
+    H,
+    D,
+    HALF,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_ct,
+    stride_st,
+    SIGN: tl.constexpr,
+    NOPE_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BF16: tl.constexpr,
+    COPY_NOPE: tl.constexpr,
+):
     n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = n < N
     tok = (n // H).to(tl.int64)
@@ -134,8 +199,15 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, H, D, HALF, stride_xt, str
     tl.store(o_row[:, None] + ce[None, :] + 1, tl_round_to(od * c + ev * s, BF16, dt).to(dt), mask=pm)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, *,
-         block_r: int | None = None, inplace: bool = False) -> torch.Tensor:
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inverse: bool = False,
+    *,
+    block_r: int | None = None,
+    inplace: bool = False,
+) -> torch.Tensor:
     """`dsv4_kernels.rope.apply_rope(x, cos, sin, inverse)` in one launch: x [T, D] or [T, H, D] (last dim contiguous),
     cos / sin fp32 [T, rope_dim // 2]. -> a new tensor of x's shape and dtype (bf16 rounded by bits), or with
     inplace x itself, only its rope channels read and written (the attention output's inverse rotation: 64 of 512
@@ -156,8 +228,26 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     half = cos.shape[1]
     extra = {"num_warps": 4} if x.is_cuda else {}
     _rope_kernel[(triton.cdiv(t * h, block_r),)](
-        x3, cos, sin, o3, t * h, h, d, half, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), cos.stride(0),
-        sin.stride(0), SIGN=-1.0 if inverse else 1.0, NOPE_P=max(1, triton.next_power_of_2(d - 2 * half)),
-        HALF_P=max(1, triton.next_power_of_2(half)), BLOCK_R=block_r, BF16=x.dtype == torch.bfloat16,
-        COPY_NOPE=not inplace, **extra)
+        x3,
+        cos,
+        sin,
+        o3,
+        t * h,
+        h,
+        d,
+        half,
+        x3.stride(0),
+        x3.stride(1),
+        o3.stride(0),
+        o3.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        SIGN=-1.0 if inverse else 1.0,
+        NOPE_P=max(1, triton.next_power_of_2(d - 2 * half)),
+        HALF_P=max(1, triton.next_power_of_2(half)),
+        BLOCK_R=block_r,
+        BF16=x.dtype == torch.bfloat16,
+        COPY_NOPE=not inplace,
+        **extra,
+    )
     return out

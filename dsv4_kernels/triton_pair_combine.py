@@ -21,8 +21,20 @@ BLOCK = 1024
 
 
 @triton.jit
-def _gather_combine_kernel(y_ptr, row_ptr, w_ptr, shared_ptr, out_ptr, K, H, stride_y, stride_st, stride_ot,
-                           HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gather_combine_kernel(
+    y_ptr,
+    row_ptr,
+    w_ptr,
+    shared_ptr,
+    out_ptr,
+    K,
+    H,
+    stride_y,
+    stride_st,
+    stride_ot,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -40,15 +52,21 @@ def _gather_combine_kernel(y_ptr, row_ptr, w_ptr, shared_ptr, out_ptr, K, H, str
     tl.store(out_ptr + t * stride_ot + cols, out, mask=mask)
 
 
-def gather_combine(y: torch.Tensor, pair_row: torch.Tensor, weights: torch.Tensor,
-                   shared: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gather_combine(
+    y: torch.Tensor,
+    pair_row: torch.Tensor,
+    weights: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """y: [M, H] (unit last stride); pair_row: int [T, k] rows of y (-1 = none); weights: float [T, k];
     shared: [T, H] or None -> [T, H] in out_dtype (default shared's dtype, else y's)."""
     if y.dim() != 2 or y.stride(-1) != 1:
         raise ValueError(f"y must be [M, H] with a unit last stride, got {tuple(y.shape)} {y.stride()}")
     if pair_row.dim() != 2 or weights.shape != pair_row.shape:
-        raise ValueError(f"pair_row and weights must both be [T, k], got {tuple(pair_row.shape)}, "
-                         f"{tuple(weights.shape)}")
+        raise ValueError(
+            f"pair_row and weights must both be [T, k], got {tuple(pair_row.shape)}, {tuple(weights.shape)}"
+        )
     t, k = pair_row.shape
     h = y.shape[1]
     if shared is not None and (shared.shape != (t, h) or shared.stride(-1) != 1):
@@ -61,6 +79,17 @@ def gather_combine(y: torch.Tensor, pair_row: torch.Tensor, weights: torch.Tenso
         rows = pair_row.contiguous()
         w = weights.contiguous()
         _gather_combine_kernel[(t, triton.cdiv(h, block))](
-            y, rows, w, out if shared is None else shared, out, k, h, y.stride(0),
-            0 if shared is None else shared.stride(0), out.stride(0), HAS_SHARED=shared is not None, BLOCK_H=block)
+            y,
+            rows,
+            w,
+            out if shared is None else shared,
+            out,
+            k,
+            h,
+            y.stride(0),
+            0 if shared is None else shared.stride(0),
+            out.stride(0),
+            HAS_SHARED=shared is not None,
+            BLOCK_H=block,
+        )
     return out

@@ -36,6 +36,5 @@ def exp_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     require_triton(seeds.device)
     out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
     if seeds.shape[0] and vocab:
-        _exp_noise_kernel[(seeds.shape[0], triton.cdiv(vocab, BLOCK))](seeds, out, vocab, out.stride(0),
-                                                                      BLOCK_V=BLOCK)
+        _exp_noise_kernel[(seeds.shape[0], triton.cdiv(vocab, BLOCK))](seeds, out, vocab, out.stride(0), BLOCK_V=BLOCK)
     return out

@@ -37,12 +37,36 @@ triton, tl = import_triton()
 
 
 @triton.jit
-def _swa_insert_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, out_ptr, cache_ptr,
-                       D, NOPE, HALF, eps, block_size, block_stride,
-                       stride_kt, stride_ot, stride_ct, stride_st, stride_cr,
-                       FP8: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, QB: tl.constexpr,
-                       HALF_P: tl.constexpr, TOKEN_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
-                       ROPE_OFFSET: tl.constexpr, BF16: tl.constexpr, HW_FP8: tl.constexpr):
+def _swa_insert_kernel(
+    kv_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    rows_ptr,
+    out_ptr,
+    cache_ptr,
+    D,
+    NOPE,
+    HALF,
+    eps,
+    block_size,
+    block_stride,
+    stride_kt,
+    stride_ot,
+    stride_ct,
+    stride_st,
+    stride_cr,
+    FP8: tl.constexpr,
+    NB: tl.constexpr,
+    NB_P: tl.constexpr,
+    QB: tl.constexpr,
+    HALF_P: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
+    SCALE_STRIDE: tl.constexpr,
+    ROPE_OFFSET: tl.constexpr,
+    BF16: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     dt = out_ptr.dtype.element_ty
     x_row = kv_ptr + t * stride_kt
@@ -56,8 +80,7 @@ def _swa_insert_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, out_ptr, cache
     x = tl.load(x_row + c, mask=cm, other=0.0).to(tl.float32)
     ev = tl.load(x_row + ce, mask=pm, other=0.0).to(tl.float32)
     od = tl.load(x_row + ce + 1, mask=pm, other=0.0).to(tl.float32)
-    r = tl.rsqrt((tl.sum(tl.sum(x * x, axis=1), axis=0) + tl.sum(ev * ev, axis=0) + tl.sum(od * od, axis=0)) / D
-                 + eps)
+    r = tl.rsqrt((tl.sum(tl.sum(x * x, axis=1), axis=0) + tl.sum(ev * ev, axis=0) + tl.sum(od * od, axis=0)) / D + eps)
     a = tl_round_to(tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32) * (x * r), BF16, dt)
     ev = tl_round_to(tl.load(w_ptr + ce, mask=pm, other=0.0).to(tl.float32) * (ev * r), BF16, dt)
     od = tl_round_to(tl.load(w_ptr + ce + 1, mask=pm, other=0.0).to(tl.float32) * (od * r), BF16, dt)
@@ -75,8 +98,23 @@ def _swa_insert_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr, out_ptr, cache
     if FP8:
         vrow, srow = tl_row_offsets(slot, block_size, block_stride, TOKEN_STRIDE, SCALE_STRIDE)
         # pack_fp8_ds_mla quantises the bf16 latent: round first (a no-op for a bf16 model).
-        tl_store_fp8_ds_mla(cache_ptr, vrow, srow, ok, tl_round_bf16(a), tl_round_bf16(ev), tl_round_bf16(od), p, HALF,
-                          NB, NB_P, QB, ROPE_OFFSET, SCALE_STRIDE - NB, HW_FP8)
+        tl_store_fp8_ds_mla(
+            cache_ptr,
+            vrow,
+            srow,
+            ok,
+            tl_round_bf16(a),
+            tl_round_bf16(ev),
+            tl_round_bf16(od),
+            p,
+            HALF,
+            NB,
+            NB_P,
+            QB,
+            ROPE_OFFSET,
+            SCALE_STRIDE - NB,
+            HW_FP8,
+        )
     else:
         c_row = cache_ptr + slot * stride_cr
         cdt = cache_ptr.dtype.element_ty
@@ -92,21 +130,33 @@ def _check_inputs(kv, weight, cos, sin, rows) -> None:
     if weight.shape != (d,):
         raise ValueError(f"weight must be [D={d}], got {tuple(weight.shape)}")
     if cos.dim() != 2 or cos.shape[0] != t or sin.shape != cos.shape or 2 * cos.shape[1] > d:
-        raise ValueError(f"cos/sin must be [T={t}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
+        raise ValueError(
+            f"cos/sin must be [T={t}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     if rows.dim() != 1 or rows.shape[0] != t or rows.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rows must be int32/int64 [T={t}] (-1 = skip), got {rows.dtype} {tuple(rows.shape)}")
 
 
 def _check_fp8_layout(layout: Fp8DsMlaLayout, d: int, rope_dim: int) -> None:
     if layout.rope_dim != rope_dim or not 0 <= layout.nope_dim - (d - rope_dim) < FP8_DS_MLA_QUANT_BLOCK:
-        raise ValueError(f"layout (head_dim {layout.head_dim}, rope {layout.rope_dim}) does not hold kv rows of "
-                         f"D={d} with rope {rope_dim} (NoPE may only be zero-padded to the next multiple of 64)")
+        raise ValueError(
+            f"layout (head_dim {layout.head_dim}, rope {layout.rope_dim}) does not hold kv rows of "
+            f"D={d} with rope {rope_dim} (NoPE may only be zero-padded to the next multiple of 64)"
+        )
 
 
-def swa_insert(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-               cache: torch.Tensor, rows: torch.Tensor, layout: Fp8DsMlaLayout | ExactRowLayout | None = None,
-               *, out: torch.Tensor | None = None) -> torch.Tensor:
+def swa_insert(
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    cache: torch.Tensor,
+    rows: torch.Tensor,
+    layout: Fp8DsMlaLayout | ExactRowLayout | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Normalise and rotate this step's kv, write it into the SWA cache rows `rows`, return it.
 
     kv: [T, D] pre-norm wkv output (model dtype, last dim contiguous); weight: [D] RMSNorm weight;
@@ -128,8 +178,10 @@ def swa_insert(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
         nb, stride_cr = layout.num_scales, 0
     else:
         if cache.dim() != 2 or cache.shape[1] != d or cache.stride(-1) != 1 or cache.dtype != kv.dtype:
-            raise ValueError(f"an exact SWA cache must be [R, D={d}] {kv.dtype} with unit last stride, got "
-                             f"{cache.dtype} {tuple(cache.shape)}")
+            raise ValueError(
+                f"an exact SWA cache must be [R, D={d}] {kv.dtype} with unit last stride, got "
+                f"{cache.dtype} {tuple(cache.shape)}"
+            )
         block_stride, nb, stride_cr = 0, triton.cdiv(d - 2 * half, FP8_DS_MLA_QUANT_BLOCK), cache.stride(0)
     if out is None:
         out = torch.empty_like(kv, memory_format=torch.contiguous_format)
@@ -142,12 +194,34 @@ def swa_insert(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
     rows = rows.contiguous()
     extra = {"num_warps": 4} if kv.is_cuda else {}
     _swa_insert_kernel[(t,)](
-        kv, weight, cos, sin, rows, out, cache, d, d - 2 * half, half, eps,
-        layout.block_size if fp8 else 1, block_stride,
-        kv.stride(0), out.stride(0), cos.stride(0), sin.stride(0), stride_cr,
-        FP8=fp8, NB=nb, NB_P=max(1, triton.next_power_of_2(nb)), QB=FP8_DS_MLA_QUANT_BLOCK,
+        kv,
+        weight,
+        cos,
+        sin,
+        rows,
+        out,
+        cache,
+        d,
+        d - 2 * half,
+        half,
+        eps,
+        layout.block_size if fp8 else 1,
+        block_stride,
+        kv.stride(0),
+        out.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        stride_cr,
+        FP8=fp8,
+        NB=nb,
+        NB_P=max(1, triton.next_power_of_2(nb)),
+        QB=FP8_DS_MLA_QUANT_BLOCK,
         HALF_P=max(1, triton.next_power_of_2(half)),
-        TOKEN_STRIDE=layout.token_stride if fp8 else 0, SCALE_STRIDE=layout.scale_stride if fp8 else 0,
-        ROPE_OFFSET=layout.rope_offset if fp8 else 0, BF16=kv.dtype == torch.bfloat16,
-        HW_FP8=kv.is_cuda and tc.USE_HW_FP8_CAST, **extra)
+        TOKEN_STRIDE=layout.token_stride if fp8 else 0,
+        SCALE_STRIDE=layout.scale_stride if fp8 else 0,
+        ROPE_OFFSET=layout.rope_offset if fp8 else 0,
+        BF16=kv.dtype == torch.bfloat16,
+        HW_FP8=kv.is_cuda and tc.USE_HW_FP8_CAST,
+        **extra,
+    )
     return out

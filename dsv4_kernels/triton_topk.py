@@ -108,6 +108,14 @@ def topk_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     if t == 0:
         return out
     block = min(MAX_BLOCK, triton.next_power_of_2(max(s, k, 16)))
-    _topk_kernel[(t,)](scores, out, s, k, scores.stride(0), out.stride(0), BLOCK=block,
-                       num_warps=NUM_WARPS or (8 if block >= 2048 else 4))
+    _topk_kernel[(t,)](
+        scores,
+        out,
+        s,
+        k,
+        scores.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=NUM_WARPS or (8 if block >= 2048 else 4),
+    )
     return out

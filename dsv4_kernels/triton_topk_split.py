@@ -57,8 +57,7 @@ def _descend(work, want, PASSES: tl.constexpr):
 
 
 @triton.jit
-def _split_topk_kernel(scores, out, work, S, K, CHUNK, stride_s, stride_o, PASS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def _split_topk_kernel(scores, out, work, S, K, CHUNK, stride_s, stride_o, PASS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     prog = tl.program_id(1)
     src = scores + row * stride_s
@@ -128,6 +127,7 @@ def topk_columns_split(scores: torch.Tensor, k: int, programs: int | None = None
     work = torch.zeros((t, WORK), dtype=torch.int32, device=scores.device)
     extra = {"num_warps": 4} if scores.is_cuda else {}
     for pass_ in range(5):
-        _split_topk_kernel[(t, p)](scores, out, work, s, k, chunk, scores.stride(0), out.stride(0), PASS=pass_,
-                                   BLOCK=block, **extra)
+        _split_topk_kernel[(t, p)](
+            scores, out, work, s, k, chunk, scores.stride(0), out.stride(0), PASS=pass_, BLOCK=block, **extra
+        )
     return out

@@ -8,6 +8,19 @@ from kv_transfer.base import TransferBackend, TransferError, TransferStats, Tran
 from kv_transfer.plan import ByteRange, GroupPlan, TransferPlan, build_plan, layout_fingerprint
 from kv_transfer.registry import BACKENDS, TRANSFER_CHOICES, make_backend, resolve_name
 
-__all__ = ["BACKENDS", "ByteRange", "GroupPlan", "TRANSFER_CHOICES", "TransferBackend", "TransferError",
-           "TransferPlan", "TransferStats", "TransferTicket", "TransferTimeout", "build_plan", "layout_fingerprint",
-           "make_backend", "resolve_name"]
+__all__ = [
+    "BACKENDS",
+    "ByteRange",
+    "GroupPlan",
+    "TRANSFER_CHOICES",
+    "TransferBackend",
+    "TransferError",
+    "TransferPlan",
+    "TransferStats",
+    "TransferTicket",
+    "TransferTimeout",
+    "build_plan",
+    "layout_fingerprint",
+    "make_backend",
+    "resolve_name",
+]

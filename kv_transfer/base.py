@@ -107,7 +107,7 @@ def pack_metadata(header: dict, payload: bytes = b"") -> bytes:
 def unpack_metadata(blob: bytes) -> tuple[dict, bytes]:
     try:
         (n,) = struct.unpack_from("<I", blob)
-        return json.loads(blob[4:4 + n]), blob[4 + n:]
+        return json.loads(blob[4 : 4 + n]), blob[4 + n :]
     except (struct.error, ValueError) as e:
         raise TransferError(f"malformed transfer metadata ({len(blob)} bytes): {e}") from e
 
@@ -127,8 +127,13 @@ class TransferBackend(ABC):
 
     name = "?"
 
-    def __init__(self, pool: CachePool, worker_name: str | None = None, lease_s: float = 120.0,
-                 on_release: ReleaseCallback | None = None):
+    def __init__(
+        self,
+        pool: CachePool,
+        worker_name: str | None = None,
+        lease_s: float = 120.0,
+        on_release: ReleaseCallback | None = None,
+    ):
         self.pool = pool
         self.worker_name = worker_name or f"kvx-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.specs: list[CacheGroupSpec] = [g.spec for g in pool.groups.values()]
@@ -152,13 +157,17 @@ class TransferBackend(ABC):
     def add_peer(self, name: str, metadata: bytes) -> None:
         header, payload = unpack_metadata(metadata)
         if header.get("backend") != self.name:
-            raise TransferError(f"peer {name!r} speaks transfer backend {header.get('backend')!r}, "
-                                f"this worker {self.name!r}: start both sides with the same --transfer")
+            raise TransferError(
+                f"peer {name!r} speaks transfer backend {header.get('backend')!r}, "
+                f"this worker {self.name!r}: start both sides with the same --transfer"
+            )
         if header.get("worker") != name:
             raise TransferError(f"metadata is for worker {header.get('worker')!r}, not {name!r}")
         if header.get("fingerprint") != self.fingerprint:
-            raise TransferError(f"peer {name!r} cache layout {header.get('fingerprint')} != ours {self.fingerprint}: "
-                                "model config, cache dtype and page sizes must match on both sides")
+            raise TransferError(
+                f"peer {name!r} cache layout {header.get('fingerprint')} != ours {self.fingerprint}: "
+                "model config, cache dtype and page sizes must match on both sides"
+            )
         sizes = header["num_pages"]
         # Same layout (fingerprint) but the peer's pool may hold a different number of pages.
         self._peer_specs[name] = [_with_pages(s, sizes[s.name]) for s in self.specs]
@@ -168,8 +177,13 @@ class TransferBackend(ABC):
     def _add_peer(self, name: str, header: dict, payload: bytes) -> None: ...
 
     def _header(self, **extra) -> dict:
-        return {"backend": self.name, "worker": self.worker_name, "fingerprint": self.fingerprint,
-                "num_pages": {s.name: s.num_pages for s in self.specs}, **extra}
+        return {
+            "backend": self.name,
+            "worker": self.worker_name,
+            "fingerprint": self.fingerprint,
+            "num_pages": {s.name: s.num_pages for s in self.specs},
+            **extra,
+        }
 
     # ---- prefill side ----------------------------------------------------------------------------------
     def export(self, request_id: str, pages: Mapping[str, Sequence[int]], num_tokens: int) -> TransferTicket:
@@ -193,9 +207,15 @@ class TransferBackend(ABC):
                 export.staging = staging
         if not alive and staging is not None:  # released by another thread while staging: free it here
             self._unstage(request_id, staging)
-        return TransferTicket(source=self.worker_name, request_id=request_id, src_pages=src, num_tokens=num_tokens,
-                              fingerprint=self.fingerprint, staging=self._ticket_staging(export.staging),
-                              lease_expires_at=time.time() + self.lease_s)
+        return TransferTicket(
+            source=self.worker_name,
+            request_id=request_id,
+            src_pages=src,
+            num_tokens=num_tokens,
+            fingerprint=self.fingerprint,
+            staging=self._ticket_staging(export.staging),
+            lease_expires_at=time.time() + self.lease_s,
+        )
 
     def _stage(self, request_id: str, plan: TransferPlan):
         """Backend hook at export: pack the request's bytes somewhere cheaper to pull; None = pull the pages."""
@@ -237,8 +257,10 @@ class TransferBackend(ABC):
         with self._lock:  # a release that waited for a read first; a lease never ends under a read
             events += [(rid, e.pending[0]) for rid, e in self._exports.items() if e.pending and not e.readers]
             expired = [rid for rid, e in self._exports.items() if e.deadline <= now and not e.readers and not e.pending]
-        events += [(rid, f"{LEASE_EXPIRED} after {self.lease_s:g} s without confirmation from the decode side")
-                   for rid in expired]
+        events += [
+            (rid, f"{LEASE_EXPIRED} after {self.lease_s:g} s without confirmation from the decode side")
+            for rid in expired
+        ]
         return [(rid, err) for rid, err in events if self.release(rid, err)]
 
     def _begin_read(self, request_id: str) -> _Export | None:
@@ -269,19 +291,25 @@ class TransferBackend(ABC):
     # ---- decode side -----------------------------------------------------------------------------------
     def plan_for(self, ticket: TransferTicket, dst_pages: Mapping[str, Sequence[int]]) -> TransferPlan:
         if ticket.source not in self._peer_specs:
-            raise TransferError(f"request {ticket.request_id!r}: source worker {ticket.source!r} is unknown to "
-                                f"{self.worker_name} (add_peer was never called, or the peer was removed)")
+            raise TransferError(
+                f"request {ticket.request_id!r}: source worker {ticket.source!r} is unknown to "
+                f"{self.worker_name} (add_peer was never called, or the peer was removed)"
+            )
         if ticket.fingerprint != self.fingerprint:
-            raise TransferError(f"request {ticket.request_id!r}: source layout {ticket.fingerprint} != destination "
-                                f"layout {self.fingerprint}")
+            raise TransferError(
+                f"request {ticket.request_id!r}: source layout {ticket.fingerprint} != destination "
+                f"layout {self.fingerprint}"
+            )
         try:
-            return build_plan(self._peer_specs[ticket.source], ticket.page_table(), dst_pages, ticket.num_tokens,
-                              dst_specs=self.specs)
+            return build_plan(
+                self._peer_specs[ticket.source], ticket.page_table(), dst_pages, ticket.num_tokens, dst_specs=self.specs
+            )
         except ValueError as e:
             raise TransferError(f"request {ticket.request_id!r}: {e}") from e
 
-    def pull(self, ticket: TransferTicket, dst_pages: Mapping[str, Sequence[int]],
-             timeout_s: float = 30.0) -> TransferStats:
+    def pull(
+        self, ticket: TransferTicket, dst_pages: Mapping[str, Sequence[int]], timeout_s: float = 30.0
+    ) -> TransferStats:
         """Copy the ticket's pages into `dst_pages` of this pool. Raises TransferError / TransferTimeout
         (destination pages then hold garbage: free them). Confirms to the source on success and on failure."""
         t0, c0 = time.monotonic(), time.thread_time()
@@ -293,8 +321,10 @@ class TransferBackend(ABC):
         w.scatter_parts = {}
         try:
             if lease_left is not None and lease_left <= 0:
-                raise TransferTimeout(f"request {ticket.request_id!r}: the source's lease on its pages ends within "
-                                      f"{READ_LEASE_MARGIN_S:g} s: too late to pull")
+                raise TransferTimeout(
+                    f"request {ticket.request_id!r}: the source's lease on its pages ends within "
+                    f"{READ_LEASE_MARGIN_S:g} s: too late to pull"
+                )
             plan = self.plan_for(ticket, dst_pages)
             w.plan = time.monotonic() - t0
             descriptors = self._read(ticket, plan, deadline)
@@ -305,12 +335,19 @@ class TransferBackend(ABC):
             err = TransferError(f"request {ticket.request_id!r} from {ticket.source!r}: {type(e).__name__}: {e}")
             self._notify(ticket, str(err))
             raise err from e
-        return TransferStats(plan.total_bytes, plan.num_descriptors if descriptors is None else descriptors,
-                             time.monotonic() - t0, w.seconds, w.scatter, w.plan, w.staging_wait,
-                             time.thread_time() - c0, dict(w.scatter_parts))
+        return TransferStats(
+            plan.total_bytes,
+            plan.num_descriptors if descriptors is None else descriptors,
+            time.monotonic() - t0,
+            w.seconds,
+            w.scatter,
+            w.plan,
+            w.staging_wait,
+            time.thread_time() - c0,
+            dict(w.scatter_parts),
+        )
 
-    def pull_deferred(self, ticket: TransferTicket, dst_pages: Mapping[str, Sequence[int]],
-                      timeout_s: float = 30.0):
+    def pull_deferred(self, ticket: TransferTicket, dst_pages: Mapping[str, Sequence[int]], timeout_s: float = 30.0):
         """`pull`, except that a staged pull does not scatter: -> (stats, a kv_transfer.staging.DeferredScatter or
         None). The caller must `run()` it on the thread whose current stream the destination engine's steps use,
         before the first step that reads `dst_pages`, or `cancel()` it (its staging range stays held until then).
@@ -406,8 +443,9 @@ class TransferBackend(ABC):
 
 
 def _with_pages(spec: CacheGroupSpec, num_pages: int) -> CacheGroupSpec:
-    return CacheGroupSpec(spec.name, spec.layers, spec.page_rows, spec.width, spec.dtype, spec.tokens_per_row,
-                          int(num_pages))
+    return CacheGroupSpec(
+        spec.name, spec.layers, spec.page_rows, spec.width, spec.dtype, spec.tokens_per_row, int(num_pages)
+    )
 
 
 def check_deadline(deadline: float, what: str) -> float:

@@ -75,8 +75,10 @@ def import_nixl():
             return m.nixl_agent, m.nixl_agent_config, m
         except ImportError as e:  # keep looking: `pip install nixl` ships one wheel per CUDA major
             errors.append(f"{mod}: {e}")
-    raise ImportError("no NIXL python package (pip install nixl-cu12 on CPU / CUDA 12 hosts, or start the workers "
-                      "with --transfer tcp): " + "; ".join(errors))
+    raise ImportError(
+        "no NIXL python package (pip install nixl-cu12 on CPU / CUDA 12 hosts, or start the workers "
+        "with --transfer tcp): " + "; ".join(errors)
+    )
 
 
 _CONFIG_LOCK = threading.Lock()
@@ -100,8 +102,9 @@ def _staging_option(pool: CachePool, staging_bytes) -> int:
         if n < 0 or isinstance(staging_bytes, bool) or (isinstance(staging_bytes, float) and n != staging_bytes):
             raise ValueError
     except (TypeError, ValueError):
-        raise ValueError(f"staging_bytes must be a non-negative int of bytes (0 = no staging), "
-                         f"got {staging_bytes!r}") from None
+        raise ValueError(
+            f"staging_bytes must be a non-negative int of bytes (0 = no staging), got {staging_bytes!r}"
+        ) from None
     if 0 < n < STAGING_ALIGN:  # the arena would hold nothing, and NIXL cannot register an empty buffer
         raise ValueError(f"staging_bytes must be 0 (no staging) or at least {STAGING_ALIGN}, got {staging_bytes!r}")
     return n
@@ -119,8 +122,9 @@ def _agent_with_delay(nixl_agent, mod, name: str, conf, delay_us: int):
     class DelayedConfig(base):
         pass
 
-    DelayedConfig.pthrDelay = property(lambda self: base.pthrDelay.__get__(self),
-                                       lambda self, v: base.pthrDelay.__set__(self, max(int(v), delay_us)))
+    DelayedConfig.pthrDelay = property(
+        lambda self: base.pthrDelay.__get__(self), lambda self, v: base.pthrDelay.__set__(self, max(int(v), delay_us))
+    )
     with _CONFIG_LOCK:  # the module attribute is swapped only while this agent is built
         api.nixlBind.nixlAgentConfig = DelayedConfig
         try:
@@ -154,9 +158,17 @@ class _StuckRead:
 class NixlBackend(TransferBackend):
     name = "nixl"
 
-    def __init__(self, pool: CachePool, worker_name: str | None = None, lease_s: float = 120.0,
-                 on_release=None, ucx_params: dict[str, str] | None = None, progress_delay_us: int | None = None,
-                 staging_bytes: int | None = None, token: str | None = None):
+    def __init__(
+        self,
+        pool: CachePool,
+        worker_name: str | None = None,
+        lease_s: float = 120.0,
+        on_release=None,
+        ucx_params: dict[str, str] | None = None,
+        progress_delay_us: int | None = None,
+        staging_bytes: int | None = None,
+        token: str | None = None,
+    ):
         super().__init__(pool, worker_name, lease_s, on_release)
         self._token = token  # the per-service token notifications carry (None: not checked)
         staging_bytes = _staging_option(pool, staging_bytes)  # bad values fail before any NIXL state exists
@@ -196,8 +208,9 @@ class NixlBackend(TransferBackend):
         groups = {n: [addr, group_nbytes(self.pool.groups[n].spec), dev] for n, (addr, dev) in self._local.items()}
         st = self.staging
         staging = None if st is None else [st.tensor.data_ptr(), st.tensor.numel(), _mem(st.tensor)[1]]
-        return pack_metadata(self._header(mem=self.mem_type, groups=groups, staging=staging),
-                             self.agent.get_agent_metadata())
+        return pack_metadata(
+            self._header(mem=self.mem_type, groups=groups, staging=staging), self.agent.get_agent_metadata()
+        )
 
     def _add_peer(self, name: str, header: dict, payload: bytes) -> None:
         loaded = self.agent.add_remote_agent(payload)
@@ -205,8 +218,11 @@ class NixlBackend(TransferBackend):
         if loaded != name:
             raise TransferError(f"NIXL metadata names agent {loaded!r}, expected {name!r}")
         staging = header.get("staging")
-        self._peers[name] = {"mem": header["mem"], "groups": {g: tuple(v) for g, v in header["groups"].items()},
-                             "staging": tuple(int(v) for v in staging) if staging else None}
+        self._peers[name] = {
+            "mem": header["mem"],
+            "groups": {g: tuple(v) for g, v in header["groups"].items()},
+            "staging": tuple(int(v) for v in staging) if staging else None,
+        }
         try:  # optional: connect now so the first request does not pay for it
             self.agent.make_connection(name)
         except Exception as e:
@@ -235,8 +251,12 @@ class NixlBackend(TransferBackend):
             self.staging_counts[key] += 1
             first = self.staging_counts[key] == 1
         if detail and first:  # once per side: a full buffer under load would otherwise flood the log
-            log.warning("%s: %s; pulling by page descriptors (correct, slower). Counted in staging_counts; "
-                        "raise staging_bytes / DSV4_NIXL_STAGING_BYTES", self.worker_name, detail)
+            log.warning(
+                "%s: %s; pulling by page descriptors (correct, slower). Counted in staging_counts; "
+                "raise staging_bytes / DSV4_NIXL_STAGING_BYTES",
+                self.worker_name,
+                detail,
+            )
 
     def _stage(self, request_id: str, plan: TransferPlan):
         if self.staging is None:
@@ -246,9 +266,12 @@ class NixlBackend(TransferBackend):
             return None
         offset = self.staging.alloc(layout.nbytes)
         if offset is None:
-            self._count("fallback_source", f"no {layout.nbytes}-byte staging range free for exporting "
-                        f"{request_id!r} ({self.staging.arena.largest_free} of {self.staging.arena.capacity} "
-                        "bytes contiguous free)")
+            self._count(
+                "fallback_source",
+                f"no {layout.nbytes}-byte staging range free for exporting "
+                f"{request_id!r} ({self.staging.arena.largest_free} of {self.staging.arena.capacity} "
+                "bytes contiguous free)",
+            )
             return None
         try:
             self.staging.gather(offset, layout)
@@ -281,8 +304,9 @@ class NixlBackend(TransferBackend):
         self._xfer(ticket, local, remote, done, deadline, what, plan.total_bytes)
         return len(local)
 
-    def _read_staged(self, ticket: TransferTicket, plan: TransferPlan, deadline: float, what: str,
-                     done: bytes) -> int | None:
+    def _read_staged(
+        self, ticket: TransferTicket, plan: TransferPlan, deadline: float, what: str, done: bytes
+    ) -> int | None:
         """One READ of the source's staging range into ours, then the scatter; None: use the page plan."""
         src = self._peers[ticket.source]["staging"]
         if ticket.staging is None or src is None or self.staging is None:
@@ -292,15 +316,20 @@ class NixlBackend(TransferBackend):
         self._on_plan(time.monotonic() - t0)
         src_off, nbytes = ticket.staging
         if nbytes != layout.nbytes or src_off < 0 or src_off + nbytes > src[1]:
-            raise TransferError(f"{what}: staged range {ticket.staging} does not match the plan "
-                                f"({layout.nbytes} bytes) or the source's staging buffer ({src[1]} bytes)")
+            raise TransferError(
+                f"{what}: staged range {ticket.staging} does not match the plan "
+                f"({layout.nbytes} bytes) or the source's staging buffer ({src[1]} bytes)"
+            )
         t0 = time.monotonic()
         offset = self.staging.alloc(nbytes)
         self._on_staging_wait(time.monotonic() - t0)
         if offset is None:
-            self._count("fallback_destination", f"no {nbytes}-byte staging range free for pulling "
-                        f"{ticket.request_id!r} ({self.staging.arena.largest_free} of "
-                        f"{self.staging.arena.capacity} bytes contiguous free)")
+            self._count(
+                "fallback_destination",
+                f"no {nbytes}-byte staging range free for pulling "
+                f"{ticket.request_id!r} ({self.staging.arena.largest_free} of "
+                f"{self.staging.arena.capacity} bytes contiguous free)",
+            )
             return None
         keep, scattered = False, None
         try:
@@ -309,7 +338,7 @@ class NixlBackend(TransferBackend):
             remote = np.array([(src[0] + src_off, nbytes, src[2])], dtype=np.uint64)
             self._xfer(ticket, local, remote, done, deadline, what, nbytes, staging_offset=offset)
             if self._defers_scatter():  # pull_deferred: the caller queues it on its engine's thread (the range
-                keep = True             # stays held until then)
+                keep = True  # stays held until then)
                 self._on_deferred(DeferredScatter(self.staging, offset, layout, ticket.request_id))
             else:
                 t0, parts = time.monotonic(), {}
@@ -325,21 +354,35 @@ class NixlBackend(TransferBackend):
         self._count("staged")
         return 1
 
-    def _xfer(self, ticket: TransferTicket, local: np.ndarray, remote: np.ndarray, done: bytes, deadline: float,
-              what: str, nbytes: int, staging_offset: int | None = None) -> None:
+    def _xfer(
+        self,
+        ticket: TransferTicket,
+        local: np.ndarray,
+        remote: np.ndarray,
+        done: bytes,
+        deadline: float,
+        what: str,
+        nbytes: int,
+        staging_offset: int | None = None,
+    ) -> None:
         """Post one READ (local <- remote, Nx3 descriptor arrays) carrying `done`, and drive it to the end. A READ
         that cannot be cancelled is quarantined with its destination (ReadInFlight)."""
         t0 = time.monotonic()
         handle = self.agent.initialize_xfer(
-            "READ", self.agent.get_xfer_descs(local, self.mem_type),
-            self.agent.get_xfer_descs(remote, self._peers[ticket.source]["mem"]), ticket.source, done)
+            "READ",
+            self.agent.get_xfer_descs(local, self.mem_type),
+            self.agent.get_xfer_descs(remote, self._peers[ticket.source]["mem"]),
+            ticket.source,
+            done,
+        )
         error: TransferError | None = None
         try:
             state, spins = self.agent.transfer(handle), 0
             while state == "PROC":
                 if time.monotonic() >= deadline:
-                    error = TransferTimeout(f"{what}: timed out ({nbytes} bytes, {len(local)} descriptors "
-                                            "still in flight)")
+                    error = TransferTimeout(
+                        f"{what}: timed out ({nbytes} bytes, {len(local)} descriptors still in flight)"
+                    )
                     break
                 spins += 1
                 if spins > 100:  # spin briefly for small transfers, then stop burning a core
@@ -357,8 +400,10 @@ class NixlBackend(TransferBackend):
         except Exception as e:
             with self._stuck_lock:
                 self._stuck.append(_StuckRead(handle, ticket.source, ticket.request_id, staging_offset))
-            msg = (f"{what}: could not cancel the READ ({e}); its destination stays out of use until the READ is "
-                   f"over or {ticket.source!r} is gone")
+            msg = (
+                f"{what}: could not cancel the READ ({e}); its destination stays out of use until the READ is "
+                f"over or {ticket.source!r} is gone"
+            )
             error = ReadInFlight(f"{error}; {msg}" if error else msg, ticket.request_id)
         if error is not None:
             raise error
@@ -381,13 +426,19 @@ class NixlBackend(TransferBackend):
             for m in msgs:
                 try:
                     d = json.loads(m)
-                    if self._token and not hmac.compare_digest(str(d.get("token", "")).encode(),
-                                                               self._token.encode()):
-                        log.warning("%s: ignored a NIXL notification from %s without the cluster token",
-                                    self.worker_name, peer)
+                    if self._token and not hmac.compare_digest(str(d.get("token", "")).encode(), self._token.encode()):
+                        log.warning(
+                            "%s: ignored a NIXL notification from %s without the cluster token", self.worker_name, peer
+                        )
                         continue
-                    out.append((str(d["rid"]), None if d["op"] == "done" else
-                                f"decode worker {peer!r} failed the transfer: {d.get('error', '?')}"))
+                    out.append(
+                        (
+                            str(d["rid"]),
+                            None
+                            if d["op"] == "done"
+                            else f"decode worker {peer!r} failed the transfer: {d.get('error', '?')}",
+                        )
+                    )
                 except (ValueError, KeyError, TypeError, AttributeError):
                     log.warning("ignoring malformed NIXL notification from %s: %r", peer, m[:100])
         return out

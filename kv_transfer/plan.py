@@ -215,9 +215,13 @@ def _group_ranges(src: CacheGroupSpec, dst: CacheGroupSpec, pairs) -> tuple[Byte
     return tuple(out)
 
 
-def build_plan(specs: Sequence[CacheGroupSpec], src_pages: Mapping[str, Sequence[int]],
-               dst_pages: Mapping[str, Sequence[int]], num_tokens: int,
-               dst_specs: Sequence[CacheGroupSpec] | None = None) -> TransferPlan:
+def build_plan(
+    specs: Sequence[CacheGroupSpec],
+    src_pages: Mapping[str, Sequence[int]],
+    dst_pages: Mapping[str, Sequence[int]],
+    num_tokens: int,
+    dst_specs: Sequence[CacheGroupSpec] | None = None,
+) -> TransferPlan:
     """Plan the move of one request's caches.
 
     specs: the source pool's groups; dst_specs: the destination pool's (default: the same). They must agree on
@@ -229,15 +233,17 @@ def build_plan(specs: Sequence[CacheGroupSpec], src_pages: Mapping[str, Sequence
     dst_specs = list(specs) if dst_specs is None else list(dst_specs)
     dst_by_name = {s.name: s for s in dst_specs}
     if [s.name for s in specs] != [s.name for s in dst_specs]:
-        raise ValueError(f"group sets differ: source {[s.name for s in specs]}, "
-                         f"destination {[s.name for s in dst_specs]}")
+        raise ValueError(
+            f"group sets differ: source {[s.name for s in specs]}, destination {[s.name for s in dst_specs]}"
+        )
     groups = []
     for src in specs:
         dst = dst_by_name[src.name]
         if _layout_key(src) != _layout_key(dst):
             raise ValueError(f"group {src.name!r}: page layouts differ: {_layout_key(src)} vs {_layout_key(dst)}")
         need = pages_needed(src, num_tokens)
-        pairs = tuple(zip(_check_pages(src, src_pages, need, "source"),
-                          _check_pages(dst, dst_pages, need, "destination")))
+        pairs = tuple(
+            zip(_check_pages(src, src_pages, need, "source"), _check_pages(dst, dst_pages, need, "destination"))
+        )
         groups.append(GroupPlan(src.name, pairs, _group_ranges(src, dst, pairs)))
     return TransferPlan(num_tokens, tuple(groups))

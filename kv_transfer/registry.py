@@ -17,6 +17,7 @@ TRANSFER_HELP = "KV-cache transfer backend between prefill and decode workers (a
 
 def nixl_available() -> bool:
     from kv_transfer.nixl_backend import import_nixl
+
     try:
         import_nixl()
         return True

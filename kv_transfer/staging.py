@@ -139,8 +139,10 @@ class StagingBuffer:
         self._held: list[tuple[int, torch.cuda.Event]] = []  # (offset, its scatter's event): freed once done
         self._held_lock = threading.Lock()
         # [layers, num_pages, page_bytes] views of every group tensor, made once
-        self._pages = {n: g.tensor.view(-1).view(torch.uint8).view(len(g.spec.layers), g.spec.num_pages, -1)
-                       for n, g in pool.groups.items()}
+        self._pages = {
+            n: g.tensor.view(-1).view(torch.uint8).view(len(g.spec.layers), g.spec.num_pages, -1)
+            for n, g in pool.groups.items()
+        }
         # the same in each group's word dtype, and the buffer as words of each dtype (capacity is a multiple of
         # the alignment, so every word size divides it): a request's views are then one slice and one view a group
         self._words: dict[tuple[str, torch.dtype], torch.Tensor] = {}
@@ -165,8 +167,8 @@ class StagingBuffer:
                 words = self._tensor_words[word] = self.tensor.view(word)
             size = words.element_size()
             lo = (offset + g.offset) // size  # group offsets are STAGING_ALIGN-aligned: a whole number of words
-            staged = words[lo:lo + g.nbytes // size].view(g.layers, len(g.pages), -1)
-            out.append((pages, staged, index[k:k + len(g.pages)]))
+            staged = words[lo : lo + g.nbytes // size].view(g.layers, len(g.pages), -1)
+            out.append((pages, staged, index[k : k + len(g.pages)]))
             k += len(g.pages)
         return out
 
@@ -238,8 +240,13 @@ class StagingBuffer:
             event.record(torch.cuda.current_stream(self.device))
         if timings is not None:
             t4 = clock()
-            for key, seconds in (("index", t1 - t0), ("views", t2 - t1), ("copies", t3 - t2), ("record", t4 - t3),
-                                 ("cpu", time.thread_time() - c0)):
+            for key, seconds in (
+                ("index", t1 - t0),
+                ("views", t2 - t1),
+                ("copies", t3 - t2),
+                ("record", t4 - t3),
+                ("cpu", time.thread_time() - c0),
+            ):
                 timings[key] = timings.get(key, 0.0) + seconds
         return event
 

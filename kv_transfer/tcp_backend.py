@@ -83,9 +83,18 @@ def _recv_frame(sock: socket.socket, deadline: float | None, what: str) -> dict:
 class TcpBackend(TransferBackend):
     name = "tcp"
 
-    def __init__(self, pool: CachePool, worker_name: str | None = None, lease_s: float = 120.0, on_release=None,
-                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 io_timeout_s: float = 60.0, token: str | None = None):
+    def __init__(
+        self,
+        pool: CachePool,
+        worker_name: str | None = None,
+        lease_s: float = 120.0,
+        on_release=None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        io_timeout_s: float = 60.0,
+        token: str | None = None,
+    ):
         """host/port: where to listen (port 0 = any free one). For peers on other hosts listen on the node's IP
         (e.g. ray.util.get_node_ip_address()) or on 0.0.0.0 with advertise_host set."""
         super().__init__(pool, worker_name, lease_s, on_release)
@@ -97,8 +106,10 @@ class TcpBackend(TransferBackend):
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (rid, error) from server threads to poll()
         self._server = socket.create_server((host, port))
         self._closed = threading.Event()
-        self.address = (advertise_host or (socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0"
-                                           else host), self._server.getsockname()[1])
+        self.address = (
+            advertise_host or (socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0" else host),
+            self._server.getsockname()[1],
+        )
         self._peers: dict[str, tuple[str, int]] = {}
         threading.Thread(target=self._accept_loop, name=f"kvx-tcp-{self.worker_name}", daemon=True).start()
 
@@ -162,8 +173,10 @@ class TcpBackend(TransferBackend):
             raise _Refused(f"layout {req.get('fingerprint')} != {self.fingerprint}")
         export = self._begin_read(rid)  # pinned until _serve's _end_read: its lease cannot end under the read
         if export is None:
-            raise _Refused(f"request {rid!r} is not exported by {self.worker_name} (never, released, or its lease "
-                           f"ends too soon to read)")
+            raise _Refused(
+                f"request {rid!r} is not exported by {self.worker_name} (never, released, or its lease "
+                f"ends too soon to read)"
+            )
         try:
             return self._views(rid, export, req["ranges"])
         except BaseException:
@@ -184,9 +197,9 @@ class TcpBackend(TransferBackend):
             if bad:
                 raise _Refused(f"group {name!r}: pages {sorted(bad)} are not exported for request {rid!r}")
             if name in self._np:
-                views.append(memoryview(self._np[name][off:off + length]))
+                views.append(memoryview(self._np[name][off : off + length]))
             else:  # device memory: stage through the host
-                views.append(memoryview(self._bytes[name][off:off + length].cpu().numpy()))
+                views.append(memoryview(self._bytes[name][off : off + length].cpu().numpy()))
         return views
 
     def _confirmations(self) -> list[tuple[str, str | None]]:
@@ -212,21 +225,31 @@ class TcpBackend(TransferBackend):
         ranges = [(g.name, r) for g in plan.groups for r in g.ranges]
         with self._connect(ticket, deadline, what) as sock:
             try:
-                _send_frame(sock, {"op": "read", "token": self._token.decode(), "rid": ticket.request_id,
-                                   "fingerprint": ticket.fingerprint,
-                                   "ranges": [[n, r.src_offset, r.length] for n, r in ranges]})
+                _send_frame(
+                    sock,
+                    {
+                        "op": "read",
+                        "token": self._token.decode(),
+                        "rid": ticket.request_id,
+                        "fingerprint": ticket.fingerprint,
+                        "ranges": [[n, r.src_offset, r.length] for n, r in ranges],
+                    },
+                )
                 reply = _recv_frame(sock, deadline, what)
                 if not reply.get("ok"):
                     raise TransferError(f"{what}: source refused: {reply.get('error')}")
                 t0 = time.monotonic()
                 for name, r in ranges:
                     if name in self._np:  # straight into the pool tensor
-                        _recv_exact(sock, memoryview(self._np[name])[r.dst_offset:r.dst_offset + r.length],
-                                    deadline, what)
+                        _recv_exact(
+                            sock, memoryview(self._np[name])[r.dst_offset : r.dst_offset + r.length], deadline, what
+                        )
                     else:
                         buf = bytearray(r.length)
                         _recv_exact(sock, memoryview(buf), deadline, what)
-                        self._bytes[name][r.dst_offset:r.dst_offset + r.length].copy_(torch.frombuffer(buf, dtype=torch.uint8))
+                        self._bytes[name][r.dst_offset : r.dst_offset + r.length].copy_(
+                            torch.frombuffer(buf, dtype=torch.uint8)
+                        )
                 self._on_wire(time.monotonic() - t0)
                 sock.settimeout(check_deadline(deadline, what))
                 _send_frame(sock, {"op": "done"})
@@ -242,8 +265,9 @@ class TcpBackend(TransferBackend):
         try:  # bounded: a dead source must not delay the failure of the request
             with socket.create_connection(addr, timeout=1.0) as sock:
                 sock.settimeout(1.0)
-                _send_frame(sock, {"op": "fail", "token": self._token.decode(), "rid": ticket.request_id,
-                                   "error": error})
+                _send_frame(
+                    sock, {"op": "fail", "token": self._token.decode(), "rid": ticket.request_id, "error": error}
+                )
         except OSError as e:
             log.info("could not report failed pull of %s to %s: %s", ticket.request_id, ticket.source, e)
 

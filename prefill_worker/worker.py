@@ -28,13 +28,28 @@ POLL_INTERVAL_S = 0.02
 class PrefillWorker(WorkerBase):
     role = "prefill"
 
-    def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
-                 transfer: str = "tcp", lease_s: float = 120.0, bind_host: str | None = None,
-                 cluster_token: str | None = None, health: HealthOptions | None = None):
+    def __init__(
+        self,
+        worker_id: str,
+        model_dir: str | None,
+        engine_options: dict | None = None,
+        transfer: str = "tcp",
+        lease_s: float = 120.0,
+        bind_host: str | None = None,
+        cluster_token: str | None = None,
+        health: HealthOptions | None = None,
+    ):
         super().__init__(worker_id, model_dir, engine_options, health)
         self.transfer = resolve_name(transfer)  # the concrete backend, for metric labels
-        self.attach_backend(make_backend(transfer, self.engine.pool, worker_name=worker_id, lease_s=lease_s,
-                                         **network_options(transfer, bind_host, cluster_token)))
+        self.attach_backend(
+            make_backend(
+                transfer,
+                self.engine.pool,
+                worker_name=worker_id,
+                lease_s=lease_s,
+                **network_options(transfer, bind_host, cluster_token),
+            )
+        )
         self.backend.add_release_callback(self._on_release)
         self._poller: asyncio.Task | None = None
 
@@ -62,8 +77,9 @@ class PrefillWorker(WorkerBase):
             await self.loop.acall(lambda e: self.backend.poll())
             await asyncio.sleep(POLL_INTERVAL_S)
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      seed: int | None = None) -> PrefillResult:
+    async def prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None = None
+    ) -> PrefillResult:
         if self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
         arrival = time.monotonic()
@@ -103,18 +119,29 @@ class PrefillWorker(WorkerBase):
             return req.seed, self.backend.export(request_id, req.pages, req.num_computed)
 
         seed_used, ticket = await self.loop.acall(finish)
-        return PrefillResult(request_id=request_id, worker_id=self.worker_id, first_token=ev.token_id,
-                             first_logprob=ev.logprob, prompt_logprobs=tuple(prompt_lps), seed=seed_used,
-                             finished=ev.finished, finish_reason=ev.finish_reason, ticket=ticket,
-                             queue_time_s=first_step - arrival, prefill_time_s=done - first_step,
-                             incarnation=self.incarnation, cached_tokens=ev.cached_tokens)
+        return PrefillResult(
+            request_id=request_id,
+            worker_id=self.worker_id,
+            first_token=ev.token_id,
+            first_logprob=ev.logprob,
+            prompt_logprobs=tuple(prompt_lps),
+            seed=seed_used,
+            finished=ev.finished,
+            finish_reason=ev.finish_reason,
+            ticket=ticket,
+            queue_time_s=first_step - arrival,
+            prefill_time_s=done - first_step,
+            incarnation=self.incarnation,
+            cached_tokens=ev.cached_tokens,
+        )
 
     async def abort(self, request_id: str) -> None:
         """Drop a request (queued, running or held) and withdraw its export; frees its pages."""
+
         def drop(engine):
             self.backend.release(request_id, ABORTED)
             if request_id not in self.backend.exported():  # else a read of its pages is in progress: the release
-                engine.abort(request_id)                    # frees them after it (kv_transfer.base.release)
+                engine.abort(request_id)  # frees them after it (kv_transfer.base.release)
             self.loop.unsubscribe(request_id)
 
         await self.loop.acall(drop)

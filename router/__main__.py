@@ -33,8 +33,12 @@ async def serve(args: argparse.Namespace) -> None:
     from router.server import RouterServer
 
     dispatcher = LocalDispatcher(args.workers, functools.partial(load_engine, args.model_dir, args.device, warmup=True))
-    server = RouterServer(dispatcher, RoutingPolicy(PolicyConfig(args.policy)),
-                          health_interval_s=args.health_interval, max_inflight=args.max_inflight)
+    server = RouterServer(
+        dispatcher,
+        RoutingPolicy(PolicyConfig(args.policy)),
+        health_interval_s=args.health_interval,
+        max_inflight=args.max_inflight,
+    )
     port = await server.start(args.host, args.port)
     print(f"router serving {args.workers} engine(s) on {args.host}:{port}", flush=True)
     try:

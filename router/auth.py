@@ -33,10 +33,14 @@ def _deny(kind: str, handler):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
         yield  # a server-streaming handler must be a generator
 
-    make = {"unary_unary": grpc.unary_unary_rpc_method_handler,
-            "unary_stream": grpc.unary_stream_rpc_method_handler}[kind]
-    return make(unary if kind == "unary_unary" else stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    make = {"unary_unary": grpc.unary_unary_rpc_method_handler, "unary_stream": grpc.unary_stream_rpc_method_handler}[
+        kind
+    ]
+    return make(
+        unary if kind == "unary_unary" else stream,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):

@@ -85,23 +85,40 @@ class StatsReport:
     errors_total: dict  # error code name -> count
 
 
-def build_request(prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                  request_id: str = "") -> pb2.GenerateRequest:
+def build_request(
+    prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str = ""
+) -> pb2.GenerateRequest:
     p = params or SamplingParams()
     return pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=list(prompt_ids), max_new_tokens=p.max_new_tokens,
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, stop_token_ids=list(p.stop_token_ids))
+        request_id=request_id,
+        prompt_token_ids=list(prompt_ids),
+        max_new_tokens=p.max_new_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        seed=p.seed,
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
+        stop_token_ids=list(p.stop_token_ids),
+    )
 
 
 def to_event(msg) -> StreamEvent:
     """GenerateResponse -> StreamEvent; raises RouterError for the in-band error message."""
     if msg.HasField("error") and msg.error.code != pb2.Error.OK:
         raise RouterError(_STATUS[msg.error.code], msg.error.message)
-    return StreamEvent(msg.request_id, msg.token_id if msg.HasField("token_id") else None,
-                       msg.logprob if msg.HasField("logprob") else None, msg.finished, msg.finish_reason or None,
-                       tuple(None if math.isnan(x) else x for x in msg.prompt_logprobs),
-                       msg.prefill_worker, msg.decode_worker, msg.cached_tokens)
+    return StreamEvent(
+        msg.request_id,
+        msg.token_id if msg.HasField("token_id") else None,
+        msg.logprob if msg.HasField("logprob") else None,
+        msg.finished,
+        msg.finish_reason or None,
+        tuple(None if math.isnan(x) else x for x in msg.prompt_logprobs),
+        msg.prefill_worker,
+        msg.decode_worker,
+        msg.cached_tokens,
+    )
 
 
 def collect(events: list[StreamEvent], params: SamplingParams | None) -> GenerateResult:
@@ -110,15 +127,25 @@ def collect(events: list[StreamEvent], params: SamplingParams | None) -> Generat
     lps = [e.logprob for e in events if e.token_id is not None] if p.logprobs else None
     plps = [x for e in events for x in e.prompt_logprobs] if p.prompt_logprobs else None
     first = events[0] if events else None
-    return GenerateResult(first.request_id if first else "", tokens, lps, plps,
-                          events[-1].finish_reason or "length" if events else "error",
-                          first.prefill_worker if first else "", first.decode_worker if first else "",
-                          first.cached_tokens if first else 0)
+    return GenerateResult(
+        first.request_id if first else "",
+        tokens,
+        lps,
+        plps,
+        events[-1].finish_reason or "length" if events else "error",
+        first.prefill_worker if first else "",
+        first.decode_worker if first else "",
+        first.cached_tokens if first else 0,
+    )
 
 
 def _worker(w) -> WorkerStatus:
-    return WorkerStatus(w.worker_id, w.role, w.healthy, *(getattr(w, f, 0) for f in
-                        ("running", "waiting", "kv_usage", "kv_free_tokens", "inflight", "cached_blocks")))
+    return WorkerStatus(
+        w.worker_id,
+        w.role,
+        w.healthy,
+        *(getattr(w, f, 0) for f in ("running", "waiting", "kv_usage", "kv_free_tokens", "inflight", "cached_blocks")),
+    )
 
 
 def _health(msg) -> HealthReport:
@@ -126,9 +153,15 @@ def _health(msg) -> HealthReport:
 
 
 def _stats(msg) -> StatsReport:
-    return StatsReport(msg.policy, tuple(_worker(w) for w in msg.workers),
-                       {(d.stage, d.reason): d.count for d in msg.decisions}, msg.requests_total,
-                       msg.retries_total, msg.worker_deaths_total, dict(msg.errors_total))
+    return StatsReport(
+        msg.policy,
+        tuple(_worker(w) for w in msg.workers),
+        {(d.stage, d.reason): d.count for d in msg.decisions},
+        msg.requests_total,
+        msg.retries_total,
+        msg.worker_deaths_total,
+        dict(msg.errors_total),
+    )
 
 
 class RouterClient:
@@ -141,10 +174,12 @@ class RouterClient:
         self._channel = grpc.insecure_channel(addr)
         self._stub = pb2_grpc.RouterStub(self._channel)
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                 request_id: str = "") -> Iterator[StreamEvent]:
-        call = self._stub.Generate(build_request(prompt_ids, params, request_id), timeout=self.timeout_s,
-                                   metadata=self._md)
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str = ""
+    ) -> Iterator[StreamEvent]:
+        call = self._stub.Generate(
+            build_request(prompt_ids, params, request_id), timeout=self.timeout_s, metadata=self._md
+        )
         try:
             for msg in call:
                 ev = to_event(msg)
@@ -156,8 +191,9 @@ class RouterClient:
         finally:
             call.cancel()  # no-op after a clean finish; stops the server's work if we stopped early
 
-    def generate_full(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                      request_id: str = "") -> GenerateResult:
+    def generate_full(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str = ""
+    ) -> GenerateResult:
         return collect(list(self.generate(prompt_ids, params, request_id)), params)
 
     def health(self, probe: bool = False) -> HealthReport:
@@ -192,10 +228,12 @@ class AsyncRouterClient:
         self._channel = grpc.aio.insecure_channel(addr)
         self._stub = pb2_grpc.RouterStub(self._channel)
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                       request_id: str = "") -> AsyncIterator[StreamEvent]:
-        call = self._stub.Generate(build_request(prompt_ids, params, request_id), timeout=self.timeout_s,
-                                   metadata=self._md)
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str = ""
+    ) -> AsyncIterator[StreamEvent]:
+        call = self._stub.Generate(
+            build_request(prompt_ids, params, request_id), timeout=self.timeout_s, metadata=self._md
+        )
         try:
             async for msg in call:
                 ev = to_event(msg)
@@ -207,8 +245,9 @@ class AsyncRouterClient:
         finally:
             call.cancel()
 
-    async def generate_full(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                            request_id: str = "") -> GenerateResult:
+    async def generate_full(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str = ""
+    ) -> GenerateResult:
         return collect([ev async for ev in self.generate(prompt_ids, params, request_id)], params)
 
     async def health(self, probe: bool = False) -> HealthReport:

@@ -134,15 +134,29 @@ class LocalWorker:
             self._prefix_counters.observe(prefix.stats)
             if self._digest is None or self._digest.version != prefix.version:
                 self._digest = prefix.digest()
-        return WorkerInfo(self.worker_id, "colocated", True, load.running, load.waiting, load.kv_free_tokens,
-                          load.kv_usage, f"{self.worker_id}#{self._incarnation}", prefix=self._digest)
+        return WorkerInfo(
+            self.worker_id,
+            "colocated",
+            True,
+            load.running,
+            load.waiting,
+            load.kv_free_tokens,
+            load.kv_usage,
+            f"{self.worker_id}#{self._incarnation}",
+            prefix=self._digest,
+        )
 
 
 class LocalDispatcher:
     """`num_workers` colocated engines in this process (`worker_ids` default "engine-0", "engine-1", ...)."""
 
-    def __init__(self, num_workers: int = 1, engine_factory: Callable[[], EngineCore] | None = None,
-                 worker_ids: list[str] | None = None, stall_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        num_workers: int = 1,
+        engine_factory: Callable[[], EngineCore] | None = None,
+        worker_ids: list[str] | None = None,
+        stall_timeout_s: float = 60.0,
+    ):
         if engine_factory is None:
             from engine.loading.load import load_engine
 
@@ -158,8 +172,9 @@ class LocalDispatcher:
 
     async def generate(self, request: DispatchRequest, prefill_id: str, decode_id: str) -> AsyncIterator[TokenEvent]:
         if prefill_id != decode_id:
-            raise RuntimeError(f"colocated dispatcher cannot hand {request.request_id} off from "
-                               f"{prefill_id} to {decode_id}")
+            raise RuntimeError(
+                f"colocated dispatcher cannot hand {request.request_id} off from {prefill_id} to {decode_id}"
+            )
         worker = self._workers.get(prefill_id)
         if worker is None:
             raise WorkerDied(prefill_id, "unknown worker")

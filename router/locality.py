@@ -50,7 +50,7 @@ class RecentWork:
             self.ref = now
         x = (now - self.ref) / self.half_life_s
         if x > 60.0:  # rebase before the scale overflows; drop what has decayed to nothing
-            f = 2.0 ** -x
+            f = 2.0**-x
             self.stored = {w: v * f for w, v in self.stored.items() if v * f >= 1.0}
             self.ref, x = now, 0.0
         return 2.0 ** max(x, 0.0)
@@ -73,8 +73,13 @@ class CacheIndex:
     def sync(self, workers: Sequence[WorkerInfo]) -> None:
         for w in workers:
             d, old = w.prefix, self.digests.get(w.worker_id)
-            if d is old or (d is not None and old is not None and d.version == old.version
-                            and d.block_tokens == old.block_tokens and d.seed == old.seed):
+            if d is old or (
+                d is not None
+                and old is not None
+                and d.version == old.version
+                and d.block_tokens == old.block_tokens
+                and d.seed == old.seed
+            ):
                 continue
             if d is None or old is None or (d.block_tokens, d.seed) != (old.block_tokens, old.seed):
                 self.drop(w.worker_id)

@@ -15,8 +15,9 @@ from prometheus_client import Counter as PromCounter
 from engine.telemetry import metrics as prom
 from router.policy import Placement
 
-ROUTER_DECISIONS = PromCounter("dsv4_router_decisions_total", "Placement decisions by stage and reason",
-                               ("stage", "reason"))
+ROUTER_DECISIONS = PromCounter(
+    "dsv4_router_decisions_total", "Placement decisions by stage and reason", ("stage", "reason")
+)
 
 
 @dataclass(frozen=True)
@@ -47,5 +48,4 @@ class RouterMetrics:
         prom.ROUTER_PREFIX_ESTIMATE_HITS.inc(placement.prefill.matched_blocks * self.block_size)
 
     def snapshot(self) -> MetricsSnapshot:
-        return MetricsSnapshot(dict(self.decisions), self.requests, self.retries, self.worker_deaths,
-                               dict(self.errors))
+        return MetricsSnapshot(dict(self.decisions), self.requests, self.retries, self.worker_deaths, dict(self.errors))

@@ -144,8 +144,10 @@ class PolicyConfig:
         if self.balance_half_life_s <= 0:
             raise ValueError(f"balance_half_life_s must be > 0, got {self.balance_half_life_s}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
-            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1, got "
-                             f"{self.balance_abs_threshold}, {self.balance_rel_threshold}")
+            raise ValueError(
+                "balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1, got "
+                f"{self.balance_abs_threshold}, {self.balance_rel_threshold}"
+            )
 
 
 @dataclass(frozen=True)
@@ -243,8 +245,9 @@ class RoutingPolicy:
     def fits(self, worker: WorkerInfo, max_total_tokens: int) -> bool:
         """Would the decode worker accept a request of this many cache positions right now?"""
         slots = self.effective_free_slots(worker)
-        return (slots is None or slots > 0) and \
-            self.effective_free_tokens(worker) >= self._round(worker.worker_id, max_total_tokens, worker)
+        return (slots is None or slots > 0) and self.effective_free_tokens(worker) >= self._round(
+            worker.worker_id, max_total_tokens, worker
+        )
 
     def can_admit(self, max_total_tokens: int, workers: Iterable[WorkerInfo], exclude: Iterable[str] = ()) -> bool:
         """True when a healthy decode worker fits the request now (or none ever could: the engine then
@@ -255,8 +258,9 @@ class RoutingPolicy:
             return True
         if any(self.fits(w, max_total_tokens) for w in cands):
             return True
-        return all(w.kv_capacity_tokens and self._round(w.worker_id, max_total_tokens, w) > w.kv_capacity_tokens
-                   for w in cands)
+        return all(
+            w.kv_capacity_tokens and self._round(w.worker_id, max_total_tokens, w) > w.kv_capacity_tokens for w in cands
+        )
 
     def _round(self, worker_id: str, tokens: int, worker: WorkerInfo | None = None) -> int:
         page = max(1, worker.kv_page_tokens if worker is not None else self._page_tokens.get(worker_id, 1))
@@ -265,8 +269,14 @@ class RoutingPolicy:
         return -(-tokens // page) * page
 
     # ---- decisions ---------------------------------------------------------------------------
-    def place(self, prompt_ids: Sequence[int], max_total_tokens: int, workers: Iterable[WorkerInfo],
-              exclude: Iterable[str] = (), now: float | None = None) -> Placement:
+    def place(
+        self,
+        prompt_ids: Sequence[int],
+        max_total_tokens: int,
+        workers: Iterable[WorkerInfo],
+        exclude: Iterable[str] = (),
+        now: float | None = None,
+    ) -> Placement:
         """Choose the prefill and the decode worker, and remember the prompt's blocks on the prefill one.
         Raises NoWorkerAvailable when no healthy worker can take a phase."""
         workers = list(workers)
@@ -278,8 +288,9 @@ class RoutingPolicy:
         up = [w for w in workers if self.is_up(w) and w.worker_id not in excluded]
         prefill_cands = [w for w in up if w.role in PREFILL_ROLES]
         if not prefill_cands:
-            raise NoWorkerAvailable(f"no healthy prefill worker (excluded: {sorted(excluded)}; "
-                                    f"down: {sorted(self._down)})")
+            raise NoWorkerAvailable(
+                f"no healthy prefill worker (excluded: {sorted(excluded)}; down: {sorted(self._down)})"
+            )
         # Every candidate publishes its real cache (router.locality): no estimate is needed or recorded.
         real = all(w.prefix is not None for w in prefill_cands)
         hashes = [] if real else block_hashes(prompt_ids, self.config.block_size, ESTIMATE_SEED)
@@ -299,14 +310,19 @@ class RoutingPolicy:
         self._pending[prefill.worker_id] += prefill.uncached_tokens
         return Placement(prefill, decode)
 
-    def _local_prefill(self, prompt_ids: Sequence[int], max_total_tokens: int, up: list[WorkerInfo],
-                       prefill_cands: list[WorkerInfo]) -> Placement | None:
+    def _local_prefill(
+        self, prompt_ids: Sequence[int], max_total_tokens: int, up: list[WorkerInfo], prefill_cands: list[WorkerInfo]
+    ) -> Placement | None:
         """Conditional disaggregation: the decode worker (placed by free KV, as always) prefills the request
         itself when the part of the prompt its own cache lacks is short; None otherwise."""
         limit = self.config.local_prefill_tokens
         decode_cands = [w for w in up if w.role == "decode"]
-        if (limit <= 0 or self.config.name != "cache_aware" or not decode_cands
-                or any(w.role == "colocated" for w in prefill_cands)):
+        if (
+            limit <= 0
+            or self.config.name != "cache_aware"
+            or not decode_cands
+            or any(w.role == "colocated" for w in prefill_cands)
+        ):
             return None
         decode = self.choose_decode(max_total_tokens, decode_cands, prefill_cands[0])
         worker = next(w for w in decode_cands if w.worker_id == decode.worker_id)
@@ -317,8 +333,9 @@ class RoutingPolicy:
         c = self._index.cached(prompt_ids).get(worker.worker_id, 0)
         if n - c > limit:
             return None
-        return Placement(Decision("prefill", worker.worker_id, "local_prefill", cached_tokens=c, uncached_tokens=n - c),
-                         decode)
+        return Placement(
+            Decision("prefill", worker.worker_id, "local_prefill", cached_tokens=c, uncached_tokens=n - c), decode
+        )
 
     def prefill_done(self, worker_id: str, uncached_tokens: int) -> None:
         """The prefill `place` sent there is over (first token, or the request ended): no longer pending."""
@@ -386,8 +403,7 @@ class RoutingPolicy:
             return Decision("prefill", least.worker_id, "hotspot_guard", matches[least.worker_id], total)
         return Decision("prefill", best.worker_id, "prefix_hit", best_len, total)
 
-    def choose_decode(self, max_total_tokens: int, candidates: Sequence[WorkerInfo],
-                      prefill: WorkerInfo) -> Decision:
+    def choose_decode(self, max_total_tokens: int, candidates: Sequence[WorkerInfo], prefill: WorkerInfo) -> Decision:
         if prefill.role == "colocated":
             return Decision("decode", prefill.worker_id, "colocated")
         # A colocated worker has no KV import path: only dedicated decode workers take hand-offs.

@@ -45,21 +45,33 @@ def generate() -> None:
     try:
         from grpc_tools import protoc
     except ImportError as e:
-        raise ImportError(f"router stubs in {GEN_DIR} are missing or older than {PROTO.name}, and grpcio-tools "
-                          f"is not installed to regenerate them: pip install grpcio-tools") from e
+        raise ImportError(
+            f"router stubs in {GEN_DIR} are missing or older than {PROTO.name}, and grpcio-tools "
+            f"is not installed to regenerate them: pip install grpcio-tools"
+        ) from e
     import grpc_tools
 
     include = Path(grpc_tools.__file__).resolve().parent / "_proto"  # well-known types
     GEN_DIR.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=GEN_DIR) as tmp:
-        rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO.parent}", f"-I{include}", f"--python_out={tmp}",
-                          f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", str(PROTO)])
+        rc = protoc.main(
+            [
+                "grpc_tools.protoc",
+                f"-I{PROTO.parent}",
+                f"-I{include}",
+                f"--python_out={tmp}",
+                f"--pyi_out={tmp}",
+                f"--grpc_python_out={tmp}",
+                str(PROTO),
+            ]
+        )
         if rc != 0:
             raise RuntimeError(f"protoc failed on {PROTO} (exit {rc})")
         grpc_file = Path(tmp) / "dsv4_router_pb2_grpc.py"
         # protoc writes a top-level `import dsv4_router_pb2`, which only works with _gen on sys.path.
-        text = re.sub(r"^import dsv4_router_pb2 as", "from . import dsv4_router_pb2 as",
-                      grpc_file.read_text(), flags=re.M)
+        text = re.sub(
+            r"^import dsv4_router_pb2 as", "from . import dsv4_router_pb2 as", grpc_file.read_text(), flags=re.M
+        )
         grpc_file.write_text(text)
         stamp = Path(tmp) / STAMP.name
         stamp.write_text(proto_sha256() + "\n")

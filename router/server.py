@@ -103,16 +103,30 @@ def request_from_proto(msg, default_id: str) -> DispatchRequest:
 
 
 class RouterServer(pb2_grpc.RouterServicer):
-    def __init__(self, dispatcher: Dispatcher, policy: RoutingPolicy | None = None, *,
-                 health_interval_s: float = 5.0, health_timeout_s: float = 5.0, max_inflight: int = 0,
-                 max_queued: int = 1024, queue_timeout_s: float = 60.0, restart_wait_s: float = 60.0,
-                 auth_token: str | None = None, max_migrations: int = 2):
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        policy: RoutingPolicy | None = None,
+        *,
+        health_interval_s: float = 5.0,
+        health_timeout_s: float = 5.0,
+        max_inflight: int = 0,
+        max_queued: int = 1024,
+        queue_timeout_s: float = 60.0,
+        restart_wait_s: float = 60.0,
+        auth_token: str | None = None,
+        max_migrations: int = 2,
+    ):
         if health_interval_s <= 0 or health_timeout_s <= 0 or max_inflight < 0:
-            raise ValueError(f"health_interval_s and health_timeout_s must be > 0 and max_inflight >= 0, got "
-                             f"{health_interval_s}, {health_timeout_s}, {max_inflight}")
+            raise ValueError(
+                f"health_interval_s and health_timeout_s must be > 0 and max_inflight >= 0, got "
+                f"{health_interval_s}, {health_timeout_s}, {max_inflight}"
+            )
         if max_queued < 0 or queue_timeout_s < 0 or restart_wait_s < 0:
-            raise ValueError(f"max_queued, queue_timeout_s and restart_wait_s must be >= 0, got {max_queued}, "
-                             f"{queue_timeout_s}, {restart_wait_s}")
+            raise ValueError(
+                f"max_queued, queue_timeout_s and restart_wait_s must be >= 0, got {max_queued}, "
+                f"{queue_timeout_s}, {restart_wait_s}"
+            )
         self.max_queued, self.queue_timeout_s, self.restart_wait_s = max_queued, queue_timeout_s, restart_wait_s
         self.max_migrations = max_migrations
         self.auth_token = auth_token
@@ -218,16 +232,19 @@ class RouterServer(pb2_grpc.RouterServicer):
                 yield resp
         except RouterFailure as f:
             self.metrics.errors[Code.Name(f.code)] += 1
-            yield pb2.GenerateResponse(request_id=rid, finished=True, finish_reason="error",
-                                       error=pb2.Error(code=f.code, message=f.message))
+            yield pb2.GenerateResponse(
+                request_id=rid, finished=True, finish_reason="error", error=pb2.Error(code=f.code, message=f.message)
+            )
             await context.abort(_STATUS[f.code], f.message)
 
     async def _generate(self, request, rid: str) -> AsyncIterator:
         if self.draining:
             raise RouterFailure(Code.UNAVAILABLE, "the service is shutting down; retry on another instance")
         if self.max_inflight and self._active >= self.max_inflight:
-            raise RouterFailure(Code.RESOURCE_EXHAUSTED, f"the service has {self._active} requests in flight "
-                                                         f"(max {self.max_inflight}); retry later")
+            raise RouterFailure(
+                Code.RESOURCE_EXHAUSTED,
+                f"the service has {self._active} requests in flight (max {self.max_inflight}); retry later",
+            )
         try:
             dreq = request_from_proto(request, rid)
         except ValueError as e:
@@ -257,14 +274,17 @@ class RouterServer(pb2_grpc.RouterServicer):
                         migrations += 1
                         self.metrics.retries += 1
                         current = self._continuation(dreq, generated, migrations)
-                        log.warning("request %s: migrating after %d tokens as %s", rid, len(generated),
-                                    current.request_id)
+                        log.warning(
+                            "request %s: migrating after %d tokens as %s", rid, len(generated), current.request_id
+                        )
                         continue
                     if sent or retried:
                         how = f"after {len(generated)} streamed tokens" if generated else "twice"
-                        raise RouterFailure(Code.UNAVAILABLE, f"request {rid} failed: the {role} worker "
-                                            f"{e.worker_id} died while serving it ({how}); retry the request") \
-                            from None
+                        raise RouterFailure(
+                            Code.UNAVAILABLE,
+                            f"request {rid} failed: the {role} worker "
+                            f"{e.worker_id} died while serving it ({how}); retry the request",
+                        ) from None
                     retried += 1
                     self.metrics.retries += 1
         finally:
@@ -273,8 +293,9 @@ class RouterServer(pb2_grpc.RouterServicer):
     @staticmethod
     def _continuation(dreq: DispatchRequest, generated: list[int], n: int) -> DispatchRequest:
         """The rest of `dreq` after `generated` tokens: their ids join the prompt, the budget shrinks."""
-        params = dataclasses.replace(dreq.params, max_new_tokens=dreq.params.max_new_tokens - len(generated),
-                                     prompt_logprobs=False)
+        params = dataclasses.replace(
+            dreq.params, max_new_tokens=dreq.params.max_new_tokens - len(generated), prompt_logprobs=False
+        )
         return DispatchRequest(f"{dreq.request_id}-m{n}", tuple(dreq.prompt_ids) + tuple(generated), params)
 
     def _incarnation(self, worker_id: str) -> str:
@@ -296,18 +317,25 @@ class RouterServer(pb2_grpc.RouterServicer):
                         return self._place(dreq, exclude)
                     except NoWorkerAvailable as e:
                         if waited >= self.restart_wait_s:
-                            raise RouterFailure(Code.UNAVAILABLE, f"no healthy worker can take the request ({e}) "
-                                                f"after waiting {waited:.0f} s; retry later") from None
+                            raise RouterFailure(
+                                Code.UNAVAILABLE,
+                                f"no healthy worker can take the request ({e}) "
+                                f"after waiting {waited:.0f} s; retry later",
+                            ) from None
                         await self._wait_change(min(0.25, self.restart_wait_s - waited))
                         continue
                 if not queued:
                     if self._queued >= self.max_queued:
-                        raise RouterFailure(Code.RESOURCE_EXHAUSTED, f"the service is at capacity: {self._queued} "
-                                            f"requests are already waiting for a decode slot; retry later")
+                        raise RouterFailure(
+                            Code.RESOURCE_EXHAUSTED,
+                            f"the service is at capacity: {self._queued} "
+                            f"requests are already waiting for a decode slot; retry later",
+                        )
                     self._queued, queued = self._queued + 1, True
                 if waited >= self.queue_timeout_s:
-                    raise RouterFailure(Code.UNAVAILABLE, f"no decode capacity freed up within "
-                                        f"{self.queue_timeout_s:g} s; retry later")
+                    raise RouterFailure(
+                        Code.UNAVAILABLE, f"no decode capacity freed up within {self.queue_timeout_s:g} s; retry later"
+                    )
                 await self._wait_change(min(1.0, self.queue_timeout_s - waited))
         finally:
             if queued:
@@ -346,8 +374,12 @@ class RouterServer(pb2_grpc.RouterServicer):
                         self.policy.release(p_id)
                         watch.release(p_id)
                         prefill_held = False
-                    resp = pb2.GenerateResponse(request_id=dreq.request_id, finished=ev.finished,
-                                                finish_reason=ev.finish_reason or "", prompt_logprobs=held_plps)
+                    resp = pb2.GenerateResponse(
+                        request_id=dreq.request_id,
+                        finished=ev.finished,
+                        finish_reason=ev.finish_reason or "",
+                        prompt_logprobs=held_plps,
+                    )
                     if ev.token_id is not None:
                         resp.token_id = ev.token_id
                         if params.logprobs and ev.logprob is not None:
@@ -364,14 +396,17 @@ class RouterServer(pb2_grpc.RouterServicer):
             raise RouterFailure(Code.INVALID_ARGUMENT, str(e)) from None
         except Overloaded as e:
             log.warning("request %s: decode worker %s overloaded: %s", dreq.request_id, d_id, e)
-            raise RouterFailure(Code.RESOURCE_EXHAUSTED, "the service is at capacity (no decode slot or cache "
-                                                         "pages free); retry later") from None
+            raise RouterFailure(
+                Code.RESOURCE_EXHAUSTED, "the service is at capacity (no decode slot or cache pages free); retry later"
+            ) from None
         except (WorkerDied, RouterFailure):
             raise
         except Exception:
             log.exception("request %s failed on %s/%s", dreq.request_id, p_id, d_id)
-            raise RouterFailure(Code.INTERNAL, f"internal error serving request {dreq.request_id} (details are in "
-                                               f"the router log under that id)") from None
+            raise RouterFailure(
+                Code.INTERNAL,
+                f"internal error serving request {dreq.request_id} (details are in the router log under that id)",
+            ) from None
         finally:
             watch.close()
             if pending:
@@ -396,17 +431,36 @@ class RouterServer(pb2_grpc.RouterServicer):
         workers = self.dispatcher.workers()
         up = [w for w in workers if self.policy.is_up(w)]
         serving = any(w.role in PREFILL_ROLES for w in up) and any(w.role in DECODE_ROLES for w in up)
-        return pb2.HealthResponse(serving=serving, workers=[
-            pb2.WorkerHealth(worker_id=w.worker_id, role=w.role, healthy=self.policy.is_up(w)) for w in workers])
+        return pb2.HealthResponse(
+            serving=serving,
+            workers=[
+                pb2.WorkerHealth(worker_id=w.worker_id, role=w.role, healthy=self.policy.is_up(w)) for w in workers
+            ],
+        )
 
     async def Stats(self, request, context):
         snap = self.metrics.snapshot()
-        workers = [pb2.WorkerStats(worker_id=w.worker_id, role=w.role, healthy=self.policy.is_up(w),
-                                   running=w.running, waiting=w.waiting, kv_usage=w.kv_usage,
-                                   kv_free_tokens=w.kv_free_tokens, inflight=self.policy.inflight(w.worker_id),
-                                   cached_blocks=self.policy.cached_blocks(w.worker_id))
-                   for w in self.dispatcher.workers()]
+        workers = [
+            pb2.WorkerStats(
+                worker_id=w.worker_id,
+                role=w.role,
+                healthy=self.policy.is_up(w),
+                running=w.running,
+                waiting=w.waiting,
+                kv_usage=w.kv_usage,
+                kv_free_tokens=w.kv_free_tokens,
+                inflight=self.policy.inflight(w.worker_id),
+                cached_blocks=self.policy.cached_blocks(w.worker_id),
+            )
+            for w in self.dispatcher.workers()
+        ]
         decisions = [pb2.DecisionCount(stage=s, reason=r, count=n) for (s, r), n in sorted(snap.decisions.items())]
-        return pb2.StatsResponse(policy=self.policy.config.name, workers=workers, decisions=decisions,
-                                 requests_total=snap.requests_total, retries_total=snap.retries_total,
-                                 worker_deaths_total=snap.worker_deaths_total, errors_total=snap.errors_total)
+        return pb2.StatsResponse(
+            policy=self.policy.config.name,
+            workers=workers,
+            decisions=decisions,
+            requests_total=snap.requests_total,
+            retries_total=snap.retries_total,
+            worker_deaths_total=snap.worker_deaths_total,
+            errors_total=snap.errors_total,
+        )

@@ -29,8 +29,10 @@ from service.frontdoor_load import SERVICE, cpu_by_component, cpu_delta, run_lev
 from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill, token_for
 
 LETTER = "a"
-TOKEN_PATH_TODAY = ("every token is relayed by the one `RouterActor` (service/launcher.py: a Ray streaming call "
-                    "from the decode actor, then gRPC to the ingress replica; router/server.py `Generate`)")
+TOKEN_PATH_TODAY = (
+    "every token is relayed by the one `RouterActor` (service/launcher.py: a Ray streaming call "
+    "from the decode actor, then gRPC to the ingress replica; router/server.py `Generate`)"
+)
 
 
 @dataclass(frozen=True)
@@ -73,23 +75,36 @@ def start(model_dir: str, decode_workers: int, token_rate: float, letter_id: int
     init_ray(tempfile.mkdtemp(prefix="dsv4-frontdoor-metrics-"))
     actor: Any = ray.remote(num_cpus=0, max_concurrency=10_000)  # type: ignore[call-overload]
     prefill = {"prefill-0": actor(SyntheticPrefill).remote("prefill-0", token_rate, letter_id)}
-    decode = {f"decode-{i}": actor(SyntheticDecode).remote(f"decode-{i}", token_rate, letter_id)
-              for i in range(decode_workers)}
+    decode = {
+        f"decode-{i}": actor(SyntheticDecode).remote(f"decode-{i}", token_rate, letter_id)
+        for i in range(decode_workers)
+    }
     token = new_token()
     router_cls: Any = ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor)  # type: ignore[call-overload]
-    router = router_cls.options(name="dsv4-router").remote(
-        prefill, decode, "cache_aware", token)
+    router = router_cls.options(name="dsv4-router").remote(prefill, decode, "cache_aware", token)
     ray.get(router.start.remote("127.0.0.1", 0), timeout=120)
-    return {"prefill": prefill, "decode": decode, "router": router, "token": token,
-            "router_addr": ray.get(router.address.remote())}
+    return {
+        "prefill": prefill,
+        "decode": decode,
+        "router": router,
+        "token": token,
+        "router_addr": ray.get(router.address.remote()),
+    }
 
 
 def deploy(handles: dict, model_dir: str, port: int, replicas: int) -> str:
     from service.ingress_guard import IngressOptions
     from service.serve_ingress import deploy_http
 
-    deploy_http(handles["router_addr"], model_dir, "dsv4", "127.0.0.1", port, num_replicas=replicas,
-                options=IngressOptions.from_env(router_token=handles["token"]))
+    deploy_http(
+        handles["router_addr"],
+        model_dir,
+        "dsv4",
+        "127.0.0.1",
+        port,
+        num_replicas=replicas,
+        options=IngressOptions.from_env(router_token=handles["token"]),
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -125,8 +140,15 @@ def score(records, emits: dict, t0: float, t_end: float, max_tokens: int, letter
         in_window += sum(t0 <= t <= t_end for t in r.recv)
         sent = emits.get(r.tag, [])
         added.extend((got - sent[k]) * 1e3 for k, got in enumerate(r.recv) if 1 <= k < len(sent))
-    return {"lost": lost, "disorder": disorder, "errors": errors, "in_window": in_window,
-            "tokens": sum(len(r.text) for r in records), "p50": pct(added, 0.5), "p99": pct(added, 0.99)}
+    return {
+        "lost": lost,
+        "disorder": disorder,
+        "errors": errors,
+        "in_window": in_window,
+        "tokens": sum(len(r.text) for r in records),
+        "p50": pct(added, 0.5),
+        "p99": pct(added, 0.99),
+    }
 
 
 def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_id: int, first_tag: int) -> LevelResult:
@@ -136,9 +158,21 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
     cpu = cpu_delta(before, cpu_by_component())
     s = score(records, _emits(handles), t0, t_end, args.max_tokens, letter_id)
     service_cpu = sum(cpu.get(k, 0.0) for k in SERVICE)
-    return LevelResult(replicas, streams, streams * args.token_rate, s["in_window"] / (t_end - t0), len(records),
-                       s["tokens"], s["p50"], s["p99"], 1e6 * service_cpu / max(1, s["tokens"]),
-                       {k: round(v, 2) for k, v in sorted(cpu.items())}, s["lost"], s["disorder"], s["errors"])
+    return LevelResult(
+        replicas,
+        streams,
+        streams * args.token_rate,
+        s["in_window"] / (t_end - t0),
+        len(records),
+        s["tokens"],
+        s["p50"],
+        s["p99"],
+        1e6 * service_cpu / max(1, s["tokens"]),
+        {k: round(v, 2) for k, v in sorted(cpu.items())},
+        s["lost"],
+        s["disorder"],
+        s["errors"],
+    )
 
 
 def sweep(handles: dict, model_dir: str, args, letter_id: int) -> list[LevelResult]:
@@ -159,9 +193,11 @@ def sweep(handles: dict, model_dir: str, args, letter_id: int) -> list[LevelResu
 
 def _row_line(r: LevelResult) -> str:
     top = sorted(((v, k) for k, v in r.cpu_by_component.items() if k in SERVICE), reverse=True)[:3]
-    return (f"| {r.replicas} | {r.streams} | {r.offered_tps:.0f} | {r.delivered_tps:.0f} | {r.added_ms_p50:.1f} | "
-            f"{r.added_ms_p99:.1f} | {r.cpu_ms_per_1k:.0f} | {', '.join(f'{k} {v:.1f}' for v, k in top)} | "
-            f"{r.requests} | {r.lost_tokens} | {r.out_of_order} | {r.errors} |")
+    return (
+        f"| {r.replicas} | {r.streams} | {r.offered_tps:.0f} | {r.delivered_tps:.0f} | {r.added_ms_p50:.1f} | "
+        f"{r.added_ms_p99:.1f} | {r.cpu_ms_per_1k:.0f} | {', '.join(f'{k} {v:.1f}' for v, k in top)} | "
+        f"{r.requests} | {r.lost_tokens} | {r.out_of_order} | {r.errors} |"
+    )
 
 
 def ceilings(rows: list[LevelResult]) -> dict[int, float]:
@@ -173,20 +209,29 @@ def ceilings(rows: list[LevelResult]) -> dict[int, float]:
 
 def report(rows: list[LevelResult], args, command: str) -> str:
     ceil = ceilings(rows)
-    lines = ["## Front door: streamed tokens through the ingress, router and Serve proxy (`dsv4 bench frontdoor`)", "",
-             f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
-             f"{platform.python_version()}; loopback; synthetic pool (1 prefill + {args.decode_workers} decode "
-             f"actors, no model) at {args.token_rate:g} tokens/s a stream, {args.max_tokens} tokens a request, "
-             f"{args.seconds:g} s a level. Today {TOKEN_PATH_TODAY}.", "",
-             "Added latency: client receive time minus the synthetic worker's emit time (decode tokens, same host "
-             "clock). CPU: user + system of the service's processes (router, ingress replicas, Serve proxy and "
-             "controller, raylet + GCS) per 1K tokens received; the top three components in CPU seconds.", "",
-             "| ingress replicas | streams | offered tok/s | delivered tok/s | added p50 ms | added p99 ms | "
-             "CPU ms / 1K tok | top CPU (s) | requests | lost | out of order | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Front door: streamed tokens through the ingress, router and Serve proxy (`dsv4 bench frontdoor`)",
+        "",
+        f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}; loopback; synthetic pool (1 prefill + {args.decode_workers} decode "
+        f"actors, no model) at {args.token_rate:g} tokens/s a stream, {args.max_tokens} tokens a request, "
+        f"{args.seconds:g} s a level. Today {TOKEN_PATH_TODAY}.",
+        "",
+        "Added latency: client receive time minus the synthetic worker's emit time (decode tokens, same host "
+        "clock). CPU: user + system of the service's processes (router, ingress replicas, Serve proxy and "
+        "controller, raylet + GCS) per 1K tokens received; the top three components in CPU seconds.",
+        "",
+        "| ingress replicas | streams | offered tok/s | delivered tok/s | added p50 ms | added p99 ms | "
+        "CPU ms / 1K tok | top CPU (s) | requests | lost | out of order | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     lines += [_row_line(r) for r in rows]
-    lines += ["", "Ceiling (max delivered tok/s): " + ", ".join(f"{k} replica{'s' if k > 1 else ''}: {v:.0f}"
-                                                             for k, v in sorted(ceil.items())) + "."]
+    lines += [
+        "",
+        "Ceiling (max delivered tok/s): "
+        + ", ".join(f"{k} replica{'s' if k > 1 else ''}: {v:.0f}" for k, v in sorted(ceil.items()))
+        + ".",
+    ]
     return "\n".join(lines)
 
 
@@ -200,8 +245,9 @@ def bench_frontdoor_main(args: argparse.Namespace) -> int:
     try:
         rows = sweep(handles, model_dir, args, letter_id)
     finally:
-        stop_service({"prefill": handles["prefill"], "decode": handles["decode"], "router": handles["router"]},
-                     drain_s=0)
+        stop_service(
+            {"prefill": handles["prefill"], "decode": handles["decode"], "router": handles["router"]}, drain_s=0
+        )
     text = report(rows, args, args.command_line or "dsv4 bench frontdoor")
     print(text)
     if args.json:
@@ -215,10 +261,18 @@ def bench_frontdoor_main(args: argparse.Namespace) -> int:
 
 
 def add_bench_frontdoor_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4],
-                   help="ingress replica counts, comma-separated")
-    p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32, 64, 128],
-                   help="concurrent streaming clients, rising levels (a level that adds < --growth ends the sweep)")
+    p.add_argument(
+        "--replicas",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 2, 4],
+        help="ingress replica counts, comma-separated",
+    )
+    p.add_argument(
+        "--streams",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[8, 32, 64, 128],
+        help="concurrent streaming clients, rising levels (a level that adds < --growth ends the sweep)",
+    )
     p.add_argument("--token-rate", type=float, default=50.0, help="tokens/s each synthetic stream emits")
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--seconds", type=float, default=6.0, help="each level's duration (in-flight requests finish)")

@@ -41,8 +41,9 @@ def pct(values, q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def drive(addr: str, prompts: list[list[int]], params: SamplingParams, concurrency: int,
-                token: str | None = None):
+async def drive(
+    addr: str, prompts: list[list[int]], params: SamplingParams, concurrency: int, token: str | None = None
+):
     from router.client import AsyncRouterClient
 
     client = AsyncRouterClient(addr, timeout_s=600, token=token)
@@ -64,8 +65,7 @@ async def drive(addr: str, prompts: list[list[int]], params: SamplingParams, con
                     itls.append(now - last)
                 last = now
                 ids.append(ev.token_id)
-            timings.append(RequestTiming(first, tuple(itls), len(ids), time.perf_counter() - start, index,
-                                         tuple(ids)))
+            timings.append(RequestTiming(first, tuple(itls), len(ids), time.perf_counter() - start, index, tuple(ids)))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -74,6 +74,7 @@ async def drive(addr: str, prompts: list[list[int]], params: SamplingParams, con
 
 def summarize(name: str, timings: list[RequestTiming], wall: float, transfer: dict | None) -> dict:
     itls = [x for t in timings for x in t.itls]
+
     def rate(key: str) -> float:  # GB/s over one of the decode workers' time totals (DecodeWorker.transfer_totals)
         return transfer["bytes"] / transfer[key] / 1e9 if transfer and transfer.get(key) else float("nan")
 
@@ -81,22 +82,43 @@ def summarize(name: str, timings: list[RequestTiming], wall: float, transfer: di
         return 1e3 * transfer[key] / transfer["count"] if transfer and transfer.get("count") else float("nan")
 
     gbps = rate("seconds")
-    return {"topology": name, "requests": len(timings),
-            "ttft_p50_ms": 1e3 * pct([t.ttft for t in timings], 0.5),
-            "ttft_p99_ms": 1e3 * pct([t.ttft for t in timings], 0.99),
-            "itl_p50_ms": 1e3 * pct(itls, 0.5), "itl_p99_ms": 1e3 * pct(itls, 0.99),
-            "req_per_s": len(timings) / wall, "tok_per_s": sum(t.tokens for t in timings) / wall,
-            "kv_gb_per_s": gbps, "kv_mb": (transfer or {}).get("bytes", 0) / 1e6,
-            "kv_transfers": (transfer or {}).get("count", 0),
-            "kv_pull_gb_per_s": rate("pull_seconds"), "kv_wire_gb_per_s": rate("wire_seconds"),
-            "kv_ms_per_pull": {k: per_pull_ms(k) for k in TRANSFER_KEYS if k not in ("bytes", "count")}}
+    return {
+        "topology": name,
+        "requests": len(timings),
+        "ttft_p50_ms": 1e3 * pct([t.ttft for t in timings], 0.5),
+        "ttft_p99_ms": 1e3 * pct([t.ttft for t in timings], 0.99),
+        "itl_p50_ms": 1e3 * pct(itls, 0.5),
+        "itl_p99_ms": 1e3 * pct(itls, 0.99),
+        "req_per_s": len(timings) / wall,
+        "tok_per_s": sum(t.tokens for t in timings) / wall,
+        "kv_gb_per_s": gbps,
+        "kv_mb": (transfer or {}).get("bytes", 0) / 1e6,
+        "kv_transfers": (transfer or {}).get("count", 0),
+        "kv_pull_gb_per_s": rate("pull_seconds"),
+        "kv_wire_gb_per_s": rate("wire_seconds"),
+        "kv_ms_per_pull": {k: per_pull_ms(k) for k in TRANSFER_KEYS if k not in ("bytes", "count")},
+    }
 
 
 # A decode worker's transfer_totals summed over a timed run (decode_worker.worker: what each part measures).
-TRANSFER_KEYS = ("bytes", "count", "seconds", "pull_seconds", "wire_seconds", "scatter_seconds", "plan_seconds",
-                 "staging_wait_seconds", "pull_cpu_seconds", "scatter_index_seconds", "scatter_views_seconds",
-                 "scatter_copies_seconds", "scatter_record_seconds", "scatter_cpu_seconds", "join_seconds",
-                 "scatters_on_engine")
+TRANSFER_KEYS = (
+    "bytes",
+    "count",
+    "seconds",
+    "pull_seconds",
+    "wire_seconds",
+    "scatter_seconds",
+    "plan_seconds",
+    "staging_wait_seconds",
+    "pull_cpu_seconds",
+    "scatter_index_seconds",
+    "scatter_views_seconds",
+    "scatter_copies_seconds",
+    "scatter_record_seconds",
+    "scatter_cpu_seconds",
+    "join_seconds",
+    "scatters_on_engine",
+)
 
 
 def tokens_by_prompt(timings: list[RequestTiming]) -> list[tuple]:
@@ -107,8 +129,14 @@ def tokens_by_prompt(timings: list[RequestTiming]) -> list[tuple]:
 def compare_tokens(name: str, got: list[tuple], ref: list[tuple]) -> dict:
     """How many requests generated exactly the reference's tokens; the first differing (request, position)."""
     same = sum(a == b for a, b in zip(got, ref))
-    first = next(((i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-                  for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    first = next(
+        (
+            (i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+            for i, (a, b) in enumerate(zip(got, ref))
+            if a != b
+        ),
+        None,
+    )
     return {"topology": name, "requests": len(ref), "identical": same, "first_difference": first}
 
 
@@ -126,8 +154,13 @@ def run_ray_topology(cfg_kwargs: dict, prompts, params, concurrency, check_promp
         timings, wall = asyncio.run(drive(handles["router_addr"], prompts, params, concurrency, handles["token"]))
         after = ray.get([d.transfer_summary.remote() for d in handles["decode"].values()])
         transfer = {k: sum(a.get(k, 0) - b.get(k, 0) for a, b in zip(after, base)) for k in TRANSFER_KEYS}
-        checked = tokens_by_prompt(asyncio.run(drive(handles["router_addr"], list(check_prompts), params, 1,
-                                                     handles["token"]))[0]) if check_prompts else []
+        checked = (
+            tokens_by_prompt(
+                asyncio.run(drive(handles["router_addr"], list(check_prompts), params, 1, handles["token"]))[0]
+            )
+            if check_prompts
+            else []
+        )
     finally:
         stop_service(handles, drain_s=0, shutdown_ray=False)  # also frees multi-rank workers' placement groups
     return timings, wall, transfer, checked
@@ -156,13 +189,23 @@ def run_colocated(model_dir: str, engine_options: dict, prompts, params, concurr
 
 
 def write_markdown(rows: list[dict], command: str, header: str) -> str:
-    lines = ["## Service", "", f"Command: `{command}`", "", header, "",
-             "| topology | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req/s | tok/s "
-             "| KV GB/s | KV MB moved |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Service",
+        "",
+        f"Command: `{command}`",
+        "",
+        header,
+        "",
+        "| topology | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req/s | tok/s "
+        "| KV GB/s | KV MB moved |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['topology']} | {r['requests']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
-                     f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | "
-                     f"{r['kv_gb_per_s']:.3f} | {r['kv_mb']:.1f} |")
+        lines.append(
+            f"| {r['topology']} | {r['requests']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
+            f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | "
+            f"{r['kv_gb_per_s']:.3f} | {r['kv_mb']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -178,8 +221,13 @@ def parse_topologies(text: str) -> list[str]:
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
-    opts = {"max_batch_tokens": args.max_batch_tokens, "device": args.device, "dtype": args.dtype,
-            "max_cached_tokens": args.max_cached_tokens, "gpu_memory_utilization": args.gpu_memory_utilization}
+    opts = {
+        "max_batch_tokens": args.max_batch_tokens,
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_cached_tokens": args.max_cached_tokens,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+    }
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -196,14 +244,18 @@ def bench_serve_main(args: argparse.Namespace) -> int:
     model_dir = args.model or default_model_dir()
     vocab = ModelConfig.from_model_dir(model_dir).vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(2, vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-               for _ in range(args.num_requests)]
+    prompts = [
+        [rng.randrange(2, vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+        for _ in range(args.num_requests)
+    ]
     # Fresh prompts for the token check, none of them served before: a prefix-cache hit would resume from pages a
     # batched prefill wrote, and on a GPU bf16 results depend on the batch a row ran in (the check would then
     # compare two batch histories, not the two topologies).
     check_rng = random.Random(1)
-    check_prompts = [[check_rng.randrange(2, vocab) for _ in range(check_rng.randint(args.min_prompt, args.max_prompt))]
-                     for _ in range(args.check_tokens)]
+    check_prompts = [
+        [check_rng.randrange(2, vocab) for _ in range(check_rng.randint(args.min_prompt, args.max_prompt))]
+        for _ in range(args.check_tokens)
+    ]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     engine_options = _engine_options(args)
     if any(TOPOLOGIES[t] for t in topologies):
@@ -212,15 +264,27 @@ def bench_serve_main(args: argparse.Namespace) -> int:
     for name in topologies:
         try:
             if TOPOLOGIES[name] is None:
-                timings, wall, transfer, checked[name] = run_colocated(model_dir, engine_options, prompts, params,
-                                                                       args.concurrency, check_prompts)
+                timings, wall, transfer, checked[name] = run_colocated(
+                    model_dir, engine_options, prompts, params, args.concurrency, check_prompts
+                )
                 rows.append(summarize("colocated 1 engine", timings, wall, None))
             else:
                 p, d = TOPOLOGIES[name]
                 timings, wall, transfer, checked[name] = run_ray_topology(
-                    dict(model_dir=model_dir, prefill_workers=p, decode_workers=d, transfer=args.transfer,
-                         engine_options=tuple(engine_options.items()), worker_num_cpus=0.1,
-                         worker_num_gpus=args.worker_num_gpus), prompts, params, args.concurrency, check_prompts)
+                    dict(
+                        model_dir=model_dir,
+                        prefill_workers=p,
+                        decode_workers=d,
+                        transfer=args.transfer,
+                        engine_options=tuple(engine_options.items()),
+                        worker_num_cpus=0.1,
+                        worker_num_gpus=args.worker_num_gpus,
+                    ),
+                    prompts,
+                    params,
+                    args.concurrency,
+                    check_prompts,
+                )
                 rows.append(summarize(f"{name} ({args.transfer})", timings, wall, transfer))
         except Exception as e:  # noqa: BLE001 - the other topologies still run; reported and exit status 1
             import traceback
@@ -230,16 +294,23 @@ def bench_serve_main(args: argparse.Namespace) -> int:
             print(f"{name} failed: {failures[-1]['error']}", flush=True)
             continue
         print(rows[-1], flush=True)
-    tokens = ([compare_tokens(n, checked[n], checked["colocated"]) for n in topologies if n != "colocated"]
-              if check_prompts and "colocated" in checked else [])
+    tokens = (
+        [compare_tokens(n, checked[n], checked["colocated"]) for n in topologies if n != "colocated"]
+        if check_prompts and "colocated" in checked
+        else []
+    )
     for t in tokens:
-        print(f"tokens {t['topology']} vs colocated: {t['identical']}/{t['requests']} identical"
-              + (f", first difference at (request, position) {t['first_difference']}" if t["first_difference"]
-                 else ""), flush=True)
-    header = (f"Machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.python_version()}, device "
-              f"{args.device or 'cpu'}; model {os.path.basename(model_dir.rstrip('/'))}; {args.num_requests} requests, "
-              f"{args.concurrency} clients, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.max_new_tokens} "
-              f"new tokens; date {time.strftime('%Y-%m-%d')}. Anchor: the colocated single engine.")
+        print(
+            f"tokens {t['topology']} vs colocated: {t['identical']}/{t['requests']} identical"
+            + (f", first difference at (request, position) {t['first_difference']}" if t["first_difference"] else ""),
+            flush=True,
+        )
+    header = (
+        f"Machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.python_version()}, device "
+        f"{args.device or 'cpu'}; model {os.path.basename(model_dir.rstrip('/'))}; {args.num_requests} requests, "
+        f"{args.concurrency} clients, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.max_new_tokens} "
+        f"new tokens; date {time.strftime('%Y-%m-%d')}. Anchor: the colocated single engine."
+    )
     section = write_markdown(rows, "dsv4 bench serve " + " ".join(sys.argv[3:]), header)
     print(section)
     if failures and not args.json_out:
@@ -248,10 +319,22 @@ def bench_serve_main(args: argparse.Namespace) -> int:
         import json
 
         with open(args.json_out, "w") as fh:
-            json.dump({"rows": rows, "tokens": tokens, "failures": failures, "header": header, "model": model_dir,
-                       "engine_options": engine_options, "worker_num_gpus": args.worker_num_gpus,
-                       "transfer": args.transfer, "check_prompts": len(check_prompts),
-                       "max_new_tokens": args.max_new_tokens}, fh, indent=1)
+            json.dump(
+                {
+                    "rows": rows,
+                    "tokens": tokens,
+                    "failures": failures,
+                    "header": header,
+                    "model": model_dir,
+                    "engine_options": engine_options,
+                    "worker_num_gpus": args.worker_num_gpus,
+                    "transfer": args.transfer,
+                    "check_prompts": len(check_prompts),
+                    "max_new_tokens": args.max_new_tokens,
+                },
+                fh,
+                indent=1,
+            )
     if not args.no_write:
         write_section("service", section)
     return 0 if not failures and all(t["identical"] == t["requests"] for t in tokens) else 1
@@ -266,17 +349,27 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--transfer", default="auto", choices=TRANSFER_CHOICES, help=TRANSFER_HELP)
-    parser.add_argument("--topologies", default="1P1D,2P2D,colocated",
-                        help="comma-separated, run in this order: 1P1D, 2P2D, colocated")
+    parser.add_argument(
+        "--topologies", default="1P1D,2P2D,colocated", help="comma-separated, run in this order: 1P1D, 2P2D, colocated"
+    )
     parser.add_argument("--device", default=None, help="the engines' device (default cpu)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     parser.add_argument("--max-cached-tokens", type=int, default=None, help="KV pool of every engine, in tokens")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
-    parser.add_argument("--worker-num-gpus", type=float, default=None,
-                        help="GPUs each Ray worker reserves on cuda (0.5: prefill and decode share one GPU)")
-    parser.add_argument("--check-tokens", type=int, default=0, metavar="N",
-                        help="also send N fresh prompts (not among the benchmark's) one at a time to each topology "
-                             "and compare their greedy tokens with the colocated engine's (exit 1 when any differs)")
+    parser.add_argument(
+        "--worker-num-gpus",
+        type=float,
+        default=None,
+        help="GPUs each Ray worker reserves on cuda (0.5: prefill and decode share one GPU)",
+    )
+    parser.add_argument(
+        "--check-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also send N fresh prompts (not among the benchmark's) one at a time to each topology "
+        "and compare their greedy tokens with the colocated engine's (exit 1 when any differs)",
+    )
     parser.add_argument("--json-out", default=None, help="write the rows and the token comparison as JSON here")
     parser.add_argument("--no-write", action="store_true", help="do not write BENCHMARKS.md")
     from service.bench_trace import add_trace_args

@@ -55,11 +55,23 @@ def _one(session, base: str, rng: random.Random, vocab: int, tally: Tally) -> No
     body = {"model": "dsv4", "prompt": prompt, "max_tokens": rng.randint(1, 96), "ignore_eos": True}
     path = "/v1/completions"
     if kind == "chat":
-        path, body = "/v1/chat/completions", {"model": "dsv4", "max_tokens": rng.randint(1, 48),
-                                              "messages": [{"role": "user", "content": "soak " * rng.randint(1, 40)}]}
+        path, body = (
+            "/v1/chat/completions",
+            {
+                "model": "dsv4",
+                "max_tokens": rng.randint(1, 48),
+                "messages": [{"role": "user", "content": "soak " * rng.randint(1, 40)}],
+            },
+        )
     elif kind == "bad":
-        body = rng.choice([{**body, "max_tokens": "5"}, {"model": "dsv4", "messages": [{"role": "x", "content": "a"}]},
-                           {**body, "stop": ["s"] * 100}, {**body, "prompt": [vocab + 5]}])
+        body = rng.choice(
+            [
+                {**body, "max_tokens": "5"},
+                {"model": "dsv4", "messages": [{"role": "x", "content": "a"}]},
+                {**body, "stop": ["s"] * 100},
+                {**body, "prompt": [vocab + 5]},
+            ]
+        )
         path = "/v1/chat/completions" if "messages" in body else path
     stream = kind in ("stream", "abandon")
     try:
@@ -154,7 +166,8 @@ def _serve_replica_pids() -> dict[str, int]:
             try:
                 h = ray.get_actor(name, namespace=a["namespace"])
                 out[f"serve-{'replica' if 'REPLICA' in name.upper() else 'proxy'}-{len(out)}"] = ray.get(
-                    h.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+                    h.__ray_call__.remote(lambda self: os.getpid()), timeout=30
+                )
             except Exception:  # noqa: BLE001 - a replica being replaced: measure the others
                 continue
     return out
@@ -189,11 +202,16 @@ def run_soak(args) -> dict:
     faults = [f for f in args.faults.split(",") if f]
     if not faults or set(faults) - set(FAULTS):
         raise ValueError(f"--faults must list some of {FAULTS}, got {args.faults!r}")
-    cfg = ServiceConfig(model_dir=model_dir, port=_free_port(), prefill_workers=args.prefill_workers,
-                        decode_workers=args.decode_workers, transfer=args.transfer,
-                        engine_options=(("max_batch_tokens", args.max_batch_tokens),),
-                        stall_timeout_s=args.stall_timeout_seconds,
-                        worker_test_hooks=bool({"raise", "hang"} & set(faults)))
+    cfg = ServiceConfig(
+        model_dir=model_dir,
+        port=_free_port(),
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+        transfer=args.transfer,
+        engine_options=(("max_batch_tokens", args.max_batch_tokens),),
+        stall_timeout_s=args.stall_timeout_seconds,
+        worker_test_hooks=bool({"raise", "hang"} & set(faults)),
+    )
     handles = start_service(cfg)
     base = f"http://127.0.0.1:{cfg.port}"
     tally, stop = Tally(), threading.Event()
@@ -242,14 +260,21 @@ def run_soak(args) -> dict:
         health = sorted(tally.health)
         from kv_transfer.registry import resolve_name
 
-        return {"minutes": args.minutes, "clients": args.clients, "topology": f"{cfg.prefill_workers}P"
-                f"{cfg.decode_workers}D", "transfer": resolve_name(args.transfer), "kills": kills,
-                "faults": injected,
-                "outcomes": dict(tally.counts), "health_answers": len(health),
-                "health_p50_ms": 1e3 * health[len(health) // 2] if health else float("nan"),
-                "health_max_ms": 1e3 * health[-1] if health else float("nan"),
-                "rss_start_mib": rss0, "rss_end_mib": rss1,
-                "idle_at_end": all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in stats)}
+        return {
+            "minutes": args.minutes,
+            "clients": args.clients,
+            "topology": f"{cfg.prefill_workers}P{cfg.decode_workers}D",
+            "transfer": resolve_name(args.transfer),
+            "kills": kills,
+            "faults": injected,
+            "outcomes": dict(tally.counts),
+            "health_answers": len(health),
+            "health_p50_ms": 1e3 * health[len(health) // 2] if health else float("nan"),
+            "health_max_ms": 1e3 * health[-1] if health else float("nan"),
+            "rss_start_mib": rss0,
+            "rss_end_mib": rss1,
+            "idle_at_end": all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in stats),
+        }
     finally:
         stop.set()
         for pid in list(stopped):
@@ -262,27 +287,40 @@ def report_markdown(r: dict) -> str:
     total = sum(r["outcomes"].values())
     faults = r.get("faults", [f"kill {w}" for w in r["kills"]])
     kills = ", ".join(f"{w} x{n}" for w, n in sorted(collections.Counter(faults).items())) or "none"
-    lines = [f"## Soak: {r['minutes']:g} min, {r['clients']} clients, {r['topology']} ({r['transfer']}), "
-             f"{len(faults)} worker faults ({kills})", "",
-             "Mixed load over HTTP (streaming, plain, chat, refused bad input, abandoned streams) with a worker "
-             "faulted (killed, a step raising or hanging, stopped) every `--fault-every` seconds, alternating "
-             "pools; written by `dsv4 bench soak`. Outcomes: "
-             "`ok` finished normally, `abandoned` the client left mid-stream on purpose, `http_400_expected` bad "
-             "input refused, `http_503` a plain request (or a stream before its first token) and `inband_503` a "
-             "stream after its first tokens caught on a killed worker; any other outcome would be listed.", "",
-             f"{total} requests, {total / (60 * r['minutes']):.1f}/s.", "",
-             "| outcome | requests | share |", "|---|---:|---:|"]
+    lines = [
+        f"## Soak: {r['minutes']:g} min, {r['clients']} clients, {r['topology']} ({r['transfer']}), "
+        f"{len(faults)} worker faults ({kills})",
+        "",
+        "Mixed load over HTTP (streaming, plain, chat, refused bad input, abandoned streams) with a worker "
+        "faulted (killed, a step raising or hanging, stopped) every `--fault-every` seconds, alternating "
+        "pools; written by `dsv4 bench soak`. Outcomes: "
+        "`ok` finished normally, `abandoned` the client left mid-stream on purpose, `http_400_expected` bad "
+        "input refused, `http_503` a plain request (or a stream before its first token) and `inband_503` a "
+        "stream after its first tokens caught on a killed worker; any other outcome would be listed.",
+        "",
+        f"{total} requests, {total / (60 * r['minutes']):.1f}/s.",
+        "",
+        "| outcome | requests | share |",
+        "|---|---:|---:|",
+    ]
     for k, v in sorted(r["outcomes"].items(), key=lambda kv: -kv[1]):
         lines.append(f"| {k} | {v} | {100 * v / max(total, 1):.1f}% |")
-    lines += ["", f"/health: {r['health_answers']} answers, p50 {r['health_p50_ms']:.0f} ms, max "
-                  f"{r['health_max_ms']:.0f} ms. Pools idle at the end: {r['idle_at_end']}.", "",
-              "| process | RSS start MiB | RSS end MiB | growth MiB |", "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        f"/health: {r['health_answers']} answers, p50 {r['health_p50_ms']:.0f} ms, max "
+        f"{r['health_max_ms']:.0f} ms. Pools idle at the end: {r['idle_at_end']}.",
+        "",
+        "| process | RSS start MiB | RSS end MiB | growth MiB |",
+        "|---|---:|---:|---:|",
+    ]
     for k in sorted(set(r["rss_start_mib"]) | set(r["rss_end_mib"])):
         a, b = r["rss_start_mib"].get(k, float("nan")), r["rss_end_mib"].get(k, float("nan"))
         lines.append(f"| {k} | {a:.0f} | {b:.0f} | {b - a:+.0f} |")
     lines.append("")
-    lines.append("A killed worker restarts as a new process, so its end RSS is a fresh process's; growth is "
-                 "meaningful for the router and the HTTP replicas.")
+    lines.append(
+        "A killed worker restarts as a new process, so its end RSS is a fresh process's; growth is "
+        "meaningful for the router and the HTTP replicas."
+    )
     return "\n".join(lines)
 
 
@@ -309,10 +347,15 @@ def add_bench_soak_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between worker faults (0: none)")
     parser.add_argument("--faults", default="kill", help=f"comma-separated faults to rotate through, of {FAULTS}")
-    parser.add_argument("--stop-seconds", type=float, default=20.0, help="how long a `stop` fault keeps a worker "
-                        "stopped")
-    parser.add_argument("--stall-timeout-seconds", type=float, default=15.0,
-                        help="the workers' stall bound (a `hang` fault is seen after it)")
+    parser.add_argument(
+        "--stop-seconds", type=float, default=20.0, help="how long a `stop` fault keeps a worker stopped"
+    )
+    parser.add_argument(
+        "--stall-timeout-seconds",
+        type=float,
+        default=15.0,
+        help="the workers' stall bound (a `hang` fault is seen after it)",
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)

@@ -96,10 +96,16 @@ def run_policy(policy: str, trace, prompts, args, engine_options: dict) -> dict:
     rows, wall = asyncio.run(main())
     itls = [x for r in rows for x in r["itls"]]
     ttfts = [r["ttft"] for r in rows]
-    return {"policy": policy, "requests": len(rows),
-            "hit_rate": sum(r["cached"] for r in rows) / max(1, sum(r["prompt"] for r in rows)),
-            "ttft_p50_ms": 1e3 * pct(ttfts, 0.5), "ttft_p99_ms": 1e3 * pct(ttfts, 0.99),
-            "itl_p50_ms": 1e3 * pct(itls, 0.5), "itl_p99_ms": 1e3 * pct(itls, 0.99), "req_per_s": len(rows) / wall}
+    return {
+        "policy": policy,
+        "requests": len(rows),
+        "hit_rate": sum(r["cached"] for r in rows) / max(1, sum(r["prompt"] for r in rows)),
+        "ttft_p50_ms": 1e3 * pct(ttfts, 0.5),
+        "ttft_p99_ms": 1e3 * pct(ttfts, 0.99),
+        "itl_p50_ms": 1e3 * pct(itls, 0.5),
+        "itl_p99_ms": 1e3 * pct(itls, 0.99),
+        "req_per_s": len(rows) / wall,
+    }
 
 
 def bench_trace_main(args) -> int:
@@ -108,7 +114,7 @@ def bench_trace_main(args) -> int:
 
     args.model = args.model or default_model_dir()
     cfg = ModelConfig.from_model_dir(args.model)
-    trace = sorted(read(args.trace), key=lambda r: r.timestamp_ms)[:args.num_requests]
+    trace = sorted(read(args.trace), key=lambda r: r.timestamp_ms)[: args.num_requests]
     prompts = trace_prompts(trace, args.block_tokens, cfg.vocab_size, cfg.max_position_embeddings - args.max_new_tokens)
     engine_options = {"max_batch_tokens": args.max_batch_tokens, "page_tokens": args.page_tokens}
     results, loads = [], [os.getloadavg()[0]]
@@ -116,24 +122,29 @@ def bench_trace_main(args) -> int:
         results.append(run_policy(policy, trace, prompts, args, engine_options))
         loads.append(os.getloadavg()[0])
         print(results[-1], flush=True)
-    lines = ["## Live trace replay (`dsv4 bench serve --trace`)", "",
-             f"Command: `dsv4 {' '.join(sys.argv[1:])}`"
-             + (f" (trace: `{args.trace_origin}`)" if args.trace_origin else ""),
-             "",
-             f"Trace `{os.path.basename(args.trace)}`: first {len(trace)} requests, arrival times / "
-             f"{args.time_scale:g}; 512-token blocks scaled to {args.block_tokens} tokens (prompts "
-             f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens), outputs <= {args.max_new_tokens} tokens. "
-             f"{args.workers} colocated engines (built-in model unless --model; page_tokens {args.page_tokens}, "
-             f"prefix cache on) behind the gRPC router, in one process on {platform.machine()} "
-             f"{os.cpu_count()} CPUs (1-minute load average {min(loads):.1f}-{max(loads):.1f} during the run: the "
-             f"machine is shared, so TTFT/ITL are contention-bound); date {time.strftime('%Y-%m-%d')}. Hit rate = "
-             "prompt tokens the engines served from their prefix caches (each request's `cached_tokens`) / "
-             "prompt tokens.", "",
-             "| policy | requests | real hit rate | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Live trace replay (`dsv4 bench serve --trace`)",
+        "",
+        f"Command: `dsv4 {' '.join(sys.argv[1:])}`" + (f" (trace: `{args.trace_origin}`)" if args.trace_origin else ""),
+        "",
+        f"Trace `{os.path.basename(args.trace)}`: first {len(trace)} requests, arrival times / "
+        f"{args.time_scale:g}; 512-token blocks scaled to {args.block_tokens} tokens (prompts "
+        f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens), outputs <= {args.max_new_tokens} tokens. "
+        f"{args.workers} colocated engines (built-in model unless --model; page_tokens {args.page_tokens}, "
+        f"prefix cache on) behind the gRPC router, in one process on {platform.machine()} "
+        f"{os.cpu_count()} CPUs (1-minute load average {min(loads):.1f}-{max(loads):.1f} during the run: the "
+        f"machine is shared, so TTFT/ITL are contention-bound); date {time.strftime('%Y-%m-%d')}. Hit rate = "
+        "prompt tokens the engines served from their prefix caches (each request's `cached_tokens`) / "
+        "prompt tokens.",
+        "",
+        "| policy | requests | real hit rate | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['policy']} | {r['requests']} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | "
-                     f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['req_per_s']:.2f} |")
+        lines.append(
+            f"| {r['policy']} | {r['requests']} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | "
+            f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['req_per_s']:.2f} |"
+        )
     text = "\n".join(lines)
     print(text)
     if args.write:
@@ -143,13 +154,18 @@ def bench_trace_main(args) -> int:
 
 def add_trace_args(parser) -> None:
     """The `--trace` mode's flags on `dsv4 bench serve` (the others there are its closed-loop mode's)."""
-    parser.add_argument("--trace", default=None, help="replay this Mooncake-format trace instead (see "
-                                                      "service/bench_trace.py)")
+    parser.add_argument(
+        "--trace", default=None, help="replay this Mooncake-format trace instead (see service/bench_trace.py)"
+    )
     parser.add_argument("--policies", default="round_robin,least_loaded,cache_aware")
     parser.add_argument("--workers", type=int, default=2, help="--trace: colocated engines behind the router")
     parser.add_argument("--block-tokens", type=int, default=128, help="--trace: tokens per 512-token trace block")
-    parser.add_argument("--page-tokens", type=int, default=64, help="--trace: engine page_tokens (prefix block = "
-                                                                     "lcm with the compress ratios)")
+    parser.add_argument(
+        "--page-tokens",
+        type=int,
+        default=64,
+        help="--trace: engine page_tokens (prefix block = lcm with the compress ratios)",
+    )
     parser.add_argument("--time-scale", type=float, default=1.0, help="--trace: divide arrival times by this")
     parser.add_argument("--write", action="store_true", help="--trace: write BENCHMARKS.md section service_trace")
     parser.add_argument("--trace-origin", default="", help="--trace: how the trace was made (recorded in the section)")

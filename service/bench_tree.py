@@ -21,8 +21,11 @@ def bench_tree_main(what: str, argv: list[str]) -> int:
     except ModuleNotFoundError as e:
         if e.name != "benchmarks":
             raise
-        print(f"dsv4 bench {what}: the `benchmarks` package is not importable: it lives in the source tree "
-              "(benchmarks/ beside service/) and is not installed with dsv4; run from a checkout", file=sys.stderr)
+        print(
+            f"dsv4 bench {what}: the `benchmarks` package is not importable: it lives in the source tree "
+            "(benchmarks/ beside service/) and is not installed with dsv4; run from a checkout",
+            file=sys.stderr,
+        )
         return 2
     return module.main(argv) or 0
 

@@ -42,8 +42,14 @@ INVOKE_OPEN = f"<{DSML}invoke"
 INVOKE_CLOSE = f"</{DSML}invoke>"
 PARAM_OPEN = f"<{DSML}parameter"
 PARAM_CLOSE = f"</{DSML}parameter>"
-TASK_TOKENS = {"action": "<｜action｜>", "query": "<｜query｜>", "authority": "<｜authority｜>",
-               "domain": "<｜domain｜>", "title": "<｜title｜>", "read_url": "<｜read_url｜>"}
+TASK_TOKENS = {
+    "action": "<｜action｜>",
+    "query": "<｜query｜>",
+    "authority": "<｜authority｜>",
+    "domain": "<｜domain｜>",
+    "title": "<｜title｜>",
+    "read_url": "<｜read_url｜>",
+}
 # Tokens the V4 tokenizer must hold as single (added) tokens for the prompt to tokenise as trained.
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, LATEST_REMINDER, THINK_START, THINK_END, *TASK_TOKENS.values())
 REASONING_EFFORTS = ("high", "max")  # "high" adds nothing; "max" adds the preamble below
@@ -101,9 +107,13 @@ def render_tools(tools: list[dict]) -> str:
     try:
         schemas = "\n".join(to_json(t["function"]) for t in tools)
     except (TypeError, KeyError):
-        raise ValueError("each tool must be {\"type\": \"function\", \"function\": {...}}") from None
-    return (_TOOLS_SECTION.replace("{D}", DSML).replace("{S}", THINK_START).replace("{E}", THINK_END)
-            .replace("{schemas}", schemas))
+        raise ValueError('each tool must be {"type": "function", "function": {...}}') from None
+    return (
+        _TOOLS_SECTION.replace("{D}", DSML)
+        .replace("{S}", THINK_START)
+        .replace("{E}", THINK_END)
+        .replace("{schemas}", schemas)
+    )
 
 
 def _call_arguments(call: dict) -> dict:
@@ -130,9 +140,11 @@ def render_tool_calls(calls: list[dict]) -> str:
     """OpenAI tool calls -> the DSML block (without the blank line the assistant turn puts before it)."""
     invokes = []
     for call in calls:
-        params = [f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-                  f'{v if isinstance(v, str) else to_json(v)}{PARAM_CLOSE}'
-                  for k, v in _call_arguments(call).items()]
+        params = [
+            f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
+            f"{v if isinstance(v, str) else to_json(v)}{PARAM_CLOSE}"
+            for k, v in _call_arguments(call).items()
+        ]
         invokes.append(f'{INVOKE_OPEN} name="{call["function"]["name"]}">\n' + "\n".join(params) + f"\n{INVOKE_CLOSE}")
     return f"{TOOL_CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_CLOSE}"
 
@@ -160,8 +172,7 @@ def merge_tool_messages(messages: list[dict]) -> list[dict]:
         prev = merged[-1] if merged else None
         joinable = prev is not None and prev.get("role") == "user" and "blocks" in prev
         if role == "tool":
-            block = {"type": "tool_result", "id": m.get("tool_call_id") or "",
-                     "content": m.get("content", "")}
+            block = {"type": "tool_result", "id": m.get("tool_call_id") or "", "content": m.get("content", "")}
             if joinable:
                 prev["blocks"].append(block)
             else:
@@ -171,8 +182,14 @@ def merge_tool_messages(messages: list[dict]) -> list[dict]:
             if joinable and prev.get("task") is None:
                 prev["blocks"].append(block)
             else:
-                merged.append({"role": "user", "content": m.get("content", ""), "blocks": [block],
-                               **{k: m[k] for k in ("task", "wo_eos", "mask") if k in m}})
+                merged.append(
+                    {
+                        "role": "user",
+                        "content": m.get("content", ""),
+                        "blocks": [block],
+                        **{k: m[k] for k in ("task", "wo_eos", "mask") if k in m},
+                    }
+                )
         else:
             merged.append(dict(m))
     return merged
@@ -225,8 +242,9 @@ def _user_turn(m: dict) -> str:
         else:
             content = b["content"]
             if isinstance(content, list):  # the reference's handling of content parts in a tool result
-                content = "\n\n".join(p.get("text", "") if p.get("type") == "text" else f"[Unsupported {p.get('type')}]"
-                                      for p in content)
+                content = "\n\n".join(
+                    p.get("text", "") if p.get("type") == "text" else f"[Unsupported {p.get('type')}]" for p in content
+                )
             parts.append(f"<tool_result>{content}</tool_result>")
     if any(not isinstance(p, str) for p in parts):
         raise ValueError(f"user message content must be text, got {m.get('content')!r}")
@@ -237,8 +255,9 @@ def _with_tools(text: str, m: dict) -> str:
     if m.get("tools"):
         text += "\n\n" + render_tools(m["tools"])
     if m.get("response_format"):
-        text += "\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n" + \
-                to_json(m["response_format"])
+        text += "\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n" + to_json(
+            m["response_format"]
+        )
     return text
 
 
@@ -252,8 +271,9 @@ def _assistant_turn(i: int, messages: list[dict], thinking: bool, drop_thinking:
     return reasoning + (m.get("content") or "") + calls + ("" if m.get("wo_eos") else EOS)
 
 
-def render_message(i: int, messages: list[dict], thinking: bool, drop_thinking: bool,
-                   reasoning_effort: str | None) -> str:
+def render_message(
+    i: int, messages: list[dict], thinking: bool, drop_thinking: bool, reasoning_effort: str | None
+) -> str:
     """Message `i` of the (preprocessed) conversation, with what it hands over to the next turn."""
     m, role = messages[i], messages[i].get("role")
     last_user = last_user_index(messages)
@@ -271,8 +291,9 @@ def render_message(i: int, messages: list[dict], thinking: bool, drop_thinking: 
     elif role == "assistant":
         out += _assistant_turn(i, messages, thinking, drop_thinking, last_user)
     else:
-        raise ValueError(f"messages[{i}]: unknown role {role!r} (system, developer, user, assistant, tool, "
-                         f"latest_reminder)")
+        raise ValueError(
+            f"messages[{i}]: unknown role {role!r} (system, developer, user, assistant, tool, latest_reminder)"
+        )
     if i + 1 < len(messages) and messages[i + 1].get("role") not in ("assistant", "latest_reminder"):
         return out
     task = m.get("task")
@@ -289,8 +310,13 @@ def render_message(i: int, messages: list[dict], thinking: bool, drop_thinking: 
     return out
 
 
-def encode_messages(messages: list[dict], thinking: bool = False, drop_thinking: bool = True,
-                    reasoning_effort: str | None = None, add_bos: bool = True) -> str:
+def encode_messages(
+    messages: list[dict],
+    thinking: bool = False,
+    drop_thinking: bool = True,
+    reasoning_effort: str | None = None,
+    add_bos: bool = True,
+) -> str:
     """The V4 prompt of a conversation (OpenAI-shaped dicts; tools on a system/developer message)."""
     if reasoning_effort not in (None, *REASONING_EFFORTS):
         raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {reasoning_effort!r}")

@@ -92,7 +92,7 @@ def _value(name: str, raw: str, is_string: bool) -> str:
     try:
         json.loads(raw)
     except ValueError:
-        log.warning("tool parameter %r is marked string=\"false\" but is not JSON: passed on as a string", name)
+        log.warning('tool parameter %r is marked string="false" but is not JSON: passed on as a string', name)
         return to_json(raw)
     return raw  # verbatim, as the reference decoder inserts it
 
@@ -106,14 +106,14 @@ def parse_invoke(text: str) -> ToolCall:
     while pos < body_end:
         p = _PARAM_HEAD.match(text, pos)
         if p is None:
-            raise _Malformed(f"expected a parameter at {text[pos:pos + 60]!r}")
+            raise _Malformed(f"expected a parameter at {text[pos : pos + 60]!r}")
         end = text.find(PARAM_CLOSE, p.end())
         if end < 0 or end > body_end:
             raise _Malformed(f"unterminated parameter {p.group(1)!r}")
         name = p.group(1)
         if name in args:
             raise _Malformed(f"duplicate parameter {name!r}")
-        args[name] = _value(name, text[p.end():end], p.group(2) == "true")
+        args[name] = _value(name, text[p.end() : end], p.group(2) == "true")
         pos = end + len(PARAM_CLOSE)
         while pos < body_end and text[pos].isspace():
             pos += 1
@@ -134,7 +134,7 @@ def _block_step(text: str, pos: int, final: bool) -> tuple[str, ToolCall | None,
     if rest.startswith(INVOKE_OPEN):
         end = text.find(INVOKE_CLOSE, pos)
         if end >= 0:
-            return "call", parse_invoke(text[pos:end + len(INVOKE_CLOSE)]), end + len(INVOKE_CLOSE)
+            return "call", parse_invoke(text[pos : end + len(INVOKE_CLOSE)]), end + len(INVOKE_CLOSE)
         if final:
             raise _Malformed("unterminated invoke (output cut off?)")
         return "wait", None, pos
@@ -205,13 +205,13 @@ class Scanner:
             if not hits:
                 seg = buf[pos:]
                 keep = 0 if final else _held(seg)
-                out[self.mode].append(seg[:len(seg) - keep])
+                out[self.mode].append(seg[: len(seg) - keep])
                 pos = len(buf) - keep
                 break
             idx, marker = min(hits)
             seg = buf[pos:idx]
             lead = _BLOCK_LEAD if marker == TOOL_CALLS_OPEN and seg.endswith(_BLOCK_LEAD) else ""
-            out[self.mode].append(seg[:len(seg) - len(lead)])
+            out[self.mode].append(seg[: len(seg) - len(lead)])
             pos = idx + len(marker)
             if marker == EOS:
                 self.mode = "done"
@@ -222,7 +222,7 @@ class Scanner:
             # a stray <think> is dropped
         if self.mode == "done" and buf[pos:].strip():
             if not any(e.startswith("text after") for e in self.errors):
-                self.errors.append(f"text after the end-of-sentence token dropped: {buf[pos:pos + 60]!r}")
+                self.errors.append(f"text after the end-of-sentence token dropped: {buf[pos : pos + 60]!r}")
             pos = len(buf)
         self.buf = buf[pos:]
         return "".join(out["reasoning"]), "".join(out["content"]), calls
@@ -261,5 +261,10 @@ def select_calls(calls: list[ToolCall], tool_choice, parallel: bool) -> list[Too
 
 def log_dropped(calls: list[ToolCall], kept: list[ToolCall], tool_choice, parallel: bool) -> None:
     if len(kept) != len(calls):
-        log.warning("dropped %d tool call(s) of %s (tool_choice=%r, parallel_tool_calls=%s)",
-                    len(calls) - len(kept), [c.name for c in calls], tool_choice, parallel)
+        log.warning(
+            "dropped %d tool call(s) of %s (tool_choice=%r, parallel_tool_calls=%s)",
+            len(calls) - len(kept),
+            [c.name for c in calls],
+            tool_choice,
+            parallel,
+        )

@@ -43,7 +43,7 @@ class ChatStreamParser:
         reasoning, content, new = self.scanner.feed(delta, final)
         self.parsed += new
         kept = select_calls(self.parsed, self.tool_choice, self.parallel)  # prefix-stable
-        out = StreamDelta(reasoning, content, tuple(enumerate(kept))[len(self.calls):])
+        out = StreamDelta(reasoning, content, tuple(enumerate(kept))[len(self.calls) :])
         self.calls.extend(c for _, c in out.calls)
         if final:
             for err in self.scanner.errors:

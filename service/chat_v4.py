@@ -55,7 +55,8 @@ def is_v4_model(model_dir: str) -> bool:
     except (OSError, ValueError):
         return False
     return raw.get("model_type") == "deepseek_v4" or any(
-        str(a).startswith("DeepseekV4") for a in raw.get("architectures") or [])
+        str(a).startswith("DeepseekV4") for a in raw.get("architectures") or []
+    )
 
 
 def uses_v4_encoding(model_dir: str, tokenizer) -> bool:
@@ -74,10 +75,13 @@ def _tool_names(tools: list) -> list[str]:
     names = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not (isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(fn, dict)
-                and isinstance(fn.get("name"), str)):
-            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
-                             f"got {t!r}")
+        if not (
+            isinstance(t, dict)
+            and t.get("type", "function") == "function"
+            and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)
+        ):
+            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}, got {t!r}')
         names.append(fn["name"])
     return names
 
@@ -93,7 +97,7 @@ def _check_tool_choice(choice, names: list[str]) -> None:
             if name not in names:
                 raise ValueError(f"tool_choice names function {name!r}, which is not among the tools {names}")
         return
-    raise ValueError(f"tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {choice!r}")
+    raise ValueError(f'tool_choice must be "auto", "none", "required" or a named function, got {choice!r}')
 
 
 def _message(m: P.ChatMessage) -> dict:
@@ -118,15 +122,20 @@ def render(req: P.ChatCompletionRequest) -> V4Prompt:
             messages[0]["tools"] = req.tools
         else:
             messages.insert(0, {"role": "system", "tools": req.tools})
-    text = encode_messages(messages, thinking=thinking, drop_thinking=drop_thinking,
-                           reasoning_effort=req.reasoning_effort)
+    text = encode_messages(
+        messages, thinking=thinking, drop_thinking=drop_thinking, reasoning_effort=req.reasoning_effort
+    )
     return V4Prompt(text, text.endswith(THINK_START), req.tool_choice, req.parallel_tool_calls)
 
 
 def _delta_call(index: int, call: ToolCall) -> P.DeltaToolCall:
     # A call is sent once it is complete: id, name and all its arguments in one piece.
-    return P.DeltaToolCall(index=index, id=new_call_id(), type="function",
-                           function=P.ToolCallFunction(name=call.name, arguments=call.arguments))
+    return P.DeltaToolCall(
+        index=index,
+        id=new_call_id(),
+        type="function",
+        function=P.ToolCallFunction(name=call.name, arguments=call.arguments),
+    )
 
 
 def new_call_id() -> str:
@@ -138,9 +147,14 @@ def parse_output(text: str, thinking: bool, tool_choice=None, parallel: bool = T
     parsed = parse_completion(text, thinking)
     calls = select_calls(parsed.calls, tool_choice, parallel)
     log_dropped(parsed.calls, calls, tool_choice, parallel)
-    return {"content": parsed.content, "reasoning_content": parsed.reasoning,
-            "tool_calls": [{"id": new_call_id(), "type": "function",
-                            "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+    return {
+        "content": parsed.content,
+        "reasoning_content": parsed.reasoning,
+        "tool_calls": [
+            {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ],
+    }
 
 
 class V4ChatRender(P.ChatRender):
@@ -153,8 +167,9 @@ class V4ChatRender(P.ChatRender):
 
     def _finish(self, job, n_calls: int) -> str | None:
         # A call ends the assistant's turn: OpenAI says "tool_calls" where the model stopped by itself.
-        return "tool_calls" if job.finish_reason == "stop" and n_calls and job.stop_reason is None \
-            else job.finish_reason
+        return (
+            "tool_calls" if job.finish_reason == "stop" and n_calls and job.stop_reason is None else job.finish_reason
+        )
 
     def response(self, job) -> P.ChatCompletionResponse:
         p = self.prompt
@@ -163,8 +178,10 @@ class V4ChatRender(P.ChatRender):
         resp = super().response(job)
         choice = resp.choices[0]
         choice.message = P.ChatResponseMessage(
-            content=out["content"] or (None if calls else ""), tool_calls=calls or None,
-            reasoning_content=out["reasoning_content"] if p.thinking else None)
+            content=out["content"] or (None if calls else ""),
+            tool_calls=calls or None,
+            reasoning_content=out["reasoning_content"] if p.thinking else None,
+        )
         choice.finish_reason = self._finish(job, len(calls))
         return resp
 
@@ -174,11 +191,21 @@ class V4ChatRender(P.ChatRender):
         with_token = token_id is not None and (req.logprobs or req.return_token_ids)
         if not (d or with_token or done):
             return None
-        lps = P.chat_logprobs(self.token_str, [token_id], [logprob], req.top_logprobs) \
-            if req.logprobs and token_id is not None else None
-        delta_msg = P.DeltaMessage(reasoning_content=d.reasoning or None, content=d.content or None,
-                                   tool_calls=[_delta_call(i, c) for i, c in d.calls] or None)
-        return self._chunk(job, delta_msg, logprobs=lps,
-                           finish_reason=self._finish(job, len(self.stream.calls)) if done else None,
-                           stop_reason=job.stop_reason,
-                           token_ids=[token_id] if req.return_token_ids and token_id is not None else None)
+        lps = (
+            P.chat_logprobs(self.token_str, [token_id], [logprob], req.top_logprobs)
+            if req.logprobs and token_id is not None
+            else None
+        )
+        delta_msg = P.DeltaMessage(
+            reasoning_content=d.reasoning or None,
+            content=d.content or None,
+            tool_calls=[_delta_call(i, c) for i, c in d.calls] or None,
+        )
+        return self._chunk(
+            job,
+            delta_msg,
+            logprobs=lps,
+            finish_reason=self._finish(job, len(self.stream.calls)) if done else None,
+            stop_reason=job.stop_reason,
+            token_ids=[token_id] if req.return_token_ids and token_id is not None else None,
+        )

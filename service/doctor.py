@@ -48,8 +48,12 @@ def _guard(probe):
 
 
 def python_info() -> dict:
-    return {"version": platform.python_version(), "executable": sys.executable,
-            "supported": sys.version_info[:2] >= MIN_PYTHON, "requires": ">=" + ".".join(map(str, MIN_PYTHON))}
+    return {
+        "version": platform.python_version(),
+        "executable": sys.executable,
+        "supported": sys.version_info[:2] >= MIN_PYTHON,
+        "requires": ">=" + ".".join(map(str, MIN_PYTHON)),
+    }
 
 
 def torch_info() -> dict:
@@ -59,17 +63,31 @@ def torch_info() -> dict:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            devices.append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
-                            "memory_gib": round(p.total_memory / 2**30, 1)})
-    return {"version": torch.__version__, "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-            "devices": devices}
+            devices.append(
+                {
+                    "index": i,
+                    "name": p.name,
+                    "capability": f"{p.major}.{p.minor}",
+                    "memory_gib": round(p.total_memory / 2**30, 1),
+                }
+            )
+    return {
+        "version": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "devices": devices,
+    }
 
 
 def triton_info() -> dict:
     from dsv4_kernels.gpu import has_triton, why_not
 
     ok = has_triton()
-    return {"importable": ok, "version": _version("triton"), "why_not": "" if ok else why_not("triton") or "not installed"}
+    return {
+        "importable": ok,
+        "version": _version("triton"),
+        "why_not": "" if ok else why_not("triton") or "not installed",
+    }
 
 
 def libraries_info() -> dict:
@@ -78,18 +96,32 @@ def libraries_info() -> dict:
 
     from dsv4_kernels import gpu
 
-    probes = {"deep_gemm": (gpu.has_deep_gemm, lambda: gpu.why_not("deep_gemm"), "deep_gemm"),
-              "flash_mla": (gpu.has_flash_mla, lambda: gpu.why_not("flash_mla"), "flash_mla"),
-              "triton_kernels": (gpu.has_triton_kernels, lambda: gpu.why_not("triton_kernels.matmul")
-                                 or gpu.why_not("triton_kernels.tensor"), "triton_kernels"),
-              "marlin_moe": (gpu.has_marlin_moe, gpu.why_not_marlin_moe, "tokenspeed_marlin_moe")}
+    probes = {
+        "deep_gemm": (gpu.has_deep_gemm, lambda: gpu.why_not("deep_gemm"), "deep_gemm"),
+        "flash_mla": (gpu.has_flash_mla, lambda: gpu.why_not("flash_mla"), "flash_mla"),
+        "triton_kernels": (
+            gpu.has_triton_kernels,
+            lambda: gpu.why_not("triton_kernels.matmul") or gpu.why_not("triton_kernels.tensor"),
+            "triton_kernels",
+        ),
+        "marlin_moe": (gpu.has_marlin_moe, gpu.why_not_marlin_moe, "tokenspeed_marlin_moe"),
+    }
     out = {}
     for name, (usable, why, module) in probes.items():
         ok = usable()
         installed = _version(LIBRARIES[name]) is not None or importlib.util.find_spec(module) is not None
-        reason = "" if ok else why() or ("not installed" if not installed else
-                                         "no CUDA device (the probe needs one)" if not torch.cuda.is_available()
-                                         else "unusable")
+        reason = (
+            ""
+            if ok
+            else why()
+            or (
+                "not installed"
+                if not installed
+                else "no CUDA device (the probe needs one)"
+                if not torch.cuda.is_available()
+                else "unusable"
+            )
+        )
         out[name] = {"usable": ok, "installed": installed, "version": _version(LIBRARIES[name]), "why_not": reason}
     return out
 
@@ -114,8 +146,9 @@ def nixl_info() -> dict:
     except ImportError as e:
         return {"importable": False, "version": version, "why_not": str(e)}
     out = {"importable": True, "version": version, "ucx_tls": os.environ.get("UCX_TLS", "")}
-    out["plugins"] = _guard(lambda: sorted(nixl_agent(f"dsv4-doctor-{os.getpid()}",
-                                                      nixl_agent_config(backends=[])).get_plugin_list()))
+    out["plugins"] = _guard(
+        lambda: sorted(nixl_agent(f"dsv4-doctor-{os.getpid()}", nixl_agent_config(backends=[])).get_plugin_list())
+    )
     out["ucx_transports"] = ucx_transports()
     return out
 
@@ -137,9 +170,12 @@ def ray_info() -> dict:
     RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token). `enabled` is Ray's own answer for this process where it has one."""
     import ray
 
-    out = {"version": ray.__version__, "auth_mode_env": os.environ.get("RAY_AUTH_MODE", ""),
-           "token_env": bool(os.environ.get("RAY_AUTH_TOKEN")),
-           "token_file": str(Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"))}
+    out = {
+        "version": ray.__version__,
+        "auth_mode_env": os.environ.get("RAY_AUTH_MODE", ""),
+        "token_env": bool(os.environ.get("RAY_AUTH_TOKEN")),
+        "token_file": str(Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")),
+    }
     out["token_file_exists"] = Path(out["token_file"]).is_file()
     try:
         from ray._private.authentication.authentication_utils import is_token_auth_enabled
@@ -152,13 +188,27 @@ def ray_info() -> dict:
 
 
 def packages_info() -> dict:
-    return {name: _version(dist) for name, dist in
-            (("grpcio", "grpcio"), ("protobuf", "protobuf"), ("prometheus_client", "prometheus-client"),
-             ("dsv4", "dsv4"))}
+    return {
+        name: _version(dist)
+        for name, dist in (
+            ("grpcio", "grpcio"),
+            ("protobuf", "protobuf"),
+            ("prometheus_client", "prometheus-client"),
+            ("dsv4", "dsv4"),
+        )
+    }
 
 
-SECTIONS = {"python": python_info, "torch": torch_info, "triton": triton_info, "libraries": libraries_info,
-            "fast_paths": fast_paths_info, "nixl": nixl_info, "ray": ray_info, "packages": packages_info}
+SECTIONS = {
+    "python": python_info,
+    "torch": torch_info,
+    "triton": triton_info,
+    "libraries": libraries_info,
+    "fast_paths": fast_paths_info,
+    "nixl": nixl_info,
+    "ray": ray_info,
+    "packages": packages_info,
+}
 
 
 def collect() -> dict:

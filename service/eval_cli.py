@@ -17,8 +17,10 @@ import json
 
 def add_eval_args(parser) -> None:
     sub = parser.add_subparsers(dest="eval_command", required=True)
-    for name, help_text in (("perplexity", "bits per byte of the given files (prompt logprobs)"),
-                            ("tasks", "exact-match completion of Python idioms found in the given files")):
+    for name, help_text in (
+        ("perplexity", "bits per byte of the given files (prompt logprobs)"),
+        ("tasks", "exact-match completion of Python idioms found in the given files"),
+    ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--file", action="append", required=True, help="a text file (repeatable)")
         p.add_argument("--model", default=None, help="model dir or repo id (default: the built-in model)")
@@ -59,15 +61,22 @@ def eval_main(args) -> int:
 
         model = contextlib.nullcontext(HttpModel(args.url, args.served_model, args.api_key))
     else:
-        model = LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens,
-                    kv_cache_dtype=args.kv_cache_dtype)
+        model = LLM(
+            model_dir,
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_tokens=args.max_batch_tokens,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
     with model as llm:
         if args.eval_command == "perplexity":
             from service.eval_perplexity import perplexity
 
             result = perplexity(llm, tokenizer, list(texts.values()), args.window).as_dict()
-            line = (f"{result['bits_per_byte']:.4f} bits/byte ({result['nats_per_token']:.4f} nats/token) over "
-                    f"{result['bytes']} bytes, {result['tokens']} tokens, {result['texts']} file(s)")
+            line = (
+                f"{result['bits_per_byte']:.4f} bits/byte ({result['nats_per_token']:.4f} nats/token) over "
+                f"{result['bytes']} bytes, {result['tokens']} tokens, {result['texts']} file(s)"
+            )
         else:
             from service.eval_tasks import find_tasks, score
 

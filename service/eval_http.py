@@ -21,8 +21,9 @@ class HttpOutput:
 
 
 class HttpModel:
-    def __init__(self, url: str, model: str = "dsv4", api_key: str | None = None, concurrency: int = 4,
-                 timeout_s: float = 600.0):
+    def __init__(
+        self, url: str, model: str = "dsv4", api_key: str | None = None, concurrency: int = 4, timeout_s: float = 600.0
+    ):
         self.endpoint = url.rstrip("/") + ("" if url.rstrip("/").endswith("/v1") else "/v1") + "/completions"
         self.model, self.api_key, self.concurrency, self.timeout_s = model, api_key, concurrency, timeout_s
 
@@ -35,12 +36,18 @@ class HttpModel:
             return json.loads(resp.read())
 
     def _one(self, prompt: list[int], params) -> HttpOutput:
-        body = {"model": self.model, "prompt": list(prompt), "max_tokens": params.max_new_tokens, "temperature": 0,
-                "ignore_eos": params.ignore_eos, "return_token_ids": True}
+        body = {
+            "model": self.model,
+            "prompt": list(prompt),
+            "max_tokens": params.max_new_tokens,
+            "temperature": 0,
+            "ignore_eos": params.ignore_eos,
+            "return_token_ids": True,
+        }
         if params.prompt_logprobs:
             body.update(echo=True, logprobs=0)
         choice = self._post(body)["choices"][0]
-        lps = choice["logprobs"]["token_logprobs"][:len(prompt)] if params.prompt_logprobs else None
+        lps = choice["logprobs"]["token_logprobs"][: len(prompt)] if params.prompt_logprobs else None
         return HttpOutput(list(choice.get("token_ids") or []), lps)
 
     def generate(self, prompts, params) -> list[HttpOutput]:

@@ -30,7 +30,7 @@ class Perplexity:
 def windows_of(ids: list[int], window: int) -> list[list[int]]:
     if window < 1:
         raise ValueError(f"window must be >= 1 token, got {window}")
-    return [ids[i:i + window] for i in range(0, len(ids), window)]
+    return [ids[i : i + window] for i in range(0, len(ids), window)]
 
 
 def perplexity(llm, tokenizer, texts: list[str], window: int = 1024) -> Perplexity:
@@ -51,6 +51,13 @@ def perplexity(llm, tokenizer, texts: list[str], window: int = 1024) -> Perplexi
     nll = 0.0
     for out in llm.generate(prompts, params):
         nll -= sum(out.prompt_logprobs[1:])
-    return Perplexity(texts=len(texts), bytes=n_bytes, tokens=n_tokens, windows=len(prompts), window=window,
-                      nll_nats=nll, bits_per_byte=nll / math.log(2) / n_bytes,
-                      nats_per_token=nll / max(1, n_tokens))
+    return Perplexity(
+        texts=len(texts),
+        bytes=n_bytes,
+        tokens=n_tokens,
+        windows=len(prompts),
+        window=window,
+        nll_nats=nll,
+        bits_per_byte=nll / math.log(2) / n_bytes,
+        nats_per_token=nll / max(1, n_tokens),
+    )

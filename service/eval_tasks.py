@@ -59,7 +59,7 @@ def find_tasks(source: str, text: str, per_idiom: int = 3, context_chars: int = 
             at = text.find(idiom, start)
             if at < 0:
                 break
-            prompt = text[max(0, at - context_chars):at + cut]
+            prompt = text[max(0, at - context_chars) : at + cut]
             tasks.append(Task(source, at, idiom, prompt, idiom[cut:]))
             start, found = at + len(idiom), found + 1
     return sorted(tasks, key=lambda t: t.offset)
@@ -73,7 +73,7 @@ def score(llm, tokenizer, tasks: list[Task], context: int = 1024, max_failures: 
         raise ValueError("no tasks: none of the idioms occurs in the given files")
     prompts = []
     for t in tasks:
-        ids = tokenizer.tokenizer.encode(t.prompt, add_special_tokens=False).ids[-(context - 1):]
+        ids = tokenizer.tokenizer.encode(t.prompt, add_special_tokens=False).ids[-(context - 1) :]
         prompts.append([tokenizer.bos_id, *ids] if tokenizer.bos_id is not None else ids)
     # Enough tokens for the longest answer even at one byte a token.
     params = SamplingParams(max_new_tokens=max(len(t.answer) for t in tasks) + 2, temperature=0.0, ignore_eos=True)
@@ -88,4 +88,3 @@ def score(llm, tokenizer, tasks: list[Task], context: int = 1024, max_failures: 
         if not ok and len(failures) < max_failures:
             failures.append((t.source, t.offset, t.answer, completion))
     return TaskResult(len(tasks), correct, correct / len(tasks), by_idiom, tuple(failures))
-

@@ -19,8 +19,13 @@ import time
 from dataclasses import dataclass
 
 # process title prefix -> component; order matters (first match)
-COMPONENTS = (("ray::RouterActor", "router"), ("ray::ServeReplica", "ingress"), ("ray::ProxyActor", "proxy"),
-              ("ray::ServeController", "serve_controller"), ("ray::Synthetic", "synthetic"))
+COMPONENTS = (
+    ("ray::RouterActor", "router"),
+    ("ray::ServeReplica", "ingress"),
+    ("ray::ProxyActor", "proxy"),
+    ("ray::ServeController", "serve_controller"),
+    ("ray::Synthetic", "synthetic"),
+)
 SERVICE = ("router", "ingress", "proxy", "serve_controller", "ray_daemons")
 
 
@@ -65,8 +70,9 @@ async def _one(session, url: str, prompt: list[int], max_tokens: int) -> StreamR
     return StreamRecord(tuple(prompt), "".join(text), tuple(recv))
 
 
-async def run_level(base_url: str, streams: int, seconds: float, max_tokens: int, letter_id: int,
-                    first_tag: int) -> tuple[list[StreamRecord], float, float]:
+async def run_level(
+    base_url: str, streams: int, seconds: float, max_tokens: int, letter_id: int, first_tag: int
+) -> tuple[list[StreamRecord], float, float]:
     """`streams` clients loop requests until `seconds` pass (in-flight ones finish); -> (records, t0, t_end)."""
     import aiohttp  # a dependency of Ray Serve
 
@@ -94,7 +100,7 @@ def _children() -> dict[int, list[int]]:
                 stat = open(f"/proc/{entry}/stat").read()
             except OSError:
                 continue
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
             kids.setdefault(ppid, []).append(int(entry))
     return kids
 
@@ -117,7 +123,7 @@ def _cpu(pid: int) -> float:
         stat = open(f"/proc/{pid}/stat").read()
     except OSError:
         return 0.0
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -46,9 +46,18 @@ class _Synthetic:
         return os.getpid()
 
     def stats(self) -> WorkerStats:
-        load = EngineLoad(self.active, 0, 0.0, KV_TOKENS, SLOTS - self.active)
-        return WorkerStats(self.worker_id, self.role, self.incarnation, load, max_slots=SLOTS,
-                           kv_capacity_tokens=KV_TOKENS, kv_page_tokens=1)
+        load = EngineLoad(
+            running=self.active, waiting=0, kv_usage=0.0, kv_free_tokens=KV_TOKENS, free_slots=SLOTS - self.active
+        )
+        return WorkerStats(
+            worker_id=self.worker_id,
+            role=self.role,
+            incarnation=self.incarnation,
+            load=load,
+            max_slots=SLOTS,
+            kv_capacity_tokens=KV_TOKENS,
+            kv_page_tokens=1,
+        )
 
     def take_emits(self) -> dict:
         """The emit log so far, cleared (one load level's worth)."""
@@ -89,16 +98,30 @@ class SyntheticPrefill(_Synthetic):
     def prefill(self, request_id: str, prompt: list[int], params, seed: int | None = None) -> PrefillResult:
         self.emits.setdefault(tuple(prompt), []).append(time.time())
         n = params.max_new_tokens
-        ticket = TransferTicket(self.worker_id, request_id, (), len(prompt), "synthetic")
-        return PrefillResult(request_id, self.worker_id, token_for(0, self.letter_id), 0.0, (), seed or 0, n <= 1,
-                             "length" if n <= 1 else None, None if n <= 1 else ticket, 0.0, 0.0, self.incarnation)
+        ticket = TransferTicket(
+            source=self.worker_id, request_id=request_id, src_pages=(), num_tokens=len(prompt), fingerprint="synthetic"
+        )
+        return PrefillResult(
+            request_id=request_id,
+            worker_id=self.worker_id,
+            first_token=token_for(0, self.letter_id),
+            first_logprob=0.0,
+            prompt_logprobs=(),
+            seed=seed or 0,
+            finished=n <= 1,
+            finish_reason="length" if n <= 1 else None,
+            ticket=None if n <= 1 else ticket,
+            queue_time_s=0.0,
+            prefill_time_s=0.0,
+            incarnation=self.incarnation,
+        )
 
 
 class SyntheticDecode(_Synthetic):
     role = "decode"
 
     async def decode(self, result: PrefillResult, prompt: list[int], params):
-        yield Transferred(result.request_id, 0, 0.0)
+        yield Transferred(request_id=result.request_id, num_bytes=0, seconds=0.0)
         async for ev in self._tokens(result.request_id, prompt, params.max_new_tokens, 1):
             yield ev
 

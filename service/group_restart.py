@@ -44,9 +44,21 @@ class GroupRecipe:
     data_parallel_attention: bool = False
 
     def place(self) -> PlacedWorker:
-        return place_worker(self.cls, self.name, self.args, self.kwargs, self.opts, self.model_dir, self.tp_size,
-                            self.expert_parallel, self.num_cpus, self.num_gpus, self.actor_options,
-                            self.ready_timeout_s, self.data_parallel_attention)
+        return place_worker(
+            self.cls,
+            self.name,
+            self.args,
+            self.kwargs,
+            self.opts,
+            self.model_dir,
+            self.tp_size,
+            self.expert_parallel,
+            self.num_cpus,
+            self.num_gpus,
+            self.actor_options,
+            self.ready_timeout_s,
+            self.data_parallel_attention,
+        )
 
     def actor_names(self) -> list[str]:
         if self.data_parallel_attention:
@@ -79,13 +91,16 @@ class GroupSupervisor:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
         ranks = [placed.handle, *placed.followers, *placed.ranks.values()]
-        results = await asyncio.gather(*(asyncio.wait_for(_ping(h), self.ping_timeout_s) for h in ranks),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(_ping(h), self.ping_timeout_s) for h in ranks), return_exceptions=True
+        )
         dead = (RayActorError, ActorDiedError, ActorUnavailableError)
         # ActorUnavailableError is transient (a restart in progress): our ranks are never restarted, so only a
         # definite death counts; a RayTaskError (ping raising: rank 0's engine loop ended) too
-        return not any(isinstance(r, dead) and not isinstance(r, ActorUnavailableError) or isinstance(r, RayTaskError)
-                       for r in results)
+        return not any(
+            isinstance(r, dead) and not isinstance(r, ActorUnavailableError) or isinstance(r, RayTaskError)
+            for r in results
+        )
 
     async def _restart(self, wid: str) -> None:
         recipe, old = self.recipes[wid], self.placed[wid]
@@ -109,7 +124,7 @@ def _replace_group(recipe: GroupRecipe, old: PlacedWorker) -> PlacedWorker:
     import ray
 
     try:
-        ray.kill(old.handle, no_restart=True)
+        ray.kill(old.handle, no_restart=True)  # type: ignore[arg-type]  # PlacedWorker.handle: an ActorHandle
     except Exception:  # noqa: BLE001 - already gone
         pass
     remove_worker(old)

@@ -39,8 +39,10 @@ class IngressOptions:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.template_budget_s <= 0 or self.offload_threads < 1:
-            raise ValueError(f"template_budget_s must be > 0 and offload_threads >= 1, got {self.template_budget_s}, "
-                             f"{self.offload_threads}")
+            raise ValueError(
+                f"template_budget_s must be > 0 and offload_threads >= 1, got {self.template_budget_s}, "
+                f"{self.offload_threads}"
+            )
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string or None")
 
@@ -54,9 +56,15 @@ class IngressOptions:
 
 def _json(status: int, body: dict, headers: list | None = None) -> tuple[dict, dict]:
     data = json.dumps(body).encode()
-    start = {"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                         *(headers or [])]}
+    start = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+            *(headers or []),
+        ],
+    }
     return start, {"type": "http.response.body", "body": data}
 
 
@@ -82,17 +90,22 @@ class GuardMiddleware:
             auth = headers.get(b"authorization", b"").decode("latin-1")
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(given.encode(), opts.api_key.encode()):
-                return await self._send_error(send, 401, "Incorrect API key provided. Pass it as "
-                                              "`Authorization: Bearer <key>` (the server's --api-key / DSV4_API_KEY).",
-                                              [(b"www-authenticate", b"Bearer")])
+                return await self._send_error(
+                    send,
+                    401,
+                    "Incorrect API key provided. Pass it as "
+                    "`Authorization: Bearer <key>` (the server's --api-key / DSV4_API_KEY).",
+                    [(b"www-authenticate", b"Bearer")],
+                )
         limit = opts.max_body_bytes
         try:
             length = int(headers.get(b"content-length", b"0") or 0)
         except ValueError:
             length = 0
         if length > limit:
-            return await self._send_error(send, 413, f"request body of {length} bytes exceeds the limit of "
-                                                     f"{limit} bytes")
+            return await self._send_error(
+                send, 413, f"request body of {length} bytes exceeds the limit of {limit} bytes"
+            )
         seen, started, refused = 0, False, False
 
         async def limited_receive():
@@ -143,8 +156,7 @@ def lone_surrogate(value, path: str = "") -> str | None:
     else:
         return None
     for k, v in items:
-        found = lone_surrogate(v, f"{path}.{k}" if path and isinstance(k, str) else
-                               f"{path}[{k}]" if path else str(k))
+        found = lone_surrogate(v, f"{path}.{k}" if path and isinstance(k, str) else f"{path}[{k}]" if path else str(k))
         if found:
             return found
     return None

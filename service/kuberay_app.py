@@ -38,11 +38,29 @@ from service.rank_placement import dp_actor_names, dp_worker_ids, follower_names
 
 NAMESPACE = "dsv4"
 ROLES = ("prefill", "decode")
-_ARG_KEYS = {"model", "served_model_name", "prefill_workers", "decode_workers", "transfer", "router_policy",
-             "router_port", "engine", "prefill_args", "decode_args", "prefill_resources", "decode_resources",
-             "gpus_per_worker", "worker_num_cpus", "metrics_dir", "prefill_tensor_parallel_size",
-             "decode_tensor_parallel_size", "prefill_expert_parallel", "decode_expert_parallel",
-             "prefill_data_parallel_attention", "decode_data_parallel_attention"}
+_ARG_KEYS = {
+    "model",
+    "served_model_name",
+    "prefill_workers",
+    "decode_workers",
+    "transfer",
+    "router_policy",
+    "router_port",
+    "engine",
+    "prefill_args",
+    "decode_args",
+    "prefill_resources",
+    "decode_resources",
+    "gpus_per_worker",
+    "worker_num_cpus",
+    "metrics_dir",
+    "prefill_tensor_parallel_size",
+    "decode_tensor_parallel_size",
+    "prefill_expert_parallel",
+    "decode_expert_parallel",
+    "prefill_data_parallel_attention",
+    "decode_data_parallel_attention",
+}
 # How long a multi-rank worker waits for its placement group (pods of an autoscaled group may still be coming
 # up, as single-rank actors wait pending for theirs): the chart's startup probe allows an hour.
 PLACEMENT_TIMEOUT_S = 3600.0
@@ -68,8 +86,10 @@ class RolePlan:
         if self.expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("expert_parallel needs tensor_parallel_size > 1 (experts split across the ranks)")
         if self.data_parallel_attention and not self.expert_parallel:
-            raise ValueError("data_parallel_attention needs expert_parallel and tensor_parallel_size > 1 (its ranks "
-                             "share the routed experts)")
+            raise ValueError(
+                "data_parallel_attention needs expert_parallel and tensor_parallel_size > 1 (its ranks "
+                "share the routed experts)"
+            )
 
 
 @dataclass(frozen=True)
@@ -97,8 +117,10 @@ def _engine_args(extra_args: list) -> dict:
     given = vars(parsed)
     not_engine = sorted(k for k in given if k not in ENGINE_OPTION_KEYS)
     if rest or not_engine:
-        raise ValueError(f"only engine flags of `dsv4 serve` ({', '.join(ENGINE_OPTION_KEYS)}) go in a role's "
-                         f"args; got {rest + not_engine}")
+        raise ValueError(
+            f"only engine flags of `dsv4 serve` ({', '.join(ENGINE_OPTION_KEYS)}) go in a role's "
+            f"args; got {rest + not_engine}"
+        )
     return given
 
 
@@ -120,23 +142,31 @@ def parse_args(args: dict) -> EntryConfig:
     if transfer not in TRANSFER_CHOICES:
         raise ValueError(f"transfer must be one of {list(TRANSFER_CHOICES)}, got {transfer!r}")
     service = ServiceConfig(
-        model_dir=str(args.get("model") or ""), model_name=str(args.get("served_model_name", "dsv4")),
-        router_port=int(args.get("router_port", 0)), prefill_workers=int(args.get("prefill_workers", 1)),
-        decode_workers=int(args.get("decode_workers", 1)), transfer=transfer,
+        model_dir=str(args.get("model") or ""),
+        model_name=str(args.get("served_model_name", "dsv4")),
+        router_port=int(args.get("router_port", 0)),
+        prefill_workers=int(args.get("prefill_workers", 1)),
+        decode_workers=int(args.get("decode_workers", 1)),
+        transfer=transfer,
         router_policy=str(args.get("router_policy", "cache_aware")),
-        worker_num_cpus=float(args.get("worker_num_cpus", 0.5)))
+        worker_num_cpus=float(args.get("worker_num_cpus", 0.5)),
+    )
     gpus = float(args.get("gpus_per_worker", 0))
     common = dict(args.get("engine") or {})
-    plans = {role: RolePlan(workers=getattr(service, f"{role}_workers"),
-                            engine_options=_engine_options(common, list(args.get(f"{role}_args") or [])),
-                            resources=tuple(sorted((str(k), float(v)) for k, v in
-                                                   (args.get(f"{role}_resources") or {}).items())),
-                            num_gpus=gpus, tensor_parallel_size=int(args.get(f"{role}_tensor_parallel_size", 1)),
-                            expert_parallel=_flag(args.get(f"{role}_expert_parallel", False),
-                                                  f"{role}_expert_parallel"),
-                            data_parallel_attention=_flag(args.get(f"{role}_data_parallel_attention", False),
-                                                          f"{role}_data_parallel_attention"))
-             for role in ROLES}
+    plans = {
+        role: RolePlan(
+            workers=getattr(service, f"{role}_workers"),
+            engine_options=_engine_options(common, list(args.get(f"{role}_args") or [])),
+            resources=tuple(sorted((str(k), float(v)) for k, v in (args.get(f"{role}_resources") or {}).items())),
+            num_gpus=gpus,
+            tensor_parallel_size=int(args.get(f"{role}_tensor_parallel_size", 1)),
+            expert_parallel=_flag(args.get(f"{role}_expert_parallel", False), f"{role}_expert_parallel"),
+            data_parallel_attention=_flag(
+                args.get(f"{role}_data_parallel_attention", False), f"{role}_data_parallel_attention"
+            ),
+        )
+        for role in ROLES
+    }
     metrics_dir = args.get("metrics_dir") or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     env = (("PROMETHEUS_MULTIPROC_DIR", metrics_dir),) if metrics_dir else ()
     return EntryConfig(service, plans["prefill"], plans["decode"], metrics_dir, env)
@@ -185,8 +215,9 @@ def cluster_token() -> str:
 
     from router.auth import new_token
 
-    keeper = ray.remote(num_cpus=0)(TokenKeeper).options(name="dsv4-token", namespace=NAMESPACE,
-                                                          lifetime="detached", get_if_exists=True)
+    keeper = ray.remote(num_cpus=0)(TokenKeeper).options(
+        name="dsv4-token", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+    )
     return ray.get(keeper.remote(new_token()).token.remote())
 
 
@@ -195,8 +226,13 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
     handles = {}
     for worker_id in worker_ids(cfg, role):
         name = worker_name(cfg, role, worker_id, model_dir)
-        options = dict(namespace=NAMESPACE, lifetime="detached", num_gpus=plan.num_gpus,
-                       resources=dict(plan.resources), runtime_env={"env_vars": dict(cfg.env)})
+        options = dict(
+            namespace=NAMESPACE,
+            lifetime="detached",
+            num_gpus=plan.num_gpus,
+            resources=dict(plan.resources),
+            runtime_env={"env_vars": dict(cfg.env)},
+        )
         opts = dict(plan.engine_options)
         args, kwargs = (worker_id, model_dir, opts, cfg.service.transfer), dict(bind_host="node", cluster_token=token)
         if plan.tensor_parallel_size == 1:
@@ -214,9 +250,21 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
         elif _named(name):
             handles[worker_id] = _named(name)
             continue
-        placed = place_worker(cls, name, args, kwargs, opts, model_dir, size, plan.expert_parallel,
-                              cfg.service.worker_num_cpus, plan.num_gpus, options, PLACEMENT_TIMEOUT_S,
-                              plan.data_parallel_attention)
+        placed = place_worker(
+            cls,
+            name,
+            args,
+            kwargs,
+            opts,
+            model_dir,
+            size,
+            plan.expert_parallel,
+            cfg.service.worker_num_cpus,
+            plan.num_gpus,
+            options,
+            PLACEMENT_TIMEOUT_S,
+            plan.data_parallel_attention,
+        )
         handles[worker_id] = placed.handle
         handles.update(placed.ranks)
     return handles
@@ -305,9 +353,17 @@ def start_backend(cfg: EntryConfig) -> tuple[str, str]:
     decode = _start_role(cfg, "decode", decode_cls, model_dir, token)
     ray.get([h.ping.remote() for h in (*prefill.values(), *decode.values())])
     router_name = f"dsv4-router-{_fingerprint(sorted(workers), cfg.service.router_policy)}"
-    router = ray.remote(num_cpus=0, max_concurrency=1000)(EntryRouter).options(
-        name=router_name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        runtime_env={"env_vars": dict(cfg.env)}).remote(prefill, decode, cfg.service.router_policy, token)
+    router = (
+        ray.remote(num_cpus=0, max_concurrency=1000)(EntryRouter)
+        .options(
+            name=router_name,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            runtime_env={"env_vars": dict(cfg.env)},
+        )
+        .remote(prefill, decode, cfg.service.router_policy, token)
+    )
     port = ray.get(router.start.remote("node", cfg.service.router_port))
     addr = f"{ray.get(router.node_ip.remote())}:{port}"
     _kill_stale({router_name}, "dsv4-router-")
@@ -342,8 +398,9 @@ def build(args: dict):
     router_addr, token = start_backend(cfg)
     # The API key comes from the pod's environment (DSV4_API_KEY, from the chart's Secret).
     options = IngressOptions.from_env(router_token=token, max_model_len=ingress_max_model_len(cfg))
-    return OpenAIIngress.bind(router_addr, cfg.service.model_dir or default_model_dir(), cfg.service.model_name,
-                              options=options)
+    return OpenAIIngress.bind(
+        router_addr, cfg.service.model_dir or default_model_dir(), cfg.service.model_name, options=options
+    )
 
 
 def run_exporter(port: int, host: str = "0.0.0.0") -> None:

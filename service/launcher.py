@@ -32,6 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from dsv4_kernels.settings import API_DOCS, settings
 from engine.runtime.health import DEFAULT_STALL_TIMEOUT_S
@@ -48,24 +49,31 @@ class ServiceStartError(RuntimeError):
 class RouterActor:
     """Hosts the gRPC router (grpc.aio) in a Ray actor's event loop."""
 
-    def __init__(self, prefill: dict, decode: dict, policy: str, token: str | None = None, groups: tuple = ({}, {}),
-                 **server_kw):
+    def __init__(
+        self, prefill: dict, decode: dict, policy: str, token: str | None = None, groups: tuple = ({}, {}), **server_kw
+    ):
         """server_kw: RouterServer's admission settings (max_queued, queue_timeout_s, restart_wait_s);
         groups: ({worker id: PlacedWorker}, {worker id: GroupRecipe}) of the multi-rank workers, restarted as a
         group when a rank dies (service.group_restart)."""
-        from service.group_restart import GroupSupervisor
-
         from router.policy import PolicyConfig, RoutingPolicy
         from router.server import RouterServer
+        from service.group_restart import GroupSupervisor
         from service.ray_dispatcher import RayDispatcher
 
         self.dispatcher = RayDispatcher(prefill, decode)
-        self.server = RouterServer(self.dispatcher, RoutingPolicy(PolicyConfig(name=policy)),
-                                   health_interval_s=1.0, health_timeout_s=10.0, auth_token=token, **server_kw)
+        self.server = RouterServer(
+            self.dispatcher,
+            RoutingPolicy(PolicyConfig(name=policy)),
+            health_interval_s=1.0,
+            health_timeout_s=10.0,
+            auth_token=token,
+            **server_kw,
+        )
         self.port = None
         self.host = None
         self._token = token
-        self.supervisor = GroupSupervisor(*groups, replace=self.dispatcher.replace_handle) if groups[0] else None
+        placed, recipes = groups
+        self.supervisor = GroupSupervisor(placed, recipes, replace=self.dispatcher.replace_handle) if placed else None
         self._supervising = None
 
     async def start(self, host: str, port: int) -> int:
@@ -117,10 +125,18 @@ def remote_classes(cfg: ServiceConfig):
     from prefill_worker.worker import PrefillWorker
 
     # A worker on a GPU engine owns one GPU, or a share of one (Ray sets CUDA_VISIBLE_DEVICES, so "cuda" means it).
-    common = dict(max_restarts=-1, max_task_retries=0, num_cpus=cfg.worker_num_cpus, num_gpus=worker_gpus(cfg),
-                  max_concurrency=1000)
-    return (ray.remote(**common)(PrefillWorker), ray.remote(**common)(DecodeWorker),
-            ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor))
+    common = dict(
+        max_restarts=-1,
+        max_task_retries=0,
+        num_cpus=cfg.worker_num_cpus,
+        num_gpus=worker_gpus(cfg),
+        max_concurrency=1000,
+    )
+    return (
+        ray.remote(**common)(PrefillWorker),
+        ray.remote(**common)(DecodeWorker),
+        ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor),
+    )
 
 
 def worker_gpus(cfg: ServiceConfig) -> float:
@@ -163,19 +179,28 @@ def check_placement(cfg: ServiceConfig, http: bool = True) -> None:
     from service.serve_ingress import INGRESS_NUM_CPUS
 
     # one actor a rank
-    workers = sum(n * cfg.parallel(role)[0] for role, n in (("prefill", cfg.prefill_workers),
-                                                            ("decode", cfg.decode_workers)))
+    workers = sum(
+        n * cfg.parallel(role)[0] for role, n in (("prefill", cfg.prefill_workers), ("decode", cfg.decode_workers))
+    )
     num_gpus = worker_gpus(cfg)
-    need = {"CPU": workers * cfg.worker_num_cpus + (cfg.ingress_replicas * INGRESS_NUM_CPUS if http else 0),
-            "GPU": workers * num_gpus}
+    need = {
+        "CPU": workers * cfg.worker_num_cpus + (cfg.ingress_replicas * INGRESS_NUM_CPUS if http else 0),
+        "GPU": workers * num_gpus,
+    }
     total, free = ray.cluster_resources(), ray.available_resources()
-    short = [f"{k}: need {v:g} ({workers} workers x {cfg.worker_num_cpus if k == 'CPU' else num_gpus:g}"
-             + (f" + {cfg.ingress_replicas} HTTP replicas x {INGRESS_NUM_CPUS:g}" if k == "CPU" and http else "")
-             + f"), the cluster has {total.get(k, 0):g} in all and {free.get(k, 0):g} free"
-             for k, v in need.items() if v > free.get(k, 0) + 1e-9]
+    short = [
+        f"{k}: need {v:g} ({workers} workers x {cfg.worker_num_cpus if k == 'CPU' else num_gpus:g}"
+        + (f" + {cfg.ingress_replicas} HTTP replicas x {INGRESS_NUM_CPUS:g}" if k == "CPU" and http else "")
+        + f"), the cluster has {total.get(k, 0):g} in all and {free.get(k, 0):g} free"
+        for k, v in need.items()
+        if v > free.get(k, 0) + 1e-9
+    ]
     if short:
-        raise ServiceStartError("the Ray cluster cannot place the service:\n  " + "\n  ".join(short)
-                                + "\n  (fewer workers, a smaller per-worker CPU reservation, or a bigger cluster)")
+        raise ServiceStartError(
+            "the Ray cluster cannot place the service:\n  "
+            + "\n  ".join(short)
+            + "\n  (fewer workers, a smaller per-worker CPU reservation, or a bigger cluster)"
+        )
 
 
 def _job_env() -> dict:
@@ -200,8 +225,11 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     prefill_cls, decode_cls, router_cls = remote_classes(cfg)
     opts = worker_engine_options(cfg)
     host, token = internal_host(cfg), new_token()
-    net = dict(bind_host=None if host == "127.0.0.1" else "node", cluster_token=token,
-               health=HealthOptions(cfg.stall_timeout_s, cfg.worker_test_hooks, exit_on_failure=True))
+    net = dict(
+        bind_host=None if host == "127.0.0.1" else "node",
+        cluster_token=token,
+        health=HealthOptions(cfg.stall_timeout_s, cfg.worker_test_hooks, exit_on_failure=True),
+    )
     actor = {}
     if host == "127.0.0.1" and resolve_name(cfg.transfer) == "nixl" and "UCX_NET_DEVICES" not in os.environ:
         # One node: UCX's network transports listen on loopback only (shared memory and CUDA IPC, which
@@ -210,25 +238,49 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     handles: dict = {"prefill": {}, "decode": {}}
     try:
         placed = handles["placed"] = {}
-        for role, cls, count in (("prefill", prefill_cls, cfg.prefill_workers), ("decode", decode_cls,
-                                                                              cfg.decode_workers)):
+        for role, cls, count in (
+            ("prefill", prefill_cls, cfg.prefill_workers),
+            ("decode", decode_cls, cfg.decode_workers),
+        ):
             for i in range(count):
                 ropts = role_engine_options(opts, role)
                 placed[f"{role}-{i}"] = place_worker(
-                    cls, f"dsv4-{role}-{i}", (f"{role}-{i}", cfg.model_dir, ropts, cfg.transfer), net, ropts,
-                    cfg.model_dir, *cfg.parallel(role)[:2], cfg.worker_num_cpus, worker_gpus(cfg), actor,
-                    cfg.ready_timeout_s, cfg.parallel(role)[2])
+                    cls,
+                    f"dsv4-{role}-{i}",
+                    (f"{role}-{i}", cfg.model_dir, ropts, cfg.transfer),
+                    net,
+                    ropts,
+                    cfg.model_dir,
+                    *cfg.parallel(role)[:2],
+                    cfg.worker_num_cpus,
+                    worker_gpus(cfg),
+                    actor,
+                    cfg.ready_timeout_s,
+                    cfg.parallel(role)[2],
+                )
                 handles[role][f"{role}-{i}"] = placed[f"{role}-{i}"].handle
                 handles[role].update(placed[f"{role}-{i}"].ranks)  # data-parallel attention: each rank a worker
         prefill, decode = handles["prefill"], handles["decode"]
         groups = _group_recipes(cfg, placed, prefill_cls, decode_cls, net, opts, actor)
-        _wait_ready({name: h.ping.remote() for name, h in (*prefill.items(), *decode.items())}
-                    | {f"{name}-rank{r}": f.ping.remote() for name, pw in placed.items()
-                       for r, f in enumerate(pw.followers, start=1)},
-                    cfg.ready_timeout_s, "worker actors")
+        _wait_ready(
+            {name: h.ping.remote() for name, h in (*prefill.items(), *decode.items())}
+            | {
+                f"{name}-rank{r}": f.ping.remote()
+                for name, pw in placed.items()
+                for r, f in enumerate(pw.followers, start=1)
+            },
+            cfg.ready_timeout_s,
+            "worker actors",
+        )
         router = handles["router"] = router_cls.options(name="dsv4-router").remote(
-            prefill, decode, cfg.router_policy, token, groups=groups, max_queued=cfg.router_max_queued,
-            queue_timeout_s=cfg.router_queue_timeout_s)
+            prefill,
+            decode,
+            cfg.router_policy,
+            token,
+            groups=groups,
+            max_queued=cfg.router_max_queued,
+            queue_timeout_s=cfg.router_queue_timeout_s,
+        )
         _wait_ready({"router": router.start.remote(host, cfg.router_port)}, cfg.ready_timeout_s, "gRPC router")
         import ray
 
@@ -236,13 +288,23 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
         if http:
             from service.serve_ingress import deploy_http
 
-            options = IngressOptions.from_env(api_key=cfg.api_key, router_token=token,
-                                              max_body_bytes=cfg.max_body_bytes,
-                                              allow_request_templates=cfg.allow_request_chat_template,
-                                              max_model_len=dict(cfg.engine_options).get("max_model_len"))
+            options = IngressOptions.from_env(
+                api_key=cfg.api_key,
+                router_token=token,
+                max_body_bytes=cfg.max_body_bytes,
+                allow_request_templates=cfg.allow_request_chat_template,
+                max_model_len=dict(cfg.engine_options).get("max_model_len"),
+            )
             handles["serve"] = True
-            deploy_http(router_addr, cfg.model_dir, cfg.model_name, cfg.host, cfg.port,
-                        num_replicas=cfg.ingress_replicas, options=options)
+            deploy_http(
+                router_addr,
+                cfg.model_dir,
+                cfg.model_name,
+                cfg.host,
+                cfg.port,
+                num_replicas=cfg.ingress_replicas,
+                options=options,
+            )
             # serve.run returns when the replica runs; the proxy may not route to it yet: wait until it does
             probe = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
             _wait_http(f"http://{probe}:{cfg.port}/health", cfg.ready_timeout_s)
@@ -252,20 +314,33 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     return {**handles, "http": f"http://{cfg.host}:{cfg.port}", "token": token}
 
 
-def _group_recipes(cfg: ServiceConfig, placed: dict, prefill_cls, decode_cls, net: dict, opts: dict,
-                   actor: dict) -> tuple[dict, dict]:
+def _group_recipes(
+    cfg: ServiceConfig, placed: dict, prefill_cls, decode_cls, net: dict, opts: dict, actor: dict
+) -> tuple[dict, dict]:
     """({worker id: PlacedWorker}, {worker id: GroupRecipe}) of the multi-rank workers: how to place each again."""
     from service.group_restart import GroupRecipe
 
     recipes = {}
-    for wid, pw in placed.items():
+    for wid in placed:
         role = wid.rsplit("-", 1)[0]
         size, ep, dp = cfg.parallel(role)
         if size > 1:
             ropts = role_engine_options(opts, role)
-            recipes[wid] = GroupRecipe(f"dsv4-{wid}", prefill_cls if role == "prefill" else decode_cls,
-                                       (wid, cfg.model_dir, ropts, cfg.transfer), net, ropts, cfg.model_dir, size, ep,
-                                       cfg.worker_num_cpus, worker_gpus(cfg), actor, cfg.ready_timeout_s, dp)
+            recipes[wid] = GroupRecipe(
+                f"dsv4-{wid}",
+                prefill_cls if role == "prefill" else decode_cls,
+                (wid, cfg.model_dir, ropts, cfg.transfer),
+                net,
+                ropts,
+                cfg.model_dir,
+                size,
+                ep,
+                cfg.worker_num_cpus,
+                worker_gpus(cfg),
+                actor,
+                cfg.ready_timeout_s,
+                dp,
+            )
     return {wid: placed[wid] for wid in recipes}, recipes
 
 
@@ -352,19 +427,39 @@ def ray_logs_tail(max_chars: int = 12000, per_file: int = 1500) -> str:
 
 def add_engine_speed_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by `dsv4 generate` and `dsv4 serve` that pick GPU execution paths (default None = auto)."""
-    parser.add_argument("--decode-mode", default=None, choices=["auto", "eager", "graphs", "bucketed"],
-                        help="decode steps: auto = CUDA graphs on CUDA with exact caches, else eager")
-    parser.add_argument("--keep-mxfp4-experts", action="store_true", default=None,
-                        help="keep MXFP4 routed experts packed in GPU memory (Triton MXFP4 MoE kernel)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="share of GPU memory the engine may use (default 0.90): the KV cache gets what is left "
-                             "after weights and an activation/CUDA-graph reserve; --max-cached-tokens overrides it")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest request (prompt + output) in tokens, at most the model's max_position_embeddings "
-                             "(default): bounds the minimum KV cache the start-up fit check asks for")
-    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
-                        help="do not reuse cached prompt prefixes across requests (engine.execution.prefix_cache; on by "
-                             "default)")
+    parser.add_argument(
+        "--decode-mode",
+        default=None,
+        choices=["auto", "eager", "graphs", "bucketed"],
+        help="decode steps: auto = CUDA graphs on CUDA with exact caches, else eager",
+    )
+    parser.add_argument(
+        "--keep-mxfp4-experts",
+        action="store_true",
+        default=None,
+        help="keep MXFP4 routed experts packed in GPU memory (Triton MXFP4 MoE kernel)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="share of GPU memory the engine may use (default 0.90): the KV cache gets what is left "
+        "after weights and an activation/CUDA-graph reserve; --max-cached-tokens overrides it",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest request (prompt + output) in tokens, at most the model's max_position_embeddings "
+        "(default): bounds the minimum KV cache the start-up fit check asks for",
+    )
+    parser.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        default=None,
+        help="do not reuse cached prompt prefixes across requests (engine.execution.prefix_cache; on by default)",
+    )
 
 
 LOCAL_START_ATTEMPTS = 3  # init_ray: a fresh local cluster that misses Ray's start-up deadline is started again
@@ -379,18 +474,18 @@ def _daemons_in_own_session():
     Patches the one Popen class Ray's `start_ray_process` uses, only while ray.init runs."""
     from ray._private import services
 
-    base = services.ConsolePopen
+    base: Any = services.ConsolePopen  # Ray's Popen subclass (typed as a type alias there)
 
     class OwnSession(base):
         def __init__(self, *args, **kwargs):
             kwargs.setdefault("start_new_session", True)
             super().__init__(*args, **kwargs)
 
-    services.ConsolePopen = OwnSession
+    setattr(services, "ConsolePopen", OwnSession)  # noqa: B010 - assigning a class mypy takes for a type alias
     try:
         yield
     finally:
-        services.ConsolePopen = base
+        setattr(services, "ConsolePopen", base)  # noqa: B010
 
 
 def owner_only_ray_token() -> str | None:
@@ -418,16 +513,20 @@ def init_ray(metrics_dir: str, extra_env: dict | None = None, own_session: bool 
     """
     import ray
 
-    env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           **(extra_env or {})}
+    env = {
+        "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        **(extra_env or {}),
+    }
     address = os.environ.get("RAY_ADDRESS") or "local"
     saved = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     try:
         for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
             try:
                 with _daemons_in_own_session() if own_session and address == "local" else contextlib.nullcontext():
-                    ray.init(address=address, runtime_env={"env_vars": env}, include_dashboard=False,
-                             logging_level="WARNING")
+                    ray.init(
+                        address=address, runtime_env={"env_vars": env}, include_dashboard=False, logging_level="WARNING"
+                    )
                 owner_only_ray_token()
                 return
             except Exception as e:
@@ -436,8 +535,12 @@ def init_ray(metrics_dir: str, extra_env: dict | None = None, own_session: bool 
                 # Start it again; a cluster named by RAY_ADDRESS is someone else's to fix.
                 if address != "local" or attempt == LOCAL_START_ATTEMPTS:
                     raise
-                print(f"dsv4: the local Ray cluster did not start ({type(e).__name__}: {e}); starting it again "
-                      f"({attempt + 1}/{LOCAL_START_ATTEMPTS})", file=sys.stderr, flush=True)
+                print(
+                    f"dsv4: the local Ray cluster did not start ({type(e).__name__}: {e}); starting it again "
+                    f"({attempt + 1}/{LOCAL_START_ATTEMPTS})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 ray.shutdown()
                 time.sleep(2.0 * attempt)
     finally:
@@ -473,8 +576,11 @@ def stop_service(handles: dict | None, drain_s: float = 10.0, shutdown_ray: bool
             serve.shutdown()
         except Exception:  # noqa: BLE001
             pass
-        for h in (*handles.get("prefill", {}).values(), *handles.get("decode", {}).values(),
-                  *([router] if router is not None else [])):
+        for h in (
+            *handles.get("prefill", {}).values(),
+            *handles.get("decode", {}).values(),
+            *([router] if router is not None else []),
+        ):
             try:
                 ray.kill(h, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
@@ -522,24 +628,37 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     engine_options = tuple((k, getattr(args, k)) for k in ENGINE_OPTION_KEYS if getattr(args, k, None) is not None)
     # A repo id is fetched here, once, before any pool starts: workers get the local snapshot path (one on
     # another node that lacks it fetches that same commit itself: engine.loading.model_source).
-    return ServiceConfig(model_dir=local_model_dir(args.model) or default_model_dir(),
-                         model_name=args.served_model_name,
-                         host=args.host, port=args.port, metrics_port=args.metrics_port, router_port=args.router_port,
-                         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-                         transfer=args.transfer, router_policy=args.router_policy, engine_options=engine_options,
-                         worker_num_cpus=args.worker_num_cpus, ingress_replicas=args.ingress_replicas,
-                         api_key=args.api_key or settings().api_key,
-                         max_body_bytes=args.max_body_bytes,
-                         allow_request_chat_template=args.allow_request_chat_template, api_docs=args.api_docs,
-                         metrics_host=args.metrics_host, drain_s=args.drain_seconds,
-                         router_max_queued=args.max_queued, router_queue_timeout_s=args.queue_timeout_seconds,
-                         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
-                         data_parallel_attention=getattr(args, "data_parallel_attention", False),
-                         prefill_tensor_parallel_size=getattr(args, "prefill_tensor_parallel_size", None),
-                         decode_tensor_parallel_size=getattr(args, "decode_tensor_parallel_size", None),
-                         worker_num_gpus=getattr(args, "worker_num_gpus", None),
-                         stall_timeout_s=getattr(args, "stall_timeout_seconds", DEFAULT_STALL_TIMEOUT_S),
-                         ready_timeout_s=getattr(args, "ready_timeout_seconds", 900.0))
+    return ServiceConfig(
+        model_dir=local_model_dir(args.model) or default_model_dir(),
+        model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        router_port=args.router_port,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+        transfer=args.transfer,
+        router_policy=args.router_policy,
+        engine_options=engine_options,
+        worker_num_cpus=args.worker_num_cpus,
+        ingress_replicas=args.ingress_replicas,
+        api_key=args.api_key or settings().api_key,
+        max_body_bytes=args.max_body_bytes,
+        allow_request_chat_template=args.allow_request_chat_template,
+        api_docs=args.api_docs,
+        metrics_host=args.metrics_host,
+        drain_s=args.drain_seconds,
+        router_max_queued=args.max_queued,
+        router_queue_timeout_s=args.queue_timeout_seconds,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
+        data_parallel_attention=getattr(args, "data_parallel_attention", False),
+        prefill_tensor_parallel_size=getattr(args, "prefill_tensor_parallel_size", None),
+        decode_tensor_parallel_size=getattr(args, "decode_tensor_parallel_size", None),
+        worker_num_gpus=getattr(args, "worker_num_gpus", None),
+        stall_timeout_s=getattr(args, "stall_timeout_seconds", DEFAULT_STALL_TIMEOUT_S),
+        ready_timeout_s=getattr(args, "ready_timeout_seconds", 900.0),
+    )
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -568,10 +687,16 @@ def serve_main(args: argparse.Namespace) -> int:
         from kv_transfer.registry import resolve_name
 
         m_host, m_port = metrics.server_address[:2]
-        print(f"dsv4 serving {cfg.model_name} ({cfg.prefill_workers}P{cfg.decode_workers}D, transfer "
-              f"{resolve_name(cfg.transfer)}, policy {cfg.router_policy})", flush=True)
-        print(f"  OpenAI API: {handles['http']}/v1 ({cfg.ingress_replicas} replicas, API key "
-              f"{'required' if cfg.api_key else 'off'})", flush=True)
+        print(
+            f"dsv4 serving {cfg.model_name} ({cfg.prefill_workers}P{cfg.decode_workers}D, transfer "
+            f"{resolve_name(cfg.transfer)}, policy {cfg.router_policy})",
+            flush=True,
+        )
+        print(
+            f"  OpenAI API: {handles['http']}/v1 ({cfg.ingress_replicas} replicas, API key "
+            f"{'required' if cfg.api_key else 'off'})",
+            flush=True,
+        )
         print(f"  router:     grpc://{handles['router_addr']} (cluster token required)", flush=True)
         print(f"  metrics:    http://{m_host}:{m_port}/metrics", flush=True)
         while not stop.wait(0.5):
@@ -588,77 +713,166 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model directory or Hugging Face repo id (org/name[@revision], "
-                        "fetched once into the HF cache); default: the built-in tiny model")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model directory or Hugging Face repo id (org/name[@revision], "
+        "fetched once into the HF cache); default: the built-in tiny model",
+    )
     parser.add_argument("--served-model-name", default="dsv4")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8080)
     parser.add_argument("--router-port", type=int, default=0, help="gRPC router port (0 = any free port)")
-    parser.add_argument("--metrics-host", default=None,
-                        help="metrics listen address (default: loopback on one node, the node address on a cluster)")
-    parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on every /v1 route (default: $DSV4_API_KEY)")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="largest accepted HTTP request body (413 beyond)")
-    parser.add_argument("--allow-request-chat-template", action="store_true",
-                        help="let requests supply `chat_template` (rendered in a sandbox with a time budget)")
+    parser.add_argument(
+        "--metrics-host",
+        default=None,
+        help="metrics listen address (default: loopback on one node, the node address on a cluster)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every /v1 route (default: $DSV4_API_KEY)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest accepted HTTP request body (413 beyond)",
+    )
+    parser.add_argument(
+        "--allow-request-chat-template",
+        action="store_true",
+        help="let requests supply `chat_template` (rendered in a sandbox with a time budget)",
+    )
     parser.add_argument("--api-docs", action="store_true", help="serve /docs and /openapi.json")
     parser.add_argument("--ingress-replicas", type=int, default=2, help="HTTP ingress replicas")
-    parser.add_argument("--worker-num-cpus", type=float, default=0.25,
-                        help="Ray CPU reservation of each prefill/decode worker")
-    parser.add_argument("--worker-num-gpus", type=float, default=None,
-                        help="GPUs each worker rank reserves on cuda (default 1); a fraction such as 0.5 puts a "
-                             "prefill and a decode worker on one GPU, each with that share of the memory budget")
-    parser.add_argument("--ready-timeout-seconds", type=float, default=900.0,
-                        help="how long each start-up stage may take (workers: loading plus the warm-up that compiles "
-                             "every kernel before serving, minutes for a large model on a cold kernel cache)")
-    parser.add_argument("--stall-timeout-seconds", type=float, default=DEFAULT_STALL_TIMEOUT_S,
-                        help="a worker whose engine stays this long in one step is unhealthy: the router moves its "
-                             "streams and the worker is restarted (keep it well above the slowest step, a compile)")
-    parser.add_argument("--drain-seconds", type=float, default=10.0,
-                        help="on SIGTERM / Ctrl-C, how long in-flight requests may take to finish")
-    parser.add_argument("--max-queued", type=int, default=1024,
-                        help="requests that may wait at the router for a decode slot (429 beyond)")
-    parser.add_argument("--queue-timeout-seconds", type=float, default=60.0,
-                        help="how long a request may wait there (503 after)")
+    parser.add_argument(
+        "--worker-num-cpus", type=float, default=0.25, help="Ray CPU reservation of each prefill/decode worker"
+    )
+    parser.add_argument(
+        "--worker-num-gpus",
+        type=float,
+        default=None,
+        help="GPUs each worker rank reserves on cuda (default 1); a fraction such as 0.5 puts a "
+        "prefill and a decode worker on one GPU, each with that share of the memory budget",
+    )
+    parser.add_argument(
+        "--ready-timeout-seconds",
+        type=float,
+        default=900.0,
+        help="how long each start-up stage may take (workers: loading plus the warm-up that compiles "
+        "every kernel before serving, minutes for a large model on a cold kernel cache)",
+    )
+    parser.add_argument(
+        "--stall-timeout-seconds",
+        type=float,
+        default=DEFAULT_STALL_TIMEOUT_S,
+        help="a worker whose engine stays this long in one step is unhealthy: the router moves its "
+        "streams and the worker is restarted (keep it well above the slowest step, a compile)",
+    )
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=10.0,
+        help="on SIGTERM / Ctrl-C, how long in-flight requests may take to finish",
+    )
+    parser.add_argument(
+        "--max-queued",
+        type=int,
+        default=1024,
+        help="requests that may wait at the router for a decode slot (429 beyond)",
+    )
+    parser.add_argument(
+        "--queue-timeout-seconds", type=float, default=60.0, help="how long a request may wait there (503 after)"
+    )
     parser.add_argument("--prefill-workers", type=int, default=1)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks per prefill/decode worker: one Ray actor (one GPU on cuda) each, packed on "
-                             "one host by a STRICT_PACK placement group; heads and dense projections split")
-    parser.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
-                        help="ranks per prefill worker when it differs from --tensor-parallel-size")
-    parser.add_argument("--decode-tensor-parallel-size", type=int, default=None,
-                        help="ranks per decode worker when it differs from --tensor-parallel-size")
-    parser.add_argument("--expert-parallel", action="store_true",
-                        help="split routed experts by expert id across each worker's ranks")
-    parser.add_argument("--data-parallel-attention", action="store_true",
-                        help="with --expert-parallel: every rank of a worker keeps the whole attention and serves its "
-                             "own requests and KV cache (a worker of its own to the router); only the MoE layers "
-                             "exchange tokens, the ranks stepping in lockstep")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks per prefill/decode worker: one Ray actor (one GPU on cuda) each, packed on "
+        "one host by a STRICT_PACK placement group; heads and dense projections split",
+    )
+    parser.add_argument(
+        "--prefill-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="ranks per prefill worker when it differs from --tensor-parallel-size",
+    )
+    parser.add_argument(
+        "--decode-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="ranks per decode worker when it differs from --tensor-parallel-size",
+    )
+    parser.add_argument(
+        "--expert-parallel", action="store_true", help="split routed experts by expert id across each worker's ranks"
+    )
+    parser.add_argument(
+        "--data-parallel-attention",
+        action="store_true",
+        help="with --expert-parallel: every rank of a worker keeps the whole attention and serves its "
+        "own requests and KV cache (a worker of its own to the router); only the MoE layers "
+        "exchange tokens, the ranks stepping in lockstep",
+    )
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--transfer", default="auto", choices=TRANSFER_CHOICES, help=TRANSFER_HELP)
-    parser.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "least_loaded",
-                                                                           "round_robin"])
+    parser.add_argument(
+        "--router-policy", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"]
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     parser.add_argument("--max-batch-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-cached-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "exact", "fp8"],
-                        help="KV cache format of every worker (default auto: fp8 where FlashMLA decodes it, else exact rows)")
-    parser.add_argument("--index-cache-dtype", default=None, choices=["auto", "mxfp4", "fp8"],
-                        help="indexer keys of an fp8 cache (default auto: FP8 on Hopper, else MXFP4)")
-    parser.add_argument("--speculative-tokens", type=int, default=None, choices=[0, 1, 2, 3],
-                        help="MTP speculative decoding on the decode pool: draft K tokens a step with the checkpoint's "
-                             "MTP layer (0 = off). The prefill pool gets it too: it runs the MTP layer over each prompt "
-                             "so that layer's KV travels with the hand-off (and both pools' cache layouts match)")
-    parser.add_argument("--prefill-expert-format", default=None, choices=["auto", "mxfp4", "fp8"],
-                        help="routed experts of the prefill pool (default auto: FP8 128x128 through DeepGEMM's grouped "
-                             "GEMM on a bf16 CUDA engine with DeepGEMM, else MXFP4); the decode pool keeps MXFP4")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["auto", "exact", "fp8"],
+        help="KV cache format of every worker (default auto: fp8 where FlashMLA decodes it, else exact rows)",
+    )
+    parser.add_argument(
+        "--index-cache-dtype",
+        default=None,
+        choices=["auto", "mxfp4", "fp8"],
+        help="indexer keys of an fp8 cache (default auto: FP8 on Hopper, else MXFP4)",
+    )
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=None,
+        choices=[0, 1, 2, 3],
+        help="MTP speculative decoding on the decode pool: draft K tokens a step with the checkpoint's "
+        "MTP layer (0 = off). The prefill pool gets it too: it runs the MTP layer over each prompt "
+        "so that layer's KV travels with the hand-off (and both pools' cache layouts match)",
+    )
+    parser.add_argument(
+        "--prefill-expert-format",
+        default=None,
+        choices=["auto", "mxfp4", "fp8"],
+        help="routed experts of the prefill pool (default auto: FP8 128x128 through DeepGEMM's grouped "
+        "GEMM on a bf16 CUDA engine with DeepGEMM, else MXFP4); the decode pool keeps MXFP4",
+    )
     add_engine_speed_args(parser)
 
 
-__all__ = ["ServiceConfig", "ServiceStartError", "serve_main", "start_service", "stop_service", "init_ray",
-           "add_serve_args", "prepare_metrics_dir", "remove_metrics_dir", "ray_logs_dir", "ray_logs_tail",
-           "RouterActor", "check_placement", "single_node", "config_from_args", "worker_gpus", "worker_engine_options"]
+__all__ = [
+    "ServiceConfig",
+    "ServiceStartError",
+    "serve_main",
+    "start_service",
+    "stop_service",
+    "init_ray",
+    "add_serve_args",
+    "prepare_metrics_dir",
+    "remove_metrics_dir",
+    "ray_logs_dir",
+    "ray_logs_tail",
+    "RouterActor",
+    "check_placement",
+    "single_node",
+    "config_from_args",
+    "worker_gpus",
+    "worker_engine_options",
+]

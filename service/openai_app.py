@@ -13,6 +13,7 @@ RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, else 500. Each r
 (`request_timeout_s`, here and as the gRPC deadline), so nothing hangs. Leaving a router stream early
 (stop string, client disconnect, timeout) cancels the gRPC call: the engine aborts it and frees its pages.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,12 @@ from service.text_stream import TextStream
 log = logging.getLogger(__name__)
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
-_HTTP_OF_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-                 grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+_HTTP_OF_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
 _INT64 = 1 << 63
 _GRPC_SHUTDOWN = "Cancelling all calls"  # what gRPC says to the calls a stopping server ends
 _TRANSPORT_DETAIL = re.compile(r"ipv[46]:|unix:|failed to connect|Socket closed|Connection refused", re.I)
@@ -69,8 +74,11 @@ class APIError(Exception):
         msg = e.message or e.code.name
         if _TRANSPORT_DETAIL.search(msg):  # gRPC's own connection errors name addresses: keep them in the log
             log.warning("router call failed: %s: %s", e.code.name, msg)
-            msg = "the router is not reachable; retry later" if e.code == grpc.StatusCode.UNAVAILABLE else \
-                f"router call failed ({e.code.name})"
+            msg = (
+                "the router is not reachable; retry later"
+                if e.code == grpc.StatusCode.UNAVAILABLE
+                else f"router call failed ({e.code.name})"
+            )
         return cls(_HTTP_OF_GRPC.get(e.code, 500), msg)
 
     @property
@@ -80,8 +88,9 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         # 429 / 503 say when to come back (overload, a worker restarting); the openai client honours it.
         headers = {"Retry-After": "1" if self.status == 429 else "2"} if self.status in (429, 503) else None
-        return JSONResponse(P.error_body(self.status, self.message, self.param), status_code=self.status,
-                            headers=headers)
+        return JSONResponse(
+            P.error_body(self.status, self.message, self.param), status_code=self.status, headers=headers
+        )
 
 
 class _ClientGone(Exception):
@@ -108,8 +117,12 @@ class Job:
 
     def usage(self) -> P.UsageInfo:
         n, m = len(self.prompt_ids), len(self.token_ids)
-        return P.UsageInfo(prompt_tokens=n, completion_tokens=m, total_tokens=n + m,
-                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=self.cached_tokens))
+        return P.UsageInfo(
+            prompt_tokens=n,
+            completion_tokens=m,
+            total_tokens=n + m,
+            prompt_tokens_details=P.PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
 
 
 class _SSEResponse(StreamingResponse):
@@ -152,9 +165,15 @@ async def _unless_disconnected(request: Request, coro):
 class OpenAIServer:
     """Per-process state behind the routes: model facts, tokenizer, and the router client."""
 
-    def __init__(self, router_addr: str, model_dir: str, model_name: str,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, health_timeout_s: float = 5.0,
-                 options: IngressOptions | None = None):
+    def __init__(
+        self,
+        router_addr: str,
+        model_dir: str,
+        model_name: str,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        health_timeout_s: float = 5.0,
+        options: IngressOptions | None = None,
+    ):
         self.router_addr, self.model_dir, self.model_name = router_addr, model_dir, model_name
         self.options = options or IngressOptions()
         self.offload = Offloader(self.options.offload_threads)
@@ -179,8 +198,9 @@ class OpenAIServer:
         # grpc.aio channels belong to the loop that creates them: create it lazily in the serving loop.
         loop = asyncio.get_running_loop()
         if self._client is None or self._client_loop is not loop:
-            self._client = AsyncRouterClient(self.router_addr, timeout_s=self.request_timeout_s,
-                                             token=self.options.router_token)
+            self._client = AsyncRouterClient(
+                self.router_addr, timeout_s=self.request_timeout_s, token=self.options.router_token
+            )
             self._client_loop = loop
         return self._client
 
@@ -190,13 +210,18 @@ class OpenAIServer:
     # ---- validation -----------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
-                           "model")
+            raise APIError(
+                404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).", "model"
+            )
 
     def _check_chars(self, text: str, what: str) -> None:
         if len(text) > self.max_prompt_chars:
-            raise APIError(400, f"{what} of {len(text)} characters cannot fit this model's maximum context length "
-                                f"of {self.max_model_len} tokens", what)
+            raise APIError(
+                400,
+                f"{what} of {len(text)} characters cannot fit this model's maximum context length "
+                f"of {self.max_model_len} tokens",
+                what,
+            )
 
     def _check_ids(self, ids: list[int], what: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -207,13 +232,15 @@ class OpenAIServer:
         """-> (token ids, prompt text for echo)."""
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
-                raise APIError(400, f"batched prompts are not supported: got {len(prompt)}, send one per request",
-                               "prompt")
+                raise APIError(
+                    400, f"batched prompts are not supported: got {len(prompt)}, send one per request", "prompt"
+                )
             prompt = prompt[0]
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise APIError(400, f"model `{self.model_name}` has no tokenizer: send the prompt as token ids",
-                               "prompt")
+                raise APIError(
+                    400, f"model `{self.model_name}` has no tokenizer: send the prompt as token ids", "prompt"
+                )
             if not prompt:
                 raise APIError(400, "prompt is empty: at least one token is required", "prompt")
             self._check_chars(prompt, "prompt")
@@ -234,28 +261,36 @@ class OpenAIServer:
             return chat_v4.render(req)
         except ValueError as e:  # the message starts with the offending field ("tools[0] must ...")
             field = str(e).split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
-            param = field if field in ("tools", "tool_choice", "reasoning_effort", "chat_template_kwargs") \
-                else "messages"
+            param = (
+                field if field in ("tools", "tool_choice", "reasoning_effort", "chat_template_kwargs") else "messages"
+            )
             raise APIError(400, str(e), param) from None
 
     def _chat_prompt(self, req: P.ChatCompletionRequest, v4: chat_v4.V4Prompt | None = None) -> list[int]:
         tok = self.tokenizer
         if tok is None:
-            raise APIError(400, f"model `{self.model_name}` has no tokenizer, which chat needs: use "
-                                f"/v1/completions with token ids", "messages")
+            raise APIError(
+                400,
+                f"model `{self.model_name}` has no tokenizer, which chat needs: use /v1/completions with token ids",
+                "messages",
+            )
         if v4 is not None:  # the V4 prompt starts with BOS itself
             return list(tok.tokenizer.encode(v4.text, add_special_tokens=False).ids)
         if req.chat_template and not self.options.allow_request_templates:
-            raise APIError(400, "request-supplied chat templates are disabled on this server (start it with "
-                                "--allow-request-chat-template to enable them)", "chat_template")
+            raise APIError(
+                400,
+                "request-supplied chat templates are disabled on this server (start it with "
+                "--allow-request-chat-template to enable them)",
+                "chat_template",
+            )
         template = req.chat_template or tok.chat_template
         if not template:
-            raise APIError(400, f"model `{self.model_name}` has no chat template; pass `chat_template`",
-                           "chat_template")
+            raise APIError(
+                400, f"model `{self.model_name}` has no chat template; pass `chat_template`", "chat_template"
+            )
         bos, eos = (tok.tokenizer.id_to_token(i) if i is not None else "" for i in (tok.bos_id, tok.eos_id))
         try:
-            text = P.render_chat(req, template, bos, eos,
-                                 self.options.template_budget_s if req.chat_template else None)
+            text = P.render_chat(req, template, bos, eos, self.options.template_budget_s if req.chat_template else None)
         except TemplateTimeout as e:
             raise APIError(400, str(e), "chat_template") from None
         except Exception as e:  # non-text content, a template error or raise_exception(): the request's fault
@@ -267,8 +302,9 @@ class OpenAIServer:
             raise APIError(400, "prompt is empty: the chat template produced no tokens", "messages")
         return list(ids)
 
-    def _params(self, req, prompt_len: int, max_tokens: int | None, logprobs: bool,
-                prompt_logprobs: bool) -> SamplingParams:
+    def _params(
+        self, req, prompt_len: int, max_tokens: int | None, logprobs: bool, prompt_logprobs: bool
+    ) -> SamplingParams:
         top_k = req.top_k or 0
         if top_k < -1 or top_k >= 1 << 31:
             raise APIError(400, f"top_k must be -1 or 0 (off) or a positive integer, got {top_k}", "top_k")
@@ -284,27 +320,56 @@ class OpenAIServer:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
         try:
             params = SamplingParams(
-                max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=max(top_k, 0), seed=req.seed,
-                ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                stop_token_ids=tuple(stop_ids))
+                max_new_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=max(top_k, 0),
+                seed=req.seed,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                stop_token_ids=tuple(stop_ids),
+            )
         except ValueError as e:
             raise APIError(400, str(e), str(e).split()[0]) from None
         if prompt_len + max_tokens > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                                f"{max_tokens} in the completion). Please reduce the length of the prompt or "
-                                f"completion.", "max_tokens")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+                f"completion.",
+                "max_tokens",
+            )
         return params
 
-    def _job(self, prefix: str, req, ids: list[int], params: SamplingParams, arrival: float, prompt_text="",
-             keep_special: bool = False) -> Job:
+    def _job(
+        self,
+        prefix: str,
+        req,
+        ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        prompt_text="",
+        keep_special: bool = False,
+    ) -> Job:
         if req.model_extra:
             log.warning("ignoring unsupported request fields: %s", sorted(req.model_extra))
-        text = TextStream(self.tokenizer, req.stop_list(), req.include_stop_str_in_output,
-                          req.skip_special_tokens and not keep_special)  # V4 chat parses its markers
-        return Job(f"{prefix}-{uuid.uuid4().hex}", ids, params, text, arrival,
-                   asyncio.get_running_loop().time() + self.request_timeout_s, prompt_text)
+        text = TextStream(
+            self.tokenizer,
+            req.stop_list(),
+            req.include_stop_str_in_output,
+            req.skip_special_tokens and not keep_special,
+        )  # V4 chat parses its markers
+        return Job(
+            f"{prefix}-{uuid.uuid4().hex}",
+            ids,
+            params,
+            text,
+            arrival,
+            asyncio.get_running_loop().time() + self.request_timeout_s,
+            prompt_text,
+        )
 
     # ---- running ---------------------------------------------------------------------------------
     async def _pieces(self, job: Job) -> AsyncIterator[tuple[int | None, float | None, str]]:
@@ -319,7 +384,8 @@ class OpenAIServer:
                 now = time.monotonic()
                 if ev.token_id is not None:
                     (metrics.TTFT if last is None else metrics.ITL).labels(self.model_name).observe(
-                        now - (job.arrival if last is None else last))
+                        now - (job.arrival if last is None else last)
+                    )
                     last = now
                     job.token_ids.append(ev.token_id)
                     job.logprobs.append(ev.logprob)
@@ -369,8 +435,11 @@ class OpenAIServer:
             except BaseException:
                 await pieces.aclose()
                 raise
-            return _SSEResponse(self._sse_body(job, first, pieces, render), media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _SSEResponse(
+                self._sse_body(job, first, pieces, render),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         except (RouterError, TimeoutError) as e:
             raise self._api_error(e) from None
         except _ClientGone:
@@ -419,8 +488,11 @@ class OpenAIServer:
         try:
             bad = lone_surrogate(req.model_dump(exclude_none=True))
             if bad:
-                raise APIError(400, f"{bad}: contains a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
-                                    f"valid Unicode text", bad)
+                raise APIError(
+                    400,
+                    f"{bad}: contains a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid Unicode text",
+                    bad,
+                )
             return await handler(req, request, arrival)
         except APIError as e:
             self.count(e.label)
@@ -452,8 +524,11 @@ class OpenAIServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, len(ids), max_tokens, req.logprobs, False)
         job = self._job("chatcmpl", req, ids, params, arrival, keep_special=v4 is not None)
-        render = chat_v4.V4ChatRender(req, self.model_name, self.token_str, v4) if v4 else \
-            P.ChatRender(req, self.model_name, self.token_str)
+        render = (
+            chat_v4.V4ChatRender(req, self.model_name, self.token_str, v4)
+            if v4
+            else P.ChatRender(req, self.model_name, self.token_str)
+        )
         return await self._respond(request, job, req.stream, render)
 
     async def health(self) -> Response:
@@ -465,18 +540,26 @@ class OpenAIServer:
             return APIError(503, "the router is not reachable").response()
         if not rep.serving:
             return APIError(503, "the router has no healthy prefill and decode worker").response()
-        return JSONResponse({"status": "ok", "model": self.model_name,
-                             "workers": [{"id": w.worker_id, "role": w.role, "healthy": w.healthy}
-                                         for w in rep.workers]})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": self.model_name,
+                "workers": [{"id": w.worker_id, "role": w.role, "healthy": w.healthy} for w in rep.workers],
+            }
+        )
 
 
 # ---- app ------------------------------------------------------------------------------------------
 _configured: OpenAIServer | None = None
 
 
-def configure(router_addr: str, model_dir: str, model_name: str,
-              request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-              options: IngressOptions | None = None) -> OpenAIServer:
+def configure(
+    router_addr: str,
+    model_dir: str,
+    model_name: str,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    options: IngressOptions | None = None,
+) -> OpenAIServer:
     """Set this process's server for apps built with `make_app()` (the Ray Serve replica calls it)."""
     global _configured
     _configured = OpenAIServer(router_addr, model_dir, model_name, request_timeout_s, options=options)
@@ -495,8 +578,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         if err.get("type") == "json_invalid":  # loc holds a byte offset, not a field: no param
             offset = next((x for x in err.get("loc", ()) if isinstance(x, int)), None)
             where = f" at byte {offset}" if offset is not None else ""
-            return APIError(400, f"request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')}"
-                                 f"{where})")
+            return APIError(
+                400, f"request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')}{where})"
+            )
     for err in exc.errors()[:3]:  # a union field (prompt) yields one error per member: keep it short
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         param = param or where or None
@@ -555,9 +639,15 @@ def make_app(get_server: Callable[[], OpenAIServer] = current_server, api_docs: 
     return app
 
 
-def build_app(router_addr: str, model_dir: str, model_name: str, *,
-              request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, options: IngressOptions | None = None,
-              api_docs: bool | None = None) -> FastAPI:
+def build_app(
+    router_addr: str,
+    model_dir: str,
+    model_name: str,
+    *,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    options: IngressOptions | None = None,
+    api_docs: bool | None = None,
+) -> FastAPI:
     """A self-contained app over the router at `router_addr` (for uvicorn and tests)."""
     server = OpenAIServer(router_addr, model_dir, model_name, request_timeout_s, options=options)
     app = make_app(lambda: server, api_docs)

@@ -31,8 +31,15 @@ MAX_LOGPROBS = 5  # OpenAI's limit for completions' `logprobs`
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4): each costs a scan of the output per token
 MAX_STOP_CHARS = 1024  # per stop string (the stream holds back len - 1 characters)
 MAX_STOP_TOKEN_IDS = 256
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function",
-              "latest_reminder")  # DeepSeek V4's own role (service/chat_encoding.py)
+CHAT_ROLES = (
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+    "latest_reminder",
+)  # DeepSeek V4's own role (service/chat_encoding.py)
 
 
 class _Model(BaseModel):
@@ -198,8 +205,9 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
-def render_chat(req: ChatCompletionRequest, template: str, bos_token: str, eos_token: str,
-                budget_s: float | None = None) -> str:
+def render_chat(
+    req: ChatCompletionRequest, template: str, bos_token: str, eos_token: str, budget_s: float | None = None
+) -> str:
     """The prompt text of a chat request (the contract of transformers' apply_chat_template, in a
     sandbox); ValueError for non-text content parts, jinja2 errors for a broken template, TemplateTimeout
     when `budget_s` (seconds; None = no budget) runs out."""
@@ -211,10 +219,15 @@ def render_chat(req: ChatCompletionRequest, template: str, bos_token: str, eos_t
                 raise ValueError(f"messages[{i}]: only text content parts are supported")
             content = "\n".join(p.text or "" for p in content)  # vLLM joins text parts the same way
         messages.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
+
     def render():
-        return _compile_template(template).render(messages=messages, add_generation_prompt=req.add_generation_prompt,
-                                                  bos_token=bos_token, eos_token=eos_token,
-                                                  **(req.chat_template_kwargs or {}))
+        return _compile_template(template).render(
+            messages=messages,
+            add_generation_prompt=req.add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **(req.chat_template_kwargs or {}),
+        )
 
     if budget_s is None:
         return render()
@@ -399,10 +412,18 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
-               429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
-               504: "TimeoutError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+    504: "TimeoutError",
+}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -416,14 +437,19 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 # text.sent (the output text so far), finish_reason, stop_reason, usage(). `token_str(id)` names a token.
 # The engine reports only the sampled token's log-prob, so each `top_logprobs` entry holds that token.
 
+
 def completion_logprobs(token_str, ids, lps, offset: int = 0) -> CompletionLogProbs:
     tokens = [token_str(t) for t in ids]
     offsets = []
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
-    return CompletionLogProbs(text_offset=offsets, token_logprobs=list(lps), tokens=tokens,
-                              top_logprobs=[None if lp is None else {s: lp} for s, lp in zip(tokens, lps)])
+    return CompletionLogProbs(
+        text_offset=offsets,
+        token_logprobs=list(lps),
+        tokens=tokens,
+        top_logprobs=[None if lp is None else {s: lp} for s, lp in zip(tokens, lps)],
+    )
 
 
 def chat_logprobs(token_str, ids, lps, top: int | None) -> ChatCompletionLogProbs:
@@ -448,23 +474,30 @@ class CompletionRender:
         if req.echo:
             ids, lps, text = job.prompt_ids + ids, job.prompt_logprobs + lps, job.prompt_text + text
         choice = CompletionResponseChoice(
-            text=text, finish_reason=job.finish_reason, stop_reason=job.stop_reason,
+            text=text,
+            finish_reason=job.finish_reason,
+            stop_reason=job.stop_reason,
             logprobs=completion_logprobs(self.token_str, ids, lps) if req.logprobs is not None else None,
             token_ids=job.token_ids if req.return_token_ids else None,
-            prompt_token_ids=job.prompt_ids if req.return_token_ids else None)
+            prompt_token_ids=job.prompt_ids if req.return_token_ids else None,
+        )
         return CompletionResponse(id=job.rid, model=self.model, choices=[choice], usage=job.usage())
 
     def _chunk(self, job, text: str, **kw) -> CompletionStreamResponse:
-        return CompletionStreamResponse(id=job.rid, model=self.model,
-                                        choices=[CompletionResponseStreamChoice(text=text, **kw)])
+        return CompletionStreamResponse(
+            id=job.rid, model=self.model, choices=[CompletionResponseStreamChoice(text=text, **kw)]
+        )
 
     def head(self, job) -> list:
         req = self.req
         prompt_ids = job.prompt_ids if req.return_token_ids else None
         if not req.echo:
             return [self._chunk(job, "", prompt_token_ids=prompt_ids)] if prompt_ids else []
-        lps = completion_logprobs(self.token_str, job.prompt_ids, job.prompt_logprobs) \
-            if req.logprobs is not None else None
+        lps = (
+            completion_logprobs(self.token_str, job.prompt_ids, job.prompt_logprobs)
+            if req.logprobs is not None
+            else None
+        )
         self.offset = len(job.prompt_text)
         return [self._chunk(job, job.prompt_text, logprobs=lps, prompt_token_ids=prompt_ids)]
 
@@ -477,8 +510,14 @@ class CompletionRender:
         if req.logprobs is not None and token_id is not None:
             lps = completion_logprobs(self.token_str, [token_id], [logprob], self.offset)
         self.offset += len(delta)
-        return self._chunk(job, delta, logprobs=lps, finish_reason=job.finish_reason, stop_reason=job.stop_reason,
-                           token_ids=[token_id] if req.return_token_ids and token_id is not None else None)
+        return self._chunk(
+            job,
+            delta,
+            logprobs=lps,
+            finish_reason=job.finish_reason,
+            stop_reason=job.stop_reason,
+            token_ids=[token_id] if req.return_token_ids and token_id is not None else None,
+        )
 
     def tail(self, job) -> list:
         opts = self.req.stream_options
@@ -496,16 +535,26 @@ class ChatRender:
     def response(self, job) -> ChatCompletionResponse:
         req = self.req
         choice = ChatCompletionResponseChoice(
-            message=ChatResponseMessage(content=job.text.sent), finish_reason=job.finish_reason,
-            stop_reason=job.stop_reason, token_ids=job.token_ids if req.return_token_ids else None,
+            message=ChatResponseMessage(content=job.text.sent),
+            finish_reason=job.finish_reason,
+            stop_reason=job.stop_reason,
+            token_ids=job.token_ids if req.return_token_ids else None,
             logprobs=chat_logprobs(self.token_str, job.token_ids, job.logprobs, req.top_logprobs)
-            if req.logprobs else None)
-        return ChatCompletionResponse(id=job.rid, model=self.model, choices=[choice], usage=job.usage(),
-                                      prompt_token_ids=job.prompt_ids if req.return_token_ids else None)
+            if req.logprobs
+            else None,
+        )
+        return ChatCompletionResponse(
+            id=job.rid,
+            model=self.model,
+            choices=[choice],
+            usage=job.usage(),
+            prompt_token_ids=job.prompt_ids if req.return_token_ids else None,
+        )
 
     def _chunk(self, job, delta: DeltaMessage, **kw) -> ChatCompletionStreamResponse:
-        return ChatCompletionStreamResponse(id=job.rid, model=self.model,
-                                            choices=[ChatCompletionResponseStreamChoice(delta=delta, **kw)])
+        return ChatCompletionStreamResponse(
+            id=job.rid, model=self.model, choices=[ChatCompletionResponseStreamChoice(delta=delta, **kw)]
+        )
 
     def head(self, job) -> list:
         c = self._chunk(job, DeltaMessage(role="assistant", content=""))
@@ -517,11 +566,19 @@ class ChatRender:
         with_token = token_id is not None and (req.logprobs or req.return_token_ids)
         if not (delta or with_token or done):
             return None
-        lps = chat_logprobs(self.token_str, [token_id], [logprob], req.top_logprobs) \
-            if req.logprobs and token_id is not None else None
-        return self._chunk(job, DeltaMessage(content=delta), logprobs=lps, finish_reason=job.finish_reason,
-                           stop_reason=job.stop_reason,
-                           token_ids=[token_id] if req.return_token_ids and token_id is not None else None)
+        lps = (
+            chat_logprobs(self.token_str, [token_id], [logprob], req.top_logprobs)
+            if req.logprobs and token_id is not None
+            else None
+        )
+        return self._chunk(
+            job,
+            DeltaMessage(content=delta),
+            logprobs=lps,
+            finish_reason=job.finish_reason,
+            stop_reason=job.stop_reason,
+            token_ids=[token_id] if req.return_token_ids and token_id is not None else None,
+        )
 
     def tail(self, job) -> list:
         opts = self.req.stream_options

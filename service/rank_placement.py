@@ -30,9 +30,21 @@ class PlacedWorker:
     ranks: dict = field(default_factory=dict)  # data-parallel attention: worker id -> handle of ranks 1..N-1
 
 
-def place_worker(cls, name: str, args: tuple, kwargs: dict, opts: dict, model_dir: str | None, tp_size: int,
-                 expert_parallel: bool, num_cpus: float, num_gpus: int, actor_options: dict,
-                 ready_timeout_s: float, data_parallel_attention: bool = False) -> PlacedWorker:
+def place_worker(
+    cls,
+    name: str,
+    args: tuple,
+    kwargs: dict,
+    opts: dict,
+    model_dir: str | None,
+    tp_size: int,
+    expert_parallel: bool,
+    num_cpus: float,
+    num_gpus: float,
+    actor_options: dict,
+    ready_timeout_s: float,
+    data_parallel_attention: bool = False,
+) -> PlacedWorker:
     """Create worker `name` (cls.options(name=...).remote(*args, **kwargs)) over tp_size ranks.
 
     args: the worker's positional constructor arguments, its worker id first and among them `opts` (its engine
@@ -53,13 +65,18 @@ def place_worker(cls, name: str, args: tuple, kwargs: dict, opts: dict, model_di
     # their bundles; a detached worker (KubeRay builder) needs a detached group, or the group would end with
     # the job that created it.
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **actor_options.get("resources", {})}
-    group = placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK", name=group_name(name),
-                            lifetime=actor_options.get("lifetime"))
+    group = placement_group(
+        [dict(bundle) for _ in range(tp_size)],
+        strategy="STRICT_PACK",
+        name=group_name(name),
+        lifetime=actor_options.get("lifetime"),
+    )
     try:
         ray.get(group.ready(), timeout=ready_timeout_s)
     except Exception:
         ray.util.remove_placement_group(group)
         raise
+
     def on(index: int) -> dict:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
 
@@ -69,16 +86,22 @@ def place_worker(cls, name: str, args: tuple, kwargs: dict, opts: dict, model_di
     spec = TensorParallelSpec(tp_size, expert_parallel, port, data_parallel_attention=data_parallel_attention)
     ranked = {**opts, "tensor_parallel": spec}
     if data_parallel_attention:
-        handles = [cls.options(name=actor, max_restarts=0, **actor_options, **on(r)).remote(
-            *_with_opts(_with_id(args, wid), opts, {**ranked, "rank": r}), **kwargs)
-            for r, (wid, actor) in enumerate(zip(dp_worker_ids(args[0], tp_size), dp_actor_names(name, tp_size)))]
+        handles = [
+            cls.options(name=actor, max_restarts=0, **actor_options, **on(r)).remote(
+                *_with_opts(_with_id(args, wid), opts, {**ranked, "rank": r}), **kwargs
+            )
+            for r, (wid, actor) in enumerate(zip(dp_worker_ids(args[0], tp_size), dp_actor_names(name, tp_size)))
+        ]
         return PlacedWorker(handles[0], [], group, dict(zip(dp_worker_ids(args[0], tp_size)[1:], handles[1:])))
 
     follower_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(RankFollower)
-    followers = [follower_cls.options(name=fname, **actor_options, **on(r)).remote(r, model_dir, ranked)
-                 for r, fname in enumerate(follower_names(name, tp_size), start=1)]
+    followers = [
+        follower_cls.options(name=fname, **actor_options, **on(r)).remote(r, model_dir, ranked)
+        for r, fname in enumerate(follower_names(name, tp_size), start=1)
+    ]
     handle = cls.options(name=name, max_restarts=0, **actor_options, **on(0)).remote(
-        *_with_opts(args, opts, ranked), **kwargs)
+        *_with_opts(args, opts, ranked), **kwargs
+    )
     return PlacedWorker(handle, followers, group)
 
 

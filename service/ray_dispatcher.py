@@ -63,8 +63,14 @@ def _failure(e: BaseException, worker_id: str) -> BaseException:
 
 
 class RayDispatcher:
-    def __init__(self, prefill: dict, decode: dict, call_timeout_s: float = 10.0, overload_retry_s: float = 5.0,
-                 probe_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        prefill: dict,
+        decode: dict,
+        call_timeout_s: float = 10.0,
+        overload_retry_s: float = 5.0,
+        probe_timeout_s: float = 5.0,
+    ):
         """prefill / decode: {worker_id: actor handle}; probe_timeout_s: a stats call slower than this marks the
         worker unhealthy (its process is stopped or wedged: the router then moves its streams)."""
         self.prefill = dict(prefill)
@@ -112,9 +118,20 @@ class RayDispatcher:
             self._info[wid] = WorkerInfo(wid, role, healthy=False, incarnation=self._info[wid].incarnation)
             return False
         load = stats.load
-        self._info[wid] = WorkerInfo(wid, stats.role, True, load.running, load.waiting, load.kv_free_tokens,
-                                     load.kv_usage, stats.incarnation, stats.max_slots, stats.kv_capacity_tokens,
-                                     stats.kv_page_tokens, prefix=stats.prefix)
+        self._info[wid] = WorkerInfo(
+            wid,
+            stats.role,
+            True,
+            load.running,
+            load.waiting,
+            load.kv_free_tokens,
+            load.kv_usage,
+            stats.incarnation,
+            stats.max_slots,
+            stats.kv_capacity_tokens,
+            stats.kv_page_tokens,
+            prefix=stats.prefix,
+        )
         return True
 
     async def _introduce_new(self, wid: str, incarnation: str) -> None:
@@ -122,8 +139,9 @@ class RayDispatcher:
         if wid in self.prefill:
             md = await self.prefill[wid].transfer_metadata.remote()
             self._metadata[wid] = (incarnation, md)
-            results = await asyncio.gather(*(d.add_peer.remote(wid, md) for d in self.decode.values()),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(d.add_peer.remote(wid, md) for d in self.decode.values()), return_exceptions=True
+            )
             for did, r in zip(self.decode, results):
                 if isinstance(r, BaseException):  # that decode worker is down: it gets every peer on its return
                     self._incarnation.pop(did, None)
@@ -131,8 +149,9 @@ class RayDispatcher:
         decode = self.decode[wid]
         for pid, (_, md) in list(self._metadata.items()):
             await decode.add_peer.remote(pid, md)
-        log.info("decode worker %s (incarnation %s) introduced to %d prefill workers", wid, incarnation,
-                 len(self._metadata))
+        log.info(
+            "decode worker %s (incarnation %s) introduced to %d prefill workers", wid, incarnation, len(self._metadata)
+        )
 
     async def health_check(self) -> dict[str, bool]:
         # Prefill first: a decode worker that restarted at the same time then gets the fresh metadata.
@@ -191,11 +210,14 @@ class RayDispatcher:
                 raise WorkerDied(decode_id, str(e)) from None
             except PeerUnknown:
                 if introduced:
-                    raise WorkerDied(decode_id, "still lacks the prefill worker's metadata after an introduction") from None
+                    raise WorkerDied(
+                        decode_id, "still lacks the prefill worker's metadata after an introduction"
+                    ) from None
                 introduced = True
                 try:
-                    await asyncio.wait_for(self._introduce_pair(prefill_id, decode_id, result.incarnation),
-                                           self.call_timeout_s)
+                    await asyncio.wait_for(
+                        self._introduce_pair(prefill_id, decode_id, result.incarnation), self.call_timeout_s
+                    )
                 except (TimeoutError, *DEAD, RayTaskError) as e:
                     if not await self._still_holds(prefill, result.incarnation):
                         raise WorkerDied(prefill_id, f"introducing it to {decode_id}: {_cause(e)}") from None
@@ -230,9 +252,15 @@ class RayDispatcher:
                 raise WorkerDied(prefill_id, str(e)) from None
             except RayTaskError as e:
                 raise _failure(e, prefill_id) from None
-            first = TokenEvent(rid, result.first_token, result.first_logprob, result.finished, result.finish_reason,
-                               tuple(result.prompt_logprobs[1:]) if params.prompt_logprobs else (),
-                               result.cached_tokens)
+            first = TokenEvent(
+                rid,
+                result.first_token,
+                result.first_logprob,
+                result.finished,
+                result.finish_reason,
+                tuple(result.prompt_logprobs[1:]) if params.prompt_logprobs else (),
+                result.cached_tokens,
+            )
             if result.finished:
                 finished = True
                 yield first

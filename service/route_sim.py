@@ -99,8 +99,9 @@ class SimWorker:
         prefix = None
         if with_digest:
             if self._digest is None or self._digest.version != self.cache.version:
-                self._digest = PrefixDigest(block_tokens=block, seed=SEED, hashes=frozenset(self.cache.blocks),
-                                            version=self.cache.version)
+                self._digest = PrefixDigest(
+                    block_tokens=block, seed=SEED, hashes=frozenset(self.cache.blocks), version=self.cache.version
+                )
             prefix = self._digest
         return WorkerInfo(self.worker_id, "colocated", True, min(busy, 1), max(busy - 1, 0), 1 << 40, prefix=prefix)
 
@@ -113,7 +114,7 @@ def prompt_tokens(req: TraceRequest, block: int) -> list[int]:
         out.extend(range(h * block, h * block + block))
         if len(out) >= req.input_length:
             break
-    return out[:req.input_length]
+    return out[: req.input_length]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -167,9 +168,12 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
         "hit_rate": hit_tokens / total_tokens if total_tokens else 0.0,
         "pooled_hit_rate": pooled_hit_rate(trace, cfg),
         "load_imbalance": max(loads) / mean if mean else 1.0,
-        "max_prefill_tokens": max(loads, default=0), "mean_prefill_tokens": mean,
-        "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
-        "decision_us_p50": _pct(decisions, 0.5), "decision_us_p99": _pct(decisions, 0.99),
+        "max_prefill_tokens": max(loads, default=0),
+        "mean_prefill_tokens": mean,
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p99_s": _pct(ttfts, 0.99),
+        "decision_us_p50": _pct(decisions, 0.5),
+        "decision_us_p99": _pct(decisions, 0.99),
         "decision_wall_us_p99": _pct(walls, 0.99),
         "requests": len(trace),
     }

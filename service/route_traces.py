@@ -45,8 +45,12 @@ class _Ids:
 
 def _request(t_ms: float, ids: list[int], out_len: int, rng: random.Random) -> dict:
     # The last block is partial: a prompt is rarely a whole number of blocks.
-    return {"timestamp": round(t_ms, 3), "input_length": len(ids) * BLOCK - rng.randrange(1, BLOCK),
-            "output_length": out_len, "hash_ids": ids}
+    return {
+        "timestamp": round(t_ms, 3),
+        "input_length": len(ids) * BLOCK - rng.randrange(1, BLOCK),
+        "output_length": out_len,
+        "hash_ids": ids,
+    }
 
 
 def chat(n: int = 3000, seed: int = 0, rate_per_s: float = 150.0, think_s: float = 8.0) -> list[dict]:
@@ -65,8 +69,9 @@ def chat(n: int = 3000, seed: int = 0, rate_per_s: float = 150.0, think_s: float
     return sorted(out[:n], key=lambda r: r["timestamp"])
 
 
-def system_prompts(groups: int = 64, per_group: int = 16, seed: int = 0, rate_per_s: float = 120.0,
-                   zipf: float = 1.1) -> list[dict]:
+def system_prompts(
+    groups: int = 64, per_group: int = 16, seed: int = 0, rate_per_s: float = 120.0, zipf: float = 1.1
+) -> list[dict]:
     """groups x per_group requests: a 4-block (2048-token) system prompt + a 1-block question."""
     rng, ids = random.Random(seed), _Ids()
     systems = [ids.take(4) for _ in range(groups)]
@@ -163,11 +168,24 @@ def make(kind: str, seed: int = 0, rate_per_s: float | None = None, size: int | 
     if size is not None:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
-        kw[{"chat": "n", "system_prompts": "groups", "agentic": "agents", "long_sessions": "sessions",
-            "bursty": "sessions", "heavy_tail": "requests"}[kind]] = size
+        kw[
+            {
+                "chat": "n",
+                "system_prompts": "groups",
+                "agentic": "agents",
+                "long_sessions": "sessions",
+                "bursty": "sessions",
+                "heavy_tail": "requests",
+            }[kind]
+        ] = size
     generators: dict[str, Callable[..., list[dict]]] = {
-        "chat": chat, "system_prompts": system_prompts, "agentic": agentic, "long_sessions": long_sessions,
-        "bursty": bursty, "heavy_tail": heavy_tail}
+        "chat": chat,
+        "system_prompts": system_prompts,
+        "agentic": agentic,
+        "long_sessions": long_sessions,
+        "bursty": bursty,
+        "heavy_tail": heavy_tail,
+    }
     return generators[kind](**kw)
 
 
@@ -185,8 +203,12 @@ def read(path: str | Path) -> list[TraceRequest]:
             continue
         try:
             row = json.loads(line)
-            req = TraceRequest(float(row["timestamp"]), int(row["input_length"]), int(row.get("output_length", 0)),
-                               tuple(int(h) for h in row["hash_ids"]))
+            req = TraceRequest(
+                float(row["timestamp"]),
+                int(row["input_length"]),
+                int(row.get("output_length", 0)),
+                tuple(int(h) for h in row["hash_ids"]),
+            )
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{i}: not a Mooncake trace line ({e})") from None
         if req.input_length < 1:
@@ -199,7 +221,8 @@ def read(path: str | Path) -> list[TraceRequest]:
     for k, r in enumerate(out):
         short = -(-r.input_length // BLOCK) - len(r.hash_ids)
         if short > 0:
-            out[k] = TraceRequest(r.timestamp_ms, r.input_length, r.output_length,
-                                  r.hash_ids + tuple(range(fresh, fresh + short)))
+            out[k] = TraceRequest(
+                r.timestamp_ms, r.input_length, r.output_length, r.hash_ids + tuple(range(fresh, fresh + short))
+            )
             fresh += short
     return out

@@ -30,28 +30,48 @@ INGRESS_NUM_CPUS = 0.1
 DEFAULT_REPLICAS = 2
 
 
-@serve.deployment(name="dsv4-openai", max_ongoing_requests=1000,  # requests mostly wait on the router
-                  health_check_period_s=HEALTH_PERIOD_S, health_check_timeout_s=HEALTH_TIMEOUT_S,
-                  ray_actor_options={"num_cpus": INGRESS_NUM_CPUS})
+@serve.deployment(
+    name="dsv4-openai",
+    max_ongoing_requests=1000,  # requests mostly wait on the router
+    health_check_period_s=HEALTH_PERIOD_S,
+    health_check_timeout_s=HEALTH_TIMEOUT_S,
+    ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
+)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, router_addr: str, model_dir: str, model_name: str,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, options: IngressOptions | None = None):
+    def __init__(
+        self,
+        router_addr: str,
+        model_dir: str,
+        model_name: str,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        options: IngressOptions | None = None,
+    ):
         from service import openai_app  # the real module (this method may have been pickled by value)
 
-        self.server = openai_app.configure(router_addr, model_dir, model_name, request_timeout_s,
-                                           options or IngressOptions.from_env())
+        self.server = openai_app.configure(
+            router_addr, model_dir, model_name, request_timeout_s, options or IngressOptions.from_env()
+        )
 
     async def check_health(self) -> None:
         await asyncio.sleep(0)  # answering at all proves the event loop is not blocked
 
 
-def deploy_http(router_addr: str, model_dir: str, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                num_replicas: int = DEFAULT_REPLICAS, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                app_name: str = "dsv4-openai", options: IngressOptions | None = None):
+def deploy_http(
+    router_addr: str,
+    model_dir: str,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    num_replicas: int = DEFAULT_REPLICAS,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    app_name: str = "dsv4-openai",
+    options: IngressOptions | None = None,
+):
     """Start Serve's HTTP proxy on host:port and deploy `num_replicas` ingress replicas (on the connected
     Ray cluster) serving the OpenAI API at "/"; -> the deployment handle. Returns once it is running."""
     serve.start(http_options={"host": host, "port": port})
     deployment = OpenAIIngress.options(num_replicas=num_replicas)
-    return serve.run(deployment.bind(router_addr, model_dir, model_name, request_timeout_s, options),
-                     name=app_name, route_prefix="/")
+    return serve.run(
+        deployment.bind(router_addr, model_dir, model_name, request_timeout_s, options), name=app_name, route_prefix="/"
+    )

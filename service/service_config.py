@@ -7,9 +7,22 @@ from dataclasses import dataclass
 from engine.runtime.health import DEFAULT_STALL_TIMEOUT_S
 from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 
-ENGINE_OPTION_KEYS = ("device", "dtype", "max_batch_tokens", "max_num_seqs", "max_cached_tokens", "kv_cache_dtype",
-                      "index_cache_dtype", "decode_mode", "keep_mxfp4_experts", "prefix_cache",
-                      "gpu_memory_utilization", "max_model_len", "speculative_tokens", "prefill_expert_format")
+ENGINE_OPTION_KEYS = (
+    "device",
+    "dtype",
+    "max_batch_tokens",
+    "max_num_seqs",
+    "max_cached_tokens",
+    "kv_cache_dtype",
+    "index_cache_dtype",
+    "decode_mode",
+    "keep_mxfp4_experts",
+    "prefix_cache",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "speculative_tokens",
+    "prefill_expert_format",
+)
 PREFILL_POOL_KEYS = ("prefill_expert_format",)  # given to the prefill pool only (the decode pool keeps MXFP4 experts)
 
 
@@ -68,9 +81,11 @@ class ServiceConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         sizes = [self.parallel(role)[0] for role in ("prefill", "decode")]
         if self.data_parallel_attention and not (max(sizes) > 1 and self.expert_parallel):
-            raise ValueError("data_parallel_attention needs a tensor parallel size > 1 and expert_parallel (its ranks "
-                             f"share the routed experts), got tensor parallel sizes {sizes} (prefill, decode), "
-                             f"expert_parallel {self.expert_parallel}")
+            raise ValueError(
+                "data_parallel_attention needs a tensor parallel size > 1 and expert_parallel (its ranks "
+                f"share the routed experts), got tensor parallel sizes {sizes} (prefill, decode), "
+                f"expert_parallel {self.expert_parallel}"
+            )
 
     def parallel(self, role: str) -> tuple[int, bool, bool]:
         """One role's worker layout: (ranks, expert parallel, data-parallel attention); the flags apply to the

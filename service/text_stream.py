@@ -29,10 +29,10 @@ class TextStream:
     def _decode(self, final: bool) -> None:
         if self.tokenizer is None or self._read == len(self.ids):
             return
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read], self.skip_special)
-        now = self.tokenizer.decode(self.ids[self._prefix:], self.skip_special)
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read], self.skip_special)
+        now = self.tokenizer.decode(self.ids[self._prefix :], self.skip_special)
         if len(now) > len(before) and (final or not now.endswith("\ufffd")):
-            self.text += now[len(before):]
+            self.text += now[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)
 
     def add(self, token_id: int | None, final: bool) -> str:
@@ -51,5 +51,5 @@ class TextStream:
             text = text[: max(0, len(text) - self.hold)].rstrip("\ufffd")
         if not text.startswith(self.sent):  # never retract sent text
             return ""
-        delta, self.sent = text[len(self.sent):], text
+        delta, self.sent = text[len(self.sent) :], text
         return delta

@@ -10,8 +10,22 @@ from benchmarks.slice.suite import make_plan, prefill_line
 
 
 def test_prefill_flags_reach_the_plan():
-    plan = make_plan(parse_args(["--experts", "mxfp4", "fp8", "--prefill-tokens", "131072", "--prefill-chunk", "8192",
-                                 "--prefill-runs", "3", "--prefill-only"]))
+    plan = make_plan(
+        parse_args(
+            [
+                "--experts",
+                "mxfp4",
+                "fp8",
+                "--prefill-tokens",
+                "131072",
+                "--prefill-chunk",
+                "8192",
+                "--prefill-runs",
+                "3",
+                "--prefill-only",
+            ]
+        )
+    )
     assert plan.experts == ("mxfp4", "fp8") and plan.prefill_tokens == 131072
     assert plan.prefill_chunk == 8192 and plan.prefill_runs == 3 and plan.prefill_only
     default = make_plan(parse_args([]))
@@ -20,9 +34,22 @@ def test_prefill_flags_reach_the_plan():
 
 def test_chunk_report_as_the_prompt_grows():
     ends = list(range(8192, 131072 + 1, 8192))
-    p = {"experts": "fp8", "tokens": 131072, "chunk": 8192, "chunk_s": [0.05 + 0.001 * i for i in range(16)],
-         "chunk_end": ends, "runs_s": [1.1, 1.0, 1.05], "peak_gib": 40.5, "base_gib": 38.0, "s": 1.05,
-         "tok_s": 124830.0, "roof_tok_s": 300000.0, "share": 0.41, "share_fp8": 0.25, "steps": 16}
+    p = {
+        "experts": "fp8",
+        "tokens": 131072,
+        "chunk": 8192,
+        "chunk_s": [0.05 + 0.001 * i for i in range(16)],
+        "chunk_end": ends,
+        "runs_s": [1.1, 1.0, 1.05],
+        "peak_gib": 40.5,
+        "base_gib": 38.0,
+        "s": 1.05,
+        "tok_s": 124830.0,
+        "roof_tok_s": 300000.0,
+        "share": 0.41,
+        "share_fp8": 0.25,
+        "steps": 16,
+    }
     text = _chunk_text(p)
     assert "runs 1.100, 1.000, 1.050 s" in text and "peak 40.50 GiB" in text
     assert "8K 50 ms" in text and "128K 65 ms" in text and text.count(" ms") == 16  # <= 16 chunks: every one

@@ -6,8 +6,28 @@ from service.cli import main
 
 def test_bench_spec_tiny_runs_and_writes_its_section(tmp_path):
     out = tmp_path / "spec.md"
-    assert main(["bench", "spec", "--tiny", "--k", "2", "--batches", "2", "--rates", "1.0", "--steps", "1",
-                 "--context", "8", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "spec",
+                "--tiny",
+                "--k",
+                "2",
+                "--batches",
+                "2",
+                "--rates",
+                "1.0",
+                "--steps",
+                "1",
+                "--context",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = out.read_text()
     assert text.startswith("## Speculative decoding (MTP, K=2)")
     row = [line for line in text.splitlines() if "acceptance 1.0" in line][0].split("|")

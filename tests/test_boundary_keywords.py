@@ -16,8 +16,11 @@ from engine import handoff
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dsv4_kernels", "engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "service", "tests")
-BOUNDARY = {name for name, obj in vars(handoff).items()
-            if dataclasses.is_dataclass(obj) and isinstance(obj, type) and obj.__module__ == handoff.__name__}
+BOUNDARY = {
+    name
+    for name, obj in vars(handoff).items()
+    if dataclasses.is_dataclass(obj) and isinstance(obj, type) and obj.__module__ == handoff.__name__
+}
 
 
 def test_boundary_types_found():
@@ -29,8 +32,13 @@ def positional_calls(path: Path) -> list[str]:
     bad = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and node.args:
-            name = node.func.id if isinstance(node.func, ast.Name) else \
-                node.func.attr if isinstance(node.func, ast.Attribute) else None
+            name = (
+                node.func.id
+                if isinstance(node.func, ast.Name)
+                else node.func.attr
+                if isinstance(node.func, ast.Attribute)
+                else None
+            )
             if name in BOUNDARY and not (isinstance(node.func, ast.Attribute) and node.func.attr != name):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}(...) with {len(node.args)} positional")
     return bad
@@ -38,6 +46,7 @@ def positional_calls(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_boundary_dataclasses_built_with_keywords(package):
-    bad = [b for path in sorted((ROOT / package).rglob("*.py")) if "_gen" not in path.parts
-           for b in positional_calls(path)]
+    bad = [
+        b for path in sorted((ROOT / package).rglob("*.py")) if "_gen" not in path.parts for b in positional_calls(path)
+    ]
     assert not bad, "build these with keywords:\n" + "\n".join(bad)

@@ -41,8 +41,9 @@ def gated(node: ast.AST, aliases: set[str] = frozenset()) -> bool:
 
 
 def marks_gpu(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Attribute) and n.attr == "gpu" and ast.unparse(n).endswith("mark.gpu")
-               for n in ast.walk(node))
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == "gpu" and ast.unparse(n).endswith("mark.gpu") for n in ast.walk(node)
+    )
 
 
 def _module_level(tree: ast.Module):
@@ -74,11 +75,19 @@ def unmarked(path: Path) -> list[str]:
     rel = path.relative_to(ROOT).as_posix()
     tree = ast.parse(path.read_text(), filename=str(path))
     area = any(rel.startswith(frag) and "gpu" in names for frag, names in AREA_MARKERS.items())
-    pytestmark = [s for s in tree.body if isinstance(s, ast.Assign)
-                  and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in s.targets)]
+    pytestmark = [
+        s
+        for s in tree.body
+        if isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in s.targets)
+    ]
     module_marked = area or any(marks_gpu(s.value) for s in pytestmark)
-    aliases = {t.id for s in tree.body if isinstance(s, ast.Assign) and gated(s.value)
-               for t in s.targets if isinstance(t, ast.Name)}
+    aliases = {
+        t.id
+        for s in tree.body
+        if isinstance(s, ast.Assign) and gated(s.value)
+        for t in s.targets
+        if isinstance(t, ast.Name)
+    }
     if module_marked:
         return []
     bad = []
@@ -113,14 +122,14 @@ def test_the_rule_sees_each_kind_of_cuda_skip(tmp_path):
     cases = {
         "test_gpu_x.py": "def test_a():\n    pass\n",
         "test_mod.py": "import pytest, torch\nif not torch.cuda.is_available():\n"
-                       "    pytest.skip('GPU only: x', allow_module_level=True)\n",
+        "    pytest.skip('GPU only: x', allow_module_level=True)\n",
         "test_fn.py": "import pytest, torch\n@pytest.mark.skipif(not torch.cuda.is_available(), reason='x')\n"
-                      "def test_a():\n    pass\n",
+        "def test_a():\n    pass\n",
         "test_alias.py": "import pytest\nneeds = pytest.mark.skipif(True, reason='GPU only: x')\n@needs\n"
-                         "def test_a():\n    pass\n",
+        "def test_a():\n    pass\n",
         "test_body.py": "import pytest\ndef test_a():\n    pytest.skip('GPU only: x')\n",
         "test_param.py": "import pytest, torch\n@pytest.mark.parametrize('d', [pytest.param('cuda', marks="
-                         "pytest.mark.skipif(not torch.cuda.is_available(), reason='x'))])\ndef test_a(d):\n    pass\n",
+        "pytest.mark.skipif(not torch.cuda.is_available(), reason='x'))])\ndef test_a(d):\n    pass\n",
     }
     for name, text in cases.items():
         path = ROOT / "tests" / "_marker_probe" / name

@@ -18,17 +18,34 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYER = {"dsv4_kernels": 0, "engine": 1, "kv_transfer": 2, "prefill_worker": 2, "decode_worker": 2, "router": 3,
-         "service": 4, "benchmarks": 5}
+LAYER = {
+    "dsv4_kernels": 0,
+    "engine": 1,
+    "kv_transfer": 2,
+    "prefill_worker": 2,
+    "decode_worker": 2,
+    "router": 3,
+    "service": 4,
+    "benchmarks": 5,
+}
 SIDEWAYS_OK = {("prefill_worker", "kv_transfer"), ("decode_worker", "kv_transfer")}
 RUNTIME = set(LAYER)
 # engine/ by role: the model and its caches, scheduling and execution, loading, telemetry, the worker runtime.
 # (importer, imported module) pairs allowed a private name until the imported module offers a public one: the slice
 # benchmark builds the release's quantisation layout from make_model's name patterns.
-PRIVATE_OK = {("benchmarks.slice.roofline", "engine.loading.make_model"),
-              ("benchmarks.slice.slice_model", "engine.loading.make_model")}
-ENGINE_LAYER = {"engine.handoff": 0, "engine.model": 1, "engine.execution": 2, "engine.telemetry": 3,
-                "engine.loading": 4, "engine.runtime": 5, "engine.llm": 6}
+PRIVATE_OK = {
+    ("benchmarks.slice.roofline", "engine.loading.make_model"),
+    ("benchmarks.slice.slice_model", "engine.loading.make_model"),
+}
+ENGINE_LAYER = {
+    "engine.handoff": 0,
+    "engine.model": 1,
+    "engine.execution": 2,
+    "engine.telemetry": 3,
+    "engine.loading": 4,
+    "engine.runtime": 5,
+    "engine.llm": 6,
+}
 
 
 def modules() -> dict[str, Path]:
@@ -54,7 +71,7 @@ def imports_of(path: Path, name: str) -> list[tuple[str, list[str], int]]:
         elif isinstance(node, ast.ImportFrom):
             mod = node.module or ""
             if node.level:
-                base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
                 mod = ".".join([*base, mod] if mod else base)
             found.append((mod, [a.name for a in node.names], node.lineno))
     return found
@@ -117,8 +134,9 @@ def test_no_private_names_across_modules(name):
 
 
 def test_no_import_cycles():
-    graph = {name: {m for m, _, _ in imports_of(path, name) if m in MODULES and m != name}
-             for name, path in MODULES.items()}
+    graph = {
+        name: {m for m, _, _ in imports_of(path, name) if m in MODULES and m != name} for name, path in MODULES.items()
+    }
     # `from pkg import mod` names a submodule: count it as an edge to pkg.mod.
     for name, path in MODULES.items():
         for mod, names, _ in imports_of(path, name):
@@ -130,7 +148,7 @@ def test_no_import_cycles():
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         stack.pop()
@@ -140,6 +158,7 @@ def test_no_import_cycles():
         if node not in state:
             visit(node)
     # A package __init__ re-exporting its own submodules is not a cycle between modules.
-    real = [c for c in cycles if not any(a == b.rpartition(".")[0] or b == a.rpartition(".")[0]
-                                         for a, b in zip(c, c[1:]))]
+    real = [
+        c for c in cycles if not any(a == b.rpartition(".")[0] or b == a.rpartition(".")[0] for a, b in zip(c, c[1:]))
+    ]
     assert not real, "import cycles:\n" + "\n".join(" -> ".join(c) for c in real)

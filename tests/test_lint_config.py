@@ -1,4 +1,5 @@
 """The lint/type-check configuration keeps up with the tree (issue 31 item 6; `make lint` runs the tools)."""
+
 import pathlib
 import tomllib
 

@@ -31,8 +31,13 @@ from training.mtp_head import PREFIX as MTP_PREFIX
 from training.mtp_head import mtp_config
 from training.train import build_model, load_state
 
-QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128]}
+QUANT_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "scale_fmt": "ue8m0",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 BF16_MIN_NUMEL = 1 << 14  # smaller float tensors stay fp32: they feed fp32 maths and cost nothing
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -76,9 +81,15 @@ def export(run_dir: str, data_dir: str, out_dir: str) -> str:
     if os.path.exists(log_path):
         with open(log_path) as fh:
             log = json.load(fh)
-        summary = {"args": log["args"], "params": log["params"], "final": log.get("final"),
-                   "curve": [{k: r[k] for k in ("step", "loss", "heldout_loss", "heldout_bits_per_byte", "tokens")}
-                             for r in log["steps"]]}
+        summary = {
+            "args": log["args"],
+            "params": log["params"],
+            "final": log.get("final"),
+            "curve": [
+                {k: r[k] for k in ("step", "loss", "heldout_loss", "heldout_bits_per_byte", "tokens")}
+                for r in log["steps"]
+            ],
+        }
         with open(os.path.join(out_dir, "training.json"), "w") as fh:
             json.dump(summary, fh, indent=1)
     return out_dir

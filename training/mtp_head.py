@@ -42,10 +42,11 @@ class MtpHead(torch.nn.Module):
         self.params = torch.nn.ParameterDict()
         for name, shape in expected_weight_shapes(cfg, mtp=True).items():
             if name.startswith(PREFIX):
-                rel = name[len(PREFIX):]
+                rel = name[len(PREFIX) :]
                 # gate.bias is V4's balancing bias, not a learnt weight: it stays zero here.
                 self.params[rel.replace(".", "__")] = torch.nn.Parameter(
-                    _init(rel, shape, gen, std), requires_grad=not rel.endswith("gate.bias"))
+                    _init(rel, shape, gen, std), requires_grad=not rel.endswith("gate.bias")
+                )
 
     def weights(self) -> dict[str, torch.Tensor]:
         """{name relative to `mtp.0.`: tensor}, as the reference takes them."""
@@ -54,8 +55,9 @@ class MtpHead(torch.nn.Module):
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         return {PREFIX + k: v.detach().float().cpu() for k, v in self.weights().items()}
 
-    def loss(self, streams: torch.Tensor, ids: torch.Tensor, embed: torch.Tensor, head: torch.Tensor,
-             rows: int) -> torch.Tensor:
+    def loss(
+        self, streams: torch.Tensor, ids: torch.Tensor, embed: torch.Tensor, head: torch.Tensor, rows: int
+    ) -> torch.Tensor:
         """streams: [B, T, hc, D] target streams for input ids[:, :T]; ids: [B, T + 1] -> mean CE of predicting
         ids[:, t + 2] at t = 0 .. T-2, over the first `rows` sequences."""
         w, t = self.weights(), streams.shape[1]
@@ -63,9 +65,10 @@ class MtpHead(torch.nn.Module):
         losses = []
         with torch.autocast(device_type=ids.device.type, enabled=False):
             for b in range(min(rows, ids.shape[0])):
-                _, logits = mtp_layer_reference(w, self.spec, embed.float(), head.float(), ids[b, 1:t],
-                                                streams[b, :-1].float(), positions)
-                losses.append(torch.nn.functional.cross_entropy(logits, ids[b, 2:t + 1]))
+                _, logits = mtp_layer_reference(
+                    w, self.spec, embed.float(), head.float(), ids[b, 1:t], streams[b, :-1].float(), positions
+                )
+                losses.append(torch.nn.functional.cross_entropy(logits, ids[b, 2 : t + 1]))
         return torch.stack(losses).mean()
 
 

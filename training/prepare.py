@@ -47,14 +47,19 @@ def prepare(out_dir: str, root: str | None = None, vocab_size: int = VOCAB_SIZE)
         "python": platform.python_version(),
         "stdlib_root": root or stdlib_root(),
         "rule": f"sha256(relative path) % 100 < {HELDOUT_PERCENT} is held out; .py files <= {MAX_FILE_BYTES} bytes,"
-                " UTF-8, site-packages excluded",
+        " UTF-8, site-packages excluded",
         "vocab_size": tok.get_vocab_size(),
     }
     for name, docs in (("train", train), ("heldout", held)):
         ids, rows = encode_docs(tok, docs, bos, eos)
         np.save(os.path.join(out_dir, f"{name}.npy"), ids)
-        manifest[name] = {"files": len(rows), "tokens": int(ids.size), "bytes": sum(r["bytes"] for r in rows),
-                          "sha256": hashlib.sha256(ids.tobytes()).hexdigest(), "docs": rows}
+        manifest[name] = {
+            "files": len(rows),
+            "tokens": int(ids.size),
+            "bytes": sum(r["bytes"] for r in rows),
+            "sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
+            "docs": rows,
+        }
     with open(os.path.join(out_dir, "manifest.json"), "w") as fh:
         json.dump(manifest, fh, indent=1)
     return manifest
@@ -69,8 +74,10 @@ def main(argv=None) -> None:
     m = prepare(args.out, args.root, args.vocab_size)
     for side in ("train", "heldout"):
         s = m[side]
-        print(f"{side}: {s['files']} files, {s['bytes'] / 1e6:.1f} MB, {s['tokens'] / 1e6:.2f} M tokens "
-              f"({s['bytes'] / s['tokens']:.2f} bytes/token)")
+        print(
+            f"{side}: {s['files']} files, {s['bytes'] / 1e6:.1f} MB, {s['tokens'] / 1e6:.2f} M tokens "
+            f"({s['bytes'] / s['tokens']:.2f} bytes/token)"
+        )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def _transformers():
     except ImportError as exc:  # the GPU image's own transformers is older than V4
         raise SystemExit(
             f"training.train needs transformers >= 5.23 with DeepseekV4ForCausalLM ({exc}); on the GPU machine "
-            "carry the wheels that training/README.md lists and install them with pip --target") from exc
+            "carry the wheels that training/README.md lists and install them with pip --target"
+        ) from exc
     return DeepseekV4Config, DeepseekV4ForCausalLM
 
 
@@ -107,12 +108,12 @@ class Windows:
 
     def batch(self, n: int) -> torch.Tensor:
         starts = self.rng.integers(0, len(self.train) - self.seq_len - 1, size=n)
-        return torch.from_numpy(np.stack([self.train[s:s + self.seq_len + 1] for s in starts]).astype(np.int64))
+        return torch.from_numpy(np.stack([self.train[s : s + self.seq_len + 1] for s in starts]).astype(np.int64))
 
     def heldout_batch(self, n: int) -> torch.Tensor:
         """The first n non-overlapping windows of the held-out split (the same every eval)."""
         n = min(n, (len(self.heldout) - 1) // self.seq_len)
-        w = [self.heldout[i * self.seq_len:(i + 1) * self.seq_len + 1] for i in range(n)]
+        w = [self.heldout[i * self.seq_len : (i + 1) * self.seq_len + 1] for i in range(n)]
         return torch.from_numpy(np.stack(w).astype(np.int64))
 
 
@@ -168,11 +169,12 @@ def evaluate(model, windows: Windows, a: TrainArgs, device, autocast: bool, mtp=
     ids = windows.heldout_batch(a.eval_windows)
     losses, mtp_losses = [], []
     for i in range(0, len(ids), 4):
-        chunk = ids[i:i + 4].to(device)
+        chunk = ids[i : i + 4].to(device)
         losses.append(float(lm_loss(model, chunk, autocast)))
         if mtp is not None:
-            mtp_losses.append(float(mtp.loss(tap.streams, chunk, model.model.embed_tokens.weight,
-                                             model.lm_head.weight, rows=1)))
+            mtp_losses.append(
+                float(mtp.loss(tap.streams, chunk, model.model.embed_tokens.weight, model.lm_head.weight, rows=1))
+            )
     model.train()
     loss = sum(losses) / len(losses)
     out = {"heldout_loss": loss, "heldout_bits_per_byte": loss / math.log(2) / windows.heldout_bytes_per_token}
@@ -228,8 +230,9 @@ def train(a: TrainArgs) -> dict:
     groups = param_groups(model, a.weight_decay)
     if mtp is not None:
         groups += param_groups(mtp, a.weight_decay)
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda"
+    )
     with open(os.path.join(a.out, "config.json"), "w") as fh:
         json.dump(mtp_config(mini_config()) if mtp is not None else mini_config(), fh, indent=2)
     log = {"args": asdict(a), "params": sum(p.numel() for p in model.parameters()), "steps": []}
@@ -258,18 +261,29 @@ def train(a: TrainArgs) -> dict:
         _STARTED.add(a.out)
         tokens += a.batch * a.seq_len
         if step % a.eval_every == 0 or step == 1:
-            row = {"step": step, "loss": float(loss.detach()),
-                   "mtp_loss": None if mtp_loss is None else float(mtp_loss.detach()), "lr": opt.param_groups[0]["lr"], "grad_norm": gnorm,
-                   "max_over_mean_load": imbalance, "tokens": tokens, "elapsed_s": round(time.time() - start, 1),
-                   **evaluate(model, windows, a, device, autocast, mtp, tap)}
+            row = {
+                "step": step,
+                "loss": float(loss.detach()),
+                "mtp_loss": None if mtp_loss is None else float(mtp_loss.detach()),
+                "lr": opt.param_groups[0]["lr"],
+                "grad_norm": gnorm,
+                "max_over_mean_load": imbalance,
+                "tokens": tokens,
+                "elapsed_s": round(time.time() - start, 1),
+                **evaluate(model, windows, a, device, autocast, mtp, tap),
+            }
             log["steps"].append(row)
             print(json.dumps(row), flush=True)
         if time.time() - last_save > a.save_every_s:
             save_state(model, a.out, mtp)
             last_save = time.time()
-    final = {"step": step, "tokens": tokens, "elapsed_s": round(time.time() - start, 1),
-             "tokens_per_s": round(tokens / max(1e-9, time.time() - start)),
-             **evaluate(model, windows, a, device, autocast, mtp, tap)}
+    final = {
+        "step": step,
+        "tokens": tokens,
+        "elapsed_s": round(time.time() - start, 1),
+        "tokens_per_s": round(tokens / max(1e-9, time.time() - start)),
+        **evaluate(model, windows, a, device, autocast, mtp, tap),
+    }
     log["final"] = final
     print(json.dumps({"final": final}), flush=True)
     log["shards"] = save_state(model, a.out, mtp)

@@ -20,18 +20,29 @@ class Op:
 
 
 OPS = {
-    "triton": Op("triton_decode", "every Triton kernel at V4-Flash decode shapes vs copy bandwidth / matmul roofs "
-                 "(section bench_kernels)"),
-    "attention": Op("triton_decode", "the sparse attention kernels only (triton --only attention)",
-                    {"only": "attention", "prog": "attention"}),
-    "cache": Op("triton_decode", "the cache-writing kernels only (triton --only swa_insert,indexer_query,"
-                "compressor_cache)", {"only": "swa_insert,indexer_query,compressor_cache", "prog": "cache"}),
+    "triton": Op(
+        "triton_decode",
+        "every Triton kernel at V4-Flash decode shapes vs copy bandwidth / matmul roofs (section bench_kernels)",
+    ),
+    "attention": Op(
+        "triton_decode",
+        "the sparse attention kernels only (triton --only attention)",
+        {"only": "attention", "prog": "attention"},
+    ),
+    "cache": Op(
+        "triton_decode",
+        "the cache-writing kernels only (triton --only swa_insert,indexer_query,compressor_cache)",
+        {"only": "swa_insert,indexer_query,compressor_cache", "prog": "cache"},
+    ),
     "indexer-prefill": Op("indexer_prefill", "indexer logits + top-k of a prefill chunk: prefill vs per-token kernel"),
     "topk": Op("topk", "the indexer's top-k: radix kernels vs torch.topk (section indexer_topk)"),
     "mhc": Op("mhc", "mHC pre's split and long paths by token count (section mhc_pre)"),
     "moe": Op("moe", "routed MXFP4 experts: triton_kernels, Marlin, Triton vs grouped_mm (section mxfp4_moe)"),
-    "moe-fp8-grouped": Op("moe_fp8", "routed experts for prefill: FP8 through DeepGEMM's contiguous grouped GEMM vs "
-                          "MXFP4 through triton_kernels at 2K / 8K tokens, % of the FP8 roof"),
+    "moe-fp8-grouped": Op(
+        "moe_fp8",
+        "routed experts for prefill: FP8 through DeepGEMM's contiguous grouped GEMM vs "
+        "MXFP4 through triton_kernels at 2K / 8K tokens, % of the FP8 roof",
+    ),
     "fp8-gemm": Op("fp8_gemm", "V4-Flash projections in FP8 through DeepGEMM vs bf16 (section fp8_gemm)"),
     "nixl-raw": Op("nixl_raw", "NIXL READ GB/s between two processes of one machine"),
 }

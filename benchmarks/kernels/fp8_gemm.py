@@ -56,34 +56,51 @@ def measure(name: str, n: int, k: int, m: int, gen: torch.Generator) -> dict:
     exact = x.float() @ wb.float().t()
     fp8_us = bench_graph(lambda: fp8_gemm(x, fw))
     bf16_us = bench_graph(lambda: x @ wb.t())
-    return {"name": name, "m": m, "n": n, "k": k, "fp8_us": fp8_us, "bf16_us": bf16_us,
-            "tflops": 2 * m * n * k / fp8_us / 1e6, "err_ref": rel(got, want_ref) if want_ref is not None else None,
-            "err_exact": rel(got, exact), "bf16_err_exact": rel(x @ wb.t(), exact)}
+    return {
+        "name": name,
+        "m": m,
+        "n": n,
+        "k": k,
+        "fp8_us": fp8_us,
+        "bf16_us": bf16_us,
+        "tflops": 2 * m * n * k / fp8_us / 1e6,
+        "err_ref": rel(got, want_ref) if want_ref is not None else None,
+        "err_exact": rel(got, exact),
+        "bf16_err_exact": rel(x @ wb.t(), exact),
+    }
 
 
 def table(rows: list[dict], command: str) -> str:
     dev = torch.cuda.get_device_name()
-    lines = ["## FP8 dense GEMMs (DeepGEMM) vs bf16", "",
-             f"- command: `{command}`",
-             f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {dev}, torch "
-             f"{torch.__version__}",
-             "- time: device us in a CUDA graph after an L2 flush (weights from HBM); fp8 = Triton 1x128 activation "
-             "quantiser + `deep_gemm.fp8_gemm_nt` (bf16 out), bf16 = `x @ W^T` on the dequantised weight",
-             "- err vs ref: ||fp8 - fp8_linear_ref|| / ||ref|| (same quantised activations, fp32); err vs exact: "
-             "against x @ W^T in fp32 (what FP8 activations cost), bf16's own error beside it", "",
-             "| projection | M | fp8 us | bf16 us | bf16 / fp8 | fp8 TFLOP/s | err vs ref | err vs exact (bf16's) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## FP8 dense GEMMs (DeepGEMM) vs bf16",
+        "",
+        f"- command: `{command}`",
+        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {dev}, torch {torch.__version__}",
+        "- time: device us in a CUDA graph after an L2 flush (weights from HBM); fp8 = Triton 1x128 activation "
+        "quantiser + `deep_gemm.fp8_gemm_nt` (bf16 out), bf16 = `x @ W^T` on the dequantised weight",
+        "- err vs ref: ||fp8 - fp8_linear_ref|| / ||ref|| (same quantised activations, fp32); err vs exact: "
+        "against x @ W^T in fp32 (what FP8 activations cost), bf16's own error beside it",
+        "",
+        "| projection | M | fp8 us | bf16 us | bf16 / fp8 | fp8 TFLOP/s | err vs ref | err vs exact (bf16's) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         err_ref = f"{r['err_ref']:.1e}" if r["err_ref"] is not None else "n/a"
-        lines.append(f"| {r['name']} | {r['m']} | {r['fp8_us']:.1f} | {r['bf16_us']:.1f} | "
-                     f"{r['bf16_us'] / r['fp8_us']:.2f}x | {r['tflops']:.0f} | {err_ref} | "
-                     f"{r['err_exact']:.1e} ({r['bf16_err_exact']:.1e}) |")
+        lines.append(
+            f"| {r['name']} | {r['m']} | {r['fp8_us']:.1f} | {r['bf16_us']:.1f} | "
+            f"{r['bf16_us'] / r['fp8_us']:.2f}x | {r['tflops']:.0f} | {err_ref} | "
+            f"{r['err_exact']:.1e} ({r['bf16_err_exact']:.1e}) |"
+        )
     by_m: dict[int, list[float]] = {}
     for r in rows:
         by_m.setdefault(r["m"], []).append(r["bf16_us"] / r["fp8_us"])
     lines.append("")
-    lines.append("Speed-up of FP8 over bf16 by token count (geometric mean over the shapes): " + ", ".join(
-        f"M={m}: {torch.tensor(v).log().mean().exp().item():.2f}x" for m, v in by_m.items()) + ".")
+    lines.append(
+        "Speed-up of FP8 over bf16 by token count (geometric mean over the shapes): "
+        + ", ".join(f"M={m}: {torch.tensor(v).log().mean().exp().item():.2f}x" for m, v in by_m.items())
+        + "."
+    )
     return "\n".join(lines)
 
 

@@ -28,8 +28,10 @@ import torch
 from benchmarks.timing import bench
 
 HEADS, DIM, TOPK, RATIO, PAGE_ROWS = 64, 128, 512, 4, 64
-SWEEP = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
-         for m, n, w, s in itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3))]
+SWEEP = [
+    dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
+    for m, n, w, s in itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3))
+]
 
 
 def step(tokens: int, start: int, device):
@@ -68,8 +70,10 @@ def compare(old_scores, new_scores, old_ids, new_ids, rows) -> str:
     a, b = pick(old_ids), pick(new_ids)
     tied = ((a - b).abs() <= 2e-2 + 2e-2 * a.abs()) | (old_ids == new_ids)
     pad_ok = torch.equal(old_ids < 0, new_ids < 0)
-    return f"max|d score| {diff:.2e}, ids equal {same:.4f}, equal-or-tied {tied.float().mean().item():.4f}, " \
-           f"-1 pattern {'same' if pad_ok else 'DIFFERENT'}"
+    return (
+        f"max|d score| {diff:.2e}, ids equal {same:.4f}, equal-or-tied {tied.float().mean().item():.4f}, "
+        f"-1 pattern {'same' if pad_ok else 'DIFFERENT'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
         log.append(line)
 
-    say(f"{torch.cuda.get_device_name()}: T={t} start={args.start} S={s} Hi={HEADS} Di={DIM} k={TOPK}, "
-        f"{pairs} visible pairs ({pairs / (t * s):.2f} of T x S), {flops / 1e9:.1f} GFLOP")
+    say(
+        f"{torch.cuda.get_device_name()}: T={t} start={args.start} S={s} Hi={HEADS} Di={DIM} k={TOPK}, "
+        f"{pairs} visible pairs ({pairs / (t * s):.2f} of T x S), {flops / 1e9:.1f} GFLOP"
+    )
     for kind in args.stores:
         keys, layout = store(kind, slots, dev)
         old_scores = indexer_scores(q, keys, rows, weights, layout)
@@ -145,13 +151,15 @@ def main(argv: list[str] | None = None) -> int:
 def section(log: list[str], argv: str) -> str:
     """The run as a BENCHMARKS.md section (merged with --merge)."""
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    return (f"## Prefill indexer: shared-key kernel vs per-token kernel\n\n"
-            f"- command: `dsv4 bench kernels indexer-prefill {argv}`\n- date: {when}; torch {torch.__version__}\n"
-            f"- \"per-token\" is the decode kernel (dsv4_kernels/triton_indexer.py) run over every query; "
-            f"\"prefill\" is "
-            f"dsv4_kernels/triton_indexer_prefill.py (a block of one sequence's queries shares each key tile through "
-            f"tl.dot); the compare line checks its scores and ids against the per-token kernel's\n\n"
-            "```\n" + "\n".join(log).strip() + "\n```\n")
+    return (
+        f"## Prefill indexer: shared-key kernel vs per-token kernel\n\n"
+        f"- command: `dsv4 bench kernels indexer-prefill {argv}`\n- date: {when}; torch {torch.__version__}\n"
+        f'- "per-token" is the decode kernel (dsv4_kernels/triton_indexer.py) run over every query; '
+        f'"prefill" is '
+        f"dsv4_kernels/triton_indexer_prefill.py (a block of one sequence's queries shares each key tile through "
+        f"tl.dot); the compare line checks its scores and ids against the per-token kernel's\n\n"
+        "```\n" + "\n".join(log).strip() + "\n```\n"
+    )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def make_experts(e: int, h: int, inter: int, device: str, gen: torch.Generator):
         packed[name], packed["s" + name[1]] = w, s
         d = torch.empty(e, n, k, dtype=torch.bfloat16, device=device)
         for e0 in range(0, e, 16):  # fp32 intermediate per 16 experts keeps the peak small
-            d[e0:e0 + 16] = dequant_mxfp4(w[e0:e0 + 16], s[e0:e0 + 16]).to(torch.bfloat16)
+            d[e0 : e0 + 16] = dequant_mxfp4(w[e0 : e0 + 16], s[e0 : e0 + 16]).to(torch.bfloat16)
         dense[name] = d
     return packed, dense
 
@@ -68,8 +68,7 @@ def row(tokens, path, us, graph_us, nbytes, copy, err="") -> str:
     best = graph_us if graph_us else us
     gbs = nbytes / best / 1e3
     g = f"{graph_us:.1f}" if graph_us else "n/a"
-    return (f"| {tokens} | {path} | {us:.1f} | {g} | {nbytes / 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy:.0f}% "
-            f"| {err} |")
+    return f"| {tokens} | {path} | {us:.1f} | {g} | {nbytes / 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy:.0f}% | {err} |"
 
 
 def run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs=None, marlin=None) -> list[str]:
@@ -100,8 +99,11 @@ def run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs=None, marlin=No
         def tk():
             return mxfp4_ogs.ogs_moe(x, weights, ids, ogs, 10.0)
 
-        rows.append(row(t, "mxfp4 triton_kernels", bench(tk, dev), bench_graph(tk), mx_bytes, copy,
-                        f"{rel_err(tk(), want):.1e}"))
+        rows.append(
+            row(
+                t, "mxfp4 triton_kernels", bench(tk, dev), bench_graph(tk), mx_bytes, copy, f"{rel_err(tk(), want):.1e}"
+            )
+        )
     if marlin is not None:
         from dsv4_kernels import marlin_moe
 
@@ -109,21 +111,46 @@ def run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs=None, marlin=No
             return marlin_moe.marlin_moe(x, weights, ids, marlin, 10.0)
 
         try:
-            rows.append(row(t, "mxfp4 marlin", bench(mar, dev), bench_graph(mar), mx_bytes, copy,
-                            f"{rel_err(mar(), want):.1e}"))
+            rows.append(
+                row(t, "mxfp4 marlin", bench(mar, dev), bench_graph(mar), mx_bytes, copy, f"{rel_err(mar(), want):.1e}")
+            )
         except Exception as exc:  # noqa: BLE001 - a candidate's failure is a table row, not the end of the bench
             rows.append(f"| {t} | mxfp4 marlin | failed: {type(exc).__name__}: {str(exc)[:120]} | | | | | |")
-    rows += [row(t, "mxfp4", bench(mxfp4, dev), bench_graph(mxfp4) if cuda else None, mx_bytes, copy,
-                f"{rel_err(mxfp4(), want):.1e}"),
-            row(t, "grouped_mm bf16", bench(grouped, dev), None, bf_bytes, copy, "0"),
-            row(t, "reference bf16", bench(reference, dev), None, bf_bytes, copy,
-                f"{rel_err(reference(), want):.1e}")]
+    rows += [
+        row(
+            t,
+            "mxfp4",
+            bench(mxfp4, dev),
+            bench_graph(mxfp4) if cuda else None,
+            mx_bytes,
+            copy,
+            f"{rel_err(mxfp4(), want):.1e}",
+        ),
+        row(t, "grouped_mm bf16", bench(grouped, dev), None, bf_bytes, copy, "0"),
+        row(t, "reference bf16", bench(reference, dev), None, bf_bytes, copy, f"{rel_err(reference(), want):.1e}"),
+    ]
     gate_f32 = gate.float()
     r_bytes = gate_f32.numel() * 4
-    rows.append(row(t, "route triton", bench(lambda: tm.route(x, gate_f32, k, 1.5, bias=bias), dev),
-                    bench_graph(lambda: tm.route(x, gate_f32, k, 1.5, bias=bias)) if cuda else None, r_bytes, copy))
-    rows.append(row(t, "route torch", bench(lambda: ref.route(x, gate, k, 1.5, bias=bias), dev), None,
-                    gate.numel() * gate.element_size(), copy))
+    rows.append(
+        row(
+            t,
+            "route triton",
+            bench(lambda: tm.route(x, gate_f32, k, 1.5, bias=bias), dev),
+            bench_graph(lambda: tm.route(x, gate_f32, k, 1.5, bias=bias)) if cuda else None,
+            r_bytes,
+            copy,
+        )
+    )
+    rows.append(
+        row(
+            t,
+            "route torch",
+            bench(lambda: ref.route(x, gate, k, 1.5, bias=bias), dev),
+            None,
+            gate.numel() * gate.element_size(),
+            copy,
+        )
+    )
     if args.sweep:
         sweep(t, x, weights, ids, pk, mx_bytes, copy, tm, dev)
     return rows
@@ -136,8 +163,12 @@ def sweep(t, x, weights, ids, pk, nbytes, copy, tm, dev) -> None:
         for bm in (None, 32, 64) if ids.numel() >= 256 else (None,):
             opts = {**tiles, **launch, "block_m": bm}
             try:
-                us = bench(lambda o=opts: tm.mxfp4_moe(x, weights, ids, pk["w1"], pk["s1"], pk["w2"], pk["s2"],
-                                                       pk["w3"], pk["s3"], 10.0, **o), dev)
+                us = bench(
+                    lambda o=opts: tm.mxfp4_moe(
+                        x, weights, ids, pk["w1"], pk["s1"], pk["w2"], pk["s2"], pk["w3"], pk["s3"], 10.0, **o
+                    ),
+                    dev,
+                )
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for a large tile
                 print(f"  tokens {t} {opts}: failed ({type(exc).__name__})")
                 continue
@@ -148,17 +179,34 @@ def sweep(t, x, weights, ids, pk, nbytes, copy, tm, dev) -> None:
         print(f"  {us:8.1f} us  {nbytes / us / 1e3:6.0f} GB/s ({100 * nbytes / us / 1e3 / copy:.0f}%)  {opts}")
 
 
-OGS_SWEEP = [{}, {"is_persistent": True}, {"is_persistent": False}, {"num_stages": 3}, {"num_stages": 5},
-             {"block_k": 256}, {"block_n": 128}, {"block_m": 32}, {"is_persistent": True, "block_n": 128}]
+OGS_SWEEP = [
+    {},
+    {"is_persistent": True},
+    {"is_persistent": False},
+    {"num_stages": 3},
+    {"num_stages": 5},
+    {"block_k": 256},
+    {"block_n": 128},
+    {"block_m": 32},
+    {"is_persistent": True, "block_n": 128},
+]
 # Prefill-sized steps (thousands of tokens: ~100+ rows an expert at V4-Flash's 256 experts) also try the M tiles.
-OGS_SWEEP_PREFILL = [{"is_persistent": False, "block_m": 64}, {"is_persistent": False, "block_m": 128},
-                     {"is_persistent": True, "block_m": 128}, {"is_persistent": False, "block_m": 128, "block_n": 128},
-                     {"is_persistent": False, "block_m": 128, "num_stages": 3}]
+OGS_SWEEP_PREFILL = [
+    {"is_persistent": False, "block_m": 64},
+    {"is_persistent": False, "block_m": 128},
+    {"is_persistent": True, "block_m": 128},
+    {"is_persistent": False, "block_m": 128, "block_n": 128},
+    {"is_persistent": False, "block_m": 128, "num_stages": 3},
+]
 PREFILL_TOKENS = 1024  # from here on a sweep adds OGS_SWEEP_PREFILL and reports TFLOP/s
 # Batch-1-sized steps (6 experts x 1 row: ~96 programs a matmul, each streaming 4096 of K) also try splitting K
 # and narrower N tiles, for more programs in flight.
-OGS_SWEEP_SMALL = [{"is_persistent": False, "split_k": 2}, {"is_persistent": False, "split_k": 4},
-                   {"is_persistent": False, "block_n": 64}, {"is_persistent": False, "block_k": 256, "split_k": 2}]
+OGS_SWEEP_SMALL = [
+    {"is_persistent": False, "split_k": 2},
+    {"is_persistent": False, "split_k": 4},
+    {"is_persistent": False, "block_n": 64},
+    {"is_persistent": False, "block_k": 256, "split_k": 2},
+]
 SMALL_TOKENS = 8  # up to here a sweep adds OGS_SWEEP_SMALL
 
 
@@ -186,7 +234,9 @@ def ogs_sweep(t, args, ogs, gate, bias, copy) -> dict:
     results.sort(key=lambda r: r[0])
     lines = [f"ogs sweep, tokens {t}:"] + [
         f"  {us:8.1f} us  {nbytes / us / 1e3:6.0f} GB/s ({100 * nbytes / us / 1e3 / copy:.0f}%)  "
-        f"{flops / us / 1e6:6.0f} TFLOP/s  err {err:.1e}  {c}" for us, err, c in results]
+        f"{flops / us / 1e6:6.0f} TFLOP/s  err {err:.1e}  {c}"
+        for us, err, c in results
+    ]
     print("\n" + "\n".join(lines))
     return (results[0][2] if results else {}), lines
 
@@ -195,25 +245,42 @@ def sweep_section(device_name: str, lines: list[str], command: str) -> str:
     """The `mxfp4_moe_sweep` section: the command and the sweep's own ranked lines."""
     import datetime
 
-    return "\n".join(["## triton_kernels MXFP4 MoE launch constraints: `dsv4 bench kernels moe --ogs-sweep`", "",
-                      f"- command: `{command}`, "
-                      f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {device_name}; times = "
-                      "CUDA-graph device time of the whole dsv4_kernels.mxfp4_ogs.ogs_moe call after an L2 flush; "
-                      "err = "
-                      "against the same call with triton_kernels' own heuristics", "", "```", *lines, "```"])
+    return "\n".join(
+        [
+            "## triton_kernels MXFP4 MoE launch constraints: `dsv4 bench kernels moe --ogs-sweep`",
+            "",
+            f"- command: `{command}`, "
+            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {device_name}; times = "
+            "CUDA-graph device time of the whole dsv4_kernels.mxfp4_ogs.ogs_moe call after an L2 flush; "
+            "err = "
+            "against the same call with triton_kernels' own heuristics",
+            "",
+            "```",
+            *lines,
+            "```",
+        ]
+    )
 
 
 def section(device_name: str, copy: float, args, table: list[str]) -> str:
     """The BENCHMARKS.md section: command, setup, the table and the 64-token aim judged from its rows."""
     import datetime
 
-    lines = ["## Routed MXFP4 experts (V4-Flash shapes): `dsv4 bench kernels moe`", "",
-             f"- command: `{args.command}`",
-             f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {device_name}, torch "
-             f"{torch.__version__}; copy bandwidth {copy:.0f} GB/s (read + write, measured in this run)",
-             f"- hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts top-{args.topk}, bf16 activations; "
-             "weight MB = the distinct experts the routing touches; `graph us` = device time in a CUDA graph after "
-             "an L2 flush; GB/s from the graph time where there is one", ""] + table + [""]
+    lines = (
+        [
+            "## Routed MXFP4 experts (V4-Flash shapes): `dsv4 bench kernels moe`",
+            "",
+            f"- command: `{args.command}`",
+            f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {device_name}, torch "
+            f"{torch.__version__}; copy bandwidth {copy:.0f} GB/s (read + write, measured in this run)",
+            f"- hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts top-{args.topk}, bf16 activations; "
+            "weight MB = the distinct experts the routing touches; `graph us` = device time in a CUDA graph after "
+            "an L2 flush; GB/s from the graph time where there is one",
+            "",
+        ]
+        + table
+        + [""]
+    )
     for path in ("mxfp4 triton_kernels", "mxfp4 marlin", "mxfp4"):
         rows = [r for r in table if r.split("|")[1].strip() == "64" and r.split("|")[2].strip() == path]
         if rows:
@@ -233,8 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--ogs-sweep", action="store_true",
-                    help="time triton_kernels launch constraints (OGS_SWEEP) per token count; print the best")
+    ap.add_argument(
+        "--ogs-sweep",
+        action="store_true",
+        help="time triton_kernels launch constraints (OGS_SWEEP) per token count; print the best",
+    )
     ap.add_argument("--ogs-best-out", default=None, help="write the best constraints (JSON) at the last token count")
     ap.add_argument("--ogs-out", default=None, help="write the sweep's section text here (merge with --merge-sweep)")
     ap.add_argument("--merge", default=None, help="put this --out file into BENCHMARKS.md (section mxfp4_moe) and exit")
@@ -258,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     bias = torch.randn(args.experts, device=dev, generator=gen) * 0.1
     copy = copy_gbps(dev)
     name = torch.cuda.get_device_name() if dev == "cuda" else dev
-    print(f"{name}: copy {copy:.0f} GB/s; hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts "
-          f"top-{args.topk}, bf16 activations\n")
+    print(
+        f"{name}: copy {copy:.0f} GB/s; hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts "
+        f"top-{args.topk}, bf16 activations\n"
+    )
     ogs = None
     from dsv4_kernels.gpu import has_triton_kernels, why_not
 
@@ -276,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         from dsv4_kernels import marlin_moe
 
         try:
-            marlin = marlin_moe.prepare(packed["w1"], packed["s1"], packed["w2"], packed["s2"], packed["w3"],
-                                        packed["s3"])
+            marlin = marlin_moe.prepare(
+                packed["w1"], packed["s1"], packed["w2"], packed["s2"], packed["w3"], packed["s3"]
+            )
         except Exception as exc:  # noqa: BLE001 - report and bench the rest
             print(f"(no Marlin rows: its repack failed: {type(exc).__name__}: {str(exc)[:200]})")
     else:

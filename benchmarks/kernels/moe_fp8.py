@@ -48,8 +48,9 @@ def _experts(e: int, gen: torch.Generator):
     packed = {}
     for name, (n, k) in (("w1", (INTER, H)), ("w3", (INTER, H)), ("w2", (H, INTER))):
         packed[name] = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-        packed["s" + name[1]] = torch.randint(119, 123, (e, n, k // 32), dtype=torch.uint8, device="cuda",
-                                              generator=gen)
+        packed["s" + name[1]] = torch.randint(
+            119, 123, (e, n, k // 32), dtype=torch.uint8, device="cuda", generator=gen
+        )
     return packed
 
 
@@ -61,18 +62,32 @@ def measure(t: int, pk: dict, ex, ogs, e: int, roof: float, gen: torch.Generator
     w = torch.rand(t, TOP_K, device="cuda", generator=gen)
     exact, bound = (_gemms(x, ids, ex, e, kind) for kind in (True, False))
     flops = 2 * t * TOP_K * (H * 2 * INTER + INTER * H)
-    rows = {"tokens": t, "rows": {"fp8 GEMMs exact": exact[1], "fp8 GEMMs bound": bound[1],
-                                  "fp8 MoE bound": bound[1], "fp8 MoE exact": exact[1], "mxfp4 MoE": t * TOP_K}}
-    for name, fn in (("fp8 GEMMs exact", exact[0]), ("fp8 GEMMs bound", bound[0]),
-                     ("fp8 MoE bound", lambda: deepgemm_moe.deepgemm_moe(x, w, ids, ex, 10.0)),
-                     ("fp8 MoE exact", lambda: deepgemm_moe.deepgemm_moe(x, w, ids, ex, 10.0, exact=True)),
-                     ("mxfp4 MoE", lambda: mxfp4_ogs.ogs_moe(x, w, ids, ogs, 10.0))):
+    rows = {
+        "tokens": t,
+        "rows": {
+            "fp8 GEMMs exact": exact[1],
+            "fp8 GEMMs bound": bound[1],
+            "fp8 MoE bound": bound[1],
+            "fp8 MoE exact": exact[1],
+            "mxfp4 MoE": t * TOP_K,
+        },
+    }
+    for name, fn in (
+        ("fp8 GEMMs exact", exact[0]),
+        ("fp8 GEMMs bound", bound[0]),
+        ("fp8 MoE bound", lambda: deepgemm_moe.deepgemm_moe(x, w, ids, ex, 10.0)),
+        ("fp8 MoE exact", lambda: deepgemm_moe.deepgemm_moe(x, w, ids, ex, 10.0, exact=True)),
+        ("mxfp4 MoE", lambda: mxfp4_ogs.ogs_moe(x, w, ids, ogs, 10.0)),
+    ):
         fn()  # compile
         us = bench(fn) if name == "fp8 MoE exact" else bench_graph(fn)
         rows[name] = us
         if us:
-            print(f"T={t:5d} {name:15s} {us:9.1f} us {flops / us / 1e6:7.0f} TFLOP/s {100 * flops / us / 1e6 / roof:5.1f}%"
-                  f" of the FP8 roof", flush=True)
+            print(
+                f"T={t:5d} {name:15s} {us:9.1f} us {flops / us / 1e6:7.0f} TFLOP/s {100 * flops / us / 1e6 / roof:5.1f}%"
+                f" of the FP8 roof",
+                flush=True,
+            )
     rows["flops"] = flops
     return rows
 
@@ -95,19 +110,23 @@ def _gemms(x, ids, ex, e: int, exact: bool):
 
 
 def table(results: list[dict], roof: float, err: float, command: str) -> str:
-    lines = ["## Routed experts for prefill: FP8 grouped (DeepGEMM) vs MXFP4 (triton_kernels)", "",
-             f"- command: `{command}`; {torch.cuda.get_device_name()}, torch {torch.__version__}",
-             f"- FP8 roof measured here: `deep_gemm.fp8_gemm_nt` 8192^3 = {roof:.0f} TFLOP/s; device us in a CUDA "
-             "graph after an L2 flush (`fp8 MoE exact`: eager wall us, its host sync included); TFLOP/s over the "
-             "useful FLOPs (padding rows not counted); rows: the GEMMs' M (the pairs for MXFP4)",
-             f"- FP8 MoE vs fp8_moe_ref (256 tokens): relative error {err:.1e}", "",
-             "| tokens | rows | path | us | TFLOP/s | % of FP8 roof |", "|---:|---:|---|---:|---:|---:|"]
+    lines = [
+        "## Routed experts for prefill: FP8 grouped (DeepGEMM) vs MXFP4 (triton_kernels)",
+        "",
+        f"- command: `{command}`; {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        f"- FP8 roof measured here: `deep_gemm.fp8_gemm_nt` 8192^3 = {roof:.0f} TFLOP/s; device us in a CUDA "
+        "graph after an L2 flush (`fp8 MoE exact`: eager wall us, its host sync included); TFLOP/s over the "
+        "useful FLOPs (padding rows not counted); rows: the GEMMs' M (the pairs for MXFP4)",
+        f"- FP8 MoE vs fp8_moe_ref (256 tokens): relative error {err:.1e}",
+        "",
+        "| tokens | rows | path | us | TFLOP/s | % of FP8 roof |",
+        "|---:|---:|---|---:|---:|---:|",
+    ]
     for r in results:
         for name, m in r["rows"].items():
             us = r[name]
             tf = r["flops"] / us / 1e6 if us else 0.0
-            lines.append(f"| {r['tokens']} | {m} | {name} | {us or 0:.1f} | {tf:.0f} | "
-                         f"{100 * tf / roof:.1f}% |")
+            lines.append(f"| {r['tokens']} | {m} | {name} | {us or 0:.1f} | {tf:.0f} | {100 * tf / roof:.1f}% |")
     return "\n".join(lines)
 
 

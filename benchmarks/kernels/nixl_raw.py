@@ -70,8 +70,9 @@ def reader(conn, nbytes: int, device: str, descs: list[int], iters: int, out) ->
         offsets = np.cumsum([0] + lengths[:-1])
         local = np.array([(buf.data_ptr() + o, ln, dev) for o, ln in zip(offsets, lengths)], dtype=np.uint64)
         remote = np.array([(src_addr + o, ln, src_dev) for o, ln in zip(offsets, lengths)], dtype=np.uint64)
-        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, src_mem),
-                                       peer)
+        handle = agent.initialize_xfer(
+            "READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, src_mem), peer
+        )
         times = []
         for i in range(iters + 1):  # the first is a warm-up (connection, IPC handle mapping)
             if device != "cpu":
@@ -90,9 +91,18 @@ def reader(conn, nbytes: int, device: str, descs: list[int], iters: int, out) ->
         ok = bool(torch.equal(buf, expect))
         handle.release()
         best, mid = min(times), median(times)
-        results.append({"bytes": nbytes, "descriptors": n, "iters": iters, "best_s": best, "median_s": mid,
-                        "gb_per_s_best": nbytes / best / 1e9, "gb_per_s_median": nbytes / mid / 1e9,
-                        "bytes_match": ok})
+        results.append(
+            {
+                "bytes": nbytes,
+                "descriptors": n,
+                "iters": iters,
+                "best_s": best,
+                "median_s": mid,
+                "gb_per_s_best": nbytes / best / 1e9,
+                "gb_per_s_median": nbytes / mid / 1e9,
+                "bytes_match": ok,
+            }
+        )
     out.put(results)
     conn.send("done")
     conn.close()
@@ -122,8 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dsv4 bench kernels nixl-raw", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda (VRAM; both processes on GPU 0)")
     ap.add_argument("--sizes-mib", type=float, nargs="+", default=[16, 64])
-    ap.add_argument("--descs", type=int, nargs="+", default=[1, 1024],
-                    help="descriptor counts per READ (the service's READs carry one per page run)")
+    ap.add_argument(
+        "--descs",
+        type=int,
+        nargs="+",
+        default=[1, 1024],
+        help="descriptor counts per READ (the service's READs carry one per page run)",
+    )
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
@@ -132,9 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     for mib in args.sizes_mib:
         for r in run_size(int(mib * (1 << 20)), args.device, args.descs, args.iters):
             rows.append({**r, "device": args.device})
-            print(f"nixl raw READ {args.device}: {r['bytes'] / (1 << 20):.0f} MiB in {r['descriptors']} descriptor(s): "
-                  f"{r['gb_per_s_median']:.2f} GB/s median, {r['gb_per_s_best']:.2f} best over {r['iters']} "
-                  f"(bytes match: {r['bytes_match']})", flush=True)
+            print(
+                f"nixl raw READ {args.device}: {r['bytes'] / (1 << 20):.0f} MiB in {r['descriptors']} descriptor(s): "
+                f"{r['gb_per_s_median']:.2f} GB/s median, {r['gb_per_s_best']:.2f} best over {r['iters']} "
+                f"(bytes match: {r['bytes_match']})",
+                flush=True,
+            )
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump({"rows": rows, "ucx_tls": os.environ.get("UCX_TLS", "(default)")}, fh, indent=1)

@@ -24,9 +24,23 @@ from benchmarks.timing import bench_cudagraph
 
 K = 512
 # (rows, candidates, causal): decode at batch 1 / 64 / 128 and contexts 4K / 32K / 128K; prefill chunks
-SHAPES = [(1, 1024, False), (1, 2048, False), (1, 8192, False), (1, 8256, False), (1, 32768, False),
-          (4, 8192, False), (16, 8192, False), (16, 32768, False), (32, 8192, False), (64, 1024, False),
-          (64, 8192, False), (128, 8192, False), (128, 32768, False), (2048, 2048, True), (8192, 2048, True)]
+SHAPES = [
+    (1, 1024, False),
+    (1, 2048, False),
+    (1, 8192, False),
+    (1, 8256, False),
+    (1, 32768, False),
+    (4, 8192, False),
+    (16, 8192, False),
+    (16, 32768, False),
+    (32, 8192, False),
+    (64, 1024, False),
+    (64, 8192, False),
+    (128, 8192, False),
+    (128, 32768, False),
+    (2048, 2048, True),
+    (8192, 2048, True),
+]
 
 
 def scores_for(rows: int, cands: int, causal: bool, device) -> torch.Tensor:
@@ -47,26 +61,33 @@ def same_sets(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     def vals(idx):
         v = torch.where(idx >= 0, x.gather(1, idx.clamp(min=0)), torch.full_like(x[:, :1], float("-inf")))
         return v.sort(dim=1).values
+
     return torch.equal(vals(a), vals(b))
 
 
 def section(table: str) -> str:
-    return "\n".join([
-        "## Indexer top-k: radix select vs torch.topk (`dsv4 bench kernels topk`)", "",
-        "k = 512 of each row's candidates (the indexer's picks), fp32 scores; each time the median of CUDA-graph "
-        "replays. `dsv4_kernels.triton_topk`: one program a row, four 8-bit radix passes to find the 512th key "
-        "and one pass to write the picks (unordered, what the attention kernels take). "
-        "`dsv4_kernels.triton_topk_split`: the same passes with each row split over up to 128 programs of 256+ "
-        "columns, meeting through global histograms (a memset and five launches). \"engine rule\": what "
-        "`triton_indexer.topk_of_scores(ordered=False)` picks for the shape.", "",
-        table.strip(), "",
-        "The rule taken from these (`triton_indexer.topk_of_scores`): at most 32 rows of at least 4096 candidates "
-        "(and at most 32 x 8192 scores) take the split kernel (2.0-2.3x torch.topk at 1-16 rows, where torch and "
-        "the one-program kernel run a row on one SM: 44-47 us); other steps of at most 256 rows over at most "
-        "8192 candidates take the one-program kernel (1.2-1.4x), the rest torch.topk (long prefill chunks: the "
-        "radix kernels' passes cost more there). The 16:52 run's \"engine rule\" column timed the provisional "
-        "rule of that run (split at up to 16 rows from 2048 candidates: its 1 x 2048 and 32 x 8192 rows); the "
-        "rule above was set from the kernels' columns."])
+    return "\n".join(
+        [
+            "## Indexer top-k: radix select vs torch.topk (`dsv4 bench kernels topk`)",
+            "",
+            "k = 512 of each row's candidates (the indexer's picks), fp32 scores; each time the median of CUDA-graph "
+            "replays. `dsv4_kernels.triton_topk`: one program a row, four 8-bit radix passes to find the 512th key "
+            "and one pass to write the picks (unordered, what the attention kernels take). "
+            "`dsv4_kernels.triton_topk_split`: the same passes with each row split over up to 128 programs of 256+ "
+            'columns, meeting through global histograms (a memset and five launches). "engine rule": what '
+            "`triton_indexer.topk_of_scores(ordered=False)` picks for the shape.",
+            "",
+            table.strip(),
+            "",
+            "The rule taken from these (`triton_indexer.topk_of_scores`): at most 32 rows of at least 4096 candidates "
+            "(and at most 32 x 8192 scores) take the split kernel (2.0-2.3x torch.topk at 1-16 rows, where torch and "
+            "the one-program kernel run a row on one SM: 44-47 us); other steps of at most 256 rows over at most "
+            "8192 candidates take the one-program kernel (1.2-1.4x), the rest torch.topk (long prefill chunks: the "
+            "radix kernels' passes cost more there). The 16:52 run's \"engine rule\" column timed the provisional "
+            "rule of that run (split at up to 16 rows from 2048 candidates: its 1 x 2048 and 32 x 8192 rows); the "
+            "rule above was set from the kernels' columns.",
+        ]
+    )
 
 
 def sweep(dev) -> None:
@@ -82,8 +103,11 @@ def sweep(dev) -> None:
                     triton_topk.MAX_BLOCK, triton_topk.NUM_WARPS = block, warps
                     same = same_sets(x, triton_topk.topk_columns(x, K), torch_topk(x))
                     us = bench_cudagraph(lambda: triton_topk.topk_columns(x, K), rep=50)
-                    print(f"  sweep rows={rows} candidates={cands} MAX_BLOCK={block} NUM_WARPS={warps}: {us:.1f} us, "
-                          f"same picks {same}", flush=True)
+                    print(
+                        f"  sweep rows={rows} candidates={cands} MAX_BLOCK={block} NUM_WARPS={warps}: {us:.1f} us, "
+                        f"same picks {same}",
+                        flush=True,
+                    )
     finally:
         triton_topk.MAX_BLOCK, triton_topk.NUM_WARPS = saved
 
@@ -96,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.merge:
         from service.benchmarks_md import write_section
+
         write_section("indexer_topk", section(Path(args.merge).read_text()))
         print(f"merged {args.merge} into BENCHMARKS.md")
         return 0
@@ -117,19 +142,27 @@ def main(argv: list[str] | None = None) -> int:
         t_split = bench_cudagraph(lambda: topk_columns_split(x, K), rep=50)
         t_rule = bench_cudagraph(lambda: topk_of_scores(x, K, ordered=False), rep=50)
         rows_out.append((rows, cands, causal, t_torch, t_radix, t_split, t_rule, same))
-        print(f"topk rows={rows} candidates={cands}{' causal' if causal else ''}: torch {t_torch:.1f} us, "
-              f"radix {t_radix:.1f} us, split {t_split:.1f} us, engine rule {t_rule:.1f} us "
-              f"({t_torch / t_rule:.2f}x torch), same picks {same}", flush=True)
+        print(
+            f"topk rows={rows} candidates={cands}{' causal' if causal else ''}: torch {t_torch:.1f} us, "
+            f"radix {t_radix:.1f} us, split {t_split:.1f} us, engine rule {t_rule:.1f} us "
+            f"({t_torch / t_rule:.2f}x torch), same picks {same}",
+            flush=True,
+        )
     if args.sweep:
         sweep(dev)
-    lines = ["- command: `dsv4 bench kernels topk`",
-             f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
-             f"{torch.cuda.get_device_name()}, torch {torch.__version__}", "",
-             "| rows | candidates | causal | torch.topk us | radix, one program us | radix, split us | "
-             "engine rule us | rule vs torch | same picks |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
-    lines += [f"| {r} | {c} | {'yes' if cz else 'no'} | {a:.1f} | {b:.1f} | {sp:.1f} | "
-              f"{ru:.1f} | {a / ru:.2f}x | {s} |" for r, c, cz, a, b, sp, ru, s in rows_out]
+    lines = [
+        "- command: `dsv4 bench kernels topk`",
+        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}",
+        "",
+        "| rows | candidates | causal | torch.topk us | radix, one program us | radix, split us | "
+        "engine rule us | rule vs torch | same picks |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    lines += [
+        f"| {r} | {c} | {'yes' if cz else 'no'} | {a:.1f} | {b:.1f} | {sp:.1f} | {ru:.1f} | {a / ru:.2f}x | {s} |"
+        for r, c, cz, a, b, sp, ru, s in rows_out
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

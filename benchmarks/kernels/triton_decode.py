@@ -43,9 +43,15 @@ INDEX_CANDIDATES = (2048, 8192)  # visible compressed entries: 8K and 32K tokens
 EPS = 1e-6
 # Attention launch configurations tried by --sweep (the defaults are block_h 64, block_k 64,
 # 8 warps, 2 stages); each is timed with the default split heuristic and a few fixed splits.
-ATTN_SWEEP = [dict(block_k=64, num_stages=2), dict(block_k=64, num_stages=3), dict(block_k=32, num_stages=2),
-              dict(block_k=32, num_stages=3), dict(block_k=32, num_stages=4), dict(block_k=16, num_stages=4),
-              dict(block_k=64, num_stages=2, block_h=32)]
+ATTN_SWEEP = [
+    dict(block_k=64, num_stages=2),
+    dict(block_k=64, num_stages=3),
+    dict(block_k=32, num_stages=2),
+    dict(block_k=32, num_stages=3),
+    dict(block_k=32, num_stages=4),
+    dict(block_k=16, num_stages=4),
+    dict(block_k=64, num_stages=2, block_h=32),
+]
 SPLIT_SWEEP = [None, 1, 2, 4]
 DEVICE = "cuda"  # a module constant so the case builders can be smoke-tested on CPU under the interpreter
 
@@ -97,9 +103,16 @@ def attention_cases(t: int) -> list[Case]:
     shape = f"T={t} H={HEADS} D={HEAD_DIM} K={k}"
 
     kv = rand(t * k, HEAD_DIM, seed=3)
-    plain = Case("attention bf16 rows", shape, lambda: sparse_mqa_attention(q, kv, rows, sink, scale),
-                 lambda: sparse_attention(q, kv[rows.long()], rows >= 0, sink, scale),
-                 rows.numel() * HEAD_DIM * 2 + q.numel() * 2, flops, close, graph=True)
+    plain = Case(
+        "attention bf16 rows",
+        shape,
+        lambda: sparse_mqa_attention(q, kv, rows, sink, scale),
+        lambda: sparse_attention(q, kv[rows.long()], rows >= 0, sink, scale),
+        rows.numel() * HEAD_DIM * 2 + q.numel() * 2,
+        flops,
+        close,
+        graph=True,
+    )
 
     layout = g.Fp8DsMlaLayout(HEAD_DIM, ROPE_DIM)
     blocks = -(-t * k // layout.block_size)
@@ -111,8 +124,16 @@ def attention_cases(t: int) -> list[Case]:
         dense = g.unpack_fp8_ds_mla(g.read_rows(cache, layout, rows.reshape(-1)), layout, torch.bfloat16)
         return sparse_attention(q, dense.view(t, k, HEAD_DIM), rows >= 0, sink, scale)
 
-    fp8 = Case("attention fp8_ds_mla", shape, lambda: sparse_mqa_attention_fp8(q, cache, rows, sink, scale, layout),
-               fp8_reference, rows.numel() * layout.row_bytes + q.numel() * 2, flops, close, graph=True)
+    fp8 = Case(
+        "attention fp8_ds_mla",
+        shape,
+        lambda: sparse_mqa_attention_fp8(q, cache, rows, sink, scale, layout),
+        fp8_reference,
+        rows.numel() * layout.row_bytes + q.numel() * 2,
+        flops,
+        close,
+        graph=True,
+    )
     return [plain, fp8]
 
 
@@ -134,11 +155,17 @@ def indexer_cases(t: int) -> list[Case]:
         flat = rows.reshape(-1)
         stores = {  # name -> (store, layout, bytes per row, dense keys of rows for the reference)
             "bf16 rows": (keys, None, INDEX_DIM * 2, lambda keys=keys, rows=rows: keys[rows.long()]),
-            "mxfp4 cache": (cache, layout, layout.row_bytes,
-                            lambda cache=cache, layout=layout, flat=flat, rows=rows: g.unpack_indexer_mxfp4(
-                                g.read_rows(cache, layout, flat)).view(*rows.shape, INDEX_DIM).to(q.dtype)),
+            "mxfp4 cache": (
+                cache,
+                layout,
+                layout.row_bytes,
+                lambda cache=cache, layout=layout, flat=flat, rows=rows: (
+                    g.unpack_indexer_mxfp4(g.read_rows(cache, layout, flat)).view(*rows.shape, INDEX_DIM).to(q.dtype)
+                ),
+            ),
         }
         for name, (store, lay, row_bytes, dense) in stores.items():
+
             def reference(q=q, rows=rows, w=w, dense=dense):
                 return ref.topk_visible(ref.indexer_scores(q, dense(), w), rows >= 0, TOPK)
 
@@ -152,9 +179,17 @@ def indexer_cases(t: int) -> list[Case]:
             def run(q=q, store=store, rows=rows, w=w, lay=lay):
                 return indexer_topk(q, store, rows, w, TOPK, lay)
 
-            out.append(Case(f"indexer scores + topk, {name}", f"T={t} Hi={INDEX_HEADS} Di={INDEX_DIM} S={s} k={TOPK}",
-                            run, reference, rows.numel() * row_bytes + q.numel() * 2 + w.numel() * 4,
-                            2 * t * s * INDEX_HEADS * INDEX_DIM, check))
+            out.append(
+                Case(
+                    f"indexer scores + topk, {name}",
+                    f"T={t} Hi={INDEX_HEADS} Di={INDEX_DIM} S={s} k={TOPK}",
+                    run,
+                    reference,
+                    rows.numel() * row_bytes + q.numel() * 2 + w.numel() * 4,
+                    2 * t * s * INDEX_HEADS * INDEX_DIM,
+                    check,
+                )
+            )
     return out
 
 
@@ -172,16 +207,25 @@ def mhc_cases(t: int) -> list[Case]:
     def check_pre(out, expected):
         return "ok" if all(close(a, b) == "ok" for a, b in zip(out, expected)) else "MISMATCH"
 
-    pre = Case("mhc pre (+ torch mixes matmul)", shape,
-               lambda: triton_mhc.hc_pre(streams, fn, base, scale, 20, EPS, EPS),
-               lambda: ref.hc_pre(streams, fn, base, scale, 20, EPS, EPS),
-               streams.numel() * 2 + fn.numel() * 4, check=check_pre)
+    pre = Case(
+        "mhc pre (+ torch mixes matmul)",
+        shape,
+        lambda: triton_mhc.hc_pre(streams, fn, base, scale, 20, EPS, EPS),
+        lambda: ref.hc_pre(streams, fn, base, scale, 20, EPS, EPS),
+        streams.numel() * 2 + fn.numel() * 4,
+        check=check_pre,
+    )
     block_out = rand(t, HIDDEN, seed=12)
     post_w = torch.rand(t, HC, device=DEVICE) * 2
     comb = torch.softmax(rand(t, HC, HC, dtype=torch.float32, seed=13), dim=-1)
-    post = Case("mhc post", shape, lambda: triton_mhc.hc_post(block_out, streams, post_w, comb),
-                lambda: ref.hc_post(block_out, streams, post_w, comb), streams.numel() * 2 + block_out.numel() * 2,
-                check=close)
+    post = Case(
+        "mhc post",
+        shape,
+        lambda: triton_mhc.hc_post(block_out, streams, post_w, comb),
+        lambda: ref.hc_post(block_out, streams, post_w, comb),
+        streams.numel() * 2 + block_out.numel() * 2,
+        check=close,
+    )
     return [pre, post]
 
 
@@ -196,11 +240,22 @@ def norm_rope_cases(t: int) -> list[Case]:
     kv = rand(t, HEAD_DIM, seed=15)
     weight = rand(HEAD_DIM, dtype=torch.float32, scale=0.1, seed=16) + 1  # norm weights sit near 1
     return [
-        Case("norm+rope q (per head)", f"T={t} H={HEADS} D={HEAD_DIM} rope={ROPE_DIM}",
-             lambda: rms_norm_rope(q, cos, sin, EPS), lambda: apply_rope(unweighted_rms_norm(q, EPS), cos, sin),
-             q.numel() * 2, check=close),
-        Case("norm+rope kv", f"T={t} D={HEAD_DIM} rope={ROPE_DIM}", lambda: rms_norm_rope(kv, cos, sin, EPS, weight),
-             lambda: apply_rope(rms_norm(kv, weight, EPS), cos, sin), kv.numel() * 2, check=close),
+        Case(
+            "norm+rope q (per head)",
+            f"T={t} H={HEADS} D={HEAD_DIM} rope={ROPE_DIM}",
+            lambda: rms_norm_rope(q, cos, sin, EPS),
+            lambda: apply_rope(unweighted_rms_norm(q, EPS), cos, sin),
+            q.numel() * 2,
+            check=close,
+        ),
+        Case(
+            "norm+rope kv",
+            f"T={t} D={HEAD_DIM} rope={ROPE_DIM}",
+            lambda: rms_norm_rope(kv, cos, sin, EPS, weight),
+            lambda: apply_rope(rms_norm(kv, weight, EPS), cos, sin),
+            kv.numel() * 2,
+            check=close,
+        ),
     ]
 
 
@@ -220,10 +275,18 @@ def compressor_cases(t: int) -> list[Case]:
         def reference(kv=kv, score=score, weight=weight, cos=cos, sin=sin):
             return apply_rope(rms_norm(pool_windows(kv, score), weight, EPS), cos, sin)
 
-        out.append(Case(f"compressor pool+norm+rope ({what})", f"T={t} slots={slots} d={d}",
-                        lambda kv=kv, score=score, weight=weight, cos=cos, sin=sin:
-                        pool_norm_rope(kv, score, weight, EPS, cos, sin),
-                        reference, kv.numel() * 2 + score.numel() * 4, check=close))
+        out.append(
+            Case(
+                f"compressor pool+norm+rope ({what})",
+                f"T={t} slots={slots} d={d}",
+                lambda kv=kv, score=score, weight=weight, cos=cos, sin=sin: pool_norm_rope(
+                    kv, score, weight, EPS, cos, sin
+                ),
+                reference,
+                kv.numel() * 2 + score.numel() * 4,
+                check=close,
+            )
+        )
     return out
 
 
@@ -244,9 +307,20 @@ def measure(case: Case, copy_gbs: float, mm_tflops: float) -> dict:
     ggbs = case.read_bytes / graph_us / 1e3 if graph_us else 0.0
     # TFLOP/s from the kernel-only (graph) time where there is one.
     tflops = case.flops / (graph_us or t_us) / 1e6 if case.flops else 0.0
-    return {"kernel": case.kernel, "shape": case.shape, "us": t_us, "ref_us": ref_us, "gbs": gbs,
-            "copy": gbs / copy_gbs, "graph_us": graph_us, "ggbs": ggbs, "gcopy": ggbs / copy_gbs,
-            "tflops": tflops, "mm": tflops / mm_tflops, "check": verdict}
+    return {
+        "kernel": case.kernel,
+        "shape": case.shape,
+        "us": t_us,
+        "ref_us": ref_us,
+        "gbs": gbs,
+        "copy": gbs / copy_gbs,
+        "graph_us": graph_us,
+        "ggbs": ggbs,
+        "gcopy": ggbs / copy_gbs,
+        "tflops": tflops,
+        "mm": tflops / mm_tflops,
+        "check": verdict,
+    }
 
 
 def sweep_attention(t: int, configs=None, splits=None) -> dict:
@@ -260,10 +334,13 @@ def sweep_attention(t: int, configs=None, splits=None) -> dict:
     rows = distinct_rows(t, k, t * k)
     kv = rand(t * k, HEAD_DIM)
     layout = g.Fp8DsMlaLayout(HEAD_DIM, ROPE_DIM)
-    cache = torch.randint(0, 100, (-(-t * k // layout.block_size), layout.block_bytes()), dtype=torch.uint8,
-                          device=DEVICE)  # timing only: any bytes that decode to finite values do
-    variants = {"plain": lambda **kw: sparse_mqa_attention(q, kv, rows, sink, 0.04, **kw),
-                "fp8": lambda **kw: sparse_mqa_attention_fp8(q, cache, rows, sink, 0.04, layout, **kw)}
+    cache = torch.randint(
+        0, 100, (-(-t * k // layout.block_size), layout.block_bytes()), dtype=torch.uint8, device=DEVICE
+    )  # timing only: any bytes that decode to finite values do
+    variants = {
+        "plain": lambda **kw: sparse_mqa_attention(q, kv, rows, sink, 0.04, **kw),
+        "fp8": lambda **kw: sparse_mqa_attention_fp8(q, cache, rows, sink, 0.04, layout, **kw),
+    }
     out = {}
     for name, fn in variants.items():
         results = []
@@ -324,25 +401,30 @@ def compiled_attention_kernels() -> list[str]:
             for key, k in dev_cache[0].items():
                 consts = dict(getattr(k.src, "constants", {})) if hasattr(k, "src") else {}
                 what = str(consts)[:200] or str(key)[:200]
-                lines.append(f"  regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared} warps "
-                             f"{k.metadata.num_warps} stages {k.metadata.num_stages} {what}")
+                lines.append(
+                    f"  regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared} warps "
+                    f"{k.metadata.num_warps} stages {k.metadata.num_stages} {what}"
+                )
     except Exception as e:  # noqa: BLE001 - introspection of triton internals is best effort
         lines.append(f"  (kernel introspection failed: {type(e).__name__}: {e})")
     return lines
 
 
 def format_table(results: list[dict]) -> str:
-    head = ("| kernel | shape | triton us | torch us | speed-up | read GB/s | % copy BW | graph us | graph GB/s "
-            "| graph % copy BW | TFLOP/s | % bf16 mm | check |\n"
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    head = (
+        "| kernel | shape | triton us | torch us | speed-up | read GB/s | % copy BW | graph us | graph GB/s "
+        "| graph % copy BW | TFLOP/s | % bf16 mm | check |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    )
     lines = [head]
     for r in results:
         tf = f"{r['tflops']:.1f} | {100 * r['mm']:.1f}%" if r["tflops"] else "- | -"
-        graph = (f"{r['graph_us']:.1f} | {r['ggbs']:.0f} | {100 * r['gcopy']:.0f}%" if r.get("graph_us")
-                 else "- | - | -")
-        lines.append(f"| {r['kernel']} | {r['shape']} | {r['us']:.1f} | {r['ref_us']:.1f} | "
-                     f"{r['ref_us'] / r['us']:.1f}x | {r['gbs']:.0f} | {100 * r['copy']:.0f}% | {graph} | {tf} | "
-                     f"{r['check']} |")
+        graph = f"{r['graph_us']:.1f} | {r['ggbs']:.0f} | {100 * r['gcopy']:.0f}%" if r.get("graph_us") else "- | - | -"
+        lines.append(
+            f"| {r['kernel']} | {r['shape']} | {r['us']:.1f} | {r['ref_us']:.1f} | "
+            f"{r['ref_us'] / r['us']:.1f}x | {r['gbs']:.0f} | {100 * r['copy']:.0f}% | {graph} | {tf} | "
+            f"{r['check']} |"
+        )
     return "\n".join(lines)
 
 
@@ -353,12 +435,22 @@ def write_kernels_section(path: Path, body: str) -> None:
 def main(argv: list[str] | None = None, only: str = "", prog: str = "triton") -> int:
     ap = argparse.ArgumentParser(prog=f"dsv4 bench kernels {prog}", description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
-    ap.add_argument("--only", default=only, help="comma-separated subset: attention,indexer,mhc,norm_rope,compressor,"
-                                                "swa_insert,indexer_query,compressor_cache")
+    ap.add_argument(
+        "--only",
+        default=only,
+        help="comma-separated subset: attention,indexer,mhc,norm_rope,compressor,"
+        "swa_insert,indexer_query,compressor_cache",
+    )
     ap.add_argument("--sweep", action="store_true", help="also sweep attention tiles and splits")
-    ap.add_argument("--tune", type=int, nargs="*", default=None, metavar="T",
-                    help="first pick the attention launch defaults by graph time at these batches (default 64 128) "
-                         "and use them for the run (copy the printed DEFAULTS into dsv4_kernels/triton_attention.py)")
+    ap.add_argument(
+        "--tune",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="T",
+        help="first pick the attention launch defaults by graph time at these batches (default 64 128) "
+        "and use them for the run (copy the printed DEFAULTS into dsv4_kernels/triton_attention.py)",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     ap.add_argument("--out", type=Path, default=BENCHMARKS_MD)
     args = ap.parse_args(argv)
@@ -374,9 +466,14 @@ def main(argv: list[str] | None = None, only: str = "", prog: str = "triton") ->
 
     from benchmarks.kernels.triton_decode_cache import case_groups
 
-    groups = {"attention": attention_cases, "indexer": indexer_cases, "mhc": mhc_cases,
-              "norm_rope": norm_rope_cases, "compressor": compressor_cases,
-              **case_groups(Case, rand, close, DEVICE)}
+    groups = {
+        "attention": attention_cases,
+        "indexer": indexer_cases,
+        "mhc": mhc_cases,
+        "norm_rope": norm_rope_cases,
+        "compressor": compressor_cases,
+        **case_groups(Case, rand, close, DEVICE),
+    }
     chosen = [g for g in args.only.split(",") if g] or list(groups)
     torch.manual_seed(0)
     copy_gbs, mm_tflops = measure_roofs(DEVICE)
@@ -392,9 +489,11 @@ def main(argv: list[str] | None = None, only: str = "", prog: str = "triton") ->
             for case in groups[name](t):
                 results.append(measure(case, copy_gbs, mm_tflops))
                 r = results[-1]
-                print(f"{r['kernel']:38s} {r['shape']:44s} {r['us']:9.1f} us  torch {r['ref_us']:9.1f} us  "
-                      f"{r['gbs']:7.0f} GB/s  graph {r['graph_us']:7.1f} us {r['ggbs']:6.0f} GB/s  {r['check']}",
-                      flush=True)
+                print(
+                    f"{r['kernel']:38s} {r['shape']:44s} {r['us']:9.1f} us  torch {r['ref_us']:9.1f} us  "
+                    f"{r['gbs']:7.0f} GB/s  graph {r['graph_us']:7.1f} us {r['ggbs']:6.0f} GB/s  {r['check']}",
+                    flush=True,
+                )
             torch.cuda.empty_cache()
     sweep = []
     if args.sweep:
@@ -402,15 +501,17 @@ def main(argv: list[str] | None = None, only: str = "", prog: str = "triton") ->
             sweep += sweep_lines(t, sweep_attention(t))
         print("\n".join(compiled_attention_kernels()), flush=True)
     props = torch.cuda.get_device_properties(0)
-    body = (f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"{datetime.date.today().isoformat()} (`dsv4 bench kernels triton`).\n"
-            f"Roofs measured in the same run: device copy {copy_gbs:.0f} GB/s (read + write of 1 GiB), "
-            f"bf16 matmul {mm_tflops:.0f} TFLOP/s (8192^3). 'read GB/s' = bytes the op must read / time; "
-            "times are medians with a flushed L2 and include the wrappers' launch overhead (eager use). "
-            "'graph' columns (attention): the same call replayed in a CUDA graph after an L2 flush, flush time "
-            "subtracted, i.e. device time without Python launch overhead; TFLOP/s uses it where present. The "
-            "torch reference gathers rows into [T, K, D] before computing. Attention launch defaults: "
-            f"{DEFAULTS}.\n\n" + format_table(results))
+    body = (
+        f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"{datetime.date.today().isoformat()} (`dsv4 bench kernels triton`).\n"
+        f"Roofs measured in the same run: device copy {copy_gbs:.0f} GB/s (read + write of 1 GiB), "
+        f"bf16 matmul {mm_tflops:.0f} TFLOP/s (8192^3). 'read GB/s' = bytes the op must read / time; "
+        "times are medians with a flushed L2 and include the wrappers' launch overhead (eager use). "
+        "'graph' columns (attention): the same call replayed in a CUDA graph after an L2 flush, flush time "
+        "subtracted, i.e. device time without Python launch overhead; TFLOP/s uses it where present. The "
+        "torch reference gathers rows into [T, K, D] before computing. Attention launch defaults: "
+        f"{DEFAULTS}.\n\n" + format_table(results)
+    )
     if tuned:
         body += "\n\nAttention launch tuning (graph us, default split heuristic):\n" + "\n".join(tuned)
     if sweep:
@@ -420,4 +521,3 @@ def main(argv: list[str] | None = None, only: str = "", prog: str = "triton") ->
         write_kernels_section(args.out, body)
         print(f"\nwrote the '## GPU kernels' section of {args.out}")
     return 0
-

@@ -51,9 +51,16 @@ def case_groups(Case, rand, close, device: str) -> dict:
             return close(out, expected) if close(out, expected) != "ok" else bytes_check(cache, ref_cache)
 
         moved = kv.numel() * 2 + HEAD_DIM * 4 + 2 * cos.numel() * 4 + t * (HEAD_DIM * 2 + layout.row_bytes)
-        return [Case("swa insert fp8_ds_mla (r+w)", f"T={t} D={HEAD_DIM} rope={ROPE_DIM}",
-                     lambda: swa_insert(kv, weight, cos, sin, EPS, cache, rows, layout), reference, moved,
-                     check=check)]
+        return [
+            Case(
+                "swa insert fp8_ds_mla (r+w)",
+                f"T={t} D={HEAD_DIM} rope={ROPE_DIM}",
+                lambda: swa_insert(kv, weight, cos, sin, EPS, cache, rows, layout),
+                reference,
+                moved,
+                check=check,
+            )
+        ]
 
     def indexer_query_cases(t: int) -> list:
         from dsv4_kernels.indexer import quantize_query
@@ -66,13 +73,22 @@ def case_groups(Case, rand, close, device: str) -> dict:
             layout = g.IndexerKeyLayout(INDEX_DIM, fmt)
 
             def check(got, expected):
-                return bytes_check(torch.cat([got[0].flatten(), got[1].flatten().view(torch.uint8)]),
-                                   torch.cat([expected[0].flatten(), expected[1].flatten().view(torch.uint8)]))
+                return bytes_check(
+                    torch.cat([got[0].flatten(), got[1].flatten().view(torch.uint8)]),
+                    torch.cat([expected[0].flatten(), expected[1].flatten().view(torch.uint8)]),
+                )
 
             moved = q.numel() * 2 + 2 * cos.numel() * 4 + t * INDEX_HEADS * layout.row_bytes
-            out.append(Case(f"indexer q rope+hadamard+{fmt} (r+w)", f"T={t} Hi={INDEX_HEADS} Di={INDEX_DIM}",
-                            lambda layout=layout: indexer_query(q, cos, sin, layout),
-                            lambda layout=layout: quantize_query(q, cos, sin, layout)[:2], moved, check=check))
+            out.append(
+                Case(
+                    f"indexer q rope+hadamard+{fmt} (r+w)",
+                    f"T={t} Hi={INDEX_HEADS} Di={INDEX_DIM}",
+                    lambda layout=layout: indexer_query(q, cos, sin, layout),
+                    lambda layout=layout: quantize_query(q, cos, sin, layout)[:2],
+                    moved,
+                    check=check,
+                )
+            )
         return out
 
     def compressor_cache_cases(t: int) -> list:
@@ -83,10 +99,11 @@ def case_groups(Case, rand, close, device: str) -> dict:
         from dsv4_kernels.triton_compressor import pool_norm_rope_quant, save_state
 
         out = []
-        kinds = (("ratio 4 fp8_ds_mla", 8, HEAD_DIM, g.Fp8DsMlaLayout(HEAD_DIM, ROPE_DIM, g.compressed_block_rows(4))),
-                 ("ratio 128 fp8_ds_mla", 128, HEAD_DIM,
-                  g.Fp8DsMlaLayout(HEAD_DIM, ROPE_DIM, g.compressed_block_rows(128))),
-                 ("indexer mxfp4", 8, INDEX_DIM, g.IndexerKeyLayout(INDEX_DIM, "mxfp4", g.compressed_block_rows(4))))
+        kinds = (
+            ("ratio 4 fp8_ds_mla", 8, HEAD_DIM, g.Fp8DsMlaLayout(HEAD_DIM, ROPE_DIM, g.compressed_block_rows(4))),
+            ("ratio 128 fp8_ds_mla", 128, HEAD_DIM, g.Fp8DsMlaLayout(HEAD_DIM, ROPE_DIM, g.compressed_block_rows(128))),
+            ("indexer mxfp4", 8, INDEX_DIM, g.IndexerKeyLayout(INDEX_DIM, "mxfp4", g.compressed_block_rows(4))),
+        )
         for what, slots, d, layout in kinds:
             kv = rand(t, slots, d, seed=33)
             score = rand(t, slots, d, dtype=torch.float32, seed=34)
@@ -96,8 +113,17 @@ def case_groups(Case, rand, close, device: str) -> dict:
             cache, ref_cache = paged(layout, 2 * t + 64), paged(layout, 2 * t + 64)
             key = isinstance(layout, g.IndexerKeyLayout)
 
-            def reference(kv=kv, score=score, weight=weight, cos=cos, sin=sin, rows=rows, layout=layout,
-                          ref_cache=ref_cache, key=key):
+            def reference(
+                kv=kv,
+                score=score,
+                weight=weight,
+                cos=cos,
+                sin=sin,
+                rows=rows,
+                layout=layout,
+                ref_cache=ref_cache,
+                key=key,
+            ):
                 entries = apply_rope(rms_norm(pool_windows(kv, score), weight, EPS), cos, sin)
                 entries = hadamard(entries) if key else entries
                 g.write_rows(ref_cache, layout, rows, g.pack_rows(layout, entries.float()))
@@ -108,10 +134,18 @@ def case_groups(Case, rand, close, device: str) -> dict:
                 return verdict if verdict != "ok" else bytes_check(cache, ref_cache)
 
             moved = kv.numel() * 2 + score.numel() * 4 + t * (d * 2 + layout.row_bytes)
-            out.append(Case(f"compressor pool+quant ({what}, r+w)", f"T={t} slots={slots} d={d}",
-                            lambda kv=kv, score=score, weight=weight, cos=cos, sin=sin, cache=cache, rows=rows,
-                            layout=layout: pool_norm_rope_quant(kv, score, weight, EPS, cos, sin, cache, rows, layout),
-                            reference, moved, check=check))
+            out.append(
+                Case(
+                    f"compressor pool+quant ({what}, r+w)",
+                    f"T={t} slots={slots} d={d}",
+                    lambda kv=kv, score=score, weight=weight, cos=cos, sin=sin, cache=cache, rows=rows, layout=layout: (
+                        pool_norm_rope_quant(kv, score, weight, EPS, cos, sin, cache, rows, layout)
+                    ),
+                    reference,
+                    moved,
+                    check=check,
+                )
+            )
 
         w = 2 * HEAD_DIM  # ratio-4 state: coff 2
         kv, gate = rand(t, w, seed=36), rand(t, w, seed=37)
@@ -124,10 +158,20 @@ def case_groups(Case, rand, close, device: str) -> dict:
             ref_state[rows] = state_rows(kv, gate, ape, positions)
             return ref_state
 
-        out.append(Case("compressor state save (r+w)", f"T={t} W={w}",
-                        lambda: save_state(kv, gate, ape, positions, state, rows) or state, state_reference,
-                        2 * kv.numel() * 2 + t * 2 * w * 4, check=lambda a, b: "ok" if torch.equal(a, b) else "MISMATCH"))
+        out.append(
+            Case(
+                "compressor state save (r+w)",
+                f"T={t} W={w}",
+                lambda: save_state(kv, gate, ape, positions, state, rows) or state,
+                state_reference,
+                2 * kv.numel() * 2 + t * 2 * w * 4,
+                check=lambda a, b: "ok" if torch.equal(a, b) else "MISMATCH",
+            )
+        )
         return out
 
-    return {"swa_insert": swa_insert_cases, "indexer_query": indexer_query_cases,
-            "compressor_cache": compressor_cache_cases}
+    return {
+        "swa_insert": swa_insert_cases,
+        "indexer_query": indexer_query_cases,
+        "compressor_cache": compressor_cache_cases,
+    }

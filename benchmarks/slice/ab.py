@@ -16,11 +16,17 @@ from pathlib import Path
 
 from service.benchmarks_md import write_section
 
-VARIANTS = (("ab_o1_auto.md", "overlap on, FP8 keys (the default)"), ("ab_o0_auto.md", "overlap off, FP8 keys"),
-            ("ab_o1_mxfp4.md", "overlap on, MXFP4 keys"))
+VARIANTS = (
+    ("ab_o1_auto.md", "overlap on, FP8 keys (the default)"),
+    ("ab_o0_auto.md", "overlap off, FP8 keys"),
+    ("ab_o1_mxfp4.md", "overlap on, MXFP4 keys"),
+)
 # | batch | context | experts | step ms | tok/s | touched | prod GB | prod roof ms | x prod roof | ...
-ROW = re.compile(r"^\| (\d+) \| (\d+K) \| [^|]+ \| ([\d.]+) \| (\d+) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \| "
-                 r"([\d.]+) \|", re.M)
+ROW = re.compile(
+    r"^\| (\d+) \| (\d+K) \| [^|]+ \| ([\d.]+) \| (\d+) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \| "
+    r"([\d.]+) \|",
+    re.M,
+)
 
 
 def parse(text: str) -> dict[tuple[int, str], tuple[float, float]]:
@@ -38,20 +44,26 @@ def render(runs: dict[str, str]) -> str:
     tables = {label: parse(text) for label, text in runs.items()}
     keys = sorted({k for t in tables.values() for k in t}, key=lambda k: (k[0], int(k[1][:-1])))
     labels = list(runs)
-    lines = ["## GPU decode A/B: overlapped decode, indexer key format (V4-Flash slice)", "",
-             "- command: `tools/gpu/stages.sh ab` (three `benchmarks/slice/run.sh --no-peer --experts mxfp4 "
-             "--batches 1 64 --contexts 4096 32768` runs: `DSV4_OVERLAP_DECODE=1/0`, `--index-cache auto/mxfp4`), then "
-             "`python -m benchmarks.slice.ab --dir DIR --write`",
-             f"- date: {header(first, 'date')}", f"- GPU: {header(first, 'GPU')}",
-             f"- roofs: {header(first, 'roofs measured in this run')}",
-             "- step ms = one `EngineCore.step()` in a run of steps (no device sync between steps: an overlapped step "
-             "returns while the next one runs), median of 8; x roof = step / production-format roofline "
-             "(bytes the step must read / copy bandwidth); the slice section above says what is counted", "",
-             "| batch | context | " + " | ".join(f"{lab}: ms (x roof)" for lab in labels) + " | overlap gain |",
-             "|---:|---:|" + "---:|" * len(labels) + "---:|"]
+    lines = [
+        "## GPU decode A/B: overlapped decode, indexer key format (V4-Flash slice)",
+        "",
+        "- command: `tools/gpu/stages.sh ab` (three `benchmarks/slice/run.sh --no-peer --experts mxfp4 "
+        "--batches 1 64 --contexts 4096 32768` runs: `DSV4_OVERLAP_DECODE=1/0`, `--index-cache auto/mxfp4`), then "
+        "`python -m benchmarks.slice.ab --dir DIR --write`",
+        f"- date: {header(first, 'date')}",
+        f"- GPU: {header(first, 'GPU')}",
+        f"- roofs: {header(first, 'roofs measured in this run')}",
+        "- step ms = one `EngineCore.step()` in a run of steps (no device sync between steps: an overlapped step "
+        "returns while the next one runs), median of 8; x roof = step / production-format roofline "
+        "(bytes the step must read / copy bandwidth); the slice section above says what is counted",
+        "",
+        "| batch | context | " + " | ".join(f"{lab}: ms (x roof)" for lab in labels) + " | overlap gain |",
+        "|---:|---:|" + "---:|" * len(labels) + "---:|",
+    ]
     for key in keys:
-        cells = [f"{tables[lab][key][0]:.1f} ({tables[lab][key][1]:.1f}x)" if key in tables[lab] else "-"
-                 for lab in labels]
+        cells = [
+            f"{tables[lab][key][0]:.1f} ({tables[lab][key][1]:.1f}x)" if key in tables[lab] else "-" for lab in labels
+        ]
         on, off = (tables.get(VARIANTS[i][1], {}).get(key) for i in (0, 1))
         gain = f"{off[0] / on[0]:.2f}x" if on and off else "-"
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + f" | {gain} |")

@@ -89,30 +89,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--prefill-tokens", type=int, default=None)
-    ap.add_argument("--prefill-chunk", type=int, default=8192,
-                    help="the engine's max_batch_tokens: a longer prompt runs in chunks of this many tokens, as the "
-                         "service runs it (each chunk's time and the peak memory are reported)")
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=8192,
+        help="the engine's max_batch_tokens: a longer prompt runs in chunks of this many tokens, as the "
+        "service runs it (each chunk's time and the peak memory are reported)",
+    )
     ap.add_argument("--prefill-runs", type=int, default=2, help="timed prefill runs after one untimed (median)")
-    ap.add_argument("--prefill-only", action="store_true",
-                    help="only the prefill rows (no decode rows, profiled decode step or sampled decode)")
+    ap.add_argument(
+        "--prefill-only",
+        action="store_true",
+        help="only the prefill rows (no decode rows, profiled decode step or sampled decode)",
+    )
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--experts", nargs="+", choices=ALL_EXPERT_FORMATS, default=list(EXPERT_FORMATS),
-                    help="routed-expert formats, one engine each, in this order: mxfp4 (packed, Triton MXFP4 MoE; "
-                         "the production format), bf16 (dequantised, torch grouped_mm), fp8 (mxfp4 plus the experts "
-                         "converted to FP8 for steps of >= 1024 tokens: DeepGEMM's grouped GEMM, as "
-                         "`dsv4 serve --prefill-expert-format fp8`); default mxfp4 bf16")
-    ap.add_argument("--dense", choices=("auto", "fp8", "bf16"), default="auto",
-                    help="dense projections: fp8 (e4m3 + block scales through DeepGEMM, where it runs), bf16 "
-                         "(dequantised at load); auto = fp8 where DeepGEMM runs")
-    ap.add_argument("--index-cache", choices=("auto", "mxfp4", "fp8"), default="auto",
-                    help="indexer keys of the fp8 cache (dsv4's --index-cache-dtype): auto = FP8 on Hopper, else MXFP4")
+    ap.add_argument(
+        "--experts",
+        nargs="+",
+        choices=ALL_EXPERT_FORMATS,
+        default=list(EXPERT_FORMATS),
+        help="routed-expert formats, one engine each, in this order: mxfp4 (packed, Triton MXFP4 MoE; "
+        "the production format), bf16 (dequantised, torch grouped_mm), fp8 (mxfp4 plus the experts "
+        "converted to FP8 for steps of >= 1024 tokens: DeepGEMM's grouped GEMM, as "
+        "`dsv4 serve --prefill-expert-format fp8`); default mxfp4 bf16",
+    )
+    ap.add_argument(
+        "--dense",
+        choices=("auto", "fp8", "bf16"),
+        default="auto",
+        help="dense projections: fp8 (e4m3 + block scales through DeepGEMM, where it runs), bf16 "
+        "(dequantised at load); auto = fp8 where DeepGEMM runs",
+    )
+    ap.add_argument(
+        "--index-cache",
+        choices=("auto", "mxfp4", "fp8"),
+        default="auto",
+        help="indexer keys of the fp8 cache (dsv4's --index-cache-dtype): auto = FP8 on Hopper, else MXFP4",
+    )
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--profile-batch", type=int, default=None, help="batch of the profiled decode step (default 64)")
-    ap.add_argument("--profile-dump", default=None,
-                    help="write the profiled decode step's kernels, in launch order with device us, to this file")
-    ap.add_argument("--prefill-dump", default=None,
-                    help="write the profiled prefill's kernels, in launch order with device us, to this file")
+    ap.add_argument(
+        "--profile-dump",
+        default=None,
+        help="write the profiled decode step's kernels, in launch order with device us, to this file",
+    )
+    ap.add_argument(
+        "--prefill-dump",
+        default=None,
+        help="write the profiled prefill's kernels, in launch order with device us, to this file",
+    )
     ap.add_argument("--out", default=None, help="also write the markdown section to this file")
     ap.add_argument("--write", action="store_true", help="put the section into BENCHMARKS.md")
     ap.add_argument("--merge", default=None, help="put this section file into BENCHMARKS.md and exit")
@@ -139,4 +165,3 @@ def main(argv: list[str] | None = None) -> int:
         write_benchmarks(BENCHMARKS_MD, section)
         print("wrote BENCHMARKS.md", flush=True)
     return 0
-

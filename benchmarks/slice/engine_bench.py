@@ -112,8 +112,19 @@ def _graphs(core: EngineCore) -> int:
     return len(runner.graphs) if runner is not None and runner.mode == "graphs" else 0
 
 
-def bench_decode(core: EngineCore, cfg: ModelConfig, rec: ExpertRecorder, batch: int, ctx: int, warmup: int,
-                 steps: int, clock: Clock, reserve_s: float, seed: int, temperature: float = 0.0) -> dict:
+def bench_decode(
+    core: EngineCore,
+    cfg: ModelConfig,
+    rec: ExpertRecorder,
+    batch: int,
+    ctx: int,
+    warmup: int,
+    steps: int,
+    clock: Clock,
+    reserve_s: float,
+    seed: int,
+    temperature: float = 0.0,
+) -> dict:
     """Median step time of `batch` requests decoding at context `ctx` (caches synthetic, see module doc).
     temperature > 0: seeded sampling (top_p 1, no top-k: the OpenAI default), not greedy: no overlapped steps."""
     device = core.device
@@ -154,12 +165,19 @@ def bench_decode(core: EngineCore, cfg: ModelConfig, rec: ExpertRecorder, batch:
         for rid in rids:
             core.abort(rid)
     timed = times[warmup:] or times[-1:]
-    return {"step_s": median(timed), "n": len(timed), "setup_s": setup_s, "captured_timed": captured_timed,
-            "graphs": _graphs(core), "touched": rec.touched_per_layer(cfg.num_layers)}
+    return {
+        "step_s": median(timed),
+        "n": len(timed),
+        "setup_s": setup_s,
+        "captured_timed": captured_timed,
+        "graphs": _graphs(core),
+        "touched": rec.touched_per_layer(cfg.num_layers),
+    }
 
 
-def profile_decode(core: EngineCore, cfg: ModelConfig, batch: int, ctx: int, seed: int,
-                   dump: str | None = None) -> dict:
+def profile_decode(
+    core: EngineCore, cfg: ModelConfig, batch: int, ctx: int, seed: int, dump: str | None = None
+) -> dict:
     """One decode step under torch.profiler: kernels launched, summed kernel time, top kernels by device time
     (grouped by kernel name: under CUDA graphs the kernels are not attributed to torch ops).
 
@@ -194,14 +212,20 @@ def profile_decode(core: EngineCore, cfg: ModelConfig, batch: int, ctx: int, see
             core.abort(rid)
     if dump:
         _dump_kernels(prof, dump)
-    return {**_kernel_table(prof, 8), "wall_ms": wall * 1e3, "per_layer": _kernel_table(prof, 0)["kernels"] / cfg.num_layers}
+    return {
+        **_kernel_table(prof, 8),
+        "wall_ms": wall * 1e3,
+        "per_layer": _kernel_table(prof, 0)["kernels"] / cfg.num_layers,
+    }
 
 
 def _dump_kernels(prof, path: str) -> None:
     """Every kernel of a profiled run in launch order: start us (from the first), device us, name. Under CUDA
     graphs the kernels carry no torch op, so the order is what ties each to the model code."""
-    evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda ev: ev.time_range.start)
+    evs = sorted(
+        (ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda ev: ev.time_range.start,
+    )
     t0 = evs[0].time_range.start if evs else 0.0
     with open(path, "w") as f:
         for ev in evs:
@@ -225,8 +249,12 @@ def _kernel_table(prof, top: int) -> dict:
     cats: dict[str, int] = {}
     for name, (_, c) in by_name.items():
         cats[kernel_category(name)] = cats.get(kernel_category(name), 0) + c
-    return {"kernels": kernels, "busy_ms": busy_us / 1e3, "top": ops[:top],
-            "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1]))}
+    return {
+        "kernels": kernels,
+        "busy_ms": busy_us / 1e3,
+        "top": ops[:top],
+        "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+    }
 
 
 # (category, name fragments) in match order: the profile line's kernels-per-layer split.
@@ -290,13 +318,17 @@ def _host_table(prof, top: int = 6) -> dict:
             gaps.append(a - end)
         end = b if end is None else max(end, b)
     span = (end - spans[0][0]) if spans else 0.0
-    return {"api": sorted(((t / 1e3, n, c) for n, (t, c) in api.items()), reverse=True)[:top],
-            "idle_ms": sum(gaps) / 1e3, "gaps_ms": [g / 1e3 for g in sorted(gaps, reverse=True)[:3]],
-            "span_ms": span / 1e3}
+    return {
+        "api": sorted(((t / 1e3, n, c) for n, (t, c) in api.items()), reverse=True)[:top],
+        "idle_ms": sum(gaps) / 1e3,
+        "gaps_ms": [g / 1e3 for g in sorted(gaps, reverse=True)[:3]],
+        "span_ms": span / 1e3,
+    }
 
 
-def bench_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, repeats: int, clock: Clock, reserve_s: float,
-                  seed: int) -> dict:
+def bench_prefill(
+    core: EngineCore, cfg: ModelConfig, tokens: int, repeats: int, clock: Clock, reserve_s: float, seed: int
+) -> dict:
     """One `tokens`-token prompt, 1 + repeats times (the first untimed unless it is the only one), each in as many
     steps as the engine's max_batch_tokens makes (chunks), synchronised after each step. -> {"s": median prefill
     seconds, "n", "steps", "runs_s": each timed run, "chunk_s": the last run's step seconds in order, "chunk_end":
@@ -331,6 +363,13 @@ def bench_prefill(core: EngineCore, cfg: ModelConfig, tokens: int, repeats: int,
         core.pop_finished(rid)
         steps = len(chunk_s)
     timed = times[1:] or times
-    return {"s": median(timed), "n": len(timed), "steps": steps, "runs_s": timed, "chunk_s": chunk_s, "chunk_end": chunk_end,
-            "peak_gib": peak, "base_gib": base}
-
+    return {
+        "s": median(timed),
+        "n": len(timed),
+        "steps": steps,
+        "runs_s": timed,
+        "chunk_s": chunk_s,
+        "chunk_end": chunk_end,
+        "peak_gib": peak,
+        "base_gib": base,
+    }

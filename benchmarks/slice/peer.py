@@ -28,8 +28,19 @@ def transformers_info() -> tuple[str, bool]:
     return transformers.__version__, True
 
 
-def bench_transformers(raw: dict, device, dtype, batch: int, ctx: int, chunk: int, warmup: int, steps: int,
-                       clock: Clock, seed: int, experts: tuple[str, ...] = ("default", "eager")) -> list[dict]:
+def bench_transformers(
+    raw: dict,
+    device,
+    dtype,
+    batch: int,
+    ctx: int,
+    chunk: int,
+    warmup: int,
+    steps: int,
+    clock: Clock,
+    seed: int,
+    experts: tuple[str, ...] = ("default", "eager"),
+) -> list[dict]:
     """Decode steps of transformers' DeepseekV4ForCausalLM at `batch` x `ctx`, once per experts
     implementation (see the module doc). -> one dict per variant (or with "skip")."""
     g = torch.Generator().manual_seed(seed)
@@ -46,8 +57,11 @@ def bench_transformers(raw: dict, device, dtype, batch: int, ctx: int, chunk: in
             if results and left < 60:
                 raise TimeoutError(f"time budget ({left:.0f} s left)")
             row.update(_time_decode(model, ids, raw["vocab_size"], chunk, warmup, steps, clock, g, device))
-            print(f"transformers experts={row['experts']} b={batch} ctx={ctx}: {row['step_ms']:.1f} ms/step "
-                  f"(model built {build_s:.0f} s, prefill {row['prefill_s']:.0f} s)", flush=True)
+            print(
+                f"transformers experts={row['experts']} b={batch} ctx={ctx}: {row['step_ms']:.1f} ms/step "
+                f"(model built {build_s:.0f} s, prefill {row['prefill_s']:.0f} s)",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001
             row["skip"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             print(f"transformers experts={impl}: FAILED {row['skip']}", flush=True)
@@ -90,8 +104,9 @@ def _select_experts(model, impl: str) -> str:
     return label + " (transformers' default)" if impl == "default" else label
 
 
-def _time_decode(model, ids: torch.Tensor, vocab: int, chunk: int, warmup: int, steps: int, clock: Clock,
-                 g: torch.Generator, device) -> dict:
+def _time_decode(
+    model, ids: torch.Tensor, vocab: int, chunk: int, warmup: int, steps: int, clock: Clock, g: torch.Generator, device
+) -> dict:
     """Chunked prefill of `ids` into a fresh cache, then timed decode steps -> prefill_s, step_ms, n."""
     batch, ctx = ids.shape
     cache, out = None, None
@@ -99,7 +114,7 @@ def _time_decode(model, ids: torch.Tensor, vocab: int, chunk: int, warmup: int, 
         t = time.perf_counter()
         with torch.inference_mode():
             for s in range(0, ctx, chunk):
-                out = model(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = model(input_ids=ids[:, s : s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache = out.past_key_values
                 if clock.left() < 20:
                     raise TimeoutError(f"prefill reached {s + chunk}/{ctx} tokens when the budget ran out")

@@ -59,8 +59,9 @@ def expert_bytes(cfg: ModelConfig, fmt: str, packed: bool = False) -> int:
     return n * 2 if fmt == "engine" and not packed else n // 2 + n // 32  # MXFP4: 4-bit values + UE8M0 per 32
 
 
-def weight_bytes(cfg: ModelConfig, batch: int, touched: list[float], fmt: str, packed: bool = False,
-                 fp8_dense: bool = False) -> float:
+def weight_bytes(
+    cfg: ModelConfig, batch: int, touched: list[float], fmt: str, packed: bool = False, fp8_dense: bool = False
+) -> float:
     """Bytes of weights a decode step of `batch` tokens must read; touched[i] = distinct experts on layer i;
     `packed`: the engine keeps its routed experts as MXFP4 (only changes the engine format)."""
     total = 0.0
@@ -86,6 +87,7 @@ def cache_bytes(cfg: ModelConfig, ctx: int, fmt: str, index_fmt: str | None = No
     keys' format when it differs from fmt's, e.g. FP8 keys in a production-format cache)."""
     kv, idx = kv_row_bytes(cfg, fmt), index_row_bytes(cfg, index_fmt or fmt)
     total = 0
+
     def visible(r: int) -> int:  # entries closed before the query (incl. its own window)
         return (ctx + 1) // r
 
@@ -125,25 +127,49 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
     return total
 
 
-def decode_figures(cfg: ModelConfig, batch: int, ctx: int, step_s: float, touched: list[float],
-                   copy_gbs: float, packed: bool, fp8_dense: bool = False, fp8_cache: bool = False,
-                   index_fmt: str = "mxfp4") -> dict:
+def decode_figures(
+    cfg: ModelConfig,
+    batch: int,
+    ctx: int,
+    step_s: float,
+    touched: list[float],
+    copy_gbs: float,
+    packed: bool,
+    fp8_dense: bool = False,
+    fp8_cache: bool = False,
+    index_fmt: str = "mxfp4",
+) -> dict:
     """A decode step's time against both byte rooflines -> the decode table's figures (`packed`: the
     engine keeps routed experts as MXFP4; `fp8_cache`: its KV cache holds the production formats (fp8_ds_mla
     rows, indexer keys as `index_fmt`: "mxfp4" / "fp8"), else bf16 rows; touched = mean distinct experts per
     layer)."""
     prod = weight_bytes(cfg, batch, touched, "prod") + batch * cache_bytes(cfg, ctx, "prod")
-    eng = (weight_bytes(cfg, batch, touched, "engine", packed, fp8_dense)
-           + batch * cache_bytes(cfg, ctx, "prod" if fp8_cache else "engine", index_fmt if fp8_cache else None))
+    eng = weight_bytes(cfg, batch, touched, "engine", packed, fp8_dense) + batch * cache_bytes(
+        cfg, ctx, "prod" if fp8_cache else "engine", index_fmt if fp8_cache else None
+    )
     bw = copy_gbs * 1e9
-    return {"step_ms": step_s * 1e3, "tok_s": batch / step_s, "touched": sum(touched) / len(touched),
-            "prod_gb": prod / 1e9, "prod_roof_ms": prod / bw * 1e3, "x_prod": step_s / (prod / bw),
-            "eng_gb": eng / 1e9, "eng_roof_ms": eng / bw * 1e3, "x_eng": step_s / (eng / bw)}
+    return {
+        "step_ms": step_s * 1e3,
+        "tok_s": batch / step_s,
+        "touched": sum(touched) / len(touched),
+        "prod_gb": prod / 1e9,
+        "prod_roof_ms": prod / bw * 1e3,
+        "x_prod": step_s / (prod / bw),
+        "eng_gb": eng / 1e9,
+        "eng_roof_ms": eng / bw * 1e3,
+        "x_eng": step_s / (eng / bw),
+    }
 
 
 def prefill_figures(cfg: ModelConfig, tokens: int, seconds: float, tflops: float) -> dict:
     """A prefill's time against the FLOP roofline -> the prefill table's figures."""
     flops = prefill_flops(cfg, tokens)
     roof_s = flops / (tflops * 1e12)
-    return {"tokens": tokens, "s": seconds, "tok_s": tokens / seconds, "tflop": flops / 1e12,
-            "roof_tok_s": tokens / roof_s, "share": roof_s / seconds}
+    return {
+        "tokens": tokens,
+        "s": seconds,
+        "tok_s": tokens / seconds,
+        "tflop": flops / 1e12,
+        "roof_tok_s": tokens / roof_s,
+        "share": roof_s / seconds,
+    }

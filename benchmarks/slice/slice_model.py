@@ -53,27 +53,64 @@ from engine.model.fast_paths import (
 )
 from engine.model.linear import keeps_fp8, pow2_activations
 
-QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128]}
+QUANT_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "scale_fmt": "ue8m0",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 
 def flash_slice_config(layers: int = 4, vocab: int = 129280) -> dict:
     """V4-Flash's config.json (../shared/docs/deepseek_v4.md) cut to `layers` layers: SWA, CSA, HCA, CSA, ..."""
     return {
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-        "vocab_size": vocab, "hidden_size": 4096, "num_hidden_layers": layers,
-        "compress_ratios": ([0, 4, 128, 4] * layers)[:layers], "num_hash_layers": 1, "sliding_window": 128,
-        "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
-        "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
-        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
-        "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
-        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
-        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "swiglu_limit": 10.0,
-        "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
-        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 0, "mscale_all_dim": 0},
-        "max_position_embeddings": 1 << 20, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "quantization_config": dict(QUANT_CONFIG),
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": vocab,
+        "hidden_size": 4096,
+        "num_hidden_layers": layers,
+        "compress_ratios": ([0, 4, 128, 4] * layers)[:layers],
+        "num_hash_layers": 1,
+        "sliding_window": 128,
+        "num_attention_heads": 64,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1024,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 2048,
+        "routed_scaling_factor": 1.5,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-6,
+        "swiglu_limit": 10.0,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0,
+            "mscale_all_dim": 0,
+        },
+        "max_position_embeddings": 1 << 20,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "quantization_config": dict(QUANT_CONFIG),
     }
 
 
@@ -97,9 +134,12 @@ def experts_path(fmt: str, device, dtype) -> str:
         prefill = "DeepGEMM grouped FP8" if use_fp8_expert_gemm(device) and dtype == torch.bfloat16 else "reference"
         return f"fp8 >= {FP8_EXPERT_MIN_TOKENS} tokens ({prefill}), else " + experts_path("mxfp4", device, dtype)
     if fmt == "mxfp4":
-        return {"triton_kernels": "mxfp4, triton_kernels matmul", "marlin": "mxfp4, Marlin W4A16 grouped GEMM",
-                "engine": "mxfp4, engine Triton MoE",
-                "reference": "mxfp4, dequantise-on-the-fly reference"}[mxfp4_moe_backend(device)]
+        return {
+            "triton_kernels": "mxfp4, triton_kernels matmul",
+            "marlin": "mxfp4, Marlin W4A16 grouped GEMM",
+            "engine": "mxfp4, engine Triton MoE",
+            "reference": "mxfp4, dequantise-on-the-fly reference",
+        }[mxfp4_moe_backend(device)]
     probe = torch.empty(0, dtype=dtype, device=device)
     return "bf16, torch grouped_mm" if use_grouped_moe(probe) else "bf16, per-expert reference loop"
 
@@ -115,8 +155,9 @@ def dense_path(device, dtype, want: str = "auto") -> str:
     return "fp8" if want in ("auto", "fp8") and use_fp8_gemm(device, dtype) else "bf16"
 
 
-def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator, experts: str = "bf16",
-                  dense: str = "bf16", mtp: bool = False) -> dict:
+def build_weights(
+    cfg: ModelConfig, device, dtype, gen: torch.Generator, experts: str = "bf16", dense: str = "bf16", mtp: bool = False
+) -> dict:
     """Random weights shaped like a checkpoint, FP8-quantised-then-dequantised where the release is FP8
     (dense "bf16"), or kept as e4m3 + fp32 block scales as `load_weights(keep_fp8=True)` hands them over
     (dense "fp8").
@@ -136,9 +177,14 @@ def build_weights(cfg: ModelConfig, device, dtype, gen: torch.Generator, experts
             key = (name.split(".experts.")[0], name.rsplit(".", 2)[-2])
             if key not in placeholders:
                 n, k = shape
-                placeholders[key] = ((torch.zeros(n, k // 2, dtype=torch.uint8, device=device),
-                                      torch.zeros(n, k // 32, dtype=torch.uint8, device=device))
-                                     if experts == "mxfp4" else (torch.zeros(shape, dtype=dtype, device=device),))
+                placeholders[key] = (
+                    (
+                        torch.zeros(n, k // 2, dtype=torch.uint8, device=device),
+                        torch.zeros(n, k // 32, dtype=torch.uint8, device=device),
+                    )
+                    if experts == "mxfp4"
+                    else (torch.zeros(shape, dtype=dtype, device=device),)
+                )
             out[name] = placeholders[key][0]
             if experts == "mxfp4":
                 out[name[: -len(".weight")] + ".scale"] = placeholders[key][1]
@@ -192,7 +238,7 @@ def fill_experts(core: EngineCore, gen: torch.Generator, chunk: int) -> None:
         for w in (moe.w1, moe.w2, moe.w3):
             std = _proj_std(w.shape[-1])
             for e0 in range(0, w.shape[0], chunk):
-                part = w[e0:e0 + chunk]
+                part = w[e0 : e0 + chunk]
                 t = torch.randn(part.shape, generator=gen, device=w.device, dtype=torch.float32) * std
                 packed, scale = quant_mxfp4(t)
                 part.copy_(dequant_mxfp4(packed, scale).to(w.dtype))
@@ -210,8 +256,9 @@ def add_fp8_experts(core: EngineCore, cfg: ModelConfig) -> None:
         pk = moe.packed
         if pk is None:
             raise ValueError("fp8 experts convert packed MXFP4 experts; this engine's are not packed")
-        moe.fp8 = from_packed(pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3, report, f"layer {i} ",
-                              pow2_activations(cfg.quantization))
+        moe.fp8 = from_packed(
+            pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3, report, f"layer {i} ", pow2_activations(cfg.quantization)
+        )
     print(report.describe(), flush=True)
 
 
@@ -227,21 +274,32 @@ def fill_caches(core: EngineCore, gen: torch.Generator, chunk: int = 1 << 16) ->
                 packed = group.encode(torch.randn(rows, group.codec.dim, generator=gen, device=t.device))
                 for start in range(0, t.shape[1], rows):
                     ids = torch.arange(start, min(start + rows, t.shape[1]), device=t.device)
-                    group.write_packed(group.spec.layers[i], ids, packed[:ids.numel()])
+                    group.write_packed(group.spec.layers[i], ids, packed[: ids.numel()])
                 continue
             t[i].copy_(torch.randn(t[i].shape, generator=gen, device=t.device, dtype=torch.float32).to(t.dtype))
 
 
-def build_engine(raw: dict, device, dtype, max_requests: int, max_tokens: int, prefill_tokens: int, seed: int,
-                 expert_chunk: int, experts: str = "bf16", dense: str = "bf16", kv_cache: str = "auto",
-                 index_cache: str = "auto", prefill_chunk: int | None = None):
+def build_engine(
+    raw: dict,
+    device,
+    dtype,
+    max_requests: int,
+    max_tokens: int,
+    prefill_tokens: int,
+    seed: int,
+    expert_chunk: int,
+    experts: str = "bf16",
+    dense: str = "bf16",
+    kv_cache: str = "auto",
+    index_cache: str = "auto",
+    prefill_chunk: int | None = None,
+):
     """-> (cfg, EngineCore) with routed experts in format `experts` (EXPERT_FORMATS), dense projections as
     `dense` ("fp8" / "bf16", see build_weights), the KV cache as `kv_cache` resolves (`dsv4 serve`'s
     --kv-cache-dtype: auto = fp8 where FlashMLA decodes it) with indexer keys as `index_cache` resolves (auto = FP8
     on Hopper, else MXFP4), decode_mode "auto". prefill_chunk: the step's token budget (max_batch_tokens, at least
     max_requests), as a serving engine chunks a long prompt; None: the whole prefill in one step (at least 2048)."""
-    budget = (max(min(prefill_tokens, prefill_chunk), max_requests) if prefill_chunk
-              else max(prefill_tokens, 2048))
+    budget = max(min(prefill_tokens, prefill_chunk), max_requests) if prefill_chunk else max(prefill_tokens, 2048)
     if experts not in ALL_EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {ALL_EXPERT_FORMATS}, got {experts!r}")
     cfg = ModelConfig.from_dict(raw)
@@ -249,11 +307,21 @@ def build_engine(raw: dict, device, dtype, max_requests: int, max_tokens: int, p
     weights = build_weights(cfg, device, dtype, gen, "mxfp4" if experts == "fp8" else experts, dense)
     kv_dtype, _ = resolve_kv_cache_dtype(kv_cache, device, dtype, cfg.head_dim, cfg.rope_dim, cfg.num_heads)
     index_dtype, _ = resolve_index_cache_dtype(index_cache, device)
-    core = EngineCore(cfg, weights, device=device, dtype=dtype,
-                      cache_config=CacheConfig(max_requests=max_requests, max_tokens=max_tokens, page_tokens=256,
-                                               kv_cache_dtype=kv_dtype, index_cache_dtype=index_dtype,
-                                               staging_pages=STAGING_PAGES),
-                      scheduler_config=SchedulerConfig(max_batch_tokens=budget, max_num_seqs=max_requests))
+    core = EngineCore(
+        cfg,
+        weights,
+        device=device,
+        dtype=dtype,
+        cache_config=CacheConfig(
+            max_requests=max_requests,
+            max_tokens=max_tokens,
+            page_tokens=256,
+            kv_cache_dtype=kv_dtype,
+            index_cache_dtype=index_dtype,
+            staging_pages=STAGING_PAGES,
+        ),
+        scheduler_config=SchedulerConfig(max_batch_tokens=budget, max_num_seqs=max_requests),
+    )
     del weights
     fill_experts(core, gen, expert_chunk)
     if experts == "fp8":
@@ -265,11 +333,13 @@ def build_engine(raw: dict, device, dtype, max_requests: int, max_tokens: int, p
 
 def slice_description(c0: ModelConfig, dense: str = "bf16") -> str:
     """The report's one-line description of the slice."""
-    return (f"{c0.num_layers} layers, compress_ratios {list(c0.compress_ratios)}, hash layers "
-            f"{sum(c0.hash_layers)}, hidden {c0.hidden_size}, {c0.num_heads} heads x {c0.head_dim}, q_lora "
-            f"{c0.q_lora_rank}, {c0.n_routed_experts} experts top-{c0.num_experts_per_tok} x "
-            f"{c0.moe_intermediate_size} + {c0.n_shared_experts} shared, index {c0.index_n_heads} x "
-            f"{c0.index_head_dim} top-{c0.index_topk}, window {c0.sliding_window}, vocab {c0.vocab_size}; "
-            "random seeded weights: dense " + ("FP8, held as e4m3 + 128x128 scales (DeepGEMM)" if dense == "fp8" else
-                                               "FP8-rounded, held as bf16")
-            + "; routed experts as the experts column says")
+    return (
+        f"{c0.num_layers} layers, compress_ratios {list(c0.compress_ratios)}, hash layers "
+        f"{sum(c0.hash_layers)}, hidden {c0.hidden_size}, {c0.num_heads} heads x {c0.head_dim}, q_lora "
+        f"{c0.q_lora_rank}, {c0.n_routed_experts} experts top-{c0.num_experts_per_tok} x "
+        f"{c0.moe_intermediate_size} + {c0.n_shared_experts} shared, index {c0.index_n_heads} x "
+        f"{c0.index_head_dim} top-{c0.index_topk}, window {c0.sliding_window}, vocab {c0.vocab_size}; "
+        "random seeded weights: dense "
+        + ("FP8, held as e4m3 + 128x128 scales (DeepGEMM)" if dense == "fp8" else "FP8-rounded, held as bf16")
+        + "; routed experts as the experts column says"
+    )

@@ -87,26 +87,52 @@ def make_plan(args: argparse.Namespace) -> Plan:
     bad = [f for f in experts if f not in ALL_EXPERT_FORMATS]
     if bad:
         raise ValueError(f"--experts takes {ALL_EXPERT_FORMATS}, got {bad}")
-    return dataclasses.replace(_plan(args, device), experts=experts, dense=getattr(args, "dense", None) or "auto",
-                               index_cache=getattr(args, "index_cache", None) or "auto",
-                               profile_batch=getattr(args, "profile_batch", None),
-                               profile_dump=getattr(args, "profile_dump", None),
-                               prefill_dump=getattr(args, "prefill_dump", None),
-                               prefill_chunk=getattr(args, "prefill_chunk", None) or 8192,
-                               prefill_runs=getattr(args, "prefill_runs", None) or 2,
-                               prefill_only=bool(getattr(args, "prefill_only", False)))
+    return dataclasses.replace(
+        _plan(args, device),
+        experts=experts,
+        dense=getattr(args, "dense", None) or "auto",
+        index_cache=getattr(args, "index_cache", None) or "auto",
+        profile_batch=getattr(args, "profile_batch", None),
+        profile_dump=getattr(args, "profile_dump", None),
+        prefill_dump=getattr(args, "prefill_dump", None),
+        prefill_chunk=getattr(args, "prefill_chunk", None) or 8192,
+        prefill_runs=getattr(args, "prefill_runs", None) or 2,
+        prefill_only=bool(getattr(args, "prefill_only", False)),
+    )
 
 
 def _plan(args: argparse.Namespace, device: str) -> Plan:
     if args.smoke:
-        return Plan(smoke=True, device=device, raw=smoke_config(), batches=args.batches or [1, 4],
-                    contexts=args.contexts or [64, 300], prefill_tokens=args.prefill_tokens or 256,
-                    steps=args.steps or 3, warmup=min(args.warmup, 1), hf_batch=4, hf_ctx=64, hf_chunk=32,
-                    expert_chunk=4, no_peer=args.no_peer)
-    return Plan(smoke=False, device=device, raw=flash_slice_config(args.layers, args.vocab),
-                batches=args.batches or [1, 16, 64, 128], contexts=args.contexts or [4096, 32768],
-                prefill_tokens=args.prefill_tokens or 8192, steps=args.steps or 8, warmup=args.warmup,
-                hf_batch=16, hf_ctx=4096, hf_chunk=512, expert_chunk=16, no_peer=args.no_peer)
+        return Plan(
+            smoke=True,
+            device=device,
+            raw=smoke_config(),
+            batches=args.batches or [1, 4],
+            contexts=args.contexts or [64, 300],
+            prefill_tokens=args.prefill_tokens or 256,
+            steps=args.steps or 3,
+            warmup=min(args.warmup, 1),
+            hf_batch=4,
+            hf_ctx=64,
+            hf_chunk=32,
+            expert_chunk=4,
+            no_peer=args.no_peer,
+        )
+    return Plan(
+        smoke=False,
+        device=device,
+        raw=flash_slice_config(args.layers, args.vocab),
+        batches=args.batches or [1, 16, 64, 128],
+        contexts=args.contexts or [4096, 32768],
+        prefill_tokens=args.prefill_tokens or 8192,
+        steps=args.steps or 8,
+        warmup=args.warmup,
+        hf_batch=16,
+        hf_ctx=4096,
+        hf_chunk=512,
+        expert_chunk=16,
+        no_peer=args.no_peer,
+    )
 
 
 def fp8_roof(p: Plan) -> float | None:
@@ -126,10 +152,12 @@ def prefill_line(out: dict) -> str:
     fp8 = f"; {100 * out['share_fp8']:.1f}% of the FP8 roof" if "share_fp8" in out else ""
     runs = ", ".join(f"{t * 1e3:.1f}" for t in out["runs_s"])
     chunks = ", ".join(f"{t * 1e3:.0f}" for t in out["chunk_s"])
-    return (f"prefill {out['experts']} {out['tokens']}: {out['s']:.2f} s ({out['tok_s']:.0f} tok/s), roof "
-            f"{out['roof_tok_s']:.0f} tok/s ({100 * out['share']:.1f}% of the bf16 matmul roof{fp8}); runs {runs} ms; "
-            f"{out['steps']} chunk(s) of <= {out['chunk']} tokens: {chunks} ms; peak {out['peak_gib']:.2f} GiB "
-            f"allocated ({out['base_gib']:.2f} before)")
+    return (
+        f"prefill {out['experts']} {out['tokens']}: {out['s']:.2f} s ({out['tok_s']:.0f} tok/s), roof "
+        f"{out['roof_tok_s']:.0f} tok/s ({100 * out['share']:.1f}% of the bf16 matmul roof{fp8}); runs {runs} ms; "
+        f"{out['steps']} chunk(s) of <= {out['chunk']} tokens: {chunks} ms; peak {out['peak_gib']:.2f} GiB "
+        f"allocated ({out['base_gib']:.2f} before)"
+    )
 
 
 def free_device_memory(device: str) -> None:
@@ -157,8 +185,11 @@ class Suite:
         if not p.smoke:
             check_geometry(self.cfg)
         env = environment(p.device)
-        print(f"# {env['gpu']} driver {env['driver']} torch {env['torch']} triton {env['triton']} "
-              f"transformers {env['transformers']}", flush=True)
+        print(
+            f"# {env['gpu']} driver {env['driver']} torch {env['torch']} triton {env['triton']} "
+            f"transformers {env['transformers']}",
+            flush=True,
+        )
         self.copy_gbs, self.tflops = measure_roofs(p.device, p.smoke)
         self.fp8_tflops = fp8_roof(p)
         fp8 = f", FP8 GEMM {self.fp8_tflops:.3g} TFLOP/s" if self.fp8_tflops else ""
@@ -179,9 +210,12 @@ class Suite:
         """Build the `fmt` engine, run its rows, free it (before the next engine or the peer loads)."""
         p = self.plan
         dense = dense_path(p.device, DTYPE, p.dense)
-        self.engine = {"format": fmt, "dense": dense,
-                       "experts": experts_path(fmt, p.device, DTYPE) + ("; dense fp8 DeepGEMM" if dense == "fp8" else
-                                                                        "; dense bf16")}
+        self.engine = {
+            "format": fmt,
+            "dense": dense,
+            "experts": experts_path(fmt, p.device, DTYPE)
+            + ("; dense fp8 DeepGEMM" if dense == "fp8" else "; dense bf16"),
+        }
         self.engines.append(self.engine)
         need = 5 if p.smoke else 60
         if self.clock.left() - self.reserve < need:
@@ -194,8 +228,9 @@ class Suite:
                 self.core = None
         if "skip" in self.engine:
             print(f"experts {fmt}: SKIPPED ({self.engine['skip']})", flush=True)
-            self.decode.append({"batch": None, "ctx": None, "experts": self.engine["experts"],
-                                "skip": self.engine["skip"]})
+            self.decode.append(
+                {"batch": None, "ctx": None, "experts": self.engine["experts"], "skip": self.engine["skip"]}
+            )
             free_device_memory(p.device)
             return
         try:
@@ -221,17 +256,35 @@ class Suite:
         steps_total = p.warmup + p.steps + 8
         max_tokens = max_b * (max_c + steps_total) + p.prefill_tokens + 1024
         t = time.perf_counter()
-        self.cfg, self.core = build_engine(p.raw, p.device, DTYPE, max_requests=max(max_b, 1), max_tokens=max_tokens,
-                                           prefill_tokens=p.prefill_tokens, seed=0, expert_chunk=p.expert_chunk,
-                                           experts=fmt, dense=self.engine["dense"], index_cache=p.index_cache,
-                                           prefill_chunk=p.prefill_chunk)
+        self.cfg, self.core = build_engine(
+            p.raw,
+            p.device,
+            DTYPE,
+            max_requests=max(max_b, 1),
+            max_tokens=max_tokens,
+            prefill_tokens=p.prefill_tokens,
+            seed=0,
+            expert_chunk=p.expert_chunk,
+            experts=fmt,
+            dense=self.engine["dense"],
+            index_cache=p.index_cache,
+            prefill_chunk=p.prefill_chunk,
+        )
         self.rec = ExpertRecorder(self.core)
-        self.engine.update(build_s=time.perf_counter() - t, decode_mode=self.core.decode_mode,
-                           packed=self.core.model.moe[0].mxfp4, fp8_cache=self.core.pool.groups["swa"].quantised,
-                           index_fmt=self.core.cache_config.index_cache_dtype, overlap=self.core.overlap_decode)
+        self.engine.update(
+            build_s=time.perf_counter() - t,
+            decode_mode=self.core.decode_mode,
+            packed=self.core.model.moe[0].mxfp4,
+            fp8_cache=self.core.pool.groups["swa"].quantised,
+            index_fmt=self.core.cache_config.index_cache_dtype,
+            overlap=self.core.overlap_decode,
+        )
         mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if p.cuda else ""
-        print(f"engine (experts {self.engine['experts']}, decode {self.core.decode_mode}) built in "
-              f"{self.engine['build_s']:.1f} s{mem}", flush=True)
+        print(
+            f"engine (experts {self.engine['experts']}, decode {self.core.decode_mode}) built in "
+            f"{self.engine['build_s']:.1f} s{mem}",
+            flush=True,
+        )
 
     # ---- decode ----------------------------------------------------------------------------------
     def run_decode(self, ctx_len: int) -> None:
@@ -256,14 +309,29 @@ class Suite:
             free_device_memory(p.device)
             return row
         self.est_step[ctx_len] = (b, r["step_s"])
-        row.update(decode_figures(self.cfg, b, ctx_len, r["step_s"], r["touched"], self.copy_gbs,
-                                  self.engine["packed"], self.engine["dense"] == "fp8", self.engine["fp8_cache"],
-                                  self.engine.get("index_fmt", "mxfp4")),
-                   n=r["n"], captured_timed=r["captured_timed"])
-        print(f"decode {label} b={b} ctx={ctx_len}: {row['step_ms']:.1f} ms/step (n={r['n']}, setup "
-              f"{r['setup_s']:.1f} s, graphs {r['graphs']}, timed captures replaced {r['captured_timed']}), "
-              f"experts/layer {row['touched']:.0f}, prod roof {row['prod_roof_ms']:.2f} ms ({row['x_prod']:.1f}x), "
-              f"engine roof {row['eng_roof_ms']:.2f} ms ({row['x_eng']:.1f}x)", flush=True)
+        row.update(
+            decode_figures(
+                self.cfg,
+                b,
+                ctx_len,
+                r["step_s"],
+                r["touched"],
+                self.copy_gbs,
+                self.engine["packed"],
+                self.engine["dense"] == "fp8",
+                self.engine["fp8_cache"],
+                self.engine.get("index_fmt", "mxfp4"),
+            ),
+            n=r["n"],
+            captured_timed=r["captured_timed"],
+        )
+        print(
+            f"decode {label} b={b} ctx={ctx_len}: {row['step_ms']:.1f} ms/step (n={r['n']}, setup "
+            f"{r['setup_s']:.1f} s, graphs {r['graphs']}, timed captures replaced {r['captured_timed']}), "
+            f"experts/layer {row['touched']:.0f}, prod roof {row['prod_roof_ms']:.2f} ms ({row['x_prod']:.1f}x), "
+            f"engine roof {row['eng_roof_ms']:.2f} ms ({row['x_eng']:.1f}x)",
+            flush=True,
+        )
         return row
 
     def _bench_decode(self, b: int, ctx_len: int) -> dict:
@@ -277,10 +345,12 @@ class Suite:
         except Exception as e:
             if not use_triton(p.device):
                 raise
-            self.notes.append(f"The Triton path failed at batch {b}, context {ctx_len}, experts "
-                              f"{self.engine['experts']} ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:120] if str(e) else ''}); this and the following rows "
-                              "ran with DSV4_TRITON=0 (reference ops).")
+            self.notes.append(
+                f"The Triton path failed at batch {b}, context {ctx_len}, experts "
+                f"{self.engine['experts']} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:120] if str(e) else ''}); this and the following rows "
+                "ran with DSV4_TRITON=0 (reference ops)."
+            )
             print(f"decode b={b} ctx={ctx_len}: Triton path failed ({e!r}); retrying with DSV4_TRITON=0", flush=True)
             os.environ[TRITON] = "0"  # this process's settings, and any process it starts
             reload()
@@ -295,19 +365,34 @@ class Suite:
         if greedy is None or self.clock.left() - self.reserve < 4 * greedy["step_ms"] / 1e3 * (p.warmup + p.steps) + 5:
             return
         try:
-            r = bench_decode(self.core, self.cfg, self.rec, b, c, p.warmup, p.steps, self.clock, self.reserve,
-                             seed=b * 7 + c, temperature=1.0)
+            r = bench_decode(
+                self.core,
+                self.cfg,
+                self.rec,
+                b,
+                c,
+                p.warmup,
+                p.steps,
+                self.clock,
+                self.reserve,
+                seed=b * 7 + c,
+                temperature=1.0,
+            )
         except Exception as e:  # noqa: BLE001
             print(f"sampled decode: FAILED {type(e).__name__}: {e}", flush=True)
             return
         ms = r["step_s"] * 1e3
-        print(f"decode sampled (temperature 1) b={b} ctx={c}: {ms:.1f} ms/step vs greedy {greedy['step_ms']:.1f}",
-              flush=True)
-        self.notes.append(f"Sampled decode (temperature 1, top_p 1, seeded; experts {self.engine['experts']}), batch "
-                          f"{b}, context {fmt_k(c)}: {ms:.1f} ms a step against greedy's {greedy['step_ms']:.1f} "
-                          f"({ms / greedy['step_ms']:.2f}x; decode mode `{self.core.decode_mode}`, overlapped "
-                          f"{'on' if self.core.overlap_decode else 'off'}: a sampled step draws on the device after "
-                          "the graph, and since 2026-12-02 14:40 overlaps like a greedy one).")
+        print(
+            f"decode sampled (temperature 1) b={b} ctx={c}: {ms:.1f} ms/step vs greedy {greedy['step_ms']:.1f}",
+            flush=True,
+        )
+        self.notes.append(
+            f"Sampled decode (temperature 1, top_p 1, seeded; experts {self.engine['experts']}), batch "
+            f"{b}, context {fmt_k(c)}: {ms:.1f} ms a step against greedy's {greedy['step_ms']:.1f} "
+            f"({ms / greedy['step_ms']:.2f}x; decode mode `{self.core.decode_mode}`, overlapped "
+            f"{'on' if self.core.overlap_decode else 'off'}: a sampled step draws on the device after "
+            "the graph, and since 2026-12-02 14:40 overlaps like a greedy one)."
+        )
 
     # ---- profile, prefill, peer -------------------------------------------------------------------
     def profile(self) -> dict | None:
@@ -319,8 +404,11 @@ class Suite:
         try:
             info = profile_decode(self.core, self.cfg, pb, pc, seed=99, dump=p.profile_dump)
             info.update(batch=pb, ctx=pc, experts=self.engine["experts"], decode_mode=self.core.decode_mode)
-            print(f"profile b={pb} ctx={pc}: {info['kernels']} kernels, busy {info['busy_ms']:.1f} ms "
-                  f"of {info['wall_ms']:.1f} ms", flush=True)
+            print(
+                f"profile b={pb} ctx={pc}: {info['kernels']} kernels, busy {info['busy_ms']:.1f} ms "
+                f"of {info['wall_ms']:.1f} ms",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001
             info = {"skip": f"{type(e).__name__}: {e}"}
             print(f"profile: FAILED {info['skip']}", flush=True)
@@ -335,18 +423,29 @@ class Suite:
             return {**out, "skip": f"time budget ({clock.left():.0f} s left)"}
         try:
             r = bench_prefill(self.core, self.cfg, p.prefill_tokens, p.prefill_runs, clock, self.reserve, seed=5)
-            out.update(prefill_figures(self.cfg, p.prefill_tokens, r["s"], self.tflops), n=r["n"], steps=r["steps"],
-                       runs_s=r["runs_s"], chunk_s=r["chunk_s"], chunk_end=r["chunk_end"], peak_gib=r["peak_gib"], base_gib=r["base_gib"],
-                       chunk=p.prefill_chunk)
+            out.update(
+                prefill_figures(self.cfg, p.prefill_tokens, r["s"], self.tflops),
+                n=r["n"],
+                steps=r["steps"],
+                runs_s=r["runs_s"],
+                chunk_s=r["chunk_s"],
+                chunk_end=r["chunk_end"],
+                peak_gib=r["peak_gib"],
+                base_gib=r["base_gib"],
+                chunk=p.prefill_chunk,
+            )
             if self.fp8_tflops:
                 out["share_fp8"] = out["tflop"] / self.fp8_tflops / r["s"]
             print(prefill_line(out), flush=True)
             if p.cuda and clock.left() - self.reserve > 3 * r["s"] + 10:
                 prof = profile_prefill(self.core, self.cfg, p.prefill_tokens, seed=6, dump=p.prefill_dump)
                 out["profile"] = prof
-                print(f"prefill profile: {prof['kernels']} kernels, busy {prof['busy_ms']:.1f} ms of "
-                      f"{prof['wall_ms']:.1f} ms; top: " + "; ".join(f"{k} {t / 1e3:.1f} ms ({c}x)"
-                                                                  for t, k, c in prof["top"]), flush=True)
+                print(
+                    f"prefill profile: {prof['kernels']} kernels, busy {prof['busy_ms']:.1f} ms of "
+                    f"{prof['wall_ms']:.1f} ms; top: "
+                    + "; ".join(f"{k} {t / 1e3:.1f} ms ({c}x)" for t, k, c in prof["top"]),
+                    flush=True,
+                )
         except Exception as e:  # noqa: BLE001
             out["skip"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             print(f"prefill: FAILED {out['skip']}", flush=True)
@@ -362,8 +461,9 @@ class Suite:
         if clock.left() < (10 if p.smoke else 45):
             return [{"skip": f"time budget ({clock.left():.0f} s left)"}]
         try:
-            hf = bench_transformers(p.raw, p.device, DTYPE, p.hf_batch, p.hf_ctx, p.hf_chunk, 1, min(p.steps, 5),
-                                    clock, seed=3)
+            hf = bench_transformers(
+                p.raw, p.device, DTYPE, p.hf_batch, p.hf_ctx, p.hf_chunk, 1, min(p.steps, 5), clock, seed=3
+            )
         except Exception as e:  # noqa: BLE001
             hf = [{"skip": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}]
             print(f"transformers: FAILED {hf[0]['skip']}", flush=True)
@@ -374,14 +474,30 @@ class Suite:
     def context(self, env: dict, triton_at_start: bool, hf: list[dict]) -> dict:
         p, clock = self.plan, self.clock
         command = settings().bench_command or (
-            "python -m benchmarks.slice " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+            "python -m benchmarks.slice " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        )
         ctx = {
-            "env": env, "cfg": self.cfg, "copy_gbs": self.copy_gbs, "tflops": self.tflops, "mm_n": p.mm_n,
-            "command": command, "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "budget_s": clock.deadline - clock.t0, "slice_desc": slice_description(self.cfg, dense_path(p.device, DTYPE, p.dense)),
-            "triton_path": triton_at_start, "engines": self.engines, "steps": p.steps, "warmup": p.warmup,
-            "decode": self.decode, "prefill": self.prefills, "prefill_tokens": p.prefill_tokens, "hf": hf,
-            "hf_batch": p.hf_batch, "hf_ctx": p.hf_ctx, "hf_chunk": p.hf_chunk, "profile": self.profile_info,
+            "env": env,
+            "cfg": self.cfg,
+            "copy_gbs": self.copy_gbs,
+            "tflops": self.tflops,
+            "mm_n": p.mm_n,
+            "command": command,
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "budget_s": clock.deadline - clock.t0,
+            "slice_desc": slice_description(self.cfg, dense_path(p.device, DTYPE, p.dense)),
+            "triton_path": triton_at_start,
+            "engines": self.engines,
+            "steps": p.steps,
+            "warmup": p.warmup,
+            "decode": self.decode,
+            "prefill": self.prefills,
+            "prefill_tokens": p.prefill_tokens,
+            "hf": hf,
+            "hf_batch": p.hf_batch,
+            "hf_ctx": p.hf_ctx,
+            "hf_chunk": p.hf_chunk,
+            "profile": self.profile_info,
             "fp8_tflops": self.fp8_tflops,
         }
         ctx["verdicts"] = self.notes + ([""] if self.notes else []) + verdicts(ctx)

@@ -9,8 +9,14 @@ import struct
 from collections.abc import Sequence
 
 
-def block_hashes(tokens: Sequence[int], block: int, seed: bytes, start: int = 0, parent: bytes | None = None,
-                 limit: int | None = None) -> list[int]:
+def block_hashes(
+    tokens: Sequence[int],
+    block: int,
+    seed: bytes,
+    start: int = 0,
+    parent: bytes | None = None,
+    limit: int | None = None,
+) -> list[int]:
     """Chained 64-bit hashes of the full `block`-token blocks of `tokens`, from block `start` (whose parent
     digest is `parent`; None = the seed). limit: at most this many blocks. Block k's hash covers the seed and
     blocks 0..k, so equal hashes mean equal prefixes (a partial tail block is not hashed)."""
@@ -25,12 +31,12 @@ def block_hashes(tokens: Sequence[int], block: int, seed: bytes, start: int = 0,
         return out
     # One conversion of the whole span to int32 bytes (token ids are int32 on the wire; struct is the fastest
     # from a list), then one blake2b per block over a view of it.
-    span = tokens[start * block:n * block]
+    span = tokens[start * block : n * block]
     data = memoryview(struct.pack(f"<{len(span)}i", *span))
     step = 4 * block
     for k in range(n - start):
         h = hashlib.blake2b(prev, digest_size=8)
-        h.update(data[k * step:(k + 1) * step])
+        h.update(data[k * step : (k + 1) * step])
         prev = h.digest()
         out.append(int.from_bytes(prev, "little"))
     return out

@@ -105,9 +105,15 @@ class DecodeRunner:
             return None
         return DecodeShape(self.slots[i], self.contexts[j])
 
-    def run(self, request_ids: list[str], token_ids: list[int], positions: list[int],
-            tables: list[dict], token_source: torch.Tensor | None = None,
-            shape: DecodeShape | None = None) -> torch.Tensor | None:
+    def run(
+        self,
+        request_ids: list[str],
+        token_ids: list[int],
+        positions: list[int],
+        tables: list[dict],
+        token_source: torch.Tensor | None = None,
+        shape: DecodeShape | None = None,
+    ) -> torch.Tensor | None:
         """One decode step: request b runs token_ids[b] at positions[b] with page table tables[b].
 
         token_source: device [n] token ids (any dtype holding integers) that replace token_ids, copied on the
@@ -176,7 +182,7 @@ class DecodeRunner:
         torch.cuda.current_stream(device).wait_stream(side)
         if self._logits is None:  # outside the graphs' pool: one buffer for every bucket's output
             self._logits = torch.empty(self.slots[-1], warm.shape[-1], dtype=warm.dtype, device=device)
-        out = self._logits[:shape.slots]
+        out = self._logits[: shape.slots]
         graph = torch.cuda.CUDAGraph()
         # thread_local: workers capture on their engine thread while other threads (KV transfer, HTTP)
         # may touch CUDA; only this thread's calls must be capture-safe.

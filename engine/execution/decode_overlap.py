@@ -74,8 +74,13 @@ class LaunchedDecode:
 
 def overlappable_decode_step(chunks) -> bool:
     """Every chunk is one decode token (greedy or sampled) of a request that is not prefill-only."""
-    return all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens and not c.request.prefill_only
-               and not c.request.finished for c in chunks)
+    return all(
+        c.num_tokens == 1
+        and c.start + 1 == c.request.num_tokens
+        and not c.request.prefill_only
+        and not c.request.finished
+        for c in chunks
+    )
 
 
 def next_step_is_known(step: LaunchedDecode, running: list, waiting, snapshot_block: int | None) -> bool:

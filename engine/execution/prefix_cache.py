@@ -75,8 +75,9 @@ class PrefixCacheConfig:
 
     def __post_init__(self):
         if self.snapshots < 0 or self.snapshot_interval < 0:
-            raise ValueError(f"snapshots and snapshot_interval must be >= 0, got {self.snapshots}, "
-                             f"{self.snapshot_interval}")
+            raise ValueError(
+                f"snapshots and snapshot_interval must be >= 0, got {self.snapshots}, {self.snapshot_interval}"
+            )
 
 
 def block_tokens(pool: CachePool) -> int:
@@ -113,8 +114,15 @@ def default_snapshot_slots(config: PrefixCacheConfig, max_requests: int) -> int:
 def hash_seed(pool: CachePool) -> bytes:
     """8 bytes naming the model config, cache format and block size: blocks of other formats never match."""
     cache = pool.cache_config
-    ident = repr((sorted(vars(pool.cfg).items()), cache.kv_cache_dtype, cache.index_cache_dtype,
-                  block_tokens(pool), {n: (str(g.spec.dtype), g.spec.width) for n, g in pool.groups.items()}))
+    ident = repr(
+        (
+            sorted(vars(pool.cfg).items()),
+            cache.kv_cache_dtype,
+            cache.index_cache_dtype,
+            block_tokens(pool),
+            {n: (str(g.spec.dtype), g.spec.width) for n, g in pool.groups.items()},
+        )
+    )
     return hashlib.blake2b(ident.encode(), digest_size=8).digest()
 
 
@@ -129,8 +137,9 @@ class SnapshotStore:
         self.tensors = {}
         for name in self.groups:
             t = pool.groups[name].tensor
-            self.tensors[name] = torch.zeros(t.shape[0], slots * pool.groups[name].spec.page_rows, t.shape[2],
-                                             dtype=t.dtype, device=t.device)
+            self.tensors[name] = torch.zeros(
+                t.shape[0], slots * pool.groups[name].spec.page_rows, t.shape[2], dtype=t.dtype, device=t.device
+            )
         self._free = list(range(slots - 1, -1, -1))
 
     @property
@@ -148,16 +157,18 @@ class SnapshotStore:
         for name in self.groups:
             rows = self.pool.groups[name].spec.page_rows
             p = pages[name][0]
-            self.tensors[name][:, slot * rows:(slot + 1) * rows].copy_(
-                self.pool.groups[name].tensor[:, p * rows:(p + 1) * rows])
+            self.tensors[name][:, slot * rows : (slot + 1) * rows].copy_(
+                self.pool.groups[name].tensor[:, p * rows : (p + 1) * rows]
+            )
 
     def restore(self, slot: int, pages: dict) -> None:
         """Copy `slot` into a request's own fixed pages (group -> [page])."""
         for name in self.groups:
             rows = self.pool.groups[name].spec.page_rows
             p = pages[name][0]
-            self.pool.groups[name].tensor[:, p * rows:(p + 1) * rows].copy_(
-                self.tensors[name][:, slot * rows:(slot + 1) * rows])
+            self.pool.groups[name].tensor[:, p * rows : (p + 1) * rows].copy_(
+                self.tensors[name][:, slot * rows : (slot + 1) * rows]
+            )
 
 
 class Node:
@@ -219,8 +230,9 @@ class PrefixCache:
         self.version = 0  # bumped whenever the set of resumable blocks changes (digest republish)
         # (positions, page rows) of each snapshotted ring: slot = position % positions (engine.model.batch._ring_write)
         window = pool.cfg.sliding_window
-        self.rings = {n: (window if n == "swa" else pool.groups[n].spec.page_rows, pool.groups[n].spec.page_rows)
-                      for n in state}
+        self.rings = {
+            n: (window if n == "swa" else pool.groups[n].spec.page_rows, pool.groups[n].spec.page_rows) for n in state
+        }
         self.ring_span = max((r for r, _ in self.rings.values()), default=0)
         pool.reclaimer = self
 
@@ -380,7 +392,7 @@ class PrefixCache:
         pages = {}
         for name in self.history:
             span = self.spans[name]
-            pages[name] = req.pages[name][k * self.block // span:(k + 1) * self.block // span]
+            pages[name] = req.pages[name][k * self.block // span : (k + 1) * self.block // span]
             self.pool.groups[name].allocator.hold_cached(pages[name])
         parent = hashes[k - 1] if k else None
         node = Node(hashes[k], parent, pages, (k + 1) * self.block)
@@ -475,8 +487,9 @@ class PrefixCache:
     # ---- what the worker publishes ----------------------------------------------------------
     def digest(self) -> PrefixDigest:
         """The resumable blocks as a worker publishes them (engine thread; the result is immutable)."""
-        return PrefixDigest(block_tokens=self.block, seed=self.seed, hashes=frozenset(self._snap_lru),
-                            version=self.version)
+        return PrefixDigest(
+            block_tokens=self.block, seed=self.seed, hashes=frozenset(self._snap_lru), version=self.version
+        )
 
     @property
     def cached_blocks(self) -> int:

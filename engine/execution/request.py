@@ -53,7 +53,9 @@ class Request:
 
     def __post_init__(self):
         if self.seed is None:
-            self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            self.seed = (
+                self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            )
 
     @property
     def all_tokens(self) -> list[int]:
@@ -63,8 +65,8 @@ class Request:
         """all_tokens[start:end] without building the whole list (decode steps read one token)."""
         n = len(self.prompt)
         if start >= n:
-            return self.output[start - n:end - n]
-        return self.prompt[start:end] + (self.output[:end - n] if end > n else [])
+            return self.output[start - n : end - n]
+        return self.prompt[start:end] + (self.output[: end - n] if end > n else [])
 
     @property
     def num_tokens(self) -> int:
@@ -85,8 +87,14 @@ class Request:
 
     def to_output(self) -> GenerationOutput:
         p = self.params
-        return GenerationOutput(self.request_id, list(self.prompt), list(self.output),
-                                list(self.logprobs) if p.logprobs else None,
-                                list(self.prompt_logprobs) if p.prompt_logprobs else None,
-                                self.finish_reason or "length", self.cached_tokens, self.drafted_tokens,
-                                self.accepted_tokens)
+        return GenerationOutput(
+            self.request_id,
+            list(self.prompt),
+            list(self.output),
+            list(self.logprobs) if p.logprobs else None,
+            list(self.prompt_logprobs) if p.prompt_logprobs else None,
+            self.finish_reason or "length",
+            self.cached_tokens,
+            self.drafted_tokens,
+            self.accepted_tokens,
+        )

@@ -35,11 +35,21 @@ DECODE_MODES = ("auto", "eager", "bucketed", "graphs")
 
 
 class EngineCore:
-    def __init__(self, cfg: ModelConfig, weights: dict, device="cpu", dtype=torch.float32,
-                 cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
-                 decode_mode: str = "auto", prefix_cache: PrefixCacheConfig | bool = True,
-                 parallel: ParallelContext | None = None, overlap_decode: bool | None = None,
-                 speculative_tokens: int = 0, speculative_policy=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict,
+        device="cpu",
+        dtype=torch.float32,
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        decode_mode: str = "auto",
+        prefix_cache: PrefixCacheConfig | bool = True,
+        parallel: ParallelContext | None = None,
+        overlap_decode: bool | None = None,
+        speculative_tokens: int = 0,
+        speculative_policy=None,
+    ):
         """decode_mode: how steps made only of decode tokens run (steps with prefill always run eagerly):
         "graphs" replays CUDA graphs per (batch, context) bucket (engine.execution.cuda_graphs); "bucketed" runs the
         same fixed-shape batches without graphs (tests, debugging); "eager" sizes every step to its
@@ -76,23 +86,34 @@ class EngineCore:
             interval = max(DEFAULT_SNAPSHOT_INTERVAL, self.scheduler_config.max_batch_tokens)
             prefix_cache = PrefixCacheConfig(enabled=prefix_cache, snapshot_interval=interval)
         # Off: no cache object at all (nothing shared, no snapshot store, no chunk cuts).
-        self.prefix = (PrefixCache(self.pool, prefix_cache, self.cache_config.max_requests)
-                       if prefix_cache.enabled else None)
+        self.prefix = (
+            PrefixCache(self.pool, prefix_cache, self.cache_config.max_requests) if prefix_cache.enabled else None
+        )
         self.scheduler = Scheduler(self.pool, self.scheduler_config, self.prefix)
         self.decode_mode = self._resolve_decode_mode(decode_mode)
         self.decode_runner = None
         if self.decode_mode != "eager":
-            self.decode_runner = DecodeRunner(self.model, self.pool, "graphs" if self.decode_mode == "graphs" else
-                                              "eager", self.scheduler_config.max_num_seqs,
-                                              cfg.max_position_embeddings)
+            self.decode_runner = DecodeRunner(
+                self.model,
+                self.pool,
+                "graphs" if self.decode_mode == "graphs" else "eager",
+                self.scheduler_config.max_num_seqs,
+                cfg.max_position_embeddings,
+            )
             if self.data_parallel is not None:  # the group agrees on each decode step's shape (its docstring)
                 self.decode_runner.dp_ranks = self.data_parallel.tp_size
         if overlap_decode is None:  # DSV4_OVERLAP_DECODE overrides the default (on with graphs)
             env = settings().overlap_decode
             overlap_decode = self.decode_mode == "graphs" if env is None else env
-        self.overlap_decode = (overlap_decode and self.decode_runner is not None and not self.parallel.enabled
-                               and self.data_parallel is None)
-        self._launched: LaunchedDecode | None = None  # a decode step not yet read back (engine.execution.decode_overlap)
+        self.overlap_decode = (
+            overlap_decode
+            and self.decode_runner is not None
+            and not self.parallel.enabled
+            and self.data_parallel is None
+        )
+        self._launched: LaunchedDecode | None = (
+            None  # a decode step not yet read back (engine.execution.decode_overlap)
+        )
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # prefilled, caches kept until the decode side confirms
         self.imports: dict[str, Request] = {}  # decode side: pages reserved, caches arriving
@@ -115,11 +136,15 @@ class EngineCore:
             raise ValueError(f"token id {bad[0]!r} is out of vocabulary (vocab_size {vocab})")
         total = len(prompt) + params.max_new_tokens
         if total > self.cfg.max_position_embeddings:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} = {total} "
-                             f"exceeds the model's maximum of {self.cfg.max_position_embeddings} positions")
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} = {total} "
+                f"exceeds the model's maximum of {self.cfg.max_position_embeddings} positions"
+            )
         if not self._fits_empty_pool(total):
-            raise ValueError(f"request of {total} tokens can never fit the KV cache "
-                             f"({self.cache_config.max_tokens} tokens configured)")
+            raise ValueError(
+                f"request of {total} tokens can never fit the KV cache "
+                f"({self.cache_config.max_tokens} tokens configured)"
+            )
 
     def _resolve_decode_mode(self, mode: str) -> str:
         if mode not in DECODE_MODES:
@@ -128,9 +153,13 @@ class EngineCore:
             # fp8 caches too: their fast paths (engine.model.attention_fp8) never sync with the host
             # Data-parallel attention ranks: graphs only when asked for ('graphs'): their agreed-shape decode
             # steps (_step_lockstep) ran under graphs on no multi-GPU machine yet.
-            graphs = (self.device.type == "cuda" and use_triton(self.device) and self.dtype != torch.float32
-                      and not self.parallel.host_collectives  # host-copied collectives cannot be captured
-                      and self.data_parallel is None)
+            graphs = (
+                self.device.type == "cuda"
+                and use_triton(self.device)
+                and self.dtype != torch.float32
+                and not self.parallel.host_collectives  # host-copied collectives cannot be captured
+                and self.data_parallel is None
+            )
             return "graphs" if graphs else "eager"
         if mode == "graphs" and self.device.type != "cuda":
             raise ValueError(f"decode_mode 'graphs' needs a CUDA device, got {self.device}")
@@ -142,8 +171,14 @@ class EngineCore:
     def _fits_empty_pool(self, total: int) -> bool:
         return all(g.spec.pages_for_tokens(total) <= g.usable_pages for g in self.pool.groups.values())
 
-    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                    prefill_only: bool = False, seed: int | None = None) -> str:
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+        seed: int | None = None,
+    ) -> str:
         """Queue a request. `prefill_only`: stop after the first token and hold the caches (see `release`)."""
         prompt = list(prompt)
         self.validate(prompt, params)
@@ -191,22 +226,37 @@ class EngineCore:
         """The one load figure of this engine (gauges, worker stats and router placement read it)."""
         running = len(self.scheduler.running) + len(self.held) + len(self.imports)
         in_batch = len(self.scheduler.running) + len(self.imports)  # imports join the batch when they land
-        return EngineLoad(running=running, waiting=len(self.scheduler.waiting),
-                          kv_usage=max(self.pool.usage().values(), default=0.0), kv_free_tokens=self.pool.free_tokens(),
-                          free_slots=max(0, self.scheduler_config.max_num_seqs - in_batch))
+        return EngineLoad(
+            running=running,
+            waiting=len(self.scheduler.waiting),
+            kv_usage=max(self.pool.usage().values(), default=0.0),
+            kv_free_tokens=self.pool.free_tokens(),
+            free_slots=max(0, self.scheduler_config.max_num_seqs - in_batch),
+        )
 
-    def reserve_import(self, prompt: list[int], params: SamplingParams, request_id: str, seed: int,
-                       first_token: int, first_logprob: float, prompt_logprobs: list | None = None) -> dict:
+    def reserve_import(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        seed: int,
+        first_token: int,
+        first_logprob: float,
+        prompt_logprobs: list | None = None,
+    ) -> dict:
         """Decode side: reserve pages for a prefilled request; -> its page table (the transfer target)."""
         prompt = list(prompt)
         self.validate(prompt, params)
         rid = self._new_id(request_id)
         taken = len(self.scheduler.running) + len(self.imports)
         if taken >= self.scheduler_config.max_num_seqs:  # checked with the pages, before any byte moves
-            raise DecodeOverloaded(f"no batch slot for {rid}: {taken} requests running or arriving "
-                                   f"(max_num_seqs {self.scheduler_config.max_num_seqs})")
-        req = Request(rid, prompt, params, output=[first_token], logprobs=[first_logprob], seed=seed,
-                      num_computed=len(prompt))
+            raise DecodeOverloaded(
+                f"no batch slot for {rid}: {taken} requests running or arriving "
+                f"(max_num_seqs {self.scheduler_config.max_num_seqs})"
+            )
+        req = Request(
+            rid, prompt, params, output=[first_token], logprobs=[first_logprob], seed=seed, num_computed=len(prompt)
+        )
         if prompt_logprobs is not None:
             req.prompt_logprobs = list(prompt_logprobs)
         try:
@@ -250,12 +300,19 @@ class EngineCore:
             self._launched = self._launch_decode(chunks, None)
             if self._launched is not None:
                 return self._complete_launched()
-        if self.decode_runner is not None and all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens
-                                                  for c in chunks):
-            logits = self.execute(StepInputs(DECODE, tuple(c.request.token_slice(c.start, c.start + 1) for c in chunks),
-                                             tuple(c.start for c in chunks), tuple(c.request.pages for c in chunks),
-                                             request_ids=tuple(c.request.request_id for c in chunks),
-                                             sync=self._restored(chunks)))
+        if self.decode_runner is not None and all(
+            c.num_tokens == 1 and c.start + 1 == c.request.num_tokens for c in chunks
+        ):
+            logits = self.execute(
+                StepInputs(
+                    DECODE,
+                    tuple(c.request.token_slice(c.start, c.start + 1) for c in chunks),
+                    tuple(c.start for c in chunks),
+                    tuple(c.request.pages for c in chunks),
+                    request_ids=tuple(c.request.request_id for c in chunks),
+                    sync=self._restored(chunks),
+                )
+            )
             if logits is not None:  # every request samples; no prompt-logprob rows in a decode step
                 return self._postprocess(chunks, logits, list(range(len(chunks))), [(0, 0)] * len(chunks))
         inputs, sample_rows, prompt_rows = self._build(chunks)
@@ -275,8 +332,11 @@ class EngineCore:
         if runner is not None:
             runner.take_greedy()  # only this step's decode run may leave one
         chunks = self.scheduler.schedule() if self.scheduler.has_work else []
-        decode = bool(chunks) and runner is not None and all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens
-                                                             for c in chunks)
+        decode = (
+            bool(chunks)
+            and runner is not None
+            and all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens for c in chunks)
+        )
         want = (len(chunks), max(c.start for c in chunks) + 1) if decode else (-1 if chunks else 0, 0)
         wants = self.data_parallel.gather_values(want)
         shape = None
@@ -286,9 +346,13 @@ class EngineCore:
             if not chunks:
                 runner.run_idle(shape)
                 return []
-            logits = runner.run([c.request.request_id for c in chunks],
-                                [c.request.token_slice(c.start, c.start + 1)[0] for c in chunks],
-                                [c.start for c in chunks], [c.request.pages for c in chunks], shape=shape)
+            logits = runner.run(
+                [c.request.request_id for c in chunks],
+                [c.request.token_slice(c.start, c.start + 1)[0] for c in chunks],
+                [c.start for c in chunks],
+                [c.request.pages for c in chunks],
+                shape=shape,
+            )
             return self._postprocess(chunks, logits, list(range(len(chunks))), [(0, 0)] * len(chunks))
         if not chunks:
             if any(n for n, _ in wants):  # another rank runs a forward: serve its tokens' experts
@@ -304,11 +368,18 @@ class EngineCore:
 
         previous: the step before it, still unread on the host; its picked tokens are this step's inputs (and its
         requests' outputs are one token shorter than at this step's draw: the sampled rows' draw index adds 1)."""
-        tokens = [0] * len(chunks) if previous is not None else [c.request.token_slice(c.start, c.start + 1)[0]
-                                                                 for c in chunks]
-        logits = self.decode_runner.run([c.request.request_id for c in chunks], tokens, [c.start for c in chunks],
-                                        [c.request.pages for c in chunks],
-                                        token_source=previous.picked[0] if previous is not None else None)
+        tokens = (
+            [0] * len(chunks)
+            if previous is not None
+            else [c.request.token_slice(c.start, c.start + 1)[0] for c in chunks]
+        )
+        logits = self.decode_runner.run(
+            [c.request.request_id for c in chunks],
+            tokens,
+            [c.start for c in chunks],
+            [c.request.pages for c in chunks],
+            token_source=previous.picked[0] if previous is not None else None,
+        )
         if logits is None:
             return None
         self.pool.defer_frees()  # until this step completes: it writes these requests' rows
@@ -327,8 +398,13 @@ class EngineCore:
         tokens, lps = step.read()
         keep = [i for i, c in enumerate(step.chunks) if not c.request.finished]
         chunks = [step.chunks[i] for i in keep]
-        events = self._postprocess(chunks, None, list(range(len(chunks))), [(0, 0)] * len(chunks),
-                                   sampled=([tokens[i] for i in keep], [lps[i] for i in keep]))
+        events = self._postprocess(
+            chunks,
+            None,
+            list(range(len(chunks))),
+            [(0, 0)] * len(chunks),
+            sampled=([tokens[i] for i in keep], [lps[i] for i in keep]),
+        )
         if self._launched is None:
             self.pool.release_deferred_frees()  # nothing queued writes rows any more
         return events
@@ -363,11 +439,20 @@ class EngineCore:
             else:
                 sample_rows.append(None)
             offset += c.num_tokens
-        snapshots = tuple((c.snapshot_at, self.prefix.staging(c.request)) if c.snapshot_at else None
-                          for c in chunks) if any(c.snapshot_at for c in chunks) else ()
-        inputs = StepInputs(FORWARD, tuple(c.request.token_slice(c.start, c.start + c.num_tokens) for c in chunks),
-                            tuple(c.start for c in chunks), tuple(c.request.pages for c in chunks), tuple(logit_rows),
-                            sync=self._restored(chunks), snapshots=snapshots)
+        snapshots = (
+            tuple((c.snapshot_at, self.prefix.staging(c.request)) if c.snapshot_at else None for c in chunks)
+            if any(c.snapshot_at for c in chunks)
+            else ()
+        )
+        inputs = StepInputs(
+            FORWARD,
+            tuple(c.request.token_slice(c.start, c.start + c.num_tokens) for c in chunks),
+            tuple(c.start for c in chunks),
+            tuple(c.request.pages for c in chunks),
+            tuple(logit_rows),
+            sync=self._restored(chunks),
+            snapshots=snapshots,
+        )
         return inputs, sample_rows, prompt_rows
 
     def _restored(self, chunks: list[ScheduledChunk]) -> tuple:
@@ -376,8 +461,11 @@ class EngineCore:
         if not (self.parallel.enabled and self.prefix is not None):
             return ()
         groups = self.prefix.store.groups
-        return tuple({g: c.request.pages[g] for g in groups if g in c.request.pages} for c in chunks
-                     if c.request.cached_tokens and c.start == c.request.cached_tokens)
+        return tuple(
+            {g: c.request.pages[g] for g in groups if g in c.request.pages}
+            for c in chunks
+            if c.request.cached_tokens and c.start == c.request.cached_tokens
+        )
 
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Run one step's model inputs on this rank -> fp32 logits, or None when a decode step fits no bucket.
@@ -390,10 +478,18 @@ class EngineCore:
         if inputs.kind == SYNC:
             return None
         if inputs.kind == DECODE:
-            return self.decode_runner.run(list(inputs.request_ids), [t[0] for t in inputs.token_ids],
-                                          list(inputs.starts), list(inputs.tables))
-        batch = build_step(self.pool, [list(t) for t in inputs.token_ids], list(inputs.starts), list(inputs.tables),
-                           list(inputs.logit_rows), self.device, list(inputs.snapshots))
+            return self.decode_runner.run(
+                list(inputs.request_ids), [t[0] for t in inputs.token_ids], list(inputs.starts), list(inputs.tables)
+            )
+        batch = build_step(
+            self.pool,
+            [list(t) for t in inputs.token_ids],
+            list(inputs.starts),
+            list(inputs.tables),
+            list(inputs.logit_rows),
+            self.device,
+            list(inputs.snapshots),
+        )
         return self.model.forward(batch, self.pool)
 
     def _sample(self, logits: torch.Tensor, todo: list) -> tuple[list[int], list[float]]:
@@ -403,8 +499,11 @@ class EngineCore:
         the host from the requests' parameters (no parameter uploads, no device-to-host check)."""
         rows = [r for _, r in todo]
         dev = logits.device
-        sel = logits if rows == list(range(logits.shape[0])) else \
-            logits[to_device_nonblocking(torch.tensor(rows, dtype=torch.long), dev)]
+        sel = (
+            logits
+            if rows == list(range(logits.shape[0]))
+            else logits[to_device_nonblocking(torch.tensor(rows, dtype=torch.long), dev)]
+        )
         params = [c.request.params for c, _ in todo]
         if all(p.temperature == 0 for p in params):
             # The decode graph computed this already (engine.execution.cuda_graphs); else the same function here.
@@ -420,11 +519,17 @@ class EngineCore:
         -> fp64 [2, N]: token ids (exact: < 2**53) and their log-probs. Each draw is keyed by the request's seed
         and the index of the token drawn: its output length, plus `ahead` tokens still unread on the device."""
         params = [r.params for r in requests]
-        tokens = sample(logits, *sampling_inputs([p.temperature for p in params], [p.top_k for p in params],
-                                                 [p.top_p for p in params],
-                                                 [draw_seed(r.seed, len(r.output) + ahead) for r in requests],
-                                                 logits.device),
-                        filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
+        tokens = sample(
+            logits,
+            *sampling_inputs(
+                [p.temperature for p in params],
+                [p.top_k for p in params],
+                [p.top_p for p in params],
+                [draw_seed(r.seed, len(r.output) + ahead) for r in requests],
+                logits.device,
+            ),
+            filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        )
         lps = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
         return torch.stack([tokens.double(), lps.double()])
 
@@ -444,8 +549,8 @@ class EngineCore:
             req = c.request
             plps = ()
             if count:
-                targets = torch.tensor(req.prompt[c.start + 1:c.start + 1 + count], device=logits.device)
-                plps = tuple(logprobs[first:first + count].gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
+                targets = torch.tensor(req.prompt[c.start + 1 : c.start + 1 + count], device=logits.device)
+                plps = tuple(logprobs[first : first + count].gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
                 req.prompt_logprobs.extend(plps)
             req.num_computed = c.start + c.num_tokens
             if self.prefix is not None:
@@ -460,8 +565,7 @@ class EngineCore:
                     self.held[req.request_id] = self.requests.pop(req.request_id)
             if req.finished:
                 self.scheduler.finish(req)
-            events.append(TokenEvent(req.request_id, tok, lp, req.finished, req.finish_reason, plps,
-                                     req.cached_tokens))
+            events.append(TokenEvent(req.request_id, tok, lp, req.finished, req.finish_reason, plps, req.cached_tokens))
         return events
 
     def _check_finished(self, req: Request, tok: int) -> None:

@@ -38,8 +38,9 @@ def draw_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def sampling_inputs(temperature: list[float], top_k: list[int], top_p: list[float], draw_seeds: list[int],
-                    device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def sampling_inputs(
+    temperature: list[float], top_k: list[int], top_p: list[float], draw_seeds: list[int], device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows' sampling parameters on `device` -> (fp32 temperature, int64 top_k, fp32 top_p, int64 draw seeds),
     all [N], from one host-to-device copy that does not wait for the device (three blocking uploads each
     synchronised the stream before: the host then launched the sampling kernels only once the forward had
@@ -50,8 +51,14 @@ def sampling_inputs(temperature: list[float], top_k: list[int], top_p: list[floa
     return (packed[0].view(torch.float64).float(), packed[2], packed[1].view(torch.float64).float(), packed[3])
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           draw_seeds: list[int] | torch.Tensor, filtered: bool = True) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    draw_seeds: list[int] | torch.Tensor,
+    filtered: bool = True,
+) -> torch.Tensor:
     """logits: fp32 [N, V] -> int64 [N]. Rows with temperature 0 are argmax; others use the exponential race
     argmax(p / E), E ~ Exp(1) drawn from a generator seeded with the row's draw seed (equivalent to
     sampling from p). draw_seeds: a list, or int64 [N] on the logits' device (sampling_inputs).
@@ -65,8 +72,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return torch.where(greedy, tokens, sampled)
 
 
-def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   filtered: bool = True) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, filtered: bool = True
+) -> torch.Tensor:
     """fp32 [N, V] -> the distribution each row samples from: softmax(logits / temperature) after top-k / top-p
     (`sample`'s; rows with temperature 0 use temperature 1 here: the caller takes their argmax). Speculative
     decoding's rejection sampler compares these for the target and the draft (engine.execution.spec_sampling)."""
@@ -86,8 +94,11 @@ def exp_noise_rows(draw_seeds: list[int] | torch.Tensor, vocab: int, device) -> 
         seeds = draw_seeds if isinstance(draw_seeds, torch.Tensor) else torch.tensor(draw_seeds, dtype=torch.int64)
         return exp_noise(seeds.to(device), vocab)
     seeds = draw_seeds.tolist() if isinstance(draw_seeds, torch.Tensor) else draw_seeds
-    noise = torch.stack([torch.rand(vocab, generator=torch.Generator().manual_seed(s)) for s in seeds]) \
-        if len(seeds) else torch.empty(0, vocab)
+    noise = (
+        torch.stack([torch.rand(vocab, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        if len(seeds)
+        else torch.empty(0, vocab)
+    )
     return -torch.log(noise.clamp_min(1e-20)).to(device)
 
 

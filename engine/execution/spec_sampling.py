@@ -33,8 +33,9 @@ def spec_seed(seed: int, index: int, purpose: int) -> int:
 def row_inputs(requests: list, device):
     """Per-row sampling parameters of `requests` (one a row) on `device` -> (temperature, top_k, top_p, filtered)."""
     params = [r.params for r in requests]
-    t, k, p, _ = sampling_inputs([q.temperature for q in params], [q.top_k for q in params],
-                                 [q.top_p for q in params], [0] * len(params), device)
+    t, k, p, _ = sampling_inputs(
+        [q.temperature for q in params], [q.top_k for q in params], [q.top_p for q in params], [0] * len(params), device
+    )
     return t, k, p, any(q.top_k > 0 or q.top_p < 1.0 for q in params)
 
 
@@ -53,8 +54,9 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
 
 
-def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, requests: list,
-                   indices: list[int]) -> torch.Tensor:
+def verify_sampled(
+    logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, requests: list, indices: list[int]
+) -> torch.Tensor:
     """Rejection sampling over verify rows. logits: the target's fp32 [R, V]; drafts: int64 [R] (the draft row i
     verifies; -1 on a bonus row, the one after a request's drafts); q: fp32 [R, V] (the drafts' q; zeros on bonus
     rows); requests[i] / indices[i]: row i's request and the output index it decides.
@@ -66,8 +68,9 @@ def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, 
     bonus = drafts < 0
     d = drafts.clamp_min(0).unsqueeze(1)
     pd, qd = p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)
-    u = torch.exp(-exp_noise_rows([spec_seed(r.seed, i, ACCEPT) for r, i in zip(requests, indices)], 1,
-                                  logits.device)[:, 0])  # U(0, 1]
+    u = torch.exp(
+        -exp_noise_rows([spec_seed(r.seed, i, ACCEPT) for r, i in zip(requests, indices)], 1, logits.device)[:, 0]
+    )  # U(0, 1]
     accepted = (u * qd <= pd) & (pd > 0) & ~bonus  # probability min(1, p(d) / q(d))
     emit = exponential_race(residual(p, q), [draw_seed(r.seed, i) for r, i in zip(requests, indices)])
     tokens = torch.where(accepted, drafts, emit)

@@ -97,14 +97,25 @@ class Speculator:
             drafts = []
             q = None
             if c.num_tokens == 1 and c.start + 1 == req.num_tokens:
-                drafts = self.drafts.pop(req.request_id, [])[:self._room(req)]
+                drafts = self.drafts.pop(req.request_id, [])[: self._room(req)]
                 q = self.draft_q.pop(req.request_id, None)
-            plans.append(_Plan(c, req.token_slice(c.start, c.start + c.num_tokens) + drafts, drafts, row,
-                               q=q[:len(drafts)] if q is not None and drafts else None))
+            plans.append(
+                _Plan(
+                    c,
+                    req.token_slice(c.start, c.start + c.num_tokens) + drafts,
+                    drafts,
+                    row,
+                    q=q[: len(drafts)] if q is not None and drafts else None,
+                )
+            )
             row += len(plans[-1].tokens)
-        saved = {id(p): spec_rollback.save(core.pool, p.chunk.request.pages,
-                                           torch.arange(p.chunk.start, p.chunk.start + len(p.tokens)))
-                 for p in plans if p.drafts}
+        saved = {
+            id(p): spec_rollback.save(
+                core.pool, p.chunk.request.pages, torch.arange(p.chunk.start, p.chunk.start + len(p.tokens))
+            )
+            for p in plans
+            if p.drafts
+        }
         streams, logits, sample_rows, prompt_rows = self._forward(plans)
         before = (self.stats["drafted"], self.stats["accepted"])
         self._pick(plans, logits, sample_rows)
@@ -159,10 +170,23 @@ class Speculator:
                 logit_rows.extend(range(p.first_row + c.num_tokens, p.first_row + len(p.tokens)))  # the drafts'
             else:
                 sample_rows.append(None)
-        snapshots = [(p.chunk.snapshot_at, core.prefix.staging(p.chunk.request)) if p.chunk.snapshot_at else None
-                     for p in plans] if any(p.chunk.snapshot_at for p in plans) else None
-        batch = build_step(core.pool, [p.tokens for p in plans], [p.chunk.start for p in plans],
-                           [p.chunk.request.pages for p in plans], logit_rows, core.device, snapshots)
+        snapshots = (
+            [
+                (p.chunk.snapshot_at, core.prefix.staging(p.chunk.request)) if p.chunk.snapshot_at else None
+                for p in plans
+            ]
+            if any(p.chunk.snapshot_at for p in plans)
+            else None
+        )
+        batch = build_step(
+            core.pool,
+            [p.tokens for p in plans],
+            [p.chunk.start for p in plans],
+            [p.chunk.request.pages for p in plans],
+            logit_rows,
+            core.device,
+            snapshots,
+        )
         streams = core.model.forward_streams(batch, core.pool)
         return streams, core.model.logits(streams[batch.logit_rows]), sample_rows, prompt_rows
 
@@ -174,8 +198,13 @@ class Speculator:
             return None
         queries = self.k + 1 if any(p.drafts for p in plans) else 1
         reqs = [p.chunk.request for p in plans]
-        out = self.verify.run([r.request_id for r in reqs], [p.tokens for p in plans],
-                              [p.chunk.start for p in plans], [r.pages for r in reqs], queries)
+        out = self.verify.run(
+            [r.request_id for r in reqs],
+            [p.tokens for p in plans],
+            [p.chunk.start for p in plans],
+            [r.pages for r in reqs],
+            queries,
+        )
         if out is None:
             return None
         for b, p in enumerate(plans):
@@ -204,14 +233,14 @@ class Speculator:
                 p.emitted = [next(plain)]
             elif p.q is None:  # greedy: the longest prefix of drafts equal to the target's argmax, then its token
                 n = len(p.drafts) + 1
-                toks, lp = [int(t) for t in picks[0][at:at + n]], picks[1][at:at + n]
+                toks, lp = [int(t) for t in picks[0][at : at + n]], picks[1][at : at + n]
                 at += n
                 if self.force_drafts is not None:
                     p.drafts = self.force_drafts(p.drafts, toks)
                 a = 0
                 while a < len(p.drafts) and p.drafts[a] == toks[a]:
                     a += 1
-                p.emitted = list(zip(toks[:a + 1], lp[:a + 1]))
+                p.emitted = list(zip(toks[: a + 1], lp[: a + 1]))
                 self._count(p.chunk.request, len(p.drafts), a)
             else:  # rejection sampling: the accepted drafts, then the first row not accepted emits its draw
                 a = spec_sampling.accepted_prefix(sampled[0], at_sampled, len(p.drafts))
@@ -252,8 +281,8 @@ class Speculator:
             c, req = p.chunk, p.chunk.request
             plps = ()
             if count:
-                targets = torch.tensor(req.prompt[c.start + 1:c.start + 1 + count], device=logits.device)
-                plps = tuple(logprobs[first:first + count].gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
+                targets = torch.tensor(req.prompt[c.start + 1 : c.start + 1 + count], device=logits.device)
+                plps = tuple(logprobs[first : first + count].gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
                 req.prompt_logprobs.extend(plps)
             # a verify chunk computed its last token and the accepted drafts (emitted - 1 of them)
             req.num_computed = c.start + (len(p.emitted) if p.drafts else c.num_tokens)
@@ -263,8 +292,17 @@ class Speculator:
                 req.output.append(tok)
                 req.logprobs.append(lp)
                 core._check_finished(req, tok)
-                events.append(TokenEvent(req.request_id, tok, lp, req.finished, req.finish_reason,
-                                         plps if i == 0 else (), req.cached_tokens))
+                events.append(
+                    TokenEvent(
+                        req.request_id,
+                        tok,
+                        lp,
+                        req.finished,
+                        req.finish_reason,
+                        plps if i == 0 else (),
+                        req.cached_tokens,
+                    )
+                )
                 if req.finished:
                     break
         return events
@@ -283,8 +321,11 @@ class Speculator:
             starts.append(c.start)
             tables.append(req.pages)
             hidden_rows.extend(range(p.first_row, p.first_row + req.num_computed - c.start))
-        last = [p for p in runs if p.chunk.request.num_computed == p.chunk.request.num_tokens - 1
-                and not p.chunk.request.prefill_only]  # a hand-off drafts on the decode side
+        last = [
+            p
+            for p in runs
+            if p.chunk.request.num_computed == p.chunk.request.num_tokens - 1 and not p.chunk.request.prefill_only
+        ]  # a hand-off drafts on the decode side
         ends = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
         out_rows = [int(ends[i]) for i, p in enumerate(runs) if p in last]
         layer = self.layers[0]
@@ -325,14 +366,25 @@ class Speculator:
         if n <= 1:
             return
         mtp_ids = {"swa": [m.layer for m in self.layers]}
-        saved = [spec_rollback.save(core.pool, p.chunk.request.pages,
-                                    torch.arange(p.chunk.request.num_computed,
-                                                 p.chunk.request.num_computed + n - 1), mtp_ids) for p in plans]
+        saved = [
+            spec_rollback.save(
+                core.pool,
+                p.chunk.request.pages,
+                torch.arange(p.chunk.request.num_computed, p.chunk.request.num_computed + n - 1),
+                mtp_ids,
+            )
+            for p in plans
+        ]
         for j in range(1, n):
             layer = self.layers[j % len(self.layers)]
-            batch = build_step(core.pool, [[d[-1]] for d in drafts],
-                               [p.chunk.request.num_computed + j - 1 for p in plans],
-                               [p.chunk.request.pages for p in plans], [], core.device)
+            batch = build_step(
+                core.pool,
+                [[d[-1]] for d in drafts],
+                [p.chunk.request.num_computed + j - 1 for p in plans],
+                [p.chunk.request.pages for p in plans],
+                [],
+                core.device,
+            )
             hid = layer.forward(batch, core.pool, hid)
             tokens, qs = self._pick_drafts(layer.logits(hid), plans, j)
             for d, r, t, row in zip(drafts, q, tokens, qs):
@@ -342,6 +394,6 @@ class Speculator:
         for s in saved:
             spec_rollback.restore(core.pool, s)
         for p, d, r in zip(plans, drafts, q):
-            del d[self._room(p.chunk.request):]
+            del d[self._room(p.chunk.request) :]
             if r is not None:
-                del r[self._room(p.chunk.request):]
+                del r[self._room(p.chunk.request) :]

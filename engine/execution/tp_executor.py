@@ -53,8 +53,10 @@ class StepInputs:
             raise ValueError(f"StepInputs.kind must be one of {(FORWARD, DECODE, SYNC, STOP)}, got {self.kind!r}")
         n = len(self.token_ids)
         if len(self.starts) != n or len(self.tables) != n or len(self.snapshots) not in (0, n):
-            raise ValueError(f"StepInputs: {n} token lists, {len(self.starts)} starts, {len(self.tables)} tables, "
-                             f"{len(self.snapshots)} snapshots")
+            raise ValueError(
+                f"StepInputs: {n} token lists, {len(self.starts)} starts, {len(self.tables)} tables, "
+                f"{len(self.snapshots)} snapshots"
+            )
         if self.kind == DECODE and (len(self.request_ids) != n or any(len(t) != 1 for t in self.token_ids)):
             raise ValueError("StepInputs(decode) needs one request id and exactly one token per request")
 
@@ -96,8 +98,11 @@ def replicate_pages(pool, tables, ctx) -> None:
         rows_per = group.spec.page_rows
         rows = (torch.tensor(pages, dtype=torch.long).unsqueeze(1) * rows_per + torch.arange(rows_per)).reshape(-1)
         rows = rows.to(group.tensor.device)
-        data = group.tensor.index_select(1, rows) if ctx.is_driver else \
-            group.tensor.new_empty(group.tensor.shape[0], rows.numel(), group.tensor.shape[2])
+        data = (
+            group.tensor.index_select(1, rows)
+            if ctx.is_driver
+            else group.tensor.new_empty(group.tensor.shape[0], rows.numel(), group.tensor.shape[2])
+        )
         ctx.broadcast_tensor(data)
         if not ctx.is_driver:
             group.tensor.index_copy_(1, rows, data)

@@ -33,8 +33,16 @@ from engine.model.parallel import (
 JOIN_TIMEOUT_S = 30.0
 
 
-def _follower_main(rank: int, tp_size: int, port: int, expert_parallel: bool, build, engine_kwargs: dict,
-                   ready, data_parallel_attention: bool = False) -> None:
+def _follower_main(
+    rank: int,
+    tp_size: int,
+    port: int,
+    expert_parallel: bool,
+    build,
+    engine_kwargs: dict,
+    ready,
+    data_parallel_attention: bool = False,
+) -> None:
     from engine.execution.dp_attention import dp_follow
     from engine.execution.tp_executor import follow
 
@@ -42,8 +50,9 @@ def _follower_main(rank: int, tp_size: int, port: int, expert_parallel: bool, bu
     if device.type == "cpu":  # ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
     ready.put(rank)  # alive and about to join: rank 0 stops watching for an early death
-    ctx = init_distributed(rank, tp_size, device, port, expert_parallel=expert_parallel,
-                           data_parallel_attention=data_parallel_attention)
+    ctx = init_distributed(
+        rank, tp_size, device, port, expert_parallel=expert_parallel, data_parallel_attention=data_parallel_attention
+    )
     try:
         engine = build(**{**engine_kwargs, "device": str(device)}, parallel=ctx)
         (dp_follow if data_parallel_attention else follow)(engine)
@@ -59,17 +68,26 @@ class RankGroup:
     processes: list = field(default_factory=list)
 
     @classmethod
-    def start(cls, tp_size: int, device: str, expert_parallel: bool, build, engine_kwargs: dict,
-              data_parallel_attention: bool = False) -> RankGroup:
+    def start(
+        cls,
+        tp_size: int,
+        device: str,
+        expert_parallel: bool,
+        build,
+        engine_kwargs: dict,
+        data_parallel_attention: bool = False,
+    ) -> RankGroup:
         if tp_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp_size}")
         if expert_parallel and tp_size == 1:
             raise ValueError("--expert-parallel needs --tensor-parallel-size > 1 (experts split across the ranks)")
         dev = torch.device(device)
         if dev.type == "cuda" and torch.cuda.device_count() < tp_size and process_backend(dev) == "nccl":
-            raise ValueError(f"--tensor-parallel-size {tp_size} needs {tp_size} GPUs, "
-                             f"{torch.cuda.device_count()} visible (DSV4_TP_BACKEND=gloo lets ranks share one GPU, "
-                             "slowly, to check the GPU path)")
+            raise ValueError(
+                f"--tensor-parallel-size {tp_size} needs {tp_size} GPUs, "
+                f"{torch.cuda.device_count()} visible (DSV4_TP_BACKEND=gloo lets ranks share one GPU, "
+                "slowly, to check the GPU path)"
+            )
         if data_parallel_attention:  # (the same ValueError a rank would raise, before anything spawns)
             ParallelContext(tp_size, 0, expert_parallel, data_parallel_attention=True)
         if tp_size == 1:
@@ -77,16 +95,27 @@ class RankGroup:
         port = free_loopback_port()
         spawn = mp.get_context("spawn")
         ready = spawn.Queue()
-        procs = [spawn.Process(target=_follower_main, name=f"dsv4-tp-rank{r}", daemon=True,
-                               args=(r, tp_size, port, expert_parallel, build, engine_kwargs, ready,
-                                     data_parallel_attention))
-                 for r in range(1, tp_size)]
+        procs = [
+            spawn.Process(
+                target=_follower_main,
+                name=f"dsv4-tp-rank{r}",
+                daemon=True,
+                args=(r, tp_size, port, expert_parallel, build, engine_kwargs, ready, data_parallel_attention),
+            )
+            for r in range(1, tp_size)
+        ]
         for p in procs:
             p.start()
         try:
             _wait_ready(procs, ready)
-            ctx = init_distributed(0, tp_size, rank_device(device, 0), port, expert_parallel=expert_parallel,
-                                   data_parallel_attention=data_parallel_attention)
+            ctx = init_distributed(
+                0,
+                tp_size,
+                rank_device(device, 0),
+                port,
+                expert_parallel=expert_parallel,
+                data_parallel_attention=data_parallel_attention,
+            )
         except BaseException:
             _stop(procs)
             raise
@@ -119,8 +148,10 @@ def _wait_ready(procs: list, ready) -> None:
         except queue.Empty:
             dead = [(r, p.exitcode) for r, p in enumerate(procs, start=1) if r in waiting and not p.is_alive()]
             if dead:
-                raise RuntimeError(f"tensor-parallel rank {dead[0][0]} exited (code {dead[0][1]}) before joining "
-                                   "the group; its traceback is on stderr") from None
+                raise RuntimeError(
+                    f"tensor-parallel rank {dead[0][0]} exited (code {dead[0][1]}) before joining "
+                    "the group; its traceback is on stderr"
+                ) from None
 
 
 def _stop(procs: list, timeout: float = JOIN_TIMEOUT_S) -> None:

@@ -57,8 +57,9 @@ class VerifyRunner:
             return None
         return VerifyShape(DecodeShape(d.slots[i], d.contexts[j]), queries)
 
-    def run(self, request_ids: list[str], token_rows: list[list[int]], starts: list[int], tables: list[dict],
-            queries: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run(
+        self, request_ids: list[str], token_rows: list[list[int]], starts: list[int], tables: list[dict], queries: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Request b runs token_rows[b] (1..queries tokens) from position starts[b] with page table tables[b].
 
         -> (streams [n * queries, hc, D], fp32 logits [n * queries, vocab]): request b's rows are b * queries ..
@@ -115,7 +116,7 @@ class VerifyRunner:
             self._streams = torch.empty(most, *streams.shape[1:], dtype=streams.dtype, device=device)
             self._logits = torch.empty(most, logits.shape[-1], dtype=logits.dtype, device=device)
         assert self._streams is not None
-        out_s, out_l = self._streams[:shape.rows], self._logits[:shape.rows]
+        out_s, out_l = self._streams[: shape.rows], self._logits[: shape.rows]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=d._mempool, capture_error_mode="thread_local"):
             streams, logits = self._forward(packed, shape)

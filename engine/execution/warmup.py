@@ -187,12 +187,23 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
             moe_calls = sweep_moe_variants(engine, max_tokens)
             fp8_calls = sweep_fp8_experts(engine, max_tokens)
         torch.cuda.synchronize(engine.device)
-    report = WarmupReport(tuple(lengths), graphs, shapes, calls, (t1 - t0, t2 - t1, time.perf_counter() - t2),
-                          moe_calls, fp8_calls)
-    logger.info("warm-up: %d prompts (%s tokens) %.1f s, %d decode graphs captured %.1f s, %d FP8 GEMM shapes x %d "
-                "M values, %d MXFP4 MoE token counts and %d FP8 expert GEMMs %.1f s", len(lengths),
-                ",".join(map(str, lengths)), report.seconds[0], graphs, report.seconds[1], shapes,
-                calls // max(shapes, 1), moe_calls, fp8_calls, report.seconds[2])
+    report = WarmupReport(
+        tuple(lengths), graphs, shapes, calls, (t1 - t0, t2 - t1, time.perf_counter() - t2), moe_calls, fp8_calls
+    )
+    logger.info(
+        "warm-up: %d prompts (%s tokens) %.1f s, %d decode graphs captured %.1f s, %d FP8 GEMM shapes x %d "
+        "M values, %d MXFP4 MoE token counts and %d FP8 expert GEMMs %.1f s",
+        len(lengths),
+        ",".join(map(str, lengths)),
+        report.seconds[0],
+        graphs,
+        report.seconds[1],
+        shapes,
+        calls // max(shapes, 1),
+        moe_calls,
+        fp8_calls,
+        report.seconds[2],
+    )
     return report
 
 

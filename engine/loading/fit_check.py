@@ -49,14 +49,22 @@ class FitCheck:
 
     def describe(self) -> str:
         layout = f"tensor-parallel size {self.tp_size}" + (" with expert parallelism" if self.expert_parallel else "")
-        return (f"{self.weight_bytes / GIB:.2f} GiB of weights per rank ({layout}) + {self.reserve_bytes / GIB:.2f} "
-                f"GiB activation/CUDA-graph reserve + {self.min_cache_bytes / GIB:.2f} GiB minimum KV cache "
-                f"({self.min_cache_tokens} tokens) = {self.need_bytes / GIB:.2f} GiB needed, "
-                f"{self.budget_bytes / GIB:.2f} GiB available")
+        return (
+            f"{self.weight_bytes / GIB:.2f} GiB of weights per rank ({layout}) + {self.reserve_bytes / GIB:.2f} "
+            f"GiB activation/CUDA-graph reserve + {self.min_cache_bytes / GIB:.2f} GiB minimum KV cache "
+            f"({self.min_cache_tokens} tokens) = {self.need_bytes / GIB:.2f} GiB needed, "
+            f"{self.budget_bytes / GIB:.2f} GiB available"
+        )
 
 
-def loaded_meta(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype, keep_mxfp4_experts: bool,
-                keep_fp8: bool, fp8_experts: bool = False) -> dict[str, torch.Tensor]:
+def loaded_meta(
+    model_dir: str | os.PathLike,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    keep_mxfp4_experts: bool,
+    keep_fp8: bool,
+    fp8_experts: bool = False,
+) -> dict[str, torch.Tensor]:
     """What load_weights would return, as meta tensors (names, shapes, dtypes) read from the headers only."""
     return meta_from_stored(stored_tensors(model_dir), cfg, dtype, keep_mxfp4_experts, keep_fp8, fp8_experts)
 
@@ -79,8 +87,14 @@ def stored_tensors(model_dir: str | os.PathLike) -> dict[str, tuple]:
     return stored
 
 
-def meta_from_stored(stored: dict[str, tuple], cfg: ModelConfig, dtype: torch.dtype, keep_mxfp4_experts: bool,
-                     keep_fp8: bool, fp8_experts: bool = False) -> dict[str, torch.Tensor]:
+def meta_from_stored(
+    stored: dict[str, tuple],
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    keep_mxfp4_experts: bool,
+    keep_fp8: bool,
+    fp8_experts: bool = False,
+) -> dict[str, torch.Tensor]:
     """load_weights' output layout for checkpoint tensors `stored` (see stored_tensors), as meta tensors.
     fp8_experts: packed MXFP4 experts counted as the FP8 128x128 experts they convert to
     (engine.model.fp8_expert_weights: e4m3 [N, K] + fp32 [N/128, K/128], 2x the MXFP4 bytes), under the same
@@ -99,8 +113,7 @@ def meta_from_stored(stored: dict[str, tuple], cfg: ModelConfig, dtype: torch.dt
         elif kind == "mxfp4" and keep_mxfp4_experts and ".experts." in name and ".shared_experts." not in name:
             out[name] = _meta((shape[0], shape[1] // 2), torch.uint8)  # packed e2m1 bytes + UE8M0 scales
             out[f"{base}.scale"] = _meta((shape[0], shape[1] // 32), torch.uint8)
-        elif kind == "fp8" and keep_fp8 and block == (128, 128) and \
-                keeps_fp8(name, shape, cfg.o_groups):
+        elif kind == "fp8" and keep_fp8 and block == (128, 128) and keeps_fp8(name, shape, cfg.o_groups):
             out[name] = _meta(shape, torch.float8_e4m3fn)
             out[f"{base}.scale"] = _meta((math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)), torch.float32)
         elif name.endswith(".tid2eid"):
@@ -129,9 +142,15 @@ def _meta(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def weight_bytes_per_rank(model_dir, cfg: ModelConfig, ctx: ParallelContext | None, dtype: torch.dtype,
-                          keep_mxfp4_experts: bool = False, keep_fp8: bool = False,
-                          meta: dict | None = None) -> int:
+def weight_bytes_per_rank(
+    model_dir,
+    cfg: ModelConfig,
+    ctx: ParallelContext | None,
+    dtype: torch.dtype,
+    keep_mxfp4_experts: bool = False,
+    keep_fp8: bool = False,
+    meta: dict | None = None,
+) -> int:
     """Bytes of the weights rank `ctx.rank` holds on its device (every rank holds the same amount)."""
     from engine.model.sharding import shard_weights
 
@@ -151,10 +170,21 @@ def device_budget(device, utilization: float | None) -> int:
     return int(min(util * total - torch.cuda.memory_allocated(dev), free))
 
 
-def check_fit(model_dir, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, max_batch_tokens: int,
-              budget_bytes: int, ctx: ParallelContext | None = None, keep_mxfp4_experts: bool = False,
-              keep_fp8: bool = False, max_cached_tokens: int | None = None, utilization: float | None = None,
-              meta: dict | None = None, expert_format: str = "mxfp4") -> FitCheck:
+def check_fit(
+    model_dir,
+    cfg: ModelConfig,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    max_batch_tokens: int,
+    budget_bytes: int,
+    ctx: ParallelContext | None = None,
+    keep_mxfp4_experts: bool = False,
+    keep_fp8: bool = False,
+    max_cached_tokens: int | None = None,
+    utilization: float | None = None,
+    meta: dict | None = None,
+    expert_format: str = "mxfp4",
+) -> FitCheck:
     """-> the FitCheck when the model fits `budget_bytes`; else a ValueError with the numbers and what to change.
     `cfg.max_position_embeddings` is the context a request may reach (already capped by --max-model-len).
     meta: the loaded layout (loaded_meta / meta_from_stored) when known; default: read from model_dir.
@@ -167,13 +197,22 @@ def check_fit(model_dir, cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtyp
     if expert_format == "both":  # the FP8 copy beside the MXFP4 bytes: its experts' bytes on top
         fp8 = loaded_meta(model_dir, cfg, dtype, keep_mxfp4_experts, keep_fp8, True)
         weights += _expert_bytes(fp8, cfg, ctx, dtype)
-    check = FitCheck(weights, activation_reserve(cfg, max_batch_tokens, cache.max_requests, expert_format != "mxfp4"),
-                     pool_bytes(cfg, replace(cache, max_tokens=tokens), dtype), tokens, int(budget_bytes), tp, ep)
+    check = FitCheck(
+        weights,
+        activation_reserve(cfg, max_batch_tokens, cache.max_requests, expert_format != "mxfp4"),
+        pool_bytes(cfg, replace(cache, max_tokens=tokens), dtype),
+        tokens,
+        int(budget_bytes),
+        tp,
+        ep,
+    )
     if check.fits:
         return check
     util = DEFAULT_UTILIZATION if utilization is None else utilization
-    raise ValueError(f"the model does not fit: {check.describe()} (--gpu-memory-utilization {util:.2f}). "
-                     + _advice(check, meta, cfg, dtype, max_cached_tokens))
+    raise ValueError(
+        f"the model does not fit: {check.describe()} (--gpu-memory-utilization {util:.2f}). "
+        + _advice(check, meta, cfg, dtype, max_cached_tokens)
+    )
 
 
 def _expert_bytes(meta: dict, cfg: ModelConfig, ctx: ParallelContext | None, dtype: torch.dtype) -> int:
@@ -188,14 +227,20 @@ def _advice(check: FitCheck, meta: dict, cfg: ModelConfig, dtype: torch.dtype, m
     rest = check.reserve_bytes + check.min_cache_bytes
     tips, note = [], ""
     if rest >= check.budget_bytes:  # more ranks cut only the weights: each keeps the whole cache and reserve
-        note = (" More ranks would not help: the reserve and the minimum cache alone exceed the budget, and every "
-                "rank keeps both.")
+        note = (
+            " More ranks would not help: the reserve and the minimum cache alone exceed the budget, and every "
+            "rank keeps both."
+        )
     else:
         tips.append(_smallest_group(check, meta, cfg, dtype, rest))
-    tips.append(f"a smaller --max-cached-tokens than {max_cached_tokens}" if max_cached_tokens else
-                f"a shorter --max-model-len than {cfg.max_position_embeddings}")
-    tips.append("fewer --max-num-seqs or --max-batch-tokens, --kv-cache-dtype fp8, or a higher "
-                "--gpu-memory-utilization")
+    tips.append(
+        f"a smaller --max-cached-tokens than {max_cached_tokens}"
+        if max_cached_tokens
+        else f"a shorter --max-model-len than {cfg.max_position_embeddings}"
+    )
+    tips.append(
+        "fewer --max-num-seqs or --max-batch-tokens, --kv-cache-dtype fp8, or a higher --gpu-memory-utilization"
+    )
     return "Try " + "; or ".join(tips) + "." + note
 
 
@@ -216,5 +261,12 @@ def _smallest_group(check: FitCheck, meta: dict, cfg: ModelConfig, dtype: torch.
     return "--tensor-parallel-size / --expert-parallel over more GPUs"
 
 
-__all__ = ["FitCheck", "check_fit", "device_budget", "loaded_meta", "meta_from_stored", "stored_tensors",
-           "weight_bytes_per_rank"]
+__all__ = [
+    "FitCheck",
+    "check_fit",
+    "device_budget",
+    "loaded_meta",
+    "meta_from_stored",
+    "stored_tensors",
+    "weight_bytes_per_rank",
+]

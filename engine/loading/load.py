@@ -91,8 +91,13 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_engine(model_dir: str | None = None, options: EngineOptions | None = None, *,
-                parallel: ParallelContext | None = None, **fields) -> EngineCore:
+def load_engine(
+    model_dir: str | None = None,
+    options: EngineOptions | None = None,
+    *,
+    parallel: ParallelContext | None = None,
+    **fields,
+) -> EngineCore:
     """Build one engine from `options` (default EngineOptions()) with `fields` overriding its fields by name
     (an unknown name is a TypeError naming it).
     model_dir: a directory or a Hugging Face repo id (engine.loading.model_source; None: the built-in model).
@@ -121,21 +126,27 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
     torch_dtype = resolve_dtype(o.dtype)
     # what FlashMLA sees: a rank's heads (all of them under data-parallel attention)
     rank_heads = cfg.num_heads // parallel.attention.tp_size if parallel is not None else cfg.num_heads
-    kv_cache_dtype, why = resolve_kv_cache_dtype(o.kv_cache_dtype, o.device, torch_dtype, cfg.head_dim,
-                                                 cfg.rope_dim, rank_heads)
+    kv_cache_dtype, why = resolve_kv_cache_dtype(
+        o.kv_cache_dtype, o.device, torch_dtype, cfg.head_dim, cfg.rope_dim, rank_heads
+    )
     index_cache_dtype, index_why = resolve_index_cache_dtype(o.index_cache_dtype, o.device)
     if kv_cache_dtype == "fp8":
         logger.info("kv cache: fp8 (%s); indexer keys %s (%s)", why, index_cache_dtype, index_why)
     else:
         logger.info("kv cache: %s (%s)", kv_cache_dtype, why)
-    cache_config = CacheConfig(max_requests=o.max_num_seqs, max_tokens=o.max_cached_tokens or 1,
-                               page_tokens=o.page_tokens, kv_cache_dtype=kv_cache_dtype,
-                               index_cache_dtype=index_cache_dtype,
-                               staging_pages=STAGING_PAGES if o.prefix_cache else 0)
+    cache_config = CacheConfig(
+        max_requests=o.max_num_seqs,
+        max_tokens=o.max_cached_tokens or 1,
+        page_tokens=o.page_tokens,
+        kv_cache_dtype=kv_cache_dtype,
+        index_cache_dtype=index_cache_dtype,
+        staging_pages=STAGING_PAGES if o.prefix_cache else 0,
+    )
     keep = keep_default(o.device, torch_dtype) if o.keep_mxfp4_experts is None else o.keep_mxfp4_experts
     keep_fp8 = use_fp8_gemm(o.device, torch_dtype) if o.keep_fp8_weights is None else o.keep_fp8_weights
-    expert_format, expert_why = resolve_prefill_expert_format(o.prefill_expert_format, o.device, torch_dtype,
-                                                              not o.warmup_decodes, keep)
+    expert_format, expert_why = resolve_prefill_expert_format(
+        o.prefill_expert_format, o.device, torch_dtype, not o.warmup_decodes, keep
+    )
     logger.info("routed experts: %s (%s)", expert_format, expert_why)
     if torch.device(o.device).type == "cuda":
         from engine.loading.fit_check import check_fit, device_budget
@@ -143,34 +154,72 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
 
         install_variant_log()  # from the first kernel on: a variant first needed while serving is named later
 
-        fit = check_fit(model_dir, cfg, cache_config, torch_dtype, o.max_batch_tokens,
-                        device_budget(o.device, o.gpu_memory_utilization), parallel, keep, keep_fp8,
-                        o.max_cached_tokens, o.gpu_memory_utilization, expert_format=expert_format)
+        fit = check_fit(
+            model_dir,
+            cfg,
+            cache_config,
+            torch_dtype,
+            o.max_batch_tokens,
+            device_budget(o.device, o.gpu_memory_utilization),
+            parallel,
+            keep,
+            keep_fp8,
+            o.max_cached_tokens,
+            o.gpu_memory_utilization,
+            expert_format=expert_format,
+        )
         logger.info("memory: %s", fit.describe())
     if parallel is not None and parallel.enabled:
         from engine.loading.shard_reader import load_shard
 
-        weights = load_shard(model_dir, cfg, parallel, torch_dtype, o.device, keep_mxfp4_experts=keep,
-                             keep_fp8=keep_fp8)
+        weights = load_shard(
+            model_dir, cfg, parallel, torch_dtype, o.device, keep_mxfp4_experts=keep, keep_fp8=keep_fp8
+        )
     else:
-        weights = load_weights(model_dir, cfg, dtype=torch_dtype, device=o.device, keep_mxfp4_experts=keep,
-                               keep_fp8=keep_fp8, mtp=o.speculative_tokens > 0)
+        weights = load_weights(
+            model_dir,
+            cfg,
+            dtype=torch_dtype,
+            device=o.device,
+            keep_mxfp4_experts=keep,
+            keep_fp8=keep_fp8,
+            mtp=o.speculative_tokens > 0,
+        )
     if expert_format != "mxfp4":  # before the KV plan: it sizes the pool from what the weights leave
         from engine.model.fp8_expert_weights import convert_expert_weights
         from engine.model.linear import pow2_activations
 
         convert_expert_weights(weights, cfg, expert_format, pow2_activations(cfg.quantization))
     slots = default_snapshot_slots(PrefixCacheConfig(), o.max_num_seqs) if o.prefix_cache else 0
-    plan = plan_kv_tokens(cfg, cache_config, torch_dtype, o.device, o.max_batch_tokens, o.gpu_memory_utilization,
-                          o.max_cached_tokens, snapshot_slots=slots, fp8_experts=expert_format != "mxfp4")
+    plan = plan_kv_tokens(
+        cfg,
+        cache_config,
+        torch_dtype,
+        o.device,
+        o.max_batch_tokens,
+        o.gpu_memory_utilization,
+        o.max_cached_tokens,
+        snapshot_slots=slots,
+        fp8_experts=expert_format != "mxfp4",
+    )
     log_plan(plan, cfg, o.max_num_seqs)
     cache_config = dataclasses.replace(cache_config, max_tokens=plan.tokens)
     scheduler_config = SchedulerConfig(max_batch_tokens=o.max_batch_tokens, max_num_seqs=o.max_num_seqs)
-    core = EngineCore(cfg, weights, device=o.device, dtype=torch_dtype, parallel=parallel,
-                      cache_config=cache_config, scheduler_config=scheduler_config,
-                      decode_mode=o.decode_mode or "auto", prefix_cache=o.prefix_cache,
-                      speculative_tokens=o.speculative_tokens,
-                      speculative_policy=SpecPolicy(o.speculative_max_batch, o.speculative_min_acceptance))
-    if o.warmup and warmup_enabled(core):  # CUDA: compile before the first request waits on it (engine.execution.warmup)
+    core = EngineCore(
+        cfg,
+        weights,
+        device=o.device,
+        dtype=torch_dtype,
+        parallel=parallel,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        decode_mode=o.decode_mode or "auto",
+        prefix_cache=o.prefix_cache,
+        speculative_tokens=o.speculative_tokens,
+        speculative_policy=SpecPolicy(o.speculative_max_batch, o.speculative_min_acceptance),
+    )
+    if o.warmup and warmup_enabled(
+        core
+    ):  # CUDA: compile before the first request waits on it (engine.execution.warmup)
         warm_engine(core, decodes=o.warmup_decodes)
     return core

@@ -66,8 +66,13 @@ class LoadProgress:
         if self._bar is not None:
             self._bar.close()
         if self.enabled and exc[0] is None:
-            log.info("%s: %d tensors, %s read in %.1f s", self.what, self.done, _gib(self.nbytes),
-                     time.perf_counter() - self._t0)
+            log.info(
+                "%s: %d tensors, %s read in %.1f s",
+                self.what,
+                self.done,
+                _gib(self.nbytes),
+                time.perf_counter() - self._t0,
+            )
 
 
 def _gib(n: int) -> str:

@@ -36,8 +36,15 @@ ASSISTANT_TOKEN = "<｜Assistant｜>"
 # The rest of V4's chat-format tokens, added after training (ids past the BPE vocabulary). Like V4's
 # release the tokenizer ships no chat template: chat uses V4's encoding (service/chat_encoding.py).
 THINK_TOKENS = ["<think>", "</think>"]  # plain added tokens: decoded text keeps them
-V4_SPECIAL_TOKENS = ["<｜latest_reminder｜>", "<｜action｜>", "<｜query｜>", "<｜authority｜>", "<｜domain｜>",
-                     "<｜title｜>", "<｜read_url｜>"]
+V4_SPECIAL_TOKENS = [
+    "<｜latest_reminder｜>",
+    "<｜action｜>",
+    "<｜query｜>",
+    "<｜authority｜>",
+    "<｜domain｜>",
+    "<｜title｜>",
+    "<｜read_url｜>",
+]
 
 _COMMON = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -164,8 +171,10 @@ PRESETS: dict[str, dict] = {
 }
 
 # V4 quantisation layout: which original names are FP8 block-scaled / MXFP4 when quantize=True.
-_FP8 = re.compile(r"\.attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$"
-                  r"|^mtp\.\d+\.[eh]_proj\.weight$")
+_FP8 = re.compile(
+    r"\.attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$"
+    r"|^mtp\.\d+\.[eh]_proj\.weight$"
+)
 _MXFP4 = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 _QUANT_CONFIG = {
     "quant_method": "fp8",
@@ -316,8 +325,9 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
 
 
 # ---- model directories --------------------------------------------------------------------------
-def make_model(preset: str, out_dir: str | os.PathLike, seed: int = 0, quantize: bool = False,
-               mtp_layers: int = 0) -> str:
+def make_model(
+    preset: str, out_dir: str | os.PathLike, seed: int = 0, quantize: bool = False, mtp_layers: int = 0
+) -> str:
     """Write config.json, model.safetensors and the tokenizer for `preset` into `out_dir`; return it.
 
     The same (preset, seed) gives the same underlying weights whether or not `quantize` is set, so a

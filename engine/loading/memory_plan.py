@@ -35,9 +35,11 @@ class KvPlan:
 
     def describe(self, cfg: ModelConfig, max_num_seqs: int) -> str:
         full = max(1, cfg.max_position_embeddings)
-        return (f"KV cache: {self.tokens} tokens ({self.pool_bytes / GIB:.2f} GiB): {self.tokens // full} request(s) "
-                f"at the full {full}-token context, or {max_num_seqs} concurrent requests of up to "
-                f"{self.tokens // max(1, max_num_seqs)} tokens each; {self.source}")
+        return (
+            f"KV cache: {self.tokens} tokens ({self.pool_bytes / GIB:.2f} GiB): {self.tokens // full} request(s) "
+            f"at the full {full}-token context, or {max_num_seqs} concurrent requests of up to "
+            f"{self.tokens // max(1, max_num_seqs)} tokens each; {self.source}"
+        )
 
 
 def pool_bytes(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
@@ -67,8 +69,12 @@ def activation_reserve(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: in
     step's context-dependent workspace at the longest context served (`step_workspace`); with FP8 experts
     (engine.model.fp8_expert_weights), their grouped GEMMs' padded buffers (`fp8_moe_workspace`)."""
     tokens = max(max_batch_tokens, max_num_seqs)
-    per_token = (4 * cfg.hc_mult * cfg.hidden_size * 4 + 2 * cfg.num_heads * cfg.head_dim * 2
-                 + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 2 + 4 * cfg.vocab_size)
+    per_token = (
+        4 * cfg.hc_mult * cfg.hidden_size * 4
+        + 2 * cfg.num_heads * cfg.head_dim * 2
+        + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 2
+        + 4 * cfg.vocab_size
+    )
     moe = fp8_moe_workspace(cfg, max_batch_tokens) if fp8_experts else 0
     return 2 * tokens * per_token + GIB + step_workspace(cfg, max_batch_tokens, max_num_seqs).total + moe
 
@@ -98,15 +104,18 @@ class StepWorkspace:
         return self.visible + self.scores + self.attention_rows + self.hca_lists + self.swa
 
     def describe(self) -> str:
-        return (f"step workspace at {self.context} tokens of context, {self.tokens} tokens a step: "
-                f"{self.total / GIB:.2f} GiB (visible-entry rows {self.visible / GIB:.3f}, indexer scores "
-                f"{self.scores / GIB:.3f}, attention row ids {self.attention_rows / GIB:.3f}, fp8-path HCA lists "
-                f"{self.hca_lists / GIB:.3f}, SWA sources "
-                f"{self.swa / GIB:.3f})")
+        return (
+            f"step workspace at {self.context} tokens of context, {self.tokens} tokens a step: "
+            f"{self.total / GIB:.2f} GiB (visible-entry rows {self.visible / GIB:.3f}, indexer scores "
+            f"{self.scores / GIB:.3f}, attention row ids {self.attention_rows / GIB:.3f}, fp8-path HCA lists "
+            f"{self.hca_lists / GIB:.3f}, SWA sources "
+            f"{self.swa / GIB:.3f})"
+        )
 
 
-def step_workspace(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int,
-                   context: int | None = None) -> StepWorkspace:
+def step_workspace(
+    cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int, context: int | None = None
+) -> StepWorkspace:
     """StepWorkspace of the largest step (max(max_batch_tokens, max_num_seqs) tokens) at `context` (default
     cfg.max_position_embeddings, which --max-model-len caps: no admitted request goes past it)."""
     from dsv4_kernels.indexer import SCORES_BUDGET, query_blocks
@@ -124,13 +133,22 @@ def step_workspace(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int,
     widest_hca = max([0] + [max(1, context // r) for r in hca])
     comp = max(cfg.index_topk if cfg.indexer_layers else 0, widest_hca)
     window = cfg.sliding_window
-    return StepWorkspace(context, tokens, visible, scores, 4 * tokens * (window + comp), 25 * tokens * widest_hca,
-                         26 * tokens * window)
+    return StepWorkspace(
+        context, tokens, visible, scores, 4 * tokens * (window + comp), 25 * tokens * widest_hca, 26 * tokens * window
+    )
 
 
-def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device, max_batch_tokens: int,
-                   utilization: float | None = None, max_cached_tokens: int | None = None,
-                   snapshot_slots: int = 0, fp8_experts: bool = False) -> KvPlan:
+def plan_kv_tokens(
+    cfg: ModelConfig,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    device,
+    max_batch_tokens: int,
+    utilization: float | None = None,
+    max_cached_tokens: int | None = None,
+    snapshot_slots: int = 0,
+    fp8_experts: bool = False,
+) -> KvPlan:
     """-> the pool size: `max_cached_tokens` if given, 65536 off CUDA, else from `utilization` of the GPU.
     fp8_experts: the routed experts run as FP8 (activation_reserve counts their padded buffers).
     snapshot_slots: slots of the prefix cache's snapshot store (engine.execution.prefix_cache), allocated beside the pool:
@@ -161,16 +179,19 @@ def plan_kv_tokens(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, dev
     while tokens > 0 and pool_bytes(cfg, replace(cache, max_tokens=tokens), dtype) > budget:
         tokens -= page  # the ceil()s of the page counts can add a page per group
     if tokens < page:
-        raise ValueError(f"gpu_memory_utilization {util} leaves no room for the KV cache: {total / GIB:.1f} GiB on "
-                         f"the device, {ours / GIB:.1f} GiB of weights, {(total - free) / GIB:.1f} GiB in use, "
-                         f"{reserve / GIB:.1f} GiB reserved for activations and CUDA graphs, "
-                         f"{snapshots / GIB:.1f} GiB for prefix-cache snapshots; raise it or set --max-cached-tokens")
+        raise ValueError(
+            f"gpu_memory_utilization {util} leaves no room for the KV cache: {total / GIB:.1f} GiB on "
+            f"the device, {ours / GIB:.1f} GiB of weights, {(total - free) / GIB:.1f} GiB in use, "
+            f"{reserve / GIB:.1f} GiB reserved for activations and CUDA graphs, "
+            f"{snapshots / GIB:.1f} GiB for prefix-cache snapshots; raise it or set --max-cached-tokens"
+        )
     workspace = step_workspace(cfg, max_batch_tokens, cache.max_requests)
-    source = (f"from --gpu-memory-utilization {util:.2f} of {total / GIB:.1f} GiB ({ours / GIB:.1f} GiB of weights, "
-              f"{(total - free) / GIB:.1f} GiB in use on the device, {reserve / GIB:.1f} GiB kept for activations "
-              f"and CUDA graphs (with the {workspace.describe()}), {snapshots / GIB:.2f} GiB for {snapshot_slots} "
-              f"prefix-cache snapshot slots"
-              + (f"; capped at {cap} = max_num_seqs x max context)" if tokens == cap else ")"))
+    source = (
+        f"from --gpu-memory-utilization {util:.2f} of {total / GIB:.1f} GiB ({ours / GIB:.1f} GiB of weights, "
+        f"{(total - free) / GIB:.1f} GiB in use on the device, {reserve / GIB:.1f} GiB kept for activations "
+        f"and CUDA graphs (with the {workspace.describe()}), {snapshots / GIB:.2f} GiB for {snapshot_slots} "
+        f"prefix-cache snapshot slots" + (f"; capped at {cap} = max_num_seqs x max context)" if tokens == cap else ")")
+    )
     c = replace(cache, max_tokens=tokens)
     return KvPlan(tokens, pool_bytes(cfg, c, dtype), source)
 
@@ -181,8 +202,10 @@ def cap_context(cfg: ModelConfig, max_model_len: int | None) -> ModelConfig:
     if max_model_len is None:
         return cfg
     if not 0 < max_model_len <= cfg.max_position_embeddings:
-        raise ValueError(f"--max-model-len {max_model_len} must be in [1, {cfg.max_position_embeddings}] (the model's "
-                         "max_position_embeddings)")
+        raise ValueError(
+            f"--max-model-len {max_model_len} must be in [1, {cfg.max_position_embeddings}] (the model's "
+            "max_position_embeddings)"
+        )
     return replace(cfg, max_position_embeddings=max_model_len)
 
 
@@ -190,7 +213,15 @@ def log_plan(plan: KvPlan, cfg: ModelConfig, max_num_seqs: int) -> None:
     log.info("%s", plan.describe(cfg, max_num_seqs))
 
 
-__all__ = ["KvPlan", "plan_kv_tokens", "pool_bytes", "activation_reserve", "fp8_moe_workspace", "step_workspace",
-           "StepWorkspace",
-           "log_plan", "cap_context",
-           "DEFAULT_UTILIZATION"]
+__all__ = [
+    "KvPlan",
+    "plan_kv_tokens",
+    "pool_bytes",
+    "activation_reserve",
+    "fp8_moe_workspace",
+    "step_workspace",
+    "StepWorkspace",
+    "log_plan",
+    "cap_context",
+    "DEFAULT_UTILIZATION",
+]

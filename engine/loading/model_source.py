@@ -26,8 +26,15 @@ log = logging.getLogger("dsv4.engine")
 
 # What the engine reads from a model repo (weights, their index, config, tokenizer, generation defaults):
 # a release repo also holds the inference reference code, papers and figures, which are never fetched.
-CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 ENGINE_FILES = ("*.safetensors", "*.safetensors.index.json", *CONFIG_FILES)
 _SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})/?$")
 _TRUE = ("1", "on", "yes", "true")
@@ -58,7 +65,7 @@ class ModelSource:
 
 
 def parse_repo_id(spec: str) -> tuple[str, str | None] | None:
-    """"org/name[@revision]" -> (repo id, revision or None); None when `spec` is not spelled like one."""
+    """ "org/name[@revision]" -> (repo id, revision or None); None when `spec` is not spelled like one."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     repo, sep, revision = spec.partition("@")
@@ -91,13 +98,17 @@ def resolve_model(spec: str | os.PathLike, with_weights: bool = True) -> ModelSo
         if parsed is None:
             if os.path.exists(text):
                 raise ValueError(f"--model {text!r} is a file, not a model directory")
-            raise ValueError(f"--model {text!r} is neither an existing model directory nor a Hugging Face repo id "
-                             "(org/name or org/name@revision)")
+            raise ValueError(
+                f"--model {text!r} is neither an existing model directory nor a Hugging Face repo id "
+                "(org/name or org/name@revision)"
+            )
         repo, revision = parsed
     local = fetch(repo, revision, ENGINE_FILES if with_weights else CONFIG_FILES, spec=text)
     if not os.path.isfile(os.path.join(local, "config.json")):
-        raise ValueError(f"--model {text!r}: the repo has no config.json at its top level ({local}); it is not a "
-                         "model the engine can read")
+        raise ValueError(
+            f"--model {text!r}: the repo has no config.json at its top level ({local}); it is not a "
+            "model the engine can read"
+        )
     return ModelSource(text, local, repo, revision, os.path.basename(os.path.normpath(local)))
 
 
@@ -128,14 +139,23 @@ def fetch(repo: str, revision: str | None, patterns: tuple[str, ...], spec: str 
 
     spec, where, off = spec or repo, cache_dir(), offline()
     if not off:
-        log.warning("dsv4: fetching %s%s from the Hugging Face Hub into %s (only %s; resumable; cached files "
-                    "are not downloaded again)", repo, f"@{revision}" if revision else "", where, ", ".join(patterns))
+        log.warning(
+            "dsv4: fetching %s%s from the Hugging Face Hub into %s (only %s; resumable; cached files "
+            "are not downloaded again)",
+            repo,
+            f"@{revision}" if revision else "",
+            where,
+            ", ".join(patterns),
+        )
     try:
-        return snapshot_download(repo, revision=revision, allow_patterns=list(patterns), cache_dir=where,
-                                 local_files_only=off)
+        return snapshot_download(
+            repo, revision=revision, allow_patterns=list(patterns), cache_dir=where, local_files_only=off
+        )
     except (GatedRepoError, RepositoryNotFoundError) as e:  # Gated is a RepositoryNotFound subclass in some versions
-        raise ValueError(f"--model {spec!r}: no Hugging Face repo {repo!r} is readable (it does not exist, or it is "
-                         f"private or gated: set HF_TOKEN to a token with access): {type(e).__name__}") from None
+        raise ValueError(
+            f"--model {spec!r}: no Hugging Face repo {repo!r} is readable (it does not exist, or it is "
+            f"private or gated: set HF_TOKEN to a token with access): {type(e).__name__}"
+        ) from None
     except RevisionNotFoundError:
         raise ValueError(f"--model {spec!r}: repo {repo!r} has no revision {revision!r}") from None
     except LocalEntryNotFoundError as e:
@@ -143,9 +163,12 @@ def fetch(repo: str, revision: str | None, patterns: tuple[str, ...], spec: str 
             raise ModelNotAvailable(
                 f"--model {spec!r}: {repo}{'@' + revision if revision else ''} is not (completely) in the Hugging "
                 f"Face cache {where} and downloads are off (HF_HUB_OFFLINE=1): fetch it once with network access "
-                f"(or point HF_HUB_CACHE at a cache that has it)") from None
-        raise ModelNotAvailable(f"--model {spec!r}: could not fetch {repo} from the Hugging Face Hub and it is not in "
-                                f"the cache {where}: {e}") from None
+                f"(or point HF_HUB_CACHE at a cache that has it)"
+            ) from None
+        raise ModelNotAvailable(
+            f"--model {spec!r}: could not fetch {repo} from the Hugging Face Hub and it is not in "
+            f"the cache {where}: {e}"
+        ) from None
     except HfHubHTTPError as e:
         raise ModelNotAvailable(f"--model {spec!r}: the Hugging Face Hub refused {repo}: {e}") from None
 
@@ -155,5 +178,15 @@ def local_model_dir(spec: str | os.PathLike | None, with_weights: bool = True) -
     return None if spec is None or os.fspath(spec) == "" else resolve_model(spec, with_weights).local_dir
 
 
-__all__ = ["ModelSource", "ModelNotAvailable", "resolve_model", "local_model_dir", "parse_repo_id", "fetch",
-           "offline", "cache_dir", "ENGINE_FILES", "CONFIG_FILES"]
+__all__ = [
+    "ModelSource",
+    "ModelNotAvailable",
+    "resolve_model",
+    "local_model_dir",
+    "parse_repo_id",
+    "fetch",
+    "offline",
+    "cache_dir",
+    "ENGINE_FILES",
+    "CONFIG_FILES",
+]

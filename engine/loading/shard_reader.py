@@ -24,8 +24,16 @@ from engine.model.parallel import ParallelContext
 from engine.model.sharding import check_divisible, cut_heads_of_group, cut_of, cut_tensor, owns, scale_name
 
 
-def load_shard(model_dir: str | os.PathLike, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, device,
-               keep_mxfp4_experts: bool = False, keep_fp8: bool = False, progress: bool | None = None) -> dict:
+def load_shard(
+    model_dir: str | os.PathLike,
+    cfg: ModelConfig,
+    ctx: ParallelContext,
+    dtype: torch.dtype,
+    device,
+    keep_mxfp4_experts: bool = False,
+    keep_fp8: bool = False,
+    progress: bool | None = None,
+) -> dict:
     """This rank's weights -> {original name: tensor on `device`}, equal to `shard_weights(load_weights(...))`.
 
     Windows are read into host memory, moved to `device`, converted and cut there, so a GPU holds its shard

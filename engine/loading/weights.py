@@ -241,8 +241,9 @@ def _index(model_dir, stack: contextlib.ExitStack, mtp: bool = False) -> tuple[d
     return weights, scales, duplicates
 
 
-def _plan(model_dir, expected: dict, weights: dict, scales: dict, duplicates: list[str],
-          block: tuple[int, int]) -> dict[str, str | None]:
+def _plan(
+    model_dir, expected: dict, weights: dict, scales: dict, duplicates: list[str], block: tuple[int, int]
+) -> dict[str, str | None]:
     """Check the headers against the config -> {name: None (plain) / "fp8" / "mxfp4"}; every problem is
     collected into one ValueError."""
     missing = [n for n in expected if n not in weights]
@@ -259,8 +260,10 @@ def _plan(model_dir, expected: dict, weights: dict, scales: dict, duplicates: li
         if scale is not None:
             plan[name] = _quant_kind(name, entry, scale, want, block)
             if plan[name] is None:
-                misshaped.append(f"{name} (quantised): expected {want}, got {entry.shape} {entry.dtype} "
-                                 f"with scale {scale.shape} {scale.dtype}")
+                misshaped.append(
+                    f"{name} (quantised): expected {want}, got {entry.shape} {entry.dtype} "
+                    f"with scale {scale.shape} {scale.dtype}"
+                )
         elif entry.dtype in ("F8_E4M3", "F4") or (entry.dtype in ("U8", "I8") and not _INT_TENSORS.search(name)):
             misshaped.append(f"{name}: quantised {entry.dtype} tensor without a .scale companion")
         elif entry.shape != want:
@@ -268,8 +271,12 @@ def _plan(model_dir, expected: dict, weights: dict, scales: dict, duplicates: li
         else:
             plan[name] = None
     problems = []
-    for title, items in (("missing tensor(s)", missing), ("unexpected tensor(s)", sorted(unexpected)),
-                         ("mis-shaped tensor(s)", misshaped), ("tensor(s) stored more than once", sorted(duplicates))):
+    for title, items in (
+        ("missing tensor(s)", missing),
+        ("unexpected tensor(s)", sorted(unexpected)),
+        ("mis-shaped tensor(s)", misshaped),
+        ("tensor(s) stored more than once", sorted(duplicates)),
+    ):
         if items:
             problems.append(_summarise(title, items))
     if problems:
@@ -283,8 +290,18 @@ class Checkpoint:
     elements, starting on `grid(name, dim)`), read through safetensors' get_slice, so a tensor-parallel rank
     reads its shard and not the whole (engine.loading.shard_reader). `bytes_read`: bytes materialised from the files."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict, scales: dict, plan: dict, dtype: torch.dtype, device,
-                 keep_mxfp4_experts: bool, keep_fp8: bool, mtp: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict,
+        scales: dict,
+        plan: dict,
+        dtype: torch.dtype,
+        device,
+        keep_mxfp4_experts: bool,
+        keep_fp8: bool,
+        mtp: bool = False,
+    ):
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.expected = expected_weight_shapes(cfg, mtp)
         self.block = tuple(cfg.quantization.get("weight_block_size") or FP8_BLOCK)
@@ -317,8 +334,12 @@ class Checkpoint:
                 packed = mxfp4_as_bytes(t, s) if self._packable(s_entry, t, window) else None
                 if packed is not None:
                     return {name: packed[0], base + ".scale": packed[1]}
-            if kind == "fp8" and self.keep_fp8 and tuple(self.block) == FP8_BLOCK and \
-                    keeps_fp8(name, self.expected[name], self.cfg.o_groups):
+            if (
+                kind == "fp8"
+                and self.keep_fp8
+                and tuple(self.block) == FP8_BLOCK
+                and keeps_fp8(name, self.expected[name], self.cfg.o_groups)
+            ):
                 fp8 = weight_from_checkpoint(t, s, pow2_activations(self.cfg.quantization))
                 return {name: fp8.weight, base + ".scale": fp8.scale}
             t = dequant_fp8_block(t, s, self.block) if kind == "fp8" else dequant_mxfp4(t, s)
@@ -350,9 +371,15 @@ class Checkpoint:
 
 
 @contextlib.contextmanager
-def open_checkpoint(model_dir: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu", keep_mxfp4_experts: bool = False, keep_fp8: bool = False,
-                    mtp: bool = False):
+def open_checkpoint(
+    model_dir: str | os.PathLike,
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    keep_mxfp4_experts: bool = False,
+    keep_fp8: bool = False,
+    mtp: bool = False,
+):
     """Read every header, check names, shapes and formats against `cfg` (one ValueError listing every problem,
     before any tensor data is read), and yield a `Checkpoint` whose files stay open inside the `with`.
     mtp: also the MTP layers (`expected_weight_shapes(cfg, mtp=True)`); otherwise `mtp.*` is skipped."""

@@ -79,8 +79,9 @@ class AttentionBlock:
         self.rope_kind = "compress" if self.ratio > 1 else "main"
         p = f"layers.{layer}.attn."
         # FP8 projections kept as e4m3 + scales (engine.model.linear) become Fp8Weight values here.
-        self.w = take_fp8_weights({k[len(p):]: v for k, v in weights.items() if k.startswith(p)},
-                                  pow2_activations(cfg.quantization))
+        self.w = take_fp8_weights(
+            {k[len(p) :]: v for k, v in weights.items() if k.startswith(p)}, pow2_activations(cfg.quantization)
+        )
         self._flashmla = None  # FlashMLA runs this block's fp8 decode steps (decided at the first fp8 step)
         # bytes of indexer scores a step holds at once (query blocks, dsv4_kernels.indexer.query_blocks); tests lower
         # it to force several blocks on small shapes
@@ -103,7 +104,7 @@ class AttentionBlock:
         fast_ops = use_triton(x.device)
         if self.stacked_qkv is not None and uses_fp8_gemm(x, self.stacked_qkv):
             both = linear(x, self.stacked_qkv)
-            q_lat, kv_pre = both[:, :self.q_lora], both[:, self.q_lora:]
+            q_lat, kv_pre = both[:, : self.q_lora], both[:, self.q_lora :]
         else:
             q_lat, kv_pre = linear(x, w["wq_a.weight"]), linear(x, w["wkv.weight"])
         # q_res feeds wq_b and the indexer's wq_b: normed and FP8-quantised once where both run DeepGEMM
@@ -135,20 +136,26 @@ class AttentionBlock:
         if self.ratio > 1 and fast_ops:
             # one GEMM for every plain projection of x (compressor, indexer compressor, indexer head weights)
             xp = self._x_projections(x)
-            entries = self._compress_fast(xp, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}",
-                                          "compressor.")
+            entries = self._compress_fast(
+                xp, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}", "compressor."
+            )
             if self.ratio == 4:
                 comp_ids = self._indexer(x, q_res, q_res_fp8, batch, pool, ropes, xp)
-                comp = {"ids": comp_ids, "table": batch.tables["kv4"], "seg": batch.seq_of_token,
-                        "page_rows": pool.groups["kv4"].spec.page_rows}
+                comp = {
+                    "ids": comp_ids,
+                    "table": batch.tables["kv4"],
+                    "seg": batch.seq_of_token,
+                    "page_rows": pool.groups["kv4"].spec.page_rows,
+                }
             else:
                 vis = batch.visible[f"kv{self.ratio}"]  # per request: rows [B, E], counts [T]
                 comp = {"comp_rows": vis.rows, "seg": vis.seg, "comp_count": vis.count}
             if path in ("fp8_triton", "reference"):  # these take rows, ids and visibility apart
                 comp_rows, comp_valid, comp_ids = self._entry_rows(batch, pool, comp_ids, x.device)
         elif self.ratio > 1:
-            entries = self._compress(x, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}", "compressor.",
-                                     cfg.head_dim)
+            entries = self._compress(
+                x, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}", "compressor.", cfg.head_dim
+            )
             if self.ratio == 4:
                 comp_ids = self._indexer(x, q_res, q_res_fp8, batch, pool, ropes)
             comp_rows, comp_valid, comp_ids = self._entry_rows(batch, pool, comp_ids, x.device)
@@ -156,7 +163,7 @@ class AttentionBlock:
             keys = torch.cat([keys, entries.read(comp_rows).to(keys.dtype)], dim=1)
             valid = torch.cat([valid, comp_valid], dim=1)
 
-        sink, scale = w["attn_sink"], cfg.head_dim ** -0.5
+        sink, scale = w["attn_sink"], cfg.head_dim**-0.5
         if path == "exact_triton":
             o = self._attend_triton(q, kv, ring.tensor, entries.tensor if entries is not None else None, comp, batch)
             if not ring_first:
@@ -164,13 +171,15 @@ class AttentionBlock:
         elif path == "fp8_flashmla":
             o = attention_fp8.flashmla_attend(q, ring, entries, comp, batch, sink, scale)
         elif path == "fp8_triton":
-            o = attention_fp8.dequantised_attend(q, swa.decode(packed), ring, entries, comp_rows, comp_ids,
-                                                 comp_valid, batch, sink, scale)
+            o = attention_fp8.dequantised_attend(
+                q, swa.decode(packed), ring, entries, comp_rows, comp_ids, comp_valid, batch, sink, scale
+            )
             batch.swa_write.apply_packed(packed, ring)  # after the kernel, as on the exact path
         else:
             o = sparse_attention(q, keys, valid, sink, scale)
         if fast_ops:
             from dsv4_kernels.triton_norm_rope import rope  # imports triton: only on this path
+
             o = rope(o, cos, sin, inverse=True, inplace=True)  # o is this step's own attention output
         else:
             o = apply_rope(o, cos, sin, inverse=True)
@@ -182,8 +191,12 @@ class AttentionBlock:
         """(global entry rows [T, E], visibility [T, E], entry numbers [T, E]) of this layer's entry group: the
         per-token lists of the paths that gather per query (reference, fp8_triton); the others never build them."""
         if self.ratio == 4:
-            comp_rows = paged_rows(batch.tables["kv4"], pool.groups["kv4"].spec.page_rows,
-                                   batch.seq_of_token.unsqueeze(1).expand_as(comp_ids), comp_ids)
+            comp_rows = paged_rows(
+                batch.tables["kv4"],
+                pool.groups["kv4"].spec.page_rows,
+                batch.seq_of_token.unsqueeze(1).expand_as(comp_ids),
+                comp_ids,
+            )
             return comp_rows, comp_ids >= 0, comp_ids
         vis = batch.visible[f"kv{self.ratio}"]
         rows = vis.token_rows()
@@ -196,8 +209,9 @@ class AttentionBlock:
         out = x @ self.x_stack.t()
         return {name: out[:, a:b] for name, (a, b) in self.x_cols.items()}
 
-    def _path(self, quantised: bool, fast_ops: bool, batch: StepBatch, pool: CachePool, dtype: torch.dtype,
-              ring: CacheLayer) -> str:
+    def _path(
+        self, quantised: bool, fast_ops: bool, batch: StepBatch, pool: CachePool, dtype: torch.dtype, ring: CacheLayer
+    ) -> str:
         """Which attention path this step takes (module docstring): reference, exact_triton, fp8_triton or
         fp8_flashmla. Static per (pool, step shape): no host sync."""
         if not fast_ops:
@@ -234,12 +248,19 @@ class AttentionBlock:
         # entry columns: of the CSA ids [T, K], or of the HCA per-request rows [B, K]
         k = 0 if comp is None else (comp["ids"] if "ids" in comp else comp["comp_rows"]).shape[1]
         rows = torch.empty(q.shape[0], w + k, dtype=torch.int32, device=q.device)
-        attention_rows(batch.swa.row, batch.swa.valid, rows[:, :w], base=base,
-                       out_comp=rows[:, w:] if comp is not None else None, **(comp or {}))
-        return sparse_mqa_attention_multi(q, stores, rows, self.w["attn_sink"], self.cfg.head_dim ** -0.5)
+        attention_rows(
+            batch.swa.row,
+            batch.swa.valid,
+            rows[:, :w],
+            base=base,
+            out_comp=rows[:, w:] if comp is not None else None,
+            **(comp or {}),
+        )
+        return sparse_mqa_attention_multi(q, stores, rows, self.w["attn_sink"], self.cfg.head_dim**-0.5)
 
-    def _compress_fast(self, xp: dict, batch: StepBatch, pool: CachePool, ropes: dict, entry_group: str,
-                       state_group: str, prefix: str) -> CacheLayer:
+    def _compress_fast(
+        self, xp: dict, batch: StepBatch, pool: CachePool, ropes: dict, entry_group: str, state_group: str, prefix: str
+    ) -> CacheLayer:
         """`_compress` in two launches (dsv4_kernels.triton_compress_step): the closing windows read their slots where
         they live and go straight into the entry cache, then the state ring keeps the chunk tail."""
         from dsv4_kernels.triton_compress_step import close_windows, save_state  # imports triton: only on this path
@@ -252,16 +273,40 @@ class AttentionBlock:
         if plan.num_entries:
             cos, sin = _entry_rope_table(self.cfg, ape.shape[0], ropes, kv.device)
             prev = plan.prev
-            close_windows(state, kv, gate, ape, batch.positions, plan.cur.row, prev.row if prev else None,
-                          prev.valid if prev else None, w[prefix + "norm.weight"], self.cfg.rms_norm_eps, cos, sin,
-                          plan.entry_pos, plan.entry_row, entries.tensor,
-                          entries.group.codec.layout if entries.quantised else None, hadamard=False,
-                          skip_row=pool.scratch_pages[entry_group] * pool.groups[entry_group].spec.page_rows)
+            close_windows(
+                state,
+                kv,
+                gate,
+                ape,
+                batch.positions,
+                plan.cur.row,
+                prev.row if prev else None,
+                prev.valid if prev else None,
+                w[prefix + "norm.weight"],
+                self.cfg.rms_norm_eps,
+                cos,
+                sin,
+                plan.entry_pos,
+                plan.entry_row,
+                entries.tensor,
+                entries.group.codec.layout if entries.quantised else None,
+                hadamard=False,
+                skip_row=pool.scratch_pages[entry_group] * pool.groups[entry_group].spec.page_rows,
+            )
         save_state(kv, gate, ape, batch.positions, state, plan.state_write.chunk_row, plan.state_write.ring_row)
         return entries
 
-    def _compress(self, x, batch: StepBatch, pool: CachePool, ropes: dict, entry_group: str, state_group: str,
-                  prefix: str, dim: int) -> CacheLayer:
+    def _compress(
+        self,
+        x,
+        batch: StepBatch,
+        pool: CachePool,
+        ropes: dict,
+        entry_group: str,
+        state_group: str,
+        prefix: str,
+        dim: int,
+    ) -> CacheLayer:
         """Close this step's windows into `entry_group`; returns that group's layer (read it with .read(rows))."""
         plan: CompressPlan = batch.compress[entry_group]
         w, eps = self.w, self.cfg.rms_norm_eps
@@ -286,12 +331,23 @@ class AttentionBlock:
                 # pooled, normalised, rotated and packed into the entry pages in one kernel; keys unrotated
                 # (no Hadamard), as the group codec stores them on the reference path
                 from dsv4_kernels.triton_compressor import pool_norm_rope_quant  # imports triton: only on this path
-                pool_norm_rope_quant(pkv.to(x.dtype).contiguous(), pscore.contiguous(), w[prefix + "norm.weight"],
-                                     eps, cos, sin, entries.tensor, plan.entry_row, entries.group.codec.layout,
-                                     hadamard=False)
+
+                pool_norm_rope_quant(
+                    pkv.to(x.dtype).contiguous(),
+                    pscore.contiguous(),
+                    w[prefix + "norm.weight"],
+                    eps,
+                    cos,
+                    sin,
+                    entries.tensor,
+                    plan.entry_row,
+                    entries.group.codec.layout,
+                    hadamard=False,
+                )
             else:
                 if use_triton(x.device):
                     from dsv4_kernels.triton_compressor import pool_norm_rope  # imports triton: only on this path
+
                     pooled = pool_norm_rope(pkv.to(x.dtype), pscore, w[prefix + "norm.weight"], eps, cos, sin)
                 else:
                     pooled = pool_windows(pkv.to(x.dtype), pscore)
@@ -300,8 +356,9 @@ class AttentionBlock:
         plan.state_write.apply(rows, state)
         return entries
 
-    def _indexer(self, x, q_res, q_res_fp8, batch: StepBatch, pool: CachePool, ropes: dict,
-                 xp: dict | None = None) -> torch.Tensor:
+    def _indexer(
+        self, x, q_res, q_res_fp8, batch: StepBatch, pool: CachePool, ropes: dict, xp: dict | None = None
+    ) -> torch.Tensor:
         """Top-k kv4 entry ids per query, -1 padded. -> int64 [T, index_topk].
 
         xp: the stacked x projections (`_x_projections`) on the fast path: the indexer compressor and the head
@@ -311,35 +368,51 @@ class AttentionBlock:
         if xp is not None:
             keys = self._compress_fast(xp, batch, pool, ropes, "index", "index_state", "indexer.compressor.")
         else:
-            keys = self._compress(x, batch, pool, ropes, "index", "index_state", "indexer.compressor.",
-                                  cfg.index_head_dim)
+            keys = self._compress(
+                x, batch, pool, ropes, "index", "index_state", "indexer.compressor.", cfg.index_head_dim
+            )
         cos, sin = ropes["compress"]
-        q = linear_from(q_res, q_res_fp8, w["indexer.wq_b.weight"]).view(x.shape[0], cfg.index_n_heads,
-                                                                            cfg.index_head_dim)
+        q = linear_from(q_res, q_res_fp8, w["indexer.wq_b.weight"]).view(
+            x.shape[0], cfg.index_n_heads, cfg.index_head_dim
+        )
         vis = batch.visible["index"]
         if use_triton(x.device):
             from dsv4_kernels.triton_indexer import indexer_topk  # imports triton: only on this path
             from dsv4_kernels.triton_indexer_query import indexer_prologue
+
             store, layout = keys.tensor, None
             if keys.quantised:  # paged MXFP4 / FP8 keys, dequantised in the kernel
                 layout = keys.group.codec.layout
                 store = store.view(-1, layout.block_size * layout.row_bytes)
             # zero-padded key dims (test presets): q . k unchanged
-            raw_weights = xp["indexer.weights_proj.weight"] if xp is not None else \
-                x @ w["indexer.weights_proj.weight"].t()
-            q, head_weights, _ = indexer_prologue(q, cos, sin, raw_weights, cfg.index_n_heads ** -0.5,
-                                                  width=layout.index_head_dim if layout else None)
+            raw_weights = (
+                xp["indexer.weights_proj.weight"] if xp is not None else x @ w["indexer.weights_proj.weight"].t()
+            )
+            q, head_weights, _ = indexer_prologue(
+                q, cos, sin, raw_weights, cfg.index_n_heads**-0.5, width=layout.index_head_dim if layout else None
+            )
             # Candidates per request (vis.rows [B, E], vis.count [T]); scores in query blocks of at most
             # self.scores_budget bytes. cu_seqlens: prefill-shaped steps take the shared-key prefill kernel.
             # Unordered picks on CUDA (the attention kernels skip -1 wherever it is); the CPU keeps topk's order,
             # which its tests compare.
-            return indexer_topk(q.contiguous(), store, vis.rows, head_weights.contiguous(), cfg.index_topk, layout,
-                                cu_seqlens=batch.cu, ordered=not x.is_cuda, seg=vis.seg, count=vis.count,
-                                budget=self.scores_budget)
+            return indexer_topk(
+                q.contiguous(),
+                store,
+                vis.rows,
+                head_weights.contiguous(),
+                cfg.index_topk,
+                layout,
+                cu_seqlens=batch.cu,
+                ordered=not x.is_cuda,
+                seg=vis.seg,
+                count=vis.count,
+                budget=self.scores_budget,
+            )
         q = apply_rope(q, cos, sin)
-        head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads ** -0.5
-        return visible_topk(q, keys.read, vis.rows, vis.seg, vis.count, head_weights, cfg.index_topk,
-                            self.scores_budget)
+        head_weights = (x @ w["indexer.weights_proj.weight"].t()).float() * cfg.index_n_heads**-0.5
+        return visible_topk(
+            q, keys.read, vis.rows, vis.seg, vis.count, head_weights, cfg.index_topk, self.scores_budget
+        )
 
 
 def _one_token_each(batch: StepBatch) -> bool:
@@ -347,8 +420,13 @@ def _one_token_each(batch: StepBatch) -> bool:
     return batch.num_tokens == batch.cu.shape[0] - 1
 
 
-_X_PROJECTIONS = ("compressor.wkv.weight", "compressor.wgate.weight", "indexer.compressor.wkv.weight",
-                  "indexer.compressor.wgate.weight", "indexer.weights_proj.weight")
+_X_PROJECTIONS = (
+    "compressor.wkv.weight",
+    "compressor.wgate.weight",
+    "indexer.compressor.wkv.weight",
+    "indexer.compressor.wgate.weight",
+    "indexer.weights_proj.weight",
+)
 
 
 def _stack_x_projections(w: dict, ratio: int):
@@ -360,9 +438,15 @@ def _stack_x_projections(w: dict, ratio: int):
     for n, m in zip(names, mats):
         cols[n] = (start, start + m.shape[0])
         start += m.shape[0]
-    same = all(isinstance(m, torch.Tensor) and not isinstance(m, Fp8Weight) and m.dim() == 2
-               and m.dtype == mats[0].dtype and m.device == mats[0].device and m.shape[1] == mats[0].shape[1]
-               for m in mats)
+    same = all(
+        isinstance(m, torch.Tensor)
+        and not isinstance(m, Fp8Weight)
+        and m.dim() == 2
+        and m.dtype == mats[0].dtype
+        and m.device == mats[0].device
+        and m.shape[1] == mats[0].shape[1]
+        for m in mats
+    )
     if len(mats) < 2 or not same:
         return None, cols
     stacked = torch.cat(mats, dim=0)
@@ -383,6 +467,7 @@ def _entry_rope_table(cfg: ModelConfig, ratio: int, ropes: dict, device) -> tupl
     table = _ENTRY_TABLES.get(key)
     if table is None:
         from dsv4_kernels.triton_compress_step import entry_rope_table
+
         table = _ENTRY_TABLES[key] = entry_rope_table(ropes["compress_at"], cfg.max_position_embeddings, ratio, device)
     return table
 
@@ -391,6 +476,7 @@ def _norm_rope(x: torch.Tensor, cos, sin, eps: float, weight: torch.Tensor | Non
     """RMSNorm (weighted, or per head without a weight) then RoPE; the fused Triton kernel when `fast`."""
     if fast:
         from dsv4_kernels.triton_norm_rope import rms_norm_rope  # imports triton: only on this path
+
         return rms_norm_rope(x.contiguous(), cos, sin, eps, weight)
     normed = unweighted_rms_norm(x, eps) if weight is None else rms_norm(x, weight, eps)
     return apply_rope(normed, cos, sin)

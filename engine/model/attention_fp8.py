@@ -30,16 +30,25 @@ def token_ring_rows(batch: StepBatch) -> torch.Tensor:
     return batch.swa_write.ring_row
 
 
-def insert_decode_rows(kv_pre: torch.Tensor, weight: torch.Tensor, cos, sin, eps: float, ring: CacheLayer,
-                       batch: StepBatch) -> torch.Tensor:
+def insert_decode_rows(
+    kv_pre: torch.Tensor, weight: torch.Tensor, cos, sin, eps: float, ring: CacheLayer, batch: StepBatch
+) -> torch.Tensor:
     """Normalise + rotate this step's kv and write it into the ring (Triton, one launch). -> [T, D].
 
     The ring is fp8_ds_mla (FlashMLA's decode) or exact rows in kv's dtype (the exact fast path's decode steps):
     the slot a decode token overwrites holds position - window, outside every window of this step."""
     from dsv4_kernels.triton_swa_insert import swa_insert  # imports triton: only on this path
 
-    return swa_insert(kv_pre, weight, cos, sin, eps, ring.tensor, token_ring_rows(batch),
-                      ring.group.codec.layout if ring.quantised else None)
+    return swa_insert(
+        kv_pre,
+        weight,
+        cos,
+        sin,
+        eps,
+        ring.tensor,
+        token_ring_rows(batch),
+        ring.group.codec.layout if ring.quantised else None,
+    )
 
 
 def _padded(width: int) -> int:
@@ -48,8 +57,15 @@ def _padded(width: int) -> int:
     return max(TOPK_MULTIPLE, -(-width // TOPK_MULTIPLE) * TOPK_MULTIPLE)
 
 
-def flashmla_attend(q: torch.Tensor, ring: CacheLayer, entries: CacheLayer | None, comp: dict | None,
-                    batch: StepBatch, sink: torch.Tensor, scale: float) -> torch.Tensor:
+def flashmla_attend(
+    q: torch.Tensor,
+    ring: CacheLayer,
+    entries: CacheLayer | None,
+    comp: dict | None,
+    batch: StepBatch,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """FlashMLA over the ring (already holding this step's rows) and the entry rows, read in place.
 
     comp: the entry side as dsv4_kernels.triton_attention_rows.attention_rows takes it (CSA: ids, table, seg, page_rows;
@@ -67,8 +83,7 @@ def flashmla_attend(q: torch.Tensor, ring: CacheLayer, entries: CacheLayer | Non
         extra_idx = torch.empty(t, _padded(k), dtype=torch.int32, device=q.device)
         extra, extra_layout = entries.tensor, entries.group.codec.layout
     attention_rows(swa.ring_row, swa.valid, main_idx, out_comp=extra_idx, **(comp or {}))
-    return sparse_decode(q, ring.tensor, ring.group.codec.layout, main_idx, extra, extra_layout, extra_idx, sink,
-                         scale)
+    return sparse_decode(q, ring.tensor, ring.group.codec.layout, main_idx, extra, extra_layout, extra_idx, sink, scale)
 
 
 def flashmla_unfit_reason(num_heads: int, ring: CacheLayer, entries: list[CacheLayer]) -> str:
@@ -88,8 +103,14 @@ def _decoded_rows(layer: CacheLayer, rows: torch.Tensor) -> torch.Tensor:
     return group.decode(group.read_packed(layer.layer, rows.reshape(-1).clamp(min=0)))
 
 
-def _store(layer: CacheLayer, rows: torch.Tensor, valid: torch.Tensor, pages: torch.Tensor, seg: torch.Tensor,
-           local: torch.Tensor):
+def _store(
+    layer: CacheLayer,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    pages: torch.Tensor,
+    seg: torch.Tensor,
+    local: torch.Tensor,
+):
     """A bf16 store holding the keys `rows` [T, K] name, and their row ids in it (-1 where not valid).
 
     pages: [B, P] the step's page table of this group; local: [T, K] each key's row within its request's
@@ -107,9 +128,18 @@ def _store(layer: CacheLayer, rows: torch.Tensor, valid: torch.Tensor, pages: to
     return store, torch.where(valid, idx, -1)
 
 
-def dequantised_attend(q: torch.Tensor, chunk_keys: torch.Tensor, ring: CacheLayer, entries: CacheLayer | None,
-                       comp_rows, comp_ids, comp_valid, batch: StepBatch, sink: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+def dequantised_attend(
+    q: torch.Tensor,
+    chunk_keys: torch.Tensor,
+    ring: CacheLayer,
+    entries: CacheLayer | None,
+    comp_rows,
+    comp_ids,
+    comp_valid,
+    batch: StepBatch,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The Triton MQA kernel over dequantised stores [ring keys | chunk_keys | entry keys].
 
     chunk_keys: [T, D] this step's kv rows as the cache stores them; comp_rows / comp_ids / comp_valid:
@@ -118,15 +148,22 @@ def dequantised_attend(q: torch.Tensor, chunk_keys: torch.Tensor, ring: CacheLay
 
     swa = batch.swa
     stride = ring.group.spec.page_rows
-    ring_keys, ring_idx = _store(ring, swa.ring_row, swa.valid & ~swa.from_chunk, batch.tables["swa"][:, :1],
-                                 batch.seq_of_token, swa.ring_row % stride)
+    ring_keys, ring_idx = _store(
+        ring,
+        swa.ring_row,
+        swa.valid & ~swa.from_chunk,
+        batch.tables["swa"][:, :1],
+        batch.seq_of_token,
+        swa.ring_row % stride,
+    )
     base = ring_keys.shape[0]
     swa_idx = torch.where(swa.from_chunk & swa.valid, base + swa.chunk_row, ring_idx)
     stores, parts = [ring_keys.to(q.dtype), chunk_keys.to(q.dtype)], [swa_idx]
     if entries is not None:
         name = entries.group.spec.name
-        entry_keys, entry_idx = _store(entries, comp_rows, comp_valid, batch.tables[name], batch.seq_of_token,
-                                       comp_ids.clamp(min=0))
+        entry_keys, entry_idx = _store(
+            entries, comp_rows, comp_valid, batch.tables[name], batch.seq_of_token, comp_ids.clamp(min=0)
+        )
         parts.append(torch.where(entry_idx >= 0, entry_idx + base + chunk_keys.shape[0], -1))
         stores.append(entry_keys.to(q.dtype))
     total = sum(s.shape[0] for s in stores)

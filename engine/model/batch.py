@@ -85,8 +85,10 @@ class _Upload:
             if a.dtype not in _TORCH_DTYPES:
                 raise TypeError(f"a step's host arrays are int64 or bool, got {a.dtype}")
         # int64 parts first, then bool parts: each region is cut into its views by one split call
-        regions = [[k for k, a in arrays.items() if a.dtype == np.int64], [k for k, a in arrays.items()
-                                                                           if a.dtype == np.bool_]]
+        regions = [
+            [k for k, a in arrays.items() if a.dtype == np.int64],
+            [k for k, a in arrays.items() if a.dtype == np.bool_],
+        ]
         padded = {k: -(-a.nbytes // _PART_BYTES) * _PART_BYTES for k, a in arrays.items()}
         int_bytes = sum(padded[k] for k in regions[0])
         size = int_bytes + sum(padded[k] for k in regions[1])
@@ -95,12 +97,14 @@ class _Upload:
         flat, at = host.numpy(), 0
         for k in regions[0] + regions[1]:
             a = arrays[k]
-            flat[at:at + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+            flat[at : at + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
             at += padded[k]
         buffer = host.to(device, non_blocking=True) if device.type == "cuda" else host
         self._views = {}
-        for keys, region, item in ((regions[0], buffer[:int_bytes].view(torch.int64), 8),
-                                   (regions[1], buffer[int_bytes:size].view(torch.bool), 1)):
+        for keys, region, item in (
+            (regions[0], buffer[:int_bytes].view(torch.int64), 8),
+            (regions[1], buffer[int_bytes:size].view(torch.bool), 1),
+        ):
             sizes = [n for k in keys for n in (arrays[k].nbytes // item, (padded[k] - arrays[k].nbytes) // item)]
             pieces = region.split_with_sizes(sizes) if keys else ()
             for k, piece in zip(keys, pieces[::2]):
@@ -256,8 +260,9 @@ class StepBatch:
         return self.token_ids.shape[0]
 
 
-def ring_sources(pos, seg, starts, cu, ring_page, ring_rows: int, ring_total_rows: int,
-                 page_stride: int | None = None) -> SourceRows:
+def ring_sources(
+    pos, seg, starts, cu, ring_page, ring_rows: int, ring_total_rows: int, page_stride: int | None = None
+) -> SourceRows:
     """pos: [N, W] positions; seg: their requests, [N, W] or [N, 1] (broadcast: each request's values gathered once
     a row). ring_rows: the ring's length (slot = pos % ring_rows); page_stride: rows a page (default ring_rows).
     -> SourceRows of pos's shape. numpy arrays (host) or tensors (device) alike: the same formula builds both."""
@@ -291,8 +296,10 @@ def _staging_writes(pool: CachePool, snapshots: list, starts, ends, cu) -> dict:
                 continue
             point, pages = snap
             if not starts[b] + positions <= point <= ends[b]:
-                raise ValueError(f"in-step snapshot at {point} needs positions {point - positions}.. in the chunk "
-                                 f"[{starts[b]}, {ends[b]}) of request {b}")
+                raise ValueError(
+                    f"in-step snapshot at {point} needs positions {point - positions}.. in the chunk "
+                    f"[{starts[b]}, {ends[b]}) of request {b}"
+                )
             pos = np.arange(point - positions, point, dtype=np.int64)
             chunk.append(cu[b] + pos - starts[b])
             ring.append(pages[name] * spec.page_rows + pos % positions)
@@ -303,8 +310,9 @@ def _staging_writes(pool: CachePool, snapshots: list, starts, ends, cu) -> dict:
 def _joined(first: RingWrite, extra: RingWrite | None) -> RingWrite:
     if extra is None:
         return first
-    return RingWrite(np.concatenate([first.chunk_row, extra.chunk_row]),
-                     np.concatenate([first.ring_row, extra.ring_row]))
+    return RingWrite(
+        np.concatenate([first.chunk_row, extra.chunk_row]), np.concatenate([first.ring_row, extra.ring_row])
+    )
 
 
 def paged_rows(table, page_rows: int, seg, entry):
@@ -314,15 +322,28 @@ def paged_rows(table, page_rows: int, seg, entry):
     return table[seg, page_idx] * page_rows + _clamp(entry, lo=0) % page_rows
 
 
-def _compress_plan(ratio: int, overlap: bool, starts, ends, cu, state_page, state_rows: int, state_total: int,
-                   entry_table, entry_page_rows: int) -> CompressPlan:
+def _compress_plan(
+    ratio: int,
+    overlap: bool,
+    starts,
+    ends,
+    cu,
+    state_page,
+    state_rows: int,
+    state_total: int,
+    entry_table,
+    entry_page_rows: int,
+) -> CompressPlan:
     """Host arrays: [N, ratio] sources of the N windows that close in this step."""
     first, last = starts // ratio, ends // ratio
     w, seg = segment_arange(first, last - first)
     cur_pos = (w * ratio)[:, None] + np.arange(ratio, dtype=np.int64)
     cur = ring_sources(cur_pos, seg[:, None], starts, cu, state_page, state_rows, state_total)
-    prev = ring_sources(cur_pos - ratio, seg[:, None], starts, cu, state_page, state_rows, state_total) if overlap \
+    prev = (
+        ring_sources(cur_pos - ratio, seg[:, None], starts, cu, state_page, state_rows, state_total)
+        if overlap
         else None
+    )
     return CompressPlan(
         num_entries=int(w.size),
         cur=cur,
@@ -348,13 +369,20 @@ def _host_tables(tables: list[dict], names) -> dict[str, np.ndarray]:
         rows = [t.get(name, ()) for t in tables]
         table = np.zeros((len(rows), max(1, max((len(r) for r in rows), default=1))), dtype=np.int64)
         for i, r in enumerate(rows):
-            table[i, :len(r)] = r
+            table[i, : len(r)] = r
         out[name] = table
     return out
 
 
-def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], tables: list[dict],
-               logit_rows: list[int], device, snapshots: list | None = None) -> StepBatch:
+def build_step(
+    pool: CachePool,
+    token_ids: list[list[int]],
+    starts: list[int],
+    tables: list[dict],
+    logit_rows: list[int],
+    device,
+    snapshots: list | None = None,
+) -> StepBatch:
     """token_ids[b]: the tokens request b runs this step, at positions starts[b]...; tables[b]: its pages.
 
     Every index tensor of O(tokens) size (positions, compressor plans, ring writes) is built on the host in numpy
@@ -386,24 +414,52 @@ def build_step(pool: CachePool, token_ids: list[list[int]], starts: list[int], t
         entry_groups.append(("index", "index_state", 4, True))
     for entry_name, state_name, ratio, overlap in entry_groups:
         spec, state_spec = pool.groups[entry_name].spec, pool.groups[state_name].spec
-        plan = _compress_plan(ratio, overlap, starts_h, ends_h, cu, group_tables[state_name][:, 0],
-                              state_spec.page_rows, state_spec.num_pages * state_spec.page_rows,
-                              group_tables[entry_name], spec.page_rows)
+        plan = _compress_plan(
+            ratio,
+            overlap,
+            starts_h,
+            ends_h,
+            cu,
+            group_tables[state_name][:, 0],
+            state_spec.page_rows,
+            state_spec.num_pages * state_spec.page_rows,
+            group_tables[entry_name],
+            spec.page_rows,
+        )
         compress[entry_name] = replace(plan, state_write=_joined(plan.state_write, staged.get(state_name)))
         if entry_name != "kv4":  # CSA picks kv4 entries through the indexer instead of attending to all
             visible_at[entry_name] = (ratio, spec.page_rows, max(1, int(ends_h.max(initial=0)) // ratio))
 
-    host = dict(token_ids=ids, positions=positions, seq_of_token=seg, cu=cu, starts=starts_h, ends=ends_h,
-                swa_write=swa_write, compress=compress, tables=group_tables,
-                logit_rows=np.array(list(logit_rows), dtype=np.int64))
+    host = dict(
+        token_ids=ids,
+        positions=positions,
+        seq_of_token=seg,
+        cu=cu,
+        starts=starts_h,
+        ends=ends_h,
+        swa_write=swa_write,
+        compress=compress,
+        tables=group_tables,
+        logit_rows=np.array(list(logit_rows), dtype=np.int64),
+    )
     upload = _Upload(host, device)
     on_device = {name: upload(value) for name, value in host.items()}
 
     # The two big index sets, from the uploaded vectors, on the device
     pos_d, seg_d, tables_d = on_device["positions"], on_device["seq_of_token"], on_device["tables"]
     win_pos = pos_d.unsqueeze(1) - window + 1 + torch.arange(window, device=pos_d.device)
-    swa = ring_sources(win_pos, seg_d.unsqueeze(1), on_device["starts"], on_device["cu"],
-                       tables_d["swa"][:, 0], window, swa_spec.num_pages * swa_spec.page_rows, swa_spec.page_rows)
-    visible = {name: _visible(ratio, pos_d, seg_d, tables_d[name], page_rows, entries)
-               for name, (ratio, page_rows, entries) in visible_at.items()}
+    swa = ring_sources(
+        win_pos,
+        seg_d.unsqueeze(1),
+        on_device["starts"],
+        on_device["cu"],
+        tables_d["swa"][:, 0],
+        window,
+        swa_spec.num_pages * swa_spec.page_rows,
+        swa_spec.page_rows,
+    )
+    visible = {
+        name: _visible(ratio, pos_d, seg_d, tables_d[name], page_rows, entries)
+        for name, (ratio, page_rows, entries) in visible_at.items()
+    }
     return StepBatch(swa=swa, visible=visible, **on_device)

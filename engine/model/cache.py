@@ -74,7 +74,7 @@ class RowCodec:
             extra = self.layout.nope_dim - self.nope
             if extra:
                 zeros = x.new_zeros(x.shape[0], extra)
-                x = torch.cat([x[:, :self.nope], zeros, x[:, self.nope:]], dim=1)
+                x = torch.cat([x[:, : self.nope], zeros, x[:, self.nope :]], dim=1)
         else:
             extra = self.layout.index_head_dim - self.dim
             if extra:
@@ -91,9 +91,9 @@ class RowCodec:
         v = geometry.unpack_rows(self.layout, packed)
         if self.fmt == "fp8_ds_mla":
             if self.layout.nope_dim != self.nope:
-                v = torch.cat([v[:, :self.nope], v[:, self.layout.nope_dim:]], dim=1)
+                v = torch.cat([v[:, : self.nope], v[:, self.layout.nope_dim :]], dim=1)
         elif v.shape[1] != self.dim:
-            v = v[:, :self.dim]
+            v = v[:, : self.dim]
         return v.to(dtype)
 
 
@@ -143,6 +143,7 @@ class CacheGroupSpec:
             return 1
         return math.ceil(self.rows_for_tokens(num_tokens) / self.page_rows)
 
+
 @dataclass(frozen=True)
 class CacheConfig:
     max_requests: int = 64  # concurrent requests holding caches (fixed groups are sized by it)
@@ -184,8 +185,9 @@ def group_specs(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> lis
         pages = math.ceil(cache.max_tokens / r / rows) + cache.max_requests + SCRATCH_PAGES
         specs.append(kv_spec(f"kv{r}", layers, rows, r, pages, rows))
         coff = 2 if r == 4 else 1
-        specs.append(CacheGroupSpec(f"state{r}", layers, coff * r, 2 * coff * cfg.head_dim, torch.float32, 0,
-                                    fixed_pages))
+        specs.append(
+            CacheGroupSpec(f"state{r}", layers, coff * r, 2 * coff * cfg.head_dim, torch.float32, 0, fixed_pages)
+        )
     if cfg.indexer_layers:
         layers = cfg.indexer_layers
         rows = max(1, cache.page_tokens // 4)
@@ -195,8 +197,7 @@ def group_specs(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> lis
             specs.append(CacheGroupSpec("index", layers, rows, codec.row_bytes, torch.uint8, 4, pages, codec))
         else:
             specs.append(CacheGroupSpec("index", layers, rows, cfg.index_head_dim, dtype, 4, pages))
-        specs.append(CacheGroupSpec("index_state", layers, 8, 4 * cfg.index_head_dim, torch.float32, 0,
-                                    fixed_pages))
+        specs.append(CacheGroupSpec("index_state", layers, 8, 4 * cfg.index_head_dim, torch.float32, 0, fixed_pages))
     return specs
 
 
@@ -212,11 +213,14 @@ class CacheGroup:
         self.codec = spec.codec
         self.compute_dtype = compute_dtype if compute_dtype is not None and spec.codec is not None else spec.dtype
         self.allocator = PageAllocator(spec.num_pages, spec.name)
-        self.tensor = torch.zeros(len(spec.layers), spec.num_pages * spec.page_rows, spec.width,
-                                  dtype=spec.dtype, device=device)
+        self.tensor = torch.zeros(
+            len(spec.layers), spec.num_pages * spec.page_rows, spec.width, dtype=spec.dtype, device=device
+        )
         if self.codec is not None and spec.page_rows % self.codec.layout.block_size:
-            raise ValueError(f"group {spec.name!r}: {spec.page_rows} rows a page is not a whole number of "
-                             f"{self.codec.layout.block_size}-row blocks")
+            raise ValueError(
+                f"group {spec.name!r}: {spec.page_rows} rows a page is not a whole number of "
+                f"{self.codec.layout.block_size}-row blocks"
+            )
 
     @property
     def quantised(self) -> bool:
@@ -252,8 +256,8 @@ class CacheGroup:
         lay = self.codec.layout
         bs = lay.block_size
         blocks = self.layer(layer).view(-1, bs * lay.row_bytes)
-        values = blocks[:, :bs * lay.value_bytes].unflatten(1, (bs, lay.value_bytes))
-        scales = blocks[:, bs * lay.value_bytes:].unflatten(1, (bs, lay.scale_bytes))
+        values = blocks[:, : bs * lay.value_bytes].unflatten(1, (bs, lay.value_bytes))
+        scales = blocks[:, bs * lay.value_bytes :].unflatten(1, (bs, lay.scale_bytes))
         return values, scales
 
     def read_packed(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
@@ -270,8 +274,8 @@ class CacheGroup:
         values, scales = self._planes(layer)
         lay = self.codec.layout
         blk, pos = rows // lay.block_size, rows % lay.block_size
-        values[blk, pos] = packed[:, :lay.value_bytes]
-        scales[blk, pos] = packed[:, lay.value_bytes:]
+        values[blk, pos] = packed[:, : lay.value_bytes]
+        scales[blk, pos] = packed[:, lay.value_bytes :]
 
     # ---- what the model calls --------------------------------------------------------------------
     def read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
@@ -407,8 +411,9 @@ class CachePool:
 
     def usage(self) -> dict[str, float]:
         """Fraction of the requests' pages in use per group (the scratch page is not counted)."""
-        return {n: (g.spec.num_pages - self.available(n) - SCRATCH_PAGES) / g.usable_pages
-                for n, g in self.groups.items()}
+        return {
+            n: (g.spec.num_pages - self.available(n) - SCRATCH_PAGES) / g.usable_pages for n, g in self.groups.items()
+        }
 
     def idle_free_pages(self) -> dict[str, int]:
         """num_free_pages() of a pool that holds no request."""

@@ -134,11 +134,12 @@ def _layer_ratios(raw: dict, n: int) -> tuple[int, ...]:
         ratios = [0 if t == SLIDING else int(rates[t]) for t in types]
         # (the engine tells a layer's kind by its rate: 4 is CSA, with its indexer; any other rate is HCA)
         if CSA in types and int(rates[CSA]) != 4:
-            raise ValueError(f"compress_rates: compressed_sparse_attention layers must use rate 4, got "
-                             f"{rates[CSA]}")
+            raise ValueError(f"compress_rates: compressed_sparse_attention layers must use rate 4, got {rates[CSA]}")
         if HCA in types and int(rates[HCA]) == 4:
-            raise ValueError("compress_rates: heavily_compressed_attention layers need a rate other than 4 "
-                             "(4 is the compressed_sparse_attention rate)")
+            raise ValueError(
+                "compress_rates: heavily_compressed_attention layers need a rate other than 4 "
+                "(4 is the compressed_sparse_attention rate)"
+            )
     elif raw.get("compress_ratios") is not None:
         ratios = [int(r) for r in raw["compress_ratios"]][:n]
         ratios = [0 if r <= 1 else r for r in ratios]

@@ -75,23 +75,31 @@ class DecodeInputs:
         return self.packed[2]
 
     @staticmethod
-    def make(token_ids: list[int], positions: list[int], table_rows: list[int], shape: DecodeShape,
-             pad_row: int) -> DecodeInputs:
+    def make(
+        token_ids: list[int], positions: list[int], table_rows: list[int], shape: DecodeShape, pad_row: int
+    ) -> DecodeInputs:
         n = len(token_ids)
         if not n <= shape.slots or len(positions) != n or len(table_rows) != n:
-            raise ValueError(f"{n} decode requests do not fit {shape} (positions {len(positions)}, "
-                             f"table rows {len(table_rows)})")
+            raise ValueError(
+                f"{n} decode requests do not fit {shape} (positions {len(positions)}, table rows {len(table_rows)})"
+            )
         if positions and max(positions) >= shape.context:
             raise ValueError(f"position {max(positions)} does not fit {shape}")
         pad = shape.slots - n
-        return DecodeInputs(torch.tensor([list(token_ids) + [0] * pad, list(positions) + [0] * pad,
-                                          list(table_rows) + [pad_row] * pad], dtype=torch.long))
+        return DecodeInputs(
+            torch.tensor(
+                [list(token_ids) + [0] * pad, list(positions) + [0] * pad, list(table_rows) + [pad_row] * pad],
+                dtype=torch.long,
+            )
+        )
 
 
 def table_widths(pool: CachePool, context: int) -> dict[str, int]:
     """Pages of each group that positions below `context` can touch."""
-    return {name: 1 if g.spec.fixed else max(1, math.ceil(context / (g.spec.tokens_per_row * g.spec.page_rows)))
-            for name, g in pool.groups.items()}
+    return {
+        name: 1 if g.spec.fixed else max(1, math.ceil(context / (g.spec.tokens_per_row * g.spec.page_rows)))
+        for name, g in pool.groups.items()
+    }
 
 
 class BlockTables:
@@ -112,10 +120,11 @@ class BlockTables:
         self.columns: dict[str, int] = {}
         for name in self.widths:
             self.columns[name] = sum(self.widths[n] for n in self.columns)
-        self.scratch_line = torch.cat([torch.full((w,), pool.scratch_pages[name], dtype=torch.long)
-                                       for name, w in self.widths.items()])
+        self.scratch_line = torch.cat(
+            [torch.full((w,), pool.scratch_pages[name], dtype=torch.long) for name, w in self.widths.items()]
+        )
         self.table = self.scratch_line.to(device).unsqueeze(0).repeat(max_requests + 1, 1)
-        self.tables = {name: self.table[:, c:c + self.widths[name]] for name, c in self.columns.items()}
+        self.tables = {name: self.table[:, c : c + self.widths[name]] for name, c in self.columns.items()}
         self.layouts: dict[DecodeShape, PrologueLayout] = {}  # fused-prologue descriptors per bucket
         # request id -> (row, the page-table dict written, its page count then). The dict itself is kept
         # (identity check): a later request reusing an id brings a new dict, so its row is rewritten.
@@ -147,16 +156,23 @@ class BlockTables:
     def _write(self, row: int, pages: dict) -> None:
         line = self.scratch_line.tolist()
         for name, col in self.columns.items():
-            ids = list(pages.get(name, ()))[:self.widths[name]]
-            line[col:col + len(ids)] = ids
+            ids = list(pages.get(name, ()))[: self.widths[name]]
+            line[col : col + len(ids)] = ids
         # one host-to-device copy a new row, after the steps already queued (which read the old row) and without
         # waiting for them: under overlapped decode a step is in flight whenever a request joins or grows a page
         host = torch.tensor(line, dtype=torch.long)
         copy_nonblocking_(self.table[row], host)
 
 
-def _decode_sources(p: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, ring_page: torch.Tensor,
-                    ring_rows: int, ring_total_rows: int, page_stride: int | None = None) -> SourceRows:
+def _decode_sources(
+    p: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    ring_page: torch.Tensor,
+    ring_rows: int,
+    ring_total_rows: int,
+    page_stride: int | None = None,
+) -> SourceRows:
     """engine.model.batch.ring_sources for a decode step, in 9 ops instead of 15 (each is a kernel in the graph).
 
     p: [S, W] positions, each <= its row's token position; row b's chunk is its one token at positions[b],
@@ -164,12 +180,21 @@ def _decode_sources(p: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
     from_chunk = p >= positions.unsqueeze(1)
     chunk_row = torch.where(from_chunk, rows.unsqueeze(1), 0)
     ring_row = (ring_page * (page_stride or ring_rows)).unsqueeze(1) + p.clamp(min=0) % ring_rows
-    return SourceRows(from_chunk, chunk_row, ring_row, p >= 0,
-                      torch.where(from_chunk, ring_total_rows + chunk_row, ring_row))
+    return SourceRows(
+        from_chunk, chunk_row, ring_row, p >= 0, torch.where(from_chunk, ring_total_rows + chunk_row, ring_row)
+    )
 
 
-def _decode_plan(pool: CachePool, entry_name: str, state_name: str, ratio: int, overlap: bool,
-                 positions: torch.Tensor, rows: torch.Tensor, tables: dict) -> CompressPlan:
+def _decode_plan(
+    pool: CachePool,
+    entry_name: str,
+    state_name: str,
+    ratio: int,
+    overlap: bool,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    tables: dict,
+) -> CompressPlan:
     """One entry per row: the window holding the row's token; written for real only where it closes."""
     state_spec, entry_spec = pool.groups[state_name].spec, pool.groups[entry_name].spec
     state_page = tables[state_name][:, 0]
@@ -180,24 +205,39 @@ def _decode_plan(pool: CachePool, entry_name: str, state_name: str, ratio: int, 
     def sources(pos):
         # Slots after the token (an open window) would index chunk rows of other requests: name the
         # row's own token instead. Only closing windows are kept, and they have no such slot.
-        return _decode_sources(torch.minimum(pos, positions.unsqueeze(1)), positions, rows, state_page,
-                               state_spec.page_rows, state_total)
+        return _decode_sources(
+            torch.minimum(pos, positions.unsqueeze(1)), positions, rows, state_page, state_spec.page_rows, state_total
+        )
 
     closes = (positions + 1) % ratio == 0
     scratch_row = pool.scratch_pages[entry_name] * entry_spec.page_rows
-    entry_row = torch.where(closes, paged_rows(tables[entry_name], entry_spec.page_rows, rows, window),
-                            torch.full_like(window, scratch_row))
+    entry_row = torch.where(
+        closes, paged_rows(tables[entry_name], entry_spec.page_rows, rows, window), torch.full_like(window, scratch_row)
+    )
     state_write = RingWrite(rows, state_page * state_spec.page_rows + positions % state_spec.page_rows)
-    return CompressPlan(num_entries=positions.shape[0], cur=sources(cur_pos),
-                        prev=sources(cur_pos - ratio) if overlap else None,
-                        entry_row=entry_row, entry_pos=window * ratio, state_write=state_write)
+    return CompressPlan(
+        num_entries=positions.shape[0],
+        cur=sources(cur_pos),
+        prev=sources(cur_pos - ratio) if overlap else None,
+        entry_row=entry_row,
+        entry_pos=window * ratio,
+        state_write=state_write,
+    )
 
 
-def _decode_visible(pool: CachePool, name: str, ratio: int, positions: torch.Tensor, rows: torch.Tensor,
-                    tables: dict, shape: DecodeShape) -> VisibleEntries:
+def _decode_visible(
+    pool: CachePool,
+    name: str,
+    ratio: int,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    tables: dict,
+    shape: DecodeShape,
+) -> VisibleEntries:
     w = torch.arange(max(1, shape.context // ratio), device=positions.device).unsqueeze(0)
-    return VisibleEntries(paged_rows(tables[name], pool.groups[name].spec.page_rows, rows.unsqueeze(1), w),
-                          (positions + 1) // ratio, rows)
+    return VisibleEntries(
+        paged_rows(tables[name], pool.groups[name].spec.page_rows, rows.unsqueeze(1), w), (positions + 1) // ratio, rows
+    )
 
 
 def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInputs, shape: DecodeShape) -> StepBatch:
@@ -214,21 +254,23 @@ def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInpu
     return derive_decode_batch_reference(pool, tables, inputs, shape)
 
 
-def derive_decode_batch_reference(pool: CachePool, tables: BlockTables, inputs: DecodeInputs,
-                                  shape: DecodeShape) -> StepBatch:
+def derive_decode_batch_reference(
+    pool: CachePool, tables: BlockTables, inputs: DecodeInputs, shape: DecodeShape
+) -> StepBatch:
     """derive_decode_batch as torch ops (~170 kernels a step on a GPU): the reference of the fused prologue."""
     cfg = pool.cfg
     pos, device = inputs.positions, inputs.packed.device
     rows = torch.arange(shape.slots, device=device)
     widths = table_widths(pool, shape.context)
-    group_tables = {name: t.index_select(0, inputs.table_rows)[:, :widths[name]] for name, t in tables.tables.items()}
+    group_tables = {name: t.index_select(0, inputs.table_rows)[:, : widths[name]] for name, t in tables.tables.items()}
 
     swa_spec = pool.groups["swa"].spec
     window = cfg.sliding_window
     win_pos = pos.unsqueeze(1) - window + 1 + torch.arange(window, device=device)
     swa_page = group_tables["swa"][:, 0]
-    swa = _decode_sources(win_pos, pos, rows, swa_page, window, swa_spec.num_pages * swa_spec.page_rows,
-                          swa_spec.page_rows)
+    swa = _decode_sources(
+        win_pos, pos, rows, swa_page, window, swa_spec.num_pages * swa_spec.page_rows, swa_spec.page_rows
+    )
     swa_write = RingWrite(rows, swa_page * swa_spec.page_rows + pos % window)
 
     compress, visible = {}, {}
@@ -237,9 +279,20 @@ def derive_decode_batch_reference(pool: CachePool, tables: BlockTables, inputs: 
         if entry_name != "kv4":  # CSA picks kv4 entries through the indexer
             visible[entry_name] = _decode_visible(pool, entry_name, ratio, pos, rows, group_tables, shape)
 
-    return StepBatch(token_ids=inputs.token_ids, positions=pos, seq_of_token=rows,
-                     cu=torch.arange(shape.slots + 1, device=device), starts=pos, ends=pos + 1, swa=swa,
-                     swa_write=swa_write, compress=compress, visible=visible, tables=group_tables, logit_rows=rows)
+    return StepBatch(
+        token_ids=inputs.token_ids,
+        positions=pos,
+        seq_of_token=rows,
+        cu=torch.arange(shape.slots + 1, device=device),
+        starts=pos,
+        ends=pos + 1,
+        swa=swa,
+        swa_write=swa_write,
+        compress=compress,
+        visible=visible,
+        tables=group_tables,
+        logit_rows=rows,
+    )
 
 
 def entry_groups(cfg) -> list[tuple[str, str, int, bool]]:
@@ -279,73 +332,147 @@ class PrologueLayout:
 
         self.table_at = {name: add(k.TABLE, w, s * w, 0, page_col=col[name])[0] for name, w in self.widths.items()}
         swa_spec = pool.groups["swa"].spec
-        self.misc_at = add(k.MISC, 1, 4 * s + 1, 0, page_col=col["swa"], stride=swa_spec.page_rows,
-                           ring_rows=cfg.sliding_window)[0]
+        self.misc_at = add(
+            k.MISC, 1, 4 * s + 1, 0, page_col=col["swa"], stride=swa_spec.page_rows, ring_rows=cfg.sliding_window
+        )[0]
 
         def sources(page_name, width, align, offset, stride, ring_rows, total):
-            return (width, add(k.SOURCES, width, 3 * s * width, 2 * s * width, page_col=col[page_name], align=align,
-                               offset=offset, stride=stride, ring_rows=ring_rows, total=total))
+            return (
+                width,
+                add(
+                    k.SOURCES,
+                    width,
+                    3 * s * width,
+                    2 * s * width,
+                    page_col=col[page_name],
+                    align=align,
+                    offset=offset,
+                    stride=stride,
+                    ring_rows=ring_rows,
+                    total=total,
+                ),
+            )
 
-        self.swa_at = sources("swa", cfg.sliding_window, 1, 1 - cfg.sliding_window, swa_spec.page_rows,
-                              cfg.sliding_window, swa_spec.num_pages * swa_spec.page_rows)
+        self.swa_at = sources(
+            "swa",
+            cfg.sliding_window,
+            1,
+            1 - cfg.sliding_window,
+            swa_spec.page_rows,
+            cfg.sliding_window,
+            swa_spec.num_pages * swa_spec.page_rows,
+        )
         self.plans, self.visible = {}, {}
         for entry, state, ratio, overlap in entry_groups(cfg):
             st, es = pool.groups[state].spec, pool.groups[entry].spec
             ring = (st.page_rows, st.page_rows, st.num_pages * st.page_rows)
             cur = sources(state, ratio, ratio, 0, *ring)
             prev = sources(state, ratio, ratio, -ratio, *ring) if overlap else None
-            plan = add(k.PLAN, 1, 3 * s, 0, page_col=col[state], align=ratio, stride=st.page_rows,
-                       ring_rows=st.page_rows, entry_col=col[entry], entry_width=self.widths[entry],
-                       entry_page_rows=es.page_rows, scratch=pool.scratch_pages[entry] * es.page_rows)[0]
+            plan = add(
+                k.PLAN,
+                1,
+                3 * s,
+                0,
+                page_col=col[state],
+                align=ratio,
+                stride=st.page_rows,
+                ring_rows=st.page_rows,
+                entry_col=col[entry],
+                entry_width=self.widths[entry],
+                entry_page_rows=es.page_rows,
+                scratch=pool.scratch_pages[entry] * es.page_rows,
+            )[0]
             self.plans[entry] = (cur, prev, plan)
             if entry != "kv4":  # CSA picks kv4 entries through the indexer
                 w = max(1, shape.context // ratio)
-                self.visible[entry] = (w, add(k.VISIBLE, w, s * w + s, 0, page_col=col[entry], align=ratio,
-                                              entry_col=col[entry], entry_width=self.widths[entry],
-                                              entry_page_rows=es.page_rows))
+                self.visible[entry] = (
+                    w,
+                    add(
+                        k.VISIBLE,
+                        w,
+                        s * w + s,
+                        0,
+                        page_col=col[entry],
+                        align=ratio,
+                        entry_col=col[entry],
+                        entry_width=self.widths[entry],
+                        entry_page_rows=es.page_rows,
+                    ),
+                )
         self.desc = torch.tensor(self.rows, dtype=torch.long).to(tables.table.device)
         self.max_width = max(row[k.F_WIDTH] for row in self.rows)  # sets the kernel's grid
 
     def derive(self, inputs: DecodeInputs) -> StepBatch:
         """One launch -> the StepBatch (every tensor a view of the kernel's two outputs)."""
         s = self.shape.slots
-        out, flags = self.k.decode_prologue(inputs.packed, self.table, self.desc, self.num_out, self.num_flags,
-                                            self.max_width)
+        out, flags = self.k.decode_prologue(
+            inputs.packed, self.table, self.desc, self.num_out, self.num_flags, self.max_width
+        )
         flags = flags.view(torch.bool)
 
         def ints(at, n, *shape):
-            return out[at:at + n].view(*shape)
+            return out[at : at + n].view(*shape)
 
         def sources(spec) -> SourceRows:
             w, (o, f) = spec
             n = s * w
-            return SourceRows(flags[f:f + n].view(s, w), ints(o, n, s, w), ints(o + n, n, s, w), flags[f + n:f + 2 * n]
-                              .view(s, w), ints(o + 2 * n, n, s, w))
+            return SourceRows(
+                flags[f : f + n].view(s, w),
+                ints(o, n, s, w),
+                ints(o + n, n, s, w),
+                flags[f + n : f + 2 * n].view(s, w),
+                ints(o + 2 * n, n, s, w),
+            )
 
         m = self.misc_at
-        rows, ends, swa_ring, cu = ints(m, s, s), ints(m + s, s, s), ints(m + 2 * s, s, s), ints(m + 3 * s, s + 1, s + 1)
+        rows, ends, swa_ring, cu = (
+            ints(m, s, s),
+            ints(m + s, s, s),
+            ints(m + 2 * s, s, s),
+            ints(m + 3 * s, s + 1, s + 1),
+        )
         compress = {}
         for name, (cur, prev, p) in self.plans.items():
-            compress[name] = CompressPlan(num_entries=s, cur=sources(cur), prev=sources(prev) if prev else None,
-                                          entry_row=ints(p, s, s), entry_pos=ints(p + s, s, s),
-                                          state_write=RingWrite(rows, ints(p + 2 * s, s, s)))
-        visible = {name: VisibleEntries(ints(o, s * w, s, w), ints(o + s * w, s, s), rows)
-                   for name, (w, (o, _)) in self.visible.items()}
+            compress[name] = CompressPlan(
+                num_entries=s,
+                cur=sources(cur),
+                prev=sources(prev) if prev else None,
+                entry_row=ints(p, s, s),
+                entry_pos=ints(p + s, s, s),
+                state_write=RingWrite(rows, ints(p + 2 * s, s, s)),
+            )
+        visible = {
+            name: VisibleEntries(ints(o, s * w, s, w), ints(o + s * w, s, s), rows)
+            for name, (w, (o, _)) in self.visible.items()
+        }
         group_tables = {name: ints(self.table_at[name], s * w, s, w) for name, w in self.widths.items()}
         pos = inputs.positions
-        return StepBatch(token_ids=inputs.token_ids, positions=pos, seq_of_token=rows, cu=cu, starts=pos, ends=ends,
-                         swa=sources(self.swa_at), swa_write=RingWrite(rows, swa_ring), compress=compress,
-                         visible=visible, tables=group_tables, logit_rows=rows)
+        return StepBatch(
+            token_ids=inputs.token_ids,
+            positions=pos,
+            seq_of_token=rows,
+            cu=cu,
+            starts=pos,
+            ends=ends,
+            swa=sources(self.swa_at),
+            swa_write=RingWrite(rows, swa_ring),
+            compress=compress,
+            visible=visible,
+            tables=group_tables,
+            logit_rows=rows,
+        )
 
 
-def build_decode_step(pool: CachePool, token_ids: list[int], positions: list[int], tables: list[dict],
-                      shape: DecodeShape, device) -> StepBatch:
+def build_decode_step(
+    pool: CachePool, token_ids: list[int], positions: list[int], tables: list[dict], shape: DecodeShape, device
+) -> StepBatch:
     """One-off decode batch (tests, tools): request b runs token_ids[b] at positions[b] with pages tables[b].
 
     No requests at all gives a batch of padding only. Raises ValueError when the requests do not fit.
     """
     block_tables = BlockTables(pool, max(1, len(token_ids)), shape.context, device)
     ids = [f"r{b}" for b in range(len(token_ids))]
-    inputs = DecodeInputs.make(token_ids, positions, block_tables.rows_for(ids, tables) if ids else [], shape,
-                               block_tables.pad_row)
+    inputs = DecodeInputs.make(
+        token_ids, positions, block_tables.rows_for(ids, tables) if ids else [], shape, block_tables.pad_row
+    )
     return derive_decode_batch(pool, block_tables, DecodeInputs(inputs.packed.to(device)), shape)

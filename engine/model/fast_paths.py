@@ -75,8 +75,9 @@ def keep_mxfp4_experts(device: torch.device | str = "cpu", dtype: torch.dtype = 
     setting = settings().mxfp4_moe
     if setting is not None:
         return setting
-    return (torch.device(device).type == "cuda" and dtype == torch.bfloat16 and use_triton(device)
-            and has_triton_kernels())
+    return (
+        torch.device(device).type == "cuda" and dtype == torch.bfloat16 and use_triton(device) and has_triton_kernels()
+    )
 
 
 def use_mxfp4_moe(device: torch.device | str) -> bool:
@@ -116,8 +117,9 @@ def use_fp8_expert_gemm(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and use_triton(device) and has_deep_gemm()
 
 
-def resolve_prefill_expert_format(requested: str, device: torch.device | str, dtype: torch.dtype,
-                                  prefill_only: bool, packed: bool) -> tuple[str, str]:
+def resolve_prefill_expert_format(
+    requested: str, device: torch.device | str, dtype: torch.dtype, prefill_only: bool, packed: bool
+) -> tuple[str, str]:
     """EngineOptions.prefill_expert_format -> ("mxfp4" | "fp8" | "both", why): the routed experts' formats held
     (engine.model.fp8_expert_weights). "auto" = FP8 alone on a prefill-only engine of bf16 on CUDA with DeepGEMM
     (its steps are prefill-sized: the grouped FP8 GEMM runs at FP8 tensor-core rates where bf16 x MXFP4 runs at
@@ -134,8 +136,10 @@ def resolve_prefill_expert_format(requested: str, device: torch.device | str, dt
         if not prefill_only:
             return "mxfp4", "auto on an engine that decodes: MXFP4 experts"
         if not usable:
-            return "mxfp4", (f"auto without DeepGEMM's grouped FP8 GEMM here "
-                             f"({why_not('deep_gemm') or 'needs a bf16 CUDA engine with deep_gemm'}): MXFP4 experts")
+            return "mxfp4", (
+                f"auto without DeepGEMM's grouped FP8 GEMM here "
+                f"({why_not('deep_gemm') or 'needs a bf16 CUDA engine with deep_gemm'}): MXFP4 experts"
+            )
         return "fp8", "auto on a prefill-only engine with DeepGEMM: FP8 experts (2x the MXFP4 bytes)"
     how = "" if usable else " (no DeepGEMM here: the dequantising reference runs them)"
     if prefill_only:
@@ -151,8 +155,9 @@ def use_flash_mla(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and use_triton(device) and has_flash_mla()
 
 
-def resolve_kv_cache_dtype(requested: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
-                           rope_dim: int, num_heads: int) -> tuple[str, str]:
+def resolve_kv_cache_dtype(
+    requested: str, device: torch.device | str, dtype: torch.dtype, head_dim: int, rope_dim: int, num_heads: int
+) -> tuple[str, str]:
     """--kv-cache-dtype -> ("exact" | "fp8", why). "auto" takes the production fp8 formats (fp8_ds_mla KV,
     packed indexer keys) where FlashMLA decodes them: a bf16 CUDA engine with flash_mla and V4's attention
     geometry (head_dim 512, rope 64, <= 128 heads); exact rows in the model dtype everywhere else (the CPU
@@ -168,10 +173,14 @@ def resolve_kv_cache_dtype(requested: str, device: torch.device | str, dtype: to
     if dtype != torch.bfloat16:
         return "exact", f"auto with a {str(dtype).replace('torch.', '')} engine: exact rows"
     if not use_flash_mla(dev):
-        return "exact", f"auto without FlashMLA ({why_not('flash_mla') or FLASH_MLA_ENV + '=0 or not installed'}): exact rows"
+        return (
+            "exact",
+            f"auto without FlashMLA ({why_not('flash_mla') or FLASH_MLA_ENV + '=0 or not installed'}): exact rows",
+        )
     if head_dim != HEAD_DIM or rope_dim != ROPE_DIM or num_heads > max(HEAD_COUNTS):
-        return "exact", (f"auto: heads {num_heads} x {head_dim} (rope {rope_dim}) are not FlashMLA's V4 geometry: "
-                         "exact rows")
+        return "exact", (
+            f"auto: heads {num_heads} x {head_dim} (rope {rope_dim}) are not FlashMLA's V4 geometry: exact rows"
+        )
     return "fp8", "auto on a Hopper engine with FlashMLA: fp8_ds_mla KV + packed indexer keys"
 
 
@@ -210,8 +219,15 @@ def mxfp4_moe_backend(device: torch.device | str) -> str:
     return "marlin" if has_marlin_moe() else "engine"
 
 
-def describe(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, packed_experts: bool,
-             ogs_fits: bool = True, marlin_fits: bool = True, fp8_experts: bool = False) -> str:
+def describe(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    fp8_dense: bool,
+    packed_experts: bool,
+    ogs_fits: bool = True,
+    marlin_fits: bool = True,
+    fp8_experts: bool = False,
+) -> str:
     """One line naming each fast path this engine uses and why any fell back (logged at model build).
     fp8_experts: the routed experts are (also) held as FP8 128x128 (engine.model.fp8_expert_weights)."""
     dev = torch.device(device)
@@ -262,9 +278,15 @@ class FastPath:
     why: str = ""  # why it fell back ("" when active)
 
 
-def fast_path_states(device: torch.device | str, dtype: torch.dtype, fp8_dense: bool, packed_experts: bool,
-                     ogs_fits: bool = True, marlin_fits: bool = True, fp8_experts: bool = False
-                     ) -> tuple[FastPath, ...]:
+def fast_path_states(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    fp8_dense: bool,
+    packed_experts: bool,
+    ogs_fits: bool = True,
+    marlin_fits: bool = True,
+    fp8_experts: bool = False,
+) -> tuple[FastPath, ...]:
     """The fast paths that apply to this engine (FP8 GEMM only for FP8 checkpoint weights, the MoE library only
     for packed experts), each with whether it runs. Same decisions as `describe`."""
     dev = torch.device(device)
@@ -293,8 +315,11 @@ def log_fast_paths(line: str, states: tuple[FastPath, ...], device: torch.device
     log.info("fast paths: %s", line)
     fallen = [f"{p.name} ({p.why})" for p in states if not p.active]
     if torch.device(device).type == "cuda" and fallen:
-        log.warning("GPU fast paths fell back to slower code: %s. `dsv4 doctor` shows what imports and why not; "
-                    "`make install-gpu` installs the matching torch and kernel wheels", "; ".join(fallen))
+        log.warning(
+            "GPU fast paths fell back to slower code: %s. `dsv4 doctor` shows what imports and why not; "
+            "`make install-gpu` installs the matching torch and kernel wheels",
+            "; ".join(fallen),
+        )
 
 
 def _triton_reason(dev: torch.device) -> str:

@@ -48,15 +48,25 @@ def convert_expert_weights(weights: dict, cfg: ModelConfig, fmt: str, pow2_act: 
         p = f"layers.{layer}.ffn.experts."
         names = {w: [f"{p}{e}.{w}.weight" for e in ids] for w in ("w1", "w2", "w3")}
         if any(weights[n].shape[0] % BLOCK or 2 * weights[n].shape[1] % BLOCK for ns in names.values() for n in ns):
-            raise ValueError(f"FP8 experts need 128-aligned expert shapes; layer {layer}'s are "
-                             f"{tuple(weights[names['w1'][0]].shape)} bytes (try prefill_expert_format='mxfp4')")
+            raise ValueError(
+                f"FP8 experts need 128-aligned expert shapes; layer {layer}'s are "
+                f"{tuple(weights[names['w1'][0]].shape)} bytes (try prefill_expert_format='mxfp4')"
+            )
         parts = {}
         for w in ("w1", "w2", "w3"):
             parts[w] = torch.stack([weights[n] for n in names[w]])
-            parts["s" + w[1]] = torch.stack([_scale_bytes(weights[n[: -len(".weight")] + ".scale"])
-                                             for n in names[w]])
-        ex = from_packed(parts["w1"], parts["s1"], parts["w2"], parts["s2"], parts["w3"], parts["s3"], report,
-                         f"layer {layer} ", pow2_act)
+            parts["s" + w[1]] = torch.stack([_scale_bytes(weights[n[: -len(".weight")] + ".scale"]) for n in names[w]])
+        ex = from_packed(
+            parts["w1"],
+            parts["s1"],
+            parts["w2"],
+            parts["s2"],
+            parts["w3"],
+            parts["s3"],
+            report,
+            f"layer {layer} ",
+            pow2_act,
+        )
         del parts
         for key, t in zip(_KEYS, (ex.w13, ex.s13, ex.w2, ex.s2)):
             weights[p + key] = t

@@ -148,6 +148,8 @@ def grouped_projection(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
     xg = x.transpose(0, 1).contiguous()  # [G, T, D]
     r = w.shape[0] // groups
     rb = r // 128
-    parts = [fp8_linear_ref(xg[i], Fp8Weight(w.weight[i * r:(i + 1) * r], w.scale[i * rb:(i + 1) * rb], w.pow2_act))
-             for i in range(groups)]
+    parts = [
+        fp8_linear_ref(xg[i], Fp8Weight(w.weight[i * r : (i + 1) * r], w.scale[i * rb : (i + 1) * rb], w.pow2_act))
+        for i in range(groups)
+    ]
     return torch.stack(parts, dim=1).reshape(t, -1)

@@ -24,8 +24,9 @@ class Rope:
 
     def __init__(self, spec: RopeSpec, device):
         self.spec = spec
-        self.inv_freq = rope_inv_freq(spec.theta, spec.dim, spec.yarn_factor, spec.original_max_position,
-                                      spec.beta_fast, spec.beta_slow).to(device)
+        self.inv_freq = rope_inv_freq(
+            spec.theta, spec.dim, spec.yarn_factor, spec.original_max_position, spec.beta_fast, spec.beta_slow
+        ).to(device)
 
     def __call__(self, positions: torch.Tensor):
         return rope_cos_sin(positions, self.inv_freq, self.spec.attention_factor)
@@ -63,19 +64,42 @@ class DeepseekV4Model:
         self.attn = [AttentionBlock(cfg, weights, i, self.parallel.attention) for i in range(cfg.num_layers)]
         self.moe = [MoEBlock(cfg, weights, i, self.parallel) for i in range(cfg.num_layers)]
         self.layer_weights = [
-            {k: weights[f"layers.{i}.{k}"] for k in ("attn_norm.weight", "ffn_norm.weight", "hc_attn_fn",
-                                                      "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base",
-                                                      "hc_ffn_scale")}
+            {
+                k: weights[f"layers.{i}.{k}"]
+                for k in (
+                    "attn_norm.weight",
+                    "ffn_norm.weight",
+                    "hc_attn_fn",
+                    "hc_attn_base",
+                    "hc_attn_scale",
+                    "hc_ffn_fn",
+                    "hc_ffn_base",
+                    "hc_ffn_scale",
+                )
+            }
             for i in range(cfg.num_layers)
         ]
         fp8 = any(isinstance(v, Fp8Weight) for a in self.attn for v in a.w.values())
         packed = any(m.mxfp4 for m in self.moe)
         fp8_experts = any(m.fp8 is not None for m in self.moe)  # a prefill engine's FP8 experts
-        self.fast_paths = describe(self.device, self.dtype, fp8, packed, all(m.ogs_fits for m in self.moe),
-                                   all(m.marlin_fits for m in self.moe), fp8_experts)
-        self.fast_path_states = fast_path_states(self.device, self.dtype, fp8, packed,
-                                                 all(m.ogs_fits for m in self.moe), all(m.marlin_fits for m in self.moe),
-                                                 fp8_experts)
+        self.fast_paths = describe(
+            self.device,
+            self.dtype,
+            fp8,
+            packed,
+            all(m.ogs_fits for m in self.moe),
+            all(m.marlin_fits for m in self.moe),
+            fp8_experts,
+        )
+        self.fast_path_states = fast_path_states(
+            self.device,
+            self.dtype,
+            fp8,
+            packed,
+            all(m.ogs_fits for m in self.moe),
+            all(m.marlin_fits for m in self.moe),
+            fp8_experts,
+        )
         log_fast_paths(self.fast_paths, self.fast_path_states, self.device)  # a WARNING on CUDA for each fallback
         self.ropes = {"main": Rope(cfg.main_rope, self.device), "compress": Rope(cfg.compress_rope, self.device)}
         self._rope_stack = None  # (inv_freq [2, 1, half], attention factors [2, 1, 1]) for _position_ropes
@@ -97,6 +121,7 @@ class DeepseekV4Model:
         # runs (tests/kernels/test_triton_mhc.py checks it against the reference there).
         if streams.is_cuda and use_triton(streams.device):
             from dsv4_kernels import triton_mhc  # imports triton: only on this path
+
             return triton_mhc
         return mhc
 
@@ -104,8 +129,15 @@ class DeepseekV4Model:
         """mHC pre of block `kind` ("attn" / "ffn") -> (the block's input: RMSNorm(collapsed) in the model dtype
         [T, D], post [T, hc], comb [T, hc, hc]). The Triton kernel fuses the norm and the cast in."""
         cfg, impl = self.cfg, self._mhc(streams)
-        args = (streams, lw[f"hc_{kind}_fn"], lw[f"hc_{kind}_base"], lw[f"hc_{kind}_scale"], cfg.hc_sinkhorn_iters,
-                cfg.hc_eps, cfg.rms_norm_eps)
+        args = (
+            streams,
+            lw[f"hc_{kind}_fn"],
+            lw[f"hc_{kind}_base"],
+            lw[f"hc_{kind}_scale"],
+            cfg.hc_sinkhorn_iters,
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+        )
         weight = lw[f"{kind}_norm.weight"]
         if impl is not mhc:
             return impl.hc_pre(*args, norm_weight=weight, out_eps=cfg.rms_norm_eps, out_dtype=self.dtype)
@@ -113,21 +145,26 @@ class DeepseekV4Model:
         return rms_norm(collapsed, weight, cfg.rms_norm_eps).to(self.dtype), post, comb
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, pool: CachePool, exchange_counts: tuple[int, ...] | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, batch: StepBatch, pool: CachePool, exchange_counts: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """Run every token of the step through the model; -> fp32 logits [len(batch.logit_rows), vocab]."""
         return self.logits(self.forward_streams(batch, pool, exchange_counts)[batch.logit_rows])
 
     @torch.inference_mode()
-    def forward_streams(self, batch: StepBatch, pool: CachePool, exchange_counts: tuple[int, ...] | None = None
-                        ) -> torch.Tensor:
+    def forward_streams(
+        self, batch: StepBatch, pool: CachePool, exchange_counts: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """Run every token of the step through the layers -> the residual streams before hc_head [T, hc, D] in
         the residual dtype (what the MTP draft layer takes as its hidden input, engine.model.mtp)."""
         cfg = self.cfg
         ropes = self.step_ropes(batch)
         self.forwards += 1
-        dp = (self.parallel.token_exchange(batch.token_ids, exchange_counts) if self.parallel.data_parallel_attention
-              else None)
+        dp = (
+            self.parallel.token_exchange(batch.token_ids, exchange_counts)
+            if self.parallel.data_parallel_attention
+            else None
+        )
         h = vocab_embed(self.embed, batch.token_ids, self.parallel.attention)
         # [T, hc, hidden] in the residual dtype: the cast and the hc broadcast as one copy (one kernel, not two)
         streams = torch.empty((h.shape[0], cfg.hc_mult, h.shape[1]), dtype=self.residual_dtype, device=h.device)
@@ -166,9 +203,12 @@ class DeepseekV4Model:
         if main.inv_freq.shape != comp.inv_freq.shape:
             return main(positions), comp(positions)
         if self._rope_stack is None:
-            self._rope_stack = (torch.stack([main.inv_freq, comp.inv_freq]).to(torch.float32).unsqueeze(1),
-                                torch.tensor([main.spec.attention_factor, comp.spec.attention_factor],
-                                             dtype=torch.float32, device=self.device).view(2, 1, 1))
+            self._rope_stack = (
+                torch.stack([main.inv_freq, comp.inv_freq]).to(torch.float32).unsqueeze(1),
+                torch.tensor(
+                    [main.spec.attention_factor, comp.spec.attention_factor], dtype=torch.float32, device=self.device
+                ).view(2, 1, 1),
+            )
         inv, factor = self._rope_stack
         freqs = positions.to(torch.float32).unsqueeze(-1) * inv  # [2, T, half]
         cos, sin = freqs.cos() * factor, freqs.sin() * factor

@@ -70,8 +70,10 @@ class PackedExperts:
 
     def dequant(self, experts: torch.Tensor, dtype: torch.dtype):
         """Dense (w1, w2, w3) of the given expert ids only, [len(experts), ...] in `dtype`."""
-        return tuple(dequant_mxfp4(w[experts], s[experts]).to(dtype)
-                     for w, s in ((self.w1, self.s1), (self.w2, self.s2), (self.w3, self.s3)))
+        return tuple(
+            dequant_mxfp4(w[experts], s[experts]).to(dtype)
+            for w, s in ((self.w1, self.s1), (self.w2, self.s2), (self.w3, self.s3))
+        )
 
 
 def is_packed(weights: dict, name: str) -> bool:
@@ -122,9 +124,14 @@ class MoEBlock:
         self.gate = weights[p + "gate.weight"]
         self.bias = weights.get(p + "gate.bias")
         self.tid2eid = weights.get(p + "gate.tid2eid") if cfg.hash_layers[layer] else None
-        shared = take_fp8_weights({k: weights[f"{p}shared_experts.{k}"] for k in
-                                   ("w1.weight", "w2.weight", "w3.weight", "w1.scale", "w2.scale", "w3.scale")
-                                   if f"{p}shared_experts.{k}" in weights}, pow2_activations(cfg.quantization))
+        shared = take_fp8_weights(
+            {
+                k: weights[f"{p}shared_experts.{k}"]
+                for k in ("w1.weight", "w2.weight", "w3.weight", "w1.scale", "w2.scale", "w3.scale")
+                if f"{p}shared_experts.{k}" in weights
+            },
+            pow2_activations(cfg.quantization),
+        )
         # w1 and w3 are multiplied as one [2I, H] weight (one GEMM, one activation quantisation); self.shared
         # keeps (w1, w2, w3) as views of it.
         # (Where they cannot stack, engine.model.linear.can_concat_rows, they stay two GEMMs.)
@@ -136,8 +143,11 @@ class MoEBlock:
         self.shared = (w1, shared["w2.weight"], w3)  # tensors or Fp8Weight
         # dsv4_kernels.fp8_experts.Fp8Experts when converted at load (alone, or beside the MXFP4 bytes)
         self.fp8 = take_fp8_experts(weights, p, pow2_activations(cfg.quantization))
-        experts = (take_experts(weights, p, self.experts, self.gate.dtype)
-                   if self.fp8 is None or has_packed_experts(weights, p, self.experts.start) else None)
+        experts = (
+            take_experts(weights, p, self.experts, self.gate.dtype)
+            if self.fp8 is None or has_packed_experts(weights, p, self.experts.start)
+            else None
+        )
         self.packed = experts if isinstance(experts, PackedExperts) else None
         self.mxfp4 = self.packed is not None  # routed experts held as MXFP4 (packed, or in triton_kernels layouts)
         self.ogs = None  # dsv4_kernels.mxfp4_ogs.OgsExperts, built from `packed` at the first triton_kernels call
@@ -155,19 +165,33 @@ class MoEBlock:
 
     def _route_args(self, token_ids: torch.Tensor) -> dict:
         cfg = self.cfg
-        return {"top_k": cfg.num_experts_per_tok, "scaling": cfg.routed_scaling_factor,
-                "scoring_func": cfg.scoring_func, "bias": None if self.tid2eid is not None else self.bias,
-                "tid2eid": self.tid2eid, "token_ids": token_ids, "renormalize": cfg.norm_topk_prob}
+        return {
+            "top_k": cfg.num_experts_per_tok,
+            "scaling": cfg.routed_scaling_factor,
+            "scoring_func": cfg.scoring_func,
+            "bias": None if self.tid2eid is not None else self.bias,
+            "tid2eid": self.tid2eid,
+            "token_ids": token_ids,
+            "renormalize": cfg.norm_topk_prob,
+        }
 
     def takes_ogs(self, x: torch.Tensor) -> bool:
         """Do the routed experts of this call go through triton_kernels' matmul (dsv4_kernels.mxfp4_ogs)?"""
-        return self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and (self.ogs is not None or (
-            self.ogs_fits and mxfp4_moe_backend(x.device) == "triton_kernels"))
+        return (
+            self.mxfp4
+            and x.is_cuda
+            and x.dtype == torch.bfloat16
+            and (self.ogs is not None or (self.ogs_fits and mxfp4_moe_backend(x.device) == "triton_kernels"))
+        )
 
     def takes_marlin(self, x: torch.Tensor) -> bool:
         """Do the routed experts of this call go through Marlin's grouped GEMM (dsv4_kernels.marlin_moe)?"""
-        return self.mxfp4 and x.is_cuda and x.dtype == torch.bfloat16 and (self.marlin is not None or (
-            self.marlin_fits and mxfp4_moe_backend(x.device) == "marlin"))
+        return (
+            self.mxfp4
+            and x.is_cuda
+            and x.dtype == torch.bfloat16
+            and (self.marlin is not None or (self.marlin_fits and mxfp4_moe_backend(x.device) == "marlin"))
+        )
 
     def takes_fp8(self, x: torch.Tensor) -> bool:
         """Do the routed experts of this call run on the FP8 experts? Always when they are the only format held;
@@ -279,11 +303,11 @@ class MoEBlock:
         rank's own tokens. An idle rank comes with no tokens and still serves its experts."""
         counts = dp.counts if dp is not None else None
         if counts is None or len(counts) != self.parallel.tp_size or counts[self.parallel.rank] != x.shape[0]:
-            raise ValueError(f"data-parallel MoE needs every rank's token count (this rank has {x.shape[0]}), "
-                             f"got {counts}")
+            raise ValueError(
+                f"data-parallel MoE needs every rank's token count (this rank has {x.shape[0]}), got {counts}"
+            )
         if max(counts) == 0:  # a step in which no rank had tokens (every rank agrees: nothing to exchange)
             return torch.zeros_like(x)
         xs = self.parallel.gather_rows(x, counts)
         routed = self.parallel.reduce_rows(self.routed(xs, dp.token_ids), counts)
         return routed + self.shared_expert(x) if x.shape[0] else routed
-

@@ -26,16 +26,28 @@ from engine.model.linear import linear
 from engine.model.moe import MoEBlock
 from engine.model.parallel import vocab_embed
 
-_BLOCK_KEYS = ("attn_norm.weight", "ffn_norm.weight", "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn",
-               "hc_ffn_base", "hc_ffn_scale")
+_BLOCK_KEYS = (
+    "attn_norm.weight",
+    "ffn_norm.weight",
+    "hc_attn_fn",
+    "hc_attn_base",
+    "hc_attn_scale",
+    "hc_ffn_fn",
+    "hc_ffn_base",
+    "hc_ffn_scale",
+)
 
 
 def mtp_block_config(cfg: ModelConfig) -> ModelConfig:
     """cfg with the MTP layers appended as layers num_layers.. (ratio 0: SWA only; score-routed MoE), so the
     main layers' block code builds them by layer id."""
     n = cfg.num_nextn_predict_layers
-    return dataclasses.replace(cfg, num_layers=cfg.num_layers + n, compress_ratios=cfg.compress_ratios + (0,) * n,
-                               hash_layers=cfg.hash_layers + (False,) * n)
+    return dataclasses.replace(
+        cfg,
+        num_layers=cfg.num_layers + n,
+        compress_ratios=cfg.compress_ratios + (0,) * n,
+        hash_layers=cfg.hash_layers + (False,) * n,
+    )
 
 
 class MtpLayer:
@@ -47,14 +59,16 @@ class MtpLayer:
         self.model, self.cfg = model, cfg
         self.layer = cfg.num_layers + index  # its id in the swa cache group
         p = f"mtp.{index}."
-        own = {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}
+        own = {k[len(p) :]: v for k, v in weights.items() if k.startswith(p)}
         as_layer = {f"layers.{self.layer}.{k}": v for k, v in own.items()}
         ext = mtp_block_config(cfg)
         self.attn = AttentionBlock(ext, as_layer, self.layer, model.parallel.attention)
         self.moe = MoEBlock(ext, as_layer, self.layer, model.parallel)
         self.block = {k: own[k] for k in _BLOCK_KEYS}
-        self.w = {k: own[k] for k in ("enorm.weight", "hnorm.weight", "norm.weight", "hc_head_fn", "hc_head_base",
-                                      "hc_head_scale")}
+        self.w = {
+            k: own[k]
+            for k in ("enorm.weight", "hnorm.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")
+        }
         self.e_proj, self.h_proj = own["e_proj.weight"], own["h_proj.weight"]
 
     @torch.inference_mode()
@@ -68,7 +82,7 @@ class MtpLayer:
         e = linear(rms_norm(emb, self.w["enorm.weight"], eps).to(model.dtype), self.e_proj)  # [T, D]
         h = rms_norm(hidden, self.w["hnorm.weight"], eps).to(model.dtype).reshape(t * hc, d)  # per stream
         h = linear(h, self.h_proj).view(t, hc, d)
-        streams = (h.to(model.residual_dtype) + e.to(model.residual_dtype).unsqueeze(1))
+        streams = h.to(model.residual_dtype) + e.to(model.residual_dtype).unsqueeze(1)
         ropes = model.step_ropes(batch)
         x, post, comb = model._hc(self.block, "attn", streams)
         out = self.attn.forward(x, batch, pool, ropes)

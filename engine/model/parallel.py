@@ -78,9 +78,11 @@ class ParallelContext:
         if not 0 <= self.rank < self.tp_size:
             raise ValueError(f"rank {self.rank} is outside a group of {self.tp_size}")
         if self.data_parallel_attention and not (self.tp_size > 1 and self.expert_parallel):
-            raise ValueError("data-parallel attention needs --tensor-parallel-size > 1 and --expert-parallel (the "
-                             f"ranks split the routed experts), got size {self.tp_size}, expert_parallel "
-                             f"{self.expert_parallel}")
+            raise ValueError(
+                "data-parallel attention needs --tensor-parallel-size > 1 and --expert-parallel (the "
+                f"ranks split the routed experts), got size {self.tp_size}, expert_parallel "
+                f"{self.expert_parallel}"
+            )
 
     @property
     def attention(self) -> ParallelContext:
@@ -111,8 +113,7 @@ class ParallelContext:
             return n // self.tp_size
         if self.tp_size % n == 0:
             return 1
-        raise ValueError(f"{what} = {n} is neither divisible by nor a divisor of --tensor-parallel-size "
-                         f"{self.tp_size}")
+        raise ValueError(f"{what} = {n} is neither divisible by nor a divisor of --tensor-parallel-size {self.tp_size}")
 
     def shard_range(self, n: int, what: str) -> range:
         """This rank's contiguous slice of an evenly split dimension of size n."""
@@ -179,8 +180,10 @@ class ParallelContext:
         exchange is device collectives only and a CUDA graph can hold it."""
         counts = tuple(self.gather_counts(token_ids.shape[0]) if counts is None else counts)
         if len(counts) != self.tp_size or counts[self.rank] != token_ids.shape[0]:
-            raise ValueError(f"token exchange: counts {counts} for {self.tp_size} ranks, this rank (rank "
-                             f"{self.rank}) has {token_ids.shape[0]} tokens")
+            raise ValueError(
+                f"token exchange: counts {counts} for {self.tp_size} ranks, this rank (rank "
+                f"{self.rank}) has {token_ids.shape[0]} tokens"
+            )
         ids = self.gather_rows(token_ids, counts) if max(counts) else token_ids
         return TokenExchange(counts, ids)
 
@@ -201,7 +204,7 @@ class ParallelContext:
         if self.host_collectives and x.is_cuda:
             return self._on_host(lambda y: self.gather_rows(y, counts), x)
         padded = x.new_zeros((width, *x.shape[1:]))
-        padded[:x.shape[0]] = x
+        padded[: x.shape[0]] = x
         wire = padded.float() if _gloo_16bit(padded) else padded
         parts = [torch.empty_like(wire) for _ in range(self.tp_size)]
         dist.all_gather(parts, wire, group=self.group)
@@ -214,9 +217,9 @@ class ParallelContext:
         if dist.get_backend(self.group) == "nccl" and not self.host_collectives:
             out = y.new_empty((width, *y.shape[1:]))
             dist.reduce_scatter_tensor(out, y.contiguous(), group=self.group)
-            return out[:counts[self.rank]]
+            return out[: counts[self.rank]]
         summed = self.all_reduce(y.contiguous())
-        return summed[self.rank * width:self.rank * width + counts[self.rank]]
+        return summed[self.rank * width : self.rank * width + counts[self.rank]]
 
     def broadcast_object(self, obj=None):
         """Rank 0's picklable `obj` on every rank (rank 0 gets its own back)."""
@@ -251,9 +254,16 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(rank: int, tp_size: int, device: str | torch.device, master_port: int,
-                     master_addr: str = "127.0.0.1", expert_parallel: bool = False,
-                     timeout_s: float = 365 * 86400.0, data_parallel_attention: bool = False) -> ParallelContext:
+def init_distributed(
+    rank: int,
+    tp_size: int,
+    device: str | torch.device,
+    master_port: int,
+    master_addr: str = "127.0.0.1",
+    expert_parallel: bool = False,
+    timeout_s: float = 365 * 86400.0,
+    data_parallel_attention: bool = False,
+) -> ParallelContext:
     """Join the group of `tp_size` ranks (gloo on CPU, NCCL on CUDA) -> this rank's ParallelContext.
 
     On CUDA the rank's device is cuda:<rank % visible devices>, set before NCCL initialises. The timeout
@@ -272,12 +282,19 @@ def init_distributed(rank: int, tp_size: int, device: str | torch.device, master
         # gloo otherwise binds the interface the hostname resolves to, which a sandbox may not have.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=tp_size, timeout=timeout)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=tp_size, timeout=timeout
+    )
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
-    return ParallelContext(tp_size, rank, expert_parallel, dist.group.WORLD, cpu_group,
-                           host_collectives=backend == "gloo" and device.type == "cuda",
-                           data_parallel_attention=data_parallel_attention)
+    return ParallelContext(
+        tp_size,
+        rank,
+        expert_parallel,
+        dist.group.WORLD,
+        cpu_group,
+        host_collectives=backend == "gloo" and device.type == "cuda",
+        data_parallel_attention=data_parallel_attention,
+    )
 
 
 def rank_device(device: str | torch.device, rank: int) -> torch.device:

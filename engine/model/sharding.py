@@ -135,8 +135,7 @@ def cut_of(name: str, shape: tuple[int, ...], ctx: ParallelContext, o_groups: in
     if dim is None:
         return None
     if shape[dim] % ctx.tp_size:
-        raise ValueError(f"{name}: dim {dim} of {tuple(shape)} is not divisible by tensor parallel size "
-                         f"{ctx.tp_size}")
+        raise ValueError(f"{name}: dim {dim} of {tuple(shape)} is not divisible by tensor parallel size {ctx.tp_size}")
     local = shape[dim] // ctx.tp_size
     return Cut(dim, ctx.rank * local, (ctx.rank + 1) * local, shape[dim], local)
 
@@ -144,8 +143,12 @@ def cut_of(name: str, shape: tuple[int, ...], ctx: ParallelContext, o_groups: in
 def head_cut_of(name: str, shape: tuple[int, ...], ctx: ParallelContext, o_groups: int) -> Cut | None:
     """wo_a's second cut when a group spans ranks: of the group's input columns (its heads x head_dim), the
     ones of this rank's heads. None otherwise."""
-    if not ctx.enabled or ctx.data_parallel_attention or not _spans_ranks(o_groups, ctx) \
-            or not name.endswith(".attn.wo_a.weight"):
+    if (
+        not ctx.enabled
+        or ctx.data_parallel_attention
+        or not _spans_ranks(o_groups, ctx)
+        or not name.endswith(".attn.wo_a.weight")
+    ):
         return None
     parts = ctx.tp_size // o_groups
     width = shape[1] // parts
@@ -184,8 +187,9 @@ def logical_shape(t: torch.Tensor, scale: torch.Tensor | None) -> tuple[int, ...
 
 
 # ---- applying a cut ---------------------------------------------------------------------------------
-def cut_tensor(name: str, t: torch.Tensor, scale: torch.Tensor | None, cut: Cut | None, dtype: torch.dtype,
-               offset: int = 0) -> dict:
+def cut_tensor(
+    name: str, t: torch.Tensor, scale: torch.Tensor | None, cut: Cut | None, dtype: torch.dtype, offset: int = 0
+) -> dict:
     """One loaded tensor (and its scale companion) -> this rank's entries, on the block grid when quantised.
 
     t may be a window of the whole tensor holding elements [offset, ...) of `cut.dim` (engine.loading.shard_reader
@@ -227,8 +231,9 @@ def shard_weights(weights: dict, cfg: ModelConfig, ctx: ParallelContext, dtype: 
     return out
 
 
-def cut_heads_of_group(name: str, part: dict, shape: tuple[int, ...], ctx: ParallelContext, o_groups: int,
-                       dtype: torch.dtype) -> dict:
+def cut_heads_of_group(
+    name: str, part: dict, shape: tuple[int, ...], ctx: ParallelContext, o_groups: int, dtype: torch.dtype
+) -> dict:
     """`part` (cut_tensor's entries for `name`) after `head_cut_of`'s second cut, where there is one."""
     cut = head_cut_of(name, shape, ctx, o_groups)
     if cut is None:

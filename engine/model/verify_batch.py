@@ -55,8 +55,9 @@ class VerifyInputs:
     packed: torch.Tensor
 
     @staticmethod
-    def make(token_rows: list[list[int]], starts: list[int], table_rows: list[int], shape: VerifyShape,
-             pad_row: int) -> VerifyInputs:
+    def make(
+        token_rows: list[list[int]], starts: list[int], table_rows: list[int], shape: VerifyShape, pad_row: int
+    ) -> VerifyInputs:
         """token_rows[b]: request b's tokens (1..queries) from position starts[b]; table_rows[b]: its table row."""
         q, n = shape.queries, len(token_rows)
         if n > shape.decode.slots or len(starts) != n or len(table_rows) != n:
@@ -88,7 +89,7 @@ def derive_verify_batch(pool: CachePool, tables: BlockTables, packed: torch.Tens
     live = trow != tables.pad_row  # rows of real tokens; the others write only scratch pages
     widths = table_widths(pool, shape.decode.context)
     slot_rows = trow.view(s, q)[:, 0]
-    group_tables = {name: t.index_select(0, slot_rows)[:, :widths[name]] for name, t in tables.tables.items()}
+    group_tables = {name: t.index_select(0, slot_rows)[:, : widths[name]] for name, t in tables.tables.items()}
 
     def scratch(name: str, ring: int) -> torch.Tensor:
         return pool.scratch_pages[name] * pool.groups[name].spec.page_rows + pos % ring
@@ -96,10 +97,19 @@ def derive_verify_batch(pool: CachePool, tables: BlockTables, packed: torch.Tens
     swa_spec, window = pool.groups["swa"].spec, cfg.sliding_window
     swa_page = group_tables["swa"][:, 0]
     win_pos = pos.unsqueeze(1) - window + 1 + torch.arange(window, device=device)
-    swa = ring_sources(win_pos, seg.unsqueeze(1), starts, cu, swa_page, window,
-                       swa_spec.num_pages * swa_spec.page_rows, swa_spec.page_rows)
-    swa_write = RingWrite(t_rows, torch.where(live, swa_page[seg] * swa_spec.page_rows + pos % window,
-                                              scratch("swa", window)))
+    swa = ring_sources(
+        win_pos,
+        seg.unsqueeze(1),
+        starts,
+        cu,
+        swa_page,
+        window,
+        swa_spec.num_pages * swa_spec.page_rows,
+        swa_spec.page_rows,
+    )
+    swa_write = RingWrite(
+        t_rows, torch.where(live, swa_page[seg] * swa_spec.page_rows + pos % window, scratch("swa", window))
+    )
     compress, visible = {}, {}
     for entry, state, ratio, overlap in entry_groups(cfg):
         st, es = pool.groups[state].spec, pool.groups[entry].spec
@@ -109,19 +119,37 @@ def derive_verify_batch(pool: CachePool, tables: BlockTables, packed: torch.Tens
         # slots past the row's token (an open window) name the token itself: only closing windows are kept
 
         def sources(p, state_page=state_page, st=st, total=total):
-            return ring_sources(torch.minimum(p, pos.unsqueeze(1)), seg.unsqueeze(1), starts, cu, state_page,
-                                st.page_rows, total)
+            return ring_sources(
+                torch.minimum(p, pos.unsqueeze(1)), seg.unsqueeze(1), starts, cu, state_page, st.page_rows, total
+            )
 
         closes = live & ((pos + 1) % ratio == 0)
         scratch_entry = torch.full_like(pos, pool.scratch_pages[entry] * es.page_rows)
         entry_row = torch.where(closes, paged_rows(group_tables[entry], es.page_rows, seg, window_id), scratch_entry)
         state_row = torch.where(live, state_page[seg] * st.page_rows + pos % st.page_rows, scratch(state, st.page_rows))
-        compress[entry] = CompressPlan(num_entries=s * q, cur=sources(cur_pos),
-                                       prev=sources(cur_pos - ratio) if overlap else None, entry_row=entry_row,
-                                       entry_pos=window_id * ratio, state_write=RingWrite(t_rows, state_row))
+        compress[entry] = CompressPlan(
+            num_entries=s * q,
+            cur=sources(cur_pos),
+            prev=sources(cur_pos - ratio) if overlap else None,
+            entry_row=entry_row,
+            entry_pos=window_id * ratio,
+            state_write=RingWrite(t_rows, state_row),
+        )
         if entry != "kv4":  # CSA picks kv4 entries through the indexer
             w = torch.arange(max(1, shape.decode.context // ratio), device=device).unsqueeze(0)
             rows = paged_rows(group_tables[entry], es.page_rows, torch.arange(s, device=device).unsqueeze(1), w)
             visible[entry] = VisibleEntries(rows, (pos + 1) // ratio, seg)
-    return StepBatch(token_ids=ids, positions=pos, seq_of_token=seg, cu=cu, starts=starts, ends=starts + q, swa=swa,
-                     swa_write=swa_write, compress=compress, visible=visible, tables=group_tables, logit_rows=t_rows)
+    return StepBatch(
+        token_ids=ids,
+        positions=pos,
+        seq_of_token=seg,
+        cu=cu,
+        starts=starts,
+        ends=starts + q,
+        swa=swa,
+        swa_write=swa_write,
+        compress=compress,
+        visible=visible,
+        tables=group_tables,
+        logit_rows=t_rows,
+    )

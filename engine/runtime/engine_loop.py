@@ -66,9 +66,13 @@ class AsyncSink:
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, name: str = "engine",
-                 on_step: Callable[[EngineCore, list], None] | None = None,
-                 on_change: Callable[[EngineCore], None] | None = None):
+    def __init__(
+        self,
+        engine: EngineCore,
+        name: str = "engine",
+        on_step: Callable[[EngineCore, list], None] | None = None,
+        on_change: Callable[[EngineCore], None] | None = None,
+    ):
         """on_step(engine, events): after every step; on_change(engine): after a batch of `call`s ran
         (adds, aborts, releases change the load between steps: gauges must see those too)."""
         self.engine = engine
@@ -99,8 +103,10 @@ class EngineLoop:
             return f"engine loop ended: {type(err).__name__}: {err}" if err is not None else "engine loop stopped"
         since = self.busy_since
         if since is not None and time.monotonic() - since > stall_timeout_s:
-            return (f"engine thread stuck for {time.monotonic() - since:.0f} s in one step or call "
-                    f"(stall bound {stall_timeout_s:g} s)")
+            return (
+                f"engine thread stuck for {time.monotonic() - since:.0f} s in one step or call "
+                f"(stall bound {stall_timeout_s:g} s)"
+            )
         return None
 
     def inject_fault(self, kind: str) -> None:

@@ -52,9 +52,15 @@ class LoopWatchdog:
     """Watches one EngineLoop from its own thread; calls `exit_process(EXIT_CODE)` once the loop has died (and
     was not stopped by `stop`) or has stalled for stall_timeout_s + STALL_EXIT_GRACE_S."""
 
-    def __init__(self, loop, stall_timeout_s: float, name: str,
-                 exit_process: Callable[[int], object] = os._exit, interval_s: float = 0.25,
-                 stall_exit_grace_s: float = STALL_EXIT_GRACE_S):
+    def __init__(
+        self,
+        loop,
+        stall_timeout_s: float,
+        name: str,
+        exit_process: Callable[[int], object] = os._exit,
+        interval_s: float = 0.25,
+        stall_exit_grace_s: float = STALL_EXIT_GRACE_S,
+    ):
         self.loop, self.stall_timeout_s, self.name = loop, stall_timeout_s, name
         self.stall_exit_grace_s = stall_exit_grace_s
         self._exit, self.interval_s = exit_process, interval_s

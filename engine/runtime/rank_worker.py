@@ -48,8 +48,16 @@ class TensorParallelSpec:
         DP_COLLECTIVE_TIMEOUT_S: its ranks meet every tick even when idle, so no legitimate wait is long, and a
         rank stuck in an NCCL exchange whose peer died then fails instead of hanging (gloo fails at once)."""
         timeout = {"timeout_s": DP_COLLECTIVE_TIMEOUT_S} if self.data_parallel_attention else {}
-        return init_distributed(rank, self.size, actor_device(device), self.master_port, self.master_addr,
-                                self.expert_parallel, data_parallel_attention=self.data_parallel_attention, **timeout)
+        return init_distributed(
+            rank,
+            self.size,
+            actor_device(device),
+            self.master_port,
+            self.master_addr,
+            self.expert_parallel,
+            data_parallel_attention=self.data_parallel_attention,
+            **timeout,
+        )
 
 
 def actor_device(device: str) -> str:
@@ -69,12 +77,15 @@ class RankFollower:
     def __init__(self, rank: int, model_dir: str | None, engine_options: dict):
         opts, spec, _ = split_engine_options(engine_options)
         if spec is None or spec.data_parallel_attention or not 0 < rank < spec.size:
-            raise ValueError(f"RankFollower needs a tensor_parallel spec (attention not data-parallel) and "
-                             f"0 < rank < size, got rank {rank}")
+            raise ValueError(
+                f"RankFollower needs a tensor_parallel spec (attention not data-parallel) and "
+                f"0 < rank < size, got rank {rank}"
+            )
         self.error: BaseException | None = None
         self.rank, self.state, self.steps = rank, "joining", 0
-        self._thread = threading.Thread(target=self._run, args=(spec, model_dir, opts), daemon=True,
-                                        name=f"tp-rank{rank}")
+        self._thread = threading.Thread(
+            target=self._run, args=(spec, model_dir, opts), daemon=True, name=f"tp-rank{rank}"
+        )
         self._thread.start()
 
     def _run(self, spec: TensorParallelSpec, model_dir, opts: dict) -> None:
@@ -82,8 +93,7 @@ class RankFollower:
         try:
             ctx = spec.join(self.rank, opts.get("device", "cpu"))
             self.state = "loading"
-            engine = load_engine(model_dir, **{**opts, "device": actor_device(opts.get("device", "cpu"))},
-                                 parallel=ctx)
+            engine = load_engine(model_dir, **{**opts, "device": actor_device(opts.get("device", "cpu"))}, parallel=ctx)
             self.state = "following"
             self.steps = follow(engine)
             self.state = "released"

@@ -23,8 +23,13 @@ from engine.telemetry.compile_watch import CompileWatch, install_variant_log, no
 class WorkerBase:
     role = "?"
 
-    def __init__(self, worker_id: str, model_dir: str | None, engine_options: dict | None = None,
-                 health: HealthOptions | None = None):
+    def __init__(
+        self,
+        worker_id: str,
+        model_dir: str | None,
+        engine_options: dict | None = None,
+        health: HealthOptions | None = None,
+    ):
         self.worker_id = worker_id
         self.health = health or HealthOptions()
         # Changes when the actor restarts (new process, empty cache): peers and the router key on it.
@@ -35,30 +40,41 @@ class WorkerBase:
         self.parallel = tp.join(rank, opts.get("device", "cpu")) if tp is not None else None
         self.data_parallel = tp is not None and tp.data_parallel_attention
         # Compile before serving (engine.execution.warmup); a prefill worker's requests never decode.
-        self.engine = load_engine(model_dir, **opts, parallel=self.parallel, warmup=True,
-                                  warmup_decodes=self.role != "prefill")
+        self.engine = load_engine(
+            model_dir, **opts, parallel=self.parallel, warmup=True, warmup_decodes=self.role != "prefill"
+        )
         self.backend = None
         # After the warm-up: what compiles from here on stalls a serving step (looked for after slow steps only)
         self.compile_watch = CompileWatch(variants=install_variant_log()) if self.engine.device.type == "cuda" else None
         self._prefix_counters = metrics.PrefixCounters(self.role, worker_id)
         spec = getattr(self.engine, "speculator", None)  # speculative decoding's counters, on speculative engines only
         self._spec_counters = metrics.SpecCounters(self.role, worker_id) if spec is not None else None
-        self._digest: PrefixDigest | None = None  # the engine's PrefixDigest, refreshed on the engine thread when it changes
+        self._digest: PrefixDigest | None = (
+            None  # the engine's PrefixDigest, refreshed on the engine thread when it changes
+        )
         # What the idle engine admits, read before any request holds a page (the router admits against it).
         pool = self.engine.pool
         self.max_slots = self.engine.scheduler_config.max_num_seqs
         self.kv_capacity_tokens = pool.free_tokens()
-        self.kv_page_tokens = max((g.spec.page_rows * g.spec.tokens_per_row for g in pool.groups.values()
-                                   if not g.spec.fixed), default=1)
-        self.loop = EngineLoop(self.engine, name=f"{self.role}-{worker_id}", on_step=self._on_step,
-                               on_change=lambda engine: self.publish_load())
+        self.kv_page_tokens = max(
+            (g.spec.page_rows * g.spec.tokens_per_row for g in pool.groups.values() if not g.spec.fixed), default=1
+        )
+        self.loop = EngineLoop(
+            self.engine,
+            name=f"{self.role}-{worker_id}",
+            on_step=self._on_step,
+            on_change=lambda engine: self.publish_load(),
+        )
         self.publish_load()  # the gauges exist (at idle) before the first request
         states = self.engine.model.fast_path_states
         self.fast_path_fallbacks = tuple(f"{p.name}: {p.why}" for p in states if not p.active)
         metrics.observe_fast_paths(self.role, worker_id, states)
         # Created after the warm-up: the stall clock never runs during it (engine.runtime.health).
-        self.watchdog = (LoopWatchdog(self.loop, self.health.stall_timeout_s, f"{self.role} worker {worker_id}")
-                         if self.health.exit_on_failure else None)
+        self.watchdog = (
+            LoopWatchdog(self.loop, self.health.stall_timeout_s, f"{self.role} worker {worker_id}")
+            if self.health.exit_on_failure
+            else None
+        )
 
     def attach_backend(self, backend) -> None:
         self.backend = backend
@@ -81,12 +97,18 @@ class WorkerBase:
 
     # ---- actor API -------------------------------------------------------------------------------
     def stats(self) -> WorkerStats:
-        return WorkerStats(worker_id=self.worker_id, role=self.role, incarnation=self.incarnation,
-                           load=self.engine.load(), max_slots=self.max_slots,
-                           kv_capacity_tokens=self.kv_capacity_tokens, kv_page_tokens=self.kv_page_tokens,
-                           prefix=self._digest,
-                           problem=self.loop.problem(self.health.stall_timeout_s),
-                           fast_path_fallbacks=self.fast_path_fallbacks)
+        return WorkerStats(
+            worker_id=self.worker_id,
+            role=self.role,
+            incarnation=self.incarnation,
+            load=self.engine.load(),
+            max_slots=self.max_slots,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            kv_page_tokens=self.kv_page_tokens,
+            prefix=self._digest,
+            problem=self.loop.problem(self.health.stall_timeout_s),
+            fast_path_fallbacks=self.fast_path_fallbacks,
+        )
 
     def ping(self) -> str:
         problem = self.loop.problem(self.health.stall_timeout_s)

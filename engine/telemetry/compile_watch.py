@@ -33,8 +33,10 @@ MAX_DIFFS_SHOWN = 6
 
 def cache_dirs() -> dict[str, str]:
     """kind -> the compile cache directory this process uses (where it exists)."""
-    dirs = {"triton": os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache"),
-            "deep_gemm": os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".deep_gemm")}
+    dirs = {
+        "triton": os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache"),
+        "deep_gemm": os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".deep_gemm"),
+    }
     return {k: d for k, d in dirs.items() if os.path.isdir(d)}
 
 
@@ -55,8 +57,12 @@ class CompileWatch:
         return self.variants.explain(start)[: self.variant_mark - start]
 
     def _files(self) -> set[tuple[str, str]]:
-        return {(kind, os.path.join(d, f)) for kind, root in self.dirs.items()
-                for d, _, files in os.walk(root) for f in files}
+        return {
+            (kind, os.path.join(d, f))
+            for kind, root in self.dirs.items()
+            for d, _, files in os.walk(root)
+            for f in files
+        }
 
     def since(self) -> dict[str, int]:
         """Kernel name -> variants compiled since the last look (DeepGEMM: its new files, counted as one name);
@@ -87,8 +93,11 @@ class Variant:
     def diff(self, other: Variant) -> dict[str, tuple[str, str]]:
         """argument -> (other's, this one's) where they differ."""
         mine, theirs = dict(self.spec), dict(other.spec)
-        return {k: (theirs.get(k, "-"), mine.get(k, "-")) for k in dict.fromkeys([*mine, *theirs])
-                if mine.get(k) != theirs.get(k)}
+        return {
+            k: (theirs.get(k, "-"), mine.get(k, "-"))
+            for k in dict.fromkeys([*mine, *theirs])
+            if mine.get(k) != theirs.get(k)
+        }
 
 
 def variant_from_specialization(kernel: str, data: str) -> Variant:
@@ -186,12 +195,14 @@ def note_slow_step(watch: CompileWatch | None, role: str, worker_id: str, second
     if watch is None:
         return
     for line in watch.new_variants():
-        log.warning("%s %s: a kernel variant first needed while serving (step of %.2f s): %s", role, worker_id,
-                    seconds, line)
+        log.warning(
+            "%s %s: a kernel variant first needed while serving (step of %.2f s): %s", role, worker_id, seconds, line
+        )
     if seconds <= SLOW_STEP_S:
         return
     names = watch.since()
     if names:
         metrics.KERNEL_COMPILES.labels(role, worker_id).inc(sum(names.values()))
-    log.warning("%s %s: a step took %.2f s; kernels compiled since the last look: %s", role, worker_id, seconds,
-                describe(names))
+    log.warning(
+        "%s %s: a step took %.2f s; kernels compiled since the last look: %s", role, worker_id, seconds, describe(names)
+    )

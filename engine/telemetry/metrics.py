@@ -14,70 +14,102 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-BYTES_BUCKETS = tuple(float(4 ** k) for k in range(5, 18))  # 1 KiB .. 16 GiB
+BYTES_BUCKETS = tuple(float(4**k) for k in range(5, 18))  # 1 KiB .. 16 GiB
 
 WORKER = ("role", "worker")
 
-REQUEST_QUEUE_TIME = Histogram("dsv4_request_queue_time_seconds", "Time a request waited before its first step",
-                               WORKER, buckets=LATENCY_BUCKETS)
-PREFILL_TIME = Histogram("dsv4_prefill_time_seconds", "Prefill time from first step to first token",
-                         WORKER, buckets=LATENCY_BUCKETS)
-KV_TRANSFER_TIME = Histogram("dsv4_kv_transfer_time_seconds", "Time to pull one request's caches",
-                             ("worker", "backend"), buckets=LATENCY_BUCKETS)
-KV_TRANSFER_BYTES = Histogram("dsv4_kv_transfer_bytes", "Bytes moved per request hand-off",
-                              ("worker", "backend"), buckets=BYTES_BUCKETS)
-TTFT = Histogram("dsv4_time_to_first_token_seconds", "Arrival to first token, including the KV transfer",
-                 ("model_name",), buckets=LATENCY_BUCKETS)
-ITL = Histogram("dsv4_inter_token_latency_seconds", "Time between consecutive streamed tokens", ("model_name",),
-                buckets=LATENCY_BUCKETS)
-E2E = Histogram("dsv4_e2e_request_latency_seconds", "Arrival to last token", ("model_name",),
-                buckets=LATENCY_BUCKETS)
-DECODE_TIME = Histogram("dsv4_decode_time_seconds", "Decode phase: caches arrived to last token", WORKER,
-                        buckets=LATENCY_BUCKETS)
+REQUEST_QUEUE_TIME = Histogram(
+    "dsv4_request_queue_time_seconds", "Time a request waited before its first step", WORKER, buckets=LATENCY_BUCKETS
+)
+PREFILL_TIME = Histogram(
+    "dsv4_prefill_time_seconds", "Prefill time from first step to first token", WORKER, buckets=LATENCY_BUCKETS
+)
+KV_TRANSFER_TIME = Histogram(
+    "dsv4_kv_transfer_time_seconds", "Time to pull one request's caches", ("worker", "backend"), buckets=LATENCY_BUCKETS
+)
+KV_TRANSFER_BYTES = Histogram(
+    "dsv4_kv_transfer_bytes", "Bytes moved per request hand-off", ("worker", "backend"), buckets=BYTES_BUCKETS
+)
+TTFT = Histogram(
+    "dsv4_time_to_first_token_seconds",
+    "Arrival to first token, including the KV transfer",
+    ("model_name",),
+    buckets=LATENCY_BUCKETS,
+)
+ITL = Histogram(
+    "dsv4_inter_token_latency_seconds",
+    "Time between consecutive streamed tokens",
+    ("model_name",),
+    buckets=LATENCY_BUCKETS,
+)
+E2E = Histogram("dsv4_e2e_request_latency_seconds", "Arrival to last token", ("model_name",), buckets=LATENCY_BUCKETS)
+DECODE_TIME = Histogram(
+    "dsv4_decode_time_seconds", "Decode phase: caches arrived to last token", WORKER, buckets=LATENCY_BUCKETS
+)
 
 RUNNING = Gauge("dsv4_running_requests", "Requests holding cache pages", WORKER, multiprocess_mode="mostrecent")
 WAITING = Gauge("dsv4_waiting_requests", "Requests waiting for admission", WORKER, multiprocess_mode="mostrecent")
-KV_USAGE = Gauge("dsv4_kv_cache_usage_ratio", "Fraction of the tightest cache group's pages in use", WORKER,
-                 multiprocess_mode="mostrecent")
+KV_USAGE = Gauge(
+    "dsv4_kv_cache_usage_ratio",
+    "Fraction of the tightest cache group's pages in use",
+    WORKER,
+    multiprocess_mode="mostrecent",
+)
 # 1 where the engine takes a GPU fast path, 0 where it fell back (set once at start; the reason is in the
 # start-up WARNING and the worker's stats).
-FAST_PATH_ACTIVE = Gauge("dsv4_fast_path_active", "1 if the engine takes this GPU fast path, 0 if it fell back",
-                         (*WORKER, "path"), multiprocess_mode="mostrecent")
+FAST_PATH_ACTIVE = Gauge(
+    "dsv4_fast_path_active",
+    "1 if the engine takes this GPU fast path, 0 if it fell back",
+    (*WORKER, "path"),
+    multiprocess_mode="mostrecent",
+)
 
 PROMPT_TOKENS = Counter("dsv4_prompt_tokens_total", "Prompt tokens prefilled", WORKER)
 GENERATION_TOKENS = Counter("dsv4_generation_tokens_total", "Tokens generated", WORKER)
 REQUESTS = Counter("dsv4_requests_total", "Finished requests by status", ("model_name", "status"))
 # Kernel variants compiled while serving (engine.telemetry.compile_watch: looked for after a slow step): a warm-up that
 # covers serving leaves this at 0; each one stalled its step for seconds.
-KERNEL_COMPILES = Counter("dsv4_kernel_compiles_total", "Kernel variants compiled during serving steps (after warm-up)",
-                          WORKER)
+KERNEL_COMPILES = Counter(
+    "dsv4_kernel_compiles_total", "Kernel variants compiled during serving steps (after warm-up)", WORKER
+)
 # One count per failed transfer: the pulling (decode) worker counts its failed pulls (kind timeout / error); the
 # prefill worker counts only leases that expired unconfirmed (kind lease_expired: the decode side vanished and
 # could not count). A cancelled request (client gone) is not a failure: KV_TRANSFER_ABORTS counts those apart.
-KV_TRANSFER_FAILURES = Counter("dsv4_kv_transfer_failures_total",
-                               "KV transfers that failed or timed out (counted once, by the pulling side)",
-                               ("worker", "backend", "kind"))
-KV_TRANSFER_ABORTS = Counter("dsv4_kv_transfer_aborts_total",
-                             "KV transfers abandoned because their request was cancelled (not failures)",
-                             ("worker", "backend", "side"))
+KV_TRANSFER_FAILURES = Counter(
+    "dsv4_kv_transfer_failures_total",
+    "KV transfers that failed or timed out (counted once, by the pulling side)",
+    ("worker", "backend", "kind"),
+)
+KV_TRANSFER_ABORTS = Counter(
+    "dsv4_kv_transfer_aborts_total",
+    "KV transfers abandoned because their request was cancelled (not failures)",
+    ("worker", "backend", "side"),
+)
 # The engines' real prefix cache (engine.execution.prefix_cache): prompt tokens looked up at admission, and those
 # served from cache (not computed). Hit ratio = hit / query; dashboards and alerts read these.
-PREFIX_QUERY_TOKENS = Counter("dsv4_prefix_cache_query_tokens_total",
-                              "Prompt tokens looked up in the engine's prefix cache at admission", WORKER)
-PREFIX_HIT_TOKENS = Counter("dsv4_prefix_cache_hit_tokens_total",
-                            "Prompt tokens served from the engine's prefix cache (not computed)", WORKER)
+PREFIX_QUERY_TOKENS = Counter(
+    "dsv4_prefix_cache_query_tokens_total", "Prompt tokens looked up in the engine's prefix cache at admission", WORKER
+)
+PREFIX_HIT_TOKENS = Counter(
+    "dsv4_prefix_cache_hit_tokens_total", "Prompt tokens served from the engine's prefix cache (not computed)", WORKER
+)
 # Speculative decoding (engine.execution.speculative), per decode engine: draft tokens verified, those accepted, and
 # verify steps (one a request per step it verified drafts in). Acceptance rate = accepted / drafted; accepted tokens
 # per verify step = accepted / verify steps (tokens a step emits: that + 1).
 SPEC_DRAFT_TOKENS = Counter("dsv4_spec_draft_tokens_total", "Speculative draft tokens verified", WORKER)
 SPEC_ACCEPTED_TOKENS = Counter("dsv4_spec_accepted_tokens_total", "Speculative draft tokens accepted", WORKER)
-SPEC_VERIFY_STEPS = Counter("dsv4_spec_verify_steps_total", "Request verify steps (one a request a step with drafts)",
-                            WORKER)
+SPEC_VERIFY_STEPS = Counter(
+    "dsv4_spec_verify_steps_total", "Request verify steps (one a request a step with drafts)", WORKER
+)
 # The router's ESTIMATE: tokens of the prompt's blocks it believed cached on the worker it chose.
-ROUTER_PREFIX_ESTIMATE_QUERIES = Counter("dsv4_router_prefix_estimate_query_tokens_total",
-                                         "Prompt tokens (in whole hashed blocks) the router scored", ())
-ROUTER_PREFIX_ESTIMATE_HITS = Counter("dsv4_router_prefix_estimate_hit_tokens_total",
-                                      "Prompt tokens the router estimated cached on the chosen prefill worker", ())
+ROUTER_PREFIX_ESTIMATE_QUERIES = Counter(
+    "dsv4_router_prefix_estimate_query_tokens_total", "Prompt tokens (in whole hashed blocks) the router scored", ()
+)
+ROUTER_PREFIX_ESTIMATE_HITS = Counter(
+    "dsv4_router_prefix_estimate_hit_tokens_total",
+    "Prompt tokens the router estimated cached on the chosen prefill worker",
+    (),
+)
 
 
 def observe_engine_load(role: str, worker: str, load) -> None:

@@ -72,9 +72,15 @@ def test_values_schema_rejects_bad_values():
     with helm_python.Chart.load(CHART) as chart:
         for path in VALUES_FILES:
             chart.validate_schema(load_values(path))
-        bad = [{"prefill": {"replica": 2}}, {"decode": {"replicas": -1}}, {"serve": {"transfer": "rdma"}},
-               {"model": {"source": "nfs"}}, {"upgradeStrategy": {"type": "BlueGreen"}},
-               {"serve": {"engine": {"dtype": "fp16"}}}, {"monitoring": {"podMonitor": {"interval": "soon"}}}]
+        bad = [
+            {"prefill": {"replica": 2}},
+            {"decode": {"replicas": -1}},
+            {"serve": {"transfer": "rdma"}},
+            {"model": {"source": "nfs"}},
+            {"upgradeStrategy": {"type": "BlueGreen"}},
+            {"serve": {"engine": {"dtype": "fp16"}}},
+            {"monitoring": {"podMonitor": {"interval": "soon"}}},
+        ]
         for values in bad:
             with pytest.raises(helm_python.HelmValuesError, match="schema"):
                 chart.render(values=values, name="dsv4", namespace="llm")
@@ -112,8 +118,14 @@ def test_core_objects_pass_kubernetes_validate_strict(case, tmp_path):
     core = [d for d in docs if d["kind"] in CORE_KINDS]
     for rs in by_kind(docs, "RayService"):
         for group, template in pod_templates(rs).items():
-            core.append({"apiVersion": "v1", "kind": "PodTemplate",
-                         "metadata": {"name": f"{rs['metadata']['name']}-{group}"}, "template": template})
+            core.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": f"{rs['metadata']['name']}-{group}"},
+                    "template": template,
+                }
+            )
     path = tmp_path / "core.yaml"
     path.write_text(yaml.safe_dump_all(core))
     out = run([*venv_tool("kubernetes_validate"), "--strict", str(path)])
@@ -252,8 +264,17 @@ def test_rdma_and_scheduling_settings_reach_the_worker_pods():
 
 
 def test_token_secret_created_on_request():
-    docs = documents(render({"model": {"source": "download", "download": {"repo": "org/model"},
-                                       "tokenSecret": {"create": True, "value": "hf_x"}}}))
+    docs = documents(
+        render(
+            {
+                "model": {
+                    "source": "download",
+                    "download": {"repo": "org/model"},
+                    "tokenSecret": {"create": True, "value": "hf_x"},
+                }
+            }
+        )
+    )
     (secret,) = by_kind(docs, "Secret")
     (rs,) = by_kind(docs, "RayService")
     init = pod_templates(rs)["decode"]["spec"]["initContainers"][0]

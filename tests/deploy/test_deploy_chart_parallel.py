@@ -32,12 +32,15 @@ def pod_gpus(group: dict, key: str = "nvidia.com/gpu") -> tuple:
     return res["limits"].get(key), res["requests"].get(key)
 
 
-@pytest.mark.parametrize("workers_per_pod,tp,gpus_per_worker", [(1, 1, 1), (1, 2, 1), (1, 4, 1), (2, 4, 1), (1, 8, 1),
-                                                                 (2, 2, 0.5)])
+@pytest.mark.parametrize(
+    "workers_per_pod,tp,gpus_per_worker", [(1, 1, 1), (1, 2, 1), (1, 4, 1), (2, 4, 1), (1, 8, 1), (2, 2, 0.5)]
+)
 def test_pod_gpus_follow_the_tensor_parallel_size(workers_per_pod, tp, gpus_per_worker):
-    values = {"serve": {"gpusPerWorker": gpus_per_worker},
-              "prefill": {"workersPerPod": workers_per_pod, "tensorParallelSize": tp, "expertParallel": tp > 1},
-              "decode": {"tensorParallelSize": 2}}
+    values = {
+        "serve": {"gpusPerWorker": gpus_per_worker},
+        "prefill": {"workersPerPod": workers_per_pod, "tensorParallelSize": tp, "expertParallel": tp > 1},
+        "decode": {"tensorParallelSize": 2},
+    }
     rs = rayservice(values)
     groups = worker_groups(rs)
     want = int(-(-workers_per_pod * tp * gpus_per_worker // 1))
@@ -58,8 +61,12 @@ def test_builder_plans_the_ranks_the_pods_offer():
     exactly that many."""
     from service import kuberay_app
 
-    rs = rayservice({"prefill": {"replicas": 2, "workersPerPod": 2, "tensorParallelSize": 2, "expertParallel": True},
-                     "decode": {"tensorParallelSize": 4}})
+    rs = rayservice(
+        {
+            "prefill": {"replicas": 2, "workersPerPod": 2, "tensorParallelSize": 2, "expertParallel": True},
+            "decode": {"tensorParallelSize": 4},
+        }
+    )
     cfg = kuberay_app.parse_args(serve_config(rs)["applications"][0]["args"])
     for role, group in worker_groups(rs).items():
         plan = cfg.plan(role)
@@ -76,8 +83,11 @@ def test_builder_plans_the_ranks_the_pods_offer():
 def test_builder_rejects_bad_parallel_args():
     from service import kuberay_app
 
-    for bad in ({"decode_expert_parallel": True}, {"prefill_tensor_parallel_size": 0},
-                {"prefill_tensor_parallel_size": 2, "prefill_expert_parallel": "maybe"}):
+    for bad in (
+        {"decode_expert_parallel": True},
+        {"prefill_tensor_parallel_size": 0},
+        {"prefill_tensor_parallel_size": 2, "prefill_expert_parallel": "maybe"},
+    ):
         with pytest.raises(ValueError):
             kuberay_app.parse_args(bad)
     cfg = kuberay_app.parse_args({"prefill_tensor_parallel_size": "2", "prefill_expert_parallel": "true"})
@@ -99,9 +109,14 @@ def test_data_parallel_attention_reaches_the_builder_and_names_every_rank_a_work
     tp = kuberay_app.parse_args(dict(args, decode_data_parallel_attention=False))
     assert not any(n.endswith("-dp1") for n in kuberay_app.actor_names(tp, "/models/m"))
     assert kuberay_app.actor_names(tp, "/models/m") != names  # another layout: other workers
-    for bad in ({"decode_tensor_parallel_size": 2, "decode_data_parallel_attention": True},
-                {"decode_tensor_parallel_size": 2, "decode_expert_parallel": True,
-                 "decode_data_parallel_attention": "sometimes"}):
+    for bad in (
+        {"decode_tensor_parallel_size": 2, "decode_data_parallel_attention": True},
+        {
+            "decode_tensor_parallel_size": 2,
+            "decode_expert_parallel": True,
+            "decode_data_parallel_attention": "sometimes",
+        },
+    ):
         with pytest.raises(ValueError, match="data_parallel_attention"):
             kuberay_app.parse_args(bad)
 
@@ -113,17 +128,21 @@ def test_single_rank_layout_keeps_its_worker_names():
 
     base = {"model": "/models/m", "gpus_per_worker": 1, "prefill_resources": {"dsv4_prefill": 1}}
     with_defaults = dict(base, prefill_tensor_parallel_size=1, prefill_expert_parallel=False)
-    assert kuberay_app.actor_names(kuberay_app.parse_args(base), "/models/m") == \
-        kuberay_app.actor_names(kuberay_app.parse_args(with_defaults), "/models/m")
+    assert kuberay_app.actor_names(kuberay_app.parse_args(base), "/models/m") == kuberay_app.actor_names(
+        kuberay_app.parse_args(with_defaults), "/models/m"
+    )
 
 
 def test_schema_checks_the_parallel_values():
     helm_python = helm()
     with helm_python.Chart.load(CHART) as chart:
-        for values in ({"prefill": {"tensorParallelSize": 0}}, {"decode": {"expertParallel": "yes"}},
-                       {"serve": {"engine": {"kv_cache_dtype": "int4"}}},
-                       {"serve": {"engine": {"gpu_memory_utilization": 1.5}}},
-                       {"serve": {"engine": {"max_model_len": 0}}}):
+        for values in (
+            {"prefill": {"tensorParallelSize": 0}},
+            {"decode": {"expertParallel": "yes"}},
+            {"serve": {"engine": {"kv_cache_dtype": "int4"}}},
+            {"serve": {"engine": {"gpu_memory_utilization": 1.5}}},
+            {"serve": {"engine": {"max_model_len": 0}}},
+        ):
             with pytest.raises(helm_python.HelmValuesError, match="schema"):
                 chart.render(values=values, name="dsv4", namespace="llm")
 
@@ -174,9 +193,16 @@ def test_every_example_is_rendered_by_the_chart_tests():
 def test_hub_source_lets_the_service_fetch_the_repo():
     """model.source hub: `--model org/name@revision`, HF_HUB_CACHE (and the token) in every Ray container, the
     cache volume mounted writable, no download init container."""
-    rs = rayservice({"model": {"source": "hub", "mountPath": "/cache",
-                               "hub": {"repo": "deepseek-ai/DeepSeek-V4-Flash", "revision": "v1"},
-                               "tokenSecret": {"name": "hf-token"}}})
+    rs = rayservice(
+        {
+            "model": {
+                "source": "hub",
+                "mountPath": "/cache",
+                "hub": {"repo": "deepseek-ai/DeepSeek-V4-Flash", "revision": "v1"},
+                "tokenSecret": {"name": "hf-token"},
+            }
+        }
+    )
     assert serve_config(rs)["applications"][0]["args"]["model"] == "deepseek-ai/DeepSeek-V4-Flash@v1"
     cluster = rs["spec"]["rayClusterConfig"]
     templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]

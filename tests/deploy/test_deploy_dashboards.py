@@ -75,9 +75,24 @@ def test_dashboard_conventions():
         ids = [p["id"] for p in d["panels"]]
         assert len(ids) == len(set(ids)) and all(p["targets"] for p in d["panels"])
     titles = " ".join(p["title"] for d in boards.values() for p in d["panels"]).lower()
-    for wanted in ("status", "error ratio", "time to first token", "inter-token", "end-to-end", "queue", "prefill",
-                   "kv transfer", "decode", "gb/s", "failures", "kv-cache usage", "prefix-cache hit", "router",
-                   "tokens per second", "token throughput"):
+    for wanted in (
+        "status",
+        "error ratio",
+        "time to first token",
+        "inter-token",
+        "end-to-end",
+        "queue",
+        "prefill",
+        "kv transfer",
+        "decode",
+        "gb/s",
+        "failures",
+        "kv-cache usage",
+        "prefix-cache hit",
+        "router",
+        "tokens per second",
+        "token throughput",
+    ):
         assert wanted in titles, wanted
 
 
@@ -97,8 +112,11 @@ def shape_problems(expr: str) -> list[str]:
         if isinstance(node, pp.Call) and node.func.name == "histogram_quantile":
             agg = node.args[1]
             inner = agg.expr if isinstance(agg, pp.AggregateExpr) else None
-            if inner is None or "le" not in (agg.modifier.labels if agg.modifier else []) or \
-                    not (isinstance(inner, pp.Call) and inner.func.name == "rate"):
+            if (
+                inner is None
+                or "le" not in (agg.modifier.labels if agg.modifier else [])
+                or not (isinstance(inner, pp.Call) and inner.func.name == "rate")
+            ):
                 problems.append(f"quantile not over sum by (le) (rate(...)): {node}")
 
     def post(node):
@@ -151,6 +169,5 @@ def test_promtool_check_metrics_on_a_live_scrape(dsv4_service):
     promtool = debian_tool("promtool")
     exposition = dsv4_families(dsv4_service.scrape())
     assert "# TYPE dsv4_time_to_first_token_seconds histogram" in exposition
-    out = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

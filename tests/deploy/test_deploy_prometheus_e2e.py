@@ -39,8 +39,11 @@ def prometheus(dsv4_service):
         for _ in range(2):
             dsv4_service.traffic()
             time.sleep(1.0)
-        total = sum(float(line.split()[-1]) for line in dsv4_service.scrape().splitlines()
-                    if line.startswith("dsv4_requests_total{"))
+        total = sum(
+            float(line.split()[-1])
+            for line in dsv4_service.scrape().splitlines()
+            if line.startswith("dsv4_requests_total{")
+        )
         prom.wait_for("sum(dsv4_requests_total)", lambda r: r and float(r[0]["value"][1]) >= total)
         yield prom
     finally:

@@ -59,9 +59,15 @@ class KubeRayLikeHead:
 
     def spawn(self, cmd, log: str, env=None) -> subprocess.Popen:
         with open(os.path.join(self.tmp, log), "wb") as f:
-            proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    env=env or self.env, stdout=f, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                env=env or self.env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 
@@ -71,16 +77,25 @@ class KubeRayLikeHead:
 
     def start_ray(self) -> None:
         params = dict(self.rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"])
-        params.update({"dashboard-host": "127.0.0.1", "metrics-export-port": str(free_port()),
-                       "port": str(self.gcs_port), "dashboard-port": str(self.dashboard_port),
-                       "ray-client-server-port": str(free_port()), "dashboard-agent-listen-port": str(free_port()),
-                       "num-cpus": "2",
-                       # a private temp dir keeps `ray start` from pointing later `ray.init()`s of this
-                       # machine (/tmp/ray/ray_current_cluster) at this short-lived cluster
-                       "temp-dir": os.path.join(self.tmp, "r")})
+        params.update(
+            {
+                "dashboard-host": "127.0.0.1",
+                "metrics-export-port": str(free_port()),
+                "port": str(self.gcs_port),
+                "dashboard-port": str(self.dashboard_port),
+                "ray-client-server-port": str(free_port()),
+                "dashboard-agent-listen-port": str(free_port()),
+                "num-cpus": "2",
+                # a private temp dir keeps `ray start` from pointing later `ray.init()`s of this
+                # machine (/tmp/ray/ray_current_cluster) at this short-lived cluster
+                "temp-dir": os.path.join(self.tmp, "r"),
+            }
+        )
         line = " ".join(f"--{k}={v}" for k, v in params.items())  # as KubeRay joins rayStartParams
-        self.ray = self.spawn(["sh", "-c", f"exec {shlex.quote(venv_bin('ray'))} start --head --block "
-                                           f"--disable-usage-stats {line}"], "ray.log")
+        self.ray = self.spawn(
+            ["sh", "-c", f"exec {shlex.quote(venv_bin('ray'))} start --head --block --disable-usage-stats {line}"],
+            "ray.log",
+        )
         self.wait(lambda: http_json(self.dashboard + "/api/version", timeout=5)[0] == 200, "ray.log")
 
     def wait(self, ready, log: str, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -108,21 +123,31 @@ class KubeRayLikeHead:
         path = os.path.join(self.tmp, "serve.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(config, f)
-        out = subprocess.run([venv_bin("serve"), "deploy", "-a", self.dashboard, path], env=self.env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [venv_bin("serve"), "deploy", "-a", self.dashboard, path],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
 
     def app_running(self, decode_args: list[str], **args) -> bool:
         status, body = http_json(self.dashboard + "/api/serve/applications/", timeout=10)
         app = body["applications"].get("dsv4", {}) if status == 200 else {}
         deployed_args = (app.get("deployed_app_config") or {}).get("args", {})
-        return (app.get("status") == "RUNNING" and deployed_args.get("decode_args") == decode_args
-                and all(deployed_args.get(k) == v for k, v in args.items()))
+        return (
+            app.get("status") == "RUNNING"
+            and deployed_args.get("decode_args") == decode_args
+            and all(deployed_args.get(k) == v for k, v in args.items())
+        )
 
     def dsv4_actors(self) -> set[str]:
         """Names of the ALIVE actors in the dsv4 namespace (Ray's state API)."""
-        url = (self.dashboard + "/api/v0/actors?limit=1000&detail=true&filter_keys=state&filter_predicates=%3D"
-               "&filter_values=ALIVE")
+        url = (
+            self.dashboard + "/api/v0/actors?limit=1000&detail=true&filter_keys=state&filter_predicates=%3D"
+            "&filter_values=ALIVE"
+        )
         with urllib.request.urlopen(url, timeout=30) as resp:
             actors = json.loads(resp.read())["data"]["result"]["result"]
         return {a["name"] for a in actors if a.get("ray_namespace") == "dsv4" and a.get("name")}
@@ -152,23 +177,43 @@ def head():
 
 
 def completion(head) -> int:
-    return http_json(f"http://127.0.0.1:{head.http_port}/v1/completions",
-                     {"model": "dsv4", "prompt": [5, 6, 7, 8], "max_tokens": 6})[0]
+    return http_json(
+        f"http://127.0.0.1:{head.http_port}/v1/completions", {"model": "dsv4", "prompt": [5, 6, 7, 8], "max_tokens": 6}
+    )[0]
 
 
 def test_chart_serve_config_serves_and_exports_metrics(head):
     head.deploy([])
-    head.wait(lambda: head.app_running([]) and http_json(f"http://127.0.0.1:{head.http_port}/health",
-                                                         timeout=5)[0] == 200, "ray.log")
+    head.wait(
+        lambda: head.app_running([]) and http_json(f"http://127.0.0.1:{head.http_port}/health", timeout=5)[0] == 200,
+        "ray.log",
+    )
     assert completion(head) == 200
     env = dict(head.env, PROMETHEUS_MULTIPROC_DIR=head.metrics_dir)
-    head.spawn([sys.executable, "-m", "service.kuberay_app", "exporter", "--host", "127.0.0.1",
-                "--port", str(head.exporter_port)], "exporter.log", env=env)
+    head.spawn(
+        [
+            sys.executable,
+            "-m",
+            "service.kuberay_app",
+            "exporter",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(head.exporter_port),
+        ],
+        "exporter.log",
+        env=env,
+    )
     url = f"http://127.0.0.1:{head.exporter_port}/metrics"
     head.wait(lambda: urllib.request.urlopen(url, timeout=5).status == 200, "exporter.log", timeout_s=30)
     names = sample_names(urllib.request.urlopen(url, timeout=30).read().decode())
-    assert {"dsv4_requests_total", "dsv4_router_decisions_total", "dsv4_prefill_time_seconds_count",
-            "dsv4_kv_transfer_time_seconds_count", "dsv4_decode_time_seconds_count"} <= names
+    assert {
+        "dsv4_requests_total",
+        "dsv4_router_decisions_total",
+        "dsv4_prefill_time_seconds_count",
+        "dsv4_kv_transfer_time_seconds_count",
+        "dsv4_decode_time_seconds_count",
+    } <= names
     assert all(n.startswith("dsv4_") for n in names), sorted(n for n in names if not n.startswith("dsv4_"))
 
 
@@ -210,13 +255,25 @@ def test_redeploy_with_a_two_rank_decode_worker(head):
 def test_builder_args_are_validated():
     from service import kuberay_app as serve_entry
 
-    cfg = serve_entry.parse_args({"prefill_workers": "2", "engine": {"device": "cuda", "dtype": "bfloat16"},
-                                  "decode_args": ["--max-num-seqs", "64"], "gpus_per_worker": 1,
-                                  "prefill_resources": {"dsv4_prefill": 1}})
+    cfg = serve_entry.parse_args(
+        {
+            "prefill_workers": "2",
+            "engine": {"device": "cuda", "dtype": "bfloat16"},
+            "decode_args": ["--max-num-seqs", "64"],
+            "gpus_per_worker": 1,
+            "prefill_resources": {"dsv4_prefill": 1},
+        }
+    )
     assert cfg.prefill.workers == 2 and cfg.prefill.resources == (("dsv4_prefill", 1.0),)
     assert dict(cfg.decode.engine_options) == {"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 64}
     assert cfg.prefill.num_gpus == 1.0
-    for bad in ({"transfer": "rdma"}, {"engine": {"devices": "cuda"}}, {"decode_args": ["--dtype", "fp16"]},
-                {"prefill_args": ["--unknown", "1"]}, {"decode_workers": 0}, {"replicas": 2}):
+    for bad in (
+        {"transfer": "rdma"},
+        {"engine": {"devices": "cuda"}},
+        {"decode_args": ["--dtype", "fp16"]},
+        {"prefill_args": ["--unknown", "1"]},
+        {"decode_workers": 0},
+        {"replicas": 2},
+    ):
         with pytest.raises(ValueError):
             serve_entry.parse_args(bad)

@@ -69,11 +69,17 @@ def _spec(signature: dict, constants: dict | None = None, aligned: tuple[str, ..
     attributes, as the JIT writes them."""
     names = list(signature)
     constants = constants or {}
-    return json.dumps({
-        "name": "k", "signature": signature,
-        "constant_keys": [[names.index(n)] for n in constants], "constant_vals": list(constants.values()),
-        "attrs_keys": [[names.index(n)] for n in aligned], "attrs_vals": [[["tt.divisibility", 16]] for _ in aligned],
-        "options": {"num_warps": 4, "num_stages": 2, **options}})
+    return json.dumps(
+        {
+            "name": "k",
+            "signature": signature,
+            "constant_keys": [[names.index(n)] for n in constants],
+            "constant_vals": list(constants.values()),
+            "attrs_keys": [[names.index(n)] for n in aligned],
+            "attrs_vals": [[["tt.divisibility", 16]] for _ in aligned],
+            "options": {"num_warps": 4, "num_stages": 2, **options},
+        }
+    )
 
 
 class _Fn:
@@ -86,14 +92,24 @@ def test_variant_log_names_what_differs_from_the_nearest_earlier_variant():
 
     log = VariantLog()
     sig = {"q_ptr": "*bf16", "b1": "i32", "grid_m": "i32", "D": "constexpr"}
-    log.hook(fn=_Fn("_sparse_attn_kernel"), compile={"specialization_data": _spec(sig, {"D": {"constexpr": 512}},
-                                                                                  ("q_ptr",))})
-    log.hook(fn=_Fn("_sparse_attn_kernel"), compile={"specialization_data": _spec(
-        dict(sig, grid_m="constexpr"), {"D": {"constexpr": 512}, "grid_m": 1}, ("q_ptr",))})
+    log.hook(
+        fn=_Fn("_sparse_attn_kernel"),
+        compile={"specialization_data": _spec(sig, {"D": {"constexpr": 512}}, ("q_ptr",))},
+    )
+    log.hook(
+        fn=_Fn("_sparse_attn_kernel"),
+        compile={
+            "specialization_data": _spec(
+                dict(sig, grid_m="constexpr"), {"D": {"constexpr": 512}, "grid_m": 1}, ("q_ptr",)
+            )
+        },
+    )
     log.hook(fn=_Fn("_hc_pre_kernel"), compile={"specialization_data": _spec({"x_ptr": "*bf16"})})
     # the serving-time variant: nearest to the first one (one difference), not the second (two)
-    log.hook(fn=_Fn("_sparse_attn_kernel"), compile={"specialization_data": _spec(
-        dict(sig, b1="i64"), {"D": {"constexpr": 512}}, ("q_ptr", "grid_m"))})
+    log.hook(
+        fn=_Fn("_sparse_attn_kernel"),
+        compile={"specialization_data": _spec(dict(sig, b1="i64"), {"D": {"constexpr": 512}}, ("q_ptr", "grid_m"))},
+    )
     log.hook(fn=_Fn("_odd_kernel"), compile={"specialization_data": "not json"})  # recorded by name only
     lines = log.explain(0)
     assert lines[0] == "_sparse_attn_kernel (its first variant in this process)"
@@ -141,8 +157,12 @@ def test_install_variant_log_hooks_triton_once_and_chains():
         log = cw.install_variant_log()
         assert cw.install_variant_log() is log
         spec = {"specialization_data": _spec({"x_ptr": "*fp32"})}
-        assert knobs.runtime.jit_cache_hook(key="k", repr="r", fn=_Fn("_k"), compile=spec, is_manual_warmup=False,
-                                            already_compiled=False) is None
+        assert (
+            knobs.runtime.jit_cache_hook(
+                key="k", repr="r", fn=_Fn("_k"), compile=spec, is_manual_warmup=False, already_compiled=False
+            )
+            is None
+        )
         assert calls == ["_k"] and [v.kernel for v in log.variants] == ["_k"]
     finally:
         knobs.runtime.jit_cache_hook, cw._VARIANT_LOG = saved_hook, saved_log

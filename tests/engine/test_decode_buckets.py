@@ -31,8 +31,9 @@ def model_dir():
 def _engine(model_dir, mode: str, **cache) -> EngineCore:
     cfg = ModelConfig.from_model_dir(model_dir)
     weights = load_weights(model_dir, cfg, dtype=torch.float32, device="cpu")
-    return EngineCore(cfg, weights, cache_config=CacheConfig(max_requests=8, max_tokens=4096, **cache),
-                      decode_mode=mode)
+    return EngineCore(
+        cfg, weights, cache_config=CacheConfig(max_requests=8, max_tokens=4096, **cache), decode_mode=mode
+    )
 
 
 def _prompts(lens, vocab, seed):
@@ -83,8 +84,10 @@ def test_padding_rows_write_only_the_scratch_page(model_dir):
     for name, group in engine.pool.groups.items():
         rows = group.spec.page_rows
         assert torch.equal(group.tensor[:, rows:], before[name][:, rows:]), name
-    assert any(not torch.equal(g.tensor[:, :g.spec.page_rows], before[n][:, :g.spec.page_rows])
-               for n, g in engine.pool.groups.items())  # the padding did run and wrote its scratch rows
+    assert any(
+        not torch.equal(g.tensor[:, : g.spec.page_rows], before[n][:, : g.spec.page_rows])
+        for n, g in engine.pool.groups.items()
+    )  # the padding did run and wrote its scratch rows
 
 
 def test_build_decode_step_rejects_what_does_not_fit(model_dir):

@@ -29,9 +29,15 @@ def weights():
 
 def _engine(weights, overlap: bool, prefix: bool = False) -> EngineCore:
     cfg, w = weights
-    return EngineCore(cfg, w, cache_config=CacheConfig(max_requests=8, max_tokens=4096),
-                      scheduler_config=SchedulerConfig(max_batch_tokens=64, max_num_seqs=8),
-                      decode_mode="bucketed", prefix_cache=prefix, overlap_decode=overlap)
+    return EngineCore(
+        cfg,
+        w,
+        cache_config=CacheConfig(max_requests=8, max_tokens=4096),
+        scheduler_config=SchedulerConfig(max_batch_tokens=64, max_num_seqs=8),
+        decode_mode="bucketed",
+        prefix_cache=prefix,
+        overlap_decode=overlap,
+    )
 
 
 def _spy_lookahead(monkeypatch, engine: EngineCore) -> list:
@@ -77,8 +83,14 @@ def _summary(events, ids):
     for rid in ids:
         evs = events.get(rid, [])
         sampled = [e for e in evs if e.token_id is not None]
-        out.append(([e.token_id for e in sampled], [e.logprob for e in sampled],
-                    [e.finished for e in evs], evs[-1].finish_reason if evs else None))
+        out.append(
+            (
+                [e.token_id for e in sampled],
+                [e.logprob for e in sampled],
+                [e.finished for e in evs],
+                evs[-1].finish_reason if evs else None,
+            )
+        )
     return out
 
 
@@ -94,8 +106,9 @@ def test_overlapped_decode_is_bit_exact_without_arrivals(weights, monkeypatch):
     every decode step is launched ahead except the first and those after which a request has one token left."""
     cfg, _ = weights
     prompts = _prompts(cfg, [5, 40, 131, 9, 17], seed=11)
-    jobs = [(p, SamplingParams(max_new_tokens=n, temperature=0, logprobs=True))
-            for p, n in zip(prompts, (12, 7, 20, 3, 15))]
+    jobs = [
+        (p, SamplingParams(max_new_tokens=n, temperature=0, logprobs=True)) for p, n in zip(prompts, (12, 7, 20, 3, 15))
+    ]
     want, wids = _run(_engine(weights, overlap=False), jobs)
     fast = _engine(weights, overlap=True)
     launched = _spy_lookahead(monkeypatch, fast)
@@ -116,8 +129,10 @@ def test_overlapped_decode_equals_synchronous(weights, monkeypatch):
     stop_tok = _summary(probe, pids)[0][0][5]
     greedy[0] = SamplingParams(max_new_tokens=12, temperature=0, logprobs=True, stop_token_ids=(stop_tok,))
     jobs = list(zip(prompts, greedy))
-    arrivals = {6: [(prompts[1][:11], SamplingParams(max_new_tokens=6, temperature=0))],
-                9: [(prompts[2][:7], SamplingParams(max_new_tokens=5, temperature=0.8, seed=3))]}
+    arrivals = {
+        6: [(prompts[1][:11], SamplingParams(max_new_tokens=6, temperature=0))],
+        9: [(prompts[2][:7], SamplingParams(max_new_tokens=5, temperature=0.8, seed=3))],
+    }
 
     want, wids = _run(_engine(weights, overlap=False), jobs, arrivals)
     fast = _engine(weights, overlap=True)
@@ -139,10 +154,12 @@ def test_overlapped_sampled_decode_draws_the_synchronous_tokens(weights, monkeyp
     prompts = _prompts(cfg, [6, 33, 70, 12], seed=5)
     # ignore_eos: a sampled EOS would end a request one launched step late, and the rows batched with it in that
     # step could then move in the last bits (as with an arrival, in the test above); here every step batches alike
-    params = [SamplingParams(max_new_tokens=14, temperature=1.0, seed=21, logprobs=True, ignore_eos=True),
-              SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.9, seed=22, logprobs=True, ignore_eos=True),
-              SamplingParams(max_new_tokens=17, temperature=1.3, top_k=5, seed=23, logprobs=True, ignore_eos=True),
-              SamplingParams(max_new_tokens=11, temperature=0, logprobs=True, ignore_eos=True)]
+    params = [
+        SamplingParams(max_new_tokens=14, temperature=1.0, seed=21, logprobs=True, ignore_eos=True),
+        SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.9, seed=22, logprobs=True, ignore_eos=True),
+        SamplingParams(max_new_tokens=17, temperature=1.3, top_k=5, seed=23, logprobs=True, ignore_eos=True),
+        SamplingParams(max_new_tokens=11, temperature=0, logprobs=True, ignore_eos=True),
+    ]
     jobs = list(zip(prompts, params))
     want, wids = _run(_engine(weights, overlap=False), jobs)
     fast = _engine(weights, overlap=True)
@@ -150,8 +167,10 @@ def test_overlapped_sampled_decode_draws_the_synchronous_tokens(weights, monkeyp
     got, gids = _run(fast, jobs)
     _assert_same(_summary(got, gids), _summary(want, wids))
     assert len(launched) >= 6, f"the overlap was taken on {len(launched)} steps only"
-    again, aids = _run(_engine(weights, overlap=True), [(prompts[0], SamplingParams(
-        max_new_tokens=14, temperature=1.0, seed=99, logprobs=True, ignore_eos=True))])
+    again, aids = _run(
+        _engine(weights, overlap=True),
+        [(prompts[0], SamplingParams(max_new_tokens=14, temperature=1.0, seed=99, logprobs=True, ignore_eos=True))],
+    )
     assert _summary(again, aids)[0][0] != _summary(got, gids)[0][0]  # the draws follow the seed
 
 
@@ -226,8 +245,10 @@ def test_import_after_abort_gets_the_pages_a_launched_step_held(weights, monkeyp
     eng = _engine(weights, overlap=True)
     idle_tokens = eng.pool.free_tokens()
     launched = _spy_lookahead(monkeypatch, eng)
-    ids = [eng.add_request(p, SamplingParams(max_new_tokens=64, temperature=0))
-           for p in _prompts(cfg, [1200, 1000, 900], seed=5)]
+    ids = [
+        eng.add_request(p, SamplingParams(max_new_tokens=64, temperature=0))
+        for p in _prompts(cfg, [1200, 1000, 900], seed=5)
+    ]
     while not launched:
         eng.step()
     for rid in ids:

@@ -28,8 +28,9 @@ def _pool(preset: str, kv_cache_dtype: str = "auto", **overrides) -> CachePool:
     raw = preset_config(preset)
     raw.update(overrides)
     cfg = ModelConfig.from_dict(raw)
-    return CachePool(cfg, CacheConfig(max_requests=8, max_tokens=8192, kv_cache_dtype=kv_cache_dtype),
-                     torch.float32, DEVICE)
+    return CachePool(
+        cfg, CacheConfig(max_requests=8, max_tokens=8192, kv_cache_dtype=kv_cache_dtype), torch.float32, DEVICE
+    )
 
 
 def _flatten(batch: StepBatch, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -41,8 +42,9 @@ def _flatten(batch: StepBatch, prefix: str = "") -> dict[str, torch.Tensor]:
             out[key] = v
         elif isinstance(v, dict):
             for name, item in v.items():
-                out.update(_flatten(item, f"{key}.{name}.") if dataclasses.is_dataclass(item)
-                           else {f"{key}.{name}": item})
+                out.update(
+                    _flatten(item, f"{key}.{name}.") if dataclasses.is_dataclass(item) else {f"{key}.{name}": item}
+                )
         elif dataclasses.is_dataclass(v):
             out.update(_flatten(v, key + "."))
         elif v is not None:
@@ -55,7 +57,7 @@ def _inputs(pool: CachePool, tables: BlockTables, shape: DecodeShape, n: int, se
     g = torch.Generator().manual_seed(seed)
     positions = torch.randint(0, shape.context, (n,), generator=g).tolist()
     edges = [0, shape.context - 1, 127, 128, 3, 4, 255]
-    positions[:len(edges)] = [min(p, shape.context - 1) for p in edges[:n]]
+    positions[: len(edges)] = [min(p, shape.context - 1) for p in edges[:n]]
     page_tables = []
     for p in positions:
         pages = {}
@@ -77,10 +79,16 @@ def _assert_same(got: StepBatch, want: StepBatch) -> None:
             assert a[key] == b[key], key
 
 
-@pytest.mark.parametrize("preset,kv_cache_dtype,overrides", [
-    ("tiny", "auto", {}), ("tiny", "fp8", {}), ("mini_v4", "auto", {}), ("mini_v4", "fp8", {}),
-    ("tiny", "auto", {"sliding_window": 40}),  # a window that is no power of two
-])
+@pytest.mark.parametrize(
+    "preset,kv_cache_dtype,overrides",
+    [
+        ("tiny", "auto", {}),
+        ("tiny", "fp8", {}),
+        ("mini_v4", "auto", {}),
+        ("mini_v4", "fp8", {}),
+        ("tiny", "auto", {"sliding_window": 40}),  # a window that is no power of two
+    ],
+)
 @pytest.mark.parametrize("slots,n,context", [(1, 1, 256), (8, 5, 384), (4, 4, 1000)])
 def test_fused_prologue_equals_reference(preset, kv_cache_dtype, overrides, slots, n, context):
     shape = DecodeShape(slots, context)
@@ -88,8 +96,10 @@ def test_fused_prologue_equals_reference(preset, kv_cache_dtype, overrides, slot
         pool = _pool(preset, kv_cache_dtype, **overrides)
         tables = BlockTables(pool, 8, 1024, DEVICE)
         inputs = _inputs(pool, tables, shape, n, seed=seed + slots)
-        _assert_same(PrologueLayout(pool, tables, shape).derive(inputs),
-                     derive_decode_batch_reference(pool, tables, inputs, shape))
+        _assert_same(
+            PrologueLayout(pool, tables, shape).derive(inputs),
+            derive_decode_batch_reference(pool, tables, inputs, shape),
+        )
 
 
 @pytest.mark.parametrize("max_programs", [1, 2, 64])
@@ -127,9 +137,13 @@ def test_stacked_position_ropes_equal_each_rope():
 
     model = DeepseekV4Model.__new__(DeepseekV4Model)
     model.device, model._rope_stack = torch.device("cpu"), None
-    model.ropes = {"main": Rope(RopeSpec(10000.0, 64), "cpu"),
-                   "compress": Rope(RopeSpec(160000.0, 64, yarn_factor=16.0, original_max_position=4096,
-                                             attention_factor=1.2772588722239781), "cpu")}
+    model.ropes = {
+        "main": Rope(RopeSpec(10000.0, 64), "cpu"),
+        "compress": Rope(
+            RopeSpec(160000.0, 64, yarn_factor=16.0, original_max_position=4096, attention_factor=1.2772588722239781),
+            "cpu",
+        ),
+    }
     positions = torch.tensor([0, 1, 7, 4095, 4096, 65535, 1 << 20], dtype=torch.long)
     main, comp = model._position_ropes(positions)
     for got, want in ((main, model.ropes["main"](positions)), (comp, model.ropes["compress"](positions))):

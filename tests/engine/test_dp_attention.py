@@ -38,8 +38,7 @@ def test_two_data_parallel_ranks_equal_one(quantized, tmp_path):
     prompts = _prompts(one.config.vocab_size, LENS)
     params = _params(len(prompts))
     ref = one.generate(prompts + prompts, params)
-    with LLM(model_dir, tensor_parallel_size=2, expert_parallel=True, data_parallel_attention=True,
-             **kwargs) as llm:
+    with LLM(model_dir, tensor_parallel_size=2, expert_parallel=True, data_parallel_attention=True, **kwargs) as llm:
         model = llm.engine.model
         assert model.attn[0].num_heads == llm.config.num_heads  # whole attention on each rank
         assert len(model.moe[1].experts) == llm.config.n_routed_experts // 2  # half the routed experts
@@ -55,13 +54,33 @@ def test_two_data_parallel_ranks_equal_one(quantized, tmp_path):
 
 
 def test_cli_generate_data_parallel_attention():
-    args = ["generate", "--device", "cpu", "--json", "--logprobs", "--ignore-eos", "--max-new-tokens", "5",
-            "--max-batch-tokens", "11", "--prompt-ids", "5,6,7,8,9,10,11,12,13,14,15,16,17", "--prompt-ids", "3,4",
-            "--prompt-ids", "9", "--temperature", "0.8", "--seed", "7"]
+    args = [
+        "generate",
+        "--device",
+        "cpu",
+        "--json",
+        "--logprobs",
+        "--ignore-eos",
+        "--max-new-tokens",
+        "5",
+        "--max-batch-tokens",
+        "11",
+        "--prompt-ids",
+        "5,6,7,8,9,10,11,12,13,14,15,16,17",
+        "--prompt-ids",
+        "3,4",
+        "--prompt-ids",
+        "9",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "7",
+    ]
 
     def run(extra):
-        proc = subprocess.run([sys.executable, "-m", "service.cli", *args, *extra], capture_output=True, text=True,
-                              cwd=ROOT, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "service.cli", *args, *extra], capture_output=True, text=True, cwd=ROOT, timeout=600
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return [json.loads(line) for line in proc.stdout.splitlines()]
 
@@ -75,9 +94,11 @@ def test_cli_generate_data_parallel_attention():
 
 @pytest.mark.parametrize("size, ep", [(1, True), (2, False)])
 def test_data_parallel_attention_needs_expert_parallel_ranks(size, ep):
-    with pytest.raises(ValueError, match="data-parallel attention needs --tensor-parallel-size > 1 and "
-                                         f"--expert-parallel.*size {size}, expert_parallel {ep}"):
+    with pytest.raises(
+        ValueError,
+        match="data-parallel attention needs --tensor-parallel-size > 1 and "
+        f"--expert-parallel.*size {size}, expert_parallel {ep}",
+    ):
         ParallelContext(size, 0, ep, data_parallel_attention=True)
     with pytest.raises(ValueError, match="data-parallel attention"):
         LLM(model_dir=None, tensor_parallel_size=size, expert_parallel=ep, data_parallel_attention=True)
-

@@ -15,7 +15,9 @@ from engine.loading.load import load_engine
 from engine.runtime.engine_loop import EngineLoop, LoopStopped, StepFailed
 from engine.runtime.health import EXIT_CODE, HealthOptions, LoopWatchdog
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the failed loop re-raises
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnhandledThreadExceptionWarning"
+)  # the failed loop re-raises
 
 PARAMS = SamplingParams(max_new_tokens=200, ignore_eos=True)
 

@@ -33,8 +33,10 @@ def test_switch_env(monkeypatch):
     assert use_triton("cpu") == triton_enabled("cpu")
 
 
-needs_triton = pytest.mark.skipif(not has_triton() or not triton_enabled(DEVICE),
-                                  reason=f"triton missing or unable to run on {DEVICE} (TRITON_INTERPRET off)")
+needs_triton = pytest.mark.skipif(
+    not has_triton() or not triton_enabled(DEVICE),
+    reason=f"triton missing or unable to run on {DEVICE} (TRITON_INTERPRET off)",
+)
 
 
 def _generate(monkeypatch, setting: str, prompts, max_batch_tokens: int):
@@ -82,8 +84,14 @@ def _fp8_run(monkeypatch, setting: str, prompts, budget: int, decode_mode: str):
     from engine.llm import LLM
 
     monkeypatch.setenv(ENV, setting)
-    llm = LLM(model_dir=None, device=DEVICE, dtype="float32", max_batch_tokens=budget, kv_cache_dtype="fp8",
-              decode_mode=decode_mode)
+    llm = LLM(
+        model_dir=None,
+        device=DEVICE,
+        dtype="float32",
+        max_batch_tokens=budget,
+        kv_cache_dtype="fp8",
+        decode_mode=decode_mode,
+    )
     params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=True, prompt_logprobs=True)
     return llm.generate(prompts, params)
 
@@ -154,6 +162,7 @@ def test_flashmla_decode_glue_matches_fp8_reference(monkeypatch):
             codec = fp8_ds_mla_codec(q.shape[-1], layout.rope_dim, layout.block_size)
             blocks = cache.view(-1, layout.block_bytes())
             from dsv4_kernels import geometry as g
+
             rows = g.read_rows(blocks, layout, idx.reshape(-1).clamp(min=0).long())
             keys.append(codec.decode(rows, q.dtype).view(*idx.shape, -1))
             valid.append(idx >= 0)
@@ -204,14 +213,17 @@ def test_in_step_snapshot_on_the_fast_path(monkeypatch):
         assert max(abs(x - y) for x, y in zip(ref.logprobs, fast.logprobs)) <= TOL
 
 
-@pytest.mark.parametrize("want,ogs,marlin,expected", [
-    ("auto", True, True, "triton_kernels"),  # the measured default
-    ("auto", False, True, "marlin"),  # triton_kernels does not import: Marlin before the engine's kernel
-    ("auto", False, False, "engine"),
-    ("marlin", True, True, "marlin"),  # by request
-    ("marlin", True, False, "triton_kernels"),  # requested but unloadable: the auto order
-    ("engine", True, True, "engine"),
-])
+@pytest.mark.parametrize(
+    "want,ogs,marlin,expected",
+    [
+        ("auto", True, True, "triton_kernels"),  # the measured default
+        ("auto", False, True, "marlin"),  # triton_kernels does not import: Marlin before the engine's kernel
+        ("auto", False, False, "engine"),
+        ("marlin", True, True, "marlin"),  # by request
+        ("marlin", True, False, "triton_kernels"),  # requested but unloadable: the auto order
+        ("engine", True, True, "engine"),
+    ],
+)
 def test_mxfp4_moe_backend_order(monkeypatch, want, ogs, marlin, expected):
     from engine.model import fast_paths
 
@@ -246,8 +258,12 @@ def test_fallbacks_are_loud_on_cuda(monkeypatch, caplog):
     monkeypatch.setattr(fast_paths, "why_not", lambda name: f"{name} not installed")
     monkeypatch.setattr(fast_paths, "why_not_marlin_moe", lambda: "marlin not installed")
     states = fast_paths.fast_path_states("cuda", torch.bfloat16, True, True)
-    assert [(p.name, p.active) for p in states] == [("triton", False), ("fp8_gemm", False), ("flash_mla", False),
-                                                    ("mxfp4_moe", False)]
+    assert [(p.name, p.active) for p in states] == [
+        ("triton", False),
+        ("fp8_gemm", False),
+        ("flash_mla", False),
+        ("mxfp4_moe", False),
+    ]
     assert all(p.why for p in states)
     with caplog.at_level(logging.INFO, logger="dsv4.engine"):
         fast_paths.log_fast_paths("line", states, "cuda")

@@ -42,8 +42,11 @@ def _real_bytes(model_dir, dtype, keep, ctx) -> int:
     return sum(t.numel() * t.element_size() for t in w.values())
 
 
-@pytest.mark.parametrize("ctx", [None, ParallelContext(2, 0, True), ParallelContext(2, 1, True),
-                                 ParallelContext(2, 1, False)], ids=["tp1", "tp2-ep-r0", "tp2-ep-r1", "tp2-r1"])
+@pytest.mark.parametrize(
+    "ctx",
+    [None, ParallelContext(2, 0, True), ParallelContext(2, 1, True), ParallelContext(2, 1, False)],
+    ids=["tp1", "tp2-ep-r0", "tp2-ep-r1", "tp2-r1"],
+)
 @pytest.mark.parametrize("keep", [False, True], ids=["dequantised", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_header_estimate_equals_loaded_and_sharded_bytes(quantised, ctx, keep, dtype):
@@ -53,9 +56,11 @@ def test_header_estimate_equals_loaded_and_sharded_bytes(quantised, ctx, keep, d
 
 
 def _need(model_dir, cfg, cache, max_batch_tokens, ctx=None) -> int:
-    return (weight_bytes_per_rank(model_dir, cfg, ctx, torch.float32) + activation_reserve(cfg, max_batch_tokens,
-            cache.max_requests) + pool_bytes(cfg, dataclasses.replace(cache, max_tokens=cfg.max_position_embeddings),
-                                             torch.float32))
+    return (
+        weight_bytes_per_rank(model_dir, cfg, ctx, torch.float32)
+        + activation_reserve(cfg, max_batch_tokens, cache.max_requests)
+        + pool_bytes(cfg, dataclasses.replace(cache, max_tokens=cfg.max_position_embeddings), torch.float32)
+    )
 
 
 def test_fits_when_the_budget_holds_the_need():
@@ -119,8 +124,18 @@ def test_v4_flash_on_h200s():
     with pytest.raises(ValueError, match=re.escape("--tensor-parallel-size 2 --expert-parallel")) as e:
         check_fit(None, cfg, cache, torch.bfloat16, 16384, budget, None, True, True, meta=meta)
     assert re.search(r"14[0-9]\.\d\d GiB of weights per rank", str(e.value)), str(e.value)
-    fit = check_fit(None, cap_context(cfg, 262144), cache, torch.bfloat16, 16384, budget,
-                    ParallelContext(4, 0, True), True, True, meta=meta)
+    fit = check_fit(
+        None,
+        cap_context(cfg, 262144),
+        cache,
+        torch.bfloat16,
+        16384,
+        budget,
+        ParallelContext(4, 0, True),
+        True,
+        True,
+        meta=meta,
+    )
     assert fit.weight_bytes < 40 * GIB and budget - fit.need_bytes > 40 * GIB
 
 

@@ -28,14 +28,17 @@ def small_q(tmp_path_factory):
     return make_model("small", str(tmp_path_factory.mktemp("fp8x") / "q"), seed=3, quantize=True)
 
 
-@pytest.mark.parametrize("req,prefill_only,packed,want", [
-    ("auto", True, True, "mxfp4"),  # CPU: no DeepGEMM
-    ("auto", False, True, "mxfp4"),
-    ("mxfp4", True, True, "mxfp4"),
-    ("fp8", True, True, "fp8"),
-    ("fp8", False, True, "both"),
-    ("fp8", True, False, "mxfp4"),  # nothing packed to convert
-])
+@pytest.mark.parametrize(
+    "req,prefill_only,packed,want",
+    [
+        ("auto", True, True, "mxfp4"),  # CPU: no DeepGEMM
+        ("auto", False, True, "mxfp4"),
+        ("mxfp4", True, True, "mxfp4"),
+        ("fp8", True, True, "fp8"),
+        ("fp8", False, True, "both"),
+        ("fp8", True, False, "mxfp4"),  # nothing packed to convert
+    ],
+)
 def test_resolve_prefill_expert_format(req, prefill_only, packed, want):
     got, why = resolve_prefill_expert_format(req, "cpu", torch.float32, prefill_only, packed)
     assert got == want and why
@@ -69,8 +72,13 @@ def test_engine_tokens_with_fp8_experts(small_q, prefill_only):
     want = LLM(small_q, keep_mxfp4_experts=True, prefix_cache=False).generate(prompts, params)
     llm = LLM(small_q, keep_mxfp4_experts=True, prefix_cache=False)
     # LLM takes no prefill_expert_format: the engine itself from load_engine, as a worker builds it
-    llm.engine = load_engine(small_q, keep_mxfp4_experts=True, prefix_cache=False, prefill_expert_format="fp8",
-                             warmup_decodes=not prefill_only)
+    llm.engine = load_engine(
+        small_q,
+        keep_mxfp4_experts=True,
+        prefix_cache=False,
+        prefill_expert_format="fp8",
+        warmup_decodes=not prefill_only,
+    )
     assert all(m.fp8 is not None and m.mxfp4 == (not prefill_only) for m in llm.engine.model.moe)
     assert "FP8 128x128" in llm.engine.model.fast_paths
     got = llm.generate(prompts, params)
@@ -96,8 +104,9 @@ def test_fit_check_counts_fp8_experts(small_q, ctx):
     assert weight_bytes_per_rank(small_q, cfg, ctx, torch.float32, meta=meta) == real
     assert real > packed_bytes
     # tensor parallelism without expert parallelism halves the experts' 128 rows: not whole 128-blocks, refused
-    half = shard_weights(load_weights(small_q, cfg, keep_mxfp4_experts=True), cfg, ParallelContext(2, 0, False),
-                         torch.float32)
+    half = shard_weights(
+        load_weights(small_q, cfg, keep_mxfp4_experts=True), cfg, ParallelContext(2, 0, False), torch.float32
+    )
     with pytest.raises(ValueError, match="128-aligned"):
         convert_expert_weights(half, cfg, "fp8")
     assert activation_reserve(cfg, 2048, 8, True) - activation_reserve(cfg, 2048, 8) == fp8_moe_workspace(cfg, 2048)

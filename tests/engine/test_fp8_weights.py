@@ -23,9 +23,19 @@ from engine.model.linear import FP8_LINEAR, grouped_projection, keeps_fp8, linea
 def _fp8_config() -> dict:
     """The tiny preset widened so every FP8 projection is whole 128x128 blocks."""
     raw = preset_config("tiny")
-    raw.update(hidden_size=256, num_attention_heads=2, head_dim=128, qk_rope_head_dim=32, q_lora_rank=128,
-               o_groups=2, o_lora_rank=128, moe_intermediate_size=128, index_n_heads=4, index_head_dim=32,
-               quantization_config=dict(_QUANT_CONFIG))
+    raw.update(
+        hidden_size=256,
+        num_attention_heads=2,
+        head_dim=128,
+        qk_rope_head_dim=32,
+        q_lora_rank=128,
+        o_groups=2,
+        o_lora_rank=128,
+        moe_intermediate_size=128,
+        index_n_heads=4,
+        index_head_dim=32,
+        quantization_config=dict(_QUANT_CONFIG),
+    )
     return raw
 
 

@@ -62,14 +62,17 @@ def _check_against_oracle(name, dtype, checkpoints):  # noqa: F811 - the importe
     diffs = []
     for prompt, out in zip(prompts, outs):
         ref = teacher_forced(model_dir, prompt, out.token_ids)
-        diffs += [abs(e - o) if math.isfinite(e) else math.inf
-                  for e, o in zip(out.prompt_logprobs[1:], ref.prompt_lp[1:])]
+        diffs += [
+            abs(e - o) if math.isfinite(e) else math.inf for e, o in zip(out.prompt_logprobs[1:], ref.prompt_lp[1:])
+        ]
         diffs += [abs(e - o) if math.isfinite(e) else math.inf for e, o in zip(out.logprobs, ref.gen_lp)]
     tol, share_min, mean_max = ORACLE_TOL[dtype]
     share = sum(d <= tol for d in diffs) / len(diffs)
     mean = sum(min(d, 10.0) for d in diffs) / len(diffs)
-    print(f"[gpu oracle] {name} {dtype}: {len(diffs)} positions, {share:.4f} within {tol}, mean {mean:.2e}, "
-          f"max {max(diffs):.2e}")
+    print(
+        f"[gpu oracle] {name} {dtype}: {len(diffs)} positions, {share:.4f} within {tol}, mean {mean:.2e}, "
+        f"max {max(diffs):.2e}"
+    )
     assert share >= share_min and mean <= mean_max, (share, mean)
     if graphs:
         assert llm.engine.decode_runner.graphs, "no decode step ran under a CUDA graph"
@@ -79,8 +82,14 @@ def _engine(dtype, mode) -> EngineCore:
     model_dir = default_model_dir()
     cfg = ModelConfig.from_model_dir(model_dir)
     weights = load_weights(model_dir, cfg, dtype=dtype, device="cuda")
-    return EngineCore(cfg, weights, device="cuda", dtype=dtype,
-                      cache_config=CacheConfig(max_requests=16, max_tokens=8192), decode_mode=mode)
+    return EngineCore(
+        cfg,
+        weights,
+        device="cuda",
+        dtype=dtype,
+        cache_config=CacheConfig(max_requests=16, max_tokens=8192),
+        decode_mode=mode,
+    )
 
 
 def _generate(engine: EngineCore, prompts, n: int):
@@ -108,8 +117,10 @@ def test_graph_decode_matches_eager():
                 break
             agree += 1
             diffs.append(abs(lx - ly))
-    print(f"[graphs vs eager] bf16 agreement before first divergence: {agree / total:.3f}, "
-          f"max |dlogprob| {max(diffs):.2e}")
+    print(
+        f"[graphs vs eager] bf16 agreement before first divergence: {agree / total:.3f}, "
+        f"max |dlogprob| {max(diffs):.2e}"
+    )
     assert agree / total >= 0.8 and max(diffs) < 0.1
 
 

@@ -16,8 +16,10 @@ from dsv4_kernels.gpu import has_flash_mla, why_not
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not has_flash_mla(),
-                       reason="GPU only: needs CUDA + tokenspeed-flashmla: " + (why_not("flash_mla") or "no CUDA device")),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not has_flash_mla(),
+        reason="GPU only: needs CUDA + tokenspeed-flashmla: " + (why_not("flash_mla") or "no CUDA device"),
+    ),
 ]
 
 N_GEN = 16
@@ -87,8 +89,10 @@ def test_flashmla_vs_triton_and_fp8_vs_exact(model_dir, monkeypatch):
     flash = _score(model_dir, sequences)  # prefill scores: the fp8 Triton path; decode above used FlashMLA
     exact = _score(model_dir, sequences, kv_cache_dtype="exact")
     mean, share, worst = _diffs(flash, exact)
-    print(f"[gpu flashmla] fp8 cache vs exact rows, teacher-forced: {sum(map(len, flash))} positions, "
-          f"mean |dlogprob| {mean:.3e}, {share:.3f} within 0.1, max {worst:.3e}")
+    print(
+        f"[gpu flashmla] fp8 cache vs exact rows, teacher-forced: {sum(map(len, flash))} positions, "
+        f"mean |dlogprob| {mean:.3e}, {share:.3f} within 0.1, max {worst:.3e}"
+    )
     # A report, bounded only against garbage: random weights give near-flat distributions, so fp8 rows move
     # logprobs by ~0.1 nats here (0.136 mean on the H200; the CPU `small` preset: 0.10, BENCHMARKS.md
     # compare_kv_dtype). Rows read from the wrong place measure ~1 nat. The exactness checks are the two others.
@@ -100,9 +104,11 @@ def test_flashmla_vs_triton_and_fp8_vs_exact(model_dir, monkeypatch):
     _, triton_outs = _run(model_dir, prompts)
     err_flash = _cpu_judge(model_dir, prompts, outs)
     err_triton = _cpu_judge(model_dir, prompts, triton_outs)
-    print(f"[gpu flashmla] decode logprobs vs the fp32 CPU engine (fp8 cache), teacher-forced on each path's tokens: "
-          f"FlashMLA mean {err_flash[0]:.3e} ({err_flash[1]:.3f} within 0.1), Triton fp8 kernel mean "
-          f"{err_triton[0]:.3e} ({err_triton[1]:.3f} within 0.1)")
+    print(
+        f"[gpu flashmla] decode logprobs vs the fp32 CPU engine (fp8 cache), teacher-forced on each path's tokens: "
+        f"FlashMLA mean {err_flash[0]:.3e} ({err_flash[1]:.3f} within 0.1), Triton fp8 kernel mean "
+        f"{err_triton[0]:.3e} ({err_triton[1]:.3f} within 0.1)"
+    )
     # Both sit ~0.1-0.2 nats from the fp32 CPU engine, mostly the FP8 activations of the GPU's dense projections
     # (BENCHMARKS.md hopper_e2e); rows read from the wrong place measure ~1 nat.
     assert err_flash[0] <= max(0.08, 1.5 * err_triton[0])
@@ -116,6 +122,7 @@ def _cpu_judge(model_dir, prompts, outs) -> tuple[float, float]:
     llm = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_cached_tokens=4096, kv_cache_dtype="fp8")
     seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
     ref = llm.generate(seqs, SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True))
-    d = torch.tensor([abs(x - y) for p, o, r in zip(prompts, outs, ref)
-                      for x, y in zip(o.logprobs, r.prompt_logprobs[len(p):])])
+    d = torch.tensor(
+        [abs(x - y) for p, o, r in zip(prompts, outs, ref) for x, y in zip(o.logprobs, r.prompt_logprobs[len(p) :])]
+    )
     return d.mean().item(), (d <= 0.1).float().mean().item()

@@ -19,8 +19,11 @@ import torch
 from dsv4_kernels.gpu import has_deep_gemm, why_not
 
 if not torch.cuda.is_available() or not has_deep_gemm():
-    pytest.skip("GPU only: the FP8 GEMM path needs a CUDA device with deep_gemm (pip install '.[gpu]'): "
-                + (why_not("deep_gemm") or "no CUDA device"), allow_module_level=True)
+    pytest.skip(
+        "GPU only: the FP8 GEMM path needs a CUDA device with deep_gemm (pip install '.[gpu]'): "
+        + (why_not("deep_gemm") or "no CUDA device"),
+        allow_module_level=True,
+    )
 
 from dsv4_kernels.fp8_linear import Fp8Weight  # noqa: E402
 from engine.execution.sampling_params import SamplingParams  # noqa: E402
@@ -36,9 +39,11 @@ def test_fp8_engine_matches_oracle(tmp_path):
     prompt_list = prompts()
     params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=True, prompt_logprobs=True)
     stats = {}
-    runs = (("bf16 engine, bf16 weights", oracle_dir, "cuda", "bfloat16"),
-            ("bf16 engine, fp8 DeepGEMM", fp8_dir, "cuda", "bfloat16"),
-            ("fp32 CPU engine, fp8 reference", fp8_dir, "cpu", "float32"))
+    runs = (
+        ("bf16 engine, bf16 weights", oracle_dir, "cuda", "bfloat16"),
+        ("bf16 engine, fp8 DeepGEMM", fp8_dir, "cuda", "bfloat16"),
+        ("fp32 CPU engine, fp8 reference", fp8_dir, "cpu", "float32"),
+    )
     for label, model_dir, device, dtype in runs:
         llm = LLM(model_dir=model_dir, device=device, dtype=dtype, keep_fp8_weights=model_dir == fp8_dir)
         fp8 = isinstance(llm.engine.model.attn[0].w["wq_a.weight"], Fp8Weight)
@@ -49,8 +54,10 @@ def test_fp8_engine_matches_oracle(tmp_path):
         share = sum(d <= TOL for d in diffs) / len(diffs)
         mean = sum(min(d, 10.0) for d in diffs) / len(diffs)
         stats[label] = (share, mean)
-        print(f"[gpu fp8 oracle] {label}: {len(diffs)} positions, {share:.4f} within {TOL}, mean {mean:.2e}, "
-              f"max {max(diffs):.2e}; {llm.engine.model.fast_paths}")
+        print(
+            f"[gpu fp8 oracle] {label}: {len(diffs)} positions, {share:.4f} within {TOL}, mean {mean:.2e}, "
+            f"max {max(diffs):.2e}; {llm.engine.model.fast_paths}"
+        )
     for label in ("bf16 engine, bf16 weights", "bf16 engine, fp8 DeepGEMM"):
         share, mean = stats[label]
         assert share >= SHARE_MIN and mean <= MEAN_MAX, (label, share, mean)

@@ -15,8 +15,10 @@ import torch
 from dsv4_kernels.gpu import has_deep_gemm, has_triton_kernels
 
 if not torch.cuda.is_available() or not has_deep_gemm() or not has_triton_kernels():
-    pytest.skip("GPU only: needs a CUDA device with deep_gemm and triton_kernels (pip install '.[gpu]')",
-                allow_module_level=True)
+    pytest.skip(
+        "GPU only: needs a CUDA device with deep_gemm and triton_kernels (pip install '.[gpu]')",
+        allow_module_level=True,
+    )
 
 from benchmarks.hopper_e2e import measure  # noqa: E402
 

@@ -18,10 +18,11 @@ import torch
 from dsv4_kernels.gpu import has_marlin_moe, has_triton_kernels, why_not, why_not_marlin_moe
 
 if not torch.cuda.is_available() or not has_marlin_moe() or not has_triton_kernels():
-    pytest.skip("GPU only: needs a CUDA device, the Marlin MoE wheel (tools/device_wheels/marlin_wheel.py) and "
-                "triton_kernels: "
-                + (why_not_marlin_moe() or why_not("triton_kernels.matmul") or "no CUDA device"),
-                allow_module_level=True)
+    pytest.skip(
+        "GPU only: needs a CUDA device, the Marlin MoE wheel (tools/device_wheels/marlin_wheel.py) and "
+        "triton_kernels: " + (why_not_marlin_moe() or why_not("triton_kernels.matmul") or "no CUDA device"),
+        allow_module_level=True,
+    )
 
 from engine.execution.sampling_params import SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
@@ -50,7 +51,7 @@ def _diffs(reference: LLM, outs) -> list[float]:
     diffs = []
     for o, r in zip(outs, refs):
         got = list(o.prompt_logprobs[1:]) + list(o.logprobs)
-        diffs += [abs(a - b) for a, b in zip(got, r.prompt_logprobs[1:len(got) + 1])]
+        diffs += [abs(a - b) for a, b in zip(got, r.prompt_logprobs[1 : len(got) + 1])]
     return diffs
 
 
@@ -66,7 +67,9 @@ def test_marlin_engine_adds_no_error_beyond_the_default_backend(tmp_path, monkey
     for backend, outs in runs.items():
         diffs = _diffs(reference, outs)
         mean[backend] = sum(min(d, 10.0) for d in diffs) / len(diffs)
-        print(f"[gpu marlin] {backend} vs dequantised experts, teacher-forced: {len(diffs)} positions, "
-              f"{sum(d <= 0.1 for d in diffs) / len(diffs):.4f} within 0.1, mean {mean[backend]:.2e}, "
-              f"max {max(diffs):.2e}")
+        print(
+            f"[gpu marlin] {backend} vs dequantised experts, teacher-forced: {len(diffs)} positions, "
+            f"{sum(d <= 0.1 for d in diffs) / len(diffs):.4f} within 0.1, mean {mean[backend]:.2e}, "
+            f"max {max(diffs):.2e}"
+        )
     assert mean["marlin"] <= 1.5 * mean["triton_kernels"] + 0.02, mean

@@ -32,8 +32,15 @@ TOKENS = 16
 
 
 def run(model_dir: str, prompts, n: int, tp: int, ep: bool, dp: bool = False) -> list:
-    with LLM(model_dir=model_dir, device="cuda", dtype="bfloat16", max_cached_tokens=16384, tensor_parallel_size=tp,
-             expert_parallel=ep, data_parallel_attention=dp) as llm:
+    with LLM(
+        model_dir=model_dir,
+        device="cuda",
+        dtype="bfloat16",
+        max_cached_tokens=16384,
+        tensor_parallel_size=tp,
+        expert_parallel=ep,
+        data_parallel_attention=dp,
+    ) as llm:
         mode = llm.engine.decode_mode
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=True))
         kv = "fp8" if llm.engine.pool.groups["swa"].quantised else "exact"
@@ -49,10 +56,13 @@ def judge(model_dir: str, prompts, outs) -> tuple[float, float]:
     """(mean |dlogprob|, share within 0.1) of a run's decode logprobs against the fp32 CPU engine's
     teacher-forced logprobs of the same tokens (fp8 cache)."""
     llm = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_cached_tokens=4096, kv_cache_dtype="fp8")
-    ref = llm.generate([p + o.token_ids for p, o in zip(prompts, outs)],
-                       SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True))
-    d = torch.tensor([abs(x - y) for p, o, r in zip(prompts, outs, ref)
-                      for x, y in zip(o.logprobs, r.prompt_logprobs[len(p):])])
+    ref = llm.generate(
+        [p + o.token_ids for p, o in zip(prompts, outs)],
+        SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True),
+    )
+    d = torch.tensor(
+        [abs(x - y) for p, o, r in zip(prompts, outs, ref) for x, y in zip(o.logprobs, r.prompt_logprobs[len(p) :])]
+    )
     return d.mean().item(), (d <= 0.1).float().mean().item()
 
 
@@ -75,6 +85,9 @@ def test_two_ranks_on_one_gpu_as_close_as_tp1(tp1, ep, dp, monkeypatch):
     outs = run(model_dir, prompts, TOKENS, 2, ep, dp)
     same = sum(a.token_ids == b.token_ids for a, b in zip(ref, outs))
     err = judge(model_dir, prompts, outs)
-    print(f"[gpu tp] {_name(2, ep, dp)}: {same}/{len(prompts)} outputs identical to tp 1; vs the fp32 CPU engine: "
-          f"mean |dlogprob| {err[0]:.3e}, {err[1]:.3f} within 0.1", flush=True)
+    print(
+        f"[gpu tp] {_name(2, ep, dp)}: {same}/{len(prompts)} outputs identical to tp 1; vs the fp32 CPU engine: "
+        f"mean |dlogprob| {err[0]:.3e}, {err[1]:.3f} within 0.1",
+        flush=True,
+    )
     assert err[0] <= max(0.08, 1.5 * base[0]), (err, base)

@@ -225,12 +225,13 @@ def test_fp8_vs_exact_on_the_tiny_model():
 
         def recording(chunks, logits, sample_rows, prompt_rows):
             for c, (first, count) in zip(chunks, prompt_rows):
-                argmax.setdefault(c.request.request_id, []).extend(logits[first:first + count].argmax(-1).tolist())
+                argmax.setdefault(c.request.request_id, []).extend(logits[first : first + count].argmax(-1).tolist())
             return post(chunks, logits, sample_rows, prompt_rows)
 
         engine._postprocess = recording
-        ids = [engine.add_request(s, SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True))
-               for s in seqs]
+        ids = [
+            engine.add_request(s, SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True)) for s in seqs
+        ]
         _run(engine)
         reqs = [engine.pop_finished(r) for r in ids]
         return [r.prompt_logprobs for r in reqs], [argmax[r] for r in ids]
@@ -239,7 +240,7 @@ def test_fp8_vs_exact_on_the_tiny_model():
     agree, diffs = [], []
     for p, o, ax, aq, tx, tq in zip(prompts, outs, lp_x, lp_q, top_x, top_q):
         n = len(p)
-        assert tx[n - 1:n - 1 + new] == o.token_ids  # the exact engine scores its own greedy tokens
+        assert tx[n - 1 : n - 1 + new] == o.token_ids  # the exact engine scores its own greedy tokens
         agree += [tq[n - 1 + j] == tok for j, tok in enumerate(o.token_ids)]
         diffs += [abs(ax[i] - aq[i]) for i in range(n, n + new)]
     d = torch.tensor(diffs)
@@ -270,8 +271,9 @@ def test_fp8_and_exact_pools_refuse_to_exchange_pages():
     from kv_transfer.base import TransferError
 
     exact = make_backend("tcp", CachePool(TINY, CacheConfig(max_requests=2, max_tokens=512), torch.float32, "cpu"))
-    fp8 = make_backend("tcp", CachePool(TINY, CacheConfig(max_requests=2, max_tokens=512, kv_cache_dtype="fp8"),
-                                        torch.float32, "cpu"))
+    fp8 = make_backend(
+        "tcp", CachePool(TINY, CacheConfig(max_requests=2, max_tokens=512, kv_cache_dtype="fp8"), torch.float32, "cpu")
+    )
     try:
         assert exact.fingerprint != fp8.fingerprint
         with pytest.raises(TransferError, match="layout"):
@@ -289,8 +291,20 @@ def test_cli_and_serve_accept_kv_cache_dtype(capsys):
     from service.cli import main
     from service.launcher import ENGINE_OPTION_KEYS, add_serve_args
 
-    rc = main(["generate", "--prompt-ids", "3,4,5,6,7", "--max-new-tokens", "3", "--ignore-eos", "--json",
-               "--logprobs", "--kv-cache-dtype", "fp8"])
+    rc = main(
+        [
+            "generate",
+            "--prompt-ids",
+            "3,4,5,6,7",
+            "--max-new-tokens",
+            "3",
+            "--ignore-eos",
+            "--json",
+            "--logprobs",
+            "--kv-cache-dtype",
+            "fp8",
+        ]
+    )
     assert rc == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     want = LLM(kv_cache_dtype="fp8").generate([[3, 4, 5, 6, 7]], _greedy(3))[0]

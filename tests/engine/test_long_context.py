@@ -28,11 +28,19 @@ def _generate(model_dir: str, prompt: list[int], max_batch_tokens: int):
     from engine.execution.sampling_params import SamplingParams
     from engine.llm import LLM
 
-    llm = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_batch_tokens=max_batch_tokens,
-              max_num_seqs=2, page_tokens=64, prefix_cache=False)
+    llm = LLM(
+        model_dir=model_dir,
+        device="cpu",
+        dtype="float32",
+        max_batch_tokens=max_batch_tokens,
+        max_num_seqs=2,
+        page_tokens=64,
+        prefix_cache=False,
+    )
     try:
-        params = SamplingParams(max_new_tokens=N_GEN, temperature=0.0, ignore_eos=True, logprobs=True,
-                                prompt_logprobs=True)
+        params = SamplingParams(
+            max_new_tokens=N_GEN, temperature=0.0, ignore_eos=True, logprobs=True, prompt_logprobs=True
+        )
         return llm.generate([prompt], [params])[0]
     finally:
         llm.close()
@@ -41,9 +49,17 @@ def _generate(model_dir: str, prompt: list[int], max_batch_tokens: int):
 def test_long_prompt_chunked_and_blocked_matches_one_step(tmp_path, monkeypatch):
     import engine.model.attention as attention
 
-    model_dir = make_hf_checkpoint(tmp_path / "ckpt", seed=21, compress_ratios=[4, 16, 0, 4], sliding_window=8,
-                                   index_topk=4, index_n_heads=16, num_hash_layers=1, yarn=None,
-                                   max_position_embeddings=4096)
+    model_dir = make_hf_checkpoint(
+        tmp_path / "ckpt",
+        seed=21,
+        compress_ratios=[4, 16, 0, 4],
+        sliding_window=8,
+        index_topk=4,
+        index_n_heads=16,
+        num_hash_layers=1,
+        yarn=None,
+        max_position_embeddings=4096,
+    )
     prompt = torch.randint(0, 128, (PROMPT,), generator=torch.Generator().manual_seed(7)).tolist()
     whole = _generate(model_dir, prompt, 4096)
     blocked = []
@@ -54,8 +70,10 @@ def test_long_prompt_chunked_and_blocked_matches_one_step(tmp_path, monkeypatch)
     chunked = _generate(model_dir, prompt, CHUNK)
     assert max(blocked) == CHUNK  # the chunked run really ran chunks (and decode steps of one token)
     assert chunked.token_ids == whole.token_ids
-    pairs = [(a, b) for a, b in zip(chunked.prompt_logprobs[1:] + chunked.logprobs,
-                                    whole.prompt_logprobs[1:] + whole.logprobs)]
+    pairs = [
+        (a, b)
+        for a, b in zip(chunked.prompt_logprobs[1:] + chunked.logprobs, whole.prompt_logprobs[1:] + whole.logprobs)
+    ]
     diffs = [abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf for a, b in pairs]
     share = sum(d <= LP_TOL for d in diffs) / len(diffs)
     assert share >= MIN_SHARE, (share, max(diffs))
@@ -133,13 +151,23 @@ def test_indexer_step_at_1m_context_peak_memory_is_bounded():
     rows = torch.randperm(s, device=dev).unsqueeze(0)
     count = torch.arange((1 << 20) - t, 1 << 20, device=dev) // 4 + 1
     q = torch.randn(t, hi, di, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(t, hi, device=dev) * hi ** -0.5
+    w = torch.randn(t, hi, device=dev) * hi**-0.5
     cu = torch.tensor([0, t], device=dev)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    picked = indexer_topk(q, store, rows, w, 512, layout, cu_seqlens=cu, ordered=False,
-                          seg=torch.zeros(t, dtype=torch.long, device=dev), count=count)
+    picked = indexer_topk(
+        q,
+        store,
+        rows,
+        w,
+        512,
+        layout,
+        cu_seqlens=cu,
+        ordered=False,
+        seg=torch.zeros(t, dtype=torch.long, device=dev),
+        count=count,
+    )
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     assert picked.shape == (t, 512) and bool((picked >= 0).all())

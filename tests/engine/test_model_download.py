@@ -19,10 +19,12 @@ from tests.support.local_hub import LocalHub, repo_files
 
 REPO = Path(__file__).resolve().parents[2]
 COMMIT = "5" * 40
-EXTRA = {"README.md": b"# tiny\n", "inference/model.py": b"print('reference code')\n",
-         "figures/bench.png": b"\x89PNG" + bytes(4096)}  # what a release repo also holds: never fetched
-ENGINE_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json"}
+EXTRA = {
+    "README.md": b"# tiny\n",
+    "inference/model.py": b"print('reference code')\n",
+    "figures/bench.png": b"\x89PNG" + bytes(4096),
+}  # what a release repo also holds: never fetched
+ENGINE_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
 
 
 @pytest.fixture
@@ -33,9 +35,14 @@ def hub():
 
 def run(args: list[str], hub: LocalHub, cache: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
-    env.update(HF_ENDPOINT=hub.endpoint, HF_HUB_CACHE=str(cache), HF_HUB_DISABLE_TELEMETRY="1",
-               NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(
+        HF_ENDPOINT=hub.endpoint,
+        HF_HUB_CACHE=str(cache),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=str(REPO), timeout=300)
 
 
@@ -46,8 +53,9 @@ def test_generate_fetches_only_the_engine_files_once(hub, tmp_path):
     assert first.returncode == 0, first.stderr
     assert hub.fetched() == ENGINE_FILES  # no README, reference code or figures
     assert "Fetching 5 files" in first.stderr  # huggingface_hub's progress bar
-    ref = LLM(default_model_dir()).generate([[0, 17, 42, 7]], SamplingParams(max_new_tokens=5, ignore_eos=True,
-                                                                             logprobs=True))[0]
+    ref = LLM(default_model_dir()).generate(
+        [[0, 17, 42, 7]], SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=True)
+    )[0]
     (out,) = [json.loads(line) for line in first.stdout.splitlines() if line.strip()]
     assert out["token_ids"] == ref.token_ids
     assert all(abs(a - b) <= 1e-6 for a, b in zip(out["logprobs"], ref.logprobs))
@@ -65,8 +73,15 @@ def test_a_dropped_connection_resumes_where_it_stopped(tmp_path):
     shard = bytes(range(256)) * (96 * 1024)  # 24 MiB
     files = repo_files(default_model_dir(), {**EXTRA, "extra-00001-of-00001.safetensors": shard})
     with LocalHub("org/tiny", files, COMMIT, drop_once=("extra-00001-of-00001.safetensors",)) as hub:
-        proc = run(["-c", "from engine.loading.model_source import resolve_model; "
-                          "print(resolve_model('org/tiny@main').local_dir)"], hub, tmp_path / "hub")
+        proc = run(
+            [
+                "-c",
+                "from engine.loading.model_source import resolve_model; "
+                "print(resolve_model('org/tiny@main').local_dir)",
+            ],
+            hub,
+            tmp_path / "hub",
+        )
         assert proc.returncode == 0, proc.stderr
         ranges = [r for m, p, r in hub.log if m == "GET" and p.endswith("/extra-00001-of-00001.safetensors")]
     assert len(ranges) == 2 and ranges[0] is None, ranges

@@ -97,14 +97,29 @@ def test_only_the_engine_files_are_fetched():
     """The allow-list, applied by huggingface_hub's own filter to a release repo's file list."""
     from huggingface_hub.utils import filter_repo_objects
 
-    release = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "model.safetensors.index.json", *(f"model-{i:05d}-of-00046.safetensors" for i in range(1, 47)),
-               "README.md", "LICENSE", "inference/model.py", "inference/convert.py", "figures/bench.png",
-               "encoding/encoding_dsv4.py", ".gitattributes"]
+    release = [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+        *(f"model-{i:05d}-of-00046.safetensors" for i in range(1, 47)),
+        "README.md",
+        "LICENSE",
+        "inference/model.py",
+        "inference/convert.py",
+        "figures/bench.png",
+        "encoding/encoding_dsv4.py",
+        ".gitattributes",
+    ]
     got = set(filter_repo_objects(release, allow_patterns=list(ENGINE_FILES)))
     assert got == {f for f in release if f.endswith((".json", ".safetensors"))}
     assert set(filter_repo_objects(release, allow_patterns=list(CONFIG_FILES))) == {
-        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
 
 
 def test_load_engine_and_llm_take_a_repo_id(hub):

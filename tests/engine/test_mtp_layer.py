@@ -27,17 +27,28 @@ def setup(tmp_path_factory):
 
 
 def _pool(cfg):
-    pool = CachePool(cfg, CacheConfig(max_requests=2, max_tokens=1024, page_tokens=16, kv_cache_dtype="exact",
-                                      mtp_layers=1), torch.float32, "cpu")
+    pool = CachePool(
+        cfg,
+        CacheConfig(max_requests=2, max_tokens=1024, page_tokens=16, kv_cache_dtype="exact", mtp_layers=1),
+        torch.float32,
+        "cpu",
+    )
     table = {}
     pool.grow(table, 200)
     return pool, table
 
 
 def _reference(cfg, weights, tokens, hidden):
-    w = {k[len("mtp.0."):]: v for k, v in weights.items() if k.startswith("mtp.0.")}
-    return mtp_layer_reference(w, MtpSpec.of(cfg), weights["embed.weight"], weights["head.weight"],
-                               torch.tensor(tokens), hidden, torch.arange(len(tokens)))
+    w = {k[len("mtp.0.") :]: v for k, v in weights.items() if k.startswith("mtp.0.")}
+    return mtp_layer_reference(
+        w,
+        MtpSpec.of(cfg),
+        weights["embed.weight"],
+        weights["head.weight"],
+        torch.tensor(tokens),
+        hidden,
+        torch.arange(len(tokens)),
+    )
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
@@ -53,20 +64,21 @@ def test_mtp_layer_matches_reference_with_a_chain(setup, chunk):
     outs = []
     for s in range(0, n - 1, size):
         e = min(s + size, n - 1)
-        outs.append(mtp.forward(build_step(pool, [prompt[s + 1:e + 1]], [s], [table], [], "cpu"), pool, hidden[s:e]))
+        outs.append(mtp.forward(build_step(pool, [prompt[s + 1 : e + 1]], [s], [table], [], "cpu"), pool, hidden[s:e]))
     out = torch.cat(outs)
-    ref_out, ref_logits = _reference(cfg, weights, prompt[1:], hidden[:n - 1])
+    ref_out, ref_logits = _reference(cfg, weights, prompt[1:], hidden[: n - 1])
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mtp.logits(out), ref_logits, rtol=1e-4, atol=1e-4)
     # chain: draft 1 (at position n-1, after the last prompt token's successor), then draft 2 from its own streams
-    tokens, hid, last = list(prompt[1:]), hidden[:n - 1], out[-1:]
+    tokens, hid, last = list(prompt[1:]), hidden[: n - 1], out[-1:]
     bonus = 5
     draft = bonus  # replaced by step 0's pick before step 1 reads it
     for step in range(2):
         pos = n - 1 + step
         tok = bonus if step == 0 else draft
-        nxt = mtp.forward(build_step(pool, [[tok]], [pos], [table], [], "cpu"), pool,
-                          hidden[-1:] if step == 0 else last)
+        nxt = mtp.forward(
+            build_step(pool, [[tok]], [pos], [table], [], "cpu"), pool, hidden[-1:] if step == 0 else last
+        )
         tokens.append(tok)
         hid = torch.cat([hid, hidden[-1:] if step == 0 else last])
         ref_out, ref_logits = _reference(cfg, weights, tokens, hid)

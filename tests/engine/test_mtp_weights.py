@@ -20,9 +20,11 @@ from engine.model.config import ModelConfig
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
-    return {"plain": make_model("tiny", root / "plain", seed=5),
-            "mtp": make_model("tiny", root / "mtp", seed=5, mtp_layers=2),
-            "mtp_q": make_model("tiny", root / "mtp_q", seed=5, quantize=True, mtp_layers=1)}
+    return {
+        "plain": make_model("tiny", root / "plain", seed=5),
+        "mtp": make_model("tiny", root / "mtp", seed=5, mtp_layers=2),
+        "mtp_q": make_model("tiny", root / "mtp_q", seed=5, quantize=True, mtp_layers=1),
+    }
 
 
 def test_config_declares_the_mtp_layers(dirs):
@@ -33,9 +35,21 @@ def test_config_declares_the_mtp_layers(dirs):
     assert cfg.num_nextn_predict_layers == 2 and cfg.compress_ratios == (0, 4, 128, 4)
     names = mtp_weight_shapes(cfg)
     assert all(n.startswith(("mtp.0.", "mtp.1.")) for n in names)
-    for leaf in ("enorm.weight", "hnorm.weight", "norm.weight", "e_proj.weight", "h_proj.weight", "hc_head_fn",
-                 "hc_attn_fn", "hc_ffn_scale", "attn.wkv.weight", "attn.attn_sink", "ffn.gate.bias",
-                 "ffn.experts.7.w2.weight", "ffn.shared_experts.w1.weight"):
+    for leaf in (
+        "enorm.weight",
+        "hnorm.weight",
+        "norm.weight",
+        "e_proj.weight",
+        "h_proj.weight",
+        "hc_head_fn",
+        "hc_attn_fn",
+        "hc_ffn_scale",
+        "attn.wkv.weight",
+        "attn.attn_sink",
+        "ffn.gate.bias",
+        "ffn.experts.7.w2.weight",
+        "ffn.shared_experts.w1.weight",
+    ):
         assert f"mtp.1.{leaf}" in names, leaf
     assert not any(".compressor." in n or ".indexer." in n or "tid2eid" in n for n in names)
 

@@ -39,8 +39,16 @@ CONFIGS = {
     "wide_hc4_w16": dict(
         seed=12,
         overrides=dict(
-            head_dim=48, qk_rope_head_dim=8, hc_mult=4, sliding_window=16, compress_ratios=[4, 8, 0, 4],
-            num_hash_layers=2, index_topk=5, yarn=None, compress_rope_theta=40000.0, swiglu_limit=1.0,
+            head_dim=48,
+            qk_rope_head_dim=8,
+            hc_mult=4,
+            sliding_window=16,
+            compress_ratios=[4, 8, 0, 4],
+            num_hash_layers=2,
+            index_topk=5,
+            yarn=None,
+            compress_rope_theta=40000.0,
+            swiglu_limit=1.0,
         ),
         prompt_lens=[1, 9, 23, 38, 53],
         max_batch_tokens=13,
@@ -59,10 +67,23 @@ CONFIGS = {
     "heads8_l5": dict(
         seed=14,
         overrides=dict(
-            num_hidden_layers=5, hidden_size=96, num_attention_heads=8, head_dim=16, qk_rope_head_dim=4,
-            o_groups=4, o_lora_rank=8, q_lora_rank=48, n_routed_experts=16, num_experts_per_tok=4,
-            index_n_heads=32, index_head_dim=32, index_topk=2, sliding_window=16, hc_mult=4,
-            compress_ratios=[0, 4, 0, 32, 4], num_hash_layers=3,
+            num_hidden_layers=5,
+            hidden_size=96,
+            num_attention_heads=8,
+            head_dim=16,
+            qk_rope_head_dim=4,
+            o_groups=4,
+            o_lora_rank=8,
+            q_lora_rank=48,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            index_n_heads=32,
+            index_head_dim=32,
+            index_topk=2,
+            sliding_window=16,
+            hc_mult=4,
+            compress_ratios=[0, 4, 0, 32, 4],
+            num_hash_layers=3,
             yarn=dict(factor=4.0, original_max_position_embeddings=128, beta_fast=32, beta_slow=1),
         ),
         prompt_lens=[4, 17, 31, 66, 99, 130],
@@ -74,8 +95,14 @@ CONFIGS = {
     "long_hca_sigmoid": dict(
         seed=15,
         overrides=dict(
-            compress_ratios=[128, 4, 128, 0], num_hash_layers=1, index_topk=1, sliding_window=32,
-            scoring_func="sigmoid", routed_scaling_factor=2.5, hc_sinkhorn_iters=3, rms_norm_eps=1e-5,
+            compress_ratios=[128, 4, 128, 0],
+            num_hash_layers=1,
+            index_topk=1,
+            sliding_window=32,
+            scoring_func="sigmoid",
+            routed_scaling_factor=2.5,
+            hc_sinkhorn_iters=3,
+            rms_norm_eps=1e-5,
         ),
         prompt_lens=[300, 255, 33],
         max_batch_tokens=257,
@@ -106,13 +133,16 @@ def _run_engine(model_dir: str, prompts, max_batch_tokens: int):
     from engine.llm import LLM
 
     llm = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_batch_tokens=max_batch_tokens)
-    greedy = SamplingParams(max_new_tokens=N_GEN, temperature=0.0, ignore_eos=True, logprobs=True,
-                            prompt_logprobs=True)
-    sampled = [SamplingParams(max_new_tokens=N_GEN, temperature=1.0, seed=100 + i, ignore_eos=True,
-                              logprobs=True, prompt_logprobs=True) for i in range(len(prompts))]
+    greedy = SamplingParams(max_new_tokens=N_GEN, temperature=0.0, ignore_eos=True, logprobs=True, prompt_logprobs=True)
+    sampled = [
+        SamplingParams(
+            max_new_tokens=N_GEN, temperature=1.0, seed=100 + i, ignore_eos=True, logprobs=True, prompt_logprobs=True
+        )
+        for i in range(len(prompts))
+    ]
     outs = llm.generate(prompts + prompts, [greedy] * len(prompts) + sampled)
     assert len(outs) == 2 * len(prompts)
-    return outs[: len(prompts)], outs[len(prompts):]
+    return outs[: len(prompts)], outs[len(prompts) :]
 
 
 def _check_shapes(out, prompt):
@@ -155,8 +185,10 @@ def assert_engine_matches_oracle(name: str, model_dir: str, prompts, max_batch_t
                 diffs.append(d)
                 pos = len(prompt) + j
                 if d > LP_TOL:
-                    bad.append(f"{kind} prompt#{p} (len {len(prompt)}) gen {j} (pos {pos}): token {t} "
-                               f"engine {e:.6f} oracle {o:.6f}")
+                    bad.append(
+                        f"{kind} prompt#{p} (len {len(prompt)}) gen {j} (pos {pos}): token {t} "
+                        f"engine {e:.6f} oracle {o:.6f}"
+                    )
                 if kind == "greedy" and t != ref.gen_top[j]:
                     if ref.gen_gap[j] < NEAR_TIE:
                         near_ties += 1
@@ -164,19 +196,24 @@ def assert_engine_matches_oracle(name: str, model_dir: str, prompts, max_batch_t
                         greedy_fail.append(
                             f"prompt#{p} (len {len(prompt)}) gen {j} (pos {pos}): engine token {t} "
                             f"(oracle lp {o:.5f}) but oracle argmax {ref.gen_top[j]} "
-                            f"(gap {ref.gen_gap[j]:.2e}); engine lp of its token {e:.5f}")
+                            f"(gap {ref.gen_gap[j]:.2e}); engine lp of its token {e:.5f}"
+                        )
 
     n = len(diffs)
     share = sum(d <= LP_TOL for d in diffs) / n
     worst = max(diffs)
     with capsys.disabled():
-        print(f"\n[oracle] {name}: {n} positions, {share:.4f} within {LP_TOL:g}, max |dlogprob| {worst:.2e}, "
-              f"greedy mismatches {len(greedy_fail)} (+{near_ties} near-ties)")
+        print(
+            f"\n[oracle] {name}: {n} positions, {share:.4f} within {LP_TOL:g}, max |dlogprob| {worst:.2e}, "
+            f"greedy mismatches {len(greedy_fail)} (+{near_ties} near-ties)"
+        )
     assert share >= MIN_SHARE, (
         f"{name}: only {share:.4f} of {n} positions within {LP_TOL:g} (max {worst:.3g}); first bad:\n  "
-        + "\n  ".join(bad[:12]))
-    assert not greedy_fail, (f"{name}: greedy tokens differ from the oracle's argmax:\n  "
-                             + "\n  ".join(greedy_fail[:12]))
+        + "\n  ".join(bad[:12])
+    )
+    assert not greedy_fail, f"{name}: greedy tokens differ from the oracle's argmax:\n  " + "\n  ".join(
+        greedy_fail[:12]
+    )
 
 
 # ---- the oracle helpers themselves --------------------------------------------------------------

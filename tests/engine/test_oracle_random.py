@@ -35,16 +35,26 @@ def draw_config(rng: random.Random) -> tuple[dict, list[int], int]:
     head_dim = rng.choice([16, 32, 48, 64])
     experts = rng.choice([4, 8, 16])
     overrides = dict(
-        num_hidden_layers=layers, compress_ratios=[rng.choice([0, 4, hca]) for _ in range(layers)],
-        hidden_size=rng.choice([32, 64, 96]), num_attention_heads=heads, head_dim=head_dim,
+        num_hidden_layers=layers,
+        compress_ratios=[rng.choice([0, 4, hca]) for _ in range(layers)],
+        hidden_size=rng.choice([32, 64, 96]),
+        num_attention_heads=heads,
+        head_dim=head_dim,
         qk_rope_head_dim=rng.choice([d for d in (4, 8, 16) if d < head_dim]),
-        o_groups=rng.choice([g for g in (1, 2, 4) if heads % g == 0]), o_lora_rank=rng.choice([8, 16]),
-        q_lora_rank=rng.choice([16, 32, 48]), n_routed_experts=experts,
-        num_experts_per_tok=rng.randint(1, min(4, experts)), index_n_heads=rng.choice([16, 32]),
-        index_head_dim=rng.choice([16, 32, 64]), index_topk=rng.randint(1, 8),
-        sliding_window=rng.choice([4, 8, 16, 32]), hc_mult=rng.choice([1, 2, 4]),
-        num_hash_layers=rng.randint(0, min(2, layers)), scoring_func=rng.choice(["sqrtsoftplus", "sigmoid"]),
-        routed_scaling_factor=rng.choice([1.0, 1.5, 2.5]), hc_sinkhorn_iters=rng.choice([3, 20]),
+        o_groups=rng.choice([g for g in (1, 2, 4) if heads % g == 0]),
+        o_lora_rank=rng.choice([8, 16]),
+        q_lora_rank=rng.choice([16, 32, 48]),
+        n_routed_experts=experts,
+        num_experts_per_tok=rng.randint(1, min(4, experts)),
+        index_n_heads=rng.choice([16, 32]),
+        index_head_dim=rng.choice([16, 32, 64]),
+        index_topk=rng.randint(1, 8),
+        sliding_window=rng.choice([4, 8, 16, 32]),
+        hc_mult=rng.choice([1, 2, 4]),
+        num_hash_layers=rng.randint(0, min(2, layers)),
+        scoring_func=rng.choice(["sqrtsoftplus", "sigmoid"]),
+        routed_scaling_factor=rng.choice([1.0, 1.5, 2.5]),
+        hc_sinkhorn_iters=rng.choice([3, 20]),
         moe_intermediate_size=rng.choice([16, 32]),
     )
     if rng.random() < 0.5:
@@ -62,5 +72,6 @@ def test_engine_matches_oracle_on_a_random_config(seed, tmp_path, capsys):
     model_dir = make_hf_checkpoint(tmp_path, seed=200 + seed, **overrides)
     g = torch.Generator().manual_seed(300 + seed)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in lens]
-    assert_engine_matches_oracle(f"random seed {seed} {overrides} prompts {lens} budget {budget}", model_dir,
-                                 prompts, budget, capsys)
+    assert_engine_matches_oracle(
+        f"random seed {seed} {overrides} prompts {lens} budget {budget}", model_dir, prompts, budget, capsys
+    )

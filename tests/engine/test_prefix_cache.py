@@ -25,14 +25,20 @@ TOL = 1e-5
 # name -> oracle checkpoint overrides, engine page_tokens (block = lcm(ratios, page spans)).
 CONFIGS = {
     # window 12 vs block 16: boundaries at 16, 32, 48 ... fall 4, 8, 0 ... slots into the ring
-    "w12_csa_hca16": dict(seed=21, overrides=dict(compress_ratios=[0, 4, 16, 4], sliding_window=12), page_tokens=16,
-                          block=16),
+    "w12_csa_hca16": dict(
+        seed=21, overrides=dict(compress_ratios=[0, 4, 16, 4], sliding_window=12), page_tokens=16, block=16
+    ),
     # window 40 > block 16: the ring at a boundary spans three earlier blocks; HCA 8 below the block
-    "w40_hca8_first": dict(seed=22, overrides=dict(compress_ratios=[8, 4, 0, 8], sliding_window=40, index_topk=5),
-                           page_tokens=16, block=16),
+    "w40_hca8_first": dict(
+        seed=22, overrides=dict(compress_ratios=[8, 4, 0, 8], sliding_window=40, index_topk=5), page_tokens=16, block=16
+    ),
     # HCA 32 = the block (page span 32 for kv32 with one row a page); window 24
-    "w24_hca32": dict(seed=23, overrides=dict(compress_ratios=[4, 32, 0, 4], sliding_window=24, num_hash_layers=0),
-                      page_tokens=8, block=32),
+    "w24_hca32": dict(
+        seed=23,
+        overrides=dict(compress_ratios=[4, 32, 0, 4], sliding_window=24, num_hash_layers=0),
+        page_tokens=8,
+        block=32,
+    ),
 }
 
 
@@ -244,7 +250,7 @@ def _copy_pages(src_pool, src_pages, dst_pool, dst_pages):
     for name, group in src_pool.groups.items():
         rows = group.spec.page_rows
         for sp, dp in zip(src_pages.get(name, []), dst_pages.get(name, [])):
-            dst_pool.groups[name].tensor[:, dp * rows:(dp + 1) * rows] = group.tensor[:, sp * rows:(sp + 1) * rows]
+            dst_pool.groups[name].tensor[:, dp * rows : (dp + 1) * rows] = group.tensor[:, sp * rows : (sp + 1) * rows]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -276,8 +282,9 @@ def test_disaggregated_hit_equals_one_engine(kv_cache_dtype):
         decode.commit_import(f"d{i}")
         while decode.has_work:
             decode.step()
-        _assert_same(decode.pop_finished(f"d{i}"), want[i], f"disaggregated {kv_cache_dtype} request {i}",
-                     1e-4 if fp8 else TOL)
+        _assert_same(
+            decode.pop_finished(f"d{i}"), want[i], f"disaggregated {kv_cache_dtype} request {i}", 1e-4 if fp8 else TOL
+        )
     assert hits == [0, 256, 256]
     _idle(prefill)
     _idle(decode)
@@ -360,8 +367,9 @@ def test_a_full_engine_still_snapshots_inside_the_chunk(checkpoints):
     staging (engine.execution.prefix_cache.STAGING_PAGES): its long prompt still runs in one step. Before, the one request
     held every fixed page and the chunk was cut at the snapshot point (the H200 slice's 8K prompt ran in two)."""
     spec = CONFIGS["w12_csa_hca16"]
-    engine = load_engine(model_dir=checkpoints("w12_csa_hca16"), page_tokens=spec["page_tokens"],
-                         max_batch_tokens=2048, max_num_seqs=1)
+    engine = load_engine(
+        model_dir=checkpoints("w12_csa_hca16"), page_tokens=spec["page_tokens"], max_batch_tokens=2048, max_num_seqs=1
+    )
     params = _params(3)
     _, steps = _steps_of(engine, _rand(70, 12), params)
     assert steps == params.max_new_tokens and engine.prefix.stats.snapshots_in_step == 1
@@ -372,8 +380,9 @@ def test_staging_pages_return_when_the_request_leaves(checkpoints):
     """A chunk that kept an in-step snapshot point holds one staging page in each snapshotted ring group until
     its step is read back; a request that leaves before that (aborted) gives them back."""
     spec = CONFIGS["w40_hca8_first"]
-    engine = load_engine(model_dir=checkpoints("w40_hca8_first"), page_tokens=spec["page_tokens"],
-                         max_batch_tokens=2048)
+    engine = load_engine(
+        model_dir=checkpoints("w40_hca8_first"), page_tokens=spec["page_tokens"], max_batch_tokens=2048
+    )
     idle = {n: g.allocator.num_free for n, g in engine.pool.groups.items()}
     rid = engine.add_request(_rand(70, 12), _params(4))
     [chunk] = engine.scheduler.schedule()  # admits the request and cuts its chunk (not run)

@@ -35,8 +35,10 @@ def test_seeded_sampling_is_reproducible_per_row():
 
 def test_sampling_follows_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
-    draws = [sample(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1), [draw_seed(0, i)]).item()
-             for i in range(3000)]
+    draws = [
+        sample(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1), [draw_seed(0, i)]).item()
+        for i in range(3000)
+    ]
     freq = torch.bincount(torch.tensor(draws), minlength=3).float() / 3000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
 
@@ -80,7 +82,11 @@ def test_unfiltered_sampling_equals_filtering_with_no_limits():
         seeds = [draw_seed(s, i) for s in range(6)]
         assert torch.equal(sample(logits, t, k, p, seeds, filtered=False), sample(logits, t, k, p, seeds))
     small = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
-    draws = [sample(small, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1), [draw_seed(0, i)],
-                    filtered=False).item() for i in range(3000)]
+    draws = [
+        sample(
+            small, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1), [draw_seed(0, i)], filtered=False
+        ).item()
+        for i in range(3000)
+    ]
     freq = torch.bincount(torch.tensor(draws), minlength=3).float() / 3000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)

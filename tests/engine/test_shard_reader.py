@@ -41,9 +41,13 @@ def _write(out_dir, raw: dict, tensors: dict) -> str:
 
 def _hf_name(name: str, float_scale: bool) -> str:
     """DeepSeek name -> a transformers-style spelling the loader accepts (scales as weight_scale[_inv])."""
-    special = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
-               "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
-               "hc_head_scale": "model.hc_head.hc_scale"}
+    special = {
+        "embed.weight": "model.embed_tokens.weight",
+        "head.weight": "lm_head.weight",
+        "hc_head_fn": "model.hc_head.hc_fn",
+        "hc_head_base": "model.hc_head.hc_base",
+        "hc_head_scale": "model.hc_head.hc_scale",
+    }
     if name in special:
         return special[name]
     if name.endswith(".scale"):
@@ -119,8 +123,10 @@ def _assert_equal_to_load_then_cut(model_dir: str, dtype=torch.float32, keeps=((
             for ctx in group:
                 want = shard_weights(full, cfg, ctx, dtype)
                 got = load_shard(model_dir, cfg, ctx, dtype, "cpu", keep_mxfp4_experts=keep_mx, keep_fp8=keep_fp8)
-                what = f"{os.path.basename(model_dir)} tp{ctx.tp_size} ep={ctx.expert_parallel} rank {ctx.rank} " \
-                       f"keep_mxfp4={keep_mx} keep_fp8={keep_fp8}"
+                what = (
+                    f"{os.path.basename(model_dir)} tp{ctx.tp_size} ep={ctx.expert_parallel} rank {ctx.rank} "
+                    f"keep_mxfp4={keep_mx} keep_fp8={keep_fp8}"
+                )
                 assert list(got) == list(want), what
                 bad = [n for n in want if not _same(got[n], want[n])]
                 assert not bad, f"{what}: {bad[:5]}"
@@ -252,10 +258,16 @@ def test_release_format_rank_reads_its_windows(models, monkeypatch):
     counts = _read_counts(monkeypatch, model_dir, ctx, keep_mxfp4_experts=True, keep_fp8=True)
     with weights_mod.safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
         stored = {k: torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys()}
-    for name in ("layers.2.ffn.experts.5.w1.weight", "layers.2.ffn.experts.5.w1.scale",
-                 "layers.2.ffn.experts.5.w2.weight", "layers.2.ffn.experts.5.w2.scale",
-                 "layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale",
-                 "layers.1.attn.wo_b.weight", "layers.1.attn.wo_b.scale"):
+    for name in (
+        "layers.2.ffn.experts.5.w1.weight",
+        "layers.2.ffn.experts.5.w1.scale",
+        "layers.2.ffn.experts.5.w2.weight",
+        "layers.2.ffn.experts.5.w2.scale",
+        "layers.1.attn.wq_b.weight",
+        "layers.1.attn.wq_b.scale",
+        "layers.1.attn.wo_b.weight",
+        "layers.1.attn.wo_b.scale",
+    ):
         assert counts[name] * 2 == stored[name], f"{name}: read {counts[name]} of {stored[name]}"
     # shared w1: 64 of 128 rows, a half block: the whole 128-row block (one scale row) is the window
     assert counts["layers.1.ffn.shared_experts.w1.weight"] == stored["layers.1.ffn.shared_experts.w1.weight"]

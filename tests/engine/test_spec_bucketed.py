@@ -20,11 +20,18 @@ from tests.engine.test_speculative import model as model  # noqa: F401 (the modu
 
 def _engine(model, k, kv="exact", mode="bucketed", policy=None, budget=2048, device="cpu", dtype=torch.float32):
     cfg, weights = model
-    return EngineCore(cfg, weights, device=device, dtype=dtype,
-                      cache_config=CacheConfig(max_requests=8, max_tokens=4096, page_tokens=16, kv_cache_dtype=kv),
-                      scheduler_config=SchedulerConfig(max_batch_tokens=budget, max_num_seqs=8),
-                      decode_mode=mode, prefix_cache=True, speculative_tokens=k,
-                      speculative_policy=policy or SpecPolicy(max_batch=8))
+    return EngineCore(
+        cfg,
+        weights,
+        device=device,
+        dtype=dtype,
+        cache_config=CacheConfig(max_requests=8, max_tokens=4096, page_tokens=16, kv_cache_dtype=kv),
+        scheduler_config=SchedulerConfig(max_batch_tokens=budget, max_num_seqs=8),
+        decode_mode=mode,
+        prefix_cache=True,
+        speculative_tokens=k,
+        speculative_policy=policy or SpecPolicy(max_batch=8),
+    )
 
 
 def _case(model, seed):
@@ -34,8 +41,16 @@ def _case(model, seed):
     return prompts, params
 
 
-@pytest.mark.parametrize("k,kv,corrupt,budget", [(1, "exact", 0.2, 2048), (2, "exact", 0.3, 2048),
-                                                 (2, "exact", 0.3, 7), (1, "fp8", 0.3, 2048), (2, "fp8", 0.2, 2048)])
+@pytest.mark.parametrize(
+    "k,kv,corrupt,budget",
+    [
+        (1, "exact", 0.2, 2048),
+        (2, "exact", 0.3, 2048),
+        (2, "exact", 0.3, 7),
+        (1, "fp8", 0.3, 2048),
+        (2, "fp8", 0.2, 2048),
+    ],
+)
 def test_bucketed_verify_equals_non_speculative(model, monkeypatch, k, kv, corrupt, budget):
     """budget 7: chunked prefill, so steps mixing prefill with decode take the varlen path between bucketed ones."""
     prompts, params = _case(model, k)
@@ -121,16 +136,22 @@ def test_one_query_verify_batch_is_the_decode_batch(model):
 
     engine = _engine(model, 1)
     pool, tables = engine.pool, engine.speculator.verify.decode.block_tables
-    pages = [{name: [1 + b + 3 * i for i in range(1 if g.spec.fixed else 3)] for name, g in pool.groups.items()}
-             for b in range(3)]
+    pages = [
+        {name: [1 + b + 3 * i for i in range(1 if g.spec.fixed else 3)] for name, g in pool.groups.items()}
+        for b in range(3)
+    ]
     rows = tables.rows_for(["a", "b", "c"], pages)
     shape = DecodeShape(4, 256)
     tokens, positions = [5, 6, 7], [3, 40, 127]
-    dec = derive_decode_batch_reference(pool, tables, DecodeInputs.make(tokens, positions, rows, shape,
-                                                                        tables.pad_row), shape)
-    ver = derive_verify_batch(pool, tables, VerifyInputs.make([[t] for t in tokens], positions, rows,
-                                                              VerifyShape(shape, 1), tables.pad_row).packed,
-                              VerifyShape(shape, 1))
+    dec = derive_decode_batch_reference(
+        pool, tables, DecodeInputs.make(tokens, positions, rows, shape, tables.pad_row), shape
+    )
+    ver = derive_verify_batch(
+        pool,
+        tables,
+        VerifyInputs.make([[t] for t in tokens], positions, rows, VerifyShape(shape, 1), tables.pad_row).packed,
+        VerifyShape(shape, 1),
+    )
 
     def same(a, b, where):
         if isinstance(a, torch.Tensor):

@@ -32,10 +32,14 @@ def model(tmp_path_factory):
 
 def _engine(model, k):
     cfg, weights = model
-    return EngineCore(cfg, weights, cache_config=CacheConfig(max_requests=8, max_tokens=4096, page_tokens=16,
-                                                             kv_cache_dtype="exact"),
-                      scheduler_config=SchedulerConfig(max_batch_tokens=2048, max_num_seqs=8),
-                      decode_mode="eager", speculative_tokens=k)
+    return EngineCore(
+        cfg,
+        weights,
+        cache_config=CacheConfig(max_requests=8, max_tokens=4096, page_tokens=16, kv_cache_dtype="exact"),
+        scheduler_config=SchedulerConfig(max_batch_tokens=2048, max_num_seqs=8),
+        decode_mode="eager",
+        speculative_tokens=k,
+    )
 
 
 def _prompts(vocab):
@@ -66,7 +70,7 @@ def _wipe_mtp_kv_on_import(decode):
 
     def commit(request_id):
         page = decode.imports[request_id].pages["swa"][0]
-        group.layer(mtp_layer)[page * rows:(page + 1) * rows] = 0
+        group.layer(mtp_layer)[page * rows : (page + 1) * rows] = 0
         original(request_id)
 
     decode.commit_import = commit

@@ -41,8 +41,11 @@ def _logits(seed: int, scale: float) -> torch.Tensor:
     return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=10),
-          SamplingParams(temperature=1.3, top_p=0.8)]
+PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=10),
+    SamplingParams(temperature=1.3, top_p=0.8),
+]
 
 
 def _emitted(params, target, draft, k: int, base: int) -> torch.Tensor:
@@ -52,8 +55,9 @@ def _emitted(params, target, draft, k: int, base: int) -> torch.Tensor:
     rows = [r for r in reqs for _ in range(k + 1)]
     index = [j for _ in reqs for j in range(k + 1)]
     draft_rows = [i for i, j in enumerate(index) if j < k]
-    drafts, q = spec_sampling.draw_drafts(draft.expand(len(draft_rows), V).contiguous(),
-                                          [rows[i] for i in draft_rows], [index[i] for i in draft_rows])
+    drafts, q = spec_sampling.draw_drafts(
+        draft.expand(len(draft_rows), V).contiguous(), [rows[i] for i in draft_rows], [index[i] for i in draft_rows]
+    )
     all_drafts = torch.full((len(rows),), -1, dtype=torch.int64)
     all_drafts[draft_rows] = drafts
     all_q = torch.zeros(len(rows), V)
@@ -113,6 +117,7 @@ def test_same_seed_same_draws_whatever_the_batch():
 
 # ---- end to end on the tiny model (its random MTP layer: about half the drafts accepted at temperature 1) ----
 
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from engine.loading.make_model import make_model
@@ -131,11 +136,15 @@ def _engine(model, k):
     from engine.model.cache import CacheConfig
 
     cfg, weights = model
-    return EngineCore(cfg, weights, cache_config=CacheConfig(max_requests=64, max_tokens=8192, page_tokens=16,
-                                                             kv_cache_dtype="exact"),
-                      scheduler_config=SchedulerConfig(max_batch_tokens=4096, max_num_seqs=64),
-                      decode_mode="eager", speculative_tokens=k,
-                      speculative_policy=SpecPolicy(max_batch=64))  # draft at every batch here
+    return EngineCore(
+        cfg,
+        weights,
+        cache_config=CacheConfig(max_requests=64, max_tokens=8192, page_tokens=16, kv_cache_dtype="exact"),
+        scheduler_config=SchedulerConfig(max_batch_tokens=4096, max_num_seqs=64),
+        decode_mode="eager",
+        speculative_tokens=k,
+        speculative_policy=SpecPolicy(max_batch=64),
+    )  # draft at every batch here
 
 
 def _run(engine, requests):

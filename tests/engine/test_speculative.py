@@ -30,10 +30,15 @@ def model(tmp_path_factory):
 
 def _engine(model, k, kv="exact", batch_tokens=2048, prefix=True):
     cfg, weights = model
-    return EngineCore(cfg, weights, cache_config=CacheConfig(max_requests=8, max_tokens=4096, page_tokens=16,
-                                                             kv_cache_dtype=kv),
-                      scheduler_config=SchedulerConfig(max_batch_tokens=batch_tokens, max_num_seqs=8),
-                      decode_mode="eager", prefix_cache=prefix, speculative_tokens=k)
+    return EngineCore(
+        cfg,
+        weights,
+        cache_config=CacheConfig(max_requests=8, max_tokens=4096, page_tokens=16, kv_cache_dtype=kv),
+        scheduler_config=SchedulerConfig(max_batch_tokens=batch_tokens, max_num_seqs=8),
+        decode_mode="eager",
+        prefix_cache=prefix,
+        speculative_tokens=k,
+    )
 
 
 def _run(engine, prompts, params):
@@ -62,7 +67,7 @@ def _forced(monkeypatch, refs: dict, corrupt: float, seed: int):
                 continue
             ref = refs[tuple(req.prompt)]
             n = len(req.output)
-            want = ref[n:n + len(self.drafts[rid])]
+            want = ref[n : n + len(self.drafts[rid])]
             self.drafts[rid] = [t if g.random() > corrupt else (t + 1) % 512 for t in want] or self.drafts[rid]
 
     monkeypatch.setattr(Speculator, "_draft", draft)
@@ -122,8 +127,19 @@ def test_generate_cli_reports_drafted_and_accepted(tmp_path, capsys):
     from service.cli import main
 
     d = make_model("tiny", tmp_path / "m", seed=11, mtp_layers=1)
-    args = ["generate", "--model", d, "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "8", "--ignore-eos", "--json",
-            "--kv-cache-dtype", "exact"]
+    args = [
+        "generate",
+        "--model",
+        d,
+        "--prompt-ids",
+        "5,6,7,8,9",
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
+        "--kv-cache-dtype",
+        "exact",
+    ]
     assert main(args) == 0
     plain = json.loads(capsys.readouterr().out.strip())
     assert main(args + ["--speculative-tokens", "2"]) == 0
@@ -151,5 +167,8 @@ def test_spec_counters_mirror_the_speculator(model):
     counters.observe(spec.speculator.stats)
     s = spec.speculator.stats
     assert s["drafted"] > 0
-    assert (value("dsv4_spec_draft_tokens_total"), value("dsv4_spec_accepted_tokens_total"),
-            value("dsv4_spec_verify_steps_total")) == (s["drafted"], s["accepted"], s["verify_chunks"])
+    assert (
+        value("dsv4_spec_draft_tokens_total"),
+        value("dsv4_spec_accepted_tokens_total"),
+        value("dsv4_spec_verify_steps_total"),
+    ) == (s["drafted"], s["accepted"], s["verify_chunks"])

@@ -55,8 +55,13 @@ def _expected_sources(pos, start, cu_b, page, page_rows, ring_rows, total):
 
 
 def _as_lists(src):
-    return [src.from_chunk.tolist(), src.chunk_row.tolist(), src.ring_row.tolist(), src.valid.tolist(),
-            src.row.tolist()]
+    return [
+        src.from_chunk.tolist(),
+        src.chunk_row.tolist(),
+        src.ring_row.tolist(),
+        src.valid.tolist(),
+        src.row.tolist(),
+    ]
 
 
 def test_build_step_index_sets_match_their_definitions():
@@ -86,8 +91,10 @@ def test_build_step_index_sets_match_their_definitions():
     for b, (start, n) in enumerate(lengths):
         page = tables[b]["swa"][0]
         for p in range(start, start + n):
-            row = [_expected_sources(p - window + 1 + j, start, cu[b], page, swa.page_rows, window, total["swa"])
-                   for j in range(window)]
+            row = [
+                _expected_sources(p - window + 1 + j, start, cu[b], page, swa.page_rows, window, total["swa"])
+                for j in range(window)
+            ]
             for f in range(5):
                 want[f].append([r[f] for r in row])
         for p in range(max(start, start + n - window), start + n):
@@ -105,8 +112,12 @@ def test_build_step_index_sets_match_their_definitions():
             page = tables[b][state][0]
             for w in range(start // ratio, (start + n) // ratio):
                 for out, shift in ((cur, 0), (prev, ratio)):
-                    row = [_expected_sources(w * ratio + k - shift, start, cu[b], page, st.page_rows, st.page_rows,
-                                             total[state]) for k in range(ratio)]
+                    row = [
+                        _expected_sources(
+                            w * ratio + k - shift, start, cu[b], page, st.page_rows, st.page_rows, total[state]
+                        )
+                        for k in range(ratio)
+                    ]
                     for f in range(5):
                         out[f].append([r[f] for r in row])
                 rows.append(_paged(tables[b].get(entry, []), spec[entry].page_rows, w))
@@ -132,7 +143,7 @@ def test_build_step_index_sets_match_their_definitions():
             counts += [(p + 1) // ratio for p in range(start, start + n)]
             known = (start + n) // ratio  # entries visible to its last token
             want = [_paged(tables[b].get(name, []), spec[name].page_rows, e) for e in range(min(width, known))]
-            assert vis.rows[b, :len(want)].tolist() == want, name
+            assert vis.rows[b, : len(want)].tolist() == want, name
         assert vis.count.tolist() == counts and torch.equal(vis.seg, batch.seq_of_token), name
         assert int(vis.rows.min()) >= 0, name  # invalid entries still name real rows (every consumer masks them)
         assert torch.equal(vis.token_valid(), torch.arange(width) < vis.count.unsqueeze(1)), name

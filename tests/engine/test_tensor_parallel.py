@@ -45,8 +45,12 @@ def _prompts(vocab: int, lens=LENS, seed: int = 3) -> list[list[int]]:
 
 def _params(n: int) -> list[SamplingParams]:
     greedy = SamplingParams(max_new_tokens=N_GEN, ignore_eos=True, logprobs=True, prompt_logprobs=True)
-    sampled = [SamplingParams(max_new_tokens=N_GEN, temperature=1.0, seed=50 + i, ignore_eos=True, logprobs=True,
-                              prompt_logprobs=True) for i in range(n)]
+    sampled = [
+        SamplingParams(
+            max_new_tokens=N_GEN, temperature=1.0, seed=50 + i, ignore_eos=True, logprobs=True, prompt_logprobs=True
+        )
+        for i in range(n)
+    ]
     return [greedy] * n + sampled
 
 
@@ -69,10 +73,14 @@ def reference():
     return prompts, llm.generate(prompts + prompts, _params(len(prompts)))
 
 
-@pytest.mark.parametrize("tp_kwargs", [
-    dict(tensor_parallel_size=2),
-    dict(tensor_parallel_size=2, expert_parallel=True, max_batch_tokens=7, decode_mode="bucketed"),
-], ids=["tp2", "tp2_ep2_chunked_bucketed"])
+@pytest.mark.parametrize(
+    "tp_kwargs",
+    [
+        dict(tensor_parallel_size=2),
+        dict(tensor_parallel_size=2, expert_parallel=True, max_batch_tokens=7, decode_mode="bucketed"),
+    ],
+    ids=["tp2", "tp2_ep2_chunked_bucketed"],
+)
 def test_two_ranks_equal_one(tp_kwargs, reference):
     prompts, ref = reference
     with LLM(model_dir=None, **tp_kwargs) as llm:
@@ -96,14 +104,36 @@ def test_packed_mxfp4_experts_expert_parallel(tmp_path):
 
 
 def test_cli_generate_spawns_its_ranks():
-    args = ["generate", "--device", "cpu", "--json", "--logprobs", "--prompt-logprobs", "--ignore-eos",
-            "--max-new-tokens", "6", "--max-batch-tokens", "11", "--prompt-ids", "5,6,7,8,9,10,11,12,13,14,15,16,17",
-            "--prompt-ids", "3,4", "--temperature", "0.8", "--seed", "7"]
+    args = [
+        "generate",
+        "--device",
+        "cpu",
+        "--json",
+        "--logprobs",
+        "--prompt-logprobs",
+        "--ignore-eos",
+        "--max-new-tokens",
+        "6",
+        "--max-batch-tokens",
+        "11",
+        "--prompt-ids",
+        "5,6,7,8,9,10,11,12,13,14,15,16,17",
+        "--prompt-ids",
+        "3,4",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "7",
+    ]
 
     def run(extra):
-        proc = subprocess.run([sys.executable, "-m", "service.cli", *args, *extra], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "service.cli", *args, *extra],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return [json.loads(line) for line in proc.stdout.splitlines()]
 
@@ -120,8 +150,9 @@ def test_two_ranks_match_the_oracle(tmp_path):
     """TP 2 + EP 2 with chunked prefill against transformers (same criteria as tests/engine/test_oracle.py)."""
     from tests.support.oracle import make_hf_checkpoint, teacher_forced
 
-    model_dir = make_hf_checkpoint(tmp_path / "hf", seed=21, compress_ratios=[0, 4, 16, 4], num_hash_layers=1,
-                                   index_topk=3)
+    model_dir = make_hf_checkpoint(
+        tmp_path / "hf", seed=21, compress_ratios=[0, 4, 16, 4], num_hash_layers=1, index_topk=3
+    )
     prompts = _prompts(128, [3, 19, 40], seed=21)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=True, prompt_logprobs=True)
     with LLM(model_dir, max_batch_tokens=9, tensor_parallel_size=2, expert_parallel=True) as llm:
@@ -142,8 +173,9 @@ def test_groups_spanning_ranks_match_the_oracle(tmp_path):
     the one group's heads and its columns of wo_a; TP 2 + EP 2 still matches transformers."""
     from tests.support.oracle import make_hf_checkpoint, teacher_forced
 
-    model_dir = make_hf_checkpoint(tmp_path / "hf", seed=22, o_groups=1, compress_ratios=[4, 0, 16],
-                                   num_hidden_layers=3, index_topk=3)
+    model_dir = make_hf_checkpoint(
+        tmp_path / "hf", seed=22, o_groups=1, compress_ratios=[4, 0, 16], num_hidden_layers=3, index_topk=3
+    )
     prompts = _prompts(128, [5, 33], seed=22)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True, prompt_logprobs=True)
     with LLM(model_dir, max_batch_tokens=16, tensor_parallel_size=2, expert_parallel=True) as llm:
@@ -171,8 +203,9 @@ def test_shards_reassemble_the_checkpoint(ep):
         parts = [s.get(name) for s in shards]
         if ".experts." in name and ep:
             e = int(name.split(".experts.")[1].split(".")[0])
-            assert (parts[0] is not None) == (e < cfg.n_routed_experts // 2) and (parts[1] is None) == (parts[0]
-                                                                                                       is not None)
+            assert (parts[0] is not None) == (e < cfg.n_routed_experts // 2) and (parts[1] is None) == (
+                parts[0] is not None
+            )
             continue
         if parts[0].shape == t.shape:  # replicated
             assert all(torch.equal(p, t) for p in parts), name
@@ -188,16 +221,21 @@ def test_fp8_weights_split_on_block_boundaries():
     cfg = dataclasses.replace(ModelConfig.from_model_dir(default_model_dir()), o_groups=4)  # 4 ranks fit
     w = torch.randn(512, 256).to(torch.float8_e4m3fn)
     s = torch.rand(4, 2) + 0.5
-    weights = {"layers.0.attn.wq_b.weight": w, "layers.0.attn.wq_b.scale": s,
-               "layers.0.attn.wo_b.weight": w, "layers.0.attn.wo_b.scale": s}
+    weights = {
+        "layers.0.attn.wq_b.weight": w,
+        "layers.0.attn.wq_b.scale": s,
+        "layers.0.attn.wo_b.weight": w,
+        "layers.0.attn.wo_b.scale": s,
+    }
     r1 = shard_weights(weights, cfg, ParallelContext(2, 1), torch.float32)
     assert torch.equal(r1["layers.0.attn.wq_b.weight"].float(), w[256:].float())  # column: rows, 2 scale blocks
     assert torch.equal(r1["layers.0.attn.wq_b.scale"], s[2:])
     # row-parallel wo_b: 128 of 256 columns = one whole scale block column
     assert torch.equal(r1["layers.0.attn.wo_b.scale"], s[:, 1:])
     # 4 ranks of 64 columns do not fall on the 128 grid: that tensor is dequantised, then cut
-    r3 = shard_weights({"layers.0.attn.wo_b.weight": w, "layers.0.attn.wo_b.scale": s}, cfg,
-                       ParallelContext(4, 3), torch.float32)
+    r3 = shard_weights(
+        {"layers.0.attn.wo_b.weight": w, "layers.0.attn.wo_b.scale": s}, cfg, ParallelContext(4, 3), torch.float32
+    )
     deq = w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)
     assert "layers.0.attn.wo_b.scale" not in r3 and torch.equal(r3["layers.0.attn.wo_b.weight"], deq[:, 192:])
 
@@ -215,9 +253,10 @@ def test_groups_spanning_ranks_cut_rows_then_heads(tp, o_groups):
         shard = shard_weights(weights, cfg, ParallelContext(tp, r), torch.float32)
         group, part = r // parts, r % parts
         width = cols // parts
-        assert torch.equal(shard["layers.0.attn.wo_a.weight"],
-                           wo_a[group * 8:(group + 1) * 8, part * width:(part + 1) * width])
-        assert torch.equal(shard["layers.0.attn.wo_b.weight"], wo_b[:, group * 8:(group + 1) * 8])
+        assert torch.equal(
+            shard["layers.0.attn.wo_a.weight"], wo_a[group * 8 : (group + 1) * 8, part * width : (part + 1) * width]
+        )
+        assert torch.equal(shard["layers.0.attn.wo_b.weight"], wo_b[:, group * 8 : (group + 1) * 8])
 
 
 def test_indivisible_group_is_a_clear_error():
@@ -227,8 +266,9 @@ def test_indivisible_group_is_a_clear_error():
     with pytest.raises(ValueError, match="n_routed_experts = 7 is not divisible"):
         shard_weights({}, cfg, ParallelContext(2, 0, True), torch.float32)
     cfg = dataclasses.replace(ModelConfig.from_model_dir(default_model_dir()), num_heads=12, o_groups=3)
-    with pytest.raises(ValueError, match="o_groups = 3 is neither divisible by nor a divisor of "
-                                         "--tensor-parallel-size 2"):
+    with pytest.raises(
+        ValueError, match="o_groups = 3 is neither divisible by nor a divisor of --tensor-parallel-size 2"
+    ):
         shard_weights({}, cfg, ParallelContext(2, 0), torch.float32)
 
 
@@ -238,7 +278,7 @@ def _copy_pages(src_pool, src_pages, dst_pool, dst_pages):
     for name, group in src_pool.groups.items():
         rows = group.spec.page_rows
         for sp, dp in zip(src_pages.get(name, []), dst_pages.get(name, [])):
-            dst_pool.groups[name].tensor[:, dp * rows:(dp + 1) * rows] = group.tensor[:, sp * rows:(sp + 1) * rows]
+            dst_pool.groups[name].tensor[:, dp * rows : (dp + 1) * rows] = group.tensor[:, sp * rows : (sp + 1) * rows]
 
 
 def _drain(engine):
@@ -268,8 +308,9 @@ def test_handoff_between_layouts():
             _drain(prefill)
             for i in range(len(prompts)):
                 req = prefill.held_request(f"{tag}p{i}")
-                pages = decode.reserve_import(req.prompt, params, f"{tag}d{i}", req.seed, req.output[0],
-                                              req.logprobs[0])
+                pages = decode.reserve_import(
+                    req.prompt, params, f"{tag}d{i}", req.seed, req.output[0], req.logprobs[0]
+                )
                 _copy_pages(prefill.pool, req.pages, decode.pool, pages)
                 prefill.release(f"{tag}p{i}")
                 decode.commit_import(f"{tag}d{i}")
@@ -321,10 +362,25 @@ def _write_fp8_model(out_dir: str) -> str:
     from engine.loading.make_model import preset_config, quantize_weights, random_weights
 
     raw = preset_config("tiny")
-    raw.update(hidden_size=256, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=128,
-               o_groups=2, o_lora_rank=128, moe_intermediate_size=256, num_hidden_layers=2, compress_ratios=[4, 0],
-               quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                    "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    raw.update(
+        hidden_size=256,
+        num_attention_heads=4,
+        head_dim=64,
+        qk_rope_head_dim=16,
+        q_lora_rank=128,
+        o_groups=2,
+        o_lora_rank=128,
+        moe_intermediate_size=256,
+        num_hidden_layers=2,
+        compress_ratios=[4, 0],
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+    )
     os.makedirs(out_dir, exist_ok=True)
     weights = quantize_weights(random_weights(ModelConfig.from_dict(raw), 5))
     save_file(weights, os.path.join(out_dir, "model.safetensors"))

@@ -28,8 +28,13 @@ def weights():
 
 def _engine(weights, prefix: bool = True) -> EngineCore:
     cfg, w = weights
-    return EngineCore(cfg, w, cache_config=CacheConfig(max_requests=4, max_tokens=2048),
-                      scheduler_config=SchedulerConfig(max_batch_tokens=300, max_num_seqs=4), prefix_cache=prefix)
+    return EngineCore(
+        cfg,
+        w,
+        cache_config=CacheConfig(max_requests=4, max_tokens=2048),
+        scheduler_config=SchedulerConfig(max_batch_tokens=300, max_num_seqs=4),
+        prefix_cache=prefix,
+    )
 
 
 def test_prompt_ladder_and_m_values():
@@ -128,8 +133,15 @@ def test_gpu_load_engine_warms_and_serves_what_a_cold_engine_serves(monkeypatch)
     outs, engines = [], []
     for mode in ("1", "0"):
         monkeypatch.setenv("DSV4_WARMUP", mode)
-        eng = load_engine(None, device="cuda", dtype="bfloat16", max_batch_tokens=256, max_num_seqs=8,
-                          max_cached_tokens=16384, warmup=True)
+        eng = load_engine(
+            None,
+            device="cuda",
+            dtype="bfloat16",
+            max_batch_tokens=256,
+            max_num_seqs=8,
+            max_cached_tokens=16384,
+            warmup=True,
+        )
         runner = eng.decode_runner
         if mode == "1":
             assert len(runner.graphs) == len(runner.slots) * len(runner.contexts)
@@ -155,11 +167,15 @@ def test_deepgemm_shapes_are_recorded_and_swept(monkeypatch):
     from dsv4_kernels.fp8_linear import Fp8Weight
 
     calls = []
-    fake = types.SimpleNamespace(fp8_gemm_nt=lambda a, b, out: calls.append((a[0].shape[0], tuple(b[0].shape),
-                                                                            tuple(out.shape))))
+    fake = types.SimpleNamespace(
+        fp8_gemm_nt=lambda a, b, out: calls.append((a[0].shape[0], tuple(b[0].shape), tuple(out.shape)))
+    )
     monkeypatch.setattr(dgl, "import_deep_gemm", lambda: fake)
-    monkeypatch.setattr(quant, "quant_act_1x128", lambda x, pow2=True: (x.to(torch.float8_e4m3fn),
-                                                                        torch.ones(x.shape[0], -(-x.shape[1] // 128))))
+    monkeypatch.setattr(
+        quant,
+        "quant_act_1x128",
+        lambda x, pow2=True: (x.to(torch.float8_e4m3fn), torch.ones(x.shape[0], -(-x.shape[1] // 128))),
+    )
     monkeypatch.setattr(dgl, "_SEEN", set())
     w = Fp8Weight(torch.randn(256, 384).to(torch.float8_e4m3fn), torch.ones(2, 3), pow2_act=False)
     dgl.fp8_gemm(torch.randn(5, 384, dtype=torch.bfloat16), w)
@@ -187,15 +203,25 @@ def test_fp8_expert_gemms_swept_at_every_layout_row_count(monkeypatch):
         assert m_indices.shape == (a[0].shape[0],) and out.shape == (a[0].shape[0], b[0].shape[1])
         calls.append((a[0].shape[0], tuple(b[0].shape[1:])))
 
-    monkeypatch.setattr(dgm, "import_deep_gemm", lambda: types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=grouped))
+    monkeypatch.setattr(
+        dgm, "import_deep_gemm", lambda: types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=grouped)
+    )
     monkeypatch.setattr(dgm, "m_alignment", lambda: 16)
     monkeypatch.setattr(dgm, "_SEEN", set())
     monkeypatch.setattr(fp, "use_fp8_expert_gemm", lambda device: True)
     e, h, inter, k, top = 4, 256, 128, 2, 40
-    ex = fe.Fp8Experts(torch.zeros(e, 2 * inter, h).to(torch.float8_e4m3fn), torch.ones(e, 2, 2),
-                       torch.zeros(e, h, inter).to(torch.float8_e4m3fn), torch.ones(e, 2, 1))
-    eng = types.SimpleNamespace(model=types.SimpleNamespace(moe=[types.SimpleNamespace(fp8=ex)]), dtype=torch.bfloat16,
-                                device=torch.device("cpu"), cfg=types.SimpleNamespace(num_experts_per_tok=k))
+    ex = fe.Fp8Experts(
+        torch.zeros(e, 2 * inter, h).to(torch.float8_e4m3fn),
+        torch.ones(e, 2, 2),
+        torch.zeros(e, h, inter).to(torch.float8_e4m3fn),
+        torch.ones(e, 2, 1),
+    )
+    eng = types.SimpleNamespace(
+        model=types.SimpleNamespace(moe=[types.SimpleNamespace(fp8=ex)]),
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        cfg=types.SimpleNamespace(num_experts_per_tok=k),
+    )
     n = sweep_fp8_experts(eng, top)
     ms = list(range(16, fe.padded_rows(top * k, e, 16) + 1, 16))
     assert n == len(calls) == 2 * len(ms)
@@ -221,8 +247,7 @@ def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
     calls = []
 
     def masked(a, b, out, masked_m, expected_m):
-        calls.append(("masked", tuple(a[0].shape), tuple(b[0].shape), tuple(b[1].shape), masked_m.tolist(),
-                      expected_m))
+        calls.append(("masked", tuple(a[0].shape), tuple(b[0].shape), tuple(b[1].shape), masked_m.tolist(), expected_m))
         out.copy_(torch.einsum("gmk,gnk->gmn", a[0].float(), b[0].float()))
 
     def plain(a, b, out):
@@ -231,6 +256,7 @@ def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
 
     fake = types.SimpleNamespace(fp8_gemm_nt=plain, m_grouped_fp8_gemm_nt_masked=masked)
     monkeypatch.setattr(dgl, "import_deep_gemm", lambda: fake)
+
     def fake_quant(x, pow2=True, rows=None):  # stand-in with the real one's padded-storage contract
         g, m, k = x.shape
         q = torch.zeros(g, rows or m, k).to(torch.float8_e4m3fn)
@@ -276,10 +302,17 @@ def _dp_warm_rank(rank: int, port: int, max_batch_tokens: int, prompt: list[int]
 
     torch.set_num_threads(1)
     try:
-        ctx = init_distributed(rank, 2, "cpu", port, expert_parallel=True, data_parallel_attention=True,
-                               timeout_s=120)
-        eng = load_engine(None, device="cpu", dtype="float32", parallel=ctx, max_batch_tokens=max_batch_tokens,
-                          max_num_seqs=4, max_cached_tokens=2048, warmup=False)
+        ctx = init_distributed(rank, 2, "cpu", port, expert_parallel=True, data_parallel_attention=True, timeout_s=120)
+        eng = load_engine(
+            None,
+            device="cpu",
+            dtype="float32",
+            parallel=ctx,
+            max_batch_tokens=max_batch_tokens,
+            max_num_seqs=4,
+            max_cached_tokens=2048,
+            warmup=False,
+        )
         idle = eng.pool.num_free_pages()
         report = warm_engine(eng, sweep_gemms=False)
         clean = not eng.has_work and not eng.requests and eng.pool.num_free_pages() == idle
@@ -301,7 +334,8 @@ def test_data_parallel_ranks_warm_up_together():
 
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 12]]
     want = LLM(None, prefix_cache=True, max_batch_tokens=8).generate(
-        prompts, [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 2)
+        prompts, [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 2
+    )
     mp = multiprocessing.get_context("spawn")
     out, port = mp.Queue(), free_loopback_port()
     procs = [mp.Process(target=_dp_warm_rank, args=(r, port, (16, 8)[r], prompts[r], out)) for r in range(2)]

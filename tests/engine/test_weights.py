@@ -76,8 +76,15 @@ def test_dtype_and_fp32_exceptions(tiny, cfg):
             assert t.dtype == torch.float32, name
         else:
             assert t.dtype == torch.bfloat16, name
-    for name in ("norm.weight", "hc_head_fn", "layers.1.hc_attn_scale", "layers.2.attn.attn_sink",
-                 "layers.1.attn.indexer.compressor.ape", "layers.1.ffn.gate.bias", "layers.1.attn.q_norm.weight"):
+    for name in (
+        "norm.weight",
+        "hc_head_fn",
+        "layers.1.hc_attn_scale",
+        "layers.2.attn.attn_sink",
+        "layers.1.attn.indexer.compressor.ape",
+        "layers.1.ffn.gate.bias",
+        "layers.1.attn.q_norm.weight",
+    ):
         assert weights[name].dtype == torch.float32, name
     assert weights["layers.1.attn.wq_a.weight"].dtype == torch.bfloat16
 
@@ -99,7 +106,7 @@ def test_quantized_round_trip(tiny, tiny_q, cfg):
     for name, w in exact.items():
         d = deq[name]
         assert d.shape == w.shape and d.dtype == w.dtype, name
-        if f"{name[:-len('.weight')]}.scale" not in keys:
+        if f"{name[: -len('.weight')]}.scale" not in keys:
             assert torch.equal(d, w), name
         elif ".experts." in name and "shared" not in name:
             n_fp4 += 1  # MXFP4: error <= one grid unit <= block amax / 3
@@ -117,10 +124,25 @@ def test_quantized_round_trip(tiny, tiny_q, cfg):
 def _hf_tiny_config():
     transformers = pytest.importorskip("transformers")
     return transformers, transformers.DeepseekV4Config(
-        vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
-        head_dim=16, qk_rope_head_dim=8, q_lora_rank=16, num_experts_per_tok=2, n_routed_experts=4,
-        o_groups=2, o_lora_rank=8, index_n_heads=4, index_head_dim=8, index_topk=4, sliding_window=8,
-        hc_mult=2, compress_ratios=[0, 4, 128], num_hash_layers=1,
+        vocab_size=64,
+        hidden_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        head_dim=16,
+        qk_rope_head_dim=8,
+        q_lora_rank=16,
+        num_experts_per_tok=2,
+        n_routed_experts=4,
+        o_groups=2,
+        o_lora_rank=8,
+        index_n_heads=4,
+        index_head_dim=8,
+        index_topk=4,
+        sliding_window=8,
+        hc_mult=2,
+        compress_ratios=[0, 4, 128],
+        num_hash_layers=1,
     )
 
 
@@ -191,8 +213,10 @@ def test_sharded_index_round_trip(tiny_q, tmp_path):
             key, t = "model." + n[: -len(".scale")] + ".weight_scale_inv", t.view(torch.uint8)
             t = torch.exp2(t.float() - 127)  # V3-style float32 block scale
         shard2[key or ("model." + n if n.startswith("layers.") else n)] = t
-    files = {"model-00001-of-00002.safetensors": {n: tensors[n] for n in first},
-             "model-00002-of-00002.safetensors": shard2}
+    files = {
+        "model-00001-of-00002.safetensors": {n: tensors[n] for n in first},
+        "model-00002-of-00002.safetensors": shard2,
+    }
     weight_map = {}
     for fname, part in files.items():
         save_file(part, os.path.join(tmp_path, fname))

@@ -10,9 +10,11 @@ from dsv4_kernels.quant import dequant_mxfp4, quant_mxfp4
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not has_deep_gemm(),
-                       reason="DeepGEMM's grouped FP8 GEMM needs a CUDA GPU with tokenspeed-deepgemm installed: "
-                              + (why_not("deep_gemm") or "no CUDA device")),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not has_deep_gemm(),
+        reason="DeepGEMM's grouped FP8 GEMM needs a CUDA GPU with tokenspeed-deepgemm installed: "
+        + (why_not("deep_gemm") or "no CUDA device"),
+    ),
 ]
 
 
@@ -25,8 +27,15 @@ def _experts(e, h, inter, gen):
     return packed
 
 
-@pytest.mark.parametrize("t,e,h,inter,k,skip", [(1, 8, 256, 128, 2, False), (37, 16, 512, 256, 4, True),
-                                                (300, 32, 1024, 512, 6, False), (2048, 64, 1024, 512, 6, True)])
+@pytest.mark.parametrize(
+    "t,e,h,inter,k,skip",
+    [
+        (1, 8, 256, 128, 2, False),
+        (37, 16, 512, 256, 4, True),
+        (300, 32, 1024, 512, 6, False),
+        (2048, 64, 1024, 512, 6, True),
+    ],
+)
 def test_deepgemm_moe_matches_reference(t, e, h, inter, k, skip):
     from dsv4_kernels import deepgemm_moe, fp8_experts
 

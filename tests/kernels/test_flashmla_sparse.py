@@ -17,7 +17,8 @@ from tests.support.numerics import assert_close, randn
 needs_flash_mla = pytest.mark.skipif(
     not torch.cuda.is_available() or not has_flash_mla(),
     reason="GPU only: FlashMLA needs an sm90 GPU with tokenspeed-flashmla installed (pip install '.[gpu]'): "
-           + (why_not("flash_mla") or "no CUDA device"))
+    + (why_not("flash_mla") or "no CUDA device"),
+)
 
 
 def _cache(rows: int, block: int, seed: int, device="cpu", head_dim: int = 512, rope: int = 64):
@@ -57,13 +58,16 @@ def test_unfit_reasons():
 
 @needs_flash_mla
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,heads,extra_block,extra_k", [
-    (1, 64, 64, 512),    # CSA decode, batch 1
-    (64, 64, 64, 512),   # CSA decode, batch 64
-    (37, 128, 2, 130),   # HCA-like: 2-row entry pages, visible list padded to 192
-    (16, 32, 64, 512),   # a tensor-parallel rank's 32 heads, padded to 64
-    (8, 64, None, 0),    # SWA-only layer
-])
+@pytest.mark.parametrize(
+    "t,heads,extra_block,extra_k",
+    [
+        (1, 64, 64, 512),  # CSA decode, batch 1
+        (64, 64, 64, 512),  # CSA decode, batch 64
+        (37, 128, 2, 130),  # HCA-like: 2-row entry pages, visible list padded to 192
+        (16, 32, 64, 512),  # a tensor-parallel rank's 32 heads, padded to 64
+        (8, 64, None, 0),  # SWA-only layer
+    ],
+)
 def test_flashmla_matches_reference(t, heads, extra_block, extra_k):
     cache, layout = _cache(64 * 40, 64, seed=t, device="cuda")
     main_idx = _indices(t, 128, cache.shape[0], seed=t + 1, device="cuda")
@@ -73,7 +77,7 @@ def test_flashmla_matches_reference(t, heads, extra_block, extra_k):
         extra_idx = _indices(t, extra_k, extra.shape[0], seed=t + 3, device="cuda")
     q = randn(t, heads, 512, seed=t + 4, device="cuda", dtype=torch.bfloat16)
     sink = randn(heads, seed=t + 5, device="cuda")
-    scale = 512 ** -0.5
+    scale = 512**-0.5
     got = fm.sparse_decode(q, cache, layout, main_idx, extra, extra_layout, extra_idx, sink, scale)
     want = fm.reference_sparse_decode(q.float(), cache, layout, main_idx, extra, extra_layout, extra_idx, sink, scale)
     assert got.shape == (t, heads, 512) and got.dtype == torch.bfloat16

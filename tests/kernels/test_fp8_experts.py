@@ -72,8 +72,10 @@ def test_conversion_rejects_ragged_blocks():
 
 
 @pytest.mark.parametrize("exact", [False, True])
-@pytest.mark.parametrize("t,k,e,align,skip", [(1, 1, 4, 128, False), (7, 3, 5, 8, False), (33, 6, 16, 16, True),
-                                              (200, 6, 8, 128, True), (64, 2, 300, 4, False)])
+@pytest.mark.parametrize(
+    "t,k,e,align,skip",
+    [(1, 1, 4, 128, False), (7, 3, 5, 8, False), (33, 6, 16, 16, True), (200, 6, 8, 128, True), (64, 2, 300, 4, False)],
+)
 def test_layout_matches_loop(t, k, e, align, skip, exact):
     g = torch.Generator().manual_seed(t + e)
     ids = torch.randint(0, e, (t, k), generator=g)
@@ -122,7 +124,7 @@ def _grouped_emulated(x, weights, ids, ex, limit, layout):
     for e in experts:
         sel = layout.m_indices == e
         h[sel] = (xq[sel] @ mxfp4_fp8.dequant(ex.w13[e], ex.s13[e]).t()).to(x.dtype).float()
-    act = swiglu(h[:, :ex.inter], h[:, ex.inter:], limit)
+    act = swiglu(h[:, : ex.inter], h[:, ex.inter :], limit)
     aq = dequant_act(*quant_act_1x128(act, ex.pow2_act))
     for e in experts:
         sel = layout.m_indices == e

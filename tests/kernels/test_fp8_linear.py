@@ -68,7 +68,8 @@ def test_triton_quantiser_matches_reference(m, k, pow2):
 needs_deep_gemm = pytest.mark.skipif(
     not torch.cuda.is_available() or not has_deep_gemm(),
     reason="DeepGEMM FP8 GEMM needs a CUDA GPU with deep_gemm installed (pip install '.[gpu]'): "
-           + (why_not("deep_gemm") or "no CUDA device"))
+    + (why_not("deep_gemm") or "no CUDA device"),
+)
 
 
 @pytest.mark.gpu
@@ -104,7 +105,7 @@ def test_deep_gemm_grouped_projection(t):
     out = fp8_grouped_gemm(x, fw, g)
     assert not dgl._GROUPED_BROKEN, dgl._GROUPED_BROKEN
     for i in range(g):
-        part = ref.Fp8Weight(fw.weight[i * r:(i + 1) * r], fw.scale[i * 2:(i + 1) * 2], fw.pow2_act)
+        part = ref.Fp8Weight(fw.weight[i * r : (i + 1) * r], fw.scale[i * 2 : (i + 1) * 2], fw.pow2_act)
         want = ref.fp8_linear_ref(x[i].float(), part)
         assert ((out[i].float() - want).norm() / want.norm()).item() < 8e-3
 
@@ -150,8 +151,11 @@ def test_rms_norm_for_off_the_fp8_path_is_the_plain_norm():
     from engine.model.linear import linear, linear_from, rms_norm_for
 
     gen = torch.Generator().manual_seed(5)
-    x, w, proj = torch.randn(3, 256, generator=gen), torch.rand(256, generator=gen) + 0.5, torch.randn(64, 256,
-                                                                                                   generator=gen)
+    x, w, proj = (
+        torch.randn(3, 256, generator=gen),
+        torch.rand(256, generator=gen) + 0.5,
+        torch.randn(64, 256, generator=gen),
+    )
     normed, qa = rms_norm_for(x, w, 1e-6, proj)
     assert qa is None and torch.equal(normed, rms_norm(x, w, 1e-6))
     assert torch.equal(linear_from(normed, qa, proj), linear(normed, proj))

@@ -105,15 +105,18 @@ def test_exact_layouts():
     assert g.ExactRowLayout(128, torch.float32).row_bytes == 512
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: g.Fp8DsMlaLayout(512, 65),
-    lambda: g.Fp8DsMlaLayout(500, 64),
-    lambda: g.IndexerKeyLayout(100, "mxfp4"),
-    lambda: g.IndexerKeyLayout(128, "nvfp4"),
-    lambda: g.IndexerKeyLayout.from_row_bytes(70, "mxfp4"),
-    lambda: g.SwaLayout(fmt="int8"),
-    lambda: g.CompressorStateLayout(1, 512, False),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: g.Fp8DsMlaLayout(512, 65),
+        lambda: g.Fp8DsMlaLayout(500, 64),
+        lambda: g.IndexerKeyLayout(100, "mxfp4"),
+        lambda: g.IndexerKeyLayout(128, "nvfp4"),
+        lambda: g.IndexerKeyLayout.from_row_bytes(70, "mxfp4"),
+        lambda: g.SwaLayout(fmt="int8"),
+        lambda: g.CompressorStateLayout(1, 512, False),
+    ],
+)
 def test_invalid_layouts_raise(bad):
     with pytest.raises(ValueError):
         bad()
@@ -145,7 +148,8 @@ def test_geometry_from_config():
     # Exact bytes for 1000 tokens: 250 entries on CSA layers, 7 on HCA layers.
     assert geo.compressed_bytes(1000) == 21 * 250 * 652 + 20 * 7 * 584
     assert geo.request_bytes(1000) == (
-        geo.swa_bytes_per_request() + geo.state_bytes_per_request() + geo.compressed_bytes(1000))
+        geo.swa_bytes_per_request() + geo.state_bytes_per_request() + geo.compressed_bytes(1000)
+    )
     exact = g.CacheGeometry.from_config(cfg, kv_format="exact", indexer_format="exact")
     assert exact.compressed_layout(4) == g.ExactRowLayout(512, torch.bfloat16, 64)
     assert exact.indexer == g.ExactRowLayout(128, torch.bfloat16, 64)
@@ -278,8 +282,9 @@ def test_full_block_is_value_rows_then_scale_rows(layout):
     g.write_rows(cache, layout, torch.arange(n, 2 * n), rows)  # fill block 1
     values_end = n * layout.value_bytes
     assert torch.equal(cache[1, :values_end].view(n, layout.value_bytes), rows[:, : layout.value_bytes])
-    assert torch.equal(cache[1, values_end : layout.block_bytes()].view(n, layout.scale_bytes),
-                       rows[:, layout.value_bytes :])
+    assert torch.equal(
+        cache[1, values_end : layout.block_bytes()].view(n, layout.scale_bytes), rows[:, layout.value_bytes :]
+    )
     assert torch.all(cache[1, layout.block_bytes() :] == SENTINEL) and torch.all(cache[0] == SENTINEL)
     back = g.unpack_rows(layout, g.read_rows(cache, layout, torch.arange(n, 2 * n)))
     assert torch.equal(back, g.unpack_rows(layout, rows))

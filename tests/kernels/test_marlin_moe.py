@@ -11,8 +11,11 @@ from dsv4_kernels.quant import dequant_mxfp4
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not has_marlin_moe(), reason="the Marlin MoE candidate needs a CUDA GPU and its wheels "
-                       f"(tools/device_wheels/marlin_wheel.py): {why_not_marlin_moe()}"),
+    pytest.mark.skipif(
+        not has_marlin_moe(),
+        reason="the Marlin MoE candidate needs a CUDA GPU and its wheels "
+        f"(tools/device_wheels/marlin_wheel.py): {why_not_marlin_moe()}",
+    ),
 ]
 
 
@@ -55,5 +58,11 @@ def test_rejects_shapes_marlin_cannot_tile():
     w = torch.zeros(2, 96, 64, dtype=torch.uint8, device="cuda")  # hidden 128: not a multiple of 256
     s = torch.zeros(2, 96, 4, dtype=torch.uint8, device="cuda")
     with pytest.raises(ValueError, match="hidden"):
-        marlin_moe.prepare(w, s, torch.zeros(2, 128, 48, dtype=torch.uint8, device="cuda"),
-                           torch.zeros(2, 128, 3, dtype=torch.uint8, device="cuda"), w, s)
+        marlin_moe.prepare(
+            w,
+            s,
+            torch.zeros(2, 128, 48, dtype=torch.uint8, device="cuda"),
+            torch.zeros(2, 128, 3, dtype=torch.uint8, device="cuda"),
+            w,
+            s,
+        )

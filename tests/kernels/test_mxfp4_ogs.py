@@ -10,10 +10,11 @@ from dsv4_kernels.quant import dequant_mxfp4, quant_mxfp4
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not has_triton_kernels(),
-                       reason="triton_kernels' MXFP4 matmul needs a CUDA GPU with tokenspeed-triton-kernels "
-                              "installed (pip install '.[gpu]'): "
-                              + (why_not("triton_kernels.matmul") or "no CUDA device")),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not has_triton_kernels(),
+        reason="triton_kernels' MXFP4 matmul needs a CUDA GPU with tokenspeed-triton-kernels "
+        "installed (pip install '.[gpu]'): " + (why_not("triton_kernels.matmul") or "no CUDA device"),
+    ),
 ]
 
 
@@ -29,8 +30,9 @@ def _experts(e, h, inter, gen):
     return packed, dense
 
 
-@pytest.mark.parametrize("t,e,h,inter,k", [(1, 8, 256, 128, 2), (37, 16, 512, 256, 4), (64, 32, 1024, 512, 6),
-                                           (4100, 16, 512, 256, 4)])  # 4100: prefill-sized constraints
+@pytest.mark.parametrize(
+    "t,e,h,inter,k", [(1, 8, 256, 128, 2), (37, 16, 512, 256, 4), (64, 32, 1024, 512, 6), (4100, 16, 512, 256, 4)]
+)  # 4100: prefill-sized constraints
 def test_ogs_moe_matches_reference(t, e, h, inter, k):
     from dsv4_kernels import mxfp4_ogs
 

@@ -39,6 +39,7 @@ def test_row_blocks_match_triton_kernels():
     if not gpu.has_triton_kernels():  # (it also installs the triton 3.6 shims triton_kernels imports need)
         pytest.skip("GPU only: triton_kernels needs a CUDA GPU with tokenspeed-triton-kernels (the gpu extra)")
     import triton_kernels.tensor_details.ragged_tensor as tk
+
     for e in (1, 16, 256):
         for p in (1, 5, 16, 17, 255, 256, 2049, 16384):
             for b in (16, 32, 64, 128):

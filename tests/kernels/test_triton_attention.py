@@ -40,7 +40,7 @@ def test_plain_rows_match_reference(dtype, num_splits):
     kv = randn(r, d, seed=2, dtype=dtype)
     sink = randn(h, seed=3)
     rows = random_rows(t, k, r, seed=4)
-    scale = d ** -0.5 * 3.0  # sharper softmax than the default so the max tracking matters
+    scale = d**-0.5 * 3.0  # sharper softmax than the default so the max tracking matters
     out = sparse_mqa_attention(q, kv, rows, sink, scale, num_splits=num_splits, block_k=16)
     ref = reference(q, kv, rows, sink, scale)
     assert out.dtype == dtype and out.shape == (t, h, d)
@@ -78,7 +78,8 @@ def fp8_cache(layout, num_slots, seed, pad=8):
     cache = torch.randint(0, 256, (blocks, layout.block_bytes() + pad), generator=gen, dtype=torch.uint8)
     # Per-row magnitudes spread over several binades so the UE8M0 scales differ from row to row.
     values = torch.randn(num_slots, layout.head_dim, generator=gen) * torch.exp2(
-        torch.randint(-4, 5, (num_slots, 1), generator=gen).float())
+        torch.randint(-4, 5, (num_slots, 1), generator=gen).float()
+    )
     slots = torch.arange(num_slots)
     g.write_rows(cache, layout, slots, g.pack_fp8_ds_mla(values, layout))
     dequant = g.unpack_fp8_ds_mla(g.read_rows(cache, layout, slots), layout)
@@ -94,7 +95,7 @@ def test_fp8_paged_cache_matches_unpack_reference(dtype, num_splits):
     q = randn(t, h, layout.head_dim, seed=13, dtype=dtype, scale=0.25)
     sink = randn(h, seed=14)
     rows = random_rows(t, k, slots, seed=15)
-    scale = layout.head_dim ** -0.5
+    scale = layout.head_dim**-0.5
     out = sparse_mqa_attention_fp8(q, cache, rows, sink, scale, layout, num_splits=num_splits, block_k=16)
     ref = reference(q, dequant, rows, sink, scale)
     torch.testing.assert_close(out.float(), ref.float(), **NUM.TOL[dtype])
@@ -138,7 +139,7 @@ def test_decode_shape_many_tiles_and_d_split(dtype, num_splits):
     kv = randn(r, d, seed=31, dtype=dtype)
     sink = randn(h, seed=32)
     rows = random_rows(t, k, r, seed=33)
-    scale = d ** -0.5 * 2.0
+    scale = d**-0.5 * 2.0
     out = sparse_mqa_attention(q, kv, rows, sink, scale, num_splits=num_splits, block_k=32)
     ref = reference(q, kv, rows, sink, scale)
     torch.testing.assert_close(out.float(), ref.float(), **NUM.TOL[dtype])
@@ -163,7 +164,7 @@ def test_multi_store_rows_index_the_concatenation(num_stores):
     stores = []
     o = 0
     for i, n in enumerate(sizes):  # separate tensors, one of them with a padded row stride
-        part = big[o:o + n, :d]
+        part = big[o : o + n, :d]
         stores.append(part if i == 0 else part.contiguous())
         o += n
     flat = torch.cat([s for s in stores])
@@ -177,8 +178,10 @@ def test_multi_store_rows_index_the_concatenation(num_stores):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(DEVICE == "cpu", reason="GPU only: the interpreter compiles no variants, and the stores must "
-                                            "lie over 4 GiB apart in GPU memory")
+@pytest.mark.skipif(
+    DEVICE == "cpu",
+    reason="GPU only: the interpreter compiles no variants, and the stores must lie over 4 GiB apart in GPU memory",
+)
 def test_multi_store_offsets_beyond_int32_add_no_variant():
     """The element offsets of stores 1 and 2 from store 0 are pointer differences: stores over 4 GiB apart made
     them i64 where near ones were i32, and each type compiled its own variant (mid-request on the H200, named by
@@ -192,7 +195,7 @@ def test_multi_store_offsets_beyond_int32_add_no_variant():
     # store 0 at the start of one 5 GiB block, the far store at its end: 2.7e9 elements apart whatever the
     # allocator does (separate small tensors land next to each other)
     block = torch.empty((5 << 30) // 2 + 48 * d, dtype=torch.bfloat16, device=DEVICE)
-    first, second, far = block[:64 * d].view(64, d), block[64 * d:112 * d].view(48, d), block[(5 << 30) // 2:]
+    first, second, far = block[: 64 * d].view(64, d), block[64 * d : 112 * d].view(48, d), block[(5 << 30) // 2 :]
     first.copy_(randn(64, d, seed=72, dtype=torch.bfloat16))
     second.copy_(randn(48, d, seed=73, dtype=torch.bfloat16))
     far = far.view(48, d).copy_(second)
@@ -216,7 +219,7 @@ def test_fp8_v4_geometry_four_segments(dtype):
     q = randn(t, h, layout.head_dim, seed=43, dtype=dtype, scale=0.1)
     sink = randn(h, seed=44)
     rows = random_rows(t, k, slots, seed=45)
-    scale = layout.head_dim ** -0.5
+    scale = layout.head_dim**-0.5
     out = sparse_mqa_attention_fp8(q, cache, rows, sink, scale, layout, num_splits=2, block_k=16)
     ref = reference(q, dequant, rows, sink, scale)
     torch.testing.assert_close(out.float(), ref.float(), **NUM.TOL[dtype])

@@ -34,8 +34,9 @@ def test_csa_ids_side_by_side(idtype):
     table = torch.randint(0, 50, (b, p), generator=g).to(DEVICE)
     seg = torch.tensor([0, 0, 1, 2, 2, 1], device=DEVICE)
     out = torch.empty(T, W + k, dtype=torch.int32, device=DEVICE)
-    attention_rows(swa, valid, out[:, :W], ids=ids, table=table, seg=seg, page_rows=page_rows, base=base,
-                   out_comp=out[:, W:])
+    attention_rows(
+        swa, valid, out[:, :W], ids=ids, table=table, seg=seg, page_rows=page_rows, base=base, out_comp=out[:, W:]
+    )
     rows = paged_rows(table, page_rows, seg.unsqueeze(1).expand_as(ids), ids.long())
     expected = torch.cat([torch.where(valid, swa, -1), torch.where(ids >= 0, rows + base, -1)], 1)
     assert torch.equal(out, expected.to(torch.int32))

@@ -16,8 +16,9 @@ triton, tl = tc.triton, tc.tl
 
 
 @triton.jit
-def _codecs_kernel(x_ptr, bf_ptr, f8_ptr, e2_ptr, efp8_ptr, ee2_ptr, N, floor, HW_FP8: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _codecs_kernel(
+    x_ptr, bf_ptr, f8_ptr, e2_ptr, efp8_ptr, ee2_ptr, N, floor, HW_FP8: tl.constexpr, BLOCK: tl.constexpr
+):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     x = tl.load(x_ptr + i, mask=m, other=0.0)
@@ -37,11 +38,12 @@ def _rotation_kernel(out_ptr, N, HADAMARD: tl.constexpr, LOG2N: tl.constexpr, NP
 
 def run_codecs(x: torch.Tensor, floor: float = qf.AMAX_FLOOR):
     n = x.numel()
-    outs = [torch.empty(n, dtype=dt, device=DEVICE) for dt in (torch.float32, torch.uint8, torch.uint8,
-                                                              torch.int32, torch.int32)]
+    outs = [
+        torch.empty(n, dtype=dt, device=DEVICE)
+        for dt in (torch.float32, torch.uint8, torch.uint8, torch.int32, torch.int32)
+    ]
     block = 1024
-    _codecs_kernel[(triton.cdiv(n, block),)](x, *outs, n, floor, HW_FP8=x.is_cuda and tc.USE_HW_FP8_CAST,
-                                             BLOCK=block)
+    _codecs_kernel[(triton.cdiv(n, block),)](x, *outs, n, floor, HW_FP8=x.is_cuda and tc.USE_HW_FP8_CAST, BLOCK=block)
     return outs
 
 

@@ -25,7 +25,14 @@ def test_cache_kernels_compile_for_sm90():
     assert ptxas and os.path.exists(ptxas), f"triton's ptxas for sm_90 is missing: {ptxas!r}"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_triton_sm90.py")], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600, check=False)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compile_triton_sm90.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "all kernels compiled for sm_90" in res.stdout

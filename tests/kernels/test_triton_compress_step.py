@@ -87,15 +87,15 @@ def test_skip_row_is_left_alone_and_the_rest_unchanged():
     """skip_row (a decode plan's scratch row for rows whose window stays open) is never written; every other
     row gets the bytes of a call without skip_row."""
     d, rope, ratio = 40, 8, 16
-    kv, gate, ape, positions, state, cur, prev, pv, weight, epos = inputs(d, ratio, False, torch.bfloat16, 6,
-                                                                          seed=77)
+    kv, gate, ape, positions, state, cur, prev, pv, weight, epos = inputs(d, ratio, False, torch.bfloat16, 6, seed=77)
     cos_t, sin_t = tables(rope, ratio)
     rows = torch.tensor([5, 0, 3, 0, 2, 11], device=DEVICE)  # row 0 plays the scratch row, named twice
     plain = torch.full((12, d), 7.0, dtype=torch.bfloat16, device=DEVICE)
     skipped = plain.clone()
     close_windows(state, kv, gate, ape, positions, cur, prev, pv, weight, EPS, cos_t, sin_t, epos, rows, plain)
-    close_windows(state, kv, gate, ape, positions, cur, prev, pv, weight, EPS, cos_t, sin_t, epos, rows, skipped,
-                  skip_row=0)
+    close_windows(
+        state, kv, gate, ape, positions, cur, prev, pv, weight, EPS, cos_t, sin_t, epos, rows, skipped, skip_row=0
+    )
     assert bool((skipped[0] == 7.0).all()) and not bool((plain[0] == 7.0).all())
     assert torch.equal(skipped[1:], plain[1:])
 
@@ -111,12 +111,14 @@ def test_quantised_entries_match_the_slot_writer(dtype, kind):
     rows = torch.tensor([9, -1, 0, 3, 6], device=DEVICE)
     shape = (12, codec.layout.row_bytes)
     got, want = sentinel_cache(shape, DEVICE), sentinel_cache(shape, DEVICE)
-    close_windows(state, kv, gate, ape, positions, cur, prev, pv, weight, EPS, cos_t, sin_t, epos, rows, got,
-                  codec.layout)
+    close_windows(
+        state, kv, gate, ape, positions, cur, prev, pv, weight, EPS, cos_t, sin_t, epos, rows, got, codec.layout
+    )
     skv, ssc = reference_slots(kv, gate, ape, positions, state, cur, prev, pv, dtype)
     k = epos // 4
-    pool_norm_rope_quant(skv.contiguous(), ssc.contiguous(), weight, EPS, cos_t[k], sin_t[k], want, rows,
-                         codec.layout, hadamard=False)
+    pool_norm_rope_quant(
+        skv.contiguous(), ssc.contiguous(), weight, EPS, cos_t[k], sin_t[k], want, rows, codec.layout, hadamard=False
+    )
     assert torch.equal(got, want)
 
 
@@ -137,10 +139,10 @@ def test_save_state_pairs(dtype):
     chunk = torch.tensor([6, 0, 3, 2], device=DEVICE)
     ring = torch.tensor([3, 8, -1, 0], device=DEVICE)
     big = torch.full((10, 2 * w + 8), 123.0, device=DEVICE)
-    save_state(kv, gate, ape, positions, big[:, :2 * w], chunk, ring)
+    save_state(kv, gate, ape, positions, big[:, : 2 * w], chunk, ring)
     expected = torch.full_like(big, 123.0)
     ok = ring >= 0
-    expected[ring[ok], :2 * w] = state_rows(kv, gate, ape, positions)[chunk[ok]]
+    expected[ring[ok], : 2 * w] = state_rows(kv, gate, ape, positions)[chunk[ok]]
     assert torch.equal(big, expected)
 
 
@@ -152,8 +154,9 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="kv / gate"):
         close_windows(state, kv, gate, ape, positions, cur, None, None, weight, EPS, cos_t, sin_t, epos, rows, cache)
     with pytest.raises(ValueError, match="state"):
-        close_windows(state.double(), kv, gate, ape, positions, cur, prev, pv, weight, EPS, cos_t, sin_t, epos, rows,
-                      cache)
+        close_windows(
+            state.double(), kv, gate, ape, positions, cur, prev, pv, weight, EPS, cos_t, sin_t, epos, rows, cache
+        )
     with pytest.raises(ValueError, match="entry_rows"):
         close_windows(state, kv, gate, ape, positions, cur, prev, pv, weight, EPS, cos_t, sin_t, epos, rows[:2], cache)
     with pytest.raises(ValueError, match="chunk_rows"):

@@ -90,8 +90,9 @@ def test_quant_bad_inputs_raise():
     layout = g.IndexerKeyLayout(64, "mxfp4", BLOCK)
     cache = sentinel_cache((2, layout.block_bytes()), DEVICE)
     with pytest.raises(ValueError, match="Hadamard"):
-        pool_norm_rope_quant(kv, score, weight, EPS, cos, sin, cache, rows, g.Fp8DsMlaLayout(128, 64, BLOCK),
-                             hadamard=True)
+        pool_norm_rope_quant(
+            kv, score, weight, EPS, cos, sin, cache, rows, g.Fp8DsMlaLayout(128, 64, BLOCK), hadamard=True
+        )
     with pytest.raises(ValueError, match="rows"):
         pool_norm_rope_quant(kv, score, weight, EPS, cos, sin, cache, rows[:2], layout)
     with pytest.raises(ValueError, match="cache"):

@@ -29,7 +29,7 @@ def inputs(dtype, seed=0):
     rows[2, 40:] = -1  # fewer visible than some k below
     q = randn(T, HI, DI, seed=seed + 1, dtype=dtype)
     keys = randn(R, DI, seed=seed + 2, dtype=dtype)
-    weights = randn(T, HI, seed=seed + 3) * HI ** -0.5
+    weights = randn(T, HI, seed=seed + 3) * HI**-0.5
     return q, keys, rows.to(DEVICE), weights
 
 
@@ -73,7 +73,6 @@ def test_topk_matches_topk_visible(k):
     assert torch.all(rows.gather(1, picked.clamp(min=0))[picked >= 0] >= 0), "only valid candidates are picked"
 
 
-
 @pytest.mark.parametrize("k", [16, 80])
 def test_unordered_topk_is_the_same_set(k):
     """ordered=False (the engine on CUDA): the ordered picks as a set, -1 padding included."""
@@ -82,6 +81,7 @@ def test_unordered_topk_is_the_same_set(k):
     unordered = indexer_topk(q, keys, rows, weights, k, ordered=False)
     assert unordered.shape == ordered.shape and unordered.dtype == torch.int64
     assert torch.equal(unordered.sort(dim=1).values, ordered.sort(dim=1).values)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt,di", [("mxfp4", 64), ("fp8", 128)])
@@ -101,7 +101,7 @@ def test_quantized_paged_cache_matches_unpack_reference(fmt, di, dtype):
     rows[1] = -1
     rows = rows.to(DEVICE)
     q = randn(T, HI, di, seed=31, dtype=dtype)
-    weights = randn(T, HI, seed=32) * HI ** -0.5
+    weights = randn(T, HI, seed=32) * HI**-0.5
     out = indexer_scores(q, cache.to(DEVICE), rows, weights, layout, block_s=32)
     expected = reference_scores(q, dequant, rows, weights)
     assert torch.equal(torch.isinf(out), rows < 0)

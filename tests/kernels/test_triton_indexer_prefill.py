@@ -55,8 +55,9 @@ def key_store(fmt, di, seed):
     if fmt == "exact":
         return values.to(DEVICE), None, values.to(DEVICE)
     layout = g.IndexerKeyLayout(index_head_dim=di, fmt=fmt, block_size=4)
-    cache = torch.randint(0, 256, (slots // layout.block_size, layout.block_bytes() + 4), generator=gen,
-                          dtype=torch.uint8)
+    cache = torch.randint(
+        0, 256, (slots // layout.block_size, layout.block_bytes() + 4), generator=gen, dtype=torch.uint8
+    )
     g.write_rows(cache, layout, torch.arange(slots), g.pack_rows(layout, values))
     dense = g.unpack_rows(layout, g.read_rows(cache, layout, torch.arange(slots)))
     return cache.to(DEVICE), layout, dense.to(DEVICE)
@@ -145,7 +146,7 @@ def test_prefill_blocks_cover_each_sequence():
     assert blocks.dtype == torch.int32 and blocks.shape == (-(-17 // 4) + 4, 2)
     used = blocks[blocks[:, 1] > blocks[:, 0]].tolist()
     assert used == [[0, 4], [4, 5], [5, 6], [6, 10], [10, 14], [14, 17]]
-    assert torch.all(blocks[len(used):] == 0), "the rest of the static bound is empty"
+    assert torch.all(blocks[len(used) :] == 0), "the rest of the static bound is empty"
 
 
 def test_dispatch_by_step_shape(monkeypatch):
@@ -160,8 +161,9 @@ def test_dispatch_by_step_shape(monkeypatch):
     prefill = indexer_topk(q, keys, rows, weights, 8, cu_seqlens=cu)
     assert calls == [1]
     decode_cu = torch.arange(6, device=DEVICE)  # five one-token sequences: decode-shaped
-    assert torch.equal(indexer_topk(q, keys, rows, weights, 8, cu_seqlens=decode_cu), indexer_topk(q, keys, rows,
-                                                                                                   weights, 8))
+    assert torch.equal(
+        indexer_topk(q, keys, rows, weights, 8, cu_seqlens=decode_cu), indexer_topk(q, keys, rows, weights, 8)
+    )
     assert calls == [1]
     expected = reference_scores(q, keys, rows, weights)
     assert_topk_equivalent(prefill, ref.topk_visible(expected, rows >= 0, 8), expected, NUM.TOL[torch.float32])
@@ -200,8 +202,9 @@ def test_per_request_candidates_in_query_blocks(monkeypatch):
     assert torch.equal(out, indexer_prefill_scores(q, store, listed, weights, cu, block_n=16))
     calls = []
     real = triton_indexer.indexer_prefill_scores
-    monkeypatch.setattr(triton_indexer, "indexer_prefill_scores",
-                        lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
+    monkeypatch.setattr(
+        triton_indexer, "indexer_prefill_scores", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw)
+    )
     expected = indexer_topk(q, store, listed, weights, 8, cu_seqlens=cu)
     picked = indexer_topk(q, store, per_request, weights, 8, cu_seqlens=cu, seg=seg, count=count, budget=4 * s * 7)
     assert torch.equal(picked, expected)

@@ -79,8 +79,9 @@ def test_rotated_quantised_dot_products_match_q_dot_k(fmt, rel_rms):
     # Cauchy-Schwarz bound from each side's quantisation error in the rotated basis (H is orthogonal).
     hq = hadamard(apply_rope(q, cos, sin)).double().reshape(T * HI, di)
     hk = hadamard(keys).double()
-    bound = ((q_hat - hq).norm(dim=1)[:, None] * k_hat.norm(dim=1)[None, :]
-             + hq.norm(dim=1)[:, None] * (k_hat - hk).norm(dim=1)[None, :])
+    bound = (q_hat - hq).norm(dim=1)[:, None] * k_hat.norm(dim=1)[None, :] + hq.norm(dim=1)[:, None] * (
+        k_hat - hk
+    ).norm(dim=1)[None, :]
     assert bool(((approx - exact).abs() <= bound + 1e-3).all())
     rel = ((approx - exact).square().mean() / exact.square().mean()).sqrt().item()
     assert rel < rel_rms, f"relative RMS error of q.k {rel:.3f}"
@@ -103,11 +104,14 @@ def test_v4_shape_and_bad_inputs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [None, 32])  # 32: zero-padded key dims (test presets)
-@pytest.mark.parametrize("t,e,max_programs", [
-    (5, 37, 64),  # one block a token
-    (1, 1500, 64),  # a decode step's few tokens: three programs, one block each
-    (2, 2100, 4),  # two programs a token, each walking several blocks (chunk, chunk + NE, ...)
-])
+@pytest.mark.parametrize(
+    "t,e,max_programs",
+    [
+        (5, 37, 64),  # one block a token
+        (1, 1500, 64),  # a decode step's few tokens: three programs, one block each
+        (2, 2100, 4),  # two programs a token, each walking several blocks (chunk, chunk + NE, ...)
+    ],
+)
 def test_prologue_matches_the_engine_glue(monkeypatch, dtype, width, t, e, max_programs):
     """indexer_prologue = apply_rope(q) (+ zero padding), weights.float() * scale, where(valid, rows, -1)."""
     import dsv4_kernels.triton_indexer_query as iq
@@ -118,18 +122,18 @@ def test_prologue_matches_the_engine_glue(monkeypatch, dtype, width, t, e, max_p
     big = (torch.randn(t, h + 1, di + 4, generator=gen) * 3).to(dtype).to(DEVICE)
     q = big[:, :h, :di]  # strided token / head views, as the GEMM output's slices
     wbig = (torch.randn(t, h + 3, generator=gen)).to(dtype).to(DEVICE)
-    weights = wbig[:, 1:h + 1]
+    weights = wbig[:, 1 : h + 1]
     rows = torch.randint(0, 1000, (t, e), generator=gen).to(DEVICE)
     valid = (torch.rand(t, e, generator=gen) > 0.4).to(DEVICE)
     cos, sin = rope_cos_sin(torch.randint(0, 4000, (t,), generator=gen), rope_inv_freq(160000.0, rope))
     cos, sin = cos.to(DEVICE), sin.to(DEVICE)
-    q_out, w_out, r_out = indexer_prologue(q, cos, sin, weights, h ** -0.5, rows, valid, width)
+    q_out, w_out, r_out = indexer_prologue(q, cos, sin, weights, h**-0.5, rows, valid, width)
     expected = apply_rope(q, cos, sin)
     if width:
         expected = torch.nn.functional.pad(expected, (0, width - di))
     assert q_out.shape == expected.shape and q_out.dtype == dtype
     assert_close(q_out, expected, dtype)
-    assert torch.equal(w_out, weights.float() * h ** -0.5)
+    assert torch.equal(w_out, weights.float() * h**-0.5)
     assert torch.equal(r_out, torch.where(valid, rows, -1))
-    q_only, w_only, none = indexer_prologue(q, cos, sin, weights, h ** -0.5, width=width)  # the engine's call
+    q_only, w_only, none = indexer_prologue(q, cos, sin, weights, h**-0.5, width=width)  # the engine's call
     assert none is None and torch.equal(q_only, q_out) and torch.equal(w_only, w_out)

@@ -86,8 +86,10 @@ def test_bad_shapes_raise():
         triton_mhc.hc_post(streams[:, 0], streams, torch.ones(T, 4, device=DEVICE), torch.ones(T, 4, device=DEVICE))
 
 
-@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
-                                             (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype,out_dtype",
+    [(torch.float32, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
+)
 def test_hc_pre_with_fused_input_norm(decode_knobs, dtype, out_dtype):
     """norm_weight: the first output is the block's input, rms_norm(collapsed, w).to(out_dtype) (engine.model.model)."""
     from dsv4_kernels.norm import rms_norm
@@ -95,8 +97,9 @@ def test_hc_pre_with_fused_input_norm(decode_knobs, dtype, out_dtype):
     hc, iters = 4, 3
     streams, fn, base, scale = pre_inputs(hc, dtype, seed=90)
     weight = 1.0 + randn(D, seed=91, scale=0.3)
-    normed, post, comb = triton_mhc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32,
-                                           norm_weight=weight, out_eps=1e-5, out_dtype=out_dtype)
+    normed, post, comb = triton_mhc.hc_pre(
+        streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32, norm_weight=weight, out_eps=1e-5, out_dtype=out_dtype
+    )
     ref_collapsed, ref_post, ref_comb = ref.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
     expected = rms_norm(ref_collapsed, weight, 1e-5).to(out_dtype)
     assert normed.dtype == out_dtype and normed.shape == (T, D)
@@ -105,8 +108,10 @@ def test_hc_pre_with_fused_input_norm(decode_knobs, dtype, out_dtype):
     torch.testing.assert_close(normed.float(), expected.float(), **NUM.TOL[out_dtype])
 
 
-@pytest.mark.parametrize("t,d,dtype", [(1, 300, torch.bfloat16), (17, 80, torch.float32), (70, 300, torch.bfloat16),
-                                       (300, 256, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "t,d,dtype",
+    [(1, 300, torch.bfloat16), (17, 80, torch.float32), (70, 300, torch.bfloat16), (300, 256, torch.bfloat16)],
+)
 def test_mix_partials_sum_to_the_fp32_matmul(decode_knobs, t, d, dtype):
     """The split-K mixing logits (one token, a 16-row tile and a 64-row tile; several K splits; strided streams
     read in their stored dtype; K tiles within one stream (D = 256, 128) and across two (D = 300, 80); from 257

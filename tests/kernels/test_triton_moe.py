@@ -43,8 +43,11 @@ def by_id(weights, ids):
 def test_route_matches_reference(scoring, mode, t):
     e, k = 40, 6  # neither a power of two: padded experts and top-k slots
     x, gate, bias, tid2eid, token_ids = router_inputs(t, 32, e, 50, k, seed=t)
-    kwargs = {"bias": bias if mode == "bias" else None, "tid2eid": tid2eid if mode == "hash" else None,
-              "token_ids": token_ids}
+    kwargs = {
+        "bias": bias if mode == "bias" else None,
+        "tid2eid": tid2eid if mode == "hash" else None,
+        "token_ids": token_ids,
+    }
     for renorm in (True, False):
         want_w, want_ids = by_id(*ref.route(x, gate, k, 1.5, scoring, renormalize=renorm, **kwargs))
         got_w, got_ids = by_id(*triton_moe.route(x, gate, k, 1.5, scoring, renormalize=renorm, **kwargs))
@@ -53,8 +56,11 @@ def test_route_matches_reference(scoring, mode, t):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(DEVICE == "cpu", reason="GPU only: bf16 router weights multiply with fp32 output on CUDA "
-                    "(torch.mm(out_dtype=)); elsewhere router_logits is the reference's fp32 matmul itself")
+@pytest.mark.skipif(
+    DEVICE == "cpu",
+    reason="GPU only: bf16 router weights multiply with fp32 output on CUDA "
+    "(torch.mm(out_dtype=)); elsewhere router_logits is the reference's fp32 matmul itself",
+)
 def test_router_logits_of_bf16_weights_are_the_fp32_matmul():
     """bf16 x and gate at V4 widths: the cuBLAS bf16 GEMM with fp32 output equals x.float() @ gate.float().t() to
     fp32 rounding (exact products, fp32 sums in another order), and the path did not fall back."""
@@ -91,8 +97,9 @@ def packed_experts(e, h, inter, seed):
 def run_both(x, weights, ids, pk, dense, limit=1.5, **kwargs):
     dt = x.dtype
     want = ref.moe_experts(x, weights, ids, dense["w1"].to(dt), dense["w2"].to(dt), dense["w3"].to(dt), limit)
-    got = triton_moe.mxfp4_moe(x, weights, ids, pk["w1"], pk["s1"], pk["w2"], pk["s2"], pk["w3"], pk["s3"], limit,
-                               **kwargs)
+    got = triton_moe.mxfp4_moe(
+        x, weights, ids, pk["w1"], pk["s1"], pk["w2"], pk["s2"], pk["w3"], pk["s3"], limit, **kwargs
+    )
     assert got.dtype == dt and got.shape == x.shape
     torch.testing.assert_close(got.float(), want.float(), **NUM.tol(dt, loose=True))
 
@@ -158,8 +165,18 @@ def test_mxfp4_moe_rejects_bad_shapes():
     x = torch.zeros(2, 64, device=DEVICE)
     ids = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="w2 must be uint8"):
-        triton_moe.mxfp4_moe(x, torch.ones(2, 2, device=DEVICE), ids, pk["w1"], pk["s1"], pk["w2"][:, :32],
-                             pk["s2"], pk["w3"], pk["s3"], 1.0)
+        triton_moe.mxfp4_moe(
+            x,
+            torch.ones(2, 2, device=DEVICE),
+            ids,
+            pk["w1"],
+            pk["s1"],
+            pk["w2"][:, :32],
+            pk["s2"],
+            pk["w3"],
+            pk["s3"],
+            1.0,
+        )
 
 
 # ---- engine -------------------------------------------------------------------------------------------

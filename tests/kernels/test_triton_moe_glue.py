@@ -29,8 +29,11 @@ def test_swiglu_matches_reference(dtype, fused):
     out = glue.swiglu(gate, up, limit)
     assert out.dtype == dtype and out.shape == (p, inter)
     NUM.assert_close(out, ref_swiglu(gate, up, limit), dtype)
-    NUM.assert_close(glue.swiglu(gate, up, limit, out_dtype=torch.bfloat16), ref_swiglu(gate, up, limit).to(
-        torch.bfloat16), torch.bfloat16)
+    NUM.assert_close(
+        glue.swiglu(gate, up, limit, out_dtype=torch.bfloat16),
+        ref_swiglu(gate, up, limit).to(torch.bfloat16),
+        torch.bfloat16,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,4 +95,4 @@ def test_swiglu_quant_matches_swiglu_then_quantiser(dtype, pow2, p, inter):
     torch.testing.assert_close(s.cpu(), rs, atol=0, rtol=NUM.tol(dtype)["rtol"])
     back, want = fp8_linear.dequant_act(q.cpu(), s.cpu()), fp8_linear.dequant_act(rq, rs)
     # e4m3: 3 mantissa bits; below its smallest normal (2**-6 of the scale) steps are absolute
-    torch.testing.assert_close(back, want, atol=rs.max().item() * 2 ** -6, rtol=2 ** -3)
+    torch.testing.assert_close(back, want, atol=rs.max().item() * 2**-6, rtol=2**-3)

@@ -26,7 +26,7 @@ def test_rms_norm_quant_matches_reference(dtype, pow2, m, k):
     # Dequantised codes approximate the reference rows to e4m3 precision (a power-of-two scale may sit one
     # binade apart from the reference's when a block's amax lands on a boundary: hence the factor 2).
     back = fp8_linear.dequant_act(q.cpu(), s.cpu())
-    torch.testing.assert_close(back, want.float(), atol=2 * s.max().item() * 2 ** -6, rtol=2 ** -3)
+    torch.testing.assert_close(back, want.float(), atol=2 * s.max().item() * 2**-6, rtol=2**-3)
     # the codes are the plain quantiser's on the kernel's own normed rows, bit for bit
     oq, os_ = fp8_linear.quant_act_1x128(y.cpu(), pow2)
     assert torch.equal(s.cpu(), os_) and torch.equal(q.cpu().view(torch.uint8), oq.view(torch.uint8))

@@ -4,7 +4,6 @@ Runs compiled on a GPU when one is present, else in triton's CPU interpreter (se
 dsv4_kernels.triton_* import, because triton reads the flag when a kernel is decorated).
 """
 
-
 import pytest
 import torch
 
@@ -18,6 +17,8 @@ from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRE
 def assert_close(out, expected, dtype):
     """The kernel rounds to dtype mid-way (before RoPE, as the reference does): atol scales with the output."""
     NUM.assert_close(out, expected, dtype, scaled=True)
+
+
 T, EPS = 5, 1e-6
 
 

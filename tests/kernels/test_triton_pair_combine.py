@@ -36,7 +36,8 @@ def test_gather_combine_matches_reference(dtype, with_shared):
 
 def test_gather_combine_empty_and_checks():
     y = NUM.randn(8, 16, device=DEVICE, seed=4)
-    assert pc.gather_combine(y, torch.zeros(0, 2, dtype=torch.int64, device=DEVICE),
-                             torch.zeros(0, 2, device=DEVICE)).shape == (0, 16)
+    assert pc.gather_combine(
+        y, torch.zeros(0, 2, dtype=torch.int64, device=DEVICE), torch.zeros(0, 2, device=DEVICE)
+    ).shape == (0, 16)
     with pytest.raises(ValueError, match="both be"):
         pc.gather_combine(y, torch.zeros(3, 2, dtype=torch.int64, device=DEVICE), torch.zeros(3, 1, device=DEVICE))

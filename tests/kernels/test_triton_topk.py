@@ -59,13 +59,16 @@ def random_scores(t: int, s: int, seed: int, holes: float = 0.3) -> torch.Tensor
     return x
 
 
-@pytest.mark.parametrize("t,s,k", [
-    (3, 70, 16),            # one block, k < S
-    (4, 600, 512),          # the indexer's k, a short context
-    (2, 5000, 512),         # two blocks (MAX_BLOCK 4096)
-    (2, 2 * MAX_BLOCK + 37, 64),  # three blocks, a ragged tail
-    (3, 10, 16),            # S < k: -1 past the row
-])
+@pytest.mark.parametrize(
+    "t,s,k",
+    [
+        (3, 70, 16),  # one block, k < S
+        (4, 600, 512),  # the indexer's k, a short context
+        (2, 5000, 512),  # two blocks (MAX_BLOCK 4096)
+        (2, 2 * MAX_BLOCK + 37, 64),  # three blocks, a ragged tail
+        (3, 10, 16),  # S < k: -1 past the row
+    ],
+)
 def test_topk_matches_torch(topk_columns, t, s, k):
     scores = random_scores(t, s, seed=t * 1000 + s)
     scores[0] = NEG_INF if s < k else scores[0]  # a row with nothing valid when short

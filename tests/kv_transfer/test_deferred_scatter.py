@@ -31,8 +31,16 @@ from tests.kv_transfer.test_staging import assert_arenas_idle, nixl_pair
 from tests.support.backends import BACKEND_NAMES, needs_nixl
 
 SCATTER_PARTS = {"index", "views", "copies", "record", "cpu"}
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="GPU only: the scatter on a CUDA stream")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: the scatter on a CUDA stream"),
+        ],
+    ),
+]
 
 
 # ---- StagingBuffer.scatter / DeferredScatter ----------------------------------------------------------------
@@ -45,8 +53,9 @@ def staged_setup(device, seed=5):
     buf = StagingBuffer(pool, 3 * layout.nbytes + STAGING_ALIGN)
     offset = buf.alloc(layout.nbytes)
     g = torch.Generator().manual_seed(seed)
-    buf.tensor[offset:offset + layout.nbytes].copy_(torch.randint(0, 256, (layout.nbytes,), generator=g,
-                                                                  dtype=torch.uint8))
+    buf.tensor[offset : offset + layout.nbytes].copy_(
+        torch.randint(0, 256, (layout.nbytes,), generator=g, dtype=torch.uint8)
+    )
     return pool, layout, buf, offset
 
 
@@ -58,7 +67,7 @@ def expected_pages(pool, layout, buf, offset):
         spec = pool.groups[grp.name].spec
         per_layer = want[grp.name].view(grp.layers, spec.num_pages, grp.page_bytes)
         lo = offset + grp.offset
-        src = staged[lo:lo + grp.nbytes].view(grp.layers, len(grp.pages), grp.page_bytes)
+        src = staged[lo : lo + grp.nbytes].view(grp.layers, len(grp.pages), grp.page_bytes)
         for i, (_, dst_page) in enumerate(grp.pages):
             per_layer[:, dst_page] = src[:, i]
     return want
@@ -271,8 +280,11 @@ def wait_idle(prefill, decode):
     while time.monotonic() < deadline:
         prefill.loop.call(lambda e: prefill.backend.poll()).result()
         pools = [w.engine.pool for w in (prefill, decode)]
-        if all(p.num_free_pages() == p.idle_free_pages() for p in pools) and not prefill.backend.exported() \
-                and not decode.engine.imports:
+        if (
+            all(p.num_free_pages() == p.idle_free_pages() for p in pools)
+            and not prefill.backend.exported()
+            and not decode.engine.imports
+        ):
             break
         time.sleep(0.01)
     for w in (prefill, decode):
@@ -320,8 +332,15 @@ def test_decode_worker_scatters_on_its_engine_thread_and_generates_the_one_engin
     totals = decode.transfer_totals
     assert totals["count"] - before["count"] == len(PROMPTS)
     assert totals["scatters_on_engine"] - before["scatters_on_engine"] == len(PROMPTS)
-    for key in ("scatter_seconds", "scatter_index_seconds", "scatter_copies_seconds", "scatter_cpu_seconds",
-                "plan_seconds", "pull_cpu_seconds", "join_seconds"):
+    for key in (
+        "scatter_seconds",
+        "scatter_index_seconds",
+        "scatter_copies_seconds",
+        "scatter_cpu_seconds",
+        "plan_seconds",
+        "pull_cpu_seconds",
+        "join_seconds",
+    ):
         assert totals[key] > before[key], key
     assert decode.backend.staging_counts["staged"] >= len(PROMPTS)
     wait_idle(prefill, decode)

@@ -73,8 +73,10 @@ def test_gpu_handoff_equals_one_engine(model_dir, together):
     for i, (a, w) in enumerate(zip(got, want)):
         first = next((k for k, (x, y) in enumerate(zip(a.output, w.output)) if x != y), None)
         if first is not None or a.output != w.output:
-            bad.append(f"prompt {i} ({len(prompts[i])} tokens): first difference at output position {first}; "
-                       + _logprob_gap(a, w, first))
+            bad.append(
+                f"prompt {i} ({len(prompts[i])} tokens): first difference at output position {first}; "
+                + _logprob_gap(a, w, first)
+            )
     assert not bad, "\n".join(bad)
 
 
@@ -86,6 +88,8 @@ def _logprob_gap(got, want, first: int | None) -> str:
     gap = max((abs(a - b) for a, b in zip(got.logprobs[:n], want.logprobs[:n])), default=0.0)
     text = f"max |dlogprob| on the shared tokens {gap:.3e}"
     if first is not None:
-        text += (f"; at the difference: hand-off picked {got.output[first]} (logprob {got.logprobs[first]:.4f}), "
-                 f"one engine picked {want.output[first]} (logprob {want.logprobs[first]:.4f})")
+        text += (
+            f"; at the difference: hand-off picked {got.output[first]} (logprob {got.logprobs[first]:.4f}), "
+            f"one engine picked {want.output[first]} (logprob {want.logprobs[first]:.4f})"
+        )
     return text

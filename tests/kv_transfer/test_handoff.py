@@ -15,7 +15,7 @@ def copy_pages(src_pool, src_pages, dst_pool, dst_pages):
     for name, group in src_pool.groups.items():
         rows = group.spec.page_rows
         for sp, dp in zip(src_pages.get(name, []), dst_pages.get(name, [])):
-            dst_pool.groups[name].tensor[:, dp * rows:(dp + 1) * rows] = group.tensor[:, sp * rows:(sp + 1) * rows]
+            dst_pool.groups[name].tensor[:, dp * rows : (dp + 1) * rows] = group.tensor[:, sp * rows : (sp + 1) * rows]
 
 
 def run_to_end(engine):
@@ -29,10 +29,13 @@ def engines():
     return load_engine(max_batch_tokens=9), load_engine(max_batch_tokens=64)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True),
-    SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True, temperature=0.9, top_p=0.9, seed=7),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True),
+        SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True, temperature=0.9, top_p=0.9, seed=7),
+    ],
+)
 def test_disaggregated_equals_colocated(engines, params):
     prefill, decode = engines
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 23, 41)]
@@ -41,8 +44,10 @@ def test_disaggregated_equals_colocated(engines, params):
     run_to_end(colocated)
     want = [colocated.pop_finished(r) for r in ids]
 
-    pids = [prefill.add_request(p, params, request_id=f"p{i}", prefill_only=True, seed=100 + i)
-            for i, p in enumerate(prompts)]
+    pids = [
+        prefill.add_request(p, params, request_id=f"p{i}", prefill_only=True, seed=100 + i)
+        for i, p in enumerate(prompts)
+    ]
     decode.reserve_import([1], SamplingParams(max_new_tokens=3), "occupier", 0, 1, 0.0)  # shift page ids
     run_to_end(prefill)
     assert set(prefill.held) == set(pids)

@@ -29,10 +29,12 @@ def test_random_checkpoint_handoff_equals_one_engine(seed, kind, tmp_path):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in lens]
     kv, page = rng.choice(["exact", "fp8"]), rng.choice([16, 64, 256])
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=True, temperature=rng.choice([0.0, 0.9]),
-                            seed=7)
-    want = run_colocated(load_engine(model, max_batch_tokens=2048, kv_cache_dtype=kv, page_tokens=page), prompts,
-                         params)
+    params = SamplingParams(
+        max_new_tokens=10, ignore_eos=True, logprobs=True, temperature=rng.choice([0.0, 0.9]), seed=7
+    )
+    want = run_colocated(
+        load_engine(model, max_batch_tokens=2048, kv_cache_dtype=kv, page_tokens=page), prompts, params
+    )
     prefill = load_engine(model, max_batch_tokens=budget, kv_cache_dtype=kv, page_tokens=page)
     decode = load_engine(model, max_batch_tokens=64, max_num_seqs=16, kv_cache_dtype=kv, page_tokens=page)
     for i, (w, got) in enumerate(zip(want, run_handoff(kind, prefill, decode, prompts, params))):

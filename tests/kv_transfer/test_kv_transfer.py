@@ -31,13 +31,16 @@ def by_name(ss):
 
 
 # ---- plan ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("num_tokens,expect", [
-    (0, {"kv4": 0, "kv128": 0, "index": 0}),
-    (3, {"kv4": 0, "kv128": 0, "index": 0}),
-    (127, {"kv4": 2, "kv128": 0, "index": 2}),  # 31 entries; kv128 window still open (state only)
-    (128, {"kv4": 2, "kv128": 1, "index": 2}),
-    (NUM_TOKENS, {"kv4": 5, "kv128": 2, "index": 5}),
-])
+@pytest.mark.parametrize(
+    "num_tokens,expect",
+    [
+        (0, {"kv4": 0, "kv128": 0, "index": 0}),
+        (3, {"kv4": 0, "kv128": 0, "index": 0}),
+        (127, {"kv4": 2, "kv128": 0, "index": 2}),  # 31 entries; kv128 window still open (state only)
+        (128, {"kv4": 2, "kv128": 1, "index": 2}),
+        (NUM_TOKENS, {"kv4": 5, "kv128": 2, "index": 5}),
+    ],
+)
 def test_plan_pages_for_num_tokens(num_tokens, expect):
     ss = specs()
     table = {s.name: list(range(s.num_pages)) for s in ss}
@@ -68,8 +71,11 @@ def test_plan_coalesces_runs_per_layer_with_each_side_stride():
     g = plan.group("kv4")
     assert g.pages == ((2, 10), (3, 11), (4, 12), (7, 13), (8, 5))
     runs = [(2, 10, 3), (7, 13, 1), (8, 5, 1)]  # 7->13 / 8->5 break the run on the destination side
-    want = [(l * src.num_pages * pb + s * pb, l * dst.num_pages * pb + d * pb, n * pb)
-            for l in range(len(src.layers)) for s, d, n in runs]
+    want = [
+        (l * src.num_pages * pb + s * pb, l * dst.num_pages * pb + d * pb, n * pb)
+        for l in range(len(src.layers))
+        for s, d, n in runs
+    ]
     assert [(r.src_offset, r.dst_offset, r.length) for r in g.ranges] == want
     assert plan.num_descriptors == 6 and plan.total_bytes == 2 * 5 * pb
 
@@ -93,8 +99,13 @@ def test_plan_validation_names_the_group():
     with pytest.raises(ValueError, match="group 'index' repeats"):
         build_plan(ss, full, {**full, "index": [1, 1, 2, 3, 4]}, NUM_TOKENS)
     with pytest.raises(ValueError, match="group 'kv4': page layouts differ"):
-        build_plan(ss, full, full, NUM_TOKENS, dst_specs=[dataclasses.replace(s, width=s.width * 2)
-                                                            if s.name == "kv4" else s for s in ss])
+        build_plan(
+            ss,
+            full,
+            full,
+            NUM_TOKENS,
+            dst_specs=[dataclasses.replace(s, width=s.width * 2) if s.name == "kv4" else s for s in ss],
+        )
     with pytest.raises(ValueError, match="num_tokens"):
         build_plan(ss, full, full, -1)
     assert layout_fingerprint(ss) == layout_fingerprint(specs(DST_CACHE))  # pool size is not layout
@@ -136,11 +147,14 @@ def assert_moved(src_pool, dst_pool, src_pages, dst_pages, before):
         rows = group.spec.page_rows
         s_pages, d_pages = src_pages.get(name, []), dst_pages.get(name, [])
         for s, d in zip(s_pages, d_pages):
-            got, want = group.tensor[:, d * rows:(d + 1) * rows], src_pool.groups[name].tensor[:, s * rows:(s + 1) * rows]
+            got, want = (
+                group.tensor[:, d * rows : (d + 1) * rows],
+                src_pool.groups[name].tensor[:, s * rows : (s + 1) * rows],
+            )
             assert torch.equal(as_bytes(got), as_bytes(want)), (name, s, d)
         untouched = torch.ones(group.tensor.shape[1], dtype=torch.bool)
         for d in d_pages:
-            untouched[d * rows:(d + 1) * rows] = False
+            untouched[d * rows : (d + 1) * rows] = False
         assert torch.equal(as_bytes(group.tensor[:, untouched]), as_bytes(before[name][:, untouched])), name
 
 
@@ -257,8 +271,9 @@ def test_tcp_server_serves_only_exported_pages():
     try:
         ticket = src.export("r", src_table(src_pool), NUM_TOKENS)
         pages = dict(ticket.src_pages)
-        forged = dataclasses.replace(ticket, src_pages=tuple(
-            (g, (0,) + p[1:] if g == "kv4" else p) for g, p in pages.items()))  # page 0 belongs to another request
+        forged = dataclasses.replace(
+            ticket, src_pages=tuple((g, (0,) + p[1:] if g == "kv4" else p) for g, p in pages.items())
+        )  # page 0 belongs to another request
         with pytest.raises(TransferError, match=r"pages \[0\] are not exported"):
             dst.pull(forged, dst_table(dst_pool), timeout_s=5)
         with pytest.raises(TransferError, match="'other' is not exported"):

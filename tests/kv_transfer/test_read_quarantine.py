@@ -130,6 +130,7 @@ def test_decode_worker_keeps_quarantined_pages_through_an_abort(monkeypatch):
     pool = decode.engine.pool
     idle = pool.free_tokens()
     try:
+
         async def scenario():
             res = await prefill.prefill("q", [5, 6, 7, 8], params)
             with pytest.raises(ReadInFlight):
@@ -148,4 +149,3 @@ def test_decode_worker_keeps_quarantined_pages_through_an_abort(monkeypatch):
     finally:
         decode.shutdown()
         prefill.shutdown()
-

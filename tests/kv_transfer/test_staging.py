@@ -83,9 +83,12 @@ def test_arena_free_coalesces_neighbours(order):
     arena = ByteArena(8 * 256)
     offsets = [arena.alloc(256) for _ in range(8)]
     assert arena.alloc(1) is None
-    frees = {"forward": offsets, "backward": offsets[::-1],
-             "middle_last": [offsets[i] for i in (0, 2, 4, 6, 7, 5, 3, 1)],
-             "shuffled": random.Random(3).sample(offsets, 8)}[order]
+    frees = {
+        "forward": offsets,
+        "backward": offsets[::-1],
+        "middle_last": [offsets[i] for i in (0, 2, 4, 6, 7, 5, 3, 1)],
+        "shuffled": random.Random(3).sample(offsets, 8),
+    }[order]
     for o in frees:
         arena.free(o)
     assert arena.allocated() == {} and arena.free_bytes == arena.capacity == arena.largest_free
@@ -117,9 +120,9 @@ def test_arena_is_thread_safe():
             for _ in range(1500):
                 if held and (rng.random() < 0.5 or len(held) > 4):
                     off, n = held.pop(rng.randrange(len(held)))
-                    if any(x != tid for x in owner[off:off + n]):
+                    if any(x != tid for x in owner[off : off + n]):
                         errors.append(f"thread {tid}: range {off}+{n} was overwritten")
-                    owner[off:off + n] = [0] * n
+                    owner[off : off + n] = [0] * n
                     arena.free(off)
                     continue
                 n = rng.randint(1, 6 * 256)
@@ -127,13 +130,13 @@ def test_arena_is_thread_safe():
                 if off is None:
                     continue
                 n = arena.allocated().get(off, -1)  # rounded length
-                if n < 0 or any(owner[off:off + n]):
+                if n < 0 or any(owner[off : off + n]):
                     errors.append(f"thread {tid}: range at {off} handed out twice")
                     continue
-                owner[off:off + n] = [tid] * n
+                owner[off : off + n] = [tid] * n
                 held.append((off, n))
             for off, n in held:
-                owner[off:off + n] = [0] * n
+                owner[off : off + n] = [0] * n
                 arena.free(off)
         except Exception as e:  # noqa: BLE001 - reported below with the thread id
             errors.append(f"thread {tid}: {type(e).__name__}: {e}")
@@ -170,8 +173,9 @@ def request_bytes():
 
 def nixl_pair(src_pool, dst_pool, src_staging=None, dst_staging=None, **src_kw):
     released = []
-    src = make_backend("nixl", src_pool, on_release=lambda rid, err: released.append((rid, err)),
-                       staging_bytes=src_staging, **src_kw)
+    src = make_backend(
+        "nixl", src_pool, on_release=lambda rid, err: released.append((rid, err)), staging_bytes=src_staging, **src_kw
+    )
     dst = make_backend("nixl", dst_pool, staging_bytes=dst_staging)
     dst.add_peer(src.worker_name, src.metadata())
     return src, dst, released
@@ -190,9 +194,9 @@ def dst_tables(pool, requests):
     out = [{} for _ in range(requests)]
     for name, group in pool.groups.items():
         k = group.spec.pages_for_tokens(NUM_TOKENS)
-        perm = torch.randperm(group.spec.num_pages, generator=g)[:k * requests].tolist()
+        perm = torch.randperm(group.spec.num_pages, generator=g)[: k * requests].tolist()
         for i in range(requests):
-            out[i][name] = perm[i * k:(i + 1) * k]
+            out[i][name] = perm[i * k : (i + 1) * k]
     return out
 
 
@@ -220,8 +224,11 @@ def pull_once(src_staging, dst_staging, requests=1):
         assert sorted(got) == [(f"r{i}", None) for i in range(requests)] and sorted(released) == sorted(got)
         assert src.exported() == []
         assert_arenas_idle(src, dst)  # staged ranges came back with the confirmations
-        return ({n: as_bytes(g.tensor).clone() for n, g in dst_pool.groups.items()}, stats,
-                (dict(src.staging_counts), dict(dst.staging_counts)))
+        return (
+            {n: as_bytes(g.tensor).clone() for n, g in dst_pool.groups.items()},
+            stats,
+            (dict(src.staging_counts), dict(dst.staging_counts)),
+        )
     finally:
         src.close()
         dst.close()
@@ -246,8 +253,10 @@ def test_staged_pull_moves_the_same_bytes_as_page_descriptors(unstaged):
     assert_same_pools(pools, unstaged[0])
     assert stats[0].descriptors == 1 < unstaged[1][0].descriptors
     assert stats[0].bytes == unstaged[1][0].bytes > 0
-    assert counts == ({"staged": 0, "fallback_source": 0, "fallback_destination": 0},
-                      {"staged": 1, "fallback_source": 0, "fallback_destination": 0})
+    assert counts == (
+        {"staged": 0, "fallback_source": 0, "fallback_destination": 0},
+        {"staged": 1, "fallback_source": 0, "fallback_destination": 0},
+    )
     assert unstaged[2][1]["staged"] == 0  # staging off: nothing staged, nothing counted as a fallback
     assert sum(unstaged[2][0].values()) == 0
 
@@ -268,8 +277,11 @@ def test_destination_arena_too_small_falls_back_counted_same_bytes(unstaged):
     pools, stats, counts = pull_once(None, request_bytes() - STAGING_ALIGN)
     assert_same_pools(pools, unstaged[0])
     assert stats[0].descriptors == unstaged[1][0].descriptors > 1
-    assert counts[0]["fallback_source"] == 0 and counts[1] == {"staged": 0, "fallback_source": 0,
-                                                              "fallback_destination": 1}
+    assert counts[0]["fallback_source"] == 0 and counts[1] == {
+        "staged": 0,
+        "fallback_source": 0,
+        "fallback_destination": 1,
+    }
 
 
 @needs_nixl
@@ -402,9 +414,10 @@ def test_scatter_is_queued_without_waiting_and_holds_its_range_until_it_ran():
     buf = StagingBuffer(pool, 2 * layout.nbytes + 2 * STAGING_ALIGN)
     src, back = buf.alloc(layout.nbytes), buf.alloc(layout.nbytes)
     g = torch.Generator(device="cuda").manual_seed(5)
-    buf.tensor[src:src + layout.nbytes].copy_(torch.randint(0, 256, (layout.nbytes,), generator=g, device="cuda",
-                                                            dtype=torch.uint8))
-    staged = buf.tensor[src:src + layout.nbytes].clone()
+    buf.tensor[src : src + layout.nbytes].copy_(
+        torch.randint(0, 256, (layout.nbytes,), generator=g, device="cuda", dtype=torch.uint8)
+    )
+    staged = buf.tensor[src : src + layout.nbytes].clone()
     # One scatter first: a kernel's first launch loads its module (CUDA's lazy loading), which waits for the
     # device's queued work (seen on the H200: 1.5 s here); the steady state, every later pull, does not.
     buf.scatter(src, layout)
@@ -421,4 +434,4 @@ def test_scatter_is_queued_without_waiting_and_holds_its_range_until_it_ran():
     buf.gather(back, layout)
     for grp in layout.groups:
         b = back + grp.offset
-        assert torch.equal(staged[grp.offset:grp.offset + grp.nbytes], buf.tensor[b:b + grp.nbytes]), grp.name
+        assert torch.equal(staged[grp.offset : grp.offset + grp.nbytes], buf.tensor[b : b + grp.nbytes]), grp.name

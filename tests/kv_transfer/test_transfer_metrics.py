@@ -65,6 +65,7 @@ def test_failed_pull_counts_once_and_aborts_are_apart(port):
     decode = DecodeWorker("mx-d", None, transfer="tcp", transfer_timeout_s=1e-9)  # every pull times out
     decode.add_peer("mx-p", prefill.transfer_metadata())
     try:
+
         async def fail_one():
             res = await prefill.prefill("f1", [5, 6, 7], PARAMS)
             with pytest.raises(TransferTimeout):
@@ -93,6 +94,7 @@ def test_failed_pull_counts_once_and_aborts_are_apart(port):
 def test_expired_lease_is_the_prefill_workers_failure(port):
     prefill = PrefillWorker("mx-lease", None, transfer="tcp", lease_s=0.3)
     try:
+
         async def expire():
             await prefill.prefill("e1", [5, 6, 7], PARAMS)  # nobody pulls it
             for _ in range(200):  # the lease runs out; the prefill worker's poller releases it

@@ -31,9 +31,18 @@ class ScriptedDispatcher:
         self.running = 0
 
     def workers(self):
-        return [WorkerInfo("p0", "prefill", True, incarnation="1"),
-                WorkerInfo("d0", "decode", self.decode_up, kv_free_tokens=1 << 20, incarnation="1",
-                           max_slots=self.slots, kv_capacity_tokens=1 << 20)]
+        return [
+            WorkerInfo("p0", "prefill", True, incarnation="1"),
+            WorkerInfo(
+                "d0",
+                "decode",
+                self.decode_up,
+                kv_free_tokens=1 << 20,
+                incarnation="1",
+                max_slots=self.slots,
+                kv_capacity_tokens=1 << 20,
+            ),
+        ]
 
     async def generate(self, request, prefill_id, decode_id):
         if self.gate is None:
@@ -56,8 +65,9 @@ class Harness:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.dispatcher = ScriptedDispatcher(slots=2)
-        self.server = RouterServer(self.dispatcher, RoutingPolicy(PolicyConfig("least_loaded")),
-                                   health_interval_s=0.05, **server_kw)
+        self.server = RouterServer(
+            self.dispatcher, RoutingPolicy(PolicyConfig("least_loaded")), health_interval_s=0.05, **server_kw
+        )
         self.addr = f"127.0.0.1:{self.run(self.server.start('127.0.0.1', 0))}"
 
     def run(self, coro):
@@ -67,6 +77,7 @@ class Harness:
         async def go():
             self.dispatcher.gate.set()
             self.dispatcher.gate = None
+
         self.run(go())
 
     def close(self):
@@ -173,7 +184,7 @@ def test_policy_admits_by_slots_and_whole_pages():
     pol.release("d0", 10)
     assert pol.can_admit(10, [p, d]) and pol.effective_free_tokens(d) == 768
     colocated = WorkerInfo("c0", "colocated", True)
-    assert pol.can_admit(10 ** 9, [colocated])  # no decode pool: the engine queues itself
+    assert pol.can_admit(10**9, [colocated])  # no decode pool: the engine queues itself
 
 
 def _local_router(**server_kw):
@@ -183,8 +194,13 @@ def _local_router(**server_kw):
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     dispatcher = LocalDispatcher(2)
-    server = RouterServer(dispatcher, RoutingPolicy(PolicyConfig("least_loaded")), health_interval_s=3600.0,
-                          restart_wait_s=0.5, **server_kw)
+    server = RouterServer(
+        dispatcher,
+        RoutingPolicy(PolicyConfig("least_loaded")),
+        health_interval_s=3600.0,
+        restart_wait_s=0.5,
+        **server_kw,
+    )
     port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", 0), loop).result(30)
 
     def close():

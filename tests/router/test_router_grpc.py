@@ -26,16 +26,29 @@ PARAMS = SamplingParams(max_new_tokens=6, logprobs=True, prompt_logprobs=True)
 class Harness:
     """A RouterServer on its own event-loop thread, so the tests can use the blocking client."""
 
-    def __init__(self, health_interval_s=3600.0, policy=None, max_inflight=0, prefix_cache=True, stall_timeout_s=60.0,
-                 **server_kw):
+    def __init__(
+        self,
+        health_interval_s=3600.0,
+        policy=None,
+        max_inflight=0,
+        prefix_cache=True,
+        stall_timeout_s=60.0,
+        **server_kw,
+    ):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         # prefix_cache=False: engines publish no digest, so the router routes on its own estimate
-        self.dispatcher = LocalDispatcher(2, engine_factory=lambda: load_engine(prefix_cache=prefix_cache),
-                                          stall_timeout_s=stall_timeout_s)
-        self.server = RouterServer(self.dispatcher, policy or RoutingPolicy(PolicyConfig(cache_threshold=0.5)),
-                                   health_interval_s=health_interval_s, max_inflight=max_inflight, **server_kw)
+        self.dispatcher = LocalDispatcher(
+            2, engine_factory=lambda: load_engine(prefix_cache=prefix_cache), stall_timeout_s=stall_timeout_s
+        )
+        self.server = RouterServer(
+            self.dispatcher,
+            policy or RoutingPolicy(PolicyConfig(cache_threshold=0.5)),
+            health_interval_s=health_interval_s,
+            max_inflight=max_inflight,
+            **server_kw,
+        )
         self.port = self.run(self.server.start("127.0.0.1", 0))
         self.client = RouterClient(f"127.0.0.1:{self.port}", timeout_s=60)
 
@@ -89,8 +102,7 @@ def test_generate_full_without_logprobs(router, reference):
     assert res.request_id == "mine-1" and res.finish_reason == "length"
 
 
-@pytest.mark.parametrize("prompt, needle", [([3, 512, 4], "out of vocabulary"), ([], "empty"),
-                                            ([1, 2], "top_p")])
+@pytest.mark.parametrize("prompt, needle", [([3, 512, 4], "out of vocabulary"), ([], "empty"), ([1, 2], "top_p")])
 def test_invalid_argument_and_server_keeps_serving(router, reference, prompt, needle):
     params = SamplingParams(max_new_tokens=4)
     stub = pb2_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{router.port}"))
@@ -123,14 +135,17 @@ def test_health_and_stats_list_both_workers(router):
     health = router.client.health(probe=True)
     assert health.serving
     assert {(w.worker_id, w.role, w.healthy) for w in health.workers} == {
-        ("engine-0", "colocated", True), ("engine-1", "colocated", True)}
+        ("engine-0", "colocated", True),
+        ("engine-1", "colocated", True),
+    }
     stats = router.client.stats()
     assert stats.policy == "cache_aware" and stats.requests_total >= 1
     assert {w.worker_id for w in stats.workers} == {"engine-0", "engine-1"}
     for w in stats.workers:
         assert w.healthy and w.kv_free_tokens > 0 and 0.0 <= w.kv_usage <= 1.0 and w.inflight == 0
-    assert sum(n for (stage, _), n in stats.decisions.items() if stage == "decode") == \
-        sum(n for (stage, _), n in stats.decisions.items() if stage == "prefill")
+    assert sum(n for (stage, _), n in stats.decisions.items() if stage == "decode") == sum(
+        n for (stage, _), n in stats.decisions.items() if stage == "prefill"
+    )
 
 
 LONG_PREFIX = [(7 * i + 3) % 500 + 2 for i in range(300)]  # the engines cache 256-token blocks
@@ -156,8 +171,9 @@ def test_client_going_away_aborts_the_request_on_the_engine(router):
     events.close()  # cancels the RPC
     engine = router.dispatcher.engine(first.prefill_worker)
     deadline = time.monotonic() + 20
-    while (engine.requests or router.client.stats().workers[0].inflight
-           or router.client.stats().workers[1].inflight) and time.monotonic() < deadline:
+    while (
+        engine.requests or router.client.stats().workers[0].inflight or router.client.stats().workers[1].inflight
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.requests and not engine.has_work
     assert all(w.inflight == 0 for w in router.client.stats().workers)
@@ -208,8 +224,9 @@ def test_health_loop_notices_a_death_on_its_own():
             time.sleep(0.02)
         assert {w.worker_id: w.healthy for w in h.client.health().workers} == {"engine-0": True, "engine-1": False}
         assert h.client.stats().retries_total == 0
-        assert {h.client.generate_full([i + 2] * 20, SamplingParams(max_new_tokens=1)).prefill_worker
-                for i in range(3)} == {"engine-0"}
+        assert {
+            h.client.generate_full([i + 2] * 20, SamplingParams(max_new_tokens=1)).prefill_worker for i in range(3)
+        } == {"engine-0"}
     finally:
         h.close()
 

@@ -18,8 +18,12 @@ BLOCK = 4
 
 def digest(tokens, upto_blocks, block=BLOCK, seed=SEED):
     # A worker bumps its digest's version whenever the content changes (the router's index relies on it).
-    return PrefixDigest(block_tokens=block, seed=seed,
-                        hashes=frozenset(block_hashes(tokens, block, seed)[:upto_blocks]), version=upto_blocks)
+    return PrefixDigest(
+        block_tokens=block,
+        seed=seed,
+        hashes=frozenset(block_hashes(tokens, block, seed)[:upto_blocks]),
+        version=upto_blocks,
+    )
 
 
 def worker(wid, prefix, running=0, waiting=0):
@@ -37,9 +41,17 @@ def cached_tokens(prompt, workers):
 
 def test_cached_tokens_is_the_deepest_published_block_and_leaves_one_token():
     prompt = list(range(100, 120))  # 5 blocks of 4
-    ws = [worker("a", digest(prompt, 2)), worker("b", digest(prompt, 5)), worker("c", None),
-          worker("d", PrefixDigest(block_tokens=BLOCK, seed=b"otherfmt",
-                                   hashes=frozenset(block_hashes(prompt, BLOCK, b"otherfmt"))))]
+    ws = [
+        worker("a", digest(prompt, 2)),
+        worker("b", digest(prompt, 5)),
+        worker("c", None),
+        worker(
+            "d",
+            PrefixDigest(
+                block_tokens=BLOCK, seed=b"otherfmt", hashes=frozenset(block_hashes(prompt, BLOCK, b"otherfmt"))
+            ),
+        ),
+    ]
     got = cached_tokens(prompt, ws)
     # b holds all 5 blocks but a hit must leave the last token to compute: 4 blocks; other format: none
     assert got == {"a": 8, "b": 16, "c": 0, "d": 16}
@@ -131,6 +143,7 @@ def test_decode_worker_local_generation_equals_one_engine():
         want.append(ref.pop_finished(rid))
     worker = DecodeWorker("d0", None, {"page_tokens": 64})
     try:
+
         async def run(rid, p):
             return [ev async for ev in worker.generate_local(rid, p, params, 5)]
 

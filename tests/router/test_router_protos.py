@@ -35,7 +35,9 @@ def test_changed_proto_regenerates_or_fails_clearly(tmp_path):
     proto.write_text(text)
     out = _python(tmp_path, NO_TOOLS + "import router.protos")
     assert out.returncode != 0 and "pip install grpcio-tools" in out.stderr
-    out = _python(tmp_path, "from router.protos import pb2, stubs_fresh; "
-                            "print(stubs_fresh(), pb2.StatsRequest(verbose=True).verbose)")
+    out = _python(
+        tmp_path,
+        "from router.protos import pb2, stubs_fresh; print(stubs_fresh(), pb2.StatsRequest(verbose=True).verbose)",
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True"]

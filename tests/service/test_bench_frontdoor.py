@@ -23,8 +23,24 @@ def test_frontdoor_tiny(tmp_path):
     p = argparse.ArgumentParser()
     add_bench_frontdoor_args(p)
     out = tmp_path / "rows.json"
-    args = p.parse_args(["--replicas", "1,2", "--streams", "2,4", "--seconds", "2", "--max-tokens", "12",
-                         "--growth", "-1", "--port", str(free_port()), "--json", str(out)])
+    args = p.parse_args(
+        [
+            "--replicas",
+            "1,2",
+            "--streams",
+            "2,4",
+            "--seconds",
+            "2",
+            "--max-tokens",
+            "12",
+            "--growth",
+            "-1",
+            "--port",
+            str(free_port()),
+            "--json",
+            str(out),
+        ]
+    )
     assert bench_frontdoor_main(args) == 0
     rows = json.loads(out.read_text())
     assert [(r["replicas"], r["streams"]) for r in rows] == [(1, 2), (1, 4), (2, 2), (2, 4)]

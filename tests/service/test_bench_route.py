@@ -17,14 +17,32 @@ def test_make_trace_and_route_json(tmp_path, capsys):
     path = tmp_path / "sp.jsonl"
     assert main(["bench", "make-trace", "--kind", "system_prompts", "--size", "8", "--out", str(path)]) == 0
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(rows) == 8 * 16 and all(set(r) == {"timestamp", "input_length", "output_length", "hash_ids"}
-                                       for r in rows)
+    assert len(rows) == 8 * 16 and all(
+        set(r) == {"timestamp", "input_length", "output_length", "hash_ids"} for r in rows
+    )
     capsys.readouterr()
-    assert main(["bench", "route", "--trace", str(path), "--workers", "4", "--capacity-blocks", "64",
-                 "--policies", "round_robin,cache_aware", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "route",
+                "--trace",
+                str(path),
+                "--workers",
+                "4",
+                "--capacity-blocks",
+                "64",
+                "--policies",
+                "round_robin,cache_aware",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
-    assert out["workers"] == 4 and out["capacity_blocks"] == 64 and set(out["policies"]) == {"round_robin",
-                                                                                            "cache_aware"}
+    assert (
+        out["workers"] == 4 and out["capacity_blocks"] == 64 and set(out["policies"]) == {"round_robin", "cache_aware"}
+    )
     for r in out["policies"].values():
         assert FIELDS <= set(r) and 0.0 <= r["hit_rate"] <= r["pooled_hit_rate"] + 1e-9 <= 1.0 + 1e-9
     # 8 system prompts over 4 workers: following the real caches beats spraying them

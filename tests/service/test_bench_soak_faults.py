@@ -20,9 +20,28 @@ CLEAN = {"ok", "abandoned", "http_400_expected", "http_429", "http_503", "inband
 def test_soak_with_every_fault_kind_stays_clean():
     parser = argparse.ArgumentParser()
     add_bench_soak_args(parser)
-    args = parser.parse_args(["--minutes", "1.25", "--clients", "4", "--fault-every", "8", "--faults",
-                              "raise,hang,stop,kill", "--decode-workers", "2", "--transfer", "tcp",
-                              "--stop-seconds", "12", "--stall-timeout-seconds", "3", "--max-batch-tokens", "64"])
+    args = parser.parse_args(
+        [
+            "--minutes",
+            "1.25",
+            "--clients",
+            "4",
+            "--fault-every",
+            "8",
+            "--faults",
+            "raise,hang,stop,kill",
+            "--decode-workers",
+            "2",
+            "--transfer",
+            "tcp",
+            "--stop-seconds",
+            "12",
+            "--stall-timeout-seconds",
+            "3",
+            "--max-batch-tokens",
+            "64",
+        ]
+    )
     r = run_soak(args)
     print(report_markdown(r))
     kinds = {f.split()[0] for f in r["faults"]}

@@ -34,8 +34,10 @@ def test_write_section_replaces_and_appends(tmp_path):
 
 def test_every_section_of_benchmarks_md_is_generated():
     text = BENCHMARKS_MD.read_text()
-    spans = [(m.start(), m.end(), m.group(1)) for m in
-             re.finditer(r"<!-- dsv4:([a-z0-9_]+) begin -->.*?<!-- dsv4:\1 end -->", text, re.S)]
+    spans = [
+        (m.start(), m.end(), m.group(1))
+        for m in re.finditer(r"<!-- dsv4:([a-z0-9_]+) begin -->.*?<!-- dsv4:\1 end -->", text, re.S)
+    ]
     for heading in re.finditer(r"^## .*$", text, re.M):
         assert any(a < heading.start() < b for a, b, _ in spans), f"hand-written section: {heading.group(0)!r}"
     dirs = ("benchmarks", "scripts", "service", "tools")

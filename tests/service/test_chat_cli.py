@@ -14,17 +14,22 @@ from service.cli import main
 from tests.service.test_chat_encoding import CASES, load_case
 
 REPO = Path(__file__).resolve().parents[2]
-TOOL_COMPLETION = ('I need the weather.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
-                   '<｜DSML｜parameter name="location" string="true">Zürich</｜DSML｜parameter>\n'
-                   '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-                   '</｜DSML｜tool_calls><｜end▁of▁sentence｜>')
+TOOL_COMPLETION = (
+    'I need the weather.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="location" string="true">Zürich</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+    "</｜DSML｜tool_calls><｜end▁of▁sentence｜>"
+)
 
 
 def request_file(tmp_path, n: str) -> Path:
     case, _ = load_case(n)
-    body = {"model": "x", "messages": case["messages"],
-            "chat_template_kwargs": {"thinking": case["thinking_mode"] == "thinking"},
-            **({"tools": case["tools"]} if "tools" in case else {})}
+    body = {
+        "model": "x",
+        "messages": case["messages"],
+        "chat_template_kwargs": {"thinking": case["thinking_mode"] == "thinking"},
+        **({"tools": case["tools"]} if "tools" in case else {}),
+    }
     path = tmp_path / f"req_{n}.json"
     path.write_text(json.dumps(body, ensure_ascii=False), encoding="utf-8")
     return path
@@ -69,7 +74,7 @@ def test_chat_parse_tool_call(monkeypatch, capsysbinary):
 
 def test_chat_parse_fixture_turn_without_thinking(monkeypatch, capsysbinary):
     _, gold = load_case("4")
-    out = run_parse(monkeypatch, capsysbinary, gold[gold.rfind("<｜action｜>") + len("<｜action｜>"):])
+    out = run_parse(monkeypatch, capsysbinary, gold[gold.rfind("<｜action｜>") + len("<｜action｜>") :])
     assert out == {"content": "Search", "reasoning_content": "", "tool_calls": []}
 
 
@@ -77,13 +82,25 @@ def test_console_round_trip_bytes(tmp_path):
     """The real process: stdout bytes of chat-render, stdin bytes of chat-parse (no locale in the way)."""
     env = {"PYTHONIOENCODING": "ascii", "LC_ALL": "C", "PATH": "/usr/bin:/bin"}
     path = request_file(tmp_path, "3")
-    out = subprocess.run([sys.executable, "-m", "service.cli", "chat-render", "--request", str(path)], cwd=REPO,
-                         env=env, capture_output=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "service.cli", "chat-render", "--request", str(path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        check=True,
+    ).stdout
     assert out == load_case("3")[1].encode("utf-8")
-    res = subprocess.run([sys.executable, "-m", "service.cli", "chat-parse", "--thinking"], cwd=REPO, env=env,
-                         input=TOOL_COMPLETION.encode("utf-8"), capture_output=True, check=True).stdout
-    assert json.loads(res.decode("utf-8"))["tool_calls"][0]["function"]["arguments"] == \
-        '{"location": "Zürich", "days": 2}'
+    res = subprocess.run(
+        [sys.executable, "-m", "service.cli", "chat-parse", "--thinking"],
+        cwd=REPO,
+        env=env,
+        input=TOOL_COMPLETION.encode("utf-8"),
+        capture_output=True,
+        check=True,
+    ).stdout
+    assert (
+        json.loads(res.decode("utf-8"))["tool_calls"][0]["function"]["arguments"] == '{"location": "Zürich", "days": 2}'
+    )
 
 
 def test_chat_render_follows_the_model(tmp_path, capsysbinary):

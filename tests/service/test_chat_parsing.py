@@ -23,19 +23,26 @@ def block(*invokes: str) -> str:
 
 
 def invoke(name: str, **params) -> str:
-    ps = [f'<{D}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-          f'{v if isinstance(v, str) else json.dumps(v)}</{D}parameter>' for k, v in params.items()]
+    ps = [
+        f'<{D}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
+        f"{v if isinstance(v, str) else json.dumps(v)}</{D}parameter>"
+        for k, v in params.items()
+    ]
     return f'<{D}invoke name="{name}">\n' + "\n".join(ps) + f"\n</{D}invoke>"
 
 
-TOOL_TEXT = ("The user wants weather; call get_weather twice.</think>Checking both." +
-             block(invoke("get_weather", city="Paris", days=3), invoke("search", q="東京 天気", opts={"n": [1, 2]})) + EOS)
+TOOL_TEXT = (
+    "The user wants weather; call get_weather twice.</think>Checking both."
+    + block(invoke("get_weather", city="Paris", days=3), invoke("search", q="東京 天気", opts={"n": [1, 2]}))
+    + EOS
+)
 THINK_TEXT = "Let me think: 2 + 2 = 4 <not a tag>.</think>The answer is **4**.\n\nDone." + EOS
 STRAY_TEXT = "<think>T <b>bold</b></think>A</think>B<think>C\n\nD" + EOS + "junk after the end"
-TWO_BLOCKS_TEXT = ("First." + block(invoke("a", x=1)) + "\n\nThen more." + block(invoke("b", y="z"), invoke("c"))
-                   + EOS)
-MALFORMED_TEXT = ("Hmm.</think>Calling." + f'\n\n<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="x">1'
-                  f"</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>" + EOS)
+TWO_BLOCKS_TEXT = "First." + block(invoke("a", x=1)) + "\n\nThen more." + block(invoke("b", y="z"), invoke("c")) + EOS
+MALFORMED_TEXT = (
+    "Hmm.</think>Calling." + f'\n\n<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="x">1'
+    f"</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>" + EOS
+)
 TRUNCATED_TEXT = "Hmm.</think>Calling." + f'\n\n<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="x" str'
 
 
@@ -51,11 +58,21 @@ def test_tool_calls_parse_with_non_string_parameters_decoded():
 
 
 def test_every_json_type_and_awkward_strings():
-    text = block(invoke("f", i=-7, x=1.5, t=True, n=None, a=[1, "b"], o={"k": "v"}, s='quote " and \\ and\nnewline',
-                        e="")) + EOS
+    text = (
+        block(invoke("f", i=-7, x=1.5, t=True, n=None, a=[1, "b"], o={"k": "v"}, s='quote " and \\ and\nnewline', e=""))
+        + EOS
+    )
     call = parse_completion(text, thinking=False).calls[0]
-    assert json.loads(call.arguments) == {"i": -7, "x": 1.5, "t": True, "n": None, "a": [1, "b"], "o": {"k": "v"},
-                                          "s": 'quote " and \\ and\nnewline', "e": ""}
+    assert json.loads(call.arguments) == {
+        "i": -7,
+        "x": 1.5,
+        "t": True,
+        "n": None,
+        "a": [1, "b"],
+        "o": {"k": "v"},
+        "s": 'quote " and \\ and\nnewline',
+        "e": "",
+    }
     empty = parse_completion(block(f'<{D}invoke name="noargs">\n</{D}invoke>') + EOS, thinking=False)
     assert empty.calls == [ToolCall("noargs", "{}")]
 
@@ -86,17 +103,17 @@ def test_degradations_never_raise():
 @pytest.mark.parametrize("text", [MALFORMED_TEXT, TRUNCATED_TEXT])
 def test_malformed_or_truncated_block_becomes_content(text, caplog):
     p = parse_completion(text, thinking=True)
-    raw = text[text.index("</think>") + len("</think>"):].removesuffix(EOS)
+    raw = text[text.index("</think>") + len("</think>") :].removesuffix(EOS)
     assert p.reasoning == "Hmm." and p.calls == [] and p.content == raw  # as the model wrote it
     assert "malformed tool-call block" in caplog.text
 
 
 def test_a_call_is_settled_when_its_invoke_closes():
     first, second = invoke("a", x=1), invoke("b", y="z")
-    cut = "Go." + block(first, second)[:-len(f"</{D}invoke>\n</{D}tool_calls>") - 3]  # second invoke cut off
+    cut = "Go." + block(first, second)[: -len(f"</{D}invoke>\n</{D}tool_calls>") - 3]  # second invoke cut off
     p = parse_completion(cut, thinking=False)
     assert p.calls == [ToolCall("a", '{"x": 1}')]
-    assert p.content == "Go." + cut[cut.index(first) + len(first):]  # the broken rest, as written
+    assert p.content == "Go." + cut[cut.index(first) + len(first) :]  # the broken rest, as written
     at_close = parse_completion("Go." + block(first)[:-5], thinking=False)  # cut inside </｜DSML｜tool_calls>
     assert (at_close.content, at_close.calls) == ("Go.", [ToolCall("a", '{"x": 1}')])
     # streamed: the first call goes out as soon as its invoke closes, before the block does
@@ -109,8 +126,10 @@ def test_a_call_is_settled_when_its_invoke_closes():
 
 
 def test_duplicate_parameter_and_non_json_value():
-    dup = block(f'<{D}invoke name="f">\n<{D}parameter name="a" string="true">1</{D}parameter>\n'
-                f'<{D}parameter name="a" string="true">2</{D}parameter>\n</{D}invoke>')
+    dup = block(
+        f'<{D}invoke name="f">\n<{D}parameter name="a" string="true">1</{D}parameter>\n'
+        f'<{D}parameter name="a" string="true">2</{D}parameter>\n</{D}invoke>'
+    )
     assert parse_completion(dup + EOS, thinking=False).calls == []
     loose = block(f'<{D}invoke name="f">\n<{D}parameter name="a" string="false">not json</{D}parameter>\n</{D}invoke>')
     assert parse_completion(loose + EOS, thinking=False).calls == [ToolCall("f", '{"a": "not json"}')]
@@ -133,8 +152,12 @@ def stream(pieces: list[str], thinking: bool, **kw):
     """Feed `pieces` (the last one final) -> (deltas, reasoning, content, [(index, call)])."""
     parser = ChatStreamParser(thinking, **kw)
     deltas = [parser.feed(p, final=k == len(pieces) - 1) for k, p in enumerate(pieces)]
-    return (deltas, "".join(d.reasoning for d in deltas), "".join(d.content for d in deltas),
-            [ic for d in deltas for ic in d.calls])
+    return (
+        deltas,
+        "".join(d.reasoning for d in deltas),
+        "".join(d.content for d in deltas),
+        [ic for d in deltas for ic in d.calls],
+    )
 
 
 def splits_of(text: str):
@@ -147,9 +170,16 @@ def splits_of(text: str):
         yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
-@pytest.mark.parametrize("name, text, thinking", [
-    ("tool_calls", TOOL_TEXT, True), ("thinking", THINK_TEXT, True), ("stray_markers", STRAY_TEXT, True),
-    ("chat_tool_calls", TOOL_TEXT.split("</think>")[1], False), ("two_blocks", TWO_BLOCKS_TEXT, False)])
+@pytest.mark.parametrize(
+    "name, text, thinking",
+    [
+        ("tool_calls", TOOL_TEXT, True),
+        ("thinking", THINK_TEXT, True),
+        ("stray_markers", STRAY_TEXT, True),
+        ("chat_tool_calls", TOOL_TEXT.split("</think>")[1], False),
+        ("two_blocks", TWO_BLOCKS_TEXT, False),
+    ],
+)
 def test_stream_every_split_point(name, text, thinking):
     full = parse_completion(text, thinking)
     for pieces in splits_of(text):

@@ -26,16 +26,23 @@ from service.openai_protocol import ChatCompletionRequest
 from tests.service.test_openai_http import Backend, HTTPServer
 
 MODEL = "tiny-chat"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+    },
+}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Weather in Zürich?"}]
-SCRIPT = ("The user wants the weather in Zürich.</think>Let me check."
-          '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
-          '<｜DSML｜parameter name="city" string="true">Zürich</｜DSML｜parameter>\n'
-          '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-          '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Bern</｜DSML｜parameter>\n'
-          "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+SCRIPT = (
+    "The user wants the weather in Zürich.</think>Let me check."
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Zürich</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+    '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Bern</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
 LEAKS = ("｜", "DSML", "<think", "</think", "\ufffd")
 
 
@@ -48,8 +55,12 @@ class ScriptedRouter(pb2_grpc.RouterServicer):
     async def Generate(self, request, context):
         for k, t in enumerate(self.ids):
             last = k == len(self.ids) - 1
-            yield pb2.GenerateResponse(request_id=request.request_id, token_id=t, finished=last,
-                                       finish_reason=self.finish_reason if last else "")
+            yield pb2.GenerateResponse(
+                request_id=request.request_id,
+                token_id=t,
+                finished=last,
+                finish_reason=self.finish_reason if last else "",
+            )
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +116,20 @@ def collect(stream):
 
 @pytest.mark.parametrize("thinking", [False, True])
 def test_tools_on_the_built_in_model(real, tok, thinking):
-    kw = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], max_tokens=12, temperature=0,
-              extra_body={"return_token_ids": True, "ignore_eos": True,
-                          "chat_template_kwargs": {"thinking": thinking}})
+    kw = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True, "chat_template_kwargs": {"thinking": thinking}},
+    )
     r = real.client.chat.completions.create(**kw)
-    prompt = chat_v4.render(ChatCompletionRequest.model_validate(
-        {"messages": MESSAGES, "tools": [WEATHER], "chat_template_kwargs": {"thinking": thinking}}))
+    prompt = chat_v4.render(
+        ChatCompletionRequest.model_validate(
+            {"messages": MESSAGES, "tools": [WEATHER], "chat_template_kwargs": {"thinking": thinking}}
+        )
+    )
     assert "## Tools" in prompt.text and prompt.thinking == thinking
     assert r.model_extra["prompt_token_ids"] == tok.tokenizer.encode(prompt.text, add_special_tokens=False).ids
     ids = r.choices[0].model_extra["token_ids"]
@@ -118,8 +137,9 @@ def test_tools_on_the_built_in_model(real, tok, thinking):
     msg = r.choices[0].message
     assert (msg.content or "") == want.content and len(msg.tool_calls or []) == len(want.calls)
     assert msg.model_extra["reasoning_content"] == (want.reasoning if thinking else None)
-    chunks, body, reasoning, content, calls = collect(real.client.chat.completions.create(
-        stream=True, stream_options={"include_usage": True}, **kw))
+    chunks, body, reasoning, content, calls = collect(
+        real.client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     assert (reasoning, content, len(calls)) == (want.reasoning if thinking else "", want.content, len(want.calls))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert body[-1].choices[0].finish_reason == r.choices[0].finish_reason
@@ -128,8 +148,9 @@ def test_tools_on_the_built_in_model(real, tok, thinking):
 def test_scripted_tool_calls_non_streaming(scripted, tok):
     ScriptedRouter.ids = tok.tokenizer.encode(SCRIPT, add_special_tokens=False).ids + [tok.eos_id]
     ScriptedRouter.finish_reason = "stop"
-    r = scripted.client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER],
-                                                extra_body={"chat_template_kwargs": {"thinking": True}})
+    r = scripted.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=[WEATHER], extra_body={"chat_template_kwargs": {"thinking": True}}
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Let me check."
@@ -143,12 +164,21 @@ def test_scripted_tool_calls_non_streaming(scripted, tok):
 def test_scripted_tool_calls_streamed_without_leaks(scripted, tok):
     ScriptedRouter.ids = tok.tokenizer.encode(SCRIPT, add_special_tokens=False).ids + [tok.eos_id]
     ScriptedRouter.finish_reason = "stop"
-    chunks, body, reasoning, content, calls = collect(scripted.client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=[WEATHER], stream=True, stream_options={"include_usage": True},
-        extra_body={"chat_template_kwargs": {"thinking": True}}))
+    chunks, body, reasoning, content, calls = collect(
+        scripted.client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=[WEATHER],
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"chat_template_kwargs": {"thinking": True}},
+        )
+    )
     assert reasoning == "The user wants the weather in Zürich." and content == "Let me check."
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Zürich", "days": 2}), ("get_weather", {"city": "Bern"})]
+        ("get_weather", {"city": "Zürich", "days": 2}),
+        ("get_weather", {"city": "Bern"}),
+    ]
     assert all(c["id"].startswith("call_") for c in calls)
     for c in body:
         d = c.choices[0].delta
@@ -169,7 +199,7 @@ def test_scripted_truncated_output_and_tool_choice_none(scripted, tok):
         msg = r.choices[0].message
         assert r.choices[0].finish_reason == "length" and len(msg.tool_calls or []) == calls_kept
         # the broken rest is plain content, as the model wrote it
-        broken = SCRIPT[SCRIPT.index("\n\n<｜DSML｜"):cut] if not calls_kept else SCRIPT[first_end:cut]
+        broken = SCRIPT[SCRIPT.index("\n\n<｜DSML｜") : cut] if not calls_kept else SCRIPT[first_end:cut]
         assert msg.content == "Let me check." + broken
         _, _, _, content, calls = collect(scripted.client.chat.completions.create(stream=True, **kw))
         assert content == msg.content and len(calls) == calls_kept
@@ -180,11 +210,14 @@ def test_scripted_truncated_output_and_tool_choice_none(scripted, tok):
     assert r.choices[0].message.content == "Let me check."
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"reasoning_effort": "low"}, "reasoning_effort"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"messages": [{"role": "developer", "content": ""}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"messages": [{"role": "developer", "content": ""}]}, "messages"),
+    ],
+)
 def test_bad_v4_requests_are_400(real, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         real.client.chat.completions.create(**{"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **extra})

@@ -18,8 +18,11 @@ from engine.llm import LLM
 from service.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
-PROMPTS = [[0, 17, 42, 7, 99, 3, 250], [0, 5], [300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311, 312,
-                                               313, 314, 315, 316, 317, 318, 319]]
+PROMPTS = [
+    [0, 17, 42, 7, 99, 3, 250],
+    [0, 5],
+    [300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311, 312, 313, 314, 315, 316, 317, 318, 319],
+]
 
 
 def run_cli(argv, capsys) -> tuple[int, str, str]:
@@ -71,8 +74,21 @@ def _ids_args(prompts):
 
 
 def test_generate_json_matches_llm(model_dir, reference, capsys):
-    rc, out, err = run_cli(["generate", "--model", model_dir, *_ids_args(PROMPTS), "--max-new-tokens", 6,
-                            "--ignore-eos", "--json", "--logprobs", "--prompt-logprobs"], capsys)
+    rc, out, err = run_cli(
+        [
+            "generate",
+            "--model",
+            model_dir,
+            *_ids_args(PROMPTS),
+            "--max-new-tokens",
+            6,
+            "--ignore-eos",
+            "--json",
+            "--logprobs",
+            "--prompt-logprobs",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     recs = _json_lines(out)
     assert len(recs) == len(PROMPTS)
@@ -81,13 +97,36 @@ def test_generate_json_matches_llm(model_dir, reference, capsys):
 
 
 def test_generate_chunked_and_sampling_flags(model_dir, capsys):
-    argv = ["generate", "--model", model_dir, *_ids_args(PROMPTS[:2]), "--max-new-tokens", 5, "--ignore-eos",
-            "--json", "--logprobs", "--temperature", 0.9, "--top-p", 0.9, "--top-k", 20, "--seed", 7,
-            "--max-batch-tokens", 5, "--dtype", "float32", "--device", "cpu"]
+    argv = [
+        "generate",
+        "--model",
+        model_dir,
+        *_ids_args(PROMPTS[:2]),
+        "--max-new-tokens",
+        5,
+        "--ignore-eos",
+        "--json",
+        "--logprobs",
+        "--temperature",
+        0.9,
+        "--top-p",
+        0.9,
+        "--top-k",
+        20,
+        "--seed",
+        7,
+        "--max-batch-tokens",
+        5,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+    ]
     rc, out, err = run_cli(argv, capsys)
     assert rc == 0, err
-    params = SamplingParams(max_new_tokens=5, temperature=0.9, top_p=0.9, top_k=20, seed=7, ignore_eos=True,
-                            logprobs=True)
+    params = SamplingParams(
+        max_new_tokens=5, temperature=0.9, top_p=0.9, top_k=20, seed=7, ignore_eos=True, logprobs=True
+    )
     ref = LLM(model_dir=model_dir, max_batch_tokens=5).generate(PROMPTS[:2], params)
     recs = _json_lines(out)
     assert [r["token_ids"] for r in recs] == [o.token_ids for o in ref]
@@ -99,8 +138,9 @@ def test_generate_text_prompt(model_dir, capsys):
     from tokenizers import Tokenizer
 
     text = "The quick brown fox"
-    rc, out, err = run_cli(["generate", "--model", model_dir, "--prompt", text, "--max-new-tokens", 4,
-                            "--ignore-eos", "--json"], capsys)
+    rc, out, err = run_cli(
+        ["generate", "--model", model_dir, "--prompt", text, "--max-new-tokens", 4, "--ignore-eos", "--json"], capsys
+    )
     assert rc == 0, err
     (rec,) = _json_lines(out)
     ids = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")).encode(text).ids  # BOS + text
@@ -108,8 +148,9 @@ def test_generate_text_prompt(model_dir, capsys):
     ref = LLM(model_dir=model_dir).generate([ids], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
     assert rec["token_ids"] == ref.token_ids
     # Plain (non-JSON) output: one line per prompt.
-    rc, out, err = run_cli(["generate", "--model", model_dir, "--prompt", text, "--prompt", "Hello", "--max-new-tokens",
-                            3], capsys)
+    rc, out, err = run_cli(
+        ["generate", "--model", model_dir, "--prompt", text, "--prompt", "Hello", "--max-new-tokens", 3], capsys
+    )
     assert rc == 0, err
     assert len([ln for ln in out.splitlines() if ln.strip()]) == 2
 
@@ -157,9 +198,24 @@ def test_installed_console_script(model_dir, reference):
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        cmd + ["generate", "--model", model_dir, *_ids_args(PROMPTS), "--max-new-tokens", "6", "--ignore-eos",
-               "--json", "--logprobs", "--prompt-logprobs"],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=240,
+        cmd
+        + [
+            "generate",
+            "--model",
+            model_dir,
+            *_ids_args(PROMPTS),
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+            "--logprobs",
+            "--prompt-logprobs",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr
     recs = _json_lines(proc.stdout)

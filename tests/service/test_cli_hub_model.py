@@ -15,8 +15,17 @@ from service.cli import main
 from tests.support.hf_cache import COMMIT, add_repo
 
 REPO = Path(__file__).resolve().parents[2]
-PROMPT = ["--prompt-ids", "0,17,42,7", "--prompt-ids", "0,5", "--max-new-tokens", "5", "--ignore-eos", "--logprobs",
-          "--json"]
+PROMPT = [
+    "--prompt-ids",
+    "0,17,42,7",
+    "--prompt-ids",
+    "0,5",
+    "--max-new-tokens",
+    "5",
+    "--ignore-eos",
+    "--logprobs",
+    "--json",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +39,20 @@ def hub(tmp_path_factory):
 
 
 def _dsv4(args: list[str], cache: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=str(REPO), timeout=300)
+    env = dict(
+        os.environ,
+        HF_HUB_CACHE=str(cache),
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(REPO),
+        timeout=300,
+    )
 
 
 def test_generate_with_a_repo_id_equals_the_directory(hub, capsys):
@@ -89,8 +108,9 @@ def test_serve_config_resolves_the_repo_once(hub, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    cfg = config_from_args(parser.parse_args(["--model", "org/tiny-cli", "--max-model-len", "1024",
-                                              "--ready-timeout-seconds", "1200"]))
+    cfg = config_from_args(
+        parser.parse_args(["--model", "org/tiny-cli", "--max-model-len", "1024", "--ready-timeout-seconds", "1200"])
+    )
     assert os.path.isdir(cfg.model_dir) and cfg.model_dir.endswith(f"models--org--tiny-cli/snapshots/{COMMIT}")
     assert dict(cfg.engine_options)["max_model_len"] == 1024
     assert cfg.ready_timeout_s == 1200.0
@@ -107,6 +127,9 @@ def test_http_ingress_reads_a_repo_id_or_another_nodes_snapshot_path(hub, monkey
     ref = OpenAIServer("127.0.0.1:1", str(model), "m")
     for spec in ("org/tiny-cli", f"/other/node/hub/models--org--tiny-cli/snapshots/{COMMIT}"):
         server = OpenAIServer("127.0.0.1:1", spec, "m")
-        assert (server.vocab_size, server.max_model_len, server.eos_ids) == (ref.vocab_size, ref.max_model_len,
-                                                                               ref.eos_ids)
+        assert (server.vocab_size, server.max_model_len, server.eos_ids) == (
+            ref.vocab_size,
+            ref.max_model_len,
+            ref.eos_ids,
+        )
         assert server.tokenizer.encode("hello world") == ref.tokenizer.encode("hello world")

@@ -16,8 +16,9 @@ from kv_transfer.registry import nixl_available
 
 
 def _doctor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "service.cli", "doctor", *args], capture_output=True, text=True,
-                          timeout=300, check=True)
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", "doctor", *args], capture_output=True, text=True, timeout=300, check=True
+    )
 
 
 def test_doctor_json_reports_the_environment():
@@ -50,6 +51,18 @@ def test_doctor_json_reports_the_environment():
 
 def test_doctor_text_names_each_section():
     text = _doctor().stdout
-    for section in ("python:", "torch:", "triton:", "libraries:", "deep_gemm:", "flash_mla:", "triton_kernels:",
-                    "fast_paths:", "nixl:", "ray:", "token_auth:", "packages:"):
+    for section in (
+        "python:",
+        "torch:",
+        "triton:",
+        "libraries:",
+        "deep_gemm:",
+        "flash_mla:",
+        "triton_kernels:",
+        "fast_paths:",
+        "nixl:",
+        "ray:",
+        "token_auth:",
+        "packages:",
+    ):
         assert f"\n{section}" in "\n" + text or f"  {section}" in text, section

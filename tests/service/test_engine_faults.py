@@ -51,10 +51,20 @@ def svc():
     handles = None
     try:
         init_ray(os.environ["PROMETHEUS_MULTIPROC_DIR"])
-        cfg = ServiceConfig(model_dir=default_model_dir(), prefill_workers=1, decode_workers=2, transfer="tcp",
-                            port=free_port(), metrics_port=free_port(), worker_num_cpus=0.1, ready_timeout_s=240.0,
-                            stall_timeout_s=STALL_S, worker_test_hooks=True, ingress_replicas=1,
-                            engine_options=(("max_batch_tokens", 64), ("max_num_seqs", 8)))
+        cfg = ServiceConfig(
+            model_dir=default_model_dir(),
+            prefill_workers=1,
+            decode_workers=2,
+            transfer="tcp",
+            port=free_port(),
+            metrics_port=free_port(),
+            worker_num_cpus=0.1,
+            ready_timeout_s=240.0,
+            stall_timeout_s=STALL_S,
+            worker_test_hooks=True,
+            ingress_replicas=1,
+            engine_options=(("max_batch_tokens", 64), ("max_num_seqs", 8)),
+        )
         handles = start_service(cfg)
     except Exception as e:
         logs = ray_logs_tail()
@@ -85,8 +95,9 @@ def incarnation(handles, wid: str) -> str:
 
 
 def complete(http, i: int):
-    return http.completions.create(model="dsv4", prompt=[20 + i, 21, 22], max_tokens=6, temperature=0,
-                                   extra_body={"ignore_eos": True})
+    return http.completions.create(
+        model="dsv4", prompt=[20 + i, 21, 22], max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
 
 
 def open_streams(client, prompts):
@@ -177,6 +188,11 @@ def test_stopped_worker_process_is_routed_around_and_its_streams_move(svc):
     wait_until(lambda: all_healthy(client), 120, f"{stopped} back after SIGCONT")
     assert tokens == undisturbed(client, prompts)
     # the continued worker dropped the streams it held: every page back in its pool
-    wait_until(lambda: all(s.running == 0 and s.kv_usage == 0.0 for s in
-                           ray.get([h.stats.remote() for h in handles["decode"].values()], timeout=30)),
-               60, "decode pools idle")
+    wait_until(
+        lambda: all(
+            s.running == 0 and s.kv_usage == 0.0
+            for s in ray.get([h.stats.remote() for h in handles["decode"].values()], timeout=30)
+        ),
+        60,
+        "decode pools idle",
+    )

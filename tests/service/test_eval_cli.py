@@ -12,7 +12,7 @@ import pytest
 from service.cli import main
 from service.eval_tasks import IDIOMS, find_tasks, score
 
-TEXT = '''import os
+TEXT = """import os
 
 
 class Point:
@@ -27,7 +27,7 @@ class Point:
 if __name__ == "__main__":
     for i in range(3):
         print(os.path.join("a", str(Point(i, i))))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_perplexity_matches_transformers(tiny, tmp_path, capsys):
     ids = tok.tokenizer.encode(TEXT, add_special_tokens=False).ids
     nll = 0.0
     for start in range(0, len(ids), window):
-        seq = [tok.bos_id, *ids[start:start + window]]
+        seq = [tok.bos_id, *ids[start : start + window]]
         lp = oracle_logprobs(tiny, seq)
         nll -= sum(float(lp[i - 1, seq[i]]) for i in range(1, len(seq)))
     want = nll / math.log(2) / len(TEXT.encode("utf-8"))
@@ -66,12 +66,18 @@ def test_perplexity_matches_transformers(tiny, tmp_path, capsys):
 def test_find_tasks():
     tasks = find_tasks("sample.py", TEXT)
     found = {t.idiom for t in tasks}
-    assert found == {'if __name__ == "__main__":', "def __init__(self", "def __repr__(self)", "super().__init__(",
-                     "for i in range(", "os.path.join("}
+    assert found == {
+        'if __name__ == "__main__":',
+        "def __init__(self",
+        "def __repr__(self)",
+        "super().__init__(",
+        "for i in range(",
+        "os.path.join(",
+    }
     for t in tasks:
         cut = dict(IDIOMS)[t.idiom]
         assert t.prompt.endswith(t.idiom[:cut]) and t.answer == t.idiom[cut:]
-        assert TEXT[t.offset:].startswith(t.idiom)
+        assert TEXT[t.offset :].startswith(t.idiom)
 
 
 class _Echo:
@@ -82,8 +88,9 @@ class _Echo:
 
     def generate(self, prompts, params):
         assert len(prompts) == len(self.answers)
-        return [SimpleNamespace(token_ids=self.tok.tokenizer.encode(a, add_special_tokens=False).ids)
-                for a in self.answers]
+        return [
+            SimpleNamespace(token_ids=self.tok.tokenizer.encode(a, add_special_tokens=False).ids) for a in self.answers
+        ]
 
 
 def test_score_counts_exact_matches(tiny):

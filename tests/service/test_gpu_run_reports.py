@@ -12,13 +12,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _slice_md(rows: list[tuple[int, str, float, float]]) -> str:
-    head = ["## GPU decode and prefill (V4-Flash slice)", "", "- date: 2026-12-02 02:15 UTC; total run time 81 s",
-            "- GPU: NVIDIA H200", "- roofs measured in this run: device copy 4202 GB/s", "",
-            "| batch | context | experts | step ms | tok/s | touched/layer | prod GB | prod roof ms | x prod roof | "
-            "engine GB | engine roof ms | x engine roof |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    body = [f"| {b} | {c} | mxfp4, triton_kernels matmul | {ms} | 500 | 6 | 2.00 | 0.48 | {x} | 2.01 | 0.48 | {x} |"
-            for b, c, ms, x in rows]
+    head = [
+        "## GPU decode and prefill (V4-Flash slice)",
+        "",
+        "- date: 2026-12-02 02:15 UTC; total run time 81 s",
+        "- GPU: NVIDIA H200",
+        "- roofs measured in this run: device copy 4202 GB/s",
+        "",
+        "| batch | context | experts | step ms | tok/s | touched/layer | prod GB | prod roof ms | x prod roof | "
+        "engine GB | engine roof ms | x engine roof |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    body = [
+        f"| {b} | {c} | mxfp4, triton_kernels matmul | {ms} | 500 | 6 | 2.00 | 0.48 | {x} | 2.01 | 0.48 | {x} |"
+        for b, c, ms, x in rows
+    ]
     return "\n".join(head + body) + "\n"
 
 
@@ -41,25 +49,33 @@ def test_cold_start_table(tmp_path):
     (tmp_path / "warm0.log").write_text(
         "machine: NVIDIA H200, torch 2.11; 2026-12-02 02:30 UTC\nload_engine (warm-up 0): 0.9 s\n"
         "request 0: prompt 267, first step 46011.6 ms, slowest decode step 28980.5 ms\n"
-        "request 1: prompt 697, first step 12644.4 ms, slowest decode step 9169.7 ms\n")
+        "request 1: prompt 697, first step 12644.4 ms, slowest decode step 9169.7 ms\n"
+    )
     (tmp_path / "warm1.log").write_text("machine: NVIDIA H200, torch 2.11\n")  # ended inside the warm-up
     (tmp_path / "warm1_nvrtc.log").write_text(
         "machine: NVIDIA H200, torch 2.11\nTraceback (most recent call last):\n"
-        "RuntimeError: CUDA driver error (handle.hpp:141): 200 (CUDA_ERROR_INVALID_IMAGE)\n")
+        "RuntimeError: CUDA driver error (handle.hpp:141): 200 (CUDA_ERROR_INVALID_IMAGE)\n"
+    )
     (tmp_path / "warm1_hot.log").write_text(
         "engine.execution.warmup: warm-up: 13 prompts (1,2,4096 tokens) 12.5 s, 85 decode graphs captured 3.1 s, 9 FP8 GEMM "
         "shapes x 156 M values 40.2 s\nload_engine (warm-up 1): 60.2 s\n"
         "request 0: prompt 300, first step 20.0 ms, slowest later step 3.0 ms\n"
         "request 1: prompt 697, first step 4257.7 ms, slowest later step 81.2 ms\n"
         "  compiled during request 1: 8 files: _sort_pairs_kernel x1\n"
-        "compile caches: 120 DeepGEMM files, 300 Triton files (nvrtc 0)\n")
+        "compile caches: 120 DeepGEMM files, 300 Triton files (nvrtc 0)\n"
+    )
     text = _run("benchmarks.cold_start", "--report", str(tmp_path), "--timeout-s", "190")
-    assert "| off, empty caches | 2026-12-02 02:30 UTC | 0.9 s | - | 2 | not recorded | 29328 / 46012 | 19075 / 28980 | - |" in text
+    assert (
+        "| off, empty caches | 2026-12-02 02:30 UTC | 0.9 s | - | 2 | not recorded | 29328 / 46012 | 19075 / 28980 | - |"
+        in text
+    )
     assert "| on, empty caches (DeepGEMM via nvcc) | - | not within 190 s | - | 0 | - | - | - | - |" in text
     assert "| on, empty caches (DeepGEMM via NVRTC) | - | not within 190 s |" in text
     assert "- on, empty caches (DeepGEMM via NVRTC): the process ended with `RuntimeError: CUDA driver error" in text
-    assert "| on, caches of an earlier run | - | 60.2 s | 12.5 s / 85 in 3.1 s / 9 shapes in 40.2 s | 2 | " \
-           "1 (sort_pairs) | 2139 / 4258 | 42 / 81 | 120 / 300 |" in text
+    assert (
+        "| on, caches of an earlier run | - | 60.2 s | 12.5 s / 85 in 3.1 s / 9 shapes in 40.2 s | 2 | "
+        "1 (sort_pairs) | 2139 / 4258 | 42 / 81 | 120 / 300 |" in text
+    )
     assert "- machine: NVIDIA H200, torch 2.11" in text
 
 
@@ -76,13 +92,22 @@ def test_prefill_profile_host_side():
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
     def ev(name, device, start, end):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
-                               cpu_time_total=end - start)
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end), cpu_time_total=end - start
+        )
 
-    kernels = [ev("k1", cuda, 0, 1000), ev("k2", cuda, 500, 2000), ev("k3", cuda, 5000, 6000),
-               ev("k4", cuda, 6500, 7000)]
-    api = [ev("cudaLaunchKernel", cpu, 0, 20), ev("cudaLaunchKernel", cpu, 30, 50),
-           ev("cudaStreamSynchronize", cpu, 100, 3100), ev("aten::mm", cpu, 0, 999)]
+    kernels = [
+        ev("k1", cuda, 0, 1000),
+        ev("k2", cuda, 500, 2000),
+        ev("k3", cuda, 5000, 6000),
+        ev("k4", cuda, 6500, 7000),
+    ]
+    api = [
+        ev("cudaLaunchKernel", cpu, 0, 20),
+        ev("cudaLaunchKernel", cpu, 30, 50),
+        ev("cudaStreamSynchronize", cpu, 100, 3100),
+        ev("aten::mm", cpu, 0, 999),
+    ]
     table = _host_table(SimpleNamespace(events=lambda: kernels + api))
     assert table["span_ms"] == 7.0 and table["idle_ms"] == 3.5 and table["gaps_ms"] == [3.0, 0.5]
     assert table["api"] == [(3.0, "cudaStreamSynchronize", 1), (0.04, "cudaLaunchKernel", 2)]

@@ -21,8 +21,15 @@ from engine.execution.sampling_params import SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.loading.make_model import default_model_dir  # noqa: E402
 from router.client import RouterClient  # noqa: E402
-from service.launcher import (ServiceConfig, init_ray, prepare_metrics_dir, ray_logs_tail,  # noqa: E402
-                              remove_metrics_dir, start_service, stop_service)
+from service.launcher import (  # noqa: E402
+    ServiceConfig,
+    init_ray,
+    prepare_metrics_dir,
+    ray_logs_tail,  # noqa: E402
+    remove_metrics_dir,
+    start_service,
+    stop_service,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -33,10 +40,18 @@ def test_killed_rank_restarts_its_whole_group_while_others_serve():
     init_ray(prepare_metrics_dir())
     handles = None
     try:
-        cfg = ServiceConfig(model_dir=default_model_dir(), transfer="tcp", worker_num_cpus=0.1, decode_workers=2,
-                            ready_timeout_s=240.0, engine_options=(("max_batch_tokens", 16),),
-                            decode_tensor_parallel_size=2, expert_parallel=True, router_policy="round_robin",
-                            stall_timeout_s=30.0)
+        cfg = ServiceConfig(
+            model_dir=default_model_dir(),
+            transfer="tcp",
+            worker_num_cpus=0.1,
+            decode_workers=2,
+            ready_timeout_s=240.0,
+            engine_options=(("max_batch_tokens", 16),),
+            decode_tensor_parallel_size=2,
+            expert_parallel=True,
+            router_policy="round_robin",
+            stall_timeout_s=30.0,
+        )
         try:
             handles = start_service(cfg, http=False)
         except Exception as e:
@@ -52,7 +67,8 @@ def test_killed_rank_restarts_its_whole_group_while_others_serve():
         t0 = time.monotonic()
         served = []
         while ray.get(router.group_restarts.remote(), timeout=30) < 1 or not all(
-                w.healthy for w in client.health().workers):
+            w.healthy for w in client.health().workers
+        ):
             assert time.monotonic() - t0 < 120, "decode-0 not back within 120 s"
             i = len(served) % len(prompts)
             res = client.generate_full(prompts[i], PARAMS)  # every request meanwhile succeeds

@@ -35,8 +35,7 @@ def url():
     port = asyncio.run_coroutine_threadsafe(router.start("127.0.0.1", 0), loop).result(60)
     app = build_app(f"127.0.0.1:{port}", default_model_dir(), "m", options=IngressOptions(max_model_len=CAP))
     http_port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=http_port, log_level="warning",
-                                          lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=http_port, log_level="warning", lifespan="off"))
     http = threading.Thread(target=server.run, daemon=True)
     http.start()
     while not server.started:
@@ -53,8 +52,11 @@ def url():
 
 
 def call(url: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        url + path,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(req, timeout=120) as r:
@@ -71,8 +73,11 @@ def test_models_report_the_cap(url):
 def test_default_max_tokens_fills_the_cap(url):
     """Chat leaves max_tokens unset by default: the ingress asks for what fits under the cap, and the engines
     (capped alike) accept and fill it."""
-    status, body = call(url, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                       "temperature": 0, "ignore_eos": True})
+    status, body = call(
+        url,
+        "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True},
+    )
     assert status == 200, body
     usage = body["usage"]
     assert usage["completion_tokens"] == CAP - usage["prompt_tokens"]

@@ -93,8 +93,7 @@ class HTTPServer:
         while not self.server.started:
             assert time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0,
-                                    timeout=60)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=60)
 
     def get(self, path: str) -> tuple[int, dict]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
@@ -143,7 +142,9 @@ def test_models_and_health(srv):
     models = srv.client.models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].max_model_len == 4096
     raw = srv.client.models.with_raw_response.list().text
-    assert models[0].root == MODEL and str(default_model_dir()) not in raw and "/" not in models[0].root  # no server paths
+    assert (
+        models[0].root == MODEL and str(default_model_dir()) not in raw and "/" not in models[0].root
+    )  # no server paths
     status, body = srv.get("/health")
     assert status == 200 and body["status"] == "ok" and body["workers"][0]["healthy"]
     status, body = srv.get("/nope")
@@ -182,8 +183,9 @@ def collect_stream(stream):
 def test_stream_equals_non_stream(srv):
     kw = dict(model=MODEL, prompt="hello world", max_tokens=10, logprobs=1, **GREEDY)
     full = srv.client.completions.create(**kw).choices[0]
-    chunks, body, text, ids = collect_stream(srv.client.completions.create(
-        stream=True, stream_options={"include_usage": True}, **kw))
+    chunks, body, text, ids = collect_stream(
+        srv.client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     assert text == full.text and ids == full.token_ids
     assert body[0].choices[0].prompt_token_ids == full.prompt_token_ids
     assert body[-1].choices[0].finish_reason == full.finish_reason == "length"
@@ -195,8 +197,9 @@ def test_stream_equals_non_stream(srv):
 
 def test_logprobs_and_echo(srv, llm, tok):
     ref = greedy_ref(llm, PROMPT_IDS, 5, logprobs=True, prompt_logprobs=True)
-    c = srv.client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=5, logprobs=2, echo=True,
-                                       **GREEDY).choices[0]
+    c = srv.client.completions.create(
+        model=MODEL, prompt=PROMPT_IDS, max_tokens=5, logprobs=2, echo=True, **GREEDY
+    ).choices[0]
     lp = c.logprobs
     n = len(PROMPT_IDS) + 5
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
@@ -211,9 +214,9 @@ def test_stop_string_truncates_and_cancels(srv, backend):
     kw = dict(model=MODEL, prompt="jumps over the lazy dog", **GREEDY)
     full = srv.client.completions.create(max_tokens=16, **kw).choices[0].text
     # a printable 2-char stop string from the middle of the output
-    mid = next(i for i in range(len(full) // 3, len(full) - 2) if full[i:i + 2].isprintable())
-    stop = full[mid:mid + 2]
-    want = full[:full.find(stop)]
+    mid = next(i for i in range(len(full) // 3, len(full) - 2) if full[i : i + 2].isprintable())
+    stop = full[mid : mid + 2]
+    want = full[: full.find(stop)]
     # max_tokens 3000 would take the engine minutes: a quick finish means the stop string cancelled it
     r = srv.client.completions.create(max_tokens=3000, stop=[stop, "\u2603never"], **kw)
     c = r.choices[0]
@@ -228,9 +231,14 @@ def test_stop_token_ids(srv, llm, tok):
     ref = llm.generate([PROMPT_IDS], SamplingParams(max_new_tokens=8))[0].token_ids
     stop_id = next(t for t in ref[2:] if t not in tok.encode("") + [tok.eos_id])  # not BOS / EOS
     k = ref.index(stop_id)
-    c = srv.client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, temperature=0,
-                                      extra_body={"stop_token_ids": [stop_id], "return_token_ids": True}).choices[0]
-    assert c.token_ids == ref[:k + 1] and c.text == tok.decode(ref[:k])  # the stop token's text is left out
+    c = srv.client.completions.create(
+        model=MODEL,
+        prompt=PROMPT_IDS,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id], "return_token_ids": True},
+    ).choices[0]
+    assert c.token_ids == ref[: k + 1] and c.text == tok.decode(ref[:k])  # the stop token's text is left out
     assert (c.finish_reason, c.model_extra["stop_reason"]) == ("stop", stop_id)
 
 
@@ -245,8 +253,11 @@ def test_chat_completion_uses_the_v4_encoding(srv, llm, tok):
     assert r.model_extra["prompt_token_ids"] == ids and r.choices[0].model_extra["token_ids"] == ref.token_ids
     want = parse_completion(tok.decode(ref.token_ids, skip_special_tokens=False), thinking=False).content
     assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
-    stream = list(srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, stream=True,
-                                                      logprobs=True, top_logprobs=1, **GREEDY))
+    stream = list(
+        srv.client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=6, stream=True, logprobs=True, top_logprobs=1, **GREEDY
+        )
+    )
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in stream) == r.choices[0].message.content
     lps = [x.logprob for ch in stream if ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
@@ -349,8 +360,9 @@ def test_client_disconnect_frees_the_engine(srv, backend):
     wait_until(lambda: requests_total("aborted") == aborted + 1)
     # non-streaming: the client gives up while the engine is still generating
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({**kw, "ignore_eos": True}),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST", "/v1/completions", json.dumps({**kw, "ignore_eos": True}), {"Content-Type": "application/json"}
+    )
     wait_until(lambda: backend.engine_requests() == 1)
     conn.close()
     wait_until(lambda: backend.engine_requests() == 0)
@@ -367,8 +379,10 @@ def test_serve_app_imports():
     assert callable(serve_app.deploy_http) and serve_app.OpenAIIngress.name == "dsv4-openai"
     # liveness: Serve replaces a replica whose loop cannot answer check_health in time; replicas are light
     cfg = serve_app.OpenAIIngress._deployment_config
-    assert (cfg.health_check_period_s, cfg.health_check_timeout_s) == (serve_app.HEALTH_PERIOD_S,
-                                                                       serve_app.HEALTH_TIMEOUT_S)
+    assert (cfg.health_check_period_s, cfg.health_check_timeout_s) == (
+        serve_app.HEALTH_PERIOD_S,
+        serve_app.HEALTH_TIMEOUT_S,
+    )
     assert callable(serve_app.OpenAIIngress.func_or_class.check_health)
     assert serve_app.OpenAIIngress.ray_actor_options["num_cpus"] == serve_app.INGRESS_NUM_CPUS < 1
 
@@ -402,8 +416,12 @@ def test_strict_types_and_text_are_400(srv, body, needle):
 
 
 def test_error_shapes_never_500(srv):
-    status, _, out = raw(srv, "POST", "/v1/chat/completions",
-                         json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode())
+    status, _, out = raw(
+        srv,
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode(),
+    )
     assert status == 400 and "unknown role" in out["error"]["message"] and out["error"]["param"] == "messages.0.role"
     status, _, out = raw(srv, "GET", "/v1/completions")
     assert status == 405 and out["error"]["type"] == "MethodNotAllowedError"
@@ -416,8 +434,9 @@ def test_error_shapes_never_500(srv):
 def test_request_chat_template_is_off_by_default(srv):
     msgs = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError, match="chat templates are disabled"):
-        srv.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
-                                           extra_body={"chat_template": "{{ messages[0].content }}"})
+        srv.client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=2, extra_body={"chat_template": "{{ messages[0].content }}"}
+        )
 
 
 def test_guarded_app_api_key_body_limit_and_template_budget(backend, tok):
@@ -430,16 +449,25 @@ def test_guarded_app_api_key_body_limit_and_template_budget(backend, tok):
             s.client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2)  # the client sends key "x"
         ok = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="k3y", max_retries=0, timeout=60)
         assert ok.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2).usage.completion_tokens >= 1
-        status, _, out = raw(s, "POST", "/v1/completions", b'{"prompt": "' + b"a" * 5000 + b'"}',
-                             {"Authorization": "Bearer k3y"})
+        status, _, out = raw(
+            s, "POST", "/v1/completions", b'{"prompt": "' + b"a" * 5000 + b'"}', {"Authorization": "Bearer k3y"}
+        )
         assert status == 413 and out["error"]["type"] == "RequestTooLargeError"
         assert raw(s, "GET", "/health")[0] == 200 and raw(s, "GET", "/openapi.json")[0] == 200
         bomb = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
         with pytest.raises(openai.BadRequestError, match="time budget"):
-            ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                       extra_body={"chat_template": bomb})
-        r = ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                       extra_body={"chat_template": "{{ messages[0].content }}", "ignore_eos": True})
+            ok.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=2,
+                extra_body={"chat_template": bomb},
+            )
+        r = ok.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_body={"chat_template": "{{ messages[0].content }}", "ignore_eos": True},
+        )
         n = len(tok.tokenizer.encode("hi", add_special_tokens=False).ids)  # the request's template ran: no markers
         assert r.usage.prompt_tokens == n and r.usage.completion_tokens == 2
     finally:
@@ -461,18 +489,39 @@ def test_incremental_text_equals_whole_decode(tok):
         out = "".join(ts.add(t, i == len(ids) - 1) for i, t in enumerate(ids))
         assert out == whole, (ids, out, whole)
         if len(whole) > 6:
-            stop = whole[len(whole) // 2: len(whole) // 2 + 3]
+            stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
             ts = TextStream(tok, [stop], False, True)
             out = ""
             for i, t in enumerate(ids):
                 out += ts.add(t, i == len(ids) - 1)
                 if ts.stop_hit:
                     break
-            assert out == whole[:whole.find(stop)] and ts.stop_hit == stop
+            assert out == whole[: whole.find(stop)] and ts.stop_hit == stop
 
 
-FUZZ_VALUES = [None, True, False, 0, -1, 1.5, float("1e308"), "", "x", "5", "\ud800", [], [1, "a"], {}, {"a": []},
-               [[1, 2], [3]], "a" * 300, 2 ** 70, -(2 ** 70), [None], {"role": "user"}]
+FUZZ_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1.5,
+    float("1e308"),
+    "",
+    "x",
+    "5",
+    "\ud800",
+    [],
+    [1, "a"],
+    {},
+    {"a": []},
+    [[1, 2], [3]],
+    "a" * 300,
+    2**70,
+    -(2**70),
+    [None],
+    {"role": "user"},
+]
 
 
 def test_fuzzed_bodies_never_500(srv):
@@ -480,10 +529,35 @@ def test_fuzzed_bodies_never_500(srv):
     import random
 
     rng = random.Random(7)
-    fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-              "stop_token_ids", "stream", "stream_options", "n", "logprobs", "echo", "logit_bias", "ignore_eos",
-              "chat_template", "chat_template_kwargs", "tools", "top_logprobs", "max_completion_tokens",
-              "return_token_ids", "skip_special_tokens", "presence_penalty", "best_of", "suffix"]
+    fields = [
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "stream",
+        "stream_options",
+        "n",
+        "logprobs",
+        "echo",
+        "logit_bias",
+        "ignore_eos",
+        "chat_template",
+        "chat_template_kwargs",
+        "tools",
+        "top_logprobs",
+        "max_completion_tokens",
+        "return_token_ids",
+        "skip_special_tokens",
+        "presence_penalty",
+        "best_of",
+        "suffix",
+    ]
     for trial in range(150):
         chat = trial % 2 == 1
         body = {"model": MODEL, "max_tokens": 2}

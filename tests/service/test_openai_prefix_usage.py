@@ -32,8 +32,9 @@ def test_cached_tokens_in_openai_usage(srv):
     assert first.usage.prompt_tokens == 302 and first.usage.prompt_tokens_details.cached_tokens == 0
     again = srv.client.completions.create(model=MODEL, prompt=PREFIX + [13, 14, 15], max_tokens=3)
     assert again.usage.prompt_tokens == 303 and again.usage.prompt_tokens_details.cached_tokens == 256
-    stream = srv.client.completions.create(model=MODEL, prompt=PREFIX + [16], max_tokens=2, stream=True,
-                                           stream_options={"include_usage": True})
+    stream = srv.client.completions.create(
+        model=MODEL, prompt=PREFIX + [16], max_tokens=2, stream=True, stream_options={"include_usage": True}
+    )
     usage = [c.usage for c in stream if c.usage is not None]
     assert usage and usage[-1].prompt_tokens_details.cached_tokens == 256
     # the engine's real counters (what the dashboards divide): 3 prompts looked up, 2 x 256 tokens served

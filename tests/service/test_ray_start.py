@@ -35,6 +35,7 @@ def flaky(monkeypatch):
         else:
             monkeypatch.setenv("RAY_ADDRESS", address)
         return fake
+
     return make
 
 

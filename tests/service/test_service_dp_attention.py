@@ -44,8 +44,9 @@ def test_config_refuses_data_parallel_attention_without_ranks_and_experts_split(
 
 
 def test_role_layouts_apply_the_flags_to_roles_of_several_ranks():
-    cfg = ServiceConfig(model_dir="m", decode_tensor_parallel_size=2, expert_parallel=True,
-                        data_parallel_attention=True)
+    cfg = ServiceConfig(
+        model_dir="m", decode_tensor_parallel_size=2, expert_parallel=True, data_parallel_attention=True
+    )
     assert cfg.parallel("prefill") == (1, False, False) and cfg.parallel("decode") == (2, True, True)
     cfg = ServiceConfig(model_dir="m", tensor_parallel_size=2, prefill_tensor_parallel_size=1, expert_parallel=True)
     assert cfg.parallel("prefill") == (1, False, False) and cfg.parallel("decode") == (2, True, False)
@@ -58,10 +59,19 @@ def test_data_parallel_attention_ranks_serve_as_workers_and_match_one_engine(pre
     handles = None
     try:
         # round robin: the four requests reach both ranks of each pool whatever their loads
-        cfg = ServiceConfig(model_dir=default_model_dir(), transfer="tcp", worker_num_cpus=0.1, router_port=0,
-                            ready_timeout_s=240.0, engine_options=(("max_batch_tokens", 16),),
-                            router_policy="round_robin", tensor_parallel_size=2, expert_parallel=True,
-                            data_parallel_attention=True, prefill_tensor_parallel_size=prefill_ranks)
+        cfg = ServiceConfig(
+            model_dir=default_model_dir(),
+            transfer="tcp",
+            worker_num_cpus=0.1,
+            router_port=0,
+            ready_timeout_s=240.0,
+            engine_options=(("max_batch_tokens", 16),),
+            router_policy="round_robin",
+            tensor_parallel_size=2,
+            expert_parallel=True,
+            data_parallel_attention=True,
+            prefill_tensor_parallel_size=prefill_ranks,
+        )
         try:
             handles = start_service(cfg, http=False)
         except Exception as e:
@@ -101,8 +111,9 @@ def test_data_parallel_attention_ranks_serve_as_workers_and_match_one_engine(pre
             time.sleep(0.2)
         router = handles["router"]
         deadline = time.monotonic() + 120
-        while ray.get(router.group_restarts.remote(), timeout=30) < 1 or not all(w.healthy for w in
-                                                                                client.health().workers):
+        while ray.get(router.group_restarts.remote(), timeout=30) < 1 or not all(
+            w.healthy for w in client.health().workers
+        ):
             assert time.monotonic() < deadline, "the data-parallel group is not back within 120 s"
             time.sleep(0.5)
         again = [client.generate_full(p, PARAMS) for p in prompts]

@@ -67,14 +67,19 @@ class Service:
 
     def stream(self, **body):
         """POST a streaming completion; -> the open httpx response (iterate .iter_lines())."""
-        resp = self.http.post("/v1/completions", headers=AUTH, stream=True, json={
-            "model": "dsv4", "temperature": 0, "stream": True, "ignore_eos": True, **body})
+        resp = self.http.post(
+            "/v1/completions",
+            headers=AUTH,
+            stream=True,
+            json={"model": "dsv4", "temperature": 0, "stream": True, "ignore_eos": True, **body},
+        )
         resp.lines = resp.iter_lines(decode_unicode=True)
         return resp
 
     def worker_stats(self):
-        return ray.get([h.stats.remote() for h in (*self.handles["prefill"].values(),
-                                                   *self.handles["decode"].values())])
+        return ray.get(
+            [h.stats.remote() for h in (*self.handles["prefill"].values(), *self.handles["decode"].values())]
+        )
 
 
 class Http:
@@ -138,11 +143,21 @@ def svc():
     handles, metrics = None, None
     try:
         init_ray(metrics_dir)
-        cfg = ServiceConfig(model_dir=default_model_dir(), prefill_workers=1, decode_workers=1, transfer="tcp",
-                            port=free_port(), metrics_port=free_port(), api_key=KEY, max_body_bytes=1 << 20,
-                            allow_request_chat_template=True, router_max_queued=QUEUED,
-                            router_queue_timeout_s=120.0, ready_timeout_s=240.0,
-                            engine_options=(("max_batch_tokens", 64), ("max_num_seqs", SLOTS)))
+        cfg = ServiceConfig(
+            model_dir=default_model_dir(),
+            prefill_workers=1,
+            decode_workers=1,
+            transfer="tcp",
+            port=free_port(),
+            metrics_port=free_port(),
+            api_key=KEY,
+            max_body_bytes=1 << 20,
+            allow_request_chat_template=True,
+            router_max_queued=QUEUED,
+            router_queue_timeout_s=120.0,
+            ready_timeout_s=240.0,
+            engine_options=(("max_batch_tokens", 64), ("max_num_seqs", SLOTS)),
+        )
         metrics, _ = start_metrics_server(cfg.metrics_port, "127.0.0.1")
         handles = start_service(cfg)
     except Exception as e:
@@ -183,7 +198,7 @@ def test_internal_listeners_are_loopback_and_need_the_token(svc):
     with RouterClient(svc.handles["router_addr"], timeout_s=30, token=svc.handles["token"]) as c:
         assert c.health().serving
         with pytest.raises(RouterError) as info:  # rejected inside the prefill actor: its message, not Ray's
-            c.generate_full([10 ** 6])
+            c.generate_full([10**6])
         assert info.value.code.name == "INVALID_ARGUMENT" and "out of vocabulary" in info.value.message
         assert not any(s in info.value.message for s in ("Traceback", "pid=", "ip=", "\x1b[")), info.value.message
 
@@ -225,8 +240,12 @@ def test_template_and_tokeniser_abuse_keep_health_answering(svc):
     msgs = [{"role": "user", "content": "hi"}]
     with HealthWatch(svc.base):
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            slow = [pool.submit(svc.post, "/v1/chat/completions",
-                                {"model": "dsv4", "messages": msgs, "chat_template": bomb}) for _ in range(2)]
+            slow = [
+                pool.submit(
+                    svc.post, "/v1/chat/completions", {"model": "dsv4", "messages": msgs, "chat_template": bomb}
+                )
+                for _ in range(2)
+            ]
             huge = pool.submit(svc.complete, prompt="lorem ipsum " * 80000)  # ~1 MB of text
             near = pool.submit(svc.complete, prompt="dolor sit amet " * 4000)  # tokenised, then too long
             for f in slow:
@@ -236,8 +255,10 @@ def test_template_and_tokeniser_abuse_keep_health_answering(svc):
             assert r.status_code in (400, 413), r.text
             r = near.result()
             assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
-    r = svc.post("/v1/chat/completions", {"model": "dsv4", "messages": msgs, "max_tokens": 2,
-                                          "chat_template": "{{ 'x' * 1000000000 }}"})
+    r = svc.post(
+        "/v1/chat/completions",
+        {"model": "dsv4", "messages": msgs, "max_tokens": 2, "chat_template": "{{ 'x' * 1000000000 }}"},
+    )
     assert r.status_code == 400 and "repetition" in r.json()["error"]["message"]
     assert svc.complete(prompt=[5, 6, 7]).status_code == 200
 
@@ -246,8 +267,9 @@ def test_template_and_tokeniser_abuse_keep_health_answering(svc):
 def test_overload_queues_then_429_with_retry_after(svc):
     n = SLOTS + QUEUED + 24  # some run, QUEUED wait at the router, the rest are turned away at once
     with HealthWatch(svc.base), concurrent.futures.ThreadPoolExecutor(n) as pool:
-        results = list(pool.map(lambda i: svc.complete(prompt=[5 + i % 50, 6, 7], max_tokens=64,
-                                                       ignore_eos=True), range(n)))
+        results = list(
+            pool.map(lambda i: svc.complete(prompt=[5 + i % 50, 6, 7], max_tokens=64, ignore_eos=True), range(n))
+        )
     ok = [r for r in results if r.status_code == 200]
     busy = [r for r in results if r.status_code == 429]
     assert len(ok) + len(busy) == n, [(r.status_code, r.text[:200]) for r in results if r.status_code not in (200, 429)]
@@ -268,9 +290,14 @@ def test_disconnects_mid_stream_free_everything(svc):
     waiting = []  # two more wait at the router for a slot; their clients give up too
     for i in range(2):
         conn = http.client.HTTPConnection("127.0.0.1", svc.cfg.port, timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps({"model": "dsv4", "prompt": [3, 4, i + 2], "stream": True,
-                                                            "max_tokens": 2000, "ignore_eos": True}),
-                     {"Content-Type": "application/json", **AUTH})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(
+                {"model": "dsv4", "prompt": [3, 4, i + 2], "stream": True, "max_tokens": 2000, "ignore_eos": True}
+            ),
+            {"Content-Type": "application/json", **AUTH},
+        )
         waiting.append(conn)
     wait_until(lambda: ray.get(svc.handles["router"].queued.remote()) == 2, 60, "two requests queued")
     for conn in waiting:
@@ -278,8 +305,11 @@ def test_disconnects_mid_stream_free_everything(svc):
     for resp in streams:
         resp.close()
     wait_until(lambda: ray.get(svc.handles["router"].queued.remote()) == 0, 60, "queue empty")
-    wait_until(lambda: all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in svc.worker_stats()),
-               60, "pools idle after disconnects")
+    wait_until(
+        lambda: all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in svc.worker_stats()),
+        60,
+        "pools idle after disconnects",
+    )
 
 
 # ---- faults heal -------------------------------------------------------------------------------------
@@ -322,8 +352,9 @@ def test_killed_decode_worker_in_flight_streams_migrate_then_heals(svc):
 def test_killed_only_prefill_worker_new_requests_wait_and_succeed(svc):
     ray.kill(svc.handles["prefill"]["prefill-0"], no_restart=False)
     with HealthWatch(svc.base), concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda i: svc.complete(prompt=[41 + i, 42, 43], max_tokens=5, ignore_eos=True),
-                                range(4)))
+        results = list(
+            pool.map(lambda i: svc.complete(prompt=[41 + i, 42, 43], max_tokens=5, ignore_eos=True), range(4))
+        )
     assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
     # killed twice more: each restart is re-introduced to the decode worker
     for _ in range(2):
@@ -333,10 +364,12 @@ def test_killed_only_prefill_worker_new_requests_wait_and_succeed(svc):
 
 # ---- bad input: typed 4xx, never a 500, and serving goes on --------------------------------------------
 def test_bad_input_is_typed_and_harmless(svc):
-    cases = [({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
-             ({"prompt": "x", "stream": "yes"}, 400, "stream"),
-             ({"prompt": "a\ud800b"}, 400, "surrogate"),
-             ({"prompt": "x", "stop": ["s"] * 100}, 400, "stop")]
+    cases = [
+        ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+        ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+        ({"prompt": "a\ud800b"}, 400, "surrogate"),
+        ({"prompt": "x", "stop": ["s"] * 100}, 400, "stop"),
+    ]
     for body, status, needle in cases:
         raw = json.dumps({"model": "dsv4", **body})  # ensure_ascii: the lone surrogate travels as \ud800
         r = svc.post("/v1/completions", raw)
@@ -352,11 +385,17 @@ def test_bad_input_is_typed_and_harmless(svc):
 def test_gauges_and_pools_return_to_idle(svc):
     def gauges():
         body = svc.http.get(f"http://127.0.0.1:{svc.cfg.metrics_port}/metrics").text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-                if line.startswith(("dsv4_running_requests{", "dsv4_kv_cache_usage_ratio{", "dsv4_waiting_requests{"))}
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in body.splitlines()
+            if line.startswith(("dsv4_running_requests{", "dsv4_kv_cache_usage_ratio{", "dsv4_waiting_requests{"))
+        }
 
-    wait_until(lambda: all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in svc.worker_stats()),
-               60, "pools idle")
+    wait_until(
+        lambda: all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in svc.worker_stats()),
+        60,
+        "pools idle",
+    )
     wait_until(lambda: gauges() and all(v == 0.0 for v in gauges().values()), 30, "gauges at idle")
     g = gauges()
     assert any('role="prefill"' in k for k in g) and any('role="decode"' in k for k in g), g

@@ -55,10 +55,18 @@ def service():
     stage = "ray.init"
     try:
         init_ray(metrics_dir)
-        cfg = ServiceConfig(model_dir=default_model_dir(), prefill_workers=2, decode_workers=2,
-                            transfer=settings().test_transfer, worker_num_cpus=0.1,
-                            port=free_port(), metrics_port=free_port(), router_port=0, ready_timeout_s=240.0,
-                            engine_options=(("max_batch_tokens", 64),))
+        cfg = ServiceConfig(
+            model_dir=default_model_dir(),
+            prefill_workers=2,
+            decode_workers=2,
+            transfer=settings().test_transfer,
+            worker_num_cpus=0.1,
+            port=free_port(),
+            metrics_port=free_port(),
+            router_port=0,
+            ready_timeout_s=240.0,
+            engine_options=(("max_batch_tokens", 64),),
+        )
         stage = f"metrics server on port {cfg.metrics_port}"
         started["metrics"], _ = start_metrics_server(cfg.metrics_port, "127.0.0.1")
         stage = f"workers, router, HTTP ingress on port {cfg.port}"
@@ -101,11 +109,12 @@ def test_openai_http_streaming_and_errors(service):
     out = http.completions.create(model="dsv4", prompt=prompt, max_tokens=6, temperature=0, extra_body=extra)
     assert out.choices[0].token_ids == want
     streamed = []
-    for chunk in http.completions.create(model="dsv4", prompt=prompt, max_tokens=6, temperature=0, stream=True,
-                                         extra_body=extra):
+    for chunk in http.completions.create(
+        model="dsv4", prompt=prompt, max_tokens=6, temperature=0, stream=True, extra_body=extra
+    ):
         streamed.extend(chunk.choices[0].token_ids or [])
     assert streamed == want
-    for bad in (dict(prompt=[10 ** 6]), dict(prompt=[]), dict(prompt=prompt, temperature=-1.0)):
+    for bad in (dict(prompt=[10**6]), dict(prompt=[]), dict(prompt=prompt, temperature=-1.0)):
         with pytest.raises(openai.BadRequestError):
             http.completions.create(model="dsv4", max_tokens=4, **bad)
     text = http.completions.create(model="dsv4", prompt="Hello there", max_tokens=4, temperature=0)
@@ -129,12 +138,20 @@ def total(values: dict, metric: str) -> float:
 def test_metrics_every_stage_from_one_url(service):
     _, _, _, cfg = service
     values = scrape(cfg)
-    for metric in ("dsv4_request_queue_time_seconds_count", "dsv4_prefill_time_seconds_count",
-                   "dsv4_kv_transfer_time_seconds_count", "dsv4_kv_transfer_bytes_count",
-                   "dsv4_kv_transfer_bytes_sum", "dsv4_time_to_first_token_seconds_count",
-                   "dsv4_inter_token_latency_seconds_count", "dsv4_e2e_request_latency_seconds_count",
-                   "dsv4_generation_tokens_total", "dsv4_prompt_tokens_total", "dsv4_requests_total",
-                   "dsv4_router_decisions_total"):
+    for metric in (
+        "dsv4_request_queue_time_seconds_count",
+        "dsv4_prefill_time_seconds_count",
+        "dsv4_kv_transfer_time_seconds_count",
+        "dsv4_kv_transfer_bytes_count",
+        "dsv4_kv_transfer_bytes_sum",
+        "dsv4_time_to_first_token_seconds_count",
+        "dsv4_inter_token_latency_seconds_count",
+        "dsv4_e2e_request_latency_seconds_count",
+        "dsv4_generation_tokens_total",
+        "dsv4_prompt_tokens_total",
+        "dsv4_requests_total",
+        "dsv4_router_decisions_total",
+    ):
         assert total(values, metric) > 0, metric
     roles = {k for k in values if k.startswith("dsv4_kv_cache_usage_ratio{")}
     assert any('role="prefill"' in k for k in roles) and any('role="decode"' in k for k in roles)

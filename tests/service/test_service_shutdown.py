@@ -52,10 +52,29 @@ def test_banner_addresses_and_sigterm_under_load(target):
     env.update(TMPDIR=tmp, DSV4_TEST_MARK=mark, RAY_ADDRESS="local", HOME=tmp)  # Ray's token file lands in tmp
     dsv4 = os.path.join(os.path.dirname(sys.executable), "dsv4")
     cmd = [dsv4] if os.path.exists(dsv4) else [sys.executable, "-m", "service.cli"]
-    cmd += ["serve", "--port", str(port), "--metrics-port", str(metrics_port), "--transfer", "tcp",
-            "--drain-seconds", "2", "--max-num-seqs", "8"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    cmd += [
+        "serve",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--transfer",
+        "tcp",
+        "--drain-seconds",
+        "2",
+        "--max-num-seqs",
+        "8",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     lines, log = queue.Queue(), []
     threading.Thread(target=_lines, args=(proc, lines, log), daemon=True).start()
     session = requests.Session()
@@ -81,8 +100,18 @@ def test_banner_addresses_and_sigterm_under_load(target):
 
         streams = []
         for i in range(6):
-            r = session.post(f"http://127.0.0.1:{port}/v1/completions", stream=True, timeout=120, json={
-                "model": "dsv4", "prompt": [5, 6, 7, i + 2], "max_tokens": 3000, "ignore_eos": True, "stream": True})
+            r = session.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                stream=True,
+                timeout=120,
+                json={
+                    "model": "dsv4",
+                    "prompt": [5, 6, 7, i + 2],
+                    "max_tokens": 3000,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            )
             assert r.status_code == 200, r.text
             r.lines = r.iter_lines(decode_unicode=True)
             assert next(x for x in r.lines if x.startswith("data:"))  # in flight: a token has arrived

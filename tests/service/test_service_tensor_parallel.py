@@ -34,9 +34,16 @@ def test_two_rank_workers_match_one_engine():
     init_ray(prepare_metrics_dir())
     handles = None
     try:
-        cfg = ServiceConfig(model_dir=default_model_dir(), transfer="tcp", worker_num_cpus=0.1, router_port=0,
-                            ready_timeout_s=240.0, engine_options=(("max_batch_tokens", 16),),
-                            tensor_parallel_size=2, expert_parallel=True)
+        cfg = ServiceConfig(
+            model_dir=default_model_dir(),
+            transfer="tcp",
+            worker_num_cpus=0.1,
+            router_port=0,
+            ready_timeout_s=240.0,
+            engine_options=(("max_batch_tokens", 16),),
+            tensor_parallel_size=2,
+            expert_parallel=True,
+        )
         try:
             handles = start_service(cfg, http=False)
         except Exception as e:

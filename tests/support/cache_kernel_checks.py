@@ -37,14 +37,19 @@ def quant_step(layout, rows: torch.Tensor) -> torch.Tensor:
     """float32 [N, width]: an upper bound of one quantisation step of every decoded value of packed rows."""
     values = g.unpack_rows(layout, rows).abs()
     if isinstance(layout, g.Fp8DsMlaLayout):
-        scales = 2.0 ** (rows[:, layout.token_stride:layout.token_stride + layout.num_scales].float() - 127)
-        step = torch.cat([scales.repeat_interleave(64, 1) * 32.0,  # e4m3: <= 2**5 at the top binade
-                          values[:, layout.nope_dim:] * 2**-7], dim=1)  # RoPE: bf16 ulp
+        scales = 2.0 ** (rows[:, layout.token_stride : layout.token_stride + layout.num_scales].float() - 127)
+        step = torch.cat(
+            [
+                scales.repeat_interleave(64, 1) * 32.0,  # e4m3: <= 2**5 at the top binade
+                values[:, layout.nope_dim :] * 2**-7,
+            ],
+            dim=1,
+        )  # RoPE: bf16 ulp
         return torch.maximum(step, values * 2**-3)
     if layout.fmt == "mxfp4":
-        scales = 2.0 ** (rows[:, layout.value_bytes:].float() - 127)
+        scales = 2.0 ** (rows[:, layout.value_bytes :].float() - 127)
         return scales.repeat_interleave(32, 1) * 2.0  # the widest e2m1 gap (4 -> 6)
-    scales = rows[:, layout.value_bytes:].contiguous().view(torch.float32)
+    scales = rows[:, layout.value_bytes :].contiguous().view(torch.float32)
     return scales.repeat_interleave(128, 1) * 32.0
 
 

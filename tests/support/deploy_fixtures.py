@@ -44,7 +44,8 @@ SERVICE_STOP_LIMIT_S = 30.0
 def helm():
     """The Helm library (PyPI helm-python-sdk), or a skip that says how to get it."""
     helm_python = pytest.importorskip(
-        "helm_python", reason="the Helm library is missing: pip install -e '.[test]' (PyPI helm-python-sdk)")
+        "helm_python", reason="the Helm library is missing: pip install -e '.[test]' (PyPI helm-python-sdk)"
+    )
     helm_python.disable_logging()
     return helm_python
 
@@ -107,8 +108,12 @@ def dashboards() -> dict[str, dict]:
 
 def panel_queries() -> list[tuple[str, str, str]]:
     """(dashboard file, panel title, expr) of every target of every panel."""
-    return [(name, panel["title"], target["expr"]) for name, d in dashboards().items()
-            for panel in d["panels"] for target in panel.get("targets", [])]
+    return [
+        (name, panel["title"], target["expr"])
+        for name, d in dashboards().items()
+        for panel in d["panels"]
+        for target in panel.get("targets", [])
+    ]
 
 
 LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+),\s*(?P<label>\w+)\)$")
@@ -189,16 +194,37 @@ class LiveService:
 
     def start(self) -> None:
         dsv4 = os.path.join(os.path.dirname(sys.executable), "dsv4")
-        cmd = [dsv4] if os.path.exists(dsv4) else [sys.executable, "-c", "import sys; from service.cli import main; "
-                                                                          "sys.exit(main())"]
-        cmd += ["serve", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-                "--prefill-workers", "1", "--decode-workers", "1", "--transfer", "tcp"]
+        cmd = (
+            [dsv4]
+            if os.path.exists(dsv4)
+            else [sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())"]
+        )
+        cmd += [
+            "serve",
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--prefill-workers",
+            "1",
+            "--decode-workers",
+            "1",
+            "--transfer",
+            "tcp",
+        ]
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PROMETHEUS_MULTIPROC_DIR")}
         env["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(self.tmp, "metrics")
         env["RAY_ADDRESS"] = "local"  # a new cluster, even where `ray start` left /tmp/ray/ray_current_cluster
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -237,13 +263,19 @@ class LiveService:
         """A mix that moves every exported series: short and long prompts, a repeated long prompt (prefix
         cache hits), streaming (inter-token latency) and two client errors; -> count per HTTP status."""
         long_prompt = [(11 * j) % 400 + 2 for j in range(48)]
-        calls = [([5, 6, 7], False), ([5, 6, 7], True), (long_prompt, False), (long_prompt, True),
-                 (long_prompt + [9, 10], False), ([8, 9, 10, 11], False)]
+        calls = [
+            ([5, 6, 7], False),
+            ([5, 6, 7], True),
+            (long_prompt, False),
+            (long_prompt, True),
+            (long_prompt + [9, 10], False),
+            ([8, 9, 10, 11], False),
+        ]
         statuses: dict[int, int] = {}
         for prompt, stream in calls:
             status = self.complete(prompt, stream=stream)[0]
             statuses[status] = statuses.get(status, 0) + 1
-        for bad in ({"prompt": [5, 6, 7], "model": "no-such-model"}, {"prompt": [10 ** 9], "model": "dsv4"}):
+        for bad in ({"prompt": [5, 6, 7], "model": "no-such-model"}, {"prompt": [10**9], "model": "dsv4"}):
             status = self.complete(bad["prompt"], model=bad["model"])[0]
             statuses[status] = statuses.get(status, 0) + 1
         return statuses
@@ -261,7 +293,7 @@ def _later_users(request) -> bool:
     items = request.session.items
     mine = [i for i, item in enumerate(items) if item.module is request.module]
     last = max(mine) if mine else -1
-    return any("dsv4_service" in item.fixturenames for item in items[last + 1:])
+    return any("dsv4_service" in item.fixturenames for item in items[last + 1 :])
 
 
 def live_service(request):
@@ -340,10 +372,11 @@ class PrometheusServer:
         self.binary = debian_tool("prometheus")
         self.port = free_port()
         self.tmp = tempfile.mkdtemp(prefix="dsv4-prometheus-")
-        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                  "rule_files": rule_files,
-                  "scrape_configs": [{"job_name": "dsv4", "static_configs": [{"targets": [target],
-                                                                              "labels": labels}]}]}
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": rule_files,
+            "scrape_configs": [{"job_name": "dsv4", "static_configs": [{"targets": [target], "labels": labels}]}],
+        }
         self.config_path = os.path.join(self.tmp, "prometheus.yml")
         with open(self.config_path, "w") as f:
             yaml.safe_dump(config, f)
@@ -355,8 +388,12 @@ class PrometheusServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> None:
-        cmd = [self.binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={self.tmp}/data",
-               f"--web.listen-address=127.0.0.1:{self.port}"]
+        cmd = [
+            self.binary,
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.tmp}/data",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s

@@ -27,9 +27,20 @@ from tests.support import oracle
 # is so sensitive that even the bf16 engine misses the bf16 tolerances (measured: 68% within 0.1 nats on the
 # H200), and FP8 activations move logprobs by ~0.8 nats on average, in the compiled and the reference FP8 paths
 # alike.
-FP8_OVERRIDES = dict(hidden_size=256, num_attention_heads=2, head_dim=128, qk_rope_head_dim=16, q_lora_rank=128,
-                     o_groups=2, o_lora_rank=128, moe_intermediate_size=128, compress_ratios=[0, 4, 16, 4],
-                     index_topk=3, init_std=0.02, head_std=0.2)
+FP8_OVERRIDES = dict(
+    hidden_size=256,
+    num_attention_heads=2,
+    head_dim=128,
+    qk_rope_head_dim=16,
+    q_lora_rank=128,
+    o_groups=2,
+    o_lora_rank=128,
+    moe_intermediate_size=128,
+    compress_ratios=[0, 4, 16, 4],
+    index_topk=3,
+    init_std=0.02,
+    head_std=0.2,
+)
 
 
 def make_fp8_pair(root, seed: int = 21) -> tuple[str, str]:
@@ -67,6 +78,8 @@ def oracle_diffs(model_dir, prompt_list, outs) -> list[float]:
     diffs = []
     for prompt, out in zip(prompt_list, outs):
         ref = oracle.teacher_forced(model_dir, prompt, out.token_ids)
-        diffs += [abs(e - o) if math.isfinite(e) else math.inf for e, o in zip(out.prompt_logprobs[1:], ref.prompt_lp[1:])]
+        diffs += [
+            abs(e - o) if math.isfinite(e) else math.inf for e, o in zip(out.prompt_logprobs[1:], ref.prompt_lp[1:])
+        ]
         diffs += [abs(e - o) if math.isfinite(e) else math.inf for e, o in zip(out.logprobs, ref.gen_lp)]
     return diffs

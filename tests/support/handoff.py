@@ -34,8 +34,10 @@ def run_handoff(kind: str, prefill, decode, prompts, params, worker_names: tuple
     dst = make_backend(kind, decode.pool, **names[1])
     try:
         dst.add_peer(src.worker_name, src.metadata())
-        pids = [prefill.add_request(p, params, request_id=f"p{i}", prefill_only=True, seed=100 + i)
-                for i, p in enumerate(prompts)]
+        pids = [
+            prefill.add_request(p, params, request_id=f"p{i}", prefill_only=True, seed=100 + i)
+            for i, p in enumerate(prompts)
+        ]
         decode.reserve_import([1], SamplingParams(max_new_tokens=3), "occupier", 0, 1, 0.0)  # shift page ids
         run_to_end(prefill)
         for i, rid in enumerate(pids):

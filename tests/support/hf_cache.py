@@ -12,8 +12,14 @@ import os
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def add_repo(cache: str | os.PathLike, repo: str, source_dir: str | os.PathLike, commit: str = COMMIT,
-             refs: tuple[str, ...] = ("main",), skip: tuple[str, ...] = ()) -> str:
+def add_repo(
+    cache: str | os.PathLike,
+    repo: str,
+    source_dir: str | os.PathLike,
+    commit: str = COMMIT,
+    refs: tuple[str, ...] = ("main",),
+    skip: tuple[str, ...] = (),
+) -> str:
     """Put the files of `source_dir` into `cache` as repo `org/name` at `commit`; -> the snapshot dir."""
     org, name = repo.split("/")
     root = os.path.join(os.fspath(cache), f"models--{org}--{name}")

@@ -63,8 +63,12 @@ class LocalHub:
     def fetched(self) -> set[str]:
         """Repo paths whose bytes were sent (GET of a file)."""
         prefix = f"/{self.repo}/resolve/"
-        return {p.split("/", 1)[1] for m, p, _ in self.log if m == "GET" and p.startswith(prefix)
-                for p in [p[len(prefix):]]}
+        return {
+            p.split("/", 1)[1]
+            for m, p, _ in self.log
+            if m == "GET" and p.startswith(prefix)
+            for p in [p[len(prefix) :]]
+        }
 
     # ---- the API ---------------------------------------------------------------------------------------
     def _revision_ok(self, rev: str) -> bool:
@@ -77,8 +81,16 @@ class LocalHub:
         tree = re.fullmatch(rf"/api/models/{re.escape(self.repo)}/tree/([^/]+)/?", path)
         resolve = re.fullmatch(rf"/{re.escape(self.repo)}/resolve/([^/]+)/(.+)", path)
         if info and self._revision_ok(info[1]):
-            return self._json(req, {"id": self.repo, "modelId": self.repo, "sha": self.commit, "private": False,
-                                    "siblings": [{"rfilename": f} for f in sorted(self.files)]})
+            return self._json(
+                req,
+                {
+                    "id": self.repo,
+                    "modelId": self.repo,
+                    "sha": self.commit,
+                    "private": False,
+                    "siblings": [{"rfilename": f} for f in sorted(self.files)],
+                },
+            )
         if tree and self._revision_ok(tree[1]):
             return self._json(req, [self._entry(f) for f in sorted(self.files)])
         if resolve and self._revision_ok(resolve[1]) and resolve[2] in self.files:

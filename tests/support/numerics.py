@@ -29,8 +29,9 @@ def tol(dtype: torch.dtype, loose: bool = False) -> dict:
     return dict(table[dtype])
 
 
-def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scaled: bool = False,
-                 loose: bool = False) -> None:
+def assert_close(
+    out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scaled: bool = False, loose: bool = False
+) -> None:
     """Compare in fp32 with `dtype`'s tolerance. scaled=True makes atol relative to the expected output's
     largest magnitude: a one-ulp rounding before a rotation (RoPE, Hadamard) carries ~m * 2^-8 of the
     largest value m into outputs near zero."""
@@ -39,8 +40,13 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, 
     torch.testing.assert_close(out.float(), expected.float(), atol=t["atol"] * scale, rtol=t["rtol"])
 
 
-def randn(*shape: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
-          scale: float = 1.0) -> torch.Tensor:
+def randn(
+    *shape: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    scale: float = 1.0,
+) -> torch.Tensor:
     """Fresh seeded normal inputs (never zeros), drawn in fp32 on the CPU so every device sees the same."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)

@@ -83,13 +83,38 @@ def build_config(**overrides):
         raise TypeError(f"unknown overrides {sorted(unknown)}")
     p.update(overrides)
     n = p["num_hidden_layers"]
-    kw = {k: p[k] for k in (
-        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
-        "o_groups", "o_lora_rank", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-        "moe_intermediate_size", "routed_scaling_factor", "scoring_func", "index_n_heads", "index_head_dim",
-        "index_topk", "sliding_window", "hc_mult", "hc_sinkhorn_iters", "swiglu_limit", "rope_theta",
-        "compress_rope_theta", "max_position_embeddings", "rms_norm_eps", "bos_token_id", "eos_token_id",
-    )}
+    kw = {
+        k: p[k]
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "head_dim",
+            "q_lora_rank",
+            "o_groups",
+            "o_lora_rank",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "n_shared_experts",
+            "moe_intermediate_size",
+            "routed_scaling_factor",
+            "scoring_func",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "sliding_window",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "swiglu_limit",
+            "rope_theta",
+            "compress_rope_theta",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "bos_token_id",
+            "eos_token_id",
+        )
+    }
     if "layer_types" in p:
         kw["layer_types"] = list(p["layer_types"])
         kw["compress_rates"] = dict(p.get("compress_rates") or {CSA: 4, HCA: 128})
@@ -151,8 +176,10 @@ def _randomise(model, p: dict, gen: torch.Generator) -> None:
             normal_(mod.e_score_correction_bias, 0.1)
         elif isinstance(mod, m.DeepseekV4HashRouter):
             normal_(mod.weight, 0.15)
-            rows = [torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok]
-                    for _ in range(cfg.vocab_size)]
+            rows = [
+                torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok]
+                for _ in range(cfg.vocab_size)
+            ]
             mod.tid2eid.copy_(torch.stack(rows).to(mod.tid2eid.dtype))
     normal_(model.model.embed_tokens.weight, 1.0)
     normal_(model.lm_head.weight, p["head_std"])

@@ -46,7 +46,7 @@ def session_pids(sid: int) -> list[int]:
             stat = open(f"/proc/{entry}/stat").read()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
         state, session = fields[0], int(fields[3])
         if session == sid and state != "Z":
             pids.append(int(entry))
@@ -56,7 +56,7 @@ def session_pids(sid: int) -> list[int]:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time the process has used so far (all its threads)."""
     stat = open(f"/proc/{pid}/stat").read()
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -134,8 +134,11 @@ def test_engine_matches_transformers(kind, models):
     rel, ids = _heldout_prompt(tok)
     # transformers reads the release's config and tokenizer as shipped.
     hf_cfg = DeepseekV4Config.from_pretrained(release)
-    assert hf_cfg.layer_types[:3] == ["sliding_attention", "compressed_sparse_attention",
-                                      "heavily_compressed_attention"]
+    assert hf_cfg.layer_types[:3] == [
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    ]
     assert set(hf_cfg.mlp_layer_types) == {"hash_moe", "moe"}
     text = corpus.read_text(os.path.join(corpus.stdlib_root(), rel))
     assert PreTrainedTokenizerFast.from_pretrained(release)(text[:2000]).input_ids == tok.encode(text[:2000])
