@@ -247,6 +247,15 @@ def _gloo_16bit(x: torch.Tensor) -> bool:
     return x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
 
 
+def is_collective_failure(e: BaseException) -> bool:
+    """Did a collective fail (a peer rank died, its connection reset)? Then the group is out of step for good:
+    the ranks that got past the collective cannot be rejoined, so the caller must treat the worker as dead.
+    NCCL reports `DistBackendError`; gloo a plain RuntimeError naming its transport."""
+    if isinstance(e, getattr(dist, "DistBackendError", ())):
+        return True
+    return isinstance(e, RuntimeError) and "gloo" in str(e).lower()
+
+
 def free_loopback_port() -> int:
     """A port the kernel reports free on 127.0.0.1 (the ranks' rendezvous on one host)."""
     with socket.socket() as s:

@@ -11,7 +11,8 @@ engine.execution.dp_attention.run_lockstep does for a batch: each tick the ranks
 any has, every rank runs exactly one forward (its own step, or an idle forward whose experts serve the others).
 Such a loop never blocks on its inbox (its peers wait in the tick's collective); an idle group ticks every
 IDLE_TICK_S.
-When the loop ends (stop, or an exception from a step or `on_step`), every subscriber and every queued
+When the loop ends (stop, an exception from a step or `on_step`, or a call whose collective failed: the ranks of
+a multi-rank engine are then out of step for good), every subscriber and every queued
 or later call gets `LoopStopped` (a failed step: `StepFailed`, naming the step's exception); `error` keeps the
 exception that ended the loop (None after a plain stop). Callers across a process boundary treat LoopStopped as
 the worker's death (retryable), never as the request's fault.
@@ -35,6 +36,7 @@ from collections.abc import Callable
 
 from engine.execution.request import TokenEvent
 from engine.execution.runner import EngineCore
+from engine.model.parallel import is_collective_failure
 
 _STOP = object()
 IDLE_TICK_S = 0.002  # data-parallel attention: how often an idle group's ranks meet to look for work
@@ -163,7 +165,13 @@ class EngineLoop:
                 try:
                     fut.set_result(fn(self.engine))
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
+                    if not is_collective_failure(e):
+                        fut.set_exception(e)
+                        continue
+                    # A call's collective (e.g. pages replicated to the other ranks) failed: the group is broken,
+                    # so this worker is dead, as after a failed step (the caller retries elsewhere; Ray restarts it).
+                    fut.set_exception(StepFailed(f"engine call failed: {type(e).__name__}: {e}"))
+                    raise
                 finally:
                     self.busy_since = None
 

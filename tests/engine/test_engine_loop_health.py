@@ -72,6 +72,24 @@ def test_failed_step_ends_the_loop_and_fails_its_requests(loop):
         loop.call(lambda e: None).result(5)
 
 
+def test_a_calls_failed_collective_ends_the_loop_but_other_call_errors_do_not(loop):
+    """A call whose collective failed (a peer rank died: gloo's transport error) leaves the ranks out of step: the
+    loop ends and its streams get LoopStopped (the worker's death, retryable); an ordinary error stays the call's."""
+    with pytest.raises(ValueError, match="bad input"):
+        loop.call(lambda e: (_ for _ in ()).throw(ValueError("bad input"))).result(10)
+    assert loop.alive
+    sink = start(loop, "a")
+    sink.queue.get(timeout=30)
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+    with pytest.raises(StepFailed, match="Connection reset by peer"):
+        loop.call(lambda e: (_ for _ in ()).throw(gloo)).result(10)
+    wait_for(lambda: not loop.alive)
+    item = sink.queue.get(timeout=30)
+    while not isinstance(item, BaseException):
+        item = sink.queue.get(timeout=30)
+    assert isinstance(item, LoopStopped)
+
+
 def test_hung_step_is_reported_after_the_bound_and_stop_ends_it(loop):
     sink = start(loop, "a")
     sink.queue.get(timeout=30)
