@@ -50,9 +50,17 @@ def prometheus(dsv4_service):
         prom.stop()
 
 
+# Panels of a feature the live service does not run: speculative decoding needs a checkpoint with an MTP layer and
+# `--speculative-tokens`, which the shared tiny service has not (their metric names are still checked against the
+# exporter by tests/deploy/test_deploy_dashboards.py; tests/engine/test_speculative.py counts them).
+NOT_RUN_BY_THE_LIVE_SERVICE = ("dsv4_spec_",)
+
+
 def test_every_dashboard_query_returns_data(prometheus):
     empty, nan = [], []
     for dashboard, title, expr in panel_queries():
+        if any(prefix in expr for prefix in NOT_RUN_BY_THE_LIVE_SERVICE):
+            continue
         result = prometheus.query(substitute(expr, rate_interval="1m"))
         values = [float(r["value"][1]) for r in result]
         if not values:
