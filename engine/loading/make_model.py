@@ -282,33 +282,20 @@ def quantize_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 # ---- tokenizer --------------------------------------------------------------------------------
-def write_tokenizer(out_dir: str, vocab_size: int) -> None:
-    """Train a byte-level BPE on a few built-in sentences; write tokenizer.json + tokenizer_config.json.
+def save_v4_tokenizer(tok, vocab_size: int, out_dir: str) -> None:
+    """A trained byte-level BPE finished the V4 way (think tokens, the special tokens at their ids, BOS added like
+    DeepSeek's tokenizer) and saved with its tokenizer_config.json into out_dir. ValueError when the vocabulary
+    outgrows the model's `vocab_size`."""
+    from tokenizers import AddedToken, processors
 
-    Ids: 0 = BOS, 1 = EOS, 2/3 = chat role markers, then the BPE vocabulary, then V4's other chat tokens
-    (think markers, latest_reminder, task tokens); the vocabulary never exceeds `vocab_size`.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    specials = [BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(THINK_TOKENS) - len(V4_SPECIAL_TOKENS),
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     tok.add_tokens([AddedToken(t, normalized=False) for t in THINK_TOKENS])
     tok.add_special_tokens(V4_SPECIAL_TOKENS)
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"tokenizer vocab {tok.get_vocab_size()} exceeds model vocab {vocab_size}")
-    # Add BOS like DeepSeek's tokenizer (add_bos_token=True) for consumers that use special tokens.
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, 0)]
     )
+    os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -322,6 +309,28 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as fh:
         json.dump(tok_cfg, fh, indent=2, ensure_ascii=False)
+
+
+def write_tokenizer(out_dir: str, vocab_size: int) -> None:
+    """Train a byte-level BPE on a few built-in sentences; write tokenizer.json + tokenizer_config.json.
+
+    Ids: 0 = BOS, 1 = EOS, 2/3 = chat role markers, then the BPE vocabulary, then V4's other chat tokens
+    (think markers, latest_reminder, task tokens); the vocabulary never exceeds `vocab_size`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = [BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(THINK_TOKENS) - len(V4_SPECIAL_TOKENS),
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    save_v4_tokenizer(tok, vocab_size, out_dir)
 
 
 # ---- model directories --------------------------------------------------------------------------
