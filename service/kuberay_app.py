@@ -33,8 +33,11 @@ import time
 from dataclasses import dataclass, field
 
 from kv_transfer.registry import TRANSFER_CHOICES
-from service.launcher import ENGINE_OPTION_KEYS, RouterActor, ServiceConfig, add_serve_args, remote_classes
+from service.actor_pools import remote_classes
 from service.rank_placement import dp_actor_names, dp_worker_ids, follower_names, group_name, place_worker
+from service.router_actor import RouterActor
+from service.serve_args import add_serve_args
+from service.service_config import ENGINE_OPTION_KEYS, ServiceConfig
 
 NAMESPACE = "dsv4"
 ROLES = ("prefill", "decode")
