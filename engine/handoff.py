@@ -117,7 +117,9 @@ class WorkerStats:
     kv_capacity_tokens: int = 0
     kv_page_tokens: int = 1  # a reservation is rounded up to whole pages of this many tokens
     prefix: PrefixDigest | None = None  # None: the worker has no prefix cache
-    # GPU fast paths this worker's engine does not take, as "name: why" (engine.model.fast_paths.FastPath)
+    # GPU fast paths this worker's engine takes (names), and those it does not, as "name: why"
+    # (engine.model.fast_paths.FastPath); /health shows both
+    fast_paths_active: tuple[str, ...] = ()
     fast_path_fallbacks: tuple[str, ...] = ()
     problem: str | None = None  # None while the engine is healthy; else why not (loop ended, stalled step)
 

@@ -66,6 +66,8 @@ class WorkerStatus:
     kv_free_tokens: int = 0
     inflight: int = 0
     cached_blocks: int = 0
+    fast_paths_active: tuple[str, ...] = ()  # in health reports only: the GPU fast paths the worker takes
+    fast_path_fallbacks: tuple[str, ...] = ()  # and those it does not, as "name: why"
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,17 @@ def _worker(w) -> WorkerStatus:
 
 
 def _health(msg) -> HealthReport:
-    return HealthReport(msg.serving, tuple(WorkerStatus(w.worker_id, w.role, w.healthy) for w in msg.workers))
+    workers = tuple(
+        WorkerStatus(
+            w.worker_id,
+            w.role,
+            w.healthy,
+            fast_paths_active=tuple(w.fast_paths_active),
+            fast_path_fallbacks=tuple(w.fast_path_fallbacks),
+        )
+        for w in msg.workers
+    )
+    return HealthReport(msg.serving, workers)
 
 
 def _stats(msg) -> StatsReport:

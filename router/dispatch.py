@@ -61,6 +61,9 @@ class WorkerInfo:
     # What the worker's prefix cache can resume from (published by the worker; None = no real cache view,
     # the policy falls back to its own estimate). See router/locality.py.
     prefix: PrefixDigest | None = None
+    # GPU fast paths the worker's engine takes (names) and those that fell back ("name: why"), for /health
+    fast_paths_active: tuple[str, ...] = ()
+    fast_path_fallbacks: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.role not in ROLES:

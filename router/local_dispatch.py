@@ -134,6 +134,7 @@ class LocalWorker:
             self._prefix_counters.observe(prefix.stats)
             if self._digest is None or self._digest.version != prefix.version:
                 self._digest = prefix.digest()
+        states = self.engine.model.fast_path_states
         return WorkerInfo(
             self.worker_id,
             "colocated",
@@ -144,6 +145,8 @@ class LocalWorker:
             load.kv_usage,
             f"{self.worker_id}#{self._incarnation}",
             prefix=self._digest,
+            fast_paths_active=tuple(p.name for p in states if p.active),
+            fast_path_fallbacks=tuple(f"{p.name}: {p.why}" for p in states if not p.active),
         )
 
 

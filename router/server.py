@@ -434,7 +434,14 @@ class RouterServer(pb2_grpc.RouterServicer):
         return pb2.HealthResponse(
             serving=serving,
             workers=[
-                pb2.WorkerHealth(worker_id=w.worker_id, role=w.role, healthy=self.policy.is_up(w)) for w in workers
+                pb2.WorkerHealth(
+                    worker_id=w.worker_id,
+                    role=w.role,
+                    healthy=self.policy.is_up(w),
+                    fast_paths_active=w.fast_paths_active,
+                    fast_path_fallbacks=w.fast_path_fallbacks,
+                )
+                for w in workers
             ],
         )
 

@@ -544,7 +544,18 @@ class OpenAIServer:
             {
                 "status": "ok",
                 "model": self.model_name,
-                "workers": [{"id": w.worker_id, "role": w.role, "healthy": w.healthy} for w in rep.workers],
+                "workers": [
+                    {
+                        "id": w.worker_id,
+                        "role": w.role,
+                        "healthy": w.healthy,
+                        "fast_paths": {
+                            "active": list(w.fast_paths_active),
+                            "fell_back": dict(f.split(": ", 1) for f in w.fast_path_fallbacks),
+                        },
+                    }
+                    for w in rep.workers
+                ],
             }
         )
 

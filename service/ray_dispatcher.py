@@ -131,6 +131,8 @@ class RayDispatcher:
             stats.kv_capacity_tokens,
             stats.kv_page_tokens,
             prefix=stats.prefix,
+            fast_paths_active=stats.fast_paths_active,
+            fast_path_fallbacks=stats.fast_path_fallbacks,
         )
         return True
 

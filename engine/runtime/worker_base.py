@@ -67,6 +67,7 @@ class WorkerBase:
         )
         self.publish_load()  # the gauges exist (at idle) before the first request
         states = self.engine.model.fast_path_states
+        self.fast_paths_active = tuple(p.name for p in states if p.active)
         self.fast_path_fallbacks = tuple(f"{p.name}: {p.why}" for p in states if not p.active)
         metrics.observe_fast_paths(self.role, worker_id, states)
         # Created after the warm-up: the stall clock never runs during it (engine.runtime.health).
@@ -107,6 +108,7 @@ class WorkerBase:
             kv_page_tokens=self.kv_page_tokens,
             prefix=self._digest,
             problem=self.loop.problem(self.health.stall_timeout_s),
+            fast_paths_active=self.fast_paths_active,
             fast_path_fallbacks=self.fast_path_fallbacks,
         )
 

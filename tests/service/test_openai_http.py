@@ -138,7 +138,7 @@ def requests_total(status: str) -> float:
     return REGISTRY.get_sample_value("dsv4_requests_total", {"model_name": MODEL, "status": status}) or 0.0
 
 
-def test_models_and_health(srv):
+def test_models_and_health(srv, backend):
     models = srv.client.models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].max_model_len == 4096
     raw = srv.client.models.with_raw_response.list().text
@@ -147,6 +147,13 @@ def test_models_and_health(srv):
     )  # no server paths
     status, body = srv.get("/health")
     assert status == 200 and body["status"] == "ok" and body["workers"][0]["healthy"]
+    # the engine's fast paths as it decided them at load: taken ones by name, fallen-back ones with why
+    states = backend.dispatcher.engine("engine-0").model.fast_path_states
+    assert body["workers"][0]["fast_paths"] == {
+        "active": [p.name for p in states if p.active],
+        "fell_back": {p.name: p.why for p in states if not p.active},
+    }
+    assert "flash_mla" in body["workers"][0]["fast_paths"]["fell_back"]  # a CPU engine: FlashMLA is CUDA only
     status, body = srv.get("/nope")
     assert status == 404 and "error" in body
 

@@ -216,7 +216,12 @@ def test_api_key_docs_and_body_limit(svc):
         for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
             r = svc.http.request(method, path, headers=headers or {}, json={"model": "dsv4", "prompt": [5]})
             assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", r.text
-    assert svc.http.get("/health").status_code == 200  # probes need no key
+    health = svc.http.get("/health")
+    assert health.status_code == 200  # probes need no key
+    for w in health.json()["workers"]:  # each Ray worker's fast paths, from its stats through the router
+        fast = w["fast_paths"]
+        assert not set(fast["active"]) & set(fast["fell_back"]) and all(fast["fell_back"].values()), w
+        assert "flash_mla" in fast["fell_back"], w  # the service runs on the CPU here: FlashMLA is CUDA only
     for path in ("/docs", "/openapi.json", "/redoc"):
         assert svc.http.get(path).status_code == 404
     with HealthWatch(svc.base):
