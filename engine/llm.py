@@ -31,6 +31,7 @@ class LLM:
         max_model_len: int | None = None,
         data_parallel_attention: bool = False,
         speculative_tokens: int = 0,
+        prefill_expert_format: str = "auto",
     ):
         """tensor_parallel_size > 1: this process is rank 0 and spawns the other ranks (engine.execution.tp_launch);
         expert_parallel: routed experts split by expert id across them. data_parallel_attention (with both):
@@ -57,6 +58,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             speculative_tokens=speculative_tokens,
+            prefill_expert_format=prefill_expert_format,
         )
         self.ranks = None
         if tensor_parallel_size > 1 or expert_parallel:

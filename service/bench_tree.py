@@ -12,7 +12,12 @@ import importlib
 import sys
 from pathlib import Path
 
-ENTRY = {"kernels": "benchmarks.kernels", "slice": "benchmarks.slice.cli", "spec": "benchmarks.spec"}
+ENTRY = {
+    "kernels": "benchmarks.kernels",
+    "slice": "benchmarks.slice.cli",
+    "spec": "benchmarks.spec",
+    "quality": "benchmarks.quality",
+}
 
 
 def bench_tree_main(what: str, argv: list[str]) -> int:

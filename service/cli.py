@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from service.bench_tree import ENTRY as TREE_BENCHES
+
 
 def _parse_ids(text: str) -> list[int]:
     text = text.strip()
@@ -217,6 +219,9 @@ def _add_bench(sub) -> None:
         help="MTP speculative decoding on the V4-Flash slice: verify-step time, tok/s per user "
         "at forced acceptance rates (source tree)",
     )
+    bench.add_parser(
+        "quality", help="bits/byte, |dlogprob|, greedy agreement of each production format on the trained model"
+    )
 
 
 def _add_chat(sub) -> None:
@@ -290,7 +295,7 @@ def _chat_parse(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"] and argv[1:2] in (["kernels"], ["slice"], ["spec"]):  # each op parses its own flags
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in TREE_BENCHES:  # each op parses its own flags
         from service.bench_tree import bench_tree_main
 
         return bench_tree_main(argv[1], argv[2:])
