@@ -5,7 +5,9 @@
 # (overlapped decode on/off, FP8 vs MXFP4 indexer keys), coldstart (engine warm-up on fresh compile caches), b1prof
 # (the batch-1 decode step's kernels in launch order), prefillmoe (matmul_ogs launch constraints at prefill sizes),
 # decodemoe (the same at 1 and 64 tokens, with split-K and narrow-N tiles at 1), mhc (`dsv4 bench kernels mhc`: the
-# mHC pre's paths by token count, fp32 and bf16 streams), pytests (pytest on $PYTEST_FILES).
+# mHC pre's paths by token count, fp32 and bf16 streams), pytests (pytest on $PYTEST_FILES), quality (`dsv4 bench
+# quality` on CUDA: every production format of the trained model), spec (graph verify tests + `dsv4 bench spec`),
+# longctx (slice prefill/decode at 32K, 128K and 1M), prefillfmt (slice prefill with MXFP4 vs FP8 experts, 3 runs).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -105,6 +107,22 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
     tp) timeout ${TP_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_tensor_parallel.py \
           > "$OUT/tp.log" 2>&1 || status=1
         grep -E "^\[gpu tp|^tp |Error" "$OUT/tp.log" | cut -c1-400 ;;
+    quality) timeout ${QUALITY_TIMEOUT:-540} python3 -m benchmarks.quality --device cuda --files ${QUALITY_FILES:-8} \
+          --out "$OUT/quality_cuda.md" > "$OUT/quality.log" 2>&1 || status=1
+        tail -20 "$OUT/quality.log" | cut -c1-300 ;;
+    spec) timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_spec_bucketed.py \
+          tests/engine/test_speculative.py > "$OUT/spec_tests.log" 2>&1 || status=1
+        tail -3 "$OUT/spec_tests.log" | cut -c1-300
+        timeout ${SPEC_TIMEOUT:-400} python3 -m benchmarks.spec --k ${SPEC_K:-1} --batches 1 16 64 --rates 0.6 0.8 0.9 \
+          --out "$OUT/spec_k${SPEC_K:-1}.md" > "$OUT/spec.log" 2>&1 || status=1
+        tail -25 "$OUT/spec.log" | cut -c1-250 ;;
+    longctx) timeout ${LONGCTX_TIMEOUT:-540} benchmarks/slice/run.sh --budget-s ${LONGCTX_BUDGET:-480} --experts mxfp4 \
+          --batches 1 16 --contexts 32768 131072 1048000 --prefill-tokens 131072 --prefill-chunk 8192 --no-peer \
+          --out "$OUT/long_context.md" > "$OUT/longctx.log" 2>&1 || status=1
+        tail -30 "$OUT/longctx.log" | cut -c1-250 ;;
+    prefillfmt) timeout ${PREFILLFMT_TIMEOUT:-400} benchmarks/slice/run.sh --experts mxfp4 fp8 --prefill-only \
+          --prefill-runs 3 --no-peer --out "$OUT/prefill_formats.md" > "$OUT/prefillfmt.log" 2>&1 || status=1
+        tail -20 "$OUT/prefillfmt.log" | cut -c1-250 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
