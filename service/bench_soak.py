@@ -7,11 +7,15 @@ stop lists), and streams the client abandons midway. Every `--fault-every` secon
 of `--faults`, alternating pools: `kill` (`ray.kill`, Ray restarts it), `raise` (its engine's next step raises:
 the watchdog ends it, Ray restarts it), `hang` (its next step never returns: marked down at the stall bound, its
 streams moved, then restarted), `stop` (SIGSTOP for `--stop-seconds`: marked down, its streams moved, then
-SIGCONT). `raise` and `hang` build the workers with their test hooks on (engine.runtime.health). At the end:
-outcomes by type (ok, 4xx by status, 429, 503 in-band or not, other 5xx, transport errors), /health answer
-latency, the restarts, and the resident memory of every service process at the start of the run and at its end
-(growth = leak suspects). `--write-benchmarks`
-puts the report in BENCHMARKS.md (section `soak`), every number from this run.
+SIGCONT), `rank` (one follower rank of a multi-rank worker killed: its whole group is placed again,
+service.group_restart; needs `--decode-tensor-parallel-size` or `--prefill-tensor-parallel-size` > 1). `raise`
+and `hang` build the workers with their test hooks on (engine.runtime.health). Faults go to the workers as they
+are placed now (a group restart replaces a multi-rank worker's actors). At the end: outcomes by type (ok, 4xx by
+status, 429, 503 in-band or not, other 5xx, transport errors), /health answer latency, the restarts, what every
+worker still holds once idle (pages in use, exports not released, quarantined pulls, staging bytes: any non-zero
+is a leak), and the resident memory of every service process at the start of the run and at its end (growth =
+leak suspects). `--write-benchmarks` puts the report in BENCHMARKS.md (section `soak`), every number from this
+run.
 """
 
 from __future__ import annotations
@@ -117,16 +121,18 @@ def _health(base: str, stop: threading.Event, tally: Tally) -> None:
             tally.add("health_no_answer")
 
 
-FAULTS = ("kill", "raise", "hang", "stop")
+FAULTS = ("kill", "raise", "hang", "stop", "rank")
 
 
-def _inject(kind: str, handle, stop_s: float, stopped: list) -> None:
+def _inject(kind: str, handle, stop_s: float, stopped: list, followers: list) -> None:
     """One fault on one worker (the module docstring); a stopped process is continued after stop_s."""
     import signal
 
     import ray
 
-    if kind == "kill":
+    if kind == "rank":
+        ray.kill(followers[-1], no_restart=True)  # ranks are never restarted alone: the group comes back
+    elif kind == "kill":
         ray.kill(handle, no_restart=False)
     elif kind in ("raise", "hang"):
         ray.get(handle.inject_fault.remote(kind), timeout=30)
@@ -148,10 +154,47 @@ def _continue(pid: int, stopped: list) -> None:
         stopped.remove(pid)
 
 
-def _pids(handles) -> dict[str, int]:
+def _current(handles) -> tuple[dict, dict]:
+    """-> ({pool: {worker id: rank-0 handle}}, {worker id: follower handles}) as the router has them placed now:
+    a group restart gives a multi-rank worker new actors, and the handles start_service returned die with it."""
     import ray
 
-    actors = {**handles["prefill"], **handles["decode"], "router": handles["router"]}
+    placed = ray.get(handles["router"].placed_workers.remote(), timeout=30)
+    pools = {pool: {w: (placed[w].handle if w in placed else h) for w, h in handles[pool].items()} for pool in POOLS}
+    return pools, {w: list(p.followers) for w, p in placed.items() if p.followers}
+
+
+POOLS = ("prefill", "decode")
+
+
+def _held(worker) -> dict:
+    """Run inside a worker's actor (`__ray_call__`): what it still holds (leaks once the service is idle)."""
+    backend = getattr(worker, "backend", None)
+    staging = getattr(backend, "staging", None)
+    return {
+        "exports": len(backend.exported()) if backend is not None else 0,
+        "quarantined": len(getattr(worker, "quarantined", {})),
+        "staging_bytes": staging.arena.capacity - staging.arena.free_bytes() if staging is not None else 0,
+    }
+
+
+def _leaks(pools: dict) -> dict[str, dict]:
+    """Per worker: pages in use, running / waiting requests and `_held`; every value is 0 when nothing leaked."""
+    import ray
+
+    out = {}
+    for pool in POOLS:
+        for wid, h in sorted(pools[pool].items()):
+            s = ray.get(h.stats.remote(), timeout=60)
+            held = ray.get(h.__ray_call__.remote(_held), timeout=60)
+            out[wid] = {"kv_usage": s.kv_usage, "running": s.running, "waiting": s.waiting, **held}
+    return out
+
+
+def _pids(handles, pools: dict) -> dict[str, int]:
+    import ray
+
+    actors = {**pools["prefill"], **pools["decode"], "router": handles["router"]}
     return {k: ray.get(a.__ray_call__.remote(lambda self: os.getpid()), timeout=60) for k, a in actors.items()}
 
 
@@ -202,6 +245,12 @@ def run_soak(args) -> dict:
     faults = [f for f in args.faults.split(",") if f]
     if not faults or set(faults) - set(FAULTS):
         raise ValueError(f"--faults must list some of {FAULTS}, got {args.faults!r}")
+    if "rank" in faults and max(args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size) < 2:
+        raise ValueError(
+            "--faults rank needs a multi-rank worker: --prefill-tensor-parallel-size or "
+            f"--decode-tensor-parallel-size of 2 or more (got {args.prefill_tensor_parallel_size}, "
+            f"{args.decode_tensor_parallel_size})"
+        )
     cfg = ServiceConfig(
         model_dir=model_dir,
         port=_free_port(),
@@ -211,13 +260,17 @@ def run_soak(args) -> dict:
         engine_options=(("max_batch_tokens", args.max_batch_tokens),),
         stall_timeout_s=args.stall_timeout_seconds,
         worker_test_hooks=bool({"raise", "hang"} & set(faults)),
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
+        expert_parallel=max(args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size) > 1,
+        ready_timeout_s=300.0,
     )
     handles = start_service(cfg)
     base = f"http://127.0.0.1:{cfg.port}"
     tally, stop = Tally(), threading.Event()
     stopped: list[int] = []  # pids under SIGSTOP right now
     try:
-        pids = {**_pids(handles), **_serve_replica_pids()}
+        pids = {**_pids(handles, _current(handles)[0]), **_serve_replica_pids()}
         time.sleep(5)
         rss0 = {k: rss_mib(p) for k, p in pids.items()}
         threading.Thread(target=_health, args=(base, stop, tally), daemon=True).start()
@@ -234,15 +287,18 @@ def run_soak(args) -> dict:
         end, next_fault = time.monotonic() + 60 * args.minutes, time.monotonic() + args.fault_every
         kills: list[str] = []
         injected: list[str] = []  # "kind worker" of every fault
-        pools = ["prefill", "decode"]
         while time.monotonic() < end:
             time.sleep(1.0)
             if args.fault_every > 0 and time.monotonic() >= next_fault:
                 n = len(injected)
-                pool, kind = pools[n % 2], faults[n // 2 % len(faults)]
-                wid = sorted(handles[pool])[n // (2 * len(faults)) % len(handles[pool])]
+                pool, kind = POOLS[n % 2], faults[n // 2 % len(faults)]
+                wid = "?"
                 try:
-                    _inject(kind, handles[pool][wid], args.stop_seconds, stopped)
+                    pools, followers = _current(handles)
+                    ids = sorted(followers) if kind == "rank" else sorted(pools[pool])
+                    wid = ids[n // (2 * len(faults)) % len(ids)]
+                    handle = pools["prefill" if wid in pools["prefill"] else "decode"][wid]
+                    _inject(kind, handle, args.stop_seconds, stopped, followers.get(wid, []))
                     injected.append(f"{kind} {wid}")
                     kills += [wid] if kind == "kill" else []
                 except Exception as e:  # noqa: BLE001 - e.g. the worker is restarting from the last fault
@@ -254,16 +310,18 @@ def run_soak(args) -> dict:
         while stopped:  # a stopped worker is continued before the end is measured
             time.sleep(0.5)
         time.sleep(10)  # let restarts settle and idle gauges publish
-        pids_end = {**_pids(handles), **_serve_replica_pids()}
+        pools = _current(handles)[0]
+        pids_end = {**_pids(handles, pools), **_serve_replica_pids()}
         rss1 = {k: rss_mib(p) for k, p in pids_end.items()}
-        stats = ray.get([h.stats.remote() for h in (*handles["prefill"].values(), *handles["decode"].values())])
+        held = _leaks(pools)
         health = sorted(tally.health)
         from kv_transfer.registry import resolve_name
 
         return {
             "minutes": args.minutes,
             "clients": args.clients,
-            "topology": f"{cfg.prefill_workers}P{cfg.decode_workers}D",
+            "topology": f"{cfg.prefill_workers}P{cfg.decode_workers}D"
+            + "".join(f" {role} TP{cfg.parallel(role)[0]}" for role in POOLS if cfg.parallel(role)[0] > 1),
             "transfer": resolve_name(args.transfer),
             "kills": kills,
             "faults": injected,
@@ -273,7 +331,9 @@ def run_soak(args) -> dict:
             "health_max_ms": 1e3 * health[-1] if health else float("nan"),
             "rss_start_mib": rss0,
             "rss_end_mib": rss1,
-            "idle_at_end": all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in stats),
+            "group_restarts": ray.get(handles["router"].group_restarts.remote(), timeout=30),
+            "held_at_end": held,
+            "idle_at_end": not any(v for w in held.values() for v in w.values()),
         }
     finally:
         stop.set()
@@ -292,7 +352,7 @@ def report_markdown(r: dict) -> str:
         f"{len(faults)} worker faults ({kills})",
         "",
         "Mixed load over HTTP (streaming, plain, chat, refused bad input, abandoned streams) with a worker "
-        "faulted (killed, a step raising or hanging, stopped) every `--fault-every` seconds, alternating "
+        "faulted (killed, a step raising or hanging, stopped, a rank of a multi-rank worker killed) every `--fault-every` seconds, alternating "
         "pools; written by `dsv4 bench soak`. Outcomes: "
         "`ok` finished normally, `abandoned` the client left mid-stream on purpose, `http_400_expected` bad "
         "input refused, `http_503` a plain request (or a stream before its first token) and `inband_503` a "
@@ -308,8 +368,25 @@ def report_markdown(r: dict) -> str:
     lines += [
         "",
         f"/health: {r['health_answers']} answers, p50 {r['health_p50_ms']:.0f} ms, max "
-        f"{r['health_max_ms']:.0f} ms. Pools idle at the end: {r['idle_at_end']}.",
+        f"{r['health_max_ms']:.0f} ms. Pools idle at the end: {r['idle_at_end']}. Multi-rank group restarts: "
+        f"{r.get('group_restarts', 0)}.",
         "",
+    ]
+    if "held_at_end" in r:
+        lines += [
+            "What each worker still held once idle (pages in use, exports not released, quarantined pulls, "
+            "staging bytes; anything but 0 is a leak):",
+            "",
+            "| worker | kv usage | running | waiting | exports | quarantined | staging bytes |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for w, h in sorted(r["held_at_end"].items()):
+            lines.append(
+                f"| {w} | {h['kv_usage']:.3f} | {h['running']} | {h['waiting']} | {h['exports']} | "
+                f"{h['quarantined']} | {h['staging_bytes']} |"
+            )
+        lines.append("")
+    lines += [
         "| process | RSS start MiB | RSS end MiB | growth MiB |",
         "|---|---:|---:|---:|",
     ]
@@ -359,6 +436,10 @@ def add_bench_soak_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
+    parser.add_argument("--prefill-tensor-parallel-size", type=int, default=1, help="ranks per prefill worker")
+    parser.add_argument(
+        "--decode-tensor-parallel-size", type=int, default=1, help="ranks per decode worker (`rank` faults need 2+)"
+    )
     parser.add_argument("--transfer", default="auto", choices=TRANSFER_CHOICES, help=TRANSFER_HELP)
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--json", default=None, help="also write the raw result here")
