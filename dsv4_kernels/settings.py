@@ -57,6 +57,9 @@ NIXL_STAGING_BYTES = "DSV4_NIXL_STAGING_BYTES"
 NIXL_PROGRESS_DELAY_US = "DSV4_NIXL_PROGRESS_DELAY_US"
 API_KEY = "DSV4_API_KEY"
 API_DOCS = "DSV4_API_DOCS"
+HTTP_MAX_HEADER_BYTES = "DSV4_HTTP_MAX_HEADER_BYTES"
+HTTP_HEADER_TIMEOUT_S = "DSV4_HTTP_HEADER_TIMEOUT_S"
+HTTP_BODY_TIMEOUT_S = "DSV4_HTTP_BODY_TIMEOUT_S"
 STRICT_SKIPS = "DSV4_STRICT_SKIPS"
 TEST_TRANSFER = "DSV4_TEST_TRANSFER"
 TEST_MARK = "DSV4_TEST_MARK"
@@ -350,6 +353,30 @@ class Settings:
         False,
         "serve /docs, /redoc and /openapi.json (`dsv4 serve --api-docs` sets it for the Serve replicas)",
         "service",
+    )
+    http_max_header_bytes: int = _switch(
+        HTTP_MAX_HEADER_BYTES,
+        "int",
+        64 << 10,
+        "bytes a request's line and headers may take at the HTTP ingress (413 beyond): service.http_limits",
+        "service",
+        minimum=1024,
+    )
+    http_header_timeout_s: float = _switch(
+        HTTP_HEADER_TIMEOUT_S,
+        "float",
+        10.0,
+        "seconds a request's line and headers may take to arrive at the HTTP ingress (408 after)",
+        "service",
+        minimum=0.1,
+    )
+    http_body_timeout_s: float = _switch(
+        HTTP_BODY_TIMEOUT_S,
+        "float",
+        60.0,
+        "seconds a request's body may take to arrive once its headers are in (408 after)",
+        "service",
+        minimum=0.1,
     )
     # Tests
     strict_skips: bool = _switch(

@@ -3,7 +3,9 @@ and the thread pool that user-sized work (tokenising, chat templates) runs on in
 
 - `IngressOptions`: the ingress's hardening settings (frozen; travel to the Serve replicas through Ray).
 - `GuardMiddleware` (pure ASGI, outermost): a request body over `max_body_bytes` is refused with 413 before it
-  is buffered (Content-Length) or as soon as the streamed body passes the limit; with an `api_key`, every
+  is buffered (Content-Length) or as soon as the streamed body passes the limit; headers over the limit of
+  `limits` are a 413 and a body that takes longer than its `body_timeout_s` a 408 (service.http_limits, which
+  also enforces them at the socket of Serve's proxy, where a slow head is timed too); with an `api_key`, every
   `/v1/` route needs `Authorization: Bearer <key>` (401 shaped as OpenAI's, compared in constant time).
 - `lone_surrogate(value)`: JSON may carry "\\ud800" escapes that decode to strings no tokenizer (or UTF-8
   encoder) accepts; the request is a 400 naming the field instead of a 500 deep inside the tokenizer.
@@ -18,11 +20,13 @@ import asyncio
 import hmac
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dsv4_kernels.settings import settings
+from service.http_limits import HttpLimits
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: far beyond any prompt that fits a context, far below memory
+_CLOSE = [(b"connection", b"close")]  # after a refused head or body the connection's state is unknown
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class IngressOptions:
     template_budget_s: float = 2.0  # wall time a request-supplied template may render for
     offload_threads: int = 4  # threads that tokenise and render
     max_model_len: int | None = None  # the workers' --max-model-len (None: the model's own context)
+    limits: HttpLimits = field(default_factory=HttpLimits.from_env)  # header size, header / body time
 
     def __post_init__(self):
         if self.max_body_bytes < 1024:
@@ -97,6 +102,9 @@ class GuardMiddleware:
                     "`Authorization: Bearer <key>` (the server's --api-key / DSV4_API_KEY).",
                     [(b"www-authenticate", b"Bearer")],
                 )
+        head = opts.limits.header_bytes(scope)
+        if head > opts.limits.max_header_bytes:
+            return await self._send_error(send, 413, opts.limits.too_large(head), _CLOSE)
         limit = opts.max_body_bytes
         try:
             length = int(headers.get(b"content-length", b"0") or 0)
@@ -106,16 +114,26 @@ class GuardMiddleware:
             return await self._send_error(
                 send, 413, f"request body of {length} bytes exceeds the limit of {limit} bytes"
             )
-        seen, started, refused = 0, False, False
+        seen, started, refused, body_done = 0, False, False, False
+        body_deadline = asyncio.get_running_loop().time() + opts.limits.body_timeout_s
 
         async def limited_receive():
-            # Past the limit: answer 413 now and tell the app the client left (FastAPI turns any exception
-            # raised while reading the body into its own 400, so an exception cannot carry the 413).
-            nonlocal seen, refused
+            # Past a limit: answer 413 / 408 now and tell the app the client left (FastAPI turns any exception
+            # raised while reading the body into its own 400, so an exception cannot carry the status).
+            nonlocal seen, refused, body_done
             if refused:
                 return {"type": "http.disconnect"}
             try:
-                msg = await receive()
+                if body_done:  # what follows the body is the disconnect, however long the response takes
+                    msg = await receive()
+                else:
+                    async with asyncio.timeout_at(body_deadline):
+                        msg = await receive()
+            except TimeoutError:
+                refused = True
+                if not started:
+                    await self._send_error(send, 408, opts.limits.slow_body(), _CLOSE)
+                return {"type": "http.disconnect"}
             except Exception as e:
                 # Ray Serve cancels a request whose client went away, and its receive() then raises
                 # TaskCancelledError: that is the ASGI disconnect the app knows how to end on (streams close
@@ -124,6 +142,7 @@ class GuardMiddleware:
                     return {"type": "http.disconnect"}
                 raise
             if msg["type"] == "http.request":
+                body_done = not msg.get("more_body", False)
                 seen += len(msg.get("body", b""))
                 if seen > limit and not started:
                     refused = True

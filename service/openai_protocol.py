@@ -417,6 +417,7 @@ ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "TimeoutError",
     413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
     429: "RateLimitError",

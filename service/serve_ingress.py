@@ -20,6 +20,7 @@ import asyncio
 
 from ray import serve
 
+from service.http_limits import proxy_env
 from service.ingress_guard import IngressOptions
 from service.openai_app import DEFAULT_REQUEST_TIMEOUT_S, current_server, make_app
 
@@ -69,8 +70,15 @@ def deploy_http(
     options: IngressOptions | None = None,
 ):
     """Start Serve's HTTP proxy on host:port and deploy `num_replicas` ingress replicas (on the connected
-    Ray cluster) serving the OpenAI API at "/"; -> the deployment handle. Returns once it is running."""
-    serve.start(http_options={"host": host, "port": port})
+    Ray cluster) serving the OpenAI API at "/"; -> the deployment handle. Returns once it is running.
+
+    The proxies are the Serve controller's actors and inherit its environment: `proxy_env` there bounds their
+    request heads and bodies at the socket (service.http_limits). A controller already running keeps its own."""
+    limits = (options or IngressOptions.from_env()).limits
+    serve.start(
+        http_options={"host": host, "port": port},
+        controller_options={"runtime_env": {"env_vars": proxy_env(limits)}},
+    )
     deployment = OpenAIIngress.options(num_replicas=num_replicas)
     return serve.run(
         deployment.bind(router_addr, model_dir, model_name, request_timeout_s, options), name=app_name, route_prefix="/"
