@@ -91,6 +91,7 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
                 max_body_bytes=cfg.max_body_bytes,
                 allow_request_templates=cfg.allow_request_chat_template,
                 max_model_len=dict(cfg.engine_options).get("max_model_len"),
+                limits=cfg.http_limits,
             )
             handles["serve"] = True
             deploy_http(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.runtime.health import DEFAULT_STALL_TIMEOUT_S
+from service.http_limits import HttpLimits
 from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
 
 ENGINE_OPTION_KEYS = (
@@ -73,6 +74,8 @@ class ServiceConfig:
     # (engine.runtime.health); well above the slowest legitimate step
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     worker_test_hooks: bool = False  # workers expose inject_fault (tests only; no CLI flag)
+    # request head size and head / body time at the HTTP ingress (DSV4_HTTP_*; service.http_limits)
+    http_limits: HttpLimits = field(default_factory=HttpLimits.from_env)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "prefill_tensor_parallel_size", "decode_tensor_parallel_size"):

@@ -12,6 +12,7 @@ answering within HEALTH_BOUND_S, what the client saw, and (last) that the pools 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import socket
@@ -28,6 +29,7 @@ from engine.loading.make_model import default_model_dir  # noqa: E402
 from engine.telemetry.metrics import start_metrics_server  # noqa: E402
 from kv_transfer.base import unpack_metadata  # noqa: E402
 from router.client import RouterClient, RouterError  # noqa: E402
+from service.http_limits import HttpLimits  # noqa: E402
 from service.launcher import (  # noqa: E402
     ServiceConfig,
     init_ray,
@@ -50,6 +52,8 @@ QUEUED = 8
 # machine running Ray beside the suite, where a healthy probe was seen to take up to ~1.8 s.
 HEALTH_BOUND_S = 5.0
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# short enough to wait for here; a body of the other tests (a few MiB over loopback) arrives well within 5 s
+LIMITS = HttpLimits(max_header_bytes=16384, header_timeout_s=2.0, body_timeout_s=5.0)
 
 
 class Service:
@@ -157,6 +161,7 @@ def svc():
             router_queue_timeout_s=120.0,
             ready_timeout_s=240.0,
             engine_options=(("max_batch_tokens", 64), ("max_num_seqs", SLOTS)),
+            http_limits=LIMITS,
         )
         metrics, _ = start_metrics_server(cfg.metrics_port, "127.0.0.1")
         handles = start_service(cfg)
@@ -237,6 +242,55 @@ def test_api_key_docs_and_body_limit(svc):
 
         r = svc.http.post("/v1/completions", data=chunks(), headers=AUTH)
         assert r.status_code == 413, r.text
+
+
+def _raw_exchange(port: int, *parts: bytes, pause: float = 0.0) -> tuple[int, dict, float]:
+    """Send `parts` over a raw socket (pausing between them), read until the server closes; -> (status, the
+    JSON body, seconds from connecting to the close)."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        for p in parts:
+            try:
+                s.sendall(p)
+            except (BrokenPipeError, ConnectionResetError):  # refused mid-send: read the answer
+                break
+            time.sleep(pause)
+        out = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                out += chunk
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower(), out[:300]
+    return int(head.split()[1]), json.loads(body), time.monotonic() - t0
+
+
+def test_oversized_heads_and_slow_clients_are_refused_at_the_proxy(svc):
+    """The probe's attacks on Serve's proxy: six 8 MiB heads, 20 connections trickling their heads, a trickled
+    body: 413 / 408 in the API's error shape, within the limits, while /health keeps answering."""
+    port = svc.cfg.port
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (8 << 20) + b"\r\n\r\n"
+    chunks = [head[i : i + (1 << 16)] for i in range(0, len(head), 1 << 16)]
+    slow_head = [b"GET /health HTTP/1.1\r\n", *(b"X-%d: y\r\n" % i for i in range(20))]
+    slow_body = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Length: 1000\r\n\r\n"
+        % (KEY.encode())
+    )
+    with HealthWatch(svc.base), concurrent.futures.ThreadPoolExecutor(27) as pool:
+        big = [pool.submit(_raw_exchange, port, *chunks) for _ in range(6)]
+        slow = [pool.submit(_raw_exchange, port, *slow_head, pause=0.5) for _ in range(20)]
+        body = pool.submit(_raw_exchange, port, slow_body, b'{"prompt": [1, 2', pause=0.5)
+        for f in big:
+            status, err, _ = f.result()
+            assert status == 413 and err["error"]["type"] == "RequestTooLargeError", err
+            assert "limit of 16384 bytes" in err["error"]["message"]
+        for f in slow:
+            status, err, took = f.result()
+            assert status == 408 and err["error"]["message"] == "request headers not received within 2 s", err
+            assert took < LIMITS.header_timeout_s + 5
+        status, err, took = body.result()
+        assert status == 408 and err["error"]["message"] == "request body not received within 5 s", err
+        assert took < LIMITS.body_timeout_s + 5
+    assert svc.complete(prompt=[5, 6, 7]).status_code == 200
 
 
 # ---- user-sized work never blocks the loop -------------------------------------------------------------
