@@ -2,7 +2,7 @@
 
 Without these bounds a client holds the ingress with headers (Serve's proxy buffered a 64 MiB header: 144 MB ->
 1.39 GB, /health stalled 17.5 s) or with connections that trickle their headers or body (50 of them were never
-timed out). `HttpLimits` (frozen, from `DSV4_HTTP_*`: dsv4_kernels.settings) holds the three bounds; they are
+timed out). `HttpLimits` (frozen, from the `http_*` switches of dsv4_kernels.settings) holds the three bounds; they are
 enforced in two places, with the same answers (the OpenAI error JSON, `Connection: close`):
 
 - At the socket, in Ray Serve's HTTP proxy: Serve starts its uvicorn server itself and passes only host, port,

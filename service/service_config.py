@@ -74,7 +74,7 @@ class ServiceConfig:
     # (engine.runtime.health); well above the slowest legitimate step
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     worker_test_hooks: bool = False  # workers expose inject_fault (tests only; no CLI flag)
-    # request head size and head / body time at the HTTP ingress (DSV4_HTTP_*; service.http_limits)
+    # request head size and head / body time at the HTTP ingress (service.http_limits)
     http_limits: HttpLimits = field(default_factory=HttpLimits.from_env)
 
     def __post_init__(self):
