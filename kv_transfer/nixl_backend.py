@@ -7,8 +7,9 @@ layer; NIXL merges any that still touch).
 Metadata: `metadata()` = JSON header (worker name, layout fingerprint, per-group base address / size / device,
 memory type) + the NIXL agent metadata blob; the caller ships it once through Ray (an actor method result) to
 the decode worker's `add_peer`, which loads it with `add_remote_agent`. Nothing pickled crosses the wire.
-Completion: the READ carries `notif_msg` = {"op": "done", "rid": ...}; NIXL delivers it to the prefill agent when
-the READ has completed, and the prefill side's `poll()` turns it into a release callback (no extra Ray call).
+Completion: once the READ is DONE the decode side sends {"op": "done", "rid": ...} with `send_notif` (not as the
+READ's own notification, which would keep the READ from completing until the source took it: `_confirm`), and
+the prefill side's `poll()` turns it into a release callback (no extra Ray call).
 A failed or timed-out pull sends {"op": "fail"} with `send_notif` (best effort; the lease covers a dead decode).
 Authentication: with a cluster token (the one the tcp transfer and the router require) every notification carries
 it, and the prefill side ignores one that does not (any process that reaches the UCX endpoint could otherwise
@@ -290,23 +291,32 @@ class NixlBackend(TransferBackend):
     def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> int:
         what = f"NIXL READ of request {ticket.request_id!r} from {ticket.source!r}"
         done = self._notif("done", ticket.request_id)
-        if plan.num_descriptors == 0:
+        if plan.total_bytes == 0:
             self.agent.send_notif(ticket.source, done)
             return 0
         if self.mem_type == "VRAM":  # UCX's CUDA transports copy on the posting thread: make the pool's GPU current
             import torch
 
             torch.cuda.set_device(next(iter(self._local.values()))[1])
-        staged = self._read_staged(ticket, plan, deadline, what, done)
-        if staged is not None:
-            return staged
-        local, remote = self._descs(ticket, plan)
-        self._xfer(ticket, local, remote, done, deadline, what, plan.total_bytes)
-        return len(local)
+        descriptors = self._read_staged(ticket, plan, deadline, what)
+        if descriptors is None:
+            local, remote = self._descs(ticket, plan)
+            self._xfer(ticket, local, remote, deadline, what, plan.total_bytes)
+            descriptors = len(local)
+        self._confirm(ticket.source, done)
+        return descriptors
 
-    def _read_staged(
-        self, ticket: TransferTicket, plan: TransferPlan, deadline: float, what: str, done: bytes
-    ) -> int | None:
+    def _confirm(self, source: str, done: bytes) -> None:
+        """Tell the source its pages may go, once the READ is DONE (every byte landed here). Sent apart from the
+        READ, not as its notification: a READ that carries one is DONE only once the source has taken the message
+        (0.2-6 ms more a pull on a busy host, kv_pull in BENCHMARKS.md), and the pull need not wait for that. Best
+        effort: the bytes are here; a source that misses it frees the pages when the lease ends."""
+        try:
+            self.agent.send_notif(source, done)
+        except Exception as e:
+            log.warning("%s: could not confirm a pull to %s (its lease frees the pages): %s", self.worker_name, source, e)
+
+    def _read_staged(self, ticket: TransferTicket, plan: TransferPlan, deadline: float, what: str) -> int | None:
         """One READ of the source's staging range into ours, then the scatter; None: use the page plan."""
         src = self._peers[ticket.source]["staging"]
         if ticket.staging is None or src is None or self.staging is None:
@@ -336,7 +346,7 @@ class NixlBackend(TransferBackend):
             base, dev = self.staging.tensor.data_ptr(), _mem(self.staging.tensor)[1]
             local = np.array([(base + offset, nbytes, dev)], dtype=np.uint64)
             remote = np.array([(src[0] + src_off, nbytes, src[2])], dtype=np.uint64)
-            self._xfer(ticket, local, remote, done, deadline, what, nbytes, staging_offset=offset)
+            self._xfer(ticket, local, remote, deadline, what, nbytes, staging_offset=offset)
             if self._defers_scatter():  # pull_deferred: the caller queues it on its engine's thread (the range
                 keep = True  # stays held until then)
                 self._on_deferred(DeferredScatter(self.staging, offset, layout, ticket.request_id))
@@ -359,21 +369,19 @@ class NixlBackend(TransferBackend):
         ticket: TransferTicket,
         local: np.ndarray,
         remote: np.ndarray,
-        done: bytes,
         deadline: float,
         what: str,
         nbytes: int,
         staging_offset: int | None = None,
     ) -> None:
-        """Post one READ (local <- remote, Nx3 descriptor arrays) carrying `done`, and drive it to the end. A READ
-        that cannot be cancelled is quarantined with its destination (ReadInFlight)."""
+        """Post one READ (local <- remote, Nx3 descriptor arrays) and drive it to the end. A READ that cannot be
+        cancelled is quarantined with its destination (ReadInFlight)."""
         t0 = time.monotonic()
         handle = self.agent.initialize_xfer(
             "READ",
             self.agent.get_xfer_descs(local, self.mem_type),
             self.agent.get_xfer_descs(remote, self._peers[ticket.source]["mem"]),
             ticket.source,
-            done,
         )
         error: TransferError | None = None
         try:

@@ -36,6 +36,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.model.cache import CacheGroupSpec
@@ -84,13 +85,29 @@ class ByteRange:
 
 @dataclass(frozen=True)
 class GroupPlan:
+    """One group's pages of a request and where they lie on each side; `ranges` (the page-descriptor path's
+    byte ranges) are derived on first use only: a staged pull never needs them."""
+
     name: str
     pages: tuple[tuple[int, int], ...]  # (src_page, dst_page) pairs, in request order
-    ranges: tuple[ByteRange, ...]  # coalesced, relative to each side's group tensor
+    layers: int  # layer slots of the group (each page is moved for every one)
+    page_bytes: int  # bytes of one page of one layer
+    src_layer_stride: int
+    dst_layer_stride: int
 
     @property
     def nbytes(self) -> int:
-        return sum(r.length for r in self.ranges)
+        return len(self.pages) * self.layers * self.page_bytes
+
+    @functools.cached_property
+    def ranges(self) -> tuple[ByteRange, ...]:
+        """Coalesced byte ranges, relative to each side's group tensor (see the module docstring)."""
+        src, dst, length = _group_ranges(self)
+        return tuple(ByteRange(int(s), int(d), int(n)) for s, d, n in zip(src, dst, length))
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.ranges)
 
 
 @dataclass(frozen=True)
@@ -104,7 +121,8 @@ class TransferPlan:
 
     @property
     def num_descriptors(self) -> int:
-        return sum(len(g.ranges) for g in self.groups)
+        """Descriptors of the page-descriptor path (a staged pull posts one instead)."""
+        return sum(g.num_descriptors for g in self.groups)
 
     def group(self, name: str) -> GroupPlan:
         for g in self.groups:
@@ -123,17 +141,26 @@ def align_up(n: int, k: int = STAGING_ALIGN) -> int:
 @dataclass(frozen=True)
 class StagedGroup:
     """One group's place in a request's staging range: bytes [offset, offset + nbytes) hold
-    [layers, len(pages), page_bytes], pages as (src_page, dst_page) in request order."""
+    [layers, len(pages), page_bytes], pages as (src_page, dst_page) in request order. `runs[side]`: the first
+    page when that side's pages are one run of consecutive ids in request order (the copy is then a slice, no
+    page-id index), else None."""
 
     name: str
     offset: int
     layers: int
     page_bytes: int
     pages: tuple[tuple[int, int], ...]
+    runs: tuple[int | None, int | None] = (None, None)
 
     @property
     def nbytes(self) -> int:
         return self.layers * len(self.pages) * self.page_bytes
+
+
+def run_start(ids: Sequence[int]) -> int | None:
+    """ids[0] when ids are consecutive and increasing (one slice of pages), else None."""
+    first = ids[0]
+    return first if list(ids) == list(range(first, first + len(ids))) else None
 
 
 @dataclass(frozen=True)
@@ -155,7 +182,8 @@ def staged_layout(plan: TransferPlan, specs: Sequence[CacheGroupSpec]) -> Staged
         if not g.pages:
             continue
         spec = by_name[g.name]
-        sg = StagedGroup(g.name, off, len(spec.layers), page_bytes(spec), g.pages)
+        src, dst = zip(*g.pages)
+        sg = StagedGroup(g.name, off, len(spec.layers), page_bytes(spec), g.pages, (run_start(src), run_start(dst)))
         groups.append(sg)
         off = align_up(off + sg.nbytes)
     return StagedLayout(tuple(groups), off)
@@ -188,31 +216,24 @@ def _check_pages(spec: CacheGroupSpec, pages: Mapping[str, Sequence[int]], need:
     return have
 
 
-def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(src, dst) pairs -> [(src_start, dst_start, count)] runs consecutive on both sides."""
-    runs: list[list[int]] = []
-    for s, d in pairs:
-        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
-    return [(s, d, n) for s, d, n in runs]
-
-
-def _group_ranges(src: CacheGroupSpec, dst: CacheGroupSpec, pairs) -> tuple[ByteRange, ...]:
-    pb = page_bytes(src)
-    src_ls, dst_ls = layer_stride(src), layer_stride(dst)
-    out: list[ByteRange] = []
-    runs = _runs(pairs)
-    for slot in range(len(src.layers)):
-        for s, d, n in runs:
-            r = ByteRange(slot * src_ls + s * pb, slot * dst_ls + d * pb, n * pb)
-            last = out[-1] if out else None
-            if last and last.src_offset + last.length == r.src_offset and last.dst_offset + last.length == r.dst_offset:
-                out[-1] = ByteRange(last.src_offset, last.dst_offset, last.length + r.length)
-            else:
-                out.append(r)
-    return tuple(out)
+def _group_ranges(g: GroupPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src_offsets, dst_offsets, lengths) of the group's byte ranges: runs of pages consecutive on both sides,
+    one range per layer slot each, then ranges that touch on both sides merged (array ops, no per-page loop)."""
+    if not g.pages:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    pairs = np.asarray(g.pages, dtype=np.int64)
+    src, dst = pairs[:, 0], pairs[:, 1]
+    starts = np.flatnonzero(np.r_[True, (np.diff(src) != 1) | (np.diff(dst) != 1)])  # first page of each run
+    counts = np.diff(np.r_[starts, len(pairs)])
+    slots = np.arange(g.layers, dtype=np.int64)[:, None]  # layer-major: every run of slot 0, then of slot 1, ...
+    src_off = (slots * g.src_layer_stride + src[starts] * g.page_bytes).ravel()
+    dst_off = (slots * g.dst_layer_stride + dst[starts] * g.page_bytes).ravel()
+    length = np.broadcast_to(counts * g.page_bytes, (g.layers, len(starts))).ravel()
+    ends_src, ends_dst = src_off + length, dst_off + length
+    touches = (ends_src[:-1] == src_off[1:]) & (ends_dst[:-1] == dst_off[1:])
+    first = np.flatnonzero(np.r_[True, ~touches])  # the first range of each merged run
+    return src_off[first], dst_off[first], np.add.reduceat(length, first)
 
 
 def build_plan(
@@ -245,5 +266,7 @@ def build_plan(
         pairs = tuple(
             zip(_check_pages(src, src_pages, need, "source"), _check_pages(dst, dst_pages, need, "destination"))
         )
-        groups.append(GroupPlan(src.name, pairs, _group_ranges(src, dst, pairs)))
+        groups.append(
+            GroupPlan(src.name, pairs, len(src.layers), page_bytes(src), layer_stride(src), layer_stride(dst))
+        )
     return TransferPlan(num_tokens, tuple(groups))

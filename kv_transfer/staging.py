@@ -2,9 +2,12 @@
 
 Why: a NIXL READ costs ~7-8 us per descriptor on top of its bytes (H200, cuda_ipc: 64 MiB in 1 descriptor at
 1322 GB/s, in 256 at 23 GB/s), and a request's pages are one descriptor per layer per group per page run. The
-source packs a request's pages into one contiguous range of a staging buffer registered once (one index_select
-per group), the destination READs that range whole into its own staging range and scatters it into its pages
-(one index_copy_ per group). Byte layout: kv_transfer.plan.staged_layout.
+source packs a request's pages into one contiguous range of a staging buffer registered once (one copy per
+group), the destination READs that range whole into its own staging range and scatters it into its pages (one
+copy per group). A group whose pages on that side are one run of consecutive ids (every fixed group, and a
+growing group allocated in one piece) is copied as a slice, without a page-id index (no upload on CUDA; on the
+CPU 3-6x faster than index_select / index_copy_); any other is gathered with index_select and scattered with
+index_copy_. Byte layout: kv_transfer.plan.staged_layout.
 
 `ByteArena` hands out aligned byte ranges of the buffer, first fit over a sorted free list, neighbours merged
 on free; a lock makes it safe from the worker threads the backend is called on. `StagingBuffer` owns the tensor
@@ -148,14 +151,18 @@ class StagingBuffer:
         self._words: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._tensor_words: dict[torch.dtype, torch.Tensor] = {}
 
-    def _index(self, layout: StagedLayout, side: int) -> torch.Tensor:
-        """Every group's page ids of one side, in layout order, on the device: one host->device copy (pinned
-        on CUDA: the host does not wait for the stream)."""
-        ids = [p[side] for g in layout.groups for p in g.pages]
+    def _index(self, layout: StagedLayout, side: int) -> torch.Tensor | None:
+        """The page ids of one side of every group that is not one run of consecutive pages, in layout order, on
+        the device: one host->device copy (pinned on CUDA: the host does not wait for the stream); None when
+        every group is a run (its copy is a slice)."""
+        ids = [p[side] for g in layout.groups if g.runs[side] is None for p in g.pages]
+        if not ids:
+            return None
         return to_device_nonblocking(torch.tensor(ids, dtype=torch.int64), self.device)
 
-    def _group_views(self, offset: int, layout: StagedLayout, index: torch.Tensor):
-        """Per group: (pool pages view, staged view, page ids) in the group's word dtype."""
+    def _group_views(self, offset: int, layout: StagedLayout, index: torch.Tensor | None, side: int):
+        """Per group: (the pool's pages of this side: a slice of the page view when they are one run, else the
+        page view; the staged view; the page ids, None for a run), in the group's word dtype."""
         out, k = [], 0
         for g in layout.groups:
             word = _word_dtype(g.page_bytes)
@@ -168,13 +175,18 @@ class StagingBuffer:
             size = words.element_size()
             lo = (offset + g.offset) // size  # group offsets are STAGING_ALIGN-aligned: a whole number of words
             staged = words[lo : lo + g.nbytes // size].view(g.layers, len(g.pages), -1)
-            out.append((pages, staged, index[k : k + len(g.pages)]))
-            k += len(g.pages)
+            start = g.runs[side]
+            if start is not None:
+                out.append((pages[:, start : start + len(g.pages)], staged, None))
+            else:
+                assert index is not None  # _index made ids for every group that is not a run
+                out.append((pages, staged, index[k : k + len(g.pages)]))
+                k += len(g.pages)
         return out
 
     def _views(self, offset: int, layout: StagedLayout, side: int):
-        """Per group: (pool pages view, staged view, page ids) in one word dtype; one host->device index copy."""
-        return self._group_views(offset, layout, self._index(layout, side))
+        """Per group: (pool pages view, staged view, page ids or None); at most one host->device index copy."""
+        return self._group_views(offset, layout, self._index(layout, side), side)
 
     # ---- ranges --------------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int | None:
@@ -212,7 +224,10 @@ class StagingBuffer:
         """Source side: copy the layout's src pages of every group into [offset, offset + layout.nbytes), and
         wait for the copies (the bytes must be in place before the ticket leaves)."""
         for pages, staged, idx in self._views(offset, layout, side=0):
-            torch.index_select(pages, 1, idx, out=staged)
+            if idx is None:  # one run of pages: a slice copy (no index; 3-6x faster than index_select on the CPU)
+                staged.copy_(pages)
+            else:
+                torch.index_select(pages, 1, idx, out=staged)
         if self.device.type == "cuda":  # only the copies' stream (this thread's current one)
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -229,10 +244,13 @@ class StagingBuffer:
         c0, t0 = time.thread_time(), clock()
         index = self._index(layout, side=1)
         t1 = clock()
-        views = self._group_views(offset, layout, index)
+        views = self._group_views(offset, layout, index, side=1)
         t2 = clock()
         for pages, staged, idx in views:
-            pages.index_copy_(1, idx, staged)
+            if idx is None:
+                pages.copy_(staged)
+            else:
+                pages.index_copy_(1, idx, staged)
         t3 = clock()
         event = None
         if self.device.type == "cuda":

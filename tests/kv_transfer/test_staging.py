@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kv_transfer import TransferTimeout, build_plan, make_backend
-from kv_transfer.plan import STAGING_ALIGN, staged_layout, staged_nbytes
+from kv_transfer.plan import STAGING_ALIGN, run_start, staged_layout, staged_nbytes
 from kv_transfer.staging import ByteArena
 from tests.kv_transfer.test_kv_transfer import (
     DST_CACHE,
@@ -166,6 +166,26 @@ def test_staged_layout_size_matches_staged_nbytes():
     assert all(g.offset % STAGING_ALIGN == 0 for g in layout.groups)
 
 
+def test_run_start_only_for_consecutive_increasing_ids():
+    assert run_start([7]) == 7 and run_start([3, 4, 5]) == 3
+    assert run_start([3, 5, 6]) is None and run_start([5, 4, 3]) is None and run_start([4, 3, 5]) is None
+
+
+def test_staged_layout_marks_each_sides_runs():
+    """Source pages allocated in one piece are runs (copied as slices); the scattered destination's growing
+    groups are not (copied by page-id index); a fixed group's one page is a run on both sides."""
+    src_pool, dst_pool = random_pool(SRC_CACHE, 0), random_pool(DST_CACHE, 1)
+    specs = [g.spec for g in src_pool.groups.values()]
+    src, dst = src_table(src_pool), dst_table(dst_pool)
+    plan = build_plan(specs, src, dst, NUM_TOKENS, dst_specs=[g.spec for g in dst_pool.groups.values()])
+    for g in staged_layout(plan, specs).groups:
+        assert g.runs[0] == src[g.name][0], g.name
+        if len(g.pages) == 1:
+            assert g.runs[1] == dst[g.name][0], g.name
+        else:
+            assert g.runs[1] is None, g.name
+
+
 # ---- NIXL pulls ------------------------------------------------------------------------------------------
 def request_bytes():
     return staged_nbytes([g.spec for g in random_pool(SRC_CACHE, 0).groups.values()], NUM_TOKENS)
@@ -259,6 +279,29 @@ def test_staged_pull_moves_the_same_bytes_as_page_descriptors(unstaged):
     )
     assert unstaged[2][1]["staged"] == 0  # staging off: nothing staged, nothing counted as a fallback
     assert sum(unstaged[2][0].values()) == 0
+
+
+@needs_nixl
+@pytest.mark.nixl
+def test_staged_pull_into_consecutive_pages_copies_slices_byte_for_byte():
+    """Both sides' pages are runs: the gather and the scatter are slice copies (no page-id index at all)."""
+    src_pool, dst_pool = random_pool(SRC_CACHE, 0), random_pool(DST_CACHE, 1)
+    before = {n: g.tensor.clone() for n, g in dst_pool.groups.items()}
+    src, dst, released = nixl_pair(src_pool, dst_pool)
+    try:
+        ticket = src.export("r0", src_table(src_pool), NUM_TOKENS)
+        dst_pool.grow({}, 900)  # a longer spacer than the source's: the runs start elsewhere there
+        table = src_table(dst_pool)
+        assert table["kv4"][0] != ticket.page_table()["kv4"][0]
+        layout = staged_layout(dst.plan_for(ticket, table), dst.specs)
+        assert all(None not in g.runs for g in layout.groups) and dst.staging._index(layout, 1) is None
+        assert dst.pull(ticket, table, timeout_s=10).descriptors == 1
+        assert_moved(src_pool, dst_pool, ticket.page_table(), table, before)
+        assert wait_poll(src) == [("r0", None)] and released == [("r0", None)]
+        assert_arenas_idle(src, dst)
+    finally:
+        src.close()
+        dst.close()
 
 
 @needs_nixl

@@ -1,0 +1,96 @@
+"""The kv_pull section of BENCHMARKS.md from a `benchmarks.kv_pull` run (what is timed: that module)."""
+
+from __future__ import annotations
+
+FIXED_AIM_MS = 0.5  # issue 35: fixed cost per pull
+
+# What the run cannot show on one GPU, and what a run on two adds (static: it holds for every run of the script).
+LIMITS = """\
+What this setup cannot show, and what a two-GPU run adds:
+- On the CPU the READ is UCX's cma/shm copy between two processes (a few GB/s), and the gather / scatter are
+  memcpys on the host: the byte-proportional parts are not the GPU's. The fixed parts (plan, hand-off, posting,
+  confirmation, the scatter's set-up) are host work and carry over; on CUDA the scatter is queued on the engine's
+  stream instead (kv_transfer.staging).
+- `--device cuda` on one GPU puts both processes on GPU 0: UCX moves VRAM with cuda_ipc inside one device, and the
+  two processes time-slice it (no MPS), so a READ can wait behind the other process's kernels; the service run of
+  2026-12-04 (gpu_service) saw a 1.47 MB READ take 1.66 ms against ~26 us at the raw rate and could not separate
+  the causes. It also has no NVLink or network hop between the pools.
+- A two-GPU run (one pool a GPU, `CUDA_VISIBLE_DEVICES` apart, or two nodes) shows the READ over NVLink / the NIC
+  at the descriptor count of a staged pull, without time-slicing, and with prefill running on its own device:
+  the pull's GB/s against NIXL's raw rate between the two devices, and how much of a streamed pull is hidden
+  under the prefill of later chunks."""
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _gbs(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def size_table(sizes: list[dict]) -> str:
+    rows = [
+        "| prompt tokens | MB | descriptors: staged pull / page plan | pull ms | raw READ ms (1 descriptor) "
+        "| pull GB/s | raw GB/s | pull / raw | raw READ ms in the page plan's descriptors | fixed ms: pull - raw "
+        "- copies | fixed ms: parts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in sizes:
+        pull, raw = _gbs(s["bytes"], s["whole_ms"]), _gbs(s["bytes"], s["raw_ms"])
+        rows.append(
+            f"| {s['tokens']} | {s['bytes'] / 1e6:.2f} | {s['descriptors']:.0f} / {s['page_plan_descriptors']} "
+            f"| {_f(s['whole_ms'])} | {_f(s['raw_ms'])} | {pull:.2f} | {raw:.2f} | {pull / raw:.0%} "
+            f"| {_f(s['raw_page_plan_ms'])} ({_gbs(s['bytes'], s['raw_page_plan_ms']):.2f} GB/s) "
+            f"| {_f(s['fixed_ms'])} | {_f(s['fixed_parts_ms'])} |"
+        )
+    return "\n".join(rows)
+
+
+PARTS = (
+    ("handoff_ms", "hand-off to the pulling thread and back"),
+    ("plan_ms", "plan"),
+    ("staging_wait_ms", "staging range"),
+    ("read_ms", "READ (post to DONE)"),
+    ("pull_other_ms", "layout, descriptors, confirmation sent"),
+    ("scatter_ms", "scatter (engine thread)"),
+    ("scatter_copies_ms", "of which the copies"),
+    ("export_ms", "export on the source (plan + gather)"),
+    ("confirm_ms", "source's release after the pull"),
+)
+
+
+def parts_table(sizes: list[dict]) -> str:
+    head = "| prompt tokens | " + " | ".join(label for _, label in PARTS) + " |"
+    rows = [head, "|" + "---|" * (len(PARTS) + 1)]
+    for s in sizes:
+        rows.append(f"| {s['tokens']} | " + " | ".join(_f(s.get(k)) for k, _ in PARTS) + " |")
+    return "\n".join(rows)
+
+
+def section(result: dict) -> str:
+    sizes = result["sizes"]
+    met = all(s["fixed_parts_ms"] < FIXED_AIM_MS for s in sizes)
+    load0, load1 = result["load_average"]
+    fixed_list = ", ".join(f"{s['tokens']} tokens {s['fixed_parts_ms']:.3f} ms" for s in sizes)
+    return "\n\n".join(
+        [
+            "## KV pull: descriptors and fixed cost per pull (NIXL, two processes)",
+            f"Run: `{result['command']}` ({result['date']}). Machine: {result['machine']}; device {result['device']}; "
+            f"host load average {load0:.1f} at the start, {load1:.1f} at the end (a shared host: medians of "
+            f"{result['pulls']} pulls a size, each paired with a raw READ timed just before it).",
+            f"Pools: the V4-Flash slice's cache geometry ({result['layers']} layers, fp8 formats, 256-token pages) on "
+            "both sides; each pull exported by the source process, pulled as `DecodeWorker.decode` does "
+            "(`pull_deferred` on a worker thread, the scatter back on the event loop's thread), bytes checked "
+            "against the source on the first pull of every size. Raw READ: NIXL's READ of the same byte count between "
+            "the same two agents, one prepared request, in 1 descriptor and in the page plan's descriptor count.",
+            size_table(sizes),
+            "Median milliseconds per part:",
+            parts_table(sizes),
+            "Fixed cost, two ways (benchmarks/kv_pull.py): the pull minus the raw READ of its bytes minus the "
+            "scatter's copies, and the sum of the parts that move no bytes (hand-off, plan, staging range, layout / "
+            f"descriptors / confirmation, the scatter's set-up): by parts {fixed_list} (median); the aim is < "
+            f"{FIXED_AIM_MS} ms: {'met at every size' if met else 'not met at every size'}.",
+            LIMITS,
+        ]
+    )
