@@ -181,8 +181,7 @@ def service_pulls(conn, backend, pool, num_tokens: int, pulls: int, device: str,
                     "fixed_ms": ((t2 - t0) - copies) * 1e3 - raw_ms,
                     # the same from the parts that do not move bytes: hand-off, plan, staging range, layout /
                     # descriptors / confirmation, the scatter's set-up (steadier on a loaded host than a difference)
-                    "fixed_parts_ms": ((t1 - t0 - sum(parts)) + stats.plan_seconds + stats.staging_wait_seconds)
-                    * 1e3
+                    "fixed_parts_ms": ((t1 - t0 - sum(parts)) + stats.plan_seconds + stats.staging_wait_seconds) * 1e3
                     + ((t2 - t1) - copies) * 1e3,
                     # from the end of the pull on its thread to the source's release callback (its poll)
                     "confirm_ms": None if released_at is None else (released_at - pulled) * 1e3,
@@ -278,7 +277,12 @@ def run(args) -> dict:
             med = {k: median([r[k] for r in rows if r[k] is not None]) for k in rows[0]}
             best = {f"{k}_min": min(r[k] for r in rows if r[k] is not None) for k in rows[0] if k.endswith("_ms")}
             sizes.append(
-                {"tokens": num_tokens, "bytes_match": ok, "page_plan_descriptors": page_descs, "raw_page_plan_ms": raw_n_ms}
+                {
+                    "tokens": num_tokens,
+                    "bytes_match": ok,
+                    "page_plan_descriptors": page_descs,
+                    "raw_page_plan_ms": raw_n_ms,
+                }
                 | med
                 | best
             )

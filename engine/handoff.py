@@ -34,7 +34,8 @@ class PeerUnknown(RuntimeError):
 class TransferTicket:
     """What the decode side needs to pull one request; small and picklable (travels through Ray).
 
-    src_pages: ((group, (page, ...)), ...) exactly the source pages that hold data for num_tokens positions.
+    src_pages: ((group, (page, ...)), ...) the request's source pages from its first, up to the last one the ticket
+    moves (a streamed ticket moves the tail of these only: start_tokens, final).
     """
 
     source: str  # worker (agent) name of the prefill side
@@ -45,6 +46,11 @@ class TransferTicket:
     staging: tuple[int, int] | None = None  # (offset, nbytes) of the pages packed in the source's staging buffer
     # wall-clock (time.time()) end of the source's lease on these pages (0: none): a pull must end before it
     lease_expires_at: float = 0.0
+    # Streaming (kv_transfer.plan): the pages positions [0, start_tokens) filled completely were moved by earlier
+    # chunk tickets; final=False: a chunk ticket (those complete pages of [start_tokens, num_tokens) only; its
+    # request_id names the chunk, kv_transfer.base.chunk_id), True: the rest of the request's caches.
+    start_tokens: int = 0
+    final: bool = True
 
     def page_table(self) -> dict[str, list[int]]:
         return {g: list(p) for g, p in self.src_pages}

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from engine.handoff import TransferTicket
 from engine.model.cache import CacheGroupSpec, CachePool
-from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint
+from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint, page_span
 
 # A pull's deadline ends this long before the source's lease (ticket.lease_expires_at, wall clock: covers clock skew
 # between nodes and the time a cancelled READ takes to stop); the tcp server refuses to start reading pages whose
@@ -120,6 +120,7 @@ class _Export:
     staging: object = None  # what the backend's _stage returned (released with the export)
     readers: int = 0  # reads of its pages in progress (tcp server): no expiry, no freeing meanwhile
     pending: tuple | None = None  # (error,) of a release that waits for the reads to end
+    chunk_of: str | None = None  # a streamed chunk: the request it belongs to (export_chunk)
 
 
 class TransferBackend(ABC):
@@ -186,35 +187,62 @@ class TransferBackend(ABC):
         }
 
     # ---- prefill side ----------------------------------------------------------------------------------
-    def export(self, request_id: str, pages: Mapping[str, Sequence[int]], num_tokens: int) -> TransferTicket:
-        """Offer a finished prefill's pages for pulling. The caller keeps them until the release callback."""
-        plan = build_plan(self.specs, pages, pages, num_tokens)  # validates the table against the pool
-        src = tuple((g.name, tuple(s for s, _ in g.pages)) for g in plan.groups)
-        export = _Export({g: list(p) for g, p in src}, num_tokens, time.monotonic() + self.lease_s)
+    def export(
+        self, request_id: str, pages: Mapping[str, Sequence[int]], num_tokens: int, start_tokens: int = 0
+    ) -> TransferTicket:
+        """Offer a finished prefill's pages for pulling. The caller keeps them until the release callback.
+        start_tokens: the request streamed chunks (`export_chunk`) up to there; the ticket moves only the rest."""
+        plan = build_plan(self.specs, pages, pages, num_tokens, start_tokens=start_tokens)  # validates the table
+        return self._export(request_id, pages, plan, None)
+
+    def export_chunk(
+        self, request_id: str, pages: Mapping[str, Sequence[int]], num_tokens: int, start_tokens: int
+    ) -> TransferTicket | None:
+        """Streaming: offer the pages positions [start_tokens, num_tokens) of a request still being prefilled have
+        filled completely (kv_transfer.plan). None when they fill no new page. The chunk is an export of its own
+        (id `chunk_id(request_id, start_tokens)`: the ticket's request_id), with its lease and staging, released by
+        the decode side's confirmation of its pull, by its lease, or with the request (`release(request_id)`); its
+        release frees what the backend staged for it and never fires the release callbacks: the pages stay the
+        request's (the final `export(..., start_tokens=...)` hands them over)."""
+        plan = build_plan(self.specs, pages, pages, num_tokens, start_tokens=start_tokens, final=False)
+        if plan.total_bytes == 0:
+            return None
+        return self._export(chunk_id(request_id, start_tokens), pages, plan, request_id)
+
+    def _export(
+        self, key: str, pages: Mapping[str, Sequence[int]], plan: TransferPlan, chunk_of: str | None
+    ) -> TransferTicket:
+        moved = {g.name: [s for s, _ in g.pages] for g in plan.groups}
+        export = _Export(moved, plan.num_tokens, time.monotonic() + self.lease_s, chunk_of=chunk_of)
         with self._lock:
-            if request_id in self._exports:
-                raise ValueError(f"request {request_id!r} is already exported by {self.worker_name}")
-            self._exports[request_id] = export
+            if key in self._exports:
+                raise ValueError(f"request {key!r} is already exported by {self.worker_name}")
+            self._exports[key] = export
         try:  # held under the export's lease: released (freed) with it, whatever ends the export
-            staging = self._stage(request_id, plan)
+            staging = self._stage(key, plan)
         except BaseException:
             with self._lock:
-                self._exports.pop(request_id, None)
+                self._exports.pop(key, None)
             raise
         with self._lock:
-            alive = self._exports.get(request_id) is export
+            alive = self._exports.get(key) is export
             if alive:
                 export.staging = staging
         if not alive and staging is not None:  # released by another thread while staging: free it here
-            self._unstage(request_id, staging)
+            self._unstage(key, staging)
+        # the request's pages from its first up to the last moved (the decode side plans the same slice of them)
+        ends = {s.name: page_span(s, plan.num_tokens, plan.start_tokens, plan.final)[1] for s in self.specs}
+        src = tuple((name, tuple(int(p) for p in pages.get(name, ())[:end])) for name, end in ends.items())
         return TransferTicket(
             source=self.worker_name,
-            request_id=request_id,
+            request_id=key,
             src_pages=src,
-            num_tokens=num_tokens,
+            num_tokens=plan.num_tokens,
             fingerprint=self.fingerprint,
             staging=self._ticket_staging(export.staging),
             lease_expires_at=time.time() + self.lease_s,
+            start_tokens=plan.start_tokens,
+            final=plan.final,
         )
 
     def _stage(self, request_id: str, plan: TransferPlan):
@@ -234,8 +262,16 @@ class TransferBackend(ABC):
 
     def release(self, request_id: str, error: str | None = None) -> bool:
         """Mark an export done (error None) or failed; fires the callbacks, which free the pages. Frees nothing.
+        A request's streamed chunks still exported are released with it (their callbacks are not fired).
         -> whether it was released now: False when unknown (already released) or while a read of its pages is in
         progress (then it is released by the first `poll` after the read ends; `exported()` still lists it)."""
+        with self._lock:
+            chunks = [k for k, e in self._exports.items() if e.chunk_of == request_id]
+        for key in chunks:
+            self._release_one(key, error)
+        return self._release_one(request_id, error)
+
+    def _release_one(self, request_id: str, error: str | None) -> bool:
         with self._lock:
             export = self._exports.get(request_id)
             if export is not None and export.readers:
@@ -246,8 +282,9 @@ class TransferBackend(ABC):
             return False  # already released (duplicate confirmation, lease expiry race)
         if export.staging is not None:
             self._unstage(request_id, export.staging)
-        for cb in self._callbacks:
-            cb(request_id, error)
+        if export.chunk_of is None:  # a chunk's pages stay the request's
+            for cb in self._callbacks:
+                cb(request_id, error)
         return True
 
     def poll(self) -> list[tuple[str, str | None]]:
@@ -302,7 +339,13 @@ class TransferBackend(ABC):
             )
         try:
             return build_plan(
-                self._peer_specs[ticket.source], ticket.page_table(), dst_pages, ticket.num_tokens, dst_specs=self.specs
+                self._peer_specs[ticket.source],
+                ticket.page_table(),
+                dst_pages,
+                ticket.num_tokens,
+                dst_specs=self.specs,
+                start_tokens=ticket.start_tokens,
+                final=ticket.final,
             )
         except ValueError as e:
             raise TransferError(f"request {ticket.request_id!r}: {e}") from e
@@ -440,6 +483,11 @@ class TransferBackend(ABC):
         """Release network resources and forget peers; pool tensors stay valid."""
         for name in list(self._peer_specs):
             self.remove_peer(name)
+
+
+def chunk_id(request_id: str, start_tokens: int) -> str:
+    """The export id of a request's streamed chunk that starts at position start_tokens."""
+    return f"{request_id}#chunk@{start_tokens}"
 
 
 def _with_pages(spec: CacheGroupSpec, num_pages: int) -> CacheGroupSpec:

@@ -314,7 +314,9 @@ class NixlBackend(TransferBackend):
         try:
             self.agent.send_notif(source, done)
         except Exception as e:
-            log.warning("%s: could not confirm a pull to %s (its lease frees the pages): %s", self.worker_name, source, e)
+            log.warning(
+                "%s: could not confirm a pull to %s (its lease frees the pages): %s", self.worker_name, source, e
+            )
 
     def _read_staged(self, ticket: TransferTicket, plan: TransferPlan, deadline: float, what: str) -> int | None:
         """One READ of the source's staging range into ours, then the scatter; None: use the page plan."""

@@ -16,6 +16,12 @@ A request needs, for `num_tokens` prompt positions:
 Runs of pages that are consecutive on BOTH sides become one range per layer; ranges that touch on both sides
 (e.g. a run covering every page of a layer on both sides) are merged again, because the descriptor count,
 not the byte count, is what a transfer engine pays for.
+Streaming (chunk by chunk): while a long prompt is still being prefilled, the pages its finished chunks filled
+completely (growing groups only: `complete_pages`; they are never written again) can move in chunk plans
+(`final=False`, positions [start_tokens, num_tokens) of the chunk); the final plan then moves only what is left:
+the growing groups' pages from the first one not moved yet (the partial page included), and the fixed groups
+(the SWA tail and the compressor state are rewritten by every chunk, so they move once, at the end). `page_span`
+gives the slice of a request's page list each plan moves.
 The source and destination pools may differ in `num_pages` (prefill and decode size their pools independently);
 everything else in the layout must match.
 
@@ -114,6 +120,8 @@ class GroupPlan:
 class TransferPlan:
     num_tokens: int
     groups: tuple[GroupPlan, ...]  # every group of the layout, in spec order (possibly with no pages)
+    start_tokens: int = 0  # a streamed request's pages filled by [0, start_tokens) moved with earlier chunks
+    final: bool = True  # False: a chunk (complete pages of the growing groups only)
 
     @property
     def total_bytes(self) -> int:
@@ -199,6 +207,22 @@ def pages_needed(spec: CacheGroupSpec, num_tokens: int) -> int:
     return spec.pages_for_tokens(num_tokens)
 
 
+def complete_pages(spec: CacheGroupSpec, num_tokens: int) -> int:
+    """Pages of a growing group that positions [0, num_tokens) fill completely: written once, never again by the
+    prefill of later positions (a chunk may move them). 0 for a fixed group (rewritten by every chunk)."""
+    return 0 if spec.fixed else spec.rows_for_tokens(num_tokens) // spec.page_rows
+
+
+def page_span(spec: CacheGroupSpec, num_tokens: int, start_tokens: int = 0, final: bool = True) -> tuple[int, int]:
+    """[lo, hi) of the request's page list of `spec` that a plan moves (see the module docstring's streaming):
+    the pages not moved by earlier chunks (those [0, start_tokens) filled), up to every page holding data for
+    num_tokens when final, else up to the pages num_tokens fills completely; a fixed group only when final."""
+    if spec.fixed:
+        return (0, 1) if final else (0, 0)
+    hi = pages_needed(spec, num_tokens) if final else complete_pages(spec, num_tokens)
+    return min(complete_pages(spec, start_tokens), hi), hi
+
+
 def _check_pages(spec: CacheGroupSpec, pages: Mapping[str, Sequence[int]], need: int, side: str) -> list[int]:
     if need == 0:
         return []
@@ -242,15 +266,21 @@ def build_plan(
     dst_pages: Mapping[str, Sequence[int]],
     num_tokens: int,
     dst_specs: Sequence[CacheGroupSpec] | None = None,
+    start_tokens: int = 0,
+    final: bool = True,
 ) -> TransferPlan:
-    """Plan the move of one request's caches.
+    """Plan the move of one request's caches (or of one streamed chunk of them: start_tokens / final, see
+    `page_span`).
 
     specs: the source pool's groups; dst_specs: the destination pool's (default: the same). They must agree on
-    everything but num_pages. src_pages / dst_pages: group name -> page ids (a request's PageTable); extra pages
-    beyond what num_tokens needs are ignored. Raises ValueError naming the group on any inconsistency.
+    everything but num_pages. src_pages / dst_pages: group name -> page ids (a request's PageTable, from its first
+    page); extra pages beyond what num_tokens needs are ignored. Raises ValueError naming the group on any
+    inconsistency.
     """
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if not 0 <= start_tokens <= num_tokens:
+        raise ValueError(f"start_tokens must be in [0, num_tokens={num_tokens}], got {start_tokens}")
     dst_specs = list(specs) if dst_specs is None else list(dst_specs)
     dst_by_name = {s.name: s for s in dst_specs}
     if [s.name for s in specs] != [s.name for s in dst_specs]:
@@ -262,11 +292,10 @@ def build_plan(
         dst = dst_by_name[src.name]
         if _layout_key(src) != _layout_key(dst):
             raise ValueError(f"group {src.name!r}: page layouts differ: {_layout_key(src)} vs {_layout_key(dst)}")
-        need = pages_needed(src, num_tokens)
-        pairs = tuple(
-            zip(_check_pages(src, src_pages, need, "source"), _check_pages(dst, dst_pages, need, "destination"))
-        )
+        lo, hi = page_span(src, num_tokens, start_tokens, final)
+        src_ids = _check_pages(src, src_pages, hi, "source")[lo:]
+        pairs = tuple(zip(src_ids, _check_pages(dst, dst_pages, hi, "destination")[lo:]))
         groups.append(
             GroupPlan(src.name, pairs, len(src.layers), page_bytes(src), layer_stride(src), layer_stride(dst))
         )
-    return TransferPlan(num_tokens, tuple(groups))
+    return TransferPlan(num_tokens, tuple(groups), start_tokens, final)

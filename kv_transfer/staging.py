@@ -163,7 +163,8 @@ class StagingBuffer:
     def _group_views(self, offset: int, layout: StagedLayout, index: torch.Tensor | None, side: int):
         """Per group: (the pool's pages of this side: a slice of the page view when they are one run, else the
         page view; the staged view; the page ids, None for a run), in the group's word dtype."""
-        out, k = [], 0
+        out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        k = 0
         for g in layout.groups:
             word = _word_dtype(g.page_bytes)
             pages = self._words.get((g.name, word))

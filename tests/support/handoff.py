@@ -57,3 +57,49 @@ def run_handoff(kind: str, prefill, decode, prompts, params, worker_names: tuple
     finally:
         src.close()
         dst.close()
+
+
+def run_streamed_handoff(kind: str, prefill, decode, prompts, params) -> tuple[list, list[dict]]:
+    """`run_handoff` streamed chunk by chunk: after every prefill step, each request still prefilling exports the
+    pages its finished chunks filled (`export_chunk`) and the decode side pulls them at once, into pages it
+    reserved before the first chunk (its first token is set when the prefill ends); the final ticket moves the
+    rest. -> (the decode side's finished requests in prompt order, per request {"chunks": pulls, "chunk_bytes",
+    "final_bytes", "start_tokens"})."""
+    src = make_backend(kind, prefill.pool, on_release=lambda rid, err: prefill.release(rid))
+    dst = make_backend(kind, decode.pool)
+    moved = [{"chunks": 0, "chunk_bytes": 0, "final_bytes": 0, "start_tokens": 0} for _ in prompts]
+    try:
+        dst.add_peer(src.worker_name, src.metadata())
+        for i, p in enumerate(prompts):
+            prefill.add_request(p, params, request_id=f"p{i}", prefill_only=True, seed=100 + i)
+        decode.reserve_import([1], SamplingParams(max_new_tokens=3), "occupier", 0, 1, 0.0)  # shift page ids
+        dst_pages = [decode.reserve_import(p, params, f"d{i}", 0, 0, 0.0) for i, p in enumerate(prompts)]
+        while prefill.has_work:
+            prefill.step()
+            for i, m in enumerate(moved):
+                req = prefill.requests.get(f"p{i}")  # still prefilling (held once its first token is out)
+                if req is None:
+                    continue
+                ticket = src.export_chunk(f"p{i}", req.pages, req.num_computed, m["start_tokens"])
+                if ticket is not None:
+                    m["chunk_bytes"] += dst.pull(ticket, dst_pages[i], timeout_s=10).bytes
+                    m["chunks"] += 1
+                    m["start_tokens"] = req.num_computed
+        for i, m in enumerate(moved):
+            req = prefill.held_request(f"p{i}")
+            ticket = src.export(f"p{i}", req.pages, req.num_computed, start_tokens=m["start_tokens"])
+            m["final_bytes"] = dst.pull(ticket, dst_pages[i], timeout_s=10).bytes
+            imp = decode.imports[f"d{i}"]  # the first token and seed arrive with the prefill's result
+            imp.output, imp.logprobs, imp.seed = [req.output[0]], [req.logprobs[0]], req.seed
+            decode.commit_import(f"d{i}")
+        deadline = time.monotonic() + 5
+        while src.exported() and time.monotonic() < deadline:
+            src.poll()
+            time.sleep(0.005)
+        assert prefill.held == {} and src.exported() == []
+        decode.abort("occupier")
+        run_to_end(decode)
+        return [decode.pop_finished(f"d{i}") for i in range(len(prompts))], moved
+    finally:
+        src.close()
+        dst.close()
