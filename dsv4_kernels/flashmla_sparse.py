@@ -73,6 +73,18 @@ def _blocks(cache: torch.Tensor, layout: Fp8DsMlaLayout) -> torch.Tensor:
     return cache.view(-1, layout.block_size, 1, layout.row_bytes)
 
 
+def _extra_parts(
+    extra: torch.Tensor | None, layout: Fp8DsMlaLayout | None, idx: torch.Tensor | None
+) -> tuple[torch.Tensor, Fp8DsMlaLayout, torch.Tensor] | None:
+    """The extra cache, its layout and its row ids: all three given, or none (ValueError naming the missing)."""
+    if extra is None and layout is None and idx is None:
+        return None
+    if extra is None or layout is None or idx is None:
+        missing = [n for n, v in (("extra", extra), ("extra_layout", layout), ("extra_idx", idx)) if v is None]
+        raise ValueError(f"the extra cache needs extra, extra_layout and extra_idx together; missing {missing}")
+    return extra, layout, idx
+
+
 def sparse_decode(
     q: torch.Tensor,
     main: torch.Tensor,
@@ -91,7 +103,8 @@ def sparse_decode(
 
     flash_mla = import_flash_mla()
     t, h, d = q.shape
-    reason = unfit_reason(h, [main_layout] + ([extra_layout] if extra_layout is not None else []))
+    extras = _extra_parts(extra, extra_layout, extra_idx)
+    reason = unfit_reason(h, [main_layout] + ([extras[1]] if extras is not None else []))
     if reason or d != HEAD_DIM or q.dtype != torch.bfloat16:
         raise ValueError(
             f"FlashMLA sparse decode cannot run q {q.dtype} {tuple(q.shape)}: {reason or 'needs bf16 [T, H, 512]'}"
@@ -102,17 +115,13 @@ def sparse_decode(
         sink = torch.cat([sink.float(), sink.new_zeros(hp - h, dtype=torch.float32)])
     main_idx = _pad_topk(main_idx).unsqueeze(1)
     extra_args = {}
-    if extra is not None:
-        extra_idx = _pad_topk(extra_idx).unsqueeze(1)
-        extra_args = {"extra_k_cache": _blocks(extra, extra_layout), "extra_indices_in_kvcache": extra_idx}
-    key = (
-        q.device.index,
-        t,
-        hp,
-        main_idx.shape[-1],
-        main_layout.block_size,
-        None if extra is None else (extra_idx.shape[-1], extra_layout.block_size),
-    )
+    extra_key = None
+    if extras is not None:
+        ex_cache, ex_layout, ex_idx = extras
+        ex_idx = _pad_topk(ex_idx).unsqueeze(1)
+        extra_args = {"extra_k_cache": _blocks(ex_cache, ex_layout), "extra_indices_in_kvcache": ex_idx}
+        extra_key = (ex_idx.shape[-1], ex_layout.block_size)
+    key = (q.device.index, t, hp, main_idx.shape[-1], main_layout.block_size, extra_key)
     sched = _SCHED.get(key)
     if sched is None:
         sched = _SCHED[key] = flash_mla.get_mla_metadata()[0]
@@ -157,7 +166,9 @@ def reference_sparse_decode(
 ) -> torch.Tensor:
     """Plain torch: dequantise the named rows of both caches, then `dsv4_kernels.attention.sparse_attention`."""
     keys, valid = _decode_rows(main, main_layout, main_idx), main_idx >= 0
-    if extra is not None:
-        keys = torch.cat([keys, _decode_rows(extra, extra_layout, extra_idx)], dim=1)
-        valid = torch.cat([valid, extra_idx >= 0], dim=1)
+    extras = _extra_parts(extra, extra_layout, extra_idx)
+    if extras is not None:
+        ex_cache, ex_layout, ex_idx = extras
+        keys = torch.cat([keys, _decode_rows(ex_cache, ex_layout, ex_idx)], dim=1)
+        valid = torch.cat([valid, ex_idx >= 0], dim=1)
     return sparse_attention(q, keys.to(q.dtype), valid, sink, scale)

@@ -71,9 +71,15 @@ class BlockRowLayout:
     Subclasses are frozen dataclasses providing value_bytes, scale_bytes and block_size.
     """
 
-    value_bytes: int
-    scale_bytes: int
     block_size: int
+
+    @property
+    def value_bytes(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} must define value_bytes")
+
+    @property
+    def scale_bytes(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} must define scale_bytes")
 
     @property
     def row_bytes(self) -> int:

@@ -129,8 +129,8 @@ def moe(x: torch.Tensor, w: dict, spec: MtpSpec) -> torch.Tensor:
         bias=w["gate.bias"],
         renormalize=spec.norm_topk_prob,
     )
-    stack = [torch.stack([w[f"experts.{e}.w{k}.weight"] for e in range(spec.n_routed_experts)]) for k in (1, 2, 3)]
-    routed = moe_experts(x, weights, ids, *stack, spec.swiglu_limit)
+    w1, w2, w3 = (torch.stack([w[f"experts.{e}.w{k}.weight"] for e in range(spec.n_routed_experts)]) for k in (1, 2, 3))
+    routed = moe_experts(x, weights, ids, w1, w2, w3, spec.swiglu_limit)
     shared = expert_mlp(
         x,
         w["shared_experts.w1.weight"],

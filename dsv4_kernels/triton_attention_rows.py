@@ -125,24 +125,37 @@ def attention_rows(
         ):
             raise ValueError(f"{name} must be int32 [T={t}, >= {width}] with unit last stride")
     if mode != _NONE:
-        if out_comp is None or comp.dim() != 2 or comp.shape[0] != t and mode != _COUNT or comp.stride(-1) != 1:
+        if (
+            out_comp is None
+            or comp is None
+            or comp.dim() != 2
+            or comp.shape[0] != t
+            and mode != _COUNT
+            or comp.stride(-1) != 1
+        ):
             raise ValueError(f"entry ids / rows must be [T={t}, K] with unit last stride and out_comp given")
         if mode == _IDS and (table is None or seg is None or table.dim() != 2 or seg.shape != (t,)):
             raise ValueError("the CSA form needs table [B, P] and seg [T]")
         if mode == _ROWS and (comp_valid is None or comp_valid.shape != comp.shape or comp_valid.dtype != torch.bool):
             raise ValueError("the HCA form needs comp_valid bool, shaped as comp_rows")
-        if mode == _COUNT and (seg is None or seg.shape != (t,) or comp_count.shape != (t,)):
+        if mode == _COUNT and (seg is None or seg.shape != (t,) or comp_count is None or comp_count.shape != (t,)):
             raise ValueError("the per-request HCA form needs seg [T] and comp_count [T]")
     require_triton(swa_rows.device)
     if t == 0:
         return
     swa_rows = swa_rows if swa_rows.stride(-1) == 1 else swa_rows.contiguous()
     swa_valid = swa_valid if swa_valid.stride(-1) == 1 else swa_valid.contiguous()
+    # the kernel takes every pointer: the ones its COMP mode does not read point at swa_rows (checked above: each
+    # tensor the mode reads is given)
     dummy = swa_rows
     comp = comp if comp is not None else dummy
-    table = table if mode == _IDS else dummy
-    seg = seg if mode in (_IDS, _COUNT) else dummy
-    cv = comp_valid if mode == _ROWS else comp_count if mode == _COUNT else swa_valid
+    table = table if mode == _IDS and table is not None else dummy
+    seg = seg if mode in (_IDS, _COUNT) and seg is not None else dummy
+    cv = swa_valid
+    if mode == _ROWS and comp_valid is not None:
+        cv = comp_valid
+    elif mode == _COUNT and comp_count is not None:
+        cv = comp_count
     cv = cv if cv.stride(-1) == 1 else cv.contiguous()
     ob = out_comp if out_comp is not None else out_swa
     lb, k = (ob.shape[1], comp.shape[1]) if mode != _NONE else (0, 0)

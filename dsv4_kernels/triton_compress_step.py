@@ -477,7 +477,7 @@ def close_windows(
     overlap = prev_rows is not None
     t, w = kv.shape
     d = weight.shape[0]
-    if cur_rows.dim() != 2 or (overlap and (prev_rows.shape != cur_rows.shape or prev_valid is None)):
+    if cur_rows.dim() != 2 or (prev_rows is not None and (prev_rows.shape != cur_rows.shape or prev_valid is None)):
         raise ValueError(f"cur_rows / prev_rows must be matching [N, r], got {tuple(cur_rows.shape)}")
     if w != (2 * d if overlap else d) or gate.shape != kv.shape or kv.stride(-1) != 1 or gate.stride(-1) != 1:
         raise ValueError(
@@ -510,7 +510,7 @@ def close_windows(
         fmt = entry_quant_format(layout, d, 2 * half, hadamard)
         block_stride, capacity = tc.paged_cache_args(cache, layout)
         value_bytes, scale_bytes, nb, stride_cr = layout.value_bytes, layout.scale_bytes, layout.num_scales, 0
-        if fmt == 0:
+        if isinstance(layout, Fp8DsMlaLayout):  # fmt 0
             nope_p, width, out_p = triton.next_power_of_2(layout.nope_dim), layout.nope_dim, 1
         else:
             width = layout.index_head_dim
@@ -521,7 +521,7 @@ def close_windows(
     slots = 2 * r if overlap else r
     # 8 slots a tile: 16 x 512-wide fp32 tiles spill on sm_90 (scripts/compile_triton_sm90.py)
     block_s = block_s or max(1, min(8, triton.next_power_of_2(slots)))
-    pv = prev_valid if overlap else entry_rows
+    pv = prev_valid if prev_rows is not None and prev_valid is not None else entry_rows  # overlap: both given
     extra = {"num_warps": 4} if kv.is_cuda else {}
     _close_kernel[(n,)](
         state,
@@ -530,7 +530,7 @@ def close_windows(
         ape,
         positions,
         cur_rows.contiguous(),
-        (prev_rows if overlap else cur_rows).contiguous(),
+        (prev_rows if prev_rows is not None else cur_rows).contiguous(),
         pv,
         weight,
         cos_table,

@@ -174,7 +174,11 @@ def pool_norm_rope(
         raise ValueError(f"weight must be [d={d}], got {tuple(weight.shape)}")
     if (cos is None) != (sin is None):
         raise ValueError("pass both cos and sin, or neither")
-    if cos is not None and (cos.dim() != 2 or cos.shape[0] != n or sin.shape != cos.shape or 2 * cos.shape[1] > d):
+    if (
+        cos is not None
+        and sin is not None
+        and (cos.dim() != 2 or cos.shape[0] != n or sin.shape != cos.shape or 2 * cos.shape[1] > d)
+    ):
         raise ValueError(
             f"cos/sin must be [N={n}, rope_dim // 2 <= {d // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}"
         )
@@ -183,7 +187,7 @@ def pool_norm_rope(
     if n == 0:
         return out
     half = 0 if cos is None else cos.shape[1]
-    if cos is not None:
+    if cos is not None and sin is not None:
         cos, sin = cos.float(), sin.float()
         cos = cos if cos.stride(-1) == 1 else cos.contiguous()
         sin = sin if sin.stride(-1) == 1 else sin.contiguous()
@@ -339,25 +343,25 @@ def tl_store_indexer_key(
         yo = tl_round_to(_rotate_1d(a, e, o, ca, ce, 2 * i + 1, D, HADAMARD, LOG2D) * hscale, BF16, dt)
         tl.store(out_row + 2 * i, ye.to(dt), mask=2 * i < D)
         tl.store(out_row + 2 * i + 1, yo.to(dt), mask=2 * i < D)
-        G: tl.constexpr = OUT_P // MX_HALF
-        ye2 = tl.reshape(ye, [G, MX_HALF])
-        yo2 = tl.reshape(yo, [G, MX_HALF])
+        GM: tl.constexpr = OUT_P // MX_HALF
+        ye2 = tl.reshape(ye, [GM, MX_HALF])
+        yo2 = tl.reshape(yo, [GM, MX_HALF])
         amax = tl.maximum(tl.max(tl.abs(ye2), axis=1), tl.max(tl.abs(yo2), axis=1))
         ex = tl.minimum(tl.maximum(tl_pow2_exponent(amax, CODEC_AMAX_FLOOR, E2M1_EXP, E2M1_MANT), -127), 127)
         inv = tl_exp2i(-ex)[:, None]
         byte = tl_e2m1_code(tl.reshape(ye2 * inv, [OUT_P])) | (tl_e2m1_code(tl.reshape(yo2 * inv, [OUT_P])) << 4)
         tl.store(cache_ptr + vrow + i[None, :], byte.to(tl.uint8)[None, :], mask=ok[:, None] & (i < LD // 2)[None, :])
-        g = tl.arange(0, G)
+        g = tl.arange(0, GM)
         tl.store(cache_ptr + srow + g[None, :], tl_ue8m0(ex)[None, :], mask=ok[:, None] & (g < NS)[None, :])
     else:  # FP8: columns in order, one power-of-two fp32 scale per 128
         y = tl_round_to(_rotate_1d(a, e, o, ca, ce, i, D, HADAMARD, LOG2D) * hscale, BF16, dt)
         tl.store(out_row + i, y.to(dt), mask=i < D)
-        G: tl.constexpr = OUT_P // FP8_GROUP
-        y2 = tl.reshape(y, [G, FP8_GROUP])
+        GF: tl.constexpr = OUT_P // FP8_GROUP
+        y2 = tl.reshape(y, [GF, FP8_GROUP])
         ex = tl_pow2_exponent(tl.max(tl.abs(y2), axis=1), FP8_INDEXER_FLOOR, FP8_EXP, FP8_MANT)
         codes = tl_e4m3_bits(tl.reshape(y2 * tl_exp2i(-ex)[:, None], [OUT_P]), HW_FP8)
         tl.store(cache_ptr + vrow + i[None, :], codes[None, :], mask=ok[:, None] & (i < LD)[None, :])
-        g = tl.arange(0, G)
+        g = tl.arange(0, GF)
         sp = (cache_ptr + srow).to(tl.pointer_type(tl.float32))
         tl.store(sp + g[None, :], tl_exp2i(ex)[None, :], mask=ok[:, None] & (g < NS)[None, :])
 
@@ -543,7 +547,7 @@ def pool_norm_rope_quant(
     if n == 0:
         return out
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    if fmt == 0:
+    if isinstance(layout, Fp8DsMlaLayout):  # fmt 0
         nope_p, width, out_p = triton.next_power_of_2(layout.nope_dim), layout.nope_dim, 1
     else:
         width = layout.index_head_dim

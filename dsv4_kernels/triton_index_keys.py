@@ -52,10 +52,10 @@ def tl_load_index_keys(
         base = blk * stride_kr
         vrow = base + pos * VALUE_BYTES
         srow = base + block_size * VALUE_BYTES + pos * SCALE_BYTES
+        GROUP: tl.constexpr = 128 if FMT == 1 else 32  # values per scale: FP8 128, MXFP4 32
         if FMT == 1:
             codes = tl.load(k_ptr + vrow[:, None] + cols[None, :], mask=mask, other=0)
             vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            GROUP: tl.constexpr = 128
         else:
             packed = tl.load(k_ptr + vrow[:, None] + (cols // 2)[None, :], mask=mask, other=0).to(tl.int32)
             nib = (packed >> ((cols % 2) * 4)[None, :]) & 0xF
@@ -64,7 +64,6 @@ def tl_load_index_keys(
             m = (nib & 1).to(tl.float32)
             mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
             vals = tl.where((nib & 8) != 0, -mag, mag)
-            GROUP: tl.constexpr = 32
         # One scale per GROUP values, loaded once as [BLOCK_S, DI_P / GROUP] and broadcast over its group.
         NG: tl.constexpr = DI_P // GROUP
         g = tl.arange(0, NG)

@@ -203,23 +203,25 @@ def indexer_topk(
     t = q.shape[0]
     check_candidates(rows, t, seg, count)
     seg, count = token_candidates(rows, t, seg, count)
-    prefill = cu_seqlens is not None and t > cu_seqlens.numel() - 1
-    blocks = query_blocks(t, rows.shape[1], budget)
-    out = None if len(blocks) == 1 else torch.empty(t, k, dtype=torch.int64, device=q.device)
-    for t0, t1 in blocks:
+    prefill_cu = cu_seqlens if cu_seqlens is not None and t > cu_seqlens.numel() - 1 else None
+
+    def block_topk(t0: int, t1: int) -> torch.Tensor:
+        # A function a block: its scores are freed before the next block's exist (rebinding in a loop would keep
+        # two blocks, twice the budget, alive at once).
         args = (q[t0:t1], keys, rows, weights[t0:t1])
-        if prefill:  # the block's own sequences: cu_seqlens shifted to t0 and clamped to the block, no sync
-            cu = (cu_seqlens.to(q.device, torch.int64) - t0).clamp(0, t1 - t0)
+        if prefill_cu is not None:  # the block's own sequences: cu_seqlens shifted to t0 and clamped, no sync
+            cu = (prefill_cu.to(q.device, torch.int64) - t0).clamp(0, t1 - t0)
             scores = indexer_prefill_scores(*args, cu, layout, seg=seg[t0:t1], count=count[t0:t1])
         else:
             scores = indexer_scores(*args, layout, seg=seg[t0:t1], count=count[t0:t1])
-        picked = topk_of_scores(scores, k, ordered)
-        if out is None:
-            return picked
-        out[t0:t1] = picked
-        # Freed before the next block's scores exist: rebinding would keep two blocks (2x the budget) alive at
-        # once (545 MiB peak for an 8K-query step at 1M context on the H200, where one block is 256 MiB).
-        del scores, picked
+        return topk_of_scores(scores, k, ordered)
+
+    blocks = query_blocks(t, rows.shape[1], budget)
+    if len(blocks) == 1:
+        return block_topk(*blocks[0])
+    out = torch.empty(t, k, dtype=torch.int64, device=q.device)
+    for t0, t1 in blocks:
+        out[t0:t1] = block_topk(t0, t1)
     return out
 
 

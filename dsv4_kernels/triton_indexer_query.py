@@ -150,9 +150,9 @@ def _indexer_q_kernel(
         # MXFP4: even / odd output columns 2i, 2i + 1 -> the low / high nibble of byte i.
         ye, yo = _rotate_pairs(xn, xe, xo, cn, ce, i, DI, HADAMARD, LOG2D, BF16_DOT)
         ye, yo = tl_round_to(ye * hscale, BF16, dt), tl_round_to(yo * hscale, BF16, dt)
-        G: tl.constexpr = OUT_P // MX_HALF
-        ye3 = tl.reshape(ye, [BLOCK_R, G, MX_HALF])
-        yo3 = tl.reshape(yo, [BLOCK_R, G, MX_HALF])
+        GM: tl.constexpr = OUT_P // MX_HALF
+        ye3 = tl.reshape(ye, [BLOCK_R, GM, MX_HALF])
+        yo3 = tl.reshape(yo, [BLOCK_R, GM, MX_HALF])
         amax = tl.maximum(tl.max(tl.abs(ye3), axis=2), tl.max(tl.abs(yo3), axis=2))
         e = tl.minimum(tl.maximum(tl_pow2_exponent(amax, CODEC_AMAX_FLOOR, E2M1_EXP, E2M1_MANT), -127), 127)
         inv = tl_exp2i(-e)[:, :, None]
@@ -163,7 +163,7 @@ def _indexer_q_kernel(
             (lo | (hi << 4)).to(tl.uint8),
             mask=rm[:, None] & (i < LD // 2)[None, :],
         )
-        g = tl.arange(0, G)
+        g = tl.arange(0, GM)
         tl.store(
             sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], tl_ue8m0(e), mask=rm[:, None] & (g < NUM_SCALES)[None, :]
         )
@@ -174,12 +174,12 @@ def _indexer_q_kernel(
     else:
         # FP8: all columns in order; one power-of-two fp32 scale per 128.
         y = tl_round_to(_rotate(xn, xe, xo, cn, ce, i, DI, HADAMARD, LOG2D, BF16_DOT) * hscale, BF16, dt)
-        G: tl.constexpr = OUT_P // FP8_GROUP
-        y3 = tl.reshape(y, [BLOCK_R, G, FP8_GROUP])
+        GF: tl.constexpr = OUT_P // FP8_GROUP
+        y3 = tl.reshape(y, [BLOCK_R, GF, FP8_GROUP])
         e = tl_pow2_exponent(tl.max(tl.abs(y3), axis=2), FP8_INDEXER_FLOOR, FP8_EXP, FP8_MANT)
         codes = tl_e4m3_bits(tl.reshape(y3 * tl_exp2i(-e)[:, :, None], [BLOCK_R, OUT_P]), HW_FP8)
         tl.store(val_ptr + n64[:, None] * VALUE_BYTES + i[None, :], codes, mask=rm[:, None] & (i < LD)[None, :])
-        g = tl.arange(0, G)
+        g = tl.arange(0, GF)
         tl.store(
             sc_ptr + n64[:, None] * NUM_SCALES + g[None, :], tl_exp2i(e), mask=rm[:, None] & (g < NUM_SCALES)[None, :]
         )

@@ -485,7 +485,7 @@ def hc_pre(
     post = torch.empty(t, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(t, hc, hc, dtype=torch.float32, device=streams.device)
     norm = norm_weight is not None
-    if norm and norm_weight.shape != (d,):
+    if norm_weight is not None and norm_weight.shape != (d,):
         raise ValueError(f"norm_weight must be [D={d}], got {tuple(norm_weight.shape)}")
     normed = torch.empty(t, d, dtype=out_dtype or streams.dtype, device=streams.device) if norm else collapsed
     # (with the norm fused the plain collapsed row is never stored: `collapsed` only names its dtype)
@@ -520,7 +520,7 @@ def hc_pre(
             SB=min(PRE_SPLITS_PER_LOAD, triton.next_power_of_2(parts.shape[0])),
             **({"num_warps": 1} if streams.is_cuda else {}),
         )  # one warp: Sinkhorn's hc x hc sums stay in-warp
-        if norm:
+        if norm_weight is not None:
             _norm_rows_kernel[(t,)](
                 collapsed,
                 norm_weight.contiguous(),
@@ -547,7 +547,7 @@ def hc_pre(
         collapsed,
         post,
         comb,
-        norm_weight.contiguous() if norm else collapsed,
+        norm_weight.contiguous() if norm_weight is not None else collapsed,
         normed,
         hc,
         d,

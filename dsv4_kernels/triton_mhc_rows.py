@@ -172,7 +172,7 @@ def collapse_and_weights(
         logits,
         base,
         scale,
-        norm_weight.contiguous() if norm else base,
+        norm_weight.contiguous() if norm_weight is not None else base,
         out,
         sumsq,
         t,

@@ -165,7 +165,7 @@ def route(
     if x.dim() != 2 or gate.dim() != 2 or gate.shape[1] != x.shape[1]:
         raise ValueError(f"x must be [T, H] and gate [E, H], got {tuple(x.shape)} and {tuple(gate.shape)}")
     hashed = tid2eid is not None
-    if hashed and (token_ids is None or token_ids.shape != (x.shape[0],) or tid2eid.shape[1] != top_k):
+    if tid2eid is not None and (token_ids is None or token_ids.shape != (x.shape[0],) or tid2eid.shape[1] != top_k):
         raise ValueError(f"hash routing needs token_ids [T={x.shape[0]}] and tid2eid [V, {top_k}]")
     require_triton(x.device)
     e = gate.shape[0]
@@ -189,7 +189,7 @@ def route(
         t,
         e,
         logits.stride(0),
-        tid2eid.stride(0) if hashed else 0,
+        tid2eid.stride(0) if tid2eid is not None else 0,
         float(scaling),
         K=top_k,
         K_P=triton.next_power_of_2(top_k),

@@ -172,10 +172,14 @@ def swa_insert(
     t, d = kv.shape
     half = cos.shape[1]
     fp8 = isinstance(layout, Fp8DsMlaLayout)
-    if fp8:
+    # the fp8_ds_mla row geometry the kernel reads (block rows, token / scale strides, RoPE offset); 0s when exact
+    block_rows, token_stride, scale_stride, rope_offset = 1, 0, 0, 0
+    if isinstance(layout, Fp8DsMlaLayout):
         _check_fp8_layout(layout, d, 2 * half)
         block_stride, _ = tc.paged_cache_args(cache, layout)
         nb, stride_cr = layout.num_scales, 0
+        block_rows, token_stride = layout.block_size, layout.token_stride
+        scale_stride, rope_offset = layout.scale_stride, layout.rope_offset
     else:
         if cache.dim() != 2 or cache.shape[1] != d or cache.stride(-1) != 1 or cache.dtype != kv.dtype:
             raise ValueError(
@@ -205,7 +209,7 @@ def swa_insert(
         d - 2 * half,
         half,
         eps,
-        layout.block_size if fp8 else 1,
+        block_rows,
         block_stride,
         kv.stride(0),
         out.stride(0),
@@ -217,9 +221,9 @@ def swa_insert(
         NB_P=max(1, triton.next_power_of_2(nb)),
         QB=FP8_DS_MLA_QUANT_BLOCK,
         HALF_P=max(1, triton.next_power_of_2(half)),
-        TOKEN_STRIDE=layout.token_stride if fp8 else 0,
-        SCALE_STRIDE=layout.scale_stride if fp8 else 0,
-        ROPE_OFFSET=layout.rope_offset if fp8 else 0,
+        TOKEN_STRIDE=token_stride,
+        SCALE_STRIDE=scale_stride,
+        ROPE_OFFSET=rope_offset,
         BF16=kv.dtype == torch.bfloat16,
         HW_FP8=kv.is_cuda and tc.USE_HW_FP8_CAST,
         **extra,
