@@ -154,6 +154,32 @@ def _daemons_in_own_session():
         setattr(services, "ConsolePopen", base)  # noqa: B010
 
 
+SINGLE_NODE_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's own switch; "0": a one-machine cluster on loopback
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """A fresh local cluster on the loopback address: Ray's single-machine mode (what it runs on macOS and Windows)
+    makes 127.0.0.1 the node's address, and every Ray listener follows it: GCS, raylet, each worker's gRPC port,
+    the agents and Ray's three Prometheus exporters (which otherwise listen on all interfaces). Nothing else can
+    join such a cluster; `dsv4 serve` never asks another machine to. The daemons spawned by ray.init inherit the
+    variable (their workers get the address from the raylet); this process reads Ray's constant, set while ray.init
+    runs. What still listens on other interfaces: docs/security.md."""
+    from ray._private import ray_constants
+
+    saved_env, saved_const = os.environ.get(SINGLE_NODE_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[SINGLE_NODE_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_const
+        if saved_env is None:
+            del os.environ[SINGLE_NODE_VAR]
+        else:
+            os.environ[SINGLE_NODE_VAR] = saved_env
+
+
 def owner_only_ray_token() -> str | None:
     """Make Ray's token file (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token, which Ray writes world-readable) readable
     by its owner only; -> its path when it exists. Whoever reads the token can run code on the cluster. Ray's
@@ -176,6 +202,7 @@ def init_ray(metrics_dir: str, extra_env: dict | None = None, own_session: bool 
     dashboard agent), spawned by ray.init, must not inherit it or their metrics would mix into ours.
     A local cluster that misses Ray's start-up deadline is started again, up to LOCAL_START_ATTEMPTS times.
     own_session (`dsv4 serve`): a local cluster's daemons start in their own session (_daemons_in_own_session).
+    A local cluster listens on loopback only (_loopback_node).
     """
     import ray
 
@@ -189,7 +216,11 @@ def init_ray(metrics_dir: str, extra_env: dict | None = None, own_session: bool 
     try:
         for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
             try:
-                with _daemons_in_own_session() if own_session and address == "local" else contextlib.nullcontext():
+                with contextlib.ExitStack() as stack:
+                    if address == "local":
+                        stack.enter_context(_loopback_node())
+                    if own_session and address == "local":
+                        stack.enter_context(_daemons_in_own_session())
                     ray.init(
                         address=address,
                         runtime_env={"env_vars": env},

@@ -275,7 +275,7 @@ def test_token_secret_created_on_request():
             }
         )
     )
-    (secret,) = by_kind(docs, "Secret")
+    (secret,) = [d for d in by_kind(docs, "Secret") if d["metadata"]["name"].endswith("-model-token")]
     (rs,) = by_kind(docs, "RayService")
     init = pod_templates(rs)["decode"]["spec"]["initContainers"][0]
     refs = [e["valueFrom"]["secretKeyRef"] for e in init["env"] if "valueFrom" in e]

@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import os
 import socket
 import struct
 import threading
@@ -40,7 +41,7 @@ from service.launcher import (  # noqa: E402
     stop_service,
 )
 from tests.support.ports import free_port  # noqa: E402
-from tests.support.proc import listening  # noqa: E402
+from tests.support.proc import descendants, listeners, listening, pids_with_cmdline  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -188,6 +189,24 @@ def wait_until(cond, timeout: float = 120.0, what: str = "condition"):
 
 
 # ---- exposure and credentials -------------------------------------------------------------------------
+def test_every_listener_of_the_local_cluster_is_loopback(svc):
+    """Ray's own listeners included (GCS, raylet, every worker's gRPC port, the agents, Ray's Prometheus
+    exporters, which listen on all interfaces unless the node is loopback: service.ray_cluster._loopback_node).
+    The one exception Ray 2.60 leaves no option for: each Serve replica's inter-deployment gRPC server, bound to
+    [::]:0 (ray.serve._private.replica; it checks Ray's token, and requests reach our app's API-key check)."""
+    from ray._private import worker
+
+    session = worker._global_node.get_session_dir_path()
+    found = listeners(descendants({os.getpid(), *pids_with_cmdline(session)}))
+    assert sum(map(len, found.values())) >= 15, found  # GCS, raylet, agents, every actor: not a vacuous pass
+    wide = {pid: [s for s in socks if s[0] != "127.0.0.1"] for pid, socks in found.items()}
+    wide = {pid: socks for pid, socks in wide.items() if socks}
+    replicas = {pid for pid in wide if open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"ray::ServeReplica")}
+    assert replicas == set(wide) and all(len(wide[p]) == 1 and wide[p][0][0] == "::" for p in replicas), wide
+    assert len(replicas) == svc.cfg.ingress_replicas
+    assert listening(svc.cfg.port) == ["127.0.0.1"]  # Serve's HTTP proxy where we put it
+
+
 def test_internal_listeners_are_loopback_and_need_the_token(svc):
     router_port = int(svc.handles["router_addr"].rsplit(":", 1)[1])
     assert listening(router_port) == ["127.0.0.1"]

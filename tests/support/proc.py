@@ -18,9 +18,9 @@ def _addr(hex_addr: str, v6: bool) -> str:
     return socket.inet_ntop(socket.AF_INET6, b"".join(struct.pack("<I", w) for w in words))
 
 
-def listening(port: int) -> list[str]:
-    """Local addresses with a TCP socket in LISTEN state on `port` (IPv4 and IPv6 tables)."""
-    out = []
+def _listen_table() -> dict[str, tuple[str, int]]:
+    """Socket inode -> (local address, port) of every TCP socket in LISTEN state (IPv4 and IPv6 tables)."""
+    out = {}
     for name, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
         try:
             lines = open(name).read().splitlines()[1:]
@@ -28,12 +28,62 @@ def listening(port: int) -> list[str]:
             continue
         for line in lines:
             fields = line.split()
-            local, state = fields[1], fields[3]
+            local, state, inode = fields[1], fields[3], fields[9]
             host, hex_port = local.split(":")
-            if state == _LISTEN and int(hex_port, 16) == port:
+            if state == _LISTEN:
                 addr = _addr(host, v6)
-                out.append(addr.removeprefix("::ffff:") if "." in addr else addr)  # v4-mapped: the v4 address
+                out[inode] = (addr.removeprefix("::ffff:") if "." in addr else addr, int(hex_port, 16))  # v4-mapped
     return out
+
+
+def listening(port: int) -> list[str]:
+    """Local addresses with a TCP socket in LISTEN state on `port` (IPv4 and IPv6 tables)."""
+    return [addr for addr, p in _listen_table().values() if p == port]
+
+
+def listeners(pids) -> dict[int, list[tuple[str, int]]]:
+    """pid -> the (address, port) its TCP sockets listen on, for those of `pids` that listen at all."""
+    table, out = _listen_table(), {}
+    for pid in pids:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # gone, or an fd closed between the listing and the readlink
+            continue
+        found = [table[link[8:-1]] for link in links if link.startswith("socket:[") and link[8:-1] in table]
+        if found:
+            out[pid] = found
+    return out
+
+
+def descendants(roots) -> set[int]:
+    """`roots` and every live process below them."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read() if entry.isdigit() else ""
+        except OSError:
+            continue
+        if stat:
+            children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(entry))
+    out, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.add(pid)
+            todo += children.get(pid, [])
+    return out
+
+
+def pids_with_cmdline(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (e.g. a Ray session's directory)."""
+    want, pids = text.encode(), []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and want in open(f"/proc/{entry}/cmdline", "rb").read():
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
 
 
 def session_pids(sid: int) -> list[int]:

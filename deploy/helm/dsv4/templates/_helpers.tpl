@@ -53,6 +53,15 @@ the built-in tiny model. */}}
 {{- end -}}
 {{- end -}}
 
+{{/* The Secret holding Ray's token under `auth_token` (KubeRay authOptions.secretName). */}}
+{{- define "dsv4.rayAuthSecretName" -}}
+{{- if .Values.rayAuth.secret.create -}}
+{{- printf "%s-ray-auth" (include "dsv4.fullname" .) -}}
+{{- else -}}
+{{- required "rayAuth.secret.name is required when rayAuth.secret.create is false" .Values.rayAuth.secret.name -}}
+{{- end -}}
+{{- end -}}
+
 {{/* "true" when PodMonitor / PrometheusRule can be created. */}}
 {{- define "dsv4.monitoringAPI" -}}
 {{- if or .Values.monitoring.assumeMonitoringAPI (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") -}}

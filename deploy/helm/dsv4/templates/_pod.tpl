@@ -100,6 +100,15 @@ spec:
       env:
         - name: DSV4_ROLE
           value: {{ .role }}
+        {{- /* every Serve proxy bounds request heads and bodies at its socket (service.http_limits) */}}
+        - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+          value: service.http_limits:proxy_callback
+        - name: DSV4_HTTP_MAX_HEADER_BYTES
+          value: {{ $v.serve.httpLimits.maxHeaderBytes | int | quote }}
+        - name: DSV4_HTTP_HEADER_TIMEOUT_S
+          value: {{ $v.serve.httpLimits.headerTimeoutSeconds | toString | quote }}
+        - name: DSV4_HTTP_BODY_TIMEOUT_S
+          value: {{ $v.serve.httpLimits.bodyTimeoutSeconds | toString | quote }}
         {{- with $v.serve.apiKeySecret.name }}
         - name: DSV4_API_KEY
           valueFrom:
