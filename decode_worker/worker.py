@@ -129,6 +129,11 @@ class DecodeWorker(WorkerBase):
         self.backend.add_peer(name, metadata)
         self.peers[name] = metadata
 
+    def remove_peer(self, name: str) -> None:
+        """Forget a prefill worker that left its pool (service/pools.py); a ticket from it then gets `PeerUnknown`."""
+        if self.peers.pop(name, None) is not None:
+            self.backend.remove_peer(name)
+
     def transfer_summary(self) -> dict:
         """Bytes, seconds, count and failures of every pull so far (for `dsv4 bench serve`)."""
         return dict(self.transfer_totals)

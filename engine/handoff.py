@@ -99,6 +99,23 @@ class EngineLoad:
 
 
 @dataclass(frozen=True)
+class WorkerSignals:
+    """What the pool planner reads from a worker (service/pools.py -> service/planner.py): its load, the prompt
+    tokens it has not computed yet (queued or mid-prefill), and the p90 of its recent latencies: arrival to first
+    token (a prefill worker) or the time of a step with streams (a decode worker: each such step is one token of
+    every stream, so its p90 is the inter-token latency there). None: no sample in the window."""
+
+    worker_id: str
+    role: str
+    incarnation: str
+    load: EngineLoad
+    queue_tokens: int = 0
+    ttft_p90_s: float | None = None
+    itl_p90_s: float | None = None
+    samples: int = 0  # latency samples behind the p90
+
+
+@dataclass(frozen=True)
 class PrefixDigest:
     """What a worker's prefix cache can resume from (engine.execution.prefix_cache): hashes of the blocks that end at
     a snapshot, with the block size and the hash seed needed to name a prompt's blocks the same way

@@ -64,6 +64,8 @@ class WorkerInfo:
     # GPU fast paths the worker's engine takes (names) and those that fell back ("name: why"), for /health
     fast_paths_active: tuple[str, ...] = ()
     fast_path_fallbacks: tuple[str, ...] = ()
+    # Leaving its pool (service/pools.py): no new placements; its streams finish; still healthy.
+    draining: bool = False
 
     def __post_init__(self):
         if self.role not in ROLES:

@@ -45,8 +45,9 @@ flight there, and effective free tokens = capacity - their reservations rounded 
 worker itself reserves). These do not lag like load reports do. `can_admit` says whether some decode worker
 fits a request now; the router queues the request until one does (router/server.py).
 
-Health: a worker is a candidate only if the dispatcher reports it healthy AND the router has not marked
-it down (`set_health`). Going down forgets its blocks (its cache is gone, and a dead worker must not stay
+Health: a worker is a candidate only if the dispatcher reports it healthy, not `draining` (leaving an elastic
+pool: its streams finish, nothing new goes there) AND the router has not marked it down (`set_health`). A worker
+no longer listed at all left its pool: everything known of it, its digest included, is dropped. Going down forgets its blocks (its cache is gone, and a dead worker must not stay
 in the tree); `set_health(worker, True)` adds it back, with an empty history. A changed
 `WorkerInfo.incarnation` (restarted between two probes) forgets its blocks too.
 """
@@ -205,6 +206,16 @@ class RoutingPolicy:
             lru.clear()
         self._index.drop(worker_id)
 
+    def _retire_absent(self, workers: list[WorkerInfo]) -> None:
+        """Workers no longer listed left their pool (service/pools.py): drop everything known of them, their
+        prefix digest first (a removed worker must not stay in the cache index)."""
+        for wid in self._incarnation.keys() - {w.worker_id for w in workers}:
+            self.forget(wid)
+            del self._incarnation[wid]
+            self._lru.pop(wid, None)
+            self._down.discard(wid)
+            self._page_tokens.pop(wid, None)
+
     def is_up(self, worker: WorkerInfo) -> bool:
         return worker.healthy and worker.worker_id not in self._down
 
@@ -253,7 +264,11 @@ class RoutingPolicy:
         """True when a healthy decode worker fits the request now (or none ever could: the engine then
         rejects it with a clear error instead of it waiting for nothing), or there are no decode workers."""
         excluded = set(exclude)
-        cands = [w for w in workers if w.role == "decode" and self.is_up(w) and w.worker_id not in excluded]
+        cands = [
+            w
+            for w in workers
+            if w.role == "decode" and self.is_up(w) and not w.draining and w.worker_id not in excluded
+        ]
         if not cands:
             return True
         if any(self.fits(w, max_total_tokens) for w in cands):
@@ -284,8 +299,9 @@ class RoutingPolicy:
             if not w.healthy or self._incarnation.setdefault(w.worker_id, w.incarnation) != w.incarnation:
                 self.forget(w.worker_id)
                 self._incarnation[w.worker_id] = w.incarnation
+        self._retire_absent(workers)
         excluded = set(exclude)
-        up = [w for w in workers if self.is_up(w) and w.worker_id not in excluded]
+        up = [w for w in workers if self.is_up(w) and not w.draining and w.worker_id not in excluded]
         prefill_cands = [w for w in up if w.role in PREFILL_ROLES]
         if not prefill_cands:
             raise NoWorkerAvailable(

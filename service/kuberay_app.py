@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer.registry import TRANSFER_CHOICES
 from service.actor_pools import remote_classes
+from service.planner import parse_pool_spec
 from service.rank_placement import dp_actor_names, dp_worker_ids, follower_names, group_name, place_worker
 from service.router_actor import RouterActor
 from service.serve_args import add_serve_args
@@ -144,12 +145,20 @@ def parse_args(args: dict) -> EntryConfig:
     transfer = str(args.get("transfer", "auto"))
     if transfer not in TRANSFER_CHOICES:
         raise ValueError(f"transfer must be one of {list(TRANSFER_CHOICES)}, got {transfer!r}")
+    pools = {role: parse_pool_spec(args.get(f"{role}_workers", 1), f"{role}_workers") for role in ROLES}
+    for role in ROLES:
+        if pools[role].elastic and int(args.get(f"{role}_tensor_parallel_size", 1)) > 1:
+            raise ValueError(
+                f"an elastic {role} pool ({pools[role]}) needs single-rank workers (tensor parallel size 1)"
+            )
     service = ServiceConfig(
         model_dir=str(args.get("model") or ""),
         model_name=str(args.get("served_model_name", "dsv4")),
         router_port=int(args.get("router_port", 0)),
-        prefill_workers=int(args.get("prefill_workers", 1)),
-        decode_workers=int(args.get("decode_workers", 1)),
+        prefill_workers=pools["prefill"].min,
+        decode_workers=pools["decode"].min,
+        prefill_max_workers=pools["prefill"].max,
+        decode_max_workers=pools["decode"].max,
         transfer=transfer,
         router_policy=str(args.get("router_policy", "cache_aware")),
         worker_num_cpus=float(args.get("worker_num_cpus", 0.5)),

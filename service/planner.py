@@ -135,6 +135,7 @@ class PoolObservation:
     ready: tuple[WorkerSample, ...] = ()
     starting: int = 0  # created, not yet serving
     draining: int = 0  # no new placements, streams finishing
+    silent: int = 0  # serving, but its signals did not come back this tick (counted in the size, not the means)
 
     def __post_init__(self):
         if self.pool not in POOLS:
@@ -143,7 +144,7 @@ class PoolObservation:
     @property
     def size(self) -> int:
         """Workers that are or will be serving (a starting one counts: it is capacity on its way)."""
-        return len(self.ready) + self.starting
+        return len(self.ready) + self.silent + self.starting
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ fails as `WorkerDied`, like one whose actor died: the router retries or migrates
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -70,9 +71,11 @@ class RayDispatcher:
         call_timeout_s: float = 10.0,
         overload_retry_s: float = 5.0,
         probe_timeout_s: float = 5.0,
+        pools=None,
     ):
         """prefill / decode: {worker_id: actor handle}; probe_timeout_s: a stats call slower than this marks the
-        worker unhealthy (its process is stopped or wedged: the router then moves its streams)."""
+        worker unhealthy (its process is stopped or wedged: the router then moves its streams); pools: the
+        PoolManager actor of elastic pools (service/pools.py), whose membership each health check applies."""
         self.prefill = dict(prefill)
         self.decode = dict(decode)
         self.call_timeout_s = call_timeout_s
@@ -81,13 +84,17 @@ class RayDispatcher:
         self._info: dict[str, WorkerInfo] = {}
         self._incarnation: dict[str, str] = {}  # the incarnation each worker was last introduced as
         self._metadata: dict[str, tuple[str, bytes]] = {}  # prefill id -> (incarnation, transfer metadata)
+        self.pools = pools
+        self._pools_version = -1  # of the membership last applied
+        self._draining: frozenset[str] = frozenset()  # workers leaving their pool: no new placements
         for wid in self.prefill:
             self._info[wid] = WorkerInfo(wid, "prefill", healthy=False)
         for wid in self.decode:
             self._info[wid] = WorkerInfo(wid, "decode", healthy=False)
 
     def workers(self) -> list[WorkerInfo]:
-        return list(self._info.values())
+        # A probe still in flight when its worker left the pool may have written it back: pools decide.
+        return [i for w, i in self._info.items() if w in self.prefill or w in self.decode]
 
     def replace_handle(self, wid: str, handle) -> None:
         """A multi-rank worker placed again (service.group_restart): route to the new actor; the next health
@@ -98,6 +105,40 @@ class RayDispatcher:
         self._metadata.pop(wid, None)
         role = self._info[wid].role
         self._info[wid] = WorkerInfo(wid, role, healthy=False, incarnation=self._info[wid].incarnation)
+
+    # ---- elastic pools (service/pools.py) ---------------------------------------------------------
+    async def sync_pools(self) -> None:
+        """Apply the PoolManager's membership if it changed; while the manager is away keep the last one."""
+        if self.pools is None:
+            return
+        try:
+            membership = await asyncio.wait_for(self.pools.membership.remote(self._pools_version), self.probe_timeout_s)
+        except (TimeoutError, *DEAD, RayTaskError) as e:
+            log.debug("pool membership unavailable: %s", e)
+            return
+        if membership is not None:
+            self.set_pools(membership)
+
+    def set_pools(self, membership) -> None:
+        """Join new workers (unhealthy until a probe introduces them to their peers), drop the ones that left
+        (with what was learnt of them), flag the draining ones."""
+        for role in membership.roles:
+            pool, want = (self.prefill if role == "prefill" else self.decode), membership.pool(role)
+            for wid in [w for w in pool if w not in want]:
+                del pool[wid]
+                for known in (self._info, self._incarnation, self._metadata):
+                    known.pop(wid, None)
+                log.info("worker %s left the %s pool", wid, role)
+            for wid, handle in want.items():
+                if wid not in pool:
+                    pool[wid] = handle
+                    self._info[wid] = WorkerInfo(wid, role, healthy=False)
+                    log.info("worker %s joined the %s pool", wid, role)
+        self._draining = membership.draining
+        for wid, info in self._info.items():
+            if info.draining != (wid in self._draining):
+                self._info[wid] = dataclasses.replace(info, draining=wid in self._draining)
+        self._pools_version = membership.version
 
     # ---- health and introductions ----------------------------------------------------------------
     async def _probe(self, wid: str, handle) -> bool:
@@ -133,6 +174,7 @@ class RayDispatcher:
             prefix=stats.prefix,
             fast_paths_active=stats.fast_paths_active,
             fast_path_fallbacks=stats.fast_path_fallbacks,
+            draining=wid in self._draining,
         )
         return True
 
@@ -157,6 +199,7 @@ class RayDispatcher:
 
     async def health_check(self) -> dict[str, bool]:
         # Prefill first: a decode worker that restarted at the same time then gets the fresh metadata.
+        await self.sync_pools()
         verdicts: dict[str, bool] = {}
         for pool in (self.prefill, self.decode):
             alive = await asyncio.gather(*(self._probe(w, h) for w, h in pool.items()))
@@ -245,6 +288,8 @@ class RayDispatcher:
             async for ev in self._generate_local(rid, prompt, params, decode_id):
                 yield ev
             return
+        if prefill_id not in self.prefill or decode_id not in self.decode:  # left its pool since the placement
+            raise WorkerDied(prefill_id if prefill_id not in self.prefill else decode_id, "it left its pool")
         prefill, decode = self.prefill[prefill_id], self.decode[decode_id]
         finished = False
         try:

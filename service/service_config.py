@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine.runtime.health import DEFAULT_STALL_TIMEOUT_S
 from service.http_limits import HttpLimits
 from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
+from service.planner import PlannerConfig, PoolBounds
 
 ENGINE_OPTION_KEYS = (
     "device",
@@ -41,8 +42,13 @@ class ServiceConfig:
     port: int = 8000
     metrics_port: int = 8080
     router_port: int = 0  # 0: any free port (a fixed one can collide with another router on the machine)
-    prefill_workers: int = 1
+    prefill_workers: int = 1  # at start; the least an elastic pool keeps
     decode_workers: int = 1
+    # Elastic pools (service/pools.py): the most workers the planner may grow a pool to; None: fixed at *_workers.
+    prefill_max_workers: int | None = None
+    decode_max_workers: int | None = None
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # targets, hysteresis, cooldowns
+    drain_timeout_s: float = 300.0  # a worker leaving its pool: its streams' time to finish before they migrate
     transfer: str = "auto"
     router_policy: str = "cache_aware"
     engine_options: tuple = ()  # (key, value) pairs for load_engine
@@ -82,6 +88,13 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for role in ("prefill", "decode"):
+            bounds = self.pool_bounds(role)  # validates MIN <= MAX
+            if bounds.elastic and self.parallel(role)[0] > 1:
+                raise ValueError(
+                    f"an elastic {role} pool ({bounds}) needs single-rank workers, got tensor parallel size "
+                    f"{self.parallel(role)[0]} (a multi-rank worker's group restart is not elastic yet)"
+                )
         sizes = [self.parallel(role)[0] for role in ("prefill", "decode")]
         if self.data_parallel_attention and not (max(sizes) > 1 and self.expert_parallel):
             raise ValueError(
@@ -89,6 +102,18 @@ class ServiceConfig:
                 f"share the routed experts), got tensor parallel sizes {sizes} (prefill, decode), "
                 f"expert_parallel {self.expert_parallel}"
             )
+
+    def pool_bounds(self, role: str) -> PoolBounds:
+        """MIN:MAX of a pool (MIN = MAX: fixed)."""
+        n, most = getattr(self, f"{role}_workers"), getattr(self, f"{role}_max_workers")
+        try:
+            return PoolBounds(min=n, max=n if most is None else most)
+        except ValueError as e:
+            raise ValueError(f"{role} workers: {e}") from None
+
+    @property
+    def elastic(self) -> bool:
+        return any(self.pool_bounds(role).elastic for role in ("prefill", "decode"))
 
     def parallel(self, role: str) -> tuple[int, bool, bool]:
         """One role's worker layout: (ranks, expert parallel, data-parallel attention); the flags apply to the

@@ -11,13 +11,16 @@ import os
 import time
 
 from engine.execution.tp_executor import release_followers
-from engine.handoff import PrefixDigest, WorkerStats
+from engine.handoff import PrefixDigest, WorkerSignals, WorkerStats
 from engine.loading.load import load_engine
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.health import HealthOptions, LoopWatchdog
 from engine.runtime.rank_worker import split_engine_options
+from engine.runtime.recent_samples import RecentSamples
 from engine.telemetry import metrics
 from engine.telemetry.compile_watch import CompileWatch, install_variant_log, note_slow_step
+
+SIGNAL_WINDOW_S = 30.0  # the pool planner's latency signals cover this much recent time
 
 
 class WorkerBase:
@@ -44,6 +47,11 @@ class WorkerBase:
             model_dir, **opts, parallel=self.parallel, warmup=True, warmup_decodes=self.role != "prefill"
         )
         self.backend = None
+        # The pool planner's latency signals (`signals`): arrival -> first token of a prefill, and the gap between
+        # consecutive steps that both carried decode streams (what each of those streams waited for its token).
+        self.first_token_times = RecentSamples(SIGNAL_WINDOW_S)
+        self.stream_gaps = RecentSamples(SIGNAL_WINDOW_S)
+        self._last_stream_step: float | None = None
         # After the warm-up: what compiles from here on stalls a serving step (looked for after slow steps only)
         self.compile_watch = CompileWatch(variants=install_variant_log()) if self.engine.device.type == "cuda" else None
         self._prefix_counters = metrics.PrefixCounters(self.role, worker_id)
@@ -83,7 +91,18 @@ class WorkerBase:
     # ---- engine thread ---------------------------------------------------------------------------
     def _on_step(self, engine, events) -> None:
         self.publish_load()
+        self._note_stream_step(engine)
         note_slow_step(self.compile_watch, self.role, self.worker_id, self.loop.last_step_seconds)
+
+    def _note_stream_step(self, engine) -> None:
+        """Engine thread, after a step: the gap since the previous step, when both carried streams."""
+        if not engine.scheduler.running:
+            self._last_stream_step = None
+            return
+        now = self.loop.last_step_time
+        if self._last_stream_step is not None:
+            self.stream_gaps.add(now - self._last_stream_step, now)
+        self._last_stream_step = now
 
     def publish_load(self) -> None:
         """Set the load gauges from the engine's one load figure (engine thread, after every change)."""
@@ -110,6 +129,28 @@ class WorkerBase:
             problem=self.loop.problem(self.health.stall_timeout_s),
             fast_paths_active=self.fast_paths_active,
             fast_path_fallbacks=self.fast_path_fallbacks,
+        )
+
+    async def signals(self) -> WorkerSignals:
+        """The pool planner's view of this worker (service/pools.py): load, uncomputed prompt tokens (read on the
+        engine thread), the p90 of the latency this role is scaled on."""
+
+        def queue_tokens(engine) -> int:
+            reqs = [*engine.scheduler.waiting, *engine.scheduler.running]
+            return sum(len(r.prompt) - r.num_computed for r in reqs if r.in_prefill)
+
+        queued = await self.loop.acall(queue_tokens)
+        window = self.first_token_times if self.role == "prefill" else self.stream_gaps
+        p90, n = window.quantile(0.9)
+        return WorkerSignals(
+            worker_id=self.worker_id,
+            role=self.role,
+            incarnation=self.incarnation,
+            load=self.engine.load(),
+            queue_tokens=queued,
+            ttft_p90_s=p90 if self.role == "prefill" else None,
+            itl_p90_s=p90 if self.role != "prefill" else None,
+            samples=n,
         )
 
     def ping(self) -> str:

@@ -111,6 +111,31 @@ ROUTER_PREFIX_ESTIMATE_HITS = Counter(
     (),
 )
 
+# Elastic pools (service/pools.py runs service/planner.py): per pool ("prefill" / "decode").
+POOL_WORKERS = Gauge(
+    "dsv4_pool_workers",
+    "Workers of a pool by state: ready (placed on), starting, draining",
+    ("pool", "state"),
+    multiprocess_mode="mostrecent",
+)
+POOL_DESIRED_WORKERS = Gauge(
+    "dsv4_pool_desired_workers", "Workers the planner wants in a pool", ("pool",), multiprocess_mode="mostrecent"
+)
+POOL_PRESSURE = Gauge(
+    "dsv4_pool_pressure",
+    "A pool's largest signal as a fraction of its target (1 = at target)",
+    ("pool",),
+    multiprocess_mode="mostrecent",
+)
+POOL_SCALE_DECISIONS = Counter(
+    "dsv4_pool_scale_decisions_total",
+    "Pool size changes the planner made, by direction and reason",
+    ("pool", "direction", "reason"),
+)
+POOL_START_FAILURES = Counter(
+    "dsv4_pool_start_failures_total", "Workers added to a pool that never became ready (given up)", ("pool",)
+)
+
 
 def observe_engine_load(role: str, worker: str, load) -> None:
     """Publish the load gauges of one engine from its `EngineLoad` (the worker calls it on every change)."""

@@ -231,3 +231,34 @@ def test_config_validation():
         PolicyConfig(cache_threshold=2)
     with pytest.raises(ValueError):
         WorkerInfo("x", "both")
+
+
+def test_draining_worker_takes_no_new_placement_and_a_removed_one_leaves_the_index():
+    """Elastic pools (service/pools.py): a draining worker is healthy but never chosen, for either phase nor for
+    admission; a worker no longer listed is forgotten, its published digest with it."""
+    from dataclasses import replace
+
+    from engine.execution.block_hash import block_hashes as hashes
+    from engine.handoff import PrefixDigest
+
+    p = prompt(1, 4)
+    digest = PrefixDigest(block_tokens=16, seed=b"s" * 8, hashes=frozenset(hashes(p, 16, b"s" * 8)))
+    ws = [
+        WorkerInfo("p0", "prefill", True, prefix=digest),
+        WorkerInfo("p1", "prefill", True, prefix=PrefixDigest(block_tokens=16, seed=b"s" * 8, hashes=frozenset())),
+        *disagg()[2:],
+    ]
+    policy = RoutingPolicy(PolicyConfig(name="cache_aware"))
+    assert policy.place(p, 100, ws).prefill.worker_id == "p0"  # it holds the prefix
+    draining = [replace(w, draining=True) if w.worker_id in ("p0", "d0") else w for w in ws]
+    for _ in range(4):
+        placement = policy.place(p, 100, draining)
+        assert (placement.prefill.worker_id, placement.decode.worker_id) == ("p1", "d1")
+    only_draining_decode = [w for w in draining if w.worker_id != "d1"]
+    assert policy.can_admit(100, only_draining_decode)  # no candidate at all: the engine answers, not a queue
+    with pytest.raises(NoWorkerAvailable):
+        policy.place(p, 100, only_draining_decode)
+    assert "p0" in policy._index.digests
+    policy.place(p, 100, [w for w in ws if w.worker_id != "p0"])  # p0 left its pool
+    assert "p0" not in policy._index.digests and "p0" not in policy._incarnation
+    assert all("p0" not in holders for where in policy._index.where.values() for holders in where.values())

@@ -74,6 +74,27 @@ true
 {{- mul (int .replicas) (int .workersPerPod) -}}
 {{- end -}}
 
+{{/* "true" when the planner sizes a role's pool: elastic with minReplicas < maxReplicas. Argument: the role's values. */}}
+{{- define "dsv4.roleElastic" -}}
+{{- if and .enabled .elastic (lt (int .minReplicas) (int .maxReplicas)) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The builder's worker count of a role: replicas x workersPerPod, or "MIN:MAX" workers of an elastic pool. */}}
+{{- define "dsv4.roleWorkerSpec" -}}
+{{- if include "dsv4.roleElastic" . -}}
+{{- printf "%d:%d" (mul (int .minReplicas) (int .workersPerPod)) (mul (int .maxReplicas) (int .workersPerPod)) -}}
+{{- else -}}
+{{- include "dsv4.roleWorkers" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pods a worker group starts with: minReplicas when elastic (the planner starts there), else replicas. */}}
+{{- define "dsv4.roleReplicas" -}}
+{{- ternary .minReplicas .replicas (eq (include "dsv4.roleElastic" .) "true") -}}
+{{- end -}}
+
 {{/* Ranks (Ray actors, one GPU each on CUDA) in one pod of a role: workersPerPod x tensorParallelSize. */}}
 {{- define "dsv4.podRanks" -}}
 {{- mul (int .workersPerPod) (int (default 1 .tensorParallelSize)) -}}
