@@ -105,6 +105,18 @@ WORKERS = ("dsv4-workers", "dsv4 / Load per role and worker", [
                                                "{{role}} {{worker}}")]),
     ("Prompt tokens per second", "short", [(rate("dsv4_prompt_tokens_total", WORKER, "role, worker"),
                                             "{{role}} {{worker}}")]),
+    # elastic pools (service/pools.py): the planner's view; no data while both pools are fixed
+    ("Pool size by state (elastic pools)", "short",
+     [(f"max by (pool, state) (dsv4_pool_workers{{{NS}}})", "{{pool}} {{state}}")]),
+    ("Pool desired vs ready workers", "short",
+     [(f"max by (pool) (dsv4_pool_desired_workers{{{NS}}})", "{{pool}} desired"),
+      (f'max by (pool) (dsv4_pool_workers{{{NS}, state="ready"}})', "{{pool}} ready")]),
+    ("Pool pressure (largest signal / its target; 1 = at target)", "short",
+     [(f"max by (pool) (dsv4_pool_pressure{{{NS}}})", "{{pool}}")]),
+    ("Pool scale decisions by reason", "ops",
+     [(zero_if_absent(rate("dsv4_pool_scale_decisions_total", NS, "pool, direction, reason")),
+       "{{pool}} {{direction}} {{reason}}"),
+      (zero_if_absent(rate("dsv4_pool_start_failures_total", NS, "pool")), "{{pool}} start failures")]),
     # speculative decoding (engine.telemetry.metrics SPEC_*): speculative engines only, no data elsewhere
     ("Speculative decoding: draft acceptance rate", "percentunit",
      [(f"{rate('dsv4_spec_accepted_tokens_total', WORKER, 'role, worker')} / "

@@ -204,8 +204,9 @@ def test_serve_config_matches_the_builder_and_the_pods(case):
         gpu_key = values.get("gpu", {}).get("resourceKey", "nvidia.com/gpu")
         assert float(container["resources"]["limits"].get(gpu_key, 0)) == float(params["num-gpus"])
     for role in ROLES:
-        plan = cfg.plan(role)
-        assert plan.workers == values[role].get("replicas", 1) * values[role].get("workersPerPod", 1)
+        plan, v = cfg.plan(role), values[role]
+        elastic = v.get("elastic") and v["minReplicas"] < v["maxReplicas"]
+        assert plan.workers == v.get("minReplicas" if elastic else "replicas", 1) * v.get("workersPerPod", 1)
         ranks = plan.workers * plan.tensor_parallel_size  # one actor (and placement bundle) a rank
         assert offered[role] >= ranks * dict(plan.resources)[f"dsv4_{role}"], (role, offered)
         assert gpus[role] >= ranks * plan.num_gpus, (role, gpus)
@@ -280,3 +281,46 @@ def test_token_secret_created_on_request():
     init = pod_templates(rs)["decode"]["spec"]["initContainers"][0]
     refs = [e["valueFrom"]["secretKeyRef"] for e in init["env"] if "valueFrom" in e]
     assert refs == [{"name": secret["metadata"]["name"], "key": "token"}]
+
+
+@pytest.mark.parametrize("elastic", ["prefill", "decode", None])
+def test_elastic_pool_turns_on_the_autoscaler_and_the_planner(elastic):
+    """A role with `elastic: true` and minReplicas < maxReplicas: the builder gets MIN:MAX workers (pods x
+    workersPerPod) and starts the planner, the group starts at minReplicas pods, and KubeRay's in-tree autoscaler
+    is on with its options (new worker actors ask for the role's resource, so they get new pods). Otherwise the
+    autoscaler stays off and the counts are plain."""
+    from service import kuberay_app
+
+    values = {role: {"replicas": 2, "minReplicas": 1, "maxReplicas": 3, "workersPerPod": 2} for role in ROLES}
+    if elastic:
+        values[elastic]["elastic"] = True
+    values["autoscaling"] = {"idleTimeoutSeconds": 120, "upscalingMode": "Conservative"}
+    (rs,) = by_kind(documents(render(values)), "RayService")
+    cluster = rs["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    (app,) = serve_config(rs)["applications"]
+    cfg = kuberay_app.parse_args(app["args"])
+    assert cluster["enableInTreeAutoscaling"] is (elastic is not None)
+    if elastic:
+        assert cluster["autoscalerOptions"] == {"idleTimeoutSeconds": 120, "upscalingMode": "Conservative"}
+    else:
+        assert "autoscalerOptions" not in cluster
+    for role in ROLES:
+        bounds = cfg.service.pool_bounds(role)
+        if role == elastic:
+            assert app["args"][f"{role}_workers"] == "2:6" and (bounds.min, bounds.max) == (2, 6)
+            assert groups[role]["replicas"] == 1 and cfg.plan(role).workers == 2
+        else:
+            assert app["args"][f"{role}_workers"] == 4 and not bounds.elastic
+            assert groups[role]["replicas"] == 2
+        assert (groups[role]["minReplicas"], groups[role]["maxReplicas"]) == (1, 3)
+
+
+def test_elastic_multi_rank_pool_is_refused_with_the_reason():
+    from service import kuberay_app
+
+    values = {"decode": {"elastic": True, "minReplicas": 1, "maxReplicas": 2, "tensorParallelSize": 2}}
+    (rs,) = by_kind(documents(render(values)), "RayService")
+    (app,) = serve_config(rs)["applications"]
+    with pytest.raises(ValueError, match="elastic decode pool .*single-rank"):
+        kuberay_app.parse_args(app["args"])

@@ -92,6 +92,8 @@ def test_dashboard_conventions():
         "router",
         "tokens per second",
         "token throughput",
+        "pool size",
+        "pool scale decisions",
     ):
         assert wanted in titles, wanted
 

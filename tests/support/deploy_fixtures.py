@@ -175,7 +175,7 @@ def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> tupl
 
 
 class LiveService:
-    """`dsv4 serve --transfer tcp` (1P1D) in a subprocess on loopback ports, with its own metrics dir."""
+    """`dsv4 serve --transfer tcp` (1P1D, the decode pool elastic up to 2) in a subprocess on loopback ports, with its own metrics dir."""
 
     def __init__(self):
         self.port, self.metrics_port = free_port(), free_port()
@@ -208,7 +208,7 @@ class LiveService:
             "--prefill-workers",
             "1",
             "--decode-workers",
-            "1",
+            "1:2",  # elastic (service/pools.py): the planner runs and exports the pool metrics; idle, it stays at 1
             "--transfer",
             "tcp",
         ]
