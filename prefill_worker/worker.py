@@ -105,6 +105,7 @@ class PrefillWorker(WorkerBase):
             await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))
             raise
         done = time.monotonic()
+        self.first_token_times.add(done - arrival, done)
         labels = (self.role, self.worker_id)
         metrics.REQUEST_QUEUE_TIME.labels(*labels).observe(first_step - arrival)
         metrics.PREFILL_TIME.labels(*labels).observe(done - first_step)
