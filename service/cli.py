@@ -1,4 +1,4 @@
-"""The `dsv4` command line: `generate`, `make-model`, `serve`, `bench serve|route|soak|kernels|slice`, `chat-render`,
+"""The `dsv4` command line: `generate`, `make-model`, `serve`, `bench serve|route|soak|elastic|kernels|slice`, `chat-render`,
 `chat-parse`, `eval perplexity|tasks`."""
 
 from __future__ import annotations
@@ -204,6 +204,14 @@ def _add_bench(sub) -> None:
             "the ingress, router and Serve proxy (synthetic pool)",
         )
     )
+    from service.bench_elastic import add_bench_elastic_args
+
+    add_bench_elastic_args(
+        bench.add_parser(
+            "elastic",
+            help="elastic pools under a burst on the real service: pool sizes over time, failed requests",
+        )
+    )
     from service.bench_soak import add_bench_soak_args
 
     add_bench_soak_args(
@@ -343,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
             from service.bench_route import bench_route_main, make_trace_main
 
             return bench_route_main(args) if args.bench_command == "route" else make_trace_main(args)
+        if args.command == "bench" and args.bench_command == "elastic":
+            from service.bench_elastic import bench_elastic_main
+
+            return bench_elastic_main(args)
         if args.command == "bench" and args.bench_command == "frontdoor":
             from service.bench_frontdoor import bench_frontdoor_main
 

@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -357,13 +358,14 @@ def start_backend(cfg: EntryConfig) -> tuple[str, str]:
 
     model_dir = cfg.service.model_dir or None  # None: each worker builds the built-in tiny model
     workers = actor_names(cfg, model_dir)
-    for role in ROLES:
-        _kill_stale(workers, f"dsv4-{role}-")
+    for role in ROLES:  # an elastic pool's added workers of the same build stay (its planner still counts them)
+        _kill_stale(workers | _elastic_added(cfg, role, model_dir), f"dsv4-{role}-")
     token = cluster_token()
     prefill_cls, decode_cls, _ = remote_classes(cfg.service)
     prefill = _start_role(cfg, "prefill", prefill_cls, model_dir, token)
     decode = _start_role(cfg, "decode", decode_cls, model_dir, token)
     ray.get([h.ping.remote() for h in (*prefill.values(), *decode.values())])
+    pools = _pool_manager(cfg, {"prefill": prefill_cls, "decode": decode_cls}, model_dir, token, prefill, decode)
     router_name = f"dsv4-router-{_fingerprint(sorted(workers), cfg.service.router_policy)}"
     router = (
         ray.remote(num_cpus=0, max_concurrency=1000)(EntryRouter)
@@ -374,12 +376,71 @@ def start_backend(cfg: EntryConfig) -> tuple[str, str]:
             get_if_exists=True,
             runtime_env={"env_vars": dict(cfg.env)},
         )
-        .remote(prefill, decode, cfg.service.router_policy, token)
+        .remote(prefill, decode, cfg.service.router_policy, token, pools=pools)
     )
     port = ray.get(router.start.remote("node", cfg.service.router_port))
     addr = f"{ray.get(router.node_ip.remote())}:{port}"
     _kill_stale({router_name}, "dsv4-router-")
     return addr, ray.get(router.token.remote())
+
+
+def _elastic_added(cfg: EntryConfig, role: str, model_dir: str | None) -> set[str]:
+    """Names of the live workers an elastic pool's planner added with this build (same fingerprint)."""
+    import ray
+
+    if not cfg.service.pool_bounds(role).elastic:
+        return set()
+    pattern = re.compile(rf"dsv4-{role}-\d+-{_role_fingerprint(cfg, role, model_dir)}")
+    return {
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and pattern.fullmatch(a["name"])
+    }
+
+
+def _pool_manager(cfg: EntryConfig, classes: dict, model_dir: str | None, token: str, prefill: dict, decode: dict):
+    """The elastic pools' PoolManager (service.pools), detached and named after the build, or None (fixed pools).
+    A new worker asks for its role's Ray resource, so KubeRay's autoscaler brings a pod for it."""
+    from service.pools import ElasticConfig, WorkerRecipe, start_pool_manager
+
+    if not cfg.service.elastic:
+        return None
+    config = ElasticConfig(
+        prefill=cfg.service.pool_bounds("prefill"),
+        decode=cfg.service.pool_bounds("decode"),
+        planner=cfg.service.planner,
+        start_timeout_s=PLACEMENT_TIMEOUT_S,  # a new pod may take long to come up
+    )
+    recipes = {
+        role: WorkerRecipe(
+            cls=classes[role],
+            model_dir=model_dir,
+            engine_options=cfg.plan(role).engine_options,
+            transfer=cfg.service.transfer,
+            kwargs=(("bind_host", "node"), ("cluster_token", token)),
+            actor_options=(
+                ("namespace", NAMESPACE),
+                ("num_gpus", cfg.plan(role).num_gpus),
+                ("resources", dict(cfg.plan(role).resources)),
+                ("runtime_env", {"env_vars": dict(cfg.env)}),
+            ),
+            name_suffix=f"-{_role_fingerprint(cfg, role, model_dir)}",
+        )
+        for role in config.elastic_roles
+    }
+    name = f"dsv4-pools-{_fingerprint(sorted(actor_names(cfg, model_dir)), str(config))}"
+    manager = start_pool_manager(
+        config,
+        recipes,
+        {"prefill": prefill, "decode": decode},
+        name=name,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        runtime_env={"env_vars": dict(cfg.env)},
+    )
+    _kill_stale({name}, "dsv4-pools-")
+    return manager
 
 
 def worker_ids(cfg: EntryConfig, role: str) -> list[str]:

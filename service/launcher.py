@@ -36,6 +36,7 @@ from service.actor_pools import (
     worker_engine_options,
     worker_gpus,
 )
+from service.pools import start_elastic, stop_elastic
 from service.rank_placement import remove_worker
 from service.ray_cluster import (
     LOCAL_START_ATTEMPTS,
@@ -68,6 +69,7 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     try:
         groups = start_pools(launch, handles)
         prefill, decode = handles["prefill"], handles["decode"]
+        pools = handles["pools"] = start_elastic(cfg, launch, handles) if cfg.elastic else None
         router_cls = router_actor_class()
         router = handles["router"] = router_cls.options(name="dsv4-router").remote(
             prefill,
@@ -75,6 +77,7 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
             cfg.router_policy,
             token,
             groups=groups,
+            pools=pools,
             max_queued=cfg.router_max_queued,
             queue_timeout_s=cfg.router_queue_timeout_s,
         )
@@ -140,7 +143,11 @@ def stop_service(handles: dict | None, drain_s: float = 10.0, shutdown_ray: bool
             serve.shutdown()
         except Exception:  # noqa: BLE001
             pass
+        pools = handles.get("pools")
+        elastic = stop_elastic(pools) if pools is not None else []  # the workers it added are detached
         for h in (
+            *elastic,
+            *([pools] if pools is not None else []),
             *handles.get("prefill", {}).values(),
             *handles.get("decode", {}).values(),
             *([router] if router is not None else []),

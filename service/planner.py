@@ -8,7 +8,8 @@ Pressure: each pool's signals as fractions of their targets, the largest one win
 - decode: running streams per worker / `decode_streams`, KV use / `kv_target`, inter-token latency p90 /
   `itl_target_s`.
 Pressure 1.0 is "at target". Signals are the mean over the pool's ready workers; a latency signal counts only
-from a worker with `min_samples` samples in its window (a fresh worker's first steps are not the pool's state:
+while its worker has work (an idle worker's window describes a spell that is over) and only from a worker with
+`min_samples` samples in its window (a fresh worker's first steps are not the pool's state:
 Dynamo's decode over-scaling on cold-start samples, ai-dynamo/dynamo#12430).
 
 Scale up: pressure above 1.0 on `up_after` consecutive ticks and `up_cooldown_s` since the last change; the new
@@ -177,7 +178,13 @@ def pressure(obs: PoolObservation, cfg: PlannerConfig) -> tuple[float, str, str]
         return sum(values) / len(values) if values else 0.0
 
     def latency(attr: str) -> float:
-        vals = [getattr(w, attr) for w in ready if getattr(w, attr) is not None and w.samples >= cfg.min_samples]
+        # An idle worker's window still holds its last busy spell: more workers would not make that faster, so
+        # it counts as 0 (a burst that ended must not keep a pool large, nor grow it again).
+        vals = [
+            getattr(w, attr) if w.running + w.waiting + w.queue_tokens > 0 else 0.0
+            for w in ready
+            if getattr(w, attr) is not None and w.samples >= cfg.min_samples
+        ]
         return mean(vals)
 
     if obs.pool == "prefill":

@@ -114,6 +114,56 @@ class WorkerRecipe:
         )
 
 
+def launch_recipe(launch, role: str) -> WorkerRecipe:
+    """A pool's recipe from `dsv4 serve`'s PoolLaunch (service.actor_pools): built like the first workers."""
+    from service.service_config import role_engine_options
+
+    cfg = launch.cfg
+    return WorkerRecipe(
+        cls=launch.classes[role],
+        model_dir=cfg.model_dir,
+        engine_options=tuple(sorted(role_engine_options(launch.engine_options, role).items())),
+        transfer=cfg.transfer,
+        kwargs=tuple(sorted(launch.net.items())),
+        actor_options=tuple(sorted(launch.actor.items())),
+    )
+
+
+def start_elastic(cfg, launch, handles: dict):
+    """`dsv4 serve`'s PoolManager for the elastic pools of `cfg` (a ServiceConfig), whose first workers are in
+    handles["prefill"] / handles["decode"]; new workers are built from `launch` (service.actor_pools.PoolLaunch)."""
+    config = ElasticConfig(
+        prefill=cfg.pool_bounds("prefill"),
+        decode=cfg.pool_bounds("decode"),
+        planner=cfg.planner,
+        drain_timeout_s=cfg.drain_timeout_s,
+        start_timeout_s=cfg.ready_timeout_s,
+    )
+    recipes = {role: launch_recipe(launch, role) for role in config.elastic_roles}
+    return start_pool_manager(config, recipes, {role: dict(handles[role]) for role in POOLS})
+
+
+def stop_elastic(manager) -> list:
+    """Stop the manager's planning; -> every worker handle it knows (to kill), starting ones included."""
+    import ray
+
+    try:
+        return ray.get(manager.shutdown.remote(), timeout=10)
+    except Exception as e:  # noqa: BLE001 - the manager is gone: its workers are detached and named, find them
+        log.warning("pool manager shutdown: %s: %s", type(e).__name__, e)
+        return []
+
+
+def start_pool_manager(config: ElasticConfig, recipes: dict, initial: dict, **actor_options):
+    """The PoolManager actor (named MANAGER_NAME unless actor_options say otherwise; restarted by Ray; no CPU
+    reserved: it mostly waits); its loop starts with the first `membership` call (a router's health check)."""
+    import ray
+
+    options: dict[str, Any] = dict(num_cpus=0, max_restarts=-1, max_concurrency=100)
+    cls = ray.remote(**options)(PoolManager)
+    return cls.options(**{"name": MANAGER_NAME, **actor_options}).remote(config, recipes, initial)
+
+
 def worker_index(worker_id: str) -> int:
     """n of "<role>-<n>" (-1 for another id, e.g. a data-parallel rank's "decode-0-dp1")."""
     match = re.fullmatch(r"[a-z]+-(\d+)", worker_id)
@@ -129,8 +179,11 @@ class PoolManager:
         self.recipes = dict(recipes)
         self.planner = Planner(config.planner)
         self.members: dict[str, PoolMember] = {}
-        self.starting: dict[str, dict[str, float]] = {role: {} for role in POOLS}
-        self.version = 1
+        self.starting: dict[str, dict[str, Any]] = {role: {} for role in POOLS}  # worker id -> handle (or None)
+        self._stopped = False
+        # Milliseconds at construction, then +1 a change: a restarted manager's versions are newer than any a router
+        # holds from before the restart (a counter from 1 could repeat one with other members).
+        self.version = time.time_ns() // 1_000_000
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self._last: dict[str, dict[str, WorkerSample]] = {role: {} for role in POOLS}
         self._tasks: set[asyncio.Task] = set()
@@ -169,17 +222,24 @@ class PoolManager:
         members = tuple(m for m in self.members.values() if m.role in self.recipes)
         return PoolMembership(self.version, tuple(self.recipes), members)
 
-    def workers(self) -> dict[str, list]:
-        """{role: [handles]} of every worker this manager knows, starting ones excluded (the launcher's stop)."""
-        return {role: [m.handle for m in self.members.values() if m.role == role] for role in POOLS}
-
     def status(self) -> dict:
         """Pool sizes by state and the decisions so far (newest last)."""
         self._ensure_running()
         return {"version": self.version, "sizes": self.sizes(POOLS), "decisions": list(self.history)}
 
+    def shutdown(self) -> list:
+        """Stop planning (the service is stopping); -> every worker handle to kill, starting ones included."""
+        self._stopped = True
+        for task in (self._loop, *self._tasks):
+            if task is not None:
+                task.cancel()
+        starting = [h for pool in self.starting.values() for h in pool.values() if h is not None]
+        return [m.handle for m in self.members.values()] + starting
+
     # ---- the loop -----------------------------------------------------------------------------------
     def _ensure_running(self) -> None:
+        if self._stopped:
+            return
         if self._loop is None or self._loop.done():
             self._loop = asyncio.get_running_loop().create_task(self._run(), name="pool-planner")
 
@@ -306,11 +366,11 @@ class PoolManager:
 
         wid = f"{role}-{self._next[role]}"
         self._next[role] += 1
-        self.starting[role][wid] = time.monotonic()
+        self.starting[role][wid] = None
         self._publish_sizes()
         handle = None
         try:
-            handle = self.recipes[role].start(wid)
+            handle = self.starting[role][wid] = self.recipes[role].start(wid)
             await asyncio.wait_for(handle.ping.remote(), self.config.start_timeout_s)
         except Exception as e:  # noqa: BLE001 - not scheduled, constructor failed, timed out: give it up
             from engine.telemetry import metrics

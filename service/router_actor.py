@@ -11,17 +11,25 @@ class RouterActor:
     """Hosts the gRPC router (grpc.aio) in a Ray actor's event loop."""
 
     def __init__(
-        self, prefill: dict, decode: dict, policy: str, token: str | None = None, groups: tuple = ({}, {}), **server_kw
+        self,
+        prefill: dict,
+        decode: dict,
+        policy: str,
+        token: str | None = None,
+        groups: tuple = ({}, {}),
+        pools=None,
+        **server_kw,
     ):
         """server_kw: RouterServer's admission settings (max_queued, queue_timeout_s, restart_wait_s);
         groups: ({worker id: PlacedWorker}, {worker id: GroupRecipe}) of the multi-rank workers, restarted as a
-        group when a rank dies (service.group_restart)."""
+        group when a rank dies (service.group_restart); pools: the PoolManager of elastic pools (service.pools),
+        whose membership the dispatcher follows."""
         from router.policy import PolicyConfig, RoutingPolicy
         from router.server import RouterServer
         from service.group_restart import GroupSupervisor
         from service.ray_dispatcher import RayDispatcher
 
-        self.dispatcher = RayDispatcher(prefill, decode)
+        self.dispatcher = RayDispatcher(prefill, decode, pools=pools)
         self.server = RouterServer(
             self.dispatcher,
             RoutingPolicy(PolicyConfig(name=policy)),

@@ -4,11 +4,13 @@ from them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from dsv4_kernels.settings import settings
 from engine.runtime.health import DEFAULT_STALL_TIMEOUT_S
 from kv_transfer.registry import TRANSFER_CHOICES, TRANSFER_HELP
 from service.ingress_guard import DEFAULT_MAX_BODY_BYTES
+from service.planner import PlannerConfig, PoolBounds, parse_pool_spec
 from service.service_config import ENGINE_OPTION_KEYS, ServiceConfig
 
 
@@ -63,8 +65,12 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         port=args.port,
         metrics_port=args.metrics_port,
         router_port=args.router_port,
-        prefill_workers=args.prefill_workers,
-        decode_workers=args.decode_workers,
+        prefill_workers=args.prefill_workers.min,
+        decode_workers=args.decode_workers.min,
+        prefill_max_workers=args.prefill_workers.max,
+        decode_max_workers=args.decode_workers.max,
+        planner=planner_config(args),
+        drain_timeout_s=args.drain_timeout_seconds,
         transfer=args.transfer,
         router_policy=args.router_policy,
         engine_options=engine_options,
@@ -86,6 +92,76 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         worker_num_gpus=getattr(args, "worker_num_gpus", None),
         stall_timeout_s=getattr(args, "stall_timeout_seconds", DEFAULT_STALL_TIMEOUT_S),
         ready_timeout_s=getattr(args, "ready_timeout_seconds", 900.0),
+    )
+
+
+def pool_spec_type(flag: str):
+    """An argparse type for a pool size flag: N or MIN:MAX -> PoolBounds (the error names the flag and value)."""
+
+    def parse(text: str) -> PoolBounds:
+        try:
+            return parse_pool_spec(text, flag)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = "pool size"  # argparse names the type in its error
+    return parse
+
+
+def add_planner_args(parser: argparse.ArgumentParser) -> None:
+    """The elastic pools' targets and pacing (service/planner.py: PlannerConfig); unused by fixed pools."""
+    d = PlannerConfig()
+    g = parser.add_argument_group("elastic pools (with --prefill-workers / --decode-workers MIN:MAX)")
+    g.add_argument("--planner-interval-seconds", type=float, default=d.interval_s, help="how often the planner runs")
+    g.add_argument(
+        "--ttft-target-seconds",
+        type=float,
+        default=d.ttft_target_s,
+        help="p90 arrival -> first token per prefill worker",
+    )
+    g.add_argument(
+        "--prefill-queue-tokens",
+        type=int,
+        default=d.prefill_queue_tokens,
+        help="queued prompt tokens per prefill worker that count as full",
+    )
+    g.add_argument(
+        "--itl-target-seconds", type=float, default=d.itl_target_s, help="p90 inter-token latency per decode worker"
+    )
+    g.add_argument(
+        "--decode-streams", type=int, default=d.decode_streams, help="running streams per decode worker at target"
+    )
+    g.add_argument(
+        "--kv-target", type=float, default=d.kv_target, help="KV-cache use per decode worker at target (0..1)"
+    )
+    g.add_argument(
+        "--scale-up-cooldown-seconds", type=float, default=d.up_cooldown_s, help="after a change, before adding workers"
+    )
+    g.add_argument(
+        "--scale-down-cooldown-seconds",
+        type=float,
+        default=d.down_cooldown_s,
+        help="after a change, before removing one",
+    )
+    g.add_argument(
+        "--drain-timeout-seconds",
+        type=float,
+        default=300.0,
+        help="a worker leaving its pool: how long its streams may take to finish before they migrate",
+    )
+
+
+def planner_config(args: argparse.Namespace) -> PlannerConfig:
+    return dataclasses.replace(
+        PlannerConfig(),
+        interval_s=args.planner_interval_seconds,
+        ttft_target_s=args.ttft_target_seconds,
+        prefill_queue_tokens=args.prefill_queue_tokens,
+        itl_target_s=args.itl_target_seconds,
+        decode_streams=args.decode_streams,
+        kv_target=args.kv_target,
+        up_cooldown_s=args.scale_up_cooldown_seconds,
+        down_cooldown_s=args.scale_down_cooldown_seconds,
     )
 
 
@@ -163,7 +239,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--queue-timeout-seconds", type=float, default=60.0, help="how long a request may wait there (503 after)"
     )
-    parser.add_argument("--prefill-workers", type=int, default=1)
+    parser.add_argument(
+        "--prefill-workers",
+        type=pool_spec_type("--prefill-workers"),
+        default=PoolBounds(min=1, max=1),
+        help="N (a fixed pool) or MIN:MAX (elastic: the planner grows and shrinks the pool from its queued prompt "
+        "tokens and TTFT; service/pools.py)",
+    )
     parser.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -193,7 +275,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "own requests and KV cache (a worker of its own to the router); only the MoE layers "
         "exchange tokens, the ranks stepping in lockstep",
     )
-    parser.add_argument("--decode-workers", type=int, default=1)
+    parser.add_argument(
+        "--decode-workers",
+        type=pool_spec_type("--decode-workers"),
+        default=PoolBounds(min=1, max=1),
+        help="N (a fixed pool) or MIN:MAX (elastic: scaled on running streams, KV use and inter-token latency)",
+    )
+    add_planner_args(parser)
     parser.add_argument("--transfer", default="auto", choices=TRANSFER_CHOICES, help=TRANSFER_HELP)
     parser.add_argument(
         "--router-policy", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"]

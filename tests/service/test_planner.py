@@ -170,13 +170,21 @@ def test_latency_signals_need_samples():
         d = planner.decide(prefill_pool(1, now=t, ttft=3.0, samples=1), now=t)
         assert not d.changed
     for t in range(4, 6):
-        d = planner.decide(prefill_pool(1, now=t, ttft=3.0, samples=5), now=t)
+        d = planner.decide(prefill_pool(1, now=t, ttft=3.0, samples=5, queue_tokens=10), now=t)
     assert d.changed and d.reason == "ttft" and d.desired == 3
+
+
+def test_latency_of_an_idle_worker_is_not_pressure():
+    """After a burst the workers' windows still hold its slow first tokens; idle, they must not grow the pool."""
+    planner = Planner(CFG)
+    for t in range(6):
+        d = planner.decide(prefill_pool(1, now=t, ttft=3.0, samples=20, queue_tokens=0), now=t)
+        assert not d.changed and d.pressure == 0
 
 
 def test_decode_pressure_takes_the_largest_signal():
     planner = Planner(CFG)
-    ready = tuple(WorkerSample(worker_id="d0", running=1, kv_usage=0.2, itl_p90_s=0.3, samples=9, at=0.0) for _ in [0])
+    ready = (WorkerSample(worker_id="d0", running=1, kv_usage=0.2, itl_p90_s=0.3, samples=9, at=0.0),)
     obs = PoolObservation(pool="decode", bounds=PoolBounds(min=1, max=8), ready=ready)
     planner.decide(obs, now=0)
     d = planner.decide(obs, now=0.5)

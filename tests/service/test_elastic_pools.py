@@ -1,0 +1,87 @@
+"""Elastic pools on the real service (service/pools.py, service/planner.py): a local Ray cluster, prefill and decode
+pools of 1:2 tiny-model workers, a `bursty` trace's prompts replayed through the gRPC router as a burst
+(service/bench_elastic.py, `dsv4 bench elastic`). Both pools grow under the burst and shrink back to one worker after
+it, with no failed or short request; the workers left hold no request and no KV page; the planner's decisions and
+pool sizes are on the Prometheus page, scraped over HTTP."""
+
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from dsv4_kernels.settings import settings  # noqa: E402
+from engine.loading.make_model import default_model_dir  # noqa: E402
+from engine.telemetry.metrics import start_metrics_server  # noqa: E402
+from service.bench_elastic import BurstPlan, run, size_table, summary  # noqa: E402
+from service.launcher import init_ray, prepare_metrics_dir, remove_metrics_dir  # noqa: E402
+from service.planner import PlannerConfig  # noqa: E402
+from service.service_config import ServiceConfig  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+
+PLANNER = PlannerConfig(
+    interval_s=0.5,
+    prefill_queue_tokens=128,
+    ttft_target_s=0.25,
+    decode_streams=3,
+    up_after=1,
+    down_after=2,
+    up_cooldown_s=1.0,
+    down_cooldown_s=2.0,
+    min_samples=2,
+)
+PLAN = BurstPlan(
+    quiet_s=1.0, burst_s=8.0, cool_s=10.0, quiet_rate=1.0, burst_rate=10.0, max_new_tokens=24, sample_s=0.25
+)
+
+
+@pytest.mark.ray
+def test_pools_grow_under_a_burst_and_shrink_after_it_with_no_failed_request():
+    cfg = ServiceConfig(
+        model_dir=default_model_dir(),
+        prefill_workers=1,
+        prefill_max_workers=2,
+        decode_workers=1,
+        decode_max_workers=2,
+        planner=PLANNER,
+        drain_timeout_s=20.0,
+        transfer=settings().test_transfer,
+        worker_num_cpus=0.1,
+        ready_timeout_s=240.0,
+        engine_options=(("max_batch_tokens", 128),),
+    )
+    metrics_dir = prepare_metrics_dir()
+    server = None
+    try:
+        init_ray(metrics_dir)
+        server, _ = start_metrics_server(free_port(), "127.0.0.1")
+        result = run(cfg, PLAN, settle_s=30.0)
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=30) as resp:
+            scrape = resp.read().decode()
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        ray.shutdown()
+        remove_metrics_dir()
+    table = "\n".join(size_table(result["samples"]))
+    s = summary(result)
+    assert not s["failed"], s["failed"][:5]
+    assert s["burst"]["requests"] >= 40
+    peaks = {pool: max(sizes[pool]["ready"] for _, sizes in result["samples"]) for pool in ("prefill", "decode")}
+    assert peaks == {"prefill": 2, "decode": 2}, table
+    last = result["samples"][-1][1]
+    assert all(last[pool] == {"ready": 1, "starting": 0, "draining": 0} for pool in last), table
+    changes = {(d["pool"], d["desired"] > d["current"]) for d in result["decisions"] if d["desired"] != d["current"]}
+    assert changes == {("prefill", True), ("prefill", False), ("decode", True), ("decode", False)}, changes
+    assert len(result["final_load"]) == 2
+    for wid, load in result["final_load"].items():
+        assert (load.running, load.waiting, load.kv_usage) == (0, 0, 0.0), (wid, load)
+    for line in (
+        'dsv4_pool_desired_workers{pool="decode"} 1.0',
+        'dsv4_pool_workers{pool="prefill",state="ready"} 1.0',
+    ):
+        assert line in scrape, line
+    for pool in ("prefill", "decode"):
+        assert f'dsv4_pool_scale_decisions_total{{pool="{pool}",direction="up"' in scrape
+        assert f'dsv4_pool_scale_decisions_total{{pool="{pool}",direction="down",reason="idle"}}' in scrape
