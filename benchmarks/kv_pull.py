@@ -110,6 +110,19 @@ def source_main(conn, device: str, max_tokens: int, layers: int) -> None:
             ticket = backend.export(rid, table, num_tokens)
             seconds = time.monotonic() - t0
             conn.send((ticket, seconds, page_digest(pool, table, num_tokens) if digest else None))
+        elif op == "stream":  # chunk tickets of chunk_tokens positions each, then the final ticket
+            rid, num_tokens, chunk_tokens, digest = args
+            table = {}
+            pool.grow(table, num_tokens)
+            tables[rid] = table
+            tickets, start = [], 0
+            for end in range(chunk_tokens, num_tokens, chunk_tokens):  # as each prefill chunk ends
+                ticket = backend.export_chunk(rid, table, end, start)
+                if ticket is not None:
+                    tickets.append(ticket)
+                    start = end
+            tickets.append(backend.export(rid, table, num_tokens, start_tokens=start))
+            conn.send((tickets, page_digest(pool, table, num_tokens) if digest else None))
         elif op == "released":  # -> when the release callback ran (waits for it)
             (rid,) = args
             deadline = time.monotonic() + 10
@@ -190,6 +203,49 @@ def service_pulls(conn, backend, pool, num_tokens: int, pulls: int, device: str,
     finally:
         loop.close()
     return rows, ok
+
+
+def streamed_pulls(conn, backend, pool, num_tokens: int, chunk_tokens: int, pulls: int, device: str):
+    """`pulls` requests (after one untimed) streamed in chunks of chunk_tokens: every chunk ticket pulled (while a
+    prefill would run its later chunks), then the final one -> medians of the chunks' count, bytes and pull ms,
+    and of the final pull's bytes and ms (the part a prefill cannot hide); bytes matched."""
+    rows, ok = [], True
+    loop = asyncio.new_event_loop()
+    try:
+        for i in range(pulls + 1):
+            rid = f"s{num_tokens}-{i}"
+            table: dict = {}
+            pool.grow(table, num_tokens)
+            conn.send(("stream", rid, num_tokens, chunk_tokens, i == 0))
+            tickets, digest = conn.recv()
+            chunk_ms, chunk_bytes = [], 0
+            for ticket in tickets[:-1]:
+                stats, t0, _, _, t2, _ = loop.run_until_complete(
+                    _pull_like_decode_worker(backend, ticket, table, device)
+                )
+                chunk_ms.append((t2 - t0) * 1e3)
+                chunk_bytes += stats.bytes
+            stats, t0, _, _, t2, _ = loop.run_until_complete(
+                _pull_like_decode_worker(backend, tickets[-1], table, device)
+            )
+            conn.send(("released", rid))
+            conn.recv()
+            if digest is not None:
+                ok = ok and digest == page_digest(pool, table, num_tokens)
+            pool.free(table)
+            if i:
+                rows.append(
+                    {
+                        "chunks": len(chunk_ms),
+                        "chunk_bytes": chunk_bytes,
+                        "chunk_pull_ms": max(chunk_ms, default=0.0),  # the slowest chunk's pull
+                        "final_bytes": stats.bytes,
+                        "final_ms": (t2 - t0) * 1e3,
+                    }
+                )
+    finally:
+        loop.close()
+    return {k: median([r[k] for r in rows]) for k in rows[0]}, ok
 
 
 # ---- the reader: raw READs of the same bytes -----------------------------------------------------------------
@@ -274,6 +330,10 @@ def run(args) -> dict:
             finally:
                 raw1.close()
                 raw_n.close()
+            streamed, streamed_ok = streamed_pulls(
+                conn, backend, pool, num_tokens, args.chunk_tokens, args.pulls, args.device
+            )
+            ok = ok and streamed_ok
             med = {k: median([r[k] for r in rows if r[k] is not None]) for k in rows[0]}
             best = {f"{k}_min": min(r[k] for r in rows if r[k] is not None) for k in rows[0] if k.endswith("_ms")}
             sizes.append(
@@ -282,6 +342,7 @@ def run(args) -> dict:
                     "bytes_match": ok,
                     "page_plan_descriptors": page_descs,
                     "raw_page_plan_ms": raw_n_ms,
+                    "streamed": streamed,
                 }
                 | med
                 | best
@@ -303,6 +364,7 @@ def run(args) -> dict:
     return {
         "device": args.device,
         "layers": args.layers,
+        "chunk_tokens": args.chunk_tokens,
         "pulls": args.pulls,
         "sizes": sizes,
         "load_average": (load_at_start, os.getloadavg()[0]),
@@ -326,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu (host memory) or cuda (both processes on GPU 0)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048, 8192, 32768], help="prompt lengths")
     ap.add_argument("--layers", type=int, default=4, help="layers of the V4-Flash slice (its cache geometry)")
+    ap.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=2048,
+        help="prefill chunk of the streamed pulls (the engine's max_batch_tokens)",
+    )
     ap.add_argument("--pulls", type=int, default=15, help="timed pulls per prompt length (after one untimed)")
     ap.add_argument("--raw-iters", type=int, default=15)
     ap.add_argument("--json-out", default=None)
