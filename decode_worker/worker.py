@@ -5,6 +5,9 @@ reservation and a batch slot (a full worker answers DecodeOverloaded, retryable,
 the prefill side's pages into them with a deadline, yields a `Transferred` marker, then joins the running
 batch and yields every TokenEvent as it is produced. Any failure before the request joins frees the reserved
 pages; closing the stream early aborts the request.
+Streamed (`reserve_streamed`, `pull_chunk` for each chunk ticket of `PrefillWorker.prefill_streamed`, then `decode`
+with the result): the pages are reserved before the prefill ends, each chunk is pulled and scattered as it comes,
+and `decode` pulls only the rest (kv_transfer.plan's streaming).
 A staged NIXL pull leaves its last step, the scatter of the pulled bytes into the pages, to this worker
 (`TransferBackend.pull_deferred`): it is queued on the engine thread, in the call that joins the request to the
 batch, not on the pulling thread, whose many small torch calls each wait for the GIL there (kv_transfer.staging).
@@ -103,6 +106,7 @@ class DecodeWorker(WorkerBase):
         )
         self.peers: dict[str, bytes] = {}
         self.quarantined: dict = {}  # request id -> its Request, pages held behind a READ that may still land
+        self._streamed: dict[str, int] = {}  # streamed imports not joined yet -> the position their chunks reach
         self._sweeper: asyncio.Task | None = None
         # seconds: each pull's whole time here (thread hand-off included); pull_seconds: inside the backend's pull;
         # wire_seconds: its data movement alone; scatter_seconds: staged pulls' scatter (kv_transfer.TransferStats),
@@ -142,59 +146,23 @@ class DecodeWorker(WorkerBase):
         rid = result.request_id
         if result.ticket.source not in self.peers:  # this worker (or the source) restarted since the handshake
             raise PeerUnknown(result.ticket.source, self.worker_id)
-        try:
-            pages = await self.loop.acall(
-                lambda e: e.reserve_import(
-                    prompt,
-                    params,
-                    rid,
-                    result.seed,
-                    result.first_token,
-                    result.first_logprob,
-                    list(result.prompt_logprobs) if params.prompt_logprobs else None,
-                )
-            )
-        except OutOfPages as e:
-            raise DecodeOverloaded(f"decode worker {self.worker_id} has no room for {rid}: {e}") from None
-        start = time.monotonic()
-        claim = _PullClaim()
-        try:
-            stats, deferred = await asyncio.to_thread(
-                claim.pull, self.backend, result.ticket, pages, self.transfer_timeout_s
-            )
-        except TransferError as e:
-            kind = "timeout" if isinstance(e, TransferTimeout) else "error"
-            metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, kind).inc()
-            self.transfer_totals["failures"] += 1
-            if isinstance(e, ReadInFlight):  # the READ may still write the pages: keep them until it is over
-                await self.loop.acall(lambda eng: self._quarantine(eng, rid))
-                self._sweep_soon()
-            else:
+        streamed = self._streamed.pop(rid, None)
+        if streamed is None:
+            pages = await self._reserve(rid, prompt, params, result)
+        else:  # reserve_streamed took the pages, pull_chunk filled the chunks': set the first token, pull the rest
+            pages = await self.loop.acall(functools.partial(_complete_import, rid, result))
+            if result.ticket.start_tokens != streamed:
                 await self.loop.acall(lambda eng: eng.abort(rid))
-            raise
-        except BaseException:
-            claim.abandon()  # cancelled while the thread pulls: a scatter it leaves behind frees its range
-            metrics.KV_TRANSFER_ABORTS.labels(self.worker_id, self.transfer, "decode").inc()
-            await self.loop.acall(lambda eng: eng.abort(rid))
-            raise
+                raise TransferError(
+                    f"request {rid!r}: its chunks reached position {streamed} here, the final ticket starts at "
+                    f"{result.ticket.start_tokens}"
+                )
+        start = time.monotonic()
+        stats, deferred = await self._pull(rid, result.ticket, pages)
         seconds = time.monotonic() - start
         joined = False
         try:
-            metrics.KV_TRANSFER_TIME.labels(self.worker_id, self.transfer).observe(seconds)
-            metrics.KV_TRANSFER_BYTES.labels(self.worker_id, self.transfer).observe(stats.bytes)
-            totals = self.transfer_totals
-            totals["bytes"], totals["seconds"], totals["count"] = (
-                totals["bytes"] + stats.bytes,
-                totals["seconds"] + seconds,
-                totals["count"] + 1,
-            )
-            totals["pull_seconds"] += stats.seconds
-            totals["wire_seconds"] += stats.wire_seconds
-            totals["scatter_seconds"] += stats.scatter_seconds
-            totals["plan_seconds"] += stats.plan_seconds
-            totals["staging_wait_seconds"] += stats.staging_wait_seconds
-            totals["pull_cpu_seconds"] += stats.cpu_seconds
-            _add_scatter_parts(totals, stats.scatter_parts)
+            self._count_pull(stats, seconds)
             yield Transferred(request_id=rid, num_bytes=stats.bytes, seconds=seconds)
 
             sink = AsyncSink(asyncio.get_running_loop())
@@ -214,6 +182,7 @@ class DecodeWorker(WorkerBase):
             t_join = time.monotonic()
             parts = await self.loop.acall(join)
             joined = True
+            totals = self.transfer_totals
             totals["join_seconds"] += time.monotonic() - t_join
             if parts is not None:  # totals are only written on this (the actor's) thread
                 totals["scatter_seconds"] += parts["seconds"]
@@ -226,6 +195,89 @@ class DecodeWorker(WorkerBase):
                 self.loop.call(lambda eng: (eng.abort(rid), self.loop.unsubscribe(rid)))
         async for ev in self._stream(rid, sink):
             yield ev
+
+    async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, result: PrefillResult | None):
+        """Pages and a batch slot for an import (the first token from `result`; None: set when it comes)."""
+        first = (0, 0.0, 0, None) if result is None else _first_token(result, params)
+        try:
+            return await self.loop.acall(lambda e: e.reserve_import(prompt, params, rid, *first))
+        except OutOfPages as e:
+            raise DecodeOverloaded(f"decode worker {self.worker_id} has no room for {rid}: {e}") from None
+
+    async def _pull(self, rid: str, ticket, pages):
+        """Pull `ticket` into the import's `pages` on a worker thread -> (stats, deferred scatter or None). On
+        failure the import is aborted (its pages freed), or quarantined behind a READ that could not be cancelled."""
+        claim = _PullClaim()
+        try:
+            return await asyncio.to_thread(claim.pull, self.backend, ticket, pages, self.transfer_timeout_s)
+        except TransferError as e:
+            kind = "timeout" if isinstance(e, TransferTimeout) else "error"
+            metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, kind).inc()
+            self.transfer_totals["failures"] += 1
+            self._streamed.pop(rid, None)
+            if isinstance(e, ReadInFlight):  # the READ may still write the pages: keep them until it is over
+                await self.loop.acall(lambda eng: self._quarantine(eng, rid))
+                self._sweep_soon()
+            else:
+                await self.loop.acall(lambda eng: eng.abort(rid))
+            raise
+        except BaseException:
+            claim.abandon()  # cancelled while the thread pulls: a scatter it leaves behind frees its range
+            metrics.KV_TRANSFER_ABORTS.labels(self.worker_id, self.transfer, "decode").inc()
+            self._streamed.pop(rid, None)
+            await self.loop.acall(lambda eng: eng.abort(rid))
+            raise
+
+    def _count_pull(self, stats, seconds: float) -> None:
+        metrics.KV_TRANSFER_TIME.labels(self.worker_id, self.transfer).observe(seconds)
+        metrics.KV_TRANSFER_BYTES.labels(self.worker_id, self.transfer).observe(stats.bytes)
+        totals = self.transfer_totals
+        totals["bytes"] += stats.bytes
+        totals["seconds"] += seconds
+        totals["count"] += 1
+        totals["pull_seconds"] += stats.seconds
+        totals["wire_seconds"] += stats.wire_seconds
+        totals["scatter_seconds"] += stats.scatter_seconds
+        totals["plan_seconds"] += stats.plan_seconds
+        totals["staging_wait_seconds"] += stats.staging_wait_seconds
+        totals["pull_cpu_seconds"] += stats.cpu_seconds
+        _add_scatter_parts(totals, stats.scatter_parts)
+
+    # ---- streaming: chunks pulled while the prefill runs (PrefillWorker.prefill_streamed) -----------------
+    async def reserve_streamed(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Reserve pages and a batch slot for a request whose prefill has only begun (DecodeOverloaded when full),
+        so its chunk tickets can be pulled as they come (`pull_chunk`); `decode` with its PrefillResult then
+        pulls the rest and joins it. `abort` drops it at any point (its pages are freed)."""
+        await self._reserve(request_id, prompt, params, None)
+        self._streamed[request_id] = 0
+
+    async def pull_chunk(self, request_id: str, ticket) -> Transferred:
+        """Pull one chunk ticket (final=False) of a streamed request into its reserved pages; chunks come in
+        order. A failure aborts the import (TransferError), as a failed pull in `decode` does."""
+        covered = self._streamed.get(request_id)
+        if covered is None:
+            raise TransferError(f"request {request_id!r} has no streamed reservation on {self.worker_id}")
+        if ticket.final or ticket.start_tokens != covered:
+            await self.abort(request_id)
+            raise TransferError(
+                f"request {request_id!r}: chunk ticket from position {ticket.start_tokens} (final={ticket.final}); "
+                f"its chunks reached {covered} here"
+            )
+        if ticket.source not in self.peers:
+            raise PeerUnknown(ticket.source, self.worker_id)
+        pages = await self.loop.acall(lambda e: e.imports[request_id].pages)
+        start = time.monotonic()
+        stats, deferred = await self._pull(request_id, ticket, pages)
+        if deferred is not None:  # on the engine thread and stream, as in `decode`'s join (never read before it)
+            try:
+                await self.loop.acall(lambda e: deferred.run())
+            finally:
+                deferred.cancel()  # a no-op after run; frees the range when the call never ran
+        seconds = time.monotonic() - start
+        self._count_pull(stats, seconds)
+        if request_id in self._streamed:  # not aborted meanwhile
+            self._streamed[request_id] = ticket.num_tokens
+        return Transferred(request_id=request_id, num_bytes=stats.bytes, seconds=seconds)
 
     # ---- pages behind a READ that could not be cancelled (kv_transfer.base.ReadInFlight) -----------------
     def _quarantine(self, engine, rid: str) -> None:
@@ -288,4 +340,23 @@ class DecodeWorker(WorkerBase):
                 await self.loop.acall(lambda e: (e.abort(rid), self.loop.unsubscribe(rid)))
 
     async def abort(self, request_id: str) -> None:
+        self._streamed.pop(request_id, None)
         await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))
+
+
+def _first_token(result: PrefillResult, params: SamplingParams) -> tuple:
+    """reserve_import's (seed, first_token, first_logprob, prompt_logprobs) from a prefill's result."""
+    lps = list(result.prompt_logprobs) if params.prompt_logprobs else None
+    return result.seed, result.first_token, result.first_logprob, lps
+
+
+def _complete_import(rid: str, result: PrefillResult, engine) -> dict:
+    """Engine thread: give a streamed import (reserved before its prefill ended) the prefill's first token, seed
+    and prompt logprobs -> its pages."""
+    req = engine.imports.get(rid)
+    if req is None:
+        raise TransferError(f"request {rid!r} is no longer reserved here (aborted)")
+    req.seed, req.output, req.logprobs = result.seed, [result.first_token], [result.first_logprob]
+    if req.params.prompt_logprobs:
+        req.prompt_logprobs = list(result.prompt_logprobs)
+    return req.pages

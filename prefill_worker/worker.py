@@ -3,7 +3,8 @@
 One engine per worker, stepped by an EngineLoop thread; many requests share each step (the engine's
 scheduler packs prompt chunks up to `max_batch_tokens`). A request stops after its first token with its
 caches held; `export` registers it with the transfer backend and returns a ticket the decode side pulls
-with. The backend reports the decode side's confirmation (or failure, or lease expiry) through `poll`,
+with. Streamed (`prefill_streamed`), each step's completed pages are exported as chunk tickets while the prompt is
+still being prefilled, and the final ticket moves only the rest (kv_transfer.plan). The backend reports the decode side's confirmation (or failure, or lease expiry) through `poll`,
 which runs on the engine thread and frees the pages there: the prefill side frees only after the
 decode side has confirmed.
 """
@@ -11,10 +12,14 @@ decode side has confirmed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from engine.execution.sampling_params import SamplingParams
-from engine.handoff import PrefillResult
+from engine.handoff import PrefillResult, TransferTicket
 from engine.runtime.engine_loop import AsyncSink
 from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
@@ -23,6 +28,14 @@ from kv_transfer.base import ABORTED, release_kind
 from kv_transfer.registry import make_backend, network_options, resolve_name
 
 POLL_INTERVAL_S = 0.02
+
+
+@dataclass
+class _Stream:
+    """A streamed prefill (`prefill_streamed`): where its chunk tickets go, and the position its chunks reach."""
+
+    sink: AsyncSink
+    start_tokens: int = 0
 
 
 class PrefillWorker(WorkerBase):
@@ -52,6 +65,7 @@ class PrefillWorker(WorkerBase):
         )
         self.backend.add_release_callback(self._on_release)
         self._poller: asyncio.Task | None = None
+        self._streams: dict[str, _Stream] = {}  # streamed requests still prefilling (engine thread only)
 
     # ---- engine thread ---------------------------------------------------------------------------
     def _on_release(self, request_id: str, error: str | None) -> None:
@@ -65,6 +79,8 @@ class PrefillWorker(WorkerBase):
     def _on_step(self, engine, events) -> None:
         if self.backend is not None:  # the first steps can run before the backend is attached
             self.backend.poll()
+            if self._streams:
+                self._export_chunks(engine)
         self.publish_load()
 
     # ---- actor API -------------------------------------------------------------------------------
@@ -80,6 +96,28 @@ class PrefillWorker(WorkerBase):
     async def prefill(
         self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None = None
     ) -> PrefillResult:
+        result = None
+        async with contextlib.aclosing(self._prefill_items(request_id, prompt, params, seed, streamed=False)) as items:
+            async for item in items:
+                result = item
+        assert isinstance(result, PrefillResult)  # the only item of an unstreamed prefill
+        return result
+
+    async def prefill_streamed(
+        self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None = None
+    ) -> AsyncIterator[TransferTicket | PrefillResult]:
+        """Streaming (a Ray streaming method): a chunk `TransferTicket` (final=False) whenever a prefill step
+        completed pages of the request's caches, for the decode side to pull while later chunks are prefilled
+        (`DecodeWorker.decode_streamed`), then the `PrefillResult`, whose ticket moves the rest (start_tokens).
+        Closing the stream early, or an error, aborts the request and releases its chunks."""
+        # closed with this stream: an early close drops the request there (an async for alone would leave it open)
+        async with contextlib.aclosing(self._prefill_items(request_id, prompt, params, seed, streamed=True)) as items:
+            async for item in items:
+                yield item
+
+    async def _prefill_items(
+        self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None, streamed: bool
+    ) -> AsyncIterator[TransferTicket | PrefillResult]:
         if self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
         arrival = time.monotonic()
@@ -88,6 +126,8 @@ class PrefillWorker(WorkerBase):
         def add(engine):
             engine.add_request(prompt, params, request_id, prefill_only=True, seed=seed)
             self.loop.subscribe(request_id, sink)
+            if streamed:
+                self._streams[request_id] = _Stream(sink)
 
         await self.loop.acall(add)
         first_step = None
@@ -97,12 +137,15 @@ class PrefillWorker(WorkerBase):
                 ev = await sink.queue.get()
                 if isinstance(ev, BaseException):
                     raise ev
+                if isinstance(ev, TransferTicket):  # a chunk exported by _export_chunks
+                    yield ev
+                    continue
                 first_step = first_step or time.monotonic()
                 prompt_lps.extend(ev.prompt_logprobs)
                 if ev.token_id is not None:
                     break
         except BaseException:
-            await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))
+            await self.loop.acall(functools.partial(self._drop, request_id))
             raise
         done = time.monotonic()
         self.first_token_times.add(done - arrival, done)
@@ -113,14 +156,21 @@ class PrefillWorker(WorkerBase):
         metrics.GENERATION_TOKENS.labels(*labels).inc()
 
         def finish(engine):
+            stream = self._streams.pop(request_id, None)
             if ev.finished:
+                self.backend.release(request_id, ABORTED)  # chunks nobody needs now
                 req = engine.pop_finished(request_id)
                 return req.seed, None
             req = engine.held_request(request_id)
-            return req.seed, self.backend.export(request_id, req.pages, req.num_computed)
+            start = stream.start_tokens if stream is not None else 0
+            return req.seed, self.backend.export(request_id, req.pages, req.num_computed, start_tokens=start)
 
-        seed_used, ticket = await self.loop.acall(finish)
-        return PrefillResult(
+        try:
+            seed_used, ticket = await self.loop.acall(finish)
+        except BaseException:
+            await self.loop.acall(functools.partial(self._drop, request_id))
+            raise
+        yield PrefillResult(
             request_id=request_id,
             worker_id=self.worker_id,
             first_token=ev.token_id,
@@ -137,12 +187,24 @@ class PrefillWorker(WorkerBase):
         )
 
     async def abort(self, request_id: str) -> None:
-        """Drop a request (queued, running or held) and withdraw its export; frees its pages."""
+        """Drop a request (queued, running or held) and withdraw its export and chunks; frees its pages."""
+        await self.loop.acall(functools.partial(self._drop, request_id))
 
-        def drop(engine):
-            self.backend.release(request_id, ABORTED)
-            if request_id not in self.backend.exported():  # else a read of its pages is in progress: the release
-                engine.abort(request_id)  # frees them after it (kv_transfer.base.release)
-            self.loop.unsubscribe(request_id)
+    def _drop(self, request_id: str, engine) -> None:
+        """Engine thread: withdraw the request's export (and streamed chunks) and abort it."""
+        self._streams.pop(request_id, None)
+        self.backend.release(request_id, ABORTED)
+        if request_id not in self.backend.exported():  # else a read of its pages is in progress: the release
+            engine.abort(request_id)  # frees them after it (kv_transfer.base.release)
+        self.loop.unsubscribe(request_id)
 
-        await self.loop.acall(drop)
+    def _export_chunks(self, engine) -> None:
+        """Engine thread, after a step: export the pages each streamed request's finished chunks completed."""
+        for rid, stream in self._streams.items():
+            req = engine.requests.get(rid)
+            if req is None or req.num_computed <= stream.start_tokens:  # queued, or done (the final export's)
+                continue
+            ticket = self.backend.export_chunk(rid, req.pages, req.num_computed, stream.start_tokens)
+            if ticket is not None:
+                stream.start_tokens = req.num_computed
+                stream.sink.put(ticket)
