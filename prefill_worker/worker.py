@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from engine.execution.sampling_params import SamplingParams
@@ -105,7 +105,7 @@ class PrefillWorker(WorkerBase):
 
     async def prefill_streamed(
         self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None = None
-    ) -> AsyncIterator[TransferTicket | PrefillResult]:
+    ) -> AsyncGenerator[TransferTicket | PrefillResult, None]:
         """Streaming (a Ray streaming method): a chunk `TransferTicket` (final=False) whenever a prefill step
         completed pages of the request's caches, for the decode side to pull while later chunks are prefilled
         (`DecodeWorker.decode_streamed`), then the `PrefillResult`, whose ticket moves the rest (start_tokens).
@@ -117,7 +117,7 @@ class PrefillWorker(WorkerBase):
 
     async def _prefill_items(
         self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None, streamed: bool
-    ) -> AsyncIterator[TransferTicket | PrefillResult]:
+    ) -> AsyncGenerator[TransferTicket | PrefillResult, None]:
         if self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
         arrival = time.monotonic()
