@@ -19,6 +19,7 @@ import asyncio
 import functools
 import threading
 import time
+from dataclasses import dataclass
 
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
@@ -39,6 +40,17 @@ from kv_transfer.registry import make_backend, network_options, resolve_name
 #   thread that ran it over the same span; join_seconds: from asking the engine thread to join the request
 #   (scatter included) until it has (the wait for the step in flight).
 QUARANTINE_SWEEP_S = 0.5  # how often quarantined pages are checked for their READ's end
+STREAM_IDLE_S = 120.0  # a streamed reservation without a chunk for this long is aborted (as the prefill's lease)
+
+
+@dataclass
+class _StreamedImport:
+    """A streamed request reserved here before its prefill ended (`reserve_streamed`): the position its pulled
+    chunks reach, and when it expires without another chunk."""
+
+    deadline: float
+    covered: int = 0
+
 
 TRANSFER_PARTS = (
     "plan_seconds",
@@ -106,7 +118,8 @@ class DecodeWorker(WorkerBase):
         )
         self.peers: dict[str, bytes] = {}
         self.quarantined: dict = {}  # request id -> its Request, pages held behind a READ that may still land
-        self._streamed: dict[str, int] = {}  # streamed imports not joined yet -> the position their chunks reach
+        self._streamed: dict[str, _StreamedImport] = {}  # streamed imports not joined yet
+        self._stream_sweeper: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
         # seconds: each pull's whole time here (thread hand-off included); pull_seconds: inside the backend's pull;
         # wire_seconds: its data movement alone; scatter_seconds: staged pulls' scatter (kv_transfer.TransferStats),
@@ -146,15 +159,15 @@ class DecodeWorker(WorkerBase):
         rid = result.request_id
         if result.ticket.source not in self.peers:  # this worker (or the source) restarted since the handshake
             raise PeerUnknown(result.ticket.source, self.worker_id)
-        streamed = self._streamed.pop(rid, None)
-        if streamed is None:
+        stream = self._streamed.pop(rid, None)
+        if stream is None:
             pages = await self._reserve(rid, prompt, params, result)
         else:  # reserve_streamed took the pages, pull_chunk filled the chunks': set the first token, pull the rest
             pages = await self.loop.acall(functools.partial(_complete_import, rid, result))
-            if result.ticket.start_tokens != streamed:
+            if result.ticket.start_tokens != stream.covered:
                 await self.loop.acall(lambda eng: eng.abort(rid))
                 raise TransferError(
-                    f"request {rid!r}: its chunks reached position {streamed} here, the final ticket starts at "
+                    f"request {rid!r}: its chunks reached position {stream.covered} here, the final ticket starts at "
                     f"{result.ticket.start_tokens}"
                 )
         start = time.monotonic()
@@ -249,14 +262,17 @@ class DecodeWorker(WorkerBase):
         so its chunk tickets can be pulled as they come (`pull_chunk`); `decode` with its PrefillResult then
         pulls the rest and joins it. `abort` drops it at any point (its pages are freed)."""
         await self._reserve(request_id, prompt, params, None)
-        self._streamed[request_id] = 0
+        self._streamed[request_id] = _StreamedImport(deadline=time.monotonic() + STREAM_IDLE_S)
+        if self._stream_sweeper is None or self._stream_sweeper.done():
+            self._stream_sweeper = asyncio.get_running_loop().create_task(self._expire_streams())
 
     async def pull_chunk(self, request_id: str, ticket) -> Transferred:
         """Pull one chunk ticket (final=False) of a streamed request into its reserved pages; chunks come in
         order. A failure aborts the import (TransferError), as a failed pull in `decode` does."""
-        covered = self._streamed.get(request_id)
-        if covered is None:
+        stream = self._streamed.get(request_id)
+        if stream is None:
             raise TransferError(f"request {request_id!r} has no streamed reservation on {self.worker_id}")
+        covered = stream.covered
         if ticket.final or ticket.start_tokens != covered:
             await self.abort(request_id)
             raise TransferError(
@@ -275,9 +291,17 @@ class DecodeWorker(WorkerBase):
                 deferred.cancel()  # a no-op after run; frees the range when the call never ran
         seconds = time.monotonic() - start
         self._count_pull(stats, seconds)
-        if request_id in self._streamed:  # not aborted meanwhile
-            self._streamed[request_id] = ticket.num_tokens
+        stream.covered, stream.deadline = ticket.num_tokens, time.monotonic() + STREAM_IDLE_S
         return Transferred(request_id=request_id, num_bytes=stats.bytes, seconds=seconds)
+
+    async def _expire_streams(self) -> None:
+        """Abort streamed reservations that saw no chunk for STREAM_IDLE_S (their dispatcher is gone): their pages
+        and batch slot come back, as the prefill side's lease frees its pages."""
+        while self._streamed:
+            await asyncio.sleep(min(1.0, STREAM_IDLE_S))
+            now = time.monotonic()
+            for rid in [r for r, st in self._streamed.items() if st.deadline <= now]:
+                await self.abort(rid)
 
     # ---- pages behind a READ that could not be cancelled (kv_transfer.base.ReadInFlight) -----------------
     def _quarantine(self, engine, rid: str) -> None:

@@ -22,6 +22,12 @@ buffer, kv_transfer.staging); whatever it holds is freed (`_unstage`) when the e
 events as the pages, and the ticket tells the decode side where the packed bytes are (`TransferTicket.staging`).
 The decode side's last step of such a pull, the scatter of the staged bytes into the pages, can be left to the
 caller (`pull_deferred`): the decode worker runs it on its engine's thread (kv_transfer.staging says why).
+Streaming: while a request is still being prefilled, `export_chunk` offers the pages its finished chunks filled
+(kv_transfer.plan), each chunk an export of its own (`chunk_id`) with its lease and staging; the decode side pulls
+a chunk ticket like any other (`pull`), and the final `export(..., start_tokens=...)` moves only the rest. A chunk's
+release (its pull's confirmation, its lease, or the request's `release`, which takes the request's chunks with it)
+frees what was staged for it and fires no release callback: the pages stay the request's until the final export's
+release (or the caller's abort of a request that never got one).
 """
 
 from __future__ import annotations

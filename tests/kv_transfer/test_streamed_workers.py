@@ -121,3 +121,24 @@ def test_a_chunk_out_of_order_fails_and_frees_the_reservation(workers):
 
     asyncio.run(scenario())
     assert_idle(prefill, decode)
+
+
+def test_an_abandoned_streamed_reservation_expires(workers, monkeypatch):
+    """No chunk for STREAM_IDLE_S (the dispatcher that reserved it is gone): the reservation is aborted."""
+    prefill, decode = workers
+    monkeypatch.setattr("decode_worker.worker.STREAM_IDLE_S", 0.05)
+
+    async def scenario():
+        await decode.reserve_streamed("d", prompt(3), PARAMS)
+        assert decode.stats().running == 1
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if decode.stats().running == 0:
+                break
+        stream = prefill.prefill_streamed("d", prompt(3), PARAMS)
+        with pytest.raises(TransferError, match="no streamed reservation"):
+            await decode.pull_chunk("d", await anext(stream))
+        await stream.aclose()
+
+    asyncio.run(scenario())
+    assert_idle(prefill, decode)
