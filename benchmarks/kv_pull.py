@@ -185,6 +185,7 @@ def service_pulls(conn, backend, pool, num_tokens: int, pulls: int, device: str,
                     "read_ms": stats.wire_seconds * 1e3,
                     "pull_other_ms": (stats.seconds - sum(parts)) * 1e3,  # layout, descriptors, confirmation
                     "pull_ms": stats.seconds * 1e3,
+                    "pull_cpu_ms": stats.cpu_seconds * 1e3,  # the pulling thread's CPU (the READ's cma copy in it)
                     "scatter_ms": (t2 - t1) * 1e3,
                     "scatter_copies_ms": copies * 1e3,  # the copy launches (on the CPU: the copies themselves)
                     "whole_ms": (t2 - t0) * 1e3,

@@ -53,6 +53,7 @@ PARTS = (
     ("staging_wait_ms", "staging range"),
     ("read_ms", "READ (post to DONE)"),
     ("pull_other_ms", "layout, descriptors, confirmation sent"),
+    ("pull_cpu_ms", "pulling thread's CPU (all of the pull)"),
     ("scatter_ms", "scatter (engine thread)"),
     ("scatter_copies_ms", "of which the copies"),
     ("export_ms", "export on the source (plan + gather)"),
