@@ -20,6 +20,7 @@ on a GPU).
 
     python -m benchmarks.kv_pull                          # CPU, host memory, writes BENCHMARKS.md kv_pull
     python -m benchmarks.kv_pull --device cuda --tokens 8192 32768 --pulls 20   # both processes on GPU 0
+    python -m benchmarks.kv_pull --device cuda:0 --source-device cuda:1 --tokens 8192 32768   # one GPU each
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import importlib.metadata
 import json
 import multiprocessing as mp
 import os
@@ -314,7 +316,8 @@ def run(args) -> dict:
     max_tokens = max(args.tokens) + 4096
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=source_main, args=(child_conn, args.device, max_tokens, args.layers), daemon=True)
+    source_device = getattr(args, "source_device", None) or args.device
+    proc = ctx.Process(target=source_main, args=(child_conn, source_device, max_tokens, args.layers), daemon=True)
     proc.start()
     pool = make_pool(args.device, max_tokens, args.layers)
     backend = NixlBackend(pool, worker_name=READER_NAME)
@@ -363,7 +366,7 @@ def run(args) -> dict:
         if proc.is_alive():
             proc.kill()
     return {
-        "device": args.device,
+        "device": args.device if source_device == args.device else f"{source_device} -> {args.device}",
         "layers": args.layers,
         "chunk_tokens": args.chunk_tokens,
         "pulls": args.pulls,
@@ -379,14 +382,23 @@ def machine(device: str) -> str:
     from kv_transfer.nixl_backend import import_nixl
 
     _, _, mod = import_nixl()
-    nixl = getattr(mod, "__version__", None) or mod.__name__.split(".")[0]
+    package = mod.__name__.split(".")[0]
+    try:
+        nixl = f"{package} {importlib.metadata.version(package.replace('_', '-'))}"
+    except importlib.metadata.PackageNotFoundError:
+        nixl = package
     dev = torch.cuda.get_device_name(0) if device != "cpu" else f"{os.cpu_count()} CPU cores ({platform.machine()})"
     return f"{dev}, torch {torch.__version__}, NIXL {nixl}, Python {platform.python_version()}"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kv_pull", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cpu", help="cpu (host memory) or cuda (both processes on GPU 0)")
+    ap.add_argument("--device", default="cpu", help="the reader's: cpu (host memory), cuda (GPU 0) or cuda:N")
+    ap.add_argument(
+        "--source-device",
+        default=None,
+        help="the source process's (default: --device; cuda:1 with --device cuda:0 is the two-GPU run)",
+    )
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048, 8192, 32768], help="prompt lengths")
     ap.add_argument("--layers", type=int, default=4, help="layers of the V4-Flash slice (its cache geometry)")
     ap.add_argument(

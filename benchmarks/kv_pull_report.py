@@ -15,7 +15,8 @@ What this setup cannot show, and what a two-GPU run adds:
   two processes time-slice it (no MPS), so a READ can wait behind the other process's kernels; the service run of
   2026-12-04 (gpu_service) saw a 1.47 MB READ take 1.66 ms against ~26 us at the raw rate and could not separate
   the causes. It also has no NVLink or network hop between the pools.
-- A two-GPU run (one pool a GPU, `CUDA_VISIBLE_DEVICES` apart, or two nodes) shows the READ over NVLink / the NIC
+- A two-GPU run (`python -m benchmarks.kv_pull --device cuda:0 --source-device cuda:1`, or two nodes) shows the
+  READ over NVLink / the NIC
   at the descriptor count of a staged pull, without time-slicing, and with prefill running on its own device:
   the pull's GB/s against NIXL's raw rate between the two devices, and how much of a streamed pull is hidden
   under the prefill of later chunks."""

@@ -309,7 +309,8 @@ class NixlBackend(TransferBackend):
     def _confirm(self, source: str, done: bytes) -> None:
         """Tell the source its pages may go, once the READ is DONE (every byte landed here). Sent apart from the
         READ, not as its notification: a READ that carries one is DONE only once the source has taken the message
-        (0.2-6 ms more a pull on a busy host, kv_pull in BENCHMARKS.md), and the pull need not wait for that. Best
+        (between two processes of a busy 2-core host, a 1 MB host-memory READ was DONE 0.2-6 ms after its post
+        with a notification, ~0.1 ms without; send_notif returns in ~0.02 ms), and the pull need not wait. Best
         effort: the bytes are here; a source that misses it frees the pages when the lease ends."""
         try:
             self.agent.send_notif(source, done)
