@@ -31,8 +31,11 @@ with fewer remembered blocks (more room for a new prefix), then rotate, so idle 
 Real locality: when every prefill candidate publishes a `PrefixDigest` (what its engine's prefix cache
 can resume from, router/locality.py), nothing is estimated or recorded: `cache_aware` picks the worker
 with the least prompt compute queued + needed (`choose_by_cache`: pending uncached tokens this router sent
-there, plus this prompt's uncached tokens there, weighted by `uncached_weight`), under the same hot-spot guard; `Decision.cached_tokens`
-is the chosen worker's real cached prefix. The router calls `prefill_done` when a prefill ends.
+there, plus this prompt's uncached tokens there, weighted by `uncached_weight`, the backlog and the
+worker's recent work: router/locality.py has the rule), under the same hot-spot guard;
+`Decision.cached_tokens` is the chosen worker's real cached prefix. The router calls `prefill_done` when
+a prefill ends. Prompts are hashed through `router.prompt_hashes.PromptHasher` (the engine's names,
+remembered per prefix: a session's next turn hashes only its new blocks).
 
 Decode rule: a `colocated` prefill worker decodes its own request (reason "colocated"). Otherwise among
 healthy `decode` workers: those whose effective free KV (reported free tokens minus the tokens of
@@ -59,9 +62,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from engine.execution.block_hash import block_hashes
 from router import locality
 from router.dispatch import DECODE_ROLES, PREFILL_ROLES, NoWorkerAvailable, WorkerInfo
+from router.prompt_hashes import PromptHasher
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
 PREFILL_REASONS = ("prefix_hit", "least_loaded", "round_robin", "hotspot_guard", "no_match", "local_prefill")
@@ -118,14 +121,19 @@ class PolicyConfig:
     cache_threshold: float = 0.3  # min fraction of the prompt's blocks matched to follow the prefix
     balance_abs_threshold: int = 64  # hot-spot guard: load(best) - min_load must exceed this ...
     balance_rel_threshold: float = 1.5  # ... and load(best) must exceed this x min_load
-    # cache_aware on real digests: prompt tokens computed recently (decayed with this half-life) above the
-    # workers' mean are charged to a worker's cost, so sticky prefixes cannot pile work onto one worker.
-    balance_half_life_s: float = 30.0
-    # cache_aware on real digests: a prompt token a worker must compute counts this many times a token already
-    # queued there. Recomputing a prefix elsewhere costs more than this request's wait: the work delays every
-    # later request too and the copy evicts other prefixes, so a session stays with the worker holding its
-    # prefix unless the holder's queue is longer by more than (weight x the cached part).
+    # cache_aware on real digests (router/locality.py has the rule and the measurements behind these):
+    # a prompt token a worker must compute counts this many times a token already queued there (a prefix
+    # recomputed elsewhere delays every later request there too, and its copy evicts other prefixes) ...
     uncached_weight: float = 2.0
+    # ... times (1 + backlog_gain x the shortest queue of prompt tokens among the candidates / this prompt's
+    # tokens): when every worker has a queue, recomputing a prefix only adds to the total backlog, so sessions
+    # stick harder (the shortest queue, not the mean: a long queue on the holder alone must not make it stickier)
+    backlog_gain: float = 0.5
+    # ... times (1 + balance_gain x r), r = the worker's prompt tokens computed recently (decayed with this
+    # half-life) relative to the candidates' mean, clamped to [-1, 1]: a busy worker's misses cost more, a
+    # cold one's less, while a session's next turn (few tokens to compute where its prefix is) stays put.
+    balance_gain: float = 0.8
+    balance_half_life_s: float = 30.0
     # Conditional disaggregation (cache_aware on real digests): a request whose part not cached on its
     # decode worker is at most this many tokens is prefilled there, skipping the transfer. 0 = off (the
     # crossover of transfer cost vs prefill on the decode batch has not been measured on GPUs yet).
@@ -144,6 +152,10 @@ class PolicyConfig:
             raise ValueError(f"uncached_weight must be >= 1, got {self.uncached_weight}")
         if self.balance_half_life_s <= 0:
             raise ValueError(f"balance_half_life_s must be > 0, got {self.balance_half_life_s}")
+        if not 0.0 <= self.balance_gain < 1.0 or self.backlog_gain < 0.0:
+            raise ValueError(
+                f"balance_gain must be in [0, 1) and backlog_gain >= 0, got {self.balance_gain}, {self.backlog_gain}"
+            )
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError(
                 "balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1, got "
@@ -184,6 +196,7 @@ class RoutingPolicy:
         self._pending: Counter[str] = Counter()  # uncached prompt tokens sent, prefill not finished (per worker)
         self._recent = locality.RecentWork(self.config.balance_half_life_s)  # uncached prompt tokens sent
         self._index = locality.CacheIndex()  # the workers' published digests, inverted
+        self._estimate_hasher = PromptHasher(self.config.block_size, ESTIMATE_SEED)
 
     # ---- state the server feeds in ---------------------------------------------------------
     def set_health(self, worker_id: str, healthy: bool) -> bool:
@@ -309,7 +322,7 @@ class RoutingPolicy:
             )
         # Every candidate publishes its real cache (router.locality): no estimate is needed or recorded.
         real = all(w.prefix is not None for w in prefill_cands)
-        hashes = [] if real else block_hashes(prompt_ids, self.config.block_size, ESTIMATE_SEED)
+        hashes = [] if real else self._estimate_hasher.hashes(prompt_ids)
         local = self._local_prefill(prompt_ids, max_total_tokens, up, prefill_cands) if real else None
         if local is not None:
             self._pending[local.prefill.worker_id] += local.prefill.uncached_tokens
@@ -363,21 +376,29 @@ class RoutingPolicy:
         return self._pending[worker_id]
 
     def choose_by_cache(self, prompt_ids: Sequence[int], candidates: Sequence[WorkerInfo], now: float) -> Decision:
-        """cache_aware over real digests (router.locality): least prompt compute queued + needed + recent
-        work above the mean, under the hot-spot guard. One pass over the candidates (runs per request)."""
+        """cache_aware over real digests (router.locality): the least pending + weight x uncached x balance,
+        under the hot-spot guard. Two passes over the candidates, a few dict reads each (runs per request)."""
         n = len(prompt_ids)
         self._index.sync(candidates)
         cached = self._index.cached(prompt_ids)
-        inv = 1.0 / self._recent.scale(now)
-        stored, pending, inflight = self._recent.stored, self._pending, self._inflight
-        weight = self.config.uncached_weight
-        mean = sum(stored.get(w.worker_id, 0.0) for w in candidates) * inv / len(candidates)
-        best_key, ties, min_load, least = None, [], None, []
+        cfg, pending, inflight = self.config, self._pending, self._inflight
+        stored, gain = self._recent.stored, cfg.balance_gain
+        total = sum(stored.get(w.worker_id, 0.0) for w in candidates)
+        # r = recent / mean - 1 (the decay scale cancels out of the ratio); no recent work anywhere: r = 0
+        per_mean = len(candidates) / total if total > 0 else 0.0
+        rows, queued = [], None
         for w in candidates:
             wid = w.worker_id
-            c = cached.get(wid, 0)
-            load = max(w.running + w.waiting, inflight.get(wid, 0))
-            key = (pending.get(wid, 0) + weight * (n - c) + max(0.0, stored.get(wid, 0.0) * inv - mean), load)
+            p, c = pending.get(wid, 0), cached.get(wid, 0)
+            r = stored.get(wid, 0.0) * per_mean - 1.0 if per_mean else 0.0
+            rows.append(
+                (w, c, p, (n - c) * (1.0 + gain * min(1.0, r)), max(w.running + w.waiting, inflight.get(wid, 0)))
+            )
+            queued = p if queued is None or p < queued else queued
+        weight = cfg.uncached_weight * (1.0 + cfg.backlog_gain * (queued or 0) / max(n, 1))
+        best_key, ties, min_load, least = None, [], None, []
+        for w, c, p, miss, load in rows:
+            key = (p + weight * miss, load)
             if best_key is None or key < best_key:
                 best_key, ties = key, [(w, c)]
             elif key == best_key:

@@ -106,15 +106,16 @@ class SimWorker:
         return WorkerInfo(self.worker_id, "colocated", True, min(busy, 1), max(busy - 1, 0), 1 << 40, prefix=prefix)
 
 
-def prompt_tokens(req: TraceRequest, block: int) -> list[int]:
+def prompt_tokens(req: TraceRequest, block: int) -> tuple[int, ...]:
     """Token ids standing for the request's blocks: block id h is tokens h*block .. h*block+block-1, so equal
-    ids are equal content and the policy's chained hashes see shared prefixes exactly where the trace has."""
+    ids are equal content and the policy's chained hashes see shared prefixes exactly where the trace has.
+    A tuple, as the router gets them (`DispatchRequest.prompt_ids`)."""
     out: list[int] = []
     for h in req.hash_ids:
         out.extend(range(h * block, h * block + block))
         if len(out) >= req.input_length:
             break
-    return out[: req.input_length]
+    return tuple(out[: req.input_length])
 
 
 def _pct(xs: list[float], q: float) -> float:

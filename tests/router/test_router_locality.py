@@ -62,7 +62,8 @@ def test_cached_tokens_is_the_deepest_published_block_and_leaves_one_token():
 
 def test_cache_aware_follows_real_cache_until_queued_work_outweighs_it():
     prompt = list(range(40))  # 10 blocks
-    pol = RoutingPolicy(PolicyConfig("cache_aware"))
+    # The queue-vs-cache arithmetic alone (no balance or backlog terms: those have their own tests below).
+    pol = RoutingPolicy(PolicyConfig("cache_aware", balance_gain=0.0, backlog_gain=0.0))
     ws = [worker("a", digest(prompt, 9)), worker("b", digest(prompt, 0)), worker("c", digest(prompt, 0))]
     p = pol.place(prompt, 100, ws).prefill
     assert (p.worker_id, p.reason, p.cached_tokens, p.uncached_tokens) == ("a", "prefix_hit", 36, 4)
@@ -78,6 +79,50 @@ def test_cache_aware_follows_real_cache_until_queued_work_outweighs_it():
     assert pol.pending_tokens("a") == 0
 
 
+def shared_context_workers(sessions: int, tools_blocks: int = 8, private_blocks: int = 4):
+    """Agent-like traffic: every prompt starts with the same tool context; session i's own blocks follow.
+    Workers h0..h{sessions-1} each hold the tools + one session's prompt so far; "cold" holds only the tools."""
+    tools = list(range(10_000, 10_000 + tools_blocks * BLOCK))
+    own = [tools + list(range(1000 * (i + 1), 1000 * (i + 1) + private_blocks * BLOCK)) for i in range(sessions)]
+    ws = [worker(f"h{i}", digest(p, len(p) // BLOCK)) for i, p in enumerate(own)]
+    return tools, own, ws + [worker("cold", digest(tools, tools_blocks))]
+
+
+def test_a_worker_short_of_recent_work_takes_new_sessions_but_does_not_soak_up_held_ones():
+    """The balance term scales a worker's misses by its recent work: it must not pull a queue of other sessions'
+    next steps onto the one worker that has done less (each would recompute its session's own blocks and wait
+    behind the others: the agentic trace's TTFT tail when the term was added to the cost instead)."""
+    tools, own, ws = shared_context_workers(6)
+    pol = RoutingPolicy(PolicyConfig("cache_aware"))
+    for i in range(6):  # the holders computed their sessions recently; "cold" did nothing
+        pol._recent.add(f"h{i}", 1000, now=0.0)
+    # A burst: every session's next step (one more block) arrives before any prefill ends.
+    burst = [p + [7000 + i] * BLOCK for i, p in enumerate(own)]
+    picks = [pol.place(p, len(p) + 8, ws, now=1.0).prefill.worker_id for p in burst]
+    assert picks.count("cold") <= 1, picks  # (adding the term to the cost put all 6 there)
+    assert all(w in (f"h{i}", "cold") for i, w in enumerate(picks))
+    # A new session (only the shared tools cached anywhere) goes where recent work is lowest: the cold worker.
+    fresh = tools + list(range(50_000, 50_000 + 4 * BLOCK))
+    assert pol.place(fresh, len(fresh) + 8, ws, now=1.0).prefill.worker_id == "cold"
+
+
+def test_backlog_everywhere_makes_sessions_stick():
+    """With every worker queued, recomputing a prefix elsewhere only adds to the total backlog: the same queue gap
+    that moves a session when the pool is idle keeps it on its holder when the others are busy too."""
+    prompt = list(range(40))  # 10 blocks, 36 tokens cached on a
+    ws = [worker("a", digest(prompt, 9)), worker("b", digest(prompt, 0))]
+
+    def choice(a_queue, b_queue, gain):
+        pol = RoutingPolicy(PolicyConfig("cache_aware", balance_gain=0.0, backlog_gain=gain))
+        pol._pending.update(a=a_queue, b=b_queue)
+        return pol.place(prompt, 100, ws).prefill.worker_id
+
+    # a's queue is 80 tokens longer: more than 2 x 36 cached -> b, with or without the backlog term ...
+    assert choice(80, 0, 0.0) == choice(80, 0, 0.5) == "b"
+    # ... but with 400 tokens queued on b as well, the backlog term keeps the session on a.
+    assert choice(480, 400, 0.0) == "b" and choice(480, 400, 0.5) == "a"
+
+
 def test_real_view_records_no_estimate_and_guard_still_applies():
     prompt = list(range(40))
     pol = RoutingPolicy(PolicyConfig("cache_aware", balance_abs_threshold=2, balance_rel_threshold=1.5))
@@ -90,7 +135,8 @@ def test_real_view_records_no_estimate_and_guard_still_applies():
 
 
 def test_router_hashes_prompts_like_the_engine_caches_them():
-    """An engine's published digest predicts the engine's own hit for the next prompt, token for token."""
+    """An engine's published digest predicts the engine's own hit for the next prompt, token for token, also when
+    the router names the prompt's blocks from memory (router.prompt_hashes: earlier prompts shared its prefix)."""
     engine = load_engine(page_tokens=64)
     g = torch.Generator().manual_seed(0)
     system = torch.randint(2, engine.cfg.vocab_size, (300,), generator=g).tolist()
@@ -99,14 +145,22 @@ def test_router_hashes_prompts_like_the_engine_caches_them():
         engine.add_request(system + tail, params)
         while engine.has_work:
             engine.step()
+    # The production path: the router's placement (router/server.py -> RoutingPolicy.place, prompts as tuples)
+    # on the digest; one policy for every prompt, so the later ones are named from memory.
+    policy = RoutingPolicy(PolicyConfig("cache_aware"))
     follow = system + [11, 12, 13]
-    # The production path: the router's placement (router/server.py -> RoutingPolicy.place) on the digest.
-    placed = RoutingPolicy(PolicyConfig("cache_aware")).place(follow, 400, [worker("e", engine.prefix.digest())])
-    predicted = placed.prefill.cached_tokens
-    rid = engine.add_request(follow, params)
-    while engine.has_work:
-        engine.step()
-    assert predicted == engine.pop_finished(rid).cached_tokens == 256
+    turns = [follow, system[:200] + [14] * 150, follow + [15] * 200, system[:130] + [16] * 10]
+    # The engine resumes only at snapshot points: none among the first 200 tokens of the second prompt.
+    got, want = [], [256, 0, 256, 128]
+    for prompt in turns:
+        predicted = policy.place(tuple(prompt), 800, [worker("e", engine.prefix.digest())]).prefill.cached_tokens
+        rid = engine.add_request(prompt, params)
+        while engine.has_work:
+            engine.step()
+        got.append((predicted, engine.pop_finished(rid).cached_tokens))
+    assert got == [(w, w) for w in want]
+    hasher = next(iter(policy._index.hashers.values()))
+    assert 0 < hasher.hashed_blocks < sum(len(p) // hasher.block for p in turns)  # some names came from memory
 
 
 def test_conditional_disaggregation_prefills_short_uncached_parts_on_the_decode_worker():
