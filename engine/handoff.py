@@ -34,8 +34,8 @@ class PeerUnknown(RuntimeError):
 class TransferTicket:
     """What the decode side needs to pull one request; small and picklable (travels through Ray).
 
-    src_pages: ((group, (page, ...)), ...) the request's source pages from its first, up to the last one the ticket
-    moves (a streamed ticket moves the tail of these only: start_tokens, final).
+    src_pages: ((group, (page, ...)), ...) exactly the source pages the ticket moves (for a streamed request: those
+    not moved by its earlier chunk tickets, kv_transfer.plan.page_span).
     """
 
     source: str  # worker (agent) name of the prefill side

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from engine.handoff import TransferTicket
 from engine.model.cache import CacheGroupSpec, CachePool
-from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint, page_span
+from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint
 
 # A pull's deadline ends this long before the source's lease (ticket.lease_expires_at, wall clock: covers clock skew
 # between nodes and the time a cancelled READ takes to stop); the tcp server refuses to start reading pages whose
@@ -199,7 +199,7 @@ class TransferBackend(ABC):
         """Offer a finished prefill's pages for pulling. The caller keeps them until the release callback.
         start_tokens: the request streamed chunks (`export_chunk`) up to there; the ticket moves only the rest."""
         plan = build_plan(self.specs, pages, pages, num_tokens, start_tokens=start_tokens)  # validates the table
-        return self._export(request_id, pages, plan, None)
+        return self._export(request_id, plan, None)
 
     def export_chunk(
         self, request_id: str, pages: Mapping[str, Sequence[int]], num_tokens: int, start_tokens: int
@@ -213,11 +213,9 @@ class TransferBackend(ABC):
         plan = build_plan(self.specs, pages, pages, num_tokens, start_tokens=start_tokens, final=False)
         if plan.total_bytes == 0:
             return None
-        return self._export(chunk_id(request_id, start_tokens), pages, plan, request_id)
+        return self._export(chunk_id(request_id, start_tokens), plan, request_id)
 
-    def _export(
-        self, key: str, pages: Mapping[str, Sequence[int]], plan: TransferPlan, chunk_of: str | None
-    ) -> TransferTicket:
+    def _export(self, key: str, plan: TransferPlan, chunk_of: str | None) -> TransferTicket:
         moved = {g.name: [s for s, _ in g.pages] for g in plan.groups}
         export = _Export(moved, plan.num_tokens, time.monotonic() + self.lease_s, chunk_of=chunk_of)
         with self._lock:
@@ -236,9 +234,7 @@ class TransferBackend(ABC):
                 export.staging = staging
         if not alive and staging is not None:  # released by another thread while staging: free it here
             self._unstage(key, staging)
-        # the request's pages from its first up to the last moved (the decode side plans the same slice of them)
-        ends = {s.name: page_span(s, plan.num_tokens, plan.start_tokens, plan.final)[1] for s in self.specs}
-        src = tuple((name, tuple(int(p) for p in pages.get(name, ())[:end])) for name, end in ends.items())
+        src = tuple((g.name, tuple(s for s, _ in g.pages)) for g in plan.groups)  # the moved pages only
         return TransferTicket(
             source=self.worker_name,
             request_id=key,
@@ -352,6 +348,7 @@ class TransferBackend(ABC):
                 dst_specs=self.specs,
                 start_tokens=ticket.start_tokens,
                 final=ticket.final,
+                src_moved=True,
             )
         except ValueError as e:
             raise TransferError(f"request {ticket.request_id!r}: {e}") from e

@@ -223,15 +223,16 @@ def page_span(spec: CacheGroupSpec, num_tokens: int, start_tokens: int = 0, fina
     return min(complete_pages(spec, start_tokens), hi), hi
 
 
-def _check_pages(spec: CacheGroupSpec, pages: Mapping[str, Sequence[int]], need: int, side: str) -> list[int]:
-    if need == 0:
+def _check_pages(spec: CacheGroupSpec, pages: Mapping[str, Sequence[int]], lo: int, hi: int, side: str) -> list[int]:
+    """Entries [lo, hi) of the side's page list of `spec`, checked (in range, no repeat among them)."""
+    if hi == 0:
         return []
     if spec.name not in pages:
-        raise ValueError(f"{side} page table has no group {spec.name!r} (needs {need} page(s))")
-    have = [int(p) for p in pages[spec.name]]
-    if len(have) < need:
-        raise ValueError(f"{side} page table of group {spec.name!r} has {len(have)} page(s), needs {need}")
-    have = have[:need]
+        raise ValueError(f"{side} page table has no group {spec.name!r} (needs {hi} page(s))")
+    table = pages[spec.name]
+    if len(table) < hi:
+        raise ValueError(f"{side} page table of group {spec.name!r} has {len(table)} page(s), needs {hi}")
+    have = [int(p) for p in table[lo:hi]]  # only the slice: a stream's chunks cost their own pages, not the prefix
     bad = [p for p in have if not 0 <= p < spec.num_pages]
     if bad:
         raise ValueError(f"{side} pages {bad} of group {spec.name!r} out of range [0, {spec.num_pages})")
@@ -268,14 +269,15 @@ def build_plan(
     dst_specs: Sequence[CacheGroupSpec] | None = None,
     start_tokens: int = 0,
     final: bool = True,
+    src_moved: bool = False,
 ) -> TransferPlan:
     """Plan the move of one request's caches (or of one streamed chunk of them: start_tokens / final, see
     `page_span`).
 
     specs: the source pool's groups; dst_specs: the destination pool's (default: the same). They must agree on
     everything but num_pages. src_pages / dst_pages: group name -> page ids (a request's PageTable, from its first
-    page); extra pages beyond what num_tokens needs are ignored. Raises ValueError naming the group on any
-    inconsistency.
+    page; with src_moved, src_pages holds only the pages this plan moves, as a ticket lists them); extra pages
+    beyond what num_tokens needs are ignored. Raises ValueError naming the group on any inconsistency.
     """
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -293,8 +295,10 @@ def build_plan(
         if _layout_key(src) != _layout_key(dst):
             raise ValueError(f"group {src.name!r}: page layouts differ: {_layout_key(src)} vs {_layout_key(dst)}")
         lo, hi = page_span(src, num_tokens, start_tokens, final)
-        src_ids = _check_pages(src, src_pages, hi, "source")[lo:]
-        pairs = tuple(zip(src_ids, _check_pages(dst, dst_pages, hi, "destination")[lo:]))
+        # a ticket's source table holds the moved pages only (src_moved); a request's table starts at its first
+        src_lo, src_hi = (0, hi - lo) if src_moved else (lo, hi)
+        src_ids = _check_pages(src, src_pages, src_lo, src_hi, "source")
+        pairs = tuple(zip(src_ids, _check_pages(dst, dst_pages, lo, hi, "destination")))
         groups.append(
             GroupPlan(src.name, pairs, len(src.layers), page_bytes(src), layer_stride(src), layer_stride(dst))
         )

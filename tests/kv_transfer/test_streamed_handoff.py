@@ -113,6 +113,9 @@ def test_abort_releases_the_requests_chunks_without_callbacks(kind):
         first = src.export_chunk("r", table, 130, 0)
         second = src.export_chunk("r", table, 260, 130)
         assert first is not None and second is not None and first.request_id == chunk_id("r", 0)
+        # a chunk's ticket lists its own pages only (64 positions a kv4 page): tickets do not grow along a stream
+        assert first.page_table()["kv4"] == table["kv4"][:2] and second.page_table()["kv4"] == table["kv4"][2:4]
+        assert first.page_table()["swa"] == [] and second.start_tokens == 130 and not second.final
         assert src.export_chunk("r", table, 20, 0) is None  # 20 positions fill no page
         with pytest.raises(ValueError, match="already exported"):
             src.export_chunk("r", table, 130, 0)
