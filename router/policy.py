@@ -377,39 +377,40 @@ class RoutingPolicy:
 
     def choose_by_cache(self, prompt_ids: Sequence[int], candidates: Sequence[WorkerInfo], now: float) -> Decision:
         """cache_aware over real digests (router.locality): the least pending + weight x uncached x balance,
-        under the hot-spot guard. Two passes over the candidates, a few dict reads each (runs per request)."""
+        under the hot-spot guard. One pass over the candidates with a few dict reads each (runs per request:
+        at 64 workers this loop, not the prompt's hashing, would otherwise be most of the decision)."""
         n = len(prompt_ids)
         self._index.sync(candidates)
         cached = self._index.cached(prompt_ids)
-        cfg, pending, inflight = self.config, self._pending, self._inflight
-        stored, gain = self._recent.stored, cfg.balance_gain
-        total = sum(stored.get(w.worker_id, 0.0) for w in candidates)
+        cfg, pending, inflight, stored = self.config, self._pending, self._inflight, self._recent.stored
+        # The shortest queue is 0 unless every candidate has prompt tokens pending (`_pending` drops zeros).
+        shortest = min(pending.get(w.worker_id, 0) for w in candidates) if len(pending) >= len(candidates) else 0
+        weight = cfg.uncached_weight * (1.0 + cfg.backlog_gain * shortest / max(n, 1))
+        total = sum(stored.get(w.worker_id, 0.0) for w in candidates) if stored else 0.0
         # r = recent / mean - 1 (the decay scale cancels out of the ratio); no recent work anywhere: r = 0
-        per_mean = len(candidates) / total if total > 0 else 0.0
-        rows, queued = [], None
+        per_mean, gain = (len(candidates) / total if total > 0 else 0.0), cfg.balance_gain
+        best_cost, best_load, ties = 0.0, 0, []
+        min_load, least = 0, []
         for w in candidates:
             wid = w.worker_id
-            p, c = pending.get(wid, 0), cached.get(wid, 0)
             r = stored.get(wid, 0.0) * per_mean - 1.0 if per_mean else 0.0
-            rows.append(
-                (w, c, p, (n - c) * (1.0 + gain * min(1.0, r)), max(w.running + w.waiting, inflight.get(wid, 0)))
-            )
-            queued = p if queued is None or p < queued else queued
-        weight = cfg.uncached_weight * (1.0 + cfg.backlog_gain * (queued or 0) / max(n, 1))
-        best_key, ties, min_load, least = None, [], None, []
-        for w, c, p, miss, load in rows:
-            key = (p + weight * miss, load)
-            if best_key is None or key < best_key:
-                best_key, ties = key, [(w, c)]
-            elif key == best_key:
-                ties.append((w, c))
-            if min_load is None or load < min_load:
-                min_load, least = load, [(w, c)]
+            cost = pending.get(wid, 0) + weight * (n - cached.get(wid, 0)) * (1.0 + gain * (r if r < 1.0 else 1.0))
+            load = w.running + w.waiting
+            mine = inflight.get(wid, 0)
+            if mine > load:
+                load = mine
+            if not ties or cost < best_cost or (cost == best_cost and load < best_load):
+                best_cost, best_load, ties = cost, load, [w]
+            elif cost == best_cost and load == best_load:
+                ties.append(w)
+            if not least or load < min_load:
+                min_load, least = load, [w]
             elif load == min_load:
-                least.append((w, c))
-        (best, c), reason = self._rotate(ties), None
-        if self._hot(best_key[1], min_load):
-            (best, c), reason = self._rotate(least), "hotspot_guard"
+                least.append(w)
+        best, reason = self._rotate(ties), None
+        if self._hot(best_load, min_load):
+            best, reason = self._rotate(least), "hotspot_guard"
+        c = cached.get(best.worker_id, 0)
         reason = reason or ("prefix_hit" if c else "no_match")
         self._recent.add(best.worker_id, n - c, now)
         return Decision("prefill", best.worker_id, reason, cached_tokens=c, uncached_tokens=n - c)
