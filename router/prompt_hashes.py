@@ -13,10 +13,13 @@ The names are the engine's: a remembered block's value is what `block_hashes` re
 not the block itself (comparing tokens costs as much as hashing them): a different block under the same
 parent with the same 64-bit tuple hash would be named wrongly, which can only mis-place a request (the
 engine checks its own blake2b names before it serves a cached page). tests/router/test_prompt_hashes.py
-checks the names against `block_hashes` and the engine's own cache on the placement path.
+checks the names against `block_hashes`; tests/router/test_router_locality.py checks placement's predicted
+hits against the engine's own cache with the names coming from memory.
 
 Bounded: two generations of `capacity` entries each; a lookup that hits the old generation moves the entry
 to the new one, and when the new one is full the old one is dropped (an LRU approximation at O(1) a block).
+An entry takes ~170 bytes: at most ~22 MB at the default capacity (65536: 32M prompt tokens at 512-token
+blocks, 8M at 128).
 One `PromptHasher` per (block size, seed); not thread-safe (the router's event loop owns it).
 """
 
