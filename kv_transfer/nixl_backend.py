@@ -232,19 +232,22 @@ class NixlBackend(TransferBackend):
     def _descs(self, ticket: TransferTicket, plan: TransferPlan) -> tuple[np.ndarray, np.ndarray]:
         """Nx3 (address, length, device) arrays: local (destination) and remote (source), in plan order."""
         remote_groups = self._peers[ticket.source]["groups"]
-        n = plan.num_descriptors
-        local, remote = np.zeros((n, 3), dtype=np.uint64), np.zeros((n, 3), dtype=np.uint64)
-        i = 0
+        local, remote = [], []
         for g in plan.groups:
+            src_off, dst_off, length = g.range_arrays
+            if not len(length):
+                continue
             dst_base, dst_dev = self._local[g.name]
             src_base, src_nbytes, src_dev = remote_groups[g.name]
-            for r in g.ranges:
-                if r.src_offset + r.length > src_nbytes:  # would read outside the peer's registered tensor
-                    raise TransferError(f"group {g.name!r}: range {r} beyond source tensor ({src_nbytes} bytes)")
-                local[i] = (dst_base + r.dst_offset, r.length, dst_dev)
-                remote[i] = (src_base + r.src_offset, r.length, src_dev)
-                i += 1
-        return local, remote
+            beyond = np.flatnonzero(src_off + length > src_nbytes)  # would read outside the peer's registered tensor
+            if len(beyond):
+                r = g.ranges[int(beyond[0])]
+                raise TransferError(f"group {g.name!r}: range {r} beyond source tensor ({src_nbytes} bytes)")
+            local.append(np.stack([dst_base + dst_off, length, np.full_like(length, dst_dev)], axis=1))
+            remote.append(np.stack([src_base + src_off, length, np.full_like(length, src_dev)], axis=1))
+        if not local:
+            return np.zeros((0, 3), dtype=np.uint64), np.zeros((0, 3), dtype=np.uint64)
+        return np.concatenate(local).astype(np.uint64), np.concatenate(remote).astype(np.uint64)
 
     # ---- staging -------------------------------------------------------------------------------------
     def _count(self, key: str, detail: str = "") -> None:

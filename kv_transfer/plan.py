@@ -106,14 +106,20 @@ class GroupPlan:
         return len(self.pages) * self.layers * self.page_bytes
 
     @functools.cached_property
+    def range_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The coalesced byte ranges as (src_offsets, dst_offsets, lengths) int64 arrays, relative to each side's
+        group tensor (see the module docstring)."""
+        return _group_ranges(self)
+
+    @property
     def ranges(self) -> tuple[ByteRange, ...]:
-        """Coalesced byte ranges, relative to each side's group tensor (see the module docstring)."""
-        src, dst, length = _group_ranges(self)
+        """`range_arrays` as ByteRanges."""
+        src, dst, length = self.range_arrays
         return tuple(ByteRange(int(s), int(d), int(n)) for s, d, n in zip(src, dst, length))
 
     @property
     def num_descriptors(self) -> int:
-        return len(self.ranges)
+        return len(self.range_arrays[2])
 
 
 @dataclass(frozen=True)
