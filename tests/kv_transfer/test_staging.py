@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from kv_transfer import TransferTimeout, build_plan, make_backend
+from kv_transfer import TransferError, TransferTimeout, build_plan, make_backend
 from kv_transfer.plan import STAGING_ALIGN, run_start, staged_layout, staged_nbytes
 from kv_transfer.staging import ByteArena
 from tests.kv_transfer.test_kv_transfer import (
@@ -478,3 +478,23 @@ def test_scatter_is_queued_without_waiting_and_holds_its_range_until_it_ran():
     for grp in layout.groups:
         b = back + grp.offset
         assert torch.equal(staged[grp.offset : grp.offset + grp.nbytes], buf.tensor[b : b + grp.nbytes]), grp.name
+
+
+@needs_nixl
+@pytest.mark.nixl
+def test_page_descriptors_beyond_the_peers_registered_tensor_are_refused():
+    """A peer whose metadata registers less than its pages span (a corrupt or lying peer): the page-descriptor pull
+    names the group and posts no READ; the source learns of the failure and frees the request."""
+    src_pool, dst_pool = random_pool(SRC_CACHE, 0), random_pool(DST_CACHE, 1)
+    src, dst, released = nixl_pair(src_pool, dst_pool, 0, 0)
+    try:
+        table = src_table(src_pool)
+        ticket = src.export("r0", table, NUM_TOKENS)
+        addr, _, dev = dst._peers[src.worker_name]["groups"]["kv4"]
+        dst._peers[src.worker_name]["groups"]["kv4"] = (addr, 256, dev)
+        with pytest.raises(TransferError, match="group 'kv4': range .* beyond source tensor \\(256 bytes\\)"):
+            dst.pull(ticket, dst_table(dst_pool), timeout_s=10)
+        assert wait_poll(src)[0][0] == "r0" and released[0][0] == "r0" and released[0][1] is not None
+    finally:
+        src.close()
+        dst.close()
