@@ -389,8 +389,9 @@ class RoutingPolicy:
         total = sum(stored.get(w.worker_id, 0.0) for w in candidates) if stored else 0.0
         # r = recent / mean - 1 (the decay scale cancels out of the ratio); no recent work anywhere: r = 0
         per_mean, gain = (len(candidates) / total if total > 0 else 0.0), cfg.balance_gain
-        best_cost, best_load, ties = 0.0, 0, []
-        min_load, least = 0, []
+        best_cost, best_load, min_load = 0.0, 0, 0
+        ties: list[WorkerInfo] = []
+        least: list[WorkerInfo] = []
         for w in candidates:
             wid = w.worker_id
             r = stored.get(wid, 0.0) * per_mean - 1.0 if per_mean else 0.0

@@ -155,10 +155,12 @@ def main() -> int:
         if args.robustness:
             for kind in route_traces.KINDS:
                 for seed, scale in ((1, 1.0), (2, 1.0), (0, 2.0)):
-                    path = route_traces.write(route_traces.make(kind, seed), os.path.join(tmp, f"{kind}-{seed}.jsonl"))
+                    path = str(
+                        route_traces.write(route_traces.make(kind, seed), os.path.join(tmp, f"{kind}-{seed}.jsonl"))
+                    )
                     name = f"{kind} seed {seed}" + (f", {scale:g}x rate" if scale != 1.0 else "")
                     sim = SimConfig(workers=WORKERS, capacity_blocks=CAPACITY, time_scale=scale)
-                    robust[name] = run(str(path), POLICIES[:3], sim)
+                    robust[name] = run(path, POLICIES[:3], sim)
                     print(summary_row(name, robust[name]), flush=True)
     text = section(results, wide, robust, command, (loads, os.getloadavg()[0]))
     if args.no_write:
