@@ -234,9 +234,14 @@ def cluster_token() -> str:
     return ray.get(keeper.remote(new_token()).token.remote())
 
 
-def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: str) -> dict:
+def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: str) -> tuple[dict, dict, dict]:
+    """Start (or reuse) one role's workers; -> ({worker id: handle} of what the router dispatches to,
+    {worker id: PlacedWorker} and {worker id: GroupRecipe} of the multi-rank ones, for the router's
+    GroupSupervisor: a rank that dies brings its whole group back, as under `dsv4 serve`)."""
+    from service.group_restart import GroupRecipe
+
     plan = cfg.plan(role)
-    handles = {}
+    handles, placed, recipes = {}, {}, {}
     for worker_id in worker_ids(cfg, role):
         name = worker_name(cfg, role, worker_id, model_dir)
         options = dict(
@@ -253,38 +258,51 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
             continue
         # A multi-rank worker: its ranks in one detached STRICT_PACK placement group, one bundle (GPU and
         # role resource) a rank; a worker kept from an earlier run of the builder is reused as it is.
-        size = plan.tensor_parallel_size
-        if plan.data_parallel_attention:  # every rank a worker: reused only when all of them live
-            kept = [_named(n) for n in dp_actor_names(name, size)]
-            if all(kept):
-                handles.update(zip(dp_worker_ids(worker_id, size), kept))
-                continue
-            _drop_broken_group(name, size, [h for h in kept if h is not None])
-        elif _named(name):
-            handles[worker_id] = _named(name)
-            continue
-        placed = place_worker(
-            cls,
-            name,
-            args,
-            kwargs,
-            opts,
-            model_dir,
-            size,
-            plan.expert_parallel,
-            cfg.service.worker_num_cpus,
-            plan.num_gpus,
-            options,
-            PLACEMENT_TIMEOUT_S,
-            plan.data_parallel_attention,
+        recipe = GroupRecipe(
+            name=name,
+            cls=cls,
+            args=args,
+            kwargs=kwargs,
+            opts=opts,
+            model_dir=model_dir,
+            tp_size=plan.tensor_parallel_size,
+            expert_parallel=plan.expert_parallel,
+            num_cpus=cfg.service.worker_num_cpus,
+            num_gpus=plan.num_gpus,
+            actor_options=options,
+            ready_timeout_s=PLACEMENT_TIMEOUT_S,
+            data_parallel_attention=plan.data_parallel_attention,
         )
-        handles[worker_id] = placed.handle
-        handles.update(placed.ranks)
-    return handles
+        worker = _kept_group(recipe, worker_id) or recipe.place()
+        handles[worker_id] = worker.handle
+        handles.update(worker.ranks)
+        placed[worker_id], recipes[worker_id] = worker, recipe
+    return handles, placed, recipes
+
+
+def _kept_group(recipe, worker_id: str):
+    """The PlacedWorker of a multi-rank worker an earlier run of the builder placed, when all its ranks live;
+    else None (a group that lost a rank is dropped: its names and GPUs go to the new one)."""
+    from ray.util import get_placement_group
+
+    from service.rank_placement import PlacedWorker
+
+    kept = [_named(n) for n in recipe.actor_names()]
+    if not all(kept):
+        _drop_broken_group(recipe.name, recipe.tp_size, [h for h in kept if h is not None])
+        return None
+    try:
+        group = get_placement_group(group_name(recipe.name))
+    except Exception:  # noqa: BLE001 - no group by that name: the supervisor then only kills the ranks
+        group = None
+    if recipe.data_parallel_attention:
+        ranks = dict(zip(dp_worker_ids(worker_id, recipe.tp_size)[1:], kept[1:]))
+        return PlacedWorker(handle=kept[0], followers=[], group=group, ranks=ranks)
+    return PlacedWorker(handle=kept[0], followers=kept[1:], group=group)
 
 
 def _drop_broken_group(name: str, size: int, live: list, wait_s: float = 30.0) -> None:
-    """A data-parallel group that lost a rank cannot take it back (the others' collectives failed with it): kill
+    """A multi-rank group that lost a rank cannot take it back (the others' collectives failed with it): kill
     its live ranks and free its placement group, so that its names and GPUs are there for the new group."""
     import ray
 
@@ -292,7 +310,9 @@ def _drop_broken_group(name: str, size: int, live: list, wait_s: float = 30.0) -
         ray.kill(h, no_restart=True)
     _remove_group(name)
     deadline = time.monotonic() + wait_s
-    while any(_named(n) for n in dp_actor_names(name, size)) and time.monotonic() < deadline:
+    while any(_named(n) for n in (name, *dp_actor_names(name, size)[1:], *follower_names(name, size))):
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.2)
 
 
@@ -362,8 +382,9 @@ def start_backend(cfg: EntryConfig) -> tuple[str, str]:
         _kill_stale(workers | _elastic_added(cfg, role, model_dir), f"dsv4-{role}-")
     token = cluster_token()
     prefill_cls, decode_cls, _ = remote_classes(cfg.service)
-    prefill = _start_role(cfg, "prefill", prefill_cls, model_dir, token)
-    decode = _start_role(cfg, "decode", decode_cls, model_dir, token)
+    prefill, prefill_placed, prefill_recipes = _start_role(cfg, "prefill", prefill_cls, model_dir, token)
+    decode, decode_placed, decode_recipes = _start_role(cfg, "decode", decode_cls, model_dir, token)
+    groups = ({**prefill_placed, **decode_placed}, {**prefill_recipes, **decode_recipes})
     ray.get([h.ping.remote() for h in (*prefill.values(), *decode.values())])
     pools = _pool_manager(cfg, {"prefill": prefill_cls, "decode": decode_cls}, model_dir, token, prefill, decode)
     router_name = f"dsv4-router-{_fingerprint(sorted(workers), cfg.service.router_policy)}"
@@ -376,7 +397,7 @@ def start_backend(cfg: EntryConfig) -> tuple[str, str]:
             get_if_exists=True,
             runtime_env={"env_vars": dict(cfg.env)},
         )
-        .remote(prefill, decode, cfg.service.router_policy, token, pools=pools)
+        .remote(prefill, decode, cfg.service.router_policy, token, groups=groups, pools=pools)
     )
     port = ray.get(router.start.remote("node", cfg.service.router_port))
     addr = f"{ray.get(router.node_ip.remote())}:{port}"

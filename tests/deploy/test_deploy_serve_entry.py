@@ -144,13 +144,17 @@ class KubeRayLikeHead:
 
     def dsv4_actors(self) -> set[str]:
         """Names of the ALIVE actors in the dsv4 namespace (Ray's state API)."""
+        return set(self.dsv4_actor_pids())
+
+    def dsv4_actor_pids(self) -> dict[str, int]:
+        """Name -> pid of the ALIVE actors in the dsv4 namespace (Ray's state API)."""
         url = (
             self.dashboard + "/api/v0/actors?limit=1000&detail=true&filter_keys=state&filter_predicates=%3D"
             "&filter_values=ALIVE"
         )
         with urllib.request.urlopen(url, timeout=30) as resp:
             actors = json.loads(resp.read())["data"]["result"]["result"]
-        return {a["name"] for a in actors if a.get("ray_namespace") == "dsv4" and a.get("name")}
+        return {a["name"]: a.get("pid") for a in actors if a.get("ray_namespace") == "dsv4" and a.get("name")}
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -235,7 +239,8 @@ def test_redeploy_replaces_only_what_changed(head):
 def test_redeploy_with_a_two_rank_decode_worker(head):
     """`decode.tensorParallelSize: 2` as the chart passes it: the builder places the decode worker as two
     actors (rank 0 and a follower) in one placement group on the role's resource units, the prefill worker is
-    kept, and the service answers with the same tokens as before."""
+    kept, and the service answers with the same tokens as before. A killed follower brings the whole group back
+    (the router's GroupSupervisor, as under `dsv4 serve`): both ranks are new processes and it answers again."""
     args = ["--max-num-seqs", "16"]
     body = {"model": "dsv4", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
     url = f"http://127.0.0.1:{head.http_port}/v1/completions"
@@ -248,6 +253,17 @@ def test_redeploy_with_a_two_rank_decode_worker(head):
     decode = sorted(n for n in after if n.startswith("dsv4-decode-"))
     assert len(decode) == 2 and decode[1] == decode[0] + "-rank1", after
     assert not set(decode) & before and {n for n in before if n.startswith("dsv4-prefill-")} <= after
+    status, out = http_json(url, body)
+    assert status == 200 and out["choices"][0]["text"] == before_out["choices"][0]["text"], (before_out, out)
+
+    pids = {n: p for n, p in head.dsv4_actor_pids().items() if n in decode}
+    os.kill(pids[decode[1]], signal.SIGKILL)  # the follower rank dies
+
+    def restarted() -> bool:
+        now = head.dsv4_actor_pids()
+        return all(now.get(n) not in (None, pids[n]) for n in decode) and completion(head) == 200
+
+    head.wait(restarted, "ray.log", timeout_s=120)
     status, out = http_json(url, body)
     assert status == 200 and out["choices"][0]["text"] == before_out["choices"][0]["text"], (before_out, out)
 
