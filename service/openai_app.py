@@ -12,6 +12,8 @@ non-streaming, so both return the same tokens and text. Router errors map to INV
 RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, else 500. Each request has a deadline
 (`request_timeout_s`, here and as the gRPC deadline), so nothing hangs. Leaving a router stream early
 (stop string, client disconnect, timeout) cancels the gRPC call: the engine aborts it and frees its pages.
+Beside it: the error answers (service.api_errors), one request's state (service.openai_job.Job) and the SSE /
+disconnect plumbing (service.http_stream).
 """
 
 from __future__ import annotations
@@ -19,16 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_kernels.settings import settings
@@ -40,126 +39,17 @@ from engine.telemetry import metrics
 from router.client import AsyncRouterClient, RouterError
 from service import chat_v4
 from service import openai_protocol as P
+from service.api_errors import APIError, validation_error
+from service.http_stream import ClientGone, SSEResponse, sse, unless_disconnected
 from service.ingress_guard import GuardMiddleware, IngressOptions, Offloader, lone_surrogate
+from service.openai_job import Job
 from service.template_sandbox import TemplateTimeout
 from service.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
-_HTTP_OF_GRPC = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 _INT64 = 1 << 63
-_GRPC_SHUTDOWN = "Cancelling all calls"  # what gRPC says to the calls a stopping server ends
-_TRANSPORT_DETAIL = re.compile(r"ipv[46]:|unix:|failed to connect|Socket closed|Connection refused", re.I)
-
-
-class APIError(Exception):
-    """Ends a request with an OpenAI-style error body and `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    @classmethod
-    def from_router(cls, e: RouterError) -> APIError:
-        if e.code == grpc.StatusCode.CANCELLED or _GRPC_SHUTDOWN in (e.message or ""):
-            # not by us (we close the call when our client leaves): the router is stopping, gRPC ended every call
-            log.warning("router call ended by the router's shutdown: %s: %s", e.code.name, e.message)
-            return cls(503, "the service is shutting down; retry the request")
-        msg = e.message or e.code.name
-        if _TRANSPORT_DETAIL.search(msg):  # gRPC's own connection errors name addresses: keep them in the log
-            log.warning("router call failed: %s: %s", e.code.name, msg)
-            msg = (
-                "the router is not reachable; retry later"
-                if e.code == grpc.StatusCode.UNAVAILABLE
-                else f"router call failed ({e.code.name})"
-            )
-        return cls(_HTTP_OF_GRPC.get(e.code, 500), msg)
-
-    @property
-    def label(self) -> str:  # the `status` label of the requests counter
-        return "invalid" if self.status in (400, 404) else "error"
-
-    def response(self) -> JSONResponse:
-        # 429 / 503 say when to come back (overload, a worker restarting); the openai client honours it.
-        headers = {"Retry-After": "1" if self.status == 429 else "2"} if self.status in (429, 503) else None
-        return JSONResponse(
-            P.error_body(self.status, self.message, self.param), status_code=self.status, headers=headers
-        )
-
-
-class _ClientGone(Exception):
-    """The client disconnected before the response was ready."""
-
-
-@dataclass
-class Job:
-    """One validated request: what the router needs, and what the response is built from."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    text: TextStream
-    arrival: float  # time.monotonic() at arrival
-    deadline: float  # loop.time() by which it must be over
-    prompt_text: str = ""  # for echo
-    prompt_logprobs: list = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
-
-    def usage(self) -> P.UsageInfo:
-        n, m = len(self.prompt_ids), len(self.token_ids)
-        return P.UsageInfo(
-            prompt_tokens=n,
-            completion_tokens=m,
-            total_tokens=n + m,
-            prompt_tokens_details=P.PromptTokensDetails(cached_tokens=self.cached_tokens),
-        )
-
-
-class _SSEResponse(StreamingResponse):
-    """Closes the body generator however the response ends, so the router stream is always cancelled
-    (servers speaking ASGI spec >= 2.4 end a disconnected stream with an exception at the next write)."""
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-def _sse(obj) -> str:
-    return f"data: {obj.model_dump_json()}\n\n"
-
-
-async def _wait_disconnect(request: Request) -> None:
-    # The body is already read, so the next ASGI message is the disconnect (uvicorn blocks until then).
-    while (await request.receive())["type"] != "http.disconnect":
-        await asyncio.sleep(0.5)  # a server replaying other messages must not make this spin
-
-
-async def _unless_disconnected(request: Request, coro):
-    """Await `coro`, cancelling it (and so the router call) if the client disconnects first."""
-    task, watch = asyncio.ensure_future(coro), asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-    if task.cancelled():
-        raise _ClientGone()
-    return task.result()
 
 
 class OpenAIServer:
@@ -425,24 +315,24 @@ class OpenAIServer:
         overload and bad-request errors of the router still get their HTTP status)."""
         try:
             if not stream:
-                await _unless_disconnected(request, self._collect(job))
+                await unless_disconnected(request, self._collect(job))
                 resp = render.response(job)
                 self.finish(job, "ok")
                 return JSONResponse(resp.model_dump(mode="json"))
             pieces = self._pieces(job)
             try:
-                first = await _unless_disconnected(request, self._first(job, pieces))
+                first = await unless_disconnected(request, self._first(job, pieces))
             except BaseException:
                 await pieces.aclose()
                 raise
-            return _SSEResponse(
+            return SSEResponse(
                 self._sse_body(job, first, pieces, render),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         except (RouterError, TimeoutError) as e:
             raise self._api_error(e) from None
-        except _ClientGone:
+        except ClientGone:
             self.count("aborted")
             return Response(status_code=499)  # nobody reads it
 
@@ -451,16 +341,16 @@ class OpenAIServer:
         try:
             try:
                 for c in render.head(job):
-                    yield _sse(c)
+                    yield sse(c)
                 piece = first
                 while piece is not None:
                     c = render.piece(job, *piece)
                     if c is not None:
-                        yield _sse(c)
+                        yield sse(c)
                     async with asyncio.timeout_at(job.deadline):  # only the wait, never a write to the client
                         piece = await anext(pieces, None)
                 for c in render.tail(job):
-                    yield _sse(c)
+                    yield sse(c)
                 status = "ok"
             except Exception as e:  # RouterError, TimeoutError, APIError, or a bug
                 err = self._api_error(e)
@@ -468,7 +358,7 @@ class OpenAIServer:
                     log.exception("request %s failed mid-stream", job.rid)
                 status = err.label
                 # The headers are out: the error goes in-band, then [DONE] (as vLLM does).
-                yield _sse(P.ErrorResponse(**P.error_body(err.status, err.message, err.param)))
+                yield sse(P.ErrorResponse(**P.error_body(err.status, err.message, err.param)))
             yield "data: [DONE]\n\n"
         finally:
             await pieces.aclose()
@@ -583,23 +473,6 @@ def current_server() -> OpenAIServer:
     return _configured
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    parts, param = [], None
-    for err in exc.errors():
-        if err.get("type") == "json_invalid":  # loc holds a byte offset, not a field: no param
-            offset = next((x for x in err.get("loc", ()) if isinstance(x, int)), None)
-            where = f" at byte {offset}" if offset is not None else ""
-            return APIError(
-                400, f"request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')}{where})"
-            )
-    for err in exc.errors()[:3]:  # a union field (prompt) yields one error per member: keep it short
-        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        param = param or where or None
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{where}: {msg}" if where else msg)
-    return APIError(400, "; ".join(parts) or "invalid request", param)
-
-
 def make_app(get_server: Callable[[], OpenAIServer] = current_server, api_docs: bool | None = None) -> FastAPI:
     """The FastAPI app; each request resolves its `OpenAIServer` through `get_server()`. Interactive docs
     (/docs, /redoc, /openapi.json) only with api_docs (default: $DSV4_API_DOCS, dsv4_kernels.settings,
@@ -622,7 +495,7 @@ def make_app(get_server: Callable[[], OpenAIServer] = current_server, api_docs: 
         # OpenAI clients expect 400 with {"error": ...}, not FastAPI's 422 {"detail": ...}.
         with contextlib.suppress(RuntimeError):
             get_server().count("invalid")
-        return _validation_error(exc).response()
+        return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

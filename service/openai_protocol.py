@@ -434,7 +434,7 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 # ---- rendering a job ----------------------------------------------------------------------------
-# `job` is a `service.openai_app.Job`: prompt_ids / prompt_text / prompt_logprobs, token_ids / logprobs,
+# `job` is a `service.openai_job.Job`: prompt_ids / prompt_text / prompt_logprobs, token_ids / logprobs,
 # text.sent (the output text so far), finish_reason, stop_reason, usage(). `token_str(id)` names a token.
 # The engine reports only the sampled token's log-prob, so each `top_logprobs` entry holds that token.
 
