@@ -238,9 +238,13 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
     """Start (or reuse) one role's workers; -> ({worker id: handle} of what the router dispatches to,
     {worker id: PlacedWorker} and {worker id: GroupRecipe} of the multi-rank ones, for the router's
     GroupSupervisor: a rank that dies brings its whole group back, as under `dsv4 serve`)."""
+    from engine.runtime.health import HealthOptions
     from service.group_restart import GroupRecipe
 
     plan = cfg.plan(role)
+    # the watchdog ends a worker whose engine loop died or stalled, so that Ray (or the group supervisor)
+    # brings it back, as under `dsv4 serve` (engine.runtime.health)
+    health = HealthOptions(stall_timeout_s=cfg.service.stall_timeout_s, exit_on_failure=True)
     handles, placed, recipes = {}, {}, {}
     for worker_id in worker_ids(cfg, role):
         name = worker_name(cfg, role, worker_id, model_dir)
@@ -252,7 +256,8 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
             runtime_env={"env_vars": dict(cfg.env)},
         )
         opts = dict(plan.engine_options)
-        args, kwargs = (worker_id, model_dir, opts, cfg.service.transfer), dict(bind_host="node", cluster_token=token)
+        args = (worker_id, model_dir, opts, cfg.service.transfer)
+        kwargs = dict(bind_host="node", cluster_token=token, health=health)
         if plan.tensor_parallel_size == 1:
             handles[worker_id] = cls.options(name=name, get_if_exists=True, **options).remote(*args, **kwargs)
             continue

@@ -1,7 +1,9 @@
 """The chart's Serve application run the way KubeRay runs it, on one local node: `ray start --head` with
 the CPU demo's head rayStartParams (through `sh -c`, so the quoted `resources` JSON is expanded as in
-KubeRay's container command), the rendered serveConfigV2 submitted through the dashboard's REST API
-(`serve deploy`, as the operator does), and the exporter sidecar's command on the multiprocess dir.
+KubeRay's container command), Ray's token authentication on as the chart's `authOptions` has KubeRay set it
+(RAY_AUTH_MODE=token, RAY_AUTH_TOKEN: the dashboard refuses a call without the token), the rendered
+serveConfigV2 submitted through the dashboard's REST API (`serve deploy`, as the operator does), and the
+exporter sidecar's command on the multiprocess dir.
 
 Checks: the OpenAI API answers; the exporter serves the stage metrics of the ingress, router and both
 workers and none of Ray's own processes; a redeploy with other decode arguments (what `helm upgrade`
@@ -10,6 +12,7 @@ does to serveConfigV2) replaces the decode worker and the router and keeps the p
 
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -50,7 +53,10 @@ class KubeRayLikeHead:
         os.makedirs(self.metrics_dir)
         self.gcs_port, self.dashboard_port, self.http_port, self.exporter_port = (free_port() for _ in range(4))
         self.env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PROMETHEUS_MULTIPROC_DIR")}
-        self.env["RAY_AUTH_MODE"] = "disabled"  # a KubeRay pod has no token file; this machine may
+        # what KubeRay sets on the Ray containers from the chart's authOptions Secret
+        self.token = secrets.token_hex(24)
+        self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
+        self.auth = {"Authorization": f"Bearer {self.token}"}
         self.procs: list[subprocess.Popen] = []
 
     @property
@@ -96,7 +102,8 @@ class KubeRayLikeHead:
             ["sh", "-c", f"exec {shlex.quote(venv_bin('ray'))} start --head --block --disable-usage-stats {line}"],
             "ray.log",
         )
-        self.wait(lambda: http_json(self.dashboard + "/api/version", timeout=5)[0] == 200, "ray.log")
+        self.wait(lambda: http_json(self.dashboard + "/api/version", timeout=5, headers=self.auth)[0] == 200, "ray.log")
+        assert http_json(self.dashboard + "/api/version", timeout=5)[0] in (401, 403)  # no token: refused
 
     def wait(self, ready, log: str, timeout_s: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -133,7 +140,7 @@ class KubeRayLikeHead:
         assert out.returncode == 0, out.stdout + out.stderr
 
     def app_running(self, decode_args: list[str], **args) -> bool:
-        status, body = http_json(self.dashboard + "/api/serve/applications/", timeout=10)
+        status, body = http_json(self.dashboard + "/api/serve/applications/", timeout=10, headers=self.auth)
         app = body["applications"].get("dsv4", {}) if status == 200 else {}
         deployed_args = (app.get("deployed_app_config") or {}).get("args", {})
         return (
@@ -146,13 +153,28 @@ class KubeRayLikeHead:
         """Names of the ALIVE actors in the dsv4 namespace (Ray's state API)."""
         return set(self.dsv4_actor_pids())
 
+    def kill_actor(self, name: str) -> None:
+        """ray.kill (no restart) of a dsv4 actor, from a driver of its own connected to this cluster."""
+        code = (
+            "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+            "ray.kill(ray.get_actor(sys.argv[2], namespace='dsv4'), no_restart=True)"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, f"127.0.0.1:{self.gcs_port}", name],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+
     def dsv4_actor_pids(self) -> dict[str, int]:
         """Name -> pid of the ALIVE actors in the dsv4 namespace (Ray's state API)."""
         url = (
             self.dashboard + "/api/v0/actors?limit=1000&detail=true&filter_keys=state&filter_predicates=%3D"
             "&filter_values=ALIVE"
         )
-        with urllib.request.urlopen(url, timeout=30) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=self.auth), timeout=30) as resp:
             actors = json.loads(resp.read())["data"]["result"]["result"]
         return {a["name"]: a.get("pid") for a in actors if a.get("ray_namespace") == "dsv4" and a.get("name")}
 
@@ -257,7 +279,7 @@ def test_redeploy_with_a_two_rank_decode_worker(head):
     assert status == 200 and out["choices"][0]["text"] == before_out["choices"][0]["text"], (before_out, out)
 
     pids = {n: p for n, p in head.dsv4_actor_pids().items() if n in decode}
-    os.kill(pids[decode[1]], signal.SIGKILL)  # the follower rank dies
+    head.kill_actor(decode[1])  # the follower rank dies
 
     def restarted() -> bool:
         now = head.dsv4_actor_pids()

@@ -160,9 +160,11 @@ def metric_names(expr: str) -> set[str]:
 
 
 # ---- live service ---------------------------------------------------------------------------------------
-def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict | str]:
+def http_json(
+    url: str, body: dict | None = None, timeout: float = 60.0, headers: dict | None = None
+) -> tuple[int, dict | str]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, text = resp.status, resp.read().decode()
