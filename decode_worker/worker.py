@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
 from engine.model.allocator import OutOfPages
-from engine.runtime.engine_loop import AsyncSink
+from engine.runtime.engine_loop import AsyncSink, LoopStopped
 from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
 from engine.telemetry import metrics
@@ -365,7 +365,12 @@ class DecodeWorker(WorkerBase):
 
     async def abort(self, request_id: str) -> None:
         self._streamed.pop(request_id, None)
-        await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))
+        try:
+            await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))
+        except LoopStopped:
+            # The loop has ended (a failed step; the watchdog ends this process): it holds no request any more.
+            # Raising would only leave an unread error behind the dispatcher's fire-and-forget abort.
+            pass
 
 
 def _first_token(result: PrefillResult, params: SamplingParams) -> tuple:

@@ -67,3 +67,12 @@ def test_arriving_import_keeps_its_slot_from_the_waiting_queue():
     assert engine.pool.free_tokens() > free
     engine.step()
     assert [r.request_id for r in engine.scheduler.running] == [local]
+
+
+def test_abort_on_a_worker_whose_loop_ended_is_a_no_op():
+    """The dispatcher aborts fire-and-forget; a worker whose engine loop has ended holds nothing to abort, and an
+    error there would only be an unread one in the router's log."""
+    decode = DecodeWorker("d-ended", None, transfer="tcp")
+    decode.shutdown()
+    assert not decode.loop.alive
+    asyncio.run(decode.abort("gone"))
