@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from kv_transfer.registry import TRANSFER_CHOICES
 from service.actor_pools import remote_classes
 from service.planner import parse_pool_spec
-from service.rank_placement import dp_actor_names, dp_worker_ids, follower_names, group_name, place_worker
+from service.rank_placement import dp_actor_names, dp_worker_ids, follower_names, group_name
 from service.router_actor import RouterActor
 from service.serve_args import add_serve_args
 from service.service_config import ENGINE_OPTION_KEYS, ServiceConfig
@@ -238,13 +238,10 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
     """Start (or reuse) one role's workers; -> ({worker id: handle} of what the router dispatches to,
     {worker id: PlacedWorker} and {worker id: GroupRecipe} of the multi-rank ones, for the router's
     GroupSupervisor: a rank that dies brings its whole group back, as under `dsv4 serve`)."""
-    from engine.runtime.health import HealthOptions
     from service.group_restart import GroupRecipe
 
     plan = cfg.plan(role)
-    # the watchdog ends a worker whose engine loop died or stalled, so that Ray (or the group supervisor)
-    # brings it back, as under `dsv4 serve` (engine.runtime.health)
-    health = HealthOptions(stall_timeout_s=cfg.service.stall_timeout_s, exit_on_failure=True)
+    health = _health_options(cfg)
     handles, placed, recipes = {}, {}, {}
     for worker_id in worker_ids(cfg, role):
         name = worker_name(cfg, role, worker_id, model_dir)
@@ -283,6 +280,14 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
         handles.update(worker.ranks)
         placed[worker_id], recipes[worker_id] = worker, recipe
     return handles, placed, recipes
+
+
+def _health_options(cfg: EntryConfig):
+    """The workers' watchdog: it ends a worker whose engine loop died or stalled, so that Ray (or the group
+    supervisor) brings it back, as under `dsv4 serve` (engine.runtime.health)."""
+    from engine.runtime.health import HealthOptions
+
+    return HealthOptions(stall_timeout_s=cfg.service.stall_timeout_s, exit_on_failure=True)
 
 
 def _kept_group(recipe, worker_id: str):
@@ -443,7 +448,7 @@ def _pool_manager(cfg: EntryConfig, classes: dict, model_dir: str | None, token:
             model_dir=model_dir,
             engine_options=cfg.plan(role).engine_options,
             transfer=cfg.service.transfer,
-            kwargs=(("bind_host", "node"), ("cluster_token", token)),
+            kwargs=(("bind_host", "node"), ("cluster_token", token), ("health", _health_options(cfg))),
             actor_options=(
                 ("namespace", NAMESPACE),
                 ("num_gpus", cfg.plan(role).num_gpus),

@@ -27,6 +27,7 @@ import yaml
 
 from tests.support.deploy_fixtures import (
     EXAMPLES,
+    REPO,
     documents,
     free_port,
     http_json,
@@ -67,7 +68,7 @@ class KubeRayLikeHead:
         with open(os.path.join(self.tmp, log), "wb") as f:
             proc = subprocess.Popen(
                 cmd,
-                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                cwd=REPO,  # the checkout under test: its workers import this tree first
                 env=env or self.env,
                 stdout=f,
                 stderr=subprocess.STDOUT,
