@@ -25,7 +25,7 @@ def route(
     tid2eid: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     renormalize: bool = True,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, H]; gate: [E, H]. Hash layers pass tid2eid [V, k] and token_ids [T]; others pass bias [E].
 
     -> (weights fp32 [T, k], expert ids int64 [T, k]). Selection uses scores + bias; weights are the

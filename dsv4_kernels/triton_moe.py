@@ -154,7 +154,7 @@ def route(
     tid2eid: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     renormalize: bool = True,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`dsv4_kernels.moe.route` (same arguments and contract) with scoring and top-k fused in one kernel.
 
     x: [T, H]; gate: [E, H] (bf16 with bf16 x, else fp32, to skip a cast per call: `router_logits`)

@@ -199,7 +199,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.
     return out
 
 
-def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, limit: float, pow2: bool = True):
+def swiglu_quant(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """gate, up: [M, N] (unit last stride) -> (e4m3 [M, N], fp32 scales [M, ceil(N/128)] MN-major) =
     quant_act_1x128(swiglu(gate, up, limit), pow2) in one launch (the activation rounded to gate.dtype first)."""
     _check_gate_up(gate, up)

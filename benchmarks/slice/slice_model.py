@@ -235,7 +235,7 @@ def fill_experts(core: EngineCore, gen: torch.Generator, chunk: int) -> None:
                 w.random_(0, 256, generator=gen)
                 s.fill_(mxfp4_scale_byte(_proj_std(2 * w.shape[-1])))
             continue
-        for w in (moe.w1, moe.w2, moe.w3):
+        for w in moe.dense or ():  # dense stacks (neither MXFP4 bytes nor FP8)
             std = _proj_std(w.shape[-1])
             for e0 in range(0, w.shape[0], chunk):
                 part = w[e0 : e0 + chunk]

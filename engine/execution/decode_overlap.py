@@ -43,7 +43,7 @@ class LaunchedDecode:
     chunks: tuple[ScheduledChunk, ...]
     picked: torch.Tensor
     host: torch.Tensor
-    ready: object
+    ready: torch.cuda.Event | None
 
     @staticmethod
     def of(chunks, picked: torch.Tensor) -> LaunchedDecode:

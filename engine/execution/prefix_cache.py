@@ -289,6 +289,7 @@ class PrefixCache:
         resume = hit.resume
         if hit.chain:
             last = hit.chain[-1]
+            assert last.snapshot is not None  # a hit's chain ends at a snapshotted block (lookup)
             self.store.restore(last.snapshot, req.pages)
             self._touch(hit.chain)
             req.num_computed = resume
@@ -416,6 +417,7 @@ class PrefixCache:
                 return
             self._drop_snapshot(self.nodes[victim])
             slot = self.store.take()
+            assert slot is not None  # the dropped snapshot's slot went back to the store
         self.store.save(slot, req.pages if pages is None else pages)
         node.snapshot = slot
         self._snap_lru[key] = None
@@ -436,6 +438,7 @@ class PrefixCache:
             heapq.heapify(self._leaves)
 
     def _drop_snapshot(self, node: Node) -> None:
+        assert node.snapshot is not None  # callers drop snapshotted nodes only
         self.store.give(node.snapshot)
         node.snapshot = None
         self._snap_lru.pop(node.key, None)

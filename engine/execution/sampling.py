@@ -93,10 +93,10 @@ def exp_noise_rows(draw_seeds: list[int] | torch.Tensor, vocab: int, device) -> 
 
         seeds = draw_seeds if isinstance(draw_seeds, torch.Tensor) else torch.tensor(draw_seeds, dtype=torch.int64)
         return exp_noise(seeds.to(device), vocab)
-    seeds = draw_seeds.tolist() if isinstance(draw_seeds, torch.Tensor) else draw_seeds
+    host_seeds = draw_seeds.tolist() if isinstance(draw_seeds, torch.Tensor) else draw_seeds
     noise = (
-        torch.stack([torch.rand(vocab, generator=torch.Generator().manual_seed(s)) for s in seeds])
-        if len(seeds)
+        torch.stack([torch.rand(vocab, generator=torch.Generator().manual_seed(s)) for s in host_seeds])
+        if len(host_seeds)
         else torch.empty(0, vocab)
     )
     return -torch.log(noise.clamp_min(1e-20)).to(device)

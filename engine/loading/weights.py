@@ -191,7 +191,7 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[str]:
 @dataclass(frozen=True)
 class _Entry:
     raw: str  # name inside the file
-    handle: object  # open safe_open handle holding it
+    handle: safe_open  # the open file holding it (get_tensor / get_slice)
     dtype: str  # safetensors dtype string ("F32", "F8_E4M3", "I8", "F4", ...)
     shape: tuple[int, ...]  # as recorded by safetensors (F4 records unpacked elements)
 

@@ -82,7 +82,9 @@ class AttentionBlock:
         self.w = take_fp8_weights(
             {k[len(p) :]: v for k, v in weights.items() if k.startswith(p)}, pow2_activations(cfg.quantization)
         )
-        self._flashmla = None  # FlashMLA runs this block's fp8 decode steps (decided at the first fp8 step)
+        self._flashmla: bool | None = (
+            None  # FlashMLA runs this block's fp8 decode steps (decided at the first fp8 step)
+        )
         # bytes of indexer scores a step holds at once (query blocks, dsv4_kernels.indexer.query_blocks); tests lower
         # it to force several blocks on small shapes
         self.scores_budget = SCORES_BUDGET
@@ -125,7 +127,7 @@ class AttentionBlock:
         packed = swa.encode(kv) if swa.quantised and path != "fp8_flashmla" else None  # rows as the ring stores them
         if path == "reference":
             valid = batch.swa.valid
-            if swa.quantised:
+            if packed is not None:  # a quantised ring
                 keys = batch.swa.gather(swa.decode(packed).to(kv.dtype), ring)
                 batch.swa_write.apply_packed(packed, ring)  # after the gather, as below
             else:
@@ -160,6 +162,7 @@ class AttentionBlock:
                 comp_ids = self._indexer(x, q_res, q_res_fp8, batch, pool, ropes)
             comp_rows, comp_valid, comp_ids = self._entry_rows(batch, pool, comp_ids, x.device)
         if self.ratio > 1 and path == "reference":
+            assert entries is not None and comp_rows is not None and comp_valid is not None  # a compressed layer
             keys = torch.cat([keys, entries.read(comp_rows).to(keys.dtype)], dim=1)
             valid = torch.cat([valid, comp_valid], dim=1)
 
@@ -171,6 +174,7 @@ class AttentionBlock:
         elif path == "fp8_flashmla":
             o = attention_fp8.flashmla_attend(q, ring, entries, comp, batch, sink, scale)
         elif path == "fp8_triton":
+            assert packed is not None  # the fp8 paths run on a quantised ring
             o = attention_fp8.dequantised_attend(
                 q, swa.decode(packed), ring, entries, comp_rows, comp_ids, comp_valid, batch, sink, scale
             )
@@ -289,7 +293,7 @@ class AttentionBlock:
                 plan.entry_pos,
                 plan.entry_row,
                 entries.tensor,
-                entries.group.codec.layout if entries.quantised else None,
+                entries.group.packed_codec.layout if entries.quantised else None,
                 hadamard=False,
                 skip_row=pool.scratch_pages[entry_group] * pool.groups[entry_group].spec.page_rows,
             )
@@ -341,7 +345,7 @@ class AttentionBlock:
                     sin,
                     entries.tensor,
                     plan.entry_row,
-                    entries.group.codec.layout,
+                    entries.group.packed_codec.layout,
                     hadamard=False,
                 )
             else:
@@ -382,7 +386,7 @@ class AttentionBlock:
 
             store, layout = keys.tensor, None
             if keys.quantised:  # paged MXFP4 / FP8 keys, dequantised in the kernel
-                layout = keys.group.codec.layout
+                layout = keys.group.index_layout
                 store = store.view(-1, layout.block_size * layout.row_bytes)
             # zero-padded key dims (test presets): q . k unchanged
             raw_weights = (

@@ -47,7 +47,7 @@ def insert_decode_rows(
         eps,
         ring.tensor,
         token_ring_rows(batch),
-        ring.group.codec.layout if ring.quantised else None,
+        ring.group.mla_layout if ring.quantised else None,
     )
 
 
@@ -79,11 +79,13 @@ def flashmla_attend(
     main_idx = torch.empty(t, _padded(swa.ring_row.shape[1]), dtype=torch.int32, device=q.device)
     extra = extra_layout = extra_idx = None
     if entries is not None:
+        if comp is None:
+            raise ValueError("flashmla_attend: entries need their rows (comp)")
         k = (comp["ids"] if "ids" in comp else comp["comp_rows"]).shape[1]
         extra_idx = torch.empty(t, _padded(k), dtype=torch.int32, device=q.device)
-        extra, extra_layout = entries.tensor, entries.group.codec.layout
+        extra, extra_layout = entries.tensor, entries.group.mla_layout
     attention_rows(swa.ring_row, swa.valid, main_idx, out_comp=extra_idx, **(comp or {}))
-    return sparse_decode(q, ring.tensor, ring.group.codec.layout, main_idx, extra, extra_layout, extra_idx, sink, scale)
+    return sparse_decode(q, ring.tensor, ring.group.mla_layout, main_idx, extra, extra_layout, extra_idx, sink, scale)
 
 
 def flashmla_unfit_reason(num_heads: int, ring: CacheLayer, entries: list[CacheLayer]) -> str:
@@ -94,7 +96,7 @@ def flashmla_unfit_reason(num_heads: int, ring: CacheLayer, entries: list[CacheL
         codec = layer.group.codec
         if codec is None or codec.fmt != "fp8_ds_mla":
             return f"group {layer.group.spec.name} is not fp8_ds_mla"
-    return unfit_reason(num_heads, [layer.group.codec.layout for layer in [ring] + entries])
+    return unfit_reason(num_heads, [layer.group.mla_layout for layer in [ring] + entries])
 
 
 def _decoded_rows(layer: CacheLayer, rows: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import cast
 
 import numpy as np
 import torch
@@ -46,10 +47,10 @@ def segment_arange(starts, counts, total: int | None = None):
         return starts[seg] + np.arange(seg.size, dtype=np.int64) - offsets[seg], seg
     if total is None:
         total = int(counts.sum())
-    seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts, output_size=total)
-    offsets = torch.cumsum(counts, 0) - counts
-    local = torch.arange(total, device=counts.device) - offsets[seg]
-    return starts[seg] + local, seg
+    ids = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts, output_size=total)
+    first = torch.cumsum(counts, 0) - counts
+    local = torch.arange(total, device=counts.device) - first[ids]
+    return starts[ids] + local, ids
 
 
 # A step's host arrays go to the device as one buffer, each part at a 128-byte boundary (PART_ALIGN int64s): a
@@ -114,7 +115,7 @@ class _Upload:
     def __call__(self, obj):
         if _is_host(obj):
             return self._views[id(obj)]
-        if is_dataclass(obj):
+        if is_dataclass(obj) and not isinstance(obj, type):
             return replace(obj, **{f.name: self(getattr(obj, f.name)) for f in fields(obj) if f.init})
         if isinstance(obj, dict):
             return {k: self(v) for k, v in obj.items()}
@@ -303,16 +304,20 @@ def _staging_writes(pool: CachePool, snapshots: list, starts, ends, cu) -> dict:
             pos = np.arange(point - positions, point, dtype=np.int64)
             chunk.append(cu[b] + pos - starts[b])
             ring.append(pages[name] * spec.page_rows + pos % positions)
-        out[name] = RingWrite(np.concatenate(chunk), np.concatenate(ring))
+        out[name] = RingWrite(_host_rows(chunk), _host_rows(ring))
     return out
 
 
 def _joined(first: RingWrite, extra: RingWrite | None) -> RingWrite:
     if extra is None:
         return first
-    return RingWrite(
-        np.concatenate([first.chunk_row, extra.chunk_row]), np.concatenate([first.ring_row, extra.ring_row])
-    )
+    return RingWrite(_host_rows([first.chunk_row, extra.chunk_row]), _host_rows([first.ring_row, extra.ring_row]))
+
+
+def _host_rows(parts) -> torch.Tensor:
+    """Host row ids concatenated, in a field typed as what it becomes: a step's dataclasses hold numpy arrays
+    while they are built on the host, and _Upload swaps each for its device view before a layer reads it."""
+    return cast(torch.Tensor, np.concatenate(parts))
 
 
 def paged_rows(table, page_rows: int, seg, entry):

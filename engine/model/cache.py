@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -62,7 +63,7 @@ class RowCodec:
 
     fmt: str
     dim: int
-    layout: geometry.BlockRowLayout
+    layout: geometry.Fp8DsMlaLayout | geometry.IndexerKeyLayout
     nope: int = 0
 
     @property
@@ -70,7 +71,7 @@ class RowCodec:
         return self.layout.row_bytes
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "fp8_ds_mla":
+        if isinstance(self.layout, geometry.Fp8DsMlaLayout):  # fmt "fp8_ds_mla"
             extra = self.layout.nope_dim - self.nope
             if extra:
                 zeros = x.new_zeros(x.shape[0], extra)
@@ -89,12 +90,20 @@ class RowCodec:
     def decode(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [N, row_bytes] -> [N, dim] in dtype."""
         v = geometry.unpack_rows(self.layout, packed)
-        if self.fmt == "fp8_ds_mla":
+        if isinstance(self.layout, geometry.Fp8DsMlaLayout):  # fmt "fp8_ds_mla"
             if self.layout.nope_dim != self.nope:
                 v = torch.cat([v[:, : self.nope], v[:, self.layout.nope_dim :]], dim=1)
         elif v.shape[1] != self.dim:
             v = v[:, : self.dim]
         return v.to(dtype)
+
+
+class Reclaimer(Protocol):
+    """What frees pages the pool counts as free but that are still held (the prefix cache's unreferenced blocks)."""
+
+    def reclaim(self, need: dict[str, int]) -> None:
+        """Evict until every group named in `need` has that many free pages (or nothing more can go)."""
+        ...
 
 
 def _round_up(n: int, k: int) -> int:
@@ -243,17 +252,40 @@ class CacheGroup:
         return CacheLayer(self, layer)
 
     # ---- codec -------------------------------------------------------------------------------------
+    @property
+    def packed_codec(self) -> RowCodec:
+        """The row codec of a quantised group; a ValueError on an exact one (it has no packed rows)."""
+        if self.codec is None:
+            raise ValueError(f"cache group {self.spec.name!r} holds exact rows: it has no packed rows to code")
+        return self.codec
+
+    @property
+    def mla_layout(self) -> geometry.Fp8DsMlaLayout:
+        """The row layout of an fp8_ds_mla group (SWA ring, compressed KV); a ValueError on any other group."""
+        layout = self.packed_codec.layout
+        if not isinstance(layout, geometry.Fp8DsMlaLayout):
+            raise ValueError(f"cache group {self.spec.name!r} is {self.packed_codec.fmt}, not fp8_ds_mla")
+        return layout
+
+    @property
+    def index_layout(self) -> geometry.IndexerKeyLayout:
+        """The row layout of a quantised indexer-key group (MXFP4 / FP8); a ValueError on any other group."""
+        layout = self.packed_codec.layout
+        if not isinstance(layout, geometry.IndexerKeyLayout):
+            raise ValueError(f"cache group {self.spec.name!r} is {self.packed_codec.fmt}, not indexer keys")
+        return layout
+
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """[..., dim] -> uint8 [N, row_bytes] packed rows (quantised groups only)."""
-        return self.codec.encode(values)
+        return self.packed_codec.encode(values)
 
     def decode(self, packed: torch.Tensor) -> torch.Tensor:
         """uint8 [N, row_bytes] -> [N, dim] in compute_dtype (quantised groups only)."""
-        return self.codec.decode(packed, self.compute_dtype)
+        return self.packed_codec.decode(packed, self.compute_dtype)
 
     def _planes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [blocks, block_size, value_bytes] and [blocks, block_size, scale_bytes] of one layer."""
-        lay = self.codec.layout
+        lay = self.packed_codec.layout
         bs = lay.block_size
         blocks = self.layer(layer).view(-1, bs * lay.row_bytes)
         values = blocks[:, : bs * lay.value_bytes].unflatten(1, (bs, lay.value_bytes))
@@ -264,7 +296,7 @@ class CacheGroup:
         """Packed rows (geometry.read_rows of the layer's blocks) -> uint8 [N, row_bytes]."""
         rows = rows.reshape(-1)
         values, scales = self._planes(layer)
-        bs = self.codec.layout.block_size
+        bs = self.packed_codec.layout.block_size
         blk, pos = rows // bs, rows % bs
         return torch.cat([values[blk, pos], scales[blk, pos]], dim=1)
 
@@ -272,7 +304,7 @@ class CacheGroup:
         """geometry.write_rows into the layer's blocks: only each row's value and scale bytes change."""
         rows = rows.reshape(-1)
         values, scales = self._planes(layer)
-        lay = self.codec.layout
+        lay = self.packed_codec.layout
         blk, pos = rows // lay.block_size, rows % lay.block_size
         values[blk, pos] = packed[:, : lay.value_bytes]
         scales[blk, pos] = packed[:, lay.value_bytes :]
@@ -339,7 +371,7 @@ class CachePool:
         # The prefix cache (engine.execution.prefix_cache) when one is attached: `reclaim(need)` evicts unreferenced
         # cached blocks until every group of `need` has that many free pages. Pages only the cache holds
         # count as free everywhere below (admission, load figures, idle counts).
-        self.reclaimer = None
+        self.reclaimer: Reclaimer | None = None
         self._deferring = False  # see defer_frees
         self._deferred: list[PageTable] = []
 

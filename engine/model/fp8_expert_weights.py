@@ -87,7 +87,8 @@ def take_fp8_experts(weights: dict, prefix: str, pow2_act: bool = True) -> Fp8Ex
     keys = [f"{prefix}experts.{k}" for k in _KEYS]
     if keys[0] not in weights:
         return None
-    return Fp8Experts(*(weights.pop(k) for k in keys), pow2_act=pow2_act)
+    w13, s13, w2, s2 = (weights.pop(k) for k in keys)
+    return Fp8Experts(w13=w13, s13=s13, w2=w2, s2=s2, pow2_act=pow2_act)
 
 
 def has_packed_experts(weights: dict, prefix: str, first_expert: int) -> bool:

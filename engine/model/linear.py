@@ -64,23 +64,23 @@ def uses_fp8_gemm(x: torch.Tensor, w: Weight) -> bool:
 
 def can_concat_rows(a: Weight, b: Weight) -> bool:
     """Can `concat_rows(a, b)` stack these two (same kind, same K; FP8: a's rows whole 128-blocks, same scales)?"""
-    if isinstance(a, Fp8Weight) != isinstance(b, Fp8Weight) or a.shape[1] != b.shape[1]:
-        return False
-    if isinstance(a, Fp8Weight):
-        return a.shape[0] % 128 == 0 and a.pow2_act == b.pow2_act
-    return a.dtype == b.dtype and a.device == b.device
+    if isinstance(a, Fp8Weight) and isinstance(b, Fp8Weight):
+        return a.shape[1] == b.shape[1] and a.shape[0] % 128 == 0 and a.pow2_act == b.pow2_act
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape[1] == b.shape[1] and a.dtype == b.dtype and a.device == b.device
+    return False
 
 
 def concat_rows(a: Weight, b: Weight) -> Weight:
     """Two projections of the same input as one: [N1, K] and [N2, K] -> [N1 + N2, K] (an Fp8Weight's rows and
     scale rows stay aligned when N1 is whole 128-blocks), so one GEMM (and one activation quantisation) runs."""
-    if isinstance(a, Fp8Weight) != isinstance(b, Fp8Weight):
-        raise ValueError("concat_rows needs two tensors or two Fp8Weight")
-    if isinstance(a, Fp8Weight):
+    if isinstance(a, Fp8Weight) and isinstance(b, Fp8Weight):
         if a.shape[0] % 128 or a.shape[1] != b.shape[1] or a.pow2_act != b.pow2_act:
             raise ValueError(f"cannot stack FP8 weights {a.shape} and {b.shape} (rows in 128s, same K and scales)")
         return Fp8Weight(torch.cat([a.weight, b.weight]), torch.cat([a.scale, b.scale]), a.pow2_act)
-    return torch.cat([a, b])
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.cat([a, b])
+    raise ValueError("concat_rows needs two tensors or two Fp8Weight")
 
 
 def split_rows(w: Weight, n: int) -> tuple[Weight, Weight]:
@@ -104,17 +104,18 @@ def rms_norm_for(x: torch.Tensor, weight: torch.Tensor, eps: float, *ws: Weight)
 
     Where every w in `ws` runs DeepGEMM's FP8 GEMM, one Triton launch (dsv4_kernels.triton_norm_quant) norms and
     quantises, and each `linear_from(normed, qa, w)` then skips its own quantiser; elsewhere the plain norm."""
-    if x.dim() == 2 and ws and all(uses_fp8_gemm(x, w) for w in ws) and len({w.pow2_act for w in ws}) == 1:
+    fp8 = [w for w in ws if isinstance(w, Fp8Weight) and _fast(x, w)] if x.dim() == 2 else []
+    if ws and len(fp8) == len(ws) and len({w.pow2_act for w in fp8}) == 1:
         from dsv4_kernels.triton_norm_quant import rms_norm_quant  # imports triton: only on this path
 
-        normed, q, s = rms_norm_quant(x, weight, eps, ws[0].pow2_act)
+        normed, q, s = rms_norm_quant(x, weight, eps, fp8[0].pow2_act)
         return normed, QuantizedAct(q, s)
     return rms_norm(x, weight, eps), None
 
 
 def linear_from(x: torch.Tensor, qa: QuantizedAct | None, w: Weight) -> torch.Tensor:
     """linear(x, w), reusing `qa` (x's quantisation from rms_norm_for) when given."""
-    if qa is None:
+    if qa is None or not isinstance(w, Fp8Weight):  # qa exists only for FP8 weights (rms_norm_for)
         return linear(x, w)
     from dsv4_kernels.deepgemm_linear import fp8_gemm_quantized  # imports deep_gemm: only on this path
 

@@ -102,7 +102,8 @@ class DeepseekV4Model:
         )
         log_fast_paths(self.fast_paths, self.fast_path_states, self.device)  # a WARNING on CUDA for each fallback
         self.ropes = {"main": Rope(cfg.main_rope, self.device), "compress": Rope(cfg.compress_rope, self.device)}
-        self._rope_stack = None  # (inv_freq [2, 1, half], attention factors [2, 1, 1]) for _position_ropes
+        # (inv_freq [2, 1, half], attention factors [2, 1, 1]) for _position_ropes
+        self._rope_stack: tuple[torch.Tensor, torch.Tensor] | None = None
         # The hc residual streams stay fp32 in 16-bit engines (each block's input and output still round to
         # the model dtype). On the H200 this lifted bf16 teacher-forced greedy agreement with the fp32 engine
         # from 0.93 to 0.96 (small preset, decided positions; BENCHMARKS.md) for ~4% more decode bytes at

@@ -21,9 +21,11 @@ engine.model.fp8_expert_weights) run every step of an engine that holds only the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from dsv4_kernels.fp8_linear import Fp8Weight
 from dsv4_kernels.moe import moe_experts, moe_experts_grouped, route, swiglu
 from dsv4_kernels.quant import dequant_mxfp4
 from engine.model.config import ModelConfig
@@ -46,6 +48,10 @@ from engine.model.linear import (
     uses_fp8_gemm,
 )
 from engine.model.parallel import SINGLE, ParallelContext, TokenExchange
+
+if TYPE_CHECKING:  # the library layouts' modules import GPU libraries where they are used, not here
+    from dsv4_kernels.marlin_moe import MarlinExperts
+    from dsv4_kernels.mxfp4_ogs import OgsExperts
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,9 @@ def _pop_stack(weights: dict, names: list[str]) -> torch.Tensor:
     return torch.stack([weights.pop(n) for n in names])
 
 
-def take_experts(weights: dict, prefix: str, num_experts: int | range, dtype: torch.dtype):
+def take_experts(
+    weights: dict, prefix: str, num_experts: int | range, dtype: torch.dtype
+) -> PackedExperts | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pop the routed experts under `prefix` (all of them, or the id range an expert-parallel rank holds)
     -> PackedExperts, or dense (w1, w2, w3) stacks indexed by id - range.start.
 
@@ -107,7 +115,8 @@ def take_experts(weights: dict, prefix: str, num_experts: int | range, dtype: to
         for n in every:
             if weights[n].dtype == torch.uint8:
                 weights[n] = dequant_mxfp4(weights[n], weights.pop(n[: -len(".weight")] + ".scale")).to(dtype)
-    return tuple(_pop_stack(weights, names[w]) for w in ("w1", "w2", "w3"))
+    w1, w2, w3 = (_pop_stack(weights, names[w]) for w in ("w1", "w2", "w3"))
+    return w1, w2, w3
 
 
 class MoEBlock:
@@ -150,18 +159,17 @@ class MoEBlock:
         )
         self.packed = experts if isinstance(experts, PackedExperts) else None
         self.mxfp4 = self.packed is not None  # routed experts held as MXFP4 (packed, or in triton_kernels layouts)
-        self.ogs = None  # dsv4_kernels.mxfp4_ogs.OgsExperts, built from `packed` at the first triton_kernels call
+        self.ogs: OgsExperts | None = None  # built from `packed` at the first triton_kernels call
         # triton_kernels' tiles were measured at V4 widths only (tests/kernels/test_mxfp4_ogs.py, >= 128);
         # narrower toy models take the engine's own kernel.
         self.ogs_fits = cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
-        self.marlin = None  # dsv4_kernels.marlin_moe.MarlinExperts, built from `packed` at the first Marlin call
+        self.marlin: MarlinExperts | None = None  # built from `packed` at the first Marlin call
         self.marlin_fits = cfg.hidden_size % 256 == 0 and cfg.moe_intermediate_size % 64 == 0  # Marlin's tiles
-        self.w1, self.w2, self.w3 = (None, None, None) if self.packed is not None or experts is None else experts
+        # dense experts (stacks indexed by id - experts.start): neither packed nor FP8
+        self.dense = experts if isinstance(experts, tuple) else None
         # The fused router's weights: bf16 as stored (multiplied with fp32 output, triton_moe.router_logits), else
-        # cast to fp32 once here, not per call as the reference does.
-        self.router_gate = None
-        if self.packed is not None or self.fp8 is not None:
-            self.router_gate = self.gate if self.gate.dtype == torch.bfloat16 else self.gate.float()
+        # fp32 once here, not per call as the reference does (no copy for an fp32 gate: the dense CPU models').
+        self.router_gate = self.gate if self.gate.dtype == torch.bfloat16 else self.gate.float()
 
     def _route_args(self, token_ids: torch.Tensor) -> dict:
         cfg = self.cfg
@@ -206,18 +214,19 @@ class MoEBlock:
     def _routed(self, x: torch.Tensor, token_ids: torch.Tensor, shared: torch.Tensor | None):
         """-> (the routed sum [T, H], whether `shared` is already added in: the MXFP4 kernel's k-way sum adds it)."""
         limit = self.cfg.swiglu_limit
-        if self.takes_fp8(x) and x.dtype == torch.bfloat16 and use_fp8_expert_gemm(x.device):
+        fp8 = self.fp8 if self.takes_fp8(x) else None
+        if fp8 is not None and x.dtype == torch.bfloat16 and use_fp8_expert_gemm(x.device):
             from dsv4_kernels import deepgemm_moe, triton_moe  # import deep_gemm / triton: only on this path
 
             weights, ids = self._local(*triton_moe.route(x, self.router_gate, **self._route_args(token_ids)), True)
-            return deepgemm_moe.deepgemm_moe(x, weights, ids, self.fp8, limit, shared=shared), True
-        if self.takes_fp8(x):
-            return self._reference(x, token_ids, self.fp8), False
+            return deepgemm_moe.deepgemm_moe(x, weights, ids, fp8, limit, shared=shared), True
+        if fp8 is not None:
+            return self._reference(x, token_ids, fp8), False
         if self.takes_marlin(x):
             from dsv4_kernels import marlin_moe, triton_moe  # imports triton / the Marlin library: only here
 
             if self.marlin is None:
-                pk = self.packed
+                pk = self._packed_experts()
                 self.marlin = marlin_moe.prepare(pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3)
                 self.packed = None  # Marlin's tiles replace the checkpoint bytes
             weights, ids = self._local(*triton_moe.route(x, self.router_gate, **self._route_args(token_ids)), False)
@@ -226,7 +235,7 @@ class MoEBlock:
             from dsv4_kernels import mxfp4_ogs, triton_moe  # import triton / triton_kernels: only on this path
 
             if self.ogs is None:
-                pk = self.packed
+                pk = self._packed_experts()
                 self.ogs = mxfp4_ogs.prepare(pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3)
                 self.packed = None  # the Hopper-layout copy replaces the checkpoint bytes
             weights, ids = self._local(*triton_moe.route(x, self.router_gate, **self._route_args(token_ids)), False)
@@ -239,9 +248,17 @@ class MoEBlock:
             return triton_moe.mxfp4_moe(x, weights, ids, pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3, limit), False
         if self.packed is not None:
             return self._reference(x, token_ids, self.packed), False
+        if self.dense is None:
+            raise RuntimeError("MoE block holds no routed experts for this call (MXFP4 bytes already handed over)")
         weights, ids = self._local(*route(x, self.gate, **self._route_args(token_ids)), True)
         experts = moe_experts_grouped if use_grouped_moe(x) else moe_experts
-        return experts(x, weights, ids, self.w1, self.w2, self.w3, limit), False
+        return experts(x, weights, ids, *self.dense, limit), False
+
+    def _packed_experts(self) -> PackedExperts:
+        """The MXFP4 checkpoint bytes, which a library layout (Marlin, triton_kernels) is built from once."""
+        if self.packed is None:
+            raise RuntimeError("the MXFP4 experts were already handed to another layout")
+        return self.packed
 
     def _reference(self, x: torch.Tensor, token_ids: torch.Tensor, held) -> torch.Tensor:
         """Reference on quantised experts (PackedExperts or Fp8Experts): dequantise only the experts in use (host
@@ -274,7 +291,7 @@ class MoEBlock:
             h = torch.cat([linear(x, w1), linear(x, w3)], dim=-1)
         inter, limit = h.shape[-1] // 2, self.cfg.swiglu_limit
         gate, up = h[..., :inter], h[..., inter:]
-        if h.dim() == 2 and uses_fp8_gemm(h, w2):
+        if h.dim() == 2 and isinstance(w2, Fp8Weight) and uses_fp8_gemm(h, w2):
             from dsv4_kernels import triton_moe_glue
             from dsv4_kernels.deepgemm_linear import fp8_gemm_quantized  # imports deep_gemm: only on this path
 
@@ -301,11 +318,12 @@ class MoEBlock:
         replicated, so all agree) and runs its own experts on the pairs routed there, the partial sums go back
         to the tokens' ranks summed (reduce-scatter), and the shared expert (whole on every rank) runs on the
         rank's own tokens. An idle rank comes with no tokens and still serves its experts."""
-        counts = dp.counts if dp is not None else None
-        if counts is None or len(counts) != self.parallel.tp_size or counts[self.parallel.rank] != x.shape[0]:
+        if dp is None or len(dp.counts) != self.parallel.tp_size or dp.counts[self.parallel.rank] != x.shape[0]:
             raise ValueError(
-                f"data-parallel MoE needs every rank's token count (this rank has {x.shape[0]}), got {counts}"
+                f"data-parallel MoE needs every rank's token count (this rank has {x.shape[0]}), "
+                f"got {dp.counts if dp is not None else None}"
             )
+        counts = dp.counts
         if max(counts) == 0:  # a step in which no rank had tokens (every rank agrees: nothing to exchange)
             return torch.zeros_like(x)
         xs = self.parallel.gather_rows(x, counts)

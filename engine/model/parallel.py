@@ -64,8 +64,8 @@ class ParallelContext:
     tp_size: int = 1
     rank: int = 0
     expert_parallel: bool = False
-    group: object = None
-    cpu_group: object = None
+    group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
     host_collectives: bool = False  # gloo over CUDA tensors: collectives run on host copies (TP_BACKEND_ENV)
     # Data-parallel attention (engine.execution.dp_attention): every rank holds the whole attention, embedding, LM head
     # and shared expert and runs its own requests; only the routed experts are split (expert parallelism),

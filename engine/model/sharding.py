@@ -124,10 +124,10 @@ def cut_of(name: str, shape: tuple[int, ...], ctx: ParallelContext, o_groups: in
     if not ctx.enabled or ctx.data_parallel_attention:
         return None
     if _spans_ranks(o_groups, ctx) and _GROUPED.search(name):
-        dim = 0 if name.endswith("wo_a.weight") else 1  # wo_a: the group's rows; wo_b: its input columns
-        width = shape[dim] // o_groups
+        gdim = 0 if name.endswith("wo_a.weight") else 1  # wo_a: the group's rows; wo_b: its input columns
+        width = shape[gdim] // o_groups
         group = ctx.rank // (ctx.tp_size // o_groups)
-        return Cut(dim, group * width, (group + 1) * width, shape[dim], width)
+        return Cut(gdim, group * width, (group + 1) * width, shape[gdim], width)
     if name in _VOCAB:
         rows = ctx.padded_range(shape[0])
         return Cut(0, rows.start, rows.stop, shape[0], -(-shape[0] // ctx.tp_size))
