@@ -28,7 +28,7 @@ from engine.runtime.engine_loop import AsyncSink, LoopStopped
 from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
 from engine.telemetry import metrics
-from kv_transfer.base import ReadInFlight, TransferError, TransferTimeout
+from kv_transfer.base import ReadInFlight, TransferBackend, TransferError, TransferTimeout
 from kv_transfer.registry import make_backend, network_options, resolve_name
 
 # transfer_totals' finer seconds (summed over pulls, like the others):
@@ -94,7 +94,7 @@ class _PullClaim:
             deferred.cancel()
 
 
-class DecodeWorker(WorkerBase):
+class DecodeWorker(WorkerBase[TransferBackend]):
     role = "decode"
 
     def __init__(
@@ -142,36 +142,38 @@ class DecodeWorker(WorkerBase):
         if self.peers.get(name) == metadata:
             return
         if name in self.peers:
-            self.backend.remove_peer(name)
-        self.backend.add_peer(name, metadata)
+            self.transfer_backend.remove_peer(name)
+        self.transfer_backend.add_peer(name, metadata)
         self.peers[name] = metadata
 
     def remove_peer(self, name: str) -> None:
         """Forget a prefill worker that left its pool (service/pools.py); a ticket from it then gets `PeerUnknown`."""
         if self.peers.pop(name, None) is not None:
-            self.backend.remove_peer(name)
+            self.transfer_backend.remove_peer(name)
 
     def transfer_summary(self) -> dict:
         """Bytes, seconds, count and failures of every pull so far (for `dsv4 bench serve`)."""
         return dict(self.transfer_totals)
 
     async def decode(self, result: PrefillResult, prompt: list[int], params: SamplingParams):
-        rid = result.request_id
-        if result.ticket.source not in self.peers:  # this worker (or the source) restarted since the handshake
-            raise PeerUnknown(result.ticket.source, self.worker_id)
+        rid, ticket = result.request_id, result.ticket
+        if ticket is None:
+            raise ValueError(f"request {rid} finished at prefill ({result.finish_reason}): there is nothing to decode")
+        if ticket.source not in self.peers:  # this worker (or the source) restarted since the handshake
+            raise PeerUnknown(ticket.source, self.worker_id)
         stream = self._streamed.pop(rid, None)
         if stream is None:
             pages = await self._reserve(rid, prompt, params, result)
         else:  # reserve_streamed took the pages, pull_chunk filled the chunks': set the first token, pull the rest
             pages = await self.loop.acall(functools.partial(_complete_import, rid, result))
-            if result.ticket.start_tokens != stream.covered:
+            if ticket.start_tokens != stream.covered:
                 await self.loop.acall(lambda eng: eng.abort(rid))
                 raise TransferError(
                     f"request {rid!r}: its chunks reached position {stream.covered} here, the final ticket starts at "
-                    f"{result.ticket.start_tokens}"
+                    f"{ticket.start_tokens}"
                 )
         start = time.monotonic()
-        stats, deferred = await self._pull(rid, result.ticket, pages)
+        stats, deferred = await self._pull(rid, ticket, pages)
         seconds = time.monotonic() - start
         joined = False
         try:
@@ -205,7 +207,7 @@ class DecodeWorker(WorkerBase):
             if not joined:  # the stream closed (or the loop stopped) before the request joined: drop it
                 if deferred is not None:
                     deferred.cancel()  # frees its staging range, unless the join is running it right now
-                self.loop.call(lambda eng: (eng.abort(rid), self.loop.unsubscribe(rid)))
+                self.loop.call(lambda eng: self.drop_request(eng, rid))
         async for ev in self._stream(rid, sink):
             yield ev
 
@@ -222,7 +224,7 @@ class DecodeWorker(WorkerBase):
         failure the import is aborted (its pages freed), or quarantined behind a READ that could not be cancelled."""
         claim = _PullClaim()
         try:
-            return await asyncio.to_thread(claim.pull, self.backend, ticket, pages, self.transfer_timeout_s)
+            return await asyncio.to_thread(claim.pull, self.transfer_backend, ticket, pages, self.transfer_timeout_s)
         except TransferError as e:
             kind = "timeout" if isinstance(e, TransferTimeout) else "error"
             metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, kind).inc()
@@ -318,7 +320,7 @@ class DecodeWorker(WorkerBase):
         """Free quarantined pages once the backend says their READ is over (or its peer is gone)."""
         while self.quarantined:
             await asyncio.sleep(QUARANTINE_SWEEP_S)
-            over = await asyncio.to_thread(self.backend.settled)
+            over = await asyncio.to_thread(self.transfer_backend.settled)
             if over:
                 await self.loop.acall(functools.partial(self._free_settled, over))
 
@@ -361,12 +363,12 @@ class DecodeWorker(WorkerBase):
                 metrics.DECODE_TIME.labels(self.role, self.worker_id).observe(time.monotonic() - start)
                 await self.loop.acall(lambda e: e.pop_finished(rid))
             else:
-                await self.loop.acall(lambda e: (e.abort(rid), self.loop.unsubscribe(rid)))
+                await self.loop.acall(lambda e: self.drop_request(e, rid))
 
     async def abort(self, request_id: str) -> None:
         self._streamed.pop(request_id, None)
         try:
-            await self.loop.acall(lambda e: (e.abort(request_id), self.loop.unsubscribe(request_id)))
+            await self.loop.acall(lambda e: self.drop_request(e, request_id))
         except LoopStopped:
             # The loop has ended (a failed step; the watchdog ends this process): it holds no request any more.
             # Raising would only leave an unread error behind the dispatcher's fire-and-forget abort.

@@ -48,6 +48,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -120,12 +121,10 @@ def _agent_with_delay(nixl_agent, mod, name: str, conf, delay_us: int):
     except (ImportError, AttributeError):  # another layout: keep NIXL's default
         return nixl_agent(name, conf)
 
-    class DelayedConfig(base):
-        pass
-
-    DelayedConfig.pthrDelay = property(
+    delayed = property(
         lambda self: base.pthrDelay.__get__(self), lambda self, v: base.pthrDelay.__set__(self, max(int(v), delay_us))
     )
+    DelayedConfig = type("DelayedConfig", (base,), {"pthrDelay": delayed})  # base is found at run time
     with _CONFIG_LOCK:  # the module attribute is swapped only while this agent is built
         api.nixlBind.nixlAgentConfig = DelayedConfig
         try:
@@ -149,7 +148,7 @@ class _StuckRead:
     """A READ NIXL could not cancel: its destination (the request's pages, or a staging range) stays out of use
     until the READ is known to be over (its state left PROC and its handle released) or its peer is gone."""
 
-    handle: object
+    handle: Any  # NIXL's transfer handle (the library ships no types)
     source: str
     request_id: str
     staging_offset: int | None  # a staged READ's destination range; None: the pages themselves
@@ -288,7 +287,12 @@ class NixlBackend(TransferBackend):
         return staging
 
     def _unstage(self, request_id: str, staging) -> None:
-        self.staging.release(staging[0])
+        self._staged().release(staging[0])
+
+    def _staged(self) -> StagingBuffer:
+        """The staging buffer, where a staged range exists (a ticket or a quarantined READ holds one)."""
+        assert self.staging is not None  # ranges come from it: it exists wherever one does
+        return self.staging
 
     # ---- decode side -------------------------------------------------------------------------------------
     def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> int:
@@ -357,7 +361,8 @@ class NixlBackend(TransferBackend):
                 keep = True  # stays held until then)
                 self._on_deferred(DeferredScatter(self.staging, offset, layout, ticket.request_id))
             else:
-                t0, parts = time.monotonic(), {}
+                t0 = time.monotonic()
+                parts: dict[str, float] = {}
                 # queued on this thread's current stream, the engine's (kv_transfer.staging): not waited for here
                 scattered = self.staging.scatter(offset, layout, parts)
                 self._on_scatter(time.monotonic() - t0, parts)
@@ -465,7 +470,7 @@ class NixlBackend(TransferBackend):
             self._stuck = [s for s in self._stuck if s not in over]
         for s in over:
             if s.staging_offset is not None:
-                self.staging.release(s.staging_offset)
+                self._staged().release(s.staging_offset)
         return [s.request_id for s in over if s.staging_offset is None]
 
     def _read_over(self, s: _StuckRead) -> bool:

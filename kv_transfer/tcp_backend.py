@@ -197,9 +197,9 @@ class TcpBackend(TransferBackend):
             if bad:
                 raise _Refused(f"group {name!r}: pages {sorted(bad)} are not exported for request {rid!r}")
             if name in self._np:
-                views.append(memoryview(self._np[name][off : off + length]))
+                views.append(self._np[name][off : off + length].data)  # .data: the array's memoryview
             else:  # device memory: stage through the host
-                views.append(memoryview(self._bytes[name][off : off + length].cpu().numpy()))
+                views.append(self._bytes[name][off : off + length].cpu().numpy().data)
         return views
 
     def _confirmations(self) -> list[tuple[str, str | None]]:
@@ -241,9 +241,7 @@ class TcpBackend(TransferBackend):
                 t0 = time.monotonic()
                 for name, r in ranges:
                     if name in self._np:  # straight into the pool tensor
-                        _recv_exact(
-                            sock, memoryview(self._np[name])[r.dst_offset : r.dst_offset + r.length], deadline, what
-                        )
+                        _recv_exact(sock, self._np[name].data[r.dst_offset : r.dst_offset + r.length], deadline, what)
                     else:
                         buf = bytearray(r.length)
                         _recv_exact(sock, memoryview(buf), deadline, what)

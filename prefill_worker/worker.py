@@ -24,7 +24,7 @@ from engine.runtime.engine_loop import AsyncSink
 from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
 from engine.telemetry import metrics
-from kv_transfer.base import ABORTED, release_kind
+from kv_transfer.base import ABORTED, TransferBackend, release_kind
 from kv_transfer.registry import make_backend, network_options, resolve_name
 
 POLL_INTERVAL_S = 0.02
@@ -38,7 +38,7 @@ class _Stream:
     start_tokens: int = 0
 
 
-class PrefillWorker(WorkerBase):
+class PrefillWorker(WorkerBase[TransferBackend]):
     role = "prefill"
 
     def __init__(
@@ -63,7 +63,7 @@ class PrefillWorker(WorkerBase):
                 **network_options(transfer, bind_host, cluster_token),
             )
         )
-        self.backend.add_release_callback(self._on_release)
+        self.transfer_backend.add_release_callback(self._on_release)
         self._poller: asyncio.Task | None = None
         self._streams: dict[str, _Stream] = {}  # streamed requests still prefilling (engine thread only)
 
@@ -85,12 +85,12 @@ class PrefillWorker(WorkerBase):
 
     # ---- actor API -------------------------------------------------------------------------------
     def transfer_metadata(self) -> bytes:
-        return self.backend.metadata()
+        return self.transfer_backend.metadata()
 
     async def _poll_forever(self) -> None:
         # Confirmations arrive while the engine may be idle: poll on the engine thread regularly.
         while True:
-            await self.loop.acall(lambda e: self.backend.poll())
+            await self.loop.acall(lambda e: self.transfer_backend.poll())
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def prefill(
@@ -158,12 +158,12 @@ class PrefillWorker(WorkerBase):
         def finish(engine):
             stream = self._streams.pop(request_id, None)
             if ev.finished:
-                self.backend.release(request_id, ABORTED)  # chunks nobody needs now
+                self.transfer_backend.release(request_id, ABORTED)  # chunks nobody needs now
                 req = engine.pop_finished(request_id)
                 return req.seed, None
             req = engine.held_request(request_id)
             start = stream.start_tokens if stream is not None else 0
-            return req.seed, self.backend.export(request_id, req.pages, req.num_computed, start_tokens=start)
+            return req.seed, self.transfer_backend.export(request_id, req.pages, req.num_computed, start_tokens=start)
 
         try:
             seed_used, ticket = await self.loop.acall(finish)
@@ -193,8 +193,8 @@ class PrefillWorker(WorkerBase):
     def _drop(self, request_id: str, engine) -> None:
         """Engine thread: withdraw the request's export (and streamed chunks) and abort it."""
         self._streams.pop(request_id, None)
-        self.backend.release(request_id, ABORTED)
-        if request_id not in self.backend.exported():  # else a read of its pages is in progress: the release
+        self.transfer_backend.release(request_id, ABORTED)
+        if request_id not in self.transfer_backend.exported():  # else a read of its pages is in progress: the release
             engine.abort(request_id)  # frees them after it (kv_transfer.base.release)
         self.loop.unsubscribe(request_id)
 
@@ -204,7 +204,7 @@ class PrefillWorker(WorkerBase):
             req = engine.requests.get(rid)
             if req is None or req.num_computed <= stream.start_tokens:  # queued, or done (the final export's)
                 continue
-            ticket = self.backend.export_chunk(rid, req.pages, req.num_computed, stream.start_tokens)
+            ticket = self.transfer_backend.export_chunk(rid, req.pages, req.num_computed, stream.start_tokens)
             if ticket is not None:
                 stream.start_tokens = req.num_computed
                 stream.sink.put(ticket)

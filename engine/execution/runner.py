@@ -338,11 +338,13 @@ class EngineCore:
             and all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens for c in chunks)
         )
         want = (len(chunks), max(c.start for c in chunks) + 1) if decode else (-1 if chunks else 0, 0)
+        if self.data_parallel is None:
+            raise RuntimeError("a lockstep tick needs the data-parallel group")
         wants = self.data_parallel.gather_values(want)
         shape = None
         if runner is not None and all(n >= 0 for n, _ in wants) and any(n > 0 for n, _ in wants):
             shape = runner.shape_for(max(n for n, _ in wants), max(c for _, c in wants))
-        if shape is not None:
+        if runner is not None and shape is not None:
             if not chunks:
                 runner.run_idle(shape)
                 return []
@@ -373,7 +375,9 @@ class EngineCore:
             if previous is not None
             else [c.request.token_slice(c.start, c.start + 1)[0] for c in chunks]
         )
-        logits = self.decode_runner.run(
+        runner = self.decode_runner
+        assert runner is not None  # overlapped decode runs on bucketed / graph decode steps only
+        logits = runner.run(
             [c.request.request_id for c in chunks],
             tokens,
             [c.start for c in chunks],
@@ -383,7 +387,7 @@ class EngineCore:
         if logits is None:
             return None
         self.pool.defer_frees()  # until this step completes: it writes these requests' rows
-        picked = self.decode_runner.take_greedy()
+        picked = runner.take_greedy()
         if any(c.request.params.temperature != 0 for c in chunks):
             picked = self._draw(logits, [c.request for c in chunks], ahead=int(previous is not None))
         return LaunchedDecode.of(chunks, picked if picked is not None else greedy_pick(logits))
@@ -392,6 +396,7 @@ class EngineCore:
         """Launch the step after the unread one when it is certain (engine.execution.decode_overlap), then read the unread
         one back and report it. Rows of requests that finished or were aborted since their launch are dropped."""
         step, self._launched = self._launched, None
+        assert step is not None  # called while a launched step is unread
         sched = self.scheduler
         if next_step_is_known(step, sched.running, sched.waiting, self.prefix.block if self.prefix else None):
             self._launched = self._launch_decode(step.next_chunks(), step)
@@ -420,7 +425,9 @@ class EngineCore:
 
     def _build(self, chunks: list[ScheduledChunk]):
         """-> (StepInputs, per chunk: index into logit rows to sample or None, per chunk: prompt-logprob rows)."""
-        logit_rows, sample_rows, prompt_rows = [], [], []
+        logit_rows: list[int] = []
+        sample_rows: list[int | None] = []
+        prompt_rows: list[tuple[int, int]] = []
         offset = 0
         for c in chunks:
             req, end = c.request, c.start + c.num_tokens
@@ -441,7 +448,7 @@ class EngineCore:
             offset += c.num_tokens
         snapshots = (
             tuple((c.snapshot_at, self.prefix.staging(c.request)) if c.snapshot_at else None for c in chunks)
-            if any(c.snapshot_at for c in chunks)
+            if any(c.snapshot_at for c in chunks) and self.prefix is not None  # snapshots come from the prefix cache
             else ()
         )
         inputs = StepInputs(
@@ -478,6 +485,7 @@ class EngineCore:
         if inputs.kind == SYNC:
             return None
         if inputs.kind == DECODE:
+            assert self.decode_runner is not None  # DECODE inputs exist only on engines with decode buckets
             return self.decode_runner.run(
                 list(inputs.request_ids), [t[0] for t in inputs.token_ids], list(inputs.starts), list(inputs.tables)
             )
@@ -542,20 +550,20 @@ class EngineCore:
             tokens, token_lps = self._sample(logits, todo) if todo else ([], [])
         # Prompt log-probs (prefill steps that ask for them) read whole rows of the log-softmax.
         logprobs = torch.log_softmax(logits, dim=-1) if any(count for _, count in prompt_rows) else None
-        sampled = {id(c): (tok, lp) for (c, _), tok, lp in zip(todo, tokens, token_lps)}
+        picked = {id(c): (tok, lp) for (c, _), tok, lp in zip(todo, tokens, token_lps)}
 
         events = []
         for c, (first, count) in zip(chunks, prompt_rows):
             req = c.request
             plps = ()
-            if count:
+            if count and logprobs is not None:  # (computed whenever any chunk has a count)
                 targets = torch.tensor(req.prompt[c.start + 1 : c.start + 1 + count], device=logits.device)
                 plps = tuple(logprobs[first : first + count].gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
                 req.prompt_logprobs.extend(plps)
             req.num_computed = c.start + c.num_tokens
             if self.prefix is not None:
                 self.prefix.on_computed(req)  # before a finished request's pages are freed below
-            tok, lp = sampled.get(id(c), (None, None))
+            tok, lp = picked.get(id(c), (None, None))
             if tok is not None:
                 req.output.append(tok)
                 req.logprobs.append(lp)

@@ -28,13 +28,14 @@ decode with speculation, tensor/data parallel engines, the disaggregated hand-of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.execution import spec_rollback, spec_sampling
 from engine.execution.request import Request, TokenEvent
 from engine.execution.sampling import greedy_pick
+from engine.execution.scheduler import ScheduledChunk
 from engine.execution.spec_policy import SpecGate, SpecPolicy
 from engine.execution.verify_graphs import VerifyRunner
 from engine.model.batch import build_step
@@ -47,12 +48,12 @@ MAX_SPECULATIVE_TOKENS = 3
 class _Plan:
     """One scheduled chunk of this step: its tokens, first logit row and how many of those rows are drafts."""
 
-    chunk: object
+    chunk: ScheduledChunk
     tokens: list[int]
     drafts: list[int]
     first_row: int  # this chunk's first row in the step's token rows
-    emitted: list = None  # [(token, logprob)] this step appends
-    q: list = None  # a sampled request's drafts' q rows (fp32 [V] each), else None
+    emitted: list[tuple[int, float]] = field(default_factory=list)  # [(token, logprob)] this step appends (_pick)
+    q: list[torch.Tensor] | None = None  # a sampled request's drafts' q rows (fp32 [V] each), else None
     computed: int = 0  # the request's num_computed after the step
 
 
@@ -94,7 +95,7 @@ class Speculator:
         plans, row = [], 0
         for c in chunks:
             req = c.request
-            drafts = []
+            drafts: list[int] = []
             q = None
             if c.num_tokens == 1 and c.start + 1 == req.num_tokens:
                 drafts = self.drafts.pop(req.request_id, [])[: self._room(req)]
@@ -152,7 +153,9 @@ class Speculator:
         if bucketed is not None:
             return bucketed
         core = self.core
-        logit_rows, sample_rows, prompt_rows = [], [], []
+        logit_rows: list[int] = []
+        sample_rows: list[int | None] = []  # per plan: its sample's (or first verify row's) logit row, else None
+        prompt_rows: list[tuple[int, int]] = []
         for p in plans:
             c, req = p.chunk, p.chunk.request
             end, rows = c.start + c.num_tokens, []
@@ -220,7 +223,7 @@ class Speculator:
         tokens, lps = core._sample(logits, todo) if todo else ([], [])
         plain = iter(zip(tokens, lps))
         greedy = [(p, r) for p, r in zip(plans, sample_rows) if p.drafts and p.q is None]
-        picks = None
+        picks: list = [[], []]  # [token ids, log-probs] of the greedy verify rows, in plan order
         if greedy:
             rows = torch.cat([torch.arange(r, r + len(p.drafts) + 1) for p, r in greedy]).to(logits.device)
             picks = greedy_pick(logits[rows]).tolist()
@@ -243,9 +246,10 @@ class Speculator:
                 p.emitted = list(zip(toks[: a + 1], lp[: a + 1]))
                 self._count(p.chunk.request, len(p.drafts), a)
             else:  # rejection sampling: the accepted drafts, then the first row not accepted emits its draw
+                assert sampled is not None  # _verify_sampled covered every plan with drafts and q rows
                 a = spec_sampling.accepted_prefix(sampled[0], at_sampled, len(p.drafts))
-                rows = range(at_sampled, at_sampled + a + 1)
-                p.emitted = [(int(sampled[1][i]), sampled[2][i]) for i in rows]
+                kept = range(at_sampled, at_sampled + a + 1)
+                p.emitted = [(int(sampled[1][i]), sampled[2][i]) for i in kept]
                 at_sampled += len(p.drafts) + 1
                 self._count(p.chunk.request, len(p.drafts), a)
 
@@ -259,7 +263,7 @@ class Speculator:
         rows = torch.cat([torch.arange(r, r + len(p.drafts) + 1) for p, r in verify]).to(dev)
         drafts = torch.tensor([t for p, _ in verify for t in p.drafts + [-1]], dtype=torch.int64).to(dev)
         zero = logits.new_zeros(1, logits.shape[-1])
-        q = torch.cat([torch.cat([torch.stack(p.q), zero]) for p, _ in verify])
+        q = torch.cat([torch.cat([torch.stack(p.q or []), zero]) for p, _ in verify])  # q given: filtered above
         reqs = [p.chunk.request for p, _ in verify for _ in range(len(p.drafts) + 1)]
         index = [len(p.chunk.request.output) + j for p, _ in verify for j in range(len(p.drafts) + 1)]
         return spec_sampling.verify_sampled(logits[rows], drafts, q, reqs, index).tolist()
@@ -280,7 +284,7 @@ class Speculator:
         for p, (first, count) in zip(plans, prompt_rows):
             c, req = p.chunk, p.chunk.request
             plps = ()
-            if count:
+            if count and logprobs is not None:  # (computed whenever any plan has a count)
                 targets = torch.tensor(req.prompt[c.start + 1 : c.start + 1 + count], device=logits.device)
                 plps = tuple(logprobs[first : first + count].gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
                 req.prompt_logprobs.extend(plps)
@@ -314,7 +318,8 @@ class Speculator:
         runs = [p for p in plans if not p.chunk.request.finished and p.chunk.request.num_computed > p.chunk.start]
         if not runs:
             return
-        tokens, starts, tables, hidden_rows = [], [], [], []
+        tokens, starts, tables = [], [], []
+        hidden_rows: list[int] = []
         for p in runs:
             c, req = p.chunk, p.chunk.request
             tokens.append(req.token_slice(c.start + 1, req.num_computed + 1))  # token t+1 at position t
@@ -337,8 +342,8 @@ class Speculator:
         if not last:
             return
         hid = out[torch.tensor(out_rows, device=out.device)]
-        tokens, qs = self._pick_drafts(layer.logits(hid), last, 0)
-        drafts, q = [[t] for t in tokens], [None if r is None else [r] for r in qs]
+        firsts, qs = self._pick_drafts(layer.logits(hid), last, 0)
+        drafts, q = [[t] for t in firsts], [None if r is None else [r] for r in qs]
         self._chain(last, drafts, q, hid)
         for p, d, r in zip(last, drafts, q):
             self.drafts[p.chunk.request.request_id] = d
@@ -349,7 +354,7 @@ class Speculator:
         """Draft j of each plan's request from the MTP logits [N, V] -> (tokens, per plan its q row or None):
         argmax for greedy requests, a draw from q (spec_sampling.draw_drafts) for sampled ones."""
         tokens = greedy_pick(logits)[0].long().tolist()
-        qs = [None] * len(plans)
+        qs: list[torch.Tensor | None] = [None] * len(plans)
         sampled = [i for i, p in enumerate(plans) if p.chunk.request.params.temperature != 0]
         if sampled:
             reqs = [plans[i].chunk.request for i in sampled]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Generic, Protocol, TypeVar
 
 from engine.execution.tp_executor import release_followers
 from engine.handoff import PrefixDigest, WorkerSignals, WorkerStats
@@ -23,7 +24,18 @@ from engine.telemetry.compile_watch import CompileWatch, install_variant_log, no
 SIGNAL_WINDOW_S = 30.0  # the pool planner's latency signals cover this much recent time
 
 
-class WorkerBase:
+class ClosingBackend(Protocol):
+    """All this layer needs of a transfer backend: that `shutdown` can close it."""
+
+    def close(self) -> None: ...
+
+
+B = TypeVar("B", bound=ClosingBackend)
+
+
+class WorkerBase(Generic[B]):
+    """B: the subclass's transfer backend type (kv_transfer.base.TransferBackend for the workers)."""
+
     role = "?"
 
     def __init__(
@@ -46,7 +58,7 @@ class WorkerBase:
         self.engine = load_engine(
             model_dir, **opts, parallel=self.parallel, warmup=True, warmup_decodes=self.role != "prefill"
         )
-        self.backend = None
+        self.backend: B | None = None  # attach_backend, right after this constructor
         # The pool planner's latency signals (`signals`): arrival -> first token of a prefill, and the gap between
         # consecutive steps that both carried decode streams (what each of those streams waited for its token).
         self.first_token_times = RecentSamples(SIGNAL_WINDOW_S)
@@ -85,8 +97,20 @@ class WorkerBase:
             else None
         )
 
-    def attach_backend(self, backend) -> None:
+    def attach_backend(self, backend: B) -> None:
         self.backend = backend
+
+    @property
+    def transfer_backend(self) -> B:
+        """The attached backend; a RuntimeError before attach_backend (only the first engine steps run that early)."""
+        if self.backend is None:
+            raise RuntimeError(f"{self.role} worker {self.worker_id}: no transfer backend attached yet")
+        return self.backend
+
+    def drop_request(self, engine, request_id: str) -> None:
+        """Engine thread: abort the request (a no-op once the engine no longer holds it) and end its event stream."""
+        engine.abort(request_id)
+        self.loop.unsubscribe(request_id)
 
     # ---- engine thread ---------------------------------------------------------------------------
     def _on_step(self, engine, events) -> None:
