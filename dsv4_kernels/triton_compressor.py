@@ -10,7 +10,7 @@ per entry pools three column groups separately: the NoPE channels, then the even
 channels (pairs (2i, 2i+1)); the norm sums squares over all three and RoPE rotates even against odd
 without any in-register de-interleave. Each group takes two passes over the slots (max/sum, then the
 weighted sum) so the weights are final before they are rounded to kv.dtype, as in the reference.
-Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see dsv4_kernels/triton_attention.py).
+Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see dsv4_kernels/triton_attention_kernels.py).
 
 Also here, for the quantised caches (engine `--kv-cache-dtype fp8`):
 - `save_state`: this step's fp32 state ring rows [kv | gate + ape[pos % ratio]] (`compressor.state_rows`)

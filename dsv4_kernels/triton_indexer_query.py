@@ -12,7 +12,7 @@ Xnope @ H[nope rows, cols] + Xeven @ H[even rope rows, cols] + Xodd @ H[odd rope
 blocks of H generated in registers from the row / column ids, so the RoPE pairs never need an in-register
 de-interleave (H's sign structure lets the odd rope rows and the odd output columns reuse the even blocks). For MXFP4 the even and odd output columns come out of separate dots and pair up into bytes
 directly; a 32-value scale group is 16 consecutive even + 16 odd columns, reduced through a [BLOCK_R, groups,
-16] reshape (the pattern dsv4_kernels/triton_attention.py uses). Without the rotation the same dots run against the
+16] reshape (the pattern dsv4_kernels/triton_attention_kernels.py uses). Without the rotation the same dots run against the
 identity, which is exact.
 Rounding: bf16 roundings are by bits (`tl_round_bf16`), so interpreter and GPU agree and the bytes equal
 `pack_rows(rotated q the kernel returns)` exactly; against the torch reference the rotated q may differ by one

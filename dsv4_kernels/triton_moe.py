@@ -20,7 +20,7 @@ References: `dsv4_kernels.moe.route` and `dsv4_kernels.moe.moe_experts` on `dsv4
   its UE8M0 scale 2**(byte - 127), also built from bits: the product has <= 2 mantissa bits, so the bf16
   dot operand is exact.
 
-Interpreter note (as dsv4_kernels/triton_attention.py): the CPU interpreter does bf16 arithmetic on raw bits, so
+Interpreter note (as dsv4_kernels/triton_attention_kernels.py): the CPU interpreter does bf16 arithmetic on raw bits, so
 every load is converted to fp32 and the dots run in fp32 there (`BF16_DOT` only when compiled for bf16).
 """
 

@@ -14,7 +14,7 @@ References: `dsv4_kernels.moe.swiglu` and the torch expressions the engine used 
 - `swiglu_quant(gate, up, limit)`: the SwiGLU above, rounded to the dtype, then quantised per token in 1x128
   FP8 blocks for the next FP8 projection (= `dsv4_kernels.triton_fp8_quant.quant_act_1x128(swiglu(gate, up))`, scales
   MN-major for DeepGEMM): the shared expert's down projection input without a separate quantiser launch.
-Interpreter note (as dsv4_kernels/triton_attention.py): every load is converted to fp32 before any arithmetic.
+Interpreter note (as dsv4_kernels/triton_attention_kernels.py): every load is converted to fp32 before any arithmetic.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ One program per row: the whole row (K <= a few thousand, V4's q_lora 1024) stays
 in fp32, normed = weight * x * rsqrt(mean + eps) rounded once to the output dtype (as rms_norm returns it), then
 per 128-wide block amax -> scale (power of two for UE8M0 checkpoints) -> e4m3 codes, exactly as
 `dsv4_kernels.triton_fp8_quant` does on that rounded row. Scales are written MN-major for DeepGEMM.
-Interpreter note: every load is converted to fp32 before any arithmetic (see dsv4_kernels/triton_attention.py).
+Interpreter note: every load is converted to fp32 before any arithmetic (see dsv4_kernels/triton_attention_kernels.py).
 """
 
 from __future__ import annotations

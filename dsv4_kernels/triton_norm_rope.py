@@ -10,7 +10,7 @@ One program normalises BLOCK_R rows (a row is one head of one token, or one toke
 channels are re-loaded as separate even / odd vectors (cache hits) rather than de-interleaved in
 registers, which keeps the kernel free of reshape/split layout shuffles.
 Interpreter note: bf16 loads are converted to fp32 before any arithmetic, and the interpreter's fp32 -> bf16
-cast truncates where the GPU rounds to nearest even (see dsv4_kernels/triton_attention.py).
+cast truncates where the GPU rounds to nearest even (see dsv4_kernels/triton_attention_kernels.py).
 """
 
 from __future__ import annotations

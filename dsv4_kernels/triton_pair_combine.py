@@ -6,7 +6,7 @@ in slot order, in fp32, rounded once to the dtype, then + shared[t] rounded agai
 adds nothing: its row is never read (the padded rows it would point at may hold anything, NaN included).
 y's rows are the padded, expert-sorted GEMM output (dsv4_kernels.fp8_experts.ContiguousLayout); reading them here
 replaces a gather, a scale and a sum over [P, H] in torch.
-Interpreter note (as dsv4_kernels/triton_attention.py): every load is converted to fp32 before any arithmetic.
+Interpreter note (as dsv4_kernels/triton_attention_kernels.py): every load is converted to fp32 before any arithmetic.
 """
 
 from __future__ import annotations

@@ -168,6 +168,7 @@ def compress_step_cases():
     """The engine's decode compressor (V4-Flash: kv4 / kv128 entries, MXFP4 / FP8 indexer keys, exact rows)."""
     from dsv4_kernels import geometry as g
     from dsv4_kernels import triton_compress_step as m
+    from dsv4_kernels import triton_state_save as s
 
     t, ring = 4, 64
     cos, sin = torch.rand(100, 32), torch.rand(100, 32)
@@ -183,9 +184,9 @@ def compress_step_cases():
         m.close_windows(torch.zeros(ring, 2 * w), kvg[:, :w], kvg[:, w:], torch.randn(ratio, w), torch.arange(t), cur,
                         cur if overlap else None, cur > 3 if overlap else None, torch.ones(d), 1e-6, cos, sin,
                         torch.arange(t) * ratio, torch.arange(t), cache, layout)
-        m.save_state(kvg[:, :w], kvg[:, w:], torch.randn(ratio, w), torch.arange(t), torch.zeros(ring, 2 * w),
+        s.save_state(kvg[:, :w], kvg[:, w:], torch.randn(ratio, w), torch.arange(t), torch.zeros(ring, 2 * w),
                      torch.arange(t), torch.arange(t))
-    return m, ["_close_kernel", "_save_kernel"]
+    return (m, s), ["_close_kernel", "_save_kernel"]
 
 
 def attention_glue_cases():
@@ -235,10 +236,12 @@ def topk_cases():
 GROUPS = {"mhc": mhc_cases, "topk": topk_cases,
           "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
           "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
-MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_rows"), "topk": ("dsv4_kernels.triton_topk",),
+MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "dsv4_kernels.triton_mhc_rows"),
+           "topk": ("dsv4_kernels.triton_topk",),
            "swa": ("dsv4_kernels.triton_swa_insert",),
            "indexer_query": ("dsv4_kernels.triton_indexer_query",),
-           "compressor": ("dsv4_kernels.triton_compressor",), "compress_step": ("dsv4_kernels.triton_compress_step",),
+           "compressor": ("dsv4_kernels.triton_compressor",), "compress_step": ("dsv4_kernels.triton_compress_step",
+                                                                            "dsv4_kernels.triton_state_save"),
            "attention_glue": ("dsv4_kernels.triton_attention_rows", "dsv4_kernels.triton_norm_rope")}
 
 

@@ -47,15 +47,15 @@ PATHS = ("split", "rows", "token")  # the split kernels; the long path "rows" (d
 
 
 def run(path: str, args, row_elems_per_warp: int | None = None):
-    from dsv4_kernels import triton_mhc, triton_mhc_rows
+    from dsv4_kernels import triton_mhc, triton_mhc_mix, triton_mhc_rows
 
     saved = (
-        triton_mhc.MIX_MAX_TOKENS,
-        triton_mhc.MIX_MAX_TOKENS_BF16,
+        triton_mhc_mix.MIX_MAX_TOKENS,
+        triton_mhc_mix.MIX_MAX_TOKENS_BF16,
         triton_mhc.LONG_PATH,
         triton_mhc_rows.ROW_ELEMS_PER_WARP,
     )
-    triton_mhc.MIX_MAX_TOKENS = triton_mhc.MIX_MAX_TOKENS_BF16 = 1 << 30 if path == "split" else 0
+    triton_mhc_mix.MIX_MAX_TOKENS = triton_mhc_mix.MIX_MAX_TOKENS_BF16 = 1 << 30 if path == "split" else 0
     triton_mhc.LONG_PATH = "token" if path == "token" else "rows"
     triton_mhc_rows.ROW_ELEMS_PER_WARP = row_elems_per_warp or triton_mhc_rows.ROW_ELEMS_PER_WARP
     try:
@@ -63,8 +63,8 @@ def run(path: str, args, row_elems_per_warp: int | None = None):
         return triton_mhc.hc_pre(streams, fn, base, scale, ITERS, 1e-6, 1e-6, norm_weight=norm_w)
     finally:
         (
-            triton_mhc.MIX_MAX_TOKENS,
-            triton_mhc.MIX_MAX_TOKENS_BF16,
+            triton_mhc_mix.MIX_MAX_TOKENS,
+            triton_mhc_mix.MIX_MAX_TOKENS_BF16,
             triton_mhc.LONG_PATH,
             triton_mhc_rows.ROW_ELEMS_PER_WARP,
         ) = saved
@@ -79,10 +79,11 @@ def graph_small(dev, dtype: torch.dtype) -> None:
     """The split path at decode sizes, CUDA-graph replays, by MIX_PROGRAMS, the mix kernel (16-row dot tiles or
     one token a program: MIX_GEMV_MAX_TOKENS) and the pre kernel's splits a load (PRE_SPLITS_PER_LOAD); outputs
     checked against the defaults'."""
-    from dsv4_kernels import triton_mhc
+    from dsv4_kernels import triton_mhc, triton_mhc_mix
 
     knobs = ("MIX_PROGRAMS", "MIX_GEMV_MAX_TOKENS", "PRE_SPLITS_PER_LOAD")
-    saved = {k: getattr(triton_mhc, k) for k in knobs}
+    home = {"MIX_PROGRAMS": triton_mhc_mix, "MIX_GEMV_MAX_TOKENS": triton_mhc_mix, "PRE_SPLITS_PER_LOAD": triton_mhc}
+    saved = {k: getattr(home[k], k) for k in knobs}
     try:
         for t in (1, 4, 8, 64):
             x = inputs(t, dev, dtype, seed=t)
@@ -91,7 +92,7 @@ def graph_small(dev, dtype: torch.dtype) -> None:
                 for gemv in (0, 16):
                     for per_load in (32, 128):
                         for k, v in zip(knobs, (programs, gemv, per_load)):
-                            setattr(triton_mhc, k, v)
+                            setattr(home[k], k, v)
                         diff = max((u.float() - v.float()).abs().max().item() for u, v in zip(run("split", x), want))
                         us = bench_cudagraph(lambda: run("split", x), rep=50)
                         print(
@@ -101,7 +102,7 @@ def graph_small(dev, dtype: torch.dtype) -> None:
                         )
     finally:
         for k, v in saved.items():
-            setattr(triton_mhc, k, v)
+            setattr(home[k], k, v)
 
 
 def section(tables: list[str]) -> str:
@@ -123,7 +124,7 @@ def section(tables: list[str]) -> str:
             "matmul both long paths start with. Newest run first.",
             "",
             *[t.strip() + "\n" for t in tables],
-            "The rule taken from these (`triton_mhc.split_max_tokens`): fp32 streams, the engine's residual, take "
+            "The rule taken from these (`triton_mhc_mix.split_max_tokens`): fp32 streams, the engine's residual, take "
             "the split kernels up to 256 tokens and the long path above (cuBLAS reads fp32 as stored; the six-dot "
             "kernel was 3x slower than it at 8K and is gone), there the rows kernels (`triton_mhc.LONG_PATH`, "
             "0.44 against 0.77 ms a call at 8K tokens: 0.28 of it the matmul, the rest 1.3x the streams' read); bf16 "
@@ -133,7 +134,7 @@ def section(tables: list[str]) -> str:
             "Decode sizes under CUDA graphs (`--graph-small`, fp32 streams, 2026-12-04 14:00 UTC): the split path "
             "takes 20.9 us a call at 1 token and 21.6 at 8 with 128 to 512 split-K programs (K caps the splits at "
             "128 there), 25.1 / 37.2 us with 64 / 32; at 64 tokens 39.4 us with 128 programs against 50.8 with 256 "
-            "(fewer partials for the pre kernel to add) and 55.7 with 64: `triton_mhc.MIX_PROGRAMS` is 128.",
+            "(fewer partials for the pre kernel to add) and 55.7 with 64: `triton_mhc_mix.MIX_PROGRAMS` is 128.",
             "",
             "Decode sizes again (`--graph-small`, 2026-12-04 16:52 UTC), by the mix kernel (16-row dot tiles, or "
             "one token a program as a matrix-vector product: `MIX_GEMV_MAX_TOKENS`) and the splits the pre kernel "

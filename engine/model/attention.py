@@ -267,7 +267,8 @@ class AttentionBlock:
     ) -> CacheLayer:
         """`_compress` in two launches (dsv4_kernels.triton_compress_step): the closing windows read their slots where
         they live and go straight into the entry cache, then the state ring keeps the chunk tail."""
-        from dsv4_kernels.triton_compress_step import close_windows, save_state  # imports triton: only on this path
+        from dsv4_kernels.triton_compress_step import close_windows  # imports triton: only on this path
+        from dsv4_kernels.triton_state_save import save_state
 
         plan: CompressPlan = batch.compress[entry_group]
         w = self.w

@@ -2,7 +2,8 @@
 
 close_windows: slots gathered from [state ring | chunk] rows (SourceRows.row), overlap_slots, pool_windows, rms_norm,
 apply_rope at the window start -> the entry rows (exact: values; quantised: the bytes the quantised-entry writer
-dsv4_kernels.triton_compressor.pool_norm_rope_quant stores for the same slots, byte for byte). save_state: RingWrite
+dsv4_kernels.triton_compressor.pool_norm_rope_quant stores for the same slots, byte for byte). save_state
+(dsv4_kernels/triton_state_save.py): RingWrite
 of dsv4_kernels.compressor.state_rows. Runs compiled on a GPU when one is present, else in triton's CPU interpreter.
 """
 
@@ -12,8 +13,9 @@ import torch
 from dsv4_kernels.compressor import overlap_slots, pool_windows, state_rows  # noqa: E402
 from dsv4_kernels.norm import rms_norm  # noqa: E402
 from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
-from dsv4_kernels.triton_compress_step import close_windows, entry_rope_table, save_state  # noqa: E402
+from dsv4_kernels.triton_compress_step import close_windows, entry_rope_table  # noqa: E402
 from dsv4_kernels.triton_compressor import pool_norm_rope_quant  # noqa: E402
+from dsv4_kernels.triton_state_save import save_state  # noqa: E402
 from engine.model.cache import fp8_ds_mla_codec, indexer_codec  # noqa: E402
 from tests.support.cache_kernel_checks import assert_close, sentinel_cache  # noqa: E402
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4_kernels import mhc as ref  # noqa: E402
-from dsv4_kernels import triton_mhc  # noqa: E402
+from dsv4_kernels import triton_mhc, triton_mhc_mix  # noqa: E402
 from tests.support import numerics as NUM  # noqa: E402
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
@@ -34,7 +34,7 @@ def decode_knobs(request, monkeypatch):
     """The split path's decode-size variants: the mix as 16-row dot tiles or one token a program (GEMV), the pre
     kernel adding its partials 32 or 128 splits a load."""
     gemv = request.param.startswith("gemv")
-    monkeypatch.setattr(triton_mhc, "MIX_GEMV_MAX_TOKENS", 16 if gemv else 0)
+    monkeypatch.setattr(triton_mhc_mix, "MIX_GEMV_MAX_TOKENS", 16 if gemv else 0)
     monkeypatch.setattr(triton_mhc, "PRE_SPLITS_PER_LOAD", 128 if gemv else 32)
     return request.param
 
@@ -121,7 +121,7 @@ def test_mix_partials_sum_to_the_fp32_matmul(decode_knobs, t, d, dtype):
     wide = randn(t, hc, d + 8, seed=t + d, dtype=dtype, scale=2.0)
     streams = wide[..., :d]  # a non-contiguous [T, hc, D] view
     fn = randn(n_mix, hc * d, seed=d, scale=0.05)
-    parts = triton_mhc.mix_partials(streams, fn)
+    parts = triton_mhc_mix.mix_partials(streams, fn)
     assert parts.dtype == torch.float32 and parts.shape[1:] == (t, n_mix) and parts.shape[0] > 1
     want = streams.reshape(t, hc * d).float() @ fn.float().t()
     torch.testing.assert_close(parts.sum(0), want, **NUM.TOL[torch.float32])
@@ -129,9 +129,9 @@ def test_mix_partials_sum_to_the_fp32_matmul(decode_knobs, t, d, dtype):
 
 def test_mix_partials_of_a_long_chunk_are_one_matmul(monkeypatch):
     """Above MIX_MAX_TOKENS tokens the logits are torch's fp32 matmul: one partial."""
-    monkeypatch.setattr(triton_mhc, "MIX_MAX_TOKENS", 4)
+    monkeypatch.setattr(triton_mhc_mix, "MIX_MAX_TOKENS", 4)
     streams, fn = randn(5, 4, 80, seed=3), randn(24, 320, seed=4, scale=0.05)
-    parts = triton_mhc.mix_partials(streams, fn)
+    parts = triton_mhc_mix.mix_partials(streams, fn)
     assert parts.shape == (1, 5, 24)
     torch.testing.assert_close(parts[0], streams.reshape(5, 320) @ fn.t(), **NUM.TOL[torch.float32])
 
@@ -139,12 +139,12 @@ def test_mix_partials_of_a_long_chunk_are_one_matmul(monkeypatch):
 def test_long_steps_take_the_path_measured_faster_for_their_dtype():
     """By default: fp32 streams beyond 256 tokens take the long path (torch's matmul for the logits, then the
     "rows" kernels), bf16 streams stay on the split kernels at every length."""
-    assert triton_mhc.split_max_tokens(torch.float32) == triton_mhc.MIX_MAX_TOKENS == 256
-    assert triton_mhc.split_max_tokens(torch.bfloat16) > 1 << 20
+    assert triton_mhc_mix.split_max_tokens(torch.float32) == triton_mhc_mix.MIX_MAX_TOKENS == 256
+    assert triton_mhc_mix.split_max_tokens(torch.bfloat16) > 1 << 20
     assert triton_mhc.LONG_PATH == "rows"
     fn = randn(24, 4 * 128, seed=5, scale=0.05)
-    assert triton_mhc.mix_partials(randn(257, 4, 128, seed=6), fn).shape[0] == 1
-    assert triton_mhc.mix_partials(randn(257, 4, 128, seed=6, dtype=torch.bfloat16), fn).shape[0] > 1
+    assert triton_mhc_mix.mix_partials(randn(257, 4, 128, seed=6), fn).shape[0] == 1
+    assert triton_mhc_mix.mix_partials(randn(257, 4, 128, seed=6, dtype=torch.bfloat16), fn).shape[0] > 1
 
 
 def test_mix_partials_sum_of_squares_column(decode_knobs):
@@ -152,7 +152,7 @@ def test_mix_partials_sum_of_squares_column(decode_knobs):
     t, hc, d = 5, 4, 300
     streams = randn(t, hc, d, seed=7, dtype=torch.bfloat16, scale=2.0)
     fn = randn(24, hc * d, seed=8, scale=0.05)
-    parts = triton_mhc.mix_partials(streams, fn, sumsq=True)
+    parts = triton_mhc_mix.mix_partials(streams, fn, sumsq=True)
     assert parts.shape[1:] == (t, 25) and parts.shape[0] > 1
     flat = streams.reshape(t, hc * d).float()
     torch.testing.assert_close(parts[..., :24].sum(0), flat @ fn.float().t(), **NUM.TOL[torch.float32])
@@ -175,8 +175,8 @@ def test_long_steps_take_the_long_path(monkeypatch, norm, long_path, dtype):
     ref_collapsed, ref_post, ref_comb = ref.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
     want = rms_norm(ref_collapsed, weight, 1e-5).to(torch.bfloat16) if norm else ref_collapsed
     split = triton_mhc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32, **kw)
-    monkeypatch.setattr(triton_mhc, "MIX_MAX_TOKENS", T - 1)
-    monkeypatch.setattr(triton_mhc, "MIX_MAX_TOKENS_BF16", T - 1)
+    monkeypatch.setattr(triton_mhc_mix, "MIX_MAX_TOKENS", T - 1)
+    monkeypatch.setattr(triton_mhc_mix, "MIX_MAX_TOKENS_BF16", T - 1)
     monkeypatch.setattr(triton_mhc, "LONG_PATH", long_path)
     long = triton_mhc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6, block_d=32, **kw)
     for first, post, comb in (split, long):
@@ -196,7 +196,7 @@ def test_rows_path_over_several_token_blocks(monkeypatch, hc, t, d):
     streams = randn(t, hc, d, seed=t + d, scale=2.0)
     fn = randn(n_mix, hc * d, seed=d, scale=0.05)
     base, scale = randn(n_mix, seed=hc, scale=0.5), torch.tensor([0.7, 1.3, 2.0], device=DEVICE)
-    monkeypatch.setattr(triton_mhc, "MIX_MAX_TOKENS", 1)
+    monkeypatch.setattr(triton_mhc_mix, "MIX_MAX_TOKENS", 1)
     assert t > triton_mhc_rows.WEIGHT_BLOCK_T and t % triton_mhc_rows.WEIGHT_BLOCK_T
     got = triton_mhc.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
     want = ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
@@ -210,7 +210,7 @@ def test_split_pre_sums_many_partials():
     streams = randn(t, hc, d, seed=130, dtype=torch.bfloat16, scale=2.0)
     fn = randn((2 + hc) * hc, hc * d, seed=131, scale=0.02)
     base, scale = randn((2 + hc) * hc, seed=132, scale=0.5), torch.tensor([0.7, 1.3, 2.0], device=DEVICE)
-    assert triton_mhc.mix_partials(streams, fn).shape[0] > 32
+    assert triton_mhc_mix.mix_partials(streams, fn).shape[0] > 32
     got = triton_mhc.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
     want = ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
     torch.testing.assert_close(got[1], want[1], **NUM.TOL[torch.float32])
