@@ -115,8 +115,8 @@ def _store_seg(o_row, hmask, acc, scale, O: tl.constexpr, W: tl.constexpr, P: tl
 # K, the split counts and the store sizes (R0, R01: a prefill's local compressed rows) vary with the step, and
 # rows' stride with K: unspecialised, so they add no compiled variants (engine.execution.warmup). b1 / b2, the element
 # offsets of stores 1 and 2 from store 0, are pointer differences: wherever the allocator put this step's stores.
-# Typed by value they were i32 or i64 (stores 4 GiB apart), a variant each, compiled mid-request on the H200
-# (engine.telemetry.compile_watch): declared i64 and unspecialised, they are one.
+# Typed by value they would be i32 or i64 (stores 4 GiB apart), a variant each, compiled mid-request
+# (engine.telemetry.compile_watch showed it): declared i64 and unspecialised, they are one.
 @triton.jit(do_not_specialize=["K", "tiles_per_split", "num_splits", "stride_rt", "R0", "R01", "b1", "b2"])
 def sparse_attn_kernel(
     q_ptr,

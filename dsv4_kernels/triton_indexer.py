@@ -198,7 +198,7 @@ def indexer_topk(
     than k candidates are valid: the contract of `dsv4_kernels.indexer.topk_visible(scores, rows >= 0, k)`.
     Selection is torch.topk on the fp32 scores (see the module docstring). ordered=False: the same set in no
     particular order, -1 anywhere (what the attention kernels take: -1 skips a slot wherever it is); on CUDA
-    that drops topk's sort of the picks (22 us a layer at batch 1 on an H200).
+    that drops topk's sort of the picks (a large part of the layer's top-k time at batch 1).
     """
     t = q.shape[0]
     check_candidates(rows, t, seg, count)
@@ -225,16 +225,14 @@ def indexer_topk(
     return out
 
 
-# Where the radix kernel measured at least as fast as torch.topk on the H200 (dsv4 bench kernels topk, BENCHMARKS.md):
-# decode-sized steps over at most 8192 candidates (1.0-1.4x). Longer rows (its passes are ~2-4 us each per 4096
-# scores: 0.3x at 32768) and prefill chunks (0.6-0.7x) keep torch.topk.
+# Where the radix kernel measured at least as fast as torch.topk (BENCHMARKS.md, "Indexer top-k: radix select vs
+# torch.topk"): decode-sized steps over at most 8192 candidates. Longer rows (its passes cost a fixed time per 4096
+# scores) and prefill chunks keep torch.topk.
 TOPK_KERNEL_MAX_ROWS = 256
 TOPK_KERNEL_MAX_CANDIDATES = 8192
 # Few rows of many candidates (small decode batches at long contexts) split each row over several programs
-# (dsv4_kernels.triton_topk_split), where the kernels above run a row on one SM. Measured (bench_topk.py,
-# 2026-12-04 16:52 UTC): 1 row of 8192 candidates 20.4 us against torch.topk's 43.7, 1 x 32768 20.8 / 46.8,
-# 16 x 8192 25.3 / 51.5, 32 x 8192 34.2 / 51.8 (radix 44.7); it lost at 64 x 8192 (51.2, radix 44.7), at 2048
-# candidates (18.6, radix 16.2) and tied torch at 16 x 32768 (51.1 / 52.9).
+# (dsv4_kernels.triton_topk_split), where the kernels above run a row on one SM: about 2x torch.topk up to 32 rows
+# of 4096+ candidates; more rows, fewer candidates or more scores in all lose or tie (same BENCHMARKS.md section).
 TOPK_SPLIT_MAX_ROWS = 32
 TOPK_SPLIT_MIN_CANDIDATES = 4096
 TOPK_SPLIT_MAX_SCORES = 32 * 8192  # rows x candidates

@@ -185,9 +185,9 @@ def _chunk(s: int, blocks: int, block_n: int, device: torch.device, split: int |
     return triton.cdiv(tiles, max(1, min(split, tiles))) * block_n
 
 
-# Tile defaults from dsv4 bench kernels indexer-prefill --sweep on the H200 (2026-12-04, V4-Flash's 64 heads x 128,
-# FP8 keys, an 8K prompt): 4 queries x 64 heads a program, 64 candidates a tile, 8 warps, 2 stages: 868 us against
-# 1946 us for 2 queries a program (block_m 128); the next best shapes were within 4%.
+# Tile defaults: the best of `dsv4 bench kernels indexer-prefill --sweep` at V4-Flash's 64 heads x 128 (4 queries x
+# 64 heads a program, 64 candidates a tile, 8 warps, 2 stages; BENCHMARKS.md, "Prefill indexer: shared-key kernel
+# vs per-token kernel").
 def indexer_prefill_scores(
     q: torch.Tensor,
     keys: torch.Tensor,

@@ -148,8 +148,7 @@ def _hc_mix_bf16x3_kernel(
     """_hc_mix_kernel for long steps of bf16 streams, on tensor cores. w: bf16 [3, K, NM_P], fn^T split in three
     (hi + mid + lo = fn to fp32 precision; zero columns from N_MIX): a bf16 x bf16 product is exact in fp32, so
     three bf16 dots with fp32 accumulation give the fp32 matmul's products. BLOCK_K divides D and the split.
-    (fp32 streams split the same way took six dots and 2.3 ms at 8K tokens on the H200, 3x the long path: they
-    take the long path.) BF16_DOT False (the interpreter, whose dots take no bf16): the same operands as fp32."""
+    (fp32 streams split the same way take six dots, slower than cuBLAS's sgemm: they take the long path.) BF16_DOT False (the interpreter, whose dots take no bf16): the same operands as fp32."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     m = tl.arange(0, NM_P)

@@ -1,12 +1,12 @@
 """Top-k columns of each row of fp32 scores by radix select, one program a row (Triton).
 
-Why: the indexer picks 512 of its candidates per query. torch.topk runs a row as one thread block; at batch 1
-and context 32K (8192 candidates) that was 47 us a CSA layer on the H200. Measured (dsv4 bench kernels topk,
-2026-12-04): this kernel does not beat that case (44 us: each of its five passes costs ~2-4 us per 4096 scores,
-whatever the row count), but at 64-128 rows it takes 45 us where torch.topk takes 53-63, and 12 us against 15-16
-at 1024 candidates; so the engine uses it there only (dsv4_kernels.triton_indexer.topk_of_scores). Holding the
-whole row in one block (8192 or 16384 scores) with 8-32 warps did not make it faster at batch 1 (44.5-81 us;
-`bench_topk.py --sweep`, 2026-12-04); a wider first digit or a multi-program first pass are what is left.
+Why: the indexer picks 512 of its candidates per query, and torch.topk runs a row as one thread block. This
+kernel also runs a row on one SM, and each of its five passes costs the same whatever the row count, so it wins
+on many rows of few candidates and not on one long row (small batches at long contexts: those take
+dsv4_kernels.triton_topk_split); the engine uses it only where it measured faster
+(dsv4_kernels.triton_indexer.topk_of_scores; BENCHMARKS.md, "Indexer top-k: radix select vs torch.topk").
+Holding the whole row in one block with more warps did not help at batch 1; a wider first digit or a
+multi-program first pass are what is left.
 
 Contract (what the attention kernels take, `topk_of_scores(..., ordered=False)`): int64 [T, k], the columns of
 the k largest scores of each row as a set in no particular order; ties at the k-th value go to the lowest

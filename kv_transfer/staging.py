@@ -19,18 +19,15 @@ pinned memory, so the host never waits), and the pulling thread does not wait fo
 rest: the scatter runs after the steps already queued (none of them touches the just-reserved pages) and before
 the first step that reads them, which is launched after the pull returns. The staging range the scatter reads
 is held (`release(offset, event)`) until the scatter's event has completed, then reused.
-Why not wait: the H200 run of 2026-12-02 spent 7.3 ms of a 12.3 ms pull of 1.5 MB in the scatter and its wait
-(a thread that blocks on the device, then waits for the GIL behind the engine's loop) for microseconds of copies.
-Why not on the pulling thread either (`DeferredScatter`, what the decode worker uses): the next run, with the
-scatter only queued, still spent 8.2 ms a pull in it. Nothing in it waits for the device in the steady state; it
-is ~30 Python calls into torch (per group: views and an index_copy_ launch; the index's pin and upload, the
+Why not wait: a thread that blocks on the device, then waits for the GIL behind the engine's loop, spends
+milliseconds of a pull on microseconds of copies.
+Why not on the pulling thread either (`DeferredScatter`, what the decode worker uses): even only queued, the
+scatter costs milliseconds there. Nothing in it waits for the device in the steady state; it is ~30 Python calls into torch (per group: views and an index_copy_ launch; the index's pin and upload, the
 event), and every one of them releases the GIL and must take it back, on a thread that competes with the engine
 loop and the actor's event loop. A thread waiting for the GIL asks the holder to drop it only after a whole
 switch interval (5 ms) without a hand-over, and a holder that lets it go around its own short torch calls takes
-it back first again and again; so each call can cost milliseconds there. Measured on an H200 (a DecodeWorker of
-the tiny model, 8 streams decoding, imports through `decode`, no Ray, no READ): 4.0-4.8
-ms a scatter on the pulling thread, of which 1.1-1.2 ms on its CPU (per-group views alone 1.0-1.3 ms), against
-0.5 ms (0.35-0.4 ms CPU) queued on the engine thread. The decode worker therefore takes the scatter from the
+it back first again and again; so each call can cost milliseconds there, several times what the same scatter
+costs queued on the engine thread (BENCHMARKS.md, "Staged KV scatter on the decode side"). The decode worker therefore takes the scatter from the
 pull (`TransferBackend.pull_deferred`) and queues it on the engine thread itself, in the call that joins the
 request to the batch: same stream, same order (before the first step that reads the pages), no GIL hand-offs.
 `scatter(..., timings=)` reports its parts (index upload, views, copies, event, thread CPU time).

@@ -5,9 +5,8 @@ Run by `load_engine(warmup=True)`: the prefill / decode workers and the local di
 
 Why: on a machine whose caches are cold, DeepGEMM compiles a kernel with nvcc for each (N, K) and each
 configuration its heuristic picks for a step's M, and Triton compiles each kernel on its first launch, seconds
-each. Served without a warm-up, the first requests of new lengths stall on it: the GPU service run of 2026-12-02
-(4-layer model, FP8 dense / MXFP4 experts) saw TTFT p50 9.1 s, p99 26.8 s and ITL p99 3.4 s where the same
-service with bf16 weights gave 147 ms (BENCHMARKS.md, "Disaggregated service on one GPU"). vLLM compiles its
+each. Served without a warm-up, the first requests of new lengths stall on it for seconds (BENCHMARKS.md, "Cold
+start on a GPU: per-request stalls without and with the engine warm-up"). vLLM compiles its
 DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a warm-up request at start. Here:
 1. a ladder of requests through the engine itself, one at a time so each prefill step has exactly its prompt's
    tokens (no chunk ends at a prefix-cache snapshot point here): 1, 2, 4, ... up to max_batch_tokens (and the
@@ -21,13 +20,13 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
 2. every decode bucket's CUDA graph is captured (DecodeRunner.capture_all: each (batch slots, context) pair, on
    padding rows that write only the scratch page; a speculative engine captures its verify buckets instead,
    VerifyRunner.capture_all, with 1 and K + 1 rows a request), so no step mid-stream waits on a capture or on the Triton
-   compiles its shapes need (the run above saw single decode steps of 9-29 s on a cold machine);
+   compiles its shapes need (on a cold machine a single decode step otherwise stalls for seconds);
 3. every FP8 GEMM shape those steps ran (dsv4_kernels.deepgemm_linear records them) at the M values whose DeepGEMM
    configuration can differ: all M up to 128, then the lowest and highest M of each 64-row block count up to
    max_batch_tokens (the heuristic sees a larger M through its number of M-blocks, whose sizes are multiples of
    64, and through thresholds on block edges). The compiles are spread over spawned processes
-   ($DSV4_WARMUP_PROCS, default half the CPUs up to 8): run one after another they took minutes (4-49 s a shape
-   on the H200 of 2026-12-02, for a 4-layer model). Each process holds a CUDA context (~0.5 GB) and M x K
+   ($DSV4_WARMUP_PROCS, default half the CPUs up to 8): one after another they take minutes (each shape an nvcc
+   compile of seconds). Each process holds a CUDA context (~0.5 GB) and M x K
    activations until the sweep ends, from the memory the KV pool left free (1 - --gpu-memory-utilization);
    DSV4_WARMUP_PROCS=1 sweeps in this process where that is tight. Then the MXFP4 MoE (triton_kernels' matmul),
    whose variants also follow its row-block count: one call per class of token count (sweep_moe_variants); and
@@ -42,7 +41,7 @@ Not done: tensor-parallel ranks (the request would need the followers' step loop
 
 $DSV4_WARMUP: 1 (default) all three; quick: 1 and 2 only (the DeepGEMM configurations of other M values and the
 MoE's other variants then compile when a step first needs them); 0: none. Each phase's seconds are logged: on a cold
-cache the whole warm-up of even a 4-layer model took over 3 minutes on the H200 (the compiles, not the steps), so
+cache the warm-up takes minutes even for a small model (the compiles, not the steps; BENCHMARKS.md, "Cold start"), so
 deployments keep the caches on a volume ($DG_JIT_CACHE_DIR, $TRITON_CACHE_DIR; the Helm chart's compileCache).
 """
 
@@ -105,7 +104,7 @@ def prompt_ladder(max_batch_tokens: int, max_prompt: int) -> list[int]:
     Why the odd steps: Triton specialises integer arguments on == 1 and on divisibility by 16 (and pointers on
     16-byte alignment). Our kernels leave their step-dependent arguments unspecialised, but a library kernel's
     may not be (triton_kernels' matmul_ogs specialises its write-back size, T * top-k): the powers of two only
-    meet the divisible class, so an odd step per bucket compiles the other (seen mid-request on the H200)."""
+    meet the divisible class, so an odd step per bucket compiles the other (else it compiles mid-request)."""
     top = max(1, min(max_batch_tokens, max_prompt))
     out, n = [], 1
     while n < top:
@@ -145,7 +144,7 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     # Each prompt runs as one step of exactly its length: the scheduler may otherwise end chunks at the prefix
     # cache's snapshot points (block boundaries), and a prompt of 512 would run as 256 + 256, leaving the step
-    # sizes of 257..512 tokens to compile mid-request (seen on the H200). Blocks are still registered and
+    # sizes of 257..512 tokens to compile mid-request. Blocks are still registered and
     # snapshots taken as the steps run; the cache is emptied after.
     scheduler_prefix, engine.scheduler.prefix = engine.scheduler.prefix, None
     try:
@@ -219,7 +218,7 @@ def _capture_decode_graphs(engine) -> int:
 def sweep_moe_variants(engine, max_tokens: int) -> int:
     """Phase 3's MoE half: triton_kernels' matmul (dsv4_kernels.mxfp4_ogs) compiles a variant per class of a step's
     token count that the ladder's powers of two and their odd neighbours do not all meet (its row-block count is
-    specialised too: a serving step of ~520 tokens compiled one mid-request on the H200, 2026-12-02). One
+    specialised too: a serving step of ~520 tokens would otherwise compile one mid-request). One
     call per `mxfp4_ogs.variant_key` class up to max_tokens, on random tokens through the first MoE layer's
     experts (every layer has the same shapes). -> calls run (0: no layer runs triton_kernels)."""
     blocks = [m for m in engine.model.moe if m.ogs is not None]

@@ -187,9 +187,9 @@ def resolve_kv_cache_dtype(
 def resolve_index_cache_dtype(requested: str, device: torch.device | str) -> tuple[str, str]:
     """--index-cache-dtype -> ("mxfp4" | "fp8", why): the indexer keys' format when the cache is fp8.
     "auto" picks per GPU: FP8 keys on Hopper (sm90), where the indexer kernels decode MXFP4 keys 2.7x slower
-    than FP8 ones (BENCHMARKS.md, scripts/bench_indexer_prefill.py on an H200) and DeepGEMM's paged MQA logits
-    take only FP8 keys, at 132 B a key instead of 68 (about 10% more cache a token for V4-Flash); MXFP4 keys,
-    the release format, everywhere else (Blackwell's MQA logits read them natively; the CPU)."""
+    than FP8 ones (BENCHMARKS.md, "Prefill indexer"; `dsv4 bench kernels indexer-prefill`) and DeepGEMM's paged
+    MQA logits take only FP8 keys, at 132 B a key instead of 68 (about 10% more cache a token for V4-Flash); MXFP4
+    keys, the release format, everywhere else (Blackwell's MQA logits read them natively; the CPU)."""
     if requested not in ("auto", "mxfp4", "fp8"):
         raise ValueError(f"index_cache_dtype must be auto, mxfp4 or fp8, got {requested!r}")
     if requested != "auto":
