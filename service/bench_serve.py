@@ -54,7 +54,7 @@ async def drive(
         while queue:
             index, prompt = queue.pop()
             start = time.perf_counter()
-            last, first, itls, ids = None, None, [], []
+            last, first, itls, ids = start, None, [], []  # last: read only once first is set
             async for ev in client.generate(prompt, params):
                 if ev.token_id is None:
                     continue
@@ -65,6 +65,8 @@ async def drive(
                     itls.append(now - last)
                 last = now
                 ids.append(ev.token_id)
+            if first is None:  # max_new_tokens >= 1 with ignore_eos: every request streams a token
+                raise RuntimeError(f"request {index} streamed no token")
             timings.append(RequestTiming(first, tuple(itls), len(ids), time.perf_counter() - start, index, tuple(ids)))
 
     t0 = time.perf_counter()
@@ -263,13 +265,14 @@ def bench_serve_main(args: argparse.Namespace) -> int:
     rows, checked, failures = [], {}, []
     for name in topologies:
         try:
-            if TOPOLOGIES[name] is None:
+            topology = TOPOLOGIES[name]
+            if topology is None:
                 timings, wall, transfer, checked[name] = run_colocated(
                     model_dir, engine_options, prompts, params, args.concurrency, check_prompts
                 )
                 rows.append(summarize("colocated 1 engine", timings, wall, None))
             else:
-                p, d = TOPOLOGIES[name]
+                p, d = topology
                 timings, wall, transfer, checked[name] = run_ray_topology(
                     dict(
                         model_dir=model_dir,

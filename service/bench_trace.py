@@ -58,7 +58,8 @@ async def _replay(addr: str, trace, prompts, args) -> tuple[list[dict], float]:
         await asyncio.sleep(max(0.0, (req.timestamp_ms - base) / 1000.0 / args.time_scale - (time.perf_counter() - t0)))
         n_out = max(1, min(args.max_new_tokens, round(req.output_length * args.block_tokens / BLOCK)))
         params = SamplingParams(max_new_tokens=n_out, ignore_eos=True)
-        start, last, first, itls, cached = time.perf_counter(), None, None, [], 0
+        start = time.perf_counter()
+        last, first, itls, cached = start, None, [], 0  # last: read only once first is set
         async for ev in client.generate(prompt, params):
             if ev.token_id is None:
                 continue

@@ -149,7 +149,7 @@ def render_tool_calls(calls: list[dict]) -> str:
     return f"{TOOL_CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_CLOSE}"
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str) -> str | None:
     """Message content -> text; a list of parts is joined with newlines (text parts only)."""
     if content is None or isinstance(content, str):
         return content
@@ -173,13 +173,13 @@ def merge_tool_messages(messages: list[dict]) -> list[dict]:
         joinable = prev is not None and prev.get("role") == "user" and "blocks" in prev
         if role == "tool":
             block = {"type": "tool_result", "id": m.get("tool_call_id") or "", "content": m.get("content", "")}
-            if joinable:
+            if prev is not None and joinable:
                 prev["blocks"].append(block)
             else:
                 merged.append({"role": "user", "blocks": [block]})
         elif role == "user":
             block = {"type": "text", "text": m.get("content", "")}
-            if joinable and prev.get("task") is None:
+            if prev is not None and joinable and prev.get("task") is None:
                 prev["blocks"].append(block)
             else:
                 merged.append(

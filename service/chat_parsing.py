@@ -169,7 +169,7 @@ class Scanner:
     def feed(self, piece: str, final: bool) -> tuple[str, str, list[ToolCall]]:
         """Add `piece` (`final`: the output is complete) -> (reasoning, content, calls) settled by it."""
         buf, pos = self.buf + piece, 0
-        out = {"reasoning": [], "content": []}
+        out: dict[str, list[str]] = {"reasoning": [], "content": []}
         calls: list[ToolCall] = []
         while self.mode != "done":
             if self.mode == "raw":  # a broken block: the model's text as it is, up to the end of sentence
@@ -189,7 +189,7 @@ class Scanner:
                     continue
                 if step == "wait":
                     break
-                if step == "call":
+                if step == "call" and call is not None:  # a "call" step always carries its call
                     calls.append(call)
                     self.block_head = ""
                 elif step == "cut" and self.block_head:  # cut off before any whole call

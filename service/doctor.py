@@ -145,7 +145,7 @@ def nixl_info() -> dict:
         nixl_agent, nixl_agent_config, _ = import_nixl()
     except ImportError as e:
         return {"importable": False, "version": version, "why_not": str(e)}
-    out = {"importable": True, "version": version, "ucx_tls": os.environ.get("UCX_TLS", "")}
+    out: dict[str, object] = {"importable": True, "version": version, "ucx_tls": os.environ.get("UCX_TLS", "")}
     out["plugins"] = _guard(
         lambda: sorted(nixl_agent(f"dsv4-doctor-{os.getpid()}", nixl_agent_config(backends=[])).get_plugin_list())
     )
@@ -170,13 +170,14 @@ def ray_info() -> dict:
     RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token). `enabled` is Ray's own answer for this process where it has one."""
     import ray
 
+    token_file = str(Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"))
     out = {
         "version": ray.__version__,
         "auth_mode_env": os.environ.get("RAY_AUTH_MODE", ""),
         "token_env": bool(os.environ.get("RAY_AUTH_TOKEN")),
-        "token_file": str(Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")),
+        "token_file": token_file,
     }
-    out["token_file_exists"] = Path(out["token_file"]).is_file()
+    out["token_file_exists"] = Path(token_file).is_file()
     try:
         from ray._private.authentication.authentication_utils import is_token_auth_enabled
 

@@ -77,7 +77,9 @@ def score(llm, tokenizer, tasks: list[Task], context: int = 1024, max_failures: 
         prompts.append([tokenizer.bos_id, *ids] if tokenizer.bos_id is not None else ids)
     # Enough tokens for the longest answer even at one byte a token.
     params = SamplingParams(max_new_tokens=max(len(t.answer) for t in tasks) + 2, temperature=0.0, ignore_eos=True)
-    correct, by_idiom, failures = 0, {}, []
+    correct = 0
+    by_idiom: dict[str, list[int]] = {}
+    failures: list[tuple[str, int, str, str]] = []  # (source, offset, answer, completion)
     for t, out in zip(tasks, llm.generate(prompts, params)):
         completion = tokenizer.decode(out.token_ids)
         ok = completion.startswith(t.answer)
