@@ -20,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from engine.execution.request import TokenEvent
 from engine.execution.runner import EngineCore
+from engine.handoff import PrefixDigest
 from engine.runtime.engine_loop import AsyncSink, EngineLoop, LoopStopped
 from engine.telemetry import metrics
 from engine.telemetry.compile_watch import CompileWatch, install_variant_log, note_slow_step
@@ -44,7 +45,7 @@ class LocalWorker:
         self._incarnation += 1
         self.engine = self._factory()
         self._killed = False
-        self._digest = None
+        self._digest: PrefixDigest | None = None
         self._prefix_counters = metrics.PrefixCounters("colocated", self.worker_id)  # a new engine counts from 0
         # what compiles after load (and its warm-up) stalls a serving step: named as it happens
         cuda = self.engine.device.type == "cuda"
@@ -60,7 +61,7 @@ class LocalWorker:
         """Loop running, and not stuck in one step or call for longer than the stall timeout (EngineLoop.problem)."""
         return self.loop.problem(self.stall_timeout_s) is None
 
-    async def generate(self, request: DispatchRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: DispatchRequest) -> AsyncGenerator[TokenEvent, None]:
         loop, rid = self.loop, request.request_id  # the incarnation this request runs on
         sink = AsyncSink(asyncio.get_running_loop())
 

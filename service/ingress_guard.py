@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -168,6 +169,7 @@ def lone_surrogate(value, path: str = "") -> str | None:
         except UnicodeEncodeError:
             return path or "body"
         return None
+    items: Iterable[tuple[object, object]]
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, (list, tuple)):
