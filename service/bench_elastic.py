@@ -115,12 +115,18 @@ async def replay(addr: str, token: str, plan: BurstPlan, prompts: list[list[int]
 
 
 class PoolSampler:
-    """Samples the PoolManager's `status` on a thread: (seconds since start, {pool: {state: n}}) rows."""
+    """Samples the PoolManager's `status` on a thread: (seconds since start, {pool: {state: n}}) rows, and its
+    decisions (kept across a restart of the manager, whose history starts empty). kill_when_grown: once a pool
+    has a worker the manager added (more ready than its minimum), kill the manager once (Ray restarts it: it must
+    take that worker back and still drain it)."""
 
-    def __init__(self, manager, every_s: float):
+    def __init__(self, manager, every_s: float, kill_when_grown: dict | None = None):
         self.manager, self.every_s = manager, every_s
         self.rows: list[tuple[float, dict]] = []
-        self.decisions: list[dict] = []
+        self._decisions: dict[tuple, dict] = {}
+        self.kill_when_grown = kill_when_grown  # {pool: its minimum}
+        self.killed_at: float | None = None  # seconds since start
+        self.killed_wall: float | None = None  # time.time(), the clock of the decisions' "t"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pool-sampler", daemon=True)
         self.t0 = time.perf_counter()
@@ -136,10 +142,25 @@ class PoolSampler:
             try:
                 status = ray.get(self.manager.status.remote(), timeout=10)
                 self.rows.append((time.perf_counter() - self.t0, status["sizes"]))
-                self.decisions = status["decisions"]
+                self._decisions.update({(d["t"], d["pool"]): d for d in status["decisions"]})
             except Exception:  # noqa: BLE001 - a missed sample is a gap in the table, not a failure
                 pass
+            self._maybe_kill()
             self._stop.wait(self.every_s)
+
+    def _maybe_kill(self) -> None:
+        import ray
+
+        grown = self.kill_when_grown
+        if grown is None or self.killed_at is not None or not self.rows:
+            return
+        if any(self.rows[-1][1][pool]["ready"] > n for pool, n in grown.items()):
+            ray.kill(self.manager, no_restart=False)
+            self.killed_at, self.killed_wall = time.perf_counter() - self.t0, time.time()
+
+    @property
+    def decisions(self) -> list[dict]:
+        return [self._decisions[k] for k in sorted(self._decisions)]
 
     def stop(self) -> None:
         self._stop.set()
@@ -152,15 +173,18 @@ class PoolSampler:
         return self.rows[-1][1][pool] if self.rows else {}
 
 
-def run(cfg, plan: BurstPlan, settle_s: float = 0.0) -> dict:
+def run(cfg, plan: BurstPlan, settle_s: float = 0.0, kill_planner: bool = False) -> dict:
     """Start the service of `cfg` (elastic pools) on the connected Ray cluster, replay the plan, sample the pools,
-    wait the cool-down (and up to settle_s more until both pools are back at their minimum); stop the service."""
+    wait the cool-down (and up to settle_s more until both pools are back at their minimum); stop the service.
+    kill_planner: kill the PoolManager once a pool has grown (Ray restarts it)."""
     from engine.model.config import ModelConfig
     from service.launcher import start_service, stop_service
 
+    load_before = os.getloadavg()[0]
     handles = start_service(cfg, http=False)
     try:
-        sampler = PoolSampler(handles["pools"], plan.sample_s).start()
+        grown = {role: cfg.pool_bounds(role).min for role in ("prefill", "decode")} if kill_planner else None
+        sampler = PoolSampler(handles["pools"], plan.sample_s, grown).start()
         arrivals = plan.arrivals()
         prompts = bench_prompts(plan, len(arrivals), ModelConfig.from_model_dir(cfg.model_dir).vocab_size)
         rows = asyncio.run(replay(handles["router_addr"], handles["token"], plan, prompts))
@@ -182,6 +206,9 @@ def run(cfg, plan: BurstPlan, settle_s: float = 0.0) -> dict:
         "decisions": sampler.decisions,
         "replay_end_s": replay_end,
         "final_load": result_load,
+        "loadavg": (load_before, os.getloadavg()[0]),
+        "planner_killed_at": sampler.killed_at,
+        "planner_killed_wall": sampler.killed_wall,
     }
 
 
@@ -228,7 +255,9 @@ def report(cfg, plan: BurstPlan, result: dict) -> str:
     lines = [
         "## Elastic pools under a burst (`dsv4 bench elastic`)",
         "",
-        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; tiny random model on the "
+        f"{platform.machine()}, {os.cpu_count()} cores (load average {result['loadavg'][0]:.1f} before, "
+        f"{result['loadavg'][1]:.1f} after: other work shared the machine), Python {platform.python_version()}; "
+        "tiny random model on the "
         f"CPU, local Ray cluster; pools prefill {cfg.pool_bounds('prefill')}, decode {cfg.pool_bounds('decode')}; "
         f"planner every {cfg.planner.interval_s:g} s, cooldowns up {cfg.planner.up_cooldown_s:g} s / down "
         f"{cfg.planner.down_cooldown_s:g} s; targets: {cfg.planner.prefill_queue_tokens} queued prompt tokens and "
@@ -246,7 +275,13 @@ def report(cfg, plan: BurstPlan, result: dict) -> str:
             for p in ("quiet", "burst")
         ],
         "",
-        f"Pool sizes over time (the replay ended at {result['replay_end_s']:.1f} s):",
+        f"Pool sizes over time (the replay ended at {result['replay_end_s']:.1f} s"
+        + (
+            f"; the PoolManager was killed at {result['planner_killed_at']:.1f} s and restarted by Ray"
+            if result.get("planner_killed_at") is not None
+            else ""
+        )
+        + "):",
         "",
         *size_table(result["samples"]),
         "",
@@ -310,7 +345,7 @@ def bench_elastic_main(args) -> int:
 
     init_ray(prepare_metrics_dir())
     try:
-        result = run(cfg, plan)
+        result = run(cfg, plan, kill_planner=args.kill_planner)
     finally:
         ray.shutdown()
         remove_metrics_dir()
@@ -343,4 +378,7 @@ def add_bench_elastic_args(parser) -> None:
     parser.add_argument("--scale-up-cooldown-seconds", type=float, default=2.0)
     parser.add_argument("--scale-down-cooldown-seconds", type=float, default=5.0)
     parser.add_argument("--drain-timeout-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--kill-planner", action="store_true", help="kill the PoolManager once a pool has grown (Ray restarts it)"
+    )
     parser.add_argument("--write", action="store_true", help="put the section elastic_pools in BENCHMARKS.md")

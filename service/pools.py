@@ -262,7 +262,11 @@ class PoolManager:
         return decisions
 
     async def _observe(self, role: str) -> PoolObservation:
+        # One snapshot before the await: a worker that becomes ready meanwhile moves from `starting` to the
+        # members, and counting one side before and the other after would lose it (and grow the pool again).
         active = [m for m in self.members.values() if m.role == role and not m.draining]
+        starting = len(self.starting[role])
+        draining = sum(1 for m in self.members.values() if m.role == role and m.draining)
         timeout = self.config.signal_timeout_s
         results = await asyncio.gather(
             *(asyncio.wait_for(m.handle.signals.remote(), timeout) for m in active), return_exceptions=True
@@ -288,8 +292,8 @@ class PoolManager:
             pool=role,
             bounds=self.config.bounds(role),
             ready=tuple(samples.values()),
-            starting=len(self.starting[role]),
-            draining=sum(1 for m in self.members.values() if m.role == role and m.draining),
+            starting=starting,
+            draining=draining,
             silent=len(active) - len(samples),
         )
 

@@ -1,8 +1,9 @@
 """Elastic pools on the real service (service/pools.py, service/planner.py): a local Ray cluster, prefill and decode
 pools of 1:2 tiny-model workers, a `bursty` trace's prompts replayed through the gRPC router as a burst
 (service/bench_elastic.py, `dsv4 bench elastic`). Both pools grow under the burst and shrink back to one worker after
-it, with no failed or short request; the workers left hold no request and no KV page; the planner's decisions and
-pool sizes are on the Prometheus page, scraped over HTTP."""
+it, with no failed or short request, though the PoolManager is killed once one has grown (Ray restarts it; it
+takes back the workers it had added, from their names, and drains them); the workers left hold no request and no KV
+page; the planner's decisions and pool sizes are on the Prometheus page, scraped over HTTP."""
 
 import urllib.request
 
@@ -56,7 +57,7 @@ def test_pools_grow_under_a_burst_and_shrink_after_it_with_no_failed_request():
     try:
         init_ray(metrics_dir)
         server, _ = start_metrics_server(free_port(), "127.0.0.1")
-        result = run(cfg, PLAN, settle_s=30.0)
+        result = run(cfg, PLAN, settle_s=30.0, kill_planner=True)
         with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=30) as resp:
             scrape = resp.read().decode()
     finally:
@@ -71,6 +72,10 @@ def test_pools_grow_under_a_burst_and_shrink_after_it_with_no_failed_request():
     assert s["burst"]["requests"] >= 40
     peaks = {pool: max(sizes[pool]["ready"] for _, sizes in result["samples"]) for pool in ("prefill", "decode")}
     assert peaks == {"prefill": 2, "decode": 2}, table
+    # the PoolManager was killed with a worker it had added serving; restarted, it took it back and shrank the pool
+    assert result["planner_killed_at"] is not None, table
+    after = [d for d in result["decisions"] if d["t"] > result["planner_killed_wall"] and d["desired"] < d["current"]]
+    assert after, "the restarted PoolManager shrank no pool"
     last = result["samples"][-1][1]
     assert all(last[pool] == {"ready": 1, "starting": 0, "draining": 0} for pool in last), table
     changes = {(d["pool"], d["desired"] > d["current"]) for d in result["decisions"] if d["desired"] != d["current"]}
