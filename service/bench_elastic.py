@@ -248,6 +248,18 @@ def size_table(samples: list[tuple[float, dict]], every_s: float = 2.0) -> list[
     return lines
 
 
+def starting_spells(samples: list[tuple[float, dict]], pool: str) -> list[float]:
+    """Lengths (s) of the spells in which the pool had a worker starting (a decision to grow until it served)."""
+    spells, since = [], None
+    for t, sizes in samples:
+        if sizes[pool]["starting"] and since is None:
+            since = t
+        elif not sizes[pool]["starting"] and since is not None:
+            spells.append(t - since)
+            since = None
+    return spells
+
+
 def report(cfg, plan: BurstPlan, result: dict) -> str:
     s = summary(result)
     changes = [d for d in result["decisions"] if d["current"] != d["desired"]]
@@ -284,6 +296,15 @@ def report(cfg, plan: BurstPlan, result: dict) -> str:
         + "):",
         "",
         *size_table(result["samples"]),
+        "",
+        "Time from a decision to grow until the new worker served (loading and warming up the model): "
+        + "; ".join(
+            f"{pool} " + ", ".join(f"{x:.1f} s" for x in starting_spells(result["samples"], pool))
+            for pool in ("prefill", "decode")
+        )
+        + ". On one CPU machine every worker shares the same cores, so a bigger pool adds no compute here: the run "
+        "shows the mechanics (growth on measured pressure, a worker placed on only once ready, drain and removal, "
+        "no failed request), not capacity.",
         "",
         "Planner changes:",
         "",

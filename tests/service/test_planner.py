@@ -189,3 +189,28 @@ def test_decode_pressure_takes_the_largest_signal():
     planner.decide(obs, now=0)
     d = planner.decide(obs, now=0.5)
     assert d.reason == "itl" and d.desired == 3 and "kv_usage 0.25" in d.detail
+
+
+def test_serve_flags_give_the_pools_bounds_and_planner_targets(capsys):
+    """`dsv4 serve --prefill-workers 1:3 --decode-workers 2`: the prefill pool is elastic, the decode pool fixed, the
+    planner flags reach ServiceConfig.planner; a bad spec stops argparse with the flag and the value; an elastic
+    multi-rank pool is refused with the reason."""
+    import argparse
+
+    from service.serve_args import add_serve_args, config_from_args
+    from service.service_config import ServiceConfig
+
+    parser = argparse.ArgumentParser(prog="dsv4 serve")
+    add_serve_args(parser)
+    cfg = config_from_args(
+        parser.parse_args(["--prefill-workers", "1:3", "--decode-workers", "2", "--ttft-target-seconds", "0.5"])
+    )
+    assert (cfg.pool_bounds("prefill").min, cfg.pool_bounds("prefill").max) == (1, 3)
+    assert not cfg.pool_bounds("decode").elastic and cfg.decode_workers == 2 and cfg.elastic
+    assert cfg.planner.ttft_target_s == 0.5
+    assert not config_from_args(parser.parse_args([])).elastic
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--decode-workers", "4:2"])
+    assert "--decode-workers '4:2'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="elastic decode pool .*single-rank"):
+        ServiceConfig(model_dir="m", decode_workers=1, decode_max_workers=2, tensor_parallel_size=2)
