@@ -222,12 +222,14 @@ class RoutingPolicy:
     def _retire_absent(self, workers: list[WorkerInfo]) -> None:
         """Workers no longer listed left their pool (service/pools.py): drop everything known of them, their
         prefix digest first (a removed worker must not stay in the cache index)."""
-        for wid in self._incarnation.keys() - {w.worker_id for w in workers}:
+        listed = {w.worker_id for w in workers}
+        for wid in self._incarnation.keys() - listed:
             self.forget(wid)
             del self._incarnation[wid]
             self._lru.pop(wid, None)
-            self._down.discard(wid)
             self._page_tokens.pop(wid, None)
+        if self._down:  # a stream that outlived its worker's drain marks it down after it left
+            self._down &= listed
 
     def is_up(self, worker: WorkerInfo) -> bool:
         return worker.healthy and worker.worker_id not in self._down
