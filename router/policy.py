@@ -310,11 +310,15 @@ class RoutingPolicy:
         """Choose the prefill and the decode worker, and remember the prompt's blocks on the prefill one.
         Raises NoWorkerAvailable when no healthy worker can take a phase."""
         workers = list(workers)
+        joined = False
         for w in workers:
-            if not w.healthy or self._incarnation.setdefault(w.worker_id, w.incarnation) != w.incarnation:
+            known = self._incarnation.get(w.worker_id)
+            joined = joined or known is None
+            if not w.healthy or (known is not None and known != w.incarnation):
                 self.forget(w.worker_id)
-                self._incarnation[w.worker_id] = w.incarnation
-        self._retire_absent(workers)
+            self._incarnation[w.worker_id] = w.incarnation
+        if joined or len(self._incarnation) != len(workers):  # the pools changed (a cheap test: runs per request)
+            self._retire_absent(workers)
         excluded = set(exclude)
         up = [w for w in workers if self.is_up(w) and not w.draining and w.worker_id not in excluded]
         prefill_cands = [w for w in up if w.role in PREFILL_ROLES]
