@@ -42,6 +42,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.handoff import TransferTicket
 from engine.model.cache import CacheGroupSpec, CachePool
 from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint
@@ -127,6 +129,9 @@ class _Export:
     readers: int = 0  # reads of its pages in progress (tcp server): no expiry, no freeing meanwhile
     pending: tuple | None = None  # (error,) of a release that waits for the reads to end
     chunk_of: str | None = None  # a streamed chunk: the request it belongs to (export_chunk)
+    ready: torch.cuda.Event | None = (
+        None  # a chunk's CUDA event: its bytes are written once it completed (None: already)
+    )
 
 
 class TransferBackend(ABC):
@@ -213,7 +218,28 @@ class TransferBackend(ABC):
         plan = build_plan(self.specs, pages, pages, num_tokens, start_tokens=start_tokens, final=False)
         if plan.total_bytes == 0:
             return None
-        return self._export(chunk_id(request_id, start_tokens), plan, request_id)
+        ticket = self._export(chunk_id(request_id, start_tokens), plan, request_id)
+        ready = _stream_event(self.pool)  # after the step that wrote the pages and the staging copies
+        with self._lock:
+            export = self._exports.get(ticket.request_id)
+            if export is not None:
+                export.ready = ready
+        return ticket
+
+    def chunk_ready(self, ticket: TransferTicket, wait: bool = False) -> bool:
+        """Whether a chunk ticket may leave: the device work that writes its bytes (the prefill step, and the
+        staging copies, which `export_chunk` only queues on CUDA so the engine thread does not wait for the device
+        each step) has completed; wait=True blocks until it has. Always True on the CPU, and for a chunk already
+        released (its pull would fail: not exported)."""
+        with self._lock:
+            export = self._exports.get(ticket.request_id)
+            ready = None if export is None else export.ready
+        if ready is None:
+            return True
+        if wait:
+            ready.synchronize()
+            return True
+        return bool(ready.query())
 
     def _export(self, key: str, plan: TransferPlan, chunk_of: str | None) -> TransferTicket:
         moved = {g.name: [s for s, _ in g.pages] for g in plan.groups}
@@ -486,6 +512,16 @@ class TransferBackend(ABC):
         """Release network resources and forget peers; pool tensors stay valid."""
         for name in list(self._peer_specs):
             self.remove_peer(name)
+
+
+def _stream_event(pool: CachePool) -> torch.cuda.Event | None:
+    """A CUDA event recorded now on the current stream of the pool's device; None for a CPU pool (done)."""
+    tensor = next(iter(pool.groups.values())).tensor
+    if tensor.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
 
 
 def chunk_id(request_id: str, start_tokens: int) -> str:

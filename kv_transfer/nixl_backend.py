@@ -276,8 +276,8 @@ class NixlBackend(TransferBackend):
                 "bytes contiguous free)",
             )
             return None
-        try:
-            self.staging.gather(offset, layout)
+        try:  # a chunk's copies are only queued: its ticket waits for the export's ready event (chunk_ready)
+            self.staging.gather(offset, layout, wait=plan.final)
         except BaseException:
             self.staging.arena.free(offset)
             raise

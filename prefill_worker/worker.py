@@ -16,7 +16,7 @@ import contextlib
 import functools
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import PrefillResult, TransferTicket
@@ -36,6 +36,7 @@ class _Stream:
 
     sink: AsyncSink
     start_tokens: int = 0
+    pending: list[TransferTicket] = field(default_factory=list)  # exported, bytes not written yet (CUDA)
 
 
 class PrefillWorker(WorkerBase[TransferBackend]):
@@ -88,9 +89,10 @@ class PrefillWorker(WorkerBase[TransferBackend]):
         return self.transfer_backend.metadata()
 
     async def _poll_forever(self) -> None:
-        # Confirmations arrive while the engine may be idle: poll on the engine thread regularly.
+        # Confirmations arrive while the engine may be idle: poll on the engine thread regularly (and hand over the
+        # chunk tickets whose bytes were not written yet at their step's end).
         while True:
-            await self.loop.acall(lambda e: self.transfer_backend.poll())
+            await self.loop.acall(lambda e: (self.transfer_backend.poll(), self._publish_chunks()))
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def prefill(
@@ -118,7 +120,7 @@ class PrefillWorker(WorkerBase[TransferBackend]):
     async def _prefill_items(
         self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None, streamed: bool
     ) -> AsyncGenerator[TransferTicket | PrefillResult, None]:
-        if self._poller is None:
+        if self._poller is None or self._poller.done():  # a poller that ended (its loop closed, an error) restarts
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
         arrival = time.monotonic()
         sink = AsyncSink(asyncio.get_running_loop())
@@ -160,14 +162,22 @@ class PrefillWorker(WorkerBase[TransferBackend]):
             if ev.finished:
                 self.transfer_backend.release(request_id, ABORTED)  # chunks nobody needs now
                 req = engine.pop_finished(request_id)
-                return req.seed, None
+                return req.seed, None, []
             req = engine.held_request(request_id)
             start = stream.start_tokens if stream is not None else 0
-            return req.seed, self.transfer_backend.export(request_id, req.pages, req.num_computed, start_tokens=start)
+            backend = self.transfer_backend
+            chunks = [] if stream is None else [t for t in stream.pending if backend.chunk_ready(t, wait=True)]
+            return req.seed, backend.export(request_id, req.pages, req.num_computed, start_tokens=start), chunks
 
         try:
-            seed_used, ticket = await self.loop.acall(finish)
+            seed_used, ticket, chunks = await self.loop.acall(finish)
         except BaseException:
+            await self.loop.acall(functools.partial(self._drop, request_id))
+            raise
+        try:
+            for chunk in chunks:  # not yet handed over when the prefill ended: before the result that follows them
+                yield chunk
+        except BaseException:  # the stream closed before its result: withdraw the export it would have carried
             await self.loop.acall(functools.partial(self._drop, request_id))
             raise
         yield PrefillResult(
@@ -207,4 +217,12 @@ class PrefillWorker(WorkerBase[TransferBackend]):
             ticket = self.transfer_backend.export_chunk(rid, req.pages, req.num_computed, stream.start_tokens)
             if ticket is not None:
                 stream.start_tokens = req.num_computed
-                stream.sink.put(ticket)
+                stream.pending.append(ticket)
+        self._publish_chunks()
+
+    def _publish_chunks(self) -> None:
+        """Engine thread: hand the streamed requests' chunk tickets whose bytes are written (on CUDA, once the
+        device work has completed: TransferBackend.chunk_ready) to their streams, in order."""
+        for stream in self._streams.values():
+            while stream.pending and self.transfer_backend.chunk_ready(stream.pending[0]):
+                stream.sink.put(stream.pending.pop(0))

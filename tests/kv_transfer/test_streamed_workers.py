@@ -142,3 +142,35 @@ def test_an_abandoned_streamed_reservation_expires(workers, monkeypatch):
 
     asyncio.run(scenario())
     assert_idle(prefill, decode)
+
+
+def test_chunks_wait_until_their_bytes_are_written(workers, monkeypatch):
+    """On CUDA a chunk's ticket leaves only once the device work writing its bytes completed
+    (`TransferBackend.chunk_ready`). Never ready before the prefill's end here: every chunk is handed over at the
+    end, in order and before the result, and the tokens are still the colocated engine's."""
+    prefill, decode = workers
+    asked = []
+
+    def not_yet(ticket, wait=False):
+        asked.append(wait)
+        return wait
+
+    monkeypatch.setattr(prefill.backend, "chunk_ready", not_yet)
+    want = run_colocated(load_engine(**OPTIONS, warmup=False), [prompt(4)], PARAMS)[0]
+
+    async def scenario():
+        await decode.reserve_streamed("e", prompt(4), PARAMS)
+        items = [item async for item in prefill.prefill_streamed("e", prompt(4), PARAMS, seed=100)]
+        *chunks, result = items
+        assert len(chunks) >= 4 and [c.start_tokens for c in chunks] == sorted(c.start_tokens for c in chunks)
+        for chunk in chunks:
+            await decode.pull_chunk("e", chunk)
+        stream = decode.decode(result, prompt(4), PARAMS)
+        assert isinstance(await anext(stream), Transferred)
+        tokens = [ev.token_id async for ev in stream]
+        await wait_released(prefill)
+        return [result.first_token, *tokens]
+
+    assert asyncio.run(scenario()) == want.output
+    assert False in asked and True in asked  # held at the steps, waited for at the end
+    assert_idle(prefill, decode)
