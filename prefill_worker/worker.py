@@ -92,7 +92,7 @@ class PrefillWorker(WorkerBase[TransferBackend]):
         # Confirmations arrive while the engine may be idle: poll on the engine thread regularly (and hand over the
         # chunk tickets whose bytes were not written yet at their step's end).
         while True:
-            await self.loop.acall(lambda e: (self.transfer_backend.poll(), self._publish_chunks()))
+            await self.loop.acall(self._poll_and_publish)
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def prefill(
@@ -218,6 +218,10 @@ class PrefillWorker(WorkerBase[TransferBackend]):
             if ticket is not None:
                 stream.start_tokens = req.num_computed
                 stream.pending.append(ticket)
+        self._publish_chunks()
+
+    def _poll_and_publish(self, engine) -> None:
+        self.transfer_backend.poll()
         self._publish_chunks()
 
     def _publish_chunks(self) -> None:
