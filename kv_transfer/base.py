@@ -24,7 +24,9 @@ The decode side's last step of such a pull, the scatter of the staged bytes into
 caller (`pull_deferred`): the decode worker runs it on its engine's thread (kv_transfer.staging says why).
 Streaming: while a request is still being prefilled, `export_chunk` offers the pages its finished chunks filled
 (kv_transfer.plan), each chunk an export of its own (`chunk_id`) with its lease and staging; the decode side pulls
-a chunk ticket like any other (`pull`), and the final `export(..., start_tokens=...)` moves only the rest. A chunk's
+a chunk ticket like any other (`pull`), and the final `export(..., start_tokens=...)` moves only the rest. On CUDA
+a chunk's staging copies are only queued, and its ticket may leave once `chunk_ready` says the device work that
+writes its bytes (the step, the copies) has completed. A chunk's
 release (its pull's confirmation, its lease, or the request's `release`, which takes the request's chunks with it)
 frees what was staged for it and fires no release callback: the pages stay the request's until the final export's
 release (or the caller's abort of a request that never got one).
