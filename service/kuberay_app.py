@@ -396,7 +396,7 @@ def start_backend(cfg: EntryConfig) -> tuple[str, str]:
     decode, decode_placed, decode_recipes = _start_role(cfg, "decode", decode_cls, model_dir, token)
     groups = ({**prefill_placed, **decode_placed}, {**prefill_recipes, **decode_recipes})
     ray.get([h.ping.remote() for h in (*prefill.values(), *decode.values())])
-    pools = _pool_manager(cfg, {"prefill": prefill_cls, "decode": decode_cls}, model_dir, token, prefill, decode)
+    pools = _pool_manager(cfg, model_dir, token, prefill, decode)
     router_name = f"dsv4-router-{_fingerprint(sorted(workers), cfg.service.router_policy)}"
     router = (
         ray.remote(num_cpus=0, max_concurrency=1000)(EntryRouter)
@@ -429,7 +429,7 @@ def _elastic_added(cfg: EntryConfig, role: str, model_dir: str | None) -> set[st
     }
 
 
-def _pool_manager(cfg: EntryConfig, classes: dict, model_dir: str | None, token: str, prefill: dict, decode: dict):
+def _pool_manager(cfg: EntryConfig, model_dir: str | None, token: str, prefill: dict, decode: dict):
     """The elastic pools' PoolManager (service.pools), detached and named after the build, or None (fixed pools).
     A new worker asks for its role's Ray resource, so KubeRay's autoscaler brings a pod for it."""
     from service.pools import ElasticConfig, WorkerRecipe, start_pool_manager
@@ -444,7 +444,8 @@ def _pool_manager(cfg: EntryConfig, classes: dict, model_dir: str | None, token:
     )
     recipes = {
         role: WorkerRecipe(
-            cls=classes[role],
+            service=cfg.service,
+            role=role,
             model_dir=model_dir,
             engine_options=cfg.plan(role).engine_options,
             transfer=cfg.service.transfer,

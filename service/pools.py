@@ -94,7 +94,8 @@ class WorkerRecipe:
     """How to start one more worker of a pool: its Ray class and the constructor arguments every worker of the
     pool shares (the launcher's, so a new worker is built like the first ones)."""
 
-    cls: Any  # the ray.remote worker class
+    service: Any  # the ServiceConfig the pool's Ray actor class is made from (service.actor_pools.worker_classes)
+    role: str
     model_dir: str | None
     engine_options: tuple  # (key, value) pairs
     transfer: str
@@ -107,9 +108,13 @@ class WorkerRecipe:
         return f"{self.name_prefix}{worker_id}{self.name_suffix}"
 
     def start(self, worker_id: str):
+        # The class is made here: a Ray actor class does not survive pickling into the manager's arguments.
+        from service.actor_pools import worker_classes
+
+        cls = dict(zip(POOLS, worker_classes(self.service)))[self.role]
         # Detached: a worker outlives the manager that made it (its owner), which Ray may restart.
         options = {**dict(self.actor_options), "lifetime": "detached"}
-        return self.cls.options(name=self.name(worker_id), **options).remote(
+        return cls.options(name=self.name(worker_id), **options).remote(
             worker_id, self.model_dir, dict(self.engine_options), self.transfer, **dict(self.kwargs)
         )
 
@@ -120,7 +125,8 @@ def launch_recipe(launch, role: str) -> WorkerRecipe:
 
     cfg = launch.cfg
     return WorkerRecipe(
-        cls=launch.classes[role],
+        service=cfg,
+        role=role,
         model_dir=cfg.model_dir,
         engine_options=tuple(sorted(role_engine_options(launch.engine_options, role).items())),
         transfer=cfg.transfer,

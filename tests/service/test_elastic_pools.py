@@ -33,7 +33,7 @@ PLANNER = PlannerConfig(
     min_samples=2,
 )
 PLAN = BurstPlan(
-    quiet_s=1.0, burst_s=8.0, cool_s=10.0, quiet_rate=1.0, burst_rate=10.0, max_new_tokens=24, sample_s=0.25
+    quiet_s=1.0, burst_s=8.0, cool_s=0.0, quiet_rate=1.0, burst_rate=10.0, max_new_tokens=24, sample_s=0.25
 )
 
 
@@ -57,7 +57,7 @@ def test_pools_grow_under_a_burst_and_shrink_after_it_with_no_failed_request():
     try:
         init_ray(metrics_dir)
         server, _ = start_metrics_server(free_port(), "127.0.0.1")
-        result = run(cfg, PLAN, settle_s=30.0, kill_planner=True)
+        result = run(cfg, PLAN, settle_s=45.0, kill_planner=True)
         with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=30) as resp:
             scrape = resp.read().decode()
     finally:
