@@ -121,6 +121,7 @@ def source_main(conn, device: str, max_tokens: int, layers: int) -> None:
             for end in range(chunk_tokens, num_tokens, chunk_tokens):  # as each prefill chunk ends
                 ticket = backend.export_chunk(rid, table, end, start)
                 if ticket is not None:
+                    backend.chunk_ready(ticket, wait=True)  # on CUDA its staging copies are only queued
                     tickets.append(ticket)
                     start = end
             tickets.append(backend.export(rid, table, num_tokens, start_tokens=start))
