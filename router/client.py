@@ -47,7 +47,7 @@ class GenerateResult:
 
     request_id: str
     token_ids: list[int]
-    logprobs: list[float] | None
+    logprobs: list[float | None] | None
     prompt_logprobs: list[float | None] | None
     finish_reason: str
     prefill_worker: str
@@ -146,7 +146,12 @@ def _worker(w) -> WorkerStatus:
         w.worker_id,
         w.role,
         w.healthy,
-        *(getattr(w, f, 0) for f in ("running", "waiting", "kv_usage", "kv_free_tokens", "inflight", "cached_blocks")),
+        running=w.running,
+        waiting=w.waiting,
+        kv_usage=w.kv_usage,
+        kv_free_tokens=w.kv_free_tokens,
+        inflight=w.inflight,
+        cached_blocks=w.cached_blocks,
     )
 
 

@@ -99,7 +99,7 @@ class CacheIndex:
                 continue
             if d is None or old is None or (d.block_tokens, d.seed) != (old.block_tokens, old.seed):
                 self.drop(w.worker_id)
-                added, removed = (d.hashes if d is not None else ()), ()
+                added, removed = (d.hashes if d is not None else frozenset()), frozenset[int]()
             else:  # the usual report: a few blocks stored or evicted since the last one
                 added, removed = d.hashes - old.hashes, old.hashes - d.hashes
             if d is None:
