@@ -248,16 +248,24 @@ def size_table(samples: list[tuple[float, dict]], every_s: float = 2.0) -> list[
     return lines
 
 
-def starting_spells(samples: list[tuple[float, dict]], pool: str) -> list[float]:
-    """Lengths (s) of the spells in which the pool had a worker starting (a decision to grow until it served)."""
-    spells, since = [], None
+def start_times(samples: list[tuple[float, dict]], pool: str) -> list[float]:
+    """Seconds each new worker of the pool spent starting (from the decision to grow until it served), from the
+    sampled counts (sample precision): a worker joining raises `ready` and lowers `starting`, so the workers that
+    began starting are the rise of `starting` plus those that joined; a join closes the oldest open timer."""
+    opened: list[float] = []
+    out: list[float] = []
+    ready = starting = None
     for t, sizes in samples:
-        if sizes[pool]["starting"] and since is None:
-            since = t
-        elif not sizes[pool]["starting"] and since is not None:
-            spells.append(t - since)
-            since = None
-    return spells
+        r, s = sizes[pool]["ready"], sizes[pool]["starting"]
+        if ready is not None and starting is not None:
+            joined = max(0, r - ready)
+            began = s - starting + joined
+            opened += [t] * max(0, began)
+            del opened[: max(0, -began)]  # gave up on (never ready)
+            for _ in range(min(joined, len(opened))):
+                out.append(t - opened.pop(0))
+        ready, starting = r, s
+    return out
 
 
 def report(cfg, plan: BurstPlan, result: dict) -> str:
@@ -299,7 +307,7 @@ def report(cfg, plan: BurstPlan, result: dict) -> str:
         "",
         "Time from a decision to grow until the new worker served (loading and warming up the model): "
         + "; ".join(
-            f"{pool} " + ", ".join(f"{x:.1f} s" for x in starting_spells(result["samples"], pool))
+            f"{pool} " + ", ".join(f"{x:.1f} s" for x in start_times(result["samples"], pool))
             for pool in ("prefill", "decode")
         )
         + ". On one CPU machine every worker shares the same cores, so a bigger pool adds no compute here: the run "

@@ -96,3 +96,27 @@ def test_pools_grow_under_a_burst_and_shrink_after_it_with_no_failed_request():
         assert sum(ups) >= 1, samples
         down = ("dsv4_pool_scale_decisions_total", (("direction", "down"), ("pool", pool), ("reason", "idle")))
         assert samples[down] >= 1, samples
+
+
+def test_bench_report_reads_the_sampled_pool_sizes():
+    """`dsv4 bench elastic`'s table rows (a row a change) and the time each new worker took to serve, from sampled
+    counts where a second worker began starting in the sample the first one joined."""
+    from service.bench_elastic import start_times
+
+    def sizes(ready, starting, draining=0):
+        return {
+            "prefill": {"ready": 1, "starting": 0, "draining": 0},
+            "decode": {"ready": ready, "starting": starting, "draining": draining},
+        }
+
+    samples = [(0.0, sizes(1, 0)), (5.0, sizes(1, 1)), (17.0, sizes(2, 1)), (31.0, sizes(3, 0)), (32.0, sizes(2, 0, 1))]
+    assert start_times(samples, "decode") == [12.0, 14.0]
+    assert start_times(samples, "prefill") == []
+    rows = size_table(samples, every_s=100.0)[2:]
+    assert [r.split(" | ")[2].rstrip(" |") for r in rows] == [
+        "1 / 0 / 0",
+        "1 / 1 / 0",
+        "2 / 1 / 0",
+        "3 / 0 / 0",
+        "2 / 0 / 1",
+    ]
