@@ -155,7 +155,9 @@ class DecodeWorker(WorkerBase[TransferBackend]):
         """Bytes, seconds, count and failures of every pull so far (for `dsv4 bench serve`)."""
         return dict(self.transfer_totals)
 
-    async def decode(self, result: PrefillResult, prompt: list[int], params: SamplingParams):
+    async def decode(self, result: PrefillResult, prompt: list[int], params: SamplingParams, batch: bool = False):
+        """A Ray streaming method: `Transferred` once the pull is over, then the request's TokenEvents (with batch,
+        a tuple of every event ready at once per item: fewer Ray messages when the reader lags)."""
         rid, ticket = result.request_id, result.ticket
         if ticket is None:
             raise ValueError(f"request {rid} finished at prefill ({result.finish_reason}): there is nothing to decode")
@@ -208,7 +210,7 @@ class DecodeWorker(WorkerBase[TransferBackend]):
                 if deferred is not None:
                     deferred.cancel()  # frees its staging range, unless the join is running it right now
                 self.loop.call(lambda eng: self.drop_request(eng, rid))
-        async for ev in self._stream(rid, sink):
+        async for ev in self._stream(rid, sink, batch):
             yield ev
 
     async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, result: PrefillResult | None):
@@ -330,7 +332,9 @@ class DecodeWorker(WorkerBase[TransferBackend]):
             if r in self.quarantined:
                 engine.pool.free(self.quarantined.pop(r).pages)
 
-    async def generate_local(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None = None):
+    async def generate_local(
+        self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None = None, batch: bool = False
+    ):
         """Conditional disaggregation: prefill and decode a request here, no transfer (its prompt is mostly in
         this worker's prefix cache, or short). A Ray streaming method yielding every TokenEvent; closing the
         stream early aborts the request."""
@@ -341,23 +345,36 @@ class DecodeWorker(WorkerBase[TransferBackend]):
             self.loop.subscribe(request_id, sink)
 
         await self.loop.acall(add)
-        async for ev in self._stream(request_id, sink):
+        async for ev in self._stream(request_id, sink, batch):
             yield ev
 
-    async def _stream(self, rid: str, sink: AsyncSink):
-        """Yield a joined request's TokenEvents until it finishes; pop it when done, abort it when the
-        consumer stops early (closed stream, cancelled call) or the engine failed."""
+    async def _stream(self, rid: str, sink: AsyncSink, batch: bool = False):
+        """Yield a joined request's TokenEvents until it finishes (batch: tuples of the events ready at once); pop
+        it when done, abort it when the consumer stops early (closed stream, cancelled call) or the engine failed."""
         start = time.monotonic()
         finished = False
         try:
             while not finished:
-                ev = await sink.queue.get()
-                if isinstance(ev, BaseException):
-                    raise ev
-                finished = ev.finished
-                if ev.token_id is not None:
-                    metrics.GENERATION_TOKENS.labels(self.role, self.worker_id).inc()
-                yield ev
+                got = [await sink.queue.get()]
+                while batch and not sink.queue.empty():
+                    got.append(sink.queue.get_nowait())
+                events: list = []
+                error: BaseException | None = None
+                for ev in got:
+                    if isinstance(ev, BaseException):
+                        error = ev
+                        break
+                    events.append(ev)
+                    if ev.finished:
+                        finished = True
+                        break
+                tokens = sum(ev.token_id is not None for ev in events)
+                if tokens:
+                    metrics.GENERATION_TOKENS.labels(self.role, self.worker_id).inc(tokens)
+                if events:
+                    yield tuple(events) if batch else events[0]
+                if error is not None:
+                    raise error
         finally:
             if finished:
                 metrics.DECODE_TIME.labels(self.role, self.worker_id).observe(time.monotonic() - start)

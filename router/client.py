@@ -71,6 +71,24 @@ class WorkerStatus:
 
 
 @dataclass(frozen=True)
+class PlacedRequest:
+    """Where the router placed a request (`Place`); the caller runs it there. prefill_worker == decode_worker:
+    the decode worker prefills it itself."""
+
+    request_id: str
+    prefill_worker: str
+    decode_worker: str
+    prefill_incarnation: str
+    decode_incarnation: str
+    prefill_reason: str = ""
+    decode_reason: str = ""
+    cached_tokens: int = 0
+
+    def incarnation(self, worker_id: str) -> str:
+        return self.prefill_incarnation if worker_id == self.prefill_worker else self.decode_incarnation
+
+
+@dataclass(frozen=True)
 class HealthReport:
     serving: bool
     workers: tuple[WorkerStatus, ...]
@@ -155,6 +173,33 @@ def _worker(w) -> WorkerStatus:
     )
 
 
+def place_request(
+    prompt_ids: Sequence[int],
+    params: SamplingParams | None,
+    request_id: str,
+    excluded: dict[str, str] | None = None,
+    retry: bool = False,
+) -> pb2.PlaceRequest:
+    return pb2.PlaceRequest(
+        request=build_request(prompt_ids, params, request_id),
+        excluded=[pb2.ExcludedWorker(worker_id=w, incarnation=i) for w, i in (excluded or {}).items()],
+        retry=retry,
+    )
+
+
+def _placed(msg) -> PlacedRequest:
+    return PlacedRequest(
+        request_id=msg.request_id,
+        prefill_worker=msg.prefill_worker,
+        decode_worker=msg.decode_worker,
+        prefill_incarnation=msg.prefill_incarnation,
+        decode_incarnation=msg.decode_incarnation,
+        prefill_reason=msg.prefill_reason,
+        decode_reason=msg.decode_reason,
+        cached_tokens=msg.cached_tokens,
+    )
+
+
 def _health(msg) -> HealthReport:
     workers = tuple(
         WorkerStatus(
@@ -213,6 +258,19 @@ class RouterClient:
     ) -> GenerateResult:
         return collect(list(self.generate(prompt_ids, params, request_id)), params)
 
+    def place(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str = "",
+        excluded: dict[str, str] | None = None,
+        retry: bool = False,
+    ) -> PlacedRequest:
+        return _placed(self._call(self._stub.Place, place_request(prompt_ids, params, request_id, excluded, retry)))
+
+    def settle(self, request_id: str) -> bool:
+        return self._call(self._stub.Settle, pb2.SettleRequest(request_id=request_id)).held
+
     def health(self, probe: bool = False) -> HealthReport:
         return _health(self._call(self._stub.Health, pb2.HealthRequest(probe=probe)))
 
@@ -266,6 +324,28 @@ class AsyncRouterClient:
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str = ""
     ) -> GenerateResult:
         return collect([ev async for ev in self.generate(prompt_ids, params, request_id)], params)
+
+    async def place(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str = "",
+        excluded: dict[str, str] | None = None,
+        retry: bool = False,
+        timeout_s: float | None = None,
+    ) -> PlacedRequest:
+        """Admission and placement only (waits for a decode slot as Generate does); excluded: {worker id: the
+        incarnation that died serving this request}; retry: a placement after such a death."""
+        msg = place_request(prompt_ids, params, request_id, excluded, retry)
+        try:
+            reply = await self._stub.Place(msg, timeout=timeout_s or self.timeout_s, metadata=self._md)
+        except grpc.RpcError as e:
+            raise RouterError(e.code(), e.details() or "") from None
+        return _placed(reply)
+
+    async def settle(self, request_id: str) -> bool:
+        """After place(): the request reached its decode worker (or failed before it); -> whether it was held."""
+        return (await self._call(self._stub.Settle, pb2.SettleRequest(request_id=request_id))).held
 
     async def health(self, probe: bool = False) -> HealthReport:
         return _health(await self._call(self._stub.Health, pb2.HealthRequest(probe=probe)))

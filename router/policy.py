@@ -138,6 +138,10 @@ class PolicyConfig:
     # decode worker is at most this many tokens is prefilled there, skipping the transfer. 0 = off (the
     # crossover of transfer cost vs prefill on the decode batch has not been measured on GPUs yet).
     local_prefill_tokens: int = 0
+    # Admission also counts what each decode worker reports it holds (running + waiting requests, KV tokens in
+    # use), not only this router's in-flight requests: for routers that place but never see a stream end
+    # (router/server.py `Place`), where several routers share the workers.
+    reported_load: bool = False
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -259,14 +263,16 @@ class RoutingPolicy:
 
     def effective_free_tokens(self, worker: WorkerInfo) -> int:
         if worker.kv_capacity_tokens:
-            return max(0, worker.kv_capacity_tokens - self._reserved[worker.worker_id])
+            used = worker.kv_capacity_tokens - worker.kv_free_tokens if self.config.reported_load else 0
+            return max(0, worker.kv_capacity_tokens - max(0, used) - self._reserved[worker.worker_id])
         return max(0, worker.kv_free_tokens - self._reserved[worker.worker_id])
 
     def effective_free_slots(self, worker: WorkerInfo) -> int | None:
         """Batch slots the worker can still admit from this router; None = not reported (not limiting)."""
         if not worker.max_slots:
             return None
-        return max(0, worker.max_slots - self._inflight[worker.worker_id])
+        held = worker.load if self.config.reported_load else 0
+        return max(0, worker.max_slots - held - self._inflight[worker.worker_id])
 
     def fits(self, worker: WorkerInfo, max_total_tokens: int) -> bool:
         """Would the decode worker accept a request of this many cache positions right now?"""

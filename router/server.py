@@ -1,10 +1,19 @@
-"""The router's gRPC service (grpc.aio): Generate (server streaming), Health, Stats.
+"""The router's gRPC service (grpc.aio): Place and Settle (unary), Generate (server streaming), Health, Stats.
 
-`RouterServer(dispatcher, policy)` places each request with `router.policy.RoutingPolicy`, runs it
-through a `router.dispatch.Dispatcher` and streams the engine's events back as `GenerateResponse`s.
+`RouterServer(dispatcher, policy)` places each request with `router.policy.RoutingPolicy`.
+- `Place` (the service's path: several router replicas, none on the token path): admission and placement only. The
+  caller (an HTTP ingress replica, service.direct_path) runs the request on the workers named and owns its stream,
+  retries and migrations (router.migration). A placement counts as this router's in flight until the workers'
+  reports show it (router.placement_holds: the caller's `Settle` says the request reached its decode worker, the
+  next probe's report counts it); admission also counts what the decode workers report holding
+  (PolicyConfig.reported_load), so routers that never see a stream end still admit by real capacity, and any
+  replica can place any request.
+  A `retry` placement (a worker died serving the request) marks that incarnation of the worker down here at once.
+- `Generate` (in-process engines, plain gRPC clients): placement plus the stream itself through the dispatcher,
+  with the same retry and migration rules (router.migration.recovering_stream, whose docstring has them).
 
-Failure handling (each case ends the stream with one message carrying `error`, then the gRPC status of
-the same code, so streaming clients get a typed reason and plain gRPC clients a status):
+Failure handling (Generate ends the stream with one message carrying `error`, then the gRPC status of the same
+code, so streaming clients get a typed reason and plain gRPC clients a status; Place ends the call with the status):
 - a bad request (empty prompt, bad sampling field, or the engine's `ValueError`: token out of
   vocabulary, too long) -> INVALID_ARGUMENT with the engine's message; nothing was placed or it ran
   nowhere, and the server keeps serving;
@@ -14,44 +23,32 @@ the same code, so streaming clients get a typed reason and plain gRPC clients a 
   RESOURCE_EXHAUSTED, a wait that times out -> UNAVAILABLE (both say "retry later");
 - no healthy worker for a phase (a one-worker pool whose worker Ray is restarting) -> the request waits up
   to `restart_wait_s` for one to come back, then UNAVAILABLE;
-- `WorkerDied` before anything was streamed -> the worker is marked down (its remembered prefixes are
-  dropped) and the request is placed once more, excluding that incarnation of it (a restarted one is
-  fine); a second death -> UNAVAILABLE naming the worker;
-- the decode worker dies after tokens were streamed -> migration (Dynamo's recipe): the request continues
-  as a new one whose prompt is the original prompt plus every token streamed so far, with the remaining
-  token budget, placed on another (or the restarted) decode worker; the client's stream just goes on.
-  At most `max_migrations` times (0 turns it off: then UNAVAILABLE naming the worker and how far it got).
-  What a migration preserves, exactly: the budget (the continuation's max_new_tokens is the original less the
-  tokens streamed, so the stream has the same total length), every token streamed once (none lost, none
-  repeated: the continuation's tokens follow the last one streamed) and the prefix (original prompt + streamed
-  tokens). Not the continuation itself: it is decoded from that prefix in another batch, so where numerics depend
-  on the batch (bf16 on a GPU) greedy tokens after the migration can differ from an undisturbed run; a seeded
-  sampler restarts its generator at that point; prompt logprobs are not sent again;
-- anything else -> INTERNAL (logged with its traceback).
+- a worker dies serving it -> retried or migrated (router.migration); anything else -> INTERNAL (logged with its
+  traceback).
 Messages carry no internals (remote tracebacks, pids, addresses): those go to the log under the request id.
 With `auth_token` set, every call must carry it in the `x-dsv4-token` metadata (else UNAUTHENTICATED).
-Prompt logprobs of prefill-only steps are held back and sent with the first token, so "nothing streamed
-yet" holds until the first token and a retry never duplicates them.
 
 A background task probes `dispatcher.health_check()` every `health_interval_s` (bounded by
 `health_timeout_s`) and feeds the verdicts to the policy: a dead worker stops receiving requests and a
 restarted one is added back. A worker found down (dead, not answering, or reporting an unhealthy engine: a dead
-loop or a stalled step) also releases every stream waiting on it (`router.stream_watch`): each fails as
-`WorkerDied` and is retried or migrated as above, so a stopped or hung worker's streams complete elsewhere.
+loop or a stalled step) also releases every Generate stream waiting on it (`router.stream_watch`): each fails as
+`WorkerDied` and is retried or migrated as above, so a stopped or hung worker's streams complete elsewhere (the
+ingress replicas learn the same from `Health` for the streams they own).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import functools
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
+from engine.execution.request import TokenEvent
 from engine.execution.sampling_params import SamplingParams
 from router.auth import TokenInterceptor
 from router.dispatch import (
@@ -60,10 +57,10 @@ from router.dispatch import (
     Dispatcher,
     DispatchRequest,
     NoWorkerAvailable,
-    Overloaded,
-    WorkerDied,
 )
 from router.metrics import RouterMetrics
+from router.migration import RouterFailure, StreamProgress, failure_of, recovering_stream
+from router.placement_holds import DEFAULT_MAX_HOLD_S, PlacementHolds
 from router.policy import Placement, RoutingPolicy
 from router.protos import pb2, pb2_grpc
 from router.stream_watch import StreamWatches
@@ -71,16 +68,8 @@ from router.stream_watch import StreamWatches
 log = logging.getLogger(__name__)
 
 Code = pb2.Error.Code
+__all__ = ["RouterFailure", "RouterServer", "request_from_proto"]
 _STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}  # Error.Code numbers are gRPC status numbers
-
-
-class RouterFailure(Exception):
-    """Ends a Generate stream with `code` (an `Error.Code` value) and `message`."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def request_from_proto(msg, default_id: str) -> DispatchRequest:
@@ -116,6 +105,7 @@ class RouterServer(pb2_grpc.RouterServicer):
         restart_wait_s: float = 60.0,
         auth_token: str | None = None,
         max_migrations: int = 2,
+        max_hold_s: float = DEFAULT_MAX_HOLD_S,
     ):
         if health_interval_s <= 0 or health_timeout_s <= 0 or max_inflight < 0:
             raise ValueError(
@@ -129,6 +119,7 @@ class RouterServer(pb2_grpc.RouterServicer):
             )
         self.max_queued, self.queue_timeout_s, self.restart_wait_s = max_queued, queue_timeout_s, restart_wait_s
         self.max_migrations = max_migrations
+        self.holds = PlacementHolds(max_hold_s)  # placements not yet in the workers' reports (reported_load)
         self.auth_token = auth_token
         self.draining = False  # shutting down: new requests are refused
         self._queued = 0
@@ -178,7 +169,10 @@ class RouterServer(pb2_grpc.RouterServicer):
     # ---- health --------------------------------------------------------------------------------
     async def check_health(self) -> dict[str, bool]:
         """Probe every worker once and apply the verdicts (also what `Health(probe=true)` runs)."""
+        started = asyncio.get_running_loop().time()
         verdicts = await asyncio.wait_for(self.dispatcher.health_check(), self.health_timeout_s)
+        if self.holds.release_covered(started, asyncio.get_running_loop().time()):
+            self._wake_soon()
         changed = False
         for worker_id, ok in verdicts.items():
             if self.policy.set_health(worker_id, ok):
@@ -188,7 +182,7 @@ class RouterServer(pb2_grpc.RouterServicer):
                     self.metrics.worker_deaths += 1
             if not ok and (moved := self.watches.worker_down(worker_id)):
                 log.warning("worker %s is down: %d streams waiting on it are retried or migrated", worker_id, moved)
-        if changed:
+        if changed or self._queued:  # a worker came back, or its report may show capacity freed
             await self._notify()
         return verdicts
 
@@ -237,7 +231,8 @@ class RouterServer(pb2_grpc.RouterServicer):
             )
             await context.abort(_STATUS[f.code], f.message)
 
-    async def _generate(self, request, rid: str) -> AsyncIterator:
+    def _check_new(self, request, rid: str) -> DispatchRequest:
+        """Refuse a request while draining or over max_inflight; -> the validated request."""
         if self.draining:
             raise RouterFailure(Code.UNAVAILABLE, "the service is shutting down; retry on another instance")
         if self.max_inflight and self._active >= self.max_inflight:
@@ -246,60 +241,63 @@ class RouterServer(pb2_grpc.RouterServicer):
                 f"the service has {self._active} requests in flight (max {self.max_inflight}); retry later",
             )
         try:
-            dreq = request_from_proto(request, rid)
+            return request_from_proto(request, rid)
         except ValueError as e:
             raise RouterFailure(Code.INVALID_ARGUMENT, str(e)) from None
-        self._active += 1
-        try:
-            excluded: dict[str, str] = {}  # worker -> the incarnation of it that died on this request
-            generated: list[int] = []  # tokens streamed to the client (a migration continues after them)
-            retried = migrations = 0
-            current = dreq
-            while True:
-                placement = await self._admit(current, excluded)
-                sent = 0
-                try:
-                    async for resp in self._stream(current, placement):
-                        sent += 1
-                        if resp.HasField("token_id"):
-                            generated.append(resp.token_id)
-                        yield resp
-                    return
-                except WorkerDied as e:
-                    self._worker_died(e.worker_id)
-                    excluded[e.worker_id] = self._incarnation(e.worker_id)
-                    log.warning("request %s: %s (after %d messages, %d tokens in all)", rid, e, sent, len(generated))
-                    role = "prefill" if e.worker_id == placement.prefill.worker_id else "decode"
-                    if generated and migrations < self.max_migrations:
-                        migrations += 1
-                        self.metrics.retries += 1
-                        current = self._continuation(dreq, generated, migrations)
-                        log.warning(
-                            "request %s: migrating after %d tokens as %s", rid, len(generated), current.request_id
-                        )
-                        continue
-                    if sent or retried:
-                        how = f"after {len(generated)} streamed tokens" if generated else "twice"
-                        raise RouterFailure(
-                            Code.UNAVAILABLE,
-                            f"request {rid} failed: the {role} worker "
-                            f"{e.worker_id} died while serving it ({how}); retry the request",
-                        ) from None
-                    retried += 1
-                    self.metrics.retries += 1
-        finally:
-            self._active -= 1
 
-    @staticmethod
-    def _continuation(dreq: DispatchRequest, generated: list[int], n: int) -> DispatchRequest:
-        """The rest of `dreq` after `generated` tokens: their ids join the prompt, the budget shrinks."""
-        params = dataclasses.replace(
-            dreq.params, max_new_tokens=dreq.params.max_new_tokens - len(generated), prompt_logprobs=False
+    async def _generate(self, request, rid: str) -> AsyncIterator:
+        dreq = self._check_new(request, rid)
+        self._active += 1
+        where: dict[str, tuple[str, str]] = {}  # request id of the current placement -> (prefill, decode) worker
+        progress = StreamProgress()
+        events = recovering_stream(
+            dreq,
+            functools.partial(self._attempt, where=where),
+            incarnation_of=self._incarnation,
+            role_of=self._role,
+            max_migrations=self.max_migrations,
+            progress=progress,
+            on_death=self._worker_died,
         )
-        return DispatchRequest(f"{dreq.request_id}-m{n}", tuple(dreq.prompt_ids) + tuple(generated), params)
+        shown: set[str] = set()
+        first_plp = [math.nan] if dreq.params.prompt_logprobs else []  # the first prompt token has none
+        try:
+            async with contextlib.aclosing(events):
+                async for ev in events:
+                    resp = pb2.GenerateResponse(
+                        request_id=ev.request_id,
+                        finished=ev.finished,
+                        finish_reason=ev.finish_reason or "",
+                        prompt_logprobs=first_plp + list(ev.prompt_logprobs),
+                    )
+                    first_plp = []
+                    if ev.token_id is not None:
+                        resp.token_id = ev.token_id
+                        if dreq.params.logprobs and ev.logprob is not None:
+                            resp.logprob = ev.logprob
+                    if ev.request_id not in shown and ev.request_id in where:  # a placement's first message
+                        shown.add(ev.request_id)
+                        resp.prefill_worker, resp.decode_worker = where[ev.request_id]
+                        resp.cached_tokens = ev.cached_tokens
+                    yield resp
+        finally:
+            self.metrics.retries += progress.retries
+            self._active -= 1
 
     def _incarnation(self, worker_id: str) -> str:
         return next((w.incarnation for w in self.dispatcher.workers() if w.worker_id == worker_id), "")
+
+    def _role(self, worker_id: str) -> str:
+        return next((w.role for w in self.dispatcher.workers() if w.worker_id == worker_id), "")
+
+    async def _attempt(
+        self, dreq: DispatchRequest, excluded: dict[str, str], where: dict[str, tuple[str, str]]
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """One placement of the request, streamed by this router (router.migration's `attempt`)."""
+        placement = await self._admit(dreq, excluded)
+        where[dreq.request_id] = (placement.prefill.worker_id, placement.decode.worker_id)
+        async for ev in self._stream(dreq, placement):
+            yield ev
 
     async def _admit(self, dreq: DispatchRequest, excluded: dict[str, str]) -> Placement:
         """Place the request once a decode worker fits it and each phase has a healthy worker, waiting
@@ -347,74 +345,114 @@ class RouterServer(pb2_grpc.RouterServicer):
         self.metrics.record_placement(placement)
         return placement
 
-    async def _stream(self, dreq: DispatchRequest, placement: Placement) -> AsyncIterator:
-        """Run one placement; yields GenerateResponses; raises WorkerDied or RouterFailure."""
+    async def _stream(self, dreq: DispatchRequest, placement: Placement) -> AsyncGenerator[TokenEvent, None]:
+        """Run one placement through the dispatcher; yields its TokenEvents; raises WorkerDied or RouterFailure.
+        Holds the placement's admission (in flight, reserved KV, pending prefill) until the stream ends; a router
+        that admits by the workers' reports holds it only until the reports show it, as Place does (holding it to
+        the end would count it twice)."""
         p_id, d_id = placement.prefill.worker_id, placement.decode.worker_id
         kv = dreq.max_total_tokens
-        self.policy.acquire(d_id, kv)
-        prefill_held = p_id != d_id
+        held = not self.policy.config.reported_load
+        if held:
+            self.policy.acquire(d_id, kv)
+        else:  # settled at the first token (the decode worker holds the request by then) or at the end
+            self._hold(dreq, placement)
+        prefill_held = held and p_id != d_id
         if prefill_held:
             self.policy.acquire(p_id)
-        pending = placement.prefill.uncached_tokens  # the policy counts it queued on p_id until the first token
-        params = dreq.params
-        held_plps = [math.nan] if params.prompt_logprobs else []  # the first prompt token has none
-        first = True
+        pending = placement.prefill.uncached_tokens if held else 0  # counted queued on p_id until the first token
         watch = self.watches.watch(p_id, d_id)
         try:
             events = self.dispatcher.generate(dreq, p_id, d_id)
             async with contextlib.aclosing(events):
                 while (ev := await watch.next(events)) is not StreamWatches.END:
-                    held_plps.extend(ev.prompt_logprobs)
-                    if ev.token_id is None and not ev.finished:
-                        continue  # prefill progress only: hold its prompt logprobs for the first token
-                    if pending:
-                        self.policy.prefill_done(p_id, pending)
-                        pending = 0
-                    if prefill_held:  # prefill is over: the worker is free of this request
-                        self.policy.release(p_id)
-                        watch.release(p_id)
-                        prefill_held = False
-                    resp = pb2.GenerateResponse(
-                        request_id=dreq.request_id,
-                        finished=ev.finished,
-                        finish_reason=ev.finish_reason or "",
-                        prompt_logprobs=held_plps,
-                    )
-                    if ev.token_id is not None:
-                        resp.token_id = ev.token_id
-                        if params.logprobs and ev.logprob is not None:
-                            resp.logprob = ev.logprob
-                    if first:
-                        resp.prefill_worker, resp.decode_worker, first = p_id, d_id, False
-                        resp.cached_tokens = ev.cached_tokens
-                    held_plps = []
-                    yield resp
+                    if ev.token_id is not None or ev.finished:
+                        if not held:
+                            self.holds.settle(dreq.request_id, asyncio.get_running_loop().time())
+                        if p_id != d_id:  # prefill is over: the stream no longer waits on that worker
+                            watch.release(p_id)
+                        if pending:
+                            self.policy.prefill_done(p_id, pending)
+                            pending = 0
+                        if prefill_held:  # the prefill worker is free of this request
+                            self.policy.release(p_id)
+                            prefill_held = False
+                    yield ev
                     if ev.finished:
                         return
-            raise RouterFailure(Code.INTERNAL, f"request {dreq.request_id}: stream ended without a finish")
-        except ValueError as e:
-            raise RouterFailure(Code.INVALID_ARGUMENT, str(e)) from None
-        except Overloaded as e:
-            log.warning("request %s: decode worker %s overloaded: %s", dreq.request_id, d_id, e)
-            raise RouterFailure(
-                Code.RESOURCE_EXHAUSTED, "the service is at capacity (no decode slot or cache pages free); retry later"
-            ) from None
-        except (WorkerDied, RouterFailure):
-            raise
-        except Exception:
-            log.exception("request %s failed on %s/%s", dreq.request_id, p_id, d_id)
-            raise RouterFailure(
-                Code.INTERNAL,
-                f"internal error serving request {dreq.request_id} (details are in the router log under that id)",
-            ) from None
+        except Exception as e:
+            failure = failure_of(e, dreq.request_id)
+            if failure is None:
+                raise
+            raise failure from None
         finally:
             watch.close()
+            if not held:
+                self.holds.settle(dreq.request_id, asyncio.get_running_loop().time())
             if pending:
                 self.policy.prefill_done(p_id, pending)
             if prefill_held:
                 self.policy.release(p_id)
-            self.policy.release(d_id, kv)
+            if held:
+                self.policy.release(d_id, kv)
             self._wake_soon()
+
+    # ---- Place -----------------------------------------------------------------------------------
+    async def Place(self, request, context):
+        """Admission and placement only: the caller runs the request on the workers named and owns its stream."""
+        self.metrics.requests += 1
+        rid = request.request.request_id or f"rtr-{uuid.uuid4().hex[:16]}"
+        try:
+            dreq = self._check_new(request.request, rid)
+            excluded = {e.worker_id: e.incarnation for e in request.excluded}
+            if request.retry:
+                self.metrics.retries += 1
+                for wid, incarnation in excluded.items():
+                    if self._incarnation(wid) == incarnation:  # still the process that died, as far as we know
+                        self._worker_died(wid)
+            self._active += 1
+            try:
+                placement = await self._admit(dreq, excluded)
+            finally:
+                self._active -= 1
+        except RouterFailure as f:
+            self.metrics.errors[Code.Name(f.code)] += 1
+            await context.abort(_STATUS[f.code], f.message)
+        self._hold(dreq, placement)
+        p, d = placement.prefill, placement.decode
+        return pb2.PlaceResponse(
+            request_id=rid,
+            prefill_worker=p.worker_id,
+            decode_worker=d.worker_id,
+            prefill_incarnation=self._incarnation(p.worker_id),
+            decode_incarnation=self._incarnation(d.worker_id),
+            prefill_reason=p.reason,
+            decode_reason=d.reason,
+            cached_tokens=p.cached_tokens,
+        )
+
+    def _hold(self, dreq: DispatchRequest, placement: Placement) -> None:
+        """Count a placement as this router's in flight (slot, KV reservation, pending prefill) until the workers'
+        reports show it (router.placement_holds: released by the first probe after its `Settle`)."""
+        p_id, d_id, kv = placement.prefill.worker_id, placement.decode.worker_id, dreq.max_total_tokens
+        pending = placement.prefill.uncached_tokens
+        self.policy.acquire(d_id, kv)
+        if p_id != d_id:
+            self.policy.acquire(p_id)
+
+        def release() -> None:
+            if pending:
+                self.policy.prefill_done(p_id, pending)
+            if p_id != d_id:
+                self.policy.release(p_id)
+            self.policy.release(d_id, kv)
+
+        self.holds.add(dreq.request_id, release, asyncio.get_running_loop().time())
+
+    async def Settle(self, request, context):
+        """The caller's request reached its decode worker (or failed before it): the next probe's report counts it."""
+        held = self.holds.settle(request.request_id, asyncio.get_running_loop().time())
+        return pb2.SettleResponse(held=held)
 
     def _wake_soon(self) -> None:
         """Capacity freed: let queued requests re-check (from a finally: never await there)."""

@@ -1,4 +1,5 @@
-"""Which Generate streams wait on which worker, so that a worker the health loop marks down releases them.
+"""Which streams wait on which worker, so that a worker found down releases them (used by the stream's owner: the
+router on its Generate RPC, the ingress replica on the service's path, which learns of it from the router's Health).
 
 Why: a worker that is alive to Ray but makes no progress (a stopped process, a hung engine step) never ends its
 streams; they would wait until it recovers. When the router marks a worker down, every stream waiting on it
@@ -41,6 +42,9 @@ class StreamWatch:
     async def next(self, events: AsyncIterator):
         """The next event of `events`, or _END when it is exhausted; WorkerDied once a worker is marked down."""
         self._raise_if_down()
+        # The task reading now: a stream may be read by more than one task over its life (the ingress awaits its
+        # first event in a task of its own, then the response's task reads the rest).
+        self.task = asyncio.current_task()
         self._waiting = True
         try:
             return await anext(events)
@@ -73,6 +77,9 @@ class StreamWatches:
 
     def __init__(self):
         self._watches: set[StreamWatch] = set()
+
+    def __len__(self) -> int:
+        return len(self._watches)
 
     def watch(self, *workers: str) -> StreamWatch:
         w = StreamWatch(self, set(workers))

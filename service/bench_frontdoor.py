@@ -1,9 +1,11 @@
-"""`dsv4 bench frontdoor`: the service's token path (Serve proxy -> ingress replica -> gRPC router -> Ray streaming
-call -> worker) under many concurrent streams, with a synthetic pool in place of the model.
+"""`dsv4 bench frontdoor`: the service's token path (Serve proxy -> ingress replica, which places through a gRPC
+router and reads the decode worker's Ray stream itself) under many concurrent streams, with a synthetic pool in
+place of the model.
 
 Everything on the token path is production's: `service.serve_ingress.deploy_http` (Serve's HTTP proxy and the
-OpenAI ingress replicas), the `RouterActor` of `service.launcher` (RouterServer + RayDispatcher + the policy);
-only the workers are `service.frontdoor_workers` (disaggregated: prefill answers at once, decode emits
+OpenAI ingress replicas with their `service.direct_path.DirectClient`), `--routers` replicas of
+`service.router_actor.RouterActor` (RouterServer + RayDispatcher + the policy) placing every request; only the
+workers are `service.frontdoor_workers` (disaggregated: prefill answers at once, decode emits
 `--token-rate` tokens/s per stream). For each ingress replica count, the offered load rises (`--streams`
 levels) until delivered tokens/s stops growing; each level reports delivered tokens/s, the added latency per
 token (client receive time minus the worker's emit time, time.time() on one host; decode tokens only), CPU per
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import os
 import platform
+import re
 import tempfile
 import time
 import urllib.request
@@ -24,14 +27,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from service.bench_serve import pct
-from service.benchmarks_md import write_section
+from service.benchmarks_md import BENCHMARKS_MD, markers, write_section
 from service.frontdoor_load import SERVICE, cpu_by_component, cpu_delta, run_level
 from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill, token_for
 
 LETTER = "a"
-TOKEN_PATH_TODAY = (
-    "every token is relayed by the one `RouterActor` (service/launcher.py: a Ray streaming call "
-    "from the decode actor, then gRPC to the ingress replica; router/server.py `Generate`)"
+TOKEN_PATH = (
+    "the routers only place (gRPC `Place`); each token goes from the decode actor to the ingress replica that "
+    "owns the request in one Ray streaming call (service/direct_path.py), then to the client through Serve's proxy"
 )
 
 
@@ -50,6 +53,7 @@ class LevelResult:
     lost_tokens: int
     out_of_order: int
     errors: int
+    load_avg: float = 0.0  # the machine's 1-minute load average at the level's end (other work on it shows here)
 
 
 def _letter_id(model_dir: str) -> int:
@@ -65,12 +69,13 @@ def _letter_id(model_dir: str) -> int:
     return ids[0]
 
 
-def start(model_dir: str, decode_workers: int, token_rate: float, letter_id: int) -> dict:
-    """Ray (local), the synthetic pool and the real router; -> handles (Serve is deployed per replica count)."""
+def start(model_dir: str, decode_workers: int, token_rate: float, letter_id: int, routers: int = 2) -> dict:
+    """Ray (local), the synthetic pool and the real routers; -> handles (Serve is deployed per replica count)."""
     import ray
 
     from router.auth import new_token
-    from service.launcher import RouterActor, init_ray
+    from service.launcher import init_ray
+    from service.router_actor import router_actor_class
 
     init_ray(tempfile.mkdtemp(prefix="dsv4-frontdoor-metrics-"))
     actor: Any = ray.remote(num_cpus=0, max_concurrency=10_000)  # type: ignore[call-overload]
@@ -80,15 +85,18 @@ def start(model_dir: str, decode_workers: int, token_rate: float, letter_id: int
         for i in range(decode_workers)
     }
     token = new_token()
-    router_cls: Any = ray.remote(num_cpus=0, max_concurrency=1000)(RouterActor)  # type: ignore[call-overload]
-    router = router_cls.options(name="dsv4-router").remote(prefill, decode, "cache_aware", token)
-    ray.get(router.start.remote("127.0.0.1", 0), timeout=120)
+    router_cls = router_actor_class()
+    replicas = [
+        router_cls.options(name=f"dsv4-router-{i}").remote(prefill, decode, "cache_aware", token)
+        for i in range(routers)
+    ]
+    ray.get([r.start.remote() for r in replicas], timeout=120)
     return {
         "prefill": prefill,
         "decode": decode,
-        "router": router,
+        "routers": replicas,
         "token": token,
-        "router_addr": ray.get(router.address.remote()),
+        "router_addr": ray.get(replicas[0].address.remote()),
     }
 
 
@@ -104,6 +112,7 @@ def deploy(handles: dict, model_dir: str, port: int, replicas: int) -> str:
         port,
         num_replicas=replicas,
         options=IngressOptions.from_env(router_token=handles["token"]),
+        routers=handles["routers"],
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -172,6 +181,7 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
         s["lost"],
         s["disorder"],
         s["errors"],
+        os.getloadavg()[0],
     )
 
 
@@ -196,7 +206,7 @@ def _row_line(r: LevelResult) -> str:
     return (
         f"| {r.replicas} | {r.streams} | {r.offered_tps:.0f} | {r.delivered_tps:.0f} | {r.added_ms_p50:.1f} | "
         f"{r.added_ms_p99:.1f} | {r.cpu_ms_per_1k:.0f} | {', '.join(f'{k} {v:.1f}' for v, k in top)} | "
-        f"{r.requests} | {r.lost_tokens} | {r.out_of_order} | {r.errors} |"
+        f"{r.requests} | {r.lost_tokens} | {r.out_of_order} | {r.errors} | {r.load_avg:.1f} |"
     )
 
 
@@ -207,23 +217,70 @@ def ceilings(rows: list[LevelResult]) -> dict[int, float]:
     return out
 
 
+def at_half_ceiling(rows: list[LevelResult]) -> dict[int, LevelResult]:
+    """Per replica count, the level whose delivered tok/s is nearest half that count's ceiling."""
+    ceil = ceilings(rows)
+    out: dict[int, LevelResult] = {}
+    for k, top in ceil.items():
+        mine = [r for r in rows if r.replicas == k]
+        out[k] = min(mine, key=lambda r: abs(r.delivered_tps - top / 2))
+    return out
+
+
+def before_ceilings(text: str) -> dict[int, float]:
+    """The ceilings of the BEFORE run (section frontdoor_before of BENCHMARKS.md: the router relayed every token)."""
+    begin, end = markers("frontdoor_before")
+    if begin not in text:
+        return {}
+    section = text.split(begin, 1)[1].split(end, 1)[0]
+    line = next((x for x in section.splitlines() if x.startswith("Ceiling (max delivered tok/s):")), "")
+    return {int(k): float(v) for k, v in re.findall(r"(\d+) replicas?: (\d+(?:\.\d+)?)", line)}
+
+
+def comparison(rows: list[LevelResult], before: dict[int, float]) -> list[str]:
+    ceil, half = ceilings(rows), at_half_ceiling(rows)
+    lines = [
+        "Added latency per token at half the ceiling (the level nearest it): "
+        + ", ".join(
+            f"{k} replica{'s' if k > 1 else ''}: p50 {r.added_ms_p50:.1f} ms, p99 {r.added_ms_p99:.1f} ms "
+            f"({r.delivered_tps:.0f} tok/s)"
+            for k, r in sorted(half.items())
+        )
+        + "."
+    ]
+    if before:
+        lines.append(
+            "After / before (ceiling, same command, the BEFORE table below): "
+            + ", ".join(
+                f"{k} replica{'s' if k > 1 else ''}: {v:.0f} / {before[k]:.0f} = {v / before[k]:.2f}x"
+                for k, v in sorted(ceil.items())
+                if before.get(k)
+            )
+            + "."
+        )
+    return lines
+
+
 def report(rows: list[LevelResult], args, command: str) -> str:
     ceil = ceilings(rows)
     lines = [
         "## Front door: streamed tokens through the ingress, router and Serve proxy (`dsv4 bench frontdoor`)",
         "",
+        "### AFTER: the routers place, the ingress replicas stream from the decode workers",
+        "",
         f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}; loopback; synthetic pool (1 prefill + {args.decode_workers} decode "
         f"actors, no model) at {args.token_rate:g} tokens/s a stream, {args.max_tokens} tokens a request, "
-        f"{args.seconds:g} s a level. Today {TOKEN_PATH_TODAY}.",
+        f"{args.seconds:g} s a level, {args.routers} router replicas. Token path: {TOKEN_PATH}.",
         "",
         "Added latency: client receive time minus the synthetic worker's emit time (decode tokens, same host "
         "clock). CPU: user + system of the service's processes (router, ingress replicas, Serve proxy and "
-        "controller, raylet + GCS) per 1K tokens received; the top three components in CPU seconds.",
+        "controller, raylet + GCS) per 1K tokens received; the top three components in CPU seconds. Load avg: the "
+        "machine's 1-minute load average at the level's end (anything above the CPU count is other work competing).",
         "",
         "| ingress replicas | streams | offered tok/s | delivered tok/s | added p50 ms | added p99 ms | "
-        "CPU ms / 1K tok | top CPU (s) | requests | lost | out of order | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "CPU ms / 1K tok | top CPU (s) | requests | lost | out of order | errors | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row_line(r) for r in rows]
     lines += [
@@ -231,6 +288,8 @@ def report(rows: list[LevelResult], args, command: str) -> str:
         "Ceiling (max delivered tok/s): "
         + ", ".join(f"{k} replica{'s' if k > 1 else ''}: {v:.0f}" for k, v in sorted(ceil.items()))
         + ".",
+        "",
+        *comparison(rows, before_ceilings(BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "")),
     ]
     return "\n".join(lines)
 
@@ -241,12 +300,12 @@ def bench_frontdoor_main(args: argparse.Namespace) -> int:
 
     model_dir = args.model or default_model_dir()
     letter_id = _letter_id(model_dir)
-    handles = start(model_dir, args.decode_workers, args.token_rate, letter_id)
+    handles = start(model_dir, args.decode_workers, args.token_rate, letter_id, args.routers)
     try:
         rows = sweep(handles, model_dir, args, letter_id)
     finally:
         stop_service(
-            {"prefill": handles["prefill"], "decode": handles["decode"], "router": handles["router"]}, drain_s=0
+            {"prefill": handles["prefill"], "decode": handles["decode"], "routers": handles["routers"]}, drain_s=0
         )
     text = report(rows, args, args.command_line or "dsv4 bench frontdoor")
     print(text)
@@ -277,6 +336,7 @@ def add_bench_frontdoor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--seconds", type=float, default=6.0, help="each level's duration (in-flight requests finish)")
     p.add_argument("--decode-workers", type=int, default=2)
+    p.add_argument("--routers", type=int, default=2, help="router replicas (placement only)")
     p.add_argument("--growth", type=float, default=0.05, help="a level must raise throughput by this fraction")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default=None, help="model dir for the ingress's tokenizer (default: the tiny model)")

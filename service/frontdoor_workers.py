@@ -120,11 +120,13 @@ class SyntheticPrefill(_Synthetic):
 class SyntheticDecode(_Synthetic):
     role = "decode"
 
-    async def decode(self, result: PrefillResult, prompt: list[int], params):
+    async def decode(self, result: PrefillResult, prompt: list[int], params, batch: bool = False):
         yield Transferred(request_id=result.request_id, num_bytes=0, seconds=0.0)
         async for ev in self._tokens(result.request_id, prompt, params.max_new_tokens, 1):
             yield ev
 
-    async def generate_local(self, request_id: str, prompt: list[int], params, seed: int | None = None):
+    async def generate_local(
+        self, request_id: str, prompt: list[int], params, seed: int | None = None, batch: bool = False
+    ):
         async for ev in self._tokens(request_id, prompt, params.max_new_tokens, 0):
             yield ev

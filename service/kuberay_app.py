@@ -201,10 +201,8 @@ def _fingerprint(*parts) -> str:
 class EntryRouter(RouterActor):
     """The router, plus the address of its node (ingress replicas may run on any node)."""
 
-    async def start(self, host: str, port: int) -> int:
-        if self.port is None:  # a reused actor (builder re-run) is already serving
-            self.port = await super().start(host, port)
-        return self.port
+    async def start(self, host: str | None = None, port: int | None = None) -> int:
+        return await super().start(host, port)  # a reused actor (builder re-run) is already serving: its port
 
     def node_ip(self) -> str:
         import ray
@@ -376,9 +374,10 @@ def _remove_group(worker: str) -> None:
         pass
 
 
-def start_backend(cfg: EntryConfig) -> tuple[str, str]:
+def start_backend(cfg: EntryConfig) -> tuple[str, str, object]:
     """Start (or reuse) the workers and the router on the connected cluster; -> (the router's host:port, the
-    cluster token it requires). The router listens on its node's address (ingress replicas run on any node),
+    cluster token it requires, the router's actor handle: the ingress places through it and streams from the decode
+    workers itself, service.direct_path). The router listens on its node's address (ingress replicas run on any node),
     never on every interface; a reused router keeps its token, which the new ingress reads from it.
 
     Workers of an older layout are killed first (their GPUs and role resources are what the new ones
@@ -407,12 +406,20 @@ def start_backend(cfg: EntryConfig) -> tuple[str, str]:
             get_if_exists=True,
             runtime_env={"env_vars": dict(cfg.env)},
         )
-        .remote(prefill, decode, cfg.service.router_policy, token, groups=groups, pools=pools)
+        .remote(
+            prefill,
+            decode,
+            cfg.service.router_policy,
+            token,
+            groups=groups,
+            listen=("node", cfg.service.router_port),
+            pools=pools,
+        )
     )
-    port = ray.get(router.start.remote("node", cfg.service.router_port))
+    port = ray.get(router.start.remote())
     addr = f"{ray.get(router.node_ip.remote())}:{port}"
     _kill_stale({router_name}, "dsv4-router-")
-    return addr, ray.get(router.token.remote())
+    return addr, ray.get(router.token.remote()), router
 
 
 def _elastic_added(cfg: EntryConfig, role: str, model_dir: str | None) -> set[str]:
@@ -500,11 +507,15 @@ def build(args: dict):
     from service.serve_ingress import OpenAIIngress
 
     cfg = parse_args(args)
-    router_addr, token = start_backend(cfg)
+    router_addr, token, router = start_backend(cfg)
     # The API key comes from the pod's environment (DSV4_API_KEY, from the chart's Secret).
     options = IngressOptions.from_env(router_token=token, max_model_len=ingress_max_model_len(cfg))
     return OpenAIIngress.bind(
-        router_addr, cfg.service.model_dir or default_model_dir(), cfg.service.model_name, options=options
+        router_addr,
+        cfg.service.model_dir or default_model_dir(),
+        cfg.service.model_name,
+        options=options,
+        routers=[router],
     )
 
 

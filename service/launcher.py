@@ -1,8 +1,9 @@
 """`dsv4 serve`: start (or join) a Ray cluster, the worker pools, the gRPC router and the HTTP ingress.
 
 Topology (one Ray cluster; scales out unchanged when RAY_ADDRESS points at a multi-node cluster):
-  Ray Serve HTTP (FastAPI, OpenAI API) --gRPC--> RouterActor (policy + RayDispatcher)
-      --Ray calls--> PrefillWorker x N  --KV pages over NIXL / TCP-->  DecodeWorker x M
+  Ray Serve HTTP proxy -> ingress replicas (FastAPI, OpenAI API) --gRPC Place--> RouterActor x R (placement only)
+  ingress replica --Ray calls--> PrefillWorker x N  --KV pages over NIXL / TCP-->  DecodeWorker x M
+  DecodeWorker --Ray stream (tokens)--> the ingress replica that placed the request (service.direct_path)
 The parts live in their own modules: the cluster and its logs (service.ray_cluster), the worker pools
 (service.actor_pools), the router actor (service.router_actor), the HTTP app on Ray Serve (service.serve_ingress),
 the flags (service.serve_args). This module starts and stops them in order.
@@ -70,21 +71,11 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
         groups = start_pools(launch, handles)
         prefill, decode = handles["prefill"], handles["decode"]
         pools = handles["pools"] = start_elastic(cfg, launch, handles) if cfg.elastic else None
-        router_cls = router_actor_class()
-        router = handles["router"] = router_cls.options(name="dsv4-router").remote(
-            prefill,
-            decode,
-            cfg.router_policy,
-            token,
-            groups=groups,
-            pools=pools,
-            max_queued=cfg.router_max_queued,
-            queue_timeout_s=cfg.router_queue_timeout_s,
-        )
-        wait_ready({"router": router.start.remote(host, cfg.router_port)}, cfg.ready_timeout_s, "gRPC router")
+        routers = handles["routers"] = start_routers(cfg, prefill, decode, groups, host, token, pools)
+        handles["router"] = routers[0]  # the one that supervises multi-rank groups
         import ray
 
-        router_addr = handles["router_addr"] = ray.get(router.address.remote())
+        router_addr = handles["router_addr"] = ray.get(routers[0].address.remote())
         if http:
             from service.serve_ingress import deploy_http
 
@@ -105,6 +96,7 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
                 cfg.port,
                 num_replicas=cfg.ingress_replicas,
                 options=options,
+                routers=routers,
             )
             # serve.run returns when the replica runs; the proxy may not route to it yet: wait until it does
             probe = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
@@ -115,55 +107,103 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
     return {**handles, "http": f"http://{cfg.host}:{cfg.port}", "token": token}
 
 
+def start_routers(
+    cfg: ServiceConfig, prefill: dict, decode: dict, groups: tuple, host: str, token: str, pools=None
+) -> list:
+    """cfg.routers router replicas (named dsv4-router-0..), each serving once this returns; the first one also
+    supervises the multi-rank worker groups (one supervisor: two would restart a group twice); every one follows
+    the elastic pools' membership (pools: their PoolManager, or None)."""
+    router_cls = router_actor_class()
+    routers = []
+    for i in range(cfg.routers):
+        port = cfg.router_port + i if cfg.router_port else 0
+        routers.append(
+            router_cls.options(name=f"dsv4-router-{i}").remote(
+                prefill,
+                decode,
+                cfg.router_policy,
+                token,
+                groups=groups if i == 0 else ({}, {}),
+                listen=(host, port),
+                pools=pools,
+                max_queued=cfg.router_max_queued,
+                queue_timeout_s=cfg.router_queue_timeout_s,
+            )
+        )
+    wait_ready({f"router-{i}": r.start.remote() for i, r in enumerate(routers)}, cfg.ready_timeout_s, "gRPC routers")
+    wait_ready({"router-0 peers": routers[0].set_peers.remote(routers[1:])}, cfg.ready_timeout_s, "gRPC routers")
+    return routers
+
+
+def _in_flight(routers: list, decode: dict) -> int:
+    """Requests still in flight: waiting for a placement at a router, or held by a decode worker (streams run
+    from the decode workers to the ingress replicas, past the routers)."""
+    import ray
+
+    waiting = sum(ray.get([r.active.remote() for r in routers], timeout=5))
+    held = 0
+    for h in decode.values():
+        try:
+            held += ray.get(h.stats.remote(), timeout=5).load.running
+        except Exception:  # noqa: BLE001 - a dead worker holds nothing
+            pass
+    return waiting + held
+
+
 def stop_service(handles: dict | None, drain_s: float = 10.0, shutdown_ray: bool = True) -> None:
-    """Stop in order, each step bounded: refuse new requests, let in-flight ones finish for up to drain_s, stop
-    the router (streams still open end with an in-band error and [DONE] from the ingress), stop Serve, kill the
-    workers, and (shutdown_ray) stop this process's Ray cluster with its daemons."""
+    """Stop in order, each step bounded: refuse new requests, let in-flight ones finish for up to drain_s, kill the
+    workers (streams still open end with an in-band error and [DONE] from the ingress, which can place them
+    nowhere), stop the routers and Serve, and (shutdown_ray) stop this process's Ray cluster with its daemons."""
     import ray
     from ray import serve
 
     handles = handles or {}
-    router = handles.get("router")
+    routers = list(handles.get("routers") or ([handles["router"]] if handles.get("router") is not None else []))
     placed = dict(handles.get("placed", {}))
-    if router is not None and ray.is_initialized():
+    workers = (*handles.get("prefill", {}).values(), *handles.get("decode", {}).values())
+    if routers and ray.is_initialized():
         try:
-            placed.update(ray.get(router.placed_workers.remote(), timeout=5))  # as a group restart left them
+            placed.update(ray.get(routers[0].placed_workers.remote(), timeout=5))  # as a group restart left them
         except Exception:  # noqa: BLE001 - the router is gone: what start_service placed
             pass
         try:
-            ray.get(router.drain.remote(), timeout=5)
+            ray.get([r.drain.remote() for r in routers], timeout=5)
             deadline = time.monotonic() + drain_s
-            while time.monotonic() < deadline and ray.get(router.active.remote(), timeout=5):
+            while time.monotonic() < deadline and _in_flight(routers, handles.get("decode", {})):
                 time.sleep(0.1)
-            ray.get(router.stop.remote(1.0), timeout=10)
         except Exception as e:  # noqa: BLE001 - best effort on the way out
-            print(f"dsv4: router stop: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            print(f"dsv4: drain: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     if ray.is_initialized():
+        pools = handles.get("pools")
+        elastic = stop_elastic(pools) if pools is not None else []  # the workers it added are detached
+        # placed: rank 0 of a group placed again since start
+        _kill([*elastic, *([pools] if pools is not None else []), *workers, *(pw.handle for pw in placed.values())])
+        for pw in placed.values():
+            remove_worker(pw)
+        if handles.get("serve"):
+            time.sleep(1.0)  # the ingress replicas write the broken streams' in-band errors
+        for r in routers:
+            try:
+                ray.get(r.stop.remote(1.0), timeout=10)
+            except Exception as e:  # noqa: BLE001 - best effort on the way out
+                print(f"dsv4: router stop: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         try:
             serve.shutdown()
         except Exception:  # noqa: BLE001
             pass
-        pools = handles.get("pools")
-        elastic = stop_elastic(pools) if pools is not None else []  # the workers it added are detached
-        for h in (
-            *elastic,
-            *([pools] if pools is not None else []),
-            *handles.get("prefill", {}).values(),
-            *handles.get("decode", {}).values(),
-            *([router] if router is not None else []),
-        ):
-            try:
-                ray.kill(h, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        for pw in placed.values():
-            try:
-                ray.kill(pw.handle, no_restart=True)  # rank 0 of a group placed again since start
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-            remove_worker(pw)
+        _kill(routers)
     if shutdown_ray:
         ray.shutdown()
+
+
+def _kill(actors) -> None:
+    import ray
+
+    for h in actors:
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -202,7 +242,10 @@ def serve_main(args: argparse.Namespace) -> int:
             f"{'required' if cfg.api_key else 'off'})",
             flush=True,
         )
-        print(f"  router:     grpc://{handles['router_addr']} (cluster token required)", flush=True)
+        print(
+            f"  router:     grpc://{handles['router_addr']} ({cfg.routers} replicas, cluster token required)",
+            flush=True,
+        )
         print(f"  metrics:    http://{m_host}:{m_port}/metrics", flush=True)
         while not stop.wait(0.5):
             pass

@@ -63,8 +63,12 @@ class OpenAIServer:
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
         health_timeout_s: float = 5.0,
         options: IngressOptions | None = None,
+        client_factory: Callable[[], AsyncRouterClient] | None = None,
     ):
+        """client_factory: what runs requests instead of the router's Generate stream (a `DirectClient`: the
+        router places, this process streams from the decode worker); called in the serving loop."""
         self.router_addr, self.model_dir, self.model_name = router_addr, model_dir, model_name
+        self.client_factory = client_factory
         self.options = options or IngressOptions()
         self.offload = Offloader(self.options.offload_threads)
         self.request_timeout_s, self.health_timeout_s = request_timeout_s, health_timeout_s
@@ -88,8 +92,12 @@ class OpenAIServer:
         # grpc.aio channels belong to the loop that creates them: create it lazily in the serving loop.
         loop = asyncio.get_running_loop()
         if self._client is None or self._client_loop is not loop:
-            self._client = AsyncRouterClient(
-                self.router_addr, timeout_s=self.request_timeout_s, token=self.options.router_token
+            self._client = (
+                self.client_factory()
+                if self.client_factory is not None
+                else AsyncRouterClient(
+                    self.router_addr, timeout_s=self.request_timeout_s, token=self.options.router_token
+                )
             )
             self._client_loop = loop
         return self._client
@@ -460,10 +468,13 @@ def configure(
     model_name: str,
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     options: IngressOptions | None = None,
+    client_factory: Callable[[], AsyncRouterClient] | None = None,
 ) -> OpenAIServer:
     """Set this process's server for apps built with `make_app()` (the Ray Serve replica calls it)."""
     global _configured
-    _configured = OpenAIServer(router_addr, model_dir, model_name, request_timeout_s, options=options)
+    _configured = OpenAIServer(
+        router_addr, model_dir, model_name, request_timeout_s, options=options, client_factory=client_factory
+    )
     return _configured
 
 

@@ -1,24 +1,23 @@
-"""RayDispatcher: the router's Dispatcher over Ray actor pools of PrefillWorker and DecodeWorker.
+"""RayDispatcher: the router's view of the Ray actor pools of PrefillWorker and DecodeWorker (their published state,
+health and transfer introductions), and the router's Dispatcher over them.
 
-generate(): prefill on the chosen prefill actor (first token + transfer ticket), then stream from the
-chosen decode actor, which pulls the caches and decodes. The first token is released to the client
-only once the decode side holds the caches, so TTFT includes the transfer (and a failed transfer
-fails the request before anything was streamed). Actor deaths become WorkerDied.
+What workers publish is the router's only state about them: each health probe reads every worker's `WorkerStats`
+(load, admission capacity, prefix digest, incarnation, problem) into `WorkerInfo`, so any router replica that probes
+the same workers places requests the same way, and a new replica starts from the first probe.
 
 Healing: Ray restarts a dead actor (new process, new incarnation, empty transfer peers). A worker is
 reported healthy only once it can serve: the health probe that first sees a new incarnation introduces
 it to every peer it transfers with (a new prefill's metadata goes to every decode worker; a new decode
-worker gets every prefill worker's metadata) and only then marks it healthy. A request that races a
-restart (the decode worker answers `PeerUnknown`) introduces the pair and retries the pull once.
-A decode worker that is momentarily full (`DecodeOverloaded`: the router's admission estimate was
-off) is retried with backoff for `overload_retry_s` before the request fails as Overloaded.
-Errors raised inside an actor arrive wrapped in Ray's RayTaskError (whose text is a remote traceback with
-pids and addresses): they are unwrapped here so that only the worker's own message travels on.
+worker gets every prefill worker's metadata) and only then marks it healthy. Several routers probing the same
+workers introduce them several times; an introduction is idempotent (`DecodeWorker.add_peer`).
 
 Engine health: a worker whose stats report a problem (its engine loop ended, or a step stalled:
 engine.runtime.health) is unhealthy, and so is one whose stats call does not answer within `probe_timeout_s`
-(a stopped or wedged process). A request that failed because the worker's engine loop had ended (`LoopStopped`)
-fails as `WorkerDied`, like one whose actor died: the router retries or migrates it.
+(a stopped or wedged process).
+
+generate(): one placement through service.ray_stream (prefill, transfer, decode stream; its errors), for the
+router's own `Generate` RPC. On the service's path the ingress replica runs the same code itself
+(service.direct_path) and the router only places.
 """
 
 from __future__ import annotations
@@ -26,41 +25,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
+from collections.abc import AsyncGenerator
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import RayTaskError
 
 from engine.execution.request import TokenEvent
-from engine.handoff import DecodeOverloaded, PeerUnknown, Transferred
-from engine.runtime.engine_loop import LoopStopped
 from kv_transfer.base import TransferError
-from router.dispatch import DispatchRequest, Overloaded, WorkerDied, WorkerInfo
+from router.dispatch import DispatchRequest, WorkerDied, WorkerInfo
+from service.ray_stream import DEAD, RayStreamer, Workers, cause
 
 log = logging.getLogger(__name__)
-DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
-
-
-async def _events(stream, worker_id: str):
-    """The items of a Ray streaming call, with a dead actor as WorkerDied and a task error as its cause."""
-    async for ref in stream:
-        try:
-            yield await ref
-        except DEAD as e:
-            raise WorkerDied(worker_id, str(e)) from None
-        except RayTaskError as e:
-            raise _failure(e, worker_id) from None
-
-
-def _cause(e: BaseException) -> BaseException:
-    """The exception an actor method raised, without Ray's remote-traceback wrapper."""
-    cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
-    return cause if isinstance(cause, Exception) else e
-
-
-def _failure(e: BaseException, worker_id: str) -> BaseException:
-    """What a caller sees for an actor's task error: a dead engine loop is the worker's death, else the cause."""
-    cause = _cause(e)
-    return WorkerDied(worker_id, f"its engine failed: {cause}") if isinstance(cause, LoopStopped) else cause
 
 
 class RayDispatcher:
@@ -81,6 +55,7 @@ class RayDispatcher:
         self.call_timeout_s = call_timeout_s
         self.probe_timeout_s = probe_timeout_s
         self.overload_retry_s = overload_retry_s
+        self.streamer = RayStreamer(call_timeout_s, overload_retry_s, self.known_metadata)
         self._info: dict[str, WorkerInfo] = {}
         self._incarnation: dict[str, str] = {}  # the incarnation each worker was last introduced as
         self._metadata: dict[str, tuple[str, bytes]] = {}  # prefill id -> (incarnation, transfer metadata)
@@ -155,7 +130,7 @@ class RayDispatcher:
                 self._incarnation[wid] = stats.incarnation
         except (TimeoutError, *DEAD, RayTaskError, TransferError) as e:
             if not isinstance(e, (asyncio.TimeoutError, *DEAD)):
-                log.warning("worker %s could not be introduced to its peers: %s", wid, _cause(e))
+                log.warning("worker %s could not be introduced to its peers: %s", wid, cause(e))
             self._info[wid] = WorkerInfo(wid, role, healthy=False, incarnation=self._info[wid].incarnation)
             return False
         load = stats.load
@@ -206,127 +181,19 @@ class RayDispatcher:
             verdicts.update(zip(pool, alive))
         return verdicts
 
-    async def _still_holds(self, handle, incarnation: str) -> bool:
-        """Is the worker that prefilled (this incarnation of it, not a restarted one) still alive?"""
-        try:
-            return await asyncio.wait_for(handle.ping.remote(), self.call_timeout_s) == incarnation
-        except (TimeoutError, *DEAD, RayTaskError):
-            return False
-
-    async def _introduce_pair(self, prefill_id: str, decode_id: str, incarnation: str) -> None:
+    def known_metadata(self, prefill_id: str, incarnation: str) -> bytes | None:
+        """The transfer metadata fetched when this incarnation of the prefill worker was introduced, if it was."""
         known = self._metadata.get(prefill_id)
-        if known is not None and known[0] == incarnation:
-            md = known[1]
-        else:
-            md = await self.prefill[prefill_id].transfer_metadata.remote()
-        await self.decode[decode_id].add_peer.remote(prefill_id, md)
+        return known[1] if known is not None and known[0] == incarnation else None
+
+    def handles(self) -> dict:
+        """{worker id: actor handle} of both pools, as they are now (a group restart replaces handles)."""
+        return {**self.prefill, **self.decode}
 
     # ---- one request -----------------------------------------------------------------------------
-    async def _generate_local(self, rid: str, prompt: list[int], params, decode_id: str):
-        """Prefill and decode on one decode worker (router reason "local_prefill")."""
-        decode, finished = self.decode[decode_id], False
-        try:
-            stream = decode.generate_local.options(num_returns="streaming").remote(rid, prompt, params, params.seed)
-            async for item in _events(stream, decode_id):
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                try:
-                    decode.abort.remote(rid)
-                except DEAD:
-                    pass
-
-    async def _open_decode(self, result, prompt, params, prefill_id: str, decode_id: str):
-        """Start the decode stream; -> (stream, its first item: Transferred). Retries a race with a restart
-        (PeerUnknown, once) and a full worker (DecodeOverloaded, for overload_retry_s)."""
-        prefill, decode = self.prefill[prefill_id], self.decode[decode_id]
-        deadline, delay, introduced = time.monotonic() + self.overload_retry_s, 0.05, False
-        while True:
-            stream = decode.decode.options(num_returns="streaming").remote(result, prompt, params)
-            try:
-                try:
-                    item = await (await anext(stream))
-                except RayTaskError as e:
-                    raise _failure(e, decode_id) from None
-            except DEAD as e:
-                raise WorkerDied(decode_id, str(e)) from None
-            except PeerUnknown:
-                if introduced:
-                    raise WorkerDied(
-                        decode_id, "still lacks the prefill worker's metadata after an introduction"
-                    ) from None
-                introduced = True
-                try:
-                    await asyncio.wait_for(
-                        self._introduce_pair(prefill_id, decode_id, result.incarnation), self.call_timeout_s
-                    )
-                except (TimeoutError, *DEAD, RayTaskError) as e:
-                    if not await self._still_holds(prefill, result.incarnation):
-                        raise WorkerDied(prefill_id, f"introducing it to {decode_id}: {_cause(e)}") from None
-                    raise WorkerDied(decode_id, f"introducing {prefill_id}: {_cause(e)}") from None
-                continue
-            except DecodeOverloaded as e:
-                if time.monotonic() + delay > deadline:
-                    raise Overloaded(str(e)) from None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
-                continue
-            except TransferError as e:
-                # A pull fails when its source dies mid-transfer: report that as the prefill worker's death
-                # (nothing was streamed yet, so the router retries elsewhere); else fail as is.
-                if not await self._still_holds(prefill, result.incarnation):
-                    raise WorkerDied(prefill_id, f"KV transfer failed: {e}") from None
-                raise
-            return stream, item
-
-    async def generate(self, request: DispatchRequest, prefill_id: str, decode_id: str):
-        rid, prompt, params = request.request_id, list(request.prompt_ids), request.params
-        if prefill_id == decode_id and decode_id in self.decode:  # conditional disaggregation: no transfer
-            async for ev in self._generate_local(rid, prompt, params, decode_id):
-                yield ev
-            return
-        if prefill_id not in self.prefill or decode_id not in self.decode:  # left its pool since the placement
-            raise WorkerDied(prefill_id if prefill_id not in self.prefill else decode_id, "it left its pool")
-        prefill, decode = self.prefill[prefill_id], self.decode[decode_id]
-        finished = False
-        try:
-            try:
-                result = await prefill.prefill.remote(rid, prompt, params, params.seed)
-            except DEAD as e:
-                raise WorkerDied(prefill_id, str(e)) from None
-            except RayTaskError as e:
-                raise _failure(e, prefill_id) from None
-            first = TokenEvent(
-                rid,
-                result.first_token,
-                result.first_logprob,
-                result.finished,
-                result.finish_reason,
-                tuple(result.prompt_logprobs[1:]) if params.prompt_logprobs else (),
-                result.cached_tokens,
-            )
-            if result.finished:
-                finished = True
-                yield first
-                return
-            stream, item = await self._open_decode(result, prompt, params, prefill_id, decode_id)
-            assert isinstance(item, Transferred), item
-            yield first  # released only now: TTFT includes the transfer
-            async for item in _events(stream, decode_id):
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        except DEAD as e:
-            raise WorkerDied(decode_id, str(e)) from None
-        finally:
-            if not finished:
-                # Client went away or something failed: free pages on both sides, never leak.
-                for handle in (prefill, decode):
-                    try:
-                        handle.abort.remote(rid)
-                    except DEAD:
-                        pass
+    def generate(self, request: DispatchRequest, prefill_id: str, decode_id: str) -> AsyncGenerator[TokenEvent, None]:
+        pool = self.decode if prefill_id == decode_id and decode_id in self.decode else self.prefill
+        if prefill_id not in pool or decode_id not in self.decode:  # left its pool since the placement
+            raise WorkerDied(prefill_id if prefill_id not in pool else decode_id, "it left its pool")
+        workers = Workers(prefill_id, pool[prefill_id], decode_id, self.decode[decode_id])
+        return self.streamer.run_placement(request, workers)

@@ -1,10 +1,20 @@
-"""RouterActor: the Ray actor that hosts the gRPC router (placement, admission, the workers' health) and the
-supervisor of multi-rank worker groups."""
+"""RouterActor: the Ray actor that hosts one gRPC router replica (placement, admission, the workers' health) and,
+on the replica given the groups, the supervisor of multi-rank worker groups.
+
+Several replicas run side by side (`dsv4 serve --routers N`); each probes every worker and builds its state from
+what they publish (service.ray_dispatcher), so any replica places any request, and none is on the token path
+(service.direct_path). Ray restarts a killed replica (max_restarts=-1): the restarted process starts serving on its
+first `address` call (an ingress asks it when its old address stops answering), on the same port when one was
+fixed, else on a new one.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+
+HEALTH_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 10.0
 
 
 class RouterActor:
@@ -17,44 +27,85 @@ class RouterActor:
         policy: str,
         token: str | None = None,
         groups: tuple = ({}, {}),
+        listen: tuple[str, int] = ("127.0.0.1", 0),
         pools=None,
         **server_kw,
     ):
         """server_kw: RouterServer's admission settings (max_queued, queue_timeout_s, restart_wait_s);
         groups: ({worker id: PlacedWorker}, {worker id: GroupRecipe}) of the multi-rank workers, restarted as a
-        group when a rank dies (service.group_restart); pools: the PoolManager of elastic pools (service.pools),
-        whose membership the dispatcher follows."""
+        group when a rank dies (service.group_restart); listen: (host, port) a restarted process binds ("node":
+        this node's cluster address; port 0: any free one); pools: the PoolManager of elastic pools
+        (service.pools), whose membership the dispatcher follows."""
         from router.policy import PolicyConfig, RoutingPolicy
         from router.server import RouterServer
         from service.group_restart import GroupSupervisor
         from service.ray_dispatcher import RayDispatcher
 
         self.dispatcher = RayDispatcher(prefill, decode, pools=pools)
+        # Its in-flight count covers only its own recent placements (the stream never passes it): admission also
+        # counts what the decode workers report holding.
         self.server = RouterServer(
             self.dispatcher,
-            RoutingPolicy(PolicyConfig(name=policy)),
-            health_interval_s=1.0,
-            health_timeout_s=10.0,
+            RoutingPolicy(PolicyConfig(name=policy, reported_load=True)),
+            health_interval_s=HEALTH_INTERVAL_S,
+            health_timeout_s=HEALTH_TIMEOUT_S,
             auth_token=token,
             **server_kw,
         )
         self.port: int | None = None
         self.host = ""
+        self.listen = listen
         self._token = token
+        self._starting: asyncio.Lock | None = None
         placed, recipes = groups
-        self.supervisor = GroupSupervisor(placed, recipes, replace=self.dispatcher.replace_handle) if placed else None
+        self.peers: list = []  # the other router replicas (told of every handle a group restart replaces)
+        self.supervisor = GroupSupervisor(placed, recipes, replace=self._replaced) if placed else None
         self._supervising: asyncio.Task | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Bind host:port ("node": this node's cluster address); -> the port."""
+    async def start(self, host: str | None = None, port: int | None = None) -> int:
+        """Bind host:port (default: `listen`; "node": this node's cluster address); -> the port. Idempotent."""
         from kv_transfer.registry import node_address
 
-        self.host = node_address() if host == "node" else host
-        await self.dispatcher.health_check()  # exchanges transfer metadata before the first request
-        self.port = bound = await self.server.start(self.host, port)
-        if self.supervisor is not None:
-            self._supervising = asyncio.get_running_loop().create_task(self.supervisor.run())
-        return bound
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self.port is not None:
+                return self.port
+            host = self.listen[0] if host is None else host
+            port = self.listen[1] if port is None else port
+            self.host = node_address() if host == "node" else host
+            await self.dispatcher.health_check()  # exchanges transfer metadata before the first request
+            self.port = bound = await self.server.start(self.host, port)
+            if self.supervisor is not None:
+                self._supervising = asyncio.get_running_loop().create_task(self.supervisor.run())
+            return bound
+
+    async def address(self) -> str:
+        """host:port of the gRPC router (serving from this call on, in a process Ray restarted)."""
+        await self.start()
+        return f"{self.host}:{self.port}"
+
+    def set_peers(self, peers: list) -> None:
+        """The other router replicas: the supervisor hands them each new handle too."""
+        self.peers = list(peers)
+
+    def replace_handle(self, worker_id: str, handle) -> None:
+        """A multi-rank worker placed again by the supervising replica: route to its new actor."""
+        self.dispatcher.replace_handle(worker_id, handle)
+
+    def _replaced(self, worker_id: str, handle) -> None:
+        self.dispatcher.replace_handle(worker_id, handle)
+        for peer in self.peers:
+            peer.replace_handle.remote(worker_id, handle)  # fire-and-forget: a dead peer restarts from the start
+
+    def worker_handles(self) -> dict:
+        """{worker id: actor handle} of both pools as they are now (an ingress runs placed requests on them)."""
+        return self.dispatcher.handles()
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def placed_workers(self) -> dict:
         """The multi-rank workers as they are placed now (a group restart replaces their actors and group)."""
@@ -62,9 +113,6 @@ class RouterActor:
 
     def group_restarts(self) -> int:
         return self.supervisor.restarts if self.supervisor is not None else 0
-
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
     def token(self) -> str | None:
         """The cluster token (callable only through Ray: the ingress of a re-run KubeRay builder reads it)."""
@@ -88,8 +136,9 @@ class RouterActor:
 
 
 def router_actor_class():
-    """RouterActor as a Ray actor class (no CPU reserved: it mostly waits; many requests at once)."""
+    """RouterActor as a Ray actor class (no CPU reserved: it mostly waits; many requests at once; restarted by Ray
+    when its process dies)."""
     import ray
 
-    options: dict[str, Any] = dict(num_cpus=0, max_concurrency=1000)
+    options: dict[str, Any] = dict(num_cpus=0, max_concurrency=1000, max_restarts=-1)
     return ray.remote(**options)(RouterActor)

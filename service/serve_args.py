@@ -76,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         engine_options=engine_options,
         worker_num_cpus=args.worker_num_cpus,
         ingress_replicas=args.ingress_replicas,
+        routers=getattr(args, "routers", 2),
         api_key=args.api_key or settings().api_key,
         max_body_bytes=args.max_body_bytes,
         allow_request_chat_template=args.allow_request_chat_template,
@@ -200,6 +201,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-docs", action="store_true", help="serve /docs and /openapi.json")
     parser.add_argument("--ingress-replicas", type=int, default=2, help="HTTP ingress replicas")
+    parser.add_argument(
+        "--routers",
+        type=int,
+        default=2,
+        help="gRPC router replicas (they place requests; tokens stream from the decode workers to the ingress "
+        "replicas): any of them places any request, so killing one loses no stream",
+    )
     parser.add_argument(
         "--worker-num-cpus", type=float, default=0.25, help="Ray CPU reservation of each prefill/decode worker"
     )

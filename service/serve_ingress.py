@@ -10,8 +10,10 @@ created lazily on the first request, inside the loop that serves it.
 Liveness: Serve calls `check_health` every HEALTH_PERIOD_S on the replica's own event loop; a loop that a
 request has blocked cannot answer within HEALTH_TIMEOUT_S, so Serve marks the replica unhealthy and
 replaces it (user-sized work runs off the loop, so this is the last line of defence, not the first).
-Replicas are light (they wait on the router), so each reserves only INGRESS_NUM_CPUS of a CPU and the
-default is two of them, so that one stuck or restarting replica never takes the API down.
+Token path: with `routers` (what `dsv4 serve` deploys), a replica asks a router where each request runs and then
+reads the decode worker's token stream itself (service.direct_path), so the replicas, not the router, carry the
+tokens and the token path scales with them. Each reserves only INGRESS_NUM_CPUS of a CPU (a scheduling token) and
+the default is two of them, so that one stuck or restarting replica never takes the API down.
 """
 
 from __future__ import annotations
@@ -47,11 +49,22 @@ class OpenAIIngress:
         model_name: str,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
         options: IngressOptions | None = None,
+        routers: list | None = None,
     ):
+        """routers: the router replicas' actor handles: the router places and this replica streams from the decode
+        worker (service.direct_path); None: every request is a Generate stream through the router at router_addr."""
         from service import openai_app  # the real module (this method may have been pickled by value)
 
+        options = options or IngressOptions.from_env()
+        factory = None
+        if routers:
+            from service.direct_path import DirectClient
+
+            def factory():
+                return DirectClient(routers, options.router_token, request_timeout_s)
+
         self.server = openai_app.configure(
-            router_addr, model_dir, model_name, request_timeout_s, options or IngressOptions.from_env()
+            router_addr, model_dir, model_name, request_timeout_s, options, client_factory=factory
         )
 
     async def check_health(self) -> None:
@@ -68,6 +81,7 @@ def deploy_http(
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     app_name: str = "dsv4-openai",
     options: IngressOptions | None = None,
+    routers: list | None = None,
 ):
     """Start Serve's HTTP proxy on host:port and deploy `num_replicas` ingress replicas (on the connected
     Ray cluster) serving the OpenAI API at "/"; -> the deployment handle. Returns once it is running.
@@ -81,5 +95,7 @@ def deploy_http(
     )
     deployment = OpenAIIngress.options(num_replicas=num_replicas)
     return serve.run(
-        deployment.bind(router_addr, model_dir, model_name, request_timeout_s, options), name=app_name, route_prefix="/"
+        deployment.bind(router_addr, model_dir, model_name, request_timeout_s, options, routers),
+        name=app_name,
+        route_prefix="/",
     )

@@ -57,6 +57,9 @@ class ServiceConfig:
     worker_num_cpus: float = 0.25
     ready_timeout_s: float = 300.0  # per startup stage: workers pinged, router bound, HTTP ingress answering
     ingress_replicas: int = 2
+    # gRPC router replicas (placement only: tokens stream from the decode workers to the ingress replicas); any can
+    # place any request, so one killed or restarting loses nothing. Each reserves no CPU (it mostly waits).
+    routers: int = 2
     api_key: str | None = None  # required on every OpenAI route when set
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allow_request_chat_template: bool = False
@@ -84,6 +87,8 @@ class ServiceConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits.from_env)
 
     def __post_init__(self):
+        if isinstance(self.routers, bool) or not isinstance(self.routers, int) or self.routers < 1:
+            raise ValueError(f"routers must be an int >= 1, got {self.routers!r}")
         for name in ("tensor_parallel_size", "prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

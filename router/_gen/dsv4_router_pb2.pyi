@@ -33,6 +33,56 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ExcludedWorker(_message.Message):
+    __slots__ = ("worker_id", "incarnation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class PlaceRequest(_message.Message):
+    __slots__ = ("request", "excluded", "retry")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    RETRY_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    excluded: _containers.RepeatedCompositeFieldContainer[ExcludedWorker]
+    retry: bool
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., excluded: _Optional[_Iterable[_Union[ExcludedWorker, _Mapping]]] = ..., retry: _Optional[bool] = ...) -> None: ...
+
+class PlaceResponse(_message.Message):
+    __slots__ = ("request_id", "prefill_worker", "decode_worker", "prefill_incarnation", "decode_incarnation", "prefill_reason", "decode_reason", "cached_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
+    DECODE_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prefill_worker: str
+    decode_worker: str
+    prefill_incarnation: str
+    decode_incarnation: str
+    prefill_reason: str
+    decode_reason: str
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_incarnation: _Optional[str] = ..., decode_incarnation: _Optional[str] = ..., prefill_reason: _Optional[str] = ..., decode_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class SettleRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class SettleResponse(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    def __init__(self, held: _Optional[bool] = ...) -> None: ...
+
 class Error(_message.Message):
     __slots__ = ("code", "message")
     class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):

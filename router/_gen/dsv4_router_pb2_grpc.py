@@ -39,6 +39,16 @@ class RouterStub:
                 request_serializer=dsv4__router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=dsv4__router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Place = channel.unary_unary(
+                '/dsv4.router.Router/Place',
+                request_serializer=dsv4__router__pb2.PlaceRequest.SerializeToString,
+                response_deserializer=dsv4__router__pb2.PlaceResponse.FromString,
+                _registered_method=True)
+        self.Settle = channel.unary_unary(
+                '/dsv4.router.Router/Settle',
+                request_serializer=dsv4__router__pb2.SettleRequest.SerializeToString,
+                response_deserializer=dsv4__router__pb2.SettleResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/dsv4.router.Router/Health',
                 request_serializer=dsv4__router__pb2.HealthRequest.SerializeToString,
@@ -57,6 +67,23 @@ class RouterServicer:
     def Generate(self, request, context):
         """One request; the stream ends after the message with finished = true. An error ends the stream
         with one message carrying `error` and then the gRPC status of the same code.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Place(self, request, context):
+        """Admission and placement only (the service's path): waits for a decode slot as Generate does, then says where
+        the request runs; the caller runs it there and streams its tokens itself. Errors end the call with the
+        status of the same Error.Code (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Settle(self, request, context):
+        """After Place: the request reached its decode worker (or failed before it), so that worker's reports count it
+        from the router's next probe on (until then the router counts the placement itself).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +110,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=dsv4__router__pb2.GenerateRequest.FromString,
                     response_serializer=dsv4__router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Place': grpc.unary_unary_rpc_method_handler(
+                    servicer.Place,
+                    request_deserializer=dsv4__router__pb2.PlaceRequest.FromString,
+                    response_serializer=dsv4__router__pb2.PlaceResponse.SerializeToString,
+            ),
+            'Settle': grpc.unary_unary_rpc_method_handler(
+                    servicer.Settle,
+                    request_deserializer=dsv4__router__pb2.SettleRequest.FromString,
+                    response_serializer=dsv4__router__pb2.SettleResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -122,6 +159,60 @@ class Router:
             '/dsv4.router.Router/Generate',
             dsv4__router__pb2.GenerateRequest.SerializeToString,
             dsv4__router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Place(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsv4.router.Router/Place',
+            dsv4__router__pb2.PlaceRequest.SerializeToString,
+            dsv4__router__pb2.PlaceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Settle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsv4.router.Router/Settle',
+            dsv4__router__pb2.SettleRequest.SerializeToString,
+            dsv4__router__pb2.SettleResponse.FromString,
             options,
             channel_credentials,
             insecure,

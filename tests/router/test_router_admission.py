@@ -29,6 +29,7 @@ class ScriptedDispatcher:
         self.slots, self.decode_up = slots, True
         self.gate: asyncio.Event | None = None
         self.running = 0
+        self.reported = 0  # requests d0 reports holding (what Place's admission counts: placements run elsewhere)
 
     def workers(self):
         return [
@@ -37,6 +38,7 @@ class ScriptedDispatcher:
                 "d0",
                 "decode",
                 self.decode_up,
+                running=self.reported,
                 kv_free_tokens=1 << 20,
                 incarnation="1",
                 max_slots=self.slots,
@@ -61,12 +63,12 @@ class ScriptedDispatcher:
 
 
 class Harness:
-    def __init__(self, **server_kw):
+    def __init__(self, policy: PolicyConfig | None = None, **server_kw):
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.dispatcher = ScriptedDispatcher(slots=2)
         self.server = RouterServer(
-            self.dispatcher, RoutingPolicy(PolicyConfig("least_loaded")), health_interval_s=0.05, **server_kw
+            self.dispatcher, RoutingPolicy(policy or PolicyConfig("least_loaded")), health_interval_s=0.05, **server_kw
         )
         self.addr = f"127.0.0.1:{self.run(self.server.start('127.0.0.1', 0))}"
 
@@ -237,3 +239,69 @@ def test_worker_death_mid_stream_migrates_or_fails_cleanly(max_migrations):
         assert rest[-1].finished and rest[-1].finish_reason == "length"
     finally:
         close()
+
+
+def test_place_admits_by_reports_and_held_placements():
+    """Place (the service's path: the caller streams, the router never sees a stream end): a placement counts as
+    in flight until the caller settles it (it reached its decode worker) and a later probe's report shows it; a
+    request that fits neither waits in the queue, a full queue is RESOURCE_EXHAUSTED, bad input INVALID_ARGUMENT,
+    and a retry after a death excludes that incarnation of the worker (here the only one: UNAVAILABLE once
+    restart_wait_s passes)."""
+    h = Harness(
+        PolicyConfig("least_loaded", reported_load=True),
+        max_queued=1,
+        queue_timeout_s=30.0,
+        restart_wait_s=0.5,
+    )
+    c = RouterClient(h.addr, timeout_s=30)
+    try:
+        first = [c.place([5, 6, 7], request_id=f"p{i}") for i in range(2)]  # both slots, held by the router
+        assert [(p.prefill_worker, p.decode_worker, p.decode_incarnation) for p in first] == [("p0", "d0", "1")] * 2
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.append(c.place([5, 6, 7], request_id="p2")))
+        waiter.start()
+        wait_until(lambda: h.server._queued == 1)
+        with pytest.raises(RouterError) as info:  # the queue (1) is full
+            c.place([5, 6, 7], request_id="p3")
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in info.value.message
+        time.sleep(0.5)  # many probes: the worker reports nothing yet, the unsettled holds still count
+        assert h.server._queued == 1 and not got and len(h.server.holds) == 2
+        h.dispatcher.reported = 2  # both reached the decode worker, which reports them ...
+        assert c.settle("p0") and c.settle("p1")  # ... and the caller says so: the next probe releases the holds
+        wait_until(lambda: len(h.server.holds) == 0)
+        assert h.server._queued == 1 and not got  # the report still shows both slots taken
+        h.dispatcher.reported = 1  # one stream ended: the next probe's report frees a slot
+        waiter.join(10)
+        assert got and got[0].decode_worker == "d0"
+        assert c.settle("p2") and not c.settle("unknown")
+        with pytest.raises(RouterError) as info:
+            c.place([], request_id="empty")
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in info.value.message
+        h.dispatcher.reported = 0
+        wait_until(lambda: len(h.server.holds) == 0)
+        retries = h.server.metrics.retries
+        with pytest.raises(RouterError) as info:  # d0's incarnation "1" died on it: nowhere else to go
+            c.place([5, 6, 7], request_id="p4", excluded={"d0": "1"}, retry=True)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE and "no healthy worker" in info.value.message
+        assert h.server.metrics.retries == retries + 1
+        assert c.place([5, 6, 7], request_id="p5").decode_worker == "d0"  # the probe found d0 up again
+    finally:
+        c.close()
+        h.close()
+
+
+def test_placement_holds_release_once_covered_or_too_old():
+    from router.placement_holds import PlacementHolds
+
+    released: list[str] = []
+    holds = PlacementHolds(max_hold_s=10.0)
+    for rid in ("a", "b", "c"):
+        holds.add(rid, lambda rid=rid: released.append(rid), now=0.0)
+    assert holds.settle("a", now=1.0) and holds.settle("b", now=3.0) and not holds.settle("x", now=1.0)
+    assert holds.release_covered(probe_started=0.5, now=1.5) == 0  # that probe began before either settle
+    assert holds.release_covered(probe_started=2.0, now=2.5) == 1 and released == ["a"]
+    assert holds.release_covered(probe_started=4.0, now=4.5) == 1 and released == ["a", "b"]
+    assert holds.release_covered(probe_started=9.0, now=9.5) == 0  # "c" never settled: held ...
+    assert holds.release_covered(probe_started=11.0, now=11.5) == 1 and released == ["a", "b", "c"]  # ... till max
+    with pytest.raises(ValueError, match="max_hold_s"):
+        PlacementHolds(0)

@@ -1,5 +1,6 @@
-"""`dsv4 bench frontdoor` at a tiny size: real Ray, Serve proxy, ingress and router over a synthetic pool; every
-stream's tokens arrive in order with none lost, and the report has its fields."""
+"""`dsv4 bench frontdoor` at a tiny size: real Ray, Serve proxy, ingress replicas streaming from the synthetic decode
+actors and two routers placing; every stream's tokens arrive in order with none lost, and the report has its
+fields."""
 
 from __future__ import annotations
 
@@ -53,4 +54,5 @@ def test_frontdoor_tiny(tmp_path):
     from service.bench_frontdoor import LevelResult
 
     text = report([LevelResult(**r) for r in rows], args, "dsv4 bench frontdoor --tiny")
-    assert "RouterActor" in text and "Ceiling" in text and "| 2 | 4 |" in text
+    assert "`Place`" in text and "AFTER" in text and "Ceiling" in text and "| 2 | 4 |" in text
+    assert "at half the ceiling" in text

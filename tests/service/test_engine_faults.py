@@ -1,5 +1,7 @@
 """Faults that are not a process exit, on one real service: a local Ray cluster, 1 prefill + 2 decode workers (tcp
-transfer), the real gRPC router, the Ray Serve ingress hit by the official openai client.
+transfer), the real gRPC routers, the Ray Serve ingress hit by the official openai client. Streams run both ways:
+through the router's own Generate (it owns the stream) and through the ingress (the router places, the ingress
+replica owns the stream and learns from the routers' Health which worker is down).
 
 The workers are built with test hooks (`inject_fault`: the engine's next step raises or never returns) and a
 stall bound of STALL_S. Each test checks what a user sees: requests keep succeeding, streams in flight on the
@@ -109,6 +111,40 @@ def open_streams(client, prompts):
     return streams
 
 
+def open_http_streams(http, prompts):
+    """The same through the ingress (the service's path: the router places, the ingress replica reads the decode
+    worker's stream); -> [(chunk iterator, [token ids])] once each has streamed a token."""
+    streams = []
+    for p in prompts:
+        it = iter(
+            http.completions.create(
+                model="dsv4",
+                prompt=p,
+                max_tokens=LONG.max_new_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+        )
+        got: list[int] = []
+        while not got:
+            got.extend(next(it).choices[0].token_ids or [])
+        streams.append((it, got))
+    return streams
+
+
+def finish_http(streams) -> list[list[int]]:
+    out = []
+    for it, got in streams:
+        last = None
+        for chunk in it:
+            got.extend(chunk.choices[0].token_ids or [])
+            last = chunk.choices[0].finish_reason or last
+        assert last == "length", last
+        out.append(got)
+    return out
+
+
 def finish(streams) -> list[list[int]]:
     out = []
     for it, got in streams:
@@ -148,9 +184,11 @@ def test_step_exception_restarts_the_worker_and_requests_keep_succeeding(svc):
 
 
 def test_hung_step_marks_the_worker_down_and_its_streams_complete_elsewhere(svc):
-    handles, client, _ = svc
+    handles, client, http = svc
     wait_until(lambda: all_healthy(client), 240, "every worker healthy")
     prompts = [[60 + i, 61, 62, 63] for i in range(4)]
+    http_prompts = [[70 + i, 61, 62, 63] for i in range(4)]
+    http_streams = open_http_streams(http, http_prompts)  # both decode workers hold some (least loaded)
     streams = open_streams(client, prompts)
     held = [s[1][0].decode_worker for s in streams]
     hung = max(DECODES, key=held.count)
@@ -159,16 +197,19 @@ def test_hung_step_marks_the_worker_down_and_its_streams_complete_elsewhere(svc)
     t0 = time.monotonic()
     wait_until(lambda: not {w.worker_id: w.healthy for w in client.health().workers}[hung], 60, f"{hung} down")
     assert time.monotonic() - t0 < STALL_S + 15
-    tokens = finish(streams)
+    tokens, http_tokens = finish(streams), finish_http(http_streams)
     wait_until(lambda: all_healthy(client), 240, f"{hung} restarted and back")
     assert incarnation(handles, hung) != before  # the watchdog ended the wedged process; Ray restarted it
     assert tokens == undisturbed(client, prompts)  # each stream complete, nothing lost or repeated
+    assert http_tokens == undisturbed(client, http_prompts)
 
 
 def test_stopped_worker_process_is_routed_around_and_its_streams_move(svc):
     handles, client, http = svc
     wait_until(lambda: all_healthy(client), 240, "every worker healthy")
     prompts = [[80 + i, 81, 82] for i in range(8)]
+    http_prompts = [[90 + i, 81, 82] for i in range(4)]
+    http_streams = open_http_streams(http, http_prompts)
     streams = open_streams(client, prompts)
     held = [s[1][0].decode_worker for s in streams]
     stopped = max(DECODES, key=held.count)
@@ -182,11 +223,13 @@ def test_stopped_worker_process_is_routed_around_and_its_streams_move(svc):
         assert all(r.usage.completion_tokens == 6 for r in results)
         assert time.monotonic() - t0 < 30, f"new requests took {time.monotonic() - t0:.1f} s"
         tokens = finish(streams)  # including the ones the stopped worker held
+        http_tokens = finish_http(http_streams)
         assert not {w.worker_id: w.healthy for w in client.health().workers}[stopped]
     finally:
         os.kill(pid, signal.SIGCONT)
     wait_until(lambda: all_healthy(client), 120, f"{stopped} back after SIGCONT")
     assert tokens == undisturbed(client, prompts)
+    assert http_tokens == undisturbed(client, http_prompts)
     # the continued worker dropped the streams it held: every page back in its pool
     wait_until(
         lambda: all(

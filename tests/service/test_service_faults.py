@@ -81,6 +81,10 @@ class Service:
         resp.lines = resp.iter_lines(decode_unicode=True)
         return resp
 
+    def queued(self) -> int:
+        """Requests waiting for a decode slot, at every router replica."""
+        return sum(ray.get([r.queued.remote() for r in self.handles["routers"]]))
+
     def worker_stats(self):
         return ray.get(
             [h.stats.remote() for h in (*self.handles["prefill"].values(), *self.handles["decode"].values())]
@@ -377,12 +381,12 @@ def test_disconnects_mid_stream_free_everything(svc):
             {"Content-Type": "application/json", **AUTH},
         )
         waiting.append(conn)
-    wait_until(lambda: ray.get(svc.handles["router"].queued.remote()) == 2, 60, "two requests queued")
+    wait_until(lambda: svc.queued() == 2, 60, "two requests queued")
     for conn in waiting:
         conn.close()
     for resp in streams:
         resp.close()
-    wait_until(lambda: ray.get(svc.handles["router"].queued.remote()) == 0, 60, "queue empty")
+    wait_until(lambda: svc.queued() == 0, 60, "queue empty")
     wait_until(
         lambda: all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in svc.worker_stats()),
         60,
@@ -420,10 +424,61 @@ def test_killed_decode_worker_in_flight_streams_migrate_then_heals(svc):
     for p, g in zip(prompts, got):  # the same greedy tokens as a run nobody interrupted
         r = svc.complete(prompt=p, max_tokens=120, ignore_eos=True, return_token_ids=True)
         assert r.status_code == 200 and g == r.json()["choices"][0]["token_ids"], (g, r.text)
-    with RouterClient(svc.handles["router_addr"], timeout_s=30, token=svc.handles["token"]) as c:
-        assert c.stats().retries_total >= SLOTS  # each stream was continued at least once
+    retries = 0
+    for router in svc.handles["routers"]:  # the ingress replicas place retries on either router replica
+        with RouterClient(ray.get(router.address.remote()), timeout_s=30, token=svc.handles["token"]) as c:
+            retries += c.stats().retries_total
+    assert retries >= SLOTS  # each stream was continued at least once
     ray.kill(svc.handles["decode"]["decode-0"], no_restart=False)  # again: each restart is re-introduced
     r = svc.complete(prompt=[34, 35, 36], max_tokens=4, ignore_eos=True)
+    assert r.status_code == 200, r.text
+
+
+def test_killed_router_loses_no_stream_and_new_requests_are_placed(svc):
+    """Tokens stream from the decode worker to the ingress replica, past the routers: SIGKILL a router's process
+    while streams flow (one decode slot left free for the new request); each stream completes with the tokens of an
+    undisturbed run, a new request is served within 10 s (placed by the other replica), and Ray's restart of the
+    killed router places requests again."""
+    import os
+    import signal
+
+    routers = svc.handles["routers"]
+    assert len(routers) == 2
+    prompts = [[21, 22, 23, i + 2] for i in range(SLOTS - 1)]
+    streams = [svc.stream(prompt=p, max_tokens=120, return_token_ids=True) for p in prompts]
+    got = [[] for _ in prompts]
+
+    def tokens(i, line):
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            body = json.loads(line[5:])
+            assert "error" not in body, body
+            got[i].extend(body["choices"][0].get("token_ids") or [])
+
+    for i, resp in enumerate(streams):  # in flight before the kill
+        tokens(i, next(x for x in resp.lines if x.startswith("data:") and "token_ids" in x))
+    pid = ray.get(routers[0].pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    r = svc.complete(prompt=[61, 62, 63], max_tokens=4, ignore_eos=True)
+    assert r.status_code == 200 and time.monotonic() - t_kill < 10, (r.status_code, time.monotonic() - t_kill)
+    for i, resp in enumerate(streams):
+        rest = [x for x in resp.lines if x.startswith("data:")]
+        resp.close()
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        for line in rest:
+            tokens(i, line)
+    for p, g in zip(prompts, got):  # all 120 tokens, the same greedy tokens as a run nobody interrupted
+        r = svc.complete(prompt=p, max_tokens=120, ignore_eos=True, return_token_ids=True)
+        assert r.status_code == 200 and g == r.json()["choices"][0]["token_ids"], (len(g), r.text[:200])
+    # Ray restarted the killed router (a new process): it places requests again, as the only one left
+    assert ray.get(routers[0].pid.remote(), timeout=60) != pid
+    addr = ray.get(routers[0].address.remote(), timeout=60)
+    with RouterClient(addr, timeout_s=30, token=svc.handles["token"]) as c:
+        wait_until(lambda: c.health().serving, 30, "the restarted router sees its workers")
+        placed = c.place([5, 6, 7], None, "placed-by-restarted-router")
+        assert placed.decode_worker == "decode-0" and placed.prefill_worker == "prefill-0", placed
+    os.kill(ray.get(routers[1].pid.remote()), signal.SIGKILL)
+    r = svc.complete(prompt=[64, 65, 66], max_tokens=4, ignore_eos=True)
     assert r.status_code == 200, r.text
 
 

@@ -1,0 +1,330 @@
+"""The service's token path from the ingress replica's side: the router places, this replica runs the request on the
+workers and reads the decode worker's stream itself (no router, no other process, between them and the client).
+
+`DirectClient` is what an ingress replica's `OpenAIServer` talks to instead of the router's `Generate` stream (the
+same interface as `router.client.AsyncRouterClient`: `generate` yields `StreamEvent`s, every failure is a
+`RouterError` with its gRPC code, `health`). Per request:
+1. `Place` on one of the router replicas (`RouterSet`: in turn; one that cannot be reached is skipped and the call
+   goes to the next). The router admits (queues for a decode slot, or says 429 / 503) and names the workers;
+2. `service.ray_stream.RayStreamer.run_placement` on the actor handles of those workers (`WorkerDirectory`):
+   prefill, the KV pull, then the decode actor's Ray stream (tokens batched per message) straight into this
+   replica's SSE response;
+3. `router.migration.recovering_stream` around both: a worker death retries or migrates the request exactly as the
+   router does on its own `Generate` (budget, no lost or repeated token, prompt + streamed tokens as the new prefix).
+Cancellation: closing the stream (client gone, stop string, deadline) closes the Ray streams, and the streamer's
+`finally` aborts the request on both workers (their pages are freed). A worker that is alive but stuck releases its
+streams here too: while streams are open, a watcher asks a router's Health every `watch_interval_s` and each worker
+it reports down fails the streams waiting on it as `WorkerDied` (router.stream_watch), which recover as above.
+
+Killing a router loses no stream (none passes through it) and no queued request (its Place fails over to another
+router); a killed router is restarted by Ray on a new port, which `RouterSet` asks of its actor again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import grpc
+
+from engine.execution.request import TokenEvent
+from engine.execution.sampling_params import SamplingParams
+from router.client import AsyncRouterClient, HealthReport, PlacedRequest, RouterError, StreamEvent
+from router.dispatch import DispatchRequest
+from router.migration import RouterFailure, failure_of, recovering_stream
+from router.stream_watch import StreamWatches
+from service.ray_stream import RayStreamer, Workers
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}
+# The router's own UNAVAILABLE answers: the request waited its turn there; another router would not do better.
+_ROUTER_VERDICTS = ("no decode capacity", "no healthy worker")
+_SHUTTING_DOWN = "shutting down"  # a draining router: try the others, but do not wait for them
+ACTOR_CALL_TIMEOUT_S = 5.0
+FAILOVER_WAIT_S = 10.0  # no router answers: keep trying this long (Ray restarts a killed one in seconds)
+ROUND_PAUSE_S = 0.25
+
+
+def unreachable(e: RouterError) -> bool:
+    """Did the call fail because the router replica is gone or stopping (not because of its answer)?"""
+    if e.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+        return True
+    return e.code == grpc.StatusCode.UNAVAILABLE and not e.message.startswith(_ROUTER_VERDICTS)
+
+
+class RouterSet:
+    """The router replicas (Ray actor handles of service.router_actor.RouterActor) an ingress places through."""
+
+    def __init__(
+        self,
+        actors: Sequence,
+        token: str | None,
+        timeout_s: float,
+        cooldown_s: float = 5.0,
+        failover_wait_s: float = FAILOVER_WAIT_S,
+    ):
+        """cooldown_s: how long an unreachable router is tried last; failover_wait_s: how long a call keeps trying
+        when no router answers (Ray restarting the only one)."""
+        if not actors:
+            raise ValueError("RouterSet needs at least one router actor")
+        self.actors, self.token, self.timeout_s, self.cooldown_s = list(actors), token, timeout_s, cooldown_s
+        self.failover_wait_s = failover_wait_s
+        self._clients: dict[int, AsyncRouterClient] = {}
+        self._cooling: dict[int, float] = {}  # router index -> monotonic time until which it is skipped
+        self._next = 0
+
+    async def _client(self, i: int) -> AsyncRouterClient:
+        client = self._clients.get(i)
+        if client is None:
+            # A (re)started router listens where its actor says (it starts serving on this call after a restart).
+            addr = await asyncio.wait_for(self.actors[i].address.remote(), ACTOR_CALL_TIMEOUT_S)
+            client = self._clients[i] = AsyncRouterClient(addr, timeout_s=self.timeout_s, token=self.token)
+        return client
+
+    def _drop(self, i: int, why: object) -> None:
+        log.warning("router replica %d unreachable (%s); using the others for %.0f s", i, why, self.cooldown_s)
+        self._cooling[i] = time.monotonic() + self.cooldown_s
+        client = self._clients.pop(i, None)
+        if client is not None:
+            asyncio.get_running_loop().create_task(client.close())
+
+    def _order(self) -> list[int]:
+        """Router indices to try: in turn from the next one, those cooling down last."""
+        n, now = len(self.actors), time.monotonic()
+        start, self._next = self._next, (self._next + 1) % n
+        order = [(start + k) % n for k in range(n)]
+        return [i for i in order if self._cooling.get(i, 0) <= now] + [
+            i for i in order if self._cooling.get(i, 0) > now
+        ]
+
+    async def call(self, fn: Callable[[AsyncRouterClient], Awaitable[T]]) -> T:
+        return (await self.call_indexed(fn))[1]
+
+    async def call_indexed(self, fn: Callable[[AsyncRouterClient], Awaitable[T]]) -> tuple[int, T]:
+        """fn on one router; on the next when that one is unreachable, in rounds for up to failover_wait_s;
+        -> (the router's index, fn's result). RouterError UNAVAILABLE when none answers."""
+        deadline = time.monotonic() + self.failover_wait_s
+        while True:
+            stopping: RouterError | None = None  # a router said the service is shutting down
+            for i in self._order():
+                try:
+                    client = await self._client(i)
+                    result = await fn(client)
+                except RouterError as e:
+                    if not unreachable(e):
+                        raise
+                    if _SHUTTING_DOWN in e.message:
+                        stopping = e
+                        continue
+                    self._drop(i, e)
+                except Exception as e:  # noqa: BLE001 - its actor is dead or restarting (Ray errors, timeout)
+                    self._drop(i, e)
+                else:
+                    self._cooling.pop(i, None)
+                    return i, result
+            if stopping is not None:  # no waiting for a service that is going away
+                raise stopping
+            if time.monotonic() >= deadline:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no router replica is reachable; retry later")
+            await asyncio.sleep(ROUND_PAUSE_S)
+
+    async def settle(self, i: int, request_id: str) -> None:
+        """Tell router i that its placement reached the decode worker (best effort: a router that is gone
+        forgot the placement anyway)."""
+        client = self._clients.get(i)
+        if client is None:
+            return
+        try:
+            await asyncio.wait_for(client.settle(request_id), ACTOR_CALL_TIMEOUT_S)
+        except (TimeoutError, RouterError) as e:
+            log.info("settle %s on router replica %d: %s", request_id, i, e)
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+
+
+class WorkerDirectory:
+    """Worker id -> Ray actor handle, as the routers know them (a group restart replaces a worker's handle)."""
+
+    def __init__(self, routers: RouterSet):
+        self.routers = routers
+        self._handles: dict[str, object] = {}
+        self._stale = True
+        self._lock = asyncio.Lock()
+
+    def mark_stale(self) -> None:
+        """A worker died: ask for the handles again before the next placement uses them."""
+        self._stale = True
+
+    async def _refresh(self) -> None:
+        async with self._lock:
+            if not self._stale:
+                return
+            for actor in self.routers.actors:
+                try:
+                    self._handles = await asyncio.wait_for(actor.worker_handles.remote(), ACTOR_CALL_TIMEOUT_S)
+                except Exception as e:  # noqa: BLE001 - that router is down: ask another
+                    log.warning("worker handles: a router actor did not answer (%s)", type(e).__name__)
+                    continue
+                self._stale = False
+                return
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no router replica is reachable; retry later")
+
+    async def workers(self, placed: PlacedRequest) -> Workers:
+        ids = (placed.prefill_worker, placed.decode_worker)
+        if self._stale or any(w not in self._handles for w in ids):
+            self._stale = True
+            await self._refresh()
+        missing = [w for w in ids if w not in self._handles]
+        if missing:
+            raise RouterError(grpc.StatusCode.INTERNAL, f"the router placed the request on unknown workers {missing}")
+        return Workers(ids[0], self._handles[ids[0]], ids[1], self._handles[ids[1]])
+
+
+class DirectClient:
+    """An ingress replica's client of the service (module docstring); create it inside the loop that uses it."""
+
+    def __init__(
+        self,
+        routers: Sequence,
+        token: str | None,
+        timeout_s: float,
+        *,
+        max_migrations: int = 2,
+        watch_interval_s: float = 1.0,
+    ):
+        self.routers = RouterSet(routers, token, timeout_s)
+        self.directory = WorkerDirectory(self.routers)
+        self.streamer = RayStreamer()
+        self.max_migrations = max_migrations
+        self.watch_interval_s = watch_interval_s
+        self.watches = StreamWatches()
+        self._watcher: asyncio.Task | None = None
+        self._settling: set[asyncio.Task] = set()  # Settle calls in flight (kept referenced until done)
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str = ""
+    ) -> AsyncIterator[StreamEvent]:
+        params = params or SamplingParams()
+        dreq = DispatchRequest(request_id, tuple(prompt_ids), params)
+        placed: dict[str, PlacedRequest] = {}  # request id of each placement -> where it ran
+        self._watch_soon()
+        events = recovering_stream(
+            dreq,
+            lambda req, excluded: self._attempt(req, excluded, placed),
+            incarnation_of=lambda wid: _latest(placed, wid).incarnation(wid),
+            role_of=lambda wid: "prefill" if wid != _latest(placed, wid).decode_worker else "decode",
+            max_migrations=self.max_migrations,
+            on_death=lambda wid: self.directory.mark_stale(),
+        )
+        first, shown = True, set()
+        try:
+            async with contextlib.aclosing(events):
+                async for ev in events:
+                    where = placed.get(ev.request_id) if ev.request_id not in shown else None
+                    shown.add(ev.request_id)
+                    yield _event(ev, where, params, lead_none=first and params.prompt_logprobs)
+                    first = False
+        except RouterFailure as f:
+            raise RouterError(_STATUS[f.code], f.message) from None
+
+    async def _attempt(
+        self, dreq: DispatchRequest, excluded: dict[str, str], placed: dict[str, PlacedRequest]
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """One placement: Place on a router, then run it on the named workers (router.migration's attempt)."""
+        router, where = await self.routers.call_indexed(
+            lambda c: c.place(dreq.prompt_ids, dreq.params, dreq.request_id, dict(excluded), retry=bool(excluded))
+        )
+        placed[dreq.request_id] = where
+        loop = asyncio.get_running_loop()
+
+        def reached() -> None:  # the decode worker holds it: the router may count it by that worker's reports
+            task = loop.create_task(self.routers.settle(router, dreq.request_id))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+        try:
+            workers = await self.directory.workers(where)
+        except BaseException:
+            reached()  # it never reaches a worker: the router need not hold it
+            raise
+        p_id, d_id = workers.prefill_id, workers.decode_id
+        watch = self.watches.watch(p_id, d_id)
+        try:
+            events = self.streamer.run_placement(dreq, workers, reached)
+            async with contextlib.aclosing(events):
+                while (ev := await watch.next(events)) is not StreamWatches.END:
+                    if p_id != d_id and (ev.token_id is not None or ev.finished):
+                        watch.release(p_id)  # prefill is over
+                    yield ev
+                    if ev.finished:
+                        return
+        except Exception as e:
+            failure = failure_of(e, dreq.request_id)
+            if failure is None:
+                raise
+            raise failure from None
+        finally:
+            watch.close()
+
+    # ---- workers found down by the routers' health probes -------------------------------------------
+    def _watch_soon(self) -> None:
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_health())
+
+    async def _watch_health(self) -> None:
+        """While streams are open: fail the streams of each worker a router reports down (they then recover)."""
+        while True:
+            await asyncio.sleep(self.watch_interval_s)
+            if not len(self.watches):
+                return
+            try:
+                rep = await asyncio.wait_for(self.health(), 5.0)
+            except (TimeoutError, RouterError):
+                continue
+            for w in rep.workers:
+                if not w.healthy and (moved := self.watches.worker_down(w.worker_id)):
+                    log.warning(
+                        "worker %s is down: %d streams waiting on it are retried or migrated", w.worker_id, moved
+                    )
+                    self.directory.mark_stale()
+
+    async def health(self, probe: bool = False) -> HealthReport:
+        return await self.routers.call(lambda c: c.health(probe))
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        await self.routers.close()
+
+
+def _latest(placed: dict[str, PlacedRequest], worker_id: str) -> PlacedRequest:
+    """The last placement of the request on `worker_id` (there is one: the death came from one of its workers)."""
+    return next(p for p in reversed(placed.values()) if worker_id in (p.prefill_worker, p.decode_worker))
+
+
+def _event(ev: TokenEvent, where: PlacedRequest | None, params: SamplingParams, lead_none: bool) -> StreamEvent:
+    """A TokenEvent as the router client would have delivered it: prompt logprobs with the first prompt token's None,
+    the workers and cached tokens on a placement's first event."""
+    plps = ((None,) if lead_none else ()) + tuple(
+        None if x is not None and math.isnan(x) else x for x in ev.prompt_logprobs
+    )
+    return StreamEvent(
+        ev.request_id,
+        ev.token_id,
+        ev.logprob if params.logprobs and ev.token_id is not None else None,
+        ev.finished,
+        ev.finish_reason,
+        plps,
+        where.prefill_worker if where else "",
+        where.decode_worker if where else "",
+        ev.cached_tokens if where else 0,
+    )

@@ -1,0 +1,234 @@
+"""One placement of a request over Ray actors: prefill on the prefill actor, then the decode actor's token stream.
+
+Called by whoever owns the request's stream: the HTTP ingress replica (service.direct_path; the router only placed
+the request) or the router's RayDispatcher (the router's own `Generate`). Nothing here keeps state between requests
+beyond an optional cache of the prefill workers' transfer metadata.
+
+`run_placement` yields the engine's TokenEvents: the first token only once the decode side holds the caches (so
+TTFT includes the transfer, and a failed transfer fails the request before anything was streamed), then the decode
+actor's tokens, which it sends in batches (every event its engine produced since the last message: one Ray item
+for several tokens when the reader lags or speculative decoding accepts several). Errors:
+- an actor that died (or whose engine loop ended: `LoopStopped`) -> `WorkerDied` naming it;
+- a decode worker that does not know the prefill worker (`PeerUnknown`: one of them restarted since the health
+  probe introduced them) -> the pair is introduced here and the pull retried once;
+- a decode worker that is momentarily full (`DecodeOverloaded`: the router's admission estimate was off, or two
+  routers placed on its last slot) -> retried with backoff for `overload_retry_s`, then `Overloaded`;
+- a failed pull whose prefill worker no longer holds the export (it restarted) -> that worker's `WorkerDied`;
+- an actor's own error arrives wrapped in Ray's RayTaskError (a remote traceback with pids and addresses): it is
+  unwrapped, so only the worker's message travels on (a ValueError is the request's fault).
+Closing the generator before the finish (client gone, stop string, a worker marked down) aborts the request on both
+workers, fire-and-forget: the engines free its pages (docs/architecture.md, who frees what).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+from engine.execution.request import TokenEvent
+from engine.handoff import DecodeOverloaded, PeerUnknown, Transferred
+from engine.runtime.engine_loop import LoopStopped
+from kv_transfer.base import TransferError
+from router.dispatch import DispatchRequest, Overloaded, WorkerDied
+
+DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+def cause(e: BaseException) -> BaseException:
+    """The exception an actor method raised, without Ray's remote-traceback wrapper."""
+    inner = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
+    return inner if isinstance(inner, Exception) else e
+
+
+def failure(e: BaseException, worker_id: str) -> BaseException:
+    """What a caller sees for an actor's task error: a dead engine loop is the worker's death, else the cause."""
+    inner = cause(e)
+    return WorkerDied(worker_id, f"its engine failed: {inner}") if isinstance(inner, LoopStopped) else inner
+
+
+async def stream_items(stream, worker_id: str):
+    """The items of a Ray streaming call, flattened (a decode worker sends a tuple of events per message), with a
+    dead actor as WorkerDied and a task error as its cause."""
+    async for ref in stream:
+        try:
+            item = await ref
+        except DEAD as e:
+            raise WorkerDied(worker_id, str(e)) from None
+        except RayTaskError as e:
+            raise failure(e, worker_id) from None
+        if isinstance(item, tuple):
+            for ev in item:
+                yield ev
+        else:
+            yield item
+
+
+@dataclass(frozen=True)
+class Workers:
+    """The two actors of one placement (the same decode actor twice for a local prefill)."""
+
+    prefill_id: str
+    prefill: object  # Ray actor handle
+    decode_id: str
+    decode: object
+
+    @property
+    def local(self) -> bool:
+        """Conditional disaggregation: the decode worker prefills the request itself (no transfer)."""
+        return self.prefill_id == self.decode_id
+
+
+class RayStreamer:
+    def __init__(
+        self,
+        call_timeout_s: float = 10.0,
+        overload_retry_s: float = 5.0,
+        known_metadata: Callable[[str, str], bytes | None] | None = None,
+    ):
+        """known_metadata(prefill id, incarnation): transfer metadata already fetched for that incarnation (the
+        dispatcher's cache), else None and it is asked for."""
+        self.call_timeout_s = call_timeout_s
+        self.overload_retry_s = overload_retry_s
+        self.known_metadata = known_metadata
+
+    async def still_holds(self, handle, incarnation: str) -> bool:
+        """Is the worker that prefilled (this incarnation of it, not a restarted one) still alive?"""
+        try:
+            return await asyncio.wait_for(handle.ping.remote(), self.call_timeout_s) == incarnation
+        except (TimeoutError, *DEAD, RayTaskError):
+            return False
+
+    async def introduce_pair(self, w: Workers, incarnation: str) -> None:
+        md = self.known_metadata(w.prefill_id, incarnation) if self.known_metadata is not None else None
+        if md is None:
+            md = await w.prefill.transfer_metadata.remote()  # type: ignore[attr-defined]
+        await w.decode.add_peer.remote(w.prefill_id, md)  # type: ignore[attr-defined]
+
+    async def _generate_local(self, rid: str, prompt: list[int], params, w: Workers, reached: Callable[[], None]):
+        """Prefill and decode on one decode worker (router reason "local_prefill")."""
+        finished = False
+        reached()  # the call below puts the request on the decode worker at once
+        try:
+            gen: object = w.decode.generate_local  # type: ignore[attr-defined]
+            stream = gen.options(num_returns="streaming").remote(rid, prompt, params, params.seed, batch=True)  # type: ignore[attr-defined]
+            async for item in stream_items(stream, w.decode_id):
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                abort(w.decode, rid)
+
+    async def _open_decode(self, result, prompt, params, w: Workers):
+        """Start the decode stream; -> (stream, its first item: Transferred). Retries a race with a restart
+        (PeerUnknown, once) and a full worker (DecodeOverloaded, for overload_retry_s)."""
+        deadline, delay, introduced = time.monotonic() + self.overload_retry_s, 0.05, False
+        decode_call: object = w.decode.decode  # type: ignore[attr-defined]
+        while True:
+            stream = decode_call.options(num_returns="streaming").remote(result, prompt, params, batch=True)  # type: ignore[attr-defined]
+            try:
+                try:
+                    item = await (await anext(stream))
+                except RayTaskError as e:
+                    raise failure(e, w.decode_id) from None
+            except DEAD as e:
+                raise WorkerDied(w.decode_id, str(e)) from None
+            except PeerUnknown:
+                if introduced:
+                    raise WorkerDied(
+                        w.decode_id, "still lacks the prefill worker's metadata after an introduction"
+                    ) from None
+                introduced = True
+                try:
+                    await asyncio.wait_for(self.introduce_pair(w, result.incarnation), self.call_timeout_s)
+                except (TimeoutError, *DEAD, RayTaskError) as e:
+                    if not await self.still_holds(w.prefill, result.incarnation):
+                        raise WorkerDied(w.prefill_id, f"introducing it to {w.decode_id}: {cause(e)}") from None
+                    raise WorkerDied(w.decode_id, f"introducing {w.prefill_id}: {cause(e)}") from None
+                continue
+            except DecodeOverloaded as e:
+                if time.monotonic() + delay > deadline:
+                    raise Overloaded(str(e)) from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+                continue
+            except TransferError as e:
+                # A pull fails when its source dies mid-transfer: report that as the prefill worker's death
+                # (nothing was streamed yet, so the owner retries elsewhere); else fail as is.
+                if not await self.still_holds(w.prefill, result.incarnation):
+                    raise WorkerDied(w.prefill_id, f"KV transfer failed: {e}") from None
+                raise
+            return stream, item
+
+    async def run_placement(
+        self, request: DispatchRequest, w: Workers, reached: Callable[[], None] | None = None
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """The request's TokenEvents on these two workers (module docstring). `reached()` is called once, when the
+        decode worker holds the request (its reports count it from then on) or the request ended before that."""
+        rid, prompt, params = request.request_id, list(request.prompt_ids), request.params
+        told = False
+
+        def tell() -> None:
+            nonlocal told
+            if not told and reached is not None:
+                told = True
+                reached()
+
+        if w.local:
+            try:
+                async for ev in self._generate_local(rid, prompt, params, w, tell):
+                    yield ev
+            finally:
+                tell()
+            return
+        finished = False
+        try:
+            try:
+                result = await w.prefill.prefill.remote(rid, prompt, params, params.seed)  # type: ignore[attr-defined]
+            except DEAD as e:
+                raise WorkerDied(w.prefill_id, str(e)) from None
+            except RayTaskError as e:
+                raise failure(e, w.prefill_id) from None
+            first = TokenEvent(
+                rid,
+                result.first_token,
+                result.first_logprob,
+                result.finished,
+                result.finish_reason,
+                tuple(result.prompt_logprobs[1:]) if params.prompt_logprobs else (),
+                result.cached_tokens,
+            )
+            if result.finished:
+                finished = True
+                yield first
+                return
+            stream, item = await self._open_decode(result, prompt, params, w)
+            assert isinstance(item, Transferred), item
+            tell()
+            yield first  # released only now: TTFT includes the transfer
+            async for ev in stream_items(stream, w.decode_id):
+                finished = ev.finished
+                yield ev
+                if finished:
+                    return
+        except DEAD as e:
+            raise WorkerDied(w.decode_id, str(e)) from None
+        finally:
+            tell()
+            if not finished:
+                # Client went away or something failed: free pages on both sides, never leak.
+                abort(w.prefill, rid)
+                abort(w.decode, rid)
+
+
+def abort(handle, rid: str) -> None:
+    """Fire-and-forget abort (the worker may be dead: nothing to wait for)."""
+    try:
+        handle.abort.remote(rid)
+    except DEAD:
+        pass
