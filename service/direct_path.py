@@ -5,7 +5,9 @@ workers and reads the decode worker's stream itself (no router, no other process
 same interface as `router.client.AsyncRouterClient`: `generate` yields `StreamEvent`s, every failure is a
 `RouterError` with its gRPC code, `health`). Per request:
 1. `Place` on one of the router replicas (`RouterSet`: in turn; one that cannot be reached is skipped and the call
-   goes to the next). The router admits (queues for a decode slot, or says 429 / 503) and names the workers;
+   goes to the next). The router admits (queues for a decode slot, or says 429 / 503) and names the workers. A
+   replica sees the others' placements only through the workers' reports (a probe late), so two may place on one
+   last slot: the decode worker refuses the second and that request goes back to a router's queue;
 2. `service.ray_stream.RayStreamer.run_placement` on the actor handles of those workers (`WorkerDirectory`):
    prefill, the KV pull, then the decode actor's Ray stream (tokens batched per message) straight into this
    replica's SSE response;
@@ -35,7 +37,7 @@ import grpc
 from engine.execution.request import TokenEvent
 from engine.execution.sampling_params import SamplingParams
 from router.client import AsyncRouterClient, HealthReport, PlacedRequest, RouterError, StreamEvent
-from router.dispatch import DispatchRequest
+from router.dispatch import DispatchRequest, Overloaded, WorkerDied
 from router.migration import RouterFailure, failure_of, recovering_stream
 from router.stream_watch import StreamWatches
 from service.ray_stream import RayStreamer, Workers
@@ -49,6 +51,9 @@ _SHUTTING_DOWN = "shutting down"  # a draining router: try the others, but do no
 ACTOR_CALL_TIMEOUT_S = 5.0
 FAILOVER_WAIT_S = 10.0  # no router answers: keep trying this long (Ray restarts a killed one in seconds)
 ROUND_PAUSE_S = 0.25
+OPEN_RETRY_S = 1.0  # a full decode worker at open: retried this long, then the request goes back to a queue
+OVERLOAD_REQUEUE_S = 30.0  # ... for at most this long in all, then RESOURCE_EXHAUSTED
+REQUEUE_PAUSE_S = 0.2
 
 
 def unreachable(e: RouterError) -> bool:
@@ -184,8 +189,8 @@ class WorkerDirectory:
             self._stale = True
             await self._refresh()
         missing = [w for w in ids if w not in self._handles]
-        if missing:
-            raise RouterError(grpc.StatusCode.INTERNAL, f"the router placed the request on unknown workers {missing}")
+        if missing:  # it left its (elastic) pool since the placement: placed again, like after a death
+            raise WorkerDied(missing[0], "it left its pool")
         return Workers(ids[0], self._handles[ids[0]], ids[1], self._handles[ids[1]])
 
 
@@ -203,7 +208,7 @@ class DirectClient:
     ):
         self.routers = RouterSet(routers, token, timeout_s)
         self.directory = WorkerDirectory(self.routers)
-        self.streamer = RayStreamer()
+        self.streamer = RayStreamer(overload_retry_s=OPEN_RETRY_S)
         self.max_migrations = max_migrations
         self.watch_interval_s = watch_interval_s
         self.watches = StreamWatches()
@@ -239,7 +244,30 @@ class DirectClient:
     async def _attempt(
         self, dreq: DispatchRequest, excluded: dict[str, str], placed: dict[str, PlacedRequest]
     ) -> AsyncGenerator[TokenEvent, None]:
-        """One placement: Place on a router, then run it on the named workers (router.migration's attempt)."""
+        """One placement of the request (router.migration's attempt). A decode worker found full when the stream
+        opens sends the request back to a router's queue: another router placed on its last slot before this
+        router's reports showed it (each replica sees the others' placements only through the workers' reports,
+        up to a probe late), and the queue, not a 429, is where the request should wait. For up to
+        OVERLOAD_REQUEUE_S, then RESOURCE_EXHAUSTED."""
+        deadline, pause = time.monotonic() + OVERLOAD_REQUEUE_S, REQUEUE_PAUSE_S
+        while True:
+            try:
+                async with contextlib.aclosing(self._placement(dreq, excluded, placed)) as events:
+                    async for ev in events:
+                        yield ev
+                return
+            except Overloaded as e:  # raised before the first event: nothing was streamed
+                failure = failure_of(e, dreq.request_id)
+                if time.monotonic() + pause > deadline and failure is not None:
+                    raise failure from None
+                log.info("request %s: decode worker full at open (%s); back to a router's queue", dreq.request_id, e)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 1.0)
+
+    async def _placement(
+        self, dreq: DispatchRequest, excluded: dict[str, str], placed: dict[str, PlacedRequest]
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """Place on a router, then run the request on the named workers; raises Overloaded as is."""
         router, where = await self.routers.call_indexed(
             lambda c: c.place(dreq.prompt_ids, dreq.params, dreq.request_id, dict(excluded), retry=bool(excluded))
         )
@@ -268,7 +296,7 @@ class DirectClient:
                     if ev.finished:
                         return
         except Exception as e:
-            failure = failure_of(e, dreq.request_id)
+            failure = None if isinstance(e, Overloaded) else failure_of(e, dreq.request_id)
             if failure is None:
                 raise
             raise failure from None
