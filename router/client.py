@@ -9,7 +9,7 @@ as the call's status.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -305,7 +305,7 @@ class AsyncRouterClient:
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str = ""
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         call = self._stub.Generate(
             build_request(prompt_ids, params, request_id), timeout=self.timeout_s, metadata=self._md
         )

@@ -21,7 +21,7 @@ Contract of a Dispatcher (the router is its only caller; all calls come from the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -114,7 +114,7 @@ class Dispatcher(Protocol):
         """Latest known state of every worker, healthy or not."""
         ...
 
-    def generate(self, request: DispatchRequest, prefill_id: str, decode_id: str) -> AsyncIterator[TokenEvent]:
+    def generate(self, request: DispatchRequest, prefill_id: str, decode_id: str) -> AsyncGenerator[TokenEvent, None]:
         """Run `request` (prefill on `prefill_id`, decode on `decode_id`); an async generator of events."""
         ...
 

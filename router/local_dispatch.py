@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from engine.execution.request import TokenEvent
 from engine.execution.runner import EngineCore
@@ -174,7 +174,9 @@ class LocalDispatcher:
     def workers(self) -> list[WorkerInfo]:
         return [dataclasses.replace(w.info(), healthy=self._healthy[wid]) for wid, w in self._workers.items()]
 
-    async def generate(self, request: DispatchRequest, prefill_id: str, decode_id: str) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, request: DispatchRequest, prefill_id: str, decode_id: str
+    ) -> AsyncGenerator[TokenEvent, None]:
         if prefill_id != decode_id:
             raise RuntimeError(
                 f"colocated dispatcher cannot hand {request.request_id} off from {prefill_id} to {decode_id}"

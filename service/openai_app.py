@@ -23,7 +23,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -86,7 +87,7 @@ class OpenAIServer:
         self.max_prompt_chars = self.max_model_len * max(longest, 1)
         self.v4_chat = chat_v4.uses_v4_encoding(model_dir, self.tokenizer)  # DeepSeek V4's own chat format
         self._client: AsyncRouterClient | None = None
-        self._client_loop = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
 
     def client(self) -> AsyncRouterClient:
         # grpc.aio channels belong to the loop that creates them: create it lazily in the serving loop.
@@ -270,7 +271,7 @@ class OpenAIServer:
         )
 
     # ---- running ---------------------------------------------------------------------------------
-    async def _pieces(self, job: Job) -> AsyncIterator[tuple[int | None, float | None, str]]:
+    async def _pieces(self, job: Job) -> AsyncGenerator[tuple[int | None, float | None, str], None]:
         """Run `job` on the router; yield (token id, logprob, text delta) per event; fills in the job."""
         events = self.client().generate(job.prompt_ids, job.params, job.rid)
         last = None
@@ -490,7 +491,7 @@ def make_app(get_server: Callable[[], OpenAIServer] = current_server, api_docs: 
     which `dsv4 serve --api-docs` sets for the Serve replicas)."""
     if api_docs is None:
         api_docs = settings().api_docs
-    docs = {} if api_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    docs: dict[str, Any] = {} if api_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="dsv4 OpenAI-compatible API", **docs)
     # Outermost: body limit and API key before anything buffers or parses the body.
     app.add_middleware(GuardMiddleware, options=lambda: get_server().options, error_body=P.error_body)
