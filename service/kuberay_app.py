@@ -32,6 +32,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kv_transfer.registry import TRANSFER_CHOICES
 from service.actor_pools import remote_classes
@@ -210,6 +211,13 @@ class EntryRouter(RouterActor):
         return ray.util.get_node_ip_address()
 
 
+def actor_class(cls: type, **options: Any) -> Any:
+    """ray.remote(**options)(cls): an actor class (Ray's stubs type the decorator for remote functions only)."""
+    import ray
+
+    return ray.remote(**options)(cls)
+
+
 class TokenKeeper:
     """Holds the cluster token (router and transfer listeners) across builder re-runs: workers that are kept
     and workers that are replaced must agree on it."""
@@ -226,7 +234,7 @@ def cluster_token() -> str:
 
     from router.auth import new_token
 
-    keeper = ray.remote(num_cpus=0)(TokenKeeper).options(
+    keeper = actor_class(TokenKeeper, num_cpus=0).options(
         name="dsv4-token", namespace=NAMESPACE, lifetime="detached", get_if_exists=True
     )
     return ray.get(keeper.remote(new_token()).token.remote())
@@ -398,7 +406,7 @@ def start_backend(cfg: EntryConfig) -> tuple[str, str, object]:
     pools = _pool_manager(cfg, model_dir, token, prefill, decode)
     router_name = f"dsv4-router-{_fingerprint(sorted(workers), cfg.service.router_policy)}"
     router = (
-        ray.remote(num_cpus=0, max_concurrency=1000)(EntryRouter)
+        actor_class(EntryRouter, num_cpus=0, max_concurrency=1000)
         .options(
             name=router_name,
             namespace=NAMESPACE,
@@ -489,7 +497,9 @@ def worker_ids(cfg: EntryConfig, role: str) -> list[str]:
 def _role_fingerprint(cfg: EntryConfig, role: str, model_dir: str | None) -> str:
     """What a worker is built from (not how many there are: scaling keeps the existing ones)."""
     plan = cfg.plan(role)
-    layout = () if plan.tensor_parallel_size == 1 else (plan.tensor_parallel_size, plan.expert_parallel)
+    layout: tuple[int | bool | str, ...] = (
+        () if plan.tensor_parallel_size == 1 else (plan.tensor_parallel_size, plan.expert_parallel)
+    )
     layout += ("data-parallel attention",) if plan.data_parallel_attention else ()  # (older layouts keep their names)
     return _fingerprint(model_dir, cfg.service.transfer, plan.engine_options, plan.resources, plan.num_gpus, *layout)
 
@@ -504,13 +514,13 @@ def build(args: dict):
     """Serve application builder: start the backend, -> the OpenAI ingress app bound to its router."""
     from engine.loading.make_model import default_model_dir
     from service.ingress_guard import IngressOptions
-    from service.serve_ingress import OpenAIIngress
+    from service.serve_ingress import ingress_deployment
 
     cfg = parse_args(args)
     router_addr, token, router = start_backend(cfg)
     # The API key comes from the pod's environment (DSV4_API_KEY, from the chart's Secret).
     options = IngressOptions.from_env(router_token=token, max_model_len=ingress_max_model_len(cfg))
-    return OpenAIIngress.bind(
+    return ingress_deployment().bind(
         router_addr,
         cfg.service.model_dir or default_model_dir(),
         cfg.service.model_name,

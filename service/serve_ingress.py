@@ -19,8 +19,10 @@ the default is two of them, so that one stuck or restarting replica never takes 
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 from ray import serve
+from ray.serve import Deployment
 
 from service.http_limits import proxy_env
 from service.ingress_guard import IngressOptions
@@ -71,6 +73,12 @@ class OpenAIIngress:
         await asyncio.sleep(0)  # answering at all proves the event loop is not blocked
 
 
+def ingress_deployment() -> Deployment:
+    """The ingress as what `serve.deployment` made it: a Deployment (Ray's stubs type the decorated name as the
+    class itself, which has no `options` or `bind`)."""
+    return cast(Deployment, OpenAIIngress)
+
+
 def deploy_http(
     router_addr: str,
     model_dir: str,
@@ -93,7 +101,7 @@ def deploy_http(
         http_options={"host": host, "port": port},
         controller_options={"runtime_env": {"env_vars": proxy_env(limits)}},
     )
-    deployment = OpenAIIngress.options(num_replicas=num_replicas)
+    deployment = ingress_deployment().options(num_replicas=num_replicas)
     return serve.run(
         deployment.bind(router_addr, model_dir, model_name, request_timeout_s, options, routers),
         name=app_name,
