@@ -13,7 +13,7 @@ Choice (`choose_by_cache`), for the healthy prefill candidates, all with digests
 - cached(w): prompt tokens w would serve from cache (at most n - 1: one token is always computed);
 - pending(w): the uncached prompt tokens this router sent to w whose prefill has not finished
   (RoutingPolicy tracks it: it does not lag like a load report): w's queue, this request's wait there;
-- cost(w) = pending(w) + weight x (n - cached(w)) x (1 + balance_gain x r(w)), the least wins (ties: fewer
+- cost(w) = pending(w) + weight x (n - cached(w)) x exp(balance_gain x r(w)), the least wins (ties: fewer
   requests there, then rotate). The Dynamo / LMetric family of rules, with three terms from the traffic:
   - weight = uncached_weight (2) x (1 + backlog_gain (0.5) x min_w pending(w) / n). A prefix recomputed
     elsewhere delays every later request there and its copy evicts other prefixes, so a growing session
@@ -21,17 +21,21 @@ Choice (`choose_by_cache`), for the healthy prefill candidates, all with digests
     weight 1 bursts and heavy-tailed lengths scattered sessions: 86% / 91% of the pooled hit rate on the
     `bursty` / `heavy_tail` traces, 96% / 96% at 2). When every worker has a queue (the shortest one is
     long), moving a session only adds its recompute to the total backlog, so the weight grows with it: at
-    twice the traces' arrival rate chat kept 96% of the pooled hit rate (TTFT p99 1.6 s) instead of 91%
-    (2.9 s). The per-worker "overlap credit that decays with the holder's backlog" of Dynamo was tried
-    and dropped: the queue term already moves sessions off a congested holder, and the decay cost 5-8
-    points of hit rate and 40% TTFT p99 at twice the rate, nothing at the traces' own.
+    twice the traces' arrival rate chat kept 96% of the pooled hit rate (TTFT p99 1.7 s) instead of 92%
+    (2.8 s). The per-worker "overlap credit that decays with the holder's backlog" of Dynamo was tried
+    and dropped: the queue term already moves sessions off a congested holder, and the decay (credit 2 ->
+    1 as the holder's queue passes 16K / 4K tokens) cost chat at twice the rate 3 / 8 points of hit rate
+    and 45% / 130% on TTFT p99, and gained nothing at the traces' own rates.
   - r(w) = w's prompt tokens computed recently (decayed, `balance_half_life_s`) / the candidates' mean - 1,
-    clamped to [-1, 1]; balance_gain 0.8. Long-run balance that scales what a worker's MISSES cost: a
-    session's next turn (a block or two to compute at its holder) stays put, while a new session (only a
-    shared prefix cached anywhere) goes to the worker that has done the least. Added to the cost instead
-    (max(0, recent - mean), the earlier rule), the term is tens of thousands of tokens on every warm
-    worker, so the one worker below the mean soaked up other sessions' steps and queued them: agentic
-    TTFT p99 0.389 s against least_loaded's 0.332 s; with the factor 0.10 s, load max/mean 1.09.
+    at most 1; balance_gain 2.5. Long-run balance that scales what a worker's MISSES cost (x0.08 for a
+    worker with no recent work, x12 at twice the mean): a session's next turn (a block or two to compute
+    at its holder, the whole context anywhere else) stays put, while a new session (only a shared prefix
+    cached anywhere) goes to a worker that has done less, even at the price of that prefix. Added to the
+    cost instead (max(0, recent - mean), the earlier rule), the term is tens of thousands of tokens on
+    every warm worker, so the one worker below the mean soaked up other sessions' steps and queued them:
+    agentic TTFT p99 0.389 s against least_loaded's 0.332 s; with the factor 0.10 s, load max/mean 1.09.
+    A linear factor (1 + 0.8 r) did as well at 8 workers but left 64 at max/mean 1.66 on chat (each worker
+    holds few sessions there; a new one must be worth moving a shared prefix for): exp(2.5 r) gives 1.18.
   A short best match needs no rule of its own: its few cached tokens barely lower the cost (a load-only
   fallback below 10% or 30% of the prompt changed no result on the seven traces).
 - anti-hot-spot guard: if the winner's request load exceeds the least-loaded worker's by more than

@@ -61,6 +61,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from math import exp
 
 from router import locality
 from router.dispatch import DECODE_ROLES, PREFILL_ROLES, NoWorkerAvailable, WorkerInfo
@@ -129,10 +130,10 @@ class PolicyConfig:
     # tokens): when every worker has a queue, recomputing a prefix only adds to the total backlog, so sessions
     # stick harder (the shortest queue, not the mean: a long queue on the holder alone must not make it stickier)
     backlog_gain: float = 0.5
-    # ... times (1 + balance_gain x r), r = the worker's prompt tokens computed recently (decayed with this
-    # half-life) relative to the candidates' mean, clamped to [-1, 1]: a busy worker's misses cost more, a
-    # cold one's less, while a session's next turn (few tokens to compute where its prefix is) stays put.
-    balance_gain: float = 0.8
+    # ... times exp(balance_gain x r), r = the worker's prompt tokens computed recently (decayed with this
+    # half-life) / the candidates' mean - 1, at most 1: a busy worker's misses cost more, a cold one's less,
+    # while a session's next turn (few tokens to compute where its prefix is) stays put.
+    balance_gain: float = 2.5
     balance_half_life_s: float = 30.0
     # Conditional disaggregation (cache_aware on real digests): a request whose part not cached on its
     # decode worker is at most this many tokens is prefilled there, skipping the transfer. 0 = off (the
@@ -156,9 +157,9 @@ class PolicyConfig:
             raise ValueError(f"uncached_weight must be >= 1, got {self.uncached_weight}")
         if self.balance_half_life_s <= 0:
             raise ValueError(f"balance_half_life_s must be > 0, got {self.balance_half_life_s}")
-        if not 0.0 <= self.balance_gain < 1.0 or self.backlog_gain < 0.0:
+        if self.balance_gain < 0.0 or self.backlog_gain < 0.0:
             raise ValueError(
-                f"balance_gain must be in [0, 1) and backlog_gain >= 0, got {self.balance_gain}, {self.backlog_gain}"
+                f"balance_gain and backlog_gain must be >= 0, got {self.balance_gain}, {self.backlog_gain}"
             )
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError(
@@ -407,7 +408,7 @@ class RoutingPolicy:
         for w in candidates:
             wid = w.worker_id
             r = stored.get(wid, 0.0) * per_mean - 1.0 if per_mean else 0.0
-            cost = pending.get(wid, 0) + weight * (n - cached.get(wid, 0)) * (1.0 + gain * (r if r < 1.0 else 1.0))
+            cost = pending.get(wid, 0) + weight * (n - cached.get(wid, 0)) * exp(gain * (r if r < 1.0 else 1.0))
             load = w.running + w.waiting
             mine = inflight.get(wid, 0)
             if mine > load:

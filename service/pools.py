@@ -160,18 +160,6 @@ def stop_elastic(manager) -> list:
         return []
 
 
-def find_manager():
-    """`dsv4 serve`'s PoolManager (named MANAGER_NAME in this job's namespace), or None: its pools are fixed."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    try:
-        return ray.get_actor(MANAGER_NAME)
-    except ValueError:
-        return None
-
-
 def start_pool_manager(config: ElasticConfig, recipes: dict, initial: dict, **actor_options):
     """The PoolManager actor (named MANAGER_NAME unless actor_options say otherwise; restarted by Ray; no CPU
     reserved: it mostly waits); its loop starts with the first `membership` call (a router's health check)."""

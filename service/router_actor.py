@@ -39,11 +39,9 @@ class RouterActor:
         from router.policy import PolicyConfig, RoutingPolicy
         from router.server import RouterServer
         from service.group_restart import GroupSupervisor
-        from service.pools import find_manager
         from service.ray_dispatcher import RayDispatcher
 
-        # A replica not handed the PoolManager finds it by name (one lookup; None while the pools are fixed).
-        self.dispatcher = RayDispatcher(prefill, decode, pools=pools if pools is not None else find_manager())
+        self.dispatcher = RayDispatcher(prefill, decode, pools=pools)
         # Its in-flight count covers only its own recent placements (the stream never passes it): admission also
         # counts what the decode workers report holding.
         self.server = RouterServer(

@@ -229,6 +229,10 @@ def test_config_validation():
         PolicyConfig(balance_rel_threshold=0.5)
     with pytest.raises(ValueError):
         PolicyConfig(cache_threshold=2)
+    with pytest.raises(ValueError, match="balance_gain"):
+        PolicyConfig(balance_gain=-1.0)
+    with pytest.raises(ValueError, match="backlog_gain"):
+        PolicyConfig(backlog_gain=-0.5)
     with pytest.raises(ValueError):
         WorkerInfo("x", "both")
 
