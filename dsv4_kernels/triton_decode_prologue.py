@@ -140,7 +140,8 @@ def _prologue_kernel(
 
 def chunks_per_section(slots: int, max_width: int) -> int:
     """Programs a (row, section) pair gets: a wide section (a CSA layer's visible entries, 8192 at 32K) walked by
-    one program was ~22 us of a batch-1 step on the H200; few slots get up to MAX_PROGRAMS_PER_SECTION // slots
+    one program is latency-bound (BENCHMARKS.md, "GPU decode and prefill": the step prologue's share of a batch-1
+    step); few slots get up to MAX_PROGRAMS_PER_SECTION // slots
     programs each, a full batch keeps one (the grid already fills the GPU there)."""
     return max(1, min(triton.cdiv(max(max_width, 1), BLOCK), MAX_PROGRAMS_PER_SECTION // max(slots, 1)))
 

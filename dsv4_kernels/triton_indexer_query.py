@@ -463,8 +463,8 @@ def indexer_prologue(
     half, e = cos.shape[1], rows.shape[1]
     extra = {"num_warps": 4} if q.is_cuda else {}
     block_e = min(PROLOGUE_BLOCK_E, triton.next_power_of_2(max(e, 1)))
-    # A batch-1 step at 32K (8192 candidates) walked by one program took ~25 us a CSA layer on the H200: a few
-    # tokens split their candidates over up to PROLOGUE_MAX_PROGRAMS // T programs each.
+    # One program walking a batch-1 step's 8192 candidates (32K context) is latency-bound (BENCHMARKS.md, "GPU decode
+    # and prefill"): a few tokens split their candidates over up to PROLOGUE_MAX_PROGRAMS // T programs each.
     ne = max(1, min(triton.cdiv(max(e, 1), block_e), PROLOGUE_MAX_PROGRAMS // t))
     _prologue_kernel[(t, ne)](
         q,
