@@ -100,19 +100,20 @@ def group_recipes(
         if size > 1:
             ropts = role_engine_options(opts, role)
             recipes[wid] = GroupRecipe(
-                f"dsv4-{wid}",
-                prefill_cls if role == "prefill" else decode_cls,
-                (wid, cfg.model_dir, ropts, cfg.transfer),
-                net,
-                ropts,
-                cfg.model_dir,
-                size,
-                ep,
-                cfg.worker_num_cpus,
-                worker_gpus(cfg),
-                actor,
-                cfg.ready_timeout_s,
-                dp,
+                name=f"dsv4-{wid}",
+                role=role,
+                service=cfg,
+                args=(wid, cfg.model_dir, ropts, cfg.transfer),
+                kwargs=net,
+                opts=ropts,
+                model_dir=cfg.model_dir,
+                tp_size=size,
+                expert_parallel=ep,
+                num_cpus=cfg.worker_num_cpus,
+                num_gpus=worker_gpus(cfg),
+                actor_options=actor,
+                ready_timeout_s=cfg.ready_timeout_s,
+                data_parallel_attention=dp,
             )
     return {wid: placed[wid] for wid in recipes}, recipes
 

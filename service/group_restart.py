@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from service.rank_placement import PlacedWorker, dp_actor_names, follower_names, place_worker, remove_worker
+from service.service_config import ServiceConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +28,14 @@ NAME_FREE_TIMEOUT_S = 30.0  # a killed actor's name is released asynchronously
 
 @dataclass(frozen=True)
 class GroupRecipe:
-    """place_worker's arguments for one multi-rank worker (what start_service placed it with)."""
+    """place_worker's arguments for one multi-rank worker (what start_service placed it with). The Ray actor class
+    is made where the group is placed again, from `service` and `role` (service.actor_pools.worker_classes): a Ray
+    actor class of our workers does not pickle (cloudpickle takes it by value, and WorkerBase is a typing.Generic),
+    so it cannot travel to the router's actor."""
 
     name: str  # rank 0's actor name
-    cls: object  # the Ray actor class (PrefillWorker / DecodeWorker)
+    role: str  # "prefill" / "decode"
+    service: ServiceConfig  # what worker_classes makes the role's actor class from
     args: tuple
     kwargs: dict
     opts: dict
@@ -44,8 +49,11 @@ class GroupRecipe:
     data_parallel_attention: bool = False
 
     def place(self) -> PlacedWorker:
+        from service.actor_pools import worker_classes
+
+        prefill_cls, decode_cls = worker_classes(self.service)
         return place_worker(
-            self.cls,
+            prefill_cls if self.role == "prefill" else decode_cls,
             self.name,
             self.args,
             self.kwargs,

@@ -268,7 +268,8 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
         # role resource) a rank; a worker kept from an earlier run of the builder is reused as it is.
         recipe = GroupRecipe(
             name=name,
-            cls=cls,
+            role=role,
+            service=cfg.service,
             args=args,
             kwargs=kwargs,
             opts=opts,
