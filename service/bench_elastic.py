@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from engine.execution.sampling_params import SamplingParams
 from service.bench_trace import pct, trace_prompts
@@ -80,11 +81,45 @@ def bench_prompts(plan: BurstPlan, n: int, vocab: int) -> list[list[int]]:
     return trace_prompts(trace, plan.block_tokens, vocab, plan.max_prompt)
 
 
-async def replay(addr: str, token: str, plan: BurstPlan, prompts: list[list[int]]) -> list[dict]:
-    """Every request of the plan through the router; -> one row a request (phase, ok or the error, TTFT, ITLs)."""
+async def _router_tokens(client, prompt: list[int], n_out: int):
+    """The request's tokens through the gRPC router's Generate (the router relays them)."""
+    async for ev in client.generate(prompt, SamplingParams(max_new_tokens=n_out, ignore_eos=True)):
+        if ev.token_id is not None:
+            yield ev.token_id
+
+
+async def _http_tokens(client, prompt: list[int], n_out: int):
+    """The request's tokens through the OpenAI endpoint (official client, streamed: the ingress runs the placement
+    and reads the decode worker's stream itself); one count a streamed chunk with text."""
+    stream = await client.completions.create(
+        model="dsv4", prompt=prompt, max_tokens=n_out, stream=True, extra_body={"ignore_eos": True}
+    )
+    finish = None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            yield chunk.choices[0].text
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    if finish != "length":
+        raise RuntimeError(f"the stream ended with finish_reason {finish!r}, not 'length'")
+
+
+async def replay(
+    addr: str, token: str, plan: BurstPlan, prompts: list[list[int]], http: str | None = None
+) -> list[dict]:
+    """Every request of the plan through the router (or the OpenAI endpoint at `http`); -> one row a request
+    (phase, ok or the error, TTFT, ITLs). Over HTTP a request is whole when it ends with finish_reason "length"
+    (its detokenised chunks need not be one a token)."""
     from router.client import AsyncRouterClient
 
-    client = AsyncRouterClient(addr, timeout_s=300, token=token)
+    client: Any
+    if http:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=f"{http}/v1", api_key="none", max_retries=0, timeout=300)
+        tokens_of = _http_tokens
+    else:
+        client, tokens_of = AsyncRouterClient(addr, timeout_s=300, token=token), _router_tokens
     t0 = time.perf_counter()
     rng = random.Random(plan.seed + 1)
 
@@ -93,9 +128,7 @@ async def replay(addr: str, token: str, plan: BurstPlan, prompts: list[list[int]
         n_out = rng.randint(max(1, plan.max_new_tokens // 2), plan.max_new_tokens)
         start, last, first, itls, tokens = time.perf_counter(), 0.0, None, [], 0
         try:
-            async for ev in client.generate(prompt, SamplingParams(max_new_tokens=n_out, ignore_eos=True)):
-                if ev.token_id is None:
-                    continue
+            async for _ in tokens_of(client, prompt, n_out):
                 now, tokens = time.perf_counter(), tokens + 1
                 if first is None:
                     first = now - start
@@ -104,7 +137,7 @@ async def replay(addr: str, token: str, plan: BurstPlan, prompts: list[list[int]
                 last = now
         except Exception as e:  # noqa: BLE001 - every failure is reported, and fails the run
             return {"phase": phase, "at": at, "error": f"{type(e).__name__}: {e}"}
-        ok = tokens == n_out
+        ok = tokens == n_out or (http is not None and tokens > 0)
         return {"phase": phase, "at": at, "ttft": first, "itls": itls, "error": None if ok else f"{tokens}/{n_out}"}
 
     try:
@@ -129,7 +162,7 @@ class PoolSampler:
         self.killed_wall: float | None = None  # time.time(), the clock of the decisions' "t"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pool-sampler", daemon=True)
-        self.t0 = time.perf_counter()
+        self.t0, self.t0_wall = time.perf_counter(), time.time()  # the table's zero (decisions carry time.time())
 
     def start(self) -> PoolSampler:
         self._thread.start()
@@ -173,21 +206,23 @@ class PoolSampler:
         return self.rows[-1][1][pool] if self.rows else {}
 
 
-def run(cfg, plan: BurstPlan, settle_s: float = 0.0, kill_planner: bool = False) -> dict:
+def run(cfg, plan: BurstPlan, settle_s: float = 0.0, kill_planner: bool = False, http: bool = False) -> dict:
     """Start the service of `cfg` (elastic pools) on the connected Ray cluster, replay the plan, sample the pools,
     wait the cool-down (and up to settle_s more until both pools are back at their minimum); stop the service.
-    kill_planner: kill the PoolManager once a pool has grown (Ray restarts it)."""
+    kill_planner: kill the PoolManager once a pool has grown (Ray restarts it); http: requests through the OpenAI
+    endpoint (Ray Serve ingress, the production path) instead of the router's Generate."""
     from engine.model.config import ModelConfig
     from service.launcher import start_service, stop_service
 
     load_before = os.getloadavg()[0]
-    handles = start_service(cfg, http=False)
+    handles = start_service(cfg, http=http)
     try:
         grown = {role: cfg.pool_bounds(role).min for role in ("prefill", "decode")} if kill_planner else None
         sampler = PoolSampler(handles["pools"], plan.sample_s, grown).start()
         arrivals = plan.arrivals()
         prompts = bench_prompts(plan, len(arrivals), ModelConfig.from_model_dir(cfg.model_dir).vocab_size)
-        rows = asyncio.run(replay(handles["router_addr"], handles["token"], plan, prompts))
+        url = handles["http"] if http else None
+        rows = asyncio.run(replay(handles["router_addr"], handles["token"], plan, prompts, url))
         replay_end = time.perf_counter() - sampler.t0
         deadline = time.monotonic() + plan.cool_s + settle_s
         floor = {role: cfg.pool_bounds(role).min for role in ("prefill", "decode")}
@@ -209,6 +244,10 @@ def run(cfg, plan: BurstPlan, settle_s: float = 0.0, kill_planner: bool = False)
         "loadavg": (load_before, os.getloadavg()[0]),
         "planner_killed_at": sampler.killed_at,
         "planner_killed_wall": sampler.killed_wall,
+        "t0_wall": sampler.t0_wall,
+        "path": "the OpenAI endpoint (official client, streamed; the ingress reads the decode worker's stream)"
+        if http
+        else "the gRPC router's Generate",
     }
 
 
@@ -271,7 +310,7 @@ def start_times(samples: list[tuple[float, dict]], pool: str) -> list[float]:
 def report(cfg, plan: BurstPlan, result: dict) -> str:
     s = summary(result)
     changes = [d for d in result["decisions"] if d["current"] != d["desired"]]
-    t0 = result["decisions"][0]["t"] if result["decisions"] else 0.0
+    t0 = result["t0_wall"]  # the table's zero: times on one scale
     lines = [
         "## Elastic pools under a burst (`dsv4 bench elastic`)",
         "",
@@ -284,7 +323,8 @@ def report(cfg, plan: BurstPlan, result: dict) -> str:
         f"TTFT {cfg.planner.ttft_target_s:g} s per prefill worker, {cfg.planner.decode_streams} streams, KV "
         f"{cfg.planner.kv_target:g} and ITL {cfg.planner.itl_target_s:g} s per decode worker.",
         f"Load: a `bursty` route trace's prompts, {plan.quiet_s:g} s at {plan.quiet_rate:g} req/s, then "
-        f"{plan.burst_s:g} s at {plan.burst_rate:g} req/s, then none; up to {plan.max_new_tokens} new tokens each. "
+        f"{plan.burst_s:g} s at {plan.burst_rate:g} req/s, then none; up to {plan.max_new_tokens} new tokens each, "
+        f"through {result.get('path', 'the router')}. "
         f"Requests: {s['requests']}, failed: {len(s['failed'])}.",
         "",
         "| phase | requests | TTFT p50 (ms) | TTFT p99 (ms) | ITL p99 (ms) |",
@@ -317,12 +357,20 @@ def report(cfg, plan: BurstPlan, result: dict) -> str:
         "Planner changes:",
         "",
         *[
-            f"- +{d['t'] - t0:.1f} s: {d['pool']} {d['current']} -> {d['desired']} ({d['reason']}, pressure "
+            f"- {d['t'] - t0:.1f} s: {d['pool']} {d['current']} -> {d['desired']} ({d['reason']}, pressure "
             f"{d['pressure']:.2f})"
             for d in changes
         ],
     ]
     return "\n".join(lines) + "\n"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def bench_config(args, model_dir: str):
@@ -343,6 +391,8 @@ def bench_config(args, model_dir: str):
     )
     return ServiceConfig(
         model_dir=model_dir,
+        port=free_port(),  # the OpenAI endpoint's (--http)
+        metrics_port=free_port(),
         prefill_workers=args.prefill_workers.min,
         prefill_max_workers=args.prefill_workers.max,
         decode_workers=args.decode_workers.min,
@@ -374,7 +424,7 @@ def bench_elastic_main(args) -> int:
 
     init_ray(prepare_metrics_dir())
     try:
-        result = run(cfg, plan, kill_planner=args.kill_planner)
+        result = run(cfg, plan, kill_planner=args.kill_planner, http=args.http)
     finally:
         ray.shutdown()
         remove_metrics_dir()
@@ -407,6 +457,11 @@ def add_bench_elastic_args(parser) -> None:
     parser.add_argument("--scale-up-cooldown-seconds", type=float, default=2.0)
     parser.add_argument("--scale-down-cooldown-seconds", type=float, default=5.0)
     parser.add_argument("--drain-timeout-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--http",
+        action="store_true",
+        help="send the requests to the OpenAI endpoint (official client, streamed) instead of the router's Generate",
+    )
     parser.add_argument(
         "--kill-planner", action="store_true", help="kill the PoolManager once a pool has grown (Ray restarts it)"
     )
