@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import PrefillResult, TransferTicket
-from engine.runtime.engine_loop import AsyncSink
+from engine.runtime.engine_loop import AsyncSink, LoopStopped
 from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
 from engine.telemetry import metrics
@@ -198,7 +198,12 @@ class PrefillWorker(WorkerBase[TransferBackend]):
 
     async def abort(self, request_id: str) -> None:
         """Drop a request (queued, running or held) and withdraw its export and chunks; frees its pages."""
-        await self.loop.acall(functools.partial(self._drop, request_id))
+        try:
+            await self.loop.acall(functools.partial(self._drop, request_id))
+        except LoopStopped:
+            # The loop has ended (a failed step; the watchdog ends this process): its requests went with it.
+            # Raising would only leave an unread error behind the dispatcher's fire-and-forget abort.
+            pass
 
     def _drop(self, request_id: str, engine) -> None:
         """Engine thread: withdraw the request's export (and streamed chunks) and abort it."""

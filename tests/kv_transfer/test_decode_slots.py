@@ -69,10 +69,11 @@ def test_arriving_import_keeps_its_slot_from_the_waiting_queue():
     assert [r.request_id for r in engine.scheduler.running] == [local]
 
 
-def test_abort_on_a_worker_whose_loop_ended_is_a_no_op():
+@pytest.mark.parametrize("cls", [PrefillWorker, DecodeWorker], ids=["prefill", "decode"])
+def test_abort_on_a_worker_whose_loop_ended_is_a_no_op(cls):
     """The dispatcher aborts fire-and-forget; a worker whose engine loop has ended holds nothing to abort, and an
-    error there would only be an unread one in the router's log."""
-    decode = DecodeWorker("d-ended", None, transfer="tcp")
-    decode.shutdown()
-    assert not decode.loop.alive
-    asyncio.run(decode.abort("gone"))
+    error there would only be an unread one in the dispatcher's log."""
+    worker = cls("w-ended", None, transfer="tcp")
+    worker.shutdown()
+    assert not worker.loop.alive
+    asyncio.run(worker.abort("gone"))
