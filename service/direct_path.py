@@ -225,8 +225,8 @@ class DirectClient:
         events = recovering_stream(
             dreq,
             lambda req, excluded: self._attempt(req, excluded, placed),
-            incarnation_of=lambda wid: _latest(placed, wid).incarnation(wid),
-            role_of=lambda wid: "prefill" if wid != _latest(placed, wid).decode_worker else "decode",
+            incarnation_of=lambda wid: _incarnation(placed, wid),
+            role_of=lambda wid: "decode" if any(p.decode_worker == wid for p in placed.values()) else "prefill",
             max_migrations=self.max_migrations,
             on_death=lambda wid: self.directory.mark_stale(),
         )
@@ -334,9 +334,12 @@ class DirectClient:
         await self.routers.close()
 
 
-def _latest(placed: dict[str, PlacedRequest], worker_id: str) -> PlacedRequest:
-    """The last placement of the request on `worker_id` (there is one: the death came from one of its workers)."""
-    return next(p for p in reversed(placed.values()) if worker_id in (p.prefill_worker, p.decode_worker))
+def _incarnation(placed: dict[str, PlacedRequest], worker_id: str) -> str:
+    """The incarnation of worker_id that the request's last placement on it named ("" if none did)."""
+    for p in reversed(placed.values()):
+        if worker_id in (p.prefill_worker, p.decode_worker):
+            return p.incarnation(worker_id)
+    return ""
 
 
 def _event(ev: TokenEvent, where: PlacedRequest | None, params: SamplingParams, lead_none: bool) -> StreamEvent:
