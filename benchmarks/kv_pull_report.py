@@ -22,6 +22,24 @@ What this setup cannot show, and what a two-GPU run adds:
   under the prefill of later chunks."""
 
 
+# Earlier H200 measurements that decided kv_transfer/staging.py's design (a probe no script repeats): kept with
+# this section, the staged pull's own, so a rerun of the benchmark does not drop them.
+STAGING_HISTORY = """\
+### Staged KV scatter on the decode side: where it runs (H200, 2026-12-02)
+
+Measurements that decided `kv_transfer/staging.py`'s design (they were in its docstring):
+- Waiting for the scatter on the pulling thread: the H200 service run of 2026-12-02 spent 7.3 ms of a 12.3 ms pull
+  of 1.5 MB in the scatter and its wait (a thread that blocks on the device, then waits for the GIL behind the
+  engine's loop) for microseconds of copies.
+- Queued but still issued from the pulling thread (`DeferredScatter` not yet used): the next run still spent 8.2 ms
+  a pull in it.
+- A DecodeWorker of the tiny model, 8 streams decoding, imports through `decode`, no Ray, no READ: 4.0-4.8 ms a
+  scatter on the pulling thread, of which 1.1-1.2 ms on its CPU (per-group views alone 1.0-1.3 ms), against 0.5 ms
+  (0.35-0.4 ms CPU) queued on the engine thread. Hence the decode worker queues the scatter on the engine thread
+  (`TransferBackend.pull_deferred`), in the call that joins the request to the batch.
+"""
+
+
 def _f(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -120,5 +138,6 @@ def section(result: dict) -> str:
             "layer alone a 512 KB fp32 ring, of which only the open window's rows are live). The share of the "
             "prefill time left unhidden needs the prefill's own time on the GPU: not measured here.",
             LIMITS,
+            STAGING_HISTORY.strip(),
         ]
     )

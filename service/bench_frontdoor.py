@@ -316,6 +316,8 @@ def bench_frontdoor_main(args: argparse.Namespace) -> int:
             json.dump([asdict(r) for r in rows], f, indent=1)
     if args.write:
         write_section("frontdoor", text)
+    if args.write_baseline:  # a run of an earlier commit: the baseline the after/before ratios read
+        write_section("frontdoor_before", f"### BEFORE: {args.write_baseline}\n\n{text.split(chr(10), 1)[1]}")
     return 0
 
 
@@ -339,6 +341,13 @@ def add_bench_frontdoor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routers", type=int, default=2, help="router replicas (placement only)")
     p.add_argument("--growth", type=float, default=0.05, help="a level must raise throughput by this fraction")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--write-baseline",
+        default=None,
+        metavar="LABEL",
+        help="put this run into BENCHMARKS.md as the baseline (section frontdoor_before, headed BEFORE: LABEL) "
+        "that later runs' after/before ratios read: run it on the commit to compare against",
+    )
     p.add_argument("--model", default=None, help="model dir for the ingress's tokenizer (default: the tiny model)")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--write", action="store_true", help="write the table to BENCHMARKS.md (section frontdoor)")
