@@ -28,7 +28,7 @@ from engine.runtime.engine_loop import AsyncSink, LoopStopped
 from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
 from engine.telemetry import metrics
-from kv_transfer.base import ReadInFlight, TransferBackend, TransferError, TransferTimeout
+from kv_transfer.base import ReadInFlight, TransferBackend, TransferError, TransferTimeout, attached_backend
 from kv_transfer.registry import make_backend, network_options, resolve_name
 
 # transfer_totals' finer seconds (summed over pulls, like the others):
@@ -94,8 +94,12 @@ class _PullClaim:
             deferred.cancel()
 
 
-class DecodeWorker(WorkerBase[TransferBackend]):
+class DecodeWorker(WorkerBase):
     role = "decode"
+
+    @property
+    def transfer_backend(self) -> TransferBackend:
+        return attached_backend(self.backend, f"{self.role} worker {self.worker_id}")
 
     def __init__(
         self,

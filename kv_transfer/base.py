@@ -58,6 +58,14 @@ ABORTED = "aborted"  # release(rid, ABORTED): the request was cancelled (the cal
 LEASE_EXPIRED = "transfer lease expired"  # how every lease-expiry release error begins
 
 
+def attached_backend(backend: object, owner: str) -> TransferBackend:
+    """A worker's `backend` as the TransferBackend it is; a RuntimeError naming `owner` while none is attached (only
+    a worker's first engine steps run that early)."""
+    if not isinstance(backend, TransferBackend):
+        raise RuntimeError(f"{owner}: no transfer backend attached yet")
+    return backend
+
+
 def release_kind(error: str | None) -> str:
     """What ended an export, from its release error: "done", "aborted", "lease_expired" or "failed" (a failure the
     pulling side reported, and counted)."""

@@ -24,7 +24,7 @@ from engine.runtime.engine_loop import AsyncSink, LoopStopped
 from engine.runtime.health import HealthOptions
 from engine.runtime.worker_base import WorkerBase
 from engine.telemetry import metrics
-from kv_transfer.base import ABORTED, TransferBackend, release_kind
+from kv_transfer.base import ABORTED, TransferBackend, attached_backend, release_kind
 from kv_transfer.registry import make_backend, network_options, resolve_name
 
 POLL_INTERVAL_S = 0.02
@@ -39,8 +39,12 @@ class _Stream:
     pending: list[TransferTicket] = field(default_factory=list)  # exported, bytes not written yet (CUDA)
 
 
-class PrefillWorker(WorkerBase[TransferBackend]):
+class PrefillWorker(WorkerBase):
     role = "prefill"
+
+    @property
+    def transfer_backend(self) -> TransferBackend:
+        return attached_backend(self.backend, f"{self.role} worker {self.worker_id}")
 
     def __init__(
         self,
@@ -78,7 +82,7 @@ class PrefillWorker(WorkerBase[TransferBackend]):
             metrics.KV_TRANSFER_ABORTS.labels(self.worker_id, self.transfer, "prefill").inc()
 
     def _on_step(self, engine, events) -> None:
-        if self.backend is not None:  # the first steps can run before the backend is attached
+        if isinstance(self.backend, TransferBackend):  # the first steps can run before it is attached
             self.backend.poll()
             if self._streams:
                 self._export_chunks(engine)

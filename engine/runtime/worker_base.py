@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol
 
 from engine.execution.tp_executor import release_followers
 from engine.handoff import PrefixDigest, WorkerSignals, WorkerStats
@@ -30,11 +30,9 @@ class ClosingBackend(Protocol):
     def close(self) -> None: ...
 
 
-B = TypeVar("B", bound=ClosingBackend)
-
-
-class WorkerBase(Generic[B]):
-    """B: the subclass's transfer backend type (kv_transfer.base.TransferBackend for the workers)."""
+class WorkerBase:
+    """Not typing.Generic over the backend type: a Ray actor class of a Generic subclass does not pickle (the router
+    actor ships the workers' classes to restart groups). The workers narrow `backend` with their own accessor."""
 
     role = "?"
 
@@ -58,7 +56,7 @@ class WorkerBase(Generic[B]):
         self.engine = load_engine(
             model_dir, **opts, parallel=self.parallel, warmup=True, warmup_decodes=self.role != "prefill"
         )
-        self.backend: B | None = None  # attach_backend, right after this constructor
+        self.backend: ClosingBackend | None = None  # attach_backend, right after this constructor
         # The pool planner's latency signals (`signals`): arrival -> first token of a prefill, and the gap between
         # consecutive steps that both carried decode streams (what each of those streams waited for its token).
         self.first_token_times = RecentSamples(SIGNAL_WINDOW_S)
@@ -97,15 +95,8 @@ class WorkerBase(Generic[B]):
             else None
         )
 
-    def attach_backend(self, backend: B) -> None:
+    def attach_backend(self, backend: ClosingBackend) -> None:
         self.backend = backend
-
-    @property
-    def transfer_backend(self) -> B:
-        """The attached backend; a RuntimeError before attach_backend (only the first engine steps run that early)."""
-        if self.backend is None:
-            raise RuntimeError(f"{self.role} worker {self.worker_id}: no transfer backend attached yet")
-        return self.backend
 
     def drop_request(self, engine, request_id: str) -> None:
         """Engine thread: abort the request (a no-op once the engine no longer holds it) and end its event stream."""
