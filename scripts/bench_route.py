@@ -154,8 +154,10 @@ def main() -> int:
     )
     ap.add_argument("--mooncake", default=str(MOONCAKE), help="the Mooncake trace (skipped when absent)")
     ap.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
+    ap.add_argument("--no-estimate", action="store_true", help=f"leave out {ESTIMATE} (the slowest to simulate)")
     args = ap.parse_args()
     command = f"python scripts/bench_route.py --jobs {args.jobs}" + (" --robustness" if args.robustness else "")
+    command += " --no-estimate" if args.no_estimate else ""
     loads = os.getloadavg()[0]
     cfg = SimConfig(workers=WORKERS, capacity_blocks=CAPACITY)
     wide_cfg = SimConfig(workers=64, capacity_blocks=WORKERS * CAPACITY // 64)
@@ -168,7 +170,8 @@ def main() -> int:
         if os.path.exists(args.mooncake):
             paths = {"mooncake": args.mooncake, **paths}
         if not args.robustness:
-            jobs += [("main", kind, path, p, cfg) for kind, path in paths.items() for p in POLICIES]
+            policies = POLICIES[:3] if args.no_estimate else POLICIES
+            jobs += [("main", kind, path, p, cfg) for kind, path in paths.items() for p in policies]
             jobs += [("wide", k, paths[k], "cache_aware", wide_cfg) for k in ("chat", "mooncake") if k in paths]
             jobs.sort(key=lambda j: j[1] != "long_sessions")  # the longest runs first
         else:
