@@ -72,6 +72,9 @@ PREFILL_REASONS = ("prefix_hit", "least_loaded", "round_robin", "hotspot_guard",
 DECODE_REASONS = ("colocated", "kv_capacity", "no_capacity")
 
 
+# cache_aware's balance term at full gain once this many requests a worker were placed recently (router/locality.py)
+BALANCE_MIN_REQUESTS = 8.0
+
 # The estimate's blocks are named by the engine's hasher (one encoding in the tree); the seed only has to be
 # the same for every router replica, since these hashes never meet a worker's digest.
 ESTIMATE_SEED = b"\0" * 8
@@ -200,6 +203,7 @@ class RoutingPolicy:
         self._tie = 0  # rotates among equally good workers
         self._pending: Counter[str] = Counter()  # uncached prompt tokens sent, prefill not finished (per worker)
         self._recent = locality.RecentWork(self.config.balance_half_life_s)  # uncached prompt tokens sent
+        self._recent_requests = locality.RecentWork(self.config.balance_half_life_s)  # requests placed, all workers
         self._index = locality.CacheIndex()  # the workers' published digests, inverted
         self._estimate_hasher = PromptHasher(self.config.block_size, ESTIMATE_SEED)
 
@@ -401,7 +405,11 @@ class RoutingPolicy:
         weight = cfg.uncached_weight * (1.0 + cfg.backlog_gain * shortest / max(n, 1))
         total = sum(stored.get(w.worker_id, 0.0) for w in candidates) if stored else 0.0
         # r = recent / mean - 1 (the decay scale cancels out of the ratio); no recent work anywhere: r = 0
-        per_mean, gain = (len(candidates) / total if total > 0 else 0.0), cfg.balance_gain
+        per_mean = len(candidates) / total if total > 0 else 0.0
+        # A few requests are no load signal: the gain grows with the recent requests per candidate (c / (c + 8)),
+        # so two idle workers do not trade a cached prefix for "balance" after one request.
+        per_worker = self._recent_requests.stored.get("", 0.0) / self._recent_requests.scale(now) / len(candidates)
+        gain = cfg.balance_gain * per_worker / (per_worker + BALANCE_MIN_REQUESTS)
         best_cost, best_load, min_load = 0.0, 0, 0
         ties: list[WorkerInfo] = []
         least: list[WorkerInfo] = []
@@ -427,6 +435,7 @@ class RoutingPolicy:
         c = cached.get(best.worker_id, 0)
         reason = reason or ("prefix_hit" if c else "no_match")
         self._recent.add(best.worker_id, n - c, now)
+        self._recent_requests.add("", 1.0, now)
         return Decision("prefill", best.worker_id, reason, cached_tokens=c, uncached_tokens=n - c)
 
     def _rotate(self, tied: list):

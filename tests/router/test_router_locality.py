@@ -96,6 +96,7 @@ def test_a_worker_short_of_recent_work_takes_new_sessions_but_does_not_soak_up_h
     pol = RoutingPolicy(PolicyConfig("cache_aware"))
     for i in range(6):  # the holders computed their sessions recently; "cold" did nothing
         pol._recent.add(f"h{i}", 1000, now=0.0)
+    pol._recent_requests.add("", 70 * 8, now=0.0)  # sustained traffic: 80 requests a worker (the full gain)
     # A burst: every session's next step (one more block) arrives before any prefill ends.
     burst = [p + [7000 + i] * BLOCK for i, p in enumerate(own)]
     picks = [pol.place(p, len(p) + 8, ws, now=1.0).prefill.worker_id for p in burst]
@@ -104,6 +105,19 @@ def test_a_worker_short_of_recent_work_takes_new_sessions_but_does_not_soak_up_h
     # A new session (only the shared tools cached anywhere) goes where recent work is lowest: the cold worker.
     fresh = tools + list(range(50_000, 50_000 + 4 * BLOCK))
     assert pol.place(fresh, len(fresh) + 8, ws, now=1.0).prefill.worker_id == "cold"
+
+
+def test_a_few_requests_are_no_load_signal():
+    """Right after start (or a quiet spell) one worker has all the recent work: the balance term must not send the
+    next request sharing its prefix to the idle worker to recompute it (tests/router/test_router_grpc.py's
+    repeated prefix, through the real router)."""
+    prompt = list(range(40))
+    pol = RoutingPolicy(PolicyConfig("cache_aware"))
+    ws = [worker("a", digest(prompt, 0)), worker("b", digest(prompt, 0))]
+    first = pol.place(prompt, 100, ws, now=0.0).prefill.worker_id
+    ws = [worker(w.worker_id, digest(prompt, 9 if w.worker_id == first else 0)) for w in ws]
+    pol.prefill_done(first, 40)
+    assert pol.place(prompt[:38] + [7, 7], 100, ws, now=1.0).prefill.worker_id == first
 
 
 def test_backlog_everywhere_makes_sessions_stick():
