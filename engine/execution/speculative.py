@@ -23,7 +23,7 @@ varlen step in "eager"); steps with prefill chunks run the varlen step. engine.e
 step whether to draft (at most speculative_max_batch decoding requests; an optional acceptance floor): the MTP
 pass runs either way, so its KV stays complete.
 Not here yet: the MTP pass and chained MTP steps under graphs (they run eagerly after each step), overlapped
-decode with speculation, tensor/data parallel engines, the disaggregated hand-off of the MTP state.
+decode with speculation, tensor/data parallel engines.
 """
 
 from __future__ import annotations
