@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     if args.write:
         from service.benchmarks_md import write_section
 
-        write_section("quality_" + ("cuda" if cuda else "cpu"), body)
+        write_section("quality_cuda", body) if cuda else write_section("quality_cpu", body)
     return 0
 
 

@@ -195,15 +195,12 @@ def main() -> int:
     for res in (*results.values(), *robust.values()):
         res["policies"] = {p: res["policies"][p] for p in POLICIES if p in res["policies"]}
     end = os.getloadavg()[0]
-    name, text = (
-        ("route_robustness", robustness_section(robust, command, (loads, end)))
-        if args.robustness
-        else ("route_policies", section(results, wide, command, (loads, end)))
-    )
-    if args.no_write:
-        print(text)
+    if args.robustness:
+        text = robustness_section(robust, command, (loads, end))
+        print(text if args.no_write else f"wrote {write_section('route_robustness', text)}")
     else:
-        print(f"wrote {write_section(name, text)}")
+        text = section(results, wide, command, (loads, end))
+        print(text if args.no_write else f"wrote {write_section('route_policies', text)}")
     return 0
 
 
