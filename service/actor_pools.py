@@ -111,6 +111,7 @@ def group_recipes(
                 expert_parallel=ep,
                 num_cpus=cfg.worker_num_cpus,
                 num_gpus=worker_gpus(cfg),
+                actor_classes=worker_classes,
                 actor_options=actor,
                 ready_timeout_s=cfg.ready_timeout_s,
                 data_parallel_attention=dp,

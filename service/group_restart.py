@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.rank_placement import PlacedWorker, dp_actor_names, follower_names, place_worker, remove_worker
@@ -44,14 +45,13 @@ class GroupRecipe:
     expert_parallel: bool
     num_cpus: float
     num_gpus: float
+    actor_classes: Callable  # service.actor_pools.worker_classes: ServiceConfig -> (PrefillWorker, DecodeWorker)
     actor_options: dict
     ready_timeout_s: float
     data_parallel_attention: bool = False
 
     def place(self) -> PlacedWorker:
-        from service.actor_pools import worker_classes
-
-        prefill_cls, decode_cls = worker_classes(self.service)
+        prefill_cls, decode_cls = self.actor_classes(self.service)
         return place_worker(
             prefill_cls if self.role == "prefill" else decode_cls,
             self.name,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_transfer.registry import TRANSFER_CHOICES
-from service.actor_pools import remote_classes
+from service.actor_pools import remote_classes, worker_classes
 from service.planner import parse_pool_spec
 from service.rank_placement import dp_actor_names, dp_worker_ids, follower_names, group_name
 from service.router_actor import RouterActor
@@ -278,6 +278,7 @@ def _start_role(cfg: EntryConfig, role: str, cls, model_dir: str | None, token: 
             expert_parallel=plan.expert_parallel,
             num_cpus=cfg.service.worker_num_cpus,
             num_gpus=plan.num_gpus,
+            actor_classes=worker_classes,
             actor_options=options,
             ready_timeout_s=PLACEMENT_TIMEOUT_S,
             data_parallel_attention=plan.data_parallel_attention,
