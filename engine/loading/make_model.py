@@ -317,6 +317,11 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
     Ids: 0 = BOS, 1 = EOS, 2/3 = chat role markers, then the BPE vocabulary, then V4's other chat tokens
     (think markers, latest_reminder, task tokens); the vocabulary never exceeds `vocab_size`.
     """
+    train_v4_tokenizer(_CORPUS * 4, vocab_size, out_dir)
+
+
+def train_v4_tokenizer(texts, vocab_size: int, out_dir: str) -> None:
+    """A byte-level BPE trained on `texts` with V4's special tokens (save_v4_tokenizer), written into `out_dir`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     specials = [BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN]
@@ -329,7 +334,7 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     save_v4_tokenizer(tok, vocab_size, out_dir)
 
 
