@@ -25,7 +25,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -x -q tests
 
-# Lint and types (.ci/run runs it before the tests): ruff's rules and its formatter's check over the product
+# Lint and types (.ci/run runs it beside the tests): ruff's rules and its formatter's check over the product
 # packages, tests/ and benchmarks/, then mypy over the product packages (both configured in pyproject.toml).
 LINT_PATHS := dsv4_kernels engine kv_transfer prefill_worker decode_worker router service tests benchmarks training
 lint: $(STAMP)
