@@ -21,6 +21,9 @@ on a GPU).
     python -m benchmarks.kv_pull                          # CPU, host memory, writes BENCHMARKS.md kv_pull
     python -m benchmarks.kv_pull --device cuda --tokens 8192 32768 --pulls 20   # both processes on GPU 0
     python -m benchmarks.kv_pull --device cuda:0 --source-device cuda:1 --tokens 8192 32768   # one GPU each
+
+Then, unless `--ray-prompt-tokens 0`: one long prompt's hand-off through the Ray token path, streamed vs not
+(benchmarks.kv_stream_ray: the transfer time not overlapped with the prefill, as a share of the prefill's time).
 """
 
 from __future__ import annotations
@@ -366,7 +369,21 @@ def run(args) -> dict:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+    ray_tokens = getattr(args, "ray_prompt_tokens", 0)
+    ray_stream = None
+    if ray_tokens:
+        from benchmarks.kv_stream_ray import run as run_ray
+
+        ray_stream = run_ray(ray_tokens, args.ray_chunk_tokens, args.ray_requests, args.ray_transfer)
+        for mode in ("not streamed", "streamed"):
+            r = ray_stream[mode]
+            print(
+                f"Ray path, {ray_tokens} tokens {mode}: prefill {r['prefill_ms']:.1f} ms, hand-off not overlapped "
+                f"{r['exposed_ms']:.1f} ms ({r['exposed_share']:.1%}), {r['chunks']:.0f} chunks",
+                flush=True,
+            )
     return {
+        "ray_stream": ray_stream,
         "device": args.device if source_device == args.device else f"{source_device} -> {args.device}",
         "layers": args.layers,
         "chunk_tokens": args.chunk_tokens,
@@ -410,6 +427,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--pulls", type=int, default=15, help="timed pulls per prompt length (after one untimed)")
     ap.add_argument("--raw-iters", type=int, default=15)
+    ap.add_argument(
+        "--ray-prompt-tokens",
+        type=int,
+        default=2048,
+        help="prompt of the hand-off through the Ray path, streamed vs not (0: skip it)",
+    )
+    ap.add_argument("--ray-chunk-tokens", type=int, default=256, help="the Ray workers' max_batch_tokens")
+    ap.add_argument("--ray-requests", type=int, default=5, help="timed requests a mode on the Ray path")
+    ap.add_argument("--ray-transfer", default="nixl", help="the Ray workers' transfer backend (nixl, tcp)")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--no-write", action="store_true", help="do not write the BENCHMARKS.md section")
     args = ap.parse_args(argv)

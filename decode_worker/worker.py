@@ -50,6 +50,7 @@ class _StreamedImport:
 
     deadline: float
     covered: int = 0
+    pulling: bool = False  # a chunk's pull is writing the pages: an abort leaves freeing them to it
 
 
 TRANSFER_PARTS = (
@@ -168,6 +169,8 @@ class DecodeWorker(WorkerBase):
         if ticket.source not in self.peers:  # this worker (or the source) restarted since the handshake
             raise PeerUnknown(ticket.source, self.worker_id)
         stream = self._streamed.pop(rid, None)
+        if stream is None and ticket.start_tokens:  # its chunks went into a reservation that is gone (aborted)
+            raise TransferError(f"request {rid!r} has no streamed reservation on {self.worker_id} for its last part")
         if stream is None:
             pages = await self._reserve(rid, prompt, params, result)
         else:  # reserve_streamed took the pages, pull_chunk filled the chunks': set the first token, pull the rest
@@ -291,14 +294,23 @@ class DecodeWorker(WorkerBase):
             raise PeerUnknown(ticket.source, self.worker_id)
         pages = await self.loop.acall(lambda e: e.imports[request_id].pages)
         start = time.monotonic()
-        stats, deferred = await self._pull(request_id, ticket, pages)
-        if deferred is not None:  # on the engine thread and stream, as in `decode`'s join (never read before it)
-            try:
-                await self.loop.acall(lambda e: deferred.run())
-            finally:
-                deferred.cancel()  # a no-op after run; frees the range when the call never ran
+        stream.pulling = True
+        try:
+            stats, deferred = await self._pull(request_id, ticket, pages)
+            if deferred is not None:  # on the engine thread and stream, as in `decode`'s join (never read before it)
+                try:
+                    await self.loop.acall(lambda e: deferred.run())
+                finally:
+                    deferred.cancel()  # a no-op after run; frees the range when the call never ran
+        finally:
+            stream.pulling = False
+            if self._streamed.get(request_id) is not stream:  # aborted meanwhile: its pages are free to go now
+                await self.loop.acall(lambda e: self.drop_request(e, request_id))
+        if self._streamed.get(request_id) is not stream:
+            raise TransferError(f"request {request_id!r} was aborted during a chunk's pull")
         seconds = time.monotonic() - start
         self._count_pull(stats, seconds)
+        metrics.KV_STREAM_CHUNKS.labels(self.worker_id, self.transfer).inc()
         stream.covered, stream.deadline = ticket.num_tokens, time.monotonic() + STREAM_IDLE_S
         return Transferred(request_id=request_id, num_bytes=stats.bytes, seconds=seconds)
 
@@ -387,7 +399,9 @@ class DecodeWorker(WorkerBase):
                 await self.loop.acall(lambda e: self.drop_request(e, rid))
 
     async def abort(self, request_id: str) -> None:
-        self._streamed.pop(request_id, None)
+        stream = self._streamed.pop(request_id, None)
+        if stream is not None and stream.pulling:  # the chunk's pull (a READ) may be writing its pages right now:
+            return  # `pull_chunk` frees them when it ends
         try:
             await self.loop.acall(lambda e: self.drop_request(e, request_id))
         except LoopStopped:

@@ -55,6 +55,7 @@ LOAD_PROGRESS = "DSV4_LOAD_PROGRESS"
 HOME = "DSV4_HOME"
 NIXL_STAGING_BYTES = "DSV4_NIXL_STAGING_BYTES"
 NIXL_PROGRESS_DELAY_US = "DSV4_NIXL_PROGRESS_DELAY_US"
+KV_STREAM_MIN_CHUNKS = "DSV4_KV_STREAM_MIN_CHUNKS"
 API_KEY = "DSV4_API_KEY"
 API_DOCS = "DSV4_API_DOCS"
 HTTP_MAX_HEADER_BYTES = "DSV4_HTTP_MAX_HEADER_BYTES"
@@ -334,6 +335,16 @@ class Settings:
         "int",
         1000,
         "microseconds NIXL's progress thread sleeps between rounds (the progress_delay_us option)",
+        "transfer",
+        minimum=0,
+    )
+    kv_stream_min_chunks: int = _switch(
+        KV_STREAM_MIN_CHUNKS,
+        "int",
+        2,
+        "a prompt spanning at least this many of its prefill worker's steps (max_batch_tokens, in whole pages) "
+        "streams its KV to the decode worker chunk by chunk while later chunks are prefilled (service.ray_stream; "
+        "read by the ingress replicas and routers); 0 = never stream",
         "transfer",
         minimum=0,
     )

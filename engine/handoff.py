@@ -7,6 +7,9 @@ Flow of one disaggregated request:
   PrefillWorker.prefill -> PrefillResult (first token, seed, TransferTicket)
   DecodeWorker.decode(PrefillResult) -> Transferred (caches landed), then TokenEvents
   DecodeWorker raises DecodeOverloaded when it has no slot or pages (the router answers 429 / queues).
+Streamed (a long prompt, service.ray_stream):
+  DecodeWorker.reserve_streamed; PrefillWorker.prefill_streamed -> chunk TransferTickets (final=False), each into
+  DecodeWorker.pull_chunk while later chunks are prefilled, then the PrefillResult (its ticket: the rest) -> decode
 """
 
 from __future__ import annotations

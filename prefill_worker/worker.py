@@ -92,6 +92,13 @@ class PrefillWorker(WorkerBase):
     def transfer_metadata(self) -> bytes:
         return self.transfer_backend.metadata()
 
+    def stream_chunk_tokens(self) -> int:
+        """Prompt positions one prefill step completes at most for a request (the step's token budget), in whole
+        pages of the largest page (a chunk ticket moves complete pages only): the dispatcher streams a prompt
+        that spans several of these (service.ray_stream)."""
+        budget, page = self.engine.scheduler_config.max_batch_tokens, self.kv_page_tokens
+        return -(-budget // page) * page
+
     async def _poll_forever(self) -> None:
         # Confirmations arrive while the engine may be idle: poll on the engine thread regularly (and hand over the
         # chunk tickets whose bytes were not written yet at their step's end).

@@ -9,8 +9,8 @@ same interface as `router.client.AsyncRouterClient`: `generate` yields `StreamEv
    replica sees the others' placements only through the workers' reports (a probe late), so two may place on one
    last slot: the decode worker refuses the second and that request goes back to a router's queue;
 2. `service.ray_stream.RayStreamer.run_placement` on the actor handles of those workers (`WorkerDirectory`):
-   prefill, the KV pull, then the decode actor's Ray stream (tokens batched per message) straight into this
-   replica's SSE response;
+   prefill, the KV pull (a long prompt's chunk by chunk while it is prefilled), then the decode actor's Ray stream
+   (tokens batched per message) straight into this replica's SSE response;
 3. `router.migration.recovering_stream` around both: a worker death retries or migrates the request exactly as the
    router does on its own `Generate` (budget, no lost or repeated token, prompt + streamed tokens as the new prefix).
 Cancellation: closing the stream (client gone, stop string, deadline) closes the Ray streams, and the streamer's

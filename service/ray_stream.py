@@ -18,6 +18,18 @@ for several tokens when the reader lags or speculative decoding accepts several)
   unwrapped, so only the worker's message travels on (a ValueError is the request's fault).
 Closing the generator before the finish (client gone, stop string, a worker marked down) aborts the request on both
 workers, fire-and-forget: the engines free its pages (docs/architecture.md, who frees what).
+
+Streamed hand-off: a prompt spanning at least `DSV4_KV_STREAM_MIN_CHUNKS` of its prefill worker's steps
+(`PrefillWorker.stream_chunk_tokens`, asked once per worker) reserves its pages on the decode worker first
+(`reserve_streamed`: DecodeOverloaded retried as above), then reads `prefill_streamed` (service.prefill_feed: a
+reader task takes its chunk tickets as the prefill steps complete pages), and each is pulled (`pull_chunk`) in order
+while the later chunks are prefilled; `decode` with the PrefillResult then moves only the rest. The same errors as
+above, on each call; the prefill worker's death during a chunk pull (its stream says so) is that worker's
+`WorkerDied`.
+Closing early cancels the prefill stream (its worker drops the request and its chunks) and aborts both workers
+(the decode worker frees the reservation, after a chunk pull in flight if there is one).
+Every placement records its hand-off time not overlapped with the prefill (the PrefillResult's arrival here to the
+decode side's `Transferred`) in `dsv4_kv_handoff_exposed_seconds{streamed}` and, if given, `on_handoff`.
 """
 
 from __future__ import annotations
@@ -29,11 +41,14 @@ from dataclasses import dataclass
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from dsv4_kernels.settings import settings
 from engine.execution.request import TokenEvent
-from engine.handoff import DecodeOverloaded, PeerUnknown, Transferred
+from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred, TransferTicket
 from engine.runtime.engine_loop import LoopStopped
+from engine.telemetry import metrics
 from kv_transfer.base import TransferError
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
+from service.prefill_feed import PrefillFeed
 
 DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
 
@@ -68,6 +83,17 @@ async def stream_items(stream, worker_id: str):
 
 
 @dataclass(frozen=True)
+class HandoffTiming:
+    """One disaggregated placement's hand-off, as its dispatcher saw it (monotonic seconds on its clock)."""
+
+    request_id: str
+    streamed: bool
+    chunks: int  # chunk tickets pulled before the PrefillResult arrived here or after it (streamed only)
+    prefill_s: float  # the prefill call (after the reservation, when streamed) to its PrefillResult's arrival
+    exposed_s: float  # the PrefillResult's arrival to the decode worker's Transferred: not hidden by the prefill
+
+
+@dataclass(frozen=True)
 class Workers:
     """The two actors of one placement (the same decode actor twice for a local prefill)."""
 
@@ -88,12 +114,19 @@ class RayStreamer:
         call_timeout_s: float = 10.0,
         overload_retry_s: float = 5.0,
         known_metadata: Callable[[str, str], bytes | None] | None = None,
+        stream_min_chunks: int | None = None,
+        on_handoff: Callable[[HandoffTiming], None] | None = None,
     ):
         """known_metadata(prefill id, incarnation): transfer metadata already fetched for that incarnation (the
-        dispatcher's cache), else None and it is asked for."""
+        dispatcher's cache), else None and it is asked for. stream_min_chunks: stream the hand-off of prompts
+        spanning at least this many prefill steps (None: DSV4_KV_STREAM_MIN_CHUNKS; 0: never). on_handoff: called
+        with each disaggregated placement's HandoffTiming (benchmarks)."""
         self.call_timeout_s = call_timeout_s
         self.overload_retry_s = overload_retry_s
         self.known_metadata = known_metadata
+        self.stream_min_chunks = settings().kv_stream_min_chunks if stream_min_chunks is None else stream_min_chunks
+        self.on_handoff = on_handoff
+        self._chunk_tokens: dict[str, int | None] = {}  # prefill worker id -> its stream_chunk_tokens (None: none)
 
     async def still_holds(self, handle, incarnation: str) -> bool:
         """Is the worker that prefilled (this incarnation of it, not a restarted one) still alive?"""
@@ -165,6 +198,134 @@ class RayStreamer:
                 raise
             return stream, item
 
+    # ---- the streamed hand-off -----------------------------------------------------------------------
+    async def streams(self, w: Workers, prompt_len: int) -> bool:
+        """Stream this prompt's hand-off? It spans at least stream_min_chunks of the prefill worker's steps."""
+        if self.stream_min_chunks <= 0 or w.local:
+            return False
+        chunk = await self._chunk_tokens_of(w)
+        return chunk is not None and prompt_len > (self.stream_min_chunks - 1) * chunk
+
+    async def _chunk_tokens_of(self, w: Workers) -> int | None:
+        """The prefill worker's `stream_chunk_tokens`, asked once per worker id (its options do not change across
+        restarts); None when it has no such method (a synthetic worker). A call that fails is not remembered: the
+        request goes unstreamed, whose own calls report a dead worker."""
+        if w.prefill_id in self._chunk_tokens:
+            return self._chunk_tokens[w.prefill_id]
+        try:
+            method = w.prefill.stream_chunk_tokens  # type: ignore[attr-defined]
+        except AttributeError:
+            tokens = None
+        else:
+            try:
+                tokens = await asyncio.wait_for(method.remote(), self.call_timeout_s)
+            except (TimeoutError, *DEAD, RayTaskError):
+                return None
+        self._chunk_tokens[w.prefill_id] = tokens
+        return tokens
+
+    async def _reserve_streamed(self, rid: str, prompt: list[int], params, w: Workers) -> None:
+        """Pages and a slot on the decode worker before the prefill starts; DecodeOverloaded retried with backoff
+        for overload_retry_s, then Overloaded (nothing was prefilled yet)."""
+        deadline, delay = time.monotonic() + self.overload_retry_s, 0.05
+        while True:
+            try:
+                await w.decode.reserve_streamed.remote(rid, prompt, params)  # type: ignore[attr-defined]
+                return
+            except DEAD as e:
+                raise WorkerDied(w.decode_id, str(e)) from None
+            except RayTaskError as e:
+                error = failure(e, w.decode_id)
+            if not isinstance(error, DecodeOverloaded):
+                raise error from None
+            if time.monotonic() + delay > deadline:
+                raise Overloaded(str(error)) from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _prefill_streamed(
+        self, rid: str, prompt: list[int], params, w: Workers
+    ) -> tuple[PrefillResult, int, float]:
+        """Run `prefill_streamed`, pulling each chunk ticket into the decode reservation as it arrives, in order,
+        while the prefill goes on -> (PrefillResult, chunks pulled, its monotonic arrival here)."""
+        call: object = w.prefill.prefill_streamed  # type: ignore[attr-defined]
+        stream = call.options(num_returns="streaming").remote(rid, prompt, params, params.seed)  # type: ignore[attr-defined]
+        feed = PrefillFeed(stream, stream_items(stream, w.prefill_id), w.prefill_id)
+        done, chunks = False, 0
+        try:
+            while True:
+                item, arrived = await feed.next()
+                if isinstance(item, PrefillResult):
+                    done = True
+                    return item, chunks, arrived
+                await self._pull_chunk(rid, item, w, feed)
+                chunks += 1
+        finally:
+            if not done:
+                feed.close(rid)
+
+    async def _pull_chunk(self, rid: str, ticket: TransferTicket, w: Workers, feed: PrefillFeed) -> None:
+        """One chunk into the decode reservation (PeerUnknown: the pair is introduced and the pull retried once).
+        The prefill worker's death during the pull, or behind a failed pull (its stream ends in it within
+        call_timeout_s), is that death: the pull from a dead source is not waited for."""
+        introduced = False
+        while True:
+            pull = asyncio.ensure_future(w.decode.pull_chunk.remote(rid, ticket))  # type: ignore[attr-defined]
+            try:
+                await asyncio.wait({pull, feed.died}, return_when=asyncio.FIRST_COMPLETED)
+                if not pull.done():  # the prefill worker died mid-pull (the decode worker's abort ends the pull)
+                    raise feed.died.result()
+            finally:
+                if not pull.done():
+                    pull.cancel()
+            try:
+                pull.result()
+                return
+            except DEAD as e:
+                raise WorkerDied(w.decode_id, str(e)) from None
+            except RayTaskError as e:
+                error = failure(e, w.decode_id)
+            if isinstance(error, PeerUnknown) and not introduced:
+                introduced = True
+                await self._introduce_for_stream(w)
+                continue
+            if isinstance(error, TransferError):
+                ends: set[asyncio.Future] = {feed.ended, feed.died}
+                await asyncio.wait(ends, timeout=self.call_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+                if feed.died.done() and not feed.died.cancelled():
+                    raise WorkerDied(w.prefill_id, f"KV transfer failed: {error}") from None
+            raise error from None
+
+    async def _introduce_for_stream(self, w: Workers) -> None:
+        try:
+            await asyncio.wait_for(self.introduce_pair(w, ""), self.call_timeout_s)
+        except (TimeoutError, *DEAD, RayTaskError) as e:
+            raise WorkerDied(w.decode_id, f"introducing {w.prefill_id}: {cause(e)}") from None
+
+    def _record_handoff(self, timing: HandoffTiming) -> None:
+        metrics.KV_HANDOFF_EXPOSED.labels("true" if timing.streamed else "false").observe(timing.exposed_s)
+        if self.on_handoff is not None:
+            self.on_handoff(timing)
+
+    # ---- one placement ----------------------------------------------------------------------------------
+    async def _prefill(self, rid: str, prompt: list[int], params, w: Workers, streamed: bool, tell):
+        """Hop 7 -> (PrefillResult, chunks pulled, prefill seconds, the result's monotonic arrival)."""
+        if streamed:
+            await self._reserve_streamed(rid, prompt, params, w)
+            tell()  # the decode worker holds the request (and reports it) from its reservation on
+            start = time.monotonic()
+            result, chunks, arrived = await self._prefill_streamed(rid, prompt, params, w)
+            return result, chunks, arrived - start, arrived
+        start = time.monotonic()
+        try:
+            result = await w.prefill.prefill.remote(rid, prompt, params, params.seed)  # type: ignore[attr-defined]
+        except DEAD as e:
+            raise WorkerDied(w.prefill_id, str(e)) from None
+        except RayTaskError as e:
+            raise failure(e, w.prefill_id) from None
+        arrived = time.monotonic()
+        return result, 0, arrived - start, arrived
+
     async def run_placement(
         self, request: DispatchRequest, w: Workers, reached: Callable[[], None] | None = None
     ) -> AsyncGenerator[TokenEvent, None]:
@@ -188,12 +349,8 @@ class RayStreamer:
             return
         finished = False
         try:
-            try:
-                result = await w.prefill.prefill.remote(rid, prompt, params, params.seed)  # type: ignore[attr-defined]
-            except DEAD as e:
-                raise WorkerDied(w.prefill_id, str(e)) from None
-            except RayTaskError as e:
-                raise failure(e, w.prefill_id) from None
+            streamed = await self.streams(w, len(prompt))
+            result, chunks, prefill_s, arrived = await self._prefill(rid, prompt, params, w, streamed, tell)
             first = TokenEvent(
                 rid,
                 result.first_token,
@@ -205,10 +362,13 @@ class RayStreamer:
             )
             if result.finished:
                 finished = True
+                if streamed:
+                    abort(w.decode, rid)  # its reservation: nothing to decode (the prefill released its chunks)
                 yield first
                 return
             stream, item = await self._open_decode(result, prompt, params, w)
             assert isinstance(item, Transferred), item
+            self._record_handoff(HandoffTiming(rid, streamed, chunks, prefill_s, time.monotonic() - arrived))
             tell()
             yield first  # released only now: TTFT includes the transfer
             async for ev in stream_items(stream, w.decode_id):

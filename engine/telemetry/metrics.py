@@ -85,6 +85,20 @@ KV_TRANSFER_ABORTS = Counter(
     "KV transfers abandoned because their request was cancelled (not failures)",
     ("worker", "backend", "side"),
 )
+# Streamed hand-offs (a long prompt's KV pulled chunk by chunk while its later chunks are prefilled): the chunk
+# tickets pulled (by the decode worker), and the hand-off time the prefill did not hide (by the dispatcher: from
+# the prefill's result to the caches landing on the decode worker, streamed or not: compare the two).
+KV_STREAM_CHUNKS = Counter(
+    "dsv4_kv_stream_chunks_total",
+    "Chunk tickets of streamed prefills pulled while the prefill ran",
+    ("worker", "backend"),
+)
+KV_HANDOFF_EXPOSED = Histogram(
+    "dsv4_kv_handoff_exposed_seconds",
+    "Prefill result to the caches landing on the decode worker: hand-off time not overlapped with the prefill",
+    ("streamed",),
+    buckets=LATENCY_BUCKETS,
+)
 # The engines' real prefix cache (engine.execution.prefix_cache): prompt tokens looked up at admission, and those
 # served from cache (not computed). Hit ratio = hit / query; dashboards and alerts read these.
 PREFIX_QUERY_TOKENS = Counter(

@@ -8,7 +8,9 @@ metric counts; killing a prefill worker mid-load loses no request that was not i
 requests succeed; afterwards every page pool is back to idle.
 """
 
+import asyncio
 import concurrent.futures
+import contextlib
 import time
 import urllib.request
 
@@ -197,3 +199,91 @@ def test_pools_return_to_idle(service):
             break
         time.sleep(0.5)
     assert all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in stats), stats
+
+
+# ---- the streamed hand-off (service.ray_stream): a prompt spanning several prefill chunks --------------------
+LONG_PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=True)
+
+
+def long_prompt(seed: int, n: int) -> list[int]:
+    """n tokens, no prefix shared with the other tests' prompts (each worker steps 64 tokens, streams 256 a chunk)."""
+    return [(13 * j + 5 * seed) % 499 + 2 for j in range(n)]
+
+
+def labelled(values: dict, metric: str, label: str) -> float:
+    return sum(v for k, v in values.items() if k.startswith(metric + "{") and label in k)
+
+
+def test_streamed_handoff_matches_single_engine(service):
+    """Through the router's Generate (its RayDispatcher) and the HTTP ingress (service.direct_path): the chunks
+    are pulled while the prefill runs (counted by the decode workers) and the tokens are one engine's."""
+    _, client, http, cfg = service
+    before = scrape(cfg)
+    ps = [long_prompt(1, 600), long_prompt(2, 600)]
+    want = LLM().generate(ps, LONG_PARAMS)
+    got = client.generate_full(ps[0], LONG_PARAMS)
+    assert got.token_ids == want[0].token_ids
+    assert got.logprobs == pytest.approx(want[0].logprobs, abs=1e-4)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    out = http.completions.create(model="dsv4", prompt=ps[1], max_tokens=6, temperature=0, extra_body=extra)
+    assert out.choices[0].token_ids == want[1].token_ids
+    after = scrape(cfg)
+    chunks = total(after, "dsv4_kv_stream_chunks_total") - total(before, "dsv4_kv_stream_chunks_total")
+    assert chunks >= 2  # one chunk at least a request (600 positions: pages end at 256 and 512)
+    exposed = "dsv4_kv_handoff_exposed_seconds_count"
+    assert labelled(after, exposed, 'streamed="true"') - labelled(before, exposed, 'streamed="true"') == 2
+
+
+def test_handoff_overlap_measure_on_the_service(service):
+    """benchmarks.kv_stream_ray.measure (the kv_pull section's Ray rows) on the service's workers, one request a mode."""
+    from benchmarks.kv_stream_ray import measure
+    from service.ray_stream import Workers
+
+    handles = service[0]
+    workers = Workers("prefill-1", handles["prefill"]["prefill-1"], "decode-1", handles["decode"]["decode-1"])
+    result = asyncio.run(measure(workers, prompt_tokens=600, requests=1, seed=11))
+    assert result["generated"] == [2, 2, 2, 2]
+    assert result["not streamed"]["streamed"] == [False] and result["not streamed"]["chunks"] == 0
+    assert result["streamed"]["streamed"] == [True] and result["streamed"]["chunks"] >= 1
+    for mode in ("not streamed", "streamed"):
+        assert result[mode]["prefill_ms"] > 0 and result[mode]["exposed_ms"] > 0 and result[mode]["bytes"] > 0
+        assert result[mode]["exposed_share"] == pytest.approx(result[mode]["exposed_ms"] / result[mode]["prefill_ms"])
+
+
+def test_abort_during_streamed_handoff_frees_both_workers(service):
+    """The client leaves after the first chunk landed on the decode worker, while later chunks are prefilled: the
+    prefill stream is cancelled and both workers are aborted; every page of every worker comes back."""
+    from router.dispatch import DispatchRequest
+    from service.ray_stream import RayStreamer, Workers
+
+    handles = service[0]
+    prefill, decode = handles["prefill"]["prefill-0"], handles["decode"]["decode-0"]
+    workers = Workers("prefill-0", prefill, "decode-0", decode)
+    handoffs: list = []
+    streamer = RayStreamer(stream_min_chunks=2, on_handoff=handoffs.append)
+    request = DispatchRequest("streamed-abort", tuple(long_prompt(3, 1024)), LONG_PARAMS)
+
+    async def scenario():
+        pulls = (await decode.transfer_summary.remote())["count"]
+        events = streamer.run_placement(request, workers)
+        first = asyncio.ensure_future(anext(events))
+        while (await decode.transfer_summary.remote())["count"] == pulls:  # until a chunk is in the decode pages
+            assert not first.done(), first
+            await asyncio.sleep(0.005)
+        running = (await prefill.stats.remote()).running
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        return running
+
+    assert asyncio.run(scenario()) == 1  # the prefill was still running when the client left
+    assert handoffs == []  # the decode stream never opened
+    workers_all = (*handles["prefill"].values(), *handles["decode"].values())
+    deadline = time.time() + 30
+    while True:
+        stats = ray.get([h.stats.remote() for h in workers_all])
+        idle = all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in stats)
+        if idle or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, stats
