@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.batch import to_device_nonblocking
 from engine.model.cache import CachePool
 
 
@@ -44,16 +45,28 @@ def save(pool: CachePool, table: dict, positions: torch.Tensor, layers: dict | N
     """Copies of every ring group's rows that `positions` [N] (distinct mod every ring) write for the request with
     page table `table`. layers: {group: model layer ids} to save only those (default: every ring group, all
     layers)."""
+    return save_requests(pool, [table], [positions], layers)
+
+
+def save_requests(
+    pool: CachePool, tables: list[dict], positions: list[torch.Tensor], layers: dict | None = None
+) -> list[SavedRows]:
+    """`save` over several requests at once (request i: tables[i], positions[i]): one gather a group and layer for
+    all of them (their rows are disjoint: one ring page a request). The row ids reach the device by a non-blocking
+    copy, so saving does not wait for the steps already queued."""
     out = []
     for name, group in pool.groups.items():
-        if not group.spec.fixed or name not in table or (layers is not None and name not in layers):
+        if not group.spec.fixed or (layers is not None and name not in layers):
+            continue
+        held = [ring_rows(pool, name, t, p) for t, p in zip(tables, positions) if name in t]
+        if not held:
             continue
         ids = tuple(layers[name]) if layers is not None else group.spec.layers
-        rows = ring_rows(pool, name, table, positions).to(group.tensor.device)
+        rows = to_device_nonblocking(torch.cat(held), group.tensor.device)
         if group.quantised:
             values = torch.stack([group.read_packed(layer, rows) for layer in ids])
         else:
-            values = group.tensor[[group.spec.layer_slot(layer) for layer in ids]][:, rows].clone()
+            values = torch.stack([group.layer(layer)[rows] for layer in ids])  # (a list index would copy, blocking)
         out.append(SavedRows(name, ids, rows, values))
     return out
 

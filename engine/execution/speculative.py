@@ -19,11 +19,14 @@ A prefill-only request (the hand-off) gets the MTP pass over its prompt but no d
 the swa group's ring page, and the decode side drafts after its first (one-token) step, whose streams it has.
 Steps made only of decode / verify chunks run as one fixed-shape verify step (engine.execution.verify_graphs: K + 1
 rows a request, or 1 when nobody drafts; CUDA graphs in decode_mode graphs, eager bucketed in "bucketed", the
-varlen step in "eager"); steps with prefill chunks run the varlen step. engine.execution.spec_policy decides per
-step whether to draft (at most speculative_max_batch decoding requests; an optional acceptance floor): the MTP
-pass runs either way, so its KV stays complete.
-Not here yet: the MTP pass and chained MTP steps under graphs (they run eagerly after each step), overlapped
-decode with speculation, tensor/data parallel engines.
+varlen step in "eager"), and so does their drafting (engine.execution.mtp_graphs: the MTP pass on the verify step's
+bucket and streams, the chain one row a request, the drafts read back once); steps with prefill chunks (or with no
+bucket that fits) run the varlen step and the varlen MTP pass and chain. Both paths draft the same tokens
+(tests/engine/test_spec_mtp_graphs.py). engine.execution.spec_policy decides per step whether to draft (at most
+speculative_max_batch decoding requests; an optional acceptance floor): the MTP pass runs either way, so its KV
+stays complete.
+Not here yet: overlapped decode with speculation (the drafts are read back every step), tensor/data parallel
+engines.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.execution import spec_rollback, spec_sampling
+from engine.execution.mtp_graphs import MtpRunner
 from engine.execution.request import Request, TokenEvent
 from engine.execution.sampling import greedy_pick
 from engine.execution.scheduler import ScheduledChunk
 from engine.execution.spec_policy import SpecGate, SpecPolicy
-from engine.execution.verify_graphs import VerifyRunner
-from engine.model.batch import build_step
+from engine.execution.verify_graphs import VerifyRunner, VerifyStep
+from engine.model.batch import build_step, to_device_nonblocking
 from engine.model.mtp import MtpLayer
 
 MAX_SPECULATIVE_TOKENS = 3
@@ -82,6 +86,10 @@ class Speculator:
         # decode-only steps as fixed-shape verify steps (graphs on CUDA, eager bucketed on the CPU) when the engine
         # buckets its decode steps; else (decode_mode "eager") every step takes the varlen path
         self.verify = VerifyRunner(core.decode_runner, k + 1) if core.decode_runner is not None else None
+        # after a fixed-shape verify step, the MTP pass and chain on fixed shapes too (engine.execution.mtp_graphs);
+        # None: they take the varlen path after every step (the tests set it to compare both)
+        self.mtp = MtpRunner(self.verify, self.layers) if self.verify is not None else None
+        self._verified: VerifyStep | None = None  # this step's fixed-shape verify step, if it was one
         # Benchmarks only (benchmarks/spec.py): (drafts, the target's greedy picks) -> the drafts greedy acceptance
         # compares, applied after the verify forward (its cost is unchanged) to force an acceptance rate.
         self.force_drafts = None
@@ -90,6 +98,7 @@ class Speculator:
     def step(self) -> list[TokenEvent]:
         core = self.core
         chunks = core.scheduler.schedule()
+        self._verified = None
         if not chunks:
             return []
         plans, row = [], 0
@@ -210,6 +219,7 @@ class Speculator:
         )
         if out is None:
             return None
+        self._verified = self.verify.last
         for b, p in enumerate(plans):
             p.first_row = b * queries
         streams, logits = out
@@ -318,6 +328,14 @@ class Speculator:
         runs = [p for p in plans if not p.chunk.request.finished and p.chunk.request.num_computed > p.chunk.start]
         if not runs:
             return
+        last = [
+            p
+            for p in runs
+            if p.chunk.request.num_computed == p.chunk.request.num_tokens - 1 and not p.chunk.request.prefill_only
+        ]  # a hand-off drafts on the decode side
+        if self._verified is not None and self.mtp is not None:
+            self._draft_fixed(plans, runs, last)
+            return
         tokens, starts, tables = [], [], []
         hidden_rows: list[int] = []
         for p in runs:
@@ -326,11 +344,6 @@ class Speculator:
             starts.append(c.start)
             tables.append(req.pages)
             hidden_rows.extend(range(p.first_row, p.first_row + req.num_computed - c.start))
-        last = [
-            p
-            for p in runs
-            if p.chunk.request.num_computed == p.chunk.request.num_tokens - 1 and not p.chunk.request.prefill_only
-        ]  # a hand-off drafts on the decode side
         ends = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
         out_rows = [int(ends[i]) for i, p in enumerate(runs) if p in last]
         layer = self.layers[0]
@@ -345,10 +358,15 @@ class Speculator:
         firsts, qs = self._pick_drafts(layer.logits(hid), last, 0)
         drafts, q = [[t] for t in firsts], [None if r is None else [r] for r in qs]
         self._chain(last, drafts, q, hid)
-        for p, d, r in zip(last, drafts, q):
-            self.drafts[p.chunk.request.request_id] = d
+        self._keep_drafts(last, drafts, q)
+
+    def _keep_drafts(self, plans: list[_Plan], drafts: list[list[int]], q: list) -> None:
+        """Each plan's drafts (and sampled q rows), at most its room, for its next step."""
+        for p, d, r in zip(plans, drafts, q):
+            room = self._room(p.chunk.request)
+            self.drafts[p.chunk.request.request_id] = d[:room]
             if r is not None:
-                self.draft_q[p.chunk.request.request_id] = r
+                self.draft_q[p.chunk.request.request_id] = r[:room]
 
     def _pick_drafts(self, logits: torch.Tensor, plans: list[_Plan], j: int) -> tuple[list[int], list]:
         """Draft j of each plan's request from the MTP logits [N, V] -> (tokens, per plan its q row or None):
@@ -398,7 +416,69 @@ class Speculator:
                     r.append(row)
         for s in saved:
             spec_rollback.restore(core.pool, s)
-        for p, d, r in zip(plans, drafts, q):
-            del d[self._room(p.chunk.request) :]
-            if r is not None:
-                del r[self._room(p.chunk.request) :]
+
+    # ---- drafting on fixed shapes (engine.execution.mtp_graphs) --------------------------------------
+    def _draft_fixed(self, plans: list[_Plan], runs: list[_Plan], last: list[_Plan]) -> None:
+        """`_draft` after a fixed-shape verify step: the MTP pass on that step's bucket (plan b = slot b), the
+        chain on the decode buckets, the drafts read back once at the end."""
+        mtp, core = self.mtp, self.core
+        assert mtp is not None and self._verified is not None
+        ran = {id(p) for p in runs}
+        reqs = [p.chunk.request for p in plans]
+        token_rows = [
+            r.token_slice(p.chunk.start + 1, r.num_computed + 1) if id(p) in ran else [] for p, r in zip(plans, reqs)
+        ]
+        ids, tables = [r.request_id for r in reqs], [r.pages for r in reqs]
+        mtp.run_pass(self._verified, ids, token_rows, [p.chunk.start for p in plans], tables)
+        if last and not self.gate.should_draft(len(last)):
+            self.stats["undrafted_steps"] += 1  # the MTP KV above is kept complete: drafting resumes exactly
+            return
+        if not last:
+            return
+        slot = {id(p): b for b, p in enumerate(plans)}
+        slots = [slot[id(p)] for p in last]
+        q: list = [[] if p.chunk.request.params.temperature != 0 else None for p in last]
+        self._draw_fixed(last, slots, q, 0)
+        picks = [mtp.tokens(len(plans))]
+        n = max(self._room(p.chunk.request) for p in last)
+        positions: list[int | None] = [None] * len(plans)
+        for p, b in zip(last, slots):
+            positions[b] = p.chunk.request.num_computed  # the newest position: chain step j runs at P + j - 1
+        shape = mtp.chain_shape(len(plans), max(p for p in positions if p is not None) + n - 1) if n > 1 else None
+        if n > 1 and shape is None:  # no chain bucket fits: the varlen chain from the pass's outputs
+            hid = mtp.hidden(len(plans))[torch.tensor(slots, device=core.device)]
+            drafts = [[int(t)] for t in picks[0][torch.tensor(slots, device=core.device)].tolist()]
+            self._chain(last, drafts, q, hid)
+            self._keep_drafts(last, drafts, q)
+            return
+        if n > 1:
+            assert shape is not None
+            saved = spec_rollback.save_requests(
+                core.pool,
+                [p.chunk.request.pages for p in last],
+                [torch.arange(p.chunk.request.num_computed, p.chunk.request.num_computed + n - 1) for p in last],
+                {"swa": [m.layer for m in self.layers]},
+            )
+            for j in range(1, n):
+                shifted = [None if p is None else p + j - 1 for p in positions]
+                mtp.run_chain_step(shape, j, ids, shifted, tables)
+                self._draw_fixed(last, slots, q, j)
+                picks.append(mtp.tokens(len(plans)))
+            spec_rollback.restore(core.pool, saved)
+        host = torch.stack(picks).tolist()  # [steps, slots]: the one read of the drafts
+        self._keep_drafts(last, [[int(row[b]) for row in host] for b in slots], q)
+
+    def _draw_fixed(self, plans: list[_Plan], slots: list[int], q: list, j: int) -> None:
+        """Draft j of the sampled plans (q[i] a list, else None) drawn from the MTP logits of their slots
+        (spec_sampling.draw_drafts), put in place of the greedy picks; their q rows appended to q[i]."""
+        sampled = [i for i, r in enumerate(q) if r is not None]
+        if not sampled:
+            return
+        assert self.mtp is not None
+        reqs = [plans[i].chunk.request for i in sampled]
+        rows = [slots[i] for i in sampled]
+        logits = self.mtp.logits(max(slots) + 1)[to_device_nonblocking(torch.tensor(rows), self.core.device)]
+        drawn, dist = spec_sampling.draw_drafts(logits, reqs, [len(r.output) + j for r in reqs])
+        self.mtp.set_tokens(rows, drawn)
+        for n, i in enumerate(sampled):
+            q[i].append(dist[n])

@@ -30,6 +30,16 @@ from engine.model.verify_batch import VerifyInputs, VerifyShape, derive_verify_b
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class VerifyStep:
+    """The last fixed-shape verify step: its bucket and its residual streams over every row of it [shape.rows, hc,
+    D] (the shared buffer under graphs; rows past a request's tokens are padding), valid until the next verify step.
+    The MTP pass reads them in place (engine.execution.mtp_graphs)."""
+
+    shape: VerifyShape
+    streams: torch.Tensor
+
+
 @dataclass
 class _VerifyGraph:
     packed: torch.Tensor  # static device inputs [3, rows] the graph reads
@@ -45,6 +55,7 @@ class VerifyRunner:
         self.decode, self.max_queries = decode, max_queries
         self.graphs: dict[VerifyShape, _VerifyGraph] = {}
         self.steps = 0  # verify steps run (graphs replayed or eager bucketed)
+        self.last: VerifyStep | None = None  # the last step run (None before the first)
         self._streams: torch.Tensor | None = None
         self._logits: torch.Tensor | None = None
 
@@ -76,11 +87,20 @@ class VerifyRunner:
         used = n * queries
         if d.mode == "eager":
             streams, logits = self._forward(host.packed.to(d.model.device), shape)
+            self.last = VerifyStep(shape, streams)
             return streams[:used], logits[:used]
         graph = self.graphs.get(shape) or self._capture(shape)
         copy_nonblocking_(graph.packed, host.packed)  # pinned, non-blocking: no wait for queued steps
         graph.graph.replay()
+        self.last = VerifyStep(shape, graph.streams)
         return graph.streams[:used], graph.logits[:used]
+
+    def streams_buffer(self, shape: VerifyShape) -> torch.Tensor:
+        """Under graphs: the rows of the shared streams buffer that `shape`'s verify graph writes [rows, hc, D] (the
+        MTP pass graphs read them in place); allocated by the first verify capture."""
+        if self._streams is None:
+            raise RuntimeError("no verify graph captured yet: its streams buffer does not exist")
+        return self._streams[: shape.rows]
 
     def _forward(self, packed: torch.Tensor, shape: VerifyShape) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.decode

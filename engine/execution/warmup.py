@@ -19,7 +19,8 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
    prefix cache forgets the prompts;
 2. every decode bucket's CUDA graph is captured (DecodeRunner.capture_all: each (batch slots, context) pair, on
    padding rows that write only the scratch page; a speculative engine captures its verify buckets instead,
-   VerifyRunner.capture_all, with 1 and K + 1 rows a request), so no step mid-stream waits on a capture or on the Triton
+   VerifyRunner.capture_all, with 1 and K + 1 rows a request, and its MTP pass and chain graphs,
+   MtpRunner.capture_all), so no step mid-stream waits on a capture or on the Triton
    compiles its shapes need (on a cold machine a single decode step otherwise stalls for seconds);
 3. every FP8 GEMM shape those steps ran (dsv4_kernels.deepgemm_linear records them) at the M values whose DeepGEMM
    configuration can differ: all M up to 128, then the lowest and highest M of each 64-row block count up to
@@ -208,10 +209,14 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
 
 def _capture_decode_graphs(engine) -> int:
     """Phase 2: every decode bucket's graph; for a speculative engine, whose decode-only steps are verify steps
-    (engine.execution.verify_graphs), every verify bucket with 1 and with K + 1 rows a request instead."""
+    (engine.execution.verify_graphs), every verify bucket with 1 and with K + 1 rows a request instead, and the MTP
+    graphs drafting after them (engine.execution.mtp_graphs: the pass on each of those buckets, the chain steps on
+    the one-row buckets when K > 1)."""
     spec = engine.speculator
     if spec is not None and spec.verify is not None:
-        return spec.verify.capture_all(sorted({1, spec.k + 1}))
+        queries = sorted({1, spec.k + 1})
+        graphs = spec.verify.capture_all(queries)  # first: the MTP pass graphs read their streams buffer
+        return graphs + (spec.mtp.capture_all(queries, spec.k - 1) if spec.mtp is not None else 0)
     return engine.decode_runner.capture_all()
 
 

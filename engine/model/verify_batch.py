@@ -16,6 +16,10 @@ scratch pages, and no real row reads them (a real row reads only chunk rows at p
 row repeats the position of its request's last real row (a padding slot: position 0), so it reads only what
 that row reads (no entry past the request's reservation). Their logits are never read. With queries = 1 the batch equals decode_batch's (same tensors).
 
+The MTP pass after a verify step runs on the same shape (engine.execution.mtp_graphs: each request's accepted
+positions with the token after each, the rest padding; `swa_only`, as the MTP layers attend over the SWA ring
+alone), and the chained MTP steps on queries = 1.
+
 Derived with torch ops on the device (no host sync, static shapes); the fused Triton prologue
 (dsv4_kernels.triton_decode_prologue) covers queries = 1 only: a q > 1 step is ~150 more small kernels inside
 its graph (a follow-up: extend the prologue's SOURCES / PLAN sections with a per-slot start).
@@ -76,9 +80,13 @@ class VerifyInputs:
         return VerifyInputs(torch.tensor([ids, pos, rows], dtype=torch.long))
 
 
-def derive_verify_batch(pool: CachePool, tables: BlockTables, packed: torch.Tensor, shape: VerifyShape) -> StepBatch:
+def derive_verify_batch(
+    pool: CachePool, tables: BlockTables, packed: torch.Tensor, shape: VerifyShape, swa_only: bool = False
+) -> StepBatch:
     """The StepBatch of a verify step from device inputs `packed` (VerifyInputs.packed): static shapes, no host
-    sync. Request tables come from each slot's first row (always a real row for a real slot)."""
+    sync. Request tables come from each slot's first row (always a real row for a real slot). swa_only: no
+    compressor plans nor visible entries (empty dicts), for the MTP layers, whose attention is sliding-window
+    only (engine.model.mtp; engine.execution.mtp_graphs runs them on these batches)."""
     cfg, device = pool.cfg, packed.device
     s, q = shape.decode.slots, shape.queries
     ids, pos, trow = packed[0], packed[1], packed[2]
@@ -111,7 +119,7 @@ def derive_verify_batch(pool: CachePool, tables: BlockTables, packed: torch.Tens
         t_rows, torch.where(live, swa_page[seg] * swa_spec.page_rows + pos % window, scratch("swa", window))
     )
     compress, visible = {}, {}
-    for entry, state, ratio, overlap in entry_groups(cfg):
+    for entry, state, ratio, overlap in [] if swa_only else entry_groups(cfg):
         st, es = pool.groups[state].spec, pool.groups[entry].spec
         state_page, total = group_tables[state][:, 0], st.num_pages * st.page_rows
         window_id = pos // ratio

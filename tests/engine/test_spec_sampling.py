@@ -129,7 +129,7 @@ def model(tmp_path_factory):
     return cfg, load_weights(d, cfg, mtp=True)
 
 
-def _engine(model, k):
+def _engine(model, k, mode="eager"):
     from engine.execution.runner import EngineCore
     from engine.execution.scheduler import SchedulerConfig
     from engine.execution.spec_policy import SpecPolicy
@@ -141,7 +141,7 @@ def _engine(model, k):
         weights,
         cache_config=CacheConfig(max_requests=64, max_tokens=8192, page_tokens=16, kv_cache_dtype="exact"),
         scheduler_config=SchedulerConfig(max_batch_tokens=4096, max_num_seqs=64),
-        decode_mode="eager",
+        decode_mode=mode,
         speculative_tokens=k,
         speculative_policy=SpecPolicy(max_batch=64),
     )  # draft at every batch here
@@ -160,24 +160,28 @@ def _z(a: list[float], b: list[float]) -> float:
     return float((ta.mean() - tb.mean()) / (ta.var() / len(a) + tb.var() / len(b)).sqrt())
 
 
-def test_sampled_requests_keep_the_target_distribution_end_to_end(model, monkeypatch):
+@pytest.mark.parametrize("mode", ["eager", "bucketed"])
+def test_sampled_requests_keep_the_target_distribution_end_to_end(model, monkeypatch, mode):
     """Tokens 2-4 of 192 seeded requests (token 1 comes from the prefill, the rest from verify steps): their raw
     target log-probs, a statistic whose distribution is the target's whatever the context, agree with speculation
-    on and off (two-sample z < 4); greedy requests in the same batches stay token for token equal."""
+    on and off (two-sample z < 4); greedy requests in the same batches stay token for token equal. Mode bucketed:
+    fixed-shape verify steps and MTP drafting (engine.execution.mtp_graphs)."""
     prompt = [5, 6, 7, 8, 9]
     sampled = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, logprobs=True)
     greedy = SamplingParams(max_new_tokens=4, ignore_eos=True)
     reqs = [(prompt, sampled, 500 + i) for i in range(192)] + [(prompt + [i], greedy, 0) for i in range(4)]
-    spec_engine = _engine(model, 2)
+    spec_engine = _engine(model, 2, mode)
     off, on = _run(_engine(model, 0), reqs), _run(spec_engine, reqs)
     stats = spec_engine.speculator.stats
     assert 0.2 < stats["accepted"] / stats["drafted"] < 0.9  # acceptance and rejection both exercised
+    if mode == "bucketed":
+        assert spec_engine.speculator.mtp.steps > 0  # drafted on fixed shapes
     assert [r.output for r in on[192:]] == [r.output for r in off[192:]]
     lp = lambda rs: [x for r in rs[:192] for x in r.logprobs[1:]]  # noqa: E731
     assert abs(_z(lp(on), lp(off))) < 4
     assert sum(r.accepted_tokens for r in on[:192]) > 0
     # seeded: the same tokens again, in another batch
-    again = _run(_engine(model, 2), [reqs[i] for i in (7, 3, 150)] + [(prompt, sampled, 1)])
+    again = _run(_engine(model, 2, mode), [reqs[i] for i in (7, 3, 150)] + [(prompt, sampled, 1)])
     assert [r.output for r in again[:3]] == [on[i].output for i in (7, 3, 150)]
     # companion: a verify that accepts every draft (emits q's tokens) fails the same statistic
     right = spec_sampling.verify_sampled
@@ -189,4 +193,4 @@ def test_sampled_requests_keep_the_target_distribution_end_to_end(model, monkeyp
         return torch.stack([(drafts >= 0).double(), tokens.double(), lps.double()])
 
     monkeypatch.setattr(spec_sampling, "verify_sampled", accept_all)
-    assert abs(_z(lp(_run(_engine(model, 2), reqs[:192])), lp(off))) > 6
+    assert abs(_z(lp(_run(_engine(model, 2, mode), reqs[:192])), lp(off))) > 6
