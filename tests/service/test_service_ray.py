@@ -123,6 +123,32 @@ def test_openai_http_streaming_and_errors(service):
     assert text.choices[0].finish_reason in ("length", "stop")
 
 
+def test_eval_perplexity_through_the_service_equals_the_engine(service, tmp_path, capsys):
+    """`dsv4 eval perplexity --url`: the windows' prompt logprobs come from the prefill pool over /v1/completions
+    (echo + logprobs) and give the engine's own bits per byte."""
+    import json
+    import math
+
+    from service.cli import main
+    from tests.service.test_eval_cli import TEXT
+
+    _, _, _, cfg = service
+    path = tmp_path / "sample.py"
+    path.write_text(TEXT)
+    common = ["eval", "perplexity", "--file", str(path), "--model", cfg.model_dir, "--window", "40", "--json"]
+    got = []
+    for argv in ([*common, "--url", f"http://127.0.0.1:{cfg.port}"], common):
+        assert main(argv) == 0
+        got.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    served, engine = got
+    assert (served["tokens"], served["windows"]) == (engine["tokens"], engine["windows"]) and engine["windows"] > 1
+    # Each prompt logprob may differ from the engine's by 1e-4 nats (the bound test_disaggregated_matches_single_engine
+    # holds them to: the same fp32 model, batched with other windows, so sums run in another order); bits per byte
+    # is their sum / ln 2 / bytes, so it may differ by at most that bound times tokens / ln 2 / bytes.
+    bound = 1e-4 * engine["tokens"] / math.log(2) / engine["bytes"]
+    assert abs(served["bits_per_byte"] - engine["bits_per_byte"]) <= bound
+
+
 def scrape(cfg) -> dict:
     body = urllib.request.urlopen(f"http://127.0.0.1:{cfg.metrics_port}/metrics", timeout=10).read().decode()
     values = {}
