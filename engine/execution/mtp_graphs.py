@@ -170,7 +170,8 @@ class MtpRunner:
         if streams is not None and streams.data_ptr() != self.verify.streams_buffer(key.shape).data_ptr():
             raise RuntimeError("the MTP pass graph reads the verify graphs' streams buffer: run it after one")
         copy_nonblocking_(graph.packed, host)
-        copy_nonblocking_(graph.select, select)
+        if not key.chained:  # (a chain step reads its output rows in order)
+            copy_nonblocking_(graph.select, select)
         graph.graph.replay()
         self.replays += 1
 

