@@ -262,10 +262,11 @@ def test_streamed_handoff_matches_single_engine(service):
 
 def test_handoff_overlap_measure_on_the_service(service):
     """benchmarks.kv_stream_ray.measure (the kv_pull section's Ray rows) on the service's workers, one request a mode."""
+    from benchmarks.kv_pull_report import ray_stream_text
     from benchmarks.kv_stream_ray import measure
     from service.ray_stream import Workers
 
-    handles = service[0]
+    handles, _, _, cfg = service
     workers = Workers("prefill-1", handles["prefill"]["prefill-1"], "decode-1", handles["decode"]["decode-1"])
     result = asyncio.run(measure(workers, prompt_tokens=600, requests=1, seed=11))
     assert result["generated"] == [2, 2, 2, 2]
@@ -274,6 +275,8 @@ def test_handoff_overlap_measure_on_the_service(service):
     for mode in ("not streamed", "streamed"):
         assert result[mode]["prefill_ms"] > 0 and result[mode]["exposed_ms"] > 0 and result[mode]["bytes"] > 0
         assert result[mode]["exposed_share"] == pytest.approx(result[mode]["exposed_ms"] / result[mode]["prefill_ms"])
+    text = ray_stream_text(result | {"chunk_tokens": 256, "transfer": cfg.transfer})
+    assert "| streamed | " in text and f"{result['streamed']['exposed_ms']:.2f}" in text
 
 
 def test_abort_during_streamed_handoff_frees_both_workers(service):
@@ -304,12 +307,52 @@ def test_abort_during_streamed_handoff_frees_both_workers(service):
 
     assert asyncio.run(scenario()) == 1  # the prefill was still running when the client left
     assert handoffs == []  # the decode stream never opened
-    workers_all = (*handles["prefill"].values(), *handles["decode"].values())
-    deadline = time.time() + 30
+    stats = idle_workers([*handles["prefill"].values(), *handles["decode"].values()])
+    assert all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in stats), stats
+
+
+def idle_workers(handles_: list, timeout_s: float = 30.0) -> list:
+    """The workers' stats once none holds a request or a page (or at the timeout)."""
+    deadline = time.time() + timeout_s
     while True:
-        stats = ray.get([h.stats.remote() for h in workers_all])
-        idle = all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in stats)
-        if idle or time.time() > deadline:
-            break
+        stats = ray.get([h.stats.remote() for h in handles_])
+        if all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in stats) or time.time() > deadline:
+            return stats
         time.sleep(0.2)
-    assert idle, stats
+
+
+def test_a_worker_dying_mid_streamed_handoff(service):
+    """Either worker killed after a chunk landed on the decode side: the placement fails as that worker's WorkerDied
+    (which the stream's owner retries or migrates), and the surviving worker holds no page of the request."""
+    from router.dispatch import DispatchRequest, WorkerDied
+    from service.ray_stream import RayStreamer, Workers
+
+    handles, client, _, _ = service
+    prefill, decode = handles["prefill"], handles["decode"]
+
+    async def kill_mid_handoff(workers: Workers, victim, rid: str) -> BaseException:
+        streamer = RayStreamer(stream_min_chunks=2)
+        pulls = (await workers.decode.transfer_summary.remote())["count"]
+        events = streamer.run_placement(DispatchRequest(rid, tuple(long_prompt(9, 1024)), LONG_PARAMS), workers)
+        first = asyncio.ensure_future(anext(events))
+        while (await workers.decode.transfer_summary.remote())["count"] == pulls:
+            assert not first.done(), first
+            await asyncio.sleep(0.005)
+        ray.kill(victim, no_restart=False)  # Ray restarts it (max_restarts=-1)
+        with pytest.raises(WorkerDied) as died:
+            await asyncio.wait_for(first, 60)
+        await events.aclose()
+        return died.value
+
+    pair = Workers("prefill-0", prefill["prefill-0"], "decode-0", decode["decode-0"])
+    assert asyncio.run(kill_mid_handoff(pair, decode["decode-0"], "dies-decode")).worker_id == "decode-0"
+    assert all(s.kv_usage == 0.0 and s.running == 0 for s in idle_workers([prefill["prefill-0"]], 60))
+    pair = Workers("prefill-1", prefill["prefill-1"], "decode-1", decode["decode-1"])
+    assert asyncio.run(kill_mid_handoff(pair, prefill["prefill-1"], "dies-prefill")).worker_id == "prefill-1"
+    assert all(s.kv_usage == 0.0 and s.running == 0 for s in idle_workers([decode["decode-1"]], 60))
+    deadline = time.time() + 60
+    while time.time() < deadline and not all(w.healthy for w in client.health(probe=True).workers):
+        time.sleep(1)
+    assert all(w.healthy for w in client.health(probe=True).workers)
+    ps = [long_prompt(4, 600)]
+    assert client.generate_full(ps[0], LONG_PARAMS).token_ids == LLM().generate(ps, LONG_PARAMS)[0].token_ids
