@@ -92,6 +92,8 @@ def exp_noise_rows(draw_seeds: list[int] | torch.Tensor, vocab: int, device) -> 
         from dsv4_kernels.triton_sampling import exp_noise  # imports triton: only on this path
 
         seeds = draw_seeds if isinstance(draw_seeds, torch.Tensor) else torch.tensor(draw_seeds, dtype=torch.int64)
+        if seeds.device.type == "cpu":  # (a blocking upload would wait for the queued work)
+            seeds = to_device_nonblocking(seeds, device)
         return exp_noise(seeds.to(device), vocab)
     host_seeds = draw_seeds.tolist() if isinstance(draw_seeds, torch.Tensor) else draw_seeds
     noise = (
