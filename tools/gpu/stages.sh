@@ -110,7 +110,7 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
     quality) timeout ${QUALITY_TIMEOUT:-540} python3 -m benchmarks.quality --device cuda --files ${QUALITY_FILES:-8} \
           --out "$OUT/quality_cuda.md" > "$OUT/quality.log" 2>&1 || status=1
         tail -20 "$OUT/quality.log" | cut -c1-300 ;;
-    spec) timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_spec_bucketed.py \
+    spec) timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_spec_bucketed.py tests/engine/test_spec_mtp_graphs.py \
           tests/engine/test_speculative.py > "$OUT/spec_tests.log" 2>&1 || status=1
         tail -3 "$OUT/spec_tests.log" | cut -c1-300
         timeout ${SPEC_TIMEOUT:-400} python3 -m benchmarks.spec --k ${SPEC_K:-1} --batches 1 16 64 --rates 0.6 0.8 0.9 \
