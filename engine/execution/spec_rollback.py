@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.batch import to_device_nonblocking
-from engine.model.cache import CachePool
+from engine.model.cache import CacheGroup, CachePool
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,18 @@ def save_requests(
         rows = to_device_nonblocking(torch.cat(held), group.tensor.device)
         if group.quantised:
             values = torch.stack([group.read_packed(layer, rows) for layer in ids])
+        elif (span := _slot_span(group, ids)) is not None:
+            values = group.tensor[span][:, rows]  # one gather for all the layers
         else:
-            values = torch.stack([group.layer(layer)[rows] for layer in ids])  # (a list index would copy, blocking)
+            values = torch.stack([group.layer(layer)[rows] for layer in ids])
         out.append(SavedRows(name, ids, rows, values))
     return out
+
+
+def _slot_span(group: CacheGroup, layers: tuple[int, ...]) -> slice | None:
+    """The storage slots of `layers` when consecutive (every ring group's layers, or the MTP layers), else None."""
+    slots = [group.spec.layer_slot(layer) for layer in layers]
+    return slice(slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) else None
 
 
 def restore(pool: CachePool, saved: list[SavedRows], keep: slice | None = None) -> None:
@@ -78,6 +86,10 @@ def restore(pool: CachePool, saved: list[SavedRows], keep: slice | None = None) 
         rows = s.rows if keep is None else s.rows[keep]
         values = s.values if keep is None else s.values[:, keep]
         if rows.numel() == 0:
+            continue
+        span = None if group.quantised else _slot_span(group, s.layers)
+        if span is not None:
+            group.tensor[span][:, rows] = values  # one scatter for all the layers
             continue
         for i, layer in enumerate(s.layers):
             if group.quantised:
