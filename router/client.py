@@ -16,6 +16,7 @@ import grpc
 
 from engine.execution.sampling_params import SamplingParams
 from router.auth import call_metadata
+from router.prompt_hashes import HashScheme, PromptHashes
 from router.protos import pb2, pb2_grpc
 
 _STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}
@@ -83,6 +84,7 @@ class PlacedRequest:
     prefill_reason: str = ""
     decode_reason: str = ""
     cached_tokens: int = 0
+    hash_scheme: HashScheme | None = None  # how the router names prompt blocks now (send PromptHashes in it)
 
     def incarnation(self, worker_id: str) -> str:
         return self.prefill_incarnation if worker_id == self.prefill_worker else self.decode_incarnation
@@ -179,12 +181,18 @@ def place_request(
     request_id: str,
     excluded: dict[str, str] | None = None,
     retry: bool = False,
+    hashes: PromptHashes | None = None,
 ) -> pb2.PlaceRequest:
-    return pb2.PlaceRequest(
+    """hashes: the prompt's block hashes in the scheme the router named (router.prompt_hashes.IngressHasher)."""
+    msg = pb2.PlaceRequest(
         request=build_request(prompt_ids, params, request_id),
         excluded=[pb2.ExcludedWorker(worker_id=w, incarnation=i) for w, i in (excluded or {}).items()],
         retry=retry,
     )
+    if hashes is not None:
+        scheme = pb2.HashScheme(block_tokens=hashes.scheme.block_tokens, seed=hashes.scheme.seed)
+        msg.prompt_hashes.CopyFrom(pb2.PromptHashes(scheme=scheme, hashes=hashes.hashes))
+    return msg
 
 
 def _placed(msg) -> PlacedRequest:
@@ -197,6 +205,9 @@ def _placed(msg) -> PlacedRequest:
         prefill_reason=msg.prefill_reason,
         decode_reason=msg.decode_reason,
         cached_tokens=msg.cached_tokens,
+        hash_scheme=(
+            HashScheme(msg.hash_scheme.block_tokens, msg.hash_scheme.seed) if msg.HasField("hash_scheme") else None
+        ),
     )
 
 
@@ -265,8 +276,10 @@ class RouterClient:
         request_id: str = "",
         excluded: dict[str, str] | None = None,
         retry: bool = False,
+        hashes: PromptHashes | None = None,
     ) -> PlacedRequest:
-        return _placed(self._call(self._stub.Place, place_request(prompt_ids, params, request_id, excluded, retry)))
+        msg = place_request(prompt_ids, params, request_id, excluded, retry, hashes)
+        return _placed(self._call(self._stub.Place, msg))
 
     def settle(self, request_id: str) -> bool:
         return self._call(self._stub.Settle, pb2.SettleRequest(request_id=request_id)).held
@@ -333,10 +346,12 @@ class AsyncRouterClient:
         excluded: dict[str, str] | None = None,
         retry: bool = False,
         timeout_s: float | None = None,
+        hashes: PromptHashes | None = None,
     ) -> PlacedRequest:
         """Admission and placement only (waits for a decode slot as Generate does); excluded: {worker id: the
-        incarnation that died serving this request}; retry: a placement after such a death."""
-        msg = place_request(prompt_ids, params, request_id, excluded, retry)
+        incarnation that died serving this request}; retry: a placement after such a death; hashes: the prompt's
+        block hashes in the scheme the router's last answer named (None: the router hashes the prompt)."""
+        msg = place_request(prompt_ids, params, request_id, excluded, retry, hashes)
         try:
             reply = await self._stub.Place(msg, timeout=timeout_s or self.timeout_s, metadata=self._md)
         except grpc.RpcError as e:

@@ -27,8 +27,9 @@ Choice (`choose_by_cache`), for the healthy prefill candidates, all with digests
     1 as the holder's queue passes 16K / 4K tokens) cost chat at twice the rate 3 / 8 points of hit rate
     and 45% / 130% on TTFT p99, and gained nothing at the traces' own rates.
   - r(w) = w's prompt tokens computed recently (decayed, `balance_half_life_s`) / the candidates' mean - 1,
-    at most 1; balance_gain 2.5. Long-run balance that scales what a worker's MISSES cost (x0.08 for a
-    worker with no recent work, x12 at twice the mean): a session's next turn (a block or two to compute
+    at most 1; balance_gain 2.5, ramped in as c / (c + 8), c = the requests placed recently on the whole pool.
+    Long-run balance that scales what a worker's MISSES cost (x0.08 for a worker with no recent work, x12 at
+    twice the mean): a session's next turn (a block or two to compute
     at its holder, the whole context anywhere else) stays put, while a new session (only a shared prefix
     cached anywhere) goes to a worker that has done less, even at the price of that prefix. Added to the
     cost instead (max(0, recent - mean), the earlier rule), the term is tens of thousands of tokens on
@@ -51,7 +52,7 @@ from collections.abc import Sequence
 
 from engine.handoff import PrefixDigest
 from router.dispatch import WorkerInfo
-from router.prompt_hashes import PromptHasher
+from router.prompt_hashes import HashScheme, PromptHasher, PromptHashes
 
 
 class RecentWork:
@@ -131,18 +132,37 @@ class CacheIndex:
                 if not holders:
                     del where[h]
 
-    def cached(self, prompt_ids: Sequence[int]) -> dict[str, int]:
-        """worker id -> prompt tokens it would serve from cache (workers absent: none)."""
+    def scheme(self) -> HashScheme | None:
+        """How the digests name blocks (the first scheme, if workers differ; None: no digest yet)."""
+        for (block, seed), where in self.where.items():
+            if where:
+                return HashScheme(block, seed)
+        return None
+
+    def cached(self, prompt_ids: Sequence[int], given: PromptHashes | None = None) -> dict[str, int]:
+        """worker id -> prompt tokens it would serve from cache (workers absent: none). given: the prompt's hashes
+        as its sender computed them (used where they are in the digests' scheme and cover the blocks needed)."""
         out: dict[str, int] = {}
         for (block, seed), where in self.where.items():
             if not where:
                 continue
-            hasher = self.hashers.get((block, seed))
-            if hasher is None:
-                hasher = self.hashers[(block, seed)] = PromptHasher(block, seed)
-            chain = hasher.hashes(prompt_ids, limit=(len(prompt_ids) - 1) // block)
+            limit = max(0, (len(prompt_ids) - 1) // block)
+            chain = given.covering(block, seed, limit) if given is not None else None
+            if chain is None:
+                hasher = self.hashers.get((block, seed))
+                if hasher is None:
+                    hasher = self.hashers[(block, seed)] = PromptHasher(block, seed)
+                chain = hasher.hashes(prompt_ids, limit=limit)
+            # Deepest block first: a worker's first hit is its cached prefix. Set differences run in C, where a
+            # block shared by many workers would otherwise cost a Python step per holder per block.
+            seen: set[str] = set()
             for k in range(len(chain) - 1, -1, -1):
-                for wid in where.get(chain[k], ()):
+                holders = where.get(chain[k])
+                if holders is None or holders <= seen:
+                    continue
+                tokens = (k + 1) * block
+                for wid in holders - seen:
                     if wid not in out:
-                        out[wid] = (k + 1) * block
+                        out[wid] = tokens
+                seen |= holders
         return out

@@ -21,13 +21,43 @@ to the new one, and when the new one is full the old one is dropped (an LRU appr
 An entry takes ~170 bytes: at most ~22 MB at the default capacity (65536: 32M prompt tokens at 512-token
 blocks, 8M at 128).
 One `PromptHasher` per (block size, seed); not thread-safe (the router's event loop owns it).
+
+The caller of the router's `Place` (the ingress) hashes prompts itself, so that placement only matches and scores:
+`IngressHasher` names a prompt's blocks in the `HashScheme` the router's last answer named (the workers' digests'
+block size and seed, or the router's own estimate's), with a `PromptHasher` of its own, and the request carries
+them as `PromptHashes`. The router uses them when they are in the scheme it uses and cover the prompt's full
+blocks; otherwise (an old client, the first request, a changed scheme) it hashes the prompt as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine.execution.block_hash import block_hashes
+
+
+@dataclass(frozen=True)
+class HashScheme:
+    """How prompt blocks are named: `block_hashes(tokens, block_tokens, seed)`."""
+
+    block_tokens: int
+    seed: bytes
+
+
+@dataclass(frozen=True)
+class PromptHashes:
+    """A prompt's chained block hashes as its sender computed them: hashes[k] names blocks 0..k (k < full blocks)."""
+
+    scheme: HashScheme
+    hashes: tuple[int, ...]
+
+    def covering(self, block: int, seed: bytes, n: int) -> Sequence[int] | None:
+        """The first n hashes, if these are in scheme (block, seed) and there are that many; else None."""
+        s = self.scheme
+        if s.block_tokens != block or s.seed != seed or len(self.hashes) < n:
+            return None
+        return self.hashes if len(self.hashes) == n else self.hashes[:n]
 
 
 class PromptHasher:
@@ -80,3 +110,29 @@ class PromptHasher:
         if len(self._new) >= self.capacity:
             self._old, self._new = self._new, {}
         self._new[key] = h
+
+
+class IngressHasher:
+    """The router's caller's side: a prompt's `PromptHashes` in the scheme the router last named (None until a
+    router has named one). Remembers prefixes like the router's own hasher (sessions hash only their new blocks)."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.capacity = capacity
+        self._hasher: PromptHasher | None = None
+
+    @property
+    def scheme(self) -> HashScheme | None:
+        h = self._hasher
+        return None if h is None else HashScheme(h.block, h.seed)
+
+    def learn(self, scheme: HashScheme | None) -> None:
+        """The scheme a router answered with (None or block 0: it named none; the last one stays)."""
+        if scheme is None or scheme.block_tokens < 1 or scheme == self.scheme:
+            return
+        self._hasher = PromptHasher(scheme.block_tokens, scheme.seed, self.capacity)
+
+    def hashes(self, prompt_ids: Sequence[int]) -> PromptHashes | None:
+        h = self._hasher
+        if h is None:
+            return None
+        return PromptHashes(HashScheme(h.block, h.seed), tuple(h.hashes(prompt_ids)))

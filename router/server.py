@@ -62,6 +62,7 @@ from router.metrics import RouterMetrics
 from router.migration import RouterFailure, StreamProgress, failure_of, recovering_stream
 from router.placement_holds import DEFAULT_MAX_HOLD_S, PlacementHolds
 from router.policy import Placement, RoutingPolicy
+from router.prompt_hashes import HashScheme, PromptHashes
 from router.protos import pb2, pb2_grpc
 from router.stream_watch import StreamWatches
 
@@ -182,6 +183,7 @@ class RouterServer(pb2_grpc.RouterServicer):
                     self.metrics.worker_deaths += 1
             if not ok and (moved := self.watches.worker_down(worker_id)):
                 log.warning("worker %s is down: %d streams waiting on it are retried or migrated", worker_id, moved)
+        self.policy.observe(self.dispatcher.workers())  # index the new digests here, not in the next placement
         if changed or self._queued:  # a worker came back, or its report may show capacity freed
             await self._notify()
         return verdicts
@@ -299,9 +301,12 @@ class RouterServer(pb2_grpc.RouterServicer):
         async for ev in self._stream(dreq, placement):
             yield ev
 
-    async def _admit(self, dreq: DispatchRequest, excluded: dict[str, str]) -> Placement:
+    async def _admit(
+        self, dreq: DispatchRequest, excluded: dict[str, str], hashes: PromptHashes | None = None
+    ) -> Placement:
         """Place the request once a decode worker fits it and each phase has a healthy worker, waiting
-        (bounded, see the module docstring) for capacity or for Ray to restart a worker."""
+        (bounded, see the module docstring) for capacity or for Ray to restart a worker. hashes: the prompt's
+        block hashes as the caller computed them (`Place`), or None."""
         loop = asyncio.get_running_loop()
         start, queued = loop.time(), False
         try:
@@ -312,7 +317,7 @@ class RouterServer(pb2_grpc.RouterServicer):
                 fits = self.policy.can_admit(dreq.max_total_tokens, workers, exclude)
                 if fits and (queued or not self._queued):  # FIFO: newcomers do not overtake the queue
                     try:
-                        return self._place(dreq, exclude)
+                        return self._place(dreq, exclude, hashes)
                     except NoWorkerAvailable as e:
                         if waited >= self.restart_wait_s:
                             raise RouterFailure(
@@ -340,8 +345,9 @@ class RouterServer(pb2_grpc.RouterServicer):
                 self._queued -= 1
                 asyncio.get_running_loop().create_task(self._notify())  # the next in line may fit now
 
-    def _place(self, dreq: DispatchRequest, excluded: list[str]) -> Placement:
-        placement = self.policy.place(dreq.prompt_ids, dreq.max_total_tokens, self.dispatcher.workers(), excluded)
+    def _place(self, dreq: DispatchRequest, excluded: list[str], hashes: PromptHashes | None = None) -> Placement:
+        workers = self.dispatcher.workers()
+        placement = self.policy.place(dreq.prompt_ids, dreq.max_total_tokens, workers, excluded, hashes=hashes)
         self.metrics.record_placement(placement)
         return placement
 
@@ -412,7 +418,7 @@ class RouterServer(pb2_grpc.RouterServicer):
                         self._worker_died(wid)
             self._active += 1
             try:
-                placement = await self._admit(dreq, excluded)
+                placement = await self._admit(dreq, excluded, _prompt_hashes(request))
             finally:
                 self._active -= 1
         except RouterFailure as f:
@@ -429,6 +435,7 @@ class RouterServer(pb2_grpc.RouterServicer):
             prefill_reason=p.reason,
             decode_reason=d.reason,
             cached_tokens=p.cached_tokens,
+            hash_scheme=_hash_scheme(self.policy.hash_scheme),
         )
 
     def _hold(self, dreq: DispatchRequest, placement: Placement) -> None:
@@ -509,3 +516,15 @@ class RouterServer(pb2_grpc.RouterServicer):
             worker_deaths_total=snap.worker_deaths_total,
             errors_total=snap.errors_total,
         )
+
+
+def _prompt_hashes(request) -> PromptHashes | None:
+    """A PlaceRequest's prompt hashes (None: the caller sent none, the router hashes the prompt)."""
+    if not request.HasField("prompt_hashes"):
+        return None
+    ph = request.prompt_hashes
+    return PromptHashes(HashScheme(ph.scheme.block_tokens, ph.scheme.seed), tuple(ph.hashes))
+
+
+def _hash_scheme(scheme: HashScheme | None):
+    return None if scheme is None else pb2.HashScheme(block_tokens=scheme.block_tokens, seed=scheme.seed)

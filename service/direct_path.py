@@ -7,7 +7,9 @@ same interface as `router.client.AsyncRouterClient`: `generate` yields `StreamEv
 1. `Place` on one of the router replicas (`RouterSet`: in turn; one that cannot be reached is skipped and the call
    goes to the next). The router admits (queues for a decode slot, or says 429 / 503) and names the workers. A
    replica sees the others' placements only through the workers' reports (a probe late), so two may place on one
-   last slot: the decode worker refuses the second and that request goes back to a router's queue;
+   last slot: the decode worker refuses the second and that request goes back to a router's queue. The request
+   carries the prompt's block hashes (`router.prompt_hashes.IngressHasher`, in the scheme the routers' last answer
+   named), so the router's decision only matches and scores; the hashing is spread over the ingress replicas;
 2. `service.ray_stream.RayStreamer.run_placement` on the actor handles of those workers (`WorkerDirectory`):
    prefill, the KV pull (a long prompt's chunk by chunk while it is prefilled), then the decode actor's Ray stream
    (tokens batched per message) straight into this replica's SSE response;
@@ -39,6 +41,7 @@ from engine.execution.sampling_params import SamplingParams
 from router.client import AsyncRouterClient, HealthReport, PlacedRequest, RouterError, StreamEvent
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
 from router.migration import RouterFailure, failure_of, recovering_stream
+from router.prompt_hashes import IngressHasher
 from router.stream_watch import StreamWatches
 from service.ray_stream import RayStreamer, Workers
 
@@ -209,6 +212,7 @@ class DirectClient:
         self.routers = RouterSet(routers, token, timeout_s)
         self.directory = WorkerDirectory(self.routers)
         self.streamer = RayStreamer(overload_retry_s=OPEN_RETRY_S)
+        self.hasher = IngressHasher()  # names prompt blocks for the routers (none until one has said how)
         self.max_migrations = max_migrations
         self.watch_interval_s = watch_interval_s
         self.watches = StreamWatches()
@@ -268,9 +272,13 @@ class DirectClient:
         self, dreq: DispatchRequest, excluded: dict[str, str], placed: dict[str, PlacedRequest]
     ) -> AsyncGenerator[TokenEvent, None]:
         """Place on a router, then run the request on the named workers; raises Overloaded as is."""
+        hashes = self.hasher.hashes(dreq.prompt_ids)
         router, where = await self.routers.call_indexed(
-            lambda c: c.place(dreq.prompt_ids, dreq.params, dreq.request_id, dict(excluded), retry=bool(excluded))
+            lambda c: c.place(
+                dreq.prompt_ids, dreq.params, dreq.request_id, dict(excluded), retry=bool(excluded), hashes=hashes
+            )
         )
+        self.hasher.learn(where.hash_scheme)
         placed[dreq.request_id] = where
         loop = asyncio.get_running_loop()
 

@@ -2,8 +2,9 @@
 
 What is real: `router.policy.RoutingPolicy.place` decides every request, from `WorkerInfo`s carrying each
 worker's load (requests queued or running) and its `PrefixDigest` (for `cache_aware`), exactly as the
-router sees them from live workers; prompts are hashed by the policy itself (`engine.execution.block_hash`), and the
-router's `prefill_done` bookkeeping is called when a modelled prefill ends. What is modelled:
+router sees them from live workers; each request carries its prompt's block hashes as the ingress computes them
+(`router.prompt_hashes.IngressHasher`, in the scheme the policy's last placement named; none on the first request),
+and the router's `prefill_done` bookkeeping is called when a modelled prefill ends. What is modelled:
 - a worker's cache: `capacity_blocks` blocks of `block_tokens` tokens, LRU, every cached block resumable
   (the engine resumes at snapshots; a model with a snapshot on every block is the upper end of that);
 - a hit: the longest cached prefix of the request's block chain, leaving >= 1 token to compute (as the
@@ -13,9 +14,10 @@ router's `prefill_done` bookkeeping is called when a modelled prefill ends. What
   prefill (decode is not modelled: the decode pool is placed by free KV, not by prefix);
 - the pooled reference: one LRU cache with every worker's capacity seeing every request in arrival order
   (what perfect placement could at most reuse at this capacity, ignoring timing).
-Decision time is the CPU time of `place` alone (hashing the prompt included), in microseconds: the
-thread's CPU clock, so a busy shared machine's preemptions do not count (their wall time is reported as
-`decision_wall_us_p99`).
+Decision time is the CPU time of `place` alone (matching and scoring: the ingress hashed the prompt, and the
+digests the workers reported since the last request were indexed when they arrived, `RoutingPolicy.observe`, as
+the router's probe does; that time is `indexing_us_p99`), in microseconds: the thread's CPU clock, so a busy shared
+machine's preemptions do not count (their wall time is reported as `decision_wall_us_p99`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from engine.execution.block_hash import block_hashes
 from engine.handoff import PrefixDigest
 from router.dispatch import WorkerInfo
 from router.policy import PolicyConfig, RoutingPolicy
+from router.prompt_hashes import HashScheme, IngressHasher
 
 SEED = b"routesim"  # stands for the workers' model + cache format
 ESTIMATE = "cache_aware_estimate"  # cache_aware without digests: the router's own guess (router.policy.BlockLRU)
@@ -131,10 +134,12 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
     policy = RoutingPolicy(PolicyConfig(name))
     use_digest = policy_name != ESTIMATE
     block = cfg.block_tokens
+    ingress, own = IngressHasher(), HashScheme(block, SEED)
     workers = [SimWorker(f"w{i}", cfg.capacity_blocks) for i in range(cfg.workers)]
     by_id = {w.worker_id: w for w in workers}
     done: list[tuple[float, int, str, list[int], int]] = []  # (time, seq, worker, chain, uncached)
     ttfts, decisions, walls = [], [], []  # decision time: CPU time of the call, and wall time
+    indexing = []  # CPU time of indexing the reports' digests before each decision (not on the request's path)
     hit_tokens = total_tokens = 0
     for seq, req in enumerate(sorted(trace, key=lambda r: r.timestamp_ms)):
         now = req.timestamp_ms / 1000.0 / cfg.time_scale
@@ -143,12 +148,17 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
             by_id[wid].cache.insert(chain)
             policy.prefill_done(wid, uncached)
         tokens = prompt_tokens(req, block)
-        chain = block_hashes(tokens, block, SEED)
+        given = ingress.hashes(tokens)  # what the ingress sends with the request
+        chain = list(given.hashes) if given is not None and given.scheme == own else block_hashes(tokens, block, SEED)
         infos = [w.info(now, block, use_digest) for w in workers]
+        c0 = time.thread_time_ns()
+        policy.observe(infos)  # the workers' reports of the prefills that ended, as the router's probe applies them
+        indexing.append((time.thread_time_ns() - c0) / 1000.0)
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        placement = policy.place(tokens, len(tokens) + req.output_length, infos, now=now)
+        placement = policy.place(tokens, len(tokens) + req.output_length, infos, now=now, hashes=given)
         decisions.append((time.thread_time_ns() - c0) / 1000.0)
         walls.append((time.perf_counter_ns() - t0) / 1000.0)
+        ingress.learn(policy.hash_scheme)
         w = by_id[placement.prefill.worker_id]
         matched = min(w.cache.match(chain), (len(tokens) - 1) // block)
         w.cache.touch(chain[:matched])
@@ -176,6 +186,7 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
         "decision_us_p50": _pct(decisions, 0.5),
         "decision_us_p99": _pct(decisions, 0.99),
         "decision_wall_us_p99": _pct(walls, 0.99),
+        "indexing_us_p99": _pct(indexing, 0.99),
         "requests": len(trace),
     }
 

@@ -41,18 +41,36 @@ class ExcludedWorker(_message.Message):
     incarnation: str
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
+class HashScheme(_message.Message):
+    __slots__ = ("block_tokens", "seed")
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    block_tokens: int
+    seed: bytes
+    def __init__(self, block_tokens: _Optional[int] = ..., seed: _Optional[bytes] = ...) -> None: ...
+
+class PromptHashes(_message.Message):
+    __slots__ = ("scheme", "hashes")
+    SCHEME_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    scheme: HashScheme
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, scheme: _Optional[_Union[HashScheme, _Mapping]] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class PlaceRequest(_message.Message):
-    __slots__ = ("request", "excluded", "retry")
+    __slots__ = ("request", "excluded", "retry", "prompt_hashes")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     RETRY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_HASHES_FIELD_NUMBER: _ClassVar[int]
     request: GenerateRequest
     excluded: _containers.RepeatedCompositeFieldContainer[ExcludedWorker]
     retry: bool
-    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., excluded: _Optional[_Iterable[_Union[ExcludedWorker, _Mapping]]] = ..., retry: _Optional[bool] = ...) -> None: ...
+    prompt_hashes: PromptHashes
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., excluded: _Optional[_Iterable[_Union[ExcludedWorker, _Mapping]]] = ..., retry: _Optional[bool] = ..., prompt_hashes: _Optional[_Union[PromptHashes, _Mapping]] = ...) -> None: ...
 
 class PlaceResponse(_message.Message):
-    __slots__ = ("request_id", "prefill_worker", "decode_worker", "prefill_incarnation", "decode_incarnation", "prefill_reason", "decode_reason", "cached_tokens")
+    __slots__ = ("request_id", "prefill_worker", "decode_worker", "prefill_incarnation", "decode_incarnation", "prefill_reason", "decode_reason", "cached_tokens", "hash_scheme")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +79,7 @@ class PlaceResponse(_message.Message):
     PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
     DECODE_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HASH_SCHEME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_worker: str
     decode_worker: str
@@ -69,7 +88,8 @@ class PlaceResponse(_message.Message):
     prefill_reason: str
     decode_reason: str
     cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_incarnation: _Optional[str] = ..., decode_incarnation: _Optional[str] = ..., prefill_reason: _Optional[str] = ..., decode_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    hash_scheme: HashScheme
+    def __init__(self, request_id: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_incarnation: _Optional[str] = ..., decode_incarnation: _Optional[str] = ..., prefill_reason: _Optional[str] = ..., decode_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., hash_scheme: _Optional[_Union[HashScheme, _Mapping]] = ...) -> None: ...
 
 class SettleRequest(_message.Message):
     __slots__ = ("request_id",)
