@@ -115,3 +115,19 @@ def test_killed_rank_restarts_its_whole_group_while_others_serve(svc):
     got = [client.generate_full(p, PARAMS) for p in prompts]
     assert [g.token_ids for g in got] == want
     assert "decode-0" in {g.decode_worker for g in got}  # the restarted group serves again
+
+
+def test_two_rank_prefill_streams_a_long_prompt(svc):
+    """A prompt spanning two of the 2-rank prefill worker's chunks (256 positions: its largest page) takes the
+    streamed hand-off (service.ray_stream): its decode worker pulls more than once, and the tokens are one engine's."""
+    handles, client = svc
+    prompt = [(11 * j + 3) % 499 + 2 for j in range(300)]
+    current = ray.get(handles["router"].worker_handles.remote())  # a group restart replaced decode-0's handle
+    decode = {wid: h for wid, h in current.items() if wid.startswith("decode-")}
+    before = ray.get([h.transfer_summary.remote() for h in decode.values()])
+    got = client.generate_full(prompt, LOGPROBS)
+    after = ray.get([h.transfer_summary.remote() for h in decode.values()])
+    assert sorted(a["count"] - b["count"] for a, b in zip(after, before)) == [0, 2]  # one chunk, then the rest
+    want = LLM().generate([prompt], LOGPROBS)[0]
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
