@@ -356,3 +356,37 @@ def test_a_worker_dying_mid_streamed_handoff(service):
     assert all(w.healthy for w in client.health(probe=True).workers)
     ps = [long_prompt(4, 600)]
     assert client.generate_full(ps[0], LONG_PARAMS).token_ids == LLM().generate(ps, LONG_PARAMS)[0].token_ids
+
+
+def test_streamed_handoff_on_a_full_decode_worker_is_overloaded(service):
+    """A decode worker with no room for the streamed reservation: retried for overload_retry_s, then Overloaded (the
+    ingress puts the request back in a router's queue) before the prefill worker saw it; nothing is left held."""
+    from engine.handoff import DecodeOverloaded
+    from router.dispatch import DispatchRequest, Overloaded
+    from service.ray_stream import RayStreamer, Workers, cause
+
+    handles = service[0]
+    prefill, decode = handles["prefill"]["prefill-0"], handles["decode"]["decode-0"]
+    fillers: list[str] = []
+    try:
+        while len(fillers) < 200:  # reservations until the worker is full (slots or pages)
+            try:
+                ray.get(
+                    decode.reserve_streamed.remote(
+                        f"filler-{len(fillers)}", long_prompt(100 + len(fillers), 2000), LONG_PARAMS
+                    )
+                )
+            except ray.exceptions.RayTaskError as e:
+                assert isinstance(cause(e), DecodeOverloaded), e
+                break
+            fillers.append(f"filler-{len(fillers)}")
+        streamer = RayStreamer(overload_retry_s=0.3, stream_min_chunks=2)
+        request = DispatchRequest("finds-no-room", tuple(long_prompt(5, 600)), LONG_PARAMS)
+        with pytest.raises(Overloaded):
+            asyncio.run(anext(streamer.run_placement(request, Workers("prefill-0", prefill, "decode-0", decode))))
+        assert ray.get(prefill.stats.remote()).running == 0
+    finally:
+        ray.get([decode.abort.remote(rid) for rid in fillers])
+    assert fillers
+    stats = idle_workers([prefill, decode])
+    assert all(s.running == 0 and s.waiting == 0 and s.kv_usage == 0.0 for s in stats), stats
