@@ -273,7 +273,8 @@ class RayStreamer:
             pull = asyncio.ensure_future(w.decode.pull_chunk.remote(rid, ticket))  # type: ignore[attr-defined]
             try:
                 await asyncio.wait({pull, feed.died}, return_when=asyncio.FIRST_COMPLETED)
-                if not pull.done():  # the prefill worker died mid-pull (the decode worker's abort ends the pull)
+                if not pull.done():  # the prefill worker died mid-pull: the pull fails on its own, and the decode
+                    # worker frees the reservation after it (the abort that follows waits for the pull's end)
                     raise feed.died.result()
             finally:
                 if not pull.done():
