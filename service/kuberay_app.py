@@ -3,13 +3,15 @@
 On Kubernetes the pods only run `ray start` (KubeRay); the RayService's `serveConfigV2` names this builder
 with its `args`. Serve runs `build(args)` on the cluster: it starts the prefill and decode actors where
 the worker groups advertise the custom Ray resources `dsv4_prefill` / `dsv4_decode` (rayStartParams
-`resources`), the gRPC router actor, and returns the bound `OpenAIIngress` app, which Serve's proxies
-serve on every node (KubeRay's `<name>-serve-svc`).
+`resources`), `routers` gRPC router actors (the chart's `serve.routerReplicas`, default 2: started as `dsv4 serve
+--routers N` starts them, service.router_actor.start_routers), and returns the bound `OpenAIIngress` app, which
+places through all of them (failing over between them) and which Serve's proxies serve on every node (KubeRay's
+`<name>-serve-svc`).
 
 The actors are detached and named after a fingerprint of what they were built from, so a re-run of the
 builder (a Serve redeploy after `helm upgrade` changed `serveConfigV2`) keeps the workers whose settings
 did not change, replaces the others (killed first: the new ones need their GPUs), adds or removes
-workers for a new count, and starts a new router for the new set. Scaling a role or changing engine
+workers for a new count, and starts new routers for the new set. Scaling a role or changing engine
 options is thus applied in place (requests on replaced workers fail); a new pod spec or image rolls a
 whole new cluster through the RayService `upgradeStrategy` instead.
 
@@ -38,7 +40,7 @@ from kv_transfer.registry import TRANSFER_CHOICES
 from service.actor_pools import remote_classes, worker_classes
 from service.planner import parse_pool_spec
 from service.rank_placement import dp_actor_names, dp_worker_ids, follower_names, group_name
-from service.router_actor import RouterActor
+from service.router_actor import RouterActor, start_routers
 from service.serve_args import add_serve_args
 from service.service_config import ENGINE_OPTION_KEYS, ServiceConfig
 
@@ -52,6 +54,7 @@ _ARG_KEYS = {
     "transfer",
     "router_policy",
     "router_port",
+    "routers",
     "engine",
     "prefill_args",
     "decode_args",
@@ -157,6 +160,7 @@ def parse_args(args: dict) -> EntryConfig:
         model_dir=str(args.get("model") or ""),
         model_name=str(args.get("served_model_name", "dsv4")),
         router_port=int(args.get("router_port", 0)),
+        routers=int(args.get("routers", ServiceConfig.routers)),
         prefill_workers=pools["prefill"].min,
         decode_workers=pools["decode"].min,
         prefill_max_workers=pools["prefill"].max,
@@ -384,14 +388,15 @@ def _remove_group(worker: str) -> None:
         pass
 
 
-def start_backend(cfg: EntryConfig) -> tuple[str, str, object]:
-    """Start (or reuse) the workers and the router on the connected cluster; -> (the router's host:port, the
-    cluster token it requires, the router's actor handle: the ingress places through it and streams from the decode
-    workers itself, service.direct_path). The router listens on its node's address (ingress replicas run on any node),
-    never on every interface; a reused router keeps its token, which the new ingress reads from it.
+def start_backend(cfg: EntryConfig) -> tuple[str, str, list]:
+    """Start (or reuse) the workers and the `routers` router replicas on the connected cluster; -> (the first
+    router's host:port, the cluster token they require, the routers' actor handles: the ingress places through them,
+    failing over between them, and streams from the decode workers itself, service.direct_path). The routers listen
+    on their nodes' addresses (ingress replicas run on any node), never on every interface; reused routers keep
+    their token, which the new ingress reads from them.
 
     Workers of an older layout are killed first (their GPUs and role resources are what the new ones
-    need); the old router goes once the new one serves.
+    need); the old routers go once the new ones serve.
     """
     import ray
 
@@ -406,30 +411,27 @@ def start_backend(cfg: EntryConfig) -> tuple[str, str, object]:
     groups = ({**prefill_placed, **decode_placed}, {**prefill_recipes, **decode_recipes})
     ray.get([h.ping.remote() for h in (*prefill.values(), *decode.values())])
     pools = _pool_manager(cfg, model_dir, token, prefill, decode)
-    router_name = f"dsv4-router-{_fingerprint(sorted(workers), cfg.service.router_policy)}"
-    router = (
-        actor_class(EntryRouter, num_cpus=0, max_concurrency=1000)
-        .options(
-            name=router_name,
-            namespace=NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            runtime_env={"env_vars": dict(cfg.env)},
-        )
-        .remote(
-            prefill,
-            decode,
-            cfg.service.router_policy,
-            token,
-            groups=groups,
-            listen=("node", cfg.service.router_port),
-            pools=pools,
-        )
+    # Named like the workers (dsv4-router-I-BUILD): the same build reuses them, another one replaces them.
+    names = f"dsv4-router-{{i}}-{_fingerprint(sorted(workers), cfg.service.router_policy)}"
+    routers = start_routers(
+        cfg.service,
+        prefill,
+        decode,
+        groups,
+        ("node", cfg.service.router_port),
+        token,
+        pools,
+        names=names,
+        router_cls=actor_class(EntryRouter, num_cpus=0, max_concurrency=1000),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        runtime_env={"env_vars": dict(cfg.env)},
     )
-    port = ray.get(router.start.remote())
-    addr = f"{ray.get(router.node_ip.remote())}:{port}"
-    _kill_stale({router_name}, "dsv4-router-")
-    return addr, ray.get(router.token.remote()), router
+    port = ray.get(routers[0].start.remote())
+    addr = f"{ray.get(routers[0].node_ip.remote())}:{port}"
+    _kill_stale({names.format(i=i) for i in range(len(routers))}, "dsv4-router-")
+    return addr, ray.get(routers[0].token.remote()), routers
 
 
 def _elastic_added(cfg: EntryConfig, role: str, model_dir: str | None) -> set[str]:
@@ -519,7 +521,7 @@ def build(args: dict):
     from service.serve_ingress import ingress_deployment
 
     cfg = parse_args(args)
-    router_addr, token, router = start_backend(cfg)
+    router_addr, token, routers = start_backend(cfg)
     # The API key comes from the pod's environment (DSV4_API_KEY, from the chart's Secret).
     options = IngressOptions.from_env(router_token=token, max_model_len=ingress_max_model_len(cfg))
     return ingress_deployment().bind(
@@ -527,7 +529,7 @@ def build(args: dict):
         cfg.service.model_dir or default_model_dir(),
         cfg.service.model_name,
         options=options,
-        routers=[router],
+        routers=routers,
     )
 
 

@@ -50,9 +50,8 @@ from service.ray_cluster import (
     remove_metrics_dir,
     single_node,
     wait_http,
-    wait_ready,
 )
-from service.router_actor import RouterActor, router_actor_class
+from service.router_actor import RouterActor, start_routers
 from service.serve_args import add_engine_speed_args, add_serve_args, config_from_args
 from service.service_config import ENGINE_OPTION_KEYS, ServiceConfig
 
@@ -71,7 +70,9 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
         groups = start_pools(launch, handles)
         prefill, decode = handles["prefill"], handles["decode"]
         pools = handles["pools"] = start_elastic(cfg, launch, handles) if cfg.elastic else None
-        routers = handles["routers"] = start_routers(cfg, prefill, decode, groups, host, token, pools)
+        routers = handles["routers"] = start_routers(
+            cfg, prefill, decode, groups, (host, cfg.router_port), token, pools
+        )
         handles["router"] = routers[0]  # the one that supervises multi-rank groups
         import ray
 
@@ -105,34 +106,6 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
         stop_service(handles, drain_s=0, shutdown_ray=False)
         raise
     return {**handles, "http": f"http://{cfg.host}:{cfg.port}", "token": token}
-
-
-def start_routers(
-    cfg: ServiceConfig, prefill: dict, decode: dict, groups: tuple, host: str, token: str, pools=None
-) -> list:
-    """cfg.routers router replicas (named dsv4-router-0..), each serving once this returns; the first one also
-    supervises the multi-rank worker groups (one supervisor: two would restart a group twice); every one follows
-    the elastic pools' membership (pools: their PoolManager, or None)."""
-    router_cls = router_actor_class()
-    routers = []
-    for i in range(cfg.routers):
-        port = cfg.router_port + i if cfg.router_port else 0
-        routers.append(
-            router_cls.options(name=f"dsv4-router-{i}").remote(
-                prefill,
-                decode,
-                cfg.router_policy,
-                token,
-                groups=groups if i == 0 else ({}, {}),
-                listen=(host, port),
-                pools=pools,
-                max_queued=cfg.router_max_queued,
-                queue_timeout_s=cfg.router_queue_timeout_s,
-            )
-        )
-    wait_ready({f"router-{i}": r.start.remote() for i, r in enumerate(routers)}, cfg.ready_timeout_s, "gRPC routers")
-    wait_ready({"router-0 peers": routers[0].set_peers.remote(routers[1:])}, cfg.ready_timeout_s, "gRPC routers")
-    return routers
 
 
 def _in_flight(routers: list, decode: dict) -> int:

@@ -1,7 +1,7 @@
 """RouterActor: the Ray actor that hosts one gRPC router replica (placement, admission, the workers' health) and,
 on the replica given the groups, the supervisor of multi-rank worker groups.
 
-Several replicas run side by side (`dsv4 serve --routers N`); each probes every worker and builds its state from
+Several replicas run side by side (`dsv4 serve --routers N`, the KubeRay app's `routers`: `start_routers`); each probes every worker and builds its state from
 what they publish (service.ray_dispatcher), so any replica places any request, and none is on the token path
 (service.direct_path). Ray restarts a killed replica (max_restarts=-1): the restarted process starts serving on its
 first `address` call (an ingress asks it when its old address stops answering), on the same port when one was
@@ -11,7 +11,12 @@ fixed, else on a new one.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from service.ray_cluster import wait_ready
+
+if TYPE_CHECKING:
+    from service.service_config import ServiceConfig
 
 HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 10.0
@@ -142,3 +147,44 @@ def router_actor_class():
 
     options: dict[str, Any] = dict(num_cpus=0, max_concurrency=1000, max_restarts=-1)
     return ray.remote(**options)(RouterActor)
+
+
+def start_routers(
+    cfg: ServiceConfig,
+    prefill: dict,
+    decode: dict,
+    groups: tuple,
+    listen: tuple[str, int],
+    token: str,
+    pools=None,
+    *,
+    names: str = "dsv4-router-{i}",
+    router_cls=None,
+    **actor_options: Any,
+) -> list:
+    """cfg.routers router replicas (named `names` with i = 0, 1, ..), each serving once this returns; the first one also
+    supervises the multi-rank worker groups (one supervisor: two would restart a group twice); every one follows
+    the elastic pools' membership (pools: their PoolManager, or None). listen: (host or "node", the first replica's
+    port; 0: any free one, else one port a replica from there on). router_cls: the Ray actor class (default
+    `router_actor_class()`); actor_options: more `.options` of each actor (namespace, lifetime, get_if_exists:
+    the KubeRay app's detached routers, reused when its builder runs again)."""
+    router_cls = router_cls or router_actor_class()
+    host, first_port = listen
+    routers = []
+    for i in range(cfg.routers):
+        routers.append(
+            router_cls.options(name=names.format(i=i), **actor_options).remote(
+                prefill,
+                decode,
+                cfg.router_policy,
+                token,
+                groups=groups if i == 0 else ({}, {}),
+                listen=(host, first_port + i if first_port else 0),
+                pools=pools,
+                max_queued=cfg.router_max_queued,
+                queue_timeout_s=cfg.router_queue_timeout_s,
+            )
+        )
+    wait_ready({f"router-{i}": r.start.remote() for i, r in enumerate(routers)}, cfg.ready_timeout_s, "gRPC routers")
+    wait_ready({"router-0 peers": routers[0].set_peers.remote(routers[1:])}, cfg.ready_timeout_s, "gRPC routers")
+    return routers

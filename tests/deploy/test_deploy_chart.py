@@ -324,3 +324,18 @@ def test_elastic_multi_rank_pool_is_refused_with_the_reason():
     (app,) = serve_config(rs)["applications"]
     with pytest.raises(ValueError, match="elastic decode pool .*single-rank"):
         kuberay_app.parse_args(app["args"])
+
+
+@pytest.mark.parametrize("replicas", [None, 3])
+def test_router_replicas_reach_the_builder(replicas):
+    """`serve.routerReplicas` (default 2, as `dsv4 serve --routers`) is the builder's `routers`: that many router
+    actors, all handed to the ingress (tests/deploy/test_deploy_serve_entry.py runs them)."""
+    from service import kuberay_app
+
+    values = {"serve": {"routerReplicas": replicas}} if replicas else {}
+    (rs,) = by_kind(documents(render(values)), "RayService")
+    (app,) = serve_config(rs)["applications"]
+    assert app["args"]["routers"] == (replicas or 2)
+    assert kuberay_app.parse_args(app["args"]).service.routers == (replicas or 2)
+    with pytest.raises(Exception, match="routerReplicas"):
+        render({"serve": {"routerReplicas": 0}})

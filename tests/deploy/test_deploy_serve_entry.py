@@ -5,9 +5,10 @@ KubeRay's container command), Ray's token authentication on as the chart's `auth
 serveConfigV2 submitted through the dashboard's REST API (`serve deploy`, as the operator does), and the
 exporter sidecar's command on the multiprocess dir.
 
-Checks: the OpenAI API answers; the exporter serves the stage metrics of the ingress, router and both
-workers and none of Ray's own processes; a redeploy with other decode arguments (what `helm upgrade`
-does to serveConfigV2) replaces the decode worker and the router and keeps the prefill worker.
+Checks: the OpenAI API answers, through both router replicas (the chart's default `serve.routerReplicas`); the
+exporter serves the stage metrics of the ingress, router and both workers and none of Ray's own processes; a redeploy
+with other decode arguments (what `helm upgrade` does to serveConfigV2) replaces the decode worker and the routers
+and keeps the prefill worker.
 """
 
 import json
@@ -169,6 +170,40 @@ class KubeRayLikeHead:
         )
         assert out.returncode == 0, out.stdout + out.stderr
 
+    def router_placements(self, completions: int) -> dict[str, int]:
+        """Router actor name -> requests it placed (its gRPC Stats), once each has placed one of up to
+        `completions` requests sent to the OpenAI API (one at a time), from a driver of its own."""
+        code = """
+import json, sys, urllib.request, ray
+from router.client import RouterClient
+ray.init(address=sys.argv[1], logging_level="ERROR")
+names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["namespace"] == "dsv4" and a["name"].startswith("dsv4-router-"))
+clients = {}
+for n in names:
+    actor = ray.get_actor(n, namespace="dsv4")
+    clients[n] = RouterClient(ray.get(actor.address.remote()), timeout_s=30, token=ray.get(actor.token.remote()))
+body = json.dumps({"model": "dsv4", "prompt": [5, 6, 7, 8], "max_tokens": 2}).encode()
+for _ in range(int(sys.argv[3])):
+    req = urllib.request.Request(sys.argv[2], body, {"Content-Type": "application/json"})
+    assert urllib.request.urlopen(req, timeout=60).status == 200
+    placed = {n: c.stats().requests_total for n, c in clients.items()}
+    if all(placed.values()):
+        break
+print(json.dumps(placed))
+"""
+        url = f"http://127.0.0.1:{self.http_port}/v1/completions"
+        out = subprocess.run(
+            [sys.executable, "-c", code, f"127.0.0.1:{self.gcs_port}", url, str(completions)],
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     def dsv4_actor_pids(self) -> dict[str, int]:
         """Name -> pid of the ALIVE actors in the dsv4 namespace (Ray's state API)."""
         url = (
@@ -216,6 +251,9 @@ def test_chart_serve_config_serves_and_exports_metrics(head):
         "ray.log",
     )
     assert completion(head) == 200
+    # serve.routerReplicas (2 by default): both routers alive, and the ingress places through each of them
+    placed = head.router_placements(completions=8)
+    assert len(placed) == 2 and all(placed.values()), placed
     env = dict(head.env, PROMETHEUS_MULTIPROC_DIR=head.metrics_dir)
     head.spawn(
         [
@@ -247,7 +285,8 @@ def test_chart_serve_config_serves_and_exports_metrics(head):
 def test_redeploy_replaces_only_what_changed(head):
     token_keeper = {"dsv4-token"}  # the cluster token's keeper outlives every redeploy
     before = head.dsv4_actors() - token_keeper
-    assert {n.rsplit("-", 1)[0] for n in before} == {"dsv4-prefill-0", "dsv4-decode-0", "dsv4-router"}, before
+    names = {n.rsplit("-", 1)[0] for n in before}
+    assert names == {"dsv4-prefill-0", "dsv4-decode-0", "dsv4-router-0", "dsv4-router-1"}, before
     args = ["--max-num-seqs", "16"]
     head.deploy(args)
     head.wait(lambda: head.app_running(args) and completion(head) == 200, "ray.log")
@@ -256,7 +295,7 @@ def test_redeploy_replaces_only_what_changed(head):
     after -= token_keeper
     prefill = {n for n in before if n.startswith("dsv4-prefill-")}
     assert prefill <= after, (before, after)  # unchanged worker kept
-    assert len(after) == 3 and not (after - prefill) & before, (before, after)  # decode and router replaced
+    assert len(after) == 4 and not (after - prefill) & before, (before, after)  # decode and both routers replaced
 
 
 def test_redeploy_with_a_two_rank_decode_worker(head):
