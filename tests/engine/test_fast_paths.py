@@ -39,18 +39,35 @@ needs_triton = pytest.mark.skipif(
 )
 
 
-def _generate(monkeypatch, setting: str, prompts, max_batch_tokens: int):
+@pytest.fixture(scope="module")
+def hca16(tmp_path_factory) -> str:
+    """The built-in tiny model's geometry (window 16, CSA ratio 4, index top-4) with HCA ratio 16 instead of 128:
+    every layer kind (SWA, CSA with a top-k pick, HCA entries) runs on prompts of ~35 tokens instead of ~131, a
+    quarter of the work for the Triton interpreter (each of these tests took 60-80 s on the 2-core CI box)."""
+    from tests.support.oracle import make_hf_checkpoint
+
+    return make_hf_checkpoint(
+        tmp_path_factory.mktemp("hca16"),
+        seed=3,
+        vocab_size=512,
+        compress_ratios=[0, 4, 16, 4],
+        sliding_window=16,
+        index_topk=4,
+    )
+
+
+def _generate(monkeypatch, model_dir: str, setting: str, prompts, max_batch_tokens: int):
     from engine.execution.sampling_params import SamplingParams
     from engine.llm import LLM
 
     monkeypatch.setenv(ENV, setting)
-    llm = LLM(model_dir=None, device=DEVICE, dtype="float32", max_batch_tokens=max_batch_tokens)
+    llm = LLM(model_dir=model_dir, device=DEVICE, dtype="float32", max_batch_tokens=max_batch_tokens)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=True, prompt_logprobs=True)
     return llm.generate(prompts, params)
 
 
 @needs_triton
-def test_engine_triton_attention_matches_reference(monkeypatch):
+def test_engine_triton_attention_matches_reference(monkeypatch, hca16):
     import engine.model.attention as attention_mod
 
     calls = []
@@ -62,14 +79,14 @@ def test_engine_triton_attention_matches_reference(monkeypatch):
 
     monkeypatch.setattr(attention_mod.AttentionBlock, "_attend_triton", spy)
     g = torch.Generator().manual_seed(3)
-    # Window 16, ratios [0, 4, 128, 4]: 131 tokens close an HCA entry; a 23-token budget chunks the prefill
+    # Window 16, ratios [0, 4, 16, 4]: 37 tokens close two HCA entries; a 13-token budget chunks the prefill
     # so later chunks read window rows from the SWA ring and from the chunk in one row tensor. The whole
     # fast path runs (norm+RoPE, compressor, indexer, attention, mHC kernels), so keep it short: the
     # interpreter is slow.
-    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (131, 9)]
-    ref = _generate(monkeypatch, "0", prompts, 23)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (37, 9)]
+    ref = _generate(monkeypatch, hca16, "0", prompts, 13)
     assert not calls
-    fast = _generate(monkeypatch, "1", prompts, 23)
+    fast = _generate(monkeypatch, hca16, "1", prompts, 13)
     assert calls, "the fast path was not taken"
     for a, b in zip(ref, fast):
         assert a.token_ids == b.token_ids
@@ -79,13 +96,13 @@ def test_engine_triton_attention_matches_reference(monkeypatch):
             assert abs(x - y) <= TOL
 
 
-def _fp8_run(monkeypatch, setting: str, prompts, budget: int, decode_mode: str):
+def _fp8_run(monkeypatch, model_dir: str, setting: str, prompts, budget: int, decode_mode: str):
     from engine.execution.sampling_params import SamplingParams
     from engine.llm import LLM
 
     monkeypatch.setenv(ENV, setting)
     llm = LLM(
-        model_dir=None,
+        model_dir=model_dir,
         device=DEVICE,
         dtype="float32",
         max_batch_tokens=budget,
@@ -98,7 +115,7 @@ def _fp8_run(monkeypatch, setting: str, prompts, budget: int, decode_mode: str):
 
 @needs_triton
 @pytest.mark.parametrize("decode_mode", ["bucketed"])
-def test_fp8_fast_path_matches_fp8_reference(monkeypatch, decode_mode):
+def test_fp8_fast_path_matches_fp8_reference(monkeypatch, hca16, decode_mode):
     """An fp8 pool on the fast path (engine.model.attention_fp8: dequantised stores + the Triton MQA kernel, the
     Triton quantised-entry writer, the indexer over packed keys) computes what the fp8 reference computes.
     Bucketed decode only: content-sized ("eager") decode steps take the same attention path as the prefill
@@ -118,10 +135,10 @@ def test_fp8_fast_path_matches_fp8_reference(monkeypatch, decode_mode):
 
     monkeypatch.setattr(fp8_mod, "dequantised_attend", spy)
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (131, 9)]
-    ref = _fp8_run(monkeypatch, "0", prompts, 23, decode_mode)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (37, 9)]
+    ref = _fp8_run(monkeypatch, hca16, "0", prompts, 13, decode_mode)
     assert not calls
-    fast = _fp8_run(monkeypatch, "1", prompts, 23, decode_mode)
+    fast = _fp8_run(monkeypatch, hca16, "1", prompts, 13, decode_mode)
     assert calls, "the fp8 fast path was not taken"
     _assert_fp8_close(ref, fast)
 
@@ -141,7 +158,7 @@ def _assert_fp8_close(ref, fast):
 
 
 @needs_triton
-def test_flashmla_decode_glue_matches_fp8_reference(monkeypatch):
+def test_flashmla_decode_glue_matches_fp8_reference(monkeypatch, hca16):
     """The FlashMLA decode path's glue (ring written first by the Triton insert, the index lists from one Triton
     launch: int32, -1 padded to FlashMLA's multiple of 64) computes what the fp8 reference computes, with FlashMLA
     itself replaced by plain attention over the rows those lists name (FlashMLA needs the GPU; its own numerics
@@ -178,10 +195,10 @@ def test_flashmla_decode_glue_matches_fp8_reference(monkeypatch):
     monkeypatch.setattr(fm, "sparse_decode", stand_in)
     monkeypatch.setattr(attention_mod.AttentionBlock, "_path", forced)
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (130, 9)]
-    ref = _fp8_run(monkeypatch, "0", prompts, 64, "bucketed")
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (34, 9)]
+    ref = _fp8_run(monkeypatch, hca16, "0", prompts, 16, "bucketed")
     assert not calls
-    fast = _fp8_run(monkeypatch, "1", prompts, 64, "bucketed")
+    fast = _fp8_run(monkeypatch, hca16, "1", prompts, 16, "bucketed")
     assert calls, "the FlashMLA decode path was not taken"
     _assert_fp8_close(ref, fast)
 
