@@ -44,7 +44,9 @@ class StaticDispatcher:
 
     @staticmethod
     def _digest(tokens: list[int]) -> PrefixDigest:
-        return PrefixDigest(BLOCK, SEED, frozenset(block_hashes(tokens, BLOCK, SEED)), version=1)
+        return PrefixDigest(
+            block_tokens=BLOCK, seed=SEED, hashes=frozenset(block_hashes(tokens, BLOCK, SEED)), version=1
+        )
 
     def workers(self):
         return list(self.infos)
