@@ -204,26 +204,28 @@ def test_flashmla_decode_glue_matches_fp8_reference(monkeypatch, hca16):
 
 
 @needs_triton
-def test_in_step_snapshot_on_the_fast_path(monkeypatch):
+def test_in_step_snapshot_on_the_fast_path(monkeypatch, hca16):
     """A prefix-cache snapshot kept inside a longer chunk (engine.execution.prefix_cache: the step's SWA and compressor
     state writes also fill staging pages, on the fast path through the Triton state-ring save) resumes a
     repeat of the prompt as the reference path does: same tokens, logprobs within fp32 tolerance."""
     from engine.execution.sampling_params import SamplingParams
     from engine.loading.load import load_engine
 
-    prompt = torch.randint(2, 500, (140,), generator=torch.Generator().manual_seed(8)).tolist()
+    # Blocks of 16 tokens (the LCM of the ratios and of 16-token pages): a 44-token prompt in one chunk keeps its
+    # last boundary's snapshot (32) from inside that chunk.
+    prompt = torch.randint(2, 500, (44,), generator=torch.Generator().manual_seed(8)).tolist()
     params = SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=True)
     runs = {}
     for setting in ("0", "1"):
         monkeypatch.setenv(ENV, setting)
-        eng = load_engine(None, device=DEVICE, dtype="float32", max_batch_tokens=256, page_tokens=64)
+        eng = load_engine(hca16, device=DEVICE, dtype="float32", max_batch_tokens=256, page_tokens=16)
         outs = []
         for _ in range(2):
             rid = eng.add_request(prompt, params, seed=1)
             while eng.has_work:
                 eng.step()
             outs.append(eng.pop_finished(rid))
-        assert eng.prefix.stats.snapshots_in_step == 1 and outs[1].cached_tokens == 128, setting
+        assert eng.prefix.stats.snapshots_in_step == 1 and outs[1].cached_tokens == 32, setting
         runs[setting] = outs
     for ref, fast in zip(runs["0"], runs["1"]):
         assert ref.output == fast.output
