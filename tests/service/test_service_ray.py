@@ -123,9 +123,10 @@ def test_openai_http_streaming_and_errors(service):
     assert text.choices[0].finish_reason in ("length", "stop")
 
 
-def test_eval_perplexity_through_the_service_equals_the_engine(service, tmp_path, capsys):
-    """`dsv4 eval perplexity --url`: the windows' prompt logprobs come from the prefill pool over /v1/completions
-    (echo + logprobs) and give the engine's own bits per byte."""
+def test_eval_through_the_service_equals_the_engine(service, tmp_path, capsys):
+    """`dsv4 eval perplexity|tasks --url`: the windows' prompt logprobs come from the prefill pool over
+    /v1/completions (echo + logprobs) and give the engine's own bits per byte; the completion tasks' greedy answers
+    (prefill, hand-off, decode) score as the engine's."""
     import json
     import math
 
@@ -147,6 +148,17 @@ def test_eval_perplexity_through_the_service_equals_the_engine(service, tmp_path
     # is their sum / ln 2 / bytes, so it may differ by at most that bound times tokens / ln 2 / bytes.
     bound = 1e-4 * engine["tokens"] / math.log(2) / engine["bytes"]
     assert abs(served["bits_per_byte"] - engine["bits_per_byte"]) <= bound
+    tasks = ["eval", "tasks", "--file", str(path), "--model", cfg.model_dir, "--json"]
+    got = []
+    for argv in ([*tasks, "--url", f"http://127.0.0.1:{cfg.port}"], tasks):
+        assert main(argv) == 0
+        got.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    served, engine = got
+    assert (served["tasks"], served["correct"], served["failures"]) == (
+        engine["tasks"],
+        engine["correct"],
+        engine["failures"],
+    ) and engine["tasks"] > 1
 
 
 def scrape(cfg) -> dict:
