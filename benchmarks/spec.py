@@ -10,8 +10,8 @@ every batch measured (engine.execution.spec_policy: what these numbers set its d
   step's cost is the real one: verify of K+1 tokens a request, rollback of the rejected rows, the MTP pass and
   the K-1 chained MTP steps); rate 0 is the bare verify-step time.
 Tokens/s per user = tokens a request emits / wall time, against the production one-token step. Verify steps of
-decode-only batches run as fixed-shape verify steps under CUDA graphs (engine.execution.verify_graphs); the MTP pass
-and the chained MTP steps still run eagerly after each, and nothing overlaps (the section says so).
+decode-only batches run as fixed-shape verify steps under CUDA graphs (engine.execution.verify_graphs), and so do the
+MTP pass and the chained MTP steps after each (engine.execution.mtp_graphs); nothing overlaps (the section says so).
 `--tiny` runs the tiny preset on the CPU in seconds (tests/test_bench_spec.py) so a GPU run does not die on a typo.
 """
 
@@ -179,7 +179,7 @@ def render(points: list[Point], args, core: EngineCore) -> str:
         f"context {args.context} tokens, {args.steps} timed steps a point, device {core.device}, greedy; drafts "
         "forced to the per-draft acceptance rate after the verify forward (benchmarks/spec.py). Verify steps run "
         f"as fixed-shape steps {'under CUDA graphs' if core.device.type == 'cuda' else 'eager bucketed (CPU)'} "
-        "with the MTP pass and chain eager after them, no overlap; x non-spec is against the production "
+        "and so are the MTP pass and chain after them, no overlap; x non-spec is against the production "
         "one-token step (graphs + overlapped decode).",
         "",
         "| batch | mode | step ms | x production step | tokens/step/user | accepted | tok/s/user | x non-spec |",
