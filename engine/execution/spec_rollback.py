@@ -25,13 +25,14 @@ from engine.model.cache import CacheGroup, CachePool
 
 @dataclass(frozen=True)
 class SavedRows:
-    """One ring group's rows of one request at `positions` [N], as stored: [layers, N, width] (exact) or
-    [layers, N, row_bytes] (packed)."""
+    """One ring group's rows of one or more requests at their positions [N in all], as stored: [layers, N, width]
+    (exact) or [layers, N, row_bytes] (packed)."""
 
     group: str
     layers: tuple[int, ...]
     rows: torch.Tensor  # [N] row ids in the group's tensor
     values: torch.Tensor
+    counts: tuple[int, ...] = ()  # rows of each request saved, in order (0 where its table lacks the group)
 
 
 def ring_rows(pool: CachePool, name: str, table: dict, positions: torch.Tensor) -> torch.Tensor:
@@ -61,6 +62,7 @@ def save_requests(
         held = [ring_rows(pool, name, t, p) for t, p in zip(tables, positions) if name in t]
         if not held:
             continue
+        counts = tuple(len(p) if name in t else 0 for t, p in zip(tables, positions))
         ids = tuple(layers[name]) if layers is not None else group.spec.layers
         rows = to_device_nonblocking(torch.cat(held), group.tensor.device)
         if group.quantised:
@@ -69,7 +71,7 @@ def save_requests(
             values = group.tensor[span][:, rows]  # one gather for all the layers
         else:
             values = torch.stack([group.layer(layer)[rows] for layer in ids])
-        out.append(SavedRows(name, ids, rows, values))
+        out.append(SavedRows(name, ids, rows, values, counts))
     return out
 
 
@@ -79,20 +81,35 @@ def _slot_span(group: CacheGroup, layers: tuple[int, ...]) -> slice | None:
     return slice(slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) else None
 
 
+def restore_tails(pool: CachePool, saved: list[SavedRows], kept: list[int]) -> None:
+    """Write back, from saves of several requests (save_requests), the rows of request i's positions past its first
+    kept[i] (its rejected ones): one scatter a group for all of them."""
+    for s in saved:
+        starts = [sum(s.counts[:i]) for i in range(len(s.counts))]
+        back = [a + j for a, n, k in zip(starts, s.counts, kept) for j in range(k, n)]
+        if back:
+            _write_back(pool, s, to_device_nonblocking(torch.tensor(back), s.rows.device))
+
+
 def restore(pool: CachePool, saved: list[SavedRows], keep: slice | None = None) -> None:
     """Write the saved rows back (only positions[keep] when given: the rejected ones)."""
     for s in saved:
-        group = pool.groups[s.group]
-        rows = s.rows if keep is None else s.rows[keep]
-        values = s.values if keep is None else s.values[:, keep]
-        if rows.numel() == 0:
-            continue
-        span = None if group.quantised else _slot_span(group, s.layers)
-        if span is not None:
-            group.tensor[span][:, rows] = values  # one scatter for all the layers
-            continue
-        for i, layer in enumerate(s.layers):
-            if group.quantised:
-                group.write_packed(layer, rows, values[i])
-            else:
-                group.layer(layer)[rows] = values[i]
+        _write_back(pool, s, keep)
+
+
+def _write_back(pool: CachePool, s: SavedRows, keep: slice | torch.Tensor | None) -> None:
+    """The saved rows `keep` picks (a slice or an index tensor; None: all) back into the group."""
+    group = pool.groups[s.group]
+    rows = s.rows if keep is None else s.rows[keep]
+    values = s.values if keep is None else s.values[:, keep]
+    if rows.numel() == 0:
+        return
+    span = None if group.quantised else _slot_span(group, s.layers)
+    if span is not None:
+        group.tensor[span][:, rows] = values  # one scatter for all the layers
+        return
+    for i, layer in enumerate(s.layers):
+        if group.quantised:
+            group.write_packed(layer, rows, values[i])
+        else:
+            group.layer(layer)[rows] = values[i]

@@ -119,21 +119,18 @@ class Speculator:
                 )
             )
             row += len(plans[-1].tokens)
-        saved = {
-            id(p): spec_rollback.save(
-                core.pool, p.chunk.request.pages, torch.arange(p.chunk.start, p.chunk.start + len(p.tokens))
-            )
-            for p in plans
-            if p.drafts
-        }
+        drafted = [p for p in plans if p.drafts]
+        saved = spec_rollback.save_requests(  # one gather a ring group for every verify chunk
+            core.pool,
+            [p.chunk.request.pages for p in drafted],
+            [torch.arange(p.chunk.start, p.chunk.start + len(p.tokens)) for p in drafted],
+        )
         streams, logits, sample_rows, prompt_rows = self._forward(plans)
         before = (self.stats["drafted"], self.stats["accepted"])
         self._pick(plans, logits, sample_rows)
         self.gate.observe(self.stats["drafted"] - before[0], self.stats["accepted"] - before[1])
-        for p in plans:
-            if p.drafts:
-                kept = len(p.emitted)  # positions start .. start + kept - 1 were computed on the accepted path
-                spec_rollback.restore(core.pool, saved[id(p)], slice(kept, None))
+        # positions start .. start + len(emitted) - 1 were computed on the accepted path: the rest go back
+        spec_rollback.restore_tails(core.pool, saved, [len(p.emitted) for p in drafted])
         events = self._apply(plans, logits, prompt_rows)
         self._draft(plans, streams)
         for p in plans:
@@ -368,6 +365,15 @@ class Speculator:
             if r is not None:
                 self.draft_q[p.chunk.request.request_id] = r[:room]
 
+    def _save_chain_rows(self, plans: list[_Plan], n: int) -> list:
+        """The MTP layers' ring rows the n - 1 chained steps of `plans` will write (positions P .. P + n - 2)."""
+        return spec_rollback.save_requests(
+            self.core.pool,
+            [p.chunk.request.pages for p in plans],
+            [torch.arange(p.chunk.request.num_computed, p.chunk.request.num_computed + n - 1) for p in plans],
+            {"swa": [m.layer for m in self.layers]},
+        )
+
     def _pick_drafts(self, logits: torch.Tensor, plans: list[_Plan], j: int) -> tuple[list[int], list]:
         """Draft j of each plan's request from the MTP logits [N, V] -> (tokens, per plan its q row or None):
         argmax for greedy requests, a draw from q (spec_sampling.draw_drafts) for sampled ones."""
@@ -388,16 +394,7 @@ class Speculator:
         core, n = self.core, max(self._room(p.chunk.request) for p in plans)
         if n <= 1:
             return
-        mtp_ids = {"swa": [m.layer for m in self.layers]}
-        saved = [
-            spec_rollback.save(
-                core.pool,
-                p.chunk.request.pages,
-                torch.arange(p.chunk.request.num_computed, p.chunk.request.num_computed + n - 1),
-                mtp_ids,
-            )
-            for p in plans
-        ]
+        saved = self._save_chain_rows(plans, n)
         for j in range(1, n):
             layer = self.layers[j % len(self.layers)]
             batch = build_step(
@@ -414,8 +411,7 @@ class Speculator:
                 d.append(t)
                 if r is not None:
                     r.append(row)
-        for s in saved:
-            spec_rollback.restore(core.pool, s)
+        spec_rollback.restore(core.pool, saved)
 
     # ---- drafting on fixed shapes (engine.execution.mtp_graphs) --------------------------------------
     def _draft_fixed(self, plans: list[_Plan], runs: list[_Plan], last: list[_Plan]) -> None:
@@ -453,12 +449,7 @@ class Speculator:
             return
         if n > 1:
             assert shape is not None
-            saved = spec_rollback.save_requests(
-                core.pool,
-                [p.chunk.request.pages for p in last],
-                [torch.arange(p.chunk.request.num_computed, p.chunk.request.num_computed + n - 1) for p in last],
-                {"swa": [m.layer for m in self.layers]},
-            )
+            saved = self._save_chain_rows(last, n)
             for j in range(1, n):
                 shifted = [None if p is None else p + j - 1 for p in positions]
                 mtp.run_chain_step(shape, j, ids, shifted, tables)
