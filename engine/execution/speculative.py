@@ -23,14 +23,15 @@ varlen step in "eager"), and so does their drafting (engine.execution.mtp_graphs
 bucket and streams, the chain one row a request, the drafts read back once); steps with prefill chunks (or with no
 bucket that fits) run the varlen step and the varlen MTP pass and chain. Both paths draft the same tokens
 (tests/engine/test_spec_mtp_graphs.py). engine.execution.spec_policy decides per step whether to draft (at most
-speculative_max_batch decoding requests; an optional acceptance floor): the MTP pass runs either way, so its KV
-stays complete.
+speculative_max_batch decoding requests; an optional acceptance floor; measured pay: drafting steps faster than
+plain ones at the batch size): the MTP pass runs either way, so its KV stays complete.
 Not here yet: overlapped decode with speculation (the drafts are read back every step), tensor/data parallel
 engines.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -93,10 +94,14 @@ class Speculator:
         # Benchmarks only (benchmarks/spec.py): (drafts, the target's greedy picks) -> the drafts greedy acceptance
         # compares, applied after the verify forward (its cost is unchanged) to force an acceptance rate.
         self.force_drafts = None
+        # the last pure decode step (requests, verified drafts, tokens emitted, start time) until the next starts
+        self._last_step: tuple[int, bool, int, float] | None = None
+        self._step_start = 0.0
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         core = self.core
+        self._time_last_step(time.perf_counter())
         chunks = core.scheduler.schedule()
         self._verified = None
         if not chunks:
@@ -120,6 +125,7 @@ class Speculator:
             )
             row += len(plans[-1].tokens)
         drafted = [p for p in plans if p.drafts]
+        pure_decode = all(_decode_chunk(p.chunk) for p in plans)  # (before the step appends tokens)
         saved = spec_rollback.save_requests(  # one gather a ring group for every verify chunk
             core.pool,
             [p.chunk.request.pages for p in drafted],
@@ -133,6 +139,8 @@ class Speculator:
         spec_rollback.restore_tails(core.pool, saved, [len(p.emitted) for p in drafted])
         events = self._apply(plans, logits, prompt_rows)
         self._draft(plans, streams)
+        if pure_decode:  # timed to the next step's start (SpecGate.observe_rate)
+            self._last_step = (len(plans), bool(drafted), sum(len(p.emitted) for p in plans), self._step_start)
         for p in plans:
             req = p.chunk.request
             if core.prefix is not None:
@@ -145,6 +153,13 @@ class Speculator:
                 self.drafts.pop(req.request_id, None)
                 self.draft_q.pop(req.request_id, None)
         return events
+
+    def _time_last_step(self, now: float) -> None:
+        """The previous step, if it was a pure decode step, took until `now`: its rate goes to the gate."""
+        if self._last_step is not None:
+            decoding, drafted, emitted, start = self._last_step
+            self.gate.observe_rate(decoding, drafted, emitted, now - start)
+        self._last_step, self._step_start = None, now
 
     def _room(self, req: Request) -> int:
         """Drafts worth verifying for `req`: K, fewer near max_new_tokens, none for a prefill-only request."""

@@ -58,7 +58,8 @@ class EngineOptions:
     bucketed verify step (under CUDA graphs where decode_mode resolves to graphs; no overlapped decode).
     speculative_max_batch / speculative_min_acceptance: draft only in steps with at most this many decoding
     requests and while the acceptance estimate is at least this (engine.execution.spec_policy; the default batch
-    comes from BENCHMARKS.md bench_spec).
+    comes from BENCHMARKS.md bench_spec). speculative_compare_rates: also draft only while drafting steps measure
+    more tokens a second than plain ones at the same batch size (probing the other mode now and then).
     """
 
     device: str = "cpu"
@@ -80,6 +81,7 @@ class EngineOptions:
     speculative_tokens: int = 0
     speculative_max_batch: int = DEFAULT_MAX_BATCH
     speculative_min_acceptance: float = 0.0
+    speculative_compare_rates: bool = True
     prefill_expert_format: str = "auto"
 
 
@@ -216,7 +218,9 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
         decode_mode=o.decode_mode or "auto",
         prefix_cache=o.prefix_cache,
         speculative_tokens=o.speculative_tokens,
-        speculative_policy=SpecPolicy(o.speculative_max_batch, o.speculative_min_acceptance),
+        speculative_policy=SpecPolicy(
+            o.speculative_max_batch, o.speculative_min_acceptance, compare_rates=o.speculative_compare_rates
+        ),
     )
     if o.warmup and warmup_enabled(
         core

@@ -100,6 +100,34 @@ def test_acceptance_floor_pauses_and_probes():
     assert gate.should_draft(1)
 
 
+def test_measured_rates_pause_drafting_where_it_loses_and_probe():
+    gate = SpecGate(SpecPolicy(max_batch=64, decay=0.0, probe_every=4, compare_rates=True))
+    # nothing measured yet: draft, and every 4th step of a batch bucket runs a plain step to measure it
+    assert [gate.should_draft(1) for _ in range(4)] == [True, True, True, False]
+    gate.observe_rate(1, True, 2, 0.004)  # 500 tokens/s with drafts
+    gate.observe_rate(1, False, 1, 0.0014)  # 714 tokens/s without: drafting loses at bucket 1
+    assert [gate.should_draft(1) for _ in range(4)] == [False, False, False, True]  # paused; the 4th probes
+    assert gate.should_draft(16)  # bucket 16 (9..16 requests) is measured on its own
+    gate.observe_rate(1, True, 2, 0.002)  # 1000 tokens/s (decay 0: the newest sample): drafting pays again
+    assert gate.should_draft(1)
+    gate.observe_rate(1, True, 2, 1.0)  # an interval far past its mode's average (the loop idled): ignored
+    assert gate.rates[(1, True)] == pytest.approx(1000.0)
+
+
+def test_rate_gate_switching_modes_keeps_output_exact(model, monkeypatch):
+    """compare_rates with a probe every 2nd step: drafting and plain steps alternate by measured (CPU) rates, and
+    the greedy output is still the non-speculative one (the MTP KV stays complete while drafts pause)."""
+    prompts, params = _case(model, 7)
+    base = _run(_engine(model, 0, mode="eager"), prompts, params)
+    refs = {tuple(p): o.token_ids for p, o in zip(prompts, base)}
+    _forced(monkeypatch, refs, 0.2, seed=7)
+    spec = _engine(model, 2, policy=SpecPolicy(max_batch=8, probe_every=2, compare_rates=True))
+    assert [o.token_ids for o in _run(spec, prompts, params)] == [o.token_ids for o in base]
+    gate, stats = spec.speculator.gate, spec.speculator.stats
+    assert {drafted for _, drafted in gate.rates} == {True, False}  # both modes were measured
+    assert stats["drafted"] > 0 and stats["undrafted_steps"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: CUDA graphs of verify steps")
 @pytest.mark.parametrize("k", [1, 2])
