@@ -116,6 +116,7 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
         timeout ${SPEC_TIMEOUT:-400} python3 -m benchmarks.spec --k ${SPEC_K:-1} --batches 1 16 64 --rates 0.6 0.8 0.9 \
           --out "$OUT/spec_k${SPEC_K:-1}.md" > "$OUT/spec.log" 2>&1 || status=1
         tail -25 "$OUT/spec.log" | cut -c1-250 ;;
+    # longctx: then `python -m benchmarks.slice.long_context --files $OUT/long_context.md --note ... --write`
     longctx) timeout ${LONGCTX_TIMEOUT:-540} benchmarks/slice/run.sh --budget-s ${LONGCTX_BUDGET:-480} --experts mxfp4 \
           --batches 1 16 --contexts 32768 131072 1048000 --prefill-tokens 131072 --prefill-chunk 8192 --no-peer \
           --out "$OUT/long_context.md" > "$OUT/longctx.log" 2>&1 || status=1

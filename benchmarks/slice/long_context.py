@@ -1,0 +1,47 @@
+"""The long-context section of BENCHMARKS.md (issue 35 item 2): slice-bench runs at long prompts and contexts
+(`tools/gpu/stages.sh longctx`, or a narrower `benchmarks/slice/run.sh` run), under one heading with what the run
+used and what it leaves out.
+
+    python -m benchmarks.slice.long_context --files RUN.md [RUN.md ...] [--note TEXT] [--write]
+
+Each RUN.md is a slice bench's `--out` section (its command, machine, decode and prefill tables, chunk times and
+peak memory); they are kept whole, under `###` headings, so every number keeps its own command and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from service.benchmarks_md import write_section
+
+HEADING = "## Long context on the V4-Flash slice: chunked prefill and decode at 32K-1M tokens"
+
+
+def render(runs: list[str], note: str) -> str:
+    """One section from slice-bench sections (their `## ` heading demoted to `###`)."""
+    parts = [HEADING, ""]
+    if note:
+        parts += [note.strip(), ""]
+    for text in runs:
+        body = text.strip()
+        if body.startswith("## "):
+            body = "#" + body
+        parts += [body, ""]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.slice.long_context")
+    ap.add_argument("--files", nargs="+", required=True, help="slice bench --out sections")
+    ap.add_argument("--note", default="", help="what the runs used / left out (kept above the runs)")
+    ap.add_argument("--write", action="store_true", help="put the section into BENCHMARKS.md (long_context)")
+    args = ap.parse_args(argv)
+    section = render([Path(f).read_text() for f in args.files], args.note)
+    print(section)
+    if args.write:
+        write_section("long_context", section)
+
+
+if __name__ == "__main__":
+    main()
