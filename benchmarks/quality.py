@@ -291,6 +291,8 @@ def main(argv=None) -> int:
     for fmt in chosen:
         print(f"... {fmt.name}", file=sys.stderr, flush=True)
         results[fmt.name] = run_in_subprocess(args, fmt)
+        # each row as it ends: a run cut short by its limit keeps the rows it finished (in its log)
+        print(f"    {json.dumps(results[fmt.name], default=str)[:2000]}", file=sys.stderr, flush=True)
     if args.url:
         from service.eval_http import HttpModel
 

@@ -107,7 +107,7 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
     tp) timeout ${TP_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_tensor_parallel.py \
           > "$OUT/tp.log" 2>&1 || status=1
         grep -E "^\[gpu tp|^tp |Error" "$OUT/tp.log" | cut -c1-400 ;;
-    quality) timeout ${QUALITY_TIMEOUT:-540} python3 -m benchmarks.quality --device cuda --files ${QUALITY_FILES:-8} \
+    quality) timeout ${QUALITY_TIMEOUT:-590} python3 -m benchmarks.quality --device cuda --files ${QUALITY_FILES:-8} \
           --out "$OUT/quality_cuda.md" > "$OUT/quality.log" 2>&1 || status=1
         tail -20 "$OUT/quality.log" | cut -c1-300 ;;
     spec) timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_spec_bucketed.py tests/engine/test_spec_mtp_graphs.py \
