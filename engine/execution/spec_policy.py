@@ -97,8 +97,8 @@ class SpecGate:
             return
         key, rate = (batch_bucket(decoding), drafted), emitted / seconds
         old = self.rates.get(key)
-        if old is None:
+        if old is None or rate > old * OUTLIER:  # first, or far faster: the average so far held a stall (a compile)
             self.rates[key] = rate
-        elif rate * OUTLIER >= old:  # far slower than usual: the loop idled or compiled, not this mode's cost
+        elif rate * OUTLIER >= old:  # (far slower than usual is dropped: the loop idled or compiled)
             d = self.policy.decay
             self.rates[key] = d * old + (1 - d) * rate

@@ -112,6 +112,9 @@ def test_measured_rates_pause_drafting_where_it_loses_and_probe():
     assert gate.should_draft(1)
     gate.observe_rate(1, True, 2, 1.0)  # an interval far past its mode's average (the loop idled): ignored
     assert gate.rates[(1, True)] == pytest.approx(1000.0)
+    gate.observe_rate(2, False, 2, 0.5)  # a first plain sample at bucket 2 that stalled (4 tokens/s) ...
+    gate.observe_rate(2, False, 2, 0.002)  # ... is replaced by the first normal one, not averaged with it
+    assert gate.rates[(2, False)] == pytest.approx(1000.0)
 
 
 def test_rate_gate_switching_modes_keeps_output_exact(model, monkeypatch):
