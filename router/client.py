@@ -8,6 +8,7 @@ as the call's status.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
@@ -306,6 +307,16 @@ class RouterClient:
         self.close()
 
 
+def _raise_if_channel_closed() -> None:
+    """In an `except CancelledError` of a grpc.aio call: grpc.aio ends the calls of a closed channel with
+    CancelledError, not RpcError. Unless the calling task itself is being cancelled, that is the channel's close
+    (e.g. another request dropped this router replica), not the caller's: raise it as RouterError CANCELLED, which
+    the callers treat as an unreachable router, so that it never passes for the client's own disconnect."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling() == 0:
+        raise RouterError(grpc.StatusCode.CANCELLED, "the channel to the router was closed under the call") from None
+
+
 class AsyncRouterClient:
     """grpc.aio client; create it inside the event loop that will use it."""
 
@@ -330,6 +341,9 @@ class AsyncRouterClient:
                     return
         except grpc.RpcError as e:
             raise RouterError(e.code(), e.details() or "") from None
+        except asyncio.CancelledError:
+            _raise_if_channel_closed()
+            raise
         finally:
             call.cancel()
 
@@ -356,6 +370,9 @@ class AsyncRouterClient:
             reply = await self._stub.Place(msg, timeout=timeout_s or self.timeout_s, metadata=self._md)
         except grpc.RpcError as e:
             raise RouterError(e.code(), e.details() or "") from None
+        except asyncio.CancelledError:
+            _raise_if_channel_closed()
+            raise
         return _placed(reply)
 
     async def settle(self, request_id: str) -> bool:
@@ -373,9 +390,13 @@ class AsyncRouterClient:
             return await method(msg, timeout=self.timeout_s, metadata=self._md)
         except grpc.RpcError as e:
             raise RouterError(e.code(), e.details() or "") from None
+        except asyncio.CancelledError:
+            _raise_if_channel_closed()
+            raise
 
-    async def close(self) -> None:
-        await self._channel.close()
+    async def close(self, grace_s: float | None = None) -> None:
+        """Close the channel; calls still in flight after grace_s (None: at once) end in RouterError CANCELLED."""
+        await self._channel.close(grace_s)
 
     async def __aenter__(self):
         return self

@@ -57,6 +57,7 @@ ROUND_PAUSE_S = 0.25
 OPEN_RETRY_S = 1.0  # a full decode worker at open: retried this long, then the request goes back to a queue
 OVERLOAD_REQUEUE_S = 30.0  # ... for at most this long in all, then RESOURCE_EXHAUSTED
 REQUEUE_PAUSE_S = 0.2
+DROP_GRACE_S = 30.0  # a dropped router's channel closes after its calls in flight end, or after this long
 
 
 def unreachable(e: RouterError) -> bool:
@@ -85,6 +86,7 @@ class RouterSet:
         self.failover_wait_s = failover_wait_s
         self._clients: dict[int, AsyncRouterClient] = {}
         self._cooling: dict[int, float] = {}  # router index -> monotonic time until which it is skipped
+        self._closing: set[asyncio.Task] = set()  # channels of dropped clients, closing with a grace
         self._next = 0
 
     async def _client(self, i: int) -> AsyncRouterClient:
@@ -95,12 +97,18 @@ class RouterSet:
             client = self._clients[i] = AsyncRouterClient(addr, timeout_s=self.timeout_s, token=self.token)
         return client
 
-    def _drop(self, i: int, why: object) -> None:
+    def _drop(self, i: int, why: object, client: AsyncRouterClient | None) -> None:
+        """Router i failed a call made on `client`: try it last for cooldown_s and reconnect to it next time. Only
+        that client is closed (a newer one, made since by a concurrent request, may already reach the restarted
+        router), and with a grace: calls of other requests still in flight on it end on their own first."""
         log.warning("router replica %d unreachable (%s); using the others for %.0f s", i, why, self.cooldown_s)
         self._cooling[i] = time.monotonic() + self.cooldown_s
-        client = self._clients.pop(i, None)
-        if client is not None:
-            asyncio.get_running_loop().create_task(client.close())
+        if client is None or self._clients.get(i) is not client:
+            return
+        del self._clients[i]
+        task = asyncio.get_running_loop().create_task(client.close(grace_s=min(self.timeout_s, DROP_GRACE_S)))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _order(self) -> list[int]:
         """Router indices to try: in turn from the next one, those cooling down last."""
@@ -121,6 +129,7 @@ class RouterSet:
         while True:
             stopping: RouterError | None = None  # a router said the service is shutting down
             for i in self._order():
+                client = None
                 try:
                     client = await self._client(i)
                     result = await fn(client)
@@ -130,9 +139,9 @@ class RouterSet:
                     if _SHUTTING_DOWN in e.message:
                         stopping = e
                         continue
-                    self._drop(i, e)
+                    self._drop(i, e, client)
                 except Exception as e:  # noqa: BLE001 - its actor is dead or restarting (Ray errors, timeout)
-                    self._drop(i, e)
+                    self._drop(i, e, client)
                 else:
                     self._cooling.pop(i, None)
                     return i, result

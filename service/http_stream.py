@@ -50,5 +50,8 @@ async def unless_disconnected(request: Request, coro):
             with contextlib.suppress(BaseException):
                 await task
     if task.cancelled():
-        raise ClientGone()
+        if watch.done() and not watch.cancelled():
+            raise ClientGone()
+        # Cancelled from inside while the client still waits: an internal fault, never to pass for a disconnect
+        raise RuntimeError("the request's work was cancelled while its client was still connected")
     return task.result()
