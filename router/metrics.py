@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter as PromCounter
 
 from engine.telemetry import metrics as prom
-from router.policy import Placement
+from router.policy import Decision, Placement
 
 ROUTER_DECISIONS = PromCounter(
     "dsv4_router_decisions_total", "Placement decisions by stage and reason", ("stage", "reason")
@@ -29,6 +29,15 @@ class MetricsSnapshot:
     errors_total: dict[str, int] = field(default_factory=dict)  # error code name -> count
 
 
+def estimate_tokens(prefill: Decision, block_size: int) -> tuple[int, int]:
+    """(prompt tokens the router scored, those it believed cached on the chosen prefill worker). Policies that
+    match hashed blocks count whole blocks; the cache-aware policy scores the workers' digests in tokens
+    (cached_tokens + uncached_tokens is the prompt) and leaves the block counts at 0."""
+    if prefill.prompt_blocks:
+        return prefill.prompt_blocks * block_size, prefill.matched_blocks * block_size
+    return prefill.cached_tokens + prefill.uncached_tokens, prefill.cached_tokens
+
+
 class RouterMetrics:
     def __init__(self, block_size: int = 16):
         self.block_size = block_size  # tokens per hashed prompt block (the policy's)
@@ -42,10 +51,11 @@ class RouterMetrics:
         for d in (placement.prefill, placement.decode):
             self.decisions[(d.stage, d.reason)] += 1
             ROUTER_DECISIONS.labels(d.stage, d.reason).inc()
-        # The router's estimate (what it believed cached where it sent the request), in tokens of whole
-        # blocks; the engines count real hits (engine.telemetry.metrics.PREFIX_HIT_TOKENS).
-        prom.ROUTER_PREFIX_ESTIMATE_QUERIES.inc(placement.prefill.prompt_blocks * self.block_size)
-        prom.ROUTER_PREFIX_ESTIMATE_HITS.inc(placement.prefill.matched_blocks * self.block_size)
+        # The router's estimate (what it believed cached where it sent the request); the engines count real hits
+        # (engine.telemetry.metrics.PREFIX_HIT_TOKENS).
+        queried, hit = estimate_tokens(placement.prefill, self.block_size)
+        prom.ROUTER_PREFIX_ESTIMATE_QUERIES.inc(queried)
+        prom.ROUTER_PREFIX_ESTIMATE_HITS.inc(hit)
 
     def snapshot(self) -> MetricsSnapshot:
         return MetricsSnapshot(dict(self.decisions), self.requests, self.retries, self.worker_deaths, dict(self.errors))

@@ -42,13 +42,16 @@ def zero_if_absent(expr: str) -> str:
     return f"({expr} or on() vector(0))"
 
 
-def quantile_targets(metric: str, sel: str) -> list[tuple[str, str]]:
-    return [(quantile(q, metric, sel), f"p{round(q * 100)}") for q in QUANTILES]
+def quantile_targets(metric: str, sel: str, by: str = "") -> list[tuple[str, str]]:
+    """p50 / p90 / p99 of a histogram, one series per value of the label `by` when given."""
+    split = f" {by}={{{{{by}}}}}" if by else ""
+    return [(quantile(q, metric, sel, by), f"p{round(q * 100)}{split}") for q in QUANTILES]
 
 
 ERRORS = 'namespace=~"$namespace", model_name=~"$model", status="error"'
 FAILURES = "dsv4_kv_transfer_failures_total"  # once per failed pull (engine.telemetry.metrics says who counts)
 ABORTS = "dsv4_kv_transfer_aborts_total"  # cancelled requests: apart from failures, never in the failure ratio
+HANDOFF = "dsv4_kv_handoff_exposed_seconds"  # observed by the dispatcher (service.ray_stream), labelled streamed only
 
 OVERVIEW = ("dsv4-overview", "dsv4 / Overview", [
     ("Requests per second by status", "reqps", [(rate("dsv4_requests_total", MODEL, "status"), "{{status}}")]),
@@ -64,7 +67,10 @@ OVERVIEW = ("dsv4-overview", "dsv4 / Overview", [
      [(f"{rate('dsv4_prefix_cache_hit_tokens_total', NS)} / {rate('dsv4_prefix_cache_query_tokens_total', NS)}",
        "engines (real)"),
       (f"{rate('dsv4_prefix_cache_hit_tokens_total', WORKER, 'role, worker')} / "
-       f"{rate('dsv4_prefix_cache_query_tokens_total', WORKER, 'role, worker')}", "{{role}} {{worker}}")]),
+       f"{rate('dsv4_prefix_cache_query_tokens_total', WORKER, 'role, worker')}", "{{role}} {{worker}}"),
+      # what the router believed cached on the prefill worker it chose: far above the engines' ratio = stale digests
+      (f"{rate('dsv4_router_prefix_estimate_hit_tokens_total', NS)} / "
+       f"{rate('dsv4_router_prefix_estimate_query_tokens_total', NS)}", "router estimate")]),
     ("Router decisions by stage and reason", "ops",
      [(rate("dsv4_router_decisions_total", NS, "stage, reason"), "{{stage}} / {{reason}}")]),
 ])
@@ -90,6 +96,14 @@ STAGE_BREAKDOWN = ("dsv4-stages", "dsv4 / Stage breakdown", [
     ("KV transfer failure ratio", "percentunit",
      [(f"{zero_if_absent(rate(FAILURES, TRANSFER))} / ({rate('dsv4_kv_transfer_time_seconds_count', TRANSFER)}"
        f" + {zero_if_absent(rate(FAILURES, TRANSFER))})", "failure ratio")]),
+    # the hand-off time the prefill did not hide (its result to the caches landing on the decode worker): all of it
+    # is in TTFT; a streamed hand-off pulls chunks while later ones are prefilled, so its exposed time stays short
+    ("KV hand-off exposed after the prefill, streamed or not", "s",
+     quantile_targets(HANDOFF, NS, "streamed") + [(mean(HANDOFF, NS, "streamed"), "mean streamed={{streamed}}")]),
+    ("KV hand-offs per second, streamed or not", "ops",
+     [(rate(f"{HANDOFF}_count", NS, "streamed"), "streamed={{streamed}}")]),
+    ("Streamed KV chunks pulled during the prefill per second", "ops",
+     [(zero_if_absent(rate("dsv4_kv_stream_chunks_total", TRANSFER, "worker, backend")), "{{worker}} ({{backend}})")]),
 ])
 
 WORKERS = ("dsv4-workers", "dsv4 / Load per role and worker", [
@@ -124,6 +138,16 @@ WORKERS = ("dsv4-workers", "dsv4 / Load per role and worker", [
     ("Speculative decoding: accepted draft tokens per verify step", "short",
      [(f"{rate('dsv4_spec_accepted_tokens_total', WORKER, 'role, worker')} / "
        f"{rate('dsv4_spec_verify_steps_total', WORKER, 'role, worker')}", "{{role}} {{worker}}")]),
+    # SpecGate (engine.execution.spec_policy) pauses drafting where it does not pay: steps without drafts vs request
+    # verify steps (one a request a step with drafts); only paused steps = the engine runs as a plain one
+    ("Speculative decoding: steps with drafting paused by SpecGate vs verify steps", "ops",
+     [(rate("dsv4_spec_undrafted_steps_total", WORKER, "role, worker"), "{{role}} {{worker}} paused steps"),
+      (rate("dsv4_spec_verify_steps_total", WORKER, "role, worker"), "{{role}} {{worker}} request verify steps")]),
+    # set once at start: 0 = the engine fell back from that GPU fast path (the worker's start-up WARNING says why)
+    ("GPU fast paths (1 = in use, 0 = fell back)", "short",
+     [(f"min by (role, worker, path) (dsv4_fast_path_active{{{WORKER}}})", "{{role}} {{worker}} {{path}}")]),
+    ("Kernel compiles while serving (each stalls its step for seconds)", "ops",
+     [(zero_if_absent(rate("dsv4_kernel_compiles_total", WORKER, "role, worker")), "{{role}} {{worker}}")]),
 ])
 
 

@@ -109,15 +109,20 @@ PREFIX_HIT_TOKENS = Counter(
 )
 # Speculative decoding (engine.execution.speculative), per decode engine: draft tokens verified, those accepted, and
 # verify steps (one a request per step it verified drafts in). Acceptance rate = accepted / drafted; accepted tokens
-# per verify step = accepted / verify steps (tokens a step emits: that + 1).
+# per verify step = accepted / verify steps (tokens a step emits: that + 1). Undrafted steps: steps whose decoding
+# requests got no drafts because SpecGate paused drafting (batch above its ceiling, low acceptance, or plain steps
+# measured faster): a speculative engine that never drafts shows here, not as a low acceptance rate.
 SPEC_DRAFT_TOKENS = Counter("dsv4_spec_draft_tokens_total", "Speculative draft tokens verified", WORKER)
 SPEC_ACCEPTED_TOKENS = Counter("dsv4_spec_accepted_tokens_total", "Speculative draft tokens accepted", WORKER)
 SPEC_VERIFY_STEPS = Counter(
     "dsv4_spec_verify_steps_total", "Request verify steps (one a request a step with drafts)", WORKER
 )
-# The router's ESTIMATE: tokens of the prompt's blocks it believed cached on the worker it chose.
+SPEC_UNDRAFTED_STEPS = Counter(
+    "dsv4_spec_undrafted_steps_total", "Decode steps run without drafts because SpecGate paused drafting", WORKER
+)
+# The router's ESTIMATE: prompt tokens it believed cached on the worker it chose (router.metrics.estimate_tokens).
 ROUTER_PREFIX_ESTIMATE_QUERIES = Counter(
-    "dsv4_router_prefix_estimate_query_tokens_total", "Prompt tokens (in whole hashed blocks) the router scored", ()
+    "dsv4_router_prefix_estimate_query_tokens_total", "Prompt tokens the router scored for prefix-cache hits", ()
 )
 ROUTER_PREFIX_ESTIMATE_HITS = Counter(
     "dsv4_router_prefix_estimate_hit_tokens_total",
@@ -185,10 +190,15 @@ class PrefixCounters:
 
 
 class SpecCounters:
-    """Mirrors a Speculator's cumulative `stats` (drafted, accepted, verify_chunks) into the speculative-decoding
-    counters by the delta since the last call (the worker calls it with its load gauges)."""
+    """Mirrors a Speculator's cumulative `stats` (drafted, accepted, verify_chunks, undrafted_steps) into the
+    speculative-decoding counters by the delta since the last call (the worker calls it with its load gauges)."""
 
-    KEYS = (("drafted", SPEC_DRAFT_TOKENS), ("accepted", SPEC_ACCEPTED_TOKENS), ("verify_chunks", SPEC_VERIFY_STEPS))
+    KEYS = (
+        ("drafted", SPEC_DRAFT_TOKENS),
+        ("accepted", SPEC_ACCEPTED_TOKENS),
+        ("verify_chunks", SPEC_VERIFY_STEPS),
+        ("undrafted_steps", SPEC_UNDRAFTED_STEPS),
+    )
 
     def __init__(self, role: str, worker: str):
         self.labels = (role, worker)

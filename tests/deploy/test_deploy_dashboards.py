@@ -2,18 +2,22 @@
 dashboard is the generator's output and follows the conventions (a datasource variable and no datasource
 uid, namespace/model/role/worker variables, quantiles of rates of buckets over $__rate_interval, every
 counter under rate()); every PromQL expression parses (promql-parser) and names only metrics that a live
-`dsv4 serve` exports (read from its /metrics after real traffic); `promtool check metrics` lints that
-scrape.
+`dsv4 serve` exports (read from its /metrics after real traffic); every metric the product code defines
+is on some panel; `promtool check metrics` lints that scrape.
 """
 
+import ast
+import importlib
 import importlib.util
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from tests.support.deploy_fixtures import (
     GRAFANA,
+    REPO,
     dashboards,
     debian_tool,
     event_only_samples,
@@ -94,6 +98,11 @@ def test_dashboard_conventions():
         "token throughput",
         "pool size",
         "pool scale decisions",
+        "hand-off exposed",
+        "streamed kv chunks",
+        "paused by specgate",
+        "fast paths",
+        "kernel compiles",
     ):
         assert wanted in titles, wanted
 
@@ -152,6 +161,61 @@ def test_queries_name_only_exported_metrics(dsv4_service):
     # the service declares it; everything else must be in the live scrape.
     assert unseen <= event_only_samples(), f"not exported by dsv4 serve: {sorted(unseen - event_only_samples())}"
     assert len(referenced & exported) >= 20, sorted(referenced & exported)
+
+
+PRODUCT_PACKAGES = ("dsv4_kernels", "engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "service")
+METRIC_TYPES = ("Counter", "Gauge", "Histogram", "Summary", "Info", "Enum")  # prometheus_client's, however imported
+SERIES_SUFFIXES = ("", "_total", "_bucket", "_sum", "_count", "_info")
+
+
+def defined_metrics() -> dict[str, str]:
+    """Metric name -> module of every `Counter("dsv4_...", ...)` (or Gauge, Histogram, ...) call in the product
+    packages, read with `ast` (a metric defined anywhere, not only in engine.telemetry.metrics)."""
+    out = {}
+    for pkg in PRODUCT_PACKAGES:
+        for path in sorted((Path(REPO) / pkg).rglob("*.py")):
+            if "_gen" in path.parts:
+                continue
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and node.args):
+                    continue
+                func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+                name = node.args[0]
+                if (
+                    func.endswith(METRIC_TYPES)
+                    and isinstance(name, ast.Constant)
+                    and str(name.value).startswith("dsv4_")
+                ):
+                    out[name.value] = module
+    return out
+
+
+def family(name: str) -> str:
+    """A metric's family name as prometheus_client keeps it (a counter's `_total` is its samples' suffix)."""
+    return name.removesuffix("_total")
+
+
+def test_every_defined_metric_has_a_panel():
+    import prometheus_client
+
+    defined = defined_metrics()
+    # the scan reads what the modules really register: every module-level metric of the modules it found is in it
+    for module in sorted(set(defined.values())):
+        registered = {
+            family(m._name)
+            for m in vars(importlib.import_module(module)).values()
+            if isinstance(m, prometheus_client.metrics.MetricWrapperBase) and m._name.startswith("dsv4_")
+        }
+        assert registered == {family(n) for n, mod in defined.items() if mod == module}, module
+    assert {"dsv4_kv_stream_chunks_total", "dsv4_kv_handoff_exposed_seconds", "dsv4_router_decisions_total"} <= set(
+        defined
+    )
+    selected = set()
+    for _, _, expr in panel_queries():
+        selected |= metric_names(substitute(expr))
+    missing = sorted(n for n in defined if not {family(n) + s for s in SERIES_SUFFIXES} & selected)
+    assert not missing, f"metrics without a panel (add one to deploy/grafana/generate.py): {missing}"
 
 
 def dsv4_families(exposition: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from engine.execution.runner import EngineCore
 from engine.execution.sampling_params import SamplingParams
@@ -14,6 +15,7 @@ from engine.execution.scheduler import SchedulerConfig
 from engine.execution.spec_policy import SpecGate, SpecPolicy
 from engine.model.cache import CacheConfig
 from engine.model.config import ModelConfig
+from engine.telemetry.metrics import SpecCounters
 from tests.engine.test_speculative import _forced, _prompts, _run
 from tests.engine.test_speculative import model as model  # noqa: F401 (the module fixture)
 
@@ -85,6 +87,11 @@ def test_policy_turns_drafting_off_above_the_batch_and_back_on(model, monkeypatc
     assert all(d == 0 for n, d in drafted_at if n > 2)
     assert any(d > 0 for n, d in drafted_at if n <= 2)
     assert spec.speculator.stats["undrafted_steps"] > 0 and spec.speculator.stats["accepted"] > 0
+    counters = SpecCounters("decode", "gate-test")  # what the worker exports: the paused steps, counted
+    counters.observe(spec.speculator.stats)
+    labels = {"role": "decode", "worker": "gate-test"}
+    paused = REGISTRY.get_sample_value("dsv4_spec_undrafted_steps_total", labels)
+    assert paused == spec.speculator.stats["undrafted_steps"]
     # max_batch 0: never drafts, output unchanged
     never = _engine(model, 2, policy=SpecPolicy(max_batch=0))
     assert [o.token_ids for o in _run(never, prompts, params)] == [o.token_ids for o in base]

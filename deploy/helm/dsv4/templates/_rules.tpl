@@ -83,4 +83,29 @@ groups:
             up) over 30 minutes is below {{ mulf $r.prefixHitRatioDrop 100 }}% of its one-day level: workers
             restarted (empty caches), the router lost the workers' cache digests (check prefix_hit among
             the prefill decisions), or the traffic changed.
+      - alert: Dsv4KVHandoffExposedP99High
+        expr: >-
+          histogram_quantile(0.99, sum by (namespace, streamed, le)
+          (rate(dsv4_kv_handoff_exposed_seconds_bucket[5m]))) > {{ $r.handoffExposedP99Seconds }}
+        for: {{ $r.for }}
+        labels:
+          {{ $sev }}: warning
+        annotations:
+          summary: {{ `p99 KV hand-off time exposed after the prefill (streamed={{ $labels.streamed }}) in {{ $labels.namespace }} is {{ $value | humanizeDuration }}` | quote }}
+          description: >-
+            The 99th percentile of the hand-off time the prefill does not hide (its result to the caches landing
+            on the decode worker, all of it in time to first token) is above {{ $r.handoffExposedP99Seconds }}s:
+            check the KV transfer throughput and failure panels, and whether long prompts take the streamed
+            hand-off (streamed="true" on the hand-off panels).
+      - alert: Dsv4PoolWorkerNeverReady
+        expr: >-
+          sum by (namespace, pool) (increase(dsv4_pool_start_failures_total[15m])) > 0
+        labels:
+          {{ $sev }}: warning
+        annotations:
+          summary: {{ `workers added to the {{ $labels.pool }} pool in {{ $labels.namespace }} never became ready` | quote }}
+          description: >-
+            The elastic pool planner added workers that it gave up on before they served (no free GPU or
+            resource unit, a model that fails to load, a start-up past its limit): the pool stays below the
+            size it wants. The service log names each start failure.
 {{- end -}}
