@@ -5,13 +5,14 @@ decode_mode graphs on CUDA (eager bucketed on the CPU: the same fixed shapes), i
 every batch measured (engine.execution.spec_policy: what these numbers set its default from):
 - the one-token step, three ways, with the Speculator set aside: eager (EngineCore's plain varlen step), under CUDA
   graphs, and under graphs with overlapped decode (the production non-speculative path: the baseline of "x non-spec");
-- speculative steps with drafts forced to a per-draft acceptance rate (Speculator.force_drafts: after the verify
-  forward each draft is replaced by the target's pick with probability `rate`, else by another token, so the
-  step's cost is the real one: verify of K+1 tokens a request, rollback of the rejected rows, the MTP pass and
-  the K-1 chained MTP steps); rate 0 is the bare verify-step time.
+- speculative steps with drafts forced to a per-draft acceptance rate (Speculator.force_acceptance: after the verify
+  forward each draft counts as the target's pick with probability `rate`, else as another token, so the step's
+  cost is the real one: verify of K+1 tokens a request, rollback of the rejected rows, the MTP pass and the K-1
+  chained MTP steps); rate 0 is the bare verify-step time.
 Tokens/s per user = tokens a request emits / wall time, against the production one-token step. Verify steps of
-decode-only batches run as fixed-shape verify steps under CUDA graphs (engine.execution.verify_graphs), and so do the
-MTP pass and the chained MTP steps after each (engine.execution.mtp_graphs); nothing overlaps (the section says so).
+decode-only batches run as fixed-shape steps with one host read (engine.execution.spec_fixed): the verify step under
+CUDA graphs (engine.execution.verify_graphs), acceptance and rollback on the device, the MTP pass and the chained
+MTP steps under graphs (engine.execution.mtp_graphs); nothing overlaps the next step (the section says so).
 `--tiny` runs the tiny preset on the CPU in seconds (tests/test_bench_spec.py) so a GPU run does not die on a typo.
 """
 
@@ -102,12 +103,6 @@ def build(args) -> EngineCore:
     return core
 
 
-def forcing(rate: float, seed: int):
-    """Speculator.force_drafts at per-draft acceptance `rate`: draft j right with probability rate, else wrong."""
-    g = random.Random(seed)
-    return lambda drafts, picks: [t if g.random() < rate else t + 1 for t in picks[: len(drafts)]]
-
-
 def timed(core: EngineCore, steps: int, batch: int) -> tuple[float, float]:
     """-> (ms a step, tokens a request emits a step) over `steps` steps after 2 untimed ones."""
     for _ in range(2):
@@ -135,7 +130,7 @@ def measure(core: EngineCore, batch: int, args) -> list[Point]:
         core.step()
     points = []
     for rate in [0.0] + list(args.rates):
-        spec.force_drafts = forcing(rate, batch)
+        spec.force_acceptance(rate, batch)
         before = dict(spec.stats)
         ms, per = timed(core, args.steps, batch)
         drafted = spec.stats["drafted"] - before["drafted"]
@@ -149,7 +144,7 @@ def measure(core: EngineCore, batch: int, args) -> list[Point]:
                 (spec.stats["accepted"] - before["accepted"]) / max(drafted, 1),
             )
         )
-    spec.force_drafts = None
+    spec.force_acceptance(None)
     points += one_token_steps(core, batch, args)
     for i in ids:
         core.abort(i)
@@ -177,10 +172,10 @@ def render(points: list[Point], args, core: EngineCore) -> str:
         "",
         f"`dsv4 bench spec{' --tiny' if args.tiny else ''} --k {args.k}`: {cfg.num_layers} layers + 1 MTP layer, "
         f"context {args.context} tokens, {args.steps} timed steps a point, device {core.device}, greedy; drafts "
-        "forced to the per-draft acceptance rate after the verify forward (benchmarks/spec.py). Verify steps run "
-        f"as fixed-shape steps {'under CUDA graphs' if core.device.type == 'cuda' else 'eager bucketed (CPU)'} "
-        "and so are the MTP pass and chain after them, no overlap; x non-spec is against the production "
-        "one-token step (graphs + overlapped decode).",
+        "forced to the per-draft acceptance rate after the verify forward (benchmarks/spec.py). Decode-only steps "
+        "run on fixed shapes with one host read a step (verify, acceptance and rollback on the device, MTP pass "
+        f"and chain) {'under CUDA graphs' if core.device.type == 'cuda' else 'eager bucketed (CPU)'}, no overlap; "
+        "x non-spec is against the production one-token step (graphs + overlapped decode).",
         "",
         "| batch | mode | step ms | x production step | tokens/step/user | accepted | tok/s/user | x non-spec |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",

@@ -6,8 +6,9 @@ much as the verify step itself; replayed, it is one graph launch a pass or chain
 
 - The pass runs the MTP layer on the verify step's own bucket (slots, context, queries; engine.model.verify_batch
   with swa_only: the MTP layers attend over the SWA ring only): request b's rows b*q .. b*q + n_b - 1 are the
-  positions it computed on the accepted path this step (n_b = its accepted drafts + 1; 0 for a request that
-  finished), each with the token after it; the other rows are padding (scratch pages). Its hidden input is the
+  positions it computed on the accepted path this step (n_b = its accepted drafts + 1), each with the token after
+  it; the other rows are padding (scratch pages). Its inputs are given on the device (engine.execution.spec_fixed
+  derives them there from the acceptance). Its hidden input is the
   verify step's streams as they stand (the rows are already aligned: no gather) and row b*q + n_b - 1 of its
   output (`select`, a graph input) drafts token 1 of request b.
 - Chain step j (j = 1..K-1) runs one row a request (queries 1, the decode buckets) at the request's newest
@@ -21,9 +22,9 @@ Graphs: one per verify bucket for the pass (queries 1 and K + 1) and one per (sl
 layer for the chain steps, in the decode runner's memory pool; captured with the verify graphs at warm-up
 (capture_all) or on first use, on padding rows only (they write the scratch pages). Mode "eager" (decode_mode
 "bucketed") runs the same bodies without graphs, so the CPU tests run this code.
-Outside the graphs: the ring-row save and restore around the chain (engine.execution.spec_rollback: host-known
-rows, device copies, no host read) and the sampled requests' draws. The Speculator (engine.execution.speculative)
-drives it and keeps the varlen path for steps that were not fixed-shape verify steps.
+Outside the graphs: the ring-row save and restore around the chain (engine.execution.spec_rollback: rows computed
+on the device, no host read) and the sampled requests' draws. engine.execution.spec_fixed drives it; the Speculator
+(engine.execution.speculative) keeps the varlen path for the other steps.
 """
 
 from __future__ import annotations
@@ -76,41 +77,25 @@ class MtpRunner:
 
     # ---- what the Speculator calls ------------------------------------------------------------------
     @torch.inference_mode()
-    def run_pass(
-        self, step: VerifyStep, request_ids: list[str], token_rows: list[list[int]], starts: list[int], tables: list
-    ) -> None:
-        """The MTP pass after verify step `step`: request b (b = its slot in that step) runs token_rows[b] (the
-        tokens after its positions starts[b].., as many as it computed on the accepted path; [] for none) on the
-        step's streams. Its outputs are in the shared buffers (`hidden`, `logits`, `tokens`)."""
-        shape = step.shape
-        rows = self._table_rows(request_ids, token_rows, tables)
-        host = VerifyInputs.make(token_rows, starts, rows, shape, self.decode.block_tables.pad_row).packed
-        q = shape.queries
-        select = [b * q + max(len(t), 1) - 1 for b, t in enumerate(token_rows)]
-        select += [b * q for b in range(len(token_rows), shape.decode.slots)]
-        self._run(MtpKey(shape, 0, False), host, torch.tensor(select), step.streams)
+    def run_pass(self, step: VerifyStep, packed: torch.Tensor, select: torch.Tensor) -> None:
+        """The MTP pass after verify step `step`, on its bucket and streams: packed int64 [3, step.shape.rows] on the
+        device (VerifyInputs' layout: slot b's rows are its positions computed on the accepted path, each with the
+        token after it, the rest padding; engine.execution.spec_fixed derives them there from the verify step's
+        inputs and its acceptance, which the host has not read), select int64 [slots] each slot's output row.
+        Its outputs land in the shared buffers (`logits`, `tokens`)."""
+        self._run(MtpKey(step.shape, 0, False), packed, select, step.streams)
+
+    @torch.inference_mode()
+    def run_chain_step(self, shape: VerifyShape, j: int, packed: torch.Tensor) -> None:
+        """Chain step j (1..K-1) on `shape` (chain_shape): packed int64 [3, slots] on the device (position and table
+        row of each slot, padding slots on the padding row; the token row is ignored: the drafts come from the shared
+        buffer), on the previous step's outputs in the shared buffers, which it replaces."""
+        key = MtpKey(shape, j % len(self.layers), True)
+        self._run(key, packed, torch.arange(shape.decode.slots), None)
 
     def chain_shape(self, num_requests: int, context: int) -> VerifyShape | None:
         """The chain steps' bucket (queries 1) for positions < context; None when none fits."""
         return self.verify.shape_for(num_requests, context, 1)
-
-    @torch.inference_mode()
-    def run_chain_step(
-        self, shape: VerifyShape, j: int, request_ids: list[str], positions: list[int | None], tables: list
-    ) -> None:
-        """Chain step j (1..K-1) on `shape` (chain_shape): slot b at positions[b] (None: not drafting, padding) on
-        the previous step's outputs in the shared buffers, which it replaces."""
-        token_rows = [[0] if p is not None else [] for p in positions]  # the tokens come from the shared buffer
-        rows = self._table_rows(request_ids, token_rows, tables)
-        starts = [p if p is not None else 0 for p in positions]
-        host = VerifyInputs.make(token_rows, starts, rows, shape, self.decode.block_tables.pad_row).packed
-        key = MtpKey(shape, j % len(self.layers), True)
-        self._run(key, host, torch.arange(shape.decode.slots), None)
-
-    def hidden(self, n: int) -> torch.Tensor:
-        """The last step's selected output streams of slots 0..n-1 [n, hc, D] (a view of the shared buffer)."""
-        assert self._hidden is not None
-        return self._hidden[:n]
 
     def logits(self, n: int) -> torch.Tensor:
         """The last step's draft logits fp32 [n, vocab] (a view of the shared buffer)."""
@@ -149,17 +134,9 @@ class MtpRunner:
         return len(todo)
 
     # ---- one step -------------------------------------------------------------------------------------
-    def _table_rows(self, request_ids: list[str], token_rows: list[list[int]], tables: list) -> list[int]:
-        live = [i for i, t in enumerate(token_rows) if t]
-        rows = self.decode.block_tables.rows_for([request_ids[i] for i in live], [tables[i] for i in live])
-        out = [self.decode.block_tables.pad_row] * len(token_rows)  # (a slot without tokens reads no table)
-        for i, row in zip(live, rows):
-            out[i] = row
-        return out
-
     def _run(self, key: MtpKey, host: torch.Tensor, select: torch.Tensor, streams: torch.Tensor | None) -> None:
-        """One MTP step: `host` VerifyInputs.packed, `select` int64 [slots] output rows, `streams` the verify step's
-        (the pass) or None (a chain step)."""
+        """One MTP step: `host` VerifyInputs.packed, `select` int64 [slots] output rows (on the host or the device),
+        `streams` the verify step's (the pass) or None (a chain step)."""
         self.steps += 1
         device = self.decode.model.device
         self._allocate(device)
@@ -169,9 +146,9 @@ class MtpRunner:
         graph = self.graphs.get(key) or self._capture(key)
         if streams is not None and streams.data_ptr() != self.verify.streams_buffer(key.shape).data_ptr():
             raise RuntimeError("the MTP pass graph reads the verify graphs' streams buffer: run it after one")
-        copy_nonblocking_(graph.packed, host)
+        _copy_in(graph.packed, host)
         if not key.chained:  # (a chain step reads its output rows in order)
-            copy_nonblocking_(graph.select, select)
+            _copy_in(graph.select, select)
         graph.graph.replay()
         self.replays += 1
 
@@ -222,3 +199,11 @@ class MtpRunner:
             self._body(key, packed, select, streams)
         self.graphs[key] = _MtpGraph(packed, select, graph)
         return self.graphs[key]
+
+
+def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A graph's static input from a host tensor (pinned, non-blocking) or a device one (queued on the stream)."""
+    if src.device == dst.device:
+        dst.copy_(src)
+    else:
+        copy_nonblocking_(dst, src)

@@ -65,14 +65,23 @@ def save_requests(
         counts = tuple(len(p) if name in t else 0 for t, p in zip(tables, positions))
         ids = tuple(layers[name]) if layers is not None else group.spec.layers
         rows = to_device_nonblocking(torch.cat(held), group.tensor.device)
-        if group.quantised:
-            values = torch.stack([group.read_packed(layer, rows) for layer in ids])
-        elif (span := _slot_span(group, ids)) is not None:
-            values = group.tensor[span][:, rows]  # one gather for all the layers
-        else:
-            values = torch.stack([group.layer(layer)[rows] for layer in ids])
-        out.append(SavedRows(name, ids, rows, values, counts))
+        out.append(save_rows(pool, name, ids, rows, counts))
     return out
+
+
+def save_rows(
+    pool: CachePool, name: str, layers: tuple[int, ...], rows: torch.Tensor, counts: tuple[int, ...] = ()
+) -> SavedRows:
+    """Copies of rows [N] (row ids on the group's device: they may be computed there, no host read) of ring group
+    `name` in `layers`."""
+    group = pool.groups[name]
+    if group.quantised:
+        values = torch.stack([group.read_packed(layer, rows) for layer in layers])
+    elif (span := _slot_span(group, layers)) is not None:
+        values = group.tensor[span][:, rows]  # one gather for all the layers
+    else:
+        values = torch.stack([group.layer(layer)[rows] for layer in layers])
+    return SavedRows(name, layers, rows, values, counts)
 
 
 def _slot_span(group: CacheGroup, layers: tuple[int, ...]) -> slice | None:
@@ -89,6 +98,39 @@ def restore_tails(pool: CachePool, saved: list[SavedRows], kept: list[int]) -> N
         back = [a + j for a, n, k in zip(starts, s.counts, kept) for j in range(k, n)]
         if back:
             _write_back(pool, s, to_device_nonblocking(torch.tensor(back), s.rows.device))
+
+
+def restore_rejected(pool: CachePool, saved: list[SavedRows], kept: torch.Tensor, per_request: int) -> None:
+    """Write back the rejected rows of saves of several requests that each saved `per_request` consecutive positions
+    (save_requests), request i's first kept[i] positions kept (kept: int64 [requests] on the device, read by no host
+    code: every saved row is written, the kept ones with their current values)."""
+    offsets = torch.arange(per_request, device=kept.device)
+    for s in saved:
+        held = [i for i, n in enumerate(s.counts) if n]  # the requests whose tables hold this group
+        if any(s.counts[i] != per_request for i in held):
+            raise ValueError(f"restore_rejected: every request must save {per_request} rows, got {s.counts}")
+        index = to_device_nonblocking(torch.tensor(held), kept.device)
+        rejected = (offsets.unsqueeze(0) >= kept[index].unsqueeze(1)).reshape(-1)  # [N]
+        _write_where(pool, s, rejected)
+
+
+def _write_where(pool: CachePool, s: SavedRows, rejected: torch.Tensor) -> None:
+    """Rows of `s` where rejected [N] (bool, on the device) get their saved values, the others keep theirs."""
+    group = pool.groups[s.group]
+    if s.rows.numel() == 0:
+        return
+    span = None if group.quantised else _slot_span(group, s.layers)
+    if span is not None:
+        now = group.tensor[span][:, s.rows]
+        group.tensor[span][:, s.rows] = torch.where(rejected[None, :, None], s.values, now)
+        return
+    for i, layer in enumerate(s.layers):
+        if group.quantised:
+            now = group.read_packed(layer, s.rows)
+            group.write_packed(layer, s.rows, torch.where(rejected[:, None], s.values[i], now))
+        else:
+            now = group.layer(layer)[s.rows]
+            group.layer(layer)[s.rows] = torch.where(rejected.view(-1, *[1] * (now.dim() - 1)), s.values[i], now)
 
 
 def restore(pool: CachePool, saved: list[SavedRows], keep: slice | None = None) -> None:

@@ -42,9 +42,26 @@ def row_inputs(requests: list, device):
 def draw_drafts(logits: torch.Tensor, requests: list, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft logits fp32 [N, V] of sampled requests, row i deciding output token indices[i] of requests[i]
     -> (int64 [N] drafts drawn from q, fp32 [N, V] q: the request's filtered distribution of the draft logits)."""
+    return draw_drafts_seeded(logits, requests, [spec_seed(r.seed, i, DRAFT) for r, i in zip(requests, indices)])
+
+
+def draw_drafts_seeded(
+    logits: torch.Tensor, requests: list, seeds: list[int] | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw_drafts` with the rows' DRAFT seeds given (a list, or int64 [N] on the device when the output index they
+    key depends on this step's acceptance, still on the device: engine.execution.spec_fixed)."""
     t, k, p, filtered = row_inputs(requests, logits.device)
     q = filtered_probs(logits, t, k, p, filtered)
-    return exponential_race(q, [spec_seed(r.seed, i, DRAFT) for r, i in zip(requests, indices)]), q
+    return exponential_race(q, seeds), q
+
+
+def draft_seed_table(requests: list, first_index: list[int], count: int, step: int) -> torch.Tensor:
+    """DRAFT seeds int64 [N, count]: entry [i, m] keys draft `step` of request i when it emits m + 1 tokens this step
+    (its next output index first_index[i] + m + 1 + step): the device picks the column once acceptance is known."""
+    return torch.tensor(
+        [[spec_seed(r.seed, f + m + 1 + step, DRAFT) for m in range(count)] for r, f in zip(requests, first_index)],
+        dtype=torch.int64,
+    )
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -17,21 +17,24 @@ requests (temperature > 0) draft from the MTP layer's distribution q under their
 rejection sampling (engine.execution.spec_sampling): their output has the non-speculative distribution.
 A prefill-only request (the hand-off) gets the MTP pass over its prompt but no drafts: the MTP KV travels with
 the swa group's ring page, and the decode side drafts after its first (one-token) step, whose streams it has.
-Steps made only of decode / verify chunks run as one fixed-shape verify step (engine.execution.verify_graphs: K + 1
-rows a request, or 1 when nobody drafts; CUDA graphs in decode_mode graphs, eager bucketed in "bucketed", the
-varlen step in "eager"), and so does their drafting (engine.execution.mtp_graphs: the MTP pass on the verify step's
-bucket and streams, the chain one row a request, the drafts read back once); steps with prefill chunks (or with no
-bucket that fits) run the varlen step and the varlen MTP pass and chain. Both paths draft the same tokens
-(tests/engine/test_spec_mtp_graphs.py). engine.execution.spec_policy decides per step whether to draft (at most
-speculative_max_batch decoding requests; an optional acceptance floor; measured pay: drafting steps faster than
-plain ones at the batch size): the MTP pass runs either way, so its KV stays complete.
-Not here yet: overlapped decode with speculation (the drafts are read back every step), tensor/data parallel
-engines.
+Steps made only of decode / verify chunks run on fixed shapes with one host read (engine.execution.spec_fixed: the
+verify step, acceptance and rollback on the device, the MTP pass on the verify step's bucket and streams, the chain
+one row a request; CUDA graphs in decode_mode graphs, eager bucketed in "bucketed"); steps with prefill chunks, the
+varlen engine (decode_mode "eager") and shapes no bucket holds run the varlen step above, with the host deciding
+acceptance. Both paths emit the same tokens and draft the same drafts (tests/engine/test_spec_mtp_graphs.py).
+engine.execution.spec_policy decides per step whether to draft (at most speculative_max_batch decoding requests; an
+optional acceptance floor; measured pay: drafting steps faster than plain ones at the batch size): the MTP pass runs
+either way, so its KV stays complete.
+Not here yet: overlapped decode with speculation (each step's tokens and drafts are read back before the next step
+is built), the fixed step as one CUDA graph (it is several replays and device ops with no host wait between them),
+tensor/data parallel engines.
 """
 
 from __future__ import annotations
 
+import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,9 +44,10 @@ from engine.execution.mtp_graphs import MtpRunner
 from engine.execution.request import Request, TokenEvent
 from engine.execution.sampling import greedy_pick
 from engine.execution.scheduler import ScheduledChunk
+from engine.execution.spec_fixed import FixedOutcome, FixedSpecStep
 from engine.execution.spec_policy import SpecGate, SpecPolicy
-from engine.execution.verify_graphs import VerifyRunner, VerifyStep
-from engine.model.batch import build_step, to_device_nonblocking
+from engine.execution.verify_graphs import VerifyRunner
+from engine.model.batch import build_step
 from engine.model.mtp import MtpLayer
 
 MAX_SPECULATIVE_TOKENS = 3
@@ -87,13 +91,15 @@ class Speculator:
         # decode-only steps as fixed-shape verify steps (graphs on CUDA, eager bucketed on the CPU) when the engine
         # buckets its decode steps; else (decode_mode "eager") every step takes the varlen path
         self.verify = VerifyRunner(core.decode_runner, k + 1) if core.decode_runner is not None else None
-        # after a fixed-shape verify step, the MTP pass and chain on fixed shapes too (engine.execution.mtp_graphs);
-        # None: they take the varlen path after every step (the tests set it to compare both)
+        # the MTP pass and chain on fixed shapes too (engine.execution.mtp_graphs); the whole decode-only step with
+        # one host read (engine.execution.spec_fixed). mtp None: every step takes the varlen path (tests compare)
         self.mtp = MtpRunner(self.verify, self.layers) if self.verify is not None else None
-        self._verified: VerifyStep | None = None  # this step's fixed-shape verify step, if it was one
-        # Benchmarks only (benchmarks/spec.py): (drafts, the target's greedy picks) -> the drafts greedy acceptance
-        # compares, applied after the verify forward (its cost is unchanged) to force an acceptance rate.
-        self.force_drafts = None
+        self.fixed = FixedSpecStep(self)
+        self._fixed_outcome: FixedOutcome | None = None  # this step's, when it ran on fixed shapes
+        self._drafting: bool | None = None  # this step's drafting decision, when taken before the varlen path
+        # Benchmarks only (force_acceptance): (drafts, the target's greedy picks) -> the drafts greedy acceptance
+        # compares on the varlen path, applied after the verify forward (its cost is unchanged).
+        self.force_drafts: Callable[[list[int], list[int]], list[int]] | None = None
         # the last pure decode step (requests, verified drafts, tokens emitted, start time) until the next starts
         self._last_step: tuple[int, bool, int, float] | None = None
         self._step_start = 0.0
@@ -103,7 +109,6 @@ class Speculator:
         core = self.core
         self._time_last_step(time.perf_counter())
         chunks = core.scheduler.schedule()
-        self._verified = None
         if not chunks:
             return []
         plans, row = [], 0
@@ -126,19 +131,24 @@ class Speculator:
             row += len(plans[-1].tokens)
         drafted = [p for p in plans if p.drafts]
         pure_decode = all(_decode_chunk(p.chunk) for p in plans)  # (before the step appends tokens)
-        saved = spec_rollback.save_requests(  # one gather a ring group for every verify chunk
-            core.pool,
-            [p.chunk.request.pages for p in drafted],
-            [torch.arange(p.chunk.start, p.chunk.start + len(p.tokens)) for p in drafted],
-        )
-        streams, logits, sample_rows, prompt_rows = self._forward(plans)
         before = (self.stats["drafted"], self.stats["accepted"])
-        self._pick(plans, logits, sample_rows)
+        self._drafting = None
+        if not (pure_decode and self._step_fixed(plans)):
+            saved = spec_rollback.save_requests(  # one gather a ring group for every verify chunk
+                core.pool,
+                [p.chunk.request.pages for p in drafted],
+                [torch.arange(p.chunk.start, p.chunk.start + len(p.tokens)) for p in drafted],
+            )
+            streams, logits, sample_rows, prompt_rows = self._forward(plans)
+            self._pick(plans, logits, sample_rows)
+            # positions start .. start + len(emitted) - 1 were computed on the accepted path: the rest go back
+            spec_rollback.restore_tails(core.pool, saved, [len(p.emitted) for p in drafted])
+            events = self._apply(plans, logits, prompt_rows)
+            self._draft(plans, streams)
+        else:
+            events = self._apply(plans, None, [(0, 0)] * len(plans))
+            self._keep_fixed_drafts(plans)
         self.gate.observe(self.stats["drafted"] - before[0], self.stats["accepted"] - before[1])
-        # positions start .. start + len(emitted) - 1 were computed on the accepted path: the rest go back
-        spec_rollback.restore_tails(core.pool, saved, [len(p.emitted) for p in drafted])
-        events = self._apply(plans, logits, prompt_rows)
-        self._draft(plans, streams)
         if pure_decode:  # timed to the next step's start (SpecGate.observe_rate)
             self._last_step = (len(plans), bool(drafted), sum(len(p.emitted) for p in plans), self._step_start)
         for p in plans:
@@ -161,6 +171,47 @@ class Speculator:
             self.gate.observe_rate(decoding, drafted, emitted, now - start)
         self._last_step, self._step_start = None, now
 
+    def force_acceptance(self, rate: float | None, seed: int = 0) -> None:
+        """Benchmarks only (benchmarks/spec.py): after the verify forward each draft counts as the target's pick with
+        probability `rate`, else as another token (the step's cost stays the real one); None: off."""
+        self.fixed.force_acceptance(rate, seed)
+        if rate is None:
+            self.force_drafts = None
+            return
+        g = random.Random(seed)
+        self.force_drafts = lambda drafts, picks: [t if g.random() < rate else t + 1 for t in picks[: len(drafts)]]
+
+    def _step_fixed(self, plans: list[_Plan]) -> bool:
+        """A decode-only step on fixed shapes with one host read (engine.execution.spec_fixed) -> whether it ran
+        (False: no bucket holds it, or the engine has none; nothing ran). Sets each plan's emitted tokens and
+        row, and self._fixed_outcome for the drafts."""
+        self._fixed_outcome = self._drafting = None
+        if self.verify is None or self.mtp is None or self.fixed.shapes(plans, False) is None:
+            return False
+        drafting = self.gate.should_draft(len(plans))
+        shapes = self.fixed.shapes(plans, drafting)
+        if shapes is None:  # no chain bucket: the varlen path drafts, on this decision (the gate counts calls)
+            self._drafting = drafting
+            return False
+        out = self.fixed.run(plans, shapes, drafting)
+        for b, (p, emitted, accepted) in enumerate(zip(plans, out.emitted, out.accepted)):
+            p.first_row, p.emitted = b * shapes.queries, emitted
+            if p.drafts:
+                self._count(p.chunk.request, len(p.drafts), accepted)
+        if not drafting:
+            self.stats["undrafted_steps"] += 1  # the MTP pass ran: its KV stays complete, drafting resumes exactly
+        self._fixed_outcome = out
+        return True
+
+    def _keep_fixed_drafts(self, plans: list[_Plan]) -> None:
+        """After `_apply`: the fixed step's drafts of the requests that go on."""
+        out = self._fixed_outcome
+        if out is None or out.drafts is None:
+            return
+        going = [i for i, p in enumerate(plans) if not p.chunk.request.finished]
+        if going:
+            self._keep_drafts([plans[i] for i in going], [out.drafts[i] for i in going], [out.q[i] for i in going])
+
     def _room(self, req: Request) -> int:
         """Drafts worth verifying for `req`: K, fewer near max_new_tokens, none for a prefill-only request."""
         if req.prefill_only:
@@ -170,9 +221,6 @@ class Speculator:
     def _forward(self, plans: list[_Plan]):
         """The target over every chunk -> (streams [T, hc, D], logits of the logit rows, per plan: logit row of its
         sample (None) or first verify row, per plan: (first, count) prompt-logprob logit rows)."""
-        bucketed = self._forward_bucketed(plans)
-        if bucketed is not None:
-            return bucketed
         core = self.core
         logit_rows: list[int] = []
         sample_rows: list[int | None] = []  # per plan: its sample's (or first verify row's) logit row, else None
@@ -213,29 +261,6 @@ class Speculator:
         )
         streams = core.model.forward_streams(batch, core.pool)
         return streams, core.model.logits(streams[batch.logit_rows]), sample_rows, prompt_rows
-
-    def _forward_bucketed(self, plans: list[_Plan]):
-        """`_forward` as one fixed-shape verify step (engine.execution.verify_graphs) when every chunk is a decode or
-        verify chunk: K + 1 rows a request when any has drafts, else 1; plan b's rows start at b * queries (its
-        first_row). None when a chunk is not one (prefill, an in-step snapshot) or no bucket fits."""
-        if self.verify is None or not all(_decode_chunk(p.chunk) for p in plans):
-            return None
-        queries = self.k + 1 if any(p.drafts for p in plans) else 1
-        reqs = [p.chunk.request for p in plans]
-        out = self.verify.run(
-            [r.request_id for r in reqs],
-            [p.tokens for p in plans],
-            [p.chunk.start for p in plans],
-            [r.pages for r in reqs],
-            queries,
-        )
-        if out is None:
-            return None
-        self._verified = self.verify.last
-        for b, p in enumerate(plans):
-            p.first_row = b * queries
-        streams, logits = out
-        return streams, logits, [p.first_row for p in plans], [(0, 0)] * len(plans)
 
     def _pick(self, plans: list[_Plan], logits: torch.Tensor, sample_rows: list) -> None:
         """Each plan's emitted tokens: one sample (core._sample) or, for a verify chunk, the accepted drafts plus the
@@ -298,16 +323,17 @@ class Speculator:
         self.stats["verify_chunks"] += 1
         self.stats["emitted"] += accepted + 1
 
-    def _apply(self, plans: list[_Plan], logits: torch.Tensor, prompt_rows: list) -> list[TokenEvent]:
-        """Append each plan's tokens (stopping at a finish), advance num_computed -> the step's events."""
+    def _apply(self, plans: list[_Plan], logits: torch.Tensor | None, prompt_rows: list) -> list[TokenEvent]:
+        """Append each plan's tokens (stopping at a finish), advance num_computed -> the step's events (logits: of
+        the prompt-logprob rows; None when there are none)."""
         core = self.core
-        logprobs = torch.log_softmax(logits, dim=-1) if any(n for _, n in prompt_rows) else None
+        logprobs = torch.log_softmax(logits, dim=-1) if logits is not None and any(n for _, n in prompt_rows) else None
         events = []
         for p, (first, count) in zip(plans, prompt_rows):
             c, req = p.chunk, p.chunk.request
             plps = ()
             if count and logprobs is not None:  # (computed whenever any plan has a count)
-                targets = torch.tensor(req.prompt[c.start + 1 : c.start + 1 + count], device=logits.device)
+                targets = torch.tensor(req.prompt[c.start + 1 : c.start + 1 + count], device=logprobs.device)
                 plps = tuple(logprobs[first : first + count].gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
                 req.prompt_logprobs.extend(plps)
             # a verify chunk computed its last token and the accepted drafts (emitted - 1 of them)
@@ -345,9 +371,6 @@ class Speculator:
             for p in runs
             if p.chunk.request.num_computed == p.chunk.request.num_tokens - 1 and not p.chunk.request.prefill_only
         ]  # a hand-off drafts on the decode side
-        if self._verified is not None and self.mtp is not None:
-            self._draft_fixed(plans, runs, last)
-            return
         tokens, starts, tables = [], [], []
         hidden_rows: list[int] = []
         for p in runs:
@@ -361,7 +384,9 @@ class Speculator:
         layer = self.layers[0]
         batch = build_step(core.pool, tokens, starts, tables, [], core.device)
         out = layer.forward(batch, core.pool, streams[torch.tensor(hidden_rows, device=streams.device)])
-        if last and not self.gate.should_draft(len(last)):
+        decided = self._drafting
+        self._drafting = None
+        if last and not (decided if decided is not None else self.gate.should_draft(len(last))):
             self.stats["undrafted_steps"] += 1  # the MTP KV above is kept complete: drafting resumes exactly
             return
         if not last:
@@ -427,64 +452,3 @@ class Speculator:
                 if r is not None:
                     r.append(row)
         spec_rollback.restore(core.pool, saved)
-
-    # ---- drafting on fixed shapes (engine.execution.mtp_graphs) --------------------------------------
-    def _draft_fixed(self, plans: list[_Plan], runs: list[_Plan], last: list[_Plan]) -> None:
-        """`_draft` after a fixed-shape verify step: the MTP pass on that step's bucket (plan b = slot b), the
-        chain on the decode buckets, the drafts read back once at the end."""
-        mtp, core = self.mtp, self.core
-        assert mtp is not None and self._verified is not None
-        ran = {id(p) for p in runs}
-        reqs = [p.chunk.request for p in plans]
-        token_rows = [
-            r.token_slice(p.chunk.start + 1, r.num_computed + 1) if id(p) in ran else [] for p, r in zip(plans, reqs)
-        ]
-        ids, tables = [r.request_id for r in reqs], [r.pages for r in reqs]
-        mtp.run_pass(self._verified, ids, token_rows, [p.chunk.start for p in plans], tables)
-        if last and not self.gate.should_draft(len(last)):
-            self.stats["undrafted_steps"] += 1  # the MTP KV above is kept complete: drafting resumes exactly
-            return
-        if not last:
-            return
-        slot = {id(p): b for b, p in enumerate(plans)}
-        slots = [slot[id(p)] for p in last]
-        q: list = [[] if p.chunk.request.params.temperature != 0 else None for p in last]
-        self._draw_fixed(last, slots, q, 0)
-        picks = [mtp.tokens(len(plans))]
-        n = max(self._room(p.chunk.request) for p in last)
-        positions: list[int | None] = [None] * len(plans)
-        for p, b in zip(last, slots):
-            positions[b] = p.chunk.request.num_computed  # the newest position: chain step j runs at P + j - 1
-        shape = mtp.chain_shape(len(plans), max(p for p in positions if p is not None) + n - 1) if n > 1 else None
-        if n > 1 and shape is None:  # no chain bucket fits: the varlen chain from the pass's outputs
-            hid = mtp.hidden(len(plans))[torch.tensor(slots, device=core.device)]
-            drafts = [[int(t)] for t in picks[0][torch.tensor(slots, device=core.device)].tolist()]
-            self._chain(last, drafts, q, hid)
-            self._keep_drafts(last, drafts, q)
-            return
-        if n > 1:
-            assert shape is not None
-            saved = self._save_chain_rows(last, n)
-            for j in range(1, n):
-                shifted = [None if p is None else p + j - 1 for p in positions]
-                mtp.run_chain_step(shape, j, ids, shifted, tables)
-                self._draw_fixed(last, slots, q, j)
-                picks.append(mtp.tokens(len(plans)))
-            spec_rollback.restore(core.pool, saved)
-        host = torch.stack(picks).tolist()  # [steps, slots]: the one read of the drafts
-        self._keep_drafts(last, [[int(row[b]) for row in host] for b in slots], q)
-
-    def _draw_fixed(self, plans: list[_Plan], slots: list[int], q: list, j: int) -> None:
-        """Draft j of the sampled plans (q[i] a list, else None) drawn from the MTP logits of their slots
-        (spec_sampling.draw_drafts), put in place of the greedy picks; their q rows appended to q[i]."""
-        sampled = [i for i, r in enumerate(q) if r is not None]
-        if not sampled:
-            return
-        assert self.mtp is not None
-        reqs = [plans[i].chunk.request for i in sampled]
-        rows = [slots[i] for i in sampled]
-        logits = self.mtp.logits(max(slots) + 1)[to_device_nonblocking(torch.tensor(rows), self.core.device)]
-        drawn, dist = spec_sampling.draw_drafts(logits, reqs, [len(r.output) + j for r in reqs])
-        self.mtp.set_tokens(rows, drawn)
-        for n, i in enumerate(sampled):
-            q[i].append(dist[n])

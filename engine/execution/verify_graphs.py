@@ -33,11 +33,13 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class VerifyStep:
     """The last fixed-shape verify step: its bucket and its residual streams over every row of it [shape.rows, hc,
-    D] (the shared buffer under graphs; rows past a request's tokens are padding), valid until the next verify step.
-    The MTP pass reads them in place (engine.execution.mtp_graphs)."""
+    D] (the shared buffer under graphs; rows past a request's tokens are padding) and its inputs on the device, both
+    valid until the next verify step. The MTP pass reads the streams in place (engine.execution.mtp_graphs) and
+    derives its inputs from these (engine.execution.spec_fixed)."""
 
     shape: VerifyShape
     streams: torch.Tensor
+    packed: torch.Tensor  # its inputs on the device, int64 [3, shape.rows] (VerifyInputs: token, position, table row)
 
 
 @dataclass
@@ -86,13 +88,14 @@ class VerifyRunner:
         host = VerifyInputs.make(token_rows, starts, rows, shape, d.block_tables.pad_row)
         used = n * queries
         if d.mode == "eager":
-            streams, logits = self._forward(host.packed.to(d.model.device), shape)
-            self.last = VerifyStep(shape, streams)
+            packed = host.packed.to(d.model.device)
+            streams, logits = self._forward(packed, shape)
+            self.last = VerifyStep(shape, streams, packed)
             return streams[:used], logits[:used]
         graph = self.graphs.get(shape) or self._capture(shape)
         copy_nonblocking_(graph.packed, host.packed)  # pinned, non-blocking: no wait for queued steps
         graph.graph.replay()
-        self.last = VerifyStep(shape, graph.streams)
+        self.last = VerifyStep(shape, graph.streams, graph.packed)
         return graph.streams[:used], graph.logits[:used]
 
     def streams_buffer(self, shape: VerifyShape) -> torch.Tensor:

@@ -49,16 +49,16 @@ def _prompts(vocab):
 
 def _record(monkeypatch) -> dict:
     """Every draft the Speculators make, by (prompt, output length) -> drafts."""
-    seen, original = {}, Speculator._draft
+    seen, original = {}, Speculator._keep_drafts
 
-    def draft(self, plans, streams):
-        original(self, plans, streams)
+    def draft(self, plans, drafts, q):
+        original(self, plans, drafts, q)
         for p in plans:
             req = p.chunk.request
             if req.request_id in self.drafts:
                 seen[(tuple(req.prompt), len(req.output))] = list(self.drafts[req.request_id])
 
-    monkeypatch.setattr(Speculator, "_draft", draft)
+    monkeypatch.setattr(Speculator, "_keep_drafts", draft)
     return seen
 
 

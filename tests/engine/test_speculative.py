@@ -56,10 +56,10 @@ def _prompts(seed, lens, vocab):
 def _forced(monkeypatch, refs: dict, corrupt: float, seed: int):
     """Drafts = the known greedy continuation (by prompt), each corrupted with probability `corrupt`."""
     g = random.Random(seed)
-    original = Speculator._draft
+    original = Speculator._keep_drafts
 
-    def draft(self, plans, streams):
-        original(self, plans, streams)
+    def draft(self, plans, drafts, q):
+        original(self, plans, drafts, q)
         for p in plans:
             req = p.chunk.request
             rid = req.request_id
@@ -70,7 +70,7 @@ def _forced(monkeypatch, refs: dict, corrupt: float, seed: int):
             want = ref[n : n + len(self.drafts[rid])]
             self.drafts[rid] = [t if g.random() > corrupt else (t + 1) % 512 for t in want] or self.drafts[rid]
 
-    monkeypatch.setattr(Speculator, "_draft", draft)
+    monkeypatch.setattr(Speculator, "_keep_drafts", draft)
 
 
 CASES = [  # (k, kv cache, batch tokens, corrupt)

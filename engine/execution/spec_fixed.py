@@ -1,0 +1,262 @@
+"""One speculative decode step on fixed shapes with one host read (MTP speculative decoding, decode-only steps).
+
+Why: the varlen flow reads the verify step's outcome back to decide acceptance on the host, builds the MTP pass
+from it, then reads the drafts back: two waits for the device a step, the device idle while the host works in
+between. Here everything from the verify step's launch to the step's one read is queued on the device:
+1. the verify step (engine.execution.verify_graphs): request b's last token and its drafts, `queries` rows a slot;
+2. acceptance on the device. Greedy: the longest prefix of drafts equal to the target's argmax (a cumulative product
+   of matches), then the target's token after them. Sampled: rejection sampling (spec_sampling.verify_sampled),
+   its accepted prefix likewise. A request without drafts: its one sample. -> emitted tokens [n, q] (request b's
+   first n_b = accepted + 1 are real) and their log-probs;
+3. rollback: every ring row the verify step could write is written back where its position was rejected
+   (spec_rollback.restore_rejected: a mask computed on the device; accepted rows are rewritten unchanged);
+4. the MTP pass on the verify step's bucket, its inputs derived on the device from the verify step's inputs and
+   the acceptance (request b's rows: its accepted positions, each with the token emitted after it; the rest
+   padding), then the K - 1 chained MTP steps at positions P_b + j - 1 (P_b = start_b + n_b, known only on the
+   device), their ring rows saved and restored at rows computed there (spec_rollback.save_rows). Sampled drafts
+   are keyed by the output index they decide, which depends on n_b: the host computes the seeds for each
+   possible n_b (spec_sampling.draft_seed_table) and the device picks;
+5. one read of [emitted tokens, log-probs, accepted counts, drafts].
+The host work of a step (plans, inputs, table rows) happens before its launches; nothing waits in between.
+A request that finishes in this step (a stop token or string among its tokens) still had its MTP pass over the
+positions it computed: they are its computed positions either way (num_computed counts them), and its drafts are
+dropped. Greedy output is the non-speculative output and drafts equal the varlen path's, step by step
+(tests/engine/test_spec_mtp_graphs.py); the varlen path stays for steps with prefill chunks, engines without
+buckets (decode_mode eager) and shapes no bucket holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.execution import spec_rollback, spec_sampling
+from engine.execution.sampling import greedy_pick
+from engine.model.batch import to_device_nonblocking
+from engine.model.verify_batch import VerifyShape
+
+
+@dataclass(frozen=True)
+class FixedOutcome:
+    """What the host reads of one fixed step: per plan, its emitted tokens [(token, log-prob)] (accepted drafts and
+    the target's next token), its accepted drafts, and (when the step drafted) its next drafts and, for a sampled
+    request, their q rows (fp32 [V] each, on the device)."""
+
+    emitted: list[list[tuple[int, float]]]
+    accepted: list[int]
+    drafts: list[list[int]] | None
+    q: list[list[torch.Tensor] | None]
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    queries: int
+    chain_steps: int  # MTP steps after the pass (drafts 2..K), 0 when not drafting or K = 1
+    chain: VerifyShape | None  # their bucket
+
+
+class FixedSpecStep:
+    """Runs a Speculator's decode-only steps on its VerifyRunner and MtpRunner (module docstring)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.force_rate: float | None = None  # benchmarks: per-draft acceptance forced after the verify forward
+        self._force = torch.Generator().manual_seed(0)
+
+    def force_acceptance(self, rate: float | None, seed: int = 0) -> None:
+        """Benchmarks only (benchmarks/spec.py): after the verify forward each draft is compared as if it were the
+        target's pick with probability `rate`, else another token (the step's cost stays the real one)."""
+        self.force_rate = rate
+        self._force = torch.Generator().manual_seed(seed)
+
+    def shapes(self, plans: list, drafting: bool) -> _Shapes | None:
+        """The step's queries and chain bucket, or None when no bucket holds it (the caller takes the varlen path)."""
+        spec = self.spec
+        q = spec.k + 1 if any(p.drafts for p in plans) else 1
+        top = max(p.chunk.start for p in plans)
+        if spec.verify.shape_for(len(plans), top + q, q) is None:
+            return None
+        # drafts 2..K: as many as the roomiest request may still use after emitting at least one token this step
+        room = max(min(spec.k, r.params.max_new_tokens - len(r.output) - 2) for r in (p.chunk.request for p in plans))
+        steps = max(room - 1, 0) if drafting else 0
+        chain = spec.mtp.chain_shape(len(plans), top + q + steps) if steps else None
+        if steps and chain is None:
+            return None
+        return _Shapes(q, steps, chain)
+
+    @torch.inference_mode()
+    def run(self, plans: list, shapes: _Shapes, drafting: bool) -> FixedOutcome:
+        """The whole step (module docstring) -> what the host reads, in one copy."""
+        spec, core = self.spec, self.spec.core
+        q, n = shapes.queries, len(plans)
+        reqs = [p.chunk.request for p in plans]
+        starts = [p.chunk.start for p in plans]
+        tables = [r.pages for r in reqs]
+        saved = []
+        if q > 1:  # every row a slot could write, kept or put back by the device's verdict below
+            positions = [torch.arange(s, s + q) for s in starts]
+            saved = spec_rollback.save_requests(core.pool, tables, positions)
+        out = spec.verify.run([r.request_id for r in reqs], [p.tokens for p in plans], starts, tables, q)
+        assert out is not None and spec.verify.last is not None  # shapes() found its bucket
+        step = spec.verify.last
+        tokens, lps, accepted = self._accept(plans, out[1], q)
+        emitted = accepted + 1
+        if saved:
+            spec_rollback.restore_rejected(core.pool, saved, emitted, q)
+        self._mtp_pass(step, tokens, emitted, n)
+        drafts, qrows = self._draft(plans, step, emitted, shapes) if drafting else (None, [None] * n)
+        parts = [tokens.double().reshape(-1), lps.reshape(-1), accepted.double()]
+        if drafts is not None:
+            parts.append(drafts.double().reshape(-1))
+        host = torch.cat(parts).tolist()  # the step's one read
+        return self._outcome(host, n, q, drafts is not None, qrows)
+
+    # ---- acceptance ---------------------------------------------------------------------------------
+    def _accept(self, plans: list, logits: torch.Tensor, q: int):
+        """-> (tokens int64 [n, q], log-probs fp64 [n, q], accepted int64 [n]) on the device."""
+        n, dev = len(plans), logits.device
+        picks = greedy_pick(logits)  # [2, n * q]: every row's argmax and its log-prob
+        tokens, lps = picks[0].long().view(n, q), picks[1].view(n, q)
+        if q > 1:
+            drafts = torch.tensor([p.drafts + [-1] * (q - 1 - len(p.drafts)) for p in plans], dtype=torch.int64)
+            drafts = self._forced(to_device_nonblocking(drafts, dev), tokens[:, : q - 1])
+            accepted = (drafts == tokens[:, : q - 1]).long().cumprod(1).sum(1)
+        else:
+            accepted = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._sampled_verify(plans, logits, q, tokens, lps, accepted)
+        self._plain_samples(plans, logits, q, tokens, lps)
+        return tokens, lps, accepted
+
+    def _forced(self, drafts: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+        """Benchmarks: the drafts as compared under force_acceptance (padding -1 stays)."""
+        if self.force_rate is None:
+            return drafts
+        hit = to_device_nonblocking(torch.rand(drafts.shape, generator=self._force) < self.force_rate, drafts.device)
+        return torch.where(drafts < 0, drafts, torch.where(hit, picks, picks + 1))
+
+    def _sampled_verify(self, plans, logits, q, tokens, lps, accepted) -> None:
+        """Sampled requests with drafts: rejection sampling over their rows, written over the greedy verdicts."""
+        todo = [(b, p) for b, p in enumerate(plans) if p.drafts and p.q is not None]
+        if not todo:
+            return
+        dev = logits.device
+        flat = [b * q + j for b, p in todo for j in range(len(p.drafts) + 1)]
+        cells = [(i, j) for i, (_, p) in enumerate(todo) for j in range(len(p.drafts) + 1)]
+        rows = to_device_nonblocking(torch.tensor(flat), dev)
+        drafts = torch.tensor([t for _, p in todo for t in p.drafts + [-1]], dtype=torch.int64)
+        zero = logits.new_zeros(1, logits.shape[-1])
+        qmat = torch.cat([torch.cat([torch.stack(p.q), zero]) for _, p in todo])
+        reqs = [p.chunk.request for _, p in todo for _ in range(len(p.drafts) + 1)]
+        index = [len(p.chunk.request.output) + j for _, p in todo for j in range(len(p.drafts) + 1)]
+        res = spec_sampling.verify_sampled(logits[rows], to_device_nonblocking(drafts, dev), qmat, reqs, index)
+        grid = torch.zeros(len(todo), q, dtype=torch.float64, device=dev)  # accepted per (request, row); bonus 0
+        at = to_device_nonblocking(torch.tensor(cells).t().contiguous(), dev)
+        grid[at[0], at[1]] = res[0]
+        slots = to_device_nonblocking(torch.tensor([b for b, _ in todo]), dev)
+        accepted[slots] = grid[:, : q - 1].cumprod(1).sum(1).long()
+        tokens.view(-1)[rows] = res[1].long()
+        lps.view(-1)[rows] = res[2]
+
+    def _plain_samples(self, plans, logits, q, tokens, lps) -> None:
+        """Sampled requests without drafts: their one draw (EngineCore._draw, keyed as a plain decode step's)."""
+        todo = [b for b, p in enumerate(plans) if not p.drafts and p.chunk.request.params.temperature != 0]
+        if not todo:
+            return
+        rows = to_device_nonblocking(torch.tensor([b * q for b in todo]), logits.device)
+        drawn = self.spec.core._draw(logits[rows], [plans[b].chunk.request for b in todo])
+        tokens.view(-1)[rows] = drawn[0].long()
+        lps.view(-1)[rows] = drawn[1]
+
+    # ---- drafting -----------------------------------------------------------------------------------
+    def _mtp_pass(self, step, tokens: torch.Tensor, emitted: torch.Tensor, n: int) -> None:
+        """The MTP pass on the verify step's bucket: slot b's first emitted[b] rows are its computed positions, each
+        with the token after it (its emitted tokens); the other rows are padding (the padding table row)."""
+        shape, dev = step.shape, tokens.device
+        slots, q = shape.decode.slots, shape.queries
+        inputs = step.packed.view(3, slots, q)
+        start, row = inputs[1, :, 0], inputs[2, :, 0]  # a padding slot: position 0, the padding row
+        count = torch.ones(slots, dtype=torch.int64, device=dev)
+        count[:n] = emitted
+        offset = torch.arange(q, device=dev)
+        live = offset.unsqueeze(0) < count.unsqueeze(1)
+        tok = torch.zeros(slots, q, dtype=torch.int64, device=dev)
+        tok[:n] = tokens
+        pos = start.unsqueeze(1) + torch.minimum(offset.unsqueeze(0), (count - 1).unsqueeze(1))
+        rows = torch.where(live, row.unsqueeze(1), self.spec.verify.decode.block_tables.pad_row)
+        packed = torch.stack([tok, pos, rows]).view(3, slots * q)
+        select = torch.arange(slots, device=dev) * q + count - 1
+        self.spec.mtp.run_pass(step, packed, select)
+
+    def _draft(self, plans: list, step, emitted: torch.Tensor, shapes: _Shapes):
+        """Draft 1 from the pass, drafts 2.. by the chain -> (int64 [steps + 1, n] on the device, per plan its q
+        rows or None)."""
+        mtp, n = self.spec.mtp, len(plans)
+        qrows: list = [[] if p.chunk.request.params.temperature != 0 else None for p in plans]
+        self._draw_sampled(plans, emitted, qrows, 0)
+        picks = [mtp.tokens(n)]
+        if shapes.chain_steps:
+            assert shapes.chain is not None
+            picks += self._chain(plans, step, emitted, shapes, qrows)
+        return torch.stack(picks), qrows
+
+    def _chain(self, plans: list, step, emitted: torch.Tensor, shapes: _Shapes, qrows: list) -> list[torch.Tensor]:
+        """Chain steps 1..steps at positions P_b + j - 1 (P_b = start_b + emitted_b), their MTP ring rows saved at
+        rows computed on the device and put back after (they hold draft-on-draft KV)."""
+        spec, pool = self.spec, self.spec.core.pool
+        mtp, n, dev, steps = spec.mtp, len(plans), emitted.device, shapes.chain_steps
+        assert shapes.chain is not None
+        q = step.shape.queries
+        inputs = step.packed.view(3, step.shape.decode.slots, q)
+        newest = inputs[1, :n, 0] + emitted  # P_b
+        window = pool.cfg.sliding_window
+        page = pool.groups["swa"].spec.page_rows
+        base = torch.tensor([r.pages["swa"][0] * page for r in (p.chunk.request for p in plans)], dtype=torch.int64)
+        ring = (
+            to_device_nonblocking(base, dev).unsqueeze(1)
+            + (newest.unsqueeze(1) + torch.arange(steps, device=dev)) % window
+        )
+        mtp_layers = tuple(m.layer for m in spec.layers)
+        saved = [spec_rollback.save_rows(pool, "swa", mtp_layers, ring.reshape(-1))]
+        width = shapes.chain.decode.slots
+        pad = spec.verify.decode.block_tables.pad_row
+        picks = []
+        for j in range(1, steps + 1):
+            pos = torch.zeros(width, dtype=torch.int64, device=dev)
+            pos[:n] = newest + j - 1
+            rows = torch.full((width,), pad, dtype=torch.int64, device=dev)
+            rows[:n] = inputs[2, :n, 0]
+            mtp.run_chain_step(shapes.chain, j, torch.stack([torch.zeros_like(pos), pos, rows]))
+            self._draw_sampled(plans, emitted, qrows, j)
+            picks.append(mtp.tokens(n))
+        spec_rollback.restore(pool, saved)
+        return picks
+
+    def _draw_sampled(self, plans: list, emitted: torch.Tensor, qrows: list, j: int) -> None:
+        """Draft j of the sampled requests, drawn from the MTP logits of their slots, put in place of the greedy
+        picks (the next chain step reads them); their q rows appended to qrows."""
+        sampled = [b for b, r in enumerate(qrows) if r is not None]
+        if not sampled:
+            return
+        mtp, dev = self.spec.mtp, emitted.device
+        reqs = [plans[b].chunk.request for b in sampled]
+        slots = to_device_nonblocking(torch.tensor(sampled), dev)
+        q = self.spec.k + 1
+        table = spec_sampling.draft_seed_table(reqs, [len(r.output) for r in reqs], q, j)
+        seeds = to_device_nonblocking(table, dev).gather(1, (emitted[slots] - 1).unsqueeze(1)).squeeze(1)
+        drawn, dist = spec_sampling.draw_drafts_seeded(mtp.logits(len(plans))[slots], reqs, seeds)
+        mtp.set_tokens(sampled, drawn)
+        for i, b in enumerate(sampled):
+            qrows[b].append(dist[i])
+
+    # ---- the read -------------------------------------------------------------------------------------
+    @staticmethod
+    def _outcome(host: list, n: int, q: int, drafted: bool, qrows: list) -> FixedOutcome:
+        tok, lp, acc = host[: n * q], host[n * q : 2 * n * q], host[2 * n * q : 2 * n * q + n]
+        emitted = [[(int(tok[b * q + i]), lp[b * q + i]) for i in range(int(acc[b]) + 1)] for b in range(n)]
+        drafts = None
+        if drafted:
+            flat = host[2 * n * q + n :]
+            steps = len(flat) // n
+            drafts = [[int(flat[s * n + b]) for s in range(steps)] for b in range(n)]
+        return FixedOutcome(emitted, [int(a) for a in acc], drafts, qrows)
