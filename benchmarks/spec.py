@@ -115,8 +115,8 @@ def timed(core: EngineCore, steps: int, batch: int) -> tuple[float, float]:
     return 1000 * (time.perf_counter() - t0) / steps, emitted / (steps * batch)
 
 
-def measure(core: EngineCore, batch: int, args) -> list[Point]:
-    spec = core.speculator
+def start_requests(core: EngineCore, batch: int, args) -> list[str]:
+    """`batch` greedy requests of --context random tokens, prefilled until each decodes -> their ids."""
     g = random.Random(batch)
     budget = (args.steps + 4) * (args.k + 1) * 5
     ids = [
@@ -128,6 +128,12 @@ def measure(core: EngineCore, batch: int, args) -> list[Point]:
     ]
     while any(not core.requests[i].output for i in ids):  # prefill, then every request decodes
         core.step()
+    return ids
+
+
+def measure(core: EngineCore, batch: int, args) -> list[Point]:
+    spec = core.speculator
+    ids = start_requests(core, batch, args)
     points = []
     for rate in [0.0] + list(args.rates):
         spec.force_acceptance(rate, batch)

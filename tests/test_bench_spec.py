@@ -32,3 +32,16 @@ def test_bench_spec_tiny_runs_and_writes_its_section(tmp_path):
     assert text.startswith("## Speculative decoding (MTP, K=2)")
     row = [line for line in text.splitlines() if "acceptance 1.0" in line][0].split("|")
     assert float(row[5]) == 3.0 and float(row[6]) == 1.0  # K + 1 tokens a step, every draft accepted
+
+
+def test_spec_profile_tiny_reports_every_phase(tmp_path):
+    """benchmarks/spec_profile.py (the GPU diagnostic of a speculative step) on the CPU: every phase of the fixed
+    step shows up in its table (the wrappers reach the methods the engine calls)."""
+    from benchmarks import spec_profile
+
+    out = tmp_path / "profile.md"
+    args = ["--tiny", "--k", "2", "--batches", "2", "--steps", "1", "--context", "8", "--out", str(out)]
+    assert spec_profile.main(args) == 0
+    text = out.read_text()
+    for _, _, label in spec_profile.PHASES:
+        assert f"| {label} |" in text, label

@@ -7,7 +7,8 @@
 # decodemoe (the same at 1 and 64 tokens, with split-K and narrow-N tiles at 1), mhc (`dsv4 bench kernels mhc`: the
 # mHC pre's paths by token count, fp32 and bf16 streams), pytests (pytest on $PYTEST_FILES), quality (`dsv4 bench
 # quality` on CUDA: every production format of the trained model), spec (graph verify tests + `dsv4 bench spec`),
-# longctx (slice prefill/decode at 32K, 128K and 1M), prefillfmt (slice prefill with MXFP4 vs FP8 experts, 3 runs).
+# longctx (slice prefill/decode at 32K, 128K and 1M), prefillfmt (slice prefill with MXFP4 vs FP8 experts, 3 runs),
+# specprof (where a speculative step's time goes: phases, kernels, vs the one-token step; benchmarks/spec_profile.py).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -110,6 +111,9 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
     quality) timeout ${QUALITY_TIMEOUT:-590} python3 -m benchmarks.quality --device cuda --files ${QUALITY_FILES:-8} \
           --out "$OUT/quality_cuda.md" > "$OUT/quality.log" 2>&1 || status=1
         tail -20 "$OUT/quality.log" | cut -c1-300 ;;
+    specprof) timeout ${SPECPROF_TIMEOUT:-300} python3 -m benchmarks.spec_profile --k ${SPEC_K:-1} --batches 1 16 64 \
+          --out "$OUT/spec_profile.md" > "$OUT/specprof.log" 2>&1 || status=1
+        tail -40 "$OUT/spec_profile.md" | cut -c1-250 ;;
     spec) timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_spec_bucketed.py tests/engine/test_spec_mtp_graphs.py \
           tests/engine/test_speculative.py > "$OUT/spec_tests.log" 2>&1 || status=1
         tail -3 "$OUT/spec_tests.log" | cut -c1-300
