@@ -45,3 +45,15 @@ def test_spec_profile_tiny_reports_every_phase(tmp_path):
     text = out.read_text()
     for _, _, label in spec_profile.PHASES:
         assert f"| {label} |" in text, label
+
+
+def test_spec_roofline_bounds_are_consistent():
+    """benchmarks/spec_roofline.py: with no acceptance speculation only costs (bound < 1); sharing experts never reads
+    more than independent routing; the draft's head weighs more on the 4-layer slice than on the 43-layer model."""
+    from benchmarks.spec_roofline import bound
+
+    assert max(bound(43, 1, 1, 0.0, 1024).bounds) < 1.0
+    for layers in (4, 43):
+        b = bound(layers, 16, 2, 0.8, 1024)
+        assert b.verify_gb[1] <= b.verify_gb[0] and b.bounds[0] <= b.bounds[1]
+    assert bound(4, 1, 1, 0.8, 1024).bounds[1] < bound(43, 1, 1, 0.8, 1024).bounds[1]
