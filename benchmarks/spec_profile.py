@@ -4,8 +4,8 @@ The engine of `dsv4 bench spec` (benchmarks/spec.py: the V4-Flash slice + 1 MTP 
 --context, drafts forced to --rate acceptance) at each batch: a few speculative steps and a few production
 one-token steps (graphs + overlapped decode) under torch.profiler. Per step it reports wall time, GPU kernel time
 (the sum over kernels: a busy GPU's share of the wall), and the host-side phases of the speculative step
-(Speculator's plan building, the fixed step's verify launch, acceptance, rollback, MTP pass, chain, the one read,
-the host's apply) with their CPU time, then the kernels that take the most GPU time in each kind of step, with
+(Speculator's plan building, the fixed step's verify launch, acceptance, rollback, MTP pass, chain, the one wait
+for the acceptance, the host's apply) with their CPU time, then the kernels that take the most GPU time in each kind of step, with
 their counts a step. What it answers: is a speculative step slow for kernels (which ones: the q > 1 attention and
 indexer paths, the MTP layer, the logits), for launches between replays, or for host work while the GPU idles?
 A diagnostic: it writes --out (markdown), never BENCHMARKS.md. `--tiny` runs on the CPU (the phases only).
@@ -35,7 +35,7 @@ PHASES = [  # (owner, method name, label): wrapped in record_function ranges for
     (spec_rollback, "restore_rejected", "spec: rollback restore"),
     (spec_fixed.FixedSpecStep, "_mtp_pass", "spec: MTP pass"),
     (spec_fixed.FixedSpecStep, "_draft", "spec: drafts (chain)"),
-    (spec_fixed.FixedSpecStep, "_outcome", "spec: host decode of the read"),
+    (spec_fixed.HostCopy, "values", "spec: wait for the acceptance (host)"),
     (speculative.Speculator, "_apply", "spec: apply (host)"),
 ]
 

@@ -1,13 +1,15 @@
-"""One speculative decode step on fixed shapes with one host read (MTP speculative decoding, decode-only steps).
+"""One speculative decode step on fixed shapes, one host wait (MTP speculative decoding, decode-only steps).
 
 Why: the varlen flow reads the verify step's outcome back to decide acceptance on the host, builds the MTP pass
 from it, then reads the drafts back: two waits for the device a step, the device idle while the host works in
-between. Here everything from the verify step's launch to the step's one read is queued on the device:
+between and until the next step is launched. Here everything from the verify step to the next drafts is queued on
+the device at once, and the host waits only for the acceptance, while the device goes on with the drafting:
 1. the verify step (engine.execution.verify_graphs): request b's last token and its drafts, `queries` rows a slot;
+   drafts the previous fixed step left on the device (DeviceDrafts) are written into its tokens there;
 2. acceptance on the device. Greedy: the longest prefix of drafts equal to the target's argmax (a cumulative product
    of matches), then the target's token after them. Sampled: rejection sampling (spec_sampling.verify_sampled),
    its accepted prefix likewise. A request without drafts: its one sample. -> emitted tokens [n, q] (request b's
-   first n_b = accepted + 1 are real) and their log-probs;
+   first n_b = accepted + 1 are real) and their log-probs, whose copy to the host is queued right here;
 3. rollback: every ring row the verify step could write is written back where its position was rejected
    (spec_rollback.restore_rejected: a mask computed on the device; accepted rows are rewritten unchanged);
 4. the MTP pass on the verify step's bucket, its inputs derived on the device from the verify step's inputs and
@@ -16,8 +18,9 @@ between. Here everything from the verify step's launch to the step's one read is
    device), their ring rows saved and restored at rows computed there (spec_rollback.save_rows). Sampled drafts
    are keyed by the output index they decide, which depends on n_b: the host computes the seeds for each
    possible n_b (spec_sampling.draft_seed_table) and the device picks;
-5. one read of [emitted tokens, log-probs, accepted counts, drafts].
-The host work of a step (plans, inputs, table rows) happens before its launches; nothing waits in between.
+5. the host waits for step 2's copy (the device is busy with step 4 meanwhile), then appends the tokens, finishes
+   requests and builds the next step while the drafting runs. The drafts stay on the device (DeviceDrafts) unless
+   host code needs their values (a varlen step: one read).
 A request that finishes in this step (a stop token or string among its tokens) still had its MTP pass over the
 positions it computed: they are its computed positions either way (num_computed counts them), and its drafts are
 dropped. Greedy output is the non-speculative output and drafts equal the varlen path's, step by step
@@ -40,13 +43,79 @@ from engine.model.verify_batch import VerifyShape
 @dataclass(frozen=True)
 class FixedOutcome:
     """What the host reads of one fixed step: per plan, its emitted tokens [(token, log-prob)] (accepted drafts and
-    the target's next token), its accepted drafts, and (when the step drafted) its next drafts and, for a sampled
-    request, their q rows (fp32 [V] each, on the device)."""
+    the target's next token) and its accepted drafts; and what stays on the device: (when the step drafted) the
+    next drafts and, for a sampled request, their q rows (fp32 [V] each)."""
 
     emitted: list[list[tuple[int, float]]]
     accepted: list[int]
-    drafts: list[list[int]] | None
+    drafts: torch.Tensor | None  # int64 [steps, n] on the device: column b is plan b's drafts (DeviceDrafts)
     q: list[list[torch.Tensor] | None]
+
+
+@dataclass(frozen=True)
+class DeviceDrafts:
+    """One request's drafts still on the device: rows 0..count-1 of column `col` of `picks` (int64 [steps, n], a
+    fixed step's drafts). The next fixed step reads them there (its verify tokens and its acceptance), so the host
+    never waits for them; `values` reads them (a sync) where host code needs the tokens (the varlen path)."""
+
+    picks: torch.Tensor
+    col: int
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, cut: slice) -> DeviceDrafts:
+        """d[:n] as for a list (only leading cuts: drafts are capped to a request's room)."""
+        if cut.start not in (None, 0) or cut.step not in (None, 1):
+            raise ValueError(f"DeviceDrafts takes leading cuts only, got {cut}")
+        return DeviceDrafts(self.picks, self.col, max(0, min(self.count, self.count if cut.stop is None else cut.stop)))
+
+    def values(self) -> list[int]:
+        return [int(t) for t in self.picks[: self.count, self.col].tolist()]
+
+
+def fill_device_drafts(dst: torch.Tensor, plans: list, q: int, first: int) -> None:
+    """Write the device-held drafts of `plans` (their `device` DeviceDrafts) into dst (flat int64 on the device):
+    draft j of plan b at b * q + first + j. One gather and one scatter a picks tensor (there is usually one: the
+    previous fixed step's)."""
+    sources: dict[int, tuple[torch.Tensor, list[int], list[int], list[int]]] = {}
+    for b, p in enumerate(plans):
+        d = p.device
+        if d is None or not d.count:
+            continue
+        _, cells, rows, cols = sources.setdefault(id(d.picks), (d.picks, [], [], []))
+        for j in range(d.count):
+            cells.append(b * q + first + j)
+            rows.append(j)
+            cols.append(d.col)
+    for picks, cells, rows, cols in sources.values():
+        idx = to_device_nonblocking(torch.tensor([cells, rows, cols], dtype=torch.int64), dst.device)
+        dst[idx[0]] = picks[idx[1], idx[2]]
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """A device tensor's copy to the host queued where it is made (pinned, non-blocking, with an event on CUDA), so
+    that the work queued after it does not delay its read."""
+
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    @staticmethod
+    def of(values: torch.Tensor) -> HostCopy:
+        if values.device.type != "cuda":
+            return HostCopy(values, None)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return HostCopy(host, ready)
+
+    def values(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 @dataclass(frozen=True)
@@ -87,7 +156,7 @@ class FixedSpecStep:
 
     @torch.inference_mode()
     def run(self, plans: list, shapes: _Shapes, drafting: bool) -> FixedOutcome:
-        """The whole step (module docstring) -> what the host reads, in one copy."""
+        """The whole step (module docstring) -> its tokens (read once) and drafts (on the device)."""
         spec, core = self.spec, self.spec.core
         q, n = shapes.queries, len(plans)
         reqs = [p.chunk.request for p in plans]
@@ -97,20 +166,26 @@ class FixedSpecStep:
         if q > 1:  # every row a slot could write, kept or put back by the device's verdict below
             positions = [torch.arange(s, s + q) for s in starts]
             saved = spec_rollback.save_requests(core.pool, tables, positions)
-        out = spec.verify.run([r.request_id for r in reqs], [p.tokens for p in plans], starts, tables, q)
+        ids = [r.request_id for r in reqs]
+        tokens_in = [p.tokens for p in plans]
+        out = spec.verify.run(ids, tokens_in, starts, tables, q, lambda row: fill_device_drafts(row, plans, q, 1))
         assert out is not None and spec.verify.last is not None  # shapes() found its bucket
         step = spec.verify.last
         tokens, lps, accepted = self._accept(plans, out[1], q)
+        read = HostCopy.of(torch.cat([tokens.double().reshape(-1), lps.reshape(-1), accepted.double()]))
         emitted = accepted + 1
         if saved:
             spec_rollback.restore_rejected(core.pool, saved, emitted, q)
         self._mtp_pass(step, tokens, emitted, n)
-        drafts, qrows = self._draft(plans, step, emitted, shapes) if drafting else (None, [None] * n)
-        parts = [tokens.double().reshape(-1), lps.reshape(-1), accepted.double()]
-        if drafts is not None:
-            parts.append(drafts.double().reshape(-1))
-        host = torch.cat(parts).tolist()  # the step's one read
-        return self._outcome(host, n, q, drafts is not None, qrows)
+        drafts: torch.Tensor | None = None
+        qrows: list[list[torch.Tensor] | None] = [None] * n
+        if drafting:
+            drafts, qrows = self._draft(plans, step, emitted, shapes)
+        # the one wait: for the acceptance, while the device goes on with the MTP pass and chain queued above
+        host = read.values()
+        tok, lp, acc = host[: n * q], host[n * q : 2 * n * q], host[2 * n * q :]
+        emitted_host = [[(int(tok[b * q + i]), lp[b * q + i]) for i in range(int(acc[b]) + 1)] for b in range(n)]
+        return FixedOutcome(emitted_host, [int(a) for a in acc], drafts, qrows)
 
     # ---- acceptance ---------------------------------------------------------------------------------
     def _accept(self, plans: list, logits: torch.Tensor, q: int):
@@ -118,13 +193,16 @@ class FixedSpecStep:
         n, dev = len(plans), logits.device
         picks = greedy_pick(logits)  # [2, n * q]: every row's argmax and its log-prob
         tokens, lps = picks[0].long().view(n, q), picks[1].view(n, q)
-        if q > 1:
-            drafts = torch.tensor([p.drafts + [-1] * (q - 1 - len(p.drafts)) for p in plans], dtype=torch.int64)
-            drafts = self._forced(to_device_nonblocking(drafts, dev), tokens[:, : q - 1])
-            accepted = (drafts == tokens[:, : q - 1]).long().cumprod(1).sum(1)
+        if q > 1:  # drafts [n, q - 1], -1 past a request's: the host's, then those still on the device
+            pad = [(p.drafts if p.device is None else [0] * len(p.drafts)) for p in plans]
+            drafts = torch.tensor([d + [-1] * (q - 1 - len(d)) for d in pad], dtype=torch.int64)
+            drafts = to_device_nonblocking(drafts, dev)
+            fill_device_drafts(drafts.view(-1), plans, q - 1, 0)
+            compared = self._forced(drafts, tokens[:, : q - 1])
+            accepted = (compared == tokens[:, : q - 1]).long().cumprod(1).sum(1)
+            self._sampled_verify(plans, logits, q, drafts, tokens, lps, accepted)
         else:
             accepted = torch.zeros(n, dtype=torch.int64, device=dev)
-        self._sampled_verify(plans, logits, q, tokens, lps, accepted)
         self._plain_samples(plans, logits, q, tokens, lps)
         return tokens, lps, accepted
 
@@ -135,8 +213,9 @@ class FixedSpecStep:
         hit = to_device_nonblocking(torch.rand(drafts.shape, generator=self._force) < self.force_rate, drafts.device)
         return torch.where(drafts < 0, drafts, torch.where(hit, picks, picks + 1))
 
-    def _sampled_verify(self, plans, logits, q, tokens, lps, accepted) -> None:
-        """Sampled requests with drafts: rejection sampling over their rows, written over the greedy verdicts."""
+    def _sampled_verify(self, plans, logits, q, drafts, tokens, lps, accepted) -> None:
+        """Sampled requests with drafts: rejection sampling over their rows, written over the greedy verdicts.
+        drafts: int64 [n, q - 1] on the device, -1 past a request's."""
         todo = [(b, p) for b, p in enumerate(plans) if p.drafts and p.q is not None]
         if not todo:
             return
@@ -144,12 +223,12 @@ class FixedSpecStep:
         flat = [b * q + j for b, p in todo for j in range(len(p.drafts) + 1)]
         cells = [(i, j) for i, (_, p) in enumerate(todo) for j in range(len(p.drafts) + 1)]
         rows = to_device_nonblocking(torch.tensor(flat), dev)
-        drafts = torch.tensor([t for _, p in todo for t in p.drafts + [-1]], dtype=torch.int64)
+        with_bonus = torch.cat([drafts, drafts.new_full((drafts.shape[0], 1), -1)], dim=1)  # [n, q]: row b*q + j
         zero = logits.new_zeros(1, logits.shape[-1])
         qmat = torch.cat([torch.cat([torch.stack(p.q), zero]) for _, p in todo])
         reqs = [p.chunk.request for _, p in todo for _ in range(len(p.drafts) + 1)]
         index = [len(p.chunk.request.output) + j for _, p in todo for j in range(len(p.drafts) + 1)]
-        res = spec_sampling.verify_sampled(logits[rows], to_device_nonblocking(drafts, dev), qmat, reqs, index)
+        res = spec_sampling.verify_sampled(logits[rows], with_bonus.view(-1)[rows], qmat, reqs, index)
         grid = torch.zeros(len(todo), q, dtype=torch.float64, device=dev)  # accepted per (request, row); bonus 0
         at = to_device_nonblocking(torch.tensor(cells).t().contiguous(), dev)
         grid[at[0], at[1]] = res[0]
@@ -248,15 +327,3 @@ class FixedSpecStep:
         mtp.set_tokens(sampled, drawn)
         for i, b in enumerate(sampled):
             qrows[b].append(dist[i])
-
-    # ---- the read -------------------------------------------------------------------------------------
-    @staticmethod
-    def _outcome(host: list, n: int, q: int, drafted: bool, qrows: list) -> FixedOutcome:
-        tok, lp, acc = host[: n * q], host[n * q : 2 * n * q], host[2 * n * q : 2 * n * q + n]
-        emitted = [[(int(tok[b * q + i]), lp[b * q + i]) for i in range(int(acc[b]) + 1)] for b in range(n)]
-        drafts = None
-        if drafted:
-            flat = host[2 * n * q + n :]
-            steps = len(flat) // n
-            drafts = [[int(flat[s * n + b]) for s in range(steps)] for b in range(n)]
-        return FixedOutcome(emitted, [int(a) for a in acc], drafts, qrows)

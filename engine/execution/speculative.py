@@ -17,17 +17,18 @@ requests (temperature > 0) draft from the MTP layer's distribution q under their
 rejection sampling (engine.execution.spec_sampling): their output has the non-speculative distribution.
 A prefill-only request (the hand-off) gets the MTP pass over its prompt but no drafts: the MTP KV travels with
 the swa group's ring page, and the decode side drafts after its first (one-token) step, whose streams it has.
-Steps made only of decode / verify chunks run on fixed shapes with one host read (engine.execution.spec_fixed: the
+Steps made only of decode / verify chunks run on fixed shapes with one host wait (engine.execution.spec_fixed: the
 verify step, acceptance and rollback on the device, the MTP pass on the verify step's bucket and streams, the chain
-one row a request; CUDA graphs in decode_mode graphs, eager bucketed in "bucketed"); steps with prefill chunks, the
-varlen engine (decode_mode "eager") and shapes no bucket holds run the varlen step above, with the host deciding
-acceptance. Both paths emit the same tokens and draft the same drafts (tests/engine/test_spec_mtp_graphs.py).
-engine.execution.spec_policy decides per step whether to draft (at most speculative_max_batch decoding requests; an
-optional acceptance floor; measured pay: drafting steps faster than plain ones at the batch size): the MTP pass runs
-either way, so its KV stays complete.
-Not here yet: overlapped decode with speculation (each step's tokens and drafts are read back before the next step
-is built), the fixed step as one CUDA graph (it is several replays and device ops with no host wait between them),
-tensor/data parallel engines.
+one row a request; CUDA graphs in decode_mode graphs, eager bucketed in "bucketed"): the host waits for the
+acceptance only and builds the next step while the device drafts, and the drafts stay on the device for the next
+fixed step (DeviceDrafts). Steps with prefill chunks, the varlen engine (decode_mode "eager") and shapes no bucket
+holds run the varlen step above, with the host deciding acceptance. Both paths emit the same tokens and draft the
+same drafts (tests/engine/test_spec_mtp_graphs.py). engine.execution.spec_policy decides per step whether to draft
+(at most speculative_max_batch decoding requests; an optional acceptance floor; measured pay: drafting steps faster
+than plain ones at the batch size): the MTP pass runs either way, so its KV stays complete.
+Not here yet: launching step N + 1 before step N's tokens reach the host (EngineCore's overlapped decode does that
+for one-token steps; a speculative step overlaps only the host's work with its own drafting), the fixed step as
+one CUDA graph (it is several replays and device ops with no host wait between them), tensor/data parallel engines.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from engine.execution.mtp_graphs import MtpRunner
 from engine.execution.request import Request, TokenEvent
 from engine.execution.sampling import greedy_pick
 from engine.execution.scheduler import ScheduledChunk
-from engine.execution.spec_fixed import FixedOutcome, FixedSpecStep
+from engine.execution.spec_fixed import DeviceDrafts, FixedOutcome, FixedSpecStep
 from engine.execution.spec_policy import SpecGate, SpecPolicy
 from engine.execution.verify_graphs import VerifyRunner
 from engine.model.batch import build_step
@@ -64,6 +65,7 @@ class _Plan:
     emitted: list[tuple[int, float]] = field(default_factory=list)  # [(token, logprob)] this step appends (_pick)
     q: list[torch.Tensor] | None = None  # a sampled request's drafts' q rows (fp32 [V] each), else None
     computed: int = 0  # the request's num_computed after the step
+    device: DeviceDrafts | None = None  # drafts still on the device (then `drafts` and `tokens` hold placeholders)
 
 
 def _decode_chunk(c) -> bool:
@@ -84,7 +86,8 @@ class Speculator:
             raise ValueError(f"speculative_tokens {k} needs sliding_window >= {k + 1}, got {cfg.sliding_window}")
         self.core, self.k = core, k
         self.layers = [MtpLayer(core.model, weights, i) for i in range(cfg.num_nextn_predict_layers)]
-        self.drafts: dict[str, list[int]] = {}  # request id -> drafts to verify in its next step
+        # request id -> drafts to verify in its next step (a fixed step leaves them on the device: DeviceDrafts)
+        self.drafts: dict[str, list[int] | DeviceDrafts] = {}
         self.draft_q: dict[str, list[torch.Tensor]] = {}  # sampled requests: each draft's q [V] (spec_sampling)
         self.stats = {"drafted": 0, "accepted": 0, "verify_chunks": 0, "emitted": 0, "undrafted_steps": 0}
         self.gate = SpecGate(policy or SpecPolicy())  # when to draft (engine.execution.spec_policy)
@@ -111,14 +114,18 @@ class Speculator:
         chunks = core.scheduler.schedule()
         if not chunks:
             return []
+        pure_decode = all(_decode_chunk(c) for c in chunks)  # (before the step appends tokens)
         plans, row = [], 0
         for c in chunks:
             req = c.request
-            drafts: list[int] = []
+            drafts: list[int] | DeviceDrafts = []
             q = None
             if c.num_tokens == 1 and c.start + 1 == req.num_tokens:
                 drafts = self.drafts.pop(req.request_id, [])[: self._room(req)]
                 q = self.draft_q.pop(req.request_id, None)
+            device = drafts if isinstance(drafts, DeviceDrafts) and pure_decode else None
+            if isinstance(drafts, DeviceDrafts):  # fixed steps read them on the device; the varlen one needs them here
+                drafts = [0] * len(drafts) if device is not None else drafts.values()
             plans.append(
                 _Plan(
                     c,
@@ -126,11 +133,11 @@ class Speculator:
                     drafts,
                     row,
                     q=q[: len(drafts)] if q is not None and drafts else None,
+                    device=device,
                 )
             )
             row += len(plans[-1].tokens)
         drafted = [p for p in plans if p.drafts]
-        pure_decode = all(_decode_chunk(p.chunk) for p in plans)  # (before the step appends tokens)
         before = (self.stats["drafted"], self.stats["accepted"])
         self._drafting = None
         if not (pure_decode and self._step_fixed(plans)):
@@ -187,11 +194,13 @@ class Speculator:
         row, and self._fixed_outcome for the drafts."""
         self._fixed_outcome = self._drafting = None
         if self.verify is None or self.mtp is None or self.fixed.shapes(plans, False) is None:
+            _to_host(plans)
             return False
         drafting = self.gate.should_draft(len(plans))
         shapes = self.fixed.shapes(plans, drafting)
         if shapes is None:  # no chain bucket: the varlen path drafts, on this decision (the gate counts calls)
             self._drafting = drafting
+            _to_host(plans)
             return False
         out = self.fixed.run(plans, shapes, drafting)
         for b, (p, emitted, accepted) in enumerate(zip(plans, out.emitted, out.accepted)):
@@ -208,9 +217,16 @@ class Speculator:
         out = self._fixed_outcome
         if out is None or out.drafts is None:
             return
+        picks = out.drafts
         going = [i for i, p in enumerate(plans) if not p.chunk.request.finished]
         if going:
-            self._keep_drafts([plans[i] for i in going], [out.drafts[i] for i in going], [out.q[i] for i in going])
+            drafts = [DeviceDrafts(picks, i, picks.shape[0]) for i in going]  # read there by the next fixed step
+            self._keep_drafts([plans[i] for i in going], drafts, [out.q[i] for i in going])
+
+    def draft_tokens(self, request_id: str) -> list[int]:
+        """The drafts `request_id` holds for its next step, as token ids (a device read if they are still there)."""
+        d = self.drafts.get(request_id, [])
+        return d.values() if isinstance(d, DeviceDrafts) else list(d)
 
     def _room(self, req: Request) -> int:
         """Drafts worth verifying for `req`: K, fewer near max_new_tokens, none for a prefill-only request."""
@@ -397,7 +413,7 @@ class Speculator:
         self._chain(last, drafts, q, hid)
         self._keep_drafts(last, drafts, q)
 
-    def _keep_drafts(self, plans: list[_Plan], drafts: list[list[int]], q: list) -> None:
+    def _keep_drafts(self, plans: list[_Plan], drafts: list, q: list) -> None:
         """Each plan's drafts (and sampled q rows), at most its room, for its next step."""
         for p, d, r in zip(plans, drafts, q):
             room = self._room(p.chunk.request)
@@ -452,3 +468,12 @@ class Speculator:
                 if r is not None:
                     r.append(row)
         spec_rollback.restore(core.pool, saved)
+
+
+def _to_host(plans: list[_Plan]) -> None:
+    """Plans whose drafts are still on the device get their values (one read) for the varlen step."""
+    for p in plans:
+        if p.device is not None:
+            p.drafts = p.device.values()
+            p.tokens = p.tokens[: len(p.tokens) - len(p.drafts)] + p.drafts
+            p.device = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,9 +72,17 @@ class VerifyRunner:
         return VerifyShape(DecodeShape(d.slots[i], d.contexts[j]), queries)
 
     def run(
-        self, request_ids: list[str], token_rows: list[list[int]], starts: list[int], tables: list[dict], queries: int
+        self,
+        request_ids: list[str],
+        token_rows: list[list[int]],
+        starts: list[int],
+        tables: list[dict],
+        queries: int,
+        fill: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Request b runs token_rows[b] (1..queries tokens) from position starts[b] with page table tables[b].
+        fill: called with the step's token row on the device (int64 [rows]) before the step runs, to write the
+        tokens that are already on the device there (drafts a previous step left there: host placeholders).
 
         -> (streams [n * queries, hc, D], fp32 logits [n * queries, vocab]): request b's rows are b * queries ..
         (rows past its tokens are padding: never read them). Views of static buffers under graphs (read them
@@ -89,11 +98,15 @@ class VerifyRunner:
         used = n * queries
         if d.mode == "eager":
             packed = host.packed.to(d.model.device)
+            if fill is not None:
+                fill(packed[0])
             streams, logits = self._forward(packed, shape)
             self.last = VerifyStep(shape, streams, packed)
             return streams[:used], logits[:used]
         graph = self.graphs.get(shape) or self._capture(shape)
         copy_nonblocking_(graph.packed, host.packed)  # pinned, non-blocking: no wait for queued steps
+        if fill is not None:
+            fill(graph.packed[0])
         graph.graph.replay()
         self.last = VerifyStep(shape, graph.streams, graph.packed)
         return graph.streams[:used], graph.logits[:used]

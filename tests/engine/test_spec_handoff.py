@@ -56,7 +56,7 @@ def _record(monkeypatch) -> dict:
         for p in plans:
             req = p.chunk.request
             if req.request_id in self.drafts:
-                seen[(tuple(req.prompt), len(req.output))] = list(self.drafts[req.request_id])
+                seen[(tuple(req.prompt), len(req.output))] = self.draft_tokens(req.request_id)
 
     monkeypatch.setattr(Speculator, "_keep_drafts", draft)
     return seen

@@ -48,7 +48,7 @@ def _record_and_force(monkeypatch, refs: dict, corrupt: float) -> None:
             req = p.chunk.request
             rid = req.request_id
             q = self.draft_q.get(rid)
-            made[rid] = (list(self.drafts[rid]), torch.stack(q) if q else None)
+            made[rid] = (self.draft_tokens(rid), torch.stack(q) if q else None)
             if req.params.temperature == 0:
                 n = len(req.output)
                 want = refs[tuple(req.prompt)][n : n + len(self.drafts[rid])]
