@@ -184,6 +184,7 @@ def check_fit(
     utilization: float | None = None,
     meta: dict | None = None,
     expert_format: str = "mxfp4",
+    speculative_tokens: int = 0,
 ) -> FitCheck:
     """-> the FitCheck when the model fits `budget_bytes`; else a ValueError with the numbers and what to change.
     `cfg.max_position_embeddings` is the context a request may reach (already capped by --max-model-len).
@@ -199,7 +200,7 @@ def check_fit(
         weights += _expert_bytes(fp8, cfg, ctx, dtype)
     check = FitCheck(
         weights,
-        activation_reserve(cfg, max_batch_tokens, cache.max_requests, expert_format != "mxfp4"),
+        activation_reserve(cfg, max_batch_tokens, cache.max_requests, expert_format != "mxfp4", speculative_tokens),
         pool_bytes(cfg, replace(cache, max_tokens=tokens), dtype),
         tokens,
         int(budget_bytes),

@@ -169,6 +169,7 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
             o.max_cached_tokens,
             o.gpu_memory_utilization,
             expert_format=expert_format,
+            speculative_tokens=o.speculative_tokens,
         )
         logger.info("memory: %s", fit.describe())
     if parallel is not None and parallel.enabled:
@@ -203,6 +204,7 @@ def _build(model_dir: str | None, o: EngineOptions, parallel: ParallelContext | 
         o.max_cached_tokens,
         snapshot_slots=slots,
         fp8_experts=expert_format != "mxfp4",
+        speculative_tokens=o.speculative_tokens,
     )
     log_plan(plan, cfg, o.max_num_seqs)
     cache_config = dataclasses.replace(cache_config, max_tokens=plan.tokens)

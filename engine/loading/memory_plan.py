@@ -62,13 +62,32 @@ def fp8_moe_workspace(cfg: ModelConfig, tokens: int) -> int:
     return rows * max(4 * i + max(h, i) + 4 * (h // 128), i + 2 * h)
 
 
-def activation_reserve(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int, fp8_experts: bool = False) -> int:
+def speculative_buffers(cfg: ModelConfig, max_num_seqs: int, speculative_tokens: int) -> int:
+    """Bytes that MTP speculation (K = speculative_tokens) holds beside the step's activations: the verify graphs'
+    shared outputs (streams and fp32 logits of max_num_seqs x (K + 1) rows, engine.execution.verify_graphs), the
+    MTP graphs' (streams and fp32 logits of max_num_seqs rows, engine.execution.mtp_graphs) and the sampled
+    requests' draft distributions (K fp32 vocabulary rows each, engine.execution.spec_sampling); 0 when K = 0."""
+    if speculative_tokens <= 0:
+        return 0
+    row = cfg.hc_mult * cfg.hidden_size * 4 + cfg.vocab_size * 4  # streams (fp32 at most) + fp32 logits
+    verify, mtp = max_num_seqs * (speculative_tokens + 1) * row, max_num_seqs * row
+    return verify + mtp + max_num_seqs * speculative_tokens * cfg.vocab_size * 4
+
+
+def activation_reserve(
+    cfg: ModelConfig,
+    max_batch_tokens: int,
+    max_num_seqs: int,
+    fp8_experts: bool = False,
+    speculative_tokens: int = 0,
+) -> int:
     """Bytes kept back for one step's activations and the decode CUDA-graph pool (an estimate, logged): per token
-    of the larger of the prefill budget and the decode batch, the fp32 hc streams and mixes, the attention
-    query/output rows, the routed-expert intermediates and the logits row, with 2x headroom, plus 1 GiB, plus the
-    step's context-dependent workspace at the longest context served (`step_workspace`); with FP8 experts
-    (engine.model.fp8_expert_weights), their grouped GEMMs' padded buffers (`fp8_moe_workspace`)."""
-    tokens = max(max_batch_tokens, max_num_seqs)
+    of the largest step (the prefill budget, the decode batch, or with speculation its verify step of K + 1 rows a
+    request), the fp32 hc streams and mixes, the attention query/output rows, the routed-expert intermediates and
+    the logits row, with 2x headroom, plus 1 GiB, plus the step's context-dependent workspace at the longest context
+    served (`step_workspace`); with FP8 experts (engine.model.fp8_expert_weights), their grouped GEMMs' padded
+    buffers (`fp8_moe_workspace`); with speculation, its buffers (`speculative_buffers`)."""
+    tokens = max(max_batch_tokens, max_num_seqs * (1 + max(speculative_tokens, 0)))
     per_token = (
         4 * cfg.hc_mult * cfg.hidden_size * 4
         + 2 * cfg.num_heads * cfg.head_dim * 2
@@ -76,7 +95,8 @@ def activation_reserve(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: in
         + 4 * cfg.vocab_size
     )
     moe = fp8_moe_workspace(cfg, max_batch_tokens) if fp8_experts else 0
-    return 2 * tokens * per_token + GIB + step_workspace(cfg, max_batch_tokens, max_num_seqs).total + moe
+    spec = speculative_buffers(cfg, max_num_seqs, speculative_tokens)
+    return 2 * tokens * per_token + GIB + step_workspace(cfg, tokens, max_num_seqs).total + moe + spec
 
 
 @dataclass(frozen=True)
@@ -148,9 +168,11 @@ def plan_kv_tokens(
     max_cached_tokens: int | None = None,
     snapshot_slots: int = 0,
     fp8_experts: bool = False,
+    speculative_tokens: int = 0,
 ) -> KvPlan:
     """-> the pool size: `max_cached_tokens` if given, 65536 off CUDA, else from `utilization` of the GPU.
-    fp8_experts: the routed experts run as FP8 (activation_reserve counts their padded buffers).
+    fp8_experts: the routed experts run as FP8 (activation_reserve counts their padded buffers); speculative_tokens:
+    MTP speculation's K (its verify steps and buffers, activation_reserve).
     snapshot_slots: slots of the prefix cache's snapshot store (engine.execution.prefix_cache), allocated beside the pool:
     each holds one request's SWA ring and compressor state, so they come out of the same budget."""
     if max_cached_tokens is not None:
@@ -164,7 +186,7 @@ def plan_kv_tokens(
     if not 0.0 < util <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
     free, total = torch.cuda.mem_get_info(dev)
-    reserve = activation_reserve(cfg, max_batch_tokens, cache.max_requests, fp8_experts)
+    reserve = activation_reserve(cfg, max_batch_tokens, cache.max_requests, fp8_experts, speculative_tokens)
     snapshots = snapshot_store_bytes(group_specs(cfg, cache, dtype), snapshot_slots)
     # This process's own allocations (the weights), not the device-wide use: equal shards on equal GPUs then
     # size equal pools on every tensor-parallel rank. What other processes hold still caps it (free memory).
@@ -218,6 +240,7 @@ __all__ = [
     "plan_kv_tokens",
     "pool_bytes",
     "activation_reserve",
+    "speculative_buffers",
     "fp8_moe_workspace",
     "step_workspace",
     "StepWorkspace",

@@ -47,3 +47,18 @@ def test_gpu_budget_arithmetic(monkeypatch):
         plan_kv_tokens(cfg, CACHE, torch.bfloat16, "cuda", 2048, 0.3)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         plan_kv_tokens(cfg, CACHE, torch.bfloat16, "cuda", 2048, 1.5)
+
+
+def test_speculation_reserves_its_verify_steps_and_buffers():
+    """With K drafts a decode step is a verify step of K + 1 rows a request, and speculation keeps its verify / MTP
+    graphs' outputs and sampled drafts' distributions: the reserve grows by at least those buffers, and by nothing
+    without speculation."""
+    from engine.loading.memory_plan import speculative_buffers
+
+    cfg, seqs = CFG, 64
+    assert speculative_buffers(cfg, seqs, 0) == 0
+    base = activation_reserve(cfg, 256, seqs)
+    for k in (1, 3):
+        extra = activation_reserve(cfg, 256, seqs, speculative_tokens=k) - base
+        assert extra >= speculative_buffers(cfg, seqs, k) > speculative_buffers(cfg, seqs, k - 1)
+        assert speculative_buffers(cfg, seqs, k) >= seqs * (k + 1) * cfg.vocab_size * 4  # fp32 verify logits
