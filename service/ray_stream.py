@@ -39,7 +39,13 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    ObjectRefStreamEndOfStreamError,
+    RayActorError,
+    RayTaskError,
+)
 
 from dsv4_kernels.settings import settings
 from engine.execution.request import TokenEvent
@@ -68,18 +74,46 @@ def failure(e: BaseException, worker_id: str) -> BaseException:
 async def stream_items(stream, worker_id: str):
     """The items of a Ray streaming call, flattened (a decode worker sends a tuple of events per message), with a
     dead actor as WorkerDied and a task error as its cause."""
-    async for ref in stream:
+    while True:
         try:
-            item = await ref
+            item = await next_item(stream)
         except DEAD as e:
             raise WorkerDied(worker_id, str(e)) from None
         except RayTaskError as e:
             raise failure(e, worker_id) from None
+        if item is END:
+            return
         if isinstance(item, tuple):
             for ev in item:
                 yield ev
         else:
             yield item
+
+
+END = object()  # next_item's answer once a stream has ended cleanly
+
+
+async def next_item(stream):
+    """The next item's value of a Ray streaming call (an ObjectRefGenerator), or END; an item that is an error raises.
+
+    Fetched once: the generator's own `anext` waits for an item by fetching it, then hands out its ref, which must
+    be fetched again (two gets, each a hop from Ray's thread to the loop). Reading the head ref of the stream
+    (`_get_next_ref_n`: a clean end raises ObjectRefStreamEndOfStreamError there, a dead actor its error) and
+    advancing past it once its value is in costs about a quarter less of the reader's CPU per item (BENCHMARKS.md,
+    section frontdoor's reading). A Ray without those methods takes the generator's own path."""
+    head = getattr(stream, "_get_next_ref_n", None)
+    if head is None:
+        try:
+            ref = await anext(stream)
+        except StopAsyncIteration:
+            return END
+        return await ref
+    try:
+        value = await head(1)[0]
+    except ObjectRefStreamEndOfStreamError:
+        return END
+    stream._consume_next_ref_n(1)
+    return value
 
 
 @dataclass(frozen=True)
@@ -166,9 +200,11 @@ class RayStreamer:
             stream = decode_call.options(num_returns="streaming").remote(result, prompt, params, batch=True)  # type: ignore[attr-defined]
             try:
                 try:
-                    item = await (await anext(stream))
+                    item = await next_item(stream)
                 except RayTaskError as e:
                     raise failure(e, w.decode_id) from None
+                if item is END:
+                    raise WorkerDied(w.decode_id, "its decode stream ended before the transfer")
             except DEAD as e:
                 raise WorkerDied(w.decode_id, str(e)) from None
             except PeerUnknown:
