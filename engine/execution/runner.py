@@ -196,6 +196,8 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is (queued, running, held or importing) and free its pages."""
+        if self.speculator is not None:
+            self.speculator.forget(request_id)  # its drafts (sampled: their q rows, device memory)
         for table in (self.requests, self.held, self.imports):
             req = table.pop(request_id, None)
             if req is None:

@@ -223,6 +223,11 @@ class Speculator:
             drafts = [DeviceDrafts(picks, i, picks.shape[0]) for i in going]  # read there by the next fixed step
             self._keep_drafts([plans[i] for i in going], drafts, [out.q[i] for i in going])
 
+    def forget(self, request_id: str) -> None:
+        """Drop what is kept for a request's next step (it was aborted)."""
+        self.drafts.pop(request_id, None)
+        self.draft_q.pop(request_id, None)
+
     def draft_tokens(self, request_id: str) -> list[int]:
         """The drafts `request_id` holds for its next step, as token ids (a device read if they are still there)."""
         d = self.drafts.get(request_id, [])
