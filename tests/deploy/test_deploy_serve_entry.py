@@ -7,8 +7,9 @@ exporter sidecar's command on the multiprocess dir.
 
 Checks: the OpenAI API answers, through both router replicas (the chart's default `serve.routerReplicas`); the
 exporter serves the stage metrics of the ingress, router and both workers and none of Ray's own processes; a redeploy
-with other decode arguments (what `helm upgrade` does to serveConfigV2) replaces the decode worker and the routers
-and keeps the prefill worker.
+with other decode arguments and a 2-rank decode worker (what `helm upgrade` does to serveConfigV2) replaces the
+decode worker and the routers, keeps the prefill worker and gives the same tokens; a killed follower rank brings its
+group back.
 """
 
 import json
@@ -283,38 +284,33 @@ def test_chart_serve_config_serves_and_exports_metrics(head):
 
 
 def test_redeploy_replaces_only_what_changed(head):
+    """A redeploy with other decode arguments and `decode.tensorParallelSize: 2` as the chart passes them (one
+    redeploy: the decode role's fingerprint covers its engine options and its rank layout alike): the decode worker
+    and both routers are replaced, the prefill worker and the cluster token's keeper are kept; the new decode worker
+    is two actors (rank 0 and a follower) in one placement group on the role's resource units, and the service
+    answers with the same tokens as before. A killed follower brings the whole group back (the router's
+    GroupSupervisor, as under `dsv4 serve`): both ranks are new processes and it answers again."""
     token_keeper = {"dsv4-token"}  # the cluster token's keeper outlives every redeploy
     before = head.dsv4_actors() - token_keeper
     names = {n.rsplit("-", 1)[0] for n in before}
     assert names == {"dsv4-prefill-0", "dsv4-decode-0", "dsv4-router-0", "dsv4-router-1"}, before
     args = ["--max-num-seqs", "16"]
-    head.deploy(args)
-    head.wait(lambda: head.app_running(args) and completion(head) == 200, "ray.log")
+    body = {"model": "dsv4", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
+    url = f"http://127.0.0.1:{head.http_port}/v1/completions"
+    status, before_out = http_json(url, body)
+    assert status == 200
+    head.deploy(args, decode_tensor_parallel_size=2)
+    head.wait(lambda: head.app_running(args, decode_tensor_parallel_size=2) and completion(head) == 200, "ray.log")
     after = head.dsv4_actors()
     assert token_keeper <= after, after
     after -= token_keeper
     prefill = {n for n in before if n.startswith("dsv4-prefill-")}
     assert prefill <= after, (before, after)  # unchanged worker kept
-    assert len(after) == 4 and not (after - prefill) & before, (before, after)  # decode and both routers replaced
-
-
-def test_redeploy_with_a_two_rank_decode_worker(head):
-    """`decode.tensorParallelSize: 2` as the chart passes it: the builder places the decode worker as two
-    actors (rank 0 and a follower) in one placement group on the role's resource units, the prefill worker is
-    kept, and the service answers with the same tokens as before. A killed follower brings the whole group back
-    (the router's GroupSupervisor, as under `dsv4 serve`): both ranks are new processes and it answers again."""
-    args = ["--max-num-seqs", "16"]
-    body = {"model": "dsv4", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
-    url = f"http://127.0.0.1:{head.http_port}/v1/completions"
-    status, before_out = http_json(url, body)
-    assert status == 200
-    before = head.dsv4_actors()
-    head.deploy(args, decode_tensor_parallel_size=2)
-    head.wait(lambda: head.app_running(args, decode_tensor_parallel_size=2) and completion(head) == 200, "ray.log")
-    after = head.dsv4_actors()
     decode = sorted(n for n in after if n.startswith("dsv4-decode-"))
+    routers = {n for n in after if n.startswith("dsv4-router-")}
     assert len(decode) == 2 and decode[1] == decode[0] + "-rank1", after
-    assert not set(decode) & before and {n for n in before if n.startswith("dsv4-prefill-")} <= after
+    assert len(routers) == 2 and len(after) == 5, after  # nothing else runs
+    assert not (after - prefill) & before, (before, after)  # decode and both routers replaced
     status, out = http_json(url, body)
     assert status == 200 and out["choices"][0]["text"] == before_out["choices"][0]["text"], (before_out, out)
 
