@@ -10,12 +10,13 @@ streams moved, then restarted), `stop` (SIGSTOP for `--stop-seconds`: marked dow
 SIGCONT), `rank` (one follower rank of a multi-rank worker killed: its whole group is placed again,
 service.group_restart; needs `--decode-tensor-parallel-size` or `--prefill-tensor-parallel-size` > 1). `raise`
 and `hang` build the workers with their test hooks on (engine.runtime.health). Faults go to the workers as they
-are placed now (a group restart replaces a multi-rank worker's actors). At the end: outcomes by type (ok, 4xx by
-status, 429, 503 in-band or not, other 5xx, transport errors), /health answer latency, the restarts, what every
-worker still holds once idle (pages in use, exports not released, quarantined pulls, staging bytes: any non-zero
-is a leak), and the resident memory of every service process at the start of the run and at its end (growth =
-leak suspects). `--write-benchmarks` puts the report in BENCHMARKS.md (section `soak`), every number from this
-run.
+are placed now (a group restart replaces a multi-rank worker's actors); `--fault-count N` ends the run one fault
+interval after the N-th fault. Once the load ended and the workers are idle (or 30 s passed: a leak), the report
+gives: outcomes by type (ok, 4xx by status, 429, 503 in-band or not, other 5xx, transport errors), /health answer
+latency, the restarts, what every worker still holds once idle (pages in use, exports not released, quarantined
+pulls, staging bytes: any non-zero is a leak), and the resident memory of every service process at the start of
+the run and at its end (growth = leak suspects). `--write-benchmarks` puts the report in BENCHMARKS.md (section
+`soak`), every number from this run.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ def _current(handles) -> tuple[dict, dict]:
 
 
 POOLS = ("prefill", "decode")
+SETTLE_LIMIT_S = 30.0  # after the load, how long restarts and abandoned requests may take to leave workers idle
 
 
 def _held(worker) -> dict:
@@ -189,6 +191,18 @@ def _leaks(pools: dict) -> dict[str, dict]:
             held = ray.get(h.__ray_call__.remote(_held), timeout=60)
             out[wid] = {"kv_usage": s.kv_usage, "running": s.running, "waiting": s.waiting, **held}
     return out
+
+
+def _settle(handles, limit_s: float = SETTLE_LIMIT_S) -> tuple[dict, dict[str, dict]]:
+    """Once the load ended: (the pools as placed now, `_leaks`) when every worker holds nothing (restarts done,
+    abandoned requests freed), or what they still hold after limit_s (a leak)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        time.sleep(1.0)
+        pools = _current(handles)[0]
+        held = _leaks(pools)
+        if not any(v for w in held.values() for v in w.values()) or time.monotonic() >= deadline:
+            return pools, held
 
 
 def _pids(handles, pools: dict) -> dict[str, int]:
@@ -284,11 +298,15 @@ def run_soak(args) -> dict:
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
         for t in threads:
             t.start()
-        end, next_fault = time.monotonic() + 60 * args.minutes, time.monotonic() + args.fault_every
+        started = time.monotonic()
+        end, next_fault = started + 60 * args.minutes, started + args.fault_every
         kills: list[str] = []
         injected: list[str] = []  # "kind worker" of every fault
         while time.monotonic() < end:
             time.sleep(1.0)
+            if args.fault_count and len(injected) >= args.fault_count:  # the last fault had its interval: done
+                end = min(end, next_fault)
+                continue
             if args.fault_every > 0 and time.monotonic() >= next_fault:
                 n = len(injected)
                 pool, kind = POOLS[n % 2], faults[n // 2 % len(faults)]
@@ -304,21 +322,21 @@ def run_soak(args) -> dict:
                 except Exception as e:  # noqa: BLE001 - e.g. the worker is restarting from the last fault
                     print(f"soak: {kind} on {wid} skipped: {type(e).__name__}: {e}", flush=True)
                 next_fault = time.monotonic() + args.fault_every
+        ended_early = bool(args.fault_count) and len(injected) >= args.fault_count
+        minutes = round((time.monotonic() - started) / 60, 2) if ended_early else args.minutes
         stop.set()
         for t in threads:
             t.join(300)
         while stopped:  # a stopped worker is continued before the end is measured
             time.sleep(0.5)
-        time.sleep(10)  # let restarts settle and idle gauges publish
-        pools = _current(handles)[0]
+        pools, held = _settle(handles)
         pids_end = {**_pids(handles, pools), **_serve_replica_pids()}
         rss1 = {k: rss_mib(p) for k, p in pids_end.items()}
-        held = _leaks(pools)
         health = sorted(tally.health)
         from kv_transfer.registry import resolve_name
 
         return {
-            "minutes": args.minutes,
+            "minutes": minutes,
             "clients": args.clients,
             "topology": f"{cfg.prefill_workers}P{cfg.decode_workers}D"
             + "".join(f" {role} TP{cfg.parallel(role)[0]}" for role in POOLS if cfg.parallel(role)[0] > 1),
@@ -424,6 +442,12 @@ def add_bench_soak_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between worker faults (0: none)")
     parser.add_argument("--faults", default="kill", help=f"comma-separated faults to rotate through, of {FAULTS}")
+    parser.add_argument(
+        "--fault-count",
+        type=int,
+        default=0,
+        help="end the run --fault-every seconds after this many faults (--minutes is then the limit; 0: run it all)",
+    )
     parser.add_argument(
         "--stop-seconds", type=float, default=20.0, help="how long a `stop` fault keeps a worker stopped"
     )
