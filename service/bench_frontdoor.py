@@ -23,12 +23,12 @@ import re
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from service.bench_serve import pct
 from service.benchmarks_md import BENCHMARKS_MD, markers, write_section
-from service.frontdoor_load import SERVICE, cpu_by_component, cpu_delta, run_level
+from service.frontdoor_load import SERVICE, cpu_by_component, cpu_delta, env_by_component, run_level
 from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill, token_for
 
 LETTER = "a"
@@ -54,6 +54,7 @@ class LevelResult:
     out_of_order: int
     errors: int
     load_avg: float = 0.0  # the machine's 1-minute load average at the level's end (other work on it shows here)
+    serve_env: dict = field(default_factory=dict)  # proxy / ingress -> the Serve switches their processes ran with
 
 
 def _letter_id(model_dir: str) -> int:
@@ -161,10 +162,16 @@ def score(records, emits: dict, t0: float, t_end: float, max_tokens: int, letter
 
 
 def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_id: int, first_tag: int) -> LevelResult:
+    from service.serve_ingress import PROXY_SERVE_ENV, REPLICA_SERVE_ENV
+
     _emits(handles)  # drop what an earlier level left
     before = cpu_by_component()
     records, t0, t_end = asyncio.run(run_level(url, streams, args.seconds, args.max_tokens, letter_id, first_tag))
     cpu = cpu_delta(before, cpu_by_component())
+    serve_env = {
+        **env_by_component(tuple(PROXY_SERVE_ENV), ("proxy",)),
+        **env_by_component(tuple(REPLICA_SERVE_ENV), ("ingress",)),
+    }
     s = score(records, _emits(handles), t0, t_end, args.max_tokens, letter_id)
     service_cpu = sum(cpu.get(k, 0.0) for k in SERVICE)
     return LevelResult(
@@ -182,6 +189,7 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
         s["disorder"],
         s["errors"],
         os.getloadavg()[0],
+        serve_env,
     )
 
 
@@ -261,6 +269,18 @@ def comparison(rows: list[LevelResult], before: dict[int, float]) -> list[str]:
     return lines
 
 
+def _switches(rows: list[LevelResult]) -> str:
+    seen = rows[-1].serve_env if rows else {}
+    return (
+        "; ".join(
+            f"{comp} " + (", ".join(f"{k}={v}" for k, v in sorted(seen[comp].items())) or "none")
+            for comp in ("proxy", "ingress")
+            if comp in seen
+        )
+        or "not read"
+    )
+
+
 def report(rows: list[LevelResult], args, command: str) -> str:
     ceil = ceilings(rows)
     lines = [
@@ -271,7 +291,8 @@ def report(rows: list[LevelResult], args, command: str) -> str:
         f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}; loopback; synthetic pool (1 prefill + {args.decode_workers} decode "
         f"actors, no model) at {args.token_rate:g} tokens/s a stream, {args.max_tokens} tokens a request, "
-        f"{args.seconds:g} s a level, {args.routers} router replicas. Token path: {TOKEN_PATH}.",
+        f"{args.seconds:g} s a level, {args.routers} router replicas. Token path: {TOKEN_PATH}. "
+        f"Serve switches the processes ran with: {_switches(rows)}.",
         "",
         "Added latency: client receive time minus the synthetic worker's emit time (decode tokens, same host "
         "clock). CPU: user + system of the service's processes (router, ingress replicas, Serve proxy and "

@@ -140,6 +140,29 @@ def cpu_by_component(root: int | None = None) -> dict[str, float]:
     return out
 
 
+def _env_of(pid: int, names: tuple[str, ...]) -> dict[str, str]:
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
+    except OSError:
+        return {}
+    pairs = (item.split("=", 1) for item in raw.split("\0") if "=" in item)
+    return {k: v for k, v in pairs if k in names}
+
+
+def env_by_component(names: tuple[str, ...], components: tuple[str, ...], root: int | None = None) -> dict:
+    """component -> the variables of `names` set in its processes' environment (those of its first live process):
+    which Serve switches the proxy and ingress replicas actually run with."""
+    kids, out = _children(), dict[str, dict[str, str]]()
+    stack = list(kids.get(root or os.getpid(), []))
+    while stack:
+        pid = stack.pop()
+        stack.extend(kids.get(pid, []))
+        name = _component(pid)
+        if name in components and name not in out:
+            out[name] = _env_of(pid, names)
+    return out
+
+
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Per component; a process that ended in between is missing from `after` (clamped at 0)."""
     return {k: max(0.0, after.get(k, 0.0) - before.get(k, 0.0)) for k in set(before) | set(after)}
