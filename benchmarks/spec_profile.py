@@ -29,15 +29,18 @@ from engine.execution import spec_fixed, spec_rollback, speculative
 
 PHASES = [  # (owner, method name, label): wrapped in record_function ranges for the profile only
     (speculative.Speculator, "step", "spec: whole step"),
-    (spec_fixed.FixedSpecStep, "run", "spec: fixed step (launches + read)"),
+    (spec_fixed.FixedSpecStep, "launch", "spec: fixed step launches"),
+    (speculative.Speculator, "_launch_next", "spec: overlapped launch of the next step"),
     (spec_rollback, "save_requests", "spec: rollback save"),
+    (spec_rollback, "save_requests_at", "spec: rollback save (overlapped step)"),  # in OVERLAP_ONLY
     (spec_fixed.FixedSpecStep, "_accept", "spec: acceptance"),
     (spec_rollback, "restore_rejected", "spec: rollback restore"),
     (spec_fixed.FixedSpecStep, "_mtp_pass", "spec: MTP pass"),
     (spec_fixed.FixedSpecStep, "_draft", "spec: drafts (chain)"),
-    (spec_fixed.HostCopy, "values", "spec: wait for the acceptance (host)"),
+    (spec_fixed.LaunchedSpec, "read", "spec: wait for the acceptance (host)"),
     (speculative.Speculator, "_apply", "spec: apply (host)"),
 ]
+OVERLAP_ONLY = {"spec: rollback save (overlapped step)"}  # phases of overlapped steps only (CUDA graphs by default)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -143,6 +146,7 @@ def measure(core, batch: int, args) -> list[str]:
         "",
     ]
     spec.force_acceptance(None)
+    spec_bench.drain(spec, core)
     runner, core.speculator = core.decode_runner, None
     core.overlap_decode = True
     prof, wall = profiled(core, args.steps)

@@ -61,7 +61,8 @@ class EngineCore:
         host time would show), off otherwise.
         speculative_tokens / speculative_policy: MTP drafts (engine.execution.speculative) and when to make them
         (engine.execution.spec_policy.SpecPolicy, None: its defaults); decode-only steps then run as fixed-shape
-        verify steps in decode_mode's way (graphs / bucketed), never overlapped."""
+        speculative steps in decode_mode's way (graphs / bucketed), overlap_decode deciding whether greedy ones are
+        launched before the previous one is read (engine.execution.spec_overlap)."""
         self.cfg = cfg
         parallel = parallel or SINGLE
         # Data-parallel attention: this rank schedules its own requests as a lone engine would (self.parallel is
@@ -77,7 +78,7 @@ class EngineCore:
         if speculative_tokens:  # MTP drafts (engine.execution.speculative), the MTP KV in the swa group
             if parallel.enabled:
                 raise ValueError("speculative decoding does not run on tensor-parallel or data-parallel engines yet")
-            overlap_decode = False  # the Speculator reads every step back (drafts come from its tokens)
+            spec_overlap, overlap_decode = overlap_decode, False  # the Speculator overlaps its own steps
             self.cache_config = dataclasses.replace(self.cache_config, mtp_layers=cfg.num_nextn_predict_layers)
         self.pool = CachePool(cfg, self.cache_config, dtype, self.device)
         if isinstance(prefix_cache, bool):
@@ -102,8 +103,8 @@ class EngineCore:
             )
             if self.data_parallel is not None:  # the group agrees on each decode step's shape (its docstring)
                 self.decode_runner.dp_ranks = self.data_parallel.tp_size
+        env = settings().overlap_decode
         if overlap_decode is None:  # DSV4_OVERLAP_DECODE overrides the default (on with graphs)
-            env = settings().overlap_decode
             overlap_decode = self.decode_mode == "graphs" if env is None else env
         self.overlap_decode = (
             overlap_decode
@@ -123,7 +124,9 @@ class EngineCore:
         if speculative_tokens:
             from engine.execution.speculative import Speculator
 
-            self.speculator = Speculator(self, weights, speculative_tokens, speculative_policy)
+            if spec_overlap is None:
+                spec_overlap = self.decode_mode == "graphs" if env is None else env
+            self.speculator = Speculator(self, weights, speculative_tokens, speculative_policy, overlap=spec_overlap)
 
     # ---- request lifecycle ---------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -283,7 +286,8 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._launched is not None
+        spec = self.speculator
+        return self.scheduler.has_work or self._launched is not None or (spec is not None and spec.launched is not None)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -419,9 +423,10 @@ class EngineCore:
     def _settle_deferred_frees(self) -> bool:
         """Wait for the launched step's device work, then return the pages freed while it was in flight (an import
         must not fail for pages that an aborted request gives back one step later). -> whether any came back."""
-        if self._launched is None or not self.pool.has_deferred_frees:
+        launched = self._launched or (self.speculator.launched if self.speculator is not None else None)
+        if launched is None or not self.pool.has_deferred_frees:
             return False
-        self._launched.wait()  # the newest launch: every earlier one has completed too
+        launched.wait()  # the newest launch: every earlier one has completed too
         self.pool.release_deferred_frees()  # the next launch defers again
         return True
 

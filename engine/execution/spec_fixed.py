@@ -117,6 +117,64 @@ class HostCopy:
             self.ready.synchronize()
         return self.host.tolist()
 
+    @staticmethod
+    def done_event(device: torch.device) -> torch.cuda.Event | None:
+        """An event recorded now on the current CUDA stream (None off CUDA): the work queued so far has ended when
+        it completes."""
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
+@dataclass(frozen=True)
+class LaunchedSpec:
+    """A fixed step queued on the device whose tokens the host has not read yet.
+
+    plans: its plans (host side); queries: rows a request; inputs: its verify inputs on the device [3, rows];
+    tokens: int64 [n, q] emitted tokens (the first `emitted[b]` of row b are real); drafts: int64 [steps, n] or None;
+    qrows: sampled requests' q rows; read: the acceptance's host copy; done: an event after its last work (None on
+    the CPU)."""
+
+    plans: list
+    queries: int
+    inputs: torch.Tensor
+    tokens: torch.Tensor
+    emitted: torch.Tensor
+    drafts: torch.Tensor | None
+    qrows: list
+    read_copy: HostCopy
+    done: torch.cuda.Event | None
+
+    def read(self) -> FixedOutcome:
+        """Wait for the acceptance (not for the drafting queued after it) -> the tokens, drafts on the device."""
+        n, q = len(self.plans), self.queries
+        host = self.read_copy.values()
+        tok, lp, acc = host[: n * q], host[n * q : 2 * n * q], host[2 * n * q :]
+        emitted = [[(int(tok[b * q + i]), lp[b * q + i]) for i in range(int(acc[b]) + 1)] for b in range(n)]
+        return FixedOutcome(emitted, [int(a) for a in acc], self.drafts, self.qrows)
+
+    def wait(self) -> None:
+        """Block until all of this step's device work has completed."""
+        if self.done is not None:
+            self.done.synchronize()
+
+    def next_starts(self) -> torch.Tensor:
+        """int64 [n]: each request's first position of the step after this one (its start + its emitted count)."""
+        slots, q = self.inputs.shape[1] // self.queries, self.queries
+        return self.inputs.view(3, slots, q)[1, : len(self.plans), 0] + self.emitted
+
+    def write_next_inputs(self, packed: torch.Tensor, n: int, q: int) -> None:
+        """The next step's verify inputs on the device, for its n requests (this step's, in order) of q rows: token
+        rows [last emitted token, drafts...] (the drafts are written by fill_device_drafts), positions from
+        next_starts (packed [3, rows], the host's placeholders overwritten)."""
+        starts = self.next_starts()
+        last = self.tokens.gather(1, (self.emitted - 1).unsqueeze(1)).squeeze(1)
+        view = packed.view(3, packed.shape[1] // q, q)
+        view[0, :n, 0] = last
+        view[1, :n] = starts.unsqueeze(1) + torch.arange(q, device=starts.device)
+
 
 @dataclass(frozen=True)
 class _Shapes:
@@ -139,11 +197,13 @@ class FixedSpecStep:
         self.force_rate = rate
         self._force = torch.Generator().manual_seed(seed)
 
-    def shapes(self, plans: list, drafting: bool) -> _Shapes | None:
-        """The step's queries and chain bucket, or None when no bucket holds it (the caller takes the varlen path)."""
+    def shapes(self, plans: list, drafting: bool, ahead: int = 0) -> _Shapes | None:
+        """The step's queries and chain bucket, or None when no bucket holds it (the caller takes the varlen path).
+        ahead: how far past their chunks' starts the requests may start (a step launched before the previous one was
+        read: its queries)."""
         spec = self.spec
         q = spec.k + 1 if any(p.drafts for p in plans) else 1
-        top = max(p.chunk.start for p in plans)
+        top = max(p.chunk.start for p in plans) + ahead
         if spec.verify.shape_for(len(plans), top + q, q) is None:
             return None
         # drafts 2..K: as many as the roomiest request may still use after emitting at least one token this step
@@ -157,18 +217,40 @@ class FixedSpecStep:
     @torch.inference_mode()
     def run(self, plans: list, shapes: _Shapes, drafting: bool) -> FixedOutcome:
         """The whole step (module docstring) -> its tokens (read once) and drafts (on the device)."""
+        return self.launch(plans, shapes, drafting).read()
+
+    @torch.inference_mode()
+    def launch(self, plans: list, shapes: _Shapes, drafting: bool, source: LaunchedSpec | None = None) -> LaunchedSpec:
+        """Queue the whole step (module docstring) -> its LaunchedSpec (read it for the tokens).
+
+        source: the previous fixed step, not yet read by the host (engine.execution.spec_overlap): this step's
+        requests are its requests one step further, each at its start + its emitted count with its last emitted
+        token and its drafts as tokens, all taken on the device; `plans` then carry the previous step's starts
+        (their chunks are rebased when this step is read) and device drafts of `source`."""
         spec, core = self.spec, self.spec.core
         q, n = shapes.queries, len(plans)
         reqs = [p.chunk.request for p in plans]
-        starts = [p.chunk.start for p in plans]
         tables = [r.pages for r in reqs]
+        starts_host = [p.chunk.start for p in plans]
+        starts = None if source is None else source.next_starts()  # int64 [n] on the device
         saved = []
         if q > 1:  # every row a slot could write, kept or put back by the device's verdict below
-            positions = [torch.arange(s, s + q) for s in starts]
-            saved = spec_rollback.save_requests(core.pool, tables, positions)
+            if starts is None:
+                saved = spec_rollback.save_requests(core.pool, tables, [torch.arange(s, s + q) for s in starts_host])
+            else:
+                saved = spec_rollback.save_requests_at(
+                    core.pool, tables, starts.unsqueeze(1) + torch.arange(q, device=starts.device)
+                )
         ids = [r.request_id for r in reqs]
         tokens_in = [p.tokens for p in plans]
-        out = spec.verify.run(ids, tokens_in, starts, tables, q, lambda row: fill_device_drafts(row, plans, q, 1))
+        context = None if source is None else max(starts_host) + source.queries + q  # what the starts may reach
+
+        def fill(packed: torch.Tensor) -> None:
+            if source is not None:
+                source.write_next_inputs(packed, n, q)
+            fill_device_drafts(packed[0], plans, q, 1)
+
+        out = spec.verify.run(ids, tokens_in, starts_host, tables, q, fill, context)
         assert out is not None and spec.verify.last is not None  # shapes() found its bucket
         step = spec.verify.last
         tokens, lps, accepted = self._accept(plans, out[1], q)
@@ -181,11 +263,9 @@ class FixedSpecStep:
         qrows: list[list[torch.Tensor] | None] = [None] * n
         if drafting:
             drafts, qrows = self._draft(plans, step, emitted, shapes)
-        # the one wait: for the acceptance, while the device goes on with the MTP pass and chain queued above
-        host = read.values()
-        tok, lp, acc = host[: n * q], host[n * q : 2 * n * q], host[2 * n * q :]
-        emitted_host = [[(int(tok[b * q + i]), lp[b * q + i]) for i in range(int(acc[b]) + 1)] for b in range(n)]
-        return FixedOutcome(emitted_host, [int(a) for a in acc], drafts, qrows)
+        return LaunchedSpec(
+            plans, q, step.packed, tokens, emitted, drafts, qrows, read, HostCopy.done_event(tokens.device)
+        )
 
     # ---- acceptance ---------------------------------------------------------------------------------
     def _accept(self, plans: list, logits: torch.Tensor, q: int):

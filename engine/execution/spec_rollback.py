@@ -69,6 +69,21 @@ def save_requests(
     return out
 
 
+def save_requests_at(pool: CachePool, tables: list[dict], positions: torch.Tensor) -> list[SavedRows]:
+    """`save_requests` at positions on the device (int64 [requests, per_request], computed there: no host read), every
+    ring group of every layer; request i's table tables[i] (each must hold every ring group)."""
+    out = []
+    for name, group in pool.groups.items():
+        if not group.spec.fixed:
+            continue
+        spec = group.spec
+        ring = pool.cfg.sliding_window if name == "swa" else spec.page_rows
+        base = torch.tensor([t[name][0] * spec.page_rows for t in tables], dtype=torch.int64)
+        rows = to_device_nonblocking(base, positions.device).unsqueeze(1) + positions % ring
+        out.append(save_rows(pool, name, spec.layers, rows.reshape(-1), (positions.shape[1],) * len(tables)))
+    return out
+
+
 def save_rows(
     pool: CachePool, name: str, layers: tuple[int, ...], rows: torch.Tensor, counts: tuple[int, ...] = ()
 ) -> SavedRows:

@@ -26,9 +26,11 @@ holds run the varlen step above, with the host deciding acceptance. Both paths e
 same drafts (tests/engine/test_spec_mtp_graphs.py). engine.execution.spec_policy decides per step whether to draft
 (at most speculative_max_batch decoding requests; an optional acceptance floor; measured pay: drafting steps faster
 than plain ones at the batch size): the MTP pass runs either way, so its KV stays complete.
-Not here yet: launching step N + 1 before step N's tokens reach the host (EngineCore's overlapped decode does that
-for one-token steps; a speculative step overlaps only the host's work with its own drafting), the fixed step as
-one CUDA graph (it is several replays and device ops with no host wait between them), tensor/data parallel engines.
+Greedy decode-only steps are also launched before the previous one is read (engine.execution.spec_overlap, on with
+overlap_decode: CUDA graphs by default), where the next step is certain up to finishes.
+Not here yet: overlapped steps with sampled requests (their draws are keyed by output indices the host has not read),
+the fixed step as one CUDA graph (it is several replays and device ops with no host wait between them),
+tensor/data parallel engines.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from engine.execution.mtp_graphs import MtpRunner
 from engine.execution.request import Request, TokenEvent
 from engine.execution.sampling import greedy_pick
 from engine.execution.scheduler import ScheduledChunk
-from engine.execution.spec_fixed import DeviceDrafts, FixedOutcome, FixedSpecStep
+from engine.execution.spec_fixed import DeviceDrafts, FixedOutcome, FixedSpecStep, LaunchedSpec
+from engine.execution.spec_overlap import next_spec_is_known
 from engine.execution.spec_policy import SpecGate, SpecPolicy
 from engine.execution.verify_graphs import VerifyRunner
 from engine.model.batch import build_step
@@ -76,7 +79,7 @@ def _decode_chunk(c) -> bool:
 
 
 class Speculator:
-    def __init__(self, core, weights: dict, k: int, policy: SpecPolicy | None = None):
+    def __init__(self, core, weights: dict, k: int, policy: SpecPolicy | None = None, overlap: bool = False):
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_tokens must be 0 (off) or 1..{MAX_SPECULATIVE_TOKENS}, got {k}")
         cfg = core.cfg
@@ -89,7 +92,14 @@ class Speculator:
         # request id -> drafts to verify in its next step (a fixed step leaves them on the device: DeviceDrafts)
         self.drafts: dict[str, list[int] | DeviceDrafts] = {}
         self.draft_q: dict[str, list[torch.Tensor]] = {}  # sampled requests: each draft's q [V] (spec_sampling)
-        self.stats = {"drafted": 0, "accepted": 0, "verify_chunks": 0, "emitted": 0, "undrafted_steps": 0}
+        self.stats = {
+            "drafted": 0,
+            "accepted": 0,
+            "verify_chunks": 0,
+            "emitted": 0,
+            "undrafted_steps": 0,
+            "overlapped_steps": 0,  # launched before the previous step was read (engine.execution.spec_overlap)
+        }
         self.gate = SpecGate(policy or SpecPolicy())  # when to draft (engine.execution.spec_policy)
         # decode-only steps as fixed-shape verify steps (graphs on CUDA, eager bucketed on the CPU) when the engine
         # buckets its decode steps; else (decode_mode "eager") every step takes the varlen path
@@ -98,6 +108,10 @@ class Speculator:
         # one host read (engine.execution.spec_fixed). mtp None: every step takes the varlen path (tests compare)
         self.mtp = MtpRunner(self.verify, self.layers) if self.verify is not None else None
         self.fixed = FixedSpecStep(self)
+        # greedy decode-only steps launched before the previous one is read (engine.execution.spec_overlap)
+        self.overlap = overlap and self.verify is not None
+        self.launched: LaunchedSpec | None = None  # a fixed step not yet read by the host
+        self._launched_drafting = False  # whether it drafts
         self._fixed_outcome: FixedOutcome | None = None  # this step's, when it ran on fixed shapes
         self._drafting: bool | None = None  # this step's drafting decision, when taken before the varlen path
         # Benchmarks only (force_acceptance): (drafts, the target's greedy picks) -> the drafts greedy acceptance
@@ -111,6 +125,8 @@ class Speculator:
     def step(self) -> list[TokenEvent]:
         core = self.core
         self._time_last_step(time.perf_counter())
+        if self.launched is not None:
+            return self._complete_launched()
         chunks = core.scheduler.schedule()
         if not chunks:
             return []
@@ -155,9 +171,15 @@ class Speculator:
         else:
             events = self._apply(plans, None, [(0, 0)] * len(plans))
             self._keep_fixed_drafts(plans)
+        self._end_step(plans, before, pure_decode, bool(drafted))
+        return events
+
+    def _end_step(self, plans: list[_Plan], before: tuple[int, int], pure_decode: bool, drafted: bool) -> None:
+        """After the tokens are applied: the gate's observations, the prefix cache, held and finished requests."""
+        core = self.core
         self.gate.observe(self.stats["drafted"] - before[0], self.stats["accepted"] - before[1])
         if pure_decode:  # timed to the next step's start (SpecGate.observe_rate)
-            self._last_step = (len(plans), bool(drafted), sum(len(p.emitted) for p in plans), self._step_start)
+            self._last_step = (len(plans), drafted, sum(len(p.emitted) for p in plans), self._step_start)
         for p in plans:
             req = p.chunk.request
             if core.prefix is not None:
@@ -169,7 +191,6 @@ class Speculator:
                 core.scheduler.finish(req)
                 self.drafts.pop(req.request_id, None)
                 self.draft_q.pop(req.request_id, None)
-        return events
 
     def _time_last_step(self, now: float) -> None:
         """The previous step, if it was a pure decode step, took until `now`: its rate goes to the gate."""
@@ -202,26 +223,84 @@ class Speculator:
             self._drafting = drafting
             _to_host(plans)
             return False
-        out = self.fixed.run(plans, shapes, drafting)
-        for b, (p, emitted, accepted) in enumerate(zip(plans, out.emitted, out.accepted)):
-            p.first_row, p.emitted = b * shapes.queries, emitted
+        launched = self.fixed.launch(plans, shapes, drafting)
+        self._launch_next(launched)
+        self._take(launched, drafting, list(range(len(plans))))
+        return True
+
+    def _take(self, launched: LaunchedSpec, drafting: bool, keep: list[int]) -> None:
+        """Read a launched fixed step: its plans `keep` (the others' requests finished or left meanwhile) get their
+        emitted tokens; self._fixed_outcome holds its drafts."""
+        out = launched.read()
+        for b in keep:
+            p = launched.plans[b]
+            p.first_row, p.emitted = b * launched.queries, out.emitted[b]
             if p.drafts:
-                self._count(p.chunk.request, len(p.drafts), accepted)
+                self._count(p.chunk.request, len(p.drafts), out.accepted[b])
         if not drafting:
             self.stats["undrafted_steps"] += 1  # the MTP pass ran: its KV stays complete, drafting resumes exactly
         self._fixed_outcome = out
-        return True
 
-    def _keep_fixed_drafts(self, plans: list[_Plan]) -> None:
-        """After `_apply`: the fixed step's drafts of the requests that go on."""
+    # ---- overlapped steps (engine.execution.spec_overlap) ----------------------------------------------
+    def _launch_next(self, step: LaunchedSpec) -> None:
+        """Launch the step after `step` (unread) from its device outputs, when it is certain (spec_overlap)."""
+        core = self.core
+        if not self.overlap or self.launched is not None:
+            return
+        sched, block = core.scheduler, core.prefix.block if core.prefix is not None else None
+        if not next_spec_is_known(step, sched.running, sched.waiting, self.k, block):
+            return
+        q = self.k + 1 if step.drafts is not None else 1
+        plans = [
+            _Plan(
+                ScheduledChunk(p.chunk.request, p.chunk.start, 1),  # rebased when read (_complete_launched)
+                [0] * q,
+                [0] * (q - 1),
+                b * q,
+                device=DeviceDrafts(step.drafts, b, q - 1) if step.drafts is not None else None,
+            )
+            for b, p in enumerate(step.plans)
+        ]
+        drafting = self.gate.should_draft(len(plans))
+        shapes = self.fixed.shapes(plans, drafting, ahead=step.queries)
+        if shapes is None:
+            return
+        core.pool.defer_frees()  # until no launched step can write the rows of a request freed meanwhile
+        self.launched = self.fixed.launch(plans, shapes, drafting, source=step)
+        self._launched_drafting = drafting
+        self.stats["overlapped_steps"] += 1
+
+    def _complete_launched(self) -> list[TokenEvent]:
+        """Launch the step after the unread one when it is certain, then read the unread one and report it. Its
+        requests that finished or were aborted since its launch are dropped."""
+        step, self.launched = self.launched, None
+        assert step is not None
+        drafting = self._launched_drafting
+        for p in step.plans:  # the previous step is applied: each request starts at its computed count now
+            p.chunk = ScheduledChunk(p.chunk.request, p.chunk.request.num_computed, 1)
+        self._launch_next(step)
+        keep = [b for b, p in enumerate(step.plans) if _still_running(self.core, p.chunk.request)]
+        before = (self.stats["drafted"], self.stats["accepted"])
+        self._take(step, drafting, keep)
+        plans = [step.plans[b] for b in keep]
+        events = self._apply(plans, None, [(0, 0)] * len(plans))
+        self._keep_fixed_drafts(plans, keep)
+        self._end_step(plans, before, True, any(p.drafts for p in plans))
+        if self.launched is None:
+            self.core.pool.release_deferred_frees()  # nothing queued writes rows any more
+        return events
+
+    def _keep_fixed_drafts(self, plans: list[_Plan], columns: list[int] | None = None) -> None:
+        """After `_apply`: the fixed step's drafts of the requests that go on (plan i's are column columns[i] of
+        the step's drafts; default i)."""
         out = self._fixed_outcome
         if out is None or out.drafts is None:
             return
-        picks = out.drafts
+        picks, cols = out.drafts, columns if columns is not None else list(range(len(plans)))
         going = [i for i, p in enumerate(plans) if not p.chunk.request.finished]
         if going:
-            drafts = [DeviceDrafts(picks, i, picks.shape[0]) for i in going]  # read there by the next fixed step
-            self._keep_drafts([plans[i] for i in going], drafts, [out.q[i] for i in going])
+            drafts = [DeviceDrafts(picks, cols[i], picks.shape[0]) for i in going]  # read there by the next fixed step
+            self._keep_drafts([plans[i] for i in going], drafts, [out.q[cols[i]] for i in going])
 
     def forget(self, request_id: str) -> None:
         """Drop what is kept for a request's next step (it was aborted)."""
@@ -482,3 +561,8 @@ def _to_host(plans: list[_Plan]) -> None:
             p.drafts = p.device.values()
             p.tokens = p.tokens[: len(p.tokens) - len(p.drafts)] + p.drafts
             p.device = None
+
+
+def _still_running(core, req: Request) -> bool:
+    """The request is still the engine's and unfinished (not finished by an earlier step, not aborted)."""
+    return not req.finished and core.requests.get(req.request_id) is req

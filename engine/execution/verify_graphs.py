@@ -79,16 +79,19 @@ class VerifyRunner:
         tables: list[dict],
         queries: int,
         fill: Callable[[torch.Tensor], None] | None = None,
+        context: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Request b runs token_rows[b] (1..queries tokens) from position starts[b] with page table tables[b].
-        fill: called with the step's token row on the device (int64 [rows]) before the step runs, to write the
-        tokens that are already on the device there (drafts a previous step left there: host placeholders).
+        fill: called with the step's inputs on the device (int64 [3, rows], VerifyInputs) before the step runs, to
+        write what is already on the device there (drafts a previous step left, or the tokens and positions of a
+        step launched before the previous one was read: the host's are placeholders then); context: the bound on
+        positions the bucket must hold when the host's starts are placeholders (default max(starts) + queries).
 
         -> (streams [n * queries, hc, D], fp32 logits [n * queries, vocab]): request b's rows are b * queries ..
         (rows past its tokens are padding: never read them). Views of static buffers under graphs (read them
         before the next verify step); None when no bucket fits (the caller runs the varlen step)."""
         n = len(token_rows)
-        shape = self.shape_for(n, max(starts) + queries, queries)
+        shape = self.shape_for(n, context if context is not None else max(starts) + queries, queries)
         if shape is None:
             return None
         d = self.decode
@@ -99,14 +102,14 @@ class VerifyRunner:
         if d.mode == "eager":
             packed = host.packed.to(d.model.device)
             if fill is not None:
-                fill(packed[0])
+                fill(packed)
             streams, logits = self._forward(packed, shape)
             self.last = VerifyStep(shape, streams, packed)
             return streams[:used], logits[:used]
         graph = self.graphs.get(shape) or self._capture(shape)
         copy_nonblocking_(graph.packed, host.packed)  # pinned, non-blocking: no wait for queued steps
         if fill is not None:
-            fill(graph.packed[0])
+            fill(graph.packed)
         graph.graph.replay()
         self.last = VerifyStep(shape, graph.streams, graph.packed)
         return graph.streams[:used], graph.logits[:used]
