@@ -4,8 +4,9 @@ requests, KV pool and transfer endpoint), the ranks' engine loops in lockstep; T
 
 Also with a one-rank prefill worker feeding the data-parallel decode ranks (`prefill_tensor_parallel_size=1`).
 The disaggregated tokens and logprobs equal one engine's; both ranks of each pool serve; an idle group serves
-again; a rank that dies ends its peer's loop (the group leaves the router together); stopping the service frees
-every rank and the placement groups.
+again; stopping the service frees every rank and the placement groups. With two-rank prefill (the decode group is
+the same in both layouts), a decode rank that dies ends its peer's loop (the group leaves the router together) and
+the group is placed again.
 """
 
 import concurrent.futures
@@ -94,32 +95,37 @@ def test_data_parallel_attention_ranks_serve_as_workers_and_match_one_engine(pre
         assert sum(pulls.values()) == 5 and all(pulls.values()), pulls
         for h in (*handles["prefill"].values(), *handles["decode"].values()):
             assert ray.get(h.stats.remote()).load.running == 0
-        # A rank that dies fails its peer's next collective: the peer's loop ends and its ping says so (then its
-        # watchdog ends it), instead of a live-looking worker whose steps never return; the group is placed again
-        # as a whole (service.group_restart) and both its ranks serve again.
-        ray.kill(handles["decode"]["decode-0-dp1"], no_restart=True)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                ray.get(handles["decode"]["decode-0"].ping.remote(), timeout=10)
-            except ray.exceptions.RayActorError:
-                break  # already ended by its watchdog
-            except Exception as e:  # noqa: BLE001
-                assert "engine loop ended" in str(e), e
-                break
-            assert time.monotonic() < deadline, "decode-0 still answers 60 s after its peer rank died"
-            time.sleep(0.2)
-        router = handles["router"]
-        deadline = time.monotonic() + 120
-        while ray.get(router.group_restarts.remote(), timeout=30) < 1 or not all(
-            w.healthy for w in client.health().workers
-        ):
-            assert time.monotonic() < deadline, "the data-parallel group is not back within 120 s"
-            time.sleep(0.5)
-        again = [client.generate_full(p, PARAMS) for p in prompts]
-        assert [g.token_ids for g in again] == [w.token_ids for w in want]
+        if prefill_ranks == 2:  # the decode group is the same in both layouts: its rank death is tested once
+            dead_rank_restarts_its_group(handles, client, prompts, [w.token_ids for w in want])
         client.close()
     finally:
         if ray.is_initialized():
             stop_service(handles)
         remove_metrics_dir()
+
+
+def dead_rank_restarts_its_group(handles, client, prompts, want_tokens) -> None:
+    """A rank that dies fails its peer's next collective: the peer's loop ends and its ping says so (then its
+    watchdog ends it), instead of a live-looking worker whose steps never return; the group is placed again as a
+    whole (service.group_restart) and both its ranks serve again, with the same tokens."""
+    ray.kill(handles["decode"]["decode-0-dp1"], no_restart=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ray.get(handles["decode"]["decode-0"].ping.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            break  # already ended by its watchdog
+        except Exception as e:  # noqa: BLE001
+            assert "engine loop ended" in str(e), e
+            break
+        assert time.monotonic() < deadline, "decode-0 still answers 60 s after its peer rank died"
+        time.sleep(0.2)
+    router = handles["router"]
+    deadline = time.monotonic() + 120
+    while ray.get(router.group_restarts.remote(), timeout=30) < 1 or not all(
+        w.healthy for w in client.health().workers
+    ):
+        assert time.monotonic() < deadline, "the data-parallel group is not back within 120 s"
+        time.sleep(0.5)
+    again = [client.generate_full(p, PARAMS) for p in prompts]
+    assert [g.token_ids for g in again] == want_tokens
