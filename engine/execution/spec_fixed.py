@@ -165,11 +165,12 @@ class LaunchedSpec:
         slots, q = self.inputs.shape[1] // self.queries, self.queries
         return self.inputs.view(3, slots, q)[1, : len(self.plans), 0] + self.emitted
 
-    def write_next_inputs(self, packed: torch.Tensor, n: int, q: int) -> None:
-        """The next step's verify inputs on the device, for its n requests (this step's, in order) of q rows: token
-        rows [last emitted token, drafts...] (the drafts are written by fill_device_drafts), positions from
-        next_starts (packed [3, rows], the host's placeholders overwritten)."""
-        starts = self.next_starts()
+    def write_next_inputs(self, packed: torch.Tensor, starts: torch.Tensor, q: int) -> None:
+        """The next step's verify inputs on the device, for its requests (this step's, in order) of q rows: token
+        rows [last emitted token, drafts...] (the drafts are written by fill_device_drafts), positions from starts
+        (next_starts, taken before the next step's inputs were copied: a graph of the same bucket reuses this step's
+        input buffer), into packed [3, rows] over the host's placeholders."""
+        n = starts.shape[0]
         last = self.tokens.gather(1, (self.emitted - 1).unsqueeze(1)).squeeze(1)
         view = packed.view(3, packed.shape[1] // q, q)
         view[0, :n, 0] = last
@@ -246,8 +247,8 @@ class FixedSpecStep:
         context = None if source is None else max(starts_host) + source.queries + q  # what the starts may reach
 
         def fill(packed: torch.Tensor) -> None:
-            if source is not None:
-                source.write_next_inputs(packed, n, q)
+            if source is not None and starts is not None:  # (starts: read before packed, which may share its buffer)
+                source.write_next_inputs(packed, starts, q)
             fill_device_drafts(packed[0], plans, q, 1)
 
         out = spec.verify.run(ids, tokens_in, starts_host, tables, q, fill, context)
