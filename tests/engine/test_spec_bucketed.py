@@ -20,7 +20,9 @@ from tests.engine.test_speculative import _forced, _prompts, _run
 from tests.engine.test_speculative import model as model  # noqa: F401 (the module fixture)
 
 
-def _engine(model, k, kv="exact", mode="bucketed", policy=None, budget=2048, device="cpu", dtype=torch.float32):
+def _engine(
+    model, k, kv="exact", mode="bucketed", policy=None, budget=2048, device="cpu", dtype=torch.float32, overlap=None
+):
     cfg, weights = model
     return EngineCore(
         cfg,
@@ -30,6 +32,7 @@ def _engine(model, k, kv="exact", mode="bucketed", policy=None, budget=2048, dev
         cache_config=CacheConfig(max_requests=8, max_tokens=4096, page_tokens=16, kv_cache_dtype=kv),
         scheduler_config=SchedulerConfig(max_batch_tokens=budget, max_num_seqs=8),
         decode_mode=mode,
+        overlap_decode=overlap,
         prefix_cache=True,
         speculative_tokens=k,
         speculative_policy=policy or SpecPolicy(max_batch=8),
@@ -152,7 +155,8 @@ def test_graph_verify_steps_equal_eager_bucketed(tmp_path, monkeypatch, k):
     cfg = ModelConfig.from_model_dir(d)
     gpu = (cfg, load_weights(d, cfg, dtype=torch.bfloat16, device="cuda", mtp=True))
     prompts, params = _case(gpu, 7)
-    graphs = _engine(gpu, k, mode="graphs", device="cuda", dtype=torch.bfloat16)
+    # (not overlapped: an overlapped step takes its drafts on the device, where the forcing below does not reach)
+    graphs = _engine(gpu, k, mode="graphs", device="cuda", dtype=torch.bfloat16, overlap=False)
     warm_engine(graphs, sweep_gemms=False, decodes=True)  # before forcing: its prompts have no reference
     want = _run(_engine(gpu, 0, mode="bucketed", device="cuda", dtype=torch.bfloat16), prompts, params)
     _forced(monkeypatch, {tuple(p): o.token_ids for p, o in zip(prompts, want)}, 0.3, seed=k)

@@ -143,3 +143,39 @@ def test_snapshots_taken_between_overlapped_steps_serve_later_hits(model, prompt
     want = _logprobs(_engine(model, 0, overlap=False, prefix=False), longer, 4)
     # fp32 rounding between the two paths: ~3e-7; a snapshot holding the next step's rows: ~4e-4
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only: overlapped speculative steps under CUDA graphs")
+@pytest.mark.parametrize("k", [1, 2])
+def test_graph_overlapped_steps_equal_eager_bucketed(prompts, k):
+    """bf16 on CUDA: with the warm-up's graphs and overlapped steps (the production setting) the trained model emits
+    the tokens that synchronous eager bucketed steps emit, steps were overlapped, nothing was captured mid-run and
+    every page came back."""
+    from engine.execution.warmup import warm_engine
+
+    cfg = ModelConfig.from_model_dir(MINI)
+    gpu = (cfg, load_weights(MINI, cfg, dtype=torch.bfloat16, device="cuda", mtp=True))
+
+    def engine(mode, overlap):
+        return EngineCore(
+            cfg,
+            gpu[1],
+            device="cuda",
+            dtype=torch.bfloat16,
+            cache_config=CacheConfig(max_requests=8, max_tokens=4096, page_tokens=16),
+            scheduler_config=SchedulerConfig(max_batch_tokens=2048, max_num_seqs=8),
+            decode_mode=mode,
+            overlap_decode=overlap,
+            speculative_tokens=k,
+        )
+
+    graphs = engine("graphs", True)
+    warm_engine(graphs, sweep_gemms=False, decodes=True)
+    captured = len(graphs.speculator.verify.graphs) + len(graphs.speculator.mtp.graphs)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 9, 24, 40, 17)]
+    want = _run(engine("bucketed", False), prompts, params)
+    assert _run(graphs, prompts, params) == want
+    assert graphs.speculator.stats["overlapped_steps"] > 0
+    assert len(graphs.speculator.verify.graphs) + len(graphs.speculator.mtp.graphs) == captured
+    assert graphs.pool.num_free_pages() == graphs.pool.idle_free_pages()
