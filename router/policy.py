@@ -133,11 +133,20 @@ class PolicyConfig:
     # tokens): when every worker has a queue, recomputing a prefix only adds to the total backlog, so sessions
     # stick harder (the shortest queue, not the mean: a long queue on the holder alone must not make it stickier)
     backlog_gain: float = 0.5
-    # ... times exp(balance_gain x r), r = the worker's prompt tokens computed recently (decayed with this
-    # half-life) / the candidates' mean - 1, at most 1: a busy worker's misses cost more, a cold one's less,
-    # while a session's next turn (few tokens to compute where its prefix is) stays put.
+    # ... times exp(balance_gain x r), r = the worker's prompt tokens computed recently / the candidates' mean - 1,
+    # at most 1: a busy worker's misses cost more, a cold one's less, while a session's next turn (few tokens to
+    # compute where its prefix is) stays put. The gain ramps in with the requests placed in the last
+    # balance_half_life_s (a few requests are no load signal).
     balance_gain: float = 2.5
     balance_half_life_s: float = 30.0
+    # "Recently" decays per placement, not per second: a half-life of this many requests per candidate, so the
+    # balance term sees as many requests a worker at any pool size and arrival rate (a 30 s half-life held 8x fewer
+    # a worker at 64 workers than at 8, and forgot a large prefill before the pool had evened it out).
+    balance_window_requests: float = 128.0
+    # Bounded load (consistent hashing with bounded loads, in prompt tokens): a worker whose recent work exceeds
+    # load_cap x the candidates' mean pays the excess tokens as if they were queued there, so a hot prefix's
+    # holder overflows to a second worker (which then holds it too) instead of drifting ever further above the mean.
+    load_cap: float = 1.1
     # Conditional disaggregation (cache_aware on real digests): a request whose part not cached on its
     # decode worker is at most this many tokens is prefilled there, skipping the transfer. 0 = off (the
     # crossover of transfer cost vs prefill on the decode batch has not been measured on GPUs yet).
@@ -158,8 +167,13 @@ class PolicyConfig:
             raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
         if self.uncached_weight < 1.0:
             raise ValueError(f"uncached_weight must be >= 1, got {self.uncached_weight}")
-        if self.balance_half_life_s <= 0:
-            raise ValueError(f"balance_half_life_s must be > 0, got {self.balance_half_life_s}")
+        if self.balance_half_life_s <= 0 or self.balance_window_requests <= 0:
+            raise ValueError(
+                "balance_half_life_s and balance_window_requests must be > 0, got "
+                f"{self.balance_half_life_s}, {self.balance_window_requests}"
+            )
+        if self.load_cap < 1.0:
+            raise ValueError(f"load_cap must be >= 1, got {self.load_cap}")
         if self.balance_gain < 0.0 or self.backlog_gain < 0.0:
             raise ValueError(
                 f"balance_gain and backlog_gain must be >= 0, got {self.balance_gain}, {self.backlog_gain}"
@@ -202,7 +216,10 @@ class RoutingPolicy:
         self._rr = 0  # round-robin cursor
         self._tie = 0  # rotates among equally good workers
         self._pending: Counter[str] = Counter()  # uncached prompt tokens sent, prefill not finished (per worker)
-        self._recent = locality.RecentWork(self.config.balance_half_life_s)  # uncached prompt tokens sent
+        # uncached prompt tokens sent, decayed per placement: its clock counts placements per candidate
+        self._recent = locality.RecentWork(self.config.balance_window_requests)
+        self._placements = 0.0
+        self._window_requests = locality.RecentWork(self.config.balance_window_requests)  # on the same clock
         self._recent_requests = locality.RecentWork(self.config.balance_half_life_s)  # requests placed, all workers
         self._index = locality.CacheIndex()  # the workers' published digests, inverted
         self._estimate_hasher = PromptHasher(self.config.block_size, ESTIMATE_SEED)
@@ -440,6 +457,7 @@ class RoutingPolicy:
         workers this pass, not the matching, is most of the decision; bound methods and a cap test instead of
         min() make it cheaper than a plain loop; list comprehensions column by column cost more)."""
         n = len(prompt_ids)
+        self._placements += 1.0 / len(candidates)
         self._index.sync(candidates)
         cached = self._index.cached(prompt_ids, hashes)
         cfg, pending, inflight = self.config, self._pending, self._inflight
@@ -457,12 +475,21 @@ class RoutingPolicy:
         recent = self._recent_requests.stored.get("", 0.0) / self._recent_requests.scale(now)
         gain = cfg.balance_gain * recent / (recent + BALANCE_MIN_REQUESTS)
         cap = exp(gain)  # the factor at r >= 1
+        # Bounded load: the tokens of recent work above the cap count as queued (ramped in like the gain). The cap is
+        # load_cap x the mean plus half a mean request (Mirrokni's cap in requests is rounded up: half a request on
+        # average), so a worker that took one of a pool's first few requests is not over it.
+        scale = self._recent.scale(self._placements)
+        over = total / len(candidates) / scale * gain / cfg.balance_gain if gain else 0.0
+        placed = self._window_requests.stored.get("", 0.0) / self._window_requests.scale(self._placements)
+        bound = cfg.load_cap + 0.5 * len(candidates) / placed if placed else inf
         best_cost, best_load, min_load = inf, 0, inf
         ties: list[WorkerInfo] = []
         for w in candidates:
             wid = w.worker_id
             x = stored_of(wid, 0.0) * per_mean if per_mean else 1.0  # r + 1
             cost = pending_of(wid, 0) + weight * (n - cached_of(wid, 0)) * (exp(gain * (x - 1.0)) if x < 2.0 else cap)
+            if x > bound:
+                cost += (x - bound) * over
             load = w.running + w.waiting
             if inflight:
                 mine = inflight_of(wid, 0)
@@ -480,7 +507,8 @@ class RoutingPolicy:
             best, reason = self._rotate(least), "hotspot_guard"
         c = cached.get(best.worker_id, 0)
         reason = reason or ("prefix_hit" if c else "no_match")
-        self._recent.add(best.worker_id, n - c, now)
+        self._recent.add(best.worker_id, n - c, self._placements)
+        self._window_requests.add("", 1.0, self._placements)
         self._recent_requests.add("", 1.0, now)
         return Decision("prefill", best.worker_id, reason, cached_tokens=c, uncached_tokens=n - c)
 

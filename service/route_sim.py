@@ -129,7 +129,13 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dict:
-    """Replay `trace` through one policy; -> the per-policy result fields."""
+    """Replay `trace` through one policy; -> the per-policy result fields.
+
+    load_floor: max over requests of (the tokens computed per worker before it + its own uncached tokens) / the final
+    mean: where the worker that took it would end had it been exactly at the mean then and taken nothing after. A
+    placement that keeps the workers level (each at the mean when a request arrives) ends at or above it: a huge prompt
+    arriving late lands on a worker already at the mean; only one that foresaw it (a worker kept idle for it) could
+    end lower."""
     name = "cache_aware" if policy_name == ESTIMATE else policy_name
     policy = RoutingPolicy(PolicyConfig(name))
     use_digest = policy_name != ESTIMATE
@@ -140,7 +146,8 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
     done: list[tuple[float, int, str, list[int], int]] = []  # (time, seq, worker, chain, uncached)
     ttfts, decisions, walls = [], [], []  # decision time: CPU time of the call, and wall time
     indexing = []  # CPU time of indexing the reports' digests before each decision (not on the request's path)
-    hit_tokens = total_tokens = 0
+    hit_tokens = total_tokens = computed = 0
+    floor = 0.0
     for seq, req in enumerate(sorted(trace, key=lambda r: r.timestamp_ms)):
         now = req.timestamp_ms / 1000.0 / cfg.time_scale
         while done and done[0][0] <= now:
@@ -166,6 +173,9 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
         start = max(now, w.free_at)
         w.free_at = start + cfg.overhead_s + uncached / cfg.tokens_per_s
         w.ends.append(w.free_at)
+        # A request's own prefill on a worker exactly at the mean so far: max/mean can end no lower (see `simulate`).
+        floor = max(floor, computed / cfg.workers + uncached)
+        computed += uncached
         w.computed += uncached
         if placement.prefill.uncached_tokens != uncached:  # keep the router's pending count honest
             policy.prefill_done(w.worker_id, placement.prefill.uncached_tokens - uncached)
@@ -179,6 +189,7 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
         "hit_rate": hit_tokens / total_tokens if total_tokens else 0.0,
         "pooled_hit_rate": pooled_hit_rate(trace, cfg),
         "load_imbalance": max(loads) / mean if mean else 1.0,
+        "load_floor": floor / mean if mean else 1.0,
         "max_prefill_tokens": max(loads, default=0),
         "mean_prefill_tokens": mean,
         "ttft_p50_s": _pct(ttfts, 0.5),
@@ -191,13 +202,16 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
     }
 
 
-_POOLED: dict = {}
+# The last trace's pooled hit rate: (trace, capacity, block) -> rate. The trace itself is kept, not its id: a
+# freed trace's id is reused by the next one a process reads (bench jobs read one trace after another).
+_POOLED: dict[tuple[int, int], tuple[list[TraceRequest], float]] = {}
 
 
 def pooled_hit_rate(trace: list[TraceRequest], cfg: SimConfig) -> float:
-    """Hit rate of one LRU cache of workers x capacity_blocks seeing every request (memoised per run)."""
-    key = (id(trace), cfg.workers * cfg.capacity_blocks, cfg.block_tokens)
-    if key not in _POOLED:
+    """Hit rate of one LRU cache of workers x capacity_blocks seeing every request (memoised per trace)."""
+    key = (cfg.workers * cfg.capacity_blocks, cfg.block_tokens)
+    memo = _POOLED.get(key)
+    if memo is None or memo[0] is not trace:
         cache = LRUBlocks(cfg.workers * cfg.capacity_blocks)
         hit = total = 0
         for req in sorted(trace, key=lambda r: r.timestamp_ms):
@@ -208,5 +222,5 @@ def pooled_hit_rate(trace: list[TraceRequest], cfg: SimConfig) -> float:
             total += len(tokens)
             cache.insert(chain)
         _POOLED.clear()
-        _POOLED[key] = hit / total if total else 0.0
-    return _POOLED[key]
+        _POOLED[key] = memo = (trace, hit / total if total else 0.0)
+    return memo[1]

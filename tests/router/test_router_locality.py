@@ -93,7 +93,9 @@ def test_a_worker_short_of_recent_work_takes_new_sessions_but_does_not_soak_up_h
     next steps onto the one worker that has done less (each would recompute its session's own blocks and wait
     behind the others: the agentic trace's TTFT tail when the term was added to the cost instead)."""
     tools, own, ws = shared_context_workers(6)
-    pol = RoutingPolicy(PolicyConfig("cache_aware"))
+    # The balance term alone: with 6 of 7 workers above the mean, the bounded load (its own test below) would move
+    # sessions until the cold worker caught up, which is its job, not this term's.
+    pol = RoutingPolicy(PolicyConfig("cache_aware", load_cap=100.0))
     for i in range(6):  # the holders computed their sessions recently; "cold" did nothing
         pol._recent.add(f"h{i}", 1000, now=0.0)
     pol._recent_requests.add("", 70 * 8, now=0.0)  # sustained traffic: 80 requests a worker (the full gain)
@@ -118,6 +120,52 @@ def test_a_few_requests_are_no_load_signal():
     ws = [worker(w.worker_id, digest(prompt, 9 if w.worker_id == first else 0)) for w in ws]
     pol.prefill_done(first, 40)
     assert pol.place(prompt[:38] + [7, 7], 100, ws, now=1.0).prefill.worker_id == first
+
+
+def zipf_groups_traffic(pol: RoutingPolicy, shares: tuple[int, ...], workers: int = 4, rounds: int = 8):
+    """System-prompt traffic: group g's requests (shares[g] of every sum(shares)) are its 8-block prefix + one own
+    block + a token, interleaved; each worker's digest holds every block placed there; no queue (each prefill ends
+    before the next request). -> (max/mean of the tokens each worker computed, workers holding each group's prefix,
+    requests that found nothing cached)."""
+    prefixes = [list(range(10_000 * (g + 1), 10_000 * (g + 1) + 8 * BLOCK)) for g in range(len(shares))]
+    order = [g for _ in range(rounds) for g, k in enumerate(shares) for _ in range(k)]
+    order = [order[(i * 7) % len(order)] for i in range(len(order))]  # the groups interleaved
+    held: dict[str, set[int]] = {f"w{i}": set() for i in range(workers)}
+    computed = dict.fromkeys(held, 0)
+    misses = 0
+    for k, g in enumerate(order):
+        prompt = prefixes[g] + list(range(100_000 + k * BLOCK, 100_000 + (k + 1) * BLOCK)) + [1]
+        ws = [
+            worker(w, PrefixDigest(block_tokens=BLOCK, seed=SEED, hashes=frozenset(h), version=len(h)))
+            for w, h in held.items()
+        ]
+        d = pol.place(tuple(prompt), len(prompt) + 8, ws, now=k * 0.01).prefill
+        misses += d.cached_tokens == 0
+        computed[d.worker_id] += d.uncached_tokens
+        held[d.worker_id] |= set(block_hashes(prompt, BLOCK, SEED))
+        pol.prefill_done(d.worker_id, d.uncached_tokens)
+    holders = [sum(block_hashes(p, BLOCK, SEED)[-1] in h for h in held.values()) for p in prefixes]
+    return max(computed.values()) * workers / sum(computed.values()), holders, misses
+
+
+def test_a_hot_prefix_overflows_to_a_second_worker_past_the_load_cap():
+    """Bounded load: the holder of the most popular prefix (32% of the traffic on 4 workers) gets every cheap hit
+    of it; the balance term alone leaves it ~1.3x the mean, while past load_cap x the mean its excess counts as
+    queued work and the prefix is copied to a second worker once, every later request still a hit."""
+    shares = (16, 12, 11, 11)
+    imbalance, holders, misses = zipf_groups_traffic(RoutingPolicy(PolicyConfig("cache_aware")), shares)
+    assert imbalance <= 1.15 and holders[0] == 2 and holders[1:] == [1, 1, 1], (imbalance, holders)
+    assert misses == 4 + 1  # each group's first request, and the one copy
+    uncapped = RoutingPolicy(PolicyConfig("cache_aware", load_cap=100.0))
+    imbalance, holders, misses = zipf_groups_traffic(uncapped, shares)
+    assert imbalance > 1.2 and holders == [1, 1, 1, 1] and misses == 4
+
+
+def test_even_prefixes_keep_their_holders_under_the_load_cap():
+    """Groups of equal popularity: every holder is at the mean, nothing is copied, every request after a group's
+    first is a hit."""
+    imbalance, holders, misses = zipf_groups_traffic(RoutingPolicy(PolicyConfig("cache_aware")), (10, 10, 10, 10))
+    assert holders == [1, 1, 1, 1] and misses == 4 and imbalance < 1.1
 
 
 def test_backlog_everywhere_makes_sessions_stick():
