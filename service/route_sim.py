@@ -27,6 +27,7 @@ import statistics
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from math import inf
 
 from engine.execution.block_hash import block_hashes
 from engine.handoff import PrefixDigest
@@ -135,7 +136,10 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
     mean: where the worker that took it would end had it been exactly at the mean then and taken nothing after. A
     placement that keeps the workers level (each at the mean when a request arrives) ends at or above it: a huge prompt
     arriving late lands on a worker already at the mean; only one that foresaw it (a worker kept idle for it) could
-    end lower."""
+    end lower.
+    behind_prefill: of the requests sharing a prefix with an earlier one, the share that arrived before any prefill
+    computing their deepest shared block had ended (a session's next turn queued behind its last turn, in a saturated
+    pool): no placement could serve that block from cache, while the pooled reference, blind to timing, counts it."""
     name = "cache_aware" if policy_name == ESTIMATE else policy_name
     policy = RoutingPolicy(PolicyConfig(name))
     use_digest = policy_name != ESTIMATE
@@ -146,7 +150,8 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
     done: list[tuple[float, int, str, list[int], int]] = []  # (time, seq, worker, chain, uncached)
     ttfts, decisions, walls = [], [], []  # decision time: CPU time of the call, and wall time
     indexing = []  # CPU time of indexing the reports' digests before each decision (not on the request's path)
-    hit_tokens = total_tokens = computed = 0
+    hit_tokens = total_tokens = computed = shared = behind = 0
+    ready: dict[int, float] = {}  # block hash -> when the first prefill computing it ends
     floor = 0.0
     for seq, req in enumerate(sorted(trace, key=lambda r: r.timestamp_ms)):
         now = req.timestamp_ms / 1000.0 / cfg.time_scale
@@ -181,6 +186,17 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
             policy.prefill_done(w.worker_id, placement.prefill.uncached_tokens - uncached)
         heapq.heappush(done, (w.free_at, seq, w.worker_id, chain, uncached))
         ttfts.append(w.free_at - now)
+        # The deepest block an earlier request had (the pooled reference's hit): had no prefill computing it ended
+        # yet, no placement could serve it from cache (a session's next turn arriving before its last turn's prefill).
+        for k in range(min(len(chain), (len(tokens) - 1) // block) - 1, -1, -1):
+            first = ready.get(chain[k])
+            if first is not None:
+                shared += 1
+                behind += first > now
+                break
+        for h in chain:
+            if ready.get(h, inf) > w.free_at:
+                ready[h] = w.free_at
         hit_tokens += hit
         total_tokens += len(tokens)
     loads = [w.computed for w in workers]
@@ -199,6 +215,7 @@ def simulate(trace: list[TraceRequest], policy_name: str, cfg: SimConfig) -> dic
         "decision_wall_us_p99": _pct(walls, 0.99),
         "indexing_us_p99": _pct(indexing, 0.99),
         "requests": len(trace),
+        "behind_prefill": behind / shared if shared else 0.0,
     }
 
 
