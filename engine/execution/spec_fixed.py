@@ -17,7 +17,7 @@ the device at once, and the host waits only for the acceptance, while the device
    padding), then the K - 1 chained MTP steps at positions P_b + j - 1 (P_b = start_b + n_b, known only on the
    device), their ring rows saved and restored at rows computed there (spec_rollback.save_rows). Sampled drafts
    are keyed by the output index they decide, which depends on n_b: the host computes the seeds for each
-   possible n_b (spec_sampling.draft_seed_table) and the device picks;
+   possible n_b (FixedSpecStep._keyed) and the device picks;
 5. the host waits for step 2's copy (the device is busy with step 4 meanwhile), then appends the tokens, finishes
    requests and builds the next step while the drafting runs. The drafts stay on the device (DeviceDrafts) unless
    host code needs their values (a varlen step: one read).
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.execution import spec_rollback, spec_sampling
-from engine.execution.sampling import greedy_pick
+from engine.execution.sampling import draw_seed, greedy_pick, sample, sampling_inputs
 from engine.model.batch import to_device_nonblocking
 from engine.model.verify_batch import VerifyShape
 
@@ -191,6 +191,8 @@ class FixedSpecStep:
         self.spec = spec
         self.force_rate: float | None = None  # benchmarks: per-draft acceptance forced after the verify forward
         self._force = torch.Generator().manual_seed(0)
+        self._ahead: torch.Tensor | None = None  # the step being launched: see launch
+        self._ahead_max = 0
 
     def force_acceptance(self, rate: float | None, seed: int = 0) -> None:
         """Benchmarks only (benchmarks/spec.py): after the verify forward each draft is compared as if it were the
@@ -234,6 +236,9 @@ class FixedSpecStep:
         tables = [r.pages for r in reqs]
         starts_host = [p.chunk.start for p in plans]
         starts = None if source is None else source.next_starts()  # int64 [n] on the device
+        # output tokens the host has not seen (the unread source's): the draws' keys are offset by them on the device
+        self._ahead = None if source is None else source.emitted
+        self._ahead_max = 0 if source is None else source.queries
         saved = []
         if q > 1:  # every row a slot could write, kept or put back by the device's verdict below
             if starts is None:
@@ -267,6 +272,24 @@ class FixedSpecStep:
         return LaunchedSpec(
             plans, q, step.packed, tokens, emitted, drafts, qrows, read, HostCopy.done_event(tokens.device)
         )
+
+    def _keyed(self, seed_of, index: list[int], slots: list[int], extra: torch.Tensor | None = None, spread: int = 0):
+        """Draw seeds seed_of(r, index[r] + offset) of rows r (slot slots[r]) -> a list when the host knows every
+        index, else int64 [R] on the device: offset = the slot's unread tokens (`_ahead`) + extra[r] (a device count
+        of this step, < spread + 1), picked from a table of every possible offset."""
+        if self._ahead is None and extra is None:
+            return [seed_of(r, i) for r, i in enumerate(index)]
+        width = self._ahead_max + spread + 1
+        table = torch.tensor(
+            [[seed_of(r, i + c) for c in range(width)] for r, i in enumerate(index)], dtype=torch.int64
+        )
+        dev = (self._ahead if self._ahead is not None else extra).device  # type: ignore[union-attr]
+        offset = torch.zeros(len(index), dtype=torch.int64, device=dev)
+        if self._ahead is not None:
+            offset = offset + self._ahead[to_device_nonblocking(torch.tensor(slots), dev)]
+        if extra is not None:
+            offset = offset + extra
+        return to_device_nonblocking(table, dev).gather(1, offset.unsqueeze(1)).squeeze(1)
 
     # ---- acceptance ---------------------------------------------------------------------------------
     def _accept(self, plans: list, logits: torch.Tensor, q: int):
@@ -309,12 +332,15 @@ class FixedSpecStep:
         qmat = torch.cat([torch.cat([torch.stack(p.q), zero]) for _, p in todo])
         reqs = [p.chunk.request for _, p in todo for _ in range(len(p.drafts) + 1)]
         index = [len(p.chunk.request.output) + j for _, p in todo for j in range(len(p.drafts) + 1)]
-        res = spec_sampling.verify_sampled(logits[rows], with_bonus.view(-1)[rows], qmat, reqs, index)
+        slots = [b for b, p in todo for _ in range(len(p.drafts) + 1)]
+        accept = self._keyed(lambda r, i: spec_sampling.spec_seed(reqs[r].seed, i, spec_sampling.ACCEPT), index, slots)
+        emit = self._keyed(lambda r, i: draw_seed(reqs[r].seed, i), index, slots)
+        res = spec_sampling.verify_sampled_seeded(logits[rows], with_bonus.view(-1)[rows], qmat, reqs, accept, emit)
         grid = torch.zeros(len(todo), q, dtype=torch.float64, device=dev)  # accepted per (request, row); bonus 0
         at = to_device_nonblocking(torch.tensor(cells).t().contiguous(), dev)
         grid[at[0], at[1]] = res[0]
-        slots = to_device_nonblocking(torch.tensor([b for b, _ in todo]), dev)
-        accepted[slots] = grid[:, : q - 1].cumprod(1).sum(1).long()
+        first = to_device_nonblocking(torch.tensor([b for b, _ in todo]), dev)
+        accepted[first] = grid[:, : q - 1].cumprod(1).sum(1).long()
         tokens.view(-1)[rows] = res[1].long()
         lps.view(-1)[rows] = res[2]
 
@@ -324,9 +350,20 @@ class FixedSpecStep:
         if not todo:
             return
         rows = to_device_nonblocking(torch.tensor([b * q for b in todo]), logits.device)
-        drawn = self.spec.core._draw(logits[rows], [plans[b].chunk.request for b in todo])
-        tokens.view(-1)[rows] = drawn[0].long()
-        lps.view(-1)[rows] = drawn[1]
+        reqs = [plans[b].chunk.request for b in todo]
+        seeds = self._keyed(lambda r, i: draw_seed(reqs[r].seed, i), [len(r.output) for r in reqs], todo)
+        params = [r.params for r in reqs]
+        t, k, p, _ = sampling_inputs(
+            [x.temperature for x in params],
+            [x.top_k for x in params],
+            [x.top_p for x in params],
+            [0] * len(reqs),
+            logits.device,
+        )
+        sel = logits[rows]
+        drawn = sample(sel, t, k, p, seeds, filtered=any(x.top_k > 0 or x.top_p < 1.0 for x in params))
+        tokens.view(-1)[rows] = drawn
+        lps.view(-1)[rows] = torch.log_softmax(sel, dim=-1).gather(1, drawn.unsqueeze(1)).squeeze(1).double()
 
     # ---- drafting -----------------------------------------------------------------------------------
     def _mtp_pass(self, step, tokens: torch.Tensor, emitted: torch.Tensor, n: int) -> None:
@@ -401,9 +438,15 @@ class FixedSpecStep:
         mtp, dev = self.spec.mtp, emitted.device
         reqs = [plans[b].chunk.request for b in sampled]
         slots = to_device_nonblocking(torch.tensor(sampled), dev)
-        q = self.spec.k + 1
-        table = spec_sampling.draft_seed_table(reqs, [len(r.output) for r in reqs], q, j)
-        seeds = to_device_nonblocking(table, dev).gather(1, (emitted[slots] - 1).unsqueeze(1)).squeeze(1)
+        # draft j decides output index len(output) + unread + emitted + j (emitted: this step's count, on the device)
+        index = [len(r.output) + 1 + j for r in reqs]
+        seeds = self._keyed(
+            lambda r, i: spec_sampling.spec_seed(reqs[r].seed, i, spec_sampling.DRAFT),
+            index,
+            sampled,
+            extra=emitted[slots] - 1,
+            spread=self.spec.k,
+        )
         drawn, dist = spec_sampling.draw_drafts_seeded(mtp.logits(len(plans))[slots], reqs, seeds)
         mtp.set_tokens(sampled, drawn)
         for i, b in enumerate(sampled):

@@ -9,8 +9,9 @@ bounds the positions (for the bucket) and names the same requests, slots and tab
 
 The Speculator (engine.execution.speculative) launches N + 1 this way only where it computes exactly what the
 synchronous step would (`next_spec_is_known`), and otherwise runs steps one at a time:
-- the same requests in the same order (nothing waiting for admission, no prefill, no import joined), all greedy
-  (a sampled request's draws are keyed by output indices this step has not told the host);
+- the same requests in the same order (nothing waiting for admission, no prefill, no import joined); sampled ones
+  too: their draws are keyed by output indices that step N's unread count shifts, so the host sends a seed for each
+  possible count and the device picks (FixedSpecStep._keyed): the same draws as the synchronous step;
 - each with room for step N's tokens and K more drafts after them (max_new_tokens): step N + 1 then runs exactly
   K drafts a request (or none when step N did not draft) and cannot pass a request's budget;
 - none whose computed count could land on a prefix-cache block boundary in step N (completing N snapshots the
@@ -35,8 +36,6 @@ def next_spec_is_known(step: LaunchedSpec, running: list, waiting, k: int, snaps
     for p, req in zip(step.plans, running):
         c = p.chunk
         if c.request is not req or req.finished or c.start + 1 != req.num_tokens or req.prefill_only:
-            return False
-        if req.params.temperature != 0:
             return False
         # step emits up to `queries` tokens; the next one runs K drafts and emits up to K + 1 after them
         if len(req.output) + step.queries + k + 1 > req.params.max_new_tokens:

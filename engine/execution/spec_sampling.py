@@ -55,15 +55,6 @@ def draw_drafts_seeded(
     return exponential_race(q, seeds), q
 
 
-def draft_seed_table(requests: list, first_index: list[int], count: int, step: int) -> torch.Tensor:
-    """DRAFT seeds int64 [N, count]: entry [i, m] keys draft `step` of request i when it emits m + 1 tokens this step
-    (its next output index first_index[i] + m + 1 + step): the device picks the column once acceptance is known."""
-    return torch.tensor(
-        [[spec_seed(r.seed, f + m + 1 + step, DRAFT) for m in range(count)] for r, f in zip(requests, first_index)],
-        dtype=torch.int64,
-    )
-
-
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The distribution (unnormalised) a rejected row emits from: max(p - q, 0). A rejection has probability
     sum(max(p - q, 0)), so an all-zero row (p == q up to rounding) is never meant to emit; p stands in there."""
@@ -80,16 +71,30 @@ def verify_sampled(
     -> fp64 [3, R]: accepted (1/0; 0 on bonus rows), the token the row emits if it is reached (the draft when
     accepted, else the residual / bonus draw), that token's log-prob under the raw target logits. A request
     emits its rows up to and including its first row not accepted."""
+    accept = [spec_seed(r.seed, i, ACCEPT) for r, i in zip(requests, indices)]
+    return verify_sampled_seeded(
+        logits, drafts, q, requests, accept, [draw_seed(r.seed, i) for r, i in zip(requests, indices)]
+    )
+
+
+def verify_sampled_seeded(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    q: torch.Tensor,
+    requests: list,
+    accept_seeds: list[int] | torch.Tensor,
+    emit_seeds: list[int] | torch.Tensor,
+) -> torch.Tensor:
+    """`verify_sampled` with each row's ACCEPT and emit seeds given (lists, or int64 [R] on the device when the output
+    index they key is known only there: engine.execution.spec_fixed's overlapped steps)."""
     t, k, top_p, filtered = row_inputs(requests, logits.device)
     p = filtered_probs(logits, t, k, top_p, filtered)
     bonus = drafts < 0
     d = drafts.clamp_min(0).unsqueeze(1)
     pd, qd = p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)
-    u = torch.exp(
-        -exp_noise_rows([spec_seed(r.seed, i, ACCEPT) for r, i in zip(requests, indices)], 1, logits.device)[:, 0]
-    )  # U(0, 1]
+    u = torch.exp(-exp_noise_rows(accept_seeds, 1, logits.device)[:, 0])  # U(0, 1]
     accepted = (u * qd <= pd) & (pd > 0) & ~bonus  # probability min(1, p(d) / q(d))
-    emit = exponential_race(residual(p, q), [draw_seed(r.seed, i) for r, i in zip(requests, indices)])
+    emit = exponential_race(residual(p, q), emit_seeds)
     tokens = torch.where(accepted, drafts, emit)
     lps = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     return torch.stack([accepted.double(), tokens.double(), lps.double()])

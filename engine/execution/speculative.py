@@ -26,10 +26,9 @@ holds run the varlen step above, with the host deciding acceptance. Both paths e
 same drafts (tests/engine/test_spec_mtp_graphs.py). engine.execution.spec_policy decides per step whether to draft
 (at most speculative_max_batch decoding requests; an optional acceptance floor; measured pay: drafting steps faster
 than plain ones at the batch size): the MTP pass runs either way, so its KV stays complete.
-Greedy decode-only steps are also launched before the previous one is read (engine.execution.spec_overlap, on with
+Decode-only steps are also launched before the previous one is read (engine.execution.spec_overlap, on with
 overlap_decode: CUDA graphs by default), where the next step is certain up to finishes.
-Not here yet: overlapped steps with sampled requests (their draws are keyed by output indices the host has not read),
-the fixed step as one CUDA graph (it is several replays and device ops with no host wait between them),
+Not here yet: the fixed step as one CUDA graph (it is several replays and device ops with no host wait between them),
 tensor/data parallel engines.
 """
 
@@ -257,6 +256,7 @@ class Speculator:
                 [0] * q,
                 [0] * (q - 1),
                 b * q,
+                q=step.qrows[b] if q > 1 else None,  # a sampled request's drafts' q rows (device)
                 device=DeviceDrafts(step.drafts, b, q - 1) if step.drafts is not None else None,
             )
             for b, p in enumerate(step.plans)

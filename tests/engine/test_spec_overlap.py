@@ -3,7 +3,7 @@ previous one's device outputs before the host reads it. Pinned on the CPU (eager
 dsv4-mini-py, whose MTP layer drafts what the model says (most drafts accepted, rejections at every depth): greedy
 output equals non-speculative output token for token, steps were overlapped, and the run drains with no launched
 step left; requests finishing mid-flight (max_tokens edges, a stop token, EOS) and an abort while a step is in
-flight drop the launched step's rows and return every page. A batch with a sampled request does not overlap."""
+flight drop the launched step's rows and return every page; seeded sampled requests draw what synchronous steps draw."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _engine(model, k, overlap, prefix=True):
 def _run(engine, prompts, params, abort_after: dict | None = None, in_flight: list | None = None):
     """-> each request's tokens (and finish reason); abort_after: {index: n} aborts request index once it holds n;
     in_flight gets, per abort, whether a launched step was unread then."""
-    ids = [engine.add_request(p, q, request_id=f"r{i}") for i, (p, q) in enumerate(zip(prompts, params))]
+    ids = [engine.add_request(p, q, request_id=f"r{i}", seed=1000 + i) for i, (p, q) in enumerate(zip(prompts, params))]
     out = {}
     while engine.has_work:
         engine.step()
@@ -113,13 +113,22 @@ def test_abort_in_flight_drops_the_launched_rows_and_frees_the_pages(model, prom
     assert spec.pool.num_free_pages() == spec.pool.idle_free_pages()
 
 
-def test_sampled_request_keeps_steps_synchronous(model, prompts):
-    params = [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 2 + [
-        SamplingParams(max_new_tokens=12, temperature=0.8, ignore_eos=True)
+def test_sampled_requests_overlap_with_the_draws_of_synchronous_steps(model, prompts):
+    """Seeded sampled requests beside greedy ones: overlapped steps key every draw (drafts, acceptance, residual and
+    plain draws) by the output index the synchronous step would, so each request's tokens are the same."""
+    params = [
+        SamplingParams(max_new_tokens=20, ignore_eos=True),
+        SamplingParams(max_new_tokens=24, temperature=0.8, ignore_eos=True),
+        SamplingParams(max_new_tokens=18, temperature=1.0, top_k=40, ignore_eos=True),
+        SamplingParams(max_new_tokens=22, temperature=0.6, top_p=0.9, ignore_eos=True),
     ]
-    spec = _engine(model, 1, overlap=True)
-    _run(spec, prompts[:3], params)
-    assert spec.speculator.stats["overlapped_steps"] == 0 and spec.speculator.stats["verify_chunks"] > 0
+    sync = _engine(model, 2, overlap=False)
+    want = _run(sync, prompts[:4], params)
+    spec = _engine(model, 2, overlap=True)
+    assert _run(spec, prompts[:4], params) == want
+    s = spec.speculator.stats
+    assert s["overlapped_steps"] > 0 and 0 < s["accepted"] < s["drafted"]  # acceptances and rejections
+    assert sync.speculator.stats["overlapped_steps"] == 0
 
 
 def _logprobs(engine, prompt: list[int], n: int) -> list[float]:

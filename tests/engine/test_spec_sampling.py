@@ -184,13 +184,13 @@ def test_sampled_requests_keep_the_target_distribution_end_to_end(model, monkeyp
     again = _run(_engine(model, 2, mode), [reqs[i] for i in (7, 3, 150)] + [(prompt, sampled, 1)])
     assert [r.output for r in again[:3]] == [on[i].output for i in (7, 3, 150)]
     # companion: a verify that accepts every draft (emits q's tokens) fails the same statistic
-    right = spec_sampling.verify_sampled
+    right = spec_sampling.verify_sampled_seeded  # (verify_sampled calls it too: both paths get the wrong one)
 
-    def accept_all(logits, drafts, q, requests, indices):
-        out = right(logits, drafts, q, requests, indices)
+    def accept_all(logits, drafts, q, requests, accept_seeds, emit_seeds):
+        out = right(logits, drafts, q, requests, accept_seeds, emit_seeds)
         tokens = torch.where(drafts >= 0, drafts, out[1].long())
         lps = torch.log_softmax(logits, -1).gather(1, tokens.unsqueeze(1)).squeeze(1)
         return torch.stack([(drafts >= 0).double(), tokens.double(), lps.double()])
 
-    monkeypatch.setattr(spec_sampling, "verify_sampled", accept_all)
+    monkeypatch.setattr(spec_sampling, "verify_sampled_seeded", accept_all)
     assert abs(_z(lp(_run(_engine(model, 2, mode), reqs[:192])), lp(off))) > 6
