@@ -16,6 +16,7 @@ import base64
 import pytest
 
 from service.http_limits import PROXY_CALLBACK, PROXY_CALLBACK_VAR, HttpLimits
+from service.serve_ingress import PROXY_SERVE_ENV, REPLICA_SERVE_ENV
 from tests.support.deploy_fixtures import VALUES_FILES, documents, load_values, render
 
 pytest.importorskip("helm_python")
@@ -62,7 +63,7 @@ def test_auth_can_be_left_off_for_old_operators():
     assert not [s for s in secrets if "auth_token" in s.get("data", {})]
 
 
-def test_every_ray_container_bounds_http_requests_at_its_proxy(monkeypatch):
+def test_every_ray_container_bounds_http_requests_and_takes_the_serve_settings(monkeypatch):
     limits = {"maxHeaderBytes": 32768, "headerTimeoutSeconds": 5, "bodyTimeoutSeconds": 30.5}
     rs, _ = _docs({"serve": {"httpLimits": limits}})
     containers = _ray_containers(rs)
@@ -70,6 +71,8 @@ def test_every_ray_container_bounds_http_requests_at_its_proxy(monkeypatch):
     for c in containers:
         env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
         assert env[PROXY_CALLBACK_VAR] == PROXY_CALLBACK
+        for name, value in {**PROXY_SERVE_ENV, **REPLICA_SERVE_ENV}.items():  # the token path's Serve settings
+            assert env[name] == value, name
         for name in HttpLimits().env():  # what the proxy process parses (dsv4_kernels.settings)
             monkeypatch.setenv(name, env[name])
         assert HttpLimits.from_env() == HttpLimits(max_header_bytes=32768, header_timeout_s=5.0, body_timeout_s=30.5)

@@ -103,6 +103,14 @@ spec:
         {{- /* every Serve proxy bounds request heads and bodies at its socket (service.http_limits) */}}
         - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
           value: service.http_limits:proxy_callback
+        {{- /* the token path's Serve settings (service.serve_ingress PROXY_SERVE_ENV / REPLICA_SERVE_ENV): proxy to
+               replicas over gRPC, routing and the app on their main loops (BENCHMARKS.md frontdoor) */}}
+        - name: RAY_SERVE_PROXY_USE_GRPC
+          value: "1"
+        - name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP
+          value: "0"
+        - name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
+          value: "0"
         - name: DSV4_HTTP_MAX_HEADER_BYTES
           value: {{ $v.serve.httpLimits.maxHeaderBytes | int | quote }}
         - name: DSV4_HTTP_HEADER_TIMEOUT_S
