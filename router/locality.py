@@ -10,7 +10,8 @@ with its WorkerInfo. The router names a prompt's blocks with the same function (
 (`CacheIndex.cached`, which `RoutingPolicy.choose_by_cache` calls for every placement).
 
 Choice (`choose_by_cache`), for the healthy prefill candidates, all with digests, n prompt tokens:
-- cached(w): prompt tokens w would serve from cache (at most n - 1: one token is always computed);
+- cached(w): prompt tokens w would serve from cache (at most n - 1: one token is always computed): its digest's,
+  or deeper, the blocks this router sent to w that its digest does not show yet (router/pending_prefixes.py);
 - pending(w): the uncached prompt tokens this router sent to w whose prefill has not finished
   (RoutingPolicy tracks it: it does not lag like a load report): w's queue, this request's wait there;
 - cost(w) = pending(w) + weight x (n - cached(w)) x exp(balance_gain x r(w)), the least wins (ties: fewer
@@ -60,7 +61,7 @@ work wins), "hotspot_guard".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from engine.handoff import PrefixDigest
 from router.dispatch import WorkerInfo
@@ -97,9 +98,11 @@ class CacheIndex:
     so a prompt's lookup costs its block count, not workers x blocks. `sync` applies the digests of a
     placement's candidates (a worker bumps its digest's version whenever the content changes, so an unchanged
     version is skipped without comparing sets; a changed one is diffed against the previous one);
-    `drop` forgets a worker (down, restarted)."""
+    `drop` forgets a worker (down, restarted). on_published(worker, hashes): called with the blocks a worker's new
+    digest added (the router's "soon cached" entries for them give way to the digest, router/pending_prefixes.py)."""
 
-    def __init__(self):
+    def __init__(self, on_published: Callable[[str, Iterable[int]], None] | None = None):
+        self.on_published = on_published
         self.digests: dict[str, PrefixDigest] = {}
         self.where: dict[tuple[int, bytes], dict[int, set[str]]] = {}
         self.hashers: dict[tuple[int, bytes], PromptHasher] = {}  # per (block, seed): the engine's names, remembered
@@ -132,6 +135,8 @@ class CacheIndex:
             for h in added:
                 where.setdefault(h, set()).add(w.worker_id)
             self.digests[w.worker_id] = d
+            if self.on_published is not None and added:
+                self.on_published(w.worker_id, added)
 
     def drop(self, worker_id: str) -> None:
         old = self.digests.pop(worker_id, None)
@@ -152,12 +157,18 @@ class CacheIndex:
                 return HashScheme(block, seed)
         return None
 
-    def cached(self, prompt_ids: Sequence[int], given: PromptHashes | None = None) -> dict[str, int]:
+    def cached(
+        self,
+        prompt_ids: Sequence[int],
+        given: PromptHashes | None = None,
+        chains: dict[int, Sequence[int]] | None = None,
+    ) -> dict[str, int]:
         """worker id -> prompt tokens it would serve from cache (workers absent: none). given: the prompt's hashes
-        as its sender computed them (used where they are in the digests' scheme and cover the blocks needed)."""
+        as its sender computed them (used where they are in the digests' scheme and cover the blocks needed).
+        chains: filled with block size -> the prompt's block chain looked up in that scheme."""
         out: dict[str, int] = {}
         for (block, seed), where in self.where.items():
-            if not where:
+            if not where and chains is None:
                 continue
             limit = max(0, (len(prompt_ids) - 1) // block)
             chain = given.covering(block, seed, limit) if given is not None else None
@@ -166,6 +177,8 @@ class CacheIndex:
                 if hasher is None:
                     hasher = self.hashers[(block, seed)] = PromptHasher(block, seed)
                 chain = hasher.hashes(prompt_ids, limit=limit)
+            if chains is not None:  # even where nothing is cached yet: the router's own placements name blocks with it
+                chains[block] = chain
             # Deepest block first: a worker's first hit is its cached prefix. Set differences run in C, where a
             # block shared by many workers would otherwise cost a Python step per holder per block.
             seen: set[str] = set()

@@ -32,10 +32,11 @@ class MetricsSnapshot:
 def estimate_tokens(prefill: Decision, block_size: int) -> tuple[int, int]:
     """(prompt tokens the router scored, those it believed cached on the chosen prefill worker). Policies that
     match hashed blocks count whole blocks; the cache-aware policy scores the workers' digests in tokens
-    (cached_tokens + uncached_tokens is the prompt) and leaves the block counts at 0."""
+    (cached_tokens + soon_cached_tokens + uncached_tokens is the prompt) and leaves the block counts at 0."""
     if prefill.prompt_blocks:
         return prefill.prompt_blocks * block_size, prefill.matched_blocks * block_size
-    return prefill.cached_tokens + prefill.uncached_tokens, prefill.cached_tokens
+    believed = prefill.cached_tokens + prefill.soon_cached_tokens
+    return believed + prefill.uncached_tokens, believed
 
 
 class RouterMetrics:

@@ -33,9 +33,12 @@ can resume from, router/locality.py), nothing is estimated or recorded: `cache_a
 with the least prompt compute queued + needed (`choose_by_cache`: pending uncached tokens this router sent
 there, plus this prompt's uncached tokens there, weighted by `uncached_weight`, the backlog and the
 worker's recent work: router/locality.py has the rule), under the same hot-spot guard;
-`Decision.cached_tokens` is the chosen worker's real cached prefix. The router calls `prefill_done` when
-a prefill ends. Prompts are hashed through `router.prompt_hashes.PromptHasher` (the engine's names,
-remembered per prefix: a session's next turn hashes only its new blocks).
+`Decision.cached_tokens` is the chosen worker's real cached prefix. A prompt's blocks this router sent to a
+worker count as cached there until its digest holds them (`Decision.soon_cached_tokens`, router/pending_prefixes.py:
+the engine looks a prefix up at admission, so a follow-up queued behind its first turn resumes after it; per
+replica, bounded, best-effort). The router calls `prefill_done` when a prefill ends. Prompts are hashed through
+`router.prompt_hashes.PromptHasher` (the engine's names, remembered per prefix: a session's next turn hashes only its
+new blocks).
 
 Decode rule: a `colocated` prefill worker decodes its own request (reason "colocated"). Otherwise among
 healthy `decode` workers: those whose effective free KV (reported free tokens minus the tokens of
@@ -65,6 +68,7 @@ from math import exp, inf
 
 from router import locality
 from router.dispatch import DECODE_ROLES, PREFILL_ROLES, NoWorkerAvailable, WorkerInfo
+from router.pending_prefixes import PendingPrefixes
 from router.prompt_hashes import HashScheme, PromptHasher, PromptHashes
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
@@ -151,6 +155,11 @@ class PolicyConfig:
     # decode worker is at most this many tokens is prefilled there, skipping the transfer. 0 = off (the
     # crossover of transfer cost vs prefill on the decode batch has not been measured on GPUs yet).
     local_prefill_tokens: int = 0
+    # "Soon cached" (router/pending_prefixes.py): the prompt blocks this router sent to a prefill worker count as
+    # cached there until its digest holds them, for at most this long (a failed prefill, a block never snapshotted) ...
+    pending_prefix_ttl_s: float = 60.0
+    # ... and at most this many blocks a worker (oldest out first)
+    pending_prefix_blocks: int = 1 << 14
     # Admission also counts what each decode worker reports it holds (running + waiting requests, KV tokens in
     # use), not only this router's in-flight requests: for routers that place but never see a stream end
     # (router/server.py `Place`), where several routers share the workers.
@@ -163,6 +172,11 @@ class PolicyConfig:
             raise ValueError(f"block_size and lru_blocks must be >= 1, got {self.block_size}, {self.lru_blocks}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.pending_prefix_ttl_s < 0 or self.pending_prefix_blocks < 0:
+            raise ValueError(
+                "pending_prefix_ttl_s and pending_prefix_blocks must be >= 0, got "
+                f"{self.pending_prefix_ttl_s}, {self.pending_prefix_blocks}"
+            )
         if self.local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
         if self.uncached_weight < 1.0:
@@ -195,6 +209,9 @@ class Decision:
     matched_blocks: int = 0  # prefill: leading prompt blocks the chosen worker was sent before
     prompt_blocks: int = 0
     cached_tokens: int = 0  # prefill, from workers' digests: prompt tokens the chosen worker's cache holds
+    # prefill, beyond cached_tokens: prompt tokens of an earlier prefill this router sent there, not yet in its digest
+    # (router/pending_prefixes.py): cached by the time this one is admitted, if that one is ahead of it
+    soon_cached_tokens: int = 0
     uncached_tokens: int = 0  # prefill: prompt tokens it computes (pending there until `prefill_done`)
 
 
@@ -221,7 +238,9 @@ class RoutingPolicy:
         self._placements = 0.0
         self._window_requests = locality.RecentWork(self.config.balance_window_requests)  # on the same clock
         self._recent_requests = locality.RecentWork(self.config.balance_half_life_s)  # requests placed, all workers
-        self._index = locality.CacheIndex()  # the workers' published digests, inverted
+        # blocks this router sent to a prefill worker, not yet in its digest; they give way to it when it adds them
+        self._soon = PendingPrefixes(self.config.pending_prefix_ttl_s, self.config.pending_prefix_blocks)
+        self._index = locality.CacheIndex(self._soon.published)  # the workers' published digests, inverted
         self._estimate_hasher = PromptHasher(self.config.block_size, ESTIMATE_SEED)
         self.hash_scheme: HashScheme | None = None  # how the last placement named prompt blocks (callers send these)
 
@@ -250,6 +269,7 @@ class RoutingPolicy:
         if lru is not None:
             lru.clear()
         self._index.drop(worker_id)
+        self._soon.drop(worker_id)
 
     def _retire_absent(self, workers: list[WorkerInfo]) -> None:
         """Workers no longer listed left their pool (service/pools.py): drop everything known of them, their
@@ -459,7 +479,10 @@ class RoutingPolicy:
         n = len(prompt_ids)
         self._placements += 1.0 / len(candidates)
         self._index.sync(candidates)
-        cached = self._index.cached(prompt_ids, hashes)
+        chains: dict[int, Sequence[int]] = {}  # block size -> the prompt's chain in the digests' scheme
+        real = self._index.cached(prompt_ids, hashes, chains)
+        soon = self._soon_cached(chains, real, now)
+        cached = {**real, **{wid: real.get(wid, 0) + extra for wid, extra in soon.items()}} if soon else real
         cfg, pending, inflight = self.config, self._pending, self._inflight
         stored_of, pending_of, cached_of, inflight_of = self._recent.stored.get, pending.get, cached.get, inflight.get
         # The shortest queue is 0 unless every candidate has prompt tokens pending (`_pending` drops zeros).
@@ -505,12 +528,28 @@ class RoutingPolicy:
         if self._hot(best_load, int(min_load)):
             least = [w for w in candidates if max(w.running + w.waiting, inflight_of(w.worker_id, 0)) == min_load]
             best, reason = self._rotate(least), "hotspot_guard"
-        c = cached.get(best.worker_id, 0)
-        reason = reason or ("prefix_hit" if c else "no_match")
-        self._recent.add(best.worker_id, n - c, self._placements)
+        c, sc = real.get(best.worker_id, 0), soon.get(best.worker_id, 0)
+        reason = reason or ("prefix_hit" if c + sc else "no_match")
+        self._recent.add(best.worker_id, n - c - sc, self._placements)
         self._window_requests.add("", 1.0, self._placements)
         self._recent_requests.add("", 1.0, now)
-        return Decision("prefill", best.worker_id, reason, cached_tokens=c, uncached_tokens=n - c)
+        for block, chain in chains.items():  # "soon cached" there for the next placements (router/pending_prefixes.py)
+            self._soon.add(best.worker_id, chain, now, c // block)
+        return Decision(
+            "prefill", best.worker_id, reason, cached_tokens=c, soon_cached_tokens=sc, uncached_tokens=n - c - sc
+        )
+
+    def _soon_cached(self, chains: dict[int, Sequence[int]], cached: dict[str, int], now: float) -> dict[str, int]:
+        """worker -> prompt tokens of the prompt's deepest block this router sent there, beyond its digest's."""
+        out: dict[str, int] = {}
+        if not self._soon.where:
+            return out
+        for block, chain in chains.items():
+            for wid, tokens in self._soon.cached(chain, block, now).items():
+                extra = tokens - cached.get(wid, 0)
+                if extra > out.get(wid, 0):
+                    out[wid] = extra
+        return out
 
     def _rotate(self, tied: list):
         if len(tied) == 1:

@@ -95,7 +95,8 @@ def section(results: dict, wide: dict, command: str, loads: tuple[float, float])
         "",
         f"Router policy code (router/policy.py, router/locality.py, router/prompt_hashes.py) over a model of {WORKERS} "
         f"workers x {CAPACITY} cached 512-token blocks (LRU), FIFO prefill at {SimConfig.tokens_per_s:.0f} tokens/s + "
-        f"{SimConfig.overhead_s * 1000:.0f} ms a request (service/route_sim.py). `cache_aware` routes on the "
+        f"{SimConfig.overhead_s * 1000:.0f} ms a request, its cached prefix looked up when its prefill starts (as the "
+        "engine does at admission; service/route_sim.py). `cache_aware` routes on the "
         f"workers' published cache digests; `{ESTIMATE}` is the same policy name on the router's own estimate (no "
         "digests: SGLang-style longest-match + thresholds over what it sent where). Traces: `dsv4 bench make-trace "
         "--kind KIND` (seed 0) and `mooncake`, the Mooncake FAST'25 release's synthetic trace "
@@ -150,10 +151,12 @@ def wide_table(wide: dict) -> list[str]:
 BEHIND = (
     "Behind a prefill: of cache_aware's requests that share a prefix with an earlier request, the share that arrived "
     "before any prefill computing their deepest shared block had ended (`behind_prefill`, service/route_sim.py: a "
-    "session's next turn arriving while its previous turn still waits in a saturated pool's queue). The model looks "
-    "a request's hit up at its arrival and a worker's digest shows only finished prefills, so no placement can serve "
-    "those blocks from cache, while the pooled reference, blind to timing, counts them as hits: where this share is "
-    "large the pool is saturated and the pooled hit rate is out of reach for every placement."
+    "session's next turn arriving while its previous turn still waits in a saturated pool's queue). A worker's digest "
+    "shows only finished prefills, so the digests cannot show those blocks; the model looks a request's hit up when "
+    "its prefill starts (the engine looks it up at admission), so such a turn resumes after its previous turn only "
+    "on the worker computing it: cache_aware sends it there by counting the blocks it placed and the worker has not "
+    "published yet as cached there (router/pending_prefixes.py, per router replica). The pooled reference, blind to "
+    "timing, counts every such block as a hit."
 )
 
 
