@@ -71,7 +71,8 @@ class PendingPrefixes:
             return out
         # Deepest block first: a worker's first live entry is its deepest. A block sent to many workers (a shared
         # system prompt) is skipped in one set test once they all have a deeper one (as in CacheIndex.cached).
-        where, by_worker, found = self.where, self.by_worker, set()
+        where, by_worker = self.where, self.by_worker
+        found: set[str] = set()
         for k in range(len(chain) - 1, -1, -1):
             holders = where.get(chain[k])
             if not holders or holders <= found:
