@@ -25,13 +25,16 @@ from collections.abc import Iterable, Sequence
 
 
 class PendingPrefixes:
-    """worker -> block hash -> expiry (insertion order = age), and its inverse (hash -> workers) for lookups."""
+    """worker -> block hash -> expiry (insertion order = age), and its inverse for lookups: hash -> its worker, or a
+    set of them for a block sent to several. One worker is kept as its id, not a set of one: `add` runs inside
+    every placement, and a set a block (a GC-tracked object) made the collector's full passes land there (decision
+    p99 at 64 workers on the Mooncake trace 543 us, 219 us with the collector off)."""
 
     def __init__(self, ttl_s: float, max_blocks: int):
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
         self.by_worker: dict[str, OrderedDict[int, float]] = {}
-        self.where: dict[int, set[str]] = {}
+        self.where: dict[int, str | set[str]] = {}
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.by_worker.values())
@@ -48,7 +51,14 @@ class PendingPrefixes:
             if h in blocks:
                 break
             blocks[h] = expiry
-            where.setdefault(h, set()).add(worker_id)
+            holders = where.get(h)
+            if holders is None:
+                where[h] = worker_id
+            elif isinstance(holders, str):
+                if holders != worker_id:
+                    where[h] = {holders, worker_id}
+            else:
+                holders.add(worker_id)
         self._trim(worker_id, blocks, now)
 
     def published(self, worker_id: str, hashes: Iterable[int]) -> None:
@@ -74,11 +84,19 @@ class PendingPrefixes:
         where, by_worker = self.where, self.by_worker
         found: set[str] = set()
         for k in range(len(chain) - 1, -1, -1):
-            holders = where.get(chain[k])
-            if not holders or holders <= found:
+            h = chain[k]
+            holders = where.get(h)
+            if holders is None:
+                continue
+            if isinstance(holders, str):
+                if holders not in found and by_worker[holders][h] > now:
+                    out[holders] = (k + 1) * block_tokens
+                    found.add(holders)
+                continue
+            if holders <= found:
                 continue
             for wid in holders - found:
-                if by_worker[wid][chain[k]] > now:
+                if by_worker[wid][h] > now:
                     out[wid] = (k + 1) * block_tokens
                     found.add(wid)
         return out
@@ -95,7 +113,14 @@ class PendingPrefixes:
 
     def _unindex(self, h: int, worker_id: str) -> None:
         holders = self.where.get(h)
-        if holders is not None:
-            holders.discard(worker_id)
-            if not holders:
+        if holders is None:
+            return
+        if isinstance(holders, str):
+            if holders == worker_id:
                 del self.where[h]
+            return
+        holders.discard(worker_id)
+        if len(holders) == 1:
+            self.where[h] = next(iter(holders))
+        elif not holders:
+            del self.where[h]

@@ -161,7 +161,7 @@ BEHIND = (
 
 
 LEVEL_FLOOR = (
-    "Level floor: the largest, over requests, of (the prefill tokens computed per worker before it arrived + its own "
+    "Level floor: the largest, over requests, of (the prefill tokens computed per worker before its prefill started + its own "
     "uncached tokens) / the run's final mean per worker (`load_floor`, service/route_sim.py): where the worker that "
     "took it would end had every worker been exactly at the mean then and it taken nothing after. A placement that "
     "keeps the workers level ends at or above it; only a worker that happened to be well below the mean when a huge "
