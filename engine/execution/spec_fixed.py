@@ -218,11 +218,6 @@ class FixedSpecStep:
         return _Shapes(q, steps, chain)
 
     @torch.inference_mode()
-    def run(self, plans: list, shapes: _Shapes, drafting: bool) -> FixedOutcome:
-        """The whole step (module docstring) -> its tokens (read once) and drafts (on the device)."""
-        return self.launch(plans, shapes, drafting).read()
-
-    @torch.inference_mode()
     def launch(self, plans: list, shapes: _Shapes, drafting: bool, source: LaunchedSpec | None = None) -> LaunchedSpec:
         """Queue the whole step (module docstring) -> its LaunchedSpec (read it for the tokens).
 

@@ -209,9 +209,10 @@ class Speculator:
         self.force_drafts = lambda drafts, picks: [t if g.random() < rate else t + 1 for t in picks[: len(drafts)]]
 
     def _step_fixed(self, plans: list[_Plan]) -> bool:
-        """A decode-only step on fixed shapes with one host read (engine.execution.spec_fixed) -> whether it ran
-        (False: no bucket holds it, or the engine has none; nothing ran). Sets each plan's emitted tokens and
-        row, and self._fixed_outcome for the drafts."""
+        """A decode-only step on fixed shapes with one host wait (engine.execution.spec_fixed), the next one launched
+        behind it when certain (engine.execution.spec_overlap) -> whether it ran (False: no bucket holds it, or the
+        engine has none; nothing ran). Sets each plan's emitted tokens and row, and self._fixed_outcome for the
+        drafts."""
         self._fixed_outcome = self._drafting = None
         if self.verify is None or self.mtp is None or self.fixed.shapes(plans, False) is None:
             _to_host(plans)
