@@ -285,8 +285,9 @@ class Settings:
         OVERLAP_DECODE,
         "bool",
         None,
-        "launch each greedy decode step from the previous one's device tokens "
-        "before the host reads them; unset = on with CUDA graphs",
+        "launch each decode step from the previous one's device tokens before the host reads them (with "
+        "`--speculative-tokens`: each speculative step from the previous one's device tokens and drafts, "
+        "engine.execution.spec_overlap); unset = on with CUDA graphs",
         "engine",
     )
     warmup: str = _switch(
