@@ -61,12 +61,13 @@ in the tree); `set_health(worker, True)` adds it back, with an empty history. A 
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from math import exp, inf
 
 from router import locality
+from router.block_lru import BlockLRU
 from router.dispatch import DECODE_ROLES, PREFILL_ROLES, NoWorkerAvailable, WorkerInfo
 from router.pending_prefixes import PendingPrefixes
 from router.prompt_hashes import HashScheme, PromptHasher, PromptHashes
@@ -82,43 +83,6 @@ BALANCE_MIN_REQUESTS = 8.0
 # The estimate's blocks are named by the engine's hasher (one encoding in the tree); the seed only has to be
 # the same for every router replica, since these hashes never meet a worker's digest.
 ESTIMATE_SEED = b"\0" * 8
-
-
-class BlockLRU:
-    """The block hashes recently routed to one worker, at most `capacity`, least recently routed evicted."""
-
-    def __init__(self, capacity: int):
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._blocks: OrderedDict[int, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._blocks
-
-    def match(self, hashes: Sequence[int]) -> int:
-        """Number of leading `hashes` present (a read: does not refresh recency)."""
-        n = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
-
-    def insert(self, hashes: Sequence[int]) -> None:
-        # Touch the chain tail-first so block 0 ends most recent: eviction then trims a prefix from its
-        # end, and a surviving block 0..k run still matches (evicting block 0 first would orphan them all).
-        for h in reversed(hashes):
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
-
-    def clear(self) -> None:
-        self._blocks.clear()
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from router.policy import PolicyConfig, RoutingPolicy
 from router.prompt_hashes import HashScheme, IngressHasher
 
 SEED = b"routesim"  # stands for the workers' model + cache format
-ESTIMATE = "cache_aware_estimate"  # cache_aware without digests: the router's own guess (router.policy.BlockLRU)
+ESTIMATE = "cache_aware_estimate"  # cache_aware without digests: the router's own guess (router.block_lru.BlockLRU)
 
 
 @dataclass(frozen=True)

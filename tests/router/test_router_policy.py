@@ -3,8 +3,9 @@
 import pytest
 
 from engine.execution.block_hash import block_hashes
+from router.block_lru import BlockLRU
 from router.dispatch import NoWorkerAvailable, WorkerInfo
-from router.policy import ESTIMATE_SEED, BlockLRU, PolicyConfig, RoutingPolicy
+from router.policy import ESTIMATE_SEED, PolicyConfig, RoutingPolicy
 
 
 def colocated(wid, running=0, waiting=0, healthy=True, free=10_000):
