@@ -10,7 +10,8 @@ Unlike a decode graph it returns the residual streams too (the MTP layer drafts 
 buffers shared by every verify graph (streams [rows, hc, D], fp32 logits [rows, vocab], rows = max slots x
 max queries), valid until the next verify replay. Capture runs on padding only (scratch pages), as decode's.
 Not here: overlapped decode (the Speculator reads every step back), FlashMLA's s_q > 1 sparse decode for fp8
-caches (a q > 1 step takes the fp8 Triton path), the fused prologue for q > 1 (torch-op derivation).
+caches (a q > 1 step takes the fp8 Triton path). The step's index tensors come from one launch of the fused
+prologue where Triton runs (engine.model.verify_batch.derive_verify_batch), as a decode step's do.
 """
 
 from __future__ import annotations

@@ -126,6 +126,8 @@ class BlockTables:
         self.table = self.scratch_line.to(device).unsqueeze(0).repeat(max_requests + 1, 1)
         self.tables = {name: self.table[:, c : c + self.widths[name]] for name, c in self.columns.items()}
         self.layouts: dict[DecodeShape, PrologueLayout] = {}  # fused-prologue descriptors per bucket
+        # and per verify bucket (engine.model.verify_batch): (bucket, queries, swa_only) -> descriptors
+        self.verify_layouts: dict[tuple[DecodeShape, int, bool], PrologueLayout] = {}
         # request id -> (row, the page-table dict written, its page count then). The dict itself is kept
         # (identity check): a later request reusing an id brings a new dict, so its row is rewritten.
         self._rows: dict[str, tuple[int, dict, int]] = {}
@@ -250,7 +252,7 @@ def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInpu
         layout = tables.layouts.get(shape)
         if layout is None:
             layout = tables.layouts[shape] = PrologueLayout(pool, tables, shape)
-        return layout.derive(inputs)
+        return layout.derive(inputs.packed)
     return derive_decode_batch_reference(pool, tables, inputs, shape)
 
 
@@ -305,13 +307,27 @@ def entry_groups(cfg) -> list[tuple[str, str, int, bool]]:
 
 class PrologueLayout:
     """The fused prologue's sections for one bucket (dsv4_kernels.triton_decode_prologue): the descriptor table
-    (on the device, built once) and where each StepBatch tensor lies in the kernel's two flat outputs."""
+    (on the device, built once) and where each StepBatch tensor lies in the kernel's two flat outputs.
 
-    def __init__(self, pool: CachePool, tables: BlockTables, shape: DecodeShape):
+    queries: token rows a slot (1: a decode step; > 1: engine.model.verify_batch's layout); pad_row: the table
+    row whose token rows write only scratch pages (verify_batch's padding rows; None: every row is a request's,
+    as in a decode step); swa_only: no compressor plans nor visible entries (verify_batch's MTP batches)."""
+
+    def __init__(
+        self,
+        pool: CachePool,
+        tables: BlockTables,
+        shape: DecodeShape,
+        queries: int = 1,
+        pad_row: int | None = None,
+        swa_only: bool = False,
+    ):
         from dsv4_kernels import triton_decode_prologue as k
 
         self.k, self.shape, self.table = k, shape, tables.table
+        self.queries, self.pad_row = queries, -1 if pad_row is None else pad_row
         s, cfg = shape.slots, pool.cfg
+        r = s * queries
         self.widths = table_widths(pool, shape.context)
         self.rows: list[list[int]] = []
         self.num_out = self.num_flags = 0
@@ -333,7 +349,14 @@ class PrologueLayout:
         self.table_at = {name: add(k.TABLE, w, s * w, 0, page_col=col[name])[0] for name, w in self.widths.items()}
         swa_spec = pool.groups["swa"].spec
         self.misc_at = add(
-            k.MISC, 1, 4 * s + 1, 0, page_col=col["swa"], stride=swa_spec.page_rows, ring_rows=cfg.sliding_window
+            k.MISC,
+            1,
+            k.misc_size(s, queries),
+            0,
+            page_col=col["swa"],
+            stride=swa_spec.page_rows,
+            ring_rows=cfg.sliding_window,
+            ring_scratch=pool.scratch_pages["swa"],
         )[0]
 
         def sources(page_name, width, align, offset, stride, ring_rows, total):
@@ -342,8 +365,8 @@ class PrologueLayout:
                 add(
                     k.SOURCES,
                     width,
-                    3 * s * width,
-                    2 * s * width,
+                    3 * r * width,
+                    2 * r * width,
                     page_col=col[page_name],
                     align=align,
                     offset=offset,
@@ -363,7 +386,7 @@ class PrologueLayout:
             swa_spec.num_pages * swa_spec.page_rows,
         )
         self.plans, self.visible = {}, {}
-        for entry, state, ratio, overlap in entry_groups(cfg):
+        for entry, state, ratio, overlap in [] if swa_only else entry_groups(cfg):
             st, es = pool.groups[state].spec, pool.groups[entry].spec
             ring = (st.page_rows, st.page_rows, st.num_pages * st.page_rows)
             cur = sources(state, ratio, ratio, 0, *ring)
@@ -371,7 +394,7 @@ class PrologueLayout:
             plan = add(
                 k.PLAN,
                 1,
-                3 * s,
+                3 * r,
                 0,
                 page_col=col[state],
                 align=ratio,
@@ -381,6 +404,7 @@ class PrologueLayout:
                 entry_width=self.widths[entry],
                 entry_page_rows=es.page_rows,
                 scratch=pool.scratch_pages[entry] * es.page_rows,
+                ring_scratch=pool.scratch_pages[state],
             )[0]
             self.plans[entry] = (cur, prev, plan)
             if entry != "kv4":  # CSA picks kv4 entries through the indexer
@@ -390,7 +414,7 @@ class PrologueLayout:
                     add(
                         k.VISIBLE,
                         w,
-                        s * w + s,
+                        s * w + r,
                         0,
                         page_col=col[entry],
                         align=ratio,
@@ -402,11 +426,13 @@ class PrologueLayout:
         self.desc = torch.tensor(self.rows, dtype=torch.long).to(tables.table.device)
         self.max_width = max(row[k.F_WIDTH] for row in self.rows)  # sets the kernel's grid
 
-    def derive(self, inputs: DecodeInputs) -> StepBatch:
-        """One launch -> the StepBatch (every tensor a view of the kernel's two outputs)."""
-        s = self.shape.slots
+    def derive(self, packed: torch.Tensor) -> StepBatch:
+        """packed: int64 [3, slots * queries] (DecodeInputs.packed or VerifyInputs.packed) -> the StepBatch, in
+        one launch (every index tensor a view of the kernel's two outputs)."""
+        s, q = self.shape.slots, self.queries
+        r = s * q
         out, flags = self.k.decode_prologue(
-            inputs.packed, self.table, self.desc, self.num_out, self.num_flags, self.max_width
+            packed.contiguous(), self.table, self.desc, self.num_out, self.num_flags, self.max_width, q, self.pad_row
         )
         flags = flags.view(torch.bool)
 
@@ -415,44 +441,45 @@ class PrologueLayout:
 
         def sources(spec) -> SourceRows:
             w, (o, f) = spec
-            n = s * w
+            n = r * w
             return SourceRows(
-                flags[f : f + n].view(s, w),
-                ints(o, n, s, w),
-                ints(o + n, n, s, w),
-                flags[f + n : f + 2 * n].view(s, w),
-                ints(o + 2 * n, n, s, w),
+                flags[f : f + n].view(r, w),
+                ints(o, n, r, w),
+                ints(o + n, n, r, w),
+                flags[f + n : f + 2 * n].view(r, w),
+                ints(o + 2 * n, n, r, w),
             )
 
         m = self.misc_at
         rows, ends, swa_ring, cu = (
-            ints(m, s, s),
-            ints(m + s, s, s),
-            ints(m + 2 * s, s, s),
-            ints(m + 3 * s, s + 1, s + 1),
+            ints(m, r, r),
+            ints(m + r, s, s),
+            ints(m + r + s, r, r),
+            ints(m + 2 * r + s, s + 1, s + 1),
         )
+        seg = rows if q == 1 else ints(m + 2 * r + 2 * s + 1, r, r)
         compress = {}
         for name, (cur, prev, p) in self.plans.items():
             compress[name] = CompressPlan(
-                num_entries=s,
+                num_entries=r,
                 cur=sources(cur),
                 prev=sources(prev) if prev else None,
-                entry_row=ints(p, s, s),
-                entry_pos=ints(p + s, s, s),
-                state_write=RingWrite(rows, ints(p + 2 * s, s, s)),
+                entry_row=ints(p, r, r),
+                entry_pos=ints(p + r, r, r),
+                state_write=RingWrite(rows, ints(p + 2 * r, r, r)),
             )
         visible = {
-            name: VisibleEntries(ints(o, s * w, s, w), ints(o + s * w, s, s), rows)
+            name: VisibleEntries(ints(o, s * w, s, w), ints(o + s * w, r, r), seg)
             for name, (w, (o, _)) in self.visible.items()
         }
         group_tables = {name: ints(self.table_at[name], s * w, s, w) for name, w in self.widths.items()}
-        pos = inputs.positions
+        pos = packed[1]
         return StepBatch(
-            token_ids=inputs.token_ids,
+            token_ids=packed[0],
             positions=pos,
-            seq_of_token=rows,
+            seq_of_token=seg,
             cu=cu,
-            starts=pos,
+            starts=pos if q == 1 else pos.view(s, q)[:, 0],
             ends=ends,
             swa=sources(self.swa_at),
             swa_write=RingWrite(rows, swa_ring),

@@ -20,9 +20,11 @@ The MTP pass after a verify step runs on the same shape (engine.execution.mtp_gr
 positions with the token after each, the rest padding; `swa_only`, as the MTP layers attend over the SWA ring
 alone), and the chained MTP steps on queries = 1.
 
-Derived with torch ops on the device (no host sync, static shapes); the fused Triton prologue
-(dsv4_kernels.triton_decode_prologue) covers queries = 1 only: a q > 1 step is ~150 more small kernels inside
-its graph (a follow-up: extend the prologue's SOURCES / PLAN sections with a per-slot start).
+Derived on the device (no host sync, static shapes): with the Triton fast path (engine.model.fast_paths.use_triton)
+in one launch of the fused prologue (dsv4_kernels.triton_decode_prologue with `queries` rows a slot and the padding
+table row; its descriptors built once per bucket, engine.model.decode_batch.PrologueLayout, cached on the
+BlockTables), else as the torch ops of `derive_verify_batch_reference` (~220 small kernels inside the step's graph;
+equal element for element: tests/engine/test_verify_prologue.py). The MTP batches (swa_only) take the same paths.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import torch
 
 from engine.model.batch import CompressPlan, RingWrite, StepBatch, VisibleEntries, paged_rows, ring_sources
 from engine.model.cache import CachePool
-from engine.model.decode_batch import BlockTables, DecodeShape, entry_groups, table_widths
+from engine.model.decode_batch import BlockTables, DecodeShape, PrologueLayout, entry_groups, table_widths
+from engine.model.fast_paths import use_triton
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,26 @@ def derive_verify_batch(
     """The StepBatch of a verify step from device inputs `packed` (VerifyInputs.packed): static shapes, no host
     sync. Request tables come from each slot's first row (always a real row for a real slot). swa_only: no
     compressor plans nor visible entries (empty dicts), for the MTP layers, whose attention is sliding-window
-    only (engine.model.mtp; engine.execution.mtp_graphs runs them on these batches)."""
+    only (engine.model.mtp; engine.execution.mtp_graphs runs them on these batches).
+
+    One launch of the fused prologue where engine.model.fast_paths.use_triton says so, else the torch ops of
+    `derive_verify_batch_reference` (equal element for element)."""
+    if use_triton(packed.device):
+        key = (shape.decode, shape.queries, swa_only)
+        layout = tables.verify_layouts.get(key)
+        if layout is None:
+            layout = tables.verify_layouts[key] = PrologueLayout(
+                pool, tables, shape.decode, shape.queries, tables.pad_row, swa_only
+            )
+        return layout.derive(packed)
+    return derive_verify_batch_reference(pool, tables, packed, shape, swa_only)
+
+
+def derive_verify_batch_reference(
+    pool: CachePool, tables: BlockTables, packed: torch.Tensor, shape: VerifyShape, swa_only: bool = False
+) -> StepBatch:
+    """derive_verify_batch as torch ops (~220 kernels a step on a GPU, 40 with swa_only): the reference of the fused
+    prologue."""
     cfg, device = pool.cfg, packed.device
     s, q = shape.decode.slots, shape.queries
     ids, pos, trow = packed[0], packed[1], packed[2]

@@ -97,7 +97,7 @@ def test_fused_prologue_equals_reference(preset, kv_cache_dtype, overrides, slot
         tables = BlockTables(pool, 8, 1024, DEVICE)
         inputs = _inputs(pool, tables, shape, n, seed=seed + slots)
         _assert_same(
-            PrologueLayout(pool, tables, shape).derive(inputs),
+            PrologueLayout(pool, tables, shape).derive(inputs.packed),
             derive_decode_batch_reference(pool, tables, inputs, shape),
         )
 
@@ -116,7 +116,7 @@ def test_wide_sections_split_over_programs(monkeypatch, max_programs):
     assert layout.max_width > 4 * k.BLOCK  # the window's sources: several blocks
     assert k.chunks_per_section(1, layout.max_width) == min(max_programs, -(-layout.max_width // k.BLOCK))
     inputs = _inputs(pool, tables, shape, 1, seed=3)
-    _assert_same(layout.derive(inputs), derive_decode_batch_reference(pool, tables, inputs, shape))
+    _assert_same(layout.derive(inputs.packed), derive_decode_batch_reference(pool, tables, inputs, shape))
 
 
 def test_padding_only_batch(monkeypatch):
