@@ -329,6 +329,8 @@ class PrologueLayout:
         s, cfg = shape.slots, pool.cfg
         r = s * queries
         self.widths = table_widths(pool, shape.context)
+        if any(w > tables.widths[name] for name, w in self.widths.items()):  # (the kernel would read other columns)
+            raise ValueError(f"{shape} needs wider page tables than the BlockTables hold ({tables.widths})")
         self.rows: list[list[int]] = []
         self.num_out = self.num_flags = 0
         col = tables.columns

@@ -112,6 +112,17 @@ def test_padding_only_verify_batch(monkeypatch):
     _check(monkeypatch, _pool(16, "auto", **TINY), VerifyShape(DecodeShape(2, 128), 3), 0, seed=1)
 
 
+def test_layout_refuses_a_bucket_wider_than_the_tables():
+    """A bucket past the BlockTables' context would read its page tables from the next group's columns."""
+    from engine.model.decode_batch import PrologueLayout
+
+    pool = _pool(16, "auto", **TINY)
+    tables = BlockTables(pool, 4, 512, DEVICE)
+    PrologueLayout(pool, tables, DecodeShape(2, 512), 3, tables.pad_row)
+    with pytest.raises(ValueError, match="wider page tables"):
+        PrologueLayout(pool, tables, DecodeShape(2, 768), 3, tables.pad_row)
+
+
 @pytest.mark.parametrize("max_programs,q", [(2, 2), (6, 3), (64, 2)])
 def test_wide_verify_sections_split_over_programs(monkeypatch, max_programs, q):
     """Sections wider than a block split over programs (chunks_per_section: NC a row): a row's SWA sources (3
