@@ -115,8 +115,9 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
           --out "$OUT/spec_profile.md" > "$OUT/specprof.log" 2>&1 || status=1
         tail -40 "$OUT/spec_profile.md" | cut -c1-250 ;;
     spec) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_spec_bucketed.py tests/engine/test_spec_mtp_graphs.py \
-          tests/engine/test_speculative.py tests/engine/test_spec_overlap.py > "$OUT/spec_tests.log" 2>&1 || status=1
-        tail -3 "$OUT/spec_tests.log" | cut -c1-300
+          tests/engine/test_speculative.py tests/engine/test_spec_overlap.py tests/engine/test_verify_prologue.py \
+          tests/engine/test_decode_prologue.py > "$OUT/spec_tests.log" 2>&1 || status=1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/spec_tests.log" | cut -c1-300
         timeout ${SPEC_TIMEOUT:-400} python3 -m benchmarks.spec --k ${SPEC_K:-1} --batches 1 16 64 --rates 0.6 0.8 0.9 \
           --out "$OUT/spec_k${SPEC_K:-1}.md" > "$OUT/spec.log" 2>&1 || status=1
         tail -25 "$OUT/spec.log" | cut -c1-250 ;;
