@@ -4,7 +4,7 @@ Where `dsv4 bench frontdoor` measures the whole token path, this splits off the 
 - a Ray streaming item: an async actor yields `--streams` streams of TokenEvents at `--rate` items/s each (as the
   decode worker does, one event an item), read in this process as the ingress replica reads them; CPU per item of
   the producer's process and of this one (/proc, user + system, every thread), for the generator's own reading
-  (`async for ref in stream: await ref`, two fetches an item) and `service.ray_stream.next_item` (one fetch);
+  (`async for ref in stream: await ref`, two fetches an item) and `service.ray_items.next_item` (one fetch);
 - the SSE rendering of one completion / chat chunk (pydantic model + model_dump_json) and `TextStream.add` (one
   token's detokenisation), CPU per call in a loop.
 Prints a markdown table; nothing is written to BENCHMARKS.md (the frontdoor section's reading quotes it).
@@ -58,7 +58,7 @@ def _producer_class():
 
 
 async def _read_all(producer, streams: int, n: int, rate: float, once: bool) -> int:
-    from service.ray_stream import END, next_item
+    from service.ray_items import END, next_item
 
     async def one() -> int:
         stream = producer.tokens.options(num_returns="streaming").remote(n, rate)

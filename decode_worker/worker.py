@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from decode_worker.token_feed import Feed, Feeds
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
 from engine.model.allocator import OutOfPages
@@ -124,6 +125,7 @@ class DecodeWorker(WorkerBase):
         self.peers: dict[str, bytes] = {}
         self.quarantined: dict = {}  # request id -> its Request, pages held behind a READ that may still land
         self._streamed: dict[str, _StreamedImport] = {}  # streamed imports not joined yet
+        self.feeds = Feeds()  # token feeds of the ingress replicas (decode_worker.token_feed)
         self._stream_sweeper: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
         # seconds: each pull's whole time here (thread hand-off included); pull_seconds: inside the backend's pull;
@@ -160,12 +162,22 @@ class DecodeWorker(WorkerBase):
         """Bytes, seconds, count and failures of every pull so far (for `dsv4 bench serve`)."""
         return dict(self.transfer_totals)
 
-    async def decode(self, result: PrefillResult, prompt: list[int], params: SamplingParams, batch: bool = False):
+    async def decode(
+        self,
+        result: PrefillResult,
+        prompt: list[int],
+        params: SamplingParams,
+        batch: bool = False,
+        feed: str | None = None,
+    ):
         """A Ray streaming method: `Transferred` once the pull is over, then the request's TokenEvents (with batch,
-        a tuple of every event ready at once per item: fewer Ray messages when the reader lags)."""
+        a tuple of every event ready at once per item: fewer Ray messages when the reader lags). With `feed` (the id
+        of an open `token_feed`: FeedUnknown if this process has none), the stream ends after `Transferred` and the
+        request's events go to that feed instead (a join that fails after it: a RequestFailed there)."""
         rid, ticket = result.request_id, result.ticket
         if ticket is None:
             raise ValueError(f"request {rid} finished at prefill ({result.finish_reason}): there is nothing to decode")
+        target = self.feeds.get(feed, self.worker_id) if feed is not None else None
         if ticket.source not in self.peers:  # this worker (or the source) restarted since the handshake
             raise PeerUnknown(ticket.source, self.worker_id)
         stream = self._streamed.pop(rid, None)
@@ -189,7 +201,9 @@ class DecodeWorker(WorkerBase):
             self._count_pull(stats, seconds)
             yield Transferred(request_id=rid, num_bytes=stats.bytes, seconds=seconds)
 
-            sink = AsyncSink(asyncio.get_running_loop())
+            sink = target.sink if target is not None else AsyncSink(asyncio.get_running_loop())
+            if target is not None:
+                target.requests[rid] = time.monotonic()
 
             def join(engine):
                 parts = None
@@ -212,11 +226,17 @@ class DecodeWorker(WorkerBase):
                 totals["scatter_seconds"] += parts["seconds"]
                 totals["scatters_on_engine"] += 1
                 _add_scatter_parts(totals, parts)
+        except BaseException as e:
+            if target is not None:  # its reader waits on the feed, not on this stream
+                target.fail(rid, e if isinstance(e, Exception) else LoopStopped(f"request {rid}: join cancelled"))
+            raise
         finally:
             if not joined:  # the stream closed (or the loop stopped) before the request joined: drop it
                 if deferred is not None:
                     deferred.cancel()  # frees its staging range, unless the join is running it right now
                 self.loop.call(lambda eng: self.drop_request(eng, rid))
+        if target is not None:
+            return
         async for ev in self._stream(rid, sink, batch):
             yield ev
 
@@ -398,7 +418,37 @@ class DecodeWorker(WorkerBase):
             else:
                 await self.loop.acall(lambda e: self.drop_request(e, rid))
 
+    # ---- token feeds: every request's events to an ingress replica in one Ray stream (decode_worker.token_feed) ----
+    async def token_feed(self, feed_id: str):
+        """A Ray streaming method, open as long as its ingress replica keeps it: first `()` (the feed is open:
+        `decode(feed=feed_id)` may route requests to it), then per burst of events a tuple of TokenEvents and
+        RequestFailed of every request routed here. An engine failure ends it with that error; its end, however it
+        comes, drops the requests still routed to it."""
+        feed = self.feeds.open(feed_id, asyncio.get_running_loop())
+        try:
+            yield ()
+            while True:
+                batch = await feed.next_batch()
+                if batch.tokens:
+                    metrics.GENERATION_TOKENS.labels(self.role, self.worker_id).inc(batch.tokens)
+                if batch.items:
+                    yield batch.items
+                if batch.finished:
+                    self._finish_fed(feed, batch.finished)
+                if batch.error is not None:
+                    raise batch.error
+        finally:
+            left = self.feeds.close(feed)
+            if left:
+                self.loop.call(functools.partial(_drop_all, self, left))
+
+    def _finish_fed(self, feed: Feed, request_ids: tuple[str, ...]) -> None:
+        for seconds in feed.finish(request_ids):
+            metrics.DECODE_TIME.labels(self.role, self.worker_id).observe(seconds)
+        self.loop.call(functools.partial(_pop_all, request_ids))  # not awaited: the next burst goes out meanwhile
+
     async def abort(self, request_id: str) -> None:
+        self.feeds.forget(request_id)
         stream = self._streamed.pop(request_id, None)
         if stream is not None and stream.pulling:  # the chunk's pull (a READ) may be writing its pages right now:
             return  # `pull_chunk` frees them when it ends
@@ -426,3 +476,16 @@ def _complete_import(rid: str, result: PrefillResult, engine) -> dict:
     if req.params.prompt_logprobs:
         req.prompt_logprobs = list(result.prompt_logprobs)
     return req.pages
+
+
+def _pop_all(request_ids: tuple[str, ...], engine) -> None:
+    """Engine thread: free the pages of finished requests (one an abort already dropped is not there)."""
+    for rid in request_ids:
+        if rid in engine.requests:
+            engine.pop_finished(rid)
+
+
+def _drop_all(worker: DecodeWorker, request_ids: list[str], engine) -> None:
+    """Engine thread: drop requests whose feed ended (their pages are freed)."""
+    for rid in request_ids:
+        worker.drop_request(engine, rid)

@@ -61,6 +61,7 @@ API_DOCS = "DSV4_API_DOCS"
 HTTP_MAX_HEADER_BYTES = "DSV4_HTTP_MAX_HEADER_BYTES"
 HTTP_HEADER_TIMEOUT_S = "DSV4_HTTP_HEADER_TIMEOUT_S"
 HTTP_BODY_TIMEOUT_S = "DSV4_HTTP_BODY_TIMEOUT_S"
+TOKEN_FEED = "DSV4_TOKEN_FEED"
 STRICT_SKIPS = "DSV4_STRICT_SKIPS"
 TEST_TRANSFER = "DSV4_TEST_TRANSFER"
 TEST_MARK = "DSV4_TEST_MARK"
@@ -389,6 +390,14 @@ class Settings:
         "seconds a request's body may take to arrive once its headers are in (408 after)",
         "service",
         minimum=0.1,
+    )
+    token_feed: bool = _switch(
+        TOKEN_FEED,
+        "bool",
+        True,
+        "an ingress replica reads its requests' tokens from each decode worker over one Ray stream (a token feed: "
+        "one item an engine step for all of them, service.token_feed); 0 = one stream a request",
+        "service",
     )
     # Tests
     strict_skips: bool = _switch(

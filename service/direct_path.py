@@ -12,7 +12,9 @@ same interface as `router.client.AsyncRouterClient`: `generate` yields `StreamEv
    named), so the router's decision only matches and scores; the hashing is spread over the ingress replicas;
 2. `service.ray_stream.RayStreamer.run_placement` on the actor handles of those workers (`WorkerDirectory`):
    prefill, the KV pull (a long prompt's chunk by chunk while it is prefilled), then the decode actor's Ray stream
-   (tokens batched per message) straight into this replica's SSE response;
+   (tokens batched per message) straight into this replica's SSE response; with DSV4_TOKEN_FEED (the default) the
+   tokens come over the decode worker's token feed instead: one Ray stream per (worker, replica) carrying every
+   request's tokens of an engine step in one item (service.token_feed);
 3. `router.migration.recovering_stream` around both: a worker death retries or migrates the request exactly as the
    router does on its own `Generate` (budget, no lost or repeated token, prompt + streamed tokens as the new prefix).
 Cancellation: closing the stream (client gone, stop string, deadline) closes the Ray streams, and the streamer's
@@ -36,6 +38,7 @@ from typing import TypeVar
 
 import grpc
 
+from dsv4_kernels.settings import settings
 from engine.execution.request import TokenEvent
 from engine.execution.sampling_params import SamplingParams
 from router.client import AsyncRouterClient, HealthReport, PlacedRequest, RouterError, StreamEvent
@@ -44,6 +47,7 @@ from router.migration import RouterFailure, failure_of, recovering_stream
 from router.prompt_hashes import IngressHasher
 from router.stream_watch import StreamWatches
 from service.ray_stream import RayStreamer, Workers
+from service.token_feed import TokenFeeds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -217,10 +221,15 @@ class DirectClient:
         *,
         max_migrations: int = 2,
         watch_interval_s: float = 1.0,
+        token_feed: bool | None = None,
     ):
+        """token_feed: read the tokens from the decode workers' feeds (None: DSV4_TOKEN_FEED)."""
+        token_feed = settings().token_feed if token_feed is None else token_feed
         self.routers = RouterSet(routers, token, timeout_s)
         self.directory = WorkerDirectory(self.routers)
-        self.streamer = RayStreamer(overload_retry_s=OPEN_RETRY_S)
+        # Each decode worker's tokens for this replica's requests over one Ray stream (service.token_feed)
+        self.feeds = TokenFeeds() if token_feed else None
+        self.streamer = RayStreamer(overload_retry_s=OPEN_RETRY_S, feeds=self.feeds)
         self.hasher = IngressHasher()  # names prompt blocks for the routers (none until one has said how)
         self.max_migrations = max_migrations
         self.watch_interval_s = watch_interval_s
@@ -348,6 +357,8 @@ class DirectClient:
     async def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
+        if self.feeds is not None:
+            await self.feeds.close()
         await self.routers.close()
 
 

@@ -1,11 +1,14 @@
 """Synthetic prefill and decode workers for `dsv4 bench frontdoor`: no model, tokens at a set rate per stream.
 
-They answer exactly what `service.ray_dispatcher.RayDispatcher` calls on the real workers (ping, stats,
-transfer_metadata, add_peer, prefill, decode, generate_local, abort), so the real router, ingress replicas
-and Serve proxy carry their tokens unchanged. Prefill answers at once with the first token and a ticket that
-names no pages; decode yields `Transferred` at once, then one token every 1/rate s per stream and records the
-wall-clock (time.time()) instant of each yield, keyed by the request's prompt (the client's tag), so the bench
-can subtract it from the client's receive time on the same host clock.
+They answer exactly what `service.ray_dispatcher.RayDispatcher` and the ingress replicas call on the real workers
+(ping, stats, transfer_metadata, add_peer, prefill, decode, generate_local, token_feed, abort), so the real router,
+ingress replicas and Serve proxy carry their tokens unchanged. Prefill answers at once with the first token and a
+ticket that names no pages; decode yields `Transferred` at once, then the request joins the worker's step clock: as a
+real engine's continuous batch, every running request gets one token a step, `rate` steps a second, and the
+wall-clock (time.time()) instant of each token is recorded, keyed by the request's prompt (the client's tag), so the
+bench can subtract it from the client's receive time on the same host clock. A step's tokens go to each request's
+own `decode` stream (a tuple of the events ready, as the real worker's batch mode) or, for a request opened with a
+feed, to that token feed (decode_worker.token_feed: one item for all of its requests of the step).
 
 Token k of a stream is `letter_id + k % 26`: with the built-in tiny model's tokenizer each decodes to one
 letter, so a client sees every token as one SSE chunk and can check order and loss from the text alone.
@@ -16,9 +19,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import dataclass
 
+from decode_worker.token_feed import Feeds
 from engine.execution.request import TokenEvent
 from engine.handoff import EngineLoad, PrefillResult, Transferred, TransferTicket, WorkerStats
+from engine.runtime.engine_loop import AsyncSink
 
 SLOTS = 100_000  # never the limit: the bench measures the token path, not admission
 KV_TOKENS = 10**9
@@ -73,24 +79,6 @@ class _Synthetic:
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
 
-    async def _tokens(self, rid: str, prompt: list[int], n: int, first_k: int):
-        """Yield tokens first_k..n-1 of a stream on the rate's schedule (each stamped as it is yielded)."""
-        log = self.emits.setdefault(tuple(prompt), [])
-        start = time.monotonic()
-        self.active += 1
-        try:
-            for k in range(first_k, n):
-                delay = start + (k - first_k + 1) / self.token_rate - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if rid in self.aborted:
-                    return
-                done = k == n - 1
-                log.append(time.time())
-                yield TokenEvent(rid, token_for(k, self.letter_id), 0.0, done, "length" if done else None, ())
-        finally:
-            self.active -= 1
-
 
 class SyntheticPrefill(_Synthetic):
     role = "prefill"
@@ -117,16 +105,113 @@ class SyntheticPrefill(_Synthetic):
         )
 
 
+class _LoopSink(AsyncSink):
+    """A request's own sink, put to on the actor's loop itself (the step clock runs there: no cross-thread hop)."""
+
+    def put(self, item) -> None:
+        self.queue.put_nowait(item)
+
+
+@dataclass
+class _Running:
+    """One request on the synthetic decode worker's step clock."""
+
+    log: list[float]  # the emit log of its prompt
+    n: int  # tokens in all (k = 0 .. n - 1)
+    k: int  # the next token's index
+    sink: AsyncSink
+
+
 class SyntheticDecode(_Synthetic):
     role = "decode"
 
-    async def decode(self, result: PrefillResult, prompt: list[int], params, batch: bool = False):
-        yield Transferred(request_id=result.request_id, num_bytes=0, seconds=0.0)
-        async for ev in self._tokens(result.request_id, prompt, params.max_new_tokens, 1):
-            yield ev
+    def __init__(self, worker_id: str, token_rate: float, letter_id: int):
+        super().__init__(worker_id, token_rate, letter_id)
+        self.feeds = Feeds()
+        self._running: dict[str, _Running] = {}
+        self._clock: asyncio.Task | None = None
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        self.feeds.forget(request_id)
+        if self._running.pop(request_id, None) is not None:
+            self.active = len(self._running)
+
+    def _join(self, rid: str, prompt: list[int], n: int, first_k: int, sink: AsyncSink) -> None:
+        if first_k >= n:
+            return
+        self._running[rid] = _Running(self.emits.setdefault(tuple(prompt), []), n, first_k, sink)
+        self.active = len(self._running)
+        if self._clock is None or self._clock.done():
+            self._clock = asyncio.get_running_loop().create_task(self._steps())
+
+    async def _steps(self) -> None:
+        """The step clock: while requests run, every 1/rate s each gets its next token (a late step is not made up
+        for: the clock starts again from now, as an engine whose step ran long)."""
+        period, next_at = 1.0 / self.token_rate, time.monotonic()
+        while self._running:
+            next_at += period
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                next_at = time.monotonic()
+            for rid, run in list(self._running.items()):
+                done = run.k == run.n - 1
+                run.log.append(time.time())
+                run.sink.put(
+                    TokenEvent(rid, token_for(run.k, self.letter_id), 0.0, done, "length" if done else None, ())
+                )
+                run.k += 1
+                if done:
+                    del self._running[rid]
+            self.active = len(self._running)
+
+    async def _own_stream(self, rid: str, sink: AsyncSink):
+        """A request's events on its own decode stream: a tuple of those ready at once per item."""
+        finished = False
+        try:
+            while not finished:
+                got = [await sink.queue.get()]
+                while not sink.queue.empty():
+                    got.append(sink.queue.get_nowait())
+                finished = got[-1].finished
+                yield tuple(got)
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    async def decode(self, result: PrefillResult, prompt: list[int], params, batch: bool = False, feed=None):
+        rid = result.request_id
+        target = self.feeds.get(feed, self.worker_id) if feed is not None else None
+        yield Transferred(request_id=rid, num_bytes=0, seconds=0.0)
+        sink = target.sink if target is not None else _LoopSink(asyncio.get_running_loop())
+        if target is not None:
+            target.requests[rid] = time.monotonic()
+        self._join(rid, prompt, params.max_new_tokens, 1, sink)
+        if target is not None:
+            return
+        async for item in self._own_stream(rid, sink):
+            yield item
 
     async def generate_local(
         self, request_id: str, prompt: list[int], params, seed: int | None = None, batch: bool = False
     ):
-        async for ev in self._tokens(request_id, prompt, params.max_new_tokens, 0):
-            yield ev
+        sink = _LoopSink(asyncio.get_running_loop())
+        self._join(request_id, prompt, params.max_new_tokens, 0, sink)
+        async for item in self._own_stream(request_id, sink):
+            yield item
+
+    async def token_feed(self, feed_id: str):
+        """As `DecodeWorker.token_feed`: `()`, then one item a burst of its requests' events."""
+        feed = self.feeds.open(feed_id, asyncio.get_running_loop())
+        try:
+            yield ()
+            while True:
+                batch = await feed.next_batch()
+                if batch.items:
+                    yield batch.items
+                feed.finish(batch.finished)
+        finally:
+            for rid in self.feeds.close(feed):
+                self.abort(rid)

@@ -32,7 +32,8 @@ from ray.exceptions import RayTaskError
 from engine.execution.request import TokenEvent
 from kv_transfer.base import TransferError
 from router.dispatch import DispatchRequest, WorkerDied, WorkerInfo
-from service.ray_stream import DEAD, RayStreamer, Workers, cause
+from service.ray_items import DEAD, cause
+from service.ray_stream import RayStreamer, Workers
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,9 @@ beyond an optional cache of the prefill workers' transfer metadata.
 `run_placement` yields the engine's TokenEvents: the first token only once the decode side holds the caches (so
 TTFT includes the transfer, and a failed transfer fails the request before anything was streamed), then the decode
 actor's tokens, which it sends in batches (every event its engine produced since the last message: one Ray item
-for several tokens when the reader lags or speculative decoding accepts several). Errors:
+for several tokens when the reader lags or speculative decoding accepts several). With `feeds` (an ingress replica's
+service.token_feed.TokenFeeds) the decode stream carries only `Transferred` and the tokens come over the decode
+worker's token feed, one Ray item an engine step for all of this replica's requests there. Errors:
 - an actor that died (or whose engine loop ended: `LoopStopped`) -> `WorkerDied` naming it;
 - a decode worker that does not know the prefill worker (`PeerUnknown`: one of them restarted since the health
   probe introduced them) -> the pair is introduced here and the pull retried once;
@@ -39,81 +41,18 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from ray.exceptions import (
-    ActorDiedError,
-    ActorUnavailableError,
-    ObjectRefStreamEndOfStreamError,
-    RayActorError,
-    RayTaskError,
-)
+from ray.exceptions import RayTaskError
 
+from decode_worker.token_feed import FeedUnknown
 from dsv4_kernels.settings import settings
 from engine.execution.request import TokenEvent
 from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred, TransferTicket
-from engine.runtime.engine_loop import LoopStopped
 from engine.telemetry import metrics
 from kv_transfer.base import TransferError
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
 from service.prefill_feed import PrefillFeed
-
-DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
-
-
-def cause(e: BaseException) -> BaseException:
-    """The exception an actor method raised, without Ray's remote-traceback wrapper."""
-    inner = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
-    return inner if isinstance(inner, Exception) else e
-
-
-def failure(e: BaseException, worker_id: str) -> BaseException:
-    """What a caller sees for an actor's task error: a dead engine loop is the worker's death, else the cause."""
-    inner = cause(e)
-    return WorkerDied(worker_id, f"its engine failed: {inner}") if isinstance(inner, LoopStopped) else inner
-
-
-async def stream_items(stream, worker_id: str):
-    """The items of a Ray streaming call, flattened (a decode worker sends a tuple of events per message), with a
-    dead actor as WorkerDied and a task error as its cause."""
-    while True:
-        try:
-            item = await next_item(stream)
-        except DEAD as e:
-            raise WorkerDied(worker_id, str(e)) from None
-        except RayTaskError as e:
-            raise failure(e, worker_id) from None
-        if item is END:
-            return
-        if isinstance(item, tuple):
-            for ev in item:
-                yield ev
-        else:
-            yield item
-
-
-END = object()  # next_item's answer once a stream has ended cleanly
-
-
-async def next_item(stream):
-    """The next item's value of a Ray streaming call (an ObjectRefGenerator), or END; an item that is an error raises.
-
-    Fetched once: the generator's own `anext` waits for an item by fetching it, then hands out its ref, which must
-    be fetched again (two gets, each a hop from Ray's thread to the loop). Reading the head ref of the stream
-    (`_get_next_ref_n`: a clean end raises ObjectRefStreamEndOfStreamError there, a dead actor its error) and
-    advancing past it once its value is in costs about a quarter less of the reader's CPU per item (BENCHMARKS.md,
-    section frontdoor's reading). A Ray without those methods takes the generator's own path."""
-    head = getattr(stream, "_get_next_ref_n", None)
-    if head is None:
-        try:
-            ref = await anext(stream)
-        except StopAsyncIteration:
-            return END
-        return await ref
-    try:
-        value = await head(1)[0]
-    except ObjectRefStreamEndOfStreamError:
-        return END
-    stream._consume_next_ref_n(1)
-    return value
+from service.ray_items import DEAD, END, cause, failure, next_item, stream_items
+from service.token_feed import FeedQueue, TokenFeeds
 
 
 @dataclass(frozen=True)
@@ -150,11 +89,14 @@ class RayStreamer:
         known_metadata: Callable[[str, str], bytes | None] | None = None,
         stream_min_chunks: int | None = None,
         on_handoff: Callable[[HandoffTiming], None] | None = None,
+        feeds: TokenFeeds | None = None,
     ):
         """known_metadata(prefill id, incarnation): transfer metadata already fetched for that incarnation (the
         dispatcher's cache), else None and it is asked for. stream_min_chunks: stream the hand-off of prompts
         spanning at least this many prefill steps (None: DSV4_KV_STREAM_MIN_CHUNKS; 0: never). on_handoff: called
-        with each disaggregated placement's HandoffTiming (benchmarks)."""
+        with each disaggregated placement's HandoffTiming (benchmarks). feeds: read the decode workers' tokens from
+        their token feeds (service.token_feed) instead of one stream a request."""
+        self.feeds = feeds
         self.call_timeout_s = call_timeout_s
         self.overload_retry_s = overload_retry_s
         self.known_metadata = known_metadata
@@ -191,13 +133,15 @@ class RayStreamer:
             if not finished:
                 abort(w.decode, rid)
 
-    async def _open_decode(self, result, prompt, params, w: Workers):
-        """Start the decode stream; -> (stream, its first item: Transferred). Retries a race with a restart
-        (PeerUnknown, once) and a full worker (DecodeOverloaded, for overload_retry_s)."""
+    async def _open_decode(self, result, prompt, params, w: Workers, feed: str | None = None):
+        """Start the decode stream (its events to the token feed `feed`, if given); -> (stream, its first item:
+        Transferred). Retries a race with a restart (PeerUnknown, once) and a full worker (DecodeOverloaded, for
+        overload_retry_s); a worker without the feed (it restarted since the feed opened) is that worker's death."""
         deadline, delay, introduced = time.monotonic() + self.overload_retry_s, 0.05, False
         decode_call: object = w.decode.decode  # type: ignore[attr-defined]
+        routed = {"feed": feed} if feed is not None else {}
         while True:
-            stream = decode_call.options(num_returns="streaming").remote(result, prompt, params, batch=True)  # type: ignore[attr-defined]
+            stream = decode_call.options(num_returns="streaming").remote(result, prompt, params, batch=True, **routed)  # type: ignore[attr-defined]
             try:
                 try:
                     item = await next_item(stream)
@@ -206,6 +150,8 @@ class RayStreamer:
                 if item is END:
                     raise WorkerDied(w.decode_id, "its decode stream ended before the transfer")
             except DEAD as e:
+                raise WorkerDied(w.decode_id, str(e)) from None
+            except FeedUnknown as e:
                 raise WorkerDied(w.decode_id, str(e)) from None
             except PeerUnknown:
                 if introduced:
@@ -385,7 +331,10 @@ class RayStreamer:
                 tell()
             return
         finished = False
+        queue: FeedQueue | None = None
         try:
+            if self.feeds is not None:  # opens the worker's feed, if it must, while the prefill runs
+                queue = await self.feeds.subscribe(w.decode_id, w.decode, rid)
             streamed = await self.streams(w, len(prompt))
             result, chunks, prefill_s, arrived = await self._prefill(rid, prompt, params, w, streamed, tell)
             first = TokenEvent(
@@ -403,19 +352,31 @@ class RayStreamer:
                     abort(w.decode, rid)  # its reservation: nothing to decode (the prefill released its chunks)
                 yield first
                 return
-            stream, item = await self._open_decode(result, prompt, params, w)
+            # `stream` stays referenced until the request ends (with a feed it carries only Transferred: dropping
+            # it earlier would delete the call's stream while the worker still joins the request)
+            stream, item = await self._open_decode(result, prompt, params, w, queue.feed_id if queue else None)
             assert isinstance(item, Transferred), item
             self._record_handoff(HandoffTiming(rid, streamed, chunks, prefill_s, time.monotonic() - arrived))
             tell()
             yield first  # released only now: TTFT includes the transfer
-            async for ev in stream_items(stream, w.decode_id):
-                finished = ev.finished
-                yield ev
-                if finished:
-                    return
+            if queue is None:
+                async for ev in stream_items(stream, w.decode_id):
+                    finished = ev.finished
+                    yield ev
+                    if finished:
+                        return
+                return
+            while True:
+                for ev in await queue.get():
+                    finished = ev.finished
+                    yield ev
+                    if finished:
+                        return
         except DEAD as e:
             raise WorkerDied(w.decode_id, str(e)) from None
         finally:
+            if queue is not None:
+                queue.close()
             tell()
             if not finished:
                 # Client went away or something failed: free pages on both sides, never leak.

@@ -1,4 +1,4 @@
-"""service.ray_stream's reader of Ray streaming calls (`next_item`, `stream_items`) on a real local Ray: every item in
+"""service.ray_items' reader of Ray streaming calls (`next_item`, `stream_items`) on a real local Ray: every item in
 order then the end, a task error as its cause, a dead actor as WorkerDied; the one-fetch path and the generator's own
 path give the same items."""
 
@@ -51,7 +51,7 @@ class _PublicOnly:
 
 
 def _drain(stream, public: bool = False):
-    from service.ray_stream import stream_items
+    from service.ray_items import stream_items
 
     async def run():
         got: list = []
@@ -91,7 +91,7 @@ def test_a_dead_actor_is_worker_died_after_the_items_before_it(producer, public)
 
 
 def test_next_item_reads_once_and_ends(producer):
-    from service.ray_stream import END, next_item
+    from service.ray_items import END, next_item
 
     actor = producer.remote()
 

@@ -375,7 +375,8 @@ def test_streamed_handoff_on_a_full_decode_worker_is_overloaded(service):
     ingress puts the request back in a router's queue) before the prefill worker saw it; nothing is left held."""
     from engine.handoff import DecodeOverloaded
     from router.dispatch import DispatchRequest, Overloaded
-    from service.ray_stream import RayStreamer, Workers, cause
+    from service.ray_items import cause
+    from service.ray_stream import RayStreamer, Workers
 
     handles = service[0]
     prefill, decode = handles["prefill"]["prefill-0"], handles["decode"]["decode-0"]

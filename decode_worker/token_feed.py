@@ -1,0 +1,149 @@
+"""The decode worker's side of a token feed: one Ray stream per ingress replica carrying every request's tokens.
+
+Why: a Ray streaming item costs its reader ~0.57 ms and its producer ~0.5 ms of CPU (BENCHMARKS.md, section
+frontdoor's reading), and with one `decode` stream a request every engine step sends one item per running request.
+A feed is one long-lived Ray streaming call (`DecodeWorker.token_feed`) that an ingress replica opens to this worker;
+each request it then opens with `decode(..., feed=feed_id)` has its events routed to that feed's sink, and the feed
+sends every event ready at once (all of that replica's requests of one engine step) as one item: a tuple of
+`TokenEvent`s (each names its request) and `RequestFailed`s. The reader demultiplexes them by request id
+(service.token_feed).
+
+Who frees what: a request joined to a feed is popped from the engine by the feed when its finished event has been
+sent, dropped by `abort` (the ingress's fire-and-forget abort: client gone, deadline, stop string), and dropped with
+the feed when the feed's call ends (cancelled by its replica, or its generator closed): a feed never leaves a request
+behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+from engine.runtime.engine_loop import AsyncSink
+
+
+class FeedUnknown(Exception):
+    """`decode(feed=...)` named a feed this worker process does not have (it restarted since the feed opened)."""
+
+    def __init__(self, feed_id: str, worker_id: str):
+        super().__init__(f"decode worker {worker_id} has no token feed {feed_id!r} (restarted since it opened?)")
+        self.feed_id = feed_id
+        self.worker_id = worker_id
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """A feed's item for one request that failed after its `Transferred` (its join): the error to raise for it."""
+
+    request_id: str
+    error: BaseException
+
+
+class FeedSink(AsyncSink):
+    """Events of many requests, put by the engine thread (one `put` per event) and taken by the feed in bursts: one
+    wake-up of the actor's event loop per burst (an engine step's events), not one per event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        super().__init__(loop)
+        self._lock = threading.Lock()
+        self._pending: list = []
+        self._woken = False  # a wake-up is scheduled and the burst not taken yet
+        self._ready = asyncio.Event()
+
+    def put(self, item) -> None:
+        with self._lock:
+            self._pending.append(item)
+            if self._woken:
+                return
+            self._woken = True
+        try:
+            self.loop.call_soon_threadsafe(self._ready.set)
+        except RuntimeError:  # loop closed: nobody listens any more
+            pass
+
+    async def take(self) -> list:
+        """Every item put since the last take (at least one), in order."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            with self._lock:
+                items, self._pending, self._woken = self._pending, [], False
+            if items:
+                return items
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One burst of a feed, split: what to send, the requests it finishes, and an error that ends the feed."""
+
+    items: tuple  # TokenEvent / RequestFailed, in the order they were put
+    finished: tuple[str, ...]
+    tokens: int
+    error: BaseException | None  # an engine failure (LoopStopped, StepFailed): every request on the feed fails
+
+
+class Feed:
+    """One open feed on this worker: its sink and the requests routed to it (request id -> monotonic join time)."""
+
+    def __init__(self, feed_id: str, loop: asyncio.AbstractEventLoop):
+        self.feed_id = feed_id
+        self.sink = FeedSink(loop)
+        self.requests: dict[str, float] = {}
+
+    async def next_batch(self) -> Batch:
+        items: list = []
+        finished: list[str] = []
+        tokens = 0
+        error = None
+        for item in await self.sink.take():
+            if isinstance(item, BaseException):
+                error = item
+                break
+            if isinstance(item, RequestFailed):
+                self.requests.pop(item.request_id, None)
+            elif item.finished:
+                finished.append(item.request_id)
+            tokens += getattr(item, "token_id", None) is not None
+            items.append(item)
+        return Batch(tuple(items), tuple(finished), tokens, error)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """A request routed here failed before it joined the batch: its reader gets the error."""
+        if self.requests.pop(request_id, None) is not None:
+            self.sink.put(RequestFailed(request_id, error))
+
+    def finish(self, request_ids: tuple[str, ...]) -> list[float]:
+        """The requests are over (finished and sent): -> how long each was on the feed, in seconds."""
+        now = time.monotonic()
+        return [now - self.requests.pop(rid) for rid in request_ids if rid in self.requests]
+
+
+class Feeds:
+    """A worker's open feeds, by id (the ingress replica names each one it opens)."""
+
+    def __init__(self):
+        self._open: dict[str, Feed] = {}
+
+    def open(self, feed_id: str, loop: asyncio.AbstractEventLoop) -> Feed:
+        feed = self._open[feed_id] = Feed(feed_id, loop)
+        return feed
+
+    def get(self, feed_id: str, worker_id: str) -> Feed:
+        feed = self._open.get(feed_id)
+        if feed is None:
+            raise FeedUnknown(feed_id, worker_id)
+        return feed
+
+    def close(self, feed: Feed) -> list[str]:
+        """The feed's call ended: -> the requests still routed to it (the caller drops them)."""
+        if self._open.get(feed.feed_id) is feed:
+            del self._open[feed.feed_id]
+        left, feed.requests = list(feed.requests), {}
+        return left
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted: no feed holds it any more (its events, if any still come, are ignored)."""
+        for feed in self._open.values():
+            feed.requests.pop(request_id, None)

@@ -1,0 +1,181 @@
+"""Token feeds (service.token_feed, decode_worker.token_feed) on a real local Ray with the synthetic workers of
+`dsv4 bench frontdoor` (no model: a step clock gives every running request one token a step): many concurrent
+requests' tokens over one feed arrive complete and in order per request; aborting one stops only it; a killed decode
+worker fails every request on its feed as WorkerDied and the next request opens a new feed to the restarted actor; a
+request whose reader stops reading holds back no other, and overflowing its queue fails it alone."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+from engine.execution.sampling_params import SamplingParams
+from router.dispatch import DispatchRequest, WorkerDied
+from router.migration import Code, RouterFailure
+
+pytestmark = pytest.mark.ray
+
+ray = pytest.importorskip("ray")
+RATE = 100.0  # steps a second
+LETTER = 70
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    actor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=-1)
+    prefill = actor(SyntheticPrefill).remote("p0", RATE, LETTER)
+    decode = actor(SyntheticDecode).remote("d0", RATE, LETTER)
+    ray.get([prefill.ping.remote(), decode.ping.remote()])
+    yield prefill, decode
+    if started:
+        ray.shutdown()
+
+
+def _workers(pool):
+    from service.ray_stream import Workers
+
+    return Workers("p0", pool[0], "d0", pool[1])
+
+
+def _request(rid: str, n: int) -> DispatchRequest:
+    return DispatchRequest(rid, (1, 2, hash(rid) % 1000), SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+
+async def _tokens(streamer, request, workers) -> list[int]:
+    got = []
+    async with contextlib.aclosing(streamer.run_placement(request, workers)) as events:
+        async for ev in events:
+            got.append(ev.token_id)
+            if ev.finished:
+                break
+    return got
+
+
+def _expected(n: int) -> list[int]:
+    from service.frontdoor_workers import token_for
+
+    return [token_for(k, LETTER) for k in range(n)]
+
+
+def _running(decode) -> int:
+    return ray.get(decode.stats.remote()).load.running
+
+
+def _wait_idle(decode, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (running := _running(decode)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return running
+
+
+def test_many_requests_share_one_feed_in_order(pool):
+    from service.ray_stream import RayStreamer
+    from service.token_feed import TokenFeeds
+
+    async def run():
+        feeds = TokenFeeds()
+        streamer = RayStreamer(feeds=feeds)
+        lengths = [5 + (i % 7) * 3 for i in range(24)]
+        got = await asyncio.gather(
+            *(_tokens(streamer, _request(f"many-{i}", n), _workers(pool)) for i, n in enumerate(lengths))
+        )
+        opened = len(feeds)
+        await feeds.close()
+        return lengths, got, opened
+
+    lengths, got, opened = asyncio.run(run())
+    assert opened == 1  # one feed to the one decode worker carried all of them
+    for n, tokens in zip(lengths, got):
+        assert tokens == _expected(n)
+    assert _wait_idle(pool[1]) == 0
+
+
+def test_abort_of_one_request_stops_only_it(pool):
+    from service.ray_stream import RayStreamer
+    from service.token_feed import TokenFeeds
+
+    async def run():
+        feeds = TokenFeeds()
+        streamer = RayStreamer(feeds=feeds)
+        others = [asyncio.ensure_future(_tokens(streamer, _request(f"stay-{i}", 40), _workers(pool))) for i in range(4)]
+        leaving = streamer.run_placement(_request("leaves", 40), _workers(pool))
+        for _ in range(5):
+            await anext(leaving)
+        await leaving.aclose()  # the client left: the streamer aborts it on both workers
+        aborted = await pool[1].stats.remote()
+        got = await asyncio.gather(*others)
+        await feeds.close()
+        return aborted.load.running, got
+
+    running_after_abort, got = asyncio.run(run())
+    assert running_after_abort == 4  # the one that left is off the step clock, the others are not
+    assert all(tokens == _expected(40) for tokens in got)
+    assert _wait_idle(pool[1]) == 0
+
+
+def test_slow_reader_holds_back_no_other_and_overflow_fails_it_alone(pool):
+    from service.ray_stream import RayStreamer
+    from service.token_feed import TokenFeeds
+
+    async def run():
+        feeds = TokenFeeds(queue_limit=8)
+        streamer = RayStreamer(feeds=feeds)
+        slow = streamer.run_placement(_request("slow", 60), _workers(pool))
+        await anext(slow)  # its first token, then nobody reads it
+        # a reader that waited on the unread request would never finish this one (the timeout turns that into a fail)
+        fast = await asyncio.wait_for(_tokens(streamer, _request("fast", 30), _workers(pool)), 60)
+        with pytest.raises(RouterFailure) as failed:
+            while True:
+                await anext(slow)
+        await slow.aclose()
+        await feeds.close()
+        return fast, failed.value
+
+    fast, failure = asyncio.run(run())
+    assert fast == _expected(30)
+    assert failure.code == Code.RESOURCE_EXHAUSTED
+    assert _wait_idle(pool[1]) == 0  # the overflowed request was aborted on the worker
+
+
+def test_killed_decode_worker_fails_its_feed_then_a_new_feed_opens(pool):
+    from service.ray_stream import RayStreamer
+    from service.token_feed import TokenFeeds
+
+    async def run():
+        feeds = TokenFeeds()
+        streamer = RayStreamer(feeds=feeds)
+        streams = [streamer.run_placement(_request(f"doomed-{i}", 500), _workers(pool)) for i in range(3)]
+        for s in streams:
+            await anext(s)
+            await anext(s)  # a decode token: it is on the feed
+        ray.kill(pool[1], no_restart=False)
+        errors = []
+        for s in streams:
+            with pytest.raises(WorkerDied) as died:
+                while True:
+                    await asyncio.wait_for(anext(s), 30)
+            errors.append(died.value)
+            await s.aclose()
+        deadline = time.monotonic() + 60
+        while True:  # the restarted actor answers: a new request opens a new feed there
+            try:
+                after = await _tokens(streamer, _request("after-restart", 6), _workers(pool))
+                break
+            except WorkerDied:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+        await feeds.close()
+        return errors, after
+
+    errors, after = asyncio.run(run())
+    assert [e.worker_id for e in errors] == ["d0"] * 3
+    assert after == _expected(6)
