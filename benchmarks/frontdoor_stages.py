@@ -5,6 +5,9 @@ Where `dsv4 bench frontdoor` measures the whole token path, this splits off the 
   decode worker does, one event an item), read in this process as the ingress replica reads them; CPU per item of
   the producer's process and of this one (/proc, user + system, every thread), for the generator's own reading
   (`async for ref in stream: await ref`, two fetches an item) and `service.ray_items.next_item` (one fetch);
+- a token over a token feed (service.token_feed): one stream carries a tuple of every stream's event a step (`--rate`
+  steps/s), demultiplexed into the `--streams` requests' queues, each read by its own task as the ingress replica's
+  consumers do; CPU per token (event) of the producer's process and of this one;
 - the SSE rendering of one completion / chat chunk (pydantic model + model_dump_json) and `TextStream.add` (one
   token's detokenisation), CPU per call in a loop.
 Prints a markdown table; nothing is written to BENCHMARKS.md (the frontdoor section's reading quotes it).
@@ -54,7 +57,46 @@ def _producer_class():
                     await asyncio.sleep(delay)
                 yield TokenEvent("r", 70 + k % 26, 0.0, k == n - 1, "length" if k == n - 1 else None, ())
 
+        def configure(self, steps: int, rate: float, streams: int) -> None:
+            self.feed_steps, self.feed_rate, self.feed_streams = steps, rate, streams
+
+        async def token_feed(self, feed_id: str):
+            """As DecodeWorker.token_feed: `()`, then a step's events of every stream (request r0, r1, ...) an item."""
+            from engine.execution.request import TokenEvent
+
+            yield ()
+            start, n = time.monotonic(), self.feed_steps
+            for k in range(n):
+                delay = start + (k + 1) / self.feed_rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                done = k == n - 1
+                yield tuple(
+                    TokenEvent(f"r{i}", 70 + k % 26, 0.0, done, "length" if done else None, ())
+                    for i in range(self.feed_streams)
+                )
+            await asyncio.sleep(3600)  # a feed stays open; the reader cancels it
+
     return TokenProducer
+
+
+async def _read_feed(producer, streams: int, n: int) -> int:
+    from service.token_feed import TokenFeeds
+
+    feeds = TokenFeeds()
+    # together: each registers its queue before the first awaits the feed's opening (no event comes before)
+    queues = await asyncio.gather(*(feeds.subscribe("w", producer, f"r{i}") for i in range(streams)))
+
+    async def one(queue) -> int:
+        count = 0
+        while count < n:
+            count += len(await queue.get())
+        return count
+
+    try:
+        return sum(await asyncio.gather(*(one(q) for q in queues)))
+    finally:
+        await feeds.close()
 
 
 async def _read_all(producer, streams: int, n: int, rate: float, once: bool) -> int:
@@ -101,6 +143,16 @@ def ray_item_costs(streams: int, items: int, rate: float, rounds: int) -> list[S
             reader = sorted(s[0] for s in samples[once])[len(samples[once]) // 2]
             prod = sorted(s[1] for s in samples[once])[len(samples[once]) // 2]
             out.append(StageCost(label, streams * items * rounds, reader * 1e6, prod * 1e6))
+        feed: list[tuple[float, float]] = []
+        for _ in range(rounds):
+            ray.get(producer.configure.remote(items, rate, streams))
+            mine, theirs = time.process_time(), _proc_cpu(pid)
+            got = asyncio.run(_read_feed(producer, streams, items))
+            assert got == streams * items, (got, streams * items)
+            feed.append(((time.process_time() - mine) / got, (_proc_cpu(pid) - theirs) / got))
+        reader, prod = (sorted(f[i] for f in feed)[len(feed) // 2] for i in (0, 1))
+        label = f"token over a feed ({streams} requests an item)"
+        out.append(StageCost(label, streams * items * rounds, reader * 1e6, prod * 1e6))
         return out
     finally:
         if started:

@@ -110,8 +110,9 @@ async def recovering_stream(
                     held.extend(ev.prompt_logprobs)
                     if ev.token_id is None and not ev.finished:
                         continue
-                    ev = dataclasses.replace(ev, prompt_logprobs=tuple(held))
-                    held = []
+                    if held:  # with those of the prefill-only events before it (a copy only then: hot path)
+                        ev = dataclasses.replace(ev, prompt_logprobs=tuple(held))
+                        held = []
                     sent += 1
                     if ev.token_id is not None:
                         state.generated.append(ev.token_id)

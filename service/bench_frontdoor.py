@@ -26,6 +26,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dsv4_kernels.settings import settings
 from service.bench_serve import pct
 from service.benchmarks_md import BENCHMARKS_MD, markers, write_section
 from service.frontdoor_load import SERVICE, cpu_by_component, cpu_delta, env_by_component, run_level
@@ -33,8 +34,17 @@ from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill, token_f
 
 LETTER = "a"
 TOKEN_PATH = (
-    "the routers only place (gRPC `Place`); each token goes from the decode actor to the ingress replica that "
-    "owns the request in one Ray streaming call (service/direct_path.py), then to the client through Serve's proxy"
+    "the routers only place (gRPC `Place`); the tokens go from the decode actor to the ingress replica that owns the "
+    "request (service/direct_path.py), then to the client through Serve's proxy"
+)
+FEED_PATH = {
+    True: "over the decode actor's token feed to that replica (one Ray streaming call per decode actor and replica, "
+    "one item an engine step for all of the replica's requests there: service/token_feed.py, `DSV4_TOKEN_FEED=1`)",
+    False: "in one Ray streaming call a request (`DSV4_TOKEN_FEED=0`)",
+}
+STEP_CLOCK = (
+    "The synthetic decode actors run a step clock as an engine's continuous batch does (every running request gets "
+    "one token a step, `--token-rate` steps a second), so a step's tokens of every stream leave at once."
 )
 
 
@@ -55,6 +65,7 @@ class LevelResult:
     errors: int
     load_avg: float = 0.0  # the machine's 1-minute load average at the level's end (other work on it shows here)
     serve_env: dict = field(default_factory=dict)  # proxy / ingress -> the Serve switches their processes ran with
+    token_feed: bool = True  # DSV4_TOKEN_FEED as the replicas read it (they inherit this process's environment)
 
 
 def _letter_id(model_dir: str) -> int:
@@ -190,6 +201,7 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
         s["errors"],
         os.getloadavg()[0],
         serve_env,
+        settings().token_feed,
     )
 
 
@@ -291,7 +303,8 @@ def report(rows: list[LevelResult], args, command: str) -> str:
         f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}; loopback; synthetic pool (1 prefill + {args.decode_workers} decode "
         f"actors, no model) at {args.token_rate:g} tokens/s a stream, {args.max_tokens} tokens a request, "
-        f"{args.seconds:g} s a level, {args.routers} router replicas. Token path: {TOKEN_PATH}. "
+        f"{args.seconds:g} s a level, {args.routers} router replicas. Token path: {TOKEN_PATH}; "
+        f"{FEED_PATH[rows[-1].token_feed if rows else settings().token_feed]}. {STEP_CLOCK} "
         f"Serve switches the processes ran with: {_switches(rows)}.",
         "",
         "Added latency: client receive time minus the synthetic worker's emit time (decode tokens, same host "

@@ -17,6 +17,7 @@ letter, so a client sees every token as one SSE chunk and can check order and lo
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ class _Synthetic:
         self.active = 0
         self.emits: dict[tuple, list[float]] = {}  # prompt -> time.time() of each yielded token (k = 0 first)
         self.aborted: set[str] = set()
+        gc.freeze()  # as the ingress replica (service.serve_ingress): no full collection walks the start-up objects
 
     def ping(self) -> str:
         return self.incarnation

@@ -178,8 +178,14 @@ proxy_protocol: type | None = None  # the class proxy_callback made uvicorn's "a
 
 def proxy_callback() -> list:
     """Serve's proxy callback (PROXY_CALLBACK): make the guarded protocol uvicorn's "auto" one in this process,
-    with the limits of this process's environment; no middlewares (-> [])."""
+    with the limits of this process's environment; no middlewares (-> []). Also freezes what the proxy has loaded so
+    far out of the collector's reach (as the ingress replicas do, service.serve_ingress: a full collection walking
+    it stalls every stream going through this proxy)."""
+    import gc
+
     from uvicorn import config
+
+    gc.freeze()
 
     try:
         import httptools  # noqa: F401 - uvicorn's "auto" would run h11 without it

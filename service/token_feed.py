@@ -97,7 +97,8 @@ class FeedQueue:
 
     def close(self) -> None:
         """The request is over here (finished, failed, cancelled): its events, if any still come, are dropped."""
-        self.feed.queues.pop(self.request_id, None)
+        if self.feed.queues.get(self.request_id) is self:  # not a later attempt's queue under the same id
+            del self.feed.queues[self.request_id]
 
 
 class TokenFeed:

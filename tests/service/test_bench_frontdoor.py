@@ -58,5 +58,6 @@ def test_frontdoor_tiny(tmp_path):
 
     text = report([LevelResult(**r) for r in rows], args, "dsv4 bench frontdoor --tiny")
     assert "`Place`" in text and "AFTER" in text and "Ceiling" in text and "| 2 | 4 |" in text
+    assert all(r["token_feed"] for r in rows) and "`DSV4_TOKEN_FEED=1`" in text  # the default: the token feeds
     assert "at half the ceiling" in text
     assert "Serve switches the processes ran with: proxy RAY_SERVE_PROXY_USE_GRPC=1" in text

@@ -1,5 +1,5 @@
-"""`python -m benchmarks.frontdoor_stages` at a tiny size on a real local Ray: every item read in both modes, a cost
-for every stage."""
+"""`python -m benchmarks.frontdoor_stages` at a tiny size on a real local Ray: every item read in both modes and over a
+token feed, a cost for every stage."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ def test_frontdoor_stages_tiny(capsys):
     assert [r.stage.split(",")[0] for r in rows] == [
         "Ray item",
         "Ray item",
+        "token over a feed (2 requests an item)",
         "SSE chunk",
         "SSE chunk",
         "TextStream.add (one token)",
     ]
     assert all(r.us_per_call > 0 for r in rows)
-    assert all(r.producer_us_per_call is not None and r.producer_us_per_call >= 0 for r in rows[:2])
+    assert all(r.producer_us_per_call is not None and r.producer_us_per_call >= 0 for r in rows[:3])
     assert "| Ray item, next_item (1 fetch) | 20 |" in capsys.readouterr().out

@@ -105,19 +105,24 @@ def test_abort_of_one_request_stops_only_it(pool):
     async def run():
         feeds = TokenFeeds()
         streamer = RayStreamer(feeds=feeds)
-        others = [asyncio.ensure_future(_tokens(streamer, _request(f"stay-{i}", 40), _workers(pool))) for i in range(4)]
-        leaving = streamer.run_placement(_request("leaves", 40), _workers(pool))
+        others = [
+            asyncio.ensure_future(_tokens(streamer, _request(f"stay-{i}", 300), _workers(pool))) for i in range(4)
+        ]
+        leaving = streamer.run_placement(_request("leaves", 300), _workers(pool))
         for _ in range(5):
             await anext(leaving)
-        await leaving.aclose()  # the client left: the streamer aborts it on both workers
-        aborted = await pool[1].stats.remote()
+        await leaving.aclose()  # the client left: the streamer aborts it on both workers (fire-and-forget)
+        deadline = time.monotonic() + 30
+        while (running := (await pool[1].stats.remote()).load.running) > 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        still = sum(not t.done() for t in others)
         got = await asyncio.gather(*others)
         await feeds.close()
-        return aborted.load.running, got
+        return running, still, got
 
-    running_after_abort, got = asyncio.run(run())
-    assert running_after_abort == 4  # the one that left is off the step clock, the others are not
-    assert all(tokens == _expected(40) for tokens in got)
+    running_after_abort, still, got = asyncio.run(run())
+    assert running_after_abort == 4 and still == 4  # the one that left is off the step clock, the others are not
+    assert all(tokens == _expected(300) for tokens in got)
     assert _wait_idle(pool[1]) == 0
 
 
