@@ -141,19 +141,14 @@ def source_main(conn, device: str, max_tokens: int, layers: int) -> None:
 
 # ---- the reader: service pulls ----------------------------------------------------------------------------
 async def _pull_like_decode_worker(backend, ticket, table: dict, device: str):
-    """DecodeWorker.decode's path: the pull on a worker thread, the deferred scatter back on this thread."""
+    """DecodeWorker.decode's path: `pull_async` (NIXL: on this loop's thread, its READ polled between the loop's
+    other work; a backend that blocks: on a worker thread), then the deferred scatter on this thread."""
     t0 = time.monotonic()
-    (stats, deferred), pulled = await asyncio.to_thread(_timed, backend.pull_deferred, ticket, table, 10.0)
-    t1 = time.monotonic()
+    stats, deferred = await backend.pull_async(ticket, table, 10.0)
+    t1 = pulled = time.monotonic()
     parts = deferred.run() if deferred is not None else {}
     _sync(device)
     return stats, t0, pulled, t1, time.monotonic(), parts.get("copies", 0.0)
-
-
-def _timed(fn, *args):
-    """fn(*args) and the moment it returned (the pulling thread's end of the pull)."""
-    out = fn(*args)
-    return out, time.monotonic()
 
 
 def service_pulls(conn, backend, pool, num_tokens: int, pulls: int, device: str, raw) -> tuple[list[dict], bool]:

@@ -67,12 +67,12 @@ def size_table(sizes: list[dict]) -> str:
 
 
 PARTS = (
-    ("handoff_ms", "hand-off to the pulling thread and back"),
+    ("handoff_ms", "hand-off into the pull and back (the await around it)"),
     ("plan_ms", "plan"),
     ("staging_wait_ms", "staging range"),
     ("read_ms", "READ (post to DONE)"),
     ("pull_other_ms", "layout, descriptors, confirmation sent"),
-    ("pull_cpu_ms", "pulling thread's CPU (all of the pull)"),
+    ("pull_cpu_ms", "CPU of the pull's steps (all of the pull)"),
     ("scatter_ms", "scatter (engine thread)"),
     ("scatter_copies_ms", "of which the copies"),
     ("export_ms", "export on the source (plan + gather)"),
@@ -174,7 +174,8 @@ def section(result: dict) -> str:
             f"{result['pulls']} pulls a size, each paired with a raw READ timed just before it).",
             f"Pools: the V4-Flash slice's cache geometry ({result['layers']} layers, fp8 formats, 256-token pages) on "
             "both sides; each pull exported by the source process, pulled as `DecodeWorker.decode` does "
-            "(`pull_deferred` on a worker thread, the scatter back on the event loop's thread), bytes checked "
+            "(`TransferBackend.pull_async`: plan, post and the READ polled on the event loop's thread, no worker "
+            "thread; then the deferred scatter on the same thread), bytes checked "
             "against the source on the first pull of every size. Raw READ: NIXL's READ of the same byte count between "
             "the same two agents, one prepared request, in 1 descriptor and in the page plan's descriptor count.",
             size_table(sizes),

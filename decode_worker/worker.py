@@ -10,14 +10,15 @@ with the result): the pages are reserved before the prefill ends, each chunk is 
 and `decode` pulls only the rest (kv_transfer.plan's streaming).
 A staged NIXL pull leaves its last step, the scatter of the pulled bytes into the pages, to this worker
 (`TransferBackend.pull_deferred`): it is queued on the engine thread, in the call that joins the request to the
-batch, not on the pulling thread, whose many small torch calls each wait for the GIL there (kv_transfer.staging).
+batch, not on a pulling thread, whose many small torch calls each wait for the GIL there (kv_transfer.staging). The
+pull itself (`TransferBackend.pull_async`) runs on this actor's event loop thread for NIXL (no hand-off to a
+worker thread and back), on a worker thread for tcp.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 import time
 from dataclasses import dataclass
 
@@ -70,30 +71,6 @@ TRANSFER_PARTS = (
 def _add_scatter_parts(totals: dict, parts: dict) -> None:
     for key in ("index", "views", "copies", "record", "cpu"):
         totals[f"scatter_{key}_seconds"] += parts.get(key, 0.0)
-
-
-class _PullClaim:
-    """Runs `backend.pull_deferred` on the pulling thread and hands its deferred scatter to the caller, or cancels
-    it (freeing its staging range) when the caller stopped waiting for the pull (its task was cancelled)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._gone = False
-        self._deferred = None
-
-    def pull(self, backend, ticket, pages, timeout_s: float):
-        stats, deferred = backend.pull_deferred(ticket, pages, timeout_s)
-        with self._lock:
-            gone, self._deferred = self._gone, deferred
-        if gone and deferred is not None:
-            deferred.cancel()
-        return stats, deferred
-
-    def abandon(self) -> None:
-        with self._lock:
-            self._gone, deferred = True, self._deferred
-        if deferred is not None:
-            deferred.cancel()
 
 
 class DecodeWorker(WorkerBase):
@@ -249,11 +226,10 @@ class DecodeWorker(WorkerBase):
             raise DecodeOverloaded(f"decode worker {self.worker_id} has no room for {rid}: {e}") from None
 
     async def _pull(self, rid: str, ticket, pages):
-        """Pull `ticket` into the import's `pages` on a worker thread -> (stats, deferred scatter or None). On
+        """Pull `ticket` into the import's `pages` (`pull_async`) -> (stats, deferred scatter or None). On
         failure the import is aborted (its pages freed), or quarantined behind a READ that could not be cancelled."""
-        claim = _PullClaim()
-        try:
-            return await asyncio.to_thread(claim.pull, self.transfer_backend, ticket, pages, self.transfer_timeout_s)
+        try:  # NIXL: on this thread, polling its READ between the loop's other work (TransferBackend.pull_async)
+            return await self.transfer_backend.pull_async(ticket, pages, self.transfer_timeout_s)
         except TransferError as e:
             kind = "timeout" if isinstance(e, TransferTimeout) else "error"
             metrics.KV_TRANSFER_FAILURES.labels(self.worker_id, self.transfer, kind).inc()
@@ -266,7 +242,7 @@ class DecodeWorker(WorkerBase):
                 await self.loop.acall(lambda eng: eng.abort(rid))
             raise
         except BaseException:
-            claim.abandon()  # cancelled while the thread pulls: a scatter it leaves behind frees its range
+            # cancelled while pulling: the backend freed what the pull held (its READ, range, scatter)
             metrics.KV_TRANSFER_ABORTS.labels(self.worker_id, self.transfer, "decode").inc()
             self._streamed.pop(rid, None)
             await self.loop.acall(lambda eng: eng.abort(rid))

@@ -47,6 +47,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,7 @@ import numpy as np
 from dsv4_kernels.settings import BY_NAME, NIXL_PROGRESS_DELAY_US, settings
 from engine.model.cache import CachePool
 from kv_transfer.base import (
+    PullCancelled,
     ReadInFlight,
     TransferBackend,
     TransferError,
@@ -86,6 +88,11 @@ def import_nixl():
 _CONFIG_LOCK = threading.Lock()
 DEFAULT_PROGRESS_DELAY_US = BY_NAME[NIXL_PROGRESS_DELAY_US].default  # 1000
 DEFAULT_STAGING_CAP = 512 << 20
+# A READ is polled without a pause for its first READ_SPIN_S (a pull's step yields 0: on an event loop one round of
+# its other work between polls), then every READ_POLL_S (an event loop's timers round it up to 1 ms): the loop
+# does not burn a core on a long READ, and a READ of up to a few MB (the common pull) ends without a timer's delay.
+READ_SPIN_S = 5e-3
+READ_POLL_S = 2e-4
 
 
 def default_staging_bytes(pool: CachePool) -> int:
@@ -157,6 +164,7 @@ class _StuckRead:
 
 class NixlBackend(TransferBackend):
     name = "nixl"
+    steps_on_loop = True  # a pull polls its READ (_xfer_steps): pull_async runs it on the caller's loop
 
     def __init__(
         self,
@@ -295,7 +303,7 @@ class NixlBackend(TransferBackend):
         return self.staging
 
     # ---- decode side -------------------------------------------------------------------------------------
-    def _read(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> int:
+    def _read_steps(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> Generator[float, None, int]:
         what = f"NIXL READ of request {ticket.request_id!r} from {ticket.source!r}"
         done = self._notif("done", ticket.request_id)
         if plan.total_bytes == 0:
@@ -305,10 +313,10 @@ class NixlBackend(TransferBackend):
             import torch
 
             torch.cuda.set_device(next(iter(self._local.values()))[1])
-        descriptors = self._read_staged(ticket, plan, deadline, what)
+        descriptors = yield from self._read_staged(ticket, plan, deadline, what)
         if descriptors is None:
             local, remote = self._descs(ticket, plan)
-            self._xfer(ticket, local, remote, deadline, what, plan.total_bytes)
+            yield from self._xfer_steps(ticket, local, remote, deadline, what, plan.total_bytes)
             descriptors = len(local)
         self._confirm(ticket.source, done)
         return descriptors
@@ -326,7 +334,9 @@ class NixlBackend(TransferBackend):
                 "%s: could not confirm a pull to %s (its lease frees the pages): %s", self.worker_name, source, e
             )
 
-    def _read_staged(self, ticket: TransferTicket, plan: TransferPlan, deadline: float, what: str) -> int | None:
+    def _read_staged(
+        self, ticket: TransferTicket, plan: TransferPlan, deadline: float, what: str
+    ) -> Generator[float, None, int | None]:
         """One READ of the source's staging range into ours, then the scatter; None: use the page plan."""
         src = self._peers[ticket.source]["staging"]
         if ticket.staging is None or src is None or self.staging is None:
@@ -356,7 +366,7 @@ class NixlBackend(TransferBackend):
             base, dev = self.staging.tensor.data_ptr(), _mem(self.staging.tensor)[1]
             local = np.array([(base + offset, nbytes, dev)], dtype=np.uint64)
             remote = np.array([(src[0] + src_off, nbytes, src[2])], dtype=np.uint64)
-            self._xfer(ticket, local, remote, deadline, what, nbytes, staging_offset=offset)
+            yield from self._xfer_steps(ticket, local, remote, deadline, what, nbytes, staging_offset=offset)
             if self._defers_scatter():  # pull_deferred: the caller queues it on its engine's thread (the range
                 keep = True  # stays held until then)
                 self._on_deferred(DeferredScatter(self.staging, offset, layout, ticket.request_id))
@@ -375,7 +385,7 @@ class NixlBackend(TransferBackend):
         self._count("staged")
         return 1
 
-    def _xfer(
+    def _xfer_steps(
         self,
         ticket: TransferTicket,
         local: np.ndarray,
@@ -384,9 +394,10 @@ class NixlBackend(TransferBackend):
         what: str,
         nbytes: int,
         staging_offset: int | None = None,
-    ) -> None:
-        """Post one READ (local <- remote, Nx3 descriptor arrays) and drive it to the end. A READ that cannot be
-        cancelled is quarantined with its destination (ReadInFlight)."""
+    ) -> Generator[float, None, None]:
+        """Post one READ (local <- remote, Nx3 descriptor arrays) and drive it to the end, yielding the seconds to
+        wait between polls (READ_SPIN_S). A READ that cannot be cancelled is quarantined with its destination
+        (ReadInFlight); PullCancelled thrown in at a yield fails it as a timeout would."""
         t0 = time.monotonic()
         handle = self.agent.initialize_xfer(
             "READ",
@@ -396,16 +407,22 @@ class NixlBackend(TransferBackend):
         )
         error: TransferError | None = None
         try:
-            state, spins = self.agent.transfer(handle), 0
+            state = self.agent.transfer(handle)
             while state == "PROC":
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     error = TransferTimeout(
                         f"{what}: timed out ({nbytes} bytes, {len(local)} descriptors still in flight)"
                     )
                     break
-                spins += 1
-                if spins > 100:  # spin briefly for small transfers, then stop burning a core
-                    time.sleep(2e-4)
+                try:
+                    yield 0.0 if now - t0 < READ_SPIN_S else READ_POLL_S
+                except PullCancelled as e:
+                    error = e
+                    break
+                except GeneratorExit:  # the steps dropped unfinished: never leave the READ writing a freed range
+                    error = PullCancelled(f"{what}: abandoned")
+                    break
                 state = self.agent.check_xfer_state(handle)
             if error is None and state != "DONE":
                 error = TransferError(f"{what}: NIXL reported {state}")

@@ -165,16 +165,25 @@ class StagedGroup:
     page_bytes: int
     pages: tuple[tuple[int, int], ...]
     runs: tuple[int | None, int | None] = (None, None)
+    sides: tuple[tuple[int, ...], ...] = ()  # (src ids, dst ids): `pages` split by side (empty: derived on use)
 
     @property
     def nbytes(self) -> int:
         return self.layers * len(self.pages) * self.page_bytes
 
+    def ids(self, side: int) -> tuple[int, ...]:
+        """The page ids of one side (0: source, 1: destination), in request order."""
+        if self.sides:
+            return self.sides[side]
+        return tuple(p[side] for p in self.pages)
+
 
 def run_start(ids: Sequence[int]) -> int | None:
     """ids[0] when ids are consecutive and increasing (one slice of pages), else None."""
-    first = ids[0]
-    return first if list(ids) == list(range(first, first + len(ids))) else None
+    first, n = ids[0], len(ids)
+    if ids[-1] - first != n - 1:  # most tables that are no run fail here, without a copy
+        return None
+    return first if list(ids) == list(range(first, first + n)) else None
 
 
 @dataclass(frozen=True)
@@ -197,7 +206,8 @@ def staged_layout(plan: TransferPlan, specs: Sequence[CacheGroupSpec]) -> Staged
             continue
         spec = by_name[g.name]
         src, dst = zip(*g.pages)
-        sg = StagedGroup(g.name, off, len(spec.layers), page_bytes(spec), g.pages, (run_start(src), run_start(dst)))
+        runs = (run_start(src), run_start(dst))
+        sg = StagedGroup(g.name, off, len(spec.layers), page_bytes(spec), g.pages, runs, (src, dst))
         groups.append(sg)
         off = align_up(off + sg.nbytes)
     return StagedLayout(tuple(groups), off)
@@ -238,9 +248,13 @@ def _check_pages(spec: CacheGroupSpec, pages: Mapping[str, Sequence[int]], lo: i
     table = pages[spec.name]
     if len(table) < hi:
         raise ValueError(f"{side} page table of group {spec.name!r} has {len(table)} page(s), needs {hi}")
-    have = [int(p) for p in table[lo:hi]]  # only the slice: a stream's chunks cost their own pages, not the prefix
-    bad = [p for p in have if not 0 <= p < spec.num_pages]
-    if bad:
+    have = list(map(int, table[lo:hi]))  # only the slice: a stream's chunks cost their own pages, not the prefix
+    if not have:
+        return have
+    if have[0] >= 0 and have[-1] < spec.num_pages and run_start(have) is not None:
+        return have  # one run of consecutive pages, in range: no repeat possible (most fresh tables)
+    if min(have) < 0 or max(have) >= spec.num_pages:
+        bad = [p for p in have if not 0 <= p < spec.num_pages]
         raise ValueError(f"{side} pages {bad} of group {spec.name!r} out of range [0, {spec.num_pages})")
     if len(set(have)) != len(have):
         raise ValueError(f"{side} page table of group {spec.name!r} repeats a page: {have}")
@@ -298,7 +312,7 @@ def build_plan(
     groups = []
     for src in specs:
         dst = dst_by_name[src.name]
-        if _layout_key(src) != _layout_key(dst):
+        if src is not dst and _layout_key(src) != _layout_key(dst):
             raise ValueError(f"group {src.name!r}: page layouts differ: {_layout_key(src)} vs {_layout_key(dst)}")
         lo, hi = page_span(src, num_tokens, start_tokens, final)
         # a ticket's source table holds the moved pages only (src_moved); a request's table starts at its first

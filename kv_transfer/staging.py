@@ -38,12 +38,13 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from array import array
 
 import torch
 
 from engine.model.batch import to_device_nonblocking
 from engine.model.cache import CachePool
-from kv_transfer.plan import STAGING_ALIGN, StagedLayout, align_up
+from kv_transfer.plan import STAGING_ALIGN, StagedLayout, align_up, page_bytes
 
 
 class ByteArena:
@@ -143,19 +144,26 @@ class StagingBuffer:
             n: g.tensor.view(-1).view(torch.uint8).view(len(g.spec.layers), g.spec.num_pages, -1)
             for n, g in pool.groups.items()
         }
-        # the same in each group's word dtype, and the buffer as words of each dtype (capacity is a multiple of
-        # the alignment, so every word size divides it): a request's views are then one slice and one view a group
-        self._words: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-        self._tensor_words: dict[torch.dtype, torch.Tensor] = {}
+        # per group, made once: its pages and the whole buffer as words of the group's word dtype (capacity is a
+        # multiple of the alignment, so every word size divides it), and the word's size; a request's views are
+        # then one strided view (and one slice of pages) a group
+        words = {dtype: self.tensor.view(dtype) for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8)}
+        self._words: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        for n, g in pool.groups.items():
+            word = _word_dtype(page_bytes(g.spec))
+            self._words[n] = (self._pages[n].view(word), words[word], words[word].element_size())
 
     def _index(self, layout: StagedLayout, side: int) -> torch.Tensor | None:
         """The page ids of one side of every group that is not one run of consecutive pages, in layout order, on
         the device: one host->device copy (pinned on CUDA: the host does not wait for the stream); None when
         every group is a run (its copy is a slice)."""
-        ids = [p[side] for g in layout.groups if g.runs[side] is None for p in g.pages]
+        ids = array("q")  # filled from each group's id tuple in C: no Python int a page
+        for g in layout.groups:
+            if g.runs[side] is None:
+                ids.extend(g.ids(side))
         if not ids:
             return None
-        return to_device_nonblocking(torch.tensor(ids, dtype=torch.int64), self.device)
+        return to_device_nonblocking(torch.frombuffer(ids, dtype=torch.int64), self.device)
 
     def _group_views(self, offset: int, layout: StagedLayout, index: torch.Tensor | None, side: int):
         """Per group: (the pool's pages of this side: a slice of the page view when they are one run, else the
@@ -163,23 +171,17 @@ class StagingBuffer:
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         k = 0
         for g in layout.groups:
-            word = _word_dtype(g.page_bytes)
-            pages = self._words.get((g.name, word))
-            if pages is None:
-                pages = self._words[(g.name, word)] = self._pages[g.name].view(word)
-            words = self._tensor_words.get(word)
-            if words is None:
-                words = self._tensor_words[word] = self.tensor.view(word)
-            size = words.element_size()
-            lo = (offset + g.offset) // size  # group offsets are STAGING_ALIGN-aligned: a whole number of words
-            staged = words[lo : lo + g.nbytes // size].view(g.layers, len(g.pages), -1)
+            pages, words, size = self._words[g.name]
+            n, row = len(g.pages), g.page_bytes // size
+            # [layers, n, row] words at the group's place (offsets are STAGING_ALIGN-aligned: whole words)
+            staged = words.as_strided((g.layers, n, row), (n * row, row, 1), (offset + g.offset) // size)
             start = g.runs[side]
             if start is not None:
-                out.append((pages[:, start : start + len(g.pages)], staged, None))
+                out.append((pages[:, start : start + n], staged, None))
             else:
                 assert index is not None  # _index made ids for every group that is not a run
-                out.append((pages, staged, index[k : k + len(g.pages)]))
-                k += len(g.pages)
+                out.append((pages, staged, index[k : k + n]))
+                k += n
         return out
 
     def _views(self, offset: int, layout: StagedLayout, side: int):
