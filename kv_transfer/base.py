@@ -305,7 +305,7 @@ class TransferBackend(ABC):
         return bool(ready.query())
 
     def _export(self, key: str, plan: TransferPlan, chunk_of: str | None) -> TransferTicket:
-        moved = {g.name: [s for s, _ in g.pages] for g in plan.groups}
+        moved = {g.name: list(g.src_ids) for g in plan.groups}
         export = _Export(moved, plan.num_tokens, time.monotonic() + self.lease_s, chunk_of=chunk_of)
         with self._lock:
             if key in self._exports:
@@ -323,7 +323,7 @@ class TransferBackend(ABC):
                 export.staging = staging
         if not alive and staging is not None:  # released by another thread while staging: free it here
             self._unstage(key, staging)
-        src = tuple((g.name, tuple(s for s, _ in g.pages)) for g in plan.groups)  # the moved pages only
+        src = tuple((g.name, g.src_ids) for g in plan.groups)  # the moved pages only
         return TransferTicket(
             source=self.worker_name,
             request_id=key,

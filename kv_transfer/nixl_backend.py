@@ -364,8 +364,7 @@ class NixlBackend(TransferBackend):
         keep, scattered = False, None
         try:
             base, dev = self.staging.tensor.data_ptr(), _mem(self.staging.tensor)[1]
-            local = np.array([(base + offset, nbytes, dev)], dtype=np.uint64)
-            remote = np.array([(src[0] + src_off, nbytes, src[2])], dtype=np.uint64)
+            local, remote = [(base + offset, nbytes, dev)], [(src[0] + src_off, nbytes, src[2])]
             yield from self._xfer_steps(ticket, local, remote, deadline, what, nbytes, staging_offset=offset)
             if self._defers_scatter():  # pull_deferred: the caller queues it on its engine's thread (the range
                 keep = True  # stays held until then)
@@ -388,14 +387,14 @@ class NixlBackend(TransferBackend):
     def _xfer_steps(
         self,
         ticket: TransferTicket,
-        local: np.ndarray,
-        remote: np.ndarray,
+        local: np.ndarray | list[tuple[int, int, int]],
+        remote: np.ndarray | list[tuple[int, int, int]],
         deadline: float,
         what: str,
         nbytes: int,
         staging_offset: int | None = None,
     ) -> Generator[float, None, None]:
-        """Post one READ (local <- remote, Nx3 descriptor arrays) and drive it to the end, yielding the seconds to
+        """Post one READ (local <- remote: Nx3 descriptor arrays, or (address, length, device) lists) and drive it to the end, yielding the seconds to
         wait between polls (READ_SPIN_S). A READ that cannot be cancelled is quarantined with its destination
         (ReadInFlight); PullCancelled thrown in at a yield fails it as a timeout would."""
         t0 = time.monotonic()

@@ -91,19 +91,25 @@ class ByteRange:
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """One group's pages of a request and where they lie on each side; `ranges` (the page-descriptor path's
-    byte ranges) are derived on first use only: a staged pull never needs them."""
+    """One group's pages of a request and where they lie on each side; `pages` (pairs) and `ranges` (the
+    page-descriptor path's byte ranges) are derived on first use only: a staged pull needs neither."""
 
     name: str
-    pages: tuple[tuple[int, int], ...]  # (src_page, dst_page) pairs, in request order
+    src_ids: tuple[int, ...]  # the source's pages, in request order
+    dst_ids: tuple[int, ...]  # the destination's, the same length
     layers: int  # layer slots of the group (each page is moved for every one)
     page_bytes: int  # bytes of one page of one layer
     src_layer_stride: int
     dst_layer_stride: int
 
+    @functools.cached_property
+    def pages(self) -> tuple[tuple[int, int], ...]:
+        """(src_page, dst_page) pairs, in request order."""
+        return tuple(zip(self.src_ids, self.dst_ids))
+
     @property
     def nbytes(self) -> int:
-        return len(self.pages) * self.layers * self.page_bytes
+        return len(self.src_ids) * self.layers * self.page_bytes
 
     @functools.cached_property
     def range_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -163,19 +169,25 @@ class StagedGroup:
     offset: int
     layers: int
     page_bytes: int
-    pages: tuple[tuple[int, int], ...]
+    sides: tuple[tuple[int, ...], tuple[int, ...]]  # (src ids, dst ids), in request order
     runs: tuple[int | None, int | None] = (None, None)
-    sides: tuple[tuple[int, ...], ...] = ()  # (src ids, dst ids): `pages` split by side (empty: derived on use)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.sides[0])
+
+    @functools.cached_property
+    def pages(self) -> tuple[tuple[int, int], ...]:
+        """(src_page, dst_page) pairs, in request order."""
+        return tuple(zip(*self.sides))
 
     @property
     def nbytes(self) -> int:
-        return self.layers * len(self.pages) * self.page_bytes
+        return self.layers * self.num_pages * self.page_bytes
 
     def ids(self, side: int) -> tuple[int, ...]:
         """The page ids of one side (0: source, 1: destination), in request order."""
-        if self.sides:
-            return self.sides[side]
-        return tuple(p[side] for p in self.pages)
+        return self.sides[side]
 
 
 def run_start(ids: Sequence[int]) -> int | None:
@@ -183,7 +195,7 @@ def run_start(ids: Sequence[int]) -> int | None:
     first, n = ids[0], len(ids)
     if ids[-1] - first != n - 1:  # most tables that are no run fail here, without a copy
         return None
-    return first if list(ids) == list(range(first, first + n)) else None
+    return first if tuple(ids) == tuple(range(first, first + n)) else None  # tuple(a tuple) is no copy
 
 
 @dataclass(frozen=True)
@@ -202,12 +214,11 @@ def staged_layout(plan: TransferPlan, specs: Sequence[CacheGroupSpec]) -> Staged
     by_name = {s.name: s for s in specs}
     groups, off = [], 0
     for g in plan.groups:
-        if not g.pages:
+        if not g.src_ids:
             continue
         spec = by_name[g.name]
-        src, dst = zip(*g.pages)
-        runs = (run_start(src), run_start(dst))
-        sg = StagedGroup(g.name, off, len(spec.layers), page_bytes(spec), g.pages, runs, (src, dst))
+        src, dst = g.src_ids, g.dst_ids
+        sg = StagedGroup(g.name, off, len(spec.layers), page_bytes(spec), (src, dst), (run_start(src), run_start(dst)))
         groups.append(sg)
         off = align_up(off + sg.nbytes)
     return StagedLayout(tuple(groups), off)
@@ -239,18 +250,20 @@ def page_span(spec: CacheGroupSpec, num_tokens: int, start_tokens: int = 0, fina
     return min(complete_pages(spec, start_tokens), hi), hi
 
 
-def _check_pages(spec: CacheGroupSpec, pages: Mapping[str, Sequence[int]], lo: int, hi: int, side: str) -> list[int]:
+def _check_pages(
+    spec: CacheGroupSpec, pages: Mapping[str, Sequence[int]], lo: int, hi: int, side: str
+) -> tuple[int, ...]:
     """Entries [lo, hi) of the side's page list of `spec`, checked (in range, no repeat among them)."""
-    if hi == 0:
-        return []
+    if hi <= lo:
+        return ()
     if spec.name not in pages:
         raise ValueError(f"{side} page table has no group {spec.name!r} (needs {hi} page(s))")
     table = pages[spec.name]
     if len(table) < hi:
         raise ValueError(f"{side} page table of group {spec.name!r} has {len(table)} page(s), needs {hi}")
-    have = list(map(int, table[lo:hi]))  # only the slice: a stream's chunks cost their own pages, not the prefix
-    if not have:
-        return have
+    have = tuple(table[lo:hi])  # only the slice: a stream's chunks cost their own pages, not the prefix
+    if type(have[0]) is not int:  # a table of numpy / torch integers: as Python ints (int() a page costs ~50 ns)
+        have = tuple(map(int, have))
     if have[0] >= 0 and have[-1] < spec.num_pages and run_start(have) is not None:
         return have  # one run of consecutive pages, in range: no repeat possible (most fresh tables)
     if min(have) < 0 or max(have) >= spec.num_pages:
@@ -264,13 +277,12 @@ def _check_pages(spec: CacheGroupSpec, pages: Mapping[str, Sequence[int]], lo: i
 def _group_ranges(g: GroupPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src_offsets, dst_offsets, lengths) of the group's byte ranges: runs of pages consecutive on both sides,
     one range per layer slot each, then ranges that touch on both sides merged (array ops, no per-page loop)."""
-    if not g.pages:
+    if not g.src_ids:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
-    pairs = np.asarray(g.pages, dtype=np.int64)
-    src, dst = pairs[:, 0], pairs[:, 1]
+    src, dst = np.asarray(g.src_ids, dtype=np.int64), np.asarray(g.dst_ids, dtype=np.int64)
     starts = np.flatnonzero(np.r_[True, (np.diff(src) != 1) | (np.diff(dst) != 1)])  # first page of each run
-    counts = np.diff(np.r_[starts, len(pairs)])
+    counts = np.diff(np.r_[starts, len(src)])
     slots = np.arange(g.layers, dtype=np.int64)[:, None]  # layer-major: every run of slot 0, then of slot 1, ...
     src_off = (slots * g.src_layer_stride + src[starts] * g.page_bytes).ravel()
     dst_off = (slots * g.dst_layer_stride + dst[starts] * g.page_bytes).ravel()
@@ -318,8 +330,10 @@ def build_plan(
         # a ticket's source table holds the moved pages only (src_moved); a request's table starts at its first
         src_lo, src_hi = (0, hi - lo) if src_moved else (lo, hi)
         src_ids = _check_pages(src, src_pages, src_lo, src_hi, "source")
-        pairs = tuple(zip(src_ids, _check_pages(dst, dst_pages, lo, hi, "destination")))
+        dst_ids = _check_pages(dst, dst_pages, lo, hi, "destination")
         groups.append(
-            GroupPlan(src.name, pairs, len(src.layers), page_bytes(src), layer_stride(src), layer_stride(dst))
+            GroupPlan(
+                src.name, src_ids, dst_ids, len(src.layers), page_bytes(src), layer_stride(src), layer_stride(dst)
+            )
         )
     return TransferPlan(num_tokens, tuple(groups), start_tokens, final)

@@ -172,7 +172,7 @@ class StagingBuffer:
         k = 0
         for g in layout.groups:
             pages, words, size = self._words[g.name]
-            n, row = len(g.pages), g.page_bytes // size
+            n, row = g.num_pages, g.page_bytes // size
             # [layers, n, row] words at the group's place (offsets are STAGING_ALIGN-aligned: whole words)
             staged = words.as_strided((g.layers, n, row), (n * row, row, 1), (offset + g.offset) // size)
             start = g.runs[side]
