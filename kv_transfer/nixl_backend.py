@@ -305,7 +305,7 @@ class NixlBackend(TransferBackend):
     # ---- decode side -------------------------------------------------------------------------------------
     def _read_steps(self, ticket: TransferTicket, plan: TransferPlan, deadline: float) -> Generator[float, None, int]:
         what = f"NIXL READ of request {ticket.request_id!r} from {ticket.source!r}"
-        done = self._notif("done", ticket.request_id)
+        done = self._done_notif(ticket.request_id)
         if plan.total_bytes == 0:
             self.agent.send_notif(ticket.source, done)
             return 0
@@ -450,6 +450,11 @@ class NixlBackend(TransferBackend):
             self.agent.send_notif(ticket.source, self._notif("fail", ticket.request_id, error=error))
         except Exception as e:  # a dead source cannot be told; its pages die with it
             log.info("could not report failed pull of %s to %s: %s", ticket.request_id, ticket.source, e)
+
+    def _done_notif(self, request_id: str) -> bytes:
+        """`_notif("done", request_id)`, the same bytes, without a dict and a whole json.dumps a pull."""
+        tail = f', "token": {json.dumps(self._token)}}}' if self._token else "}"
+        return f'{{"op": "done", "rid": {json.dumps(request_id)}{tail}'.encode()
 
     def _notif(self, op: str, request_id: str, **extra) -> bytes:
         token = {"token": self._token} if self._token else {}
