@@ -431,7 +431,7 @@ class TransferBackend(ABC):
         try:
             return build_plan(
                 self._peer_specs[ticket.source],
-                ticket.page_table(),
+                dict(ticket.src_pages),  # tuples: checked without a copy (page_table() lists them)
                 dst_pages,
                 ticket.num_tokens,
                 dst_specs=self.specs,
