@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from engine.runtime.engine_loop import AsyncSink
+from engine.runtime.engine_loop import AsyncSink, LoopStopped
 
 
 class FeedUnknown(Exception):
@@ -32,13 +32,22 @@ class FeedUnknown(Exception):
         self.feed_id = feed_id
         self.worker_id = worker_id
 
+    def __reduce__(self):  # travels through Ray: rebuild from the constructor's arguments
+        return type(self), (self.feed_id, self.worker_id)
+
 
 @dataclass(frozen=True)
 class RequestFailed:
-    """A feed's item for one request that failed after its `Transferred` (its join): the error to raise for it."""
+    """A feed's item for one request that failed after its `Transferred` (its join). Text, not the exception: an item
+    that fails to pickle or unpickle would end the feed for every request on it."""
 
     request_id: str
-    error: BaseException
+    message: str
+    engine_stopped: bool  # the engine loop ended (the worker's death, to its reader), else the request's own failure
+
+    @classmethod
+    def of(cls, request_id: str, error: BaseException) -> RequestFailed:
+        return cls(request_id, f"{type(error).__name__}: {error}", isinstance(error, LoopStopped))
 
 
 class FeedSink(AsyncSink):
@@ -112,7 +121,7 @@ class Feed:
     def fail(self, request_id: str, error: BaseException) -> None:
         """A request routed here failed before it joined the batch: its reader gets the error."""
         if self.requests.pop(request_id, None) is not None:
-            self.sink.put(RequestFailed(request_id, error))
+            self.sink.put(RequestFailed.of(request_id, error))
 
     def finish(self, request_ids: tuple[str, ...]) -> list[float]:
         """The requests are over (finished and sent): -> how long each was on the feed, in seconds."""

@@ -57,7 +57,11 @@ class FeedQueue:
         if self._error is not None:
             return
         if isinstance(event, RequestFailed):
-            self.fail(failure(event.error, self.feed.worker_id))
+            worker = self.feed.worker_id
+            died = event.engine_stopped
+            self.fail(
+                WorkerDied(worker, f"its engine failed: {event.message}") if died else RuntimeError(event.message)
+            )
             return
         if len(self._events) >= self.limit:
             self._events.clear()  # nobody reads them: fail now, not after a backlog the client will never take

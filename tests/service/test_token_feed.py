@@ -184,3 +184,23 @@ def test_killed_decode_worker_fails_its_feed_then_a_new_feed_opens(pool):
     errors, after = asyncio.run(run())
     assert [e.worker_id for e in errors] == ["d0"] * 3
     assert after == _expected(6)
+
+
+def test_a_feed_the_worker_lacks_is_a_typed_error(pool):
+    """`decode(feed=...)` naming a feed the worker process does not have (it restarted since the feed opened) fails
+    before anything is reserved, and the error crosses Ray as itself (the ingress maps it to the worker's death)."""
+    from decode_worker.token_feed import FeedUnknown
+    from service.ray_items import cause, next_item
+
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    result = ray.get(pool[0].prefill.remote("unknown-feed", [1, 2, 3], params))
+
+    async def run():
+        call = pool[1].decode.options(num_returns="streaming")
+        stream = call.remote(result, [1, 2, 3], params, batch=True, feed="no-such-feed")
+        with pytest.raises(ray.exceptions.RayTaskError) as failed:
+            await next_item(stream)
+        return cause(failed.value)
+
+    error = asyncio.run(run())
+    assert isinstance(error, FeedUnknown) and error.feed_id == "no-such-feed" and error.worker_id == "d0"
