@@ -272,7 +272,7 @@ class NixlBackend(TransferBackend):
     def _stage(self, request_id: str, plan: TransferPlan):
         if self.staging is None:
             return None
-        layout = staged_layout(plan, self.specs)
+        layout = staged_layout(plan)
         if layout.nbytes == 0:
             return None
         offset = self.staging.alloc(layout.nbytes)
@@ -342,7 +342,7 @@ class NixlBackend(TransferBackend):
         if ticket.staging is None or src is None or self.staging is None:
             return None
         t0 = time.monotonic()
-        layout = staged_layout(plan, self.specs)
+        layout = staged_layout(plan)
         self._on_plan(time.monotonic() - t0)
         src_off, nbytes = ticket.staging
         if nbytes != layout.nbytes or src_off < 0 or src_off + nbytes > src[1]:

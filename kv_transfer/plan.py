@@ -208,17 +208,15 @@ class StagedLayout:
         return sum(g.nbytes for g in self.groups)
 
 
-def staged_layout(plan: TransferPlan, specs: Sequence[CacheGroupSpec]) -> StagedLayout:
+def staged_layout(plan: TransferPlan) -> StagedLayout:
     """The staged form of `plan` (see the module docstring): per group its offset in the request's staging
-    range and its page order. `specs`: either side's groups (only the layout, not num_pages, is read)."""
-    by_name = {s.name: s for s in specs}
+    range and its page order (the same on both sides: the plan's groups carry the layout)."""
     groups, off = [], 0
     for g in plan.groups:
         if not g.src_ids:
             continue
-        spec = by_name[g.name]
         src, dst = g.src_ids, g.dst_ids
-        sg = StagedGroup(g.name, off, len(spec.layers), page_bytes(spec), (src, dst), (run_start(src), run_start(dst)))
+        sg = StagedGroup(g.name, off, g.layers, g.page_bytes, (src, dst), (run_start(src), run_start(dst)))
         groups.append(sg)
         off = align_up(off + sg.nbytes)
     return StagedLayout(tuple(groups), off)
@@ -324,16 +322,32 @@ def build_plan(
     groups = []
     for src in specs:
         dst = dst_by_name[src.name]
-        if src is not dst and _layout_key(src) != _layout_key(dst):
-            raise ValueError(f"group {src.name!r}: page layouts differ: {_layout_key(src)} vs {_layout_key(dst)}")
+        layers, pb, src_stride, dst_stride = _pair_geometry(src, dst)
         lo, hi = page_span(src, num_tokens, start_tokens, final)
         # a ticket's source table holds the moved pages only (src_moved); a request's table starts at its first
         src_lo, src_hi = (0, hi - lo) if src_moved else (lo, hi)
         src_ids = _check_pages(src, src_pages, src_lo, src_hi, "source")
         dst_ids = _check_pages(dst, dst_pages, lo, hi, "destination")
-        groups.append(
-            GroupPlan(
-                src.name, src_ids, dst_ids, len(src.layers), page_bytes(src), layer_stride(src), layer_stride(dst)
-            )
-        )
+        groups.append(GroupPlan(src.name, src_ids, dst_ids, layers, pb, src_stride, dst_stride))
     return TransferPlan(num_tokens, tuple(groups), start_tokens, final)
+
+
+# (id(src), id(dst)) -> (src, dst, geometry): a pool's specs are made once, so every plan between two pools hits;
+# the entry holds both specs, so an id reused by a later object never matches (checked with `is`).
+_GEOMETRY: dict[tuple[int, int], tuple[CacheGroupSpec, CacheGroupSpec, tuple[int, int, int, int]]] = {}
+_GEOMETRY_CAP = 1024
+
+
+def _pair_geometry(src: CacheGroupSpec, dst: CacheGroupSpec) -> tuple[int, int, int, int]:
+    """(layer slots, page bytes, source layer stride, destination layer stride) of a group's source and destination
+    specs, their layouts checked equal; computed once per pair of spec objects (each plan asks it per group)."""
+    hit = _GEOMETRY.get((id(src), id(dst)))
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
+    if src is not dst and _layout_key(src) != _layout_key(dst):
+        raise ValueError(f"group {src.name!r}: page layouts differ: {_layout_key(src)} vs {_layout_key(dst)}")
+    geometry = (len(src.layers), page_bytes(src), layer_stride(src), layer_stride(dst))
+    if len(_GEOMETRY) >= _GEOMETRY_CAP:  # many short-lived pools (tests): start over rather than grow
+        _GEOMETRY.clear()
+    _GEOMETRY[(id(src), id(dst))] = (src, dst, geometry)
+    return geometry

@@ -161,7 +161,7 @@ def test_staged_layout_size_matches_staged_nbytes():
     pool = random_pool(SRC_CACHE, 0)
     specs = [g.spec for g in pool.groups.values()]
     table = src_table(pool)
-    layout = staged_layout(build_plan(specs, table, table, NUM_TOKENS), specs)
+    layout = staged_layout(build_plan(specs, table, table, NUM_TOKENS))
     assert layout.nbytes == staged_nbytes(specs, NUM_TOKENS) >= layout.payload_bytes > 0
     assert all(g.offset % STAGING_ALIGN == 0 for g in layout.groups)
 
@@ -178,7 +178,7 @@ def test_staged_layout_marks_each_sides_runs():
     specs = [g.spec for g in src_pool.groups.values()]
     src, dst = src_table(src_pool), dst_table(dst_pool)
     plan = build_plan(specs, src, dst, NUM_TOKENS, dst_specs=[g.spec for g in dst_pool.groups.values()])
-    for g in staged_layout(plan, specs).groups:
+    for g in staged_layout(plan).groups:
         assert g.runs[0] == src[g.name][0], g.name
         if len(g.pages) == 1:
             assert g.runs[1] == dst[g.name][0], g.name
@@ -293,7 +293,7 @@ def test_staged_pull_into_consecutive_pages_copies_slices_byte_for_byte():
         dst_pool.grow({}, 900)  # a longer spacer than the source's: the runs start elsewhere there
         table = src_table(dst_pool)
         assert table["kv4"][0] != ticket.page_table()["kv4"][0]
-        layout = staged_layout(dst.plan_for(ticket, table), dst.specs)
+        layout = staged_layout(dst.plan_for(ticket, table))
         assert all(None not in g.runs for g in layout.groups) and dst.staging._index(layout, 1) is None
         assert dst.pull(ticket, table, timeout_s=10).descriptors == 1
         assert_moved(src_pool, dst_pool, ticket.page_table(), table, before)
@@ -453,7 +453,7 @@ def test_scatter_is_queued_without_waiting_and_holds_its_range_until_it_ran():
     pool = CachePool(CFG, DST_CACHE, torch.bfloat16, "cuda")
     specs = [g.spec for g in pool.groups.values()]
     table = dst_tables(pool, 1)[0]
-    layout = staged_layout(build_plan(specs, table, table, NUM_TOKENS), specs)
+    layout = staged_layout(build_plan(specs, table, table, NUM_TOKENS))
     buf = StagingBuffer(pool, 2 * layout.nbytes + 2 * STAGING_ALIGN)
     src, back = buf.alloc(layout.nbytes), buf.alloc(layout.nbytes)
     g = torch.Generator(device="cuda").manual_seed(5)
