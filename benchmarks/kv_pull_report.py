@@ -47,15 +47,21 @@ PULL_COST_HISTORY = """\
 `TransferBackend.pull_async` (what `DecodeWorker` calls) runs a NIXL pull on the caller's event loop thread: plan,
 staging range, READ posted, then polled between the loop's other work (no hand-off to a worker thread and back; the
 plan held the GIL on that thread anyway); page checks without an `int()` a page, page ids kept per side (no pair
-tuples), the scatter's per-group views as one `as_strided` each and its page-id index from an `array`. Interleaved
+tuples), a group's geometry computed once per pair of pools, the scatter's per-group views as one `as_strided`
+each and its page-id index from an `array`. Interleaved
 A/B on this 2-core host (three runs each, `--tokens 8192 32768 --pulls 20`, before = main at 932d729; load average
 4.9-6.6 throughout, so every part ran 2-5x slower than in an in-process loop), fixed cost by parts, ms:
 - 8192 tokens: before 0.82 / 1.73 / 1.44, after 0.77 / 0.71 / 0.54 (hand-off 0.21-0.48 -> 0.05, plan 0.17-0.23 ->
   0.12-0.17, scatter set-up 0.26-0.97 -> 0.13-0.25);
 - 32768 tokens: before 1.49 / 4.55 / 1.67, after 0.92 / 0.85 / 1.38 (hand-off 0.31-0.40 -> 0.06-0.14, plan
   0.35-0.39 -> 0.18-0.22, scatter set-up 0.38-1.38 -> 0.26-0.38).
-In-process (same host, one loop, no READ): `build_plan` of a 32K-token request with scattered pages 141 -> 81 us,
-`staged_layout` 36 -> 18 us, the scatter's views 95 -> 49 us and index 41 -> 19 us.
+In-process (same host, one loop, no READ): `build_plan` of a 32K-token request with scattered pages 141 -> 74 us,
+`staged_layout` 36 -> 16 us, the scatter's views 95 -> 49 us and index 41 -> 19 us. In the benchmark every part
+runs 2-3x slower than in-process even at a low load (causes not separated: each pull follows a raw READ and the
+previous pull's copies of megabytes, which may evict the interpreter's working set from the caches, and the source
+process polls on the other core), so what is left is mostly per-group Python work
+(7 cache groups on the slice: a plan, a layout, a view and a copy launch each) and NIXL's own calls (the
+confirmation's send_notif ~0.04-0.07 ms).
 """
 
 
