@@ -49,12 +49,19 @@ staging range, READ posted, then polled between the loop's other work (no hand-o
 plan held the GIL on that thread anyway); page checks without an `int()` a page, page ids kept per side (no pair
 tuples), a group's geometry computed once per pair of pools, the scatter's per-group views as one `as_strided`
 each and its page-id index from an `array`. Interleaved
-A/B on this 2-core host (three runs each, `--tokens 8192 32768 --pulls 20`, before = main at 932d729; load average
-4.9-6.6 throughout, so every part ran 2-5x slower than in an in-process loop), fixed cost by parts, ms:
-- 8192 tokens: before 0.82 / 1.73 / 1.44, after 0.77 / 0.71 / 0.54 (hand-off 0.21-0.48 -> 0.05, plan 0.17-0.23 ->
-  0.12-0.17, scatter set-up 0.26-0.97 -> 0.13-0.25);
-- 32768 tokens: before 1.49 / 4.55 / 1.67, after 0.92 / 0.85 / 1.38 (hand-off 0.31-0.40 -> 0.06-0.14, plan
-  0.35-0.39 -> 0.18-0.22, scatter set-up 0.38-1.38 -> 0.26-0.38).
+A/B on this 2-core host (three runs each, `--tokens 8192 32768 --pulls 20`, before = main at 932d729, after = this
+code; load average 3.6-4.8 throughout), fixed cost by parts, ms (scatter set-up: median scatter minus median
+copies):
+- 8192 tokens: before 1.18 / 1.11 / 0.74, after 0.90 / 0.41 / 0.49 (hand-off 0.22-0.35 -> 0.03-0.07, plan
+  0.17-0.24 -> 0.11-0.16, scatter set-up 0.22-0.29 -> 0.16-0.24);
+- 32768 tokens: before 1.51 / 1.42 / 1.16, after 1.55 / 0.79 / 0.67 (hand-off 0.29-0.35 -> 0.04-0.06, plan
+  0.30-0.38 -> 0.17-0.20, scatter set-up 0.33-0.44 -> 0.27-0.31; the 1.55 run's "layout, descriptors,
+  confirmation" median was 0.93 ms against 0.15-0.19 in the other two, not explained).
+Run to run at a low load, the same code minutes apart (load 1.4-1.8): 15 pulls a size gave 0.52 ms at 8192 and
+0.84 ms at 32768 tokens by parts, 40 pulls 0.36 and 0.59 (the run of 2026-12-05 10:36 UTC): the 8192-token aim is
+met in some runs, not in all; the 32768-token one in none. An earlier A/B of the same changes but the geometry
+cache, at load 4.9-6.6: 8192 tokens 0.82 / 1.73 / 1.44 ->
+0.77 / 0.71 / 0.54, 32768 tokens 1.49 / 4.55 / 1.67 -> 0.92 / 0.85 / 1.38.
 In-process (same host, one loop, no READ): `build_plan` of a 32K-token request with scattered pages 141 -> 74 us,
 `staged_layout` 36 -> 16 us, the scatter's views 95 -> 49 us and index 41 -> 19 us. In the benchmark every part
 runs 2-3x slower than in-process even at a low load (causes not separated: each pull follows a raw READ and the
