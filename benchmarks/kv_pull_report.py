@@ -64,9 +64,11 @@ cache, at load 4.9-6.6: 8192 tokens 0.82 / 1.73 / 1.44 ->
 0.77 / 0.71 / 0.54, 32768 tokens 1.49 / 4.55 / 1.67 -> 0.92 / 0.85 / 1.38.
 In-process (same host, one loop, no READ): `build_plan` of a 32K-token request with scattered pages 141 -> 74 us,
 `staged_layout` 36 -> 16 us, the scatter's views 95 -> 49 us and index 41 -> 19 us. In the benchmark every part
-runs 2-3x slower than in-process even at a low load (causes not separated: each pull follows a raw READ and the
-previous pull's copies of megabytes, which may evict the interpreter's working set from the caches, and the source
-process polls on the other core), so what is left is mostly per-group Python work
+runs 2-3x slower than in-process even at a low load. Part of it is the host caches: each pull follows a raw READ
+and the previous pull's copies of megabytes (on the CPU all of them pass through the caches; on a GPU they do not),
+and in-process the plan + layout of a 32K-token request took 91 us warm, 123 us right after a 12 MB host copy and
+179 us after a 64 MB one; the rest not separated (the source process polls on the other core, the shared host's
+load). What is left is mostly per-group Python work
 (7 cache groups on the slice: a plan, a layout, a view and a copy launch each) and NIXL's own calls (the
 confirmation's send_notif ~0.04-0.07 ms).
 """
