@@ -196,11 +196,18 @@ def _leaks(pools: dict) -> dict[str, dict]:
 def _settle(handles, limit_s: float = SETTLE_LIMIT_S) -> tuple[dict, dict[str, dict]]:
     """Once the load ended: (the pools as placed now, `_leaks`) when every worker holds nothing (restarts done,
     abandoned requests freed), or what they still hold after limit_s (a leak)."""
+    from ray.exceptions import ActorUnavailableError
+
     deadline = time.monotonic() + limit_s
     while True:
         time.sleep(1.0)
-        pools = _current(handles)[0]
-        held = _leaks(pools)
+        try:
+            pools = _current(handles)[0]
+            held = _leaks(pools)
+        except ActorUnavailableError:  # a worker still restarting (its last fault's end): not settled yet
+            if time.monotonic() >= deadline:
+                raise
+            continue
         if not any(v for w in held.values() for v in w.values()) or time.monotonic() >= deadline:
             return pools, held
 

@@ -152,6 +152,8 @@ class RayStreamer:
             except DEAD as e:
                 raise WorkerDied(w.decode_id, str(e)) from None
             except FeedUnknown as e:
+                if self.feeds is not None:  # the retry must not reuse it
+                    self.feeds.lost(w.decode_id, e.feed_id)
                 raise WorkerDied(w.decode_id, str(e)) from None
             except PeerUnknown:
                 if introduced:

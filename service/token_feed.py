@@ -144,9 +144,9 @@ class TokenFeed:
                 log.warning("token feed of %s ended: %r", self.worker_id, error)
                 error = WorkerDied(self.worker_id, f"its token feed failed: {error}")
         finally:
-            self._end(error)
+            self.end(error)
 
-    def _end(self, error: BaseException) -> None:
+    def end(self, error: BaseException) -> None:
         self.ended = True
         if not self.opened.done():
             self.opened.set_exception(error)
@@ -191,6 +191,14 @@ class TokenFeeds:
             queue.close()
             raise
         return queue
+
+    def lost(self, worker_id: str, feed_id: str) -> None:
+        """The worker has no such feed (its process restarted, or the feed's call ended there): close it and fail
+        its requests now, so the next request opens a new one instead of waiting for Ray to report the old call."""
+        feed = self._feeds.get(worker_id)
+        if feed is not None and feed.feed_id == feed_id and not feed.ended:
+            feed.close()
+            feed.end(WorkerDied(worker_id, f"its token feed {feed_id} is gone (the worker restarted?)"))
 
     def __len__(self) -> int:
         return len(self._feeds)

@@ -105,24 +105,25 @@ def test_abort_of_one_request_stops_only_it(pool):
     async def run():
         feeds = TokenFeeds()
         streamer = RayStreamer(feeds=feeds)
-        others = [
-            asyncio.ensure_future(_tokens(streamer, _request(f"stay-{i}", 300), _workers(pool))) for i in range(4)
-        ]
-        leaving = streamer.run_placement(_request("leaves", 300), _workers(pool))
+        stay = [streamer.run_placement(_request(f"stay-{i}", 100_000), _workers(pool)) for i in range(4)]
+        leaving = streamer.run_placement(_request("leaves", 100_000), _workers(pool))
+        for events in (*stay, leaving):
+            await anext(events)
         for _ in range(5):
             await anext(leaving)
         await leaving.aclose()  # the client left: the streamer aborts it on both workers (fire-and-forget)
         deadline = time.monotonic() + 30
         while (running := (await pool[1].stats.remote()).load.running) > 4 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        still = sum(not t.done() for t in others)
-        got = await asyncio.gather(*others)
+        got = [[(await anext(events)).token_id for _ in range(20)] for events in stay]  # they go on
+        for events in stay:
+            await events.aclose()
         await feeds.close()
-        return running, still, got
+        return running, got
 
-    running_after_abort, still, got = asyncio.run(run())
-    assert running_after_abort == 4 and still == 4  # the one that left is off the step clock, the others are not
-    assert all(tokens == _expected(300) for tokens in got)
+    running_after_abort, got = asyncio.run(run())
+    assert running_after_abort == 4  # the one that left is off the step clock, the others are not
+    assert all(tokens == _expected(21)[1:] for tokens in got)  # tokens 1..20, after the first one read above
     assert _wait_idle(pool[1]) == 0
 
 
@@ -204,3 +205,24 @@ def test_a_feed_the_worker_lacks_is_a_typed_error(pool):
 
     error = asyncio.run(run())
     assert isinstance(error, FeedUnknown) and error.feed_id == "no-such-feed" and error.worker_id == "d0"
+
+
+def test_a_lost_feed_fails_its_requests_and_the_next_opens_anew(pool):
+    """When a worker says it lacks a feed (FeedUnknown: its process restarted), the replica drops that feed at once:
+    the requests on it get WorkerDied and the next request opens a new feed rather than the stale one again."""
+    from service.token_feed import TokenFeeds
+
+    async def run():
+        feeds = TokenFeeds()
+        waiting = await feeds.subscribe("d0", pool[1], "on-the-lost-feed")
+        lost_id = waiting.feed_id
+        feeds.lost("d0", lost_id)
+        with pytest.raises(WorkerDied) as died:
+            await asyncio.wait_for(waiting.get(), 30)
+        fresh = await feeds.subscribe("d0", pool[1], "after-the-loss")
+        fresh.close()
+        await feeds.close()
+        return died.value, lost_id, fresh.feed_id
+
+    died, lost_id, fresh_id = asyncio.run(run())
+    assert died.worker_id == "d0" and fresh_id != lost_id
