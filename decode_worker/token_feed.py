@@ -12,6 +12,12 @@ Who frees what: a request joined to a feed is popped from the engine by the feed
 sent, dropped by `abort` (the ingress's fire-and-forget abort: client gone, deadline, stop string), and dropped with
 the feed when the feed's call ends (cancelled by its replica, or its generator closed): a feed never leaves a request
 behind it.
+
+A reader that dies (its replica's process killed) is not noticed by Ray here: the call's generator goes on (tested with
+Ray 2.60: a killed caller's feed and its requests stayed on the worker). So a feed opened with a lease (`lease_s`) is
+ended by the worker once its replica has not renewed it (`renew`) for that long: the feed's call raises FeedExpired and
+its end drops its requests as any other end. A replica whose loop stalls past the lease loses its feed the same way;
+its requests then fail as WorkerDied and are retried (service.token_feed).
 """
 
 from __future__ import annotations
@@ -34,6 +40,18 @@ class FeedUnknown(Exception):
 
     def __reduce__(self):  # travels through Ray: rebuild from the constructor's arguments
         return type(self), (self.feed_id, self.worker_id)
+
+
+class FeedExpired(Exception):
+    """A feed's replica did not renew it within its lease (the replica is gone): the feed ends, its requests dropped."""
+
+    def __init__(self, feed_id: str, lease_s: float):
+        super().__init__(f"token feed {feed_id!r} was not renewed for {lease_s} s (its reader is gone?)")
+        self.feed_id = feed_id
+        self.lease_s = lease_s
+
+    def __reduce__(self):
+        return type(self), (self.feed_id, self.lease_s)
 
 
 @dataclass(frozen=True)
@@ -94,12 +112,20 @@ class Batch:
 
 
 class Feed:
-    """One open feed on this worker: its sink and the requests routed to it (request id -> monotonic join time)."""
+    """One open feed on this worker: its sink and the requests routed to it (request id -> monotonic join time);
+    with a lease, the task that ends it when its replica stops renewing it."""
 
-    def __init__(self, feed_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, feed_id: str, loop: asyncio.AbstractEventLoop, lease_s: float | None = None):
         self.feed_id = feed_id
         self.sink = FeedSink(loop)
         self.requests: dict[str, float] = {}
+        self.renewed = time.monotonic()
+        self.watch = loop.create_task(self._watch_lease(lease_s)) if lease_s is not None else None
+
+    async def _watch_lease(self, lease_s: float) -> None:
+        while (late := time.monotonic() - self.renewed) < lease_s:
+            await asyncio.sleep(lease_s - late)
+        self.sink.put(FeedExpired(self.feed_id, lease_s))  # ends the feed's call through its next batch
 
     async def next_batch(self) -> Batch:
         items: list = []
@@ -135,9 +161,20 @@ class Feeds:
     def __init__(self):
         self._open: dict[str, Feed] = {}
 
-    def open(self, feed_id: str, loop: asyncio.AbstractEventLoop) -> Feed:
-        feed = self._open[feed_id] = Feed(feed_id, loop)
+    def open(self, feed_id: str, loop: asyncio.AbstractEventLoop, lease_s: float | None = None) -> Feed:
+        """A new feed (`lease_s`: it ends unless renewed at least that often; None: it lasts as long as its call)."""
+        feed = self._open[feed_id] = Feed(feed_id, loop, lease_s)
         return feed
+
+    def renew(self, feed_id: str) -> bool:
+        """Its replica still reads the feed -> whether this process has it."""
+        feed = self._open.get(feed_id)
+        if feed is not None:
+            feed.renewed = time.monotonic()
+        return feed is not None
+
+    def __len__(self) -> int:
+        return len(self._open)
 
     def get(self, feed_id: str, worker_id: str) -> Feed:
         feed = self._open.get(feed_id)
@@ -149,6 +186,8 @@ class Feeds:
         """The feed's call ended: -> the requests still routed to it (the caller drops them)."""
         if self._open.get(feed.feed_id) is feed:
             del self._open[feed.feed_id]
+        if feed.watch is not None:
+            feed.watch.cancel()
         left, feed.requests = list(feed.requests), {}
         return left
 

@@ -395,12 +395,13 @@ class DecodeWorker(WorkerBase):
                 await self.loop.acall(lambda e: self.drop_request(e, rid))
 
     # ---- token feeds: every request's events to an ingress replica in one Ray stream (decode_worker.token_feed) ----
-    async def token_feed(self, feed_id: str):
+    async def token_feed(self, feed_id: str, lease_s: float | None = None):
         """A Ray streaming method, open as long as its ingress replica keeps it: first `()` (the feed is open:
         `decode(feed=feed_id)` may route requests to it), then per burst of events a tuple of TokenEvents and
-        RequestFailed of every request routed here. An engine failure ends it with that error; its end, however it
-        comes, drops the requests still routed to it."""
-        feed = self.feeds.open(feed_id, asyncio.get_running_loop())
+        RequestFailed of every request routed here. An engine failure ends it with that error, a lease not renewed
+        (`renew_feed`) for `lease_s` with FeedExpired; its end, however it comes, drops the requests still routed
+        to it."""
+        feed = self.feeds.open(feed_id, asyncio.get_running_loop(), lease_s)
         try:
             yield ()
             while True:
@@ -417,6 +418,10 @@ class DecodeWorker(WorkerBase):
             left = self.feeds.close(feed)
             if left:
                 self.loop.call(functools.partial(_drop_all, self, left))
+
+    def renew_feed(self, feed_id: str) -> bool:
+        """The feed's replica still reads it (its lease starts again) -> whether this process has the feed."""
+        return self.feeds.renew(feed_id)
 
     def _finish_fed(self, feed: Feed, request_ids: tuple[str, ...]) -> None:
         for seconds in feed.finish(request_ids):

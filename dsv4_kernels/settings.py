@@ -62,6 +62,7 @@ HTTP_MAX_HEADER_BYTES = "DSV4_HTTP_MAX_HEADER_BYTES"
 HTTP_HEADER_TIMEOUT_S = "DSV4_HTTP_HEADER_TIMEOUT_S"
 HTTP_BODY_TIMEOUT_S = "DSV4_HTTP_BODY_TIMEOUT_S"
 TOKEN_FEED = "DSV4_TOKEN_FEED"
+TOKEN_FEED_IDLE_S = "DSV4_TOKEN_FEED_IDLE_S"
 STRICT_SKIPS = "DSV4_STRICT_SKIPS"
 TEST_TRANSFER = "DSV4_TEST_TRANSFER"
 TEST_MARK = "DSV4_TEST_MARK"
@@ -398,6 +399,14 @@ class Settings:
         "an ingress replica reads its requests' tokens from each decode worker over one Ray stream (a token feed: "
         "one item an engine step for all of them, service.token_feed); 0 = one stream a request",
         "service",
+    )
+    token_feed_idle_s: float = _switch(
+        TOKEN_FEED_IDLE_S,
+        "float",
+        300.0,
+        "seconds a token feed may carry no request before its ingress replica closes it (reopened on the next one)",
+        "service",
+        minimum=0.1,
     )
     # Tests
     strict_skips: bool = _switch(

@@ -1,7 +1,7 @@
 """Synthetic prefill and decode workers for `dsv4 bench frontdoor`: no model, tokens at a set rate per stream.
 
 They answer exactly what `service.ray_dispatcher.RayDispatcher` and the ingress replicas call on the real workers
-(ping, stats, transfer_metadata, add_peer, prefill, decode, generate_local, token_feed, abort), so the real router,
+(ping, stats, transfer_metadata, add_peer, prefill, decode, generate_local, token_feed, renew_feed, abort), so the real router,
 ingress replicas and Serve proxy carry their tokens unchanged. Prefill answers at once with the first token and a
 ticket that names no pages; decode yields `Transferred` at once, then the request joins the worker's step clock: as a
 real engine's continuous batch, every running request gets one token a step, `rate` steps a second, and the
@@ -204,9 +204,12 @@ class SyntheticDecode(_Synthetic):
         async for item in self._own_stream(request_id, sink):
             yield item
 
-    async def token_feed(self, feed_id: str):
-        """As `DecodeWorker.token_feed`: `()`, then one item a burst of its requests' events."""
-        feed = self.feeds.open(feed_id, asyncio.get_running_loop())
+    def renew_feed(self, feed_id: str) -> bool:
+        return self.feeds.renew(feed_id)
+
+    async def token_feed(self, feed_id: str, lease_s: float | None = None):
+        """As `DecodeWorker.token_feed`: `()`, then one item a burst of its requests' events (FeedExpired ends it)."""
+        feed = self.feeds.open(feed_id, asyncio.get_running_loop(), lease_s)
         try:
             yield ()
             while True:
@@ -214,6 +217,8 @@ class SyntheticDecode(_Synthetic):
                 if batch.items:
                     yield batch.items
                 feed.finish(batch.finished)
+                if batch.error is not None:
+                    raise batch.error
         finally:
             for rid in self.feeds.close(feed):
                 self.abort(rid)

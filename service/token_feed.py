@@ -12,6 +12,9 @@ Failures: the feed's call ending (the worker died -> `WorkerDied`; its engine fa
 even a clean one -> `WorkerDied`) fails every request on it, each after the events it already got, and the feed is
 forgotten (the next request opens a new one); the request's owner then retries or migrates it (router.migration).
 A request whose join failed on the worker (`RequestFailed`) fails alone, with the worker's error.
+Lifetime: a feed's keeper task renews the feed's lease on the worker every third of `lease_s` (the worker ends a feed
+not renewed for `lease_s`: how a dead replica's feed leaves the worker, decode_worker.token_feed), and closes the feed
+once it has carried no request for `idle_s` (DSV4_TOKEN_FEED_IDLE_S); the next request opens a new one.
 Backpressure: the reader never waits on a request, so a slow one never holds back another's tokens. A queue holds at
 most `limit` undelivered events (more than any request produces unless its consumer stopped reading: a client that
 does not read its response while Serve's buffers are full); one that overflows drops them and fails its request alone
@@ -25,17 +28,22 @@ import collections
 import contextlib
 import logging
 import os
+import time
 import uuid
 
 import ray
 
 from decode_worker.token_feed import RequestFailed
+from dsv4_kernels.settings import settings
 from router.dispatch import WorkerDied
 from router.migration import Code, RouterFailure
 from service.ray_items import DEAD, END, failure, next_item
 
 log = logging.getLogger(__name__)
 QUEUE_LIMIT = 65_536  # undelivered events a request (module docstring: backpressure)
+# A worker drops a feed not renewed for this long (module docstring: lifetime). Long against a replica loop's stall
+# (a feed lost to one fails its requests as WorkerDied), short against pages held by a dead replica's requests.
+LEASE_S = 30.0
 
 
 class FeedQueue:
@@ -103,21 +111,25 @@ class FeedQueue:
         """The request is over here (finished, failed, cancelled): its events, if any still come, are dropped."""
         if self.feed.queues.get(self.request_id) is self:  # not a later attempt's queue under the same id
             del self.feed.queues[self.request_id]
+            self.feed.last_used = time.monotonic()
 
 
 class TokenFeed:
     """One worker's feed to this replica: the Ray call, its reader task, the requests' queues."""
 
-    def __init__(self, worker_id: str, handle, actor_key: object):
+    def __init__(self, worker_id: str, handle, actor_key: object, lease_s: float = LEASE_S, idle_s: float = 300.0):
         self.worker_id = worker_id
         self.actor_key = actor_key
         self.feed_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.queues: dict[str, FeedQueue] = {}
-        self.opened: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.last_used = time.monotonic()  # when its last request left (module docstring: lifetime)
+        loop = asyncio.get_running_loop()
+        self.opened: asyncio.Future = loop.create_future()
         self.ended = False
         call: object = handle.token_feed
-        self._stream = call.options(num_returns="streaming").remote(self.feed_id)  # type: ignore[attr-defined]
-        self.reader = asyncio.get_running_loop().create_task(self._read())
+        self._stream = call.options(num_returns="streaming").remote(self.feed_id, lease_s)  # type: ignore[attr-defined]
+        self.reader = loop.create_task(self._read())
+        self.keeper = loop.create_task(self._keep(handle, lease_s, idle_s))
 
     async def _read(self) -> None:
         error: BaseException = WorkerDied(self.worker_id, "its token feed ended")
@@ -146,6 +158,24 @@ class TokenFeed:
         finally:
             self.end(error)
 
+    async def _keep(self, handle, lease_s: float, idle_s: float) -> None:
+        """Renew the feed's lease on the worker until it ends; close it once idle for `idle_s`."""
+        with contextlib.suppress(Exception):
+            await self.opened  # its failure is the subscribers' to see
+        period = min(lease_s / 3, idle_s)
+        while not self.ended:
+            await asyncio.sleep(period)
+            if self.ended:
+                return
+            if not self.queues and time.monotonic() - self.last_used >= idle_s:
+                self.close()
+                self.end(WorkerDied(self.worker_id, "its token feed was closed after idling"))
+                return
+            try:
+                await handle.renew_feed.remote(self.feed_id)
+            except Exception as e:  # noqa: BLE001 - a dead worker: the reader reports it
+                log.debug("renewing the token feed of %s: %s", self.worker_id, e)
+
     def end(self, error: BaseException) -> None:
         self.ended = True
         if not self.opened.done():
@@ -155,8 +185,10 @@ class TokenFeed:
             queue.fail(error)
 
     def close(self) -> None:
-        """Stop reading and cancel the call: the worker drops the requests still on it."""
+        """Stop reading and renewing and cancel the call: the worker drops the requests still on it."""
         self.reader.cancel()
+        if self.keeper is not asyncio.current_task():
+            self.keeper.cancel()
         try:
             ray.cancel(self._stream)
         except Exception as e:  # noqa: BLE001 - best effort (a dead worker, a call already over)
@@ -171,8 +203,11 @@ def _actor_key(handle) -> object:
 class TokenFeeds:
     """This replica's feeds, one a decode worker; create inside the loop that reads them."""
 
-    def __init__(self, queue_limit: int = QUEUE_LIMIT):
+    def __init__(self, queue_limit: int = QUEUE_LIMIT, lease_s: float = LEASE_S, idle_s: float | None = None):
+        """idle_s: close a feed after this long without a request (None: DSV4_TOKEN_FEED_IDLE_S)."""
         self.queue_limit = queue_limit
+        self.lease_s = lease_s
+        self.idle_s = settings().token_feed_idle_s if idle_s is None else idle_s
         self._feeds: dict[str, TokenFeed] = {}
 
     async def subscribe(self, worker_id: str, handle, request_id: str) -> FeedQueue:
@@ -183,7 +218,7 @@ class TokenFeeds:
         if feed is None or feed.ended or feed.actor_key != key:
             if feed is not None:
                 feed.close()
-            feed = self._feeds[worker_id] = TokenFeed(worker_id, handle, key)
+            feed = self._feeds[worker_id] = TokenFeed(worker_id, handle, key, self.lease_s, self.idle_s)
         queue = feed.queues[request_id] = FeedQueue(request_id, feed, self.queue_limit)
         try:
             await asyncio.shield(feed.opened)
@@ -200,13 +235,19 @@ class TokenFeeds:
             feed.close()
             feed.end(WorkerDied(worker_id, f"its token feed {feed_id} is gone (the worker restarted?)"))
 
+    def feed_id(self, worker_id: str) -> str | None:
+        """The id of the feed to that worker open now, if any."""
+        feed = self._feeds.get(worker_id)
+        return feed.feed_id if feed is not None and not feed.ended else None
+
     def __len__(self) -> int:
-        return len(self._feeds)
+        """Feeds open now (one that ended or idled out is replaced on its worker's next request)."""
+        return sum(not feed.ended for feed in self._feeds.values())
 
     async def close(self) -> None:
         for feed in self._feeds.values():
             feed.close()
-        readers = [f.reader for f in self._feeds.values()]
+        readers = [task for f in self._feeds.values() for task in (f.reader, f.keeper)]
         self._feeds.clear()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*readers, return_exceptions=True)

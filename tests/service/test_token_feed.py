@@ -226,3 +226,66 @@ def test_a_lost_feed_fails_its_requests_and_the_next_opens_anew(pool):
 
     died, lost_id, fresh_id = asyncio.run(run())
     assert died.worker_id == "d0" and fresh_id != lost_id
+
+
+@ray.remote(num_cpus=0)
+class _Replica:
+    """An ingress replica's stand-in in its own process: a TokenFeeds with a short lease reading endless requests."""
+
+    async def start(self, prefill, decode, n: int, lease_s: float) -> str:
+        from service.ray_stream import RayStreamer, Workers
+        from service.token_feed import TokenFeeds
+
+        self.feeds = TokenFeeds(lease_s=lease_s)
+        streamer = RayStreamer(feeds=self.feeds)
+        self.tokens = 0
+
+        async def read(i: int) -> None:
+            async for _ in streamer.run_placement(
+                _request(f"orphan-{i}", 100_000), Workers("p0", prefill, "d0", decode)
+            ):
+                self.tokens += 1
+
+        self.readers = [asyncio.get_running_loop().create_task(read(i)) for i in range(n)]
+        while self.tokens < 5 * n:  # every request is on the feed
+            await asyncio.sleep(0.02)
+        return self.feeds.feed_id("d0")
+
+
+def test_a_dead_replicas_feed_expires_and_frees_its_requests(pool):
+    """Ray does not end a streaming call whose caller died: the feed's lease does. The replica's process is killed;
+    within the lease (1 s, renewed every third of it while alive) the worker ends the feed and drops its requests."""
+    replica = _Replica.remote()
+    feed_id = ray.get(replica.start.remote(pool[0], pool[1], 3, 1.0))
+    time.sleep(2.0)  # past the lease: renewals kept it open
+    alive_after_lease = ray.get(pool[1].renew_feed.remote(feed_id)), _running(pool[1])
+    ray.kill(replica)
+    assert alive_after_lease == (True, 3)
+    assert _wait_idle(pool[1], 20.0) == 0  # its requests were dropped, not run for their 100 000 tokens
+    assert ray.get(pool[1].renew_feed.remote(feed_id)) is False
+
+
+def test_an_idle_feed_closes_and_the_next_request_opens_one(pool):
+    from service.ray_stream import RayStreamer
+    from service.token_feed import TokenFeeds
+
+    async def run():
+        feeds = TokenFeeds(idle_s=0.5)
+        streamer = RayStreamer(feeds=feeds)
+        first = await _tokens(streamer, _request("before-idle", 4), _workers(pool))
+        first_id = feeds.feed_id("d0")
+        deadline = time.monotonic() + 20
+        while len(feeds) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        closed = len(feeds) == 0
+        while (await pool[1].renew_feed.remote(first_id)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the cancelled call's end reaches the worker
+        gone_on_worker = not await pool[1].renew_feed.remote(first_id)
+        again = await _tokens(streamer, _request("after-idle", 4), _workers(pool))
+        again_id = feeds.feed_id("d0")
+        await feeds.close()
+        return first, closed, gone_on_worker, again, first_id != again_id
+
+    first, closed, gone_on_worker, again, new_feed = asyncio.run(run())
+    assert first == again == _expected(4)
+    assert closed and gone_on_worker and new_feed
