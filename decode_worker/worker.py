@@ -402,12 +402,13 @@ class DecodeWorker(WorkerBase):
         (`renew_feed`) for `lease_s` with FeedExpired; its end, however it comes, drops the requests still routed
         to it."""
         feed = self.feeds.open(feed_id, asyncio.get_running_loop(), lease_s)
+        tokens_counter = metrics.GENERATION_TOKENS.labels(self.role, self.worker_id)  # looked up once a feed
         try:
             yield ()
             while True:
                 batch = await feed.next_batch()
                 if batch.tokens:
-                    metrics.GENERATION_TOKENS.labels(self.role, self.worker_id).inc(batch.tokens)
+                    tokens_counter.inc(batch.tokens)
                 if batch.items:
                     yield batch.items
                 if batch.finished:

@@ -44,6 +44,7 @@ from service.api_errors import APIError, validation_error
 from service.http_stream import ClientGone, SSEResponse, sse, unless_disconnected
 from service.ingress_guard import GuardMiddleware, IngressOptions, Offloader, lone_surrogate
 from service.openai_job import Job
+from service.stream_deadline import StreamDeadline
 from service.template_sandbox import TemplateTimeout
 from service.text_stream import TextStream
 
@@ -69,6 +70,9 @@ class OpenAIServer:
         """client_factory: what runs requests instead of the router's Generate stream (a `DirectClient`: the
         router places, this process streams from the decode worker); called in the serving loop."""
         self.router_addr, self.model_dir, self.model_name = router_addr, model_dir, model_name
+        # observed every token: the labelled children looked up once, not per observation
+        self.ttft_histogram = metrics.TTFT.labels(model_name)
+        self.itl_histogram = metrics.ITL.labels(model_name)
         self.client_factory = client_factory
         self.options = options or IngressOptions()
         self.offload = Offloader(self.options.offload_threads)
@@ -282,7 +286,7 @@ class OpenAIServer:
                 job.cached_tokens = max(job.cached_tokens, ev.cached_tokens)
                 now = time.monotonic()
                 if ev.token_id is not None:
-                    (metrics.TTFT if last is None else metrics.ITL).labels(self.model_name).observe(
+                    (self.ttft_histogram if last is None else self.itl_histogram).observe(
                         now - (job.arrival if last is None else last)
                     )
                     last = now
@@ -347,6 +351,7 @@ class OpenAIServer:
 
     async def _sse_body(self, job: Job, first, pieces, render) -> AsyncIterator[str]:
         status = "aborted"  # what escapes (the client went away, server shutdown) is an abort
+        deadline = StreamDeadline(job.deadline)  # one timer for the stream, not one a token
         try:
             try:
                 for c in render.head(job):
@@ -356,8 +361,7 @@ class OpenAIServer:
                     c = render.piece(job, *piece)
                     if c is not None:
                         yield sse(c)
-                    async with asyncio.timeout_at(job.deadline):  # only the wait, never a write to the client
-                        piece = await anext(pieces, None)
+                    piece = await deadline.wait(anext(pieces, None))  # only the wait, never a write to the client
                 for c in render.tail(job):
                     yield sse(c)
                 status = "ok"
@@ -370,6 +374,7 @@ class OpenAIServer:
                 yield sse(P.ErrorResponse(**P.error_body(err.status, err.message, err.param)))
             yield "data: [DONE]\n\n"
         finally:
+            deadline.close()
             await pieces.aclose()
             self.finish(job, status)
 

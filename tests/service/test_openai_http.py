@@ -22,7 +22,7 @@ from engine.llm import LLM
 from engine.loading.make_model import ASSISTANT_TOKEN, BOS_TOKEN, USER_TOKEN, default_model_dir
 from engine.loading.tokenizer import load_tokenizer
 from router.local_dispatch import LocalDispatcher
-from router.protos import pb2_grpc
+from router.protos import pb2, pb2_grpc
 from router.server import RouterServer
 from service.chat_parsing import parse_completion
 from service.openai_app import build_app
@@ -33,13 +33,17 @@ GREEDY = dict(temperature=0, extra_body={"return_token_ids": True, "ignore_eos":
 
 
 class FakeRouter(pb2_grpc.RouterServicer):
-    """First prompt token 1: overloaded; 2: never answers; anything else: an internal error."""
+    """First prompt token 1: overloaded; 2: never answers; 4: one token, then nothing; anything else: an internal
+    error."""
 
     async def Generate(self, request, context):
         first = request.prompt_token_ids[0]
         if first == 1:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "router has 9 requests in flight")
         if first == 2:
+            await asyncio.sleep(3600)
+        if first == 4:
+            yield pb2.GenerateResponse(request_id=request.request_id, token_id=7)
             await asyncio.sleep(3600)
         await context.abort(grpc.StatusCode.INTERNAL, "boom")
         yield  # a server-streaming handler must be a generator
@@ -160,6 +164,7 @@ def test_models_and_health(srv, backend):
 
 def test_token_prompt_matches_offline_llm(srv, llm, tok):
     ttft_before = REGISTRY.get_sample_value("dsv4_time_to_first_token_seconds_count", {"model_name": MODEL}) or 0
+    itl_before = REGISTRY.get_sample_value("dsv4_inter_token_latency_seconds_count", {"model_name": MODEL}) or 0
     ok_before = requests_total("ok")
     ref = greedy_ref(llm, PROMPT_IDS, 8)
     r = srv.client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, **GREEDY)
@@ -169,6 +174,8 @@ def test_token_prompt_matches_offline_llm(srv, llm, tok):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (8, 8, 16)
     assert requests_total("ok") == ok_before + 1
     assert REGISTRY.get_sample_value("dsv4_time_to_first_token_seconds_count", {"model_name": MODEL}) == ttft_before + 1
+    itl_after = REGISTRY.get_sample_value("dsv4_inter_token_latency_seconds_count", {"model_name": MODEL})
+    assert itl_after == itl_before + 7  # one a token after the first
 
 
 def test_text_prompt_matches_offline_llm(srv, llm, tok):
@@ -335,6 +342,13 @@ def test_overload_unavailable_timeout(backend):
         with pytest.raises(openai.APIStatusError) as info:  # the 1 s request timeout answers, not the client's
             fake.client.completions.create(model=MODEL, prompt=[2, 5], max_tokens=2)
         assert info.value.status_code == 504
+        # streaming: the first token is out, then the deadline passes waiting for the next: an in-band error
+        body = json.dumps({"model": MODEL, "prompt": [4, 5], "max_tokens": 4, "stream": True}).encode()
+        status, _, sse_text = raw(fake, "POST", "/v1/completions", body)
+        events = [line[len("data: ") :] for line in sse_text.splitlines() if line.startswith("data: ")]
+        assert status == 200 and events[-1] == "[DONE]"
+        assert "timed out after 1 s" in json.loads(events[-2])["error"]["message"]
+        assert any(json.loads(e).get("choices") for e in events[:-2])  # the token before it was streamed
         with pytest.raises(openai.InternalServerError) as info:
             fake.client.completions.create(model=MODEL, prompt=[3, 5], max_tokens=2)
         assert info.value.status_code == 500 and "boom" in info.value.message
