@@ -41,6 +41,7 @@ from engine.model.batch import (
 )
 from engine.model.cache import CachePool
 from engine.model.fast_paths import use_triton
+from engine.model.prologue_check import derive_checked
 
 
 @dataclass(frozen=True)
@@ -247,12 +248,18 @@ def derive_decode_batch(pool: CachePool, tables: BlockTables, inputs: DecodeInpu
 
     With the Triton fast path (engine.model.fast_paths.use_triton) one launch (dsv4_kernels.triton_decode_prologue)
     derives every index tensor; else the torch ops of `derive_decode_batch_reference` (equal element for
-    element: tests/engine/test_decode_prologue.py)."""
+    element: tests/engine/test_decode_prologue.py; compared again on each bucket's first use, outside capture, by
+    engine.model.prologue_check)."""
     if use_triton(inputs.packed.device):
         layout = tables.layouts.get(shape)
         if layout is None:
             layout = tables.layouts[shape] = PrologueLayout(pool, tables, shape)
-        return layout.derive(inputs.packed)
+        return derive_checked(
+            layout,
+            lambda: layout.derive(inputs.packed),
+            lambda: derive_decode_batch_reference(pool, tables, inputs, shape),
+            inputs.packed.device,
+        )
     return derive_decode_batch_reference(pool, tables, inputs, shape)
 
 
@@ -325,6 +332,7 @@ class PrologueLayout:
         from dsv4_kernels import triton_decode_prologue as k
 
         self.k, self.shape, self.table = k, shape, tables.table
+        self.checked = False  # engine.model.prologue_check: compared with the reference once, outside capture
         self.queries, self.pad_row = queries, -1 if pad_row is None else pad_row
         s, cfg = shape.slots, pool.cfg
         r = s * queries

@@ -37,6 +37,7 @@ from engine.model.batch import CompressPlan, RingWrite, StepBatch, VisibleEntrie
 from engine.model.cache import CachePool
 from engine.model.decode_batch import BlockTables, DecodeShape, PrologueLayout, entry_groups, table_widths
 from engine.model.fast_paths import use_triton
+from engine.model.prologue_check import derive_checked
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ def derive_verify_batch(
     only (engine.model.mtp; engine.execution.mtp_graphs runs them on these batches).
 
     One launch of the fused prologue where engine.model.fast_paths.use_triton says so, else the torch ops of
-    `derive_verify_batch_reference` (equal element for element)."""
+    `derive_verify_batch_reference` (equal element for element; compared again on each bucket's first use outside
+    capture, engine.model.prologue_check)."""
     if use_triton(packed.device):
         key = (shape.decode, shape.queries, swa_only)
         layout = tables.verify_layouts.get(key)
@@ -100,7 +102,12 @@ def derive_verify_batch(
             layout = tables.verify_layouts[key] = PrologueLayout(
                 pool, tables, shape.decode, shape.queries, tables.pad_row, swa_only
             )
-        return layout.derive(packed)
+        return derive_checked(
+            layout,
+            lambda: layout.derive(packed),
+            lambda: derive_verify_batch_reference(pool, tables, packed, shape, swa_only),
+            packed.device,
+        )
     return derive_verify_batch_reference(pool, tables, packed, shape, swa_only)
 
 

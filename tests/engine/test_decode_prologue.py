@@ -172,3 +172,59 @@ def test_bucketed_decode_with_fused_prologue_matches_eager(monkeypatch, kv_cache
     assert [(r, t) for r, t, _ in got] == [(r, t) for r, t, _ in want]
     tol = 1e-5 if kv_cache_dtype == "auto" else 1e-3
     assert all(abs(a - b) <= tol for (_, _, a), (_, _, b) in zip(got, want) if a is not None)
+
+
+def test_each_bucket_is_checked_once_against_the_reference(monkeypatch):
+    """engine.model.prologue_check: a bucket's first fused derivation is compared with the torch reference, later
+    ones are the kernel's alone."""
+    import engine.model.decode_batch as decode_batch
+    import engine.model.prologue_check as check
+
+    monkeypatch.setattr(check, "_off_reason", None)
+    monkeypatch.setattr(decode_batch, "use_triton", lambda device: True)
+    reference = decode_batch.derive_decode_batch_reference
+    calls = []
+    monkeypatch.setattr(decode_batch, "derive_decode_batch_reference", lambda *a: calls.append(1) or reference(*a))
+    pool = _pool("tiny")
+    tables = BlockTables(pool, 8, 1024, DEVICE)
+    shape = DecodeShape(4, 384)
+    for seed in range(3):
+        inputs = _inputs(pool, tables, shape, 2, seed=seed)
+        _assert_same(derive_decode_batch(pool, tables, inputs, shape), reference(pool, tables, inputs, shape))
+    assert len(calls) == 1 and tables.layouts[shape].checked and check.fused_prologue_off() is None
+
+
+def test_a_fused_prologue_that_disagrees_is_turned_off(monkeypatch, caplog):
+    """A kernel that writes one wrong element (here the SWA ring row of request 0) is caught on the bucket's first
+    use: an ERROR names the tensor, that step gets the reference's batch, and every later step (any bucket) too,
+    without calling the kernel again."""
+    import engine.model.decode_batch as decode_batch
+    import engine.model.prologue_check as check
+
+    monkeypatch.setattr(check, "_off_reason", None)
+    monkeypatch.setattr(decode_batch, "use_triton", lambda device: True)
+    real = PrologueLayout.derive
+    kernel_calls = []
+
+    def wrong(self, packed):
+        kernel_calls.append(1)
+        batch = real(self, packed)
+        batch.swa_write.ring_row[0] += 1
+        return batch
+
+    monkeypatch.setattr(PrologueLayout, "derive", wrong)
+    pool = _pool("tiny")
+    tables = BlockTables(pool, 8, 1024, DEVICE)
+    shape = DecodeShape(4, 384)
+    inputs = _inputs(pool, tables, shape, 3, seed=5)
+    with caplog.at_level("ERROR", logger="dsv4.engine"):
+        got = derive_decode_batch(pool, tables, inputs, shape)
+    assert "swa_write.ring_row: 1 of 4 elements differ" in (check.fused_prologue_off() or "")
+    assert any("disagrees" in r.getMessage() for r in caplog.records)
+    _assert_same(got, derive_decode_batch_reference(pool, tables, inputs, shape))
+    for other in (shape, DecodeShape(2, 256)):
+        later = _inputs(pool, tables, other, 2, seed=6)
+        _assert_same(
+            derive_decode_batch(pool, tables, later, other), derive_decode_batch_reference(pool, tables, later, other)
+        )
+    assert len(kernel_calls) == 1
