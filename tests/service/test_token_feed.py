@@ -31,7 +31,8 @@ def pool():
     if started:
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     actor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=-1)
-    prefill = actor(SyntheticPrefill).remote("p0", RATE, LETTER)
+    threaded = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)  # a thread each: see bench_frontdoor.start
+    prefill = threaded(SyntheticPrefill).remote("p0", RATE, LETTER)
     decode = actor(SyntheticDecode).remote("d0", RATE, LETTER)
     ray.get([prefill.ping.remote(), decode.ping.remote()])
     yield prefill, decode
