@@ -19,6 +19,7 @@ except that setting or deleting a `DSV4_*` variable, and its undo, make the next
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -88,6 +89,20 @@ def monkeypatch():
     patch = SettingsMonkeyPatch()
     yield patch
     patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def _fused_prologue_stays_on():
+    """engine.model.prologue_check turns the fused prologue off for the process when it disagrees with the torch
+    reference, and returns the reference's batch: a test comparing derive_decode_batch / derive_verify_batch with the
+    reference would then pass on a wrong kernel. A test that leaves it off fails here (one that turns it off on
+    purpose patches its state back), and the state is reset for the next test."""
+    yield
+    check = sys.modules.get("engine.model.prologue_check")
+    reason = check.fused_prologue_off() if check is not None else None
+    if reason is not None:
+        check.turn_back_on()
+        pytest.fail(f"the fused step prologue disagreed with its torch reference: {reason}")
 
 
 def _skip_reason(report) -> str:

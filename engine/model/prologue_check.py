@@ -37,6 +37,12 @@ def fused_prologue_off() -> str | None:
     return _off_reason
 
 
+def turn_back_on() -> None:
+    """Forget a turned-off state (tests: one that turned the fused prologue off must not leave it off for the next)."""
+    global _off_reason
+    _off_reason = None
+
+
 def derive_checked(
     layout: CheckedLayout, fused: Callable[[], StepBatch], reference: Callable[[], StepBatch], device: torch.device
 ) -> StepBatch:
