@@ -60,7 +60,10 @@ def _producer_class():
         def configure(self, steps: int, rate: float, streams: int) -> None:
             self.feed_steps, self.feed_rate, self.feed_streams = steps, rate, streams
 
-        async def token_feed(self, feed_id: str):
+        def renew_feed(self, feed_id: str) -> bool:
+            return True  # the reader's keeper renews the lease; this producer's feed ends with the reader anyway
+
+        async def token_feed(self, feed_id: str, lease_s: float | None = None):
             """As DecodeWorker.token_feed: `()`, then a step's events of every stream (request r0, r1, ...) an item."""
             from engine.execution.request import TokenEvent
 
