@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 
 import pytest
 
@@ -20,7 +21,9 @@ ray = pytest.importorskip("ray")
 def producer():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        from service.ray_cluster import init_ray
+
+        init_ray(tempfile.mkdtemp(prefix="dsv4-test-metrics-"))  # retries a start that misses Ray's deadline
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class Producer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 import time
 
 import pytest
@@ -29,7 +30,9 @@ def pool():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        from service.ray_cluster import init_ray
+
+        init_ray(tempfile.mkdtemp(prefix="dsv4-test-metrics-"))  # retries a start that misses Ray's deadline
     actor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=-1)
     threaded = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)  # a thread each: see bench_frontdoor.start
     prefill = threaded(SyntheticPrefill).remote("p0", RATE, LETTER)
