@@ -35,9 +35,7 @@ release (or the caller's abort of a request that never got one).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import struct
 import threading
 import time
 import uuid
@@ -49,6 +47,15 @@ import torch
 
 from engine.handoff import TransferTicket
 from engine.model.cache import CacheGroupSpec, CachePool
+from kv_transfer.outcomes import (
+    PullCancelled,
+    ReadInFlight,
+    TransferError,
+    TransferStats,
+    TransferTimeout,
+    pack_metadata,  # noqa: F401  (re-exported: callers import it from here)
+    unpack_metadata,
+)
 from kv_transfer.plan import TransferPlan, build_plan, layout_fingerprint
 
 # A pull's deadline ends this long before the source's lease (ticket.lease_expires_at, wall clock: covers clock skew
@@ -77,54 +84,12 @@ def release_kind(error: str | None) -> str:
     return "lease_expired" if error.startswith(LEASE_EXPIRED) else "failed"
 
 
-class TransferError(RuntimeError):
-    """A transfer failed: the request must fail (or be recomputed); its pages are freed on both sides."""
-
-
-class TransferTimeout(TransferError):
-    """A transfer did not finish before its deadline."""
-
-
-class ReadInFlight(TransferError):
-    """A failed pull whose READ could not be cancelled: the destination pages may still be written. The caller must
-    keep them out of use (never free them) until `TransferBackend.settled()` names the request: the READ is known
-    to be over, or its peer is gone."""
-
-    def __init__(self, message: str, request_id: str):
-        super().__init__(message)
-        self.request_id = request_id
-
-    def __reduce__(self):
-        return type(self), (str(self), self.request_id)
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    bytes: int
-    descriptors: int
-    seconds: float  # the whole pull in the calling thread: plan, data movement, scatter, confirmation
-    wire_seconds: float = 0.0  # the data movement alone (NIXL: each READ from post to DONE; TCP: the socket reads)
-    scatter_seconds: float = 0.0  # a staged pull's scatter into the pool's pages (NIXL staging; on CUDA: queueing it;
-    # 0 when the pull left it to the caller: pull_deferred)
-    plan_seconds: float = 0.0  # building the page plan (and a staged pull's layout)
-    staging_wait_seconds: float = 0.0  # a staged pull getting its destination staging range (reclaiming, or waiting
-    # for the queued scatters that hold ranges)
-    cpu_seconds: float = 0.0  # the calling thread's CPU time over the pull: far below `seconds` = waits off the CPU
-    # (the data movement's sleeps, the GIL)
-    scatter_parts: dict = field(default_factory=dict, hash=False)  # StagingBuffer.scatter's timings (staging.py)
-
-
 ReleaseCallback = Callable[[str, "str | None"], None]  # (request_id, error or None on success)
 
 # A pull as steps (TransferBackend._pull_steps): each yield is the seconds to wait before the next step (0: go on
 # at once), the return value its result. Driven on one thread (`pull`) or between an event loop's other work
 # (`pull_async`).
 PullSteps = Generator[float, None, "tuple[TransferStats, object]"]
-
-
-class PullCancelled(TransferError):
-    """Thrown into a pull's steps when its caller stopped waiting (its task was cancelled): the READ is cancelled
-    and whatever the pull held is freed, as for any failed pull."""
 
 
 @dataclass
@@ -164,20 +129,6 @@ class _PullClaim:
             self._gone, deferred = True, self._deferred
         if deferred is not None:
             deferred.cancel()
-
-
-def pack_metadata(header: dict, payload: bytes = b"") -> bytes:
-    """A JSON header (never pickle: metadata comes from the network) followed by an opaque payload."""
-    h = json.dumps(header).encode()
-    return struct.pack("<I", len(h)) + h + payload
-
-
-def unpack_metadata(blob: bytes) -> tuple[dict, bytes]:
-    try:
-        (n,) = struct.unpack_from("<I", blob)
-        return json.loads(blob[4 : 4 + n]), blob[4 + n :]
-    except (struct.error, ValueError) as e:
-        raise TransferError(f"malformed transfer metadata ({len(blob)} bytes): {e}") from e
 
 
 @dataclass
