@@ -374,6 +374,14 @@ def _check_2d(x: torch.Tensor, width: int, what: str) -> None:
         raise ValueError(f"{what} must be [N, {width}], got {tuple(x.shape)}")
 
 
+def _bytes_as(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [N, k] columns of packed rows -> [N, k / itemsize] dtype, in a dense copy. Not `contiguous().view()`:
+    a one-row slice counts as contiguous (a size-1 dimension's stride is ignored), so it keeps the packed row's
+    stride and offset, which `view` rejects when they are not multiples of the wider element (a 195-byte fp8 row
+    failed on the GPU)."""
+    return b.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
 def pack_fp8_ds_mla(kv: torch.Tensor, layout: Fp8DsMlaLayout) -> torch.Tensor:
     """kv [N, head_dim] float (RoPE already applied) -> uint8 [N, row_bytes] = [value row | scale row].
 
@@ -392,7 +400,7 @@ def unpack_fp8_ds_mla(rows: torch.Tensor, layout: Fp8DsMlaLayout, dtype: torch.d
     """uint8 [N, row_bytes] -> [N, head_dim] in dtype (values are exact in bf16 and wider)."""
     _check_2d(rows, layout.row_bytes, "fp8_ds_mla rows")
     nope = rows[:, : layout.nope_dim]
-    rope = rows[:, layout.rope_offset : layout.token_stride].contiguous().view(torch.bfloat16)
+    rope = _bytes_as(rows[:, layout.rope_offset : layout.token_stride], torch.bfloat16)
     scales = qf.ue8m0_decode(rows[:, layout.token_stride : layout.token_stride + layout.num_scales])
     return torch.cat([qf.dequantize_fp8_pow2(nope, scales), rope.float()], dim=1).to(dtype)
 
@@ -425,7 +433,7 @@ def unpack_indexer_fp8(rows: torch.Tensor) -> torch.Tensor:
     """uint8 [N, row_bytes] -> float32 [N, index_head_dim] (dim inferred from row_bytes)."""
     layout = IndexerKeyLayout.from_row_bytes(rows.shape[-1], "fp8")
     _check_2d(rows, layout.row_bytes, "fp8 indexer rows")
-    scales = rows[:, layout.value_bytes :].contiguous().view(torch.float32)
+    scales = _bytes_as(rows[:, layout.value_bytes :], torch.float32)
     return qf.dequantize_fp8_pow2(rows[:, : layout.value_bytes], scales)
 
 

@@ -72,6 +72,7 @@ class VerifyRunner:
             return None
         return VerifyShape(DecodeShape(d.slots[i], d.contexts[j]), queries)
 
+    @torch.inference_mode()
     def run(
         self,
         request_ids: list[str],
@@ -128,8 +129,12 @@ class VerifyRunner:
         streams = d.model.forward_streams(batch, d.pool)
         return streams, d.model.logits(streams)
 
+    @torch.inference_mode()
     def capture_all(self, queries: list[int]) -> int:
-        """Capture every (slots, context) bucket for each of `queries` (engine.execution.warmup) -> how many."""
+        """Capture every (slots, context) bucket for each of `queries` (engine.execution.warmup) -> how many.
+        Under inference mode, as every verify step is (engine.execution.spec_fixed): a bucket first met by a step
+        is captured there, and its shared output buffers are then inference tensors, which a capture outside
+        inference mode may not write (a GPU warm-up after a speculative step failed so)."""
         if self.decode.mode != "graphs":
             return 0
         d = self.decode

@@ -303,3 +303,19 @@ def test_byte_offsets_and_slot_checks():
         g.read_rows(cache[:, :100], layout, torch.tensor([0]))
     with pytest.raises(TypeError):
         g.read_rows(cache.float(), layout, torch.tensor([0]))
+
+
+def test_unpack_one_row_of_odd_sized_packed_rows():
+    """A one-row slice of packed rows counts as contiguous with the packed row's stride and offset; unpacking it
+    must not view those bytes as a wider dtype in place (a 195-byte fp8 row, the trained model's, failed on the GPU
+    with "stride(0) must be divisible by 2")."""
+    layout = g.Fp8DsMlaLayout(160, 32)  # 128 e4m3 + 64 rope bytes + 2 scales + pad = 195 bytes
+    assert layout.row_bytes % 2 == 1
+    rows = g.pack_fp8_ds_mla(torch.randn(5, 160), layout)
+    whole = g.unpack_fp8_ds_mla(rows, layout)
+    for i in range(5):
+        assert torch.equal(g.unpack_fp8_ds_mla(rows[i : i + 1], layout), whole[i : i + 1])
+    keys = g.pack_indexer_fp8(torch.randn(3, 128))
+    padded = torch.cat([torch.zeros(3, 1, dtype=torch.uint8), keys], dim=1)[:, 1:]  # rows at odd offsets
+    for i in range(3):
+        assert torch.equal(g.unpack_indexer_fp8(padded[i : i + 1]), g.unpack_indexer_fp8(keys)[i : i + 1])
