@@ -62,6 +62,13 @@ FORMATS = (
     Format("bf16 + FP8 prefill experts", dict(MXFP4, prefill_expert_format="fp8"), cuda_only=True),
     Format("production (fp8 KV, FP8 GEMMs, MXFP4 experts)", PRODUCTION, cuda_only=True),
     Format("production + MTP K=1", dict(PRODUCTION, speculative_tokens=1), cuda_only=True, twin="production"),
+    # exact in fp32 (token for token); in bf16 a verify step's shapes round differently from a one-token step's
+    Format(
+        "exact fp32 + MTP K=1",
+        dict(EXACT, dtype="float32", speculative_tokens=1),
+        cuda_only=True,
+        twin="exact fp32 (reference)",
+    ),
     Format("bf16 + MTP K=1", dict(BF16, speculative_tokens=1), twin="exact bf16"),
     Format("bf16 + MTP K=2", dict(BF16, speculative_tokens=2), twin="exact bf16"),
 )

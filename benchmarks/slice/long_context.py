@@ -1,8 +1,8 @@
-"""The long-context section of BENCHMARKS.md (issue 35 item 2): slice-bench runs at long prompts and contexts
-(`tools/gpu/stages.sh longctx`, or a narrower `benchmarks/slice/run.sh` run), under one heading with what the run
-used and what it leaves out.
+"""Sections of BENCHMARKS.md made of whole slice-bench runs under one heading with what the runs used and what they
+leave out: long context (issue 35 item 2: `tools/gpu/stages.sh longctx`, or a narrower `benchmarks/slice/run.sh`
+run) and the prefill by expert format (issue 35 item 1: `tools/gpu/stages.sh prefillfmt`).
 
-    python -m benchmarks.slice.long_context --files RUN.md [RUN.md ...] [--note TEXT] [--write]
+    python -m benchmarks.slice.long_context --files RUN.md [RUN.md ...] [--note TEXT] [--prefill-formats] [--write]
 
 Each RUN.md is a slice bench's `--out` section (its command, machine, decode and prefill tables, chunk times and
 peak memory); they are kept whole, under `###` headings, so every number keeps its own command and date.
@@ -16,11 +16,12 @@ from pathlib import Path
 from service.benchmarks_md import write_section
 
 HEADING = "## Long context on the V4-Flash slice: chunked prefill and decode at 32K-1M tokens"
+PREFILL_FORMATS_HEADING = "## Prefill by routed-expert format on the V4-Flash slice (8K tokens, 3 runs each)"
 
 
-def render(runs: list[str], note: str) -> str:
+def render(runs: list[str], note: str, heading: str = HEADING) -> str:
     """One section from slice-bench sections (their `## ` heading demoted to `###`)."""
-    parts = [HEADING, ""]
+    parts = [heading, ""]
     if note:
         parts += [note.strip(), ""]
     for text in runs:
@@ -35,9 +36,17 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.slice.long_context")
     ap.add_argument("--files", nargs="+", required=True, help="slice bench --out sections")
     ap.add_argument("--note", default="", help="what the runs used / left out (kept above the runs)")
-    ap.add_argument("--write", action="store_true", help="put the section into BENCHMARKS.md (long_context)")
+    ap.add_argument("--prefill-formats", action="store_true", help="the prefill-by-format section instead")
+    ap.add_argument("--write", action="store_true", help="put the section into BENCHMARKS.md")
     args = ap.parse_args(argv)
-    section = render([Path(f).read_text() for f in args.files], args.note)
+    runs = [Path(f).read_text() for f in args.files]
+    if args.prefill_formats:
+        section = render(runs, args.note, PREFILL_FORMATS_HEADING)
+        print(section)
+        if args.write:
+            write_section("prefill_formats", section)
+        return
+    section = render(runs, args.note)
     print(section)
     if args.write:
         write_section("long_context", section)
