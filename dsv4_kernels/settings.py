@@ -63,6 +63,10 @@ HTTP_HEADER_TIMEOUT_S = "DSV4_HTTP_HEADER_TIMEOUT_S"
 HTTP_BODY_TIMEOUT_S = "DSV4_HTTP_BODY_TIMEOUT_S"
 TOKEN_FEED = "DSV4_TOKEN_FEED"
 TOKEN_FEED_IDLE_S = "DSV4_TOKEN_FEED_IDLE_S"
+HAPROXY = "DSV4_HAPROXY"
+HAPROXY_STATS_PORT = "DSV4_HAPROXY_STATS_PORT"
+HAPROXY_METRICS_PORT = "DSV4_HAPROXY_METRICS_PORT"
+HAPROXY_ADMIN_HOST = "DSV4_HAPROXY_ADMIN_HOST"
 STRICT_SKIPS = "DSV4_STRICT_SKIPS"
 TEST_TRANSFER = "DSV4_TEST_TRANSFER"
 TEST_MARK = "DSV4_TEST_MARK"
@@ -407,6 +411,31 @@ class Settings:
         "seconds a token feed may carry no request before its ingress replica closes it (reopened on the next one)",
         "service",
         minimum=0.1,
+    )
+    haproxy: bool = _switch(
+        HAPROXY,
+        "bool",
+        True,
+        "the HTTP front door is HAProxy (Ray Serve's HAProxy mode: each ingress replica serves HTTP on its own port, "
+        "HAProxy on every node balances across them: service.serve_ingress); 0 = Serve's Python proxy",
+        "service",
+    )
+    haproxy_stats_port: int = _switch(
+        HAPROXY_STATS_PORT, "int", 8404, "HAProxy's stats page (/stats) on every node, with DSV4_HAPROXY", "service"
+    )
+    haproxy_metrics_port: int = _switch(
+        HAPROXY_METRICS_PORT,
+        "int",
+        9101,
+        "HAProxy's Prometheus exporter (/metrics) on every node, with DSV4_HAPROXY",
+        "service",
+    )
+    haproxy_admin_host: str = _switch(
+        HAPROXY_ADMIN_HOST,
+        "str",
+        "127.0.0.1",
+        "the address HAProxy's stats page and exporter bind (0.0.0.0 where Prometheus scrapes them: the chart)",
+        "service",
     )
     # Tests
     strict_skips: bool = _switch(

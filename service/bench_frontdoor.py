@@ -1,8 +1,8 @@
-"""`dsv4 bench frontdoor`: the service's token path (Serve proxy -> ingress replica, which places through a gRPC
-router and reads the decode worker's Ray stream itself) under many concurrent streams, with a synthetic pool in
+"""`dsv4 bench frontdoor`: the service's token path (HAProxy or Serve's proxy -> ingress replica, which places
+through a gRPC router and reads the decode worker's token feed itself) under many concurrent streams, with a synthetic pool in
 place of the model.
 
-Everything on the token path is production's: `service.serve_ingress.deploy_http` (Serve's HTTP proxy and the
+Everything on the token path is production's: `service.serve_ingress.deploy_http` (the front door of service.serve_front and the
 OpenAI ingress replicas with their `service.direct_path.DirectClient`), `--routers` replicas of
 `service.router_actor.RouterActor` (RouterServer + RayDispatcher + the policy) placing every request; only the
 workers are `service.frontdoor_workers` (disaggregated: prefill answers at once, decode emits
@@ -35,8 +35,13 @@ from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill, token_f
 LETTER = "a"
 TOKEN_PATH = (
     "the routers only place (gRPC `Place`); the tokens go from the decode actor to the ingress replica that owns the "
-    "request (service/direct_path.py), then to the client through Serve's proxy"
+    "request (service/direct_path.py), then to the client"
 )
+FRONT = {
+    True: "through HAProxy (Serve's HAProxy mode: the replica serves HTTP on its own port; service/serve_front.py, "
+    "`DSV4_HAPROXY=1`)",
+    False: "through Serve's Python proxy (`DSV4_HAPROXY=0`)",
+}
 FEED_PATH = {
     True: "over the decode actor's token feed to that replica (one Ray streaming call per decode actor and replica, "
     "one item an engine step for all of the replica's requests there: service/token_feed.py, `DSV4_TOKEN_FEED=1`)",
@@ -66,6 +71,7 @@ class LevelResult:
     load_avg: float = 0.0  # the machine's 1-minute load average at the level's end (other work on it shows here)
     serve_env: dict = field(default_factory=dict)  # proxy / ingress -> the Serve switches their processes ran with
     token_feed: bool = True  # DSV4_TOKEN_FEED as the replicas read it (they inherit this process's environment)
+    haproxy: bool = False  # the front door the level ran through (HAProxy, or Serve's Python proxy)
 
 
 def _letter_id(model_dir: str) -> int:
@@ -177,16 +183,14 @@ def score(records, emits: dict, t0: float, t_end: float, max_tokens: int, letter
 
 
 def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_id: int, first_tag: int) -> LevelResult:
-    from service.serve_ingress import PROXY_SERVE_ENV, REPLICA_SERVE_ENV
+    from service.serve_front import HAPROXY_SERVE_ENV, PROXY_SERVE_ENV, REPLICA_SERVE_ENV
 
     _emits(handles)  # drop what an earlier level left
     before = cpu_by_component()
     records, t0, t_end = asyncio.run(run_level(url, streams, args.seconds, args.max_tokens, letter_id, first_tag))
     cpu = cpu_delta(before, cpu_by_component())
-    serve_env = {
-        **env_by_component(tuple(PROXY_SERVE_ENV), ("proxy",)),
-        **env_by_component(tuple(REPLICA_SERVE_ENV), ("ingress",)),
-    }
+    names = (*PROXY_SERVE_ENV, *REPLICA_SERVE_ENV, *HAPROXY_SERVE_ENV)
+    serve_env = env_by_component(names, ("proxy", "haproxy", "ingress"))
     s = score(records, _emits(handles), t0, t_end, args.max_tokens, letter_id)
     service_cpu = sum(cpu.get(k, 0.0) for k in SERVICE)
     return LevelResult(
@@ -206,6 +210,7 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
         os.getloadavg()[0],
         serve_env,
         settings().token_feed,
+        serve_env.get("ingress", {}).get("RAY_SERVE_ENABLE_HA_PROXY") == "1",
     )
 
 
@@ -290,7 +295,7 @@ def _switches(rows: list[LevelResult]) -> str:
     return (
         "; ".join(
             f"{comp} " + (", ".join(f"{k}={v}" for k, v in sorted(seen[comp].items())) or "none")
-            for comp in ("proxy", "ingress")
+            for comp in ("proxy", "haproxy", "ingress")
             if comp in seen
         )
         or "not read"
@@ -300,20 +305,21 @@ def _switches(rows: list[LevelResult]) -> str:
 def report(rows: list[LevelResult], args, command: str) -> str:
     ceil = ceilings(rows)
     lines = [
-        "## Front door: streamed tokens through the ingress, router and Serve proxy (`dsv4 bench frontdoor`)",
+        "## Front door: streamed tokens through the ingress, router and front door (`dsv4 bench frontdoor`)",
         "",
         "### AFTER: the routers place, the ingress replicas stream from the decode workers",
         "",
         f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}; loopback; synthetic pool (1 prefill + {args.decode_workers} decode "
         f"actors, no model) at {args.token_rate:g} tokens/s a stream, {args.max_tokens} tokens a request, "
-        f"{args.seconds:g} s a level, {args.routers} router replicas. Token path: {TOKEN_PATH}; "
+        f"{args.seconds:g} s a level, {args.routers} router replicas. Token path: {TOKEN_PATH} "
+        f"{FRONT[rows[-1].haproxy if rows else settings().haproxy]}; "
         f"{FEED_PATH[rows[-1].token_feed if rows else settings().token_feed]}. {STEP_CLOCK} "
         f"Serve switches the processes ran with: {_switches(rows)}.",
         "",
         "Added latency: client receive time minus the synthetic worker's emit time (decode tokens, same host "
-        "clock). CPU: user + system of the service's processes (router, ingress replicas, Serve proxy and "
-        "controller, raylet + GCS) per 1K tokens received; the top three components in CPU seconds. Load avg: the "
+        "clock). CPU: user + system of the service's processes (router, ingress replicas, Serve proxy or HAProxy "
+        "and its manager, Serve controller, raylet + GCS) per 1K tokens received; the top three components in CPU seconds. Load avg: the "
         "machine's 1-minute load average at the level's end (anything above the CPU count is other work competing).",
         "",
         "| ingress replicas | streams | offered tok/s | delivered tok/s | added p50 ms | added p99 ms | "

@@ -25,8 +25,9 @@ COMPONENTS = (
     ("ray::ProxyActor", "proxy"),
     ("ray::ServeController", "serve_controller"),
     ("ray::Synthetic", "synthetic"),
+    ("ray::HAProxyManager", "haproxy"),
 )
-SERVICE = ("router", "ingress", "proxy", "serve_controller", "ray_daemons")
+SERVICE = ("router", "ingress", "proxy", "haproxy", "serve_controller", "ray_daemons")
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ def _component(pid: int) -> str | None:
             return name
     if "raylet" in cmd or "gcs_server" in cmd:
         return "ray_daemons"
+    if os.path.basename(cmd.split(" ", 1)[0]) == "haproxy":  # the HAProxy processes its manager starts
+        return "haproxy"
     return "other"
 
 

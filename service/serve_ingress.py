@@ -15,13 +15,8 @@ reads the decode worker's token stream itself (service.direct_path), so the repl
 tokens and the token path scales with them. Each reserves only INGRESS_NUM_CPUS of a CPU (a scheduling token) and
 the default is two of them, so that one stuck or restarting replica never takes the API down.
 
-Per-token CPU: each streamed token crosses Ray twice (decode worker -> replica, replica -> proxy), and each
-crossing costs far more than rendering the token. `PROXY_SERVE_ENV` and `REPLICA_SERVE_ENV` are Ray Serve's own
-switches (of its "throughput optimized" mode, without direct ingress) that cut that: the proxy reaches the replicas
-over gRPC (a stream message per batch of ASGI messages instead of a Ray streaming-generator item) with its handle
-router on its main event loop, and a replica runs the app on its main loop (no cross-thread hop per ASGI message).
-Serve reads them once per process at start, so they go in the processes' environment: the controller's (its
-proxies inherit it) and the replicas' runtime_env (with the job's variables repeated, which it would replace).
+Front door: HAProxy in front of the replicas' own HTTP ports, or Serve's Python proxy (service.serve_front: which,
+why, and the environment each needs).
 """
 
 from __future__ import annotations
@@ -33,18 +28,15 @@ from typing import cast
 from ray import serve
 from ray.serve import Deployment
 
-from service.http_limits import proxy_env
 from service.ingress_guard import IngressOptions
 from service.openai_app import DEFAULT_REQUEST_TIMEOUT_S, current_server, make_app
-from service.ray_cluster import job_env
+from service.serve_front import serve_front
 
 app = make_app(current_server)
 HEALTH_PERIOD_S = 5.0
 HEALTH_TIMEOUT_S = 10.0
 INGRESS_NUM_CPUS = 0.1
 DEFAULT_REPLICAS = 2
-PROXY_SERVE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
-REPLICA_SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 @serve.deployment(
@@ -107,18 +99,18 @@ def deploy_http(
     options: IngressOptions | None = None,
     routers: list | None = None,
 ):
-    """Start Serve's HTTP proxy on host:port and deploy `num_replicas` ingress replicas (on the connected
-    Ray cluster) serving the OpenAI API at "/"; -> the deployment handle. Returns once it is running.
+    """Start Serve's front door on host:port (HAProxy or Serve's HTTP proxy: service.serve_front) and deploy
+    `num_replicas` ingress replicas (on the connected Ray cluster) serving the OpenAI API at "/"; -> the deployment
+    handle. Returns once it is running.
 
-    The proxies are the Serve controller's actors and inherit its environment: `proxy_env` there bounds their
-    request heads and bodies at the socket (service.http_limits), and `PROXY_SERVE_ENV` / `REPLICA_SERVE_ENV` (module
-    doc) cut the per-token CPU. A controller already running keeps its own."""
-    limits = (options or IngressOptions.from_env()).limits
+    The front door's processes are the Serve controller's actors and inherit its environment; the replicas get theirs
+    in their runtime_env. A controller already running keeps its own."""
+    front = serve_front((options or IngressOptions.from_env()).limits)
     serve.start(
         http_options={"host": host, "port": port},
-        controller_options={"runtime_env": {"env_vars": {**proxy_env(limits), **PROXY_SERVE_ENV}}},
+        controller_options={"runtime_env": {"env_vars": front.controller_env}},
     )
-    actor_options = {"num_cpus": INGRESS_NUM_CPUS, "runtime_env": {"env_vars": {**job_env(), **REPLICA_SERVE_ENV}}}
+    actor_options = {"num_cpus": INGRESS_NUM_CPUS, "runtime_env": {"env_vars": front.replica_env}}
     deployment = ingress_deployment().options(num_replicas=num_replicas, ray_actor_options=actor_options)
     return serve.run(
         deployment.bind(router_addr, model_dir, model_name, request_timeout_s, options, routers),

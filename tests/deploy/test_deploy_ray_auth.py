@@ -16,7 +16,7 @@ import base64
 import pytest
 
 from service.http_limits import PROXY_CALLBACK, PROXY_CALLBACK_VAR, HttpLimits
-from service.serve_ingress import PROXY_SERVE_ENV, REPLICA_SERVE_ENV
+from service.serve_front import HAPROXY_SERVE_ENV, PROXY_SERVE_ENV, REPLICA_SERVE_ENV, haproxy_env
 from tests.support.deploy_fixtures import VALUES_FILES, documents, load_values, render
 
 pytest.importorskip("helm_python")
@@ -76,3 +76,22 @@ def test_every_ray_container_bounds_http_requests_and_takes_the_serve_settings(m
         for name in HttpLimits().env():  # what the proxy process parses (dsv4_kernels.settings)
             monkeypatch.setenv(name, env[name])
         assert HttpLimits.from_env() == HttpLimits(max_header_bytes=32768, header_timeout_s=5.0, body_timeout_s=30.5)
+        # HAProxy in front (the default): the same switches `dsv4 serve` gives Serve (service.serve_front), with the
+        # image's launcher and the admin listeners on every interface for Prometheus
+        wanted = haproxy_env(HttpLimits.from_env(), "unused", "/home/ray/anaconda3/bin/dsv4-haproxy")
+        for name, value in wanted.items():
+            if name == "DSV4_HAPROXY_BINARY":  # the launcher finds the image's own
+                assert name not in env
+            elif name == "DSV4_HAPROXY_ADMIN_HOST":
+                assert env[name] == "0.0.0.0"
+            else:
+                assert env[name] == value, name
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["haproxy-metrics"] == 9101
+
+
+def test_the_python_proxy_front_door_leaves_haproxy_off():
+    rs, _ = _docs({"serve": {"frontDoor": "proxy"}})
+    for c in _ray_containers(rs):
+        env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        assert not set(env) & set(HAPROXY_SERVE_ENV) and "RAY_SERVE_HAPROXY_BINARY_PATH" not in env
+        assert "haproxy-metrics" not in {p["name"] for p in c["ports"]}

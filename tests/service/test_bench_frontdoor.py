@@ -1,4 +1,4 @@
-"""`dsv4 bench frontdoor` at a tiny size: real Ray, Serve proxy, ingress replicas streaming from the synthetic decode
+"""`dsv4 bench frontdoor` at a tiny size: real Ray, HAProxy (Serve's HAProxy mode), ingress replicas streaming from the synthetic decode
 actors and two routers placing; every stream's tokens arrive in order with none lost, and the report has its
 fields."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from service.bench_frontdoor import add_bench_frontdoor_args, bench_frontdoor_main, report
 from service.frontdoor_load import tag_prompt
-from service.serve_ingress import PROXY_SERVE_ENV, REPLICA_SERVE_ENV
+from service.serve_front import HAPROXY_SERVE_ENV, REPLICA_SERVE_ENV
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.ray
@@ -52,12 +52,14 @@ def test_frontdoor_tiny(tmp_path):
         assert r["delivered_tps"] > 0 and 0 < r["added_ms_p50"] <= r["added_ms_p99"] < 5000
         assert r["cpu_ms_per_1k"] > 0 and r["cpu_by_component"].get("router", 0) > 0
         assert r["cpu_by_component"].get("ingress", 0) > 0
-        # the Serve switches deploy_http sets reached the proxy and the replicas (service.serve_ingress)
-        assert r["serve_env"] == {"proxy": PROXY_SERVE_ENV, "ingress": REPLICA_SERVE_ENV}
+        # the Serve switches deploy_http sets reached HAProxy's manager and the replicas (service.serve_front)
+        assert r["haproxy"] and r["cpu_by_component"].get("haproxy", 0) > 0
+        assert r["serve_env"]["haproxy"].items() >= HAPROXY_SERVE_ENV.items()
+        assert r["serve_env"]["ingress"].items() >= {**REPLICA_SERVE_ENV, **HAPROXY_SERVE_ENV}.items()
     from service.bench_frontdoor import LevelResult
 
     text = report([LevelResult(**r) for r in rows], args, "dsv4 bench frontdoor --tiny")
     assert "`Place`" in text and "AFTER" in text and "Ceiling" in text and "| 2 | 4 |" in text
     assert all(r["token_feed"] for r in rows) and "`DSV4_TOKEN_FEED=1`" in text  # the default: the token feeds
     assert "at half the ceiling" in text
-    assert "Serve switches the processes ran with: proxy RAY_SERVE_PROXY_USE_GRPC=1" in text
+    assert "; haproxy RAY_SERVE_ENABLE_HA_PROXY=1" in text and "`DSV4_HAPROXY=1`" in text

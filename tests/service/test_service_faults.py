@@ -40,6 +40,7 @@ from service.launcher import (  # noqa: E402
     start_service,
     stop_service,
 )
+from service.serve_front import serve_front  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.proc import descendants, listeners, listening, pids_with_cmdline  # noqa: E402
 
@@ -146,13 +147,15 @@ class HealthWatch:
             assert self.count >= 1
 
 
-@pytest.fixture(scope="module")
-def svc():
+@contextlib.contextmanager
+def running_service(**overrides):
+    """This module's service (1 prefill + 1 decode worker over tcp, SLOTS slots, the API key, LIMITS), with any
+    ServiceConfig field overridden; -> a Service, stopped on exit."""
     metrics_dir = prepare_metrics_dir()
     handles, metrics = None, None
     try:
         init_ray(metrics_dir)
-        cfg = ServiceConfig(
+        fields = dict(
             model_dir=default_model_dir(),
             prefill_workers=1,
             decode_workers=1,
@@ -168,6 +171,7 @@ def svc():
             engine_options=(("max_batch_tokens", 64), ("max_num_seqs", SLOTS)),
             http_limits=LIMITS,
         )
+        cfg = ServiceConfig(**{**fields, **overrides})
         metrics, _ = start_metrics_server(cfg.metrics_port, "127.0.0.1")
         handles = start_service(cfg)
     except Exception as e:
@@ -177,12 +181,20 @@ def svc():
         raise RuntimeError(f"service setup failed: {type(e).__name__}: {e}\n\n{logs}") from e
     s = Service(cfg, handles)
     s.metrics = metrics
-    yield s
-    s.http.close()
-    stop_service(handles, drain_s=0)
-    metrics.shutdown()
-    metrics.server_close()
-    remove_metrics_dir()  # the temp dir this module's service made (kept if the environment named one)
+    try:
+        yield s
+    finally:
+        s.http.close()
+        stop_service(handles, drain_s=0)
+        metrics.shutdown()
+        metrics.server_close()
+        remove_metrics_dir()  # the temp dir this module's service made (kept if the environment named one)
+
+
+@pytest.fixture(scope="module")
+def svc():
+    with running_service() as s:
+        yield s
 
 
 def wait_until(cond, timeout: float = 120.0, what: str = "condition"):
@@ -276,9 +288,10 @@ def test_api_key_docs_and_body_limit(svc):
         assert r.status_code == 413, r.text
 
 
-def _raw_exchange(port: int, *parts: bytes, pause: float = 0.0) -> tuple[int, dict, float]:
-    """Send `parts` over a raw socket (pausing between them), read until the server closes; -> (status, the
-    JSON body, seconds from connecting to the close)."""
+def raw_exchange(port: int, *parts: bytes, pause: float = 0.0, says_close: bool = True) -> tuple[int, dict, float]:
+    """Send `parts` over a raw socket (pausing between them), read until the server closes (within the socket's
+    30 s); -> (status, the JSON body, seconds from connecting to the answer's first byte). says_close: the answer
+    has `Connection: close` (HAProxy drops it from a replica's answer, then closes the connection itself)."""
     t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         for p in parts:
@@ -287,18 +300,28 @@ def _raw_exchange(port: int, *parts: bytes, pause: float = 0.0) -> tuple[int, di
             except (BrokenPipeError, ConnectionResetError):  # refused mid-send: read the answer
                 break
             time.sleep(pause)
-        out = b""
+        out, answered = b"", None
         with contextlib.suppress(ConnectionResetError):
             while chunk := s.recv(65536):
+                answered = time.monotonic() - t0 if answered is None else answered
                 out += chunk
     head, _, body = out.partition(b"\r\n\r\n")
-    assert b"connection: close" in head.lower(), out[:300]
-    return int(head.split()[1]), json.loads(body), time.monotonic() - t0
+    assert answered is not None and (b"connection: close" in head.lower() or not says_close), out[:300]
+    if b"content-type: text/html" in head.lower():  # HAProxy's own page (service.serve_front: HTTP limits)
+        return int(head.split()[1]), {"html": body.decode(errors="replace")}, answered
+    return int(head.split()[1]), json.loads(body), answered
 
 
-def test_oversized_heads_and_slow_clients_are_refused_at_the_proxy(svc):
-    """The probe's attacks on Serve's proxy: six 8 MiB heads, 20 connections trickling their heads, a trickled
-    body: 413 / 408 in the API's error shape, within the limits, while /health keeps answering."""
+def test_oversized_heads_and_slow_clients_are_refused_at_the_front_door(svc):
+    assert serve_front(LIMITS).haproxy  # the default front door (the Python proxy's: tests/service/test_front_doors.py)
+    check_http_attacks(svc, haproxy=True)
+
+
+def check_http_attacks(svc, haproxy: bool) -> None:
+    """The probe's attacks on the front door: six 8 MiB heads, 20 connections trickling their heads, a trickled
+    body: refused within the limits while /health keeps answering. Through HAProxy the heads are refused by HAProxy
+    with its own 400 / 408 pages and the body by the replica's server in the API's error shape (413 / 408); through
+    Serve's Python proxy all three in the API's shape (service.serve_front)."""
     port = svc.cfg.port
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (8 << 20) + b"\r\n\r\n"
     chunks = [head[i : i + (1 << 16)] for i in range(0, len(head), 1 << 16)]
@@ -308,16 +331,22 @@ def test_oversized_heads_and_slow_clients_are_refused_at_the_proxy(svc):
         % (KEY.encode())
     )
     with HealthWatch(svc.base), concurrent.futures.ThreadPoolExecutor(27) as pool:
-        big = [pool.submit(_raw_exchange, port, *chunks) for _ in range(6)]
-        slow = [pool.submit(_raw_exchange, port, *slow_head, pause=0.5) for _ in range(20)]
-        body = pool.submit(_raw_exchange, port, slow_body, b'{"prompt": [1, 2', pause=0.5)
+        big = [pool.submit(raw_exchange, port, *chunks) for _ in range(6)]
+        slow = [pool.submit(raw_exchange, port, *slow_head, pause=0.5) for _ in range(20)]
+        body = pool.submit(raw_exchange, port, slow_body, b'{"prompt": [1, 2', pause=0.5, says_close=not haproxy)
         for f in big:
             status, err, _ = f.result()
-            assert status == 413 and err["error"]["type"] == "RequestTooLargeError", err
-            assert "limit of 16384 bytes" in err["error"]["message"]
+            if haproxy:
+                assert status == 400 and "400 Bad request" in err["html"], err
+            else:
+                assert status == 413 and err["error"]["type"] == "RequestTooLargeError", err
+                assert "limit of 16384 bytes" in err["error"]["message"]
         for f in slow:
             status, err, took = f.result()
-            assert status == 408 and err["error"]["message"] == "request headers not received within 2 s", err
+            if haproxy:
+                assert status == 408 and "408 Request Time-out" in err["html"], err
+            else:
+                assert status == 408 and err["error"]["message"] == "request headers not received within 2 s", err
             assert took < LIMITS.header_timeout_s + 5
         status, err, took = body.result()
         assert status == 408 and err["error"]["message"] == "request body not received within 5 s", err

@@ -103,7 +103,7 @@ spec:
         {{- /* every Serve proxy bounds request heads and bodies at its socket (service.http_limits) */}}
         - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
           value: service.http_limits:proxy_callback
-        {{- /* the token path's Serve settings (service.serve_ingress PROXY_SERVE_ENV / REPLICA_SERVE_ENV): proxy to
+        {{- /* the token path's Serve settings (service.serve_front PROXY_SERVE_ENV / REPLICA_SERVE_ENV): proxy to
                replicas over gRPC, routing and the app on their main loops (BENCHMARKS.md frontdoor) */}}
         - name: RAY_SERVE_PROXY_USE_GRPC
           value: "1"
@@ -111,6 +111,23 @@ spec:
           value: "0"
         - name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
           value: "0"
+        {{- if eq $v.serve.frontDoor "haproxy" }}
+        {{- /* HAProxy in front of the replicas' own ports (service.serve_front haproxy_env) */}}
+        - name: RAY_SERVE_ENABLE_HA_PROXY
+          value: "1"
+        - name: RAY_SERVE_HAPROXY_BINARY_PATH
+          value: {{ $v.serve.haproxy.launcher | quote }}
+        - name: RAY_SERVE_HAPROXY_TUNE_BUFSIZE
+          value: {{ add (int $v.serve.httpLimits.maxHeaderBytes) 1024 | quote }}
+        - name: RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S
+          value: {{ ceil $v.serve.httpLimits.bodyTimeoutSeconds | int | quote }}
+        - name: RAY_SERVE_HAPROXY_STATS_PORT
+          value: {{ $v.serve.haproxy.statsPort | int | quote }}
+        - name: RAY_SERVE_HAPROXY_METRICS_PORT
+          value: {{ $v.serve.haproxy.metricsPort | int | quote }}
+        - name: DSV4_HAPROXY_ADMIN_HOST
+          value: "0.0.0.0"
+        {{- end }}
         - name: DSV4_HTTP_MAX_HEADER_BYTES
           value: {{ $v.serve.httpLimits.maxHeaderBytes | int | quote }}
         - name: DSV4_HTTP_HEADER_TIMEOUT_S
@@ -164,6 +181,10 @@ spec:
           containerPort: {{ $v.metrics.port }}
         - name: ray-metrics
           containerPort: {{ $v.metrics.rayMetricsPort }}
+        {{- if eq $v.serve.frontDoor "haproxy" }}
+        - name: haproxy-metrics
+          containerPort: {{ $v.serve.haproxy.metricsPort }}
+        {{- end }}
       resources:
         {{- if $worker }}
         {{- include "dsv4.workerResources" (dict "root" $root "group" $group) | nindent 8 }}
