@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import socket
 import struct
 import threading
@@ -469,6 +470,60 @@ def test_killed_decode_worker_in_flight_streams_migrate_then_heals(svc):
     ray.kill(svc.handles["decode"]["decode-0"], no_restart=False)  # again: each restart is re-introduced
     r = svc.complete(prompt=[34, 35, 36], max_tokens=4, ignore_eos=True)
     assert r.status_code == 200, r.text
+
+
+def _front_door_pids(kind: str) -> set[int]:
+    """This cluster's HAProxy managers ("manager") or HAProxy processes ("haproxy"), alive (zombies excluded)."""
+    from ray._private import worker
+
+    session = worker._global_node.get_session_dir_path()
+    found = set()
+    for pid in descendants({os.getpid(), *pids_with_cmdline(session)}):
+        try:
+            argv0 = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode(errors="replace")
+            state = next(x for x in open(f"/proc/{pid}/status").read().splitlines() if x.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        if "zombie" in state:
+            continue
+        if (kind == "manager" and argv0.startswith("ray::HAProxyManager")) or (
+            kind == "haproxy" and os.path.basename(argv0) == "haproxy"
+        ):
+            found.add(pid)
+    return found
+
+
+def _answers(base: str) -> bool:
+    try:
+        return Http(base, timeout=10).get("/health").status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def test_killed_front_door_comes_back_and_leaves_no_haproxy_behind(svc):
+    """SIGKILL Serve's HAProxyManager (the supervisor of the node's HAProxy) with streams in flight. Ray ends the
+    worker's children with it, so that HAProxy's connections are cut (as a killed Python proxy's were: the front door
+    holds the client connections; clients retry); no HAProxy is left behind serving a config nobody updates, Serve
+    starts a new manager and HAProxy, and new requests are served within the wait."""
+    if not serve_front(LIMITS).haproxy:
+        pytest.skip("the front door is Serve's Python proxy")
+    managers, old = _front_door_pids("manager"), _front_door_pids("haproxy")
+    assert len(managers) == 1 and old, (managers, old)
+    streams = [svc.stream(prompt=[40 + i, 41, 42], max_tokens=80, return_token_ids=True) for i in range(2)]
+    for resp in streams:  # in flight: each has delivered a token before the kill
+        assert resp.status_code == 200 and next(x for x in resp.lines if "token_ids" in x)
+    os.kill(managers.pop(), signal.SIGKILL)
+    for resp in streams:
+        with contextlib.suppress(requests.RequestException):
+            list(resp.lines)
+        resp.close()
+    wait_until(lambda: not old & _front_door_pids("haproxy"), 60, "the killed manager's HAProxy to end")
+    wait_until(lambda: _answers(svc.base), 150, "/health through the restarted front door")
+    assert _front_door_pids("manager") and _front_door_pids("haproxy")
+    r = Service(svc.cfg, svc.handles).complete(prompt=[5, 6, 7])  # a fresh connection pool
+    assert r.status_code == 200, r.text
+    # the cut streams leave the workers (the replicas saw their clients go): pages back
+    wait_until(lambda: all(s.running == 0 and s.kv_usage == 0.0 for s in svc.worker_stats()), 60, "pools idle")
 
 
 def test_killed_router_loses_no_stream_and_new_requests_are_placed(svc):
