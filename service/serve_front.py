@@ -50,6 +50,11 @@ HAPROXY_SERVE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
 # HAProxy keeps this much of a buffer free for header rewrites (tune.maxrewrite's default, min(1024, bufsize / 2)):
 # the buffer must hold max_header_bytes plus it.
 HAPROXY_REWRITE_RESERVE = 1024
+# How long a stopping replica keeps taking requests so that HAProxy deregisters it first. Serve's default, 30 s, is
+# for load balancers it does not manage (an external ALB); its own HAProxy gets the new backend list pushed by the
+# controller within about a second (0.1 s coalescing, then a reload), and every `dsv4 serve` stop and scale-down
+# waited the 30 s out.
+DEREGISTER_S = 2.0
 # The console script Serve runs in place of HAProxy's binary (service.haproxy_launch: what Serve has no switch for)
 LAUNCHER = "dsv4-haproxy"
 
@@ -90,6 +95,7 @@ def haproxy_env(limits: HttpLimits, binary: str, launcher: str) -> dict[str, str
         "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(limits.max_header_bytes + HAPROXY_REWRITE_RESERVE),
         # inactivity while the client should send or read (a body, a full response window)
         "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(max(1, math.ceil(limits.body_timeout_s))),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DEREGISTER_S),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(s.haproxy_stats_port),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(s.haproxy_metrics_port),
         "DSV4_HAPROXY_BINARY": binary,
