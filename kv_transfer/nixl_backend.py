@@ -56,7 +56,6 @@ import numpy as np
 from dsv4_kernels.settings import BY_NAME, NIXL_PROGRESS_DELAY_US, settings
 from engine.model.cache import CachePool
 from kv_transfer.base import (
-    PullCancelled,
     ReadInFlight,
     TransferBackend,
     TransferError,
@@ -64,6 +63,7 @@ from kv_transfer.base import (
     TransferTimeout,
     pack_metadata,
 )
+from kv_transfer.outcomes import PullCancelled
 from kv_transfer.plan import STAGING_ALIGN, TransferPlan, group_nbytes, staged_layout, staged_nbytes
 from kv_transfer.staging import DeferredScatter, StagingBuffer
 
