@@ -24,7 +24,8 @@ import sys
 from dsv4_kernels.settings import settings
 
 MARK = "# dsv4 front-door policy applied (service/haproxy_launch.py)"
-_WIDE_BIND = re.compile(r"^(\s*bind )\*?:(\d+)\s*$", re.MULTILINE)
+ADMIN_SECTIONS = ("frontend prometheus", "listen stats")  # Serve's template names for the exporter and stats page
+_WIDE_BIND = re.compile(r"^(\s*bind )\*?:(\d+)\s*$")
 
 
 def real_binary() -> str:
@@ -46,7 +47,13 @@ def apply_policy(config: str, admin_host: str, head_timeout_s: float) -> str:
     """CONFIG's text with the admin listeners on admin_host and the head time bounded (the module doc)."""
     if MARK in config:
         return config
-    config = _WIDE_BIND.sub(lambda m: f"{m.group(1)}{admin_host}:{m.group(2)}", config)
+    lines, section = config.split("\n"), ""
+    for i, line in enumerate(lines):
+        if line and not line[0].isspace():
+            section = line.strip()
+        elif section.startswith(ADMIN_SECTIONS):  # only the admin listeners: never the API's own bind
+            lines[i] = _WIDE_BIND.sub(lambda m: f"{m.group(1)}{admin_host}:{m.group(2)}", line)
+    config = "\n".join(lines)
     head_ms = max(1, round(head_timeout_s * 1000))
     config, n = re.subn(
         r"^defaults\s*$", f"defaults\n    timeout http-request {head_ms}ms", config, count=1, flags=re.M

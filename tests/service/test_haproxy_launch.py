@@ -12,7 +12,7 @@ import pytest
 from service.haproxy_launch import MARK, apply_policy, config_path, real_binary
 
 # The parts of Serve's generated config (ray.serve._private.haproxy_templates) the launcher touches, and one it
-# must leave alone (the HTTP frontend's own bind).
+# must leave alone (the HTTP frontend's own bind, here in the same wide form as the admin listeners').
 SERVE_CONFIG = """global
     maxconn 4096
 defaults
@@ -25,7 +25,7 @@ frontend prometheus
     mode http
     http-request use-service prometheus-exporter if {{ path /metrics }}
 frontend http_frontend
-    bind 127.0.0.1:{http}
+    bind :{http}
     default_backend default_backend
 backend default_backend
     http-request return status 404
@@ -40,7 +40,7 @@ def test_policy_moves_admin_listeners_and_bounds_the_head():
     text = SERVE_CONFIG.format(metrics=9101, http=8000, stats=8404)
     out = apply_policy(text, "127.0.0.1", 2.5)
     assert "    bind 127.0.0.1:9101\n" in out and "  bind 127.0.0.1:8404\n" in out
-    assert "    bind 127.0.0.1:8000\n" in out and out.count("bind ") == 3
+    assert "    bind :8000\n" in out and out.count("bind ") == 3  # the API's bind is Serve's to choose
     assert "defaults\n    timeout http-request 2500ms\n    mode http" in out and out.count("http-request 2500ms") == 1
     assert out.rstrip().endswith(MARK)
     assert apply_policy(out, "0.0.0.0", 9.0) == out  # a config already marked is left as it is
@@ -76,4 +76,5 @@ def test_launcher_edits_the_config_and_becomes_haproxy(tmp_path):
     assert "Configuration file is valid" in done.stdout + done.stderr
     text = cfg.read_text()
     assert "timeout http-request 3000ms" in text and "bind 127.0.0.1:19101" in text and MARK in text
+    assert "bind :18000" in text
     assert os.path.basename(binary).startswith("haproxy")
