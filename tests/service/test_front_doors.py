@@ -55,8 +55,8 @@ def test_no_haproxy_binary_falls_back_to_the_python_proxy(monkeypatch, caplog):
 
 @pytest.mark.ray
 def test_python_proxy_streams_and_refuses_attacks_in_the_api_shape(monkeypatch):
-    from tests.service.test_service_faults import LIMITS as SERVICE_LIMITS
-    from tests.service.test_service_faults import check_http_attacks, running_service
+    from tests.support.service_harness import LIMITS as SERVICE_LIMITS
+    from tests.support.service_harness import check_http_attacks, running_service
 
     monkeypatch.setenv("DSV4_HAPROXY", "0")
     settings_module.reload()
