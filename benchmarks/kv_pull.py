@@ -442,7 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         from service.benchmarks_md import write_section
 
-        write_section("kv_pull", section(result))
+        # a GPU run is its own section: the CPU run's (host memory, the fixed-cost A/B) stays beside it
+        if args.device.startswith("cuda"):
+            write_section("kv_pull_cuda", section(result))
+        else:
+            write_section("kv_pull", section(result))
     return 0 if all(s["bytes_match"] for s in result["sizes"]) else 1
 
 

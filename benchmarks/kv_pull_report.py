@@ -206,7 +206,7 @@ def section(result: dict) -> str:
     fixed_list = ", ".join(f"{s['tokens']} tokens {s['fixed_parts_ms']:.3f} ms" for s in sizes)
     return "\n\n".join(
         [
-            "## KV pull: descriptors and fixed cost per pull (NIXL, two processes)",
+            f"## KV pull: descriptors and fixed cost per pull (NIXL, two processes, {result['device']})",
             f"Run: `{result['command']}` ({result['date']}). Machine: {result['machine']}; device {result['device']}; "
             f"host load average {load0:.1f} at the start, {load1:.1f} at the end (a shared host: medians of "
             f"{result['pulls']} pulls a size, each paired with a raw READ timed just before it).",
