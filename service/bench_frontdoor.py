@@ -72,6 +72,8 @@ class LevelResult:
     serve_env: dict = field(default_factory=dict)  # proxy / ingress -> the Serve switches their processes ran with
     token_feed: bool = True  # DSV4_TOKEN_FEED as the replicas read it (they inherit this process's environment)
     haproxy: bool = False  # the front door the level ran through (HAProxy, or Serve's Python proxy)
+    client_lag_ms_p99: float = 0.0  # the load client's own loop lag (in every receive time, so in the added latency)
+    step_lag_ms_p99: float = 0.0  # the synthetic step clock's lateness (not in the added latency: emits are stamped)
 
 
 def _letter_id(model_dir: str) -> int:
@@ -149,6 +151,12 @@ def deploy(handles: dict, model_dir: str, port: int, replicas: int) -> str:
         time.sleep(0.5)
 
 
+def _step_lag(handles: dict) -> list[float]:
+    import ray
+
+    return [x for h in handles["decode"].values() for x in ray.get(h.take_step_lag.remote())]
+
+
 def _emits(handles: dict) -> dict:
     import ray
 
@@ -160,7 +168,7 @@ def _emits(handles: dict) -> dict:
 
 
 def score(records, emits: dict, t0: float, t_end: float, max_tokens: int, letter_id: int) -> dict:
-    """Order, loss, delivered tokens in [t0, t_end] and added latency of decode tokens (k >= 1), from the records."""
+    """Order, loss, delivered tokens in [t0, t_end] and added latency of the decode tokens (k >= 1) emitted in it."""
     expected = "".join(chr(ord(LETTER) + token_for(k, letter_id) - letter_id) for k in range(max_tokens))
     lost = disorder = errors = in_window = 0
     added: list[float] = []
@@ -170,7 +178,9 @@ def score(records, emits: dict, t0: float, t_end: float, max_tokens: int, letter
         disorder += not expected.startswith(r.text)
         in_window += sum(t0 <= t <= t_end for t in r.recv)
         sent = emits.get(r.tag, [])
-        added.extend((got - sent[k]) * 1e3 for k, got in enumerate(r.recv) if 1 <= k < len(sent))
+        added.extend(
+            (got - sent[k]) * 1e3 for k, got in enumerate(r.recv) if 1 <= k < len(sent) and t0 <= sent[k] <= t_end
+        )
     return {
         "lost": lost,
         "disorder": disorder,
@@ -186,8 +196,11 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
     from service.serve_front import HAPROXY_SERVE_ENV, PROXY_SERVE_ENV, REPLICA_SERVE_ENV
 
     _emits(handles)  # drop what an earlier level left
+    _step_lag(handles)
+    ramp = _ramp(args)
     before = cpu_by_component()
-    records, t0, t_end = asyncio.run(run_level(url, streams, args.seconds, args.max_tokens, letter_id, first_tag))
+    level = asyncio.run(run_level(url, streams, args.seconds, args.max_tokens, letter_id, first_tag, ramp))
+    records, t0, t_end = level.records, level.t0, level.t_end
     cpu = cpu_delta(before, cpu_by_component())
     names = (*PROXY_SERVE_ENV, *REPLICA_SERVE_ENV, *HAPROXY_SERVE_ENV)
     serve_env = env_by_component(names, ("proxy", "haproxy", "ingress"))
@@ -211,6 +224,8 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
         serve_env,
         settings().token_feed,
         serve_env.get("ingress", {}).get("RAY_SERVE_ENABLE_HA_PROXY") == "1",
+        pct(list(level.client_lag_ms), 0.99),
+        pct(_step_lag(handles), 0.99),
     )
 
 
@@ -235,6 +250,7 @@ def _row_line(r: LevelResult) -> str:
     return (
         f"| {r.replicas} | {r.streams} | {r.offered_tps:.0f} | {r.delivered_tps:.0f} | {r.added_ms_p50:.1f} | "
         f"{r.added_ms_p99:.1f} | {r.cpu_ms_per_1k:.0f} | {', '.join(f'{k} {v:.1f}' for v, k in top)} | "
+        f"{r.client_lag_ms_p99:.1f} | {r.step_lag_ms_p99:.1f} | "
         f"{r.requests} | {r.lost_tokens} | {r.out_of_order} | {r.errors} | {r.load_avg:.1f} |"
     )
 
@@ -302,6 +318,10 @@ def _switches(rows: list[LevelResult]) -> str:
     )
 
 
+def _ramp(args) -> float:
+    return args.max_tokens / args.token_rate if args.ramp_seconds is None else args.ramp_seconds
+
+
 def report(rows: list[LevelResult], args, command: str) -> str:
     ceil = ceilings(rows)
     lines = [
@@ -317,14 +337,23 @@ def report(rows: list[LevelResult], args, command: str) -> str:
         f"{FEED_PATH[rows[-1].token_feed if rows else settings().token_feed]}. {STEP_CLOCK} "
         f"Serve switches the processes ran with: {_switches(rows)}.",
         "",
-        "Added latency: client receive time minus the synthetic worker's emit time (decode tokens, same host "
-        "clock). CPU: user + system of the service's processes (router, ingress replicas, Serve proxy or HAProxy "
-        "and its manager, Serve controller, raylet + GCS) per 1K tokens received; the top three components in CPU seconds. Load avg: the "
-        "machine's 1-minute load average at the level's end (anything above the CPU count is other work competing).",
+        f"Method: the clients start one by one over {_ramp(args):g} s (one request's duration) before each level's "
+        f"window of {args.seconds:g} s (service.frontdoor_load.run_level says why: clients started at once stay in "
+        "step, and their requests all arrive again together every request's duration); delivered tok/s counts the "
+        "tokens received in the window, the latency columns the decode tokens emitted in it. Added latency: client "
+        "receive time minus the synthetic worker's emit time (same host clock), raw: it includes the load client's "
+        "own delay (its loop runs on the same 2 cores; its loop lag p99, how late a 2 ms sleep of its loop woke, is "
+        "the client lag column, an upper bound of its share in the tail). Step lag: how late the synthetic workers' "
+        "step clock ran against its due times (not in the added latency: a token's emit time is stamped as it "
+        "leaves, but fewer steps then run). CPU: user + system of the service's processes (router, ingress replicas, "
+        "Serve proxy or HAProxy and its manager, Serve controller, raylet + GCS) per 1K tokens received; the top "
+        "three components in CPU seconds. Load avg: the machine's 1-minute load average at the level's end "
+        "(anything above the CPU count is other work competing).",
         "",
         "| ingress replicas | streams | offered tok/s | delivered tok/s | added p50 ms | added p99 ms | "
-        "CPU ms / 1K tok | top CPU (s) | requests | lost | out of order | errors | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "CPU ms / 1K tok | top CPU (s) | client lag p99 ms | step lag p99 ms | requests | lost | out of order | "
+        "errors | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row_line(r) for r in rows]
     lines += [
@@ -381,6 +410,13 @@ def add_bench_frontdoor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-rate", type=float, default=50.0, help="tokens/s each synthetic stream emits")
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--seconds", type=float, default=6.0, help="each level's duration (in-flight requests finish)")
+    p.add_argument(
+        "--ramp-seconds",
+        type=float,
+        default=None,
+        help="the clients start one by one over this long before each level's window (default: one request's "
+        "duration, max tokens / token rate)",
+    )
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--routers", type=int, default=2, help="router replicas (placement only)")
     p.add_argument("--growth", type=float, default=0.05, help="a level must raise throughput by this fraction")

@@ -38,6 +38,16 @@ class StreamRecord:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class Level:
+    """One load level as the client saw it: its streams, the window [t0, t_end] (time.time()), its own loop lag."""
+
+    records: list[StreamRecord]
+    t0: float
+    t_end: float
+    client_lag_ms: tuple[float, ...]
+
+
 def tag_prompt(n: int, letter_id: int, width: int = 5) -> list[int]:
     """A unique token-id prompt for request n: BOS then n in base 26 as letters."""
     digits = []
@@ -72,9 +82,21 @@ async def _one(session, url: str, prompt: list[int], max_tokens: int) -> StreamR
 
 
 async def run_level(
-    base_url: str, streams: int, seconds: float, max_tokens: int, letter_id: int, first_tag: int
-) -> tuple[list[StreamRecord], float, float]:
-    """`streams` clients loop requests until `seconds` pass (in-flight ones finish); -> (records, t0, t_end)."""
+    base_url: str,
+    streams: int,
+    seconds: float,
+    max_tokens: int,
+    letter_id: int,
+    first_tag: int,
+    ramp_s: float = 0.0,
+) -> Level:
+    """`streams` clients loop requests until `seconds` pass (in-flight ones finish).
+
+    ramp_s: the clients start one by one over this long before t0 (the level's window is [t0, t0 + seconds]). Closed-
+    loop clients with equal requests that start at once stay in step: every request of a level ends on one engine
+    step and all are sent again at once, a burst of new requests on the ingress every request's duration (measured:
+    100-200 ms episodes of 15-90 ms per token every 0.8 s at 32 streams) that steady traffic does not have. Spread over
+    one request's duration, their starts stay spread."""
     import aiohttp  # a dependency of Ray Serve
 
     records: list[StreamRecord] = []
@@ -82,15 +104,34 @@ async def run_level(
     url = f"{base_url}/v1/completions"
     connector = aiohttp.TCPConnector(limit=streams + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
-        t0 = time.time()
+        start = time.time()
+        t0 = start + ramp_s
         deadline = t0 + seconds
 
-        async def loop():
+        async def loop(i: int):
+            await asyncio.sleep(start + ramp_s * i / streams - time.time())
             while time.time() < deadline:
                 records.append(await _one(session, url, tag_prompt(next(counter), letter_id), max_tokens))
 
-        await asyncio.gather(*(loop() for _ in range(streams)))
-        return records, t0, deadline
+        lag: list[float] = []
+        ticker = asyncio.create_task(_loop_lag(lag))
+        try:
+            await asyncio.gather(*(loop(i) for i in range(streams)))
+        finally:
+            ticker.cancel()
+        return Level(records, t0, deadline, tuple(lag))
+
+
+LAG_TICK_S = 0.002
+
+
+async def _loop_lag(out: list[float]) -> None:
+    """How late this loop wakes a 2 ms sleep, in ms, for as long as it runs: the client's own delay, which a receive
+    time (and so the added latency) includes."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(LAG_TICK_S)
+        out.append((time.perf_counter() - t - LAG_TICK_S) * 1e3)
 
 
 def _children() -> dict[int, list[int]]:

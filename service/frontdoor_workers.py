@@ -132,6 +132,13 @@ class SyntheticDecode(_Synthetic):
         self.feeds = Feeds()
         self._running: dict[str, _Running] = {}
         self._clock: asyncio.Task | None = None
+        # How late each step ran against its due time: the emitter's own timer lag. Not part of the added latency
+        # (a token's emit time is stamped when it leaves), but reported beside it: the same 2 cores run it.
+        self.step_lag_ms: list[float] = []
+
+    def take_step_lag(self) -> list[float]:
+        out, self.step_lag_ms = self.step_lag_ms, []
+        return out
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
@@ -156,7 +163,8 @@ class SyntheticDecode(_Synthetic):
             delay = next_at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            else:
+            self.step_lag_ms.append((time.monotonic() - next_at) * 1e3)
+            if delay <= 0:
                 next_at = time.monotonic()
             for rid, run in list(self._running.items()):
                 done = run.k == run.n - 1
