@@ -279,6 +279,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--per-idiom", type=int, default=2, help="completion tasks of each idiom a file, at most")
     ap.add_argument("--max-batch-tokens", type=int, default=4096)
     ap.add_argument("--url", default=None, help="also score a running service (its row: 'service at URL')")
+    ap.add_argument("--url-label", default=None, help="the service row's name: what the service runs")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="a format's subprocess")
     ap.add_argument("--out", default=None, help="also write the markdown section to this file")
     ap.add_argument("--write", action="store_true", help="put the section into BENCHMARKS.md")
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
     if args.url:
         from service.eval_http import HttpModel
 
-        results[f"service at {args.url}"] = score_one(
+        results[args.url_label or f"service at {args.url}"] = score_one(
             HttpModel(args.url), tokenizer, texts, args.gen_tokens, args.context
         )
     body = table(args, texts, results)
