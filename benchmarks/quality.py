@@ -326,7 +326,12 @@ def main(argv=None) -> int:
     if args.write:
         from service.benchmarks_md import write_section
 
-        write_section("quality_cuda", body) if cuda else write_section("quality_cpu", body)
+        if not cuda:
+            write_section("quality_cpu", body)
+        elif args.url:  # the service's row and the engine rows it is read against, beside the table of every format
+            write_section("quality_cuda_service", body.replace("## Quality by format", "## Quality of the service"))
+        else:
+            write_section("quality_cuda", body)
     return 0
 
 
