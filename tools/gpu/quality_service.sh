@@ -10,7 +10,7 @@ OUT=${OUT:-gpu_logs}
 SVCSITE=${SVCSITE:-/tmp/svcsite}
 SPEC=${SPEC:-1}
 PORT=${PORT:-8000}
-FORMATS=${FORMATS:-production}
+FORMATS=${FORMATS:-exact bf16,production}  # with the fp32 reference: exact bf16, production, production + MTP K=1
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site:$SVCSITE${PYTHONPATH:+:$PYTHONPATH}"
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0 DSV4_HAPROXY=${DSV4_HAPROXY:-0}
