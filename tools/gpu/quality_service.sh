@@ -19,7 +19,7 @@ python3 -m service.cli serve --model models/dsv4-mini-py --device cuda --dtype b
   > "$OUT/serve.log" 2>&1 &
 serve=$!
 t0=$SECONDS
-until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
+until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=5)" 2>/dev/null; do
   if ! kill -0 $serve 2>/dev/null || [ $((SECONDS - t0)) -gt ${READY_S:-420} ]; then
     echo "service not ready after $((SECONDS - t0)) s"; tail -30 "$OUT/serve.log"; kill -INT $serve 2>/dev/null; exit 1
   fi
