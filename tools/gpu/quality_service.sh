@@ -10,12 +10,14 @@ OUT=${OUT:-gpu_logs}
 SVCSITE=${SVCSITE:-/tmp/svcsite}
 SPEC=${SPEC:-1}
 PORT=${PORT:-8000}
+DEVICE=${DEVICE:-cuda}  # cpu: a smoke run of this script (GPUS=0)
+GPUS=${GPUS:-0.5}
 FORMATS=${FORMATS:-exact bf16,production}  # with the fp32 reference: exact bf16, production, production + MTP K=1
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site:$SVCSITE${PYTHONPATH:+:$PYTHONPATH}"
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0 DSV4_HAPROXY=${DSV4_HAPROXY:-0}
-python3 -m service.cli serve --model models/dsv4-mini-py --device cuda --dtype bfloat16 --kv-cache-dtype fp8 \
-  --speculative-tokens "$SPEC" --worker-num-gpus 0.5 --transfer nixl --port "$PORT" --ready-timeout-seconds 400 \
+python3 -m service.cli serve --model models/dsv4-mini-py --device "$DEVICE" --dtype bfloat16 --kv-cache-dtype fp8 \
+  --speculative-tokens "$SPEC" --worker-num-gpus "$GPUS" --transfer nixl --port "$PORT" --ready-timeout-seconds 400 \
   > "$OUT/serve.log" 2>&1 &
 serve=$!
 t0=$SECONDS
@@ -26,7 +28,7 @@ until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/
   sleep 2
 done
 echo "service ready in $((SECONDS - t0)) s"
-timeout ${QUALITY_TIMEOUT:-400} python3 -m benchmarks.quality --device cuda --files ${QUALITY_FILES:-8} \
+timeout ${QUALITY_TIMEOUT:-400} python3 -m benchmarks.quality --device "$DEVICE" --files ${QUALITY_FILES:-8} \
   --formats "$FORMATS" --url "http://127.0.0.1:$PORT" \
   --url-label "disaggregated service (1P1D, NIXL; bf16, fp8 KV, FP8 GEMMs, MXFP4 experts, MTP K=$SPEC)" \
   --out "$OUT/quality_service.md" > "$OUT/quality_service.log" 2>&1
