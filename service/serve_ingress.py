@@ -78,8 +78,8 @@ class OpenAIIngress:
         # 2-core box, a stall every stream of the replica waits out: the token path's latency tail).
         gc.freeze()
         # Young collections: with the default 700 the replica collected ~12 times a second at 1600 tok/s, every tenth
-        # a gen-1 pass of 3-5 ms that each stream's next token waits out; at 10,000, ~1 a second (GC time 62 -> 21 ms
-        # a 6 s level; bench frontdoor, 32 streams). A pass still walks only what is new since the last one.
+        # a gen-1 pass of 3-5 ms that each stream's next token waits out; at 10,000 none ran in a 6 s level at 32
+        # streams (was 6, 17 ms in all; BENCHMARKS frontdoor). A pass still walks only what is new since the last one.
         gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
     async def check_health(self) -> None:
