@@ -180,8 +180,10 @@ def render_costs(calls: int) -> list[StageCost]:
     text = TextStream(tok, [], False, True)
     out = []
     for label, call in (
-        ("SSE chunk, completions (pydantic)", lambda i: sse(cmpl.piece(job, 70, 0.0, "a"))),
-        ("SSE chunk, chat (pydantic)", lambda i: sse(chat.piece(job, 70, 0.0, "a"))),
+        ("SSE chunk, completions (pydantic)", lambda i: sse(cmpl._chunk(job, "a")).encode()),
+        ("SSE chunk, completions (pre-rendered: served)", lambda i: cmpl.piece(job, 70, 0.0, "a")),
+        ("SSE chunk, chat (pydantic)", lambda i: sse(chat._chunk(job, P.DeltaMessage(content="a"))).encode()),
+        ("SSE chunk, chat (pre-rendered: served)", lambda i: chat.piece(job, 70, 0.0, "a")),
         ("TextStream.add (one token)", lambda i: text.add(70 + i % 26, False)),
     ):
         start = time.process_time()

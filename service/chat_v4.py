@@ -191,6 +191,9 @@ class V4ChatRender(P.ChatRender):
         with_token = token_id is not None and (req.logprobs or req.return_token_ids)
         if not (d or with_token or done):
             return None
+        if not (with_token or done or job.stop_reason or d.calls) and bool(d.reasoning) != bool(d.content):
+            # one text field only: the pre-rendered event (service.sse_chunks), bytes
+            return self.texts(job, "content" if d.content else "reasoning_content", d.content or d.reasoning)
         lps = (
             P.chat_logprobs(self.token_str, [token_id], [logprob], req.top_logprobs)
             if req.logprobs and token_id is not None

@@ -373,9 +373,11 @@ def _incarnation(placed: dict[str, PlacedRequest], worker_id: str) -> str:
 def _event(ev: TokenEvent, where: PlacedRequest | None, params: SamplingParams, lead_none: bool) -> StreamEvent:
     """A TokenEvent as the router client would have delivered it: prompt logprobs with the first prompt token's None,
     the workers and cached tokens on a placement's first event."""
-    plps = ((None,) if lead_none else ()) + tuple(
-        None if x is not None and math.isnan(x) else x for x in ev.prompt_logprobs
-    )
+    plps: tuple = ()  # a decode token's event has none: no tuples built a token
+    if lead_none or ev.prompt_logprobs:
+        plps = ((None,) if lead_none else ()) + tuple(
+            None if x is not None and math.isnan(x) else x for x in ev.prompt_logprobs
+        )
     return StreamEvent(
         ev.request_id,
         ev.token_id,

@@ -349,7 +349,7 @@ class OpenAIServer:
             self.count("aborted")
             return Response(status_code=499)  # nobody reads it
 
-    async def _sse_body(self, job: Job, first, pieces, render) -> AsyncIterator[str]:
+    async def _sse_body(self, job: Job, first, pieces, render) -> AsyncIterator[str | bytes]:
         status = "aborted"  # what escapes (the client went away, server shutdown) is an abort
         deadline = StreamDeadline(job.deadline)  # one timer for the stream, not one a token
         try:
@@ -358,9 +358,9 @@ class OpenAIServer:
                     yield sse(c)
                 piece = first
                 while piece is not None:
-                    c = render.piece(job, *piece)
+                    c = render.piece(job, *piece)  # a text-only chunk comes as its SSE bytes already
                     if c is not None:
-                        yield sse(c)
+                        yield c if isinstance(c, bytes) else sse(c)
                     piece = await deadline.wait(anext(pieces, None))  # only the wait, never a write to the client
                 for c in render.tail(job):
                     yield sse(c)

@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from service.sse_chunks import TEXT_MARK, TextEvents
+
 MAX_LOGPROBS = 5  # OpenAI's limit for completions' `logprobs`
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4): each costs a scan of the output per token
 MAX_STOP_CHARS = 1024  # per stop string (the stream holds back len - 1 characters)
@@ -468,6 +470,7 @@ class CompletionRender:
 
     def __init__(self, req: CompletionRequest, model: str, token_str):
         self.req, self.model, self.token_str, self.offset = req, model, token_str, 0
+        self.texts = TextEvents(lambda job, _: self._chunk(job, TEXT_MARK))  # text-only chunks, pre-rendered
 
     def response(self, job) -> CompletionResponse:
         req = self.req
@@ -507,6 +510,9 @@ class CompletionRender:
         with_token = token_id is not None and (req.logprobs is not None or req.return_token_ids)
         if not (delta or with_token or done):
             return None  # text held back and nothing else to say
+        if not (with_token or done or job.stop_reason):  # text only: the pre-rendered event, bytes
+            self.offset += len(delta)
+            return self.texts(job, "text", delta)
         lps = None
         if req.logprobs is not None and token_id is not None:
             lps = completion_logprobs(self.token_str, [token_id], [logprob], self.offset)
@@ -532,6 +538,8 @@ class ChatRender:
 
     def __init__(self, req: ChatCompletionRequest, model: str, token_str):
         self.req, self.model, self.token_str = req, model, token_str
+        # chunks whose delta has one text field only (content; reasoning_content in V4 chat), pre-rendered
+        self.texts = TextEvents(lambda job, field: self._chunk(job, DeltaMessage.model_validate({field: TEXT_MARK})))
 
     def response(self, job) -> ChatCompletionResponse:
         req = self.req
@@ -567,6 +575,8 @@ class ChatRender:
         with_token = token_id is not None and (req.logprobs or req.return_token_ids)
         if not (delta or with_token or done):
             return None
+        if not (with_token or done or job.stop_reason):  # text only: the pre-rendered event, bytes
+            return self.texts(job, "content", delta)
         lps = (
             chat_logprobs(self.token_str, [token_id], [logprob], req.top_logprobs)
             if req.logprobs and token_id is not None

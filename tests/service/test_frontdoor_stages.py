@@ -18,6 +18,8 @@ def test_frontdoor_stages_tiny(capsys):
         "token over a feed (2 requests an item)",
         "SSE chunk",
         "SSE chunk",
+        "SSE chunk",
+        "SSE chunk",
         "TextStream.add (one token)",
     ]
     assert all(r.us_per_call > 0 for r in rows)
