@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class TextStream:
     """Token ids -> text deltas, with stop strings. Streaming and non-streaming responses both run it.
@@ -25,19 +27,24 @@ class TextStream:
         self.text = ""  # everything decoded so far (sent, held back, or cut by a stop string)
         self._prefix = self._read = 0  # ids[_prefix:_read] is the context of the next piece
         self._searched = 0  # self.text[:_searched] has been searched for stop strings
+        # the token ids are kept as ints, so a TextTokenizer decodes them without converting each (two calls a token);
+        # without a tokenizer nothing is decoded (`_decode`)
+        self._decode_ids: Callable[[list[int], bool], str] | None = getattr(
+            tokenizer, "decode_ints", getattr(tokenizer, "decode", None)
+        )
 
     def _decode(self, final: bool) -> None:
-        if self.tokenizer is None or self._read == len(self.ids):
+        if self._decode_ids is None or self._read == len(self.ids):
             return
-        before = self.tokenizer.decode(self.ids[self._prefix : self._read], self.skip_special)
-        now = self.tokenizer.decode(self.ids[self._prefix :], self.skip_special)
+        before = self._decode_ids(self.ids[self._prefix : self._read], self.skip_special)
+        now = self._decode_ids(self.ids[self._prefix :], self.skip_special)
         if len(now) > len(before) and (final or not now.endswith("\ufffd")):
             self.text += now[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)
 
     def add(self, token_id: int | None, final: bool) -> str:
         if token_id is not None:
-            self.ids.append(token_id)
+            self.ids.append(int(token_id))
         self._decode(final)
         text = self.text
         if self.stops:

@@ -39,6 +39,10 @@ class TextTokenizer:
         """ids -> text; BOS/EOS and other special tokens are dropped unless asked for."""
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def decode_ints(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """`decode` of a list already of Python ints (no conversion: the streamed detokenizer's two calls a token)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
 
 def load_tokenizer(model_dir: str | os.PathLike) -> TextTokenizer | None:
     """The model dir's tokenizer, or None when it has no tokenizer.json."""
