@@ -53,19 +53,14 @@ def syncs(core, cfg, tokens: int, seed: int) -> collections.Counter:
         where = " <- ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
         seen[where or f"{filename}:{lineno}"] += 1
 
-    old = warnings.showwarning
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                prefill(core, cfg, tokens, seed)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = old
+    with warnings.catch_warnings():  # restores showwarning and the filters on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            prefill(core, cfg, tokens, seed)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return seen
 
 
