@@ -8,7 +8,8 @@
 # mHC pre's paths by token count, fp32 and bf16 streams), pytests (pytest on $PYTEST_FILES), quality (`dsv4 bench
 # quality` on CUDA: every production format of the trained model), spec (graph verify tests + `dsv4 bench spec`),
 # longctx (slice prefill/decode at 32K, 128K and 1M), prefillfmt (slice prefill with MXFP4 vs FP8 experts, 3 runs),
-# specprof (where a speculative step's time goes: phases, kernels, vs the one-token step; benchmarks/spec_profile.py).
+# specprof (where a speculative step's time goes: phases, kernels, vs the one-token step; benchmarks/spec_profile.py),
+# prefillhost (a slice prefill's host-device synchronisations and host functions; benchmarks/slice/prefill_host.py).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -111,6 +112,9 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
     quality) timeout ${QUALITY_TIMEOUT:-590} python3 -m benchmarks.quality --device cuda --files ${QUALITY_FILES:-8} \
           --out "$OUT/quality_cuda.md" > "$OUT/quality.log" 2>&1 || status=1
         tail -20 "$OUT/quality.log" | cut -c1-300 ;;
+    prefillhost) timeout ${PREFILLHOST_TIMEOUT:-240} python3 -m benchmarks.slice.prefill_host --tokens 8192 \
+          --experts ${PREFILLHOST_EXPERTS:-mxfp4} > "$OUT/prefill_host.log" 2>&1 || status=1
+        grep -v Warning "$OUT/prefill_host.log" | head -90 | cut -c1-250 ;;
     specprof) timeout ${SPECPROF_TIMEOUT:-300} python3 -m benchmarks.spec_profile --k ${SPEC_K:-1} --batches 1 16 64 \
           --out "$OUT/spec_profile.md" > "$OUT/specprof.log" 2>&1 || status=1
         tail -40 "$OUT/spec_profile.md" | cut -c1-250 ;;
