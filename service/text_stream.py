@@ -23,8 +23,9 @@ class TextStream:
         self.hold = self.longest - 1 if stops and not include_stop else 0
         self.ids: list[int]
         self.stop_hit: str | None
-        self.ids, self.sent, self.stop_hit = [], "", None  # stop_hit: the stop string that ended the text
+        self.ids, self.stop_hit = [], None  # stop_hit: the stop string that ended the text
         self.text = ""  # everything decoded so far (sent, held back, or cut by a stop string)
+        self._sent = 0  # self.text[:_sent] has been sent (a length: no copy or compare of the whole output a token)
         self._prefix = self._read = 0  # ids[_prefix:_read] is the context of the next piece
         self._searched = 0  # self.text[:_searched] has been searched for stop strings
         # the token ids are kept as ints, so a TextTokenizer decodes them without converting each (two calls a token);
@@ -54,9 +55,14 @@ class TextStream:
             if hits:
                 idx, s = min(hits)
                 text, self.stop_hit, final = text[: idx + (len(s) if self.include_stop else 0)], s, True
+        end = len(text) if final else max(0, len(text) - self.hold)
+        delta = text[self._sent : end]  # "" when held back to before what was sent: sent text is never retracted
         if not final:
-            text = text[: max(0, len(text) - self.hold)].rstrip("\ufffd")
-        if not text.startswith(self.sent):  # never retract sent text
-            return ""
-        delta, self.sent = text[len(self.sent) :], text
+            delta = delta.rstrip("\ufffd")  # a split UTF-8 character waits for the token that completes it
+        self._sent += len(delta)
         return delta
+
+    @property
+    def sent(self) -> str:
+        """The text sent so far (the response's output text)."""
+        return self.text[: self._sent]
