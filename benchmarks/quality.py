@@ -244,10 +244,10 @@ def _verdict(name: str, c: dict, row: dict, results: dict, base_bpb: float) -> s
     if fmt is not None and fmt.twin:
         twin = next((v for k, v in results.items() if k.startswith(fmt.twin) and not isinstance(v, str)), None)
         if twin is not None and twin["greedy"] != row["greedy"]:
-            differ = sum(a != b for a, b in zip(twin["greedy"], row["greedy"]))
             if fmt.options.get("dtype") == "float32":
                 findings.append("FINDING: greedy tokens differ from its non-speculative twin")
             else:
+                differ = sum(a != b for a, b in zip(twin["greedy"], row["greedy"]))
                 # a verify step runs K+1 rows a request where the twin runs one: its matmuls round in another order,
                 # so reduced-precision argmaxes at near-ties may flip; speculation's exactness is the fp32 row's test
                 notes.append(
