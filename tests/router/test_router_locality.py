@@ -98,7 +98,8 @@ def test_a_worker_short_of_recent_work_takes_new_sessions_but_does_not_soak_up_h
     pol = RoutingPolicy(PolicyConfig("cache_aware", load_cap=100.0))
     for i in range(6):  # the holders computed their sessions recently; "cold" did nothing
         pol._recent.add(f"h{i}", 1000, now=0.0)
-    pol._recent_requests.add("", 70 * 8, now=0.0)  # sustained traffic: 80 requests a worker (the full gain)
+    pol._recent_requests.add("", 70 * 8, now=0.0)  # sustained traffic: 80 requests a worker (the full gain) ...
+    pol._window_requests.add("", 70 * 8, now=0.0)  # ... in the balance window too (its mean request sets the slack)
     # A burst: every session's next step (one more block) arrives before any prefill ends.
     burst = [p + [7000 + i] * BLOCK for i, p in enumerate(own)]
     picks = [pol.place(p, len(p) + 8, ws, now=1.0).prefill.worker_id for p in burst]
@@ -283,3 +284,32 @@ def test_a_worker_going_down_leaves_the_index():
     assert "a" not in pol._index.digests and pol._index.cached(prompt) == {}
     p = pol.place(prompt, 100, ws).prefill
     assert (p.worker_id, p.reason) == ("b", "no_match")
+
+
+def test_one_long_prompt_does_not_push_its_sessions_next_turn_off_its_holder():
+    """Requests of unequal size: after a dozen short requests, one long prompt puts its worker well above the mean
+    of a 2-worker pool. The same session's next turn (most of it cached there) must stay: load differences within
+    half the larger of the mean request and the one at hand are no imbalance, for the balance factor and the cap
+    alike (router/policy.py). Before, both moved the follow-up, which recomputed 256 cached tokens elsewhere
+    (tests/router/test_router_grpc.py's repeated prefix failed so on a fast run)."""
+    block = 16
+    pol = RoutingPolicy(PolicyConfig("cache_aware"))
+    held: dict[str, set[int]] = {"a": set(), "b": set()}
+
+    def place(prompt, now):
+        ws = [
+            worker(w, PrefixDigest(block_tokens=block, seed=SEED, hashes=frozenset(h), version=len(h)))
+            for w, h in held.items()
+        ]
+        d = pol.place(tuple(prompt), len(prompt) + 16, ws, now=now).prefill
+        held[d.worker_id] |= set(block_hashes(prompt, block, SEED))
+        pol.prefill_done(d.worker_id, d.uncached_tokens)
+        return d
+
+    for k in range(12):  # short, unrelated requests
+        place(list(range(1000 * (k + 1), 1000 * (k + 1) + 11)), now=0.05 * k)
+    long_prompt = list(range(500_000, 500_302))
+    first = place(long_prompt, now=1.3)
+    follow_up = long_prompt[:256] + list(range(900_000, 900_048))
+    d = place(follow_up, now=1.4)
+    assert (d.worker_id, d.cached_tokens) == (first.worker_id, 256), d
