@@ -462,29 +462,32 @@ class RoutingPolicy:
         recent = self._recent_requests.stored.get("", 0.0) / self._recent_requests.scale(now)
         gain = cfg.balance_gain * recent / (recent + BALANCE_MIN_REQUESTS)
         cap = exp(gain)  # the factor at r >= 1
-        # Loads are lumpy at the size of the requests placed: a worker's recent work differs from the mean by less
-        # than half a request (Mirrokni's rounding of a cap in requests) is no imbalance. With requests of unequal
-        # size "a request" is the larger of the mean one and the one at hand (its whole prompt): after a dozen short
-        # requests, one 302-token prompt put its worker at 1.7x the mean of a 2-worker pool and the other at 0.3x,
-        # and both the balance factor (x8.8 between them at that gain) and the cap moved the same session's next
-        # turn off its 256 cached tokens (test_one_long_prompt_does_not_push_its_sessions_next_turn_off_its_holder).
-        # `slack` (units of the mean recent work) is taken off |r| and added to the cap. Once the window holds many
-        # requests it is small (a 2K-token prompt against ~185 requests' worth of work: 0.005), so the hot-prefix
-        # overflow and the traces' balance stay as they were (BENCHMARKS.md route_policies / route_robustness).
+        # Loads are lumpy at the size of the requests placed. While few requests were placed recently (the gain's
+        # ramp: a few requests are no load signal) one long prompt is much of a worker's recent work: after a dozen
+        # short requests a 302-token prompt put its worker at 1.7x the mean of a 2-worker pool and the other at
+        # 0.3x, and the balance factor (x8.8 between them) and the cap moved the same session's next turn off its
+        # 256 cached tokens (test_one_long_prompt_does_not_push_its_sessions_next_turn_off_its_holder). So a
+        # difference from the mean within half the request at hand (its whole prompt, in units of the mean recent
+        # work, faded as the gain ramps in) is no imbalance: `band` is taken off |r|, and the cap's slack (half a
+        # request, Mirrokni's rounding of a cap in requests) is half the larger of the mean request and that.
+        # Unfaded, the prompt term unbalanced 64 workers (whole prompts against recent work counted in uncached
+        # tokens: long_sessions and agentic max/mean 1.25 -> 1.40 and 1.26 -> 1.48, scripts/bench_route.py).
         mean_work = total / len(candidates) / self._recent.scale(self._placements)
         over = mean_work * gain / cfg.balance_gain if gain else 0.0
         placed = self._window_requests.stored.get("", 0.0) / self._window_requests.scale(self._placements)
-        slack = 0.5 * max(len(candidates) / placed, n / mean_work if mean_work > 0 else 0.0) if placed else 0.0
-        # Bounded load: the tokens of recent work above the cap (load_cap x the mean + the slack) count as queued
-        # (ramped in like the gain), so a worker that took one of a pool's first few requests is not over it.
-        bound = cfg.load_cap + slack if placed else inf
+        few = BALANCE_MIN_REQUESTS / (recent + BALANCE_MIN_REQUESTS)
+        at_hand = n / mean_work * few if mean_work > 0 else 0.0
+        band = 0.5 * at_hand
+        # Bounded load: the tokens of recent work above the cap (load_cap x the mean + the slack above) count as
+        # queued (ramped in like the gain), so a worker that took one of a pool's first few requests is not over it.
+        bound = cfg.load_cap + 0.5 * max(len(candidates) / placed, at_hand) if placed else inf
         best_cost, best_load, min_load = inf, 0, inf
         ties: list[WorkerInfo] = []
         for w in candidates:
             wid = w.worker_id
             x = stored_of(wid, 0.0) * per_mean if per_mean else 1.0  # r + 1
             r = x - 1.0
-            r = r - slack if r > slack else (r + slack if r < -slack else 0.0)
+            r = r - band if r > band else (r + band if r < -band else 0.0)
             cost = pending_of(wid, 0) + weight * (n - cached_of(wid, 0)) * (exp(gain * r) if r < 1.0 else cap)
             if x > bound:
                 cost += (x - bound) * over
