@@ -6,7 +6,8 @@ A feed is one long-lived Ray streaming call (`DecodeWorker.token_feed`) that an 
 each request it then opens with `decode(..., feed=feed_id)` has its events routed to that feed's sink, and the feed
 sends every event ready at once (all of that replica's requests of one engine step) as one item: a tuple of
 `TokenEvent`s (each names its request) and `RequestFailed`s. The reader demultiplexes them by request id
-(service.token_feed).
+(service.token_feed). The same feed can travel over TCP instead (decode_worker.tcp_feed: the worker calls its replica
+back and writes each burst as one frame; DSV4_TOKEN_FEED_TRANSPORT): everything here is shared by both.
 
 Who frees what: a request joined to a feed is popped from the engine by the feed when its finished event has been
 sent, dropped by `abort` (the ingress's fire-and-forget abort: client gone, deadline, stop string), and dropped with
@@ -119,6 +120,7 @@ class Feed:
         self.feed_id = feed_id
         self.sink = FeedSink(loop)
         self.requests: dict[str, float] = {}
+        self.closed = False  # its call or connection ended: a request must not join it any more
         self.renewed = time.monotonic()
         self.watch = loop.create_task(self._watch_lease(lease_s)) if lease_s is not None else None
 
@@ -178,7 +180,7 @@ class Feeds:
 
     def get(self, feed_id: str, worker_id: str) -> Feed:
         feed = self._open.get(feed_id)
-        if feed is None:
+        if feed is None or feed.closed:
             raise FeedUnknown(feed_id, worker_id)
         return feed
 
@@ -186,6 +188,7 @@ class Feeds:
         """The feed's call ended: -> the requests still routed to it (the caller drops them)."""
         if self._open.get(feed.feed_id) is feed:
             del self._open[feed.feed_id]
+        feed.closed = True
         if feed.watch is not None:
             feed.watch.cancel()
         left, feed.requests = list(feed.requests), {}

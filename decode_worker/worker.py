@@ -22,7 +22,9 @@ import functools
 import time
 from dataclasses import dataclass
 
-from decode_worker.token_feed import Feed, Feeds
+from decode_worker import tcp_feed
+from decode_worker.token_feed import Batch, Feed, Feeds, FeedUnknown
+from dsv4_kernels.settings import settings
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
 from engine.model.allocator import OutOfPages
@@ -99,10 +101,12 @@ class DecodeWorker(WorkerBase):
                 transfer, self.engine.pool, worker_name=worker_id, **network_options(transfer, bind_host, cluster_token)
             )
         )
+        self.cluster_token = cluster_token or ""  # a TCP token feed's HELLO carries it (decode_worker.tcp_feed)
         self.peers: dict[str, bytes] = {}
         self.quarantined: dict = {}  # request id -> its Request, pages held behind a READ that may still land
         self._streamed: dict[str, _StreamedImport] = {}  # streamed imports not joined yet
         self.feeds = Feeds()  # token feeds of the ingress replicas (decode_worker.token_feed)
+        self._tcp_feeds: set[asyncio.Task] = set()  # their writers, when they run over TCP (kept referenced)
         self._stream_sweeper: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
         # seconds: each pull's whole time here (thread hand-off included); pull_seconds: inside the backend's pull;
@@ -180,6 +184,8 @@ class DecodeWorker(WorkerBase):
 
             sink = target.sink if target is not None else AsyncSink(asyncio.get_running_loop())
             if target is not None:
+                if target.closed:  # it ended during the pull: nobody would read or free this request
+                    raise FeedUnknown(target.feed_id, self.worker_id)
                 target.requests[rid] = time.monotonic()
 
             def join(engine):
@@ -417,6 +423,33 @@ class DecodeWorker(WorkerBase):
                     raise batch.error
         finally:
             left = self.feeds.close(feed)
+            if left:
+                self.loop.call(functools.partial(_drop_all, self, left))
+
+    async def open_tcp_feed(self, feed_id: str, host: str, port: int, key: str, lease_s: float | None = None) -> None:
+        """The token feed over TCP (decode_worker.tcp_feed): open feed `feed_id` and call its replica back at
+        host:port; returns once connected (the HELLO sent), the bursts then go out as frames until the feed ends,
+        and its end, however it comes, drops the requests still routed to it."""
+        link = await tcp_feed.connect(
+            self.feeds, feed_id, host, port, self.cluster_token, key, lease_s, settings().token_feed_buffer_bytes
+        )
+        task = asyncio.get_running_loop().create_task(self._write_tcp_feed(link))
+        self._tcp_feeds.add(task)
+        task.add_done_callback(self._tcp_feeds.discard)
+
+    async def _write_tcp_feed(self, link: tcp_feed.TcpFeed) -> None:
+        tokens_counter = metrics.GENERATION_TOKENS.labels(self.role, self.worker_id)
+
+        def sent(batch: Batch) -> None:
+            if batch.tokens:
+                tokens_counter.inc(batch.tokens)
+            if batch.finished:
+                self._finish_fed(link.feed, batch.finished)
+
+        try:
+            await link.run(sent)
+        finally:
+            left = self.feeds.close(link.feed)
             if left:
                 self.loop.call(functools.partial(_drop_all, self, left))
 

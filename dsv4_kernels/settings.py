@@ -63,6 +63,8 @@ HTTP_HEADER_TIMEOUT_S = "DSV4_HTTP_HEADER_TIMEOUT_S"
 HTTP_BODY_TIMEOUT_S = "DSV4_HTTP_BODY_TIMEOUT_S"
 TOKEN_FEED = "DSV4_TOKEN_FEED"
 TOKEN_FEED_IDLE_S = "DSV4_TOKEN_FEED_IDLE_S"
+TOKEN_FEED_TRANSPORT = "DSV4_TOKEN_FEED_TRANSPORT"
+TOKEN_FEED_BUFFER_BYTES = "DSV4_TOKEN_FEED_BUFFER_BYTES"
 HAPROXY = "DSV4_HAPROXY"
 HAPROXY_STATS_PORT = "DSV4_HAPROXY_STATS_PORT"
 HAPROXY_METRICS_PORT = "DSV4_HAPROXY_METRICS_PORT"
@@ -412,6 +414,24 @@ class Settings:
         "seconds a token feed may carry no request before its ingress replica closes it (reopened on the next one)",
         "service",
         minimum=0.1,
+    )
+    token_feed_transport: str = _switch(
+        TOKEN_FEED_TRANSPORT,
+        "choice",
+        "tcp",
+        "what carries a token feed: tcp = the decode worker calls the ingress replica's listener back and writes "
+        "frames (service.tcp_feed, decode_worker.tcp_feed); ray = one Ray streaming call (service.token_feed)",
+        "service",
+        choices=("tcp", "ray"),
+    )
+    token_feed_buffer_bytes: int = _switch(
+        TOKEN_FEED_BUFFER_BYTES,
+        "int",
+        4 << 20,
+        "bytes a decode worker holds unsent on one TCP token feed (its replica stopped reading) before it ends that "
+        "feed and drops its requests (decode_worker.tcp_feed)",
+        "service",
+        minimum=4096,
     )
     haproxy: bool = _switch(
         HAPROXY,

@@ -103,12 +103,12 @@ def start(model_dir: str, decode_workers: int, token_rate: float, letter_id: int
     # the actor. Its `prefill` returns at once, so a few threads serve any load here.
     threaded: Any = ray.remote(num_cpus=0, max_concurrency=16)  # type: ignore[call-overload]
     actor: Any = ray.remote(num_cpus=0, max_concurrency=10_000)  # type: ignore[call-overload]
+    token = new_token()
     prefill = {"prefill-0": threaded(SyntheticPrefill).remote("prefill-0", token_rate, letter_id)}
     decode = {
-        f"decode-{i}": actor(SyntheticDecode).remote(f"decode-{i}", token_rate, letter_id)
+        f"decode-{i}": actor(SyntheticDecode).remote(f"decode-{i}", token_rate, letter_id, token)
         for i in range(decode_workers)
     }
-    token = new_token()
     router_cls = router_actor_class()
     replicas = [
         router_cls.options(name=f"dsv4-router-{i}").remote(prefill, decode, "cache_aware", token)

@@ -13,8 +13,9 @@ same interface as `router.client.AsyncRouterClient`: `generate` yields `StreamEv
 2. `service.ray_stream.RayStreamer.run_placement` on the actor handles of those workers (`WorkerDirectory`):
    prefill, the KV pull (a long prompt's chunk by chunk while it is prefilled), then the decode actor's Ray stream
    (tokens batched per message) straight into this replica's SSE response; with DSV4_TOKEN_FEED (the default) the
-   tokens come over the decode worker's token feed instead: one Ray stream per (worker, replica) carrying every
-   request's tokens of an engine step in one item (service.token_feed);
+   tokens come over the decode worker's token feed instead: one feed per (worker, replica) carrying every request's
+   tokens of an engine step in one frame or item (service.token_feed: a TCP connection the worker opens to this
+   replica, or a Ray stream);
 3. `router.migration.recovering_stream` around both: a worker death retries or migrates the request exactly as the
    router does on its own `Generate` (budget, no lost or repeated token, prompt + streamed tokens as the new prefix).
 Cancellation: closing the stream (client gone, stop string, deadline) closes the Ray streams, and the streamer's
@@ -222,13 +223,16 @@ class DirectClient:
         max_migrations: int = 2,
         watch_interval_s: float = 1.0,
         token_feed: bool | None = None,
+        feed_host: str | None = None,
     ):
-        """token_feed: read the tokens from the decode workers' feeds (None: DSV4_TOKEN_FEED)."""
+        """token_feed: read the tokens from the decode workers' feeds (None: DSV4_TOKEN_FEED). feed_host: where a
+        TCP feed's listener binds (None: the service's internal host; service.tcp_feed)."""
         token_feed = settings().token_feed if token_feed is None else token_feed
         self.routers = RouterSet(routers, token, timeout_s)
         self.directory = WorkerDirectory(self.routers)
-        # Each decode worker's tokens for this replica's requests over one Ray stream (service.token_feed)
-        self.feeds = TokenFeeds() if token_feed else None
+        # Each decode worker's tokens for this replica's requests over one feed (service.token_feed): a TCP connection
+        # the worker opens to this replica, or a Ray stream (DSV4_TOKEN_FEED_TRANSPORT); the workers present `token`
+        self.feeds = TokenFeeds(token=token, host=feed_host) if token_feed else None
         self.streamer = RayStreamer(overload_retry_s=OPEN_RETRY_S, feeds=self.feeds)
         self.hasher = IngressHasher()  # names prompt blocks for the routers (none until one has said how)
         self.max_migrations = max_migrations

@@ -22,7 +22,9 @@ import os
 import time
 from dataclasses import dataclass
 
-from decode_worker.token_feed import Feeds
+from decode_worker import tcp_feed
+from decode_worker.token_feed import Feeds, FeedUnknown
+from dsv4_kernels.settings import settings
 from engine.execution.request import TokenEvent
 from engine.handoff import EngineLoad, PrefillResult, Transferred, TransferTicket, WorkerStats
 from engine.runtime.engine_loop import AsyncSink
@@ -127,9 +129,12 @@ class _Running:
 class SyntheticDecode(_Synthetic):
     role = "decode"
 
-    def __init__(self, worker_id: str, token_rate: float, letter_id: int):
+    def __init__(self, worker_id: str, token_rate: float, letter_id: int, token: str | None = None):
+        """token: the cluster token its TCP token feeds present to the ingress replicas (decode_worker.tcp_feed)."""
         super().__init__(worker_id, token_rate, letter_id)
+        self.token = token or ""
         self.feeds = Feeds()
+        self._tcp_feeds: set[asyncio.Task] = set()
         self._running: dict[str, _Running] = {}
         self._clock: asyncio.Task | None = None
         # How late each step ran against its due time: the emitter's own timer lag. Not part of the added latency
@@ -197,6 +202,8 @@ class SyntheticDecode(_Synthetic):
         yield Transferred(request_id=rid, num_bytes=0, seconds=0.0)
         sink = target.sink if target is not None else _LoopSink(asyncio.get_running_loop())
         if target is not None:
+            if target.closed:  # as DecodeWorker.decode: a request never joins a feed that ended
+                raise FeedUnknown(target.feed_id, self.worker_id)
             target.requests[rid] = time.monotonic()
         self._join(rid, prompt, params.max_new_tokens, 1, sink)
         if target is not None:
@@ -229,4 +236,23 @@ class SyntheticDecode(_Synthetic):
                     raise batch.error
         finally:
             for rid in self.feeds.close(feed):
+                self.abort(rid)
+
+    async def open_tcp_feed(self, feed_id: str, host: str, port: int, key: str, lease_s: float | None = None) -> None:
+        """As `DecodeWorker.open_tcp_feed`: call the replica back, then write the feed's bursts as frames."""
+        link = await tcp_feed.connect(
+            self.feeds, feed_id, host, port, self.token, key, lease_s, settings().token_feed_buffer_bytes
+        )
+        task = asyncio.get_running_loop().create_task(self._write_tcp_feed(link))
+        self._tcp_feeds.add(task)
+        task.add_done_callback(self._tcp_feeds.discard)
+
+    async def _write_tcp_feed(self, link: tcp_feed.TcpFeed) -> None:
+        def sent(batch) -> None:
+            link.feed.finish(batch.finished)
+
+        try:
+            await link.run(sent)
+        finally:
+            for rid in self.feeds.close(link.feed):
                 self.abort(rid)

@@ -34,6 +34,9 @@ _CLOSE = [(b"connection", b"close")]  # after a refused head or body the connect
 class IngressOptions:
     api_key: str | None = None  # None: the OpenAI routes are open (loopback default)
     router_token: str | None = None  # the per-cluster token the router requires (router/auth.py)
+    # where the replica's own internal listener (its TCP token feeds', service.tcp_feed) binds: "127.0.0.1", "node"
+    # (this node's cluster address); None: service.ray_cluster.internal_host() asked on the replica
+    internal_host: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allow_request_templates: bool = False  # request-supplied `chat_template` (vLLM: --trust-request-chat-template)
     template_budget_s: float = 2.0  # wall time a request-supplied template may render for

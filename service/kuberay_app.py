@@ -523,7 +523,9 @@ def build(args: dict):
     cfg = parse_args(args)
     router_addr, token, routers = start_backend(cfg)
     # The API key comes from the pod's environment (DSV4_API_KEY, from the chart's Secret).
-    options = IngressOptions.from_env(router_token=token, max_model_len=ingress_max_model_len(cfg))
+    options = IngressOptions.from_env(
+        router_token=token, internal_host="node", max_model_len=ingress_max_model_len(cfg)
+    )
     return ingress_deployment().bind(
         router_addr,
         cfg.service.model_dir or default_model_dir(),

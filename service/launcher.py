@@ -83,6 +83,7 @@ def start_service(cfg: ServiceConfig, http: bool = True) -> dict:
             options = IngressOptions.from_env(
                 api_key=cfg.api_key,
                 router_token=token,
+                internal_host=host,
                 max_body_bytes=cfg.max_body_bytes,
                 allow_request_templates=cfg.allow_request_chat_template,
                 max_model_len=dict(cfg.engine_options).get("max_model_len"),

@@ -68,7 +68,7 @@ class OpenAIIngress:
             from service.direct_path import DirectClient
 
             def factory():
-                return DirectClient(routers, options.router_token, request_timeout_s)
+                return DirectClient(routers, options.router_token, request_timeout_s, feed_host=options.internal_host)
 
         self.server = openai_app.configure(
             router_addr, model_dir, model_name, request_timeout_s, options, client_factory=factory

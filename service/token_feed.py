@@ -1,6 +1,8 @@
-"""The ingress replica's side of the token feeds: one Ray stream per decode worker carrying the tokens of every request
-this replica runs there (decode_worker.token_feed has the worker's side and the why: one Ray item an engine step for
-all of them, instead of one a request).
+"""The ingress replica's side of the token feeds: one feed per decode worker carrying the tokens of every request this
+replica runs there (decode_worker.token_feed has the worker's side and the why: one item an engine step for all of
+them, instead of one a request). What carries a feed (DSV4_TOKEN_FEED_TRANSPORT): a TCP connection the worker opens
+back to this replica's listener (service.tcp_feed, the default: the Ray hop was most of the token path's tail), or one
+Ray streaming call (`RayTokenFeed`, here); the queues and the rules below are the same for both (service.feed_base).
 
 `TokenFeeds.subscribe(worker_id, handle, request_id)` opens that worker's feed on first need (and again after one
 ended) and registers the request before its `decode` call names the feed, so none of its events can be missed; the
@@ -8,12 +10,13 @@ ended) and registers the request before its `decode` call names the feed, so non
 a stream of its own. One reader task a feed takes each item off Ray (service.ray_items.next_item) and hands its events
 to the requests' queues: one wake-up of a request's consumer an item, however many of its events the item holds.
 
-Failures: the feed's call ending (the worker died -> `WorkerDied`; its engine failed -> `WorkerDied`; any other end,
+Failures: the feed's call or connection ending (the worker died -> `WorkerDied`; its engine failed -> `WorkerDied`; any other end,
 even a clean one -> `WorkerDied`) fails every request on it, each after the events it already got, and the feed is
 forgotten (the next request opens a new one); the request's owner then retries or migrates it (router.migration).
 A request whose join failed on the worker (`RequestFailed`) fails alone, with the worker's error.
 Lifetime: a feed's keeper task renews the feed's lease on the worker every third of `lease_s` (the worker ends a feed
-not renewed for `lease_s`: how a dead replica's feed leaves the worker, decode_worker.token_feed), and closes the feed
+not renewed for `lease_s`: how a dead replica's Ray feed leaves the worker, decode_worker.token_feed; a TCP feed's
+worker also sees the connection close), and closes the feed
 once it has carried no request for `idle_s` (DSV4_TOKEN_FEED_IDLE_S); the next request opens a new one.
 Backpressure: the reader never waits on a request, so a slow one never holds back another's tokens. A queue holds at
 most `limit` undelivered events (more than any request produces unless its consumer stopped reading: a client that
@@ -24,112 +27,32 @@ with RESOURCE_EXHAUSTED (the consumer's `finally` aborts it on the worker, freei
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
-import os
-import time
-import uuid
 
 import ray
 
-from decode_worker.token_feed import RequestFailed
 from dsv4_kernels.settings import settings
 from router.dispatch import WorkerDied
-from router.migration import Code, RouterFailure
+from service.feed_base import LEASE_S, QUEUE_LIMIT, FeedQueue, TokenFeed
 from service.ray_items import DEAD, END, failure, next_item
+from service.tcp_feed import FeedListener, TcpTokenFeed
 
 log = logging.getLogger(__name__)
-QUEUE_LIMIT = 65_536  # undelivered events a request (module docstring: backpressure)
-# A worker drops a feed not renewed for this long (module docstring: lifetime). Long against a replica loop's stall
-# (a feed lost to one fails its requests as WorkerDied), short against pages held by a dead replica's requests.
-LEASE_S = 30.0
+__all__ = ["LEASE_S", "QUEUE_LIMIT", "FeedQueue", "RayTokenFeed", "TokenFeed", "TokenFeeds"]
 
 
-class FeedQueue:
-    """One request's events from its worker's feed, read by the request's consumer (one task) with `get`."""
+class RayTokenFeed(TokenFeed):
+    """A feed over one Ray streaming call (`DecodeWorker.token_feed`) and its reader task."""
 
-    def __init__(self, request_id: str, feed: TokenFeed, limit: int = QUEUE_LIMIT):
-        self.request_id = request_id
-        self.feed = feed
-        self.limit = limit
-        self._events: collections.deque = collections.deque()
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future | None = None
-
-    @property
-    def feed_id(self) -> str:
-        return self.feed.feed_id
-
-    def put(self, event) -> None:
-        if self._error is not None:
-            return
-        if isinstance(event, RequestFailed):
-            worker = self.feed.worker_id
-            died = event.engine_stopped
-            self.fail(
-                WorkerDied(worker, f"its engine failed: {event.message}") if died else RuntimeError(event.message)
-            )
-            return
-        if len(self._events) >= self.limit:
-            self._events.clear()  # nobody reads them: fail now, not after a backlog the client will never take
-            self.fail(
-                RouterFailure(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"request {self.request_id}: its client fell {self.limit} events behind; the request was stopped",
-                )
-            )
-            return
-        self._events.append(event)
-        self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        """End the queue with `error`, raised once the events before it are taken."""
-        if self._error is None:
-            self._error = error
-            self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def get(self) -> list:
-        """Every event that came since the last get (at least one), in order; the queue's error once they are out."""
-        while not self._events:
-            if self._error is not None:
-                raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        events = list(self._events)
-        self._events.clear()
-        return events
-
-    def close(self) -> None:
-        """The request is over here (finished, failed, cancelled): its events, if any still come, are dropped."""
-        if self.feed.queues.get(self.request_id) is self:  # not a later attempt's queue under the same id
-            del self.feed.queues[self.request_id]
-            self.feed.last_used = time.monotonic()
-
-
-class TokenFeed:
-    """One worker's feed to this replica: the Ray call, its reader task, the requests' queues."""
+    transport = "ray"
 
     def __init__(self, worker_id: str, handle, actor_key: object, lease_s: float = LEASE_S, idle_s: float = 300.0):
-        self.worker_id = worker_id
-        self.actor_key = actor_key
-        self.feed_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.queues: dict[str, FeedQueue] = {}
-        self.last_used = time.monotonic()  # when its last request left (module docstring: lifetime)
-        loop = asyncio.get_running_loop()
-        self.opened: asyncio.Future = loop.create_future()
-        self.ended = False
+        super().__init__(worker_id, actor_key, lease_s, idle_s)
+        self._handle = handle
         call: object = handle.token_feed
         self._stream = call.options(num_returns="streaming").remote(self.feed_id, lease_s)  # type: ignore[attr-defined]
-        self.reader = loop.create_task(self._read())
-        self.keeper = loop.create_task(self._keep(handle, lease_s, idle_s))
+        self.reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
         error: BaseException = WorkerDied(self.worker_id, "its token feed ended")
@@ -139,10 +62,7 @@ class TokenFeed:
                 raise WorkerDied(self.worker_id, "its token feed ended before it opened")
             self.opened.set_result(None)
             while (item := await next_item(self._stream)) is not END:
-                for event in item:
-                    queue = self.queues.get(event.request_id)
-                    if queue is not None:
-                        queue.put(event)
+                self.deliver(item)
         except DEAD as e:
             error = WorkerDied(self.worker_id, str(e))
         except asyncio.CancelledError:
@@ -158,37 +78,14 @@ class TokenFeed:
         finally:
             self.end(error)
 
-    async def _keep(self, handle, lease_s: float, idle_s: float) -> None:
-        """Renew the feed's lease on the worker until it ends; close it once idle for `idle_s`."""
-        with contextlib.suppress(Exception):
-            await self.opened  # its failure is the subscribers' to see
-        period = min(lease_s / 3, idle_s)
-        while not self.ended:
-            await asyncio.sleep(period)
-            if self.ended:
-                return
-            if not self.queues and time.monotonic() - self.last_used >= idle_s:
-                self.close()
-                self.end(WorkerDied(self.worker_id, "its token feed was closed after idling"))
-                return
-            try:
-                await handle.renew_feed.remote(self.feed_id)
-            except Exception as e:  # noqa: BLE001 - a dead worker: the reader reports it
-                log.debug("renewing the token feed of %s: %s", self.worker_id, e)
+    async def renew(self) -> None:
+        await self._handle.renew_feed.remote(self.feed_id)
 
-    def end(self, error: BaseException) -> None:
-        self.ended = True
-        if not self.opened.done():
-            self.opened.set_exception(error)
-            self.opened.exception()  # retrieved: a feed nobody waited on must not log "never retrieved"
-        for queue in list(self.queues.values()):
-            queue.fail(error)
+    def tasks(self) -> list[asyncio.Task]:
+        return [self.keeper, self.reader]
 
-    def close(self) -> None:
-        """Stop reading and renewing and cancel the call: the worker drops the requests still on it."""
+    def _stop(self) -> None:
         self.reader.cancel()
-        if self.keeper is not asyncio.current_task():
-            self.keeper.cancel()
         try:
             ray.cancel(self._stream)
         except Exception as e:  # noqa: BLE001 - best effort (a dead worker, a call already over)
@@ -203,12 +100,33 @@ def _actor_key(handle) -> object:
 class TokenFeeds:
     """This replica's feeds, one a decode worker; create inside the loop that reads them."""
 
-    def __init__(self, queue_limit: int = QUEUE_LIMIT, lease_s: float = LEASE_S, idle_s: float | None = None):
-        """idle_s: close a feed after this long without a request (None: DSV4_TOKEN_FEED_IDLE_S)."""
+    def __init__(
+        self,
+        queue_limit: int = QUEUE_LIMIT,
+        lease_s: float = LEASE_S,
+        idle_s: float | None = None,
+        *,
+        transport: str | None = None,
+        token: str | None = None,
+        host: str | None = None,
+    ):
+        """idle_s: close a feed after this long without a request (None: DSV4_TOKEN_FEED_IDLE_S). transport: "tcp"
+        or "ray" (None: DSV4_TOKEN_FEED_TRANSPORT). token: the cluster token a TCP feed's worker must present (the
+        workers' `cluster_token`). host: where this replica's feed listener binds (None: the service's internal host,
+        service.ray_cluster.internal_host; "node": this node's cluster address)."""
         self.queue_limit = queue_limit
         self.lease_s = lease_s
         self.idle_s = settings().token_feed_idle_s if idle_s is None else idle_s
+        self.transport = settings().token_feed_transport if transport is None else transport
+        if self.transport not in ("tcp", "ray"):
+            raise ValueError(f"token feed transport {self.transport!r}: tcp or ray")
+        self.listener = FeedListener(token or "", host) if self.transport == "tcp" else None
         self._feeds: dict[str, TokenFeed] = {}
+
+    def _new_feed(self, worker_id: str, handle, key: object) -> TokenFeed:
+        if self.listener is None:
+            return RayTokenFeed(worker_id, handle, key, self.lease_s, self.idle_s)
+        return TcpTokenFeed(worker_id, handle, key, self.listener, self.lease_s, self.idle_s)
 
     async def subscribe(self, worker_id: str, handle, request_id: str) -> FeedQueue:
         """The request's queue on the worker's feed (opened now if there is none, or the one there ended or reaches
@@ -218,7 +136,11 @@ class TokenFeeds:
         if feed is None or feed.ended or feed.actor_key != key:
             if feed is not None:
                 feed.close()
-            feed = self._feeds[worker_id] = TokenFeed(worker_id, handle, key, self.lease_s, self.idle_s)
+            if self.listener is not None:
+                await self.listener.start()  # the first time only (later calls return at once)
+                feed = self._feeds.get(worker_id)  # another request may have opened one meanwhile
+            if feed is None or feed.ended or feed.actor_key != key:
+                feed = self._feeds[worker_id] = self._new_feed(worker_id, handle, key)
         queue = feed.queues[request_id] = FeedQueue(request_id, feed, self.queue_limit)
         try:
             await asyncio.shield(feed.opened)
@@ -228,8 +150,8 @@ class TokenFeeds:
         return queue
 
     def lost(self, worker_id: str, feed_id: str) -> None:
-        """The worker has no such feed (its process restarted, or the feed's call ended there): close it and fail
-        its requests now, so the next request opens a new one instead of waiting for Ray to report the old call."""
+        """The worker has no such feed (its process restarted, or the feed ended there): close it and fail its
+        requests now, so the next request opens a new one instead of waiting for its end to be reported."""
         feed = self._feeds.get(worker_id)
         if feed is not None and feed.feed_id == feed_id and not feed.ended:
             feed.close()
@@ -247,7 +169,9 @@ class TokenFeeds:
     async def close(self) -> None:
         for feed in self._feeds.values():
             feed.close()
-        readers = [task for f in self._feeds.values() for task in (f.reader, f.keeper)]
+        tasks = [task for f in self._feeds.values() for task in f.tasks()]
         self._feeds.clear()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*readers, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self.listener is not None:
+            self.listener.close()

@@ -1,8 +1,12 @@
 """Token feeds (service.token_feed, decode_worker.token_feed) on a real local Ray with the synthetic workers of
-`dsv4 bench frontdoor` (no model: a step clock gives every running request one token a step): many concurrent
+`dsv4 bench frontdoor` (no model: a step clock gives every running request one token a step), over both transports
+(DSV4_TOKEN_FEED_TRANSPORT: a TCP connection the worker opens back to the replica, or a Ray stream): many concurrent
 requests' tokens over one feed arrive complete and in order per request; aborting one stops only it; a killed decode
 worker fails every request on its feed as WorkerDied and the next request opens a new feed to the restarted actor; a
-request whose reader stops reading holds back no other, and overflowing its queue fails it alone."""
+request whose reader stops reading holds back no other, and overflowing its queue fails it alone; a dead replica's
+feed leaves the worker (TCP: at once, as its connection closes). TCP only: a connection without the feed's HELLO (the
+cluster token and the feed's key) is closed unanswered; a replica that stops reading overflows the worker's bounded
+buffer for its feed, which ends that feed alone."""
 
 from __future__ import annotations
 
@@ -22,6 +26,18 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 RATE = 100.0  # steps a second
 LETTER = 70
+TOKEN = "cluster-token-of-the-test"
+
+
+@pytest.fixture(params=["tcp", "ray"])
+def transport(request) -> str:
+    return request.param
+
+
+def _feeds(transport: str, **kw):
+    from service.token_feed import TokenFeeds
+
+    return TokenFeeds(transport=transport, token=TOKEN, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +52,7 @@ def pool():
     actor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=-1)
     threaded = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)  # a thread each: see bench_frontdoor.start
     prefill = threaded(SyntheticPrefill).remote("p0", RATE, LETTER)
-    decode = actor(SyntheticDecode).remote("d0", RATE, LETTER)
+    decode = actor(SyntheticDecode).remote("d0", RATE, LETTER, TOKEN)
     ray.get([prefill.ping.remote(), decode.ping.remote()])
     yield prefill, decode
     if started:
@@ -80,12 +96,11 @@ def _wait_idle(decode, timeout_s: float = 10.0) -> int:
     return running
 
 
-def test_many_requests_share_one_feed_in_order(pool):
+def test_many_requests_share_one_feed_in_order(pool, transport):
     from service.ray_stream import RayStreamer
-    from service.token_feed import TokenFeeds
 
     async def run():
-        feeds = TokenFeeds()
+        feeds = _feeds(transport)
         streamer = RayStreamer(feeds=feeds)
         lengths = [5 + (i % 7) * 3 for i in range(24)]
         got = await asyncio.gather(
@@ -102,12 +117,11 @@ def test_many_requests_share_one_feed_in_order(pool):
     assert _wait_idle(pool[1]) == 0
 
 
-def test_abort_of_one_request_stops_only_it(pool):
+def test_abort_of_one_request_stops_only_it(pool, transport):
     from service.ray_stream import RayStreamer
-    from service.token_feed import TokenFeeds
 
     async def run():
-        feeds = TokenFeeds()
+        feeds = _feeds(transport)
         streamer = RayStreamer(feeds=feeds)
         stay = [streamer.run_placement(_request(f"stay-{i}", 100_000), _workers(pool)) for i in range(4)]
         leaving = streamer.run_placement(_request("leaves", 100_000), _workers(pool))
@@ -131,12 +145,11 @@ def test_abort_of_one_request_stops_only_it(pool):
     assert _wait_idle(pool[1]) == 0
 
 
-def test_slow_reader_holds_back_no_other_and_overflow_fails_it_alone(pool):
+def test_slow_reader_holds_back_no_other_and_overflow_fails_it_alone(pool, transport):
     from service.ray_stream import RayStreamer
-    from service.token_feed import TokenFeeds
 
     async def run():
-        feeds = TokenFeeds(queue_limit=8)
+        feeds = _feeds(transport, queue_limit=8)
         streamer = RayStreamer(feeds=feeds)
         slow = streamer.run_placement(_request("slow", 60), _workers(pool))
         await anext(slow)  # its first token, then nobody reads it
@@ -155,12 +168,11 @@ def test_slow_reader_holds_back_no_other_and_overflow_fails_it_alone(pool):
     assert _wait_idle(pool[1]) == 0  # the overflowed request was aborted on the worker
 
 
-def test_killed_decode_worker_fails_its_feed_then_a_new_feed_opens(pool):
+def test_killed_decode_worker_fails_its_feed_then_a_new_feed_opens(pool, transport):
     from service.ray_stream import RayStreamer
-    from service.token_feed import TokenFeeds
 
     async def run():
-        feeds = TokenFeeds()
+        feeds = _feeds(transport)
         streamer = RayStreamer(feeds=feeds)
         streams = [streamer.run_placement(_request(f"doomed-{i}", 500), _workers(pool)) for i in range(3)]
         for s in streams:
@@ -211,13 +223,12 @@ def test_a_feed_the_worker_lacks_is_a_typed_error(pool):
     assert isinstance(error, FeedUnknown) and error.feed_id == "no-such-feed" and error.worker_id == "d0"
 
 
-def test_a_lost_feed_fails_its_requests_and_the_next_opens_anew(pool):
+def test_a_lost_feed_fails_its_requests_and_the_next_opens_anew(pool, transport):
     """When a worker says it lacks a feed (FeedUnknown: its process restarted), the replica drops that feed at once:
     the requests on it get WorkerDied and the next request opens a new feed rather than the stale one again."""
-    from service.token_feed import TokenFeeds
 
     async def run():
-        feeds = TokenFeeds()
+        feeds = _feeds(transport)
         waiting = await feeds.subscribe("d0", pool[1], "on-the-lost-feed")
         lost_id = waiting.feed_id
         feeds.lost("d0", lost_id)
@@ -236,11 +247,11 @@ def test_a_lost_feed_fails_its_requests_and_the_next_opens_anew(pool):
 class _Replica:
     """An ingress replica's stand-in in its own process: a TokenFeeds with a short lease reading endless requests."""
 
-    async def start(self, prefill, decode, n: int, lease_s: float) -> str:
+    async def start(self, prefill, decode, n: int, lease_s: float, transport: str) -> str:
         from service.ray_stream import RayStreamer, Workers
         from service.token_feed import TokenFeeds
 
-        self.feeds = TokenFeeds(lease_s=lease_s)
+        self.feeds = TokenFeeds(lease_s=lease_s, transport=transport, token=TOKEN)
         streamer = RayStreamer(feeds=self.feeds)
         self.tokens = 0
 
@@ -256,12 +267,12 @@ class _Replica:
         return self.feeds.feed_id("d0")
 
 
-def test_a_dead_replicas_feed_expires_and_frees_its_requests(pool):
+def test_a_dead_replicas_feed_expires_and_frees_its_requests(pool, transport):
     """Ray does not end a streaming call whose caller died: the feed's lease does. The replica's process is killed;
-    within the lease (5 s, renewed every 5/3 s while alive: 3.3 s of slack for a loaded CI machine) the worker ends
-    the feed and drops its requests."""
+    within the lease (5 s, renewed every 5/3 s while alive: over Ray, or as frames on the TCP feed itself; 3.3 s of
+    slack for a loaded CI machine) the worker ends the feed and drops its requests."""
     replica = _Replica.remote()
-    feed_id = ray.get(replica.start.remote(pool[0], pool[1], 3, 5.0))
+    feed_id = ray.get(replica.start.remote(pool[0], pool[1], 3, 5.0, transport))
     time.sleep(6.5)  # past the lease: renewals kept it open
     alive_after_lease = ray.get(pool[1].renew_feed.remote(feed_id)), _running(pool[1])
     ray.kill(replica)
@@ -270,12 +281,25 @@ def test_a_dead_replicas_feed_expires_and_frees_its_requests(pool):
     assert ray.get(pool[1].renew_feed.remote(feed_id)) is False
 
 
-def test_an_idle_feed_closes_and_the_next_request_opens_one(pool):
+def test_a_dead_replicas_tcp_feed_ends_with_its_connection(pool):
+    """Over TCP the worker does not wait for the lease: the killed replica's connection closes, and the feed ends
+    and drops its requests at once (the lease here, 600 s, could not be what ended it)."""
+    replica = _Replica.remote()
+    feed_id = ray.get(replica.start.remote(pool[0], pool[1], 3, 600.0, "tcp"))
+    assert _running(pool[1]) == 3
+    killed = time.monotonic()
+    ray.kill(replica)
+    assert _wait_idle(pool[1], 20.0) == 0
+    freed_s = time.monotonic() - killed
+    assert ray.get(pool[1].renew_feed.remote(feed_id)) is False
+    assert freed_s < 20.0
+
+
+def test_an_idle_feed_closes_and_the_next_request_opens_one(pool, transport):
     from service.ray_stream import RayStreamer
-    from service.token_feed import TokenFeeds
 
     async def run():
-        feeds = TokenFeeds(idle_s=0.5)
+        feeds = _feeds(transport, idle_s=0.5)
         streamer = RayStreamer(feeds=feeds)
         first = await _tokens(streamer, _request("before-idle", 4), _workers(pool))
         first_id = feeds.feed_id("d0")
@@ -294,3 +318,130 @@ def test_an_idle_feed_closes_and_the_next_request_opens_one(pool):
     first, closed, gone_on_worker, again, new_feed = asyncio.run(run())
     assert first == again == _expected(4)
     assert closed and gone_on_worker and new_feed
+
+
+def _listener_of(feeds):
+    listener = feeds.listener
+    assert listener is not None and listener.port
+    return listener.host, listener.port
+
+
+def _refused(addr, payload: bytes | None, timeout_s: float = 10.0) -> bool:
+    """Connect, send `payload` (None: nothing), -> whether the listener closed the connection without a byte."""
+    import socket
+
+    with socket.create_connection(addr, timeout=timeout_s) as sock:
+        if payload is not None:
+            sock.sendall(payload)
+        try:
+            return sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+
+def test_tcp_listener_refuses_connections_without_the_feeds_hello(pool, monkeypatch):
+    """Garbage, an oversized frame, a HELLO with a wrong token or a wrong key, a HELLO for a feed already claimed, and
+    silence past the HELLO deadline are each closed unanswered; the feed expected keeps waiting for its own worker,
+    and the one open goes on delivering."""
+    from decode_worker import feed_wire
+    from service import tcp_feed
+    from service.ray_stream import RayStreamer
+
+    monkeypatch.setattr(tcp_feed, "HELLO_TIMEOUT_S", 0.5)
+
+    class Expected:  # what the listener knows of a feed it waits for: its id and key
+        feed_id, key = "expected-feed", "the-right-key"
+
+    async def run():
+        feeds = _feeds("tcp")
+        streamer = RayStreamer(feeds=feeds)
+        events = streamer.run_placement(_request("alongside", 100_000), _workers(pool))
+        await anext(events)
+        addr = _listener_of(feeds)
+        feeds.listener.expect(Expected)
+        open_feed = feeds._feeds["d0"]  # its id and key, to replay the HELLO its worker sent
+        attempts = {
+            "garbage": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+            "oversized": (1 << 20).to_bytes(4, "big") + b"x" * 64,
+            "wrong token": feed_wire.hello("expected-feed", "not-the-token", "the-right-key"),
+            "wrong key": feed_wire.hello("expected-feed", TOKEN, "not-the-key"),
+            "claimed already": feed_wire.hello(open_feed.feed_id, TOKEN, open_feed.key),
+            "silent": None,
+        }
+        refused = {}
+        for name, payload in attempts.items():
+            refused[name] = await asyncio.to_thread(_refused, addr, payload)
+        still_expected = feeds.listener.claim("expected-feed", TOKEN, "the-right-key") is Expected
+        got = [(await anext(events)).token_id for _ in range(5)]
+        await events.aclose()
+        await feeds.close()
+        return refused, still_expected, got
+
+    refused, still_expected, got = asyncio.run(run())
+    assert refused == dict.fromkeys(refused, True)
+    assert still_expected
+    assert got == _expected(6)[1:]  # after the first token read above
+
+
+@pytest.fixture(scope="module")
+def small_buffer_decode():
+    """A decode worker whose TCP feeds overflow after 64 KiB unsent (DSV4_TOKEN_FEED_BUFFER_BYTES)."""
+    from dsv4_kernels.settings import TOKEN_FEED_BUFFER_BYTES
+    from service.frontdoor_workers import SyntheticDecode
+
+    env = {"env_vars": {TOKEN_FEED_BUFFER_BYTES: str(64 << 10)}}
+    actor = ray.remote(num_cpus=0, max_concurrency=1000, runtime_env=env)(SyntheticDecode)
+    decode = actor.remote("d1", 200.0, LETTER, TOKEN)
+    ray.get(decode.ping.remote())
+    yield decode
+    ray.kill(decode)
+
+
+def test_tcp_replica_that_stops_reading_overflows_only_its_feed(pool, small_buffer_decode):
+    """A 'replica' that accepts the worker's call and never reads (a small receive buffer): the worker never waits on
+    it; once its feed's unsent bytes pass the bound the feed ends and its requests are dropped, while a real replica's
+    feed on the same worker streams every token in order."""
+    import socket
+
+    from service.ray_items import next_item
+    from service.ray_stream import RayStreamer, Workers
+
+    decode = small_buffer_decode
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # accepted sockets inherit it
+    stuck.bind(("127.0.0.1", 0))
+    stuck.listen()
+    params = SamplingParams(max_new_tokens=100_000, ignore_eos=True)
+
+    async def run():
+        await decode.open_tcp_feed.remote("stuck-feed", "127.0.0.1", stuck.getsockname()[1], "any-key", None)
+        streams = []
+        for i in range(150):
+            rid, prompt = f"stuck-{i}", [1, 2, i]
+            result = await pool[0].prefill.remote(rid, prompt, params)
+            call = decode.decode.options(num_returns="streaming")
+            stream = call.remote(result, prompt, params, batch=True, feed="stuck-feed")
+            await next_item(stream)  # Transferred: it is on the stuck feed
+            streams.append(stream)
+        feeds = _feeds("tcp")
+        streamer = RayStreamer(feeds=feeds)
+        live = streamer.run_placement(_request("live", 100_000), Workers("p0", pool[0], "d1", decode))
+        got = [(await anext(live)).token_id]
+        deadline = time.monotonic() + 60
+        while (await decode.renew_feed.remote("stuck-feed")) and time.monotonic() < deadline:
+            got.append((await asyncio.wait_for(anext(live), 10)).token_id)
+        overflowed = not await decode.renew_feed.remote("stuck-feed")
+        running = (await decode.stats.remote()).load.running
+        got += [(await asyncio.wait_for(anext(live), 10)).token_id for _ in range(20)]
+        await live.aclose()
+        await feeds.close()
+        return overflowed, running, got
+
+    try:
+        overflowed, running, got = asyncio.run(run())
+    finally:
+        stuck.close()
+    assert overflowed  # the stuck feed ended on the worker
+    assert running == 1  # its 150 requests were dropped; the live one runs on
+    assert got == _expected(len(got))  # every token of the live request, in order, through the overflow
+    assert _wait_idle(decode) == 0
