@@ -43,9 +43,13 @@ FRONT = {
     False: "through Serve's Python proxy (`DSV4_HAPROXY=0`)",
 }
 FEED_PATH = {
-    True: "over the decode actor's token feed to that replica (one Ray streaming call per decode actor and replica, "
-    "one item an engine step for all of the replica's requests there: service/token_feed.py, `DSV4_TOKEN_FEED=1`)",
-    False: "in one Ray streaming call a request (`DSV4_TOKEN_FEED=0`)",
+    "tcp": "over the decode actor's token feed to that replica, carried by TCP (the decode actor connects to the "
+    "replica's listener and writes one frame an engine step for all of the replica's requests there: "
+    "service/tcp_feed.py, `DSV4_TOKEN_FEED=1`, `DSV4_TOKEN_FEED_TRANSPORT=tcp`)",
+    "ray": "over the decode actor's token feed to that replica, carried by Ray (one Ray streaming call per decode actor "
+    "and replica, one item an engine step for all of the replica's requests there: service/token_feed.py, "
+    "`DSV4_TOKEN_FEED=1`, `DSV4_TOKEN_FEED_TRANSPORT=ray`)",
+    "none": "in one Ray streaming call a request (`DSV4_TOKEN_FEED=0`)",
 }
 STEP_CLOCK = (
     "The synthetic decode actors run a step clock as an engine's continuous batch does (every running request gets "
@@ -74,6 +78,12 @@ class LevelResult:
     haproxy: bool = False  # the front door the level ran through (HAProxy, or Serve's Python proxy)
     client_lag_ms_p99: float = 0.0  # the load client's own loop lag (in every receive time, so in the added latency)
     step_lag_ms_p99: float = 0.0  # the synthetic step clock's lateness (not in the added latency: emits are stamped)
+    feed_transport: str = "ray"  # DSV4_TOKEN_FEED_TRANSPORT as the replicas read it (rows of older runs: ray)
+
+
+def _feed_path(r: LevelResult | None) -> str:
+    on, transport = (r.token_feed, r.feed_transport) if r else (settings().token_feed, settings().token_feed_transport)
+    return FEED_PATH[transport if on else "none"]
 
 
 def _letter_id(model_dir: str) -> int:
@@ -226,6 +236,7 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
         serve_env.get("ingress", {}).get("RAY_SERVE_ENABLE_HA_PROXY") == "1",
         pct(list(level.client_lag_ms), 0.99),
         pct(_step_lag(handles), 0.99),
+        settings().token_feed_transport,
     )
 
 
@@ -322,7 +333,32 @@ def _ramp(args) -> float:
     return args.max_tokens / args.token_rate if args.ramp_seconds is None else args.ramp_seconds
 
 
-def report(rows: list[LevelResult], args, command: str) -> str:
+def ab_lines(rows: list[LevelResult], other: list[LevelResult]) -> list[str]:
+    """The same command's run with the other feed transport (`--ab-json`: its rows, run just before in the same
+    session): its ceilings and added latency at half its ceiling beside this run's."""
+    if not other:
+        return []
+    ceil, half = ceilings(other), at_half_ceiling(other)
+    mine = ceilings(rows)
+    transport = other[-1].feed_transport if other[-1].token_feed else "none (one stream a request)"
+    return [
+        f"A/B, same session, the same command with the token feed carried by {transport} (run just before this one, "
+        f"load avg {min(r.load_avg for r in other):.1f}-{max(r.load_avg for r in other):.1f}): ceilings "
+        + ", ".join(
+            f"{k} replica{'s' if k > 1 else ''}: {v:.0f} (this run {mine.get(k, 0):.0f})"
+            for k, v in sorted(ceil.items())
+        )
+        + "; added latency at half its ceiling "
+        + ", ".join(
+            f"{k} replica{'s' if k > 1 else ''}: p50 {r.added_ms_p50:.1f} ms, p99 {r.added_ms_p99:.1f} ms "
+            f"({r.delivered_tps:.0f} tok/s)"
+            for k, r in sorted(half.items())
+        )
+        + "."
+    ]
+
+
+def report(rows: list[LevelResult], args, command: str, other: list[LevelResult] | None = None) -> str:
     ceil = ceilings(rows)
     lines = [
         "## Front door: streamed tokens through the ingress, router and front door (`dsv4 bench frontdoor`)",
@@ -334,7 +370,7 @@ def report(rows: list[LevelResult], args, command: str) -> str:
         f"actors, no model) at {args.token_rate:g} tokens/s a stream, {args.max_tokens} tokens a request, "
         f"{args.seconds:g} s a level, {args.routers} router replicas. Token path: {TOKEN_PATH} "
         f"{FRONT[rows[-1].haproxy if rows else settings().haproxy]}; "
-        f"{FEED_PATH[rows[-1].token_feed if rows else settings().token_feed]}. {STEP_CLOCK} "
+        f"{_feed_path(rows[-1] if rows else None)}. {STEP_CLOCK} "
         f"Serve switches the processes ran with: {_switches(rows)}.",
         "",
         f"Method: the clients start one by one over {_ramp(args):g} s (one request's duration) before each level's "
@@ -363,6 +399,7 @@ def report(rows: list[LevelResult], args, command: str) -> str:
         + ".",
         "",
         *comparison(rows, before_ceilings(BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "")),
+        *ab_lines(rows, other or []),
     ]
     return "\n".join(lines)
 
@@ -380,7 +417,13 @@ def bench_frontdoor_main(args: argparse.Namespace) -> int:
         stop_service(
             {"prefill": handles["prefill"], "decode": handles["decode"], "routers": handles["routers"]}, drain_s=0
         )
-    text = report(rows, args, args.command_line or "dsv4 bench frontdoor")
+    other = None
+    if args.ab_json:
+        import json
+
+        with open(args.ab_json) as f:
+            other = [LevelResult(**r) for r in json.load(f)]
+    text = report(rows, args, args.command_line or "dsv4 bench frontdoor", other)
     print(text)
     if args.json:
         import json
@@ -430,5 +473,12 @@ def add_bench_frontdoor_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", default=None, help="model dir for the ingress's tokenizer (default: the tiny model)")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument(
+        "--ab-json",
+        default=None,
+        metavar="PATH",
+        help="rows (--json) of the same command run just before with the other DSV4_TOKEN_FEED_TRANSPORT: the section "
+        "states its ceilings and latency beside this run's",
+    )
     p.add_argument("--write", action="store_true", help="write the table to BENCHMARKS.md (section frontdoor)")
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)

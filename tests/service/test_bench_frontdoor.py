@@ -61,5 +61,8 @@ def test_frontdoor_tiny(tmp_path):
     text = report([LevelResult(**r) for r in rows], args, "dsv4 bench frontdoor --tiny")
     assert "`Place`" in text and "AFTER" in text and "Ceiling" in text and "| 2 | 4 |" in text
     assert all(r["token_feed"] for r in rows) and "`DSV4_TOKEN_FEED=1`" in text  # the default: the token feeds
+    assert all(r["feed_transport"] == "tcp" for r in rows) and "`DSV4_TOKEN_FEED_TRANSPORT=tcp`" in text
+    ab = report([LevelResult(**r) for r in rows], args, "dsv4 bench frontdoor --tiny", [LevelResult(**rows[0])])
+    assert "A/B, same session" in ab and "carried by tcp" in ab
     assert "at half the ceiling" in text
     assert "; haproxy RAY_SERVE_ENABLE_HA_PROXY=1" in text and "`DSV4_HAPROXY=1`" in text
