@@ -86,7 +86,7 @@ def _producer_class():
 async def _read_feed(producer, streams: int, n: int) -> int:
     from service.token_feed import TokenFeeds
 
-    feeds = TokenFeeds()
+    feeds = TokenFeeds(transport="ray")  # this stage is the Ray feed's item (the TCP feed is not measured here)
     # together: each registers its queue before the first awaits the feed's opening (no event comes before)
     queues = await asyncio.gather(*(feeds.subscribe("w", producer, f"r{i}") for i in range(streams)))
 
