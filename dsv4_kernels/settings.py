@@ -403,8 +403,9 @@ class Settings:
         TOKEN_FEED,
         "bool",
         True,
-        "an ingress replica reads its requests' tokens from each decode worker over one Ray stream (a token feed: "
-        "one item an engine step for all of them, service.token_feed); 0 = one stream a request",
+        "an ingress replica reads its requests' tokens from each decode worker over one feed (a token feed: one "
+        "frame or item an engine step for all of them, service.token_feed; DSV4_TOKEN_FEED_TRANSPORT); 0 = one Ray "
+        "stream a request",
         "service",
     )
     token_feed_idle_s: float = _switch(
@@ -420,7 +421,8 @@ class Settings:
         "choice",
         "tcp",
         "what carries a token feed: tcp = the decode worker calls the ingress replica's listener back and writes "
-        "frames (service.tcp_feed, decode_worker.tcp_feed); ray = one Ray streaming call (service.token_feed)",
+        "frames (service.tcp_feed, decode_worker.tcp_feed; the default: p50 / p99 added a token about halved against "
+        "ray, BENCHMARKS.md frontdoor); ray = one Ray streaming call (service.token_feed)",
         "service",
         choices=("tcp", "ray"),
     )

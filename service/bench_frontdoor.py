@@ -1,6 +1,6 @@
 """`dsv4 bench frontdoor`: the service's token path (HAProxy or Serve's proxy -> ingress replica, which places
-through a gRPC router and reads the decode worker's token feed itself) under many concurrent streams, with a synthetic pool in
-place of the model.
+through a gRPC router and reads the decode worker's token feed itself: TCP or Ray, DSV4_TOKEN_FEED_TRANSPORT) under many
+concurrent streams, with a synthetic pool in place of the model; `--ab-json` puts a run with the other transport beside it.
 
 Everything on the token path is production's: `service.serve_ingress.deploy_http` (the front door of service.serve_front and the
 OpenAI ingress replicas with their `service.direct_path.DirectClient`), `--routers` replicas of
