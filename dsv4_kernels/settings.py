@@ -421,8 +421,8 @@ class Settings:
         "choice",
         "tcp",
         "what carries a token feed: tcp = the decode worker calls the ingress replica's listener back and writes "
-        "frames (service.tcp_feed, decode_worker.tcp_feed; the default: p50 / p99 added a token about halved against "
-        "ray, BENCHMARKS.md frontdoor); ray = one Ray streaming call (service.token_feed)",
+        "frames (service.tcp_feed, decode_worker.tcp_feed; the default: lower p50 and p99 added a token than ray at "
+        "every replica count, BENCHMARKS.md frontdoor); ray = one Ray streaming call (service.token_feed)",
         "service",
         choices=("tcp", "ray"),
     )
