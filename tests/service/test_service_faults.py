@@ -69,7 +69,11 @@ def test_every_listener_of_the_local_cluster_is_loopback(svc):
     """Ray's own listeners included (GCS, raylet, every worker's gRPC port, the agents, Ray's Prometheus
     exporters, which listen on all interfaces unless the node is loopback: service.ray_cluster._loopback_node).
     The one exception Ray 2.60 leaves no option for: each Serve replica's inter-deployment gRPC server, bound to
-    [::]:0 (ray.serve._private.replica; it checks Ray's token, and requests reach our app's API-key check)."""
+    [::]:0 (ray.serve._private.replica; it checks Ray's token, and requests reach our app's API-key check).
+    Requests first: a replica's TCP token feed listener (service.tcp_feed) starts with its first feed."""
+    with concurrent.futures.ThreadPoolExecutor(4 * svc.cfg.ingress_replicas) as pool:
+        done = list(pool.map(lambda k: svc.complete(prompt=f"warm {k}"), range(4 * svc.cfg.ingress_replicas)))
+    assert all(r.status_code == 200 for r in done), [r.text for r in done]
     found = listeners(cluster_pids())
     assert sum(map(len, found.values())) >= 15, found  # GCS, raylet, agents, every actor: not a vacuous pass
     wide = {pid: [s for s in socks if s[0] != "127.0.0.1"] for pid, socks in found.items()}
