@@ -40,11 +40,14 @@ Choice (`choose_by_cache`), for the healthy prefill candidates, all with digests
     agentic TTFT p99 0.389 s against least_loaded's 0.332 s; with the factor 0.10 s, load max/mean 1.09.
     A linear factor (1 + 0.8 r) did as well at 8 workers but left 64 at max/mean 1.66 on chat (each worker
     holds few sessions there; a new one must be worth moving a shared prefix for): exp(2.5 r) gives 1.18.
+  While few requests were placed recently, a difference from the mean within half the request at hand (its
+  prompt against the mean recent work, faded like the gain) counts as none: one long prompt among a few short ones
+  is no imbalance (router/policy.py).
   A short best match needs no rule of its own: its few cached tokens barely lower the cost (a load-only
   fallback below 10% or 30% of the prompt changed no result on the seven traces).
 - bounded load (consistent hashing with bounded loads, Mirrokni et al., in prompt tokens): where r(w) + 1 exceeds
-  the cap, load_cap (1.1) + half a mean request (the rounding up of the cap in requests; it matters only while the
-  pool has placed few), cost(w) += (r(w) + 1 - cap) x the mean recent work (ramped in like the gain): the excess
+  the cap, load_cap (1.1) + half a request (the rounding up of the cap in requests: the mean one, or the one at hand
+  while few were placed; it matters only while the pool has placed few), cost(w) += (r(w) + 1 - cap) x the mean recent work (ramped in like the gain): the excess
   counts as if queued there. The balance factor alone tolerates a holder ~1.4x the mean, since its hits
   are cheap and moving one recomputes the prefix: at 64 workers the hot system prompts' holders ended at 1.42x
   (system_prompts), 1.45x at twice the rate. Past the cap the hot prefix is copied to a second worker once,
