@@ -148,3 +148,27 @@ async def connect(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     transport.write(feed_wire.hello(feed_id, token, key))
     return TcpFeed(feed, transport, buffer_bytes)
+
+
+def start(
+    feeds: Feeds,
+    link: TcpFeed,
+    sent: Callable[[Batch], None],
+    drop: Callable[[list[str]], None],
+    tasks: set[asyncio.Task],
+) -> None:
+    """Write the connected feed's bursts in a task of its own (held in `tasks` while it runs: a bare task may be
+    collected); once the feed ends, however it ends, it is closed on the worker and `drop(request_ids)` gets the
+    requests still routed to it."""
+
+    async def write() -> None:
+        try:
+            await link.run(sent)
+        finally:
+            left = feeds.close(link.feed)
+            if left:
+                drop(left)
+
+    task = asyncio.get_running_loop().create_task(write())
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)

@@ -433,11 +433,6 @@ class DecodeWorker(WorkerBase):
         link = await tcp_feed.connect(
             self.feeds, feed_id, host, port, self.cluster_token, key, lease_s, settings().token_feed_buffer_bytes
         )
-        task = asyncio.get_running_loop().create_task(self._write_tcp_feed(link))
-        self._tcp_feeds.add(task)
-        task.add_done_callback(self._tcp_feeds.discard)
-
-    async def _write_tcp_feed(self, link: tcp_feed.TcpFeed) -> None:
         tokens_counter = metrics.GENERATION_TOKENS.labels(self.role, self.worker_id)
 
         def sent(batch: Batch) -> None:
@@ -446,12 +441,10 @@ class DecodeWorker(WorkerBase):
             if batch.finished:
                 self._finish_fed(link.feed, batch.finished)
 
-        try:
-            await link.run(sent)
-        finally:
-            left = self.feeds.close(link.feed)
-            if left:
-                self.loop.call(functools.partial(_drop_all, self, left))
+        def drop(left: list[str]) -> None:
+            self.loop.call(functools.partial(_drop_all, self, left))
+
+        tcp_feed.start(self.feeds, link, sent, drop, self._tcp_feeds)
 
     def renew_feed(self, feed_id: str) -> bool:
         """The feed's replica still reads it (its lease starts again) -> whether this process has the feed."""

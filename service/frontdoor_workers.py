@@ -243,16 +243,12 @@ class SyntheticDecode(_Synthetic):
         link = await tcp_feed.connect(
             self.feeds, feed_id, host, port, self.token, key, lease_s, settings().token_feed_buffer_bytes
         )
-        task = asyncio.get_running_loop().create_task(self._write_tcp_feed(link))
-        self._tcp_feeds.add(task)
-        task.add_done_callback(self._tcp_feeds.discard)
 
-    async def _write_tcp_feed(self, link: tcp_feed.TcpFeed) -> None:
         def sent(batch) -> None:
             link.feed.finish(batch.finished)
 
-        try:
-            await link.run(sent)
-        finally:
-            for rid in self.feeds.close(link.feed):
+        def drop(left: list[str]) -> None:
+            for rid in left:
                 self.abort(rid)
+
+        tcp_feed.start(self.feeds, link, sent, drop, self._tcp_feeds)
