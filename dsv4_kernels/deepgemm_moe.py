@@ -67,8 +67,14 @@ def _gather_rows(xq: torch.Tensor, xs: torch.Tensor, src: torch.Tensor):
 
 
 def exact_layout(ids: torch.Tensor) -> bool:
-    """Size the layout exactly (one host sync) unless a CUDA graph is being captured on the current stream."""
-    return not (ids.is_cuda and torch.cuda.is_current_stream_capturing())
+    """Size the layout exactly (one host sync) unless a CUDA graph is being captured on the current stream or
+    DSV4_FP8_MOE_LAYOUT=bound (the sync drains the launch queue, so the GPU idles while the host issues the layer's
+    next launches; the bound layout's extra tiles are skipped by the kernel)."""
+    from dsv4_kernels.settings import settings
+
+    if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return settings().fp8_moe_layout == "exact"
 
 
 def deepgemm_moe(

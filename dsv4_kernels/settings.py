@@ -45,6 +45,8 @@ MXFP4_MOE = "DSV4_MXFP4_MOE"
 MXFP4_MOE_BACKEND = "DSV4_MXFP4_MOE_BACKEND"
 FP8_GEMM = "DSV4_FP8_GEMM"
 FLASH_MLA = "DSV4_FLASH_MLA"
+FLASH_MLA_PREFILL = "DSV4_FLASH_MLA_PREFILL"
+FP8_MOE_LAYOUT = "DSV4_FP8_MOE_LAYOUT"
 GROUPED_MOE = "DSV4_GROUPED_MOE"
 FP32_RESIDUAL = "DSV4_FP32_RESIDUAL"
 TP_BACKEND = "DSV4_TP_BACKEND"
@@ -219,6 +221,15 @@ class Settings:
         "kernels",
         choices=("rows", "token"),
     )
+    fp8_moe_layout: str = _switch(
+        FP8_MOE_LAYOUT,
+        "choice",
+        "exact",
+        "rows of the FP8 grouped MoE's layout in eager steps: exact (one host sync a MoE layer to size it) or "
+        "bound (sized from the shapes, no sync; the kernel skips the empty tiles); captures always use bound",
+        "kernels",
+        choices=("exact", "bound"),
+    )
     ogs_constraints: dict | None = _switch(
         OGS_CONSTRAINTS,
         "json",
@@ -264,6 +275,14 @@ class Settings:
         "bool",
         True,
         "FlashMLA's sparse decode over fp8_ds_mla pages on CUDA; 0 = the engine's own Triton kernel",
+        "engine",
+    )
+    flash_mla_prefill: bool = _switch(
+        FLASH_MLA_PREFILL,
+        "bool",
+        True,
+        "FlashMLA's sparse prefill kernel for prefill and mixed steps over fp8 caches on CUDA (64/128 heads); "
+        "0 = the engine's own Triton kernel",
         "engine",
     )
     grouped_moe: bool | None = _switch(

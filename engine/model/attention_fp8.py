@@ -10,8 +10,9 @@ dequantised keys. Both paths here compute that without a host sync, so decode st
   (dsv4_kernels.triton_attention_rows);
 - `dequantised_attend`, every other step (prefill chunks, mixed steps, geometries FlashMLA does not take): the
   keys a step names are dequantised into bf16 stores -- whole pages of the step's requests, or each query's
-  own rows, whichever is fewer rows for these static shapes -- and the Triton MQA kernel reads them; the
-  caller writes the ring after (the chunk may overwrite ring slots its own queries read).
+  own rows, whichever is fewer rows for these static shapes -- and FlashMLA's sparse prefill kernel reads them
+  (dsv4_kernels.flashmla_prefill: bf16, 512-wide, <= 128 heads), else the engine's Triton MQA kernel; the caller
+  writes the ring after (the chunk may overwrite ring slots its own queries read).
 """
 
 from __future__ import annotations
@@ -170,4 +171,16 @@ def dequantised_attend(
         stores.append(entry_keys.to(q.dtype))
     total = sum(s.shape[0] for s in stores)
     rows = torch.cat(parts, dim=1).to(torch.int32 if total < 2**31 else torch.int64)
+    if _flashmla_prefill_fits(q, stores):
+        from dsv4_kernels.flashmla_prefill import sparse_prefill
+
+        return sparse_prefill(q, stores, rows, sink, scale)
     return sparse_mqa_attention_multi(q, stores, rows, sink, scale)
+
+
+def _flashmla_prefill_fits(q: torch.Tensor, stores: list[torch.Tensor]) -> bool:
+    """FlashMLA's sparse prefill takes this call (shapes and dtypes only) and is switched on (DSV4_FLASH_MLA_PREFILL)."""
+    from dsv4_kernels.flashmla_prefill import unfit_reason
+    from engine.model.fast_paths import use_flash_mla_prefill
+
+    return use_flash_mla_prefill(q.device) and not unfit_reason(q, stores)

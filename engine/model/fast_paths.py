@@ -155,6 +155,13 @@ def use_flash_mla(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and use_triton(device) and has_flash_mla()
 
 
+def use_flash_mla_prefill(device: torch.device | str) -> bool:
+    """FlashMLA's sparse prefill kernel for prefill and mixed steps over dequantised fp8 caches
+    (engine.model.attention_fp8.dequantised_attend) on `device`: where its decode kernel is used
+    (`use_flash_mla`) and DSV4_FLASH_MLA_PREFILL is on."""
+    return settings().flash_mla_prefill and use_flash_mla(device)
+
+
 def resolve_kv_cache_dtype(
     requested: str, device: torch.device | str, dtype: torch.dtype, head_dim: int, rope_dim: int, num_heads: int
 ) -> tuple[str, str]:

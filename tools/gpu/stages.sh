@@ -9,7 +9,8 @@
 # quality` on CUDA: every production format of the trained model), spec (graph verify tests + `dsv4 bench spec`),
 # longctx (slice prefill/decode at 32K, 128K and 1M), prefillfmt (slice prefill with MXFP4 vs FP8 experts, 3 runs),
 # specprof (where a speculative step's time goes: phases, kernels, vs the one-token step; benchmarks/spec_profile.py),
-# prefillhost (a slice prefill's host-device synchronisations and host functions; benchmarks/slice/prefill_host.py).
+# prefillhost (a slice prefill's host-device synchronisations and host functions; benchmarks/slice/prefill_host.py),
+# prefillab (the 8K prefill with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout off and on).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -133,6 +134,15 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
     prefillfmt) timeout ${PREFILLFMT_TIMEOUT:-400} benchmarks/slice/run.sh --experts mxfp4 fp8 --prefill-only \
           --prefill-runs 3 --no-peer --out "$OUT/prefill_formats.md" > "$OUT/prefillfmt.log" 2>&1 || status=1
         tail -20 "$OUT/prefillfmt.log" | cut -c1-250 ;;
+    # prefillab: the 8K prefill by expert format with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout
+    # off (as before) and on, one run.sh each (same warm machine, back to back); then
+    # `python -m benchmarks.slice.long_context --prefill-formats --files $OUT/prefill_ab_*.md --note ... --write`
+    prefillab) for v in "0 exact" "1 exact" "1 bound"; do set -- $v
+            DSV4_FLASH_MLA_PREFILL=$1 DSV4_FP8_MOE_LAYOUT=$2 timeout ${PREFILLAB_TIMEOUT:-200} benchmarks/slice/run.sh \
+              --experts ${PREFILLAB_EXPERTS:-mxfp4 fp8} --prefill-only --prefill-runs 3 --no-peer \
+              --out "$OUT/prefill_ab_fm$1_$2.md" > "$OUT/prefillab_fm$1_$2.log" 2>&1 || status=1
+            echo "== flashmla prefill $1, fp8 moe layout $2"; grep -E "^(prefill|Prefill)" "$OUT/prefillab_fm$1_$2.log" | cut -c1-300
+          done ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
