@@ -3,10 +3,10 @@ dsv4_kernels.fp8_experts.fp8_moe_ref).
 
 One call, every step on the device; under CUDA-graph capture none reads back to the host:
 1. the (token, slot) pairs sorted by expert into segments padded to DeepGEMM's M alignment
-   (dsv4_kernels.fp8_experts.contiguous_layout: `m_indices` per row, -1 on padding rows). Eager calls (prefill
-   steps are never captured) size it exactly after one host sync (the counts): at 8K tokens of V4-Flash under
-   uniform routing 65,536 rows instead of the sync-free bound's 81,792 that a capture must use (2K: 32,768 vs
-   44,928), for both GEMMs and every buffer;
+   (dsv4_kernels.fp8_experts.contiguous_layout: `m_indices` per row, -1 on padding rows), sized by the sync-free
+   bound (81,792 rows at 8K tokens of V4-Flash; the kernel skips the empty tiles) unless DSV4_FP8_MOE_LAYOUT=exact
+   sizes eager calls exactly after one host sync (65,536 rows under uniform routing; `exact_layout` says why bound
+   is the default);
 2. x quantised once per token in 1x128 blocks (dsv4_kernels.triton_fp8_quant) and its e4m3 rows and scales gathered
    into the padded order (padding rows read token 0: their products are never read);
 3. gate|up: `m_grouped_fp8_gemm_nt_contiguous` over w13 [E, 2I, H] -> [M, 2I] bf16;
@@ -67,9 +67,10 @@ def _gather_rows(xq: torch.Tensor, xs: torch.Tensor, src: torch.Tensor):
 
 
 def exact_layout(ids: torch.Tensor) -> bool:
-    """Size the layout exactly (one host sync) unless a CUDA graph is being captured on the current stream or
-    DSV4_FP8_MOE_LAYOUT=bound (the sync drains the launch queue, so the GPU idles while the host issues the layer's
-    next launches; the bound layout's extra tiles are skipped by the kernel)."""
+    """Size the layout exactly (one host sync) only with DSV4_FP8_MOE_LAYOUT=exact and outside a CUDA-graph capture.
+    The sync drains the launch queue, so the GPU idles while the host issues the layer's next launches: on the
+    H200's 8K slice prefill the bound layout's extra tiles cost 1.6 ms of GEMM time and the syncs ~5 ms of wall
+    (50 vs 55 ms; BENCHMARKS prefill_formats)."""
     from dsv4_kernels.settings import settings
 
     if ids.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -7,7 +7,7 @@ engine.model.attention_fp8.dequantised_attend builds them); -1 = skip; one sink 
 latent). FlashMLA's `flash_mla_sparse_fwd(q [T, H, 512], kv [S, 1, 512], indices [T, 1, K], scale, 512, attn_sink)`
 takes exactly that once the stores are one tensor (a copy of the step's bf16 rows: ~1 KB a row, a few us at 8K
 rows), the heads are 64 or 128 (fewer are padded with zero queries whose outputs are dropped), and K is a multiple
-of 64 (padded with -1).
+of 128 (padded with -1).
 
 Precision: FlashMLA rounds the softmax weights to bf16 before the P.V product, as the Triton kernel's bf16
 tensor-core path does; both accumulate in fp32. A query with no valid row returns zeros (all mass on the sink), as
@@ -20,7 +20,7 @@ import torch
 
 HEAD_DIM = 512
 HEAD_COUNTS = (64, 128)
-TOPK_MULTIPLE = 64
+TOPK_MULTIPLE = 128  # the sm90 kernel takes top-k in pairs of its 64-row blocks (2 * B_TOPK)
 
 
 def unfit_reason(q: torch.Tensor, stores: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> str:
@@ -42,7 +42,7 @@ def padded_heads(num_heads: int) -> int:
 
 
 def padded_rows(rows: torch.Tensor) -> torch.Tensor:
-    """int [T, K] -> int32 [T, 1, K'] with K' the next multiple of 64 (-1 padding), FlashMLA's indices."""
+    """int [T, K] -> int32 [T, 1, K'] with K' the next multiple of 128 (-1 padding), FlashMLA's indices."""
     k = rows.shape[1]
     want = max(TOPK_MULTIPLE, -(-k // TOPK_MULTIPLE) * TOPK_MULTIPLE)
     rows = rows.to(torch.int32)

@@ -224,9 +224,9 @@ class Settings:
     fp8_moe_layout: str = _switch(
         FP8_MOE_LAYOUT,
         "choice",
-        "exact",
-        "rows of the FP8 grouped MoE's layout in eager steps: exact (one host sync a MoE layer to size it) or "
-        "bound (sized from the shapes, no sync; the kernel skips the empty tiles); captures always use bound",
+        "bound",
+        "rows of the FP8 grouped MoE's layout in eager steps: bound (sized from the shapes, no host sync; the kernel "
+        "skips the empty tiles: 8K prefill 50 ms on the H200) or exact (one host sync a MoE layer: 55 ms)",
         "kernels",
         choices=("exact", "bound"),
     )

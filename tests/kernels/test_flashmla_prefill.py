@@ -28,12 +28,12 @@ def _rows(t: int, k: int, total: int, seed: int, device="cpu", invalid: float = 
     return rows.to(device)
 
 
-def test_padded_rows_is_int32_and_a_multiple_of_64():
+def test_padded_rows_is_int32_and_a_multiple_of_128():
     rows = _rows(5, 130, 1000, seed=1)
     got = fp.padded_rows(rows)
-    assert got.dtype == torch.int32 and got.shape == (5, 1, 192)
+    assert got.dtype == torch.int32 and got.shape == (5, 1, 256)
     assert torch.equal(got[:, 0, :130], rows.to(torch.int32)) and (got[:, 0, 130:] == -1).all()
-    assert fp.padded_rows(rows[:, :64]).shape == (5, 1, 64)
+    assert fp.padded_rows(rows[:, :128]).shape == (5, 1, 128)
 
 
 def test_unfit_reasons_on_the_cpu_and_bad_shapes():
