@@ -151,11 +151,14 @@ def test_exact_and_bound_layouts_same_outputs(skip):
     NUM.assert_close(got, fe.fp8_moe_ref(x, weights, ids, ex, limit), torch.float32, loose=True)
 
 
-def test_deepgemm_moe_sizes_exactly_unless_capturing(monkeypatch):
-    """deepgemm_moe's layout: exact on eager calls, the sync-free bound while a CUDA graph is captured."""
+def test_deepgemm_moe_layout_is_bound_unless_exact_is_asked_outside_a_capture(monkeypatch):
+    """deepgemm_moe's layout: the sync-free bound by default; exact (one sync) on eager calls with
+    DSV4_FP8_MOE_LAYOUT=exact; the bound while a CUDA graph is captured whatever the setting."""
     from dsv4_kernels import deepgemm_moe
 
     ids = torch.zeros(3, 2, dtype=torch.long)
+    assert not deepgemm_moe.exact_layout(ids)
+    monkeypatch.setenv("DSV4_FP8_MOE_LAYOUT", "exact")
     assert deepgemm_moe.exact_layout(ids)  # (a CPU tensor is never captured)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
