@@ -10,7 +10,8 @@
 # longctx (slice prefill/decode at 32K, 128K and 1M), prefillfmt (slice prefill with MXFP4 vs FP8 experts, 3 runs),
 # specprof (where a speculative step's time goes: phases, kernels, vs the one-token step; benchmarks/spec_profile.py),
 # prefillhost (a slice prefill's host-device synchronisations and host functions; benchmarks/slice/prefill_host.py),
-# prefillab (the 8K prefill with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout off and on).
+# prefillab (the 8K prefill with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout off and on), long1m
+# (a 1M-token prompt's chunked prefill).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -134,6 +135,12 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
     prefillfmt) timeout ${PREFILLFMT_TIMEOUT:-400} benchmarks/slice/run.sh --experts mxfp4 fp8 --prefill-only \
           --prefill-runs 3 --no-peer --out "$OUT/prefill_formats.md" > "$OUT/prefillfmt.log" 2>&1 || status=1
         tail -20 "$OUT/prefillfmt.log" | cut -c1-250 ;;
+    # long1m: a 1,048,000-token prompt prefilled in 8K chunks (one untimed run + one timed), decode at that context;
+    # then `python -m benchmarks.slice.long_context --files <the longctx run> $OUT/long_1m.md --note ... --write`
+    long1m) timeout ${LONG1M_TIMEOUT:-560} benchmarks/slice/run.sh --budget-s ${LONG1M_BUDGET:-520} --experts mxfp4 \
+          --batches 1 --contexts 1048000 --prefill-tokens 1048000 --prefill-chunk 8192 --prefill-runs 1 --no-peer \
+          --out "$OUT/long_1m.md" > "$OUT/long1m.log" 2>&1 || status=1
+        grep -v Warning "$OUT/long1m.log" | tail -30 | cut -c1-300 ;;
     # prefillab: the 8K prefill by expert format with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout
     # off (as before) and on, one run.sh each (same warm machine, back to back); then
     # `python -m benchmarks.slice.long_context --prefill-formats --files $OUT/prefill_ab_*.md --note ... --write`
