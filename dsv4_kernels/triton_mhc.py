@@ -26,7 +26,9 @@ import torch
 from dsv4_kernels import triton_mhc_rows
 from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.settings import settings
+from dsv4_kernels.triton_fp8_quant import quant_act_1x128
 from dsv4_kernels.triton_mhc_mix import mix_partials, split_max_tokens
+from dsv4_kernels.triton_norm_quant import MAX_K, rms_norm_quant
 
 triton, tl = import_triton()
 
@@ -408,6 +410,36 @@ def hc_pre(
         **extra,
     )
     return normed, post, comb
+
+
+def hc_pre_quant(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    norm_weight: torch.Tensor,
+    out_eps: float,
+    out_dtype: torch.dtype,
+    pow2: bool,
+):
+    """hc_pre with the block's input RMSNorm fused (norm_weight [D]), plus that input's 1x128 FP8 quantisation for
+    the block's first FP8 projection -> (normed [T, D] in out_dtype, e4m3 [T, D], fp32 scales [T, ceil(D/128)]
+    MN-major, post fp32 [T, hc], comb fp32 [T, hc, hc]); the codes are `quant_act_1x128(normed, pow2)`'s.
+    Split-kernel steps: the norm launch becomes dsv4_kernels.triton_norm_quant's norm + quantisation (one launch
+    where there were two: the norm here and the projection's quantiser); long steps: hc_pre's fused norm, then
+    the quantiser (the same launches as before, the quantiser moved here)."""
+    args = (streams, fn, base, scale, iters, hc_eps, norm_eps)
+    if streams.shape[0] <= split_max_tokens(streams.dtype) and streams.shape[-1] <= MAX_K:
+        collapsed, post, comb = hc_pre(*args)
+        normed, q, s = rms_norm_quant(collapsed, norm_weight, out_eps, pow2, out_dtype)
+        return normed, q, s, post, comb
+    normed, post, comb = hc_pre(*args, norm_weight=norm_weight, out_eps=out_eps, out_dtype=out_dtype)
+    q, s = quant_act_1x128(normed, pow2)
+    return normed, q, s, post, comb
 
 
 def hc_post(

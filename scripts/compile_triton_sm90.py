@@ -7,7 +7,8 @@ GPUTarget("cuda", 90, 32), with the constexprs the CUDA path would use (hardware
 It reports registers / spills (ptxas -v) and checks that every fp32 -> e4m3 conversion is the single
 round-to-nearest-even cvt (cvt.rn.satfinite.e4m3x2.f32), not a double-rounding path through fp16.
 
-Usage: python scripts/compile_triton_sm90.py [--only swa,indexer_query,compressor,compress_step,attention_glue]
+Usage: python scripts/compile_triton_sm90.py [--only mhc,topk,step_ends,swa,indexer_query,compressor,compress_step,
+         attention_glue]
          (exit 1 on any failure)
 """
 
@@ -31,7 +32,7 @@ _SIG = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", to
         torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 _LAUNCH = ("num_warps", "num_stages")
 # What the wrappers pass when their tensors are on CUDA (they run on CPU tensors here).
-_CUDA_CONSTEXPRS = {"HW_FP8": True}
+_CUDA_CONSTEXPRS = {"HW_FP8": True, "LIBDEVICE": True}
 
 
 class Recorder:
@@ -219,9 +220,26 @@ def mhc_cases():
             m.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, norm_weight=torch.rand(d), out_eps=1e-6,
                      out_dtype=torch.bfloat16)
             m.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+            m.hc_pre_quant(streams, fn, base, scale, 20, 1e-6, 1e-6, norm_weight=torch.rand(d), out_eps=1e-6,
+                           out_dtype=torch.bfloat16, pow2=True)
             m.hc_post(torch.empty(t, d, dtype=torch.bfloat16), streams, torch.rand(t, hc), torch.rand(t, hc, hc))
     return m, ["_hc_mix_kernel", "_hc_mix_bf16x3_kernel", "_hc_pre_kernel", "_hc_pre_split_kernel",
                "_norm_rows_kernel", "_hc_post_kernel", "_hc_weights_kernel", "_hc_collapse_kernel"]
+
+
+def step_ends_cases():
+    """The step's first and last launches at V4-Flash widths: embeddings into hc streams + both RoPEs' cos / sin
+    (libdevice's), and hc_head + the final norm over gathered logit rows (one decode token, a 64-token step)."""
+    from dsv4_kernels import triton_hc_head as h
+    from dsv4_kernels import triton_step_inputs as s
+
+    hc, d = 4, 4096
+    for t in (1, 64):
+        for dtype in (torch.float32, torch.bfloat16):
+            s.step_inputs(_rand(1000, d), torch.arange(t), torch.arange(t), hc, dtype, torch.rand(2, 32), torch.rand(2))
+            h.hc_head_norm(torch.empty(t, hc, d, dtype=dtype), torch.randn(hc, hc * d), torch.randn(hc), torch.rand(1),
+                           1e-6, 1e-6, torch.rand(d), 1e-6, torch.bfloat16, torch.arange(t))
+    return (s, h), ["_step_inputs_kernel", "_head_mix_kernel", "_head_norm_kernel"]
 
 
 def topk_cases():
@@ -233,10 +251,12 @@ def topk_cases():
     return m, ["_topk_kernel"]
 
 
-GROUPS = {"mhc": mhc_cases, "topk": topk_cases,
+GROUPS = {"mhc": mhc_cases, "topk": topk_cases, "step_ends": step_ends_cases,
           "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
           "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
-MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "dsv4_kernels.triton_mhc_rows"),
+MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "dsv4_kernels.triton_mhc_rows",
+                   "dsv4_kernels.triton_norm_quant", "dsv4_kernels.triton_fp8_quant"),
+           "step_ends": ("dsv4_kernels.triton_step_inputs", "dsv4_kernels.triton_hc_head"),
            "topk": ("dsv4_kernels.triton_topk",),
            "swa": ("dsv4_kernels.triton_swa_insert",),
            "indexer_query": ("dsv4_kernels.triton_indexer_query",),

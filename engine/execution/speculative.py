@@ -361,7 +361,7 @@ class Speculator:
             snapshots,
         )
         streams = core.model.forward_streams(batch, core.pool)
-        return streams, core.model.logits(streams[batch.logit_rows]), sample_rows, prompt_rows
+        return streams, core.model.logits(streams, batch.logit_rows), sample_rows, prompt_rows
 
     def _pick(self, plans: list[_Plan], logits: torch.Tensor, sample_rows: list) -> None:
         """Each plan's emitted tokens: one sample (core._sample) or, for a verify chunk, the accepted drafts plus the

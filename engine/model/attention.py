@@ -51,6 +51,8 @@ from engine.model.cache import CacheLayer, CachePool
 from engine.model.config import ModelConfig
 from engine.model.fast_paths import use_flash_mla, use_triton
 from engine.model.linear import (
+    QuantizedAct,
+    Weight,
     can_concat_rows,
     concat_rows,
     grouped_projection,
@@ -98,14 +100,22 @@ class AttentionBlock:
             self.w["wq_a.weight"], self.w["wkv.weight"] = split_rows(self.stacked_qkv, wq_a.shape[0])
         self.x_stack, self.x_cols = _stack_x_projections(self.w, self.ratio)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, pool: CachePool, ropes: dict) -> torch.Tensor:
-        """x: [T, hidden] (normed block input) -> [T, hidden]."""
+    @property
+    def first_projection(self) -> Weight | None:
+        """The FP8 projection that reads the block input first (wq_a | wkv stacked), whose activation quantisation
+        the mHC pre can fuse into its norm (engine.model.model._hc); None where they are not stacked."""
+        return self.stacked_qkv
+
+    def forward(
+        self, x: torch.Tensor, batch: StepBatch, pool: CachePool, ropes: dict, qa: QuantizedAct | None = None
+    ) -> torch.Tensor:
+        """x: [T, hidden] (normed block input) -> [T, hidden]. qa: x already quantised for `first_projection`."""
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         t = x.shape[0]
         cos, sin = ropes[self.rope_kind]
         fast_ops = use_triton(x.device)
         if self.stacked_qkv is not None and uses_fp8_gemm(x, self.stacked_qkv):
-            both = linear(x, self.stacked_qkv)
+            both = linear_from(x, qa, self.stacked_qkv)
             q_lat, kv_pre = both[:, : self.q_lora], both[:, self.q_lora :]
         else:
             q_lat, kv_pre = linear(x, w["wq_a.weight"]), linear(x, w["wkv.weight"])

@@ -50,11 +50,26 @@ def take_fp8_weights(weights: dict, pow2_act: bool = True) -> dict:
 
 
 def _fast(x: torch.Tensor, w: Fp8Weight) -> bool:
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and use_fp8_gemm(x.device, x.dtype)):
+    return _fast_on(x.device, x.dtype, w)
+
+
+def _fast_on(device: torch.device, dtype: torch.dtype, w: Fp8Weight) -> bool:
+    """Does w run DeepGEMM's FP8 GEMM on activations of `dtype` on `device`?"""
+    if not (device.type == "cuda" and dtype == torch.bfloat16 and use_fp8_gemm(device, dtype)):
         return False
     from dsv4_kernels.deepgemm_linear import supported
 
     return supported(w)
+
+
+def shared_quant_pow2(device: torch.device, dtype: torch.dtype, *ws: Weight | None) -> bool | None:
+    """When every w in `ws` (at least one) runs DeepGEMM's FP8 GEMM on 2-D activations of `dtype` on `device` with
+    the same activation scales, their pow2 flag: one 1x128 quantisation of the input can feed them all
+    (`linear_from`); else None."""
+    fp8 = [w for w in ws if isinstance(w, Fp8Weight) and _fast_on(device, dtype, w)]
+    if not ws or len(fp8) != len(ws) or len({w.pow2_act for w in fp8}) != 1:
+        return None
+    return fp8[0].pow2_act
 
 
 def uses_fp8_gemm(x: torch.Tensor, w: Weight) -> bool:
@@ -104,11 +119,11 @@ def rms_norm_for(x: torch.Tensor, weight: torch.Tensor, eps: float, *ws: Weight)
 
     Where every w in `ws` runs DeepGEMM's FP8 GEMM, one Triton launch (dsv4_kernels.triton_norm_quant) norms and
     quantises, and each `linear_from(normed, qa, w)` then skips its own quantiser; elsewhere the plain norm."""
-    fp8 = [w for w in ws if isinstance(w, Fp8Weight) and _fast(x, w)] if x.dim() == 2 else []
-    if ws and len(fp8) == len(ws) and len({w.pow2_act for w in fp8}) == 1:
+    pow2 = shared_quant_pow2(x.device, x.dtype, *ws) if x.dim() == 2 else None
+    if pow2 is not None:
         from dsv4_kernels.triton_norm_quant import rms_norm_quant  # imports triton: only on this path
 
-        normed, q, s = rms_norm_quant(x, weight, eps, fp8[0].pow2_act)
+        normed, q, s = rms_norm_quant(x, weight, eps, pow2)
         return normed, QuantizedAct(q, s)
     return rms_norm(x, weight, eps), None
 

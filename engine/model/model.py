@@ -15,6 +15,7 @@ from engine.model.batch import StepBatch
 from engine.model.cache import CachePool
 from engine.model.config import ModelConfig, RopeSpec
 from engine.model.fast_paths import describe, fast_path_states, log_fast_paths, use_triton
+from engine.model.linear import QuantizedAct, Weight, shared_quant_pow2
 from engine.model.moe import MoEBlock
 from engine.model.parallel import SINGLE, ParallelContext, vocab_embed
 
@@ -126,9 +127,11 @@ class DeepseekV4Model:
             return triton_mhc
         return mhc
 
-    def _hc(self, lw: dict, kind: str, streams: torch.Tensor):
+    def _hc(self, lw: dict, kind: str, streams: torch.Tensor, first: Weight | None = None):
         """mHC pre of block `kind` ("attn" / "ffn") -> (the block's input: RMSNorm(collapsed) in the model dtype
-        [T, D], post [T, hc], comb [T, hc, hc]). The Triton kernel fuses the norm and the cast in."""
+        [T, D], that input's QuantizedAct or None, post [T, hc], comb [T, hc, hc]). The Triton kernel fuses the
+        norm and the cast in; where `first` (the block's first projection of its input) runs DeepGEMM's FP8 GEMM,
+        the 1x128 quantisation it needs is fused into the norm's launch too (triton_mhc.hc_pre_quant)."""
         cfg, impl = self.cfg, self._mhc(streams)
         args = (
             streams,
@@ -139,18 +142,23 @@ class DeepseekV4Model:
             cfg.hc_eps,
             cfg.rms_norm_eps,
         )
-        weight = lw[f"{kind}_norm.weight"]
-        if impl is not mhc:
-            return impl.hc_pre(*args, norm_weight=weight, out_eps=cfg.rms_norm_eps, out_dtype=self.dtype)
-        collapsed, post, comb = impl.hc_pre(*args)
-        return rms_norm(collapsed, weight, cfg.rms_norm_eps).to(self.dtype), post, comb
+        weight, eps = lw[f"{kind}_norm.weight"], cfg.rms_norm_eps
+        if impl is mhc:
+            collapsed, post, comb = impl.hc_pre(*args)
+            return rms_norm(collapsed, weight, eps).to(self.dtype), None, post, comb
+        pow2 = shared_quant_pow2(streams.device, self.dtype, first)
+        if pow2 is None:
+            x, post, comb = impl.hc_pre(*args, norm_weight=weight, out_eps=eps, out_dtype=self.dtype)
+            return x, None, post, comb
+        x, q, s, post, comb = impl.hc_pre_quant(*args, norm_weight=weight, out_eps=eps, out_dtype=self.dtype, pow2=pow2)
+        return x, QuantizedAct(q, s), post, comb
 
     @torch.inference_mode()
     def forward(
         self, batch: StepBatch, pool: CachePool, exchange_counts: tuple[int, ...] | None = None
     ) -> torch.Tensor:
         """Run every token of the step through the model; -> fp32 logits [len(batch.logit_rows), vocab]."""
-        return self.logits(self.forward_streams(batch, pool, exchange_counts)[batch.logit_rows])
+        return self.logits(self.forward_streams(batch, pool, exchange_counts), batch.logit_rows)
 
     @torch.inference_mode()
     def forward_streams(
@@ -159,31 +167,72 @@ class DeepseekV4Model:
         """Run every token of the step through the layers -> the residual streams before hc_head [T, hc, D] in
         the residual dtype (what the MTP draft layer takes as its hidden input, engine.model.mtp)."""
         cfg = self.cfg
-        ropes = self.step_ropes(batch)
         self.forwards += 1
         dp = (
             self.parallel.token_exchange(batch.token_ids, exchange_counts)
             if self.parallel.data_parallel_attention
             else None
         )
-        h = vocab_embed(self.embed, batch.token_ids, self.parallel.attention)
-        # [T, hc, hidden] in the residual dtype: the cast and the hc broadcast as one copy (one kernel, not two)
-        streams = torch.empty((h.shape[0], cfg.hc_mult, h.shape[1]), dtype=self.residual_dtype, device=h.device)
-        streams.copy_(h.unsqueeze(1).expand(-1, cfg.hc_mult, -1))
+        streams, ropes = self._step_inputs(batch)
         for i in range(cfg.num_layers):
             lw = self.layer_weights[i]
-            x, post, comb = self._hc(lw, "attn", streams)
-            out = self.attn[i].forward(x, batch, pool, ropes)
+            x, qa, post, comb = self._hc(lw, "attn", streams, self.attn[i].first_projection)
+            out = self.attn[i].forward(x, batch, pool, ropes, qa)
             streams = self._mhc(streams).hc_post(out, streams, post, comb)
-            x, post, comb = self._hc(lw, "ffn", streams)
-            out = self.moe[i].forward(x, batch.token_ids, dp)
+            x, qa, post, comb = self._hc(lw, "ffn", streams, self.moe[i].first_projection)
+            out = self.moe[i].forward(x, batch.token_ids, dp, qa)
             streams = self._mhc(streams).hc_post(out, streams, post, comb)
         return streams
 
     def step_ropes(self, batch: StepBatch) -> dict:
         """The step's RoPE tables as the attention blocks take them."""
         main, compress = self._position_ropes(batch.positions)
+        return self._rope_dict(main, compress)
+
+    def _rope_dict(self, main: tuple, compress: tuple) -> dict:
         return {"main": main, "compress": compress, "compress_at": _memo_by_tensor(self.ropes["compress"])}
+
+    def _step_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, dict]:
+        """-> (the residual streams [T, hc, hidden] in the residual dtype: each token's embedding in every stream;
+        the step's RoPE tables, as step_ropes). With the Triton fast paths (CUDA; the CPU interpreter when forced),
+        one rank's whole vocabulary and equal RoPE widths: one launch (dsv4_kernels.triton_step_inputs; 8 torch
+        kernels otherwise)."""
+        cfg, ids = self.cfg, batch.token_ids
+        if self._fused_step_inputs():
+            from dsv4_kernels.triton_step_inputs import step_inputs  # imports triton: only on this path
+
+            inv, factor = self._rope_tables()
+            streams, cs = step_inputs(
+                self.embed, ids, batch.positions, cfg.hc_mult, self.residual_dtype, inv[:, 0], factor.view(-1)
+            )
+            return streams, self._rope_dict((cs[0, 0], cs[0, 1]), (cs[1, 0], cs[1, 1]))
+        ropes = self.step_ropes(batch)
+        h = vocab_embed(self.embed, ids, self.parallel.attention)
+        # [T, hc, hidden] in the residual dtype: the cast and the hc broadcast as one copy (one kernel, not two)
+        streams = torch.empty((h.shape[0], cfg.hc_mult, h.shape[1]), dtype=self.residual_dtype, device=h.device)
+        streams.copy_(h.unsqueeze(1).expand(-1, cfg.hc_mult, -1))
+        return streams, ropes
+
+    def _fused_step_inputs(self) -> bool:
+        main, comp = self.ropes["main"], self.ropes["compress"]
+        return (
+            use_triton(self.device)
+            and not self.parallel.attention.enabled  # a vocab-parallel table needs its all-reduce
+            and main.inv_freq.shape == comp.inv_freq.shape
+            and self.embed.stride(-1) == 1
+        )
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both RoPEs' (inverse frequencies fp32 [2, 1, half], attention factors fp32 [2, 1, 1]), built once."""
+        if self._rope_stack is None:
+            main, comp = self.ropes["main"], self.ropes["compress"]
+            self._rope_stack = (
+                torch.stack([main.inv_freq, comp.inv_freq]).to(torch.float32).unsqueeze(1),
+                torch.tensor(
+                    [main.spec.attention_factor, comp.spec.attention_factor], dtype=torch.float32, device=self.device
+                ).view(2, 1, 1),
+            )
+        return self._rope_stack
 
     @torch.inference_mode()
     def idle_forward(self) -> None:
@@ -203,21 +252,36 @@ class DeepseekV4Model:
         main, comp = self.ropes["main"], self.ropes["compress"]
         if main.inv_freq.shape != comp.inv_freq.shape:
             return main(positions), comp(positions)
-        if self._rope_stack is None:
-            self._rope_stack = (
-                torch.stack([main.inv_freq, comp.inv_freq]).to(torch.float32).unsqueeze(1),
-                torch.tensor(
-                    [main.spec.attention_factor, comp.spec.attention_factor], dtype=torch.float32, device=self.device
-                ).view(2, 1, 1),
-            )
-        inv, factor = self._rope_stack
+        inv, factor = self._rope_tables()
         freqs = positions.to(torch.float32).unsqueeze(-1) * inv  # [2, T, half]
         cos, sin = freqs.cos() * factor, freqs.sin() * factor
         return (cos[0], sin[0]), (cos[1], sin[1])
 
-    def logits(self, streams: torch.Tensor) -> torch.Tensor:
-        """streams: [N, hc, hidden] -> fp32 [N, vocab]."""
+    def logits(self, streams: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """streams: [T, hc, hidden]; rows: int [N] of T whose logits to take (None: all) -> fp32 [N, vocab]."""
         cfg = self.cfg
-        x = hc_head(streams, *self.hc_head_params, cfg.hc_eps, cfg.rms_norm_eps)
-        x = rms_norm(x, self.norm, cfg.rms_norm_eps).to(self.head.dtype)
+        x = head_input(streams, rows, *self.hc_head_params, self.norm, cfg, self.head.dtype)
         return self.parallel.attention.gather_vocab((x @ self.head.t()).float(), cfg.vocab_size)
+
+
+def head_input(
+    streams: torch.Tensor,
+    rows: torch.Tensor | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    cfg: ModelConfig,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The LM head's input: hc_head of streams[rows] ([T, hc, D]; rows None = all), then the final RMSNorm, in
+    out_dtype [N, D]. With the Triton fast paths (CUDA; the CPU interpreter when forced) the gather, hc_head and
+    norm are two launches (dsv4_kernels.triton_hc_head; ~20 torch kernels otherwise); elsewhere the reference ops."""
+    if use_triton(streams.device):
+        from dsv4_kernels.triton_hc_head import hc_head_norm  # imports triton: only on this path
+
+        return hc_head_norm(
+            streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps, norm_weight, cfg.rms_norm_eps, out_dtype, rows
+        )
+    x = hc_head(streams if rows is None else streams[rows], fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)
+    return rms_norm(x, norm_weight, cfg.rms_norm_eps).to(out_dtype)

@@ -39,9 +39,12 @@ from engine.model.fast_paths import (
 )
 from engine.model.fp8_expert_weights import has_packed_experts, take_fp8_experts
 from engine.model.linear import (
+    QuantizedAct,
+    Weight,
     can_concat_rows,
     concat_rows,
     linear,
+    linear_from,
     pow2_activations,
     split_rows,
     take_fp8_weights,
@@ -282,11 +285,18 @@ class MoEBlock:
             return weights, torch.where(mine, local, -1)
         return torch.where(mine, weights, 0), torch.where(mine, local, 0)
 
-    def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
-        """dsv4_kernels.moe.expert_mlp through engine.model.linear (FP8 weights where kept): x [T, H] -> [T, H]."""
+    @property
+    def first_projection(self) -> Weight | None:
+        """The FP8 projection that reads the block input first (the shared expert's w1 | w3 stacked), whose
+        activation quantisation the mHC pre can fuse into its norm (engine.model.model._hc); None if unstacked."""
+        return self.shared_w13
+
+    def shared_expert(self, x: torch.Tensor, qa: QuantizedAct | None = None) -> torch.Tensor:
+        """dsv4_kernels.moe.expert_mlp through engine.model.linear (FP8 weights where kept): x [T, H] -> [T, H].
+        qa: x already quantised for `first_projection`."""
         w1, w2, w3 = self.shared
         if self.shared_w13 is not None:
-            h = linear(x, self.shared_w13)  # [T, 2I]: gate | up
+            h = linear_from(x, qa, self.shared_w13)  # [T, 2I]: gate | up
         else:
             h = torch.cat([linear(x, w1), linear(x, w3)], dim=-1)
         inter, limit = h.shape[-1] // 2, self.cfg.swiglu_limit
@@ -305,14 +315,21 @@ class MoEBlock:
             act = swiglu(gate, up, limit)
         return linear(act, w2)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, dp: TokenExchange | None = None) -> torch.Tensor:
-        """x: [T, H] -> [T, H]. dp: the step's token exchange, under data-parallel attention."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        token_ids: torch.Tensor,
+        dp: TokenExchange | None = None,
+        qa: QuantizedAct | None = None,
+    ) -> torch.Tensor:
+        """x: [T, H] -> [T, H]. dp: the step's token exchange, under data-parallel attention. qa: x already
+        quantised for `first_projection`."""
         if self.parallel.data_parallel_attention:
-            return self._forward_dp(x, dp)
+            return self._forward_dp(x, dp, qa)
         # One all-reduce for the block: routed (this rank's experts or expert slices) + shared (its slice).
-        return self.parallel.all_reduce(self.routed(x, token_ids, self.shared_expert(x)))
+        return self.parallel.all_reduce(self.routed(x, token_ids, self.shared_expert(x, qa)))
 
-    def _forward_dp(self, x: torch.Tensor, dp: TokenExchange | None) -> torch.Tensor:
+    def _forward_dp(self, x: torch.Tensor, dp: TokenExchange | None, qa: QuantizedAct | None = None) -> torch.Tensor:
         """Data-parallel attention (engine.execution.dp_attention): each rank brings its own tokens. They are gathered
         from every rank (zero-padded to the largest count), every rank routes them all (the router is
         replicated, so all agree) and runs its own experts on the pairs routed there, the partial sums go back
@@ -328,4 +345,4 @@ class MoEBlock:
             return torch.zeros_like(x)
         xs = self.parallel.gather_rows(x, counts)
         routed = self.parallel.reduce_rows(self.routed(xs, dp.token_ids), counts)
-        return routed + self.shared_expert(x) if x.shape[0] else routed
+        return routed + self.shared_expert(x, qa) if x.shape[0] else routed

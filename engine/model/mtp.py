@@ -16,13 +16,13 @@ import dataclasses
 
 import torch
 
-from dsv4_kernels.mhc import hc_head
 from dsv4_kernels.norm import rms_norm
 from engine.model.attention import AttentionBlock
 from engine.model.batch import StepBatch
 from engine.model.cache import CachePool
 from engine.model.config import ModelConfig
 from engine.model.linear import linear
+from engine.model.model import head_input
 from engine.model.moe import MoEBlock
 from engine.model.parallel import vocab_embed
 
@@ -84,16 +84,17 @@ class MtpLayer:
         h = linear(h, self.h_proj).view(t, hc, d)
         streams = h.to(model.residual_dtype) + e.to(model.residual_dtype).unsqueeze(1)
         ropes = model.step_ropes(batch)
-        x, post, comb = model._hc(self.block, "attn", streams)
-        out = self.attn.forward(x, batch, pool, ropes)
+        x, qa, post, comb = model._hc(self.block, "attn", streams, self.attn.first_projection)
+        out = self.attn.forward(x, batch, pool, ropes, qa)
         streams = model._mhc(streams).hc_post(out, streams, post, comb)
-        x, post, comb = model._hc(self.block, "ffn", streams)
-        out = self.moe.forward(x, batch.token_ids)
+        x, qa, post, comb = model._hc(self.block, "ffn", streams, self.moe.first_projection)
+        out = self.moe.forward(x, batch.token_ids, qa=qa)
         return model._mhc(streams).hc_post(out, streams, post, comb)
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """streams: [N, hc, D] (this layer's output) -> fp32 [N, vocab]: its own hc_head and norm, the shared head."""
         cfg, w, head = self.cfg, self.w, self.model.head
-        x = hc_head(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg.hc_eps, cfg.rms_norm_eps)
-        x = rms_norm(x, w["norm.weight"], cfg.rms_norm_eps).to(head.dtype)
+        x = head_input(
+            streams, None, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], w["norm.weight"], cfg, head.dtype
+        )
         return self.model.parallel.attention.gather_vocab((x @ head.t()).float(), cfg.vocab_size)
