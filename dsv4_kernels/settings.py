@@ -47,6 +47,7 @@ FP8_GEMM = "DSV4_FP8_GEMM"
 FLASH_MLA = "DSV4_FLASH_MLA"
 FLASH_MLA_PREFILL = "DSV4_FLASH_MLA_PREFILL"
 FP8_MOE_LAYOUT = "DSV4_FP8_MOE_LAYOUT"
+INDEXER_PREFILL = "DSV4_INDEXER_PREFILL"
 GROUPED_MOE = "DSV4_GROUPED_MOE"
 FP32_RESIDUAL = "DSV4_FP32_RESIDUAL"
 TP_BACKEND = "DSV4_TP_BACKEND"
@@ -220,6 +221,15 @@ class Settings:
         "token, dsv4_kernels.triton_mhc_rows) or token (one program a token)",
         "kernels",
         choices=("rows", "token"),
+    )
+    indexer_prefill: str = _switch(
+        INDEXER_PREFILL,
+        "choice",
+        "triton",
+        "the indexer's scores of prefill chunks over FP8 keys: triton (bf16 queries, the engine's kernel) or deepgemm "
+        "(DeepGEMM's fp8_mqa_logits, FP8 queries; one sequence a step; not yet run on a GPU)",
+        "kernels",
+        choices=("triton", "deepgemm"),
     )
     fp8_moe_layout: str = _switch(
         FP8_MOE_LAYOUT,

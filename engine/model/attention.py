@@ -49,7 +49,7 @@ from engine.model import attention_fp8
 from engine.model.batch import CompressPlan, StepBatch, paged_rows
 from engine.model.cache import CacheLayer, CachePool
 from engine.model.config import ModelConfig
-from engine.model.fast_paths import use_flash_mla, use_triton
+from engine.model.fast_paths import use_deepgemm_indexer, use_flash_mla, use_triton
 from engine.model.linear import (
     QuantizedAct,
     Weight,
@@ -406,6 +406,12 @@ class AttentionBlock:
             q, head_weights, _ = indexer_prologue(
                 q, cos, sin, raw_weights, cfg.index_n_heads**-0.5, width=layout.index_head_dim if layout else None
             )
+            if _deepgemm_indexer_fits(q, layout, vis.rows, batch):
+                from dsv4_kernels.deepgemm_indexer import fp8_indexer_topk
+
+                return fp8_indexer_topk(
+                    q, store, layout, vis.rows, vis.count, head_weights, cfg.index_topk, False, self.scores_budget
+                )
             # Candidates per request (vis.rows [B, E], vis.count [T]); scores in query blocks of at most
             # self.scores_budget bytes. cu_seqlens: prefill-shaped steps take the shared-key prefill kernel.
             # Unordered picks on CUDA (the attention kernels skip -1 wherever it is); the CPU keeps topk's order,
@@ -428,6 +434,16 @@ class AttentionBlock:
         return visible_topk(
             q, keys.read, vis.rows, vis.seg, vis.count, head_weights, cfg.index_topk, self.scores_budget
         )
+
+
+def _deepgemm_indexer_fits(q: torch.Tensor, layout, rows: torch.Tensor, batch: StepBatch) -> bool:
+    """A prefill chunk of one sequence over FP8 keys, where DeepGEMM's indexer kernel is switched on
+    (engine.model.fast_paths.use_deepgemm_indexer; dsv4_kernels.deepgemm_indexer: FP8 queries). Shapes only."""
+    if _one_token_each(batch) or not use_deepgemm_indexer(q.device, q.dtype):
+        return False
+    from dsv4_kernels.deepgemm_indexer import unfit_reason
+
+    return not unfit_reason(q, layout, rows)
 
 
 def _one_token_each(batch: StepBatch) -> bool:

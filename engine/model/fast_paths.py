@@ -155,6 +155,12 @@ def use_flash_mla(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and use_triton(device) and has_flash_mla()
 
 
+def use_deepgemm_indexer(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """DeepGEMM's fp8_mqa_logits for the indexer's scores of prefill chunks over FP8 keys (FP8 queries:
+    dsv4_kernels.deepgemm_indexer), where DeepGEMM runs the FP8 GEMMs and DSV4_INDEXER_PREFILL=deepgemm."""
+    return settings().indexer_prefill == "deepgemm" and use_fp8_gemm(device, dtype)
+
+
 def use_flash_mla_prefill(device: torch.device | str) -> bool:
     """FlashMLA's sparse prefill kernel for prefill and mixed steps over dequantised fp8 caches
     (engine.model.attention_fp8.dequantised_attend) on `device`: where its decode kernel is used
