@@ -11,7 +11,7 @@
 # specprof (where a speculative step's time goes: phases, kernels, vs the one-token step; benchmarks/spec_profile.py),
 # prefillhost (a slice prefill's host-device synchronisations and host functions; benchmarks/slice/prefill_host.py),
 # prefillab (the 8K prefill with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout off and on), long1m
-# (a 1M-token prompt's chunked prefill).
+# (a 1M-token prompt's chunked prefill), indexerab (the long prefill's indexer: Triton vs DeepGEMM fp8_mqa_logits).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -141,6 +141,16 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
           --batches 1 --contexts 1048000 --prefill-tokens 1048000 --prefill-chunk 8192 --prefill-runs 1 --no-peer \
           --out "$OUT/long_1m.md" > "$OUT/long1m.log" 2>&1 || status=1
         grep -v Warning "$OUT/long1m.log" | tail -30 | cut -c1-300 ;;
+    # indexerab: a 128K-token prompt's chunked prefill with the indexer's scores through the Triton kernel (bf16
+    # queries) and through DeepGEMM's fp8_mqa_logits (FP8 queries), back to back (tests first:
+    # tests/kernels/test_deepgemm_indexer.py, tests/engine/test_gpu_flashmla_engine.py -k indexer)
+    indexerab) for v in triton deepgemm; do
+            DSV4_INDEXER_PREFILL=$v timeout ${INDEXERAB_TIMEOUT:-240} benchmarks/slice/run.sh --budget-s 200 \
+              --experts mxfp4 --batches 1 --contexts 131072 --prefill-tokens ${INDEXERAB_TOKENS:-131072} \
+              --prefill-chunk 8192 --prefill-runs 1 --no-peer --out "$OUT/indexer_$v.md" > "$OUT/indexerab_$v.log" 2>&1 \
+              || status=1
+            echo "== indexer $v"; grep -E "^(prefill|Prefill)" "$OUT/indexerab_$v.log" | cut -c1-300
+          done ;;
     # prefillab: the 8K prefill by expert format with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout
     # off (as before) and on, one run.sh each (same warm machine, back to back); then
     # `python -m benchmarks.slice.long_context --prefill-formats --files $OUT/prefill_ab_*.md --note ... --write`
