@@ -16,8 +16,8 @@ A bad value raises ValueError naming the variable, the value and what it accepts
 the environment logs one warning (with the closest known name, if one is close).
 
 This lives in dsv4_kernels, the lowest layer, so the kernels can read their own switches.
-`python -m dsv4_kernels.settings --markdown > docs/settings.md` writes the table of them all;
-`python -m dsv4_kernels.settings` prints the values this environment gives.
+`python -m dsv4_kernels.settings_doc --markdown > docs/settings.md` writes the table of them all;
+`python -m dsv4_kernels.settings_doc` prints the values this environment gives.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import functools
 import json
 import logging
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -585,63 +584,3 @@ def reload() -> Settings:
     """Forget the cached values and parse the environment again (after changing it in this process)."""
     settings.cache_clear()
     return settings()
-
-
-def markdown() -> str:
-    """docs/settings.md: every switch by group, with its type, default and help."""
-    out = [
-        "# Settings",
-        "",
-        "Every `DSV4_*` environment variable the code reads. Generated from `dsv4_kernels/settings.py` by",
-        "`python -m dsv4_kernels.settings --markdown > docs/settings.md` (tests/test_settings.py fails when this",
-        "file is out of date); `python -m dsv4_kernels.settings` prints the values your environment gives.",
-        "",
-        "One rule for every value; an empty value counts as unset (the default):",
-        "- bool: `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`, case-insensitive; where unset means automatic,",
-        "  `auto` too;",
-        "- int / number: parsed once, at the first read; choice: one of its values, case-insensitive; json: a JSON "
-        "object.",
-        "A bad value fails with an error naming the variable, the value and what it accepts. An unknown `DSV4_*`",
-        "name in the environment logs one warning (naming the closest known one).",
-        "",
-    ]
-    for group, heading in GROUPS.items():
-        out += [f"## {heading}", "", "| Variable | Type | Default | What it does |", "|---|---|---|---|"]
-        for s in SWITCHES:
-            if s.group == group:
-                kind = s.kind if s.kind != "choice" else "choice: " + " / ".join(s.choices)
-                if s.kind == "bool" and s.auto:
-                    kind = "bool or auto"
-                if s.minimum is not None:
-                    kind += f" >= {s.minimum}"
-                cell = s.help.replace("|", "\\|")
-                out.append(f"| `{s.name}` | {kind} | {s.shown_default()} | {cell} |")
-        out.append("")
-    return "\n".join(out)
-
-
-def describe(values: Settings) -> str:
-    """One line a switch: NAME=value (secrets hidden), those the environment sets marked."""
-    lines = []
-    for f in fields(values):
-        s: Switch = f.metadata["switch"]
-        value = getattr(values, f.name)
-        shown = "<hidden>" if s.secret and value is not None else ("unset" if value is None else value)
-        mark = " (set)" if s.name in os.environ else ""
-        lines.append(f"{s.name}={shown}{mark}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    if argv == ["--markdown"]:
-        print(markdown(), end="")
-        return 0
-    if argv:
-        print("usage: python -m dsv4_kernels.settings [--markdown]", file=sys.stderr)
-        return 2
-    print(describe(settings()))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

@@ -3,7 +3,7 @@
 - No code outside dsv4_kernels/settings.py reads a `DSV4_*` variable from os.environ (read with `ast`: writes
   into an environment, for a child process, are fine);
 - every `DSV4_*` name the tree mentions is registered;
-- docs/settings.md is what `python -m dsv4_kernels.settings --markdown` writes;
+- docs/settings.md is what `python -m dsv4_kernels.settings_doc --markdown` writes;
 - the rule: boolean spellings, numbers, choices, JSON, empty = unset, errors naming the variable, the value and
   what it accepts, one warning for an unknown name.
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dsv4_kernels import settings as switches
+from dsv4_kernels import settings_doc
 from dsv4_kernels.settings import BY_NAME, SWITCHES, Settings, Switch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,8 +164,8 @@ def test_every_dsv4_name_in_the_tree_is_registered():
 
 def test_docs_table_is_up_to_date():
     doc = ROOT / "docs" / "settings.md"
-    assert doc.read_text() == switches.markdown(), (
-        "docs/settings.md is stale: python -m dsv4_kernels.settings --markdown > docs/settings.md"
+    assert doc.read_text() == settings_doc.markdown(), (
+        "docs/settings.md is stale: python -m dsv4_kernels.settings_doc --markdown > docs/settings.md"
     )
     for s in SWITCHES:
         assert f"`{s.name}`" in doc.read_text()
@@ -263,8 +264,8 @@ def test_settings_are_cached_and_monkeypatch_makes_them_parse_again(monkeypatch)
 
 def test_the_command_line_prints_values_and_the_table(capsys, monkeypatch):
     monkeypatch.setenv(switches.API_KEY, "sk-secret")
-    assert switches.main([]) == 0
+    assert settings_doc.main([]) == 0
     out = capsys.readouterr().out
     assert "DSV4_API_KEY=<hidden> (set)" in out and "sk-secret" not in out
-    assert switches.main(["--markdown"]) == 0
-    assert capsys.readouterr().out == switches.markdown()
+    assert settings_doc.main(["--markdown"]) == 0
+    assert capsys.readouterr().out == settings_doc.markdown()
