@@ -406,7 +406,7 @@ class AttentionBlock:
             q, head_weights, _ = indexer_prologue(
                 q, cos, sin, raw_weights, cfg.index_n_heads**-0.5, width=layout.index_head_dim if layout else None
             )
-            if _deepgemm_indexer_fits(q, layout, vis.rows, batch):
+            if layout is not None and _deepgemm_indexer_fits(q, layout, vis.rows, batch):
                 from dsv4_kernels.deepgemm_indexer import fp8_indexer_topk
 
                 return fp8_indexer_topk(
