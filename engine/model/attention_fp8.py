@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_kernels import flashmla_prefill
 from engine.model.batch import StepBatch
 from engine.model.cache import CacheLayer
+from engine.model.fast_paths import use_flash_mla_prefill
 
 
 def token_ring_rows(batch: StepBatch) -> torch.Tensor:
@@ -171,16 +173,6 @@ def dequantised_attend(
         stores.append(entry_keys.to(q.dtype))
     total = sum(s.shape[0] for s in stores)
     rows = torch.cat(parts, dim=1).to(torch.int32 if total < 2**31 else torch.int64)
-    if _flashmla_prefill_fits(q, stores):
-        from dsv4_kernels.flashmla_prefill import sparse_prefill
-
-        return sparse_prefill(q, stores, rows, sink, scale)
+    if use_flash_mla_prefill(q.device) and not flashmla_prefill.unfit_reason(q, stores):
+        return flashmla_prefill.sparse_prefill(q, stores, rows, sink, scale)
     return sparse_mqa_attention_multi(q, stores, rows, sink, scale)
-
-
-def _flashmla_prefill_fits(q: torch.Tensor, stores: list[torch.Tensor]) -> bool:
-    """FlashMLA's sparse prefill takes this call (shapes and dtypes only) and is switched on (DSV4_FLASH_MLA_PREFILL)."""
-    from dsv4_kernels.flashmla_prefill import unfit_reason
-    from engine.model.fast_paths import use_flash_mla_prefill
-
-    return use_flash_mla_prefill(q.device) and not unfit_reason(q, stores)
