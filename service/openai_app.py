@@ -37,6 +37,7 @@ from engine.loading.model_source import local_model_dir
 from engine.loading.tokenizer import load_tokenizer
 from engine.model.config import ModelConfig
 from engine.telemetry import metrics
+from engine.telemetry.batched_histogram import BatchedHistogram
 from router.client import AsyncRouterClient, RouterError
 from service import chat_v4
 from service import openai_protocol as P
@@ -70,9 +71,10 @@ class OpenAIServer:
         """client_factory: what runs requests instead of the router's Generate stream (a `DirectClient`: the
         router places, this process streams from the decode worker); called in the serving loop."""
         self.router_addr, self.model_dir, self.model_name = router_addr, model_dir, model_name
-        # observed every token: the labelled children looked up once, not per observation
-        self.ttft_histogram = metrics.TTFT.labels(model_name)
-        self.itl_histogram = metrics.ITL.labels(model_name)
+        # observed every token: the labelled children looked up once, counted here and added in batches (at each
+        # request's end, at most a second apart during a stream: engine.telemetry.batched_histogram says why)
+        self.ttft_histogram = BatchedHistogram(metrics.TTFT.labels(model_name))
+        self.itl_histogram = BatchedHistogram(metrics.ITL.labels(model_name))
         self.client_factory = client_factory
         self.options = options or IngressOptions()
         self.offload = Offloader(self.options.offload_threads)
@@ -280,32 +282,36 @@ class OpenAIServer:
         events = self.client().generate(job.prompt_ids, job.params, job.rid)
         last = None
         stop_tokens = self.eos_ids | set(job.params.stop_token_ids)
-        async with contextlib.aclosing(events):  # leaving early cancels the gRPC call: pages are freed
-            async for ev in events:
-                job.prompt_logprobs.extend(ev.prompt_logprobs)
-                job.cached_tokens = max(job.cached_tokens, ev.cached_tokens)
-                now = time.monotonic()
-                if ev.token_id is not None:
-                    (self.ttft_histogram if last is None else self.itl_histogram).observe(
-                        now - (job.arrival if last is None else last)
-                    )
-                    last = now
-                    job.token_ids.append(ev.token_id)
-                    job.logprobs.append(ev.logprob)
-                # A stop token ends the output but is not part of its text (vLLM), unless asked for.
-                by_token = ev.finished and ev.finish_reason == "stop" and ev.token_id in stop_tokens
-                shown = None if by_token and not job.text.include_stop else ev.token_id
-                delta = job.text.add(shown, ev.finished)
-                if ev.finished:
-                    job.finish_reason = ev.finish_reason or "stop"
-                    if by_token and ev.token_id in job.params.stop_token_ids:
-                        job.stop_reason = ev.token_id
-                if job.text.stop_hit is not None:  # stop string: done, and the engine stops with us
-                    job.finish_reason, job.stop_reason = "stop", job.text.stop_hit
-                yield ev.token_id, ev.logprob, delta
-                if job.finish_reason is not None:
-                    return
-        raise APIError(500, f"request {job.rid}: router stream ended without a finish")
+        try:
+            async with contextlib.aclosing(events):  # leaving early cancels the gRPC call: pages are freed
+                async for ev in events:
+                    job.prompt_logprobs.extend(ev.prompt_logprobs)
+                    job.cached_tokens = max(job.cached_tokens, ev.cached_tokens)
+                    now = time.monotonic()
+                    if ev.token_id is not None:
+                        (self.ttft_histogram if last is None else self.itl_histogram).observe(
+                            now - (job.arrival if last is None else last), now
+                        )
+                        last = now
+                        job.token_ids.append(ev.token_id)
+                        job.logprobs.append(ev.logprob)
+                    # A stop token ends the output but is not part of its text (vLLM), unless asked for.
+                    by_token = ev.finished and ev.finish_reason == "stop" and ev.token_id in stop_tokens
+                    shown = None if by_token and not job.text.include_stop else ev.token_id
+                    delta = job.text.add(shown, ev.finished)
+                    if ev.finished:
+                        job.finish_reason = ev.finish_reason or "stop"
+                        if by_token and ev.token_id in job.params.stop_token_ids:
+                            job.stop_reason = ev.token_id
+                    if job.text.stop_hit is not None:  # stop string: done, and the engine stops with us
+                        job.finish_reason, job.stop_reason = "stop", job.text.stop_hit
+                    yield ev.token_id, ev.logprob, delta
+                    if job.finish_reason is not None:
+                        return
+            raise APIError(500, f"request {job.rid}: router stream ended without a finish")
+        finally:
+            self.ttft_histogram.flush()
+            self.itl_histogram.flush()
 
     async def _collect(self, job: Job) -> None:
         async with asyncio.timeout_at(job.deadline):
