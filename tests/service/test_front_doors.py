@@ -15,7 +15,7 @@ import pytest
 from dsv4_kernels import settings as settings_module
 from service import serve_front as front_module
 from service.http_limits import HttpLimits
-from service.serve_front import HAPROXY_SERVE_ENV, PROXY_SERVE_ENV, REPLICA_SERVE_ENV, serve_front
+from service.serve_front import HAPROXY_SERVE_ENV, PROXY_SERVE_ENV, REPLICA_SERVE_ENV, haproxy_threads, serve_front
 
 LIMITS = HttpLimits(max_header_bytes=16384, header_timeout_s=2.0, body_timeout_s=5.0)
 
@@ -35,9 +35,15 @@ def test_haproxy_front_sets_serve_and_launcher_switches(monkeypatch):
         assert env["RAY_SERVE_HAPROXY_TUNE_BUFSIZE"] == str(16384 + 1024)  # the head limit fits, a larger one not
         assert env["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"] == "5" and env["RAY_SERVE_HAPROXY_METRICS_PORT"] == "19101"
         assert env["DSV4_HAPROXY_ADMIN_HOST"] == "127.0.0.1" and env["DSV4_HTTP_HEADER_TIMEOUT_S"] == "2.0"
+        assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == str(haproxy_threads(0))
     assert front.replica_env.items() >= REPLICA_SERVE_ENV.items()
     # the replicas' own HTTP servers bound the body time at their socket, as the Python proxy does
     assert front.replica_env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "service.http_limits:proxy_callback"
+
+
+def test_haproxy_threads_one_per_two_cpus_unless_set():
+    assert [haproxy_threads(0, cpus) for cpus in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
+    assert haproxy_threads(6, 2) == 6
 
 
 def test_python_proxy_front_has_no_haproxy_switches():
