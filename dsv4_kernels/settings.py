@@ -73,7 +73,6 @@ HAPROXY_METRICS_PORT = "DSV4_HAPROXY_METRICS_PORT"
 HAPROXY_ADMIN_HOST = "DSV4_HAPROXY_ADMIN_HOST"
 HAPROXY_BINARY = "DSV4_HAPROXY_BINARY"
 HAPROXY_THREADS = "DSV4_HAPROXY_THREADS"
-HAPROXY_SPLICE = "DSV4_HAPROXY_SPLICE"
 STRICT_SKIPS = "DSV4_STRICT_SKIPS"
 TEST_TRANSFER = "DSV4_TEST_TRANSFER"
 TEST_MARK = "DSV4_TEST_MARK"
@@ -506,14 +505,6 @@ class Settings:
         "a streamed token; service.serve_front)",
         "service",
         minimum=0,
-    )
-    haproxy_splice: bool = _switch(
-        HAPROXY_SPLICE,
-        "bool",
-        False,
-        "HAProxy splices bodies through the kernel (Serve's template turns it on); off by default: a streamed token's "
-        "SSE chunk is a few hundred bytes, where a splice costs more syscalls than a copy (service.haproxy_launch)",
-        "service",
     )
     # Tests
     strict_skips: bool = _switch(

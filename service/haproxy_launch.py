@@ -1,14 +1,11 @@
 """`dsv4-haproxy`: dsv4's HAProxy launcher, run by Ray Serve in place of the HAProxy binary.
 
 Serve generates HAProxy's config and starts `RAY_SERVE_HAPROXY_BINARY_PATH -db -f CONFIG ...` (service.serve_front
-points it here). Serve has no switch for what the front door needs below, so this applies it to CONFIG and then
+points it here). Serve has no switch for two things the front door needs, so this applies them to CONFIG and then
 becomes the real HAProxy in the same process (Serve checks that the pid it started owns HAProxy's admin socket):
 
 - Serve binds HAProxy's stats page and Prometheus exporter (`bind :PORT`, `bind *:PORT`) on every interface; they go
   to `DSV4_HAPROXY_ADMIN_HOST` (127.0.0.1 for a local cluster; 0.0.0.0 on Kubernetes, where Prometheus scrapes them).
-- kernel splicing of bodies (`option splice-request` / `splice-response`, Serve's template): off unless
-  `DSV4_HAPROXY_SPLICE`. A streamed token is one SSE chunk of a few hundred bytes; spliced, it goes socket -> pipe ->
-  socket, two syscalls where a copy takes one (BENCHMARKS frontdoor's reading has the A/B).
 - `timeout http-request` in the defaults: a request head must be complete within `DSV4_HTTP_HEADER_TIMEOUT_S` however
   slowly it trickles (HAProxy's 408). Serve leaves it unset, so only the inactivity timeout applied and a head
   trickled byte by byte held its connection.
@@ -29,7 +26,6 @@ from dsv4_kernels.settings import settings
 MARK = "# dsv4 front-door policy applied (service/haproxy_launch.py)"
 ADMIN_SECTIONS = ("frontend prometheus", "listen stats")  # Serve's template names for the exporter and stats page
 _WIDE_BIND = re.compile(r"^(\s*bind )\*?:(\d+)\s*$")
-_SPLICE = re.compile(r"^\s*option splice-(request|response)\s*\n", re.M)
 
 
 def real_binary() -> str:
@@ -47,13 +43,10 @@ def real_binary() -> str:
         return found
 
 
-def apply_policy(config: str, admin_host: str, head_timeout_s: float, splice: bool = True) -> str:
-    """CONFIG's text with the admin listeners on admin_host, the head time bounded and, unless `splice`, Serve's
-    kernel splicing of bodies off (the module doc)."""
+def apply_policy(config: str, admin_host: str, head_timeout_s: float) -> str:
+    """CONFIG's text with the admin listeners on admin_host and the head time bounded (the module doc)."""
     if MARK in config:
         return config
-    if not splice:
-        config = _SPLICE.sub("", config)
     lines, section = config.split("\n"), ""
     for i, line in enumerate(lines):
         if line and not line[0].isspace():
@@ -85,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         s = settings()
         with open(path) as f:
             text = f.read()
-        policed = apply_policy(text, s.haproxy_admin_host, s.http_header_timeout_s, s.haproxy_splice)
+        policed = apply_policy(text, s.haproxy_admin_host, s.http_header_timeout_s)
         if policed != text:
             with open(path, "w") as f:
                 f.write(policed)

@@ -17,8 +17,6 @@ SERVE_CONFIG = """global
     maxconn 4096
 defaults
     mode http
-    option splice-request
-    option splice-response
     timeout connect 5s
     timeout client 60s
     timeout server 60s
@@ -47,15 +45,6 @@ def test_policy_moves_admin_listeners_and_bounds_the_head():
     assert out.rstrip().endswith(MARK)
     assert apply_policy(out, "0.0.0.0", 9.0) == out  # a config already marked is left as it is
     assert "bind 0.0.0.0:9101" in apply_policy(text, "0.0.0.0", 1.0)
-
-
-def test_policy_turns_splicing_off_unless_asked():
-    text = SERVE_CONFIG.format(metrics=9101, http=8000, stats=8404)
-    off = apply_policy(text, "127.0.0.1", 1.0, splice=False)
-    assert (
-        "splice" not in off and "defaults\n    timeout http-request 1000ms\n    mode http\n    timeout connect" in off
-    )
-    assert apply_policy(text, "127.0.0.1", 1.0).count("option splice-re") == 2  # the default keeps Serve's
 
 
 def test_policy_needs_a_defaults_section():
@@ -87,6 +76,5 @@ def test_launcher_edits_the_config_and_becomes_haproxy(tmp_path):
     assert "Configuration file is valid" in done.stdout + done.stderr
     text = cfg.read_text()
     assert "timeout http-request 3000ms" in text and "bind 127.0.0.1:19101" in text and MARK in text
-    assert "splice" not in text  # DSV4_HAPROXY_SPLICE's default
     assert "bind :18000" in text
     assert os.path.basename(binary).startswith("haproxy")
