@@ -84,6 +84,8 @@ def test_every_ray_container_bounds_http_requests_and_takes_the_serve_settings(m
                 assert name not in env
             elif name == "DSV4_HAPROXY_ADMIN_HOST":
                 assert env[name] == "0.0.0.0"
+            elif name == "RAY_SERVE_HAPROXY_NBTHREAD":  # the nodes' cores, not this machine's: the chart's value
+                assert env[name] == "4"
             else:
                 assert env[name] == value, name
         assert {p["name"]: p["containerPort"] for p in c["ports"]}["haproxy-metrics"] == 9101

@@ -123,6 +123,8 @@ spec:
           value: {{ ceil $v.serve.httpLimits.bodyTimeoutSeconds | int | quote }}
         - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
           value: "2.0"
+        - name: RAY_SERVE_HAPROXY_NBTHREAD
+          value: {{ $v.serve.haproxy.threads | int | quote }}
         - name: RAY_SERVE_HAPROXY_STATS_PORT
           value: {{ $v.serve.haproxy.statsPort | int | quote }}
         - name: RAY_SERVE_HAPROXY_METRICS_PORT
