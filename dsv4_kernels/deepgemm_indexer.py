@@ -133,6 +133,7 @@ def fp8_indexer_topk(
     ke = count.to(device=q.device, dtype=torch.int32).clamp(max=s)
     out = torch.empty(t, k, dtype=torch.int64, device=q.device)
     for t0, t1 in query_blocks(t, kv[0].shape[0], budget):
-        logits = fn(q8[t0:t1], kv, w[t0:t1], ks[t0:t1], ke[t0:t1])
-        out[t0:t1] = topk_of_scores(logits[:, :s], k, ordered)
+        logits = fn(q8[t0:t1], kv, w[t0:t1], ks[t0:t1], ke[t0:t1])[:, :s]
+        # contiguous rows for the radix top-k kernels (small blocks of few candidates take them)
+        out[t0:t1] = topk_of_scores(logits if logits.is_contiguous() else logits.contiguous(), k, ordered)
     return out
