@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-HEAD_DIM = 512
-HEAD_COUNTS = (64, 128)
+from dsv4_kernels.flashmla_sparse import HEAD_COUNTS, HEAD_DIM, pad_topk, padded_heads
+
 TOPK_MULTIPLE = 128  # the sm90 kernel takes top-k in pairs of its 64-row blocks (2 * B_TOPK)
 
 
@@ -37,18 +37,9 @@ def unfit_reason(q: torch.Tensor, stores: list[torch.Tensor] | tuple[torch.Tenso
     return ""
 
 
-def padded_heads(num_heads: int) -> int:
-    return next(h for h in HEAD_COUNTS if h >= num_heads)
-
-
 def padded_rows(rows: torch.Tensor) -> torch.Tensor:
     """int [T, K] -> int32 [T, 1, K'] with K' the next multiple of 128 (-1 padding), FlashMLA's indices."""
-    k = rows.shape[1]
-    want = max(TOPK_MULTIPLE, -(-k // TOPK_MULTIPLE) * TOPK_MULTIPLE)
-    rows = rows.to(torch.int32)
-    if want != k:
-        rows = torch.nn.functional.pad(rows, (0, want - k), value=-1)
-    return rows.contiguous().unsqueeze(1)
+    return pad_topk(rows, TOPK_MULTIPLE).unsqueeze(1)
 
 
 def sparse_prefill(

@@ -47,10 +47,10 @@ def padded_heads(num_heads: int) -> int:
     return next(h for h in HEAD_COUNTS if h >= num_heads)
 
 
-def _pad_topk(idx: torch.Tensor) -> torch.Tensor:
-    """int [T, K] -> int32 [T, K'] with K' a multiple of 64 (-1 padding)."""
+def pad_topk(idx: torch.Tensor, multiple: int = TOPK_MULTIPLE) -> torch.Tensor:
+    """int [T, K] -> int32 [T, K'] with K' the next multiple of `multiple` (-1 padding), contiguous."""
     k = idx.shape[1]
-    want = max(TOPK_MULTIPLE, -(-k // TOPK_MULTIPLE) * TOPK_MULTIPLE)
+    want = max(multiple, -(-k // multiple) * multiple)
     idx = idx.to(torch.int32)
     if want != k:
         idx = torch.nn.functional.pad(idx, (0, want - k), value=-1)
@@ -113,12 +113,12 @@ def sparse_decode(
     if hp != h:
         q = torch.cat([q, q.new_zeros(t, hp - h, d)], dim=1)
         sink = torch.cat([sink.float(), sink.new_zeros(hp - h, dtype=torch.float32)])
-    main_idx = _pad_topk(main_idx).unsqueeze(1)
+    main_idx = pad_topk(main_idx).unsqueeze(1)
     extra_args = {}
     extra_key = None
     if extras is not None:
         ex_cache, ex_layout, ex_idx = extras
-        ex_idx = _pad_topk(ex_idx).unsqueeze(1)
+        ex_idx = pad_topk(ex_idx).unsqueeze(1)
         extra_args = {"extra_k_cache": _blocks(ex_cache, ex_layout), "extra_indices_in_kvcache": ex_idx}
         extra_key = (ex_idx.shape[-1], ex_layout.block_size)
     key = (q.device.index, t, hp, main_idx.shape[-1], main_layout.block_size, extra_key)

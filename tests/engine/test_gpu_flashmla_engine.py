@@ -132,8 +132,6 @@ def test_prefill_takes_flashmla_sparse_prefill_and_scores_as_well_as_triton(mode
     """Prefill steps read the dequantised stores through FlashMLA's sparse prefill kernel; teacher-forced prompt
     logprobs judged by the fp32 CPU engine (same fp8 cache) are as good as the Triton kernel's."""
     import dsv4_kernels.flashmla_prefill as prefill_mod
-    from engine.execution.sampling_params import SamplingParams
-    from engine.llm import LLM
 
     calls = []
     real = prefill_mod.sparse_prefill
@@ -145,9 +143,7 @@ def test_prefill_takes_flashmla_sparse_prefill_and_scores_as_well_as_triton(mode
     calls.clear()
     triton = _score(model_dir, prompts)
     assert not calls
-    cpu = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_cached_tokens=4096, kv_cache_dtype="fp8")
-    outs = cpu.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True))
-    ref = [o.prompt_logprobs[1:] for o in outs]
+    ref = _cpu_prompt_logprobs(model_dir, prompts, 4096)
     err_flash, err_triton = _diffs(flash, ref), _diffs(triton, ref)
     print(
         f"[gpu flashmla] prefill prompt logprobs vs the fp32 CPU engine (fp8 cache): FlashMLA sparse prefill mean "
@@ -163,8 +159,6 @@ def test_prefill_indexer_through_deepgemm_scores_as_well_as_triton(model_dir, mo
     kernel's bf16 queries. The 600-token prompt's CSA layers select top-512 of up to 150 entries, so the picks
     only differ where the prompt passes 2048 tokens: this checks the path runs and agrees, not its selection."""
     import dsv4_kernels.deepgemm_indexer as dgi
-    from engine.execution.sampling_params import SamplingParams
-    from engine.llm import LLM
 
     g = torch.Generator().manual_seed(12)
     prompts = _prompts() + [torch.randint(2, 4000, (3000,), generator=g).tolist()]
@@ -175,12 +169,22 @@ def test_prefill_indexer_through_deepgemm_scores_as_well_as_triton(model_dir, mo
     monkeypatch.setenv("DSV4_INDEXER_PREFILL", "deepgemm")
     deep = _score(model_dir, prompts)
     assert calls, "prefill steps did not take DeepGEMM's indexer"
-    cpu = LLM(model_dir=model_dir, device="cpu", dtype="float32", max_cached_tokens=8192, kv_cache_dtype="fp8")
-    outs = cpu.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True))
-    ref = [o.prompt_logprobs[1:] for o in outs]
+    ref = _cpu_prompt_logprobs(model_dir, prompts, 8192)
     err_deep, err_triton = _diffs(deep, ref), _diffs(triton, ref)
     print(
         f"[gpu flashmla] prefill indexer vs the fp32 CPU engine (fp8 cache): DeepGEMM fp8_mqa_logits mean "
         f"{err_deep[0]:.3e} ({err_deep[1]:.3f} within 0.1), Triton mean {err_triton[0]:.3e} ({err_triton[1]:.3f})"
     )
     assert err_deep[0] <= max(0.08, 1.5 * err_triton[0])
+
+
+def _cpu_prompt_logprobs(model_dir, prompts, max_cached_tokens: int) -> list[list[float]]:
+    """Teacher-forced prompt logprobs of the fp32 CPU engine over the same fp8 cache (the judge of the GPU paths)."""
+    from engine.execution.sampling_params import SamplingParams
+    from engine.llm import LLM
+
+    cpu = LLM(
+        model_dir=model_dir, device="cpu", dtype="float32", max_cached_tokens=max_cached_tokens, kv_cache_dtype="fp8"
+    )
+    outs = cpu.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True))
+    return [o.prompt_logprobs[1:] for o in outs]
