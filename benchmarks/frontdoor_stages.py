@@ -18,9 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from service.ray_cluster import init_ray
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ def ray_item_costs(streams: int, items: int, rate: float, rounds: int) -> list[S
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        init_ray(tempfile.mkdtemp(prefix="dsv4-bench-metrics-"))  # retries a start that misses Ray's deadline
     try:
         producer = _producer_class().remote()
         pid = ray.get(producer.pid.remote())

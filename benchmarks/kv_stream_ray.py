@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import tempfile
 
 from benchmarks.timing import median
 from engine.execution.sampling_params import SamplingParams
 from router.dispatch import DispatchRequest
+from service.ray_cluster import init_ray
 from service.ray_stream import HandoffTiming, RayStreamer, Workers
 
 MODES = (("not streamed", 0), ("streamed", 1))  # (name, stream_min_chunks)
@@ -104,7 +106,7 @@ def run(prompt_tokens: int, chunk_tokens: int, requests: int, transfer: str) -> 
     import ray
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_ray(tempfile.mkdtemp(prefix="dsv4-bench-metrics-"))  # retries a start that misses Ray's deadline
     try:
         workers = start_workers(chunk_tokens, transfer)
         result = asyncio.run(measure(workers, prompt_tokens, requests))

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 
 import pytest
 
 from router.dispatch import WorkerDied
+from service.ray_cluster import init_ray
 
 pytestmark = pytest.mark.ray
 
@@ -20,7 +22,7 @@ ray = pytest.importorskip("ray")
 def producer():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        init_ray(tempfile.mkdtemp(prefix="dsv4-test-metrics-"))  # retries a start that misses Ray's deadline
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class Producer:
