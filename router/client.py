@@ -183,12 +183,15 @@ def place_request(
     excluded: dict[str, str] | None = None,
     retry: bool = False,
     hashes: PromptHashes | None = None,
+    settled: Sequence[str] = (),
 ) -> pb2.PlaceRequest:
-    """hashes: the prompt's block hashes in the scheme the router named (router.prompt_hashes.IngressHasher)."""
+    """hashes: the prompt's block hashes in the scheme the router named (router.prompt_hashes.IngressHasher);
+    settled: earlier placements on this router that have settled since (each as `settle` would say)."""
     msg = pb2.PlaceRequest(
         request=build_request(prompt_ids, params, request_id),
         excluded=[pb2.ExcludedWorker(worker_id=w, incarnation=i) for w, i in (excluded or {}).items()],
         retry=retry,
+        settled=settled,
     )
     if hashes is not None:
         scheme = pb2.HashScheme(block_tokens=hashes.scheme.block_tokens, seed=hashes.scheme.seed)
@@ -278,12 +281,16 @@ class RouterClient:
         excluded: dict[str, str] | None = None,
         retry: bool = False,
         hashes: PromptHashes | None = None,
+        settled: Sequence[str] = (),
     ) -> PlacedRequest:
-        msg = place_request(prompt_ids, params, request_id, excluded, retry, hashes)
+        msg = place_request(prompt_ids, params, request_id, excluded, retry, hashes, settled)
         return _placed(self._call(self._stub.Place, msg))
 
     def settle(self, request_id: str) -> bool:
         return self._call(self._stub.Settle, pb2.SettleRequest(request_id=request_id)).held
+
+    def settle_many(self, request_ids: Sequence[str]) -> bool:
+        return self._call(self._stub.Settle, pb2.SettleRequest(request_ids=request_ids)).held
 
     def health(self, probe: bool = False) -> HealthReport:
         return _health(self._call(self._stub.Health, pb2.HealthRequest(probe=probe)))
@@ -361,11 +368,13 @@ class AsyncRouterClient:
         retry: bool = False,
         timeout_s: float | None = None,
         hashes: PromptHashes | None = None,
+        settled: Sequence[str] = (),
     ) -> PlacedRequest:
         """Admission and placement only (waits for a decode slot as Generate does); excluded: {worker id: the
         incarnation that died serving this request}; retry: a placement after such a death; hashes: the prompt's
-        block hashes in the scheme the router's last answer named (None: the router hashes the prompt)."""
-        msg = place_request(prompt_ids, params, request_id, excluded, retry, hashes)
+        block hashes in the scheme the router's last answer named (None: the router hashes the prompt); settled:
+        earlier placements on this router to settle (as `settle_many`), settled whatever this call's answer."""
+        msg = place_request(prompt_ids, params, request_id, excluded, retry, hashes, settled)
         try:
             reply = await self._stub.Place(msg, timeout=timeout_s or self.timeout_s, metadata=self._md)
         except grpc.RpcError as e:
@@ -378,6 +387,10 @@ class AsyncRouterClient:
     async def settle(self, request_id: str) -> bool:
         """After place(): the request reached its decode worker (or failed before it); -> whether it was held."""
         return (await self._call(self._stub.Settle, pb2.SettleRequest(request_id=request_id))).held
+
+    async def settle_many(self, request_ids: Sequence[str]) -> bool:
+        """settle() for several placements in one call; -> whether every one was held."""
+        return (await self._call(self._stub.Settle, pb2.SettleRequest(request_ids=request_ids))).held
 
     async def health(self, probe: bool = False) -> HealthReport:
         return _health(await self._call(self._stub.Health, pb2.HealthRequest(probe=probe)))

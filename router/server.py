@@ -407,6 +407,7 @@ class RouterServer(pb2_grpc.RouterServicer):
     async def Place(self, request, context):
         """Admission and placement only: the caller runs the request on the workers named and owns its stream."""
         self.metrics.requests += 1
+        self._settle_all(request.settled)  # the caller's earlier placements, whatever this one's answer
         rid = request.request.request_id or f"rtr-{uuid.uuid4().hex[:16]}"
         try:
             dreq = self._check_new(request.request, rid)
@@ -457,9 +458,15 @@ class RouterServer(pb2_grpc.RouterServicer):
         self.holds.add(dreq.request_id, release, asyncio.get_running_loop().time())
 
     async def Settle(self, request, context):
-        """The caller's request reached its decode worker (or failed before it): the next probe's report counts it."""
-        held = self.holds.settle(request.request_id, asyncio.get_running_loop().time())
-        return pb2.SettleResponse(held=held)
+        """The caller's requests reached their decode workers (or failed before): the next probe's reports count them."""
+        ids = [request.request_id, *request.request_ids] if request.request_id else request.request_ids
+        return pb2.SettleResponse(held=self._settle_all(ids))
+
+    def _settle_all(self, request_ids) -> bool:
+        """Settle each placement named; -> whether every one was held here."""
+        now = asyncio.get_running_loop().time()
+        held = [self.holds.settle(rid, now) for rid in request_ids]
+        return all(held)
 
     def _wake_soon(self) -> None:
         """Capacity freed: let queued requests re-check (from a finally: never await there)."""

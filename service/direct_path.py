@@ -45,7 +45,7 @@ from engine.execution.sampling_params import SamplingParams
 from router.client import AsyncRouterClient, HealthReport, PlacedRequest, RouterError, StreamEvent
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
 from router.migration import RouterFailure, failure_of, recovering_stream
-from router.prompt_hashes import IngressHasher
+from router.prompt_hashes import IngressHasher, PromptHashes
 from router.stream_watch import StreamWatches
 from service.ray_stream import RayStreamer, Workers
 from service.token_feed import TokenFeeds
@@ -63,6 +63,7 @@ OPEN_RETRY_S = 1.0  # a full decode worker at open: retried this long, then the 
 OVERLOAD_REQUEUE_S = 30.0  # ... for at most this long in all, then RESOURCE_EXHAUSTED
 REQUEUE_PAUSE_S = 0.2
 DROP_GRACE_S = 30.0  # a dropped router's channel closes after its calls in flight end, or after this long
+SETTLE_WAIT_S = 0.05  # a settle waits this long for a Place to the same router to carry it, then is sent alone
 
 
 def unreachable(e: RouterError) -> bool:
@@ -92,6 +93,9 @@ class RouterSet:
         self._clients: dict[int, AsyncRouterClient] = {}
         self._cooling: dict[int, float] = {}  # router index -> monotonic time until which it is skipped
         self._closing: set[asyncio.Task] = set()  # channels of dropped clients, closing with a grace
+        self._unsettled: dict[int, list[str]] = {}  # router index -> placements settled, not yet told (`settle`)
+        self._settle_timers: dict[int, asyncio.TimerHandle] = {}
+        self._settling: set[asyncio.Task] = set()  # Settle calls in flight (kept referenced until done)
         self._next = 0
 
     async def _client(self, i: int) -> AsyncRouterClient:
@@ -130,6 +134,33 @@ class RouterSet:
     async def call_indexed(self, fn: Callable[[AsyncRouterClient], Awaitable[T]]) -> tuple[int, T]:
         """fn on one router; on the next when that one is unreachable, in rounds for up to failover_wait_s;
         -> (the router's index, fn's result). RouterError UNAVAILABLE when none answers."""
+        return await self._call_each(lambda i, client: fn(client))
+
+    async def place(
+        self, dreq: DispatchRequest, excluded: dict[str, str], hashes: PromptHashes | None
+    ) -> tuple[int, PlacedRequest]:
+        """Place on one router (as call_indexed), carrying that router's settles due since (`settle`)."""
+
+        async def on(i: int, client: AsyncRouterClient) -> PlacedRequest:
+            settled = self._unsettled.pop(i, [])
+            try:
+                return await client.place(
+                    dreq.prompt_ids,
+                    dreq.params,
+                    dreq.request_id,
+                    dict(excluded),
+                    retry=bool(excluded),
+                    hashes=hashes,
+                    settled=settled,
+                )
+            except BaseException:
+                for rid in settled:  # not known to have arrived: due again (settling twice is harmless)
+                    self.settle(i, rid)
+                raise
+
+        return await self._call_each(on)
+
+    async def _call_each(self, fn: Callable[[int, AsyncRouterClient], Awaitable[T]]) -> tuple[int, T]:
         deadline = time.monotonic() + self.failover_wait_s
         while True:
             stopping: RouterError | None = None  # a router said the service is shutting down
@@ -137,7 +168,7 @@ class RouterSet:
                 client = None
                 try:
                     client = await self._client(i)
-                    result = await fn(client)
+                    result = await fn(i, client)
                 except RouterError as e:
                     if not unreachable(e):
                         raise
@@ -156,18 +187,38 @@ class RouterSet:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, "no router replica is reachable; retry later")
             await asyncio.sleep(ROUND_PAUSE_S)
 
-    async def settle(self, i: int, request_id: str) -> None:
-        """Tell router i that its placement reached the decode worker (best effort: a router that is gone
-        forgot the placement anyway)."""
-        client = self._clients.get(i)
-        if client is None:
+    def settle(self, i: int, request_id: str) -> None:
+        """Router i's placement reached the decode worker (or failed before it). Carried on the next Place to router
+        i, or sent in one Settle call with the others due within SETTLE_WAIT_S: a Settle call a request would cost
+        the replica and the router as much CPU as the Place itself. Best effort: a router that is gone forgot the
+        placement anyway, and one that never hears of it releases it after its hold's limit."""
+        self._unsettled.setdefault(i, []).append(request_id)
+        if i not in self._settle_timers:
+            loop = asyncio.get_running_loop()
+            self._settle_timers[i] = loop.call_later(SETTLE_WAIT_S, self._flush_soon, i)
+
+    def _flush_soon(self, i: int) -> None:
+        del self._settle_timers[i]
+        task = asyncio.get_running_loop().create_task(self._flush(i))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _flush(self, i: int) -> None:
+        """Send router i's settles that no Place has carried."""
+        ids = self._unsettled.pop(i, [])
+        if not ids:
             return
         try:
-            await asyncio.wait_for(client.settle(request_id), ACTOR_CALL_TIMEOUT_S)
-        except (TimeoutError, RouterError) as e:
-            log.info("settle %s on router replica %d: %s", request_id, i, e)
+            client = await self._client(i)
+            await asyncio.wait_for(client.settle_many(ids), ACTOR_CALL_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - best effort (router.placement_holds' limit releases them)
+            log.info("settling %d placements on router replica %d: %s", len(ids), i, e)
 
     async def close(self) -> None:
+        for timer in self._settle_timers.values():
+            timer.cancel()
+        self._settle_timers.clear()
+        await asyncio.gather(*(self._flush(i) for i in list(self._unsettled)), *self._settling)
         for client in self._clients.values():
             await client.close()
         self._clients.clear()
@@ -239,7 +290,6 @@ class DirectClient:
         self.watch_interval_s = watch_interval_s
         self.watches = StreamWatches()
         self._watcher: asyncio.Task | None = None
-        self._settling: set[asyncio.Task] = set()  # Settle calls in flight (kept referenced until done)
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str = ""
@@ -294,20 +344,12 @@ class DirectClient:
         self, dreq: DispatchRequest, excluded: dict[str, str], placed: dict[str, PlacedRequest]
     ) -> AsyncGenerator[TokenEvent, None]:
         """Place on a router, then run the request on the named workers; raises Overloaded as is."""
-        hashes = self.hasher.hashes(dreq.prompt_ids)
-        router, where = await self.routers.call_indexed(
-            lambda c: c.place(
-                dreq.prompt_ids, dreq.params, dreq.request_id, dict(excluded), retry=bool(excluded), hashes=hashes
-            )
-        )
+        router, where = await self.routers.place(dreq, excluded, self.hasher.hashes(dreq.prompt_ids))
         self.hasher.learn(where.hash_scheme)
         placed[dreq.request_id] = where
-        loop = asyncio.get_running_loop()
 
         def reached() -> None:  # the decode worker holds it: the router may count it by that worker's reports
-            task = loop.create_task(self.routers.settle(router, dreq.request_id))
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
+            self.routers.settle(router, dreq.request_id)
 
         try:
             workers = await self.directory.workers(where)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x64sv4_router.proto\x12\x0b\x64sv4.router\"\xa4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"8\n\x0e\x45xcludedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"0\n\nHashScheme\x12\x14\n\x0c\x62lock_tokens\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x0c\"G\n\x0cPromptHashes\x12\'\n\x06scheme\x18\x01 \x01(\x0b\x32\x17.dsv4.router.HashScheme\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\"\xad\x01\n\x0cPlaceRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.dsv4.router.GenerateRequest\x12-\n\x08\x65xcluded\x18\x02 \x03(\x0b\x32\x1b.dsv4.router.ExcludedWorker\x12\r\n\x05retry\x18\x03 \x01(\x08\x12\x30\n\rprompt_hashes\x18\x04 \x01(\x0b\x32\x19.dsv4.router.PromptHashes\"\xff\x01\n\rPlaceResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x02 \x01(\t\x12\x15\n\rdecode_worker\x18\x03 \x01(\t\x12\x1b\n\x13prefill_incarnation\x18\x04 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_incarnation\x18\x05 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x06 \x01(\t\x12\x15\n\rdecode_reason\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12,\n\x0bhash_scheme\x18\t \x01(\x0b\x32\x17.dsv4.router.HashScheme\"#\n\rSettleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\x0eSettleResponse\x12\x0c\n\x04held\x18\x01 \x01(\x08\"\x9c\x01\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.dsv4.router.Error.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"[\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x03\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x08\x12\x0c\n\x08INTERNAL\x10\r\x12\x0f\n\x0bUNAVAILABLE\x10\x0e\"\x97\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\x0fprompt_logprobs\x18\x06 \x03(\x01\x12!\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x12.dsv4.router.Error\x12\x16\n\x0eprefill_worker\x18\x08 \x01(\t\x12\x15\n\rdecode_worker\x18\t \x01(\t\x12\x15\n\rcached_tokens\x18\n \x01(\rB\x0b\n\t_token_idB\n\n\x08_logprob\"\x1e\n\rHealthRequest\x12\r\n\x05probe\x18\x01 \x01(\x08\"x\n\x0cWorkerHealth\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x19\n\x11\x66\x61st_paths_active\x18\x04 \x03(\t\x12\x1b\n\x13\x66\x61st_path_fallbacks\x18\x05 \x03(\t\"M\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.dsv4.router.WorkerHealth\"\x0e\n\x0cStatsRequest\"\xb4\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x16\n\x0ekv_free_tokens\x18\x07 \x01(\x04\x12\x10\n\x08inflight\x18\x08 \x01(\r\x12\x15\n\rcached_blocks\x18\t \x01(\x04\"=\n\rDecisionCount\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"\xbc\x02\n\rStatsResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.dsv4.router.WorkerStats\x12-\n\tdecisions\x18\x03 \x03(\x0b\x32\x1a.dsv4.router.DecisionCount\x12\x16\n\x0erequests_total\x18\x04 \x01(\x04\x12\x15\n\rretries_total\x18\x05 \x01(\x04\x12\x1b\n\x13worker_deaths_total\x18\x06 \x01(\x04\x12\x41\n\x0c\x65rrors_total\x18\x07 \x03(\x0b\x32+.dsv4.router.StatsResponse.ErrorsTotalEntry\x1a\x32\n\x10\x45rrorsTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xd9\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.dsv4.router.GenerateRequest\x1a\x1d.dsv4.router.GenerateResponse0\x01\x12>\n\x05Place\x12\x19.dsv4.router.PlaceRequest\x1a\x1a.dsv4.router.PlaceResponse\x12\x41\n\x06Settle\x12\x1a.dsv4.router.SettleRequest\x1a\x1b.dsv4.router.SettleResponse\x12\x41\n\x06Health\x12\x1a.dsv4.router.HealthRequest\x1a\x1b.dsv4.router.HealthResponse\x12>\n\x05Stats\x12\x19.dsv4.router.StatsRequest\x1a\x1a.dsv4.router.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x64sv4_router.proto\x12\x0b\x64sv4.router\"\xa4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"8\n\x0e\x45xcludedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"0\n\nHashScheme\x12\x14\n\x0c\x62lock_tokens\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x0c\"G\n\x0cPromptHashes\x12\'\n\x06scheme\x18\x01 \x01(\x0b\x32\x17.dsv4.router.HashScheme\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\"\xbe\x01\n\x0cPlaceRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.dsv4.router.GenerateRequest\x12-\n\x08\x65xcluded\x18\x02 \x03(\x0b\x32\x1b.dsv4.router.ExcludedWorker\x12\r\n\x05retry\x18\x03 \x01(\x08\x12\x30\n\rprompt_hashes\x18\x04 \x01(\x0b\x32\x19.dsv4.router.PromptHashes\x12\x0f\n\x07settled\x18\x05 \x03(\t\"\xff\x01\n\rPlaceResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x02 \x01(\t\x12\x15\n\rdecode_worker\x18\x03 \x01(\t\x12\x1b\n\x13prefill_incarnation\x18\x04 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_incarnation\x18\x05 \x01(\t\x12\x16\n\x0eprefill_reason\x18\x06 \x01(\t\x12\x15\n\rdecode_reason\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12,\n\x0bhash_scheme\x18\t \x01(\x0b\x32\x17.dsv4.router.HashScheme\"8\n\rSettleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"\x1e\n\x0eSettleResponse\x12\x0c\n\x04held\x18\x01 \x01(\x08\"\x9c\x01\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.dsv4.router.Error.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"[\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x03\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x08\x12\x0c\n\x08INTERNAL\x10\r\x12\x0f\n\x0bUNAVAILABLE\x10\x0e\"\x97\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x08token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\x0fprompt_logprobs\x18\x06 \x03(\x01\x12!\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x12.dsv4.router.Error\x12\x16\n\x0eprefill_worker\x18\x08 \x01(\t\x12\x15\n\rdecode_worker\x18\t \x01(\t\x12\x15\n\rcached_tokens\x18\n \x01(\rB\x0b\n\t_token_idB\n\n\x08_logprob\"\x1e\n\rHealthRequest\x12\r\n\x05probe\x18\x01 \x01(\x08\"x\n\x0cWorkerHealth\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x19\n\x11\x66\x61st_paths_active\x18\x04 \x03(\t\x12\x1b\n\x13\x66\x61st_path_fallbacks\x18\x05 \x03(\t\"M\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.dsv4.router.WorkerHealth\"\x0e\n\x0cStatsRequest\"\xb4\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x16\n\x0ekv_free_tokens\x18\x07 \x01(\x04\x12\x10\n\x08inflight\x18\x08 \x01(\r\x12\x15\n\rcached_blocks\x18\t \x01(\x04\"=\n\rDecisionCount\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"\xbc\x02\n\rStatsResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.dsv4.router.WorkerStats\x12-\n\tdecisions\x18\x03 \x03(\x0b\x32\x1a.dsv4.router.DecisionCount\x12\x16\n\x0erequests_total\x18\x04 \x01(\x04\x12\x15\n\rretries_total\x18\x05 \x01(\x04\x12\x1b\n\x13worker_deaths_total\x18\x06 \x01(\x04\x12\x41\n\x0c\x65rrors_total\x18\x07 \x03(\x0b\x32+.dsv4.router.StatsResponse.ErrorsTotalEntry\x1a\x32\n\x10\x45rrorsTotalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xd9\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.dsv4.router.GenerateRequest\x1a\x1d.dsv4.router.GenerateResponse0\x01\x12>\n\x05Place\x12\x19.dsv4.router.PlaceRequest\x1a\x1a.dsv4.router.PlaceResponse\x12\x41\n\x06Settle\x12\x1a.dsv4.router.SettleRequest\x1a\x1b.dsv4.router.SettleResponse\x12\x41\n\x06Health\x12\x1a.dsv4.router.HealthRequest\x1a\x1b.dsv4.router.HealthResponse\x12>\n\x05Stats\x12\x19.dsv4.router.StatsRequest\x1a\x1a.dsv4.router.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,35 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPTHASHES']._serialized_start=437
   _globals['_PROMPTHASHES']._serialized_end=508
   _globals['_PLACEREQUEST']._serialized_start=511
-  _globals['_PLACEREQUEST']._serialized_end=684
-  _globals['_PLACERESPONSE']._serialized_start=687
-  _globals['_PLACERESPONSE']._serialized_end=942
-  _globals['_SETTLEREQUEST']._serialized_start=944
-  _globals['_SETTLEREQUEST']._serialized_end=979
-  _globals['_SETTLERESPONSE']._serialized_start=981
-  _globals['_SETTLERESPONSE']._serialized_end=1011
-  _globals['_ERROR']._serialized_start=1014
-  _globals['_ERROR']._serialized_end=1170
-  _globals['_ERROR_CODE']._serialized_start=1079
-  _globals['_ERROR_CODE']._serialized_end=1170
-  _globals['_GENERATERESPONSE']._serialized_start=1173
-  _globals['_GENERATERESPONSE']._serialized_end=1452
-  _globals['_HEALTHREQUEST']._serialized_start=1454
-  _globals['_HEALTHREQUEST']._serialized_end=1484
-  _globals['_WORKERHEALTH']._serialized_start=1486
-  _globals['_WORKERHEALTH']._serialized_end=1606
-  _globals['_HEALTHRESPONSE']._serialized_start=1608
-  _globals['_HEALTHRESPONSE']._serialized_end=1685
-  _globals['_STATSREQUEST']._serialized_start=1687
-  _globals['_STATSREQUEST']._serialized_end=1701
-  _globals['_WORKERSTATS']._serialized_start=1704
-  _globals['_WORKERSTATS']._serialized_end=1884
-  _globals['_DECISIONCOUNT']._serialized_start=1886
-  _globals['_DECISIONCOUNT']._serialized_end=1947
-  _globals['_STATSRESPONSE']._serialized_start=1950
-  _globals['_STATSRESPONSE']._serialized_end=2266
-  _globals['_STATSRESPONSE_ERRORSTOTALENTRY']._serialized_start=2216
-  _globals['_STATSRESPONSE_ERRORSTOTALENTRY']._serialized_end=2266
-  _globals['_ROUTER']._serialized_start=2269
-  _globals['_ROUTER']._serialized_end=2614
+  _globals['_PLACEREQUEST']._serialized_end=701
+  _globals['_PLACERESPONSE']._serialized_start=704
+  _globals['_PLACERESPONSE']._serialized_end=959
+  _globals['_SETTLEREQUEST']._serialized_start=961
+  _globals['_SETTLEREQUEST']._serialized_end=1017
+  _globals['_SETTLERESPONSE']._serialized_start=1019
+  _globals['_SETTLERESPONSE']._serialized_end=1049
+  _globals['_ERROR']._serialized_start=1052
+  _globals['_ERROR']._serialized_end=1208
+  _globals['_ERROR_CODE']._serialized_start=1117
+  _globals['_ERROR_CODE']._serialized_end=1208
+  _globals['_GENERATERESPONSE']._serialized_start=1211
+  _globals['_GENERATERESPONSE']._serialized_end=1490
+  _globals['_HEALTHREQUEST']._serialized_start=1492
+  _globals['_HEALTHREQUEST']._serialized_end=1522
+  _globals['_WORKERHEALTH']._serialized_start=1524
+  _globals['_WORKERHEALTH']._serialized_end=1644
+  _globals['_HEALTHRESPONSE']._serialized_start=1646
+  _globals['_HEALTHRESPONSE']._serialized_end=1723
+  _globals['_STATSREQUEST']._serialized_start=1725
+  _globals['_STATSREQUEST']._serialized_end=1739
+  _globals['_WORKERSTATS']._serialized_start=1742
+  _globals['_WORKERSTATS']._serialized_end=1922
+  _globals['_DECISIONCOUNT']._serialized_start=1924
+  _globals['_DECISIONCOUNT']._serialized_end=1985
+  _globals['_STATSRESPONSE']._serialized_start=1988
+  _globals['_STATSRESPONSE']._serialized_end=2304
+  _globals['_STATSRESPONSE_ERRORSTOTALENTRY']._serialized_start=2254
+  _globals['_STATSRESPONSE_ERRORSTOTALENTRY']._serialized_end=2304
+  _globals['_ROUTER']._serialized_start=2307
+  _globals['_ROUTER']._serialized_end=2652
 # @@protoc_insertion_point(module_scope)

@@ -58,16 +58,18 @@ class PromptHashes(_message.Message):
     def __init__(self, scheme: _Optional[_Union[HashScheme, _Mapping]] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request", "excluded", "retry", "prompt_hashes")
+    __slots__ = ("request", "excluded", "retry", "prompt_hashes", "settled")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     RETRY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     request: GenerateRequest
     excluded: _containers.RepeatedCompositeFieldContainer[ExcludedWorker]
     retry: bool
     prompt_hashes: PromptHashes
-    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., excluded: _Optional[_Iterable[_Union[ExcludedWorker, _Mapping]]] = ..., retry: _Optional[bool] = ..., prompt_hashes: _Optional[_Union[PromptHashes, _Mapping]] = ...) -> None: ...
+    settled: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., excluded: _Optional[_Iterable[_Union[ExcludedWorker, _Mapping]]] = ..., retry: _Optional[bool] = ..., prompt_hashes: _Optional[_Union[PromptHashes, _Mapping]] = ..., settled: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PlaceResponse(_message.Message):
     __slots__ = ("request_id", "prefill_worker", "decode_worker", "prefill_incarnation", "decode_incarnation", "prefill_reason", "decode_reason", "cached_tokens", "hash_scheme")
@@ -92,10 +94,12 @@ class PlaceResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_incarnation: _Optional[str] = ..., decode_incarnation: _Optional[str] = ..., prefill_reason: _Optional[str] = ..., decode_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., hash_scheme: _Optional[_Union[HashScheme, _Mapping]] = ...) -> None: ...
 
 class SettleRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "request_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SettleResponse(_message.Message):
     __slots__ = ("held",)

@@ -83,7 +83,9 @@ class RouterServicer:
 
     def Settle(self, request, context):
         """After Place: the request reached its decode worker (or failed before it), so that worker's reports count it
-        from the router's next probe on (until then the router counts the placement itself).
+        from the router's next probe on (until then the router counts the placement itself). A caller that places
+        often carries its settled requests on its next Place instead (PlaceRequest.settled) and calls Settle only for
+        those no Place has carried within a short wait.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

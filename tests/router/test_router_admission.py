@@ -290,6 +290,27 @@ def test_place_admits_by_reports_and_held_placements():
         h.close()
 
 
+def test_settles_ride_on_the_next_place_or_go_together():
+    """A caller's settles carried on its next Place are settled whatever that Place's answer (here a full queue's
+    RESOURCE_EXHAUSTED); one Settle call settles several; a batch naming an unknown placement says not all held."""
+    h = Harness(PolicyConfig("least_loaded", reported_load=True), max_queued=0, queue_timeout_s=30.0)
+    c = RouterClient(h.addr, timeout_s=30)
+    try:
+        for i in range(2):
+            c.place([5, 6, 7], request_id=f"s{i}")  # both slots, held until settled and reported
+        assert set(h.server.holds._holds) == {"s0", "s1"}
+        with pytest.raises(RouterError) as info:  # no slot, no queue: refused, but its settles still count
+            c.place([5, 6, 7], request_id="s2", settled=["s0"])
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        h.dispatcher.reported = 2
+        wait_until(lambda: set(h.server.holds._holds) == {"s1"})  # s0 settled by the refused Place, s1 not
+        assert c.settle_many(["s1"]) and not c.settle_many(["s1", "never-placed"])
+        wait_until(lambda: len(h.server.holds) == 0)
+    finally:
+        c.close()
+        h.close()
+
+
 def test_placement_holds_release_once_covered_or_too_old():
     from router.placement_holds import PlacementHolds
 
