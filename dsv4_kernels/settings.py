@@ -473,14 +473,21 @@ class Settings:
         "service",
     )
     haproxy_stats_port: int = _switch(
-        HAPROXY_STATS_PORT, "int", 8404, "HAProxy's stats page (/stats) on every node, with DSV4_HAPROXY", "service"
+        HAPROXY_STATS_PORT,
+        "int",
+        8404,
+        "HAProxy's stats page (/stats) on every node, with DSV4_HAPROXY; 0 = a free port of the starting host "
+        "(a local cluster: tests, benchmarks, several services on one machine)",
+        "service",
+        minimum=0,
     )
     haproxy_metrics_port: int = _switch(
         HAPROXY_METRICS_PORT,
         "int",
         9101,
-        "HAProxy's Prometheus exporter (/metrics) on every node, with DSV4_HAPROXY",
+        "HAProxy's Prometheus exporter (/metrics) on every node, with DSV4_HAPROXY; 0 = a free port, as above",
         "service",
+        minimum=0,
     )
     haproxy_admin_host: str = _switch(
         HAPROXY_ADMIN_HOST,

@@ -25,6 +25,7 @@ from typing import Any
 from engine.execution.sampling_params import SamplingParams
 from service.bench_trace import pct, trace_prompts
 from service.planner import PlannerConfig
+from service.ray_cluster import free_port
 
 
 @dataclass(frozen=True)
@@ -363,14 +364,6 @@ def report(cfg, plan: BurstPlan, result: dict) -> str:
         ],
     ]
     return "\n".join(lines) + "\n"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def bench_config(args, model_dir: str):

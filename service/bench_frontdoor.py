@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dsv4_kernels.settings import settings
+from dsv4_kernels.settings import reload, settings
 from service.bench_serve import pct
 from service.benchmarks_md import BENCHMARKS_MD, markers, write_section
 from service.frontdoor_load import SERVICE, cpu_by_component, cpu_delta, env_by_component, run_level
@@ -410,6 +410,11 @@ def bench_frontdoor_main(args: argparse.Namespace) -> int:
 
     model_dir = args.model or default_model_dir()
     letter_id = _letter_id(model_dir)
+    # HAProxy's admin listeners on free ports unless set: back-to-back runs would otherwise race the last run's
+    # HAProxy for the fixed defaults while it exits (service.serve_front)
+    for name in ("DSV4_HAPROXY_STATS_PORT", "DSV4_HAPROXY_METRICS_PORT"):
+        os.environ.setdefault(name, "0")
+    reload()
     handles = start(model_dir, args.decode_workers, args.token_rate, letter_id, args.routers)
     try:
         rows = sweep(handles, model_dir, args, letter_id)

@@ -30,6 +30,7 @@ import threading
 import time
 
 from kv_transfer.registry import TRANSFER_CHOICES, TRANSFER_HELP
+from service.ray_cluster import free_port
 
 
 def rss_mib(pid: int) -> float:
@@ -237,14 +238,6 @@ def _serve_replica_pids() -> dict[str, int]:
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_soak(args) -> dict:
     import ray
     import requests
@@ -274,7 +267,7 @@ def run_soak(args) -> dict:
         )
     cfg = ServiceConfig(
         model_dir=model_dir,
-        port=_free_port(),
+        port=free_port(),
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers,
         transfer=args.transfer,

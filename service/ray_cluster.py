@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import re
+import socket
 import sys
 import tempfile
 import time
@@ -30,6 +32,23 @@ def single_node() -> bool:
     import ray
 
     return len([n for n in ray.nodes() if n.get("Alive")]) == 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free port of `host` between Ray's worker ports (10002-19999) and the kernel's ephemeral range (32768+, where
+    the local ends of Ray's many connections come from), so that nothing takes it between this check and the bind
+    by the metrics server, Serve's proxy or HAProxy; a kernel-picked one as a last resort."""
+    rng = random.Random()
+    for _ in range(100):
+        with socket.socket() as s:
+            try:
+                s.bind((host, rng.randrange(20000, 32768)))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def internal_host() -> str:

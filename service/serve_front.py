@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from dsv4_kernels.settings import settings
 from service.http_limits import HttpLimits, proxy_env
-from service.ray_cluster import job_env
+from service.ray_cluster import free_port, job_env
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,10 @@ def haproxy_env(limits: HttpLimits, binary: str, launcher: str) -> dict[str, str
         "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(max(1, math.ceil(limits.body_timeout_s))),
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DEREGISTER_S),
         "RAY_SERVE_HAPROXY_NBTHREAD": str(haproxy_threads(s.haproxy_threads)),
-        "RAY_SERVE_HAPROXY_STATS_PORT": str(s.haproxy_stats_port),
-        "RAY_SERVE_HAPROXY_METRICS_PORT": str(s.haproxy_metrics_port),
+        # 0: a free port here (two front doors on one host, or one starting while the last one's HAProxy still
+        # holds its ports, would otherwise stop HAProxy at start: "Address already in use")
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(s.haproxy_stats_port or free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(s.haproxy_metrics_port or free_port()),
         "DSV4_HAPROXY_BINARY": binary,
         "DSV4_HAPROXY_ADMIN_HOST": s.haproxy_admin_host,
     }

@@ -31,6 +31,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# HAProxy's stats page and exporter on free ports (service.serve_front): a test's front door must not fail to start
+# because the last test's HAProxy still holds the fixed defaults while it exits.
+os.environ.setdefault("DSV4_HAPROXY_STATS_PORT", "0")
+os.environ.setdefault("DSV4_HAPROXY_METRICS_PORT", "0")
+
 from dsv4_kernels import settings as switches  # noqa: E402
 
 torch.set_num_threads(1)

@@ -77,7 +77,10 @@ def test_every_ray_container_bounds_http_requests_and_takes_the_serve_settings(m
             monkeypatch.setenv(name, env[name])
         assert HttpLimits.from_env() == HttpLimits(max_header_bytes=32768, header_timeout_s=5.0, body_timeout_s=30.5)
         # HAProxy in front (the default): the same switches `dsv4 serve` gives Serve (service.serve_front), with the
-        # image's launcher and the admin listeners on every interface for Prometheus
+        # image's launcher and the admin listeners on every interface for Prometheus, on the fixed default ports
+        # (the tests' own default is 0, a free port: tests/conftest.py)
+        monkeypatch.delenv("DSV4_HAPROXY_STATS_PORT", raising=False)
+        monkeypatch.delenv("DSV4_HAPROXY_METRICS_PORT", raising=False)
         wanted = haproxy_env(HttpLimits.from_env(), "unused", "/home/ray/anaconda3/bin/dsv4-haproxy")
         for name, value in wanted.items():
             if name == "DSV4_HAPROXY_BINARY":  # the launcher finds the image's own
