@@ -101,6 +101,9 @@ class GroupPlan:
     page_bytes: int  # bytes of one page of one layer
     src_layer_stride: int
     dst_layer_stride: int
+    # per side (source, destination): its first page when its pages are one run of consecutive ids (`run_start`),
+    # else None; build_plan finds them while it checks the pages (staged_layout reads them); None: not known
+    runs: tuple[int | None, int | None] | None = None
 
     @functools.cached_property
     def pages(self) -> tuple[tuple[int, int], ...]:
@@ -213,12 +216,12 @@ def staged_layout(plan: TransferPlan) -> StagedLayout:
     range and its page order (the same on both sides: the plan's groups carry the layout)."""
     groups, off = [], 0
     for g in plan.groups:
-        if not g.src_ids:
+        src = g.src_ids
+        if not src:
             continue
-        src, dst = g.src_ids, g.dst_ids
-        sg = StagedGroup(g.name, off, g.layers, g.page_bytes, (src, dst), (run_start(src), run_start(dst)))
-        groups.append(sg)
-        off = align_up(off + sg.nbytes)
+        runs = (run_start(src), run_start(g.dst_ids)) if g.runs is None else g.runs
+        groups.append(StagedGroup(g.name, off, g.layers, g.page_bytes, (src, g.dst_ids), runs))
+        off += -(-(g.layers * len(src) * g.page_bytes) // STAGING_ALIGN) * STAGING_ALIGN  # align_up, inlined
     return StagedLayout(tuple(groups), off)
 
 
@@ -248,12 +251,16 @@ def page_span(spec: CacheGroupSpec, num_tokens: int, start_tokens: int = 0, fina
     return min(complete_pages(spec, start_tokens), hi), hi
 
 
+_NO_PAGES: tuple[tuple[int, ...], int | None] = ((), None)
+
+
 def _check_pages(
     spec: CacheGroupSpec, pages: Mapping[str, Sequence[int]], lo: int, hi: int, side: str
-) -> tuple[int, ...]:
-    """Entries [lo, hi) of the side's page list of `spec`, checked (in range, no repeat among them)."""
+) -> tuple[tuple[int, ...], int | None]:
+    """(entries [lo, hi) of the side's page list of `spec`, checked (in range, no repeat among them); their first
+    page when they are one run of consecutive ids, else None (`run_start`))."""
     if hi <= lo:
-        return ()
+        return _NO_PAGES
     if spec.name not in pages:
         raise ValueError(f"{side} page table has no group {spec.name!r} (needs {hi} page(s))")
     table = pages[spec.name]
@@ -262,14 +269,23 @@ def _check_pages(
     have = tuple(table[lo:hi])  # only the slice: a stream's chunks cost their own pages, not the prefix
     if type(have[0]) is not int:  # a table of numpy / torch integers: as Python ints (int() a page costs ~50 ns)
         have = tuple(map(int, have))
-    if have[0] >= 0 and have[-1] < spec.num_pages and run_start(have) is not None:
-        return have  # one run of consecutive pages, in range: no repeat possible (most fresh tables)
+    run = run_start(have)
+    if run is not None and run >= 0 and have[-1] < spec.num_pages:
+        return have, run  # one run of consecutive pages, in range: no repeat possible (most fresh tables)
+    last = have[-1]
+    if (
+        have[0] - last == len(have) - 1
+        and last >= 0
+        and have[0] < spec.num_pages
+        and have == tuple(range(have[0], last - 1, -1))
+    ):
+        return have, None  # one run downwards (the allocator hands a freed request's pages back last-in first-out)
     if min(have) < 0 or max(have) >= spec.num_pages:
         bad = [p for p in have if not 0 <= p < spec.num_pages]
         raise ValueError(f"{side} pages {bad} of group {spec.name!r} out of range [0, {spec.num_pages})")
     if len(set(have)) != len(have):
         raise ValueError(f"{side} page table of group {spec.name!r} repeats a page: {have}")
-    return have
+    return have, run
 
 
 def _group_ranges(g: GroupPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -313,23 +329,40 @@ def build_plan(
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if not 0 <= start_tokens <= num_tokens:
         raise ValueError(f"start_tokens must be in [0, num_tokens={num_tokens}], got {start_tokens}")
-    dst_specs = list(specs) if dst_specs is None else list(dst_specs)
-    dst_by_name = {s.name: s for s in dst_specs}
+    groups = []
+    for src, dst, (layers, pb, src_stride, dst_stride) in _pairs(specs, specs if dst_specs is None else dst_specs):
+        lo, hi = page_span(src, num_tokens, start_tokens, final)
+        # a ticket's source table holds the moved pages only (src_moved); a request's table starts at its first
+        src_lo, src_hi = (0, hi - lo) if src_moved else (lo, hi)
+        src_ids, src_run = _check_pages(src, src_pages, src_lo, src_hi, "source")
+        dst_ids, dst_run = _check_pages(dst, dst_pages, lo, hi, "destination")
+        groups.append(GroupPlan(src.name, src_ids, dst_ids, layers, pb, src_stride, dst_stride, (src_run, dst_run)))
+    return TransferPlan(num_tokens, tuple(groups), start_tokens, final)
+
+
+_Pair = tuple[CacheGroupSpec, CacheGroupSpec, tuple[int, int, int, int]]
+# (ids of the source specs, ids of the destination specs) -> (the specs, their pairs): a pool's specs are made once
+# (a backend keeps its own and each peer's), so every plan between two pools hits; an entry holds the specs it was
+# made from, so an id reused by a later object never matches (checked with `is`).
+_PAIRS: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[CacheGroupSpec, ...], tuple[_Pair, ...]]] = {}
+
+
+def _pairs(specs: Sequence[CacheGroupSpec], dst_specs: Sequence[CacheGroupSpec]) -> tuple[_Pair, ...]:
+    """Per group, in spec order: (source spec, destination spec, `_pair_geometry`), the group sets checked equal;
+    made once per pair of spec lists (each plan would otherwise look up and check every group again)."""
+    key = (tuple(map(id, specs)), tuple(map(id, dst_specs)))
+    hit = _PAIRS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], (*specs, *dst_specs))):
+        return hit[1]
     if [s.name for s in specs] != [s.name for s in dst_specs]:
         raise ValueError(
             f"group sets differ: source {[s.name for s in specs]}, destination {[s.name for s in dst_specs]}"
         )
-    groups = []
-    for src in specs:
-        dst = dst_by_name[src.name]
-        layers, pb, src_stride, dst_stride = _pair_geometry(src, dst)
-        lo, hi = page_span(src, num_tokens, start_tokens, final)
-        # a ticket's source table holds the moved pages only (src_moved); a request's table starts at its first
-        src_lo, src_hi = (0, hi - lo) if src_moved else (lo, hi)
-        src_ids = _check_pages(src, src_pages, src_lo, src_hi, "source")
-        dst_ids = _check_pages(dst, dst_pages, lo, hi, "destination")
-        groups.append(GroupPlan(src.name, src_ids, dst_ids, layers, pb, src_stride, dst_stride))
-    return TransferPlan(num_tokens, tuple(groups), start_tokens, final)
+    pairs = tuple((s, d, _pair_geometry(s, d)) for s, d in zip(specs, dst_specs))
+    if len(_PAIRS) >= _GEOMETRY_CAP:  # many short-lived pools (tests): start over rather than grow
+        _PAIRS.clear()
+    _PAIRS[key] = ((*specs, *dst_specs), pairs)
+    return pairs
 
 
 # (id(src), id(dst)) -> (src, dst, geometry): a pool's specs are made once, so every plan between two pools hits;

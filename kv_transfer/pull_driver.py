@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.handoff import TransferTicket
@@ -44,6 +44,7 @@ class PullState:
     scatter_parts: dict = field(default_factory=dict)
     cpu: float = 0.0  # this pull's thread CPU seconds over the steps that ended
     step_cpu0: float = 0.0  # thread_time() when the current step began
+    loop: asyncio.AbstractEventLoop | None = None  # pull_async's: work left for after the pull runs there
 
 
 class PullClaim:
@@ -115,7 +116,7 @@ class PullDriver:
             except BaseException:
                 claim.abandon()  # cancelled while the thread pulls: a scatter it leaves behind frees its range
                 raise
-        state = PullState(defer=True)
+        state = PullState(defer=True, loop=asyncio.get_running_loop())
         steps = self._pull_steps(ticket, dst_pages, timeout_s, state)
         try:
             while True:
@@ -227,6 +228,16 @@ class PullDriver:
     def _defers_scatter(self) -> bool:
         """Whether the pull running in this thread leaves its scatter to the caller (pull_deferred)."""
         return self._state().defer
+
+    def _after_pull(self, work: Callable[[], None]) -> None:
+        """Run `work` (what the source needs but the pulled pages do not: its confirmation) once the pull has
+        handed back: a `pull_async` on the loop, right after the caller's step that awaited it (its join and
+        scatter go first); any other pull now, on its thread."""
+        loop = self._state().loop
+        if loop is None:
+            work()
+        else:
+            loop.call_soon(work)
 
     def _on_deferred(self, deferred) -> None:
         """A staged pull hands over the scatter it left to the caller (see pull_deferred)."""

@@ -97,6 +97,49 @@ def test_scatter_writes_each_staged_page_to_its_page_and_reports_its_parts(devic
         torch.cuda.synchronize()
 
 
+def shaped_table(pool, shape: str, seed: int = 7) -> dict:
+    """Pages for NUM_TOKENS in every group, each growing group's as `shape` says: "up" (a run of consecutive
+    pages), "down" (the same run handed back last-in first-out), "scattered" (a random permutation), "mixed" (one
+    of each, group by group)."""
+    g = torch.Generator().manual_seed(seed)
+    out, kinds = {}, ["up", "down", "scattered"]
+    for i, (name, group) in enumerate(pool.groups.items()):
+        k, n = group.spec.pages_for_tokens(NUM_TOKENS), group.spec.num_pages
+        kind = kinds[i % 3] if shape == "mixed" else shape
+        first = int(torch.randint(0, n - k + 1, (), generator=g))
+        ids = list(range(first, first + k))
+        out[name] = (
+            ids[::-1] if kind == "down" else torch.randperm(n, generator=g)[:k].tolist() if kind == "scattered" else ids
+        )
+    return out
+
+
+@pytest.mark.parametrize("shape", ["up", "down", "scattered", "mixed"])
+def test_gather_then_scatter_moves_each_page_for_every_table_shape(shape):
+    """Fresh random pools: a source's pages gathered into a staging range, scattered into the destination's pages
+    (slices for runs, one packed page-id index for the rest), land byte for byte where the plan says."""
+    src_pool, dst_pool = random_pool(SRC_CACHE, 11), random_pool(DST_CACHE, 12)
+    before = {n: g.tensor.clone() for n, g in dst_pool.groups.items()}
+    src, dst = shaped_table(src_pool, shape, 1), shaped_table(dst_pool, shape, 2)
+    plan = build_plan(
+        [g.spec for g in src_pool.groups.values()],
+        src,
+        dst,
+        NUM_TOKENS,
+        dst_specs=[g.spec for g in dst_pool.groups.values()],
+    )
+    layout = staged_layout(plan)
+    src_buf, dst_buf = (
+        StagingBuffer(src_pool, layout.nbytes + STAGING_ALIGN),
+        StagingBuffer(dst_pool, 2 * layout.nbytes),
+    )
+    src_buf.gather(0, layout)
+    offset = dst_buf.alloc(layout.nbytes)
+    dst_buf.tensor[offset : offset + layout.nbytes].copy_(src_buf.tensor[: layout.nbytes])  # the READ
+    assert dst_buf.scatter(offset, layout) is None
+    assert_moved(src_pool, dst_pool, src, dst, before)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_deferred_scatter_run_writes_pages_and_holds_range_until_done(device):
     pool, layout, buf, offset = staged_setup(device)

@@ -87,6 +87,25 @@ def test_plan_merges_across_layers_when_whole_layers_move():
     assert plan.num_descriptors == 1 and plan.total_bytes == 2 * 5 * page_bytes(spec)
 
 
+def test_plan_checks_downward_runs_and_notes_each_sides_runs():
+    """A table handed back last-in first-out (a downward run) is checked like any other; build_plan notes per side
+    the first page of a run of consecutive pages (None otherwise), as run_start finds it."""
+    spec = CacheGroupSpec("kv4", (1, 3), 16, 32, torch.bfloat16, 4, 6)
+    tables = {"up": [1, 2, 3, 4, 5], "down": [5, 4, 3, 2, 1], "scattered": [3, 1, 5, 0, 2]}
+    for src_kind, src in tables.items():
+        for dst_kind, dst in tables.items():
+            g = build_plan([spec], {"kv4": src}, {"kv4": dst}, 5 * 64).group("kv4")
+            assert g.src_ids == tuple(src) and g.dst_ids == tuple(dst)
+            assert g.runs == ((1 if src_kind == "up" else None), (1 if dst_kind == "up" else None))
+    for bad, what in (
+        ([6, 5, 4, 3, 2], "out of range"),
+        ([3, 2, 1, 0, -1], "out of range"),
+        ([4, 3, 3, 2, 1], "repeats"),
+    ):
+        with pytest.raises(ValueError, match=f"group 'kv4'.*{what}"):
+            build_plan([spec], {"kv4": tables["up"]}, {"kv4": bad}, 5 * 64)
+
+
 def test_plan_validation_names_the_group():
     ss = specs()
     full = {s.name: [0, 1, 2, 3, 4] for s in ss}

@@ -135,3 +135,47 @@ def test_a_cancelled_pull_async_frees_its_range_and_tells_the_source(monkeypatch
     finally:
         src.close()
         dst.close()
+
+
+@needs_nixl
+@pytest.mark.nixl
+def test_pull_async_confirms_to_the_source_after_handing_back_and_pull_before_returning(monkeypatch):
+    """The source's confirmation is not on the pull's path: a pull_async sends it on the loop once the caller's
+    step that awaited the pull has ended (its scatter first); a pull on its thread sends it before returning.
+    Either way the source releases the request without error and the bytes are the source's."""
+    src_pool, dst_pool = random_pool(SRC_CACHE, 0), random_pool(DST_CACHE, 1)
+    before = {n: g.tensor.clone() for n, g in dst_pool.groups.items()}
+    src, dst, released = nixl_pair(src_pool, dst_pool)
+    events: list[str] = []
+    confirm = dst._confirm
+    monkeypatch.setattr(dst, "_confirm", lambda *a: (events.append("confirmed"), confirm(*a)))
+    try:
+        table, (dtab, dtab2) = src_table(src_pool), dst_tables(dst_pool, 2)
+        ticket = src.export("a", table, NUM_TOKENS)
+
+        async def pull():
+            stats, deferred = await dst.pull_async(ticket, dtab, timeout_s=10)
+            events.append("returned")
+            deferred.run()
+            events.append("scattered")
+            await asyncio.sleep(0)
+            events.append("next step")
+
+        asyncio.run(pull())
+        assert events == ["returned", "scattered", "confirmed", "next step"]
+        assert_moved(src_pool, dst_pool, ticket.page_table(), dtab, before)
+        assert wait_poll(src) == [("a", None)]
+
+        events.clear()
+        before = {n: g.tensor.clone() for n, g in dst_pool.groups.items()}  # the first pull's pages written
+        ticket = src.export("b", table, NUM_TOKENS)
+        dst.pull(ticket, dtab2, timeout_s=10)
+        events.append("returned")
+        assert events == ["confirmed", "returned"]
+        assert_moved(src_pool, dst_pool, ticket.page_table(), dtab2, before)
+        assert wait_poll(src) == [("b", None)]
+        assert released == [("a", None), ("b", None)]
+        assert_arenas_idle(src, dst)
+    finally:
+        src.close()
+        dst.close()

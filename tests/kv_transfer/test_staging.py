@@ -1,6 +1,7 @@
 """Staged NIXL pulls (kv_transfer.staging): the byte-range arena, and real NIXL pulls on host memory with staging
 on, off, too small on either side, and after failures; every pull is checked byte for byte against the source."""
 
+import dataclasses
 import random
 import re
 import sys
@@ -184,6 +185,21 @@ def test_staged_layout_marks_each_sides_runs():
             assert g.runs[1] == dst[g.name][0], g.name
         else:
             assert g.runs[1] is None, g.name
+
+
+def test_staged_layout_of_a_plan_without_runs_finds_them():
+    """A GroupPlan built without its runs (runs=None) gets the same layout as build_plan's, which notes them."""
+    src_pool, dst_pool = random_pool(SRC_CACHE, 0), random_pool(DST_CACHE, 1)
+    plan = build_plan(
+        [g.spec for g in src_pool.groups.values()],
+        src_table(src_pool),
+        dst_table(dst_pool),
+        NUM_TOKENS,
+        dst_specs=[g.spec for g in dst_pool.groups.values()],
+    )
+    bare = dataclasses.replace(plan, groups=tuple(dataclasses.replace(g, runs=None) for g in plan.groups))
+    assert staged_layout(bare) == staged_layout(plan)
+    assert any(g.runs[1] is None for g in staged_layout(plan).groups)  # scattered pages: some group is indexed
 
 
 # ---- NIXL pulls ------------------------------------------------------------------------------------------
