@@ -13,7 +13,7 @@ sides) on the first pull of every size.
 
 Fixed cost of a pull, two ways: (1) the whole pull minus the raw one-descriptor READ of its bytes (timed right
 before it, so the load of a shared host moves both alike) minus the scatter's copies; (2) the sum of the parts that
-move no bytes: the thread hand-off, the plan, the staging range, the layout / descriptors / confirmation, the
+move no bytes: the thread hand-off, the plan, the staging range, the layout / descriptors, the
 scatter's set-up. (1) also counts posting the READ and anything else a pull adds to NIXL's own READ; on a loaded
 host it is the noisier one. On the CPU the scatter's copies are memcpys that scale with the bytes (a device copy
 on a GPU).
@@ -184,7 +184,7 @@ def service_pulls(conn, backend, pool, num_tokens: int, pulls: int, device: str,
                     "plan_ms": stats.plan_seconds * 1e3,
                     "staging_wait_ms": stats.staging_wait_seconds * 1e3,
                     "read_ms": stats.wire_seconds * 1e3,
-                    "pull_other_ms": (stats.seconds - sum(parts)) * 1e3,  # layout, descriptors, confirmation
+                    "pull_other_ms": (stats.seconds - sum(parts)) * 1e3,  # layout, descriptors (confirmation: after it)
                     "pull_ms": stats.seconds * 1e3,
                     "pull_cpu_ms": stats.cpu_seconds * 1e3,  # the pulling thread's CPU (the READ's cma copy in it)
                     "scatter_ms": (t2 - t1) * 1e3,
@@ -195,7 +195,7 @@ def service_pulls(conn, backend, pool, num_tokens: int, pulls: int, device: str,
                     # the bytes: a memcpy on the CPU, a device copy on a GPU)
                     "fixed_ms": ((t2 - t0) - copies) * 1e3 - raw_ms,
                     # the same from the parts that do not move bytes: hand-off, plan, staging range, layout /
-                    # descriptors / confirmation, the scatter's set-up (steadier on a loaded host than a difference)
+                    # descriptors, the scatter's set-up (steadier on a loaded host than a difference)
                     "fixed_parts_ms": ((t1 - t0 - sum(parts)) + stats.plan_seconds + stats.staging_wait_seconds) * 1e3
                     + ((t2 - t1) - copies) * 1e3,
                     # from the end of the pull on its thread to the source's release callback (its poll)
