@@ -221,7 +221,7 @@ def staged_layout(plan: TransferPlan) -> StagedLayout:
             continue
         runs = (run_start(src), run_start(g.dst_ids)) if g.runs is None else g.runs
         groups.append(StagedGroup(g.name, off, g.layers, g.page_bytes, (src, g.dst_ids), runs))
-        off += -(-(g.layers * len(src) * g.page_bytes) // STAGING_ALIGN) * STAGING_ALIGN  # align_up, inlined
+        off = align_up(off + g.layers * len(src) * g.page_bytes)
     return StagedLayout(tuple(groups), off)
 
 
