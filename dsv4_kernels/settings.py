@@ -42,6 +42,7 @@ OGS_CONSTRAINTS = "DSV4_OGS_CONSTRAINTS"
 TRITON = "DSV4_TRITON"
 MXFP4_MOE = "DSV4_MXFP4_MOE"
 MXFP4_MOE_BACKEND = "DSV4_MXFP4_MOE_BACKEND"
+MXFP4_GEMV = "DSV4_MXFP4_GEMV"
 FP8_GEMM = "DSV4_FP8_GEMM"
 FLASH_MLA = "DSV4_FLASH_MLA"
 FLASH_MLA_PREFILL = "DSV4_FLASH_MLA_PREFILL"
@@ -272,6 +273,14 @@ class Settings:
         "kernel of packed MXFP4 experts on CUDA; auto = triton_kernels, else Marlin, else the engine's own kernel",
         "engine",
         choices=("auto", "triton_kernels", "marlin", "engine"),
+    )
+    mxfp4_gemv: bool = _switch(
+        MXFP4_GEMV,
+        "bool",
+        False,
+        "1 = steps of few routes (dsv4_kernels.triton_mxfp4_gemv.MAX_ROUTES) on triton_kernels' MXFP4 experts "
+        "take the split-K GEMV kernel instead of its matmul; 0 = off (not measured on a GPU yet)",
+        "engine",
     )
     fp8_gemm: bool = _switch(
         FP8_GEMM,

@@ -3,6 +3,9 @@
 For each token count (default 1/16/64/128; hidden 4096, moe_inter 2048, 256 experts, top-6, bf16) it times
 - `mxfp4 triton_kernels`: dsv4_kernels.mxfp4_ogs.ogs_moe, OpenAI's triton_kernels matmul on the same packed bytes
   moved into its Hopper layouts (sort + gate/up + SwiGLU + down + sum; when triton_kernels imports);
+- `mxfp4 gemv`: dsv4_kernels.triton_mxfp4_gemv.gemv_moe, split-K GEMVs reading the same triton_kernels storage
+  (tokens * top-k <= its MAX_ROUTES; gate|up + SwiGLU + down + sum; weight MB counts distinct experts, the
+  GEMV reads a shared expert once a route);
 - `mxfp4 marlin`: dsv4_kernels.marlin_moe.marlin_moe, Marlin's W4A16 grouped GEMM (vLLM's and SGLang's Hopper
   path) on the same bytes repacked into its tiles (route sort + gate/up + SwiGLU + down + sum; when its wheels,
   tools/device_wheels/marlin_wheel.py, are installed);
@@ -71,7 +74,13 @@ def row(tokens, path, us, graph_us, nbytes, copy, err="") -> str:
     return f"| {tokens} | {path} | {us:.1f} | {g} | {nbytes / 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy:.0f}% | {err} |"
 
 
-def run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs=None, marlin=None) -> list[str]:
+def gemv_max_routes() -> int:
+    from dsv4_kernels.triton_mxfp4_gemv import MAX_ROUTES
+
+    return MAX_ROUTES
+
+
+def run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs=None, marlin=None, gemv=None) -> list[str]:
     dev, h, inter, k = args.device, args.hidden, args.inter, args.topk
     gen = torch.Generator(device=dev).manual_seed(t)
     x = torch.randn(t, h, device=dev, generator=gen).to(torch.bfloat16)
@@ -102,6 +111,23 @@ def run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs=None, marlin=No
         rows.append(
             row(
                 t, "mxfp4 triton_kernels", bench(tk, dev), bench_graph(tk), mx_bytes, copy, f"{rel_err(tk(), want):.1e}"
+            )
+        )
+    if gemv is not None and t * k <= gemv_max_routes():
+        from dsv4_kernels import triton_mxfp4_gemv
+
+        def gv():
+            return triton_mxfp4_gemv.gemv_moe(x, weights, ids, gemv, 10.0)
+
+        rows.append(
+            row(
+                t,
+                "mxfp4 gemv",
+                bench(gv, dev),
+                bench_graph(gv) if cuda else None,
+                mx_bytes,
+                copy,
+                f"{rel_err(gv(), want):.1e}",
             )
         )
     if marlin is not None:
@@ -341,6 +367,17 @@ def main(argv: list[str] | None = None) -> int:
         ogs = mxfp4_ogs.prepare(packed["w1"], packed["s1"], packed["w2"], packed["s2"], packed["w3"], packed["s3"])
     else:
         print(f"(no triton_kernels rows: {why_not('triton_kernels.matmul') or 'needs CUDA'})")
+    gemv = None  # the split-K GEMV on triton_kernels' storage (views) or, on the CPU, on the torch swizzles
+    if ogs is not None or dev == "cpu":
+        from dsv4_kernels import triton_mxfp4_gemv
+
+        gemv = (
+            triton_mxfp4_gemv.from_ogs(ogs)
+            if ogs is not None
+            else triton_mxfp4_gemv.from_checkpoint(
+                packed["w1"], packed["s1"], packed["w2"], packed["s2"], packed["w3"], packed["s3"]
+            )
+        )
     marlin = None
     from dsv4_kernels.gpu import has_marlin_moe, why_not_marlin_moe
 
@@ -359,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(head))
     table = []
     for t in args.tokens:
-        for line in run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs, marlin):
+        for line in run_tokens(t, args, packed, dense, gate, bias, copy, tm, ogs, marlin, gemv):
             print(line, flush=True)
             table.append(line)
     if args.out:

@@ -240,6 +240,24 @@ def sweep_moe_variants(engine, max_tokens: int) -> int:
     weights = torch.rand(top, k, generator=g, device=dev)
     for t in counts:
         mxfp4_ogs.ogs_moe(x[:t], weights[:t], ids[:t], ex, engine.cfg.swiglu_limit, shared=x[:t])
+    return len(counts) + _sweep_gemv(blocks[0], x, weights, ids)
+
+
+def _sweep_gemv(block, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> int:
+    """With DSV4_MXFP4_GEMV=1, the few-route steps' GEMV kernels (dsv4_kernels.triton_mxfp4_gemv: one variant per
+    weight shape, compiled by the first call; the others make sure) -> calls run."""
+    from engine.model.fast_paths import use_mxfp4_gemv
+
+    k = ids.shape[1]
+    counts = [t for t in range(1, x.shape[0] + 1) if use_mxfp4_gemv(x[:t], k)]
+    if not counts:
+        return 0
+    from dsv4_kernels import triton_mxfp4_gemv
+
+    if block.gemv is None:
+        block.gemv = triton_mxfp4_gemv.from_ogs(block.ogs)
+    for t in counts:
+        triton_mxfp4_gemv.gemv_moe(x[:t], weights[:t], ids[:t], block.gemv, block.cfg.swiglu_limit, shared=x[:t])
     return len(counts)
 
 

@@ -31,12 +31,22 @@ from dsv4_kernels.gpu import (
     why_not,
     why_not_marlin_moe,
 )
-from dsv4_kernels.settings import BY_NAME, FLASH_MLA, FP8_GEMM, MXFP4_MOE, MXFP4_MOE_BACKEND, TRITON, settings
+from dsv4_kernels.settings import (
+    BY_NAME,
+    FLASH_MLA,
+    FP8_GEMM,
+    MXFP4_GEMV,
+    MXFP4_MOE,
+    MXFP4_MOE_BACKEND,
+    TRITON,
+    settings,
+)
 
 ENV = TRITON
 MXFP4_ENV = MXFP4_MOE
 FP8_GEMM_ENV = FP8_GEMM
 MOE_BACKEND_ENV = MXFP4_MOE_BACKEND
+MXFP4_GEMV_ENV = MXFP4_GEMV
 FLASH_MLA_ENV = FLASH_MLA
 MOE_BACKENDS = BY_NAME[MOE_BACKEND_ENV].choices
 
@@ -230,6 +240,18 @@ def mxfp4_moe_backend(device: torch.device | str) -> str:
     if has_triton_kernels():
         return "triton_kernels"
     return "marlin" if has_marlin_moe() else "engine"
+
+
+def use_mxfp4_gemv(x: torch.Tensor, top_k: int) -> bool:
+    """Do the routed experts of a call over x [T, H] on triton_kernels' MXFP4 layouts take the split-K GEMV
+    (dsv4_kernels.triton_mxfp4_gemv) instead of triton_kernels' matmul? Only with DSV4_MXFP4_GEMV=1 (off until
+    measured: the `gemv` stage of tools/gpu/stages.sh), on bf16 CUDA tensors, for at most its MAX_ROUTES routes
+    (T * top_k). Host ints only: the answer is fixed per captured step size."""
+    if not settings().mxfp4_gemv or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    from dsv4_kernels.triton_mxfp4_gemv import fits  # imports triton: only where the switch is on
+
+    return fits(x.shape[0], top_k)
 
 
 def describe(

@@ -34,6 +34,7 @@ from engine.model.fast_paths import (
     mxfp4_moe_backend,
     use_fp8_expert_gemm,
     use_grouped_moe,
+    use_mxfp4_gemv,
     use_mxfp4_moe,
     use_triton,
 )
@@ -55,6 +56,7 @@ from engine.model.parallel import SINGLE, ParallelContext, TokenExchange
 if TYPE_CHECKING:  # the library layouts' modules import GPU libraries where they are used, not here
     from dsv4_kernels.marlin_moe import MarlinExperts
     from dsv4_kernels.mxfp4_ogs import OgsExperts
+    from dsv4_kernels.triton_mxfp4_gemv import GemvExperts
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,7 @@ class MoEBlock:
         self.packed = experts if isinstance(experts, PackedExperts) else None
         self.mxfp4 = self.packed is not None  # routed experts held as MXFP4 (packed, or in triton_kernels layouts)
         self.ogs: OgsExperts | None = None  # built from `packed` at the first triton_kernels call
+        self.gemv: GemvExperts | None = None  # views of `ogs`' storage, built at the first GEMV call
         # triton_kernels' tiles were measured at V4 widths only (tests/kernels/test_mxfp4_ogs.py, >= 128);
         # narrower toy models take the engine's own kernel.
         self.ogs_fits = cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
@@ -241,6 +244,14 @@ class MoEBlock:
                 pk = self._packed_experts()
                 self.ogs = mxfp4_ogs.prepare(pk.w1, pk.s1, pk.w2, pk.s2, pk.w3, pk.s3)
                 self.packed = None  # the Hopper-layout copy replaces the checkpoint bytes
+            if use_mxfp4_gemv(x, self.cfg.num_experts_per_tok):
+                from dsv4_kernels import triton_mxfp4_gemv  # imports triton: only on this path
+
+                if self.gemv is None:
+                    self.gemv = triton_mxfp4_gemv.from_ogs(self.ogs)  # views of the same storage: no copy
+                # -1 for another rank's experts: the GEMV skips them without reading expert 0
+                weights, ids = self._local(*triton_moe.route(x, self.router_gate, **self._route_args(token_ids)), True)
+                return triton_mxfp4_gemv.gemv_moe(x, weights, ids, self.gemv, limit, shared=shared), True
             weights, ids = self._local(*triton_moe.route(x, self.router_gate, **self._route_args(token_ids)), False)
             return mxfp4_ogs.ogs_moe(x, weights, ids, self.ogs, limit, shared=shared), True
         if self.packed is not None and use_mxfp4_moe(x.device):

@@ -232,6 +232,26 @@ def test_in_step_snapshot_on_the_fast_path(monkeypatch, hca16):
         assert max(abs(x - y) for x, y in zip(ref.logprobs, fast.logprobs)) <= TOL
 
 
+def test_mxfp4_gemv_is_off_by_default_and_few_routes_only(monkeypatch):
+    """DSV4_MXFP4_GEMV (dsv4_kernels.triton_mxfp4_gemv, not measured yet) stays off unless set; on, it takes bf16
+    CUDA calls of at most MAX_ROUTES routes (a tensor's device is faked: the predicate reads only is_cuda)."""
+    from dsv4_kernels.triton_mxfp4_gemv import MAX_ROUTES
+    from engine.model import fast_paths
+
+    class Cuda:
+        is_cuda, dtype = True, torch.bfloat16
+
+        def __init__(self, t):
+            self.shape = (t, 64)
+
+    monkeypatch.delenv(fast_paths.MXFP4_GEMV_ENV, raising=False)
+    assert not fast_paths.use_mxfp4_gemv(Cuda(1), 6)
+    monkeypatch.setenv(fast_paths.MXFP4_GEMV_ENV, "1")
+    assert fast_paths.use_mxfp4_gemv(Cuda(1), 6) and fast_paths.use_mxfp4_gemv(Cuda(MAX_ROUTES // 6), 6)
+    assert not fast_paths.use_mxfp4_gemv(Cuda(MAX_ROUTES // 6 + 1), 6)
+    assert not fast_paths.use_mxfp4_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), 6)  # CPU
+
+
 @pytest.mark.parametrize(
     "want,ogs,marlin,expected",
     [

@@ -11,7 +11,8 @@
 # specprof (where a speculative step's time goes: phases, kernels, vs the one-token step; benchmarks/spec_profile.py),
 # prefillhost (a slice prefill's host-device synchronisations and host functions; benchmarks/slice/prefill_host.py),
 # prefillab (the 8K prefill with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout off and on), long1m
-# (a 1M-token prompt's chunked prefill), indexerab (the long prefill's indexer: Triton vs DeepGEMM fp8_mqa_logits).
+# (a 1M-token prompt's chunked prefill), indexerab (the long prefill's indexer: Triton vs DeepGEMM fp8_mqa_logits),
+# gemv (the few-route MXFP4 MoE GEMV: its GPU tests, its bench rows at 1/2/4 tokens, batch-1 decode with it off/on).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -150,6 +151,20 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
               --prefill-chunk 8192 --prefill-runs 1 --no-peer --out "$OUT/indexer_$v.md" > "$OUT/indexerab_$v.log" 2>&1 \
               || status=1
             echo "== indexer $v"; grep -E "^(prefill|Prefill)" "$OUT/indexerab_$v.log" | cut -c1-300
+          done ;;
+    # gemv: the few-route MXFP4 MoE GEMV (dsv4_kernels.triton_mxfp4_gemv): its GPU tests (against ogs_moe at V4-Flash
+    # shapes, CUDA graphs), `dsv4 bench kernels moe` at 1, 2 and 4 tokens (GEMV rows beside triton_kernels, graph
+    # timed), then the slice's batch-1 decode with DSV4_MXFP4_GEMV=0 and =1 back to back (b1prof's run: kernels too)
+    gemv) timeout ${GEMV_TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rs \
+            tests/kernels/test_triton_mxfp4_gemv.py > "$OUT/gemv_tests.log" 2>&1 || status=1
+          grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gemv_tests.log" | cut -c1-300
+          timeout ${GEMV_BENCH_TIMEOUT:-300} python3 -m benchmarks.kernels moe --tokens 1 2 4 --out "$OUT/moe_gemv.md" \
+            2>&1 | tail -30 | tee "$OUT/gemv_bench.log" || status=1
+          for v in 0 1; do
+            DSV4_MXFP4_GEMV=$v timeout ${B1_TIMEOUT:-240} benchmarks/slice/run.sh --budget-s ${B1_BUDGET:-180} --batches 1 \
+              --contexts 4096 --experts mxfp4 --no-peer --profile-batch 1 --profile-dump "$OUT/kernels_b1_gemv$v.txt" \
+              --out "$OUT/b1_gemv$v.md" > "$OUT/b1_gemv$v.log" 2>&1 || status=1
+            echo "== DSV4_MXFP4_GEMV=$v"; grep -E "^(decode|profile)" "$OUT/b1_gemv$v.log" | cut -c1-300
           done ;;
     # prefillab: the 8K prefill by expert format with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout
     # off (as before) and on, one run.sh each (same warm machine, back to back); then
