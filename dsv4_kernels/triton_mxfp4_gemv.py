@@ -23,7 +23,8 @@ The layouts (triton_kernels.tensor_details.layout_details, mx_axis=-2, mma_versi
   scale (n, kk) moves to row 8*m + w (32 outputs: a, b, cc) at column 64*c + 32*a + 4*cc + 2*k1 + b.
   Storage: uint8 [E, 32*K/32, N/32] with unit stride along its middle dim.
 A program takes one scale row (and multiples): 32 outputs, 8 value rows (a in {0, 1} x t0 in 0..3, cc = 2*t0 +
-s0), over a range of 64-wide K chunks c. Every load is a contiguous run of a row (16-byte vectors on the GPU).
+s0), over a range of 64-wide K chunks c. Code words are contiguous runs of a row (16-byte vectors on the GPU);
+scales are byte gathers within a row's 64-byte run per chunk, activations gathers from L1/L2.
 
 Decode: a code's bits land on a bf16's sign, two low exponent bits and top mantissa bit, i.e. value * 2^-126
 (the e = 0 code 0.5 is a subnormal: needs fp32 without flush-to-zero, Triton's default for plain fp32 ops).
