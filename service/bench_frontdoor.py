@@ -30,6 +30,7 @@ from dsv4_kernels.settings import reload, settings
 from service.bench_serve import pct
 from service.benchmarks_md import BENCHMARKS_MD, markers, write_section
 from service.frontdoor_load import SERVICE, cpu_by_component, cpu_delta, env_by_component, run_level
+from service.frontdoor_runs import merge_runs, p99_at
 from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill, token_for
 
 LETTER = "a"
@@ -79,6 +80,7 @@ class LevelResult:
     client_lag_ms_p99: float = 0.0  # the load client's own loop lag (in every receive time, so in the added latency)
     step_lag_ms_p99: float = 0.0  # the synthetic step clock's lateness (not in the added latency: emits are stamped)
     feed_transport: str = "ray"  # DSV4_TOKEN_FEED_TRANSPORT as the replicas read it (rows of older runs: ray)
+    p99_runs: tuple = ()  # --repeat: each run's added p99 (the row holds medians: service.frontdoor_runs)
 
 
 def _feed_path(r: LevelResult | None) -> str:
@@ -241,16 +243,32 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
 
 
 def sweep(handles: dict, model_dir: str, args, letter_id: int) -> list[LevelResult]:
-    """Per replica count, raise the streams until delivered tokens/s grows by less than --growth."""
+    """The levels swept --repeat times (later sweeps run the first one's levels), merged (service.frontdoor_runs)."""
+    runs = [_sweep_once(handles, model_dir, args, letter_id, None, 0)]
+    levels = [(r.replicas, r.streams) for r in runs[0]]
+    for k in range(1, args.repeat):
+        print(f"repeat {k + 1} of {args.repeat}", flush=True)
+        runs.append(_sweep_once(handles, model_dir, args, letter_id, levels, k * len(levels)))
+    return merge_runs(runs)
+
+
+def _sweep_once(
+    handles: dict, model_dir: str, args, letter_id: int, levels: list[tuple[int, int]] | None, tag0: int
+) -> list[LevelResult]:
+    """Per replica count, raise the streams until delivered tokens/s grows by less than --growth (`levels`: run
+    exactly these (replicas, streams) instead). tag0: levels run before (each level's prompts are tagged apart)."""
     rows: list[LevelResult] = []
     for replicas in args.replicas:
         url = deploy(handles, model_dir, args.port, replicas)
         best = 0.0
         for streams in args.streams:
-            row = run_one(handles, url, replicas, streams, args, letter_id, first_tag=len(rows) * 100_000)
+            if levels is not None and (replicas, streams) not in levels:
+                continue
+            tag = (tag0 + len(rows)) * 100_000
+            row = run_one(handles, url, replicas, streams, args, letter_id, first_tag=tag)
             rows.append(row)
             print(_row_line(row), flush=True)
-            if row.delivered_tps < best * (1 + args.growth):
+            if levels is None and row.delivered_tps < best * (1 + args.growth):
                 break  # the ceiling: more offered load no longer raises throughput
             best = max(best, row.delivered_tps)
     return rows
@@ -258,11 +276,12 @@ def sweep(handles: dict, model_dir: str, args, letter_id: int) -> list[LevelResu
 
 def _row_line(r: LevelResult) -> str:
     top = sorted(((v, k) for k, v in r.cpu_by_component.items() if k in SERVICE), reverse=True)[:3]
+    runs = f" {' / '.join(f'{x:.1f}' for x in r.p99_runs)} |" if r.p99_runs else ""
     return (
         f"| {r.replicas} | {r.streams} | {r.offered_tps:.0f} | {r.delivered_tps:.0f} | {r.added_ms_p50:.1f} | "
         f"{r.added_ms_p99:.1f} | {r.cpu_ms_per_1k:.0f} | {', '.join(f'{k} {v:.1f}' for v, k in top)} | "
         f"{r.client_lag_ms_p99:.1f} | {r.step_lag_ms_p99:.1f} | "
-        f"{r.requests} | {r.lost_tokens} | {r.out_of_order} | {r.errors} | {r.load_avg:.1f} |"
+        f"{r.requests} | {r.lost_tokens} | {r.out_of_order} | {r.errors} | {r.load_avg:.1f} |{runs}"
     )
 
 
@@ -304,6 +323,14 @@ def comparison(rows: list[LevelResult], before: dict[int, float]) -> list[str]:
         )
         + "."
     ]
+    lines.append(
+        "Added latency p99 at exactly half the ceiling (linear between the levels around it): "
+        + ", ".join(
+            f"{k} replica{'s' if k > 1 else ''}: {p99_at([r for r in rows if r.replicas == k], top / 2):.1f} ms"
+            for k, top in sorted(ceil.items())
+        )
+        + "."
+    )
     if before:
         lines.append(
             "After / before (ceiling, same command, the BEFORE table below): "
@@ -360,6 +387,8 @@ def ab_lines(rows: list[LevelResult], other: list[LevelResult]) -> list[str]:
 
 def report(rows: list[LevelResult], args, command: str, other: list[LevelResult] | None = None) -> str:
     ceil = ceilings(rows)
+    repeated = any(r.p99_runs for r in rows)
+    runs = max((len(r.p99_runs) for r in rows), default=1)
     lines = [
         "## Front door: streamed tokens through the ingress, router and front door (`dsv4 bench frontdoor`)",
         "",
@@ -384,12 +413,19 @@ def report(rows: list[LevelResult], args, command: str, other: list[LevelResult]
         "leaves, but fewer steps then run). CPU: user + system of the service's processes (router, ingress replicas, "
         "Serve proxy or HAProxy and its manager, Serve controller, raylet + GCS) per 1K tokens received; the top "
         "three components in CPU seconds. Load avg: the machine's 1-minute load average at the level's end "
-        "(anything above the CPU count is other work competing).",
+        "(anything above the CPU count is other work competing)."
+        + (
+            f" The levels were swept {runs} times back to back (`--repeat`): each row holds the medians over the "
+            "runs (the counts of requests, lost and out-of-order tokens and errors summed), every run's p99 in the "
+            "last column."
+            if repeated
+            else ""
+        ),
         "",
         "| ingress replicas | streams | offered tok/s | delivered tok/s | added p50 ms | added p99 ms | "
         "CPU ms / 1K tok | top CPU (s) | client lag p99 ms | step lag p99 ms | requests | lost | out of order | "
-        "errors | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "errors | load avg |" + (" added p99 ms, each run |" if repeated else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if repeated else ""),
     ]
     lines += [_row_line(r) for r in rows]
     lines += [
@@ -408,6 +444,8 @@ def bench_frontdoor_main(args: argparse.Namespace) -> int:
     from engine.loading.make_model import default_model_dir
     from service.launcher import stop_service
 
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     model_dir = args.model or default_model_dir()
     letter_id = _letter_id(model_dir)
     # HAProxy's admin listeners on free ports unless set: back-to-back runs would otherwise race the last run's
@@ -468,6 +506,12 @@ def add_bench_frontdoor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--routers", type=int, default=2, help="router replicas (placement only)")
     p.add_argument("--growth", type=float, default=0.05, help="a level must raise throughput by this fraction")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="sweep the levels this many times back to back; rows are the medians (service.frontdoor_runs)",
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--write-baseline",
