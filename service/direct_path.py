@@ -194,7 +194,10 @@ class RouterSet:
         placement anyway, and one that never hears of it releases it after its hold's limit."""
         self._unsettled.setdefault(i, []).append(request_id)
         if i not in self._settle_timers:
-            loop = asyncio.get_running_loop()
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # a stream finalised outside its loop (shutdown): the next Place or close carries it
+                return
             self._settle_timers[i] = loop.call_later(SETTLE_WAIT_S, self._flush_soon, i)
 
     def _flush_soon(self, i: int) -> None:
