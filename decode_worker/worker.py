@@ -159,7 +159,7 @@ class DecodeWorker(WorkerBase):
         if ticket is None:
             raise ValueError(f"request {rid} finished at prefill ({result.finish_reason}): there is nothing to decode")
         target = self.feeds.get(feed, self.worker_id) if feed is not None else None
-        if ticket.source not in self.peers:  # this worker (or the source) restarted since the handshake
+        if not self.transfer_backend.knows(ticket):  # this worker (or the source) restarted since the handshake
             raise PeerUnknown(ticket.source, self.worker_id)
         stream = self._streamed.pop(rid, None)
         if stream is None and ticket.start_tokens:  # its chunks went into a reservation that is gone (aborted)
@@ -292,7 +292,7 @@ class DecodeWorker(WorkerBase):
                 f"request {request_id!r}: chunk ticket from position {ticket.start_tokens} (final={ticket.final}); "
                 f"its chunks reached {covered} here"
             )
-        if ticket.source not in self.peers:
+        if not self.transfer_backend.knows(ticket):
             raise PeerUnknown(ticket.source, self.worker_id)
         pages = await self.loop.acall(lambda e: e.imports[request_id].pages)
         start = time.monotonic()

@@ -54,6 +54,9 @@ class TransferTicket:
     # request_id names the chunk, kv_transfer.base.chunk_id), True: the rest of the request's caches.
     start_tokens: int = 0
     final: bool = True
+    # the exporting backend's instance (a restarted worker's backend is a new one): the decode side pulls only with
+    # that instance's transfer metadata (kv_transfer.base.TransferBackend.knows); "" = not checked
+    source_instance: str = ""
 
     def page_table(self) -> dict[str, list[int]]:
         return {g: list(p) for g, p in self.src_pages}

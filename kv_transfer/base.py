@@ -111,6 +111,9 @@ class TransferBackend(PullDriver, ABC):
     ):
         self.pool = pool
         self.worker_name = worker_name or f"kvx-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # this process's backend (a restarted worker keeps its name but not this): tickets and metadata carry it
+        self.instance = uuid.uuid4().hex[:16]
+        self._peer_instances: dict[str, str] = {}  # peer name -> the instance its metadata described
         self.specs: list[CacheGroupSpec] = [g.spec for g in pool.groups.values()]
         self.fingerprint = layout_fingerprint(self.specs)
         self.lease_s = lease_s
@@ -146,7 +149,16 @@ class TransferBackend(PullDriver, ABC):
         sizes = header["num_pages"]
         # Same layout (fingerprint) but the peer's pool may hold a different number of pages.
         self._peer_specs[name] = [_with_pages(s, sizes[s.name]) for s in self.specs]
+        self._peer_instances[name] = str(header.get("instance", ""))
         self._add_peer(name, header, payload)
+
+    def knows(self, ticket: TransferTicket) -> bool:
+        """Can this worker pull `ticket` with the metadata it holds? Its source was introduced, and (when the ticket
+        names it) by the instance that exported it: after the source restarted, metadata learnt before describes
+        the dead process (a TCP pull would connect to a closed port), so the pair must be introduced again."""
+        if ticket.source not in self._peer_specs:
+            return False
+        return not ticket.source_instance or ticket.source_instance == self._peer_instances.get(ticket.source)
 
     @abstractmethod
     def _add_peer(self, name: str, header: dict, payload: bytes) -> None: ...
@@ -156,6 +168,7 @@ class TransferBackend(PullDriver, ABC):
             "backend": self.name,
             "worker": self.worker_name,
             "fingerprint": self.fingerprint,
+            "instance": self.instance,
             "num_pages": {s.name: s.num_pages for s in self.specs},
             **extra,
         }
@@ -234,6 +247,7 @@ class TransferBackend(PullDriver, ABC):
             lease_expires_at=time.time() + self.lease_s,
             start_tokens=plan.start_tokens,
             final=plan.final,
+            source_instance=self.instance,
         )
 
     def _stage(self, request_id: str, plan: TransferPlan):
@@ -376,6 +390,7 @@ class TransferBackend(PullDriver, ABC):
     def remove_peer(self, name: str) -> None:
         """Forget a peer (e.g. its worker died); later pulls from it fail at once."""
         self._peer_specs.pop(name, None)
+        self._peer_instances.pop(name, None)
 
     def close(self) -> None:
         """Release network resources and forget peers; pool tensors stay valid."""

@@ -156,7 +156,9 @@ class RayStreamer:
                     self.feeds.lost(w.decode_id, e.feed_id)
                 raise WorkerDied(w.decode_id, str(e)) from None
             except PeerUnknown:
-                if introduced:
+                if introduced:  # the metadata it got is not of the process that prefilled: that one is gone
+                    if not await self.still_holds(w.prefill, result.incarnation):
+                        raise WorkerDied(w.prefill_id, "it restarted after prefilling the request") from None
                     raise WorkerDied(
                         w.decode_id, "still lacks the prefill worker's metadata after an introduction"
                     ) from None

@@ -462,3 +462,30 @@ def test_tcp_server_pins_pages_while_it_reads_them():
         assert src.exported() == []
     finally:
         src.close()
+
+
+@pytest.mark.parametrize("kind", BACKEND_NAMES)
+def test_a_restarted_source_is_known_only_once_introduced_again(kind):
+    """A worker that restarts keeps its name but not its backend: a ticket it exports after the restart is not
+    `knows`-able with the metadata of the process before (the decode worker raises PeerUnknown and the pair is
+    introduced again, rather than pulling from the dead process's address), and one from before it is not once the
+    new metadata is in; pulls with the right metadata move the bytes."""
+    src_pool, dst_pool = random_pool(SRC_CACHE, 0), random_pool(DST_CACHE, 1)
+    src, dst, _ = connect(kind, src_pool, dst_pool, worker_name="p0")
+    again = make_backend(kind, src_pool, worker_name="p0")  # the same worker after a restart
+    try:
+        old = src.export("req-old", src_table(src_pool), NUM_TOKENS)
+        new = again.export("req-new", src_table(src_pool), NUM_TOKENS)
+        assert old.source == new.source == "p0" and old.source_instance != new.source_instance
+        assert dst.knows(old) and not dst.knows(new)
+        assert dst.knows(dataclasses.replace(new, source_instance=""))  # a ticket that names none is not checked
+        dst.remove_peer("p0")  # as DecodeWorker.add_peer re-learns a peer
+        dst.add_peer("p0", again.metadata())
+        assert dst.knows(new) and not dst.knows(old)
+        stats = dst.pull(new, dst_table(dst_pool), timeout_s=10)
+        assert stats.bytes == dst.plan_for(new, dst_table(dst_pool)).total_bytes > 0
+        dst.remove_peer("p0")
+        assert not dst.knows(new)
+    finally:
+        for b in (src, again, dst):
+            b.close()
