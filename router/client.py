@@ -70,6 +70,7 @@ class WorkerStatus:
     cached_blocks: int = 0
     fast_paths_active: tuple[str, ...] = ()  # in health reports only: the GPU fast paths the worker takes
     fast_path_fallbacks: tuple[str, ...] = ()  # and those it does not, as "name: why"
+    incarnation: str = ""  # in health reports only: the worker's process the verdict is about ("" unknown)
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,7 @@ def _health(msg) -> HealthReport:
             w.healthy,
             fast_paths_active=tuple(w.fast_paths_active),
             fast_path_fallbacks=tuple(w.fast_path_fallbacks),
+            incarnation=w.incarnation,
         )
         for w in msg.workers
     )

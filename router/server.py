@@ -492,6 +492,7 @@ class RouterServer(pb2_grpc.RouterServicer):
                     healthy=self.policy.is_up(w),
                     fast_paths_active=w.fast_paths_active,
                     fast_path_fallbacks=w.fast_path_fallbacks,
+                    incarnation=w.incarnation,
                 )
                 for w in workers
             ],

@@ -25,9 +25,10 @@ _END = object()
 class StreamWatch:
     """One stream's link to the workers it currently depends on (`workers`: drop one once it is done)."""
 
-    def __init__(self, registry: StreamWatches, workers: set[str]):
+    def __init__(self, registry: StreamWatches, workers: set[str], incarnations: dict[str, str] | None = None):
         self._registry = registry
         self.workers = set(workers)
+        self.incarnations = dict(incarnations or {})  # worker -> the process the stream runs on ("" / absent: any)
         self.task = asyncio.current_task()
         self.down: str | None = None  # the worker marked down under this stream
         self._waiting = False
@@ -63,6 +64,13 @@ class StreamWatch:
         if self.down is not None:
             raise WorkerDied(self.down, "marked down by the router's health check (no answer or no progress)")
 
+    def depends_on(self, worker_id: str, incarnation: str = "") -> bool:
+        """Does the stream wait on worker_id, in that incarnation ("" on either side: whichever)?"""
+        if worker_id not in self.workers:
+            return False
+        mine = self.incarnations.get(worker_id, "")
+        return not incarnation or not mine or mine == incarnation
+
     def _worker_down(self, worker_id: str) -> None:
         if self.down is None and worker_id in self.workers:
             self.down = worker_id
@@ -81,14 +89,18 @@ class StreamWatches:
     def __len__(self) -> int:
         return len(self._watches)
 
-    def watch(self, *workers: str) -> StreamWatch:
-        w = StreamWatch(self, set(workers))
+    def watch(self, *workers: str, incarnations: dict[str, str] | None = None) -> StreamWatch:
+        """A stream waiting on `workers`; incarnations: the process of each it runs on (a verdict about another
+        process of the same worker does not release it)."""
+        w = StreamWatch(self, set(workers), incarnations)
         self._watches.add(w)
         return w
 
-    def worker_down(self, worker_id: str) -> int:
-        """-> how many streams were released."""
-        hit = [w for w in self._watches if w.down is None and worker_id in w.workers]
+    def worker_down(self, worker_id: str, incarnation: str = "") -> int:
+        """The worker is down (incarnation: that process of it; "": whichever) -> how many streams were released.
+        A verdict from a router that has not seen the worker's restart names the old process: streams placed on
+        the new one by another router go on."""
+        hit = [w for w in self._watches if w.down is None and w.depends_on(worker_id, incarnation)]
         for w in hit:
             w._worker_down(worker_id)
         return len(hit)

@@ -360,7 +360,9 @@ class DirectClient:
             reached()  # it never reaches a worker: the router need not hold it
             raise
         p_id, d_id = workers.prefill_id, workers.decode_id
-        watch = self.watches.watch(p_id, d_id)
+        watch = self.watches.watch(
+            p_id, d_id, incarnations={p_id: where.prefill_incarnation, d_id: where.decode_incarnation}
+        )
         try:
             events = self.streamer.run_placement(dreq, workers, reached)
             async with contextlib.aclosing(events):
@@ -394,7 +396,7 @@ class DirectClient:
             except (TimeoutError, RouterError):
                 continue
             for w in rep.workers:
-                if not w.healthy and (moved := self.watches.worker_down(w.worker_id)):
+                if not w.healthy and (moved := self.watches.worker_down(w.worker_id, w.incarnation)):
                     log.warning(
                         "worker %s is down: %d streams waiting on it are retried or migrated", w.worker_id, moved
                     )

@@ -158,18 +158,20 @@ class HealthRequest(_message.Message):
     def __init__(self, probe: _Optional[bool] = ...) -> None: ...
 
 class WorkerHealth(_message.Message):
-    __slots__ = ("worker_id", "role", "healthy", "fast_paths_active", "fast_path_fallbacks")
+    __slots__ = ("worker_id", "role", "healthy", "fast_paths_active", "fast_path_fallbacks", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     FAST_PATHS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     healthy: bool
     fast_paths_active: _containers.RepeatedScalarFieldContainer[str]
     fast_path_fallbacks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., fast_paths_active: _Optional[_Iterable[str]] = ..., fast_path_fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., fast_paths_active: _Optional[_Iterable[str]] = ..., fast_path_fallbacks: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
     __slots__ = ("serving", "workers")

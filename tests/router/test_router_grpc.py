@@ -138,6 +138,8 @@ def test_health_and_stats_list_both_workers(router):
         ("engine-0", "colocated", True),
         ("engine-1", "colocated", True),
     }
+    # each verdict names the process it is about (the ingress's stream watch keeps streams on another one)
+    assert {w.worker_id: w.incarnation for w in health.workers} == {"engine-0": "engine-0#1", "engine-1": "engine-1#1"}
     stats = router.client.stats()
     assert stats.policy == "cache_aware" and stats.requests_total >= 1
     assert {w.worker_id for w in stats.workers} == {"engine-0", "engine-1"}

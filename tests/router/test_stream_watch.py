@@ -55,3 +55,21 @@ def test_worker_down_fails_the_task_that_reads_now():
             await reader2
 
     asyncio.run(main())
+
+
+def test_a_verdict_about_another_process_of_the_worker_releases_nothing():
+    """A router that has not seen p0's restart reports p0 down with the old incarnation: a stream another router
+    placed on the new one goes on; the verdict about the new one (or one naming none: the router's own Generate)
+    releases it."""
+
+    async def main():
+        watches = StreamWatches()
+        new = watches.watch("p0", "d0", incarnations={"p0": "p0-new", "d0": "d0-1"})
+        unknown = watches.watch("p0", "d0")  # placed without incarnations: any verdict on p0 is its
+        assert watches.worker_down("p0", "p0-old") == 1 and unknown.down == "p0" and new.down is None
+        assert watches.worker_down("d0", "d0-2") == 0 and new.down is None
+        assert watches.worker_down("p0", "p0-new") == 1 and new.down == "p0"
+        again = watches.watch("p0", "d0", incarnations={"p0": "p0-new"})
+        assert watches.worker_down("p0") == 1 and again.down == "p0"
+
+    asyncio.run(main())
