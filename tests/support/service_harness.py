@@ -184,11 +184,13 @@ def wait_until(cond, timeout: float = 120.0, what: str = "condition"):
 
 
 def cluster_pids() -> set[int]:
-    """This process and every live process of its Ray session (the session's daemons, workers and their children)."""
+    """This process and every live process of its Ray session (the session's daemons, workers and their children).
+    Not every child of this process: an earlier module's cluster may still be exiting (its daemons name another
+    session; its workers are theirs), and its listeners or HAProxy are not this cluster's."""
     from ray._private import worker
 
     session = worker._global_node.get_session_dir_path()
-    return descendants({os.getpid(), *pids_with_cmdline(session)})
+    return {os.getpid(), *descendants(set(pids_with_cmdline(session)))}
 
 
 def raw_exchange(port: int, *parts: bytes, pause: float = 0.0, says_close: bool = True) -> tuple[int, dict, float]:
