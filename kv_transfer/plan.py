@@ -345,6 +345,7 @@ _Pair = tuple[CacheGroupSpec, CacheGroupSpec, tuple[int, int, int, int]]
 # (a backend keeps its own and each peer's), so every plan between two pools hits; an entry holds the specs it was
 # made from, so an id reused by a later object never matches (checked with `is`).
 _PAIRS: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[CacheGroupSpec, ...], tuple[_Pair, ...]]] = {}
+_PAIRS_CAP = 1024
 
 
 def _pairs(specs: Sequence[CacheGroupSpec], dst_specs: Sequence[CacheGroupSpec]) -> tuple[_Pair, ...]:
@@ -359,28 +360,15 @@ def _pairs(specs: Sequence[CacheGroupSpec], dst_specs: Sequence[CacheGroupSpec])
             f"group sets differ: source {[s.name for s in specs]}, destination {[s.name for s in dst_specs]}"
         )
     pairs = tuple((s, d, _pair_geometry(s, d)) for s, d in zip(specs, dst_specs))
-    if len(_PAIRS) >= _GEOMETRY_CAP:  # many short-lived pools (tests): start over rather than grow
+    if len(_PAIRS) >= _PAIRS_CAP:  # many short-lived pools (tests): start over rather than grow
         _PAIRS.clear()
     _PAIRS[key] = ((*specs, *dst_specs), pairs)
     return pairs
 
 
-# (id(src), id(dst)) -> (src, dst, geometry): a pool's specs are made once, so every plan between two pools hits;
-# the entry holds both specs, so an id reused by a later object never matches (checked with `is`).
-_GEOMETRY: dict[tuple[int, int], tuple[CacheGroupSpec, CacheGroupSpec, tuple[int, int, int, int]]] = {}
-_GEOMETRY_CAP = 1024
-
-
 def _pair_geometry(src: CacheGroupSpec, dst: CacheGroupSpec) -> tuple[int, int, int, int]:
     """(layer slots, page bytes, source layer stride, destination layer stride) of a group's source and destination
-    specs, their layouts checked equal; computed once per pair of spec objects (each plan asks it per group)."""
-    hit = _GEOMETRY.get((id(src), id(dst)))
-    if hit is not None and hit[0] is src and hit[1] is dst:
-        return hit[2]
+    specs, their layouts checked equal (`_pairs` keeps the answers)."""
     if src is not dst and _layout_key(src) != _layout_key(dst):
         raise ValueError(f"group {src.name!r}: page layouts differ: {_layout_key(src)} vs {_layout_key(dst)}")
-    geometry = (len(src.layers), page_bytes(src), layer_stride(src), layer_stride(dst))
-    if len(_GEOMETRY) >= _GEOMETRY_CAP:  # many short-lived pools (tests): start over rather than grow
-        _GEOMETRY.clear()
-    _GEOMETRY[(id(src), id(dst))] = (src, dst, geometry)
-    return geometry
+    return len(src.layers), page_bytes(src), layer_stride(src), layer_stride(dst)
