@@ -58,6 +58,9 @@ KC = 2  # 64-wide K chunks per loop step: 16 rows x 64 words = 4 KB of codes a s
 TARGET_PROGRAMS = 1024  # split K until a GEMV has about this many programs (~8 per SM on 132 SMs)
 X_SCALE = 2.0**64  # activations are multiplied by this, scales divided (module docstring)
 _CODES = -2118123520  # 0x81C00000 as int32: sign, two exponent bits and a mantissa bit of a bf16 in the high half
+# the kernel's copies: compiled Triton reads a module global only when it is a tl.constexpr (the interpreter reads any)
+_X_SCALE_K = tl.constexpr(X_SCALE)
+_CODES_K = tl.constexpr(_CODES)
 
 
 @dataclass(frozen=True)
@@ -219,21 +222,21 @@ def _gemv_kernel(
         wmask = rmask[:, None] & (col < c_end * 32)[None, :]
         w = tl.load(w_rows[:, None] + col[None, :], mask=wmask, other=0)
         k = c * 64 + kj
-        xa = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32) * X_SCALE
-        xb = tl.load(x_row + k + 1, mask=k + 1 < K, other=0.0).to(tl.float32) * X_SCALE
-        xc = tl.load(x_row + k + 8, mask=k + 8 < K, other=0.0).to(tl.float32) * X_SCALE
-        xd = tl.load(x_row + k + 9, mask=k + 9 < K, other=0.0).to(tl.float32) * X_SCALE
+        xa = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32) * _X_SCALE_K
+        xb = tl.load(x_row + k + 1, mask=k + 1 < K, other=0.0).to(tl.float32) * _X_SCALE_K
+        xc = tl.load(x_row + k + 8, mask=k + 8 < K, other=0.0).to(tl.float32) * _X_SCALE_K
+        xd = tl.load(x_row + k + 9, mask=k + 9 < K, other=0.0).to(tl.float32) * _X_SCALE_K
         # 8 codes of a word: slots (w1, b) = (0,0), (0,1), (1,0), (1,1), each low nibble (k) and high (k+1).
         t1 = w << 3
         t2 = w << 6
         t3 = ((w << 1) & -2147450880) | ((w >> 3) & 0x01800180) | ((w >> 7) & 0x00400040)  # slot 3's bits
-        v0h = (w & _CODES).to(tl.float32, bitcast=True)
-        v0l = ((w << 16) & _CODES).to(tl.float32, bitcast=True)
-        v1h = (t1 & _CODES).to(tl.float32, bitcast=True)
-        v1l = ((t1 << 16) & _CODES).to(tl.float32, bitcast=True)
-        v2h = (t2 & _CODES).to(tl.float32, bitcast=True)
-        v2l = ((t2 << 16) & _CODES).to(tl.float32, bitcast=True)
-        v3h = (t3 & _CODES).to(tl.float32, bitcast=True)
+        v0h = (w & _CODES_K).to(tl.float32, bitcast=True)
+        v0l = ((w << 16) & _CODES_K).to(tl.float32, bitcast=True)
+        v1h = (t1 & _CODES_K).to(tl.float32, bitcast=True)
+        v1l = ((t1 << 16) & _CODES_K).to(tl.float32, bitcast=True)
+        v2h = (t2 & _CODES_K).to(tl.float32, bitcast=True)
+        v2l = ((t2 << 16) & _CODES_K).to(tl.float32, bitcast=True)
+        v3h = (t3 & _CODES_K).to(tl.float32, bitcast=True)
         v3l = (t3 << 16).to(tl.float32, bitcast=True)
         part0 = v0l * xa[None, :] + v0h * xb[None, :] + v2l * xc[None, :] + v2h * xd[None, :]
         part1 = v1l * xa[None, :] + v1h * xb[None, :] + v3l * xc[None, :] + v3h * xd[None, :]

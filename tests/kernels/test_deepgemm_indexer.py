@@ -107,5 +107,8 @@ def test_deep_gemm_logits_match_the_reference(t, s, heads):
     torch.testing.assert_close(got[inside], want[inside], rtol=1e-3, atol=1e-3 * float(want[inside].abs().max()))
     picks = dgi.fp8_indexer_topk(q, store, layout, rows, count, weights, 128)
     ref = dgi.fp8_indexer_topk(q, store, layout, rows, count, weights, 128, logits_fn=dgi.reference_mqa_logits)
-    same = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(picks, ref)) / (ref.numel())
-    assert same > 0.99
+    # -1 pads rows that see fewer than k candidates: same padding, and >99% of the real picks shared (logits within
+    # 1e-3 of each other may swap the last places)
+    assert torch.equal((picks < 0).sum(1), (ref < 0).sum(1))
+    same = sum(len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist())) for a, b in zip(picks, ref))
+    assert same > 0.99 * int((ref >= 0).sum())
