@@ -7,7 +7,8 @@ import os
 import sys
 from dataclasses import fields
 
-from dsv4_kernels.settings import GROUPS, SWITCHES, Settings, Switch, settings
+from dsv4_kernels.settings import SWITCHES, Settings, settings
+from dsv4_kernels.switch import GROUPS, Switch
 
 
 def markdown() -> str:

@@ -19,7 +19,8 @@ import pytest
 
 from dsv4_kernels import settings as switches
 from dsv4_kernels import settings_doc
-from dsv4_kernels.settings import BY_NAME, SWITCHES, Settings, Switch
+from dsv4_kernels.settings import BY_NAME, SWITCHES, Settings
+from dsv4_kernels.switch import Switch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = (
