@@ -207,6 +207,7 @@ def rope(
     *,
     block_r: int | None = None,
     inplace: bool = False,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """`dsv4_kernels.rope.apply_rope(x, cos, sin, inverse)` in one launch: x [T, D] or [T, H, D] (last dim contiguous),
     cos / sin fp32 [T, rope_dim // 2]. -> a new tensor of x's shape and dtype (bf16 rounded by bits), or with
@@ -214,7 +215,8 @@ def rope(
     channels, where a copy moved all of them, 0.37 ms a layer at 8K tokens on the H200). block_r: rows (token x
     head) a program, default 16 (a copy moves whole rows); in place (only the rope pairs) rows / 128 rounded up to
     a power of two within [4, 128]: 128 at prefill sizes (16 rows a program left it launch-bound, 0.25 ms at 8K
-    tokens), few rows a program at decode sizes (a batch-1 step's 64 rows in one program took 8.7 us a layer)."""
+    tokens), few rows a program at decode sizes (a batch-1 step's 64 rows in one program took 8.7 us a layer).
+    num_warps: the launch's warps on CUDA (`dsv4 bench kernels rope` sweeps both)."""
     t, h, d = _rows_of(x, cos, sin)
     require_triton(x.device)
     out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -226,7 +228,7 @@ def rope(
     cos = cos if cos.dtype == torch.float32 and cos.stride(-1) == 1 else cos.float().contiguous()
     sin = sin if sin.dtype == torch.float32 and sin.stride(-1) == 1 else sin.float().contiguous()
     half = cos.shape[1]
-    extra = {"num_warps": 4} if x.is_cuda else {}
+    extra = {"num_warps": num_warps} if x.is_cuda else {}
     _rope_kernel[(triton.cdiv(t * h, block_r),)](
         x3,
         cos,

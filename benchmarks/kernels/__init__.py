@@ -36,6 +36,7 @@ OPS = {
     ),
     "indexer-prefill": Op("indexer_prefill", "indexer logits + top-k of a prefill chunk: prefill vs per-token kernel"),
     "topk": Op("topk", "the indexer's top-k: radix kernels vs torch.topk (section indexer_topk)"),
+    "rope": Op("rope", "the attention output's inverse RoPE in place by rows a program and warps"),
     "mhc": Op("mhc", "mHC pre's split and long paths by token count (section mhc_pre)"),
     "moe": Op("moe", "routed MXFP4 experts: triton_kernels, Marlin, Triton vs grouped_mm (section mxfp4_moe)"),
     "moe-fp8-grouped": Op(

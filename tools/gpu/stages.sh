@@ -13,6 +13,7 @@
 # prefillab (the 8K prefill with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout off and on), long1m
 # (a 1M-token prompt's chunked prefill), indexerab (the long prefill's indexer: Triton vs DeepGEMM fp8_mqa_logits),
 # gemv (the few-route MXFP4 MoE GEMV: its GPU tests, its bench rows at 1/2/4 tokens, batch-1 decode with it off/on).
+# rope (the in-place inverse RoPE by rows a program and warps: `dsv4 bench kernels rope`).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -175,6 +176,11 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
               --out "$OUT/prefill_ab_fm$1_$2.md" > "$OUT/prefillab_fm$1_$2.log" 2>&1 || status=1
             echo "== flashmla prefill $1, fp8 moe layout $2"; grep -E "^(prefill|Prefill)" "$OUT/prefillab_fm$1_$2.log" | cut -c1-300
           done ;;
+    # rope: the in-place inverse RoPE's rows a program x warps at 8K / 64 / 1 tokens (`dsv4 bench kernels rope`)
+    rope) timeout ${ROPE_TIMEOUT:-120} python3 -m benchmarks.kernels rope --out "$OUT/rope_sweep.md" > "$OUT/rope.log" 2>&1 \
+            || status=1
+          sort -t'|' -k2,2n -k5,5g "$OUT/rope_sweep.md" | grep -E "^\| [0-9]" | awk -F'|' '$2!=p{print; p=$2; n=0} ' ;
+          grep -E "default|False|Error" "$OUT/rope.log" | cut -c1-200 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
