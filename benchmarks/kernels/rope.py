@@ -6,7 +6,7 @@ program was set from a run that timed 0.25 ms.
 
 Each config's output must equal the default's bit for bit (the op is elementwise). Times: CUDA-graph replays
 (benchmarks.timing.bench_cudagraph), so launch cost is out. A script, not a test (CUDA only).
-Usage: dsv4 bench kernels rope [--out FILE]
+Usage: dsv4 bench kernels rope [--tokens 8192 64 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ def problem(tokens: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dsv4 bench kernels rope", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    ap.add_argument(
+        "--tokens", type=int, nargs="+", default=[8192], help=f"token counts (default 8192; decode: {TOKENS[1:]})"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("dsv4 bench kernels rope: needs a CUDA GPU", file=sys.stderr)
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---:|---:|---:|---:|---:|---|",
     ]
     ok = True
-    for t in TOKENS:
+    for t in args.tokens:
         x, cos, sin = problem(t, dev)
         want = rope(x.clone(), cos, sin, inverse=True, inplace=True)
         nbytes = 2 * t * HEADS * ROPE * x.element_size()
