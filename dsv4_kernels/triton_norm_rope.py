@@ -199,6 +199,43 @@ def _rope_kernel(
     tl.store(o_row[:, None] + ce[None, :] + 1, tl_round_to(od * c + ev * s, BF16, dt).to(dt), mask=pm)
 
 
+@triton.jit
+def _rope_pairs_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    N,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_st,
+    NOPE: tl.constexpr,
+    HALF: tl.constexpr,
+    SIGN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    """In place, rows [BLOCK_R] x the 2*HALF rope channels as one contiguous tile: whole-row vector loads and
+    stores, the (even, odd) pairs split in registers (the strided even / odd loads of _rope_kernel issue one narrow
+    access per element)."""
+    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = n < N
+    tok = (n // H).to(tl.int64)
+    row = x_ptr + tok * stride_xt + (n % H) * stride_xh + NOPE
+    c2 = tl.arange(0, 2 * HALF)
+    dt = x_ptr.dtype.element_ty
+    v = tl.load(row[:, None] + c2[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    ev, od = tl.split(tl.reshape(v, [BLOCK_R, HALF, 2]))
+    p = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + tok[:, None] * stride_ct + p[None, :], mask=rmask[:, None], other=1.0)
+    s = tl.load(sin_ptr + tok[:, None] * stride_st + p[None, :], mask=rmask[:, None], other=0.0) * SIGN
+    new_ev = tl_round_to(ev * c - od * s, BF16, dt)
+    new_od = tl_round_to(od * c + ev * s, BF16, dt)
+    out = tl.reshape(tl.join(new_ev, new_od), [BLOCK_R, 2 * HALF])
+    tl.store(row[:, None] + c2[None, :], out.to(dt), mask=rmask[:, None])
+
+
 def rope(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -208,6 +245,7 @@ def rope(
     block_r: int | None = None,
     inplace: bool = False,
     num_warps: int = 4,
+    pairs: bool = False,
 ) -> torch.Tensor:
     """`dsv4_kernels.rope.apply_rope(x, cos, sin, inverse)` in one launch: x [T, D] or [T, H, D] (last dim contiguous),
     cos / sin fp32 [T, rope_dim // 2]. -> a new tensor of x's shape and dtype (bf16 rounded by bits), or with
@@ -216,7 +254,8 @@ def rope(
     head) a program, default 16 (a copy moves whole rows); in place (only the rope pairs) rows / 128 rounded up to
     a power of two within [4, 128]: 128 at prefill sizes (16 rows a program left it launch-bound, 0.25 ms at 8K
     tokens), few rows a program at decode sizes (a batch-1 step's 64 rows in one program took 8.7 us a layer).
-    num_warps: the launch's warps on CUDA (`dsv4 bench kernels rope` sweeps both)."""
+    num_warps: the launch's warps on CUDA (`dsv4 bench kernels rope` sweeps both). pairs (in place, a power-of-two
+    rope width): _rope_pairs_kernel, the rope channels as one contiguous tile (same results, bit for bit)."""
     t, h, d = _rows_of(x, cos, sin)
     require_triton(x.device)
     out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -229,6 +268,25 @@ def rope(
     sin = sin if sin.dtype == torch.float32 and sin.stride(-1) == 1 else sin.float().contiguous()
     half = cos.shape[1]
     extra = {"num_warps": num_warps} if x.is_cuda else {}
+    if pairs and inplace and half == triton.next_power_of_2(half):
+        _rope_pairs_kernel[(triton.cdiv(t * h, block_r),)](
+            x3,
+            cos,
+            sin,
+            t * h,
+            h,
+            x3.stride(0),
+            x3.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            NOPE=d - 2 * half,
+            HALF=half,
+            SIGN=-1.0 if inverse else 1.0,
+            BLOCK_R=block_r,
+            BF16=x.dtype == torch.bfloat16,
+            **extra,
+        )
+        return out
     _rope_kernel[(triton.cdiv(t * h, block_r),)](
         x3,
         cos,

@@ -4,7 +4,8 @@ program and warps, at V4-Flash shapes: a prefill chunk (8192 tokens x 64 heads x
 time its bytes need (a read and a write of the 64 rope channels: 67 MB at 8K tokens); its default of 128 rows a
 program was set from a run that timed 0.25 ms.
 
-Each config's output must equal the default's bit for bit (the op is elementwise). Times: CUDA-graph replays
+Both in-place kernels are swept: the strided one (even / odd channels loaded apart) and `pairs` (the rope channels
+as one contiguous tile, split in registers). Each config's output must equal the default's bit for bit. Times: CUDA-graph replays
 (benchmarks.timing.bench_cudagraph), so launch cost is out. A script, not a test (CUDA only).
 Usage: dsv4 bench kernels rope [--tokens 8192 64 1] [--out FILE]
 """
@@ -21,8 +22,8 @@ from benchmarks.timing import bench_cudagraph
 
 HEADS, DIM, ROPE = 64, 512, 64
 TOKENS = (8192, 64, 1)
-BLOCKS = (4, 8, 16, 32, 64, 128, 256)
-WARPS = (1, 2, 4, 8)
+BLOCKS = (8, 32, 64, 128, 256)
+WARPS = (2, 4, 8)
 
 
 def problem(tokens: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,28 +49,31 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"{torch.cuda.get_device_name()}: inverse RoPE in place, {HEADS} heads x {DIM}, {ROPE} rope channels",
         "",
-        "| tokens | rows a program | warps | us | GB/s (rope channels read + written) | same as default |",
-        "|---:|---:|---:|---:|---:|---|",
+        "| tokens | kernel | rows a program | warps | us | GB/s (rope channels read + written) | same as default |",
+        "|---:|---|---:|---:|---:|---:|---|",
     ]
     ok = True
     for t in args.tokens:
         x, cos, sin = problem(t, dev)
         want = rope(x.clone(), cos, sin, inverse=True, inplace=True)
         nbytes = 2 * t * HEADS * ROPE * x.element_size()
-        for block in BLOCKS:
-            for warps in WARPS:
-                got = rope(x.clone(), cos, sin, inverse=True, inplace=True, block_r=block, num_warps=warps)
-                same = torch.equal(got, want)
-                ok &= same
-                buf = x.clone()
-                us = bench_cudagraph(
-                    lambda: rope(buf, cos, sin, inverse=True, inplace=True, block_r=block, num_warps=warps), rep=20
-                )
-                lines.append(f"| {t} | {block} | {warps} | {us:.1f} | {nbytes / us / 1e3:.0f} | {same} |")
-                print(lines[-1], flush=True)
+        for pairs in (False, True):
+            for block in BLOCKS:
+                for warps in WARPS:
+                    kw = dict(inverse=True, inplace=True, block_r=block, num_warps=warps, pairs=pairs)
+                    got = rope(x.clone(), cos, sin, **kw)
+                    same = torch.equal(got, want)
+                    ok &= same
+                    buf = x.clone()
+                    us = bench_cudagraph(lambda: rope(buf, cos, sin, **kw), rep=20)  # noqa: B023 (timed at once)
+                    kernel = "pairs" if pairs else "strided"
+                    lines.append(
+                        f"| {t} | {kernel} | {block} | {warps} | {us:.1f} | {nbytes / us / 1e3:.0f} | {same} |"
+                    )
+                    print(lines[-1], flush=True)
         buf = x.clone()
         us = bench_cudagraph(lambda: rope(buf, cos, sin, inverse=True, inplace=True), rep=20)
-        lines.append(f"| {t} | default | 4 | {us:.1f} | {nbytes / us / 1e3:.0f} | True |")
+        lines.append(f"| {t} | default | default | 4 | {us:.1f} | {nbytes / us / 1e3:.0f} | True |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:

@@ -98,7 +98,8 @@ def test_rope_alone(dtype, inverse):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_r", [4, None])  # None: the size rule (rows / 128 within [4, 128])
-def test_rope_in_place_writes_only_the_rope_channels(dtype, block_r):
+@pytest.mark.parametrize("pairs", [False, True])  # True: _rope_pairs_kernel (the rope channels as one tile)
+def test_rope_in_place_writes_only_the_rope_channels(dtype, block_r, pairs):
     """inplace=True: the strided view itself holds apply_rope's result; the pad columns beside the view and the
     non-rotated channels keep their values."""
     h, d, r = 3, 80, 16
@@ -107,7 +108,19 @@ def test_rope_in_place_writes_only_the_rope_channels(dtype, block_r):
     x = big[..., :d]
     cos, sin = cos_sin(r, seed=14)
     expected = apply_rope(x.clone(), cos, sin, inverse=True)
-    out = rope(x, cos, sin, True, block_r=block_r, inplace=True)
+    out = rope(x, cos, sin, True, block_r=block_r, inplace=True, pairs=pairs)
     assert out.data_ptr() == x.data_ptr()
     NUM.assert_close(x, expected, dtype)
     assert torch.equal(big[..., : d - r], before[..., : d - r]) and torch.equal(big[..., d:], before[..., d:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_pairs_kernel_is_bit_equal_to_the_strided_one(dtype):
+    """The two in-place kernels compute the same fp32 math and rounding: bit-equal outputs, forward and inverse."""
+    h, d, r = 4, 96, 32
+    x = randn(T, h, d, seed=15, dtype=dtype, scale=3.0)
+    cos, sin = cos_sin(r, seed=16)
+    for inverse in (False, True):
+        a = rope(x.clone(), cos, sin, inverse, inplace=True, block_r=8)
+        b = rope(x.clone(), cos, sin, inverse, inplace=True, block_r=8, pairs=True)
+        assert torch.equal(a, b)
