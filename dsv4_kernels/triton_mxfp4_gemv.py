@@ -31,7 +31,8 @@ Decode: a code's bits land on a bf16's sign, two low exponent bits and top manti
 The 2^126 is split: activations are multiplied by 2^64 as loaded and a scale byte s becomes 2^(s - 65) from its
 bits ((s + 62) << 23: exact for every s <= 192), so products stay normal and no step overflows.
 
-Grid of a GEMV: (N / (32 * BLOCK_SR), routes, splits). A route with expert id -1 (another rank's expert) loads
+Grid of a GEMV: (N / (32 * BLOCK_SR), routes, splits), BLOCK_SR, KC, warps, stages and the split from a
+GemvConfig (DEFAULT_CONFIG unless given). A route with expert id -1 (another rank's expert) loads
 nothing and writes zeros. Partial sums go to fp32 [splits, routes, N]; the next launch sums the splits in a
 fixed order (deterministic, no atomics). Bytes per route: N*K/2 + N*K/32 of weights (V4-Flash gate|up 8.9 MB,
 down 4.5 MB), activations from L2.
@@ -53,14 +54,53 @@ triton, tl = import_triton()
 # which beats triton_kernels' ragged matmul while routes rarely share experts (256 experts, top-6: 5 tokens, 30
 # routes, share ~2 experts); larger steps take ogs_moe. Not measured yet: the `gemv` stage (tools/gpu/stages.sh).
 MAX_ROUTES = 32
-BLOCK_SR = 2  # scale rows (32 outputs each) per program: 16 value rows, 4 rows a thread at 4 warps
-KC = 2  # 64-wide K chunks per loop step: 16 rows x 64 words = 4 KB of codes a step
-TARGET_PROGRAMS = 1024  # split K until a GEMV has about this many programs (~8 per SM on 132 SMs)
 X_SCALE = 2.0**64  # activations are multiplied by this, scales divided (module docstring)
 _CODES = -2118123520  # 0x81C00000 as int32: sign, two exponent bits and a mantissa bit of a bf16 in the high half
 # the kernel's copies: compiled Triton reads a module global only when it is a tl.constexpr (the interpreter reads any)
 _X_SCALE_K = tl.constexpr(X_SCALE)
 _CODES_K = tl.constexpr(_CODES)
+
+
+# Values a GemvConfig field may take: powers of two keep tl.arange's sizes legal (ROWS = 8 * block_sr, COLS =
+# 32 * kc), block_sr <= 8 keeps a grid's last program within the scale rows' padding to 8 (N to 256), and the
+# largest tile (64 x 256 fp32 twice) still compiles; the rest are what Triton accepts and the sweep tries.
+CONFIG_CHOICES = {
+    "block_sr": (1, 2, 4, 8),
+    "kc": (1, 2, 4, 8),
+    "num_warps": (1, 2, 4, 8, 16),
+    "num_stages": (1, 2, 3, 4, 5, 6),
+}
+MAX_TARGET_PROGRAMS = 1 << 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration of the GEMV kernel (every value computes the same sums, in other fp32 orders).
+
+    block_sr: scale rows (32 outputs, 8 value rows each) a program takes; kc: 64-wide K chunks a loop step
+    (block_sr = kc = 2: 16 rows x 64 int32 words = 4 KB of codes a step); num_warps, num_stages: Triton's launch
+    options (4 and 3 are its CUDA defaults); target_programs: K is split until a GEMV has about this many
+    programs (1024: ~8 per SM on 132 SMs). The defaults are the first version's constants."""
+
+    block_sr: int = 2
+    kc: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
+    target_programs: int = 1024
+
+    def __post_init__(self):
+        for name, allowed in CONFIG_CHOICES.items():
+            v = getattr(self, name)
+            if type(v) is not int or v not in allowed:
+                raise ValueError(f"GemvConfig.{name} must be one of {allowed}, got {v!r}")
+        t = self.target_programs
+        if type(t) is not int or not 1 <= t <= MAX_TARGET_PROGRAMS:
+            raise ValueError(f"GemvConfig.target_programs must be an int in 1..{MAX_TARGET_PROGRAMS}, got {t!r}")
+
+
+# What gemv / gemv_moe launch with when given no config (the engine passes none). benchmarks/kernels/moe.py
+# --gemv-sweep times the alternatives; adopt a winner by writing its values here.
+DEFAULT_CONFIG = GemvConfig()
 
 
 @dataclass(frozen=True)
@@ -325,30 +365,43 @@ def _combine_kernel(
     tl.store(out_ptr + t * stride_ot + cols, out, mask=mask)
 
 
-def splits_for(n: int, k: int, routes: int, target: int = TARGET_PROGRAMS) -> int:
-    """K splits of a GEMV over `routes` routes of [n, k] weights: enough programs to fill the GPU (`target`),
-    each still looping over at least one step of KC chunks. A function of the shapes only (CUDA graphs)."""
-    tiles = triton.cdiv(triton.cdiv(n, 256) * 8, BLOCK_SR) * max(1, routes)
-    steps = triton.cdiv(triton.cdiv(k, 64), KC)
-    return max(1, min(steps, triton.cdiv(target, tiles)))
+def splits_for(n: int, k: int, routes: int, config: GemvConfig | None = None) -> int:
+    """K splits of a GEMV over `routes` routes of [n, k] weights: enough programs to fill the GPU (the config's
+    target_programs), each still looping over at least one step of kc chunks. A function of the shapes and the
+    config only (CUDA graphs)."""
+    cfg = config or DEFAULT_CONFIG
+    tiles = triton.cdiv(triton.cdiv(n, 256) * 8, cfg.block_sr) * max(1, routes)
+    steps = triton.cdiv(triton.cdiv(k, 64), cfg.kc)
+    return max(1, min(steps, triton.cdiv(cfg.target_programs, tiles)))
 
 
-def gemv(wt: GemvWeights, x: torch.Tensor, ids: torch.Tensor, x_div: int = 1, splits: int | None = None):
+def gemv(
+    wt: GemvWeights,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    x_div: int = 1,
+    splits: int | None = None,
+    config: GemvConfig | None = None,
+):
     """Per route p: wt[ids[p]] @ x[p // x_div] -> fp32 partial sums [splits, P, N] (sum over dim 0 = the GEMV).
 
-    x: [rows, K] (unit last stride); ids: int [P] (-1: zeros, nothing read)."""
+    x: [rows, K] (unit last stride); ids: int [P] (-1: zeros, nothing read); config: DEFAULT_CONFIG if None
+    (`splits`, when given, overrides its split-K target)."""
     if x.dim() != 2 or x.shape[1] != wt.k or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, K={wt.k}] with a unit last stride, got {tuple(x.shape)} {x.stride()}")
+    cfg = config or DEFAULT_CONFIG
+    if not isinstance(cfg, GemvConfig):
+        raise ValueError(f"config must be a GemvConfig, got {type(cfg).__name__}")
     require_triton(x.device)
     p = ids.numel()
     chunks = wt.words.shape[2] // 32
-    s = splits or splits_for(wt.n, wt.k, p)
-    per = triton.cdiv(triton.cdiv(chunks, s), KC) * KC  # chunks a split, in whole loop steps
+    s = splits or splits_for(wt.n, wt.k, p, cfg)
+    per = triton.cdiv(triton.cdiv(chunks, s), cfg.kc) * cfg.kc  # chunks a split, in whole loop steps
     s = triton.cdiv(chunks, per)
     out = torch.empty(s, p, wt.n, dtype=torch.float32, device=x.device)
     if p:
         # Every scale row of the storage (N padded to 256): a row's outputs are not one contiguous range of N.
-        grid = (triton.cdiv(wt.scales.shape[1], BLOCK_SR), p, s)
+        grid = (triton.cdiv(wt.scales.shape[1], cfg.block_sr), p, s)
         _gemv_kernel[grid](
             wt.words,
             wt.scales,
@@ -368,8 +421,10 @@ def gemv(wt: GemvWeights, x: torch.Tensor, ids: torch.Tensor, x_div: int = 1, sp
             x.stride(0),
             out.stride(0),
             out.stride(1),
-            BLOCK_SR=BLOCK_SR,
-            KC=KC,
+            BLOCK_SR=cfg.block_sr,
+            KC=cfg.kc,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return out
 
@@ -386,10 +441,11 @@ def gemv_moe(
     ex: GemvExperts,
     limit: float,
     shared: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """= mxfp4_ogs.ogs_moe(x, weights, ids, ...) for T * k <= MAX_ROUTES. x: [T, H]; weights: float [T, k];
     ids: int [T, k] (-1 = another rank's expert: contributes nothing, reads nothing); shared: [T, H] added in the
-    k-way sum's launch -> [T, H] in x.dtype."""
+    k-way sum's launch; config: both GEMVs' launch (DEFAULT_CONFIG if None) -> [T, H] in x.dtype."""
     t, k = ids.shape
     if x.shape != (t, ex.hidden) or weights.shape != ids.shape:
         raise ValueError(
@@ -403,13 +459,13 @@ def gemv_moe(
         return torch.zeros_like(x) if shared is None else shared.clone()
     flat = ids.reshape(-1).contiguous()
     x = x.contiguous()
-    h13 = gemv(ex.w13, x, flat, x_div=k)  # [S, P, 2I]: gate | up
+    h13 = gemv(ex.w13, x, flat, x_div=k, config=config)  # [S, P, 2I]: gate | up
     act = torch.empty(t * k, ex.inter, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(ex.inter))
     _swiglu_kernel[(t * k, triton.cdiv(ex.inter, block))](
         h13, act, h13.shape[0], ex.inter, h13.stride(0), h13.stride(1), act.stride(0), float(limit), BLOCK=block
     )
-    y = gemv(ex.w2, act, flat)  # [S, P, H]
+    y = gemv(ex.w2, act, flat, config=config)  # [S, P, H]
     out = torch.empty_like(x)
     block = min(1024, triton.next_power_of_2(ex.hidden))
     _combine_kernel[(t, triton.cdiv(ex.hidden, block))](

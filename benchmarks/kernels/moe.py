@@ -26,6 +26,8 @@ MoE at 64 tokens >= 60% of copy bandwidth); `--merge FILE` puts such a file into
 (section mxfp4_moe) without running anything.
 `--sweep` also times MXFP4 launch configurations per token count and prints the best ones (several
 minutes: each configuration compiles).
+`--gemv-sweep` runs only the GEMV's launch sweep (benchmarks/kernels/moe_gemv_sweep.py: staged, under
+--gemv-budget-s, the best config per token count as JSON in --gemv-best-out, tables in --gemv-out).
 Smoke test without a GPU: TRITON_INTERPRET=1 dsv4 bench kernels moe --device cpu --hidden 64 --inter 32
 --experts 8 --topk 2 --tokens 1 5.
 """
@@ -49,13 +51,16 @@ SWEEP_TILES = [{"block_n": n, "block_k": k} for n in (32, 64, 128) for k in (128
 SWEEP_LAUNCH = [{"num_warps": w, "num_stages": s} for w, s in ((4, 2), (4, 3), (4, 4), (8, 3))]
 
 
-def make_experts(e: int, h: int, inter: int, device: str, gen: torch.Generator):
-    """Random packed experts (uniform e2m1 codes, scales near 2**-6) and their bf16 dequantisation."""
+def make_experts(e: int, h: int, inter: int, device: str, gen: torch.Generator, dense: bool = True):
+    """Random packed experts (uniform e2m1 codes, scales near 2**-6) and their bf16 dequantisation ({} if not
+    `dense`: the GEMV sweep needs none, and 256 experts' bf16 copy takes 13 GB and seconds)."""
     packed, dense = {}, {}
     for name, (n, k) in (("w1", (inter, h)), ("w3", (inter, h)), ("w2", (h, inter))):
         w = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=device, generator=gen)
         s = torch.randint(119, 123, (e, n, k // 32), dtype=torch.uint8, device=device, generator=gen)
         packed[name], packed["s" + name[1]] = w, s
+        if not dense:
+            continue
         d = torch.empty(e, n, k, dtype=torch.bfloat16, device=device)
         for e0 in range(0, e, 16):  # fp32 intermediate per 16 experts keeps the peak small
             d[e0 : e0 + 16] = dequant_mxfp4(w[e0 : e0 + 16], s[e0 : e0 + 16]).to(torch.bfloat16)
@@ -333,6 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--ogs-best-out", default=None, help="write the best constraints (JSON) at the last token count")
     ap.add_argument("--ogs-out", default=None, help="write the sweep's section text here (merge with --merge-sweep)")
+    ap.add_argument(
+        "--gemv-sweep",
+        action="store_true",
+        help="only sweep the MXFP4 GEMV's launch configs (GemvConfig) at --tokens (moe_gemv_sweep.py)",
+    )
+    ap.add_argument("--gemv-budget-s", type=float, default=80.0, help="the GEMV sweep's time for configs")
+    ap.add_argument("--gemv-out", default=None, help="write the GEMV sweep's tables (markdown) here")
+    ap.add_argument("--gemv-best-out", default=None, help="write the GEMV sweep's best configs (one JSON line) here")
+    ap.add_argument("--gemv-no-ogs", action="store_true", help="GEMV sweep: skip the triton_kernels reference")
     ap.add_argument("--merge", default=None, help="put this --out file into BENCHMARKS.md (section mxfp4_moe) and exit")
     ap.add_argument("--merge-sweep", default=None, help="put this --ogs-out file into section mxfp4_moe_sweep and exit")
     args = ap.parse_args(argv)
@@ -349,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = args.device
     gen = torch.Generator(device=dev).manual_seed(0)
-    packed, dense = make_experts(args.experts, args.hidden, args.inter, dev, gen)
+    packed, dense = make_experts(args.experts, args.hidden, args.inter, dev, gen, dense=not args.gemv_sweep)
     gate = (torch.randn(args.experts, args.hidden, device=dev, generator=gen) * args.hidden**-0.5).to(torch.bfloat16)
     bias = torch.randn(args.experts, device=dev, generator=gen) * 0.1
     copy = copy_gbps(dev)
@@ -358,6 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{name}: copy {copy:.0f} GB/s; hidden {args.hidden}, moe_inter {args.inter}, {args.experts} experts "
         f"top-{args.topk}, bf16 activations\n"
     )
+    if args.gemv_sweep:
+        from benchmarks.kernels import moe_gemv_sweep
+
+        return moe_gemv_sweep.main(args, packed, gate, bias, copy, name)
     ogs = None
     from dsv4_kernels.gpu import has_triton_kernels, why_not
 

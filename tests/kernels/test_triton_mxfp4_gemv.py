@@ -142,6 +142,70 @@ def test_splits_fill_the_gpu_and_depend_on_shapes_only():
     assert G.splits_for(4096, 4096, 6) >= 2  # V4-Flash gate|up at one token: 384 tiles -> split K
     assert G.splits_for(4096, 4096, 32) == 1  # 32 routes fill the GPU without splits
     assert G.splits_for(256, 64, 1) == 1  # one K step: nothing to split
+    # the config's split-K target and tile: more programs wanted, or fewer tiles, split K further
+    assert G.splits_for(4096, 4096, 6, G.GemvConfig(target_programs=4096)) > G.splits_for(4096, 4096, 6)
+    assert G.splits_for(4096, 4096, 6, G.GemvConfig(block_sr=8)) > G.splits_for(4096, 4096, 6)
+    assert G.splits_for(4096, 4096, 6, G.GemvConfig(kc=8, target_programs=1 << 16)) == 8  # 64 chunks / 8 a step
+
+
+# Tiles smaller and larger than the default (kc 8 > the 4 chunks of K 192 padded: a masked step), split-K from
+# one split to several; num_warps / num_stages mean nothing to the interpreter, only to the compiled kernel.
+CONFIGS = [
+    G.GemvConfig(block_sr=1, kc=1, num_warps=2, target_programs=4096),
+    G.GemvConfig(block_sr=8, kc=8, num_warps=8, num_stages=1, target_programs=64),
+    G.GemvConfig(block_sr=4, kc=4, num_warps=16, num_stages=5, target_programs=2048),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"sr{c.block_sr}-kc{c.kc}-tp{c.target_programs}")
+def test_configs_compute_the_defaults_sums(cfg):
+    """gemv's split-K partials (summed) and gemv_moe under a non-default GemvConfig = the default's, to fp32
+    summation order; the padded [384, 192] layouts cover partial scale-row groups and K steps."""
+    gen = torch.Generator().manual_seed(5)
+    w, s = _bytes(3, 384, 192, gen)
+    wt = G._weights(G.swizzle_value(w.to(DEVICE)), G.swizzle_scale(s.to(DEVICE)), 384, 192)
+    x = NUM.randn(2, 192, seed=3, device=DEVICE)
+    ids = torch.tensor([2, -1, 0, 1], device=DEVICE)
+    want = G.gemv(wt, x, ids, x_div=2)
+    got = G.gemv(wt, x, ids, x_div=2, config=cfg)
+    assert got.shape[1:] == want.shape[1:]
+    NUM.assert_close(got.sum(0).cpu(), want.sum(0).cpu(), torch.float32, scaled=True)
+    assert torch.equal(got[:, 1].cpu(), torch.zeros_like(got[:, 1].cpu()))  # the dead route still writes zeros
+
+    packed, _ = _experts(5, 256, 128, gen)
+    ex = G.from_checkpoint(*(packed[n].to(DEVICE) for n in ("w1", "s1", "w2", "s2", "w3", "s3")))
+    xm = NUM.randn(2, 256, seed=4, device=DEVICE)
+    ids = torch.tensor([[4, 0, 2], [1, -1, 3]], device=DEVICE)
+    weights = torch.rand(2, 3, generator=gen).to(DEVICE) + 0.1
+    want = G.gemv_moe(xm, weights, ids, ex, 3.0)
+    NUM.assert_close(G.gemv_moe(xm, weights, ids, ex, 3.0, config=cfg).cpu(), want.cpu(), torch.float32, scaled=True)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_sr", 3),
+        ("block_sr", 16),  # past the scale rows' padding to 8
+        ("kc", 0),
+        ("kc", 2.0),
+        ("num_warps", 6),
+        ("num_stages", 0),
+        ("target_programs", 0),
+        ("target_programs", True),
+        ("target_programs", 1 << 20),
+    ],
+)
+def test_bad_config_values_raise(field, value):
+    with pytest.raises(ValueError, match=f"GemvConfig.{field} .*got {value!r}"):
+        G.GemvConfig(**{field: value})
+
+
+def test_config_must_be_a_gemv_config():
+    w, s = _bytes(1, 64, 64, torch.Generator().manual_seed(0))
+    wt = G._weights(G.swizzle_value(w), G.swizzle_scale(s), 64, 64)
+    x, ids = torch.zeros(1, 64), torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="GemvConfig"):  # checked before anything launches
+        G.gemv(wt, x, ids, config={"kc": 4})
 
 
 # ---- GPU only: against triton_kernels on the same OgsExperts ---------------------------------------------------
@@ -223,3 +287,36 @@ def test_gpu_under_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, G.gemv_moe(x, weights, ids, gx, 10.0))
     assert not torch.equal(out, eager)
+
+
+def test_gemv_sweep_plumbing(tmp_path, monkeypatch):
+    """`dsv4 bench kernels moe --gemv-sweep` on the interpreter at a tiny shape, times faked (the GPU run has one
+    try): stages, the check against the default, the tables, the JSON (GemvConfig-constructible), the ogs column."""
+    import itertools
+    import json
+    import types
+
+    from benchmarks.kernels import moe as bench_moe
+    from benchmarks.kernels import moe_gemv_sweep as S
+
+    monkeypatch.setattr(S, "stage_a", lambda cuda: [G.DEFAULT_CONFIG, G.GemvConfig(block_sr=4, kc=4)])
+    runs = itertools.count()
+    monkeypatch.setattr(S.Sweep, "_time", lambda self, fn, reps: 100.0 - next(runs))  # later runs "faster"
+    out, best = tmp_path / "sweep.md", tmp_path / "best.json"
+    argv = "--device cpu --hidden 64 --inter 32 --experts 8 --topk 2 --tokens 1 --gemv-sweep".split()
+    assert bench_moe.main(argv + ["--gemv-out", str(out), "--gemv-best-out", str(best)]) == 0
+    got = json.loads(best.read_text())
+    assert set(got) == {"1", "overall"} and got["1"]["default_us"] is not None
+    assert G.GemvConfig(**got["1"]["config"]) != G.DEFAULT_CONFIG  # timed last, so fastest here
+    G.GemvConfig(**got["overall"]["config"])
+    table = out.read_text()
+    assert "| 2 | 2 | 4 | 3 | 1024 |" in table and "| 4 | 4 | 4 | 3 | 64 |" in table  # stage B's split target
+    assert S.Sweep([], None, 1.0, False, 1.0).best({}) == {}  # nothing timed: no pick
+    # the GPU-only tail: the triton_kernels reference beside the tables and in the JSON
+    shapes = types.SimpleNamespace(hidden=64, inter=32)
+    sweep = S.Sweep([S.Case(1, None, None, None, 1e6)], shapes, 1000.0, True, 1.0)
+    sweep.us[(G.DEFAULT_CONFIG, 1)], sweep.err[(G.DEFAULT_CONFIG, 1)] = [10.0], 0.0
+    args = bench_moe.argparse.Namespace(topk=2, command="x", hidden=64, inter=32, experts=8)
+    args.gemv_out, args.gemv_best_out = str(out), str(best)
+    assert S.report(sweep, args, {1: 20.0}, 1000.0, "gpu", tables=True)["1"]["ogs_us"] == 20.0
+    assert "triton_kernels ogs_moe 20.0 us" in out.read_text() and json.loads(best.read_text())["1"]["us"] == 10.0

@@ -12,7 +12,8 @@
 # prefillhost (a slice prefill's host-device synchronisations and host functions; benchmarks/slice/prefill_host.py),
 # prefillab (the 8K prefill with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout off and on), long1m
 # (a 1M-token prompt's chunked prefill), indexerab (the long prefill's indexer: Triton vs DeepGEMM fp8_mqa_logits),
-# gemv (the few-route MXFP4 MoE GEMV: its GPU tests, its bench rows at 1/2/4 tokens, batch-1 decode with it off/on).
+# gemv (the few-route MXFP4 MoE GEMV: its GPU tests, its bench rows at 1/2/4 tokens, batch-1 decode with it off/on),
+# gemvsweep (that GEMV's launch configurations at 1/2/4 tokens: the best as JSON),
 # rope (the in-place inverse RoPE by rows a program and warps: `dsv4 bench kernels rope`).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
@@ -167,6 +168,15 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
               --out "$OUT/b1_gemv$v.md" > "$OUT/b1_gemv$v.log" 2>&1 || status=1
             echo "== DSV4_MXFP4_GEMV=$v"; grep -E "^(decode|profile)" "$OUT/b1_gemv$v.log" | cut -c1-300
           done ;;
+    # gemvsweep: the GEMV's launch configs (GemvConfig: block_sr, kc, warps, stages, split-K target) at V4-Flash
+    # shapes, 1/2/4 tokens, graph timed, each checked against the default's output (benchmarks/kernels/
+    # moe_gemv_sweep.py: staged under GEMVSWEEP_BUDGET s of configs, then the triton_kernels reference). Progress lines
+    # as it goes (a cut run still shows each config's times); the tables and the best configs (one JSON line) are
+    # printed and written before the reference runs. Adopt one: DEFAULT_CONFIG in dsv4_kernels/triton_mxfp4_gemv.py.
+    gemvsweep) timeout ${GEMVSWEEP_TIMEOUT:-150} python3 -m benchmarks.kernels moe --tokens 1 2 4 --gemv-sweep \
+            --gemv-budget-s ${GEMVSWEEP_BUDGET:-80} --gemv-out "$OUT/gemv_sweep.md" --gemv-best-out "$OUT/gemv_best.json" \
+            > "$OUT/gemvsweep.log" 2>&1 || status=1
+          grep -vE "Warning|warn_once" "$OUT/gemvsweep.log" | cut -c1-1500 | tail -120 ;;
     # prefillab: the 8K prefill by expert format with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout
     # off (as before) and on, one run.sh each (same warm machine, back to back); then
     # `python -m benchmarks.slice.long_context --prefill-formats --files $OUT/prefill_ab_*.md --note ... --write`
