@@ -245,7 +245,7 @@ def rope(
     block_r: int | None = None,
     inplace: bool = False,
     num_warps: int = 4,
-    pairs: bool = False,
+    pairs: bool | None = None,
 ) -> torch.Tensor:
     """`dsv4_kernels.rope.apply_rope(x, cos, sin, inverse)` in one launch: x [T, D] or [T, H, D] (last dim contiguous),
     cos / sin fp32 [T, rope_dim // 2]. -> a new tensor of x's shape and dtype (bf16 rounded by bits), or with
@@ -255,18 +255,23 @@ def rope(
     a power of two within [4, 128]: 128 at prefill sizes (16 rows a program left it launch-bound, 0.25 ms at 8K
     tokens), few rows a program at decode sizes (a batch-1 step's 64 rows in one program took 8.7 us a layer).
     num_warps: the launch's warps on CUDA (`dsv4 bench kernels rope` sweeps both). pairs (in place, a power-of-two
-    rope width): _rope_pairs_kernel, the rope channels as one contiguous tile (same results, bit for bit)."""
+    rope width; None = there): _rope_pairs_kernel, the rope channels as one contiguous tile, bit-equal to the strided
+    kernel and 10.7x faster at 8K tokens on an H100 (52 us against 562 us: 85% of copy bandwidth), at 32 rows a
+    program (8-64 rows all within 5%)."""
     t, h, d = _rows_of(x, cos, sin)
     require_triton(x.device)
     out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    half = cos.shape[1]
+    if pairs is None:
+        pairs = inplace and half == triton.next_power_of_2(half)
     if block_r is None:
-        block_r = min(128, max(4, triton.next_power_of_2(triton.cdiv(t * h, 128)))) if inplace else 16
+        cap = 32 if pairs else 128
+        block_r = min(cap, max(4, triton.next_power_of_2(triton.cdiv(t * h, 128)))) if inplace else 16
     if t * h == 0:
         return out
     x3, o3 = (x.view(t, 1, d), out.view(t, 1, d)) if x.dim() == 2 else (x, out)
     cos = cos if cos.dtype == torch.float32 and cos.stride(-1) == 1 else cos.float().contiguous()
     sin = sin if sin.dtype == torch.float32 and sin.stride(-1) == 1 else sin.float().contiguous()
-    half = cos.shape[1]
     extra = {"num_warps": num_warps} if x.is_cuda else {}
     if pairs and inplace and half == triton.next_power_of_2(half):
         _rope_pairs_kernel[(triton.cdiv(t * h, block_r),)](
