@@ -52,7 +52,8 @@ triton, tl = import_triton()
 
 # (token, slot) routes one call takes: each route streams its expert's bytes (a duplicate expert is read twice),
 # which beats triton_kernels' ragged matmul while routes rarely share experts (256 experts, top-6: 5 tokens, 30
-# routes, share ~2 experts); larger steps take ogs_moe. Not measured yet: the `gemv` stage (tools/gpu/stages.sh).
+# routes, share ~2 experts); larger steps take ogs_moe. Measured (H100, 2026-12-06, BENCHMARKS mxfp4_moe): it does
+# not beat ogs_moe at 1-4 tokens (DEFAULT_CONFIG below), so the engine takes it only with DSV4_MXFP4_GEMV=1.
 MAX_ROUTES = 32
 X_SCALE = 2.0**64  # activations are multiplied by this, scales divided (module docstring)
 _CODES = -2118123520  # 0x81C00000 as int32: sign, two exponent bits and a mantissa bit of a bf16 in the high half
@@ -99,8 +100,10 @@ class GemvConfig:
 
 
 # What gemv / gemv_moe launch with when given no config (the engine passes none). benchmarks/kernels/moe.py
-# --gemv-sweep times the alternatives; adopt a winner by writing its values here.
-DEFAULT_CONFIG = GemvConfig()
+# --gemv-sweep times the alternatives; adopt a winner by writing its values here. This one: the H100 sweep's best
+# single config over 1 / 2 / 4 tokens (2026-12-06: 70.5 / 109.8 / 190.0 us against the first version's 79.0 / 121.1 /
+# 206.4; triton_kernels' ogs_moe 62.7 / 103.7 / 149.6 us, so DSV4_MXFP4_GEMV stays off).
+DEFAULT_CONFIG = GemvConfig(block_sr=1, kc=4, num_warps=2, num_stages=1, target_programs=2048)
 
 
 @dataclass(frozen=True)

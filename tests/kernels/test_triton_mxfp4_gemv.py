@@ -310,7 +310,9 @@ def test_gemv_sweep_plumbing(tmp_path, monkeypatch):
     assert G.GemvConfig(**got["1"]["config"]) != G.DEFAULT_CONFIG  # timed last, so fastest here
     G.GemvConfig(**got["overall"]["config"])
     table = out.read_text()
-    assert "| 2 | 2 | 4 | 3 | 1024 |" in table and "| 4 | 4 | 4 | 3 | 64 |" in table  # stage B's split target
+    d = G.DEFAULT_CONFIG
+    default_row = f"| {d.block_sr} | {d.kc} | {d.num_warps} | {d.num_stages} | {d.target_programs} |"
+    assert default_row in table and "| 4 | 4 | 4 | 3 | 64 |" in table  # stage B's split target
     assert S.Sweep([], None, 1.0, False, 1.0).best({}) == {}  # nothing timed: no pick
     # the GPU-only tail: the triton_kernels reference beside the tables and in the JSON
     shapes = types.SimpleNamespace(hidden=64, inter=32)
