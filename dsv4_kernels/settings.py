@@ -61,6 +61,7 @@ NIXL_PROGRESS_DELAY_US = "DSV4_NIXL_PROGRESS_DELAY_US"
 KV_STREAM_MIN_CHUNKS = "DSV4_KV_STREAM_MIN_CHUNKS"
 API_KEY = "DSV4_API_KEY"
 API_DOCS = "DSV4_API_DOCS"
+ACCESS_LOG = "DSV4_ACCESS_LOG"
 HTTP_MAX_HEADER_BYTES = "DSV4_HTTP_MAX_HEADER_BYTES"
 HTTP_HEADER_TIMEOUT_S = "DSV4_HTTP_HEADER_TIMEOUT_S"
 HTTP_BODY_TIMEOUT_S = "DSV4_HTTP_BODY_TIMEOUT_S"
@@ -312,6 +313,15 @@ class Settings:
         "bool",
         False,
         "serve /docs, /redoc and /openapi.json (`dsv4 serve --api-docs` sets it for the Serve replicas)",
+        "service",
+    )
+    access_log: bool = _switch(
+        ACCESS_LOG,
+        "bool",
+        False,
+        "Ray Serve's access log line for every request of the ingress replicas (off: a log record a request cost the "
+        "replica's event loop a third of an actor call, and Ray's log monitor forwards each line; the request counts "
+        "and latencies are in the dsv4_ metrics; service.serve_ingress)",
         "service",
     )
     http_max_header_bytes: int = _switch(

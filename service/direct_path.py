@@ -46,7 +46,7 @@ from router.client import AsyncRouterClient, HealthReport, PlacedRequest, Router
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
 from router.migration import RouterFailure, failure_of, recovering_stream
 from router.prompt_hashes import IngressHasher, PromptHashes
-from router.stream_watch import StreamWatches
+from router.stream_watch import StreamWatch, StreamWatches
 from service.ray_stream import RayStreamer, Workers
 from service.token_feed import TokenFeeds
 
@@ -323,17 +323,32 @@ class DirectClient:
     async def _attempt(
         self, dreq: DispatchRequest, excluded: dict[str, str], placed: dict[str, PlacedRequest]
     ) -> AsyncGenerator[TokenEvent, None]:
-        """One placement of the request (router.migration's attempt). A decode worker found full when the stream
-        opens sends the request back to a router's queue: another router placed on its last slot before this
-        router's reports showed it (each replica sees the others' placements only through the workers' reports,
-        up to a probe late), and the queue, not a 429, is where the request should wait. For up to
-        OVERLOAD_REQUEUE_S, then RESOURCE_EXHAUSTED."""
+        """One placement of the request (router.migration's attempt): place on a router, then run it on the named
+        workers. A decode worker found full when the stream opens sends the request back to a router's queue: another
+        router placed on its last slot before this router's reports showed it (each replica sees the others'
+        placements only through the workers' reports, up to a probe late), and the queue, not a 429, is where the
+        request should wait. For up to OVERLOAD_REQUEUE_S, then RESOURCE_EXHAUSTED. The events are read here, not
+        through a generator of the placement's own: every layer a token passes is a hop on the replica's loop."""
         deadline, pause = time.monotonic() + OVERLOAD_REQUEUE_S, REQUEUE_PAUSE_S
         while True:
             try:
-                async with contextlib.aclosing(self._placement(dreq, excluded, placed)) as events:
-                    async for ev in events:
-                        yield ev
+                events, watch, prefill = await self._placement(dreq, excluded, placed)
+                try:
+                    async with contextlib.aclosing(events):
+                        while (ev := await watch.next(events)) is not StreamWatches.END:
+                            if prefill is not None and (ev.token_id is not None or ev.finished):
+                                watch.release(prefill)  # prefill is over
+                                prefill = None
+                            yield ev
+                            if ev.finished:
+                                return
+                except Exception as e:
+                    failure = None if isinstance(e, Overloaded) else failure_of(e, dreq.request_id)
+                    if failure is None:
+                        raise
+                    raise failure from None
+                finally:
+                    watch.close()
                 return
             except Overloaded as e:  # raised before the first event: nothing was streamed
                 failure = failure_of(e, dreq.request_id)
@@ -345,8 +360,10 @@ class DirectClient:
 
     async def _placement(
         self, dreq: DispatchRequest, excluded: dict[str, str], placed: dict[str, PlacedRequest]
-    ) -> AsyncGenerator[TokenEvent, None]:
-        """Place on a router, then run the request on the named workers; raises Overloaded as is."""
+    ) -> tuple[AsyncGenerator[TokenEvent, None], StreamWatch, str | None]:
+        """Place on a router and start the request on the named workers -> (its events, the watch on its workers,
+        the prefill worker it depends on until its first token: None for a local prefill); the events raise
+        Overloaded as is."""
         router, where = await self.routers.place(dreq, excluded, self.hasher.hashes(dreq.prompt_ids))
         self.hasher.learn(where.hash_scheme)
         placed[dreq.request_id] = where
@@ -363,22 +380,7 @@ class DirectClient:
         watch = self.watches.watch(
             p_id, d_id, incarnations={p_id: where.prefill_incarnation, d_id: where.decode_incarnation}
         )
-        try:
-            events = self.streamer.run_placement(dreq, workers, reached)
-            async with contextlib.aclosing(events):
-                while (ev := await watch.next(events)) is not StreamWatches.END:
-                    if p_id != d_id and (ev.token_id is not None or ev.finished):
-                        watch.release(p_id)  # prefill is over
-                    yield ev
-                    if ev.finished:
-                        return
-        except Exception as e:
-            failure = None if isinstance(e, Overloaded) else failure_of(e, dreq.request_id)
-            if failure is None:
-                raise
-            raise failure from None
-        finally:
-            watch.close()
+        return self.streamer.run_placement(dreq, workers, reached), watch, p_id if p_id != d_id else None
 
     # ---- workers found down by the routers' health probes -------------------------------------------
     def _watch_soon(self) -> None:

@@ -44,7 +44,7 @@ from service import openai_protocol as P
 from service.api_errors import APIError, validation_error
 from service.http_stream import ClientGone, SSEResponse, sse, unless_disconnected
 from service.ingress_guard import GuardMiddleware, IngressOptions, Offloader, lone_surrogate
-from service.openai_job import Job
+from service.openai_job import Job, JobEvents, Piece
 from service.stream_deadline import StreamDeadline
 from service.template_sandbox import TemplateTimeout
 from service.text_stream import TextStream
@@ -277,50 +277,30 @@ class OpenAIServer:
         )
 
     # ---- running ---------------------------------------------------------------------------------
-    async def _pieces(self, job: Job) -> AsyncGenerator[tuple[int | None, float | None, str], None]:
-        """Run `job` on the router; yield (token id, logprob, text delta) per event; fills in the job."""
+    def _events(self, job: Job) -> tuple[AsyncGenerator, JobEvents]:
+        """Run `job` on the router -> (its events, what takes them into the job)."""
         events = self.client().generate(job.prompt_ids, job.params, job.rid)
-        last = None
-        stop_tokens = self.eos_ids | set(job.params.stop_token_ids)
-        try:
-            async with contextlib.aclosing(events):  # leaving early cancels the gRPC call: pages are freed
-                async for ev in events:
-                    job.prompt_logprobs.extend(ev.prompt_logprobs)
-                    job.cached_tokens = max(job.cached_tokens, ev.cached_tokens)
-                    now = time.monotonic()
-                    if ev.token_id is not None:
-                        (self.ttft_histogram if last is None else self.itl_histogram).observe(
-                            now - (job.arrival if last is None else last), now
-                        )
-                        last = now
-                        job.token_ids.append(ev.token_id)
-                        job.logprobs.append(ev.logprob)
-                    # A stop token ends the output but is not part of its text (vLLM), unless asked for.
-                    by_token = ev.finished and ev.finish_reason == "stop" and ev.token_id in stop_tokens
-                    shown = None if by_token and not job.text.include_stop else ev.token_id
-                    delta = job.text.add(shown, ev.finished)
-                    if ev.finished:
-                        job.finish_reason = ev.finish_reason or "stop"
-                        if by_token and ev.token_id in job.params.stop_token_ids:
-                            job.stop_reason = ev.token_id
-                    if job.text.stop_hit is not None:  # stop string: done, and the engine stops with us
-                        job.finish_reason, job.stop_reason = "stop", job.text.stop_hit
-                    yield ev.token_id, ev.logprob, delta
-                    if job.finish_reason is not None:
-                        return
-            raise APIError(500, f"request {job.rid}: router stream ended without a finish")
-        finally:
-            self.ttft_histogram.flush()
-            self.itl_histogram.flush()
+        return events, JobEvents(job, self.eos_ids, self.ttft_histogram, self.itl_histogram)
 
     async def _collect(self, job: Job) -> None:
-        async with asyncio.timeout_at(job.deadline):
-            async for _ in self._pieces(job):
-                pass
+        events, taker = self._events(job)
+        try:
+            async with asyncio.timeout_at(job.deadline), contextlib.aclosing(events):
+                # leaving early cancels the router call: pages are freed
+                async for ev in events:
+                    taker.take(ev)
+                    if job.finish_reason is not None:
+                        return
+            raise _unfinished(job)
+        finally:
+            taker.flush()
 
-    async def _first(self, job: Job, pieces):
+    async def _first(self, job: Job, events, taker: JobEvents) -> Piece:
         async with asyncio.timeout_at(job.deadline):
-            return await anext(pieces)
+            ev = await anext(events, None)
+        if ev is None:
+            raise _unfinished(job)
+        return taker.take(ev)
 
     def _api_error(self, e: Exception) -> APIError:
         if isinstance(e, (APIError, RouterError)):
@@ -338,14 +318,15 @@ class OpenAIServer:
                 resp = render.response(job)
                 self.finish(job, "ok")
                 return JSONResponse(resp.model_dump(mode="json"))
-            pieces = self._pieces(job)
+            events, taker = self._events(job)
             try:
-                first = await unless_disconnected(request, self._first(job, pieces))
+                first = await unless_disconnected(request, self._first(job, events, taker))
             except BaseException:
-                await pieces.aclose()
+                await events.aclose()
+                taker.flush()
                 raise
             return SSEResponse(
-                self._sse_body(job, first, pieces, render),
+                self._sse_body(job, first, events, taker, render),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -355,7 +336,11 @@ class OpenAIServer:
             self.count("aborted")
             return Response(status_code=499)  # nobody reads it
 
-    async def _sse_body(self, job: Job, first, pieces, render) -> AsyncIterator[str | bytes]:
+    async def _sse_body(
+        self, job: Job, first: Piece, events: AsyncGenerator, taker: JobEvents, render
+    ) -> AsyncIterator[str | bytes]:
+        """The stream's SSE events; the router's events are read here, each taken into the job (no generator layer
+        between them: every layer is a hop a token on the replica's loop)."""
         status = "aborted"  # what escapes (the client went away, server shutdown) is an abort
         deadline = StreamDeadline(job.deadline)  # one timer for the stream, not one a token
         try:
@@ -363,11 +348,16 @@ class OpenAIServer:
                 for c in render.head(job):
                     yield sse(c)
                 piece = first
-                while piece is not None:
+                while True:
                     c = render.piece(job, *piece)  # a text-only chunk comes as its SSE bytes already
                     if c is not None:
                         yield c if isinstance(c, bytes) else sse(c)
-                    piece = await deadline.wait(anext(pieces, None))  # only the wait, never a write to the client
+                    if job.finish_reason is not None:
+                        break
+                    ev = await deadline.wait(anext(events, None))  # only the wait, never a write to the client
+                    if ev is None:
+                        raise _unfinished(job)
+                    piece = taker.take(ev)
                 for c in render.tail(job):
                     yield sse(c)
                 status = "ok"
@@ -381,7 +371,8 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
         finally:
             deadline.close()
-            await pieces.aclose()
+            await events.aclose()  # leaving early cancels the router call: pages are freed
+            taker.flush()
             self.finish(job, status)
 
     def finish(self, job: Job, status: str) -> None:
@@ -468,6 +459,10 @@ class OpenAIServer:
                 ],
             }
         )
+
+
+def _unfinished(job: Job) -> APIError:
+    return APIError(500, f"request {job.rid}: router stream ended without a finish")
 
 
 # ---- app ------------------------------------------------------------------------------------------

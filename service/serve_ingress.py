@@ -27,7 +27,9 @@ from typing import cast
 
 from ray import serve
 from ray.serve import Deployment
+from ray.serve.schema import LoggingConfig
 
+from dsv4_kernels.settings import settings
 from service.ingress_guard import IngressOptions
 from service.openai_app import DEFAULT_REQUEST_TIMEOUT_S, current_server, make_app
 from service.serve_front import serve_front
@@ -88,8 +90,10 @@ class OpenAIIngress:
 
 def ingress_deployment() -> Deployment:
     """The ingress as what `serve.deployment` made it: a Deployment (Ray's stubs type the decorated name as the
-    class itself, which has no `options` or `bind`)."""
-    return cast(Deployment, OpenAIIngress)
+    class itself, which has no `options` or `bind`), with Serve's access log only if DSV4_ACCESS_LOG asks for it
+    (a log record a request on the replica's loop: dsv4_kernels.settings says why it is off)."""
+    deployment = cast(Deployment, OpenAIIngress)
+    return deployment.options(logging_config=LoggingConfig(enable_access_log=settings().access_log))
 
 
 def deploy_http(

@@ -22,6 +22,7 @@ class StreamDeadline:
     def __init__(self, when: float):
         self.expired = False
         self._waiting: asyncio.Task | None = None  # the task inside `wait`, if any
+        self._task: asyncio.Task | None = None  # the task that reads the stream (all its waits)
         self._timer = asyncio.get_running_loop().call_at(when, self._expire)
 
     def _expire(self) -> None:
@@ -35,8 +36,10 @@ class StreamDeadline:
             if close is not None:  # a coroutine not awaited: closed, so that nothing warns it never ran
                 close()
             raise TimeoutError
-        task = asyncio.current_task()
-        assert task is not None, "StreamDeadline.wait runs in a task"
+        task = self._task
+        if task is None:  # asked once: one task reads a stream (the SSE response's), and a token's wait is hot
+            task = self._task = asyncio.current_task()
+            assert task is not None, "StreamDeadline.wait runs in a task"
         cancelling = task.cancelling()
         self._waiting = task
         try:
