@@ -90,8 +90,8 @@ class OpenAIIngress:
 
 def ingress_deployment() -> Deployment:
     """The ingress as what `serve.deployment` made it: a Deployment (Ray's stubs type the decorated name as the
-    class itself, which has no `options` or `bind`), with Serve's access log only if DSV4_ACCESS_LOG asks for it
-    (a log record a request on the replica's loop: dsv4_kernels.settings says why it is off)."""
+    class itself, which has no `options` or `bind`), with Serve's access log unless DSV4_ACCESS_LOG=0 turns it off
+    (a log record a request on the replica's loop: dsv4_kernels.settings gives its cost)."""
     deployment = cast(Deployment, OpenAIIngress)
     return deployment.options(logging_config=LoggingConfig(enable_access_log=settings().access_log))
 
