@@ -252,18 +252,19 @@ def rope(
     inplace x itself, only its rope channels read and written (the attention output's inverse rotation: 64 of 512
     channels, where a copy moved all of them, 0.37 ms a layer at 8K tokens on the H200). block_r: rows (token x
     head) a program, default 16 (a copy moves whole rows); in place (only the rope pairs) rows / 128 rounded up to
-    a power of two within [4, 128]: 128 at prefill sizes (16 rows a program left it launch-bound, 0.25 ms at 8K
-    tokens), few rows a program at decode sizes (a batch-1 step's 64 rows in one program took 8.7 us a layer).
-    num_warps: the launch's warps on CUDA (`dsv4 bench kernels rope` sweeps both). pairs (in place, a power-of-two
-    rope width; None = there): _rope_pairs_kernel, the rope channels as one contiguous tile, bit-equal to the strided
-    kernel and 10.7x faster at 8K tokens on an H100 (52 us against 562 us: 85% of copy bandwidth), at 32 rows a
-    program (8-64 rows all within 5%)."""
+    a power of two within [4, 32] (pairs kernel) or [4, 128] (strided kernel): few rows a program at decode sizes
+    (a batch-1 step's 64 rows in one program took 8.7 us a layer). num_warps: the launch's warps on CUDA.
+    pairs (in place, a power-of-two rope width; None = there): _rope_pairs_kernel, the rope channels as one
+    contiguous tile, bit-equal to the strided kernel; at 8K tokens x 64 heads on an H100 it takes 52 us (85% of copy
+    bandwidth) against the strided kernel's 562 us at its old default of 128 rows (111 us at its best, 8 rows)
+    (`dsv4 bench kernels rope`: its best configs at 8, 32 and 64 rows within 1%)."""
     t, h, d = _rows_of(x, cos, sin)
     require_triton(x.device)
     out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     half = cos.shape[1]
+    pow2 = half > 0 and half == triton.next_power_of_2(half)
     if pairs is None:
-        pairs = inplace and half == triton.next_power_of_2(half)
+        pairs = inplace and pow2
     if block_r is None:
         cap = 32 if pairs else 128
         block_r = min(cap, max(4, triton.next_power_of_2(triton.cdiv(t * h, 128)))) if inplace else 16
@@ -273,7 +274,7 @@ def rope(
     cos = cos if cos.dtype == torch.float32 and cos.stride(-1) == 1 else cos.float().contiguous()
     sin = sin if sin.dtype == torch.float32 and sin.stride(-1) == 1 else sin.float().contiguous()
     extra = {"num_warps": num_warps} if x.is_cuda else {}
-    if pairs and inplace and half == triton.next_power_of_2(half):
+    if pairs and inplace and pow2:
         _rope_pairs_kernel[(triton.cdiv(t * h, block_r),)](
             x3,
             cos,
