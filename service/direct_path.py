@@ -44,11 +44,12 @@ from engine.execution.request import TokenEvent
 from engine.execution.sampling_params import SamplingParams
 from router.client import AsyncRouterClient, HealthReport, PlacedRequest, RouterError, StreamEvent
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
-from router.migration import RouterFailure, failure_of, recovering_stream
+from router.migration import RouterFailure, StreamProgress, failure_of, recovering_stream
 from router.prompt_hashes import IngressHasher, PromptHashes
 from router.stream_watch import StreamWatch, StreamWatches
 from service.ray_stream import RayStreamer, Workers
 from service.token_feed import TokenFeeds
+from service.token_lane import TokenLane
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -268,6 +269,8 @@ class WorkerDirectory:
 class DirectClient:
     """An ingress replica's client of the service (module docstring); create it inside the loop that uses it."""
 
+    takes_lane = True  # `generate` takes a service.token_lane.TokenLane
+
     def __init__(
         self,
         routers: Sequence,
@@ -295,18 +298,33 @@ class DirectClient:
         self._watcher: asyncio.Task | None = None
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str = ""
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str = "",
+        lane: TokenLane | None = None,
     ) -> AsyncIterator[StreamEvent]:
+        """lane: the request's TokenLane (service.token_lane), for its plain tokens to bypass these layers."""
         params = params or SamplingParams()
         dreq = DispatchRequest(request_id, tuple(prompt_ids), params)
         placed: dict[str, PlacedRequest] = {}  # request id of each placement -> where it ran
         self._watch_soon()
+        progress = StreamProgress()
+        if lane is not None:
+            generated = progress.generated
+
+            def relay(ev: TokenEvent) -> StreamEvent:  # what recovering_stream and the loop below do for a plain token
+                generated.append(ev.token_id)  # type: ignore[arg-type]  # a plain event has one (TokenLane.offer)
+                return _event(ev, None, params, lead_none=False)
+
+            lane.relay = relay
         events = recovering_stream(
             dreq,
-            lambda req, excluded: self._attempt(req, excluded, placed),
+            lambda req, excluded: self._attempt(req, excluded, placed, lane),
             incarnation_of=lambda wid: _incarnation(placed, wid),
             role_of=lambda wid: "decode" if any(p.decode_worker == wid for p in placed.values()) else "prefill",
             max_migrations=self.max_migrations,
+            progress=progress,
             on_death=lambda wid: self.directory.mark_stale(),
         )
         first, shown = True, set()
@@ -321,7 +339,11 @@ class DirectClient:
             raise RouterError(_STATUS[f.code], f.message) from None
 
     async def _attempt(
-        self, dreq: DispatchRequest, excluded: dict[str, str], placed: dict[str, PlacedRequest]
+        self,
+        dreq: DispatchRequest,
+        excluded: dict[str, str],
+        placed: dict[str, PlacedRequest],
+        lane: TokenLane | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         """One placement of the request (router.migration's attempt): place on a router, then run it on the named
         workers. A decode worker found full when the stream opens sends the request back to a router's queue: another
@@ -332,7 +354,9 @@ class DirectClient:
         deadline, pause = time.monotonic() + OVERLOAD_REQUEUE_S, REQUEUE_PAUSE_S
         while True:
             try:
-                events, watch, prefill = await self._placement(dreq, excluded, placed)
+                events, watch, prefill = await self._placement(dreq, excluded, placed, lane)
+                if lane is not None:
+                    lane.watch = watch
                 try:
                     async with contextlib.aclosing(events):
                         while (ev := await watch.next(events)) is not StreamWatches.END:
@@ -359,7 +383,11 @@ class DirectClient:
                 pause = min(2 * pause, 1.0)
 
     async def _placement(
-        self, dreq: DispatchRequest, excluded: dict[str, str], placed: dict[str, PlacedRequest]
+        self,
+        dreq: DispatchRequest,
+        excluded: dict[str, str],
+        placed: dict[str, PlacedRequest],
+        lane: TokenLane | None = None,
     ) -> tuple[AsyncGenerator[TokenEvent, None], StreamWatch, str | None]:
         """Place on a router and start the request on the named workers -> (its events, the watch on its workers,
         the prefill worker it depends on until its first token: None for a local prefill); the events raise
@@ -380,7 +408,8 @@ class DirectClient:
         watch = self.watches.watch(
             p_id, d_id, incarnations={p_id: where.prefill_incarnation, d_id: where.decode_incarnation}
         )
-        return self.streamer.run_placement(dreq, workers, reached), watch, p_id if p_id != d_id else None
+        events = self.streamer.run_placement(dreq, workers, reached, lane)
+        return events, watch, p_id if p_id != d_id else None
 
     # ---- workers found down by the routers' health probes -------------------------------------------
     def _watch_soon(self) -> None:

@@ -41,6 +41,9 @@ class FeedQueue:
         self._events: collections.deque = collections.deque()
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
+        # service.token_lane.TokenLane: set once the request's first token has passed every layer; a plain token is
+        # then written to the client from here while the request's task waits for it (no wake-up, no layers)
+        self.lane = None
 
     @property
     def feed_id(self) -> str:
@@ -56,6 +59,14 @@ class FeedQueue:
                 WorkerDied(worker, f"its engine failed: {event.message}") if died else RuntimeError(event.message)
             )
             return
+        lane, waiter = self.lane, self._waiter
+        if lane is not None and waiter is not None and not waiter.done():  # its task waits: nothing queued before it
+            try:
+                if lane.offer(event):
+                    return
+            except Exception as e:  # noqa: BLE001 - the request's error (a render bug, a client gone): raised in its task
+                self.fail(e)
+                return
         if len(self._events) >= self.limit:
             self._events.clear()  # nobody reads them: fail now, not after a backlog the client will never take
             self.fail(

@@ -27,7 +27,35 @@ class SSEResponse(StreamingResponse):
     the request's HTTP intake (py-spy of `dsv4 bench frontdoor`, 64 streams). Here one plain asyncio task waits for the
     client's disconnect and cancels the streaming task; that cancellation ends the response quietly (the body's
     generator is closed, as Starlette's cancelled scope does), any other propagates. A write to a client already gone
-    raises OSError under spec >= 2.4: ClientDisconnect, as Starlette."""
+    raises OSError under spec >= 2.4: ClientDisconnect, as Starlette.
+
+    lane: the request's service.token_lane.TokenLane; once the head is out, its plain tokens are written by
+    `write_now` from the token feed's receive path, between the body's own chunks (the lane takes one only while the
+    body waits, so the order holds)."""
+
+    def __init__(self, *args, lane=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lane = lane
+        self._send = None
+        self._pending: asyncio.Task | None = None  # a write_now that waits on the client (flow control)
+
+    def busy(self) -> bool:
+        """Does a write_now still wait on the client (the next write must come after it)?"""
+        return self._pending is not None and not self._pending.done()
+
+    def write_now(self, chunk: bytes) -> None:
+        """Send `chunk` from outside the response's task: the send's coroutine is run here up to its first wait;
+        uvicorn's send has none unless the client reads slower than the replica writes (its flow control), then
+        a task of its own finishes it and the response's next write waits for that."""
+        assert self._send is not None and not self.busy()
+        coro = self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+        try:
+            waiting = coro.send(None)
+        except StopIteration:
+            return
+        except OSError:
+            raise ClientDisconnect() from None
+        self._pending = asyncio.ensure_future(_resume(coro, waiting))
 
     async def __call__(self, scope, receive, send):
         body = self.body_iterator
@@ -37,10 +65,19 @@ class SSEResponse(StreamingResponse):
         left = asyncio.ensure_future(_disconnected(receive, task))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            if self._lane is not None:
+                self._send = send
+                self._lane.response = self
             async for chunk in body:
                 if isinstance(chunk, str):
                     chunk = chunk.encode()
+                if self._pending is not None:  # a lane's write waiting on the client goes first
+                    await self._pending
+                    self._pending = None
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if self._pending is not None:
+                await self._pending
+                self._pending = None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             # ours (the client left), not another canceller's: the response just ends
@@ -50,10 +87,42 @@ class SSEResponse(StreamingResponse):
             raise ClientDisconnect() from None
         finally:
             left.cancel()
+            if self._lane is not None:
+                self._lane.response = None
+            if self._pending is not None:
+                self._pending.cancel()
+                self._pending.add_done_callback(_retrieved)
             if isinstance(body, AsyncGenerator):  # ours always is (an async generator function)
                 await body.aclose()
         if self.background is not None:
             await self.background()
+
+
+async def _resume(coro, waiting) -> None:
+    """Run `coro` (a send started outside any task, suspended on `waiting`) to its end in this task: each future it
+    waits on is awaited here, then it is resumed (or the exception thrown into it)."""
+    while True:
+        try:
+            if waiting is None:  # a bare yield (asyncio.sleep(0))
+                await asyncio.sleep(0)
+            else:
+                waiting._asyncio_future_blocking = False  # as a task takes a yielded future (else: "await wasn't used")
+                await waiting
+        except BaseException as e:  # noqa: BLE001 - thrown into the send (cancellation included), which decides
+            try:
+                waiting = coro.throw(e)
+            except StopIteration:
+                return
+            continue
+        try:
+            waiting = coro.send(None)
+        except StopIteration:
+            return
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # a write that failed after the response ended: nothing to tell (no "never retrieved")
 
 
 async def _disconnected(receive, task: asyncio.Task) -> None:

@@ -48,6 +48,7 @@ from service.openai_job import Job, JobEvents, Piece
 from service.stream_deadline import StreamDeadline
 from service.template_sandbox import TemplateTimeout
 from service.text_stream import TextStream
+from service.token_lane import TokenLane
 
 log = logging.getLogger(__name__)
 
@@ -277,9 +278,13 @@ class OpenAIServer:
         )
 
     # ---- running ---------------------------------------------------------------------------------
-    def _events(self, job: Job) -> tuple[AsyncGenerator, JobEvents]:
-        """Run `job` on the router -> (its events, what takes them into the job)."""
-        events = self.client().generate(job.prompt_ids, job.params, job.rid)
+    def _events(self, job: Job, lane: TokenLane | None = None) -> tuple[AsyncGenerator, JobEvents]:
+        """Run `job` on the router -> (its events, what takes them into the job). lane: the stream's TokenLane."""
+        client = self.client()
+        if lane is not None and getattr(client, "takes_lane", False):
+            events = client.generate(job.prompt_ids, job.params, job.rid, lane=lane)  # type: ignore[call-arg]
+        else:
+            events = client.generate(job.prompt_ids, job.params, job.rid)
         return events, JobEvents(job, self.eos_ids, self.ttft_histogram, self.itl_histogram)
 
     async def _collect(self, job: Job) -> None:
@@ -318,7 +323,8 @@ class OpenAIServer:
                 resp = render.response(job)
                 self.finish(job, "ok")
                 return JSONResponse(resp.model_dump(mode="json"))
-            events, taker = self._events(job)
+            lane = TokenLane()
+            events, taker = self._events(job, lane)
             try:
                 first = await unless_disconnected(request, self._first(job, events, taker))
             except BaseException:
@@ -326,9 +332,10 @@ class OpenAIServer:
                 taker.flush()
                 raise
             return SSEResponse(
-                self._sse_body(job, first, events, taker, render),
+                self._sse_body(job, first, events, taker, render, lane),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                lane=lane,
             )
         except (RouterError, TimeoutError) as e:
             raise self._api_error(e) from None
@@ -337,12 +344,21 @@ class OpenAIServer:
             return Response(status_code=499)  # nobody reads it
 
     async def _sse_body(
-        self, job: Job, first: Piece, events: AsyncGenerator, taker: JobEvents, render
+        self, job: Job, first: Piece, events: AsyncGenerator, taker: JobEvents, render, lane: TokenLane
     ) -> AsyncIterator[str | bytes]:
         """The stream's SSE events; the router's events are read here, each taken into the job (no generator layer
-        between them: every layer is a hop a token on the replica's loop)."""
+        between them: every layer is a hop a token on the replica's loop). While this waits, the lane may take a
+        plain token into the job and write it (service.token_lane): the same steps as the loop below."""
         status = "aborted"  # what escapes (the client went away, server shutdown) is an abort
         deadline = StreamDeadline(job.deadline)  # one timer for the stream, not one a token
+        if not job.text.stops:  # a stop string may end the output at any token: each goes through the loop
+
+            def render_event(ev) -> bytes | None:
+                c = render.piece(job, *taker.take(ev))
+                return None if c is None else c if isinstance(c, bytes) else sse(c).encode()
+
+            lane.body = lambda: not deadline.expired and job.finish_reason is None
+            lane.render = render_event
         try:
             try:
                 for c in render.head(job):
@@ -354,7 +370,11 @@ class OpenAIServer:
                         yield c if isinstance(c, bytes) else sse(c)
                     if job.finish_reason is not None:
                         break
-                    ev = await deadline.wait(anext(events, None))  # only the wait, never a write to the client
+                    lane.parked = True  # everything before the next event is written: the lane may take it
+                    try:
+                        ev = await deadline.wait(anext(events, None))  # only the wait, never a write to the client
+                    finally:
+                        lane.parked = False
                     if ev is None:
                         raise _unfinished(job)
                     piece = taker.take(ev)
@@ -370,6 +390,7 @@ class OpenAIServer:
                 yield sse(P.ErrorResponse(**P.error_body(err.status, err.message, err.param)))
             yield "data: [DONE]\n\n"
         finally:
+            lane.parked, lane.render = False, None
             deadline.close()
             await events.aclose()  # leaving early cancels the router call: pages are freed
             taker.flush()

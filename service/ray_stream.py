@@ -314,10 +314,11 @@ class RayStreamer:
         return result, 0, arrived - start, arrived
 
     async def run_placement(
-        self, request: DispatchRequest, w: Workers, reached: Callable[[], None] | None = None
+        self, request: DispatchRequest, w: Workers, reached: Callable[[], None] | None = None, lane=None
     ) -> AsyncGenerator[TokenEvent, None]:
         """The request's TokenEvents on these two workers (module docstring). `reached()` is called once, when the
-        decode worker holds the request (its reports count it from then on) or the request ended before that."""
+        decode worker holds the request (its reports count it from then on) or the request ended before that.
+        lane: the request's service.token_lane.TokenLane, given the feed's queue once the first token is taken."""
         rid, prompt, params = request.request_id, list(request.prompt_ids), request.params
         told = False
 
@@ -363,6 +364,8 @@ class RayStreamer:
             self._record_handoff(HandoffTiming(rid, streamed, chunks, prefill_s, time.monotonic() - arrived))
             tell()
             yield first  # released only now: TTFT includes the transfer
+            if queue is not None and lane is not None:  # the first token passed every layer: plain ones may bypass
+                queue.lane = lane
             if queue is None:
                 async for ev in stream_items(stream, w.decode_id):
                     finished = ev.finished
