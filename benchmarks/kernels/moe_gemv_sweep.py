@@ -147,25 +147,24 @@ class Sweep:
             self.run(cfg, f"A {i + 1}/{len(grid)}")
         targets = TARGETS if self.cuda else (64,)
         bases = dict.fromkeys(cfg for c in self.cases for _, cfg in self.ranked(c.t)[:TOP])
-        for cfg in (dataclasses.replace(b, target_programs=tp) for b in bases for tp in targets):
-            if self.over("B"):
-                print("stage B cut by the budget", flush=True)
-                break
-            if not any((cfg, c.t) in self.us for c in self.cases):
-                self.run(cfg, "B split")
+        self.variants((dataclasses.replace(b, target_programs=tp) for b in bases for tp in targets), "B", "split")
         stages = STAGES if self.cuda else (1,)
         bests = dict.fromkeys(r[0][1] for c in self.cases if (r := self.ranked(c.t)))
-        for cfg in (dataclasses.replace(b, num_stages=s) for b in bests for s in stages):
-            if self.over("C"):
-                print("stage C cut by the budget", flush=True)
-                break
-            if not any((cfg, c.t) in self.us for c in self.cases):
-                self.run(cfg, "C stages")
+        self.variants((dataclasses.replace(b, num_stages=s) for b in bests for s in stages), "C", "stages")
         for c in self.cases:  # the finalists again (the noise of one graph timing), one token count each
             for cfg in dict.fromkeys([G.DEFAULT_CONFIG] + [cfg for _, cfg in self.ranked(c.t)[:TOP]]):
                 if self.over("confirm"):
                     break
                 self.run(cfg, "confirm", [c], reps=20)
+
+    def variants(self, configs, stage: str, what: str) -> None:
+        """Time each config not timed yet (stages B and C: one knob varied around the best), within the budget."""
+        for cfg in configs:
+            if self.over(stage):
+                print(f"stage {stage} cut by the budget", flush=True)
+                break
+            if not any((cfg, c.t) in self.us for c in self.cases):
+                self.run(cfg, f"{stage} {what}")
 
     def splits(self, cfg: G.GemvConfig, t: int, k: int) -> str:
         ex = self.ex
