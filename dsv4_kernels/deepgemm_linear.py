@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 _SEEN: set[tuple[int, int, bool, torch.device, int]] = set()  # (N, K, pow2 activation scales, device, groups):
 # shapes only, so no engine's weights outlive it here; groups 1 = fp8_gemm_nt, G > 1 = the masked grouped GEMM
 _GROUPED_BROKEN: list[str] = []  # why the masked grouped GEMM failed once (then G GEMMs run instead)
+_MASKED_M: dict[tuple[int, int, torch.device], torch.Tensor] = {}  # the grouped GEMM's masked M tensors (_masked_m)
 GROUPED_ROWS = 256  # per-group rows of the masked grouped GEMM's storage (a multiple of its M tiles)
 GROUPED_MAX_TOKENS = 128  # above, G GEMMs
 
@@ -62,8 +63,21 @@ def _grouped_gemm(
             f"got {tuple(xq.shape)}, {tuple(out.shape)}, m={m}"
         )
     _SEEN.add((weight.shape[1], weight.shape[2], pow2, weight.device, g))
-    masked_m = torch.full((g,), m, dtype=torch.int32, device=xq.device)
-    dg.m_grouped_fp8_gemm_nt_masked((xq, xs), (weight, scale), out, masked_m, m)
+    dg.m_grouped_fp8_gemm_nt_masked((xq, xs), (weight, scale), out, _masked_m(g, m, xq.device), m)
+
+
+def _masked_m(g: int, m: int, device: torch.device) -> torch.Tensor:
+    """int32 [g] filled with m: made once per (g, m, device) outside graph capture and kept (a fill launch fewer a
+    call: a CUDA graph reads the kept tensor). During capture a new one is made and not kept: the capture does not run
+    its fill, so until the graph replays it holds nothing."""
+    key = (g, m, device)
+    kept = _MASKED_M.get(key)
+    if kept is not None:
+        return kept
+    made = torch.full((g,), m, dtype=torch.int32, device=device)
+    if not torch.cuda.is_current_stream_capturing():
+        _MASKED_M[key] = made
+    return made
 
 
 def seen_shapes() -> list[tuple[int, int, bool, torch.device, int]]:

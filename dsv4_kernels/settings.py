@@ -48,6 +48,7 @@ FLASH_MLA = "DSV4_FLASH_MLA"
 FLASH_MLA_PREFILL = "DSV4_FLASH_MLA_PREFILL"
 FP8_MOE_LAYOUT = "DSV4_FP8_MOE_LAYOUT"
 INDEXER_PREFILL = "DSV4_INDEXER_PREFILL"
+TOPK_SORT_MAX_CANDIDATES = "DSV4_TOPK_SORT_MAX_CANDIDATES"
 GROUPED_MOE = "DSV4_GROUPED_MOE"
 FP32_RESIDUAL = "DSV4_FP32_RESIDUAL"
 TP_BACKEND = "DSV4_TP_BACKEND"
@@ -122,6 +123,16 @@ class Settings:
         "token, dsv4_kernels.triton_mhc_rows) or token (one program a token)",
         "kernels",
         choices=("rows", "token"),
+    )
+    topk_sort_max_candidates: int = _switch(
+        TOPK_SORT_MAX_CANDIDATES,
+        "int",
+        1024,
+        "the indexer's top-k on CUDA: steps of at most 256 rows of at most this many candidates (capped at 8192) "
+        "take the bitonic sort kernel (dsv4_kernels.triton_topk_sort: 8.9 against 11.4 us at 1024 on an H100, "
+        "slower from 2048); 0 turns it off (the radix kernels and torch.topk then split the steps as before)",
+        "kernels",
+        minimum=0,
     )
     indexer_prefill: str = _switch(
         INDEXER_PREFILL,

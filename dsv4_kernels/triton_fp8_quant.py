@@ -155,3 +155,40 @@ def quant_act_1x128_grouped(
             BLOCK_K=BLOCK,
         )
     return q, s
+
+
+def quant_act_1x128_joined(x: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [G, M, K] (unit last stride, any group / row strides; e.g. a grouped GEMM's per-group outputs) -> the
+    quantisation of its groups joined side by side, [M, G*K] (row m = x[0, m] | x[1, m] | ...): (e4m3 [M, G*K], fp32
+    scales [M, G*ceil(K/128)] MN-major), exactly `quant_act_1x128(x.transpose(0, 1).reshape(M, -1))` when K is whole
+    128-blocks, in one launch and without the joined bf16 copy."""
+    if x.dim() != 3 or x.stride(-1) != 1:
+        raise ValueError(f"activations must be [G, M, K] with a unit last stride, got {tuple(x.shape)} {x.stride()}")
+    require_triton(x.device)
+    g, m, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"joined groups need K in whole {BLOCK}-blocks, got K={k}")
+    kb = k // BLOCK
+    q = torch.empty(m, g * k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = scale_buffer(m, g * kb, x.device)  # [M, G*kb]; group j's blocks are columns j*kb..
+    if m and g:
+        hw = x.is_cuda and USE_HW_FP8_CAST
+        _quant_kernel[(triton.cdiv(m, BLOCK_M), kb, g)](
+            x,
+            q.view(torch.uint8),
+            s,
+            m,
+            k,
+            x.stride(1),
+            q.stride(0),
+            s.stride(0),
+            s.stride(1),
+            x.stride(0),
+            k,  # group j's codes start k columns after group j-1's
+            kb * s.stride(1),  # and its scales kb columns after
+            POW2=pow2,
+            HW_FP8=hw,
+            BLOCK_M=BLOCK_M,
+            BLOCK_K=BLOCK,
+        )
+    return q, s

@@ -28,6 +28,7 @@ import torch
 from dsv4_kernels.geometry import IndexerKeyLayout
 from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.indexer import SCORES_BUDGET, check_candidates, query_blocks, token_candidates
+from dsv4_kernels.settings import settings
 from dsv4_kernels.triton_index_keys import bf16_dot, check_index_keys, key_format, tl_load_index_keys
 from dsv4_kernels.triton_indexer_prefill import indexer_prefill_scores
 
@@ -238,6 +239,15 @@ TOPK_SPLIT_MIN_CANDIDATES = 4096
 TOPK_SPLIT_MAX_SCORES = 32 * 8192  # rows x candidates
 
 
+def takes_sort_topk(rows: int, candidates: int) -> bool:
+    """Does a step of `rows` x `candidates` scores take the bitonic sort kernel (on CUDA, unordered picks)? Up to
+    TOPK_KERNEL_MAX_ROWS rows of at most $DSV4_TOPK_SORT_MAX_CANDIDATES candidates (a row must fit one program)."""
+    from dsv4_kernels.triton_topk_sort import SORT_MAX_CANDIDATES
+
+    limit = min(settings().topk_sort_max_candidates, SORT_MAX_CANDIDATES)
+    return rows <= TOPK_KERNEL_MAX_ROWS and candidates <= limit
+
+
 def takes_split_topk(rows: int, candidates: int) -> bool:
     """Does a step of `rows` x `candidates` scores take the split radix kernel (on CUDA, unordered picks)?"""
     return (
@@ -251,6 +261,10 @@ def topk_of_scores(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.
     """scores: fp32 [T, S], -inf = invalid -> int64 [T, k] best columns first (ordered; else the same set in no
     particular order), -1 for invalid picks."""
     rows, candidates = scores.shape
+    if not ordered and scores.is_cuda and takes_sort_topk(rows, candidates):
+        from dsv4_kernels.triton_topk_sort import topk_columns_sorted
+
+        return topk_columns_sorted(scores, k)
     if not ordered and scores.is_cuda and takes_split_topk(rows, candidates):
         from dsv4_kernels.triton_topk_split import topk_columns_split
 

@@ -245,10 +245,13 @@ def step_ends_cases():
 def topk_cases():
     """The indexer's radix top-k at decode sizes: 512 of 1024 and of 8192 candidates (two blocks)."""
     from dsv4_kernels import triton_topk as m
+    from dsv4_kernels import triton_topk_sort as sort
 
     for rows, cands in ((1, 1024), (64, 8192)):
         m.topk_columns(torch.randn(rows, cands), 512)
-    return m, ["_topk_kernel"]
+    for cands, k in ((1024, 512), (300, 512), (100, 1), (8192, 512)):  # blocks it takes, k = the block, k = 1
+        sort.topk_columns_sorted(torch.randn(1, cands), k)
+    return (m, sort), ["_topk_kernel", "_topk_sort_kernel"]
 
 
 GROUPS = {"mhc": mhc_cases, "topk": topk_cases, "step_ends": step_ends_cases,
@@ -257,7 +260,7 @@ GROUPS = {"mhc": mhc_cases, "topk": topk_cases, "step_ends": step_ends_cases,
 MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "dsv4_kernels.triton_mhc_rows",
                    "dsv4_kernels.triton_norm_quant", "dsv4_kernels.triton_fp8_quant"),
            "step_ends": ("dsv4_kernels.triton_step_inputs", "dsv4_kernels.triton_hc_head"),
-           "topk": ("dsv4_kernels.triton_topk",),
+           "topk": ("dsv4_kernels.triton_topk", "dsv4_kernels.triton_topk_sort"),
            "swa": ("dsv4_kernels.triton_swa_insert",),
            "indexer_query": ("dsv4_kernels.triton_indexer_query",),
            "compressor": ("dsv4_kernels.triton_compressor",), "compress_step": ("dsv4_kernels.triton_compress_step",

@@ -27,6 +27,9 @@ K = 512
 SHAPES = [
     (1, 1024, False),
     (1, 2048, False),
+    (1, 4096, False),
+    (4, 1024, False),
+    (16, 2048, False),
     (1, 8192, False),
     (1, 8256, False),
     (1, 32768, False),
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from dsv4_kernels.triton_indexer import topk_of_scores
     from dsv4_kernels.triton_topk import topk_columns
+    from dsv4_kernels.triton_topk_sort import SORT_MAX_CANDIDATES, topk_columns_sorted
     from dsv4_kernels.triton_topk_split import topk_columns_split
 
     dev = torch.device("cuda")
@@ -136,15 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     for rows, cands, causal in SHAPES:
         x = scores_for(rows, cands, causal, dev)
         want = torch_topk(x)
-        same = all(same_sets(x, f(x, K), want) for f in (topk_columns, topk_columns_split))
+        sortable = cands <= SORT_MAX_CANDIDATES
+        impls = (topk_columns, topk_columns_split) + ((topk_columns_sorted,) if sortable else ())
+        same = all(same_sets(x, f(x, K), want) for f in impls)
         t_torch = bench_cudagraph(lambda: torch_topk(x), rep=50)
         t_radix = bench_cudagraph(lambda: topk_columns(x, K), rep=50)
         t_split = bench_cudagraph(lambda: topk_columns_split(x, K), rep=50)
+        t_sort = bench_cudagraph(lambda: topk_columns_sorted(x, K), rep=50) if sortable else float("nan")
         t_rule = bench_cudagraph(lambda: topk_of_scores(x, K, ordered=False), rep=50)
-        rows_out.append((rows, cands, causal, t_torch, t_radix, t_split, t_rule, same))
+        rows_out.append((rows, cands, causal, t_torch, t_radix, t_split, t_sort, t_rule, same))
         print(
             f"topk rows={rows} candidates={cands}{' causal' if causal else ''}: torch {t_torch:.1f} us, "
-            f"radix {t_radix:.1f} us, split {t_split:.1f} us, engine rule {t_rule:.1f} us "
+            f"radix {t_radix:.1f} us, split {t_split:.1f} us, sort {t_sort:.1f} us, engine rule {t_rule:.1f} us "
             f"({t_torch / t_rule:.2f}x torch), same picks {same}",
             flush=True,
         )
@@ -155,13 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}",
         "",
-        "| rows | candidates | causal | torch.topk us | radix, one program us | radix, split us | "
+        "| rows | candidates | causal | torch.topk us | radix, one program us | radix, split us | bitonic sort us | "
         "engine rule us | rule vs torch | same picks |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---|",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     lines += [
-        f"| {r} | {c} | {'yes' if cz else 'no'} | {a:.1f} | {b:.1f} | {sp:.1f} | {ru:.1f} | {a / ru:.2f}x | {s} |"
-        for r, c, cz, a, b, sp, ru, s in rows_out
+        f"| {r} | {c} | {'yes' if cz else 'no'} | {a:.1f} | {b:.1f} | {sp:.1f} | "
+        f"{'n/a' if so != so else f'{so:.1f}'} | {ru:.1f} | {a / ru:.2f}x | {s} |"
+        for r, c, cz, a, b, sp, so, ru, s in rows_out
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -55,7 +55,7 @@ from engine.model.linear import (
     Weight,
     can_concat_rows,
     concat_rows,
-    grouped_projection,
+    grouped_then_linear,
     linear,
     linear_from,
     pow2_activations,
@@ -122,7 +122,8 @@ class AttentionBlock:
         # q_res feeds wq_b and the indexer's wq_b: normed and FP8-quantised once where both run DeepGEMM
         readers = [w["wq_b.weight"]] + ([w["indexer.wq_b.weight"]] if self.ratio == 4 else [])
         q_res, q_res_fp8 = rms_norm_for(q_lat, w["q_norm.weight"], eps, *readers)
-        q = linear_from(q_res, q_res_fp8, w["wq_b.weight"]).view(t, self.num_heads, cfg.head_dim)
+        q, q_index = self._q_projections(q_res, q_res_fp8)
+        q = q.view(t, self.num_heads, cfg.head_dim)
         q = _norm_rope(q, cos, sin, eps, None, fast_ops)
 
         swa = pool.groups["swa"]
@@ -152,7 +153,7 @@ class AttentionBlock:
                 xp, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}", "compressor."
             )
             if self.ratio == 4:
-                comp_ids = self._indexer(x, q_res, q_res_fp8, batch, pool, ropes, xp)
+                comp_ids = self._indexer(x, q_index, batch, pool, ropes, xp)
                 comp = {
                     "ids": comp_ids,
                     "table": batch.tables["kv4"],
@@ -169,7 +170,7 @@ class AttentionBlock:
                 x, batch, pool, ropes, f"kv{self.ratio}", f"state{self.ratio}", "compressor.", cfg.head_dim
             )
             if self.ratio == 4:
-                comp_ids = self._indexer(x, q_res, q_res_fp8, batch, pool, ropes)
+                comp_ids = self._indexer(x, q_index, batch, pool, ropes)
             comp_rows, comp_valid, comp_ids = self._entry_rows(batch, pool, comp_ids, x.device)
         if self.ratio > 1 and path == "reference":
             assert entries is not None and comp_rows is not None and comp_valid is not None  # a compressed layer
@@ -198,8 +199,16 @@ class AttentionBlock:
         else:
             o = apply_rope(o, cos, sin, inverse=True)
         # = dsv4_kernels.attention.grouped_output_projection, with FP8 weights where they were kept
-        y = grouped_projection(o.reshape(t, self.o_groups, -1), w["wo_a.weight"], self.o_groups)
-        return self.parallel.all_reduce(linear(y, w["wo_b.weight"]))  # row-parallel wo_b: partial sums
+        out = grouped_then_linear(o.reshape(t, self.o_groups, -1), w["wo_a.weight"], self.o_groups, w["wo_b.weight"])
+        return self.parallel.all_reduce(out)  # row-parallel wo_b: partial sums
+
+    def _q_projections(self, q_res: torch.Tensor, qa: QuantizedAct | None):
+        """(wq_b q_res [T, H * head_dim], the indexer's wq_b q_res [T, Hi * Di] on CSA layers else None), both from
+        q_res's one quantisation. Not stacked into one GEMM as wq_a | wkv are: on an H100 at batch 1 DeepGEMM took
+        22.7 us for the stacked [40960, 1024] against 15.6 + 5.7 for the two (BENCHMARKS.md, batch-1 launches)."""
+        w = self.w
+        q = linear_from(q_res, qa, w["wq_b.weight"])
+        return q, (linear_from(q_res, qa, w["indexer.wq_b.weight"]) if self.ratio == 4 else None)
 
     def _entry_rows(self, batch: StepBatch, pool: CachePool, comp_ids, device):
         """(global entry rows [T, E], visibility [T, E], entry numbers [T, E]) of this layer's entry group: the
@@ -372,9 +381,10 @@ class AttentionBlock:
         return entries
 
     def _indexer(
-        self, x, q_res, q_res_fp8, batch: StepBatch, pool: CachePool, ropes: dict, xp: dict | None = None
+        self, x, q_index, batch: StepBatch, pool: CachePool, ropes: dict, xp: dict | None = None
     ) -> torch.Tensor:
-        """Top-k kv4 entry ids per query, -1 padded. -> int64 [T, index_topk].
+        """Top-k kv4 entry ids per query, -1 padded. -> int64 [T, index_topk]. q_index: the indexer's query
+        projection [T, index_n_heads * index_head_dim] (`_q_projections`).
 
         xp: the stacked x projections (`_x_projections`) on the fast path: the indexer compressor and the head
         weights come from them, and its prologue (RoPE, head-weight scaling, padding, candidate rows) is one
@@ -387,9 +397,7 @@ class AttentionBlock:
                 x, batch, pool, ropes, "index", "index_state", "indexer.compressor.", cfg.index_head_dim
             )
         cos, sin = ropes["compress"]
-        q = linear_from(q_res, q_res_fp8, w["indexer.wq_b.weight"]).view(
-            x.shape[0], cfg.index_n_heads, cfg.index_head_dim
-        )
+        q = q_index.view(x.shape[0], cfg.index_n_heads, cfg.index_head_dim)
         vis = batch.visible["index"]
         if use_triton(x.device):
             from dsv4_kernels.triton_indexer import indexer_topk  # imports triton: only on this path

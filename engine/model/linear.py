@@ -169,3 +169,28 @@ def grouped_projection(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
         for i in range(groups)
     ]
     return torch.stack(parts, dim=1).reshape(t, -1)
+
+
+def grouped_then_linear(x: torch.Tensor, w_groups: Weight, groups: int, w_out: Weight) -> torch.Tensor:
+    """linear(grouped_projection(x, w_groups, groups), w_out): x [T, G, D] -> [T, N] (V4's wo_b after wo_a).
+
+    Where both run DeepGEMM, the grouped GEMM's per-group outputs [G, T, R] are quantised for w_out straight from its
+    storage (dsv4_kernels.triton_fp8_quant.quant_act_1x128_joined), one launch instead of a transposing bf16 copy
+    and a quantiser: the same codes and scales, so the same result."""
+    fast = (
+        isinstance(w_groups, Fp8Weight)
+        and isinstance(w_out, Fp8Weight)
+        and _fast(x, w_groups)
+        and _fast(x, w_out)
+        and x.stride(-1) == 1
+        and (w_groups.shape[0] // groups) % 128 == 0
+    )
+    if not fast:
+        return linear(grouped_projection(x, w_groups, groups), w_out)
+    from dsv4_kernels.deepgemm_linear import fp8_gemm_quantized, fp8_grouped_gemm
+    from dsv4_kernels.triton_fp8_quant import quant_act_1x128_joined
+
+    assert isinstance(w_groups, Fp8Weight) and isinstance(w_out, Fp8Weight)  # for the type checker: `fast` says so
+    y = fp8_grouped_gemm(x.transpose(0, 1), w_groups, groups)  # [G, T, R]
+    q, s = quant_act_1x128_joined(y, w_out.pow2_act)
+    return fp8_gemm_quantized(q, s, w_out)

@@ -110,6 +110,24 @@ def test_deep_gemm_grouped_projection(t):
         assert ((out[i].float() - want).norm() / want.norm()).item() < 8e-3
 
 
+@pytest.mark.gpu
+@needs_deep_gemm
+@pytest.mark.parametrize("t", [1, 3, 64, 200])
+def test_grouped_then_linear_equals_the_two_steps(t):
+    """wo_b after wo_a with the joined quantiser (no bf16 copy between them) gives bitwise what the grouped projection
+    then the plain FP8 linear give: the same codes reach the same GEMM (200 tokens: the G-GEMM path)."""
+    from engine.model.linear import grouped_projection, grouped_then_linear, linear
+
+    g, r, d, n = 8, 256, 512, 384
+    gen = torch.Generator().manual_seed(t)
+    _, fw = _weight(g * r, d, gen, "cuda")
+    _, fo = _weight(n, g * r, gen, "cuda")
+    x = torch.randn(t, g, d, generator=gen).to("cuda", torch.bfloat16)
+    got = grouped_then_linear(x, fw, g, fo)
+    assert got.shape == (t, n)
+    assert torch.equal(got, linear(grouped_projection(x, fw, g), fo))
+
+
 @pytest.mark.parametrize("pow2", [True, False])
 @pytest.mark.parametrize("g,m,k", [(3, 5, 256), (2, 1, 128), (4, 6, 100)])
 def test_triton_grouped_quantiser_matches_per_group(g, m, k, pow2):
@@ -142,6 +160,27 @@ def test_triton_grouped_quantiser_into_padded_group_storage():
     assert torch.equal(qp[:, :m].view(torch.uint8), q.view(torch.uint8)) and torch.equal(sp[:, :m], s)
     with pytest.raises(ValueError, match="rows"):
         quant_act_1x128_grouped(x, True, m - 1)
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("g,m,rows", [(3, 5, 5), (8, 1, 256), (2, 6, 16)])
+def test_triton_joined_quantiser_matches_the_joined_copy(g, m, rows, pow2):
+    """quant_act_1x128_joined over a grouped GEMM's per-group outputs [G, M, K] (here views of padded [G, rows, K]
+    storage, as DeepGEMM's masked grouped GEMM leaves them) is exactly the plain quantiser of the joined [M, G*K]
+    copy it replaces (engine.model.linear.grouped_then_linear): codes, scales and their MN-major layout."""
+    from dsv4_kernels.triton_fp8_quant import quant_act_1x128_joined
+
+    k = 256
+    gen = torch.Generator().manual_seed(g * 10 + m + rows)
+    storage = (torch.randn(g, rows, k, generator=gen) * torch.rand(g, rows, 1, generator=gen) * 30).to(DEVICE)
+    y = storage[:, :m]
+    q, s = quant_act_1x128_joined(y, pow2)
+    rq, rs = ref.quant_act_1x128(y.transpose(0, 1).reshape(m, g * k).cpu(), pow2)
+    assert q.shape == (m, g * k) and s.shape == (m, g * k // 128)
+    assert s.stride() == (1, (m + 3) // 4 * 4)
+    assert torch.equal(s.cpu(), rs) and torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+    with pytest.raises(ValueError, match="whole 128-blocks"):
+        quant_act_1x128_joined(storage[:, :m, :100], pow2)
 
 
 def test_rms_norm_for_off_the_fp8_path_is_the_plain_norm():

@@ -1,5 +1,5 @@
 """Radix-select top-k (dsv4_kernels/triton_topk.py: one program a row; triton_topk_split.py: a row over several
-programs) against torch.topk.
+programs) and the bitonic sort top-k (triton_topk_sort.py: a row in one program's registers) against torch.topk.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter. The kernel's picks are a set:
 compared with torch.topk's as sorted values (equal multisets), distinct columns, the same number of -1, and
@@ -11,6 +11,7 @@ import torch
 
 from dsv4_kernels.triton_topk import MAX_BLOCK  # noqa: E402
 from dsv4_kernels.triton_topk import topk_columns as one_program  # noqa: E402
+from dsv4_kernels.triton_topk_sort import SORT_MAX_CANDIDATES, topk_columns_sorted  # noqa: E402
 from dsv4_kernels.triton_topk_split import topk_columns_split  # noqa: E402
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
 
@@ -20,6 +21,7 @@ IMPLS = {
     "split": topk_columns_split,  # programs_per_row: chunks of MIN_CHUNK columns
     "split, 3 programs": lambda x, k: topk_columns_split(x, k, programs=3),  # chunks of several blocks
     "split, 64 programs": lambda x, k: topk_columns_split(x, k, programs=64),  # short chunks, some rows empty
+    "sort": topk_columns_sorted,
 }
 
 
@@ -65,6 +67,7 @@ SHAPES = [
     (2, 5000, 512),  # two blocks (MAX_BLOCK 4096)
     (2, 2 * MAX_BLOCK + 37, 64),  # three blocks, a ragged tail
     (3, 10, 16),  # S < k: -1 past the row
+    (2, 50, 1),  # k = 1 (a tiny config's index_topk; the sort kernel keeps 2)
 ]
 # Split over 64 programs (each program one short block; the interpreter runs rows x programs x 5 passes one after
 # another): the two-block row (79-column chunks in 128-wide blocks, a ragged last one: the many-program histogram
@@ -73,6 +76,7 @@ SHAPES = [
 # of those at 30-75 s each on the 2-core CI box: the three-block row (the two-block row's path again), the 70- and
 # 600-column rows (2- and 10-column chunks: the tiny-chunk and tie paths again; -inf ties run on the other impls).
 SLOW_REPEATS = {("split, 64 programs", SHAPES[i]) for i in (0, 1, 3)}
+SLOW_REPEATS.add(("sort", SHAPES[3]))  # longer than a sorted row may be (test_sort_refuses_long_rows)
 CASES = [(impl, *shape) for impl in IMPLS for shape in SHAPES if (impl, shape) not in SLOW_REPEATS]
 
 
@@ -124,3 +128,14 @@ def test_bad_arguments_are_value_errors(topk_columns):
     with pytest.raises(ValueError, match="k >= 1"):
         topk_columns(torch.zeros(2, 8, device=DEVICE), 0)
     assert topk_columns(torch.zeros(0, 8, device=DEVICE), 4).shape == (0, 4)
+
+
+def test_sort_refuses_long_rows():
+    with pytest.raises(ValueError, match=f"at most {SORT_MAX_CANDIDATES} candidates"):
+        topk_columns_sorted(torch.zeros(1, SORT_MAX_CANDIDATES + 1, device=DEVICE), 512)
+
+
+def test_sort_takes_a_full_block_row():
+    """A row of exactly SORT_MAX_CANDIDATES (the largest block: 8192 64-bit keys in one program) with -inf holes."""
+    scores = random_scores(1, SORT_MAX_CANDIDATES, seed=11)
+    check_rows(scores, topk_columns_sorted(scores.to(DEVICE), 512).cpu(), 512)
