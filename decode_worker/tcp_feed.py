@@ -21,7 +21,8 @@ that replica's requests' events, who frees what. What differs is how the feed le
   feed, as with Ray (a replica whose loop stalls with its socket open);
 - the engine fails, or the lease runs out: an END frame naming why, then the close.
 The peer this worker connects to is the one the replica named through Ray (as trusted as the call itself); what it
-sends back is only ever RENEW frames, anything else resets the connection.
+sends back is RENEW frames and, with an `Opener`, the requests it opens over this connection (OPEN, CANCEL:
+decode_worker.feed_opens); anything else resets the connection.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ import time
 from collections.abc import Callable
 
 from decode_worker import feed_wire
+from decode_worker.feed_opens import FeedOpens, Opener
 from decode_worker.token_feed import Batch, Feed, Feeds
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 SEND_BUFFER_BYTES = 256 << 10  # the kernel's send buffer (doubled by Linux): a token stream needs little
-_RENEW_MAX = 64  # bytes of a frame from the replica (RENEW is 6)
+_RENEW_MAX = 64  # bytes of a frame from a replica that opens no request here (RENEW is 6)
 
 
 class ReplicaGone(Exception):
@@ -49,13 +51,19 @@ class ReplicaGone(Exception):
 
 
 class _Link(asyncio.Protocol):
-    """The worker's end of a feed's connection: RENEW frames in; a close, a reset or anything else ends the feed
-    (through its sink, so the writer task sees it in order with the events)."""
+    """The worker's end of a feed's connection: RENEW frames in, and OPEN / CANCEL with an opener; a close, a reset
+    or anything else ends the feed (through its sink, so the writer task sees it in order with the events)."""
 
-    def __init__(self, feed: Feed):
+    def __init__(self, feed: Feed, opener: Opener | None = None):
         self.feed = feed
-        self.frames = feed_wire.Frames(limit=_RENEW_MAX)
+        # an OPEN carries a prompt: as large as a batch frame may be (the peer is the one Ray named, module docstring)
+        self.frames = feed_wire.Frames(limit=_RENEW_MAX if opener is None else feed_wire.FRAME_MAX)
         self.transport: asyncio.Transport | None = None
+        self.opens = FeedOpens(feed.feed_id, opener, self._write) if opener is not None else None
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -63,9 +71,15 @@ class _Link(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             for f in self.frames.feed(data):
-                if f[0] != feed_wire.RENEW:
-                    raise feed_wire.FrameError(f"a {f[0]!r} frame from the replica")
-                self.feed.renewed = time.monotonic()
+                kind = f[0]
+                if kind == feed_wire.RENEW:
+                    self.feed.renewed = time.monotonic()
+                elif kind == feed_wire.OPEN and self.opens is not None:
+                    self.opens.open(f)
+                elif kind == feed_wire.CANCEL and self.opens is not None:
+                    self.opens.cancel(f)
+                else:
+                    raise feed_wire.FrameError(f"a {kind!r} frame from the replica")
         except feed_wire.FrameError as e:
             log.warning("token feed %s: %s; closing it", self.feed.feed_id, e)
             if self.transport is not None:
@@ -75,6 +89,8 @@ class _Link(asyncio.Protocol):
         return False  # the replica closed its end: close ours (connection_lost follows)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.opens is not None:
+            self.opens.close()
         why = f"its connection was lost ({exc})" if exc else "its replica closed the connection"
         self.feed.sink.put(ReplicaGone(self.feed.feed_id, why))
 
@@ -130,14 +146,16 @@ async def connect(
     key: str,
     lease_s: float | None,
     buffer_bytes: int,
+    opener: Opener | None = None,
 ) -> TcpFeed:
     """Open feed `feed_id` and call its replica back at host:port (HELLO first); -> the feed, to `run`. The feed is
-    open (requests may join it) before the connection is: nothing is lost, its events wait in the sink."""
+    open (requests may join it) before the connection is: nothing is lost, its events wait in the sink. opener: how
+    the replica's OPEN frames reach the worker's `decode` (None: the replica may only renew)."""
     loop = asyncio.get_running_loop()
     feed = feeds.open(feed_id, loop, lease_s)
     try:
         transport, _ = await asyncio.wait_for(
-            loop.create_connection(lambda: _Link(feed), host, port), CONNECT_TIMEOUT_S
+            loop.create_connection(lambda: _Link(feed, opener), host, port), CONNECT_TIMEOUT_S
         )
     except BaseException:
         feeds.close(feed)

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from decode_worker import tcp_feed
+from decode_worker.feed_opens import Opener
 from decode_worker.token_feed import Batch, Feed, Feeds, FeedUnknown
 from dsv4_kernels.settings import settings
 from engine.execution.sampling_params import SamplingParams
@@ -429,9 +430,19 @@ class DecodeWorker(WorkerBase):
     async def open_tcp_feed(self, feed_id: str, host: str, port: int, key: str, lease_s: float | None = None) -> None:
         """The token feed over TCP (decode_worker.tcp_feed): open feed `feed_id` and call its replica back at
         host:port; returns once connected (the HELLO sent), the bursts then go out as frames until the feed ends,
-        and its end, however it comes, drops the requests still routed to it."""
+        and its end, however it comes, drops the requests still routed to it. The replica may open requests over
+        the connection too (OPEN frames: `decode` with this feed, decode_worker.feed_opens)."""
+        opener = Opener(lambda r, p, s, f: self.decode(r, p, s, batch=True, feed=f), self.abort)
         link = await tcp_feed.connect(
-            self.feeds, feed_id, host, port, self.cluster_token, key, lease_s, settings().token_feed_buffer_bytes
+            self.feeds,
+            feed_id,
+            host,
+            port,
+            self.cluster_token,
+            key,
+            lease_s,
+            settings().token_feed_buffer_bytes,
+            opener,
         )
         tokens_counter = metrics.GENERATION_TOKENS.labels(self.role, self.worker_id)
 

@@ -70,6 +70,7 @@ TOKEN_FEED = "DSV4_TOKEN_FEED"
 TOKEN_FEED_IDLE_S = "DSV4_TOKEN_FEED_IDLE_S"
 TOKEN_FEED_TRANSPORT = "DSV4_TOKEN_FEED_TRANSPORT"
 TOKEN_FEED_BUFFER_BYTES = "DSV4_TOKEN_FEED_BUFFER_BYTES"
+TOKEN_FEED_OPEN = "DSV4_TOKEN_FEED_OPEN"
 HAPROXY = "DSV4_HAPROXY"
 HAPROXY_STATS_PORT = "DSV4_HAPROXY_STATS_PORT"
 HAPROXY_METRICS_PORT = "DSV4_HAPROXY_METRICS_PORT"
@@ -394,6 +395,15 @@ class Settings:
         "feed and drops its requests (decode_worker.tcp_feed)",
         "service",
         minimum=4096,
+    )
+    token_feed_open: bool = _switch(
+        TOKEN_FEED_OPEN,
+        "bool",
+        True,
+        "an ingress replica opens each request's decode over its TCP token feed's connection (an OPEN frame, "
+        "decode_worker.feed_opens) instead of a Ray call to the decode worker; 0 = the Ray call (always taken "
+        "where the feed is not a connected TCP one)",
+        "service",
     )
     haproxy: bool = _switch(
         HAPROXY,

@@ -136,6 +136,15 @@ class TokenFeed:
             if queue is not None:
                 queue.put(event)
 
+    def can_open(self) -> bool:
+        """May a request's decode be opened over this feed (`open_decode`) now? Only a TCP feed whose connection is
+        up can (service.tcp_feed); else the request opens with the `decode` Ray call."""
+        return False
+
+    async def open_decode(self, result, prompt: list[int], params):
+        """Open the request's decode on the worker over this feed -> its Transferred (service.tcp_feed)."""
+        raise NotImplementedError
+
     async def renew(self) -> None:
         """Tell the worker this replica still reads the feed (its lease starts again)."""
         raise NotImplementedError

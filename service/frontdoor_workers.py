@@ -1,8 +1,9 @@
 """Synthetic prefill and decode workers for `dsv4 bench frontdoor`: no model, tokens at a set rate per stream.
 
 They answer exactly what `service.ray_dispatcher.RayDispatcher` and the ingress replicas call on the real workers
-(ping, stats, transfer_metadata, add_peer, prefill, decode, generate_local, token_feed, renew_feed, abort), so the real router,
-ingress replicas and Serve proxy carry their tokens unchanged. Prefill answers at once with the first token and a
+(ping, stats, transfer_metadata, add_peer, prefill, decode, generate_local, token_feed, open_tcp_feed and the
+requests opened over its connection, renew_feed, abort), so the real router, ingress replicas and Serve proxy carry
+their tokens unchanged. Prefill answers at once with the first token and a
 ticket that names no pages; decode yields `Transferred` at once, then the request joins the worker's step clock: as a
 real engine's continuous batch, every running request gets one token a step, `rate` steps a second, and the
 wall-clock (time.time()) instant of each token is recorded, keyed by the request's prompt (the client's tag), so the
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from decode_worker import tcp_feed
+from decode_worker.feed_opens import Opener
 from decode_worker.token_feed import Feeds, FeedUnknown
 from dsv4_kernels.settings import settings
 from engine.execution.request import TokenEvent
@@ -239,9 +241,11 @@ class SyntheticDecode(_Synthetic):
                 self.abort(rid)
 
     async def open_tcp_feed(self, feed_id: str, host: str, port: int, key: str, lease_s: float | None = None) -> None:
-        """As `DecodeWorker.open_tcp_feed`: call the replica back, then write the feed's bursts as frames."""
+        """As `DecodeWorker.open_tcp_feed`: call the replica back, then write the feed's bursts as frames (and take
+        the requests the replica opens over the connection to `decode`)."""
+        opener = Opener(lambda r, p, s, f: self.decode(r, p, s, batch=True, feed=f), self.abort)
         link = await tcp_feed.connect(
-            self.feeds, feed_id, host, port, self.token, key, lease_s, settings().token_feed_buffer_bytes
+            self.feeds, feed_id, host, port, self.token, key, lease_s, settings().token_feed_buffer_bytes, opener
         )
 
         def sent(batch) -> None:

@@ -9,7 +9,9 @@ TTFT includes the transfer, and a failed transfer fails the request before anyth
 actor's tokens, which it sends in batches (every event its engine produced since the last message: one Ray item
 for several tokens when the reader lags or speculative decoding accepts several). With `feeds` (an ingress replica's
 service.token_feed.TokenFeeds) the decode stream carries only `Transferred` and the tokens come over the decode
-worker's token feed, one Ray item an engine step for all of this replica's requests there. Errors:
+worker's token feed, one Ray item an engine step for all of this replica's requests there; over a TCP feed the
+decode is opened on the feed's connection itself, no Ray call (DSV4_TOKEN_FEED_OPEN, service.tcp_feed), with the
+same errors as the call's. Errors:
 - an actor that died (or whose engine loop ended: `LoopStopped`) -> `WorkerDied` naming it;
 - a decode worker that does not know the prefill worker (`PeerUnknown`: one of them restarted since the health
   probe introduced them) -> the pair is introduced here and the pull retried once;
@@ -133,20 +135,28 @@ class RayStreamer:
             if not finished:
                 abort(w.decode, rid)
 
-    async def _open_decode(self, result, prompt, params, w: Workers, feed: str | None = None):
-        """Start the decode stream (its events to the token feed `feed`, if given); -> (stream, its first item:
-        Transferred). Retries a race with a restart (PeerUnknown, once) and a full worker (DecodeOverloaded, for
+    async def _open_decode(self, result, prompt, params, w: Workers, queue: FeedQueue | None = None):
+        """Start the decode (its events to `queue`'s token feed, if given); -> (the decode stream, or None when
+        opened over the feed's connection; its first item: Transferred). Over the feed's connection when it can
+        (service.tcp_feed: an OPEN frame, no Ray call; its failures are the same exceptions), else the `decode` Ray
+        call. Retries a race with a restart (PeerUnknown, once) and a full worker (DecodeOverloaded, for
         overload_retry_s); a worker without the feed (it restarted since the feed opened) is that worker's death."""
         deadline, delay, introduced = time.monotonic() + self.overload_retry_s, 0.05, False
         decode_call: object = w.decode.decode  # type: ignore[attr-defined]
-        routed = {"feed": feed} if feed is not None else {}
+        routed = {"feed": queue.feed_id} if queue is not None else {}
         while True:
-            stream = decode_call.options(num_returns="streaming").remote(result, prompt, params, batch=True, **routed)  # type: ignore[attr-defined]
+            stream = None
             try:
-                try:
-                    item = await next_item(stream)
-                except RayTaskError as e:
-                    raise failure(e, w.decode_id) from None
+                if queue is not None and queue.feed.can_open():
+                    item = await queue.feed.open_decode(result, prompt, params)
+                else:
+                    stream = decode_call.options(num_returns="streaming").remote(  # type: ignore[attr-defined]
+                        result, prompt, params, batch=True, **routed
+                    )
+                    try:
+                        item = await next_item(stream)
+                    except RayTaskError as e:
+                        raise failure(e, w.decode_id) from None
                 if item is END:
                     raise WorkerDied(w.decode_id, "its decode stream ended before the transfer")
             except DEAD as e:
@@ -358,8 +368,9 @@ class RayStreamer:
                 yield first
                 return
             # `stream` stays referenced until the request ends (with a feed it carries only Transferred: dropping
-            # it earlier would delete the call's stream while the worker still joins the request)
-            stream, item = await self._open_decode(result, prompt, params, w, queue.feed_id if queue else None)
+            # it earlier would delete the call's stream while the worker still joins the request); None when the
+            # decode was opened over the feed's connection
+            stream, item = await self._open_decode(result, prompt, params, w, queue)
             assert isinstance(item, Transferred), item
             self._record_handoff(HandoffTiming(rid, streamed, chunks, prefill_s, time.monotonic() - arrived))
             tell()
@@ -367,6 +378,7 @@ class RayStreamer:
             if queue is not None and lane is not None:  # the first token passed every layer: plain ones may bypass
                 queue.lane = lane
             if queue is None:
+                assert stream is not None
                 async for ev in stream_items(stream, w.decode_id):
                     finished = ev.finished
                     yield ev

@@ -19,16 +19,26 @@ Failures: the connection's end (EOF or reset: the worker's process died, it over
 END frame (its engine failed) fails every request on the feed as WorkerDied, as the Ray feed's end does; a worker
 that does not call back within CALLBACK_TIMEOUT_S after its `open_tcp_feed` returned fails the feed's open the same
 way. Closing the feed here closes the connection, and the worker drops the feed's requests at once.
+
+Requests opened over the connection (`open_decode`, DSV4_TOKEN_FEED_OPEN; decode_worker.feed_opens has the why): an
+OPEN frame in place of the `decode` Ray call, only once the worker's HELLO claimed the feed. Its reply maps to what
+the Ray call gives: OPENED -> its `Transferred`; REFUSED -> the worker's error rebuilt as itself (decode_worker.
+feed_wire.REFUSALS; a stopped engine loop -> the worker's WorkerDied, as service.ray_items.failure maps it); the
+connection's end or an END frame before the reply -> the feed's WorkerDied (what a dead actor's call gives); the
+caller cancelled -> a CANCEL frame behind the OPEN (the worker cancels the open, or aborts the request if it was
+over), so a client that leaves while its open is in flight leaves nothing on the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
 import secrets
 
 from decode_worker import feed_wire
+from engine.handoff import Transferred
 from router.dispatch import WorkerDied
 from service.feed_base import LEASE_S, TokenFeed
 from service.ray_items import DEAD, failure
@@ -138,6 +148,11 @@ class _Peer(asyncio.Protocol):
                 kind = f[0]
                 if kind == feed_wire.BATCH:
                     feed.deliver(feed_wire.events(f))
+                elif kind == feed_wire.OPENED:
+                    feed.answer(*feed_wire.transferred(f))
+                elif kind == feed_wire.REFUSED:
+                    seq, error = feed_wire.refusal(f)
+                    feed.answer(seq, failure(error, feed.worker_id))
                 elif kind == feed_wire.END:
                     feed.end(WorkerDied(feed.worker_id, f"its token feed ended: {f[1] if len(f) > 1 else '?'}"))
                 else:
@@ -191,9 +206,15 @@ class TcpTokenFeed(TokenFeed):
         listener: FeedListener,
         lease_s: float = LEASE_S,
         idle_s: float = 300.0,
+        open_requests: bool = True,
     ):
+        """open_requests: open requests over the connection once it is up (`open_decode`; DSV4_TOKEN_FEED_OPEN)."""
         super().__init__(worker_id, actor_key, lease_s, idle_s)
         self.key = secrets.token_urlsafe(24)
+        self.open_requests = open_requests
+        self.opens_sent = 0  # OPEN frames written (tests, benchmarks: how many requests took this path)
+        self._seq = itertools.count()
+        self._opens: dict[int, asyncio.Future] = {}  # seq -> the reply awaited
         self._listener = listener
         self._conn: asyncio.Transport | None = None
         loop = asyncio.get_running_loop()
@@ -231,6 +252,45 @@ class TcpTokenFeed(TokenFeed):
             self._attached.set_result(None)
         if self.ended:  # closed while the worker was calling back
             conn.close()
+
+    def can_open(self) -> bool:
+        conn = self._conn
+        return self.open_requests and not self.ended and conn is not None and not conn.is_closing()
+
+    async def open_decode(self, result, prompt: list[int], params) -> Transferred:
+        """Open the request's decode on this feed's worker over the connection (`can_open` first) -> its
+        Transferred; raises what the `decode` Ray call's caller would see, unwrapped (module docstring)."""
+        conn = self._conn
+        assert conn is not None
+        seq = next(self._seq)
+        reply = self._opens[seq] = asyncio.get_running_loop().create_future()
+        try:
+            conn.write(feed_wire.open_request(seq, result, prompt, params))
+            self.opens_sent += 1
+            return await reply
+        except asyncio.CancelledError:
+            if not conn.is_closing():  # even after its reply: the request may have joined meanwhile
+                conn.write(feed_wire.cancel(seq, result.request_id))
+            raise
+        finally:
+            self._opens.pop(seq, None)
+
+    def answer(self, seq: int, outcome: Transferred | BaseException) -> None:
+        """The worker's reply to an open (one whose caller left meanwhile: dropped)."""
+        reply = self._opens.pop(seq, None)
+        if reply is None or reply.done():
+            return
+        if isinstance(outcome, BaseException):
+            reply.set_exception(outcome)
+        else:
+            reply.set_result(outcome)
+
+    def end(self, error: BaseException) -> None:
+        super().end(error)
+        opens, self._opens = self._opens, {}
+        for reply in opens.values():  # the connection is gone before their replies: the worker's death to them
+            if not reply.done():
+                reply.set_exception(error)
 
     async def renew(self) -> None:
         conn = self._conn

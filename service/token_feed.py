@@ -109,24 +109,27 @@ class TokenFeeds:
         transport: str | None = None,
         token: str | None = None,
         host: str | None = None,
+        open_requests: bool | None = None,
     ):
         """idle_s: close a feed after this long without a request (None: DSV4_TOKEN_FEED_IDLE_S). transport: "tcp"
         or "ray" (None: DSV4_TOKEN_FEED_TRANSPORT). token: the cluster token a TCP feed's worker must present (the
         workers' `cluster_token`). host: where this replica's feed listener binds (None: the service's internal host,
-        service.ray_cluster.internal_host; "node": this node's cluster address)."""
+        service.ray_cluster.internal_host; "node": this node's cluster address). open_requests: a TCP feed opens
+        its requests' decode over its connection (None: DSV4_TOKEN_FEED_OPEN)."""
         self.queue_limit = queue_limit
         self.lease_s = lease_s
         self.idle_s = settings().token_feed_idle_s if idle_s is None else idle_s
         self.transport = settings().token_feed_transport if transport is None else transport
         if self.transport not in ("tcp", "ray"):
             raise ValueError(f"token feed transport {self.transport!r}: tcp or ray")
+        self.open_requests = settings().token_feed_open if open_requests is None else open_requests
         self.listener = FeedListener(token or "", host) if self.transport == "tcp" else None
         self._feeds: dict[str, TokenFeed] = {}
 
     def _new_feed(self, worker_id: str, handle, key: object) -> TokenFeed:
         if self.listener is None:
             return RayTokenFeed(worker_id, handle, key, self.lease_s, self.idle_s)
-        return TcpTokenFeed(worker_id, handle, key, self.listener, self.lease_s, self.idle_s)
+        return TcpTokenFeed(worker_id, handle, key, self.listener, self.lease_s, self.idle_s, self.open_requests)
 
     async def subscribe(self, worker_id: str, handle, request_id: str) -> FeedQueue:
         """The request's queue on the worker's feed (opened now if there is none, or the one there ended or reaches
