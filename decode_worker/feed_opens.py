@@ -14,9 +14,10 @@ join; a failure there reaches the replica on the feed as a RequestFailed, as wit
 
 Who frees what: an open is one task a request. A CANCEL for it (the replica's client left while it waited)
 cancels that task, which closes `decode` where it is, as Ray's cancellation of a `decode` call does (its own
-`finally` frees the reservation, the pull's staging, the slot); a CANCEL for an open already over aborts the request
-(`abort`). The connection's end cancels every open still in flight, and the feed's own end drops the requests that
-joined it (decode_worker.tcp_feed). The replica's fire-and-forget Ray `abort` stays as it was: the CANCEL is what
+`finally` frees the reservation, the pull's staging, the slot), then aborts the request once the task is over (a
+reservation whose engine-thread call ran although its wait was cancelled is dropped by that abort, queued behind
+it); a CANCEL for an open already over aborts the request (`abort`). The connection's end does the same to every
+open still in flight, and the feed's own end drops the requests that joined it (decode_worker.tcp_feed). The replica's fire-and-forget Ray `abort` stays as it was: the CANCEL is what
 reaches the worker in order behind the OPEN (a Ray abort may overtake it and find nothing yet).
 """
 
@@ -50,8 +51,9 @@ class FeedOpens:
         self.feed_id = feed_id
         self.opener = opener
         self.write = write
-        self._running: dict[int, asyncio.Task] = {}  # seq -> its open's task, until its reply went out
-        self._done: set[asyncio.Task] = set()  # after its reply: the join's end (held: a bare task may be collected)
+        self._running: dict[int, tuple[asyncio.Task, str]] = {}  # seq -> its open's task and request id, until
+        # its reply went out
+        self._done: set[asyncio.Future] = set()  # after its reply: the join's end (held: a bare task may be collected)
 
     def open(self, payload: list) -> None:
         """An OPEN frame (FrameError if it is not one: the caller ends the connection)."""
@@ -65,7 +67,7 @@ class FeedOpens:
             return
         gen = self.opener.decode(req.result, req.prompt, req.params, self.feed_id)
         task = asyncio.get_running_loop().create_task(self._run(seq, gen))
-        self._running[seq] = task
+        self._running[seq] = (task, req.result.request_id)
 
     async def _run(self, seq: int, gen: AsyncGenerator) -> None:
         try:
@@ -84,10 +86,9 @@ class FeedOpens:
                 await gen.aclose()
                 return
             self.write(feed_wire.opened(seq, first))
-            task = self._running.pop(seq, None)
-            if task is not None:
-                self._done.add(task)
-                task.add_done_callback(self._done.discard)
+            running = self._running.pop(seq, None)
+            if running is not None:
+                self._hold(running[0])
             try:  # the join: `decode` routes its failure to the feed (a RequestFailed) and ends
                 async for _ in gen:
                     pass
@@ -98,25 +99,36 @@ class FeedOpens:
         finally:
             self._running.pop(seq, None)
 
+    def _hold(self, task: asyncio.Future) -> None:
+        self._done.add(task)
+        task.add_done_callback(self._done.discard)
+
+    def _abort(self, rid: str) -> None:
+        done = self.opener.abort(rid)
+        if inspect.isawaitable(done):
+            self._hold(asyncio.ensure_future(done))
+
+    def _cancel(self, task: asyncio.Task, rid: str) -> None:
+        """Cancel an open in flight, then abort its request once the task is over: a cancelled wait on the engine
+        thread (the reservation's call) may still have run there, and the abort, queued behind it, undoes it."""
+        task.cancel()
+        task.add_done_callback(lambda _: self._abort(rid))
+
     def cancel(self, payload: list) -> None:
         """A CANCEL frame: cancel the open still in flight, else abort its request."""
         try:
             seq, rid = payload[1], payload[2]
         except IndexError:
             raise feed_wire.FrameError("a cancel frame that is not [x, seq, request_id]") from None
-        task = self._running.get(seq)
-        if task is not None:
-            task.cancel()
-            return
-        if isinstance(rid, str):
-            done = self.opener.abort(rid)
-            if inspect.isawaitable(done):
-                task = asyncio.ensure_future(done)
-                self._done.add(task)
-                task.add_done_callback(self._done.discard)
+        running = self._running.pop(seq, None)
+        if running is not None:
+            self._cancel(*running)
+        elif isinstance(rid, str):
+            self._abort(rid)
 
     def close(self) -> None:
-        """The connection ended: every open still in flight is cancelled (the feed drops those that joined)."""
-        for task in list(self._running.values()):
-            task.cancel()
-        self._running.clear()
+        """The connection ended: every open still in flight is cancelled and its request aborted (the feed drops
+        those that joined)."""
+        running, self._running = self._running, {}
+        for task, rid in running.values():
+            self._cancel(task, rid)
