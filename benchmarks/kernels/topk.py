@@ -71,24 +71,30 @@ def same_sets(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
 def section(table: str) -> str:
     return "\n".join(
         [
-            "## Indexer top-k: radix select vs torch.topk (`dsv4 bench kernels topk`)",
+            "## Indexer top-k: radix select, bitonic sort vs torch.topk (`dsv4 bench kernels topk`)",
             "",
             "k = 512 of each row's candidates (the indexer's picks), fp32 scores; each time the median of CUDA-graph "
             "replays. `dsv4_kernels.triton_topk`: one program a row, four 8-bit radix passes to find the 512th key "
             "and one pass to write the picks (unordered, what the attention kernels take). "
             "`dsv4_kernels.triton_topk_split`: the same passes with each row split over up to 128 programs of 256+ "
-            'columns, meeting through global histograms (a memset and five launches). "engine rule": what '
-            "`triton_indexer.topk_of_scores(ordered=False)` picks for the shape.",
+            "columns, meeting through global histograms (a memset and five launches). "
+            "`dsv4_kernels.triton_topk_sort`: a row of up to 8192 candidates packed as 64-bit (score key, column) "
+            'values and cut to its 512 largest by Triton\'s bitonic `tl.topk`, one program a row. "engine rule": '
+            "what `triton_indexer.topk_of_scores(ordered=False)` picks for the shape.",
             "",
             table.strip(),
             "",
-            "The rule taken from these (`triton_indexer.topk_of_scores`): at most 32 rows of at least 4096 candidates "
-            "(and at most 32 x 8192 scores) take the split kernel (2.0-2.3x torch.topk at 1-16 rows, where torch and "
-            "the one-program kernel run a row on one SM: 44-47 us); other steps of at most 256 rows over at most "
-            "8192 candidates take the one-program kernel (1.2-1.4x), the rest torch.topk (long prefill chunks: the "
-            "radix kernels' passes cost more there). The 16:52 run's \"engine rule\" column timed the provisional "
-            "rule of that run (split at up to 16 rows from 2048 candidates: its 1 x 2048 and 32 x 8192 rows); the "
-            "rule above was set from the kernels' columns.",
+            "The rule taken from these (`triton_indexer.topk_of_scores`): steps of at most 256 rows of at most "
+            "1024 candidates take the bitonic sort (8.9 against the radix kernel's 11.4 us at 1 x 1024 on an H100, "
+            "9.5 against 11.9 at 64 x 1024; from 2048 candidates it loses, 2x at 8192: its work grows as n log^2 n; "
+            "`$DSV4_TOPK_SORT_MAX_CANDIDATES`); at most 32 rows of at least 4096 candidates (and at most 32 x 8192 "
+            "scores) take the split kernel (2.0-2.3x torch.topk at 1-16 rows, where torch and the one-program "
+            "kernel run a row on one SM: 43-53 us); other steps of at most 256 rows over at most 8192 candidates "
+            "take the one-program radix kernel (1.2-1.4x), the rest torch.topk (long prefill chunks: the radix "
+            "kernels' passes cost more there). The H200 run of 2026-12-04 16:52 (no sort column) gave the same "
+            "order: radix one program 11.6 us at 1 x 1024, split 20.4 at 1 x 8192. The 2026-12-06 12:10 run's "
+            '"engine rule" column timed that run\'s provisional rule (the sort up to 2048 candidates: its 1 x 2048 '
+            "and 16 x 2048 rows); the rule above was set from the kernels' columns.",
         ]
     )
 
