@@ -27,6 +27,11 @@ msgpack packs a float as IEEE binary64, so logprobs travel exactly), its first e
   aborted.
 Frames go from replica to worker only on a connection whose HELLO the replica accepted (service.tcp_feed), and the
 worker reads them only from the peer it was told to call through Ray: as trusted as that call itself.
+
+Versions: a worker's `open_tcp_feed` Ray call returns the replica-to-worker frame kinds it takes beyond RENEW
+(`WORKER_TAKES`); a replica sends OPEN / CANCEL only to a worker that named them. A worker of a release before them
+returns None (the replica keeps the Ray call), and a replica of such a release ignores the reply, so a cluster in
+the middle of a rolling upgrade keeps streaming either way.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from kv_transfer.outcomes import PullCancelled, ReadInFlight, TransferError, Tra
 
 HELLO, BATCH, END, RENEW = "h", "b", "e", "r"
 OPEN, OPENED, REFUSED, CANCEL = "o", "k", "n", "x"
+WORKER_TAKES = (OPEN, CANCEL)  # what a worker's open_tcp_feed reply names (module docstring, "Versions")
 HELLO_MAX = 1024  # bytes of a HELLO frame (ids and tokens are tens of bytes)
 FRAME_MAX = 64 << 20  # any other frame: far above a step's events, a bound against a corrupt length
 _LEN = struct.Struct(">I")

@@ -22,7 +22,7 @@ import functools
 import time
 from dataclasses import dataclass
 
-from decode_worker import tcp_feed
+from decode_worker import feed_wire, tcp_feed
 from decode_worker.feed_opens import Opener
 from decode_worker.token_feed import Batch, Feed, Feeds, FeedUnknown
 from dsv4_kernels.settings import settings
@@ -427,9 +427,11 @@ class DecodeWorker(WorkerBase):
             if left:
                 self.loop.call(functools.partial(_drop_all, self, left))
 
-    async def open_tcp_feed(self, feed_id: str, host: str, port: int, key: str, lease_s: float | None = None) -> None:
+    async def open_tcp_feed(
+        self, feed_id: str, host: str, port: int, key: str, lease_s: float | None = None
+    ) -> tuple[str, ...]:
         """The token feed over TCP (decode_worker.tcp_feed): open feed `feed_id` and call its replica back at
-        host:port; returns once connected (the HELLO sent), the bursts then go out as frames until the feed ends,
+        host:port; returns once connected (the HELLO sent) with the frame kinds it takes from the replica (feed_wire.WORKER_TAKES), the bursts then go out as frames until the feed ends,
         and its end, however it comes, drops the requests still routed to it. The replica may open requests over
         the connection too (OPEN frames: `decode` with this feed, decode_worker.feed_opens)."""
         opener = Opener(lambda r, p, s, f: self.decode(r, p, s, batch=True, feed=f), self.abort)
@@ -456,6 +458,7 @@ class DecodeWorker(WorkerBase):
             self.loop.call(functools.partial(_drop_all, self, left))
 
         tcp_feed.start(self.feeds, link, sent, drop, self._tcp_feeds)
+        return feed_wire.WORKER_TAKES  # the replica may open requests over this connection
 
     def renew_feed(self, feed_id: str) -> bool:
         """The feed's replica still reads it (its lease starts again) -> whether this process has the feed."""

@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from decode_worker import tcp_feed
+from decode_worker import feed_wire, tcp_feed
 from decode_worker.feed_opens import Opener
 from decode_worker.token_feed import Feeds, FeedUnknown
 from dsv4_kernels.settings import settings
@@ -240,7 +240,9 @@ class SyntheticDecode(_Synthetic):
             for rid in self.feeds.close(feed):
                 self.abort(rid)
 
-    async def open_tcp_feed(self, feed_id: str, host: str, port: int, key: str, lease_s: float | None = None) -> None:
+    async def open_tcp_feed(
+        self, feed_id: str, host: str, port: int, key: str, lease_s: float | None = None
+    ) -> tuple[str, ...]:
         """As `DecodeWorker.open_tcp_feed`: call the replica back, then write the feed's bursts as frames (and take
         the requests the replica opens over the connection to `decode`)."""
         opener = Opener(lambda r, p, s, f: self.decode(r, p, s, batch=True, feed=f), self.abort)
@@ -256,3 +258,4 @@ class SyntheticDecode(_Synthetic):
                 self.abort(rid)
 
         tcp_feed.start(self.feeds, link, sent, drop, self._tcp_feeds)
+        return feed_wire.WORKER_TAKES  # the replica may open requests over this connection

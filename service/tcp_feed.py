@@ -217,6 +217,7 @@ class TcpTokenFeed(TokenFeed):
         self._opens: dict[int, asyncio.Future] = {}  # seq -> the reply awaited
         self._listener = listener
         self._conn: asyncio.Transport | None = None
+        self.worker_opens = False  # the worker named OPEN in its open_tcp_feed reply (`_open`)
         loop = asyncio.get_running_loop()
         self._attached: asyncio.Future = loop.create_future()
         listener.expect(self)
@@ -227,7 +228,11 @@ class TcpTokenFeed(TokenFeed):
         listener = self._listener
         error: BaseException
         try:
-            await handle.open_tcp_feed.remote(self.feed_id, listener.host, listener.port, self.key, self.lease_s)
+            takes = await handle.open_tcp_feed.remote(
+                self.feed_id, listener.host, listener.port, self.key, self.lease_s
+            )
+            # a worker of an older release replies None: it takes no OPEN (feed_wire's "Versions")
+            self.worker_opens = isinstance(takes, (tuple, list)) and feed_wire.OPEN in takes
             await asyncio.wait_for(asyncio.shield(self._attached), CALLBACK_TIMEOUT_S)
         except DEAD as e:
             error = WorkerDied(self.worker_id, str(e))
@@ -255,7 +260,9 @@ class TcpTokenFeed(TokenFeed):
 
     def can_open(self) -> bool:
         conn = self._conn
-        return self.open_requests and not self.ended and conn is not None and not conn.is_closing()
+        return (
+            self.open_requests and self.worker_opens and not self.ended and conn is not None and not conn.is_closing()
+        )
 
     async def open_decode(self, result, prompt: list[int], params) -> Transferred:
         """Open the request's decode on this feed's worker over the connection (`can_open` first) -> its

@@ -150,6 +150,39 @@ def test_requests_open_over_the_feed_and_stream_in_order(pool, switch, monkeypat
     assert _wait_idle(pool[1]) == 0
 
 
+def test_a_worker_of_an_older_release_keeps_the_ray_call(cluster):
+    """A decode worker whose open_tcp_feed returns None (a release before OPEN frames: feed_wire's "Versions") gets no
+    OPEN frame, which it would take for a broken stream; its requests open with the Ray call and stream as before."""
+    from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill, token_for
+    from service.ray_stream import RayStreamer, Workers
+
+    class OlderDecode(SyntheticDecode):
+        async def open_tcp_feed(self, feed_id, host, port, key, lease_s=None):
+            await super().open_tcp_feed(feed_id, host, port, key, lease_s)  # connected, as an older worker replies
+
+    prefill = ray.remote(num_cpus=0, max_concurrency=16)(SyntheticPrefill).remote("p-old", RATE, LETTER)
+    decode = _actor()(OlderDecode).remote("d-old", RATE, LETTER, TOKEN)
+
+    async def run():
+        feeds = _feeds(open_requests=True)
+        streamer = RayStreamer(feeds=feeds)
+        await feeds.subscribe("d-old", decode, "warm")  # the feed is connected before the requests
+        got = await asyncio.gather(
+            *(_tokens(streamer, _request(f"old-{i}", 6), Workers("p-old", prefill, "d-old", decode)) for i in range(4))
+        )
+        sent = feeds._feeds["d-old"].opens_sent
+        await feeds.close()
+        return got, sent
+
+    try:
+        got, sent = asyncio.run(run())
+        assert all(tokens == [token_for(k, LETTER) for k in range(6)] for tokens in got)
+        assert sent == 0
+    finally:
+        ray.kill(decode, no_restart=True)
+        ray.kill(prefill, no_restart=True)
+
+
 @pytest.mark.parametrize("switch", ["1", "0"], ids=["over-the-feed", "switch-off"])
 def test_a_worker_killed_mid_open_is_its_death_as_over_ray(slow, switch, monkeypatch):
     """The decode worker's process dies while the open waits for its Transferred: over the feed the connection's end
