@@ -92,26 +92,31 @@ def quant_act_1x128(x: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, t
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = scale_buffer(m, kb, x.device)
     if m:
-        hw = x.is_cuda and USE_HW_FP8_CAST
-        _quant_kernel[(triton.cdiv(m, BLOCK_M), kb, 1)](
-            x,
-            q.view(torch.uint8),
-            s,
-            m,
-            k,
-            x.stride(0),
-            q.stride(0),
-            s.stride(0),
-            s.stride(1),
-            0,
-            0,
-            0,
-            POW2=pow2,
-            HW_FP8=hw,
-            BLOCK_M=BLOCK_M,
-            BLOCK_K=BLOCK,
-        )
+        _launch(x, q, s, m, k, kb, 1, (x.stride(0), 0), (q.stride(0), 0), (s.stride(0), s.stride(1), 0), pow2)
     return q, s
+
+
+def _launch(x, q, s, m: int, k: int, kb: int, g: int, x_strides, q_strides, s_strides, pow2: bool) -> None:
+    """One _quant_kernel launch over g groups of m rows x kb blocks: strides (row, group) of x and q, (row, block,
+    group) of the scales; the wrappers differ only in where each group's rows live."""
+    _quant_kernel[(triton.cdiv(m, BLOCK_M), kb, g)](
+        x,
+        q.view(torch.uint8),
+        s,
+        m,
+        k,
+        x_strides[0],
+        q_strides[0],
+        s_strides[0],
+        s_strides[1],
+        x_strides[1],
+        q_strides[1],
+        s_strides[2],
+        POW2=pow2,
+        HW_FP8=x.is_cuda and USE_HW_FP8_CAST,
+        BLOCK_M=BLOCK_M,
+        BLOCK_K=BLOCK,
+    )
 
 
 def quant_act_1x128_grouped(
@@ -135,25 +140,12 @@ def quant_act_1x128_grouped(
     buf = torch.empty(g, kb, m_pad, dtype=torch.float32, device=x.device)
     s = buf.transpose(1, 2)[:, :rows]  # s[g] = scale_buffer(rows, kb)'s layout
     if m and g:
-        hw = x.is_cuda and USE_HW_FP8_CAST
-        _quant_kernel[(triton.cdiv(m, BLOCK_M), kb, g)](
-            x,
-            q.view(torch.uint8),
-            s,
-            m,
-            k,
-            x.stride(1),
-            q.stride(1),
-            s.stride(1),
-            s.stride(2),
-            x.stride(0),
-            q.stride(0),
-            s.stride(0),
-            POW2=pow2,
-            HW_FP8=hw,
-            BLOCK_M=BLOCK_M,
-            BLOCK_K=BLOCK,
+        x_st, q_st, s_st = (
+            (x.stride(1), x.stride(0)),
+            (q.stride(1), q.stride(0)),
+            (s.stride(1), s.stride(2), s.stride(0)),
         )
+        _launch(x, q, s, m, k, kb, g, x_st, q_st, s_st, pow2)
     return q, s
 
 
@@ -172,23 +164,8 @@ def quant_act_1x128_joined(x: torch.Tensor, pow2: bool = True) -> tuple[torch.Te
     q = torch.empty(m, g * k, dtype=torch.float8_e4m3fn, device=x.device)
     s = scale_buffer(m, g * kb, x.device)  # [M, G*kb]; group j's blocks are columns j*kb..
     if m and g:
-        hw = x.is_cuda and USE_HW_FP8_CAST
-        _quant_kernel[(triton.cdiv(m, BLOCK_M), kb, g)](
-            x,
-            q.view(torch.uint8),
-            s,
-            m,
-            k,
-            x.stride(1),
-            q.stride(0),
-            s.stride(0),
-            s.stride(1),
-            x.stride(0),
-            k,  # group j's codes start k columns after group j-1's
-            kb * s.stride(1),  # and its scales kb columns after
-            POW2=pow2,
-            HW_FP8=hw,
-            BLOCK_M=BLOCK_M,
-            BLOCK_K=BLOCK,
+        # group j's codes start k columns after group j-1's, and its scales kb columns after
+        _launch(
+            x, q, s, m, k, kb, g, (x.stride(1), x.stride(0)), (q.stride(0), k), (*s.stride(), kb * s.stride(1)), pow2
         )
     return q, s
