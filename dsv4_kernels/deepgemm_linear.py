@@ -75,7 +75,7 @@ def _masked_m(g: int, m: int, device: torch.device) -> torch.Tensor:
     if kept is not None:
         return kept
     made = torch.full((g,), m, dtype=torch.int32, device=device)
-    if not torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # (a CPU build cannot ask)
         _MASKED_M[key] = made
     return made
 
