@@ -166,7 +166,7 @@ def transferred(payload: list) -> tuple[int, Transferred]:
     """An OPENED frame -> (seq, its Transferred)."""
     try:
         rid, num_bytes, seconds = payload[2]
-        return payload[1], Transferred(rid, num_bytes, seconds)
+        return payload[1], Transferred(request_id=rid, num_bytes=num_bytes, seconds=seconds)
     except (TypeError, ValueError, IndexError) as e:
         raise FrameError(f"an opened frame is malformed: {e}") from None
 

@@ -76,8 +76,10 @@ def test_an_open_round_trips_every_field(ticket):
 
 
 def test_opened_round_trips_transferred():
-    seq, done = feed_wire.transferred(_one(feed_wire.opened(3, Transferred("r-1", 1 << 40, 0.0123))))
-    assert seq == 3 and done == Transferred("r-1", 1 << 40, 0.0123)
+    seq, done = feed_wire.transferred(
+        _one(feed_wire.opened(3, Transferred(request_id="r-1", num_bytes=1 << 40, seconds=0.0123)))
+    )
+    assert seq == 3 and done == Transferred(request_id="r-1", num_bytes=1 << 40, seconds=0.0123)
 
 
 @pytest.mark.parametrize(
@@ -167,7 +169,7 @@ def test_an_open_drives_the_workers_decode_and_a_cancel_closes_it():
             try:
                 if result.request_id == "slow":
                     await hold.wait()
-                yield Transferred(result.request_id, 10, 0.5)
+                yield Transferred(request_id=result.request_id, num_bytes=10, seconds=0.5)
                 trace.append(("joined", result.request_id, feed_id))
             finally:
                 trace.append(("closed", result.request_id))
@@ -188,7 +190,9 @@ def test_an_open_drives_the_workers_decode_and_a_cancel_closes_it():
             await asyncio.sleep(0)
 
     asyncio.run(run())
-    assert [feed_wire.transferred(_one(w)) for w in written] == [(1, Transferred("quick", 10, 0.5))]
+    assert [feed_wire.transferred(_one(w)) for w in written] == [
+        (1, Transferred(request_id="quick", num_bytes=10, seconds=0.5))
+    ]
     assert ("joined", "quick", "feed-9") in trace and ("closed", "quick") in trace
     assert ("closed", "slow") in trace and not any(t[0] == "joined" and t[1] == "slow" for t in trace)
     # the answered one aborted; the cancelled one aborted too once its task ended (a reservation call that ran on
