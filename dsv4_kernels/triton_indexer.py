@@ -242,10 +242,10 @@ TOPK_SPLIT_MAX_SCORES = 32 * 8192  # rows x candidates
 def takes_sort_topk(rows: int, candidates: int) -> bool:
     """Does a step of `rows` x `candidates` scores take the bitonic sort kernel (on CUDA, unordered picks)? Up to
     TOPK_KERNEL_MAX_ROWS rows of at most $DSV4_TOPK_SORT_MAX_CANDIDATES candidates (a row must fit one program)."""
-    from dsv4_kernels.triton_topk_sort import SORT_MAX_CANDIDATES
+    from dsv4_kernels.triton_topk_sort import HAS_TOPK, SORT_MAX_CANDIDATES
 
     limit = min(settings().topk_sort_max_candidates, SORT_MAX_CANDIDATES)
-    return rows <= TOPK_KERNEL_MAX_ROWS and candidates <= limit
+    return HAS_TOPK and rows <= TOPK_KERNEL_MAX_ROWS and candidates <= limit
 
 
 def takes_split_topk(rows: int, candidates: int) -> bool:

@@ -2,9 +2,9 @@
 
 Why: the radix select (dsv4_kernels.triton_topk) spends its time in five dependent passes, each a 512-bin
 histogram, a scan and a reduction over the whole row, whatever the row's length. A row that fits one program's
-registers can instead be sorted outright: each score and its column are packed into one 64-bit key, Triton's bitonic
-`tl.topk` (or a full `tl.sort` on builds without it) keeps the k largest, and the columns are unpacked from the low
-half. There is no histogram and no pass over global memory after the first load. The sort's work grows as
+registers can instead be sorted outright: each score and its column are packed into one 64-bit key, Triton's
+bitonic `tl.topk` keeps the k largest (triton >= 3.4; older builds leave every row to the radix kernels), and the
+columns are unpacked from the low half. There is no histogram and no pass over global memory after the first load. The sort's work grows as
 n log^2 n, so it wins only on short rows: on an H100 (`dsv4 bench kernels topk`, 512 picks) 8.9 us against the
 radix kernel's 11.4 at 1,024 candidates (1.59x torch.topk), 9.5 against 11.9 at 64 rows of 1,024; at 2,048 it
 loses (19.2 against 15.9), at 8,192 by 2x. triton_indexer.topk_of_scores sends it rows of at most
@@ -29,7 +29,7 @@ from dsv4_kernels.triton_topk import NEG_INF_KEY, order_keys, topk_arguments
 triton, tl = import_triton()
 
 SORT_MAX_CANDIDATES = 8192  # the longest row a program sorts (64-bit keys: 64 KB of registers at 8192)
-_HAS_TOPK = hasattr(tl, "topk")  # triton >= 3.4; older builds sort the whole row and keep the first k
+HAS_TOPK = hasattr(tl, "topk")  # triton >= 3.4; on older builds the radix kernels take every row
 
 
 @triton.jit
@@ -53,20 +53,6 @@ def _topk_sort_kernel(scores, out, S, K, stride_s, stride_o, BLOCK: tl.constexpr
     tl.store(out + row * stride_o + slot, tl.where(real, col, -1), mask=slot < K)
 
 
-@triton.jit
-def _sort_all_kernel(scores, out, S, K, stride_s, stride_o, BLOCK: tl.constexpr):
-    """Builds without tl.topk: sort the whole row (descending) and store its first K lanes."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    inside = offs < S
-    key = order_keys(tl.load(scores + row * stride_s + offs, mask=inside, other=0.0))
-    packed = tl.where(inside, (key.to(tl.uint64) << 32) | _flip(offs).to(tl.uint64), 0)
-    top = tl.sort(packed, descending=True)
-    col = _flip(top.to(tl.uint32)).to(tl.int64)  # the low half (a uint64 -> uint32 cast truncates)
-    real = (top >> 32) > NEG_INF_KEY
-    tl.store(out + row * stride_o + offs, tl.where(real, col, -1), mask=offs < K)
-
-
 def sort_block(candidates: int, k: int) -> int:
     """The lanes a row of `candidates` takes: a power of two holding the row and k (at least 16)."""
     return triton.next_power_of_2(max(candidates, k, 16))
@@ -83,20 +69,18 @@ def topk_columns_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"topk_columns_sorted takes k <= {SORT_MAX_CANDIDATES}, got {k}")
     if t == 0:
         return out
+    if not HAS_TOPK:
+        raise RuntimeError(f"topk_columns_sorted needs triton's tl.topk (triton >= 3.4), not in {triton.__version__}")
     block = sort_block(s, k)
-    warps = 8 if block >= 4096 else 4
-    if _HAS_TOPK:
-        _topk_sort_kernel[(t,)](
-            scores,
-            out,
-            s,
-            k,
-            scores.stride(0),
-            out.stride(0),
-            BLOCK=block,
-            KP=max(2, triton.next_power_of_2(k)),  # tl.topk of 1 fails to compile on triton 3.6 (a scalar reshape)
-            num_warps=warps,
-        )
-    else:
-        _sort_all_kernel[(t,)](scores, out, s, k, scores.stride(0), out.stride(0), BLOCK=block, num_warps=warps)
+    _topk_sort_kernel[(t,)](
+        scores,
+        out,
+        s,
+        k,
+        scores.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        KP=max(2, triton.next_power_of_2(k)),  # tl.topk of 1 fails to compile on triton 3.6 (a scalar reshape)
+        num_warps=8 if block >= 4096 else 4,
+    )
     return out

@@ -21,6 +21,7 @@ import pytest
 
 from engine.execution.sampling_params import SamplingParams
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
+from tests.support import decode_load
 
 pytestmark = pytest.mark.ray
 
@@ -109,17 +110,6 @@ def _feeds(**kw):
     return TokenFeeds(transport="tcp", token=TOKEN, **kw)
 
 
-def _running(decode) -> int:
-    return ray.get(decode.stats.remote()).load.running
-
-
-def _wait_idle(decode, timeout_s: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while (running := _running(decode)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return running
-
-
 @pytest.mark.parametrize("switch", ["1", "0"], ids=["over-the-feed", "switch-off"])
 def test_requests_open_over_the_feed_and_stream_in_order(pool, switch, monkeypatch):
     """DSV4_TOKEN_FEED_OPEN=1: every request after the feed is up opens with an OPEN frame (none with the Ray call);
@@ -147,7 +137,7 @@ def test_requests_open_over_the_feed_and_stream_in_order(pool, switch, monkeypat
     for n, tokens in zip(lengths, got):
         assert tokens == [token_for(k, LETTER) for k in range(n)]
     assert sent == (16 if switch == "1" else 0)
-    assert _wait_idle(pool[1]) == 0
+    assert decode_load.wait_idle(pool[1]) == 0
 
 
 def test_a_worker_of_an_older_release_keeps_the_ray_call(cluster):
@@ -320,5 +310,5 @@ def test_a_full_real_decode_worker_refuses_the_same_over_both_paths(real, open_r
     assert sent >= (2 if open_requests else 0)  # the first open and at least one refused one went as frames
     if not open_requests:
         assert sent == 0
-    assert _wait_idle(real[1]) == 0
+    assert decode_load.wait_idle(real[1]) == 0
     assert ray.get(real[1].stats.remote()).load.kv_usage == 0.0

@@ -20,6 +20,7 @@ import pytest
 from engine.execution.sampling_params import SamplingParams
 from router.dispatch import DispatchRequest, WorkerDied
 from router.migration import Code, RouterFailure
+from tests.support import decode_load
 
 pytestmark = pytest.mark.ray
 
@@ -85,17 +86,6 @@ def _expected(n: int) -> list[int]:
     return [token_for(k, LETTER) for k in range(n)]
 
 
-def _running(decode) -> int:
-    return ray.get(decode.stats.remote()).load.running
-
-
-def _wait_idle(decode, timeout_s: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while (running := _running(decode)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return running
-
-
 def test_many_requests_share_one_feed_in_order(pool, transport):
     from service.ray_stream import RayStreamer
 
@@ -114,7 +104,7 @@ def test_many_requests_share_one_feed_in_order(pool, transport):
     assert opened == 1  # one feed to the one decode worker carried all of them
     for n, tokens in zip(lengths, got):
         assert tokens == _expected(n)
-    assert _wait_idle(pool[1]) == 0
+    assert decode_load.wait_idle(pool[1]) == 0
 
 
 def test_abort_of_one_request_stops_only_it(pool, transport):
@@ -142,7 +132,7 @@ def test_abort_of_one_request_stops_only_it(pool, transport):
     running_after_abort, got = asyncio.run(run())
     assert running_after_abort == 4  # the one that left is off the step clock, the others are not
     assert all(tokens == _expected(21)[1:] for tokens in got)  # tokens 1..20, after the first one read above
-    assert _wait_idle(pool[1]) == 0
+    assert decode_load.wait_idle(pool[1]) == 0
 
 
 def test_slow_reader_holds_back_no_other_and_overflow_fails_it_alone(pool, transport):
@@ -165,7 +155,7 @@ def test_slow_reader_holds_back_no_other_and_overflow_fails_it_alone(pool, trans
     fast, failure = asyncio.run(run())
     assert fast == _expected(30)
     assert failure.code == Code.RESOURCE_EXHAUSTED
-    assert _wait_idle(pool[1]) == 0  # the overflowed request was aborted on the worker
+    assert decode_load.wait_idle(pool[1]) == 0  # the overflowed request was aborted on the worker
 
 
 def test_killed_decode_worker_fails_its_feed_then_a_new_feed_opens(pool, transport):
@@ -274,10 +264,10 @@ def test_a_dead_replicas_feed_expires_and_frees_its_requests(pool, transport):
     replica = _Replica.remote()
     feed_id = ray.get(replica.start.remote(pool[0], pool[1], 3, 5.0, transport))
     time.sleep(6.5)  # past the lease: renewals kept it open
-    alive_after_lease = ray.get(pool[1].renew_feed.remote(feed_id)), _running(pool[1])
+    alive_after_lease = ray.get(pool[1].renew_feed.remote(feed_id)), decode_load.running(pool[1])
     ray.kill(replica)
     assert alive_after_lease == (True, 3)
-    assert _wait_idle(pool[1], 20.0) == 0  # its requests were dropped, not run for their 100 000 tokens
+    assert decode_load.wait_idle(pool[1], 20.0) == 0  # its requests were dropped, not run for their 100 000 tokens
     assert ray.get(pool[1].renew_feed.remote(feed_id)) is False
 
 
@@ -286,10 +276,10 @@ def test_a_dead_replicas_tcp_feed_ends_with_its_connection(pool):
     and drops its requests at once (the lease here, 600 s, could not be what ended it)."""
     replica = _Replica.remote()
     feed_id = ray.get(replica.start.remote(pool[0], pool[1], 3, 600.0, "tcp"))
-    assert _running(pool[1]) == 3
+    assert decode_load.running(pool[1]) == 3
     killed = time.monotonic()
     ray.kill(replica)
-    assert _wait_idle(pool[1], 20.0) == 0
+    assert decode_load.wait_idle(pool[1], 20.0) == 0
     freed_s = time.monotonic() - killed
     assert ray.get(pool[1].renew_feed.remote(feed_id)) is False
     assert freed_s < 20.0
@@ -444,4 +434,4 @@ def test_tcp_replica_that_stops_reading_overflows_only_its_feed(pool, small_buff
     assert overflowed  # the stuck feed ended on the worker
     assert running == 1  # its 150 requests were dropped; the live one runs on
     assert got == _expected(len(got))  # every token of the live request, in order, through the overflow
-    assert _wait_idle(decode) == 0
+    assert decode_load.wait_idle(decode) == 0
