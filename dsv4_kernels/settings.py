@@ -38,6 +38,7 @@ log = logging.getLogger("dsv4.settings")
 HC_SPLIT_MAX_TOKENS = "DSV4_HC_SPLIT_MAX_TOKENS"
 HC_SPLIT_MAX_TOKENS_BF16 = "DSV4_HC_SPLIT_MAX_TOKENS_BF16"
 HC_LONG_PATH = "DSV4_HC_LONG_PATH"
+HC_CHAIN_MAX_TOKENS = "DSV4_HC_CHAIN_MAX_TOKENS"
 OGS_CONSTRAINTS = "DSV4_OGS_CONSTRAINTS"
 TRITON = "DSV4_TRITON"
 MXFP4_MOE = "DSV4_MXFP4_MOE"
@@ -124,6 +125,16 @@ class Settings:
         "token, dsv4_kernels.triton_mhc_rows) or token (one program a token)",
         "kernels",
         choices=("rows", "token"),
+    )
+    hc_chain_max_tokens: int = _switch(
+        HC_CHAIN_MAX_TOKENS,
+        "int",
+        256,
+        "mHC on CUDA: steps of at most this many tokens run each block boundary (post, the next block's mix, pre, "
+        "norm and quantisation) as two launches (dsv4_kernels.triton_mhc_chain); 0 keeps the four launches of "
+        "dsv4_kernels.triton_mhc",
+        "kernels",
+        minimum=0,
     )
     topk_sort_max_candidates: int = _switch(
         TOPK_SORT_MAX_CANDIDATES,

@@ -43,7 +43,7 @@ LONG_PATH = settings().hc_long_path  # "rows" or "token" (checked when parsed)
 
 
 @triton.jit
-def _mix_sum(m_row, idx, mask, splits, stride_ms, SB: tl.constexpr):
+def tl_mix_sum(m_row, idx, mask, splits, stride_ms, SB: tl.constexpr):
     """The mixing logits at `idx` (1-D) of one token: the sum of its split-K partials, SB splits a load (one
     split a load was 128 dependent loads in a row at batch 1, three times over)."""
     acc = tl.zeros(idx.shape, dtype=tl.float32)
@@ -59,8 +59,8 @@ def _mix_sum(m_row, idx, mask, splits, stride_ms, SB: tl.constexpr):
 
 
 @triton.jit
-def _mix_sum2(m_row, idx, mask, splits, stride_ms, SB: tl.constexpr):
-    """_mix_sum of a 2-D `idx` (the comb logits)."""
+def tl_mix_sum2(m_row, idx, mask, splits, stride_ms, SB: tl.constexpr):
+    """tl_mix_sum of a 2-D `idx` (the comb logits)."""
     acc = tl.zeros(idx.shape, dtype=tl.float32)
     for s0 in range(0, splits, SB):
         s = s0 + tl.arange(0, SB)
@@ -76,23 +76,23 @@ def _mix_sum2(m_row, idx, mask, splits, stride_ms, SB: tl.constexpr):
 
 
 @triton.jit
-def _mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms, SB: tl.constexpr):
+def tl_mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms, SB: tl.constexpr):
     """One token's mixing weights from its split-K logit partials: (pre [HC_P], post [HC_P], comb [HC_P, HC_P],
     comb's mask). pre = sigmoid + eps, post = 2 sigmoid, comb = row softmax + eps, then Sinkhorn (column norm,
     then iters-1 x (row, column)); padded entries stay exactly 0 so they never enter a sum."""
     s0 = tl.load(scale_ptr).to(tl.float32)
     s1 = tl.load(scale_ptr + 1).to(tl.float32)
     s2 = tl.load(scale_ptr + 2).to(tl.float32)
-    pre = _mix_sum(m_row, i, imask, splits, stride_ms, SB) * rinv * s0 + tl.load(base_ptr + i, mask=imask, other=0.0)
+    pre = tl_mix_sum(m_row, i, imask, splits, stride_ms, SB) * rinv * s0 + tl.load(base_ptr + i, mask=imask, other=0.0)
     pre = tl.where(imask, tl.sigmoid(pre) + hc_eps, 0.0)
-    post = _mix_sum(m_row, HC + i, imask, splits, stride_ms, SB) * rinv * s1 + tl.load(
+    post = tl_mix_sum(m_row, HC + i, imask, splits, stride_ms, SB) * rinv * s1 + tl.load(
         base_ptr + HC + i, mask=imask, other=0.0
     )
     post = 2.0 * tl.sigmoid(post)
     # comb[i, j] lives at 2*HC + i*HC + j
     cmask = imask[:, None] & (j < HC)[None, :]
     cidx = 2 * HC + i[:, None] * HC + j[None, :]
-    logits = _mix_sum2(m_row, cidx, cmask, splits, stride_ms, SB) * rinv * s2 + tl.load(
+    logits = tl_mix_sum2(m_row, cidx, cmask, splits, stride_ms, SB) * rinv * s2 + tl.load(
         base_ptr + cidx, mask=cmask, other=0.0
     )
     logits = tl.where(cmask, logits, float("-inf"))
@@ -150,7 +150,7 @@ def _hc_pre_kernel(
         x = tl.load(s_row + cols[None, :], mask=imask[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
         sq += x * x
     rinv = tl.rsqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / (HC * D) + norm_eps)
-    pre, post, comb, cmask = _mixing(
+    pre, post, comb, cmask = tl_mixing(
         mixes_ptr + t * stride_mt, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms, 1
     )
     tl.store(post_ptr + t * HC + i, post, mask=imask)
@@ -214,9 +214,9 @@ def _hc_pre_split_kernel(
     j = tl.arange(0, HC_P)
     imask = i < HC
     m_row = mixes_ptr + t * stride_mt
-    sumsq = tl.sum(_mix_sum(m_row, N_MIX + i * 0, i == 0, splits, stride_ms, SB), axis=0)
+    sumsq = tl.sum(tl_mix_sum(m_row, N_MIX + i * 0, i == 0, splits, stride_ms, SB), axis=0)
     rinv = tl.rsqrt(sumsq / (HC * D) + norm_eps)
-    pre, post, comb, cmask = _mixing(
+    pre, post, comb, cmask = tl_mixing(
         m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms, SB
     )
     if tl.program_id(1) == 0:

@@ -211,6 +211,7 @@ def mhc_cases():
     """mHC pre (split-K mixing logits, Sinkhorn, collapse; with and without the fused input norm) and post at
     V4-Flash widths: one decode token (16-row tile) and a 256-token step (64-row tile)."""
     from dsv4_kernels import triton_mhc as m
+    from dsv4_kernels import triton_mhc_chain as c
 
     hc, d, n_mix = 4, 4096, 24
     fn, base, scale = torch.randn(n_mix, hc * d), torch.randn(n_mix), torch.rand(3)
@@ -223,8 +224,15 @@ def mhc_cases():
             m.hc_pre_quant(streams, fn, base, scale, 20, 1e-6, 1e-6, norm_weight=torch.rand(d), out_eps=1e-6,
                            out_dtype=torch.bfloat16, pow2=True)
             m.hc_post(torch.empty(t, d, dtype=torch.bfloat16), streams, torch.rand(t, hc), torch.rand(t, hc, hc))
-    return m, ["_hc_mix_kernel", "_hc_mix_bf16x3_kernel", "_hc_pre_kernel", "_hc_pre_split_kernel",
-               "_norm_rows_kernel", "_hc_post_kernel", "_hc_weights_kernel", "_hc_collapse_kernel"]
+        for t in (1, 64):  # the block-boundary chain (decode sizes: one token a program, then 8)
+            streams = torch.empty(t, hc, d, dtype=dtype)
+            kw = {"norm_weight": torch.rand(d), "out_eps": 1e-6, "out_dtype": torch.bfloat16}
+            c.post_pre_norm_quant(torch.empty(t, d, dtype=torch.bfloat16), streams, torch.rand(t, hc),
+                                  torch.rand(t, hc, hc), fn, base, scale, 20, 1e-6, 1e-6, **kw, pow2=True)
+            c.pre_norm_quant(streams, fn, base, scale, 20, 1e-6, 1e-6, **kw, pow2=None)
+    return (m, c), ["_hc_mix_kernel", "_hc_mix_bf16x3_kernel", "_hc_pre_kernel", "_hc_pre_split_kernel",
+               "_norm_rows_kernel", "_hc_post_kernel", "_hc_weights_kernel", "_hc_collapse_kernel",
+               "_post_mix_kernel", "_pre_norm_quant_kernel"]
 
 
 def step_ends_cases():
@@ -258,7 +266,7 @@ GROUPS = {"mhc": mhc_cases, "topk": topk_cases, "step_ends": step_ends_cases,
           "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
           "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
 MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "dsv4_kernels.triton_mhc_rows",
-                   "dsv4_kernels.triton_norm_quant", "dsv4_kernels.triton_fp8_quant"),
+                   "dsv4_kernels.triton_mhc_chain", "dsv4_kernels.triton_norm_quant", "dsv4_kernels.triton_fp8_quant"),
            "step_ends": ("dsv4_kernels.triton_step_inputs", "dsv4_kernels.triton_hc_head"),
            "topk": ("dsv4_kernels.triton_topk", "dsv4_kernels.triton_topk_sort"),
            "swa": ("dsv4_kernels.triton_swa_insert",),

@@ -147,11 +147,62 @@ class DeepseekV4Model:
             collapsed, post, comb = impl.hc_pre(*args)
             return rms_norm(collapsed, weight, eps).to(self.dtype), None, post, comb
         pow2 = shared_quant_pow2(streams.device, self.dtype, first)
+        chain = self._mhc_chain(streams)
+        if chain is not None:
+            x, q, s, post, comb = chain.pre_norm_quant(
+                *args, norm_weight=weight, out_eps=eps, out_dtype=self.dtype, pow2=pow2
+            )
+            return x, None if q is None else QuantizedAct(q, s), post, comb
         if pow2 is None:
             x, post, comb = impl.hc_pre(*args, norm_weight=weight, out_eps=eps, out_dtype=self.dtype)
             return x, None, post, comb
         x, q, s, post, comb = impl.hc_pre_quant(*args, norm_weight=weight, out_eps=eps, out_dtype=self.dtype, pow2=pow2)
         return x, QuantizedAct(q, s), post, comb
+
+    def _mhc_chain(self, streams: torch.Tensor):
+        """dsv4_kernels.triton_mhc_chain where a block boundary over these streams takes its two launches (the
+        Triton mHC, steps of <= CHAIN_MAX_TOKENS tokens), else None."""
+        if self._mhc(streams) is mhc:
+            return None
+        from dsv4_kernels import triton_mhc_chain  # imports triton: only on this path
+
+        return triton_mhc_chain if triton_mhc_chain.takes_chain(streams) else None
+
+    def _post_then_hc(
+        self,
+        out: torch.Tensor,
+        streams: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        lw: dict,
+        kind: str,
+        first: Weight | None = None,
+    ):
+        """The boundary after a block: its mHC post (out [T, D], post, comb), then block `kind`'s pre as `_hc`
+        -> (the new streams [T, hc, D], then `_hc`'s four outputs). Decode-sized steps run the whole boundary in
+        two launches (dsv4_kernels.triton_mhc_chain: post with the next mix, then pre with the norm and quant)."""
+        chain = self._mhc_chain(streams)
+        if chain is None:
+            streams = self._mhc(streams).hc_post(out, streams, post, comb)
+            return (streams, *self._hc(lw, kind, streams, first))
+        cfg = self.cfg
+        new, x, q, s, post, comb = chain.post_pre_norm_quant(
+            out,
+            streams,
+            post,
+            comb,
+            lw[f"hc_{kind}_fn"],
+            lw[f"hc_{kind}_base"],
+            lw[f"hc_{kind}_scale"],
+            cfg.hc_sinkhorn_iters,
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+            norm_weight=lw[f"{kind}_norm.weight"],
+            out_eps=cfg.rms_norm_eps,
+            out_dtype=self.dtype,
+            pow2=shared_quant_pow2(streams.device, self.dtype, first),
+        )
+        return new, x, None if q is None else QuantizedAct(q, s), post, comb
 
     @torch.inference_mode()
     def forward(
@@ -174,15 +225,20 @@ class DeepseekV4Model:
             else None
         )
         streams, ropes = self._step_inputs(batch)
+        # Each block's mHC post runs with the next block's pre (_post_then_hc); the last post stands alone.
+        x, qa, post, comb = self._hc(self.layer_weights[0], "attn", streams, self.attn[0].first_projection)
         for i in range(cfg.num_layers):
             lw = self.layer_weights[i]
-            x, qa, post, comb = self._hc(lw, "attn", streams, self.attn[i].first_projection)
             out = self.attn[i].forward(x, batch, pool, ropes, qa)
-            streams = self._mhc(streams).hc_post(out, streams, post, comb)
-            x, qa, post, comb = self._hc(lw, "ffn", streams, self.moe[i].first_projection)
+            streams, x, qa, post, comb = self._post_then_hc(
+                out, streams, post, comb, lw, "ffn", self.moe[i].first_projection
+            )
             out = self.moe[i].forward(x, batch.token_ids, dp, qa)
-            streams = self._mhc(streams).hc_post(out, streams, post, comb)
-        return streams
+            if i + 1 < cfg.num_layers:
+                streams, x, qa, post, comb = self._post_then_hc(
+                    out, streams, post, comb, self.layer_weights[i + 1], "attn", self.attn[i + 1].first_projection
+                )
+        return self._mhc(streams).hc_post(out, streams, post, comb)
 
     def step_ropes(self, batch: StepBatch) -> dict:
         """The step's RoPE tables as the attention blocks take them."""

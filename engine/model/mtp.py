@@ -86,8 +86,9 @@ class MtpLayer:
         ropes = model.step_ropes(batch)
         x, qa, post, comb = model._hc(self.block, "attn", streams, self.attn.first_projection)
         out = self.attn.forward(x, batch, pool, ropes, qa)
-        streams = model._mhc(streams).hc_post(out, streams, post, comb)
-        x, qa, post, comb = model._hc(self.block, "ffn", streams, self.moe.first_projection)
+        streams, x, qa, post, comb = model._post_then_hc(
+            out, streams, post, comb, self.block, "ffn", self.moe.first_projection
+        )
         out = self.moe.forward(x, batch.token_ids, qa=qa)
         return model._mhc(streams).hc_post(out, streams, post, comb)
 
