@@ -39,6 +39,7 @@ HC_SPLIT_MAX_TOKENS = "DSV4_HC_SPLIT_MAX_TOKENS"
 HC_SPLIT_MAX_TOKENS_BF16 = "DSV4_HC_SPLIT_MAX_TOKENS_BF16"
 HC_LONG_PATH = "DSV4_HC_LONG_PATH"
 HC_CHAIN_MAX_TOKENS = "DSV4_HC_CHAIN_MAX_TOKENS"
+ROUTER_GEMV_MAX_TOKENS = "DSV4_ROUTER_GEMV_MAX_TOKENS"
 OGS_CONSTRAINTS = "DSV4_OGS_CONSTRAINTS"
 TRITON = "DSV4_TRITON"
 MXFP4_MOE = "DSV4_MXFP4_MOE"
@@ -133,6 +134,16 @@ class Settings:
         "mHC on CUDA: steps of at most this many tokens run each block boundary (post, the next block's mix, pre, "
         "norm and quantisation) as two launches (dsv4_kernels.triton_mhc_chain); 0 keeps the four launches of "
         "dsv4_kernels.triton_mhc",
+        "kernels",
+        minimum=0,
+    )
+    router_gemv_max_tokens: int = _switch(
+        ROUTER_GEMV_MAX_TOKENS,
+        "int",
+        8,
+        "MoE router on CUDA: steps of at most this many tokens compute the router logits as split-K partials in one "
+        "Triton launch that the routing kernel adds up (dsv4_kernels.triton_router); longer steps, or 0, use "
+        "cuBLAS's GEMM",
         "kernels",
         minimum=0,
     )

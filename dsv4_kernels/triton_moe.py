@@ -2,7 +2,8 @@
 
 References: `dsv4_kernels.moe.route` and `dsv4_kernels.moe.moe_experts` on `dsv4_kernels.quant.dequant_mxfp4` weights.
 
-- `route`: torch does the fp32 router matmul (`router_logits`); one program per token then scores (sqrt-softplus, sigmoid or
+- `route`: torch does the fp32 router matmul (`router_logits`; decode-sized steps: dsv4_kernels.triton_router's
+  split-K partials, added up as the routing kernel loads them); one program per token then scores (sqrt-softplus, sigmoid or
   softmax), adds the selection bias, picks the top k by repeated arg-max (lowest expert id wins a tie),
   gathers the unbiased scores, renormalises and scales. Hash layers gather `tid2eid[token_id]` instead.
   Ids come out best first; the reference's topk(sorted=False) order is unspecified, so compare sets.
@@ -30,6 +31,7 @@ import logging
 
 import torch
 
+from dsv4_kernels import triton_router
 from dsv4_kernels.gpu import import_triton, require_triton
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ MAX_CHUNK_TOKENS = 2048
 
 # ---- routing ------------------------------------------------------------------------------------------
 # (engine.execution.warmup: step sizes must not add variants; token_ids may be a slice at any offset of the step's ids)
-@triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["token_ids_ptr"])
+@triton.jit(do_not_specialize=["T", "splits"], do_not_specialize_on_alignment=["token_ids_ptr"])
 def _route_kernel(
     logits_ptr,
     bias_ptr,
@@ -58,6 +60,8 @@ def _route_kernel(
     ids_ptr,
     T,
     E,
+    splits,
+    stride_s,
     stride_l,
     stride_h,
     scaling,
@@ -76,7 +80,11 @@ def _route_kernel(
     e = tl.arange(0, BLOCK_E)
     emask = e < E
     m2 = tmask[:, None] & emask[None, :]
-    x = tl.load(logits_ptr + t64[:, None] * stride_l + e[None, :], mask=m2, other=0.0).to(tl.float32)
+    x = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for s in range(splits):  # the logits' split-K partials (dsv4_kernels.triton_router), or the logits (1 split)
+        x += tl.load(logits_ptr + s * stride_s + t64[:, None] * stride_l + e[None, :], mask=m2, other=0.0).to(
+            tl.float32
+        )
     if SCORING == 0:
         # torch's softplus (identity above 20); log1p(u) as u * log(1+u) / ((1+u) - 1) stays accurate
         # for tiny u, where log(1 + u) would lose it (no log1p in tl).
@@ -169,7 +177,12 @@ def route(
         raise ValueError(f"hash routing needs token_ids [T={x.shape[0]}] and tid2eid [V, {top_k}]")
     require_triton(x.device)
     e = gate.shape[0]
-    logits = router_logits(x, gate)
+    # [splits, T, E]: decode-sized steps' split-K partials (one launch, added up by the routing kernel), else the
+    # logits themselves as one split
+    if triton_router.takes_gemv(x) and x.stride(-1) == 1 and gate.stride(-1) == 1:
+        logits = triton_router.router_partials(x, gate)
+    else:
+        logits = router_logits(x, gate).unsqueeze(0)
     t = x.shape[0]
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
@@ -188,7 +201,9 @@ def route(
         ids,
         t,
         e,
+        logits.shape[0],
         logits.stride(0),
+        logits.stride(1),
         tid2eid.stride(0) if tid2eid is not None else 0,
         float(scaling),
         K=top_k,

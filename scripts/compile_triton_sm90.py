@@ -7,7 +7,7 @@ GPUTarget("cuda", 90, 32), with the constexprs the CUDA path would use (hardware
 It reports registers / spills (ptxas -v) and checks that every fp32 -> e4m3 conversion is the single
 round-to-nearest-even cvt (cvt.rn.satfinite.e4m3x2.f32), not a double-rounding path through fp16.
 
-Usage: python scripts/compile_triton_sm90.py [--only mhc,topk,step_ends,swa,indexer_query,compressor,compress_step,
+Usage: python scripts/compile_triton_sm90.py [--only mhc,router,topk,step_ends,swa,indexer_query,compressor,compress_step,
          attention_glue]
          (exit 1 on any failure)
 """
@@ -262,11 +262,26 @@ def topk_cases():
     return (m, sort), ["_topk_kernel", "_topk_sort_kernel"]
 
 
-GROUPS = {"mhc": mhc_cases, "topk": topk_cases, "step_ends": step_ends_cases,
+def router_cases():
+    """The MoE router at V4-Flash widths (256 experts x 4096, top-6): the GEMV's partials and the routing kernel
+    adding them (one decode token), the routing kernel on cuBLAS's logits (a 64-token step)."""
+    from dsv4_kernels import triton_moe as m
+    from dsv4_kernels import triton_router as r
+
+    gate, bias = torch.randn(256, 4096, dtype=torch.bfloat16), torch.randn(256)
+    r.takes_gemv = lambda x: x.shape[0] <= r.GEMV_MAX_TOKENS  # CPU tensors here: take the CUDA path's choice
+    m.router_logits = lambda x, g: torch.empty(x.shape[0], g.shape[0])  # (recorded launches only)
+    for t in (1, 64):
+        m.route(torch.empty(t, 4096, dtype=torch.bfloat16), gate, 6, 2.5, bias=bias)
+    return (m, r), ["_route_kernel", "_router_gemv_kernel"]
+
+
+GROUPS = {"mhc": mhc_cases, "router": router_cases, "topk": topk_cases, "step_ends": step_ends_cases,
           "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
           "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
 MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "dsv4_kernels.triton_mhc_rows",
                    "dsv4_kernels.triton_mhc_chain", "dsv4_kernels.triton_norm_quant", "dsv4_kernels.triton_fp8_quant"),
+           "router": ("dsv4_kernels.triton_moe", "dsv4_kernels.triton_router"),
            "step_ends": ("dsv4_kernels.triton_step_inputs", "dsv4_kernels.triton_hc_head"),
            "topk": ("dsv4_kernels.triton_topk", "dsv4_kernels.triton_topk_sort"),
            "swa": ("dsv4_kernels.triton_swa_insert",),

@@ -55,6 +55,32 @@ def test_route_matches_reference(scoring, mode, t):
         torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("t,h", [(1, 600), (3, 256), (8, 4096)])  # ragged splits, one split, V4's hidden size
+def test_router_gemv_partials_sum_to_the_fp32_matmul(t, h):
+    from dsv4_kernels import triton_router
+
+    x, gate, *_ = router_inputs(t, h, 40, 10, 6, seed=h + t)  # 40 experts: a ragged expert block
+    for xs, gs in ((x, gate), (x.bfloat16(), gate.bfloat16())):
+        parts = triton_router.router_partials(xs, gs)
+        assert parts.shape == (-(-h // triton_router.BLOCK_H), t, 40) and parts.dtype == torch.float32
+        torch.testing.assert_close(parts.sum(0), xs.float() @ gs.float().t(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["bias", "hash"])
+def test_route_on_gemv_partials_matches_reference(monkeypatch, mode):
+    """The routing kernel adding the GEMV's split-K partials (the CUDA path of decode-sized steps) as it loads them."""
+    from dsv4_kernels import triton_router
+
+    monkeypatch.setattr(triton_router, "takes_gemv", lambda x: x.shape[0] <= triton_router.GEMV_MAX_TOKENS)
+    e, k, t = 40, 6, 5
+    x, gate, bias, tid2eid, token_ids = router_inputs(t, 700, e, 50, k, seed=3)
+    kwargs = {"bias": bias if mode == "bias" else None, "tid2eid": tid2eid if mode == "hash" else None}
+    want_w, want_ids = by_id(*ref.route(x, gate, k, 1.5, "sqrtsoftplus", token_ids=token_ids, **kwargs))
+    got_w, got_ids = by_id(*triton_moe.route(x, gate, k, 1.5, "sqrtsoftplus", token_ids=token_ids, **kwargs))
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     DEVICE == "cpu",
