@@ -186,9 +186,10 @@ def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight) -> torc
     return out
 
 
-def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int) -> torch.Tensor:
+def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int, rope=None) -> torch.Tensor:
     """Block-diagonal projection: x [G, T, D] bf16 (unit last stride; a transposed [T, G, D] view is fine),
-    w [G * R, D] -> [G, T, R] bf16 (group g uses rows gR..gR+R). One quantiser launch for all groups."""
+    w [G * R, D] -> [G, T, R] bf16 (group g uses rows gR..gR+R). One quantiser launch for all groups; rope (a
+    dsv4_kernels.rope.InverseRope of the T rows) turns x's heads back in that launch first."""
     from dsv4_kernels.triton_fp8_quant import quant_act_1x128_grouped
 
     dg = import_deep_gemm()
@@ -202,7 +203,7 @@ def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int) -> torch.Tensor
         return out
     rb = r // BLOCK
     if t <= GROUPED_MAX_TOKENS and not _GROUPED_BROKEN:
-        xq, xs = quant_act_1x128_grouped(x, w.pow2_act, GROUPED_ROWS)
+        xq, xs = quant_act_1x128_grouped(x, w.pow2_act, GROUPED_ROWS, rope)
         padded = torch.empty(g, GROUPED_ROWS, r, dtype=torch.bfloat16, device=x.device)
         try:
             _grouped_gemm(dg, xq, xs, w.weight.view(g, r, k), w.scale.view(g, rb, -1), w.pow2_act, padded, t)
@@ -215,7 +216,7 @@ def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int) -> torch.Tensor
                 _GROUPED_BROKEN[0][:300],
                 g,
             )
-    xq, xs = quant_act_1x128_grouped(x, w.pow2_act)
+    xq, xs = quant_act_1x128_grouped(x, w.pow2_act, rope=rope)
     for i in range(g):
         _gemm(dg, xq[i], xs[i], w.weight[i * r : (i + 1) * r], w.scale[i * rb : (i + 1) * rb], w.pow2_act, out[i])
     return out

@@ -9,6 +9,7 @@ relative distance. YaRN follows DeepSeek: corrected inverse frequencies, cos/sin
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -66,3 +67,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     rot_odd = odd * cos + even * sin
     rotated = torch.stack((rot_even, rot_odd), dim=-1).flatten(-2).to(x.dtype)
     return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
+
+
+@dataclass(frozen=True)
+class InverseRope:
+    """The inverse rotation of rows of heads: cos / sin fp32 [T, rope_dim // 2] (the rows' angles), head_dim the
+    width of each head whose trailing rope_dim channels turn back (V4's attention output before wo_a). A projection
+    that quantises its input can apply it in the same launch (dsv4_kernels.triton_fp8_quant.quant_act_1x128_grouped)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    head_dim: int
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ..., n * head_dim] -> the same with every head turned back (reference: apply_rope, inverse)."""
+        heads = x.reshape(*x.shape[:-1], -1, self.head_dim)  # cos / sin broadcast over the middle dims
+        return apply_rope(heads, self.cos, self.sin, inverse=True).reshape(x.shape)

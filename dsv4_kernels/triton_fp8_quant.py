@@ -14,7 +14,7 @@ import torch
 
 from dsv4_kernels.fp8_linear import AMAX_FLOOR, BLOCK, FP8_MAX
 from dsv4_kernels.gpu import import_triton, require_triton
-from dsv4_kernels.triton_cache_codecs import USE_HW_FP8_CAST, tl_e4m3_bits
+from dsv4_kernels.triton_cache_codecs import USE_HW_FP8_CAST, tl_e4m3_bits, tl_round_to
 
 triton, tl = import_triton()
 
@@ -42,6 +42,25 @@ def tl_quant_1x128(x, POW2: tl.constexpr, HW_FP8: tl.constexpr):
 
 
 @triton.jit
+def _inverse_rope_pairs(
+    x, m64, mmask, k0, cos_ptr, sin_ptr, stride_c, head_dim, nope, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BF16: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    """x fp32 [BLOCK_M, BLOCK_K] (columns k0.. of rows m64, each row heads of head_dim channels) with every head's
+    rope pairs (channels >= nope, interleaved (2i, 2i+1)) turned back by the row's angle, each result rounded to the
+    input dtype: dsv4_kernels.triton_norm_rope's _rope_pairs_kernel (inverse) on those channels, bit for bit."""
+    ev, od = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))
+    ch = (k0 + 2 * tl.arange(0, BLOCK_K // 2)) % head_dim  # each pair's first channel within its head
+    live = mmask[:, None] & (ch >= nope)[None, :]
+    pair = tl.where(ch >= nope, (ch - nope) // 2, 0)
+    c = tl.load(cos_ptr + m64[:, None] * stride_c + pair[None, :], mask=live, other=1.0)
+    s = tl.load(sin_ptr + m64[:, None] * stride_c + pair[None, :], mask=live, other=0.0) * -1.0
+    new_ev = tl.where(live, tl_round_to(ev * c - od * s, BF16, DT), ev)
+    new_od = tl.where(live, tl_round_to(od * c + ev * s, BF16, DT), od)
+    return tl.reshape(tl.join(new_ev, new_od), [BLOCK_M, BLOCK_K])
+
+
+@triton.jit
 def _quant_kernel(
     x_ptr,
     q_ptr,
@@ -55,10 +74,17 @@ def _quant_kernel(
     stride_xg,
     stride_qg,
     stride_sg,
+    cos_ptr,
+    sin_ptr,
+    stride_c,
+    head_dim,
+    nope,
     POW2: tl.constexpr,
     HW_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROPE: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
@@ -70,6 +96,9 @@ def _quant_kernel(
     mask = (m < M)[:, None] & (k < K)[None, :]
     m64 = m.to(tl.int64)
     x = tl.load(x_ptr + m64[:, None] * stride_x + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROPE:
+        x = _inverse_rope_pairs(x, m64, m < M, kb * BLOCK_K, cos_ptr, sin_ptr, stride_c, head_dim, nope, BLOCK_M,
+                                BLOCK_K, BF16, x_ptr.dtype.element_ty)  # fmt: skip
     codes, scale = tl_quant_1x128(x, POW2, HW_FP8)
     tl.store(q_ptr + m64[:, None] * stride_q + k[None, :], codes, mask=mask)
     tl.store(s_ptr + m64 * stride_sm + kb * stride_sk, scale, mask=m < M)
@@ -96,9 +125,11 @@ def quant_act_1x128(x: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, t
     return q, s
 
 
-def _launch(x, q, s, m: int, k: int, kb: int, g: int, x_strides, q_strides, s_strides, pow2: bool) -> None:
+def _launch(x, q, s, m: int, k: int, kb: int, g: int, x_strides, q_strides, s_strides, pow2: bool, rope=None) -> None:
     """One _quant_kernel launch over g groups of m rows x kb blocks: strides (row, group) of x and q, (row, block,
-    group) of the scales; the wrappers differ only in where each group's rows live."""
+    group) of the scales; the wrappers differ only in where each group's rows live. rope: an InverseRope for the
+    rows (dsv4_kernels.rope), applied to x's values before they are quantised."""
+    cos, sin = (x, x) if rope is None else _rope_tables(rope, m)
     _quant_kernel[(triton.cdiv(m, BLOCK_M), kb, g)](
         x,
         q.view(torch.uint8),
@@ -112,25 +143,47 @@ def _launch(x, q, s, m: int, k: int, kb: int, g: int, x_strides, q_strides, s_st
         x_strides[1],
         q_strides[1],
         s_strides[2],
+        cos,
+        sin,
+        cos.stride(0) if rope is not None else 0,
+        rope.head_dim if rope is not None else 1,
+        rope.head_dim - 2 * rope.cos.shape[1] if rope is not None else 0,
         POW2=pow2,
         HW_FP8=x.is_cuda and USE_HW_FP8_CAST,
         BLOCK_M=BLOCK_M,
         BLOCK_K=BLOCK,
+        ROPE=rope is not None,
+        BF16=x.dtype == torch.bfloat16,
     )
 
 
+def _rope_tables(rope, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' cos / sin as the kernel reads them: fp32 [M, half] with one shared row stride."""
+    cos, sin = rope.cos, rope.sin
+    if cos.shape[0] != m or sin.shape != cos.shape or rope.head_dim % 2 or 2 * cos.shape[1] > rope.head_dim:
+        raise ValueError(f"rope tables {tuple(cos.shape)} / {tuple(sin.shape)} do not fit {m} rows of {rope.head_dim}")
+    cos, sin = cos.float(), sin.float()
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
 def quant_act_1x128_grouped(
-    x: torch.Tensor, pow2: bool = True, rows: int | None = None
+    x: torch.Tensor, pow2: bool = True, rows: int | None = None, rope=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [G, M, K] (unit last stride, any group / row strides: a transposed [M, G, K] view needs no copy) ->
     (e4m3 [G, M, K] contiguous, fp32 scales [G, M, ceil(K/128)]) in one launch; q[g], s[g] are exactly
     `quant_act_1x128(x[g])`'s outputs, each group's scales MN-major with the same padded stride.
     rows (>= M): each group gets `rows` rows of storage and both outputs are [G, rows, ...]; rows M.. are left
-    unwritten (DeepGEMM's masked grouped GEMM stores whole M tiles, so its per-group M must be tile-aligned)."""
+    unwritten (DeepGEMM's masked grouped GEMM stores whole M tiles, so its per-group M must be tile-aligned).
+    rope: a dsv4_kernels.rope.InverseRope of the M rows (each group's K channels whole heads): the values are turned
+    back by it first, as `rope.apply` would (V4's attention output before wo_a), in the same launch."""
     if x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"activations must be [G, M, K] with a unit last stride, got {tuple(x.shape)} {x.stride()}")
     require_triton(x.device)
     g, m, k = x.shape
+    if rope is not None and k % rope.head_dim:
+        raise ValueError(f"a group's K={k} must be whole heads of {rope.head_dim} for its rope")
     rows = m if rows is None else rows
     if rows < m:
         raise ValueError(f"rows must be >= M={m}, got {rows}")
@@ -145,7 +198,7 @@ def quant_act_1x128_grouped(
             (q.stride(1), q.stride(0)),
             (s.stride(1), s.stride(2), s.stride(0)),
         )
-        _launch(x, q, s, m, k, kb, g, x_st, q_st, s_st, pow2)
+        _launch(x, q, s, m, k, kb, g, x_st, q_st, s_st, pow2, rope)
     return q, s
 
 

@@ -193,7 +193,9 @@ def compress_step_cases():
 def attention_glue_cases():
     """Attention row ids (CSA ids through the page table, HCA rows) and the output's inverse RoPE."""
     from dsv4_kernels import triton_attention_rows as m
+    from dsv4_kernels import triton_fp8_quant as q
     from dsv4_kernels import triton_norm_rope as r
+    from dsv4_kernels.rope import InverseRope
 
     t = 4
     swa, valid = torch.randint(0, 999, (t, 128)), torch.rand(t, 128) > 0.5
@@ -204,7 +206,10 @@ def attention_glue_cases():
                      comp_valid=torch.rand(t, 64) > 0.5, out_comp=out[:, 128:])
     for dtype in (torch.bfloat16, torch.float32):
         r.rope(_rand(t, 64, 512, dtype=dtype), torch.rand(t, 32), torch.rand(t, 32), inverse=True)
-    return (m, r), ["_rows_kernel", "_rope_kernel"]
+    # the inverse RoPE riding in wo_a's grouped quantiser (8 groups of 8 heads x 512; padded rows for DeepGEMM)
+    back = InverseRope(torch.rand(t, 32), torch.rand(t, 32), 512)
+    q.quant_act_1x128_grouped(_rand(t, 8, 4096).transpose(0, 1), True, 256, back)
+    return (m, r, q), ["_rows_kernel", "_rope_kernel", "_quant_kernel"]
 
 
 def mhc_cases():
@@ -288,7 +293,8 @@ MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "ds
            "indexer_query": ("dsv4_kernels.triton_indexer_query",),
            "compressor": ("dsv4_kernels.triton_compressor",), "compress_step": ("dsv4_kernels.triton_compress_step",
                                                                             "dsv4_kernels.triton_state_save"),
-           "attention_glue": ("dsv4_kernels.triton_attention_rows", "dsv4_kernels.triton_norm_rope")}
+           "attention_glue": ("dsv4_kernels.triton_attention_rows", "dsv4_kernels.triton_norm_rope",
+                              "dsv4_kernels.triton_fp8_quant")}
 
 
 def main() -> int:

@@ -44,7 +44,7 @@ from dsv4_kernels.compressor import overlap_slots, pool_windows
 from dsv4_kernels.fp8_linear import Fp8Weight
 from dsv4_kernels.indexer import SCORES_BUDGET, visible_topk
 from dsv4_kernels.norm import rms_norm, unweighted_rms_norm
-from dsv4_kernels.rope import apply_rope
+from dsv4_kernels.rope import InverseRope, apply_rope
 from engine.model import attention_fp8
 from engine.model.batch import CompressPlan, StepBatch, paged_rows
 from engine.model.cache import CacheLayer, CachePool
@@ -192,14 +192,13 @@ class AttentionBlock:
             batch.swa_write.apply_packed(packed, ring)  # after the kernel, as on the exact path
         else:
             o = sparse_attention(q, keys, valid, sink, scale)
-        if fast_ops:
-            from dsv4_kernels.triton_norm_rope import rope  # imports triton: only on this path
-
-            o = rope(o, cos, sin, inverse=True, inplace=True)  # o is this step's own attention output
-        else:
-            o = apply_rope(o, cos, sin, inverse=True)
-        # = dsv4_kernels.attention.grouped_output_projection, with FP8 weights where they were kept
-        out = grouped_then_linear(o.reshape(t, self.o_groups, -1), w["wo_a.weight"], self.o_groups, w["wo_b.weight"])
+        # = dsv4_kernels.attention.grouped_output_projection of the output turned back by the query's RoPE, with FP8
+        # weights where they were kept (the turn then rides in wo_a's activation quantiser; o is this step's own
+        # output, so it may be turned in place)
+        back = InverseRope(cos, sin, cfg.head_dim)
+        out = grouped_then_linear(
+            o.reshape(t, self.o_groups, -1), w["wo_a.weight"], self.o_groups, w["wo_b.weight"], back
+        )
         return self.parallel.all_reduce(out)  # row-parallel wo_b: partial sums
 
     def _q_projections(self, q_res: torch.Tensor, qa: QuantizedAct | None):

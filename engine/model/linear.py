@@ -17,7 +17,8 @@ import torch
 
 from dsv4_kernels.fp8_linear import Fp8Weight, fp8_linear_ref
 from dsv4_kernels.norm import rms_norm
-from engine.model.fast_paths import use_fp8_gemm
+from dsv4_kernels.rope import InverseRope
+from engine.model.fast_paths import use_fp8_gemm, use_triton
 
 Weight = torch.Tensor | Fp8Weight
 # The projections that go through `linear` / `grouped_projection` (the release stores them FP8).
@@ -171,12 +172,16 @@ def grouped_projection(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
     return torch.stack(parts, dim=1).reshape(t, -1)
 
 
-def grouped_then_linear(x: torch.Tensor, w_groups: Weight, groups: int, w_out: Weight) -> torch.Tensor:
-    """linear(grouped_projection(x, w_groups, groups), w_out): x [T, G, D] -> [T, N] (V4's wo_b after wo_a).
+def grouped_then_linear(
+    x: torch.Tensor, w_groups: Weight, groups: int, w_out: Weight, rope: InverseRope | None = None
+) -> torch.Tensor:
+    """linear(grouped_projection(rope.apply(x), w_groups, groups), w_out): x [T, G, D] -> [T, N] (V4's wo_b after
+    wo_a; rope None: no rotation; x may be overwritten by it).
 
-    Where both run DeepGEMM, the grouped GEMM's per-group outputs [G, T, R] are quantised for w_out straight from its
-    storage (dsv4_kernels.triton_fp8_quant.quant_act_1x128_joined), one launch instead of a transposing bf16 copy
-    and a quantiser: the same codes and scales, so the same result."""
+    Where both run DeepGEMM, the inverse rope rides in the grouped GEMM's activation quantiser (one launch fewer),
+    and the grouped GEMM's per-group outputs [G, T, R] are quantised for w_out straight from its storage
+    (dsv4_kernels.triton_fp8_quant.quant_act_1x128_joined), one launch instead of a transposing bf16 copy and a
+    quantiser: the same codes and scales, so the same result."""
     fast = (
         isinstance(w_groups, Fp8Weight)
         and isinstance(w_out, Fp8Weight)
@@ -186,11 +191,25 @@ def grouped_then_linear(x: torch.Tensor, w_groups: Weight, groups: int, w_out: W
         and (w_groups.shape[0] // groups) % 128 == 0
     )
     if not fast:
+        if rope is not None:
+            x = _turn_back(x, rope)
         return linear(grouped_projection(x, w_groups, groups), w_out)
     from dsv4_kernels.deepgemm_linear import fp8_gemm_quantized, fp8_grouped_gemm
     from dsv4_kernels.triton_fp8_quant import quant_act_1x128_joined
 
     assert isinstance(w_groups, Fp8Weight) and isinstance(w_out, Fp8Weight)  # for the type checker: `fast` says so
-    y = fp8_grouped_gemm(x.transpose(0, 1), w_groups, groups)  # [G, T, R]
+    y = fp8_grouped_gemm(x.transpose(0, 1), w_groups, groups, rope)  # [G, T, R]
     q, s = quant_act_1x128_joined(y, w_out.pow2_act)
     return fp8_gemm_quantized(q, s, w_out)
+
+
+def _turn_back(x: torch.Tensor, rope: InverseRope) -> torch.Tensor:
+    """rope.apply(x) for x [T, G, D]: in place in one launch with the Triton fast paths (only the rope channels
+    move: dsv4_kernels.triton_norm_rope.rope), else the reference."""
+    if use_triton(x.device) and x.is_contiguous():
+        from dsv4_kernels.triton_norm_rope import rope as triton_rope  # imports triton: only on this path
+
+        t = x.shape[0]
+        triton_rope(x.view(t, -1, rope.head_dim), rope.cos, rope.sin, inverse=True, inplace=True)
+        return x
+    return rope.apply(x)

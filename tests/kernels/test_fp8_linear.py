@@ -126,6 +126,14 @@ def test_grouped_then_linear_equals_the_two_steps(t):
     got = grouped_then_linear(x, fw, g, fo)
     assert got.shape == (t, n)
     assert torch.equal(got, linear(grouped_projection(x, fw, g), fo))
+    # with the attention output's inverse rope (two heads of 256 a group) riding in wo_a's quantiser
+    from dsv4_kernels.rope import InverseRope, rope_cos_sin, rope_inv_freq
+    from dsv4_kernels.triton_norm_rope import rope
+
+    cos, sin = (c.cuda() for c in rope_cos_sin(torch.arange(t) * 37, rope_inv_freq(10000.0, 64)))
+    back = InverseRope(cos, sin, 256)
+    turned = rope(x.clone().view(t, -1, 256), cos, sin, inverse=True, inplace=True).view(t, g, d)
+    assert torch.equal(grouped_then_linear(x.clone(), fw, g, fo, back), linear(grouped_projection(turned, fw, g), fo))
 
 
 @pytest.mark.parametrize("pow2", [True, False])
@@ -145,6 +153,35 @@ def test_triton_grouped_quantiser_matches_per_group(g, m, k, pow2):
         assert s[i].stride(0) == 1 and s[i].stride(1) == (m + 3) // 4 * 4
         assert torch.equal(s[i].cpu(), rs)
         assert torch.equal(q[i].cpu().view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("g,m,heads,head_dim,rope_dim,rows", [(2, 3, 2, 128, 64, None), (4, 5, 1, 256, 64, 16)])
+def test_triton_grouped_quantiser_turns_the_rope_back_first(g, m, heads, head_dim, rope_dim, rows, dtype):
+    """rope: each group's heads turned back by the rows' angles in the quantiser's launch give bitwise the codes and
+    scales of the in-place Triton inverse rope then the plain grouped quantiser (the attention output before wo_a;
+    head_dim 128: the rope pairs end a block; 256: a block of plain channels between them)."""
+    from dsv4_kernels.rope import InverseRope, rope_cos_sin, rope_inv_freq
+    from dsv4_kernels.triton_fp8_quant import quant_act_1x128_grouped
+    from dsv4_kernels.triton_norm_rope import rope
+
+    gen = torch.Generator().manual_seed(g * 10 + m + head_dim)
+    o = (torch.randn(m, g * heads, head_dim, generator=gen) * 3).to(DEVICE, dtype)  # [T, H, D] as attention's output
+    cos, sin = rope_cos_sin(torch.randint(0, 5000, (m,), generator=gen), rope_inv_freq(10000.0, rope_dim))
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    back = InverseRope(cos, sin, head_dim)
+    x = o.reshape(m, g, heads * head_dim).transpose(0, 1)  # [G, T, D] as the grouped projection passes it
+    q, s = quant_act_1x128_grouped(x, True, rows, back)
+    assert torch.equal(o.reshape(m, g, -1).transpose(0, 1), x), "the fused rope does not write its input"
+    turned = rope(o.clone(), cos, sin, inverse=True, inplace=True)
+    want_q, want_s = quant_act_1x128_grouped(turned.reshape(m, g, -1).transpose(0, 1), True, rows)
+    q, s, want_q, want_s = q[:, :m], s[:, :m], want_q[:, :m], want_s[:, :m]  # (padding rows are left unwritten)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    # and the reference rotation within one e4m3 step of it
+    ref_x = back.apply(o.reshape(m, g, -1).float()).transpose(0, 1)
+    assert (ref.dequant_act(q[0], s[0]).to(DEVICE) - ref_x[0]).abs().max() <= s[0].max() * 32
+    with pytest.raises(ValueError, match="whole heads"):
+        quant_act_1x128_grouped(x[..., : head_dim // 2], True, rope=back)
 
 
 def test_triton_grouped_quantiser_into_padded_group_storage():
