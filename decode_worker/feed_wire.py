@@ -1,9 +1,8 @@
 """The TCP token feed's wire format, shared by its two ends (decode_worker.tcp_feed, service.tcp_feed).
 
-Why a format of its own and not pickle: the replica's listener accepts connections from anyone who can reach it, so
-nothing it reads before a peer proved itself may run code, and an authenticated peer's frames need no more than
-plain values. A frame is a 4-byte big-endian length, then one msgpack array (strings, ints, floats, bools, None:
-msgpack packs a float as IEEE binary64, so logprobs travel exactly), its first element the frame's kind:
+The framing (a length, then one msgpack array of plain values, no pickle: why there), the HELLO and the hand-off
+values' arrays are engine.runtime.frames', shared with the prefill worker's link (prefill_worker.prefill_wire); the
+kinds a token feed carries:
 
 - `["h", feed_id, token, key]` HELLO, worker -> replica, the first frame of a connection: the feed it carries, the
   cluster token (router.auth) and the key the replica gave that feed through Ray (service.tcp_feed says why both).
@@ -36,37 +35,24 @@ the middle of a rolling upgrade keeps streaming either way.
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass, fields
-
-import msgpack
+from dataclasses import dataclass
 
 from decode_worker.token_feed import FeedUnknown, RequestFailed
 from engine.execution.request import TokenEvent
 from engine.execution.sampling_params import SamplingParams
-from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred, TransferTicket
+from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
+from engine.runtime import frames
 from engine.runtime.engine_loop import LoopStopped, StepFailed
+from engine.runtime.frames import FRAME_MAX, HELLO, HELLO_MAX, FrameError, Frames, frame  # noqa: F401 - re-exported
 from kv_transfer.outcomes import PullCancelled, ReadInFlight, TransferError, TransferTimeout
 
-HELLO, BATCH, END, RENEW = "h", "b", "e", "r"
+BATCH, END, RENEW = "b", "e", "r"
 OPEN, OPENED, REFUSED, CANCEL = "o", "k", "n", "x"
 WORKER_TAKES = (OPEN, CANCEL)  # what a worker's open_tcp_feed reply names (module docstring, "Versions")
-HELLO_MAX = 1024  # bytes of a HELLO frame (ids and tokens are tens of bytes)
-FRAME_MAX = 64 << 20  # any other frame: far above a step's events, a bound against a corrupt length
-_LEN = struct.Struct(">I")
-
-
-class FrameError(Exception):
-    """Bytes that are not a frame of this format (a peer that is not one of ours, or a corrupt stream)."""
-
-
-def frame(payload: list) -> bytes:
-    body = msgpack.packb(payload, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
 
 
 def hello(feed_id: str, token: str, key: str) -> bytes:
-    return frame([HELLO, feed_id, token, key])
+    return frames.hello(feed_id, token, key)
 
 
 def end(message: str) -> bytes:
@@ -109,17 +95,9 @@ def events(payload: list) -> list:
 
 
 # ---- opening a request over the feed (OPEN / OPENED / REFUSED / CANCEL) ---------------------------------------
-def _fields(obj) -> list:
-    return [getattr(obj, f.name) for f in fields(obj)]
-
-
 def open_request(seq: int, result: PrefillResult, prompt: list[int], params: SamplingParams) -> bytes:
-    """One OPEN frame. A field added to one of these dataclasses travels as one more element (tests round-trip
-    every field: one that needs rebuilding, as tuples do, fails them until `opened_request` rebuilds it)."""
-    res = _fields(result)
-    ticket = result.ticket
-    res[[f.name for f in fields(result)].index("ticket")] = None if ticket is None else _fields(ticket)
-    return frame([OPEN, seq, res, list(prompt), _fields(params)])
+    """One OPEN frame (the values as engine.runtime.frames lays them out)."""
+    return frame([OPEN, seq, frames.result_fields(result), list(prompt), frames.fields_of(params)])
 
 
 @dataclass(frozen=True)
@@ -137,23 +115,9 @@ def opened_request(payload: list) -> OpenRequest:
     its values are not valid arguments, as the dataclasses' own checks say)."""
     if len(payload) != 5 or not isinstance(payload[1], int) or not all(isinstance(x, list) for x in payload[2:]):
         raise FrameError("an open frame that is not [o, seq, result, prompt, params]")
-    res, prompt, par = payload[2], payload[3], payload[4]
     try:
-        names = [f.name for f in fields(PrefillResult)]
-        values = dict(zip(names, res, strict=True))
-        t = values["ticket"]
-        if t is not None:
-            ticket = dict(zip([f.name for f in fields(TransferTicket)], t, strict=True))
-            ticket["src_pages"] = tuple((g, tuple(p)) for g, p in ticket["src_pages"])
-            if ticket["staging"] is not None:
-                ticket["staging"] = tuple(ticket["staging"])
-            values["ticket"] = TransferTicket(**ticket)
-        values["prompt_logprobs"] = tuple(values["prompt_logprobs"])
-        sampling = dict(zip([f.name for f in fields(SamplingParams)], par, strict=True))
-        sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
-            raise ValueError("a prompt of non-integers")
-        return OpenRequest(payload[1], PrefillResult(**values), prompt, SamplingParams(**sampling))
+        result, prompt = frames.result_from(payload[2]), frames.prompt_from(payload[3])
+        return OpenRequest(payload[1], result, prompt, frames.params_from(payload[4]))
     except (TypeError, ValueError) as e:
         raise ValueError(f"an open frame's request is malformed: {e}") from None
 
@@ -200,62 +164,13 @@ def _args(error: BaseException) -> list:
 
 def refused(seq: int, error: BaseException) -> bytes:
     """One REFUSED frame for `error` (the exception the Ray call would have raised)."""
-    for kind, cls in REFUSALS.items():
-        if isinstance(error, cls):
-            return frame([REFUSED, seq, kind, _args(error)])
-    return frame([REFUSED, seq, "error", [f"{type(error).__name__}: {error}"]])
+    return frames.refused(REFUSED, seq, error, REFUSALS, _args)
 
 
 def refusal(payload: list) -> tuple[int, BaseException]:
     """A REFUSED frame -> (seq, the error rebuilt as the worker raised it; RuntimeError for one not in REFUSALS)."""
-    try:
-        seq, kind, args = payload[1], payload[2], payload[3]
-        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-            raise TypeError("its arguments are not strings")
-        return seq, REFUSALS.get(kind, RuntimeError)(*args)
-    except (TypeError, ValueError, IndexError) as e:
-        raise FrameError(f"a refused frame is malformed: {e}") from None
+    return frames.refusal(payload, REFUSALS)
 
 
 def cancel(seq: int, request_id: str) -> bytes:
     return frame([CANCEL, seq, request_id])
-
-
-@dataclass
-class Frames:
-    """Frames out of a byte stream fed in pieces (`feed` -> the payloads complete so far); `limit`: the largest
-    frame accepted (FrameError beyond it, before the bytes are buffered)."""
-
-    limit: int = FRAME_MAX
-
-    def __post_init__(self):
-        self._buf = bytearray()
-
-    def feed(self, data: bytes, most: int | None = None) -> list[list]:
-        """Take `data`; -> the frames complete so far (at most `most`: the rest stay for a later call, which may
-        raise the limit first, as the listener does once a HELLO proved its peer)."""
-        buf = self._buf
-        buf += data
-        out: list[list] = []
-        at = 0
-        while len(buf) - at >= 4 and (most is None or len(out) < most):
-            (n,) = _LEN.unpack_from(buf, at)
-            if n > self.limit:
-                raise FrameError(f"a frame of {n} bytes (at most {self.limit})")
-            if len(buf) - at - 4 < n:
-                break
-            try:
-                payload = msgpack.unpackb(bytes(buf[at + 4 : at + 4 + n]), raw=False, strict_map_key=True)
-            except Exception as e:  # noqa: BLE001 - msgpack's several errors for bytes that are not one object
-                raise FrameError(f"a frame that is not msgpack: {type(e).__name__}") from None
-            if not isinstance(payload, list) or not payload or not isinstance(payload[0], str):
-                raise FrameError("a frame that is not [kind, ...]")
-            out.append(payload)
-            at += 4 + n
-        if at:
-            del buf[:at]
-        return out
-
-    def pending(self) -> int:
-        """Bytes held that are not a whole frame yet."""
-        return len(self._buf)

@@ -29,16 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Callable
 
 from decode_worker import feed_wire
 from decode_worker.feed_opens import FeedOpens, Opener
 from decode_worker.token_feed import Batch, Feed, Feeds
+from engine.runtime import frames
 
 log = logging.getLogger(__name__)
-CONNECT_TIMEOUT_S = 10.0
 SEND_BUFFER_BYTES = 256 << 10  # the kernel's send buffer (doubled by Linux): a token stream needs little
 _RENEW_MAX = 64  # bytes of a frame from a replica that opens no request here (RENEW is 6)
 
@@ -154,17 +153,12 @@ async def connect(
     loop = asyncio.get_running_loop()
     feed = feeds.open(feed_id, loop, lease_s)
     try:
-        transport, _ = await asyncio.wait_for(
-            loop.create_connection(lambda: _Link(feed, opener), host, port), CONNECT_TIMEOUT_S
+        transport = await frames.call_back(
+            host, port, lambda: _Link(feed, opener), feed_wire.hello(feed_id, token, key), SEND_BUFFER_BYTES
         )
     except BaseException:
         feeds.close(feed)
         raise
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame is one step: never held back
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-    transport.write(feed_wire.hello(feed_id, token, key))
     return TcpFeed(feed, transport, buffer_bytes)
 
 

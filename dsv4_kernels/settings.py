@@ -73,6 +73,7 @@ TOKEN_FEED_IDLE_S = "DSV4_TOKEN_FEED_IDLE_S"
 TOKEN_FEED_TRANSPORT = "DSV4_TOKEN_FEED_TRANSPORT"
 TOKEN_FEED_BUFFER_BYTES = "DSV4_TOKEN_FEED_BUFFER_BYTES"
 TOKEN_FEED_OPEN = "DSV4_TOKEN_FEED_OPEN"
+PREFILL_FEED = "DSV4_PREFILL_FEED"
 HAPROXY = "DSV4_HAPROXY"
 HAPROXY_STATS_PORT = "DSV4_HAPROXY_STATS_PORT"
 HAPROXY_METRICS_PORT = "DSV4_HAPROXY_METRICS_PORT"
@@ -425,6 +426,15 @@ class Settings:
         "an ingress replica opens each request's decode over its TCP token feed's connection (an OPEN frame, "
         "decode_worker.feed_opens) instead of a Ray call to the decode worker; 0 = the Ray call (always taken "
         "where the feed is not a connected TCP one)",
+        "service",
+    )
+    prefill_feed: bool = _switch(
+        PREFILL_FEED,
+        "bool",
+        True,
+        "an ingress replica sends each request's prefill over a TCP connection the prefill worker opened to its token "
+        "feed listener (a PREFILL frame, prefill_worker.prefill_link) instead of a Ray call; 0 = the Ray call (always "
+        "taken before the link is up, to a worker of an older release, and without a TCP token feed listener)",
         "service",
     )
     haproxy: bool = _switch(

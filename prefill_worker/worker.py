@@ -26,6 +26,7 @@ from engine.runtime.worker_base import WorkerBase
 from engine.telemetry import metrics
 from kv_transfer.base import ABORTED, TransferBackend, attached_backend, release_kind
 from kv_transfer.registry import make_backend, network_options, resolve_name
+from prefill_worker import prefill_link, prefill_wire
 
 POLL_INTERVAL_S = 0.02
 
@@ -69,6 +70,7 @@ class PrefillWorker(WorkerBase):
             )
         )
         self.transfer_backend.add_release_callback(self._on_release)
+        self.cluster_token = cluster_token or ""  # a prefill link's HELLO carries it (prefill_worker.prefill_link)
         self._poller: asyncio.Task | None = None
         self._streams: dict[str, _Stream] = {}  # streamed requests still prefilling (engine thread only)
 
@@ -115,6 +117,14 @@ class PrefillWorker(WorkerBase):
                 result = item
         assert isinstance(result, PrefillResult)  # the only item of an unstreamed prefill
         return result
+
+    async def open_prefill_link(self, link_id: str, host: str, port: int, key: str) -> tuple[str, ...]:
+        """Call an ingress replica back at host:port and take its `prefill` calls as frames on that connection
+        (prefill_worker.prefill_link) -> the frame kinds this worker takes (prefill_wire.WORKER_TAKES)."""
+        await prefill_link.connect(
+            link_id, host, port, self.cluster_token, key, prefill_link.Prefiller(self.prefill, self.abort)
+        )
+        return prefill_wire.WORKER_TAKES
 
     async def prefill_streamed(
         self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None = None

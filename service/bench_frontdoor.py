@@ -110,13 +110,13 @@ def start(model_dir: str, decode_workers: int, token_rate: float, letter_id: int
     from service.router_actor import router_actor_class
 
     init_ray(tempfile.mkdtemp(prefix="dsv4-frontdoor-metrics-"))
-    # The decode actor is async (max_concurrency bounds its coroutines); the prefill actor is threaded, and Ray starts
-    # its whole thread pool at once: 10,000 threads took past Ray's 10 s limit on a loaded 2-core machine and killed
-    # the actor. Its `prefill` returns at once, so a few threads serve any load here.
+    # Both actors are async (max_concurrency bounds their coroutines; the prefill actor's `open_prefill_link` makes it
+    # one). The prefill actor was threaded once, and Ray starts a threaded actor's whole pool at once: 10,000 threads
+    # took past Ray's 10 s limit on a loaded 2-core machine and killed it. Its `prefill` returns at once: 16 is plenty.
     threaded: Any = ray.remote(num_cpus=0, max_concurrency=16)  # type: ignore[call-overload]
     actor: Any = ray.remote(num_cpus=0, max_concurrency=10_000)  # type: ignore[call-overload]
     token = new_token()
-    prefill = {"prefill-0": threaded(SyntheticPrefill).remote("prefill-0", token_rate, letter_id)}
+    prefill = {"prefill-0": threaded(SyntheticPrefill).remote("prefill-0", token_rate, letter_id, token)}
     decode = {
         f"decode-{i}": actor(SyntheticDecode).remote(f"decode-{i}", token_rate, letter_id, token)
         for i in range(decode_workers)

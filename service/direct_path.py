@@ -47,6 +47,7 @@ from router.dispatch import DispatchRequest, Overloaded, WorkerDied
 from router.migration import RouterFailure, StreamProgress, failure_of, recovering_stream
 from router.prompt_hashes import IngressHasher, PromptHashes
 from router.stream_watch import StreamWatch, StreamWatches
+from service.prefill_link import PrefillLinks
 from service.ray_stream import RayStreamer, Workers
 from service.token_feed import TokenFeeds
 from service.token_lane import TokenLane
@@ -290,7 +291,10 @@ class DirectClient:
         # Each decode worker's tokens for this replica's requests over one feed (service.token_feed): a TCP connection
         # the worker opens to this replica, or a Ray stream (DSV4_TOKEN_FEED_TRANSPORT); the workers present `token`
         self.feeds = TokenFeeds(token=token, host=feed_host) if token_feed else None
-        self.streamer = RayStreamer(overload_retry_s=OPEN_RETRY_S, feeds=self.feeds)
+        # the prefill calls over connections the prefill workers open to the same listener (service.prefill_link)
+        listener = self.feeds.listener if self.feeds is not None else None
+        self.prefill_links = PrefillLinks(listener) if listener is not None and settings().prefill_feed else None
+        self.streamer = RayStreamer(overload_retry_s=OPEN_RETRY_S, feeds=self.feeds, prefill_links=self.prefill_links)
         self.hasher = IngressHasher()  # names prompt blocks for the routers (none until one has said how)
         self.max_migrations = max_migrations
         self.watch_interval_s = watch_interval_s
@@ -439,7 +443,9 @@ class DirectClient:
     async def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
-        if self.feeds is not None:
+        if self.prefill_links is not None:
+            await self.prefill_links.close()
+        if self.feeds is not None:  # after the links: it closes the listener they share
             await self.feeds.close()
         await self.routers.close()
 

@@ -32,6 +32,11 @@ QUEUE_LIMIT = 65_536  # undelivered events a request (service.token_feed's docst
 LEASE_S = 30.0
 
 
+def actor_key(handle) -> object:
+    """Which actor a handle reaches (a group restart gives a worker id a new actor: a feed to the old one is stale)."""
+    return getattr(handle, "_actor_id", None) or id(handle)
+
+
 class FeedQueue:
     """One request's events from its worker's feed, read by the request's consumer (one task) with `get`."""
 

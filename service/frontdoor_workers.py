@@ -1,7 +1,7 @@
 """Synthetic prefill and decode workers for `dsv4 bench frontdoor`: no model, tokens at a set rate per stream.
 
 They answer exactly what `service.ray_dispatcher.RayDispatcher` and the ingress replicas call on the real workers
-(ping, stats, transfer_metadata, add_peer, prefill, decode, generate_local, token_feed, open_tcp_feed and the
+(ping, stats, transfer_metadata, add_peer, prefill and its link, decode, generate_local, token_feed, open_tcp_feed and the
 requests opened over its connection, renew_feed, abort), so the real router, ingress replicas and Serve proxy carry
 their tokens unchanged. Prefill answers at once with the first token and a
 ticket that names no pages; decode yields `Transferred` at once, then the request joins the worker's step clock: as a
@@ -30,6 +30,7 @@ from dsv4_kernels.settings import settings
 from engine.execution.request import TokenEvent
 from engine.handoff import EngineLoad, PrefillResult, Transferred, TransferTicket, WorkerStats
 from engine.runtime.engine_loop import AsyncSink
+from prefill_worker import prefill_link, prefill_wire
 
 SLOTS = 100_000  # never the limit: the bench measures the token path, not admission
 KV_TOKENS = 10**9
@@ -88,6 +89,17 @@ class _Synthetic:
 
 class SyntheticPrefill(_Synthetic):
     role = "prefill"
+
+    def __init__(self, worker_id: str, token_rate: float, letter_id: int, token: str | None = None):
+        """token: the cluster token its prefill links present to the ingress replicas (prefill_worker.prefill_link)."""
+        super().__init__(worker_id, token_rate, letter_id)
+        self.token = token or ""
+
+    async def open_prefill_link(self, link_id: str, host: str, port: int, key: str) -> tuple[str, ...]:
+        """As `PrefillWorker.open_prefill_link`: call the replica back and take its prefill calls as frames."""
+        prefiller = prefill_link.Prefiller(self.prefill, self.abort)
+        await prefill_link.connect(link_id, host, port, self.token, key, prefiller)
+        return prefill_wire.WORKER_TAKES
 
     def prefill(self, request_id: str, prompt: list[int], params, seed: int | None = None) -> PrefillResult:
         self.emits.setdefault(tuple(prompt), []).append(time.time())

@@ -11,7 +11,8 @@ for several tokens when the reader lags or speculative decoding accepts several)
 service.token_feed.TokenFeeds) the decode stream carries only `Transferred` and the tokens come over the decode
 worker's token feed, one Ray item an engine step for all of this replica's requests there; over a TCP feed the
 decode is opened on the feed's connection itself, no Ray call (DSV4_TOKEN_FEED_OPEN, service.tcp_feed), with the
-same errors as the call's. Errors:
+same errors as the call's; with `prefill_links` the unstreamed `prefill` goes as a frame on a connection the prefill
+worker opened to this replica the same way (DSV4_PREFILL_FEED, service.prefill_link), same errors again. Errors:
 - an actor that died (or whose engine loop ended: `LoopStopped`) -> `WorkerDied` naming it;
 - a decode worker that does not know the prefill worker (`PeerUnknown`: one of them restarted since the health
   probe introduced them) -> the pair is introduced here and the pull retried once;
@@ -53,6 +54,7 @@ from engine.telemetry import metrics
 from kv_transfer.base import TransferError
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
 from service.prefill_feed import PrefillFeed
+from service.prefill_link import PrefillLinks
 from service.ray_items import DEAD, END, cause, failure, next_item, stream_items
 from service.token_feed import FeedQueue, TokenFeeds
 
@@ -92,13 +94,16 @@ class RayStreamer:
         stream_min_chunks: int | None = None,
         on_handoff: Callable[[HandoffTiming], None] | None = None,
         feeds: TokenFeeds | None = None,
+        prefill_links: PrefillLinks | None = None,
     ):
         """known_metadata(prefill id, incarnation): transfer metadata already fetched for that incarnation (the
         dispatcher's cache), else None and it is asked for. stream_min_chunks: stream the hand-off of prompts
         spanning at least this many prefill steps (None: DSV4_KV_STREAM_MIN_CHUNKS; 0: never). on_handoff: called
         with each disaggregated placement's HandoffTiming (benchmarks). feeds: read the decode workers' tokens from
-        their token feeds (service.token_feed) instead of one stream a request."""
+        their token feeds (service.token_feed) instead of one stream a request. prefill_links: call `prefill` over the
+        prefill workers' links where one is up (service.prefill_link) instead of through Ray."""
         self.feeds = feeds
+        self.prefill_links = prefill_links
         self.call_timeout_s = call_timeout_s
         self.overload_retry_s = overload_retry_s
         self.known_metadata = known_metadata
@@ -314,8 +319,13 @@ class RayStreamer:
             result, chunks, arrived = await self._prefill_streamed(rid, prompt, params, w)
             return result, chunks, arrived - start, arrived
         start = time.monotonic()
+        links = self.prefill_links
+        link = links.ready(w.prefill_id, w.prefill) if links is not None else None
         try:
-            result = await w.prefill.prefill.remote(rid, prompt, params, params.seed)  # type: ignore[attr-defined]
+            if link is not None:  # no Ray call: a frame on the worker's link, the same errors (service.prefill_link)
+                result = await link.prefill(rid, prompt, params, params.seed)
+            else:
+                result = await w.prefill.prefill.remote(rid, prompt, params, params.seed)  # type: ignore[attr-defined]
         except DEAD as e:
             raise WorkerDied(w.prefill_id, str(e)) from None
         except RayTaskError as e:

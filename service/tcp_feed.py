@@ -20,6 +20,9 @@ END frame (its engine failed) fails every request on the feed as WorkerDied, as 
 that does not call back within CALLBACK_TIMEOUT_S after its `open_tcp_feed` returned fails the feed's open the same
 way. Closing the feed here closes the connection, and the worker drops the feed's requests at once.
 
+The listener carries the prefill workers' links too (service.prefill_link: a prefill call over a connection the
+prefill worker opens the same way): whatever a HELLO claims is a `Link`, which takes the connection's later frames.
+
 Requests opened over the connection (`open_decode`, DSV4_TOKEN_FEED_OPEN; decode_worker.feed_opens has the why): an
 OPEN frame in place of the `decode` Ray call, only once the worker's HELLO claimed the feed. Its reply maps to what
 the Ray call gives: OPENED -> its `Transferred`; REFUSED -> the worker's error rebuilt as itself (decode_worker.
@@ -36,6 +39,7 @@ import hmac
 import itertools
 import logging
 import secrets
+from typing import Protocol
 
 from decode_worker import feed_wire
 from engine.handoff import Transferred
@@ -48,6 +52,23 @@ HELLO_TIMEOUT_S = 5.0  # a connection that has not proved itself by then is clos
 CALLBACK_TIMEOUT_S = 10.0  # after the worker's open_tcp_feed returned (its HELLO already sent), for it to arrive
 
 
+class Link(Protocol):
+    """What a HELLO may claim on the listener: a TcpTokenFeed, or a prefill worker's link (service.prefill_link)."""
+
+    feed_id: str  # the id its HELLO names
+    key: str  # the key its HELLO must carry (made by this replica, given to the worker through Ray)
+    worker_id: str
+
+    def attach(self, conn: asyncio.Transport) -> None:
+        """Its HELLO claimed it on `conn`."""
+
+    def take(self, f: list) -> None:
+        """One later frame of the connection (FrameError: the connection is closed)."""
+
+    def end(self, error: BaseException) -> None:
+        """The connection closed or reset: what its calls in flight get."""
+
+
 class FeedListener:
     """A replica's listener for its TCP token feeds; create inside the loop that reads them, `start` before use."""
 
@@ -58,7 +79,7 @@ class FeedListener:
         self._bind = host
         self.host = ""
         self.port = 0
-        self._expected: dict[str, TcpTokenFeed] = {}  # feed id -> the feed waiting for its worker's call
+        self._expected: dict[str, Link] = {}  # feed id -> the feed (or link) waiting for its worker's call
         self._server: asyncio.AbstractServer | None = None
         self._starting: asyncio.Future | None = None
 
@@ -88,14 +109,14 @@ class FeedListener:
         self.host, self.port = host, server.sockets[0].getsockname()[1]
         log.info("token feed listener on %s:%d", self.host, self.port)
 
-    def expect(self, feed: TcpTokenFeed) -> None:
+    def expect(self, feed: Link) -> None:
         self._expected[feed.feed_id] = feed
 
-    def forget(self, feed: TcpTokenFeed) -> None:
+    def forget(self, feed: Link) -> None:
         if self._expected.get(feed.feed_id) is feed:
             del self._expected[feed.feed_id]
 
-    def claim(self, feed_id: str, token: str, key: str) -> TcpTokenFeed | None:
+    def claim(self, feed_id: str, token: str, key: str) -> Link | None:
         """The feed a HELLO names, if it is expected and the HELLO carries the cluster token and the feed's key."""
         feed = self._expected.get(feed_id)
         token_ok = hmac.compare_digest(token.encode(), self._token)
@@ -118,7 +139,7 @@ class _Peer(asyncio.Protocol):
     def __init__(self, listener: FeedListener):
         self.listener = listener
         self.frames = feed_wire.Frames(limit=feed_wire.HELLO_MAX)
-        self.feed: TcpTokenFeed | None = None
+        self.feed: Link | None = None
         self.transport: asyncio.Transport | None = None
         self.peer = None
         self._deadline: asyncio.TimerHandle | None = None
@@ -145,18 +166,7 @@ class _Peer(asyncio.Protocol):
             feed = self.feed
             assert feed is not None
             for f in self.frames.feed(data):
-                kind = f[0]
-                if kind == feed_wire.BATCH:
-                    feed.deliver(feed_wire.events(f))
-                elif kind == feed_wire.OPENED:
-                    feed.answer(*feed_wire.transferred(f))
-                elif kind == feed_wire.REFUSED:
-                    seq, error = feed_wire.refusal(f)
-                    feed.answer(seq, failure(error, feed.worker_id))
-                elif kind == feed_wire.END:
-                    feed.end(WorkerDied(feed.worker_id, f"its token feed ended: {f[1] if len(f) > 1 else '?'}"))
-                else:
-                    raise feed_wire.FrameError(f"a {kind!r} frame from the worker")
+                feed.take(f)
         except feed_wire.FrameError as e:
             if self.feed is None:
                 self._refuse(f"sent no valid HELLO ({e})")
@@ -257,6 +267,22 @@ class TcpTokenFeed(TokenFeed):
             self._attached.set_result(None)
         if self.ended:  # closed while the worker was calling back
             conn.close()
+
+    def take(self, f: list) -> None:
+        """One frame from the worker after its HELLO (FrameError for one a feed does not carry: the listener closes
+        the connection)."""
+        kind = f[0]
+        if kind == feed_wire.BATCH:
+            self.deliver(feed_wire.events(f))
+        elif kind == feed_wire.OPENED:
+            self.answer(*feed_wire.transferred(f))
+        elif kind == feed_wire.REFUSED:
+            seq, error = feed_wire.refusal(f)
+            self.answer(seq, failure(error, self.worker_id))
+        elif kind == feed_wire.END:
+            self.end(WorkerDied(self.worker_id, f"its token feed ended: {f[1] if len(f) > 1 else '?'}"))
+        else:
+            raise feed_wire.FrameError(f"a {kind!r} frame from the worker")
 
     def can_open(self) -> bool:
         conn = self._conn

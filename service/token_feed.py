@@ -34,7 +34,7 @@ import ray
 
 from dsv4_kernels.settings import settings
 from router.dispatch import WorkerDied
-from service.feed_base import LEASE_S, QUEUE_LIMIT, FeedQueue, TokenFeed
+from service.feed_base import LEASE_S, QUEUE_LIMIT, FeedQueue, TokenFeed, actor_key
 from service.ray_items import DEAD, END, failure, next_item
 from service.tcp_feed import FeedListener, TcpTokenFeed
 
@@ -92,11 +92,6 @@ class RayTokenFeed(TokenFeed):
             log.debug("cancelling the token feed of %s: %s", self.worker_id, e)
 
 
-def _actor_key(handle) -> object:
-    """Which actor a handle reaches (a group restart gives a worker id a new actor: a feed to the old one is stale)."""
-    return getattr(handle, "_actor_id", None) or id(handle)
-
-
 class TokenFeeds:
     """This replica's feeds, one a decode worker; create inside the loop that reads them."""
 
@@ -135,7 +130,7 @@ class TokenFeeds:
         """The request's queue on the worker's feed (opened now if there is none, or the one there ended or reaches
         another actor); WorkerDied when the feed cannot open (the worker is dead)."""
         feed = self._feeds.get(worker_id)
-        key = _actor_key(handle)
+        key = actor_key(handle)
         if feed is None or feed.ended or feed.actor_key != key:
             if feed is not None:
                 feed.close()

@@ -1,0 +1,180 @@
+"""The ingress replica's side of the prefill links: each request's `prefill` call as a frame on a TCP connection the
+prefill worker opened to this replica's token feed listener, instead of a Ray actor call (prefill_worker.prefill_link
+has the worker's side and the why; prefill_worker.prefill_wire the frames).
+
+`PrefillLinks.ready(worker_id, handle)`: the link to that worker if it is up, else None (the caller makes the Ray
+call) after starting to open one: the worker is asked through Ray (`open_prefill_link(link_id, host, port, key)`)
+to call back, and its HELLO (the cluster token and the key made here, as a token feed's: service.tcp_feed) claims
+the link on the listener, whose protocol then hands the link its frames on this replica's loop. A request never
+waits for a link: the first ones to a worker go through Ray while it opens.
+
+The Ray call stays the fallback: no link up yet, a worker of an older release (no `open_prefill_link`, or a reply
+that does not name PREFILL: remembered for that actor, never asked again), no listener (DSV4_TOKEN_FEED=0 or
+DSV4_TOKEN_FEED_TRANSPORT=ray), or DSV4_PREFILL_FEED=0.
+
+`PrefillLink.prefill` raises what the Ray call's caller sees, unwrapped (service.ray_stream._prefill): REFUSED ->
+the worker's error rebuilt as itself (prefill_wire.REFUSALS; a stopped engine loop -> the worker's WorkerDied, as
+service.ray_items.failure maps it); the connection's end before the reply -> the worker's WorkerDied at once (what
+a dead actor's call gives); the caller cancelled (its client left) -> a CANCEL frame behind the PREFILL, so the
+worker drops the request even if the PREFILL is still on its way. A link ends with its connection (the worker died
+or reset it); the next request to that worker opens a new one (and goes through Ray meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+import uuid
+
+from engine.handoff import PrefillResult
+from prefill_worker import prefill_wire
+from router.dispatch import WorkerDied
+from service.feed_base import actor_key
+from service.ray_items import DEAD, failure
+from service.tcp_feed import CALLBACK_TIMEOUT_S, FeedListener
+
+log = logging.getLogger(__name__)
+
+
+class PrefillLink:
+    """One connection to one prefill worker (a service.tcp_feed.Link of the listener)."""
+
+    def __init__(self, worker_id: str, handle, key: object, listener: FeedListener):
+        self.worker_id = worker_id
+        self.actor_key = key
+        self.feed_id = f"p{os.getpid()}-{uuid.uuid4().hex[:12]}"  # the id its HELLO names
+        self.key = secrets.token_urlsafe(24)
+        self.ended = False
+        self.older = False  # the worker takes no PREFILL frame (an older release): never ask it again
+        self.calls_sent = 0  # PREFILL frames written (tests, benchmarks: how many requests took this path)
+        self._listener = listener
+        self._conn: asyncio.Transport | None = None
+        self._seq = itertools.count()
+        self._calls: dict[int, asyncio.Future] = {}  # seq -> the reply awaited
+        loop = asyncio.get_running_loop()
+        self._attached: asyncio.Future = loop.create_future()
+        self.opener = loop.create_task(self._open(handle))
+
+    async def _open(self, handle) -> None:
+        """Ask the worker to call back, then wait for its HELLO; any failure ends the link (requests keep Ray)."""
+        listener = self._listener
+        try:
+            try:
+                method = handle.open_prefill_link
+            except AttributeError:  # a worker of a release before links
+                self.older = True
+                return self.end(WorkerDied(self.worker_id, "it takes no prefill link"))
+            await listener.start()  # the first time only (later calls return at once)
+            listener.expect(self)
+            takes = await method.remote(self.feed_id, listener.host, listener.port, self.key)
+            if not (isinstance(takes, (tuple, list)) and prefill_wire.PREFILL in takes):
+                self.older = True
+                return self.close()
+            await asyncio.wait_for(asyncio.shield(self._attached), CALLBACK_TIMEOUT_S)
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        except (*DEAD, TimeoutError, Exception) as e:  # noqa: BLE001 - any: the Ray call stays the path
+            log.info("prefill link to %s did not open: %r", self.worker_id, e)
+            self.close()
+
+    def attach(self, conn: asyncio.Transport) -> None:
+        """The worker's HELLO claimed this link on `conn`."""
+        self._conn = conn
+        if not self._attached.done():
+            self._attached.set_result(None)
+        if self.ended:  # closed while the worker was calling back
+            conn.close()
+
+    def usable(self) -> bool:
+        conn = self._conn
+        return not self.ended and conn is not None and not conn.is_closing()
+
+    async def prefill(self, request_id: str, prompt: list[int], params, seed: int | None) -> PrefillResult:
+        """The request's prefill on this link's worker (`usable` first) -> its PrefillResult; raises what the
+        `prefill` Ray call's caller would see, unwrapped (module docstring)."""
+        conn = self._conn
+        assert conn is not None
+        seq = next(self._seq)
+        reply = self._calls[seq] = asyncio.get_running_loop().create_future()
+        try:
+            conn.write(prefill_wire.prefill(seq, request_id, prompt, params, seed))
+            self.calls_sent += 1
+            return await reply
+        except asyncio.CancelledError:
+            if not conn.is_closing():  # even after its reply: the worker then withdraws the export
+                conn.write(prefill_wire.cancel(seq, request_id))
+            raise
+        finally:
+            self._calls.pop(seq, None)
+
+    def take(self, f: list) -> None:
+        """One frame from the worker after its HELLO (FrameError for any other kind: the listener resets it)."""
+        kind = f[0]
+        outcome: PrefillResult | BaseException
+        if kind == prefill_wire.PREFILLED:
+            seq, outcome = prefill_wire.result(f)
+        elif kind == prefill_wire.REFUSED:
+            seq, error = prefill_wire.refusal(f)
+            outcome = failure(error, self.worker_id)
+        else:
+            raise prefill_wire.FrameError(f"a {kind!r} frame from prefill worker {self.worker_id}")
+        reply = self._calls.pop(seq, None)
+        if reply is None or reply.done():  # its caller left meanwhile
+            return
+        if isinstance(outcome, BaseException):
+            reply.set_exception(outcome)
+        else:
+            reply.set_result(outcome)
+
+    def end(self, error: BaseException) -> None:
+        """The connection is gone (or never came): every call in flight gets `error` (the worker's death)."""
+        self.ended = True
+        calls, self._calls = self._calls, {}
+        for reply in calls.values():
+            if not reply.done():
+                reply.set_exception(error)
+
+    def close(self) -> None:
+        self._listener.forget(self)
+        if self.opener is not asyncio.current_task():
+            self.opener.cancel()
+        if self._conn is not None:
+            self._conn.close()  # the worker sees the close and drops the calls still running
+        self.end(WorkerDied(self.worker_id, "this replica closed its prefill link"))
+
+
+class PrefillLinks:
+    """This replica's prefill links, one a prefill worker; create inside the loop that reads them."""
+
+    def __init__(self, listener: FeedListener):
+        self.listener = listener
+        self._links: dict[str, PrefillLink] = {}
+
+    def ready(self, worker_id: str, handle) -> PrefillLink | None:
+        """The link to use for a request to this worker now, or None (the Ray call): one is opened if there is
+        none, or the one there ended or reaches another actor; a worker that took none is not asked again."""
+        key = actor_key(handle)
+        link = self._links.get(worker_id)
+        if link is not None and link.actor_key != key:
+            link.close()
+            link = None
+        if link is not None and link.ended and not link.older:
+            link = None
+        if link is None:
+            self._links[worker_id] = PrefillLink(worker_id, handle, key, self.listener)
+            return None
+        return link if link.usable() else None
+
+    def calls_sent(self) -> int:
+        """PREFILL frames written on the links open now (tests, benchmarks)."""
+        return sum(link.calls_sent for link in self._links.values())
+
+    async def close(self) -> None:
+        links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+        await asyncio.gather(*(link.opener for link in links), return_exceptions=True)
