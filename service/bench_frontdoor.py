@@ -52,6 +52,11 @@ FEED_PATH = {
     "`DSV4_TOKEN_FEED=1`, `DSV4_TOKEN_FEED_TRANSPORT=ray`)",
     "none": "in one Ray streaming call a request (`DSV4_TOKEN_FEED=0`)",
 }
+PREFILL_PATH = {
+    True: "each request's prefill goes as a frame on a TCP connection the prefill actor opened to the replica's "
+    "listener (service/prefill_link.py, `DSV4_PREFILL_FEED=1`; the Ray call until that link is up)",
+    False: "each request's prefill is a Ray actor call (`DSV4_PREFILL_FEED=0`)",
+}
 STEP_CLOCK = (
     "The synthetic decode actors run a step clock as an engine's continuous batch does (every running request gets "
     "one token a step, `--token-rate` steps a second), so a step's tokens of every stream leave at once."
@@ -81,11 +86,14 @@ class LevelResult:
     step_lag_ms_p99: float = 0.0  # the synthetic step clock's lateness (not in the added latency: emits are stamped)
     feed_transport: str = "ray"  # DSV4_TOKEN_FEED_TRANSPORT as the replicas read it (rows of older runs: ray)
     p99_runs: tuple = ()  # --repeat: each run's added p99 (the row holds medians: service.frontdoor_runs)
+    prefill_feed: bool = False  # DSV4_PREFILL_FEED as the replicas read it (rows of older runs: the Ray call)
+    link_prefills: int = 0  # the level's prefill calls that went over the prefill actor's link, not Ray
 
 
 def _feed_path(r: LevelResult | None) -> str:
     on, transport = (r.token_feed, r.feed_transport) if r else (settings().token_feed, settings().token_feed_transport)
-    return FEED_PATH[transport if on else "none"]
+    prefill = PREFILL_PATH[r.prefill_feed if r else settings().prefill_feed]
+    return f"{FEED_PATH[transport if on else 'none']}; {prefill}"
 
 
 def _letter_id(model_dir: str) -> int:
@@ -205,6 +213,8 @@ def score(records, emits: dict, t0: float, t_end: float, max_tokens: int, letter
 
 
 def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_id: int, first_tag: int) -> LevelResult:
+    import ray
+
     from service.serve_front import HAPROXY_SERVE_ENV, PROXY_SERVE_ENV, REPLICA_SERVE_ENV
 
     _emits(handles)  # drop what an earlier level left
@@ -239,6 +249,8 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
         pct(list(level.client_lag_ms), 0.99),
         pct(_step_lag(handles), 0.99),
         settings().token_feed_transport,
+        prefill_feed=settings().prefill_feed and settings().token_feed and settings().token_feed_transport == "tcp",
+        link_prefills=sum(ray.get([h.take_link_prefills.remote() for h in handles["prefill"].values()])),
     )
 
 

@@ -94,10 +94,19 @@ class SyntheticPrefill(_Synthetic):
         """token: the cluster token its prefill links present to the ingress replicas (prefill_worker.prefill_link)."""
         super().__init__(worker_id, token_rate, letter_id)
         self.token = token or ""
+        self.link_prefills = 0  # prefill calls that came over a link, not Ray (the bench's rows say how many)
+
+    def take_link_prefills(self) -> int:
+        out, self.link_prefills = self.link_prefills, 0
+        return out
+
+    def _link_prefill(self, request_id: str, prompt: list[int], params, seed: int | None = None) -> PrefillResult:
+        self.link_prefills += 1
+        return self.prefill(request_id, prompt, params, seed)
 
     async def open_prefill_link(self, link_id: str, host: str, port: int, key: str) -> tuple[str, ...]:
         """As `PrefillWorker.open_prefill_link`: call the replica back and take its prefill calls as frames."""
-        prefiller = prefill_link.Prefiller(self.prefill, self.abort)
+        prefiller = prefill_link.Prefiller(self._link_prefill, self.abort)
         await prefill_link.connect(link_id, host, port, self.token, key, prefiller)
         return prefill_wire.WORKER_TAKES
 

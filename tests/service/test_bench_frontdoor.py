@@ -66,6 +66,9 @@ def test_frontdoor_tiny(tmp_path):
     assert "`Place`" in text and "AFTER" in text and "Ceiling" in text and "| 2 | 4 |" in text
     assert all(r["token_feed"] for r in rows) and "`DSV4_TOKEN_FEED=1`" in text  # the default: the token feeds
     assert all(r["feed_transport"] == "tcp" for r in rows) and "`DSV4_TOKEN_FEED_TRANSPORT=tcp`" in text
+    # the default: prefills over the prefill actor's link once it is up (the first requests of a replica: Ray)
+    assert all(r["prefill_feed"] for r in rows) and "`DSV4_PREFILL_FEED=1`" in text
+    assert all(0 < r["link_prefills"] <= r["requests"] for r in rows[1:2] + rows[3:])
     ab = report([LevelResult(**r) for r in rows], args, "dsv4 bench frontdoor --tiny", [LevelResult(**rows[0])])
     assert "A/B, same session" in ab and "carried by tcp" in ab
     assert "at half the ceiling" in text and "at exactly half the ceiling" in text
