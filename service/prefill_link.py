@@ -10,7 +10,8 @@ waits for a link: the first ones to a worker go through Ray while it opens.
 
 The Ray call stays the fallback: no link up yet, a worker of an older release (no `open_prefill_link`, or a reply
 that does not name PREFILL: remembered for that actor, never asked again), no listener (DSV4_TOKEN_FEED=0 or
-DSV4_TOKEN_FEED_TRANSPORT=ray), or DSV4_PREFILL_FEED=0.
+DSV4_TOKEN_FEED_TRANSPORT=ray), DSV4_PREFILL_FEED=0, and for REOPEN_S after a link ended (the worker died, or it
+could not call back).
 
 `PrefillLink.prefill` raises what the Ray call's caller sees, unwrapped (service.ray_stream._prefill): REFUSED ->
 the worker's error rebuilt as itself (prefill_wire.REFUSALS; a stopped engine loop -> the worker's WorkerDied, as
@@ -27,19 +28,22 @@ import itertools
 import logging
 import os
 import secrets
+import time
 import uuid
 
 from engine.handoff import PrefillResult
 from prefill_worker import prefill_wire
 from router.dispatch import WorkerDied
 from service.feed_base import actor_key
-from service.ray_items import DEAD, failure
-from service.tcp_feed import CALLBACK_TIMEOUT_S, FeedListener
+from service.ray_items import failure
+from service.tcp_feed import CALLBACK_TIMEOUT_S, CalledBack, FeedListener
 
 log = logging.getLogger(__name__)
+REOPEN_S = 5.0  # after a link ended, the next try waits this long (a worker that cannot call back is not asked on
+# every request: each try is a Ray call)
 
 
-class PrefillLink:
+class PrefillLink(CalledBack):
     """One connection to one prefill worker (a service.tcp_feed.Link of the listener)."""
 
     def __init__(self, worker_id: str, handle, key: object, listener: FeedListener):
@@ -48,6 +52,7 @@ class PrefillLink:
         self.feed_id = f"p{os.getpid()}-{uuid.uuid4().hex[:12]}"  # the id its HELLO names
         self.key = secrets.token_urlsafe(24)
         self.ended = False
+        self.ended_at = 0.0  # monotonic
         self.older = False  # the worker takes no PREFILL frame (an older release): never ask it again
         self.calls_sent = 0  # PREFILL frames written (tests, benchmarks: how many requests took this path)
         self._listener = listener
@@ -77,17 +82,9 @@ class PrefillLink:
         except asyncio.CancelledError:
             self.close()
             raise
-        except (*DEAD, TimeoutError, Exception) as e:  # noqa: BLE001 - any: the Ray call stays the path
+        except Exception as e:  # noqa: BLE001 - any (a dead actor, no call back in time): the Ray call stays the path
             log.info("prefill link to %s did not open: %r", self.worker_id, e)
             self.close()
-
-    def attach(self, conn: asyncio.Transport) -> None:
-        """The worker's HELLO claimed this link on `conn`."""
-        self._conn = conn
-        if not self._attached.done():
-            self._attached.set_result(None)
-        if self.ended:  # closed while the worker was calling back
-            conn.close()
 
     def usable(self) -> bool:
         conn = self._conn
@@ -132,7 +129,8 @@ class PrefillLink:
 
     def end(self, error: BaseException) -> None:
         """The connection is gone (or never came): every call in flight gets `error` (the worker's death)."""
-        self.ended = True
+        if not self.ended:
+            self.ended, self.ended_at = True, time.monotonic()
         calls, self._calls = self._calls, {}
         for reply in calls.values():
             if not reply.done():
@@ -156,13 +154,14 @@ class PrefillLinks:
 
     def ready(self, worker_id: str, handle) -> PrefillLink | None:
         """The link to use for a request to this worker now, or None (the Ray call): one is opened if there is
-        none, or the one there ended or reaches another actor; a worker that took none is not asked again."""
+        none, or the one there reaches another actor, or ended REOPEN_S ago; a worker that took none is not asked
+        again."""
         key = actor_key(handle)
         link = self._links.get(worker_id)
         if link is not None and link.actor_key != key:
             link.close()
             link = None
-        if link is not None and link.ended and not link.older:
+        if link is not None and link.ended and not link.older and time.monotonic() - link.ended_at >= REOPEN_S:
             link = None
         if link is None:
             self._links[worker_id] = PrefillLink(worker_id, handle, key, self.listener)

@@ -69,6 +69,22 @@ class Link(Protocol):
         """The connection closed or reset: what its calls in flight get."""
 
 
+class CalledBack:
+    """A Link's wait for its worker's call: `attach` keeps the connection its HELLO claimed and sets `_attached`
+    (created by the subclass with its loop); a link that ended meanwhile closes it at once."""
+
+    ended: bool
+    _conn: asyncio.Transport | None
+    _attached: asyncio.Future
+
+    def attach(self, conn: asyncio.Transport) -> None:
+        self._conn = conn
+        if not self._attached.done():
+            self._attached.set_result(None)
+        if self.ended:  # closed while the worker was calling back
+            conn.close()
+
+
 class FeedListener:
     """A replica's listener for its TCP token feeds; create inside the loop that reads them, `start` before use."""
 
@@ -203,7 +219,7 @@ class _Peer(asyncio.Protocol):
             self.feed.end(WorkerDied(self.feed.worker_id, f"its token feed's connection was {how}"))
 
 
-class TcpTokenFeed(TokenFeed):
+class TcpTokenFeed(CalledBack, TokenFeed):
     """A feed over a connection its worker opens to this replica's listener (module docstring)."""
 
     transport = "tcp"
@@ -259,14 +275,6 @@ class TcpTokenFeed(TokenFeed):
             return
         self.end(error)  # first: its error, not close's, is what the requests get
         self.close()
-
-    def attach(self, conn: asyncio.Transport) -> None:
-        """The worker's HELLO claimed this feed on `conn`."""
-        self._conn = conn
-        if not self._attached.done():
-            self._attached.set_result(None)
-        if self.ended:  # closed while the worker was calling back
-            conn.close()
 
     def take(self, f: list) -> None:
         """One frame from the worker after its HELLO (FrameError for one a feed does not carry: the listener closes

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import time
 
 import pytest
 
 from engine.execution.sampling_params import SamplingParams
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
-from tests.support import decode_load
+from tests.support import decode_load, placements
 
 pytestmark = pytest.mark.ray
 
@@ -34,14 +33,7 @@ SLOW_OPEN_S = 1.5  # how long the slow decode worker's opens take before Transfe
 
 @pytest.fixture(scope="module")
 def cluster():
-    started = not ray.is_initialized()
-    if started:
-        from service.ray_cluster import init_ray
-
-        init_ray(tempfile.mkdtemp(prefix="dsv4-test-metrics-"))
-    yield
-    if started:
-        ray.shutdown()
+    yield from placements.local_ray()
 
 
 def _actor(**kw):
@@ -94,16 +86,6 @@ def _request(rid: str, n: int, prompt=None) -> DispatchRequest:
     return DispatchRequest(rid, prompt or (1, 2, hash(rid) % 1000), SamplingParams(max_new_tokens=n, ignore_eos=True))
 
 
-async def _tokens(streamer, request, workers) -> list[int]:
-    got = []
-    async with contextlib.aclosing(streamer.run_placement(request, workers)) as events:
-        async for ev in events:
-            got.append(ev.token_id)
-            if ev.finished:
-                break
-    return got
-
-
 def _feeds(**kw):
     from service.token_feed import TokenFeeds
 
@@ -125,7 +107,7 @@ def test_requests_open_over_the_feed_and_stream_in_order(pool, switch, monkeypat
         lengths = [4 + (i % 5) * 3 for i in range(16)]
         got = await asyncio.gather(
             *(
-                _tokens(streamer, _request(f"open-{switch}-{i}", n), Workers("p0", pool[0], "d0", pool[1]))
+                placements.tokens(streamer, _request(f"open-{switch}-{i}", n), Workers("p0", pool[0], "d0", pool[1]))
                 for i, n in enumerate(lengths)
             )
         )
@@ -158,7 +140,10 @@ def test_a_worker_of_an_older_release_keeps_the_ray_call(cluster):
         streamer = RayStreamer(feeds=feeds)
         await feeds.subscribe("d-old", decode, "warm")  # the feed is connected before the requests
         got = await asyncio.gather(
-            *(_tokens(streamer, _request(f"old-{i}", 6), Workers("p-old", prefill, "d-old", decode)) for i in range(4))
+            *(
+                placements.tokens(streamer, _request(f"old-{i}", 6), Workers("p-old", prefill, "d-old", decode))
+                for i in range(4)
+            )
         )
         sent = feeds._feeds["d-old"].opens_sent
         await feeds.close()
@@ -188,7 +173,7 @@ def test_a_worker_killed_mid_open_is_its_death_as_over_ray(slow, switch, monkeyp
         streamer = RayStreamer(feeds=feeds)
         await feeds.subscribe("d-slow", decode, "warm")  # the feed is up (connected) before the request
         task = asyncio.ensure_future(
-            _tokens(streamer, _request("doomed", 50), Workers("p0", prefill, "d-slow", decode))
+            placements.tokens(streamer, _request("doomed", 50), Workers("p0", prefill, "d-slow", decode))
         )
         await asyncio.sleep(0.5)  # prefilled; its open waits in the worker's decode
         sent = feeds._feeds["d-slow"].opens_sent
@@ -218,7 +203,7 @@ def test_a_client_that_leaves_mid_open_leaves_nothing_on_the_worker(slow):
         feeds = _feeds(open_requests=True)
         streamer = RayStreamer(feeds=feeds)
         task = asyncio.ensure_future(
-            _tokens(streamer, _request("leaves", 500), Workers("p0", prefill, "d-slow", decode))
+            placements.tokens(streamer, _request("leaves", 500), Workers("p0", prefill, "d-slow", decode))
         )
         await asyncio.sleep(0.5)
         sent = feeds._feeds["d-slow"].opens_sent
@@ -241,25 +226,7 @@ def test_a_client_that_leaves_mid_open_leaves_nothing_on_the_worker(slow):
 @pytest.fixture(scope="module")
 def real(cluster):
     """A real PrefillWorker and a DecodeWorker of one batch slot (tiny built-in model, tcp KV transfer), introduced."""
-    from decode_worker.worker import DecodeWorker
-    from prefill_worker.worker import PrefillWorker
-
-    prefill = ray.remote(num_cpus=0, max_concurrency=16)(PrefillWorker).remote(
-        "rp0", None, transfer="tcp", cluster_token=TOKEN
-    )
-    decode = ray.remote(num_cpus=0, max_concurrency=1000)(DecodeWorker).remote(
-        "rd0", None, {"max_num_seqs": 1}, transfer="tcp", cluster_token=TOKEN
-    )
-    ray.get(decode.add_peer.remote("rp0", ray.get(prefill.transfer_metadata.remote())))
-    yield prefill, decode
-    ray.kill(decode, no_restart=True)
-    ray.kill(prefill, no_restart=True)
-
-
-def _real_workers(real):
-    from service.ray_stream import Workers
-
-    return Workers("rp0", real[0], "rd0", real[1])
+    yield from placements.real_pair(TOKEN, {"max_num_seqs": 1})
 
 
 def _real_request(rid: str, n: int) -> DispatchRequest:
@@ -272,7 +239,9 @@ def test_real_workers_give_the_same_tokens_over_the_feed_as_over_ray(real):
     async def run(open_requests: bool):
         feeds = _feeds(open_requests=open_requests)
         streamer = RayStreamer(feeds=feeds)
-        tokens = await _tokens(streamer, _real_request(f"real-{open_requests}", 12), _real_workers(real))
+        tokens = await placements.tokens(
+            streamer, _real_request(f"real-{open_requests}", 12), placements.real_workers(real)
+        )
         sent = feeds._feeds["rd0"].opens_sent
         await feeds.close()
         return tokens, sent
@@ -295,11 +264,11 @@ def test_a_full_real_decode_worker_refuses_the_same_over_both_paths(real, open_r
     async def run():
         feeds = _feeds(open_requests=open_requests)
         streamer = RayStreamer(overload_retry_s=0.3, feeds=feeds)
-        first = streamer.run_placement(_real_request("holds-the-slot", 400), _real_workers(real))
+        first = streamer.run_placement(_real_request("holds-the-slot", 400), placements.real_workers(real))
         await anext(first)
         await anext(first)  # a decode token: it holds the slot
         with pytest.raises(Overloaded) as refused:
-            await _tokens(streamer, _real_request("no-room", 4), _real_workers(real))
+            await placements.tokens(streamer, _real_request("no-room", 4), placements.real_workers(real))
         sent = feeds._feeds["rd0"].opens_sent
         await first.aclose()
         await feeds.close()

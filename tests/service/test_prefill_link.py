@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import time
 
 import pytest
 
 from engine.execution.sampling_params import SamplingParams
 from router.dispatch import DispatchRequest, WorkerDied
-from tests.support import decode_load
+from tests.support import decode_load, placements
 
 pytestmark = pytest.mark.ray
 
@@ -37,14 +36,7 @@ SLOW_PREFILL_S = 2.0  # how long the slow prefill worker's calls take
 
 @pytest.fixture(scope="module")
 def cluster():
-    started = not ray.is_initialized()
-    if started:
-        from service.ray_cluster import init_ray
-
-        init_ray(tempfile.mkdtemp(prefix="dsv4-test-metrics-"))
-    yield
-    if started:
-        ray.shutdown()
+    yield from placements.local_ray()
 
 
 def _actor(**kw):
@@ -88,16 +80,6 @@ def _slow_prefill_class():
 
 def _request(rid: str, n: int, prompt=None) -> DispatchRequest:
     return DispatchRequest(rid, prompt or (1, 2, hash(rid) % 1000), SamplingParams(max_new_tokens=n, ignore_eos=True))
-
-
-async def _tokens(streamer, request, workers) -> list[int]:
-    got = []
-    async with contextlib.aclosing(streamer.run_placement(request, workers)) as events:
-        async for ev in events:
-            got.append(ev.token_id)
-            if ev.finished:
-                break
-    return got
 
 
 async def _streamer(links: bool):
@@ -145,7 +127,7 @@ def test_prefills_take_the_link_and_streams_stay_in_order(decode, links):
         lengths = [4 + (i % 5) * 3 for i in range(16)]
         got = await asyncio.gather(
             *(
-                _tokens(streamer, _request(f"link-{links}-{i}", n), Workers("p0", prefill, "d0", decode))
+                placements.tokens(streamer, _request(f"link-{links}-{i}", n), Workers("p0", prefill, "d0", decode))
                 for i, n in enumerate(lengths)
             )
         )
@@ -179,7 +161,10 @@ def test_a_worker_of_an_older_release_keeps_the_ray_call(decode):
         streamer, feeds, prefill_links = await _streamer(True)
         assert await _link_up(prefill_links, "p-old", prefill, timeout_s=3.0) is None
         got = await asyncio.gather(
-            *(_tokens(streamer, _request(f"old-{i}", 6), Workers("p-old", prefill, "d0", decode)) for i in range(4))
+            *(
+                placements.tokens(streamer, _request(f"old-{i}", 6), Workers("p-old", prefill, "d0", decode))
+                for i in range(4)
+            )
         )
         sent = prefill_links.calls_sent()
         await _close(feeds, prefill_links)
@@ -207,7 +192,7 @@ def test_a_prefill_worker_killed_mid_prefill_is_its_death_at_once(decode, links)
         if prefill_links is not None:
             assert await _link_up(prefill_links, "p-slow", prefill) is not None
         task = asyncio.ensure_future(
-            _tokens(streamer, _request("doomed", 50), Workers("p-slow", prefill, "d0", decode))
+            placements.tokens(streamer, _request("doomed", 50), Workers("p-slow", prefill, "d0", decode))
         )
         await asyncio.sleep(0.5)  # its prefill waits in the worker
         sent = prefill_links.calls_sent() if prefill_links is not None else 0
@@ -243,7 +228,7 @@ def test_a_client_that_leaves_mid_prefill_cancels_it_on_the_worker(decode, links
         if prefill_links is not None:
             assert await _link_up(prefill_links, "p-leave", prefill) is not None
         task = asyncio.ensure_future(
-            _tokens(streamer, _request("leaves", 500), Workers("p-leave", prefill, "d0", decode))
+            placements.tokens(streamer, _request("leaves", 500), Workers("p-leave", prefill, "d0", decode))
         )
         await asyncio.sleep(0.5)
         sent = prefill_links.calls_sent() if prefill_links is not None else 0
@@ -270,25 +255,7 @@ def test_a_client_that_leaves_mid_prefill_cancels_it_on_the_worker(decode, links
 @pytest.fixture(scope="module")
 def real(cluster):
     """A real PrefillWorker and DecodeWorker (tiny built-in model, tcp KV transfer), introduced."""
-    from decode_worker.worker import DecodeWorker
-    from prefill_worker.worker import PrefillWorker
-
-    prefill = ray.remote(num_cpus=0, max_concurrency=16)(PrefillWorker).remote(
-        "rp0", None, transfer="tcp", cluster_token=TOKEN
-    )
-    decode = ray.remote(num_cpus=0, max_concurrency=1000)(DecodeWorker).remote(
-        "rd0", None, transfer="tcp", cluster_token=TOKEN
-    )
-    ray.get(decode.add_peer.remote("rp0", ray.get(prefill.transfer_metadata.remote())))
-    yield prefill, decode
-    ray.kill(decode, no_restart=True)
-    ray.kill(prefill, no_restart=True)
-
-
-def _real_workers(real):
-    from service.ray_stream import Workers
-
-    return Workers("rp0", real[0], "rd0", real[1])
+    yield from placements.real_pair(TOKEN)
 
 
 def test_real_workers_give_the_same_tokens_over_the_link_as_over_ray(real):
@@ -297,7 +264,7 @@ def test_real_workers_give_the_same_tokens_over_the_link_as_over_ray(real):
         if prefill_links is not None:
             assert await _link_up(prefill_links, "rp0", real[0]) is not None
         request = DispatchRequest(f"real-{links}", (5, 6, 7, 8, 9), SamplingParams(max_new_tokens=12, ignore_eos=True))
-        tokens = await _tokens(streamer, request, _real_workers(real))
+        tokens = await placements.tokens(streamer, request, placements.real_workers(real))
         sent = prefill_links.calls_sent() if prefill_links is not None else 0
         await _close(feeds, prefill_links)
         return tokens, sent
@@ -321,7 +288,7 @@ def test_a_real_prefill_worker_refuses_the_same_over_both_paths(real):
             assert await _link_up(prefill_links, "rp0", real[0]) is not None
         request = DispatchRequest(f"huge-{links}", tuple(range(5, 25)), SamplingParams(max_new_tokens=5000))
         with pytest.raises(ValueError) as refused:
-            await _tokens(streamer, request, _real_workers(real))
+            await placements.tokens(streamer, request, placements.real_workers(real))
         sent = prefill_links.calls_sent() if prefill_links is not None else 0
         await _close(feeds, prefill_links)
         return refused.value, sent

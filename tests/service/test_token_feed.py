@@ -11,7 +11,6 @@ buffer for its feed, which ends that feed alone."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import tempfile
 import time
 
@@ -20,7 +19,7 @@ import pytest
 from engine.execution.sampling_params import SamplingParams
 from router.dispatch import DispatchRequest, WorkerDied
 from router.migration import Code, RouterFailure
-from tests.support import decode_load
+from tests.support import decode_load, placements
 
 pytestmark = pytest.mark.ray
 
@@ -70,16 +69,6 @@ def _request(rid: str, n: int) -> DispatchRequest:
     return DispatchRequest(rid, (1, 2, hash(rid) % 1000), SamplingParams(max_new_tokens=n, ignore_eos=True))
 
 
-async def _tokens(streamer, request, workers) -> list[int]:
-    got = []
-    async with contextlib.aclosing(streamer.run_placement(request, workers)) as events:
-        async for ev in events:
-            got.append(ev.token_id)
-            if ev.finished:
-                break
-    return got
-
-
 def _expected(n: int) -> list[int]:
     from service.frontdoor_workers import token_for
 
@@ -94,7 +83,7 @@ def test_many_requests_share_one_feed_in_order(pool, transport):
         streamer = RayStreamer(feeds=feeds)
         lengths = [5 + (i % 7) * 3 for i in range(24)]
         got = await asyncio.gather(
-            *(_tokens(streamer, _request(f"many-{i}", n), _workers(pool)) for i, n in enumerate(lengths))
+            *(placements.tokens(streamer, _request(f"many-{i}", n), _workers(pool)) for i, n in enumerate(lengths))
         )
         opened = len(feeds)
         await feeds.close()
@@ -144,7 +133,7 @@ def test_slow_reader_holds_back_no_other_and_overflow_fails_it_alone(pool, trans
         slow = streamer.run_placement(_request("slow", 60), _workers(pool))
         await anext(slow)  # its first token, then nobody reads it
         # a reader that waited on the unread request would never finish this one (the timeout turns that into a fail)
-        fast = await asyncio.wait_for(_tokens(streamer, _request("fast", 30), _workers(pool)), 60)
+        fast = await asyncio.wait_for(placements.tokens(streamer, _request("fast", 30), _workers(pool)), 60)
         with pytest.raises(RouterFailure) as failed:
             while True:
                 await anext(slow)
@@ -179,7 +168,7 @@ def test_killed_decode_worker_fails_its_feed_then_a_new_feed_opens(pool, transpo
         deadline = time.monotonic() + 60
         while True:  # the restarted actor answers: a new request opens a new feed there
             try:
-                after = await _tokens(streamer, _request("after-restart", 6), _workers(pool))
+                after = await placements.tokens(streamer, _request("after-restart", 6), _workers(pool))
                 break
             except WorkerDied:
                 if time.monotonic() > deadline:
@@ -291,7 +280,7 @@ def test_an_idle_feed_closes_and_the_next_request_opens_one(pool, transport):
     async def run():
         feeds = _feeds(transport, idle_s=0.5)
         streamer = RayStreamer(feeds=feeds)
-        first = await _tokens(streamer, _request("before-idle", 4), _workers(pool))
+        first = await placements.tokens(streamer, _request("before-idle", 4), _workers(pool))
         first_id = feeds.feed_id("d0")
         deadline = time.monotonic() + 20
         while len(feeds) and time.monotonic() < deadline:
@@ -300,7 +289,7 @@ def test_an_idle_feed_closes_and_the_next_request_opens_one(pool, transport):
         while (await pool[1].renew_feed.remote(first_id)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # the cancelled call's end reaches the worker
         gone_on_worker = not await pool[1].renew_feed.remote(first_id)
-        again = await _tokens(streamer, _request("after-idle", 4), _workers(pool))
+        again = await placements.tokens(streamer, _request("after-idle", 4), _workers(pool))
         again_id = feeds.feed_id("d0")
         await feeds.close()
         return first, closed, gone_on_worker, again, first_id != again_id
