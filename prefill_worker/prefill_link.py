@@ -1,4 +1,4 @@
-"""A prefill worker's link to one ingress replica: the replica's `prefill` calls as frames on a TCP connection this
+"""A prefill worker's link to one ingress replica: the replica's `prefill` (and `prefill_streamed`) calls as frames on a TCP connection this
 worker opens back to the replica's listener (service.prefill_link has the replica's side), in place of Ray calls.
 
 Why: a `prefill` Ray actor call cost the ingress replica's event loop ~0.70 ms a request (a task submission, an
@@ -10,6 +10,8 @@ worker, replica) pair, carrying one PREFILL frame a request and its one reply (p
 
 What the worker does with a PREFILL is exactly its `prefill` method (the callable given here: same validation, same
 queueing, same export, same errors) run as a task of the actor's loop: its PrefillResult or its error is the reply.
+A STREAM is its `prefill_streamed` the same way: each chunk ticket goes out as a CHUNK frame as the generator yields
+it, then the PrefillResult.
 
 Who frees what: a CANCEL (the replica's client left while it waited) cancels the call's task, whose own cleanup drops
 the request (PrefillWorker._prefill_items), then aborts the request once the task is over (an engine-thread call that
@@ -24,12 +26,14 @@ PREFILL or CANCEL frame of this format resets the connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.handoff import TransferTicket
 from engine.runtime import frames
 from prefill_worker import prefill_wire
 
@@ -39,10 +43,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Prefiller:
     """What a worker gives its links: `prefill(request_id, prompt, params, seed)` -> its PrefillResult (sync or
-    async: the worker's `prefill` method); `abort(request_id)` (sync or async) drops one."""
+    async: the worker's `prefill` method); `abort(request_id)` (sync or async) drops one; `prefill_streamed(...)`
+    (the same arguments) -> its async generator of chunk tickets then the PrefillResult, None where the worker
+    streams no hand-off (its link then names no STREAM)."""
 
     prefill: Callable[..., object]
     abort: Callable[[str], object]
+    prefill_streamed: Callable[..., AsyncGenerator] | None = None
 
 
 class _Link(asyncio.Protocol):
@@ -67,7 +74,9 @@ class _Link(asyncio.Protocol):
         try:
             for f in self.frames.feed(data):
                 kind = f[0]
-                if kind == prefill_wire.PREFILL:
+                if kind == prefill_wire.PREFILL or (
+                    kind == prefill_wire.STREAM and self.prefiller.prefill_streamed is not None
+                ):
                     self._start(f)
                 elif kind == prefill_wire.CANCEL:
                     self._cancel(f)
@@ -92,7 +101,10 @@ class _Link(asyncio.Protocol):
 
     async def _run(self, call: prefill_wire.PrefillCall) -> None:
         try:
-            result: Any = self.prefiller.prefill(call.request_id, call.prompt, call.params, call.seed)
+            if call.streamed:
+                result = await self._stream(call)
+            else:
+                result = self.prefiller.prefill(call.request_id, call.prompt, call.params, call.seed)
             if inspect.isawaitable(result):
                 result = await result
         except asyncio.CancelledError:
@@ -103,6 +115,22 @@ class _Link(asyncio.Protocol):
         finally:
             self._running.pop(call.seq, None)
         self._write(prefill_wire.prefilled(call.seq, result))
+
+    async def _stream(self, call: prefill_wire.PrefillCall) -> Any:
+        """A STREAM call: each chunk ticket out as a CHUNK frame as it comes -> the PrefillResult (the generator's
+        last item). Cancelled, the generator is closed where it waits: it drops the request and its chunks."""
+        stream = self.prefiller.prefill_streamed
+        assert stream is not None
+        result = None
+        async with contextlib.aclosing(stream(call.request_id, call.prompt, call.params, call.seed)) as items:
+            async for item in items:
+                if isinstance(item, TransferTicket):
+                    self._write(prefill_wire.chunk(call.seq, item))
+                else:
+                    result = item
+        if result is None:
+            raise RuntimeError("its streamed prefill ended without a result")
+        return result
 
     def _abort(self, rid: str) -> None:
         done = self.prefiller.abort(rid)

@@ -6,7 +6,12 @@ token feed's, decode_worker.feed_wire); the kinds a prefill link carries after i
 - `["p", seq, request_id, prompt, params, seed]` PREFILL, replica -> worker: what `PrefillWorker.prefill(request_id,
   prompt, params, seed)` does over Ray: the prompt as ints, the SamplingParams as an array of its fields in order,
   the seed an int or None. `seq` (an int the replica picks) names the call in its reply and in CANCEL.
-- `["d", seq, result]` PREFILLED, worker -> replica: the call's PrefillResult (its TransferTicket nested).
+- `["s", seq, request_id, prompt, params, seed]` STREAM, replica -> worker: the same for `PrefillWorker.
+  prefill_streamed` (the streamed hand-off, service.ray_stream): its chunk tickets come back as CHUNK frames as the
+  prefill steps complete pages, then its PrefillResult as PREFILLED.
+- `["c", seq, ticket]` CHUNK, worker -> replica: one chunk TransferTicket of a STREAM call (its fields in order).
+- `["d", seq, result]` PREFILLED, worker -> replica: the call's PrefillResult (its TransferTicket nested); the last
+  frame of a STREAM call.
 - `["n", seq, kind, args]` REFUSED, worker -> replica: the call raised; `kind` names one of the errors its caller
   tells apart (`REFUSALS`), `args` its constructor's plain arguments; any other error as kind "error" (a
   RuntimeError on the replica).
@@ -15,7 +20,7 @@ token feed's, decode_worker.feed_wire); the kinds a prefill link carries after i
   already answered is aborted (its export withdrawn, pages freed).
 
 Versions: a worker's `open_prefill_link` Ray call returns the replica-to-worker kinds it takes (`WORKER_TAKES`); a
-replica sends PREFILL only to a worker that named it. A worker of an older release has no such method (or names
+replica sends PREFILL (STREAM) only to a worker that named it. A worker of an older release has no such method (or names
 nothing) and keeps being called through Ray.
 """
 
@@ -24,13 +29,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.execution.sampling_params import SamplingParams
-from engine.handoff import PrefillResult
+from engine.handoff import PrefillResult, TransferTicket
 from engine.runtime import frames
 from engine.runtime.engine_loop import LoopStopped, StepFailed
 from engine.runtime.frames import FrameError, frame
 
 PREFILL, PREFILLED, REFUSED, CANCEL = "p", "d", "n", "x"
-WORKER_TAKES = (PREFILL, CANCEL)  # what a worker's open_prefill_link reply names (module docstring, "Versions")
+STREAM, CHUNK = "s", "c"
+WORKER_TAKES = (PREFILL, STREAM, CANCEL)  # what a worker's open_prefill_link reply names (module docstring, "Versions")
 
 # The errors a `prefill` call's caller tells apart (service.ray_items.failure: a stopped engine loop is the worker's
 # death; a ValueError is the request's fault), subclasses first. A prefill worker queues what it cannot run yet, so
@@ -42,8 +48,11 @@ REFUSALS: dict[str, type[BaseException]] = {
 }
 
 
-def prefill(seq: int, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None) -> bytes:
-    return frame([PREFILL, seq, request_id, list(prompt), frames.fields_of(params), seed])
+def prefill(
+    seq: int, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None, streamed: bool = False
+) -> bytes:
+    """A PREFILL frame (STREAM with `streamed`)."""
+    return frame([STREAM if streamed else PREFILL, seq, request_id, list(prompt), frames.fields_of(params), seed])
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class PrefillCall:
     prompt: list[int]
     params: SamplingParams
     seed: int | None
+    streamed: bool  # a STREAM frame: `prefill_streamed`
 
 
 def prefill_call(payload: list) -> PrefillCall:
@@ -67,15 +77,32 @@ def prefill_call(payload: list) -> PrefillCall:
         or not isinstance(payload[3], list)
         or not isinstance(payload[4], list)
     ):
-        raise FrameError("a prefill frame that is not [p, seq, request_id, prompt, params, seed]")
+        raise FrameError("a prefill frame that is not [p | s, seq, request_id, prompt, params, seed]")
     seed = payload[5]
     try:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"a seed that is not an int: {seed!r}")
         prompt, params = frames.prompt_from(payload[3]), frames.params_from(payload[4])
-        return PrefillCall(seq=payload[1], request_id=payload[2], prompt=prompt, params=params, seed=seed)
+        streamed = payload[0] == STREAM
+        return PrefillCall(
+            seq=payload[1], request_id=payload[2], prompt=prompt, params=params, seed=seed, streamed=streamed
+        )
     except (TypeError, ValueError) as e:
         raise ValueError(f"a prefill frame's call is malformed: {e}") from None
+
+
+def chunk(seq: int, ticket: TransferTicket) -> bytes:
+    return frame([CHUNK, seq, frames.fields_of(ticket)])
+
+
+def chunk_ticket(payload: list) -> tuple[int, TransferTicket]:
+    """A CHUNK frame -> (seq, its TransferTicket)."""
+    try:
+        if len(payload) != 3 or not isinstance(payload[1], int) or not isinstance(payload[2], list):
+            raise TypeError("not [c, seq, ticket]")
+        return payload[1], frames.ticket_from(payload[2])
+    except (TypeError, ValueError) as e:
+        raise FrameError(f"a chunk frame is malformed: {e}") from None
 
 
 def prefilled(seq: int, result: PrefillResult) -> bytes:

@@ -108,7 +108,7 @@ class SyntheticPrefill(_Synthetic):
         """As `PrefillWorker.open_prefill_link`: call the replica back and take its prefill calls as frames."""
         prefiller = prefill_link.Prefiller(self._link_prefill, self.abort)
         await prefill_link.connect(link_id, host, port, self.token, key, prefiller)
-        return prefill_wire.WORKER_TAKES
+        return (prefill_wire.PREFILL, prefill_wire.CANCEL)  # no streamed hand-off here
 
     def prefill(self, request_id: str, prompt: list[int], params, seed: int | None = None) -> PrefillResult:
         self.emits.setdefault(tuple(prompt), []).append(time.time())

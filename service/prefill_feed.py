@@ -1,4 +1,5 @@
-"""PrefillFeed: the items of one `PrefillWorker.prefill_streamed` call, read as they arrive by a task of their own.
+"""PrefillFeed: the items of one `PrefillWorker.prefill_streamed` call (a Ray streaming call, or STREAM frames on a
+prefill link: service.prefill_link), read as they arrive by a task of their own.
 
 service.ray_stream's streamed hand-off pulls each chunk ticket into the decode worker while the prefill goes on; the
 puller may lag behind the prefill, so a separate reader takes the stream's items (chunk `TransferTicket`s, then the
@@ -12,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-
-import ray
+from collections.abc import AsyncIterator, Callable
 
 from engine.handoff import PrefillResult, TransferTicket
 from router.dispatch import WorkerDied
@@ -25,12 +24,13 @@ log = logging.getLogger(__name__)
 class PrefillFeed:
     """Create inside the loop that reads it; `close` it unless its PrefillResult was taken."""
 
-    def __init__(self, stream, items: AsyncIterator, prefill_id: str):
-        """stream: the Ray ObjectRefGenerator of the prefill_streamed call (cancelled by `close`); items: its items,
-        flattened, with Ray's errors as WorkerDied / the worker's own (service.ray_stream.stream_items)."""
+    def __init__(self, cancel: Callable[[], None], items: AsyncIterator, prefill_id: str):
+        """cancel: stops the prefill_streamed call (`close`: `ray.cancel` of its ObjectRefGenerator, or a prefill
+        link's CANCEL, service.prefill_link); items: its items, flattened, with the worker's death as WorkerDied and
+        its own errors unwrapped (service.ray_stream.stream_items, or the link's)."""
         loop = asyncio.get_running_loop()
         self.prefill_id = prefill_id
-        self._stream = stream
+        self._cancel = cancel
         self._queue: asyncio.Queue = asyncio.Queue()
         self._result_seen = False
         self.died: asyncio.Future[WorkerDied] = loop.create_future()  # set when the stream ends in the worker's death
@@ -66,6 +66,6 @@ class PrefillFeed:
         if not self.died.done():
             self.died.cancel()
         try:
-            ray.cancel(self._stream)
+            self._cancel()
         except Exception as e:  # noqa: BLE001 - best effort (a dead worker, a call already over)
             log.debug("request %s: cancelling its prefill stream: %s", request_id, e)

@@ -19,6 +19,9 @@ service.ray_items.failure maps it); the connection's end before the reply -> the
 a dead actor's call gives); the caller cancelled (its client left) -> a CANCEL frame behind the PREFILL, so the
 worker drops the request even if the PREFILL is still on its way. A link ends with its connection (the worker died
 or reset it); the next request to that worker opens a new one (and goes through Ray meanwhile).
+A streamed hand-off's `prefill_streamed` goes the same way (`PrefillLink.stream`, a STREAM frame, to a worker whose
+reply named it): its chunk tickets come back as CHUNK frames, read by service.prefill_feed as the Ray stream's items
+are, and leaving sends the same CANCEL.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import secrets
 import time
 import uuid
 
-from engine.handoff import PrefillResult
+from engine.handoff import PrefillResult, TransferTicket
 from prefill_worker import prefill_wire
 from router.dispatch import WorkerDied
 from service.feed_base import actor_key
@@ -54,11 +57,13 @@ class PrefillLink(CalledBack):
         self.ended = False
         self.ended_at = 0.0  # monotonic
         self.older = False  # the worker takes no PREFILL frame (an older release): never ask it again
+        self.streams = False  # the worker takes STREAM frames (its open_prefill_link reply named them)
         self.calls_sent = 0  # PREFILL frames written (tests, benchmarks: how many requests took this path)
         self._listener = listener
         self._conn: asyncio.Transport | None = None
         self._seq = itertools.count()
-        self._calls: dict[int, asyncio.Future] = {}  # seq -> the reply awaited
+        self._calls: dict[int, asyncio.Future | asyncio.Queue] = {}  # seq -> the reply awaited (a STREAM call's
+        # items: a queue)
         loop = asyncio.get_running_loop()
         self._attached: asyncio.Future = loop.create_future()
         self.opener = loop.create_task(self._open(handle))
@@ -78,6 +83,7 @@ class PrefillLink(CalledBack):
             if not (isinstance(takes, (tuple, list)) and prefill_wire.PREFILL in takes):
                 self.older = True
                 return self.close()
+            self.streams = prefill_wire.STREAM in takes
             await asyncio.wait_for(asyncio.shield(self._attached), CALLBACK_TIMEOUT_S)
         except asyncio.CancelledError:
             self.close()
@@ -108,19 +114,50 @@ class PrefillLink(CalledBack):
         finally:
             self._calls.pop(seq, None)
 
+    def stream(self, request_id: str, prompt: list[int], params, seed: int | None) -> LinkStream:
+        """The request's streamed prefill (`prefill_streamed`) on this link's worker (`usable` and `streams`
+        first): its items as they come, what the Ray streaming call's reader sees (module docstring)."""
+        conn = self._conn
+        assert conn is not None
+        seq = next(self._seq)
+        items: asyncio.Queue = asyncio.Queue()
+        self._calls[seq] = items
+        conn.write(prefill_wire.prefill(seq, request_id, prompt, params, seed, streamed=True))
+        self.calls_sent += 1
+        return LinkStream(self, seq, request_id, items)
+
+    def cancel(self, seq: int, request_id: str) -> None:
+        """Stop waiting for call `seq`: a CANCEL behind it (the worker cancels it, or aborts its request)."""
+        self._calls.pop(seq, None)
+        conn = self._conn
+        if conn is not None and not conn.is_closing():
+            conn.write(prefill_wire.cancel(seq, request_id))
+
     def take(self, f: list) -> None:
         """One frame from the worker after its HELLO (FrameError for any other kind: the listener resets it)."""
         kind = f[0]
-        outcome: PrefillResult | BaseException
+        outcome: PrefillResult | TransferTicket | BaseException
         if kind == prefill_wire.PREFILLED:
             seq, outcome = prefill_wire.result(f)
+        elif kind == prefill_wire.CHUNK:
+            seq, outcome = prefill_wire.chunk_ticket(f)
         elif kind == prefill_wire.REFUSED:
             seq, error = prefill_wire.refusal(f)
             outcome = failure(error, self.worker_id)
         else:
             raise prefill_wire.FrameError(f"a {kind!r} frame from prefill worker {self.worker_id}")
-        reply = self._calls.pop(seq, None)
-        if reply is None or reply.done():  # its caller left meanwhile
+        reply = self._calls.get(seq)
+        if reply is None:  # its caller left meanwhile (a cancelled stream's chunks still on their way too)
+            return
+        if isinstance(reply, asyncio.Queue):  # a STREAM call: every item in order, the last one ends it
+            reply.put_nowait(outcome)
+            if not isinstance(outcome, TransferTicket):
+                del self._calls[seq]
+            return
+        if isinstance(outcome, TransferTicket):
+            raise prefill_wire.FrameError(f"a chunk frame for call {seq}, which is not streamed")
+        del self._calls[seq]
+        if reply.done():
             return
         if isinstance(outcome, BaseException):
             reply.set_exception(outcome)
@@ -133,7 +170,9 @@ class PrefillLink(CalledBack):
             self.ended, self.ended_at = True, time.monotonic()
         calls, self._calls = self._calls, {}
         for reply in calls.values():
-            if not reply.done():
+            if isinstance(reply, asyncio.Queue):
+                reply.put_nowait(error)
+            elif not reply.done():
                 reply.set_exception(error)
 
     def close(self) -> None:
@@ -143,6 +182,31 @@ class PrefillLink(CalledBack):
         if self._conn is not None:
             self._conn.close()  # the worker sees the close and drops the calls still running
         self.end(WorkerDied(self.worker_id, "this replica closed its prefill link"))
+
+
+class LinkStream:
+    """One STREAM call's items (chunk TransferTickets, then the PrefillResult) as `items()` yields them; `cancel`
+    stops it (service.prefill_feed.PrefillFeed reads it as it reads a Ray streaming call)."""
+
+    def __init__(self, link: PrefillLink, seq: int, request_id: str, queue: asyncio.Queue):
+        self.link, self.seq, self.request_id = link, seq, request_id
+        self._queue = queue
+        self.done = False
+
+    async def items(self):
+        """The call's items in order; raises what ended it before its result (the worker's error, WorkerDied)."""
+        while not self.done:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.done = True
+                raise item
+            self.done = isinstance(item, PrefillResult)
+            yield item
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self.link.cancel(self.seq, self.request_id)
 
 
 class PrefillLinks:

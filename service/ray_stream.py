@@ -11,7 +11,7 @@ for several tokens when the reader lags or speculative decoding accepts several)
 service.token_feed.TokenFeeds) the decode stream carries only `Transferred` and the tokens come over the decode
 worker's token feed, one Ray item an engine step for all of this replica's requests there; over a TCP feed the
 decode is opened on the feed's connection itself, no Ray call (DSV4_TOKEN_FEED_OPEN, service.tcp_feed), with the
-same errors as the call's; with `prefill_links` the unstreamed `prefill` goes as a frame on a connection the prefill
+same errors as the call's; with `prefill_links` the `prefill` (and `prefill_streamed`) call goes as a frame on a connection the prefill
 worker opened to this replica the same way (DSV4_PREFILL_FEED, service.prefill_link), same errors again. Errors:
 - an actor that died (or whose engine loop ended: `LoopStopped`) -> `WorkerDied` naming it;
 - a decode worker that does not know the prefill worker (`PeerUnknown`: one of them restarted since the health
@@ -40,10 +40,12 @@ decode side's `Transferred`) in `dsv4_kv_handoff_exposed_seconds{streamed}` and,
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
+import ray
 from ray.exceptions import RayTaskError
 
 from decode_worker.token_feed import FeedUnknown
@@ -54,7 +56,7 @@ from engine.telemetry import metrics
 from kv_transfer.base import TransferError
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
 from service.prefill_feed import PrefillFeed
-from service.prefill_link import PrefillLinks
+from service.prefill_link import PrefillLink, PrefillLinks
 from service.ray_items import DEAD, END, cause, failure, next_item, stream_items
 from service.token_feed import FeedQueue, TokenFeeds
 
@@ -249,9 +251,14 @@ class RayStreamer:
     ) -> tuple[PrefillResult, int, float]:
         """Run `prefill_streamed`, pulling each chunk ticket into the decode reservation as it arrives, in order,
         while the prefill goes on -> (PrefillResult, chunks pulled, its monotonic arrival here)."""
-        call: object = w.prefill.prefill_streamed  # type: ignore[attr-defined]
-        stream = call.options(num_returns="streaming").remote(rid, prompt, params, params.seed)  # type: ignore[attr-defined]
-        feed = PrefillFeed(stream, stream_items(stream, w.prefill_id), w.prefill_id)
+        link = self._link(w)
+        if link is not None and link.streams:  # STREAM frames on the worker's link (service.prefill_link)
+            over_link = link.stream(rid, prompt, params, params.seed)
+            feed = PrefillFeed(over_link.cancel, over_link.items(), w.prefill_id)
+        else:
+            call: object = w.prefill.prefill_streamed  # type: ignore[attr-defined]
+            stream = call.options(num_returns="streaming").remote(rid, prompt, params, params.seed)  # type: ignore[attr-defined]
+            feed = PrefillFeed(functools.partial(ray.cancel, stream), stream_items(stream, w.prefill_id), w.prefill_id)
         done, chunks = False, 0
         try:
             while True:
@@ -310,6 +317,11 @@ class RayStreamer:
             self.on_handoff(timing)
 
     # ---- one placement ----------------------------------------------------------------------------------
+    def _link(self, w: Workers) -> PrefillLink | None:
+        """The prefill worker's link if one is up (service.prefill_link), else None: the Ray call."""
+        links = self.prefill_links
+        return links.ready(w.prefill_id, w.prefill) if links is not None else None
+
     async def _prefill(self, rid: str, prompt: list[int], params, w: Workers, streamed: bool, tell):
         """Hop 7 -> (PrefillResult, chunks pulled, prefill seconds, the result's monotonic arrival)."""
         if streamed:
@@ -319,8 +331,7 @@ class RayStreamer:
             result, chunks, arrived = await self._prefill_streamed(rid, prompt, params, w)
             return result, chunks, arrived - start, arrived
         start = time.monotonic()
-        links = self.prefill_links
-        link = links.ready(w.prefill_id, w.prefill) if links is not None else None
+        link = self._link(w)
         try:
             if link is not None:  # no Ray call: a frame on the worker's link, the same errors (service.prefill_link)
                 result = await link.prefill(rid, prompt, params, params.seed)

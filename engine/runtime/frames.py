@@ -102,16 +102,20 @@ def result_fields(result: PrefillResult) -> list:
     return res
 
 
+def ticket_from(t: list) -> TransferTicket:
+    """`fields_of(ticket)`'s inverse (TypeError / ValueError for values that are not its shape)."""
+    ticket = dict(zip([f.name for f in fields(TransferTicket)], t, strict=True))
+    ticket["src_pages"] = tuple((g, tuple(p)) for g, p in ticket["src_pages"])
+    if ticket["staging"] is not None:
+        ticket["staging"] = tuple(ticket["staging"])
+    return TransferTicket(**ticket)
+
+
 def result_from(res: list) -> PrefillResult:
     """`result_fields`' inverse (TypeError / ValueError for values that are not its shape)."""
     values = dict(zip([f.name for f in fields(PrefillResult)], res, strict=True))
-    t = values["ticket"]
-    if t is not None:
-        ticket = dict(zip([f.name for f in fields(TransferTicket)], t, strict=True))
-        ticket["src_pages"] = tuple((g, tuple(p)) for g, p in ticket["src_pages"])
-        if ticket["staging"] is not None:
-            ticket["staging"] = tuple(ticket["staging"])
-        values["ticket"] = TransferTicket(**ticket)
+    if values["ticket"] is not None:
+        values["ticket"] = ticket_from(values["ticket"])
     values["prompt_logprobs"] = tuple(values["prompt_logprobs"])
     return PrefillResult(**values)
 

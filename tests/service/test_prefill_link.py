@@ -10,7 +10,8 @@ the request at once as WorkerDied naming it, over the link as over Ray; a client
 call on the worker (its request dropped there), over the link as over Ray.
 With the real PrefillWorker and DecodeWorker (tiny model, tcp KV transfer): the tokens over the link are the Ray
 call's, and the worker's refusal of a request it can never hold (the engine's ValueError, the client's 400) is the
-same error over both paths.
+same error over both paths; a long prompt's streamed hand-off (`prefill_streamed`: STREAM / CHUNK frames) gives the
+Ray stream's tokens with the same chunks pulled, and a client leaving mid-stream leaves both workers idle.
 """
 
 from __future__ import annotations
@@ -300,3 +301,87 @@ def test_a_real_prefill_worker_refuses_the_same_over_both_paths(real):
     assert "exceeds the model's maximum" in str(over_link)
     assert (sent_link, sent_ray) == (1, 0)
     assert ray.get(real[0].stats.remote()).load.kv_usage == 0.0
+
+
+# ---- the streamed hand-off over the link ------------------------------------------------------------------------
+STREAM_PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def stepping(cluster):
+    """Real workers whose prefill steps 64 tokens (a chunk: one 256-token page), so a long prompt streams."""
+    yield from placements.real_pair(TOKEN, {"max_batch_tokens": 64}, {"max_batch_tokens": 64})
+
+
+def _long_prompt(seed: int, n: int) -> tuple[int, ...]:
+    return tuple((13 * j + 5 * seed) % 499 + 2 for j in range(n))
+
+
+def test_a_streamed_handoff_over_the_link_gives_the_ray_streams_tokens(stepping):
+    """A 1024-token prompt streams its hand-off (stream_min_chunks 2): over the link its chunk tickets come as CHUNK
+    frames, over Ray as the streaming call's items; the tokens and logprobs are the same. (The link's run goes first,
+    on a cold prefix cache: several chunks; the Ray run's prompt is mostly cached by then: fewer.)"""
+
+    async def run(links: bool):
+        streamer, feeds, prefill_links = await _streamer(links)
+        handoffs: list = []
+        streamer.stream_min_chunks, streamer.on_handoff = 2, handoffs.append
+        if prefill_links is not None:
+            assert await _link_up(prefill_links, "rp0", stepping[0]) is not None
+        request = DispatchRequest(f"long-{links}", _long_prompt(1, 1024), STREAM_PARAMS)
+        got = []
+        async with contextlib.aclosing(streamer.run_placement(request, placements.real_workers(stepping))) as events:
+            async for ev in events:
+                got.append((ev.token_id, ev.logprob))
+                if ev.finished:
+                    break
+        sent = prefill_links.calls_sent() if prefill_links is not None else 0
+        await _close(feeds, prefill_links)
+        return got, handoffs, sent
+
+    over_link, handoffs_link, sent_link = asyncio.run(run(True))
+    over_ray, handoffs_ray, sent_ray = asyncio.run(run(False))
+    assert len(over_link) == 6 and over_link == over_ray
+    assert [h.streamed for h in handoffs_link] == [True] and handoffs_link[0].chunks >= 2
+    assert [h.streamed for h in handoffs_ray] == [True]
+    assert (sent_link, sent_ray) == (1, 0)
+    stats = ray.get([h.stats.remote() for h in stepping])
+    assert all(s.load.kv_usage == 0.0 for s in stats)
+
+
+def test_a_client_leaving_mid_streamed_handoff_over_the_link_frees_both_workers(stepping):
+    """The client leaves after the first chunk landed on the decode worker, while later chunks are prefilled: the
+    link's CANCEL stops the streamed prefill (its worker drops the request and its chunks), both workers are aborted,
+    and every page comes back."""
+
+    prefill, decode = stepping
+
+    async def run():
+        streamer, feeds, prefill_links = await _streamer(True)
+        streamer.stream_min_chunks = 2
+        assert await _link_up(prefill_links, "rp0", prefill) is not None
+        pulls = (await decode.transfer_summary.remote())["count"]
+        request = DispatchRequest("long-leaves", _long_prompt(2, 1024), STREAM_PARAMS)
+        events = streamer.run_placement(request, placements.real_workers(stepping))
+        first = asyncio.ensure_future(anext(events))
+        while (await decode.transfer_summary.remote())["count"] == pulls:  # until a chunk is in the decode pages
+            assert not first.done(), first
+            await asyncio.sleep(0.005)
+        running = (await prefill.stats.remote()).load.running
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        await events.aclose()
+        sent = prefill_links.calls_sent()
+        await _close(feeds, prefill_links)
+        return running, sent
+
+    running, sent = asyncio.run(run())
+    assert running == 1 and sent == 1  # the prefill was still running, over the link, when the client left
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = ray.get([h.stats.remote() for h in stepping])
+        if all(s.load.running == 0 and s.load.waiting == 0 and s.load.kv_usage == 0.0 for s in stats):
+            break
+        time.sleep(0.2)
+    assert all(s.load.running == 0 and s.load.waiting == 0 and s.load.kv_usage == 0.0 for s in stats), stats

@@ -40,8 +40,12 @@ def test_a_prefill_frame_round_trips_every_field():
     params = _params()
     assert all(getattr(params, f.name) != getattr(SamplingParams(), f.name) for f in fields(SamplingParams))
     call = prefill_wire.prefill_call(_one(prefill_wire.prefill(7, "req-1", [5, 6, 7], params, 1234)))
-    assert call == prefill_wire.PrefillCall(seq=7, request_id="req-1", prompt=[5, 6, 7], params=params, seed=1234)
+    assert call == prefill_wire.PrefillCall(
+        seq=7, request_id="req-1", prompt=[5, 6, 7], params=params, seed=1234, streamed=False
+    )
     assert prefill_wire.prefill_call(_one(prefill_wire.prefill(8, "r", [1], params, None))).seed is None
+    streamed = prefill_wire.prefill_call(_one(prefill_wire.prefill(9, "r", [1], params, 3, streamed=True)))
+    assert streamed.streamed and streamed.seq == 9
 
 
 def test_a_prefilled_frame_round_trips_the_result_and_its_ticket():
@@ -73,6 +77,7 @@ def test_a_prefilled_frame_round_trips_the_result_and_its_ticket():
         cached_tokens=8,
     )
     assert prefill_wire.result(_one(prefill_wire.prefilled(3, result))) == (3, result)
+    assert prefill_wire.chunk_ticket(_one(prefill_wire.chunk(6, ticket))) == (6, ticket)
     done = PrefillResult(**{**{f.name: getattr(result, f.name) for f in fields(result)}, "ticket": None})
     assert prefill_wire.result(_one(prefill_wire.prefilled(4, done))) == (4, done)
 

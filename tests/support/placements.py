@@ -33,7 +33,7 @@ async def tokens(streamer, request, workers) -> list[int]:
     return got
 
 
-def real_pair(token: str, decode_options: dict | None = None) -> Iterator[tuple]:
+def real_pair(token: str, decode_options: dict | None = None, prefill_options: dict | None = None) -> Iterator[tuple]:
     """A module fixture's body: a real PrefillWorker "rp0" and DecodeWorker "rd0" (the tiny built-in model, tcp KV
     transfer, `token` their cluster token), introduced; -> (prefill, decode) handles, killed after the module."""
     import ray
@@ -42,7 +42,7 @@ def real_pair(token: str, decode_options: dict | None = None) -> Iterator[tuple]
     from prefill_worker.worker import PrefillWorker
 
     prefill = ray.remote(num_cpus=0, max_concurrency=16)(PrefillWorker).remote(
-        "rp0", None, transfer="tcp", cluster_token=token
+        "rp0", None, prefill_options, transfer="tcp", cluster_token=token
     )
     decode = ray.remote(num_cpus=0, max_concurrency=1000)(DecodeWorker).remote(
         "rd0", None, decode_options, transfer="tcp", cluster_token=token
