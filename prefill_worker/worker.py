@@ -121,7 +121,9 @@ class PrefillWorker(WorkerBase):
     async def open_prefill_link(self, link_id: str, host: str, port: int, key: str) -> tuple[str, ...]:
         """Call an ingress replica back at host:port and take its `prefill` calls as frames on that connection
         (prefill_worker.prefill_link) -> the frame kinds this worker takes (prefill_wire.WORKER_TAKES)."""
-        prefiller = prefill_link.Prefiller(self.prefill, self.abort, self.prefill_streamed)
+        prefiller = prefill_link.Prefiller(
+            prefill=self.prefill, abort=self.abort, prefill_streamed=self.prefill_streamed
+        )
         await prefill_link.connect(link_id, host, port, self.cluster_token, key, prefiller)
         return prefill_wire.WORKER_TAKES
 

@@ -106,7 +106,7 @@ class SyntheticPrefill(_Synthetic):
 
     async def open_prefill_link(self, link_id: str, host: str, port: int, key: str) -> tuple[str, ...]:
         """As `PrefillWorker.open_prefill_link`: call the replica back and take its prefill calls as frames."""
-        prefiller = prefill_link.Prefiller(self._link_prefill, self.abort)
+        prefiller = prefill_link.Prefiller(prefill=self._link_prefill, abort=self.abort)
         await prefill_link.connect(link_id, host, port, self.token, key, prefiller)
         return (prefill_wire.PREFILL, prefill_wire.CANCEL)  # no streamed hand-off here
 

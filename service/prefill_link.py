@@ -58,7 +58,7 @@ class PrefillLink(CalledBack):
         self.ended_at = 0.0  # monotonic
         self.older = False  # the worker takes no PREFILL frame (an older release): never ask it again
         self.streams = False  # the worker takes STREAM frames (its open_prefill_link reply named them)
-        self.calls_sent = 0  # PREFILL frames written (tests, benchmarks: how many requests took this path)
+        self.calls_sent = 0  # PREFILL and STREAM frames written (tests, benchmarks: how many took this path)
         self._listener = listener
         self._conn: asyncio.Transport | None = None
         self._seq = itertools.count()
@@ -233,7 +233,7 @@ class PrefillLinks:
         return link if link.usable() else None
 
     def calls_sent(self) -> int:
-        """PREFILL frames written on the links open now (tests, benchmarks)."""
+        """PREFILL and STREAM frames written on the links open now (tests, benchmarks)."""
         return sum(link.calls_sent for link in self._links.values())
 
     async def close(self) -> None:
