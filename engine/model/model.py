@@ -133,15 +133,7 @@ class DeepseekV4Model:
         norm and the cast in; where `first` (the block's first projection of its input) runs DeepGEMM's FP8 GEMM,
         the 1x128 quantisation it needs is fused into the norm's launch too (triton_mhc.hc_pre_quant)."""
         cfg, impl = self.cfg, self._mhc(streams)
-        args = (
-            streams,
-            lw[f"hc_{kind}_fn"],
-            lw[f"hc_{kind}_base"],
-            lw[f"hc_{kind}_scale"],
-            cfg.hc_sinkhorn_iters,
-            cfg.hc_eps,
-            cfg.rms_norm_eps,
-        )
+        args = (streams, *self._hc_params(lw, kind))
         weight, eps = lw[f"{kind}_norm.weight"], cfg.rms_norm_eps
         if impl is mhc:
             collapsed, post, comb = impl.hc_pre(*args)
@@ -158,6 +150,13 @@ class DeepseekV4Model:
             return x, None, post, comb
         x, q, s, post, comb = impl.hc_pre_quant(*args, norm_weight=weight, out_eps=eps, out_dtype=self.dtype, pow2=pow2)
         return x, QuantizedAct(q, s), post, comb
+
+    def _hc_params(self, lw: dict, kind: str) -> tuple:
+        """Block `kind`'s mHC parameters as the pre functions take them after the streams: (fn, base, scale,
+        Sinkhorn iterations, hc eps, the mixing norm's eps)."""
+        cfg = self.cfg
+        fn, base, scale = lw[f"hc_{kind}_fn"], lw[f"hc_{kind}_base"], lw[f"hc_{kind}_scale"]
+        return fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
 
     def _mhc_chain(self, streams: torch.Tensor):
         """dsv4_kernels.triton_mhc_chain where a block boundary over these streams takes its two launches (the
@@ -185,20 +184,14 @@ class DeepseekV4Model:
         if chain is None:
             streams = self._mhc(streams).hc_post(out, streams, post, comb)
             return (streams, *self._hc(lw, kind, streams, first))
-        cfg = self.cfg
         new, x, q, s, post, comb = chain.post_pre_norm_quant(
             out,
             streams,
             post,
             comb,
-            lw[f"hc_{kind}_fn"],
-            lw[f"hc_{kind}_base"],
-            lw[f"hc_{kind}_scale"],
-            cfg.hc_sinkhorn_iters,
-            cfg.hc_eps,
-            cfg.rms_norm_eps,
+            *self._hc_params(lw, kind),
             norm_weight=lw[f"{kind}_norm.weight"],
-            out_eps=cfg.rms_norm_eps,
+            out_eps=self.cfg.rms_norm_eps,
             out_dtype=self.dtype,
             pow2=shared_quant_pow2(streams.device, self.dtype, first),
         )
