@@ -108,6 +108,28 @@ def tl_mixing(m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, 
     return pre, post, comb, cmask
 
 
+@triton.jit
+def tl_split_weights(
+    m_row, base_ptr, scale_ptr, post_ptr, comb_ptr, t, HC, D, N_MIX, iters, hc_eps, norm_eps, splits, stride_ms,
+    HC_P: tl.constexpr, SB: tl.constexpr,
+):  # fmt: skip
+    """Token t's mixing weights from its split-K partials at m_row (the streams' sum of squares in column N_MIX: the
+    mixing RMSNorm's statistic), the way every program of a split pre kernel derives them (grid (T, D blocks)); the
+    token's first program stores post and comb. -> (pre [HC_P], comb's mask [HC_P, HC_P])."""
+    i = tl.arange(0, HC_P)
+    j = tl.arange(0, HC_P)
+    imask = i < HC
+    sumsq = tl.sum(tl_mix_sum(m_row, N_MIX + i * 0, i == 0, splits, stride_ms, SB), axis=0)
+    rinv = tl.rsqrt(sumsq / (HC * D) + norm_eps)
+    pre, post, comb, cmask = tl_mixing(
+        m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms, SB
+    )
+    if tl.program_id(1) == 0:
+        tl.store(post_ptr + t * HC + i, post, mask=imask)
+        tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=cmask)
+    return pre, cmask
+
+
 @triton.jit(do_not_specialize=["splits", "stride_ms", "stride_mt"])
 def _hc_pre_kernel(
     streams_ptr,
@@ -211,17 +233,12 @@ def _hc_pre_split_kernel(
     of squares rides in column N_MIX of them, from _hc_mix_kernel) and collapses one block of D."""
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HC_P)
-    j = tl.arange(0, HC_P)
     imask = i < HC
     m_row = mixes_ptr + t * stride_mt
-    sumsq = tl.sum(tl_mix_sum(m_row, N_MIX + i * 0, i == 0, splits, stride_ms, SB), axis=0)
-    rinv = tl.rsqrt(sumsq / (HC * D) + norm_eps)
-    pre, post, comb, cmask = tl_mixing(
-        m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms, SB
-    )
-    if tl.program_id(1) == 0:
-        tl.store(post_ptr + t * HC + i, post, mask=imask)
-        tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=cmask)
+    pre, _ = tl_split_weights(
+        m_row, base_ptr, scale_ptr, post_ptr, comb_ptr, t, HC, D, N_MIX, iters, hc_eps, norm_eps, splits, stride_ms,
+        HC_P, SB,
+    )  # fmt: skip
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = cols < D
     x = tl.load(

@@ -32,7 +32,7 @@ from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.settings import settings
 from dsv4_kernels.triton_cache_codecs import USE_HW_FP8_CAST
 from dsv4_kernels.triton_fp8_quant import scale_buffer, tl_quant_1x128
-from dsv4_kernels.triton_mhc import PRE_SPLITS_PER_LOAD, tl_mix_sum, tl_mix_sum2, tl_mixing
+from dsv4_kernels.triton_mhc import PRE_SPLITS_PER_LOAD, tl_mix_sum2, tl_split_weights
 
 triton, tl = import_triton()
 
@@ -164,14 +164,10 @@ def _pre_norm_quant_kernel(
     j = tl.arange(0, HC_P)
     imask = i < HC
     m_row = part_ptr + t * NCOL
-    sumsq = tl.sum(tl_mix_sum(m_row, N_MIX + i * 0, i == 0, splits, stride_ms, SB), axis=0)
-    rinv = tl.rsqrt(sumsq / (HC * D) + norm_eps)
-    pre, post, comb, cmask = tl_mixing(
-        m_row, base_ptr, scale_ptr, rinv, i, j, imask, HC, iters, hc_eps, splits, stride_ms, SB
-    )
-    if tl.program_id(1) == 0:
-        tl.store(post_ptr + t * HC + i, post, mask=imask)
-        tl.store(comb_ptr + t * HC * HC + i[:, None] * HC + j[None, :], comb, mask=cmask)
+    pre, cmask = tl_split_weights(
+        m_row, base_ptr, scale_ptr, post_ptr, comb_ptr, t, HC, D, N_MIX, iters, hc_eps, norm_eps, splits, stride_ms,
+        HC_P, SB,
+    )  # fmt: skip
     gram = tl_mix_sum2(m_row, N_MIX + 1 + i[:, None] * HC + j[None, :], cmask, splits, stride_ms, SB)
     # the collapsed row's sum of squares, pre^T G pre (pre is 0 on padded streams)
     ysq = tl.sum(tl.sum(pre[:, None] * gram * pre[None, :], axis=1), axis=0)
