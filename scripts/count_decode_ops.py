@@ -137,11 +137,11 @@ def _patch(sections: Sections, ogs: bool, fp8: bool) -> list:
         return lambda *a, **k: f"layer{sections.layer}.{kind}"
 
     def hc_pre_of(real):
-        def inner(self, lw, kind, streams):
+        def inner(self, lw, kind, streams, *rest):
             if kind == "attn":
                 sections.layer += 1
             with sections.section(f"layer{sections.layer}.mhc"):
-                return real(self, lw, kind, streams)
+                return real(self, lw, kind, streams, *rest)
         return inner
 
     undo.append((model_mod.DeepseekV4Model, "_hc", _wrap(model_mod.DeepseekV4Model, "_hc", hc_pre_of)))
