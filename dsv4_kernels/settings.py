@@ -134,7 +134,8 @@ class Settings:
         8,
         "mHC on CUDA: steps of at most this many tokens run each block boundary (post, the next block's mix, pre, "
         "norm and quantisation) as two launches (dsv4_kernels.triton_mhc_chain; on an H100 batch 1 went 717 -> 748 "
-        "tok/s with it, batch 64 lost 1.3% at 256); 0 keeps the four launches of dsv4_kernels.triton_mhc",
+        "tok/s with it and two other launch cuts, batch 64 lost 1.3% with it at 256); 0 keeps the four launches of "
+        "dsv4_kernels.triton_mhc",
         "kernels",
         minimum=0,
     )

@@ -38,9 +38,10 @@ triton, tl = import_triton()
 
 # Steps of up to this many tokens take the chain (small decode batches, MTP verification of them); longer ones keep
 # dsv4_kernels.triton_mhc's launches, whose mix runs on dot tiles (here every program keeps its fn block in
-# registers and runs tokens on FMAs, TOK at a time): on an H100 (BENCHMARKS.md `decode_launches`) the chain took
-# batch 1 from 717 to 748 tok/s but batch 64 from 12356 to 12194. $DSV4_HC_CHAIN_MAX_TOKENS overrides (0: never);
-# the kernels themselves take any step up to LIMIT_TOKENS.
+# registers and runs tokens on FMAs, TOK at a time): on an H100 (BENCHMARKS.md `decode_launches`) batch 1 went from
+# 717 to 748 tok/s with the chain (and the router GEMV and the RoPE in wo_a's quantiser), but with the chain up to
+# 256 tokens batch 64 went from 12356 to 12194. $DSV4_HC_CHAIN_MAX_TOKENS overrides (0: never); the kernels
+# themselves take any step up to LIMIT_TOKENS.
 CHAIN_MAX_TOKENS = settings().hc_chain_max_tokens  # 8
 LIMIT_TOKENS = 4096
 # The post + mix kernel's D block: 64 columns give 64 programs a token at V4-Flash's D = 4096 (its fn block, 24 x 4 x
