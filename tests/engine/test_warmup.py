@@ -257,7 +257,8 @@ def test_grouped_projection_is_one_masked_gemm_or_falls_back(monkeypatch):
     fake = types.SimpleNamespace(fp8_gemm_nt=plain, m_grouped_fp8_gemm_nt_masked=masked)
     monkeypatch.setattr(dgl, "import_deep_gemm", lambda: fake)
 
-    def fake_quant(x, pow2=True, rows=None):  # stand-in with the real one's padded-storage contract
+    def fake_quant(x, pow2=True, rows=None, rope=None):  # stand-in with the real one's padded-storage contract
+        assert rope is None  # (the attention output's rope: not on this path)
         g, m, k = x.shape
         q = torch.zeros(g, rows or m, k).to(torch.float8_e4m3fn)
         q[:, :m] = x.to(torch.float8_e4m3fn)
