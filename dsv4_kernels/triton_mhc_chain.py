@@ -56,7 +56,7 @@ def partial_columns(hc: int) -> int:
     return (2 + hc) * hc + 1 + hc * hc
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "stride_ps"])  # (stride_ps = T x columns: no variant a step size)
 def _post_mix_kernel(
     new_ptr,
     block_out_ptr,
@@ -125,7 +125,7 @@ def _post_mix_kernel(
         tl.store(out + gcol, gram, mask=gmask & live[:, None])
 
 
-@triton.jit(do_not_specialize=["splits", "stride_ms"])
+@triton.jit(do_not_specialize=["splits", "stride_ms", "stride_sk"])
 def _pre_norm_quant_kernel(
     streams_ptr,
     part_ptr,

@@ -50,7 +50,7 @@ MAX_CHUNK_TOKENS = 2048
 
 # ---- routing ------------------------------------------------------------------------------------------
 # (engine.execution.warmup: step sizes must not add variants; token_ids may be a slice at any offset of the step's ids)
-@triton.jit(do_not_specialize=["T", "splits"], do_not_specialize_on_alignment=["token_ids_ptr"])
+@triton.jit(do_not_specialize=["T", "splits", "stride_s"], do_not_specialize_on_alignment=["token_ids_ptr"])
 def _route_kernel(
     logits_ptr,
     bias_ptr,

@@ -29,7 +29,7 @@ BLOCK_E = 32
 BLOCK_H = 256
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "stride_ps"])  # (stride_ps = T x E: no variant a step size)
 def _router_gemv_kernel(
     x_ptr, gate_ptr, part_ptr, T, E, H, stride_x, stride_g, stride_ps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr
 ):
