@@ -31,13 +31,13 @@ from tests.support.deploy_fixtures import (
     EXAMPLES,
     REPO,
     documents,
-    free_port,
     http_json,
     load_values,
     render,
     sample_names,
     serve_config,
 )
+from tests.support.ports import free_ports
 
 READY_TIMEOUT_S = 240.0
 
@@ -54,7 +54,10 @@ class KubeRayLikeHead:
         self.tmp = tempfile.mkdtemp(prefix="dsv4kr-")  # short: Ray's unix sockets live under it
         self.metrics_dir = os.path.join(self.tmp, "metrics")
         os.makedirs(self.metrics_dir)
-        self.gcs_port, self.dashboard_port, self.http_port, self.exporter_port = (free_port() for _ in range(4))
+        # every port this head uses, distinct (two free_port draws can name the same port: Ray then refuses to start)
+        ports = free_ports(7)
+        self.gcs_port, self.dashboard_port, self.http_port, self.exporter_port = ports[:4]
+        self._ray_ports = ports[4:]  # metrics export, Ray client server, dashboard agent
         self.env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PROMETHEUS_MULTIPROC_DIR")}
         # what KubeRay sets on the Ray containers from the chart's authOptions Secret
         self.token = secrets.token_hex(24)
@@ -89,11 +92,11 @@ class KubeRayLikeHead:
         params.update(
             {
                 "dashboard-host": "127.0.0.1",
-                "metrics-export-port": str(free_port()),
+                "metrics-export-port": str(self._ray_ports[0]),
                 "port": str(self.gcs_port),
                 "dashboard-port": str(self.dashboard_port),
-                "ray-client-server-port": str(free_port()),
-                "dashboard-agent-listen-port": str(free_port()),
+                "ray-client-server-port": str(self._ray_ports[1]),
+                "dashboard-agent-listen-port": str(self._ray_ports[2]),
                 "num-cpus": "2",
                 # a private temp dir keeps `ray start` from pointing later `ray.init()`s of this
                 # machine (/tmp/ray/ray_current_cluster) at this short-lived cluster

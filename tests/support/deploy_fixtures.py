@@ -26,7 +26,7 @@ import urllib.request
 import pytest
 import yaml
 
-from tests.support.ports import free_port  # noqa: F401 - re-exported for the deploy tests
+from tests.support.ports import free_port, free_ports  # noqa: F401 - free_port re-exported for the deploy tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHART = os.path.join(REPO, "deploy", "helm", "dsv4")
@@ -180,7 +180,7 @@ class LiveService:
     """`dsv4 serve --transfer tcp` (1P1D, the decode pool elastic up to 2) in a subprocess on loopback ports, with its own metrics dir."""
 
     def __init__(self):
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port = free_ports(2)  # distinct (two draws can name one port)
         self.tmp = tempfile.mkdtemp(prefix="dsv4-deploy-test-")
         self.log_path = os.path.join(self.tmp, "serve.log")
         self.proc: subprocess.Popen | None = None
