@@ -51,6 +51,7 @@ FLASH_MLA_PREFILL = "DSV4_FLASH_MLA_PREFILL"
 FP8_MOE_LAYOUT = "DSV4_FP8_MOE_LAYOUT"
 INDEXER_PREFILL = "DSV4_INDEXER_PREFILL"
 TOPK_SORT_MAX_CANDIDATES = "DSV4_TOPK_SORT_MAX_CANDIDATES"
+PDL = "DSV4_PDL"
 GROUPED_MOE = "DSV4_GROUPED_MOE"
 FP32_RESIDUAL = "DSV4_FP32_RESIDUAL"
 TP_BACKEND = "DSV4_TP_BACKEND"
@@ -177,6 +178,17 @@ class Settings:
         "skips the empty tiles: 8K prefill 50 ms on the H200) or exact (one host sync a MoE layer: 55 ms)",
         "kernels",
         choices=("exact", "bound"),
+    )
+    pdl: bool = _switch(
+        PDL,
+        "bool",
+        False,
+        "1 = the engine's own Triton kernels launch with programmatic dependent launch on CUDA devices of compute "
+        "capability >= 9.0 (launch_pdl; each kernel waits for its predecessor with gdc_wait before any memory access, "
+        "dsv4_kernels.triton_pdl), so a launch overlaps the previous kernel's tail; 0 = plain launches. Off until "
+        "measured in the engine on a GPU: only a probe has run (64 dependent small kernels in a CUDA graph on an "
+        "H100, triton 3.6: 1.14-1.31 -> 0.80 us a kernel, benchmarks/pdl_probe.py)",
+        "kernels",
     )
     ogs_constraints: dict | None = _switch(
         OGS_CONSTRAINTS,

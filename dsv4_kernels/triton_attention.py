@@ -24,6 +24,7 @@ import torch
 from dsv4_kernels.geometry import Fp8DsMlaLayout
 from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.triton_attention_kernels import merge_kernel, sparse_attn_kernel
+from dsv4_kernels.triton_pdl import pdl_kwargs
 
 triton, tl = import_triton()
 
@@ -217,6 +218,7 @@ def _launch(
         SPLIT=split,
         BF16_DOT=bf16_dot,
         **extra,
+        **pdl_kwargs(q),
     )
     if split:
         merge_h = min(8, triton.next_power_of_2(h))  # no dot here: small head blocks keep registers low
@@ -233,6 +235,7 @@ def _launch(
             PD=triton.next_power_of_2(d),
             BLOCK_H=merge_h,
             **({"num_warps": 4} if q.is_cuda else {}),
+            **pdl_kwargs(pacc),
         )
     return out
 

@@ -26,6 +26,7 @@ straight from memory into the dots (no register round trip), so triton can pipel
 from __future__ import annotations
 
 from dsv4_kernels.gpu import import_triton
+from dsv4_kernels.triton_pdl import tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -177,8 +178,10 @@ def sparse_attn_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     BF16_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Segment i: store columns O_i (bytes for fp8 kinds) of width W_i, q / output columns QO_i."""
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp_id = tl.program_id(2)
@@ -298,8 +301,10 @@ def merge_kernel(
     D: tl.constexpr,
     PD: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge the split partials of one (token, head block); the sink enters once, as the initial state."""
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H

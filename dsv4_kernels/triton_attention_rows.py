@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -49,7 +50,9 @@ def _rows_kernel(
     stride_ob,
     COMP: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     for j0 in range(0, LA, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
@@ -185,4 +188,5 @@ def attention_rows(
         ob.stride(0),
         COMP=mode,
         BLOCK=min(1024, triton.next_power_of_2(max(widest, 1))),
+        **pdl_kwargs(swa_rows),
     )

@@ -28,6 +28,7 @@ from dsv4_kernels.geometry import Fp8DsMlaLayout, IndexerKeyLayout
 from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.triton_cache_codecs import tl_round_bf16, tl_round_to, tl_row_offsets, tl_store_fp8_ds_mla
 from dsv4_kernels.triton_compressor import entry_quant_format, tl_store_indexer_key
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -256,7 +257,9 @@ def _close_kernel(
     LOG2D: tl.constexpr,
     BF16: tl.constexpr,
     HW_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     first = tl.load(rows_ptr + n)
     if (first < 0) | (first == skip_row):
@@ -573,4 +576,5 @@ def close_windows(
         BF16=kv.dtype == torch.bfloat16,
         HW_FP8=kv.is_cuda and tc.USE_HW_FP8_CAST,
         **extra,
+        **pdl_kwargs(state),
     )

@@ -50,6 +50,7 @@ from dsv4_kernels.triton_cache_codecs import (
     tl_store_fp8_ds_mla,
     tl_ue8m0,
 )
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -117,7 +118,9 @@ def _pool_norm_rope_kernel(
     HALF_P: tl.constexpr,
     HAS_ROPE: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     kv_row = kv_ptr + n * stride_kvn
     sc_row = score_ptr + n * stride_scn
@@ -218,6 +221,7 @@ def pool_norm_rope(
         HAS_ROPE=half > 0,
         BLOCK_S=block_s,
         **extra,
+        **pdl_kwargs(kv),
     )
     return out
 
@@ -238,7 +242,9 @@ def _state_save_kernel(
     stride_ar,
     stride_sr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     slot = tl.load(rows_ptr + t + tl.arange(0, 1)).to(tl.int64)  # [1]: the interpreter needs vector masks
@@ -299,6 +305,7 @@ def save_state(
         ape.stride(0),
         state.stride(0),
         BLOCK_W=block_w,
+        **pdl_kwargs(kv),
     )
 
 
@@ -403,8 +410,10 @@ def _pool_quant_kernel(
     LOG2D: tl.constexpr,
     BF16: tl.constexpr,
     HW_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One entry: pool + RMSNorm + RoPE (as _pool_norm_rope_kernel, rounding by bits), then its cache row."""
+    tl_pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     kv_row = kv_ptr + n * stride_kvn
     sc_row = score_ptr + n * stride_scn
@@ -594,5 +603,6 @@ def pool_norm_rope_quant(
         BF16=kv.dtype == torch.bfloat16,
         HW_FP8=kv.is_cuda and tc.USE_HW_FP8_CAST,
         **extra,
+        **pdl_kwargs(kv),
     )
     return out

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -88,7 +89,9 @@ def _prologue_kernel(
     NC,
     NF: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(2)  # this program's blocks of a wide section: chunk, chunk + NC, ...
     S = R // Q
@@ -216,6 +219,18 @@ def decode_prologue(
     flags = torch.empty(num_flags, dtype=torch.uint8, device=packed.device)
     nc = chunks_per_section(rows, max_width)
     _prologue_kernel[(rows, desc.shape[0], nc)](
-        packed, table, desc, out, flags, rows, queries, pad_row, table.stride(0), nc, NF=NUM_FIELDS, BLOCK_W=BLOCK
+        packed,
+        table,
+        desc,
+        out,
+        flags,
+        rows,
+        queries,
+        pad_row,
+        table.stride(0),
+        nc,
+        NF=NUM_FIELDS,
+        BLOCK_W=BLOCK,
+        **pdl_kwargs(packed),
     )
     return out, flags

@@ -15,6 +15,7 @@ import torch
 from dsv4_kernels.fp8_linear import AMAX_FLOOR, BLOCK, FP8_MAX
 from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.triton_cache_codecs import USE_HW_FP8_CAST, tl_e4m3_bits, tl_round_to
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -85,7 +86,9 @@ def _quant_kernel(
     BLOCK_K: tl.constexpr,
     ROPE: tl.constexpr,
     BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)  # group of a grouped projection (0 for a plain one)
@@ -154,6 +157,7 @@ def _launch(x, q, s, m: int, k: int, kb: int, g: int, x_strides, q_strides, s_st
         BLOCK_K=BLOCK,
         ROPE=rope is not None,
         BF16=x.dtype == torch.bfloat16,
+        **pdl_kwargs(x),
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -29,7 +30,10 @@ BLOCK_V = 4096
 
 
 @triton.jit
-def _greedy_partial_kernel(logits_ptr, max_ptr, idx_ptr, sum_ptr, V, stride_l, NB, BLOCK: tl.constexpr):
+def _greedy_partial_kernel(
+    logits_ptr, max_ptr, idx_ptr, sum_ptr, V, stride_l, NB, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    tl_pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -52,7 +56,8 @@ def _greedy_partial_kernel(logits_ptr, max_ptr, idx_ptr, sum_ptr, V, stride_l, N
 
 
 @triton.jit
-def _greedy_combine_kernel(max_ptr, idx_ptr, sum_ptr, out_ptr, N, NB, NB_P2: tl.constexpr):
+def _greedy_combine_kernel(max_ptr, idx_ptr, sum_ptr, out_ptr, N, NB, NB_P2: tl.constexpr, PDL: tl.constexpr):
+    tl_pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = tl.arange(0, NB_P2)
     ok = b < NB
@@ -98,9 +103,18 @@ def greedy_pick(logits: torch.Tensor, block_v: int = BLOCK_V) -> torch.Tensor:
     firsts = torch.empty(n, nb, dtype=torch.int32, device=logits.device)
     sums = torch.empty(n, nb, dtype=torch.float32, device=logits.device)
     _greedy_partial_kernel[(n, nb)](
-        logits, maxima, firsts, sums, vocab, logits.stride(0), nb, BLOCK=block_v, num_warps=8 if block_v >= 2048 else 4
+        logits,
+        maxima,
+        firsts,
+        sums,
+        vocab,
+        logits.stride(0),
+        nb,
+        BLOCK=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
+        **pdl_kwargs(logits),
     )
     _greedy_combine_kernel[(n,)](
-        maxima, firsts, sums, out, n, nb, NB_P2=max(triton.next_power_of_2(nb), 16), num_warps=1
+        maxima, firsts, sums, out, n, nb, NB_P2=max(triton.next_power_of_2(nb), 16), num_warps=1, **pdl_kwargs(maxima)
     )
     return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -51,9 +52,11 @@ def _head_mix_kernel(
     HC_P: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GATHER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """part[s, n, m < HC] = this split's sum of x[k] * fn[m, k]; part[s, n, HC] = its sum of x[k]^2, where x is
     the flattened streams of token rows[n] (token n without GATHER)."""
+    tl_pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     r = n
     if GATHER:
@@ -124,7 +127,9 @@ def _head_norm_kernel(
     BLOCK_D: tl.constexpr,
     SB: tl.constexpr,
     GATHER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     r = n
     if GATHER:
@@ -226,6 +231,7 @@ def hc_head_norm(
         BLOCK_K=MIX_BLOCK_K,
         GATHER=gather,
         **({"num_warps": 4} if cuda else {}),
+        **pdl_kwargs(streams),
     )
     _head_norm_kernel[(n,)](
         streams,
@@ -251,5 +257,6 @@ def hc_head_norm(
         SB=min(SPLITS_PER_LOAD, triton.next_power_of_2(splits)),
         GATHER=gather,
         **({"num_warps": 8} if cuda else {}),
+        **pdl_kwargs(streams),
     )
     return out

@@ -31,6 +31,7 @@ from dsv4_kernels.indexer import SCORES_BUDGET, check_candidates, query_blocks, 
 from dsv4_kernels.settings import settings
 from dsv4_kernels.triton_index_keys import bf16_dot, check_index_keys, key_format, tl_load_index_keys
 from dsv4_kernels.triton_indexer_prefill import indexer_prefill_scores
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -62,7 +63,9 @@ def _indexer_scores_kernel(
     VALUE_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
     BF16_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cand = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     heads = tl.arange(0, HI_P)
@@ -165,6 +168,7 @@ def indexer_scores(
         SCALE_BYTES=scale_bytes,
         BF16_DOT=bf16_dot(q, keys, layout),
         **extra,
+        **pdl_kwargs(q),
     )
     return out
 

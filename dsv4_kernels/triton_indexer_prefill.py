@@ -32,6 +32,7 @@ from dsv4_kernels.geometry import IndexerKeyLayout
 from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.indexer import check_candidates, token_candidates
 from dsv4_kernels.triton_index_keys import bf16_dot, check_index_keys, key_format, tl_load_index_keys
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -75,8 +76,10 @@ def _prefill_scores_kernel(
     VALUE_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
     BF16_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Blocks late in a sequence see the most keys: the table runs backwards so they start first.
+    tl_pdl_wait(PDL)
     g = num_blocks - 1 - tl.program_id(0)
     t0 = tl.load(blocks_ptr + 2 * g)
     t1 = tl.load(blocks_ptr + 2 * g + 1)
@@ -270,5 +273,6 @@ def indexer_prefill_scores(
         SCALE_BYTES=scale_bytes,
         BF16_DOT=bf16_dot(q, keys, layout),
         **extra,
+        **pdl_kwargs(q),
     )
     return out

@@ -43,6 +43,7 @@ from dsv4_kernels.triton_cache_codecs import (
     tl_round_to,
     tl_ue8m0,
 )
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -126,7 +127,9 @@ def _indexer_q_kernel(
     HW_FP8: tl.constexpr,
     HAS_ROT: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = n < N
     n64 = n.to(tl.int64)
@@ -266,6 +269,7 @@ def indexer_query(
             HAS_ROT=rotated is not None,
             BLOCK_R=block_r,
             **extra,
+            **pdl_kwargs(q),
         )
     return (values, scales, rotated) if return_rotated else (values, scales)
 
@@ -313,7 +317,9 @@ def _prologue_kernel(
     HALF_P: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)  # this program's candidate blocks: chunk, chunk + NE, ...; chunk 0 also does q
     # candidate rows: -1 where not visible
@@ -499,5 +505,6 @@ def indexer_prologue(
         BLOCK_E=block_e,
         BF16=q.dtype == torch.bfloat16,
         **extra,
+        **pdl_kwargs(q),
     )
     return q_out, w_out, None if no_rows else r_out

@@ -29,6 +29,7 @@ from dsv4_kernels.settings import settings
 from dsv4_kernels.triton_fp8_quant import quant_act_1x128
 from dsv4_kernels.triton_mhc_mix import mix_partials, split_max_tokens
 from dsv4_kernels.triton_norm_quant import MAX_K, rms_norm_quant
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -157,8 +158,10 @@ def _hc_pre_kernel(
     HC_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token (long steps: T programs fill the GPU)."""
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HC_P)
     j = tl.arange(0, HC_P)
@@ -228,9 +231,11 @@ def _hc_pre_split_kernel(
     HC_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Short steps: grid (T, D / BLOCK_D). Each program derives its token's weights from the partials (the sum
     of squares rides in column N_MIX of them, from _hc_mix_kernel) and collapses one block of D."""
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HC_P)
     imask = i < HC
@@ -251,8 +256,9 @@ def _hc_pre_split_kernel(
 
 
 @triton.jit
-def _norm_rows_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_xt, stride_ot, BLOCK_D: tl.constexpr):
+def _norm_rows_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_xt, stride_ot, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), fp32 math, one rounding (a row per program, whole)."""
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     dmask = cols < D
@@ -278,7 +284,9 @@ def _hc_post_kernel(
     stride_oh,
     HC_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = cols < D
@@ -378,6 +386,7 @@ def hc_pre(
             BLOCK_D=block_d,
             SB=min(PRE_SPLITS_PER_LOAD, triton.next_power_of_2(parts.shape[0])),
             **({"num_warps": 1} if streams.is_cuda else {}),
+            **pdl_kwargs(streams),
         )  # one warp: Sinkhorn's hc x hc sums stay in-warp
         if norm_weight is not None:
             _norm_rows_kernel[(t,)](
@@ -390,6 +399,7 @@ def hc_pre(
                 normed.stride(0),
                 BLOCK_D=triton.next_power_of_2(d),
                 num_warps=8,
+                **pdl_kwargs(collapsed),
             )
         return normed, post, comb
     parts = mix_partials(streams, fn)  # [1, T, n_mix] fp32 (torch's matmul)
@@ -425,6 +435,7 @@ def hc_pre(
         BLOCK_D=block_d,
         NORM=norm,
         **extra,
+        **pdl_kwargs(streams),
     )
     return normed, post, comb
 
@@ -496,5 +507,6 @@ def hc_post(
         HC_P=triton.next_power_of_2(hc),
         BLOCK_D=block_d,
         **extra,
+        **pdl_kwargs(out),
     )
     return out

@@ -33,6 +33,7 @@ from dsv4_kernels.settings import settings
 from dsv4_kernels.triton_cache_codecs import USE_HW_FP8_CAST
 from dsv4_kernels.triton_fp8_quant import scale_buffer, tl_quant_1x128
 from dsv4_kernels.triton_mhc import PRE_SPLITS_PER_LOAD, tl_mix_sum2, tl_split_weights
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -82,7 +83,9 @@ def _post_mix_kernel(
     NM_P: tl.constexpr,
     TOK: tl.constexpr,
     POST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     i = tl.arange(0, HC_P)
     imask = i < HC
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -159,7 +162,9 @@ def _pre_norm_quant_kernel(
     QUANT: tl.constexpr,
     POW2: tl.constexpr,
     HW_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HC_P)
     j = tl.arange(0, HC_P)
@@ -239,6 +244,7 @@ def _post_mix(
         TOK=tok,
         POST=block_out is not None,
         **({"num_warps": 4} if streams.is_cuda else {}),
+        **pdl_kwargs(new),
     )
     return new, parts
 
@@ -301,6 +307,7 @@ def _pre_norm_quant(
         POW2=bool(pow2),
         HW_FP8=streams.is_cuda and USE_HW_FP8_CAST,
         **({"num_warps": 1} if streams.is_cuda else {}),
+        **pdl_kwargs(streams),
     )  # one warp: Sinkhorn's hc x hc sums stay in-warp (as dsv4_kernels.triton_mhc's split pre)
     return normed, q, s, post, comb
 

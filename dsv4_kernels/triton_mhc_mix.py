@@ -19,6 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dsv4_kernels.gpu import import_triton
 from dsv4_kernels.settings import settings
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -43,12 +44,14 @@ def _hc_mix_kernel(
     NM_P: tl.constexpr,
     SUMSQ: tl.constexpr,
     EVEN_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """part[s, t, m] = sum over this split's k of streams[t].flat[k] * fn[m, k], fp32 (grid: T blocks x splits);
     SUMSQ: part[s, t, N_MIX] = the split's sum of streams[t].flat[k]^2 (the mixing RMSNorm's statistic).
     EVEN_D: BLOCK_K divides D (and the split), so a K tile lies in one stream: one scalar division a tile, not
     one per element. The dot is fp32 FMAs (decode-sized steps; long bf16 steps: _hc_mix_bf16x3_kernel; long fp32
     steps: cuBLAS, see hc_pre)."""
+    tl_pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     m = tl.arange(0, NM_P)
@@ -101,9 +104,11 @@ def _hc_mix_gemv_kernel(
     BLOCK_K: tl.constexpr,
     NM_P: tl.constexpr,
     SUMSQ: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """_hc_mix_kernel's partials for one token a program (grid: T x splits), as a matrix-vector product on FMAs:
     a few tokens' 16-row dot tiles were mostly padding (decode steps of 1-4 requests)."""
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     m = tl.arange(0, NM_P)
     mmask = m < N_MIX
@@ -144,11 +149,13 @@ def _hc_mix_bf16x3_kernel(
     NM_P: tl.constexpr,
     SUMSQ: tl.constexpr,
     BF16_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """_hc_mix_kernel for long steps of bf16 streams, on tensor cores. w: bf16 [3, K, NM_P], fn^T split in three
     (hi + mid + lo = fn to fp32 precision; zero columns from N_MIX): a bf16 x bf16 product is exact in fp32, so
     three bf16 dots with fp32 accumulation give the fp32 matmul's products. BLOCK_K divides D and the split.
     (fp32 streams split the same way take six dots, slower than cuBLAS's sgemm: they take the long path.) BF16_DOT False (the interpreter, whose dots take no bf16): the same operands as fp32."""
+    tl_pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     m = tl.arange(0, NM_P)
@@ -253,6 +260,7 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
             SUMSQ=sumsq,
             BF16_DOT=streams.is_cuda,
             num_warps=8,
+            **pdl_kwargs(streams),
         )
         return parts
     fn = fn.float().contiguous()
@@ -275,6 +283,7 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
             NM_P=nm_p,
             SUMSQ=sumsq,
             **({"num_warps": 4} if streams.is_cuda else {}),
+            **pdl_kwargs(streams),
         )
         return parts
     _hc_mix_kernel[(tiles, splits)](
@@ -297,6 +306,7 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, sumsq: bool = False) -
         SUMSQ=sumsq,
         EVEN_D=d % block_k == 0,
         num_warps=4 if block_t == 16 else 8,
+        **pdl_kwargs(streams),
     )
     return parts
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -46,11 +47,13 @@ def _hc_collapse_kernel(
     HC_P: tl.constexpr,
     D_P: tl.constexpr,
     NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token t: sumsq[t] = sum of its streams' squares; pre_i = sigmoid(logits[t, i] * rsqrt(sumsq / (HC*D)
     + norm_eps) * scale[0] + base[i]) + hc_eps; out[t] = sum_i pre_i * streams[t, i] (rounded to the streams'
     dtype), then with NORM the block's input RMSNorm: normw * (y * rsqrt(mean(y^2) + out_eps)), fp32 math, one
     rounding to out's dtype."""
+    tl_pdl_wait(PDL)
     t = tl.program_id(0)
     i = tl.arange(0, HC_P)
     cols = tl.arange(0, D_P)
@@ -93,9 +96,11 @@ def _hc_weights_kernel(
     stride_lt,
     HC_P: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """logits: fp32 [T, (2+HC)*HC] (row stride stride_lt), sumsq: fp32 [T] -> post fp32 [T, HC], comb fp32
     [T, HC, HC]; padded stream entries stay exactly 0 so they never enter a sum."""
+    tl_pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     i = tl.arange(0, HC_P)
@@ -189,6 +194,7 @@ def collapse_and_weights(
         D_P=d_p,
         NORM=norm,
         num_warps=warps,
+        **pdl_kwargs(streams),
     )
     _hc_weights_kernel[(triton.cdiv(t, WEIGHT_BLOCK_T),)](
         logits,
@@ -206,4 +212,5 @@ def collapse_and_weights(
         logits.stride(0),
         HC_P=hc_p,
         BLOCK_T=WEIGHT_BLOCK_T,
+        **pdl_kwargs(logits),
     )

@@ -33,6 +33,7 @@ import torch
 
 from dsv4_kernels import triton_router
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,9 @@ def _route_kernel(
     HAS_BIAS: tl.constexpr,
     HASH: tl.constexpr,
     RENORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -214,6 +217,7 @@ def route(
         HAS_BIAS=has_bias,
         HASH=hashed,
         RENORM=renormalize,
+        **pdl_kwargs(logits),
     )
     return weights, ids
 
@@ -303,8 +307,10 @@ def _gate_up_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     BF16_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """act[pos, n] = silu(min(g, limit)) * clamp(u, +-limit), g/u = x[token(pos)] . W1/W3[expert, n]."""
+    tl_pdl_wait(PDL)
     tile = tl.program_id(0)
     expert, pos, rmask, pair = _tile_rows(order_ptr, tile_expert_ptr, tile_start_ptr, tile_stop_ptr, tile, BM)
     if expert >= E:  # a spare tile of the worst-case grid
@@ -360,8 +366,10 @@ def _down_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     BF16_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[pair, n] = routing_weight[pair] * act[pos] . W2[expert, n]."""
+    tl_pdl_wait(PDL)
     tile = tl.program_id(0)
     expert, pos, rmask, pair = _tile_rows(order_ptr, tile_expert_ptr, tile_start_ptr, tile_stop_ptr, tile, BM)
     if expert >= E:
@@ -544,6 +552,7 @@ def _moe_chunk(x, weights, ids, packed, limit, *, block_m, block_n, block_k, num
         BK=bk,
         BF16_DOT=bf16_dot,
         **extra,
+        **pdl_kwargs(x),
     )
     y = torch.empty(p, h, dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).float().contiguous()
@@ -572,5 +581,6 @@ def _moe_chunk(x, weights, ids, packed, limit, *, block_m, block_n, block_k, num
         BK=bk,
         BF16_DOT=bf16_dot,
         **extra,
+        **pdl_kwargs(act),
     )
     return y.view(t, k, h).sum(dim=1).to(x.dtype)

@@ -25,6 +25,7 @@ from dsv4_kernels.fp8_linear import BLOCK as FP8_BLOCK
 from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.triton_cache_codecs import USE_HW_FP8_CAST
 from dsv4_kernels.triton_fp8_quant import scale_buffer, tl_quant_1x128
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -32,7 +33,10 @@ BLOCK = 1024
 
 
 @triton.jit
-def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_o, limit, BLOCK_N: tl.constexpr):
+def _swiglu_kernel(
+    gate_ptr, up_ptr, out_ptr, N, stride_g, stride_u, stride_o, limit, BLOCK_N: tl.constexpr, PDL: tl.constexpr
+):
+    tl_pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -62,7 +66,9 @@ def _swiglu_quant_kernel(
     HW_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -93,7 +99,9 @@ def _combine_kernel(
     stride_ot,
     HAS_SHARED: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -109,8 +117,20 @@ def _combine_kernel(
 
 @triton.jit(do_not_specialize=["P"])
 def _sort_pairs_kernel(
-    ids_ptr, w_ptr, order_ptr, rows_ptr, counts_ptr, gammas_ptr, P, K, E, P_BLOCK: tl.constexpr, E_BINS: tl.constexpr
+    ids_ptr,
+    w_ptr,
+    order_ptr,
+    rows_ptr,
+    counts_ptr,
+    gammas_ptr,
+    P,
+    K,
+    E,
+    P_BLOCK: tl.constexpr,
+    E_BINS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     p = tl.arange(0, P_BLOCK)
     pmask = p < P
     ids = tl.load(ids_ptr + p, mask=pmask, other=0).to(tl.int32)
@@ -169,6 +189,7 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
         P_BLOCK=p_block,
         E_BINS=bins,
         **extra,
+        **pdl_kwargs(ids),
     )
     return order, rows, counts, gammas
 
@@ -194,7 +215,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: torch.
     if p and n:
         block = min(BLOCK, triton.next_power_of_2(n))
         _swiglu_kernel[(p, triton.cdiv(n, block))](
-            gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), float(limit), BLOCK_N=block
+            gate,
+            up,
+            out,
+            n,
+            gate.stride(0),
+            up.stride(0),
+            out.stride(0),
+            float(limit),
+            BLOCK_N=block,
+            **pdl_kwargs(gate),
         )
     return out
 
@@ -228,6 +258,7 @@ def swiglu_quant(
             HW_FP8=gate.is_cuda and USE_HW_FP8_CAST,
             BLOCK_M=block_m,
             BLOCK_K=FP8_BLOCK,
+            **pdl_kwargs(gate),
         )
     return q, s
 
@@ -258,5 +289,6 @@ def combine(y: torch.Tensor, shared: torch.Tensor | None = None, out_dtype: torc
             out.stride(0),
             HAS_SHARED=shared is not None,
             BLOCK_H=block,
+            **pdl_kwargs(y),
         )
     return out

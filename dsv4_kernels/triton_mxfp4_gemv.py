@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -233,7 +234,9 @@ def _gemv_kernel(
     stride_op,
     BLOCK_SR: tl.constexpr,
     KC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     ROWS: tl.constexpr = 8 * BLOCK_SR
     COLS: tl.constexpr = 32 * KC
     p = tl.program_id(1)
@@ -308,9 +311,12 @@ def _gemv_kernel(
 
 
 @triton.jit(do_not_specialize=["S", "stride_ps"])
-def _swiglu_kernel(part_ptr, out_ptr, S, INTER, stride_ps, stride_pp, stride_o, limit, BLOCK: tl.constexpr):
+def _swiglu_kernel(
+    part_ptr, out_ptr, S, INTER, stride_ps, stride_pp, stride_o, limit, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """act[p] = swiglu(gate, up) of the split-K sums of part[:, p] (gate | up), each rounded to the output dtype
     first (as ogs_moe's matmul writes them), then triton_moe_glue's arithmetic."""
+    tl_pdl_wait(PDL)
     p = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -344,9 +350,11 @@ def _combine_kernel(
     stride_ot,
     HAS_SHARED: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t] = sum over slots of (routing weight * split-K sum of part[:, t*k + slot]) rounded to the output dtype
     (ogs_moe's down matmul with gammas), summed in fp32 and rounded (triton_moe_glue.combine), + shared."""
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -428,6 +436,7 @@ def gemv(
             KC=cfg.kc,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+            **pdl_kwargs(wt.words),
         )
     return out
 
@@ -466,7 +475,16 @@ def gemv_moe(
     act = torch.empty(t * k, ex.inter, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(ex.inter))
     _swiglu_kernel[(t * k, triton.cdiv(ex.inter, block))](
-        h13, act, h13.shape[0], ex.inter, h13.stride(0), h13.stride(1), act.stride(0), float(limit), BLOCK=block
+        h13,
+        act,
+        h13.shape[0],
+        ex.inter,
+        h13.stride(0),
+        h13.stride(1),
+        act.stride(0),
+        float(limit),
+        BLOCK=block,
+        **pdl_kwargs(h13),
     )
     y = gemv(ex.w2, act, flat, config=config)  # [S, P, H]
     out = torch.empty_like(x)
@@ -486,5 +504,6 @@ def gemv_moe(
         out.stride(0),
         HAS_SHARED=shared is not None,
         BLOCK=block,
+        **pdl_kwargs(y),
     )
     return out

@@ -19,6 +19,7 @@ from dsv4_kernels.fp8_linear import BLOCK
 from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.triton_cache_codecs import USE_HW_FP8_CAST
 from dsv4_kernels.triton_fp8_quant import scale_buffer, tl_quant_1x128
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -43,7 +44,9 @@ def _norm_quant_kernel(
     BLOCK_K: tl.constexpr,
     POW2: tl.constexpr,
     HW_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = tl.arange(0, KB_P)
     c = tl.arange(0, BLOCK_K)
@@ -97,5 +100,6 @@ def rms_norm_quant(
             POW2=pow2,
             HW_FP8=x.is_cuda and USE_HW_FP8_CAST,
             **extra,
+            **pdl_kwargs(x),
         )
     return y, q, s

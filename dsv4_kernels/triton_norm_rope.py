@@ -19,6 +19,7 @@ import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.triton_cache_codecs import tl_round_to
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -45,7 +46,9 @@ def _norm_rope_kernel(
     D_P: tl.constexpr,
     HALF_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = n < N
     tok = (n // H).to(tl.int64)
@@ -149,6 +152,7 @@ def rms_norm_rope(
         HALF_P=max(1, triton.next_power_of_2(half)),
         BLOCK_R=block_r,
         **extra,
+        **pdl_kwargs(x3),
     )
     return out
 
@@ -176,7 +180,9 @@ def _rope_kernel(
     BLOCK_R: tl.constexpr,
     BF16: tl.constexpr,
     COPY_NOPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = n < N
     tok = (n // H).to(tl.int64)
@@ -215,10 +221,12 @@ def _rope_pairs_kernel(
     SIGN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """In place, rows [BLOCK_R] x the 2*HALF rope channels as one contiguous tile: whole-row vector loads and
     stores, the (even, odd) pairs split in registers (the strided even / odd loads of _rope_kernel issue one narrow
     access per element)."""
+    tl_pdl_wait(PDL)
     n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = n < N
     tok = (n // H).to(tl.int64)
@@ -291,6 +299,7 @@ def rope(
             BLOCK_R=block_r,
             BF16=x.dtype == torch.bfloat16,
             **extra,
+            **pdl_kwargs(x3),
         )
         return out
     _rope_kernel[(triton.cdiv(t * h, block_r),)](
@@ -315,5 +324,6 @@ def rope(
         BF16=x.dtype == torch.bfloat16,
         COPY_NOPE=not inplace,
         **extra,
+        **pdl_kwargs(x3),
     )
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -34,7 +35,9 @@ def _gather_combine_kernel(
     stride_ot,
     HAS_SHARED: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -91,5 +94,6 @@ def gather_combine(
             out.stride(0),
             HAS_SHARED=shared is not None,
             BLOCK_H=block,
+            **pdl_kwargs(y),
         )
     return out

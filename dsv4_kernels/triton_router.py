@@ -18,6 +18,7 @@ import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
 from dsv4_kernels.settings import settings
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -31,8 +32,20 @@ BLOCK_H = 256
 
 @triton.jit(do_not_specialize=["T", "stride_ps"])  # (stride_ps = T x E: no variant a step size)
 def _router_gemv_kernel(
-    x_ptr, gate_ptr, part_ptr, T, E, H, stride_x, stride_g, stride_ps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr
+    x_ptr,
+    gate_ptr,
+    part_ptr,
+    T,
+    E,
+    H,
+    stride_x,
+    stride_g,
+    stride_ps,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     emask = e < E
@@ -76,5 +89,6 @@ def router_partials(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             BLOCK_E=BLOCK_E,
             BLOCK_H=BLOCK_H,
             **({"num_warps": 4} if x.is_cuda else {}),
+            **pdl_kwargs(x),
         )
     return parts

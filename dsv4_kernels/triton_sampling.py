@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -20,7 +21,8 @@ BLOCK = 1024
 
 
 @triton.jit
-def _exp_noise_kernel(seeds_ptr, out_ptr, V, stride_o, BLOCK_V: tl.constexpr):
+def _exp_noise_kernel(seeds_ptr, out_ptr, V, stride_o, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    tl_pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     seed = tl.load(seeds_ptr + row)
@@ -36,5 +38,7 @@ def exp_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     require_triton(seeds.device)
     out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
     if seeds.shape[0] and vocab:
-        _exp_noise_kernel[(seeds.shape[0], triton.cdiv(vocab, BLOCK))](seeds, out, vocab, out.stride(0), BLOCK_V=BLOCK)
+        _exp_noise_kernel[(seeds.shape[0], triton.cdiv(vocab, BLOCK))](
+            seeds, out, vocab, out.stride(0), BLOCK_V=BLOCK, **pdl_kwargs(seeds)
+        )
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -31,7 +32,9 @@ def _save_kernel(
     stride_ar,
     stride_sr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     i = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     src = tl.load(src_ptr + i + tl.arange(0, 1)).to(tl.int64)  # [1]: the interpreter needs vector masks
@@ -92,4 +95,5 @@ def save_state(
         ape.stride(0),
         state.stride(0),
         BLOCK_W=block_w,
+        **pdl_kwargs(kv),
     )

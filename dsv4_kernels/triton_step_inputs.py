@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 from triton.language.extra import libdevice  # noqa: E402  (after import_triton: its install hint first)
@@ -44,7 +45,9 @@ def _step_inputs_kernel(
     N_ROPES: tl.constexpr,
     HALF_P: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     tok = tl.load(ids_ptr + t).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -127,5 +130,6 @@ def step_inputs(
         HALF_P=triton.next_power_of_2(half),
         LIBDEVICE=table.is_cuda,
         **({"num_warps": 4} if table.is_cuda else {}),
+        **pdl_kwargs(table),
     )
     return streams, cos_sin

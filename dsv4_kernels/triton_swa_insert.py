@@ -32,6 +32,7 @@ from dsv4_kernels.triton_cache_codecs import (
     tl_row_offsets,
     tl_store_fp8_ds_mla,
 )
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -66,7 +67,9 @@ def _swa_insert_kernel(
     ROPE_OFFSET: tl.constexpr,
     BF16: tl.constexpr,
     HW_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     dt = out_ptr.dtype.element_ty
     x_row = kv_ptr + t * stride_kt
@@ -227,5 +230,6 @@ def swa_insert(
         BF16=kv.dtype == torch.bfloat16,
         HW_FP8=kv.is_cuda and tc.USE_HW_FP8_CAST,
         **extra,
+        **pdl_kwargs(kv),
     )
     return out

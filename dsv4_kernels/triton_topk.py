@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 
 triton, tl = import_triton()
 
@@ -42,7 +43,8 @@ def order_keys(x):
 
 
 @triton.jit
-def _topk_kernel(scores, out, S, K, stride_s, stride_o, BLOCK: tl.constexpr):
+def _topk_kernel(scores, out, S, K, stride_s, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    tl_pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = scores + row * stride_s
     dst = out + row * stride_o
@@ -117,5 +119,6 @@ def topk_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
         out.stride(0),
         BLOCK=block,
         num_warps=NUM_WARPS or (8 if block >= 2048 else 4),
+        **pdl_kwargs(scores),
     )
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 from dsv4_kernels.triton_topk import NEG_INF_KEY, order_keys, topk_arguments
 
 triton, tl = import_triton()
@@ -39,8 +40,9 @@ def _flip(x):
 
 
 @triton.jit
-def _topk_sort_kernel(scores, out, S, K, stride_s, stride_o, BLOCK: tl.constexpr, KP: tl.constexpr):
+def _topk_sort_kernel(scores, out, S, K, stride_s, stride_o, BLOCK: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
     """One row: BLOCK (>= S, >= KP) lanes; KP = k rounded up to a power of two (<= BLOCK)."""
+    tl_pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     inside = offs < S
@@ -82,5 +84,6 @@ def topk_columns_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
         BLOCK=block,
         KP=max(2, triton.next_power_of_2(k)),  # tl.topk of 1 fails to compile on triton 3.6 (a scalar reshape)
         num_warps=8 if block >= 4096 else 4,
+        **pdl_kwargs(scores),
     )
     return out

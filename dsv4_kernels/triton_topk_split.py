@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_kernels.gpu import import_triton
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 from dsv4_kernels.triton_topk import NEG_INF_KEY, order_keys, topk_arguments
 
 triton, tl = import_triton()
@@ -57,7 +58,10 @@ def _descend(work, want, PASSES: tl.constexpr):
 
 
 @triton.jit
-def _split_topk_kernel(scores, out, work, S, K, CHUNK, stride_s, stride_o, PASS: tl.constexpr, BLOCK: tl.constexpr):
+def _split_topk_kernel(
+    scores, out, work, S, K, CHUNK, stride_s, stride_o, PASS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    tl_pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     prog = tl.program_id(1)
     src = scores + row * stride_s
@@ -128,6 +132,17 @@ def topk_columns_split(scores: torch.Tensor, k: int, programs: int | None = None
     extra = {"num_warps": 4} if scores.is_cuda else {}
     for pass_ in range(5):
         _split_topk_kernel[(t, p)](
-            scores, out, work, s, k, chunk, scores.stride(0), out.stride(0), PASS=pass_, BLOCK=block, **extra
+            scores,
+            out,
+            work,
+            s,
+            k,
+            chunk,
+            scores.stride(0),
+            out.stride(0),
+            PASS=pass_,
+            BLOCK=block,
+            **extra,
+            **pdl_kwargs(scores),
         )
     return out
