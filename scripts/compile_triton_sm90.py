@@ -7,8 +7,11 @@ GPUTarget("cuda", 90, 32), with the constexprs the CUDA path would use (hardware
 It reports registers / spills (ptxas -v) and checks that every fp32 -> e4m3 conversion is the single
 round-to-nearest-even cvt (cvt.rn.satfinite.e4m3x2.f32), not a double-rounding path through fp16.
 
+With --pdl every launch is recorded as the CUDA path makes it with $DSV4_PDL on (PDL=True, launch_pdl=True:
+dsv4_kernels.triton_pdl) and each kernel must then hold griddepcontrol.wait (and hold none without --pdl).
+
 Usage: python scripts/compile_triton_sm90.py [--only mhc,router,topk,step_ends,swa,indexer_query,compressor,compress_step,
-         attention_glue]
+         attention_glue,prologue,indexer,moe_glue,sampling,fallback] [--pdl]
          (exit 1 on any failure)
 """
 
@@ -28,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-_SIG = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
+_SIG = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
         torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
-_LAUNCH = ("num_warps", "num_stages")
+_LAUNCH = ("num_warps", "num_stages", "launch_pdl")
 # What the wrappers pass when their tensors are on CUDA (they run on CPU tensors here).
 _CUDA_CONSTEXPRS = {"HW_FP8": True, "LIBDEVICE": True}
 
@@ -102,10 +105,14 @@ def compile_calls(label: str, rec: Recorder) -> list[str]:
             continue
         ptx = k.asm["ptx"]
         note = ""
+        if "PDL" in consts and ("griddepcontrol.wait" in ptx) != bool(consts["PDL"]):
+            errors.append(f"FAIL {what}: griddepcontrol.wait {'missing' if consts['PDL'] else 'present'} in the PTX")
+        if consts.get("PDL"):
+            note += " pdl wait"
         if consts.get("HW_FP8") and "e4m3" in ptx:
             if re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f16x2", ptx) or "cvt.rn.f16" in ptx and "e4m3x2.f32" not in ptx:
                 errors.append(f"FAIL {what}: fp32 -> e4m3 goes through fp16 (double rounding)")
-            note = " fp8 cvt: " + ("direct f32" if "e4m3x2.f32" in ptx else "other")
+            note += " fp8 cvt: " + ("direct f32" if "e4m3x2.f32" in ptx else "other")
         print(f"ok   {what}: {ptxas_report(ptx)}{note}", flush=True)
     rec.calls.clear()
     return errors
@@ -206,10 +213,14 @@ def attention_glue_cases():
                      comp_valid=torch.rand(t, 64) > 0.5, out_comp=out[:, 128:])
     for dtype in (torch.bfloat16, torch.float32):
         r.rope(_rand(t, 64, 512, dtype=dtype), torch.rand(t, 32), torch.rand(t, 32), inverse=True)
+    # the decode path's in-place inverse rotation (the pairs kernel) and the q / kv RMSNorm + RoPE
+    r.rope(_rand(t, 64, 512), torch.rand(t, 32), torch.rand(t, 32), inverse=True, inplace=True)
+    r.rms_norm_rope(_rand(t, 64, 512), torch.rand(t, 32), torch.rand(t, 32), 1e-6)
+    r.rms_norm_rope(_rand(t, 512), torch.rand(t, 32), torch.rand(t, 32), 1e-6, torch.ones(512))
     # the inverse RoPE riding in wo_a's grouped quantiser (8 groups of 8 heads x 512; padded rows for DeepGEMM)
     back = InverseRope(torch.rand(t, 32), torch.rand(t, 32), 512)
     q.quant_act_1x128_grouped(_rand(t, 8, 4096).transpose(0, 1), True, 256, back)
-    return (m, r, q), ["_rows_kernel", "_rope_kernel", "_quant_kernel"]
+    return (m, r, q), ["_rows_kernel", "_rope_kernel", "_rope_pairs_kernel", "_norm_rope_kernel", "_quant_kernel"]
 
 
 def mhc_cases():
@@ -281,9 +292,90 @@ def router_cases():
     return (m, r), ["_route_kernel", "_router_gemv_kernel"]
 
 
+def prologue_cases():
+    """The decode step's first launch: every index tensor from the per-bucket descriptor table (values unread)."""
+    from dsv4_kernels import triton_decode_prologue as m
+
+    for queries in (1, 2):  # decode, verify
+        m.decode_prologue(torch.zeros(3, 8, dtype=torch.int64), torch.zeros(8, 64, dtype=torch.int64),
+                          torch.zeros(6, m.NUM_FIELDS, dtype=torch.int64), 1000, 100, queries=queries)
+    return m, ["_prologue_kernel"]
+
+
+def indexer_cases():
+    """The indexer's decode scores over paged MXFP4 / FP8 keys and plain rows (64 heads x 128), and the split
+    radix top-k of a few long rows."""
+    from dsv4_kernels import geometry as g
+    from dsv4_kernels import triton_indexer as m
+    from dsv4_kernels import triton_topk_split as split
+
+    t, s = 4, 2048
+    q, w, rows = _rand(t, 64, 128), torch.rand(t, 64), torch.randint(0, 999, (t, s))
+    for fmt in ("mxfp4", "fp8"):
+        layout = g.IndexerKeyLayout(128, fmt, 64)
+        m.indexer_scores(q, torch.zeros(64, layout.block_bytes(), dtype=torch.uint8), rows, w, layout)
+    m.indexer_scores(q, _rand(1000, 128), rows, w)
+    for _, kw in m._indexer_scores_kernel.calls:  # CPU tensors here: the warps the wrapper gives CUDA tensors
+        kw.update(num_warps=8 if kw["FMT"] else 4, num_stages=2)
+    split.topk_columns_split(torch.randn(2, 65536), 512)
+    return (m, split), ["_indexer_scores_kernel", "_split_topk_kernel"]
+
+
+def moe_glue_cases():
+    """The MoE glue around the expert GEMMs at V4-Flash widths (top-6 of 256, 2048 intermediate, 4096 hidden)."""
+    from dsv4_kernels import triton_moe_glue as m
+
+    t, k = 4, 6
+    m.sort_pairs(torch.randint(-1, 256, (t, k)), torch.rand(t, k), 256)
+    gate_up = _rand(t * k, 2 * 2048)
+    m.swiglu(gate_up[:, :2048], gate_up[:, 2048:], 10.0)
+    m.swiglu_quant(gate_up[:, :2048], gate_up[:, 2048:], 10.0)
+    m.combine(_rand(t, k, 4096), _rand(t, 4096))
+    m.combine(_rand(t, k, 4096))
+    return m, ["_sort_pairs_kernel", "_swiglu_kernel", "_swiglu_quant_kernel", "_combine_kernel"]
+
+
+def sampling_cases():
+    """The step's sampling launches over the V4 vocabulary (129280): greedy pick (both stages), Exp(1) noise."""
+    from dsv4_kernels import triton_greedy as m
+    from dsv4_kernels import triton_sampling as s
+
+    for n in (1, 64):
+        m.greedy_pick(torch.randn(n, 129280))
+        s.exp_noise(torch.zeros(n, dtype=torch.int64), 129280)
+    return (m, s), ["_greedy_partial_kernel", "_greedy_combine_kernel", "_exp_noise_kernel"]
+
+
+def fallback_cases():
+    """Kernels the decode step runs only where a library path is off: the engine's sparse MQA attention (no
+    FlashMLA: exact rows, a single and a split K) and its MXFP4 experts (no triton_kernels / Marlin), the FP8
+    grouped MoE's k-way sum (prefill-sized steps). V4-Flash widths: 64 heads x 512, 256 experts x 4096 / 2048.
+    The wrappers give CPU tensors their interpreter launch options (4 warps, not the CUDA path's), so the attention
+    and expert kernels' spills here are not the GPU's; what this group checks is that they compile (with --pdl)."""
+    from dsv4_kernels import triton_attention as a
+    from dsv4_kernels import triton_moe as m
+    from dsv4_kernels import triton_pair_combine as p
+
+    t = 4
+    for splits in (1, 4):
+        a.sparse_mqa_attention(_rand(t, 64, 512), _rand(1000, 512), torch.randint(0, 999, (t, 640)), torch.rand(64),
+                               0.04, num_splits=splits)
+    e, h, inter = 8, 4096, 2048
+    w13 = torch.zeros(e, inter, h // 2, dtype=torch.uint8)
+    s13 = torch.zeros(e, inter, h // 32, dtype=torch.uint8)
+    m.mxfp4_moe(_rand(t, h), torch.rand(t, 6), torch.randint(0, e, (t, 6)), w13, s13,
+                torch.zeros(e, h, inter // 2, dtype=torch.uint8), torch.zeros(e, h, inter // 32, dtype=torch.uint8),
+                w13, s13, 10.0)
+    p.gather_combine(_rand(64, h), torch.randint(-1, 64, (t, 6)), torch.rand(t, 6), _rand(t, h))
+    return (a, m, p), ["sparse_attn_kernel", "merge_kernel", "_gate_up_kernel", "_down_kernel",
+                       "_gather_combine_kernel"]
+
+
 GROUPS = {"mhc": mhc_cases, "router": router_cases, "topk": topk_cases, "step_ends": step_ends_cases,
           "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
-          "compress_step": compress_step_cases, "attention_glue": attention_glue_cases}
+          "compress_step": compress_step_cases, "attention_glue": attention_glue_cases,
+          "prologue": prologue_cases, "indexer": indexer_cases, "moe_glue": moe_glue_cases, "sampling": sampling_cases,
+          "fallback": fallback_cases}
 MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "dsv4_kernels.triton_mhc_rows",
                    "dsv4_kernels.triton_mhc_chain", "dsv4_kernels.triton_norm_quant", "dsv4_kernels.triton_fp8_quant"),
            "router": ("dsv4_kernels.triton_moe", "dsv4_kernels.triton_router"),
@@ -294,18 +386,27 @@ MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "ds
            "compressor": ("dsv4_kernels.triton_compressor",), "compress_step": ("dsv4_kernels.triton_compress_step",
                                                                             "dsv4_kernels.triton_state_save"),
            "attention_glue": ("dsv4_kernels.triton_attention_rows", "dsv4_kernels.triton_norm_rope",
-                              "dsv4_kernels.triton_fp8_quant")}
+                              "dsv4_kernels.triton_fp8_quant"),
+           "prologue": ("dsv4_kernels.triton_decode_prologue",),
+           "indexer": ("dsv4_kernels.triton_indexer", "dsv4_kernels.triton_topk_split", "dsv4_kernels.triton_topk"),
+           "moe_glue": ("dsv4_kernels.triton_moe_glue",),
+           "sampling": ("dsv4_kernels.triton_greedy", "dsv4_kernels.triton_sampling"),
+           "fallback": ("dsv4_kernels.triton_attention", "dsv4_kernels.triton_moe", "dsv4_kernels.triton_pair_combine")}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated subset of " + ",".join(GROUPS))
+    ap.add_argument("--pdl", action="store_true", help="record the launches with PDL on (DSV4_PDL's CUDA path)")
     args = ap.parse_args()
     from dsv4_kernels import gpu
 
     if not gpu.has_triton():
         print("needs triton", file=sys.stderr)
         return 2
+    from dsv4_kernels import triton_pdl
+
+    triton_pdl.force(args.pdl)  # CPU tensors stand in for CUDA ones: the launches' PDL kwargs as on an sm_90 GPU
     errors = []
     for name in [g for g in args.only.split(",") if g] or list(GROUPS):
         kernels, originals = {}, []
@@ -324,7 +425,8 @@ def main() -> int:
                 setattr(module, k, fn)
         for k, rec in kernels.items():
             errors += compile_calls(f"{name}.{k}", rec)
-    print(f"\n{len(errors)} failure(s)" if errors else "\nall kernels compiled for sm_90")
+    pdl = " with PDL (griddepcontrol.wait in each)" if args.pdl else ""
+    print(f"\n{len(errors)} failure(s)" if errors else f"\nall kernels compiled for sm_90{pdl}")
     return 1 if errors else 0
 
 
