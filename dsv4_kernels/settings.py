@@ -51,6 +51,7 @@ FLASH_MLA_PREFILL = "DSV4_FLASH_MLA_PREFILL"
 FP8_MOE_LAYOUT = "DSV4_FP8_MOE_LAYOUT"
 INDEXER_PREFILL = "DSV4_INDEXER_PREFILL"
 TOPK_SORT_MAX_CANDIDATES = "DSV4_TOPK_SORT_MAX_CANDIDATES"
+TOPK_RANK_MAX_WORK = "DSV4_TOPK_RANK_MAX_WORK"
 PDL = "DSV4_PDL"
 GROUPED_MOE = "DSV4_GROUPED_MOE"
 FP32_RESIDUAL = "DSV4_FP32_RESIDUAL"
@@ -157,6 +158,16 @@ class Settings:
         "the indexer's top-k on CUDA: steps of at most 256 rows of at most this many candidates (capped at 8192) "
         "take the bitonic sort kernel (dsv4_kernels.triton_topk_sort: 8.9 against 11.4 us at 1024 on an H100, "
         "slower from 2048); 0 turns it off (the radix kernels and torch.topk then split the steps as before)",
+        "kernels",
+        minimum=0,
+    )
+    topk_rank_max_work: int = _switch(
+        TOPK_RANK_MAX_WORK,
+        "int",
+        1 << 24,
+        "the indexer's top-k on CUDA: steps of at most 256 rows whose rows x candidates^2 is at most this take the "
+        "rank-counting kernel (dsv4_kernels.triton_topk_rank: one launch, every score compared with its row), before "
+        "the sort and radix kernels; 0 turns it off",
         "kernels",
         minimum=0,
     )

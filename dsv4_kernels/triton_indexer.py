@@ -243,6 +243,12 @@ TOPK_SPLIT_MIN_CANDIDATES = 4096
 TOPK_SPLIT_MAX_SCORES = 32 * 8192  # rows x candidates
 
 
+def takes_rank_topk(rows: int, candidates: int) -> bool:
+    """Does a step of `rows` x `candidates` scores take the rank-counting kernel (on CUDA, unordered picks)? Up to
+    TOPK_KERNEL_MAX_ROWS rows with rows x candidates^2 (its comparisons) at most $DSV4_TOPK_RANK_MAX_WORK."""
+    return rows <= TOPK_KERNEL_MAX_ROWS and rows * candidates * candidates <= settings().topk_rank_max_work
+
+
 def takes_sort_topk(rows: int, candidates: int) -> bool:
     """Does a step of `rows` x `candidates` scores take the bitonic sort kernel (on CUDA, unordered picks)? Up to
     TOPK_KERNEL_MAX_ROWS rows of at most $DSV4_TOPK_SORT_MAX_CANDIDATES candidates (a row must fit one program)."""
@@ -265,6 +271,10 @@ def topk_of_scores(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.
     """scores: fp32 [T, S], -inf = invalid -> int64 [T, k] best columns first (ordered; else the same set in no
     particular order), -1 for invalid picks."""
     rows, candidates = scores.shape
+    if not ordered and scores.is_cuda and takes_rank_topk(rows, candidates):
+        from dsv4_kernels.triton_topk_rank import topk_columns_ranked
+
+        return topk_columns_ranked(scores, k)
     if not ordered and scores.is_cuda and takes_sort_topk(rows, candidates):
         from dsv4_kernels.triton_topk_sort import topk_columns_sorted
 

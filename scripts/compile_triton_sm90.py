@@ -267,15 +267,19 @@ def step_ends_cases():
 
 
 def topk_cases():
-    """The indexer's radix top-k at decode sizes: 512 of 1024 and of 8192 candidates (two blocks)."""
+    """The indexer's radix top-k at decode sizes: 512 of 1024 and of 8192 candidates (two blocks); the rank-counting
+    kernel at 1 x 2048 and 4 x 1000."""
     from dsv4_kernels import triton_topk as m
+    from dsv4_kernels import triton_topk_rank as rank
     from dsv4_kernels import triton_topk_sort as sort
 
     for rows, cands in ((1, 1024), (64, 8192)):
         m.topk_columns(torch.randn(rows, cands), 512)
     for cands, k in ((1024, 512), (300, 512), (100, 1), (8192, 512)):  # blocks it takes, k = the block, k = 1
         sort.topk_columns_sorted(torch.randn(1, cands), k)
-    return (m, sort), ["_topk_kernel", "_topk_sort_kernel"]
+    for rows, cands in ((1, 2048), (4, 1000)):
+        rank.topk_columns_ranked(torch.randn(rows, cands), 512)
+    return (m, sort, rank), ["_topk_kernel", "_topk_sort_kernel", "_rank_topk_kernel"]
 
 
 def router_cases():
@@ -380,7 +384,7 @@ MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "ds
                    "dsv4_kernels.triton_mhc_chain", "dsv4_kernels.triton_norm_quant", "dsv4_kernels.triton_fp8_quant"),
            "router": ("dsv4_kernels.triton_moe", "dsv4_kernels.triton_router"),
            "step_ends": ("dsv4_kernels.triton_step_inputs", "dsv4_kernels.triton_hc_head"),
-           "topk": ("dsv4_kernels.triton_topk", "dsv4_kernels.triton_topk_sort"),
+           "topk": ("dsv4_kernels.triton_topk", "dsv4_kernels.triton_topk_sort", "dsv4_kernels.triton_topk_rank"),
            "swa": ("dsv4_kernels.triton_swa_insert",),
            "indexer_query": ("dsv4_kernels.triton_indexer_query",),
            "compressor": ("dsv4_kernels.triton_compressor",), "compress_step": ("dsv4_kernels.triton_compress_step",

@@ -1,6 +1,6 @@
-"""The indexer's top-k: dsv4_kernels.triton_topk (radix select, one program a row) and triton_topk_split (a row
-over several programs) against torch.topk (sorted=False, with the -1 mask the engine applies), by (rows,
-candidates) (CUDA only; a script, not a test).
+"""The indexer's top-k: dsv4_kernels.triton_topk (radix select, one program a row), triton_topk_split (a row
+over several programs), triton_topk_sort (bitonic) and triton_topk_rank (rank counting) against torch.topk
+(sorted=False, with the -1 mask the engine applies), by (rows, candidates) (CUDA only; a script, not a test).
 
 Rows are queries (decode: the batch; prefill: the chunk's tokens), candidates the visible 4:1 entries (context / 4;
 a prefill row sees its causal prefix: the rest is -inf). k = 512, V4's index_topk. Each time is the median of
@@ -23,12 +23,15 @@ import torch
 from benchmarks.timing import bench_cudagraph
 
 K = 512
+RANK_MAX_WORK = 1 << 28  # rows x candidates^2 the rank-counting kernel is timed up to (its work grows as S^2)
 # (rows, candidates, causal): decode at batch 1 / 64 / 128 and contexts 4K / 32K / 128K; prefill chunks
 SHAPES = [
     (1, 1024, False),
     (1, 2048, False),
     (1, 4096, False),
+    (2, 2048, False),
     (4, 1024, False),
+    (4, 2048, False),
     (16, 2048, False),
     (1, 8192, False),
     (1, 8256, False),
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from dsv4_kernels.triton_indexer import topk_of_scores
     from dsv4_kernels.triton_topk import topk_columns
+    from dsv4_kernels.triton_topk_rank import topk_columns_ranked
     from dsv4_kernels.triton_topk_sort import SORT_MAX_CANDIDATES, topk_columns_sorted
     from dsv4_kernels.triton_topk_split import topk_columns_split
 
@@ -147,17 +151,21 @@ def main(argv: list[str] | None = None) -> int:
         x = scores_for(rows, cands, causal, dev)
         want = torch_topk(x)
         sortable = cands <= SORT_MAX_CANDIDATES
+        rankable = rows * cands * cands <= RANK_MAX_WORK
         impls = (topk_columns, topk_columns_split) + ((topk_columns_sorted,) if sortable else ())
+        impls += (topk_columns_ranked,) if rankable else ()
         same = all(same_sets(x, f(x, K), want) for f in impls)
         t_torch = bench_cudagraph(lambda: torch_topk(x), rep=50)
         t_radix = bench_cudagraph(lambda: topk_columns(x, K), rep=50)
         t_split = bench_cudagraph(lambda: topk_columns_split(x, K), rep=50)
         t_sort = bench_cudagraph(lambda: topk_columns_sorted(x, K), rep=50) if sortable else float("nan")
+        t_rank = bench_cudagraph(lambda: topk_columns_ranked(x, K), rep=50) if rankable else float("nan")
         t_rule = bench_cudagraph(lambda: topk_of_scores(x, K, ordered=False), rep=50)
-        rows_out.append((rows, cands, causal, t_torch, t_radix, t_split, t_sort, t_rule, same))
+        rows_out.append((rows, cands, causal, t_torch, t_radix, t_split, t_sort, t_rank, t_rule, same))
         print(
             f"topk rows={rows} candidates={cands}{' causal' if causal else ''}: torch {t_torch:.1f} us, "
-            f"radix {t_radix:.1f} us, split {t_split:.1f} us, sort {t_sort:.1f} us, engine rule {t_rule:.1f} us "
+            f"radix {t_radix:.1f} us, split {t_split:.1f} us, sort {t_sort:.1f} us, rank {t_rank:.1f} us, "
+            f"engine rule {t_rule:.1f} us "
             f"({t_torch / t_rule:.2f}x torch), same picks {same}",
             flush=True,
         )
@@ -169,13 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}",
         "",
         "| rows | candidates | causal | torch.topk us | radix, one program us | radix, split us | bitonic sort us | "
-        "engine rule us | rule vs torch | same picks |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "rank count us | engine rule us | rule vs torch | same picks |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     lines += [
         f"| {r} | {c} | {'yes' if cz else 'no'} | {a:.1f} | {b:.1f} | {sp:.1f} | "
-        f"{'n/a' if so != so else f'{so:.1f}'} | {ru:.1f} | {a / ru:.2f}x | {s} |"
-        for r, c, cz, a, b, sp, so, ru, s in rows_out
+        f"{'n/a' if so != so else f'{so:.1f}'} | {'n/a' if rk != rk else f'{rk:.1f}'} | {ru:.1f} | {a / ru:.2f}x | "
+        f"{s} |"
+        for r, c, cz, a, b, sp, so, rk, ru, s in rows_out
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -41,12 +41,13 @@ def test_gpu_engine_matches_oracle(name, dtype, checkpoints):  # noqa: F811 - th
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_split_topk_engine_matches_oracle(name, checkpoints, monkeypatch):  # noqa: F811 - the imported fixture
     """Every decode step's indexer top-k through the split radix kernel (dsv4_kernels.triton_topk_split; by
-    default only from 4096 candidates, contexts of 16K and more), bf16 under CUDA graphs. The bitonic sort kernel,
-    which takes these short rows by default (the other tests), is off."""
+    default only from 4096 candidates, contexts of 16K and more), bf16 under CUDA graphs. The rank-counting and
+    bitonic sort kernels, which take these short rows by default (the other tests: the rank kernel), are off."""
     from dsv4_kernels import settings, triton_indexer
 
     monkeypatch.setattr(triton_indexer, "TOPK_SPLIT_MIN_CANDIDATES", 1)
     monkeypatch.setenv(settings.TOPK_SORT_MAX_CANDIDATES, "0")
+    monkeypatch.setenv(settings.TOPK_RANK_MAX_WORK, "0")
     settings.reload()
     try:
         _check_against_oracle(name, "bfloat16", checkpoints)

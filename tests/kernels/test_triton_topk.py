@@ -1,5 +1,6 @@
 """Radix-select top-k (dsv4_kernels/triton_topk.py: one program a row; triton_topk_split.py: a row over several
-programs) and the bitonic sort top-k (triton_topk_sort.py: a row in one program's registers) against torch.topk.
+programs), the bitonic sort top-k (triton_topk_sort.py: a row in one program's registers) and the rank-counting
+top-k (triton_topk_rank.py: every score compared with its row) against torch.topk.
 
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter. The kernel's picks are a set:
 compared with torch.topk's as sorted values (equal multisets), distinct columns, the same number of -1, and
@@ -11,6 +12,7 @@ import torch
 
 from dsv4_kernels.triton_topk import MAX_BLOCK  # noqa: E402
 from dsv4_kernels.triton_topk import topk_columns as one_program  # noqa: E402
+from dsv4_kernels.triton_topk_rank import topk_columns_ranked  # noqa: E402
 from dsv4_kernels.triton_topk_sort import SORT_MAX_CANDIDATES, topk_columns_sorted  # noqa: E402
 from dsv4_kernels.triton_topk_split import topk_columns_split  # noqa: E402
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
@@ -22,6 +24,7 @@ IMPLS = {
     "split, 3 programs": lambda x, k: topk_columns_split(x, k, programs=3),  # chunks of several blocks
     "split, 64 programs": lambda x, k: topk_columns_split(x, k, programs=64),  # short chunks, some rows empty
     "sort": topk_columns_sorted,
+    "rank": topk_columns_ranked,
 }
 
 
@@ -77,6 +80,7 @@ SHAPES = [
 # 600-column rows (2- and 10-column chunks: the tiny-chunk and tie paths again; -inf ties run on the other impls).
 SLOW_REPEATS = {("split, 64 programs", SHAPES[i]) for i in (0, 1, 3)}
 SLOW_REPEATS.add(("sort", SHAPES[3]))  # longer than a sorted row may be (test_sort_refuses_long_rows)
+SLOW_REPEATS.add(("rank", SHAPES[3]))  # 37 s in the interpreter (S^2 work); the two-block row has a ragged tail too
 CASES = [(impl, *shape) for impl in IMPLS for shape in SHAPES if (impl, shape) not in SLOW_REPEATS]
 
 
