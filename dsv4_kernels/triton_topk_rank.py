@@ -26,8 +26,9 @@ from dsv4_kernels.triton_topk import NEG_INF_KEY, order_keys, topk_arguments
 
 triton, tl = import_triton()
 
-BLOCK_I = 32  # scores a program ranks
-BLOCK_J = 256  # scores it compares them with at a time
+BLOCK_I = 16  # scores a program ranks
+BLOCK_J = 128  # scores it compares them with at a time
+NUM_WARPS = 4  # (dsv4 bench kernels topk --sweep sets these three)
 
 
 @triton.jit
@@ -42,14 +43,18 @@ def _rank_topk_kernel(
     mine = part * BLOCK_I + tl.arange(0, BLOCK_I)
     inside = mine < S
     key = order_keys(tl.load(src + mine, mask=inside, other=0.0))
-    rank = tl.zeros([BLOCK_I], dtype=tl.int32)
+    # Counts kept per (score, lane) and summed once at the end: a reduction per block of the row would cost more
+    # than the comparisons.
+    ahead = tl.zeros([BLOCK_I, BLOCK_J], dtype=tl.int32)
     others = tl.arange(0, BLOCK_J)
     for start in range(0, S, BLOCK_J):
         col = start + others
-        other = order_keys(tl.load(src + col, mask=col < S, other=0.0))
+        # Past S: -inf, the smallest key, in a column above every score's: never ahead of one.
+        other = order_keys(tl.load(src + col, mask=col < S, other=float("-inf")))
         # `other` comes before a score when larger, or equal in a lower column (ties to the lowest columns)
-        ahead = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None]) & (col[None, :] < mine[:, None]))
-        rank += tl.sum((ahead & (col < S)[None, :]).to(tl.int32), axis=1)
+        before = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None]) & (col[None, :] < mine[:, None]))
+        ahead += before.to(tl.int32)
+    rank = tl.sum(ahead, axis=1)
     pick = tl.where(key == NEG_INF_KEY, -1, mine).to(tl.int64)
     tl.store(dst + rank, pick, mask=inside & (rank < K))
     if part == 0:  # rows shorter than k: the slots past S
@@ -74,7 +79,7 @@ def topk_columns_ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
         out.stride(0),
         BLOCK_I=BLOCK_I,
         BLOCK_J=BLOCK_J,
-        num_warps=4,
+        num_warps=NUM_WARPS,
         **pdl_kwargs(scores),
     )
     return out

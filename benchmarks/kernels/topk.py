@@ -124,11 +124,32 @@ def sweep(dev) -> None:
         triton_topk.MAX_BLOCK, triton_topk.NUM_WARPS = saved
 
 
+def sweep_rank(dev) -> None:
+    """Rank-counting kernel times by (BLOCK_I, BLOCK_J, NUM_WARPS) at batch-1..4 decode shapes, picks checked."""
+    from dsv4_kernels import triton_topk_rank as rank
+
+    saved = rank.BLOCK_I, rank.BLOCK_J, rank.NUM_WARPS
+    try:
+        for rows, cands in ((1, 1024), (1, 2048), (4, 2048), (1, 4096), (1, 8192)):
+            x = scores_for(rows, cands, False, dev)
+            for bi, bj, warps in ((8, 128, 2), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8)):
+                rank.BLOCK_I, rank.BLOCK_J, rank.NUM_WARPS = bi, bj, warps
+                same = same_sets(x, rank.topk_columns_ranked(x, K), torch_topk(x))
+                us = bench_cudagraph(lambda: rank.topk_columns_ranked(x, K), rep=50)
+                print(
+                    f"  sweep rank rows={rows} candidates={cands} BLOCK_I={bi} BLOCK_J={bj} NUM_WARPS={warps}: "
+                    f"{us:.1f} us, same picks {same}",
+                    flush=True,
+                )
+    finally:
+        rank.BLOCK_I, rank.BLOCK_J, rank.NUM_WARPS = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dsv4 bench kernels topk", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     ap.add_argument("--merge", default=None, help="put this --out table into BENCHMARKS.md and exit")
-    ap.add_argument("--sweep", action="store_true", help="also time MAX_BLOCK x NUM_WARPS at decode shapes")
+    ap.add_argument("--sweep", action="store_true", help="also time the block sizes and warps at decode shapes")
     args = ap.parse_args(argv)
     if args.merge:
         from service.benchmarks_md import write_section
@@ -170,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.sweep:
+        sweep_rank(dev)
         sweep(dev)
     lines = [
         "- command: `dsv4 bench kernels topk`",
