@@ -164,7 +164,7 @@ class Settings:
     topk_rank_max_work: int = _switch(
         TOPK_RANK_MAX_WORK,
         "int",
-        1 << 24,
+        1 << 25,
         "the indexer's top-k on CUDA: steps of at most 256 rows whose rows x candidates^2 is at most this take the "
         "rank-counting kernel (dsv4_kernels.triton_topk_rank: one launch, every score compared with its row), before "
         "the sort and radix kernels; 0 turns it off",
