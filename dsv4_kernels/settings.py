@@ -57,6 +57,8 @@ GROUPED_MOE = "DSV4_GROUPED_MOE"
 FP32_RESIDUAL = "DSV4_FP32_RESIDUAL"
 TP_BACKEND = "DSV4_TP_BACKEND"
 OVERLAP_DECODE = "DSV4_OVERLAP_DECODE"
+PREFILL_GRAPHS = "DSV4_PREFILL_GRAPHS"
+PREFILL_GRAPH_MIN_TOKENS = "DSV4_PREFILL_GRAPH_MIN_TOKENS"
 WARMUP = "DSV4_WARMUP"
 WARMUP_PROCS = "DSV4_WARMUP_PROCS"
 LOAD_PROGRESS = "DSV4_LOAD_PROGRESS"
@@ -297,6 +299,24 @@ class Settings:
         "`--speculative-tokens`: each speculative step from the previous one's device tokens and drafts, "
         "engine.execution.spec_overlap); unset = on with CUDA graphs",
         "engine",
+    )
+    prefill_graphs: bool = _switch(
+        PREFILL_GRAPHS,
+        "bool",
+        False,
+        "1 = steps with prefill tokens are padded to a token-count bucket and replayed from its CUDA graph "
+        "(engine.execution.prefill_graphs) on engines whose decode runs under graphs; 0 = eager prefill steps. Off "
+        "until measured on a GPU",
+        "engine",
+    )
+    prefill_graph_min_tokens: int = _switch(
+        PREFILL_GRAPH_MIN_TOKENS,
+        "int",
+        512,
+        "the smallest prefill graph bucket (tokens); buckets are powers of two from it up to the step budget "
+        "(--max-batch-tokens), which is the last",
+        "engine",
+        minimum=1,
     )
     warmup: str = _switch(
         WARMUP,

@@ -16,6 +16,7 @@ import torch
 from dsv4_kernels.settings import settings
 from engine.execution.cuda_graphs import DecodeRunner
 from engine.execution.decode_overlap import LaunchedDecode, next_step_is_known, overlappable_decode_step
+from engine.execution.prefill_graphs import PrefillRunner
 from engine.execution.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixCacheConfig
 from engine.execution.request import Request, TokenEvent
 from engine.execution.sampling import draw_seed, greedy_pick, sample, sampling_inputs
@@ -32,6 +33,7 @@ from engine.model.model import DeepseekV4Model
 from engine.model.parallel import SINGLE, ParallelContext
 
 DECODE_MODES = ("auto", "eager", "bucketed", "graphs")
+PREFILL_MODES = ("auto", "eager", "bucketed", "graphs")
 
 
 class EngineCore:
@@ -49,8 +51,10 @@ class EngineCore:
         overlap_decode: bool | None = None,
         speculative_tokens: int = 0,
         speculative_policy=None,
+        prefill_mode: str = "auto",
+        prefill_min_tokens: int | None = None,
     ):
-        """decode_mode: how steps made only of decode tokens run (steps with prefill always run eagerly):
+        """decode_mode: how steps made only of decode tokens run (steps with prefill: prefill_mode):
         "graphs" replays CUDA graphs per (batch, context) bucket (engine.execution.cuda_graphs); "bucketed" runs the
         same fixed-shape batches without graphs (tests, debugging); "eager" sizes every step to its
         content; "auto" = "graphs" on CUDA in bf16/fp16 with the Triton fast path, else "eager".
@@ -62,7 +66,13 @@ class EngineCore:
         speculative_tokens / speculative_policy: MTP drafts (engine.execution.speculative) and when to make them
         (engine.execution.spec_policy.SpecPolicy, None: its defaults); decode-only steps then run as fixed-shape
         speculative steps in decode_mode's way (graphs / bucketed), overlap_decode deciding whether greedy ones are
-        launched before the previous one is read (engine.execution.spec_overlap)."""
+        launched before the previous one is read (engine.execution.spec_overlap).
+        prefill_mode: how steps with prefill tokens run: "graphs" pads them to a token-count bucket and replays its
+        CUDA graph (engine.execution.prefill_graphs); "bucketed" runs the same padded batches without graphs (tests);
+        "eager" sizes every step to its content; "auto" = "graphs" where $DSV4_PREFILL_GRAPHS is on and decode_mode
+        resolved to "graphs", else "eager". Steps with prompt log-probs or an in-chunk prefix-cache snapshot, and
+        those no bucket holds, run eagerly; so do all steps of tensor-parallel, data-parallel and speculative engines.
+        prefill_min_tokens: the smallest token bucket (None: $DSV4_PREFILL_GRAPH_MIN_TOKENS)."""
         self.cfg = cfg
         parallel = parallel or SINGLE
         # Data-parallel attention: this rank schedules its own requests as a lone engine would (self.parallel is
@@ -120,6 +130,7 @@ class EngineCore:
         self.imports: dict[str, Request] = {}  # decode side: pages reserved, caches arriving
         self.scheduler.arriving = self.imports  # each holds a batch slot the waiting queue must not take
         self._ids = itertools.count()
+        self.prefill_runner = self._prefill_runner(prefill_mode, prefill_min_tokens, bool(speculative_tokens))
         self.speculator = None
         if speculative_tokens:
             from engine.execution.speculative import Speculator
@@ -170,6 +181,24 @@ class EngineCore:
             # fp32 expert GEMMs (grouped_mm's fallback) and quantised cache reads sync with the host.
             raise ValueError("decode_mode 'graphs' needs dtype bfloat16 or float16, got float32")
         return mode
+
+    def _prefill_runner(self, mode: str, min_tokens: int | None, speculative: bool) -> PrefillRunner | None:
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {mode!r}")
+        if mode == "auto":
+            mode = "graphs" if settings().prefill_graphs and self.decode_mode == "graphs" else "eager"
+        if mode == "graphs" and (self.device.type != "cuda" or self.dtype == torch.float32):
+            raise ValueError(f"prefill_mode 'graphs' needs a CUDA device in bf16/fp16, got {self.device} {self.dtype}")
+        if mode == "eager" or speculative or self.parallel.enabled or self.data_parallel is not None:
+            return None
+        return PrefillRunner(
+            self.model,
+            self.pool,
+            "graphs" if mode == "graphs" else "eager",
+            self.scheduler_config.max_batch_tokens,
+            self.scheduler_config.max_num_seqs,
+            settings().prefill_graph_min_tokens if min_tokens is None else min_tokens,
+        )
 
     def _fits_empty_pool(self, total: int) -> bool:
         return all(g.spec.pages_for_tokens(total) <= g.usable_pages for g in self.pool.groups.values())
@@ -321,10 +350,36 @@ class EngineCore:
             )
             if logits is not None:  # every request samples; no prompt-logprob rows in a decode step
                 return self._postprocess(chunks, logits, list(range(len(chunks))), [(0, 0)] * len(chunks))
+        if self.prefill_runner is not None and any(
+            c.start + c.num_tokens != c.request.num_tokens or c.num_tokens > 1 for c in chunks
+        ):
+            events = self._run_padded(chunks)
+            if events is not None:
+                return events
         inputs, sample_rows, prompt_rows = self._build(chunks)
         logits = self.execute(inputs)
         events = self._postprocess(chunks, logits, sample_rows, prompt_rows)
         return events
+
+    def _run_padded(self, chunks: list[ScheduledChunk]) -> list[TokenEvent] | None:
+        """A step with prefill through the PrefillRunner (its bucket's graph) -> its events; None when it must run
+        eagerly (prompt log-probs, an in-chunk snapshot, no bucket holds it): nothing ran then."""
+        if any(
+            c.snapshot_at or (c.request.params.prompt_logprobs and c.start < len(c.request.prompt) - 1) for c in chunks
+        ):
+            return None
+        runner = self.prefill_runner
+        assert runner is not None  # called where the engine has one
+        logits = runner.run(
+            [c.request.token_slice(c.start, c.start + c.num_tokens) for c in chunks],
+            [c.start for c in chunks],
+            [c.request.pages for c in chunks],
+        )
+        if logits is None:
+            return None
+        # logits row i: chunk i's last token; sampled where the chunk reached the request's newest token
+        sample_rows = [i if c.start + c.num_tokens == c.request.num_tokens else None for i, c in enumerate(chunks)]
+        return self._postprocess(chunks, logits, sample_rows, [(0, 0)] * len(chunks))
 
     def _step_lockstep(self) -> list[TokenEvent]:
         """One tick of a data-parallel attention group (engine.execution.dp_attention): every rank runs this once a tick in

@@ -60,28 +60,30 @@ _PART_BYTES = 8 * PART_ALIGN
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool}
 
 
-def _host_arrays(obj):
+def host_arrays(obj):
     """Every numpy array in obj: an array, or a dataclass / dict / list / tuple holding arrays (field order)."""
     if _is_host(obj):
         yield obj
     elif is_dataclass(obj):
         for f in fields(obj):
-            yield from _host_arrays(getattr(obj, f.name))
+            yield from host_arrays(getattr(obj, f.name))
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _host_arrays(v)
+            yield from host_arrays(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _host_arrays(v)
+            yield from host_arrays(v)
 
 
-class _Upload:
+class Upload:
     """The numpy arrays of some host objects as device tensors, through one buffer and one host-to-device copy
     that does not wait for the device (pinned on CUDA). `upload(obj)` -> obj with each array replaced by its
     device view (same shape and dtype: int64 or bool)."""
 
-    def __init__(self, host_objects, device):
-        arrays = {id(a): a for a in _host_arrays(host_objects)}  # by identity: a shared array goes once
+    def __init__(self, host_objects, device, into: torch.Tensor | None = None):
+        """into: a device buffer of exactly this layout's size (a CUDA graph's static inputs,
+        engine.model.prefill_batch) to copy into instead of a new one."""
+        arrays = {id(a): a for a in host_arrays(host_objects)}  # by identity: a shared array goes once
         for a in arrays.values():
             if a.dtype not in _TORCH_DTYPES:
                 raise TypeError(f"a step's host arrays are int64 or bool, got {a.dtype}")
@@ -100,7 +102,13 @@ class _Upload:
             a = arrays[k]
             flat[at : at + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
             at += padded[k]
-        buffer = host.to(device, non_blocking=True) if device.type == "cuda" else host
+        if into is not None:
+            if into.numel() != host.numel() or into.dtype != torch.uint8:
+                raise ValueError(f"static input buffer of {into.numel()} bytes, this step needs {host.numel()}")
+            buffer = into.copy_(host, non_blocking=True)
+        else:
+            buffer = host.to(device, non_blocking=True) if device.type == "cuda" else host
+        self.buffer = buffer  # uint8 [bytes]: every view below lies in it
         self._views = {}
         for keys, region, item in (
             (regions[0], buffer[:int_bytes].view(torch.int64), 8),
@@ -316,7 +324,7 @@ def _joined(first: RingWrite, extra: RingWrite | None) -> RingWrite:
 
 def _host_rows(parts) -> torch.Tensor:
     """Host row ids concatenated, in a field typed as what it becomes: a step's dataclasses hold numpy arrays
-    while they are built on the host, and _Upload swaps each for its device view before a layer reads it."""
+    while they are built on the host, and Upload swaps each for its device view before a layer reads it."""
     return cast(torch.Tensor, np.concatenate(parts))
 
 
@@ -367,13 +375,16 @@ def _visible(ratio: int, positions, seg, table, page_rows: int, max_entries: int
     return VisibleEntries(paged_rows(table, page_rows, requests, entries), (positions + 1) // ratio, seg)
 
 
-def _host_tables(tables: list[dict], names) -> dict[str, np.ndarray]:
-    """Every group's page table as int64 [B, width], zero-padded to its widest row (width >= 1)."""
+def _host_tables(tables: list[dict], names, widths: dict | None = None, fill: dict | None = None) -> dict:
+    """Every group's page table as int64 [B, width] (numpy): width = widths[name] (longer rows cut) or else its
+    widest row (>= 1); missing columns hold fill[name] (default 0, the scratch page)."""
     out = {}
     for name in names:
         rows = [t.get(name, ()) for t in tables]
-        table = np.zeros((len(rows), max(1, max((len(r) for r in rows), default=1))), dtype=np.int64)
+        width = widths[name] if widths else max(1, max((len(r) for r in rows), default=1))
+        table = np.full((len(rows), width), fill[name] if fill else 0, dtype=np.int64)
         for i, r in enumerate(rows):
+            r = list(r)[:width]
             table[i, : len(r)] = r
         out[name] = table
     return out
@@ -399,6 +410,33 @@ def build_step(
     snapshots[b] (optional): (point, {ring group: staging page}) when request b keeps a prefix-cache snapshot
     point inside its chunk (engine.execution.prefix_cache): each of those rings' writes then also put the ring as it
     stands at `point` (positions [point - ring, point), all in the chunk) into its staging page."""
+    host = host_step(pool, token_ids, starts, tables, logit_rows, snapshots)
+    upload = Upload(host.arrays, device)
+    return device_step(pool, host, {name: upload(value) for name, value in host.arrays.items()})
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """The host half of a step (`host_step`): its numpy arrays by StepBatch field, and the visible-entry groups
+    the device half derives: group name -> (ratio, page rows, entries a request)."""
+
+    arrays: dict
+    visible_at: dict
+
+
+def host_step(
+    pool: CachePool,
+    token_ids: list[list[int]],
+    starts: list[int],
+    tables: list[dict],
+    logit_rows: list[int],
+    snapshots: list | None = None,
+    widths: dict | None = None,
+    context: int | None = None,
+) -> HostStep:
+    """build_step's host arrays (its arguments). widths: each group's page-table width (rows cut or padded with
+    the scratch page) and context: the visible-entry lists' length in positions (entries = context // ratio),
+    both fixed by a bucket (engine.model.prefill_batch); None: sized by the step's contents."""
     cfg = pool.cfg
     counts = np.array([len(t) for t in token_ids], dtype=np.int64)
     starts_h = np.array(list(starts), dtype=np.int64)
@@ -406,7 +444,7 @@ def build_step(
     cu = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
     positions, seg = segment_arange(starts_h, counts)
     ids = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=int(cu[-1]))
-    group_tables = _host_tables(tables, pool.groups)
+    group_tables = _host_tables(tables, pool.groups, widths, pool.scratch_pages if widths else None)
     staged = _staging_writes(pool, snapshots, starts_h, ends_h, cu) if snapshots and any(snapshots) else {}
 
     window = cfg.sliding_window
@@ -417,6 +455,7 @@ def build_step(
     entry_groups = [(f"kv{r}", f"state{r}", r, r == 4) for r in cfg.ratios]
     if cfg.indexer_layers:
         entry_groups.append(("index", "index_state", 4, True))
+    reach = int(ends_h.max(initial=0)) if context is None else context
     for entry_name, state_name, ratio, overlap in entry_groups:
         spec, state_spec = pool.groups[entry_name].spec, pool.groups[state_name].spec
         plan = _compress_plan(
@@ -433,9 +472,9 @@ def build_step(
         )
         compress[entry_name] = replace(plan, state_write=_joined(plan.state_write, staged.get(state_name)))
         if entry_name != "kv4":  # CSA picks kv4 entries through the indexer instead of attending to all
-            visible_at[entry_name] = (ratio, spec.page_rows, max(1, int(ends_h.max(initial=0)) // ratio))
+            visible_at[entry_name] = (ratio, spec.page_rows, max(1, reach // ratio))
 
-    host = dict(
+    arrays = dict(
         token_ids=ids,
         positions=positions,
         seq_of_token=seg,
@@ -447,10 +486,15 @@ def build_step(
         tables=group_tables,
         logit_rows=np.array(list(logit_rows), dtype=np.int64),
     )
-    upload = _Upload(host, device)
-    on_device = {name: upload(value) for name, value in host.items()}
+    return HostStep(arrays, visible_at)
 
-    # The two big index sets, from the uploaded vectors, on the device
+
+def device_step(pool: CachePool, host: HostStep, on_device: dict) -> StepBatch:
+    """The StepBatch from `host`'s arrays on the device (`on_device`: the same dict, device views): derives the
+    two big index sets there (the SWA sources and the visible-entry rows). No host sync: static shapes, so a
+    CUDA graph can hold it (engine.execution.prefill_graphs)."""
+    window = pool.cfg.sliding_window
+    swa_spec = pool.groups["swa"].spec
     pos_d, seg_d, tables_d = on_device["positions"], on_device["seq_of_token"], on_device["tables"]
     win_pos = pos_d.unsqueeze(1) - window + 1 + torch.arange(window, device=pos_d.device)
     swa = ring_sources(
@@ -465,6 +509,6 @@ def build_step(
     )
     visible = {
         name: _visible(ratio, pos_d, seg_d, tables_d[name], page_rows, entries)
-        for name, (ratio, page_rows, entries) in visible_at.items()
+        for name, (ratio, page_rows, entries) in host.visible_at.items()
     }
     return StepBatch(swa=swa, visible=visible, **on_device)
