@@ -77,7 +77,8 @@ def _engine_line(e: dict) -> str:
     keys = e.get("index_fmt", "mxfp4").upper()
     cache = f"fp8_ds_mla + {keys} indexer keys" if e.get("fp8_cache") else "exact bf16 rows"
     return (
-        f"experts `{e['experts']}`: decode mode `{e['decode_mode']}`{graphs}, KV cache {cache}, weights built "
+        f"experts `{e['experts']}`: decode mode `{e['decode_mode']}`{graphs}, prefill steps "
+        f"`{e.get('prefill_mode', 'eager')}`, KV cache {cache}, weights built "
         f"in {e['build_s']:.0f} s"
     )
 

@@ -278,10 +278,13 @@ class Suite:
             fp8_cache=self.core.pool.groups["swa"].quantised,
             index_fmt=self.core.cache_config.index_cache_dtype,
             overlap=self.core.overlap_decode,
+            # $DSV4_PREFILL_GRAPHS: prefill steps replayed from CUDA graphs by token-count bucket (the A/B's switch)
+            prefill_mode=self.core.prefill_runner.mode if self.core.prefill_runner is not None else "eager",
         )
         mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if p.cuda else ""
         print(
-            f"engine (experts {self.engine['experts']}, decode {self.core.decode_mode}) built in "
+            f"engine (experts {self.engine['experts']}, decode {self.core.decode_mode}, prefill "
+            f"{self.engine['prefill_mode']}) built in "
             f"{self.engine['build_s']:.1f} s{mem}",
             flush=True,
         )

@@ -21,7 +21,10 @@ DeepGEMM kernels for every M before serving (deep_gemm_warmup); SGLang sends a w
    padding rows that write only the scratch page; a speculative engine captures its verify buckets instead,
    VerifyRunner.capture_all, with 1 and K + 1 rows a request, and its MTP pass and chain graphs,
    MtpRunner.capture_all), so no step mid-stream waits on a capture or on the Triton
-   compiles its shapes need (on a cold machine a single decode step otherwise stalls for seconds);
+   compiles its shapes need (on a cold machine a single decode step otherwise stalls for seconds); with prefill
+   graphs ($DSV4_PREFILL_GRAPHS, engine.execution.prefill_graphs) the buckets of one request's first chunk too
+   (PrefillRunner.capture_all; the ladder's prefill steps already replayed, so captured, some of them), the others
+   (several requests a step, a long prompt's later chunks) on first use;
 3. every FP8 GEMM shape those steps ran (dsv4_kernels.deepgemm_linear records them) at the M values whose DeepGEMM
    configuration can differ: all M up to 128, then the lowest and highest M of each 64-row block count up to
    max_batch_tokens (the heuristic sees a larger M through its number of M-blocks, whose sizes are multiples of
@@ -77,6 +80,7 @@ class WarmupReport:
     seconds: tuple[float, float, float]  # ladder, graphs, GEMM + MoE sweeps
     moe_calls: int = 0  # MXFP4 MoE calls of the variant sweep (sweep_moe_variants)
     fp8_moe_calls: int = 0  # FP8 experts' grouped GEMM calls (sweep_fp8_experts)
+    prefill_graphs: int = 0  # prefill CUDA graphs captured by phase 2 (the ladder's steps captured others)
 
 
 def warmup_mode() -> str:
@@ -171,8 +175,11 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
         engine.prefix.clear()  # (the prompts are random: nothing to share)
     t1 = time.perf_counter()
     graphs = _capture_decode_graphs(engine) if decodes and engine.decode_runner is not None else 0
+    prefill_graphs = engine.prefill_runner.capture_all() if engine.prefill_runner is not None else 0
     t2 = time.perf_counter()
-    logger.info("warm-up: ladder %.1f s, %d decode graphs %.1f s", t1 - t0, graphs, t2 - t1)
+    logger.info(
+        "warm-up: ladder %.1f s, %d decode and %d prefill graphs %.1f s", t1 - t0, graphs, prefill_graphs, t2 - t1
+    )
     shapes = calls = moe_calls = fp8_calls = 0
     if engine.device.type == "cuda":
         from engine.model.fast_paths import use_fp8_gemm
@@ -188,7 +195,14 @@ def warm_engine(engine, sweep_gemms: bool | None = None, decodes: bool = True) -
             fp8_calls = sweep_fp8_experts(engine, max_tokens)
         torch.cuda.synchronize(engine.device)
     report = WarmupReport(
-        tuple(lengths), graphs, shapes, calls, (t1 - t0, t2 - t1, time.perf_counter() - t2), moe_calls, fp8_calls
+        tuple(lengths),
+        graphs,
+        shapes,
+        calls,
+        (t1 - t0, t2 - t1, time.perf_counter() - t2),
+        moe_calls,
+        fp8_calls,
+        prefill_graphs,
     )
     logger.info(
         "warm-up: %d prompts (%s tokens) %.1f s, %d decode graphs captured %.1f s, %d FP8 GEMM shapes x %d "

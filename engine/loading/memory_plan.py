@@ -80,23 +80,53 @@ def activation_reserve(
     max_num_seqs: int,
     fp8_experts: bool = False,
     speculative_tokens: int = 0,
+    prefill_graphs: bool | None = None,
 ) -> int:
     """Bytes kept back for one step's activations and the decode CUDA-graph pool (an estimate, logged): per token
     of the largest step (the prefill budget, the decode batch, or with speculation its verify step of K + 1 rows a
     request), the fp32 hc streams and mixes, the attention query/output rows, the routed-expert intermediates and
     the logits row, with 2x headroom, plus 1 GiB, plus the step's context-dependent workspace at the longest context
     served (`step_workspace`); with FP8 experts (engine.model.fp8_expert_weights), their grouped GEMMs' padded
-    buffers (`fp8_moe_workspace`); with speculation, its buffers (`speculative_buffers`)."""
+    buffers (`fp8_moe_workspace`); with speculation, its buffers (`speculative_buffers`); with prefill steps under
+    CUDA graphs (prefill_graphs; None: $DSV4_PREFILL_GRAPHS), their pool (`prefill_graph_pool`)."""
     tokens = max(max_batch_tokens, max_num_seqs * (1 + max(speculative_tokens, 0)))
-    per_token = (
+    moe = fp8_moe_workspace(cfg, max_batch_tokens) if fp8_experts else 0
+    spec = speculative_buffers(cfg, max_num_seqs, speculative_tokens)
+    if prefill_graphs is None:
+        from dsv4_kernels.settings import settings
+
+        prefill_graphs = settings().prefill_graphs
+    graphs = prefill_graph_pool(cfg, max_batch_tokens, max_num_seqs, fp8_experts) if prefill_graphs else 0
+    return (
+        2 * tokens * _step_bytes_a_token(cfg)
+        + GIB
+        + step_workspace(cfg, tokens, max_num_seqs).total
+        + moe
+        + spec
+        + graphs
+    )
+
+
+def _step_bytes_a_token(cfg: ModelConfig) -> int:
+    """A step's activations a token: the fp32 hc streams and mixes, the attention query / output rows, the routed
+    experts' intermediates and the logits row."""
+    return (
         4 * cfg.hc_mult * cfg.hidden_size * 4
         + 2 * cfg.num_heads * cfg.head_dim * 2
         + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size * 2
         + 4 * cfg.vocab_size
     )
+
+
+def prefill_graph_pool(cfg: ModelConfig, max_batch_tokens: int, max_num_seqs: int, fp8_experts: bool = False) -> int:
+    """Bytes the prefill CUDA graphs' memory pool holds (engine.execution.prefill_graphs): the activations of the
+    largest bucket's step (its padded tokens are at most the step budget), estimated as one eager step's (2x
+    headroom, the context-dependent workspace, the FP8 experts' buffers), plus the logits of its request rows. Kept
+    on top of the eager step's reserve: the pool's blocks serve only graph replays, while steps no bucket holds
+    (and decode graphs, their own pool) still need theirs."""
     moe = fp8_moe_workspace(cfg, max_batch_tokens) if fp8_experts else 0
-    spec = speculative_buffers(cfg, max_num_seqs, speculative_tokens)
-    return 2 * tokens * per_token + GIB + step_workspace(cfg, tokens, max_num_seqs).total + moe + spec
+    work = step_workspace(cfg, max_batch_tokens, max_num_seqs).total
+    return 2 * max_batch_tokens * _step_bytes_a_token(cfg) + work + moe + (max_num_seqs + 1) * cfg.vocab_size * 4
 
 
 @dataclass(frozen=True)
@@ -241,6 +271,7 @@ __all__ = [
     "pool_bytes",
     "activation_reserve",
     "speculative_buffers",
+    "prefill_graph_pool",
     "fp8_moe_workspace",
     "step_workspace",
     "StepWorkspace",

@@ -62,3 +62,24 @@ def test_speculation_reserves_its_verify_steps_and_buffers():
         extra = activation_reserve(cfg, 256, seqs, speculative_tokens=k) - base
         assert extra >= speculative_buffers(cfg, seqs, k) > speculative_buffers(cfg, seqs, k - 1)
         assert speculative_buffers(cfg, seqs, k) >= seqs * (k + 1) * cfg.vocab_size * 4  # fp32 verify logits
+
+
+def test_prefill_graphs_reserve_their_pool(monkeypatch):
+    """Prefill steps under CUDA graphs keep one bucket's activations in the graphs' own pool: the reserve grows by
+    `prefill_graph_pool` with them ($DSV4_PREFILL_GRAPHS or the argument), by nothing without."""
+    from dsv4_kernels.settings import PREFILL_GRAPHS, reload
+    from engine.loading.memory_plan import prefill_graph_pool
+
+    base = activation_reserve(CFG, 2048, 8, prefill_graphs=False)
+    pool = prefill_graph_pool(CFG, 2048, 8)
+    assert pool > 2048 * CFG.vocab_size * 4 // 16  # at least the activations of the largest bucket's tokens
+    assert activation_reserve(CFG, 2048, 8, prefill_graphs=True) - base == pool
+    assert activation_reserve(CFG, 2048, 8, True, prefill_graphs=True) - activation_reserve(CFG, 2048, 8, True) > pool
+    monkeypatch.setenv(PREFILL_GRAPHS, "1")
+    reload()
+    try:
+        assert activation_reserve(CFG, 2048, 8) - base == pool
+    finally:
+        monkeypatch.delenv(PREFILL_GRAPHS)
+        reload()
+    assert activation_reserve(CFG, 2048, 8) == base
