@@ -64,9 +64,10 @@ class PrefillRunner:
         if mode == "graphs" and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {model.device}")
         self.model, self.pool, self.mode = model, pool, mode
-        self.tokens = token_buckets(min_tokens, max_batch_tokens)
-        self.slots = slot_buckets(max_requests + 1)  # + a padding row
         self.max_context = model.cfg.max_position_embeddings
+        # at most the model's positions: a padding row's positions 0.. stay inside its RoPE tables
+        self.tokens = token_buckets(min_tokens, min(max_batch_tokens, self.max_context))
+        self.slots = slot_buckets(max_requests + 1)  # + a padding row
         self.graphs: dict[PrefillShape, _Graph] = {}
         self.steps = 0  # steps this runner ran (replayed or eager padded)
         self._mempool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
@@ -86,8 +87,11 @@ class PrefillRunner:
             return PrefillShape(t, self.slots[i], contexts[j]) if j < len(contexts) else None
         return None
 
-    def run(self, token_ids: list[list[int]], starts: list[int], tables: list[dict]) -> torch.Tensor | None:
-        """One step: request b runs token_ids[b] from position starts[b] with page table tables[b].
+    def run(
+        self, token_ids: list[list[int]], starts: list[int], tables: list[dict], snapshots: list | None = None
+    ) -> torch.Tensor | None:
+        """One step: request b runs token_ids[b] from position starts[b] with page table tables[b]; snapshots[b]: its
+        in-step prefix-cache snapshot as engine.model.batch.build_step takes it, or None.
 
         -> fp32 logits [len(token_ids), vocab] of each request's last token this step (a view of a static buffer under
         graphs: read it before the next step), or None when no bucket fits (the caller runs the step eagerly)."""
@@ -95,7 +99,7 @@ class PrefillRunner:
         shape = self.shape_for([len(t) for t in token_ids], [s + len(t) for s, t in zip(starts, token_ids)])
         if shape is None:
             return None
-        inputs = pad_step(self.pool, shape, token_ids, starts, tables)
+        inputs = pad_step(self.pool, shape, token_ids, starts, tables, snapshots)
         self.steps += 1
         if self.mode == "eager":
             return self.model.forward(inputs.batch(self.model.device), self.pool)[:n]

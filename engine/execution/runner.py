@@ -70,8 +70,7 @@ class EngineCore:
         prefill_mode: how steps with prefill tokens run: "graphs" pads them to a token-count bucket and replays its
         CUDA graph (engine.execution.prefill_graphs); "bucketed" runs the same padded batches without graphs (tests);
         "eager" sizes every step to its content; "auto" = "graphs" where $DSV4_PREFILL_GRAPHS is on and decode_mode
-        resolved to "graphs", else "eager". Steps with prompt log-probs or an in-chunk prefix-cache snapshot, and
-        those no bucket holds, run eagerly; so do all steps of tensor-parallel, data-parallel and speculative engines.
+        resolved to "graphs", else "eager". Steps with prompt log-probs, and those no bucket holds, run eagerly; so do all steps of tensor-parallel, data-parallel and speculative engines.
         prefill_min_tokens: the smallest token bucket (None: $DSV4_PREFILL_GRAPH_MIN_TOKENS)."""
         self.cfg = cfg
         parallel = parallel or SINGLE
@@ -363,17 +362,17 @@ class EngineCore:
 
     def _run_padded(self, chunks: list[ScheduledChunk]) -> list[TokenEvent] | None:
         """A step with prefill through the PrefillRunner (its bucket's graph) -> its events; None when it must run
-        eagerly (prompt log-probs, an in-chunk snapshot, no bucket holds it): nothing ran then."""
-        if any(
-            c.snapshot_at or (c.request.params.prompt_logprobs and c.start < len(c.request.prompt) - 1) for c in chunks
-        ):
+        eagerly (prompt log-probs: per-token logit rows; no bucket holds it): nothing ran then."""
+        if any(c.request.params.prompt_logprobs and c.start < len(c.request.prompt) - 1 for c in chunks):
             return None
         runner = self.prefill_runner
         assert runner is not None  # called where the engine has one
+        prefix = self.prefix
         logits = runner.run(
             [c.request.token_slice(c.start, c.start + c.num_tokens) for c in chunks],
             [c.start for c in chunks],
             [c.request.pages for c in chunks],
+            [(c.snapshot_at, prefix.staging(c.request)) if c.snapshot_at and prefix else None for c in chunks],
         )
         if logits is None:
             return None

@@ -12,8 +12,9 @@ the step to a bucket (tokens T, request rows S, context C) and builds it with bu
 - compressor plans: T // r + S entries for ratio r (a row of c tokens closes at most c // r + 1 windows); entries
   past the step's real ones pool chunk row T - 1 into the scratch entry row (the fast compressor kernel skips that
   row; the reference writes it);
-- ring writes (SWA ring, compressor states): min(T, S x ring rows) pairs (a row writes at most its last ring-rows
-  positions), the extra ones copying chunk row T - 1 into the group's scratch row;
+- ring writes (SWA ring, compressor states): min(T, S x ring rows) + S x ring rows pairs (a row writes at most its
+  last ring-rows positions, and as many again into a staging page where it keeps an in-step prefix-cache snapshot),
+  the extra ones copying chunk row T - 1 into the group's scratch row;
 - page tables `table_widths(C)` wide (a request's longer reservation is cut: entries of positions >= C cannot be
   touched yet) and visible-entry lists C // r long (their counts stay each token's own);
 - logits: one row a request row, its last token (rows of requests whose chunk does not end the prompt are unused).
@@ -24,7 +25,7 @@ reductions may then run in another order on the GPU; the CPU tests pin equality)
 All arrays of one shape have the same sizes in the same order, so the step's host bytes fit one static device
 buffer (`PrefillInputs`): refreshing a graph's inputs is one host-to-device copy, and `device_step` (the SWA
 sources, the visible-entry rows: device ops on that buffer, no host sync) is captured with the forward
-(engine.execution.prefill_graphs). Steps with prompt log-probs or an in-chunk prefix-cache snapshot are not padded.
+(engine.execution.prefill_graphs). Steps with prompt log-probs are not padded (their logit rows are per token).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def pad_step(
     token_ids: list[list[int]],
     starts: list[int],
     tables: list[dict],
+    snapshots: list | None = None,
 ) -> PrefillInputs:
     """The step's requests (build_step's arguments, no logit rows: one a request row) padded to `shape` (module
     docstring). Raises ValueError when they do not fit it."""
@@ -132,6 +134,7 @@ def pad_step(
         list(starts) + [0] * pads,
         list(tables) + [{}] * pads,
         (cu[1:] - 1).clip(min=0).tolist(),
+        list(snapshots) + [None] * pads if snapshots else None,
         widths=table_widths(pool, shape.context),
         context=shape.context,
     )
@@ -149,7 +152,10 @@ def signature(arrays) -> tuple:
 
 
 def _bound(shape: PrefillShape, ring_rows: int) -> int:
-    return min(shape.tokens, shape.slots * ring_rows)
+    """Ring writes of a step: a request row writes at most its last ring_rows positions, plus as many into a staging
+    page where it keeps an in-step prefix-cache snapshot (engine.model.batch._staging_writes); every step of the
+    shape is sized for the snapshots, whether it has them or not."""
+    return min(shape.tokens, shape.slots * ring_rows) + shape.slots * ring_rows
 
 
 def _scratch_row(pool: CachePool, group: str) -> int:

@@ -31,7 +31,7 @@ def model_dir():
     return default_model_dir()
 
 
-def _engine(model_dir, mode: str, budget: int, **cache) -> EngineCore:
+def _engine(model_dir, mode: str, budget: int, prefix_cache=False, **cache) -> EngineCore:
     cfg = ModelConfig.from_model_dir(model_dir)
     weights = load_weights(model_dir, cfg, dtype=torch.float32, device="cpu")
     return EngineCore(
@@ -42,7 +42,7 @@ def _engine(model_dir, mode: str, budget: int, **cache) -> EngineCore:
         decode_mode="eager",
         prefill_mode=mode,
         prefill_min_tokens=16,
-        prefix_cache=False,
+        prefix_cache=prefix_cache,
     )
 
 
@@ -99,6 +99,44 @@ def test_padded_prefill_matches_eager(model_dir, kv_cache_dtype, lens, budget):
     # Not bitwise: the padding tokens join routed experts' groups, and the reference's per-expert GEMMs round a
     # row differently at another row count (M = 1 vs 2 in fp32 on the CPU), so values agree to the last bits only.
     _pages_equal(eager, padded)
+
+
+def test_padded_prefill_with_prefix_cache(model_dir):
+    """Prefix-cache snapshots kept inside a padded chunk (staging-page writes beside the ring writes) and requests
+    resuming from a cached prefix (a first chunk that starts mid-prompt, reading restored rings): same tokens and
+    log-probs as the eager engine with the same cache, and the hits happen."""
+    from engine.execution.prefix_cache import STAGING_PAGES, PrefixCacheConfig
+
+    config = PrefixCacheConfig(snapshot_interval=64)
+    # 128-token blocks (page_tokens 128: one kv128 row a page), snapshot points every block; 200-token chunks
+    cache = dict(staging_pages=STAGING_PAGES, page_tokens=128)
+    eager = _engine(model_dir, "eager", 200, config, **cache)
+    padded = _engine(model_dir, "bucketed", 200, config, **cache)
+    runner = padded.prefill_runner
+    seen = []
+    run = runner.run
+    runner.run = lambda ids, starts, tables, snaps=None: (
+        seen.append(any(snaps or ())) or run(ids, starts, tables, snaps)
+    )
+    (shared,) = _prompts([200], eager.cfg.vocab_size, seed=21)
+    tails = _prompts([37, 90, 5], eager.cfg.vocab_size, seed=22)
+    prompts = [shared + tails[0], shared + tails[1], shared[:150] + tails[2]]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=True)
+    out = []
+    for engine in (eager, padded):
+        events = []
+        for p in prompts:  # one after another: each sees the cache the previous ones left
+            engine.add_request(p, params)
+            while engine.has_work:
+                events.extend(engine.step())
+        out.append(events)
+    want, got = out
+    assert any(seen), "no padded step kept an in-step snapshot"
+    assert [e.cached_tokens for e in got] == [e.cached_tokens for e in want] and max(
+        e.cached_tokens for e in got
+    ) >= 128
+    assert [(e.request_id, e.token_id) for e in got] == [(e.request_id, e.token_id) for e in want]
+    assert all(abs(a.logprob - b.logprob) <= TOL for a, b in zip(got, want) if a.logprob is not None)
 
 
 def test_padding_writes_only_scratch_pages(model_dir):
@@ -193,3 +231,23 @@ def test_prefill_mode_validation(model_dir):
     with pytest.raises(ValueError, match="CUDA"):
         _engine(model_dir, "graphs", 64)
     assert _engine(model_dir, "auto", 64).prefill_runner is None  # CPU: eager
+
+
+@pytest.mark.parametrize("name", ["wide_hc4_w16", "real128", "csa_hca16_yarn"])
+def test_padded_prefill_on_oracle_configs(name, tmp_path):
+    """Other shapes (hc 4, window 16, ratios 8 / 16 / 128, YaRN, hash layers, head dims 16 / 48) and the oracle
+    tests' chunk budgets (13, 61: no power of two), prompts run together: padded steps equal content-sized ones."""
+    from tests.engine.test_oracle import CONFIGS
+    from tests.engine.test_oracle import _prompts as oracle_prompts
+    from tests.support.oracle import make_hf_checkpoint
+
+    spec = CONFIGS[name]
+    model_dir = make_hf_checkpoint(tmp_path / name, seed=spec["seed"], **spec["overrides"])
+    budget = spec["max_batch_tokens"]
+    eager, padded = _engine(model_dir, "eager", budget), _engine(model_dir, "bucketed", budget)
+    prompts = oracle_prompts(spec)
+    want, got = _run(eager, prompts, new_tokens=4), _run(padded, prompts, new_tokens=4)
+    assert padded.prefill_runner.steps >= 1, "the prefill steps did not take the padded path"
+    assert [(r, t) for r, t, _ in got] == [(r, t) for r, t, _ in want]
+    assert all(abs(a - b) <= TOL for (_, _, a), (_, _, b) in zip(got, want) if a is not None)
+    _pages_equal(eager, padded)
