@@ -23,6 +23,17 @@ query blocks on the device (dsv4_kernels.triton_indexer_prefill). DeepGEMM's one
 bucket has one request row (a step that fills its bucket: N == T); a padded step has two rows and takes the Triton
 prefill indexer.
 
+Where a padded step may compute the real tokens differently from the content-sized eager step (T is the bucket's
+token count, N the step's): the routed experts see the padding tokens too, so each expert's group has other row
+counts (grouped GEMM tiles, the FP8 layout's bound; on the CPU the reference's per-expert GEMMs round a row by
+its group's size: the only difference the CPU tests see, fp32 last bits); the format and kernel choices made by
+step length follow T: FP8 routed experts from 1024 tokens on a prefill engine (`MoEBlock.takes_fp8`: a 600-token
+chunk in the 1024 bucket takes FP8 experts where the eager step keeps MXFP4), the mHC pre's split vs long path
+(DSV4_HC_SPLIT_MAX_TOKENS), the indexer's query blocks and candidate split; and the indexer's and the attention's
+lists are longer (more -1 / invisible columns: top-k picks the same set, the attention kernels' K splits may
+merge in another order). Apart from those roundings a real request's cache rows are byte for byte the unpadded
+step's: each is written from its own tokens by the same per-row kernels.
+
 `PrefillRunner(mode="eager")` runs the same padded batches without graphs: the CPU tests pin that a padded step
 computes what `build_step`'s batch computes for the real requests.
 """

@@ -19,8 +19,10 @@ the step to a bucket (tokens T, request rows S, context C) and builds it with bu
   touched yet) and visible-entry lists C // r long (their counts stay each token's own);
 - logits: one row a request row, its last token (rows of requests whose chunk does not end the prompt are unused).
 So real rows see exactly what build_step's batch gives them: the same token rows, sources, windows and cache rows;
-only masked list lengths differ (more -1 / invisible columns in the indexer's and the attention's lists, whose
-reductions may then run in another order on the GPU; the CPU tests pin equality).
+only masked list lengths differ (more -1 / invisible columns in the indexer's and the attention's lists). What the
+real rows compute may still round differently where a kernel's work depends on T rather than on the row
+(engine.execution.prefill_graphs lists them); the CPU tests pin tokens, log-probs and cache values to fp32's last
+bits, and the padding's writes to scratch pages exactly.
 
 All arrays of one shape have the same sizes in the same order, so the step's host bytes fit one static device
 buffer (`PrefillInputs`): refreshing a graph's inputs is one host-to-device copy, and `device_step` (the SWA
