@@ -58,7 +58,6 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Graph:
     inputs: torch.Tensor  # static uint8 buffer: the padded step's host arrays (PrefillInputs.upload)
-    signature: tuple  # its layout (engine.model.prefill_batch.signature)
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # static output [slots, vocab], a view of the shared buffer
 
@@ -115,9 +114,7 @@ class PrefillRunner:
         if self.mode == "eager":
             return self.model.forward(inputs.batch(self.model.device), self.pool)[:n]
         graph = self.graphs.get(shape) or self._capture(shape)
-        if inputs.signature != graph.signature:  # (pad_step lays out every step of a shape alike)
-            raise AssertionError(f"{shape}: the step's inputs are laid out unlike the captured graph's")
-        inputs.upload(self.model.device, into=graph.inputs)
+        inputs.upload(self.model.device, into=graph.inputs)  # (pad_step lays out every step of a shape alike)
         graph.graph.replay()
         return graph.logits[:n]
 
@@ -153,7 +150,7 @@ class PrefillRunner:
             logits = self.model.forward(device_step(self.pool, pad.host, views), self.pool)
             out.copy_(logits)  # the forward's own buffer returns to the pool after the capture
         del logits, warm
-        self.graphs[shape] = _Graph(buffer, pad.signature, graph, out)
+        self.graphs[shape] = _Graph(buffer, graph, out)
         logger.info("captured prefill graph %s: %.2f s", shape, time.perf_counter() - t0)
         return self.graphs[shape]
 

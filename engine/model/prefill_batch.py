@@ -93,12 +93,11 @@ def context_buckets(tokens: int, max_context: int) -> list[int]:
 
 @dataclass(frozen=True)
 class PrefillInputs:
-    """A padded step's host arrays (HostStep) and their layout's signature (each array's dtype and shape, in
-    upload order): two steps of one shape have the same signature, so one static buffer takes either."""
+    """A padded step's host arrays (HostStep): two steps of one shape have the same `signature`, so one static
+    buffer takes either (the upload checks the byte count; tests/engine/test_prefill_buckets.py the layout)."""
 
     pool: CachePool
     host: HostStep
-    signature: tuple
 
     def upload(self, device, into: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
         """-> (host.arrays' fields as device views, the uint8 buffer holding them): `device_step(pool, host, views)`
@@ -143,8 +142,7 @@ def pad_step(
     arrays = dict(host.arrays)
     arrays["compress"] = {name: _pad_plan(pool, shape, name, plan) for name, plan in arrays["compress"].items()}
     arrays["swa_write"] = _pad_write(arrays["swa_write"], _bound(shape, pool.cfg.sliding_window), pool, "swa", shape)
-    padded = HostStep(_fresh(arrays), host.visible_at)
-    return PrefillInputs(pool, padded, signature(padded.arrays))
+    return PrefillInputs(pool, HostStep(_fresh(arrays), host.visible_at))
 
 
 def signature(arrays) -> tuple:
