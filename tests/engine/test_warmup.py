@@ -116,6 +116,36 @@ def test_prefill_only_warmup_holds_and_releases(weights):
     assert eng.pool.num_free_pages() == idle
 
 
+def test_warmup_with_padded_prefill(weights):
+    """Prefill steps padded to buckets (prefill_mode "bucketed": the graph path without capture): the ladder runs
+    through them, nothing is left behind (the padding writes only scratch pages), and the engine then serves what
+    a cold content-sized engine serves. No graph is captured on the CPU."""
+    cfg, w = weights
+    warm = EngineCore(
+        cfg,
+        w,
+        cache_config=CacheConfig(max_requests=4, max_tokens=2048),
+        scheduler_config=SchedulerConfig(max_batch_tokens=300, max_num_seqs=4),
+        prefill_mode="bucketed",
+        prefill_min_tokens=32,
+    )
+    cold = _engine(weights)
+    idle = warm.pool.num_free_pages()
+    report = warm_engine(warm)
+    assert warm.prefill_runner is not None and warm.prefill_runner.steps >= len(report.prompts) - 1
+    assert report.prefill_graphs == 0 and warm.pool.num_free_pages() == idle and not warm.has_work
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 33, 170)]
+    params = SamplingParams(max_new_tokens=4, temperature=0, logprobs=True)
+    outs = []
+    for eng in (warm, cold):
+        ids = [eng.add_request(p, params) for p in prompts]
+        while eng.has_work:
+            eng.step()
+        outs.append([r.output for r in map(eng.pop_finished, ids)])
+    assert outs[0] == outs[1]
+
+
 def test_warmup_refuses_a_busy_engine(weights):
     eng = _engine(weights, prefix=False)
     eng.add_request([3, 4, 5], SamplingParams(max_new_tokens=2))

@@ -13,7 +13,8 @@
 # prefillab (the 8K prefill with FlashMLA's sparse prefill and the FP8 MoE's sync-free layout off and on), long1m
 # (a 1M-token prompt's chunked prefill), indexerab (the long prefill's indexer: Triton vs DeepGEMM fp8_mqa_logits),
 # gemv (the few-route MXFP4 MoE GEMV: its GPU tests, its bench rows at 1/2/4 tokens, batch-1 decode with it off/on),
-# gemvsweep (that GEMV's launch configurations at 1/2/4 tokens: the best as JSON),
+# gemvsweep (that GEMV's launch configurations at 1/2/4 tokens: the best as JSON), prefillgraphs (prefill under CUDA
+# graphs: its GPU tests, then the slice prefill at 1K and 8K with DSV4_PREFILL_GRAPHS=0 and 1),
 # rope (the in-place inverse RoPE by rows a program and warps: `dsv4 bench kernels rope`).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
@@ -186,6 +187,18 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
               --out "$OUT/prefill_ab_fm$1_$2.md" > "$OUT/prefillab_fm$1_$2.log" 2>&1 || status=1
             echo "== flashmla prefill $1, fp8 moe layout $2"; grep -E "^(prefill|Prefill)" "$OUT/prefillab_fm$1_$2.log" | cut -c1-300
           done ;;
+    # prefillgraphs: prefill steps under CUDA graphs (engine.execution.prefill_graphs): their GPU tests, then the slice
+    # prefill at 1K and 8K tokens with DSV4_PREFILL_GRAPHS off and on (the first run captures; 3 timed runs each)
+    prefillgraphs) timeout ${PGRAPH_TESTS_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+          tests/engine/test_gpu_prefill_graphs.py > "$OUT/prefill_graph_tests.log" 2>&1 || status=1
+        grep -E "^\[prefill|^(FAILED|ERROR)|passed|failed" "$OUT/prefill_graph_tests.log" | cut -c1-300
+        for t in ${PGRAPH_TOKENS:-1024 8192}; do for g in 0 1; do
+            DSV4_PREFILL_GRAPHS=$g timeout ${PGRAPH_TIMEOUT:-200} benchmarks/slice/run.sh \
+              --experts ${PGRAPH_EXPERTS:-mxfp4 fp8} --prefill-only --prefill-tokens "$t" --prefill-runs 3 --no-peer \
+              --out "$OUT/prefill_graphs_${t}_g$g.md" > "$OUT/prefillgraphs_${t}_g$g.log" 2>&1 || status=1
+            echo "== $t tokens, DSV4_PREFILL_GRAPHS=$g"
+            grep -E "^(engine|prefill|Prefill)" "$OUT/prefillgraphs_${t}_g$g.log" | cut -c1-300
+          done; done ;;
     # rope: the in-place inverse RoPE's rows a program x warps at 8K / 64 / 1 tokens (`dsv4 bench kernels rope`)
     rope) timeout ${ROPE_TIMEOUT:-120} python3 -m benchmarks.kernels rope --out "$OUT/rope_sweep.md" > "$OUT/rope.log" 2>&1 \
             || status=1
