@@ -70,7 +70,8 @@ class EngineCore:
         prefill_mode: how steps with prefill tokens run: "graphs" pads them to a token-count bucket and replays its
         CUDA graph (engine.execution.prefill_graphs); "bucketed" runs the same padded batches without graphs (tests);
         "eager" sizes every step to its content; "auto" = "graphs" where $DSV4_PREFILL_GRAPHS is on and decode_mode
-        resolved to "graphs", else "eager". Steps with prompt log-probs, and those no bucket holds, run eagerly; so do all steps of tensor-parallel, data-parallel and speculative engines.
+        resolved to "graphs", else "eager". Steps with prompt log-probs, and those no bucket holds, run eagerly; so
+        do all steps of tensor-parallel, data-parallel and speculative engines.
         prefill_min_tokens: the smallest token bucket (None: $DSV4_PREFILL_GRAPH_MIN_TOKENS)."""
         self.cfg = cfg
         parallel = parallel or SINGLE

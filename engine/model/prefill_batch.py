@@ -83,10 +83,14 @@ def token_buckets(min_tokens: int, max_tokens: int) -> list[int]:
 
 
 def context_buckets(tokens: int, max_context: int) -> list[int]:
-    """Contexts of a T-token bucket: T, 2T, 4T, ... below max_context, then max_context (at least T)."""
+    """Contexts of a T-token bucket: T, 1.5T, 2T, 3T, 4T, 6T, ... below max_context, then max_context (at least T).
+    As the decode buckets (engine.execution.cuda_graphs.context_buckets): a later chunk's visible-entry lists, which
+    the indexer scores and top-k scans in full, are at most 1.5x what it needs, at two graphs a doubling."""
     out, c = [], tokens
     while c < max_context:
         out.append(c)
+        if c * 3 // 2 < max_context:
+            out.append(c * 3 // 2)
         c *= 2
     return out + [max(max_context, tokens)]
 

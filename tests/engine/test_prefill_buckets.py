@@ -194,15 +194,17 @@ def test_shapes(model_dir):
     assert token_buckets(512, 8192) == [512, 1024, 2048, 4096, 8192]
     assert token_buckets(500, 3000) == [512, 1024, 2048, 3000]
     assert token_buckets(512, 300) == [300]
-    assert context_buckets(1024, 4096) == [1024, 2048, 4096]
-    assert context_buckets(1024, 3000) == [1024, 2048, 3000]
+    assert context_buckets(1024, 4096) == [1024, 1536, 2048, 3072, 4096]
+    assert context_buckets(1024, 3000) == [1024, 1536, 2048, 3000]
+    assert context_buckets(1024, 1000) == [1024]
     with pytest.raises(ValueError, match="slots < tokens"):
         PrefillShape(4, 4, 4)
     runner = _engine(model_dir, "bucketed", 64).prefill_runner
     assert runner.tokens == [16, 32, 64]
     assert runner.shape_for([64], [64]) == PrefillShape(64, 1, 64)  # fills its bucket: no padding row
     assert runner.shape_for([37], [37]) == PrefillShape(64, 2, 64)
-    assert runner.shape_for([37], [300]) == PrefillShape(64, 2, 512)
+    assert runner.shape_for([37], [300]) == PrefillShape(64, 2, 384)
+    assert runner.shape_for([37], [4000]) == PrefillShape(64, 2, 4096)  # the model's last position
     assert runner.shape_for([10, 1, 1], [10, 50, 9]) == PrefillShape(16, 4, 64)
     assert runner.shape_for([65], [65]) is None  # past the step budget: eager
     assert runner.shape_for([1] * 9, [1] * 9) is None  # more requests than rows
