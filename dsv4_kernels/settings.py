@@ -198,9 +198,10 @@ class Settings:
         False,
         "1 = the engine's own Triton kernels launch with programmatic dependent launch on CUDA devices of compute "
         "capability >= 9.0 (launch_pdl; each kernel waits for its predecessor with gdc_wait before any memory access, "
-        "dsv4_kernels.triton_pdl), so a launch overlaps the previous kernel's tail; 0 = plain launches. Off until "
-        "measured in the engine on a GPU: only a probe has run (64 dependent small kernels in a CUDA graph on an "
-        "H100, triton 3.6: 1.14-1.31 -> 0.80 us a kernel, benchmarks/pdl_probe.py)",
+        "dsv4_kernels.triton_pdl), so a launch overlaps the previous kernel's tail; 0 = plain launches. Off: measured "
+        "no gain in the engine (H100, batch-1 and 64 decode within 1%: the gaps shrink, the kernels wait as long; "
+        "BENCHMARKS.md decode_launches), where a probe of back-to-back tiny kernels gained 1.14-1.31 -> 0.80 us a "
+        "kernel (benchmarks/pdl_probe.py)",
         "kernels",
     )
     ogs_constraints: dict | None = _switch(

@@ -13,7 +13,8 @@ Each launch site passes `**pdl_kwargs(tensor)`: `{"PDL": True, "launch_pdl": Tru
 device of compute capability >= 9.0, with $DSV4_PDL on and a triton that has both gdc_wait and the launch_pdl
 option; else `{"PDL": False}` (the kernel's wait compiles away, and the interpreter never sees launch_pdl nor
 runs gdc_wait). The capability is cached per device on first use (launches are captured into CUDA graphs: no CUDA
-query per launch). $DSV4_PDL is off until measured in the engine on a GPU (docs/settings.md).
+query per launch). $DSV4_PDL is off: on an H100 it gained nothing in the engine's decode step, as every kernel here
+waits first (BENCHMARKS.md decode_launches; docs/settings.md).
 """
 
 from __future__ import annotations
