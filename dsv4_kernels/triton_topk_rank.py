@@ -46,18 +46,14 @@ def _rank_topk_kernel(
     # Counts kept per (score, lane) and summed once at the end: a reduction per block of the row would cost more
     # than the comparisons.
     ahead = tl.zeros([BLOCK_I, BLOCK_J], dtype=tl.int32)
-    col = tl.arange(0, BLOCK_J)
-    # Past S: -inf, the smallest key, in a column above every score's: never ahead of one.
-    nxt = tl.load(src + col, mask=col < S, other=float("-inf"))
-    for _ in range(0, S, BLOCK_J):
-        # The next block's load is issued before this block's comparisons (a long row is ~64 blocks: each would
-        # otherwise wait out a load's latency).
-        other = order_keys(nxt)
-        nxt = tl.load(src + col + BLOCK_J, mask=col + BLOCK_J < S, other=float("-inf"))
+    others = tl.arange(0, BLOCK_J)
+    for start in range(0, S, BLOCK_J):
+        col = start + others
+        # Past S: -inf, the smallest key, in a column above every score's: never ahead of one.
+        other = order_keys(tl.load(src + col, mask=col < S, other=float("-inf")))
         # `other` comes before a score when larger, or equal in a lower column (ties to the lowest columns)
         before = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None]) & (col[None, :] < mine[:, None]))
         ahead += before.to(tl.int32)
-        col += BLOCK_J
     rank = tl.sum(ahead, axis=1)
     pick = tl.where(key == NEG_INF_KEY, -1, mine).to(tl.int64)
     tl.store(dst + rank, pick, mask=inside & (rank < K))
