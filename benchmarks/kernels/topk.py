@@ -87,7 +87,12 @@ def section(table: str) -> str:
             "",
             table.strip(),
             "",
-            "The rule taken from these (`triton_indexer.topk_of_scores`): steps of at most 256 rows of at most "
+            "Since 2026-12-06 18:20 a fourth kernel comes first: `dsv4_kernels.triton_topk_rank` counts each "
+            "score's rank against its whole row (one launch, 16 scores a program) and takes steps of at most 256 rows "
+            "with rows x candidates^2 <= `$DSV4_TOPK_RANK_MAX_WORK` (2^25): 3.0 / 4.4 / 7.0 / 8.3 us at 1 x 1024, "
+            "1 x 2048, 4 x 2048, 1 x 4096 on an H100, 20.2 at 1 x 8192 (a tie with the split kernel, so not taken "
+            "there); its column is in the table when the run is newer (BENCHMARKS.md decode_launches has the sweep). "
+            "The rule taken from these (`triton_indexer.topk_of_scores`) for the other steps: at most 256 rows of at most "
             "1024 candidates take the bitonic sort (8.9 against the radix kernel's 11.4 us at 1 x 1024 on an H100, "
             "9.5 against 11.9 at 64 x 1024; from 2048 candidates it loses, 2x at 8192: its work grows as n log^2 n; "
             "`$DSV4_TOPK_SORT_MAX_CANDIDATES`); at most 32 rows of at least 4096 candidates (and at most 32 x 8192 "
