@@ -52,6 +52,7 @@ FP8_MOE_LAYOUT = "DSV4_FP8_MOE_LAYOUT"
 INDEXER_PREFILL = "DSV4_INDEXER_PREFILL"
 TOPK_SORT_MAX_CANDIDATES = "DSV4_TOPK_SORT_MAX_CANDIDATES"
 TOPK_RANK_MAX_WORK = "DSV4_TOPK_RANK_MAX_WORK"
+TOPK_RANK_SEGMENT = "DSV4_TOPK_RANK_SEGMENT"
 PDL = "DSV4_PDL"
 GROUPED_MOE = "DSV4_GROUPED_MOE"
 FP32_RESIDUAL = "DSV4_FP32_RESIDUAL"
@@ -170,6 +171,17 @@ class Settings:
         "the indexer's top-k on CUDA: steps of at most 256 rows whose rows x candidates^2 is at most this take the "
         "rank-counting kernel (dsv4_kernels.triton_topk_rank: one launch, every score compared with its row), before "
         "the sort and radix kernels; 0 turns it off",
+        "kernels",
+        minimum=0,
+    )
+    topk_rank_segment: int = _switch(
+        TOPK_RANK_SEGMENT,
+        "int",
+        0,
+        "the indexer's top-k on CUDA: rows too long for the rank-counting kernel's work bound in one launch take it in "
+        "two (each piece of this many candidates keeps its k best, then those are ranked) when that fits the bound "
+        "(1 x 8192 candidates in pieces of 2048: 21M comparisons against 67M; rounded up to a multiple of 16); 0 = "
+        "off (not yet measured on a GPU)",
         "kernels",
         minimum=0,
     )

@@ -243,10 +243,25 @@ TOPK_SPLIT_MIN_CANDIDATES = 4096
 TOPK_SPLIT_MAX_SCORES = 32 * 8192  # rows x candidates
 
 
-def takes_rank_topk(rows: int, candidates: int) -> bool:
-    """Does a step of `rows` x `candidates` scores take the rank-counting kernel (on CUDA, unordered picks)? Up to
-    TOPK_KERNEL_MAX_ROWS rows with rows x candidates^2 (its comparisons) at most $DSV4_TOPK_RANK_MAX_WORK."""
-    return rows <= TOPK_KERNEL_MAX_ROWS and rows * candidates * candidates <= settings().topk_rank_max_work
+def rank_topk_segment(rows: int, candidates: int, k: int) -> int | None:
+    """How a step of `rows` x `candidates` scores takes the rank-counting kernel (on CUDA, unordered picks): 0 in one
+    launch, a segment length in two (dsv4_kernels.triton_topk_rank), None not at all. Up to TOPK_KERNEL_MAX_ROWS
+    rows whose comparisons (rows x candidates^2, or in two launches rows x (candidates x segment + (pieces x k)^2))
+    are at most $DSV4_TOPK_RANK_MAX_WORK; two launches only with $DSV4_TOPK_RANK_SEGMENT set (rounded up to the
+    kernel's blocks)."""
+    from dsv4_kernels.triton_topk_rank import BLOCK_I
+
+    work = settings().topk_rank_max_work
+    segment = -(-settings().topk_rank_segment // BLOCK_I) * BLOCK_I  # whole blocks of the kernel
+    if rows > TOPK_KERNEL_MAX_ROWS:
+        return None
+    if rows * candidates * candidates <= work:
+        return 0
+    if segment and candidates > segment:
+        survivors = -(-candidates // segment) * k
+        if survivors < candidates and rows * (candidates * segment + survivors * survivors) <= work:
+            return segment
+    return None
 
 
 def takes_sort_topk(rows: int, candidates: int) -> bool:
@@ -271,10 +286,11 @@ def topk_of_scores(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.
     """scores: fp32 [T, S], -inf = invalid -> int64 [T, k] best columns first (ordered; else the same set in no
     particular order), -1 for invalid picks."""
     rows, candidates = scores.shape
-    if not ordered and scores.is_cuda and takes_rank_topk(rows, candidates):
+    segment = rank_topk_segment(rows, candidates, k) if not ordered and scores.is_cuda else None
+    if segment is not None:
         from dsv4_kernels.triton_topk_rank import topk_columns_ranked
 
-        return topk_columns_ranked(scores, k)
+        return topk_columns_ranked(scores, k, segment=segment)
     if not ordered and scores.is_cuda and takes_sort_topk(rows, candidates):
         from dsv4_kernels.triton_topk_sort import topk_columns_sorted
 

@@ -279,6 +279,7 @@ def topk_cases():
         sort.topk_columns_sorted(torch.randn(1, cands), k)
     for rows, cands in ((1, 2048), (4, 1000)):
         rank.topk_columns_ranked(torch.randn(rows, cands), 512)
+    rank.topk_columns_ranked(torch.randn(1, 8192), 512, segment=2048)  # two launches: pieces, then indirect
     return (m, sort, rank), ["_topk_kernel", "_topk_sort_kernel", "_rank_topk_kernel"]
 
 

@@ -130,7 +130,8 @@ def sweep(dev) -> None:
 
 
 def sweep_rank(dev) -> None:
-    """Rank-counting kernel times by (BLOCK_I, BLOCK_J, NUM_WARPS) at batch-1..4 decode shapes, picks checked."""
+    """Rank-counting kernel times by (BLOCK_I, BLOCK_J, NUM_WARPS) at batch-1..4 decode shapes, then in two launches
+    by segment length at long rows; picks checked."""
     from dsv4_kernels import triton_topk_rank as rank
 
     saved = rank.BLOCK_I, rank.BLOCK_J, rank.NUM_WARPS
@@ -148,6 +149,12 @@ def sweep_rank(dev) -> None:
                 )
     finally:
         rank.BLOCK_I, rank.BLOCK_J, rank.NUM_WARPS = saved
+    for rows, cands in ((1, 8192), (2, 8192), (1, 12288), (1, 16384)):  # two launches ($DSV4_TOPK_RANK_SEGMENT)
+        x = scores_for(rows, cands, False, dev)
+        for segment in (1024, 2048, 4096):
+            same = same_sets(x, rank.topk_columns_ranked(x, K, segment=segment), torch_topk(x))
+            us = bench_cudagraph(lambda: rank.topk_columns_ranked(x, K, segment=segment), rep=50)
+            print(f"  sweep rank rows={rows} candidates={cands} segment={segment}: {us:.1f} us, same picks {same}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -143,3 +143,53 @@ def test_sort_takes_a_full_block_row():
     """A row of exactly SORT_MAX_CANDIDATES (the largest block: 8192 64-bit keys in one program) with -inf holes."""
     scores = random_scores(1, SORT_MAX_CANDIDATES, seed=11)
     check_rows(scores, topk_columns_sorted(scores.to(DEVICE), 512).cpu(), 512)
+
+
+# The rank-counting kernel in two launches (each segment's k best, then those ranked): pieces shorter than k, k = 1,
+# a ragged last piece, the indexer's k over three pieces, and every k-th value tied across pieces.
+SEGMENT_CASES = [(3, 70, 16, 32), (3, 10, 16, 32), (2, 50, 1, 16), (2, 2000, 64, 512), (2, 5000, 512, 2048)]
+
+
+@pytest.mark.parametrize("t,s,k,segment", SEGMENT_CASES)
+def test_rank_by_segments_matches_torch(t, s, k, segment):
+    scores = random_scores(t, s, seed=t * 1000 + s + segment)
+    scores[0] = NEG_INF if s < k else scores[0]
+    check_rows(scores, topk_columns_ranked(scores.to(DEVICE), k, segment=segment).cpu(), k)
+
+
+def test_rank_by_segments_keeps_ties_in_column_order():
+    scores = tie_scores()
+    got = topk_columns_ranked(scores.to(DEVICE), 128, segment=64).cpu()
+    for i in (0, 1, 3):
+        check_rows(scores[i : i + 1], got[i : i + 1], 128)
+    plus_zero = (scores[2] == 0) & ~torch.signbit(scores[2])
+    assert torch.equal(got[2].sort().values, plus_zero.nonzero().flatten()[:128])
+
+
+def test_rank_segment_must_be_whole_blocks():
+    with pytest.raises(ValueError, match="multiple of"):
+        topk_columns_ranked(torch.zeros(1, 100, device=DEVICE), 8, segment=24)
+
+
+def test_rank_rule_by_work_and_segment(monkeypatch):
+    """dsv4_kernels.triton_indexer.rank_topk_segment: one launch under the work bound, two only with a segment set
+    (rounded up to whole blocks) when the pieces' survivors are fewer than the row and the work fits."""
+    from dsv4_kernels import settings
+    from dsv4_kernels.triton_indexer import rank_topk_segment
+
+    monkeypatch.setenv(settings.TOPK_RANK_MAX_WORK, str(1 << 25))
+    monkeypatch.setenv(settings.TOPK_RANK_SEGMENT, "0")
+    settings.reload()
+    try:
+        assert rank_topk_segment(1, 2048, 512) == 0 and rank_topk_segment(8, 2048, 512) == 0
+        assert rank_topk_segment(16, 2048, 512) is None  # 67M comparisons
+        assert rank_topk_segment(1, 8192, 512) is None  # no segment set
+        assert rank_topk_segment(300, 10, 512) is None  # more rows than the kernels take
+        monkeypatch.setenv(settings.TOPK_RANK_SEGMENT, "2040")
+        settings.reload()
+        assert rank_topk_segment(1, 8192, 512) == 2048  # 16.8M + 4.2M
+        assert rank_topk_segment(1, 16384, 512) is None  # 33.6M + 16.8M
+        assert rank_topk_segment(1, 8192, 4096) is None  # survivors (8 x 4096) not fewer than the row
+    finally:
+        monkeypatch.undo()
+        settings.reload()
