@@ -15,7 +15,8 @@
 # gemv (the few-route MXFP4 MoE GEMV: its GPU tests, its bench rows at 1/2/4 tokens, batch-1 decode with it off/on),
 # gemvsweep (that GEMV's launch configurations at 1/2/4 tokens: the best as JSON), prefillgraphs (prefill under CUDA
 # graphs: its GPU tests, then the slice prefill at 1K and 8K with DSV4_PREFILL_GRAPHS=0 and 1),
-# rope (the in-place inverse RoPE by rows a program and warps: `dsv4 bench kernels rope`).
+# rope (the in-place inverse RoPE by rows a program and warps: `dsv4 bench kernels rope`), topkrank (the rank-counting
+# top-k: GPU tests, sweep, batch-1 decode at 4K / 32K with its two-launch form off and on).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -199,6 +200,19 @@ print("pool tokens", llm.engine.cache_config.max_tokens)
             echo "== $t tokens, DSV4_PREFILL_GRAPHS=$g"
             grep -E "^(engine|prefill|Prefill)" "$OUT/prefillgraphs_${t}_g$g.log" | cut -c1-300
           done; done ;;
+    # topkrank: the rank-counting top-k's GPU tests and sweep (one launch by blocks, two by segment), then batch-1
+    # decode at 4K and 32K with the two-launch rule off and on (DSV4_TOPK_RANK_SEGMENT)
+    topkrank) timeout ${TOPK_TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_topk.py \
+            > "$OUT/topk_tests.log" 2>&1 || status=1
+        tail -1 "$OUT/topk_tests.log"
+        timeout ${TOPK_SWEEP_TIMEOUT:-150} python3 -c 'import torch; from benchmarks.kernels.topk import sweep_rank
+sweep_rank(torch.device("cuda"))' 2>&1 | tee "$OUT/topk_rank_sweep.log" | grep -v "^$" || status=1
+        for seg in 0 ${TOPK_SEGMENT:-2048}; do
+          DSV4_TOPK_RANK_SEGMENT=$seg timeout ${TOPK_SLICE_TIMEOUT:-200} benchmarks/slice/run.sh --experts mxfp4 --no-peer \
+            --prefill-tokens 1024 --prefill-runs 1 --contexts 4096 32768 --batches 1 --budget-s 150 \
+            --out "$OUT/topk_b1_seg$seg.md" > "$OUT/topk_b1_seg$seg.log" 2>&1 || status=1
+          echo "== DSV4_TOPK_RANK_SEGMENT=$seg"; grep -E "^\| 1 \|" "$OUT/topk_b1_seg$seg.md"
+        done ;;
     # rope: the in-place inverse RoPE's rows a program x warps at 8K / 64 / 1 tokens (`dsv4 bench kernels rope`)
     rope) timeout ${ROPE_TIMEOUT:-120} python3 -m benchmarks.kernels rope --out "$OUT/rope_sweep.md" > "$OUT/rope.log" 2>&1 \
             || status=1
