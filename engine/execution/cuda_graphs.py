@@ -31,16 +31,19 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from engine.execution.sampling import greedy_pick
 from engine.model.batch import copy_nonblocking_
 from engine.model.cache import CachePool
-from engine.model.decode_batch import BlockTables, DecodeInputs, DecodeShape, derive_decode_batch
+from engine.model.decode_batch import BlockTables, DecodeInputs, DecodeShape, derive_decode_batch, doublings_and_halves
 
 logger = logging.getLogger(__name__)
+Result = TypeVar("Result")
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -57,13 +60,19 @@ def slot_buckets(max_slots: int) -> list[int]:
 def context_buckets(max_context: int) -> list[int]:
     """256, 384, 512, 768, 1024, ... (powers of two and 1.5x them), ending at max_context: a step reads
     at most 1.5x the entries it needs, with two graphs per doubling of the context."""
-    out, n = [], MIN_CONTEXT_BUCKET
-    while n < max_context:
-        out.append(n)
-        if n * 3 // 2 < max_context:
-            out.append(n * 3 // 2)
-        n *= 2
-    return out + [max_context]
+    return doublings_and_halves(MIN_CONTEXT_BUCKET, max_context) + [max_context]
+
+
+def warm_up(forward: Callable[[], Result], device: torch.device, times: int = 2) -> Result:
+    """Run `forward` `times` times on a side stream before capturing it (Triton compiles, DeepGEMM's JIT, the caching
+    allocator settles, all off the stream that captures) -> its last result."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            out = forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    return out
 
 
 @dataclass
@@ -174,12 +183,9 @@ class DecodeRunner:
         pad = DecodeInputs.make([], [], [], shape, self.block_tables.pad_row)
         inputs = DecodeInputs(pad.packed.to(self.model.device))
         device = self.model.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                warm = self._forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), shape)
-        torch.cuda.current_stream(device).wait_stream(side)
+        warm = warm_up(
+            lambda: self._forward(derive_decode_batch(self.pool, self.block_tables, inputs, shape), shape), device
+        )
         if self._logits is None:  # outside the graphs' pool: one buffer for every bucket's output
             self._logits = torch.empty(self.slots[-1], warm.shape[-1], dtype=warm.dtype, device=device)
         out = self._logits[: shape.slots]

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.execution.cuda_graphs import warm_up
 from engine.execution.sampling import greedy_pick
 from engine.execution.verify_graphs import VerifyRunner, VerifyStep
 from engine.model.batch import copy_nonblocking_, to_device_nonblocking
@@ -188,12 +189,7 @@ class MtpRunner:
         packed = VerifyInputs.make([], [], [], shape, d.block_tables.pad_row).packed.to(device)  # padding only
         select = torch.arange(shape.decode.slots, device=device) * shape.queries
         streams = None if key.chained else self.verify.streams_buffer(shape)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._body(key, packed, select, streams)
-        torch.cuda.current_stream(device).wait_stream(side)
+        warm_up(lambda: self._body(key, packed, select, streams), device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=d._mempool, capture_error_mode="thread_local"):
             self._body(key, packed, select, streams)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.execution.cuda_graphs import slot_buckets
+from engine.execution.cuda_graphs import slot_buckets, warm_up
 from engine.model.batch import device_step
 from engine.model.cache import CachePool
 from engine.model.prefill_batch import PrefillInputs, PrefillShape, context_buckets, pad_step, token_buckets
@@ -135,12 +135,7 @@ class PrefillRunner:
         pad = pad_step(self.pool, shape, [], [], [])  # padding only: warm-up and capture write scratch pages alone
         device = self.model.device
         views, buffer = pad.upload(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                warm = self.model.forward(device_step(self.pool, pad.host, views), self.pool)
-        torch.cuda.current_stream(device).wait_stream(side)
+        warm = warm_up(lambda: self.model.forward(device_step(self.pool, pad.host, views), self.pool), device)
         if self._logits is None:  # outside the graphs' pool: one buffer for every bucket's output
             self._logits = torch.empty(self.slots[-1], warm.shape[-1], dtype=warm.dtype, device=device)
         out = self._logits[: shape.slots]

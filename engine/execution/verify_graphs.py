@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.execution.cuda_graphs import DecodeRunner
+from engine.execution.cuda_graphs import DecodeRunner, warm_up
 from engine.model.batch import copy_nonblocking_
 from engine.model.decode_batch import DecodeShape
 from engine.model.verify_batch import VerifyInputs, VerifyShape, derive_verify_batch
@@ -150,12 +150,7 @@ class VerifyRunner:
         d = self.decode
         device = d.model.device
         packed = VerifyInputs.make([], [], [], shape, d.block_tables.pad_row).packed.to(device)  # padding only
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                streams, logits = self._forward(packed, shape)
-        torch.cuda.current_stream(device).wait_stream(side)
+        streams, logits = warm_up(lambda: self._forward(packed, shape), device)
         if self._logits is None:  # outside the graphs' pool: one buffer pair for every verify bucket
             most = d.slots[-1] * self.max_queries
             self._streams = torch.empty(most, *streams.shape[1:], dtype=streams.dtype, device=device)

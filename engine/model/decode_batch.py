@@ -513,3 +513,15 @@ def build_decode_step(
         token_ids, positions, block_tables.rows_for(ids, tables) if ids else [], shape, block_tables.pad_row
     )
     return derive_decode_batch(pool, block_tables, DecodeInputs(inputs.packed.to(device)), shape)
+
+
+def doublings_and_halves(first: int, below: int) -> list[int]:
+    """first, 1.5 first, 2 first, 3 first, 4 first, ... while below `below`: buckets at most 1.5x what a step needs,
+    two a doubling."""
+    out, n = [], first
+    while n < below:
+        out.append(n)
+        if n * 3 // 2 < below:
+            out.append(n * 3 // 2)
+        n *= 2
+    return out

@@ -49,7 +49,7 @@ from engine.model.batch import (
     host_step,
 )
 from engine.model.cache import CachePool
-from engine.model.decode_batch import entry_groups, table_widths
+from engine.model.decode_batch import doublings_and_halves, entry_groups, table_widths
 
 
 @dataclass(frozen=True)
@@ -86,13 +86,7 @@ def context_buckets(tokens: int, max_context: int) -> list[int]:
     """Contexts of a T-token bucket: T, 1.5T, 2T, 3T, 4T, 6T, ... below max_context, then max_context (at least T).
     As the decode buckets (engine.execution.cuda_graphs.context_buckets): a later chunk's visible-entry lists, which
     the indexer scores and top-k scans in full, are at most 1.5x what it needs, at two graphs a doubling."""
-    out, c = [], tokens
-    while c < max_context:
-        out.append(c)
-        if c * 3 // 2 < max_context:
-            out.append(c * 3 // 2)
-        c *= 2
-    return out + [max(max_context, tokens)]
+    return doublings_and_halves(tokens, max_context) + [max(max_context, tokens)]
 
 
 @dataclass(frozen=True)
