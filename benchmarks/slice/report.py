@@ -359,9 +359,11 @@ def _gaps(ctx: dict) -> str:
             "(no FlashMLA, or not a bf16 CUDA engine)"
         ),
         (
-            "the indexer's top-k is a Triton radix select (unordered picks, what the attention kernels take): "
-            "split over many programs a row for small batches of long rows (dsv4_kernels/triton_topk_split.py), "
-            "one program a row for other decode steps up to 8192 candidates, torch.topk elsewhere "
+            "the indexer's top-k (unordered picks, what the attention kernels take) counts each score's rank "
+            "against its row for small steps (rows x candidates^2 <= 2^25: batch 1 up to 4096 candidates; "
+            "dsv4_kernels/triton_topk_rank.py), else is a Triton radix select: split over many programs a row for "
+            "small batches of long rows (dsv4_kernels/triton_topk_split.py), one program a row for other decode "
+            "steps up to 8192 candidates (the bitonic sort up to 1024), torch.topk elsewhere "
             "(triton_indexer.topk_of_scores; `dsv4 bench kernels topk`)"
         ),
         (
