@@ -79,6 +79,7 @@ TOKEN_FEED_TRANSPORT = "DSV4_TOKEN_FEED_TRANSPORT"
 TOKEN_FEED_BUFFER_BYTES = "DSV4_TOKEN_FEED_BUFFER_BYTES"
 TOKEN_FEED_OPEN = "DSV4_TOKEN_FEED_OPEN"
 PREFILL_FEED = "DSV4_PREFILL_FEED"
+PLACE_LINK = "DSV4_PLACE_LINK"
 HAPROXY = "DSV4_HAPROXY"
 HAPROXY_STATS_PORT = "DSV4_HAPROXY_STATS_PORT"
 HAPROXY_METRICS_PORT = "DSV4_HAPROXY_METRICS_PORT"
@@ -492,6 +493,16 @@ class Settings:
         "an ingress replica sends each request's prefill over a TCP connection the prefill worker opened to its token "
         "feed listener (a PREFILL frame, prefill_worker.prefill_link) instead of a Ray call; 0 = the Ray call (always "
         "taken before the link is up, to a worker of an older release, and without a TCP token feed listener)",
+        "service",
+    )
+    place_link: bool = _switch(
+        PLACE_LINK,
+        "bool",
+        True,
+        "an ingress replica sends each request's Place (and Settle) to a router replica over a TCP connection that "
+        "router opened to its token feed listener (router.place_link, service.place_link) instead of a gRPC call; 0 = "
+        "gRPC (always taken before the link is up, to a router of an older release, and without a TCP token feed "
+        "listener)",
         "service",
     )
     haproxy: bool = _switch(

@@ -200,7 +200,8 @@ def place_request(
     return msg
 
 
-def _placed(msg) -> PlacedRequest:
+def placed_from(msg) -> PlacedRequest:
+    """A PlaceResponse (from gRPC or a place link: service.place_link) as the caller's PlacedRequest."""
     return PlacedRequest(
         request_id=msg.request_id,
         prefill_worker=msg.prefill_worker,
@@ -286,7 +287,7 @@ class RouterClient:
         settled: Sequence[str] = (),
     ) -> PlacedRequest:
         msg = place_request(prompt_ids, params, request_id, excluded, retry, hashes, settled)
-        return _placed(self._call(self._stub.Place, msg))
+        return placed_from(self._call(self._stub.Place, msg))
 
     def settle(self, request_id: str) -> bool:
         return self._call(self._stub.Settle, pb2.SettleRequest(request_id=request_id)).held
@@ -384,7 +385,7 @@ class AsyncRouterClient:
         except asyncio.CancelledError:
             _raise_if_channel_closed()
             raise
-        return _placed(reply)
+        return placed_from(reply)
 
     async def settle(self, request_id: str) -> bool:
         """After place(): the request reached its decode worker (or failed before it); -> whether it was held."""

@@ -1,7 +1,8 @@
 """The router's gRPC service (grpc.aio): Place and Settle (unary), Generate (server streaming), Health, Stats.
 
 `RouterServer(dispatcher, policy)` places each request with `router.policy.RoutingPolicy`.
-- `Place` (the service's path: several router replicas, none on the token path): admission and placement only. The
+- `Place` (the service's path: several router replicas, none on the token path; over gRPC, or as a frame on an
+  ingress replica's place link, router.place_link, which runs the same `place`): admission and placement only. The
   caller (an HTTP ingress replica, service.direct_path) runs the request on the workers named and owns its stream,
   retries and migrations (router.migration). A placement counts as this router's in flight until the workers'
   reports show it (router.placement_holds: the caller's `Settle` says the request reached its decode worker, the
@@ -406,6 +407,14 @@ class RouterServer(pb2_grpc.RouterServicer):
     # ---- Place -----------------------------------------------------------------------------------
     async def Place(self, request, context):
         """Admission and placement only: the caller runs the request on the workers named and owns its stream."""
+        try:
+            return await self.place(request)
+        except RouterFailure as f:
+            await context.abort(_STATUS[f.code], f.message)
+
+    async def place(self, request) -> pb2.PlaceResponse:
+        """What `Place` answers, for a PlaceRequest from any transport (gRPC, or an ingress replica's place link:
+        router.place_link); a refusal raises RouterFailure (its code, its message)."""
         self.metrics.requests += 1
         self._settle_all(request.settled)  # the caller's earlier placements, whatever this one's answer
         rid = request.request.request_id or f"rtr-{uuid.uuid4().hex[:16]}"
@@ -424,7 +433,7 @@ class RouterServer(pb2_grpc.RouterServicer):
                 self._active -= 1
         except RouterFailure as f:
             self.metrics.errors[Code.Name(f.code)] += 1
-            await context.abort(_STATUS[f.code], f.message)
+            raise
         self._hold(dreq, placement)
         p, d = placement.prefill, placement.decode
         return pb2.PlaceResponse(

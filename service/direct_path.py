@@ -9,7 +9,9 @@ same interface as `router.client.AsyncRouterClient`: `generate` yields `StreamEv
    replica sees the others' placements only through the workers' reports (a probe late), so two may place on one
    last slot: the decode worker refuses the second and that request goes back to a router's queue. The request
    carries the prompt's block hashes (`router.prompt_hashes.IngressHasher`, in the scheme the routers' last answer
-   named), so the router's decision only matches and scores; the hashing is spread over the ingress replicas;
+   named), so the router's decision only matches and scores; the hashing is spread over the ingress replicas. The
+   call is a frame on the router's place link once that is up (service.place_link: a TCP connection the router
+   opened to this replica's listener, with DSV4_PLACE_LINK), else gRPC; a lost link fails over as a lost channel;
 2. `service.ray_stream.RayStreamer.run_placement` on the actor handles of those workers (`WorkerDirectory`):
    prefill, the KV pull (a long prompt's chunk by chunk while it is prefilled), then the decode actor's Ray stream
    (tokens batched per message) straight into this replica's SSE response; with DSV4_TOKEN_FEED (the default) the
@@ -42,11 +44,12 @@ import grpc
 from dsv4_kernels.settings import settings
 from engine.execution.request import TokenEvent
 from engine.execution.sampling_params import SamplingParams
-from router.client import AsyncRouterClient, HealthReport, PlacedRequest, RouterError, StreamEvent
+from router.client import AsyncRouterClient, HealthReport, PlacedRequest, RouterError, StreamEvent, place_request
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
 from router.migration import RouterFailure, StreamProgress, failure_of, recovering_stream
 from router.prompt_hashes import IngressHasher, PromptHashes
 from router.stream_watch import StreamWatch, StreamWatches
+from service.place_link import PlaceLinks
 from service.prefill_link import PrefillLinks
 from service.ray_stream import RayStreamer, Workers
 from service.token_feed import TokenFeeds
@@ -85,13 +88,16 @@ class RouterSet:
         timeout_s: float,
         cooldown_s: float = 5.0,
         failover_wait_s: float = FAILOVER_WAIT_S,
+        links: PlaceLinks | None = None,
     ):
         """cooldown_s: how long an unreachable router is tried last; failover_wait_s: how long a call keeps trying
-        when no router answers (Ray restarting the only one)."""
+        when no router answers (Ray restarting the only one); links: Place over each router's place link once it is
+        up (service.place_link), else over gRPC."""
         if not actors:
             raise ValueError("RouterSet needs at least one router actor")
         self.actors, self.token, self.timeout_s, self.cooldown_s = list(actors), token, timeout_s, cooldown_s
         self.failover_wait_s = failover_wait_s
+        self.links = links
         self._clients: dict[int, AsyncRouterClient] = {}
         self._cooling: dict[int, float] = {}  # router index -> monotonic time until which it is skipped
         self._closing: set[asyncio.Task] = set()  # channels of dropped clients, closing with a grace
@@ -146,6 +152,12 @@ class RouterSet:
         async def on(i: int, client: AsyncRouterClient) -> PlacedRequest:
             settled = self._unsettled.pop(i, [])
             try:
+                link = self.links.ready(i, self.actors[i]) if self.links is not None else None
+                if link is not None:
+                    msg = place_request(
+                        dreq.prompt_ids, dreq.params, dreq.request_id, excluded, bool(excluded), hashes, settled
+                    )
+                    return await link.place(msg, self.timeout_s)
                 return await client.place(
                     dreq.prompt_ids,
                     dreq.params,
@@ -214,6 +226,9 @@ class RouterSet:
         if not ids:
             return
         try:
+            link = self.links.up(i) if self.links is not None else None
+            if link is not None:
+                return link.settle(ids)
             client = await self._client(i)
             await asyncio.wait_for(client.settle_many(ids), ACTOR_CALL_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - best effort (router.placement_holds' limit releases them)
@@ -224,6 +239,8 @@ class RouterSet:
             timer.cancel()
         self._settle_timers.clear()
         await asyncio.gather(*(self._flush(i) for i in list(self._unsettled)), *self._settling)
+        if self.links is not None:
+            await self.links.close()
         for client in self._clients.values():
             await client.close()
         self._clients.clear()
@@ -286,14 +303,16 @@ class DirectClient:
         """token_feed: read the tokens from the decode workers' feeds (None: DSV4_TOKEN_FEED). feed_host: where a
         TCP feed's listener binds (None: the service's internal host; service.tcp_feed)."""
         token_feed = settings().token_feed if token_feed is None else token_feed
-        self.routers = RouterSet(routers, token, timeout_s)
-        self.directory = WorkerDirectory(self.routers)
         # Each decode worker's tokens for this replica's requests over one feed (service.token_feed): a TCP connection
         # the worker opens to this replica, or a Ray stream (DSV4_TOKEN_FEED_TRANSPORT); the workers present `token`
         self.feeds = TokenFeeds(token=token, host=feed_host) if token_feed else None
         # the prefill calls over connections the prefill workers open to the same listener (service.prefill_link)
         listener = self.feeds.listener if self.feeds is not None else None
         self.prefill_links = PrefillLinks(listener) if listener is not None and settings().prefill_feed else None
+        # ... and the Place calls over connections the routers open to it (service.place_link)
+        links = PlaceLinks(listener) if listener is not None and settings().place_link else None
+        self.routers = RouterSet(routers, token, timeout_s, links=links)
+        self.directory = WorkerDirectory(self.routers)
         self.streamer = RayStreamer(overload_retry_s=OPEN_RETRY_S, feeds=self.feeds, prefill_links=self.prefill_links)
         self.hasher = IngressHasher()  # names prompt blocks for the routers (none until one has said how)
         self.max_migrations = max_migrations

@@ -95,6 +95,16 @@ class RouterActor:
         await self.start()
         return f"{self.host}:{self.port}"
 
+    async def open_place_link(self, link_id: str, host: str, port: int, key: str) -> tuple[str, ...]:
+        """Connect to an ingress replica's listener at host:port and take its Place calls over that connection
+        (router.place_link; `key`: what the replica gave this link, sent back in its HELLO) -> the frame kinds this
+        router reads there. Returns once connected; the connection lives on this actor's loop."""
+        from router import place_link
+
+        await self.start()
+        await place_link.connect(link_id, host, port, self._token or "", key, self.server)
+        return place_link.TAKES
+
     def set_peers(self, peers: list) -> None:
         """The other router replicas: the supervisor hands them each new handle too."""
         self.peers = list(peers)
