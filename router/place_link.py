@@ -42,7 +42,9 @@ UNKNOWN = 2  # gRPC's status number for an error that is not a RouterFailure
 
 
 class Placer(Protocol):
-    """What a link runs its frames on (router.server.RouterServer)."""
+    """What a link runs its frames on (router.server.RouterServer); `link_places` counts the PLACE frames taken."""
+
+    link_places: int
 
     async def place(self, request) -> object: ...
 
@@ -127,6 +129,7 @@ class _Link(asyncio.Protocol):
             self._write(refused(seq, UNKNOWN, f"a PlaceRequest that does not parse: {type(e).__name__}"))
             return
         self._running[seq] = asyncio.get_running_loop().create_task(self._run(seq, request))
+        self.placer.link_places += 1
 
     async def _run(self, seq: int, request) -> None:
         try:

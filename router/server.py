@@ -136,6 +136,7 @@ class RouterServer(pb2_grpc.RouterServicer):
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task | None = None
         self.watches = StreamWatches()  # streams by the workers they wait on (released when one is marked down)
+        self.link_places = 0  # Place calls taken as frames of a place link (router.place_link), not gRPC
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:

@@ -88,6 +88,7 @@ class LevelResult:
     p99_runs: tuple = ()  # --repeat: each run's added p99 (the row holds medians: service.frontdoor_runs)
     prefill_feed: bool = False  # DSV4_PREFILL_FEED as the replicas read it (rows of older runs: the Ray call)
     link_prefills: int = 0  # the level's prefill calls that went over the prefill actor's link, not Ray
+    link_places: int = 0  # the level's Place calls that went over a router's place link, not gRPC
 
 
 def _feed_path(r: LevelResult | None) -> str:
@@ -251,6 +252,7 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
         settings().token_feed_transport,
         prefill_feed=settings().prefill_feed and settings().token_feed and settings().token_feed_transport == "tcp",
         link_prefills=sum(ray.get([h.take_link_prefills.remote() for h in handles["prefill"].values()])),
+        link_places=sum(ray.get([r.take_link_places.remote() for r in handles["routers"]])),
     )
 
 

@@ -23,7 +23,7 @@ _MEDIANS = (
     "client_lag_ms_p99",
     "step_lag_ms_p99",
 )
-_SUMS = ("requests", "tokens", "lost_tokens", "out_of_order", "errors", "link_prefills")
+_SUMS = ("requests", "tokens", "lost_tokens", "out_of_order", "errors", "link_prefills", "link_places")
 
 
 def merge_runs(runs: list[list[Any]]) -> list[Any]:

@@ -105,6 +105,11 @@ class RouterActor:
         await place_link.connect(link_id, host, port, self._token or "", key, self.server)
         return place_link.TAKES
 
+    def take_link_places(self) -> int:
+        """Place calls taken over place links since the last call (benchmarks: how many placements took that path)."""
+        out, self.server.link_places = self.server.link_places, 0
+        return out
+
     def set_peers(self, peers: list) -> None:
         """The other router replicas: the supervisor hands them each new handle too."""
         self.peers = list(peers)

@@ -69,6 +69,8 @@ def test_frontdoor_tiny(tmp_path):
     # the default: prefills over the prefill actor's link once it is up (the first requests of a replica: Ray)
     assert all(r["prefill_feed"] for r in rows) and "`DSV4_PREFILL_FEED=1`" in text
     assert all(0 < r["link_prefills"] <= r["requests"] for r in rows[1:2] + rows[3:])
+    # ... and so do the Place calls over the routers' place links (DSV4_PLACE_LINK, the default)
+    assert all(0 < r["link_places"] <= r["requests"] for r in rows[1:2] + rows[3:])
     ab = report([LevelResult(**r) for r in rows], args, "dsv4 bench frontdoor --tiny", [LevelResult(**rows[0])])
     assert "A/B, same session" in ab and "carried by tcp" in ab
     assert "at half the ceiling" in text and "at exactly half the ceiling" in text
