@@ -48,7 +48,7 @@ class Placer(Protocol):
 
     async def place(self, request) -> object: ...
 
-    def _settle_all(self, request_ids) -> bool: ...
+    def settle_all(self, request_ids) -> bool: ...
 
 
 # ---- frames ---------------------------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ class _Link(asyncio.Protocol):
         elif kind == SETTLE:
             if len(f) != 2 or not isinstance(f[1], list) or not all(isinstance(r, str) for r in f[1]):
                 raise frames.FrameError("a settle frame that is not [s, [request id, ...]]")
-            self.placer._settle_all(f[1])
+            self.placer.settle_all(f[1])
         else:
             raise frames.FrameError(f"a {kind!r} frame from the replica")
 

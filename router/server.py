@@ -417,7 +417,7 @@ class RouterServer(pb2_grpc.RouterServicer):
         """What `Place` answers, for a PlaceRequest from any transport (gRPC, or an ingress replica's place link:
         router.place_link); a refusal raises RouterFailure (its code, its message)."""
         self.metrics.requests += 1
-        self._settle_all(request.settled)  # the caller's earlier placements, whatever this one's answer
+        self.settle_all(request.settled)  # the caller's earlier placements, whatever this one's answer
         rid = request.request.request_id or f"rtr-{uuid.uuid4().hex[:16]}"
         try:
             dreq = self._check_new(request.request, rid)
@@ -470,9 +470,9 @@ class RouterServer(pb2_grpc.RouterServicer):
     async def Settle(self, request, context):
         """The caller's requests reached their decode workers (or failed before): the next probe's reports count them."""
         ids = [request.request_id, *request.request_ids] if request.request_id else request.request_ids
-        return pb2.SettleResponse(held=self._settle_all(ids))
+        return pb2.SettleResponse(held=self.settle_all(ids))
 
-    def _settle_all(self, request_ids) -> bool:
+    def settle_all(self, request_ids) -> bool:
         """Settle each placement named; -> whether every one was held here."""
         now = asyncio.get_running_loop().time()
         held = [self.holds.settle(rid, now) for rid in request_ids]
