@@ -10,7 +10,7 @@ for a link: the first ones to a router go over gRPC while it opens.
 
 gRPC stays the fallback: no link up yet, a router of an older release (no `open_place_link`, or a reply that does
 not name PLACE: remembered, never asked again), no listener (DSV4_TOKEN_FEED=0 or DSV4_TOKEN_FEED_TRANSPORT=ray),
-DSV4_PLACE_LINK=0, and for REOPEN_S after a link ended (the router died, or it could not call back).
+DSV4_PLACE_LINK=0, and for REOPEN_S (service.callback_link) after a link ended (the router died, or it could not call back).
 
 `PlaceLink.place` answers as `AsyncRouterClient.place` does: the router's refusal as RouterError with its code and
 message; the connection's end before the answer as RouterError UNAVAILABLE (what a gRPC call to a dead router gives:
@@ -22,12 +22,6 @@ PLACE, so the router stops waiting for a slot for it.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import logging
-import os
-import secrets
-import time
-import uuid
 
 import grpc
 
@@ -35,59 +29,31 @@ from engine.runtime.frames import FrameError
 from router import place_link as wire
 from router.client import PlacedRequest, RouterError, placed_from
 from router.protos import pb2
-from service.tcp_feed import CALLBACK_TIMEOUT_S, CalledBack, FeedListener
+from service.callback_link import CallbackLink, LinkSet
+from service.tcp_feed import FeedListener
 
-log = logging.getLogger(__name__)
-REOPEN_S = 5.0  # after a link ended, the next try waits this long (each try is a Ray call to the router's actor)
 LOST = "the router's place link closed"  # not one of a router's own UNAVAILABLE verdicts: the call fails over
 _STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}
 
 
-class PlaceLink(CalledBack):
+class PlaceLink(CallbackLink):
     """One connection to one router replica (a service.tcp_feed.Link of the listener)."""
 
+    NAME = "place link"
+    ID_PREFIX = "r"
+    SENDS = wire.PLACE
+
     def __init__(self, index: int, actor, listener: FeedListener):
-        self.worker_id = f"router-{index}"  # what the listener's logs name
-        self.feed_id = f"r{os.getpid()}-{uuid.uuid4().hex[:12]}"  # the id its HELLO names
-        self.key = secrets.token_urlsafe(24)
-        self.ended = False
-        self.ended_at = 0.0  # monotonic
-        self.older = False  # the router takes no PLACE frame (an older release): never ask it again
-        self.calls_sent = 0  # PLACE frames written (tests, benchmarks: how many placements took this path)
-        self._listener = listener
-        self._conn: asyncio.Transport | None = None
-        self._seq = itertools.count()
-        self._calls: dict[int, asyncio.Future] = {}  # seq -> the answer awaited
-        loop = asyncio.get_running_loop()
-        self._attached: asyncio.Future = loop.create_future()
-        self.opener = loop.create_task(self._open(actor))
+        super().__init__(f"router-{index}", actor, listener)
 
-    async def _open(self, actor) -> None:
-        """Ask the router to call back, then wait for its HELLO; any failure ends the link (requests keep gRPC)."""
-        listener = self._listener
-        try:
-            try:
-                method = actor.open_place_link
-            except AttributeError:  # a router of a release before links
-                self.older = True
-                return self.end(RouterError(grpc.StatusCode.UNAVAILABLE, LOST))
-            await listener.start()  # the first time only (later calls return at once)
-            listener.expect(self)
-            takes = await method.remote(self.feed_id, listener.host, listener.port, self.key)
-            if not (isinstance(takes, (tuple, list)) and wire.PLACE in takes):
-                self.older = True
-                return self.close()
-            await asyncio.wait_for(asyncio.shield(self._attached), CALLBACK_TIMEOUT_S)
-        except asyncio.CancelledError:
-            self.close()
-            raise
-        except Exception as e:  # noqa: BLE001 - any (a dead actor, no call back in time): gRPC stays the path
-            log.info("place link to %s did not open: %r", self.worker_id, e)
-            self.close()
+    def _method(self, actor):
+        return actor.open_place_link
 
-    def usable(self) -> bool:
-        conn = self._conn
-        return not self.ended and conn is not None and not conn.is_closing()
+    def _older(self) -> BaseException:
+        return RouterError(grpc.StatusCode.UNAVAILABLE, LOST)
+
+    def _closed(self) -> BaseException:
+        return RuntimeError("this replica closed it")
 
     async def place(self, request: pb2.PlaceRequest, timeout_s: float) -> PlacedRequest:
         """`Place` on this link's router (`usable` first) -> where it placed the request; raises what
@@ -147,36 +113,19 @@ class PlaceLink(CalledBack):
 
     def end(self, error: BaseException) -> None:
         """The connection is gone (or never came): every call in flight fails over as from a dead router."""
-        if not self.ended:
-            self.ended, self.ended_at = True, time.monotonic()
-        calls, self._calls = self._calls, {}
         lost = RouterError(grpc.StatusCode.UNAVAILABLE, f"{LOST} ({error})")
-        for answer in calls.values():
+        for answer in self._ended().values():
             if not answer.done():
                 answer.set_exception(lost)
 
-    def close(self) -> None:
-        self._listener.forget(self)
-        if self.opener is not asyncio.current_task():
-            self.opener.cancel()
-        if self._conn is not None:
-            self._conn.close()  # the router sees the close and cancels the placements still running
-        self.end(RuntimeError("this replica closed it"))
 
-
-class PlaceLinks:
+class PlaceLinks(LinkSet[PlaceLink]):
     """This replica's place links, one a router replica (by its index); create inside the loop that reads them."""
-
-    def __init__(self, listener: FeedListener):
-        self.listener = listener
-        self._links: dict[int, PlaceLink] = {}
 
     def ready(self, index: int, actor) -> PlaceLink | None:
         """The link to use for a Place on router `index` now, or None (the gRPC call): one is opened if there is
         none, or the one there ended REOPEN_S ago; a router that took none is not asked again."""
-        link = self._links.get(index)
-        if link is not None and link.ended and not link.older and time.monotonic() - link.ended_at >= REOPEN_S:
-            link = None
+        link = self._current(index)
         if link is None:
             self._links[index] = PlaceLink(index, actor, self.listener)
             return None
@@ -186,13 +135,3 @@ class PlaceLinks:
         """The link to router `index` if it is up now (none is opened: a settle goes by gRPC meanwhile)."""
         link = self._links.get(index)
         return link if link is not None and link.usable() else None
-
-    def calls_sent(self) -> int:
-        """PLACE frames written on the links open now (tests, benchmarks)."""
-        return sum(link.calls_sent for link in self._links.values())
-
-    async def close(self) -> None:
-        links, self._links = list(self._links.values()), {}
-        for link in links:
-            link.close()
-        await asyncio.gather(*(link.opener for link in links), return_exceptions=True)

@@ -10,8 +10,8 @@ waits for a link: the first ones to a worker go through Ray while it opens.
 
 The Ray call stays the fallback: no link up yet, a worker of an older release (no `open_prefill_link`, or a reply
 that does not name PREFILL: remembered for that actor, never asked again), no listener (DSV4_TOKEN_FEED=0 or
-DSV4_TOKEN_FEED_TRANSPORT=ray), DSV4_PREFILL_FEED=0, and for REOPEN_S after a link ended (the worker died, or it
-could not call back).
+DSV4_TOKEN_FEED_TRANSPORT=ray), DSV4_PREFILL_FEED=0, and for REOPEN_S (service.callback_link) after a link ended
+(the worker died, or it could not call back).
 
 `PrefillLink.prefill` raises what the Ray call's caller sees, unwrapped (service.ray_stream._prefill): REFUSED ->
 the worker's error rebuilt as itself (prefill_wire.REFUSALS; a stopped engine loop -> the worker's WorkerDied, as
@@ -27,74 +27,39 @@ are, and leaving sends the same CANCEL.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import logging
-import os
-import secrets
-import time
-import uuid
 
 from engine.handoff import PrefillResult, TransferTicket
 from prefill_worker import prefill_wire
 from router.dispatch import WorkerDied
+from service.callback_link import CallbackLink, LinkSet
 from service.feed_base import actor_key
 from service.ray_items import failure
-from service.tcp_feed import CALLBACK_TIMEOUT_S, CalledBack, FeedListener
-
-log = logging.getLogger(__name__)
-REOPEN_S = 5.0  # after a link ended, the next try waits this long (a worker that cannot call back is not asked on
-# every request: each try is a Ray call)
+from service.tcp_feed import FeedListener
 
 
-class PrefillLink(CalledBack):
+class PrefillLink(CallbackLink):
     """One connection to one prefill worker (a service.tcp_feed.Link of the listener)."""
 
+    NAME = "prefill link"
+    ID_PREFIX = "p"
+    SENDS = prefill_wire.PREFILL
+
     def __init__(self, worker_id: str, handle, key: object, listener: FeedListener):
-        self.worker_id = worker_id
         self.actor_key = key
-        self.feed_id = f"p{os.getpid()}-{uuid.uuid4().hex[:12]}"  # the id its HELLO names
-        self.key = secrets.token_urlsafe(24)
-        self.ended = False
-        self.ended_at = 0.0  # monotonic
-        self.older = False  # the worker takes no PREFILL frame (an older release): never ask it again
         self.streams = False  # the worker takes STREAM frames (its open_prefill_link reply named them)
-        self.calls_sent = 0  # PREFILL and STREAM frames written (tests, benchmarks: how many took this path)
-        self._listener = listener
-        self._conn: asyncio.Transport | None = None
-        self._seq = itertools.count()
-        self._calls: dict[int, asyncio.Future | asyncio.Queue] = {}  # seq -> the reply awaited (a STREAM call's
-        # items: a queue)
-        loop = asyncio.get_running_loop()
-        self._attached: asyncio.Future = loop.create_future()
-        self.opener = loop.create_task(self._open(handle))
+        super().__init__(worker_id, handle, listener)
 
-    async def _open(self, handle) -> None:
-        """Ask the worker to call back, then wait for its HELLO; any failure ends the link (requests keep Ray)."""
-        listener = self._listener
-        try:
-            try:
-                method = handle.open_prefill_link
-            except AttributeError:  # a worker of a release before links
-                self.older = True
-                return self.end(WorkerDied(self.worker_id, "it takes no prefill link"))
-            await listener.start()  # the first time only (later calls return at once)
-            listener.expect(self)
-            takes = await method.remote(self.feed_id, listener.host, listener.port, self.key)
-            if not (isinstance(takes, (tuple, list)) and prefill_wire.PREFILL in takes):
-                self.older = True
-                return self.close()
-            self.streams = prefill_wire.STREAM in takes
-            await asyncio.wait_for(asyncio.shield(self._attached), CALLBACK_TIMEOUT_S)
-        except asyncio.CancelledError:
-            self.close()
-            raise
-        except Exception as e:  # noqa: BLE001 - any (a dead actor, no call back in time): the Ray call stays the path
-            log.info("prefill link to %s did not open: %r", self.worker_id, e)
-            self.close()
+    def _method(self, handle):
+        return handle.open_prefill_link
 
-    def usable(self) -> bool:
-        conn = self._conn
-        return not self.ended and conn is not None and not conn.is_closing()
+    def _older(self) -> BaseException:
+        return WorkerDied(self.worker_id, "it takes no prefill link")
+
+    def _closed(self) -> BaseException:
+        return WorkerDied(self.worker_id, "this replica closed its prefill link")
+
+    def _took(self, takes) -> None:
+        self.streams = prefill_wire.STREAM in takes
 
     async def prefill(self, request_id: str, prompt: list[int], params, seed: int | None) -> PrefillResult:
         """The request's prefill on this link's worker (`usable` first) -> its PrefillResult; raises what the
@@ -166,22 +131,11 @@ class PrefillLink(CalledBack):
 
     def end(self, error: BaseException) -> None:
         """The connection is gone (or never came): every call in flight gets `error` (the worker's death)."""
-        if not self.ended:
-            self.ended, self.ended_at = True, time.monotonic()
-        calls, self._calls = self._calls, {}
-        for reply in calls.values():
+        for reply in self._ended().values():
             if isinstance(reply, asyncio.Queue):
                 reply.put_nowait(error)
             elif not reply.done():
                 reply.set_exception(error)
-
-    def close(self) -> None:
-        self._listener.forget(self)
-        if self.opener is not asyncio.current_task():
-            self.opener.cancel()
-        if self._conn is not None:
-            self._conn.close()  # the worker sees the close and drops the calls still running
-        self.end(WorkerDied(self.worker_id, "this replica closed its prefill link"))
 
 
 class LinkStream:
@@ -209,12 +163,8 @@ class LinkStream:
             self.link.cancel(self.seq, self.request_id)
 
 
-class PrefillLinks:
+class PrefillLinks(LinkSet[PrefillLink]):
     """This replica's prefill links, one a prefill worker; create inside the loop that reads them."""
-
-    def __init__(self, listener: FeedListener):
-        self.listener = listener
-        self._links: dict[str, PrefillLink] = {}
 
     def ready(self, worker_id: str, handle) -> PrefillLink | None:
         """The link to use for a request to this worker now, or None (the Ray call): one is opened if there is
@@ -224,20 +174,9 @@ class PrefillLinks:
         link = self._links.get(worker_id)
         if link is not None and link.actor_key != key:
             link.close()
-            link = None
-        if link is not None and link.ended and not link.older and time.monotonic() - link.ended_at >= REOPEN_S:
-            link = None
+            del self._links[worker_id]
+        link = self._current(worker_id)
         if link is None:
             self._links[worker_id] = PrefillLink(worker_id, handle, key, self.listener)
             return None
         return link if link.usable() else None
-
-    def calls_sent(self) -> int:
-        """PREFILL and STREAM frames written on the links open now (tests, benchmarks)."""
-        return sum(link.calls_sent for link in self._links.values())
-
-    async def close(self) -> None:
-        links, self._links = list(self._links.values()), {}
-        for link in links:
-            link.close()
-        await asyncio.gather(*(link.opener for link in links), return_exceptions=True)
