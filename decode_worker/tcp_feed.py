@@ -49,43 +49,28 @@ class ReplicaGone(Exception):
         super().__init__(f"token feed {feed_id!r}: {why}")
 
 
-class _Link(asyncio.Protocol):
+class _Link(frames.PeerLink):
     """The worker's end of a feed's connection: RENEW frames in, and OPEN / CANCEL with an opener; a close, a reset
     or anything else ends the feed (through its sink, so the writer task sees it in order with the events)."""
 
+    name = "token feed"
+
     def __init__(self, feed: Feed, opener: Opener | None = None):
-        self.feed = feed
         # an OPEN carries a prompt: as large as a batch frame may be (the peer is the one Ray named, module docstring)
-        self.frames = feed_wire.Frames(limit=_RENEW_MAX if opener is None else feed_wire.FRAME_MAX)
-        self.transport: asyncio.Transport | None = None
+        super().__init__(feed.feed_id, feed_wire.Frames(limit=_RENEW_MAX if opener is None else feed_wire.FRAME_MAX))
+        self.feed = feed
         self.opens = FeedOpens(feed.feed_id, opener, self._write) if opener is not None else None
 
-    def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            for f in self.frames.feed(data):
-                kind = f[0]
-                if kind == feed_wire.RENEW:
-                    self.feed.renewed = time.monotonic()
-                elif kind == feed_wire.OPEN and self.opens is not None:
-                    self.opens.open(f)
-                elif kind == feed_wire.CANCEL and self.opens is not None:
-                    self.opens.cancel(f)
-                else:
-                    raise feed_wire.FrameError(f"a {kind!r} frame from the replica")
-        except feed_wire.FrameError as e:
-            log.warning("token feed %s: %s; closing it", self.feed.feed_id, e)
-            if self.transport is not None:
-                self.transport.abort()
-
-    def eof_received(self) -> bool:
-        return False  # the replica closed its end: close ours (connection_lost follows)
+    def take(self, f: list) -> None:
+        kind = f[0]
+        if kind == feed_wire.RENEW:
+            self.feed.renewed = time.monotonic()
+        elif kind == feed_wire.OPEN and self.opens is not None:
+            self.opens.open(f)
+        elif kind == feed_wire.CANCEL and self.opens is not None:
+            self.opens.cancel(f)
+        else:
+            raise feed_wire.FrameError(f"a {kind!r} frame from the replica")
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.opens is not None:

@@ -52,40 +52,27 @@ class Prefiller:
     prefill_streamed: Callable[..., AsyncGenerator] | None = None
 
 
-class _Link(asyncio.Protocol):
+class _Link(frames.PeerLink):
     """The worker's end of one link: PREFILL / CANCEL frames in, a task a call, its reply out."""
 
+    name = "prefill link"
+
     def __init__(self, link_id: str, prefiller: Prefiller):
-        self.link_id = link_id
+        super().__init__(link_id, frames.Frames())  # a PREFILL carries a prompt: up to FRAME_MAX
         self.prefiller = prefiller
-        self.frames = frames.Frames()  # a PREFILL carries a prompt: up to FRAME_MAX
-        self.transport: asyncio.Transport | None = None
         self._running: dict[int, tuple[asyncio.Task, str]] = {}  # seq -> its call's task and request id
         self._held: set[asyncio.Future] = set()  # aborts in flight (held: a bare task may be collected)
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            for f in self.frames.feed(data):
-                kind = f[0]
-                if kind == prefill_wire.PREFILL or (
-                    kind == prefill_wire.STREAM and self.prefiller.prefill_streamed is not None
-                ):
-                    self._start(f)
-                elif kind == prefill_wire.CANCEL:
-                    self._cancel(f)
-                else:
-                    raise frames.FrameError(f"a {kind!r} frame from the replica")
-        except frames.FrameError as e:
-            log.warning("prefill link %s: %s; closing it", self.link_id, e)
-            if self.transport is not None:
-                self.transport.abort()
+    def take(self, f: list) -> None:
+        kind = f[0]
+        if kind == prefill_wire.PREFILL or (
+            kind == prefill_wire.STREAM and self.prefiller.prefill_streamed is not None
+        ):
+            self._start(f)
+        elif kind == prefill_wire.CANCEL:
+            self._cancel(f)
+        else:
+            raise frames.FrameError(f"a {kind!r} frame from the replica")
 
     def _start(self, payload: list) -> None:
         if len(payload) < 2 or not isinstance(payload[1], int):
@@ -152,9 +139,6 @@ class _Link(asyncio.Protocol):
     def _stop(self, task: asyncio.Task, rid: str) -> None:
         task.cancel()
         task.add_done_callback(lambda _: self._abort(rid))
-
-    def eof_received(self) -> bool:
-        return False  # the replica closed its end: close ours (connection_lost follows)
 
     def connection_lost(self, exc: Exception | None) -> None:
         running, self._running = self._running, {}

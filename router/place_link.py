@@ -79,33 +79,17 @@ def _seq(f: list, size: int) -> int:
 
 
 # ---- the router's end -----------------------------------------------------------------------------------------
-class _Link(asyncio.Protocol):
+class _Link(frames.PeerLink):
     """The router's end of one link: PLACE / CANCEL / SETTLE frames in, a task a placement, its answer out."""
 
+    name = "place link"
+
     def __init__(self, link_id: str, placer: Placer):
-        self.link_id = link_id
+        super().__init__(link_id, frames.Frames())
         self.placer = placer
-        self.frames = frames.Frames()
-        self.transport: asyncio.Transport | None = None
         self._running: dict[int, asyncio.Task] = {}
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            for f in self.frames.feed(data):
-                self._take(f)
-        except frames.FrameError as e:
-            log.warning("place link %s: %s; closing it", self.link_id, e)
-            if self.transport is not None:
-                self.transport.abort()
-
-    def _take(self, f: list) -> None:
+    def take(self, f: list) -> None:
         kind = f[0]
         if kind == PLACE:
             self._start(_seq(f, 3), f[2])
@@ -146,9 +130,6 @@ class _Link(asyncio.Protocol):
         finally:
             self._running.pop(seq, None)
         self._write(placed(seq, reply.SerializeToString()))  # type: ignore[attr-defined]
-
-    def eof_received(self) -> bool:
-        return False  # the replica closed its end: close ours (connection_lost follows)
 
     def connection_lost(self, exc: Exception | None) -> None:
         running, self._running = self._running, {}

@@ -11,12 +11,14 @@ the cluster token and the key the replica gave that link through Ray), at most H
 
 Also here, as both links carry them: the hand-off values as arrays of their fields in order (`result_fields` /
 `result_from`, `params_from`), a worker's refusal as a kind and its constructor's plain arguments (`refused` /
-`refusal`, against each link's table of the errors its caller tells apart), and the worker's connect (`call_back`).
+`refusal`, against each link's table of the errors its caller tells apart), the worker's connect (`call_back`) and
+its end of a connection (`PeerLink`: frames in, each to `take`, anything else resets the connection).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import struct
 from collections.abc import Callable
@@ -32,6 +34,7 @@ HELLO_MAX = 1024  # bytes of a HELLO frame (ids and tokens are tens of bytes)
 FRAME_MAX = 64 << 20  # any other frame: far above a step's events or a prompt, a bound against a corrupt length
 CONNECT_TIMEOUT_S = 10.0
 _LEN = struct.Struct(">I")
+log = logging.getLogger(__name__)
 
 
 class FrameError(Exception):
@@ -170,3 +173,38 @@ async def call_back(
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     transport.write(first)
     return transport
+
+
+class PeerLink(asyncio.Protocol):
+    """A worker's (or router's) end of a connection it opened to a replica (`call_back`): each whole frame goes to
+    `take`; a FrameError there (bytes that are not a frame, a kind this end does not take) resets the connection.
+    The replica closing its end closes this one (connection_lost follows)."""
+
+    name = "link"  # what the logs call it: "<name> <link_id>"
+
+    def __init__(self, link_id: str, frames: Frames):
+        self.link_id = link_id
+        self.frames = frames
+        self.transport: asyncio.Transport | None = None
+
+    def take(self, f: list) -> None:
+        raise NotImplementedError
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for f in self.frames.feed(data):
+                self.take(f)
+        except FrameError as e:
+            log.warning("%s %s: %s; closing it", self.name, self.link_id, e)
+            if self.transport is not None:
+                self.transport.abort()
+
+    def eof_received(self) -> bool:
+        return False  # the replica closed its end: close ours (connection_lost follows)
