@@ -85,6 +85,15 @@ class Request:
         """Cache positions the request can ever need (its reservation)."""
         return len(self.prompt) + self.params.max_new_tokens
 
+    def note_token(self, tok: int, eos_token_ids) -> None:
+        """Set the finish reason the newly appended output token `tok` gives, if any: a stop token (the model's EOS
+        unless ignored, or the params' stop ids), else the length limit."""
+        p = self.params
+        if not p.ignore_eos and (tok in eos_token_ids or tok in p.stop_token_ids):
+            self.finish_reason = "stop"
+        elif len(self.output) >= p.max_new_tokens:
+            self.finish_reason = "length"
+
     def to_output(self) -> GenerationOutput:
         p = self.params
         return GenerationOutput(

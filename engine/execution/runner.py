@@ -19,7 +19,7 @@ from engine.execution.decode_overlap import LaunchedDecode, next_step_is_known, 
 from engine.execution.prefill_graphs import PrefillRunner
 from engine.execution.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixCacheConfig
 from engine.execution.request import Request, TokenEvent
-from engine.execution.sampling import draw_seed, greedy_pick, sample, sampling_inputs
+from engine.execution.sampling import draw_requests, greedy_pick
 from engine.execution.sampling_params import SamplingParams
 from engine.execution.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.execution.tp_executor import DECODE, FORWARD, SYNC, StepInputs, replicate_pages
@@ -450,7 +450,7 @@ class EngineCore:
         self.pool.defer_frees()  # until this step completes: it writes these requests' rows
         picked = runner.take_greedy()
         if any(c.request.params.temperature != 0 for c in chunks):
-            picked = self._draw(logits, [c.request for c in chunks], ahead=int(previous is not None))
+            picked = draw_requests(logits, [c.request for c in chunks], ahead=int(previous is not None))
         return LaunchedDecode.of(chunks, picked if picked is not None else greedy_pick(logits))
 
     def _complete_launched(self) -> list[TokenEvent]:
@@ -580,28 +580,8 @@ class EngineCore:
             ready = self.decode_runner.take_greedy() if self.decode_runner is not None else None
             both = (ready if ready is not None and sel is logits else greedy_pick(sel)).tolist()
             return [int(t) for t in both[0]], both[1]
-        both = self._draw(sel, [c.request for c, _ in todo]).tolist()
+        both = draw_requests(sel, [c.request for c, _ in todo]).tolist()
         return [int(t) for t in both[0]], both[1]
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, requests: list, ahead: int = 0) -> torch.Tensor:
-        """Sample one token per row of fp32 logits [N, V] for `requests` (engine.execution.sampling.sample, no host sync)
-        -> fp64 [2, N]: token ids (exact: < 2**53) and their log-probs. Each draw is keyed by the request's seed
-        and the index of the token drawn: its output length, plus `ahead` tokens still unread on the device."""
-        params = [r.params for r in requests]
-        tokens = sample(
-            logits,
-            *sampling_inputs(
-                [p.temperature for p in params],
-                [p.top_k for p in params],
-                [p.top_p for p in params],
-                [draw_seed(r.seed, len(r.output) + ahead) for r in requests],
-                logits.device,
-            ),
-            filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-        )
-        lps = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return torch.stack([tokens.double(), lps.double()])
 
     def _postprocess(self, chunks, logits, sample_rows, prompt_rows, sampled: tuple | None = None) -> list[TokenEvent]:
         """sampled: (token ids, log-probs) of the sampled rows when they were picked already (a launched step)."""
@@ -629,7 +609,7 @@ class EngineCore:
             if tok is not None:
                 req.output.append(tok)
                 req.logprobs.append(lp)
-                self._check_finished(req, tok)
+                req.note_token(tok, self.cfg.eos_token_ids)
                 if req.prefill_only and not req.finished:
                     self.scheduler.hold(req)  # caches stay until `release`
                     self.held[req.request_id] = self.requests.pop(req.request_id)
@@ -637,10 +617,3 @@ class EngineCore:
                 self.scheduler.finish(req)
             events.append(TokenEvent(req.request_id, tok, lp, req.finished, req.finish_reason, plps, req.cached_tokens))
         return events
-
-    def _check_finished(self, req: Request, tok: int) -> None:
-        p = req.params
-        if not p.ignore_eos and (tok in self.cfg.eos_token_ids or tok in p.stop_token_ids):
-            req.finish_reason = "stop"
-        elif len(req.output) >= p.max_new_tokens:
-            req.finish_reason = "length"

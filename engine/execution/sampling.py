@@ -121,3 +121,23 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     tokens = logits.argmax(dim=-1)
     lps = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     return torch.stack([tokens.double(), lps.double()])
+
+
+def draw_requests(logits: torch.Tensor, requests: list, ahead: int = 0) -> torch.Tensor:
+    """Sample one token per row of fp32 logits [N, V] for `requests` (`sample`, no host sync)
+    -> fp64 [2, N]: token ids (exact: < 2**53) and their log-probs. Each draw is keyed by the request's seed
+    and the index of the token drawn: its output length, plus `ahead` tokens still unread on the device."""
+    params = [r.params for r in requests]
+    tokens = sample(
+        logits,
+        *sampling_inputs(
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [draw_seed(r.seed, len(r.output) + ahead) for r in requests],
+            logits.device,
+        ),
+        filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+    )
+    lps = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return torch.stack([tokens.double(), lps.double()])

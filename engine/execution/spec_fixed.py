@@ -340,7 +340,7 @@ class FixedSpecStep:
         lps.view(-1)[rows] = res[2]
 
     def _plain_samples(self, plans, logits, q, tokens, lps) -> None:
-        """Sampled requests without drafts: their one draw (EngineCore._draw, keyed as a plain decode step's)."""
+        """Sampled requests without drafts: their one draw (sampling.draw_requests, keyed as a plain decode step's)."""
         todo = [b for b, p in enumerate(plans) if not p.drafts and p.chunk.request.params.temperature != 0]
         if not todo:
             return

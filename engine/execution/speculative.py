@@ -444,7 +444,7 @@ class Speculator:
             for i, (tok, lp) in enumerate(p.emitted):
                 req.output.append(tok)
                 req.logprobs.append(lp)
-                core._check_finished(req, tok)
+                req.note_token(tok, core.cfg.eos_token_ids)
                 events.append(
                     TokenEvent(
                         req.request_id,
