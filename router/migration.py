@@ -4,8 +4,8 @@ The owner of a stream is the process that reads the decode worker's tokens: the 
 service's path (service.direct_path: the router only places), or the router itself on its `Generate` RPC
 (router.server, the path of in-process engines and plain gRPC clients). Both run `recovering_stream`, so a
 worker's death means the same thing on both:
-- `WorkerDied` before anything was streamed -> the request is placed once more, excluding that incarnation of
-  the worker (a restarted one may take it); a second death -> UNAVAILABLE naming the worker;
+- `WorkerDied` before anything was streamed -> the request is placed once more, as `<id>-r1`, excluding that
+  incarnation of the worker (a restarted one may take it); a second death -> UNAVAILABLE naming the worker;
 - the decode worker dies after tokens were streamed -> migration (Dynamo's recipe): the request continues as a
   new one whose prompt is the original prompt plus every token streamed so far, with the remaining token budget,
   placed on another (or the restarted) decode worker; the client's stream just goes on. At most `max_migrations`
@@ -145,3 +145,6 @@ async def recovering_stream(
                 ) from None
             retried += 1
             state.retries += 1
+            # A fresh id: the dead attempt's prefill worker may still hold its export under the old one (released
+            # by the attempt's cleanup or its lease, not before this retry may land on that worker again).
+            current = dataclasses.replace(dreq, request_id=f"{dreq.request_id}-r{retried}")

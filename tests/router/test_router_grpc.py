@@ -196,12 +196,23 @@ def test_dead_prefill_worker_is_retried_elsewhere_then_readded(reference):
     # Own engines: this test kills one; nobody restarts them. No prefix caches: the 51-token prompt's
     # prefix_hit comes from the router's estimate (16-token blocks), whatever the engines can cache.
     h = Harness(restart_wait_s=0.5, prefix_cache=False)
+    asked = []
+    real_generate = h.dispatcher.generate
+
+    def recording(request, prefill_id, decode_id):  # the real dispatcher; we only note what it was asked
+        asked.append(request.request_id)
+        return real_generate(request, prefill_id, decode_id)
+
+    h.dispatcher.generate = recording
     try:
         home = h.client.generate_full(PROMPTS[0], PARAMS).prefill_worker
         other = ({"engine-0", "engine-1"} - {home}).pop()
         h.dispatcher.kill(home)  # the router has not probed yet: it still believes `home` is healthy
+        del asked[:]
         res = h.client.generate_full(PROMPTS[0], PARAMS)  # prefix_hit on the dead worker -> retry
         assert res.prefill_worker == other and res.token_ids == reference[0].token_ids
+        # the retry under a fresh id: the first attempt's export may still be held under the old one
+        assert len(asked) == 2 and asked[1] == f"{asked[0]}-r1"
         stats = h.client.stats()
         assert stats.retries_total == 1 and stats.worker_deaths_total == 1
         assert stats.decisions[("prefill", "prefix_hit")] == 1
