@@ -83,15 +83,22 @@ def batch(items) -> bytes:
     return frame([BATCH, out])
 
 
-def events(payload: list) -> list:
-    """A BATCH frame's events, rebuilt (FrameError if they do not have the shape `batch` gives them)."""
+def event(row) -> TokenEvent | RequestFailed:
+    """One event of a BATCH frame (an element of its list: `batch`'s array) rebuilt; FrameError if malformed."""
     try:
-        return [
-            TokenEvent(e[0], e[1], e[2], e[3], e[4], tuple(e[5]), e[6]) if len(e) == 7 else RequestFailed(*e)
-            for e in payload[1]
-        ]
+        return _event(row)
     except (TypeError, IndexError) as e:
         raise FrameError(f"a batch frame's event is malformed: {e}") from None
+
+
+def plain_token(row) -> bool:
+    """Is this BATCH array a plain decode token (a TokenEvent with a token, not finished, no prompt logprobs), which
+    a replica may take as its values (token id row[1], logprob row[2]) without rebuilding the event?"""
+    return len(row) == 7 and row[1] is not None and not row[3] and not row[5]
+
+
+def _event(e) -> TokenEvent | RequestFailed:
+    return TokenEvent(e[0], e[1], e[2], e[3], e[4], tuple(e[5]), e[6]) if len(e) == 7 else RequestFailed(*e)
 
 
 # ---- opening a request over the feed (OPEN / OPENED / REFUSED / CANCEL) ---------------------------------------

@@ -333,14 +333,8 @@ class DirectClient:
         placed: dict[str, PlacedRequest] = {}  # request id of each placement -> where it ran
         self._watch_soon()
         progress = StreamProgress()
-        if lane is not None:
-            generated = progress.generated
-
-            def relay(ev: TokenEvent) -> StreamEvent:  # what recovering_stream and the loop below do for a plain token
-                generated.append(ev.token_id)  # type: ignore[arg-type]  # a plain event has one (TokenLane.offer)
-                return _event(ev, None, params, lead_none=False)
-
-            lane.relay = relay
+        if lane is not None:  # what recovering_stream does for a plain token; the loop below passes it on as is
+            lane.streamed = progress.generated
         events = recovering_stream(
             dreq,
             lambda req, excluded: self._attempt(req, excluded, placed, lane),

@@ -5,7 +5,8 @@ the same over both (service.token_feed's docstring has the why, the failures and
 `TokenFeed` is the part both transports share: the feed's id, its requests' `FeedQueue`s, `opened` (set once the
 worker's end is up), the keeper task (renews the lease every third of `lease_s`, closes the feed once it has carried
 no request for `idle_s`), `deliver` (a burst's events to their queues; a plain token of a request whose task waits for it is written to its
-client right there, by the request's service.token_lane.TokenLane) and `end` (every request on the feed fails with
+client right there, by the request's service.token_lane.TokenLane; service.tcp_feed hands a frame's plain tokens to
+`FeedQueue.take_plain` as their values first) and `end` (every request on the feed fails with
 the same error, after the events it already got). A transport supplies `renew` and `_stop` and starts its own
 reading.
 """
@@ -84,6 +85,19 @@ class FeedQueue:
             return
         self._events.append(event)
         self._wake()
+
+    def take_plain(self, token_id: int, logprob: float | None) -> bool:
+        """A plain decode token given as its values (service.tcp_feed reads them off the frame) written to the client
+        by the request's lane if its task waits for it (-> True: taken, or the request failed with the lane's error);
+        else False and nothing changed: the caller `put`s it as its event."""
+        lane, waiter = self.lane, self._waiter
+        if lane is None or waiter is None or waiter.done() or self._error is not None:
+            return False
+        try:
+            return lane.take(token_id, logprob)
+        except Exception as e:  # noqa: BLE001 - the request's error (a render bug, a client gone): raised in its task
+            self.fail(e)
+            return True
 
     def fail(self, error: BaseException) -> None:
         """End the queue with `error`, raised once the events before it are taken."""

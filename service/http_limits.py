@@ -33,6 +33,7 @@ from dsv4_kernels.settings import (
     HTTP_MAX_HEADER_BYTES,
     settings,
 )
+from service.body_writer import attach
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,10 @@ def guarded(limits: HttpLimits) -> type:
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes = False, 0
             self._arm(self.limits.body_timeout_s, 408, self.limits.slow_body())
+            before = self.cycle
             super().on_headers_complete()
+            if self.cycle is not before:  # the request's cycle (none for an upgrade): its body writer in its scope
+                attach(self.cycle.scope, self.cycle)
 
         def on_message_complete(self) -> None:
             self._disarm()

@@ -13,6 +13,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from service.body_writer import BodyWriter, body_writer
+
 
 class ClientGone(Exception):
     """The client disconnected before the response was ready."""
@@ -31,12 +33,14 @@ class SSEResponse(StreamingResponse):
 
     lane: the request's service.token_lane.TokenLane; once the head is out, its plain tokens are written by
     `write_now` from the token feed's receive path, between the body's own chunks (the lane takes one only while the
-    body waits, so the order holds)."""
+    body waits, so the order holds). Any body chunk, the lane's or the body's own, goes straight to the connection
+    when the server offers a service.body_writer.BodyWriter and it can write it now, else through the ASGI send."""
 
     def __init__(self, *args, lane=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._lane = lane
         self._send = None
+        self._direct: BodyWriter | None = None  # the server's body writer, once the head is out
         self._pending: asyncio.Task | None = None  # a write_now that waits on the client (flow control)
 
     def busy(self) -> bool:
@@ -48,6 +52,8 @@ class SSEResponse(StreamingResponse):
         uvicorn's send has none unless the client reads slower than the replica writes (its flow control), then
         a task of its own finishes it and the response's next write waits for that."""
         assert self._send is not None and not self.busy()
+        if self._direct is not None and self._direct(chunk):
+            return
         coro = self._send({"type": "http.response.body", "body": chunk, "more_body": True})
         try:
             waiting = coro.send(None)
@@ -65,6 +71,7 @@ class SSEResponse(StreamingResponse):
         left = asyncio.ensure_future(_disconnected(receive, task))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            self._direct = body_writer(scope)
             if self._lane is not None:
                 self._send = send
                 self._lane.response = self
@@ -74,7 +81,8 @@ class SSEResponse(StreamingResponse):
                 if self._pending is not None:  # a lane's write waiting on the client goes first
                     await self._pending
                     self._pending = None
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if self._direct is None or not self._direct(chunk):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if self._pending is not None:
                 await self._pending
                 self._pending = None

@@ -352,13 +352,14 @@ class OpenAIServer:
         status = "aborted"  # what escapes (the client went away, server shutdown) is an abort
         deadline = StreamDeadline(job.deadline)  # one timer for the stream, not one a token
         if not job.text.stops:  # a stop string may end the output at any token: each goes through the loop
+            logprobs = bool(job.params.logprobs)  # else the event carries none (service.direct_path._event)
 
-            def render_event(ev) -> bytes | None:
-                c = render.piece(job, *taker.take(ev))
+            def render_token(token_id: int, logprob: float | None) -> bytes | None:
+                c = render.piece(job, *taker.take_token(token_id, logprob if logprobs else None))
                 return None if c is None else c if isinstance(c, bytes) else sse(c).encode()
 
             lane.body = lambda: not deadline.expired and job.finish_reason is None
-            lane.render = render_event
+            lane.render = render_token
         try:
             try:
                 for c in render.head(job):

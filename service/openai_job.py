@@ -60,13 +60,8 @@ class JobEvents:
         job = self.job
         job.prompt_logprobs.extend(ev.prompt_logprobs)
         job.cached_tokens = max(job.cached_tokens, ev.cached_tokens)
-        now = time.monotonic()
         if ev.token_id is not None:
-            last = self._last
-            (self.ttft if last is None else self.itl).observe(now - (job.arrival if last is None else last), now)
-            self._last = now
-            job.token_ids.append(ev.token_id)
-            job.logprobs.append(ev.logprob)
+            self._count(ev.token_id, ev.logprob)
         # A stop token ends the output but is not part of its text (vLLM), unless asked for.
         by_token = ev.finished and ev.finish_reason == "stop" and ev.token_id in self.stop_tokens
         shown = None if by_token and not job.text.include_stop else ev.token_id
@@ -78,6 +73,23 @@ class JobEvents:
         if job.text.stop_hit is not None:  # stop string: done, and the engine stops with us
             job.finish_reason, job.stop_reason = "stop", job.text.stop_hit
         return ev.token_id, ev.logprob, delta
+
+    def take_token(self, token_id: int, logprob: float | None) -> Piece:
+        """`take` of a plain decode token given as its values (no finish, no prompt logprobs, no cached count: the
+        token lane's, service.token_lane), without an event object."""
+        self._count(token_id, logprob)
+        job = self.job
+        delta = job.text.add(token_id, False)
+        if job.text.stop_hit is not None:
+            job.finish_reason, job.stop_reason = "stop", job.text.stop_hit
+        return token_id, logprob, delta
+
+    def _count(self, token_id: int, logprob: float | None) -> None:
+        job, now, last = self.job, time.monotonic(), self._last
+        (self.ttft if last is None else self.itl).observe(now - (job.arrival if last is None else last), now)
+        self._last = now
+        job.token_ids.append(token_id)
+        job.logprobs.append(logprob)
 
     def flush(self) -> None:
         """The histograms' batched observations into the shared metrics (at the request's end)."""

@@ -281,7 +281,7 @@ class TcpTokenFeed(CalledBack, TokenFeed):
         the connection)."""
         kind = f[0]
         if kind == feed_wire.BATCH:
-            self.deliver(feed_wire.events(f))
+            self.deliver_rows(f[1] if len(f) > 1 else None)
         elif kind == feed_wire.OPENED:
             self.answer(*feed_wire.transferred(f))
         elif kind == feed_wire.REFUSED:
@@ -291,6 +291,22 @@ class TcpTokenFeed(CalledBack, TokenFeed):
             self.end(WorkerDied(self.worker_id, f"its token feed ended: {f[1] if len(f) > 1 else '?'}"))
         else:
             raise feed_wire.FrameError(f"a {kind!r} frame from the worker")
+
+    def deliver_rows(self, rows) -> None:
+        """A BATCH frame's events as the frame holds them (feed_wire.batch's arrays), in order: a plain token whose
+        request's lane takes it now goes to the client from its array (FeedQueue.take_plain: no event rebuilt, the
+        frame's bulk at steady state); any other event is rebuilt and delivered as `deliver` does. A malformed
+        array raises FrameError (the connection is closed: the feed's requests fail) after the ones before it."""
+        if not isinstance(rows, list):
+            raise feed_wire.FrameError(f"a batch frame carries {type(rows).__name__}, not a list of events")
+        queues, plain = self.queues, feed_wire.plain_token
+        try:
+            for row in rows:
+                queue = queues.get(row[0])
+                if queue is not None and not (plain(row) and queue.take_plain(row[1], row[2])):
+                    queue.put(feed_wire.event(row))
+        except (TypeError, IndexError) as e:  # row[0] missing or unhashable; one not an array
+            raise feed_wire.FrameError(f"a batch frame's event is malformed: {e}") from None
 
     def can_open(self) -> bool:
         conn = self._conn

@@ -32,9 +32,9 @@ class _Watch:
 def _lane(sent: list, *, body_ok=lambda: True) -> TokenLane:
     lane = TokenLane()
     lane.watch = _Watch()
-    lane.relay = lambda ev: ev
+    lane.streamed = []
     lane.body = body_ok
-    lane.render = lambda ev: f"{ev.token_id};".encode()
+    lane.render = lambda token_id, logprob: f"{token_id};".encode()
 
     class _Response:
         waiting = False
@@ -111,7 +111,7 @@ def test_an_error_in_the_lane_fails_the_request_in_its_task():
         queue = FeedQueue("r", _Feed())
         lane = queue.lane = _lane([])
 
-        def broken(ev):
+        def broken(token_id, logprob):
             raise ValueError("render bug")
 
         lane.render = broken
