@@ -33,12 +33,18 @@ class TextStream:
         self._decode_ids: Callable[[list[int], bool], str] | None = getattr(
             tokenizer, "decode_ints", getattr(tokenizer, "decode", None)
         )
+        # one id's text, remembered by a TextTokenizer: the context decoded first is most often one token (the last)
+        self._decode_one: Callable[[int, bool], str] | None = getattr(tokenizer, "decode_one", None)
 
     def _decode(self, final: bool) -> None:
         if self._decode_ids is None or self._read == len(self.ids):
             return
-        before = self._decode_ids(self.ids[self._prefix : self._read], self.skip_special)
-        now = self._decode_ids(self.ids[self._prefix :], self.skip_special)
+        prefix, read, ids = self._prefix, self._read, self.ids
+        if read - prefix == 1 and self._decode_one is not None:
+            before = self._decode_one(ids[prefix], self.skip_special)
+        else:
+            before = self._decode_ids(ids[prefix:read], self.skip_special)
+        now = self._decode_ids(ids[prefix:], self.skip_special)
         if len(now) > len(before) and (final or not now.endswith("\ufffd")):
             self.text += now[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)

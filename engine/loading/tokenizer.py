@@ -25,6 +25,7 @@ class TextTokenizer:
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.chat_template = chat_template
+        self._one: dict[int, str] = {}  # decode_one's texts: id (skipping specials) or ~id (keeping them) -> text
 
     @property
     def vocab_size(self) -> int:
@@ -42,6 +43,16 @@ class TextTokenizer:
     def decode_ints(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """`decode` of a list already of Python ints (no conversion: the streamed detokenizer's two calls a token)."""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """`decode_ints` of one id, remembered (a pure function of the id, at most two texts a vocabulary entry): the
+        streamed detokeniser decodes each token once alone, as the context of the next (service.text_stream)."""
+        key = token_id if skip_special_tokens else ~token_id
+        text = self._one.get(key)
+        if text is None:
+            text = self._one[key] = self.tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text
 
 
 def load_tokenizer(model_dir: str | os.PathLike) -> TextTokenizer | None:
