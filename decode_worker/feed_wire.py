@@ -91,12 +91,6 @@ def event(row) -> TokenEvent | RequestFailed:
         raise FrameError(f"a batch frame's event is malformed: {e}") from None
 
 
-def plain_token(row) -> bool:
-    """Is this BATCH array a plain decode token (a TokenEvent with a token, not finished, no prompt logprobs), which
-    a replica may take as its values (token id row[1], logprob row[2]) without rebuilding the event?"""
-    return len(row) == 7 and row[1] is not None and not row[3] and not row[5]
-
-
 def _event(e) -> TokenEvent | RequestFailed:
     return TokenEvent(e[0], e[1], e[2], e[3], e[4], tuple(e[5]), e[6]) if len(e) == 7 else RequestFailed(*e)
 

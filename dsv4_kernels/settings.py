@@ -78,7 +78,6 @@ TOKEN_FEED_IDLE_S = "DSV4_TOKEN_FEED_IDLE_S"
 TOKEN_FEED_TRANSPORT = "DSV4_TOKEN_FEED_TRANSPORT"
 TOKEN_FEED_BUFFER_BYTES = "DSV4_TOKEN_FEED_BUFFER_BYTES"
 TOKEN_FEED_OPEN = "DSV4_TOKEN_FEED_OPEN"
-TOKEN_LANE_BATCH = "DSV4_TOKEN_LANE_BATCH"
 PREFILL_FEED = "DSV4_PREFILL_FEED"
 PLACE_LINK = "DSV4_PLACE_LINK"
 HAPROXY = "DSV4_HAPROXY"
@@ -468,16 +467,6 @@ class Settings:
         "every replica count, BENCHMARKS.md frontdoor); ray = one Ray streaming call (service.token_feed)",
         "service",
         choices=("tcp", "ray"),
-    )
-    token_lane_batch: int = _switch(
-        TOKEN_LANE_BATCH,
-        "int",
-        16,
-        "plain tokens of one TCP token feed frame an ingress replica takes into their requests before it writes "
-        "their chunks to the clients back to back (fewer wake-ups of the front door a step: service.tcp_feed); 1 = "
-        "write each as it is taken",
-        "service",
-        minimum=1,
     )
     token_feed_buffer_bytes: int = _switch(
         TOKEN_FEED_BUFFER_BYTES,

@@ -51,7 +51,6 @@ class FeedQueue:
         # service.token_lane.TokenLane: set once the request's first token has passed every layer; a plain token is
         # then written to the client from here while the request's task waits for it (no wake-up, no layers)
         self.lane = None
-        self._held: bytes | None = None  # a lane's chunk rendered, to be written with its frame's others (take_plain)
 
     @property
     def feed_id(self) -> str:
@@ -68,8 +67,7 @@ class FeedQueue:
             )
             return
         lane, waiter = self.lane, self._waiter
-        # its task waits (nothing queued before it) and no chunk of its lane waits for the feed to write it
-        if lane is not None and waiter is not None and not waiter.done() and self._held is None:
+        if lane is not None and waiter is not None and not waiter.done():  # its task waits: nothing queued before it
             try:
                 if lane.offer(event):
                     return
@@ -88,38 +86,18 @@ class FeedQueue:
         self._events.append(event)
         self._wake()
 
-    def take_plain(self, token_id: int, logprob: float | None, held: list[FeedQueue]) -> bool:
-        """A plain decode token given as its values (service.tcp_feed reads them off the frame) taken by the request's
-        lane if its task waits for it (-> True: taken, or the request failed with the lane's error); its chunk is held
-        here and this queue appended to `held`, for the feed to write with the others' (`write_held`). False, and
-        nothing changed, when the lane cannot take it or this queue already holds a chunk (one at a time: the next
-        token goes through the task, which writes only after the feed's callback): the caller `put`s it."""
+    def take_plain(self, token_id: int, logprob: float | None) -> bool:
+        """A plain decode token given as its values (service.tcp_feed reads them off the frame) written to the client
+        by the request's lane if its task waits for it (-> True: taken, or the request failed with the lane's error);
+        else False and nothing changed: the caller `put`s it as its event."""
         lane, waiter = self.lane, self._waiter
-        if lane is None or waiter is None or waiter.done() or self._error is not None or self._held is not None:
+        if lane is None or waiter is None or waiter.done() or self._error is not None:
             return False
         try:
-            if not lane.ready():
-                return False
-            chunk = lane.take(token_id, logprob)
-        except Exception as e:  # noqa: BLE001 - the request's error (a render bug): raised in its task
+            return lane.take(token_id, logprob)
+        except Exception as e:  # noqa: BLE001 - the request's error (a render bug, a client gone): raised in its task
             self.fail(e)
             return True
-        if chunk is not None:
-            self._held = chunk
-            held.append(self)
-        return True
-
-    def write_held(self) -> None:
-        """Write the chunk `take_plain` held to the client (a client gone or a write error fails the request)."""
-        chunk, self._held = self._held, None
-        lane = self.lane
-        response = lane.response if lane is not None else None
-        if chunk is None or response is None:  # the response ended meanwhile (nothing runs its task in between)
-            return
-        try:
-            response.write_now(chunk)
-        except Exception as e:  # noqa: BLE001 - the request's error (a client gone): raised in its task
-            self.fail(e)
 
     def fail(self, error: BaseException) -> None:
         """End the queue with `error`, raised once the events before it are taken."""

@@ -51,9 +51,9 @@ class SSEResponse(StreamingResponse):
         """Send `chunk` from outside the response's task: the send's coroutine is run here up to its first wait;
         uvicorn's send has none unless the client reads slower than the replica writes (its flow control), then
         a task of its own finishes it and the response's next write waits for that."""
-        assert self._send is not None and not self.busy()
-        if self._direct is not None and self._direct(chunk):
+        if self._direct is not None and self._direct(chunk):  # (the lane checked busy(): a write a token)
             return
+        assert self._send is not None and not self.busy()
         coro = self._send({"type": "http.response.body", "body": chunk, "more_body": True})
         try:
             waiting = coro.send(None)

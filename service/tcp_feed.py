@@ -42,10 +42,9 @@ import secrets
 from typing import Protocol
 
 from decode_worker import feed_wire
-from dsv4_kernels.settings import settings
 from engine.handoff import Transferred
 from router.dispatch import WorkerDied
-from service.feed_base import LEASE_S, FeedQueue, TokenFeed
+from service.feed_base import LEASE_S, TokenFeed
 from service.ray_items import DEAD, failure
 
 log = logging.getLogger(__name__)
@@ -220,12 +219,6 @@ class _Peer(asyncio.Protocol):
             self.feed.end(WorkerDied(self.feed.worker_id, f"its token feed's connection was {how}"))
 
 
-def _write(held: list[FeedQueue]) -> None:
-    for queue in held:
-        queue.write_held()
-    held.clear()
-
-
 class TcpTokenFeed(CalledBack, TokenFeed):
     """A feed over a connection its worker opens to this replica's listener (module docstring)."""
 
@@ -240,13 +233,9 @@ class TcpTokenFeed(CalledBack, TokenFeed):
         lease_s: float = LEASE_S,
         idle_s: float = 300.0,
         open_requests: bool = True,
-        lane_batch: int | None = None,
     ):
-        """open_requests: open requests over the connection once it is up (`open_decode`; DSV4_TOKEN_FEED_OPEN).
-        lane_batch: a frame's plain tokens rendered before their chunks are written (`deliver_rows`; None:
-        DSV4_TOKEN_LANE_BATCH)."""
+        """open_requests: open requests over the connection once it is up (`open_decode`; DSV4_TOKEN_FEED_OPEN)."""
         super().__init__(worker_id, actor_key, lease_s, idle_s)
-        self.lane_batch = max(1, settings().token_lane_batch if lane_batch is None else lane_batch)
         self.key = secrets.token_urlsafe(24)
         self.open_requests = open_requests
         self.opens_sent = 0  # OPEN frames written (tests, benchmarks: how many requests took this path)
@@ -304,31 +293,26 @@ class TcpTokenFeed(CalledBack, TokenFeed):
             raise feed_wire.FrameError(f"a {kind!r} frame from the worker")
 
     def deliver_rows(self, rows) -> None:
-        """A BATCH frame's events as the frame holds them (feed_wire.batch's arrays), in order. A plain token whose
-        request's lane takes it now goes to the client from its array (FeedQueue.take_plain: no event rebuilt: the
-        frame's bulk at steady state); any other event is rebuilt and delivered as `deliver` does. The taken
-        tokens' chunks are written back to back, `lane_batch` at a time (and the rest at the frame's end): a write
-        to a connection whose reader (HAProxy) sleeps wakes it, which cost ~6-7 us of this loop a write when each
-        token's bookkeeping came between two writes, ~2 us when they follow each other (a 250-byte loopback send
-        on this 2-CPU VM, reader in another process). A malformed array raises FrameError (the connection is
-        closed: the feed's requests fail) after the events before it, their chunks written."""
+        """A BATCH frame's events as the frame holds them (feed_wire.batch's arrays), in order: a plain token whose
+        request's lane takes it now goes to the client from its array (FeedQueue.take_plain: no event rebuilt, the
+        frame's bulk at steady state); any other event is rebuilt and delivered as `deliver` does. A malformed
+        array raises FrameError (the connection is closed: the feed's requests fail) after the ones before it."""
         if not isinstance(rows, list):
             raise feed_wire.FrameError(f"a batch frame carries {type(rows).__name__}, not a list of events")
-        queues, plain, batch = self.queues, feed_wire.plain_token, self.lane_batch
-        held: list[FeedQueue] = []
+        queues = self.queues
         try:
             for row in rows:
                 queue = queues.get(row[0])
                 if queue is None:
                     continue
-                if not (plain(row) and queue.take_plain(row[1], row[2], held)):
-                    queue.put(feed_wire.event(row))
-                elif len(held) >= batch:
-                    _write(held)
+                # a plain decode token (feed_wire.batch's TokenEvent array: [request id, token id, logprob,
+                # finished, finish reason, prompt logprobs, cached tokens]; a RequestFailed's has 3)
+                if len(row) == 7 and row[1] is not None and not row[3] and not row[5]:
+                    if queue.take_plain(row[1], row[2]):
+                        continue
+                queue.put(feed_wire.event(row))
         except (TypeError, IndexError) as e:  # row[0] missing or unhashable; one not an array
             raise feed_wire.FrameError(f"a batch frame's event is malformed: {e}") from None
-        finally:
-            _write(held)
 
     def can_open(self) -> bool:
         conn = self._conn

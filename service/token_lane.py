@@ -10,8 +10,7 @@ the replica). Here a plain token (a decode token: no finish, no prompt logprobs)
 through each layer's bookkeeping to the response's send, in the frame's own callback. It goes as its two values
 (`take`: the token id and its logprob), not as an event object: the TCP feed hands them from the frame's arrays
 (service.tcp_feed), and no layer builds its own event for it (a TokenEvent and a StreamEvent a token were ~3 us of the
-~24 us the replica spent on one). The TCP feed writes the chunks of a frame's tokens back to back, a batch at a time
-(service.feed_base.FeedQueue.take_plain: one held a request at most); a Ray feed's are written as taken (`offer`).
+~24 us the replica spent on one); a Ray feed's events are taken the same way (`offer`).
 
 How: each layer fills in its part of the lane once the request's first token has passed it the usual way, and the
 lane takes a token only while every part is in and the request's task is parked waiting for its next event (so
@@ -46,29 +45,26 @@ class TokenLane:
         self.render: Callable[[int, float | None], bytes | None] | None = None  # (id, logprob) -> SSE bytes or None
         self.response: Any = None  # service.http_stream.SSEResponse once its head is out
 
-    def ready(self) -> bool:
-        """May the lane take the request's next plain token now (every part in, the task parked, nothing holding it
-        back)? Nothing changes either way."""
+    def take(self, token_id: int, logprob: float | None) -> bool:
+        """Write a plain decode token to the client now if every part lets it (-> True); else False and nothing
+        changed (the token goes to the request's queue as its event). An exception after the layers took it is the
+        request's."""
         if not self.parked:
             return False
-        body, response = self.body, self.response
-        if self.streamed is None or self.render is None or body is None or response is None:
+        streamed, body, render, response = self.streamed, self.body, self.render, self.response
+        if streamed is None or render is None or body is None or response is None:
             return False
         watch = self.watch
-        return (watch is None or watch.down is None) and not response.busy() and body()
-
-    def take(self, token_id: int, logprob: float | None) -> bytes | None:
-        """A plain decode token taken through the layers' bookkeeping (`ready` said yes) -> its SSE bytes for the
-        response's `write_now` (None: nothing to send yet). An exception is the request's."""
-        self.streamed.append(token_id)  # type: ignore[union-attr]  # ready() checked the parts
-        return self.render(token_id, logprob)  # type: ignore[misc]
+        if (watch is not None and watch.down is not None) or response.busy() or not body():
+            return False
+        streamed.append(token_id)
+        chunk = render(token_id, logprob)
+        if chunk is not None:
+            response.write_now(chunk)
+        return True
 
     def offer(self, ev) -> bool:
-        """An event (engine.execution.request.TokenEvent; a Ray feed's) taken and written now if it is a plain token
-        and the lane is `ready` (-> True); else False and nothing changed (it goes to the request's queue)."""
-        if ev.token_id is None or ev.finished or ev.prompt_logprobs or not self.ready():
+        """`take` of an event (engine.execution.request.TokenEvent; a Ray feed's): only a plain one."""
+        if ev.token_id is None or ev.finished or ev.prompt_logprobs:
             return False
-        chunk = self.take(ev.token_id, ev.logprob)
-        if chunk is not None:
-            self.response.write_now(chunk)
-        return True
+        return self.take(ev.token_id, ev.logprob)

@@ -1,15 +1,25 @@
 """service.token_lane with service.feed_base's queue and service.http_stream's SSEResponse on a real asyncio loop: a
 plain token is written from the feed's receive path only while the request's task waits, everything else goes
-through the queue, and the order of what the client gets holds either way (a write that waits on the client too)."""
+through the queue, and the order of what the client gets holds either way (a write that waits on the client too).
+A TCP feed's frame (service.tcp_feed.deliver_rows): plain tokens taken from their arrays, the rest rebuilt as events
+in order, a malformed array a FrameError; JobEvents.take_token fills the job as take of the same event does."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import pytest
+
+from decode_worker.feed_wire import FrameError
 from engine.execution.request import TokenEvent
+from engine.execution.sampling_params import SamplingParams
+from router.client import StreamEvent
 from service.feed_base import FeedQueue
 from service.http_stream import SSEResponse
+from service.openai_job import Job, JobEvents
+from service.tcp_feed import TcpTokenFeed
+from service.text_stream import TextStream
 from service.token_lane import TokenLane
 
 
@@ -163,3 +173,75 @@ def test_sse_response_writes_lane_chunks_between_its_own_and_waits_for_a_held_wr
 
     wire, left = asyncio.run(run())
     assert wire == [b"<start>", b"first", b"fast", b"slow", b"last", b""] and left is None
+
+
+def _bare_feed(queues: dict) -> TcpTokenFeed:
+    feed = TcpTokenFeed.__new__(TcpTokenFeed)  # its frames only: no listener, worker or loop tasks
+    feed.worker_id, feed.feed_id, feed.queues, feed.last_used = "d0", "f0", queues, time.monotonic()
+    return feed
+
+
+def _row(rid: str, t: int | None, finished: bool = False, plps: list | None = None) -> list:
+    """A TokenEvent as a BATCH frame carries it (decode_worker.feed_wire.batch)."""
+    return [rid, t, -0.5, finished, "length" if finished else None, plps or [], 0]
+
+
+def test_a_tcp_frame_s_plain_tokens_go_out_from_their_arrays_and_the_rest_as_events():
+    async def run():
+        queues: dict = {}
+        feed = _bare_feed(queues)
+        sent = {rid: [] for rid in "abc"}
+        tasks = {}
+        for rid in "abc":
+            q = queues[rid] = FeedQueue(rid, feed)
+            q.lane = _lane(sent[rid])
+            tasks[rid] = await _parked(q, q.lane)
+        feed.deliver_rows(
+            [
+                _row("a", 1),
+                _row("b", 1),
+                _row("gone", 9),  # a request that left: dropped
+                _row("a", 2, finished=True),  # a finish: the task's
+                _row("a", 3),  # behind it: queued too (order)
+                _row("b", 2, plps=[-0.1]),  # prompt logprobs: the task's
+                ["c", "engine went away", False],  # a RequestFailed: fails c alone
+            ]
+        )
+        got = {rid: [(e.token_id, e.finished) for e in await tasks[rid]] for rid in "ab"}
+        with pytest.raises(RuntimeError, match="engine went away"):
+            await tasks["c"]
+        queues["c"] = FeedQueue("c", feed)
+        with pytest.raises(FrameError):
+            feed.deliver_rows([_row("c", 1), 7])  # malformed after a good one: the good one is delivered first
+        with pytest.raises(FrameError):
+            feed.deliver_rows({"not": "a list"})
+        return sent, got, [e.token_id for e in await queues["c"].get()]
+
+    sent, got, c_events = asyncio.run(run())
+    assert sent == {"a": [b"1;"], "b": [b"1;"], "c": []}
+    assert got == {"a": [(2, True), (3, False)], "b": [(2, False)]}
+    assert c_events == [1]
+
+
+def test_take_token_fills_the_job_as_take_of_the_event_does():
+    class _Hist:
+        def __init__(self):
+            self.n = 0
+
+        def observe(self, amount, now=None):
+            self.n += 1
+
+    def job(params):
+        return Job("r", [1, 2], params, TextStream(None, [], False, True), time.monotonic(), 1e18)
+
+    for params in (SamplingParams(), SamplingParams(logprobs=1)):
+        a, b = job(params), job(params)
+        ta, tb = JobEvents(a, frozenset([0]), _Hist(), _Hist()), JobEvents(b, frozenset([0]), _Hist(), _Hist())
+        for t in range(5, 12):
+            lp = -0.25 * t if params.logprobs else None
+            pa = ta.take(StreamEvent("r", t, lp, False, None, ()))
+            pb = tb.take_token(t, lp)
+            assert pa == pb
+        fields = ("token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_reason", "cached_tokens")
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+        assert (ta.ttft.n, ta.itl.n) == (tb.ttft.n, tb.itl.n) == (1, 6)
