@@ -18,6 +18,8 @@ as None (a connection cannot be written from elsewhere), and the replica's respo
 
 from __future__ import annotations
 
+from typing import Any
+
 BODY_WRITER = "dsv4.body_writer"  # the scope["extensions"] key
 
 
@@ -51,7 +53,7 @@ def _nothing() -> None:
     return None
 
 
-def attach(scope: dict, cycle) -> None:
+def attach(scope: Any, cycle) -> None:
     """Offer the request's BodyWriter to the app (the protocol calls this once it made the request's cycle)."""
     scope.setdefault("extensions", {})[BODY_WRITER] = BodyWriter(cycle)
 

@@ -76,13 +76,12 @@ class SSEResponse(StreamingResponse):
                 self._send = send
                 self._lane.response = self
             async for chunk in body:
-                if isinstance(chunk, str):
-                    chunk = chunk.encode()
+                data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)  # bytes: itself, not a copy
                 if self._pending is not None:  # a lane's write waiting on the client goes first
                     await self._pending
                     self._pending = None
-                if self._direct is None or not self._direct(chunk):
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if self._direct is None or not self._direct(data):
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
             if self._pending is not None:
                 await self._pending
                 self._pending = None

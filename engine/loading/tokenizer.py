@@ -44,7 +44,6 @@ class TextTokenizer:
         """`decode` of a list already of Python ints (no conversion: the streamed detokenizer's two calls a token)."""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-
     def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
         """`decode_ints` of one id, remembered (a pure function of the id, at most two texts a vocabulary entry): the
         streamed detokeniser decodes each token once alone, as the context of the next (service.text_stream)."""
