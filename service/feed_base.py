@@ -4,10 +4,10 @@ the same over both (service.token_feed's docstring has the why, the failures and
 
 `TokenFeed` is the part both transports share: the feed's id, its requests' `FeedQueue`s, `opened` (set once the
 worker's end is up), the keeper task (renews the lease every third of `lease_s`, closes the feed once it has carried
-no request for `idle_s`), `deliver` (a burst's events to their queues; a plain token of a request whose task waits for it is written to its
-client right there, by the request's service.token_lane.TokenLane; service.tcp_feed hands a frame's plain tokens to
-`FeedQueue.take_plain` as their values first) and `end` (every request on the feed fails with
-the same error, after the events it already got). A transport supplies `renew` and `_stop` and starts its own
+no request for `idle_s`), `deliver` (a burst's events to their queues; a plain token of a request whose task waits
+for it is written to its client right there, by the request's service.token_lane.TokenLane; service.tcp_feed hands
+a frame's plain tokens to `FeedQueue.take_plain` as their values first) and `end` (every request on the feed fails
+with the same error, after the events it already got). A transport supplies `renew` and `_stop` and starts its own
 reading.
 """
 

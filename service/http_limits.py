@@ -11,9 +11,10 @@ enforced in two places, with the same answers (the OpenAI error JSON, `Connectio
   anyway. What Serve does offer is a proxy callback (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, run in every
   proxy process before its server starts): `proxy_callback` registers `GuardedHttpToolsProtocol` as uvicorn's
   "auto" protocol there (in an ingress replica serving HTTP itself too: Serve runs the callback there; it also
-  offers each request a service.body_writer.BodyWriter in its scope). It counts the bytes of a request's head as they arrive (413 past `max_header_bytes`,
-  before more is buffered), and times the head from the connection's (or request's) first byte (408 after
-  `header_timeout_s`) and the body from the end of the head (408 after `body_timeout_s`). `proxy_env` is the
+  offers each request a service.body_writer.BodyWriter in its scope). It counts the bytes of a request's head as
+  they arrive (413 past `max_header_bytes`, before more is buffered), and times the head from the connection's
+  (or request's) first byte (408 after `header_timeout_s`) and the body from the end of the head (408 after
+  `body_timeout_s`). `proxy_env` is the
   environment that installs it: `dsv4 serve` gives it to the Serve controller (its proxies inherit it), the
   chart sets it on every pod.
 - In our ASGI layer (service.ingress_guard.GuardMiddleware, in each ingress replica): the same header size and

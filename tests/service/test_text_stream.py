@@ -1,5 +1,6 @@
 """TextStream (service/text_stream.py): the streamed deltas of random token sequences, with and without stop strings,
-add up to the whole output decoded at once and cut at the first stop string; nothing sent is ever retracted."""
+add up to the whole output decoded at once and cut at the first stop string; nothing sent is ever retracted; the
+tokenizer's remembered one-id texts (TextTokenizer.decode_one) are its decode of that id."""
 
 import random
 
@@ -64,3 +65,11 @@ def test_characters_split_across_tokens_are_sent_whole(tokenizer, include_stop):
             break
     assert all("\ufffd" not in d for d in deltas), deltas  # a byte token's half character is held, never sent
     assert "".join(deltas) == _expected(text, ["✓"], include_stop)
+
+
+def test_decode_one_is_decode_of_the_one_id_skipping_specials_or_not(tokenizer):
+    """The one-id texts TextStream takes from the tokenizer's memory (TextTokenizer.decode_one), every id, twice."""
+    for _ in range(2):  # the second pass reads them back
+        for i in range(tokenizer.vocab_size):
+            for skip in (True, False):
+                assert tokenizer.decode_one(i, skip) == tokenizer.decode_ints([i], skip), (i, skip)
