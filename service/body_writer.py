@@ -53,9 +53,15 @@ def _nothing() -> None:
     return None
 
 
+# What the writer reads of uvicorn's RequestResponseCycle (httptools_impl; the same since uvicorn 0.1x). A cycle that
+# lacks any of them (another server, a uvicorn that renamed them) gets no writer: its responses keep the ASGI send.
+_CYCLE_FIELDS = ("flow", "disconnected", "response_complete", "response_started", "chunked_encoding", "transport")
+
+
 def attach(scope: Any, cycle) -> None:
     """Offer the request's BodyWriter to the app (the protocol calls this once it made the request's cycle)."""
-    scope.setdefault("extensions", {})[BODY_WRITER] = BodyWriter(cycle)
+    if all(hasattr(cycle, f) for f in _CYCLE_FIELDS) and hasattr(cycle.flow, "write_paused"):
+        scope.setdefault("extensions", {})[BODY_WRITER] = BodyWriter(cycle)
 
 
 def body_writer(scope) -> BodyWriter | None:

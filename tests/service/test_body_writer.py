@@ -27,7 +27,7 @@ from starlette.applications import Starlette  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
 from service import http_stream  # noqa: E402
-from service.body_writer import BODY_WRITER, BodyWriter, body_writer  # noqa: E402
+from service.body_writer import BODY_WRITER, BodyWriter, attach, body_writer  # noqa: E402
 from service.http_limits import HttpLimits, guarded  # noqa: E402
 from service.http_stream import SSEResponse  # noqa: E402
 from service.token_lane import TokenLane  # noqa: E402
@@ -235,3 +235,16 @@ def test_the_writer_travels_as_none_and_only_a_writer_counts():
     assert body_writer(scope) is not None
     assert body_writer(pickle.loads(pickle.dumps(scope))) is None
     assert body_writer({}) is None and body_writer({"extensions": {BODY_WRITER: object()}}) is None
+
+
+def test_a_cycle_without_uvicorns_fields_gets_no_writer():
+    """attach offers a writer only to a cycle with every field the writer reads (uvicorn's httptools cycle): another
+    server's, or a uvicorn that renamed one, keeps the ASGI send."""
+    scope: dict = {}
+    attach(scope, _Cycle())
+    assert body_writer(scope) is not None
+    for missing in ("flow", "disconnected", "response_complete", "response_started", "chunked_encoding", "transport"):
+        cycle, scope = _Cycle(), {}
+        delattr(cycle, missing)
+        attach(scope, cycle)
+        assert body_writer(scope) is None, missing
