@@ -16,7 +16,8 @@
 # gemvsweep (that GEMV's launch configurations at 1/2/4 tokens: the best as JSON), prefillgraphs (prefill under CUDA
 # graphs: its GPU tests, then the slice prefill at 1K and 8K with DSV4_PREFILL_GRAPHS=0 and 1),
 # rope (the in-place inverse RoPE by rows a program and warps: `dsv4 bench kernels rope`), topkrank (the rank-counting
-# top-k: GPU tests, sweep, batch-1 decode at 4K / 32K with its two-launch form off and on).
+# top-k: GPU tests, sweep, batch-1 decode at 4K / 32K with its two-launch form off and on), prefillglue (the 8K
+# prefill's mHC glue: the two-launch chain at prefill sizes, bf16 residual streams).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -213,6 +214,15 @@ sweep_rank(torch.device("cuda"))' 2>&1 | tee "$OUT/topk_rank_sweep.log" | grep -
             --out "$OUT/topk_b1_seg$seg.md" > "$OUT/topk_b1_seg$seg.log" 2>&1 || status=1
           echo "== DSV4_TOPK_RANK_SEGMENT=$seg"; grep -E "^\| 1 \|" "$OUT/topk_b1_seg$seg.md"
         done ;;
+    # prefillglue: the 8K fp8-expert prefill's mHC boundary, 3 runs each: default, the two-launch chain at prefill sizes
+    # (DSV4_HC_CHAIN_MAX_TOKENS=8192: post + next mix, then pre + norm + quant; ~8 ms of the step is mHC glue), and
+    # bf16 residual streams (DSV4_FP32_RESIDUAL=0: half the glue's bytes; a precision change to state if kept)
+    prefillglue) for v in "8 1" "8192 1" "8 0"; do set -- $v
+            DSV4_HC_CHAIN_MAX_TOKENS=$1 DSV4_FP32_RESIDUAL=$2 timeout ${PGLUE_TIMEOUT:-90} benchmarks/slice/run.sh \
+              --budget-s 70 --experts fp8 --prefill-only --prefill-runs 3 --no-peer --out "$OUT/prefill_glue_$1_$2.md" \
+              > "$OUT/prefillglue_$1_$2.log" 2>&1 || status=1
+            echo "== chain max tokens $1, fp32 residual $2"; grep -E "^Prefill .*runs|^\| 1 x" "$OUT/prefill_glue_$1_$2.md" | cut -c1-250
+          done ;;
     # rope: the in-place inverse RoPE's rows a program x warps at 8K / 64 / 1 tokens (`dsv4 bench kernels rope`)
     rope) timeout ${ROPE_TIMEOUT:-120} python3 -m benchmarks.kernels rope --out "$OUT/rope_sweep.md" > "$OUT/rope.log" 2>&1 \
             || status=1
