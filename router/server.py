@@ -268,8 +268,8 @@ class RouterServer(pb2_grpc.RouterServicer):
         try:
             async with contextlib.aclosing(events):
                 async for ev in events:
-                    resp = pb2.GenerateResponse(
-                        request_id=ev.request_id,
+                    resp = pb2.GenerateResponse(  # the client's id on every message (a retry's or migration's
+                        request_id=dreq.request_id,  # placement runs under an id of its own: router.migration)
                         finished=ev.finished,
                         finish_reason=ev.finish_reason or "",
                         prompt_logprobs=first_plp + list(ev.prompt_logprobs),

@@ -209,10 +209,11 @@ def test_dead_prefill_worker_is_retried_elsewhere_then_readded(reference):
         other = ({"engine-0", "engine-1"} - {home}).pop()
         h.dispatcher.kill(home)  # the router has not probed yet: it still believes `home` is healthy
         del asked[:]
-        res = h.client.generate_full(PROMPTS[0], PARAMS)  # prefix_hit on the dead worker -> retry
+        res = h.client.generate_full(PROMPTS[0], PARAMS, request_id="again")  # prefix_hit on the dead one -> retry
         assert res.prefill_worker == other and res.token_ids == reference[0].token_ids
-        # the retry under a fresh id: the first attempt's export may still be held under the old one
-        assert len(asked) == 2 and asked[1] == f"{asked[0]}-r1"
+        # the retry under a fresh id (the first attempt's export may still be held under the old one); the client
+        # still sees its own
+        assert asked == ["again", "again-r1"] and res.request_id == "again"
         stats = h.client.stats()
         assert stats.retries_total == 1 and stats.worker_deaths_total == 1
         assert stats.decisions[("prefill", "prefix_hit")] == 1
