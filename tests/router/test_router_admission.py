@@ -86,12 +86,24 @@ class Harness:
         self.run(self.server.stop(0))
         self.loop.call_soon_threadsafe(self.loop.stop)
 
+    def held(self) -> set[str]:
+        """Ids of the placements the router holds (not yet settled)."""
+        return set(self.server.holds._holds)
+
 
 def wait_until(cond, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+async def wait_until_async(cond, timeout: float = 10.0) -> None:
+    """wait_until on a running event loop (the loop keeps serving while it waits)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import asyncio
 import pickle
 import re
 import socket
-import threading
 import time
 
 import pytest
@@ -31,7 +30,7 @@ from service.body_writer import BODY_WRITER, BodyWriter, attach, body_writer  # 
 from service.http_limits import HttpLimits, guarded  # noqa: E402
 from service.http_stream import SSEResponse  # noqa: E402
 from service.token_lane import TokenLane  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
+from tests.support.uvicorn_server import serve_in_thread  # noqa: E402
 
 BIG = b"x" * (256 << 10)
 
@@ -95,16 +94,8 @@ class _App:
 @pytest.fixture(scope="module")
 def served():
     app = _App()
-    port = free_port()
     http = guarded(HttpLimits(max_header_bytes=8192, header_timeout_s=5.0, body_timeout_s=5.0))
-    server = uvicorn.Server(
-        uvicorn.Config(app.asgi(), host="127.0.0.1", port=port, http=http, log_level="warning", lifespan="off")
-    )
-    threading.Thread(target=server.run, daemon=True).start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
+    server, port = serve_in_thread(app.asgi(), http=http)
     yield app, port
     server.should_exit = True
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 
 import pytest
@@ -25,24 +24,15 @@ from service import openai_protocol as P  # noqa: E402
 from service.http_limits import HttpLimits, error_json, guarded, proxy_callback, proxy_env  # noqa: E402
 from service.ingress_guard import IngressOptions  # noqa: E402
 from service.openai_app import build_app  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
+from tests.support.uvicorn_server import serve_in_thread  # noqa: E402
 
 LIMITS = HttpLimits(max_header_bytes=8192, header_timeout_s=1.0, body_timeout_s=1.0)
 
 
 def _serve(http) -> tuple[uvicorn.Server, int]:
     app = build_app("127.0.0.1:1", default_model_dir(), "dsv4", options=IngressOptions(limits=LIMITS))
-    port = free_port()
     kw = {"h11_max_incomplete_event_size": 1 << 20} if http == "h11" else {}
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, http=http, log_level="warning", lifespan="off", **kw)
-    )
-    threading.Thread(target=server.run, daemon=True).start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    return server, port
+    return serve_in_thread(app, http=http, **kw)
 
 
 @pytest.fixture(scope="module")

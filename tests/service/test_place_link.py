@@ -26,7 +26,7 @@ from service import direct_path
 from service.direct_path import RouterSet
 from service.place_link import PlaceLinks
 from service.tcp_feed import FeedListener
-from tests.router.test_router_admission import Harness
+from tests.router.test_router_admission import Harness, wait_until_async
 
 TOKEN = "cluster-token-of-the-test"
 
@@ -74,17 +74,6 @@ def _req(rid: str, prompt=(5, 6, 7)) -> DispatchRequest:
     return DispatchRequest(rid, prompt, SamplingParams())
 
 
-def _held(h: Harness) -> set[str]:
-    return set(h.server.holds._holds)
-
-
-async def _until(cond, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.01)
-
-
 async def _router_set(handles, **kw) -> tuple[RouterSet, PlaceLinks]:
     links = PlaceLinks(FeedListener(TOKEN, "127.0.0.1"))
     return RouterSet(handles, token=None, timeout_s=10.0, links=links, **kw), links
@@ -92,7 +81,7 @@ async def _router_set(handles, **kw) -> tuple[RouterSet, PlaceLinks]:
 
 async def _link_up(links: PlaceLinks, i: int, handle) -> None:
     links.ready(i, handle)
-    await _until(lambda: links.up(i) is not None)
+    await wait_until_async(lambda: links.up(i) is not None)
 
 
 def _counting_grpc_places(monkeypatch) -> list[str]:
@@ -126,19 +115,19 @@ def test_places_take_the_link_with_the_grpc_answer(routers, monkeypatch):
         rs, links = await _router_set([handle])
         _, first = await rs.place(_req("a"), {}, None)
         assert grpc_places == ["a"] and links.calls_sent() == 0
-        await _until(lambda: links.up(0) is not None)
+        await wait_until_async(lambda: links.up(0) is not None)
         for rid in ("b", "c", "d"):
             _, where = await rs.place(_req(rid), {}, None)
             assert (where.request_id, where.prefill_worker, where.decode_worker) == (rid, "p0", "d0")
             assert (where.decode_incarnation, where.hash_scheme) == (first.decode_incarnation, first.hash_scheme)
         assert grpc_places == ["a"] and links.calls_sent() == 3 and handle.opened == 1
-        assert {"a", "b", "c", "d"} <= _held(h)
+        assert {"a", "b", "c", "d"} <= h.held()
         rs.settle(0, "a")
         await rs.place(_req("e"), {}, None)  # carries a's settle: the next probe releases it
-        await _until(lambda: "a" not in _held(h))
+        await wait_until_async(lambda: "a" not in h.held())
         for rid in ("b", "c"):
             rs.settle(0, rid)  # no Place follows: one SETTLE frame once SETTLE_WAIT_S has passed
-        await _until(lambda: not _held(h) & {"b", "c"})
+        await wait_until_async(lambda: not h.held() & {"b", "c"})
         assert not settle_calls and links.calls_sent() == 4
         await rs.close()
 
@@ -185,13 +174,13 @@ def test_a_caller_leaving_takes_its_request_out_of_the_queue(routers):
         link = links.up(0)
         await link.place(place_request((5, 6), SamplingParams(), "holds-the-slot"), 10.0)
         waiting = asyncio.ensure_future(link.place(place_request((5, 6), SamplingParams(), "waits"), 10.0))
-        await _until(lambda: h.server._queued == 1)
+        await wait_until_async(lambda: h.server._queued == 1)
         waiting.cancel()
-        await _until(lambda: h.server._queued == 0)
+        await wait_until_async(lambda: h.server._queued == 0)
         with pytest.raises(RouterError) as late:
             await link.place(place_request((5, 6), SamplingParams(), "expires"), 0.5)
         assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        await _until(lambda: h.server._queued == 0)
+        await wait_until_async(lambda: h.server._queued == 0)
         assert link.usable()  # the link carries on
         await links.close()
 
@@ -212,13 +201,13 @@ def test_a_lost_link_fails_its_place_over_to_another_router(routers):
         await links.up(0).place(place_request((5, 6), SamplingParams(), "holds-the-slot"), 10.0)
         rs._next = 0  # the next Place tries router 0 first
         placing = asyncio.ensure_future(rs.place(_req("x"), {}, None))
-        await _until(lambda: h0.server._queued == 1)
+        await wait_until_async(lambda: h0.server._queued == 1)
         link0 = links.up(0)
         assert link0 is not None and link0._conn is not None
         link0._conn.abort()  # what the router's death does to the replica's end
         index, where = await asyncio.wait_for(placing, 10.0)
         assert (index, where.request_id) == (1, "x")
-        await _until(lambda: h0.server._queued == 0)  # the router's end cancelled what it held
+        await wait_until_async(lambda: h0.server._queued == 0)  # the router's end cancelled what it held
         for rid in ("y", "z"):
             assert (await rs.place(_req(rid), {}, None))[0] == 1
         await rs.close()

@@ -15,7 +15,7 @@ from router.client import AsyncRouterClient, RouterError
 from router.dispatch import DispatchRequest
 from service import direct_path
 from service.direct_path import RouterSet
-from tests.router.test_router_admission import Harness
+from tests.router.test_router_admission import Harness, wait_until_async
 
 
 class _Address:
@@ -44,17 +44,6 @@ def router():
     h.close()
 
 
-def _held(h: Harness) -> set[str]:
-    return set(h.server.holds._holds)
-
-
-async def _until(cond, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.01)
-
-
 def test_settles_ride_on_places_then_go_together(router, monkeypatch):
     monkeypatch.setattr(direct_path, "SETTLE_WAIT_S", 0.3)
     settle_calls = []
@@ -71,22 +60,22 @@ def test_settles_ride_on_places_then_go_together(router, monkeypatch):
         place = lambda rid: rs.place(DispatchRequest(rid, (5, 6, 7), SamplingParams()), {}, None)  # noqa: E731
         for rid in ("a", "b"):
             assert (await place(rid))[0] == 0
-        assert _held(router) >= {"a", "b"}
+        assert router.held() >= {"a", "b"}
         rs.settle(0, "a")
         await place("c")  # carries a's settle: the next probe releases it, no Settle call made
-        await _until(lambda: "a" not in _held(router))
-        assert {"b", "c"} <= _held(router) and not settle_calls
+        await wait_until_async(lambda: "a" not in router.held())
+        assert {"b", "c"} <= router.held() and not settle_calls
         rs.settle(0, "b")
         rs.settle(0, "c")  # no Place follows: both go in one Settle call once SETTLE_WAIT_S has passed
         await asyncio.sleep(0.1)
-        assert {"b", "c"} <= _held(router) and not settle_calls
-        await _until(lambda: not _held(router) & {"b", "c"})
+        assert {"b", "c"} <= router.held() and not settle_calls
+        await wait_until_async(lambda: not router.held() & {"b", "c"})
         assert settle_calls == [["b", "c"]]
         await place("d")
         rs.settle(0, "d")
         await rs.close()  # what is due goes at close
         assert settle_calls[-1] == ["d"]
-        await _until(lambda: "d" not in _held(router))
+        await wait_until_async(lambda: "d" not in router.held())
 
     asyncio.run(go())
 
@@ -113,7 +102,7 @@ def test_a_failed_place_keeps_its_settles_due(router, monkeypatch):
         assert rs._unsettled.get(0) == ["x"]  # due again, not lost with the failed call
         # the router was dropped for the failure: its next client settles it at the next Place
         await rs.place(DispatchRequest("z", (5, 6, 7), SamplingParams()), {}, None)
-        await _until(lambda: "x" not in _held(router))
+        await wait_until_async(lambda: "x" not in router.held())
         await rs.close()
 
     asyncio.run(go())
