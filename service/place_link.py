@@ -30,7 +30,7 @@ from router import place_link as wire
 from router.client import PlacedRequest, RouterError, placed_from
 from router.protos import pb2
 from service.callback_link import CallbackLink, LinkSet
-from service.tcp_feed import FeedListener
+from service.tcp_feed import FeedListener, resolve
 
 LOST = "the router's place link closed"  # not one of a router's own UNAVAILABLE verdicts: the call fails over
 _STATUS = {sc.value[0]: sc for sc in grpc.StatusCode}
@@ -104,12 +104,8 @@ class PlaceLink(CallbackLink):
         if not isinstance(f[1], int):
             raise FrameError("an answer without its seq")
         answer = self._calls.pop(f[1], None)
-        if answer is None or answer.done():  # its caller left meanwhile
-            return
-        if isinstance(outcome, RouterError):
-            answer.set_exception(outcome)
-        else:
-            answer.set_result(outcome)
+        if answer is not None:  # (None: its caller left meanwhile)
+            resolve(answer, outcome)
 
     def end(self, error: BaseException) -> None:
         """The connection is gone (or never came): every call in flight fails over as from a dead router."""

@@ -34,7 +34,7 @@ from router.dispatch import WorkerDied
 from service.callback_link import CallbackLink, LinkSet
 from service.feed_base import actor_key
 from service.ray_items import failure
-from service.tcp_feed import FeedListener
+from service.tcp_feed import FeedListener, resolve
 
 
 class PrefillLink(CallbackLink):
@@ -122,12 +122,7 @@ class PrefillLink(CallbackLink):
         if isinstance(outcome, TransferTicket):
             raise prefill_wire.FrameError(f"a chunk frame for call {seq}, which is not streamed")
         del self._calls[seq]
-        if reply.done():
-            return
-        if isinstance(outcome, BaseException):
-            reply.set_exception(outcome)
-        else:
-            reply.set_result(outcome)
+        resolve(reply, outcome)
 
     def end(self, error: BaseException) -> None:
         """The connection is gone (or never came): every call in flight gets `error` (the worker's death)."""

@@ -69,6 +69,17 @@ class Link(Protocol):
         """The connection closed or reset: what its calls in flight get."""
 
 
+def resolve(reply: asyncio.Future, outcome) -> None:
+    """A call's answer from its peer into the caller's future: an exception is raised there, anything else returned;
+    nothing when the caller left meanwhile (the future is done)."""
+    if reply.done():
+        return
+    if isinstance(outcome, BaseException):
+        reply.set_exception(outcome)
+    else:
+        reply.set_result(outcome)
+
+
 class CalledBack:
     """A Link's wait for its worker's call: `attach` keeps the connection its HELLO claimed and sets `_attached`
     (created by the subclass with its loop); a link that ended meanwhile closes it at once."""
@@ -341,12 +352,8 @@ class TcpTokenFeed(CalledBack, TokenFeed):
     def answer(self, seq: int, outcome: Transferred | BaseException) -> None:
         """The worker's reply to an open (one whose caller left meanwhile: dropped)."""
         reply = self._opens.pop(seq, None)
-        if reply is None or reply.done():
-            return
-        if isinstance(outcome, BaseException):
-            reply.set_exception(outcome)
-        else:
-            reply.set_result(outcome)
+        if reply is not None:
+            resolve(reply, outcome)
 
     def end(self, error: BaseException) -> None:
         super().end(error)
