@@ -66,14 +66,9 @@ class FeedQueue:
                 WorkerDied(worker, f"its engine failed: {event.message}") if died else RuntimeError(event.message)
             )
             return
-        lane, waiter = self.lane, self._waiter
-        if lane is not None and waiter is not None and not waiter.done():  # its task waits: nothing queued before it
-            try:
-                if lane.offer(event):
-                    return
-            except Exception as e:  # noqa: BLE001 - the request's error (a render bug, a client gone): raised in its task
-                self.fail(e)
-                return
+        plain = event.token_id is not None and not event.finished and not event.prompt_logprobs
+        if plain and self.take_plain(event.token_id, event.logprob):  # (a Ray feed's event; the TCP feed's rows go
+            return  # to take_plain as their values)
         if len(self._events) >= self.limit:
             self._events.clear()  # nobody reads them: fail now, not after a backlog the client will never take
             self.fail(
@@ -88,8 +83,8 @@ class FeedQueue:
 
     def take_plain(self, token_id: int, logprob: float | None) -> bool:
         """A plain decode token given as its values (service.tcp_feed reads them off the frame) written to the client
-        by the request's lane if its task waits for it (-> True: taken, or the request failed with the lane's error);
-        else False and nothing changed: the caller `put`s it as its event."""
+        by the request's lane if its task waits for it, so nothing is queued before it (-> True: taken, or the request
+        failed with the lane's error); else False and nothing changed: the caller `put`s it as its event."""
         lane, waiter = self.lane, self._waiter
         if lane is None or waiter is None or waiter.done() or self._error is not None:
             return False

@@ -10,7 +10,7 @@ the replica). Here a plain token (a decode token: no finish, no prompt logprobs)
 through each layer's bookkeeping to the response's send, in the frame's own callback. It goes as its two values
 (`take`: the token id and its logprob), not as an event object: the TCP feed hands them from the frame's arrays
 (service.tcp_feed), and no layer builds its own event for it (a TokenEvent and a StreamEvent a token were ~3 us of the
-~24 us the replica spent on one); a Ray feed's events are taken the same way (`offer`).
+~24 us the replica spent on one); a Ray feed's plain events are taken the same way (`FeedQueue.put` -> `take_plain`).
 
 How: each layer fills in its part of the lane once the request's first token has passed it the usual way, and the
 lane takes a token only while every part is in and the request's task is parked waiting for its next event (so
@@ -62,9 +62,3 @@ class TokenLane:
         if chunk is not None:
             response.write_now(chunk)
         return True
-
-    def offer(self, ev) -> bool:
-        """`take` of an event (engine.execution.request.TokenEvent; a Ray feed's): only a plain one."""
-        if ev.token_id is None or ev.finished or ev.prompt_logprobs:
-            return False
-        return self.take(ev.token_id, ev.logprob)
