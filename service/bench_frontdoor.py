@@ -23,13 +23,14 @@ import re
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dsv4_kernels.settings import reload, settings
 from service.bench_serve import pct
 from service.benchmarks_md import BENCHMARKS_MD, markers, write_section
-from service.frontdoor_load import SERVICE, cpu_by_component, cpu_delta, env_by_component, run_level
+from service.frontdoor_load import CLIENTS, SERVICE, cpu_by_component, cpu_delta, env_by_component, run_level
 from service.frontdoor_runs import merge_runs, p99_at
 from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill, token_for
 
@@ -89,6 +90,21 @@ class LevelResult:
     prefill_feed: bool = False  # DSV4_PREFILL_FEED as the replicas read it (rows of older runs: the Ray call)
     link_prefills: int = 0  # the level's prefill calls that went over the prefill actor's link, not Ray
     link_places: int = 0  # the level's Place calls that went over a router's place link, not gRPC
+    client: str = "aiohttp"  # the load client (service.frontdoor_load.CLIENTS; rows of older runs: aiohttp)
+    error_kinds: dict = field(default_factory=dict)  # the 3 commonest error kinds (an error's text to its ':') -> count
+
+
+CLIENT_TEXT = {
+    "raw": "Load client: service.frontdoor_client (`--client raw`): a keep-alive HTTP/1.1 connection a stream, "
+    "each read stamped with time.time() as it arrives and kept raw, the SSE events parsed after the response (an event "
+    "is received when its last byte is).",
+    "aiohttp": "Load client: aiohttp (`--client aiohttp`): each SSE line read by its line reader, stamped and parsed "
+    "as it arrives.",
+}
+
+
+def _client(rows: list[LevelResult], args) -> str:
+    return rows[-1].client if rows else args.client
 
 
 def _feed_path(r: LevelResult | None) -> str:
@@ -202,15 +218,33 @@ def score(records, emits: dict, t0: float, t_end: float, max_tokens: int, letter
         added.extend(
             (got - sent[k]) * 1e3 for k, got in enumerate(r.recv) if 1 <= k < len(sent) and t0 <= sent[k] <= t_end
         )
+    kinds = Counter(r.error.split(":", 1)[0][:80] for r in records if r.error)
     return {
         "lost": lost,
         "disorder": disorder,
         "errors": errors,
+        "error_kinds": dict(kinds.most_common(3)),
         "in_window": in_window,
         "tokens": sum(len(r.text) for r in records),
         "p50": pct(added, 0.5),
         "p99": pct(added, 0.99),
     }
+
+
+def dump_level(path: str, replicas: int, streams: int, records, emits: dict, t0: float, t_end: float) -> None:
+    """--dump: one JSON line a level, every decode token emitted in the window as [emit time, added ms] (time.time()),
+    for reading the tail's shape: pauses that hit every stream at once (a collector pass, a process off its core)
+    show as runs of late tokens with nearby emit times, steady queueing as a wide spread."""
+    import json
+
+    tokens = [
+        (sent[k], round((got - sent[k]) * 1e3, 3))
+        for r in records
+        for k, got in enumerate(r.recv)
+        if 1 <= k < len(sent := emits.get(r.tag, [])) and t0 <= sent[k] <= t_end
+    ]
+    with open(path, "a") as f:
+        f.write(json.dumps({"replicas": replicas, "streams": streams, "tokens": sorted(tokens)}) + "\n")
 
 
 def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_id: int, first_tag: int) -> LevelResult:
@@ -222,12 +256,17 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
     _step_lag(handles)
     ramp = _ramp(args)
     before = cpu_by_component()
-    level = asyncio.run(run_level(url, streams, args.seconds, args.max_tokens, letter_id, first_tag, ramp))
+    level = asyncio.run(
+        run_level(url, streams, args.seconds, args.max_tokens, letter_id, first_tag, ramp, client=args.client)
+    )
     records, t0, t_end = level.records, level.t0, level.t_end
     cpu = cpu_delta(before, cpu_by_component())
     names = (*PROXY_SERVE_ENV, *REPLICA_SERVE_ENV, *HAPROXY_SERVE_ENV)
     serve_env = env_by_component(names, ("proxy", "haproxy", "ingress"))
-    s = score(records, _emits(handles), t0, t_end, args.max_tokens, letter_id)
+    emits = _emits(handles)
+    s = score(records, emits, t0, t_end, args.max_tokens, letter_id)
+    if args.dump:
+        dump_level(args.dump, replicas, streams, records, emits, t0, t_end)
     service_cpu = sum(cpu.get(k, 0.0) for k in SERVICE)
     return LevelResult(
         replicas,
@@ -253,6 +292,8 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
         prefill_feed=settings().prefill_feed and settings().token_feed and settings().token_feed_transport == "tcp",
         link_prefills=sum(ray.get([h.take_link_prefills.remote() for h in handles["prefill"].values()])),
         link_places=sum(ray.get([r.take_link_places.remote() for r in handles["routers"]])),
+        client=args.client,
+        error_kinds=s["error_kinds"],
     )
 
 
@@ -422,7 +463,8 @@ def report(rows: list[LevelResult], args, command: str, other: list[LevelResult]
         "tokens received in the window, the latency columns the decode tokens emitted in it. Added latency: client "
         "receive time minus the synthetic worker's emit time (same host clock), raw: it includes the load client's "
         "own delay (its loop runs on the same 2 cores; its loop lag p99, how late a 2 ms sleep of its loop woke, is "
-        "the client lag column, an upper bound of its share in the tail). Step lag: how late the synthetic workers' "
+        f"the client lag column, an upper bound of its share in the tail). {CLIENT_TEXT[_client(rows, args)]} "
+        "Step lag: how late the synthetic workers' "
         "step clock ran against its due times (not in the added latency: a token's emit time is stamped as it "
         "leaves, but fewer steps then run). CPU: user + system of the service's processes (router, ingress replicas, "
         "Serve proxy or HAProxy and its manager, Serve controller, raylet + GCS) per 1K tokens received; the top "
@@ -442,6 +484,17 @@ def report(rows: list[LevelResult], args, command: str, other: list[LevelResult]
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if repeated else ""),
     ]
     lines += [_row_line(r) for r in rows]
+    failed = [r for r in rows if r.error_kinds]
+    if failed:
+        lines += [
+            "",
+            "Errors by kind: "
+            + "; ".join(
+                f"{r.replicas} x {r.streams}: " + ", ".join(f"{k} ({n})" for k, n in r.error_kinds.items())
+                for r in failed
+            )
+            + ".",
+        ]
     lines += [
         "",
         "Ceiling (max delivered tok/s): "
@@ -517,6 +570,13 @@ def add_bench_frontdoor_args(p: argparse.ArgumentParser) -> None:
         help="the clients start one by one over this long before each level's window (default: one request's "
         "duration, max tokens / token rate)",
     )
+    p.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="raw",
+        help="the load client: raw (service.frontdoor_client: bytes stamped as they arrive, parsed after the "
+        "response) or aiohttp (a line reader and a parse a chunk as it arrives; the client shares the 2 cores)",
+    )
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--routers", type=int, default=2, help="router replicas (placement only)")
     p.add_argument("--growth", type=float, default=0.05, help="a level must raise throughput by this fraction")
@@ -544,4 +604,10 @@ def add_bench_frontdoor_args(p: argparse.ArgumentParser) -> None:
         "states its ceilings and latency beside this run's",
     )
     p.add_argument("--write", action="store_true", help="write the table to BENCHMARKS.md (section frontdoor)")
+    p.add_argument(
+        "--dump",
+        default=None,
+        metavar="PATH",
+        help="append each level's decode tokens as [emit time, added ms] to this JSON-lines file (the tail's shape)",
+    )
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)

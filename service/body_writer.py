@@ -18,6 +18,7 @@ as None (a connection cannot be written from elsewhere), and the replica's respo
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 BODY_WRITER = "dsv4.body_writer"  # the scope["extensions"] key
@@ -25,12 +26,14 @@ BODY_WRITER = "dsv4.body_writer"  # the scope["extensions"] key
 
 class BodyWriter:
     """One request's response body written to its connection (module docstring); `cycle` is uvicorn's
-    RequestResponseCycle of the request (httptools protocol)."""
+    RequestResponseCycle of the request (httptools protocol), held weakly: the cycle's scope holds this writer, and a
+    strong reference back would make every request a reference cycle that only the cycle collector frees (its passes
+    walk every in-flight request's objects: the token path's latency tail, BENCHMARKS frontdoor)."""
 
     __slots__ = ("_cycle",)
 
     def __init__(self, cycle):
-        self._cycle = cycle
+        self._cycle = weakref.ref(cycle)
 
     def __reduce__(self):
         return _nothing, ()  # pickled (Serve's proxy -> a replica) or copied: None there (module docstring)
@@ -39,8 +42,8 @@ class BodyWriter:
         """Write one non-empty, non-final body chunk now (-> True), as uvicorn's send would for a body message
         with more_body; False, and nothing written, when the send must go the ASGI way: the headers are not out
         (or not chunked), the response is over, the client left, or the transport asks us to wait."""
-        c = self._cycle
-        if c.flow.write_paused or c.disconnected or c.response_complete or not c.response_started:
+        c = self._cycle()
+        if c is None or c.flow.write_paused or c.disconnected or c.response_complete or not c.response_started:
             return False
         if not c.chunked_encoding or c.scope["method"] == "HEAD":  # what uvicorn's send writes then differs
             return False

@@ -17,6 +17,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 # process title prefix -> component; order matters (first match)
 COMPONENTS = (
@@ -81,6 +82,34 @@ async def _one(session, url: str, prompt: list[int], max_tokens: int) -> StreamR
     return StreamRecord(tuple(prompt), "".join(text), tuple(recv))
 
 
+async def _one_raw(client, prompt: list[int], max_tokens: int) -> StreamRecord:
+    """`_one` on the lean client (service.frontdoor_client): the same record, the events parsed after the response."""
+    from service.frontdoor_client import sse_events, status_of
+
+    body = {"model": "dsv4", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    text: list[str] = []
+    recv: list[float] = []
+    try:
+        resp = await client.post_json("/v1/completions", body)
+        if (status := status_of(resp)) != 200:
+            return StreamRecord(tuple(prompt), "", (), f"HTTP {status}")
+        for event in sse_events(resp):
+            if event.payload == b"[DONE]":
+                continue
+            chunk = json.loads(event.payload)
+            if "error" in chunk:
+                return StreamRecord(tuple(prompt), "".join(text), tuple(recv), str(chunk["error"]))
+            piece = chunk["choices"][0].get("text") or ""
+            text.append(piece)
+            recv.extend([event.t] * len(piece))
+    except Exception as e:  # noqa: BLE001 - recorded as this stream's error
+        return StreamRecord(tuple(prompt), "".join(text), tuple(recv), f"{type(e).__name__}: {e}")
+    return StreamRecord(tuple(prompt), "".join(text), tuple(recv))
+
+
+CLIENTS = ("raw", "aiohttp")
+
+
 async def run_level(
     base_url: str,
     streams: int,
@@ -89,6 +118,7 @@ async def run_level(
     letter_id: int,
     first_tag: int,
     ramp_s: float = 0.0,
+    client: str = "raw",
 ) -> Level:
     """`streams` clients loop requests until `seconds` pass (in-flight ones finish).
 
@@ -96,12 +126,20 @@ async def run_level(
     loop clients with equal requests that start at once stay in step: every request of a level ends on one engine
     step and all are sent again at once, a burst of new requests on the ingress every request's duration (measured:
     100-200 ms episodes of 15-90 ms per token every 0.8 s at 32 streams) that steady traffic does not have. Spread over
-    one request's duration, their starts stay spread."""
+    one request's duration, their starts stay spread.
+
+    client: "raw" (service.frontdoor_client: a keep-alive connection a client, bytes stamped as they arrive, parsed
+    after each response) or "aiohttp" (its line reader, a chunk parsed as it arrives: ~10x the client's CPU)."""
     import aiohttp  # a dependency of Ray Serve
 
+    from service.frontdoor_client import StreamingClient
+
+    if client not in CLIENTS:
+        raise ValueError(f"client must be one of {CLIENTS}, got {client!r}")
     records: list[StreamRecord] = []
     counter = iter(range(first_tag, first_tag + 10**7))
     url = f"{base_url}/v1/completions"
+    host, port = urlsplit(base_url).hostname or "127.0.0.1", urlsplit(base_url).port or 80
     connector = aiohttp.TCPConnector(limit=streams + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
         start = time.time()
@@ -110,8 +148,17 @@ async def run_level(
 
         async def loop(i: int):
             await asyncio.sleep(start + ramp_s * i / streams - time.time())
-            while time.time() < deadline:
-                records.append(await _one(session, url, tag_prompt(next(counter), letter_id), max_tokens))
+            raw = StreamingClient(host, port) if client == "raw" else None
+            try:
+                while time.time() < deadline:
+                    prompt = tag_prompt(next(counter), letter_id)
+                    if raw is not None:
+                        records.append(await _one_raw(raw, prompt, max_tokens))
+                    else:
+                        records.append(await _one(session, url, prompt, max_tokens))
+            finally:
+                if raw is not None:
+                    raw.close()
 
         lag: list[float] = []
         ticker = asyncio.create_task(_loop_lag(lag))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections import Counter
 from typing import Any
 
 _MEDIANS = (
@@ -41,6 +42,10 @@ def merge_runs(runs: list[list[Any]]) -> list[Any]:
             k: statistics.median(r.cpu_by_component.get(k, 0.0) for r in same) for k in sorted(keys)
         }
         values["p99_runs"] = tuple(r.added_ms_p99 for r in same)
+        kinds: Counter = Counter()
+        for r in same:
+            kinds.update(r.error_kinds)
+        values["error_kinds"] = dict(kinds.most_common(3))
         merged.append(dataclasses.replace(first, **values))
     return merged
 

@@ -470,7 +470,7 @@ class CompletionRender:
 
     def __init__(self, req: CompletionRequest, model: str, token_str):
         self.req, self.model, self.token_str, self.offset = req, model, token_str, 0
-        self.texts = TextEvents(lambda job, _: self._chunk(job, TEXT_MARK))  # text-only chunks, pre-rendered
+        self.texts = TextEvents(self._text_chunk)  # text-only chunks, pre-rendered
 
     def response(self, job) -> CompletionResponse:
         req = self.req
@@ -486,6 +486,9 @@ class CompletionRender:
             prompt_token_ids=job.prompt_ids if req.return_token_ids else None,
         )
         return CompletionResponse(id=job.rid, model=self.model, choices=[choice], usage=job.usage())
+
+    def _text_chunk(self, job, _field: str) -> CompletionStreamResponse:
+        return self._chunk(job, TEXT_MARK)
 
     def _chunk(self, job, text: str, **kw) -> CompletionStreamResponse:
         return CompletionStreamResponse(
@@ -539,7 +542,7 @@ class ChatRender:
     def __init__(self, req: ChatCompletionRequest, model: str, token_str):
         self.req, self.model, self.token_str = req, model, token_str
         # chunks whose delta has one text field only (content; reasoning_content in V4 chat), pre-rendered
-        self.texts = TextEvents(lambda job, field: self._chunk(job, DeltaMessage.model_validate({field: TEXT_MARK})))
+        self.texts = TextEvents(self._text_chunk)
 
     def response(self, job) -> ChatCompletionResponse:
         req = self.req
@@ -559,6 +562,9 @@ class ChatRender:
             usage=job.usage(),
             prompt_token_ids=job.prompt_ids if req.return_token_ids else None,
         )
+
+    def _text_chunk(self, job, field: str) -> ChatCompletionStreamResponse:
+        return self._chunk(job, DeltaMessage.model_validate({field: TEXT_MARK}))
 
     def _chunk(self, job, delta: DeltaMessage, **kw) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from collections.abc import Callable
 
 from pydantic import BaseModel
@@ -44,13 +45,18 @@ class TextEvents:
     """One streamed response's text-only chunks (a `TextChunk` a text field, made on first use) as SSE bytes."""
 
     def __init__(self, build: Callable[[object, str], BaseModel]):
-        """build(job, field): the response's chunk with TEXT_MARK as that field's text."""
-        self._build = build
+        """build(job, field): the response's chunk with TEXT_MARK as that field's text; a bound method of the render
+        that owns these chunks, held weakly (a strong one would make each response a reference cycle, freed only by
+        the cycle collector, whose passes walk every in-flight request: the token path's latency tail)."""
+        self._build = weakref.WeakMethod(build)  # type: ignore[arg-type]
         self._chunks: dict[str, TextChunk] = {}
 
     def __call__(self, job, field: str, text: str) -> bytes:
         chunk = self._chunks.get(field)
         if chunk is None:
-            model = self._build(job, field).model_copy(update={"created": CREATED_MARK})
+            build = self._build()
+            if build is None:
+                raise RuntimeError("TextEvents outlived the render that owns it")
+            model = build(job, field).model_copy(update={"created": CREATED_MARK})
             chunk = self._chunks[field] = TextChunk(model)
         return chunk(text)

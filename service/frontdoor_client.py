@@ -1,0 +1,197 @@
+"""The frontdoor bench's lean streaming client: raw HTTP/1.1 over an asyncio Protocol, parsed after the response.
+
+Why not aiohttp: the load client shares the bench machine's 2 cores with the service it measures, and every receive
+time it stamps includes its own delay. aiohttp's line reader plus a json.loads a chunk cost the client ~10x the CPU
+of stamping and keeping the bytes, so the client both slows the service (a core it takes) and inflates the latency it
+reports (a loop that runs late). This client's hot path is `data_received`: one time.time(), one bytearray append.
+The chunked framing and the SSE events are parsed when the response is over, each event stamped with the arrival of
+the bytes that completed it, as a wrk-style load generator would. A keep-alive connection per client, reopened when
+the server closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import time
+from dataclasses import dataclass
+
+LAST_CHUNK = b"\r\n0\r\n\r\n"  # a chunked body's end (after headers or a chunk's CRLF); JSON in SSE escapes CR/LF
+
+
+@dataclass(frozen=True)
+class RawResponse:
+    """One response's bytes as they arrived: `data` the whole response (head included), `marks[i] = (end, t)` the
+    bytes data[:end] had arrived at time.time() t."""
+
+    data: bytes
+    marks: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class SSEEvent:
+    """One `data:` event of an SSE body: its payload (after "data: ") and when its last byte arrived."""
+
+    payload: bytes
+    t: float
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection: a request at a time; the response's bytes and arrival times kept raw."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.marks: list[tuple[int, float]] = []
+        self.done: asyncio.Future | None = None
+        self.lost = False
+        self._head_end = -1
+        self._length = -1  # Content-Length of a non-chunked response; -1: chunked or not known yet
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        now = time.time()
+        self.buf += data
+        self.marks.append((len(self.buf), now))
+        if self.done is not None and not self.done.done() and self._complete():
+            self.done.set_result(None)
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        if self.done is not None and not self.done.done():
+            if self._head_end >= 0 and self._length < 0 and not self.buf.endswith(LAST_CHUNK):
+                # a close-delimited or cut response: an error if it was chunked and unfinished
+                self.done.set_exception(ConnectionError("connection closed mid-response"))
+            else:
+                self.done.set_result(None)
+
+    def _complete(self) -> bool:
+        if self._head_end < 0:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return False
+            self._head_end = end + 4
+            head = bytes(self.buf[: self._head_end]).lower()
+            if b"transfer-encoding: chunked" not in head:
+                self._length = _content_length(head)
+        if self._length >= 0:
+            return len(self.buf) >= self._head_end + self._length
+        return self.buf.endswith(LAST_CHUNK)
+
+    async def request(self, raw: bytes) -> RawResponse:
+        assert self.transport is not None
+        self.buf, self.marks, self._head_end, self._length = bytearray(), [], -1, -1
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        await self.done
+        return RawResponse(bytes(self.buf), tuple(self.marks))
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 0
+
+
+class StreamingClient:
+    """A client's connection to host:port, opened on first use and again after the server closes it."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._conn: _Connection | None = None
+
+    async def post_json(self, path: str, body: dict) -> RawResponse:
+        """POST `body` as JSON; the response as it arrived. A kept-alive connection that the server closed before
+        answering a byte (HAProxy's old process closes its idle connections when it reloads) is retried once on a
+        new connection, as HTTP clients do with a stale connection."""
+        payload = json.dumps(body).encode()
+        raw = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n"
+        ).encode() + payload
+        reused = self._conn is not None and not self._conn.lost
+        resp = await self._send(raw)
+        if not resp.data and reused:
+            resp = await self._send(raw)
+        return resp
+
+    async def _send(self, raw: bytes) -> RawResponse:
+        if self._conn is None or self._conn.lost:
+            loop = asyncio.get_running_loop()
+            _, self._conn = await loop.create_connection(_Connection, self.host, self.port)
+        try:
+            return await self._conn.request(raw)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.close()
+        self._conn = None
+
+
+def status_of(resp: RawResponse) -> int:
+    """The response's HTTP status code (ConnectionError if none came, ValueError on a malformed status line)."""
+    if not resp.data:
+        raise ConnectionError("the connection closed before any response byte")
+    line = resp.data.split(b"\r\n", 1)[0].split(b" ")
+    if len(line) < 2 or not line[0].startswith(b"HTTP/"):
+        raise ValueError(f"not an HTTP status line: {resp.data[:40]!r}")
+    return int(line[1])
+
+
+def sse_events(resp: RawResponse) -> list[SSEEvent]:
+    """The `data:` events of a response's SSE body (chunked or not), each stamped with the arrival of its last byte."""
+    data = resp.data
+    head_end = data.find(b"\r\n\r\n") + 4
+    if head_end < 4:
+        return []
+    body, raw_at = (
+        _dechunk(data, head_end)
+        if b"transfer-encoding: chunked" in data[:head_end].lower()
+        else (
+            data[head_end:],
+            [(0, head_end, len(data) - head_end)],
+        )
+    )
+    ends = [m[0] for m in resp.marks]
+    events: list[SSEEvent] = []
+    start = 0
+    while (stop := body.find(b"\n\n", start)) >= 0:
+        for line in body[start:stop].split(b"\n"):
+            if line.startswith(b"data: "):
+                raw_end = _raw_offset(raw_at, stop + 1) + 1  # the event's "\n\n" arrived with its second byte
+                events.append(SSEEvent(line[6:], resp.marks[bisect.bisect_left(ends, raw_end)][1]))
+        start = stop + 2
+    return events
+
+
+def _dechunk(data: bytes, pos: int) -> tuple[bytes, list[tuple[int, int, int]]]:
+    """A chunked body's bytes and its segments (body offset, raw offset, size)."""
+    parts: list[bytes] = []
+    segments: list[tuple[int, int, int]] = []
+    size_total = 0
+    while True:
+        eol = data.find(b"\r\n", pos)
+        if eol < 0:
+            break
+        size = int(data[pos:eol].split(b";", 1)[0], 16)
+        if size == 0:
+            break
+        parts.append(data[eol + 2 : eol + 2 + size])
+        segments.append((size_total, eol + 2, size))
+        size_total += size
+        pos = eol + 2 + size + 2
+    return b"".join(parts), segments
+
+
+def _raw_offset(segments: list[tuple[int, int, int]], body_offset: int) -> int:
+    """Where body byte `body_offset` sits in the raw response."""
+    i = bisect.bisect_right([s[0] for s in segments], body_offset) - 1
+    body_start, raw_start, _ = segments[i]
+    return raw_start + body_offset - body_start
