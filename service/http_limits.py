@@ -187,11 +187,12 @@ def proxy_callback() -> list:
     with the limits of this process's environment; no middlewares (-> []). Also freezes what the proxy has loaded so
     far out of the collector's reach (as the ingress replicas do, service.serve_ingress: a full collection walking
     it stalls every stream going through this proxy)."""
-    import gc
-
     from uvicorn import config
 
-    gc.freeze()
+    from engine.runtime import gc_pauses
+
+    gc_pauses.freeze_startup_heap()
+    gc_pauses.watch_pauses("proxy")
 
     try:
         import httptools  # noqa: F401 - uvicorn's "auto" would run h11 without it

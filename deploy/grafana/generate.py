@@ -148,6 +148,12 @@ WORKERS = ("dsv4-workers", "dsv4 / Load per role and worker", [
      [(f"min by (role, worker, path) (dsv4_fast_path_active{{{WORKER}}})", "{{role}} {{worker}} {{path}}")]),
     ("Kernel compiles while serving (each stalls its step for seconds)", "ops",
      [(zero_if_absent(rate("dsv4_kernel_compiles_total", WORKER, "role, worker")), "{{role}} {{worker}}")]),
+    # Python's cycle collector (engine.runtime.gc_pauses): each pass pauses its whole process (a worker's step, every
+    # stream of a replica); long passes or frequent young ones = a start-up heap not frozen or requests in cycles
+    ("Collector pause p99 by process kind and generation", "s",
+     [(quantile(0.99, "dsv4_gc_pause_seconds", NS, "component, generation"), "{{component}} gen{{generation}}")]),
+    ("Collector pause time per second (share of a core paused)", "percentunit",
+     [(rate("dsv4_gc_pause_seconds_sum", NS, "component"), "{{component}}")]),
 ])
 
 

@@ -14,6 +14,7 @@ from typing import Protocol
 from engine.execution.tp_executor import release_followers
 from engine.handoff import PrefixDigest, WorkerSignals, WorkerStats
 from engine.loading.load import load_engine
+from engine.runtime import gc_pauses
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.health import HealthOptions, LoopWatchdog
 from engine.runtime.rank_worker import split_engine_options
@@ -94,6 +95,11 @@ class WorkerBase:
             if self.health.exit_on_failure
             else None
         )
+        # Warm now: what the process holds (torch, Ray, the engine) never becomes garbage; a full collection walking it
+        # would stall the engine thread's step ~100 ms (engine.runtime.gc_pauses). Only in a process of its own.
+        if gc_pauses.in_own_process():
+            gc_pauses.freeze_startup_heap()
+        gc_pauses.watch_pauses(self.role)
 
     def attach_backend(self, backend: ClosingBackend) -> None:
         self.backend = backend

@@ -42,6 +42,12 @@ ITL = Histogram(
     ("model_name",),
     buckets=LATENCY_BUCKETS,
 )
+GC_PAUSE = Histogram(
+    "dsv4_gc_pause_seconds",
+    "Python cycle-collector passes (a pause of the whole process) by component and generation",
+    ("component", "generation"),
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+)
 E2E = Histogram("dsv4_e2e_request_latency_seconds", "Arrival to last token", ("model_name",), buckets=LATENCY_BUCKETS)
 DECODE_TIME = Histogram(
     "dsv4_decode_time_seconds", "Decode phase: caches arrived to last token", WORKER, buckets=LATENCY_BUCKETS

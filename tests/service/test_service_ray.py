@@ -195,6 +195,11 @@ def test_metrics_every_stage_from_one_url(service):
         assert total(values, metric) > 0, metric
     roles = {k for k in values if k.startswith("dsv4_kv_cache_usage_ratio{")}
     assert any('role="prefill"' in k for k in roles) and any('role="decode"' in k for k in roles)
+    # every collector pass of the workers and the router, timed (engine.runtime.gc_pauses): young passes come
+    # every few hundred allocations, so requests made some in each
+    pauses = {k for k, v in values.items() if k.startswith("dsv4_gc_pause_seconds_count{") and v > 0}
+    for component in ("prefill", "decode", "router"):
+        assert any(f'component="{component}"' in k for k in pauses), (component, sorted(pauses))
 
 
 def test_killed_prefill_worker_mid_load(service):
