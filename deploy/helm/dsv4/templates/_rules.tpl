@@ -51,6 +51,19 @@ groups:
           description: >-
             Kernels compiled in a serving step after the start-up warm-up, each stalling its step (and every request
             in it) for seconds: a shape the warm-up does not cover. The worker's log names the kernels.
+      - alert: Dsv4CollectorPausesLong
+        expr: >-
+          histogram_quantile(0.99, sum by (namespace, component, le)
+          (rate(dsv4_gc_pause_seconds_bucket[15m]))) > {{ $r.gcPauseP99Seconds }}
+        for: {{ $r.for }}
+        labels:
+          {{ $sev }}: warning
+        annotations:
+          summary: {{ `p99 Python collector pause of the {{ $labels.component }} processes in {{ $labels.namespace }} is {{ $value | humanizeDuration }}` | quote }}
+          description: >-
+            Each collector pass pauses its whole process: a worker's step, or every stream of an ingress replica,
+            router or proxy. Passes this long mean objects that are never garbage left in the collector's walks (a
+            start-up heap not frozen) or request objects in reference cycles (engine.runtime.gc_pauses).
       - alert: Dsv4KVTransferFailures
         expr: >-
           sum by (namespace) (rate(dsv4_kv_transfer_failures_total[5m]))
