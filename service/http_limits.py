@@ -191,7 +191,7 @@ def proxy_callback() -> list:
 
     from engine.runtime import gc_pauses
 
-    gc_pauses.freeze_startup_heap()
+    gc_pauses.freeze_startup_heap("proxy")
     gc_pauses.watch_pauses("proxy")
 
     try:

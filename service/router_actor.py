@@ -85,7 +85,7 @@ class RouterActor:
             # What the router holds from here on (Ray, gRPC, the policy) is never garbage; left in the oldest
             # generation, a full collection walks it all: 100-224 ms on the 2-core box (bench frontdoor, 32
             # streams), a core taken from the token path's processes. As the ingress replicas (service.serve_ingress).
-            gc_pauses.freeze_startup_heap()
+            gc_pauses.freeze_startup_heap("router")
             gc_pauses.watch_pauses("router")
             if self.supervisor is not None:
                 self._supervising = asyncio.get_running_loop().create_task(self.supervisor.run())

@@ -79,7 +79,7 @@ class OpenAIIngress:
         # What the replica holds from here on (Ray, Serve, FastAPI, the tokenizer: ~260K objects) never becomes
         # garbage; left in the collector's oldest generation, every full collection walks all of it (50-240 ms on the
         # 2-core box, a stall every stream of the replica waits out: the token path's latency tail).
-        gc_pauses.freeze_startup_heap()
+        gc_pauses.freeze_startup_heap("ingress")
         gc_pauses.watch_pauses("ingress")
         # Young collections: with the default 700 the replica collected ~12 times a second at 1600 tok/s, every tenth
         # a gen-1 pass of 3-5 ms that each stream's next token waits out; at 10,000 none ran in a 6 s level at 32

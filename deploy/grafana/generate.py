@@ -154,6 +154,8 @@ WORKERS = ("dsv4-workers", "dsv4 / Load per role and worker", [
      [(quantile(0.99, "dsv4_gc_pause_seconds", NS, "component, generation"), "{{component}} gen{{generation}}")]),
     ("Collector pause time per second (share of a core paused)", "percentunit",
      [(rate("dsv4_gc_pause_seconds_sum", NS, "component"), "{{component}}")]),
+    ("Objects frozen out of the collector's walks at start-up (0 = never frozen)", "short",
+     [(f"max by (component) (dsv4_gc_frozen_objects{{{NS}}})", "{{component}}")]),
 ])
 
 

@@ -98,7 +98,7 @@ class WorkerBase:
         # Warm now: what the process holds (torch, Ray, the engine) never becomes garbage; a full collection walking it
         # would stall the engine thread's step ~100 ms (engine.runtime.gc_pauses). Only in a process of its own.
         if gc_pauses.in_own_process():
-            gc_pauses.freeze_startup_heap()
+            gc_pauses.freeze_startup_heap(self.role)
         gc_pauses.watch_pauses(self.role)
 
     def attach_backend(self, backend: ClosingBackend) -> None:

@@ -48,6 +48,12 @@ GC_PAUSE = Histogram(
     ("component", "generation"),
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
 )
+GC_FROZEN = Gauge(
+    "dsv4_gc_frozen_objects",
+    "Objects frozen out of the cycle collector's walks once the process was warm (0: never frozen)",
+    ("component",),
+    multiprocess_mode="max",
+)
 E2E = Histogram("dsv4_e2e_request_latency_seconds", "Arrival to last token", ("model_name",), buckets=LATENCY_BUCKETS)
 DECODE_TIME = Histogram(
     "dsv4_decode_time_seconds", "Decode phase: caches arrived to last token", WORKER, buckets=LATENCY_BUCKETS

@@ -44,11 +44,13 @@ def test_the_frozen_heap_is_left_out_of_every_pass():
         kept = [[i] for i in range(1000)]  # start-up state: never garbage
         marker = kept[-1]
         assert any(o is marker for o in gc.get_objects())
-        frozen = gc_pauses.freeze_startup_heap()
+        frozen = gc_pauses.freeze_startup_heap("test-freeze")
         assert frozen >= 1000, frozen
         assert not any(o is marker for o in gc.get_objects())  # no generation holds it: no pass walks it
         made_later = [1]
         assert any(o is made_later for o in gc.get_objects())  # what comes after is collected as before
+        from prometheus_client import REGISTRY
+        assert REGISTRY.get_sample_value("dsv4_gc_frozen_objects", {"component": "test-freeze"}) == frozen
         print("ok", frozen)
         """
     )

@@ -200,6 +200,8 @@ def test_metrics_every_stage_from_one_url(service):
     pauses = {k for k, v in values.items() if k.startswith("dsv4_gc_pause_seconds_count{") and v > 0}
     for component in ("prefill", "decode", "router"):
         assert any(f'component="{component}"' in k for k in pauses), (component, sorted(pauses))
+        # ... and froze its warm heap: an actor's process is its own (gc_pauses.in_own_process)
+        assert values.get(f'dsv4_gc_frozen_objects{{component="{component}"}}', 0) > 10_000, component
 
 
 def test_killed_prefill_worker_mid_load(service):
