@@ -48,7 +48,7 @@ class TextEvents:
         """build(job, field): the response's chunk with TEXT_MARK as that field's text; a bound method of the render
         that owns these chunks, held weakly (a strong one would make each response a reference cycle, freed only by
         the cycle collector, whose passes walk every in-flight request: the token path's latency tail)."""
-        self._build = weakref.WeakMethod(build)  # type: ignore[arg-type]
+        self._build = weakref.WeakMethod(build)
         self._chunks: dict[str, TextChunk] = {}
 
     def __call__(self, job, field: str, text: str) -> bytes:
