@@ -42,8 +42,8 @@ from engine.execution.request import TokenEvent
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
 from engine.runtime import frames
-from engine.runtime.engine_loop import LoopStopped, StepFailed
 from engine.runtime.frames import FRAME_MAX, HELLO, HELLO_MAX, FrameError, Frames, frame  # noqa: F401 - re-exported
+from engine.runtime.loop_errors import LoopStopped, StepFailed
 from kv_transfer.outcomes import PullCancelled, ReadInFlight, TransferError, TransferTimeout
 
 BATCH, END, RENEW = "b", "e", "r"

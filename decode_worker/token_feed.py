@@ -28,7 +28,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from engine.runtime.engine_loop import AsyncSink, LoopStopped
+from engine.runtime.async_sink import AsyncSink
+from engine.runtime.loop_errors import LoopStopped
 
 
 class FeedUnknown(Exception):

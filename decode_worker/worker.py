@@ -29,8 +29,9 @@ from dsv4_kernels.settings import settings
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred
 from engine.model.allocator import OutOfPages
-from engine.runtime.engine_loop import AsyncSink, LoopStopped
+from engine.runtime.async_sink import AsyncSink
 from engine.runtime.health import HealthOptions
+from engine.runtime.loop_errors import LoopStopped
 from engine.runtime.worker_base import WorkerBase
 from engine.telemetry import metrics
 from kv_transfer.base import ReadInFlight, TransferBackend, TransferError, TransferTimeout, attached_backend
@@ -111,9 +112,9 @@ class DecodeWorker(WorkerBase):
         self._stream_sweeper: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
         # seconds: each pull's whole time here (thread hand-off included); pull_seconds: inside the backend's pull;
-        # wire_seconds: its data movement alone; scatter_seconds: staged pulls' scatter (kv_transfer.TransferStats),
-        # queued on the engine thread in the join (not part of pull_seconds; in it for a backend that scatters
-        # itself). The finer parts (TRANSFER_PARTS) say where each of those went.
+        # wire_seconds: its data movement alone; scatter_seconds: staged pulls' scatter
+        # (kv_transfer.outcomes.TransferStats), queued on the engine thread in the join (not part of pull_seconds; in
+        # it for a backend that scatters itself). The finer parts (TRANSFER_PARTS) say where each of those went.
         self.transfer_totals = {
             "bytes": 0,
             "seconds": 0.0,

@@ -1,26 +1,7 @@
 """Prefill -> decode KV-cache transfer: a pure-Python page plan and two backends ("nixl", "tcp").
 
-See kv_transfer.base for the request flow and page ownership rules.
+See kv_transfer.base for the request flow and page ownership rules. Import each name from its module
+(`kv_transfer.registry`: `make_backend`, `TRANSFER_CHOICES`; `kv_transfer.plan`; `kv_transfer.outcomes`: the errors
+and `TransferStats`). Nothing is imported here: the backends and the plan need torch, and processes that only read
+a pull's outcome (the HTTP ingress replica: `TransferError` through decode_worker.feed_wire) must not import it.
 """
-
-from engine.handoff import TransferTicket
-from kv_transfer.base import TransferBackend, TransferError, TransferStats, TransferTimeout
-from kv_transfer.plan import ByteRange, GroupPlan, TransferPlan, build_plan, layout_fingerprint
-from kv_transfer.registry import BACKENDS, TRANSFER_CHOICES, make_backend, resolve_name
-
-__all__ = [
-    "BACKENDS",
-    "ByteRange",
-    "GroupPlan",
-    "TRANSFER_CHOICES",
-    "TransferBackend",
-    "TransferError",
-    "TransferPlan",
-    "TransferStats",
-    "TransferTicket",
-    "TransferTimeout",
-    "build_plan",
-    "layout_fingerprint",
-    "make_backend",
-    "resolve_name",
-]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib
-import socket
 
 from engine.model.cache import CachePool
 from kv_transfer.base import TransferBackend
+from kv_transfer.node_address import node_address
 
 # "tcp" is the dependency-free fallback: stdlib sockets work between any two hosts (unlike shared memory) and
 # need nothing beyond Python, which is also why it is the reference the NIXL results are compared against.
@@ -43,17 +43,6 @@ def network_options(name: str, host: str | None = None, token: str | None = None
     if host == "node":
         host = node_address()
     return {k: v for k, v in (("host", host), ("token", token)) if v}
-
-
-def node_address() -> str:
-    """This host's address on the cluster network: the source address of the default route (a UDP connect
-    sends nothing), as Ray finds its node IP; the hostname's address if there is no route."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
 
 
 def make_backend(name: str, pool: CachePool, **kwargs) -> TransferBackend:

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import PrefillResult, TransferTicket
 from engine.runtime import frames
-from engine.runtime.engine_loop import LoopStopped, StepFailed
 from engine.runtime.frames import FrameError, frame
+from engine.runtime.loop_errors import LoopStopped, StepFailed
 
 PREFILL, PREFILLED, REFUSED, CANCEL = "p", "d", "n", "x"
 STREAM, CHUNK = "s", "c"

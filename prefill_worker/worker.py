@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import PrefillResult, TransferTicket
-from engine.runtime.engine_loop import AsyncSink, LoopStopped
+from engine.runtime.async_sink import AsyncSink
 from engine.runtime.health import HealthOptions
+from engine.runtime.loop_errors import LoopStopped
 from engine.runtime.worker_base import WorkerBase
 from engine.telemetry import metrics
 from kv_transfer.base import ABORTED, TransferBackend, attached_backend, release_kind

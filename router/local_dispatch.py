@@ -25,7 +25,9 @@ from collections.abc import AsyncGenerator, Callable
 from engine.execution.request import TokenEvent
 from engine.execution.runner import EngineCore
 from engine.handoff import PrefixDigest
-from engine.runtime.engine_loop import AsyncSink, EngineLoop, LoopStopped
+from engine.runtime.async_sink import AsyncSink
+from engine.runtime.engine_loop import EngineLoop
+from engine.runtime.loop_errors import LoopStopped
 from engine.telemetry import metrics
 from engine.telemetry.compile_watch import CompileWatch, install_variant_log, note_slow_step
 from router.dispatch import DispatchRequest, WorkerDied, WorkerInfo

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from engine.loading.load import load_engine  # noqa: E402
 from engine.execution.sampling_params import SamplingParams  # noqa: E402
-from kv_transfer import make_backend  # noqa: E402
+from kv_transfer.registry import make_backend  # noqa: E402
 from service.benchmarks_md import write_section  # noqa: E402
 
 FIRST = SamplingParams(max_new_tokens=1, ignore_eos=True)

@@ -29,7 +29,7 @@ from decode_worker.token_feed import Feeds, FeedUnknown
 from dsv4_kernels.settings import settings
 from engine.execution.request import TokenEvent
 from engine.handoff import EngineLoad, PrefillResult, Transferred, TransferTicket, WorkerStats
-from engine.runtime.engine_loop import AsyncSink
+from engine.runtime.async_sink import AsyncSink
 from prefill_worker import prefill_link, prefill_wire
 
 SLOTS = 100_000  # never the limit: the bench measures the token path, not admission

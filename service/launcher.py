@@ -195,7 +195,7 @@ def serve_main(args: argparse.Namespace) -> int:
         try:
             metrics_host = cfg.metrics_host or internal_host()
             if metrics_host == "node":
-                from kv_transfer.registry import node_address
+                from kv_transfer.node_address import node_address
 
                 metrics_host = node_address()
             metrics, _ = start_metrics_server(cfg.metrics_port, metrics_host)

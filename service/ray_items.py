@@ -13,7 +13,7 @@ from ray.exceptions import (
     RayTaskError,
 )
 
-from engine.runtime.engine_loop import LoopStopped
+from engine.runtime.loop_errors import LoopStopped
 from router.dispatch import WorkerDied
 
 DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)

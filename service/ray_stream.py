@@ -53,7 +53,7 @@ from dsv4_kernels.settings import settings
 from engine.execution.request import TokenEvent
 from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred, TransferTicket
 from engine.telemetry import metrics
-from kv_transfer.base import TransferError
+from kv_transfer.outcomes import TransferError
 from router.dispatch import DispatchRequest, Overloaded, WorkerDied
 from service.prefill_feed import PrefillFeed
 from service.prefill_link import PrefillLink, PrefillLinks

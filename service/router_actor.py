@@ -70,7 +70,7 @@ class RouterActor:
 
     async def start(self, host: str | None = None, port: int | None = None) -> int:
         """Bind host:port (default: `listen`; "node": this node's cluster address); -> the port. Idempotent."""
-        from kv_transfer.registry import node_address
+        from kv_transfer.node_address import node_address
 
         if self._starting is None:
             self._starting = asyncio.Lock()

@@ -43,6 +43,7 @@ from typing import Protocol
 
 from decode_worker import feed_wire
 from engine.handoff import Transferred
+from kv_transfer.node_address import node_address
 from router.dispatch import WorkerDied
 from service.feed_base import LEASE_S, TokenFeed
 from service.ray_items import DEAD, failure
@@ -128,8 +129,6 @@ class FeedListener:
 
             host = await asyncio.to_thread(internal_host)  # asks Ray's GCS: not on the loop
         if host == "node":
-            from kv_transfer.registry import node_address
-
             host = node_address()
         server = await asyncio.get_running_loop().create_server(lambda: _Peer(self), host, 0)
         self._server = server

@@ -23,6 +23,8 @@ while the thread is busy: an idle loop, and the warm-up (which runs before the l
 step that compiles a kernel is still "in a step", so the bound must sit well above the slowest legitimate step
 (a first-use compile); a hung collective or a wedged kernel stays in its step forever and crosses it.
 `inject_fault` is a test hook (the worker only exposes it when built with test hooks on).
+`LoopStopped` / `StepFailed` live in engine.runtime.loop_errors and `AsyncSink` in engine.runtime.async_sink, so that
+processes which run no engine (the HTTP ingress replica) use them without importing this module and torch with it.
 """
 
 from __future__ import annotations
@@ -37,34 +39,12 @@ from collections.abc import Callable
 from engine.execution.request import TokenEvent
 from engine.execution.runner import EngineCore
 from engine.model.parallel import is_collective_failure
+from engine.runtime.async_sink import AsyncSink
+from engine.runtime.loop_errors import LoopStopped, StepFailed
 
 _STOP = object()
 IDLE_TICK_S = 0.002  # data-parallel attention: how often an idle group's ranks meet to look for work
-
-
-class LoopStopped(RuntimeError):
-    """The engine loop is not running (stopped, or ended by an exception: see `EngineLoop.error`)."""
-
-
-class StepFailed(LoopStopped):
-    """A step raised and ended the loop; the subscribers get this (the step's exception is `EngineLoop.error`)."""
-
-
 FAULTS = ("raise", "hang")  # inject_fault's kinds
-
-
-class AsyncSink:
-    """Delivers a request's events to an asyncio queue owned by another thread's loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # loop closed: nobody listens any more
-            pass
 
 
 class EngineLoop:

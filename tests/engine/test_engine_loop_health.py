@@ -12,8 +12,9 @@ import pytest
 
 from engine.execution.sampling_params import SamplingParams
 from engine.loading.load import load_engine
-from engine.runtime.engine_loop import EngineLoop, LoopStopped, StepFailed
+from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.health import EXIT_CODE, HealthOptions, LoopWatchdog
+from engine.runtime.loop_errors import LoopStopped, StepFailed
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::pytest.PytestUnhandledThreadExceptionWarning"

@@ -267,8 +267,8 @@ def test_fp8_handoff_through_tcp_equals_colocated():
 
 
 def test_fp8_and_exact_pools_refuse_to_exchange_pages():
-    from kv_transfer import make_backend
     from kv_transfer.base import TransferError
+    from kv_transfer.registry import make_backend
 
     exact = make_backend("tcp", CachePool(TINY, CacheConfig(max_requests=2, max_tokens=512), torch.float32, "cpu"))
     fp8 = make_backend(

@@ -104,8 +104,8 @@ def test_handoff_with_speculation_equals_one_engine(model, monkeypatch):
 
 def test_handoff_from_a_prefill_engine_without_speculation_is_refused(model):
     """Cache layouts differ (the MTP layer's rows): the transfer backend refuses the peer, naming the layouts."""
-    from kv_transfer import make_backend
     from kv_transfer.base import TransferError
+    from kv_transfer.registry import make_backend
 
     src, dst = make_backend("tcp", _engine(model, 0).pool), make_backend("tcp", _engine(model, 1).pool)
     try:

@@ -13,8 +13,8 @@ import torch
 from engine.execution.sampling_params import SamplingParams
 from engine.loading.load import load_engine
 from engine.model.cache import CachePool
-from kv_transfer import build_plan, make_backend
-from kv_transfer.plan import STAGING_ALIGN, staged_layout
+from kv_transfer.plan import STAGING_ALIGN, build_plan, staged_layout
+from kv_transfer.registry import make_backend
 from kv_transfer.staging import DeferredScatter, StagingBuffer
 from tests.kv_transfer.test_kv_transfer import (
     CFG,

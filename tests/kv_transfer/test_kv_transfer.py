@@ -11,9 +11,10 @@ import torch
 from engine.loading.make_model import PRESETS
 from engine.model.cache import CacheConfig, CacheGroupSpec, CachePool, group_specs
 from engine.model.config import ModelConfig
-from kv_transfer import TransferError, TransferTimeout, build_plan, layout_fingerprint, make_backend, resolve_name
 from kv_transfer.base import ABORTED, READ_LEASE_MARGIN_S, pack_metadata, unpack_metadata
-from kv_transfer.plan import page_bytes
+from kv_transfer.outcomes import TransferError, TransferTimeout
+from kv_transfer.plan import build_plan, layout_fingerprint, page_bytes
+from kv_transfer.registry import make_backend, resolve_name
 from tests.support.backends import BACKEND_NAMES, NIXL_SKIP, needs_nixl
 
 CFG = ModelConfig.from_dict(PRESETS["tiny"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer import make_backend
+from kv_transfer.registry import make_backend
 from tests.kv_transfer.test_kv_transfer import DST_CACHE, NUM_TOKENS, SRC_CACHE, dst_table, random_pool, src_table
 from tests.support.backends import needs_nixl
 

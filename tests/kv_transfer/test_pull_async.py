@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kv_transfer import make_backend
+from kv_transfer.registry import make_backend
 from tests.kv_transfer.test_kv_transfer import (
     DST_CACHE,
     NUM_TOKENS,

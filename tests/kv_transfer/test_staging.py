@@ -10,8 +10,9 @@ import threading
 import pytest
 import torch
 
-from kv_transfer import TransferError, TransferTimeout, build_plan, make_backend
-from kv_transfer.plan import STAGING_ALIGN, run_start, staged_layout, staged_nbytes
+from kv_transfer.outcomes import TransferError, TransferTimeout
+from kv_transfer.plan import STAGING_ALIGN, build_plan, run_start, staged_layout, staged_nbytes
+from kv_transfer.registry import make_backend
 from kv_transfer.staging import ByteArena
 from tests.kv_transfer.test_kv_transfer import (
     DST_CACHE,

@@ -10,9 +10,10 @@ import torch
 
 from engine.execution.sampling_params import SamplingParams
 from engine.loading.load import load_engine
-from kv_transfer import TransferTimeout, build_plan, make_backend
 from kv_transfer.base import ABORTED, chunk_id
-from kv_transfer.plan import complete_pages, page_span
+from kv_transfer.outcomes import TransferTimeout
+from kv_transfer.plan import build_plan, complete_pages, page_span
+from kv_transfer.registry import make_backend
 from tests.kv_transfer.test_kv_transfer import NUM_TOKENS, SRC_CACHE, random_pool, src_table, wait_poll
 from tests.support.backends import BACKEND_NAMES
 from tests.support.handoff import run_colocated, run_streamed_handoff

@@ -13,7 +13,7 @@ from decode_worker.worker import DecodeWorker
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import PrefillResult, Transferred, TransferTicket
 from engine.loading.load import load_engine
-from kv_transfer import TransferError
+from kv_transfer.outcomes import TransferError
 from prefill_worker.worker import PrefillWorker
 from tests.support.backends import BACKEND_NAMES
 from tests.support.handoff import run_colocated

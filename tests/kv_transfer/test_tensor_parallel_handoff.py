@@ -13,7 +13,7 @@ import torch
 from engine.execution.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.loading.load import load_engine
-from kv_transfer import make_backend
+from kv_transfer.registry import make_backend
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=True, temperature=0.9, top_p=0.9, seed=7)
 PROMPTS = [list(range(3, 3 + n)) for n in (1, 23, 140)]  # 140: a closed ratio-128 window + 12 open tokens

@@ -14,7 +14,7 @@ from decode_worker.feed_opens import FeedOpens, Opener
 from decode_worker.token_feed import FeedUnknown
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import DecodeOverloaded, PeerUnknown, PrefillResult, Transferred, TransferTicket
-from engine.runtime.engine_loop import LoopStopped, StepFailed
+from engine.runtime.loop_errors import LoopStopped, StepFailed
 from kv_transfer.outcomes import PullCancelled, ReadInFlight, TransferError, TransferTimeout
 
 TICKET = TransferTicket(

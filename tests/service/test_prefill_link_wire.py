@@ -10,8 +10,8 @@ import pytest
 
 from engine.execution.sampling_params import SamplingParams
 from engine.handoff import PrefillResult, TransferTicket
-from engine.runtime.engine_loop import LoopStopped, StepFailed
 from engine.runtime.frames import FrameError, Frames
+from engine.runtime.loop_errors import LoopStopped, StepFailed
 from prefill_worker import prefill_wire
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from engine.execution.sampling_params import SamplingParams
-from kv_transfer import make_backend
+from kv_transfer.registry import make_backend
 
 
 def run_to_end(engine) -> None:
