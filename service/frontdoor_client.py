@@ -1,11 +1,13 @@
-"""The frontdoor bench's lean streaming client: raw HTTP/1.1 over an asyncio Protocol, parsed after the response.
+"""The frontdoor bench's lean streaming client: raw HTTP/1.1 on a non-blocking socket, parsed after the response.
 
 Why not aiohttp: the load client shares the bench machine's 2 cores with the service it measures, and every receive
 time it stamps includes its own delay. aiohttp's line reader plus a json.loads a chunk cost the client ~10x the CPU
 of stamping and keeping the bytes, so the client both slows the service (a core it takes) and inflates the latency it
-reports (a loop that runs late). This client's hot path is `data_received`: one time.time(), one bytearray append.
-The chunked framing and the SSE events are parsed when the response is over, each event stamped with the arrival of
-the bytes that completed it, as a wrk-style load generator would. A keep-alive connection per client, reopened when
+reports (a loop that runs late). This client's hot path is one recvmsg a read: the bytes appended, this loop's
+time.time() and the kernel's receive time (SO_TIMESTAMPNS) kept beside them. The chunked framing and the SSE events
+are parsed when the response is over, each event stamped by the read that completed it, as a wrk-style load
+generator would. The kernel's time is what the service added (its bytes in this machine's socket), free of this
+client's own scheduling; the loop's time is what this client saw. A keep-alive connection per client, reopened when
 the server closes it.
 """
 
@@ -14,6 +16,9 @@ from __future__ import annotations
 import asyncio
 import bisect
 import json
+import socket
+import struct
+import sys
 import time
 from dataclasses import dataclass
 
@@ -22,51 +27,104 @@ LAST_CHUNK = b"\r\n0\r\n\r\n"  # a chunked body's end (after headers or a chunk'
 
 @dataclass(frozen=True)
 class RawResponse:
-    """One response's bytes as they arrived: `data` the whole response (head included), `marks[i] = (end, t)` the
-    bytes data[:end] had arrived at time.time() t."""
+    """One response's bytes as they arrived: `data` the whole response (head included), `marks[i] = (end, t, t_kernel)`
+    the bytes data[:end] were read by this loop at time.time() t, their last segment received by the kernel at
+    t_kernel (t where the kernel gives no time)."""
 
     data: bytes
-    marks: tuple[tuple[int, float], ...]
+    marks: tuple[tuple[int, float, float], ...]
 
 
 @dataclass(frozen=True)
 class SSEEvent:
-    """One `data:` event of an SSE body: its payload (after "data: ") and when its last byte arrived."""
+    """One `data:` event of an SSE body: its payload (after "data: ") and when its last byte arrived: read by this
+    client's loop (t), received by the kernel (t_kernel: the same read's last segment, so never earlier than the event's
+    own last byte; t where the kernel gives no time)."""
 
     payload: bytes
     t: float
+    t_kernel: float
 
 
-class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection: a request at a time; the response's bytes and arrival times kept raw."""
+# The kernel's receive time of each read (SO_TIMESTAMPNS: the skb's arrival, CLOCK_REALTIME as time.time()), so a
+# stamp does not wait for this client's loop to run: Linux only (Python names no constant for it; 35 on Linux).
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform.startswith("linux") else None)
+_ANCILLARY = socket.CMSG_SPACE(16)  # one struct timespec
 
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
+
+def _kernel_time(ancillary: list, fallback: float) -> float:
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+            sec, nsec = struct.unpack("@qq", data[:16])
+            return sec + nsec * 1e-9
+    return fallback
+
+
+class _Connection:
+    """One keep-alive HTTP/1.1 connection: a request at a time; the response's bytes and arrival times kept raw (each
+    read: its end offset, this loop's time.time() and the kernel's receive time of its last segment)."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock, self.loop = sock, loop
         self.buf = bytearray()
-        self.marks: list[tuple[int, float]] = []
+        self.marks: list[tuple[int, float, float]] = []
         self.done: asyncio.Future | None = None
         self.lost = False
         self._head_end = -1
         self._length = -1  # Content-Length of a non-chunked response; -1: chunked or not known yet
+        self.kernel_stamps = SO_TIMESTAMPNS is not None
+        if self.kernel_stamps:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            except OSError:
+                self.kernel_stamps = False
+        loop.add_reader(sock.fileno(), self._readable)
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    @classmethod
+    async def open(cls, host: str, port: int) -> _Connection:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await loop.sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, loop)
 
-    def data_received(self, data: bytes) -> None:
-        now = time.time()
-        self.buf += data
-        self.marks.append((len(self.buf), now))
-        if self.done is not None and not self.done.done() and self._complete():
-            self.done.set_result(None)
+    def _readable(self) -> None:
+        while not self.lost:
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(1 << 16, _ANCILLARY)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._closed(e)
+                return
+            if not data:
+                self._closed(None)
+                return
+            now = time.time()
+            self.buf += data
+            self.marks.append((len(self.buf), now, _kernel_time(ancillary, now)))
+            if self.done is not None and not self.done.done() and self._complete():
+                self.done.set_result(None)
 
-    def connection_lost(self, exc) -> None:
-        self.lost = True
+    def _closed(self, exc: BaseException | None) -> None:
+        self.close()
         if self.done is not None and not self.done.done():
             if self._head_end >= 0 and self._length < 0 and not self.buf.endswith(LAST_CHUNK):
                 # a close-delimited or cut response: an error if it was chunked and unfinished
                 self.done.set_exception(ConnectionError("connection closed mid-response"))
             else:
                 self.done.set_result(None)
+
+    def close(self) -> None:
+        if not self.lost:
+            self.lost = True
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
 
     def _complete(self) -> bool:
         if self._head_end < 0:
@@ -82,10 +140,9 @@ class _Connection(asyncio.Protocol):
         return self.buf.endswith(LAST_CHUNK)
 
     async def request(self, raw: bytes) -> RawResponse:
-        assert self.transport is not None
         self.buf, self.marks, self._head_end, self._length = bytearray(), [], -1, -1
-        self.done = asyncio.get_running_loop().create_future()
-        self.transport.write(raw)
+        self.done = self.loop.create_future()
+        await self.loop.sock_sendall(self.sock, raw)
         await self.done
         return RawResponse(bytes(self.buf), tuple(self.marks))
 
@@ -121,8 +178,7 @@ class StreamingClient:
 
     async def _send(self, raw: bytes) -> RawResponse:
         if self._conn is None or self._conn.lost:
-            loop = asyncio.get_running_loop()
-            _, self._conn = await loop.create_connection(_Connection, self.host, self.port)
+            self._conn = await _Connection.open(self.host, self.port)
         try:
             return await self._conn.request(raw)
         except BaseException:
@@ -130,8 +186,8 @@ class StreamingClient:
             raise
 
     def close(self) -> None:
-        if self._conn is not None and self._conn.transport is not None:
-            self._conn.transport.close()
+        if self._conn is not None:
+            self._conn.close()
         self._conn = None
 
 
@@ -166,7 +222,8 @@ def sse_events(resp: RawResponse) -> list[SSEEvent]:
         for line in body[start:stop].split(b"\n"):
             if line.startswith(b"data: "):
                 raw_end = _raw_offset(raw_at, stop + 1) + 1  # the event's "\n\n" arrived with its second byte
-                events.append(SSEEvent(line[6:], resp.marks[bisect.bisect_left(ends, raw_end)][1]))
+                _, t, t_kernel = resp.marks[bisect.bisect_left(ends, raw_end)]
+                events.append(SSEEvent(line[6:], t, t_kernel))
         start = stop + 2
     return events
 

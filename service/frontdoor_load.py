@@ -35,8 +35,9 @@ SERVICE = ("router", "ingress", "proxy", "haproxy", "serve_controller", "ray_dae
 class StreamRecord:
     tag: tuple
     text: str
-    recv: tuple  # time.time() per received character (one token each)
+    recv: tuple  # time.time() per received character (one token each): the kernel's receive time where known
     error: str | None = None
+    recv_seen: tuple = ()  # the lean client: when its loop read each character (recv is the kernel's time)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ async def _one_raw(client, prompt: list[int], max_tokens: int) -> StreamRecord:
     body = {"model": "dsv4", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     text: list[str] = []
     recv: list[float] = []
+    seen: list[float] = []
     try:
         resp = await client.post_json("/v1/completions", body)
         if (status := status_of(resp)) != 200:
@@ -101,10 +103,11 @@ async def _one_raw(client, prompt: list[int], max_tokens: int) -> StreamRecord:
                 return StreamRecord(tuple(prompt), "".join(text), tuple(recv), str(chunk["error"]))
             piece = chunk["choices"][0].get("text") or ""
             text.append(piece)
-            recv.extend([event.t] * len(piece))
+            recv.extend([event.t_kernel] * len(piece))
+            seen.extend([event.t] * len(piece))
     except Exception as e:  # noqa: BLE001 - recorded as this stream's error
-        return StreamRecord(tuple(prompt), "".join(text), tuple(recv), f"{type(e).__name__}: {e}")
-    return StreamRecord(tuple(prompt), "".join(text), tuple(recv))
+        return StreamRecord(tuple(prompt), "".join(text), tuple(recv), f"{type(e).__name__}: {e}", tuple(seen))
+    return StreamRecord(tuple(prompt), "".join(text), tuple(recv), None, tuple(seen))
 
 
 CLIENTS = ("raw", "aiohttp")

@@ -22,6 +22,7 @@ _MEDIANS = (
     "cpu_ms_per_1k",
     "load_avg",
     "client_lag_ms_p99",
+    "added_ms_p99_seen",
     "step_lag_ms_p99",
 )
 _SUMS = ("requests", "tokens", "lost_tokens", "out_of_order", "errors", "link_prefills", "link_places")

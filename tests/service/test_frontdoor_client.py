@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 
 import pytest
@@ -35,7 +36,7 @@ class _Server:
         self.script = script  # (request number) -> list of (bytes, pause_s), or "close" after them
         self.connections = 0
         self.requests = 0  # over all connections: the script's request number
-        self.write_times: list[tuple[bytes, float]] = []
+        self.write_times: list[tuple[bytes, float, float]] = []  # (bytes, before the write, after it)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -51,9 +52,10 @@ class _Server:
                 writes, close = self.script(self.requests)
                 self.requests += 1
                 for data, pause in writes:
+                    before = time.time()
                     writer.write(data)
                     await writer.drain()
-                    self.write_times.append((data, time.time()))
+                    self.write_times.append((data, before, time.time()))
                     await asyncio.sleep(pause)
                 if close:
                     writer.close()
@@ -101,11 +103,17 @@ def test_events_survive_any_split_and_are_stamped_by_their_last_byte(step):
         assert len({e.t for e in sse_events(first)}) == 1
     else:  # each event's stamp is no earlier than the write that completed it (the server's clock is ours)
         writes = server.write_times[: len(_split_everywhere([HEAD, *_chunked(EVENTS)], step))]
-        raw = b"".join(w for w, _ in writes)
+        raw = b"".join(w for w, _, _ in writes)
         for e in sse_events(first):
             end = raw.index(b"data: " + e.payload + b"\n\n") + len(e.payload) + 8
-            done_at = next(t for k, (_, t) in enumerate(writes) if sum(len(w) for w, _ in writes[: k + 1]) >= end)
-            assert e.t >= done_at - 0.001
+            k = next(k for k in range(len(writes)) if sum(len(w) for w, _, _ in writes[: k + 1]) >= end)
+            assert e.t >= writes[k][2] - 0.001
+            # the kernel received the event's last byte during that write (loopback: within the send), before the
+            # loop read it
+            if sys.platform.startswith("linux"):
+                assert writes[k][1] - 0.001 <= e.t_kernel <= e.t
+        if sys.platform.startswith("linux"):  # the kernel's own times, not the fallback (the loop's)
+            assert all(e.t_kernel < e.t for e in sse_events(first))
 
 
 def test_an_error_answer_with_a_length_and_a_reopened_connection():
