@@ -48,7 +48,7 @@ class SSEEvent:
 
 # The kernel's receive time of each read (SO_TIMESTAMPNS: the skb's arrival, CLOCK_REALTIME as time.time()), so a
 # stamp does not wait for this client's loop to run: Linux only (Python names no constant for it; 35 on Linux).
-SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform.startswith("linux") else None)
+SO_TIMESTAMPNS: int | None = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform.startswith("linux") else None)
 _ANCILLARY = socket.CMSG_SPACE(16)  # one struct timespec
 
 
@@ -72,12 +72,13 @@ class _Connection:
         self.lost = False
         self._head_end = -1
         self._length = -1  # Content-Length of a non-chunked response; -1: chunked or not known yet
-        self.kernel_stamps = SO_TIMESTAMPNS is not None
-        if self.kernel_stamps:
+        self.kernel_stamps = False
+        if SO_TIMESTAMPNS is not None:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+                self.kernel_stamps = True
             except OSError:
-                self.kernel_stamps = False
+                pass  # no kernel times: each read's falls back to the loop's
         loop.add_reader(sock.fileno(), self._readable)
 
     @classmethod
