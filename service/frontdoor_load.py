@@ -132,7 +132,7 @@ async def run_level(
     one request's duration, their starts stay spread.
 
     client: "raw" (service.frontdoor_client: a keep-alive connection a client, bytes stamped as they arrive, parsed
-    after each response) or "aiohttp" (its line reader, a chunk parsed as it arrives: ~10x the client's CPU)."""
+    after each response) or "aiohttp" (its line reader, a chunk parsed as it arrives, on the loop while the tokens do)."""
     import aiohttp  # a dependency of Ray Serve
 
     from service.frontdoor_client import StreamingClient
