@@ -8,7 +8,7 @@ thread's step in a prefill or decode worker.
   90-115 ms a pass on the 2-core box (`tests/engine/test_gc_pauses.py` says how it was read). It comes once ~25% of
   the heap's size was promoted since the last one, which request churn reaches over and over. What exists once
   the process is warm never becomes garbage: `freeze_startup_heap` moves it to the permanent generation, so a full
-  pass walks only what was made since (vLLM's engine core does the same after start-up).
+  pass walks only what was made since.
 - A young pass walks what was allocated since the last one and is still alive: in an ingress replica, every
   in-flight request's objects (16-27 ms at 96 streams). It comes after every `threshold` net allocations, so
   request objects must not form reference cycles (service.body_writer, service.sse_chunks): cyclic garbage is freed
