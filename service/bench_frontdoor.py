@@ -23,7 +23,6 @@ import re
 import tempfile
 import time
 import urllib.request
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,9 +31,9 @@ from service.bench_serve import pct
 from service.benchmarks_md import BENCHMARKS_MD, markers, write_section
 from service.frontdoor_load import CLIENTS, SERVICE, cpu_by_component, cpu_delta, env_by_component, run_level
 from service.frontdoor_runs import merge_runs, p99_at
-from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill, token_for
+from service.frontdoor_score import LETTER, dump_level, score
+from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill
 
-LETTER = "a"
 TOKEN_PATH = (
     "the routers only place (gRPC `Place`); the tokens go from the decode actor to the ingress replica that owns the "
     "request (service/direct_path.py), then to the client"
@@ -205,54 +204,6 @@ def _emits(handles: dict) -> dict:
         for tag, times in ray.get(h.take_emits.remote()).items():
             logs.setdefault(tag, []).extend(times)
     return {tag: sorted(times) for tag, times in logs.items()}
-
-
-def score(records, emits: dict, t0: float, t_end: float, max_tokens: int, letter_id: int) -> dict:
-    """Order, loss, delivered tokens in [t0, t_end] and added latency of the decode tokens (k >= 1) emitted in it."""
-    expected = "".join(chr(ord(LETTER) + token_for(k, letter_id) - letter_id) for k in range(max_tokens))
-    lost = disorder = errors = in_window = 0
-    added: list[float] = []
-    seen: list[float] = []  # the same tokens as the client's loop read them (the lean client only)
-    for r in records:
-        errors += r.error is not None
-        lost += max(0, max_tokens - len(r.text)) if r.error is None else 0
-        disorder += not expected.startswith(r.text)
-        in_window += sum(t0 <= t <= t_end for t in r.recv)
-        sent = emits.get(r.tag, [])
-        added.extend(
-            (got - sent[k]) * 1e3 for k, got in enumerate(r.recv) if 1 <= k < len(sent) and t0 <= sent[k] <= t_end
-        )
-        seen.extend(
-            (got - sent[k]) * 1e3 for k, got in enumerate(r.recv_seen) if 1 <= k < len(sent) and t0 <= sent[k] <= t_end
-        )
-    kinds = Counter(r.error.split(":", 1)[0][:80] for r in records if r.error)
-    return {
-        "lost": lost,
-        "disorder": disorder,
-        "errors": errors,
-        "error_kinds": dict(kinds.most_common(3)),
-        "in_window": in_window,
-        "tokens": sum(len(r.text) for r in records),
-        "p50": pct(added, 0.5),
-        "p99": pct(added, 0.99),
-        "p99_seen": pct(seen, 0.99) if seen else 0.0,
-    }
-
-
-def dump_level(path: str, replicas: int, streams: int, records, emits: dict, t0: float, t_end: float) -> None:
-    """--dump: one JSON line a level, every decode token emitted in the window as [emit time, added ms] (time.time()),
-    for reading the tail's shape: pauses that hit every stream at once (a collector pass, a process off its core)
-    show as runs of late tokens with nearby emit times, steady queueing as a wide spread."""
-    import json
-
-    tokens = [
-        (sent[k], round((got - sent[k]) * 1e3, 3))
-        for r in records
-        for k, got in enumerate(r.recv)
-        if 1 <= k < len(sent := emits.get(r.tag, [])) and t0 <= sent[k] <= t_end
-    ]
-    with open(path, "a") as f:
-        f.write(json.dumps({"replicas": replicas, "streams": streams, "tokens": sorted(tokens)}) + "\n")
 
 
 def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_id: int, first_tag: int) -> LevelResult:

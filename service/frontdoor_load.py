@@ -59,55 +59,70 @@ def tag_prompt(n: int, letter_id: int, width: int = 5) -> list[int]:
     return [0, *reversed(digits)]
 
 
+def _body(prompt: list[int], max_tokens: int) -> dict:
+    return {"model": "dsv4", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+
+
+class _Stream:
+    """One request's record as its SSE chunks come in, whichever client read them."""
+
+    def __init__(self, prompt: list[int]):
+        self.tag = tuple(prompt)
+        self.text: list[str] = []
+        self.recv: list[float] = []
+        self.seen: list[float] = []
+
+    def take(self, payload: str | bytes, t: float, t_seen: float | None = None) -> str | None:
+        """One `data:` payload received at t (read by the client's loop at t_seen, the lean client) -> its error."""
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            return str(chunk["error"])
+        piece = chunk["choices"][0].get("text") or ""
+        self.text.append(piece)
+        self.recv.extend([t] * len(piece))
+        if t_seen is not None:
+            self.seen.extend([t_seen] * len(piece))
+        return None
+
+    def record(self, error: str | None = None) -> StreamRecord:
+        return StreamRecord(self.tag, "".join(self.text), tuple(self.recv), error, tuple(self.seen))
+
+
 async def _one(session, url: str, prompt: list[int], max_tokens: int) -> StreamRecord:
-    body = {"model": "dsv4", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-    text: list[str] = []
-    recv: list[float] = []
+    stream = _Stream(prompt)
     try:
-        async with session.post(url, json=body) as resp:
+        async with session.post(url, json=_body(prompt, max_tokens)) as resp:
             if resp.status != 200:
-                return StreamRecord(tuple(prompt), "", (), f"HTTP {resp.status}")
+                return StreamRecord(stream.tag, "", (), f"HTTP {resp.status}")
             async for raw in resp.content:  # one line at a time
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                now = time.time()
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return StreamRecord(tuple(prompt), "".join(text), tuple(recv), str(chunk["error"]))
-                piece = chunk["choices"][0].get("text") or ""
-                text.append(piece)
-                recv.extend([now] * len(piece))
+                if (error := stream.take(line[6:], time.time())) is not None:
+                    return stream.record(error)
     except Exception as e:  # noqa: BLE001 - recorded as this stream's error
-        return StreamRecord(tuple(prompt), "".join(text), tuple(recv), f"{type(e).__name__}: {e}")
-    return StreamRecord(tuple(prompt), "".join(text), tuple(recv))
+        return stream.record(f"{type(e).__name__}: {e}")
+    return stream.record()
 
 
 async def _one_raw(client, prompt: list[int], max_tokens: int) -> StreamRecord:
-    """`_one` on the lean client (service.frontdoor_client): the same record, the events parsed after the response."""
+    """`_one` on the lean client (service.frontdoor_client): the same record, the events parsed after the response,
+    received at the kernel's time (the loop's kept as recv_seen)."""
     from service.frontdoor_client import sse_events, status_of
 
-    body = {"model": "dsv4", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-    text: list[str] = []
-    recv: list[float] = []
-    seen: list[float] = []
+    stream = _Stream(prompt)
     try:
-        resp = await client.post_json("/v1/completions", body)
+        resp = await client.post_json("/v1/completions", _body(prompt, max_tokens))
         if (status := status_of(resp)) != 200:
-            return StreamRecord(tuple(prompt), "", (), f"HTTP {status}")
+            return StreamRecord(stream.tag, "", (), f"HTTP {status}")
         for event in sse_events(resp):
             if event.payload == b"[DONE]":
                 continue
-            chunk = json.loads(event.payload)
-            if "error" in chunk:
-                return StreamRecord(tuple(prompt), "".join(text), tuple(recv), str(chunk["error"]))
-            piece = chunk["choices"][0].get("text") or ""
-            text.append(piece)
-            recv.extend([event.t_kernel] * len(piece))
-            seen.extend([event.t] * len(piece))
+            if (error := stream.take(event.payload, event.t_kernel, event.t)) is not None:
+                return stream.record(error)
     except Exception as e:  # noqa: BLE001 - recorded as this stream's error
-        return StreamRecord(tuple(prompt), "".join(text), tuple(recv), f"{type(e).__name__}: {e}", tuple(seen))
-    return StreamRecord(tuple(prompt), "".join(text), tuple(recv), None, tuple(seen))
+        return stream.record(f"{type(e).__name__}: {e}")
+    return stream.record()
 
 
 CLIENTS = ("raw", "aiohttp")
