@@ -29,6 +29,7 @@ from typing import Any
 from dsv4_kernels.settings import reload, settings
 from service.bench_serve import pct
 from service.benchmarks_md import BENCHMARKS_MD, markers, write_section
+from service.frontdoor_client import kernel_receive_times
 from service.frontdoor_load import CLIENTS, SERVICE, cpu_by_component, cpu_delta, env_by_component, run_level
 from service.frontdoor_runs import merge_runs, p99_at
 from service.frontdoor_score import LETTER, dump_level, score
@@ -107,6 +108,12 @@ CLIENT_TEXT = {
 
 def _client(rows: list[LevelResult], args) -> str:
     return rows[-1].client if rows else args.client
+
+
+def _client_text(client: str) -> str:
+    if client == "raw" and not kernel_receive_times():
+        return CLIENT_TEXT[client] + " This machine's kernel gave no receive times: both columns are the loop's."
+    return CLIENT_TEXT[client]
 
 
 def _feed_path(r: LevelResult | None) -> str:
@@ -423,7 +430,7 @@ def report(rows: list[LevelResult], args, command: str, other: list[LevelResult]
         "tokens received in the window, the latency columns the decode tokens emitted in it. Added latency: client "
         "receive time minus the synthetic worker's emit time (same host clock), raw: it includes the load client's "
         "own delay (its loop runs on the same 2 cores; its loop lag p99, how late a 2 ms sleep of its loop woke, is "
-        f"the client lag column, an upper bound of its share in the tail). {CLIENT_TEXT[_client(rows, args)]} "
+        f"the client lag column, an upper bound of its share in the tail). {_client_text(_client(rows, args))} "
         "Step lag: how late the synthetic workers' "
         "step clock ran against its due times (not in the added latency: a token's emit time is stamped as it "
         "leaves, but fewer steps then run). CPU: user + system of the service's processes (router, ingress replicas, "

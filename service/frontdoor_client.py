@@ -61,6 +61,25 @@ def _kernel_time(ancillary: list, fallback: float) -> float:
     return fallback
 
 
+def kernel_receive_times() -> bool:
+    """Whether this machine's kernel stamps received bytes (SO_TIMESTAMPNS on a loopback TCP read). Sandboxes such as
+    gVisor accept the option and give no time, so it is probed, not assumed; without it every t_kernel is the loop's."""
+    if SO_TIMESTAMPNS is None:
+        return False
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        with socket.create_connection(server.getsockname()) as sender:
+            receiver, _ = server.accept()
+            with receiver:
+                try:
+                    receiver.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+                except OSError:
+                    return False
+                sender.sendall(b"x")
+                receiver.settimeout(5.0)
+                _, ancillary, _, _ = receiver.recvmsg(16, _ANCILLARY)
+    return _kernel_time(ancillary, -1.0) != -1.0
+
+
 class _Connection:
     """One keep-alive HTTP/1.1 connection: a request at a time; the response's bytes and arrival times kept raw (each
     read: its end offset, this loop's time.time() and the kernel's receive time of its last segment)."""
