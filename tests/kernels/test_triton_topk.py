@@ -173,10 +173,15 @@ def test_rank_segment_must_be_whole_blocks():
 
 def test_rank_rule_by_work_and_segment(monkeypatch):
     """dsv4_kernels.triton_indexer.rank_topk_segment: one launch under the work bound, two only with a segment set
-    (rounded up to whole blocks) when the pieces' survivors are fewer than the row and the work fits."""
+    (rounded up to whole blocks) when the pieces' survivors are fewer than the row and the work fits; by default
+    batch 1 at 8192 candidates (a 32K context) takes two launches of 2048-candidate pieces."""
     from dsv4_kernels import settings
     from dsv4_kernels.triton_indexer import rank_topk_segment
 
+    monkeypatch.delenv(settings.TOPK_RANK_MAX_WORK, raising=False)
+    monkeypatch.delenv(settings.TOPK_RANK_SEGMENT, raising=False)
+    settings.reload()
+    assert rank_topk_segment(1, 8192, 512) == 2048 and rank_topk_segment(2, 8192, 512) is None
     monkeypatch.setenv(settings.TOPK_RANK_MAX_WORK, str(1 << 25))
     monkeypatch.setenv(settings.TOPK_RANK_SEGMENT, "0")
     settings.reload()
