@@ -217,9 +217,9 @@ sweep_rank(torch.device("cuda"))' 2>&1 | tee "$OUT/topk_rank_sweep.log" | grep -
     # prefillglue: the 8K fp8-expert prefill's mHC boundary, 3 runs each: default, the two-launch chain at prefill sizes
     # (DSV4_HC_CHAIN_MAX_TOKENS=8192: post + next mix, then pre + norm + quant; ~8 ms of the step is mHC glue), and
     # bf16 residual streams (DSV4_FP32_RESIDUAL=0: half the glue's bytes; a precision change to state if kept)
-    prefillglue) for v in "8 1" "8192 1" "8 0"; do set -- $v
-            DSV4_HC_CHAIN_MAX_TOKENS=$1 DSV4_FP32_RESIDUAL=$2 timeout ${PGLUE_TIMEOUT:-90} benchmarks/slice/run.sh \
-              --budget-s 70 --experts fp8 --prefill-only --prefill-runs 3 --no-peer --out "$OUT/prefill_glue_$1_$2.md" \
+    prefillglue) for v in "8 1" "8192 1" "8 0"; do set -- $v  # --budget-s: 60 s to build an engine + 5 kept back, after ~9 s of roofs
+            DSV4_HC_CHAIN_MAX_TOKENS=$1 DSV4_FP32_RESIDUAL=$2 timeout ${PGLUE_TIMEOUT:-110} benchmarks/slice/run.sh \
+              --budget-s 90 --experts fp8 --prefill-only --prefill-runs 3 --no-peer --out "$OUT/prefill_glue_$1_$2.md" \
               > "$OUT/prefillglue_$1_$2.log" 2>&1 || status=1
             echo "== chain max tokens $1, fp32 residual $2"; grep -E "^Prefill .*runs|^\| 1 x" "$OUT/prefill_glue_$1_$2.md" | cut -c1-250
           done ;;
