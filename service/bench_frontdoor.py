@@ -30,7 +30,15 @@ from dsv4_kernels.settings import reload, settings
 from service.bench_serve import pct
 from service.benchmarks_md import BENCHMARKS_MD, markers, write_section
 from service.frontdoor_client import kernel_receive_times
-from service.frontdoor_load import CLIENTS, SERVICE, cpu_by_component, cpu_delta, env_by_component, run_level
+from service.frontdoor_load import (
+    CLIENTS,
+    SERVICE,
+    cpu_by_component,
+    cpu_delta,
+    env_by_component,
+    run_level,
+    warm_up,
+)
 from service.frontdoor_runs import merge_runs, p99_at
 from service.frontdoor_score import LETTER, dump_level, score
 from service.frontdoor_workers import SyntheticDecode, SyntheticPrefill
@@ -264,6 +272,15 @@ def run_one(handles: dict, url: str, replicas: int, streams: int, args, letter_i
     )
 
 
+def _warmup_text(args) -> str:
+    if args.warmup_seconds <= 0:
+        return "no warm-up (`--warmup-seconds 0`): each replica count's first level starts right after its deploy; "
+    return (
+        f"after each deploy an untimed warm-up level ({args.warmup_seconds:g} s at {args.streams[0]} streams: the "
+        "replicas' links to the routers and actors open, HAProxy reloads; frontdoor_load.warm_up), then "
+    )
+
+
 def sweep(handles: dict, model_dir: str, args, letter_id: int) -> list[LevelResult]:
     """The levels swept --repeat times (later sweeps run the first one's levels), merged (service.frontdoor_runs)."""
     runs = [_sweep_once(handles, model_dir, args, letter_id, None, 0)]
@@ -282,6 +299,10 @@ def _sweep_once(
     rows: list[LevelResult] = []
     for replicas in args.replicas:
         url = deploy(handles, model_dir, args.port, replicas)
+        if args.warmup_seconds > 0:
+            tag = (tag0 + len(rows)) * 100_000
+            warm = (args.streams[0], args.warmup_seconds, args.max_tokens, letter_id, tag, _ramp(args), args.client)
+            asyncio.run(warm_up(url, *warm))
         best = 0.0
         for streams in args.streams:
             if levels is not None and (replicas, streams) not in levels:
@@ -424,7 +445,8 @@ def report(rows: list[LevelResult], args, command: str, other: list[LevelResult]
         f"{_feed_path(rows[-1] if rows else None)}. {STEP_CLOCK} "
         f"Serve switches the processes ran with: {_switches(rows)}.",
         "",
-        f"Method: the clients start one by one over {_ramp(args):g} s (one request's duration) before each level's "
+        f"Method: {_warmup_text(args)}the clients start one by one over {_ramp(args):g} s (one request's duration) "
+        "before each level's "
         f"window of {args.seconds:g} s (service.frontdoor_load.run_level says why: clients started at once stay in "
         "step, and their requests all arrive again together every request's duration); delivered tok/s counts the "
         "tokens received in the window, the latency columns the decode tokens emitted in it. Added latency: client "
@@ -530,6 +552,13 @@ def add_bench_frontdoor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-rate", type=float, default=50.0, help="tokens/s each synthetic stream emits")
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--seconds", type=float, default=6.0, help="each level's duration (in-flight requests finish)")
+    p.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=6.0,
+        help="after each deploy, an untimed level this long at the first level's streams (0: none; bench_frontdoor."
+        "warm_up says why)",
+    )
     p.add_argument(
         "--ramp-seconds",
         type=float,

@@ -43,6 +43,8 @@ def test_frontdoor_tiny(tmp_path):
             str(out),
             "--repeat",
             "2",
+            "--warmup-seconds",
+            "1",
         ]
     )
     assert bench_frontdoor_main(args) == 0
@@ -75,4 +77,5 @@ def test_frontdoor_tiny(tmp_path):
     assert "A/B, same session" in ab and "carried by tcp" in ab
     assert "at half the ceiling" in text and "at exactly half the ceiling" in text
     assert "swept 2 times" in text and "each run |" in text
+    assert "untimed warm-up level (1 s at 2 streams" in text
     assert "; haproxy RAY_SERVE_ENABLE_HA_PROXY=1" in text and "`DSV4_HAPROXY=1`" in text
