@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from service.bench_frontdoor import add_bench_frontdoor_args, bench_frontdoor_main, report
+from service.bench_frontdoor import add_bench_frontdoor_args, bench_frontdoor_main
+from service.frontdoor_report import report
 from service.frontdoor_load import tag_prompt
 from service.serve_front import HAPROXY_SERVE_ENV, REPLICA_SERVE_ENV
 from tests.support.ports import free_port
@@ -62,7 +63,7 @@ def test_frontdoor_tiny(tmp_path):
         assert r["haproxy"] and r["cpu_by_component"].get("haproxy", 0) > 0
         assert r["serve_env"]["haproxy"].items() >= HAPROXY_SERVE_ENV.items()
         assert r["serve_env"]["ingress"].items() >= {**REPLICA_SERVE_ENV, **HAPROXY_SERVE_ENV}.items()
-    from service.bench_frontdoor import LevelResult
+    from service.frontdoor_report import LevelResult
 
     text = report([LevelResult(**r) for r in rows], args, "dsv4 bench frontdoor --tiny")
     assert "`Place`" in text and "AFTER" in text and "Ceiling" in text and "| 2 | 4 |" in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.bench_frontdoor import LevelResult
+from service.frontdoor_report import LevelResult
 from service.frontdoor_runs import merge_runs, p99_at
 
 
