@@ -10,8 +10,8 @@ import json
 import pytest
 
 from service.bench_frontdoor import add_bench_frontdoor_args, bench_frontdoor_main
-from service.frontdoor_report import report
 from service.frontdoor_load import tag_prompt
+from service.frontdoor_report import report
 from service.serve_front import HAPROXY_SERVE_ENV, REPLICA_SERVE_ENV
 from tests.support.ports import free_port
 
