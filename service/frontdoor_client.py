@@ -66,17 +66,17 @@ def kernel_receive_times() -> bool:
     gVisor accept the option and give no time, so it is probed, not assumed; without it every t_kernel is the loop's."""
     if SO_TIMESTAMPNS is None:
         return False
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        with socket.create_connection(server.getsockname()) as sender:
-            receiver, _ = server.accept()
-            with receiver:
-                try:
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            with socket.create_connection(server.getsockname()) as sender:
+                receiver, _ = server.accept()
+                with receiver:
                     receiver.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-                except OSError:
-                    return False
-                sender.sendall(b"x")
-                receiver.settimeout(5.0)
-                _, ancillary, _, _ = receiver.recvmsg(16, _ANCILLARY)
+                    sender.sendall(b"x")
+                    receiver.settimeout(5.0)
+                    _, ancillary, _, _ = receiver.recvmsg(16, _ANCILLARY)
+    except OSError:  # no such option, or no loopback to probe on: the loop's times
+        return False
     return _kernel_time(ancillary, -1.0) != -1.0
 
 
