@@ -31,11 +31,11 @@ from service.benchmarks_md import write_section
 from service.frontdoor_load import (
     CLIENTS,
     SERVICE,
+    WARMUP_TAG,
     cpu_by_component,
     cpu_delta,
     env_by_component,
     run_level,
-    warm_up,
 )
 from service.frontdoor_report import LevelResult, ramp_seconds, report, row_line
 from service.frontdoor_runs import merge_runs
@@ -203,18 +203,10 @@ def _sweep_once(
     rows: list[LevelResult] = []
     for replicas in args.replicas:
         url = deploy(handles, model_dir, args.port, replicas)
-        if args.warmup_seconds > 0:
-            tag = (tag0 + len(rows)) * 100_000
-            warm = (
-                args.streams[0],
-                args.warmup_seconds,
-                args.max_tokens,
-                letter_id,
-                tag,
-                ramp_seconds(args),
-                args.client,
-            )
-            asyncio.run(warm_up(url, *warm))
+        if args.warmup_seconds > 0:  # untimed: frontdoor_load.WARMUP_TAG says why
+            tag = WARMUP_TAG + (tag0 + len(rows)) * 100_000
+            level = (args.streams[0], args.warmup_seconds, args.max_tokens, letter_id, tag, ramp_seconds(args))
+            asyncio.run(run_level(url, *level, client=args.client))
         best = 0.0
         for streams in args.streams:
             if levels is not None and (replicas, streams) not in levels:
@@ -289,8 +281,8 @@ def add_bench_frontdoor_args(p: argparse.ArgumentParser) -> None:
         "--warmup-seconds",
         type=float,
         default=6.0,
-        help="after each deploy, an untimed level this long at the first level's streams (0: none; bench_frontdoor."
-        "warm_up says why)",
+        help="after each deploy, an untimed level this long at the first level's streams (0: none; "
+        "service.frontdoor_load.WARMUP_TAG says why)",
     )
     p.add_argument(
         "--ramp-seconds",

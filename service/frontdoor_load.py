@@ -277,22 +277,10 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {k: max(0.0, after.get(k, 0.0) - before.get(k, 0.0)) for k in set(before) | set(after)}
 
 
-WARMUP_TAG = 900_000_000  # warm-up levels' prompts are tagged apart from the timed levels' (level x 100,000 + ...)
-
-
-async def warm_up(
-    base_url: str,
-    streams: int,
-    seconds: float,
-    max_tokens: int,
-    letter_id: int,
-    first_tag: int,
-    ramp_s: float,
-    client: str,
-) -> None:
-    """An untimed level, run right after a deploy (`dsv4 bench frontdoor --warmup-seconds`). The first seconds of a
-    deploy carry one-time work that steady serving does not: each replica's first requests open its links to the
-    routers and to the prefill and decode actors (until then prefills and placements go through Ray), HAProxy reloads
-    with the new replicas, Serve's controller and proxy settle. Measured on the 2-core box (2026-12-07, 1 replica, 64
-    streams, 6 s levels): the first level after a deploy read p99 8.0 and 24.9 ms, the levels after it 4.6-7.1 ms."""
-    await run_level(base_url, streams, seconds, max_tokens, letter_id, WARMUP_TAG + first_tag, ramp_s, client)
+# `dsv4 bench frontdoor --warmup-seconds`: an untimed level right after each deploy, its prompts tagged from here on
+# (apart from the timed levels' level x 100,000 + ...). The first seconds of a deploy carry one-time work that steady
+# serving does not: each replica's first requests open its links to the routers and to the prefill and decode actors
+# (until then prefills and placements go through Ray), HAProxy reloads with the new replicas, Serve's controller and
+# proxy settle. Measured on the 2-core box (2026-12-07, 1 replica, 64 streams, 6 s levels): the first level after a
+# deploy read p99 8.0 and 24.9 ms, the levels after it 4.6-7.1 ms.
+WARMUP_TAG = 900_000_000

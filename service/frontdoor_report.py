@@ -107,7 +107,7 @@ def _warmup_text(args) -> str:
         return "no warm-up (`--warmup-seconds 0`): each replica count's first level starts right after its deploy; "
     return (
         f"after each deploy an untimed warm-up level ({args.warmup_seconds:g} s at {args.streams[0]} streams: the "
-        "replicas' links to the routers and actors open, HAProxy reloads; frontdoor_load.warm_up), then "
+        "replicas' links to the routers and actors open, HAProxy reloads; frontdoor_load.WARMUP_TAG), then "
     )
 
 
