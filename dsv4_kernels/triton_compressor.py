@@ -12,15 +12,12 @@ without any in-register de-interleave. Each group takes two passes over the slot
 weighted sum) so the weights are final before they are rounded to kv.dtype, as in the reference.
 Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see dsv4_kernels/triton_attention_kernels.py).
 
-Also here, for the quantised caches (engine `--kv-cache-dtype fp8`):
-- `save_state`: this step's fp32 state ring rows [kv | gate + ape[pos % ratio]] (`compressor.state_rows`)
-  written at given ring rows;
-- `pool_norm_rope_quant`: the same pooling, then each entry quantised into the paged uint8 entry cache
+Also here, for the quantised caches (engine `--kv-cache-dtype fp8`), `pool_norm_rope_quant`: the same pooling, then each entry quantised into the paged uint8 entry cache
   (fp8_ds_mla KV entries, or MXFP4 / FP8 indexer keys after the Hadamard rotation), bytes placed as
-  geometry.write_rows places them. Its roundings to bf16 are by bits (dsv4_kernels/triton_cache_codecs.py), so the
-  bytes equal geometry's pack of the entries it returns exactly, in the interpreter and on the GPU. One entry
-  per program: the indexer keys' Hadamard is a [d, d / 2] broadcast sum per nibble half, not a dot (tl.dot
-  needs 16 rows; a step closes few windows).
+geometry.write_rows places them. Its roundings to bf16 are by bits (dsv4_kernels/triton_cache_codecs.py), so the
+bytes equal geometry's pack of the entries it returns exactly, in the interpreter and on the GPU. One entry per
+program: the indexer keys' Hadamard is a [d, d / 2] broadcast sum per nibble half, not a dot (tl.dot needs 16 rows;
+a step closes few windows). The compressor's state ring rows are dsv4_kernels.triton_state_save's.
 """
 
 from __future__ import annotations
@@ -224,89 +221,6 @@ def pool_norm_rope(
         **pdl_kwargs(kv),
     )
     return out
-
-
-# ---- compressor state save ----------------------------------------------------------------------------
-@triton.jit
-def _state_save_kernel(
-    kv_ptr,
-    gate_ptr,
-    ape_ptr,
-    pos_ptr,
-    rows_ptr,
-    state_ptr,
-    W,
-    RATIO,
-    stride_kt,
-    stride_gt,
-    stride_ar,
-    stride_sr,
-    BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    tl_pdl_wait(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    slot = tl.load(rows_ptr + t + tl.arange(0, 1)).to(tl.int64)  # [1]: the interpreter needs vector masks
-    pos = tl.load(pos_ptr + t + tl.arange(0, 1)).to(tl.int64)
-    mask = (cols < W)[None, :] & (slot >= 0)[:, None]
-    kv = tl.load(kv_ptr + t * stride_kt + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(gate_ptr + t * stride_gt + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    ape = tl.load(ape_ptr + (pos % RATIO)[:, None] * stride_ar + cols[None, :], mask=mask, other=0.0)
-    row = state_ptr + tl.maximum(slot, 0)[:, None] * stride_sr
-    tl.store(row + cols[None, :], kv, mask=mask)
-    tl.store(row + W + cols[None, :], gate + ape.to(tl.float32), mask=mask)
-
-
-def save_state(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    ape: torch.Tensor,
-    positions: torch.Tensor,
-    state: torch.Tensor,
-    rows: torch.Tensor,
-) -> None:
-    """state[rows[t]] = [kv[t] | gate[t] + ape[positions[t] % ratio]] in fp32; rows < 0 are skipped.
-
-    kv, gate: [T, W] (W = coff * d; model dtype; last dim contiguous); ape: [ratio, W]; positions: int [T];
-    state: fp32 [R, 2W] (one layer's state ring rows; row stride free, last dim contiguous);
-    rows: int32/int64 [T] (-1 = keep nothing; ids are not range-checked).
-    Equals `state[rows[valid]] = dsv4_kernels.compressor.state_rows(kv, gate, ape, positions)[valid]`.
-    """
-    if kv.dim() != 2 or gate.shape != kv.shape or kv.stride(-1) != 1 or gate.stride(-1) != 1:
-        raise ValueError(
-            f"kv and gate must be matching [T, W] with unit last stride, got {tuple(kv.shape)}, {tuple(gate.shape)}"
-        )
-    t, w = kv.shape
-    if ape.dim() != 2 or ape.shape[1] != w or ape.stride(-1) != 1:
-        raise ValueError(f"ape must be [ratio, W={w}] with unit last stride, got {tuple(ape.shape)}")
-    if state.dtype != torch.float32 or state.dim() != 2 or state.shape[1] != 2 * w or state.stride(-1) != 1:
-        raise ValueError(
-            f"state must be fp32 [R, 2W={2 * w}] with unit last stride, got {state.dtype} {tuple(state.shape)}"
-        )
-    for name, ids in (("positions", positions), ("rows", rows)):
-        if ids.shape != (t,) or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32/int64 [T={t}], got {ids.dtype} {tuple(ids.shape)}")
-    require_triton(kv.device)
-    if t == 0:
-        return
-    block_w = min(1024, triton.next_power_of_2(w))
-    _state_save_kernel[(t, triton.cdiv(w, block_w))](
-        kv,
-        gate,
-        ape,
-        positions.contiguous(),
-        rows.contiguous(),
-        state,
-        w,
-        ape.shape[0],
-        kv.stride(0),
-        gate.stride(0),
-        ape.stride(0),
-        state.stride(0),
-        BLOCK_W=block_w,
-        **pdl_kwargs(kv),
-    )
 
 
 # ---- pooled entries straight into the quantised entry cache ---------------------------------------------

@@ -96,7 +96,8 @@ def case_groups(Case, rand, close, device: str) -> dict:
         from dsv4_kernels.hadamard import hadamard
         from dsv4_kernels.norm import rms_norm
         from dsv4_kernels.rope import apply_rope
-        from dsv4_kernels.triton_compressor import pool_norm_rope_quant, save_state
+        from dsv4_kernels.triton_compressor import pool_norm_rope_quant
+        from dsv4_kernels.triton_state_save import save_state
 
         out = []
         kinds = (
@@ -152,6 +153,7 @@ def case_groups(Case, rand, close, device: str) -> dict:
         ape = rand(4, w, dtype=torch.float32, seed=38)
         positions = torch.randint(0, 65536, (t,), device=device)
         rows = torch.randperm(2 * t + 8, device=device)[:t]
+        chunk_rows = torch.arange(t, device=device)  # every row of the chunk kept (the engine's RingWrite pairs)
         state, ref_state = (torch.zeros(2 * t + 8, 2 * w, device=device) for _ in range(2))
 
         def state_reference():
@@ -162,7 +164,7 @@ def case_groups(Case, rand, close, device: str) -> dict:
             Case(
                 "compressor state save (r+w)",
                 f"T={t} W={w}",
-                lambda: save_state(kv, gate, ape, positions, state, rows) or state,
+                lambda: save_state(kv, gate, ape, positions, state, chunk_rows, rows) or state,
                 state_reference,
                 2 * kv.numel() * 2 + t * 2 * w * 4,
                 check=lambda a, b: "ok" if torch.equal(a, b) else "MISMATCH",

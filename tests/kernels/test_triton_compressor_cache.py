@@ -1,6 +1,6 @@
-"""Triton compressor cache writers (dsv4_kernels/triton_compressor.py: save_state, pool_norm_rope_quant).
+"""Triton compressor cache writer (dsv4_kernels/triton_compressor.py: pool_norm_rope_quant).
 
-save_state against dsv4_kernels.compressor.state_rows; pool_norm_rope_quant against pool_windows + rms_norm +
+pool_norm_rope_quant against pool_windows + rms_norm +
 apply_rope (+ dsv4_kernels.hadamard for indexer keys) and the engine's row codecs (geometry pack, zero padding).
 Runs compiled on a GPU when one is present, else in triton's CPU interpreter.
 """
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from dsv4_kernels import geometry as g  # noqa: E402
-from dsv4_kernels.compressor import overlap_slots, pool_windows, state_rows  # noqa: E402
+from dsv4_kernels.compressor import overlap_slots, pool_windows  # noqa: E402
 from dsv4_kernels.hadamard import hadamard  # noqa: E402
 from dsv4_kernels.norm import rms_norm  # noqa: E402
 from dsv4_kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
-from dsv4_kernels.triton_compressor import pool_norm_rope_quant, save_state  # noqa: E402
+from dsv4_kernels.triton_compressor import pool_norm_rope_quant  # noqa: E402
 from engine.model.cache import fp8_ds_mla_codec, indexer_codec  # noqa: E402
 from tests.support.cache_kernel_checks import assert_bytes_near, assert_close, expected_cache, sentinel_cache  # noqa: E402
 from tests.support.triton_env import DEVICE  # noqa: E402  (sets TRITON_INTERPRET first; may skip)
@@ -99,31 +99,3 @@ def test_quant_bad_inputs_raise():
         pool_norm_rope_quant(kv, score, weight, EPS, cos, sin, cache[:, :10], rows, layout)
     with pytest.raises(ValueError, match="index_head_dim"):
         pool_norm_rope_quant(kv, score, weight, EPS, cos, sin, cache, rows, g.IndexerKeyLayout(32, "mxfp4", BLOCK))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_save_state_rows(dtype):
-    t, w, ratio = 9, 40, 4
-    kv, gate = randn(t, w, seed=10, dtype=dtype), randn(t, w, seed=11, dtype=dtype)
-    ape = randn(ratio, w, seed=12)
-    positions = torch.randint(0, 1000, (t,), generator=torch.Generator().manual_seed(13)).to(DEVICE)
-    rows = torch.tensor([3, -1, 0, 7, 12, 5, -1, 1, 2], dtype=torch.int32, device=DEVICE)
-    big = torch.full((16, 2 * w + 8), 123.0, device=DEVICE)
-    state = big[:, : 2 * w]  # row stride > 2W: the kernel honours it
-    save_state(kv, gate, ape, positions, state, rows)
-    expected = torch.full_like(big, 123.0)
-    valid = rows >= 0
-    expected[rows[valid].long(), : 2 * w] = state_rows(kv, gate, ape, positions)[valid]
-    assert torch.equal(big, expected)
-
-
-def test_save_state_bad_inputs_raise():
-    kv = randn(4, 8, seed=14)
-    state = torch.zeros(8, 16, device=DEVICE)
-    pos = torch.arange(4, device=DEVICE)
-    with pytest.raises(ValueError, match="ape"):
-        save_state(kv, kv, torch.zeros(4, 4, device=DEVICE), pos, state, pos)
-    with pytest.raises(ValueError, match="state"):
-        save_state(kv, kv, torch.zeros(4, 8, device=DEVICE), pos, state.double(), pos)
-    with pytest.raises(ValueError, match="rows"):
-        save_state(kv, kv, torch.zeros(4, 8, device=DEVICE), pos, state, pos[:2])
