@@ -42,7 +42,8 @@ triton, tl = import_triton()
 # registers and runs tokens on FMAs, TOK at a time): on an H100 (BENCHMARKS.md `decode_launches`) batch 1 went from
 # 717 to 748 tok/s with the chain (and the router GEMV and the RoPE in wo_a's quantiser), but with the chain up to
 # 256 tokens batch 64 went from 12356 to 12194. $DSV4_HC_CHAIN_MAX_TOKENS overrides (0: never); the kernels
-# themselves take any step up to LIMIT_TOKENS.
+# themselves take any step up to LIMIT_TOKENS, so a larger setting stops there (longer steps keep the four launches:
+# a setting of 8192 once failed every 8K-token prefill step instead).
 CHAIN_MAX_TOKENS = settings().hc_chain_max_tokens  # 8
 LIMIT_TOKENS = 4096
 # The post + mix kernel's D block: 64 columns give 64 programs a token at V4-Flash's D = 4096 (its fn block, 24 x 4 x
@@ -198,7 +199,7 @@ def _pre_norm_quant_kernel(
 
 def takes_chain(streams: torch.Tensor) -> bool:
     """Does a boundary over these streams [T, hc, D] take this module's two launches?"""
-    return 0 < streams.shape[0] <= CHAIN_MAX_TOKENS
+    return 0 < streams.shape[0] <= min(CHAIN_MAX_TOKENS, LIMIT_TOKENS)
 
 
 def _post_mix(

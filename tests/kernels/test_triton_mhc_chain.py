@@ -124,3 +124,13 @@ def test_bad_inputs_raise():
     long = streams.new_zeros(chain.LIMIT_TOKENS + 1, 4, 128)
     with pytest.raises(ValueError, match="steps of <= "):
         chain.pre_norm_quant(long, fn, base, scale, 20, EPS, EPS, **kw)
+
+
+def test_a_setting_past_the_kernels_limit_stops_there(monkeypatch):
+    """$DSV4_HC_CHAIN_MAX_TOKENS above LIMIT_TOKENS: longer steps keep the four launches instead of failing."""
+    monkeypatch.setattr(chain, "CHAIN_MAX_TOKENS", 2 * chain.LIMIT_TOKENS)
+    at_limit = torch.empty(chain.LIMIT_TOKENS, 4, 8)
+    past = torch.empty(chain.LIMIT_TOKENS + 1, 4, 8)
+    assert chain.takes_chain(at_limit) and not chain.takes_chain(past)
+    monkeypatch.setattr(chain, "CHAIN_MAX_TOKENS", 8)
+    assert chain.takes_chain(at_limit[:8]) and not chain.takes_chain(at_limit[:9])

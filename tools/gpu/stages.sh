@@ -19,6 +19,9 @@
 # top-k: GPU tests, sweep, batch-1 decode at 4K / 32K with its two-launch form off and on), prefillglue (the 8K
 # prefill's mHC glue: the two-launch chain at prefill sizes, bf16 residual streams).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
+# A command run beside the stages in the same call (benchmarks/slice/run.sh, pytest) sees the wheels only with
+# `export PYTHONPATH=/tmp/site:$PWD` (run.sh installs only .cache/whl: without it the slice falls back to bf16 dense
+# and the engine's MoE, as one call of 2026-12-07 did).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu_logs}
@@ -214,12 +217,14 @@ sweep_rank(torch.device("cuda"))' 2>&1 | tee "$OUT/topk_rank_sweep.log" | grep -
             --out "$OUT/topk_b1_seg$seg.md" > "$OUT/topk_b1_seg$seg.log" 2>&1 || status=1
           echo "== DSV4_TOPK_RANK_SEGMENT=$seg"; grep -E "^\| 1 \|" "$OUT/topk_b1_seg$seg.md"
         done ;;
-    # prefillglue: the 8K fp8-expert prefill's mHC boundary, 3 runs each: default, the two-launch chain at prefill sizes
-    # (DSV4_HC_CHAIN_MAX_TOKENS=8192: post + next mix, then pre + norm + quant; ~8 ms of the step is mHC glue), and
+    # prefillglue: the 8K fp8-expert prefill's mHC boundary, as two 4K-token chunks (the chain kernels' limit,
+    # triton_mhc_chain.LIMIT_TOKENS), 3 runs each: default, the two-launch chain at prefill sizes
+    # (DSV4_HC_CHAIN_MAX_TOKENS=4096: post + next mix, then pre + norm + quant; ~8 ms of the step is mHC glue), and
     # bf16 residual streams (DSV4_FP32_RESIDUAL=0: half the glue's bytes; a precision change to state if kept)
-    prefillglue) for v in "8 1" "8192 1" "8 0"; do set -- $v  # --budget-s: 60 s to build an engine + 5 kept back, after ~9 s of roofs
+    prefillglue) for v in "8 1" "4096 1" "8 0"; do set -- $v  # --budget-s: 60 s to build an engine + 5 kept back, after ~9 s of roofs
             DSV4_HC_CHAIN_MAX_TOKENS=$1 DSV4_FP32_RESIDUAL=$2 timeout ${PGLUE_TIMEOUT:-110} benchmarks/slice/run.sh \
-              --budget-s 90 --experts fp8 --prefill-only --prefill-runs 3 --no-peer --out "$OUT/prefill_glue_$1_$2.md" \
+              --budget-s 90 --experts fp8 --prefill-only --prefill-chunk 4096 --prefill-runs 3 --no-peer \
+              --out "$OUT/prefill_glue_$1_$2.md" \
               > "$OUT/prefillglue_$1_$2.log" 2>&1 || status=1
             echo "== chain max tokens $1, fp32 residual $2"; grep -E "^Prefill .*runs|^\| 1 x" "$OUT/prefill_glue_$1_$2.md" | cut -c1-250
           done ;;
