@@ -12,12 +12,13 @@ without any in-register de-interleave. Each group takes two passes over the slot
 weighted sum) so the weights are final before they are rounded to kv.dtype, as in the reference.
 Interpreter note: bf16 loads are converted to fp32 before any arithmetic (see dsv4_kernels/triton_attention_kernels.py).
 
-Also here, for the quantised caches (engine `--kv-cache-dtype fp8`), `pool_norm_rope_quant`: the same pooling, then each entry quantised into the paged uint8 entry cache
-  (fp8_ds_mla KV entries, or MXFP4 / FP8 indexer keys after the Hadamard rotation), bytes placed as
-geometry.write_rows places them. Its roundings to bf16 are by bits (dsv4_kernels/triton_cache_codecs.py), so the
-bytes equal geometry's pack of the entries it returns exactly, in the interpreter and on the GPU. One entry per
-program: the indexer keys' Hadamard is a [d, d / 2] broadcast sum per nibble half, not a dot (tl.dot needs 16 rows;
-a step closes few windows). The compressor's state ring rows are dsv4_kernels.triton_state_save's.
+Also here, for the quantised caches (engine `--kv-cache-dtype fp8`): `pool_norm_rope_quant`, the same pooling, then
+each entry quantised into the paged uint8 entry cache (fp8_ds_mla KV entries, or MXFP4 / FP8 indexer keys after the
+Hadamard rotation), bytes placed as geometry.write_rows places them. Its roundings to bf16 are by bits
+(dsv4_kernels/triton_cache_codecs.py), so the bytes equal geometry's pack of the entries it returns exactly, in the
+interpreter and on the GPU. One entry per program: the indexer keys' Hadamard is a [d, d / 2] broadcast sum per nibble
+half, not a dot (tl.dot needs 16 rows; a step closes few windows). The compressor's state ring rows are written by
+dsv4_kernels.triton_state_save.
 """
 
 from __future__ import annotations

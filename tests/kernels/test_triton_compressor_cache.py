@@ -1,8 +1,8 @@
 """Triton compressor cache writer (dsv4_kernels/triton_compressor.py: pool_norm_rope_quant).
 
-pool_norm_rope_quant against pool_windows + rms_norm +
-apply_rope (+ dsv4_kernels.hadamard for indexer keys) and the engine's row codecs (geometry pack, zero padding).
-Runs compiled on a GPU when one is present, else in triton's CPU interpreter.
+pool_norm_rope_quant against pool_windows + rms_norm + apply_rope (+ dsv4_kernels.hadamard for indexer keys) and the
+engine's row codecs (geometry pack, zero padding). The state ring's kernel is tested in
+tests/kernels/test_triton_compress_step.py. Runs compiled on a GPU when one is present, else in triton's CPU interpreter.
 """
 
 import pytest
