@@ -16,6 +16,9 @@ its masked M would land on the next group's rows: every group gets GROUPED_ROWS 
 any M tile), and the result is the first T of them. Longer steps keep G GEMMs (they fill the GPU anyway). If
 the grouped call raises (a DeepGEMM build without it, a shape it refuses), the module says so once in the log
 and keeps the G GEMMs.
+
+Steps of up to $DSV4_FP8_GEMV_MAX_TOKENS tokens (dense and grouped alike) run dsv4_kernels.triton_fp8_gemv instead
+of DeepGEMM: the same quantised activations and the same function, one Triton GEMV a projection.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ GROUPED_MAX_TOKENS = 128  # above, G GEMMs
 def _gemm(
     dg, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool, out: torch.Tensor
 ) -> None:
+    from dsv4_kernels import triton_fp8_gemv as gemv  # imports triton: only on this path
+
+    if gemv.takes_gemv(xq.shape[0], xq.device):
+        gemv.fp8_gemv(xq, xs, weight, scale, out)
+        return
     _SEEN.add((weight.shape[0], weight.shape[1], pow2, weight.device, 1))
     dg.fp8_gemm_nt((xq, xs), (weight, scale), out)
 
@@ -202,6 +210,11 @@ def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int, rope=None) -> t
     if t == 0:
         return out
     rb = r // BLOCK
+    from dsv4_kernels import triton_fp8_gemv as gemv
+
+    if gemv.takes_gemv(t, x.device):
+        xq, xs = quant_act_1x128_grouped(x, w.pow2_act, rope=rope)
+        return gemv.fp8_gemv(xq, xs, w.weight, w.scale, out)
     if t <= GROUPED_MAX_TOKENS and not _GROUPED_BROKEN:
         xq, xs = quant_act_1x128_grouped(x, w.pow2_act, GROUPED_ROWS, rope)
         padded = torch.empty(g, GROUPED_ROWS, r, dtype=torch.bfloat16, device=x.device)

@@ -40,6 +40,7 @@ HC_SPLIT_MAX_TOKENS_BF16 = "DSV4_HC_SPLIT_MAX_TOKENS_BF16"
 HC_LONG_PATH = "DSV4_HC_LONG_PATH"
 HC_CHAIN_MAX_TOKENS = "DSV4_HC_CHAIN_MAX_TOKENS"
 ROUTER_GEMV_MAX_TOKENS = "DSV4_ROUTER_GEMV_MAX_TOKENS"
+FP8_GEMV_MAX_TOKENS = "DSV4_FP8_GEMV_MAX_TOKENS"
 OGS_CONSTRAINTS = "DSV4_OGS_CONSTRAINTS"
 TRITON = "DSV4_TRITON"
 MXFP4_MOE = "DSV4_MXFP4_MOE"
@@ -152,6 +153,15 @@ class Settings:
         "MoE router on CUDA: steps of at most this many tokens compute the router logits as split-K partials in one "
         "Triton launch that the routing kernel adds up (dsv4_kernels.triton_router); longer steps, or 0, use "
         "cuBLAS's GEMM",
+        "kernels",
+        minimum=0,
+    )
+    fp8_gemv_max_tokens: int = _switch(
+        FP8_GEMV_MAX_TOKENS,
+        "int",
+        0,
+        "dense FP8 projections on CUDA: steps of at most this many tokens run as one Triton GEMV a projection "
+        "(dsv4_kernels.triton_fp8_gemv: whole weight rows a program, no split-K) instead of DeepGEMM; 0 = never",
         "kernels",
         minimum=0,
     )

@@ -17,7 +17,8 @@
 # graphs: its GPU tests, then the slice prefill at 1K and 8K with DSV4_PREFILL_GRAPHS=0 and 1),
 # rope (the in-place inverse RoPE by rows a program and warps: `dsv4 bench kernels rope`), topkrank (the rank-counting
 # top-k: GPU tests, sweep, batch-1 decode at 4K / 32K with its two-launch form off and on), prefillglue (the 8K
-# prefill's mHC glue: the two-launch chain at prefill sizes, bf16 residual streams).
+# prefill's mHC glue: the two-launch chain at prefill sizes, bf16 residual streams), fp8gemv (the few-token FP8
+# GEMV: GPU tests, its sweep, the kernel table against DeepGEMM), gemvslice (batch-1 decode at 4K / 32K, GEMV off / on).
 # Usage: tools/gpu/stages.sh stage ...   (the whole GPU test run is its own script: tools/gpu/run_tests.sh)
 # A command run beside the stages in the same call (benchmarks/slice/run.sh, pytest) sees the wheels only with
 # `export PYTHONPATH=/tmp/site:$PWD` (run.sh installs only .cache/whl: without it the slice falls back to bf16 dense
@@ -228,6 +229,25 @@ sweep_rank(torch.device("cuda"))' 2>&1 | tee "$OUT/topk_rank_sweep.log" | grep -
               > "$OUT/prefillglue_$1_$2.log" 2>&1 || status=1
             echo "== chain max tokens $1, fp32 residual $2"; grep -E "^Prefill .*runs|^\| 1 x" "$OUT/prefill_glue_$1_$2.md" | cut -c1-250
           done ;;
+    # fp8gemv: the few-token FP8 GEMV (dsv4_kernels.triton_fp8_gemv): its GPU tests with the switch on, the tile x
+    # warps sweep at 1 / 2 tokens, then the kernel table against DeepGEMM at 1 / 2 / 4 tokens
+    fp8gemv) DSV4_FP8_GEMV_MAX_TOKENS=4 timeout ${GEMV_TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs \
+               tests/kernels/test_triton_fp8_gemv.py tests/kernels/test_fp8_linear.py > "$OUT/fp8gemv_tests.log" 2>&1 || status=1
+             grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/fp8gemv_tests.log" | cut -c1-300
+             timeout ${GEMV_SWEEP_TIMEOUT:-200} python3 -m benchmarks.kernels fp8-gemm --tokens 1 2 --gemv-sweep \
+               --out "$OUT/fp8_gemv_sweep.md" > "$OUT/fp8_gemv_sweep.log" 2>&1 || status=1
+             grep -E "^\| |Best|Error" "$OUT/fp8_gemv_sweep.log" | cut -c1-200
+             DSV4_FP8_GEMV_MAX_TOKENS=0 timeout ${GEMV_TABLE_TIMEOUT:-200} python3 -m benchmarks.kernels fp8-gemm --tokens 1 2 4 \
+               --out "$OUT/fp8_gemm_gemv.md" > "$OUT/fp8_gemm_gemv.log" 2>&1 || status=1
+             grep -E "^\| [a-z]" "$OUT/fp8_gemm_gemv.md" | cut -c1-220 ;;
+    # gemvslice: batch-1 decode at 4K / 32K with the FP8 GEMV off and on (DSV4_FP8_GEMV_MAX_TOKENS 0 and $GEMV_ON),
+    # back to back on the same machine
+    gemvslice) for on in 0 ${GEMV_ON:-4}; do
+               DSV4_FP8_GEMV_MAX_TOKENS=$on timeout ${GEMV_SLICE_TIMEOUT:-200} benchmarks/slice/run.sh --experts mxfp4 --no-peer \
+                 --prefill-tokens 1024 --prefill-runs 1 --contexts 4096 32768 --batches 1 --budget-s 150 \
+                 --out "$OUT/gemv_b1_$on.md" > "$OUT/gemv_b1_$on.log" 2>&1 || status=1
+               echo "== DSV4_FP8_GEMV_MAX_TOKENS=$on"; grep -E "^\| 1 \||roofs measured" "$OUT/gemv_b1_$on.md" | cut -c1-250
+             done ;;
     # rope: the in-place inverse RoPE's rows a program x warps at 8K / 64 / 1 tokens (`dsv4 bench kernels rope`)
     rope) timeout ${ROPE_TIMEOUT:-120} python3 -m benchmarks.kernels rope --out "$OUT/rope_sweep.md" > "$OUT/rope.log" 2>&1 \
             || status=1

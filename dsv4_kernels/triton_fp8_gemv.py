@@ -1,0 +1,158 @@
+"""Block-scaled FP8 projections of a few tokens as one Triton GEMV (reference: dsv4_kernels.fp8_linear.fp8_linear_ref).
+
+Why: at batch 1 a decode step multiplies one token by V4's dense FP8 weights (26 DeepGEMM calls on the V4-Flash
+slice, 308 us of a 1.37 ms step at 32K on an H100, where their ~520 MB need ~175 us at copy bandwidth). DeepGEMM's
+kernels tile M by 64 and, for the small projections, start too few CTAs to keep enough bytes in flight: 9-10 us
+for 4 MB (wq_a, one wo_a group), 17-20 us for 32 MB (wq_b, wo_b) after an L2 flush (BENCHMARKS.md, "FP8 dense
+GEMMs"). An earlier split-K Triton GEMM (2026-12-04: K split until ~264 programs, a reducing last split) lost at
+every shape. Here every program owns BLOCK_N whole weight rows and loads them, all K of them, in one load (TILE
+bytes: 16 KB by default), so thousands of programs each have their whole tile in flight at once and nothing is
+reduced across programs: no split-K, no atomics, the same sums in the same order on every call.
+
+The math is the reference's: y[m, n] = sum_k (xq[m, k] * xs[m, k // 128]) * (w[n, k] * ws[n // 128, k // 128])
+in fp32, with the activations quantised per token in 1x128 blocks (dsv4_kernels.triton_fp8_quant, whose codes and
+MN-major scales this takes as they are) and the weight's 128 x 128 block scales; here the two scales are folded into
+the activation row first (xq * xs * ws, exact products of an e4m3 code and powers of two when the scales are UE8M0),
+then summed with the weight codes. Output bf16, as DeepGEMM's.
+
+Grouped projections (wo_a: G groups of R rows, each over its own K features) are the same kernel: the rows of
+group g read activation row g. Steps of up to GEMV_MAX_TOKENS tokens take it (dsv4_kernels.deepgemm_linear;
+$DSV4_FP8_GEMV_MAX_TOKENS, 0 = never); each program loops over the tokens with its tile held in registers.
+Interpreter note: FP8 bytes are loaded as uint8 and bitcast (the CPU interpreter has no fp8 tensors of its own).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_kernels.fp8_linear import BLOCK
+from dsv4_kernels.gpu import import_triton, require_triton
+from dsv4_kernels.settings import settings
+from dsv4_kernels.triton_cache_codecs import tl_round_bf16
+from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
+
+triton, tl = import_triton()
+
+GEMV_MAX_TOKENS = settings().fp8_gemv_max_tokens
+TILE = 16384  # weight bytes a program loads (BLOCK_N rows x K); `dsv4 bench kernels fp8-gemm --gemv-sweep` sets it
+NUM_WARPS = 4
+_BLOCK_K = tl.constexpr(BLOCK)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_kernel(
+    xq,
+    xs,
+    w,
+    ws,
+    out,
+    M,
+    K,
+    R,
+    stride_xg,
+    stride_xm,
+    stride_sg,
+    stride_sm,
+    stride_sk,
+    stride_og,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    KP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Rows [n0, n0 + BLOCK_N) of the stacked weight (group n0 // R, rows n0 % R.. of its output) for M tokens."""
+    tl_pdl_wait(PDL)
+    n0 = tl.program_id(0) * BLOCK_N
+    g = n0 // R
+    rows = n0 + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, KP)
+    kmask = k < K
+    codes = tl.load(w + rows[:, None].to(tl.int64) * K + k[None, :], mask=kmask[None, :], other=0)
+    wf = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    kblocks = (K + _BLOCK_K - 1) // _BLOCK_K
+    # One weight-scale row for the whole tile: BLOCK_N divides 128 and n0 is a multiple of it.
+    wscale = tl.load(ws + (n0 // _BLOCK_K) * kblocks + k // _BLOCK_K, mask=kmask, other=0.0)
+    x_row = xq + g * stride_xg
+    s_row = xs + g * stride_sg
+    o_row = out + g * stride_og + (rows - g * R)
+    for m in range(M):
+        xc = tl.load(x_row + m * stride_xm + k, mask=kmask, other=0)
+        xscale = tl.load(s_row + m * stride_sm + (k // _BLOCK_K) * stride_sk, mask=kmask, other=0.0)
+        xf = xc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (xscale * wscale)
+        y = tl.sum(wf * xf[None, :], axis=1)
+        tl.store(o_row + m * stride_om, tl_round_bf16(y).to(tl.bfloat16))  # nearest even, the interpreter too
+
+
+def takes_gemv(m: int, device: torch.device) -> bool:
+    """Does a step of m tokens take the GEMV on this device?"""
+    return device.type == "cuda" and 0 < m <= GEMV_MAX_TOKENS
+
+
+def block_n(k: int, tile: int = TILE) -> int:
+    """Weight rows a program takes: tile bytes over K padded to a power of two (tile a power of two), 1..128."""
+    return max(1, min(BLOCK, tile // triton.next_power_of_2(k)))
+
+
+def fp8_gemv(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    tile: int = TILE,
+    num_warps: int = NUM_WARPS,
+) -> torch.Tensor:
+    """out[g] = (xq[g] * xs[g]) @ (weight's rows of group g)^T in fp32, bf16 out.
+
+    xq: e4m3 [G, M, K] or [M, K] (unit last stride); xs: fp32 [G, M, K/128] or [M, K/128] (any strides: the
+    quantisers' MN-major layout is read in place); weight: e4m3 [G * R, K] contiguous; scale: fp32 [G * R / 128,
+    K / 128] contiguous; out: bf16 [G, M, R] or [M, N] (unit last stride). R and K whole 128-blocks. -> out."""
+    grouped = xq.dim() == 3
+    if not grouped:
+        xq, xs, out = xq.unsqueeze(0), xs.unsqueeze(0), out.unsqueeze(0)
+    g, m, k = xq.shape
+    n = weight.shape[0]
+    r = n // max(g, 1)
+    if (
+        weight.dim() != 2
+        or weight.shape[1] != k
+        or r * g != n
+        or r % BLOCK
+        or k % BLOCK
+        or xs.shape != (g, m, k // BLOCK)
+        or out.shape != (g, m, r)
+        or scale.shape != (n // BLOCK, k // BLOCK)
+    ):
+        raise ValueError(
+            f"fp8_gemv: activations {tuple(xq.shape)} / scales {tuple(xs.shape)}, weight {tuple(weight.shape)} / "
+            f"{tuple(scale.shape)} and out {tuple(out.shape)} do not fit (G groups of R rows, R and K whole "
+            f"{BLOCK}-blocks)"
+        )
+    if xq.stride(-1) != 1 or out.stride(-1) != 1 or not weight.is_contiguous() or not scale.is_contiguous():
+        raise ValueError("fp8_gemv needs unit last strides and a contiguous weight and scale")
+    require_triton(xq.device)
+    if m == 0 or n == 0:
+        return out
+    bn = block_n(k, tile)
+    _fp8_gemv_kernel[(n // bn,)](
+        xq.view(torch.uint8),
+        xs,
+        weight.view(torch.uint8),
+        scale,
+        out,
+        m,
+        k,
+        r,
+        xq.stride(0),
+        xq.stride(1),
+        xs.stride(0),
+        xs.stride(1),
+        xs.stride(2),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_N=bn,
+        KP=triton.next_power_of_2(k),
+        **({"num_warps": num_warps} if xq.is_cuda else {}),
+        **pdl_kwargs(xq),
+    )
+    return out if grouped else out[0]
