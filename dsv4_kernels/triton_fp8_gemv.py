@@ -11,9 +11,9 @@ reduced across programs: no split-K, no atomics, the same sums in the same order
 
 The math is the reference's: y[m, n] = sum_k (xq[m, k] * xs[m, k // 128]) * (w[n, k] * ws[n // 128, k // 128])
 in fp32, with the activations quantised per token in 1x128 blocks (dsv4_kernels.triton_fp8_quant, whose codes and
-MN-major scales this takes as they are) and the weight's 128 x 128 block scales; here the two scales are folded into
-the activation row first (xq * xs * ws, exact products of an e4m3 code and powers of two when the scales are UE8M0),
-then summed with the weight codes. Output bf16, as DeepGEMM's.
+MN-major scales this takes as they are) and the weight's 128 x 128 block scales; here, as in DeepGEMM, each 128-wide
+K block's code products are summed first (in fp32) and then scaled by xs * ws once, so the result equals the
+reference's up to the order of the sums. Output bf16 rounded to nearest, as DeepGEMM's.
 
 Grouped projections (wo_a: G groups of R rows, each over its own K features) are the same kernel: the rows of
 group g read activation row g. Steps of up to GEMV_MAX_TOKENS tokens take it (dsv4_kernels.deepgemm_linear;
@@ -57,29 +57,34 @@ def _fp8_gemv_kernel(
     stride_og,
     stride_om,
     BLOCK_N: tl.constexpr,
-    KP: tl.constexpr,
+    KB: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Rows [n0, n0 + BLOCK_N) of the stacked weight (group n0 // R, rows n0 % R.. of its output) for M tokens."""
+    """Rows [n0, n0 + BLOCK_N) of the stacked weight (group n0 // R, rows n0 % R.. of its output) for M tokens.
+    The tile is [BLOCK_N, KB, 128]: each 128-wide K block is summed on its own, then scaled once (KB loads of
+    each scale, not K)."""
     tl_pdl_wait(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     g = n0 // R
     rows = n0 + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, KP)
-    kmask = k < K
-    codes = tl.load(w + rows[:, None].to(tl.int64) * K + k[None, :], mask=kmask[None, :], other=0)
+    kb = tl.arange(0, KB)
+    c = tl.arange(0, _BLOCK_K)
+    kblocks = K // _BLOCK_K
+    bmask = kb < kblocks
+    k2 = kb[:, None] * _BLOCK_K + c[None, :]  # [KB, 128]
+    codes = tl.load(w + rows[:, None, None].to(tl.int64) * K + k2[None, :, :], mask=bmask[None, :, None], other=0)
     wf = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    kblocks = (K + _BLOCK_K - 1) // _BLOCK_K
     # One weight-scale row for the whole tile: BLOCK_N divides 128 and n0 is a multiple of it.
-    wscale = tl.load(ws + (n0 // _BLOCK_K) * kblocks + k // _BLOCK_K, mask=kmask, other=0.0)
+    wscale = tl.load(ws + (n0 // _BLOCK_K) * kblocks + kb, mask=bmask, other=0.0)
     x_row = xq + g * stride_xg
     s_row = xs + g * stride_sg
     o_row = out + g * stride_og + (rows - g * R)
     for m in range(M):
-        xc = tl.load(x_row + m * stride_xm + k, mask=kmask, other=0)
-        xscale = tl.load(s_row + m * stride_sm + (k // _BLOCK_K) * stride_sk, mask=kmask, other=0.0)
-        xf = xc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (xscale * wscale)
-        y = tl.sum(wf * xf[None, :], axis=1)
+        xc = tl.load(x_row + m * stride_xm + k2, mask=bmask[:, None], other=0)
+        xf = xc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        part = tl.sum(wf * xf[None, :, :], axis=2)  # [BLOCK_N, KB]: code products, one K block each
+        both = tl.load(s_row + m * stride_sm + kb * stride_sk, mask=bmask, other=0.0) * wscale
+        y = tl.sum(part * both[None, :], axis=1)
         tl.store(o_row + m * stride_om, tl_round_bf16(y).to(tl.bfloat16))  # nearest even, the interpreter too
 
 
@@ -151,7 +156,7 @@ def fp8_gemv(
         out.stride(0),
         out.stride(1),
         BLOCK_N=bn,
-        KP=triton.next_power_of_2(k),
+        KB=triton.next_power_of_2(k // BLOCK),
         **({"num_warps": num_warps} if xq.is_cuda else {}),
         **pdl_kwargs(xq),
     )

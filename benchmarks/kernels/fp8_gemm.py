@@ -7,7 +7,7 @@ after an L2 flush (benchmarks.timing.bench_graph: device time, no launch overhea
 - `bf16`: x @ W^T on the dequantised bf16 weight (what the engine ran before);
 - `gemv` (M <= 8): the same quantiser + dsv4_kernels.triton_fp8_gemv.fp8_gemv (the few-token path,
   $DSV4_FP8_GEMV_MAX_TOKENS), with its error against the reference.
---gemv-sweep: the GEMV's tile bytes x warps at each shape and M, each output checked against the default's; prints
+--gemv-sweep: the GEMV's tile bytes x warps at each shape and M, each output checked against the default's (within 1e-2: another order of the same sums); prints
 the best per shape and the best single configuration (the module's TILE / NUM_WARPS).
 Reported: both times, the speed-up, TFLOP/s of the FP8 path, and its relative error ||fp8 - ref|| / ||ref||
 against dsv4_kernels.fp8_linear.fp8_linear_ref (fp32, same quantised activations) and against the exact bf16 product.
@@ -96,7 +96,7 @@ def gemv(x: torch.Tensor, fw, tile: int | None = None, warps: int | None = None)
 def gemv_sweep(tokens: list[int], gen: torch.Generator) -> str:
     """Tile bytes x warps of the GEMV at each shape and M <= GEMV_MAX_M -> a markdown table with the best per shape
     and the configuration whose summed time over the shapes is least."""
-    tiles, warps = (4096, 8192, 16384, 32768), (2, 4, 8)
+    tiles, warps = (2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8)
     rows, totals = [], {}
     for m in [t for t in tokens if t <= GEMV_MAX_M]:
         for name, (n, k) in SHAPES.items():
@@ -107,7 +107,8 @@ def gemv_sweep(tokens: list[int], gen: torch.Generator) -> str:
             times = {}
             for tile in tiles:
                 for nw in warps:
-                    if not torch.equal(gemv(x, fw, tile, nw), base):
+                    # other tiles / warps sum in another order: close, not bitwise
+                    if rel(gemv(x, fw, tile, nw), base) > 1e-2:
                         raise AssertionError(f"gemv tile {tile} warps {nw} differs from the default at {name}, M={m}")
                     times[(tile, nw)] = bench_graph(lambda tile=tile, nw=nw: gemv(x, fw, tile, nw))
                     totals[(tile, nw)] = totals.get((tile, nw), 0.0) + times[(tile, nw)]
