@@ -17,8 +17,8 @@ any M tile), and the result is the first T of them. Longer steps keep G GEMMs (t
 the grouped call raises (a DeepGEMM build without it, a shape it refuses), the module says so once in the log
 and keeps the G GEMMs.
 
-Steps of up to $DSV4_FP8_GEMV_MAX_TOKENS tokens (dense and grouped alike) run dsv4_kernels.triton_fp8_gemv instead
-of DeepGEMM: the same quantised activations and the same function, one Triton GEMV a projection.
+Steps of up to $DSV4_FP8_GEMV_MAX_TOKENS tokens through small weights (triton_fp8_gemv.takes_gemv) run
+dsv4_kernels.triton_fp8_gemv instead of DeepGEMM: the same quantised activations and function, one Triton GEMV.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _gemm(
 ) -> None:
     from dsv4_kernels import triton_fp8_gemv as gemv  # imports triton: only on this path
 
-    if gemv.takes_gemv(xq.shape[0], xq.device):
+    if gemv.takes_gemv(xq.shape[0], weight):
         gemv.fp8_gemv(xq, xs, weight, scale, out)
         return
     _SEEN.add((weight.shape[0], weight.shape[1], pow2, weight.device, 1))
@@ -212,7 +212,7 @@ def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int, rope=None) -> t
     rb = r // BLOCK
     from dsv4_kernels import triton_fp8_gemv as gemv
 
-    if gemv.takes_gemv(t, x.device):
+    if gemv.takes_gemv(t, w.weight):
         xq, xs = quant_act_1x128_grouped(x, w.pow2_act, rope=rope)
         return gemv.fp8_gemv(xq, xs, w.weight, w.scale, out)
     if t <= GROUPED_MAX_TOKENS and not _GROUPED_BROKEN:

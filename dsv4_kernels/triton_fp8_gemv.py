@@ -16,8 +16,10 @@ K block's code products are summed first (in fp32) and then scaled by xs * ws on
 reference's up to the order of the sums. Output bf16 rounded to nearest, as DeepGEMM's.
 
 Grouped projections (wo_a: G groups of R rows, each over its own K features) are the same kernel: the rows of
-group g read activation row g. Steps of up to GEMV_MAX_TOKENS tokens take it (dsv4_kernels.deepgemm_linear;
-$DSV4_FP8_GEMV_MAX_TOKENS, 0 = never); each program loops over the tokens with its tile held in registers.
+group g read activation row g. Steps of up to GEMV_MAX_TOKENS tokens through weights of up to GEMV_MAX_WEIGHT_BYTES
+take it (dsv4_kernels.deepgemm_linear; $DSV4_FP8_GEMV_MAX_TOKENS, 0 = never); each program loops over the tokens with
+its tile held in registers. Measured (H100): it beats DeepGEMM on the small projections only (wq_a|wkv, 2-4 MB:
+~3 us less at one token); at 8-32 MB both sit at ~1.5-1.6 TB/s and DeepGEMM is as fast or faster.
 Interpreter note: FP8 bytes are loaded as uint8 and bitcast (the CPU interpreter has no fp8 tensors of its own).
 """
 
@@ -34,8 +36,14 @@ from dsv4_kernels.triton_pdl import pdl_kwargs, tl_pdl_wait
 triton, tl = import_triton()
 
 GEMV_MAX_TOKENS = settings().fp8_gemv_max_tokens
-TILE = 16384  # weight bytes a program loads (BLOCK_N rows x K); `dsv4 bench kernels fp8-gemm --gemv-sweep` sets it
-NUM_WARPS = 4
+# Projections of at most this many weight bytes (one launch's: a grouped projection counts all its groups). On an
+# H100 (2026-12-07, `dsv4 bench kernels fp8-gemm`, quantiser included, after an L2 flush) the GEMV took 0.66-0.71x
+# DeepGEMM's time at 2-4 MB and one token, 0.89-1.16x at 8 MB and 1.05-1.11x at 32 MB.
+GEMV_MAX_WEIGHT_BYTES = 6 << 20
+# Weight bytes a program loads (BLOCK_N rows x K) and its warps: the best single configuration of the same H100's
+# `--gemv-sweep` over V4-Flash's projections at one token.
+TILE = 4096
+NUM_WARPS = 2
 _BLOCK_K = tl.constexpr(BLOCK)
 
 
@@ -88,9 +96,9 @@ def _fp8_gemv_kernel(
         tl.store(o_row + m * stride_om, tl_round_bf16(y).to(tl.bfloat16))  # nearest even, the interpreter too
 
 
-def takes_gemv(m: int, device: torch.device) -> bool:
-    """Does a step of m tokens take the GEMV on this device?"""
-    return device.type == "cuda" and 0 < m <= GEMV_MAX_TOKENS
+def takes_gemv(m: int, weight: torch.Tensor) -> bool:
+    """Does a step of m tokens through this weight (one launch's, [N, K] e4m3) take the GEMV?"""
+    return weight.is_cuda and 0 < m <= GEMV_MAX_TOKENS and weight.numel() <= GEMV_MAX_WEIGHT_BYTES
 
 
 def block_n(k: int, tile: int = TILE) -> int:
