@@ -159,9 +159,10 @@ class Settings:
     fp8_gemv_max_tokens: int = _switch(
         FP8_GEMV_MAX_TOKENS,
         "int",
-        0,
-        "dense FP8 projections on CUDA: steps of at most this many tokens run as one Triton GEMV a projection "
-        "(dsv4_kernels.triton_fp8_gemv: whole weight rows a program, no split-K) instead of DeepGEMM; 0 = never",
+        2,
+        "dense FP8 projections on CUDA: steps of at most this many tokens through weights of at most 6 MB run as one "
+        "Triton GEMV (dsv4_kernels.triton_fp8_gemv: whole weight rows a program, no split-K) instead of DeepGEMM "
+        "(on an H100 batch-1 decode went 769 -> 779 tok/s at 4K, 745 -> 749 at 32K); 0 = never",
         "kernels",
         minimum=0,
     )
