@@ -11,8 +11,10 @@ With --pdl every launch is recorded as the CUDA path makes it with $DSV4_PDL on 
 dsv4_kernels.triton_pdl) and each kernel must then hold griddepcontrol.wait (and hold none without --pdl).
 
 Usage: python scripts/compile_triton_sm90.py [--only mhc,router,topk,step_ends,swa,indexer_query,compressor,compress_step,
-         attention_glue,prologue,indexer,moe_glue,sampling,fallback] [--pdl]
+         attention_glue,prologue,indexer,moe_glue,sampling,fallback,fp8_gemv] [--pdl] [--jobs N] [--no-report]
          (exit 1 on any failure)
+--jobs N compiles the groups in N child processes (round-robin; a cold triton cache makes the whole run ~3 min on
+one core). --no-report skips the ptxas -v run that reports registers and spills (a second ptxas pass per kernel).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def compile_calls(label: str, rec: Recorder) -> list[str]:
             if re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f16x2", ptx) or "cvt.rn.f16" in ptx and "e4m3x2.f32" not in ptx:
                 errors.append(f"FAIL {what}: fp32 -> e4m3 goes through fp16 (double rounding)")
             note += " fp8 cvt: " + ("direct f32" if "e4m3x2.f32" in ptx else "other")
-        print(f"ok   {what}: {ptxas_report(ptx)}{note}", flush=True)
+        print(f"ok   {what}: {ptxas_report(ptx) if REPORT else 'compiled'}{note}", flush=True)
     rec.calls.clear()
     return errors
 
@@ -281,6 +283,19 @@ def topk_cases():
     return (m, sort, rank), ["_topk_kernel", "_topk_sort_kernel", "_rank_topk_kernel"]
 
 
+def fp8_gemv_cases():
+    """The few-token FP8 GEMV: the joined wq_a|wkv projection (1536 x 4096) at one and two tokens, and a grouped
+    projection (wo_a's 8 groups of 1024 x 4096) at one token."""
+    from dsv4_kernels import triton_fp8_gemv as g
+
+    e4 = torch.float8_e4m3fn
+    for n, k, groups, m in ((1536, 4096, 1, 1), (1536, 4096, 1, 2), (8192, 4096, 8, 1)):
+        w, ws = torch.empty(n, k, dtype=e4), torch.empty(n // 128, k // 128)
+        xq, xs = torch.empty(groups, m, k, dtype=e4), torch.empty(groups, m, k // 128)
+        g.fp8_gemv(xq, xs, w, ws, torch.empty(groups, m, n // groups, dtype=torch.bfloat16))
+    return (g,), ["_fp8_gemv_kernel"]
+
+
 def router_cases():
     """The MoE router at V4-Flash widths (256 experts x 4096, top-6): the GEMV's partials and the routing kernel
     adding them (one decode token), the routing kernel on cuBLAS's logits (a 64-token step)."""
@@ -378,7 +393,7 @@ GROUPS = {"mhc": mhc_cases, "router": router_cases, "topk": topk_cases, "step_en
           "swa": swa_cases, "indexer_query": indexer_query_cases, "compressor": compressor_cases,
           "compress_step": compress_step_cases, "attention_glue": attention_glue_cases,
           "prologue": prologue_cases, "indexer": indexer_cases, "moe_glue": moe_glue_cases, "sampling": sampling_cases,
-          "fallback": fallback_cases}
+          "fallback": fallback_cases, "fp8_gemv": fp8_gemv_cases}
 MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "dsv4_kernels.triton_mhc_rows",
                    "dsv4_kernels.triton_mhc_chain", "dsv4_kernels.triton_norm_quant", "dsv4_kernels.triton_fp8_quant"),
            "router": ("dsv4_kernels.triton_moe", "dsv4_kernels.triton_router"),
@@ -394,14 +409,48 @@ MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "ds
            "indexer": ("dsv4_kernels.triton_indexer", "dsv4_kernels.triton_topk_split", "dsv4_kernels.triton_topk"),
            "moe_glue": ("dsv4_kernels.triton_moe_glue",),
            "sampling": ("dsv4_kernels.triton_greedy", "dsv4_kernels.triton_sampling"),
-           "fallback": ("dsv4_kernels.triton_attention", "dsv4_kernels.triton_moe", "dsv4_kernels.triton_pair_combine")}
+           "fallback": ("dsv4_kernels.triton_attention", "dsv4_kernels.triton_moe", "dsv4_kernels.triton_pair_combine"),
+           "fp8_gemv": ("dsv4_kernels.triton_fp8_gemv",)}
+
+
+REPORT = True  # ptxas -v after each compile (main's --no-report turns it off)
+
+
+def run_jobs(names: list[str], args) -> int:
+    """The groups round-robin over args.jobs child runs of this script, side by side; their output in order."""
+    shares = [names[i :: args.jobs] for i in range(args.jobs)]
+    flags = (["--pdl"] if args.pdl else []) + (["--no-report"] if args.no_report else [])
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--only", ",".join(share), *flags],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for share in shares if share
+    ]
+    failed = 0
+    for proc in procs:
+        out, _ = proc.communicate()
+        print(out, end="", flush=True)
+        failed += proc.returncode != 0
+    pdl = " with PDL (griddepcontrol.wait in each)" if args.pdl else ""
+    print(f"\n{failed} job(s) failed" if failed else f"\nall kernels compiled for sm_90{pdl}")
+    return 1 if failed else 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated subset of " + ",".join(GROUPS))
     ap.add_argument("--pdl", action="store_true", help="record the launches with PDL on (DSV4_PDL's CUDA path)")
+    ap.add_argument("--jobs", type=int, default=1, help="compile the groups in this many child processes")
+    ap.add_argument("--no-report", action="store_true", help="skip ptxas -v (registers / spills)")
     args = ap.parse_args()
+    names = [g for g in args.only.split(",") if g] or list(GROUPS)
+    unknown = [g for g in names if g not in GROUPS]
+    if unknown:
+        print(f"unknown group(s) {unknown}; known: {','.join(GROUPS)}", file=sys.stderr)
+        return 2
+    if args.jobs > 1 and len(names) > 1:
+        return run_jobs(names, args)
+    global REPORT
+    REPORT = not args.no_report
     from dsv4_kernels import gpu
 
     if not gpu.has_triton():
@@ -411,7 +460,7 @@ def main() -> int:
 
     triton_pdl.force(args.pdl)  # CPU tensors stand in for CUDA ones: the launches' PDL kwargs as on an sm_90 GPU
     errors = []
-    for name in [g for g in args.only.split(",") if g] or list(GROUPS):
+    for name in names:
         kernels, originals = {}, []
         for module_name in MODULES[name]:
             module = __import__(module_name, fromlist=["_"])
