@@ -6,8 +6,8 @@ kernels tile M by 64 and, for the small projections, start too few CTAs to keep 
 for 4 MB (wq_a, one wo_a group), 17-20 us for 32 MB (wq_b, wo_b) after an L2 flush (BENCHMARKS.md, "FP8 dense
 GEMMs"). An earlier split-K Triton GEMM (2026-12-04: K split until ~264 programs, a reducing last split) lost at
 every shape. Here every program owns BLOCK_N whole weight rows and loads them, all K of them, in one load (TILE
-bytes: 16 KB by default), so thousands of programs each have their whole tile in flight at once and nothing is
-reduced across programs: no split-K, no atomics, the same sums in the same order on every call.
+bytes, 4 KB: one 4096-wide row), so many small programs each issue their whole tile at once and nothing is reduced
+across programs: no split-K, no atomics, the same sums in the same order on every call.
 
 The math is the reference's: y[m, n] = sum_k (xq[m, k] * xs[m, k // 128]) * (w[n, k] * ws[n // 128, k // 128])
 in fp32, with the activations quantised per token in 1x128 blocks (dsv4_kernels.triton_fp8_quant, whose codes and
