@@ -45,10 +45,11 @@ def _gemm(
 ) -> None:
     from dsv4_kernels import triton_fp8_gemv as gemv  # imports triton: only on this path
 
+    # Recorded even when the GEMV serves this call: the warm-up compiles DeepGEMM for the step sizes it does not.
+    _SEEN.add((weight.shape[0], weight.shape[1], pow2, weight.device, 1))
     if gemv.takes_gemv(xq.shape[0], weight):
         gemv.fp8_gemv(xq, xs, weight, scale, out)
         return
-    _SEEN.add((weight.shape[0], weight.shape[1], pow2, weight.device, 1))
     dg.fp8_gemm_nt((xq, xs), (weight, scale), out)
 
 
@@ -213,6 +214,7 @@ def fp8_grouped_gemm(x: torch.Tensor, w: Fp8Weight, groups: int, rope=None) -> t
     from dsv4_kernels import triton_fp8_gemv as gemv
 
     if gemv.takes_gemv(t, w.weight):
+        _SEEN.add((r, k, w.pow2_act, w.weight.device, g))  # as _gemm: DeepGEMM's larger steps get warmed
         xq, xs = quant_act_1x128_grouped(x, w.pow2_act, rope=rope)
         return gemv.fp8_gemv(xq, xs, w.weight, w.scale, out)
     if t <= GROUPED_MAX_TOKENS and not _GROUPED_BROKEN:
