@@ -7,8 +7,9 @@ after an L2 flush (benchmarks.timing.bench_graph: device time, no launch overhea
 - `bf16`: x @ W^T on the dequantised bf16 weight (what the engine ran before);
 - `gemv` (M <= 8): the same quantiser + dsv4_kernels.triton_fp8_gemv.fp8_gemv (the few-token path,
   $DSV4_FP8_GEMV_MAX_TOKENS), with its error against the reference.
---gemv-sweep: the GEMV's tile bytes x warps at each shape and M, each output checked against the default's (within 1e-2: another order of the same sums); prints
-the best per shape and the best single configuration (the module's TILE / NUM_WARPS).
+--gemv-sweep: the GEMV's tile bytes x warps at each shape and M, each output checked against the default's (within
+1e-2: another order of the same sums); prints the best per shape and the best single configuration (what the module's
+TILE / NUM_WARPS should be).
 Reported: both times, the speed-up, TFLOP/s of the FP8 path, and its relative error ||fp8 - ref|| / ||ref||
 against dsv4_kernels.fp8_linear.fp8_linear_ref (fp32, same quantised activations) and against the exact bf16 product.
 Every shape is warmed (DeepGEMM JIT-compiles per shape) before timing.
@@ -96,7 +97,10 @@ def gemv(x: torch.Tensor, fw, tile: int | None = None, warps: int | None = None)
 def gemv_sweep(tokens: list[int], gen: torch.Generator) -> str:
     """Tile bytes x warps of the GEMV at each shape and M <= GEMV_MAX_M -> a markdown table with the best per shape
     and the configuration whose summed time over the shapes is least."""
+    from dsv4_kernels import triton_fp8_gemv as G
+
     tiles, warps = (2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8)
+    default = (G.TILE, G.NUM_WARPS)
     rows, totals = [], {}
     for m in [t for t in tokens if t <= GEMV_MAX_M]:
         for name, (n, k) in SHAPES.items():
@@ -113,11 +117,11 @@ def gemv_sweep(tokens: list[int], gen: torch.Generator) -> str:
                     times[(tile, nw)] = bench_graph(lambda tile=tile, nw=nw: gemv(x, fw, tile, nw))
                     totals[(tile, nw)] = totals.get((tile, nw), 0.0) + times[(tile, nw)]
             best = min(times, key=times.__getitem__)
-            rows.append(f"| {name} | {m} | {best[0]} | {best[1]} | {times[best]:.1f} | {times[(16384, 4)]:.1f} |")
+            rows.append(f"| {name} | {m} | {best[0]} | {best[1]} | {times[best]:.1f} | {times.get(default, 0.0):.1f} |")
             print(rows[-1], flush=True)
     top = min(totals, key=totals.__getitem__)
     return "\n".join(
-        ["| projection | M | best tile bytes | warps | us | default (16384, 4) us |", "|---|---:|---:|---:|---:|---:|"]
+        [f"| projection | M | best tile bytes | warps | us | default {default} us |", "|---|---:|---:|---:|---:|---:|"]
         + rows
         + [
             "",
