@@ -230,7 +230,7 @@ sweep_rank(torch.device("cuda"))' 2>&1 | tee "$OUT/topk_rank_sweep.log" | grep -
             echo "== chain max tokens $1, fp32 residual $2"; grep -E "^Prefill .*runs|^\| 1 x" "$OUT/prefill_glue_$1_$2.md" | cut -c1-250
           done ;;
     # fp8gemv: the few-token FP8 GEMV (dsv4_kernels.triton_fp8_gemv): its GPU tests with the switch on, the tile x
-    # warps sweep at 1 / 2 tokens, then the kernel table against DeepGEMM at 1 / 2 / 4 tokens
+    # warps sweep at 1 token, then the kernel table against DeepGEMM at 1 / 2 / 4 tokens
     fp8gemv) DSV4_FP8_GEMV_MAX_TOKENS=4 timeout ${GEMV_TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs \
                tests/kernels/test_triton_fp8_gemv.py tests/kernels/test_fp8_linear.py > "$OUT/fp8gemv_tests.log" 2>&1 || status=1
              grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/fp8gemv_tests.log" | cut -c1-300
