@@ -89,8 +89,9 @@ def ptxas_report(ptx: str) -> str:
     return f"regs {regs.group(1) if regs else '?'} spill-stores {spill.group(1) if spill else '?'} B"
 
 
-def compile_calls(label: str, rec: Recorder) -> list[str]:
-    """Compile every recorded launch of one kernel; -> error lines (empty = all compiled)."""
+def compile_calls(label: str, rec: Recorder, report: bool = True) -> list[str]:
+    """Compile every recorded launch of one kernel (report: ptxas -v's registers / spills too); -> error lines
+    (empty = all compiled)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler import compile as tcompile
@@ -115,7 +116,7 @@ def compile_calls(label: str, rec: Recorder) -> list[str]:
             if re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f16x2", ptx) or "cvt.rn.f16" in ptx and "e4m3x2.f32" not in ptx:
                 errors.append(f"FAIL {what}: fp32 -> e4m3 goes through fp16 (double rounding)")
             note += " fp8 cvt: " + ("direct f32" if "e4m3x2.f32" in ptx else "other")
-        print(f"ok   {what}: {ptxas_report(ptx) if REPORT else 'compiled'}{note}", flush=True)
+        print(f"ok   {what}: {ptxas_report(ptx) if report else 'compiled'}{note}", flush=True)
     rec.calls.clear()
     return errors
 
@@ -413,9 +414,6 @@ MODULES = {"mhc": ("dsv4_kernels.triton_mhc", "dsv4_kernels.triton_mhc_mix", "ds
            "fp8_gemv": ("dsv4_kernels.triton_fp8_gemv",)}
 
 
-REPORT = True  # ptxas -v after each compile (main's --no-report turns it off)
-
-
 def run_jobs(names: list[str], args) -> int:
     """The groups round-robin over args.jobs child runs of this script, side by side; their output in order."""
     shares = [names[i :: args.jobs] for i in range(args.jobs)]
@@ -449,8 +447,6 @@ def main() -> int:
         return 2
     if args.jobs > 1 and len(names) > 1:
         return run_jobs(names, args)
-    global REPORT
-    REPORT = not args.no_report
     from dsv4_kernels import gpu
 
     if not gpu.has_triton():
@@ -476,7 +472,7 @@ def main() -> int:
             for module, k, fn in originals:
                 setattr(module, k, fn)
         for k, rec in kernels.items():
-            errors += compile_calls(f"{name}.{k}", rec)
+            errors += compile_calls(f"{name}.{k}", rec, report=not args.no_report)
     pdl = " with PDL (griddepcontrol.wait in each)" if args.pdl else ""
     print(f"\n{len(errors)} failure(s)" if errors else f"\nall kernels compiled for sm_90{pdl}")
     return 1 if errors else 0
